@@ -1,0 +1,77 @@
+# shardtrain — build, test, demo, benchmark.
+#   make deps    install the Debian packages (scripts/install-deps.sh; root or sudo)
+#   make build   build/shardtrain and the test binaries
+#   make test    every test (unit, multi-rank under mpirun, end-to-end); prints "N passed, M failed"
+#   make demo    2-rank training run on the bundled default corpus (Debian's fortunes)
+#   make bench   benchmarks (tinyshakespeare if ../shared/data has it); results for docs/benchmarks.md
+#   make clean
+SHELL := /bin/bash
+CXX := mpicxx
+BUILD := build
+# -march=native: the binary is built on (and for) the machine that runs it, as is usual on HPC
+# nodes; override with `make MARCH=x86-64-v3` to build for a different target.
+MARCH ?= native
+CXXFLAGS ?= -O3 -g
+WARN := -Wall -Wextra -Wpedantic -Wshadow -Werror
+CPPFLAGS := -DOMPI_SKIP_MPICXX=1 -Iinclude -I/usr/include/x86_64-linux-gnu/openblas-pthread
+ALL_CXXFLAGS := -std=c++20 -march=$(MARCH) $(CXXFLAGS) $(WARN) -MMD -MP
+LDLIBS := -lboost_program_options -lopenblas -lpthread
+GTEST_LIBS := -lgtest -lpthread
+MPIRUN ?= mpirun --oversubscribe
+export OMPI_ALLOW_RUN_AS_ROOT := 1
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
+export OMPI_MCA_rmaps_base_oversubscribe := 1
+
+LIB_SRCS := $(filter-out src/main.cpp,$(shell find src -name '*.cpp'))
+LIB_OBJS := $(LIB_SRCS:%.cpp=$(BUILD)/%.o)
+UNIT_SRCS := $(wildcard tests/unit/*.cpp) tests/test_main.cpp
+UNIT_OBJS := $(UNIT_SRCS:%.cpp=$(BUILD)/%.o)
+MPI_SRCS := $(wildcard tests/mpi/*.cpp) tests/test_main.cpp
+MPI_OBJS := $(MPI_SRCS:%.cpp=$(BUILD)/%.o)
+
+.PHONY: all deps build test demo bench clean data
+all: build
+
+deps:
+	bash scripts/install-deps.sh
+
+build: $(BUILD)/shardtrain $(BUILD)/unit_tests $(BUILD)/mpi_tests
+
+$(BUILD)/%.o: %.cpp
+	@mkdir -p $(dir $@)
+	$(CXX) $(CPPFLAGS) $(ALL_CXXFLAGS) -c $< -o $@
+
+$(BUILD)/libshardtrain.a: $(LIB_OBJS)
+	ar rcs $@ $^
+
+$(BUILD)/shardtrain: $(BUILD)/src/main.o $(BUILD)/libshardtrain.a
+	$(CXX) $^ -o $@ $(LDLIBS)
+
+$(BUILD)/unit_tests: $(UNIT_OBJS) $(BUILD)/libshardtrain.a
+	$(CXX) $^ -o $@ $(GTEST_LIBS) $(LDLIBS)
+
+$(BUILD)/mpi_tests: $(MPI_OBJS) $(BUILD)/libshardtrain.a
+	$(CXX) $^ -o $@ $(GTEST_LIBS) $(LDLIBS)
+
+# Default corpus: English text files of Debian's `fortunes` package (installed by make deps).
+FORTUNES_DIR := /usr/share/games/fortunes
+FORTUNES := fortunes literature riddles science wisdom people politics work education computers
+data: $(BUILD)/data/fortunes.tok
+$(BUILD)/data/fortunes.tok: $(BUILD)/shardtrain
+	@mkdir -p $(dir $@)
+	@for f in $(FORTUNES); do test -s $(FORTUNES_DIR)/$$f || { echo "missing $(FORTUNES_DIR)/$$f: run 'make deps'"; exit 1; }; done
+	$(BUILD)/shardtrain --mode prepare $(addprefix --input $(FORTUNES_DIR)/,$(FORTUNES)) --out $@
+
+test: deps build
+	bash tests/run_all.sh
+
+demo: deps build data
+	time $(MPIRUN) -np 2 $(BUILD)/shardtrain --config jobs/demo.ini
+
+bench: deps build
+	bash tests/bench/run.sh
+
+clean:
+	rm -rf $(BUILD)
+
+-include $(shell find $(BUILD) -name '*.d' 2>/dev/null)

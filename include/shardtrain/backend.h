@@ -1,0 +1,124 @@
+// shardtrain backend layer: the primitives the model, optimizer and sharding code are written in.
+// A BLAS-shaped GEMM (explicit transposes and leading dimensions) plus elementwise and reduction
+// kernels. CpuBackend = OpenBLAS + loops; the CUDA backend (issue 5) maps 1:1 to cuBLAS + kernels.
+//
+// Conventions for every call:
+//  - Matrices are row-major. A "[N, C]" buffer holds N rows of C contiguous elements.
+//  - B = batch (sequences), T = time (sequence length), C = channels (hidden size), V = vocabulary,
+//    NH = query heads, NKV = key/value heads, HD = head dimension. "BT" = B*T rows.
+//  - Pointers are device pointers of the backend (host memory for CpuBackend).
+//  - Gradients of parameters are accumulated (+=); gradients of activations are written (=),
+//    except where a comment says "+=" (the residual stream), as in llm.c.
+//  - Nothing throws except allocation (std::bad_alloc); shape errors are the caller's bug.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+namespace shardtrain {
+
+template <typename T> class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual const char* name() const = 0;
+
+  // ---- memory -------------------------------------------------------------------------------
+  virtual T* alloc(size_t n) = 0;  // n elements, zero-initialized; throws std::bad_alloc
+  virtual void free(T* p) = 0;
+  virtual void zero(T* p, size_t n) = 0;
+  virtual void copy(T* dst, const T* src, size_t n) = 0;  // device to device
+  virtual void to_host(T* host, const T* src, size_t n) = 0;
+  virtual void from_host(T* dst, const T* host, size_t n) = 0;
+
+  // ---- GEMM ---------------------------------------------------------------------------------
+  // C[M,N] = alpha * op(A) op(B) + beta * C, row-major, op(X) = X or X^T. op(A) is [M,K], op(B) is
+  // [K,N]. lda/ldb/ldc are row strides in elements of A, B, C as stored (BLAS semantics, row-major).
+  virtual void gemm(bool trans_a, bool trans_b, int M, int N, int K, T alpha, const T* A, int lda, const T* B,
+                    int ldb, T beta, T* C, int ldc) = 0;
+  // `batch` independent GEMMs; matrix i uses A + i*stride_a, B + i*stride_b, C + i*stride_c
+  // (strides in elements; 0 reuses one matrix, as for GQA's shared key/value heads).
+  // Same semantics as cublasSgemmStridedBatched.
+  virtual void gemm_strided_batched(bool trans_a, bool trans_b, int M, int N, int K, T alpha, const T* A, int lda,
+                                    int64_t stride_a, const T* B, int ldb, int64_t stride_b, T beta, T* C, int ldc,
+                                    int64_t stride_c, int batch) = 0;
+
+  // ---- elementwise / reductions -------------------------------------------------------------
+  // y += alpha * x, n elements.
+  virtual void axpy(size_t n, T alpha, const T* x, T* y) = 0;
+  // x *= alpha, n elements.
+  virtual void scale(size_t n, T alpha, T* x) = 0;
+  // Sum of squares of x (n elements), accumulated in double.
+  virtual double sum_squares(const T* x, size_t n) = 0;
+
+  // Embedding lookup: out[i, :] = table[tokens[i], :], out [N, C], table [V, C].
+  virtual void embedding_forward(T* out, const int32_t* tokens, const T* table, int N, int C) = 0;
+  // dtable[tokens[i], :] += dout[i, :].
+  virtual void embedding_backward(T* dtable, const int32_t* tokens, const T* dout, int N, int C) = 0;
+
+  // RMSNorm (Zhang & Sennrich 2019): out[i,:] = x[i,:] * rstd[i] * w, rstd[i] = 1/sqrt(mean(x^2)+eps).
+  // x, out [N, C]; w [C]; rstd [N] (saved for backward).
+  virtual void rmsnorm_forward(T* out, T* rstd, const T* x, const T* w, int N, int C, T eps) = 0;
+  // dx += ..., dw += ...; dout [N, C].
+  virtual void rmsnorm_backward(T* dx, T* dw, const T* dout, const T* x, const T* w, const T* rstd, int N,
+                                int C) = 0;
+
+  // RoPE in place on x [B*T, H, HD] (row stride H*HD), position of row b*T+t is t.
+  // cos/sin tables are [T, HD/2] (see rope_tables). Rotate-half pairing: j with j + HD/2.
+  virtual void rope_forward(T* x, const T* cos, const T* sin, int B, int T_, int H, int HD) = 0;
+  // In place: turns d(rotated x) into d(x).
+  virtual void rope_backward(T* dx, const T* cos, const T* sin, int B, int T_, int H, int HD) = 0;
+
+  // Causal softmax in place over `rows` = R*T_ rows of length T_ (R score matrices [T_, T_]):
+  // att[t, s] = softmax_s(scale * att[t, s]) over s <= t; att[t, s] = 0 for s > t.
+  virtual void softmax_causal_forward(T* att, int R, int T_, T scale) = 0;
+  // datt (in: d softmax output; out: d pre-scale scores * scale), att = softmax output.
+  virtual void softmax_causal_backward(T* datt, const T* att, int R, int T_, T scale) = 0;
+
+  // SwiGLU: h = silu(gate) * up, all [n].
+  virtual void swiglu_forward(T* h, const T* gate, const T* up, size_t n) = 0;
+  // dgate = ..., dup = ... (written, not accumulated).
+  virtual void swiglu_backward(T* dgate, T* dup, const T* dh, const T* gate, const T* up, size_t n) = 0;
+
+  // Fused softmax cross-entropy. logits [N, V]; targets [N] in [0, V).
+  // Returns sum over rows of -log softmax(logits)[target] (double). If dlogits != nullptr writes
+  // dlogits = (softmax(logits) - onehot(target)) * grad_scale (may alias logits).
+  virtual double cross_entropy(T* dlogits, const T* logits, const int32_t* targets, int N, int V,
+                               T grad_scale) = 0;
+
+  // AdamW on n elements (see math::adamw). grad is multiplied by grad_scale first (clipping).
+  // step is 1-based.
+  virtual void adamw(T* p, T* m, T* v, const T* g, size_t n, T lr, T b1, T b2, T eps, T wd, T grad_scale,
+                     int64_t step) = 0;
+};
+
+// OpenBLAS + loops. Not thread-safe per instance; one per rank.
+template <typename T> std::unique_ptr<Backend<T>> make_cpu_backend();
+
+// Sets OpenBLAS's thread count (per process). 0 = leave as is.
+void set_blas_threads(int n);
+
+// RAII buffer of n elements on a backend.
+template <typename T> class Buffer {
+ public:
+  Buffer() = default;
+  Buffer(Backend<T>& be, size_t n) : be_(&be), n_(n), p_(n ? be.alloc(n) : nullptr) {}
+  ~Buffer() { reset(); }
+  Buffer(Buffer&& o) noexcept : be_(o.be_), n_(o.n_), p_(o.p_) { o.p_ = nullptr; o.n_ = 0; }
+  Buffer& operator=(Buffer&& o) noexcept {
+    if (this != &o) { reset(); be_ = o.be_; n_ = o.n_; p_ = o.p_; o.p_ = nullptr; o.n_ = 0; }
+    return *this;
+  }
+  Buffer(const Buffer&) = delete;
+  T* data() { return p_; }
+  const T* data() const { return p_; }
+  size_t size() const { return n_; }
+  void reset() { if (p_) be_->free(p_); p_ = nullptr; n_ = 0; }
+
+ private:
+  Backend<T>* be_ = nullptr;
+  size_t n_ = 0;
+  T* p_ = nullptr;
+};
+
+}  // namespace shardtrain

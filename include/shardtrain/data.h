@@ -1,0 +1,73 @@
+// shardtrain data layer: the byte-level tokenizer, the token file format, and the per-rank loader.
+//
+// Token file layout (little-endian; documented in docs/data-format.md):
+//   offset  size  field
+//   0       8     magic "STTOKv1\0"
+//   8       4     u32 format version (1)
+//   12      4     u32 vocab_size (258 for the byte tokenizer)
+//   16      4     u32 bos_id (256)
+//   20      4     u32 eos_id (257)
+//   24      4     u32 bytes per token (2: tokens are u16)
+//   28      4     u32 reserved (0)
+//   32      8     u64 n_train tokens
+//   40      8     u64 n_val tokens
+//   48      16    tokenizer name, NUL-padded ("byte-level")
+//   64      2*n_train  train tokens, then 2*n_val validation tokens
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace shardtrain {
+
+// Byte-level tokenizer: ids 0-255 are the bytes of UTF-8 text, BOS = 256, EOS = 257.
+struct ByteTokenizer {
+  static constexpr int kBos = 256;
+  static constexpr int kEos = 257;
+  static constexpr int kVocab = 258;
+  static std::vector<int32_t> encode(const std::string& text);  // bytes only, no BOS/EOS
+  static std::string decode(const std::vector<int32_t>& ids);   // BOS/EOS and ids > 255 dropped
+};
+
+struct TokenFileHeader {
+  uint32_t version = 1, vocab_size = ByteTokenizer::kVocab, bos_id = ByteTokenizer::kBos,
+           eos_id = ByteTokenizer::kEos, token_bytes = 2;
+  uint64_t n_train = 0, n_val = 0;
+  std::string tokenizer = "byte-level";
+};
+
+// Reads each input file as one document, encodes it as BOS + bytes + EOS, concatenates the
+// documents and writes a token file whose last `val_fraction` of tokens (rounded down) is the
+// validation split. Throws std::runtime_error naming the file if an input is missing or empty,
+// if val_fraction is outside (0, 1), or if the output cannot be written. Returns the header.
+TokenFileHeader prepare_token_file(const std::vector<std::string>& inputs, const std::string& out_path,
+                                   double val_fraction);
+
+// A token file held in memory.
+class TokenDataset {
+ public:
+  // Reads and checks `path`. Throws std::runtime_error naming the file for: missing file, bad
+  // magic, unknown version, size not matching the header, tokens >= vocab_size.
+  explicit TokenDataset(const std::string& path);
+  const TokenFileHeader& header() const { return h_; }
+  const std::vector<uint16_t>& train() const { return train_; }
+  const std::vector<uint16_t>& val() const { return val_; }
+
+ private:
+  TokenFileHeader h_;
+  std::vector<uint16_t> train_, val_;
+};
+
+// Which batch of which split. Sequence `i` of global batch `index` starts at a pseudo-random
+// offset that depends only on (seed, stream, index, i): the global batch is the same at any world
+// size, and rank r of W takes sequences [r*G/W, (r+1)*G/W).
+enum class Split { Train, Val };
+
+// Fills tokens and targets ([count, T] row-major, targets shifted by one) with sequences
+// [first, first+count) of global batch `index` of `split`. Throws std::runtime_error if the split
+// holds fewer than T+1 tokens.
+void fill_batch(const TokenDataset& ds, Split split, uint64_t seed, int64_t index, int first, int count, int T,
+                int32_t* tokens, int32_t* targets);
+
+}  // namespace shardtrain

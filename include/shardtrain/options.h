@@ -1,0 +1,35 @@
+// shardtrain command-line and INI job-file options (Boost.ProgramOptions).
+//
+// Precedence: command line > job file (--config) > built-in default. Job files are INI: one
+// `key = value` per line with the long option names (no leading dashes), `#` comments.
+// Rank 0 alone reads the job file and broadcasts its text; every rank parses the same text, so
+// every rank holds the same options or all fail together.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "shardtrain/train.h"
+
+namespace shardtrain {
+
+struct Options {
+  bool help = false;
+  std::string help_text;
+  std::string mode = "train";     // train | prepare
+  std::string config_file;        // INI job file
+  std::string model = "demo";     // preset name or path to a Hugging Face config.json
+  std::string data;               // token file (train)
+  std::vector<std::string> inputs;  // text files (prepare)
+  std::string out;                // token file to write (prepare)
+  double val_fraction = 0.1;
+  int threads = 0;                // OpenBLAS threads per rank, 0 = cores on node / ranks on node
+  TrainConfig train;
+};
+
+// Collective. Parses argv (and the --config job file, read by rank 0). Throws CollectiveError on
+// every rank for an unknown option, a value of the wrong type, an out-of-range value (the message
+// names the option), an unreadable job file, or invalid INI syntax (the message names the file).
+Options parse_options(Comm& comm, int argc, char** argv);
+
+}  // namespace shardtrain

@@ -1,0 +1,151 @@
+// shardtrain runtime layer: MPI bootstrap, the collective interface (Comm), and collective
+// error agreement. Everything above this layer talks to other ranks only through Comm.
+//
+// What this is not: a general MPI wrapper. It exposes exactly the four collectives FSDP needs
+// (all-gather, reduce-scatter, all-reduce, broadcast) plus barrier, on equal-sized per-rank
+// blocks, which is what a padded shard plan guarantees.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace shardtrain {
+
+// Error raised after all ranks agreed that something failed. Every rank throws the same message,
+// so every rank exits non-zero with it; `origin_rank` is the lowest rank that reported the failure.
+class CollectiveError : public std::runtime_error {
+ public:
+  CollectiveError(int origin, const std::string& msg) : std::runtime_error(msg), origin_rank(origin) {}
+  int origin_rank;
+};
+
+// Reduction operator for all_reduce.
+enum class ReduceOp { Sum, Max, Min };
+
+// The collective interface. All calls are collective over the communicator: every rank must call
+// them in the same order with the same `count`. Buffers are host memory for the MPI implementation
+// (device memory for the NCCL one, issue 5). `count` is in elements, not bytes.
+//
+// Supported element types: float, double (all calls), int64_t and uint64_t (all_reduce, broadcast),
+// char (broadcast).
+class Comm {
+ public:
+  virtual ~Comm() = default;
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+
+  // all_gather: rank i's `count` elements of `send` land at recv + i*count on every rank.
+  // recv holds world_size*count elements. count == 0 is allowed (nothing moves, still collective).
+  // In place is allowed when send == recv + rank*count.
+  template <typename T> void all_gather(const T* send, T* recv, size_t count);
+
+  // reduce_scatter (sum): `send` holds world_size*count elements on every rank; block i (elements
+  // [i*count, (i+1)*count)) summed over all ranks lands in rank i's `recv` (count elements).
+  template <typename T> void reduce_scatter_sum(const T* send, T* recv, size_t count);
+
+  // all_reduce in place: every rank ends with op over all ranks' `buf`, element-wise.
+  template <typename T> void all_reduce(T* buf, size_t count, ReduceOp op);
+
+  // broadcast: root's `count` elements of `buf` are copied to `buf` on every rank.
+  template <typename T> void broadcast(T* buf, size_t count, int root);
+
+  virtual void barrier() = 0;
+
+  // Convenience: broadcast a string of any length from root (length first, then bytes).
+  std::string broadcast_string(const std::string& s, int root);
+
+ protected:
+  enum class DType { F32, F64, I64, U64, I8 };
+  template <typename T> static DType dtype_of();
+  virtual void all_gather_impl(const void* send, void* recv, size_t count, DType t) = 0;
+  virtual void reduce_scatter_sum_impl(const void* send, void* recv, size_t count, DType t) = 0;
+  virtual void all_reduce_impl(void* buf, size_t count, DType t, ReduceOp op) = 0;
+  virtual void broadcast_impl(void* buf, size_t count, DType t, int root) = 0;
+};
+
+// Comm over an MPI communicator with host buffers. The communicator is duplicated, so shardtrain's
+// traffic never mixes with the caller's.
+class MpiComm final : public Comm {
+ public:
+  // `mpi_comm` is an MPI_Comm passed as its integer/pointer handle value (keeps mpi.h out of
+  // this header). Use MpiComm::world() for MPI_COMM_WORLD.
+  static MpiComm world();
+  ~MpiComm() override;
+  MpiComm(MpiComm&&) noexcept;
+  MpiComm(const MpiComm&) = delete;
+  int rank() const override { return rank_; }
+  int world_size() const override { return size_; }
+  void barrier() override;
+
+ private:
+  MpiComm() = default;
+  void all_gather_impl(const void*, void*, size_t, DType) override;
+  void reduce_scatter_sum_impl(const void*, void*, size_t, DType) override;
+  void all_reduce_impl(void*, size_t, DType, ReduceOp) override;
+  void broadcast_impl(void*, size_t, DType, int) override;
+  void* comm_ = nullptr;  // MPI_Comm, stored opaquely
+  bool owned_ = false;
+  int rank_ = 0, size_ = 1;
+};
+
+// Process placement, read once at start-up.
+struct Topology {
+  int rank = 0;        // global rank
+  int world_size = 1;  // number of ranks
+  int local_rank = 0;  // rank among the ranks on this node (MPI_COMM_TYPE_SHARED split)
+  int local_size = 1;  // ranks on this node
+  std::string host;    // processor name
+};
+
+// RAII MPI start-up and shut-down. Construct once in main(); calls MPI_Init_thread and, on
+// destruction, MPI_Finalize. Computes the Topology (local rank through a shared-memory split).
+class Runtime {
+ public:
+  Runtime(int* argc, char*** argv);
+  ~Runtime();
+  Runtime(const Runtime&) = delete;
+  const Topology& topo() const { return topo_; }
+  Comm& comm() { return *comm_; }
+  // Terminates every rank of the job (MPI_Abort). Only for unrecoverable, non-agreed failures.
+  [[noreturn]] static void abort(int code);
+
+ private:
+  Topology topo_;
+  MpiComm* comm_ = nullptr;
+};
+
+// Error agreement, to be called before any collective whose arguments depend on local success.
+// Every rank passes whether its local step succeeded and, if not, why. If every rank succeeded this
+// returns. Otherwise every rank throws CollectiveError carrying the message of the lowest failing
+// rank, prefixed with "rank R: " when R != 0 or when more than one rank failed. Cost: one
+// all-reduce of one int64 on success; plus a broadcast of the message on failure.
+void all_ok(Comm& comm, bool ok, const std::string& message);
+
+// Runs `fn` and agrees on its outcome: any std::exception it throws on any rank becomes a
+// CollectiveError on every rank (see all_ok). Returns normally on every rank iff fn succeeded on
+// every rank. `fn` must not itself call collectives.
+template <typename Fn> void agree(Comm& comm, Fn&& fn) {
+  std::string msg;
+  bool ok = true;
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    ok = false;
+    msg = e.what();
+  }
+  all_ok(comm, ok, msg);
+}
+
+// 64-bit FNV-1a hash of a byte string (http://www.isthe.com/chongo/tech/comp/fnv/). Used to check
+// that all ranks hold identical canonical configs.
+uint64_t fnv1a64(const std::string& s);
+
+// Logging: rank 0 prints informational lines; every rank prints errors.
+void log_info(const Comm& comm, const std::string& line);  // stdout, rank 0 only
+void log_error(int rank, int world, const std::string& line);  // stderr, any rank
+
+}  // namespace shardtrain
+
+#include "shardtrain/runtime_inl.h"

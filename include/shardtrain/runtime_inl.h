@@ -1,0 +1,23 @@
+// Template glue of Comm (included by runtime.h): maps element types to the type-erased calls.
+#pragma once
+#include <cstdint>
+#include <type_traits>
+
+namespace shardtrain {
+
+template <typename T> Comm::DType Comm::dtype_of() {
+  if constexpr (std::is_same_v<T, float>) return DType::F32;
+  else if constexpr (std::is_same_v<T, double>) return DType::F64;
+  else if constexpr (std::is_same_v<T, int64_t>) return DType::I64;
+  else if constexpr (std::is_same_v<T, uint64_t>) return DType::U64;
+  else if constexpr (std::is_same_v<T, char>) return DType::I8;
+  else static_assert(sizeof(T) == 0, "Comm: unsupported element type");
+}
+template <typename T> void Comm::all_gather(const T* s, T* r, size_t n) { all_gather_impl(s, r, n, dtype_of<T>()); }
+template <typename T> void Comm::reduce_scatter_sum(const T* s, T* r, size_t n) {
+  reduce_scatter_sum_impl(s, r, n, dtype_of<T>());
+}
+template <typename T> void Comm::all_reduce(T* b, size_t n, ReduceOp op) { all_reduce_impl(b, n, dtype_of<T>(), op); }
+template <typename T> void Comm::broadcast(T* b, size_t n, int root) { broadcast_impl(b, n, dtype_of<T>(), root); }
+
+}  // namespace shardtrain

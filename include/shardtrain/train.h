@@ -1,0 +1,85 @@
+// shardtrain training layer: AdamW on shards, the LR schedule, global gradient-norm clipping, and
+// the training loop (get batch, forward, backward + reduce-scatter, clip, step, log, evaluate).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "shardtrain/backend.h"
+#include "shardtrain/config.h"
+#include "shardtrain/data.h"
+#include "shardtrain/model.h"
+#include "shardtrain/shard.h"
+
+namespace shardtrain {
+
+struct TrainConfig {
+  int seq_len = 64;            // T, tokens per sequence
+  int global_batch = 12;       // sequences per optimizer step, over all ranks
+  int micro_batch = 0;         // sequences per rank per forward/backward; 0 = global_batch / world
+  int64_t steps = 100;         // optimizer steps
+  double lr = 1e-3;            // peak learning rate
+  double min_lr = 1e-4;        // learning rate at the end of cosine decay
+  int64_t warmup = 10;         // linear warm-up steps
+  double beta1 = 0.9, beta2 = 0.99, eps = 1e-8;
+  double weight_decay = 0.1;   // decoupled; not applied to norm weights
+  double clip = 1.0;           // max global gradient L2 norm; <= 0 disables
+  uint64_t seed = 1337;        // init and data order
+  int64_t log_every = 10;      // steps between log lines
+  int64_t eval_every = 100;    // steps between evaluations; 0 = only at the end
+  int eval_batches = 4;        // global batches of the validation split per evaluation
+  std::string metrics_path;    // JSON lines, rank 0; empty = none
+};
+
+// Learning rate at 0-based step s: linear warm-up lr*(s+1)/warmup for s < warmup, then cosine
+// decay from lr to min_lr over the remaining steps (nanoGPT's get_lr).
+double lr_at(const TrainConfig& tc, int64_t s);
+
+// AdamW over this rank's shards (first and second moments exist only for the owned shard).
+// Weight decay is applied per parameter slice according to ParamSpec::weight_decay; padding
+// elements are never touched.
+template <typename T> class AdamW {
+ public:
+  AdamW(Fsdp<T>& f, const TrainConfig& tc);
+  // One update at 1-based step `t` with learning rate `lr`; gradients are multiplied by
+  // grad_scale (the clipping factor) first.
+  void step(int64_t t, double lr, double grad_scale);
+  std::vector<Buffer<T>>& m() { return m_; }
+  std::vector<Buffer<T>>& v() { return v_; }
+
+ private:
+  struct Segment { int unit; int64_t begin, count; bool decay; };  // shard-local element ranges
+  Fsdp<T>& f_;
+  TrainConfig tc_;
+  std::vector<Buffer<T>> m_, v_;
+  std::vector<Segment> segs_;
+};
+
+struct StepLog {
+  int64_t step = 0;  // 1-based
+  double loss = 0, lr = 0, grad_norm = 0, tokens_per_s = 0, elapsed_s = 0;
+};
+struct EvalLog {
+  int64_t step = 0;
+  double val_loss = 0;
+};
+struct TrainResult {
+  std::vector<StepLog> steps;  // every step (all ranks hold the same values)
+  std::vector<EvalLog> evals;
+  double train_seconds = 0;    // wall time of the training steps (evaluation excluded)
+  double tokens_per_s = 0;     // global tokens / train_seconds
+};
+
+// Collective. Trains `model_cfg` on `data` with `tc` from a fresh init. Throws CollectiveError
+// (same message on every rank) if the batch geometry does not fit the world size or the data.
+TrainResult train(Comm& comm, Backend<float>& be, const ModelConfig& model_cfg, const TrainConfig& tc,
+                  const TokenDataset& data);
+
+// Collective. Mean validation loss (nats/token) of `model` over `batches` global batches.
+template <typename T>
+double evaluate(Comm& comm, LlamaModel<T>& model, Fsdp<T>& f, const TokenDataset& data, const TrainConfig& tc,
+                int batches);
+
+}  // namespace shardtrain

@@ -1,0 +1,137 @@
+// Option parsing with Boost.ProgramOptions; range checks that name the offending option.
+#include "shardtrain/options.h"
+
+#include <boost/program_options.hpp>
+#include <fstream>
+#include <sstream>
+
+namespace shardtrain {
+namespace po = boost::program_options;
+
+namespace {
+po::options_description describe(Options& o) {
+  TrainConfig& t = o.train;
+  po::options_description gen("General");
+  gen.add_options()
+      ("help,h", "print this help and exit")
+      ("config", po::value<std::string>(&o.config_file), "INI job file (key = value, long option names); the command line overrides it")
+      ("mode", po::value<std::string>(&o.mode)->default_value(o.mode), "job to run: train | prepare")
+      ("threads", po::value<int>(&o.threads)->default_value(o.threads), "OpenBLAS threads per rank; 0 = cores on the node / ranks on the node");
+  po::options_description data("Data (--mode prepare)");
+  data.add_options()
+      ("input", po::value<std::vector<std::string>>(&o.inputs)->multitoken(), "text file(s) to tokenize, one document each (repeatable)")
+      ("out", po::value<std::string>(&o.out), "token file to write")
+      ("val-fraction", po::value<double>(&o.val_fraction)->default_value(o.val_fraction), "fraction of tokens (the last ones) held out for validation, in (0, 1)");
+  po::options_description model("Model");
+  model.add_options()
+      ("model", po::value<std::string>(&o.model)->default_value(o.model), "preset name (tiny, test-uneven, demo, llama-125m, llama-350m) or path to a Hugging Face config.json of a LlamaForCausalLM");
+  po::options_description tr("Training (--mode train)");
+  tr.add_options()
+      ("data", po::value<std::string>(&o.data), "token file made by --mode prepare")
+      ("seq-len", po::value<int>(&t.seq_len)->default_value(t.seq_len), "sequence length T, tokens")
+      ("global-batch", po::value<int>(&t.global_batch)->default_value(t.global_batch), "sequences per optimizer step over all ranks; divisible by world size x micro-batch")
+      ("micro-batch", po::value<int>(&t.micro_batch)->default_value(t.micro_batch), "sequences per rank per forward/backward; 0 = global-batch / world size (no accumulation)")
+      ("steps", po::value<int64_t>(&t.steps)->default_value(t.steps), "optimizer steps")
+      ("lr", po::value<double>(&t.lr)->default_value(t.lr), "peak learning rate")
+      ("min-lr", po::value<double>(&t.min_lr)->default_value(t.min_lr), "learning rate at the end of the cosine decay")
+      ("warmup", po::value<int64_t>(&t.warmup)->default_value(t.warmup), "linear warm-up, steps")
+      ("beta1", po::value<double>(&t.beta1)->default_value(t.beta1), "AdamW beta1, in [0, 1)")
+      ("beta2", po::value<double>(&t.beta2)->default_value(t.beta2), "AdamW beta2, in [0, 1)")
+      ("adam-eps", po::value<double>(&t.eps)->default_value(t.eps), "AdamW epsilon")
+      ("weight-decay", po::value<double>(&t.weight_decay)->default_value(t.weight_decay), "AdamW decoupled weight decay (not on norm weights)")
+      ("clip", po::value<double>(&t.clip)->default_value(t.clip), "max global gradient L2 norm; 0 disables clipping")
+      ("seed", po::value<uint64_t>(&t.seed)->default_value(t.seed), "seed of the init and of the data order")
+      ("log-every", po::value<int64_t>(&t.log_every)->default_value(t.log_every), "steps between log lines")
+      ("eval-every", po::value<int64_t>(&t.eval_every)->default_value(t.eval_every), "steps between validation evaluations; 0 = only at the end")
+      ("eval-batches", po::value<int>(&t.eval_batches)->default_value(t.eval_batches), "global batches of the validation split per evaluation")
+      ("metrics", po::value<std::string>(&t.metrics_path), "JSON-lines metrics file written by rank 0");
+  po::options_description all("shardtrain: fully sharded (FSDP / ZeRO-3) Llama training over MPI\n\n"
+                              "Usage: mpirun -np N shardtrain [--config JOB.ini] [options]\n");
+  all.add(gen).add(data).add(model).add(tr);
+  return all;
+}
+
+void check(bool ok, const std::string& opt, const std::string& what) {
+  if (!ok) throw std::invalid_argument("option '--" + opt + "' " + what);
+}
+
+void validate(const Options& o) {
+  const TrainConfig& t = o.train;
+  check(o.mode == "train" || o.mode == "prepare", "mode", "must be train or prepare, got '" + o.mode + "'");
+  check(o.threads >= 0, "threads", "must be >= 0");
+  check(o.val_fraction > 0 && o.val_fraction < 1, "val-fraction", "must be in (0, 1)");
+  check(t.seq_len >= 1, "seq-len", "must be >= 1");
+  check(t.global_batch >= 1, "global-batch", "must be >= 1");
+  check(t.micro_batch >= 0, "micro-batch", "must be >= 0");
+  check(t.steps >= 1, "steps", "must be >= 1");
+  check(t.lr > 0, "lr", "must be > 0");
+  check(t.min_lr >= 0 && t.min_lr <= t.lr, "min-lr", "must be in [0, lr]");
+  check(t.warmup >= 0, "warmup", "must be >= 0");
+  check(t.beta1 >= 0 && t.beta1 < 1, "beta1", "must be in [0, 1)");
+  check(t.beta2 >= 0 && t.beta2 < 1, "beta2", "must be in [0, 1)");
+  check(t.eps > 0, "adam-eps", "must be > 0");
+  check(t.weight_decay >= 0, "weight-decay", "must be >= 0");
+  check(t.clip >= 0, "clip", "must be >= 0");
+  check(t.log_every >= 1, "log-every", "must be >= 1");
+  check(t.eval_every >= 0, "eval-every", "must be >= 0");
+  check(t.eval_batches >= 1, "eval-batches", "must be >= 1");
+  if (o.mode == "train") check(!o.data.empty(), "data", "is required with --mode train (a token file from --mode prepare)");
+  if (o.mode == "prepare") {
+    check(!o.inputs.empty(), "input", "is required with --mode prepare");
+    check(!o.out.empty(), "out", "is required with --mode prepare");
+  }
+}
+}  // namespace
+
+Options parse_options(Comm& comm, int argc, char** argv) {
+  Options o;
+  po::options_description desc = describe(o);
+  po::variables_map vm;
+  std::string err;
+  // Command line first (values stored first win in Boost), on every rank: argv is the same.
+  try {
+    po::store(po::parse_command_line(argc, argv, desc), vm);
+  } catch (const std::exception& e) {
+    err = std::string(e.what());
+  }
+  all_ok(comm, err.empty(), err);
+  std::string cfg = vm.count("config") ? vm["config"].as<std::string>() : "";
+  // Job file: rank 0 reads it, everybody parses the same text.
+  std::string text;
+  if (!cfg.empty()) {
+    std::string rerr;
+    if (comm.rank() == 0) {
+      std::ifstream f(cfg);
+      if (!f) rerr = "cannot read job file '" + cfg + "' (option '--config')";
+      std::stringstream ss;
+      ss << f.rdbuf();
+      text = ss.str();
+    }
+    all_ok(comm, rerr.empty(), rerr);
+    text = comm.broadcast_string(text, 0);
+    try {
+      std::istringstream is(text);
+      po::store(po::parse_config_file(is, desc), vm);
+    } catch (const std::exception& e) {
+      err = "job file '" + cfg + "': " + e.what();
+    }
+    all_ok(comm, err.empty(), err);
+  }
+  try {
+    po::notify(vm);
+    o.help = vm.count("help") > 0;
+    if (o.help) {
+      std::ostringstream os;
+      os << desc;
+      o.help_text = os.str();
+    } else {
+      validate(o);
+    }
+  } catch (const std::exception& e) {
+    err = e.what();
+  }
+  all_ok(comm, err.empty(), err);
+  return o;
+}
+
+}  // namespace shardtrain

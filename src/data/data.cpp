@@ -1,0 +1,139 @@
+// Byte tokenizer, token file writer/reader, deterministic batch sampling.
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+
+#include "shardtrain/data.h"
+
+namespace shardtrain {
+namespace {
+constexpr char kMagic[8] = {'S', 'T', 'T', 'O', 'K', 'v', '1', '\0'};
+
+template <typename U> void put(std::string& b, U v) {
+  for (size_t i = 0; i < sizeof(U); ++i) b.push_back(static_cast<char>((static_cast<uint64_t>(v) >> (8 * i)) & 0xff));
+}
+template <typename U> U get(const unsigned char* p) {
+  uint64_t v = 0;
+  for (size_t i = 0; i < sizeof(U); ++i) v |= static_cast<uint64_t>(p[i]) << (8 * i);
+  return static_cast<U>(v);
+}
+uint64_t mix(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+}  // namespace
+
+std::vector<int32_t> ByteTokenizer::encode(const std::string& text) {
+  std::vector<int32_t> ids(text.size());
+  for (size_t i = 0; i < text.size(); ++i) ids[i] = static_cast<unsigned char>(text[i]);
+  return ids;
+}
+
+std::string ByteTokenizer::decode(const std::vector<int32_t>& ids) {
+  std::string s;
+  for (int32_t id : ids)
+    if (id >= 0 && id < 256) s.push_back(static_cast<char>(id));
+  return s;
+}
+
+TokenFileHeader prepare_token_file(const std::vector<std::string>& inputs, const std::string& out_path,
+                                   double val_fraction) {
+  if (!(val_fraction > 0 && val_fraction < 1))
+    throw std::runtime_error("option '--val-fraction' must be in (0, 1), got " + std::to_string(val_fraction));
+  if (inputs.empty()) throw std::runtime_error("option '--input' names no file");
+  std::vector<uint16_t> toks;
+  for (const auto& path : inputs) {
+    std::ifstream f(path, std::ios::binary);
+    if (!f) throw std::runtime_error("cannot read input text '" + path + "'");
+    std::stringstream ss;
+    ss << f.rdbuf();
+    std::string text = ss.str();
+    if (text.empty()) throw std::runtime_error("input text '" + path + "' is empty");
+    toks.push_back(ByteTokenizer::kBos);
+    for (unsigned char c : text) toks.push_back(c);
+    toks.push_back(ByteTokenizer::kEos);
+  }
+  TokenFileHeader h;
+  h.n_val = static_cast<uint64_t>(static_cast<double>(toks.size()) * val_fraction);
+  h.n_train = toks.size() - h.n_val;
+  std::string b(kMagic, 8);
+  put<uint32_t>(b, h.version);
+  put<uint32_t>(b, h.vocab_size);
+  put<uint32_t>(b, h.bos_id);
+  put<uint32_t>(b, h.eos_id);
+  put<uint32_t>(b, h.token_bytes);
+  put<uint32_t>(b, 0);
+  put<uint64_t>(b, h.n_train);
+  put<uint64_t>(b, h.n_val);
+  std::string name = h.tokenizer;
+  name.resize(16, '\0');
+  b += name;
+  b.reserve(b.size() + 2 * toks.size());
+  for (uint16_t t : toks) put<uint16_t>(b, t);
+  std::string tmp = out_path + ".tmp";
+  {
+    std::ofstream o(tmp, std::ios::binary | std::ios::trunc);
+    if (!o) throw std::runtime_error("cannot write token file '" + tmp + "'");
+    o.write(b.data(), static_cast<std::streamsize>(b.size()));
+    if (!o) throw std::runtime_error("write failed for token file '" + tmp + "'");
+  }
+  if (std::rename(tmp.c_str(), out_path.c_str()) != 0)
+    throw std::runtime_error("cannot rename '" + tmp + "' to '" + out_path + "'");
+  return h;
+}
+
+TokenDataset::TokenDataset(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) throw std::runtime_error("cannot open token file '" + path + "' (make one with --mode prepare)");
+  std::stringstream ss;
+  ss << f.rdbuf();
+  const std::string b = ss.str();
+  auto fail = [&](const std::string& w) { throw std::runtime_error("token file '" + path + "': " + w); };
+  if (b.size() < 64) fail("shorter than its 64-byte header");
+  if (std::memcmp(b.data(), kMagic, 8) != 0) fail("bad magic (not a shardtrain token file)");
+  auto p = reinterpret_cast<const unsigned char*>(b.data());
+  h_.version = get<uint32_t>(p + 8);
+  if (h_.version != 1) fail("unknown format version " + std::to_string(h_.version));
+  h_.vocab_size = get<uint32_t>(p + 12);
+  h_.bos_id = get<uint32_t>(p + 16);
+  h_.eos_id = get<uint32_t>(p + 20);
+  h_.token_bytes = get<uint32_t>(p + 24);
+  if (h_.token_bytes != 2) fail("unsupported token size " + std::to_string(h_.token_bytes));
+  h_.n_train = get<uint64_t>(p + 32);
+  h_.n_val = get<uint64_t>(p + 40);
+  h_.tokenizer = std::string(b.data() + 48, strnlen(b.data() + 48, 16));
+  if (b.size() != 64 + 2 * (h_.n_train + h_.n_val))
+    fail("size " + std::to_string(b.size()) + " bytes does not match header (" + std::to_string(h_.n_train) +
+         " train + " + std::to_string(h_.n_val) + " val tokens)");
+  train_.resize(h_.n_train);
+  val_.resize(h_.n_val);
+  for (uint64_t i = 0; i < h_.n_train; ++i) train_[i] = get<uint16_t>(p + 64 + 2 * i);
+  for (uint64_t i = 0; i < h_.n_val; ++i) val_[i] = get<uint16_t>(p + 64 + 2 * (h_.n_train + i));
+  for (auto* v : {&train_, &val_})
+    for (uint16_t t : *v)
+      if (t >= h_.vocab_size) fail("token " + std::to_string(t) + " >= vocab_size " + std::to_string(h_.vocab_size));
+}
+
+void fill_batch(const TokenDataset& ds, Split split, uint64_t seed, int64_t index, int first, int count, int T,
+                int32_t* tokens, int32_t* targets) {
+  const auto& d = split == Split::Train ? ds.train() : ds.val();
+  const char* name = split == Split::Train ? "train" : "validation";
+  if (d.size() < static_cast<size_t>(T) + 1)
+    throw std::runtime_error(std::string("the ") + name + " split holds " + std::to_string(d.size()) +
+                             " tokens, fewer than one sequence of " + std::to_string(T + 1));
+  const uint64_t span = d.size() - static_cast<uint64_t>(T);  // valid starts: [0, span)
+  const uint64_t stream = split == Split::Train ? 0x7472616eull : 0x76616cull;
+  for (int s = 0; s < count; ++s) {
+    uint64_t i = static_cast<uint64_t>(first + s);
+    uint64_t off = mix(seed ^ mix(stream ^ mix(static_cast<uint64_t>(index) * 0x100000001b3ull + i))) % span;
+    for (int t = 0; t < T; ++t) {
+      tokens[static_cast<size_t>(s) * T + t] = d[off + t];
+      targets[static_cast<size_t>(s) * T + t] = d[off + t + 1];
+    }
+  }
+}
+
+}  // namespace shardtrain

@@ -1,0 +1,275 @@
+// Model config: presets, Hugging Face config.json parsing, validation, canonical JSON, broadcast.
+#include "shardtrain/config.h"
+
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <stdexcept>
+
+#include "shardtrain/runtime.h"
+
+namespace shardtrain {
+using json = nlohmann::json;
+
+int64_t ModelConfig::num_params() const {
+  int64_t C = hidden_size, I = intermediate_size, V = vocab_size;
+  int64_t q = static_cast<int64_t>(num_attention_heads) * head_dim();
+  int64_t kv = kv_dim();
+  int64_t block = 2 * C + C * q + 2 * C * kv + q * C + 3 * C * I;
+  return V * C + num_hidden_layers * block + C + (tie_word_embeddings ? 0 : V * C);
+}
+
+namespace {
+ModelConfig make(const std::string& name, int V, int C, int I, int L, int NH, int NKV, int maxpos, bool tied) {
+  ModelConfig c;
+  c.name = name;
+  c.vocab_size = V;
+  c.hidden_size = C;
+  c.intermediate_size = I;
+  c.num_hidden_layers = L;
+  c.num_attention_heads = NH;
+  c.num_key_value_heads = NKV;
+  c.max_position_embeddings = maxpos;
+  c.tie_word_embeddings = tied;
+  return c;
+}
+
+const std::map<std::string, ModelConfig>& presets() {
+  static const std::map<std::string, ModelConfig> p = {
+      // Tests: small, GQA 4:2.
+      {"tiny", make("tiny", 258, 32, 64, 2, 4, 2, 64, true)},
+      // Tests: every unit size is uneven over 3 ranks and over 4 ranks (C = 50, V = 263, I = 37);
+      // GQA 5:1.
+      {"test-uneven", make("test-uneven", 263, 50, 37, 2, 5, 1, 64, true)},
+      // make demo and the tinyshakespeare benchmark: ~0.85M parameters.
+      {"demo", make("demo", 258, 128, 384, 4, 4, 4, 256, true)},
+      // GPU-scale configs (issue 5 benchmarks), GPT-2-small / -medium sized.
+      {"llama-125m", make("llama-125m", 32000, 768, 2048, 12, 12, 12, 2048, true)},
+      {"llama-350m", make("llama-350m", 32000, 1024, 2816, 24, 16, 16, 2048, true)},
+  };
+  return p;
+}
+
+[[noreturn]] void bad(const std::string& source, const std::string& what) {
+  throw std::invalid_argument("Invalid model config " + source + ": " + what);
+}
+
+template <typename T> T get_or(const json& j, const char* key, T dflt, const std::string& source) {
+  if (!j.contains(key) || j[key].is_null()) return dflt;
+  try {
+    return j[key].get<T>();
+  } catch (const json::exception& e) {
+    bad(source, std::string("key '") + key + "' has the wrong type (" + e.what() + ")");
+  }
+}
+}  // namespace
+
+std::vector<std::string> preset_names() {
+  std::vector<std::string> n;
+  for (auto& [k, v] : presets()) n.push_back(k);
+  return n;
+}
+
+ModelConfig preset(const std::string& name) {
+  auto it = presets().find(name);
+  if (it == presets().end()) {
+    std::string known;
+    for (auto& n : preset_names()) known += (known.empty() ? "" : ", ") + n;
+    throw std::invalid_argument("unknown model preset '" + name + "' (known: " + known +
+                                "; or give a path to a config.json)");
+  }
+  return it->second;
+}
+
+ModelConfig parse_hf_config(const std::string& text, const std::string& source) {
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const json::exception& e) {
+    bad(source, std::string("not valid JSON: ") + e.what());
+  }
+  if (!j.is_object()) bad(source, "top level is not a JSON object");
+  if (j.contains("architectures") && !j["architectures"].is_null()) {
+    bool ok = false;
+    for (auto& a : j["architectures"]) ok = ok || (a.is_string() && a.get<std::string>() == "LlamaForCausalLM");
+    if (!ok) bad(source, "key 'architectures' is " + j["architectures"].dump() + ", expected [\"LlamaForCausalLM\"]");
+  }
+  if (j.contains("model_type") && j["model_type"].is_string() && j["model_type"] != "llama")
+    bad(source, "key 'model_type' is \"" + j["model_type"].get<std::string>() + "\", expected \"llama\"");
+  if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) bad(source, "key 'rope_scaling' is not supported");
+  if (get_or<bool>(j, "attention_bias", false, source)) bad(source, "key 'attention_bias' = true is not supported");
+  if (get_or<bool>(j, "mlp_bias", false, source)) bad(source, "key 'mlp_bias' = true is not supported");
+  ModelConfig c;
+  c.name = "custom";
+  for (const char* k : {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"})
+    if (!j.contains(k)) bad(source, std::string("required key '") + k + "' is missing");
+  c.vocab_size = get_or<int>(j, "vocab_size", 0, source);
+  c.hidden_size = get_or<int>(j, "hidden_size", 0, source);
+  c.intermediate_size = get_or<int>(j, "intermediate_size", 0, source);
+  c.num_hidden_layers = get_or<int>(j, "num_hidden_layers", 0, source);
+  c.num_attention_heads = get_or<int>(j, "num_attention_heads", 0, source);
+  c.num_key_value_heads = get_or<int>(j, "num_key_value_heads", c.num_attention_heads, source);
+  c.max_position_embeddings = get_or<int>(j, "max_position_embeddings", 2048, source);
+  c.rms_norm_eps = get_or<double>(j, "rms_norm_eps", 1e-6, source);
+  c.rope_theta = get_or<double>(j, "rope_theta", 10000.0, source);
+  c.initializer_range = get_or<double>(j, "initializer_range", 0.02, source);
+  c.hidden_act = get_or<std::string>(j, "hidden_act", "silu", source);
+  c.tie_word_embeddings = get_or<bool>(j, "tie_word_embeddings", false, source);  // LlamaConfig default
+  c.bos_token_id = get_or<int>(j, "bos_token_id", 1, source);
+  c.eos_token_id = get_or<int>(j, "eos_token_id", 2, source);
+  if (j.contains("head_dim") && !j["head_dim"].is_null() && c.num_attention_heads > 0) {
+    int hd = get_or<int>(j, "head_dim", 0, source);
+    if (hd != c.hidden_size / c.num_attention_heads)
+      bad(source, "key 'head_dim' = " + std::to_string(hd) + " differs from hidden_size / num_attention_heads");
+  }
+  return c;
+}
+
+void validate(const ModelConfig& c, const std::string& source) {
+  auto pos = [&](const char* k, long v) {
+    if (v <= 0) bad(source, std::string("key '") + k + "' must be positive, got " + std::to_string(v));
+  };
+  pos("vocab_size", c.vocab_size);
+  pos("hidden_size", c.hidden_size);
+  pos("intermediate_size", c.intermediate_size);
+  pos("num_hidden_layers", c.num_hidden_layers);
+  pos("num_attention_heads", c.num_attention_heads);
+  pos("num_key_value_heads", c.num_key_value_heads);
+  pos("max_position_embeddings", c.max_position_embeddings);
+  if (c.hidden_size % c.num_attention_heads != 0)
+    bad(source, "num_attention_heads (" + std::to_string(c.num_attention_heads) + ") does not divide hidden_size (" +
+                    std::to_string(c.hidden_size) + ")");
+  if (c.num_attention_heads % c.num_key_value_heads != 0)
+    bad(source, "num_key_value_heads (" + std::to_string(c.num_key_value_heads) +
+                    ") does not divide num_attention_heads (" + std::to_string(c.num_attention_heads) + ")");
+  if (c.head_dim() % 2 != 0)
+    bad(source, "head_dim = hidden_size / num_attention_heads = " + std::to_string(c.head_dim()) +
+                    " is odd; RoPE needs pairs");
+  if (c.hidden_act != "silu") bad(source, "key 'hidden_act' is \"" + c.hidden_act + "\"; only \"silu\" (SwiGLU) is supported");
+  if (!(c.rms_norm_eps > 0)) bad(source, "key 'rms_norm_eps' must be > 0");
+  if (!(c.rope_theta > 0)) bad(source, "key 'rope_theta' must be > 0");
+  if (!(c.initializer_range > 0)) bad(source, "key 'initializer_range' must be > 0");
+  if (c.bos_token_id < 0 || c.bos_token_id >= c.vocab_size)
+    bad(source, "key 'bos_token_id' = " + std::to_string(c.bos_token_id) + " is outside the vocabulary");
+  if (c.eos_token_id < 0 || c.eos_token_id >= c.vocab_size)
+    bad(source, "key 'eos_token_id' = " + std::to_string(c.eos_token_id) + " is outside the vocabulary");
+}
+
+std::string canonical_json(const ModelConfig& c) {
+  json j = {{"name", c.name},
+            {"vocab_size", c.vocab_size},
+            {"hidden_size", c.hidden_size},
+            {"intermediate_size", c.intermediate_size},
+            {"num_hidden_layers", c.num_hidden_layers},
+            {"num_attention_heads", c.num_attention_heads},
+            {"num_key_value_heads", c.num_key_value_heads},
+            {"max_position_embeddings", c.max_position_embeddings},
+            {"rms_norm_eps", c.rms_norm_eps},
+            {"rope_theta", c.rope_theta},
+            {"initializer_range", c.initializer_range},
+            {"hidden_act", c.hidden_act},
+            {"tie_word_embeddings", c.tie_word_embeddings},
+            {"bos_token_id", c.bos_token_id},
+            {"eos_token_id", c.eos_token_id}};
+  return j.dump();  // nlohmann::json objects are std::map-backed: keys come out sorted
+}
+
+ModelConfig from_canonical_json(const std::string& s) {
+  json j;
+  try {
+    j = json::parse(s);
+    ModelConfig c;
+    c.name = j.at("name");
+    c.vocab_size = j.at("vocab_size");
+    c.hidden_size = j.at("hidden_size");
+    c.intermediate_size = j.at("intermediate_size");
+    c.num_hidden_layers = j.at("num_hidden_layers");
+    c.num_attention_heads = j.at("num_attention_heads");
+    c.num_key_value_heads = j.at("num_key_value_heads");
+    c.max_position_embeddings = j.at("max_position_embeddings");
+    c.rms_norm_eps = j.at("rms_norm_eps");
+    c.rope_theta = j.at("rope_theta");
+    c.initializer_range = j.at("initializer_range");
+    c.hidden_act = j.at("hidden_act");
+    c.tie_word_embeddings = j.at("tie_word_embeddings");
+    c.bos_token_id = j.at("bos_token_id");
+    c.eos_token_id = j.at("eos_token_id");
+    return c;
+  } catch (const json::exception& e) {
+    throw std::invalid_argument(std::string("canonical model config is malformed: ") + e.what());
+  }
+}
+
+std::string to_hf_json(const ModelConfig& c, const std::string& torch_dtype) {
+  json j = {{"architectures", {"LlamaForCausalLM"}},
+            {"model_type", "llama"},
+            {"vocab_size", c.vocab_size},
+            {"hidden_size", c.hidden_size},
+            {"intermediate_size", c.intermediate_size},
+            {"num_hidden_layers", c.num_hidden_layers},
+            {"num_attention_heads", c.num_attention_heads},
+            {"num_key_value_heads", c.num_key_value_heads},
+            {"head_dim", c.head_dim()},
+            {"max_position_embeddings", c.max_position_embeddings},
+            {"rms_norm_eps", c.rms_norm_eps},
+            {"rope_theta", c.rope_theta},
+            {"rope_scaling", nullptr},
+            {"initializer_range", c.initializer_range},
+            {"hidden_act", c.hidden_act},
+            {"attention_bias", false},
+            {"attention_dropout", 0.0},
+            {"mlp_bias", false},
+            {"pretraining_tp", 1},
+            {"use_cache", true},
+            {"tie_word_embeddings", c.tie_word_embeddings},
+            {"bos_token_id", c.bos_token_id},
+            {"eos_token_id", c.eos_token_id},
+            {"torch_dtype", torch_dtype}};
+  return j.dump(2);
+}
+
+ModelConfig resolve_model_config(Comm& comm, const std::string& spec) {
+  std::string canon;
+  std::string err;
+  if (comm.rank() == 0) {
+    try {
+      ModelConfig c;
+      bool is_file = spec.size() > 5 && spec.substr(spec.size() - 5) == ".json";
+      if (is_file) {
+        std::ifstream f(spec);
+        if (!f) throw std::invalid_argument("cannot open model config file '" + spec + "'");
+        std::stringstream ss;
+        ss << f.rdbuf();
+        c = parse_hf_config(ss.str(), "'" + spec + "'");
+        validate(c, "'" + spec + "'");
+      } else {
+        c = preset(spec);
+        validate(c, "preset '" + spec + "'");
+      }
+      canon = canonical_json(c);
+    } catch (const std::exception& e) {
+      err = e.what();
+    }
+  }
+  // Only rank 0 can fail here; all_ok makes every rank throw rank 0's message.
+  all_ok(comm, err.empty(), err);
+  canon = comm.broadcast_string(canon, 0);
+  ModelConfig c;
+  std::string local_err;
+  try {
+    c = from_canonical_json(canon);
+    if (canonical_json(c) != canon) throw std::runtime_error("canonical JSON does not round-trip on this rank");
+  } catch (const std::exception& e) {
+    local_err = e.what();
+  }
+  all_ok(comm, local_err.empty(), local_err);
+  uint64_t h[2] = {fnv1a64(canonical_json(c)), 0};
+  h[1] = h[0];
+  comm.all_reduce(&h[0], 1, ReduceOp::Min);
+  comm.all_reduce(&h[1], 1, ReduceOp::Max);
+  if (h[0] != h[1]) throw CollectiveError(0, "ranks disagree on the model config (hash mismatch after broadcast)");
+  return c;
+}
+
+}  // namespace shardtrain

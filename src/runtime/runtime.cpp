@@ -1,0 +1,166 @@
+// MPI implementation of the runtime layer: bootstrap, MpiComm collectives, error agreement.
+#include "shardtrain/runtime.h"
+
+#include <mpi.h>
+
+#include <climits>
+#include <cstdio>
+#include <iostream>
+
+namespace shardtrain {
+namespace {
+
+MPI_Comm as_mpi(void* c) { return reinterpret_cast<MPI_Comm>(c); }
+
+MPI_Datatype mpi_type(int t) {
+  switch (t) {
+    case 0: return MPI_FLOAT;
+    case 1: return MPI_DOUBLE;
+    case 2: return MPI_INT64_T;
+    case 3: return MPI_UINT64_T;
+    default: return MPI_CHAR;
+  }
+}
+
+void check_mpi(int rc, const char* what) {
+  if (rc != MPI_SUCCESS) {
+    char buf[MPI_MAX_ERROR_STRING];
+    int len = 0;
+    MPI_Error_string(rc, buf, &len);
+    throw std::runtime_error(std::string(what) + " failed: " + std::string(buf, len));
+  }
+}
+
+// MPI counts are int; collectives on more than INT_MAX elements are split by callers of FSDP
+// (a unit shard of >2^31 elements is out of scope), so refuse loudly instead of truncating.
+int to_count(size_t n, const char* what) {
+  if (n > static_cast<size_t>(INT_MAX)) throw std::runtime_error(std::string(what) + ": count exceeds INT_MAX");
+  return static_cast<int>(n);
+}
+
+}  // namespace
+
+MpiComm MpiComm::world() {
+  MpiComm c;
+  MPI_Comm dup;
+  check_mpi(MPI_Comm_dup(MPI_COMM_WORLD, &dup), "MPI_Comm_dup");
+  c.comm_ = reinterpret_cast<void*>(dup);
+  c.owned_ = true;
+  MPI_Comm_rank(dup, &c.rank_);
+  MPI_Comm_size(dup, &c.size_);
+  return c;
+}
+
+MpiComm::MpiComm(MpiComm&& o) noexcept : comm_(o.comm_), owned_(o.owned_), rank_(o.rank_), size_(o.size_) {
+  o.owned_ = false;
+  o.comm_ = nullptr;
+}
+
+MpiComm::~MpiComm() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (owned_ && !finalized) {
+    MPI_Comm c = as_mpi(comm_);
+    MPI_Comm_free(&c);
+  }
+}
+
+void MpiComm::barrier() { check_mpi(MPI_Barrier(as_mpi(comm_)), "MPI_Barrier"); }
+
+void MpiComm::all_gather_impl(const void* send, void* recv, size_t count, DType t) {
+  MPI_Datatype dt = mpi_type(static_cast<int>(t));
+  int n = to_count(count, "all_gather");
+  int esz = 0;
+  MPI_Type_size(dt, &esz);
+  const void* s = send;
+  if (send == static_cast<char*>(recv) + static_cast<size_t>(rank_) * count * esz) s = MPI_IN_PLACE;
+  check_mpi(MPI_Allgather(s, n, dt, recv, n, dt, as_mpi(comm_)), "MPI_Allgather");
+}
+
+void MpiComm::reduce_scatter_sum_impl(const void* send, void* recv, size_t count, DType t) {
+  check_mpi(MPI_Reduce_scatter_block(send, recv, to_count(count, "reduce_scatter"), mpi_type(static_cast<int>(t)),
+                                     MPI_SUM, as_mpi(comm_)),
+            "MPI_Reduce_scatter_block");
+}
+
+void MpiComm::all_reduce_impl(void* buf, size_t count, DType t, ReduceOp op) {
+  MPI_Op mop = op == ReduceOp::Sum ? MPI_SUM : op == ReduceOp::Max ? MPI_MAX : MPI_MIN;
+  check_mpi(MPI_Allreduce(MPI_IN_PLACE, buf, to_count(count, "all_reduce"), mpi_type(static_cast<int>(t)), mop,
+                          as_mpi(comm_)),
+            "MPI_Allreduce");
+}
+
+void MpiComm::broadcast_impl(void* buf, size_t count, DType t, int root) {
+  check_mpi(MPI_Bcast(buf, to_count(count, "broadcast"), mpi_type(static_cast<int>(t)), root, as_mpi(comm_)),
+            "MPI_Bcast");
+}
+
+std::string Comm::broadcast_string(const std::string& s, int root) {
+  int64_t len = static_cast<int64_t>(s.size());
+  broadcast(&len, 1, root);
+  std::string out = rank() == root ? s : std::string(static_cast<size_t>(len), '\0');
+  if (len > 0) broadcast(out.data(), static_cast<size_t>(len), root);
+  return out;
+}
+
+Runtime::Runtime(int* argc, char*** argv) {
+  int provided = 0;
+  MPI_Init_thread(argc, argv, MPI_THREAD_FUNNELED, &provided);
+  MPI_Comm_rank(MPI_COMM_WORLD, &topo_.rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &topo_.world_size);
+  MPI_Comm local;
+  MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, topo_.rank, MPI_INFO_NULL, &local);
+  MPI_Comm_rank(local, &topo_.local_rank);
+  MPI_Comm_size(local, &topo_.local_size);
+  MPI_Comm_free(&local);
+  char name[MPI_MAX_PROCESSOR_NAME];
+  int len = 0;
+  MPI_Get_processor_name(name, &len);
+  topo_.host.assign(name, len);
+  // Errors from MPI calls come back as return codes (turned into exceptions by check_mpi), not
+  // as an immediate abort, so the caller can report them.
+  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+  comm_ = new MpiComm(MpiComm::world());
+}
+
+Runtime::~Runtime() {
+  delete comm_;
+  MPI_Finalize();
+}
+
+void Runtime::abort(int code) { MPI_Abort(MPI_COMM_WORLD, code); std::abort(); }
+
+void all_ok(Comm& comm, bool ok, const std::string& message) {
+  // One all-reduce answers both "did anyone fail" and "who is the lowest failing rank":
+  // each rank contributes its rank if it failed, else INT64_MAX; MIN gives the lowest failure.
+  int64_t code[2] = {ok ? INT64_MAX : static_cast<int64_t>(comm.rank()), ok ? 0 : 1};
+  comm.all_reduce(&code[0], 1, ReduceOp::Min);
+  if (code[0] == INT64_MAX) return;
+  comm.all_reduce(&code[1], 1, ReduceOp::Sum);
+  int origin = static_cast<int>(code[0]);
+  std::string msg = comm.broadcast_string(message, origin);
+  if (origin != 0) msg = "rank " + std::to_string(origin) + ": " + msg;
+  if (code[1] > 1) msg += " (" + std::to_string(code[1]) + " ranks failed; lowest shown)";
+  throw CollectiveError(origin, msg);
+}
+
+uint64_t fnv1a64(const std::string& s) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : s) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+void log_info(const Comm& comm, const std::string& line) {
+  if (comm.rank() == 0) {
+    std::cout << line << std::endl;
+  }
+}
+
+void log_error(int rank, int world, const std::string& line) {
+  std::cerr << "shardtrain: error [rank " << rank << "/" << world << "]: " << line << std::endl;
+}
+
+}  // namespace shardtrain

@@ -1,0 +1,193 @@
+// Shard plan construction and the FSDP engine (gather / reduce-scatter per unit).
+#include "shardtrain/shard.h"
+
+#include <algorithm>
+#include <cmath>
+#include <set>
+#include <stdexcept>
+
+namespace shardtrain {
+
+int64_t ParamSpec::numel() const {
+  int64_t n = 1;
+  for (auto d : shape) n *= d;
+  return n;
+}
+
+const ParamSlot& UnitPlan::param(const std::string& n) const {
+  for (auto& p : params)
+    if (p.spec.name == n) return p;
+  throw std::out_of_range("unit '" + name + "' has no parameter '" + n + "'");
+}
+
+ShardPlan ShardPlan::build(const std::vector<UnitSpec>& units, int world) {
+  if (world < 1) throw std::invalid_argument("ShardPlan: world size must be >= 1, got " + std::to_string(world));
+  ShardPlan plan;
+  plan.world_size = world;
+  std::set<std::string> seen;
+  for (const auto& us : units) {
+    if (us.params.empty()) throw std::invalid_argument("ShardPlan: unit '" + us.name + "' has no parameters");
+    UnitPlan up;
+    up.name = us.name;
+    int64_t off = 0;
+    for (const auto& ps : us.params) {
+      if (!seen.insert(ps.name).second) throw std::invalid_argument("ShardPlan: duplicate parameter '" + ps.name + "'");
+      for (auto d : ps.shape)
+        if (d <= 0) throw std::invalid_argument("ShardPlan: parameter '" + ps.name + "' has a non-positive dimension");
+      ParamSlot slot{ps, off, ps.numel()};
+      off += slot.numel;
+      up.params.push_back(slot);
+    }
+    up.numel = off;
+    up.shard_size = std::max<int64_t>(1, (off + world - 1) / world);
+    up.padded_numel = up.shard_size * world;
+    for (int r = 0; r < world; ++r) {
+      RankShard rs;
+      rs.start = r * up.shard_size;
+      rs.valid = std::clamp<int64_t>(up.numel - rs.start, 0, up.shard_size);
+      rs.padding = up.shard_size - rs.valid;
+      up.ranks.push_back(rs);
+    }
+    plan.units.push_back(std::move(up));
+  }
+  return plan;
+}
+
+int64_t ShardPlan::total_numel() const {
+  int64_t n = 0;
+  for (auto& u : units) n += u.numel;
+  return n;
+}
+
+int ShardPlan::unit_index(const std::string& name) const {
+  for (size_t i = 0; i < units.size(); ++i)
+    if (units[i].name == name) return static_cast<int>(i);
+  return -1;
+}
+
+namespace {
+uint64_t splitmix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+}  // namespace
+
+double counter_normal(uint64_t seed, uint64_t key, uint64_t i) {
+  uint64_t a = splitmix64(seed ^ splitmix64(key ^ splitmix64(2 * i)));
+  uint64_t b = splitmix64(seed ^ splitmix64(key ^ splitmix64(2 * i + 1)));
+  double u1 = (static_cast<double>(a >> 11) + 1.0) * 0x1.0p-53;  // (0, 1]
+  double u2 = static_cast<double>(b >> 11) * 0x1.0p-53;          // [0, 1)
+  return std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * M_PI * u2);
+}
+
+template <typename T>
+Fsdp<T>::Fsdp(Backend<T>& be, Comm& comm, ShardPlan plan) : be_(be), comm_(comm), plan_(std::move(plan)) {
+  if (plan_.world_size != comm.world_size())
+    throw std::invalid_argument("Fsdp: plan built for " + std::to_string(plan_.world_size) + " ranks, comm has " +
+                                std::to_string(comm.world_size()));
+  int64_t max_padded = 0, max_shard = 0;
+  for (auto& u : plan_.units) {
+    params_.emplace_back(be_, static_cast<size_t>(u.shard_size));
+    grads_.emplace_back(be_, static_cast<size_t>(u.shard_size));
+    max_padded = std::max(max_padded, u.padded_numel);
+    max_shard = std::max(max_shard, u.shard_size);
+  }
+  gather_buf_ = Buffer<T>(be_, static_cast<size_t>(max_padded));
+  grad_buf_ = Buffer<T>(be_, static_cast<size_t>(max_padded));
+  scatter_tmp_ = Buffer<T>(be_, static_cast<size_t>(max_shard));
+}
+
+template <typename T> void Fsdp<T>::init_params(uint64_t seed) {
+  int r = comm_.rank();
+  for (size_t u = 0; u < plan_.units.size(); ++u) {
+    const UnitPlan& up = plan_.units[u];
+    const RankShard& rs = up.ranks[r];
+    std::vector<T> host(static_cast<size_t>(up.shard_size), T(0));
+    for (const auto& slot : up.params) {
+      int64_t lo = std::max(slot.offset, rs.start), hi = std::min(slot.offset + slot.numel, rs.start + rs.valid);
+      uint64_t key = fnv1a64(slot.spec.name);
+      for (int64_t e = lo; e < hi; ++e) {
+        T v = 0;
+        switch (slot.spec.init) {
+          case Init::Ones: v = 1; break;
+          case Init::Zeros: v = 0; break;
+          case Init::Normal:
+            v = static_cast<T>(slot.spec.init_std * counter_normal(seed, key, static_cast<uint64_t>(e - slot.offset)));
+            break;
+        }
+        host[static_cast<size_t>(e - rs.start)] = v;
+      }
+    }
+    be_.from_host(params_[u].data(), host.data(), host.size());
+  }
+  gathered_ = -1;
+}
+
+template <typename T> void Fsdp<T>::zero_grads() {
+  for (size_t u = 0; u < grads_.size(); ++u) be_.zero(grads_[u].data(), grads_[u].size());
+}
+
+template <typename T> const T* Fsdp<T>::gather(int u) {
+  const UnitPlan& up = plan_.units[u];
+  comm_.all_gather(params_[u].data(), gather_buf_.data(), static_cast<size_t>(up.shard_size));
+  gathered_ = u;
+  return gather_buf_.data();
+}
+
+template <typename T> T* Fsdp<T>::full_grad(int u) {
+  be_.zero(grad_buf_.data(), static_cast<size_t>(plan_.units[u].padded_numel));
+  return grad_buf_.data();
+}
+
+template <typename T> void Fsdp<T>::reduce_scatter_grad(int u) {
+  const UnitPlan& up = plan_.units[u];
+  size_t S = static_cast<size_t>(up.shard_size);
+  comm_.reduce_scatter_sum(grad_buf_.data(), scatter_tmp_.data(), S);
+  be_.axpy(S, T(1) / static_cast<T>(comm_.world_size()), scatter_tmp_.data(), grads_[u].data());
+}
+
+template <typename T> std::vector<T> Fsdp<T>::gather_param(const std::string& name) {
+  for (size_t u = 0; u < plan_.units.size(); ++u)
+    for (auto& slot : plan_.units[u].params)
+      if (slot.spec.name == name) {
+        const T* full = gather(static_cast<int>(u));
+        std::vector<T> out(static_cast<size_t>(slot.numel));
+        be_.to_host(out.data(), full + slot.offset, out.size());
+        return out;
+      }
+  throw std::out_of_range("no parameter named '" + name + "'");
+}
+
+template <typename T> void Fsdp<T>::set_param(const std::string& name, const std::vector<T>& full) {
+  int r = comm_.rank();
+  for (size_t u = 0; u < plan_.units.size(); ++u)
+    for (auto& slot : plan_.units[u].params)
+      if (slot.spec.name == name) {
+        if (static_cast<int64_t>(full.size()) != slot.numel)
+          throw std::invalid_argument("set_param '" + name + "': expected " + std::to_string(slot.numel) +
+                                      " elements, got " + std::to_string(full.size()));
+        const RankShard& rs = plan_.units[u].ranks[r];
+        int64_t lo = std::max(slot.offset, rs.start), hi = std::min(slot.offset + slot.numel, rs.start + rs.valid);
+        if (hi > lo)
+          be_.from_host(params_[u].data() + (lo - rs.start), full.data() + (lo - slot.offset),
+                        static_cast<size_t>(hi - lo));
+        gathered_ = -1;
+        return;
+      }
+  throw std::out_of_range("no parameter named '" + name + "'");
+}
+
+template <typename T> double Fsdp<T>::local_grad_sumsq() {
+  int r = comm_.rank();
+  double s = 0;
+  for (size_t u = 0; u < plan_.units.size(); ++u)
+    s += be_.sum_squares(grads_[u].data(), static_cast<size_t>(plan_.units[u].ranks[r].valid));
+  return s;
+}
+
+template class Fsdp<float>;
+template class Fsdp<double>;
+
+}  // namespace shardtrain

@@ -1,0 +1,181 @@
+// AdamW on shards, LR schedule, and the training loop. The loop in train() reads as the algorithm:
+// get batch, forward, backward (reduce-scatter), clip, step, log, evaluate.
+#include "shardtrain/train.h"
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <iomanip>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+namespace shardtrain {
+
+double lr_at(const TrainConfig& tc, int64_t s) {
+  if (s < tc.warmup) return tc.lr * static_cast<double>(s + 1) / static_cast<double>(tc.warmup);
+  int64_t decay_steps = std::max<int64_t>(1, tc.steps - tc.warmup);
+  double p = std::min(1.0, static_cast<double>(s - tc.warmup) / static_cast<double>(decay_steps));
+  return tc.min_lr + 0.5 * (1.0 + std::cos(M_PI * p)) * (tc.lr - tc.min_lr);
+}
+
+template <typename T> AdamW<T>::AdamW(Fsdp<T>& f, const TrainConfig& tc) : f_(f), tc_(tc) {
+  const ShardPlan& plan = f.plan();
+  int r = f.comm().rank();
+  for (int u = 0; u < f.num_units(); ++u) {
+    const UnitPlan& up = plan.units[u];
+    m_.emplace_back(f.backend(), static_cast<size_t>(up.shard_size));
+    v_.emplace_back(f.backend(), static_cast<size_t>(up.shard_size));
+    const RankShard& rs = up.ranks[r];
+    for (const auto& slot : up.params) {
+      int64_t lo = std::max(slot.offset, rs.start), hi = std::min(slot.offset + slot.numel, rs.start + rs.valid);
+      if (hi > lo) segs_.push_back({u, lo - rs.start, hi - lo, slot.spec.weight_decay});
+    }
+  }
+}
+
+template <typename T> void AdamW<T>::step(int64_t t, double lr, double grad_scale) {
+  Backend<T>& be = f_.backend();
+  for (const auto& s : segs_) {
+    size_t b = static_cast<size_t>(s.begin);
+    be.adamw(f_.param_shard(s.unit) + b, m_[s.unit].data() + b, v_[s.unit].data() + b, f_.grad_shard(s.unit) + b,
+             static_cast<size_t>(s.count), static_cast<T>(lr), static_cast<T>(tc_.beta1), static_cast<T>(tc_.beta2),
+             static_cast<T>(tc_.eps), s.decay ? static_cast<T>(tc_.weight_decay) : T(0), static_cast<T>(grad_scale), t);
+  }
+}
+
+template <typename T>
+double evaluate(Comm& comm, LlamaModel<T>& model, Fsdp<T>& f, const TokenDataset& data, const TrainConfig& tc,
+                int batches) {
+  const int W = comm.world_size(), per_rank = tc.global_batch / W;
+  const int mb = tc.micro_batch > 0 ? tc.micro_batch : per_rank;
+  std::vector<int32_t> tok(static_cast<size_t>(mb) * tc.seq_len), tgt(tok.size());
+  double sum = 0;
+  for (int e = 0; e < batches; ++e)
+    for (int m = 0; m < per_rank / mb; ++m) {
+      fill_batch(data, Split::Val, tc.seed, e, comm.rank() * per_rank + m * mb, mb, tc.seq_len, tok.data(), tgt.data());
+      sum += model.forward(f, tok.data(), tgt.data(), mb, tc.seq_len, false);
+    }
+  comm.all_reduce(&sum, 1, ReduceOp::Sum);
+  return sum / (static_cast<double>(batches) * tc.global_batch * tc.seq_len);
+}
+
+namespace {
+std::string fmt(const char* f, double v) {
+  char b[64];
+  std::snprintf(b, sizeof b, f, v);
+  return b;
+}
+}  // namespace
+
+TrainResult train(Comm& comm, Backend<float>& be, const ModelConfig& mc, const TrainConfig& tc,
+                  const TokenDataset& data) {
+  using clock = std::chrono::steady_clock;
+  const int W = comm.world_size(), rank = comm.rank();
+  // Geometry checks: identical on every rank, so every rank throws the same message.
+  if (tc.global_batch % W != 0)
+    throw CollectiveError(0, "option '--global-batch' (" + std::to_string(tc.global_batch) +
+                                 ") is not divisible by the world size (" + std::to_string(W) + ")");
+  const int per_rank = tc.global_batch / W;
+  const int mb = tc.micro_batch > 0 ? tc.micro_batch : per_rank;
+  if (per_rank % mb != 0)
+    throw CollectiveError(0, "option '--global-batch' (" + std::to_string(tc.global_batch) +
+                                 ") is not divisible by world size x '--micro-batch' (" + std::to_string(W) + " x " +
+                                 std::to_string(mb) + ")");
+  if (tc.seq_len > mc.max_position_embeddings)
+    throw CollectiveError(0, "option '--seq-len' (" + std::to_string(tc.seq_len) +
+                                 ") exceeds the model's max_position_embeddings (" +
+                                 std::to_string(mc.max_position_embeddings) + ")");
+  if (data.header().vocab_size > static_cast<uint32_t>(mc.vocab_size))
+    throw CollectiveError(0, "the token file's vocab_size (" + std::to_string(data.header().vocab_size) +
+                                 ") exceeds the model's vocab_size (" + std::to_string(mc.vocab_size) + ")");
+  for (auto [n, name] : {std::pair{data.train().size(), "train"}, std::pair{data.val().size(), "validation"}})
+    if (n < static_cast<size_t>(tc.seq_len) + 1)
+      throw CollectiveError(0, std::string("the ") + name + " split of the token file holds " + std::to_string(n) +
+                                   " tokens, fewer than one sequence of --seq-len + 1 = " +
+                                   std::to_string(tc.seq_len + 1));
+  const int accum = per_rank / mb;
+
+  Fsdp<float> f(be, comm, ShardPlan::build(llama_units(mc), W));
+  f.init_params(tc.seed);
+  LlamaModel<float> model(mc, be);
+  AdamW<float> opt(f, tc);
+
+  std::ofstream metrics;
+  bool metrics_ok = true;
+  if (rank == 0 && !tc.metrics_path.empty()) {
+    metrics.open(tc.metrics_path, std::ios::trunc);
+    metrics_ok = static_cast<bool>(metrics);
+  }
+  all_ok(comm, metrics_ok, "cannot write metrics file '" + tc.metrics_path + "' (option '--metrics')");
+
+  log_info(comm, "shardtrain: model " + mc.name + ", " + std::to_string(mc.num_params()) + " parameters, " +
+                     std::to_string(f.num_units()) + " units, world size " + std::to_string(W) + ", micro-batch " +
+                     std::to_string(mb) + " x " + std::to_string(accum) + " accumulation steps, global batch " +
+                     std::to_string(tc.global_batch) + " x " + std::to_string(tc.seq_len) + " tokens");
+
+  std::vector<int32_t> tok(static_cast<size_t>(mb) * tc.seq_len), tgt(tok.size());
+  const float grad_scale = 1.0f / static_cast<float>(per_rank * tc.seq_len);  // d(mean loss on this rank)
+  const double tokens_per_step = static_cast<double>(tc.global_batch) * tc.seq_len;
+  TrainResult res;
+  double train_s = 0, interval_s = 0;
+  int64_t interval_steps = 0;
+  auto t_start = clock::now();
+
+  for (int64_t s = 0; s < tc.steps; ++s) {
+    auto t0 = clock::now();
+    f.zero_grads();
+    double loss_sum = 0;
+    for (int m = 0; m < accum; ++m) {
+      fill_batch(data, Split::Train, tc.seed, s, rank * per_rank + m * mb, mb, tc.seq_len, tok.data(), tgt.data());
+      loss_sum += model.forward(f, tok.data(), tgt.data(), mb, tc.seq_len, true, grad_scale);
+      model.backward(f);  // reduce-scatters each unit's gradient (mean over ranks) into its shard
+    }
+    double red[2] = {loss_sum, f.local_grad_sumsq()};
+    comm.all_reduce(red, 2, ReduceOp::Sum);
+    const double loss = red[0] / tokens_per_step, gnorm = std::sqrt(red[1]);
+    const double clip_scale = (tc.clip > 0 && gnorm > tc.clip) ? tc.clip / gnorm : 1.0;
+    const double lr = lr_at(tc, s);
+    opt.step(s + 1, lr, clip_scale);
+    double dt = std::chrono::duration<double>(clock::now() - t0).count();
+    train_s += dt;
+    interval_s += dt;
+    ++interval_steps;
+
+    StepLog sl{s + 1, loss, lr, gnorm, 0, std::chrono::duration<double>(clock::now() - t_start).count()};
+    if ((s + 1) % tc.log_every == 0 || s + 1 == tc.steps || s == 0) {
+      sl.tokens_per_s = tokens_per_step * static_cast<double>(interval_steps) / interval_s;
+      interval_s = 0;
+      interval_steps = 0;
+      log_info(comm, "step " + std::to_string(s + 1) + "/" + std::to_string(tc.steps) + " | loss " + fmt("%.4f", loss) +
+                         " | lr " + fmt("%.3e", lr) + " | grad_norm " + fmt("%.4f", gnorm) + " | " +
+                         fmt("%.0f", sl.tokens_per_s) + " tok/s | " + fmt("%.1f", sl.elapsed_s) + " s");
+      if (metrics.is_open()) {
+        nlohmann::json j = {{"step", sl.step}, {"loss", loss}, {"lr", lr}, {"grad_norm", gnorm},
+                            {"tokens_per_s", sl.tokens_per_s}, {"elapsed_s", sl.elapsed_s}};
+        metrics << j.dump() << "\n" << std::flush;
+      }
+    }
+    res.steps.push_back(sl);
+
+    bool last = s + 1 == tc.steps;
+    if ((tc.eval_every > 0 && (s + 1) % tc.eval_every == 0) || last) {
+      double vl = evaluate(comm, model, f, data, tc, tc.eval_batches);
+      res.evals.push_back({s + 1, vl});
+      log_info(comm, "eval step " + std::to_string(s + 1) + " | val_loss " + fmt("%.4f", vl));
+      if (metrics.is_open()) metrics << nlohmann::json({{"step", s + 1}, {"val_loss", vl}}).dump() << "\n" << std::flush;
+    }
+  }
+  res.train_seconds = train_s;
+  res.tokens_per_s = tokens_per_step * static_cast<double>(tc.steps) / train_s;
+  log_info(comm, "done: " + std::to_string(tc.steps) + " steps in " + fmt("%.1f", train_s) + " s of training, " +
+                     fmt("%.0f", res.tokens_per_s) + " tok/s" +
+                     (res.evals.empty() ? std::string() : ", final val_loss " + fmt("%.4f", res.evals.back().val_loss)));
+  return res;
+}
+
+template class AdamW<float>;
+template class AdamW<double>;
+template double evaluate<float>(Comm&, LlamaModel<float>&, Fsdp<float>&, const TokenDataset&, const TrainConfig&, int);
+
+}  // namespace shardtrain
