@@ -60,7 +60,9 @@ int main(int argc, char** argv) {
     return 0;
   } catch (const CollectiveError& e) {
     // Every rank reached the same decision: each exits non-zero with the same message.
+    // Print before anyone exits: mpirun tears the job down at the first non-zero exit.
     log_error(topo.rank, topo.world_size, e.what());
+    comm.barrier();
     return 1;
   } catch (const std::exception& e) {
     // A failure on this rank alone, outside any agreement: the others may be waiting in a

@@ -119,8 +119,8 @@ class Runtime {
 // Error agreement, to be called before any collective whose arguments depend on local success.
 // Every rank passes whether its local step succeeded and, if not, why. If every rank succeeded this
 // returns. Otherwise every rank throws CollectiveError carrying the message of the lowest failing
-// rank, prefixed with "rank R: " when R != 0 or when more than one rank failed. Cost: one
-// all-reduce of one int64 on success; plus a broadcast of the message on failure.
+// rank R, prefixed with "rank R: " when R != 0. Cost: one all-reduce of one int64 on success,
+// plus a broadcast of the message on failure.
 void all_ok(Comm& comm, bool ok, const std::string& message);
 
 // Runs `fn` and agrees on its outcome: any std::exception it throws on any rank becomes a

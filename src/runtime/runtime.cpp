@@ -6,6 +6,7 @@
 #include <climits>
 #include <cstdio>
 #include <iostream>
+#include <unistd.h>
 
 namespace shardtrain {
 namespace {
@@ -133,14 +134,12 @@ void Runtime::abort(int code) { MPI_Abort(MPI_COMM_WORLD, code); std::abort(); }
 void all_ok(Comm& comm, bool ok, const std::string& message) {
   // One all-reduce answers both "did anyone fail" and "who is the lowest failing rank":
   // each rank contributes its rank if it failed, else INT64_MAX; MIN gives the lowest failure.
-  int64_t code[2] = {ok ? INT64_MAX : static_cast<int64_t>(comm.rank()), ok ? 0 : 1};
-  comm.all_reduce(&code[0], 1, ReduceOp::Min);
-  if (code[0] == INT64_MAX) return;
-  comm.all_reduce(&code[1], 1, ReduceOp::Sum);
-  int origin = static_cast<int>(code[0]);
+  int64_t code = ok ? INT64_MAX : static_cast<int64_t>(comm.rank());
+  comm.all_reduce(&code, 1, ReduceOp::Min);
+  if (code == INT64_MAX) return;
+  int origin = static_cast<int>(code);
   std::string msg = comm.broadcast_string(message, origin);
   if (origin != 0) msg = "rank " + std::to_string(origin) + ": " + msg;
-  if (code[1] > 1) msg += " (" + std::to_string(code[1]) + " ranks failed; lowest shown)";
   throw CollectiveError(origin, msg);
 }
 
@@ -160,7 +159,15 @@ void log_info(const Comm& comm, const std::string& line) {
 }
 
 void log_error(int rank, int world, const std::string& line) {
-  std::cerr << "shardtrain: error [rank " << rank << "/" << world << "]: " << line << std::endl;
+  // One write(2) per line, so lines from several ranks sharing a terminal do not interleave.
+  std::string s = "shardtrain: error [rank " + std::to_string(rank) + "/" + std::to_string(world) + "]: " + line + "\n";
+  std::fflush(stderr);
+  size_t off = 0;
+  while (off < s.size()) {
+    ssize_t n = ::write(2, s.data() + off, s.size() - off);
+    if (n <= 0) break;
+    off += static_cast<size_t>(n);
+  }
 }
 
 }  // namespace shardtrain

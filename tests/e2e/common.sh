@@ -1,0 +1,36 @@
+# Shared set-up for end-to-end tests: sourced with the build dir as $1.
+set -euo pipefail
+BUILD=${1:-build}
+BIN=$(realpath "$BUILD/shardtrain")
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+export OMPI_MCA_btl_vader_single_copy_mechanism=none
+MPIRUN="mpirun --oversubscribe"
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/shardtrain-e2e.XXXXXX")
+trap 'rm -rf "$WORK"' EXIT
+fail() { echo "FAIL: $*" >&2; exit 1; }
+
+# A token file from Debian's fortunes (installed by make deps), made by shardtrain itself.
+test_corpus() {
+  local out=$WORK/corpus.tok
+  if [ ! -f "$out" ]; then
+    "$BIN" --mode prepare --input /usr/share/games/fortunes/fortunes --input /usr/share/games/fortunes/riddles \
+      --out "$out" >/dev/null
+  fi
+  echo "$out"
+}
+
+# expect_fail NAME EXPECTED_SUBSTRING NP CMD...: the job must exit non-zero within 60 s, print
+# EXPECTED_SUBSTRING, and every one of NP ranks must report the error.
+expect_fail() {
+  local name=$1 want=$2 np=$3
+  shift 3
+  local log=$WORK/$name.log rc=0
+  timeout -k 5 60 $MPIRUN -np "$np" "$BIN" "$@" >"$log" 2>&1 || rc=$?
+  [ "$rc" -ne 0 ] || fail "$name: exit status 0, expected failure"
+  [ "$rc" -ne 124 ] || fail "$name: timed out (hang)"
+  grep -qF -- "$want" "$log" || { cat "$log"; fail "$name: output lacks '$want'"; }
+  for ((r = 0; r < np; r++)); do
+    grep -q "error \[rank $r/$np\]" "$log" || { cat "$log"; fail "$name: rank $r did not report the error"; }
+  done
+  echo "ok: $name -> $(grep -m1 'error \[rank 0' "$log" | cut -c1-160)"
+}

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Options: unknown, wrong type, out of range, bad job files, bad data. Every rank exits non-zero
+# with a message naming the option, file or key. Also: the command line overrides the job file,
+# and --help lists every option with its default.
+source "$(dirname "$0")/common.sh"
+DATA=$(test_corpus)
+BASE=(--model tiny --data "$DATA" --seq-len 16 --threads 1)
+COMMON=("${BASE[@]}" --global-batch 4)
+expect_fail unknown_option "unrecognised option '--learning-rate'" 2 "${COMMON[@]}" --learning-rate 3
+expect_fail wrong_type "for option '--steps' is invalid" 2 "${COMMON[@]}" --steps abc
+expect_fail out_of_range_lr "option '--lr' must be > 0" 2 "${COMMON[@]}" --lr -1
+expect_fail out_of_range_beta "option '--beta2' must be in [0, 1)" 2 "${COMMON[@]}" --beta2 1.5
+expect_fail bad_mode "option '--mode' must be train or prepare" 2 "${COMMON[@]}" --mode fly
+expect_fail missing_data "cannot open token file '$WORK/none.tok'" 2 --model tiny --data "$WORK/none.tok"
+expect_fail no_data "option '--data' is required" 2 --model tiny
+expect_fail batch_divisible "option '--global-batch' (5) is not divisible by the world size (2)" 2 "${BASE[@]}" --global-batch 5
+expect_fail micro_divisible "not divisible by world size x '--micro-batch' (2 x 3)" 2 "${BASE[@]}" --global-batch 4 --micro-batch 3
+expect_fail seq_too_long "option '--seq-len' (100) exceeds the model's max_position_embeddings (64)" 2 --model tiny --data "$DATA" --global-batch 4 --seq-len 100
+printf 'this is not a token file at all, just text that is long enough to have a header.........\n' >"$WORK/junk.tok"
+expect_fail bad_token_file "token file '$WORK/junk.tok': bad magic" 2 --model tiny --data "$WORK/junk.tok"
+head -c 100 "$DATA" >"$WORK/short.tok"
+expect_fail truncated_token_file "does not match header" 2 --model tiny --data "$WORK/short.tok"
+expect_fail missing_job_file "cannot read job file '$WORK/none.ini'" 2 --config "$WORK/none.ini"
+printf 'steps = 3\n[oops\n' >"$WORK/bad_syntax.ini"
+expect_fail bad_ini_syntax "job file '$WORK/bad_syntax.ini'" 2 --config "$WORK/bad_syntax.ini"
+printf 'steps = 3\nlearning_rate = 2\n' >"$WORK/unknown_key.ini"
+expect_fail unknown_ini_key "learning_rate" 2 --config "$WORK/unknown_key.ini"
+: >"$WORK/empty.txt"
+expect_fail empty_corpus "input text '$WORK/empty.txt' is empty" 2 --mode prepare --input "$WORK/empty.txt" --out "$WORK/x.tok"
+
+# Command line overrides the job file: job says 5 steps, command line 3.
+printf 'model = tiny\nsteps = 5\nseq-len = 16\nglobal-batch = 4\nlog-every = 1\nthreads = 1\n' >"$WORK/job.ini"
+timeout -k 5 60 $MPIRUN -np 2 "$BIN" --config "$WORK/job.ini" --data "$DATA" --steps 3 --metrics "$WORK/m.jsonl" >"$WORK/job.log" 2>&1 \
+  || { cat "$WORK/job.log"; fail "job file run failed"; }
+n=$(grep -c '"loss"' "$WORK/m.jsonl")
+[ "$n" -eq 3 ] || fail "command line --steps 3 did not override the job file's steps = 5 (got $n steps)"
+grep -q "global batch 4 x 16 tokens" "$WORK/job.log" || fail "job file values not applied"
+[ "$(grep -c '^step ' "$WORK/job.log")" -eq 3 ] || fail "expected 3 log lines from rank 0 only"
+echo "ok: command line overrides job file; only rank 0 logs"
+
+# --help lists every option with its default and unit, on rank 0 only, exit 0.
+"$BIN" --help >"$WORK/help.txt"
+for o in --config --mode --threads --input --out --val-fraction --model --data --seq-len --global-batch --micro-batch \
+  --steps --lr --min-lr --warmup --beta1 --beta2 --adam-eps --weight-decay --clip --seed --log-every --eval-every \
+  --eval-batches --metrics; do
+  grep -q -- "$o" "$WORK/help.txt" || fail "--help does not list $o"
+done
+grep -q "(=64)" "$WORK/help.txt" || fail "--help does not show defaults"
+grep -q "tokens" "$WORK/help.txt" || fail "--help does not show units"
+echo "ok: --help lists all options"

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Runs every shardtrain test group, each under a timeout so that a hang fails instead of stalling,
+# and ends with one line "summary: N passed, M failed" (N, M count GoogleTest cases and end-to-end
+# scripts). Logs: build/test-logs/. Exit status non-zero iff something failed.
+set -u
+cd "$(dirname "$0")/.."
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+export OMPI_MCA_btl_vader_single_copy_mechanism=none  # containers often forbid CMA (ptrace)
+BUILD=${BUILD:-build}
+LOGS=$BUILD/test-logs
+mkdir -p "$LOGS"
+pass=0
+fail=0
+failed=()
+
+# run NAME TIMEOUT_S CMD...: a GoogleTest binary (cases counted from its summary) or a script (1 case).
+run() {
+  local name=$1 tmo=$2
+  shift 2
+  local log=$LOGS/$name.log t0=$SECONDS
+  timeout -k 10 "$tmo" "$@" >"$log" 2>&1
+  local rc=$?
+  local p f
+  p=$(grep -oE '^\[  PASSED  \] [0-9]+' "$log" | grep -oE '[0-9]+$' | head -1)
+  f=$(grep -oE '^\[  FAILED  \] [0-9]+ test' "$log" | grep -oE '[0-9]+' | head -1)
+  if [ -n "$p$f" ]; then
+    pass=$((pass + ${p:-0}))
+    fail=$((fail + ${f:-0}))
+    if [ "$rc" -ne 0 ] && [ -z "$f" ]; then fail=$((fail + 1)); fi
+  elif [ "$rc" -eq 0 ]; then
+    pass=$((pass + 1))
+  else
+    fail=$((fail + 1))
+  fi
+  if [ "$rc" -eq 0 ]; then
+    printf '  ok    %-34s %4ds  %s\n' "$name" $((SECONDS - t0)) "${p:+$p cases}"
+  else
+    [ "$rc" -eq 124 ] && echo "  TIMEOUT after ${tmo}s: $name"
+    printf '  FAIL  %-34s %4ds  (rc %d, log %s)\n' "$name" $((SECONDS - t0)) "$rc" "$log"
+    tail -n 30 "$log" | sed 's/^/        /'
+    failed+=("$name")
+  fi
+}
+
+echo "shardtrain tests ($(date -u +%Y-%m-%dT%H:%M:%SZ), $(nproc) cores)"
+run unit                      300 mpirun -np 1 "$BUILD/unit_tests"
+for n in 1 2 3 4; do
+  run "mpi-np$n"              300 mpirun -np "$n" "$BUILD/mpi_tests"
+done
+for t in tests/e2e/test_*.sh; do
+  run "$(basename "$t" .sh)"  600 bash "$t" "$BUILD"
+done
+
+echo
+[ ${#failed[@]} -gt 0 ] && echo "failed: ${failed[*]}"
+echo "summary: $pass passed, $fail failed"
+[ "$fail" -eq 0 ] && [ ${#failed[@]} -eq 0 ]
