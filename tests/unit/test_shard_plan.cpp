@@ -68,7 +68,9 @@ void check_unit_plan(const UnitSpec& spec, const UnitPlan& up, int world) {
   EXPECT_EQ(up.numel, numel);
   EXPECT_EQ(up.shard_size, S);
   EXPECT_GE(up.shard_size, 1);
-  if (up.shard_size > 1) EXPECT_LT((up.shard_size - 1) * world, numel) << "shard_size is not minimal";
+  if (up.shard_size > 1) {
+    EXPECT_LT((up.shard_size - 1) * world, numel) << "shard_size is not minimal";
+  }
   EXPECT_EQ(up.padded_numel, S * world);
   EXPECT_GE(up.padded_numel, numel);
   EXPECT_LT(up.padded_numel - numel, world) << "more padding than one element per rank";
@@ -88,9 +90,13 @@ void check_unit_plan(const UnitSpec& spec, const UnitPlan& up, int world) {
     for (int64_t e = rs.start; e < rs.start + up.shard_size; ++e)
       if (e < numel) ++real;
     EXPECT_EQ(rs.valid, real);
-    if (rs.start >= numel) EXPECT_EQ(rs.valid, 0) << "a shard past the end must be all padding";
+    if (rs.start >= numel) {
+      EXPECT_EQ(rs.valid, 0) << "a shard past the end must be all padding";
+    }
     // Valid elements come first: a rank with padding is the last rank with data or after it.
-    if (rs.padding > 0 && r + 1 < world) EXPECT_EQ(up.ranks[static_cast<size_t>(r + 1)].valid, 0);
+    if (rs.padding > 0 && r + 1 < world) {
+      EXPECT_EQ(up.ranks[static_cast<size_t>(r + 1)].valid, 0);
+    }
     valid_sum += rs.valid;
   }
   EXPECT_EQ(valid_sum, numel);
@@ -210,7 +216,13 @@ TEST(ShardPlanProperty, RandomUnitsEveryWorldSize) {
   for (int set = 0; set < kRandomSets; ++set) {
     std::vector<UnitSpec> units;
     int nu = nunits(rng);
-    for (int k = 0; k < nu; ++k) units.push_back(random_unit(rng, "s" + std::to_string(set) + ".u" + std::to_string(k)));
+    for (int k = 0; k < nu; ++k) {
+      std::string name = "s";  // built by appending (GCC 12 warns falsely on "lit" + std::string&&)
+      name += std::to_string(set);
+      name += ".u";
+      name += std::to_string(k);
+      units.push_back(random_unit(rng, name));
+    }
     for (int world = 1; world <= kMaxWorld; ++world) {
       SCOPED_TRACE("random set " + std::to_string(set));
       check_plan(units, world, rng);

@@ -1,0 +1,769 @@
+// Multi-rank tests of the runtime collectives, error agreement and the FSDP engine. Run under
+// mpirun at 1, 2, 3 and 4 ranks; every test passes at each size.
+//
+// Rules that keep these tests from hanging: every rank makes the same collective calls in the
+// same order whatever its local results, so checks after a collective are EXPECT_* (never an
+// ASSERT_* that could return early on one rank only). gtest prints on rank 0 only, so the fixture
+// all-reduces "did this rank fail" after each test and rank 0 reports failures of other ranks.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "shardtrain/backend.h"
+#include "shardtrain/runtime.h"
+#include "shardtrain/shard.h"
+#include "../test_env.h"
+
+namespace st = shardtrain;
+
+namespace {
+
+st::Comm& world() { return st::testing::comm(); }
+
+// A backend that forwards to the CPU backend and records every allocation, so the tests can
+// check how much memory the FSDP engine holds per rank.
+template <typename T> class CountingBackend final : public st::Backend<T> {
+ public:
+  CountingBackend() : inner_(st::make_cpu_backend<T>()) {}
+  std::map<const T*, size_t> live;  // pointer -> elements
+  size_t allocs = 0, frees = 0;
+  size_t live_elements() const {
+    size_t n = 0;
+    for (auto& [p, k] : live) n += k;
+    return n;
+  }
+
+  const char* name() const override { return "counting-cpu"; }
+  T* alloc(size_t n) override {
+    T* p = inner_->alloc(n);
+    live[p] = n;
+    ++allocs;
+    return p;
+  }
+  void free(T* p) override {
+    live.erase(p);
+    ++frees;
+    inner_->free(p);
+  }
+  void zero(T* p, size_t n) override { inner_->zero(p, n); }
+  void copy(T* d, const T* s, size_t n) override { inner_->copy(d, s, n); }
+  void to_host(T* h, const T* s, size_t n) override { inner_->to_host(h, s, n); }
+  void from_host(T* d, const T* h, size_t n) override { inner_->from_host(d, h, n); }
+  void gemm(bool ta, bool tb, int M, int N, int K, T alpha, const T* A, int lda, const T* B, int ldb, T beta, T* C,
+            int ldc) override {
+    inner_->gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  }
+  void gemm_strided_batched(bool ta, bool tb, int M, int N, int K, T alpha, const T* A, int lda, int64_t sa,
+                            const T* B, int ldb, int64_t sb, T beta, T* C, int ldc, int64_t sc, int batch) override {
+    inner_->gemm_strided_batched(ta, tb, M, N, K, alpha, A, lda, sa, B, ldb, sb, beta, C, ldc, sc, batch);
+  }
+  void axpy(size_t n, T alpha, const T* x, T* y) override { inner_->axpy(n, alpha, x, y); }
+  void scale(size_t n, T alpha, T* x) override { inner_->scale(n, alpha, x); }
+  double sum_squares(const T* x, size_t n) override { return inner_->sum_squares(x, n); }
+  void embedding_forward(T* out, const int32_t* tok, const T* table, int N, int C) override {
+    inner_->embedding_forward(out, tok, table, N, C);
+  }
+  void embedding_backward(T* dtable, const int32_t* tok, const T* dout, int N, int C) override {
+    inner_->embedding_backward(dtable, tok, dout, N, C);
+  }
+  void rmsnorm_forward(T* out, T* rstd, const T* x, const T* w, int N, int C, T eps) override {
+    inner_->rmsnorm_forward(out, rstd, x, w, N, C, eps);
+  }
+  void rmsnorm_backward(T* dx, T* dw, const T* dout, const T* x, const T* w, const T* rstd, int N, int C) override {
+    inner_->rmsnorm_backward(dx, dw, dout, x, w, rstd, N, C);
+  }
+  void rope_forward(T* x, const T* c, const T* s, int B, int T_, int H, int HD) override {
+    inner_->rope_forward(x, c, s, B, T_, H, HD);
+  }
+  void rope_backward(T* dx, const T* c, const T* s, int B, int T_, int H, int HD) override {
+    inner_->rope_backward(dx, c, s, B, T_, H, HD);
+  }
+  void softmax_causal_forward(T* att, int R, int T_, T sc) override { inner_->softmax_causal_forward(att, R, T_, sc); }
+  void softmax_causal_backward(T* datt, const T* att, int R, int T_, T sc) override {
+    inner_->softmax_causal_backward(datt, att, R, T_, sc);
+  }
+  void swiglu_forward(T* h, const T* g, const T* u, size_t n) override { inner_->swiglu_forward(h, g, u, n); }
+  void swiglu_backward(T* dg, T* du, const T* dh, const T* g, const T* u, size_t n) override {
+    inner_->swiglu_backward(dg, du, dh, g, u, n);
+  }
+  double cross_entropy(T* dl, const T* l, const int32_t* t, int N, int V, T gs) override {
+    return inner_->cross_entropy(dl, l, t, N, V, gs);
+  }
+  void adamw(T* p, T* m, T* v, const T* g, size_t n, T lr, T b1, T b2, T eps, T wd, T gs, int64_t step) override {
+    inner_->adamw(p, m, v, g, n, lr, b1, b2, eps, wd, gs, step);
+  }
+
+ private:
+  std::unique_ptr<st::Backend<T>> inner_;
+};
+
+st::ParamSpec pspec(std::string name, std::vector<int64_t> shape, st::Init init, double stdev = 0.02) {
+  st::ParamSpec p;
+  p.name = std::move(name);
+  p.shape = std::move(shape);
+  p.init = init;
+  p.init_std = stdev;
+  p.weight_decay = init == st::Init::Normal;
+  return p;
+}
+
+// Units with sizes that do not divide by 2, 3 or 4, units with fewer elements than ranks, and
+// parameters that straddle shard boundaries.
+std::vector<st::UnitSpec> test_units() {
+  using st::Init;
+  return {
+      {"model.embed_tokens", {pspec("model.embed_tokens.weight", {5, 7}, Init::Normal, 0.02)}},
+      {"model.layers.0",
+       {pspec("model.layers.0.input_layernorm.weight", {13}, Init::Ones),
+        pspec("model.layers.0.self_attn.q_proj.weight", {5, 7}, Init::Normal, 0.05),
+        pspec("model.layers.0.self_attn.q_proj.bias", {2}, Init::Zeros),
+        pspec("model.layers.0.mlp.up_proj.weight", {3, 3}, Init::Normal, 1.5)}},
+      {"model.norm", {pspec("model.norm.weight", {2}, Init::Ones)}},
+      {"scalar", {pspec("scalar.x", {1}, Init::Normal, 0.7)}},
+      {"norm6", {pspec("model.layers.1.post_attention_layernorm.weight", {6}, Init::Ones)}},
+  };
+}
+
+// The value init_params must give element i of parameter p, independent of the world size.
+template <typename T> T expected_init(uint64_t seed, const st::ParamSpec& p, int64_t i) {
+  switch (p.init) {
+    case st::Init::Ones: return T(1);
+    case st::Init::Zeros: return T(0);
+    case st::Init::Normal:
+      return static_cast<T>(st::counter_normal(seed, st::fnv1a64(p.name), static_cast<uint64_t>(i)) * p.init_std);
+  }
+  return T(0);
+}
+
+template <typename T> std::vector<T> expected_param(uint64_t seed, const st::ParamSpec& p) {
+  std::vector<T> v(static_cast<size_t>(p.numel()));
+  for (int64_t i = 0; i < p.numel(); ++i) v[static_cast<size_t>(i)] = expected_init<T>(seed, p, i);
+  return v;
+}
+
+template <typename T> std::vector<T> host_copy(st::Backend<T>& be, const T* dev, int64_t n) {
+  std::vector<T> h(static_cast<size_t>(n));
+  if (n > 0) be.to_host(h.data(), dev, h.size());
+  return h;
+}
+
+// Counts elements that differ (exactly), so a failure reports one line instead of thousands.
+template <typename T> int64_t count_diff(const std::vector<T>& a, const std::vector<T>& b) {
+  if (a.size() != b.size()) return -1;
+  int64_t d = 0;
+  for (size_t i = 0; i < a.size(); ++i)
+    if (a[i] != b[i]) ++d;
+  return d;
+}
+
+// Rank-dependent gradient value for element i of unit u in round k.
+double grad_value(int rank, int u, int64_t i, int round) {
+  return std::sin(0.37 * static_cast<double>(i) + 1.3 * rank + 0.11 * u + 2.0 * round) + 0.25 * rank - 0.1 * round;
+}
+
+bool near(double got, double want, double rel = 1e-12) {
+  return std::fabs(got - want) <= rel * (1.0 + std::fabs(want));
+}
+
+}  // namespace
+
+// Fixture: the suite is called Fsdp; names from the library are written st::... to avoid clashing
+// with st::Fsdp<T>.
+class Fsdp : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    rank_trace_ = std::make_unique<::testing::ScopedTrace>(
+        __FILE__, __LINE__, "rank " + std::to_string(world().rank()) + " of " + std::to_string(world().world_size()));
+  }
+  void TearDown() override {
+    rank_trace_.reset();
+    st::Comm& c = world();
+    // Bit r set when rank r failed (world sizes here are far below 63).
+    int64_t mask = ::testing::Test::HasFailure() ? (int64_t{1} << c.rank()) : 0;
+    c.all_reduce(&mask, 1, st::ReduceOp::Sum);
+    if (c.rank() == 0) {
+      std::string who;
+      for (int r = 1; r < c.world_size(); ++r)
+        if (mask & (int64_t{1} << r)) who += " " + std::to_string(r);
+      if (!who.empty()) ADD_FAILURE() << "this test failed on rank(s):" << who << " (their output is not printed)";
+    }
+  }
+
+ private:
+  std::unique_ptr<::testing::ScopedTrace> rank_trace_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Comm collectives
+
+template <typename T> void check_all_gather() {
+  st::Comm& c = world();
+  const int W = c.world_size(), r = c.rank();
+  for (size_t n : {size_t{1}, size_t{5}}) {
+    std::vector<T> send(n), recv(n * static_cast<size_t>(W), T(-1));
+    for (size_t i = 0; i < n; ++i) send[i] = static_cast<T>(100 * r + static_cast<int>(i)) + T(0.5);
+    c.all_gather(send.data(), recv.data(), n);
+    int64_t bad = 0;
+    for (int q = 0; q < W; ++q)
+      for (size_t i = 0; i < n; ++i)
+        if (recv[static_cast<size_t>(q) * n + i] != static_cast<T>(100 * q + static_cast<int>(i)) + T(0.5)) ++bad;
+    EXPECT_EQ(bad, 0) << "all_gather n=" << n;
+
+    // In place: send is this rank's block of recv.
+    std::vector<T> inplace(n * static_cast<size_t>(W), T(-7));
+    for (size_t i = 0; i < n; ++i) inplace[static_cast<size_t>(r) * n + i] = send[i];
+    c.all_gather(inplace.data() + static_cast<size_t>(r) * n, inplace.data(), n);
+    EXPECT_EQ(count_diff(inplace, recv), 0) << "in-place all_gather n=" << n;
+  }
+}
+
+template <typename T> void check_reduce_scatter() {
+  st::Comm& c = world();
+  const int W = c.world_size(), r = c.rank();
+  for (size_t n : {size_t{1}, size_t{4}}) {
+    // send[b*n + i] on rank q = (q+1)*1000 + 10*b + i + 0.25: dyadic, so every summation order is exact.
+    std::vector<T> send(n * static_cast<size_t>(W)), recv(n, T(-1));
+    for (int b = 0; b < W; ++b)
+      for (size_t i = 0; i < n; ++i)
+        send[static_cast<size_t>(b) * n + i] = static_cast<T>((r + 1) * 1000 + 10 * b + static_cast<int>(i)) + T(0.25);
+    c.reduce_scatter_sum(send.data(), recv.data(), n);
+    for (size_t i = 0; i < n; ++i) {
+      double want = 0;
+      for (int q = 0; q < W; ++q) want += (q + 1) * 1000.0 + 10.0 * r + static_cast<double>(i) + 0.25;
+      EXPECT_EQ(recv[i], static_cast<T>(want)) << "reduce_scatter_sum n=" << n << " i=" << i;
+    }
+  }
+}
+
+template <typename T> void check_all_reduce() {
+  st::Comm& c = world();
+  const int W = c.world_size(), r = c.rank();
+  const size_t n = 9;
+  auto val = [](int q, size_t i) { return static_cast<T>(((q * 7 + static_cast<int>(i) * 3) % 11) - 5) + T(0.5); };
+  for (st::ReduceOp op : {st::ReduceOp::Sum, st::ReduceOp::Max, st::ReduceOp::Min}) {
+    std::vector<T> buf(n);
+    for (size_t i = 0; i < n; ++i) buf[i] = val(r, i);
+    c.all_reduce(buf.data(), n, op);
+    for (size_t i = 0; i < n; ++i) {
+      T want = val(0, i);
+      for (int q = 1; q < W; ++q) {
+        T v = val(q, i);
+        want = op == st::ReduceOp::Sum ? want + v : op == st::ReduceOp::Max ? std::max(want, v) : std::min(want, v);
+      }
+      EXPECT_EQ(buf[i], want) << "all_reduce op " << static_cast<int>(op) << " i=" << i;
+    }
+  }
+}
+
+template <typename T> void check_broadcast() {
+  st::Comm& c = world();
+  const int W = c.world_size(), r = c.rank();
+  const size_t n = 6;
+  for (int root = 0; root < W; ++root) {
+    std::vector<T> buf(n);
+    for (size_t i = 0; i < n; ++i) buf[i] = static_cast<T>(r * 10 + static_cast<int>(i)) + T(0.125);
+    c.broadcast(buf.data(), n, root);
+    for (size_t i = 0; i < n; ++i)
+      EXPECT_EQ(buf[i], static_cast<T>(root * 10 + static_cast<int>(i)) + T(0.125)) << "broadcast root " << root;
+  }
+}
+
+TEST_F(Fsdp, CommAllGather) {
+  check_all_gather<float>();
+  check_all_gather<double>();
+}
+
+TEST_F(Fsdp, CommReduceScatterSum) {
+  check_reduce_scatter<float>();
+  check_reduce_scatter<double>();
+}
+
+TEST_F(Fsdp, CommAllReduce) {
+  check_all_reduce<float>();
+  check_all_reduce<double>();
+  // Integer types are supported by all_reduce too.
+  st::Comm& c = world();
+  const int W = c.world_size(), r = c.rank();
+  int64_t i64[3] = {r, -r, int64_t{1} << 40};
+  c.all_reduce(i64, 1, st::ReduceOp::Max);
+  c.all_reduce(i64 + 1, 1, st::ReduceOp::Min);
+  c.all_reduce(i64 + 2, 1, st::ReduceOp::Sum);
+  EXPECT_EQ(i64[0], W - 1);
+  EXPECT_EQ(i64[1], -(W - 1));
+  EXPECT_EQ(i64[2], static_cast<int64_t>(W) << 40);
+  uint64_t u64 = static_cast<uint64_t>(r) + 1;
+  c.all_reduce(&u64, 1, st::ReduceOp::Sum);
+  EXPECT_EQ(u64, static_cast<uint64_t>(W) * static_cast<uint64_t>(W + 1) / 2);
+}
+
+TEST_F(Fsdp, CommBroadcast) {
+  check_broadcast<float>();
+  check_broadcast<double>();
+  st::Comm& c = world();
+  for (int root = 0; root < c.world_size(); ++root) {
+    char ch[2] = {static_cast<char>('a' + c.rank()), 'z'};
+    c.broadcast(ch, 2, root);
+    EXPECT_EQ(ch[0], static_cast<char>('a' + root));
+  }
+}
+
+TEST_F(Fsdp, CommBroadcastString) {
+  st::Comm& c = world();
+  const int W = c.world_size(), r = c.rank();
+  for (int root = 0; root < W; ++root) {
+    // Each rank passes its own string of a different length; only root's survives.
+    std::string mine = "rank " + std::to_string(r) + ":" + std::string(static_cast<size_t>(3 + 17 * r), 'x');
+    std::string want = "rank " + std::to_string(root) + ":" + std::string(static_cast<size_t>(3 + 17 * root), 'x');
+    EXPECT_EQ(c.broadcast_string(mine, root), want) << "root " << root;
+    // Empty from root, non-empty elsewhere.
+    EXPECT_EQ(c.broadcast_string(r == root ? std::string() : mine, root), "") << "root " << root;
+    // Embedded NUL bytes and a long string.
+    std::string bin = std::string("a\0b", 3) + std::string(5000, static_cast<char>('0' + root));
+    EXPECT_EQ(c.broadcast_string(r == root ? bin : std::string("?"), root), bin) << "root " << root;
+  }
+}
+
+TEST_F(Fsdp, CommZeroCount) {
+  st::Comm& c = world();
+  const int W = c.world_size();
+  for (int rep = 0; rep < 2; ++rep) {
+    // Distinct non-null buffers with sentinels: nothing may be written.
+    std::vector<double> send(1, 3.0), recv(static_cast<size_t>(W), -1.0);
+    c.all_gather(send.data(), recv.data(), 0);
+    c.reduce_scatter_sum(recv.data(), send.data(), 0);
+    EXPECT_EQ(send[0], 3.0);
+    for (double v : recv) EXPECT_EQ(v, -1.0);
+    std::vector<float> fs(1, 3.0f), fr(static_cast<size_t>(W), -1.0f);
+    c.all_gather(fs.data(), fr.data(), 0);
+    c.reduce_scatter_sum(fr.data(), fs.data(), 0);
+    EXPECT_EQ(fs[0], 3.0f);
+    for (float v : fr) EXPECT_EQ(v, -1.0f);
+    // Empty vectors (null data pointers) too.
+    std::vector<double> e0, e1;
+    c.all_gather(e0.data(), e1.data(), 0);
+    c.reduce_scatter_sum(e0.data(), e1.data(), 0);
+  }
+  // The communicator is still in step afterwards.
+  double x = 1.0;
+  c.all_reduce(&x, 1, st::ReduceOp::Sum);
+  EXPECT_EQ(x, static_cast<double>(W));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Error agreement
+
+namespace {
+// Calls all_ok and returns the CollectiveError it threw (or reports that it did not throw).
+struct AllOkOutcome {
+  bool threw = false, other_exception = false;
+  int origin = -1;
+  std::string what;
+};
+AllOkOutcome run_all_ok(bool ok, const std::string& msg) {
+  AllOkOutcome o;
+  try {
+    st::all_ok(world(), ok, msg);
+  } catch (const st::CollectiveError& e) {
+    o.threw = true;
+    o.origin = e.origin_rank;
+    o.what = e.what();
+  } catch (...) {
+    o.other_exception = true;
+  }
+  return o;
+}
+std::string fail_msg(int rank) { return "disk full on node-" + std::to_string(rank) + " (code 28)"; }
+bool contains(const std::string& s, const std::string& sub) { return s.find(sub) != std::string::npos; }
+
+// Every rank checks that the comm is still in step after an agreement round.
+void expect_in_step() {
+  st::Comm& c = world();
+  int64_t x = 1;
+  c.all_reduce(&x, 1, st::ReduceOp::Sum);
+  EXPECT_EQ(x, c.world_size()) << "communicator out of step after all_ok";
+}
+}  // namespace
+
+TEST_F(Fsdp, AllOkAllSucceed) {
+  for (int rep = 0; rep < 3; ++rep) {
+    AllOkOutcome o = run_all_ok(true, "unused message " + std::to_string(world().rank()));
+    EXPECT_FALSE(o.threw) << o.what;
+    EXPECT_FALSE(o.other_exception);
+  }
+  expect_in_step();
+}
+
+TEST_F(Fsdp, AllOkLastRankFails) {
+  const int W = world().world_size(), r = world().rank(), last = W - 1;
+  AllOkOutcome o = run_all_ok(r != last, r == last ? fail_msg(r) : "not a failure " + std::to_string(r));
+  EXPECT_TRUE(o.threw) << "every rank must throw CollectiveError";
+  EXPECT_FALSE(o.other_exception);
+  EXPECT_EQ(o.origin, last);
+  EXPECT_TRUE(contains(o.what, fail_msg(last))) << o.what;
+  EXPECT_FALSE(contains(o.what, "not a failure")) << o.what;
+  if (last != 0) {
+    EXPECT_TRUE(contains(o.what, "rank " + std::to_string(last) + ":")) << o.what;
+  } else {
+    EXPECT_EQ(o.what, fail_msg(0)) << "a single failure on rank 0 is not prefixed";
+  }
+  expect_in_step();
+  // A later all-success round returns normally: nothing was left behind.
+  AllOkOutcome again = run_all_ok(true, "");
+  EXPECT_FALSE(again.threw) << again.what;
+}
+
+TEST_F(Fsdp, AllOkEachSingleRankFails) {
+  const int W = world().world_size(), r = world().rank();
+  for (int f = 0; f < W; ++f) {
+    AllOkOutcome o = run_all_ok(r != f, r == f ? fail_msg(r) : "");
+    EXPECT_TRUE(o.threw) << "failing rank " << f;
+    EXPECT_EQ(o.origin, f);
+    EXPECT_TRUE(contains(o.what, fail_msg(f))) << o.what;
+    if (f != 0) {
+      EXPECT_TRUE(contains(o.what, "rank " + std::to_string(f) + ":")) << o.what;
+    }
+  }
+  expect_in_step();
+}
+
+TEST_F(Fsdp, AllOkTwoRanksFailLowestWins) {
+  const int W = world().world_size(), r = world().rank();
+  if (W < 2) GTEST_SKIP() << "needs two ranks";
+  const int lo = W - 2, hi = W - 1;
+  const bool fails = r == lo || r == hi;
+  AllOkOutcome o = run_all_ok(!fails, fails ? fail_msg(r) : "");
+  EXPECT_TRUE(o.threw);
+  EXPECT_FALSE(o.other_exception);
+  EXPECT_EQ(o.origin, lo);
+  EXPECT_TRUE(contains(o.what, fail_msg(lo))) << o.what;
+  EXPECT_FALSE(contains(o.what, fail_msg(hi))) << o.what;
+  if (lo != 0) {
+    EXPECT_TRUE(contains(o.what, "rank " + std::to_string(lo) + ":")) << o.what;
+  }
+  expect_in_step();
+}
+
+TEST_F(Fsdp, AllOkAllRanksFail) {
+  const int W = world().world_size(), r = world().rank();
+  AllOkOutcome o = run_all_ok(false, fail_msg(r));
+  EXPECT_TRUE(o.threw);
+  EXPECT_EQ(o.origin, 0);
+  EXPECT_TRUE(contains(o.what, fail_msg(0))) << o.what;
+  for (int q = 1; q < W; ++q) EXPECT_FALSE(contains(o.what, fail_msg(q))) << o.what;
+  expect_in_step();
+}
+
+// runtime.h: the message is rank R's, "prefixed with "rank R: " when R != 0". So when rank 0 is
+// among several failing ranks, every rank gets rank 0's message exactly, unprefixed.
+TEST_F(Fsdp, AllOkMultipleFailuresIncludingRankZero) {
+  const int W = world().world_size(), r = world().rank();
+  if (W < 2) GTEST_SKIP() << "needs two ranks";
+  const bool fails = r == 0 || r == W - 1;
+  AllOkOutcome o = run_all_ok(!fails, fails ? fail_msg(r) : "");
+  EXPECT_TRUE(o.threw);
+  EXPECT_FALSE(o.other_exception);
+  EXPECT_EQ(o.origin, 0);
+  EXPECT_EQ(o.what, fail_msg(0));
+  expect_in_step();
+}
+
+TEST_F(Fsdp, AgreeTurnsOneRankExceptionIntoCollectiveErrorEverywhere) {
+  const int W = world().world_size(), r = world().rank();
+  for (int f = 0; f < W; ++f) {
+    bool ran = false, threw = false;
+    std::string what;
+    int origin = -1;
+    try {
+      st::agree(world(), [&] {
+        ran = true;
+        if (r == f) throw std::runtime_error("cannot open checkpoint shard " + std::to_string(f));
+      });
+    } catch (const st::CollectiveError& e) {
+      threw = true;
+      what = e.what();
+      origin = e.origin_rank;
+    } catch (...) {
+      ADD_FAILURE() << "agree threw something other than CollectiveError";
+    }
+    EXPECT_TRUE(ran);
+    EXPECT_TRUE(threw) << "failing rank " << f;
+    EXPECT_EQ(origin, f);
+    EXPECT_TRUE(contains(what, "cannot open checkpoint shard " + std::to_string(f))) << what;
+    if (f != 0) {
+      EXPECT_TRUE(contains(what, "rank " + std::to_string(f) + ":")) << what;
+    }
+  }
+  // Success everywhere: returns normally and ran fn on every rank.
+  int calls = 0;
+  EXPECT_NO_THROW(st::agree(world(), [&] { ++calls; }));
+  EXPECT_EQ(calls, 1);
+  expect_in_step();
+}
+
+// ---------------------------------------------------------------------------------------------
+// FSDP engine
+
+namespace {
+struct Engine {
+  std::unique_ptr<st::Backend<double>> be = st::make_cpu_backend<double>();
+  st::Fsdp<double> fsdp;
+  Engine() : fsdp(*be, world(), st::ShardPlan::build(test_units(), world().world_size())) {}
+};
+}  // namespace
+
+TEST_F(Fsdp, PlanMatchesCommAndRejectsWrongWorld) {
+  Engine e;
+  EXPECT_EQ(e.fsdp.plan().world_size, world().world_size());
+  EXPECT_EQ(e.fsdp.num_units(), static_cast<int>(test_units().size()));
+  auto wrong = st::ShardPlan::build(test_units(), world().world_size() + 1);
+  EXPECT_THROW([&] { st::Fsdp<double> tmp(*e.be, world(), wrong); }(), std::invalid_argument);
+}
+
+TEST_F(Fsdp, InitParamsMatchesWorldSizeOne) {
+  Engine e;
+  const int r = world().rank();
+  for (uint64_t seed : {uint64_t{1234}, uint64_t{0xdeadbeefcafeULL}}) {
+    e.fsdp.init_params(seed);
+    for (const auto& up : e.fsdp.plan().units) {
+      for (const auto& slot : up.params) {
+        std::vector<double> got = e.fsdp.gather_param(slot.spec.name);
+        std::vector<double> want = expected_param<double>(seed, slot.spec);
+        EXPECT_EQ(got.size(), want.size()) << slot.spec.name;
+        EXPECT_EQ(count_diff(got, want), 0) << slot.spec.name << " seed " << seed;
+      }
+    }
+    // This rank's shards hold exactly its slice of the flat buffer, then zero padding.
+    for (int u = 0; u < e.fsdp.num_units(); ++u) {
+      const auto& up = e.fsdp.plan().units[static_cast<size_t>(u)];
+      const auto& rs = up.ranks[static_cast<size_t>(r)];
+      std::vector<double> flat;
+      for (const auto& slot : up.params) {
+        auto t = expected_param<double>(seed, slot.spec);
+        flat.insert(flat.end(), t.begin(), t.end());
+      }
+      std::vector<double> want(static_cast<size_t>(up.shard_size), 0.0);
+      for (int64_t k = 0; k < rs.valid; ++k) want[static_cast<size_t>(k)] = flat[static_cast<size_t>(rs.start + k)];
+      EXPECT_EQ(count_diff(host_copy(*e.be, e.fsdp.param_shard(u), up.shard_size), want), 0) << up.name;
+    }
+  }
+  // Different seeds give different Normal parameters.
+  e.fsdp.init_params(1);
+  auto a = e.fsdp.gather_param("model.embed_tokens.weight");
+  e.fsdp.init_params(2);
+  auto b = e.fsdp.gather_param("model.embed_tokens.weight");
+  EXPECT_GT(count_diff(a, b), 30);
+}
+
+TEST_F(Fsdp, InitParamsFloat) {
+  auto be = st::make_cpu_backend<float>();
+  st::Fsdp<float> f(*be, world(), st::ShardPlan::build(test_units(), world().world_size()));
+  f.init_params(99);
+  for (const auto& up : f.plan().units)
+    for (const auto& slot : up.params)
+      EXPECT_EQ(count_diff(f.gather_param(slot.spec.name), expected_param<float>(99, slot.spec)), 0) << slot.spec.name;
+}
+
+TEST_F(Fsdp, GatherPlacesParamsAtOffsetsWithZeroPadding) {
+  Engine e;
+  const uint64_t seed = 77;
+  e.fsdp.init_params(seed);
+  // Gather every unit twice, in different orders: the buffer holds the latest unit only.
+  std::vector<int> order;
+  for (int u = 0; u < e.fsdp.num_units(); ++u) order.push_back(u);
+  for (int u = e.fsdp.num_units() - 1; u >= 0; --u) order.push_back(u);
+  for (int u : order) {
+    const auto& up = e.fsdp.plan().units[static_cast<size_t>(u)];
+    const double* full = e.fsdp.gather(u);
+    std::vector<double> h = host_copy(*e.be, full, up.padded_numel);
+    for (const auto& slot : up.params) {
+      std::vector<double> part(h.begin() + slot.offset, h.begin() + slot.offset + slot.numel);
+      EXPECT_EQ(count_diff(part, expected_param<double>(seed, slot.spec)), 0) << up.name << " / " << slot.spec.name;
+    }
+    int64_t nonzero = 0;
+    for (int64_t i = up.numel; i < up.padded_numel; ++i)
+      if (h[static_cast<size_t>(i)] != 0.0) ++nonzero;
+    EXPECT_EQ(nonzero, 0) << "padding of gathered unit " << up.name;
+  }
+}
+
+TEST_F(Fsdp, SetParamRoundTrips) {
+  Engine e;
+  const uint64_t seed = 5;
+  e.fsdp.init_params(seed);
+  // Overwrite every other parameter with distinct values (same on every rank, as the API requires).
+  std::map<std::string, std::vector<double>> now;
+  int k = 0;
+  for (const auto& up : e.fsdp.plan().units)
+    for (const auto& slot : up.params) {
+      std::vector<double> v = expected_param<double>(seed, slot.spec);
+      if (k++ % 2 == 0) {
+        for (size_t i = 0; i < v.size(); ++i) v[i] = 1000.0 * k + static_cast<double>(i) + 1.0 / 3.0;
+        e.fsdp.set_param(slot.spec.name, v);
+      }
+      now[slot.spec.name] = v;
+    }
+  for (const auto& up : e.fsdp.plan().units)
+    for (const auto& slot : up.params)
+      EXPECT_EQ(count_diff(e.fsdp.gather_param(slot.spec.name), now[slot.spec.name]), 0) << slot.spec.name;
+  // And the whole unit, padding included.
+  for (int u = 0; u < e.fsdp.num_units(); ++u) {
+    const auto& up = e.fsdp.plan().units[static_cast<size_t>(u)];
+    std::vector<double> h = host_copy(*e.be, e.fsdp.gather(u), up.padded_numel);
+    std::vector<double> want(static_cast<size_t>(up.padded_numel), 0.0);
+    for (const auto& slot : up.params)
+      std::copy(now[slot.spec.name].begin(), now[slot.spec.name].end(), want.begin() + slot.offset);
+    EXPECT_EQ(count_diff(h, want), 0) << up.name;
+  }
+  // Local errors (no collective involved): wrong size, unknown names.
+  EXPECT_THROW(e.fsdp.set_param("model.norm.weight", std::vector<double>(3, 1.0)), std::invalid_argument);
+  EXPECT_THROW(e.fsdp.set_param("model.nope", std::vector<double>(2, 1.0)), std::out_of_range);
+  EXPECT_THROW(e.fsdp.gather_param("model.nope"), std::out_of_range);
+  // Still in step and unchanged after the rejected calls.
+  EXPECT_EQ(count_diff(e.fsdp.gather_param("model.norm.weight"), now["model.norm.weight"]), 0);
+}
+
+TEST_F(Fsdp, ReduceScatterGradMeanAccumulatesAndSumsq) {
+  Engine e;
+  st::Comm& c = world();
+  const int W = c.world_size(), r = c.rank();
+  const auto& plan = e.fsdp.plan();
+  const int U = e.fsdp.num_units();
+  e.fsdp.zero_grads();
+
+  // Independent expected mean gradient, accumulated over rounds: mean[u][i] = sum_k (1/W) sum_q g.
+  std::vector<std::vector<double>> mean(static_cast<size_t>(U));
+  for (int u = 0; u < U; ++u) mean[static_cast<size_t>(u)].assign(static_cast<size_t>(plan.units[static_cast<size_t>(u)].numel), 0.0);
+
+  for (int round = 0; round < 2; ++round) {
+    for (int u = 0; u < U; ++u) {
+      const auto& up = plan.units[static_cast<size_t>(u)];
+      double* g = e.fsdp.full_grad(u);
+      // full_grad zeroes the whole padded buffer (it still holds the last unit's values).
+      std::vector<double> before = host_copy(*e.be, static_cast<const double*>(g), up.padded_numel);
+      EXPECT_EQ(count_diff(before, std::vector<double>(before.size(), 0.0)), 0) << "full_grad not zeroed";
+      std::vector<double> host(static_cast<size_t>(up.numel));
+      for (int64_t i = 0; i < up.numel; ++i) host[static_cast<size_t>(i)] = grad_value(r, u, i, round);
+      e.be->from_host(g, host.data(), host.size());
+      e.fsdp.reduce_scatter_grad(u);
+      for (int64_t i = 0; i < up.numel; ++i) {
+        double s = 0;
+        for (int q = 0; q < W; ++q) s += grad_value(q, u, i, round);
+        mean[static_cast<size_t>(u)][static_cast<size_t>(i)] += s / W;
+      }
+    }
+    // Every shard: the accumulated mean on [start, start+valid), zero padding.
+    for (int u = 0; u < U; ++u) {
+      const auto& up = plan.units[static_cast<size_t>(u)];
+      const auto& rs = up.ranks[static_cast<size_t>(r)];
+      std::vector<double> h = host_copy(*e.be, static_cast<const double*>(e.fsdp.grad_shard(u)), up.shard_size);
+      int64_t bad = 0, bad_pad = 0;
+      double worst = 0;
+      for (int64_t k = 0; k < rs.valid; ++k) {
+        double want = mean[static_cast<size_t>(u)][static_cast<size_t>(rs.start + k)];
+        if (!near(h[static_cast<size_t>(k)], want)) {
+          ++bad;
+          worst = std::max(worst, std::fabs(h[static_cast<size_t>(k)] - want));
+        }
+      }
+      for (int64_t k = rs.valid; k < up.shard_size; ++k)
+        if (h[static_cast<size_t>(k)] != 0.0) ++bad_pad;
+      EXPECT_EQ(bad, 0) << up.name << " round " << round << " worst abs error " << worst;
+      EXPECT_EQ(bad_pad, 0) << up.name << " round " << round << " gradient padding not zero";
+    }
+  }
+
+  // Global squared norm of the mean gradient.
+  double sumsq = e.fsdp.local_grad_sumsq();
+  c.all_reduce(&sumsq, 1, st::ReduceOp::Sum);
+  double want = 0;
+  for (const auto& m : mean)
+    for (double v : m) want += v * v;
+  EXPECT_TRUE(near(sumsq, want)) << "sum of local_grad_sumsq " << sumsq << " vs " << want;
+
+  // zero_grads clears everything.
+  e.fsdp.zero_grads();
+  double z = e.fsdp.local_grad_sumsq();
+  c.all_reduce(&z, 1, st::ReduceOp::Sum);
+  EXPECT_EQ(z, 0.0);
+}
+
+TEST_F(Fsdp, ReduceScatterGradLeavesOtherUnitsAlone) {
+  Engine e;
+  const int r = world().rank();
+  e.fsdp.zero_grads();
+  const int u = 1;  // model.layers.0
+  double* g = e.fsdp.full_grad(u);
+  const auto& up = e.fsdp.plan().units[static_cast<size_t>(u)];
+  std::vector<double> host(static_cast<size_t>(up.numel), 1.0 + r);
+  e.be->from_host(g, host.data(), host.size());
+  e.fsdp.reduce_scatter_grad(u);
+  const double mean = (world().world_size() + 1) / 2.0;  // mean of 1..W
+  for (int v = 0; v < e.fsdp.num_units(); ++v) {
+    const auto& vp = e.fsdp.plan().units[static_cast<size_t>(v)];
+    const auto& rs = vp.ranks[static_cast<size_t>(r)];
+    auto h = host_copy(*e.be, static_cast<const double*>(e.fsdp.grad_shard(v)), vp.shard_size);
+    for (int64_t k = 0; k < vp.shard_size; ++k) {
+      double want = (v == u && k < rs.valid) ? mean : 0.0;
+      EXPECT_TRUE(near(h[static_cast<size_t>(k)], want)) << vp.name << " k=" << k << " got " << h[static_cast<size_t>(k)];
+    }
+  }
+}
+
+TEST_F(Fsdp, MemoryIsShardSized) {
+  const int W = world().world_size();
+  // A bigger model: 6 units of 1001..1006 elements plus the test units.
+  auto units = test_units();
+  for (int k = 0; k < 6; ++k)
+    units.push_back({"big." + std::to_string(k), {pspec("big." + std::to_string(k) + ".w", {7, 143 + k}, st::Init::Normal)}});
+  st::ShardPlan plan = st::ShardPlan::build(units, W);
+
+  int64_t sum_shard = 0, max_padded = 0, max_shard = 0, total = 0;
+  for (const auto& up : plan.units) {
+    EXPECT_EQ(up.shard_size, std::max<int64_t>(1, (up.numel + W - 1) / W)) << up.name;
+    EXPECT_LT(up.shard_size * W - up.numel, W) << up.name;
+    sum_shard += up.shard_size;
+    max_padded = std::max(max_padded, up.padded_numel);
+    max_shard = std::max(max_shard, up.shard_size);
+    total += up.numel;
+  }
+  // O(P / W): the shards of all units hold at most P/W + one element per unit.
+  EXPECT_LE(sum_shard * W, total + W * static_cast<int64_t>(plan.units.size()));
+
+  CountingBackend<double> be;
+  {
+    st::Fsdp<double> f(be, world(), plan);
+    // Each parameter and gradient shard is exactly one allocation of shard_size elements.
+    for (int u = 0; u < f.num_units(); ++u) {
+      const auto& up = f.plan().units[static_cast<size_t>(u)];
+      auto pit = be.live.find(f.param_shard(u));
+      auto git = be.live.find(f.grad_shard(u));
+      EXPECT_TRUE(pit != be.live.end() && pit->second == static_cast<size_t>(up.shard_size)) << up.name;
+      EXPECT_TRUE(git != be.live.end() && git->second == static_cast<size_t>(up.shard_size)) << up.name;
+      EXPECT_NE(f.param_shard(u), f.grad_shard(u));
+    }
+    // Everything the engine holds: 2 * sum(S_u) for shards, plus the documented full-unit gather
+    // and gradient buffers (largest unit) and a shard-sized scratch buffer.
+    const size_t held = be.live_elements();
+    EXPECT_EQ(held, static_cast<size_t>(2 * sum_shard + 2 * max_padded + max_shard));
+    EXPECT_LE(held, static_cast<size_t>(2 * (total / W + static_cast<int64_t>(plan.units.size())) + 3 * max_padded));
+    // Using the engine allocates nothing more.
+    f.init_params(3);
+    f.zero_grads();
+    for (int u = 0; u < f.num_units(); ++u) {
+      f.gather(u);
+      f.full_grad(u);
+      f.reduce_scatter_grad(u);
+    }
+    (void)f.gather_param("big.3.w");
+    EXPECT_EQ(be.live_elements(), held);
+  }
+  EXPECT_TRUE(be.live.empty()) << "Fsdp leaked " << be.live.size() << " buffers";
+  EXPECT_EQ(be.allocs, be.frees);
+}
