@@ -43,9 +43,9 @@ run() {
 }
 
 echo "shardtrain tests ($(date -u +%Y-%m-%dT%H:%M:%SZ), $(nproc) cores)"
-run unit                      300 mpirun -np 1 "$BUILD/unit_tests"
+run unit                      300 mpirun -np 1 "$BUILD/unit_tests" --gtest_color=no
 for n in 1 2 3 4; do
-  run "mpi-np$n"              300 mpirun -np "$n" "$BUILD/mpi_tests"
+  run "mpi-np$n"              300 mpirun -np "$n" "$BUILD/mpi_tests" --gtest_color=no
 done
 for t in tests/e2e/test_*.sh; do
   run "$(basename "$t" .sh)"  600 bash "$t" "$BUILD"

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstdint>
 
 #if defined(__CUDACC__)
 #define ST_HD __host__ __device__ __forceinline__
@@ -14,8 +15,56 @@
 
 namespace shardtrain::math {
 
+ST_HD int32_t float_bits(float x) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_int(x);
+#else
+  return __builtin_bit_cast(int32_t, x);
+#endif
+}
+ST_HD float bits_float(int32_t x) {
+#if defined(__CUDA_ARCH__)
+  return __int_as_float(x);
+#else
+  return __builtin_bit_cast(float, x);
+#endif
+}
+
+// e^x in float, branch-free so that loops over it vectorize (the C library's expf does not).
+// Cody-Waite reduction x = n ln2 + r, |r| <= ln2/2, then a degree-7 polynomial for e^r (Cephes
+// expf coefficients, S. Moshier) and 2^n built in the exponent bits. Inputs are clamped to
+// [-87.3, 88] so 2^n stays a normal float: results below e^-87.3 = 1.2e-38 and above
+// e^88 = 1.7e38 saturate. Max relative error 8.3e-8 over [-87, 88] (< FLT_EPSILON), checked by
+// tests/unit/test_ops_math.cpp. NaN propagates.
+ST_HD float fast_expf(float x) {
+  x = x < -87.33654f ? -87.33654f : x;
+  x = x > 88.0f ? 88.0f : x;
+  const float shifter = 12582912.0f;  // 1.5 * 2^23: x*log2(e) + shifter rounds to an integer
+  float t = x * 1.44269504088896341f + shifter;
+  float n = t - shifter;
+  float r = x - n * 0.693359375f;  // ln 2 split in two for an exact n*ln2_hi
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500E-4f;
+  p = p * r + 1.3981999507E-3f;
+  p = p * r + 8.3334519073E-3f;
+  p = p * r + 4.1665795894E-2f;
+  p = p * r + 1.6666665459E-1f;
+  p = p * r + 5.0000001201E-1f;
+  p = p * r * r + r + 1.0f;
+  return p * bits_float((float_bits(t) - 0x4B400000 + 127) << 23);  // p * 2^n
+}
+
+// Exponential used by every kernel: fast_expf in float, the C library's exp in double (gradient
+// checks run in double and want full precision).
+ST_HD float st_exp(float x) { return fast_expf(x); }
+ST_HD double st_exp(double x) { return exp(x); }
+ST_HD float st_sqrt(float x) { return sqrtf(x); }
+ST_HD double st_sqrt(double x) { return sqrt(x); }
+ST_HD float st_pow(float x, float y) { return powf(x, y); }
+ST_HD double st_pow(double x, double y) { return pow(x, y); }
+
 // SiLU (swish): x * sigmoid(x). Ramachandran et al. 2017, "Searching for Activation Functions".
-template <typename T> ST_HD T sigmoid(T x) { return T(1) / (T(1) + exp(-x)); }
+template <typename T> ST_HD T sigmoid(T x) { return T(1) / (T(1) + st_exp(-x)); }
 template <typename T> ST_HD T silu(T x) { return x * sigmoid(x); }
 // d silu / dx = s + x s (1 - s), s = sigmoid(x).
 template <typename T> ST_HD T silu_grad(T x) {
@@ -27,8 +76,9 @@ template <typename T> ST_HD T silu_grad(T x) {
 template <typename T> ST_HD T swiglu(T gate, T up) { return silu(gate) * up; }
 // Backward of swiglu for one element: given dh, writes d gate and d up.
 template <typename T> ST_HD void swiglu_backward(T gate, T up, T dh, T* dgate, T* dup) {
-  *dgate = dh * up * silu_grad(gate);
-  *dup = dh * silu(gate);
+  T s = sigmoid(gate);  // once: silu = gate*s, silu' = s + gate*s*(1-s)
+  *dgate = dh * up * (s + gate * s * (T(1) - s));
+  *dup = dh * gate * s;
 }
 
 // RoPE rotation of one pair (x1, x2) by angle with (cos, sin), Hugging Face rotate-half convention:
@@ -46,7 +96,7 @@ template <typename T> ST_HD void rope_rotate_backward(T d1, T d2, T c, T s, T* g
 
 // RoPE inverse frequency of pair j for a head of size head_dim: theta^(-2j/head_dim).
 template <typename T> ST_HD T rope_inv_freq(int j, int head_dim, T theta) {
-  return T(1) / pow(theta, T(2 * j) / T(head_dim));
+  return T(1) / st_pow(theta, T(2 * j) / T(head_dim));
 }
 
 // AdamW update of one element (Loshchilov & Hutter 2019, "Decoupled Weight Decay
@@ -60,7 +110,7 @@ template <typename T> ST_HD void adamw(T* p, T* m, T* v, T g, T lr, T b1, T b2, 
   T vv = b2 * *v + (T(1) - b2) * g * g;
   *m = mv;
   *v = vv;
-  *p = pv - lr * (mv / bc1) / (sqrt(vv / bc2) + eps);
+  *p = pv - lr * (mv / bc1) / (st_sqrt(vv / bc2) + eps);
 }
 
 }  // namespace shardtrain::math

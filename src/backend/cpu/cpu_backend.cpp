@@ -9,6 +9,7 @@
 #include <cstring>
 #include <new>
 #include <type_traits>
+#include <vector>
 
 #include "shardtrain/backend.h"
 #include "shardtrain/ops_math.h"
@@ -78,7 +79,7 @@ template <typename T> class CpuBackend final : public Backend<T> {
       T* oi = out + static_cast<size_t>(i) * C;
       T ss = 0;
       for (int c = 0; c < C; ++c) ss += xi[c] * xi[c];
-      T r = T(1) / std::sqrt(ss / C + eps);
+      T r = T(1) / math::st_sqrt(ss / C + eps);
       for (int c = 0; c < C; ++c) oi[c] = xi[c] * r * w[c];
       rstd[i] = r;
     }
@@ -111,14 +112,11 @@ template <typename T> class CpuBackend final : public Backend<T> {
     for (int r = 0; r < R; ++r) {
       for (int t = 0; t < T_; ++t) {
         T* row = att + (static_cast<size_t>(r) * T_ + t) * T_;
-        T mx = -INFINITY;
-        for (int s = 0; s <= t; ++s) mx = std::max(mx, row[s] * scale);
+        T mx = row[0] * scale;
+        for (int s = 1; s <= t; ++s) mx = row[s] * scale > mx ? row[s] * scale : mx;
+        for (int s = 0; s <= t; ++s) row[s] = math::st_exp(row[s] * scale - mx);  // vectorized
         T sum = 0;
-        for (int s = 0; s <= t; ++s) {
-          T e = std::exp(row[s] * scale - mx);
-          row[s] = e;
-          sum += e;
-        }
+        for (int s = 0; s <= t; ++s) sum += row[s];
         T inv = T(1) / sum;
         for (int s = 0; s <= t; ++s) row[s] *= inv;
         for (int s = t + 1; s < T_; ++s) row[s] = 0;
@@ -149,19 +147,21 @@ template <typename T> class CpuBackend final : public Backend<T> {
 
   double cross_entropy(T* dlogits, const T* logits, const int32_t* tgt, int N, int V, T grad_scale) override {
     double total = 0;
+    if (!dlogits) scratch_.resize(static_cast<size_t>(V));
     for (int i = 0; i < N; ++i) {
       const T* l = logits + static_cast<size_t>(i) * V;
+      T* e = dlogits ? dlogits + static_cast<size_t>(i) * V : scratch_.data();  // may alias l
       T mx = l[0];
-      for (int v = 1; v < V; ++v) mx = std::max(mx, l[v]);
+      for (int v = 1; v < V; ++v) mx = l[v] > mx ? l[v] : mx;
+      const T lt = l[tgt[i]];  // read before e overwrites it
+      for (int v = 0; v < V; ++v) e[v] = math::st_exp(l[v] - mx);  // vectorized
       T sum = 0;
-      for (int v = 0; v < V; ++v) sum += std::exp(l[v] - mx);
-      T lse = mx + std::log(sum);
-      total += static_cast<double>(lse - l[tgt[i]]);
+      for (int v = 0; v < V; ++v) sum += e[v];
+      total += static_cast<double>(mx + std::log(sum) - lt);
       if (dlogits) {
-        T* d = dlogits + static_cast<size_t>(i) * V;
-        T inv = T(1) / sum;
-        for (int v = 0; v < V; ++v) d[v] = std::exp(l[v] - mx) * inv * grad_scale;
-        d[tgt[i]] -= grad_scale;
+        const T k = grad_scale / sum;
+        for (int v = 0; v < V; ++v) e[v] *= k;
+        e[tgt[i]] -= grad_scale;
       }
     }
     return total;
@@ -174,6 +174,7 @@ template <typename T> class CpuBackend final : public Backend<T> {
   }
 
  private:
+  std::vector<T> scratch_;  // one row of exponentials for cross_entropy without dlogits
   static void rope_apply(T* x, const T* cs, const T* sn, int B, int T_, int H, int HD, bool backward) {
     int half = HD / 2;
     for (int b = 0; b < B; ++b)

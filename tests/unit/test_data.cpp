@@ -1,0 +1,116 @@
+// Token file format and loader: round trip against the documented byte layout, deterministic
+// batches that do not depend on the world size, clear errors for bad files.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <fstream>
+#include <set>
+#include <string>
+
+#include "shardtrain/data.h"
+
+using namespace shardtrain;
+
+namespace {
+std::string tmp(const std::string& name) { return ::testing::TempDir() + "shardtrain_" + name; }
+void write(const std::string& p, const std::string& s) { std::ofstream(p, std::ios::binary) << s; }
+}  // namespace
+
+TEST(Data, TokenizerRoundTripsBytes) {
+  std::string s = "Hello, w\xc3\xb6rld!\n\t\x01\xff";
+  auto ids = ByteTokenizer::encode(s);
+  ASSERT_EQ(ids.size(), s.size());
+  EXPECT_EQ(ids[0], 'H');
+  EXPECT_EQ(ids.back(), 255);
+  ids.insert(ids.begin(), ByteTokenizer::kBos);
+  ids.push_back(ByteTokenizer::kEos);
+  EXPECT_EQ(ByteTokenizer::decode(ids), s);
+}
+
+TEST(Data, PrepareWritesDocumentedLayout) {
+  write(tmp("a.txt"), "abc");
+  write(tmp("b.txt"), "defghij");
+  auto h = prepare_token_file({tmp("a.txt"), tmp("b.txt")}, tmp("ab.tok"), 0.25);
+  // Tokens: BOS a b c EOS BOS d e f g h i j EOS = 14; val = floor(14 * 0.25) = 3.
+  EXPECT_EQ(h.n_train + h.n_val, 14u);
+  EXPECT_EQ(h.n_val, 3u);
+  std::ifstream f(tmp("ab.tok"), std::ios::binary);
+  std::string b((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  ASSERT_EQ(b.size(), 64u + 2 * 14);
+  EXPECT_EQ(b.substr(0, 8), std::string("STTOKv1\0", 8));
+  auto u16 = [&](size_t off) { return static_cast<unsigned>(static_cast<unsigned char>(b[off])) |
+                                      (static_cast<unsigned>(static_cast<unsigned char>(b[off + 1])) << 8); };
+  EXPECT_EQ(u16(12), 258u);   // vocab_size (low half of the u32)
+  EXPECT_EQ(u16(64), 256u);   // BOS
+  EXPECT_EQ(u16(66), unsigned('a'));
+  EXPECT_EQ(u16(64 + 2 * 4), 257u);  // EOS after "abc"
+  EXPECT_EQ(b.substr(48, 10), "byte-level");
+  TokenDataset ds(tmp("ab.tok"));
+  EXPECT_EQ(ds.train().size(), 11u);
+  EXPECT_EQ(ds.val().size(), 3u);
+  EXPECT_EQ(ds.val().back(), 257);
+}
+
+TEST(Data, BatchesAreDeterministicAndIndependentOfWorldSize) {
+  std::string text;
+  for (int i = 0; i < 2000; ++i) text += static_cast<char>('a' + (i * 7) % 26);
+  write(tmp("c.txt"), text);
+  prepare_token_file({tmp("c.txt")}, tmp("c.tok"), 0.1);
+  TokenDataset ds(tmp("c.tok"));
+  const int G = 12, T = 16;
+  std::vector<int32_t> all(G * T), allt(G * T);
+  fill_batch(ds, Split::Train, 7, 3, 0, G, T, all.data(), allt.data());
+  for (int W : {2, 3, 4}) {
+    for (int r = 0; r < W; ++r) {
+      int per = G / W;
+      std::vector<int32_t> tk(per * T), tg(per * T);
+      fill_batch(ds, Split::Train, 7, 3, r * per, per, T, tk.data(), tg.data());
+      for (int i = 0; i < per * T; ++i) ASSERT_EQ(tk[i], all[r * per * T + i]) << "W=" << W << " r=" << r;
+    }
+  }
+  // Targets are the next token; different steps and seeds give different batches.
+  for (int s = 0; s < G; ++s)
+    for (int t = 0; t + 1 < T; ++t) ASSERT_EQ(allt[s * T + t], all[s * T + t + 1]);
+  std::vector<int32_t> other(G * T), ot(G * T);
+  fill_batch(ds, Split::Train, 7, 4, 0, G, T, other.data(), ot.data());
+  EXPECT_NE(other, all);
+  std::set<int32_t> starts;
+  for (int s = 0; s < G; ++s) starts.insert(all[s * T] * 1000 + all[s * T + 1]);
+  EXPECT_GT(starts.size(), 1u);
+}
+
+TEST(Data, BadFilesGiveClearErrors) {
+  auto expect_msg = [](const std::string& path, const std::string& want) {
+    try {
+      TokenDataset ds(path);
+      FAIL() << "no error for " << path;
+    } catch (const std::runtime_error& e) {
+      EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
+    }
+  };
+  expect_msg(tmp("missing.tok"), "cannot open token file");
+  write(tmp("short.tok"), "STTOKv1");
+  expect_msg(tmp("short.tok"), "shorter than its 64-byte header");
+  write(tmp("d.txt"), "hello world");
+  prepare_token_file({tmp("d.txt")}, tmp("d.tok"), 0.5);
+  std::ifstream f(tmp("d.tok"), std::ios::binary);
+  std::string b((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  std::string v = b;
+  v[8] = 9;  // version 9
+  write(tmp("v.tok"), v);
+  expect_msg(tmp("v.tok"), "unknown format version 9");
+  write(tmp("trunc.tok"), b.substr(0, b.size() - 2));
+  expect_msg(tmp("trunc.tok"), "does not match header");
+  std::string big = b;
+  big[64] = '\xff';
+  big[65] = '\x7f';  // token 32767 >= vocab 258
+  write(tmp("big.tok"), big);
+  expect_msg(tmp("big.tok"), ">= vocab_size 258");
+  EXPECT_THROW(prepare_token_file({tmp("d.txt")}, tmp("x.tok"), 1.5), std::runtime_error);
+  EXPECT_THROW(prepare_token_file({tmp("nope.txt")}, tmp("x.tok"), 0.1), std::runtime_error);
+  // A split shorter than one sequence is refused by the loader.
+  TokenDataset ds(tmp("d.tok"));
+  std::vector<int32_t> a(64), t(64);
+  EXPECT_THROW(fill_batch(ds, Split::Val, 1, 0, 0, 1, 64, a.data(), t.data()), std::runtime_error);
+}
