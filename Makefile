@@ -13,12 +13,12 @@ BUILD := build
 MARCH ?= native
 CXXFLAGS ?= -O3 -g
 WARN := -Wall -Wextra -Wpedantic -Wshadow -Werror
-CPPFLAGS := -DOMPI_SKIP_MPICXX=1 -Iinclude -I/usr/include/x86_64-linux-gnu/openblas-pthread
+CPPFLAGS := -DOMPI_SKIP_MPICXX=1 -Iinclude -I/usr/include/x86_64-linux-gnu/openblas-pthread -isystem /usr/include/hdf5/openmpi
 # No errno from math functions and no FP traps: lets GCC vectorize the kernels' exp/sqrt loops.
 # Neither reorders arithmetic (no -ffast-math), so results stay deterministic and NaN propagates.
 MATHFLAGS := -fno-math-errno -fno-trapping-math
 ALL_CXXFLAGS := -std=c++20 -march=$(MARCH) $(CXXFLAGS) $(MATHFLAGS) $(WARN) -MMD -MP
-LDLIBS := -lboost_program_options -lopenblas -lpthread
+LDLIBS := -L/usr/lib/x86_64-linux-gnu/hdf5/openmpi -lhdf5 -lz -lboost_program_options -lopenblas -lpthread
 GTEST_LIBS := -lgtest -lpthread
 MPIRUN ?= mpirun --oversubscribe
 export OMPI_ALLOW_RUN_AS_ROOT := 1
@@ -32,7 +32,7 @@ UNIT_OBJS := $(UNIT_SRCS:%.cpp=$(BUILD)/%.o)
 MPI_SRCS := $(wildcard tests/mpi/*.cpp) tests/test_main.cpp
 MPI_OBJS := $(MPI_SRCS:%.cpp=$(BUILD)/%.o)
 
-.PHONY: all deps build test demo bench clean data
+.PHONY: all deps build test demo bench clean data venv
 all: build
 
 deps:
@@ -65,7 +65,15 @@ $(BUILD)/data/fortunes.tok: $(BUILD)/shardtrain
 	@for f in $(FORTUNES); do test -s $(FORTUNES_DIR)/$$f || { echo "missing $(FORTUNES_DIR)/$$f: run 'make deps'"; exit 1; }; done
 	$(BUILD)/shardtrain --mode prepare $(addprefix --input $(FORTUNES_DIR)/,$(FORTUNES)) --out $@
 
-test: deps build
+# Python clients of our files (h5py; later transformers, safetensors), from PyPI, in a venv.
+VENV := .venv
+venv: $(VENV)/.ok
+$(VENV)/.ok: tests/requirements.txt
+	python3 -m venv $(VENV)
+	$(VENV)/bin/pip install -q --disable-pip-version-check -r tests/requirements.txt
+	touch $@
+
+test: deps build venv
 	bash tests/run_all.sh
 
 demo: deps build data
@@ -75,6 +83,6 @@ bench: deps build
 	bash tests/bench/run.sh
 
 clean:
-	rm -rf $(BUILD)
+	rm -rf $(BUILD) $(VENV)
 
 -include $(shell find $(BUILD) -name '*.d' 2>/dev/null)

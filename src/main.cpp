@@ -2,7 +2,11 @@
 #include <iostream>
 #include <thread>
 
+#include <fstream>
+#include <sstream>
+
 #include "shardtrain/backend.h"
+#include "shardtrain/checkpoint.h"
 #include "shardtrain/config.h"
 #include "shardtrain/data.h"
 #include "shardtrain/options.h"
@@ -42,6 +46,54 @@ void run_train(Comm& comm, const Topology& topo, const Options& o) {
   train(comm, *be, mc, o.train, *data);
 }
 
+// --mode inspect: step, world size, config and per-unit shard tables of a checkpoint; optionally
+// one parameter gathered at the current world size and written as raw float32.
+void run_inspect(Comm& comm, const Options& o) {
+  CheckpointInfo info = read_checkpoint_info(comm, o.checkpoint);
+  std::ostringstream os;
+  os << "checkpoint " << info.path << "\n"
+     << "  format_version " << info.format_version << ", " << info.program_version << "\n"
+     << "  step " << info.step << ", tokens_seen " << info.tokens_seen << ", world_size " << info.world_size << "\n"
+     << "  model_config " << info.model_config << "\n"
+     << "  train_config " << info.train_config << "\n"
+     << "  data_position " << info.data_position << ", rng_state " << info.rng_state << "\n";
+  for (auto& u : info.units) {
+    os << "  unit " << u.name << ": numel " << u.numel << ", shard_size " << u.shard_size << ", padded_numel "
+       << u.padded_numel << "\n";
+    for (auto& p : u.params) {
+      os << "    param " << p.spec.name << " [";
+      for (size_t i = 0; i < p.spec.shape.size(); ++i) os << (i ? ", " : "") << p.spec.shape[i];
+      os << "] offset " << p.offset << " numel " << p.numel << "\n";
+    }
+    for (size_t r = 0; r < u.ranks.size(); ++r)
+      os << "    rank " << r << ": start " << u.ranks[r].start << ", valid " << u.ranks[r].valid << ", padding "
+         << u.ranks[r].padding << "\n";
+  }
+  log_info(comm, os.str());
+  if (o.dump_param.empty()) return;
+  ModelConfig mc = from_canonical_json(info.model_config);
+  auto be = make_cpu_backend<float>();
+  Fsdp<float> f(*be, comm, ShardPlan::build(llama_units(mc), comm.world_size()));
+  load_checkpoint(comm, o.checkpoint, f, nullptr, mc);
+  std::vector<float> v;
+  agree(comm, [&] {  // check the name on every rank before the collective gather
+    bool found = false;
+    for (auto& u : f.plan().units)
+      for (auto& p : u.params) found = found || p.spec.name == o.dump_param;
+    if (!found) throw std::runtime_error("option '--dump-param': no parameter named '" + o.dump_param + "'");
+  });
+  v = f.gather_param(o.dump_param);
+  std::string err;
+  if (comm.rank() == 0) {
+    std::ofstream out(o.dump_out, std::ios::binary | std::ios::trunc);
+    out.write(reinterpret_cast<const char*>(v.data()), static_cast<std::streamsize>(v.size() * sizeof(float)));
+    if (!out) err = "cannot write '" + o.dump_out + "' (option '--dump-out')";
+  }
+  all_ok(comm, err.empty(), err);
+  log_info(comm, "wrote " + o.dump_param + " (" + std::to_string(v.size()) + " float32, gathered over " +
+                     std::to_string(comm.world_size()) + " ranks) to " + o.dump_out);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -55,6 +107,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (o.mode == "prepare") run_prepare(comm, o);
+    else if (o.mode == "inspect") run_inspect(comm, o);
     else run_train(comm, topo, o);
     comm.barrier();
     return 0;

@@ -16,7 +16,7 @@ namespace shardtrain {
 struct Options {
   bool help = false;
   std::string help_text;
-  std::string mode = "train";     // train | prepare
+  std::string mode = "train";     // train | prepare | inspect
   std::string config_file;        // INI job file
   std::string model = "demo";     // preset name or path to a Hugging Face config.json
   std::string data;               // token file (train)
@@ -24,6 +24,9 @@ struct Options {
   std::string out;                // token file to write (prepare)
   double val_fraction = 0.1;
   int threads = 0;                // OpenBLAS threads per rank, 0 = cores on node / ranks on node
+  std::string checkpoint;         // inspect: the checkpoint file (also positional)
+  std::string dump_param;         // inspect: write this gathered parameter ...
+  std::string dump_out;           // ... to this file (raw float32, little-endian)
   TrainConfig train;
 };
 

@@ -53,6 +53,10 @@ class Comm {
 
   virtual void barrier() = 0;
 
+  // The MPI communicator (an MPI_Comm, as void*) spanning the same ranks, for host-side parallel
+  // I/O (MPI-IO under HDF5). Every Comm implementation has one, NCCL's included.
+  virtual void* mpi_handle() const = 0;
+
   // Convenience: broadcast a string of any length from root (length first, then bytes).
   std::string broadcast_string(const std::string& s, int root);
 
@@ -78,6 +82,7 @@ class MpiComm final : public Comm {
   int rank() const override { return rank_; }
   int world_size() const override { return size_; }
   void barrier() override;
+  void* mpi_handle() const override { return comm_; }
 
  private:
   MpiComm() = default;

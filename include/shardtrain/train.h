@@ -31,6 +31,13 @@ struct TrainConfig {
   int64_t eval_every = 100;    // steps between evaluations; 0 = only at the end
   int eval_batches = 4;        // global batches of the validation split per evaluation
   std::string metrics_path;    // JSON lines, rank 0; empty = none
+  // Checkpoints (docs/checkpoint-format.md).
+  std::string checkpoint_dir;  // empty: no checkpoints
+  int64_t checkpoint_every = 0;  // steps between saves; 0: only at the end
+  int keep_last = 0;           // published checkpoints kept; 0: all
+  std::string resume;          // "" (fresh), "auto" (newest in checkpoint_dir, if any), or a path
+  int64_t stop_at_step = 0;    // stop (and save) after this step, keeping the schedule of `steps`; 0: run to `steps`
+  int64_t debug_crash_before_publish = 0;  // test hook (see CheckpointOptions)
 };
 
 // Learning rate at 0-based step s: linear warm-up lr*(s+1)/warmup for s < warmup, then cosine
@@ -72,8 +79,10 @@ struct TrainResult {
   double tokens_per_s = 0;     // global tokens / train_seconds
 };
 
-// Collective. Trains `model_cfg` on `data` with `tc` from a fresh init. Throws CollectiveError
-// (same message on every rank) if the batch geometry does not fit the world size or the data.
+// Collective. Trains `model_cfg` on `data` with `tc`, from a fresh init or from the checkpoint
+// named by tc.resume (any world size). Saves checkpoints as tc asks. Throws CollectiveError (same
+// message on every rank) if the batch geometry does not fit the world size or the data, or a
+// checkpoint cannot be read or written.
 TrainResult train(Comm& comm, Backend<float>& be, const ModelConfig& model_cfg, const TrainConfig& tc,
                   const TokenDataset& data);
 

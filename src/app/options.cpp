@@ -15,7 +15,7 @@ po::options_description describe(Options& o) {
   gen.add_options()
       ("help,h", "print this help and exit")
       ("config", po::value<std::string>(&o.config_file), "INI job file (key = value, long option names); the command line overrides it")
-      ("mode", po::value<std::string>(&o.mode)->default_value(o.mode), "job to run: train | prepare")
+      ("mode", po::value<std::string>(&o.mode)->default_value(o.mode), "job to run: train | prepare | inspect")
       ("threads", po::value<int>(&o.threads)->default_value(o.threads), "OpenBLAS threads per rank; 0 = cores on the node / ranks on the node");
   po::options_description data("Data (--mode prepare)");
   data.add_options()
@@ -45,9 +45,20 @@ po::options_description describe(Options& o) {
       ("eval-every", po::value<int64_t>(&t.eval_every)->default_value(t.eval_every), "steps between validation evaluations; 0 = only at the end")
       ("eval-batches", po::value<int>(&t.eval_batches)->default_value(t.eval_batches), "global batches of the validation split per evaluation")
       ("metrics", po::value<std::string>(&t.metrics_path), "JSON-lines metrics file written by rank 0");
+  po::options_description ck("Checkpoints");
+  ck.add_options()
+      ("checkpoint-dir", po::value<std::string>(&t.checkpoint_dir), "directory of HDF5 checkpoints (step_N.h5 and a 'latest' pointer); empty: none")
+      ("checkpoint-every", po::value<int64_t>(&t.checkpoint_every)->default_value(t.checkpoint_every), "steps between checkpoints; 0 = only at the end of training")
+      ("keep-last", po::value<int>(&t.keep_last)->default_value(t.keep_last), "published checkpoints to keep, older ones are deleted after a save; 0 = keep all")
+      ("resume", po::value<std::string>(&t.resume), "'auto' (newest checkpoint in --checkpoint-dir, if any) or a checkpoint file; at any world size")
+      ("stop-at-step", po::value<int64_t>(&t.stop_at_step)->default_value(t.stop_at_step), "stop and save after this step, keeping the LR schedule of --steps; 0 = run to --steps")
+      ("checkpoint", po::value<std::string>(&o.checkpoint), "checkpoint file for --mode inspect (also the positional argument)")
+      ("dump-param", po::value<std::string>(&o.dump_param), "inspect: gather this parameter (canonical name) ...")
+      ("dump-out", po::value<std::string>(&o.dump_out), "inspect: ... and write it to this file as raw little-endian float32")
+      ("debug-crash-before-publish", po::value<int64_t>(&t.debug_crash_before_publish)->default_value(0), "testing: exit with status 86 after writing the checkpoint of this step, before publishing it");
   po::options_description all("shardtrain: fully sharded (FSDP / ZeRO-3) Llama training over MPI\n\n"
                               "Usage: mpirun -np N shardtrain [--config JOB.ini] [options]\n");
-  all.add(gen).add(data).add(model).add(tr);
+  all.add(gen).add(data).add(model).add(tr).add(ck);
   return all;
 }
 
@@ -57,7 +68,14 @@ void check(bool ok, const std::string& opt, const std::string& what) {
 
 void validate(const Options& o) {
   const TrainConfig& t = o.train;
-  check(o.mode == "train" || o.mode == "prepare", "mode", "must be train or prepare, got '" + o.mode + "'");
+  check(o.mode == "train" || o.mode == "prepare" || o.mode == "inspect", "mode",
+        "must be train, prepare or inspect, got '" + o.mode + "'");
+  check(t.checkpoint_every >= 0, "checkpoint-every", "must be >= 0");
+  check(t.keep_last >= 0, "keep-last", "must be >= 0");
+  check(t.stop_at_step >= 0, "stop-at-step", "must be >= 0");
+  if (t.resume == "auto") check(!t.checkpoint_dir.empty(), "resume", "auto needs '--checkpoint-dir'");
+  if (o.mode == "inspect") check(!o.checkpoint.empty(), "checkpoint", "is required with --mode inspect (or give the file as an argument)");
+  if (!o.dump_param.empty()) check(!o.dump_out.empty(), "dump-out", "is required with --dump-param");
   check(o.threads >= 0, "threads", "must be >= 0");
   check(o.val_fraction > 0 && o.val_fraction < 1, "val-fraction", "must be in (0, 1)");
   check(t.seq_len >= 1, "seq-len", "must be >= 1");
@@ -90,7 +108,9 @@ Options parse_options(Comm& comm, int argc, char** argv) {
   std::string err;
   // Command line first (values stored first win in Boost), on every rank: argv is the same.
   try {
-    po::store(po::parse_command_line(argc, argv, desc), vm);
+    po::positional_options_description pos;
+    pos.add("checkpoint", 1);
+    po::store(po::command_line_parser(argc, argv).options(desc).positional(pos).run(), vm);
   } catch (const std::exception& e) {
     err = std::string(e.what());
   }

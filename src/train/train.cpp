@@ -2,6 +2,8 @@
 // get batch, forward, backward (reduce-scatter), clip, step, log, evaluate.
 #include "shardtrain/train.h"
 
+#include "shardtrain/checkpoint.h"
+
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -100,11 +102,37 @@ TrainResult train(Comm& comm, Backend<float>& be, const ModelConfig& mc, const T
   f.init_params(tc.seed);
   LlamaModel<float> model(mc, be);
   AdamW<float> opt(f, tc);
+  const CheckpointOptions co{tc.checkpoint_dir, tc.checkpoint_every, tc.keep_last, tc.debug_crash_before_publish};
+
+  // Resume: parameters, AdamW moments, step (= data position and LR schedule position), seed.
+  TrainState state{0, 0, tc.seed, 0};
+  const std::string resume_path = resolve_resume(comm, tc.resume, tc.checkpoint_dir);
+  if (!resume_path.empty()) {
+    auto t0 = clock::now();
+    state = load_checkpoint(comm, resume_path, f, &opt, mc);
+    double dt = std::chrono::duration<double>(clock::now() - t0).count();
+    double mbytes = 3.0 * 4.0 * static_cast<double>(f.plan().total_numel()) / 1e6;
+    log_info(comm, "resumed from '" + resume_path + "' at step " + std::to_string(state.step) + " (saved at world size " +
+                       std::to_string(state.saved_world_size) + ") in " + fmt("%.2f", dt) + " s, " +
+                       fmt("%.0f", mbytes / dt) + " MB/s incl. CRC32 verification");
+    if (state.seed != tc.seed)
+      log_info(comm, "note: using the checkpoint's seed " + std::to_string(state.seed) + " (option '--seed' is " +
+                         std::to_string(tc.seed) + ")");
+  } else if (tc.resume == "auto") {
+    log_info(comm, "no checkpoint in '" + tc.checkpoint_dir + "': starting from step 0");
+  }
+  const uint64_t seed = state.seed;
+  TrainConfig tcs = tc;  // the run's effective config: the checkpoint's seed wins
+  tcs.seed = seed;
+  if (state.step >= tc.steps)
+    throw CollectiveError(0, "checkpoint is at step " + std::to_string(state.step) + ", not before option '--steps' (" +
+                                 std::to_string(tc.steps) + "): nothing to train");
+  const int64_t last_step = tc.stop_at_step > 0 ? std::min(tc.stop_at_step, tc.steps) : tc.steps;
 
   std::ofstream metrics;
   bool metrics_ok = true;
   if (rank == 0 && !tc.metrics_path.empty()) {
-    metrics.open(tc.metrics_path, std::ios::trunc);
+    metrics.open(tc.metrics_path, resume_path.empty() ? std::ios::trunc : std::ios::app);
     metrics_ok = static_cast<bool>(metrics);
   }
   all_ok(comm, metrics_ok, "cannot write metrics file '" + tc.metrics_path + "' (option '--metrics')");
@@ -122,12 +150,22 @@ TrainResult train(Comm& comm, Backend<float>& be, const ModelConfig& mc, const T
   int64_t interval_steps = 0;
   auto t_start = clock::now();
 
-  for (int64_t s = 0; s < tc.steps; ++s) {
+  auto save = [&](int64_t step) {
+    auto t0 = clock::now();
+    TrainState st{step, step * static_cast<int64_t>(tokens_per_step), seed, W};
+    std::string p = save_checkpoint(comm, f, opt, mc, tcs, st, co);
+    double dt = std::chrono::duration<double>(clock::now() - t0).count();
+    double mbytes = 3.0 * 4.0 * static_cast<double>(f.plan().total_numel()) / 1e6;
+    log_info(comm, "checkpoint: saved '" + p + "' (" + fmt("%.1f", mbytes) + " MB of parameters + AdamW state) in " +
+                       fmt("%.2f", dt) + " s, " + fmt("%.0f", mbytes / dt) + " MB/s");
+  };
+
+  for (int64_t s = state.step; s < last_step; ++s) {
     auto t0 = clock::now();
     f.zero_grads();
     double loss_sum = 0;
     for (int m = 0; m < accum; ++m) {
-      fill_batch(data, Split::Train, tc.seed, s, rank * per_rank + m * mb, mb, tc.seq_len, tok.data(), tgt.data());
+      fill_batch(data, Split::Train, seed, s, rank * per_rank + m * mb, mb, tc.seq_len, tok.data(), tgt.data());
       loss_sum += model.forward(f, tok.data(), tgt.data(), mb, tc.seq_len, true, grad_scale);
       model.backward(f);  // reduce-scatters each unit's gradient (mean over ranks) into its shard
     }
@@ -143,7 +181,7 @@ TrainResult train(Comm& comm, Backend<float>& be, const ModelConfig& mc, const T
     ++interval_steps;
 
     StepLog sl{s + 1, loss, lr, gnorm, 0, std::chrono::duration<double>(clock::now() - t_start).count()};
-    if ((s + 1) % tc.log_every == 0 || s + 1 == tc.steps || s == 0) {
+    if ((s + 1) % tc.log_every == 0 || s + 1 == last_step || s == state.step) {
       sl.tokens_per_s = tokens_per_step * static_cast<double>(interval_steps) / interval_s;
       interval_s = 0;
       interval_steps = 0;
@@ -158,17 +196,20 @@ TrainResult train(Comm& comm, Backend<float>& be, const ModelConfig& mc, const T
     }
     res.steps.push_back(sl);
 
-    bool last = s + 1 == tc.steps;
+    bool last = s + 1 == last_step;
     if ((tc.eval_every > 0 && (s + 1) % tc.eval_every == 0) || last) {
-      double vl = evaluate(comm, model, f, data, tc, tc.eval_batches);
+      double vl = evaluate(comm, model, f, data, tcs, tc.eval_batches);
       res.evals.push_back({s + 1, vl});
       log_info(comm, "eval step " + std::to_string(s + 1) + " | val_loss " + fmt("%.4f", vl));
       if (metrics.is_open()) metrics << nlohmann::json({{"step", s + 1}, {"val_loss", vl}}).dump() << "\n" << std::flush;
     }
+    if (!tc.checkpoint_dir.empty() && ((tc.checkpoint_every > 0 && (s + 1) % tc.checkpoint_every == 0) || last))
+      save(s + 1);
   }
   res.train_seconds = train_s;
-  res.tokens_per_s = tokens_per_step * static_cast<double>(tc.steps) / train_s;
-  log_info(comm, "done: " + std::to_string(tc.steps) + " steps in " + fmt("%.1f", train_s) + " s of training, " +
+  const int64_t ran = last_step - state.step;
+  res.tokens_per_s = tokens_per_step * static_cast<double>(ran) / train_s;
+  log_info(comm, "done: " + std::to_string(ran) + " steps in " + fmt("%.1f", train_s) + " s of training, " +
                      fmt("%.0f", res.tokens_per_s) + " tok/s" +
                      (res.evals.empty() ? std::string() : ", final val_loss " + fmt("%.4f", res.evals.back().val_loss)));
   return res;

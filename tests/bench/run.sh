@@ -45,3 +45,19 @@ for np in 1 2; do
     --metrics "$OUT/fortunes-np$np.jsonl" >"$OUT/fortunes-np$np.log" 2>&1
   summary "fortunes-np$np" $np "$OUT/fortunes-np$np.jsonl"
 done
+
+# 3. Checkpoint save/load: ~10.4M parameters = 125 MB of parameters + AdamW moments, 2 ranks, next
+#    to the disk's raw sequential write speed (dd with fdatasync).
+cat >"$OUT/ckpt-model.json" <<'J'
+{"vocab_size": 258, "hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 3,
+ "num_attention_heads": 8, "max_position_embeddings": 64, "tie_word_embeddings": true,
+ "bos_token_id": 256, "eos_token_id": 257}
+J
+rm -rf "$OUT/ckpt"
+for i in 1 2 3; do
+  mpirun -np 2 $BIN --model "$OUT/ckpt-model.json" --data build/data/fortunes.tok --seq-len 16 --global-batch 2 \
+    --steps $((i + 1)) --stop-at-step $i --eval-batches 1 --checkpoint-dir "$OUT/ckpt" ${RESUME:-} 2>&1 | grep -E "^(checkpoint|resumed)"
+  RESUME="--resume auto"
+done
+dd if=/dev/zero of="$OUT/dd.bin" bs=1M count=256 conv=fdatasync 2>&1 | tail -1 | sed 's/^/dd (256 MiB, conv=fdatasync): /'
+rm -f "$OUT/dd.bin"

@@ -34,3 +34,9 @@ expect_fail() {
   done
   echo "ok: $name -> $(grep -m1 'error \[rank 0' "$log" | cut -c1-160)"
 }
+
+ROOT=$(realpath "$(dirname "${BASH_SOURCE[0]}")/../..")
+PY=$ROOT/.venv/bin/python  # h5py, numpy (make venv)
+
+# losses FILE: the training losses of a metrics file, one per line, full precision.
+losses() { "$PY" -c 'import json,sys; [print(repr(json.loads(l)["loss"])) for l in open(sys.argv[1]) if "\"loss\"" in l]' "$1"; }

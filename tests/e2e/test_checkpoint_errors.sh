@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Damaged or mismatched checkpoints: every rank exits non-zero with the same message naming the
+# file and the unit/tensor, well inside a timeout; nothing hangs.
+source "$(dirname "$0")/common.sh"
+DATA=$(test_corpus)
+ARGS=(--model tiny --data "$DATA" --seq-len 16 --global-batch 6 --steps 4 --eval-every 0 --eval-batches 1 --threads 1)
+timeout -k 5 120 $MPIRUN -np 2 "$BIN" "${ARGS[@]}" --checkpoint-dir "$WORK/ck" --stop-at-step 2 >"$WORK/make.log" 2>&1 \
+  || { cat "$WORK/make.log"; fail "making the checkpoint"; }
+GOOD=$WORK/ck/step_00000002.h5
+variant() { cp "$GOOD" "$WORK/$1.h5"; echo "$WORK/$1.h5"; }
+
+T=$(variant truncated); truncate -s $(($(stat -c %s "$GOOD") / 2)) "$T"
+expect_fail truncated "checkpoint '$T'" 3 "${ARGS[@]}" --resume "$T"
+grep -q "truncated\|damaged\|cannot open" "$WORK/truncated.log" || fail "truncated: message does not say the file is damaged"
+
+F=$(variant flipped)
+"$PY" - "$F" <<'PY'
+import sys, h5py
+path = sys.argv[1]
+with h5py.File(path, "r") as f:
+    d = f["units/model.layers.1/adam_v"]
+    off = d.id.get_offset() + 4 * (d.shape[0] // 2)
+with open(path, "r+b") as fh:
+    fh.seek(off); b = bytearray(fh.read(4)); fh.seek(off); fh.write(bytes(x ^ 0x5A for x in b))
+PY
+expect_fail flipped_bytes "dataset 'units/model.layers.1/adam_v'" 3 "${ARGS[@]}" --resume "$F"
+grep -q "fails its CRC32 check" "$WORK/flipped_bytes.log" || fail "flipped bytes: no CRC32 message"
+
+V=$(variant version); "$PY" -c 'import h5py,sys; f=h5py.File(sys.argv[1],"r+"); f.attrs["format_version"]=99' "$V"
+expect_fail wrong_version "checkpoint '$V': unknown format version 99 (this program reads version 1)" 3 "${ARGS[@]}" --resume "$V"
+
+U=$(variant unit); "$PY" -c 'import h5py,sys; f=h5py.File(sys.argv[1],"r+"); del f["units/model.layers.1"]' "$U"
+expect_fail missing_unit "checkpoint '$U': missing unit 'model.layers.1'" 3 "${ARGS[@]}" --resume "$U"
+
+S=$(variant shape)
+"$PY" - "$S" <<'PY'
+import sys, h5py
+f = h5py.File(sys.argv[1], "r+")
+t = f["units/model.layers.0/param_table"][:]
+i = [r["name"].decode() for r in t].index("model.layers.0.mlp.up_proj.weight")
+t[i]["shape"][0] += 1
+f["units/model.layers.0/param_table"][...] = t
+PY
+expect_fail wrong_shape "tensor 'model.layers.0.mlp.up_proj.weight' has shape [65, 32] in the file, expected [64, 32]" 3 "${ARGS[@]}" --resume "$S"
+
+expect_fail config_mismatch "checkpoint '$GOOD': model config does not match the requested one (" 3 \
+  --model test-uneven --data "$DATA" --seq-len 16 --global-batch 6 --steps 4 --threads 1 --resume "$GOOD"
+grep -q "hidden_size: checkpoint has 32, requested 50" "$WORK/config_mismatch.log" || fail "config mismatch: no key named"
+
+printf 'not hdf5\n' >"$WORK/text.h5"
+expect_fail not_hdf5 "checkpoint '$WORK/text.h5': not an HDF5 file" 3 "${ARGS[@]}" --resume "$WORK/text.h5"
+expect_fail missing_file "checkpoint '$WORK/none.h5' (option '--resume'): no such file" 3 "${ARGS[@]}" --resume "$WORK/none.h5"
+expect_fail inspect_missing "checkpoint '$WORK/none.h5': no such file" 2 --mode inspect "$WORK/none.h5"
+chmod 500 "$WORK/ck"
+if [ "$(id -u)" -ne 0 ]; then  # root ignores directory permissions
+  expect_fail unwritable_dir "is not writable" 2 "${ARGS[@]}" --checkpoint-dir "$WORK/ck"
+fi
+chmod 700 "$WORK/ck"
+: >"$WORK/afile"
+expect_fail dir_is_file "cannot create checkpoint directory '$WORK/afile/sub'" 2 "${ARGS[@]}" --checkpoint-dir "$WORK/afile/sub"
+# The good checkpoint is untouched by all of the above and still loads.
+timeout -k 5 60 $MPIRUN -np 3 "$BIN" "${ARGS[@]}" --resume "$GOOD" >"$WORK/ok.log" 2>&1 || { cat "$WORK/ok.log"; fail "good checkpoint no longer loads"; }
+echo "ok: the original checkpoint still loads at 3 ranks"
