@@ -50,6 +50,9 @@ template <typename T> class LlamaModel {
   std::vector<T> logits();
 
   const ModelConfig& config() const { return c_; }
+  // Allocates the activation buffers for micro-batches of B x T_ tokens (forward does it lazily).
+  // Throws std::bad_alloc.
+  void reserve(int B, int T_) { ensure(B, T_); }
 
  private:
   struct Layer {  // saved activations of one block

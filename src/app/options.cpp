@@ -2,6 +2,8 @@
 #include "shardtrain/options.h"
 
 #include <boost/program_options.hpp>
+#include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -9,6 +11,13 @@ namespace shardtrain {
 namespace po = boost::program_options;
 
 namespace {
+// default_value for doubles shown as typed (0.1, not 0.10000000000000001).
+po::typed_value<double>* dbl(double* v) {
+  std::ostringstream os;
+  os << *v;
+  return po::value<double>(v)->default_value(*v, os.str());
+}
+
 po::options_description describe(Options& o) {
   TrainConfig& t = o.train;
   po::options_description gen("General");
@@ -21,7 +30,7 @@ po::options_description describe(Options& o) {
   data.add_options()
       ("input", po::value<std::vector<std::string>>(&o.inputs)->multitoken(), "text file(s) to tokenize, one document each (repeatable)")
       ("out", po::value<std::string>(&o.out), "token file to write")
-      ("val-fraction", po::value<double>(&o.val_fraction)->default_value(o.val_fraction), "fraction of tokens (the last ones) held out for validation, in (0, 1)");
+      ("val-fraction", dbl(&o.val_fraction), "fraction of tokens (the last ones) held out for validation, in (0, 1)");
   po::options_description model("Model");
   model.add_options()
       ("model", po::value<std::string>(&o.model)->default_value(o.model), "preset name (tiny, test-uneven, demo, llama-125m, llama-350m) or path to a Hugging Face config.json of a LlamaForCausalLM");
@@ -32,14 +41,14 @@ po::options_description describe(Options& o) {
       ("global-batch", po::value<int>(&t.global_batch)->default_value(t.global_batch), "sequences per optimizer step over all ranks; divisible by world size x micro-batch")
       ("micro-batch", po::value<int>(&t.micro_batch)->default_value(t.micro_batch), "sequences per rank per forward/backward; 0 = global-batch / world size (no accumulation)")
       ("steps", po::value<int64_t>(&t.steps)->default_value(t.steps), "optimizer steps")
-      ("lr", po::value<double>(&t.lr)->default_value(t.lr), "peak learning rate")
-      ("min-lr", po::value<double>(&t.min_lr)->default_value(t.min_lr), "learning rate at the end of the cosine decay")
+      ("lr", dbl(&t.lr), "peak learning rate")
+      ("min-lr", dbl(&t.min_lr), "learning rate at the end of the cosine decay")
       ("warmup", po::value<int64_t>(&t.warmup)->default_value(t.warmup), "linear warm-up, steps")
       ("beta1", po::value<double>(&t.beta1)->default_value(t.beta1), "AdamW beta1, in [0, 1)")
       ("beta2", po::value<double>(&t.beta2)->default_value(t.beta2), "AdamW beta2, in [0, 1)")
-      ("adam-eps", po::value<double>(&t.eps)->default_value(t.eps), "AdamW epsilon")
-      ("weight-decay", po::value<double>(&t.weight_decay)->default_value(t.weight_decay), "AdamW decoupled weight decay (not on norm weights)")
-      ("clip", po::value<double>(&t.clip)->default_value(t.clip), "max global gradient L2 norm; 0 disables clipping")
+      ("adam-eps", dbl(&t.eps), "AdamW epsilon")
+      ("weight-decay", dbl(&t.weight_decay), "AdamW decoupled weight decay (not on norm weights)")
+      ("clip", dbl(&t.clip), "max global gradient L2 norm; 0 disables clipping")
       ("seed", po::value<uint64_t>(&t.seed)->default_value(t.seed), "seed of the init and of the data order")
       ("log-every", po::value<int64_t>(&t.log_every)->default_value(t.log_every), "steps between log lines")
       ("eval-every", po::value<int64_t>(&t.eval_every)->default_value(t.eval_every), "steps between validation evaluations; 0 = only at the end")
@@ -56,8 +65,9 @@ po::options_description describe(Options& o) {
       ("dump-param", po::value<std::string>(&o.dump_param), "inspect: gather this parameter (canonical name) ...")
       ("dump-out", po::value<std::string>(&o.dump_out), "inspect: ... and write it to this file as raw little-endian float32")
       ("debug-crash-before-publish", po::value<int64_t>(&t.debug_crash_before_publish)->default_value(0), "testing: exit with status 86 after writing the checkpoint of this step, before publishing it");
-  po::options_description all("shardtrain: fully sharded (FSDP / ZeRO-3) Llama training over MPI\n\n"
-                              "Usage: mpirun -np N shardtrain [--config JOB.ini] [options]\n");
+  po::options_description all(
+      "shardtrain: fully sharded (FSDP / ZeRO-3) Llama training over MPI.\n"
+      "Usage: mpirun -np N shardtrain [--config JOB.ini] [options]   (command line overrides the job file)");
   all.add(gen).add(data).add(model).add(tr).add(ck);
   return all;
 }
@@ -65,6 +75,8 @@ po::options_description describe(Options& o) {
 void check(bool ok, const std::string& opt, const std::string& what) {
   if (!ok) throw std::invalid_argument("option '--" + opt + "' " + what);
 }
+void finite(double v, const std::string& opt) { check(std::isfinite(v), opt, "must be a finite number"); }
+
 
 void validate(const Options& o) {
   const TrainConfig& t = o.train;
@@ -76,7 +88,10 @@ void validate(const Options& o) {
   if (t.resume == "auto") check(!t.checkpoint_dir.empty(), "resume", "auto needs '--checkpoint-dir'");
   if (o.mode == "inspect") check(!o.checkpoint.empty(), "checkpoint", "is required with --mode inspect (or give the file as an argument)");
   if (!o.dump_param.empty()) check(!o.dump_out.empty(), "dump-out", "is required with --dump-param");
-  check(o.threads >= 0, "threads", "must be >= 0");
+  check(o.threads >= 0 && o.threads <= 1024, "threads", "must be in [0, 1024]");
+  for (auto [v, n] : {std::pair{o.val_fraction, "val-fraction"}, {t.lr, "lr"}, {t.min_lr, "min-lr"}, {t.beta1, "beta1"},
+                      {t.beta2, "beta2"}, {t.eps, "adam-eps"}, {t.weight_decay, "weight-decay"}, {t.clip, "clip"}})
+    finite(v, n);
   check(o.val_fraction > 0 && o.val_fraction < 1, "val-fraction", "must be in (0, 1)");
   check(t.seq_len >= 1, "seq-len", "must be >= 1");
   check(t.global_batch >= 1, "global-batch", "must be >= 1");
@@ -122,7 +137,8 @@ Options parse_options(Comm& comm, int argc, char** argv) {
     std::string rerr;
     if (comm.rank() == 0) {
       std::ifstream f(cfg);
-      if (!f) rerr = "cannot read job file '" + cfg + "' (option '--config')";
+      std::error_code ec;
+      if (!f || !std::filesystem::is_regular_file(cfg, ec)) rerr = "cannot read job file '" + cfg + "' (option '--config'): not a readable file";
       std::stringstream ss;
       ss << f.rdbuf();
       text = ss.str();

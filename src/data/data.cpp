@@ -1,5 +1,6 @@
 // Byte tokenizer, token file writer/reader, deterministic batch sampling.
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <stdexcept>
@@ -47,7 +48,9 @@ TokenFileHeader prepare_token_file(const std::vector<std::string>& inputs, const
   std::vector<uint16_t> toks;
   for (const auto& path : inputs) {
     std::ifstream f(path, std::ios::binary);
-    if (!f) throw std::runtime_error("cannot read input text '" + path + "'");
+    std::error_code ec;
+    if (!f) throw std::runtime_error("cannot read input text '" + path + "' (option '--input')");
+    if (std::filesystem::is_directory(path, ec)) throw std::runtime_error("input text '" + path + "' is a directory");
     std::stringstream ss;
     ss << f.rdbuf();
     std::string text = ss.str();
@@ -59,6 +62,18 @@ TokenFileHeader prepare_token_file(const std::vector<std::string>& inputs, const
   TokenFileHeader h;
   h.n_val = static_cast<uint64_t>(static_cast<double>(toks.size()) * val_fraction);
   h.n_train = toks.size() - h.n_val;
+  if (h.n_val < 2 || h.n_train < 2)
+    throw std::runtime_error("option '--val-fraction' " + (std::ostringstream() << val_fraction).str() + " leaves " +
+                             std::to_string(h.n_train) + " train and " + std::to_string(h.n_val) +
+                             " validation tokens; each split needs at least 2");
+  {
+    std::error_code ec;
+    if (std::filesystem::is_directory(out_path, ec))
+      throw std::runtime_error("option '--out': '" + out_path + "' is a directory");
+    for (const auto& in : inputs)
+      if (std::filesystem::equivalent(in, out_path, ec))
+        throw std::runtime_error("option '--out': '" + out_path + "' is also an input; refusing to overwrite it");
+  }
   std::string b(kMagic, 8);
   put<uint32_t>(b, h.version);
   put<uint32_t>(b, h.vocab_size);
@@ -76,18 +91,26 @@ TokenFileHeader prepare_token_file(const std::vector<std::string>& inputs, const
   std::string tmp = out_path + ".tmp";
   {
     std::ofstream o(tmp, std::ios::binary | std::ios::trunc);
-    if (!o) throw std::runtime_error("cannot write token file '" + tmp + "'");
+    if (!o) throw std::runtime_error("cannot write token file '" + out_path + "' (option '--out')");
     o.write(b.data(), static_cast<std::streamsize>(b.size()));
-    if (!o) throw std::runtime_error("write failed for token file '" + tmp + "'");
+    o.flush();
+    if (!o) {
+      std::remove(tmp.c_str());
+      throw std::runtime_error("write failed for token file '" + out_path + "' (option '--out'; disk full?)");
+    }
   }
-  if (std::rename(tmp.c_str(), out_path.c_str()) != 0)
-    throw std::runtime_error("cannot rename '" + tmp + "' to '" + out_path + "'");
+  if (std::rename(tmp.c_str(), out_path.c_str()) != 0) {
+    std::remove(tmp.c_str());
+    throw std::runtime_error("cannot rename '" + tmp + "' to '" + out_path + "' (option '--out')");
+  }
   return h;
 }
 
 TokenDataset::TokenDataset(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
+  std::error_code ec;
   if (!f) throw std::runtime_error("cannot open token file '" + path + "' (make one with --mode prepare)");
+  if (std::filesystem::is_directory(path, ec)) throw std::runtime_error("token file '" + path + "' is a directory");
   std::stringstream ss;
   ss << f.rdbuf();
   const std::string b = ss.str();
@@ -105,7 +128,8 @@ TokenDataset::TokenDataset(const std::string& path) {
   h_.n_train = get<uint64_t>(p + 32);
   h_.n_val = get<uint64_t>(p + 40);
   h_.tokenizer = std::string(b.data() + 48, strnlen(b.data() + 48, 16));
-  if (b.size() != 64 + 2 * (h_.n_train + h_.n_val))
+  const uint64_t payload = (b.size() - 64) / 2;  // tokens the file can hold; compared without overflow
+  if (h_.n_train > payload || h_.n_val > payload - h_.n_train || b.size() != 64 + 2 * (h_.n_train + h_.n_val))
     fail("size " + std::to_string(b.size()) + " bytes does not match header (" + std::to_string(h_.n_train) +
          " train + " + std::to_string(h_.n_val) + " val tokens)");
   train_.resize(h_.n_train);

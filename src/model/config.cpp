@@ -1,11 +1,15 @@
 // Model config: presets, Hugging Face config.json parsing, validation, canonical JSON, broadcast.
 #include "shardtrain/config.h"
 
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <stdexcept>
+#include <type_traits>
+#include <climits>
+#include <cstdint>
 
 #include "shardtrain/runtime.h"
 
@@ -55,12 +59,27 @@ const std::map<std::string, ModelConfig>& presets() {
   throw std::invalid_argument("Invalid model config " + source + ": " + what);
 }
 
+// Reads key as T, strictly: an int must be a JSON integer in int range (no floats, no booleans),
+// a double any JSON number, a bool a JSON boolean, a string a JSON string.
 template <typename T> T get_or(const json& j, const char* key, T dflt, const std::string& source) {
   if (!j.contains(key) || j[key].is_null()) return dflt;
-  try {
-    return j[key].get<T>();
-  } catch (const json::exception& e) {
-    bad(source, std::string("key '") + key + "' has the wrong type (" + e.what() + ")");
+  const json& v = j[key];
+  if constexpr (std::is_same_v<T, int>) {
+    if (!v.is_number_integer())
+      bad(source, std::string("key '") + key + "' must be an integer, got " + v.dump());
+    if (v.is_number_unsigned() ? v.get<uint64_t>() > static_cast<uint64_t>(INT32_MAX)
+                               : (v.get<int64_t>() > INT32_MAX || v.get<int64_t>() < INT32_MIN))
+      bad(source, std::string("key '") + key + "' = " + v.dump() + " is out of range");
+    return static_cast<int>(v.get<int64_t>());
+  } else if constexpr (std::is_same_v<T, double>) {
+    if (!v.is_number()) bad(source, std::string("key '") + key + "' must be a number, got " + v.dump());
+    return v.get<double>();
+  } else if constexpr (std::is_same_v<T, bool>) {
+    if (!v.is_boolean()) bad(source, std::string("key '") + key + "' must be true or false, got " + v.dump());
+    return v.get<bool>();
+  } else {
+    if (!v.is_string()) bad(source, std::string("key '") + key + "' must be a string, got " + v.dump());
+    return v.get<std::string>();
   }
 }
 }  // namespace
@@ -146,6 +165,10 @@ void validate(const ModelConfig& c, const std::string& source) {
   if (c.head_dim() % 2 != 0)
     bad(source, "head_dim = hidden_size / num_attention_heads = " + std::to_string(c.head_dim()) +
                     " is odd; RoPE needs pairs");
+  if (c.num_params() > (int64_t{1} << 40)) bad(source, "the model has more than 2^40 parameters");
+  if (static_cast<int64_t>(c.vocab_size) * c.hidden_size > INT32_MAX ||
+      static_cast<int64_t>(c.intermediate_size) * c.hidden_size > INT32_MAX)
+    bad(source, "a weight matrix has more than 2^31 elements (vocab_size or intermediate_size x hidden_size)");
   if (c.hidden_act != "silu") bad(source, "key 'hidden_act' is \"" + c.hidden_act + "\"; only \"silu\" (SwiGLU) is supported");
   if (!(c.rms_norm_eps > 0)) bad(source, "key 'rms_norm_eps' must be > 0");
   if (!(c.rope_theta > 0)) bad(source, "key 'rope_theta' must be > 0");
@@ -238,7 +261,9 @@ ModelConfig resolve_model_config(Comm& comm, const std::string& spec) {
       bool is_file = spec.size() > 5 && spec.substr(spec.size() - 5) == ".json";
       if (is_file) {
         std::ifstream f(spec);
-        if (!f) throw std::invalid_argument("cannot open model config file '" + spec + "'");
+        std::error_code ec;
+        if (!f || !std::filesystem::is_regular_file(spec, ec))
+          throw std::invalid_argument("cannot open model config file '" + spec + "' (option '--model')");
         std::stringstream ss;
         ss << f.rdbuf();
         c = parse_hf_config(ss.str(), "'" + spec + "'");

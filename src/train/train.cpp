@@ -98,10 +98,30 @@ TrainResult train(Comm& comm, Backend<float>& be, const ModelConfig& mc, const T
                                    std::to_string(tc.seq_len + 1));
   const int accum = per_rank / mb;
 
-  Fsdp<float> f(be, comm, ShardPlan::build(llama_units(mc), W));
+  // Allocation depends on local success: agree on it, and say what did not fit.
+  std::unique_ptr<Fsdp<float>> fp;
+  std::unique_ptr<LlamaModel<float>> mp;
+  std::unique_ptr<AdamW<float>> op;
+  std::vector<int32_t> tok, tgt;
+  agree(comm, [&] {
+    try {
+      fp = std::make_unique<Fsdp<float>>(be, comm, ShardPlan::build(llama_units(mc), W));
+      mp = std::make_unique<LlamaModel<float>>(mc, be);
+      op = std::make_unique<AdamW<float>>(*fp, tc);
+      mp->reserve(mb, tc.seq_len);
+      tok.resize(static_cast<size_t>(mb) * tc.seq_len);
+      tgt.resize(tok.size());
+    } catch (const std::bad_alloc&) {
+      throw std::runtime_error("out of memory allocating model '" + mc.name + "' (" + std::to_string(mc.num_params()) +
+                               " parameters, sharded over " + std::to_string(W) + " ranks) with activations for " +
+                               std::to_string(mb) + " x " + std::to_string(tc.seq_len) +
+                               " tokens per micro-batch; use more ranks, a smaller '--micro-batch' or '--seq-len', or a smaller '--model'");
+    }
+  });
+  Fsdp<float>& f = *fp;
+  LlamaModel<float>& model = *mp;
+  AdamW<float>& opt = *op;
   f.init_params(tc.seed);
-  LlamaModel<float> model(mc, be);
-  AdamW<float> opt(f, tc);
   const CheckpointOptions co{tc.checkpoint_dir, tc.checkpoint_every, tc.keep_last, tc.debug_crash_before_publish};
 
   // Resume: parameters, AdamW moments, step (= data position and LR schedule position), seed.
@@ -142,7 +162,6 @@ TrainResult train(Comm& comm, Backend<float>& be, const ModelConfig& mc, const T
                      std::to_string(mb) + " x " + std::to_string(accum) + " accumulation steps, global batch " +
                      std::to_string(tc.global_batch) + " x " + std::to_string(tc.seq_len) + " tokens");
 
-  std::vector<int32_t> tok(static_cast<size_t>(mb) * tc.seq_len), tgt(tok.size());
   const float grad_scale = 1.0f / static_cast<float>(per_rank * tc.seq_len);  // d(mean loss on this rank)
   const double tokens_per_step = static_cast<double>(tc.global_batch) * tc.seq_len;
   TrainResult res;
@@ -172,6 +191,12 @@ TrainResult train(Comm& comm, Backend<float>& be, const ModelConfig& mc, const T
     double red[2] = {loss_sum, f.local_grad_sumsq()};
     comm.all_reduce(red, 2, ReduceOp::Sum);
     const double loss = red[0] / tokens_per_step, gnorm = std::sqrt(red[1]);
+    // Same reduced values on every rank, so every rank stops here together; the update is not
+    // applied and nothing is saved from this state.
+    if (!std::isfinite(loss) || !std::isfinite(gnorm))
+      throw CollectiveError(0, "non-finite " + std::string(std::isfinite(loss) ? "gradient norm" : "loss") + " at step " +
+                                   std::to_string(s + 1) + " (loss " + fmt("%g", loss) + ", grad_norm " +
+                                   fmt("%g", gnorm) + "); stopping without applying it. Lower '--lr' or enable '--clip'");
     const double clip_scale = (tc.clip > 0 && gnorm > tc.clip) ? tc.clip / gnorm : 1.0;
     const double lr = lr_at(tc, s);
     opt.step(s + 1, lr, clip_scale);
@@ -193,6 +218,7 @@ TrainResult train(Comm& comm, Backend<float>& be, const ModelConfig& mc, const T
                             {"tokens_per_s", sl.tokens_per_s}, {"elapsed_s", sl.elapsed_s}};
         metrics << j.dump() << "\n" << std::flush;
       }
+      all_ok(comm, !metrics.is_open() || metrics.good(), "cannot write metrics file '" + tc.metrics_path + "' (option '--metrics')");
     }
     res.steps.push_back(sl);
 

@@ -28,6 +28,28 @@ expect_fail unknown_ini_key "learning_rate" 2 --config "$WORK/unknown_key.ini"
 : >"$WORK/empty.txt"
 expect_fail empty_corpus "input text '$WORK/empty.txt' is empty" 2 --mode prepare --input "$WORK/empty.txt" --out "$WORK/x.tok"
 
+# Found by a break-test session: each of these used to be accepted or to give a vague message.
+expect_fail nonfinite_lr "option '--lr' must be a finite number" 2 "${COMMON[@]}" --lr inf
+expect_fail nonfinite_wd "option '--weight-decay' must be a finite number" 2 "${COMMON[@]}" --weight-decay nan
+expect_fail diverged "non-finite gradient norm at step 2" 2 "${COMMON[@]}" --lr 1e30 --clip 0 --steps 20 --checkpoint-dir "$WORK/nan-ck"
+[ ! -e "$WORK/nan-ck/latest" ] || fail "a checkpoint was published from a diverged run"
+mkdir -p "$WORK/dir.ini"
+expect_fail job_file_is_dir "cannot read job file '$WORK/dir.ini'" 2 --config "$WORK/dir.ini" "${COMMON[@]}"
+expect_fail data_is_dir "token file '$WORK' is a directory" 2 --model tiny --data "$WORK"
+expect_fail out_of_memory "out of memory allocating model 'tiny'" 2 --model tiny --data "$DATA" --seq-len 64 --global-batch 30000000
+"$ROOT/.venv/bin/python" - "$DATA" "$WORK/huge_header.tok" <<'PY'
+import sys
+b = bytearray(open(sys.argv[1], "rb").read())
+b[32:40] = (2**63).to_bytes(8, "little")  # n_train so large that 2 * (n_train + n_val) overflows
+open(sys.argv[2], "wb").write(b)
+PY
+expect_fail token_header_overflow "token file '$WORK/huge_header.tok': size" 2 --model tiny --data "$WORK/huge_header.tok"
+printf 'hello world, a tiny corpus\n' >"$WORK/small.txt"
+expect_fail prepare_out_is_dir "option '--out': '$WORK' is a directory" 1 --mode prepare --input "$WORK/small.txt" --out "$WORK"
+expect_fail prepare_no_val "leaves" 1 --mode prepare --input "$WORK/small.txt" --out "$WORK/s.tok" --val-fraction 1e-9
+expect_fail prepare_overwrites_input "is also an input" 1 --mode prepare --input "$WORK/small.txt" --out "$WORK/small.txt"
+ls "$WORK" | grep -q '\.tmp$' && fail "prepare left a temporary file behind"
+
 # Command line overrides the job file: job says 5 steps, command line 3.
 printf 'model = tiny\nsteps = 5\nseq-len = 16\nglobal-batch = 4\nlog-every = 1\nthreads = 1\n' >"$WORK/job.ini"
 timeout -k 5 60 $MPIRUN -np 2 "$BIN" --config "$WORK/job.ini" --data "$DATA" --steps 3 --metrics "$WORK/m.jsonl" >"$WORK/job.log" 2>&1 \

@@ -25,14 +25,27 @@ cat >"$WORK/good.json" <<'J'
  "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
  "rms_norm_eps": 1e-5, "tie_word_embeddings": false, "bos_token_id": 256, "eos_token_id": 257}
 J
+mk() {  # name json-fragment: a valid config with one key replaced
+  "$ROOT/.venv/bin/python" -c 'import json,sys; c={"vocab_size":258,"hidden_size":32,"intermediate_size":48,"num_hidden_layers":1,"num_attention_heads":4}; c.update(json.loads(sys.argv[2])); open(sys.argv[1],"w").write(json.dumps(c))' "$WORK/$1.json" "$2"
+}
+mk wrapped_int '{"intermediate_size": 4294967360}'
+mk bool_int '{"num_hidden_layers": true}'
+mk float_int '{"vocab_size": 258.7}'
+mk huge '{"hidden_size": 65536, "intermediate_size": 65536, "num_attention_heads": 64}'
 COMMON=(--data "$DATA" --seq-len 16 --global-batch 6 --steps 1 --threads 1)
 expect_fail heads_divide "num_attention_heads (3) does not divide hidden_size (100)" 3 --model "$WORK/bad_heads.json" "${COMMON[@]}"
 expect_fail kv_divide "num_key_value_heads (3) does not divide num_attention_heads (4)" 3 --model "$WORK/bad_kv.json" "${COMMON[@]}"
 expect_fail activation "only \"silu\"" 3 --model "$WORK/bad_act.json" "${COMMON[@]}"
 expect_fail architecture "GPT2LMHeadModel" 3 --model "$WORK/bad_arch.json" "${COMMON[@]}"
 expect_fail truncated_json "not valid JSON" 3 --model "$WORK/truncated.json" "${COMMON[@]}"
+mkdir -p "$WORK/adir.json"
 expect_fail missing_file "cannot open model config file '$WORK/nope.json'" 3 --model "$WORK/nope.json" "${COMMON[@]}"
 expect_fail unknown_preset "unknown model preset 'llama-7b'" 3 --model llama-7b "${COMMON[@]}"
+expect_fail int_out_of_range "key 'intermediate_size' = 4294967360 is out of range" 3 --model "$WORK/wrapped_int.json" "${COMMON[@]}"
+expect_fail bool_as_int "key 'num_hidden_layers' must be an integer, got true" 3 --model "$WORK/bool_int.json" "${COMMON[@]}"
+expect_fail float_as_int "key 'vocab_size' must be an integer, got 258.7" 3 --model "$WORK/float_int.json" "${COMMON[@]}"
+expect_fail too_large "more than 2^31 elements" 3 --model "$WORK/huge.json" "${COMMON[@]}"
+expect_fail config_is_dir "cannot open model config file '$WORK/adir.json'" 3 --model "$WORK/adir.json" "${COMMON[@]}"
 # The message is rank 0's, shown as such on every rank (no "rank N:" prefix from another rank).
 grep -q "error \[rank 2/3\]: Invalid model config" "$WORK/heads_divide.log" || fail "rank 2 did not print rank 0's message"
 # A valid config.json is accepted by every rank (untied head, GQA 4:2).
