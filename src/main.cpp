@@ -7,6 +7,7 @@
 
 #include "shardtrain/backend.h"
 #include "shardtrain/checkpoint.h"
+#include "shardtrain/hf.h"
 #include "shardtrain/config.h"
 #include "shardtrain/data.h"
 #include "shardtrain/options.h"
@@ -108,6 +109,13 @@ int main(int argc, char** argv) {
     }
     if (o.mode == "prepare") run_prepare(comm, o);
     else if (o.mode == "inspect") run_inspect(comm, o);
+    else if (o.mode == "export") export_hf(comm, ExportOptions{o.checkpoint, o.out, parse_export_dtype(o.dtype), parse_size(o.max_shard_size)});
+    else if (o.mode == "import") import_hf(comm, o.hf_dir, o.out);
+    else if (o.mode == "generate") {
+      std::string text = generate(comm, GenerateOptions{o.checkpoint, o.prompt, o.max_new_tokens, o.temperature, o.top_k,
+                                                        o.train.seed, o.dump_logits});
+      log_info(comm, o.prompt + text);
+    }
     else run_train(comm, topo, o);
     comm.barrier();
     return 0;

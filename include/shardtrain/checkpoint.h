@@ -67,6 +67,11 @@ std::string checkpoint_name(int64_t step);
 std::string save_checkpoint(Comm& comm, Fsdp<float>& f, AdamW<float>& opt, const ModelConfig& mc,
                             const TrainConfig& tc, const TrainState& state, const CheckpointOptions& co);
 
+// Collective. Writes a complete checkpoint file at `path` (no rename, no `latest`): the building
+// block of save_checkpoint, also used by import. Throws CollectiveError naming the file.
+void write_checkpoint_file(Comm& comm, const std::string& path, Fsdp<float>& f, AdamW<float>& opt,
+                           const ModelConfig& mc, const TrainConfig& tc, const TrainState& state);
+
 // Collective. Reads the metadata (root attributes and unit tables) of `path`. Throws
 // CollectiveError naming the file for: a missing or unreadable file, a file that is not HDF5 or is
 // truncated, a wrong format name, an unknown format version.

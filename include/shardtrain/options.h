@@ -10,13 +10,14 @@
 #include <vector>
 
 #include "shardtrain/train.h"
+#include "shardtrain/hf.h"
 
 namespace shardtrain {
 
 struct Options {
   bool help = false;
   std::string help_text;
-  std::string mode = "train";     // train | prepare | inspect
+  std::string mode = "train";     // train | prepare | inspect | export | import | generate
   std::string config_file;        // INI job file
   std::string model = "demo";     // preset name or path to a Hugging Face config.json
   std::string data;               // token file (train)
@@ -27,6 +28,14 @@ struct Options {
   std::string checkpoint;         // inspect: the checkpoint file (also positional)
   std::string dump_param;         // inspect: write this gathered parameter ...
   std::string dump_out;           // ... to this file (raw float32, little-endian)
+  std::string dtype = "fp32";     // export: fp32 | bf16 | fp16
+  std::string max_shard_size = "5GB";  // export: per safetensors file
+  std::string hf_dir;             // import: Hugging Face model directory
+  std::string prompt;             // generate
+  int max_new_tokens = 200;       // generate
+  double temperature = 0.8;       // generate; 0 = greedy
+  int top_k = 40;                 // generate; 0 = off
+  std::string dump_logits;        // generate: raw float32 logits of BOS + prompt
   TrainConfig train;
 };
 

@@ -36,6 +36,7 @@ struct TrainConfig {
   int64_t checkpoint_every = 0;  // steps between saves; 0: only at the end
   int keep_last = 0;           // published checkpoints kept; 0: all
   std::string resume;          // "" (fresh), "auto" (newest in checkpoint_dir, if any), or a path
+  std::string init_from;       // start from these weights at step 0 (fresh optimizer); ignored when resuming
   int64_t stop_at_step = 0;    // stop (and save) after this step, keeping the schedule of `steps`; 0: run to `steps`
   int64_t debug_crash_before_publish = 0;  // test hook (see CheckpointOptions)
 };

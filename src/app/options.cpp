@@ -24,12 +24,12 @@ po::options_description describe(Options& o) {
   gen.add_options()
       ("help,h", "print this help and exit")
       ("config", po::value<std::string>(&o.config_file), "INI job file (key = value, long option names); the command line overrides it")
-      ("mode", po::value<std::string>(&o.mode)->default_value(o.mode), "job to run: train | prepare | inspect")
+      ("mode", po::value<std::string>(&o.mode)->default_value(o.mode), "job to run: train | prepare | inspect | export | import | generate")
       ("threads", po::value<int>(&o.threads)->default_value(o.threads), "OpenBLAS threads per rank; 0 = cores on the node / ranks on the node");
   po::options_description data("Data (--mode prepare)");
   data.add_options()
       ("input", po::value<std::vector<std::string>>(&o.inputs)->multitoken(), "text file(s) to tokenize, one document each (repeatable)")
-      ("out", po::value<std::string>(&o.out), "token file to write")
+      ("out", po::value<std::string>(&o.out), "output: token file (prepare), Hugging Face directory (export), checkpoint file (import)")
       ("val-fraction", dbl(&o.val_fraction), "fraction of tokens (the last ones) held out for validation, in (0, 1)");
   po::options_description model("Model");
   model.add_options()
@@ -65,10 +65,21 @@ po::options_description describe(Options& o) {
       ("dump-param", po::value<std::string>(&o.dump_param), "inspect: gather this parameter (canonical name) ...")
       ("dump-out", po::value<std::string>(&o.dump_out), "inspect: ... and write it to this file as raw little-endian float32")
       ("debug-crash-before-publish", po::value<int64_t>(&t.debug_crash_before_publish)->default_value(0), "testing: exit with status 86 after writing the checkpoint of this step, before publishing it");
+  po::options_description hf("Hugging Face export / import, generation");
+  hf.add_options()
+      ("dtype", po::value<std::string>(&o.dtype)->default_value(o.dtype), "export: tensor dtype fp32 | bf16 | fp16 (rounded to nearest even from fp32)")
+      ("max-shard-size", po::value<std::string>(&o.max_shard_size)->default_value(o.max_shard_size), "export: bytes per safetensors file, e.g. 5GB, 200MB; larger models get an index")
+      ("hf-dir", po::value<std::string>(&o.hf_dir), "import: Hugging Face model directory (config.json + safetensors)")
+      ("init-from", po::value<std::string>(&t.init_from), "train: start from this checkpoint's weights at step 0 (e.g. one made by --mode import)")
+      ("prompt", po::value<std::string>(&o.prompt)->default_value(o.prompt), "generate: text after BOS")
+      ("max-new-tokens", po::value<int>(&o.max_new_tokens)->default_value(o.max_new_tokens), "generate: tokens (bytes) to sample")
+      ("temperature", dbl(&o.temperature), "generate: sampling temperature; 0 = greedy")
+      ("top-k", po::value<int>(&o.top_k)->default_value(o.top_k), "generate: sample among the k most likely tokens; 0 = all")
+      ("dump-logits", po::value<std::string>(&o.dump_logits), "generate: write the float32 logits [T, V] of BOS + prompt to this file");
   po::options_description all(
       "shardtrain: fully sharded (FSDP / ZeRO-3) Llama training over MPI.\n"
       "Usage: mpirun -np N shardtrain [--config JOB.ini] [options]   (command line overrides the job file)");
-  all.add(gen).add(data).add(model).add(tr).add(ck);
+  all.add(gen).add(data).add(model).add(tr).add(ck).add(hf);
   return all;
 }
 
@@ -80,8 +91,24 @@ void finite(double v, const std::string& opt) { check(std::isfinite(v), opt, "mu
 
 void validate(const Options& o) {
   const TrainConfig& t = o.train;
-  check(o.mode == "train" || o.mode == "prepare" || o.mode == "inspect", "mode",
-        "must be train, prepare or inspect, got '" + o.mode + "'");
+  check(o.mode == "train" || o.mode == "prepare" || o.mode == "inspect" || o.mode == "export" || o.mode == "import" ||
+            o.mode == "generate",
+        "mode", "must be train, prepare, inspect, export, import or generate, got '" + o.mode + "'");
+  finite(o.temperature, "temperature");
+  check(o.temperature >= 0, "temperature", "must be >= 0");
+  check(o.top_k >= 0, "top-k", "must be >= 0");
+  check(o.max_new_tokens >= 0, "max-new-tokens", "must be >= 0");
+  if (o.mode == "export" || o.mode == "generate")
+    check(!o.checkpoint.empty(), "checkpoint", "is required with --mode " + o.mode + " (or give the file as an argument)");
+  if (o.mode == "export") {
+    check(!o.out.empty(), "out", "is required with --mode export (the Hugging Face directory to write)");
+    parse_export_dtype(o.dtype);
+    parse_size(o.max_shard_size);
+  }
+  if (o.mode == "import") {
+    check(!o.hf_dir.empty(), "hf-dir", "is required with --mode import");
+    check(!o.out.empty(), "out", "is required with --mode import (the checkpoint file to write)");
+  }
   check(t.checkpoint_every >= 0, "checkpoint-every", "must be >= 0");
   check(t.keep_last >= 0, "keep-last", "must be >= 0");
   check(t.stop_at_step >= 0, "stop-at-step", "must be >= 0");

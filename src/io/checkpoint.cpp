@@ -210,23 +210,10 @@ std::string checkpoint_name(int64_t step) {
   return b;
 }
 
-std::string save_checkpoint(Comm& comm, Fsdp<float>& f, AdamW<float>& opt, const ModelConfig& mc,
-                            const TrainConfig& tc, const TrainState& st, const CheckpointOptions& co) {
+void write_checkpoint_file(Comm& comm, const std::string& tmp_path, Fsdp<float>& f, AdamW<float>& opt,
+                           const ModelConfig& mc, const TrainConfig& tc, const TrainState& st) {
   static QuietHdf5 quiet;
   const int W = comm.world_size(), r = comm.rank();
-  const std::string final_path = (fs::path(co.dir) / checkpoint_name(st.step)).string();
-  const std::string tmp_path = (fs::path(co.dir) / ("." + checkpoint_name(st.step) + ".tmp")).string();
-  {
-    std::string err;
-    if (r == 0) {
-      std::error_code ec;
-      fs::create_directories(co.dir, ec);
-      if (ec) err = "cannot create checkpoint directory '" + co.dir + "' (option '--checkpoint-dir'): " + ec.message();
-      else if (::access(co.dir.c_str(), W_OK) != 0)
-        err = "checkpoint directory '" + co.dir + "' is not writable (option '--checkpoint-dir')";
-    }
-    all_ok(comm, err.empty(), err);
-  }
   Backend<float>& be = f.backend();
   const ShardPlan& plan = f.plan();
   std::string err;
@@ -309,6 +296,27 @@ std::string save_checkpoint(Comm& comm, Fsdp<float>& f, AdamW<float>& opt, const
     err = std::string("checkpoint '") + tmp_path + "': " + e.what();
   }
   all_ok(comm, err.empty(), err);  // the file is closed on every rank here
+}
+
+std::string save_checkpoint(Comm& comm, Fsdp<float>& f, AdamW<float>& opt, const ModelConfig& mc,
+                            const TrainConfig& tc, const TrainState& st, const CheckpointOptions& co) {
+  static QuietHdf5 quiet;
+  const int W = comm.world_size(), r = comm.rank();
+  const std::string final_path = (fs::path(co.dir) / checkpoint_name(st.step)).string();
+  const std::string tmp_path = (fs::path(co.dir) / ("." + checkpoint_name(st.step) + ".tmp")).string();
+  {
+    std::string err;
+    if (r == 0) {
+      std::error_code ec;
+      fs::create_directories(co.dir, ec);
+      if (ec) err = "cannot create checkpoint directory '" + co.dir + "' (option '--checkpoint-dir'): " + ec.message();
+      else if (::access(co.dir.c_str(), W_OK) != 0)
+        err = "checkpoint directory '" + co.dir + "' is not writable (option '--checkpoint-dir')";
+    }
+    all_ok(comm, err.empty(), err);
+  }
+  write_checkpoint_file(comm, tmp_path, f, opt, mc, tc, st);
+  std::string err;
 
   if (co.debug_crash_before_publish > 0 && st.step == co.debug_crash_before_publish) {
     comm.barrier();

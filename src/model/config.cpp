@@ -109,13 +109,28 @@ ModelConfig parse_hf_config(const std::string& text, const std::string& source) 
     bad(source, std::string("not valid JSON: ") + e.what());
   }
   if (!j.is_object()) bad(source, "top level is not a JSON object");
+  // Llama, and Mistral while its sliding window does not cut the context (then it is a Llama).
+  // Qwen2 has q/k/v biases, which this model does not have: refused by name.
   if (j.contains("architectures") && !j["architectures"].is_null()) {
     bool ok = false;
-    for (auto& a : j["architectures"]) ok = ok || (a.is_string() && a.get<std::string>() == "LlamaForCausalLM");
-    if (!ok) bad(source, "key 'architectures' is " + j["architectures"].dump() + ", expected [\"LlamaForCausalLM\"]");
+    for (auto& a : j["architectures"])
+      ok = ok || (a.is_string() && (a == "LlamaForCausalLM" || a == "MistralForCausalLM"));
+    if (!ok) {
+      std::string extra = j["architectures"].dump().find("Qwen2") != std::string::npos
+                              ? " (Qwen2 has q/k/v projection biases, e.g. tensor 'model.layers.0.self_attn.q_proj.bias', "
+                                "which shardtrain's Llama does not have)"
+                              : "";
+      bad(source, "architecture " + j["architectures"].dump() +
+                      " is not supported; expected [\"LlamaForCausalLM\"] or [\"MistralForCausalLM\"]" + extra);
+    }
   }
-  if (j.contains("model_type") && j["model_type"].is_string() && j["model_type"] != "llama")
-    bad(source, "key 'model_type' is \"" + j["model_type"].get<std::string>() + "\", expected \"llama\"");
+  if (j.contains("model_type") && j["model_type"].is_string() && j["model_type"] != "llama" && j["model_type"] != "mistral")
+    bad(source, "key 'model_type' is \"" + j["model_type"].get<std::string>() + "\", expected \"llama\" or \"mistral\"");
+  if (j.contains("sliding_window") && !j["sliding_window"].is_null() && j.contains("max_position_embeddings") &&
+      j["sliding_window"].is_number_integer() && j["max_position_embeddings"].is_number_integer() &&
+      j["sliding_window"].get<int64_t>() < j["max_position_embeddings"].get<int64_t>())
+    bad(source, "key 'sliding_window' = " + j["sliding_window"].dump() +
+                    " is smaller than max_position_embeddings: sliding-window attention is not supported");
   if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) bad(source, "key 'rope_scaling' is not supported");
   if (get_or<bool>(j, "attention_bias", false, source)) bad(source, "key 'attention_bias' = true is not supported");
   if (get_or<bool>(j, "mlp_bias", false, source)) bad(source, "key 'mlp_bias' = true is not supported");
@@ -248,7 +263,8 @@ std::string to_hf_json(const ModelConfig& c, const std::string& torch_dtype) {
             {"tie_word_embeddings", c.tie_word_embeddings},
             {"bos_token_id", c.bos_token_id},
             {"eos_token_id", c.eos_token_id},
-            {"torch_dtype", torch_dtype}};
+            {"torch_dtype", torch_dtype},  // transformers < 4.56 reads this key
+            {"dtype", torch_dtype}};       // transformers >= 4.56 reads this one
   return j.dump(2);
 }
 

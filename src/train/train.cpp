@@ -138,8 +138,12 @@ TrainResult train(Comm& comm, Backend<float>& be, const ModelConfig& mc, const T
     if (state.seed != tc.seed)
       log_info(comm, "note: using the checkpoint's seed " + std::to_string(state.seed) + " (option '--seed' is " +
                          std::to_string(tc.seed) + ")");
-  } else if (tc.resume == "auto") {
-    log_info(comm, "no checkpoint in '" + tc.checkpoint_dir + "': starting from step 0");
+  } else {
+    if (tc.resume == "auto") log_info(comm, "no checkpoint in '" + tc.checkpoint_dir + "': starting from step 0");
+    if (!tc.init_from.empty()) {
+      load_checkpoint(comm, tc.init_from, f, nullptr, mc);  // weights only; AdamW starts from zero
+      log_info(comm, "initialized weights from '" + tc.init_from + "'");
+    }
   }
   const uint64_t seed = state.seed;
   TrainConfig tcs = tc;  // the run's effective config: the checkpoint's seed wins

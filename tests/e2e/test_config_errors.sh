@@ -36,7 +36,7 @@ COMMON=(--data "$DATA" --seq-len 16 --global-batch 6 --steps 1 --threads 1)
 expect_fail heads_divide "num_attention_heads (3) does not divide hidden_size (100)" 3 --model "$WORK/bad_heads.json" "${COMMON[@]}"
 expect_fail kv_divide "num_key_value_heads (3) does not divide num_attention_heads (4)" 3 --model "$WORK/bad_kv.json" "${COMMON[@]}"
 expect_fail activation "only \"silu\"" 3 --model "$WORK/bad_act.json" "${COMMON[@]}"
-expect_fail architecture "GPT2LMHeadModel" 3 --model "$WORK/bad_arch.json" "${COMMON[@]}"
+expect_fail architecture "architecture [\"GPT2LMHeadModel\"] is not supported" 3 --model "$WORK/bad_arch.json" "${COMMON[@]}"
 expect_fail truncated_json "not valid JSON" 3 --model "$WORK/truncated.json" "${COMMON[@]}"
 mkdir -p "$WORK/adir.json"
 expect_fail missing_file "cannot open model config file '$WORK/nope.json'" 3 --model "$WORK/nope.json" "${COMMON[@]}"

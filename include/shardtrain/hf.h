@@ -1,0 +1,62 @@
+// shardtrain <-> Hugging Face: export a checkpoint as a transformers-loadable LlamaForCausalLM
+// directory, import such a directory as a step-0 checkpoint, and sample text from a checkpoint.
+//
+// Export layout (what AutoModelForCausalLM / AutoTokenizer / pipeline read):
+//   config.json, generation_config.json, model.safetensors | model-0000i-of-0000n.safetensors +
+//   model.safetensors.index.json, tokenizer.json (+ tokenizer_config.json, special_tokens_map.json).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "shardtrain/runtime.h"
+#include "shardtrain/safetensors.h"
+
+namespace shardtrain {
+
+struct ExportOptions {
+  std::string checkpoint;               // HDF5 checkpoint to export (any saving world size)
+  std::string out_dir;                  // created if missing; files in it are overwritten
+  DType dtype = DType::F32;             // fp32 master weights rounded to nearest even for bf16/fp16
+  uint64_t max_shard_bytes = 5000000000;  // a file holds at most this many data bytes (one tensor may exceed)
+};
+
+// Parses "5GB", "500MB", "10KB", "123" (bytes; decimal units as transformers' max_shard_size).
+// Throws std::invalid_argument naming option '--max-shard-size'.
+uint64_t parse_size(const std::string& s);
+
+// Collective (runs at any world size, 1 included). Loads the checkpoint's parameters sharded over
+// the current ranks, gathers one output file's tensors at a time, and rank 0 writes each file
+// (under a temporary name, then renamed). Tied heads write model.embed_tokens.weight only.
+// Throws CollectiveError on every rank naming the file on any failure.
+void export_hf(Comm& comm, const ExportOptions& o);
+
+// Collective. Reads a Hugging Face Llama-family directory (config.json; model.safetensors or
+// model.safetensors.index.json with its shards; F32/BF16/F16) and writes a step-0 shardtrain
+// checkpoint to `out_path` (AdamW moments zero). Names may carry the wrapper prefixes `module.`,
+// `_orig_mod.` and `_fsdp_wrapped_module.` (stripped); `rotary_emb.inv_freq` buffers are ignored.
+// Refuses, naming architecture, file or tensor: unsupported architectures, missing or unexpected
+// tensors, shape mismatches, an index naming a missing file, bad safetensors headers.
+void import_hf(Comm& comm, const std::string& hf_dir, const std::string& out_path);
+
+// Strips known wrapper prefixes from a tensor name: every `module.`, `_orig_mod.` and
+// `_fsdp_wrapped_module.` path component, wherever it appears.
+std::string canonical_tensor_name(const std::string& name);
+
+struct GenerateOptions {
+  std::string checkpoint;
+  std::string prompt = "";
+  int max_new_tokens = 200;
+  double temperature = 0.8;  // 0: greedy
+  int top_k = 40;            // 0: no top-k filtering
+  uint64_t seed = 1337;
+  std::string dump_logits;   // if set: raw float32 logits [T, V] of BOS + prompt written here
+};
+
+// Collective. Samples max_new_tokens bytes after BOS + prompt (context cropped to
+// max_position_embeddings) and returns the generated text (rank 0 prints it). Sampling happens on
+// rank 0 and each token is broadcast, so every rank runs the same forwards.
+std::string generate(Comm& comm, const GenerateOptions& o);
+
+}  // namespace shardtrain

@@ -1,0 +1,57 @@
+// safetensors reading and writing, and fp32 <-> bf16 / fp16 conversion.
+// Format: https://github.com/huggingface/safetensors#format : 8-byte little-endian u64 N, then N
+// bytes of UTF-8 JSON {"name": {"dtype", "shape", "data_offsets": [begin, end]}, ...,
+// "__metadata__": {...}}, then the data buffer; offsets are relative to the buffer, tensors are
+// contiguous row-major little-endian and together cover the buffer exactly.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace shardtrain {
+
+enum class DType { F32, BF16, F16 };
+const char* dtype_name(DType t);     // "F32", "BF16", "F16" (safetensors names)
+size_t dtype_size(DType t);          // bytes per element
+DType parse_export_dtype(const std::string& s);  // "fp32"|"bf16"|"fp16"; throws std::invalid_argument
+
+// Round-to-nearest-even conversions (NaN stays NaN; overflow to fp16 gives +-inf).
+uint16_t f32_to_bf16(float x);
+float bf16_to_f32(uint16_t h);
+uint16_t f32_to_f16(float x);
+float f16_to_f32(uint16_t h);
+
+struct StTensor {
+  std::string name;
+  DType dtype = DType::F32;
+  std::vector<int64_t> shape;
+  std::vector<float> values;  // fp32 values (converted when written as bf16/fp16)
+};
+
+// Writes `tensors` (in the given order) to `path` as dtype `dt`, with __metadata__ {"format": "pt"}.
+// The header is padded with spaces to a multiple of 8 bytes. Throws std::runtime_error naming path.
+void write_safetensors(const std::string& path, const std::vector<StTensor>& tensors, DType dt);
+// Bytes the file of `tensors` would have as dtype dt, header excluded.
+uint64_t safetensors_data_bytes(const std::vector<StTensor>& tensors, DType dt);
+
+// Header of one safetensors file.
+struct StEntry {
+  std::string name;
+  DType dtype;
+  std::vector<int64_t> shape;
+  uint64_t begin = 0, end = 0;  // byte offsets in the data buffer
+};
+struct StFile {
+  std::string path;
+  uint64_t data_start = 0;  // 8 + N
+  std::vector<StEntry> entries;
+};
+// Parses and validates the header: JSON, dtypes (F32/BF16/F16), offsets inside the file, sizes
+// matching dtype x shape, no overlaps and no gaps. Throws std::runtime_error naming file and tensor.
+StFile read_safetensors_header(const std::string& path);
+// Reads one tensor as fp32.
+std::vector<float> read_safetensors_tensor(const StFile& f, const StEntry& e);
+
+}  // namespace shardtrain

@@ -1,0 +1,377 @@
+// Hugging Face export / import and text generation.
+#include "shardtrain/hf.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <set>
+#include <sstream>
+#include <stdexcept>
+
+#include "shardtrain/checkpoint.h"
+#include "shardtrain/config.h"
+#include "shardtrain/data.h"
+#include "shardtrain/model.h"
+#include "shardtrain/train.h"
+
+namespace shardtrain {
+namespace fs = std::filesystem;
+using json = nlohmann::ordered_json;
+
+uint64_t parse_size(const std::string& s) {
+  size_t i = 0;
+  while (i < s.size() && (std::isdigit(static_cast<unsigned char>(s[i])) || s[i] == '.')) ++i;
+  std::string num = s.substr(0, i), unit = s.substr(i);
+  for (auto& c : unit) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  double mult = unit.empty() || unit == "B" ? 1 : unit == "KB" ? 1e3 : unit == "MB" ? 1e6 : unit == "GB" ? 1e9
+              : unit == "KIB" ? 1024.0 : unit == "MIB" ? 1048576.0 : unit == "GIB" ? 1073741824.0 : -1;
+  double v = 0;
+  try {
+    v = num.empty() ? -1 : std::stod(num);
+  } catch (...) {
+    v = -1;
+  }
+  if (mult < 0 || !(v > 0) || !std::isfinite(v * mult))
+    throw std::invalid_argument("option '--max-shard-size' must be a positive size like 5GB, 200MB or 4096, got '" + s + "'");
+  return static_cast<uint64_t>(v * mult);
+}
+
+std::string canonical_tensor_name(const std::string& name) {
+  static const std::set<std::string> wrappers = {"module", "_orig_mod", "_fsdp_wrapped_module"};
+  std::string out, part;
+  std::istringstream is(name);
+  while (std::getline(is, part, '.'))
+    if (!wrappers.count(part)) out += (out.empty() ? "" : ".") + part;
+  return out;
+}
+
+namespace {
+
+// GPT-2's bytes_to_unicode: the printable character standing for each byte in a ByteLevel
+// tokenizer. With vocab[char(b)] = b, the tokenizer's ids are exactly the bytes.
+std::vector<std::string> byte_chars() {
+  std::vector<int> bs, cs;
+  for (int b = '!'; b <= '~'; ++b) bs.push_back(b);
+  for (int b = 0xA1; b <= 0xAC; ++b) bs.push_back(b);
+  for (int b = 0xAE; b <= 0xFF; ++b) bs.push_back(b);
+  cs = bs;
+  int n = 0;
+  for (int b = 0; b < 256; ++b)
+    if (std::find(bs.begin(), bs.end(), b) == bs.end()) {
+      bs.push_back(b);
+      cs.push_back(256 + n++);
+    }
+  std::vector<std::string> out(256);
+  for (size_t i = 0; i < bs.size(); ++i) {
+    int c = cs[i];
+    std::string u;  // UTF-8 of code point c (< 0x800)
+    if (c < 0x80) u.push_back(static_cast<char>(c));
+    else {
+      u.push_back(static_cast<char>(0xC0 | (c >> 6)));
+      u.push_back(static_cast<char>(0x80 | (c & 0x3F)));
+    }
+    out[static_cast<size_t>(bs[i])] = u;
+  }
+  return out;
+}
+
+json tokenizer_json(const ModelConfig& mc) {
+  json vocab = json::object();
+  auto chars = byte_chars();
+  for (int b = 0; b < 256; ++b) vocab[chars[static_cast<size_t>(b)]] = b;
+  json bl = {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", false}, {"use_regex", false}};
+  auto special = [](int id, const char* content) {
+    return json{{"id", id}, {"content", content}, {"single_word", false}, {"lstrip", false},
+                {"rstrip", false}, {"normalized", false}, {"special", true}};
+  };
+  return json{{"version", "1.0"},
+              {"truncation", nullptr},
+              {"padding", nullptr},
+              {"added_tokens", {special(mc.bos_token_id, "<s>"), special(mc.eos_token_id, "</s>")}},
+              {"normalizer", nullptr},
+              {"pre_tokenizer", bl},
+              {"post_processor", nullptr},
+              {"decoder", bl},
+              {"model", {{"type", "BPE"}, {"dropout", nullptr}, {"unk_token", nullptr},
+                         {"continuing_subword_prefix", nullptr}, {"end_of_word_suffix", nullptr},
+                         {"fuse_unk", false}, {"byte_fallback", false}, {"ignore_merges", false},
+                         {"vocab", vocab}, {"merges", json::array()}}}};
+}
+
+void write_text(const fs::path& p, const std::string& s) {
+  fs::path tmp = p;
+  tmp += ".tmp";
+  {
+    std::ofstream o(tmp, std::ios::trunc);
+    o << s;
+    o.flush();
+    if (!o) throw std::runtime_error("cannot write '" + tmp.string() + "'");
+  }
+  fs::rename(tmp, p);
+}
+
+const char* torch_dtype(DType d) { return d == DType::F32 ? "float32" : d == DType::BF16 ? "bfloat16" : "float16"; }
+
+struct Loaded {  // a checkpoint's model, sharded over the current ranks
+  ModelConfig mc;
+  std::unique_ptr<Backend<float>> be;
+  std::unique_ptr<Fsdp<float>> f;
+};
+Loaded load_model(Comm& comm, const std::string& ckpt) {
+  Loaded l;
+  CheckpointInfo info = read_checkpoint_info(comm, ckpt);
+  std::string err;
+  try {
+    l.mc = from_canonical_json(info.model_config);
+    validate(l.mc, "in checkpoint '" + ckpt + "'");
+  } catch (const std::exception& e) {
+    err = e.what();
+  }
+  all_ok(comm, err.empty(), err);
+  l.be = make_cpu_backend<float>();
+  l.f = std::make_unique<Fsdp<float>>(*l.be, comm, ShardPlan::build(llama_units(l.mc), comm.world_size()));
+  load_checkpoint(comm, ckpt, *l.f, nullptr, l.mc);
+  return l;
+}
+
+}  // namespace
+
+void export_hf(Comm& comm, const ExportOptions& o) {
+  Loaded l = load_model(comm, o.checkpoint);
+  const ShardPlan& plan = l.f->plan();
+  // Tensors in model order; files cut by size from the plan alone (no data needed).
+  std::vector<const ParamSlot*> order;
+  for (auto& u : plan.units)
+    for (auto& p : u.params) order.push_back(&p);
+  std::vector<std::vector<const ParamSlot*>> files(1);
+  uint64_t cur = 0, total = 0;
+  for (auto* p : order) {
+    uint64_t bytes = static_cast<uint64_t>(p->numel) * dtype_size(o.dtype);
+    if (cur > 0 && cur + bytes > o.max_shard_bytes) {
+      files.emplace_back();
+      cur = 0;
+    }
+    files.back().push_back(p);
+    cur += bytes;
+    total += bytes;
+  }
+  const size_t n = files.size();
+  auto file_name = [&](size_t i) {
+    if (n == 1) return std::string("model.safetensors");
+    char b[64];
+    std::snprintf(b, sizeof b, "model-%05zu-of-%05zu.safetensors", i + 1, n);
+    return std::string(b);
+  };
+  std::string err;
+  if (comm.rank() == 0) {
+    std::error_code ec;
+    fs::create_directories(o.out_dir, ec);
+    if (ec || !fs::is_directory(o.out_dir)) err = "cannot create export directory '" + o.out_dir + "' (option '--out')";
+  }
+  all_ok(comm, err.empty(), err);
+  json weight_map = json::object();
+  for (size_t i = 0; i < n; ++i) {
+    std::vector<StTensor> ts;
+    for (auto* p : files[i]) {
+      StTensor t;
+      t.name = p->spec.name;
+      t.shape = p->spec.shape;
+      t.values = l.f->gather_param(p->spec.name);  // collective: every rank takes part
+      if (comm.rank() != 0) t.values.clear();       // only rank 0 keeps data
+      ts.push_back(std::move(t));
+      weight_map[p->spec.name] = file_name(i);
+    }
+    if (comm.rank() == 0) {
+      try {
+        fs::path dst = fs::path(o.out_dir) / file_name(i), tmp = dst;
+        tmp += ".tmp";
+        write_safetensors(tmp.string(), ts, o.dtype);
+        fs::rename(tmp, dst);
+      } catch (const std::exception& e) {
+        err = std::string("export to '") + o.out_dir + "': " + e.what();
+      }
+    }
+    all_ok(comm, err.empty(), err);
+  }
+  if (comm.rank() == 0) {
+    try {
+      fs::path d(o.out_dir);
+      if (n > 1) {
+        write_text(d / "model.safetensors.index.json",
+                   json{{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}}.dump(2) + "\n");
+      } else {
+        fs::remove(d / "model.safetensors.index.json");  // a stale index would shadow model.safetensors
+      }
+      json cfg = json::parse(to_hf_json(l.mc, torch_dtype(o.dtype)));
+      write_text(d / "config.json", cfg.dump(2) + "\n");
+      write_text(d / "generation_config.json",
+                 json{{"_from_model_config", true}, {"bos_token_id", l.mc.bos_token_id},
+                      {"eos_token_id", l.mc.eos_token_id}, {"pad_token_id", l.mc.eos_token_id}}
+                         .dump(2) + "\n");
+      write_text(d / "tokenizer.json", tokenizer_json(l.mc).dump(2) + "\n");
+      write_text(d / "tokenizer_config.json",
+                 json{{"tokenizer_class", "PreTrainedTokenizerFast"}, {"bos_token", "<s>"}, {"eos_token", "</s>"},
+                      {"pad_token", "</s>"}, {"model_max_length", l.mc.max_position_embeddings},
+                      {"add_bos_token", false}, {"add_eos_token", false}, {"split_special_tokens", true},
+                      {"clean_up_tokenization_spaces", false}}
+                         .dump(2) + "\n");
+      write_text(d / "special_tokens_map.json",
+                 json{{"bos_token", "<s>"}, {"eos_token", "</s>"}, {"pad_token", "</s>"}}.dump(2) + "\n");
+    } catch (const std::exception& e) {
+      err = std::string("export to '") + o.out_dir + "': " + e.what();
+    }
+  }
+  all_ok(comm, err.empty(), err);
+  log_info(comm, "export: wrote '" + o.out_dir + "' (" + std::to_string(order.size()) + " tensors in " +
+                     std::to_string(n) + " safetensors file(s), " + dtype_name(o.dtype) + ", " +
+                     std::to_string(total) + " bytes) from '" + o.checkpoint + "' at world size " +
+                     std::to_string(comm.world_size()));
+}
+
+void import_hf(Comm& comm, const std::string& hf_dir, const std::string& out_path) {
+  // Config: rank 0 alone resolves it, as for training.
+  ModelConfig mc = resolve_model_config(comm, (fs::path(hf_dir) / "config.json").string());
+  // Weight files and headers: every rank reads them (local I/O, agreed).
+  std::vector<StFile> files;
+  std::map<std::string, std::pair<size_t, size_t>> where;  // canonical name -> (file, entry)
+  agree(comm, [&] {
+    fs::path d(hf_dir), single = d / "model.safetensors", index = d / "model.safetensors.index.json";
+    std::vector<std::string> names;
+    if (fs::exists(index)) {
+      json j;
+      try {
+        std::ifstream in(index);
+        j = json::parse(in);
+      } catch (const std::exception& e) {
+        throw std::runtime_error("index '" + index.string() + "' is not valid JSON (" + e.what() + ")");
+      }
+      if (!j.contains("weight_map") || !j["weight_map"].is_object())
+        throw std::runtime_error("index '" + index.string() + "' has no 'weight_map' object");
+      std::set<std::string> uniq;
+      for (auto& [k, v] : j["weight_map"].items()) uniq.insert(v.get<std::string>());
+      for (auto& u : uniq) {
+        if (!fs::exists(d / u))
+          throw std::runtime_error("index '" + index.string() + "' names shard file '" + u + "', which is missing");
+        names.push_back((d / u).string());
+      }
+    } else if (fs::exists(single)) {
+      names.push_back(single.string());
+    } else if (fs::exists(d / "pytorch_model.bin")) {
+      throw std::runtime_error("'" + hf_dir + "' holds pytorch_model.bin only; re-save it with safe_serialization=True");
+    } else {
+      throw std::runtime_error("'" + hf_dir + "' has no model.safetensors or model.safetensors.index.json");
+    }
+    for (auto& nm : names) files.push_back(read_safetensors_header(nm));
+    for (size_t fi = 0; fi < files.size(); ++fi)
+      for (size_t ei = 0; ei < files[fi].entries.size(); ++ei) {
+        const std::string& raw = files[fi].entries[ei].name;
+        if (raw.size() >= 22 && raw.substr(raw.size() - 22) == "rotary_emb.inv_freq") continue;  // a buffer, not a weight
+        std::string c = canonical_tensor_name(raw);
+        if (!where.emplace(c, std::make_pair(fi, ei)).second)
+          throw std::runtime_error("tensor '" + c + "' appears twice (as '" + raw + "')");
+      }
+  });
+  auto be = make_cpu_backend<float>();
+  Fsdp<float> f(*be, comm, ShardPlan::build(llama_units(mc), comm.world_size()));
+  agree(comm, [&] {
+    std::set<std::string> expected;
+    for (auto& u : f.plan().units)
+      for (auto& p : u.params) {
+        expected.insert(p.spec.name);
+        auto it = where.find(p.spec.name);
+        if (it == where.end())
+          throw std::runtime_error("'" + hf_dir + "': tensor '" + p.spec.name + "' is missing");
+        const StEntry& e = files[it->second.first].entries[it->second.second];
+        if (e.shape != p.spec.shape) {
+          auto str = [](const std::vector<int64_t>& s) {
+            std::string o = "[";
+            for (size_t i = 0; i < s.size(); ++i) o += (i ? ", " : "") + std::to_string(s[i]);
+            return o + "]";
+          };
+          throw std::runtime_error("'" + files[it->second.first].path + "': tensor '" + p.spec.name + "' has shape " +
+                                   str(e.shape) + ", expected " + str(p.spec.shape) + " from config.json");
+        }
+      }
+    for (auto& [name, loc] : where) {
+      if (expected.count(name)) continue;
+      if (name == "lm_head.weight" && mc.tie_word_embeddings) continue;  // tied: the embedding is the head
+      throw std::runtime_error("'" + files[loc.first].path + "': tensor '" + name +
+                               "' has no place in a LlamaForCausalLM of this config" +
+                               (name.find(".bias") != std::string::npos ? " (shardtrain's Llama has no biases)" : ""));
+    }
+    for (auto& u : f.plan().units)
+      for (auto& p : u.params) {
+        auto loc = where.at(p.spec.name);
+        f.set_param(p.spec.name, read_safetensors_tensor(files[loc.first], files[loc.first].entries[loc.second]));
+      }
+  });
+  TrainConfig tc;
+  AdamW<float> opt(f, tc);
+  const std::string tmp = out_path + ".tmp";
+  write_checkpoint_file(comm, tmp, f, opt, mc, tc, TrainState{0, 0, tc.seed, comm.world_size()});
+  std::string err;
+  if (comm.rank() == 0) {
+    std::error_code ec;
+    fs::rename(tmp, out_path, ec);
+    if (ec) err = "cannot rename '" + tmp + "' to '" + out_path + "' (option '--out'): " + ec.message();
+  }
+  all_ok(comm, err.empty(), err);
+  log_info(comm, "import: wrote '" + out_path + "' (step 0, " + std::to_string(mc.num_params()) + " parameters) from '" +
+                     hf_dir + "'");
+}
+
+std::string generate(Comm& comm, const GenerateOptions& o) {
+  Loaded l = load_model(comm, o.checkpoint);
+  LlamaModel<float> model(l.mc, *l.be);
+  std::vector<int32_t> ids = {l.mc.bos_token_id};
+  for (int32_t b : ByteTokenizer::encode(o.prompt)) ids.push_back(b);
+  const int V = l.mc.vocab_size, maxT = l.mc.max_position_embeddings;
+  if (!o.dump_logits.empty()) {
+    if (static_cast<int>(ids.size()) > maxT)
+      throw CollectiveError(0, "option '--prompt' is longer than max_position_embeddings (" + std::to_string(maxT) + ")");
+    model.forward(*l.f, ids.data(), nullptr, 1, static_cast<int>(ids.size()), false);
+    std::vector<float> lg = model.logits();
+    std::string err;
+    if (comm.rank() == 0) {
+      std::ofstream out(o.dump_logits, std::ios::binary | std::ios::trunc);
+      out.write(reinterpret_cast<const char*>(lg.data()), static_cast<std::streamsize>(lg.size() * sizeof(float)));
+      if (!out) err = "cannot write '" + o.dump_logits + "' (option '--dump-logits')";
+    }
+    all_ok(comm, err.empty(), err);
+  }
+  std::mt19937_64 rng(o.seed);
+  std::vector<int32_t> out;
+  for (int i = 0; i < o.max_new_tokens; ++i) {
+    size_t T = std::min(ids.size(), static_cast<size_t>(maxT));
+    const int32_t* ctx = ids.data() + (ids.size() - T);
+    model.forward(*l.f, ctx, nullptr, 1, static_cast<int>(T), false);
+    int64_t next = 0;
+    if (comm.rank() == 0) {
+      std::vector<float> lg = model.logits();
+      const float* last = lg.data() + (T - 1) * static_cast<size_t>(V);
+      if (o.temperature <= 0) {
+        next = std::max_element(last, last + V) - last;
+      } else {
+        std::vector<std::pair<float, int>> c;
+        for (int v = 0; v < V; ++v) c.push_back({last[v], v});
+        std::sort(c.begin(), c.end(), std::greater<>());
+        if (o.top_k > 0 && o.top_k < V) c.resize(static_cast<size_t>(o.top_k));
+        std::vector<double> w;
+        for (auto& [lv, v] : c) w.push_back(std::exp((lv - c[0].first) / o.temperature));
+        std::discrete_distribution<size_t> dist(w.begin(), w.end());
+        next = c[dist(rng)].second;
+      }
+    }
+    comm.broadcast(&next, 1, 0);
+    if (next == l.mc.eos_token_id) break;
+    ids.push_back(static_cast<int32_t>(next));
+    out.push_back(static_cast<int32_t>(next));
+  }
+  return ByteTokenizer::decode(out);
+}
+
+}  // namespace shardtrain

@@ -1,0 +1,213 @@
+// safetensors I/O and the float conversions used by export.
+#include "shardtrain/safetensors.h"
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <stdexcept>
+
+namespace shardtrain {
+using json = nlohmann::ordered_json;
+
+const char* dtype_name(DType t) { return t == DType::F32 ? "F32" : t == DType::BF16 ? "BF16" : "F16"; }
+size_t dtype_size(DType t) { return t == DType::F32 ? 4 : 2; }
+DType parse_export_dtype(const std::string& s) {
+  if (s == "fp32") return DType::F32;
+  if (s == "bf16") return DType::BF16;
+  if (s == "fp16") return DType::F16;
+  throw std::invalid_argument("option '--dtype' must be fp32, bf16 or fp16, got '" + s + "'");
+}
+
+uint16_t f32_to_bf16(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest, ties to even
+  return static_cast<uint16_t>(u >> 16);
+}
+float bf16_to_f32(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float x;
+  std::memcpy(&x, &u, 4);
+  return x;
+}
+
+// IEEE binary32 -> binary16, round to nearest even, subnormals and overflow handled.
+uint16_t f32_to_f16(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  uint32_t sign = (u >> 16) & 0x8000u;
+  uint32_t abs = u & 0x7fffffffu;
+  if (abs > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);  // NaN
+  if (abs >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // >= 65520 rounds to inf
+  if (abs < 0x38800000u) {  // below the smallest normal half (2^-14): subnormal or zero
+    if (abs < 0x33000000u) return static_cast<uint16_t>(sign);  // < 2^-25 rounds to 0 (2^-25 ties to even 0)
+    uint32_t mant = (abs & 0x7fffffu) | 0x800000u;
+    int shift = 126 - static_cast<int>(abs >> 23);  // bits of mant below the half's subnormal unit
+    // value = mant * 2^(e-150); the half subnormal unit is 2^-24, so q = mant >> (126 - e).
+    uint32_t q = mant >> shift;
+    uint32_t rem = mant & ((1u << shift) - 1);
+    uint32_t halfway = 1u << (shift - 1);
+    if (rem > halfway || (rem == halfway && (q & 1u))) ++q;
+    return static_cast<uint16_t>(sign | q);
+  }
+  uint32_t e = (abs >> 23) - 127 + 15;
+  uint32_t mant = abs & 0x7fffffu;
+  uint32_t h = (e << 10) | (mant >> 13);
+  uint32_t rem = mant & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;  // may carry into the exponent: correct
+  return static_cast<uint16_t>(sign | h);
+}
+float f16_to_f32(uint16_t h) {
+  uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu, u;
+  if (e == 0) {
+    if (m == 0) u = sign;
+    else {  // subnormal: normalize
+      int k = -1;
+      do { ++k; m <<= 1; } while ((m & 0x400u) == 0);
+      u = sign | (static_cast<uint32_t>(127 - 15 - k) << 23) | ((m & 0x3ffu) << 13);
+    }
+  } else if (e == 31) {
+    u = sign | 0x7f800000u | (m << 13);
+  } else {
+    u = sign | ((e - 15 + 127) << 23) | (m << 13);
+  }
+  float x;
+  std::memcpy(&x, &u, 4);
+  return x;
+}
+
+uint64_t safetensors_data_bytes(const std::vector<StTensor>& ts, DType dt) {
+  uint64_t n = 0;
+  for (auto& t : ts) n += t.values.size() * dtype_size(dt);
+  return n;
+}
+
+void write_safetensors(const std::string& path, const std::vector<StTensor>& ts, DType dt) {
+  json h = json::object();
+  h["__metadata__"] = {{"format", "pt"}};
+  uint64_t off = 0;
+  for (auto& t : ts) {
+    uint64_t bytes = t.values.size() * dtype_size(dt);
+    h[t.name] = {{"dtype", dtype_name(dt)}, {"shape", t.shape}, {"data_offsets", {off, off + bytes}}};
+    off += bytes;
+  }
+  std::string hs = h.dump();
+  while (hs.size() % 8 != 0) hs.push_back(' ');
+  std::ofstream o(path, std::ios::binary | std::ios::trunc);
+  if (!o) throw std::runtime_error("cannot write '" + path + "'");
+  uint64_t n = hs.size();
+  unsigned char len[8];
+  for (int i = 0; i < 8; ++i) len[i] = static_cast<unsigned char>(n >> (8 * i));
+  o.write(reinterpret_cast<const char*>(len), 8);
+  o.write(hs.data(), static_cast<std::streamsize>(hs.size()));
+  std::vector<char> buf;
+  for (auto& t : ts) {
+    buf.resize(t.values.size() * dtype_size(dt));
+    for (size_t i = 0; i < t.values.size(); ++i) {
+      if (dt == DType::F32) {
+        std::memcpy(buf.data() + 4 * i, &t.values[i], 4);  // little-endian host (x86-64, aarch64)
+      } else {
+        uint16_t v = dt == DType::BF16 ? f32_to_bf16(t.values[i]) : f32_to_f16(t.values[i]);
+        buf[2 * i] = static_cast<char>(v & 0xff);
+        buf[2 * i + 1] = static_cast<char>(v >> 8);
+      }
+    }
+    o.write(buf.data(), static_cast<std::streamsize>(buf.size()));
+  }
+  o.flush();
+  if (!o) throw std::runtime_error("write failed for '" + path + "' (disk full?)");
+}
+
+StFile read_safetensors_header(const std::string& path) {
+  StFile f;
+  f.path = path;
+  auto fail = [&](const std::string& w) { throw std::runtime_error("safetensors file '" + path + "': " + w); };
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec)) fail("no such file");
+  uint64_t fsize = std::filesystem::file_size(path, ec);
+  std::ifstream in(path, std::ios::binary);
+  if (!in || fsize < 8) fail("shorter than its 8-byte header length");
+  unsigned char len[8];
+  in.read(reinterpret_cast<char*>(len), 8);
+  uint64_t n = 0;
+  for (int i = 0; i < 8; ++i) n |= static_cast<uint64_t>(len[i]) << (8 * i);
+  if (n > fsize - 8 || n > (100u << 20)) fail("header length " + std::to_string(n) + " exceeds the file");
+  std::string hs(n, '\0');
+  in.read(hs.data(), static_cast<std::streamsize>(n));
+  f.data_start = 8 + n;
+  const uint64_t data_len = fsize - f.data_start;
+  json h;
+  try {
+    h = json::parse(hs);
+  } catch (const std::exception& e) {
+    fail(std::string("header is not valid JSON (") + e.what() + ")");
+  }
+  if (!h.is_object()) fail("header is not a JSON object");
+  for (auto& [k, v] : h.items()) {
+    if (k == "__metadata__") continue;
+    StEntry e;
+    e.name = k;
+    try {
+      std::string dt = v.at("dtype");
+      if (dt == "F32") e.dtype = DType::F32;
+      else if (dt == "BF16") e.dtype = DType::BF16;
+      else if (dt == "F16") e.dtype = DType::F16;
+      else fail("tensor '" + k + "' has unsupported dtype " + dt + " (F32, BF16, F16 are read)");
+      e.shape = v.at("shape").get<std::vector<int64_t>>();
+      auto off = v.at("data_offsets").get<std::vector<uint64_t>>();
+      if (off.size() != 2) fail("tensor '" + k + "': data_offsets must have 2 entries");
+      e.begin = off[0];
+      e.end = off[1];
+    } catch (const nlohmann::json::exception& ex) {
+      fail("tensor '" + k + "': malformed entry (" + ex.what() + ")");
+    }
+    uint64_t numel = 1;
+    for (auto d : e.shape) {
+      if (d < 0) fail("tensor '" + k + "' has a negative dimension");
+      numel *= static_cast<uint64_t>(d);
+    }
+    if (e.end < e.begin || e.end > data_len)
+      fail("tensor '" + k + "': data_offsets [" + std::to_string(e.begin) + ", " + std::to_string(e.end) +
+           ") are out of range (data buffer is " + std::to_string(data_len) + " bytes)");
+    if (e.end - e.begin != numel * dtype_size(e.dtype))
+      fail("tensor '" + k + "': " + std::to_string(e.end - e.begin) + " bytes for shape of " + std::to_string(numel) +
+           " elements of " + dtype_name(e.dtype));
+    f.entries.push_back(e);
+  }
+  std::vector<StEntry> sorted = f.entries;
+  std::sort(sorted.begin(), sorted.end(), [](auto& a, auto& b) { return a.begin < b.begin; });
+  uint64_t pos = 0;
+  for (auto& e : sorted) {
+    if (e.begin < pos) fail("tensor '" + e.name + "' overlaps the tensor before it (data_offsets " + std::to_string(e.begin) + ")");
+    if (e.begin > pos) fail("gap in the data buffer before tensor '" + e.name + "'");
+    pos = e.end;
+  }
+  if (pos != data_len) fail("the data buffer has " + std::to_string(data_len - pos) + " bytes not covered by any tensor");
+  return f;
+}
+
+std::vector<float> read_safetensors_tensor(const StFile& f, const StEntry& e) {
+  std::ifstream in(f.path, std::ios::binary);
+  in.seekg(static_cast<std::streamoff>(f.data_start + e.begin));
+  std::vector<char> buf(e.end - e.begin);
+  in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
+  if (!in) throw std::runtime_error("safetensors file '" + f.path + "': cannot read tensor '" + e.name + "'");
+  size_t n = buf.size() / dtype_size(e.dtype);
+  std::vector<float> out(n);
+  for (size_t i = 0; i < n; ++i) {
+    if (e.dtype == DType::F32) {
+      std::memcpy(&out[i], buf.data() + 4 * i, 4);
+    } else {
+      uint16_t v = static_cast<uint16_t>(static_cast<unsigned char>(buf[2 * i]) |
+                                         (static_cast<unsigned char>(buf[2 * i + 1]) << 8));
+      out[i] = e.dtype == DType::BF16 ? bf16_to_f32(v) : f16_to_f32(v);
+    }
+  }
+  return out;
+}
+
+}  // namespace shardtrain
