@@ -76,8 +76,14 @@ $(VENV)/.ok: tests/requirements.txt
 test: deps build venv
 	bash tests/run_all.sh
 
+# Train on 2 ranks (a fresh run each time), export the last checkpoint to Hugging Face layout on
+# one rank, and sample from it.
 demo: deps build data
+	rm -rf $(BUILD)/demo-ckpt
 	time $(MPIRUN) -np 2 $(BUILD)/shardtrain --config jobs/demo.ini
+	$(BUILD)/shardtrain --mode export $(BUILD)/demo-ckpt/$$(cat $(BUILD)/demo-ckpt/latest) --out $(BUILD)/demo-hf
+	@echo "--- sample (--mode generate, temperature 0.8, top-k 40):"
+	@$(BUILD)/shardtrain --mode generate $(BUILD)/demo-ckpt/$$(cat $(BUILD)/demo-ckpt/latest) --prompt "The secret of life is" --max-new-tokens 300
 
 bench: deps build
 	bash tests/bench/run.sh

@@ -269,7 +269,7 @@ void import_hf(Comm& comm, const std::string& hf_dir, const std::string& out_pat
     for (size_t fi = 0; fi < files.size(); ++fi)
       for (size_t ei = 0; ei < files[fi].entries.size(); ++ei) {
         const std::string& raw = files[fi].entries[ei].name;
-        if (raw.size() >= 22 && raw.substr(raw.size() - 22) == "rotary_emb.inv_freq") continue;  // a buffer, not a weight
+        if (raw.ends_with("rotary_emb.inv_freq")) continue;  // a buffer, not a weight
         std::string c = canonical_tensor_name(raw);
         if (!where.emplace(c, std::make_pair(fi, ei)).second)
           throw std::runtime_error("tensor '" + c + "' appears twice (as '" + raw + "')");

@@ -279,7 +279,7 @@ ModelConfig resolve_model_config(Comm& comm, const std::string& spec) {
         std::ifstream f(spec);
         std::error_code ec;
         if (!f || !std::filesystem::is_regular_file(spec, ec))
-          throw std::invalid_argument("cannot open model config file '" + spec + "' (option '--model')");
+          throw std::invalid_argument("cannot open model config file '" + spec + "'");
         std::stringstream ss;
         ss << f.rdbuf();
         c = parse_hf_config(ss.str(), "'" + spec + "'");
