@@ -202,6 +202,18 @@ struct QuietHdf5 {  // shardtrain reports HDF5 failures itself, with the file na
   QuietHdf5() { H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr); }
 };
 
+// Published checkpoints in `dir` ("step_NNNNNNNN.h5"), oldest first. Temporary files never match.
+std::vector<std::string> published_checkpoints(const std::string& dir) {
+  std::vector<std::string> names;
+  std::error_code ec;
+  for (auto& e : fs::directory_iterator(dir, ec)) {
+    std::string n = e.path().filename().string();
+    if (n.size() == 16 && n.rfind("step_", 0) == 0 && n.ends_with(".h5")) names.push_back(n);
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
 }  // namespace
 
 std::string checkpoint_name(int64_t step) {
@@ -341,13 +353,7 @@ std::string save_checkpoint(Comm& comm, Fsdp<float>& f, AdamW<float>& opt, const
       fs::rename(latest_tmp, fs::path(co.dir) / "latest");
       fsync_path(co.dir, true);
       if (co.keep_last > 0) {
-        std::vector<std::string> names;
-        for (auto& e : fs::directory_iterator(co.dir)) {
-          std::string n = e.path().filename().string();
-          if (n.size() == checkpoint_name(0).size() && n.rfind("step_", 0) == 0 && n.substr(n.size() - 3) == ".h5")
-            names.push_back(n);
-        }
-        std::sort(names.begin(), names.end());
+        std::vector<std::string> names = published_checkpoints(co.dir);
         for (size_t i = 0; i + static_cast<size_t>(co.keep_last) < names.size(); ++i)
           if (names[i] != checkpoint_name(st.step)) fs::remove(fs::path(co.dir) / names[i]);
       }
@@ -579,13 +585,8 @@ std::string resolve_resume(Comm& comm, const std::string& resume, const std::str
           std::getline(l, name);
           if (!name.empty() && fs::exists(fs::path(dir) / name)) path = (fs::path(dir) / name).string();
         }
-        if (path.empty() && fs::is_directory(dir)) {
-          std::vector<std::string> names;
-          for (auto& e : fs::directory_iterator(dir)) {
-            std::string n = e.path().filename().string();
-            if (n.rfind("step_", 0) == 0 && n.size() > 3 && n.substr(n.size() - 3) == ".h5") names.push_back(n);
-          }
-          std::sort(names.begin(), names.end());
+        if (path.empty()) {
+          std::vector<std::string> names = published_checkpoints(dir);
           if (!names.empty()) path = (fs::path(dir) / names.back()).string();
         }
       } else {
