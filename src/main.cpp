@@ -101,8 +101,10 @@ int main(int argc, char** argv) {
   Runtime rt(&argc, &argv);
   Comm& comm = rt.comm();
   const Topology& topo = rt.topo();
+  install_stop_handlers();
   try {
     Options o = parse_options(comm, argc, argv);
+    comm.set_collective_timeout(o.collective_timeout);
     if (o.help) {
       log_info(comm, o.help_text);
       return 0;
@@ -119,6 +121,11 @@ int main(int argc, char** argv) {
     else run_train(comm, topo, o);
     comm.barrier();
     return 0;
+  } catch (const Preempted& e) {
+    // Every rank stopped at the same step (the stop flag rides on the step's all-reduce).
+    log_info(comm, std::string("shardtrain: ") + e.what() + "; exit status " + std::to_string(kExitPreempted));
+    comm.barrier();
+    return kExitPreempted;
   } catch (const CollectiveError& e) {
     // Every rank reached the same decision: each exits non-zero with the same message.
     // Print before anyone exits: mpirun tears the job down at the first non-zero exit.

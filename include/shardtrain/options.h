@@ -24,6 +24,7 @@ struct Options {
   std::vector<std::string> inputs;  // text files (prepare)
   std::string out;                // token file to write (prepare)
   double val_fraction = 0.1;
+  double collective_timeout = 600;  // seconds a collective may take before this rank ends the job; 0: never
   int threads = 0;                // OpenBLAS threads per rank, 0 = cores on node / ranks on node
   std::string checkpoint;         // inspect: the checkpoint file (also positional)
   std::string dump_param;         // inspect: write this gathered parameter ...

@@ -53,6 +53,11 @@ class Comm {
 
   virtual void barrier() = 0;
 
+  // Collective watchdog: a collective still unfinished after `seconds` (0: never) means a peer is
+  // dead or stuck; this rank then prints which collective and for how long, and exits with
+  // kExitCollectiveTimeout, which makes mpirun / srun end the whole job.
+  virtual void set_collective_timeout(double seconds) = 0;
+
   // The MPI communicator (an MPI_Comm, as void*) spanning the same ranks, for host-side parallel
   // I/O (MPI-IO under HDF5). Every Comm implementation has one, NCCL's included.
   virtual void* mpi_handle() const = 0;
@@ -83,6 +88,7 @@ class MpiComm final : public Comm {
   int world_size() const override { return size_; }
   void barrier() override;
   void* mpi_handle() const override { return comm_; }
+  void set_collective_timeout(double seconds) override;
 
  private:
   MpiComm() = default;
@@ -93,7 +99,22 @@ class MpiComm final : public Comm {
   void* comm_ = nullptr;  // MPI_Comm, stored opaquely
   bool owned_ = false;
   int rank_ = 0, size_ = 1;
+  struct Watchdog;
+  Watchdog* wd_ = nullptr;
+  class Guard;  // marks one collective as in flight for the watchdog
 };
+
+// Exit status of a run stopped by SIGTERM or SIGUSR1 after saving a checkpoint (EX_TEMPFAIL):
+// "preempted, resume me". Job scripts requeue on it.
+inline constexpr int kExitPreempted = 75;
+// Exit status of a rank whose collective watchdog fired (a peer died or hangs).
+inline constexpr int kExitCollectiveTimeout = 70;
+
+// Installs handlers for SIGTERM and SIGUSR1 (Slurm's --signal=USR1@T and scancel/preemption) that
+// only record the signal; the training loop polls stop_signal() once per step.
+void install_stop_handlers();
+// The recorded signal number, 0 if none.
+int stop_signal();
 
 // Process placement, read once at start-up.
 struct Topology {

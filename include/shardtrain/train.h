@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -39,6 +40,14 @@ struct TrainConfig {
   std::string init_from;       // start from these weights at step 0 (fresh optimizer); ignored when resuming
   int64_t stop_at_step = 0;    // stop (and save) after this step, keeping the schedule of `steps`; 0: run to `steps`
   int64_t debug_crash_before_publish = 0;  // test hook (see CheckpointOptions)
+  bool skip_nonfinite = false;  // skip the update of a step with a non-finite loss or gradient norm instead of stopping
+};
+
+// Thrown on every rank, at the same step, when some rank received SIGTERM or SIGUSR1: the step in
+// progress was finished and (with a checkpoint directory) saved. main() exits with kExitPreempted.
+struct Preempted : std::runtime_error {
+  Preempted(const std::string& m, int sig) : std::runtime_error(m), signal(sig) {}
+  int signal;
 };
 
 // Learning rate at 0-based step s: linear warm-up lr*(s+1)/warmup for s < warmup, then cosine

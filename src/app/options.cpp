@@ -25,7 +25,8 @@ po::options_description describe(Options& o) {
       ("help,h", "print this help and exit")
       ("config", po::value<std::string>(&o.config_file), "INI job file (key = value, long option names); the command line overrides it")
       ("mode", po::value<std::string>(&o.mode)->default_value(o.mode), "job to run: train | prepare | inspect | export | import | generate")
-      ("threads", po::value<int>(&o.threads)->default_value(o.threads), "OpenBLAS threads per rank; 0 = cores on the node / ranks on the node");
+      ("threads", po::value<int>(&o.threads)->default_value(o.threads), "OpenBLAS threads per rank; 0 = cores on the node / ranks on the node")
+      ("collective-timeout", dbl(&o.collective_timeout), "seconds a collective may wait for the other ranks before this rank ends the job (a peer died or hangs); 0 = never");
   po::options_description data("Data (--mode prepare)");
   data.add_options()
       ("input", po::value<std::vector<std::string>>(&o.inputs)->multitoken(), "text file(s) to tokenize, one document each (repeatable)")
@@ -60,6 +61,7 @@ po::options_description describe(Options& o) {
       ("checkpoint-every", po::value<int64_t>(&t.checkpoint_every)->default_value(t.checkpoint_every), "steps between checkpoints; 0 = only at the end of training")
       ("keep-last", po::value<int>(&t.keep_last)->default_value(t.keep_last), "published checkpoints to keep, older ones are deleted after a save; 0 = keep all")
       ("resume", po::value<std::string>(&t.resume), "'auto' (newest checkpoint in --checkpoint-dir, if any) or a checkpoint file; at any world size")
+      ("skip-nonfinite", po::bool_switch(&t.skip_nonfinite), "skip the update of a step whose loss or gradient norm is not finite, instead of stopping")
       ("stop-at-step", po::value<int64_t>(&t.stop_at_step)->default_value(t.stop_at_step), "stop and save after this step, keeping the LR schedule of --steps; 0 = run to --steps")
       ("checkpoint", po::value<std::string>(&o.checkpoint), "checkpoint file for --mode inspect (also the positional argument)")
       ("dump-param", po::value<std::string>(&o.dump_param), "inspect: gather this parameter (canonical name) ...")
@@ -116,6 +118,8 @@ void validate(const Options& o) {
   if (o.mode == "inspect") check(!o.checkpoint.empty(), "checkpoint", "is required with --mode inspect (or give the file as an argument)");
   if (!o.dump_param.empty()) check(!o.dump_out.empty(), "dump-out", "is required with --dump-param");
   check(o.threads >= 0 && o.threads <= 1024, "threads", "must be in [0, 1024]");
+  finite(o.collective_timeout, "collective-timeout");
+  check(o.collective_timeout >= 0, "collective-timeout", "must be >= 0");
   for (auto [v, n] : {std::pair{o.val_fraction, "val-fraction"}, {t.lr, "lr"}, {t.min_lr, "min-lr"}, {t.beta1, "beta1"},
                       {t.beta2, "beta2"}, {t.eps, "adam-eps"}, {t.weight_decay, "weight-decay"}, {t.clip, "clip"}})
     finite(v, n);

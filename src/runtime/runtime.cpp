@@ -3,7 +3,11 @@
 
 #include <mpi.h>
 
+#include <atomic>
+#include <chrono>
 #include <climits>
+#include <csignal>
+#include <thread>
 #include <cstdio>
 #include <iostream>
 #include <unistd.h>
@@ -39,7 +43,76 @@ int to_count(size_t n, const char* what) {
   return static_cast<int>(n);
 }
 
+std::atomic<int> g_stop_signal{0};
+extern "C" void on_stop_signal(int sig) { g_stop_signal.store(sig); }
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
 }  // namespace
+
+void install_stop_handlers() {
+  struct sigaction sa {};
+  sa.sa_handler = on_stop_signal;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = SA_RESTART;
+  sigaction(SIGTERM, &sa, nullptr);
+  sigaction(SIGUSR1, &sa, nullptr);
+}
+int stop_signal() { return g_stop_signal.load(); }
+
+// A thread that wakes every 0.5 s and checks how long the current collective has been running.
+struct MpiComm::Watchdog {
+  std::atomic<int64_t> since{0};        // start of the collective in flight (ns), 0 if none
+  std::atomic<const char*> what{""};
+  std::atomic<int64_t> timeout_ns{0};
+  std::atomic<bool> quit{false};
+  std::thread thread;
+  Watchdog(int rank, int world) {
+    thread = std::thread([this, rank, world] {
+      while (!quit.load()) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(500));
+        int64_t t0 = since.load(), lim = timeout_ns.load();
+        if (t0 != 0 && lim > 0 && now_ns() - t0 > lim) {
+          char b[256];
+          std::snprintf(b, sizeof b,
+                        "collective %s has not completed after %.0f s: another rank is dead or stuck; "
+                        "ending the job (option '--collective-timeout')",
+                        what.load(), static_cast<double>(now_ns() - t0) / 1e9);
+          log_error(rank, world, b);
+          std::_Exit(kExitCollectiveTimeout);
+        }
+      }
+    });
+  }
+  ~Watchdog() {
+    quit.store(true);
+    thread.join();
+  }
+};
+
+class MpiComm::Guard {
+ public:
+  Guard(Watchdog* w, const char* what) : w_(w) {
+    if (w_) {
+      w_->what.store(what);
+      w_->since.store(now_ns());
+    }
+  }
+  ~Guard() {
+    if (w_) w_->since.store(0);
+  }
+
+ private:
+  Watchdog* w_;
+};
+
+void MpiComm::set_collective_timeout(double seconds) {
+  if (!wd_) wd_ = new Watchdog(rank_, size_);
+  wd_->timeout_ns.store(static_cast<int64_t>(seconds * 1e9));
+}
 
 MpiComm MpiComm::world() {
   MpiComm c;
@@ -52,12 +125,15 @@ MpiComm MpiComm::world() {
   return c;
 }
 
-MpiComm::MpiComm(MpiComm&& o) noexcept : comm_(o.comm_), owned_(o.owned_), rank_(o.rank_), size_(o.size_) {
+MpiComm::MpiComm(MpiComm&& o) noexcept
+    : comm_(o.comm_), owned_(o.owned_), rank_(o.rank_), size_(o.size_), wd_(o.wd_) {
   o.owned_ = false;
   o.comm_ = nullptr;
+  o.wd_ = nullptr;
 }
 
 MpiComm::~MpiComm() {
+  delete wd_;
   int finalized = 0;
   MPI_Finalized(&finalized);
   if (owned_ && !finalized) {
@@ -66,25 +142,31 @@ MpiComm::~MpiComm() {
   }
 }
 
-void MpiComm::barrier() { check_mpi(MPI_Barrier(as_mpi(comm_)), "MPI_Barrier"); }
+void MpiComm::barrier() {
+  Guard g(wd_, "barrier");
+  check_mpi(MPI_Barrier(as_mpi(comm_)), "MPI_Barrier");
+}
 
 void MpiComm::all_gather_impl(const void* send, void* recv, size_t count, DType t) {
   MPI_Datatype dt = mpi_type(static_cast<int>(t));
   int n = to_count(count, "all_gather");
   int esz = 0;
   MPI_Type_size(dt, &esz);
+  Guard g(wd_, "all_gather");
   const void* s = send;
   if (send == static_cast<char*>(recv) + static_cast<size_t>(rank_) * count * esz) s = MPI_IN_PLACE;
   check_mpi(MPI_Allgather(s, n, dt, recv, n, dt, as_mpi(comm_)), "MPI_Allgather");
 }
 
 void MpiComm::reduce_scatter_sum_impl(const void* send, void* recv, size_t count, DType t) {
+  Guard g(wd_, "reduce_scatter");
   check_mpi(MPI_Reduce_scatter_block(send, recv, to_count(count, "reduce_scatter"), mpi_type(static_cast<int>(t)),
                                      MPI_SUM, as_mpi(comm_)),
             "MPI_Reduce_scatter_block");
 }
 
 void MpiComm::all_reduce_impl(void* buf, size_t count, DType t, ReduceOp op) {
+  Guard g(wd_, "all_reduce");
   MPI_Op mop = op == ReduceOp::Sum ? MPI_SUM : op == ReduceOp::Max ? MPI_MAX : MPI_MIN;
   check_mpi(MPI_Allreduce(MPI_IN_PLACE, buf, to_count(count, "all_reduce"), mpi_type(static_cast<int>(t)), mop,
                           as_mpi(comm_)),
@@ -92,6 +174,7 @@ void MpiComm::all_reduce_impl(void* buf, size_t count, DType t, ReduceOp op) {
 }
 
 void MpiComm::broadcast_impl(void* buf, size_t count, DType t, int root) {
+  Guard g(wd_, "broadcast");
   check_mpi(MPI_Bcast(buf, to_count(count, "broadcast"), mpi_type(static_cast<int>(t)), root, as_mpi(comm_)),
             "MPI_Bcast");
 }

@@ -192,18 +192,24 @@ TrainResult train(Comm& comm, Backend<float>& be, const ModelConfig& mc, const T
       loss_sum += model.forward(f, tok.data(), tgt.data(), mb, tc.seq_len, true, grad_scale);
       model.backward(f);  // reduce-scatters each unit's gradient (mean over ranks) into its shard
     }
-    double red[2] = {loss_sum, f.local_grad_sumsq()};
-    comm.all_reduce(red, 2, ReduceOp::Sum);
+    // One all-reduce: loss, squared gradient norm, and "some rank was asked to stop" (a signal),
+    // so every rank sees the same values and takes the same decisions below.
+    double red[3] = {loss_sum, f.local_grad_sumsq(), stop_signal() != 0 ? 1.0 : 0.0};
+    comm.all_reduce(red, 3, ReduceOp::Sum);
     const double loss = red[0] / tokens_per_step, gnorm = std::sqrt(red[1]);
-    // Same reduced values on every rank, so every rank stops here together; the update is not
-    // applied and nothing is saved from this state.
-    if (!std::isfinite(loss) || !std::isfinite(gnorm))
-      throw CollectiveError(0, "non-finite " + std::string(std::isfinite(loss) ? "gradient norm" : "loss") + " at step " +
-                                   std::to_string(s + 1) + " (loss " + fmt("%g", loss) + ", grad_norm " +
-                                   fmt("%g", gnorm) + "); stopping without applying it. Lower '--lr' or enable '--clip'");
-    const double clip_scale = (tc.clip > 0 && gnorm > tc.clip) ? tc.clip / gnorm : 1.0;
+    const bool stop_requested = red[2] > 0;
     const double lr = lr_at(tc, s);
-    opt.step(s + 1, lr, clip_scale);
+    if (!std::isfinite(loss) || !std::isfinite(gnorm)) {
+      std::string what = "non-finite " + std::string(std::isfinite(loss) ? "gradient norm" : "loss") + " at step " +
+                         std::to_string(s + 1) + " (loss " + fmt("%g", loss) + ", grad_norm " + fmt("%g", gnorm) + ")";
+      if (!tc.skip_nonfinite)  // nothing is applied or saved from this state
+        throw CollectiveError(0, what + "; stopping without applying it. Lower '--lr', enable '--clip', or pass "
+                                        "'--skip-nonfinite' to skip such steps");
+      log_info(comm, what + ": update skipped (--skip-nonfinite)");
+    } else {
+      const double clip_scale = (tc.clip > 0 && gnorm > tc.clip) ? tc.clip / gnorm : 1.0;
+      opt.step(s + 1, lr, clip_scale);
+    }
     double dt = std::chrono::duration<double>(clock::now() - t0).count();
     train_s += dt;
     interval_s += dt;
@@ -233,8 +239,17 @@ TrainResult train(Comm& comm, Backend<float>& be, const ModelConfig& mc, const T
       log_info(comm, "eval step " + std::to_string(s + 1) + " | val_loss " + fmt("%.4f", vl));
       if (metrics.is_open()) metrics << nlohmann::json({{"step", s + 1}, {"val_loss", vl}}).dump() << "\n" << std::flush;
     }
-    if (!tc.checkpoint_dir.empty() && ((tc.checkpoint_every > 0 && (s + 1) % tc.checkpoint_every == 0) || last))
-      save(s + 1);
+    const bool saved_now = !tc.checkpoint_dir.empty() &&
+                           ((tc.checkpoint_every > 0 && (s + 1) % tc.checkpoint_every == 0) || last || stop_requested);
+    if (saved_now) save(s + 1);
+    if (stop_requested && !last) {
+      const int sig = stop_signal();
+      throw Preempted("stop requested by a signal (SIGTERM or SIGUSR1) during step " + std::to_string(s + 1) + ": " +
+                          (tc.checkpoint_dir.empty() ? std::string("no --checkpoint-dir, nothing saved")
+                                                     : "checkpoint of step " + std::to_string(s + 1) +
+                                                           " published; continue with --resume auto"),
+                      sig);
+    }
   }
   res.train_seconds = train_s;
   const int64_t ran = last_step - state.step;
