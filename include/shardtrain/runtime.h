@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -57,6 +58,11 @@ class Comm {
   // dead or stuck; this rank then prints which collective and for how long, and exits with
   // kExitCollectiveTimeout, which makes mpirun / srun end the whole job.
   virtual void set_collective_timeout(double seconds) = 0;
+  // Marks a section made of collectives this class does not see (parallel HDF5 I/O) for the
+  // watchdog: it fires when the section makes no progress (no Comm collective completes) for the
+  // timeout. Use through CommWatch. Sections nest.
+  virtual void watch_begin(const char* what) = 0;
+  virtual void watch_end() = 0;
 
   // The MPI communicator (an MPI_Comm, as void*) spanning the same ranks, for host-side parallel
   // I/O (MPI-IO under HDF5). Every Comm implementation has one, NCCL's included.
@@ -89,6 +95,8 @@ class MpiComm final : public Comm {
   void barrier() override;
   void* mpi_handle() const override { return comm_; }
   void set_collective_timeout(double seconds) override;
+  void watch_begin(const char* what) override;
+  void watch_end() override;
 
  private:
   MpiComm() = default;
@@ -102,6 +110,7 @@ class MpiComm final : public Comm {
   struct Watchdog;
   Watchdog* wd_ = nullptr;
   class Guard;  // marks one collective as in flight for the watchdog
+  std::vector<std::unique_ptr<Guard>> w_stack_;  // open CommWatch sections
 };
 
 // Exit status of a run stopped by SIGTERM or SIGUSR1 after saving a checkpoint (EX_TEMPFAIL):
@@ -115,6 +124,17 @@ inline constexpr int kExitCollectiveTimeout = 70;
 void install_stop_handlers();
 // The recorded signal number, 0 if none.
 int stop_signal();
+
+// RAII section for the collective watchdog (see Comm::watch_begin).
+class CommWatch {
+ public:
+  CommWatch(Comm& c, const char* what) : c_(c) { c_.watch_begin(what); }
+  ~CommWatch() { c_.watch_end(); }
+  CommWatch(const CommWatch&) = delete;
+
+ private:
+  Comm& c_;
+};
 
 // Process placement, read once at start-up.
 struct Topology {

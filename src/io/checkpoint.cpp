@@ -4,6 +4,7 @@
 #include "shardtrain/checkpoint.h"
 
 #include <fcntl.h>
+#include <sys/statvfs.h>
 #include <hdf5.h>
 #include <mpi.h>
 #include <unistd.h>
@@ -11,6 +12,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -229,6 +231,24 @@ void write_checkpoint_file(Comm& comm, const std::string& tmp_path, Fsdp<float>&
   Backend<float>& be = f.backend();
   const ShardPlan& plan = f.plan();
   std::string err;
+  // Refuse up front when the file cannot fit, rather than fail half-way through. (The test suite
+  // sets SHARDTRAIN_TEST_SKIP_SPACE_CHECK to exercise the mid-write failure path instead.)
+  if (r == 0 && !std::getenv("SHARDTRAIN_TEST_SKIP_SPACE_CHECK")) {
+    uint64_t need = 64u << 10;  // HDF5 superblock, root attributes
+    for (auto& up : plan.units) need += (8u << 10) + 3 * 4 * static_cast<uint64_t>(up.padded_numel);
+    struct statvfs sv {};
+    fs::path dir = fs::path(tmp_path).parent_path();
+    if (dir.empty()) dir = ".";
+    if (::statvfs(dir.c_str(), &sv) == 0 && static_cast<uint64_t>(sv.f_bavail) * sv.f_frsize < need)
+      err = "checkpoint '" + tmp_path + "': not enough space in '" + dir.string() + "' (need " +
+            std::to_string(need >> 10) + " KiB, " + std::to_string((static_cast<uint64_t>(sv.f_bavail) * sv.f_frsize) >> 10) +
+            " KiB free)";
+  }
+  all_ok(comm, err.empty(), err);
+  // HDF5's internal collectives are invisible to Comm; a failure inside HDF5 on one rank (a full
+  // disk during a metadata flush) can leave ranks in different MPI calls. The watchdog ends the
+  // job then, instead of a hang.
+  CommWatch watch(comm, "checkpoint write (parallel HDF5)");
   try {
     std::string why;
     H5Id file = open_file(comm, tmp_path, true, &why);
@@ -252,6 +272,7 @@ void write_checkpoint_file(Comm& comm, const std::string& tmp_path, Fsdp<float>&
     H5Pset_dxpl_mpio(dxpl, H5FD_MPIO_COLLECTIVE);
     H5Id rowt = param_row_type();
     std::vector<float> host;
+    std::string write_err;
     for (int u = 0; u < f.num_units(); ++u) {
       const UnitPlan& up = plan.units[u];
       const hsize_t S = static_cast<hsize_t>(up.shard_size);
@@ -275,8 +296,12 @@ void write_checkpoint_file(Comm& comm, const std::string& tmp_path, Fsdp<float>&
         host.resize(S);
         be.to_host(host.data(), src[k], S);
         my_crc[k] = crc32_of(host.data(), S);
-        chk(H5Dwrite(d, H5T_NATIVE_FLOAT, msp, fsp, dxpl, host.data()), "write " + up.name + "/" + kMoments[k], 0);
+        // A failed write (disk full) may fail on this rank only: record it and agree after the
+        // unit, so that every rank leaves the collective sequence at the same point.
+        if (H5Dwrite(d, H5T_NATIVE_FLOAT, msp, fsp, dxpl, host.data()) < 0 && write_err.empty())
+          write_err = "write " + up.name + "/" + kMoments[k] + " failed (" + h5_detail() + "; disk full?)";
       }
+      all_ok(comm, write_err.empty(), write_err);
       // Shard table [W, 3] (start, valid, padding) and slice checksums [W, 3] (params, adam_m, adam_v).
       std::vector<int64_t> table;
       for (auto& rs : up.ranks) table.insert(table.end(), {rs.start, rs.valid, rs.padding});
@@ -367,6 +392,7 @@ std::string save_checkpoint(Comm& comm, Fsdp<float>& f, AdamW<float>& opt, const
 
 CheckpointInfo read_checkpoint_info(Comm& comm, const std::string& path) {
   static QuietHdf5 quiet;
+  CommWatch watch(comm, "checkpoint read (parallel HDF5)");
   CheckpointInfo info;
   info.path = path;
   std::string err;
@@ -464,6 +490,7 @@ CheckpointInfo read_checkpoint_info(Comm& comm, const std::string& path) {
 
 TrainState load_checkpoint(Comm& comm, const std::string& path, Fsdp<float>& f, AdamW<float>* opt,
                            const ModelConfig& mc) {
+  CommWatch watch(comm, "checkpoint read (parallel HDF5)");
   CheckpointInfo info = read_checkpoint_info(comm, path);
   const ShardPlan& plan = f.plan();
   const int M = comm.world_size(), r = comm.rank();

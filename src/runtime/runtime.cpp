@@ -65,7 +65,8 @@ int stop_signal() { return g_stop_signal.load(); }
 
 // A thread that wakes every 0.5 s and checks how long the current collective has been running.
 struct MpiComm::Watchdog {
-  std::atomic<int64_t> since{0};        // start of the collective in flight (ns), 0 if none
+  std::atomic<int64_t> since{0};        // last progress of the section in flight (ns), 0 if none
+  int depth = 0;                        // nesting of sections (main thread only)
   std::atomic<const char*> what{""};
   std::atomic<int64_t> timeout_ns{0};
   std::atomic<bool> quit{false};
@@ -93,21 +94,38 @@ struct MpiComm::Watchdog {
   }
 };
 
+// A collective in flight. Inside an outer section (CommWatch), finishing it counts as progress:
+// the outer section's clock restarts.
 class MpiComm::Guard {
  public:
   Guard(Watchdog* w, const char* what) : w_(w) {
     if (w_) {
+      prev_ = w_->what.load();
       w_->what.store(what);
       w_->since.store(now_ns());
+      ++w_->depth;
     }
   }
   ~Guard() {
-    if (w_) w_->since.store(0);
+    if (w_) {
+      --w_->depth;
+      w_->what.store(prev_);
+      w_->since.store(w_->depth > 0 ? now_ns() : 0);
+    }
   }
 
  private:
   Watchdog* w_;
+  const char* prev_ = "";
 };
+
+void MpiComm::watch_begin(const char* what) {
+  if (!wd_) return;
+  w_stack_.push_back(std::make_unique<Guard>(wd_, what));
+}
+void MpiComm::watch_end() {
+  if (!w_stack_.empty()) w_stack_.pop_back();
+}
 
 void MpiComm::set_collective_timeout(double seconds) {
   if (!wd_) wd_ = new Watchdog(rank_, size_);
@@ -126,13 +144,14 @@ MpiComm MpiComm::world() {
 }
 
 MpiComm::MpiComm(MpiComm&& o) noexcept
-    : comm_(o.comm_), owned_(o.owned_), rank_(o.rank_), size_(o.size_), wd_(o.wd_) {
+    : comm_(o.comm_), owned_(o.owned_), rank_(o.rank_), size_(o.size_), wd_(o.wd_), w_stack_(std::move(o.w_stack_)) {
   o.owned_ = false;
   o.comm_ = nullptr;
   o.wd_ = nullptr;
 }
 
 MpiComm::~MpiComm() {
+  w_stack_.clear();  // guards refer to wd_
   delete wd_;
   int finalized = 0;
   MPI_Finalized(&finalized);
