@@ -610,11 +610,17 @@ std::string resolve_resume(Comm& comm, const std::string& resume, const std::str
           std::ifstream l(latest);
           std::string name;
           std::getline(l, name);
-          if (!name.empty() && fs::exists(fs::path(dir) / name)) path = (fs::path(dir) / name).string();
+          if (name.find('/') == std::string::npos && !name.empty() && fs::exists(fs::path(dir) / name))
+            path = (fs::path(dir) / name).string();
         }
         if (path.empty()) {
           std::vector<std::string> names = published_checkpoints(dir);
-          if (!names.empty()) path = (fs::path(dir) / names.back()).string();
+          if (!names.empty()) {
+            path = (fs::path(dir) / names.back()).string();
+            if (fs::exists(latest))  // rank 0 only: a message, not a collective
+              std::printf("note: '%s' does not name a checkpoint in '%s'; resuming from the newest, %s\n",
+                          latest.string().c_str(), dir.c_str(), names.back().c_str());
+          }
         }
       } else {
         if (!fs::exists(resume)) throw std::runtime_error("checkpoint '" + resume + "' (option '--resume'): no such file");

@@ -29,13 +29,15 @@ uint64_t parse_size(const std::string& s) {
   for (auto& c : unit) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
   double mult = unit.empty() || unit == "B" ? 1 : unit == "KB" ? 1e3 : unit == "MB" ? 1e6 : unit == "GB" ? 1e9
               : unit == "KIB" ? 1024.0 : unit == "MIB" ? 1048576.0 : unit == "GIB" ? 1073741824.0 : -1;
-  double v = 0;
+  double v = -1;
   try {
-    v = num.empty() ? -1 : std::stod(num);
+    size_t used = 0;
+    if (!num.empty()) v = std::stod(num, &used);
+    if (used != num.size()) v = -1;  // "1.2.3"
   } catch (...) {
     v = -1;
   }
-  if (mult < 0 || !(v > 0) || !std::isfinite(v * mult))
+  if (mult < 0 || !(v > 0) || !(v * mult >= 1) || !(v * mult < 9.2e18))
     throw std::invalid_argument("option '--max-shard-size' must be a positive size like 5GB, 200MB or 4096, got '" + s + "'");
   return static_cast<uint64_t>(v * mult);
 }
@@ -171,6 +173,13 @@ void export_hf(Comm& comm, const ExportOptions& o) {
     std::error_code ec;
     fs::create_directories(o.out_dir, ec);
     if (ec || !fs::is_directory(o.out_dir)) err = "cannot create export directory '" + o.out_dir + "' (option '--out')";
+    // Weights of an earlier export in the same directory would be loaded in place of (or next
+    // to) this one: remove every model*.safetensors and the index first.
+    for (auto& e : fs::directory_iterator(o.out_dir, ec)) {
+      std::string fname = e.path().filename().string();
+      if (fname == "model.safetensors.index.json" || (fname.rfind("model", 0) == 0 && fname.ends_with(".safetensors")))
+        fs::remove(e.path(), ec);
+    }
   }
   all_ok(comm, err.empty(), err);
   json weight_map = json::object();
@@ -233,6 +242,13 @@ void export_hf(Comm& comm, const ExportOptions& o) {
 }
 
 void import_hf(Comm& comm, const std::string& hf_dir, const std::string& out_path) {
+  {
+    std::string err;
+    std::error_code ec;
+    if (comm.rank() == 0 && fs::exists(out_path, ec))
+      err = "option '--out': '" + out_path + "' exists; import never overwrites a checkpoint";
+    all_ok(comm, err.empty(), err);
+  }
   // Config: rank 0 alone resolves it, as for training.
   ModelConfig mc = resolve_model_config(comm, (fs::path(hf_dir) / "config.json").string());
   // Weight files and headers: every rank reads them (local I/O, agreed).
@@ -298,7 +314,15 @@ void import_hf(Comm& comm, const std::string& hf_dir, const std::string& out_pat
       }
     for (auto& [name, loc] : where) {
       if (expected.count(name)) continue;
-      if (name == "lm_head.weight" && mc.tie_word_embeddings) continue;  // tied: the embedding is the head
+      if (name == "lm_head.weight" && mc.tie_word_embeddings) {  // tied: must be the embedding itself
+        auto emb = where.find("model.embed_tokens.weight");
+        if (emb != where.end() &&
+            read_safetensors_tensor(files[loc.first], files[loc.first].entries[loc.second]) !=
+                read_safetensors_tensor(files[emb->second.first], files[emb->second.first].entries[emb->second.second]))
+          throw std::runtime_error("'" + hf_dir + "': config.json says tie_word_embeddings, but tensor 'lm_head.weight' "
+                                   "differs from 'model.embed_tokens.weight'");
+        continue;
+      }
       throw std::runtime_error("'" + files[loc.first].path + "': tensor '" + name +
                                "' has no place in a LlamaForCausalLM of this config" +
                                (name.find(".bias") != std::string::npos ? " (shardtrain's Llama has no biases)" : ""));
@@ -330,9 +354,10 @@ std::string generate(Comm& comm, const GenerateOptions& o) {
   std::vector<int32_t> ids = {l.mc.bos_token_id};
   for (int32_t b : ByteTokenizer::encode(o.prompt)) ids.push_back(b);
   const int V = l.mc.vocab_size, maxT = l.mc.max_position_embeddings;
+  if (static_cast<int>(ids.size()) > maxT)  // same decision on every rank
+    throw CollectiveError(0, "option '--prompt': BOS + " + std::to_string(ids.size() - 1) + " bytes exceed the model's " +
+                                 "max_position_embeddings (" + std::to_string(maxT) + ")");
   if (!o.dump_logits.empty()) {
-    if (static_cast<int>(ids.size()) > maxT)
-      throw CollectiveError(0, "option '--prompt' is longer than max_position_embeddings (" + std::to_string(maxT) + ")");
     model.forward(*l.f, ids.data(), nullptr, 1, static_cast<int>(ids.size()), false);
     std::vector<float> lg = model.logits();
     std::string err;

@@ -147,6 +147,15 @@ ModelConfig parse_hf_config(const std::string& text, const std::string& source) 
   c.max_position_embeddings = get_or<int>(j, "max_position_embeddings", 2048, source);
   c.rms_norm_eps = get_or<double>(j, "rms_norm_eps", 1e-6, source);
   c.rope_theta = get_or<double>(j, "rope_theta", 10000.0, source);
+  // transformers >= 5 writes RoPE settings as rope_parameters {rope_type, rope_theta, ...}.
+  if (j.contains("rope_parameters") && !j["rope_parameters"].is_null()) {
+    const json& rp = j["rope_parameters"];
+    if (!rp.is_object()) bad(source, "key 'rope_parameters' must be an object");
+    std::string type = get_or<std::string>(rp, "rope_type", "default", source);
+    if (type != "default")
+      bad(source, "key 'rope_parameters.rope_type' is \"" + type + "\"; only \"default\" RoPE is supported");
+    c.rope_theta = get_or<double>(rp, "rope_theta", c.rope_theta, source);
+  }
   c.initializer_range = get_or<double>(j, "initializer_range", 0.02, source);
   c.hidden_act = get_or<std::string>(j, "hidden_act", "silu", source);
   c.tie_word_embeddings = get_or<bool>(j, "tie_word_embeddings", false, source);  // LlamaConfig default

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <iomanip>
 #include <nlohmann/json.hpp>
@@ -126,6 +127,20 @@ TrainResult train(Comm& comm, Backend<float>& be, const ModelConfig& mc, const T
 
   // Resume: parameters, AdamW moments, step (= data position and LR schedule position), seed.
   TrainState state{0, 0, tc.seed, 0};
+  {  // A fresh run must not overwrite another run's checkpoints (same step names, other weights).
+    std::string err;
+    if (rank == 0 && tc.resume.empty() && !tc.checkpoint_dir.empty()) {
+      std::error_code ec;
+      for (auto& e : std::filesystem::directory_iterator(tc.checkpoint_dir, ec))
+        if (e.path().extension() == ".h5" && e.path().filename().string().rfind("step_", 0) == 0) {
+          err = "checkpoint directory '" + tc.checkpoint_dir + "' already holds checkpoints (" +
+                e.path().filename().string() + ", ...): pass '--resume auto' to continue that run, or use another "
+                "'--checkpoint-dir'";
+          break;
+        }
+    }
+    all_ok(comm, err.empty(), err);
+  }
   const std::string resume_path = resolve_resume(comm, tc.resume, tc.checkpoint_dir);
   if (!resume_path.empty()) {
     auto t0 = clock::now();

@@ -26,6 +26,9 @@ m = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=False, **common))
 make("sharded_src", m)
 m.save_pretrained(f"{work}/sharded", safe_serialization=True, max_shard_size="40KB")
 
+torch.manual_seed(5)
+make("rope", LlamaForCausalLM(LlamaConfig(tie_word_embeddings=False, rope_theta=500000.0, **common)))
+
 def variant(src, dst):
     shutil.copytree(f"{work}/{src}", f"{work}/{dst}")
     return f"{work}/{dst}"
@@ -85,4 +88,10 @@ def edit_config(src, dst, **kv):
 edit_config("untied", "gpt2", architectures=["GPT2LMHeadModel"], model_type="gpt2")
 edit_config("untied", "qwen2", architectures=["Qwen2ForCausalLM"], model_type="qwen2")
 edit_config("mistral", "sliding", sliding_window=16)
+edit_config("rope", "llama3_rope", rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+d = variant("tied", "tied_diff_head")
+sd = load_file(f"{d}/model.safetensors")
+sd["lm_head.weight"] = sd["model.embed_tokens.weight"].clone() + 1.0
+save_file(sd, f"{d}/model.safetensors", metadata={"format": "pt"})
 print("made", sorted(os.listdir(work)))

@@ -58,6 +58,8 @@ fi
 chmod 700 "$WORK/ck"
 : >"$WORK/afile"
 expect_fail dir_is_file "cannot create checkpoint directory '$WORK/afile/sub'" 2 "${ARGS[@]}" --checkpoint-dir "$WORK/afile/sub"
+expect_fail fresh_run_into_used_dir "already holds checkpoints (step_00000002.h5, ...): pass '--resume auto'" 2 \
+  "${ARGS[@]}" --checkpoint-dir "$WORK/ck"
 # The good checkpoint is untouched by all of the above and still loads.
 timeout -k 5 60 $MPIRUN -np 3 "$BIN" "${ARGS[@]}" --resume "$GOOD" >"$WORK/ok.log" 2>&1 || { cat "$WORK/ok.log"; fail "good checkpoint no longer loads"; }
 echo "ok: the original checkpoint still loads at 3 ranks"

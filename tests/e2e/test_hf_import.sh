@@ -50,6 +50,8 @@ roundtrip tied 3 && compare tied
 roundtrip bf16 1 && compare bf16 bf16
 roundtrip mistral 2 && compare mistral
 roundtrip sharded 2 && compare sharded
+roundtrip rope 2 && compare rope
+grep -q '"rope_theta":500000' <("$BIN" --mode inspect "$WORK/rope.h5") || fail "rope_theta from rope_parameters was not imported"
 roundtrip prefixed 2
 "$PY" - "$WORK/untied.out" "$WORK/prefixed.out" <<'PY'
 import sys, torch
@@ -83,4 +85,16 @@ expect_fail sliding "key 'sliding_window' = 16 is smaller than max_position_embe
 mkdir -p "$WORK/noweights" && cp "$WORK/untied/config.json" "$WORK/noweights/"
 expect_fail no_weights "has no model.safetensors or model.safetensors.index.json" 2 --mode import --hf-dir "$WORK/noweights" --out "$WORK/x.h5"
 expect_fail no_config "cannot open model config file '$WORK/empty/config.json'" 2 --mode import --hf-dir "$WORK/empty" --out "$WORK/x.h5"
+expect_fail llama3_rope "key 'rope_parameters.rope_type' is \"llama3\"; only \"default\" RoPE is supported" 2 --mode import --hf-dir "$WORK/llama3_rope" --out "$WORK/x.h5"
+expect_fail tied_head_differs "says tie_word_embeddings, but tensor 'lm_head.weight' differs" 2 --mode import --hf-dir "$WORK/tied_diff_head" --out "$WORK/x.h5"
 [ ! -e "$WORK/x.h5" ] || fail "a refused import left a checkpoint behind"
+sum=$(sha256sum "$WORK/untied.h5")
+expect_fail import_overwrite "option '--out': '$WORK/untied.h5' exists" 2 --mode import --hf-dir "$WORK/tied" --out "$WORK/untied.h5"
+[ "$(sha256sum "$WORK/untied.h5")" = "$sum" ] || fail "import overwrote an existing checkpoint"
+# Re-exporting into a directory with an earlier export leaves only the new weights.
+"$BIN" --mode export "$WORK/untied.h5" --out "$WORK/re" --max-shard-size 40KB >/dev/null
+"$BIN" --mode export "$WORK/tied.h5" --out "$WORK/re" >/dev/null
+[ "$(ls "$WORK/re" | grep -c 'safetensors')" -eq 1 ] || { ls "$WORK/re"; fail "stale weight files after re-export"; }
+echo "ok: re-export into an old export directory leaves only model.safetensors"
+expect_fail long_prompt "exceed the model's max_position_embeddings (64)" 2 --mode generate "$WORK/untied.h5" --max-new-tokens 3 \
+  --prompt "$(printf 'x%.0s' $(seq 1 64))"
