@@ -3,6 +3,7 @@
 #   make build   build/shardtrain and the test binaries
 #   make test    every test (unit, multi-rank under mpirun, end-to-end); prints "N passed, M failed"
 #   make demo    2-rank training run on the bundled default corpus (Debian's fortunes)
+#   make jobs-test  installation checks of the Slurm job files on one node (tests/jobs/run.sh, < 3 min)
 #   make bench   benchmarks (tinyshakespeare if ../shared/data has it); results for docs/benchmarks.md
 #   make clean
 SHELL := /bin/bash
@@ -32,7 +33,7 @@ UNIT_OBJS := $(UNIT_SRCS:%.cpp=$(BUILD)/%.o)
 MPI_SRCS := $(wildcard tests/mpi/*.cpp) tests/test_main.cpp
 MPI_OBJS := $(MPI_SRCS:%.cpp=$(BUILD)/%.o)
 
-.PHONY: all deps build test demo bench clean data venv
+.PHONY: all deps build test jobs-test demo bench clean data venv
 all: build
 
 deps:
@@ -75,6 +76,12 @@ $(VENV)/.ok: tests/requirements.txt
 
 test: deps build venv
 	bash tests/run_all.sh
+
+# What a user runs on one node before submitting jobs/*.sbatch: jobs/small-test.ini at 2 ranks (the loss
+# falls), 4 -> 2 ranks through a checkpoint (the loss curve continues), export and transformers (the
+# logits match), the job script run for real with LAUNCHER=mpirun. Ends "jobs-test: N passed, M failed".
+jobs-test: deps build venv data
+	bash tests/jobs/run.sh
 
 # Train on 2 ranks (a fresh run each time), export the last checkpoint to Hugging Face layout on
 # one rank, and sample from it.

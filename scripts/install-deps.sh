@@ -13,6 +13,7 @@ PKGS=(
   libgtest-dev                        # unit tests
   fortunes                            # default English corpus for `make demo` and tests
   python3 python3-venv                # verification clients (h5py, transformers) in a venv
+  shellcheck                          # lints jobs/*.sbatch and the test scripts (tests/e2e/test_jobs_scripts.sh)
 )
 
 missing=()

@@ -1,0 +1,337 @@
+# shellcheck shell=bash
+# Shared by the sbatch scripts in jobs/ (train-cpu, train-multinode, train-gpu, export); sourced, not run.
+#
+# The calling script sets ST_ROOT (the repository), then calls st_train_main KIND ARGS... or
+# st_export_main ARGS..., where ARGS are the script's own arguments: [JOB_FILE] [shardtrain options...].
+#
+# Environment (all optional):
+#   JOB_FILE           job file when no first argument is given (default: jobs/small-test.ini)
+#   SHARDTRAIN_BIN     the binary (default: build/shardtrain of this repository)
+#   SHARDTRAIN_DRYRUN  1: print the launch command (one line, "srun ..." or "mpirun ...") and exit 0
+#   LAUNCHER           srun (default) or mpirun; SRUN_MPI: srun's --mpi plugin (default pmix)
+#   SRUN_ARGS, MPIRUN_ARGS  extra launcher options, split on spaces (e.g. MPIRUN_ARGS=--oversubscribe)
+#   SHARDTRAIN_SWEEP   how an array job (sbatch --array) varies: auto (default), seed, file or none
+#   SHARDTRAIN_REQUEUE 0: do not requeue after a preemption (exit status 75)
+#   export only: CKPT_DIR (checkpoint directory), CHECKPOINT (a file instead of the latest), EXPORT_DIR
+#
+# Exit status of the training scripts: 0 when training finished, when it was already finished, or when
+# shardtrain was preempted (status 75, checkpoint saved) and the job requeued itself; otherwise
+# shardtrain's status (2 for a usage error of the script itself). A failure is never requeued, so a
+# broken job does not loop.
+
+ST_PREEMPTED=75  # shardtrain's exit status after SIGUSR1/SIGTERM: checkpoint saved, resume with --resume auto
+
+st_note() { echo "shardtrain-job: $*" >&2; }
+st_die() {
+  echo "shardtrain-job: error: $*" >&2
+  exit 2
+}
+
+# st_ini FILE KEY: the value of KEY in an INI job file, as Boost.ProgramOptions reads it ('#' starts a
+# comment anywhere, key and value trimmed; keys after a [section] are not top-level). Status 1 if absent.
+st_ini() {
+  awk -v k="$2" '
+    { sub(/\r$/, ""); sub(/#.*/, "") }
+    /^[ \t]*\[/ { exit }
+    {
+      i = index($0, "="); if (!i) next
+      key = substr($0, 1, i - 1); val = substr($0, i + 1)
+      gsub(/^[ \t]+|[ \t]+$/, "", key); gsub(/^[ \t]+|[ \t]+$/, "", val)
+      if (key == k) { print val; found = 1; exit }
+    }
+    END { exit !found }' "$1"
+}
+
+# st_extra NAME: the value of --NAME among the pass-through options ST_EXTRA ("--NAME V" or "--NAME=V";
+# the last one). Status 1 if absent.
+st_extra() {
+  local i found=1 val=
+  for ((i = 0; i < ${#ST_EXTRA[@]}; i++)); do
+    case ${ST_EXTRA[i]} in
+      "--$1")
+        val=${ST_EXTRA[i + 1]:-}
+        found=0
+        ;;
+      "--$1="*)
+        val=${ST_EXTRA[i]#*=}
+        found=0
+        ;;
+    esac
+  done
+  [ "$found" -eq 0 ] && printf '%s\n' "$val"
+  return "$found"
+}
+
+# st_drop NAME: removes --NAME (and its value) from ST_EXTRA; the script passes its own value instead.
+st_drop() {
+  local i kept=()
+  for ((i = 0; i < ${#ST_EXTRA[@]}; i++)); do
+    case ${ST_EXTRA[i]} in
+      "--$1") i=$((i + 1)) ;;
+      "--$1="*) ;;
+      *) kept+=("${ST_EXTRA[i]}") ;;
+    esac
+  done
+  ST_EXTRA=("${kept[@]}")
+}
+
+# st_setup ARGS...: the binary, the job file (with array-job resolution), the pass-through options,
+# the checkpoint directory and metrics file. Sets ST_BIN ST_JOB ST_EXTRA ST_SWEEP ST_TASK ST_CKDIR ST_METRICS.
+st_setup() {
+  ST_BIN=${SHARDTRAIN_BIN:-$ST_ROOT/build/shardtrain}
+  [ -x "$ST_BIN" ] || st_die "no executable shardtrain at '$ST_BIN' (run 'make build', or set SHARDTRAIN_BIN)"
+  local spec=
+  if [ $# -gt 0 ] && [[ $1 != -* ]]; then
+    spec=$1
+    shift
+  fi
+  spec=${spec:-${JOB_FILE:-$ST_ROOT/jobs/small-test.ini}}
+  ST_EXTRA=("$@")
+
+  # Array jobs (sbatch --array=...): each task is one run of a sweep, with its own checkpoint
+  # directory so that a requeued task resumes its own run. Two ways to vary the runs:
+  #   file: a job file per index: JOB_FILE 'jobs/sweep/%a.ini' ('%a' = the index, as in sbatch's
+  #         --output), a directory (its INDEX.ini), or a file named INDEX.ini;
+  #   seed: one job file, --seed INDEX, checkpoints in CKPT_DIR/seed_INDEX (metrics alongside).
+  # SHARDTRAIN_SWEEP=auto (default) picks 'file' for the forms above and 'seed' otherwise; 'none'
+  # runs the job file unchanged in every task (then the job file must keep the tasks apart).
+  ST_TASK=${SLURM_ARRAY_TASK_ID:-}
+  ST_SWEEP=${SHARDTRAIN_SWEEP:-auto}
+  case $ST_SWEEP in auto | seed | file | none) ;; *) st_die "SHARDTRAIN_SWEEP='$ST_SWEEP': expected auto, seed, file or none" ;; esac
+  if [ -z "$ST_TASK" ]; then
+    [[ $spec != *%a* ]] || st_die "job file '$spec' has '%a' (the array index) but this is not an array job (sbatch --array)"
+    ST_SWEEP=none
+    ST_JOB=$spec
+  else
+    [[ $ST_TASK =~ ^[0-9]+$ ]] || st_die "SLURM_ARRAY_TASK_ID='$ST_TASK' is not an index"
+    local by_file=0
+    if [[ $spec == *%a* ]] || [ -d "$spec" ] || [ "$(basename "$spec" .ini)" = "$ST_TASK" ]; then by_file=1; fi
+    if [ "$ST_SWEEP" = auto ]; then
+      if [ "$by_file" = 1 ]; then ST_SWEEP="file"; else ST_SWEEP="seed"; fi
+    fi
+    [ "$ST_SWEEP" != file ] || [ "$by_file" = 1 ] ||
+      st_die "SHARDTRAIN_SWEEP=file needs a job file per index: 'DIR/%a.ini', a directory, or INDEX.ini"
+    ST_JOB=${spec//%a/$ST_TASK}
+    [ ! -d "$ST_JOB" ] || ST_JOB=${ST_JOB%/}/$ST_TASK.ini
+  fi
+  if [ ! -f "$ST_JOB" ] || [ ! -r "$ST_JOB" ]; then
+    st_die "job file '$ST_JOB' not found (give it as the first argument or JOB_FILE)"
+  fi
+
+  # Checkpoint directory: the command line's, else the job file's, else checkpoints/<job file name>.
+  ST_CKDIR=$(st_extra checkpoint-dir) || ST_CKDIR=$(st_ini "$ST_JOB" checkpoint-dir) || ST_CKDIR=
+  [ -n "$ST_CKDIR" ] || ST_CKDIR=checkpoints/$(basename "$ST_JOB" .ini)
+  ST_CKDIR=${ST_CKDIR%/}
+  st_drop checkpoint-dir
+  ST_METRICS=$(st_extra metrics) || ST_METRICS=$(st_ini "$ST_JOB" metrics) || ST_METRICS=
+  if [ "$ST_SWEEP" = seed ]; then
+    ! st_extra seed >/dev/null || st_die "--seed conflicts with the seed sweep of this array job (SHARDTRAIN_SWEEP=none to keep it)"
+    local base=$ST_CKDIR
+    ST_CKDIR=$base/seed_$ST_TASK
+    if [ -n "$ST_METRICS" ]; then
+      if [[ $ST_METRICS == "$base"/* ]]; then
+        ST_METRICS=$ST_CKDIR/${ST_METRICS#"$base"/}
+      elif [[ $ST_METRICS == *.jsonl ]]; then
+        ST_METRICS=${ST_METRICS%.jsonl}.seed_$ST_TASK.jsonl
+      else
+        ST_METRICS=$ST_METRICS.seed_$ST_TASK
+      fi
+    fi
+    st_drop metrics
+  fi
+}
+
+# st_launcher NTASKS EXTRA_SRUN_OPTIONS...: sets ST_CMD to the launcher part of the command.
+st_launcher() {
+  local n=$1 nodes=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}} per_node=${SLURM_NTASKS_PER_NODE:-} cpus=${SLURM_CPUS_PER_TASK:-}
+  shift
+  local user=()
+  case ${LAUNCHER:-srun} in
+    srun)
+      # srun starts the ranks through Slurm's PMIx plugin (no mpirun). Since Slurm 22.05 srun does not
+      # inherit --cpus-per-task from sbatch: pass it.
+      ST_CMD=(srun "--mpi=${SRUN_MPI:-pmix}" "--nodes=$nodes" "--ntasks=$n")
+      [ -z "$per_node" ] || ST_CMD+=("--ntasks-per-node=$per_node")
+      [ -z "$cpus" ] || ST_CMD+=("--cpus-per-task=$cpus" --cpu-bind=cores)
+      ST_CMD+=("$@")
+      read -r -a user <<<"${SRUN_ARGS:-}"
+      ;;
+    mpirun)
+      # Open MPI's mpirun inside the allocation reads the nodes and slots from Slurm itself. Each rank
+      # gets its cores (PE=), so that its BLAS threads do not share one core.
+      ST_CMD=(mpirun -np "$n")
+      local map=
+      if [ -n "$per_node" ]; then map=ppr:$per_node:node; fi
+      if [ -n "$cpus" ] && [ "$cpus" -gt 1 ]; then map=${map:-slot}:PE=$cpus; fi
+      [ -z "$map" ] || ST_CMD+=(--map-by "$map")
+      read -r -a user <<<"${MPIRUN_ARGS:-}"
+      ;;
+    *) st_die "LAUNCHER='${LAUNCHER:-}': expected srun or mpirun" ;;
+  esac
+  ST_CMD+=("${user[@]}")
+}
+
+# st_ntasks: the number of ranks Slurm allocated (sbatch --ntasks, or --nodes x --ntasks-per-node).
+st_ntasks() {
+  local n=${SLURM_NTASKS:-${SLURM_NPROCS:-}}
+  if [ -z "$n" ] && [ -n "${SLURM_NTASKS_PER_NODE:-}" ]; then
+    n=$((${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}} * SLURM_NTASKS_PER_NODE))
+  fi
+  [[ ${n:-1} =~ ^[1-9][0-9]*$ ]] || st_die "SLURM_NTASKS='$n' is not a rank count"
+  echo "${n:-1}"
+}
+
+# st_show: the command as one shell-quoted line (copy-paste runnable).
+st_show() {
+  local s
+  s=$(printf '%q ' "$@")
+  printf '%s\n' "${s% }"
+}
+
+# st_run: runs ST_CMD in the background and waits for it; returns its exit status in ST_RC.
+# The batch shell gets SIGTERM from Slurm at a preemption, at the time limit and on scancel, as all
+# the job's processes do; the trap keeps it alive to read shardtrain's exit status. SIGUSR1 reaches
+# the batch shell only with --signal=B:USR1@120 (see train-multinode.sbatch): it is forwarded to the
+# launcher, and srun and mpirun both pass SIGUSR1 on to every rank.
+st_run() {
+  ST_SIGNALED=0
+  ST_LAUNCHER_PID=
+  trap 'ST_SIGNALED=1; st_note "batch shell got SIGTERM; waiting for shardtrain to save and exit"' TERM
+  trap 'ST_SIGNALED=1; st_note "batch shell got SIGUSR1; forwarding it to the launcher"; [ -z "$ST_LAUNCHER_PID" ] || kill -USR1 "$ST_LAUNCHER_PID" 2>/dev/null || true' USR1
+  "${ST_CMD[@]}" &
+  ST_LAUNCHER_PID=$!
+  local rc=0 rc2
+  wait "$ST_LAUNCHER_PID" || rc=$?
+  # A trapped signal ends `wait` early (status > 128) while the launcher still runs: wait again.
+  while [ "$ST_SIGNALED" = 1 ] && [ "$rc" -gt 128 ]; do
+    ST_SIGNALED=0
+    rc2=0
+    wait "$ST_LAUNCHER_PID" || rc2=$?
+    [ "$rc2" -eq 127 ] && break  # already reaped: rc was its real status
+    rc=$rc2
+  done
+  trap - TERM USR1
+  ST_RC=$rc
+}
+
+# st_train_main KIND ARGS...: KIND is cpu, multinode or gpu.
+st_train_main() {
+  local kind=$1
+  shift
+  st_setup "$@"
+  local n
+  n=$(st_ntasks) || exit 2
+
+  # Already trained (e.g. a finished task of an array resubmitted, or a requeue after the last save):
+  # shardtrain would refuse to resume a checkpoint at --steps, so stop here, successfully.
+  local steps latest done_step
+  steps=$(st_extra steps) || steps=$(st_ini "$ST_JOB" steps) || steps=100
+  if ! st_extra resume >/dev/null && [ -f "$ST_CKDIR/latest" ]; then
+    read -r latest <"$ST_CKDIR/latest" || true
+    if [[ $latest =~ ^step_([0-9]+)\.h5$ ]] && [ -f "$ST_CKDIR/$latest" ]; then
+      done_step=$((10#${BASH_REMATCH[1]}))
+      if [[ $steps =~ ^[0-9]+$ ]] && [ "$done_step" -ge "$steps" ]; then
+        st_note "'$ST_CKDIR/$latest' is at step $done_step of $steps: training is complete, nothing to run"
+        exit 0
+      fi
+    fi
+  fi
+
+  local args=(--config "$ST_JOB" --checkpoint-dir "$ST_CKDIR")
+  st_extra resume >/dev/null || args+=(--resume auto)
+  if [ "$ST_SWEEP" = seed ]; then
+    args+=(--seed "$ST_TASK")
+    [ -z "$ST_METRICS" ] || args+=(--metrics "$ST_METRICS")
+  fi
+  # BLAS threads per rank: the cores Slurm gave each task (shardtrain's own default counts every
+  # core of the node, not those of the job).
+  if [ -n "${SLURM_CPUS_PER_TASK:-}" ] && ! st_extra threads >/dev/null && ! st_ini "$ST_JOB" threads >/dev/null; then
+    args+=(--threads "$SLURM_CPUS_PER_TASK")
+  fi
+  local srun_extra=()
+  if [ "$kind" = gpu ]; then
+    srun_extra=("--gpus-per-task=${SLURM_GPUS_PER_TASK:-1}")
+    # Not `--help | grep -q`: with pipefail, grep's early exit can fail the pipeline (SIGPIPE).
+    local help
+    help=$("$ST_BIN" --help 2>/dev/null) || help=
+    if grep -q -- '--device' <<<"$help"; then
+      st_extra device >/dev/null || st_ini "$ST_JOB" device >/dev/null || args+=(--device cuda)
+    else
+      st_note "warning: '$ST_BIN' has no --device option (a CPU-only build): the ranks train on the CPU and the GPUs stay idle"
+    fi
+  fi
+  st_launcher "$n" "${srun_extra[@]}"
+  ST_CMD+=("$ST_BIN" "${args[@]}" "${ST_EXTRA[@]}")
+
+  local what="job file '$ST_JOB'"
+  [ "$ST_SWEEP" = none ] || what+=", array task $ST_TASK (sweep by $ST_SWEEP)"
+  if [ "${SHARDTRAIN_DRYRUN:-0}" = 1 ]; then
+    st_note "dry run: $n ranks, $what, checkpoints in '$ST_CKDIR'"
+    st_show "${ST_CMD[@]}"
+    exit 0
+  fi
+
+  mkdir -p "$ST_CKDIR"
+  [ -z "$ST_METRICS" ] || mkdir -p "$(dirname "$ST_METRICS")"
+  st_note "job ${SLURM_JOB_ID:-(not in Slurm)}, restart ${SLURM_RESTART_COUNT:-0}: $n ranks, $what, checkpoints in '$ST_CKDIR'"
+  st_note "launching: $(st_show "${ST_CMD[@]}")"
+  st_run
+  case $ST_RC in
+    0)
+      st_note "training finished"
+      exit 0
+      ;;
+    "$ST_PREEMPTED")
+      # Preempted or warned of the time limit (SIGUSR1/SIGTERM): shardtrain saved a checkpoint and
+      # exited 75. Put the job back in the queue; the next start resumes with --resume auto.
+      st_note "preempted (exit status $ST_PREEMPTED): checkpoint saved in '$ST_CKDIR'"
+      if [ "${SHARDTRAIN_REQUEUE:-1}" = 0 ]; then
+        st_note "not requeueing (SHARDTRAIN_REQUEUE=0): submit again to resume"
+      elif [ -z "${SLURM_JOB_ID:-}" ]; then
+        st_note "not in a Slurm job: run again to resume"
+      else
+        # SLURM_JOB_ID is this array task's own id: only this task goes back to the queue.
+        st_note "requeueing job $SLURM_JOB_ID: scontrol requeue $SLURM_JOB_ID"
+        scontrol requeue "$SLURM_JOB_ID" || st_note "warning: 'scontrol requeue $SLURM_JOB_ID' failed: submit again to resume"
+      fi
+      exit 0
+      ;;
+    *)
+      st_note "shardtrain failed with exit status $ST_RC; not requeued"
+      exit "$ST_RC"
+      ;;
+  esac
+}
+
+# st_export_main ARGS...: exports the latest checkpoint of the job's checkpoint directory on one rank.
+st_export_main() {
+  st_setup "$@"
+  [ -z "${CKPT_DIR:-}" ] || ST_CKDIR=${CKPT_DIR%/}
+  local ckpt=${CHECKPOINT:-} latest=
+  if [ -z "$ckpt" ]; then
+    # 'latest' names the newest published checkpoint; it moves only after a save completed.
+    [ -f "$ST_CKDIR/latest" ] || st_die "no '$ST_CKDIR/latest': no checkpoint was published in '$ST_CKDIR' (set CKPT_DIR or CHECKPOINT)"
+    read -r latest <"$ST_CKDIR/latest" || true
+    if [ -z "$latest" ] || [ ! -f "$ST_CKDIR/$latest" ]; then
+      st_die "'$ST_CKDIR/latest' names '$latest', which is not a file in '$ST_CKDIR'"
+    fi
+    ckpt=$ST_CKDIR/$latest
+  fi
+  [ -f "$ckpt" ] || st_die "checkpoint '$ckpt' not found"
+  local out
+  out=$(st_extra out) || out=${EXPORT_DIR:-$(dirname "$ckpt")/hf/$(basename "$ckpt" .h5)}
+  st_drop out
+  st_drop mode
+  st_launcher 1
+  ST_CMD+=("$ST_BIN" --mode export "$ckpt" --out "$out" "${ST_EXTRA[@]}")
+  if [ "${SHARDTRAIN_DRYRUN:-0}" = 1 ]; then
+    st_note "dry run: export of '$ckpt' to '$out'"
+    st_show "${ST_CMD[@]}"
+    exit 0
+  fi
+  st_note "exporting '$ckpt' to '$out': $(st_show "${ST_CMD[@]}")"
+  local rc=0
+  "${ST_CMD[@]}" || rc=$?
+  [ "$rc" -ne 0 ] || st_note "export written to '$out' (load it with transformers.AutoModelForCausalLM.from_pretrained)"
+  exit "$rc"
+}
