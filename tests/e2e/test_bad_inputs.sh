@@ -8,7 +8,7 @@ ARGS=(--model tiny --data "$DATA" --seq-len 16 --global-batch 4 --steps 4 --eval
 
 mkdir -p "$WORK/small"
 if mount -t tmpfs -o size=600k tmpfs "$WORK/small" 2>/dev/null; then
-  trap 'umount "$WORK/small" 2>/dev/null; rm -rf "$WORK"' EXIT
+  trap 'umount -l "$WORK/small" 2>/dev/null; rm -rf "$WORK"' EXIT
   timeout -k 5 60 $MPIRUN -np 2 "$BIN" "${ARGS[@]}" --checkpoint-dir "$WORK/small/ck" --stop-at-step 2 >"$WORK/first.log" 2>&1 \
     || { cat "$WORK/first.log"; fail "first checkpoint on the small disk"; }
   sum=$(sha256sum "$WORK/small/ck/step_00000002.h5")
