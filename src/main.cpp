@@ -10,6 +10,7 @@
 #include "shardtrain/hf.h"
 #include "shardtrain/config.h"
 #include "shardtrain/data.h"
+#include "shardtrain/files.h"
 #include "shardtrain/options.h"
 #include "shardtrain/runtime.h"
 #include "shardtrain/train.h"
@@ -86,9 +87,12 @@ void run_inspect(Comm& comm, const Options& o) {
   v = f.gather_param(o.dump_param);
   std::string err;
   if (comm.rank() == 0) {
-    std::ofstream out(o.dump_out, std::ios::binary | std::ios::trunc);
-    out.write(reinterpret_cast<const char*>(v.data()), static_cast<std::streamsize>(v.size() * sizeof(float)));
-    if (!out) err = "cannot write '" + o.dump_out + "' (option '--dump-out')";
+    try {
+      write_file_atomic(o.dump_out, std::string(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float)), false,
+                        "option '--dump-out'");
+    } catch (const std::exception& e) {
+      err = e.what();
+    }
   }
   all_ok(comm, err.empty(), err);
   log_info(comm, "wrote " + o.dump_param + " (" + std::to_string(v.size()) + " float32, gathered over " +

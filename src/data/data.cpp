@@ -6,6 +6,7 @@
 #include <stdexcept>
 
 #include "shardtrain/data.h"
+#include "shardtrain/files.h"
 
 namespace shardtrain {
 namespace {
@@ -88,21 +89,7 @@ TokenFileHeader prepare_token_file(const std::vector<std::string>& inputs, const
   b += name;
   b.reserve(b.size() + 2 * toks.size());
   for (uint16_t t : toks) put<uint16_t>(b, t);
-  std::string tmp = out_path + ".tmp";
-  {
-    std::ofstream o(tmp, std::ios::binary | std::ios::trunc);
-    if (!o) throw std::runtime_error("cannot write token file '" + out_path + "' (option '--out')");
-    o.write(b.data(), static_cast<std::streamsize>(b.size()));
-    o.flush();
-    if (!o) {
-      std::remove(tmp.c_str());
-      throw std::runtime_error("write failed for token file '" + out_path + "' (option '--out'; disk full?)");
-    }
-  }
-  if (std::rename(tmp.c_str(), out_path.c_str()) != 0) {
-    std::remove(tmp.c_str());
-    throw std::runtime_error("cannot rename '" + tmp + "' to '" + out_path + "' (option '--out')");
-  }
+  write_file_atomic(out_path, b, false, "option '--out'");
   return h;
 }
 

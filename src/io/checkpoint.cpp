@@ -20,6 +20,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "shardtrain/files.h"
 #include "shardtrain/train.h"
 
 namespace shardtrain {
@@ -367,16 +368,7 @@ std::string save_checkpoint(Comm& comm, Fsdp<float>& f, AdamW<float>& opt, const
       fsync_path(tmp_path, false);
       fs::rename(tmp_path, final_path);
       fsync_path(co.dir, true);
-      const std::string latest_tmp = (fs::path(co.dir) / ".latest.tmp").string();
-      {
-        std::ofstream l(latest_tmp, std::ios::trunc);
-        l << checkpoint_name(st.step) << "\n";
-        l.flush();
-        if (!l) throw std::runtime_error("cannot write '" + latest_tmp + "'");
-      }
-      fsync_path(latest_tmp, false);
-      fs::rename(latest_tmp, fs::path(co.dir) / "latest");
-      fsync_path(co.dir, true);
+      write_file_atomic((fs::path(co.dir) / "latest").string(), checkpoint_name(st.step) + "\n", true);
       if (co.keep_last > 0) {
         std::vector<std::string> names = published_checkpoints(co.dir);
         for (size_t i = 0; i + static_cast<size_t>(co.keep_last) < names.size(); ++i)

@@ -15,6 +15,7 @@
 #include "shardtrain/checkpoint.h"
 #include "shardtrain/config.h"
 #include "shardtrain/data.h"
+#include "shardtrain/files.h"
 #include "shardtrain/model.h"
 #include "shardtrain/train.h"
 
@@ -104,17 +105,7 @@ json tokenizer_json(const ModelConfig& mc) {
                          {"vocab", vocab}, {"merges", json::array()}}}};
 }
 
-void write_text(const fs::path& p, const std::string& s) {
-  fs::path tmp = p;
-  tmp += ".tmp";
-  {
-    std::ofstream o(tmp, std::ios::trunc);
-    o << s;
-    o.flush();
-    if (!o) throw std::runtime_error("cannot write '" + tmp.string() + "'");
-  }
-  fs::rename(tmp, p);
-}
+void write_text(const fs::path& p, const std::string& s) { write_file_atomic(p.string(), s); }
 
 const char* torch_dtype(DType d) { return d == DType::F32 ? "float32" : d == DType::BF16 ? "bfloat16" : "float16"; }
 
@@ -362,9 +353,12 @@ std::string generate(Comm& comm, const GenerateOptions& o) {
     std::vector<float> lg = model.logits();
     std::string err;
     if (comm.rank() == 0) {
-      std::ofstream out(o.dump_logits, std::ios::binary | std::ios::trunc);
-      out.write(reinterpret_cast<const char*>(lg.data()), static_cast<std::streamsize>(lg.size() * sizeof(float)));
-      if (!out) err = "cannot write '" + o.dump_logits + "' (option '--dump-logits')";
+      try {
+        write_file_atomic(o.dump_logits, std::string(reinterpret_cast<const char*>(lg.data()), lg.size() * sizeof(float)),
+                          false, "option '--dump-logits'");
+      } catch (const std::exception& e) {
+        err = e.what();
+      }
     }
     all_ok(comm, err.empty(), err);
   }

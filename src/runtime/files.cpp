@@ -1,0 +1,45 @@
+// write_file_atomic: temp file, flush, optional fsync, rename.
+#include "shardtrain/files.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <stdexcept>
+
+namespace shardtrain {
+
+void write_file_atomic(const std::string& path, const std::string& bytes, bool durable, const std::string& what) {
+  const std::string tmp = path + ".tmp";
+  const std::string ctx = "'" + path + "'" + (what.empty() ? "" : " (" + what + ")");
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  if (fd < 0) throw std::runtime_error("cannot write " + ctx);
+  size_t off = 0;
+  bool ok = true;
+  while (ok && off < bytes.size()) {
+    ssize_t n = ::write(fd, bytes.data() + off, bytes.size() - off);
+    if (n <= 0) ok = false;
+    else off += static_cast<size_t>(n);
+  }
+  if (ok && durable) ok = ::fsync(fd) == 0;
+  ok = (::close(fd) == 0) && ok;
+  if (!ok) {
+    std::remove(tmp.c_str());
+    throw std::runtime_error("write failed for " + ctx + " (disk full?)");
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    std::remove(tmp.c_str());
+    throw std::runtime_error("cannot rename '" + tmp + "' to " + ctx);
+  }
+  if (durable) {
+    std::string dir = std::filesystem::path(path).parent_path().string();
+    int dfd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY);
+    if (dfd >= 0) {
+      ::fsync(dfd);
+      ::close(dfd);
+    }
+  }
+}
+
+}  // namespace shardtrain
