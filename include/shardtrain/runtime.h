@@ -29,8 +29,7 @@ enum class ReduceOp { Sum, Max, Min };
 // them in the same order with the same `count`. Buffers are host memory for the MPI implementation
 // (device memory for the NCCL one, issue 5). `count` is in elements, not bytes.
 //
-// Supported element types: float, double (all calls), int64_t and uint64_t (all_reduce, broadcast),
-// char (broadcast).
+// Supported element types: float, double, int64_t, uint64_t and char, for every call.
 class Comm {
  public:
   virtual ~Comm() = default;
