@@ -308,10 +308,10 @@ void write_checkpoint_file(Comm& comm, const std::string& tmp_path, Fsdp<float>&
       for (auto& rs : up.ranks) table.insert(table.end(), {rs.start, rs.valid, rs.padding});
       hsize_t tdims[2] = {static_cast<hsize_t>(W), 3};
       write_small(comm, g, "shard_table", H5T_STD_I64LE, H5T_NATIVE_INT64, 2, tdims, table.data(), dxpl);
-      // Gather every rank's checksums: each rank fills its own row of a zero table, then a sum.
-      std::vector<uint64_t> table_crc(static_cast<size_t>(W) * 3, 0);
-      for (int k = 0; k < 3; ++k) table_crc[static_cast<size_t>(r) * 3 + k] = my_crc[k];
-      comm.all_reduce(table_crc.data(), table_crc.size(), ReduceOp::Sum);
+      // Every rank's checksums: row r of [W, 3] comes from rank r.
+      uint64_t mine[3] = {my_crc[0], my_crc[1], my_crc[2]};
+      std::vector<uint64_t> table_crc(static_cast<size_t>(W) * 3);
+      comm.all_gather(mine, table_crc.data(), 3);
       std::vector<uint32_t> crc32s(table_crc.begin(), table_crc.end());
       write_small(comm, g, "shard_crc32", H5T_STD_U32LE, H5T_NATIVE_UINT32, 2, tdims, crc32s.data(), dxpl);
       std::vector<ParamRow> rows(up.params.size());
