@@ -1,6 +1,9 @@
 // shardtrain backend layer: the primitives the model, optimizer and sharding code are written in.
 // A BLAS-shaped GEMM (explicit transposes and leading dimensions) plus elementwise and reduction
-// kernels. CpuBackend = OpenBLAS + loops; the CUDA backend (issue 5) maps 1:1 to cuBLAS + kernels.
+// kernels. CpuBackend = OpenBLAS + loops; CudaBackend (include/shardtrain/cuda.h) maps 1:1 to
+// cuBLAS + CUDA kernels. Both instantiate for T = float (fp32 training and master weights) and
+// T = bf16 (mixed-precision compute: bf16 storage, fp32 arithmetic and GEMM accumulation); the CPU
+// backend also for T = double (gradient checks).
 //
 // Conventions for every call:
 //  - Matrices are row-major. A "[N, C]" buffer holds N rows of C contiguous elements.
@@ -9,17 +12,26 @@
 //  - Pointers are device pointers of the backend (host memory for CpuBackend).
 //  - Gradients of parameters are accumulated (+=); gradients of activations are written (=),
 //    except where a comment says "+=" (the residual stream), as in llm.c.
-//  - Nothing throws except allocation (std::bad_alloc); shape errors are the caller's bug.
+//  - Scalars (alpha, beta, eps, learning rate, ...) are passed as S = math::Acc<T>: float for
+//    float and bf16 storage, double for double. Arithmetic happens in S; bf16 is only stored.
+//  - Calls are ordered: each call sees the results of the previous ones. A device backend may run
+//    them asynchronously on its stream; calls that return a value to the host (sum_squares,
+//    cross_entropy, to_host) wait for the queued work first.
+//  - Nothing throws except allocation (std::bad_alloc) and device failures (std::runtime_error
+//    naming the CUDA/cuBLAS call); shape errors are the caller's bug.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 
+#include "shardtrain/bf16.h"
+
 namespace shardtrain {
 
 template <typename T> class Backend {
  public:
+  using S = math::Acc<T>;  // scalar (and arithmetic) type of this backend
   virtual ~Backend() = default;
   virtual const char* name() const = 0;
 
@@ -30,35 +42,49 @@ template <typename T> class Backend {
   virtual void copy(T* dst, const T* src, size_t n) = 0;  // device to device
   virtual void to_host(T* host, const T* src, size_t n) = 0;
   virtual void from_host(T* dst, const T* host, size_t n) = 0;
+  // Token ids (int32) in the backend's memory, for embedding and cross_entropy.
+  virtual int32_t* alloc_ids(size_t n) = 0;  // throws std::bad_alloc
+  virtual void free_ids(int32_t* p) = 0;
+  virtual void ids_from_host(int32_t* dst, const int32_t* host, size_t n) = 0;
+  // Waits until every queued call has finished (no-op on the CPU).
+  virtual void synchronize() = 0;
+
+  // ---- precision conversion (mixed precision: fp32 master shards <-> compute type T) ---------
+  // dst[i] = T(src[i]), rounding to nearest even for bf16. n elements; src is fp32 memory of the
+  // same device (a Backend<float> of the same device allocated it).
+  virtual void from_f32(T* dst, const float* src, size_t n) = 0;
+  // dst[i] += alpha * float(src[i]), in float. dst is fp32 memory of the same device.
+  virtual void add_to_f32(float* dst, float alpha, const T* src, size_t n) = 0;
 
   // ---- GEMM ---------------------------------------------------------------------------------
   // C[M,N] = alpha * op(A) op(B) + beta * C, row-major, op(X) = X or X^T. op(A) is [M,K], op(B) is
   // [K,N]. lda/ldb/ldc are row strides in elements of A, B, C as stored (BLAS semantics, row-major).
-  virtual void gemm(bool trans_a, bool trans_b, int M, int N, int K, T alpha, const T* A, int lda, const T* B,
-                    int ldb, T beta, T* C, int ldc) = 0;
+  virtual void gemm(bool trans_a, bool trans_b, int M, int N, int K, S alpha, const T* A, int lda, const T* B,
+                    int ldb, S beta, T* C, int ldc) = 0;
   // `batch` independent GEMMs; matrix i uses A + i*stride_a, B + i*stride_b, C + i*stride_c
   // (strides in elements; 0 reuses one matrix, as for GQA's shared key/value heads).
   // Same semantics as cublasSgemmStridedBatched.
-  virtual void gemm_strided_batched(bool trans_a, bool trans_b, int M, int N, int K, T alpha, const T* A, int lda,
-                                    int64_t stride_a, const T* B, int ldb, int64_t stride_b, T beta, T* C, int ldc,
+  virtual void gemm_strided_batched(bool trans_a, bool trans_b, int M, int N, int K, S alpha, const T* A, int lda,
+                                    int64_t stride_a, const T* B, int ldb, int64_t stride_b, S beta, T* C, int ldc,
                                     int64_t stride_c, int batch) = 0;
 
   // ---- elementwise / reductions -------------------------------------------------------------
   // y += alpha * x, n elements.
-  virtual void axpy(size_t n, T alpha, const T* x, T* y) = 0;
+  virtual void axpy(size_t n, S alpha, const T* x, T* y) = 0;
   // x *= alpha, n elements.
-  virtual void scale(size_t n, T alpha, T* x) = 0;
+  virtual void scale(size_t n, S alpha, T* x) = 0;
   // Sum of squares of x (n elements), accumulated in double.
   virtual double sum_squares(const T* x, size_t n) = 0;
 
-  // Embedding lookup: out[i, :] = table[tokens[i], :], out [N, C], table [V, C].
+  // Embedding lookup: out[i, :] = table[tokens[i], :], out [N, C], table [V, C], tokens [N] ids in
+  // the backend's memory (alloc_ids).
   virtual void embedding_forward(T* out, const int32_t* tokens, const T* table, int N, int C) = 0;
   // dtable[tokens[i], :] += dout[i, :].
   virtual void embedding_backward(T* dtable, const int32_t* tokens, const T* dout, int N, int C) = 0;
 
   // RMSNorm (Zhang & Sennrich 2019): out[i,:] = x[i,:] * rstd[i] * w, rstd[i] = 1/sqrt(mean(x^2)+eps).
   // x, out [N, C]; w [C]; rstd [N] (saved for backward).
-  virtual void rmsnorm_forward(T* out, T* rstd, const T* x, const T* w, int N, int C, T eps) = 0;
+  virtual void rmsnorm_forward(T* out, T* rstd, const T* x, const T* w, int N, int C, S eps) = 0;
   // dx += ..., dw += ...; dout [N, C].
   virtual void rmsnorm_backward(T* dx, T* dw, const T* dout, const T* x, const T* w, const T* rstd, int N,
                                 int C) = 0;
@@ -71,32 +97,56 @@ template <typename T> class Backend {
 
   // Causal softmax in place over `rows` = R*T_ rows of length T_ (R score matrices [T_, T_]):
   // att[t, s] = softmax_s(scale * att[t, s]) over s <= t; att[t, s] = 0 for s > t.
-  virtual void softmax_causal_forward(T* att, int R, int T_, T scale) = 0;
+  virtual void softmax_causal_forward(T* att, int R, int T_, S scale) = 0;
   // datt (in: d softmax output; out: d pre-scale scores * scale), att = softmax output.
-  virtual void softmax_causal_backward(T* datt, const T* att, int R, int T_, T scale) = 0;
+  virtual void softmax_causal_backward(T* datt, const T* att, int R, int T_, S scale) = 0;
 
   // SwiGLU: h = silu(gate) * up, all [n].
   virtual void swiglu_forward(T* h, const T* gate, const T* up, size_t n) = 0;
   // dgate = ..., dup = ... (written, not accumulated).
   virtual void swiglu_backward(T* dgate, T* dup, const T* dh, const T* gate, const T* up, size_t n) = 0;
 
-  // Fused softmax cross-entropy. logits [N, V]; targets [N] in [0, V).
+  // Fused softmax cross-entropy. logits [N, V]; targets [N] ids in [0, V), backend memory (alloc_ids).
   // Returns sum over rows of -log softmax(logits)[target] (double). If dlogits != nullptr writes
   // dlogits = (softmax(logits) - onehot(target)) * grad_scale (may alias logits).
   virtual double cross_entropy(T* dlogits, const T* logits, const int32_t* targets, int N, int V,
-                               T grad_scale) = 0;
+                               S grad_scale) = 0;
 
   // AdamW on n elements (see math::adamw). grad is multiplied by grad_scale first (clipping).
   // step is 1-based.
-  virtual void adamw(T* p, T* m, T* v, const T* g, size_t n, T lr, T b1, T b2, T eps, T wd, T grad_scale,
+  virtual void adamw(T* p, T* m, T* v, const T* g, size_t n, S lr, S b1, S b2, S eps, S wd, S grad_scale,
                      int64_t step) = 0;
 };
 
-// OpenBLAS + loops. Not thread-safe per instance; one per rank.
+// OpenBLAS + loops. Not thread-safe per instance; one per rank. T = float, double or bf16 (bf16
+// GEMMs convert their operands to float, call sgemm and round the result once: slow, for tests
+// and as the reference of the CUDA bf16 path).
 template <typename T> std::unique_ptr<Backend<T>> make_cpu_backend();
 
 // Sets OpenBLAS's thread count (per process). 0 = leave as is.
 void set_blas_threads(int n);
+
+// RAII device array of n token ids on a backend.
+template <typename T> class IdBuffer {
+ public:
+  IdBuffer() = default;
+  IdBuffer(Backend<T>& be, size_t n) : be_(&be), n_(n), p_(n ? be.alloc_ids(n) : nullptr) {}
+  ~IdBuffer() { reset(); }
+  IdBuffer(IdBuffer&& o) noexcept : be_(o.be_), n_(o.n_), p_(o.p_) { o.p_ = nullptr; o.n_ = 0; }
+  IdBuffer& operator=(IdBuffer&& o) noexcept {
+    if (this != &o) { reset(); be_ = o.be_; n_ = o.n_; p_ = o.p_; o.p_ = nullptr; o.n_ = 0; }
+    return *this;
+  }
+  IdBuffer(const IdBuffer&) = delete;
+  int32_t* data() { return p_; }
+  size_t size() const { return n_; }
+  void reset() { if (p_) be_->free_ids(p_); p_ = nullptr; n_ = 0; }
+
+ private:
+  Backend<T>* be_ = nullptr;
+  size_t n_ = 0;
+  int32_t* p_ = nullptr;
+};
 
 // RAII buffer of n elements on a backend.
 template <typename T> class Buffer {

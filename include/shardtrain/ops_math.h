@@ -99,6 +99,17 @@ template <typename T> ST_HD T rope_inv_freq(int j, int head_dim, T theta) {
   return T(1) / st_pow(theta, T(2 * j) / T(head_dim));
 }
 
+// RMSNorm (Zhang & Sennrich 2019): rstd = 1 / sqrt(sum(x^2)/C + eps), given ss = sum(x^2) of the
+// row. Backward, with y = x * rstd * w and dy: dx = rstd * w * dy - k * x where
+// k = rstd^3 / C * sum_c(w*dy*x) (rmsnorm_k of dot = that sum).
+template <typename T> ST_HD T rmsnorm_rstd(T ss, int C, T eps) { return T(1) / st_sqrt(ss / T(C) + eps); }
+template <typename T> ST_HD T rmsnorm_k(T dot, T rstd, int C) { return dot * rstd * rstd * rstd / T(C); }
+template <typename T> ST_HD T rmsnorm_dx(T rstd, T w, T dy, T k, T x) { return rstd * w * dy - k * x; }
+
+// Softmax backward of one element: p = softmax(scale * z) of the row, dp the incoming gradient,
+// dot = sum(p * dp) over the row: dz = scale * p * (dp - dot).
+template <typename T> ST_HD T softmax_grad(T p, T dp, T dot, T scale) { return scale * p * (dp - dot); }
+
 // AdamW update of one element (Loshchilov & Hutter 2019, "Decoupled Weight Decay
 // Regularization"; the same arithmetic as torch.optim.AdamW):
 //   p <- p - lr*wd*p;  m <- b1 m + (1-b1) g;  v <- b2 v + (1-b2) g^2

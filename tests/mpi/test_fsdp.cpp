@@ -56,6 +56,12 @@ template <typename T> class CountingBackend final : public st::Backend<T> {
   void copy(T* d, const T* s, size_t n) override { inner_->copy(d, s, n); }
   void to_host(T* h, const T* s, size_t n) override { inner_->to_host(h, s, n); }
   void from_host(T* d, const T* h, size_t n) override { inner_->from_host(d, h, n); }
+  int32_t* alloc_ids(size_t n) override { return inner_->alloc_ids(n); }
+  void free_ids(int32_t* p) override { inner_->free_ids(p); }
+  void ids_from_host(int32_t* d, const int32_t* h, size_t n) override { inner_->ids_from_host(d, h, n); }
+  void synchronize() override { inner_->synchronize(); }
+  void from_f32(T* d, const float* s, size_t n) override { inner_->from_f32(d, s, n); }
+  void add_to_f32(float* d, float a, const T* s, size_t n) override { inner_->add_to_f32(d, a, s, n); }
   void gemm(bool ta, bool tb, int M, int N, int K, T alpha, const T* A, int lda, const T* B, int ldb, T beta, T* C,
             int ldc) override {
     inner_->gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
