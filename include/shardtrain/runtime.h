@@ -29,7 +29,8 @@ enum class ReduceOp { Sum, Max, Min };
 // them in the same order with the same `count`. Buffers are host memory for the MPI implementation
 // (device memory for the NCCL one, issue 5). `count` is in elements, not bytes.
 //
-// Supported element types: float, double, int64_t, uint64_t and char, for every call.
+// Supported element types: float, double, int64_t, uint64_t and char, for every call; bf16 for
+// all_gather, reduce_scatter_sum and broadcast (mixed-precision gathers and gradients).
 class Comm {
  public:
   virtual ~Comm() = default;
@@ -70,9 +71,12 @@ class Comm {
   // Convenience: broadcast a string of any length from root (length first, then bytes).
   std::string broadcast_string(const std::string& s, int root);
 
- protected:
-  enum class DType { F32, F64, I64, U64, I8 };
+  // Type-erased entry points behind the templates above; public so that adapters (the NCCL and
+  // host-staged device Comms) can forward to a host Comm. BF16 supports all_gather, broadcast
+  // and reduce_scatter_sum (summed in float, rounded once per pairwise step), not all_reduce.
+  enum class DType { F32, F64, I64, U64, I8, BF16 };
   template <typename T> static DType dtype_of();
+  static size_t dtype_size(DType t);
   virtual void all_gather_impl(const void* send, void* recv, size_t count, DType t) = 0;
   virtual void reduce_scatter_sum_impl(const void* send, void* recv, size_t count, DType t) = 0;
   virtual void all_reduce_impl(void* buf, size_t count, DType t, ReduceOp op) = 0;

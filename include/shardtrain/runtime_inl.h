@@ -3,6 +3,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "shardtrain/bf16.h"
+
 namespace shardtrain {
 
 template <typename T> Comm::DType Comm::dtype_of() {
@@ -11,6 +13,7 @@ template <typename T> Comm::DType Comm::dtype_of() {
   else if constexpr (std::is_same_v<T, int64_t>) return DType::I64;
   else if constexpr (std::is_same_v<T, uint64_t>) return DType::U64;
   else if constexpr (std::is_same_v<T, char>) return DType::I8;
+  else if constexpr (std::is_same_v<T, bf16>) return DType::BF16;
   else static_assert(sizeof(T) == 0, "Comm: unsupported element type");
 }
 template <typename T> void Comm::all_gather(const T* s, T* r, size_t n) { all_gather_impl(s, r, n, dtype_of<T>()); }

@@ -23,8 +23,25 @@ MPI_Datatype mpi_type(int t) {
     case 1: return MPI_DOUBLE;
     case 2: return MPI_INT64_T;
     case 3: return MPI_UINT64_T;
+    case 5: return MPI_UINT16_T;  // bf16 bits
     default: return MPI_CHAR;
   }
+}
+
+// MPI has no bfloat16: sums of bf16 (carried as MPI_UINT16_T) go through this user-defined op,
+// which adds in float and rounds once per call, as NCCL's ncclBfloat16 sum does per step.
+extern "C" void bf16_sum_op(void* in, void* inout, int* len, MPI_Datatype*) {
+  const bf16* a = static_cast<const bf16*>(in);
+  bf16* b = static_cast<bf16*>(inout);
+  for (int i = 0; i < *len; ++i) b[i] = math::f32_to_bf16(math::bf16_to_f32(a[i]) + math::bf16_to_f32(b[i]));
+}
+MPI_Op bf16_sum() {
+  static MPI_Op op = [] {
+    MPI_Op o;
+    MPI_Op_create(bf16_sum_op, 1, &o);
+    return o;
+  }();
+  return op;
 }
 
 void check_mpi(int rc, const char* what) {
@@ -180,11 +197,12 @@ void MpiComm::all_gather_impl(const void* send, void* recv, size_t count, DType 
 void MpiComm::reduce_scatter_sum_impl(const void* send, void* recv, size_t count, DType t) {
   Guard g(wd_, "reduce_scatter");
   check_mpi(MPI_Reduce_scatter_block(send, recv, to_count(count, "reduce_scatter"), mpi_type(static_cast<int>(t)),
-                                     MPI_SUM, as_mpi(comm_)),
+                                     t == DType::BF16 ? bf16_sum() : MPI_SUM, as_mpi(comm_)),
             "MPI_Reduce_scatter_block");
 }
 
 void MpiComm::all_reduce_impl(void* buf, size_t count, DType t, ReduceOp op) {
+  if (t == DType::BF16) throw std::logic_error("Comm::all_reduce: bf16 is not supported");
   Guard g(wd_, "all_reduce");
   MPI_Op mop = op == ReduceOp::Sum ? MPI_SUM : op == ReduceOp::Max ? MPI_MAX : MPI_MIN;
   check_mpi(MPI_Allreduce(MPI_IN_PLACE, buf, to_count(count, "all_reduce"), mpi_type(static_cast<int>(t)), mop,
@@ -196,6 +214,15 @@ void MpiComm::broadcast_impl(void* buf, size_t count, DType t, int root) {
   Guard g(wd_, "broadcast");
   check_mpi(MPI_Bcast(buf, to_count(count, "broadcast"), mpi_type(static_cast<int>(t)), root, as_mpi(comm_)),
             "MPI_Bcast");
+}
+
+size_t Comm::dtype_size(DType t) {
+  switch (t) {
+    case DType::F32: return 4;
+    case DType::F64: case DType::I64: case DType::U64: return 8;
+    case DType::BF16: return 2;
+    default: return 1;
+  }
 }
 
 std::string Comm::broadcast_string(const std::string& s, int root) {
