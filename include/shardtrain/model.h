@@ -1,6 +1,8 @@
-// shardtrain model layer: the Llama architecture (Touvron et al. 2023) in fp32 (or fp64 for
-// gradient checks), forward and hand-written backward, written against the FSDP engine: each unit
-// is gathered just before it is used and its gradient reduce-scattered right after it is computed.
+// shardtrain model layer: the Llama architecture (Touvron et al. 2023), forward and hand-written
+// backward, in the storage type T of its backend: float (fp32 training), bf16 (mixed precision:
+// bf16 weights and activations, fp32 arithmetic) or double (gradient checks). Written against a
+// UnitSource (the FSDP engine): each unit is gathered just before it is used and its gradient
+// reduce-scattered right after it is computed.
 //
 // Shapes: B = micro-batch sequences, T = sequence length, C = hidden size, V = vocab size,
 // NH / NKV = query / key-value heads, HD = head dim, I = intermediate size. Activations are
@@ -32,6 +34,7 @@ std::vector<UnitSpec> llama_units(const ModelConfig& c);
 
 template <typename T> class LlamaModel {
  public:
+  using S = typename Backend<T>::S;  // scalar type: float for float and bf16, double for double
   LlamaModel(const ModelConfig& c, Backend<T>& be);
 
   // Collective (gathers every unit once, the embedding twice when tied).
@@ -41,11 +44,11 @@ template <typename T> class LlamaModel {
   // for backward(); grad_scale is usually 1 / (tokens per rank per optimizer step).
   // Returns the sum over the B*T positions of the cross-entropy (nats); 0 if targets == nullptr.
   // Throws std::invalid_argument if T exceeds max_position_embeddings or a token is out of range.
-  double forward(Fsdp<T>& f, const int32_t* tokens, const int32_t* targets, int B, int T_, bool train,
-                 T grad_scale = T(1));
+  double forward(UnitSource<T>& f, const int32_t* tokens, const int32_t* targets, int B, int T_, bool train,
+                 S grad_scale = S(1));
   // Collective. Backward of the last training forward(): adds the gradients, averaged over ranks,
   // into f's gradient shards (one reduce-scatter per unit, two for a tied embedding).
-  void backward(Fsdp<T>& f);
+  void backward(UnitSource<T>& f);
   // Logits of the last forward with targets == nullptr, [B*T, V], copied to host.
   std::vector<T> logits();
 
@@ -68,7 +71,7 @@ template <typename T> class LlamaModel {
   Offsets off_{};
   int64_t head_off_norm_ = 0, head_off_w_ = 0;
   int cur_b_ = 0, cur_t_ = 0;  // micro-batch shape the buffers are sized for
-  std::vector<int32_t> tokens_, targets_;
+  IdBuffer<T> tokens_, targets_;  // the micro-batch's ids, in backend memory
   std::vector<Layer> layers_;
   Buffer<T> xf_, lnf_, rstdf_, logits_, cos_, sin_;
   Buffer<T> dres_, dln_, dq_, dk_, dv_, datt_, dy_, dh_, dg_, du_;

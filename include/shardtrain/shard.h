@@ -70,17 +70,42 @@ struct ShardPlan {
   int unit_index(const std::string& name) const;  // -1 if absent
 };
 
+// What the model needs from the sharding layer, in its compute type C: a unit's parameters,
+// gathered in full; a zeroed full-unit gradient buffer; and the reduce-scatter of that buffer into
+// this rank's gradient shard. Fsdp<T> is the UnitSource<T> of plain fp32 (or fp64) training;
+// MixedPrecisionUnits is the UnitSource<bf16> over an fp32 Fsdp (mixed precision).
+template <typename C> class UnitSource {
+ public:
+  virtual ~UnitSource() = default;
+  // Collective: all-gathers unit u and returns it (padded_numel elements; parameter p at
+  // + slot.offset). Valid until the next gather.
+  virtual const C* gather(int u) = 0;
+  // Zeroes and returns the full-unit gradient buffer for unit u (padded_numel elements).
+  virtual C* full_grad(int u) = 0;
+  // Collective: reduce-scatters the full-unit gradient buffer of unit u, divides by the world
+  // size (mean over ranks) and adds the result into this rank's gradient shard.
+  virtual void reduce_scatter_grad(int u) = 0;
+};
+
 // The FSDP engine. Holds, for this rank, each unit's parameter shard and gradient shard
 // (O(P / W) memory), plus one full-unit gather buffer and one full-unit gradient buffer sized for
 // the largest unit. Collective calls (gather, reduce_scatter_grad, gather_param) must be made by
 // every rank in the same order.
-template <typename T> class Fsdp {
+//
+// Two communicators: `comm` carries host-memory control traffic (loss, norms, checkpoint tables);
+// `data_comm` moves the backend's buffers (gathers, reduce-scatters): the same MPI Comm on the
+// CPU, NCCL (or MPI on host copies) on GPUs. With full_buffers == false the full-unit gather and
+// gradient buffers are not allocated (mixed precision keeps its own, in bf16) and gather(),
+// full_grad(), reduce_scatter_grad() and gather_param() must not be called.
+template <typename T> class Fsdp final : public UnitSource<T> {
  public:
-  Fsdp(Backend<T>& be, Comm& comm, ShardPlan plan);
+  // Throws std::invalid_argument if the plan's world size differs from comm's, std::bad_alloc.
+  Fsdp(Backend<T>& be, Comm& comm, ShardPlan plan, Comm* data_comm = nullptr, bool full_buffers = true);
 
   const ShardPlan& plan() const { return plan_; }
   Backend<T>& backend() { return be_; }
   Comm& comm() { return comm_; }
+  Comm& data_comm() { return *dcomm_; }
   int num_units() const { return static_cast<int>(plan_.units.size()); }
 
   // This rank's shard of unit u: shard_size elements (valid ones first, then zero padding).
@@ -93,14 +118,10 @@ template <typename T> class Fsdp {
   // Zeroes every gradient shard.
   void zero_grads();
 
-  // Collective: all-gathers unit u into the gather buffer and returns it (padded_numel elements;
-  // parameter p at + slot.offset). Valid until the next gather.
-  const T* gather(int u);
-  // Zeroes and returns the full-unit gradient buffer for unit u (padded_numel elements).
-  T* full_grad(int u);
-  // Collective: reduce-scatters the full-unit gradient buffer of unit u, divides by the world size
-  // (mean over ranks) and adds the result into this rank's gradient shard.
-  void reduce_scatter_grad(int u);
+  // UnitSource<T> (see there), through data_comm.
+  const T* gather(int u) override;
+  T* full_grad(int u) override;
+  void reduce_scatter_grad(int u) override;
 
   // Collective: the whole parameter `name`, gathered, copied to host (numel elements).
   std::vector<T> gather_param(const std::string& name);
@@ -114,10 +135,38 @@ template <typename T> class Fsdp {
  private:
   Backend<T>& be_;
   Comm& comm_;
+  Comm* dcomm_;
   ShardPlan plan_;
   std::vector<Buffer<T>> params_, grads_;
   Buffer<T> gather_buf_, grad_buf_, scatter_tmp_;
   int gathered_ = -1;
+};
+
+// Mixed precision (Micikevicius et al. 2018; PyTorch FSDP's MixedPrecision(param_dtype=bf16,
+// reduce_dtype=fp32 or bf16)) over an fp32 Fsdp that keeps the master shards, gradient shards and,
+// in AdamW, the optimizer state in fp32:
+//   gather(u):   this rank's fp32 shard is rounded to bf16, then the bf16 shards are all-gathered
+//                (half the bytes of an fp32 gather);
+//   full_grad(u): a bf16 full-unit gradient buffer, which the model's bf16 GEMMs fill (fp32
+//                accumulation inside each GEMM);
+//   reduce_scatter_grad(u): with reduce_bf16 == false the buffer is widened to fp32 and
+//                reduce-scattered in fp32, else reduce-scattered in bf16 (half the bytes); the
+//                mean is added into the fp32 gradient shard.
+// `be` must run on the same device as master.backend().
+class MixedPrecisionUnits final : public UnitSource<bf16> {
+ public:
+  // Throws std::bad_alloc.
+  MixedPrecisionUnits(Fsdp<float>& master, Backend<bf16>& be, bool reduce_bf16);
+  const bf16* gather(int u) override;
+  bf16* full_grad(int u) override;
+  void reduce_scatter_grad(int u) override;
+
+ private:
+  Fsdp<float>& m_;
+  Backend<bf16>& be_;
+  bool reduce_bf16_;
+  Buffer<bf16> shard_, gather_, grad_, scatter_;
+  Buffer<float> grad32_, scatter32_;
 };
 
 // Deterministic standard normal for counter `i` of stream (seed, key): SplitMix64 + Box-Muller.

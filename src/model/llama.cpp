@@ -51,6 +51,7 @@ template <typename T> void rope_tables(std::vector<T>& cs, std::vector<T>& sn, i
 template <typename T>
 void attention_forward(Backend<T>& be, const T* q, const T* k, const T* v, T* att, T* y, int B, int T_, int NH,
                        int NKV, int HD) {
+  using S = typename Backend<T>::S;
   const int G = NH / NKV, ldq = NH * HD, ldk = NKV * HD;
   const int64_t TT = static_cast<int64_t>(T_) * T_;
   for (int b = 0; b < B; ++b)
@@ -58,15 +59,15 @@ void attention_forward(Backend<T>& be, const T* q, const T* k, const T* v, T* at
       const T* qb = q + static_cast<int64_t>(b) * T_ * ldq + static_cast<int64_t>(j) * G * HD;
       const T* kb = k + static_cast<int64_t>(b) * T_ * ldk + static_cast<int64_t>(j) * HD;
       T* ab = att + (static_cast<int64_t>(b) * NH + static_cast<int64_t>(j) * G) * TT;
-      be.gemm_strided_batched(false, true, T_, T_, HD, T(1), qb, ldq, HD, kb, ldk, 0, T(0), ab, T_, TT, G);
+      be.gemm_strided_batched(false, true, T_, T_, HD, S(1), qb, ldq, HD, kb, ldk, 0, S(0), ab, T_, TT, G);
     }
-  be.softmax_causal_forward(att, B * NH, T_, T(1) / std::sqrt(static_cast<T>(HD)));
+  be.softmax_causal_forward(att, B * NH, T_, S(1) / std::sqrt(static_cast<S>(HD)));
   for (int b = 0; b < B; ++b)
     for (int j = 0; j < NKV; ++j) {
       const T* ab = att + (static_cast<int64_t>(b) * NH + static_cast<int64_t>(j) * G) * TT;
       const T* vb = v + static_cast<int64_t>(b) * T_ * ldk + static_cast<int64_t>(j) * HD;
       T* yb = y + static_cast<int64_t>(b) * T_ * ldq + static_cast<int64_t>(j) * G * HD;
-      be.gemm_strided_batched(false, false, T_, HD, T_, T(1), ab, T_, TT, vb, ldk, 0, T(0), yb, ldq, HD, G);
+      be.gemm_strided_batched(false, false, T_, HD, T_, S(1), ab, T_, TT, vb, ldk, 0, S(0), yb, ldq, HD, G);
     }
 }
 
@@ -76,6 +77,7 @@ void attention_forward(Backend<T>& be, const T* q, const T* k, const T* v, T* at
 template <typename T>
 void attention_backward(Backend<T>& be, const T* q, const T* k, const T* v, const T* att, const T* dy, T* datt,
                         T* dq, T* dk, T* dv, int B, int T_, int NH, int NKV, int HD) {
+  using S = typename Backend<T>::S;
   const int G = NH / NKV, ldq = NH * HD, ldk = NKV * HD;
   const int64_t TT = static_cast<int64_t>(T_) * T_;
   for (int b = 0; b < B; ++b)
@@ -83,20 +85,20 @@ void attention_backward(Backend<T>& be, const T* q, const T* k, const T* v, cons
       const int64_t qo = static_cast<int64_t>(b) * T_ * ldq + static_cast<int64_t>(j) * G * HD;
       const int64_t ko = static_cast<int64_t>(b) * T_ * ldk + static_cast<int64_t>(j) * HD;
       const int64_t ao = (static_cast<int64_t>(b) * NH + static_cast<int64_t>(j) * G) * TT;
-      be.gemm_strided_batched(false, true, T_, T_, HD, T(1), dy + qo, ldq, HD, v + ko, ldk, 0, T(0), datt + ao, T_, TT, G);
+      be.gemm_strided_batched(false, true, T_, T_, HD, S(1), dy + qo, ldq, HD, v + ko, ldk, 0, S(0), datt + ao, T_, TT, G);
       for (int g = 0; g < G; ++g)
-        be.gemm(true, false, T_, HD, T_, T(1), att + ao + g * TT, T_, dy + qo + g * HD, ldq, g == 0 ? T(0) : T(1),
+        be.gemm(true, false, T_, HD, T_, S(1), att + ao + g * TT, T_, dy + qo + g * HD, ldq, g == 0 ? S(0) : S(1),
                 dv + ko, ldk);
     }
-  be.softmax_causal_backward(datt, att, B * NH, T_, T(1) / std::sqrt(static_cast<T>(HD)));
+  be.softmax_causal_backward(datt, att, B * NH, T_, S(1) / std::sqrt(static_cast<S>(HD)));
   for (int b = 0; b < B; ++b)
     for (int j = 0; j < NKV; ++j) {
       const int64_t qo = static_cast<int64_t>(b) * T_ * ldq + static_cast<int64_t>(j) * G * HD;
       const int64_t ko = static_cast<int64_t>(b) * T_ * ldk + static_cast<int64_t>(j) * HD;
       const int64_t ao = (static_cast<int64_t>(b) * NH + static_cast<int64_t>(j) * G) * TT;
-      be.gemm_strided_batched(false, false, T_, HD, T_, T(1), datt + ao, T_, TT, k + ko, ldk, 0, T(0), dq + qo, ldq, HD, G);
+      be.gemm_strided_batched(false, false, T_, HD, T_, S(1), datt + ao, T_, TT, k + ko, ldk, 0, S(0), dq + qo, ldq, HD, G);
       for (int g = 0; g < G; ++g)
-        be.gemm(true, false, T_, HD, T_, T(1), datt + ao + g * TT, T_, q + qo + g * HD, ldq, g == 0 ? T(0) : T(1),
+        be.gemm(true, false, T_, HD, T_, S(1), datt + ao + g * TT, T_, q + qo + g * HD, ldq, g == 0 ? S(0) : S(1),
                 dk + ko, ldk);
     }
 }
@@ -135,16 +137,19 @@ template <typename T> void LlamaModel<T>::ensure(int B, int T_) {
   dq_ = Buffer<T>(be_, BT * Q); dk_ = Buffer<T>(be_, BT * KV); dv_ = Buffer<T>(be_, BT * KV);
   datt_ = Buffer<T>(be_, A); dy_ = Buffer<T>(be_, BT * Q);
   dh_ = Buffer<T>(be_, BT * I); dg_ = Buffer<T>(be_, BT * I); du_ = Buffer<T>(be_, BT * I);
-  std::vector<T> cs, sn;
+  tokens_ = IdBuffer<T>(be_, BT); targets_ = IdBuffer<T>(be_, BT);
+  std::vector<S> cs, sn;  // tables computed in double, rounded once to the storage type
   rope_tables(cs, sn, T_, c_.head_dim(), c_.rope_theta);
+  std::vector<T> cst(cs.size()), snt(sn.size());
+  for (size_t i = 0; i < cs.size(); ++i) { cst[i] = math::st<T>(cs[i]); snt[i] = math::st<T>(sn[i]); }
   cos_ = Buffer<T>(be_, cs.size()); sin_ = Buffer<T>(be_, sn.size());
-  be_.from_host(cos_.data(), cs.data(), cs.size());
-  be_.from_host(sin_.data(), sn.data(), sn.size());
+  be_.from_host(cos_.data(), cst.data(), cst.size());
+  be_.from_host(sin_.data(), snt.data(), snt.size());
 }
 
 template <typename T>
-double LlamaModel<T>::forward(Fsdp<T>& f, const int32_t* tokens, const int32_t* targets, int B, int T_, bool train,
-                              T grad_scale) {
+double LlamaModel<T>::forward(UnitSource<T>& f, const int32_t* tokens, const int32_t* targets, int B, int T_,
+                              bool train, S grad_scale) {
   if (T_ > c_.max_position_embeddings)
     throw std::invalid_argument("sequence length " + std::to_string(T_) + " exceeds max_position_embeddings " +
                                 std::to_string(c_.max_position_embeddings));
@@ -155,8 +160,8 @@ double LlamaModel<T>::forward(Fsdp<T>& f, const int32_t* tokens, const int32_t* 
     if (tokens[i] < 0 || tokens[i] >= V || (targets && (targets[i] < 0 || targets[i] >= V)))
       throw std::invalid_argument("token id out of range [0, " + std::to_string(V) + ") at position " + std::to_string(i));
   ensure(B, T_);
-  tokens_.assign(tokens, tokens + BT);
-  if (targets) targets_.assign(targets, targets + BT);
+  be_.ids_from_host(tokens_.data(), tokens, static_cast<size_t>(BT));
+  if (targets) be_.ids_from_host(targets_.data(), targets, static_cast<size_t>(BT));
 
   // Embedding: x = wte[tokens].
   const T* emb = f.gather(0);
@@ -167,36 +172,36 @@ double LlamaModel<T>::forward(Fsdp<T>& f, const int32_t* tokens, const int32_t* 
     Layer& a = layers_[l];
     const T* w = f.gather(1 + l);
     // Attention sub-block: x1 = x + o_proj(attn(rope(q), rope(k), v)) on rmsnorm(x).
-    be_.rmsnorm_forward(a.ln1.data(), a.rstd1.data(), a.x.data(), w + off_.ln1, BT, C, static_cast<T>(c_.rms_norm_eps));
-    be_.gemm(false, true, BT, Q, C, T(1), a.ln1.data(), C, w + off_.q, C, T(0), a.q.data(), Q);
-    be_.gemm(false, true, BT, KV, C, T(1), a.ln1.data(), C, w + off_.k, C, T(0), a.k.data(), KV);
-    be_.gemm(false, true, BT, KV, C, T(1), a.ln1.data(), C, w + off_.v, C, T(0), a.v.data(), KV);
+    be_.rmsnorm_forward(a.ln1.data(), a.rstd1.data(), a.x.data(), w + off_.ln1, BT, C, static_cast<S>(c_.rms_norm_eps));
+    be_.gemm(false, true, BT, Q, C, S(1), a.ln1.data(), C, w + off_.q, C, S(0), a.q.data(), Q);
+    be_.gemm(false, true, BT, KV, C, S(1), a.ln1.data(), C, w + off_.k, C, S(0), a.k.data(), KV);
+    be_.gemm(false, true, BT, KV, C, S(1), a.ln1.data(), C, w + off_.v, C, S(0), a.v.data(), KV);
     be_.rope_forward(a.q.data(), cos_.data(), sin_.data(), B, T_, NH, HD);
     be_.rope_forward(a.k.data(), cos_.data(), sin_.data(), B, T_, NKV, HD);
     shardtrain::attention_forward(be_, a.q.data(), a.k.data(), a.v.data(), a.att.data(), a.y.data(), B, T_, NH, NKV, HD);
     be_.copy(a.x1.data(), a.x.data(), static_cast<size_t>(BT) * C);
-    be_.gemm(false, true, BT, C, Q, T(1), a.y.data(), Q, w + off_.o, Q, T(1), a.x1.data(), C);
+    be_.gemm(false, true, BT, C, Q, S(1), a.y.data(), Q, w + off_.o, Q, S(1), a.x1.data(), C);
     // MLP sub-block: x_next = x1 + down(silu(gate(n)) * up(n)), n = rmsnorm(x1).
-    be_.rmsnorm_forward(a.ln2.data(), a.rstd2.data(), a.x1.data(), w + off_.ln2, BT, C, static_cast<T>(c_.rms_norm_eps));
-    be_.gemm(false, true, BT, I, C, T(1), a.ln2.data(), C, w + off_.gate, C, T(0), a.g.data(), I);
-    be_.gemm(false, true, BT, I, C, T(1), a.ln2.data(), C, w + off_.up, C, T(0), a.u.data(), I);
+    be_.rmsnorm_forward(a.ln2.data(), a.rstd2.data(), a.x1.data(), w + off_.ln2, BT, C, static_cast<S>(c_.rms_norm_eps));
+    be_.gemm(false, true, BT, I, C, S(1), a.ln2.data(), C, w + off_.gate, C, S(0), a.g.data(), I);
+    be_.gemm(false, true, BT, I, C, S(1), a.ln2.data(), C, w + off_.up, C, S(0), a.u.data(), I);
     be_.swiglu_forward(a.h.data(), a.g.data(), a.u.data(), static_cast<size_t>(BT) * I);
     T* xn = l + 1 < L ? layers_[l + 1].x.data() : xf_.data();
     be_.copy(xn, a.x1.data(), static_cast<size_t>(BT) * C);
-    be_.gemm(false, true, BT, C, I, T(1), a.h.data(), I, w + off_.down, I, T(1), xn, C);
+    be_.gemm(false, true, BT, C, I, S(1), a.h.data(), I, w + off_.down, I, S(1), xn, C);
   }
 
   // Final norm, LM head, loss.
   const T* hw = f.gather(L + 1);
-  be_.rmsnorm_forward(lnf_.data(), rstdf_.data(), xf_.data(), hw + head_off_norm_, BT, C, static_cast<T>(c_.rms_norm_eps));
+  be_.rmsnorm_forward(lnf_.data(), rstdf_.data(), xf_.data(), hw + head_off_norm_, BT, C, static_cast<S>(c_.rms_norm_eps));
   const T* wout = c_.tie_word_embeddings ? f.gather(0) : hw + head_off_w_;
-  be_.gemm(false, true, BT, V, C, T(1), lnf_.data(), C, wout, C, T(0), logits_.data(), V);
+  be_.gemm(false, true, BT, V, C, S(1), lnf_.data(), C, wout, C, S(0), logits_.data(), V);
   if (!targets) return 0.0;
   return be_.cross_entropy(train ? logits_.data() : nullptr, logits_.data(), targets_.data(), BT, V,
-                           train ? grad_scale : T(0));
+                           train ? grad_scale : S(0));
 }
 
-template <typename T> void LlamaModel<T>::backward(Fsdp<T>& f) {
+template <typename T> void LlamaModel<T>::backward(UnitSource<T>& f) {
   const int B = cur_b_, T_ = cur_t_, BT = B * T_, C = c_.hidden_size, I = c_.intermediate_size, V = c_.vocab_size;
   const int NH = c_.num_attention_heads, NKV = c_.num_key_value_heads, HD = c_.head_dim();
   const int Q = NH * HD, KV = NKV * HD, L = c_.num_hidden_layers;
@@ -205,16 +210,16 @@ template <typename T> void LlamaModel<T>::backward(Fsdp<T>& f) {
   // LM head: dlnf = dlogits W; dW += dlogits^T lnf. Tied: W is the embedding (unit 0).
   if (c_.tie_word_embeddings) {
     const T* w = f.gather(0);
-    be_.gemm(false, false, BT, C, V, T(1), dlogits, V, w, C, T(0), dln_.data(), C);
+    be_.gemm(false, false, BT, C, V, S(1), dlogits, V, w, C, S(0), dln_.data(), C);
     T* gw = f.full_grad(0);
-    be_.gemm(true, false, V, C, BT, T(1), dlogits, V, lnf_.data(), C, T(1), gw, C);
+    be_.gemm(true, false, V, C, BT, S(1), dlogits, V, lnf_.data(), C, S(1), gw, C);
     f.reduce_scatter_grad(0);
   }
   const T* hw = f.gather(L + 1);
   T* ghw = f.full_grad(L + 1);
   if (!c_.tie_word_embeddings) {
-    be_.gemm(false, false, BT, C, V, T(1), dlogits, V, hw + head_off_w_, C, T(0), dln_.data(), C);
-    be_.gemm(true, false, V, C, BT, T(1), dlogits, V, lnf_.data(), C, T(1), ghw + head_off_w_, C);
+    be_.gemm(false, false, BT, C, V, S(1), dlogits, V, hw + head_off_w_, C, S(0), dln_.data(), C);
+    be_.gemm(true, false, V, C, BT, S(1), dlogits, V, lnf_.data(), C, S(1), ghw + head_off_w_, C);
   }
   be_.zero(dres_.data(), static_cast<size_t>(BT) * C);
   be_.rmsnorm_backward(dres_.data(), ghw + head_off_norm_, dln_.data(), xf_.data(), hw + head_off_norm_,
@@ -226,27 +231,27 @@ template <typename T> void LlamaModel<T>::backward(Fsdp<T>& f) {
     const T* w = f.gather(1 + l);
     T* gw = f.full_grad(1 + l);
     // MLP: x_next = x1 + h Wd^T.  dres flows to x1 unchanged (+ the norm path below).
-    be_.gemm(false, false, BT, I, C, T(1), dres_.data(), C, w + off_.down, I, T(0), dh_.data(), I);
-    be_.gemm(true, false, C, I, BT, T(1), dres_.data(), C, a.h.data(), I, T(1), gw + off_.down, I);
+    be_.gemm(false, false, BT, I, C, S(1), dres_.data(), C, w + off_.down, I, S(0), dh_.data(), I);
+    be_.gemm(true, false, C, I, BT, S(1), dres_.data(), C, a.h.data(), I, S(1), gw + off_.down, I);
     be_.swiglu_backward(dg_.data(), du_.data(), dh_.data(), a.g.data(), a.u.data(), static_cast<size_t>(BT) * I);
-    be_.gemm(false, false, BT, C, I, T(1), dg_.data(), I, w + off_.gate, C, T(0), dln_.data(), C);
-    be_.gemm(false, false, BT, C, I, T(1), du_.data(), I, w + off_.up, C, T(1), dln_.data(), C);
-    be_.gemm(true, false, I, C, BT, T(1), dg_.data(), I, a.ln2.data(), C, T(1), gw + off_.gate, C);
-    be_.gemm(true, false, I, C, BT, T(1), du_.data(), I, a.ln2.data(), C, T(1), gw + off_.up, C);
+    be_.gemm(false, false, BT, C, I, S(1), dg_.data(), I, w + off_.gate, C, S(0), dln_.data(), C);
+    be_.gemm(false, false, BT, C, I, S(1), du_.data(), I, w + off_.up, C, S(1), dln_.data(), C);
+    be_.gemm(true, false, I, C, BT, S(1), dg_.data(), I, a.ln2.data(), C, S(1), gw + off_.gate, C);
+    be_.gemm(true, false, I, C, BT, S(1), du_.data(), I, a.ln2.data(), C, S(1), gw + off_.up, C);
     be_.rmsnorm_backward(dres_.data(), gw + off_.ln2, dln_.data(), a.x1.data(), w + off_.ln2, a.rstd2.data(), BT, C);
     // Attention: x1 = x + y Wo^T.
-    be_.gemm(false, false, BT, Q, C, T(1), dres_.data(), C, w + off_.o, Q, T(0), dy_.data(), Q);
-    be_.gemm(true, false, C, Q, BT, T(1), dres_.data(), C, a.y.data(), Q, T(1), gw + off_.o, Q);
+    be_.gemm(false, false, BT, Q, C, S(1), dres_.data(), C, w + off_.o, Q, S(0), dy_.data(), Q);
+    be_.gemm(true, false, C, Q, BT, S(1), dres_.data(), C, a.y.data(), Q, S(1), gw + off_.o, Q);
     shardtrain::attention_backward(be_, a.q.data(), a.k.data(), a.v.data(), a.att.data(), dy_.data(), datt_.data(),
                                    dq_.data(), dk_.data(), dv_.data(), B, T_, NH, NKV, HD);
     be_.rope_backward(dq_.data(), cos_.data(), sin_.data(), B, T_, NH, HD);
     be_.rope_backward(dk_.data(), cos_.data(), sin_.data(), B, T_, NKV, HD);
-    be_.gemm(false, false, BT, C, Q, T(1), dq_.data(), Q, w + off_.q, C, T(0), dln_.data(), C);
-    be_.gemm(false, false, BT, C, KV, T(1), dk_.data(), KV, w + off_.k, C, T(1), dln_.data(), C);
-    be_.gemm(false, false, BT, C, KV, T(1), dv_.data(), KV, w + off_.v, C, T(1), dln_.data(), C);
-    be_.gemm(true, false, Q, C, BT, T(1), dq_.data(), Q, a.ln1.data(), C, T(1), gw + off_.q, C);
-    be_.gemm(true, false, KV, C, BT, T(1), dk_.data(), KV, a.ln1.data(), C, T(1), gw + off_.k, C);
-    be_.gemm(true, false, KV, C, BT, T(1), dv_.data(), KV, a.ln1.data(), C, T(1), gw + off_.v, C);
+    be_.gemm(false, false, BT, C, Q, S(1), dq_.data(), Q, w + off_.q, C, S(0), dln_.data(), C);
+    be_.gemm(false, false, BT, C, KV, S(1), dk_.data(), KV, w + off_.k, C, S(1), dln_.data(), C);
+    be_.gemm(false, false, BT, C, KV, S(1), dv_.data(), KV, w + off_.v, C, S(1), dln_.data(), C);
+    be_.gemm(true, false, Q, C, BT, S(1), dq_.data(), Q, a.ln1.data(), C, S(1), gw + off_.q, C);
+    be_.gemm(true, false, KV, C, BT, S(1), dk_.data(), KV, a.ln1.data(), C, S(1), gw + off_.k, C);
+    be_.gemm(true, false, KV, C, BT, S(1), dv_.data(), KV, a.ln1.data(), C, S(1), gw + off_.v, C);
     be_.rmsnorm_backward(dres_.data(), gw + off_.ln1, dln_.data(), a.x.data(), w + off_.ln1, a.rstd1.data(), BT, C);
     f.reduce_scatter_grad(1 + l);
   }
@@ -265,6 +270,7 @@ template <typename T> std::vector<T> LlamaModel<T>::logits() {
 
 template class LlamaModel<float>;
 template class LlamaModel<double>;
+template class LlamaModel<bf16>;
 template void rope_tables<float>(std::vector<float>&, std::vector<float>&, int, int, double);
 template void rope_tables<double>(std::vector<double>&, std::vector<double>&, int, int, double);
 #define ST_INST(T)                                                                                           \
@@ -273,5 +279,6 @@ template void rope_tables<double>(std::vector<double>&, std::vector<double>&, in
                                       T*, int, int, int, int, int);
 ST_INST(float)
 ST_INST(double)
+ST_INST(bf16)
 
 }  // namespace shardtrain

@@ -83,7 +83,8 @@ double counter_normal(uint64_t seed, uint64_t key, uint64_t i) {
 }
 
 template <typename T>
-Fsdp<T>::Fsdp(Backend<T>& be, Comm& comm, ShardPlan plan) : be_(be), comm_(comm), plan_(std::move(plan)) {
+Fsdp<T>::Fsdp(Backend<T>& be, Comm& comm, ShardPlan plan, Comm* data_comm, bool full_buffers)
+    : be_(be), comm_(comm), dcomm_(data_comm ? data_comm : &comm), plan_(std::move(plan)) {
   if (plan_.world_size != comm.world_size())
     throw std::invalid_argument("Fsdp: plan built for " + std::to_string(plan_.world_size) + " ranks, comm has " +
                                 std::to_string(comm.world_size()));
@@ -94,6 +95,7 @@ Fsdp<T>::Fsdp(Backend<T>& be, Comm& comm, ShardPlan plan) : be_(be), comm_(comm)
     max_padded = std::max(max_padded, u.padded_numel);
     max_shard = std::max(max_shard, u.shard_size);
   }
+  if (!full_buffers) return;
   gather_buf_ = Buffer<T>(be_, static_cast<size_t>(max_padded));
   grad_buf_ = Buffer<T>(be_, static_cast<size_t>(max_padded));
   scatter_tmp_ = Buffer<T>(be_, static_cast<size_t>(max_shard));
@@ -131,7 +133,7 @@ template <typename T> void Fsdp<T>::zero_grads() {
 
 template <typename T> const T* Fsdp<T>::gather(int u) {
   const UnitPlan& up = plan_.units[u];
-  comm_.all_gather(params_[u].data(), gather_buf_.data(), static_cast<size_t>(up.shard_size));
+  dcomm_->all_gather(params_[u].data(), gather_buf_.data(), static_cast<size_t>(up.shard_size));
   gathered_ = u;
   return gather_buf_.data();
 }
@@ -144,7 +146,7 @@ template <typename T> T* Fsdp<T>::full_grad(int u) {
 template <typename T> void Fsdp<T>::reduce_scatter_grad(int u) {
   const UnitPlan& up = plan_.units[u];
   size_t S = static_cast<size_t>(up.shard_size);
-  comm_.reduce_scatter_sum(grad_buf_.data(), scatter_tmp_.data(), S);
+  dcomm_->reduce_scatter_sum(grad_buf_.data(), scatter_tmp_.data(), S);
   be_.axpy(S, T(1) / static_cast<T>(comm_.world_size()), scatter_tmp_.data(), grads_[u].data());
 }
 
@@ -185,6 +187,52 @@ template <typename T> double Fsdp<T>::local_grad_sumsq() {
   for (size_t u = 0; u < plan_.units.size(); ++u)
     s += be_.sum_squares(grads_[u].data(), static_cast<size_t>(plan_.units[u].ranks[r].valid));
   return s;
+}
+
+MixedPrecisionUnits::MixedPrecisionUnits(Fsdp<float>& master, Backend<bf16>& be, bool reduce_bf16)
+    : m_(master), be_(be), reduce_bf16_(reduce_bf16) {
+  int64_t max_padded = 0, max_shard = 0;
+  for (auto& u : m_.plan().units) {
+    max_padded = std::max(max_padded, u.padded_numel);
+    max_shard = std::max(max_shard, u.shard_size);
+  }
+  shard_ = Buffer<bf16>(be_, static_cast<size_t>(max_shard));
+  gather_ = Buffer<bf16>(be_, static_cast<size_t>(max_padded));
+  grad_ = Buffer<bf16>(be_, static_cast<size_t>(max_padded));
+  if (reduce_bf16_) {
+    scatter_ = Buffer<bf16>(be_, static_cast<size_t>(max_shard));
+  } else {
+    grad32_ = Buffer<float>(m_.backend(), static_cast<size_t>(max_padded));
+    scatter32_ = Buffer<float>(m_.backend(), static_cast<size_t>(max_shard));
+  }
+}
+
+const bf16* MixedPrecisionUnits::gather(int u) {
+  const size_t S = static_cast<size_t>(m_.plan().units[u].shard_size);
+  be_.from_f32(shard_.data(), m_.param_shard(u), S);
+  m_.data_comm().all_gather(shard_.data(), gather_.data(), S);
+  return gather_.data();
+}
+
+bf16* MixedPrecisionUnits::full_grad(int u) {
+  be_.zero(grad_.data(), static_cast<size_t>(m_.plan().units[u].padded_numel));
+  return grad_.data();
+}
+
+void MixedPrecisionUnits::reduce_scatter_grad(int u) {
+  const UnitPlan& up = m_.plan().units[u];
+  const size_t S = static_cast<size_t>(up.shard_size), P = static_cast<size_t>(up.padded_numel);
+  const float inv_w = 1.0f / static_cast<float>(m_.comm().world_size());
+  if (reduce_bf16_) {
+    m_.data_comm().reduce_scatter_sum(grad_.data(), scatter_.data(), S);
+    be_.add_to_f32(m_.grad_shard(u), inv_w, scatter_.data(), S);
+  } else {
+    Backend<float>& b32 = m_.backend();
+    b32.zero(grad32_.data(), P);
+    be_.add_to_f32(grad32_.data(), 1.0f, grad_.data(), P);
+    m_.data_comm().reduce_scatter_sum(grad32_.data(), scatter32_.data(), S);
+    b32.axpy(S, inv_w, scatter32_.data(), m_.grad_shard(u));
+  }
 }
 
 template class Fsdp<float>;
