@@ -7,6 +7,7 @@
 
 #include "shardtrain/backend.h"
 #include "shardtrain/checkpoint.h"
+#include "shardtrain/cuda.h"
 #include "shardtrain/hf.h"
 #include "shardtrain/config.h"
 #include "shardtrain/data.h"
@@ -39,13 +40,54 @@ void run_train(Comm& comm, const Topology& topo, const Options& o) {
   ModelConfig mc = resolve_model_config(comm, o.model);
   std::unique_ptr<TokenDataset> data;
   agree(comm, [&] { data = std::make_unique<TokenDataset>(o.data); });
+
+  // Device placement: each rank decides from what its node shows, then all agree, before any
+  // device is touched; a run is all-GPU or all-CPU.
+  DevicePlan dp;
+  agree(comm, [&] {
+    std::string why;
+    const int n = o.device == "cpu" ? 0 : cuda_device_count(&why);
+    try {
+      dp = plan_devices(o.device, o.gpu_comm, topo.local_rank, topo.local_size, n, cuda_built(), topo.host);
+    } catch (const std::invalid_argument& e) {
+      throw std::runtime_error(std::string(e.what()) + (n == 0 && !why.empty() ? " [CUDA runtime: " + why + "]" : ""));
+    }
+  });
+  int64_t on_gpu = dp.cuda ? 1 : 0;
+  comm.all_reduce(&on_gpu, 1, ReduceOp::Sum);
+  all_ok(comm, on_gpu == 0 || on_gpu == topo.world_size,
+         "option '--device auto': " + std::to_string(on_gpu) + " of " + std::to_string(topo.world_size) +
+             " ranks found a CUDA device; pass '--device cuda' or '--device cpu' explicitly");
+  const Precision prec = parse_precision(o.precision);
+
+  std::unique_ptr<CudaContext> ctx;  // declared first: destroyed after everything that uses it
+  std::unique_ptr<Backend<float>> be;
+  std::unique_ptr<Backend<bf16>> be16;
+  std::unique_ptr<Comm> dcomm;
   int threads = o.threads > 0 ? o.threads
                               : std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / topo.local_size);
-  set_blas_threads(threads);
+  agree(comm, [&] {
+    if (dp.cuda) {
+      ctx = CudaContext::create(dp.gpu);
+      be = make_cuda_backend<float>(*ctx);
+      if (prec == Precision::BF16) be16 = make_cuda_backend<bf16>(*ctx);
+      if (!dp.nccl) dcomm = make_staged_comm(comm, *ctx);
+    } else {
+      set_blas_threads(threads);
+      be = make_cpu_backend<float>();
+      if (prec == Precision::BF16) be16 = make_cpu_backend<bf16>();
+    }
+  });
+  if (dp.cuda && dp.nccl) dcomm = make_nccl_comm(comm, *ctx);  // collective; agrees on failure itself
+  std::string where = dp.cuda ? ", rank 0 on cuda:" + std::to_string(dp.gpu) + " (" + ctx->device_name() + ")"
+                              : ", " + std::to_string(threads) + " BLAS thread(s) per rank";
   log_info(comm, "shardtrain: " + std::to_string(topo.world_size) + " ranks (" + std::to_string(topo.local_size) +
-                     " on " + topo.host + "), device cpu, " + std::to_string(threads) + " BLAS thread(s) per rank");
-  auto be = make_cpu_backend<float>();
-  train(comm, *be, mc, o.train, *data);
+                     " on " + topo.host + "), device " + dp.summary + where + ", precision " + o.precision +
+                     (prec == Precision::BF16 ? " (gradients reduced in " + o.reduce_dtype + ")" : ""));
+  if (!dp.cuda && prec == Precision::BF16)
+    log_info(comm, "note: bf16 on the CPU is emulated (float math, bf16 rounding): slow, meant for testing");
+  Engine eng{comm, dcomm ? *dcomm : comm, *be, be16.get(), prec, o.reduce_dtype == "bf16"};
+  train(eng, mc, o.train, *data);
 }
 
 // --mode inspect: step, world size, config and per-unit shard tables of a checkpoint; optionally

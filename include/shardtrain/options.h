@@ -26,6 +26,10 @@ struct Options {
   double val_fraction = 0.1;
   double collective_timeout = 600;  // seconds a collective may take before this rank ends the job; 0: never
   int threads = 0;                // OpenBLAS threads per rank, 0 = cores on node / ranks on node
+  std::string device = "auto";    // train: auto | cpu | cuda (see plan_devices in cuda.h)
+  std::string gpu_comm = "nccl";  // train on cuda: nccl | mpi (MPI on host copies; GPUs shared by ranks)
+  std::string precision = "fp32"; // train: fp32 | bf16 (mixed precision)
+  std::string reduce_dtype = "fp32";  // train, bf16: dtype of the gradient reduce-scatter, fp32 | bf16
   std::string checkpoint;         // inspect: the checkpoint file (also positional)
   std::string dump_param;         // inspect: write this gathered parameter ...
   std::string dump_out;           // ... to this file (raw float32, little-endian)

@@ -89,16 +89,36 @@ struct TrainResult {
   double tokens_per_s = 0;     // global tokens / train_seconds
 };
 
+// Compute precision of a run. FP32: parameters, activations, gradients and GEMMs in fp32.
+// BF16: mixed precision (see MixedPrecisionUnits): fp32 master shards and AdamW state, bf16
+// gathered parameters and activations, fp32 arithmetic and GEMM accumulation.
+enum class Precision { FP32, BF16 };
+// Parses "fp32" / "bf16"; throws std::invalid_argument naming option '--precision'.
+Precision parse_precision(const std::string& s);
+
+// Where and how a run computes. The backends run on one device (CPU, or this rank's GPU).
+struct Engine {
+  Comm& comm;                     // control traffic in host memory (MPI): losses, norms, checkpoints
+  Comm& data_comm;                // the backends' buffers: gathers and reduce-scatters
+  Backend<float>& be;             // fp32: master shards, AdamW, and fp32 compute
+  Backend<bf16>* be16 = nullptr;  // bf16 compute; required when precision == BF16
+  Precision precision = Precision::FP32;
+  bool reduce_bf16 = false;       // BF16 only: reduce-scatter gradients in bf16 (default fp32)
+};
+
 // Collective. Trains `model_cfg` on `data` with `tc`, from a fresh init or from the checkpoint
-// named by tc.resume (any world size). Saves checkpoints as tc asks. Throws CollectiveError (same
-// message on every rank) if the batch geometry does not fit the world size or the data, or a
-// checkpoint cannot be read or written.
+// named by tc.resume (any world size, any device, any precision: checkpoints hold fp32 master
+// weights). Saves checkpoints as tc asks. Throws CollectiveError (same message on every rank) if
+// the batch geometry does not fit the world size or the data, memory runs out, or a checkpoint
+// cannot be read or written.
+TrainResult train(Engine& eng, const ModelConfig& model_cfg, const TrainConfig& tc, const TokenDataset& data);
+// fp32 on one backend whose buffers `comm` moves (the CPU): train({comm, comm, be}, ...).
 TrainResult train(Comm& comm, Backend<float>& be, const ModelConfig& model_cfg, const TrainConfig& tc,
                   const TokenDataset& data);
 
 // Collective. Mean validation loss (nats/token) of `model` over `batches` global batches.
 template <typename T>
-double evaluate(Comm& comm, LlamaModel<T>& model, Fsdp<T>& f, const TokenDataset& data, const TrainConfig& tc,
+double evaluate(Comm& comm, LlamaModel<T>& model, UnitSource<T>& f, const TokenDataset& data, const TrainConfig& tc,
                 int batches);
 
 }  // namespace shardtrain

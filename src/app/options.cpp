@@ -26,7 +26,11 @@ po::options_description describe(Options& o) {
       ("config", po::value<std::string>(&o.config_file), "INI job file (key = value, long option names); the command line overrides it")
       ("mode", po::value<std::string>(&o.mode)->default_value(o.mode), "job to run: train | prepare | inspect | export | import | generate")
       ("threads", po::value<int>(&o.threads)->default_value(o.threads), "OpenBLAS threads per rank; 0 = cores on the node / ranks on the node")
-      ("collective-timeout", dbl(&o.collective_timeout), "seconds a collective may wait for the other ranks before this rank ends the job (a peer died or hangs); 0 = never");
+      ("collective-timeout", dbl(&o.collective_timeout), "seconds a collective may wait for the other ranks before this rank ends the job (a peer died or hangs); 0 = never")
+      ("device", po::value<std::string>(&o.device)->default_value(o.device), "train on: auto (cuda when a GPU is visible, else cpu) | cpu | cuda (one GPU per rank: the local rank's)")
+      ("gpu-comm", po::value<std::string>(&o.gpu_comm)->default_value(o.gpu_comm), "GPU collectives: nccl (one rank per GPU) | mpi (through MPI on host copies; lets several ranks share a GPU)")
+      ("precision", po::value<std::string>(&o.precision)->default_value(o.precision), "fp32 | bf16 (mixed precision: bf16 weights for compute and bf16 activations, fp32 master weights, AdamW state and GEMM accumulation)")
+      ("reduce-dtype", po::value<std::string>(&o.reduce_dtype)->default_value(o.reduce_dtype), "with --precision bf16: gradients are reduce-scattered in fp32 | bf16 (half the bytes)");
   po::options_description data("Data (--mode prepare)");
   data.add_options()
       ("input", po::value<std::vector<std::string>>(&o.inputs)->multitoken(), "text file(s) to tokenize, one document each (repeatable)")
@@ -118,6 +122,10 @@ void validate(const Options& o) {
   if (o.mode == "inspect") check(!o.checkpoint.empty(), "checkpoint", "is required with --mode inspect (or give the file as an argument)");
   if (!o.dump_param.empty()) check(!o.dump_out.empty(), "dump-out", "is required with --dump-param");
   check(o.threads >= 0 && o.threads <= 1024, "threads", "must be in [0, 1024]");
+  check(o.device == "auto" || o.device == "cpu" || o.device == "cuda", "device", "must be auto, cpu or cuda, got '" + o.device + "'");
+  check(o.gpu_comm == "nccl" || o.gpu_comm == "mpi", "gpu-comm", "must be nccl or mpi, got '" + o.gpu_comm + "'");
+  check(o.precision == "fp32" || o.precision == "bf16", "precision", "must be fp32 or bf16, got '" + o.precision + "'");
+  check(o.reduce_dtype == "fp32" || o.reduce_dtype == "bf16", "reduce-dtype", "must be fp32 or bf16, got '" + o.reduce_dtype + "'");
   finite(o.collective_timeout, "collective-timeout");
   check(o.collective_timeout >= 0, "collective-timeout", "must be >= 0");
   for (auto [v, n] : {std::pair{o.val_fraction, "val-fraction"}, {t.lr, "lr"}, {t.min_lr, "min-lr"}, {t.beta1, "beta1"},

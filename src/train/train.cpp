@@ -39,16 +39,17 @@ template <typename T> AdamW<T>::AdamW(Fsdp<T>& f, const TrainConfig& tc) : f_(f)
 
 template <typename T> void AdamW<T>::step(int64_t t, double lr, double grad_scale) {
   Backend<T>& be = f_.backend();
+  using S = typename Backend<T>::S;
   for (const auto& s : segs_) {
     size_t b = static_cast<size_t>(s.begin);
     be.adamw(f_.param_shard(s.unit) + b, m_[s.unit].data() + b, v_[s.unit].data() + b, f_.grad_shard(s.unit) + b,
-             static_cast<size_t>(s.count), static_cast<T>(lr), static_cast<T>(tc_.beta1), static_cast<T>(tc_.beta2),
-             static_cast<T>(tc_.eps), s.decay ? static_cast<T>(tc_.weight_decay) : T(0), static_cast<T>(grad_scale), t);
+             static_cast<size_t>(s.count), static_cast<S>(lr), static_cast<S>(tc_.beta1), static_cast<S>(tc_.beta2),
+             static_cast<S>(tc_.eps), s.decay ? static_cast<S>(tc_.weight_decay) : S(0), static_cast<S>(grad_scale), t);
   }
 }
 
 template <typename T>
-double evaluate(Comm& comm, LlamaModel<T>& model, Fsdp<T>& f, const TokenDataset& data, const TrainConfig& tc,
+double evaluate(Comm& comm, LlamaModel<T>& model, UnitSource<T>& f, const TokenDataset& data, const TrainConfig& tc,
                 int batches) {
   const int W = comm.world_size(), per_rank = tc.global_batch / W;
   const int mb = tc.micro_batch > 0 ? tc.micro_batch : per_rank;
@@ -71,8 +72,31 @@ std::string fmt(const char* f, double v) {
 }
 }  // namespace
 
+Precision parse_precision(const std::string& s) {
+  if (s == "fp32") return Precision::FP32;
+  if (s == "bf16") return Precision::BF16;
+  throw std::invalid_argument("option '--precision': unknown value '" + s + "' (expected fp32 or bf16)");
+}
+
 TrainResult train(Comm& comm, Backend<float>& be, const ModelConfig& mc, const TrainConfig& tc,
                   const TokenDataset& data) {
+  Engine eng{comm, comm, be};
+  return train(eng, mc, tc, data);
+}
+
+namespace {
+// The model and its unit source in compute type C, over the fp32 Fsdp `f`.
+template <typename C> struct Compute {
+  std::unique_ptr<MixedPrecisionUnits> mixed;  // C = bf16 only
+  std::unique_ptr<LlamaModel<C>> model;
+  UnitSource<C>* units = nullptr;
+};
+}  // namespace
+
+template <typename C>
+static TrainResult train_in(Engine& eng, const ModelConfig& mc, const TrainConfig& tc, const TokenDataset& data) {
+  Comm& comm = eng.comm;
+  Backend<float>& be = eng.be;
   using clock = std::chrono::steady_clock;
   const int W = comm.world_size(), rank = comm.rank();
   // Geometry checks: identical on every rank, so every rank throws the same message.
@@ -101,15 +125,23 @@ TrainResult train(Comm& comm, Backend<float>& be, const ModelConfig& mc, const T
 
   // Allocation depends on local success: agree on it, and say what did not fit.
   std::unique_ptr<Fsdp<float>> fp;
-  std::unique_ptr<LlamaModel<float>> mp;
+  Compute<C> cp;
   std::unique_ptr<AdamW<float>> op;
   std::vector<int32_t> tok, tgt;
   agree(comm, [&] {
     try {
-      fp = std::make_unique<Fsdp<float>>(be, comm, ShardPlan::build(llama_units(mc), W));
-      mp = std::make_unique<LlamaModel<float>>(mc, be);
+      constexpr bool mixed = std::is_same_v<C, bf16>;
+      fp = std::make_unique<Fsdp<float>>(be, comm, ShardPlan::build(llama_units(mc), W), &eng.data_comm, !mixed);
+      if constexpr (mixed) {
+        cp.mixed = std::make_unique<MixedPrecisionUnits>(*fp, *eng.be16, eng.reduce_bf16);
+        cp.model = std::make_unique<LlamaModel<bf16>>(mc, *eng.be16);
+        cp.units = cp.mixed.get();
+      } else {
+        cp.model = std::make_unique<LlamaModel<float>>(mc, be);
+        cp.units = fp.get();
+      }
       op = std::make_unique<AdamW<float>>(*fp, tc);
-      mp->reserve(mb, tc.seq_len);
+      cp.model->reserve(mb, tc.seq_len);
       tok.resize(static_cast<size_t>(mb) * tc.seq_len);
       tgt.resize(tok.size());
     } catch (const std::bad_alloc&) {
@@ -120,7 +152,8 @@ TrainResult train(Comm& comm, Backend<float>& be, const ModelConfig& mc, const T
     }
   });
   Fsdp<float>& f = *fp;
-  LlamaModel<float>& model = *mp;
+  LlamaModel<C>& model = *cp.model;
+  UnitSource<C>& units = *cp.units;
   AdamW<float>& opt = *op;
   f.init_params(tc.seed);
   const CheckpointOptions co{tc.checkpoint_dir, tc.checkpoint_every, tc.keep_last, tc.debug_crash_before_publish};
@@ -204,8 +237,8 @@ TrainResult train(Comm& comm, Backend<float>& be, const ModelConfig& mc, const T
     double loss_sum = 0;
     for (int m = 0; m < accum; ++m) {
       fill_batch(data, Split::Train, seed, s, rank * per_rank + m * mb, mb, tc.seq_len, tok.data(), tgt.data());
-      loss_sum += model.forward(f, tok.data(), tgt.data(), mb, tc.seq_len, true, grad_scale);
-      model.backward(f);  // reduce-scatters each unit's gradient (mean over ranks) into its shard
+      loss_sum += model.forward(units, tok.data(), tgt.data(), mb, tc.seq_len, true, grad_scale);
+      model.backward(units);  // reduce-scatters each unit's gradient (mean over ranks) into its shard
     }
     // One all-reduce: loss, squared gradient norm, and "some rank was asked to stop" (a signal),
     // so every rank sees the same values and takes the same decisions below.
@@ -249,7 +282,7 @@ TrainResult train(Comm& comm, Backend<float>& be, const ModelConfig& mc, const T
 
     bool last = s + 1 == last_step;
     if ((tc.eval_every > 0 && (s + 1) % tc.eval_every == 0) || last) {
-      double vl = evaluate(comm, model, f, data, tcs, tc.eval_batches);
+      double vl = evaluate(comm, model, units, data, tcs, tc.eval_batches);
       res.evals.push_back({s + 1, vl});
       log_info(comm, "eval step " + std::to_string(s + 1) + " | val_loss " + fmt("%.4f", vl));
       if (metrics.is_open()) metrics << nlohmann::json({{"step", s + 1}, {"val_loss", vl}}).dump() << "\n" << std::flush;
@@ -275,8 +308,19 @@ TrainResult train(Comm& comm, Backend<float>& be, const ModelConfig& mc, const T
   return res;
 }
 
+TrainResult train(Engine& eng, const ModelConfig& mc, const TrainConfig& tc, const TokenDataset& data) {
+  if (eng.precision == Precision::BF16) {
+    if (!eng.be16) throw std::logic_error("train: Precision::BF16 without a bf16 backend");
+    return train_in<bf16>(eng, mc, tc, data);
+  }
+  return train_in<float>(eng, mc, tc, data);
+}
+
 template class AdamW<float>;
 template class AdamW<double>;
-template double evaluate<float>(Comm&, LlamaModel<float>&, Fsdp<float>&, const TokenDataset&, const TrainConfig&, int);
+template double evaluate<float>(Comm&, LlamaModel<float>&, UnitSource<float>&, const TokenDataset&, const TrainConfig&,
+                                int);
+template double evaluate<bf16>(Comm&, LlamaModel<bf16>&, UnitSource<bf16>&, const TokenDataset&, const TrainConfig&,
+                               int);
 
 }  // namespace shardtrain

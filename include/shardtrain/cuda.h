@@ -1,0 +1,79 @@
+// shardtrain CUDA layer: device discovery and placement, the CUDA backend (cuBLAS + kernels) and
+// the device-buffer collectives (NCCL, or MPI on host copies for ranks that share a GPU).
+//
+// Always declared; when the build had no nvcc (SHARDTRAIN_CUDA undefined) cuda_built() is false,
+// cuda_device_count() is 0 and the factories throw std::runtime_error("built without CUDA ...").
+// Nothing here calls a collective on its own except make_nccl_comm (see there).
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "shardtrain/backend.h"
+#include "shardtrain/runtime.h"
+
+namespace shardtrain {
+
+// True when this binary contains the CUDA backend.
+bool cuda_built();
+
+// Number of CUDA devices this process sees (honours CUDA_VISIBLE_DEVICES). 0 when there is no
+// driver or no device; then *why (if given) holds the CUDA runtime's reason. Never throws.
+// Test hook: the environment variable SHARDTRAIN_FAKE_CUDA_DEVICES=N makes it return N without
+// asking the driver (only device placement logic may be tested this way; nothing runs on them).
+int cuda_device_count(std::string* why = nullptr);
+
+// How the ranks of a run use devices; the result of plan_devices().
+struct DevicePlan {
+  bool cuda = false;      // run the backend on a GPU
+  int gpu = -1;           // CUDA device ordinal of this rank (local rank modulo device count)
+  bool nccl = false;      // data collectives through NCCL (else MPI on host copies)
+  std::string summary;    // one line for the log, e.g. "cuda (4 devices on node n1, NCCL)"
+};
+
+// Decides this rank's device from the options, pure (no CUDA calls), so that it can be unit
+// tested on a machine without a GPU.
+//   device:   "auto" (cuda when built with CUDA and a device is visible, else cpu), "cpu", "cuda"
+//   gpu_comm: "nccl" (one rank per GPU, the default) or "mpi" (collectives through MPI on host
+//             copies; allows several ranks per GPU)
+//   local_rank, local_size: this rank's place among the ranks of its node; devices: visible GPUs;
+//   built: cuda_built(); host: node name for messages.
+// Throws std::invalid_argument naming the option ('--device', '--gpu-comm') when: the value is
+// unknown; cuda is asked for but the build has no CUDA or the node has no device; or, with
+// gpu_comm "nccl", more ranks run on the node than it has GPUs (NCCL refuses two ranks on one GPU).
+DevicePlan plan_devices(const std::string& device, const std::string& gpu_comm, int local_rank, int local_size,
+                        int devices, bool built, const std::string& host);
+
+// One rank's GPU: the device, one CUDA stream on which every backend call and collective of this
+// rank is ordered, and the cuBLAS handle bound to that stream. Create one per rank.
+class CudaContext {
+ public:
+  // Binds the calling thread to `device` (cudaSetDevice), creates the stream and cuBLAS handle.
+  // Throws std::runtime_error naming the device and the CUDA error.
+  static std::unique_ptr<CudaContext> create(int device);
+  virtual ~CudaContext() = default;
+  virtual int device() const = 0;
+  virtual std::string device_name() const = 0;  // e.g. "NVIDIA H200"
+  virtual void* stream() const = 0;             // cudaStream_t
+  virtual void* cublas() const = 0;             // cublasHandle_t
+  virtual size_t free_bytes() const = 0;        // device memory free now, bytes
+};
+
+// The CUDA backend on `ctx` (which must outlive it). T = float or bf16. GEMMs are cuBLAS
+// (cublasGemmEx / cublasGemmStridedBatchedEx, CUBLAS_COMPUTE_32F: fp32 accumulation, no TF32);
+// the other ops are the kernels of src/backend/cuda/, whose per-element math is ops_math.h.
+template <typename T> std::unique_ptr<Backend<T>> make_cuda_backend(CudaContext& ctx);
+
+// Collective. A Comm on device buffers over the ranks of `host` (every rank of host must call it):
+// rank 0 makes an ncclUniqueId, `host` broadcasts it, every rank calls ncclCommInitRank on its
+// GPU. Collectives run on ctx's stream and are complete (stream-synchronized) on return, as the
+// MPI Comm's are. NCCL init failure on any rank is agreed through `host` (all_ok) and thrown as
+// CollectiveError on every rank. barrier/watchdog/mpi_handle are delegated to `host`.
+std::unique_ptr<Comm> make_nccl_comm(Comm& host, CudaContext& ctx);
+
+// A Comm on device buffers that copies to host memory, runs the collective with `host` (MPI) and
+// copies back: slower than NCCL, but works for several ranks sharing one GPU. Not collective to
+// create.
+std::unique_ptr<Comm> make_staged_comm(Comm& host, CudaContext& ctx);
+
+}  // namespace shardtrain

@@ -1,0 +1,45 @@
+// Device placement: which GPU a rank uses and how its data collectives run. Pure logic, no CUDA
+// calls, so that it is unit tested on machines without a GPU (tests/unit/test_device_plan.cpp).
+#include <stdexcept>
+#include <string>
+
+#include "shardtrain/cuda.h"
+
+namespace shardtrain {
+
+DevicePlan plan_devices(const std::string& device, const std::string& gpu_comm, int local_rank, int local_size,
+                        int devices, bool built, const std::string& host) {
+  if (device != "auto" && device != "cpu" && device != "cuda")
+    throw std::invalid_argument("option '--device': unknown value '" + device + "' (expected auto, cpu or cuda)");
+  if (gpu_comm != "nccl" && gpu_comm != "mpi")
+    throw std::invalid_argument("option '--gpu-comm': unknown value '" + gpu_comm + "' (expected nccl or mpi)");
+  DevicePlan p;
+  if (device == "cpu" || (device == "auto" && (!built || devices == 0))) {
+    p.summary = device == "cpu" ? "cpu (--device cpu)"
+                                : std::string("cpu (--device auto: ") +
+                                      (built ? "no CUDA device visible on " + host : "this build has no CUDA backend") +
+                                      ")";
+    return p;
+  }
+  if (!built)
+    throw std::invalid_argument("option '--device cuda': this shardtrain was built without CUDA (no nvcc at build "
+                                "time); rebuild on a machine with the CUDA toolkit, or use '--device cpu'");
+  if (devices <= 0)
+    throw std::invalid_argument("option '--device cuda': no CUDA device visible on node " + host +
+                                " (check the driver, CUDA_VISIBLE_DEVICES, and the job's --gpus-per-task); or use "
+                                "'--device cpu'");
+  if (gpu_comm == "nccl" && local_size > devices)
+    throw std::invalid_argument(
+        std::to_string(local_size) + " ranks run on node " + host + " but it has only " + std::to_string(devices) +
+        " visible CUDA device" + (devices == 1 ? "" : "s") +
+        ": NCCL refuses two ranks on one GPU. Start one rank per GPU (srun --gpus-per-task=1, mpirun -np <GPUs>), "
+        "or pass '--gpu-comm mpi' to share GPUs with collectives through MPI on host copies");
+  p.cuda = true;
+  p.gpu = local_rank % devices;
+  p.nccl = gpu_comm == "nccl";
+  p.summary = "cuda (" + std::to_string(devices) + " device" + (devices == 1 ? "" : "s") + " on node " + host + ", " +
+              (p.nccl ? "NCCL collectives" : "MPI collectives on host copies (--gpu-comm mpi)") + ")";
+  return p;
+}
+
+}  // namespace shardtrain
