@@ -26,12 +26,38 @@ export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 export OMPI_MCA_rmaps_base_oversubscribe := 1
 
-LIB_SRCS := $(filter-out src/main.cpp,$(shell find src -name '*.cpp'))
-LIB_OBJS := $(LIB_SRCS:%.cpp=$(BUILD)/%.o)
+# CUDA backend (src/**/*.cu): built whenever nvcc is found (PATH, then /usr/local/cuda); without it
+# src/backend/cuda/no_cuda.cpp provides the same symbols, reporting "built without CUDA".
+# `make CUDA=0` forces a CPU-only build. GPU code targets sm_80 (A100) and sm_90 (H100/H200).
+NVCC ?= $(firstword $(shell command -v nvcc 2>/dev/null) $(wildcard /usr/local/cuda/bin/nvcc))
+CUDA ?= $(if $(NVCC),1,0)
+CUDA_ARCHS ?= 80 90
+NO_CUDA_SRC := src/backend/cuda/no_cuda.cpp
+ifeq ($(CUDA),1)
+CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
+CUDA_SRCS := $(shell find src -name '*.cu')
+CPPFLAGS_CUDA := -DSHARDTRAIN_CUDA=1 -isystem $(CUDA_HOME)/include
+NVCCFLAGS := -std=c++20 -O3 -g -lineinfo $(foreach a,$(CUDA_ARCHS),-gencode arch=compute_$(a),code=sm_$(a)) \
+	-Werror all-warnings -Xcompiler -Wall,-Wextra,-Wshadow,-Werror,-fno-math-errno,-fno-trapping-math
+CUDA_LIBS := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lnccl -lcublas -lcudart
+SKIP_SRCS := $(NO_CUDA_SRC)
+else
+CUDA_SRCS :=
+CPPFLAGS_CUDA :=
+CUDA_LIBS :=
+SKIP_SRCS :=
+endif
+CPPFLAGS += $(CPPFLAGS_CUDA)
+LDLIBS += $(CUDA_LIBS)
+
+LIB_SRCS := $(filter-out src/main.cpp $(SKIP_SRCS),$(shell find src -name '*.cpp'))
+LIB_OBJS := $(LIB_SRCS:%.cpp=$(BUILD)/%.o) $(CUDA_SRCS:%.cu=$(BUILD)/%.cu.o)
 UNIT_SRCS := $(wildcard tests/unit/*.cpp) tests/test_main.cpp
 UNIT_OBJS := $(UNIT_SRCS:%.cpp=$(BUILD)/%.o)
 MPI_SRCS := $(wildcard tests/mpi/*.cpp) tests/test_main.cpp
 MPI_OBJS := $(MPI_SRCS:%.cpp=$(BUILD)/%.o)
+GPU_SRCS := $(wildcard tests/gpu/*.cpp) tests/test_main.cpp
+GPU_OBJS := $(GPU_SRCS:%.cpp=$(BUILD)/%.o)
 
 .PHONY: all deps build test jobs-test demo bench clean data venv
 all: build
@@ -39,11 +65,15 @@ all: build
 deps:
 	bash scripts/install-deps.sh
 
-build: $(BUILD)/shardtrain $(BUILD)/unit_tests $(BUILD)/mpi_tests
+build: $(BUILD)/shardtrain $(BUILD)/unit_tests $(BUILD)/mpi_tests $(BUILD)/gpu_tests
 
 $(BUILD)/%.o: %.cpp
 	@mkdir -p $(dir $@)
 	$(CXX) $(CPPFLAGS) $(ALL_CXXFLAGS) -c $< -o $@
+
+$(BUILD)/%.cu.o: %.cu
+	@mkdir -p $(dir $@)
+	$(NVCC) $(CPPFLAGS) $(NVCCFLAGS) -MMD -MP -c $< -o $@
 
 $(BUILD)/libshardtrain.a: $(LIB_OBJS)
 	ar rcs $@ $^
@@ -55,6 +85,11 @@ $(BUILD)/unit_tests: $(UNIT_OBJS) $(BUILD)/libshardtrain.a
 	$(CXX) $^ -o $@ $(GTEST_LIBS) $(LDLIBS)
 
 $(BUILD)/mpi_tests: $(MPI_OBJS) $(BUILD)/libshardtrain.a
+	$(CXX) $^ -o $@ $(GTEST_LIBS) $(LDLIBS)
+
+# GPU tests (tests/gpu): CUDA backend and device collectives against the CPU backend. Built in
+# every configuration; without a CUDA device each test reports "skipped: no CUDA device".
+$(BUILD)/gpu_tests: $(GPU_OBJS) $(BUILD)/libshardtrain.a
 	$(CXX) $^ -o $@ $(GTEST_LIBS) $(LDLIBS)
 
 # Default corpus: English text files of Debian's `fortunes` package (installed by make deps).

@@ -1,0 +1,724 @@
+// CUDA backend: cuBLAS for the GEMMs, hand-written kernels for everything else, all ordered on the
+// CudaContext's stream. The per-element math comes from ops_math.h / bf16.h (shared with the CPU
+// backend, whose tests cover it); the kernels only decide the parallel decomposition.
+//
+// Storage T is float or bf16; every kernel loads with math::ld (-> float), computes in float
+// (math::Acc<T>) and stores once with math::st<T>. Reductions whose result reaches the host
+// (sum_squares, cross_entropy) accumulate in double. Every reduction is deterministic (fixed
+// tree order, no atomics), so a run repeats bit for bit on the same GPU.
+//
+// Launch shapes: elementwise ops are grid-stride loops (kBlock threads, at most kMaxGrid blocks);
+// row reductions (rmsnorm, softmax, cross_entropy, embedding rows) use one block per row,
+// grid-striding over rows when there are more rows than kMaxGrid.
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <new>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+
+#include "shardtrain/backend.h"
+#include "shardtrain/bf16.h"
+#include "shardtrain/cuda.h"
+#include "shardtrain/ops_math.h"
+
+namespace shardtrain {
+namespace {
+
+static_assert(sizeof(bf16) == sizeof(__nv_bfloat16) && alignof(bf16) == alignof(__nv_bfloat16),
+              "bf16 must be layout-compatible with __nv_bfloat16 (cuBLAS CUDA_R_16BF)");
+
+// ---- error checking ---------------------------------------------------------------------------
+
+[[noreturn]] void throw_cuda(cudaError_t e, const char* what, const char* file, int line) {
+  (void)cudaGetLastError();  // clear a non-sticky error so later calls do not report it again
+  throw std::runtime_error(std::string("CUDA error: ") + what + " failed at " + file + ":" + std::to_string(line) +
+                           ": " + cudaGetErrorString(e) + " (" + cudaGetErrorName(e) + ")");
+}
+inline void check_cuda(cudaError_t e, const char* what, const char* file, int line) {
+  if (e != cudaSuccess) throw_cuda(e, what, file, line);
+}
+inline void check_cublas(cublasStatus_t s, const char* what, const char* file, int line) {
+  if (s == CUBLAS_STATUS_SUCCESS) return;
+  (void)cudaGetLastError();
+  throw std::runtime_error(std::string("cuBLAS error: ") + what + " failed at " + file + ":" + std::to_string(line) +
+                           ": " + cublasGetStatusName(s) + " (" + cublasGetStatusString(s) + ")");
+}
+// cudaMalloc: out of memory is std::bad_alloc (the trainer reports it as such), the rest runtime_error.
+inline void check_alloc(cudaError_t e, const char* what, const char* file, int line) {
+  if (e == cudaErrorMemoryAllocation) {
+    (void)cudaGetLastError();
+    throw std::bad_alloc();
+  }
+  check_cuda(e, what, file, line);
+}
+
+#define ST_CUDA(call) check_cuda((call), #call, __FILE__, __LINE__)
+#define ST_CUBLAS(call) check_cublas((call), #call, __FILE__, __LINE__)
+#define ST_CUDA_ALLOC(call) check_alloc((call), #call, __FILE__, __LINE__)
+#define ST_LAUNCHED(kernel) check_cuda(cudaGetLastError(), "launch of " kernel, __FILE__, __LINE__)
+
+// ---- launch shapes ----------------------------------------------------------------------------
+
+constexpr int kBlock = 256;           // elementwise and most row kernels
+constexpr int kRowBlockLarge = 1024;  // cross_entropy rows (V up to ~128K)
+constexpr unsigned kMaxGrid = 65535;  // grid-stride loops beyond this
+constexpr int kReduceBlocks = 1024;   // first pass of sum_squares
+constexpr int kEmbListCap = 2048;     // embedding_backward: positions gathered per flush
+
+inline unsigned grid_for(size_t n, int block) {
+  size_t g = (n + static_cast<size_t>(block) - 1) / static_cast<size_t>(block);
+  return static_cast<unsigned>(std::min<size_t>(std::max<size_t>(g, 1), kMaxGrid));
+}
+inline unsigned grid_rows(size_t rows) { return static_cast<unsigned>(std::min<size_t>(std::max<size_t>(rows, 1), kMaxGrid)); }
+
+__device__ __forceinline__ size_t gtid() { return static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; }
+__device__ __forceinline__ size_t gstride() { return static_cast<size_t>(gridDim.x) * blockDim.x; }
+
+// ---- block reductions -------------------------------------------------------------------------
+// blockDim.x must be a multiple of 32 (all our launches are). Every thread gets the result; the
+// combination order is fixed (warp butterfly, then warps in order), so results are deterministic.
+
+struct SumOp {
+  template <typename A> __device__ __forceinline__ A operator()(A a, A b) const { return a + b; }
+};
+struct MaxOp {
+  template <typename A> __device__ __forceinline__ A operator()(A a, A b) const { return b > a ? b : a; }
+};
+
+template <typename A, typename Op> __device__ A block_reduce(A v, Op op) {
+  __shared__ A partial[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+  __syncthreads();  // a previous block_reduce may still be reading `partial`
+  if (lane == 0) partial[warp] = v;
+  __syncthreads();
+  A r = partial[0];
+  for (int w = 1; w < nwarps; ++w) r = op(r, partial[w]);
+  return r;
+}
+
+// ---- kernels ----------------------------------------------------------------------------------
+
+// C[i*ldc + j] = beta * C (0 when beta == 0, as BLAS: C is not read), i < M, j < N. For K == 0 GEMMs.
+template <typename T> __global__ void scale_matrix_kernel(T* C, int M, int N, int ldc, float beta) {
+  const size_t n = static_cast<size_t>(M) * N;
+  for (size_t idx = gtid(); idx < n; idx += gstride()) {
+    size_t i = idx / N, j = idx % N;
+    T* c = C + i * ldc + j;
+    *c = math::st<T>(beta == 0.0f ? 0.0f : beta * math::ld(*c));
+  }
+}
+
+template <typename T> __global__ void axpy_kernel(size_t n, float alpha, const T* x, T* y) {
+  for (size_t i = gtid(); i < n; i += gstride()) y[i] = math::st<T>(math::ld(y[i]) + alpha * math::ld(x[i]));
+}
+
+template <typename T> __global__ void scale_kernel(size_t n, float alpha, T* x) {
+  for (size_t i = gtid(); i < n; i += gstride()) x[i] = math::st<T>(math::ld(x[i]) * alpha);
+}
+
+// partial[blockIdx.x] = sum of squares (double) of this block's grid-stride share of x.
+template <typename T> __global__ void sum_squares_kernel(const T* x, size_t n, double* partial) {
+  double s = 0;
+  for (size_t i = gtid(); i < n; i += gstride()) {
+    double v = static_cast<double>(math::ld(x[i]));
+    s += v * v;
+  }
+  s = block_reduce(s, SumOp{});
+  if (threadIdx.x == 0) partial[blockIdx.x] = s;
+}
+
+// out[0] = sum of in[0..n) in double. One block.
+__global__ void sum_doubles_kernel(const double* in, size_t n, double* out) {
+  double s = 0;
+  for (size_t i = threadIdx.x; i < n; i += blockDim.x) s += in[i];
+  s = block_reduce(s, SumOp{});
+  if (threadIdx.x == 0) out[0] = s;
+}
+
+// One block per row i: out[i, :] = table[tok[i], :] (exact copy of the stored bits).
+template <typename T> __global__ void embedding_forward_kernel(T* out, const int32_t* tok, const T* table, int N, int C) {
+  for (int i = blockIdx.x; i < N; i += gridDim.x) {
+    const T* src = table + static_cast<size_t>(tok[i]) * C;
+    T* dst = out + static_cast<size_t>(i) * C;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) dst[c] = src[c];
+  }
+}
+
+// dtable[tok[i], :] += dout[i, :], deterministic and without atomics: the block of position i
+// works only if i is the first occurrence of its token; it then gathers every position j >= i
+// holding the same token, in ascending order (ordered ballot compaction into shared memory), and
+// adds their rows to the table row in that order, one float accumulator per column: for float
+// storage this is exactly the CPU backend's sequence of additions.
+template <typename T>
+__global__ void embedding_backward_kernel(T* dtable, const int32_t* tok, const T* dout, int N, int C) {
+  __shared__ int list[kEmbListCap];
+  __shared__ int warp_count[32];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
+  const int bdim = blockDim.x;
+  for (int i = blockIdx.x; i < N; i += gridDim.x) {
+    const int t = tok[i];
+    int seen = 0;
+    for (int j = tid; j < i; j += bdim) seen |= tok[j] == t;
+    if (__syncthreads_or(seen)) continue;  // an earlier position's block handles this token
+    T* row = dtable + static_cast<size_t>(t) * C;
+    int count = 0;  // entries in `list`, the same in every thread
+    auto flush = [&]() {
+      for (int c = tid; c < C; c += bdim) {
+        float acc = math::ld(row[c]);
+        for (int k = 0; k < count; ++k) acc += math::ld(dout[static_cast<size_t>(list[k]) * C + c]);
+        row[c] = math::st<T>(acc);
+      }
+      count = 0;
+      __syncthreads();  // `list` is rewritten next
+    };
+    for (int j0 = i; j0 < N; j0 += bdim) {
+      if (count + bdim > kEmbListCap) flush();
+      const int j = j0 + tid;
+      const bool match = j < N && tok[j] == t;
+      const unsigned m = __ballot_sync(0xffffffffu, match);
+      if (lane == 0) warp_count[warp] = __popc(m);
+      __syncthreads();
+      int off = count, total = count;
+      for (int w = 0; w < nwarps; ++w) {
+        if (w < warp) off += warp_count[w];
+        total += warp_count[w];
+      }
+      if (match) list[off + __popc(m & ((1u << lane) - 1u))] = j;
+      count = total;
+      __syncthreads();  // `list` complete; `warp_count` read by everyone
+    }
+    flush();
+  }
+}
+
+// One block per row: out = x * rstd * w, rstd = 1/sqrt(mean(x^2) + eps), sum of squares in float.
+template <typename T>
+__global__ void rmsnorm_forward_kernel(T* out, T* rstd, const T* x, const T* w, int N, int C, float eps) {
+  for (int i = blockIdx.x; i < N; i += gridDim.x) {
+    const T* xi = x + static_cast<size_t>(i) * C;
+    T* oi = out + static_cast<size_t>(i) * C;
+    float ss = 0;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+      float v = math::ld(xi[c]);
+      ss += v * v;
+    }
+    ss = block_reduce(ss, SumOp{});
+    const float r = math::rmsnorm_rstd(ss, C, eps);
+    for (int c = threadIdx.x; c < C; c += blockDim.x) oi[c] = math::st<T>(math::ld(xi[c]) * r * math::ld(w[c]));
+    if (threadIdx.x == 0) rstd[i] = math::st<T>(r);
+  }
+}
+
+// One block per row: dx += r w dy - x r^3/C sum(w dy x).
+template <typename T>
+__global__ void rmsnorm_backward_dx_kernel(T* dx, const T* dout, const T* x, const T* w, const T* rstd, int N, int C) {
+  for (int i = blockIdx.x; i < N; i += gridDim.x) {
+    const size_t o = static_cast<size_t>(i) * C;
+    const float r = math::ld(rstd[i]);
+    float dot = 0;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) dot += math::ld(w[c]) * math::ld(dout[o + c]) * math::ld(x[o + c]);
+    dot = block_reduce(dot, SumOp{});
+    const float k = math::rmsnorm_k(dot, r, C);
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+      const float wc = math::ld(w[c]), dc = math::ld(dout[o + c]), xc = math::ld(x[o + c]);
+      dx[o + c] = math::st<T>(math::ld(dx[o + c]) + math::rmsnorm_dx(r, wc, dc, k, xc));
+    }
+  }
+}
+
+// dw partial sums: thread per column c (coalesced), block row blockIdx.y covers rows
+// [y*rows_per_chunk, (y+1)*rows_per_chunk): partial[y, c] = sum dout[i,c] x[i,c] rstd[i].
+template <typename T>
+__global__ void rmsnorm_backward_dw_partial_kernel(float* partial, const T* dout, const T* x, const T* rstd, int N,
+                                                   int C, int rows_per_chunk) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  const int r0 = blockIdx.y * rows_per_chunk;
+  const int r1 = min(N, r0 + rows_per_chunk);
+  float acc = 0;
+  for (int i = r0; i < r1; ++i) {
+    const size_t o = static_cast<size_t>(i) * C + c;
+    acc += math::ld(dout[o]) * math::ld(x[o]) * math::ld(rstd[i]);
+  }
+  partial[static_cast<size_t>(blockIdx.y) * C + c] = acc;
+}
+
+// dw[c] += sum over chunks of partial[k, c], chunks in order.
+template <typename T> __global__ void rmsnorm_backward_dw_finish_kernel(T* dw, const float* partial, int nchunks, int C) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  float acc = math::ld(dw[c]);
+  for (int k = 0; k < nchunks; ++k) acc += partial[static_cast<size_t>(k) * C + c];
+  dw[c] = math::st<T>(acc);
+}
+
+// Thread per rotated pair (row b*T+t, head h, j < HD/2): x[j], x[j+HD/2] rotated by position t.
+template <typename T>
+__global__ void rope_kernel(T* x, const T* cs, const T* sn, int B, int T_, int H, int HD, bool backward) {
+  const int half = HD / 2;
+  const size_t pairs = static_cast<size_t>(B) * T_ * H * half;
+  for (size_t idx = gtid(); idx < pairs; idx += gstride()) {
+    const size_t j = idx % half;
+    const size_t rest = idx / half;  // (b*T + t)*H + h
+    const size_t t = (rest / H) % T_;
+    T* v = x + rest * HD;
+    const float c = math::ld(cs[t * half + j]), s = math::ld(sn[t * half + j]);
+    const float x1 = math::ld(v[j]), x2 = math::ld(v[j + half]);
+    float o1, o2;
+    if (backward) math::rope_rotate_backward(x1, x2, c, s, &o1, &o2);
+    else math::rope_rotate(x1, x2, c, s, &o1, &o2);
+    v[j] = math::st<T>(o1);
+    v[j + half] = math::st<T>(o2);
+  }
+}
+
+// One block per row (rows = R*T_, row r has t = r % T_): softmax of scale*att over s <= t, zeros
+// above the diagonal. The exponentials are recomputed in the last pass rather than stored, so the
+// row is rounded to T once. __fmul_rn keeps scale*x from being fused into the subtraction, so the
+// maximum's exponent is exactly 0, as on the CPU.
+template <typename T> __global__ void softmax_causal_forward_kernel(T* att, size_t rows, int T_, float scale) {
+  for (size_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    T* row = att + r * T_;
+    const int t = static_cast<int>(r % T_);
+    float mx = -INFINITY;
+    for (int s = threadIdx.x; s <= t; s += blockDim.x) mx = MaxOp{}(mx, __fmul_rn(math::ld(row[s]), scale));
+    mx = block_reduce(mx, MaxOp{});
+    float sum = 0;
+    for (int s = threadIdx.x; s <= t; s += blockDim.x) sum += math::st_exp(__fmul_rn(math::ld(row[s]), scale) - mx);
+    sum = block_reduce(sum, SumOp{});  // (its barrier also ends every read of the row above)
+    const float inv = 1.0f / sum;
+    for (int s = threadIdx.x; s < T_; s += blockDim.x)
+      row[s] = math::st<T>(s <= t ? math::st_exp(__fmul_rn(math::ld(row[s]), scale) - mx) * inv : 0.0f);
+  }
+}
+
+// One block per row: datt = scale * p * (datt - sum(p * datt)) for s <= t, 0 above.
+template <typename T> __global__ void softmax_causal_backward_kernel(T* datt, const T* att, size_t rows, int T_, float scale) {
+  for (size_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    T* d = datt + r * T_;
+    const T* p = att + r * T_;
+    const int t = static_cast<int>(r % T_);
+    float dot = 0;
+    for (int s = threadIdx.x; s <= t; s += blockDim.x) dot += math::ld(p[s]) * math::ld(d[s]);
+    dot = block_reduce(dot, SumOp{});
+    for (int s = threadIdx.x; s < T_; s += blockDim.x)
+      d[s] = math::st<T>(s <= t ? math::softmax_grad(math::ld(p[s]), math::ld(d[s]), dot, scale) : 0.0f);
+  }
+}
+
+template <typename T> __global__ void swiglu_forward_kernel(T* h, const T* g, const T* u, size_t n) {
+  for (size_t i = gtid(); i < n; i += gstride()) h[i] = math::st<T>(math::swiglu(math::ld(g[i]), math::ld(u[i])));
+}
+
+template <typename T>
+__global__ void swiglu_backward_kernel(T* dg, T* du, const T* dh, const T* g, const T* u, size_t n) {
+  for (size_t i = gtid(); i < n; i += gstride()) {
+    float a, b;
+    math::swiglu_backward(math::ld(g[i]), math::ld(u[i]), math::ld(dh[i]), &a, &b);
+    dg[i] = math::st<T>(a);
+    du[i] = math::st<T>(b);
+  }
+}
+
+// One block per row: loss[i] = max + log(sum exp(l - max)) - l[target] (in float, as the CPU),
+// and, when dlogits != nullptr, dlogits = (softmax - onehot) * grad_scale. dlogits may alias
+// logits: every read of the row (the target logit included) happens before the barrier of the
+// second block_reduce, and the last pass reads and writes the same element in the same thread.
+template <typename T>
+__global__ void cross_entropy_kernel(T* dlogits, const T* logits, const int32_t* tgt, int N, int V, float grad_scale,
+                                     double* loss) {
+  for (int i = blockIdx.x; i < N; i += gridDim.x) {
+    const T* l = logits + static_cast<size_t>(i) * V;
+    const int target = tgt[i];
+    const float lt = math::ld(l[target]);  // read before any thread overwrites the row
+    float mx = -INFINITY;
+    for (int v = threadIdx.x; v < V; v += blockDim.x) mx = MaxOp{}(mx, math::ld(l[v]));
+    mx = block_reduce(mx, MaxOp{});
+    float sum = 0;
+    for (int v = threadIdx.x; v < V; v += blockDim.x) sum += math::st_exp(math::ld(l[v]) - mx);
+    sum = block_reduce(sum, SumOp{});
+    if (threadIdx.x == 0) loss[i] = static_cast<double>(mx + logf(sum) - lt);
+    if (dlogits) {
+      T* e = dlogits + static_cast<size_t>(i) * V;
+      const float k = grad_scale / sum;
+      for (int v = threadIdx.x; v < V; v += blockDim.x) {
+        float p = math::st_exp(math::ld(l[v]) - mx) * k;
+        if (v == target) p -= grad_scale;
+        e[v] = math::st<T>(p);
+      }
+    }
+    __syncthreads();  // next row: nothing pending on this one (block_reduce also syncs)
+  }
+}
+
+template <typename T>
+__global__ void adamw_kernel(T* p, T* m, T* v, const T* g, size_t n, float lr, float b1, float b2, float eps, float wd,
+                             float gs, float bc1, float bc2) {
+  for (size_t i = gtid(); i < n; i += gstride()) {
+    float pv = math::ld(p[i]), mv = math::ld(m[i]), vv = math::ld(v[i]);
+    math::adamw(&pv, &mv, &vv, math::ld(g[i]) * gs, lr, b1, b2, eps, wd, bc1, bc2);
+    p[i] = math::st<T>(pv);
+    m[i] = math::st<T>(mv);
+    v[i] = math::st<T>(vv);
+  }
+}
+
+template <typename T> __global__ void from_f32_kernel(T* dst, const float* src, size_t n) {
+  for (size_t i = gtid(); i < n; i += gstride()) dst[i] = math::st<T>(src[i]);
+}
+
+template <typename T> __global__ void add_to_f32_kernel(float* dst, float alpha, const T* src, size_t n) {
+  for (size_t i = gtid(); i < n; i += gstride()) dst[i] += alpha * math::ld(src[i]);
+}
+
+// ---- context ----------------------------------------------------------------------------------
+
+class CudaContextImpl final : public CudaContext {
+ public:
+  explicit CudaContextImpl(int dev) : device_(dev) {}
+  ~CudaContextImpl() override {
+    if (handle_) (void)cublasDestroy(handle_);
+    if (stream_) (void)cudaStreamDestroy(stream_);
+  }
+  CudaContextImpl(const CudaContextImpl&) = delete;
+  CudaContextImpl& operator=(const CudaContextImpl&) = delete;
+
+  void init() {
+    ST_CUDA(cudaSetDevice(device_));
+    cudaDeviceProp prop{};
+    ST_CUDA(cudaGetDeviceProperties(&prop, device_));
+    name_ = prop.name;
+    ST_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    ST_CUBLAS(cublasCreate(&handle_));
+    ST_CUBLAS(cublasSetStream(handle_, stream_));
+    ST_CUBLAS(cublasSetPointerMode(handle_, CUBLAS_POINTER_MODE_HOST));
+    // Math mode stays CUBLAS_DEFAULT_MATH: no TF32 (the GEMMs ask for CUBLAS_COMPUTE_32F).
+  }
+
+  int device() const override { return device_; }
+  std::string device_name() const override { return name_; }
+  void* stream() const override { return static_cast<void*>(stream_); }
+  void* cublas() const override { return static_cast<void*>(handle_); }
+  size_t free_bytes() const override {
+    size_t free_b = 0, total_b = 0;
+    ST_CUDA(cudaMemGetInfo(&free_b, &total_b));
+    return free_b;
+  }
+
+ private:
+  int device_;
+  std::string name_;
+  cudaStream_t stream_ = nullptr;
+  cublasHandle_t handle_ = nullptr;
+};
+
+// ---- backend ----------------------------------------------------------------------------------
+
+template <typename T> constexpr cudaDataType_t cuda_type() {
+  if constexpr (std::is_same_v<T, float>) return CUDA_R_32F;
+  else return CUDA_R_16BF;
+}
+
+template <typename T> class CudaBackend final : public Backend<T> {
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, bf16>, "CUDA backend: T = float or bf16");
+
+ public:
+  using S = math::Acc<T>;
+
+  explicit CudaBackend(CudaContext& ctx)
+      : stream_(static_cast<cudaStream_t>(ctx.stream())), handle_(static_cast<cublasHandle_t>(ctx.cublas())) {}
+  ~CudaBackend() override { release(scratch_); }
+  CudaBackend(const CudaBackend&) = delete;
+  CudaBackend& operator=(const CudaBackend&) = delete;
+
+  const char* name() const override { return "cuda"; }
+
+  // ---- memory ----
+  T* alloc(size_t n) override { return static_cast<T*>(alloc_bytes(n * sizeof(T))); }
+  void free(T* p) override { release(p); }
+  void zero(T* p, size_t n) override {
+    if (n) ST_CUDA(cudaMemsetAsync(p, 0, n * sizeof(T), stream_));
+  }
+  void copy(T* dst, const T* src, size_t n) override {
+    if (n && dst != src) ST_CUDA(cudaMemcpyAsync(dst, src, n * sizeof(T), cudaMemcpyDeviceToDevice, stream_));
+  }
+  void to_host(T* host, const T* src, size_t n) override {
+    if (!n) return;
+    ST_CUDA(cudaMemcpyAsync(host, src, n * sizeof(T), cudaMemcpyDeviceToHost, stream_));
+    ST_CUDA(cudaStreamSynchronize(stream_));
+  }
+  void from_host(T* dst, const T* host, size_t n) override {
+    if (!n) return;
+    ST_CUDA(cudaMemcpyAsync(dst, host, n * sizeof(T), cudaMemcpyHostToDevice, stream_));
+    ST_CUDA(cudaStreamSynchronize(stream_));  // the host buffer may be freed right after
+  }
+  int32_t* alloc_ids(size_t n) override { return static_cast<int32_t*>(alloc_bytes(n * sizeof(int32_t))); }
+  void free_ids(int32_t* p) override { release(p); }
+  void ids_from_host(int32_t* dst, const int32_t* host, size_t n) override {
+    if (!n) return;
+    ST_CUDA(cudaMemcpyAsync(dst, host, n * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+    ST_CUDA(cudaStreamSynchronize(stream_));
+  }
+  void synchronize() override { ST_CUDA(cudaStreamSynchronize(stream_)); }
+
+  // ---- precision conversion ----
+  void from_f32(T* dst, const float* src, size_t n) override {
+    if (!n) return;
+    from_f32_kernel<T><<<grid_for(n, kBlock), kBlock, 0, stream_>>>(dst, src, n);
+    ST_LAUNCHED("from_f32_kernel");
+  }
+  void add_to_f32(float* dst, float alpha, const T* src, size_t n) override {
+    if (!n) return;
+    add_to_f32_kernel<T><<<grid_for(n, kBlock), kBlock, 0, stream_>>>(dst, alpha, src, n);
+    ST_LAUNCHED("add_to_f32_kernel");
+  }
+
+  // ---- GEMM ----
+  // Row-major C[M,N] = op(A) op(B) is column-major C^T[N,M] = op(B)^T op(A)^T: swap the operands.
+  void gemm(bool ta, bool tb, int M, int N, int K, S alpha, const T* A, int lda, const T* B, int ldb, S beta, T* C,
+            int ldc) override {
+    if (M == 0 || N == 0) return;
+    if (K == 0) {
+      scale_c(C, M, N, ldc, beta);
+      return;
+    }
+    const float al = alpha, be = beta;
+    ST_CUBLAS(cublasGemmEx(handle_, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, N, M, K, &al, B,
+                           cuda_type<T>(), ldb, A, cuda_type<T>(), lda, &be, C, cuda_type<T>(), ldc, CUBLAS_COMPUTE_32F,
+                           CUBLAS_GEMM_DEFAULT));
+  }
+  void gemm_strided_batched(bool ta, bool tb, int M, int N, int K, S alpha, const T* A, int lda, int64_t sa,
+                            const T* B, int ldb, int64_t sb, S beta, T* C, int ldc, int64_t sc, int batch) override {
+    if (M == 0 || N == 0 || batch <= 0) return;
+    if (K == 0) {
+      for (int i = 0; i < batch; ++i) scale_c(C + i * sc, M, N, ldc, beta);
+      return;
+    }
+    const float al = alpha, be = beta;
+    ST_CUBLAS(cublasGemmStridedBatchedEx(handle_, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, N, M,
+                                         K, &al, B, cuda_type<T>(), ldb, static_cast<long long>(sb), A, cuda_type<T>(),
+                                         lda, static_cast<long long>(sa), &be, C, cuda_type<T>(), ldc,
+                                         static_cast<long long>(sc), batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  }
+
+  // ---- elementwise / reductions ----
+  void axpy(size_t n, S alpha, const T* x, T* y) override {
+    if (!n) return;
+    axpy_kernel<T><<<grid_for(n, kBlock), kBlock, 0, stream_>>>(n, alpha, x, y);
+    ST_LAUNCHED("axpy_kernel");
+  }
+  void scale(size_t n, S alpha, T* x) override {
+    if (!n) return;
+    scale_kernel<T><<<grid_for(n, kBlock), kBlock, 0, stream_>>>(n, alpha, x);
+    ST_LAUNCHED("scale_kernel");
+  }
+  double sum_squares(const T* x, size_t n) override {
+    if (!n) return 0.0;
+    const unsigned blocks = std::min<unsigned>(grid_for(n, kBlock), kReduceBlocks);
+    double* part = static_cast<double*>(scratch(sizeof(double) * (blocks + 1)));
+    sum_squares_kernel<T><<<blocks, kBlock, 0, stream_>>>(x, n, part + 1);
+    ST_LAUNCHED("sum_squares_kernel");
+    return sum_to_host(part + 1, blocks, part);
+  }
+
+  void embedding_forward(T* out, const int32_t* tokens, const T* table, int N, int C) override {
+    if (N <= 0 || C <= 0) return;
+    embedding_forward_kernel<T><<<grid_rows(N), kBlock, 0, stream_>>>(out, tokens, table, N, C);
+    ST_LAUNCHED("embedding_forward_kernel");
+  }
+  void embedding_backward(T* dtable, const int32_t* tokens, const T* dout, int N, int C) override {
+    if (N <= 0 || C <= 0) return;
+    embedding_backward_kernel<T><<<grid_rows(N), kBlock, 0, stream_>>>(dtable, tokens, dout, N, C);
+    ST_LAUNCHED("embedding_backward_kernel");
+  }
+
+  void rmsnorm_forward(T* out, T* rstd, const T* x, const T* w, int N, int C, S eps) override {
+    if (N <= 0 || C <= 0) return;
+    rmsnorm_forward_kernel<T><<<grid_rows(N), kBlock, 0, stream_>>>(out, rstd, x, w, N, C, eps);
+    ST_LAUNCHED("rmsnorm_forward_kernel");
+  }
+  void rmsnorm_backward(T* dx, T* dw, const T* dout, const T* x, const T* w, const T* rstd, int N, int C) override {
+    if (N <= 0 || C <= 0) return;
+    // dw first (it reads dout only), so that dx may even alias dout. dw: column sums over row
+    // chunks (at most 256 chunks of >= 32 rows), then the chunks in order.
+    const int rows_per_chunk = std::max(32, (N + 255) / 256);
+    const int nchunks = (N + rows_per_chunk - 1) / rows_per_chunk;
+    float* partial = static_cast<float*>(scratch(sizeof(float) * static_cast<size_t>(nchunks) * C));
+    const unsigned col_blocks = static_cast<unsigned>((C + kBlock - 1) / kBlock);
+    rmsnorm_backward_dw_partial_kernel<T><<<dim3(col_blocks, static_cast<unsigned>(nchunks)), kBlock, 0, stream_>>>(
+        partial, dout, x, rstd, N, C, rows_per_chunk);
+    ST_LAUNCHED("rmsnorm_backward_dw_partial_kernel");
+    rmsnorm_backward_dw_finish_kernel<T><<<col_blocks, kBlock, 0, stream_>>>(dw, partial, nchunks, C);
+    ST_LAUNCHED("rmsnorm_backward_dw_finish_kernel");
+    rmsnorm_backward_dx_kernel<T><<<grid_rows(N), kBlock, 0, stream_>>>(dx, dout, x, w, rstd, N, C);
+    ST_LAUNCHED("rmsnorm_backward_dx_kernel");
+  }
+
+  void rope_forward(T* x, const T* cos, const T* sin, int B, int T_, int H, int HD) override {
+    rope(x, cos, sin, B, T_, H, HD, false);
+  }
+  void rope_backward(T* dx, const T* cos, const T* sin, int B, int T_, int H, int HD) override {
+    rope(dx, cos, sin, B, T_, H, HD, true);
+  }
+
+  void softmax_causal_forward(T* att, int R, int T_, S scale) override {
+    const size_t rows = static_cast<size_t>(R) * T_;
+    if (R <= 0 || T_ <= 0) return;
+    softmax_causal_forward_kernel<T><<<grid_rows(rows), kBlock, 0, stream_>>>(att, rows, T_, scale);
+    ST_LAUNCHED("softmax_causal_forward_kernel");
+  }
+  void softmax_causal_backward(T* datt, const T* att, int R, int T_, S scale) override {
+    const size_t rows = static_cast<size_t>(R) * T_;
+    if (R <= 0 || T_ <= 0) return;
+    softmax_causal_backward_kernel<T><<<grid_rows(rows), kBlock, 0, stream_>>>(datt, att, rows, T_, scale);
+    ST_LAUNCHED("softmax_causal_backward_kernel");
+  }
+
+  void swiglu_forward(T* h, const T* gate, const T* up, size_t n) override {
+    if (!n) return;
+    swiglu_forward_kernel<T><<<grid_for(n, kBlock), kBlock, 0, stream_>>>(h, gate, up, n);
+    ST_LAUNCHED("swiglu_forward_kernel");
+  }
+  void swiglu_backward(T* dgate, T* dup, const T* dh, const T* gate, const T* up, size_t n) override {
+    if (!n) return;
+    swiglu_backward_kernel<T><<<grid_for(n, kBlock), kBlock, 0, stream_>>>(dgate, dup, dh, gate, up, n);
+    ST_LAUNCHED("swiglu_backward_kernel");
+  }
+
+  double cross_entropy(T* dlogits, const T* logits, const int32_t* targets, int N, int V, S grad_scale) override {
+    if (N <= 0 || V <= 0) return 0.0;
+    double* buf = static_cast<double*>(scratch(sizeof(double) * (static_cast<size_t>(N) + 1)));
+    cross_entropy_kernel<T><<<grid_rows(N), kRowBlockLarge, 0, stream_>>>(dlogits, logits, targets, N, V, grad_scale,
+                                                                          buf + 1);
+    ST_LAUNCHED("cross_entropy_kernel");
+    return sum_to_host(buf + 1, static_cast<size_t>(N), buf);
+  }
+
+  void adamw(T* p, T* m, T* v, const T* g, size_t n, S lr, S b1, S b2, S eps, S wd, S grad_scale,
+             int64_t step) override {
+    if (!n) return;
+    // Bias corrections as the CPU backend: pow in double, then rounded to S.
+    const S bc1 = S(1) - static_cast<S>(std::pow(static_cast<double>(b1), static_cast<double>(step)));
+    const S bc2 = S(1) - static_cast<S>(std::pow(static_cast<double>(b2), static_cast<double>(step)));
+    adamw_kernel<T><<<grid_for(n, kBlock), kBlock, 0, stream_>>>(p, m, v, g, n, lr, b1, b2, eps, wd, grad_scale, bc1,
+                                                                 bc2);
+    ST_LAUNCHED("adamw_kernel");
+  }
+
+ private:
+  cudaStream_t stream_;
+  cublasHandle_t handle_;
+  void* scratch_ = nullptr;  // reduction scratch, stream-ordered reuse across calls
+  size_t scratch_bytes_ = 0;
+  bool warned_free_ = false;
+
+  // cudaMalloc + zero on the stream; synchronized so the memory is zero for any later user,
+  // whatever stream it runs on.
+  void* alloc_bytes(size_t bytes) {
+    if (bytes == 0) bytes = 1;
+    void* p = nullptr;
+    ST_CUDA_ALLOC(cudaMalloc(&p, bytes));
+    try {
+      ST_CUDA(cudaMemsetAsync(p, 0, bytes, stream_));
+      ST_CUDA(cudaStreamSynchronize(stream_));
+    } catch (...) {
+      (void)cudaFree(p);
+      throw;
+    }
+    return p;
+  }
+  // Frees after the queued work that may use p has finished. Never throws (it runs in destructors
+  // of Buffer); a failure is printed once per backend (a sticky device error is reported by the
+  // next checked call anyway).
+  void release(void* p) noexcept {
+    if (!p) return;
+    cudaError_t e = cudaStreamSynchronize(stream_);
+    cudaError_t f = cudaFree(p);
+    if (e == cudaSuccess) e = f;
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      if (!warned_free_) {
+        warned_free_ = true;
+        std::fprintf(stderr, "shardtrain: warning: CUDA free failed: %s\n", cudaGetErrorString(e));
+      }
+    }
+  }
+  void* scratch(size_t bytes) {
+    if (bytes > scratch_bytes_) {
+      release(scratch_);
+      scratch_ = nullptr;
+      scratch_bytes_ = 0;
+      size_t want = std::max<size_t>(bytes, 1 << 16);
+      scratch_ = alloc_bytes(want);
+      scratch_bytes_ = want;
+    }
+    return scratch_;
+  }
+  // Sums in[0..n) (device doubles) into *out (device) and returns it on the host.
+  double sum_to_host(const double* in, size_t n, double* out) {
+    sum_doubles_kernel<<<1, kRowBlockLarge, 0, stream_>>>(in, n, out);
+    ST_LAUNCHED("sum_doubles_kernel");
+    double h = 0;
+    ST_CUDA(cudaMemcpyAsync(&h, out, sizeof(double), cudaMemcpyDeviceToHost, stream_));
+    ST_CUDA(cudaStreamSynchronize(stream_));
+    return h;
+  }
+  void scale_c(T* C, int M, int N, int ldc, float beta) {
+    if (beta == 1.0f) return;
+    scale_matrix_kernel<T><<<grid_for(static_cast<size_t>(M) * N, kBlock), kBlock, 0, stream_>>>(C, M, N, ldc, beta);
+    ST_LAUNCHED("scale_matrix_kernel");
+  }
+  void rope(T* x, const T* cs, const T* sn, int B, int T_, int H, int HD, bool backward) {
+    const size_t pairs = static_cast<size_t>(B) * T_ * H * (HD / 2);
+    if (B <= 0 || T_ <= 0 || H <= 0 || HD < 2) return;
+    rope_kernel<T><<<grid_for(pairs, kBlock), kBlock, 0, stream_>>>(x, cs, sn, B, T_, H, HD, backward);
+    ST_LAUNCHED("rope_kernel");
+  }
+};
+
+}  // namespace
+
+// ---- public entry points ----------------------------------------------------------------------
+
+bool cuda_built() { return true; }
+
+int cuda_device_count(std::string* why) {
+  if (const char* fake = std::getenv("SHARDTRAIN_FAKE_CUDA_DEVICES")) return std::atoi(fake);
+  int n = 0;
+  cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    if (why) *why = cudaGetErrorString(e);
+    return 0;
+  }
+  if (n == 0 && why) *why = "cudaGetDeviceCount found no CUDA device";
+  return n;
+}
+
+std::unique_ptr<CudaContext> CudaContext::create(int device) {
+  auto ctx = std::make_unique<CudaContextImpl>(device);
+  try {
+    ctx->init();
+  } catch (const std::exception& e) {
+    throw std::runtime_error("CUDA device " + std::to_string(device) + ": " + e.what());
+  }
+  return ctx;
+}
+
+template <typename T> std::unique_ptr<Backend<T>> make_cuda_backend(CudaContext& ctx) {
+  return std::make_unique<CudaBackend<T>>(ctx);
+}
+template std::unique_ptr<Backend<float>> make_cuda_backend<float>(CudaContext&);
+template std::unique_ptr<Backend<bf16>> make_cuda_backend<bf16>(CudaContext&);
+
+}  // namespace shardtrain

@@ -1,0 +1,361 @@
+// Device-buffer collectives (include/shardtrain/cuda.h): NcclComm, one rank per GPU through NCCL,
+// and StagedComm, which copies device buffers to host memory and runs the host (MPI) Comm on them,
+// for several ranks sharing one GPU (NCCL refuses two ranks on one device).
+//
+// Both run on the CudaContext's stream, which orders them after the backend's kernels, and both
+// synchronize that stream before returning: on return the result is in the device buffer, as an
+// MPI collective's is in the host buffer. mpi.h is deliberately not included; everything MPI goes
+// through the host Comm.
+#include <cuda_runtime.h>
+#include <nccl.h>
+#include <unistd.h>
+
+#include <cstddef>
+#include <exception>
+#include <memory>
+#include <stdexcept>
+#include <string>
+
+#include "shardtrain/cuda.h"
+
+namespace shardtrain {
+namespace {
+
+using DType = Comm::DType;
+
+[[noreturn]] void cuda_fail(cudaError_t e, const char* call, const char* detail) {
+  std::string m = std::string(call) + " failed";
+  if (detail) m += std::string(" (") + detail + ")";
+  m += std::string(": ") + cudaGetErrorString(e);
+  throw std::runtime_error(m);
+}
+// Throws std::runtime_error naming `call` (and `detail`, e.g. the collective it belongs to).
+inline void check_cuda(cudaError_t e, const char* call, const char* detail = nullptr) {
+  if (e != cudaSuccess) cuda_fail(e, call, detail);
+}
+
+std::string nccl_error(ncclResult_t r, const char* call, ncclComm_t comm) {
+  std::string m = std::string(call) + " failed: " + ncclGetErrorString(r);
+  const char* last = ncclGetLastError(comm);  // may describe an earlier asynchronous error
+  if (last && *last) m += std::string(" (") + last + ")";
+  return m;
+}
+inline void check_nccl(ncclResult_t r, const char* call, ncclComm_t comm) {
+  if (r != ncclSuccess) throw std::runtime_error(nccl_error(r, call, comm));
+}
+
+ncclDataType_t nccl_type(DType t) {
+  switch (t) {
+    case DType::F32: return ncclFloat32;
+    case DType::F64: return ncclFloat64;
+    case DType::I64: return ncclInt64;
+    case DType::U64: return ncclUint64;
+    case DType::I8: return ncclInt8;  // char
+    case DType::BF16: return ncclBfloat16;
+  }
+  throw std::logic_error("NcclComm: unknown element type");
+}
+
+ncclRedOp_t nccl_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum: return ncclSum;
+    case ReduceOp::Max: return ncclMax;
+    case ReduceOp::Min: return ncclMin;
+  }
+  throw std::logic_error("NcclComm: unknown reduction");
+}
+
+// The Comm contract has no bf16 all_reduce (MpiComm throws this); refuse it identically here,
+// before anything moves, although NCCL could do it, so that code which works on one Comm works
+// on every Comm.
+void check_all_reduce_type(DType t) {
+  if (t == DType::BF16) throw std::logic_error("Comm::all_reduce: bf16 is not supported");
+}
+
+std::string host_name() {
+  char b[256] = {};
+  if (gethostname(b, sizeof b - 1) != 0) return "?";
+  return b;
+}
+
+// ------------------------------------------------------------------------------------------------
+// NCCL
+
+class NcclComm final : public Comm {
+ public:
+  // `host` must outlive this (every call but the collectives themselves goes to it).
+  NcclComm(Comm& host, ncclComm_t comm, cudaStream_t stream)
+      : host_(host), comm_(comm), stream_(stream), rank_(host.rank()), world_(host.world_size()) {}
+  NcclComm(const NcclComm&) = delete;
+  NcclComm& operator=(const NcclComm&) = delete;
+
+  // ncclCommDestroy flushes outstanding work and, in current NCCL, may wait on peers; it is
+  // watched like a collective so that a dead peer cannot hang shutdown forever. While an exception
+  // unwinds the stack the job is failing (possibly on this rank only, so peers may never come to
+  // destroy their side): ncclCommAbort then frees local resources without waiting for anyone.
+  // Neither throws.
+  ~NcclComm() override {
+    if (!comm_) return;
+    if (std::uncaught_exceptions() > 0) {
+      (void)ncclCommAbort(comm_);
+      return;
+    }
+    try {
+      CommWatch w(host_, "ncclCommDestroy");
+      (void)ncclCommDestroy(comm_);
+    } catch (...) {  // watch_begin could only fail to allocate; do not let it escape a destructor
+      (void)ncclCommAbort(comm_);
+    }
+  }
+
+  int rank() const override { return rank_; }
+  int world_size() const override { return world_; }
+
+  void barrier() override {
+    // Device work of this rank first, so that "after the barrier" includes its GPU work.
+    check_cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize", "NcclComm::barrier");
+    host_.barrier();
+  }
+  void set_collective_timeout(double seconds) override { host_.set_collective_timeout(seconds); }
+  void watch_begin(const char* what) override { host_.watch_begin(what); }
+  void watch_end() override { host_.watch_end(); }
+  void* mpi_handle() const override { return host_.mpi_handle(); }
+
+  // NCCL recognizes the in-place all-gather by exactly this address relation
+  // (sendbuff == recvbuff + rank*sendcount), which is also the Comm contract's.
+  void all_gather_impl(const void* send, void* recv, size_t count, DType t) override {
+    if (count == 0) return;  // every rank sees the same count, so every rank skips it
+    run("nccl all_gather", "ncclAllGather",
+        [&] { return ncclAllGather(send, recv, count, nccl_type(t), comm_, stream_); });
+  }
+  void reduce_scatter_sum_impl(const void* send, void* recv, size_t count, DType t) override {
+    if (count == 0) return;
+    run("nccl reduce_scatter", "ncclReduceScatter",
+        [&] { return ncclReduceScatter(send, recv, count, nccl_type(t), ncclSum, comm_, stream_); });
+  }
+  void all_reduce_impl(void* buf, size_t count, DType t, ReduceOp op) override {
+    check_all_reduce_type(t);
+    if (count == 0) return;
+    run("nccl all_reduce", "ncclAllReduce",
+        [&] { return ncclAllReduce(buf, buf, count, nccl_type(t), nccl_op(op), comm_, stream_); });
+  }
+  void broadcast_impl(void* buf, size_t count, DType t, int root) override {
+    if (count == 0) return;
+    run("nccl broadcast", "ncclBroadcast",
+        [&] { return ncclBroadcast(buf, buf, count, nccl_type(t), root, comm_, stream_); });
+  }
+
+ private:
+  // Enqueues one NCCL collective on the stream and waits for it. The whole of it (enqueue and
+  // wait: a dead peer shows as a wait that never ends) is a watched section of the host Comm, so
+  // the host watchdog ends the job when it makes no progress for the collective timeout.
+  template <typename Launch> void run(const char* watch, const char* call, Launch&& launch) {
+    CommWatch w(host_, watch);
+    check_nccl(launch(), call, comm_);
+    check_cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize", call);
+    // A network or peer failure NCCL detected while the kernels ran (they may still complete).
+    ncclResult_t async = ncclSuccess;
+    check_nccl(ncclCommGetAsyncError(comm_, &async), "ncclCommGetAsyncError", comm_);
+    if (async != ncclSuccess && async != ncclInProgress) throw std::runtime_error(nccl_error(async, call, comm_));
+  }
+
+  Comm& host_;
+  ncclComm_t comm_;
+  cudaStream_t stream_;
+  int rank_, world_;
+};
+
+// ------------------------------------------------------------------------------------------------
+// Host-staged
+
+// A growable host buffer: page-locked (cudaMallocHost: faster copies, and cudaMemcpyAsync really
+// is asynchronous) when the driver grants it, else ordinary memory (correct, slower). Contents are
+// not kept when it grows.
+class HostBuffer {
+ public:
+  HostBuffer() = default;
+  HostBuffer(const HostBuffer&) = delete;
+  HostBuffer& operator=(const HostBuffer&) = delete;
+  ~HostBuffer() { release(); }
+
+  // At least n bytes (nullptr when n == 0 and nothing was ever needed).
+  char* get(size_t n) {
+    if (n <= cap_) return data_;
+    release();
+    void* p = nullptr;
+    if (cudaMallocHost(&p, n) == cudaSuccess) {
+      data_ = static_cast<char*>(p);
+      pinned_ = true;
+    } else {
+      // Page-locked memory is limited (ulimit -l, several ranks per node): fall back. Reset the
+      // runtime's last-error state so that a later cudaGetLastError (kernel launch checks) does
+      // not report this allocation failure as theirs.
+      (void)cudaGetLastError();
+      plain_ = std::make_unique_for_overwrite<char[]>(n);
+      data_ = plain_.get();
+      pinned_ = false;
+    }
+    cap_ = n;
+    return data_;
+  }
+
+ private:
+  void release() noexcept {
+    if (pinned_ && data_) (void)cudaFreeHost(data_);
+    plain_.reset();
+    data_ = nullptr;
+    cap_ = 0;
+    pinned_ = false;
+  }
+  char* data_ = nullptr;
+  size_t cap_ = 0;
+  bool pinned_ = false;
+  std::unique_ptr<char[]> plain_;
+};
+
+class StagedComm final : public Comm {
+ public:
+  StagedComm(Comm& host, cudaStream_t stream) : host_(host), stream_(stream) {}
+  StagedComm(const StagedComm&) = delete;
+  StagedComm& operator=(const StagedComm&) = delete;
+
+  int rank() const override { return host_.rank(); }
+  int world_size() const override { return host_.world_size(); }
+  void barrier() override {
+    check_cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize", "StagedComm::barrier");
+    host_.barrier();
+  }
+  void set_collective_timeout(double seconds) override { host_.set_collective_timeout(seconds); }
+  void watch_begin(const char* what) override { host_.watch_begin(what); }
+  void watch_end() override { host_.watch_end(); }
+  void* mpi_handle() const override { return host_.mpi_handle(); }
+
+  // The device send block goes to its own place in the host receive buffer, and the host
+  // all-gather runs in place there. Reading `send` works for the in-place call too (send ==
+  // recv + rank*count: it is that block), and it is read completely before recv is written.
+  void all_gather_impl(const void* send, void* recv, size_t count, DType t) override {
+    const size_t bytes = count * dtype_size(t);
+    const size_t world = static_cast<size_t>(host_.world_size());
+    char* h = all_.get(world * bytes);
+    char* mine = h + static_cast<size_t>(host_.rank()) * bytes;
+    to_host(mine, send, bytes, "all_gather");
+    host_.all_gather_impl(mine, h, count, t);
+    to_device(recv, h, world * bytes, "all_gather");
+  }
+  void reduce_scatter_sum_impl(const void* send, void* recv, size_t count, DType t) override {
+    const size_t bytes = count * dtype_size(t);
+    const size_t world = static_cast<size_t>(host_.world_size());
+    char* hs = all_.get(world * bytes);
+    char* hr = part_.get(bytes);
+    to_host(hs, send, world * bytes, "reduce_scatter");
+    host_.reduce_scatter_sum_impl(hs, hr, count, t);
+    to_device(recv, hr, bytes, "reduce_scatter");
+  }
+  void all_reduce_impl(void* buf, size_t count, DType t, ReduceOp op) override {
+    check_all_reduce_type(t);
+    const size_t bytes = count * dtype_size(t);
+    char* h = all_.get(bytes);
+    to_host(h, buf, bytes, "all_reduce");
+    host_.all_reduce_impl(h, count, t, op);
+    to_device(buf, h, bytes, "all_reduce");
+  }
+  void broadcast_impl(void* buf, size_t count, DType t, int root) override {
+    const size_t bytes = count * dtype_size(t);
+    const bool is_root = host_.rank() == root;
+    char* h = all_.get(bytes);
+    if (is_root) to_host(h, buf, bytes, "broadcast");
+    host_.broadcast_impl(h, count, t, root);
+    if (!is_root) to_device(buf, h, bytes, "broadcast");  // the root's buffer already holds it
+  }
+
+ private:
+  // Copies on the context stream (ordered after the kernels that produced the data) and waits.
+  void to_host(void* dst, const void* src, size_t bytes, const char* what) {
+    if (bytes == 0) return;
+    check_cuda(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_), "cudaMemcpyAsync device to host",
+               what);
+    check_cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize", what);
+  }
+  // Waits too: the host buffer is reused by the next call, and the caller may use the result at once.
+  void to_device(void* dst, const void* src, size_t bytes, const char* what) {
+    if (bytes == 0) return;
+    check_cuda(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_), "cudaMemcpyAsync host to device",
+               what);
+    check_cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize", what);
+  }
+
+  Comm& host_;
+  cudaStream_t stream_;
+  HostBuffer all_;   // world*count elements (all_gather result, reduce_scatter input), or count
+  HostBuffer part_;  // count elements (reduce_scatter result)
+};
+
+}  // namespace
+
+// Collective over `host`. Order: rank 0 makes the id; all ranks agree that it did (all_ok) before
+// anyone waits for it in the broadcast; then each rank initializes NCCL on its device and all
+// ranks agree on the outcome.
+//
+// ncclCommInitRank* is itself collective (NCCL's own bootstrap over TCP): a rank that fails early
+// can leave its peers blocked inside it, never reaching the all_ok below. That is accepted: the
+// init runs as a watched section of `host`, so a collective timeout (if already set) ends the job,
+// and otherwise the launcher does. We init through ncclCommInitRankConfig with blocking = 1, so
+// the call returns only once the communicator is usable (or failed), and on failure abort the
+// half-made communicator, which also closes its bootstrap sockets so that peers waiting on this
+// rank tend to fail too rather than wait.
+std::unique_ptr<Comm> make_nccl_comm(Comm& host, CudaContext& ctx) {
+  const int rank = host.rank(), world = host.world_size(), device = ctx.device();
+  const std::string where = "NCCL init failed on " + host_name() + " device " + std::to_string(device) + ": ";
+
+  ncclUniqueId id{};
+  bool ok = true;
+  std::string msg;
+  if (rank == 0) {
+    ncclResult_t r = ncclGetUniqueId(&id);
+    if (r != ncclSuccess) {
+      ok = false;
+      msg = where + nccl_error(r, "ncclGetUniqueId", nullptr);
+    }
+  }
+  all_ok(host, ok, msg);
+  static_assert(sizeof(ncclUniqueId) == NCCL_UNIQUE_ID_BYTES, "ncclUniqueId is its bytes");
+  host.broadcast<char>(reinterpret_cast<char*>(&id), sizeof id, 0);
+
+  ncclComm_t comm = nullptr;
+  {
+    CommWatch w(host, "ncclCommInitRank");
+    cudaError_t ce = cudaSetDevice(device);
+    if (ce != cudaSuccess) {
+      ok = false;
+      msg = where + "cudaSetDevice failed: " + cudaGetErrorString(ce);
+    } else {
+      ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+      config.blocking = 1;
+      ncclResult_t r = ncclCommInitRankConfig(&comm, world, id, rank, &config);
+      if (r != ncclSuccess) {
+        ok = false;
+        msg = where + nccl_error(r, "ncclCommInitRankConfig", comm);
+        if (comm) (void)ncclCommAbort(comm);  // blocking init may hand back a failed communicator
+        comm = nullptr;
+      }
+    }
+  }
+  try {
+    all_ok(host, ok, msg);
+  } catch (...) {
+    if (comm) (void)ncclCommAbort(comm);  // another rank failed: ours cannot be used
+    throw;
+  }
+  try {
+    return std::make_unique<NcclComm>(host, comm, static_cast<cudaStream_t>(ctx.stream()));
+  } catch (...) {
+    (void)ncclCommAbort(comm);
+    throw;
+  }
+}
+
+std::unique_ptr<Comm> make_staged_comm(Comm& host, CudaContext& ctx) {
+  return std::make_unique<StagedComm>(host, static_cast<cudaStream_t>(ctx.stream()));
+}
+
+}  // namespace shardtrain
