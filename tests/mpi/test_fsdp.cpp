@@ -22,6 +22,7 @@
 #include "../test_env.h"
 
 namespace st = shardtrain;
+using st::bf16;
 
 namespace {
 
@@ -772,4 +773,90 @@ TEST_F(Fsdp, MemoryIsShardSized) {
   }
   EXPECT_TRUE(be.live.empty()) << "Fsdp leaked " << be.live.size() << " buffers";
   EXPECT_EQ(be.allocs, be.frees);
+}
+
+// ---------------------------------------------------------------------------------------------
+// bf16 collectives and mixed precision (MixedPrecisionUnits over an fp32 Fsdp)
+
+namespace {
+bf16 b16(float f) { return st::math::f32_to_bf16(f); }
+float f32(bf16 h) { return st::math::bf16_to_f32(h); }
+}  // namespace
+
+TEST_F(Fsdp, CommBf16AllGatherAndReduceScatter) {
+  st::Comm& c = world();
+  const int W = c.world_size(), r = c.rank();
+  const size_t n = 5;
+  std::vector<bf16> send(n), recv(n * W);
+  for (size_t i = 0; i < n; ++i) send[i] = b16(static_cast<float>(r) + 0.125f * static_cast<float>(i));
+  c.all_gather(send.data(), recv.data(), n);
+  for (int q = 0; q < W; ++q)
+    for (size_t i = 0; i < n; ++i)
+      ASSERT_EQ(recv[q * n + i].bits, b16(static_cast<float>(q) + 0.125f * static_cast<float>(i)).bits);
+  // Reduce-scatter sum: values chosen so that every partial sum is exact in bf16 (small dyadic
+  // numbers), so any summation order gives the float sum exactly; then values that need rounding,
+  // where the result must be within one bf16 rounding per addition of the float64 sum.
+  std::vector<bf16> rs(n * W), out(n);
+  for (int b = 0; b < W; ++b)
+    for (size_t i = 0; i < n; ++i) rs[b * n + i] = b16(static_cast<float>(r + 1) * 0.5f + static_cast<float>(i + b));
+  c.reduce_scatter_sum(rs.data(), out.data(), n);
+  for (size_t i = 0; i < n; ++i) {
+    float want = 0;
+    for (int q = 0; q < W; ++q) want += static_cast<float>(q + 1) * 0.5f + static_cast<float>(i + r);
+    ASSERT_EQ(f32(out[i]), want) << "element " << i;
+  }
+  for (int b = 0; b < W; ++b)
+    for (size_t i = 0; i < n; ++i) rs[b * n + i] = b16(std::sin(1.7f * static_cast<float>(r + 3 * b) + static_cast<float>(i)));
+  c.reduce_scatter_sum(rs.data(), out.data(), n);
+  for (size_t i = 0; i < n; ++i) {
+    double want = 0, mag = 0;
+    for (int q = 0; q < W; ++q) {
+      double v = f32(b16(std::sin(1.7f * static_cast<float>(q + 3 * r) + static_cast<float>(i))));
+      want += v;
+      mag += std::fabs(v);
+    }
+    EXPECT_NEAR(f32(out[i]), want, mag * W * 0.5 / 128) << "element " << i;  // W roundings of 2^-8 relative
+  }
+}
+
+// The bf16 view gathers exactly the rounded fp32 master parameters, and its gradient reduce-scatter
+// (fp32 or bf16) adds the rank mean into the fp32 gradient shard like Fsdp<float> does.
+TEST_F(Fsdp, MixedPrecisionGatherAndReduceScatter) {
+  st::Comm& c = world();
+  const int W = c.world_size(), r = c.rank();
+  auto be32 = st::make_cpu_backend<float>();
+  auto be16 = st::make_cpu_backend<bf16>();
+  for (bool reduce_bf16 : {false, true}) {
+    st::Fsdp<float> ref(*be32, c, st::ShardPlan::build(test_units(), W));
+    st::Fsdp<float> master(*be32, c, st::ShardPlan::build(test_units(), W), nullptr, /*full_buffers=*/false);
+    ref.init_params(11);
+    master.init_params(11);
+    st::MixedPrecisionUnits mixed(master, *be16, reduce_bf16);
+    for (int u = 0; u < ref.num_units(); ++u) {
+      const st::UnitPlan& up = ref.plan().units[u];
+      std::vector<float> full = host_copy(*be32, ref.gather(u), up.padded_numel);
+      std::vector<bf16> half = host_copy(*be16, mixed.gather(u), up.padded_numel);
+      for (int64_t i = 0; i < up.padded_numel; ++i)
+        ASSERT_EQ(half[i].bits, b16(full[i]).bits) << "unit " << u << " element " << i;
+      // Gradients: bf16-representable values, so fp32 and bf16 buffers start equal.
+      std::vector<float> g32(up.padded_numel);
+      std::vector<bf16> g16(up.padded_numel);
+      for (int64_t i = 0; i < up.padded_numel; ++i) {
+        g16[i] = b16(static_cast<float>(grad_value(r, u, i, 0)));
+        g32[i] = f32(g16[i]);
+      }
+      be32->from_host(ref.full_grad(u), g32.data(), g32.size());
+      ref.reduce_scatter_grad(u);
+      be16->from_host(mixed.full_grad(u), g16.data(), g16.size());
+      mixed.reduce_scatter_grad(u);
+      std::vector<float> want = host_copy(*be32, ref.grad_shard(u), up.shard_size);
+      std::vector<float> got = host_copy(*be32, master.grad_shard(u), up.shard_size);
+      for (int64_t i = 0; i < up.shard_size; ++i) {
+        // fp32 reduce: the same fp32 sum (order may differ: 1e-6); bf16 reduce: bf16 roundings.
+        double tol = reduce_bf16 ? 2.0 * W / 256 : 1e-6;
+        EXPECT_NEAR(got[i], want[i], tol * (1 + std::fabs(want[i]))) << "unit " << u << " shard element " << i
+                                                                    << (reduce_bf16 ? " (bf16 reduce)" : "");
+      }
+    }
+  }
 }
