@@ -37,7 +37,9 @@ ifeq ($(CUDA),1)
 CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
 CUDA_SRCS := $(shell find src -name '*.cu')
 CPPFLAGS_CUDA := -DSHARDTRAIN_CUDA=1 -isystem $(CUDA_HOME)/include
+# Machine code for each of CUDA_ARCHS, plus PTX of the newest so that later GPUs can JIT it.
 NVCCFLAGS := -std=c++20 -O3 -g -lineinfo $(foreach a,$(CUDA_ARCHS),-gencode arch=compute_$(a),code=sm_$(a)) \
+	-gencode arch=compute_$(lastword $(CUDA_ARCHS)),code=compute_$(lastword $(CUDA_ARCHS)) \
 	-Werror all-warnings -Xcompiler -Wall,-Wextra,-Wshadow,-Werror,-fno-math-errno,-fno-trapping-math
 CUDA_LIBS := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lnccl -lcublas -lcudart
 SKIP_SRCS := $(NO_CUDA_SRC)

@@ -47,6 +47,9 @@ run unit                      300 mpirun -np 1 "$BUILD/unit_tests" --gtest_color
 for n in 1 2 3 4; do
   run "mpi-np$n"              300 mpirun -np "$n" "$BUILD/mpi_tests" --gtest_color=no
 done
+# GPU tests: the CUDA backend against the CPU backend; each skips without a CUDA device.
+run gpu                       300 mpirun -np 1 "$BUILD/gpu_tests" --gtest_color=no
+grep -m1 -o 'skipped: no CUDA device.*' "$LOGS/gpu.log" | sed 's/^/        /' || true
 for t in tests/e2e/test_*.sh; do
   run "$(basename "$t" .sh)"  600 bash "$t" "$BUILD"
 done
