@@ -44,9 +44,10 @@ void run_train(Comm& comm, const Topology& topo, const Options& o) {
   // Device placement: each rank decides from what its node shows, then all agree, before any
   // device is touched; a run is all-GPU or all-CPU.
   DevicePlan dp;
+  int devices = 0;
   agree(comm, [&] {
     std::string why;
-    const int n = o.device == "cpu" ? 0 : cuda_device_count(&why);
+    const int n = devices = o.device == "cpu" ? 0 : cuda_device_count(&why);
     try {
       dp = plan_devices(o.device, o.gpu_comm, topo.local_rank, topo.local_size, n, cuda_built(), topo.host);
     } catch (const std::invalid_argument& e) {
@@ -58,6 +59,18 @@ void run_train(Comm& comm, const Topology& topo, const Options& o) {
   all_ok(comm, on_gpu == 0 || on_gpu == topo.world_size,
          "option '--device auto': " + std::to_string(on_gpu) + " of " + std::to_string(topo.world_size) +
              " ranks found a CUDA device; pass '--device cuda' or '--device cpu' explicitly");
+  {  // NCCL refuses two ranks on one GPU: count the ranks of this node bound to this rank's GPU,
+     // by UUID (with Slurm's per-task CUDA_VISIBLE_DEVICES every rank sees its GPU as device 0).
+    constexpr size_t kRec = 256;
+    std::string me;
+    agree(comm, [&] { me = topo.host + "|" + (dp.cuda ? cuda_device_uuid(dp.gpu) : std::string()); });
+    me.resize(kRec, '\0');
+    std::vector<char> all(kRec * static_cast<size_t>(topo.world_size));
+    comm.all_gather(me.data(), all.data(), kRec);
+    int same = 0;
+    for (int r = 0; r < topo.world_size; ++r) same += std::string(all.data() + r * kRec, kRec) == me ? 1 : 0;
+    agree(comm, [&] { check_gpu_sharing(dp, same, topo.local_size, devices, topo.host); });
+  }
   const Precision prec = parse_precision(o.precision);
 
   std::unique_ptr<CudaContext> ctx;  // declared first: destroyed after everything that uses it

@@ -31,6 +31,11 @@ struct DevicePlan {
   std::string summary;    // one line for the log, e.g. "cuda (4 devices on node n1, NCCL)"
 };
 
+// Identity of CUDA device `device` as this process sees it: "GPU-<uuid hex>" (the same string
+// for every process bound to that physical GPU, whatever CUDA_VISIBLE_DEVICES renumbering each
+// has). Under SHARDTRAIN_FAKE_CUDA_DEVICES: "fake-GPU-<device>". Throws std::runtime_error.
+std::string cuda_device_uuid(int device);
+
 // Decides this rank's device from the options, pure (no CUDA calls), so that it can be unit
 // tested on a machine without a GPU.
 //   device:   "auto" (cuda when built with CUDA and a device is visible, else cpu), "cpu", "cuda"
@@ -38,11 +43,18 @@ struct DevicePlan {
 //             copies; allows several ranks per GPU)
 //   local_rank, local_size: this rank's place among the ranks of its node; devices: visible GPUs;
 //   built: cuda_built(); host: node name for messages.
-// Throws std::invalid_argument naming the option ('--device', '--gpu-comm') when: the value is
-// unknown; cuda is asked for but the build has no CUDA or the node has no device; or, with
-// gpu_comm "nccl", more ranks run on the node than it has GPUs (NCCL refuses two ranks on one GPU).
+// Throws std::invalid_argument naming the option ('--device', '--gpu-comm') when the value is
+// unknown, or cuda is asked for but the build has no CUDA or the node has no device.
 DevicePlan plan_devices(const std::string& device, const std::string& gpu_comm, int local_rank, int local_size,
                         int devices, bool built, const std::string& host);
+
+// The "one rank per GPU" rule of NCCL, checked after plan_devices from what the node's ranks
+// found: `ranks_on_gpu` is how many ranks of this node are bound to the same physical GPU as this
+// rank (itself included; compared by cuda_device_uuid, so Slurm's per-task CUDA_VISIBLE_DEVICES,
+// where every rank sees its own GPU as device 0, is fine). Throws std::invalid_argument when
+// ranks_on_gpu > 1 with NCCL collectives, suggesting one rank per GPU or '--gpu-comm mpi'.
+void check_gpu_sharing(const DevicePlan& plan, int ranks_on_gpu, int local_size, int devices,
+                       const std::string& host);
 
 // One rank's GPU: the device, one CUDA stream on which every backend call and collective of this
 // rank is ordered, and the cuBLAS handle bound to that stream. Create one per rank.

@@ -28,18 +28,23 @@ DevicePlan plan_devices(const std::string& device, const std::string& gpu_comm, 
     throw std::invalid_argument("option '--device cuda': no CUDA device visible on node " + host +
                                 " (check the driver, CUDA_VISIBLE_DEVICES, and the job's --gpus-per-task); or use "
                                 "'--device cpu'");
-  if (gpu_comm == "nccl" && local_size > devices)
-    throw std::invalid_argument(
-        std::to_string(local_size) + " ranks run on node " + host + " but it has only " + std::to_string(devices) +
-        " visible CUDA device" + (devices == 1 ? "" : "s") +
-        ": NCCL refuses two ranks on one GPU. Start one rank per GPU (srun --gpus-per-task=1, mpirun -np <GPUs>), "
-        "or pass '--gpu-comm mpi' to share GPUs with collectives through MPI on host copies");
+  (void)local_size;
   p.cuda = true;
   p.gpu = local_rank % devices;
   p.nccl = gpu_comm == "nccl";
   p.summary = "cuda (" + std::to_string(devices) + " device" + (devices == 1 ? "" : "s") + " on node " + host + ", " +
               (p.nccl ? "NCCL collectives" : "MPI collectives on host copies (--gpu-comm mpi)") + ")";
   return p;
+}
+
+void check_gpu_sharing(const DevicePlan& p, int ranks_on_gpu, int local_size, int devices, const std::string& host) {
+  if (!p.cuda || !p.nccl || ranks_on_gpu <= 1) return;
+  throw std::invalid_argument(
+      std::to_string(local_size) + " ranks run on node " + host + " but it has only " + std::to_string(devices) +
+      " visible CUDA device" + (devices == 1 ? "" : "s") + " (" + std::to_string(ranks_on_gpu) +
+      " ranks on GPU " + std::to_string(p.gpu) +
+      "): NCCL refuses two ranks on one GPU. Start one rank per GPU (srun --gpus-per-task=1, mpirun -np <GPUs>), "
+      "or pass '--gpu-comm mpi' to share GPUs with collectives through MPI on host copies");
 }
 
 }  // namespace shardtrain

@@ -62,7 +62,7 @@ if ldd "$BIN" | grep -q libcudart; then
   # More ranks on a node than GPUs without --gpu-comm mpi (the device count is faked: the rule
   # is checked before any CUDA call, so no GPU is needed to test it).
   export SHARDTRAIN_FAKE_CUDA_DEVICES=1
-  expect_fail more_ranks_than_gpus "2 ranks run on node $(hostname) but it has only 1 visible CUDA device: NCCL refuses two ranks on one GPU" 2 \
+  expect_fail more_ranks_than_gpus "2 ranks run on node $(hostname) but it has only 1 visible CUDA device (2 ranks on GPU 0): NCCL refuses two ranks on one GPU" 2 \
     "${A2[@]}" --device cuda
   expect_fail more_ranks_than_gpus_auto "but it has only 1 visible CUDA device" 2 "${A2[@]}" --device auto
   unset SHARDTRAIN_FAKE_CUDA_DEVICES

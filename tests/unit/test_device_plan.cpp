@@ -40,14 +40,30 @@ TEST(DevicePlan, LocalRankSelectsTheGpu) {
   }
 }
 
+namespace {
+std::string sharing_error(const std::string& comm, int ranks_on_gpu, int local_size, int devices) {
+  auto p = st::plan_devices("cuda", comm, 0, local_size, devices, true, "node7");
+  try {
+    st::check_gpu_sharing(p, ranks_on_gpu, local_size, devices, "node7");
+  } catch (const std::invalid_argument& e) {
+    return e.what();
+  }
+  return "";
+}
+}  // namespace
+
 TEST(DevicePlan, MoreRanksThanGpusNeedsTheSharedPath) {
-  std::string e = error_of("cuda", "nccl", 0, 4, 2, true);
-  EXPECT_NE(e.find("4 ranks run on node node7 but it has only 2 visible CUDA devices"), std::string::npos) << e;
+  // 4 ranks, 2 GPUs: ranks 0 and 2 share GPU 0.
+  std::string e = sharing_error("nccl", 2, 4, 2);
+  EXPECT_NE(e.find("4 ranks run on node node7 but it has only 2 visible CUDA devices (2 ranks on GPU 0)"),
+            std::string::npos) << e;
   EXPECT_NE(e.find("NCCL refuses two ranks on one GPU"), std::string::npos) << e;
   EXPECT_NE(e.find("'--gpu-comm mpi'"), std::string::npos) << e;
-  // auto with a GPU present takes the cuda path too, so the same rule applies.
-  EXPECT_NE(error_of("auto", "nccl", 1, 2, 1, true).find("only 1 visible CUDA device:"), std::string::npos);
-  EXPECT_EQ(error_of("cuda", "mpi", 0, 4, 2, true), "");
+  EXPECT_EQ(sharing_error("mpi", 2, 4, 2), "");  // the shared-GPU path is selected
+  // Slurm --gpus-per-task=1: 4 ranks each see 1 device, but different physical GPUs (by UUID).
+  EXPECT_EQ(sharing_error("nccl", 1, 4, 1), "");
+  // CPU runs never share a GPU.
+  EXPECT_NO_THROW(st::check_gpu_sharing(st::plan_devices("cpu", "nccl", 0, 4, 1, true, "n"), 4, 4, 1, "n"));
 }
 
 TEST(DevicePlan, RefusalsNameTheOption) {

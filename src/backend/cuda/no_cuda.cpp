@@ -19,6 +19,10 @@ int cuda_device_count(std::string* why) {
   if (why) *why = "built without CUDA";
   return 0;
 }
+std::string cuda_device_uuid(int device) {
+  if (std::getenv("SHARDTRAIN_FAKE_CUDA_DEVICES")) return "fake-GPU-" + std::to_string(device);
+  no_cuda();
+}
 std::unique_ptr<CudaContext> CudaContext::create(int) { no_cuda(); }
 template <typename T> std::unique_ptr<Backend<T>> make_cuda_backend(CudaContext&) { no_cuda(); }
 template std::unique_ptr<Backend<float>> make_cuda_backend<float>(CudaContext&);
