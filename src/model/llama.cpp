@@ -46,8 +46,9 @@ template <typename T> void rope_tables(std::vector<T>& cs, std::vector<T>& sn, i
 }
 
 // ---- attention ------------------------------------------------------------------------------
-// Per sequence b and key/value head j, the G = NH/NKV query heads of group j form one strided
-// batch: scores_h = q_h k_j^T (stride HD between query heads, stride 0 on the shared k_j).
+// Query head h = j*G + g reads key/value head j (G = NH/NKV). For a fixed sequence b and a fixed
+// g, the NKV pairs (h, j) are evenly strided in memory (q: G*HD, k and v: HD, scores: G*T*T), so
+// each (b, g) is one strided-batched GEMM over j: B*G calls per product (B for plain MHA).
 template <typename T>
 void attention_forward(Backend<T>& be, const T* q, const T* k, const T* v, T* att, T* y, int B, int T_, int NH,
                        int NKV, int HD) {
@@ -55,51 +56,54 @@ void attention_forward(Backend<T>& be, const T* q, const T* k, const T* v, T* at
   const int G = NH / NKV, ldq = NH * HD, ldk = NKV * HD;
   const int64_t TT = static_cast<int64_t>(T_) * T_;
   for (int b = 0; b < B; ++b)
-    for (int j = 0; j < NKV; ++j) {
-      const T* qb = q + static_cast<int64_t>(b) * T_ * ldq + static_cast<int64_t>(j) * G * HD;
-      const T* kb = k + static_cast<int64_t>(b) * T_ * ldk + static_cast<int64_t>(j) * HD;
-      T* ab = att + (static_cast<int64_t>(b) * NH + static_cast<int64_t>(j) * G) * TT;
-      be.gemm_strided_batched(false, true, T_, T_, HD, S(1), qb, ldq, HD, kb, ldk, 0, S(0), ab, T_, TT, G);
+    for (int g = 0; g < G; ++g) {
+      const T* qb = q + static_cast<int64_t>(b) * T_ * ldq + static_cast<int64_t>(g) * HD;
+      const T* kb = k + static_cast<int64_t>(b) * T_ * ldk;
+      T* ab = att + (static_cast<int64_t>(b) * NH + g) * TT;
+      be.gemm_strided_batched(false, true, T_, T_, HD, S(1), qb, ldq, static_cast<int64_t>(G) * HD, kb, ldk, HD, S(0),
+                              ab, T_, G * TT, NKV);
     }
   be.softmax_causal_forward(att, B * NH, T_, S(1) / std::sqrt(static_cast<S>(HD)));
   for (int b = 0; b < B; ++b)
-    for (int j = 0; j < NKV; ++j) {
-      const T* ab = att + (static_cast<int64_t>(b) * NH + static_cast<int64_t>(j) * G) * TT;
-      const T* vb = v + static_cast<int64_t>(b) * T_ * ldk + static_cast<int64_t>(j) * HD;
-      T* yb = y + static_cast<int64_t>(b) * T_ * ldq + static_cast<int64_t>(j) * G * HD;
-      be.gemm_strided_batched(false, false, T_, HD, T_, S(1), ab, T_, TT, vb, ldk, 0, S(0), yb, ldq, HD, G);
+    for (int g = 0; g < G; ++g) {
+      const T* ab = att + (static_cast<int64_t>(b) * NH + g) * TT;
+      const T* vb = v + static_cast<int64_t>(b) * T_ * ldk;
+      T* yb = y + static_cast<int64_t>(b) * T_ * ldq + static_cast<int64_t>(g) * HD;
+      be.gemm_strided_batched(false, false, T_, HD, T_, S(1), ab, T_, G * TT, vb, ldk, HD, S(0), yb, ldq,
+                              static_cast<int64_t>(G) * HD, NKV);
     }
 }
 
-// dP_h = dy_h v_j^T;  dv_j = sum_h P_h^T dy_h;  dS_h = softmax_backward(dP_h);
-// dq_h = dS_h k_j;    dk_j = sum_h dS_h^T q_h.   The sums over the G heads of a group are
-// separate beta=1 GEMMs (a batched GEMM must not write one output from several batch entries).
+// dP_h = dy_h v_j^T;  dv_j = sum_g P_h^T dy_h;  dS_h = softmax_backward(dP_h);
+// dq_h = dS_h k_j;    dk_j = sum_g dS_h^T q_h   (h = j*G + g). The sums over the G heads of a group
+// are successive batched GEMMs over j, beta = 0 for g = 0 and 1 after (within one batched call
+// every j writes its own dv_j / dk_j).
 template <typename T>
 void attention_backward(Backend<T>& be, const T* q, const T* k, const T* v, const T* att, const T* dy, T* datt,
                         T* dq, T* dk, T* dv, int B, int T_, int NH, int NKV, int HD) {
   using S = typename Backend<T>::S;
   const int G = NH / NKV, ldq = NH * HD, ldk = NKV * HD;
-  const int64_t TT = static_cast<int64_t>(T_) * T_;
+  const int64_t TT = static_cast<int64_t>(T_) * T_, sq = static_cast<int64_t>(G) * HD, sa = G * TT;
   for (int b = 0; b < B; ++b)
-    for (int j = 0; j < NKV; ++j) {
-      const int64_t qo = static_cast<int64_t>(b) * T_ * ldq + static_cast<int64_t>(j) * G * HD;
-      const int64_t ko = static_cast<int64_t>(b) * T_ * ldk + static_cast<int64_t>(j) * HD;
-      const int64_t ao = (static_cast<int64_t>(b) * NH + static_cast<int64_t>(j) * G) * TT;
-      be.gemm_strided_batched(false, true, T_, T_, HD, S(1), dy + qo, ldq, HD, v + ko, ldk, 0, S(0), datt + ao, T_, TT, G);
-      for (int g = 0; g < G; ++g)
-        be.gemm(true, false, T_, HD, T_, S(1), att + ao + g * TT, T_, dy + qo + g * HD, ldq, g == 0 ? S(0) : S(1),
-                dv + ko, ldk);
+    for (int g = 0; g < G; ++g) {
+      const int64_t qo = static_cast<int64_t>(b) * T_ * ldq + static_cast<int64_t>(g) * HD;
+      const int64_t ko = static_cast<int64_t>(b) * T_ * ldk;
+      const int64_t ao = (static_cast<int64_t>(b) * NH + g) * TT;
+      be.gemm_strided_batched(false, true, T_, T_, HD, S(1), dy + qo, ldq, sq, v + ko, ldk, HD, S(0), datt + ao, T_, sa,
+                              NKV);
+      be.gemm_strided_batched(true, false, T_, HD, T_, S(1), att + ao, T_, sa, dy + qo, ldq, sq, g == 0 ? S(0) : S(1),
+                              dv + ko, ldk, HD, NKV);
     }
   be.softmax_causal_backward(datt, att, B * NH, T_, S(1) / std::sqrt(static_cast<S>(HD)));
   for (int b = 0; b < B; ++b)
-    for (int j = 0; j < NKV; ++j) {
-      const int64_t qo = static_cast<int64_t>(b) * T_ * ldq + static_cast<int64_t>(j) * G * HD;
-      const int64_t ko = static_cast<int64_t>(b) * T_ * ldk + static_cast<int64_t>(j) * HD;
-      const int64_t ao = (static_cast<int64_t>(b) * NH + static_cast<int64_t>(j) * G) * TT;
-      be.gemm_strided_batched(false, false, T_, HD, T_, S(1), datt + ao, T_, TT, k + ko, ldk, 0, S(0), dq + qo, ldq, HD, G);
-      for (int g = 0; g < G; ++g)
-        be.gemm(true, false, T_, HD, T_, S(1), datt + ao + g * TT, T_, q + qo + g * HD, ldq, g == 0 ? S(0) : S(1),
-                dk + ko, ldk);
+    for (int g = 0; g < G; ++g) {
+      const int64_t qo = static_cast<int64_t>(b) * T_ * ldq + static_cast<int64_t>(g) * HD;
+      const int64_t ko = static_cast<int64_t>(b) * T_ * ldk;
+      const int64_t ao = (static_cast<int64_t>(b) * NH + g) * TT;
+      be.gemm_strided_batched(false, false, T_, HD, T_, S(1), datt + ao, T_, sa, k + ko, ldk, HD, S(0), dq + qo, ldq,
+                              sq, NKV);
+      be.gemm_strided_batched(true, false, T_, HD, T_, S(1), datt + ao, T_, sa, q + qo, ldq, sq, g == 0 ? S(0) : S(1),
+                              dk + ko, ldk, HD, NKV);
     }
 }
 
