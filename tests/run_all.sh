@@ -50,6 +50,9 @@ done
 # GPU tests: the CUDA backend against the CPU backend; each skips without a CUDA device.
 run gpu                       300 mpirun -np 1 "$BUILD/gpu_tests" --gtest_color=no
 grep -m1 -o 'skipped: no CUDA device.*' "$LOGS/gpu.log" | sed 's/^/        /' || true
+# The same tests with the CUDA backends replaced by a float64 emulation (tests/gpu/emulated_backend.h):
+# checks the GPU tests themselves, and the CPU backend against float64, where no GPU is present.
+SHARDTRAIN_GPU_TESTS_EMULATE=1 run gpu-emulated 300 mpirun -np 1 -x SHARDTRAIN_GPU_TESTS_EMULATE "$BUILD/gpu_tests" --gtest_color=no
 for t in tests/e2e/test_*.sh; do
   run "$(basename "$t" .sh)"  600 bash "$t" "$BUILD"
 done

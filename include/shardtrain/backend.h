@@ -43,7 +43,7 @@ template <typename T> class Backend {
   virtual void to_host(T* host, const T* src, size_t n) = 0;
   virtual void from_host(T* dst, const T* host, size_t n) = 0;
   // Token ids (int32) in the backend's memory, for embedding and cross_entropy.
-  virtual int32_t* alloc_ids(size_t n) = 0;  // throws std::bad_alloc
+  virtual int32_t* alloc_ids(size_t n) = 0;  // zero-initialized; throws std::bad_alloc
   virtual void free_ids(int32_t* p) = 0;
   virtual void ids_from_host(int32_t* dst, const int32_t* host, size_t n) = 0;
   // Waits until every queued call has finished (no-op on the CPU).

@@ -1,0 +1,176 @@
+// A stand-in "device" backend for self-checking tests/gpu/test_gpu.cpp on a machine without a GPU
+// (SHARDTRAIN_GPU_TESTS_EMULATE=1; see the header of test_gpu.cpp). Not used otherwise.
+//
+// Memory is host memory (the CPU backend of T). Every kernel widens its operands to double, runs the
+// CPU backend in double (exact libm exp, double accumulation) and rounds each output once to T, so it
+// differs from the CPU backend of T the way a correct GPU kernel does: other summation orders, no
+// intermediate roundings. The GPU tests' tolerances must accept it; everything else they check
+// (layouts, aliasing, zeroed masked entries, untouched gaps) holds exactly.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "shardtrain/backend.h"
+#include "shardtrain/bf16.h"
+
+namespace shardtrain::gputest {
+
+template <typename T> class EmulatedBackend final : public Backend<T> {
+ public:
+  using S = typename Backend<T>::S;
+  const char* name() const override { return "emulated"; }
+
+  T* alloc(size_t n) override { return mem_->alloc(n); }
+  void free(T* p) override { mem_->free(p); }
+  void zero(T* p, size_t n) override { mem_->zero(p, n); }
+  void copy(T* d, const T* s, size_t n) override { mem_->copy(d, s, n); }
+  void to_host(T* h, const T* s, size_t n) override { mem_->to_host(h, s, n); }
+  void from_host(T* d, const T* h, size_t n) override { mem_->from_host(d, h, n); }
+  int32_t* alloc_ids(size_t n) override { return mem_->alloc_ids(n); }
+  void free_ids(int32_t* p) override { mem_->free_ids(p); }
+  void ids_from_host(int32_t* d, const int32_t* h, size_t n) override { mem_->ids_from_host(d, h, n); }
+  void synchronize() override {}
+
+  void from_f32(T* d, const float* s, size_t n) override { mem_->from_f32(d, s, n); }
+  void add_to_f32(float* d, float alpha, const T* s, size_t n) override {
+    for (size_t i = 0; i < n; ++i)
+      d[i] = static_cast<float>(static_cast<double>(d[i]) + static_cast<double>(alpha) * wd(s[i]));
+  }
+
+  void gemm(bool ta, bool tb, int M, int N, int K, S alpha, const T* A, int lda, const T* B, int ldb, S beta, T* C,
+            int ldc) override {
+    gemm_strided_batched(ta, tb, M, N, K, alpha, A, lda, 0, B, ldb, 0, beta, C, ldc, 0, 1);
+  }
+  void gemm_strided_batched(bool ta, bool tb, int M, int N, int K, S alpha, const T* A, int lda, int64_t sa,
+                            const T* B, int ldb, int64_t sb, S beta, T* C, int ldc, int64_t sc, int batch) override {
+    if (M == 0 || N == 0 || batch <= 0) return;
+    const size_t ea = extent(ta ? K : M, ta ? M : K, lda, sa, batch);
+    const size_t eb = extent(tb ? N : K, tb ? K : N, ldb, sb, batch);
+    const size_t ec = extent(M, N, ldc, sc, batch);
+    std::vector<double> a = wide(A, ea), b = wide(B, eb), c = wide(C, ec);
+    d_->gemm_strided_batched(ta, tb, M, N, K, alpha, a.data(), lda, sa, b.data(), ldb, sb, beta, c.data(), ldc, sc,
+                             batch);
+    narrow(C, c);  // elements no matrix covers go back unchanged (T -> double -> T is exact)
+  }
+
+  void axpy(size_t n, S alpha, const T* x, T* y) override {
+    std::vector<double> xd = wide(x, n), yd = wide(y, n);
+    d_->axpy(n, alpha, xd.data(), yd.data());
+    narrow(y, yd);
+  }
+  void scale(size_t n, S alpha, T* x) override {
+    std::vector<double> xd = wide(x, n);
+    d_->scale(n, alpha, xd.data());
+    narrow(x, xd);
+  }
+  double sum_squares(const T* x, size_t n) override { return d_->sum_squares(wide(x, n).data(), n); }
+
+  void embedding_forward(T* out, const int32_t* tok, const T* table, int N, int C) override {
+    mem_->embedding_forward(out, tok, table, N, C);
+  }
+  void embedding_backward(T* dtable, const int32_t* tok, const T* dout, int N, int C) override {
+    if (N <= 0 || C <= 0) return;
+    const size_t rows = static_cast<size_t>(*std::max_element(tok, tok + N)) + 1;
+    std::vector<double> t = wide(dtable, rows * C), d = wide(dout, static_cast<size_t>(N) * C);
+    d_->embedding_backward(t.data(), tok, d.data(), N, C);
+    narrow(dtable, t);
+  }
+
+  void rmsnorm_forward(T* out, T* rstd, const T* x, const T* w, int N, int C, S eps) override {
+    const size_t n = static_cast<size_t>(N) * C;
+    std::vector<double> xd = wide(x, n), wdv = wide(w, static_cast<size_t>(C)), o(n), r(static_cast<size_t>(N));
+    d_->rmsnorm_forward(o.data(), r.data(), xd.data(), wdv.data(), N, C, eps);
+    narrow(out, o);
+    narrow(rstd, r);
+  }
+  void rmsnorm_backward(T* dx, T* dw, const T* dout, const T* x, const T* w, const T* rstd, int N, int C) override {
+    const size_t n = static_cast<size_t>(N) * C;
+    std::vector<double> dxd = wide(dx, n), dwd = wide(dw, static_cast<size_t>(C)), dod = wide(dout, n),
+                        xd = wide(x, n), wdv = wide(w, static_cast<size_t>(C)), rd = wide(rstd, static_cast<size_t>(N));
+    d_->rmsnorm_backward(dxd.data(), dwd.data(), dod.data(), xd.data(), wdv.data(), rd.data(), N, C);
+    narrow(dx, dxd);
+    narrow(dw, dwd);
+  }
+
+  void rope_forward(T* x, const T* cs, const T* sn, int B, int T_, int H, int HD) override {
+    rope(x, cs, sn, B, T_, H, HD, false);
+  }
+  void rope_backward(T* dx, const T* cs, const T* sn, int B, int T_, int H, int HD) override {
+    rope(dx, cs, sn, B, T_, H, HD, true);
+  }
+
+  void softmax_causal_forward(T* att, int R, int T_, S scale) override {
+    const size_t n = static_cast<size_t>(R) * T_ * T_;
+    std::vector<double> a = wide(att, n);
+    d_->softmax_causal_forward(a.data(), R, T_, scale);
+    narrow(att, a);
+  }
+  void softmax_causal_backward(T* datt, const T* att, int R, int T_, S scale) override {
+    const size_t n = static_cast<size_t>(R) * T_ * T_;
+    std::vector<double> d = wide(datt, n), a = wide(att, n);
+    d_->softmax_causal_backward(d.data(), a.data(), R, T_, scale);
+    narrow(datt, d);
+  }
+
+  void swiglu_forward(T* h, const T* g, const T* u, size_t n) override {
+    std::vector<double> hd(n), gd = wide(g, n), ud = wide(u, n);
+    d_->swiglu_forward(hd.data(), gd.data(), ud.data(), n);
+    narrow(h, hd);
+  }
+  void swiglu_backward(T* dg, T* du, const T* dh, const T* g, const T* u, size_t n) override {
+    std::vector<double> a(n), b(n), dhd = wide(dh, n), gd = wide(g, n), ud = wide(u, n);
+    d_->swiglu_backward(a.data(), b.data(), dhd.data(), gd.data(), ud.data(), n);
+    narrow(dg, a);
+    narrow(du, b);
+  }
+
+  double cross_entropy(T* dlogits, const T* logits, const int32_t* targets, int N, int V, S grad_scale) override {
+    const size_t n = static_cast<size_t>(N) * V;
+    std::vector<double> l = wide(logits, n), d(dlogits ? n : 0);
+    const double loss = d_->cross_entropy(dlogits ? d.data() : nullptr, l.data(), targets, N, V, grad_scale);
+    if (dlogits) narrow(dlogits, d);  // logits were read into l first: aliasing is harmless
+    return loss;
+  }
+
+  void adamw(T* p, T* m, T* v, const T* g, size_t n, S lr, S b1, S b2, S eps, S wdecay, S grad_scale,
+             int64_t step) override {
+    std::vector<double> pd = wide(p, n), md = wide(m, n), vd = wide(v, n), gd = wide(g, n);
+    d_->adamw(pd.data(), md.data(), vd.data(), gd.data(), n, lr, b1, b2, eps, wdecay, grad_scale, step);
+    narrow(p, pd);
+    narrow(m, md);
+    narrow(v, vd);
+  }
+
+ private:
+  std::unique_ptr<Backend<T>> mem_ = make_cpu_backend<T>();
+  std::unique_ptr<Backend<double>> d_ = make_cpu_backend<double>();
+
+  static double wd(T x) { return static_cast<double>(math::ld(x)); }
+  static std::vector<double> wide(const T* p, size_t n) {
+    std::vector<double> v(n);
+    for (size_t i = 0; i < n; ++i) v[i] = wd(p[i]);
+    return v;
+  }
+  static void narrow(T* p, const std::vector<double>& v) {
+    for (size_t i = 0; i < v.size(); ++i) p[i] = math::st<T>(static_cast<S>(v[i]));
+  }
+  // Elements spanned by `batch` row-major rows x cols matrices with row stride ld, matrix stride s.
+  static size_t extent(int rows, int cols, int ld, int64_t s, int batch) {
+    if (rows <= 0 || cols <= 0) return 0;
+    return static_cast<size_t>(batch - 1) * static_cast<size_t>(s) + static_cast<size_t>(rows - 1) * ld +
+           static_cast<size_t>(cols);
+  }
+  void rope(T* x, const T* cs, const T* sn, int B, int T_, int H, int HD, bool backward) {
+    const size_t n = static_cast<size_t>(B) * T_ * H * HD, nt = static_cast<size_t>(T_) * (HD / 2);
+    std::vector<double> xd = wide(x, n), c = wide(cs, nt), s = wide(sn, nt);
+    if (backward) d_->rope_backward(xd.data(), c.data(), s.data(), B, T_, H, HD);
+    else d_->rope_forward(xd.data(), c.data(), s.data(), B, T_, H, HD);
+    narrow(x, xd);
+  }
+};
+
+}  // namespace shardtrain::gputest
