@@ -1,0 +1,363 @@
+#!/usr/bin/env bash
+# tests/gpu/run.sh: the GPU check of shardtrain, for a machine with one NVIDIA GPU (sized for an
+# H200 and a budget of 8 minutes); what it prints is meant to be pasted into docs/benchmarks.md.
+#
+#   bash tests/gpu/run.sh
+#
+# Binaries: .gpu-bundle/ when present (made by tests/gpu/bundle.sh on the build machine: shardtrain,
+# gpu_tests, Open MPI and their libraries; cuBLAS and NCCL come from this machine's CUDA toolkit,
+# ldconfig or pip nvidia-* wheels), else `make build`. Stages, each with a time limit inside the
+# budget (GPU_CHECK_BUDGET_S, default 450 s); a failure prints the log's tail and the next stage runs:
+#   1. environment: GPU, driver, nvcc, glibc, where the CUDA libraries were found; a token file
+#      made by --mode prepare from the bundled fortunes
+#   2. gpu_tests (GoogleTest: the CUDA backend against the CPU backend), 1 rank
+#   3. training equivalence, 20 steps of `tiny` (and `test-uneven`): GPU fp32 vs CPU fp32 within 1e-4
+#      relative at every step, GPU bf16 vs CPU fp32 within 2e-2; 1 rank, and 2 ranks sharing the GPU
+#      (--gpu-comm mpi: NCCL refuses two ranks on one GPU)
+#   4. checkpoints across devices: GPU to step 10 then CPU to 20, and CPU then GPU, against an
+#      uninterrupted CPU run (1e-4)
+#   5. benchmark: llama-125m and llama-350m, seq 1024, batch 16, bf16 (and llama-125m fp32):
+#      tokens/s (mean of steps 3-12), MFU, peak GPU memory, as markdown table rows
+# Without a CUDA device the GPU parts say "skipped: no CUDA device" (not a failure); the CPU
+# controls still run. Ends with "gpu: N passed, M failed" (GoogleTest cases and checks); the exit
+# status is non-zero iff something failed. Logs and metrics: build-gpu/gpu-check/logs (GPU_CHECK_DIR);
+# with $OUT set, also $OUT/summary.txt (this output) and $OUT/gpu-logs.tar.gz.
+# Knobs for testing the script itself: GPU_CHECK_DEVICE=cpu runs the "GPU" runs on the CPU;
+# BENCH_MODELS, BENCH_SEQ, BENCH_BATCH, BENCH_STEPS size the benchmark.
+set -uo pipefail
+cd "$(dirname "$0")/../.." || exit 1
+ROOT=$PWD
+BUDGET=${GPU_CHECK_BUDGET_S:-450}
+DEV=${GPU_CHECK_DEVICE:-cuda}
+W=${GPU_CHECK_DIR:-$ROOT/build-gpu/gpu-check}
+L=$W/logs
+BENCH_MODELS=${BENCH_MODELS:-llama-125m:bf16 llama-350m:bf16 llama-125m:fp32}
+BENCH_SEQ=${BENCH_SEQ:-1024}
+BENCH_BATCH=${BENCH_BATCH:-16}
+BENCH_STEPS=${BENCH_STEPS:-12}
+PEAK_FLOPS=989e12  # H100 / H200 SXM, dense bf16
+FORTUNES=(fortunes literature riddles science wisdom people politics work education computers)  # make data's
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+export OMPI_MCA_btl_vader_single_copy_mechanism=none  # containers often forbid CMA (ptrace)
+export NCCL_DEBUG=${NCCL_DEBUG:-VERSION}              # one "NCCL version" line in the logs
+MPIRUN_OPTS=(--oversubscribe --bind-to none)
+rm -rf "$W"
+mkdir -p "$L"
+if [ -n "${OUT:-}" ]; then mkdir -p "$OUT"; fi
+
+pass=0 fail=0 skip=0
+FAILED=()
+ok() { pass=$((pass + 1)); echo "  PASS  $*"; }
+bad() { fail=$((fail + 1)); FAILED+=("${1%%:*}"); echo "  FAIL  $*"; }
+skipped() { skip=$((skip + 1)); echo "  SKIP  $1: skipped: $2"; }
+tail_log() { echo "        --- last lines of $1:"; tail -n "${2:-15}" "$1" | sed 's/^/        | /'; }
+save_logs() {  # after each stage, so that a kill keeps what ran
+  [ -n "${OUT:-}" ] && tar -czf "$OUT/gpu-logs.tar.gz" -C "$W" logs 2>/dev/null
+  return 0
+}
+
+# Time: the whole run ends by T_END; a stage by STAGE_END; a command gets min(its cap, what is left).
+T_END=$((SECONDS + BUDGET))
+STAGE_END=$T_END
+stage() {  # stage TITLE BUDGET_S
+  save_logs
+  STAGE_END=$((SECONDS + $2))
+  [ "$STAGE_END" -gt "$T_END" ] && STAGE_END=$T_END
+  echo
+  echo "== $1 (limit $((STAGE_END - SECONDS)) s; $((SECONDS - T0)) s elapsed)"
+}
+cap() {  # cap SECONDS: echoes the timeout for the next command (0: no time left)
+  local left=$((STAGE_END - SECONDS))
+  if [ "$left" -lt 3 ]; then echo 0; elif [ "$1" -lt "$left" ]; then echo "$1"; else echo "$left"; fi
+}
+
+# run_np NAME CAP NP ARGS...: NP ranks of shardtrain; log $L/NAME.log, metrics $L/NAME.jsonl.
+run_np() {
+  local name=$1 t np=$3 rc=0
+  t=$(cap "$2")
+  shift 3
+  if [ "$t" = 0 ]; then echo "out of time (stage limit)" >"$L/$name.log"; return 124; fi
+  timeout -k 5 "$t" "$MPIRUN" "${MPIRUN_OPTS[@]}" -np "$np" "$BIN" "$@" --metrics "$L/$name.jsonl" \
+    >"$L/$name.log" 2>&1 || rc=$?
+  [ "$rc" = 124 ] && echo "TIMEOUT after ${t}s" >>"$L/$name.log"
+  return "$rc"
+}
+
+# compare A B FIRST LAST TOL: losses of steps FIRST..LAST of metrics A and B agree within TOL relative.
+compare() {
+  python3 - "$@" <<'PY'
+import json, math, sys
+a, b, first, last, tol = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
+def losses(p):
+    return {j["step"]: j["loss"] for j in map(json.loads, open(p)) if "loss" in j}
+la, lb = losses(a), losses(b)
+steps = range(first, last + 1)
+missing = [s for s in steps if s not in la or s not in lb]
+if missing:
+    print(f"steps missing: {missing[:8]}")
+    sys.exit(1)
+rel = {s: abs(la[s] - lb[s]) / abs(la[s]) if math.isfinite(lb[s]) else math.inf for s in steps}
+w = max(steps, key=lambda s: rel[s])
+print(f"worst relative loss difference {rel[w]:.2e} at step {w} (limit {tol:g}); loss {lb[first]:.4f} -> {lb[last]:.4f}")
+sys.exit(0 if rel[w] <= tol else 1)
+PY
+}
+
+# check NAME REF TOL FIRST NP ARGS...: run, confirm the device it ran on, compare with REF's metrics.
+# Status: 0 passed, 1 ran but failed the comparison, 2 did not run.
+check() {
+  local name=$1 ref=$2 tol=$3 first=$4 np=$5 rc=0 res dev
+  shift 5
+  dev=$(printf '%s\n' "$@" | grep -A1 -x -- --device | tail -1)
+  if [ ! -s "$L/$ref.jsonl" ]; then bad "$name: no reference metrics ($ref failed)"; return 1; fi
+  run_np "$name" 60 "$np" "$@" || rc=$?
+  if [ "$rc" != 0 ]; then bad "$name: exit status $rc"; tail_log "$L/$name.log"; return 2; fi
+  if ! grep -q "device $dev (" "$L/$name.log"; then bad "$name: did not run on '$dev'"; tail_log "$L/$name.log"; return 1; fi
+  if [ -n "${EXPECT:-}" ] && ! grep -q "$EXPECT" "$L/$name.log"; then bad "$name: no line '$EXPECT'"; tail_log "$L/$name.log"; return 1; fi
+  if res=$(compare "$L/$ref.jsonl" "$L/$name.jsonl" "$first" 20 "$tol"); then ok "$name vs $ref: $res"
+  else bad "$name vs $ref: $res"; return 1; fi
+}
+
+main() {
+T0=$SECONDS
+echo "shardtrain GPU check: $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(uname -n), budget ${BUDGET} s"
+
+# ---- 1. environment ---------------------------------------------------------------------------
+stage "1. environment" 40
+GPU=0
+if [ "$DEV" = cpu ]; then
+  GPU=1
+  echo "  GPU_CHECK_DEVICE=cpu: the GPU runs run on the CPU (a test of this script; numbers meaningless)"
+elif SMI=$(nvidia-smi -L 2>/dev/null) && grep -q '^GPU ' <<<"$SMI"; then
+  GPU=1
+  printf '  %s\n' "$SMI"
+  nvidia-smi --query-gpu=driver_version,memory.total --format=csv,noheader | sed 's/^/  driver, memory: /'
+elif ls /dev/nvidia[0-9]* >/dev/null 2>&1; then
+  GPU=1
+  echo "  /dev/nvidia* present, nvidia-smi missing or failing"
+else
+  echo "  no NVIDIA GPU (no nvidia-smi GPU, no /dev/nvidia*): GPU stages are skipped"
+fi
+echo "  nvcc: $(nvcc --version 2>/dev/null | grep -m1 -o 'release.*' || /usr/local/cuda/bin/nvcc --version 2>/dev/null | grep -m1 -o 'release.*' || echo 'not found')"
+echo "  CPU: $(grep -m1 'model name' /proc/cpuinfo | sed 's/.*: //'), $(nproc) cores; $(getconf GNU_LIBC_VERSION 2>/dev/null)"
+COMM1=nccl  # 1-rank GPU runs; 2 ranks on the one GPU always use --gpu-comm mpi
+B=${GPU_BUNDLE:-$ROOT/.gpu-bundle}  # GPU_BUNDLE=none: make build even if .gpu-bundle exists
+if [ -d "$B" ]; then
+  echo "  binaries: .gpu-bundle ($(tr '\n' ';' <"$B/BUILD_INFO" 2>/dev/null))"
+  cp -a "$B" "$W/bundle" && B=$W/bundle  # unpacked in a copy: .gpu-bundle stays small enough to carry
+  "$B/unpack.sh" || bad "env: .gpu-bundle/unpack.sh"
+  BIN=$B/bin/shardtrain GTEST=$B/bin/gpu_tests MPIRUN=$B/bin/mpirun FORT=$B/fortunes
+  # CUDA libraries of this machine: toolkit, pip wheels (nvidia-*, torch), ldconfig.
+  mapfile -t dirs < <({
+    for d in ${CUDA_HOME:+"$CUDA_HOME/lib64"} /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
+      /usr/local/cuda-*/lib64; do [ -d "$d" ] && echo "$d"; done
+    python3 - <<'PY' 2>/dev/null
+import glob, os, site
+for r in site.getsitepackages() + [site.getusersitepackages()]:
+    for d in sorted(glob.glob(os.path.join(r, "nvidia", "*", "lib"))) + [os.path.join(r, "torch", "lib")]:
+        if os.path.isdir(d): print(d)
+PY
+    ldconfig -p 2>/dev/null | awk '$NF ~ /^\// {sub(/\/[^\/]*$/, "", $NF); print $NF}' | sort -u
+  } | awk '!seen[$0]++')
+  libpath=$B/lib
+  for so in $(cat "$B/CUDA_NEEDED" 2>/dev/null || echo libcudart.so.13 libcublas.so.13 libcublasLt.so.13 libnccl.so.2); do
+    found=
+    for d in "${dirs[@]}"; do if [ -e "$d/$so" ]; then found=$d; break; fi; done
+    if [ -n "$found" ]; then
+      echo "  $so: $found"
+      case ":$libpath:" in *":$found:"*) ;; *) libpath=$libpath:$found ;; esac
+    elif [ "$so" = libnccl.so.2 ]; then
+      echo "  $so: not found: a stub stands in (every NCCL call fails); 1-rank GPU runs use --gpu-comm mpi"
+      COMM1=mpi
+      libpath=$libpath:$B/nccl-stub
+    elif [ -e "$B/cuda-fallback/$so" ]; then
+      echo "  $so: not found on this machine: the bundle's copy"
+    else
+      bad "env: $so not found (searched: ${dirs[*]})"
+    fi
+  done
+  export GPU_BUNDLE_LIBPATH=$libpath:$B/cuda-fallback
+  have=$(getconf GNU_LIBC_VERSION 2>/dev/null | awk '{print $2}')
+  need=$(cat "$B/GLIBC_REQUIRED")
+  if [ -z "${GPU_BUNDLE_OWN_GLIBC:-}" ] && [ -n "$have" ] &&
+    [ "$(printf '%s\n%s\n' "$need" "$have" | sort -V | head -1)" != "$need" ]; then
+    export GPU_BUNDLE_OWN_GLIBC=1
+  fi
+  echo "  glibc: machine ${have:-?}, bundle needs $need: $([ "${GPU_BUNDLE_OWN_GLIBC:-0}" = 1 ] && echo "using the bundle's" || echo "using the machine's")"
+else
+  echo "  binaries: make build ($(git rev-parse --short HEAD 2>/dev/null || echo '?'))"
+  if ! make -s -j"$(nproc)" build >"$L/build.log" 2>&1; then bad "env: make build"; tail_log "$L/build.log"; fi
+  T_END=$((SECONDS + BUDGET))  # the budget is for the checks, not the build
+  BIN=$ROOT/build/shardtrain GTEST=$ROOT/build/gpu_tests MPIRUN=mpirun FORT=/usr/share/games/fortunes
+fi
+inputs=()
+for f in "${FORTUNES[@]}"; do inputs+=(--input "$FORT/$f"); done
+prep() { timeout -k 5 60 "$MPIRUN" "${MPIRUN_OPTS[@]}" -np 1 "$BIN" --mode prepare "${inputs[@]}" --out "$W/corpus.tok" >"$L/prepare.log" 2>&1; }
+if ! prep && [ -d "$B" ] && [ -z "${GPU_BUNDLE_OWN_GLIBC:-}" ]; then
+  echo "  retrying with the bundle's glibc"
+  export GPU_BUNDLE_OWN_GLIBC=1
+  prep
+fi
+if [ -s "$W/corpus.tok" ]; then ok "env: shardtrain runs under mpirun; $(grep -m1 -o "prepare: wrote.*" "$L/prepare.log" | sed "s|'[^']*'|corpus.tok|")"
+else bad "env: shardtrain --mode prepare"; tail_log "$L/prepare.log"; fi
+DATA=$W/corpus.tok
+
+# ---- 2. gpu_tests -----------------------------------------------------------------------------
+stage "2. gpu_tests (GoogleTest, CUDA backend vs CPU backend, 1 rank)" 120
+t=$(cap 120)
+rc=0
+timeout -k 5 "$t" "$MPIRUN" "${MPIRUN_OPTS[@]}" -np 1 "$GTEST" --gtest_color=no >"$L/gpu_tests.log" 2>&1 || rc=$?
+p=$(grep -oE '^\[  PASSED  \] [0-9]+' "$L/gpu_tests.log" | grep -oE '[0-9]+$' | head -1)
+f=$(grep -oE '^\[  FAILED  \] [0-9]+ test' "$L/gpu_tests.log" | grep -oE '[0-9]+' | head -1)
+s=$(grep -oE '^\[  SKIPPED \] [0-9]+ test' "$L/gpu_tests.log" | grep -oE '[0-9]+' | head -1)
+grep -E '^\[==========\] [0-9]+ tests? from .* ran|^\[  (PASSED|SKIPPED|FAILED) ?\] [0-9]+ test' "$L/gpu_tests.log" | sed 's/^/  /'
+grep -A1 ': Skipped$' "$L/gpu_tests.log" | grep -vE ': Skipped$|^--$' | sort | uniq -c | sed 's/^ */  skip reason: /'
+grep -E '^\[  FAILED  \] [A-Za-z]' "$L/gpu_tests.log" | sort -u | sed 's/^/  /'
+pass=$((pass + ${p:-0}))
+fail=$((fail + ${f:-0}))
+[ "${f:-0}" -gt 0 ] && FAILED+=("gpu_tests")
+if [ "$GPU" = 1 ] && [ "$DEV" = cuda ] && [ "${s:-0}" -gt 0 ] && [ "${p:-0}" = 0 ] && [ "${f:-0}" = 0 ]; then
+  bad "gpu_tests: every test skipped although a GPU is present"
+elif [ "${s:-0}" -gt 0 ] && [ "${p:-0}" = 0 ]; then
+  skipped "gpu_tests (${s} cases)" "no CUDA device"
+  skip=$((skip + s - 1))
+fi
+if [ "$rc" != 0 ] && [ -z "$f" ]; then bad "gpu_tests: exit status $rc$([ "$rc" = 124 ] && echo " (timeout ${t}s)")"; tail_log "$L/gpu_tests.log"; fi
+if [ "$rc" != 0 ] && [ -n "$f" ]; then tail_log "$L/gpu_tests.log" 15; fi
+
+# ---- 3. training equivalence ------------------------------------------------------------------
+stage "3. training equivalence: 20 steps, GPU vs CPU fp32 (losses at every step)" 80
+TINY=(--data "$DATA" --seq-len 32 --global-batch 8 --steps 20 --lr 3e-3 --warmup 2 --eval-batches 1 --log-every 1 --threads 1)
+CPU=(--device cpu --precision fp32)
+G=(--device "$DEV")
+if run_np cpu-fp32 60 1 --model tiny "${TINY[@]}" "${CPU[@]}"; then ok "cpu-fp32 (reference, 1 rank): $(grep -m1 '^done:' "$L/cpu-fp32.log")"
+else bad "cpu-fp32: reference run"; tail_log "$L/cpu-fp32.log"; fi
+check cpu-fp32-np2 cpu-fp32 1e-5 1 2 --model tiny "${TINY[@]}" "${CPU[@]}"  # control: world-size invariance
+run_np cpu-uneven 60 1 --model test-uneven "${TINY[@]}" "${CPU[@]}" || { bad "cpu-uneven: reference run"; tail_log "$L/cpu-uneven.log"; }
+if [ "$GPU" = 1 ]; then
+  rc=0
+  check gpu-fp32-np1 cpu-fp32 1e-4 1 1 --model tiny "${TINY[@]}" "${G[@]}" --gpu-comm "$COMM1" --precision fp32 || rc=$?
+  if [ "$rc" = 2 ] && [ "$COMM1" = nccl ]; then  # did NCCL fail? The rest of the run then uses --gpu-comm mpi.
+    if check gpu-fp32-np1-mpi cpu-fp32 1e-4 1 1 --model tiny "${TINY[@]}" "${G[@]}" --gpu-comm mpi --precision fp32; then
+      COMM1=mpi
+      echo "  NOTE: 1 rank works with --gpu-comm mpi but not with nccl: the 1-rank runs below use --gpu-comm mpi"
+    fi
+  fi
+  check gpu-fp32-np2 cpu-fp32 1e-4 1 2 --model tiny "${TINY[@]}" "${G[@]}" --gpu-comm mpi --precision fp32
+  check gpu-uneven-np2 cpu-uneven 1e-4 1 2 --model test-uneven "${TINY[@]}" "${G[@]}" --gpu-comm mpi --precision fp32
+  check gpu-bf16-np1 cpu-fp32 2e-2 1 1 --model tiny "${TINY[@]}" "${G[@]}" --gpu-comm "$COMM1" --precision bf16
+  check gpu-bf16-np2 cpu-fp32 2e-2 1 2 --model tiny "${TINY[@]}" "${G[@]}" --gpu-comm mpi --precision bf16
+  check gpu-bf16r-np2 cpu-fp32 2e-2 1 2 --model tiny "${TINY[@]}" "${G[@]}" --gpu-comm mpi --precision bf16 --reduce-dtype bf16
+  v=$(grep -h -m1 -o 'NCCL version [^ ]*' "$L"/gpu-*.log 2>/dev/null | head -1)
+  [ -n "$v" ] && echo "  ($v)"
+else
+  for n in gpu-fp32-np1 gpu-fp32-np2 gpu-uneven-np2 gpu-bf16-np1 gpu-bf16-np2 gpu-bf16r-np2; do skipped "$n" "no CUDA device"; done
+fi
+
+# ---- 4. checkpoints across devices ------------------------------------------------------------
+stage "4. checkpoints across devices: save at step 10, resume to 20, vs the uninterrupted CPU run" 50
+# resume NAME SAVE_DEVICE_ARGS -- RESUME_DEVICE_ARGS: both halves at 1 rank, fp32.
+resume() {
+  local name=$1 a=()
+  shift
+  while [ "$1" != -- ]; do a+=("$1"); shift; done
+  shift
+  if ! run_np "$name-save" 40 1 --model tiny "${TINY[@]}" --precision fp32 "${a[@]}" --checkpoint-dir "$W/ck-$name" \
+    --stop-at-step 10; then
+    bad "$name: first half"
+    tail_log "$L/$name-save.log"
+    return
+  fi
+  EXPECT="resumed from '.*step_00000010.h5' at step 10" \
+    check "$name" cpu-fp32 1e-4 11 1 --model tiny "${TINY[@]}" --precision fp32 "$@" --checkpoint-dir "$W/ck-$name" --resume auto
+}
+resume ckpt-cpu-to-cpu --device cpu -- --device cpu  # control
+if [ "$GPU" = 1 ]; then
+  resume ckpt-gpu-to-cpu "${G[@]}" --gpu-comm "$COMM1" -- --device cpu
+  resume ckpt-cpu-to-gpu --device cpu -- "${G[@]}" --gpu-comm "$COMM1"
+else
+  skipped ckpt-gpu-to-cpu "no CUDA device"
+  skipped ckpt-cpu-to-gpu "no CUDA device"
+fi
+
+# ---- 5. benchmark -----------------------------------------------------------------------------
+stage "5. benchmark: 1 rank (--gpu-comm $COMM1), seq $BENCH_SEQ, batch $BENCH_BATCH (no accumulation), $BENCH_STEPS steps" $((T_END - SECONDS))
+ROWS=()
+GPU_NAME=$( [ "$DEV" = cuda ] && nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+for mp in $BENCH_MODELS; do
+  model=${mp%%:*} prec=${mp##*:} name=bench-${mp//:/-}
+  if [ "$GPU" = 0 ]; then skipped "$name" "no CUDA device"; continue; fi
+  case $model in  # layers, hidden size (src/model/config.cpp)
+    llama-125m) LC="12 768" tmo=70 ;;
+    llama-350m) LC="24 1024" tmo=100 ;;
+    demo) LC="4 128" tmo=60 ;;
+    *) LC="2 32" tmo=60 ;;
+  esac
+  mempid=
+  if [ "$DEV" = cuda ] && command -v nvidia-smi >/dev/null 2>&1; then
+    nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 250 >"$L/$name.mem" 2>/dev/null &
+    mempid=$!
+  fi
+  rc=0
+  run_np "$name" "$tmo" 1 --model "$model" --data "$DATA" --seq-len "$BENCH_SEQ" --global-batch "$BENCH_BATCH" \
+    --micro-batch "$BENCH_BATCH" --steps "$BENCH_STEPS" --log-every 1 --eval-batches 1 --device "$DEV" \
+    --gpu-comm "$COMM1" --precision "$prec" || rc=$?
+  if [ -n "$mempid" ]; then kill "$mempid" 2>/dev/null; wait "$mempid" 2>/dev/null; fi
+  # shellcheck disable=SC2086  # LC is two numbers
+  out=$(python3 - "$L/$name.jsonl" "$L/$name.log" "$L/$name.mem" "$model" "$prec" "$BENCH_SEQ" "$BENCH_BATCH" \
+    "$BENCH_STEPS" "$PEAK_FLOPS" $LC <<'PY'
+import json, os, re, sys
+metrics, log, mem, model, prec, T, B, steps, peak, L, C = sys.argv[1:]
+T, B, steps, peak, L, C = int(T), int(B), int(steps), float(peak), int(L), int(C)
+rows = [json.loads(l) for l in open(metrics)] if os.path.exists(metrics) else []
+tr = {r["step"]: r for r in rows if "loss" in r}
+m = re.search(r"model \S+, (\d+) parameters", open(log).read()) if os.path.exists(log) else None
+if not m or not any(s in tr for s in range(3, steps + 1)):
+    print("FAIL no step 3.. in the metrics"); sys.exit()
+N = int(m.group(1))
+sel = [tr[s] for s in range(3, steps + 1) if s in tr]
+tps = sum(r["tokens_per_s"] for r in sel) / len(sel)
+flops_per_token = 6 * N + 12 * L * C * T
+mfu = tps * flops_per_token / peak
+mems = [int(x) for x in open(mem).read().split() if x.isdigit()] if os.path.exists(mem) else []
+memstr = f"{max(mems) / 1024:.1f} GiB" if mems else "n/a"
+note = "" if len(sel) == steps - 2 else f" (only steps 3-{max(tr)} ran)"
+print(f"INFO {model} {prec}: {tps:,.0f} tok/s (mean of steps 3-{max(r['step'] for r in sel)}: "
+      f"{min(r['tokens_per_s'] for r in sel):,.0f}..{max(r['tokens_per_s'] for r in sel):,.0f}), "
+      f"{B * T / tps:.3f} s/step, {flops_per_token * tps / 1e12:.1f} TFLOP/s, loss {tr[min(tr)]['loss']:.3f} -> "
+      f"{tr[max(tr)]['loss']:.3f}, peak GPU memory {memstr}{note}")
+partial = f" (steps 3-{max(tr)} of {steps})" if note else ""
+print(f"ROW | {model} | {N / 1e6:.1f}M | {prec} | {T} | {B} | {tps:,.0f}{partial} | {100 * mfu:.1f}% | {memstr} |")
+PY
+)
+  info=$(sed -n 's/^INFO //p' <<<"$out")
+  row=$(sed -n 's/^ROW //p' <<<"$out")
+  [ -n "$row" ] && ROWS+=("$row")
+  if [ "$rc" = 0 ] && [ -n "$row" ]; then ok "$name: $info"
+  else
+    bad "$name: exit status $rc${info:+; partial: $info}$(sed -n 's/^FAIL / /p' <<<"$out")"
+    tail_log "$L/$name.log"
+  fi
+done
+if [ ${#ROWS[@]} -gt 0 ]; then
+  echo
+  echo "Benchmark, ${GPU_NAME:-$DEV}, 1 rank (--gpu-comm $COMM1), $(date -u +%Y-%m-%d): tokens/s = mean of steps 3-$BENCH_STEPS;"
+  echo "MFU = tokens/s x (6N + 12 L C T) / 989 TFLOP/s (PaLM appendix B; H100/H200 SXM dense bf16 peak, also for fp32 rows);"
+  echo "peak memory = largest nvidia-smi memory.used sampled every 250 ms."
+  echo
+  echo "| model | params | precision | seq | batch | tokens/s | MFU | peak GPU memory |"
+  echo "|---|---|---|---|---|---|---|---|"
+  printf '%s\n' "${ROWS[@]}"
+fi
+
+echo
+echo "total $((SECONDS - T0)) s"
+[ ${#FAILED[@]} -gt 0 ] && echo "failed: ${FAILED[*]}"
+echo "gpu: $pass passed, $fail failed$([ "$skip" -gt 0 ] && echo ", $skip skipped")"
+[ "$fail" -eq 0 ]
+}
+
+main 2>&1 | tee "$L/run.txt" ${OUT:+"$OUT/summary.txt"}
+rc=${PIPESTATUS[0]}
+save_logs
+exit "$rc"
