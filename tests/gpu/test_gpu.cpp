@@ -46,7 +46,7 @@
 //   float: rtol 1e-5, atol 1e-6.  bf16: rtol 1e-2 (one bf16 ulp is at most 2^-7 = 0.0078 of a
 //            value: each side rounds a nearly equal fp32 value once), atol 1e-3.
 // Exceptions: embedding_backward on random data allows (r+1) roundings of T per row repeated r
-// times (the CPU bf16 reference rounds after every addition); on dyadic data (every partial sum
+// times (the CPU sums a row's repeats in float and rounds once, the GPU once per 2048 gathered positions); on dyadic data (every partial sum
 // exact) it is bitwise, as are embedding_forward, from_f32, the collectives and the mixed-precision
 // gathers. sum_squares (double accumulation): 1e-9 relative. Mixed-precision gradient shards: the
 // float criterion with m = sum over ranks of |g| / W, plus 2 (W - 1) 2^-8 m with reduce_bf16 (the

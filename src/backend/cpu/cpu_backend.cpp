@@ -91,6 +91,23 @@ template <typename T> class CpuBackend final : public Backend<T> {
     for (int i = 0; i < N; ++i) std::memcpy(out + static_cast<size_t>(i) * C, table + static_cast<size_t>(tok[i]) * C, C * sizeof(T));
   }
   void embedding_backward(T* dtable, const int32_t* tok, const T* dout, int N, int C) override {
+    if constexpr (!std::is_same_v<T, A>) {  // bf16: sum each token's rows in float, round once
+      order_.resize(static_cast<size_t>(N));
+      for (int i = 0; i < N; ++i) order_[static_cast<size_t>(i)] = i;
+      std::stable_sort(order_.begin(), order_.end(), [&](int a, int b) { return tok[a] < tok[b]; });
+      row_.resize(static_cast<size_t>(C));
+      for (size_t g = 0; g < order_.size();) {
+        const int32_t t = tok[order_[g]];
+        T* row = dtable + static_cast<size_t>(t) * C;
+        for (int c = 0; c < C; ++c) row_[static_cast<size_t>(c)] = math::ld(row[c]);
+        for (; g < order_.size() && tok[order_[g]] == t; ++g) {
+          const T* d = dout + static_cast<size_t>(order_[g]) * C;
+          for (int c = 0; c < C; ++c) row_[static_cast<size_t>(c)] += math::ld(d[c]);
+        }
+        for (int c = 0; c < C; ++c) row[c] = math::st<T>(row_[static_cast<size_t>(c)]);
+      }
+      return;
+    }
     for (int i = 0; i < N; ++i) {
       T* row = dtable + static_cast<size_t>(tok[i]) * C;
       const T* d = dout + static_cast<size_t>(i) * C;
@@ -220,6 +237,7 @@ template <typename T> class CpuBackend final : public Backend<T> {
  private:
   std::vector<A> row_;     // one row of exponentials (cross_entropy without in-place dlogits, bf16 softmax)
   std::vector<A> dwacc_;   // bf16 rmsnorm_backward: dw summed over rows in float
+  std::vector<int> order_; // bf16 embedding_backward: positions grouped by token
   std::vector<float> fa_, fb_, fc_;  // bf16 GEMM operands widened to float
 
   static void* aligned_zeroed(size_t bytes) {
