@@ -61,9 +61,12 @@ if ldd "$BIN" | grep -q libcudart; then
   expect_fail no_gpu "option '--device cuda': no CUDA device visible on node" 2 "${A2[@]}" --device cuda
   # More ranks on a node than GPUs without --gpu-comm mpi (the device count is faked: the rule
   # is checked before any CUDA call, so no GPU is needed to test it).
+  # It names the rule, fails on every rank, and leaves the published checkpoints of the run alone.
+  sums=$(sha256sum "$WORK"/ck1/*.h5 "$WORK/ck1/latest")
   export SHARDTRAIN_FAKE_CUDA_DEVICES=1
   expect_fail more_ranks_than_gpus "2 ranks run on node $(hostname) but it has only 1 visible CUDA device (2 ranks on GPU 0): NCCL refuses two ranks on one GPU" 2 \
-    "${A2[@]}" --device cuda
+    --model tiny --data "$DATA" --seq-len 32 --global-batch 8 --threads 1 --device cuda --checkpoint-dir "$WORK/ck1" --resume auto --steps 30
+  [ "$(sha256sum "$WORK"/ck1/*.h5 "$WORK/ck1/latest")" = "$sums" ] || fail "more_ranks_than_gpus: checkpoints changed"
   expect_fail more_ranks_than_gpus_auto "but it has only 1 visible CUDA device" 2 "${A2[@]}" --device auto
   unset SHARDTRAIN_FAKE_CUDA_DEVICES
 else
