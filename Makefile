@@ -61,13 +61,17 @@ MPI_OBJS := $(MPI_SRCS:%.cpp=$(BUILD)/%.o)
 GPU_SRCS := $(wildcard tests/gpu/*.cpp) tests/test_main.cpp
 GPU_OBJS := $(GPU_SRCS:%.cpp=$(BUILD)/%.o)
 
-.PHONY: all deps build test jobs-test demo bench clean data venv
+.PHONY: all deps build binaries test jobs-test demo bench clean data venv
 all: build
 
 deps:
 	bash scripts/install-deps.sh
 
-build: $(BUILD)/shardtrain $(BUILD)/unit_tests $(BUILD)/mpi_tests $(BUILD)/gpu_tests
+# `make build` compiles with one job per core (JOBS=1 for a serial build).
+JOBS ?= $(shell nproc 2>/dev/null || echo 2)
+build:
+	$(MAKE) --no-print-directory -j$(JOBS) binaries
+binaries: $(BUILD)/shardtrain $(BUILD)/unit_tests $(BUILD)/mpi_tests $(BUILD)/gpu_tests
 
 $(BUILD)/%.o: %.cpp
 	@mkdir -p $(dir $@)
