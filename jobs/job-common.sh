@@ -254,10 +254,10 @@ st_train_main() {
     # Not `--help | grep -q`: with pipefail, grep's early exit can fail the pipeline (SIGPIPE).
     local help
     help=$("$ST_BIN" --help 2>/dev/null) || help=
-    if grep -q -- '--device' <<<"$help"; then
+    if grep -q -- 'CUDA backend: built' <<<"$help"; then
       st_extra device >/dev/null || st_ini "$ST_JOB" device >/dev/null || args+=(--device cuda)
     else
-      st_note "warning: '$ST_BIN' has no --device option (a CPU-only build): the ranks train on the CPU and the GPUs stay idle"
+      st_note "warning: '$ST_BIN' has no CUDA backend (a CPU-only build): the ranks train on the CPU and the GPUs stay idle"
     fi
   fi
   st_launcher "$n" "${srun_extra[@]}"

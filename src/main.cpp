@@ -165,7 +165,9 @@ int main(int argc, char** argv) {
     Options o = parse_options(comm, argc, argv);
     comm.set_collective_timeout(o.collective_timeout);
     if (o.help) {
-      log_info(comm, o.help_text);
+      log_info(comm, o.help_text + "\n" +
+                         (cuda_built() ? "CUDA backend: built (cuBLAS, NCCL; --device cuda)"
+                                       : "CUDA backend: not built (no nvcc at build time; --device cpu only)"));
       return 0;
     }
     if (o.mode == "prepare") run_prepare(comm, o);

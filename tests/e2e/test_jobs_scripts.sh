@@ -209,19 +209,27 @@ echo "ok: train-multinode dry run (LAUNCHER=mpirun): $OUT"
 dry bad_launcher "${MULTI_ENV[@]}" SHARDTRAIN_BIN="$BIN" LAUNCHER=mpiexec -- train-multinode.sbatch jobs/llama-350m.ini
 errs 2 "LAUNCHER='mpiexec'"
 
-# train-gpu.sbatch: one GPU per rank; --device cuda only when the binary lists --device.
-dry gpu_cpu_build "${GPU_ENV[@]}" SHARDTRAIN_BIN="$BIN" -- train-gpu.sbatch jobs/llama-125m.ini
+# train-gpu.sbatch: one GPU per rank; --device cuda only when the binary has the CUDA backend.
+mkdir -p "$WORK/cpubin"
+cat >"$WORK/cpubin/shardtrain" <<'EOF'
+#!/bin/bash
+# A stand-in for a CPU-only build of shardtrain (made without nvcc).
+if [ "${1:-}" = --help ]; then printf '  --config arg\n  --device arg (=auto)\nCUDA backend: not built (no nvcc)\n'; exit 0; fi
+exit 3
+EOF
+chmod +x "$WORK/cpubin/shardtrain"
+dry gpu_cpu_build "${GPU_ENV[@]}" SHARDTRAIN_BIN="$WORK/cpubin/shardtrain" -- train-gpu.sbatch jobs/llama-125m.ini
 launched srun
 for w in --ntasks=8 --ntasks-per-node=4 --gpus-per-task=1; do has "$w"; done
 opt --config jobs/llama-125m.ini
 opt --resume auto
 hasnt --device
-grep -q "warning: .* has no --device option" "$WORK/$CASE.err" || bad "no warning about the missing --device option"
+grep -q "warning: .* has no CUDA backend" "$WORK/$CASE.err" || bad "no warning about the missing CUDA backend"
 mkdir -p "$WORK/cudabin"
 cat >"$WORK/cudabin/shardtrain" <<'EOF'
 #!/bin/bash
-# A stand-in for a CUDA build of shardtrain: its --help lists --device.
-if [ "${1:-}" = --help ]; then printf '  --config arg\n  --device arg (=cpu)    cpu | cuda\n'; exit 0; fi
+# A stand-in for a CUDA build of shardtrain: its --help ends with "CUDA backend: built".
+if [ "${1:-}" = --help ]; then printf '  --config arg\n  --device arg (=auto)\nCUDA backend: built (cuBLAS, NCCL; --device cuda)\n'; exit 0; fi
 exit 3
 EOF
 chmod +x "$WORK/cudabin/shardtrain"
@@ -230,13 +238,16 @@ launched srun
 has --gpus-per-task=1
 opt --device cuda
 [ "${W[-2]} ${W[-1]}" = "--device cuda" ] || bad "--device cuda is not last (pass-through options must come after it)"
-! grep -q warning "$WORK/$CASE.err" || bad "warned although the binary has --device"
+! grep -q warning "$WORK/$CASE.err" || bad "warned although the binary has the CUDA backend"
 dry gpu_device_given "${GPU_ENV[@]}" SHARDTRAIN_BIN="$WORK/cudabin/shardtrain" -- train-gpu.sbatch jobs/llama-125m.ini --device=cpu
 launched srun
 hasnt cuda
 has --device=cpu
-echo "ok: train-gpu dry run: --gpus-per-task=1, no --device and a warning for this CPU build; --device cuda for a" \
-  "binary whose --help lists it (unless given)"
+echo "ok: train-gpu dry run: --gpus-per-task=1, no --device and a warning for a CPU-only build; --device cuda for a" \
+  "binary with the CUDA backend (unless given)"
+# The real binary says which it is.
+if ldd "$BIN" | grep -q libcudart; then "$BIN" --help | grep -q "CUDA backend: built" || bad "--help of a CUDA build"
+else "$BIN" --help | grep -q "CUDA backend: not built" || bad "--help of a CPU-only build"; fi
 
 # Array sweeps. One job file: --seed = SLURM_ARRAY_TASK_ID, checkpoints and metrics per task.
 for s in "${TRAIN[@]}"; do
