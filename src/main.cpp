@@ -51,7 +51,8 @@ void run_train(Comm& comm, const Topology& topo, const Options& o) {
     try {
       dp = plan_devices(o.device, o.gpu_comm, topo.local_rank, topo.local_size, n, cuda_built(), topo.host);
     } catch (const std::invalid_argument& e) {
-      throw std::runtime_error(std::string(e.what()) + (n == 0 && !why.empty() ? " [CUDA runtime: " + why + "]" : ""));
+      throw std::runtime_error(std::string(e.what()) +
+                               (cuda_built() && n == 0 && !why.empty() ? " [CUDA runtime: " + why + "]" : ""));
     }
   });
   int64_t on_gpu = dp.cuda ? 1 : 0;
@@ -97,6 +98,9 @@ void run_train(Comm& comm, const Topology& topo, const Options& o) {
   log_info(comm, "shardtrain: " + std::to_string(topo.world_size) + " ranks (" + std::to_string(topo.local_size) +
                      " on " + topo.host + "), device " + dp.summary + where + ", precision " + o.precision +
                      (prec == Precision::BF16 ? " (gradients reduced in " + o.reduce_dtype + ")" : ""));
+  if (prec == Precision::FP32 && o.reduce_dtype != "fp32")
+    log_info(comm, "note: '--reduce-dtype " + o.reduce_dtype + "' applies only with '--precision bf16'; gradients are "
+                   "reduced in fp32");
   if (!dp.cuda && prec == Precision::BF16)
     log_info(comm, "note: bf16 on the CPU is emulated (float math, bf16 rounding): slow, meant for testing");
   Engine eng{comm, dcomm ? *dcomm : comm, *be, be16.get(), prec, o.reduce_dtype == "bf16"};

@@ -1,8 +1,9 @@
 // shardtrain CUDA layer: device discovery and placement, the CUDA backend (cuBLAS + kernels) and
 // the device-buffer collectives (NCCL, or MPI on host copies for ranks that share a GPU).
 //
-// Always declared; when the build had no nvcc (SHARDTRAIN_CUDA undefined) cuda_built() is false,
-// cuda_device_count() is 0 and the factories throw std::runtime_error("built without CUDA ...").
+// Always declared; in a build without the CUDA backend (no nvcc, or make CUDA=0) cuda_built() is
+// false, cuda_device_count() is 0 (unless the test hook below fakes a count) and the factories
+// throw std::runtime_error("built without CUDA ...").
 // Nothing here calls a collective on its own except make_nccl_comm (see there).
 #pragma once
 
@@ -28,7 +29,7 @@ struct DevicePlan {
   bool cuda = false;      // run the backend on a GPU
   int gpu = -1;           // CUDA device ordinal of this rank (local rank modulo device count)
   bool nccl = false;      // data collectives through NCCL (else MPI on host copies)
-  std::string summary;    // one line for the log, e.g. "cuda (4 devices on node n1, NCCL)"
+  std::string summary;    // one line for the log, e.g. "cuda (4 devices on node n1, NCCL collectives)"
 };
 
 // Identity of CUDA device `device` as this process sees it: "GPU-<uuid hex>" (the same string
@@ -79,13 +80,16 @@ template <typename T> std::unique_ptr<Backend<T>> make_cuda_backend(CudaContext&
 // Collective. A Comm on device buffers over the ranks of `host` (every rank of host must call it):
 // rank 0 makes an ncclUniqueId, `host` broadcasts it, every rank calls ncclCommInitRank on its
 // GPU. Collectives run on ctx's stream and are complete (stream-synchronized) on return, as the
-// MPI Comm's are. NCCL init failure on any rank is agreed through `host` (all_ok) and thrown as
-// CollectiveError on every rank. barrier/watchdog/mpi_handle are delegated to `host`.
+// MPI Comm's are. A failure to make the id on rank 0 is agreed (all_ok): CollectiveError on every
+// rank. ncclCommInitRank is itself collective: when it fails on one rank, the others may wait
+// inside it; that wait runs under the host's collective watchdog (--collective-timeout), which
+// ends the job. Local init failures after it are agreed. barrier/watchdog/mpi_handle are
+// delegated to `host`; `host` and `ctx` must outlive the returned Comm.
 std::unique_ptr<Comm> make_nccl_comm(Comm& host, CudaContext& ctx);
 
 // A Comm on device buffers that copies to host memory, runs the collective with `host` (MPI) and
 // copies back: slower than NCCL, but works for several ranks sharing one GPU. Not collective to
-// create.
+// create. `host` and `ctx` must outlive it.
 std::unique_ptr<Comm> make_staged_comm(Comm& host, CudaContext& ctx);
 
 }  // namespace shardtrain

@@ -160,6 +160,15 @@ Options parse_options(Comm& comm, int argc, char** argv) {
   po::options_description desc = describe(o);
   po::variables_map vm;
   std::string err;
+  {  // Every rank must hold the same command line (an MPMD launch could give ranks different
+     // options, e.g. one rank in bf16: the run would then crash in a mismatched collective).
+    std::string line;
+    for (int i = 1; i < argc; ++i) line.append(argv[i]).push_back('\0');
+    uint64_t h[2] = {fnv1a64(line), ~fnv1a64(line)};  // max(h) and max(~h) = ~min(h)
+    comm.all_reduce(h, 2, ReduceOp::Max);
+    all_ok(comm, h[0] == fnv1a64(line) && h[1] == ~fnv1a64(line),
+           "the ranks were started with different command-line options; every rank must get the same ones");
+  }
   // Command line first (values stored first win in Boost), on every rank: argv is the same.
   try {
     po::positional_options_description pos;

@@ -23,7 +23,7 @@ DevicePlan plan_devices(const std::string& device, const std::string& gpu_comm, 
   }
   if (!built)
     throw std::invalid_argument("option '--device cuda': this shardtrain was built without CUDA (no nvcc at build "
-                                "time); rebuild on a machine with the CUDA toolkit, or use '--device cpu'");
+                                "time, or make CUDA=0); rebuild with the CUDA toolkit, or use '--device cpu'");
   if (devices <= 0)
     throw std::invalid_argument("option '--device cuda': no CUDA device visible on node " + host +
                                 " (check the driver, CUDA_VISIBLE_DEVICES, and the job's --gpus-per-task); or use "

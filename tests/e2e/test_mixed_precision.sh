@@ -22,8 +22,8 @@ grep -q "precision bf16 (gradients reduced in bf16)" "$WORK/bf16r.log" || fail "
 # compare A B FIRST LAST TOL: step losses FIRST..LAST (1-based lines of the metrics) of A and B
 # agree within TOL relative; prints the worst difference; fails if A and B are identical (then the
 # bf16 path did not run).
-compare() {
-  "$PY" - "$@" <<'PY'
+compare() {  # only the standard library: no venv needed
+  python3 - "$@" <<'PY'
 import json, sys
 a, b, first, last, tol = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
 def losses(p): return {j["step"]: j["loss"] for j in map(json.loads, open(p)) if "loss" in j}
@@ -73,3 +73,14 @@ else
   expect_fail no_cuda_build "this shardtrain was built without CUDA" 2 "${A2[@]}" --device cuda
 fi
 echo "ok: device option refusals"
+
+# Ranks started with different options (an MPMD launch, one rank in bf16) must not meet in
+# mismatched collectives: one agreed error instead.
+rc=0
+timeout -k 5 60 $MPIRUN -np 1 "$BIN" "${A2[@]}" --precision bf16 : -np 1 "$BIN" "${A2[@]}" >"$WORK/mpmd.log" 2>&1 || rc=$?
+[ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] || { cat "$WORK/mpmd.log"; fail "mpmd: exit status $rc"; }
+for r in 0 1; do
+  grep -q "error \[rank $r/2\]: the ranks were started with different command-line options" "$WORK/mpmd.log" \
+    || { cat "$WORK/mpmd.log"; fail "mpmd: rank $r did not report the mismatch"; }
+done
+echo "ok: ranks with different options (one in bf16) fail together with one message"
