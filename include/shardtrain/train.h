@@ -41,6 +41,7 @@ struct TrainConfig {
   int64_t stop_at_step = 0;    // stop (and save) after this step, keeping the schedule of `steps`; 0: run to `steps`
   int64_t debug_crash_before_publish = 0;  // test hook (see CheckpointOptions)
   bool skip_nonfinite = false;  // skip the update of a step with a non-finite loss or gradient norm instead of stopping
+  std::string precision = "fp32";  // set by train() from the Engine, recorded in checkpoints: fp32 | bf16 (+ reduce dtype)
 };
 
 // Thrown on every rank, at the same step, when some rank received SIGTERM or SIGUSR1: the step in

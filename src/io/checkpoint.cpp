@@ -257,7 +257,7 @@ void write_checkpoint_file(Comm& comm, const std::string& tmp_path, Fsdp<float>&
     json tcj = {{"seq_len", tc.seq_len}, {"global_batch", tc.global_batch}, {"micro_batch", tc.micro_batch},
                 {"steps", tc.steps}, {"lr", tc.lr}, {"min_lr", tc.min_lr}, {"warmup", tc.warmup},
                 {"beta1", tc.beta1}, {"beta2", tc.beta2}, {"eps", tc.eps}, {"weight_decay", tc.weight_decay},
-                {"clip", tc.clip}, {"seed", tc.seed}};
+                {"clip", tc.clip}, {"seed", tc.seed}, {"precision", tc.precision}};
     write_attr_str(file, "format", kFormatName);
     write_attr_i64(file, "format_version", kCheckpointFormatVersion);
     write_attr_i64(file, "step", st.step);

@@ -308,11 +308,14 @@ static TrainResult train_in(Engine& eng, const ModelConfig& mc, const TrainConfi
   return res;
 }
 
-TrainResult train(Engine& eng, const ModelConfig& mc, const TrainConfig& tc, const TokenDataset& data) {
+TrainResult train(Engine& eng, const ModelConfig& mc, const TrainConfig& tc_in, const TokenDataset& data) {
+  TrainConfig tc = tc_in;
   if (eng.precision == Precision::BF16) {
     if (!eng.be16) throw std::logic_error("train: Precision::BF16 without a bf16 backend");
+    tc.precision = eng.reduce_bf16 ? "bf16 (bf16 gradient reduce)" : "bf16 (fp32 gradient reduce)";
     return train_in<bf16>(eng, mc, tc, data);
   }
+  tc.precision = "fp32";
   return train_in<float>(eng, mc, tc, data);
 }
 

@@ -48,6 +48,9 @@ run half1 --precision bf16 --checkpoint-dir "$WORK/ck1" --stop-at-step 10
 run half2 --precision fp32 --checkpoint-dir "$WORK/ck1" --resume auto
 grep -q "resumed from '.*step_00000010.h5' at step 10" "$WORK/half2.log" || { cat "$WORK/half2.log"; fail "fp32 did not resume the bf16 checkpoint"; }
 compare "$WORK/fp32.jsonl" "$WORK/half2.jsonl" 11 20 2e-2 || fail "fp32 resumed from a bf16 checkpoint"
+"$BIN" --mode inspect "$WORK/ck1/step_00000010.h5" | grep -q '"precision":"bf16 (fp32 gradient reduce)"' \
+  || fail "the bf16 checkpoint does not record its precision"
+"$BIN" --mode inspect "$WORK/ck1/step_00000020.h5" | grep -q '"precision":"fp32"' || fail "the fp32 checkpoint does not record its precision"
 timeout -k 5 300 $MPIRUN -np 2 "$BIN" "${ARGS[@]}" --precision fp32 --checkpoint-dir "$WORK/ck2" --stop-at-step 10 >"$WORK/h3.log" 2>&1 || fail "fp32 first half"
 timeout -k 5 300 $MPIRUN -np 1 "$BIN" "${ARGS[@]}" --precision bf16 --checkpoint-dir "$WORK/ck2" --resume auto --metrics "$WORK/half4.jsonl" >"$WORK/h4.log" 2>&1 || { cat "$WORK/h4.log"; fail "bf16 resume at 1 rank"; }
 compare "$WORK/fp32.jsonl" "$WORK/half4.jsonl" 11 20 2e-2 || fail "bf16 at 1 rank resumed from an fp32 checkpoint of 2 ranks"
