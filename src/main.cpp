@@ -93,7 +93,8 @@ void run_train(Comm& comm, const Topology& topo, const Options& o) {
     }
   });
   if (dp.cuda && dp.nccl) dcomm = make_nccl_comm(comm, *ctx);  // collective; agrees on failure itself
-  std::string where = dp.cuda ? ", rank 0 on cuda:" + std::to_string(dp.gpu) + " (" + ctx->device_name() + ")"
+  std::string where = dp.cuda ? ", rank 0 on cuda:" + std::to_string(dp.gpu) + " (" + ctx->device_name() + ", " +
+                                    std::to_string(ctx->free_bytes() >> 30) + " GiB free)"
                               : ", " + std::to_string(threads) + " BLAS thread(s) per rank";
   log_info(comm, "shardtrain: " + std::to_string(topo.world_size) + " ranks (" + std::to_string(topo.local_size) +
                      " on " + topo.host + "), device " + dp.summary + where + ", precision " + o.precision +
@@ -103,7 +104,12 @@ void run_train(Comm& comm, const Topology& topo, const Options& o) {
                    "reduced in fp32");
   if (!dp.cuda && prec == Precision::BF16)
     log_info(comm, "note: bf16 on the CPU is emulated (float math, bf16 rounding): slow, meant for testing");
-  Engine eng{comm, dcomm ? *dcomm : comm, *be, be16.get(), prec, o.reduce_dtype == "bf16"};
+  // MFU in the log: the job's peak is the sum over ranks of their GPU's (0 if any GPU is unknown).
+  double peak[2] = {dp.cuda ? gpu_peak_bf16_flops(ctx->device_name()) : 0.0, 0.0};
+  peak[1] = -peak[0];
+  comm.all_reduce(peak, 2, ReduceOp::Max);  // peak[1] = -min
+  const double job_peak = -peak[1] > 0 ? -peak[1] * topo.world_size : 0.0;
+  Engine eng{comm, dcomm ? *dcomm : comm, *be, be16.get(), prec, o.reduce_dtype == "bf16", job_peak};
   train(eng, mc, o.train, *data);
 }
 

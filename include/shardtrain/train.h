@@ -105,7 +105,13 @@ struct Engine {
   Backend<bf16>* be16 = nullptr;  // bf16 compute; required when precision == BF16
   Precision precision = Precision::FP32;
   bool reduce_bf16 = false;       // BF16 only: reduce-scatter gradients in bf16 (default fp32)
+  double peak_flops = 0;          // dense bf16 peak of all ranks' devices together, FLOP/s; 0 = unknown (no MFU)
 };
+
+// Model FLOPs per trained token at sequence length T (forward + backward): 6 N for the weight
+// matrices plus 12 L C T for attention scores and their use (PaLM, Chowdhery et al. 2022,
+// appendix B). N = the model's parameter count. MFU = tokens/s * this / peak FLOP/s.
+double flops_per_token(const ModelConfig& c, int T);
 
 // Collective. Trains `model_cfg` on `data` with `tc`, from a fresh init or from the checkpoint
 // named by tc.resume (any world size, any device, any precision: checkpoints hold fp32 master

@@ -72,6 +72,11 @@ std::string fmt(const char* f, double v) {
 }
 }  // namespace
 
+double flops_per_token(const ModelConfig& c, int T) {
+  return 6.0 * static_cast<double>(c.num_params()) +
+         12.0 * c.num_hidden_layers * static_cast<double>(c.hidden_size) * static_cast<double>(T);
+}
+
 Precision parse_precision(const std::string& s) {
   if (s == "fp32") return Precision::FP32;
   if (s == "bf16") return Precision::BF16;
@@ -270,7 +275,9 @@ static TrainResult train_in(Engine& eng, const ModelConfig& mc, const TrainConfi
       interval_steps = 0;
       log_info(comm, "step " + std::to_string(s + 1) + "/" + std::to_string(tc.steps) + " | loss " + fmt("%.4f", loss) +
                          " | lr " + fmt("%.3e", lr) + " | grad_norm " + fmt("%.4f", gnorm) + " | " +
-                         fmt("%.0f", sl.tokens_per_s) + " tok/s | " + fmt("%.1f", sl.elapsed_s) + " s");
+                         fmt("%.0f", sl.tokens_per_s) + " tok/s | " +
+                         (eng.peak_flops > 0 ? "MFU " + fmt("%.1f", 100.0 * sl.tokens_per_s * flops_per_token(mc, tc.seq_len) / eng.peak_flops) + "% | " : std::string()) +
+                         fmt("%.1f", sl.elapsed_s) + " s");
       if (metrics.is_open()) {
         nlohmann::json j = {{"step", sl.step}, {"loss", loss}, {"lr", lr}, {"grad_norm", gnorm},
                             {"tokens_per_s", sl.tokens_per_s}, {"elapsed_s", sl.elapsed_s}};
