@@ -104,11 +104,10 @@ void run_train(Comm& comm, const Topology& topo, const Options& o) {
                    "reduced in fp32");
   if (!dp.cuda && prec == Precision::BF16)
     log_info(comm, "note: bf16 on the CPU is emulated (float math, bf16 rounding): slow, meant for testing");
-  // MFU in the log: the job's peak is the sum over ranks of their GPU's (0 if any GPU is unknown).
-  double peak[2] = {dp.cuda ? gpu_peak_bf16_flops(ctx->device_name()) : 0.0, 0.0};
-  peak[1] = -peak[0];
-  comm.all_reduce(peak, 2, ReduceOp::Max);  // peak[1] = -min
-  const double job_peak = -peak[1] > 0 ? -peak[1] * topo.world_size : 0.0;
+  // MFU in the log: the job's peak is world size x the slowest rank's GPU peak (0 if any GPU is unknown).
+  double peak = dp.cuda ? gpu_peak_bf16_flops(ctx->device_name()) : 0.0;
+  comm.all_reduce(&peak, 1, ReduceOp::Min);
+  const double job_peak = peak * topo.world_size;
   Engine eng{comm, dcomm ? *dcomm : comm, *be, be16.get(), prec, o.reduce_dtype == "bf16", job_peak};
   train(eng, mc, o.train, *data);
 }

@@ -191,6 +191,10 @@ template <typename Fn> void agree(Comm& comm, Fn&& fn) {
 // that all ranks hold identical canonical configs.
 uint64_t fnv1a64(const std::string& s);
 
+// Collective. True on every rank iff every rank passed the same `value` (e.g. an fnv1a64 hash):
+// one all-reduce of {value, ~value} with Max (max of ~value is ~min of value).
+bool same_on_all_ranks(Comm& comm, uint64_t value);
+
 // Logging: rank 0 prints informational lines; every rank prints errors.
 void log_info(const Comm& comm, const std::string& line);  // stdout, rank 0 only
 void log_error(int rank, int world, const std::string& line);  // stderr, any rank

@@ -119,9 +119,6 @@ double flops_per_token(const ModelConfig& c, int T);
 // the batch geometry does not fit the world size or the data, memory runs out, or a checkpoint
 // cannot be read or written.
 TrainResult train(Engine& eng, const ModelConfig& model_cfg, const TrainConfig& tc, const TokenDataset& data);
-// fp32 on one backend whose buffers `comm` moves (the CPU): train({comm, comm, be}, ...).
-TrainResult train(Comm& comm, Backend<float>& be, const ModelConfig& model_cfg, const TrainConfig& tc,
-                  const TokenDataset& data);
 
 // Collective. Mean validation loss (nats/token) of `model` over `batches` global batches.
 template <typename T>

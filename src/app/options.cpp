@@ -164,9 +164,7 @@ Options parse_options(Comm& comm, int argc, char** argv) {
      // options, e.g. one rank in bf16: the run would then crash in a mismatched collective).
     std::string line;
     for (int i = 1; i < argc; ++i) line.append(argv[i]).push_back('\0');
-    uint64_t h[2] = {fnv1a64(line), ~fnv1a64(line)};  // max(h) and max(~h) = ~min(h)
-    comm.all_reduce(h, 2, ReduceOp::Max);
-    all_ok(comm, h[0] == fnv1a64(line) && h[1] == ~fnv1a64(line),
+    all_ok(comm, same_on_all_ranks(comm, fnv1a64(line)),
            "the ranks were started with different command-line options; every rank must get the same ones");
   }
   // Command line first (values stored first win in Boost), on every rank: argv is the same.

@@ -314,11 +314,7 @@ ModelConfig resolve_model_config(Comm& comm, const std::string& spec) {
     local_err = e.what();
   }
   all_ok(comm, local_err.empty(), local_err);
-  uint64_t h[2] = {fnv1a64(canonical_json(c)), 0};
-  h[1] = h[0];
-  comm.all_reduce(&h[0], 1, ReduceOp::Min);
-  comm.all_reduce(&h[1], 1, ReduceOp::Max);
-  if (h[0] != h[1]) throw CollectiveError(0, "ranks disagree on the model config (hash mismatch after broadcast)");
+  if (!same_on_all_ranks(comm, fnv1a64(canonical_json(c)))) throw CollectiveError(0, "ranks disagree on the model config (hash mismatch after broadcast)");
   return c;
 }
 

@@ -272,6 +272,12 @@ void all_ok(Comm& comm, bool ok, const std::string& message) {
   throw CollectiveError(origin, msg);
 }
 
+bool same_on_all_ranks(Comm& comm, uint64_t value) {
+  uint64_t h[2] = {value, ~value};
+  comm.all_reduce(h, 2, ReduceOp::Max);
+  return h[0] == value && h[1] == ~value;
+}
+
 uint64_t fnv1a64(const std::string& s) {
   uint64_t h = 1469598103934665603ull;
   for (unsigned char c : s) {

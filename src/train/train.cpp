@@ -83,12 +83,6 @@ Precision parse_precision(const std::string& s) {
   throw std::invalid_argument("option '--precision': unknown value '" + s + "' (expected fp32 or bf16)");
 }
 
-TrainResult train(Comm& comm, Backend<float>& be, const ModelConfig& mc, const TrainConfig& tc,
-                  const TokenDataset& data) {
-  Engine eng{comm, comm, be};
-  return train(eng, mc, tc, data);
-}
-
 namespace {
 // The model and its unit source in compute type C, over the fp32 Fsdp `f`.
 template <typename C> struct Compute {
