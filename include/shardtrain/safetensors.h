@@ -17,9 +17,7 @@ const char* dtype_name(DType t);     // "F32", "BF16", "F16" (safetensors names)
 size_t dtype_size(DType t);          // bytes per element
 DType parse_export_dtype(const std::string& s);  // "fp32"|"bf16"|"fp16"; throws std::invalid_argument
 
-// Round-to-nearest-even conversions (NaN stays NaN; overflow to fp16 gives +-inf).
-uint16_t f32_to_bf16(float x);
-float bf16_to_f32(uint16_t h);
+// fp16 round-to-nearest-even conversions (NaN stays NaN; overflow gives +-inf). bf16: bf16.h.
 uint16_t f32_to_f16(float x);
 float f16_to_f32(uint16_t h);
 

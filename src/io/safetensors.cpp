@@ -1,6 +1,8 @@
 // safetensors I/O and the float conversions used by export.
 #include "shardtrain/safetensors.h"
 
+#include "shardtrain/bf16.h"
+
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
@@ -18,20 +20,6 @@ DType parse_export_dtype(const std::string& s) {
   if (s == "bf16") return DType::BF16;
   if (s == "fp16") return DType::F16;
   throw std::invalid_argument("option '--dtype' must be fp32, bf16 or fp16, got '" + s + "'");
-}
-
-uint16_t f32_to_bf16(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // quiet NaN
-  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest, ties to even
-  return static_cast<uint16_t>(u >> 16);
-}
-float bf16_to_f32(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float x;
-  std::memcpy(&x, &u, 4);
-  return x;
 }
 
 // IEEE binary32 -> binary16, round to nearest even, subnormals and overflow handled.
@@ -111,7 +99,7 @@ void write_safetensors(const std::string& path, const std::vector<StTensor>& ts,
       if (dt == DType::F32) {
         std::memcpy(buf.data() + 4 * i, &t.values[i], 4);  // little-endian host (x86-64, aarch64)
       } else {
-        uint16_t v = dt == DType::BF16 ? f32_to_bf16(t.values[i]) : f32_to_f16(t.values[i]);
+        uint16_t v = dt == DType::BF16 ? math::f32_to_bf16(t.values[i]).bits : f32_to_f16(t.values[i]);
         buf[2 * i] = static_cast<char>(v & 0xff);
         buf[2 * i + 1] = static_cast<char>(v >> 8);
       }
@@ -204,7 +192,7 @@ std::vector<float> read_safetensors_tensor(const StFile& f, const StEntry& e) {
     } else {
       uint16_t v = static_cast<uint16_t>(static_cast<unsigned char>(buf[2 * i]) |
                                          (static_cast<unsigned char>(buf[2 * i + 1]) << 8));
-      out[i] = e.dtype == DType::BF16 ? bf16_to_f32(v) : f16_to_f32(v);
+      out[i] = e.dtype == DType::BF16 ? math::bf16_to_f32(bf16{v}) : f16_to_f32(v);
     }
   }
   return out;
