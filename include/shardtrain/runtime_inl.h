@@ -1,6 +1,7 @@
 // Template glue of Comm (included by runtime.h): maps element types to the type-erased calls.
 #pragma once
 #include <cstdint>
+#include <stdexcept>
 #include <type_traits>
 
 #include "shardtrain/bf16.h"
@@ -20,7 +21,11 @@ template <typename T> void Comm::all_gather(const T* s, T* r, size_t n) { all_ga
 template <typename T> void Comm::reduce_scatter_sum(const T* s, T* r, size_t n) {
   reduce_scatter_sum_impl(s, r, n, dtype_of<T>());
 }
-template <typename T> void Comm::all_reduce(T* b, size_t n, ReduceOp op) { all_reduce_impl(b, n, dtype_of<T>(), op); }
+template <typename T> void Comm::all_reduce(T* b, size_t n, ReduceOp op) {
+  // Refused here, for every implementation alike (NCCL could do it, MPI has no bf16 type).
+  if constexpr (std::is_same_v<T, bf16>) throw std::logic_error("Comm::all_reduce: bf16 is not supported");
+  all_reduce_impl(b, n, dtype_of<T>(), op);
+}
 template <typename T> void Comm::broadcast(T* b, size_t n, int root) { broadcast_impl(b, n, dtype_of<T>(), root); }
 
 }  // namespace shardtrain

@@ -65,13 +65,6 @@ ncclRedOp_t nccl_op(ReduceOp op) {
   throw std::logic_error("NcclComm: unknown reduction");
 }
 
-// The Comm contract has no bf16 all_reduce (MpiComm throws this); refuse it identically here,
-// before anything moves, although NCCL could do it, so that code which works on one Comm works
-// on every Comm.
-void check_all_reduce_type(DType t) {
-  if (t == DType::BF16) throw std::logic_error("Comm::all_reduce: bf16 is not supported");
-}
-
 std::string host_name() {
   char b[256] = {};
   if (gethostname(b, sizeof b - 1) != 0) return "?";
@@ -134,7 +127,6 @@ class NcclComm final : public Comm {
         [&] { return ncclReduceScatter(send, recv, count, nccl_type(t), ncclSum, comm_, stream_); });
   }
   void all_reduce_impl(void* buf, size_t count, DType t, ReduceOp op) override {
-    check_all_reduce_type(t);
     if (count == 0) return;
     run("nccl all_reduce", "ncclAllReduce",
         [&] { return ncclAllReduce(buf, buf, count, nccl_type(t), nccl_op(op), comm_, stream_); });
@@ -252,7 +244,6 @@ class StagedComm final : public Comm {
     to_device(recv, hr, bytes, "reduce_scatter");
   }
   void all_reduce_impl(void* buf, size_t count, DType t, ReduceOp op) override {
-    check_all_reduce_type(t);
     const size_t bytes = count * dtype_size(t);
     char* h = all_.get(bytes);
     to_host(h, buf, bytes, "all_reduce");

@@ -202,7 +202,6 @@ void MpiComm::reduce_scatter_sum_impl(const void* send, void* recv, size_t count
 }
 
 void MpiComm::all_reduce_impl(void* buf, size_t count, DType t, ReduceOp op) {
-  if (t == DType::BF16) throw std::logic_error("Comm::all_reduce: bf16 is not supported");
   Guard g(wd_, "all_reduce");
   MPI_Op mop = op == ReduceOp::Sum ? MPI_SUM : op == ReduceOp::Max ? MPI_MAX : MPI_MIN;
   check_mpi(MPI_Allreduce(MPI_IN_PLACE, buf, to_count(count, "all_reduce"), mpi_type(static_cast<int>(t)), mop,
