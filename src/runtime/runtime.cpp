@@ -17,15 +17,16 @@ namespace {
 
 MPI_Comm as_mpi(void* c) { return reinterpret_cast<MPI_Comm>(c); }
 
-MPI_Datatype mpi_type(int t) {
+MPI_Datatype mpi_type(Comm::DType t) {
   switch (t) {
-    case 0: return MPI_FLOAT;
-    case 1: return MPI_DOUBLE;
-    case 2: return MPI_INT64_T;
-    case 3: return MPI_UINT64_T;
-    case 5: return MPI_UINT16_T;  // bf16 bits
-    default: return MPI_CHAR;
+    case Comm::DType::F32: return MPI_FLOAT;
+    case Comm::DType::F64: return MPI_DOUBLE;
+    case Comm::DType::I64: return MPI_INT64_T;
+    case Comm::DType::U64: return MPI_UINT64_T;
+    case Comm::DType::BF16: return MPI_UINT16_T;  // bf16 bits
+    case Comm::DType::I8: break;
   }
+  return MPI_CHAR;
 }
 
 // MPI has no bfloat16: sums of bf16 (carried as MPI_UINT16_T) go through this user-defined op,
@@ -184,19 +185,17 @@ void MpiComm::barrier() {
 }
 
 void MpiComm::all_gather_impl(const void* send, void* recv, size_t count, DType t) {
-  MPI_Datatype dt = mpi_type(static_cast<int>(t));
+  MPI_Datatype dt = mpi_type(t);
   int n = to_count(count, "all_gather");
-  int esz = 0;
-  MPI_Type_size(dt, &esz);
   Guard g(wd_, "all_gather");
   const void* s = send;
-  if (send == static_cast<char*>(recv) + static_cast<size_t>(rank_) * count * esz) s = MPI_IN_PLACE;
+  if (send == static_cast<char*>(recv) + static_cast<size_t>(rank_) * count * dtype_size(t)) s = MPI_IN_PLACE;
   check_mpi(MPI_Allgather(s, n, dt, recv, n, dt, as_mpi(comm_)), "MPI_Allgather");
 }
 
 void MpiComm::reduce_scatter_sum_impl(const void* send, void* recv, size_t count, DType t) {
   Guard g(wd_, "reduce_scatter");
-  check_mpi(MPI_Reduce_scatter_block(send, recv, to_count(count, "reduce_scatter"), mpi_type(static_cast<int>(t)),
+  check_mpi(MPI_Reduce_scatter_block(send, recv, to_count(count, "reduce_scatter"), mpi_type(t),
                                      t == DType::BF16 ? bf16_sum() : MPI_SUM, as_mpi(comm_)),
             "MPI_Reduce_scatter_block");
 }
@@ -204,14 +203,14 @@ void MpiComm::reduce_scatter_sum_impl(const void* send, void* recv, size_t count
 void MpiComm::all_reduce_impl(void* buf, size_t count, DType t, ReduceOp op) {
   Guard g(wd_, "all_reduce");
   MPI_Op mop = op == ReduceOp::Sum ? MPI_SUM : op == ReduceOp::Max ? MPI_MAX : MPI_MIN;
-  check_mpi(MPI_Allreduce(MPI_IN_PLACE, buf, to_count(count, "all_reduce"), mpi_type(static_cast<int>(t)), mop,
+  check_mpi(MPI_Allreduce(MPI_IN_PLACE, buf, to_count(count, "all_reduce"), mpi_type(t), mop,
                           as_mpi(comm_)),
             "MPI_Allreduce");
 }
 
 void MpiComm::broadcast_impl(void* buf, size_t count, DType t, int root) {
   Guard g(wd_, "broadcast");
-  check_mpi(MPI_Bcast(buf, to_count(count, "broadcast"), mpi_type(static_cast<int>(t)), root, as_mpi(comm_)),
+  check_mpi(MPI_Bcast(buf, to_count(count, "broadcast"), mpi_type(t), root, as_mpi(comm_)),
             "MPI_Bcast");
 }
 
