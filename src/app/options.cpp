@@ -124,7 +124,7 @@ void validate(const Options& o) {
   check(o.threads >= 0 && o.threads <= 1024, "threads", "must be in [0, 1024]");
   check(o.device == "auto" || o.device == "cpu" || o.device == "cuda", "device", "must be auto, cpu or cuda, got '" + o.device + "'");
   check(o.gpu_comm == "nccl" || o.gpu_comm == "mpi", "gpu-comm", "must be nccl or mpi, got '" + o.gpu_comm + "'");
-  check(o.precision == "fp32" || o.precision == "bf16", "precision", "must be fp32 or bf16, got '" + o.precision + "'");
+  parse_precision(o.precision);  // throws naming option '--precision'
   check(o.reduce_dtype == "fp32" || o.reduce_dtype == "bf16", "reduce-dtype", "must be fp32 or bf16, got '" + o.reduce_dtype + "'");
   finite(o.collective_timeout, "collective-timeout");
   check(o.collective_timeout >= 0, "collective-timeout", "must be >= 0");

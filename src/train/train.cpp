@@ -80,7 +80,7 @@ double flops_per_token(const ModelConfig& c, int T) {
 Precision parse_precision(const std::string& s) {
   if (s == "fp32") return Precision::FP32;
   if (s == "bf16") return Precision::BF16;
-  throw std::invalid_argument("option '--precision': unknown value '" + s + "' (expected fp32 or bf16)");
+  throw std::invalid_argument("option '--precision' must be fp32 or bf16, got '" + s + "'");
 }
 
 namespace {
@@ -277,7 +277,8 @@ static TrainResult train_in(Engine& eng, const ModelConfig& mc, const TrainConfi
                             {"tokens_per_s", sl.tokens_per_s}, {"elapsed_s", sl.elapsed_s}};
         metrics << j.dump() << "\n" << std::flush;
       }
-      all_ok(comm, !metrics.is_open() || metrics.good(), "cannot write metrics file '" + tc.metrics_path + "' (option '--metrics')");
+      if (!tc.metrics_path.empty())  // rank 0 writes; everybody learns whether it could
+        all_ok(comm, !metrics.is_open() || metrics.good(), "cannot write metrics file '" + tc.metrics_path + "' (option '--metrics')");
     }
     res.steps.push_back(sl);
 
