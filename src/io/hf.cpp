@@ -138,8 +138,12 @@ void export_hf(Comm& comm, const ExportOptions& o) {
   const ShardPlan& plan = l.f->plan();
   // Tensors in model order; files cut by size from the plan alone (no data needed).
   std::vector<const ParamSlot*> order;
-  for (auto& u : plan.units)
-    for (auto& p : u.params) order.push_back(&p);
+  std::vector<int> unit_of;  // unit index of order[k]
+  for (size_t u = 0; u < plan.units.size(); ++u)
+    for (auto& p : plan.units[u].params) {
+      order.push_back(&p);
+      unit_of.push_back(static_cast<int>(u));
+    }
   std::vector<std::vector<const ParamSlot*>> files(1);
   uint64_t cur = 0, total = 0;
   for (auto* p : order) {
@@ -174,14 +178,21 @@ void export_hf(Comm& comm, const ExportOptions& o) {
   }
   all_ok(comm, err.empty(), err);
   json weight_map = json::object();
+  size_t k = 0;            // index into order / unit_of
+  int gathered = -1;       // the unit now in the gather buffer: each unit is all-gathered once
+  const float* full = nullptr;
   for (size_t i = 0; i < n; ++i) {
     std::vector<StTensor> ts;
     for (auto* p : files[i]) {
       StTensor t;
       t.name = p->spec.name;
       t.shape = p->spec.shape;
-      t.values = l.f->gather_param(p->spec.name);  // collective: every rank takes part
-      if (comm.rank() != 0) t.values.clear();       // only rank 0 keeps data
+      if (unit_of[k] != gathered) full = l.f->gather(gathered = unit_of[k]);  // collective: every rank
+      ++k;
+      if (comm.rank() == 0) {  // only rank 0 keeps data
+        t.values.resize(static_cast<size_t>(p->numel));
+        l.be->to_host(t.values.data(), full + p->offset, t.values.size());
+      }
       ts.push_back(std::move(t));
       weight_map[p->spec.name] = file_name(i);
     }
