@@ -18,12 +18,18 @@
 #      uninterrupted CPU run (1e-4)
 #   5. benchmark: llama-125m and llama-350m, seq 1024, batch 16, bf16 (and llama-125m fp32):
 #      tokens/s (mean of steps 3-12), MFU, peak GPU memory, as markdown table rows
+#   6. compute-sanitizer (when present): gpu_tests under memcheck (all cases) and racecheck (the kernels
+#      with shared memory), no error allowed
+#   7. only with GPU_CHECK_PROFILE=1: Nsight Compute's duration of every kernel over one llama-125m
+#      bf16 step, summed per kernel (where the step's GPU time goes)
 # Without a CUDA device the GPU parts say "skipped: no CUDA device" (not a failure); the CPU
 # controls still run. Ends with "gpu: N passed, M failed" (GoogleTest cases and checks); the exit
 # status is non-zero iff something failed. Logs and metrics: build-gpu/gpu-check/logs (GPU_CHECK_DIR);
 # with $OUT set, also $OUT/summary.txt (this output) and $OUT/gpu-logs.tar.gz.
 # Knobs for testing the script itself: GPU_CHECK_DEVICE=cpu runs the "GPU" runs on the CPU;
-# BENCH_MODELS, BENCH_SEQ, BENCH_BATCH, BENCH_STEPS size the benchmark.
+# BENCH_MODELS, BENCH_SEQ, BENCH_BATCH, BENCH_STEPS size the benchmark; SANITIZER_S stage 6;
+# GPU_BUNDLE=none with GPU_CHECK_BUILD=DIR: the binaries of DIR, no build (tests/e2e/test_gpu_check_script.sh);
+# GPU_CHECK_ARGS: more shardtrain options for the GPU runs of stages 3-4 (--seed 7 must fail them).
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 ROOT=$PWD
@@ -35,6 +41,7 @@ BENCH_MODELS=${BENCH_MODELS:-llama-125m:bf16 llama-350m:bf16 llama-125m:fp32}
 BENCH_SEQ=${BENCH_SEQ:-1024}
 BENCH_BATCH=${BENCH_BATCH:-16}
 BENCH_STEPS=${BENCH_STEPS:-12}
+SANITIZER_S=${SANITIZER_S:-160}  # stage 6: memcheck and racecheck, half each
 PEAK_FLOPS=989e12  # H100 / H200 SXM, dense bf16
 FORTUNES=(fortunes literature riddles science wisdom people politics work education computers)  # make data's
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
@@ -184,6 +191,9 @@ PY
     export GPU_BUNDLE_OWN_GLIBC=1
   fi
   echo "  glibc: machine ${have:-?}, bundle needs $need: $([ "${GPU_BUNDLE_OWN_GLIBC:-0}" = 1 ] && echo "using the bundle's" || echo "using the machine's")"
+elif [ -n "${GPU_CHECK_BUILD:-}" ]; then
+  echo "  binaries: $GPU_CHECK_BUILD (GPU_CHECK_BUILD)"
+  BIN=$GPU_CHECK_BUILD/shardtrain GTEST=$GPU_CHECK_BUILD/gpu_tests MPIRUN=mpirun FORT=/usr/share/games/fortunes
 else
   echo "  binaries: make build ($(git rev-parse --short HEAD 2>/dev/null || echo '?'))"
   if ! make -s -j"$(nproc)" build >"$L/build.log" 2>&1; then bad "env: make build"; tail_log "$L/build.log"; fi
@@ -210,7 +220,7 @@ timeout -k 5 "$t" "$MPIRUN" "${MPIRUN_OPTS[@]}" -np 1 "$GTEST" --gtest_color=no 
 p=$(grep -oE '^\[  PASSED  \] [0-9]+' "$L/gpu_tests.log" | grep -oE '[0-9]+$' | head -1)
 f=$(grep -oE '^\[  FAILED  \] [0-9]+ test' "$L/gpu_tests.log" | grep -oE '[0-9]+' | head -1)
 s=$(grep -oE '^\[  SKIPPED \] [0-9]+ test' "$L/gpu_tests.log" | grep -oE '[0-9]+' | head -1)
-grep -E '^\[==========\] [0-9]+ tests? from .* ran|^\[  (PASSED|SKIPPED|FAILED) ?\] [0-9]+ test' "$L/gpu_tests.log" | sed 's/^/  /'
+grep -E '^\[==========\] [0-9]+ tests? from .* ran|^\[  (PASSED|SKIPPED|FAILED) *\] [0-9]+ test' "$L/gpu_tests.log" | sed 's/^/  /'
 grep -A1 ': Skipped$' "$L/gpu_tests.log" | grep -vE ': Skipped$|^--$' | sort | uniq -c | sed 's/^ */  skip reason: /'
 grep -E '^\[  FAILED  \] [A-Za-z]' "$L/gpu_tests.log" | sort -u | sed 's/^/  /'
 pass=$((pass + ${p:-0}))
@@ -224,12 +234,12 @@ elif [ "${s:-0}" -gt 0 ] && [ "${p:-0}" = 0 ]; then
 fi
 if [ "$rc" != 0 ] && [ -z "$f" ]; then bad "gpu_tests: exit status $rc$([ "$rc" = 124 ] && echo " (timeout ${t}s)")"; tail_log "$L/gpu_tests.log"; fi
 if [ "$rc" != 0 ] && [ -n "$f" ]; then tail_log "$L/gpu_tests.log" 15; fi
-
 # ---- 3. training equivalence ------------------------------------------------------------------
 stage "3. training equivalence: 20 steps, GPU vs CPU fp32 (losses at every step)" 80
 TINY=(--data "$DATA" --seq-len 32 --global-batch 8 --steps 20 --lr 3e-3 --warmup 2 --eval-batches 1 --log-every 1 --threads 1)
 CPU=(--device cpu --precision fp32)
-G=(--device "$DEV")
+# shellcheck disable=SC2206  # GPU_CHECK_ARGS: words
+G=(--device "$DEV" ${GPU_CHECK_ARGS:-})
 if run_np cpu-fp32 60 1 --model tiny "${TINY[@]}" "${CPU[@]}"; then ok "cpu-fp32 (reference, 1 rank): $(grep -m1 '^done:' "$L/cpu-fp32.log")"
 else bad "cpu-fp32: reference run"; tail_log "$L/cpu-fp32.log"; fi
 check cpu-fp32-np2 cpu-fp32 1e-5 1 2 --model tiny "${TINY[@]}" "${CPU[@]}"  # control: world-size invariance
@@ -281,7 +291,8 @@ else
 fi
 
 # ---- 5. benchmark -----------------------------------------------------------------------------
-stage "5. benchmark: 1 rank (--gpu-comm $COMM1), seq $BENCH_SEQ, batch $BENCH_BATCH (no accumulation), $BENCH_STEPS steps" $((T_END - SECONDS))
+stage "5. benchmark: 1 rank (--gpu-comm $COMM1), seq $BENCH_SEQ, batch $BENCH_BATCH (no accumulation), $BENCH_STEPS steps" \
+  $((T_END - SECONDS - SANITIZER_S))
 ROWS=()
 GPU_NAME=$( [ "$DEV" = cuda ] && nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 for mp in $BENCH_MODELS; do
@@ -348,6 +359,85 @@ if [ ${#ROWS[@]} -gt 0 ]; then
   echo "| model | params | precision | seq | batch | tokens/s | MFU | peak GPU memory |"
   echo "|---|---|---|---|---|---|---|---|"
   printf '%s\n' "${ROWS[@]}"
+fi
+
+# ---- 6. compute-sanitizer ---------------------------------------------------------------------
+stage "6. compute-sanitizer: gpu_tests under memcheck (memory errors) and racecheck (shared memory races)" $((T_END - SECONDS))
+CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+for tool in memcheck racecheck; do
+  if [ "$GPU" = 0 ] || [ "$DEV" != cuda ]; then skipped "sanitizer-$tool" "no CUDA device"; continue; fi
+  if [ -z "$CS" ]; then skipped "sanitizer-$tool" "compute-sanitizer not found"; continue; fi
+  t=$(cap $((SANITIZER_S / 2)))
+  if [ "$t" = 0 ]; then bad "sanitizer-$tool: out of time"; continue; fi
+  # memcheck: every case; API errors are not reported (NCCL's init probes kernel images for other
+  # architectures: 8 cudaErrorNoKernelImageForDevice inside libnccl, seen 2026-11-29). racecheck is
+  # slow: the kernels with __shared__ memory (block_reduce, embedding_backward's list); CrossEntropy
+  # uses the same block_reduce and takes over a minute under racecheck.
+  case $tool in
+    memcheck) opts=(--report-api-errors no) filt='*' ;;
+    racecheck) opts=() filt='Gpu.SumSquares*:Gpu.Embedding*:Gpu.RmsNorm*:Gpu.SoftmaxCausal*' ;;
+  esac
+  rc=0
+  timeout -k 5 "$t" "$MPIRUN" "${MPIRUN_OPTS[@]}" -np 1 "$CS" --tool "$tool" "${opts[@]}" --target-processes all \
+    --print-limit 20 --error-exitcode 99 "$GTEST" --gtest_color=no --gtest_filter="$filt" >"$L/sanitizer-$tool.log" 2>&1 || rc=$?
+  sum=$(grep -E '^========= (ERROR|RACECHECK) SUMMARY' "$L/sanitizer-$tool.log" | sed 's/^========= //' | sort -u | paste -sd';')
+  gt=$(grep -E '^\[  (PASSED|FAILED) *\] [0-9]+ test' "$L/sanitizer-$tool.log" | paste -sd' ')
+  if [ "$rc" = 0 ] && [ -n "$sum" ]; then ok "sanitizer-$tool: $sum; gpu_tests $gt"
+  else
+    bad "sanitizer-$tool: exit status $rc$([ "$rc" = 124 ] && echo " (timeout ${t}s)")${sum:+; $sum}; gpu_tests ${gt:-did not finish}"
+    grep -E '^=========' "$L/sanitizer-$tool.log" | head -30 | sed 's/^/        | /'
+  fi
+done
+
+# ---- 7. profile (GPU_CHECK_PROFILE=1) ---------------------------------------------------------
+if [ "${GPU_CHECK_PROFILE:-0}" = 1 ]; then
+  stage "7. profile: GPU time per kernel, llama-125m bf16, seq $BENCH_SEQ, batch $BENCH_BATCH, 1 step (Nsight Compute)" \
+    $((T_END - SECONDS))
+  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  t=$(cap 200)
+  if [ "$GPU" = 0 ] || [ "$DEV" != cuda ]; then skipped profile "no CUDA device"
+  elif [ -z "$NCU" ]; then skipped profile "ncu not found"
+  elif [ "$t" = 0 ]; then bad "profile: out of time"
+  else
+    # One pass per launch (a duration only); caches and clocks left alone. Setup, the step and one
+    # evaluation batch are all profiled: the step is most of the launches.
+    rc=0
+    timeout -k 5 "$t" "$MPIRUN" "${MPIRUN_OPTS[@]}" -np 1 "$NCU" --metrics gpu__time_duration.sum --cache-control none \
+      --clock-control none --target-processes all --csv --print-units base --log-file "$L/profile.csv" \
+      "$BIN" --model llama-125m --data "$DATA" --seq-len "$BENCH_SEQ" --global-batch "$BENCH_BATCH" \
+      --micro-batch "$BENCH_BATCH" --steps 1 --eval-batches 1 --device cuda --gpu-comm "$COMM1" --precision bf16 \
+      >"$L/profile.log" 2>&1 || rc=$?
+    if [ "$rc" = 0 ] && out=$(python3 - "$L/profile.csv" <<'PY'
+import collections, csv, re, sys
+scale = {"nsecond": 1e-6, "ns": 1e-6, "usecond": 1e-3, "us": 1e-3, "msecond": 1.0, "ms": 1.0, "second": 1e3, "s": 1e3}
+lines = [l for l in open(sys.argv[1]) if l.startswith('"')]
+tot, cnt = collections.Counter(), collections.Counter()
+for r in csv.DictReader(lines):
+    if r.get("Metric Name") != "gpu__time_duration.sum":
+        continue
+    k = r["Kernel Name"]  # cuBLAS's kernels (nvjet_*, *gemm*, splitKreduce) as one row; ours by name
+    m = re.search(r"(\w+_kernel)\b", k)
+    name = "cuBLAS GEMM" if re.search(r"nvjet|gemm|cutlass|xmma|splitK", k, re.I) else m.group(1) if m else k[:60]
+    tot[name] += float(r["Metric Value"].replace(",", "")) * scale.get(r["Metric Unit"], 1e-6)
+    cnt[name] += 1
+if not tot:
+    sys.exit("no gpu__time_duration rows")
+all_ms = sum(tot.values())
+print(f"{sum(cnt.values())} launches, {all_ms:.1f} ms of kernel time; cuBLAS GEMMs {100 * tot['cuBLAS GEMM'] / all_ms:.0f}%")
+print("| kernel | launches | ms | share |")
+print("|---|---|---|---|")
+for k, v in tot.most_common(15):
+    print(f"| {k} | {cnt[k]} | {v:.2f} | {100 * v / all_ms:.1f}% |")
+PY
+    ); then
+      ok "profile: $(head -1 <<<"$out")"
+      tail -n +2 <<<"$out"
+    else
+      bad "profile: exit status $rc"
+      tail_log "$L/profile.log"
+      tail_log "$L/profile.csv" 5
+    fi
+  fi
 fi
 
 echo

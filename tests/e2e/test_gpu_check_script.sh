@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# tests/gpu/run.sh, the device check, run here with GPU_CHECK_DEVICE=cpu (its "GPU" runs on the CPU)
+# so that the script itself is tested on every CI run: every stage runs, every comparison passes,
+# the benchmark table has its row, and the script exits 0 with "0 failed". Then the GPU runs with
+# another seed (GPU_CHECK_ARGS="--seed 7") must fail the 6 training comparisons, the checkpoint
+# saved on the "GPU", and the script's exit status; a resume on the "GPU" from a CPU checkpoint
+# takes the checkpoint's seed (with a note) and still passes.
+source "$(dirname "$0")/common.sh"
+BUILD_DIR=$(realpath "$BUILD")
+check() {  # check NAME EXTRA_ENV...: runs the script; its output in $WORK/NAME.txt, status in $rc
+  local name=$1
+  shift
+  rc=0
+  env "$@" GPU_BUNDLE=none GPU_CHECK_BUILD="$BUILD_DIR" GPU_CHECK_DEVICE=cpu GPU_CHECK_DIR="$WORK/$name" \
+    BENCH_MODELS=tiny:fp32 BENCH_SEQ=32 BENCH_BATCH=4 GPU_CHECK_BUDGET_S=240 \
+    timeout -k 5 300 bash "$ROOT/tests/gpu/run.sh" >"$WORK/$name.txt" 2>&1 || rc=$?
+}
+check ok
+[ "$rc" = 0 ] || { cat "$WORK/ok.txt"; fail "run.sh exit status $rc"; }
+for want in 'PASS  env: shardtrain runs under mpirun' 'SKIP  gpu_tests (38 cases): skipped: no CUDA device' \
+  'PASS  gpu-fp32-np1 vs cpu-fp32' 'PASS  gpu-uneven-np2 vs cpu-uneven' 'PASS  gpu-bf16r-np2 vs cpu-fp32' \
+  'PASS  ckpt-gpu-to-cpu vs cpu-fp32' 'PASS  ckpt-cpu-to-gpu vs cpu-fp32' 'PASS  bench-tiny-fp32' '| tiny | ' \
+  'SKIP  sanitizer-memcheck: skipped: no CUDA device'; do
+  grep -qF -- "$want" "$WORK/ok.txt" || { cat "$WORK/ok.txt"; fail "run.sh output lacks '$want'"; }
+done
+grep -qE '^gpu: [0-9]+ passed, 0 failed' "$WORK/ok.txt" || { cat "$WORK/ok.txt"; fail "no 'gpu: N passed, 0 failed'"; }
+echo "ok: run.sh (GPU_CHECK_DEVICE=cpu): $(tail -1 "$WORK/ok.txt"), $(grep -m1 -o 'gpu-bf16-np1 vs cpu-fp32: worst[^;]*' "$WORK/ok.txt")"
+
+check seed GPU_CHECK_ARGS="--seed 7"
+[ "$rc" != 0 ] || { cat "$WORK/seed.txt"; fail "run.sh passed with the GPU runs on another seed"; }
+nfail=$(grep -c '^  FAIL  \(gpu\|ckpt\)-' "$WORK/seed.txt" || true)
+[ "$nfail" = 7 ] || { cat "$WORK/seed.txt"; fail "--seed 7: $nfail of the GPU comparisons failed, expected 7"; }
+for want in 'FAIL  ckpt-gpu-to-cpu vs cpu-fp32' 'PASS  ckpt-cpu-to-gpu vs cpu-fp32' 'PASS  ckpt-cpu-to-cpu vs cpu-fp32'; do
+  grep -qF -- "$want" "$WORK/seed.txt" || { cat "$WORK/seed.txt"; fail "--seed 7: no '$want'"; }
+done
+grep -q "note: using the checkpoint's seed 1337" "$WORK/seed/logs/ckpt-cpu-to-gpu.log" || fail "--seed 7: no seed note"
+echo "ok: GPU runs on another seed: $nfail comparisons failed, e.g. $(grep -m1 -o 'gpu-fp32-np1 vs cpu-fp32: worst[^;]*' "$WORK/seed.txt")"
