@@ -21,6 +21,7 @@
 #include <cstdlib>
 #include <memory>
 #include <new>
+#include <type_traits>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -73,6 +74,7 @@ constexpr int kRowBlockLarge = 1024;  // cross_entropy rows (V up to ~128K)
 constexpr unsigned kMaxGrid = 65535;  // grid-stride loops beyond this
 constexpr int kReduceBlocks = 1024;   // first pass of sum_squares
 constexpr int kEmbListCap = 2048;     // embedding_backward: positions gathered per flush
+constexpr int kWarpRowMax = 2048;     // causal softmax rows up to this: one warp per row (64 floats per lane)
 
 inline unsigned grid_for(size_t n, int block) {
   size_t g = (n + static_cast<size_t>(block) - 1) / static_cast<size_t>(block);
@@ -94,10 +96,16 @@ struct MaxOp {
   template <typename A> __device__ __forceinline__ A operator()(A a, A b) const { return b > a ? b : a; }
 };
 
+// Every lane of the (fully active) warp gets the result, combined in a fixed butterfly order.
+template <typename A, typename Op> __device__ __forceinline__ A warp_reduce(A v, Op op) {
+  for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
 template <typename A, typename Op> __device__ A block_reduce(A v, Op op) {
   __shared__ A partial[32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+  v = warp_reduce(v, op);
   __syncthreads();  // a previous block_reduce may still be reading `partial`
   if (lane == 0) partial[warp] = v;
   __syncthreads();
@@ -282,9 +290,9 @@ __global__ void rope_kernel(T* x, const T* cs, const T* sn, int B, int T_, int H
   }
 }
 
-// One block per row (rows = R*T_, row r has t = r % T_): softmax of scale*att over s <= t, zeros
-// above the diagonal. The exponentials are recomputed in the last pass rather than stored, so the
-// row is rounded to T once. __fmul_rn keeps scale*x from being fused into the subtraction, so the
+// One block per row, for rows longer than kWarpRowMax (rows = R*T_, row r has t = r % T_): softmax
+// of scale*att over s <= t, zeros above the diagonal. The exponentials are recomputed in the last
+// pass rather than stored, so the row is rounded to T once. __fmul_rn keeps scale*x from being fused into the subtraction, so the
 // maximum's exponent is exactly 0, as on the CPU.
 template <typename T> __global__ void softmax_causal_forward_kernel(T* att, size_t rows, int T_, float scale) {
   for (size_t r = blockIdx.x; r < rows; r += gridDim.x) {
@@ -302,6 +310,41 @@ template <typename T> __global__ void softmax_causal_forward_kernel(T* att, size
   }
 }
 
+// Rows of up to 32*K elements (T_ <= kWarpRowMax): one warp per row, the row held in registers
+// (element s = lane + 32*k), so it is read once and written once, with no block barrier. Same math
+// as the block kernel above; profiled on an H200 (docs/benchmarks.md), the block kernel's three
+// passes over [B, NH, T, T] were a quarter of a llama-125m step at T = 1024.
+template <typename T, int K>
+__global__ void softmax_causal_forward_warp_kernel(T* att, size_t rows, int T_, float scale) {
+  const int lane = threadIdx.x & 31;
+  const size_t warps = blockDim.x >> 5;
+  for (size_t r = blockIdx.x * warps + (threadIdx.x >> 5); r < rows; r += static_cast<size_t>(gridDim.x) * warps) {
+    T* row = att + r * T_;
+    const int t = static_cast<int>(r % T_);
+    float v[K];
+    float mx = -INFINITY;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int s = lane + 32 * k;
+      v[k] = s <= t ? __fmul_rn(math::ld(row[s]), scale) : -INFINITY;
+      mx = MaxOp{}(mx, v[k]);
+    }
+    mx = warp_reduce(mx, MaxOp{});
+    float sum = 0;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      v[k] = lane + 32 * k <= t ? math::st_exp(v[k] - mx) : 0.0f;
+      sum += v[k];
+    }
+    const float inv = 1.0f / warp_reduce(sum, SumOp{});
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int s = lane + 32 * k;
+      if (s < T_) row[s] = math::st<T>(v[k] * inv);
+    }
+  }
+}
+
 // One block per row: datt = scale * p * (datt - sum(p * datt)) for s <= t, 0 above.
 template <typename T> __global__ void softmax_causal_backward_kernel(T* datt, const T* att, size_t rows, int T_, float scale) {
   for (size_t r = blockIdx.x; r < rows; r += gridDim.x) {
@@ -314,6 +357,47 @@ template <typename T> __global__ void softmax_causal_backward_kernel(T* datt, co
     for (int s = threadIdx.x; s < T_; s += blockDim.x)
       d[s] = math::st<T>(s <= t ? math::softmax_grad(math::ld(p[s]), math::ld(d[s]), dot, scale) : 0.0f);
   }
+}
+
+// The backward of the warp-per-row forward: one warp per row, p and datt in registers.
+template <typename T, int K>
+__global__ void softmax_causal_backward_warp_kernel(T* datt, const T* att, size_t rows, int T_, float scale) {
+  const int lane = threadIdx.x & 31;
+  const size_t warps = blockDim.x >> 5;
+  for (size_t r = blockIdx.x * warps + (threadIdx.x >> 5); r < rows; r += static_cast<size_t>(gridDim.x) * warps) {
+    T* d = datt + r * T_;
+    const T* p = att + r * T_;
+    const int t = static_cast<int>(r % T_);
+    float pv[K], dv[K];
+    float dot = 0;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int s = lane + 32 * k;
+      pv[k] = s <= t ? math::ld(p[s]) : 0.0f;
+      dv[k] = s <= t ? math::ld(d[s]) : 0.0f;
+      dot += pv[k] * dv[k];
+    }
+    dot = warp_reduce(dot, SumOp{});
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int s = lane + 32 * k;
+      if (s < T_) d[s] = math::st<T>(s <= t ? math::softmax_grad(pv[k], dv[k], dot, scale) : 0.0f);
+    }
+  }
+}
+
+// Calls f(std::integral_constant<int, K>) with the smallest power-of-two K with 32*K >= T_, if
+// T_ <= kWarpRowMax; returns whether it did.
+template <typename F> bool with_warp_row(int T_, F&& f) {
+  if (T_ <= 32) f(std::integral_constant<int, 1>{});
+  else if (T_ <= 64) f(std::integral_constant<int, 2>{});
+  else if (T_ <= 128) f(std::integral_constant<int, 4>{});
+  else if (T_ <= 256) f(std::integral_constant<int, 8>{});
+  else if (T_ <= 512) f(std::integral_constant<int, 16>{});
+  else if (T_ <= 1024) f(std::integral_constant<int, 32>{});
+  else if (T_ <= kWarpRowMax) f(std::integral_constant<int, kWarpRowMax / 32>{});
+  else return false;
+  return true;
 }
 
 template <typename T> __global__ void swiglu_forward_kernel(T* h, const T* g, const T* u, size_t n) {
@@ -574,13 +658,22 @@ template <typename T> class CudaBackend final : public Backend<T> {
   void softmax_causal_forward(T* att, int R, int T_, S scale) override {
     const size_t rows = static_cast<size_t>(R) * T_;
     if (R <= 0 || T_ <= 0) return;
-    softmax_causal_forward_kernel<T><<<grid_rows(rows), kBlock, 0, stream_>>>(att, rows, T_, scale);
+    const bool warp_rows = with_warp_row(T_, [&](auto k) {
+      softmax_causal_forward_warp_kernel<T, decltype(k)::value>
+          <<<grid_for(rows * 32, kBlock), kBlock, 0, stream_>>>(att, rows, T_, scale);
+    });
+    if (!warp_rows) softmax_causal_forward_kernel<T><<<grid_rows(rows), kBlock, 0, stream_>>>(att, rows, T_, scale);
     ST_LAUNCHED("softmax_causal_forward_kernel");
   }
   void softmax_causal_backward(T* datt, const T* att, int R, int T_, S scale) override {
     const size_t rows = static_cast<size_t>(R) * T_;
     if (R <= 0 || T_ <= 0) return;
-    softmax_causal_backward_kernel<T><<<grid_rows(rows), kBlock, 0, stream_>>>(datt, att, rows, T_, scale);
+    const bool warp_rows = with_warp_row(T_, [&](auto k) {
+      softmax_causal_backward_warp_kernel<T, decltype(k)::value>
+          <<<grid_for(rows * 32, kBlock), kBlock, 0, stream_>>>(datt, att, rows, T_, scale);
+    });
+    if (!warp_rows)
+      softmax_causal_backward_kernel<T><<<grid_rows(rows), kBlock, 0, stream_>>>(datt, att, rows, T_, scale);
     ST_LAUNCHED("softmax_causal_backward_kernel");
   }
 
