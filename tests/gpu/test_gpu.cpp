@@ -837,7 +837,7 @@ template <typename T> void check_softmax() {
   std::mt19937 g(6001);
   struct Case { int R, T_; double scale; };
   // Rows longer than a 256-thread block; short rows; T = 1; more rows than a grid (70000); the
-  // longest rows of the warp-per-row kernels (2048) and the shortest of the block kernels (2049).
+  // longest rows of the warp-per-row forward kernel (2048) and the shortest of the block one (2049).
   for (const Case& c : {Case{3, 300, 0.125}, Case{5, 17, 1.0}, Case{1, 1, 0.5}, Case{1000, 70, 0.3},
                         Case{1, 2048, 0.09}, Case{1, 2049, 0.09}}) {
     const size_t n = static_cast<size_t>(c.R) * c.T_ * c.T_;

@@ -312,8 +312,8 @@ template <typename T> __global__ void softmax_causal_forward_kernel(T* att, size
 
 // Rows of up to 32*K elements (T_ <= kWarpRowMax): one warp per row, the row held in registers
 // (element s = lane + 32*k), so it is read once and written once, with no block barrier. Same math
-// as the block kernel above; profiled on an H200 (docs/benchmarks.md), the block kernel's three
-// passes over [B, NH, T, T] were a quarter of a llama-125m step at T = 1024.
+// as the block kernel above. On an H200 (docs/benchmarks.md), llama-125m at T = 1024: 13.85 ms per
+// step plus evaluation batch, against the block kernel's 17.18.
 template <typename T, int K>
 __global__ void softmax_causal_forward_warp_kernel(T* att, size_t rows, int T_, float scale) {
   const int lane = threadIdx.x & 31;
@@ -356,33 +356,6 @@ template <typename T> __global__ void softmax_causal_backward_kernel(T* datt, co
     dot = block_reduce(dot, SumOp{});
     for (int s = threadIdx.x; s < T_; s += blockDim.x)
       d[s] = math::st<T>(s <= t ? math::softmax_grad(math::ld(p[s]), math::ld(d[s]), dot, scale) : 0.0f);
-  }
-}
-
-// The backward of the warp-per-row forward: one warp per row, p and datt in registers.
-template <typename T, int K>
-__global__ void softmax_causal_backward_warp_kernel(T* datt, const T* att, size_t rows, int T_, float scale) {
-  const int lane = threadIdx.x & 31;
-  const size_t warps = blockDim.x >> 5;
-  for (size_t r = blockIdx.x * warps + (threadIdx.x >> 5); r < rows; r += static_cast<size_t>(gridDim.x) * warps) {
-    T* d = datt + r * T_;
-    const T* p = att + r * T_;
-    const int t = static_cast<int>(r % T_);
-    float pv[K], dv[K];
-    float dot = 0;
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-      const int s = lane + 32 * k;
-      pv[k] = s <= t ? math::ld(p[s]) : 0.0f;
-      dv[k] = s <= t ? math::ld(d[s]) : 0.0f;
-      dot += pv[k] * dv[k];
-    }
-    dot = warp_reduce(dot, SumOp{});
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-      const int s = lane + 32 * k;
-      if (s < T_) d[s] = math::st<T>(s <= t ? math::softmax_grad(pv[k], dv[k], dot, scale) : 0.0f);
-    }
   }
 }
 
@@ -668,12 +641,9 @@ template <typename T> class CudaBackend final : public Backend<T> {
   void softmax_causal_backward(T* datt, const T* att, int R, int T_, S scale) override {
     const size_t rows = static_cast<size_t>(R) * T_;
     if (R <= 0 || T_ <= 0) return;
-    const bool warp_rows = with_warp_row(T_, [&](auto k) {
-      softmax_causal_backward_warp_kernel<T, decltype(k)::value>
-          <<<grid_for(rows * 32, kBlock), kBlock, 0, stream_>>>(datt, att, rows, T_, scale);
-    });
-    if (!warp_rows)
-      softmax_causal_backward_kernel<T><<<grid_rows(rows), kBlock, 0, stream_>>>(datt, att, rows, T_, scale);
+    // One block per row at every length: on the H200 a warp-per-row version of this kernel (p and
+    // datt in registers) took 7.35 ms per llama-125m step against this one's 6.46 (docs/benchmarks.md).
+    softmax_causal_backward_kernel<T><<<grid_rows(rows), kBlock, 0, stream_>>>(datt, att, rows, T_, scale);
     ST_LAUNCHED("softmax_causal_backward_kernel");
   }
 
