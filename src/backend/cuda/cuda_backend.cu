@@ -21,7 +21,6 @@
 #include <cstdlib>
 #include <memory>
 #include <new>
-#include <type_traits>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -292,8 +291,8 @@ __global__ void rope_kernel(T* x, const T* cs, const T* sn, int B, int T_, int H
 
 // One block per row, for rows longer than kWarpRowMax (rows = R*T_, row r has t = r % T_): softmax
 // of scale*att over s <= t, zeros above the diagonal. The exponentials are recomputed in the last
-// pass rather than stored, so the row is rounded to T once. __fmul_rn keeps scale*x from being fused into the subtraction, so the
-// maximum's exponent is exactly 0, as on the CPU.
+// pass rather than stored, so the row is rounded to T once. __fmul_rn keeps scale*x from being
+// fused into the subtraction, so the maximum's exponent is exactly 0, as on the CPU.
 template <typename T> __global__ void softmax_causal_forward_kernel(T* att, size_t rows, int T_, float scale) {
   for (size_t r = blockIdx.x; r < rows; r += gridDim.x) {
     T* row = att + r * T_;
