@@ -234,6 +234,7 @@ elif [ "${s:-0}" -gt 0 ] && [ "${p:-0}" = 0 ]; then
 fi
 if [ "$rc" != 0 ] && [ -z "$f" ]; then bad "gpu_tests: exit status $rc$([ "$rc" = 124 ] && echo " (timeout ${t}s)")"; tail_log "$L/gpu_tests.log"; fi
 if [ "$rc" != 0 ] && [ -n "$f" ]; then tail_log "$L/gpu_tests.log" 15; fi
+
 # ---- 3. training equivalence ------------------------------------------------------------------
 stage "3. training equivalence: 20 steps, GPU vs CPU fp32 (losses at every step)" 80
 TINY=(--data "$DATA" --seq-len 32 --global-batch 8 --steps 20 --lr 3e-3 --warmup 2 --eval-batches 1 --log-every 1 --threads 1)
@@ -407,7 +408,8 @@ if [ "${GPU_CHECK_PROFILE:-0}" = 1 ]; then
       "$BIN" --model llama-125m --data "$DATA" --seq-len "$BENCH_SEQ" --global-batch "$BENCH_BATCH" \
       --micro-batch "$BENCH_BATCH" --steps 1 --eval-batches 1 --device cuda --gpu-comm "$COMM1" --precision bf16 \
       >"$L/profile.log" 2>&1 || rc=$?
-    if [ "$rc" = 0 ] && out=$(python3 - "$L/profile.csv" <<'PY'
+    out=
+    if [ "$rc" = 0 ] && out=$(python3 - "$L/profile.csv" 2>&1 <<'PY'
 import collections, csv, re, sys
 scale = {"nsecond": 1e-6, "ns": 1e-6, "usecond": 1e-3, "us": 1e-3, "msecond": 1.0, "ms": 1.0, "second": 1e3, "s": 1e3}
 lines = [l for l in open(sys.argv[1]) if l.startswith('"')]
@@ -433,7 +435,7 @@ PY
       ok "profile: $(head -1 <<<"$out")"
       tail -n +2 <<<"$out"
     else
-      bad "profile: exit status $rc"
+      bad "profile: exit status $rc${out:+; $out}"
       tail_log "$L/profile.log"
       tail_log "$L/profile.csv" 5
     fi
