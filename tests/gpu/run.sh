@@ -41,7 +41,7 @@ BENCH_MODELS=${BENCH_MODELS:-llama-125m:bf16 llama-350m:bf16 llama-125m:fp32}
 BENCH_SEQ=${BENCH_SEQ:-1024}
 BENCH_BATCH=${BENCH_BATCH:-16}
 BENCH_STEPS=${BENCH_STEPS:-12}
-SANITIZER_S=${SANITIZER_S:-160}  # stage 6: memcheck and racecheck, half each
+SANITIZER_S=${SANITIZER_S:-160}  # stage 6: memcheck and racecheck, half each; 0 skips stage 6
 PEAK_FLOPS=989e12  # H100 / H200 SXM, dense bf16
 FORTUNES=(fortunes literature riddles science wisdom people politics work education computers)  # make data's
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
@@ -216,7 +216,9 @@ DATA=$W/corpus.tok
 stage "2. gpu_tests (GoogleTest, CUDA backend vs CPU backend, 1 rank)" 120
 t=$(cap 120)
 rc=0
-timeout -k 5 "$t" "$MPIRUN" "${MPIRUN_OPTS[@]}" -np 1 "$GTEST" --gtest_color=no >"$L/gpu_tests.log" 2>&1 || rc=$?
+if [ "$t" = 0 ]; then echo "out of time (stage limit)" >"$L/gpu_tests.log"; rc=124  # timeout 0 would mean no limit
+else timeout -k 5 "$t" "$MPIRUN" "${MPIRUN_OPTS[@]}" -np 1 "$GTEST" --gtest_color=no >"$L/gpu_tests.log" 2>&1 || rc=$?
+fi
 p=$(grep -oE '^\[  PASSED  \] [0-9]+' "$L/gpu_tests.log" | grep -oE '[0-9]+$' | head -1)
 f=$(grep -oE '^\[  FAILED  \] [0-9]+ test' "$L/gpu_tests.log" | grep -oE '[0-9]+' | head -1)
 s=$(grep -oE '^\[  SKIPPED \] [0-9]+ test' "$L/gpu_tests.log" | grep -oE '[0-9]+' | head -1)
@@ -292,8 +294,12 @@ else
 fi
 
 # ---- 5. benchmark -----------------------------------------------------------------------------
+# Stage 6 runs when there is a GPU, compute-sanitizer and SANITIZER_S > 0: its time is kept from stage 5.
+CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+SAN=0
+[ "$GPU" = 1 ] && [ "$DEV" = cuda ] && [ -n "$CS" ] && [ "$SANITIZER_S" -gt 0 ] && SAN=1
 stage "5. benchmark: 1 rank (--gpu-comm $COMM1), seq $BENCH_SEQ, batch $BENCH_BATCH (no accumulation), $BENCH_STEPS steps" \
-  $((T_END - SECONDS - SANITIZER_S))
+  $((T_END - SECONDS - SAN * SANITIZER_S))
 ROWS=()
 GPU_NAME=$( [ "$DEV" = cuda ] && nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 for mp in $BENCH_MODELS; do
@@ -347,7 +353,7 @@ PY
   [ -n "$row" ] && ROWS+=("$row")
   if [ "$rc" = 0 ] && [ -n "$row" ]; then ok "$name: $info"
   else
-    bad "$name: exit status $rc${info:+; partial: $info}$(sed -n 's/^FAIL / /p' <<<"$out")"
+    bad "$name: exit status $rc${info:+; partial: $info}$(sed -n 's/^FAIL /; /p' <<<"$out")"
     tail_log "$L/$name.log"
   fi
 done
@@ -364,10 +370,10 @@ fi
 
 # ---- 6. compute-sanitizer ---------------------------------------------------------------------
 stage "6. compute-sanitizer: gpu_tests under memcheck (memory errors) and racecheck (shared memory races)" $((T_END - SECONDS))
-CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
 for tool in memcheck racecheck; do
   if [ "$GPU" = 0 ] || [ "$DEV" != cuda ]; then skipped "sanitizer-$tool" "no CUDA device"; continue; fi
   if [ -z "$CS" ]; then skipped "sanitizer-$tool" "compute-sanitizer not found"; continue; fi
+  if [ "$SANITIZER_S" -le 0 ]; then skipped "sanitizer-$tool" "SANITIZER_S=0"; continue; fi
   t=$(cap $((SANITIZER_S / 2)))
   if [ "$t" = 0 ]; then bad "sanitizer-$tool: out of time"; continue; fi
   # memcheck: every case; API errors are not reported (NCCL's init probes kernel images for other
@@ -383,7 +389,8 @@ for tool in memcheck racecheck; do
     --print-limit 20 --error-exitcode 99 "$GTEST" --gtest_color=no --gtest_filter="$filt" >"$L/sanitizer-$tool.log" 2>&1 || rc=$?
   sum=$(grep -E '^========= (ERROR|RACECHECK) SUMMARY' "$L/sanitizer-$tool.log" | sed 's/^========= //' | sort -u | paste -sd';')
   gt=$(grep -E '^\[  (PASSED|FAILED) *\] [0-9]+ test' "$L/sanitizer-$tool.log" | paste -sd' ')
-  if [ "$rc" = 0 ] && [ -n "$sum" ]; then ok "sanitizer-$tool: $sum; gpu_tests $gt"
+  if [ "$rc" = 0 ] && [ -n "$sum" ] && grep -qE '^\[  PASSED  \] [1-9][0-9]* test' <<<"$gt" && ! grep -q FAILED <<<"$gt"
+  then ok "sanitizer-$tool: $sum; gpu_tests $gt"
   else
     bad "sanitizer-$tool: exit status $rc$([ "$rc" = 124 ] && echo " (timeout ${t}s)")${sum:+; $sum}; gpu_tests ${gt:-did not finish}"
     grep -E '^=========' "$L/sanitizer-$tool.log" | head -30 | sed 's/^/        | /'

@@ -836,10 +836,13 @@ template <typename T> void check_softmax() {
   using S = st::math::Acc<T>;
   std::mt19937 g(6001);
   struct Case { int R, T_; double scale; };
-  // Rows longer than a 256-thread block; short rows; T = 1; more rows than a grid (70000); the
-  // longest rows of the warp-per-row forward kernel (2048) and the shortest of the block one (2049).
+  // The forward's warp-per-row kernel at every row size class (32*K >= T for K = 1, 2, ..., 64:
+  // T = 17, 50, 70, 200, 300, 1024, 2048; T = 1), the block kernel from T = 2049 (the backward's at
+  // every T), rows longer than a 256-thread block, and more rows than a grid holds: 70000 rows for
+  // the block kernels (65535 blocks), 528000 for the warp kernel (65535 blocks of 8 warps).
   for (const Case& c : {Case{3, 300, 0.125}, Case{5, 17, 1.0}, Case{1, 1, 0.5}, Case{1000, 70, 0.3},
-                        Case{1, 2048, 0.09}, Case{1, 2049, 0.09}}) {
+                        Case{3, 50, 0.5}, Case{2, 200, 0.2}, Case{2, 1024, 0.125}, Case{1, 2048, 0.09},
+                        Case{1, 2049, 0.09}, Case{33000, 16, 0.7}}) {
     const size_t n = static_cast<size_t>(c.R) * c.T_ * c.T_;
     const std::string sz = " R=" + std::to_string(c.R) + " T=" + std::to_string(c.T_);
     const std::vector<T> z = randn<T>(n, g, 4.0);  // the upper triangle holds junk too

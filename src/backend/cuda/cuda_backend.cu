@@ -635,7 +635,7 @@ template <typename T> class CudaBackend final : public Backend<T> {
           <<<grid_for(rows * 32, kBlock), kBlock, 0, stream_>>>(att, rows, T_, scale);
     });
     if (!warp_rows) softmax_causal_forward_kernel<T><<<grid_rows(rows), kBlock, 0, stream_>>>(att, rows, T_, scale);
-    ST_LAUNCHED("softmax_causal_forward_kernel");
+    ST_LAUNCHED("softmax_causal_forward_kernel (warp or block per row)");
   }
   void softmax_causal_backward(T* datt, const T* att, int R, int T_, S scale) override {
     const size_t rows = static_cast<size_t>(R) * T_;
