@@ -42,6 +42,12 @@ struct DevicePlan {
 // has). Under SHARDTRAIN_FAKE_CUDA_DEVICES: "fake-GPU-<device>". Throws std::runtime_error.
 std::string cuda_device_uuid(int device);
 
+// What cuda_device_count and cuda_device_uuid ask when SHARDTRAIN_FAKE_CUDA_DEVICES is not set:
+// the CUDA runtime (src/backend/cuda/), or the stand-ins of a build without nvcc (no_cuda.cpp).
+// Call the two functions above instead; these exist so that the test hook is read in one place.
+int cuda_runtime_device_count(std::string* why);
+std::string cuda_runtime_device_uuid(int device);
+
 // Decides this rank's device from the options, pure (no CUDA calls), so that it can be unit
 // tested on a machine without a GPU.
 //   device:   "auto" (cuda when built with CUDA and a device is visible, else cpu), "cpu", "cuda"

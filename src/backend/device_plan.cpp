@@ -1,11 +1,23 @@
 // Device placement: which GPU a rank uses and how its data collectives run. Pure logic, no CUDA
-// calls, so that it is unit tested on machines without a GPU (tests/unit/test_device_plan.cpp).
+// calls, so that it is unit tested on machines without a GPU (tests/unit/test_device_plan.cpp);
+// and the device queries' test hook.
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
 #include "shardtrain/cuda.h"
 
 namespace shardtrain {
+
+// The test hook SHARDTRAIN_FAKE_CUDA_DEVICES (cuda.h), read here only.
+int cuda_device_count(std::string* why) {
+  if (const char* fake = std::getenv("SHARDTRAIN_FAKE_CUDA_DEVICES")) return std::atoi(fake);
+  return cuda_runtime_device_count(why);
+}
+std::string cuda_device_uuid(int device) {
+  if (std::getenv("SHARDTRAIN_FAKE_CUDA_DEVICES")) return "fake-GPU-" + std::to_string(device);
+  return cuda_runtime_device_uuid(device);
+}
 
 DevicePlan plan_devices(const std::string& device, const std::string& gpu_comm, int local_rank, int local_size,
                         int devices, bool built, const std::string& host) {

@@ -16,6 +16,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "../backend/cuda/cuda_check.h"
 #include "shardtrain/cuda.h"
 
 namespace shardtrain {
@@ -23,16 +24,7 @@ namespace {
 
 using DType = Comm::DType;
 
-[[noreturn]] void cuda_fail(cudaError_t e, const char* call, const char* detail) {
-  std::string m = std::string(call) + " failed";
-  if (detail) m += std::string(" (") + detail + ")";
-  m += std::string(": ") + cudaGetErrorString(e);
-  throw std::runtime_error(m);
-}
-// Throws std::runtime_error naming `call` (and `detail`, e.g. the collective it belongs to).
-inline void check_cuda(cudaError_t e, const char* call, const char* detail = nullptr) {
-  if (e != cudaSuccess) cuda_fail(e, call, detail);
-}
+using cuda_detail::check_cuda;
 
 std::string nccl_error(ncclResult_t r, const char* call, ncclComm_t comm) {
   std::string m = std::string(call) + " failed: " + ncclGetErrorString(r);

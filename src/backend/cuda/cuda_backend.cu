@@ -29,42 +29,37 @@
 #include "shardtrain/bf16.h"
 #include "shardtrain/cuda.h"
 #include "shardtrain/ops_math.h"
+#include "cuda_check.h"
 
 namespace shardtrain {
 namespace {
+
+using cuda_detail::check_cuda;
 
 static_assert(sizeof(bf16) == sizeof(__nv_bfloat16) && alignof(bf16) == alignof(__nv_bfloat16),
               "bf16 must be layout-compatible with __nv_bfloat16 (cuBLAS CUDA_R_16BF)");
 
 // ---- error checking ---------------------------------------------------------------------------
 
-[[noreturn]] void throw_cuda(cudaError_t e, const char* what, const char* file, int line) {
-  (void)cudaGetLastError();  // clear a non-sticky error so later calls do not report it again
-  throw std::runtime_error(std::string("CUDA error: ") + what + " failed at " + file + ":" + std::to_string(line) +
-                           ": " + cudaGetErrorString(e) + " (" + cudaGetErrorName(e) + ")");
-}
-inline void check_cuda(cudaError_t e, const char* what, const char* file, int line) {
-  if (e != cudaSuccess) throw_cuda(e, what, file, line);
-}
-inline void check_cublas(cublasStatus_t s, const char* what, const char* file, int line) {
+inline void check_cublas(cublasStatus_t s, const char* what, const char* where) {
   if (s == CUBLAS_STATUS_SUCCESS) return;
   (void)cudaGetLastError();
-  throw std::runtime_error(std::string("cuBLAS error: ") + what + " failed at " + file + ":" + std::to_string(line) +
-                           ": " + cublasGetStatusName(s) + " (" + cublasGetStatusString(s) + ")");
+  throw std::runtime_error(std::string("cuBLAS error: ") + what + " failed (" + where + "): " + cublasGetStatusName(s) +
+                           " (" + cublasGetStatusString(s) + ")");
 }
 // cudaMalloc: out of memory is std::bad_alloc (the trainer reports it as such), the rest runtime_error.
-inline void check_alloc(cudaError_t e, const char* what, const char* file, int line) {
+inline void check_alloc(cudaError_t e, const char* what, const char* where) {
   if (e == cudaErrorMemoryAllocation) {
     (void)cudaGetLastError();
     throw std::bad_alloc();
   }
-  check_cuda(e, what, file, line);
+  check_cuda(e, what, where);
 }
 
-#define ST_CUDA(call) check_cuda((call), #call, __FILE__, __LINE__)
-#define ST_CUBLAS(call) check_cublas((call), #call, __FILE__, __LINE__)
-#define ST_CUDA_ALLOC(call) check_alloc((call), #call, __FILE__, __LINE__)
-#define ST_LAUNCHED(kernel) check_cuda(cudaGetLastError(), "launch of " kernel, __FILE__, __LINE__)
+#define ST_CUDA(call) check_cuda((call), #call, ST_CUDA_HERE)
+#define ST_CUBLAS(call) check_cublas((call), #call, ST_CUDA_HERE)
+#define ST_CUDA_ALLOC(call) check_alloc((call), #call, ST_CUDA_HERE)
+#define ST_LAUNCHED(kernel) check_cuda(cudaGetLastError(), "launch of " kernel, ST_CUDA_HERE)
 
 // ---- launch shapes ----------------------------------------------------------------------------
 
@@ -754,8 +749,7 @@ template <typename T> class CudaBackend final : public Backend<T> {
 
 bool cuda_built() { return true; }
 
-int cuda_device_count(std::string* why) {
-  if (const char* fake = std::getenv("SHARDTRAIN_FAKE_CUDA_DEVICES")) return std::atoi(fake);
+int cuda_runtime_device_count(std::string* why) {
   int n = 0;
   cudaError_t e = cudaGetDeviceCount(&n);
   if (e != cudaSuccess) {

@@ -3,22 +3,17 @@
 #include <cuda_runtime.h>
 
 #include <cstdio>
-#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
+#include "cuda_check.h"
 #include "shardtrain/cuda.h"
 
 namespace shardtrain {
 
-std::string cuda_device_uuid(int device) {
-  if (std::getenv("SHARDTRAIN_FAKE_CUDA_DEVICES")) return "fake-GPU-" + std::to_string(device);
+std::string cuda_runtime_device_uuid(int device) {
   cudaDeviceProp prop{};
-  cudaError_t e = cudaGetDeviceProperties(&prop, device);
-  if (e != cudaSuccess) {
-    (void)cudaGetLastError();
-    throw std::runtime_error("cudaGetDeviceProperties(" + std::to_string(device) + ") failed: " + cudaGetErrorString(e));
-  }
+  cuda_detail::check_cuda(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties", ST_CUDA_HERE);
   std::string s = "GPU-";
   char hex[3];
   for (int i = 0; i < 16; ++i) {

@@ -1,6 +1,5 @@
 // Stand-ins for the CUDA layer in builds without nvcc (see include/shardtrain/cuda.h and the
 // Makefile): the binary links and runs on the CPU, and asking for CUDA fails with a clear message.
-#include <cstdlib>
 #include <stdexcept>
 
 #include "shardtrain/cuda.h"
@@ -14,15 +13,11 @@ namespace {
 }  // namespace
 
 bool cuda_built() { return false; }
-int cuda_device_count(std::string* why) {
-  if (const char* fake = std::getenv("SHARDTRAIN_FAKE_CUDA_DEVICES")) return std::atoi(fake);
+int cuda_runtime_device_count(std::string* why) {
   if (why) *why = "built without CUDA";
   return 0;
 }
-std::string cuda_device_uuid(int device) {
-  if (std::getenv("SHARDTRAIN_FAKE_CUDA_DEVICES")) return "fake-GPU-" + std::to_string(device);
-  no_cuda();
-}
+std::string cuda_runtime_device_uuid(int) { no_cuda(); }
 std::unique_ptr<CudaContext> CudaContext::create(int) { no_cuda(); }
 template <typename T> std::unique_ptr<Backend<T>> make_cuda_backend(CudaContext&) { no_cuda(); }
 template std::unique_ptr<Backend<float>> make_cuda_backend<float>(CudaContext&);
