@@ -126,49 +126,33 @@ template <typename T> std::unique_ptr<Backend<T>> make_cpu_backend();
 // Sets OpenBLAS's thread count (per process). 0 = leave as is.
 void set_blas_threads(int n);
 
-// RAII device array of n token ids on a backend.
-template <typename T> class IdBuffer {
+// RAII array of n elements of E in a backend's memory, from Alloc and returned by Free. Move-only.
+template <typename T, typename E, E* (Backend<T>::*Alloc)(size_t), void (Backend<T>::*Free)(E*)>
+class BackendArray {
  public:
-  IdBuffer() = default;
-  IdBuffer(Backend<T>& be, size_t n) : be_(&be), n_(n), p_(n ? be.alloc_ids(n) : nullptr) {}
-  ~IdBuffer() { reset(); }
-  IdBuffer(IdBuffer&& o) noexcept : be_(o.be_), n_(o.n_), p_(o.p_) { o.p_ = nullptr; o.n_ = 0; }
-  IdBuffer& operator=(IdBuffer&& o) noexcept {
+  BackendArray() = default;
+  BackendArray(Backend<T>& be, size_t n) : be_(&be), n_(n), p_(n ? (be.*Alloc)(n) : nullptr) {}
+  ~BackendArray() { reset(); }
+  BackendArray(BackendArray&& o) noexcept : be_(o.be_), n_(o.n_), p_(o.p_) { o.p_ = nullptr; o.n_ = 0; }
+  BackendArray& operator=(BackendArray&& o) noexcept {
     if (this != &o) { reset(); be_ = o.be_; n_ = o.n_; p_ = o.p_; o.p_ = nullptr; o.n_ = 0; }
     return *this;
   }
-  IdBuffer(const IdBuffer&) = delete;
-  int32_t* data() { return p_; }
+  BackendArray(const BackendArray&) = delete;
+  E* data() { return p_; }
+  const E* data() const { return p_; }
   size_t size() const { return n_; }
-  void reset() { if (p_) be_->free_ids(p_); p_ = nullptr; n_ = 0; }
+  void reset() { if (p_) (be_->*Free)(p_); p_ = nullptr; n_ = 0; }
 
  private:
   Backend<T>* be_ = nullptr;
   size_t n_ = 0;
-  int32_t* p_ = nullptr;
+  E* p_ = nullptr;
 };
 
-// RAII buffer of n elements on a backend.
-template <typename T> class Buffer {
- public:
-  Buffer() = default;
-  Buffer(Backend<T>& be, size_t n) : be_(&be), n_(n), p_(n ? be.alloc(n) : nullptr) {}
-  ~Buffer() { reset(); }
-  Buffer(Buffer&& o) noexcept : be_(o.be_), n_(o.n_), p_(o.p_) { o.p_ = nullptr; o.n_ = 0; }
-  Buffer& operator=(Buffer&& o) noexcept {
-    if (this != &o) { reset(); be_ = o.be_; n_ = o.n_; p_ = o.p_; o.p_ = nullptr; o.n_ = 0; }
-    return *this;
-  }
-  Buffer(const Buffer&) = delete;
-  T* data() { return p_; }
-  const T* data() const { return p_; }
-  size_t size() const { return n_; }
-  void reset() { if (p_) be_->free(p_); p_ = nullptr; n_ = 0; }
-
- private:
-  Backend<T>* be_ = nullptr;
-  size_t n_ = 0;
-  T* p_ = nullptr;
-};
+// n elements of T (zero-initialized) on a backend.
+template <typename T> using Buffer = BackendArray<T, T, &Backend<T>::alloc, &Backend<T>::free>;
+// n token ids (int32, zero-initialized) in a backend's memory, for a Backend<T>.
+template <typename T> using IdBuffer = BackendArray<T, int32_t, &Backend<T>::alloc_ids, &Backend<T>::free_ids>;
 
 }  // namespace shardtrain
