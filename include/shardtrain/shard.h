@@ -67,6 +67,8 @@ struct ShardPlan {
   // a non-positive dimension, or a duplicate parameter name.
   static ShardPlan build(const std::vector<UnitSpec>& units, int world);
   int64_t total_numel() const;  // sum of real elements over units
+  int64_t max_padded_numel() const;  // largest UnitPlan::padded_numel: size of a full-unit buffer
+  int64_t max_shard_size() const;    // largest UnitPlan::shard_size: size of a shard-sized buffer
   int unit_index(const std::string& name) const;  // -1 if absent
 };
 

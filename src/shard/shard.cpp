@@ -53,6 +53,18 @@ ShardPlan ShardPlan::build(const std::vector<UnitSpec>& units, int world) {
   return plan;
 }
 
+int64_t ShardPlan::max_padded_numel() const {
+  int64_t m = 0;
+  for (const UnitPlan& u : units) m = std::max(m, u.padded_numel);
+  return m;
+}
+
+int64_t ShardPlan::max_shard_size() const {
+  int64_t m = 0;
+  for (const UnitPlan& u : units) m = std::max(m, u.shard_size);
+  return m;
+}
+
 int64_t ShardPlan::total_numel() const {
   int64_t n = 0;
   for (auto& u : units) n += u.numel;
@@ -88,17 +100,15 @@ Fsdp<T>::Fsdp(Backend<T>& be, Comm& comm, ShardPlan plan, Comm* data_comm, bool 
   if (plan_.world_size != comm.world_size())
     throw std::invalid_argument("Fsdp: plan built for " + std::to_string(plan_.world_size) + " ranks, comm has " +
                                 std::to_string(comm.world_size()));
-  int64_t max_padded = 0, max_shard = 0;
   for (auto& u : plan_.units) {
     params_.emplace_back(be_, static_cast<size_t>(u.shard_size));
     grads_.emplace_back(be_, static_cast<size_t>(u.shard_size));
-    max_padded = std::max(max_padded, u.padded_numel);
-    max_shard = std::max(max_shard, u.shard_size);
   }
   if (!full_buffers) return;
-  gather_buf_ = Buffer<T>(be_, static_cast<size_t>(max_padded));
-  grad_buf_ = Buffer<T>(be_, static_cast<size_t>(max_padded));
-  scatter_tmp_ = Buffer<T>(be_, static_cast<size_t>(max_shard));
+  const size_t max_padded = static_cast<size_t>(plan_.max_padded_numel());
+  gather_buf_ = Buffer<T>(be_, max_padded);
+  grad_buf_ = Buffer<T>(be_, max_padded);
+  scatter_tmp_ = Buffer<T>(be_, static_cast<size_t>(plan_.max_shard_size()));
 }
 
 template <typename T> void Fsdp<T>::init_params(uint64_t seed) {
@@ -191,19 +201,16 @@ template <typename T> double Fsdp<T>::local_grad_sumsq() {
 
 MixedPrecisionUnits::MixedPrecisionUnits(Fsdp<float>& master, Backend<bf16>& be, bool reduce_bf16)
     : m_(master), be_(be), reduce_bf16_(reduce_bf16) {
-  int64_t max_padded = 0, max_shard = 0;
-  for (auto& u : m_.plan().units) {
-    max_padded = std::max(max_padded, u.padded_numel);
-    max_shard = std::max(max_shard, u.shard_size);
-  }
-  shard_ = Buffer<bf16>(be_, static_cast<size_t>(max_shard));
-  gather_ = Buffer<bf16>(be_, static_cast<size_t>(max_padded));
-  grad_ = Buffer<bf16>(be_, static_cast<size_t>(max_padded));
+  const size_t max_padded = static_cast<size_t>(m_.plan().max_padded_numel());
+  const size_t max_shard = static_cast<size_t>(m_.plan().max_shard_size());
+  shard_ = Buffer<bf16>(be_, max_shard);
+  gather_ = Buffer<bf16>(be_, max_padded);
+  grad_ = Buffer<bf16>(be_, max_padded);
   if (reduce_bf16_) {
-    scatter_ = Buffer<bf16>(be_, static_cast<size_t>(max_shard));
+    scatter_ = Buffer<bf16>(be_, max_shard);
   } else {
-    grad32_ = Buffer<float>(m_.backend(), static_cast<size_t>(max_padded));
-    scatter32_ = Buffer<float>(m_.backend(), static_cast<size_t>(max_shard));
+    grad32_ = Buffer<float>(m_.backend(), max_padded);
+    scatter32_ = Buffer<float>(m_.backend(), max_shard);
   }
 }
 

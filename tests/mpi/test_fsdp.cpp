@@ -742,6 +742,8 @@ TEST_F(Fsdp, MemoryIsShardSized) {
   }
   // O(P / W): the shards of all units hold at most P/W + one element per unit.
   EXPECT_LE(sum_shard * W, total + W * static_cast<int64_t>(plan.units.size()));
+  EXPECT_EQ(plan.max_padded_numel(), max_padded);
+  EXPECT_EQ(plan.max_shard_size(), max_shard);
 
   CountingBackend<double> be;
   {
