@@ -64,15 +64,42 @@ std::string host_name() {
 }
 
 // ------------------------------------------------------------------------------------------------
+// What both device Comms share: collectives on device buffers ordered on the context stream;
+// ranks, barrier, watchdog and MPI handle from the host Comm, which must outlive this.
+
+class DeviceComm : public Comm {
+ public:
+  DeviceComm(Comm& host, cudaStream_t stream, const char* name) : host_(host), stream_(stream), name_(name) {}
+  DeviceComm(const DeviceComm&) = delete;
+  DeviceComm& operator=(const DeviceComm&) = delete;
+
+  int rank() const override { return host_.rank(); }
+  int world_size() const override { return host_.world_size(); }
+  void barrier() override {
+    // Device work of this rank first, so that "after the barrier" includes its GPU work.
+    check_cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize", name_);
+    host_.barrier();
+  }
+  void set_collective_timeout(double seconds) override { host_.set_collective_timeout(seconds); }
+  void watch_begin(const char* what) override { host_.watch_begin(what); }
+  void watch_end() override { host_.watch_end(); }
+  void* mpi_handle() const override { return host_.mpi_handle(); }
+
+ protected:
+  Comm& host_;
+  cudaStream_t stream_;
+
+ private:
+  const char* name_;  // for messages: "NcclComm::barrier"
+};
+
+// ------------------------------------------------------------------------------------------------
 // NCCL
 
-class NcclComm final : public Comm {
+class NcclComm final : public DeviceComm {
  public:
-  // `host` must outlive this (every call but the collectives themselves goes to it).
   NcclComm(Comm& host, ncclComm_t comm, cudaStream_t stream)
-      : host_(host), comm_(comm), stream_(stream), rank_(host.rank()), world_(host.world_size()) {}
-  NcclComm(const NcclComm&) = delete;
-  NcclComm& operator=(const NcclComm&) = delete;
+      : DeviceComm(host, stream, "NcclComm::barrier"), comm_(comm) {}
 
   // ncclCommDestroy flushes outstanding work and, in current NCCL, may wait on peers; it is
   // watched like a collective so that a dead peer cannot hang shutdown forever. While an exception
@@ -92,19 +119,6 @@ class NcclComm final : public Comm {
       (void)ncclCommAbort(comm_);
     }
   }
-
-  int rank() const override { return rank_; }
-  int world_size() const override { return world_; }
-
-  void barrier() override {
-    // Device work of this rank first, so that "after the barrier" includes its GPU work.
-    check_cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize", "NcclComm::barrier");
-    host_.barrier();
-  }
-  void set_collective_timeout(double seconds) override { host_.set_collective_timeout(seconds); }
-  void watch_begin(const char* what) override { host_.watch_begin(what); }
-  void watch_end() override { host_.watch_end(); }
-  void* mpi_handle() const override { return host_.mpi_handle(); }
 
   // NCCL recognizes the in-place all-gather by exactly this address relation
   // (sendbuff == recvbuff + rank*sendcount), which is also the Comm contract's.
@@ -143,10 +157,7 @@ class NcclComm final : public Comm {
     if (async != ncclSuccess && async != ncclInProgress) throw std::runtime_error(nccl_error(async, call, comm_));
   }
 
-  Comm& host_;
   ncclComm_t comm_;
-  cudaStream_t stream_;
-  int rank_, world_;
 };
 
 // ------------------------------------------------------------------------------------------------
@@ -197,22 +208,9 @@ class HostBuffer {
   std::unique_ptr<char[]> plain_;
 };
 
-class StagedComm final : public Comm {
+class StagedComm final : public DeviceComm {
  public:
-  StagedComm(Comm& host, cudaStream_t stream) : host_(host), stream_(stream) {}
-  StagedComm(const StagedComm&) = delete;
-  StagedComm& operator=(const StagedComm&) = delete;
-
-  int rank() const override { return host_.rank(); }
-  int world_size() const override { return host_.world_size(); }
-  void barrier() override {
-    check_cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize", "StagedComm::barrier");
-    host_.barrier();
-  }
-  void set_collective_timeout(double seconds) override { host_.set_collective_timeout(seconds); }
-  void watch_begin(const char* what) override { host_.watch_begin(what); }
-  void watch_end() override { host_.watch_end(); }
-  void* mpi_handle() const override { return host_.mpi_handle(); }
+  StagedComm(Comm& host, cudaStream_t stream) : DeviceComm(host, stream, "StagedComm::barrier") {}
 
   // The device send block goes to its own place in the host receive buffer, and the host
   // all-gather runs in place there. Reading `send` works for the in-place call too (send ==
@@ -267,8 +265,6 @@ class StagedComm final : public Comm {
     check_cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize", what);
   }
 
-  Comm& host_;
-  cudaStream_t stream_;
   HostBuffer all_;   // world*count elements (all_gather result, reduce_scatter input), or count
   HostBuffer part_;  // count elements (reduce_scatter result)
 };
