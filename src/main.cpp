@@ -122,7 +122,12 @@ void run_inspect(Comm& comm, const Options& o) {
      << "  step " << info.step << ", tokens_seen " << info.tokens_seen << ", world_size " << info.world_size << "\n"
      << "  model_config " << info.model_config << "\n"
      << "  train_config " << info.train_config << "\n"
-     << "  data_position " << info.data_position << ", rng_state " << info.rng_state << "\n";
+     << "  data_position " << info.data_position << ", rng_state " << info.rng_state << "\n"
+     << "  data " << info.data_info << "\n"
+     << "  " << info.file_bytes << " bytes; "
+     << (info.metadata_verified ? "every attribute and table matches its CRC32 (metadata_crc32)"
+                                : "format version 1: attributes not checksummed")
+     << "; tensor data is verified when loaded (--dump-param)\n";
   for (auto& u : info.units) {
     os << "  unit " << u.name << ": numel " << u.numel << ", shard_size " << u.shard_size << ", padded_numel "
        << u.padded_numel << "\n";
@@ -140,7 +145,7 @@ void run_inspect(Comm& comm, const Options& o) {
   ModelConfig mc = from_canonical_json(info.model_config);
   auto be = make_cpu_backend<float>();
   Fsdp<float> f(*be, comm, ShardPlan::build(llama_units(mc), comm.world_size()));
-  load_checkpoint(comm, o.checkpoint, f, nullptr, mc);
+  load_checkpoint(comm, o.checkpoint, f, nullptr, mc, &info);
   std::vector<float> v;
   agree(comm, [&] {  // check the name on every rank before the collective gather
     bool found = false;

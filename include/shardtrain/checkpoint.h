@@ -19,17 +19,37 @@ namespace shardtrain {
 template <typename T> class AdamW;
 struct TrainConfig;
 
-inline constexpr int kCheckpointFormatVersion = 1;
-inline constexpr const char* kProgramVersion = "shardtrain 0.1.0";
+// Version 2 added the metadata checksums (docs/checkpoint-format.md, "Integrity"), the batch
+// history in data_position and the `data` attribute. Version 1 files still load (their attributes
+// unverified, with a note); saves always write version 2.
+inline constexpr int kCheckpointFormatVersion = 2;
+inline constexpr const char* kProgramVersion = "shardtrain 0.2.0";
+
+// One stretch of a run with constant batch geometry and seed: optimizer steps
+// [from_step, next segment's from_step) each consumed global_batch x seq_len tokens of the batches
+// (seed, k). A resume that accepts a changed --global-batch, --seq-len or --seed starts a segment.
+struct BatchSegment {
+  int64_t from_step = 0;
+  int global_batch = 0;  // sequences per optimizer step
+  int seq_len = 0;       // tokens per sequence
+  uint64_t seed = 0;     // data order (and, for segment 0, the init)
+};
 
 // Where a run stands, besides its tensors. The data position is `step` itself: batch k of the
 // train split is a pure function of (seed, k) (see data.h), and so is the init.
 struct TrainState {
   int64_t step = 0;         // optimizer steps completed
-  int64_t tokens_seen = 0;  // step * global_batch * seq_len
-  uint64_t seed = 0;        // seed of init and data stream
+  int64_t tokens_seen = 0;  // training tokens consumed, cumulative over the segments
+  uint64_t seed = 0;        // seed of the data stream from `step` on (the last segment's)
   int saved_world_size = 0; // world size the checkpoint was written at (0: not loaded)
+  std::vector<BatchSegment> segments;  // the run's batch history, oldest first; empty: none (import)
+  std::string data_info = "null";      // JSON of the token file trained on (see CheckpointInfo::data_info)
 };
+
+// Tokens consumed by `step` optimizer steps under `segments` (sum over segments of steps x
+// global_batch x seq_len). Throws std::invalid_argument if the segments are not ordered, do not
+// start at step 0, or start beyond `step`.
+int64_t tokens_of(const std::vector<BatchSegment>& segments, int64_t step);
 
 // Per-unit tables as stored.
 struct CheckpointUnitInfo {
@@ -46,6 +66,12 @@ struct CheckpointInfo {
   int64_t step = 0, tokens_seen = 0;
   int world_size = 0;
   std::string model_config, train_config, data_position, rng_state, program_version;
+  // The token file the run trained on: JSON null (none: an import, or a version 1 file), or
+  // {"path", "tokenizer", "vocab_size", "bos_id", "eos_id"} from its header (data.h).
+  std::string data_info = "null";
+  std::vector<BatchSegment> segments;  // from data_position (version 1: one segment from train_config)
+  uint64_t file_bytes = 0;             // size of the file as this rank saw it
+  bool metadata_verified = false;      // version 2: every attribute and table matched its checksum
   std::vector<CheckpointUnitInfo> units;
 };
 
@@ -72,21 +98,40 @@ std::string save_checkpoint(Comm& comm, Fsdp<float>& f, AdamW<float>& opt, const
 void write_checkpoint_file(Comm& comm, const std::string& path, Fsdp<float>& f, AdamW<float>& opt,
                            const ModelConfig& mc, const TrainConfig& tc, const TrainState& state);
 
-// Collective. Reads the metadata (root attributes and unit tables) of `path`. Throws
-// CollectiveError naming the file for: a missing or unreadable file, a file that is not HDF5 or is
-// truncated, a wrong format name, an unknown format version.
+// Collective. Reads the metadata (root and unit attributes, shard, checksum and parameter tables)
+// of `path`, verifies each against the file's metadata checksums (format version 2,
+// docs/checkpoint-format.md "Integrity") and cross-checks the redundant fields (step, tokens_seen,
+// data_position, batch history, seeds, world size, shard tables). Then the ranks compare what they
+// read (a digest of the checksum table and the file size): a file that differs between ranks (a
+// stale or partial copy on one node) is refused on every rank, naming the ranks whose view differs.
+// Throws CollectiveError (same message on every rank) naming the file and the attribute or table
+// for: a missing, unreadable, non-HDF5 or truncated file, a wrong format name, an unknown format
+// version, a checksum mismatch, an inconsistent field, ranks that disagree.
 CheckpointInfo read_checkpoint_info(Comm& comm, const std::string& path);
 
 // Collective. Loads parameters (and AdamW moments when opt != nullptr) from `path` into f, whose
 // plan may be for any world size. Checks, each failing with a CollectiveError naming file and
-// unit/tensor: model config equal to `mc`; every unit present, none extra; every tensor's name,
-// shape and offset as expected; the CRC32 of every saved slice (each rank verifies a share).
+// unit/tensor: the model architecture equal to `mc`'s (labels such as `name` and
+// `initializer_range` may differ; special token ids, where both set, must agree); every unit
+// present, none extra; every tensor's name, shape and offset as expected; the CRC32 of every saved
+// slice that this rank loads, plus a share of the others so that every slice is verified.
+// `info`, when given, is the already read metadata of `path` (it is read otherwise).
 TrainState load_checkpoint(Comm& comm, const std::string& path, Fsdp<float>& f, AdamW<float>* opt,
-                           const ModelConfig& mc);
+                           const ModelConfig& mc, const CheckpointInfo* info = nullptr);
+
+// The model-config keys whose values differ between two canonical configs (config.h) in a way that
+// matters for loading weights: every key except the labels `name` and `initializer_range`;
+// `bos_token_id`/`eos_token_id` count only when set (non-null) in both. Each entry reads
+// "key: checkpoint has A, requested B". Throws std::invalid_argument on malformed JSON.
+std::vector<std::string> architecture_differences(const std::string& checkpoint_config,
+                                                  const std::string& requested_config);
 
 // Collective. Resolves --resume: "" -> "" (fresh start); "auto" -> the checkpoint that
-// "<dir>/latest" names, else the newest "<dir>/step_*.h5", else "" (nothing to resume);
-// anything else is a path that must exist. Throws CollectiveError if an explicit path is missing.
-std::string resolve_resume(Comm& comm, const std::string& resume, const std::string& dir);
+// "<dir>/latest" names; with no `latest`, the newest "<dir>/step_*.h5"; with neither, "" (a first
+// run); anything else is a path that must exist. A `latest` that names no existing checkpoint
+// means a run existed and its newest state is gone: refused (naming the file and the newest
+// checkpoint still present, if any), except that `start_over` with no checkpoint left returns ""
+// (step 0). Throws CollectiveError (same message on every rank).
+std::string resolve_resume(Comm& comm, const std::string& resume, const std::string& dir, bool start_over = false);
 
 }  // namespace shardtrain

@@ -51,10 +51,12 @@ class TokenDataset {
   // magic, unknown version, size not matching the header, tokens >= vocab_size.
   explicit TokenDataset(const std::string& path);
   const TokenFileHeader& header() const { return h_; }
+  const std::string& path() const { return path_; }  // as given to the constructor
   const std::vector<uint16_t>& train() const { return train_; }
   const std::vector<uint16_t>& val() const { return val_; }
 
  private:
+  std::string path_;
   TokenFileHeader h_;
   std::vector<uint16_t> train_, val_;
 };

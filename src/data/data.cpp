@@ -93,7 +93,7 @@ TokenFileHeader prepare_token_file(const std::vector<std::string>& inputs, const
   return h;
 }
 
-TokenDataset::TokenDataset(const std::string& path) {
+TokenDataset::TokenDataset(const std::string& path) : path_(path) {
   std::ifstream f(path, std::ios::binary);
   std::error_code ec;
   if (!f) throw std::runtime_error("cannot open token file '" + path + "' (make one with --mode prepare)");

@@ -11,6 +11,8 @@
 #include <zlib.h>
 
 #include <algorithm>
+#include <map>
+#include <set>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -103,17 +105,104 @@ std::string h5_detail() {
   return msg;
 }
 
-// Collective open/create through MPI-IO. On failure returns an invalid id and sets *why to HDF5's
-// own reason (read before any other HDF5 call clears the error stack).
-H5Id open_file(Comm& comm, const std::string& path, bool create, std::string* why) {
+// Collective create through MPI-IO (saves). On failure returns an invalid id and sets *why to
+// HDF5's own reason (read before any other HDF5 call clears the error stack).
+H5Id create_file(Comm& comm, const std::string& path, std::string* why) {
   hid_t fapl = H5Pcreate(H5P_FILE_ACCESS);
   H5Pset_fapl_mpio(fapl, reinterpret_cast<MPI_Comm>(comm.mpi_handle()), MPI_INFO_NULL);
-  hid_t f = create ? H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl)
-                   : H5Fopen(path.c_str(), H5F_ACC_RDONLY, fapl);
+  hid_t f = H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl);
   if (f < 0 && why) *why = h5_detail();
   H5Pclose(fapl);
   return H5Id(f, H5Fclose);
 }
+
+// Local read-only open (POSIX driver) on this rank alone. Reads are independent, so no rank ever
+// waits inside HDF5 for another: a rank that sees a different or damaged copy of the file fails
+// on its own and the ranks then agree (agree_on_file). File locking is off: a published
+// checkpoint is never written again, and many file systems (NFS, Lustre) refuse flock.
+H5Id open_local(const std::string& path, std::string* why) {
+  hid_t fapl = H5Pcreate(H5P_FILE_ACCESS);
+  H5Pset_file_locking(fapl, false, true);
+  hid_t f = H5Fopen(path.c_str(), H5F_ACC_RDONLY, fapl);
+  if (f < 0 && why) *why = h5_detail();
+  H5Pclose(fapl);
+  return H5Id(f, H5Fclose);
+}
+
+// ---- Metadata checksums (docs/checkpoint-format.md, "Integrity") ----------------------------
+// Every attribute and small table is an item with a key ("@step" for a root attribute,
+// "units/U@numel" for a unit attribute, "units/U/shard_table" for a table) and canonical bytes
+// (a string's UTF-8 bytes; an int64 as 8 bytes little-endian; a table's elements little-endian,
+// row-major; a param_table row packed field by field, 180 bytes). The root attribute
+// `metadata_crc32` maps every key to the zlib CRC32 of its bytes; `metadata_crc32_check` is the
+// CRC32 of that attribute's own bytes.
+constexpr const char* kMetaTable = "metadata_crc32";
+constexpr const char* kMetaTableCheck = "metadata_crc32_check";
+
+uint32_t crc32_bytes(const std::string& b) {
+  uLong c = crc32(0L, Z_NULL, 0);
+  return static_cast<uint32_t>(crc32(c, reinterpret_cast<const Bytef*>(b.data()), static_cast<uInt>(b.size())));
+}
+template <typename U> void put_le(std::string& b, U v) {
+  for (size_t i = 0; i < sizeof(U); ++i) b.push_back(static_cast<char>((static_cast<uint64_t>(v) >> (8 * i)) & 0xff));
+}
+std::string le_i64(int64_t v) {
+  std::string b;
+  put_le<uint64_t>(b, static_cast<uint64_t>(v));
+  return b;
+}
+std::string param_rows_bytes(const std::vector<ParamRow>& rows) {
+  std::string b;
+  for (const ParamRow& r : rows) {
+    b.append(r.name, kNameLen);
+    put_le<uint64_t>(b, static_cast<uint64_t>(r.offset));
+    put_le<uint64_t>(b, static_cast<uint64_t>(r.numel));
+    put_le<uint32_t>(b, static_cast<uint32_t>(r.ndim));
+    for (int j = 0; j < kMaxDims; ++j) put_le<uint64_t>(b, static_cast<uint64_t>(r.shape[j]));
+  }
+  return b;
+}
+
+// "@step" -> "attribute 'step'"; "units/U@numel" -> "attribute 'numel' of unit 'U'";
+// "units/U/shard_table" -> "dataset 'units/U/shard_table'".
+std::string describe_item(const std::string& key) {
+  size_t at = key.find('@');
+  if (at == std::string::npos) return "dataset '" + key + "'";
+  std::string attr = "attribute '" + key.substr(at + 1) + "'";
+  return at == 0 ? attr : attr + " of unit '" + key.substr(6, at - 6) + "'";
+}
+
+// The checksums of the items written or read so far; when reading a version-2 file, each item is
+// compared with the stored table as soon as it is read, so the first damaged item is the one named.
+struct MetaSums {
+  std::map<std::string, uint32_t> computed, stored;
+  bool verify = false;
+  void add(const std::string& key, const std::string& bytes) {
+    uint32_t c = crc32_bytes(bytes);
+    computed[key] = c;
+    if (!verify) return;
+    auto it = stored.find(key);
+    if (it == stored.end())
+      throw H5Error(describe_item(key) + " has no entry in the metadata checksum table ('" + kMetaTable +
+                    "'); the file is damaged or was edited");
+    if (it->second != c) {
+      char b[96];
+      std::snprintf(b, sizeof b, " (stored %08x, computed %08x)", it->second, c);
+      throw H5Error(describe_item(key) + " fails its CRC32 check" + b +
+                    ": the file was damaged or edited after it was saved");
+    }
+  }
+  void finish() const {  // every stored entry names an item that was read
+    for (auto& [k, v] : stored)
+      if (!computed.count(k))
+        throw H5Error("the metadata checksum table names " + describe_item(k) + ", which the file lacks; the file is damaged");
+  }
+  std::string table_json() const {
+    json j = json::object();
+    for (auto& [k, v] : computed) j[k] = v;
+    return j.dump();
+  }
+};
 
 // Attributes. Every rank writes the same value (parallel HDF5 requires attribute writes to be
 // collective with identical data).
@@ -130,6 +219,15 @@ void write_attr_i64(hid_t obj, const char* name, int64_t v) {
   H5Id sp(H5Screate(H5S_SCALAR), H5Sclose);
   H5Id a(chk(H5Acreate2(obj, name, H5T_STD_I64LE, sp, H5P_DEFAULT, H5P_DEFAULT), std::string("create attribute ") + name), H5Aclose);
   chk(H5Awrite(a, H5T_NATIVE_INT64, &v), std::string("write attribute ") + name, 0);
+}
+// The same, recording the item's checksum under `prefix` + "@" + name.
+void put_str(hid_t obj, MetaSums& ms, const std::string& prefix, const char* name, const std::string& v) {
+  write_attr_str(obj, name, v);
+  ms.add(prefix + "@" + name, v);
+}
+void put_i64(hid_t obj, MetaSums& ms, const std::string& prefix, const char* name, int64_t v) {
+  write_attr_i64(obj, name, v);
+  ms.add(prefix + "@" + name, le_i64(v));
 }
 std::string read_attr_str(hid_t obj, const char* name, const std::string& where) {
   if (H5Aexists(obj, name) <= 0) throw H5Error(where + " has no attribute '" + name + "'");
@@ -158,6 +256,16 @@ int64_t read_attr_i64(hid_t obj, const char* name, const std::string& where) {
   H5Id a(chk(H5Aopen(obj, name, H5P_DEFAULT), std::string("open attribute ") + name), H5Aclose);
   int64_t v = 0;
   chk(H5Aread(a, H5T_NATIVE_INT64, &v), std::string("read attribute ") + name, 0);
+  return v;
+}
+std::string get_str(hid_t obj, MetaSums& ms, const std::string& prefix, const char* name, const std::string& where) {
+  std::string v = read_attr_str(obj, name, where);
+  ms.add(prefix + "@" + name, v);
+  return v;
+}
+int64_t get_i64(hid_t obj, MetaSums& ms, const std::string& prefix, const char* name, const std::string& where) {
+  int64_t v = read_attr_i64(obj, name, where);
+  ms.add(prefix + "@" + name, le_i64(v));
   return v;
 }
 
@@ -217,12 +325,137 @@ std::vector<std::string> published_checkpoints(const std::string& dir) {
   return names;
 }
 
+json segments_json(const std::vector<BatchSegment>& segs) {
+  json a = json::array();
+  for (auto& g : segs)
+    a.push_back({{"from_step", g.from_step}, {"global_batch", g.global_batch}, {"seq_len", g.seq_len}, {"seed", g.seed}});
+  return a;
+}
+
+// "rank 2", "ranks 1-2", "ranks 0, 3, 5-7".
+std::string rank_list(const std::vector<int>& r) {
+  std::string o;
+  for (size_t i = 0; i < r.size();) {
+    size_t j = i;
+    while (j + 1 < r.size() && r[j + 1] == r[j] + 1) ++j;
+    o += (o.empty() ? "" : ", ") + std::to_string(r[i]) + (j > i ? "-" + std::to_string(r[j]) : "");
+    i = j + 1;
+  }
+  return (r.size() == 1 ? "rank " : "ranks ") + o;
+}
+
+// What one rank made of a checkpoint file.
+struct FileView {
+  bool ok = true;
+  std::string err;        // why not ok
+  int64_t bytes = -1;     // file size on this rank, -1: missing
+  uint64_t digest = 0;    // of the metadata checksums (valid when ok)
+  int64_t step = -1;      // the step it read (valid when ok)
+};
+
+// Collective. The ranks compare what they read of `path` and all throw the same CollectiveError
+// unless every rank read it successfully with the same size and metadata digest. When only some
+// ranks fail or the views differ, the message names the ranks: the file at this path is not the
+// same on every node (a stale or partial copy on local disk, an NFS cache).
+void agree_on_file(Comm& comm, const std::string& path, const FileView& v) {
+  const int W = comm.world_size();
+  uint64_t mine[4] = {v.ok ? 1u : 0u, static_cast<uint64_t>(v.bytes), v.digest, static_cast<uint64_t>(v.step)};
+  std::vector<uint64_t> all(static_cast<size_t>(W) * 4);
+  comm.all_gather(mine, all.data(), 4);
+  auto ok = [&](int r) { return all[r * 4] != 0; };
+  auto bytes = [&](int r) { return static_cast<int64_t>(all[r * 4 + 1]); };
+  auto digest = [&](int r) { return all[r * 4 + 2]; };
+  auto step = [&](int r) { return static_cast<int64_t>(all[r * 4 + 3]); };
+  std::vector<int> failed;
+  bool same = true;
+  for (int r = 0; r < W; ++r) {
+    if (!ok(r)) failed.push_back(r);
+    same = same && bytes(r) == bytes(0) && (!ok(r) || !ok(0) || digest(r) == digest(0));
+  }
+  if (failed.empty() && same) return;
+  // The reason of the lowest failing rank, for everybody.
+  std::string why = failed.empty() ? "" : comm.broadcast_string(v.err, failed.front());
+  const std::string who = "checkpoint '" + path + "'";
+  const std::string hint = ": every rank must read the same complete file (a stale or partial copy on one node's local "
+                           "disk, or an NFS cache, gives ranks different files under one path)";
+  if (static_cast<int>(failed.size()) == W && same) throw CollectiveError(failed.front(), why);  // one damaged file
+  std::map<int64_t, std::vector<int>> by_size;
+  for (int r = 0; r < W; ++r) by_size[bytes(r)].push_back(r);
+  if (by_size.size() > 1) {
+    std::string sizes;
+    for (auto& [b, rs] : by_size)
+      sizes += (sizes.empty() ? "" : ", ") + (b < 0 ? "missing on " + rank_list(rs) : std::to_string(b) + " bytes on " + rank_list(rs));
+    const std::vector<int>& small = by_size.begin()->second;  // the smallest copy (or none) is the damaged one
+    throw CollectiveError(small.front(), who + " is not the same file on every rank (" + sizes + "): it is " +
+                                             (by_size.begin()->first < 0 ? "missing" : "truncated or damaged") + " on " +
+                                             rank_list(small) + hint + (failed.empty() ? "" : "; " + why));
+  }
+  if (!failed.empty()) {
+    std::vector<int> good;
+    for (int r = 0; r < W; ++r)
+      if (ok(r)) good.push_back(r);
+    throw CollectiveError(failed.front(), who + " is damaged as " + rank_list(failed) + " read it, while " +
+                                              rank_list(good) + " read it without error" + hint + "; " + rank_list({failed.front()}) +
+                                              ": " + why);
+  }
+  std::map<std::pair<uint64_t, int64_t>, std::vector<int>> by_view;
+  for (int r = 0; r < W; ++r) by_view[{digest(r), step(r)}].push_back(r);
+  std::string views;
+  std::vector<int> odd;
+  for (auto& [k, rs] : by_view) {
+    views += (views.empty() ? "" : ", ") + rank_list(rs) + " read step " + std::to_string(k.second);
+    if (k != std::make_pair(digest(0), step(0))) odd.insert(odd.end(), rs.begin(), rs.end());
+  }
+  std::sort(odd.begin(), odd.end());
+  throw CollectiveError(odd.front(), who + " has different contents on different ranks (" + views + ", " +
+                                         std::to_string(bytes(0)) + " bytes each): " + rank_list(odd) +
+                                         " differ from rank 0" + hint);
+}
+
 }  // namespace
+
+int64_t tokens_of(const std::vector<BatchSegment>& segs, int64_t step) {
+  int64_t t = 0;
+  for (size_t i = 0; i < segs.size(); ++i) {
+    const BatchSegment& g = segs[i];
+    const int64_t end = i + 1 < segs.size() ? segs[i + 1].from_step : step;
+    if ((i == 0 && g.from_step != 0) || g.from_step > end || end > step || g.global_batch < 1 || g.seq_len < 1)
+      throw std::invalid_argument("the batch history does not cover steps [0, " + std::to_string(step) +
+                                  ") in order with positive batch sizes");
+    t += (end - g.from_step) * static_cast<int64_t>(g.global_batch) * g.seq_len;
+  }
+  return t;
+}
 
 std::string checkpoint_name(int64_t step) {
   char b[64];
   std::snprintf(b, sizeof b, "step_%08lld.h5", static_cast<long long>(step));
   return b;
+}
+
+std::vector<std::string> architecture_differences(const std::string& ckpt, const std::string& requested) {
+  json a, b;
+  try {
+    a = json::parse(ckpt);
+    b = json::parse(requested);
+  } catch (const json::exception& e) {
+    throw std::invalid_argument(std::string("model config is not valid JSON: ") + e.what());
+  }
+  if (!a.is_object() || !b.is_object()) throw std::invalid_argument("model config is not a JSON object");
+  std::set<std::string> keys;
+  for (auto& [k, v] : a.items()) keys.insert(k);
+  for (auto& [k, v] : b.items()) keys.insert(k);
+  std::vector<std::string> diff;
+  for (const std::string& k : keys) {
+    if (k == "name" || k == "initializer_range") continue;  // labels: they do not change the weights' meaning
+    const json va = a.contains(k) ? a[k] : json(), vb = b.contains(k) ? b[k] : json();
+    const bool special = k == "bos_token_id" || k == "eos_token_id";
+    if (special && (va.is_null() || vb.is_null())) continue;  // unset on one side: filled from the other
+    if (va != vb)
+      diff.push_back(k + ": checkpoint has " + (a.contains(k) ? va.dump() : "nothing") + ", requested " +
+                     (b.contains(k) ? vb.dump() : "nothing"));
+  }
+  return diff;
 }
 
 void write_checkpoint_file(Comm& comm, const std::string& tmp_path, Fsdp<float>& f, AdamW<float>& opt,
@@ -252,22 +485,21 @@ void write_checkpoint_file(Comm& comm, const std::string& tmp_path, Fsdp<float>&
   CommWatch watch(comm, "checkpoint write (parallel HDF5)");
   try {
     std::string why;
-    H5Id file = open_file(comm, tmp_path, true, &why);
+    H5Id file = create_file(comm, tmp_path, &why);
     if (!file.ok()) throw H5Error("cannot create '" + tmp_path + "': " + why);
-    json tcj = {{"seq_len", tc.seq_len}, {"global_batch", tc.global_batch}, {"micro_batch", tc.micro_batch},
-                {"steps", tc.steps}, {"lr", tc.lr}, {"min_lr", tc.min_lr}, {"warmup", tc.warmup},
-                {"beta1", tc.beta1}, {"beta2", tc.beta2}, {"eps", tc.eps}, {"weight_decay", tc.weight_decay},
-                {"clip", tc.clip}, {"seed", tc.seed}, {"precision", tc.precision}};
-    write_attr_str(file, "format", kFormatName);
-    write_attr_i64(file, "format_version", kCheckpointFormatVersion);
-    write_attr_i64(file, "step", st.step);
-    write_attr_i64(file, "tokens_seen", st.tokens_seen);
-    write_attr_i64(file, "world_size", W);
-    write_attr_str(file, "model_config", canonical_json(mc));
-    write_attr_str(file, "train_config", tcj.dump());
-    write_attr_str(file, "data_position", json({{"next_batch_index", st.step}, {"split", "train"}}).dump());
-    write_attr_str(file, "rng_state", json({{"seed", st.seed}, {"generator", "splitmix64 counter (data.h, shard.h)"}}).dump());
-    write_attr_str(file, "program_version", kProgramVersion);
+    MetaSums ms;  // every rank computes the same table from the same values
+    put_str(file, ms, "", "format", kFormatName);
+    put_i64(file, ms, "", "format_version", kCheckpointFormatVersion);
+    put_i64(file, ms, "", "step", st.step);
+    put_i64(file, ms, "", "tokens_seen", st.tokens_seen);
+    put_i64(file, ms, "", "world_size", W);
+    put_str(file, ms, "", "model_config", canonical_json(mc));
+    put_str(file, ms, "", "train_config", train_config_json(tc));
+    put_str(file, ms, "", "data_position",
+            json({{"next_batch_index", st.step}, {"split", "train"}, {"segments", segments_json(st.segments)}}).dump());
+    put_str(file, ms, "", "rng_state", json({{"seed", st.seed}, {"generator", "splitmix64 counter (data.h, shard.h)"}}).dump());
+    put_str(file, ms, "", "program_version", kProgramVersion);
+    put_str(file, ms, "", "data", st.data_info.empty() ? "null" : st.data_info);
     H5Id units(chk(H5Gcreate2(file, "units", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), "create group /units"), H5Gclose);
     H5Id dxpl(H5Pcreate(H5P_DATASET_XFER), H5Pclose);
     H5Pset_dxpl_mpio(dxpl, H5FD_MPIO_COLLECTIVE);
@@ -277,11 +509,12 @@ void write_checkpoint_file(Comm& comm, const std::string& tmp_path, Fsdp<float>&
     for (int u = 0; u < f.num_units(); ++u) {
       const UnitPlan& up = plan.units[u];
       const hsize_t S = static_cast<hsize_t>(up.shard_size);
+      const std::string key = "units/" + up.name;
       H5Id g(chk(H5Gcreate2(units, up.name.c_str(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), "create group " + up.name), H5Gclose);
-      write_attr_i64(g, "index", u);
-      write_attr_i64(g, "numel", up.numel);
-      write_attr_i64(g, "shard_size", up.shard_size);
-      write_attr_i64(g, "padded_numel", up.padded_numel);
+      put_i64(g, ms, key, "index", u);
+      put_i64(g, ms, key, "numel", up.numel);
+      put_i64(g, ms, key, "shard_size", up.shard_size);
+      put_i64(g, ms, key, "padded_numel", up.padded_numel);
       // The three flat buffers: rank r writes its S elements (valid, then zero padding) at r*S.
       uint32_t my_crc[3];
       float* src[3] = {f.param_shard(u), opt.m()[u].data(), opt.v()[u].data()};
@@ -308,12 +541,18 @@ void write_checkpoint_file(Comm& comm, const std::string& tmp_path, Fsdp<float>&
       for (auto& rs : up.ranks) table.insert(table.end(), {rs.start, rs.valid, rs.padding});
       hsize_t tdims[2] = {static_cast<hsize_t>(W), 3};
       write_small(comm, g, "shard_table", H5T_STD_I64LE, H5T_NATIVE_INT64, 2, tdims, table.data(), dxpl);
+      std::string tb;
+      for (int64_t v : table) put_le<uint64_t>(tb, static_cast<uint64_t>(v));
+      ms.add(key + "/shard_table", tb);
       // Every rank's checksums: row r of [W, 3] comes from rank r.
       uint64_t mine[3] = {my_crc[0], my_crc[1], my_crc[2]};
       std::vector<uint64_t> table_crc(static_cast<size_t>(W) * 3);
       comm.all_gather(mine, table_crc.data(), 3);
       std::vector<uint32_t> crc32s(table_crc.begin(), table_crc.end());
       write_small(comm, g, "shard_crc32", H5T_STD_U32LE, H5T_NATIVE_UINT32, 2, tdims, crc32s.data(), dxpl);
+      std::string cb;
+      for (uint32_t v : crc32s) put_le<uint32_t>(cb, v);
+      ms.add(key + "/shard_crc32", cb);
       std::vector<ParamRow> rows(up.params.size());
       for (size_t i = 0; i < up.params.size(); ++i) {
         const ParamSlot& ps = up.params[i];
@@ -329,7 +568,11 @@ void write_checkpoint_file(Comm& comm, const std::string& tmp_path, Fsdp<float>&
       }
       hsize_t pdims[1] = {rows.size()};
       write_small(comm, g, "param_table", rowt, rowt, 1, pdims, rows.data(), dxpl);
+      ms.add(key + "/param_table", param_rows_bytes(rows));
     }
+    const std::string table = ms.table_json();
+    write_attr_str(file, kMetaTable, table);
+    write_attr_i64(file, kMetaTableCheck, crc32_bytes(table));
   } catch (const std::exception& e) {
     err = std::string("checkpoint '") + tmp_path + "': " + e.what();
   }
@@ -382,121 +625,256 @@ std::string save_checkpoint(Comm& comm, Fsdp<float>& f, AdamW<float>& opt, const
   return final_path;
 }
 
+namespace {
+
+// This rank's reading of the metadata of `path` (no collectives). Throws H5Error/std::exception
+// with a message that does not yet name the file.
+void read_metadata(const std::string& path, CheckpointInfo& info, MetaSums& ms) {
+  std::string why;
+  H5Id file = open_local(path, &why);
+  if (!file.ok()) throw H5Error("cannot open (" + why + "); the file may be truncated or damaged");
+  const std::string where = "root group";
+  const std::string fmt = read_attr_str(file, "format", where);
+  if (fmt != kFormatName) throw H5Error("attribute 'format' is '" + fmt + "', expected '" + kFormatName + "'");
+  info.format_version = static_cast<int>(read_attr_i64(file, "format_version", where));
+  const bool has_table = H5Aexists(file, kMetaTable) > 0;
+  // The version decides how the rest is read, so it is checked before anything else is trusted.
+  if (info.format_version != 1 && info.format_version != kCheckpointFormatVersion)
+    throw H5Error("unknown format version " + std::to_string(info.format_version) +
+                  " in attribute 'format_version' (this program reads versions 1 and " +
+                  std::to_string(kCheckpointFormatVersion) + ")");
+  if (info.format_version == 1 && has_table)
+    throw H5Error("attribute 'format_version' says 1, but the file carries the metadata checksums of version " +
+                  std::to_string(kCheckpointFormatVersion) + "; the file is damaged or was edited");
+  if (info.format_version >= 2) {
+    if (!has_table) throw H5Error("attribute '" + std::string(kMetaTable) + "' (the metadata checksums) is missing");
+    const std::string table = read_attr_str(file, kMetaTable, where);
+    const int64_t check = read_attr_i64(file, kMetaTableCheck, where);
+    if (static_cast<int64_t>(crc32_bytes(table)) != check)
+      throw H5Error("attribute '" + std::string(kMetaTable) + "' (the metadata checksums) fails its own CRC32 check ('" +
+                    kMetaTableCheck + "'); the file is damaged or was edited");
+    try {
+      const json t = json::parse(table);
+      if (!t.is_object()) throw json::type_error::create(302, "not an object", &t);
+      for (auto& [k, v] : t.items()) ms.stored[k] = v.get<uint32_t>();
+    } catch (const json::exception& e) {
+      throw H5Error("attribute '" + std::string(kMetaTable) + "' is not a JSON object of CRC32s: " + e.what());
+    }
+    ms.verify = true;
+  }
+  ms.add("@format", fmt);
+  ms.add("@format_version", le_i64(info.format_version));
+  info.step = get_i64(file, ms, "", "step", where);
+  info.tokens_seen = get_i64(file, ms, "", "tokens_seen", where);
+  info.world_size = static_cast<int>(get_i64(file, ms, "", "world_size", where));
+  info.model_config = get_str(file, ms, "", "model_config", where);
+  info.train_config = get_str(file, ms, "", "train_config", where);
+  info.data_position = get_str(file, ms, "", "data_position", where);
+  info.rng_state = get_str(file, ms, "", "rng_state", where);
+  info.program_version = get_str(file, ms, "", "program_version", where);
+  info.data_info = info.format_version >= 2 ? get_str(file, ms, "", "data", where) : "null";
+  if (info.world_size < 1) throw H5Error("attribute 'world_size' is " + std::to_string(info.world_size));
+  H5Id units(H5Gopen2(file, "units", H5P_DEFAULT), H5Gclose);
+  if (!units.ok()) throw H5Error("group '/units' is missing");
+  H5G_info_t gi;
+  chk(H5Gget_info(units, &gi), "read /units", 0);
+  std::vector<std::pair<int64_t, CheckpointUnitInfo>> found;
+  H5Id rowt = param_row_type();
+  const int W = info.world_size;
+  for (hsize_t i = 0; i < gi.nlinks; ++i) {
+    char name[512];
+    H5Lget_name_by_idx(units, ".", H5_INDEX_NAME, H5_ITER_INC, i, name, sizeof name, H5P_DEFAULT);
+    CheckpointUnitInfo ui;
+    ui.name = name;
+    const std::string w = "unit '" + ui.name + "'", key = "units/" + ui.name;
+    H5Id g(chk(H5Gopen2(units, name, H5P_DEFAULT), "open " + w), H5Gclose);
+    int64_t index = get_i64(g, ms, key, "index", w);
+    ui.numel = get_i64(g, ms, key, "numel", w);
+    ui.shard_size = get_i64(g, ms, key, "shard_size", w);
+    ui.padded_numel = get_i64(g, ms, key, "padded_numel", w);
+    if (ui.numel < 1 || ui.shard_size != std::max<int64_t>(1, (ui.numel + W - 1) / W) || ui.padded_numel != ui.shard_size * W)
+      throw H5Error(w + ": attributes numel (" + std::to_string(ui.numel) + "), shard_size (" +
+                    std::to_string(ui.shard_size) + ") and padded_numel (" + std::to_string(ui.padded_numel) +
+                    ") are inconsistent with world_size (" + std::to_string(W) + ")");
+    auto read_table = [&](const char* ds, hid_t mtype, void* out, hsize_t rows, hsize_t cols) {
+      H5Id d(H5Dopen2(g, ds, H5P_DEFAULT), H5Dclose);
+      if (!d.ok()) throw H5Error(w + ": dataset '" + ds + "' is missing");
+      H5Id sp(H5Dget_space(d), H5Sclose);
+      hsize_t dims[2] = {0, 0};
+      int nd = H5Sget_simple_extent_dims(sp, dims, nullptr);
+      if (nd < 1 || dims[0] != rows || (cols > 0 && (nd != 2 || dims[1] != cols)))
+        throw H5Error(w + ": dataset '" + ds + "' has an unexpected shape");
+      chk(H5Dread(d, mtype, H5S_ALL, H5S_ALL, H5P_DEFAULT, out), w + ": read " + ds, 0);
+    };
+    std::vector<int64_t> table(static_cast<size_t>(W) * 3);
+    read_table("shard_table", H5T_NATIVE_INT64, table.data(), W, 3);
+    std::string tb;
+    for (int64_t v : table) put_le<uint64_t>(tb, static_cast<uint64_t>(v));
+    ms.add(key + "/shard_table", tb);
+    for (int q = 0; q < W; ++q) {
+      RankShard rs{table[q * 3], table[q * 3 + 1], table[q * 3 + 2]};
+      const int64_t valid = std::clamp<int64_t>(ui.numel - q * ui.shard_size, 0, ui.shard_size);
+      if (rs.start != q * ui.shard_size || rs.valid != valid || rs.padding != ui.shard_size - valid)
+        throw H5Error(w + ": row " + std::to_string(q) + " of dataset 'shard_table' is (" + std::to_string(rs.start) + ", " +
+                      std::to_string(rs.valid) + ", " + std::to_string(rs.padding) + "), expected (" +
+                      std::to_string(q * ui.shard_size) + ", " + std::to_string(valid) + ", " +
+                      std::to_string(ui.shard_size - valid) + ") from numel and world_size");
+      ui.ranks.push_back(rs);
+    }
+    ui.crc32.resize(static_cast<size_t>(W) * 3);
+    read_table("shard_crc32", H5T_NATIVE_UINT32, ui.crc32.data(), W, 3);
+    std::string cb;
+    for (uint32_t v : ui.crc32) put_le<uint32_t>(cb, v);
+    ms.add(key + "/shard_crc32", cb);
+    H5Id pd(H5Dopen2(g, "param_table", H5P_DEFAULT), H5Dclose);
+    if (!pd.ok()) throw H5Error(w + ": dataset 'param_table' is missing");
+    H5Id psp(H5Dget_space(pd), H5Sclose);
+    hssize_t np = H5Sget_simple_extent_npoints(psp);
+    if (np < 1) throw H5Error(w + ": empty param_table");
+    std::vector<ParamRow> rows(static_cast<size_t>(np));
+    std::memset(rows.data(), 0, rows.size() * sizeof(ParamRow));
+    chk(H5Dread(pd, rowt, H5S_ALL, H5S_ALL, H5P_DEFAULT, rows.data()), w + ": read param_table", 0);
+    ms.add(key + "/param_table", param_rows_bytes(rows));
+    for (auto& row : rows) {
+      ParamSlot ps;
+      ps.spec.name = std::string(row.name, strnlen(row.name, kNameLen));
+      if (row.ndim < 0 || row.ndim > kMaxDims) throw H5Error(w + ": bad ndim for '" + ps.spec.name + "'");
+      for (int j = 0; j < row.ndim; ++j) ps.spec.shape.push_back(row.shape[j]);
+      ps.offset = row.offset;
+      ps.numel = row.numel;
+      if (ps.offset < 0 || ps.numel < 0 || ps.offset + ps.numel > ui.numel)
+        throw H5Error(w + ": tensor '" + ps.spec.name + "' lies outside the unit");
+      ui.params.push_back(ps);
+    }
+    found.emplace_back(index, std::move(ui));
+  }
+  ms.finish();
+  std::sort(found.begin(), found.end(), [](auto& a, auto& b) { return a.first < b.first; });
+  for (size_t i = 0; i < found.size(); ++i)
+    if (found[i].first != static_cast<int64_t>(i))
+      throw H5Error("the units' 'index' attributes are not 0.." + std::to_string(found.size() - 1) + " (unit '" +
+                    found[i].second.name + "' has " + std::to_string(found[i].first) + ")");
+  for (auto& [i, u] : found) info.units.push_back(std::move(u));
+  info.metadata_verified = ms.verify;
+}
+
+// The redundant fields agree: step = data_position.next_batch_index; tokens_seen = what the batch
+// history consumed in `step` steps; the seeds of rng_state, train_config and the last segment; the
+// last segment's batch geometry = train_config's.
+void cross_check(CheckpointInfo& info) {
+  json tc, dp, rng;
+  auto parse = [](const std::string& s, const char* attr) {
+    try {
+      json j = json::parse(s);
+      if (!j.is_object()) throw std::runtime_error("not a JSON object");
+      return j;
+    } catch (const std::exception& e) {
+      throw H5Error(std::string("attribute '") + attr + "' is malformed: " + e.what());
+    }
+  };
+  tc = parse(info.train_config, "train_config");
+  dp = parse(info.data_position, "data_position");
+  rng = parse(info.rng_state, "rng_state");
+  try {
+    json d = json::parse(info.data_info);
+    if (!d.is_null() && !d.is_object()) throw std::runtime_error("neither null nor an object");
+  } catch (const std::exception& e) {
+    throw H5Error(std::string("attribute 'data' is malformed: ") + e.what());
+  }
+  auto field = [](const json& j, const char* key, const char* attr) -> const json& {
+    if (!j.contains(key)) throw H5Error(std::string("attribute '") + attr + "' has no '" + key + "'");
+    return j[key];
+  };
+  try {
+    if (info.step < 0) throw H5Error("attribute 'step' is negative");
+    if (field(dp, "next_batch_index", "data_position").get<int64_t>() != info.step)
+      throw H5Error("attribute 'data_position' says next_batch_index " + dp["next_batch_index"].dump() +
+                    ", but attribute 'step' is " + std::to_string(info.step));
+    const uint64_t seed = field(rng, "seed", "rng_state").get<uint64_t>();
+    if (field(tc, "seed", "train_config").get<uint64_t>() != seed)
+      throw H5Error("attribute 'train_config' has seed " + tc["seed"].dump() + ", attribute 'rng_state' has " +
+                    std::to_string(seed));
+    if (info.format_version >= 2) {
+      for (auto& g : field(dp, "segments", "data_position"))
+        info.segments.push_back({g.at("from_step").get<int64_t>(), g.at("global_batch").get<int>(),
+                                 g.at("seq_len").get<int>(), g.at("seed").get<uint64_t>()});
+    } else if (info.step > 0) {  // version 1: one geometry for the whole run
+      info.segments.push_back({0, field(tc, "global_batch", "train_config").get<int>(),
+                               field(tc, "seq_len", "train_config").get<int>(), seed});
+    }
+    if (info.segments.empty()) {
+      if (info.step != 0 || info.tokens_seen != 0)
+        throw H5Error("attribute 'data_position' has no batch history, but attribute 'step' is " +
+                      std::to_string(info.step) + " and 'tokens_seen' " + std::to_string(info.tokens_seen));
+    } else {
+      const BatchSegment& last = info.segments.back();
+      if (last.seed != seed || last.global_batch != tc.at("global_batch").get<int>() ||
+          last.seq_len != tc.at("seq_len").get<int>())
+        throw H5Error("the last segment of attribute 'data_position' (global_batch " + std::to_string(last.global_batch) +
+                      ", seq_len " + std::to_string(last.seq_len) + ", seed " + std::to_string(last.seed) +
+                      ") disagrees with attributes 'train_config' and 'rng_state'");
+      int64_t want = 0;
+      try {
+        want = tokens_of(info.segments, info.step);
+      } catch (const std::invalid_argument& e) {
+        throw H5Error(std::string("attribute 'data_position': ") + e.what());
+      }
+      if (want != info.tokens_seen)
+        throw H5Error("attribute 'tokens_seen' is " + std::to_string(info.tokens_seen) + ", but " +
+                      std::to_string(info.step) + " steps of the batch history in attribute 'data_position' consume " +
+                      std::to_string(want) + " tokens");
+    }
+  } catch (const json::exception& e) {
+    throw H5Error(std::string("attributes 'train_config', 'data_position' or 'rng_state' are malformed: ") + e.what());
+  }
+}
+
+}  // namespace
+
 CheckpointInfo read_checkpoint_info(Comm& comm, const std::string& path) {
   static QuietHdf5 quiet;
-  CommWatch watch(comm, "checkpoint read (parallel HDF5)");
   CheckpointInfo info;
   info.path = path;
-  std::string err;
+  FileView v;
   try {
-    if (!fs::exists(path)) throw H5Error("no such file");
-    if (fs::is_directory(path)) throw H5Error("is a directory, not a checkpoint file");
+    std::error_code ec;
+    if (!fs::exists(path, ec)) throw H5Error("no such file");
+    if (fs::is_directory(path, ec)) throw H5Error("is a directory, not a checkpoint file");
+    v.bytes = static_cast<int64_t>(fs::file_size(path, ec));
+    if (ec) throw H5Error("cannot read its size (" + ec.message() + ")");
     if (H5Fis_hdf5(path.c_str()) <= 0) throw H5Error("not an HDF5 file");
+    MetaSums ms;
+    read_metadata(path, info, ms);
+    cross_check(info);
+    v.digest = fnv1a64(ms.table_json());
+    v.step = info.step;
+    info.file_bytes = static_cast<uint64_t>(v.bytes);
   } catch (const std::exception& e) {
-    err = "checkpoint '" + path + "': " + e.what();
+    v.ok = false;
+    v.err = "checkpoint '" + path + "': " + e.what();
   }
-  all_ok(comm, err.empty(), err);
-  std::string why;
-  H5Id file = open_file(comm, path, false, &why);
-  all_ok(comm, file.ok(), "checkpoint '" + path + "': cannot open (" + why + "); the file may be truncated or damaged");
-  try {
-    const std::string where = "root group";
-    std::string fmt = read_attr_str(file, "format", where);
-    if (fmt != kFormatName) throw H5Error("attribute 'format' is '" + fmt + "', expected '" + kFormatName + "'");
-    info.format_version = static_cast<int>(read_attr_i64(file, "format_version", where));
-    if (info.format_version != kCheckpointFormatVersion)
-      throw H5Error("unknown format version " + std::to_string(info.format_version) + " (this program reads version " +
-                    std::to_string(kCheckpointFormatVersion) + ")");
-    info.step = read_attr_i64(file, "step", where);
-    info.tokens_seen = read_attr_i64(file, "tokens_seen", where);
-    info.world_size = static_cast<int>(read_attr_i64(file, "world_size", where));
-    info.model_config = read_attr_str(file, "model_config", where);
-    info.train_config = read_attr_str(file, "train_config", where);
-    info.data_position = read_attr_str(file, "data_position", where);
-    info.rng_state = read_attr_str(file, "rng_state", where);
-    info.program_version = read_attr_str(file, "program_version", where);
-    if (info.world_size < 1) throw H5Error("attribute 'world_size' is " + std::to_string(info.world_size));
-    H5Id units(H5Gopen2(file, "units", H5P_DEFAULT), H5Gclose);
-    if (!units.ok()) throw H5Error("group '/units' is missing");
-    H5G_info_t gi;
-    chk(H5Gget_info(units, &gi), "read /units", 0);
-    std::vector<std::pair<int64_t, CheckpointUnitInfo>> found;
-    H5Id rowt = param_row_type();
-    for (hsize_t i = 0; i < gi.nlinks; ++i) {
-      char name[512];
-      H5Lget_name_by_idx(units, ".", H5_INDEX_NAME, H5_ITER_INC, i, name, sizeof name, H5P_DEFAULT);
-      CheckpointUnitInfo ui;
-      ui.name = name;
-      const std::string w = "unit '" + ui.name + "'";
-      H5Id g(chk(H5Gopen2(units, name, H5P_DEFAULT), "open " + w), H5Gclose);
-      int64_t index = read_attr_i64(g, "index", w);
-      ui.numel = read_attr_i64(g, "numel", w);
-      ui.shard_size = read_attr_i64(g, "shard_size", w);
-      ui.padded_numel = read_attr_i64(g, "padded_numel", w);
-      if (ui.padded_numel != ui.shard_size * info.world_size || ui.numel > ui.padded_numel || ui.numel < 1)
-        throw H5Error(w + ": numel/shard_size/padded_numel are inconsistent with world_size");
-      auto read_table = [&](const char* ds, hid_t mtype, void* out, hsize_t rows, hsize_t cols) {
-        H5Id d(H5Dopen2(g, ds, H5P_DEFAULT), H5Dclose);
-        if (!d.ok()) throw H5Error(w + ": dataset '" + ds + "' is missing");
-        H5Id sp(H5Dget_space(d), H5Sclose);
-        hsize_t dims[2] = {0, 0};
-        int nd = H5Sget_simple_extent_dims(sp, dims, nullptr);
-        if (nd < 1 || dims[0] != rows || (cols > 0 && (nd != 2 || dims[1] != cols)))
-          throw H5Error(w + ": dataset '" + ds + "' has an unexpected shape");
-        chk(H5Dread(d, mtype, H5S_ALL, H5S_ALL, H5P_DEFAULT, out), w + ": read " + ds, 0);
-      };
-      std::vector<int64_t> table(static_cast<size_t>(info.world_size) * 3);
-      read_table("shard_table", H5T_NATIVE_INT64, table.data(), info.world_size, 3);
-      for (int q = 0; q < info.world_size; ++q)
-        ui.ranks.push_back({table[q * 3], table[q * 3 + 1], table[q * 3 + 2]});
-      ui.crc32.resize(static_cast<size_t>(info.world_size) * 3);
-      read_table("shard_crc32", H5T_NATIVE_UINT32, ui.crc32.data(), info.world_size, 3);
-      H5Id pd(H5Dopen2(g, "param_table", H5P_DEFAULT), H5Dclose);
-      if (!pd.ok()) throw H5Error(w + ": dataset 'param_table' is missing");
-      H5Id psp(H5Dget_space(pd), H5Sclose);
-      hssize_t np = H5Sget_simple_extent_npoints(psp);
-      if (np < 1) throw H5Error(w + ": empty param_table");
-      std::vector<ParamRow> rows(static_cast<size_t>(np));
-      chk(H5Dread(pd, rowt, H5S_ALL, H5S_ALL, H5P_DEFAULT, rows.data()), w + ": read param_table", 0);
-      for (auto& row : rows) {
-        ParamSlot ps;
-        ps.spec.name = std::string(row.name, strnlen(row.name, kNameLen));
-        if (row.ndim < 0 || row.ndim > kMaxDims) throw H5Error(w + ": bad ndim for '" + ps.spec.name + "'");
-        for (int j = 0; j < row.ndim; ++j) ps.spec.shape.push_back(row.shape[j]);
-        ps.offset = row.offset;
-        ps.numel = row.numel;
-        if (ps.offset < 0 || ps.numel < 0 || ps.offset + ps.numel > ui.numel)
-          throw H5Error(w + ": tensor '" + ps.spec.name + "' lies outside the unit");
-        ui.params.push_back(ps);
-      }
-      found.emplace_back(index, std::move(ui));
-    }
-    std::sort(found.begin(), found.end(), [](auto& a, auto& b) { return a.first < b.first; });
-    for (auto& [i, u] : found) info.units.push_back(std::move(u));
-  } catch (const std::exception& e) {
-    err = "checkpoint '" + path + "': " + e.what();
-  }
-  all_ok(comm, err.empty(), err);
+  agree_on_file(comm, path, v);
+  if (!info.metadata_verified)
+    log_info(comm, "note: checkpoint '" + path + "' is format version 1: its attributes carry no checksums and are "
+                   "not verified (its tensor data is); saving it again writes version " +
+                   std::to_string(kCheckpointFormatVersion));
   return info;
 }
 
 TrainState load_checkpoint(Comm& comm, const std::string& path, Fsdp<float>& f, AdamW<float>* opt,
-                           const ModelConfig& mc) {
-  CommWatch watch(comm, "checkpoint read (parallel HDF5)");
-  CheckpointInfo info = read_checkpoint_info(comm, path);
+                           const ModelConfig& mc, const CheckpointInfo* given) {
+  CheckpointInfo read;
+  const CheckpointInfo& info = given ? *given : (read = read_checkpoint_info(comm, path));
   const ShardPlan& plan = f.plan();
   const int M = comm.world_size(), r = comm.rank();
   std::string err;
-  // Structure checks: identical on every rank (same metadata), agreed anyway.
+  // Structure checks: identical on every rank (the ranks agreed on the metadata), agreed anyway.
   try {
-    if (info.model_config != canonical_json(mc)) {
-      json a = json::parse(info.model_config), b = json::parse(canonical_json(mc));
-      std::string diff;
-      for (auto& [k, v] : b.items())
-        if (!a.contains(k) || a[k] != v)
-          diff += (diff.empty() ? "" : ", ") + k + ": checkpoint has " + (a.contains(k) ? a[k].dump() : "nothing") +
-                  ", requested " + v.dump();
-      throw std::runtime_error("model config does not match the requested one (" + diff + ")");
+    std::vector<std::string> diff = architecture_differences(info.model_config, canonical_json(mc));
+    if (!diff.empty()) {
+      std::string d;
+      for (auto& x : diff) d += (d.empty() ? "" : ", ") + x;
+      throw std::runtime_error("model config does not match the requested one (" + d + ")");
     }
     for (auto& u : info.units)
       if (plan.unit_index(u.name) < 0) throw std::runtime_error("unexpected unit '" + u.name + "' for this model");
@@ -522,20 +900,28 @@ TrainState load_checkpoint(Comm& comm, const std::string& path, Fsdp<float>& f, 
   }
   all_ok(comm, err.empty(), err);
 
-  std::string why;
-  H5Id file = open_file(comm, path, false, &why);
-  all_ok(comm, file.ok(), "checkpoint '" + path + "': cannot open (" + why + ")");
+  // Data: every rank opens the file itself and reads, independently, each saved slice that
+  // overlaps its own shard under the current plan, plus the slices q with q % M == r (so that
+  // every slice is verified by some rank); each slice read is checked against its CRC32 before use.
   Backend<float>& be = f.backend();
-  H5Id dxpl(H5Pcreate(H5P_DATASET_XFER), H5Pclose);
-  H5Pset_dxpl_mpio(dxpl, H5FD_MPIO_INDEPENDENT);
   try {
-    std::vector<float> host;
+    std::string why;
+    H5Id file = open_local(path, &why);
+    if (!file.ok()) throw std::runtime_error("cannot open (" + why + ")");
+    std::vector<float> slice, out;
     for (int u = 0; u < f.num_units(); ++u) {
       const UnitPlan& up = plan.units[u];
       const CheckpointUnitInfo& ui =
           *std::find_if(info.units.begin(), info.units.end(), [&](auto& x) { return x.name == up.name; });
       const std::string ug = "units/" + up.name;
+      const RankShard& rs = up.ranks[r];
+      const int64_t S = ui.shard_size, lo = rs.start, hi = rs.start + rs.valid;  // my elements [lo, hi)
+      std::set<int> qs;
+      for (int q = r; q < info.world_size; q += M) qs.insert(q);
+      if (hi > lo)
+        for (int64_t q = lo / S; q <= (hi - 1) / S; ++q) qs.insert(static_cast<int>(q));
       for (int k = 0; k < 3; ++k) {
+        if (k > 0 && !opt) break;  // weights only: the moments are neither used nor read
         const std::string dsname = ug + "/" + kMoments[k];
         H5Id d(H5Dopen2(file, dsname.c_str(), H5P_DEFAULT), H5Dclose);
         if (!d.ok()) throw std::runtime_error("dataset '" + dsname + "' is missing");
@@ -543,35 +929,26 @@ TrainState load_checkpoint(Comm& comm, const std::string& path, Fsdp<float>& f, 
         if (H5Sget_simple_extent_npoints(fsp) != ui.padded_numel)
           throw std::runtime_error("dataset '" + dsname + "' has " + std::to_string(H5Sget_simple_extent_npoints(fsp)) +
                                    " elements, expected " + std::to_string(ui.padded_numel));
-        // 1. Integrity: this rank verifies the saved slices q with q % M == r.
-        for (int q = r; q < info.world_size; q += M) {
-          hsize_t start[1] = {static_cast<hsize_t>(q) * ui.shard_size}, count[1] = {static_cast<hsize_t>(ui.shard_size)};
+        out.assign(static_cast<size_t>(up.shard_size), 0.0f);  // padding stays zero
+        for (int q : qs) {
+          hsize_t start[1] = {static_cast<hsize_t>(q) * static_cast<hsize_t>(S)}, count[1] = {static_cast<hsize_t>(S)};
           H5Sselect_hyperslab(fsp, H5S_SELECT_SET, start, nullptr, count, nullptr);
           H5Id msp(H5Screate_simple(1, count, nullptr), H5Sclose);
-          host.resize(ui.shard_size);
-          if (H5Dread(d, H5T_NATIVE_FLOAT, msp, fsp, dxpl, host.data()) < 0)
+          slice.resize(static_cast<size_t>(S));
+          if (H5Dread(d, H5T_NATIVE_FLOAT, msp, fsp, H5P_DEFAULT, slice.data()) < 0)
             throw std::runtime_error("cannot read '" + dsname + "' (" + h5_detail() + ")");
-          uint32_t c = crc32_of(host.data(), host.size()), want = ui.crc32[static_cast<size_t>(q) * 3 + k];
+          uint32_t c = crc32_of(slice.data(), slice.size()), want = ui.crc32[static_cast<size_t>(q) * 3 + k];
           if (c != want) {
             char b[160];
             std::snprintf(b, sizeof b, "slice of saving rank %d fails its CRC32 check (stored %08x, computed %08x)", q,
                           want, c);
             throw std::runtime_error("dataset '" + dsname + "': " + b + "; the file is damaged");
           }
+          for (int64_t p = std::max(lo, q * S); p < std::min(hi, (q + 1) * S); ++p)
+            out[static_cast<size_t>(p - lo)] = slice[static_cast<size_t>(p - q * S)];
         }
-        if (k > 0 && !opt) continue;
-        // 2. This rank's shard under the current plan: [start, start + valid) of the flat buffer.
-        const RankShard& rs = up.ranks[r];
         float* dst = k == 0 ? f.param_shard(u) : k == 1 ? opt->m()[u].data() : opt->v()[u].data();
-        host.assign(static_cast<size_t>(up.shard_size), 0.0f);
-        hsize_t start[1] = {static_cast<hsize_t>(rs.start)}, count[1] = {static_cast<hsize_t>(rs.valid)};
-        if (rs.valid > 0) {
-          H5Sselect_hyperslab(fsp, H5S_SELECT_SET, start, nullptr, count, nullptr);
-          H5Id msp(H5Screate_simple(1, count, nullptr), H5Sclose);
-          if (H5Dread(d, H5T_NATIVE_FLOAT, msp, fsp, dxpl, host.data()) < 0)
-            throw std::runtime_error("cannot read '" + dsname + "' (" + h5_detail() + ")");
-        }
-        be.from_host(dst, host.data(), host.size());  // padding stays zero
+        be.from_host(dst, out.data(), out.size());
       }
     }
   } catch (const std::exception& e) {
@@ -582,37 +959,42 @@ TrainState load_checkpoint(Comm& comm, const std::string& path, Fsdp<float>& f, 
   st.step = info.step;
   st.tokens_seen = info.tokens_seen;
   st.saved_world_size = info.world_size;
-  try {
-    st.seed = json::parse(info.rng_state).at("seed").get<uint64_t>();
-  } catch (const std::exception& e) {
-    err = "checkpoint '" + path + "': attribute 'rng_state' is malformed: " + e.what();
-  }
-  all_ok(comm, err.empty(), err);
+  st.segments = info.segments;
+  st.data_info = info.data_info;
+  st.seed = json::parse(info.rng_state).at("seed").get<uint64_t>();  // checked by read_checkpoint_info
   return st;
 }
 
-std::string resolve_resume(Comm& comm, const std::string& resume, const std::string& dir) {
+std::string resolve_resume(Comm& comm, const std::string& resume, const std::string& dir, bool start_over) {
   std::string path, err;
   if (comm.rank() == 0 && !resume.empty()) {
     try {
       if (resume == "auto") {
         if (dir.empty()) throw std::runtime_error("option '--resume auto' needs '--checkpoint-dir'");
-        fs::path latest = fs::path(dir) / "latest";
-        if (fs::exists(latest)) {
+        const fs::path latest = fs::path(dir) / "latest";
+        const std::vector<std::string> names = published_checkpoints(dir);
+        std::error_code ec;
+        if (fs::exists(latest, ec)) {
           std::ifstream l(latest);
           std::string name;
           std::getline(l, name);
-          if (name.find('/') == std::string::npos && !name.empty() && fs::exists(fs::path(dir) / name))
+          if (name.find('/') == std::string::npos && !name.empty() && fs::is_regular_file(fs::path(dir) / name, ec)) {
             path = (fs::path(dir) / name).string();
-        }
-        if (path.empty()) {
-          std::vector<std::string> names = published_checkpoints(dir);
-          if (!names.empty()) {
-            path = (fs::path(dir) / names.back()).string();
-            if (fs::exists(latest))  // rank 0 only: a message, not a collective
-              std::printf("note: '%s' does not name a checkpoint in '%s'; resuming from the newest, %s\n",
-                          latest.string().c_str(), dir.c_str(), names.back().c_str());
+          } else if (!(start_over && names.empty())) {
+            // A run existed (it wrote `latest`) and its newest checkpoint is gone: starting over, or
+            // silently going back to an older one, would lose that run's progress.
+            std::string msg = "'" + latest.string() + "' names '" + name +
+                              "', which does not exist: the newest checkpoint of the run in '" + dir +
+                              "' is gone (deleted, or on a file system this node does not see). ";
+            if (!names.empty())
+              msg += "The newest checkpoint still present is '" + names.back() + "': to continue from it, pass '--resume " +
+                     (fs::path(dir) / names.back()).string() + "'";
+            else
+              msg += "No checkpoint is left: to start again from step 0 in this directory, pass '--start-over'";
+            throw std::runtime_error(msg);
           }
+        } else if (!names.empty()) {
+          path = (fs::path(dir) / names.back()).string();
         }
       } else {
         if (!fs::exists(resume)) throw std::runtime_error("checkpoint '" + resume + "' (option '--resume'): no such file");

@@ -338,7 +338,10 @@ void import_hf(Comm& comm, const std::string& hf_dir, const std::string& out_pat
   TrainConfig tc;
   AdamW<float> opt(f, tc);
   const std::string tmp = out_path + ".tmp";
-  write_checkpoint_file(comm, tmp, f, opt, mc, tc, TrainState{0, 0, tc.seed, comm.world_size()});
+  TrainState st;  // step 0: no batch history, no token file
+  st.seed = tc.seed;
+  st.saved_world_size = comm.world_size();
+  write_checkpoint_file(comm, tmp, f, opt, mc, tc, st);
   std::string err;
   if (comm.rank() == 0) {
     std::error_code ec;

@@ -52,7 +52,11 @@ if len(sys.argv) == 4 and sys.argv[1] == "--edge-values":
     import zlib
 
     import h5py
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import ckpt_meta
+
     shutil.copy(sys.argv[2], sys.argv[3])
+    written = 0
     with h5py.File(sys.argv[3], "r+") as f:
         W = int(f.attrs["world_size"])
         for u in f["units"].values():
@@ -68,9 +72,12 @@ if len(sys.argv) == 4 and sys.argv[1] == "--edge-values":
                 for r in range(W):
                     crc[r, 0] = zlib.crc32(flat[r * S:(r + 1) * S].astype("<f4").tobytes())
                 u["shard_crc32"][:] = crc
-                print(f"ok: wrote {v.size} rounding edge values into {EDGE_PARAM} of a copy of the checkpoint")
-                sys.exit(0)
-    sys.exit(f"{EDGE_PARAM} not found in {sys.argv[2]}")
+                written = v.size
+    if not written:
+        sys.exit(f"{EDGE_PARAM} not found in {sys.argv[2]}")
+    ckpt_meta.reseal(sys.argv[3])  # the metadata checksums cover shard_crc32
+    print(f"ok: wrote {written} rounding edge values into {EDGE_PARAM} of a copy of the checkpoint")
+    sys.exit(0)
 
 import torch
 import transformers

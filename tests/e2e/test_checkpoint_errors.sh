@@ -27,9 +27,12 @@ expect_fail flipped_bytes "dataset 'units/model.layers.1/adam_v'" 3 "${ARGS[@]}"
 grep -q "fails its CRC32 check" "$WORK/flipped_bytes.log" || fail "flipped bytes: no CRC32 message"
 
 V=$(variant version); "$PY" -c 'import h5py,sys; f=h5py.File(sys.argv[1],"r+"); f.attrs["format_version"]=99' "$V"
-expect_fail wrong_version "checkpoint '$V': unknown format version 99 (this program reads version 1)" 3 "${ARGS[@]}" --resume "$V"
+expect_fail wrong_version "checkpoint '$V': unknown format version 99 in attribute 'format_version' (this program reads versions 1 and 2)" 3 "${ARGS[@]}" --resume "$V"
 
 U=$(variant unit); "$PY" -c 'import h5py,sys; f=h5py.File(sys.argv[1],"r+"); del f["units/model.layers.1"]' "$U"
+expect_fail deleted_unit "checkpoint '$U': the metadata checksum table names dataset 'units/model.layers.1/param_table', which the file lacks" 3 "${ARGS[@]}" --resume "$U"
+"$PY" -c 'import h5py,sys; f=h5py.File(sys.argv[1],"r+"); f["units/model.norm"].attrs["index"]=2' "$U"
+"$PY" "$ROOT/tests/e2e/ckpt_meta.py" reseal "$U"  # a consistent file of a model without that layer
 expect_fail missing_unit "checkpoint '$U': missing unit 'model.layers.1'" 3 "${ARGS[@]}" --resume "$U"
 
 S=$(variant shape)
@@ -41,6 +44,7 @@ i = [r["name"].decode() for r in t].index("model.layers.0.mlp.up_proj.weight")
 t[i]["shape"][0] += 1
 f["units/model.layers.0/param_table"][...] = t
 PY
+"$PY" "$ROOT/tests/e2e/ckpt_meta.py" reseal "$S"  # a consistent file of another shape, not a damaged one
 expect_fail wrong_shape "tensor 'model.layers.0.mlp.up_proj.weight' has shape [65, 32] in the file, expected [64, 32]" 3 "${ARGS[@]}" --resume "$S"
 
 expect_fail config_mismatch "checkpoint '$GOOD': model config does not match the requested one (" 3 \

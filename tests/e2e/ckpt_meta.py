@@ -1,0 +1,70 @@
+"""The metadata checksums of a shardtrain checkpoint, computed with h5py alone from the documented
+layout (docs/checkpoint-format.md, "Integrity"): an implementation independent of shardtrain's C++.
+
+  ckpt_meta.py verify FILE   exit 0 iff every attribute and table matches its stored CRC32
+  ckpt_meta.py reseal FILE   recompute and store the checksums (after a deliberate edit with h5py)
+"""
+import json
+import sys
+import zlib
+
+import h5py
+import numpy as np
+
+# One param_table row, packed field by field, little-endian: 128 + 8 + 8 + 4 + 32 = 180 bytes.
+PACKED_ROW = np.dtype([("name", "S128"), ("offset", "<i8"), ("numel", "<i8"), ("ndim", "<i4"), ("shape", "<i8", (4,))])
+TABLE, CHECK = "metadata_crc32", "metadata_crc32_check"
+
+
+def canonical(value):
+    """An attribute's canonical bytes: a string's UTF-8 bytes, an integer's 8 bytes little-endian."""
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    if isinstance(value, (int, np.integer)):
+        return int(value).to_bytes(8, "little", signed=True)
+    raise TypeError(f"unexpected attribute value {value!r}")
+
+
+def metadata_items(f):
+    """Every checksummed item of an open checkpoint: key -> canonical bytes."""
+    items = {"@" + k: canonical(v) for k, v in f.attrs.items() if k not in (TABLE, CHECK)}
+    for name, unit in f["units"].items():
+        items.update({f"units/{name}@{k}": canonical(v) for k, v in unit.attrs.items()})
+        items[f"units/{name}/shard_table"] = unit["shard_table"][:].astype("<i8").tobytes()
+        items[f"units/{name}/shard_crc32"] = unit["shard_crc32"][:].astype("<u4").tobytes()
+        items[f"units/{name}/param_table"] = unit["param_table"][:].astype(PACKED_ROW).tobytes()
+    return items
+
+
+def problems(path):
+    """The items whose bytes do not match the stored table (empty when the file is intact)."""
+    with h5py.File(path, "r") as f:
+        table = f.attrs[TABLE]
+        if zlib.crc32(table.encode("utf-8")) != int(f.attrs[CHECK]):
+            return [TABLE]
+        stored, items = json.loads(table), metadata_items(f)
+        return sorted(set(stored) ^ set(items)) + [k for k in sorted(items) if k in stored and zlib.crc32(items[k]) != stored[k]]
+
+
+def reseal(path):
+    """Rewrites the checksum table of `path` to match its current contents."""
+    with h5py.File(path, "r+") as f:
+        items = metadata_items(f)
+        table = json.dumps({k: zlib.crc32(items[k]) for k in sorted(items)}, separators=(",", ":"))
+        # Variable-length UTF-8 strings and int64, as shardtrain writes them.
+        f.attrs.create(TABLE, table, dtype=h5py.string_dtype("utf-8"))
+        f.attrs.create(CHECK, zlib.crc32(table.encode("utf-8")), dtype="<i8")
+
+
+if __name__ == "__main__":
+    cmd, path = sys.argv[1], sys.argv[2]
+    if cmd == "verify":
+        bad = problems(path)
+        print(f"{path}: " + (f"checksum mismatch: {', '.join(bad)}" if bad else "metadata checksums verified"))
+        sys.exit(1 if bad else 0)
+    elif cmd == "reseal":
+        reseal(path)
+    else:
+        sys.exit(__doc__)
