@@ -38,6 +38,8 @@ struct TrainConfig {
   int keep_last = 0;           // published checkpoints kept; 0: all
   std::string resume;          // "" (fresh), "auto" (newest in checkpoint_dir, if any), or a path
   std::string init_from;       // start from these weights at step 0 (fresh optimizer); ignored when resuming
+  std::vector<std::string> accept_changes;  // resume: settings (option names, e.g. "steps") allowed to differ from the checkpoint's
+  bool start_over = false;     // start at step 0 although --checkpoint-dir's 'latest' names a checkpoint that is gone
   int64_t stop_at_step = 0;    // stop (and save) after this step, keeping the schedule of `steps`; 0: run to `steps`
   int64_t debug_crash_before_publish = 0;  // test hook (see CheckpointOptions)
   bool skip_nonfinite = false;  // skip the update of a step with a non-finite loss or gradient norm instead of stopping
@@ -50,6 +52,16 @@ struct Preempted : std::runtime_error {
   Preempted(const std::string& m, int sig) : std::runtime_error(m), signal(sig) {}
   int signal;
 };
+
+// The settings a resume compares with the checkpoint's train_config, by option name (without
+// dashes): seq-len, global-batch, steps, lr, min-lr, warmup, beta1, beta2, adam-eps, weight-decay,
+// clip, seed. A resume with any of them changed is refused unless '--accept-change' names it.
+const std::vector<std::string>& resume_checked_settings();
+
+// The run's settings as stored in a checkpoint's `train_config` attribute: a JSON object with
+// seq_len, global_batch, micro_batch, steps, lr, min_lr, warmup, beta1, beta2, eps, weight_decay,
+// clip, seed, precision (docs/checkpoint-format.md).
+std::string train_config_json(const TrainConfig& tc);
 
 // Learning rate at 0-based step s: linear warm-up lr*(s+1)/warmup for s < warmup, then cosine
 // decay from lr to min_lr over the remaining steps (nanoGPT's get_lr).

@@ -2,6 +2,7 @@
 #include "shardtrain/options.h"
 
 #include <boost/program_options.hpp>
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -65,6 +66,8 @@ po::options_description describe(Options& o) {
       ("checkpoint-every", po::value<int64_t>(&t.checkpoint_every)->default_value(t.checkpoint_every), "steps between checkpoints; 0 = only at the end of training")
       ("keep-last", po::value<int>(&t.keep_last)->default_value(t.keep_last), "published checkpoints to keep, older ones are deleted after a save; 0 = keep all")
       ("resume", po::value<std::string>(&t.resume), "'auto' (newest checkpoint in --checkpoint-dir, if any) or a checkpoint file; at any world size")
+      ("accept-change", po::value<std::vector<std::string>>(&t.accept_changes)->composing(), "resume: let these settings differ from the checkpoint's (comma-separated option names, e.g. steps,lr; repeatable); any other change is refused")
+      ("start-over", po::bool_switch(&t.start_over), "train from step 0 although --checkpoint-dir's 'latest' names a checkpoint that no longer exists (the old metrics rows are moved aside)")
       ("skip-nonfinite", po::bool_switch(&t.skip_nonfinite), "skip the update of a step whose loss or gradient norm is not finite, instead of stopping")
       ("stop-at-step", po::value<int64_t>(&t.stop_at_step)->default_value(t.stop_at_step), "stop and save after this step, keeping the LR schedule of --steps; 0 = run to --steps")
       ("checkpoint", po::value<std::string>(&o.checkpoint), "checkpoint file for --mode inspect (also the positional argument)")
@@ -119,6 +122,13 @@ void validate(const Options& o) {
   check(t.keep_last >= 0, "keep-last", "must be >= 0");
   check(t.stop_at_step >= 0, "stop-at-step", "must be >= 0");
   if (t.resume == "auto") check(!t.checkpoint_dir.empty(), "resume", "auto needs '--checkpoint-dir'");
+  for (const std::string& k : t.accept_changes) {
+    const auto& known = resume_checked_settings();
+    std::string list;
+    for (auto& n : known) list += (list.empty() ? "" : ", ") + n;
+    check(std::find(known.begin(), known.end(), k) != known.end(), "accept-change",
+          "names '" + k + "', which is not a setting a resume checks (" + list + ")");
+  }
   if (o.mode == "inspect") check(!o.checkpoint.empty(), "checkpoint", "is required with --mode inspect (or give the file as an argument)");
   if (!o.dump_param.empty()) check(!o.dump_out.empty(), "dump-out", "is required with --dump-param");
   check(o.threads >= 0 && o.threads <= 1024, "threads", "must be in [0, 1024]");
@@ -201,6 +211,13 @@ Options parse_options(Comm& comm, int argc, char** argv) {
   }
   try {
     po::notify(vm);
+    std::vector<std::string> keys;  // "--accept-change steps,lr --accept-change seed" -> steps, lr, seed
+    for (const std::string& v : o.train.accept_changes) {
+      std::istringstream is(v);
+      for (std::string k; std::getline(is, k, ',');)
+        if (!k.empty()) keys.push_back(k.rfind("--", 0) == 0 ? k.substr(2) : k);
+    }
+    o.train.accept_changes = keys;
     o.help = vm.count("help") > 0;
     if (o.help) {
       std::ostringstream os;

@@ -3,6 +3,7 @@
 #include "shardtrain/train.h"
 
 #include "shardtrain/checkpoint.h"
+#include "shardtrain/files.h"
 
 #include <chrono>
 #include <cmath>
@@ -20,6 +21,34 @@ double lr_at(const TrainConfig& tc, int64_t s) {
   int64_t decay_steps = std::max<int64_t>(1, tc.steps - tc.warmup);
   double p = std::min(1.0, static_cast<double>(s - tc.warmup) / static_cast<double>(decay_steps));
   return tc.min_lr + 0.5 * (1.0 + std::cos(M_PI * p)) * (tc.lr - tc.min_lr);
+}
+
+namespace {
+// The settings a resume compares: option name -> train_config key.
+const std::vector<std::pair<std::string, std::string>>& checked_keys() {
+  static const std::vector<std::pair<std::string, std::string>> k = {
+      {"seq-len", "seq_len"}, {"global-batch", "global_batch"}, {"steps", "steps"},     {"lr", "lr"},
+      {"min-lr", "min_lr"},   {"warmup", "warmup"},             {"beta1", "beta1"},     {"beta2", "beta2"},
+      {"adam-eps", "eps"},    {"weight-decay", "weight_decay"}, {"clip", "clip"},       {"seed", "seed"}};
+  return k;
+}
+}  // namespace
+
+const std::vector<std::string>& resume_checked_settings() {
+  static const std::vector<std::string> names = [] {
+    std::vector<std::string> n;
+    for (auto& [opt, key] : checked_keys()) n.push_back(opt);
+    return n;
+  }();
+  return names;
+}
+
+std::string train_config_json(const TrainConfig& tc) {
+  return nlohmann::json({{"seq_len", tc.seq_len}, {"global_batch", tc.global_batch}, {"micro_batch", tc.micro_batch},
+                         {"steps", tc.steps}, {"lr", tc.lr}, {"min_lr", tc.min_lr}, {"warmup", tc.warmup},
+                         {"beta1", tc.beta1}, {"beta2", tc.beta2}, {"eps", tc.eps}, {"weight_decay", tc.weight_decay},
+                         {"clip", tc.clip}, {"seed", tc.seed}, {"precision", tc.precision}})
+      .dump();
 }
 
 template <typename T> AdamW<T>::AdamW(Fsdp<T>& f, const TrainConfig& tc) : f_(f), tc_(tc) {
@@ -92,6 +121,105 @@ template <typename C> struct Compute {
 };
 }  // namespace
 
+namespace {
+std::string join(const std::vector<std::string>& v, const char* sep) {
+  std::string o;
+  for (auto& x : v) o += (o.empty() ? "" : sep) + x;
+  return o;
+}
+
+// Compares the run's settings with the checkpoint's train_config (every key of
+// resume_checked_settings()). Changes not named by --accept-change are refused on every rank
+// (the inputs are identical on every rank); accepted ones are logged, with the learning rate
+// the next step gets under the old and the new schedule when the schedule changed.
+void check_resume_settings(Comm& comm, const CheckpointInfo& info, const TrainConfig& tc) {
+  nlohmann::json old, now = nlohmann::json::parse(train_config_json(tc));
+  try {
+    old = nlohmann::json::parse(info.train_config);
+  } catch (const std::exception& e) {  // read_checkpoint_info checked it already
+    throw CollectiveError(0, "checkpoint '" + info.path + "': attribute 'train_config' is malformed: " + e.what());
+  }
+  const auto& acc = tc.accept_changes;
+  std::vector<std::string> refused, refused_names, accepted;
+  bool schedule = false;
+  for (auto& [opt, key] : checked_keys()) {
+    if (!old.contains(key) || old[key] == now[key]) continue;
+    const std::string change = "--" + opt + " " + old[key].dump() + " -> " + now[key].dump();
+    if (std::find(acc.begin(), acc.end(), opt) == acc.end()) {
+      refused.push_back(change);
+      refused_names.push_back(opt);
+    } else {
+      accepted.push_back(change);
+      schedule = schedule || opt == "steps" || opt == "lr" || opt == "min-lr" || opt == "warmup";
+    }
+  }
+  if (!refused.empty())
+    throw CollectiveError(0, "resume from '" + info.path + "' at step " + std::to_string(info.step) +
+                                 ": these settings differ from the checkpoint's: " + join(refused, ", ") +
+                                 ". Resuming with them would change the run mid-way (its learning-rate schedule, "
+                                 "batches or token count). Pass '--accept-change " + join(refused_names, ",") +
+                                 "' to continue with the new values, or give the checkpoint's values");
+  for (auto& c : accepted)
+    log_info(comm, "note: resume at step " + std::to_string(info.step) + ": accepted change " + c + " (--accept-change)");
+  for (auto& a : acc) {
+    auto it = std::find_if(checked_keys().begin(), checked_keys().end(), [&](auto& k) { return k.first == a; });
+    if (it != checked_keys().end() && old.contains(it->second) && old[it->second] == now[it->second])
+      log_info(comm, "note: '--accept-change " + a + "': --" + a + " is unchanged (" + now[it->second].dump() + ")");
+  }
+  if (schedule) {
+    TrainConfig o = tc;
+    o.steps = old["steps"].get<int64_t>();
+    o.lr = old["lr"].get<double>();
+    o.min_lr = old["min_lr"].get<double>();
+    o.warmup = old["warmup"].get<int64_t>();
+    char b[200];
+    std::snprintf(b, sizeof b, "%.3e under the checkpoint's settings, %.3e under the new ones", lr_at(o, info.step),
+                  lr_at(tc, info.step));
+    log_info(comm, "note: the learning-rate schedule is recomputed from the new settings: step " +
+                       std::to_string(info.step + 1) + " runs at lr " + b);
+  }
+  if (old.contains("precision") && old["precision"] != now["precision"])
+    log_info(comm, "note: resume: precision " + old["precision"].get<std::string>() + " -> " +
+                       now["precision"].get<std::string>() + " (checkpoints hold fp32 master weights and AdamW state)");
+}
+
+// Rank 0, before a resumed run (or a start-over) appends to its metrics file: keeps the rows of
+// steps <= `step` and moves the others (written after the checkpoint it resumes from, by a run
+// that then crashed or was stopped; and any torn last line) to "<path>.discarded", so that no step
+// appears twice. Returns a note for the log, or "" when nothing moved. Throws std::runtime_error.
+std::string continue_metrics(const std::string& path, int64_t step) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return "";  // no file yet
+  std::string kept, dropped, line;
+  int64_t n = 0;
+  while (std::getline(in, line)) {
+    bool keep = false;
+    try {
+      nlohmann::json j = nlohmann::json::parse(line);
+      keep = j.is_object() && j.contains("step") && j["step"].is_number_integer() && j["step"].get<int64_t>() <= step;
+    } catch (const nlohmann::json::exception&) {
+    }
+    if (keep) {
+      kept += line + "\n";
+    } else if (!line.empty()) {
+      dropped += line + "\n";
+      ++n;
+    }
+  }
+  if (n == 0) return "";
+  const std::string aside = path + ".discarded";
+  {
+    std::ofstream d(aside, std::ios::app | std::ios::binary);
+    d << dropped;
+    d.flush();
+    if (!d) throw std::runtime_error("cannot append to '" + aside + "'");
+  }
+  write_file_atomic(path, kept);
+  return "metrics: moved " + std::to_string(n) + " row(s) of steps after " + std::to_string(step) + " from '" + path +
+         "' to '" + aside + "' (written after the checkpoint this run continues from)";
+}
+}  // namespace
+
 template <typename C>
 static TrainResult train_in(Engine& eng, const ModelConfig& mc, const TrainConfig& tc, const TokenDataset& data) {
   Comm& comm = eng.comm;
@@ -157,9 +285,11 @@ static TrainResult train_in(Engine& eng, const ModelConfig& mc, const TrainConfi
   f.init_params(tc.seed);
   const CheckpointOptions co{tc.checkpoint_dir, tc.checkpoint_every, tc.keep_last, tc.debug_crash_before_publish};
 
-  // Resume: parameters, AdamW moments, step (= data position and LR schedule position), seed.
-  TrainState state{0, 0, tc.seed, 0};
-  {  // A fresh run must not overwrite another run's checkpoints (same step names, other weights).
+  // Resume: parameters, AdamW moments, step (= data position and LR schedule position), batch history.
+  TrainState state;
+  state.seed = tc.seed;
+  {  // A fresh run must not overwrite another run's checkpoints (same step names, other weights),
+     // nor silently replace the `latest` of a run whose checkpoints are gone.
     std::string err;
     if (rank == 0 && tc.resume.empty() && !tc.checkpoint_dir.empty()) {
       std::error_code ec;
@@ -170,43 +300,72 @@ static TrainResult train_in(Engine& eng, const ModelConfig& mc, const TrainConfi
                 "'--checkpoint-dir'";
           break;
         }
+      if (err.empty() && !tc.start_over && std::filesystem::exists(std::filesystem::path(tc.checkpoint_dir) / "latest", ec))
+        err = "checkpoint directory '" + tc.checkpoint_dir + "' holds the 'latest' pointer of an earlier run but none of "
+              "its checkpoints: pass '--start-over' to start again from step 0 there, or use another '--checkpoint-dir'";
     }
     all_ok(comm, err.empty(), err);
   }
-  const std::string resume_path = resolve_resume(comm, tc.resume, tc.checkpoint_dir);
+  const std::string resume_path = resolve_resume(comm, tc.resume, tc.checkpoint_dir, tc.start_over);
   if (!resume_path.empty()) {
     auto t0 = clock::now();
-    state = load_checkpoint(comm, resume_path, f, &opt, mc);
+    const CheckpointInfo info = read_checkpoint_info(comm, resume_path);
+    check_resume_settings(comm, info, tc);  // refuses changed settings unless --accept-change names them
+    state = load_checkpoint(comm, resume_path, f, &opt, mc, &info);
     double dt = std::chrono::duration<double>(clock::now() - t0).count();
     double mbytes = 3.0 * 4.0 * static_cast<double>(f.plan().total_numel()) / 1e6;
     log_info(comm, "resumed from '" + resume_path + "' at step " + std::to_string(state.step) + " (saved at world size " +
                        std::to_string(state.saved_world_size) + ") in " + fmt("%.2f", dt) + " s, " +
                        fmt("%.0f", mbytes / dt) + " MB/s incl. CRC32 verification");
-    if (state.seed != tc.seed)
-      log_info(comm, "note: using the checkpoint's seed " + std::to_string(state.seed) + " (option '--seed' is " +
-                         std::to_string(tc.seed) + ")");
   } else {
-    if (tc.resume == "auto") log_info(comm, "no checkpoint in '" + tc.checkpoint_dir + "': starting from step 0");
+    if (tc.resume == "auto")
+      log_info(comm, tc.start_over && std::filesystem::exists(std::filesystem::path(tc.checkpoint_dir) / "latest")
+                         ? "starting over from step 0 in '" + tc.checkpoint_dir +
+                               "' (--start-over): its 'latest' names a checkpoint that no longer exists"
+                         : "no checkpoint in '" + tc.checkpoint_dir + "': starting from step 0");
     if (!tc.init_from.empty()) {
       load_checkpoint(comm, tc.init_from, f, nullptr, mc);  // weights only; AdamW starts from zero
       log_info(comm, "initialized weights from '" + tc.init_from + "'");
     }
   }
-  const uint64_t seed = state.seed;
-  TrainConfig tcs = tc;  // the run's effective config: the checkpoint's seed wins
-  tcs.seed = seed;
+  // The batch history: a new segment where the geometry or the seed changes (an accepted change).
+  if (state.segments.empty() || state.segments.back().global_batch != tc.global_batch ||
+      state.segments.back().seq_len != tc.seq_len || state.segments.back().seed != tc.seed)
+    state.segments.push_back({state.step, tc.global_batch, tc.seq_len, tc.seed});
+  state.seed = tc.seed;
+  {
+    const TokenFileHeader& h = data.header();
+    state.data_info = nlohmann::json({{"path", data.path()}, {"tokenizer", h.tokenizer}, {"vocab_size", h.vocab_size},
+                                      {"bos_id", h.bos_id}, {"eos_id", h.eos_id}})
+                          .dump();
+  }
+  const uint64_t seed = tc.seed;
   if (state.step >= tc.steps)
     throw CollectiveError(0, "checkpoint is at step " + std::to_string(state.step) + ", not before option '--steps' (" +
-                                 std::to_string(tc.steps) + "): nothing to train");
+                                 std::to_string(tc.steps) + "): nothing to train (to train further, raise '--steps' "
+                                 "and pass '--accept-change steps')");
   const int64_t last_step = tc.stop_at_step > 0 ? std::min(tc.stop_at_step, tc.steps) : tc.steps;
 
+  // Metrics: a fresh run starts the file; a resumed run (or a start-over) continues it exactly at
+  // its step, moving the rows of steps it will redo (written after that checkpoint) aside.
   std::ofstream metrics;
-  bool metrics_ok = true;
-  if (rank == 0 && !tc.metrics_path.empty()) {
-    metrics.open(tc.metrics_path, resume_path.empty() ? std::ios::trunc : std::ios::app);
-    metrics_ok = static_cast<bool>(metrics);
+  {
+    std::string err;
+    if (rank == 0 && !tc.metrics_path.empty()) {
+      const bool continuing = !resume_path.empty() || tc.start_over;
+      try {
+        if (continuing) {
+          std::string note = continue_metrics(tc.metrics_path, state.step);
+          if (!note.empty()) log_info(comm, note);
+        }
+        metrics.open(tc.metrics_path, continuing ? std::ios::app : std::ios::trunc);
+        if (!metrics) throw std::runtime_error("cannot open it");
+      } catch (const std::exception& e) {
+        err = "cannot write metrics file '" + tc.metrics_path + "' (option '--metrics'): " + e.what();
+      }
+    }
+    all_ok(comm, err.empty(), err);
   }
-  all_ok(comm, metrics_ok, "cannot write metrics file '" + tc.metrics_path + "' (option '--metrics')");
 
   log_info(comm, "shardtrain: model " + mc.name + ", " + std::to_string(mc.num_params()) + " parameters, " +
                      std::to_string(f.num_units()) + " units, world size " + std::to_string(W) + ", micro-batch " +
@@ -222,8 +381,11 @@ static TrainResult train_in(Engine& eng, const ModelConfig& mc, const TrainConfi
 
   auto save = [&](int64_t step) {
     auto t0 = clock::now();
-    TrainState st{step, step * static_cast<int64_t>(tokens_per_step), seed, W};
-    std::string p = save_checkpoint(comm, f, opt, mc, tcs, st, co);
+    TrainState st = state;
+    st.step = step;
+    st.tokens_seen = tokens_of(state.segments, step);
+    st.saved_world_size = W;
+    std::string p = save_checkpoint(comm, f, opt, mc, tc, st, co);
     double dt = std::chrono::duration<double>(clock::now() - t0).count();
     double mbytes = 3.0 * 4.0 * static_cast<double>(f.plan().total_numel()) / 1e6;
     log_info(comm, "checkpoint: saved '" + p + "' (" + fmt("%.1f", mbytes) + " MB of parameters + AdamW state) in " +
@@ -284,7 +446,7 @@ static TrainResult train_in(Engine& eng, const ModelConfig& mc, const TrainConfi
 
     bool last = s + 1 == last_step;
     if ((tc.eval_every > 0 && (s + 1) % tc.eval_every == 0) || last) {
-      double vl = evaluate(comm, model, units, data, tcs, tc.eval_batches);
+      double vl = evaluate(comm, model, units, data, tc, tc.eval_batches);
       res.evals.push_back({s + 1, vl});
       log_info(comm, "eval step " + std::to_string(s + 1) + " | val_loss " + fmt("%.4f", vl));
       if (metrics.is_open()) metrics << nlohmann::json({{"step", s + 1}, {"val_loss", vl}}).dump() << "\n" << std::flush;

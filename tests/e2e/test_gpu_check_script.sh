@@ -2,9 +2,9 @@
 # tests/gpu/run.sh, the device check, run here with GPU_CHECK_DEVICE=cpu (its "GPU" runs on the CPU)
 # so that the script itself is tested on every CI run: every stage runs, every comparison passes,
 # the benchmark table has its row, and the script exits 0 with "0 failed". Then the GPU runs with
-# another seed (GPU_CHECK_ARGS="--seed 7") must fail the 6 training comparisons, the checkpoint
-# saved on the "GPU", and the script's exit status; a resume on the "GPU" from a CPU checkpoint
-# takes the checkpoint's seed (with a note) and still passes.
+# another seed (GPU_CHECK_ARGS="--seed 7") must fail the 6 training comparisons, both resumes across
+# devices (refused: the seed of the resuming run differs from the checkpoint's, and a resume does not
+# change settings silently), and the script's exit status.
 source "$(dirname "$0")/common.sh"
 BUILD_DIR=$(realpath "$BUILD")
 check() {  # check NAME EXTRA_ENV...: runs the script; its output in $WORK/NAME.txt, status in $rc
@@ -29,9 +29,10 @@ echo "ok: run.sh (GPU_CHECK_DEVICE=cpu): $(tail -1 "$WORK/ok.txt"), $(grep -m1 -
 check seed GPU_CHECK_ARGS="--seed 7"
 [ "$rc" != 0 ] || { cat "$WORK/seed.txt"; fail "run.sh passed with the GPU runs on another seed"; }
 nfail=$(grep -c '^  FAIL  \(gpu\|ckpt\)-' "$WORK/seed.txt" || true)
-[ "$nfail" = 7 ] || { cat "$WORK/seed.txt"; fail "--seed 7: $nfail of the GPU comparisons failed, expected 7"; }
-for want in 'FAIL  ckpt-gpu-to-cpu vs cpu-fp32' 'PASS  ckpt-cpu-to-gpu vs cpu-fp32' 'PASS  ckpt-cpu-to-cpu vs cpu-fp32'; do
+[ "$nfail" = 8 ] || { cat "$WORK/seed.txt"; fail "--seed 7: $nfail of the GPU comparisons failed, expected 8"; }
+for want in 'FAIL  ckpt-gpu-to-cpu: exit status 1' 'FAIL  ckpt-cpu-to-gpu: exit status 1' 'PASS  ckpt-cpu-to-cpu vs cpu-fp32'; do
   grep -qF -- "$want" "$WORK/seed.txt" || { cat "$WORK/seed.txt"; fail "--seed 7: no '$want'"; }
 done
-grep -q "note: using the checkpoint's seed 1337" "$WORK/seed/logs/ckpt-cpu-to-gpu.log" || fail "--seed 7: no seed note"
+grep -qF -- "--seed 1337 -> 7" "$WORK/seed/logs/ckpt-cpu-to-gpu.log" || fail "--seed 7: the resume does not name the changed seed"
+grep -qF -- "--seed 7 -> 1337" "$WORK/seed/logs/ckpt-gpu-to-cpu.log" || fail "--seed 7: the resume does not name the changed seed"
 echo "ok: GPU runs on another seed: $nfail comparisons failed, e.g. $(grep -m1 -o 'gpu-fp32-np1 vs cpu-fp32: worst[^;]*' "$WORK/seed.txt")"
