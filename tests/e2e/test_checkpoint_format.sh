@@ -35,12 +35,15 @@ for p in $PARAMS; do
 done
 echo "ok: $(echo $PARAMS | wc -w) parameters gathered at 4, 3 and 1 ranks are bitwise equal"
 
-"$PY" - "$CK" "$WORK" <<'PY'
+"$PY" - "$CK" "$WORK" "$ROOT/tests/e2e" <<'PY'
 import sys, zlib, json
 import h5py, numpy as np
 path, work = sys.argv[1], sys.argv[2]
 f = h5py.File(path, "r")
-assert f.attrs["format"] == "shardtrain-checkpoint" and f.attrs["format_version"] == 1
+assert f.attrs["format"] == "shardtrain-checkpoint" and f.attrs["format_version"] == 2
+sys.path.insert(0, sys.argv[3])
+import ckpt_meta
+assert ckpt_meta.problems(path) == [], ckpt_meta.problems(path)  # the metadata checksums, from the documented layout
 W = int(f.attrs["world_size"]); assert W == 4
 cfg = json.loads(f.attrs["model_config"]); assert cfg["hidden_size"] == 6
 n = 0
@@ -66,7 +69,7 @@ for name, u in f["units"].items():
         n += 1
 norm = f["units/model.norm/shard_table"][:]
 assert list(norm[3]) == [6, 0, 2], norm
-print(f"ok: h5py rebuilt {n} parameters from the documented layout, bitwise equal; shard tables and CRC32s verified")
+print(f"ok: h5py rebuilt {n} parameters from the documented layout, bitwise equal; shard tables, CRC32s and metadata checksums verified")
 PY
 
 # h5dump alone: binary dump of one flat dataset, cut at the param table's offset.
