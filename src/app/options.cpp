@@ -2,6 +2,7 @@
 #include "shardtrain/options.h"
 
 #include <boost/program_options.hpp>
+#include <charconv>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -11,11 +12,14 @@ namespace shardtrain {
 namespace po = boost::program_options;
 
 namespace {
-// default_value for doubles shown as typed (0.1, not 0.10000000000000001).
+// default_value for doubles shown as typed (0.1, not 0.10000000000000001, which is what Boost's
+// own lexical_cast of the value prints): the shortest text that reads back as the same double
+// (std::to_chars), so --help neither shows noise digits nor rounds a default it does not hold.
+// Every double option goes through this.
 po::typed_value<double>* dbl(double* v) {
-  std::ostringstream os;
-  os << *v;
-  return po::value<double>(v)->default_value(*v, os.str());
+  char buf[64];
+  auto r = std::to_chars(buf, buf + sizeof buf, *v);
+  return po::value<double>(v)->default_value(*v, std::string(buf, r.ptr));
 }
 
 po::options_description describe(Options& o) {
@@ -49,8 +53,8 @@ po::options_description describe(Options& o) {
       ("lr", dbl(&t.lr), "peak learning rate")
       ("min-lr", dbl(&t.min_lr), "learning rate at the end of the cosine decay")
       ("warmup", po::value<int64_t>(&t.warmup)->default_value(t.warmup), "linear warm-up, steps")
-      ("beta1", po::value<double>(&t.beta1)->default_value(t.beta1), "AdamW beta1, in [0, 1)")
-      ("beta2", po::value<double>(&t.beta2)->default_value(t.beta2), "AdamW beta2, in [0, 1)")
+      ("beta1", dbl(&t.beta1), "AdamW beta1, in [0, 1)")
+      ("beta2", dbl(&t.beta2), "AdamW beta2, in [0, 1)")
       ("adam-eps", dbl(&t.eps), "AdamW epsilon")
       ("weight-decay", dbl(&t.weight_decay), "AdamW decoupled weight decay (not on norm weights)")
       ("clip", dbl(&t.clip), "max global gradient L2 norm; 0 disables clipping")

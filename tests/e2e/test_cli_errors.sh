@@ -69,4 +69,8 @@ for o in --config --mode --threads --input --out --val-fraction --model --data -
 done
 grep -q "(=64)" "$WORK/help.txt" || fail "--help does not show defaults"
 grep -q "tokens" "$WORK/help.txt" || fail "--help does not show units"
+# Doubles show their defaults as typed: 13936b5 printed beta1 (=0.90000000000000002), beta2 (=0.98999999999999999).
+grep -qF -- "--beta1 arg (=0.9) " "$WORK/help.txt" || fail "--help: beta1's default is not shown as (=0.9)"
+grep -qF -- "--beta2 arg (=0.99) " "$WORK/help.txt" || fail "--help: beta2's default is not shown as (=0.99)"
+if grep -E '\(=[^)]*([0-9]\.[0-9]*0000000|99999999)' "$WORK/help.txt"; then fail "--help shows a default with binary noise digits"; fi
 echo "ok: --help lists all options"
