@@ -159,6 +159,23 @@ void validate(const Options& o) {
 }
 }  // namespace
 
+std::string normalize_job_file(std::string text) {
+  if (text.starts_with("\xEF\xBB\xBF")) text.erase(0, 3);  // UTF-8 byte order mark
+  size_t line = 0;
+  while (line < text.size()) {
+    size_t end = text.find('\n', line);
+    if (end == std::string::npos) end = text.size();
+    size_t first = text.find_first_not_of(" \t", line);
+    // Blank the line but keep its '\n', so that line numbers stay those of the file.
+    if (first < end && text[first] == ';') {
+      text.erase(line, end - line);
+      end = line;
+    }
+    line = end + 1;
+  }
+  return text;
+}
+
 Options parse_options(Comm& comm, int argc, char** argv) {
   Options o;
   po::options_description desc = describe(o);
@@ -196,7 +213,7 @@ Options parse_options(Comm& comm, int argc, char** argv) {
     all_ok(comm, rerr.empty(), rerr);
     text = comm.broadcast_string(text, 0);
     try {
-      std::istringstream is(text);
+      std::istringstream is(normalize_job_file(text));
       po::store(po::parse_config_file(is, desc), vm);
     } catch (const std::exception& e) {
       err = "job file '" + cfg + "': " + e.what();
