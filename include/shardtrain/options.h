@@ -1,7 +1,13 @@
 // shardtrain command-line and INI job-file options (Boost.ProgramOptions).
 //
 // Precedence: command line > job file (--config) > built-in default. Job files are INI: one
-// `key = value` per line with the long option names (no leading dashes), `#` comments.
+// `key = value` per line with the long option names (no leading dashes). Comments:
+//   * `#` starts a comment anywhere on a line, also after a value (Boost.ProgramOptions' rule), so
+//     a value cannot contain `#`;
+//   * `;` starts a comment only as the first non-blank character of a line (full-line comments,
+//     as Python's configparser writes them); after a value it is part of the value
+//     (`prompt = a;b` is "a;b"), because paths and prompts may contain `;`;
+//   * a UTF-8 byte order mark at the start of the file is ignored.
 // Rank 0 alone reads the job file and broadcasts its text; every rank parses the same text, so
 // every rank holds the same options or all fail together.
 #pragma once
@@ -48,5 +54,11 @@ struct Options {
 // every rank for an unknown option, a value of the wrong type, an out-of-range value (the message
 // names the option), an unreadable job file, or invalid INI syntax (the message names the file).
 Options parse_options(Comm& comm, int argc, char** argv);
+
+// The job-file text as Boost's INI parser is given it: a leading UTF-8 byte order mark (EF BB BF)
+// removed and every full-line `;` comment (first non-blank character `;`, after spaces or tabs)
+// replaced by an empty line, so lines keep their numbers; everything else, `;` after a value
+// included, unchanged. Pure function, throws nothing but std::bad_alloc.
+std::string normalize_job_file(std::string text);
 
 }  // namespace shardtrain

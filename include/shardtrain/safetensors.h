@@ -46,8 +46,18 @@ struct StFile {
   uint64_t data_start = 0;  // 8 + N
   std::vector<StEntry> entries;
 };
+// Largest header length (bytes, the u64 after which the JSON follows) that is read:
+// 100,000,000, the format's own limit, MAX_HEADER_SIZE in the safetensors crate
+// (huggingface/safetensors, safetensors/src/tensor.rs, `const MAX_HEADER_SIZE: usize =
+// 100_000_000`, refused there as HeaderTooLarge), so a file that shardtrain reads is one that the
+// Hugging Face libraries read too; it also bounds the memory a damaged length can make us allocate.
+inline constexpr uint64_t kSafetensorsMaxHeader = 100'000'000;
+
 // Parses and validates the header: JSON, dtypes (F32/BF16/F16), offsets inside the file, sizes
-// matching dtype x shape, no overlaps and no gaps. Throws std::runtime_error naming file and tensor.
+// matching dtype x shape, no overlaps and no gaps. Throws std::runtime_error naming the file and
+// the tensor; a header length longer than the rest of the file: "... exceeds the file (M bytes
+// after the 8-byte length)"; one within the file but above kSafetensorsMaxHeader: "... exceeds the
+// safetensors format's limit of 100000000 bytes".
 StFile read_safetensors_header(const std::string& path);
 // Reads one tensor as fp32.
 std::vector<float> read_safetensors_tensor(const StFile& f, const StEntry& e);

@@ -3,6 +3,7 @@
 
 #include <boost/program_options.hpp>
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -12,11 +13,14 @@ namespace shardtrain {
 namespace po = boost::program_options;
 
 namespace {
-// default_value for doubles shown as typed (0.1, not 0.10000000000000001).
+// default_value for doubles shown as typed (0.1, not 0.10000000000000001, which is what Boost's
+// own lexical_cast of the value prints): the shortest text that reads back as the same double
+// (std::to_chars), so --help neither shows noise digits nor rounds a default it does not hold.
+// Every double option goes through this.
 po::typed_value<double>* dbl(double* v) {
-  std::ostringstream os;
-  os << *v;
-  return po::value<double>(v)->default_value(*v, os.str());
+  char buf[64];
+  auto r = std::to_chars(buf, buf + sizeof buf, *v);
+  return po::value<double>(v)->default_value(*v, std::string(buf, r.ptr));
 }
 
 po::options_description describe(Options& o) {
@@ -50,8 +54,8 @@ po::options_description describe(Options& o) {
       ("lr", dbl(&t.lr), "peak learning rate")
       ("min-lr", dbl(&t.min_lr), "learning rate at the end of the cosine decay")
       ("warmup", po::value<int64_t>(&t.warmup)->default_value(t.warmup), "linear warm-up, steps")
-      ("beta1", po::value<double>(&t.beta1)->default_value(t.beta1), "AdamW beta1, in [0, 1)")
-      ("beta2", po::value<double>(&t.beta2)->default_value(t.beta2), "AdamW beta2, in [0, 1)")
+      ("beta1", dbl(&t.beta1), "AdamW beta1, in [0, 1)")
+      ("beta2", dbl(&t.beta2), "AdamW beta2, in [0, 1)")
       ("adam-eps", dbl(&t.eps), "AdamW epsilon")
       ("weight-decay", dbl(&t.weight_decay), "AdamW decoupled weight decay (not on norm weights)")
       ("clip", dbl(&t.clip), "max global gradient L2 norm; 0 disables clipping")
@@ -165,6 +169,23 @@ void validate(const Options& o) {
 }
 }  // namespace
 
+std::string normalize_job_file(std::string text) {
+  if (text.starts_with("\xEF\xBB\xBF")) text.erase(0, 3);  // UTF-8 byte order mark
+  size_t line = 0;
+  while (line < text.size()) {
+    size_t end = text.find('\n', line);
+    if (end == std::string::npos) end = text.size();
+    size_t first = text.find_first_not_of(" \t", line);
+    // Blank the line but keep its '\n', so that line numbers stay those of the file.
+    if (first < end && text[first] == ';') {
+      text.erase(line, end - line);
+      end = line;
+    }
+    line = end + 1;
+  }
+  return text;
+}
+
 Options parse_options(Comm& comm, int argc, char** argv) {
   Options o;
   po::options_description desc = describe(o);
@@ -202,7 +223,7 @@ Options parse_options(Comm& comm, int argc, char** argv) {
     all_ok(comm, rerr.empty(), rerr);
     text = comm.broadcast_string(text, 0);
     try {
-      std::istringstream is(text);
+      std::istringstream is(normalize_job_file(text));
       po::store(po::parse_config_file(is, desc), vm);
     } catch (const std::exception& e) {
       err = "job file '" + cfg + "': " + e.what();

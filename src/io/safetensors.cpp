@@ -123,7 +123,12 @@ StFile read_safetensors_header(const std::string& path) {
   in.read(reinterpret_cast<char*>(len), 8);
   uint64_t n = 0;
   for (int i = 0; i < 8; ++i) n |= static_cast<uint64_t>(len[i]) << (8 * i);
-  if (n > fsize - 8 || n > (100u << 20)) fail("header length " + std::to_string(n) + " exceeds the file");
+  if (n > fsize - 8)
+    fail("header length " + std::to_string(n) + " bytes exceeds the file (" + std::to_string(fsize - 8) +
+         " bytes after the 8-byte length)");
+  if (n > kSafetensorsMaxHeader)
+    fail("header length " + std::to_string(n) + " bytes exceeds the safetensors format's limit of " +
+         std::to_string(kSafetensorsMaxHeader) + " bytes (MAX_HEADER_SIZE of the safetensors library)");
   std::string hs(n, '\0');
   in.read(hs.data(), static_cast<std::streamsize>(n));
   f.data_start = 8 + n;

@@ -94,4 +94,15 @@ d = variant("tied", "tied_diff_head")
 sd = load_file(f"{d}/model.safetensors")
 sd["lm_head.weight"] = sd["model.embed_tokens.weight"].clone() + 1.0
 save_file(sd, f"{d}/model.safetensors", metadata={"format": "pt"})
+# Header lengths: above the safetensors format's 100,000,000-byte limit but inside the file (sparse
+# files, nothing is written past the first bytes), and one byte longer than the rest of the file.
+def set_header_length(src, dst, n, size=None):
+    path = f"{variant(src, dst)}/model.safetensors"
+    with open(path, "r+b") as f:
+        f.write(struct.pack("<Q", n))
+        if size is not None:
+            f.truncate(size)
+set_header_length("untied", "header_200mib", 200 << 20, 210 << 20)
+set_header_length("untied", "header_limit_plus_1", 100_000_001, 100_000_001 + 8)
+set_header_length("untied", "header_past_eof", os.path.getsize(f"{work}/untied/model.safetensors") - 8 + 1)
 print("made", sorted(os.listdir(work)))

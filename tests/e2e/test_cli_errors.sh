@@ -60,6 +60,28 @@ grep -q "global batch 4 x 16 tokens" "$WORK/job.log" || fail "job file values no
 [ "$(grep -c '^step ' "$WORK/job.log")" -eq 3 ] || fail "expected 3 log lines from rank 0 only"
 echo "ok: command line overrides job file; only rank 0 logs"
 
+# Job files as other tools write them: a UTF-8 byte order mark, full-line ';' comments (also
+# indented; Python's configparser writes them), '#' comments (also after a value), CRLF line ends.
+# A ';' after a value is part of the value (here the metrics file's name). 13936b5 refused the BOM
+# ("unrecognised option") and the ';' lines ("invalid line").
+{
+  printf '\xef\xbb\xbfmodel = tiny\r\n'
+  printf '; written by configparser\r\n'
+  printf '  ; indented: steps = 9 [not a section]\n'
+  printf '\t;tab-indented\n'
+  printf '# hash comment\n'
+  printf 'steps = 4   # four steps\n'
+  printf 'seq-len = 16\nglobal-batch = 4\nlog-every = 1\nthreads = 1\n'
+  printf 'metrics = %s\n' "$WORK/m;semi.jsonl"
+} >"$WORK/bom.ini"
+timeout -k 5 60 $MPIRUN -np 2 "$BIN" --config "$WORK/bom.ini" --data "$DATA" >"$WORK/bom.log" 2>&1 \
+  || { cat "$WORK/bom.log"; fail "job file with a BOM and ';' comments was refused"; }
+[ -f "$WORK/m;semi.jsonl" ] || fail "';' inside a value was not kept (no '$WORK/m;semi.jsonl')"
+n=$(grep -c '"loss"' "$WORK/m;semi.jsonl")
+[ "$n" -eq 4 ] || fail "job file's steps = 4 not applied (got $n steps)"
+grep -q "model tiny, .* global batch 4 x 16 tokens" "$WORK/bom.log" || { cat "$WORK/bom.log"; fail "job file values not applied"; }
+echo "ok: job file with a UTF-8 BOM, ';' and '#' comments, CRLF: values applied, ';' in a value kept"
+
 # --help lists every option with its default and unit, on rank 0 only, exit 0.
 "$BIN" --help >"$WORK/help.txt"
 for o in --config --mode --threads --input --out --val-fraction --model --data --seq-len --global-batch --micro-batch \
@@ -69,4 +91,8 @@ for o in --config --mode --threads --input --out --val-fraction --model --data -
 done
 grep -q "(=64)" "$WORK/help.txt" || fail "--help does not show defaults"
 grep -q "tokens" "$WORK/help.txt" || fail "--help does not show units"
+# Doubles show their defaults as typed: 13936b5 printed beta1 (=0.90000000000000002), beta2 (=0.98999999999999999).
+grep -qF -- "--beta1 arg (=0.9) " "$WORK/help.txt" || fail "--help: beta1's default is not shown as (=0.9)"
+grep -qF -- "--beta2 arg (=0.99) " "$WORK/help.txt" || fail "--help: beta2's default is not shown as (=0.99)"
+if grep -E '\(=[^)]*([0-9]\.[0-9]*0000000|99999999)' "$WORK/help.txt"; then fail "--help shows a default with binary noise digits"; fi
 echo "ok: --help lists all options"

@@ -79,6 +79,15 @@ expect_fail overlap "tensor 'model.layers.0.self_attn.k_proj.weight' overlaps th
 expect_fail out_of_range "tensor 'model.norm.weight': data_offsets" 2 --mode import --hf-dir "$WORK/out_of_range" --out "$WORK/x.h5"
 grep -q "are out of range" "$WORK/out_of_range.log" || fail "out_of_range: message"
 expect_fail bad_json "header is not valid JSON" 2 --mode import --hf-dir "$WORK/bad_json" --out "$WORK/x.h5"
+# Header length above the format's limit (inside the file) vs longer than the file: two true
+# messages. 13936b5 said "exceeds the file" for the first (a 210 MiB file) and read 100 MB for the second.
+expect_fail header_200mib "header length 209715200 bytes exceeds the safetensors format's limit of 100000000 bytes" 2 \
+  --mode import --hf-dir "$WORK/header_200mib" --out "$WORK/x.h5"
+expect_fail header_limit_plus_1 "header length 100000001 bytes exceeds the safetensors format's limit of 100000000 bytes" 2 \
+  --mode import --hf-dir "$WORK/header_limit_plus_1" --out "$WORK/x.h5"
+sz=$(stat -c %s "$WORK/header_past_eof/model.safetensors")
+expect_fail header_past_eof "header length $((sz - 7)) bytes exceeds the file ($((sz - 8)) bytes after the 8-byte length)" 2 \
+  --mode import --hf-dir "$WORK/header_past_eof" --out "$WORK/x.h5"
 expect_fail gpt2 "architecture [\"GPT2LMHeadModel\"] is not supported" 2 --mode import --hf-dir "$WORK/gpt2" --out "$WORK/x.h5"
 expect_fail qwen2 "Qwen2 has q/k/v projection biases" 2 --mode import --hf-dir "$WORK/qwen2" --out "$WORK/x.h5"
 expect_fail sliding "key 'sliding_window' = 16 is smaller than max_position_embeddings" 2 --mode import --hf-dir "$WORK/sliding" --out "$WORK/x.h5"
