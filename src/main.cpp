@@ -122,7 +122,8 @@ void run_inspect(Comm& comm, const Options& o) {
      << "  step " << info.step << ", tokens_seen " << info.tokens_seen << ", world_size " << info.world_size << "\n"
      << "  model_config " << info.model_config << "\n"
      << "  train_config " << info.train_config << "\n"
-     << "  data_position " << info.data_position << ", rng_state " << info.rng_state << "\n";
+     << "  data_position " << info.data_position << ", rng_state " << info.rng_state << "\n"
+     << "  data " << info.data_info << "\n";
   for (auto& u : info.units) {
     os << "  unit " << u.name << ": numel " << u.numel << ", shard_size " << u.shard_size << ", padded_numel "
        << u.padded_numel << "\n";

@@ -46,6 +46,10 @@ struct CheckpointInfo {
   int64_t step = 0, tokens_seen = 0;
   int world_size = 0;
   std::string model_config, train_config, data_position, rng_state, program_version;
+  // JSON record of the token file the checkpoint was trained on (root attribute `data`): null
+  // (none: an import, or an older checkpoint), or {"path": "...", "tokenizer": "byte-level",
+  // "vocab_size": 258, "bos_id": 256, "eos_id": 257} from the token file's header.
+  std::string data_info = "null";
   std::vector<CheckpointUnitInfo> units;
 };
 

@@ -415,6 +415,7 @@ CheckpointInfo read_checkpoint_info(Comm& comm, const std::string& path) {
     info.data_position = read_attr_str(file, "data_position", where);
     info.rng_state = read_attr_str(file, "rng_state", where);
     info.program_version = read_attr_str(file, "program_version", where);
+    info.data_info = H5Aexists(file, "data") > 0 ? read_attr_str(file, "data", where) : "null";
     if (info.world_size < 1) throw H5Error("attribute 'world_size' is " + std::to_string(info.world_size));
     H5Id units(H5Gopen2(file, "units", H5P_DEFAULT), H5Gclose);
     if (!units.ok()) throw H5Error("group '/units' is missing");
