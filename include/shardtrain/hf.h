@@ -68,8 +68,9 @@ struct GenerateOptions {
 // Collective. Samples max_new_tokens bytes after BOS + prompt (context cropped to
 // max_position_embeddings) and returns the generated text (rank 0 prints it); stops early at any
 // of the model's eos ids. Sampling happens on rank 0 and each token is broadcast, so every rank
-// runs the same forwards. Special ids are checked and filled as export does; with no
-// bos_token_id it throws CollectiveError naming the key.
+// runs the same forwards. The exported tokenizer gives the same ids for a prompt (BOS + UTF-8
+// bytes). Special ids are checked and filled as export does; with no bos_token_id it throws
+// CollectiveError naming the key.
 std::string generate(Comm& comm, const GenerateOptions& o);
 
 }  // namespace shardtrain

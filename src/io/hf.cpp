@@ -82,6 +82,12 @@ std::vector<std::string> byte_chars() {
   return out;
 }
 
+// The byte-level tokenizer of data.h as a tokenizers `tokenizer.json`: ids 0-255 are the bytes,
+// "<s>" = bos_token_id, "</s>" = the primary eos_token_id (both added special tokens). The
+// post-processor prepends "<s>" (TemplateProcessing, https://huggingface.co/docs/tokenizers/api/post-processors),
+// so the tokenizer's ids for a text are exactly what `--mode generate` feeds: BOS + UTF-8 bytes.
+// The templates are the ones transformers itself builds for add_bos_token = true, add_eos_token =
+// false (TokenizersBackend.update_post_processor): single "<s>:0 $A:0", pair "<s>:0 $A:0 <s>:1 $B:1".
 json tokenizer_json(const ModelConfig& mc) {
   json vocab = json::object();
   auto chars = byte_chars();
@@ -91,13 +97,22 @@ json tokenizer_json(const ModelConfig& mc) {
     return json{{"id", id}, {"content", content}, {"single_word", false}, {"lstrip", false},
                 {"rstrip", false}, {"normalized", false}, {"special", true}};
   };
+  auto piece = [](const char* kind, const char* id, int type_id) {
+    return json{{kind, {{"id", id}, {"type_id", type_id}}}};
+  };
+  json template_processing = {
+      {"type", "TemplateProcessing"},
+      {"single", {piece("SpecialToken", "<s>", 0), piece("Sequence", "A", 0)}},
+      {"pair", {piece("SpecialToken", "<s>", 0), piece("Sequence", "A", 0), piece("SpecialToken", "<s>", 1),
+                piece("Sequence", "B", 1)}},
+      {"special_tokens", {{"<s>", {{"id", "<s>"}, {"ids", {mc.bos_token_id}}, {"tokens", {"<s>"}}}}}}};
   return json{{"version", "1.0"},
               {"truncation", nullptr},
               {"padding", nullptr},
               {"added_tokens", {special(mc.bos_token_id, "<s>"), special(mc.primary_eos(), "</s>")}},
               {"normalizer", nullptr},
               {"pre_tokenizer", bl},
-              {"post_processor", nullptr},
+              {"post_processor", template_processing},
               {"decoder", bl},
               {"model", {{"type", "BPE"}, {"dropout", nullptr}, {"unk_token", nullptr},
                          {"continuing_subword_prefix", nullptr}, {"end_of_word_suffix", nullptr},
@@ -269,10 +284,15 @@ void export_hf(Comm& comm, const ExportOptions& o) {
       const char* tokenizer_files[] = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"};
       if (no_tokenizer.empty()) {
         write_text(d / "tokenizer.json", tokenizer_json(l.mc).dump(2) + "\n");
+        // "<s>" comes from tokenizer.json's post-processor alone, so it is added exactly once:
+        // transformers 5 drops add_bos_token / add_eos_token when a tokenizer.json is present
+        // (PreTrainedTokenizerBase._from_pretrained), and 4.x's PreTrainedTokenizerFast never reads
+        // them. They are written to say the same thing for readers that do (true / false; from them
+        // TokenizersBackend.update_post_processor builds the same templates).
         write_text(d / "tokenizer_config.json",
                    json{{"tokenizer_class", "PreTrainedTokenizerFast"}, {"bos_token", "<s>"}, {"eos_token", "</s>"},
                         {"pad_token", "</s>"}, {"model_max_length", l.mc.max_position_embeddings},
-                        {"add_bos_token", false}, {"add_eos_token", false}, {"split_special_tokens", true},
+                        {"add_bos_token", true}, {"add_eos_token", false}, {"split_special_tokens", true},
                         {"clean_up_tokenization_spaces", false}}
                            .dump(2) + "\n");
         write_text(d / "special_tokens_map.json",
