@@ -94,4 +94,27 @@ d = variant("tied", "tied_diff_head")
 sd = load_file(f"{d}/model.safetensors")
 sd["lm_head.weight"] = sd["model.embed_tokens.weight"].clone() + 1.0
 save_file(sd, f"{d}/model.safetensors", metadata={"format": "pt"})
+# eos_token_id as a list (Llama 3.x style). A vocab-258 model whose greedy next byte X after BOS +
+# EOS_PROMPT (transformers' own argmax, clear of the runner-up) is a printable byte; saved with
+# eos_token_id 257 and with [257, X]: generation must stop at once for the second only.
+EOS_PROMPT = "ROMEO:"
+byte_cfg = dict(common, vocab_size=258)
+for seed in range(100, 200):
+    torch.manual_seed(seed)
+    m = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=False, **byte_cfg)).eval()
+    with torch.no_grad():
+        last = m(torch.tensor([[256] + list(EOS_PROMPT.encode())])).logits[0, -1]
+    top = torch.topk(last, 2)
+    x = int(top.indices[0])
+    if 33 <= x <= 126 and float(top.values[0] - top.values[1]) > 1e-3:
+        break
+else:
+    sys.exit("no seed in 100..199 gives a printable greedy byte")
+make("eos_one", m)
+make("eos_list_src", m)
+edit_config("eos_list_src", "eos_list", eos_token_id=[257, x])
+edit_config("eos_list_src", "eos_nonint", eos_token_id=[257, "x"])
+edit_config("eos_list_src", "eos_oov", eos_token_id=[257, 258])
+open(f"{work}/eos_greedy.txt", "w").write(f"{x}\n")
+print(f"eos models: seed {seed}, greedy byte after BOS + {EOS_PROMPT!r}: {x} ({chr(x)!r})")
 print("made", sorted(os.listdir(work)))
