@@ -40,6 +40,12 @@ void run_train(Comm& comm, const Topology& topo, const Options& o) {
   ModelConfig mc = resolve_model_config(comm, o.model);
   std::unique_ptr<TokenDataset> data;
   agree(comm, [&] { data = std::make_unique<TokenDataset>(o.data); });
+  {  // Special ids the config leaves out come from the token file; a conflict is refused.
+    const bool is_file = o.model.size() > 5 && o.model.ends_with(".json");
+    const TokenFileHeader& h = data->header();
+    take_special_ids_from_data(comm, mc, (is_file ? "model config '" : "preset '") + o.model + "'",
+                               DataSpecialIds{"token file '" + o.data + "'", h.vocab_size, h.bos_id, h.eos_id});
+  }
 
   // Device placement: each rank decides from what its node shows, then all agree, before any
   // device is touched; a run is all-GPU or all-CPU.
@@ -187,7 +193,7 @@ int main(int argc, char** argv) {
     if (o.mode == "prepare") run_prepare(comm, o);
     else if (o.mode == "inspect") run_inspect(comm, o);
     else if (o.mode == "export") export_hf(comm, ExportOptions{o.checkpoint, o.out, parse_export_dtype(o.dtype), parse_size(o.max_shard_size)});
-    else if (o.mode == "import") import_hf(comm, o.hf_dir, o.out);
+    else if (o.mode == "import") import_hf(comm, o.hf_dir, o.out, o.data);
     else if (o.mode == "generate") {
       std::string text = generate(comm, GenerateOptions{o.checkpoint, o.prompt, o.max_new_tokens, o.temperature, o.top_k,
                                                         o.train.seed, o.dump_logits});

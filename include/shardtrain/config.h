@@ -11,6 +11,9 @@ namespace shardtrain {
 
 class Comm;
 
+// A special token id that config.json leaves out (or sets to null).
+inline constexpr int kUnsetTokenId = -1;
+
 // Field names and meanings follow transformers' LlamaConfig
 // (https://huggingface.co/docs/transformers/model_doc/llama#transformers.LlamaConfig).
 struct ModelConfig {
@@ -27,13 +30,27 @@ struct ModelConfig {
   double initializer_range = 0.02;  // std of the normal init of matrices
   std::string hidden_act = "silu";
   bool tie_word_embeddings = true;
+  // Special token ids. A config.json may leave them out (then they are unset, not LlamaConfig's
+  // defaults 1 and 2): training and `--mode import --data` fill unset ids from the token file,
+  // export from the checkpoint's record of its token file (reconcile_special_ids).
+  //   bos_token_id: the id every sequence starts with (`--mode generate` feeds BOS + prompt);
+  //     kUnsetTokenId (-1) when unset.
+  //   eos_token_ids: every id that ends a sequence; generation stops on any of them. config.json's
+  //     eos_token_id is one integer or a list (Llama 3.x: [128001, 128008, 128009]), kept as given;
+  //     the first is the primary EOS (the tokenizer's "</s>", generation's pad id). Empty when unset.
+  // Presets use the byte-level tokenizer's 256 and 257 (data.h).
   int bos_token_id = 256;
-  int eos_token_id = 257;
+  std::vector<int> eos_token_ids = {257};
 
   int head_dim() const { return hidden_size / num_attention_heads; }
   int kv_dim() const { return head_dim() * num_key_value_heads; }
   // Total parameter count (elements), tied head counted once.
   int64_t num_params() const;
+  bool has_bos() const { return bos_token_id != kUnsetTokenId; }
+  // The primary EOS (first of eos_token_ids), or kUnsetTokenId.
+  int primary_eos() const { return eos_token_ids.empty() ? kUnsetTokenId : eos_token_ids.front(); }
+  // True iff `id` is one of eos_token_ids.
+  bool is_eos(int64_t id) const;
 };
 
 // Names of the built-in presets, e.g. "tiny", "demo", "llama-125m".
@@ -43,19 +60,50 @@ ModelConfig preset(const std::string& name);
 
 // Parses a Hugging Face config.json (text). Accepts "architectures" absent or containing
 // "LlamaForCausalLM"; refuses others, rope_scaling, attention/mlp biases, and head_dim other than
-// hidden_size / num_attention_heads. Throws std::invalid_argument naming `source` and the key.
+// hidden_size / num_attention_heads. bos_token_id: absent or null = unset, else a non-negative
+// integer; eos_token_id: absent or null = unset, a non-negative integer, or a non-empty list of
+// them. Throws std::invalid_argument naming `source` and the key.
 ModelConfig parse_hf_config(const std::string& json_text, const std::string& source);
 
 // Checks the invariants the model relies on; throws std::invalid_argument naming `source` and
 // the offending key: positive sizes, NH divides C, NKV divides NH, even head_dim (RoPE pairs),
-// hidden_act == "silu", bos/eos inside the vocabulary, eps > 0, theta > 0.
+// hidden_act == "silu", bos and every eos id inside the vocabulary when set (unset is fine),
+// eps > 0, theta > 0.
 void validate(const ModelConfig& c, const std::string& source);
 
 // Canonical JSON: keys sorted, no whitespace, every field present. Two configs are equal iff their
-// canonical JSON strings are equal. to_hf_json adds the keys transformers expects.
+// canonical JSON strings are equal. "bos_token_id" is an integer or null (unset); "eos_token_id" is
+// an integer (one id), an array of >= 2 integers (a list), or null (unset). from_canonical_json
+// also reads what older versions wrote (both ids integers); a one-element array reads as that id.
+// to_hf_json adds the keys transformers expects and writes the ids the same way (a list as a list,
+// unset as null, so that transformers does not substitute LlamaConfig's defaults 1 and 2).
 std::string canonical_json(const ModelConfig& c);
 ModelConfig from_canonical_json(const std::string& s);  // throws std::invalid_argument
 std::string to_hf_json(const ModelConfig& c, const std::string& torch_dtype = "float32");
+
+// The vocabulary and special ids of the data a model is trained on: a token file's header
+// (data.h, docs/data-format.md), or the checkpoint's record of it (CheckpointInfo::data_info).
+struct DataSpecialIds {
+  std::string source;       // names it in messages, e.g. "token file 'corpus.tok'"
+  int64_t vocab_size = 0;   // ids in the data are < vocab_size
+  int64_t bos_id = -1;      // the id each document starts with
+  int64_t eos_id = -1;      // the id each document ends with
+};
+
+// Makes `c` agree with the data it is (or was) trained on. Refuses, throwing
+// std::invalid_argument naming `config_source` (e.g. "model config 'cfg.json'"), d.source and both
+// values: data vocab_size above c.vocab_size; a set bos_token_id other than d.bos_id; a set
+// eos_token_id that does not contain d.eos_id (one id: differs; a list: d.eos_id not among them).
+// Fills an unset id from the data (the eos as a single id) and returns one "note: ..." line per
+// filled id (empty: nothing filled). The data's ids must lie inside c's vocabulary to be filled.
+std::vector<std::string> reconcile_special_ids(ModelConfig& c, const std::string& config_source,
+                                               const DataSpecialIds& d);
+
+// Collective. reconcile_special_ids on every rank, agreed (a refusal becomes a CollectiveError with
+// the same message on every rank); rank 0 logs the notes; then every rank checks it holds the same
+// config (FNV-1a hash), since each rank read the data itself: CollectiveError if not.
+void take_special_ids_from_data(Comm& comm, ModelConfig& c, const std::string& config_source,
+                                const DataSpecialIds& d);
 
 // Collective. Rank 0 alone resolves the model config from `spec` — a preset name, or a path to a
 // config.json (anything ending in ".json") — and validates it; it then broadcasts the canonical

@@ -44,6 +44,11 @@ struct TokenFileHeader {
 TokenFileHeader prepare_token_file(const std::vector<std::string>& inputs, const std::string& out_path,
                                    double val_fraction);
 
+// Reads and checks only the 64-byte header of token file `path` (and that the file's size matches
+// it). Throws std::runtime_error naming the file, as TokenDataset does, for a missing or
+// unreadable file, bad magic, unknown version, unsupported token size, size not matching.
+TokenFileHeader read_token_file_header(const std::string& path);
+
 // A token file held in memory.
 class TokenDataset {
  public:

@@ -3,7 +3,8 @@
 //
 // Export layout (what AutoModelForCausalLM / AutoTokenizer / pipeline read):
 //   config.json, generation_config.json, model.safetensors | model-0000i-of-0000n.safetensors +
-//   model.safetensors.index.json, tokenizer.json (+ tokenizer_config.json, special_tokens_map.json).
+//   model.safetensors.index.json, tokenizer.json (+ tokenizer_config.json, special_tokens_map.json)
+//   when the model's tokenizer is byte-level (see export_hf).
 #pragma once
 
 #include <cstdint>
@@ -29,6 +30,13 @@ uint64_t parse_size(const std::string& s);
 // Collective (runs at any world size, 1 included). Loads the checkpoint's parameters sharded over
 // the current ranks, gathers one output file's tensors at a time, and rank 0 writes each file
 // (under a temporary name, then renamed). Tied heads write model.embed_tokens.weight only.
+// Special ids: checked against the token file the checkpoint records (CheckpointInfo::data_info;
+// a conflict is refused naming both values), unset ones filled from it with a note; still unset,
+// config.json and generation_config.json say null (with a note). An eos list is written as a list.
+// The byte-level tokenizer files are written only when the model's tokenizer is byte-level: the
+// recorded token file says "byte-level" (or none is recorded), and "<s>" / "</s>" (bos and the
+// primary eos) are ids >= 256, apart from the bytes. Otherwise no tokenizer files are written
+// (earlier ones in out_dir are removed) and a note says why.
 // Throws CollectiveError on every rank naming the file on any failure.
 void export_hf(Comm& comm, const ExportOptions& o);
 
@@ -36,9 +44,12 @@ void export_hf(Comm& comm, const ExportOptions& o);
 // model.safetensors.index.json with its shards; F32/BF16/F16) and writes a step-0 shardtrain
 // checkpoint to `out_path` (AdamW moments zero). Names may carry the wrapper prefixes `module.`,
 // `_orig_mod.` and `_fsdp_wrapped_module.` (stripped); `rotary_emb.inv_freq` buffers are ignored.
+// Special ids are kept as config.json has them (absent stays unset, an eos list stays a list).
+// With `data_path` (a token file, `--data`) they are checked against and filled from its header as
+// training does (config.h reconcile_special_ids): a conflict is refused naming both values.
 // Refuses, naming architecture, file or tensor: unsupported architectures, missing or unexpected
 // tensors, shape mismatches, an index naming a missing file, bad safetensors headers.
-void import_hf(Comm& comm, const std::string& hf_dir, const std::string& out_path);
+void import_hf(Comm& comm, const std::string& hf_dir, const std::string& out_path, const std::string& data_path = "");
 
 // Strips known wrapper prefixes from a tensor name: every `module.`, `_orig_mod.` and
 // `_fsdp_wrapped_module.` path component, wherever it appears.
@@ -55,8 +66,11 @@ struct GenerateOptions {
 };
 
 // Collective. Samples max_new_tokens bytes after BOS + prompt (context cropped to
-// max_position_embeddings) and returns the generated text (rank 0 prints it). Sampling happens on
-// rank 0 and each token is broadcast, so every rank runs the same forwards.
+// max_position_embeddings) and returns the generated text (rank 0 prints it); stops early at any
+// of the model's eos ids. Sampling happens on rank 0 and each token is broadcast, so every rank
+// runs the same forwards. The exported tokenizer gives the same ids for a prompt (BOS + UTF-8
+// bytes). Special ids are checked and filled as export does; with no bos_token_id it throws
+// CollectiveError naming the key.
 std::string generate(Comm& comm, const GenerateOptions& o);
 
 }  // namespace shardtrain

@@ -93,32 +93,60 @@ TokenFileHeader prepare_token_file(const std::vector<std::string>& inputs, const
   return h;
 }
 
-TokenDataset::TokenDataset(const std::string& path) : path_(path) {
+namespace {
+// Opens a token file; throws naming it if it is missing or a directory.
+std::ifstream open_token_file(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
   std::error_code ec;
   if (!f) throw std::runtime_error("cannot open token file '" + path + "' (make one with --mode prepare)");
   if (std::filesystem::is_directory(path, ec)) throw std::runtime_error("token file '" + path + "' is a directory");
+  return f;
+}
+
+// Parses and checks the 64-byte header `b` of token file `path`, whose size is `size` bytes.
+TokenFileHeader parse_header(const std::string& path, const char* b, uint64_t size) {
+  auto fail = [&](const std::string& w) { throw std::runtime_error("token file '" + path + "': " + w); };
+  if (size < 64) fail("shorter than its 64-byte header");
+  if (std::memcmp(b, kMagic, 8) != 0) fail("bad magic (not a shardtrain token file)");
+  auto p = reinterpret_cast<const unsigned char*>(b);
+  TokenFileHeader h;
+  h.version = get<uint32_t>(p + 8);
+  if (h.version != 1) fail("unknown format version " + std::to_string(h.version));
+  h.vocab_size = get<uint32_t>(p + 12);
+  h.bos_id = get<uint32_t>(p + 16);
+  h.eos_id = get<uint32_t>(p + 20);
+  h.token_bytes = get<uint32_t>(p + 24);
+  if (h.token_bytes != 2) fail("unsupported token size " + std::to_string(h.token_bytes));
+  h.n_train = get<uint64_t>(p + 32);
+  h.n_val = get<uint64_t>(p + 40);
+  h.tokenizer = std::string(b + 48, strnlen(b + 48, 16));
+  const uint64_t payload = (size - 64) / 2;  // tokens the file can hold; compared without overflow
+  if (h.n_train > payload || h.n_val > payload - h.n_train || size != 64 + 2 * (h.n_train + h.n_val))
+    fail("size " + std::to_string(size) + " bytes does not match header (" + std::to_string(h.n_train) +
+         " train + " + std::to_string(h.n_val) + " val tokens)");
+  return h;
+}
+}  // namespace
+
+TokenFileHeader read_token_file_header(const std::string& path) {
+  std::ifstream f = open_token_file(path);
+  char b[64] = {};
+  f.read(b, sizeof b);
+  f.clear();
+  f.seekg(0, std::ios::end);
+  const auto size = f.tellg();
+  if (size < 0) throw std::runtime_error("token file '" + path + "': cannot read its size");
+  return parse_header(path, b, static_cast<uint64_t>(size));
+}
+
+TokenDataset::TokenDataset(const std::string& path) : path_(path) {
+  std::ifstream f = open_token_file(path);
   std::stringstream ss;
   ss << f.rdbuf();
   const std::string b = ss.str();
   auto fail = [&](const std::string& w) { throw std::runtime_error("token file '" + path + "': " + w); };
-  if (b.size() < 64) fail("shorter than its 64-byte header");
-  if (std::memcmp(b.data(), kMagic, 8) != 0) fail("bad magic (not a shardtrain token file)");
+  h_ = parse_header(path, b.data(), b.size());
   auto p = reinterpret_cast<const unsigned char*>(b.data());
-  h_.version = get<uint32_t>(p + 8);
-  if (h_.version != 1) fail("unknown format version " + std::to_string(h_.version));
-  h_.vocab_size = get<uint32_t>(p + 12);
-  h_.bos_id = get<uint32_t>(p + 16);
-  h_.eos_id = get<uint32_t>(p + 20);
-  h_.token_bytes = get<uint32_t>(p + 24);
-  if (h_.token_bytes != 2) fail("unsupported token size " + std::to_string(h_.token_bytes));
-  h_.n_train = get<uint64_t>(p + 32);
-  h_.n_val = get<uint64_t>(p + 40);
-  h_.tokenizer = std::string(b.data() + 48, strnlen(b.data() + 48, 16));
-  const uint64_t payload = (b.size() - 64) / 2;  // tokens the file can hold; compared without overflow
-  if (h_.n_train > payload || h_.n_val > payload - h_.n_train || b.size() != 64 + 2 * (h_.n_train + h_.n_val))
-    fail("size " + std::to_string(b.size()) + " bytes does not match header (" + std::to_string(h_.n_train) +
-         " train + " + std::to_string(h_.n_val) + " val tokens)");
   train_.resize(h_.n_train);
   val_.resize(h_.n_val);
   for (uint64_t i = 0; i < h_.n_train; ++i) train_[i] = get<uint16_t>(p + 64 + 2 * i);

@@ -82,6 +82,12 @@ std::vector<std::string> byte_chars() {
   return out;
 }
 
+// The byte-level tokenizer of data.h as a tokenizers `tokenizer.json`: ids 0-255 are the bytes,
+// "<s>" = bos_token_id, "</s>" = the primary eos_token_id (both added special tokens). The
+// post-processor prepends "<s>" (TemplateProcessing, https://huggingface.co/docs/tokenizers/api/post-processors),
+// so the tokenizer's ids for a text are exactly what `--mode generate` feeds: BOS + UTF-8 bytes.
+// The templates are the ones transformers itself builds for add_bos_token = true, add_eos_token =
+// false (TokenizersBackend.update_post_processor): single "<s>:0 $A:0", pair "<s>:0 $A:0 <s>:1 $B:1".
 json tokenizer_json(const ModelConfig& mc) {
   json vocab = json::object();
   auto chars = byte_chars();
@@ -91,13 +97,22 @@ json tokenizer_json(const ModelConfig& mc) {
     return json{{"id", id}, {"content", content}, {"single_word", false}, {"lstrip", false},
                 {"rstrip", false}, {"normalized", false}, {"special", true}};
   };
+  auto piece = [](const char* kind, const char* id, int type_id) {
+    return json{{kind, {{"id", id}, {"type_id", type_id}}}};
+  };
+  json template_processing = {
+      {"type", "TemplateProcessing"},
+      {"single", {piece("SpecialToken", "<s>", 0), piece("Sequence", "A", 0)}},
+      {"pair", {piece("SpecialToken", "<s>", 0), piece("Sequence", "A", 0), piece("SpecialToken", "<s>", 1),
+                piece("Sequence", "B", 1)}},
+      {"special_tokens", {{"<s>", {{"id", "<s>"}, {"ids", {mc.bos_token_id}}, {"tokens", {"<s>"}}}}}}};
   return json{{"version", "1.0"},
               {"truncation", nullptr},
               {"padding", nullptr},
-              {"added_tokens", {special(mc.bos_token_id, "<s>"), special(mc.eos_token_id, "</s>")}},
+              {"added_tokens", {special(mc.bos_token_id, "<s>"), special(mc.primary_eos(), "</s>")}},
               {"normalizer", nullptr},
               {"pre_tokenizer", bl},
-              {"post_processor", nullptr},
+              {"post_processor", template_processing},
               {"decoder", bl},
               {"model", {{"type", "BPE"}, {"dropout", nullptr}, {"unk_token", nullptr},
                          {"continuing_subword_prefix", nullptr}, {"end_of_word_suffix", nullptr},
@@ -110,31 +125,77 @@ void write_text(const fs::path& p, const std::string& s) { write_file_atomic(p.s
 const char* torch_dtype(DType d) { return d == DType::F32 ? "float32" : d == DType::BF16 ? "bfloat16" : "float16"; }
 
 struct Loaded {  // a checkpoint's model, sharded over the current ranks
-  ModelConfig mc;
+  ModelConfig mc;                 // special ids filled from the checkpoint's token file record
+  bool has_data = false;          // the checkpoint records the token file it was trained on
+  std::string data_tokenizer;     // that token file's tokenizer name, e.g. "byte-level"
   std::unique_ptr<Backend<float>> be;
   std::unique_ptr<Fsdp<float>> f;
 };
+
+// CheckpointInfo::data_info: null, or {"path", "tokenizer", "vocab_size", "bos_id", "eos_id"}.
+// Returns false for null; throws std::runtime_error naming the checkpoint attribute if malformed.
+bool parse_data_info(const std::string& ckpt, const std::string& text, DataSpecialIds& ids, std::string& tokenizer) {
+  try {
+    json j = json::parse(text);
+    if (j.is_null()) return false;
+    const std::string path = j.at("path").get<std::string>();
+    tokenizer = j.at("tokenizer").get<std::string>();
+    for (const char* k : {"vocab_size", "bos_id", "eos_id"})
+      if (!j.at(k).is_number_integer()) throw std::runtime_error(std::string("'") + k + "' is not an integer");
+    ids.vocab_size = j["vocab_size"].get<int64_t>();
+    ids.bos_id = j["bos_id"].get<int64_t>();
+    ids.eos_id = j["eos_id"].get<int64_t>();
+    ids.source = "token file '" + path + "' (which checkpoint '" + ckpt + "' was trained on)";
+    return true;
+  } catch (const std::exception& e) {
+    throw std::runtime_error("checkpoint '" + ckpt + "': attribute 'data' is malformed (" + e.what() + ")");
+  }
+}
+
+// Loads the checkpoint's model; then makes its special ids agree with the token file the
+// checkpoint records (fills unset ones with a note, refuses a conflict on every rank).
 Loaded load_model(Comm& comm, const std::string& ckpt) {
   Loaded l;
   CheckpointInfo info = read_checkpoint_info(comm, ckpt);
-  std::string err;
-  try {
+  DataSpecialIds data;
+  agree(comm, [&] {
     l.mc = from_canonical_json(info.model_config);
     validate(l.mc, "in checkpoint '" + ckpt + "'");
-  } catch (const std::exception& e) {
-    err = e.what();
-  }
-  all_ok(comm, err.empty(), err);
+    l.has_data = parse_data_info(ckpt, info.data_info, data, l.data_tokenizer);
+  });
   l.be = make_cpu_backend<float>();
   l.f = std::make_unique<Fsdp<float>>(*l.be, comm, ShardPlan::build(llama_units(l.mc), comm.world_size()));
-  load_checkpoint(comm, ckpt, *l.f, nullptr, l.mc);
+  load_checkpoint(comm, ckpt, *l.f, nullptr, l.mc, &info);  // compares the config as stored: fill only after
+  if (l.has_data) take_special_ids_from_data(comm, l.mc, "the model config of checkpoint '" + ckpt + "'", data);
   return l;
+}
+
+// Why shardtrain's byte-level tokenizer cannot stand for this model; "" when it can: the
+// checkpoint's token file is byte-level (or, unrecorded, the ids are the byte-level tokenizer's
+// 256 / 257: an import of another tokenizer's model, e.g. Llama 3's 128000, is not), and "<s>" /
+// "</s>" get ids of their own, outside the bytes 0-255.
+std::string byte_tokenizer_unfit(const Loaded& l) {
+  const ModelConfig& mc = l.mc;
+  if (l.has_data && l.data_tokenizer != "byte-level")
+    return "the checkpoint's token file uses tokenizer '" + l.data_tokenizer + "', not byte-level";
+  if (!mc.has_bos() || mc.eos_token_ids.empty())
+    return std::string("the model has no ") + (mc.has_bos() ? "eos_token_id" : "bos_token_id");
+  if (!l.has_data && (mc.bos_token_id != ByteTokenizer::kBos || mc.primary_eos() != ByteTokenizer::kEos))
+    return "the checkpoint records no token file, and its bos_token_id " + std::to_string(mc.bos_token_id) +
+           " / eos_token_id " + std::to_string(mc.primary_eos()) + " are not the byte-level tokenizer's (" +
+           std::to_string(ByteTokenizer::kBos) + " / " + std::to_string(ByteTokenizer::kEos) + ")";
+  if (mc.bos_token_id < 256 || mc.primary_eos() < 256)
+    return "bos_token_id " + std::to_string(mc.bos_token_id) + " / eos_token_id " + std::to_string(mc.primary_eos()) +
+           " would share ids with the bytes 0-255 of shardtrain's byte-level tokenizer";
+  if (mc.bos_token_id == mc.primary_eos()) return "bos_token_id and eos_token_id are the same id";
+  return "";
 }
 
 }  // namespace
 
 void export_hf(Comm& comm, const ExportOptions& o) {
   Loaded l = load_model(comm, o.checkpoint);
+  const std::string no_tokenizer = byte_tokenizer_unfit(l);
   const ShardPlan& plan = l.f->plan();
   // Tensors in model order; files cut by size from the plan alone (no data needed).
   std::vector<const ParamSlot*> order;
@@ -219,31 +280,54 @@ void export_hf(Comm& comm, const ExportOptions& o) {
       }
       json cfg = json::parse(to_hf_json(l.mc, torch_dtype(o.dtype)));
       write_text(d / "config.json", cfg.dump(2) + "\n");
+      // Unset ids stay null (transformers then substitutes nothing); a list of eos ids stays a list.
       write_text(d / "generation_config.json",
-                 json{{"_from_model_config", true}, {"bos_token_id", l.mc.bos_token_id},
-                      {"eos_token_id", l.mc.eos_token_id}, {"pad_token_id", l.mc.eos_token_id}}
+                 json{{"_from_model_config", true}, {"bos_token_id", cfg["bos_token_id"]},
+                      {"eos_token_id", cfg["eos_token_id"]},
+                      {"pad_token_id", l.mc.eos_token_ids.empty() ? json(nullptr) : json(l.mc.primary_eos())}}
                          .dump(2) + "\n");
-      write_text(d / "tokenizer.json", tokenizer_json(l.mc).dump(2) + "\n");
-      write_text(d / "tokenizer_config.json",
-                 json{{"tokenizer_class", "PreTrainedTokenizerFast"}, {"bos_token", "<s>"}, {"eos_token", "</s>"},
-                      {"pad_token", "</s>"}, {"model_max_length", l.mc.max_position_embeddings},
-                      {"add_bos_token", false}, {"add_eos_token", false}, {"split_special_tokens", true},
-                      {"clean_up_tokenization_spaces", false}}
-                         .dump(2) + "\n");
-      write_text(d / "special_tokens_map.json",
-                 json{{"bos_token", "<s>"}, {"eos_token", "</s>"}, {"pad_token", "</s>"}}.dump(2) + "\n");
+      const char* tokenizer_files[] = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"};
+      if (no_tokenizer.empty()) {
+        write_text(d / "tokenizer.json", tokenizer_json(l.mc).dump(2) + "\n");
+        // "<s>" comes from tokenizer.json's post-processor alone, so it is added exactly once:
+        // transformers 5 drops add_bos_token / add_eos_token when a tokenizer.json is present
+        // (PreTrainedTokenizerBase._from_pretrained), and 4.x's PreTrainedTokenizerFast never reads
+        // them. They are written to say the same thing for readers that do (true / false; from them
+        // TokenizersBackend.update_post_processor builds the same templates).
+        write_text(d / "tokenizer_config.json",
+                   json{{"tokenizer_class", "PreTrainedTokenizerFast"}, {"bos_token", "<s>"}, {"eos_token", "</s>"},
+                        {"pad_token", "</s>"}, {"model_max_length", l.mc.max_position_embeddings},
+                        {"add_bos_token", true}, {"add_eos_token", false}, {"split_special_tokens", true},
+                        {"clean_up_tokenization_spaces", false}}
+                           .dump(2) + "\n");
+        write_text(d / "special_tokens_map.json",
+                   json{{"bos_token", "<s>"}, {"eos_token", "</s>"}, {"pad_token", "</s>"}}.dump(2) + "\n");
+      } else {
+        for (const char* fname : tokenizer_files) fs::remove(d / fname);  // an earlier export's would be loaded
+      }
     } catch (const std::exception& e) {
       err = std::string("export to '") + o.out_dir + "': " + e.what();
     }
   }
   all_ok(comm, err.empty(), err);
+  if (!l.mc.has_bos() || l.mc.eos_token_ids.empty()) {
+    const bool both = !l.mc.has_bos() && l.mc.eos_token_ids.empty();
+    log_info(comm, "note: checkpoint '" + o.checkpoint + "' has no " +
+                       (both ? "bos_token_id or eos_token_id" : !l.mc.has_bos() ? "bos_token_id" : "eos_token_id") +
+                       " and records no token file to take " + (both ? "them" : "it") +
+                       " from: config.json and generation_config.json say null (import with '--data TOKENFILE' to "
+                       "take the ids from a token file)");
+  }
+  if (!no_tokenizer.empty())
+    log_info(comm, "note: no tokenizer written to '" + o.out_dir + "': " + no_tokenizer +
+                       "; this model needs its own tokenizer (tokenizer.json and tokenizer_config.json of its origin)");
   log_info(comm, "export: wrote '" + o.out_dir + "' (" + std::to_string(order.size()) + " tensors in " +
                      std::to_string(n) + " safetensors file(s), " + dtype_name(o.dtype) + ", " +
                      std::to_string(total) + " bytes) from '" + o.checkpoint + "' at world size " +
                      std::to_string(comm.world_size()));
 }
 
-void import_hf(Comm& comm, const std::string& hf_dir, const std::string& out_path) {
+void import_hf(Comm& comm, const std::string& hf_dir, const std::string& out_path, const std::string& data_path) {
   {
     std::string err;
     std::error_code ec;
@@ -252,7 +336,14 @@ void import_hf(Comm& comm, const std::string& hf_dir, const std::string& out_pat
     all_ok(comm, err.empty(), err);
   }
   // Config: rank 0 alone resolves it, as for training.
-  ModelConfig mc = resolve_model_config(comm, (fs::path(hf_dir) / "config.json").string());
+  const std::string config_path = (fs::path(hf_dir) / "config.json").string();
+  ModelConfig mc = resolve_model_config(comm, config_path);
+  if (!data_path.empty()) {  // as training does: every rank reads the token file's header itself
+    TokenFileHeader h;
+    agree(comm, [&] { h = read_token_file_header(data_path); });
+    take_special_ids_from_data(comm, mc, "model config '" + config_path + "'",
+                               DataSpecialIds{"token file '" + data_path + "'", h.vocab_size, h.bos_id, h.eos_id});
+  }
   // Weight files and headers: every rank reads them (local I/O, agreed).
   std::vector<StFile> files;
   std::map<std::string, std::pair<size_t, size_t>> where;  // canonical name -> (file, entry)
@@ -355,6 +446,10 @@ void import_hf(Comm& comm, const std::string& hf_dir, const std::string& out_pat
 
 std::string generate(Comm& comm, const GenerateOptions& o) {
   Loaded l = load_model(comm, o.checkpoint);
+  if (!l.mc.has_bos())  // same metadata on every rank: the same decision
+    throw CollectiveError(0, "checkpoint '" + o.checkpoint + "': the model config has no bos_token_id (and the "
+                             "checkpoint records no token file to take it from); --mode generate starts from BOS. "
+                             "Import with '--data TOKENFILE' to take the ids from a token file");
   LlamaModel<float> model(l.mc, *l.be);
   std::vector<int32_t> ids = {l.mc.bos_token_id};
   for (int32_t b : ByteTokenizer::encode(o.prompt)) ids.push_back(b);
@@ -400,7 +495,7 @@ std::string generate(Comm& comm, const GenerateOptions& o) {
       }
     }
     comm.broadcast(&next, 1, 0);
-    if (next == l.mc.eos_token_id) break;
+    if (l.mc.is_eos(next)) break;  // any of the eos ids stops
     ids.push_back(static_cast<int32_t>(next));
     out.push_back(static_cast<int32_t>(next));
   }

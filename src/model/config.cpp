@@ -1,6 +1,7 @@
 // Model config: presets, Hugging Face config.json parsing, validation, canonical JSON, broadcast.
 #include "shardtrain/config.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -22,6 +23,10 @@ int64_t ModelConfig::num_params() const {
   int64_t kv = kv_dim();
   int64_t block = 2 * C + C * q + 2 * C * kv + q * C + 3 * C * I;
   return V * C + num_hidden_layers * block + C + (tie_word_embeddings ? 0 : V * C);
+}
+
+bool ModelConfig::is_eos(int64_t id) const {
+  return std::find(eos_token_ids.begin(), eos_token_ids.end(), id) != eos_token_ids.end();
 }
 
 namespace {
@@ -82,6 +87,39 @@ template <typename T> T get_or(const json& j, const char* key, T dflt, const std
     return v.get<std::string>();
   }
 }
+
+// A special id as config.json has it: absent or null -> kUnsetTokenId, else a non-negative int.
+int parse_token_id(const json& j, const char* key, const std::string& source) {
+  int id = get_or<int>(j, key, kUnsetTokenId, source);
+  if (j.contains(key) && !j[key].is_null() && id < 0)
+    bad(source, std::string("key '") + key + "' = " + std::to_string(id) + " is outside the vocabulary (ids are >= 0)");
+  return id;
+}
+
+// eos_token_id: absent or null -> {}, an integer -> {id}, a non-empty list of integers -> the list.
+std::vector<int> parse_eos_ids(const json& j, const std::string& source) {
+  const char* key = "eos_token_id";
+  if (!j.contains(key) || j[key].is_null()) return {};
+  const json& v = j[key];
+  if (!v.is_array()) return {parse_token_id(j, key, source)};
+  if (v.empty()) bad(source, "key 'eos_token_id' is an empty list; give one id, a list of ids, or leave the key out");
+  std::vector<int> ids;
+  for (const json& e : v) {
+    if (!e.is_number_integer())
+      bad(source, "key 'eos_token_id' must be an integer or a list of integers, got " + v.dump() + " (element " +
+                      e.dump() + ")");
+    ids.push_back(parse_token_id(json{{key, e}}, key, source));
+  }
+  return ids;
+}
+
+json bos_json(const ModelConfig& c) { return c.has_bos() ? json(c.bos_token_id) : json(nullptr); }
+json eos_json(const ModelConfig& c) {
+  if (c.eos_token_ids.empty()) return nullptr;
+  if (c.eos_token_ids.size() == 1) return c.eos_token_ids.front();
+  return c.eos_token_ids;
+}
+std::string eos_str(const ModelConfig& c) { return eos_json(c).dump(); }
 }  // namespace
 
 std::vector<std::string> preset_names() {
@@ -159,8 +197,8 @@ ModelConfig parse_hf_config(const std::string& text, const std::string& source) 
   c.initializer_range = get_or<double>(j, "initializer_range", 0.02, source);
   c.hidden_act = get_or<std::string>(j, "hidden_act", "silu", source);
   c.tie_word_embeddings = get_or<bool>(j, "tie_word_embeddings", false, source);  // LlamaConfig default
-  c.bos_token_id = get_or<int>(j, "bos_token_id", 1, source);
-  c.eos_token_id = get_or<int>(j, "eos_token_id", 2, source);
+  c.bos_token_id = parse_token_id(j, "bos_token_id", source);
+  c.eos_token_ids = parse_eos_ids(j, source);
   if (j.contains("head_dim") && !j["head_dim"].is_null() && c.num_attention_heads > 0) {
     int hd = get_or<int>(j, "head_dim", 0, source);
     if (hd != c.hidden_size / c.num_attention_heads)
@@ -197,10 +235,13 @@ void validate(const ModelConfig& c, const std::string& source) {
   if (!(c.rms_norm_eps > 0)) bad(source, "key 'rms_norm_eps' must be > 0");
   if (!(c.rope_theta > 0)) bad(source, "key 'rope_theta' must be > 0");
   if (!(c.initializer_range > 0)) bad(source, "key 'initializer_range' must be > 0");
-  if (c.bos_token_id < 0 || c.bos_token_id >= c.vocab_size)
-    bad(source, "key 'bos_token_id' = " + std::to_string(c.bos_token_id) + " is outside the vocabulary");
-  if (c.eos_token_id < 0 || c.eos_token_id >= c.vocab_size)
-    bad(source, "key 'eos_token_id' = " + std::to_string(c.eos_token_id) + " is outside the vocabulary");
+  const std::string vocab = " is outside the vocabulary (vocab_size " + std::to_string(c.vocab_size) + ")";
+  if (c.bos_token_id != kUnsetTokenId && (c.bos_token_id < 0 || c.bos_token_id >= c.vocab_size))
+    bad(source, "key 'bos_token_id' = " + std::to_string(c.bos_token_id) + vocab);
+  for (int id : c.eos_token_ids)
+    if (id < 0 || id >= c.vocab_size)
+      bad(source, "key 'eos_token_id' = " + eos_str(c) +
+                      (c.eos_token_ids.size() > 1 ? ": id " + std::to_string(id) + vocab : vocab));
 }
 
 std::string canonical_json(const ModelConfig& c) {
@@ -217,8 +258,8 @@ std::string canonical_json(const ModelConfig& c) {
             {"initializer_range", c.initializer_range},
             {"hidden_act", c.hidden_act},
             {"tie_word_embeddings", c.tie_word_embeddings},
-            {"bos_token_id", c.bos_token_id},
-            {"eos_token_id", c.eos_token_id}};
+            {"bos_token_id", bos_json(c)},
+            {"eos_token_id", eos_json(c)}};
   return j.dump();  // nlohmann::json objects are std::map-backed: keys come out sorted
 }
 
@@ -240,8 +281,12 @@ ModelConfig from_canonical_json(const std::string& s) {
     c.initializer_range = j.at("initializer_range");
     c.hidden_act = j.at("hidden_act");
     c.tie_word_embeddings = j.at("tie_word_embeddings");
-    c.bos_token_id = j.at("bos_token_id");
-    c.eos_token_id = j.at("eos_token_id");
+    const json& b = j.at("bos_token_id");
+    c.bos_token_id = b.is_null() ? kUnsetTokenId : b.get<int>();
+    const json& e = j.at("eos_token_id");
+    c.eos_token_ids.clear();
+    if (e.is_array()) c.eos_token_ids = e.get<std::vector<int>>();
+    else if (!e.is_null()) c.eos_token_ids = {e.get<int>()};
     return c;
   } catch (const json::exception& e) {
     throw std::invalid_argument(std::string("canonical model config is malformed: ") + e.what());
@@ -270,11 +315,48 @@ std::string to_hf_json(const ModelConfig& c, const std::string& torch_dtype) {
             {"pretraining_tp", 1},
             {"use_cache", true},
             {"tie_word_embeddings", c.tie_word_embeddings},
-            {"bos_token_id", c.bos_token_id},
-            {"eos_token_id", c.eos_token_id},
+            {"bos_token_id", bos_json(c)},
+            {"eos_token_id", eos_json(c)},
             {"torch_dtype", torch_dtype},  // transformers < 4.56 reads this key
             {"dtype", torch_dtype}};       // transformers >= 4.56 reads this one
   return j.dump(2);
+}
+
+std::vector<std::string> reconcile_special_ids(ModelConfig& c, const std::string& config_source,
+                                               const DataSpecialIds& d) {
+  auto fail = [](const std::string& what) { throw std::invalid_argument(what); };
+  if (d.vocab_size > c.vocab_size)
+    fail(d.source + " has vocab_size " + std::to_string(d.vocab_size) + ", more than the vocab_size " +
+         std::to_string(c.vocab_size) + " of " + config_source);
+  std::vector<std::string> notes;
+  auto fill = [&](const char* key, const char* data_key, int64_t id) {
+    if (id < 0 || id >= c.vocab_size)
+      fail(config_source + " has no " + key + ", and the " + data_key + " " + std::to_string(id) + " of " + d.source +
+           " is outside the model's vocabulary (vocab_size " + std::to_string(c.vocab_size) + ")");
+    notes.push_back("note: " + config_source + " has no " + key + "; using " + std::to_string(id) + ", the " +
+                    data_key + " of " + d.source);
+    return static_cast<int>(id);
+  };
+  if (!c.has_bos()) c.bos_token_id = fill("bos_token_id", "bos_id", d.bos_id);
+  else if (c.bos_token_id != d.bos_id)
+    fail(config_source + " has bos_token_id " + std::to_string(c.bos_token_id) + ", but " + d.source + " has bos_id " +
+         std::to_string(d.bos_id) + ": they must agree");
+  if (c.eos_token_ids.empty()) c.eos_token_ids = {fill("eos_token_id", "eos_id", d.eos_id)};
+  else if (!c.is_eos(d.eos_id))
+    fail(config_source + " has eos_token_id " + eos_str(c) + ", but " + d.source + " has eos_id " +
+         std::to_string(d.eos_id) + (c.eos_token_ids.size() > 1 ? ", which is not in the list" : "") +
+         ": they must agree");
+  return notes;
+}
+
+void take_special_ids_from_data(Comm& comm, ModelConfig& c, const std::string& config_source,
+                                const DataSpecialIds& d) {
+  std::vector<std::string> notes;
+  agree(comm, [&] { notes = reconcile_special_ids(c, config_source, d); });
+  for (auto& n : notes) log_info(comm, n);
+  if (!same_on_all_ranks(comm, fnv1a64(canonical_json(c))))
+    throw CollectiveError(0, "ranks disagree on the model config after taking the special ids of " + d.source +
+                                 " (does every rank read the same file?)");
 }
 
 ModelConfig resolve_model_config(Comm& comm, const std::string& spec) {

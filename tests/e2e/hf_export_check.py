@@ -5,9 +5,11 @@ Usage: hf_export_check.py --edge-values CKPT OUT: copies checkpoint CKPT to OUT 
 by the documented layout (docs/checkpoint-format.md).
 
 Usage: hf_export_check.py WORK PROMPT, after test_hf_export.sh has written in WORK:
+  corpus.tok           the token file every case trained on (its header gives BOS and EOS)
   CASE.json            the training config of CASE (tied, untied, gqa, v300)
   hf_CASE/             its fp32 export at world size 1
-  logits_CASE.bin      shardtrain's float32 logits [T, V] of [bos] + PROMPT's UTF-8 bytes
+  logits_CASE_TAG.bin  shardtrain's float32 logits [T, V] (--mode generate --max-new-tokens 0 --dump-logits)
+                       of [bos] + the UTF-8 bytes of PROMPTS[TAG] (PROMPT, "ROMEO:", "")
   hf_untied_bf16/, hf_untied_fp16/   bf16 / fp16 exports of the untied checkpoint
   hf_untied_sharded/   its fp32 export with --max-shard-size 20KB, at 2 ranks
   hf_edge_fp32/, hf_edge_bf16/, hf_edge_fp16/   exports of the --edge-values copy of the untied checkpoint
@@ -83,9 +85,14 @@ import torch
 import transformers
 from safetensors import safe_open
 from safetensors.torch import save_file
+from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
 WORK, PROMPT = sys.argv[1], sys.argv[2]
+PROMPTS = {"prompt": PROMPT, "romeo": "ROMEO:", "empty": ""}  # as test_hf_export.sh dumps them
+# The special ids of the token file (docs/data-format.md: u32 vocab_size, bos_id, eos_id at offset 12).
+with open(f"{WORK}/corpus.tok", "rb") as f:
+    TOK_VOCAB, BOS, EOS = struct.unpack("<3I", f.read(24)[12:24])
 CASES = ["tied", "untied", "gqa", "v300"]
 LOGIT_TOL = 1e-4
 SHARD_BYTES = 20_000  # --max-shard-size 20KB (decimal, as transformers)
@@ -241,7 +248,17 @@ def hf_logits(model, ids):
         return model(torch.tensor([ids])).logits[0].float()
 
 
-prompt_ids = [256] + list(PROMPT.encode("utf-8"))
+def generate_ids(text):
+    """The ids `shardtrain --mode generate` feeds for a prompt: BOS, then the UTF-8 bytes."""
+    return [BOS] + list(text.encode("utf-8"))
+
+
+def load_tokenizer(path):
+    with Captured():  # long texts exceed model_max_length (64): transformers warns, as it should
+        return AutoTokenizer.from_pretrained(path)
+
+
+prompt_ids = generate_ids(PROMPT)
 T = len(prompt_ids)
 all_export_dirs = []
 
@@ -290,25 +307,36 @@ for case in CASES:
     if tied and not torch.equal(head, as_torch(*tensors["model.embed_tokens.weight"])):
         fail(f"{case}: tied lm_head differs from the file's embedding")
 
-    raw = np.fromfile(f"{WORK}/logits_{case}.bin", dtype="<f4")
-    if raw.size != T * rows:
-        fail(f"{case}: dumped logits hold {raw.size} floats, expected T x V = {T} x {rows}")
-    mine = torch.from_numpy(raw.reshape(T, rows))
-    theirs = hf_logits(model, prompt_ids)
-    if theirs.shape != mine.shape:
-        fail(f"{case}: transformers logits {tuple(theirs.shape)}, shardtrain {tuple(mine.shape)}")
-    diff = (theirs - mine).abs().max().item()
-    if not torch.isfinite(mine).all() or not diff <= LOGIT_TOL:
-        bad = (theirs - mine).abs().max(dim=1).values
-        fail(f"{case}: max |logit diff| {diff:.3e} > {LOGIT_TOL} (per position: {bad.tolist()})")
-    spread = (mine.max(dim=1).values - mine.min(dim=1).values).min().item()
-    if not spread > 100 * LOGIT_TOL:  # the comparison would be vacuous on near-constant logits
-        fail(f"{case}: logits nearly constant (min row range {spread:.2e})")
-    fp32[case] = (tensors, model, theirs)
+    # The export's tokenizer feeds the model what `--mode generate` feeds it, and the logits agree.
+    tok = load_tokenizer(d)
+    diffs = {}
+    for tag, text in PROMPTS.items():
+        ids = tok(text)["input_ids"]
+        if ids != generate_ids(text):
+            fail(f"{case}: AutoTokenizer ids of {text!r} are {ids}, --mode generate feeds {generate_ids(text)}")
+        raw = np.fromfile(f"{WORK}/logits_{case}_{tag}.bin", dtype="<f4")
+        if raw.size != len(ids) * rows:
+            fail(f"{case}: dumped logits of {text!r} hold {raw.size} floats, expected T x V = {len(ids)} x {rows}")
+        mine = torch.from_numpy(raw.reshape(len(ids), rows))
+        theirs = hf_logits(model, ids)
+        if theirs.shape != mine.shape:
+            fail(f"{case}: transformers logits {tuple(theirs.shape)}, shardtrain {tuple(mine.shape)}")
+        diff = (theirs - mine).abs().max().item()
+        if not torch.isfinite(mine).all() or not diff <= LOGIT_TOL:
+            bad = (theirs - mine).abs().max(dim=1).values
+            fail(f"{case}: {text!r}: max |logit diff| {diff:.3e} > {LOGIT_TOL} (per position: {bad.tolist()})")
+        spread = (mine.max(dim=1).values - mine.min(dim=1).values).min().item()
+        if not spread > 100 * LOGIT_TOL:  # the comparison would be vacuous on near-constant logits
+            fail(f"{case}: {text!r}: logits nearly constant (min row range {spread:.2e})")
+        diffs[tag] = diff
+        if tag == "prompt":
+            fp32[case] = (tensors, model, theirs)
+    diff = max(diffs.values())
     print(f"ok: {case}: {len(tensors)} tensors (lm_head.weight {'absent, tied' if tied else 'present, untied'}), "
           f"vocab_size {cfg['vocab_size']} = embedding rows, H {cfg['hidden_size']}, heads {cfg['num_attention_heads']}/"
           f"{cfg['num_key_value_heads']} KV; transformers loads with no missing/unexpected/mismatched keys or "
-          f"'newly initialized' log; logits [{T}, {rows}] max |diff| {diff:.2e} (row range >= {spread:.2f})")
+          f"'newly initialized' log; AutoTokenizer ids == --mode generate's (BOS {BOS} + UTF-8 bytes) for "
+          f"{len(PROMPTS)} prompts (ROMEO:, empty, {T - 1} bytes), logits [T, {rows}] on them max |diff| {diff:.2e}")
 
 # The log capture sees a real report: the untied export without lm_head.weight.
 ctrl = f"{WORK}/control_no_head"
@@ -338,26 +366,36 @@ texts = ["Hello, world!", "café naïve Grüße Ærøskøbing", "日本語のテ
          "  <s> </s>\n", "", "".join(chr(i) for i in range(128)), "ñ" * 30 + "€𝄞", PROMPT]
 for case in CASES:
     d = f"{WORK}/hf_{case}"
-    with Captured():  # the longest texts exceed model_max_length (64): transformers warns, as it should
-        tok = AutoTokenizer.from_pretrained(d)
-        ids_of = {t: (tok(t)["input_ids"], tok.encode(t)) for t in texts}
-    if (tok.bos_token_id, tok.eos_token_id) != (256, 257):
-        fail(f"{case}: tokenizer bos/eos ids {tok.bos_token_id}/{tok.eos_token_id}")
+    tok = load_tokenizer(d)
+    raw_tok = Tokenizer.from_file(f"{d}/tokenizer.json")  # the file alone, without transformers ...
+    raw_tok.encode_special_tokens = True  # ... but as tokenizer_config.json's split_special_tokens asks
+    with Captured():
+        ids_of = {t: (tok(t)["input_ids"], tok.encode(t), tok(t, add_special_tokens=False)["input_ids"],
+                      raw_tok.encode(t).ids) for t in texts}
+    if (tok.bos_token_id, tok.eos_token_id, tok.bos_token, tok.eos_token) != (BOS, EOS, "<s>", "</s>"):
+        fail(f"{case}: tokenizer bos/eos {tok.bos_token!r} {tok.bos_token_id} / {tok.eos_token!r} {tok.eos_token_id}, "
+             f"the token file has {BOS} / {EOS}")
     for t in texts:
-        want = list(t.encode("utf-8"))
-        ids, ids2 = ids_of[t]
-        if ids != want or ids2 != want:
-            fail(f"{case}: tokenizer ids of {t!r}: {ids[:20]}..., expected UTF-8 bytes {want[:20]}...")
-        if tok.decode(ids) != t:
-            fail(f"{case}: decode of {t!r} gave {tok.decode(ids)!r}")
-        if tok.decode([256] + ids + [257], skip_special_tokens=True) != t:
-            fail(f"{case}: decode of BOS + {t!r} + EOS without specials gave {tok.decode([256] + ids + [257], skip_special_tokens=True)!r}")
-    if tok.decode([256, 257]) != "<s></s>":
-        fail(f"{case}: decode of [bos, eos] gave {tok.decode([256, 257])!r}")
+        bare = list(t.encode("utf-8"))
+        ids, ids2, ids_bare, ids_raw = ids_of[t]
+        if ids != [BOS] + bare or ids2 != ids or ids_raw != ids:
+            fail(f"{case}: tokenizer ids of {t!r}: {ids[:20]}... (encode {ids2[:20]}..., tokenizers {ids_raw[:20]}...), "
+                 f"expected BOS {BOS} + UTF-8 bytes {bare[:20]}...")
+        if ids_bare != bare:
+            fail(f"{case}: tokenizer ids of {t!r} with add_special_tokens=False: {ids_bare[:20]}..., expected {bare[:20]}...")
+        for seq, want in ((bare, t), (ids, "<s>" + t), ([BOS] + bare + [EOS], "<s>" + t + "</s>")):
+            if tok.decode(seq) != want:
+                fail(f"{case}: decode of {seq[:20]}... gave {tok.decode(seq)!r}, expected {want!r}")
+            if tok.decode(seq, skip_special_tokens=True) != t:
+                fail(f"{case}: decode of {seq[:20]}... without specials gave {tok.decode(seq, skip_special_tokens=True)!r}")
+    pair = tok("ab", "cd")["input_ids"]
+    if pair != [BOS, 97, 98, BOS, 99, 100]:
+        fail(f"{case}: pair ids {pair}, expected BOS + a + BOS + b as transformers' own Llama templates")
 nbytes = sum(len(t.encode()) for t in texts)
-print(f"ok: AutoTokenizer ({type(tok).__name__}) of all 4 exports: {len(texts)} texts ({nbytes} bytes: accents, CJK, "
-      f"emoji, \\n\\r\\t, leading spaces, literal <s> and </s>, all 128 ASCII codes) give ids == UTF-8 bytes; "
-      f"decode round-trips; bos 256 / eos 257 special")
+print(f"ok: AutoTokenizer ({type(tok).__name__}) of all 4 exports and tokenizers' Tokenizer.from_file: {len(texts)} texts "
+      f"({nbytes} bytes: accents, CJK, emoji, \\n\\r\\t, leading spaces, literal <s> and </s>, all 128 ASCII codes) give "
+      f"ids == BOS + UTF-8 bytes (the bytes alone with add_special_tokens=False); decode round-trips; <s> {BOS} / </s> "
+      f"{EOS} special, as the token file's header says")
 
 gen_prompt = "The fortune says:"
 with Captured():

@@ -105,4 +105,27 @@ def set_header_length(src, dst, n, size=None):
 set_header_length("untied", "header_200mib", 200 << 20, 210 << 20)
 set_header_length("untied", "header_limit_plus_1", 100_000_001, 100_000_001 + 8)
 set_header_length("untied", "header_past_eof", os.path.getsize(f"{work}/untied/model.safetensors") - 8 + 1)
+# eos_token_id as a list (Llama 3.x style). A vocab-258 model whose greedy next byte X after BOS +
+# EOS_PROMPT (transformers' own argmax, clear of the runner-up) is a printable byte; saved with
+# eos_token_id 257 and with [257, X]: generation must stop at once for the second only.
+EOS_PROMPT = "ROMEO:"
+byte_cfg = dict(common, vocab_size=258)
+for seed in range(100, 200):
+    torch.manual_seed(seed)
+    m = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=False, **byte_cfg)).eval()
+    with torch.no_grad():
+        last = m(torch.tensor([[256] + list(EOS_PROMPT.encode())])).logits[0, -1]
+    top = torch.topk(last, 2)
+    x = int(top.indices[0])
+    if 33 <= x <= 126 and float(top.values[0] - top.values[1]) > 1e-3:
+        break
+else:
+    sys.exit("no seed in 100..199 gives a printable greedy byte")
+make("eos_one", m)
+make("eos_list_src", m)
+edit_config("eos_list_src", "eos_list", eos_token_id=[257, x])
+edit_config("eos_list_src", "eos_nonint", eos_token_id=[257, "x"])
+edit_config("eos_list_src", "eos_oov", eos_token_id=[257, 258])
+open(f"{work}/eos_greedy.txt", "w").write(f"{x}\n")
+print(f"eos models: seed {seed}, greedy byte after BOS + {EOS_PROMPT!r}: {x} ({chr(x)!r})")
 print("made", sorted(os.listdir(work)))

@@ -3,11 +3,13 @@
 # Four tiny Llama configs (tied head, untied head, GQA 8 query heads over 2 KV heads, vocab 300),
 # each trained 3 steps at 3 ranks with a checkpoint, then exported at world size 1 (fp32):
 #  * AutoModelForCausalLM loads each export with no missing / unexpected / mismatched keys and no
-#    "newly initialized" weights, and its fp32 logits for BOS + a non-ASCII prompt equal the logits
-#    shardtrain dumps itself (--dump-logits) within 1e-4;
+#    "newly initialized" weights;
+#  * the export's AutoTokenizer gives exactly the ids `--mode generate` feeds (the token file's BOS +
+#    UTF-8 bytes) for a non-ASCII prompt, "ROMEO:" and the empty string, and transformers' fp32
+#    logits on those ids equal the logits shardtrain dumps itself (--dump-logits) within 1e-4;
 #  * tied exports write no lm_head.weight, untied ones do; config.json's vocab_size = embedding rows;
-#  * AutoTokenizer's ids are the UTF-8 bytes of varied texts ("<s>" and "</s>" included), decode
-#    round-trips, and pipeline("text-generation") generates text;
+#  * AutoTokenizer's ids are BOS + the UTF-8 bytes of varied texts ("<s>" and "</s>" included), the bare
+#    bytes with add_special_tokens=False, decode round-trips, and pipeline("text-generation") generates text;
 #  * bf16 / fp16 exports equal torch's round-to-nearest-even of the fp32 export, bitwise, also for a copy of
 #    the checkpoint with rounding edge cases written in by h5py (ties, fp16 subnormals, overflow);
 #  * a sharded export (--max-shard-size 20KB, at 2 ranks) has a consistent index, loads, and gives
@@ -49,10 +51,13 @@ for c in tied untied gqa v300; do
   [ -f "$CK" ] || fail "$c: no checkpoint at step 3"
   export_hf "$c" "$CK" "$WORK/hf_$c" "F32" "$BIN"
   grep -q "at world size 1" "$WORK/export_$c.log" || fail "export $c: not at world size 1"
-  timeout -k 5 60 "$BIN" --mode generate "$CK" --prompt "$PROMPT" --max-new-tokens 0 --dump-logits "$WORK/logits_$c.bin" \
-    >"$WORK/generate_$c.log" 2>&1 || { cat "$WORK/generate_$c.log"; fail "generate --dump-logits $c"; }
+  for p in "prompt:$PROMPT" "romeo:ROMEO:" "empty:"; do  # hf_export_check.py's PROMPTS
+    timeout -k 5 60 "$BIN" --mode generate "$CK" --prompt "${p#*:}" --max-new-tokens 0 \
+      --dump-logits "$WORK/logits_${c}_${p%%:*}.bin" >"$WORK/generate_$c.log" 2>&1 \
+      || { cat "$WORK/generate_$c.log"; fail "generate --dump-logits $c, prompt ${p%%:*}"; }
+  done
 done
-echo "ok: 4 configs trained 3 steps at 3 ranks, exported at 1 rank (fp32), logits dumped for a $(printf %s "$PROMPT" | wc -c)-byte prompt"
+echo "ok: 4 configs trained 3 steps at 3 ranks, exported at 1 rank (fp32), logits dumped for a $(printf %s "$PROMPT" | wc -c)-byte prompt, \"ROMEO:\" and \"\""
 
 CK=$WORK/ck_untied/step_00000003.h5
 export_hf untied_bf16 "$CK" "$WORK/hf_untied_bf16" "BF16" "$BIN" --dtype bf16

@@ -2,6 +2,7 @@
 # Import from Hugging Face layout. Models are created by transformers itself (fixed seeds) and
 # saved with save_pretrained. Round trip import -> export must give every tensor back bitwise (fp32)
 # and an equivalent config; wrapper prefixes are stripped; bad inputs are refused by name.
+# eos_token_id as a list is kept (inspect, export) and stops --mode generate at any of its ids.
 source "$(dirname "$0")/common.sh"
 DATA=$(test_corpus)
 "$PY" "$ROOT/tests/e2e/hf_import_make.py" "$WORK" >"$WORK/make.log" 2>&1 || { cat "$WORK/make.log"; fail "making HF models"; }
@@ -107,3 +108,29 @@ expect_fail import_overwrite "option '--out': '$WORK/untied.h5' exists" 2 --mode
 echo "ok: re-export into an old export directory leaves only model.safetensors"
 expect_fail long_prompt "exceed the model's max_position_embeddings (64)" 2 --mode generate "$WORK/untied.h5" --max-new-tokens 3 \
   --prompt "$(printf 'x%.0s' $(seq 1 64))"
+
+# eos_token_id as a list (Llama 3.x configs): import keeps it, export writes it back, and generate
+# stops on any of its ids. X is transformers' greedy byte after BOS + "ROMEO:" (hf_import_make.py).
+X=$(cat "$WORK/eos_greedy.txt")
+roundtrip eos_list 2 && compare eos_list
+grep -qF "\"eos_token_id\":[257,$X]" <("$BIN" --mode inspect "$WORK/eos_list.h5") || fail "eos_list: inspect does not show [257,$X]"
+"$PY" - "$WORK/eos_list.out" "$X" <<'PY' || fail "eos_list: export does not write the list back"
+import json, sys
+d, x = sys.argv[1], int(sys.argv[2])
+for f in ("config.json", "generation_config.json"):
+    got = json.load(open(f"{d}/{f}"))["eos_token_id"]
+    assert got == [257, x], f"{f}: eos_token_id {got!r}"
+assert json.load(open(f"{d}/generation_config.json"))["pad_token_id"] == 257
+print(f"ok: eos_token_id [257, {x}] kept by import (inspect) and written back as a list to config.json and generation_config.json")
+PY
+timeout -k 5 120 "$BIN" --mode import --hf-dir "$WORK/eos_one" --out "$WORK/eos_one.h5" >/dev/null || fail "eos_one: import"
+for m in eos_list eos_one; do
+  timeout -k 5 60 $MPIRUN -np 2 "$BIN" --mode generate "$WORK/$m.h5" --prompt "ROMEO:" --max-new-tokens 3 --temperature 0 \
+    >"$WORK/$m.gen" 2>"$WORK/$m.gen.err" || { cat "$WORK/$m.gen.err"; fail "$m: generate"; }
+done
+cmp -s "$WORK/eos_list.gen" <(printf 'ROMEO:\n') || { od -c "$WORK/eos_list.gen" | head; fail "eos_list: generate did not stop at byte $X, the list's second id"; }
+[ "$(head -c 7 "$WORK/eos_one.gen" | tail -c 1 | od -An -tu1 | tr -d ' ')" = "$X" ] \
+  || { od -c "$WORK/eos_one.gen" | head; fail "eos_one: generate's first byte is not transformers' greedy $X"; }
+echo "ok: generate (greedy) after 'ROMEO:' stops at once with eos_token_id [257, $X]; with 257 alone it emits byte $X first"
+expect_fail eos_nonint "key 'eos_token_id' must be an integer or a list of integers, got [257,\"x\"]" 2 --mode import --hf-dir "$WORK/eos_nonint" --out "$WORK/x.h5"
+expect_fail eos_oov "key 'eos_token_id' = [257,258]: id 258 is outside the vocabulary (vocab_size 258)" 2 --mode import --hf-dir "$WORK/eos_oov" --out "$WORK/x.h5"

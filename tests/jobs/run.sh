@@ -8,7 +8,7 @@
 #      relative (the first 20 exactly).
 #  (c) export: jobs/export.sbatch (LAUNCHER=mpirun, one rank) exports the checkpoint 'latest' names
 #      (step 40 of (b)); transformers loads it with no missing or unexpected weights, its tokenizer
-#      gives the UTF-8 bytes, and its logits for BOS + "hello" match
+#      gives BOS + the UTF-8 bytes of "hello", and its logits for these ids match
 #      `shardtrain --mode generate CKPT --prompt hello --max-new-tokens 0 --dump-logits F` within 1e-4.
 #  (d) job script: jobs/train-cpu.sbatch runs small-test for real outside Slurm (LAUNCHER=mpirun,
 #      2 ranks): the real binary accepts the command the script builds, the run ends at step 40 with a
@@ -103,8 +103,8 @@ model, info = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, outpu
 bad = {k: v for k, v in info.items() if v}
 assert not bad, f"transformers loading info: {bad}"
 tok = AutoTokenizer.from_pretrained(d)
-assert tok("hello")["input_ids"] == list(b"hello"), tok("hello")["input_ids"]
-ids = [256] + list(b"hello")  # BOS + the prompt's bytes, as shardtrain's --dump-logits
+ids = tok("hello")["input_ids"]
+assert ids == [256] + list(b"hello"), ids  # BOS + the prompt's bytes, as shardtrain's --dump-logits
 V = model.config.vocab_size
 mine = np.fromfile(dump, dtype="<f4")
 assert mine.size == len(ids) * V, f"dump holds {mine.size} floats, expected {len(ids)} x {V}"

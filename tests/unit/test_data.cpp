@@ -114,3 +114,34 @@ TEST(Data, BadFilesGiveClearErrors) {
   std::vector<int32_t> a(64), t(64);
   EXPECT_THROW(fill_batch(ds, Split::Val, 1, 0, 0, 1, 64, a.data(), t.data()), std::runtime_error);
 }
+
+TEST(Data, HeaderAloneReadsAndChecksLikeTheDataset) {
+  write(tmp("h.txt"), "hello header");
+  auto h = prepare_token_file({tmp("h.txt")}, tmp("h.tok"), 0.25);
+  const TokenFileHeader r = read_token_file_header(tmp("h.tok"));
+  TokenDataset ds(tmp("h.tok"));
+  const TokenFileHeader& d = ds.header();
+  for (const TokenFileHeader* x : {&r, &d}) {
+    EXPECT_EQ(x->vocab_size, h.vocab_size);
+    EXPECT_EQ(x->bos_id, 256u);
+    EXPECT_EQ(x->eos_id, 257u);
+    EXPECT_EQ(x->n_train, h.n_train);
+    EXPECT_EQ(x->n_val, h.n_val);
+    EXPECT_EQ(x->tokenizer, "byte-level");
+  }
+  std::ifstream f(tmp("h.tok"), std::ios::binary);
+  std::string b((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  write(tmp("htrunc.tok"), b.substr(0, b.size() - 2));
+  write(tmp("hshort.tok"), b.substr(0, 40));
+  for (auto [file, want] : {std::pair{tmp("htrunc.tok"), "does not match header"},
+                            std::pair{tmp("hshort.tok"), "shorter than its 64-byte header"},
+                            std::pair{tmp("hmissing.tok"), "cannot open token file"}}) {
+    try {
+      read_token_file_header(file);
+      ADD_FAILURE() << "no error for " << file;
+    } catch (const std::runtime_error& e) {
+      EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(file), std::string::npos) << e.what();
+    }
+  }
+}

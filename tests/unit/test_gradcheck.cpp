@@ -410,7 +410,7 @@ ModelConfig tiny_config(bool tied) {
   c.max_position_embeddings = 16;
   c.tie_word_embeddings = tied;
   c.bos_token_id = 0;
-  c.eos_token_id = 1;
+  c.eos_token_ids = {1};
   return c;
 }
 
