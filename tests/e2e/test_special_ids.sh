@@ -94,7 +94,7 @@ expect_fail generate_no_bos "the model config has no bos_token_id" 2 --mode gene
 # Ids 1 / 2 (bytes of the byte-level tokenizer): no tokenizer, and an earlier export's is removed.
 cp -r "$WORK/hf_trained" "$WORK/out_llama_ids"
 run export_llama_ids "$BIN" --mode export "$WORK/llama_ids.h5" --out "$WORK/out_llama_ids"
-has export_llama_ids "bos_token_id 1 / eos_token_id 2 would share ids with the bytes 0-255"
+has export_llama_ids "records no token file, and its bos_token_id 1 / eos_token_id 2 are not the byte-level tokenizer's (256 / 257)"
 # The token file the checkpoint records (root attribute `data`, written by h5py as training does):
 # it fills unset ids, and a conflict with it is refused.
 "$PY" - "$WORK" "$DATA" "$VOCAB" "$BOS" "$EOS" "$ROOT/tests/e2e" <<'PY' || fail "writing the data attribute"
