@@ -2,6 +2,7 @@
 #include <iostream>
 #include <thread>
 
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -152,26 +153,39 @@ void run_inspect(Comm& comm, const Options& o) {
   auto be = make_cpu_backend<float>();
   Fsdp<float> f(*be, comm, ShardPlan::build(llama_units(mc), comm.world_size()));
   load_checkpoint(comm, o.checkpoint, f, nullptr, mc, &info);
-  std::vector<float> v;
-  agree(comm, [&] {  // check the name on every rank before the collective gather
-    bool found = false;
-    for (auto& u : f.plan().units)
-      for (auto& p : u.params) found = found || p.spec.name == o.dump_param;
-    if (!found) throw std::runtime_error("option '--dump-param': no parameter named '" + o.dump_param + "'");
-  });
-  v = f.gather_param(o.dump_param);
+  // "all": every parameter, each to <dump-out>/<name>.bin (dump-out is a directory).
+  const bool all = o.dump_param == "all";
+  std::vector<std::string> names;
+  for (auto& u : f.plan().units)
+    for (auto& p : u.params)
+      if (all || p.spec.name == o.dump_param) names.push_back(p.spec.name);
+  all_ok(comm, !names.empty(), "option '--dump-param': no parameter named '" + o.dump_param + "'");
   std::string err;
-  if (comm.rank() == 0) {
-    try {
-      write_file_atomic(o.dump_out, std::string(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float)), false,
-                        "option '--dump-out'");
-    } catch (const std::exception& e) {
-      err = e.what();
-    }
+  if (all && comm.rank() == 0) {
+    std::error_code ec;
+    std::filesystem::create_directories(o.dump_out, ec);
+    if (ec) err = "option '--dump-out': cannot create directory '" + o.dump_out + "': " + ec.message();
   }
   all_ok(comm, err.empty(), err);
-  log_info(comm, "wrote " + o.dump_param + " (" + std::to_string(v.size()) + " float32, gathered over " +
-                     std::to_string(comm.world_size()) + " ranks) to " + o.dump_out);
+  for (const std::string& name : names) {
+    std::vector<float> v = f.gather_param(name);  // collective: every rank, same order
+    const std::string out = all ? (std::filesystem::path(o.dump_out) / (name + ".bin")).string() : o.dump_out;
+    if (comm.rank() == 0) {
+      try {
+        write_file_atomic(out, std::string(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float)), false,
+                          "option '--dump-out'");
+      } catch (const std::exception& e) {
+        err = e.what();
+      }
+    }
+    all_ok(comm, err.empty(), err);
+    if (!all)
+      log_info(comm, "wrote " + name + " (" + std::to_string(v.size()) + " float32, gathered over " +
+                         std::to_string(comm.world_size()) + " ranks) to " + out);
+  }
+  if (all)
+    log_info(comm, "wrote " + std::to_string(names.size()) + " parameters (float32, gathered over " +
+                       std::to_string(comm.world_size()) + " ranks) to " + o.dump_out + "/<name>.bin");
 }
 
 }  // namespace

@@ -37,8 +37,8 @@ struct Options {
   std::string precision = "fp32"; // train: fp32 | bf16 (mixed precision)
   std::string reduce_dtype = "fp32";  // train, bf16: dtype of the gradient reduce-scatter, fp32 | bf16
   std::string checkpoint;         // inspect: the checkpoint file (also positional)
-  std::string dump_param;         // inspect: write this gathered parameter ...
-  std::string dump_out;           // ... to this file (raw float32, little-endian)
+  std::string dump_param;         // inspect: write this gathered parameter ("all": every one) ...
+  std::string dump_out;           // ... to this file (raw float32, little-endian; "all": a directory of <name>.bin)
   std::string dtype = "fp32";     // export: fp32 | bf16 | fp16
   std::string max_shard_size = "5GB";  // export: per safetensors file
   std::string hf_dir;             // import: Hugging Face model directory

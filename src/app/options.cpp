@@ -75,8 +75,8 @@ po::options_description describe(Options& o) {
       ("skip-nonfinite", po::bool_switch(&t.skip_nonfinite), "skip the update of a step whose loss or gradient norm is not finite, instead of stopping")
       ("stop-at-step", po::value<int64_t>(&t.stop_at_step)->default_value(t.stop_at_step), "stop and save after this step, keeping the LR schedule of --steps; 0 = run to --steps")
       ("checkpoint", po::value<std::string>(&o.checkpoint), "checkpoint file for --mode inspect (also the positional argument)")
-      ("dump-param", po::value<std::string>(&o.dump_param), "inspect: gather this parameter (canonical name) ...")
-      ("dump-out", po::value<std::string>(&o.dump_out), "inspect: ... and write it to this file as raw little-endian float32")
+      ("dump-param", po::value<std::string>(&o.dump_param), "inspect: gather this parameter (canonical name), or 'all' ...")
+      ("dump-out", po::value<std::string>(&o.dump_out), "inspect: ... and write it to this file as raw little-endian float32 (with 'all': to DIR/<name>.bin)")
       ("debug-crash-before-publish", po::value<int64_t>(&t.debug_crash_before_publish)->default_value(0), "testing: exit with status 86 after writing the checkpoint of this step, before publishing it");
   po::options_description hf("Hugging Face export / import, generation");
   hf.add_options()
