@@ -4,6 +4,10 @@ BUILD=${1:-build}
 BIN=$(realpath "$BUILD/shardtrain")
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
 export OMPI_MCA_btl_vader_single_copy_mechanism=none
+# When a rank exits non-zero, mpirun ends the others with SIGTERM and, odls_base_sigkill_timeout
+# (1 s) later, SIGKILL; every refusal test pays that second twice over. The ranks of a refused job
+# have printed their errors and left their last collective by then, so don't wait.
+export OMPI_MCA_odls_base_sigkill_timeout=0
 MPIRUN="mpirun --oversubscribe"
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/shardtrain-e2e.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
