@@ -1,6 +1,6 @@
-// HDF5 checkpoints over MPI-IO. Writes are collective (every rank writes exactly one slice per
-// dataset, never an empty one, thanks to padding); reads are independent, so ranks may read
-// different numbers of slices (checksum verification, resharding) without a collective mismatch.
+// HDF5 checkpoints. Writes are collective through MPI-IO (every rank writes exactly one slice per
+// dataset, never an empty one, thanks to padding); reads are local to each rank (HDF5's POSIX
+// driver, no collective inside HDF5), and the ranks agree on what they read afterwards.
 #include "shardtrain/checkpoint.h"
 
 #include <fcntl.h>

@@ -56,7 +56,7 @@ J
 rm -rf "$OUT/ckpt"
 for i in 1 2 3; do
   mpirun -np 2 $BIN --model "$OUT/ckpt-model.json" --data build/data/fortunes.tok --seq-len 16 --global-batch 2 \
-    --steps $((i + 1)) --stop-at-step $i --eval-batches 1 --checkpoint-dir "$OUT/ckpt" ${RESUME:-} 2>&1 | grep -E "^(checkpoint|resumed)"
+    --steps 4 --stop-at-step $i --eval-batches 1 --checkpoint-dir "$OUT/ckpt" ${RESUME:-} 2>&1 | grep -E "^(checkpoint|resumed)"
   RESUME="--resume auto"
 done
 dd if=/dev/zero of="$OUT/dd.bin" bs=1M count=256 conv=fdatasync 2>&1 | tail -1 | sed 's/^/dd (256 MiB, conv=fdatasync): /'
