@@ -128,10 +128,11 @@ std::string join(const std::vector<std::string>& v, const char* sep) {
   return o;
 }
 
-// Compares the run's settings with the checkpoint's train_config (every key of
-// resume_checked_settings()). Changes not named by --accept-change are refused on every rank
-// (the inputs are identical on every rank); accepted ones are logged, with the learning rate
-// the next step gets under the old and the new schedule when the schedule changed.
+// Compares the run's settings with the checkpoint's train_config, key by key. A change of one of
+// resume_checked_settings() not named by --accept-change is refused on every rank (the inputs are
+// identical on every rank); accepted ones are logged, with the learning rate the next step gets
+// under the old and the new schedule when the schedule changed. micro_batch and precision may
+// change (like the world size, they do not change what is trained) and are logged.
 void check_resume_settings(Comm& comm, const CheckpointInfo& info, const TrainConfig& tc) {
   nlohmann::json old, now = nlohmann::json::parse(train_config_json(tc));
   try {
@@ -178,6 +179,9 @@ void check_resume_settings(Comm& comm, const CheckpointInfo& info, const TrainCo
     log_info(comm, "note: the learning-rate schedule is recomputed from the new settings: step " +
                        std::to_string(info.step + 1) + " runs at lr " + b);
   }
+  if (old.contains("micro_batch") && old["micro_batch"] != now["micro_batch"])
+    log_info(comm, "note: resume: --micro-batch " + old["micro_batch"].dump() + " -> " + now["micro_batch"].dump() +
+                       " (gradient accumulation only: the global batch and the update are the same)");
   if (old.contains("precision") && old["precision"] != now["precision"])
     log_info(comm, "note: resume: precision " + old["precision"].get<std::string>() + " -> " +
                        now["precision"].get<std::string>() + " (checkpoints hold fp32 master weights and AdamW state)");
