@@ -41,6 +41,14 @@ void run_train(Comm& comm, const Topology& topo, const Options& o) {
   ModelConfig mc = resolve_model_config(comm, o.model);
   std::unique_ptr<TokenDataset> data;
   agree(comm, [&] { data = std::make_unique<TokenDataset>(o.data); });
+  {  // Every rank reads the token file itself: a path that names other files on other nodes would
+     // train each rank on other data without a word.
+    const std::vector<int> odd = ranks_differing_from_root(comm, data->crc32());
+    if (!odd.empty())
+      throw CollectiveError(odd.front(), "token file '" + o.data + "' (option '--data') is not the same file on every rank: " +
+                                             rank_list(odd) + " read other contents than rank 0 (a copy on a node's local "
+                                             "disk, or a relative path under different working directories?)");
+  }
   {  // Special ids the config leaves out come from the token file; a conflict is refused.
     const bool is_file = o.model.size() > 5 && o.model.ends_with(".json");
     const TokenFileHeader& h = data->header();

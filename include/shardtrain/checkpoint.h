@@ -85,6 +85,14 @@ struct CheckpointOptions {
 // "step_00000100.h5" for step 100.
 std::string checkpoint_name(int64_t step);
 
+// Collective. Prepares `dir` (option '--checkpoint-dir') for saves: rank 0 creates it and checks it
+// is writable, then writes a probe file there with a fresh name, and every rank checks it sees that
+// file: a path that is not one shared directory on every rank (node-local, a relative path under
+// different working directories, a file system not mounted everywhere) would make the collective
+// write hang or publish an incomplete file. Throws CollectiveError (same message on every rank)
+// naming the directory and, for the last case, the ranks that do not see it.
+void prepare_checkpoint_dir(Comm& comm, const std::string& dir);
+
 // Collective. Writes the checkpoint of `state.step` to "<dir>/.step_N.h5.tmp", then (all ranks
 // done and the file closed) rank 0 fsyncs it, renames it to "<dir>/step_N.h5", points
 // "<dir>/latest" at it (write-temp-then-rename), and only then deletes checkpoints beyond

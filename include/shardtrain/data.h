@@ -57,11 +57,13 @@ class TokenDataset {
   explicit TokenDataset(const std::string& path);
   const TokenFileHeader& header() const { return h_; }
   const std::string& path() const { return path_; }  // as given to the constructor
+  uint32_t crc32() const { return crc32_; }  // zlib CRC32 of the whole file: ranks compare it
   const std::vector<uint16_t>& train() const { return train_; }
   const std::vector<uint16_t>& val() const { return val_; }
 
  private:
   std::string path_;
+  uint32_t crc32_ = 0;
   TokenFileHeader h_;
   std::vector<uint16_t> train_, val_;
 };

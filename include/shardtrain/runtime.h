@@ -195,6 +195,13 @@ uint64_t fnv1a64(const std::string& s);
 // one all-reduce of {value, ~value} with Max (max of ~value is ~min of value).
 bool same_on_all_ranks(Comm& comm, uint64_t value);
 
+// Collective. The ranks whose `value` (e.g. a digest of a file they read) differs from rank 0's,
+// in increasing order; empty when every rank passed rank 0's value. One all-gather of a uint64.
+std::vector<int> ranks_differing_from_root(Comm& comm, uint64_t value);
+
+// "rank 2", "ranks 1-2", "ranks 0, 3, 5-7": a sorted list of ranks for messages.
+std::string rank_list(const std::vector<int>& ranks);
+
 // Logging: rank 0 prints informational lines; every rank prints errors.
 void log_info(const Comm& comm, const std::string& line);  // stdout, rank 0 only
 void log_error(int rank, int world, const std::string& line);  // stderr, any rank

@@ -235,8 +235,11 @@ Options parse_options(Comm& comm, int argc, char** argv) {
     std::vector<std::string> keys;  // "--accept-change steps,lr --accept-change seed" -> steps, lr, seed
     for (const std::string& v : o.train.accept_changes) {
       std::istringstream is(v);
-      for (std::string k; std::getline(is, k, ',');)
+      for (std::string k; std::getline(is, k, ',');) {
+        k.erase(0, k.find_first_not_of(" \t"));  // "steps, lr"
+        k.erase(k.find_last_not_of(" \t") + 1);
         if (!k.empty()) keys.push_back(k.rfind("--", 0) == 0 ? k.substr(2) : k);
+      }
     }
     o.train.accept_changes = keys;
     o.help = vm.count("help") > 0;

@@ -11,6 +11,8 @@
 #include <zlib.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cctype>
 #include <map>
 #include <set>
 #include <cstdio>
@@ -229,11 +231,22 @@ void put_i64(hid_t obj, MetaSums& ms, const std::string& prefix, const char* nam
   write_attr_i64(obj, name, v);
   ms.add(prefix + "@" + name, le_i64(v));
 }
-std::string read_attr_str(hid_t obj, const char* name, const std::string& where) {
+// Opens attribute `name` of `obj`, which must hold exactly one element of class `cls` (reading
+// an array into one element's buffer would overrun it).
+H5Id open_scalar_attr(hid_t obj, const char* name, H5T_class_t cls, const std::string& where) {
   if (H5Aexists(obj, name) <= 0) throw H5Error(where + " has no attribute '" + name + "'");
   H5Id a(chk(H5Aopen(obj, name, H5P_DEFAULT), std::string("open attribute ") + name), H5Aclose);
+  H5Id sp(H5Aget_space(a), H5Sclose);
   H5Id ft(H5Aget_type(a), H5Tclose);
-  if (H5Tget_class(ft) != H5T_STRING) throw H5Error(where + ": attribute '" + name + "' is not a string");
+  if (!sp.ok() || H5Sget_simple_extent_npoints(sp) != 1)
+    throw H5Error(where + ": attribute '" + name + "' is not a single value");
+  if (!ft.ok() || H5Tget_class(ft) != cls)
+    throw H5Error(where + ": attribute '" + name + "' is not " + (cls == H5T_STRING ? "a string" : "an integer"));
+  return a;
+}
+std::string read_attr_str(hid_t obj, const char* name, const std::string& where) {
+  H5Id a = open_scalar_attr(obj, name, H5T_STRING, where);
+  H5Id ft(H5Aget_type(a), H5Tclose);
   H5Id t(H5Tcopy(H5T_C_S1), H5Tclose);
   H5Tset_size(t, H5T_VARIABLE);
   H5Tset_cset(t, H5T_CSET_UTF8);
@@ -252,8 +265,7 @@ std::string read_attr_str(hid_t obj, const char* name, const std::string& where)
   return s;
 }
 int64_t read_attr_i64(hid_t obj, const char* name, const std::string& where) {
-  if (H5Aexists(obj, name) <= 0) throw H5Error(where + " has no attribute '" + name + "'");
-  H5Id a(chk(H5Aopen(obj, name, H5P_DEFAULT), std::string("open attribute ") + name), H5Aclose);
+  H5Id a = open_scalar_attr(obj, name, H5T_INTEGER, where);
   int64_t v = 0;
   chk(H5Aread(a, H5T_NATIVE_INT64, &v), std::string("read attribute ") + name, 0);
   return v;
@@ -319,7 +331,7 @@ std::vector<std::string> published_checkpoints(const std::string& dir) {
   std::error_code ec;
   for (auto& e : fs::directory_iterator(dir, ec)) {
     std::string n = e.path().filename().string();
-    if (n.size() == 16 && n.rfind("step_", 0) == 0 && n.ends_with(".h5")) names.push_back(n);
+    if (n.size() == 16 && n.rfind("step_", 0) == 0 && n.ends_with(".h5") && e.is_regular_file(ec)) names.push_back(n);
   }
   std::sort(names.begin(), names.end());
   return names;
@@ -330,18 +342,6 @@ json segments_json(const std::vector<BatchSegment>& segs) {
   for (auto& g : segs)
     a.push_back({{"from_step", g.from_step}, {"global_batch", g.global_batch}, {"seq_len", g.seq_len}, {"seed", g.seed}});
   return a;
-}
-
-// "rank 2", "ranks 1-2", "ranks 0, 3, 5-7".
-std::string rank_list(const std::vector<int>& r) {
-  std::string o;
-  for (size_t i = 0; i < r.size();) {
-    size_t j = i;
-    while (j + 1 < r.size() && r[j + 1] == r[j] + 1) ++j;
-    o += (o.empty() ? "" : ", ") + std::to_string(r[i]) + (j > i ? "-" + std::to_string(r[j]) : "");
-    i = j + 1;
-  }
-  return (r.size() == 1 ? "rank " : "ranks ") + o;
 }
 
 // What one rank made of a checkpoint file.
@@ -409,7 +409,7 @@ void agree_on_file(Comm& comm, const std::string& path, const FileView& v) {
   std::sort(odd.begin(), odd.end());
   throw CollectiveError(odd.front(), who + " has different contents on different ranks (" + views + ", " +
                                          std::to_string(bytes(0)) + " bytes each): " + rank_list(odd) +
-                                         " differ from rank 0" + hint);
+                                         (odd.size() == 1 ? " differs" : " differ") + " from rank 0" + hint);
 }
 
 }  // namespace
@@ -579,23 +579,49 @@ void write_checkpoint_file(Comm& comm, const std::string& tmp_path, Fsdp<float>&
   all_ok(comm, err.empty(), err);  // the file is closed on every rank here
 }
 
+void prepare_checkpoint_dir(Comm& comm, const std::string& dir) {
+  std::string err;
+  uint64_t nonce = 0;
+  if (comm.rank() == 0) {
+    std::error_code ec;
+    fs::create_directories(dir, ec);
+    if (ec) err = "cannot create checkpoint directory '" + dir + "' (option '--checkpoint-dir'): " + ec.message();
+    else if (::access(dir.c_str(), W_OK) != 0)
+      err = "checkpoint directory '" + dir + "' is not writable (option '--checkpoint-dir')";
+    nonce = static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()) ^
+            (static_cast<uint64_t>(::getpid()) << 40);
+  }
+  all_ok(comm, err.empty(), err);
+  comm.broadcast(&nonce, 1, 0);
+  // A name never used before: no rank can have it in a (negative) lookup cache.
+  const std::string probe = (fs::path(dir) / (".shardtrain-probe-" + std::to_string(nonce))).string();
+  if (comm.rank() == 0) {
+    try {
+      write_file_atomic(probe, std::to_string(nonce) + "\n");
+    } catch (const std::exception& e) {
+      err = "checkpoint directory '" + dir + "' (option '--checkpoint-dir'): " + e.what();
+    }
+  }
+  all_ok(comm, err.empty(), err);
+  std::string seen;
+  std::ifstream(probe) >> seen;
+  const std::vector<int> blind = ranks_differing_from_root(comm, seen == std::to_string(nonce) ? 1 : 0);
+  if (comm.rank() == 0) ::unlink(probe.c_str());
+  if (!blind.empty())
+    throw CollectiveError(blind.front(), "checkpoint directory '" + dir + "' (option '--checkpoint-dir') is not the same "
+                                         "directory on every rank: " + rank_list(blind) + " cannot see the file rank 0 "
+                                         "wrote there (a node-local path, a relative path under different working "
+                                         "directories, or a file system not mounted on every node); every rank must "
+                                         "write into one shared directory");
+}
+
 std::string save_checkpoint(Comm& comm, Fsdp<float>& f, AdamW<float>& opt, const ModelConfig& mc,
                             const TrainConfig& tc, const TrainState& st, const CheckpointOptions& co) {
   static QuietHdf5 quiet;
   const int W = comm.world_size(), r = comm.rank();
   const std::string final_path = (fs::path(co.dir) / checkpoint_name(st.step)).string();
   const std::string tmp_path = (fs::path(co.dir) / ("." + checkpoint_name(st.step) + ".tmp")).string();
-  {
-    std::string err;
-    if (r == 0) {
-      std::error_code ec;
-      fs::create_directories(co.dir, ec);
-      if (ec) err = "cannot create checkpoint directory '" + co.dir + "' (option '--checkpoint-dir'): " + ec.message();
-      else if (::access(co.dir.c_str(), W_OK) != 0)
-        err = "checkpoint directory '" + co.dir + "' is not writable (option '--checkpoint-dir')";
-    }
-    all_ok(comm, err.empty(), err);
-  }
+  prepare_checkpoint_dir(comm, co.dir);
   write_checkpoint_file(comm, tmp_path, f, opt, mc, tc, st);
   std::string err;
 
@@ -656,7 +682,11 @@ void read_metadata(const std::string& path, CheckpointInfo& info, MetaSums& ms) 
     try {
       const json t = json::parse(table);
       if (!t.is_object()) throw json::type_error::create(302, "not an object", &t);
-      for (auto& [k, v] : t.items()) ms.stored[k] = v.get<uint32_t>();
+      for (auto& [k, v] : t.items()) {
+        if (!v.is_number_unsigned() || v.get<uint64_t>() > 0xffffffffull)
+          throw H5Error("attribute '" + std::string(kMetaTable) + "': the entry of '" + k + "' is not a CRC32");
+        ms.stored[k] = static_cast<uint32_t>(v.get<uint64_t>());
+      }
     } catch (const json::exception& e) {
       throw H5Error("attribute '" + std::string(kMetaTable) + "' is not a JSON object of CRC32s: " + e.what());
     }
@@ -682,8 +712,9 @@ void read_metadata(const std::string& path, CheckpointInfo& info, MetaSums& ms) 
   H5Id rowt = param_row_type();
   const int W = info.world_size;
   for (hsize_t i = 0; i < gi.nlinks; ++i) {
-    char name[512];
-    H5Lget_name_by_idx(units, ".", H5_INDEX_NAME, H5_ITER_INC, i, name, sizeof name, H5P_DEFAULT);
+    char name[512] = {};
+    const ssize_t len = H5Lget_name_by_idx(units, ".", H5_INDEX_NAME, H5_ITER_INC, i, name, sizeof name, H5P_DEFAULT);
+    if (len <= 0 || len >= static_cast<ssize_t>(sizeof name)) throw H5Error("cannot read the name of unit " + std::to_string(i) + " in group '/units'");
     CheckpointUnitInfo ui;
     ui.name = name;
     const std::string w = "unit '" + ui.name + "'", key = "units/" + ui.name;
@@ -744,6 +775,8 @@ void read_metadata(const std::string& path, CheckpointInfo& info, MetaSums& ms) 
       ps.numel = row.numel;
       if (ps.offset < 0 || ps.numel < 0 || ps.offset + ps.numel > ui.numel)
         throw H5Error(w + ": tensor '" + ps.spec.name + "' lies outside the unit");
+      for (auto& other : ui.params)
+        if (other.spec.name == ps.spec.name) throw H5Error(w + ": tensor '" + ps.spec.name + "' appears twice in 'param_table'");
       ui.params.push_back(ps);
     }
     found.emplace_back(index, std::move(ui));
@@ -785,6 +818,14 @@ void cross_check(CheckpointInfo& info) {
     if (!j.contains(key)) throw H5Error(std::string("attribute '") + attr + "' has no '" + key + "'");
     return j[key];
   };
+  for (const char* k : {"seq_len", "global_batch", "micro_batch", "steps", "warmup", "seed"})
+    if (!field(tc, k, "train_config").is_number_integer())
+      throw H5Error(std::string("attribute 'train_config': '") + k + "' is not an integer");
+  for (const char* k : {"lr", "min_lr", "beta1", "beta2", "eps", "weight_decay", "clip"})
+    if (!field(tc, k, "train_config").is_number())
+      throw H5Error(std::string("attribute 'train_config': '") + k + "' is not a number");
+  if (!field(tc, "precision", "train_config").is_string())
+    throw H5Error("attribute 'train_config': 'precision' is not a string");
   try {
     if (info.step < 0) throw H5Error("attribute 'step' is negative");
     if (field(dp, "next_batch_index", "data_position").get<int64_t>() != info.step)
@@ -884,6 +925,9 @@ TrainState load_checkpoint(Comm& comm, const std::string& path, Fsdp<float>& f, 
       if (it->numel != up.numel)
         throw std::runtime_error("unit '" + up.name + "' holds " + std::to_string(it->numel) + " elements, expected " +
                                  std::to_string(up.numel));
+      for (auto& q : it->params)
+        if (std::none_of(up.params.begin(), up.params.end(), [&](auto& ps) { return ps.spec.name == q.spec.name; }))
+          throw std::runtime_error("unit '" + up.name + "' holds tensor '" + q.spec.name + "', which this model does not have");
       for (auto& ps : up.params) {
         auto pt = std::find_if(it->params.begin(), it->params.end(), [&](auto& q) { return q.spec.name == ps.spec.name; });
         if (pt == it->params.end()) throw std::runtime_error("tensor '" + ps.spec.name + "' is missing from unit '" + up.name + "'");
@@ -974,18 +1018,25 @@ std::string resolve_resume(Comm& comm, const std::string& resume, const std::str
         const fs::path latest = fs::path(dir) / "latest";
         const std::vector<std::string> names = published_checkpoints(dir);
         std::error_code ec;
-        if (fs::exists(latest, ec)) {
+        if (fs::exists(latest, ec) || fs::is_symlink(latest, ec)) {
           std::ifstream l(latest);
           std::string name;
           std::getline(l, name);
-          if (name.find('/') == std::string::npos && !name.empty() && fs::is_regular_file(fs::path(dir) / name, ec)) {
+          while (!name.empty() && std::isspace(static_cast<unsigned char>(name.back()))) name.pop_back();  // CRLF, blanks
+          const bool well_formed = fs::is_regular_file(latest, ec) && name.size() == 16 && name.rfind("step_", 0) == 0 &&
+                                   name.ends_with(".h5") && name.find('/') == std::string::npos;
+          if (well_formed && fs::is_regular_file(fs::path(dir) / name, ec)) {
             path = (fs::path(dir) / name).string();
           } else if (!(start_over && names.empty())) {
-            // A run existed (it wrote `latest`) and its newest checkpoint is gone: starting over, or
-            // silently going back to an older one, would lose that run's progress.
-            std::string msg = "'" + latest.string() + "' names '" + name +
-                              "', which does not exist: the newest checkpoint of the run in '" + dir +
-                              "' is gone (deleted, or on a file system this node does not see). ";
+            // A run existed (it wrote `latest`) and its newest checkpoint is gone, or the pointer is
+            // damaged: starting over, or silently going back to an older one, could lose progress.
+            std::string msg = !well_formed ? "'" + latest.string() + "' is damaged: it should hold one checkpoint name like '" +
+                                                 checkpoint_name(0) + "', not '" + name.substr(0, 80) + "'. "
+                              : "'" + latest.string() + "' names '" + name + "', which " +
+                                    (fs::exists(fs::path(dir) / name, ec) ? "is not a checkpoint file"
+                                                                          : "does not exist") +
+                                    ": the newest checkpoint of the run in '" + dir +
+                                    "' is gone (deleted, or on a file system this node does not see). ";
             if (!names.empty())
               msg += "The newest checkpoint still present is '" + names.back() + "': to continue from it, pass '--resume " +
                      (fs::path(dir) / names.back()).string() + "'";

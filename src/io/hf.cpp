@@ -1,6 +1,8 @@
 // Hugging Face export / import and text generation.
 #include "shardtrain/hf.h"
 
+#include <zlib.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -166,7 +168,14 @@ Loaded load_model(Comm& comm, const std::string& ckpt) {
   l.be = make_cpu_backend<float>();
   l.f = std::make_unique<Fsdp<float>>(*l.be, comm, ShardPlan::build(llama_units(l.mc), comm.world_size()));
   load_checkpoint(comm, ckpt, *l.f, nullptr, l.mc, &info);  // compares the config as stored: fill only after
-  if (l.has_data) take_special_ids_from_data(comm, l.mc, "the model config of checkpoint '" + ckpt + "'", data);
+  if (l.has_data) {
+    take_special_ids_from_data(comm, l.mc, "the model config of checkpoint '" + ckpt + "'", data);
+    // With several eos ids, the token file's (the one its documents end with) is the primary one:
+    // the tokenizer's "</s>" and generation's pad id. Stopping uses all of them, in any order.
+    auto& e = l.mc.eos_token_ids;
+    auto it = std::find(e.begin(), e.end(), static_cast<int>(data.eos_id));
+    if (it != e.end()) std::rotate(e.begin(), it, it + 1);
+  }
   return l;
 }
 
@@ -386,6 +395,7 @@ void import_hf(Comm& comm, const std::string& hf_dir, const std::string& out_pat
   });
   auto be = make_cpu_backend<float>();
   Fsdp<float> f(*be, comm, ShardPlan::build(llama_units(mc), comm.world_size()));
+  uLong digest = crc32(0L, Z_NULL, 0);  // of every weight this rank read, in model order
   agree(comm, [&] {
     std::set<std::string> expected;
     for (auto& u : f.plan().units)
@@ -423,9 +433,20 @@ void import_hf(Comm& comm, const std::string& hf_dir, const std::string& out_pat
     for (auto& u : f.plan().units)
       for (auto& p : u.params) {
         auto loc = where.at(p.spec.name);
-        f.set_param(p.spec.name, read_safetensors_tensor(files[loc.first], files[loc.first].entries[loc.second]));
+        const std::vector<float> v = read_safetensors_tensor(files[loc.first], files[loc.first].entries[loc.second]);
+        digest = crc32(digest, reinterpret_cast<const Bytef*>(v.data()), static_cast<uInt>(v.size() * sizeof(float)));
+        f.set_param(p.spec.name, v);
       }
   });
+  {  // Every rank read the weights itself: other files under the same path on other nodes would
+     // give a checkpoint whose shards come from different models.
+    const std::vector<int> odd = ranks_differing_from_root(comm, digest);
+    if (!odd.empty())
+      throw CollectiveError(odd.front(), "Hugging Face directory '" + hf_dir + "' (option '--hf-dir') holds other weights on " +
+                                             rank_list(odd) + " than on rank 0 (a copy on a node's local disk, or a "
+                                             "relative path under different working directories?): every rank must read "
+                                             "the same files");
+  }
   TrainConfig tc;
   AdamW<float> opt(f, tc);
   const std::string tmp = out_path + ".tmp";

@@ -276,6 +276,31 @@ bool same_on_all_ranks(Comm& comm, uint64_t value) {
   return h[0] == value && h[1] == ~value;
 }
 
+std::vector<int> ranks_differing_from_root(Comm& comm, uint64_t value) {
+  std::vector<uint64_t> all(static_cast<size_t>(comm.world_size()));
+  comm.all_gather(&value, all.data(), 1);
+  std::vector<int> odd;
+  for (int r = 0; r < comm.world_size(); ++r)
+    if (all[static_cast<size_t>(r)] != all[0]) odd.push_back(r);
+  return odd;
+}
+
+std::string rank_list(const std::vector<int>& r) {
+  std::string o;
+  for (size_t i = 0; i < r.size();) {
+    size_t j = i;
+    while (j + 1 < r.size() && r[j + 1] == r[j] + 1) ++j;
+    if (!o.empty()) o += ", ";
+    o += std::to_string(r[i]);
+    if (j > i) {
+      o += '-';
+      o += std::to_string(r[j]);
+    }
+    i = j + 1;
+  }
+  return (r.size() == 1 ? "rank " : "ranks ") + o;
+}
+
 uint64_t fnv1a64(const std::string& s) {
   uint64_t h = 1469598103934665603ull;
   for (unsigned char c : s) {

@@ -5,6 +5,7 @@
 #include "shardtrain/checkpoint.h"
 #include "shardtrain/files.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -187,11 +188,51 @@ void check_resume_settings(Comm& comm, const CheckpointInfo& info, const TrainCo
                        now["precision"].get<std::string>() + " (checkpoints hold fp32 master weights and AdamW state)");
 }
 
+// Collective. A run resumed from step `step` (e.g. rolled back after a loss spike) in a directory
+// that holds checkpoints of later steps: those belong to the abandoned continuation. Left in place,
+// --keep-last would prune this run's new checkpoints before them and '--resume auto' could pick
+// them. Rank 0 moves them to "<dir>/abandoned/" (nothing is deleted) and points `latest` at the
+// checkpoint resumed from when it is in `dir`. Throws CollectiveError if a move fails.
+void set_aside_later_checkpoints(Comm& comm, const std::string& dir, int64_t step, const std::string& resumed) {
+  namespace fs = std::filesystem;
+  std::string err, moved;
+  if (comm.rank() == 0) {
+    try {
+      std::vector<std::string> later;
+      std::error_code ec;
+      for (auto& e : fs::directory_iterator(dir, ec)) {
+        const std::string n = e.path().filename().string();
+        if (n.size() == 16 && n.rfind("step_", 0) == 0 && n.ends_with(".h5") && n > checkpoint_name(step)) later.push_back(n);
+      }
+      std::sort(later.begin(), later.end());
+      if (!later.empty()) {
+        const fs::path aside = fs::path(dir) / "abandoned";
+        fs::create_directories(aside);
+        for (auto& n : later) {
+          fs::rename(fs::path(dir) / n, aside / n);
+          moved += (moved.empty() ? "" : ", ") + n;
+        }
+        if (fs::equivalent(fs::path(resumed).parent_path().empty() ? "." : fs::path(resumed).parent_path(), dir, ec))
+          write_file_atomic((fs::path(dir) / "latest").string(), fs::path(resumed).filename().string() + "\n", true);
+      }
+    } catch (const std::exception& e) {
+      err = "moving the later checkpoints of the abandoned run in '" + dir + "' aside: " + e.what();
+    }
+  }
+  all_ok(comm, err.empty(), err);
+  if (!moved.empty())
+    log_info(comm, "note: resumed at step " + std::to_string(step) + " while '" + dir + "' holds checkpoints of later steps " +
+                       "(" + moved + ") from the run that went on from there: moved to '" + dir +
+                       "/abandoned/', so that --keep-last and '--resume auto' follow this run");
+}
+
 // Rank 0, before a resumed run (or a start-over) appends to its metrics file: keeps the rows of
 // steps <= `step` and moves the others (written after the checkpoint it resumes from, by a run
 // that then crashed or was stopped; and any torn last line) to "<path>.discarded", so that no step
 // appears twice. Returns a note for the log, or "" when nothing moved. Throws std::runtime_error.
-std::string continue_metrics(const std::string& path, int64_t step) {
+std::string continue_metrics(const std::string& given, int64_t step) {
+  std::error_code ec;  // a symbolic link: rewrite the file it points to, not the link
+  const std::string path = std::filesystem::is_symlink(given, ec) ? std::filesystem::canonical(given).string() : given;
   std::ifstream in(path, std::ios::binary);
   if (!in) return "";  // no file yet
   std::string kept, dropped, line;
@@ -219,8 +260,8 @@ std::string continue_metrics(const std::string& path, int64_t step) {
     if (!d) throw std::runtime_error("cannot append to '" + aside + "'");
   }
   write_file_atomic(path, kept);
-  return "metrics: moved " + std::to_string(n) + " row(s) of steps after " + std::to_string(step) + " from '" + path +
-         "' to '" + aside + "' (written after the checkpoint this run continues from)";
+  return "metrics: moved " + std::to_string(n) + " line(s) of steps after " + std::to_string(step) + " (or unreadable) from '" +
+         path + "' to '" + aside + "' (written after the checkpoint this run continues from)";
 }
 }  // namespace
 
@@ -339,16 +380,34 @@ static TrainResult train_in(Engine& eng, const ModelConfig& mc, const TrainConfi
   state.seed = tc.seed;
   {
     const TokenFileHeader& h = data.header();
-    state.data_info = nlohmann::json({{"path", data.path()}, {"tokenizer", h.tokenizer}, {"vocab_size", h.vocab_size},
-                                      {"bos_id", h.bos_id}, {"eos_id", h.eos_id}})
-                          .dump();
+    const nlohmann::json now = {{"path", data.path()}, {"tokenizer", h.tokenizer}, {"vocab_size", h.vocab_size},
+                                {"bos_id", h.bos_id},  {"eos_id", h.eos_id},       {"crc32", data.crc32()}};
+    nlohmann::json before;
+    try {
+      before = nlohmann::json::parse(state.data_info);
+    } catch (const nlohmann::json::exception&) {  // verified when read; "null" for a fresh run
+    }
+    if (!resume_path.empty() && before.is_object() && before.contains("crc32") && before["crc32"] != now["crc32"])
+      log_info(comm, "note: resume: token file '" + data.path() + "' is not the one the checkpoint trained on ('" +
+                         before.value("path", std::string("?")) + "', other contents): the batches from step " +
+                         std::to_string(state.step + 1) + " on come from the new one");
+    state.data_info = now.dump();
   }
   const uint64_t seed = tc.seed;
   if (state.step >= tc.steps)
     throw CollectiveError(0, "checkpoint is at step " + std::to_string(state.step) + ", not before option '--steps' (" +
                                  std::to_string(tc.steps) + "): nothing to train (to train further, raise '--steps' "
                                  "and pass '--accept-change steps')");
+  if (tc.stop_at_step > 0 && tc.stop_at_step <= state.step)
+    throw CollectiveError(0, "option '--stop-at-step' (" + std::to_string(tc.stop_at_step) +
+                                 ") is not after the checkpoint's step (" + std::to_string(state.step) +
+                                 "): nothing to train");
   const int64_t last_step = tc.stop_at_step > 0 ? std::min(tc.stop_at_step, tc.steps) : tc.steps;
+  if (!tc.checkpoint_dir.empty()) {
+    // Before hours of training, not at the first save: every rank must see one shared directory.
+    prepare_checkpoint_dir(comm, tc.checkpoint_dir);
+    if (!resume_path.empty()) set_aside_later_checkpoints(comm, tc.checkpoint_dir, state.step, resume_path);
+  }
 
   // Metrics: a fresh run starts the file; a resumed run (or a start-over) continues it exactly at
   // its step, moving the rows of steps it will redo (written after that checkpoint) aside.

@@ -14,6 +14,10 @@ import numpy as np
 # One param_table row, packed field by field, little-endian: 128 + 8 + 8 + 4 + 32 = 180 bytes.
 PACKED_ROW = np.dtype([("name", "S128"), ("offset", "<i8"), ("numel", "<i8"), ("ndim", "<i4"), ("shape", "<i8", (4,))])
 TABLE, CHECK = "metadata_crc32", "metadata_crc32_check"
+# The checksummed attributes (format version 2). Others a file may carry are neither used nor covered.
+ROOT_ATTRS = ["format", "format_version", "step", "tokens_seen", "world_size", "model_config", "train_config",
+              "data_position", "rng_state", "program_version", "data"]
+UNIT_ATTRS = ["index", "numel", "shard_size", "padded_numel"]
 
 
 def canonical(value):
@@ -29,9 +33,9 @@ def canonical(value):
 
 def metadata_items(f):
     """Every checksummed item of an open checkpoint: key -> canonical bytes."""
-    items = {"@" + k: canonical(v) for k, v in f.attrs.items() if k not in (TABLE, CHECK)}
+    items = {"@" + k: canonical(f.attrs[k]) for k in ROOT_ATTRS if k in f.attrs}
     for name, unit in f["units"].items():
-        items.update({f"units/{name}@{k}": canonical(v) for k, v in unit.attrs.items()})
+        items.update({f"units/{name}@{k}": canonical(unit.attrs[k]) for k in UNIT_ATTRS if k in unit.attrs})
         items[f"units/{name}/shard_table"] = unit["shard_table"][:].astype("<i8").tobytes()
         items[f"units/{name}/shard_crc32"] = unit["shard_crc32"][:].astype("<u4").tobytes()
         items[f"units/{name}/param_table"] = unit["param_table"][:].astype(PACKED_ROW).tobytes()

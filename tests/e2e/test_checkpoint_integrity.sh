@@ -10,7 +10,8 @@
 #    the cross-checks; a version 1 file (no checksums) still loads, with a note.
 #  * Ranks that read different files under one path (an MPMD launch with another working directory
 #    on ranks 1-2, holding an older checkpoint under the newer name, or a truncated copy) all stop
-#    with one message naming ranks 1-2, instead of resuming different states.
+#    with one message naming ranks 1-2, instead of resuming different states; likewise a checkpoint
+#    directory or a token file that is not the same on every rank, before training starts.
 source "$(dirname "$0")/common.sh"
 DATA=$(test_corpus)
 META=$ROOT/tests/e2e/ckpt_meta.py
@@ -81,6 +82,17 @@ variant("format_version", "unknown format version 258 in attribute 'format_versi
 variant("format_version_1", "attribute 'format_version' says 1, but the file carries the metadata checksums", flip_int("/", "format_version", value=1))
 for a in ["index", "numel", "shard_size", "padded_numel"]:
     variant("unit_" + a, f"attribute '{a}' of unit 'model.layers.1' fails its CRC32 check", flip_int("units/model.layers.1", a))
+def to_array(obj, attr, n):  # the same value, as an array of n (an attribute must be one value)
+    def edit(path):
+        with h5py.File(path, "r+") as f:
+            v = f[obj].attrs[attr]
+            del f[obj].attrs[attr]
+            f[obj].attrs[attr] = [v] * n
+    return edit
+
+variant("step_array", "attribute 'step' is not a single value", to_array("/", "step", 7000))
+variant("format_array", "attribute 'format' is not a single value", to_array("/", "format", 2))
+variant("numel_array", "attribute 'numel' is not a single value", to_array("units/model.norm", "numel", 2))
 for ds, i in [("shard_table", 4), ("shard_crc32", 3), ("param_table", 1)]:
     variant(ds, f"dataset 'units/model.layers.0/{ds}' fails its CRC32 check", flip_table(f"units/model.layers.0/{ds}", i))
 with open(f"{work}/cases.txt", "w") as out:
@@ -125,6 +137,12 @@ cross seed "attribute 'train_config' has seed 7, attribute 'rng_state' has 1337"
 cross shard_table "row 1 of dataset 'shard_table' is" \
   "t = f['units/model.norm/shard_table'][:]; t[1] = [0, 32, 0]; f['units/model.norm/shard_table'][...] = t"
 cross world "are inconsistent with world_size (3)" "f.attrs['world_size'] = 3"
+cross no_lr "attribute 'train_config' has no 'lr'" \
+  "d = json.loads(f.attrs['train_config']); del d['lr']; f.attrs['train_config'] = json.dumps(d)"
+cross lr_string "attribute 'train_config': 'lr' is not a number" \
+  "d = json.loads(f.attrs['train_config']); d['lr'] = 'x'; f.attrs['train_config'] = json.dumps(d)"
+cross dup_row "tensor 'model.layers.0.mlp.down_proj.weight' appears twice in 'param_table'" \
+  "g = f['units/model.layers.0']; t = g['param_table'][:]; import numpy as np; t2 = np.concatenate([t, t[-1:]]); del g['param_table']; g['param_table'] = t2"
 
 # A version 1 file (before the checksums): loads, with a note; its tensor data is still verified.
 V1=$WORK/v1.h5
@@ -164,3 +182,25 @@ grep -q "is not the same file on every rank (.*): it is truncated or damaged on 
   || { cat "$WORK/truncated.log"; fail "truncated copy: message does not say it is truncated on ranks 1-2"; }
 grep -q "is missing from unit" "$WORK/truncated.log" && fail "truncated copy: misleading 'missing' message"
 echo "ok: a truncated copy on ranks 1-2 -> $(grep -m1 'error \[rank 0' "$WORK/truncated.log" | cut -c1-220)"
+
+# The other files every rank uses itself: the checkpoint directory (a save of ranks that see
+# different directories would hang in the collective write) and the token file.
+mpmd_args() {  # name args...: rank 0 in $WORK/A, ranks 1-2 in $WORK/B, the same relative arguments
+  local name=$1 rc=0
+  shift
+  timeout -k 5 60 mpirun --oversubscribe -np 1 --wdir "$WORK/A" "$BIN" "$@" : -np 2 --wdir "$WORK/B" "$BIN" "$@" \
+    >"$WORK/$name.log" 2>&1 || rc=$?
+  [ "$rc" != 0 ] && [ "$rc" != 124 ] || { cat "$WORK/$name.log"; fail "$name: exit status $rc"; }
+  for r in 0 1 2; do grep -q "error \[rank $r/3\]" "$WORK/$name.log" || { cat "$WORK/$name.log"; fail "$name: rank $r did not report"; }; done
+}
+T=(--model tiny --seq-len 16 --global-batch 6 --steps 4 --eval-every 0 --eval-batches 1 --threads 1)
+mpmd_args local_dir "${T[@]}" --data "$DATA" --checkpoint-dir ck_local
+grep -q "checkpoint directory 'ck_local' (option '--checkpoint-dir') is not the same directory on every rank: ranks 1-2 cannot see" \
+  "$WORK/local_dir.log" || { cat "$WORK/local_dir.log"; fail "local_dir: message"; }
+grep -q "^step 1/" "$WORK/local_dir.log" && fail "local_dir: trained before finding out the directory is not shared"
+cp "$DATA" "$WORK/A/c.tok"
+"$BIN" --mode prepare --input /usr/share/games/fortunes/riddles --out "$WORK/B/c.tok" >/dev/null
+mpmd_args other_data "${T[@]}" --data c.tok
+grep -q "token file 'c.tok' (option '--data') is not the same file on every rank: ranks 1-2 read other contents than rank 0" \
+  "$WORK/other_data.log" || { cat "$WORK/other_data.log"; fail "other_data: message"; }
+echo "ok: a checkpoint directory or a token file that differs between ranks is refused before training, naming ranks 1-2"

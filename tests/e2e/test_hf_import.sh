@@ -53,6 +53,25 @@ roundtrip mistral 2 && compare mistral
 roundtrip sharded 2 && compare sharded
 roundtrip rope 2 && compare rope
 grep -q '"rope_theta":500000' <("$BIN" --mode inspect "$WORK/rope.h5") || fail "rope_theta from rope_parameters was not imported"
+# Ranks that read different weights under one path (rank 0 in A, ranks 1-2 in B): refused, nothing written.
+mkdir -p "$WORK/A" "$WORK/B"
+cp -r "$WORK/untied" "$WORK/A/m"
+cp -r "$WORK/untied" "$WORK/B/m"
+"$PY" - "$WORK/B/m/model.safetensors" <<'PY'
+import sys
+from safetensors.torch import load_file, save_file
+t = load_file(sys.argv[1])
+t["model.layers.0.mlp.up_proj.weight"] += 1.0
+save_file(t, sys.argv[1], metadata={"format": "pt"})
+PY
+rc=0
+timeout -k 5 60 mpirun --oversubscribe -np 1 --wdir "$WORK/A" "$BIN" --mode import --hf-dir m --out "$WORK/mix.h5" : \
+  -np 2 --wdir "$WORK/B" "$BIN" --mode import --hf-dir m --out "$WORK/mix.h5" >"$WORK/mix.log" 2>&1 || rc=$?
+[ "$rc" != 0 ] && [ "$rc" != 124 ] || { cat "$WORK/mix.log"; fail "import of different weights per rank: exit status $rc"; }
+grep -q "Hugging Face directory 'm' (option '--hf-dir') holds other weights on ranks 1-2 than on rank 0" "$WORK/mix.log" \
+  || { cat "$WORK/mix.log"; fail "import of different weights per rank: message"; }
+[ ! -e "$WORK/mix.h5" ] || fail "a refused import wrote a checkpoint"
+echo "ok: an import whose ranks read different weights under one path is refused, naming ranks 1-2"
 roundtrip prefixed 2
 "$PY" - "$WORK/untied.out" "$WORK/prefixed.out" <<'PY'
 import sys, torch

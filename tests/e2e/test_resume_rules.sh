@@ -8,7 +8,10 @@
 #    values: tokens_seen is cumulative (h5py's view), a lengthened --steps recomputes the schedule
 #    (the logged lr equals nanoGPT's formula with the new steps).
 #  * Crash before publishing step 6 (checkpoints every 3): the resumed run's metrics file holds every
-#    train and val step exactly once, the rows of steps 4-6 moved to .discarded, at 2 and at 3 ranks.
+#    train and val step exactly once, the rows of steps 4-6 moved to .discarded, at 2 and at 3 ranks
+#    (at 2 through a symbolic link, which stays one).
+#  * A rollback (resume from an older checkpoint) moves the later checkpoints to abandoned/; a CRLF
+#    `latest` is read, a damaged one named; --stop-at-step at or before the checkpoint is refused.
 #  * A config.json that equals the checkpoint's architecture but not its name (or its
 #    initializer_range) resumes and initializes from it; an architecture difference is still refused.
 source "$(dirname "$0")/common.sh"
@@ -40,7 +43,14 @@ grep -q "starting over from step 0 in '$WORK/d' (--start-over)" "$WORK/d2.log" |
 [ "$(grep -c '"loss"' "$WORK/d.jsonl")" = 1 ] && [ "$(cat "$WORK/d/latest")" = step_00000001.h5 ] || fail "start-over run"
 echo "ok: dangling latest refused (resume and fresh run), files untouched; --start-over starts at 0, old rows in .discarded"
 run e1.log 2 "${ARGS[@]}" --checkpoint-dir "$WORK/e" --checkpoint-every 2 --stop-at-step 4
-rm "$WORK/e/step_00000004.h5"
+printf 'step_00000004.h5\r\n' >"$WORK/e/latest"  # written on Windows: still names step 4
+run e2.log 2 "${ARGS[@]}" --checkpoint-dir "$WORK/e" --resume auto --stop-at-step 5 --checkpoint-every 100
+grep -q "resumed from '$WORK/e/step_00000004.h5' at step 4" "$WORK/e2.log" || fail "a CRLF latest was not read"
+printf 'garbage\n' >"$WORK/e/latest"
+expect_fail damaged_latest "'$WORK/e/latest' is damaged: it should hold one checkpoint name like 'step_00000000.h5', not 'garbage'" \
+  2 "${ARGS[@]}" --checkpoint-dir "$WORK/e" --resume auto
+echo step_00000004.h5 >"$WORK/e/latest"
+rm "$WORK/e/step_00000004.h5" "$WORK/e/step_00000005.h5"
 expect_fail dangling_with_older "The newest checkpoint still present is 'step_00000002.h5': to continue from it, pass '--resume $WORK/e/step_00000002.h5'" \
   2 "${ARGS[@]}" --checkpoint-dir "$WORK/e" --resume auto
 
@@ -61,8 +71,9 @@ expect_fail accept_one_of_two "--warmup 10 -> 5" 2 "${ARGS[@]}" "${R[@]}" --lr 2
 expect_fail accept_unknown "option '--accept-change' names 'learning-rate', which is not a setting a resume checks" 2 \
   "${ARGS[@]}" "${R[@]}" --accept-change learning-rate
 geom 32 6 8
-run s2.log 2 "${G[@]}" "${R[@]}" --accept-change seq-len --stop-at-step 6 --metrics "$WORK/s.jsonl"
+run s2.log 2 "${G[@]}" "${R[@]}" --accept-change "lr, seq-len" --stop-at-step 6 --metrics "$WORK/s.jsonl"
 grep -q "note: resume at step 3: accepted change --seq-len 16 -> 32 (--accept-change)" "$WORK/s2.log" || fail "no accepted-change note"
+grep -q "note: '--accept-change lr': --lr is unchanged (0.001)" "$WORK/s2.log" || fail "no note for an unchanged accepted setting"
 "$PY" - "$WORK/s/step_00000006.h5" <<'PY'
 import json, sys, h5py
 f = h5py.File(sys.argv[1], "r")
@@ -72,6 +83,18 @@ seg = json.loads(f.attrs["data_position"])["segments"]
 assert [(s["from_step"], s["seq_len"]) for s in seg] == [(0, 16), (3, 32)], seg
 print(f"ok: --accept-change seq-len: tokens_seen at step 6 is {want} (3 x 6 x 16 + 3 x 6 x 32), batch history {seg}")
 PY
+expect_fail stop_before "option '--stop-at-step' (5) is not after the checkpoint's step (6): nothing to train" 2 \
+  "${G[@]}" "${R[@]}" --stop-at-step 5
+# Rolling back: resuming from step 3 while steps 6 (and 3) exist. The later checkpoint belongs to
+# the abandoned continuation: it moves to abandoned/, so --keep-last prunes this run's files last.
+cp -r "$WORK/s" "$WORK/rb"
+geom 16 6 8
+run rb.log 2 "${G[@]}" --checkpoint-dir "$WORK/rb" --resume "$WORK/rb/step_00000003.h5" --stop-at-step 5 --checkpoint-every 1 \
+  --keep-last 1
+grep -q "moved to '$WORK/rb/abandoned/'" "$WORK/rb.log" || { cat "$WORK/rb.log"; fail "rollback: no note"; }
+[ "$(cd "$WORK/rb" && ls step_*.h5)" = step_00000005.h5 ] && [ -f "$WORK/rb/abandoned/step_00000006.h5" ] &&
+  [ "$(cat "$WORK/rb/latest")" = step_00000005.h5 ] || { ls -R "$WORK/rb"; fail "rollback: wrong files kept"; }
+echo "ok: resuming from step 3 with step 6 present moved step 6 to abandoned/; --keep-last 1 kept this run's step 5"
 # Lengthening a finished run: --steps 4 -> 8.
 geom 16 6 4
 run x1.log 2 "${G[@]}" --warmup 2 --checkpoint-dir "$WORK/x" --metrics "$WORK/x.jsonl"
@@ -97,15 +120,19 @@ PY
 # --- 8. metrics after a crash ----------------------------------------------------------------------
 M=(--model tiny --data "$DATA" --seq-len 16 --global-batch 6 --steps 8 --log-every 1 --eval-every 2 --eval-batches 1 --threads 1)
 run ref.log 2 "${M[@]}" --metrics "$WORK/ref.jsonl"
+mkdir -p "$WORK/shared"
+ln -s "$WORK/shared/real.jsonl" "$WORK/m2.jsonl"  # the metrics path of np 2 is a symbolic link
 for np in 2 3; do
   rc=0
   timeout -k 5 120 $MPIRUN -np 2 "$BIN" "${M[@]}" --checkpoint-dir "$WORK/m$np" --checkpoint-every 3 --debug-crash-before-publish 6 \
     --metrics "$WORK/m$np.jsonl" >"$WORK/crash$np.log" 2>&1 || rc=$?
   [ "$rc" = 86 ] || { cat "$WORK/crash$np.log"; fail "crash run: exit status $rc"; }
   run "resume$np.log" "$np" "${M[@]}" --checkpoint-dir "$WORK/m$np" --resume auto --metrics "$WORK/m$np.jsonl"
-  grep -q "metrics: moved 5 row(s) of steps after 3 from '$WORK/m$np.jsonl' to '$WORK/m$np.jsonl.discarded'" "$WORK/resume$np.log" \
+  real=$WORK/m$np.jsonl
+  [ "$np" = 2 ] && { [ -L "$WORK/m2.jsonl" ] || fail "the metrics link was replaced by a file"; real=$WORK/shared/real.jsonl; }
+  grep -q "metrics: moved 5 line(s) of steps after 3 (or unreadable) from '$real' to '$real.discarded'" "$WORK/resume$np.log" \
     || { cat "$WORK/resume$np.log"; fail "no metrics note"; }
-  "$PY" - "$WORK/ref.jsonl" "$WORK/m$np.jsonl" "$WORK/m$np.jsonl.discarded" "$np" <<'PY'
+  "$PY" - "$WORK/ref.jsonl" "$real" "$real.discarded" "$np" <<'PY'
 import json, sys
 ref, got, aside = ([json.loads(l) for l in open(p)] for p in sys.argv[1:4])
 np_ = sys.argv[4]

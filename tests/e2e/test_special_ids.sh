@@ -56,8 +56,20 @@ expect_fail train_eos_conflict "model config '$WORK/eos2.json' has eos_token_id 
 expect_fail train_eos_list_conflict "model config '$WORK/eoslist.json' has eos_token_id [1,2], but token file '$DATA' has eos_id $EOS, which is not in the list" \
   3 --model "$WORK/eoslist.json" "${TRAIN[@]}"
 cfg eoslist_ok ", \"bos_token_id\": $BOS, \"eos_token_id\": [10, $EOS]"
-run train_eos_list_ok $MPIRUN -np 2 "$BIN" --model "$WORK/eoslist_ok.json" "${TRAIN[@]}"
+run train_eos_list_ok $MPIRUN -np 2 "$BIN" --model "$WORK/eoslist_ok.json" "${TRAIN[@]}" --checkpoint-dir "$WORK/ck_list"
 ! grep -q "^note:" "$WORK/train_eos_list_ok.log" || fail "train_eos_list_ok: a note for ids that agree"
+# Its export: the token file's eos (not the list's first, the byte 10) is "</s>" and the pad id.
+run export_eos_list_ok "$BIN" --mode export "$WORK/ck_list/step_00000001.h5" --out "$WORK/hf_list"
+"$PY" - "$WORK/hf_list" "$EOS" <<'PY' || fail "export of an eos list led by a byte id"
+import json, sys
+d, eos = sys.argv[1], int(sys.argv[2])
+tok = json.load(open(f"{d}/tokenizer.json"))
+ids = {t["content"]: t["id"] for t in tok["added_tokens"]}
+assert ids["</s>"] == eos, ids
+gen = json.load(open(f"{d}/generation_config.json"))
+assert gen["pad_token_id"] == eos and sorted(gen["eos_token_id"]) == sorted([10, eos]), gen
+print(f"ok: eos_token_id [10, {eos}]: the export's '</s>' and pad id are the token file's {eos}, both stop ids kept")
+PY
 echo "ok: an eos list containing the token file's eos ($EOS) trains, without a note"
 
 # ---- Import: absent ids stay unset; --data fills them or refuses a conflict ----
