@@ -67,7 +67,7 @@ struct CheckpointInfo {
   int world_size = 0;
   std::string model_config, train_config, data_position, rng_state, program_version;
   // The token file the run trained on: JSON null (none: an import, or a version 1 file), or
-  // {"path", "tokenizer", "vocab_size", "bos_id", "eos_id"} from its header (data.h).
+  // {"path", "tokenizer", "vocab_size", "bos_id", "eos_id"} from its header (data.h), "crc32" of the file.
   std::string data_info = "null";
   std::vector<BatchSegment> segments;  // from data_position (version 1: one segment from train_config)
   uint64_t file_bytes = 0;             // size of the file as this rank saw it
