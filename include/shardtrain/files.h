@@ -1,6 +1,8 @@
 // Small file helpers shared by every layer.
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
 #include <string>
 
 namespace shardtrain {
@@ -11,5 +13,9 @@ namespace shardtrain {
 // `path` (and `what`, e.g. "option '--out'", when given).
 void write_file_atomic(const std::string& path, const std::string& bytes, bool durable = false,
                        const std::string& what = "");
+
+// zlib's CRC32 (the same as Python's zlib.crc32) of `bytes` bytes at `p`, continuing from `crc`
+// (0 to start). Any length: zlib's own length argument is 32-bit, so longer buffers go in pieces.
+uint32_t crc32_update(uint32_t crc, const void* p, size_t bytes);
 
 }  // namespace shardtrain

@@ -1,7 +1,4 @@
 // Byte tokenizer, token file writer/reader, deterministic batch sampling.
-#include <zlib.h>
-
-#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -150,10 +147,7 @@ TokenDataset::TokenDataset(const std::string& path) : path_(path) {
   auto fail = [&](const std::string& w) { throw std::runtime_error("token file '" + path + "': " + w); };
   h_ = parse_header(path, b.data(), b.size());
   auto p = reinterpret_cast<const unsigned char*>(b.data());
-  uLong c = ::crc32(0L, Z_NULL, 0);
-  for (size_t off = 0; off < b.size(); off += 1u << 30)  // zlib's length is uInt
-    c = ::crc32(c, p + off, static_cast<uInt>(std::min<size_t>(b.size() - off, 1u << 30)));
-  crc32_ = static_cast<uint32_t>(c);
+  crc32_ = crc32_update(0, p, b.size());
   train_.resize(h_.n_train);
   val_.resize(h_.n_val);
   for (uint64_t i = 0; i < h_.n_train; ++i) train_[i] = get<uint16_t>(p + 64 + 2 * i);

@@ -8,7 +8,6 @@
 #include <hdf5.h>
 #include <mpi.h>
 #include <unistd.h>
-#include <zlib.h>
 
 #include <algorithm>
 #include <chrono>
@@ -141,10 +140,7 @@ H5Id open_local(const std::string& path, std::string* why) {
 constexpr const char* kMetaTable = "metadata_crc32";
 constexpr const char* kMetaTableCheck = "metadata_crc32_check";
 
-uint32_t crc32_bytes(const std::string& b) {
-  uLong c = crc32(0L, Z_NULL, 0);
-  return static_cast<uint32_t>(crc32(c, reinterpret_cast<const Bytef*>(b.data()), static_cast<uInt>(b.size())));
-}
+uint32_t crc32_bytes(const std::string& b) { return crc32_update(0, b.data(), b.size()); }
 template <typename U> void put_le(std::string& b, U v) {
   for (size_t i = 0; i < sizeof(U); ++i) b.push_back(static_cast<char>((static_cast<uint64_t>(v) >> (8 * i)) & 0xff));
 }
@@ -294,18 +290,7 @@ void write_small(Comm& comm, hid_t grp, const char* name, hid_t ftype, hid_t mty
   chk(H5Dwrite(d, mtype, msp, fsp, dxpl, data), std::string("write dataset ") + name, 0);
 }
 
-uint32_t crc32_of(const float* p, size_t n) {
-  uLong c = crc32(0L, Z_NULL, 0);
-  const Bytef* b = reinterpret_cast<const Bytef*>(p);
-  size_t bytes = n * sizeof(float);
-  while (bytes > 0) {  // zlib's length is uInt
-    uInt chunk = static_cast<uInt>(std::min<size_t>(bytes, 1u << 30));
-    c = crc32(c, b, chunk);
-    b += chunk;
-    bytes -= chunk;
-  }
-  return static_cast<uint32_t>(c);
-}
+uint32_t crc32_of(const float* p, size_t n) { return crc32_update(0, p, n * sizeof(float)); }
 
 void fsync_path(const std::string& p, bool dir) {
   int fd = ::open(p.c_str(), dir ? O_RDONLY | O_DIRECTORY : O_RDONLY);

@@ -1,14 +1,27 @@
-// write_file_atomic: temp file, flush, optional fsync, rename.
+// write_file_atomic: temp file, flush, optional fsync, rename; crc32_update: zlib in pieces.
 #include "shardtrain/files.h"
 
 #include <fcntl.h>
 #include <unistd.h>
+#include <zlib.h>
 
 #include <cstdio>
 #include <filesystem>
 #include <stdexcept>
 
 namespace shardtrain {
+
+uint32_t crc32_update(uint32_t crc, const void* p, size_t bytes) {
+  uLong c = crc;
+  const Bytef* b = static_cast<const Bytef*>(p);
+  while (bytes > 0) {
+    const uInt chunk = static_cast<uInt>(bytes < (size_t{1} << 30) ? bytes : (size_t{1} << 30));
+    c = ::crc32(c, b, chunk);
+    b += chunk;
+    bytes -= chunk;
+  }
+  return static_cast<uint32_t>(c);
+}
 
 void write_file_atomic(const std::string& path, const std::string& bytes, bool durable, const std::string& what) {
   const std::string tmp = path + ".tmp";

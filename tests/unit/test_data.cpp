@@ -8,6 +8,7 @@
 #include <string>
 
 #include "shardtrain/data.h"
+#include "shardtrain/files.h"
 
 using namespace shardtrain;
 
@@ -144,4 +145,13 @@ TEST(Data, HeaderAloneReadsAndChecksLikeTheDataset) {
       EXPECT_NE(std::string(e.what()).find(file), std::string::npos) << e.what();
     }
   }
+}
+
+// crc32_update against the CRC-32 check value of the standard (ISO-HDLC, zlib's and Python's):
+// CRC32("123456789") = 0xCBF43926; and a buffer taken in two pieces gives the same value.
+TEST(Crc32, CheckValueAndPieces) {
+  const std::string s = "123456789";
+  EXPECT_EQ(shardtrain::crc32_update(0, s.data(), s.size()), 0xCBF43926u);
+  EXPECT_EQ(shardtrain::crc32_update(shardtrain::crc32_update(0, s.data(), 4), s.data() + 4, 5), 0xCBF43926u);
+  EXPECT_EQ(shardtrain::crc32_update(0, s.data(), 0), 0u);
 }
