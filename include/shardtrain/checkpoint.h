@@ -84,6 +84,18 @@ struct CheckpointOptions {
 
 // "step_00000100.h5" for step 100.
 std::string checkpoint_name(int64_t step);
+// True iff `name` has the form of checkpoint_name's result ("step_" + 8 digits + ".h5").
+bool is_checkpoint_name(const std::string& name);
+// The published checkpoints in `dir` (regular files named like checkpoint_name), oldest first;
+// temporary files never match. Empty if `dir` does not exist. Not collective.
+std::vector<std::string> published_checkpoints(const std::string& dir);
+
+// Collective. A run resumed from step `step` (e.g. rolled back after a loss spike) in a directory
+// that holds checkpoints of later steps: those belong to the abandoned continuation. Left in place,
+// --keep-last would prune this run's new checkpoints before them and '--resume auto' could pick
+// them. Rank 0 moves them to "<dir>/abandoned/" (nothing is deleted) and points `latest` at the
+// checkpoint resumed from when it is in `dir`. Throws CollectiveError if a move fails.
+void set_aside_later_checkpoints(Comm& comm, const std::string& dir, int64_t step, const std::string& resumed);
 
 // Collective. Prepares `dir` (option '--checkpoint-dir') for saves: rank 0 creates it and checks it
 // is writable, then writes a probe file there with a fresh name, and every rank checks it sees that

@@ -310,17 +310,6 @@ struct QuietHdf5 {  // shardtrain reports HDF5 failures itself, with the file na
   QuietHdf5() { H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr); }
 };
 
-// Published checkpoints in `dir` ("step_NNNNNNNN.h5"), oldest first. Temporary files never match.
-std::vector<std::string> published_checkpoints(const std::string& dir) {
-  std::vector<std::string> names;
-  std::error_code ec;
-  for (auto& e : fs::directory_iterator(dir, ec)) {
-    std::string n = e.path().filename().string();
-    if (n.size() == 16 && n.rfind("step_", 0) == 0 && n.ends_with(".h5") && e.is_regular_file(ec)) names.push_back(n);
-  }
-  std::sort(names.begin(), names.end());
-  return names;
-}
 
 json segments_json(const std::vector<BatchSegment>& segs) {
   json a = json::array();
@@ -416,6 +405,51 @@ std::string checkpoint_name(int64_t step) {
   char b[64];
   std::snprintf(b, sizeof b, "step_%08lld.h5", static_cast<long long>(step));
   return b;
+}
+
+bool is_checkpoint_name(const std::string& n) {
+  return n.size() == 16 && n.rfind("step_", 0) == 0 && n.ends_with(".h5") &&
+         std::all_of(n.begin() + 5, n.begin() + 13, [](char c) { return c >= '0' && c <= '9'; });
+}
+
+std::vector<std::string> published_checkpoints(const std::string& dir) {
+  std::vector<std::string> names;
+  std::error_code ec;
+  for (auto& e : fs::directory_iterator(dir, ec)) {
+    std::string n = e.path().filename().string();
+    if (is_checkpoint_name(n) && e.is_regular_file(ec)) names.push_back(n);
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+void set_aside_later_checkpoints(Comm& comm, const std::string& dir, int64_t step, const std::string& resumed) {
+  std::string err, moved;
+  if (comm.rank() == 0) {
+    try {
+      std::vector<std::string> later;
+      std::error_code ec;
+      for (const std::string& n : published_checkpoints(dir))
+        if (n > checkpoint_name(step)) later.push_back(n);
+      if (!later.empty()) {
+        const fs::path aside = fs::path(dir) / "abandoned";
+        fs::create_directories(aside);
+        for (auto& n : later) {
+          fs::rename(fs::path(dir) / n, aside / n);
+          moved += (moved.empty() ? "" : ", ") + n;
+        }
+        if (fs::equivalent(fs::path(resumed).parent_path().empty() ? "." : fs::path(resumed).parent_path(), dir, ec))
+          write_file_atomic((fs::path(dir) / "latest").string(), fs::path(resumed).filename().string() + "\n", true);
+      }
+    } catch (const std::exception& e) {
+      err = "moving the later checkpoints of the abandoned run in '" + dir + "' aside: " + e.what();
+    }
+  }
+  all_ok(comm, err.empty(), err);
+  if (!moved.empty())
+    log_info(comm, "note: resumed at step " + std::to_string(step) + " while '" + dir + "' holds checkpoints of later steps " +
+                       "(" + moved + ") from the run that went on from there: moved to '" + dir +
+                       "/abandoned/', so that --keep-last and '--resume auto' follow this run");
 }
 
 std::vector<std::string> architecture_differences(const std::string& ckpt, const std::string& requested) {
@@ -1008,8 +1042,7 @@ std::string resolve_resume(Comm& comm, const std::string& resume, const std::str
           std::string name;
           std::getline(l, name);
           while (!name.empty() && std::isspace(static_cast<unsigned char>(name.back()))) name.pop_back();  // CRLF, blanks
-          const bool well_formed = fs::is_regular_file(latest, ec) && name.size() == 16 && name.rfind("step_", 0) == 0 &&
-                                   name.ends_with(".h5") && name.find('/') == std::string::npos;
+          const bool well_formed = fs::is_regular_file(latest, ec) && is_checkpoint_name(name);
           if (well_formed && fs::is_regular_file(fs::path(dir) / name, ec)) {
             path = (fs::path(dir) / name).string();
           } else if (!(start_over && names.empty())) {

@@ -188,44 +188,6 @@ void check_resume_settings(Comm& comm, const CheckpointInfo& info, const TrainCo
                        now["precision"].get<std::string>() + " (checkpoints hold fp32 master weights and AdamW state)");
 }
 
-// Collective. A run resumed from step `step` (e.g. rolled back after a loss spike) in a directory
-// that holds checkpoints of later steps: those belong to the abandoned continuation. Left in place,
-// --keep-last would prune this run's new checkpoints before them and '--resume auto' could pick
-// them. Rank 0 moves them to "<dir>/abandoned/" (nothing is deleted) and points `latest` at the
-// checkpoint resumed from when it is in `dir`. Throws CollectiveError if a move fails.
-void set_aside_later_checkpoints(Comm& comm, const std::string& dir, int64_t step, const std::string& resumed) {
-  namespace fs = std::filesystem;
-  std::string err, moved;
-  if (comm.rank() == 0) {
-    try {
-      std::vector<std::string> later;
-      std::error_code ec;
-      for (auto& e : fs::directory_iterator(dir, ec)) {
-        const std::string n = e.path().filename().string();
-        if (n.size() == 16 && n.rfind("step_", 0) == 0 && n.ends_with(".h5") && n > checkpoint_name(step)) later.push_back(n);
-      }
-      std::sort(later.begin(), later.end());
-      if (!later.empty()) {
-        const fs::path aside = fs::path(dir) / "abandoned";
-        fs::create_directories(aside);
-        for (auto& n : later) {
-          fs::rename(fs::path(dir) / n, aside / n);
-          moved += (moved.empty() ? "" : ", ") + n;
-        }
-        if (fs::equivalent(fs::path(resumed).parent_path().empty() ? "." : fs::path(resumed).parent_path(), dir, ec))
-          write_file_atomic((fs::path(dir) / "latest").string(), fs::path(resumed).filename().string() + "\n", true);
-      }
-    } catch (const std::exception& e) {
-      err = "moving the later checkpoints of the abandoned run in '" + dir + "' aside: " + e.what();
-    }
-  }
-  all_ok(comm, err.empty(), err);
-  if (!moved.empty())
-    log_info(comm, "note: resumed at step " + std::to_string(step) + " while '" + dir + "' holds checkpoints of later steps " +
-                       "(" + moved + ") from the run that went on from there: moved to '" + dir +
-                       "/abandoned/', so that --keep-last and '--resume auto' follow this run");
-}
-
 // Rank 0, before a resumed run (or a start-over) appends to its metrics file: keeps the rows of
 // steps <= `step` and moves the others (written after the checkpoint it resumes from, by a run
 // that then crashed or was stopped; and any torn last line) to "<path>.discarded", so that no step
@@ -338,13 +300,10 @@ static TrainResult train_in(Engine& eng, const ModelConfig& mc, const TrainConfi
     std::string err;
     if (rank == 0 && tc.resume.empty() && !tc.checkpoint_dir.empty()) {
       std::error_code ec;
-      for (auto& e : std::filesystem::directory_iterator(tc.checkpoint_dir, ec))
-        if (e.path().extension() == ".h5" && e.path().filename().string().rfind("step_", 0) == 0) {
-          err = "checkpoint directory '" + tc.checkpoint_dir + "' already holds checkpoints (" +
-                e.path().filename().string() + ", ...): pass '--resume auto' to continue that run, or use another "
-                "'--checkpoint-dir'";
-          break;
-        }
+      const std::vector<std::string> names = published_checkpoints(tc.checkpoint_dir);
+      if (!names.empty())
+        err = "checkpoint directory '" + tc.checkpoint_dir + "' already holds checkpoints (" + names.front() +
+              ", ...): pass '--resume auto' to continue that run, or use another '--checkpoint-dir'";
       if (err.empty() && !tc.start_over && std::filesystem::exists(std::filesystem::path(tc.checkpoint_dir) / "latest", ec))
         err = "checkpoint directory '" + tc.checkpoint_dir + "' holds the 'latest' pointer of an earlier run but none of "
               "its checkpoints: pass '--start-over' to start again from step 0 there, or use another '--checkpoint-dir'";
