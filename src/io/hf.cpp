@@ -345,9 +345,12 @@ void import_hf(Comm& comm, const std::string& hf_dir, const std::string& out_pat
   // Config: rank 0 alone resolves it, as for training.
   const std::string config_path = (fs::path(hf_dir) / "config.json").string();
   ModelConfig mc = resolve_model_config(comm, config_path);
+  std::string data_info = "null";  // the checkpoint's record of the token file, as training writes it
   if (!data_path.empty()) {  // as training does: every rank reads the token file's header itself
     TokenFileHeader h;
     agree(comm, [&] { h = read_token_file_header(data_path); });
+    data_info = nlohmann::json{{"path", data_path}, {"tokenizer", h.tokenizer}, {"vocab_size", h.vocab_size},
+                     {"bos_id", h.bos_id}, {"eos_id", h.eos_id}}.dump();
     take_special_ids_from_data(comm, mc, "model config '" + config_path + "'",
                                DataSpecialIds{"token file '" + data_path + "'", h.vocab_size, h.bos_id, h.eos_id});
   }
@@ -448,8 +451,9 @@ void import_hf(Comm& comm, const std::string& hf_dir, const std::string& out_pat
   TrainConfig tc;
   AdamW<float> opt(f, tc);
   const std::string tmp = out_path + ".tmp";
-  TrainState st;  // step 0: no batch history, no token file
+  TrainState st;  // step 0: no batch history
   st.seed = tc.seed;
+  st.data_info = data_info;
   st.saved_world_size = comm.world_size();
   write_checkpoint_file(comm, tmp, f, opt, mc, tc, st);
   std::string err;

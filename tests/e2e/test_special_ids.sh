@@ -91,6 +91,7 @@ run import_noids_data $MPIRUN -np 2 "$BIN" --mode import --hf-dir "$WORK/hf_noid
 has import_noids_data "note: model config '$WORK/hf_noids/config.json' has no bos_token_id; using $BOS, the bos_id of token file '$DATA'"
 run inspect_noids_data "$BIN" --mode inspect "$WORK/noids_data.h5"
 has inspect_noids_data "\"bos_token_id\":$BOS,\"eos_token_id\":$EOS,"
+has inspect_noids_data "data {\"bos_id\":$BOS,\"eos_id\":$EOS,\"path\":\"$DATA\",\"tokenizer\":\"byte-level\""  # recorded for export
 expect_fail import_conflict "model config '$WORK/hf_llama_ids/config.json' has bos_token_id 1, but token file '$DATA' has bos_id $BOS" \
   2 --mode import --hf-dir "$WORK/hf_llama_ids" --out "$WORK/x.h5" --data "$DATA"
 [ ! -e "$WORK/x.h5" ] || fail "a refused import left a checkpoint behind"
