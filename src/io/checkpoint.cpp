@@ -372,13 +372,19 @@ void agree_on_file(Comm& comm, const std::string& path, const FileView& v) {
                                               rank_list(good) + " read it without error" + hint + "; " + rank_list({failed.front()}) +
                                               ": " + why);
   }
-  std::map<std::pair<uint64_t, int64_t>, std::vector<int>> by_view;
-  for (int r = 0; r < W; ++r) by_view[{digest(r), step(r)}].push_back(r);
+  // Groups of ranks with the same view, in order of their lowest rank (rank 0's group first).
+  std::vector<std::pair<std::pair<uint64_t, int64_t>, std::vector<int>>> by_view;
+  for (int r = 0; r < W; ++r) {
+    const std::pair<uint64_t, int64_t> k{digest(r), step(r)};
+    auto it = std::find_if(by_view.begin(), by_view.end(), [&](auto& g) { return g.first == k; });
+    if (it == by_view.end()) by_view.push_back({k, {r}});
+    else it->second.push_back(r);
+  }
   std::string views;
   std::vector<int> odd;
   for (auto& [k, rs] : by_view) {
     views += (views.empty() ? "" : ", ") + rank_list(rs) + " read step " + std::to_string(k.second);
-    if (k != std::make_pair(digest(0), step(0))) odd.insert(odd.end(), rs.begin(), rs.end());
+    if (&rs != &by_view.front().second) odd.insert(odd.end(), rs.begin(), rs.end());
   }
   std::sort(odd.begin(), odd.end());
   throw CollectiveError(odd.front(), who + " has different contents on different ranks (" + views + ", " +
