@@ -102,7 +102,7 @@ void run_train(Comm& comm, const Topology& topo, const Options& o) {
       if (prec == Precision::BF16) be16 = make_cuda_backend<bf16>(*ctx);
       if (!dp.nccl) dcomm = make_staged_comm(comm, *ctx);
     } else {
-      set_blas_threads(threads);
+      set_cpu_threads(threads);
       be = make_cpu_backend<float>();
       if (prec == Precision::BF16) be16 = make_cpu_backend<bf16>();
     }

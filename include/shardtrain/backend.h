@@ -118,13 +118,19 @@ template <typename T> class Backend {
                      int64_t step) = 0;
 };
 
-// OpenBLAS + loops. Not thread-safe per instance; one per rank. T = float, double or bf16 (bf16
-// GEMMs convert their operands to float, call sgemm and round the result once: slow, for tests
-// and as the reference of the CUDA bf16 path).
+// OpenBLAS + loops, run on the rank's OpenMP threads (set_cpu_threads). Results are bitwise the
+// same for every thread count: work is cut by shape, never by thread count, and sums are taken in
+// a fixed order (see cpu_backend.cpp). Not thread-safe per instance: call from one thread; one
+// backend per rank. T = float, double or bf16 (bf16 GEMMs convert their operands to float, call
+// sgemm and round the result once, on the calling thread: slow, for tests and as the reference of
+// the CUDA bf16 path).
 template <typename T> std::unique_ptr<Backend<T>> make_cpu_backend();
 
-// Sets OpenBLAS's thread count (per process). 0 = leave as is.
-void set_blas_threads(int n);
+// Sets the number of threads the CPU backend uses inside this process (OpenMP), n >= 1; 0 leaves it
+// as is. OpenBLAS is set to 1 thread: the backend calls it from its own threads, one call per tile.
+void set_cpu_threads(int n);
+// The thread count the CPU backend uses now.
+int cpu_threads();
 
 // RAII array of n elements of E in a backend's memory, from Alloc and returned by Free. Move-only.
 template <typename T, typename E, E* (Backend<T>::*Alloc)(size_t), void (Backend<T>::*Free)(E*)>

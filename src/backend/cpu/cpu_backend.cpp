@@ -1,7 +1,18 @@
 // CPU backend: OpenBLAS for GEMM, plain loops for everything else. The per-element math comes from
 // ops_math.h, shared with the CUDA kernels. Loops are written so the compiler can vectorize them;
 // reductions accumulate in double where a long sum would otherwise lose precision.
+//
+// Threads inside a rank (OpenMP, count set by set_cpu_threads). Every kernel splits its work into
+// pieces whose boundaries depend only on the shapes, never on the thread count, and every sum is
+// taken in one fixed order, so results are bitwise the same with 1, 2 or 64 threads:
+//  - GEMM: C is cut into fixed tiles (gemm_tiles), each computed by one single-threaded sgemm call
+//    (PyTorch's intra-op parallelism does the same with its own kernels); batched GEMMs run whole
+//    batch entries side by side. OpenBLAS itself runs single-threaded.
+//  - Row-wise kernels (RMSNorm, softmax, cross-entropy, RoPE, embedding) split rows; elementwise
+//    kernels split ranges. Column sums (RMSNorm's dw, the embedding gradient) split columns and sum
+//    the rows of each column in order; sum_squares and the loss add fixed-size partials in order.
 #include <cblas.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -17,6 +28,46 @@
 namespace shardtrain {
 namespace {
 
+// Work below this many elements (or multiply-adds for GEMM tiles) runs on the calling thread: an
+// OpenMP fork/join costs about a microsecond, as much as a few thousand flops.
+constexpr size_t kGrain = 16384;
+constexpr size_t kSumChunk = 4096;  // sum_squares partials: fixed length, summed in order
+
+// Runs fn(begin, end) over [0, n) in pieces of `grain` on the rank's threads, or once on the calling
+// thread when there is a single piece or a single thread. Only for work whose result does not
+// depend on how [0, n) is cut (each index written by exactly one piece).
+template <typename F> void par_ranges(size_t n, size_t grain, F&& fn) {
+  if (n == 0) return;
+  const size_t pieces = (n + grain - 1) / grain;
+  if (pieces <= 1 || omp_get_max_threads() == 1 || omp_in_parallel()) {
+    fn(size_t(0), n);
+    return;
+  }
+#pragma omp parallel for schedule(static)
+  for (size_t p = 0; p < pieces; ++p) fn(p * grain, std::min(n, (p + 1) * grain));
+}
+
+// Grain (in rows) so that a piece of rows of `row_cost` elements each is about kGrain elements.
+inline size_t row_grain(size_t row_cost) { return std::max<size_t>(1, kGrain / std::max<size_t>(1, row_cost)); }
+
+// Fixed GEMM tiling: C[M, N] is cut into mt x nt tiles of mc x nc (edge tiles smaller). The cut
+// depends on (M, N, K) only, so each element of C comes from the same sgemm call, in the same
+// order of K, whatever the thread count. M is cut first (a tile of rows re-packs only op(B)'s
+// panel), in multiples of 16 rows (the AVX-512 sgemm micro-kernel's height); N only when M runs out.
+struct GemmTiles {
+  int mc, nc, mt, nt;
+};
+inline GemmTiles gemm_tiles(int M, int N, int K) {
+  constexpr double kMinTileMacs = 1 << 18;  // ~10 us of one core: tiles below this cost more than they save
+  constexpr int kMaxTiles = 16, kQ = 16;
+  const double macs = static_cast<double>(M) * N * K;
+  const int tiles = static_cast<int>(std::clamp(macs / kMinTileMacs, 1.0, static_cast<double>(kMaxTiles)));
+  const int mb = (M + kQ - 1) / kQ, nb = (N + kQ - 1) / kQ;
+  const int mt0 = std::min(mb, tiles), nt0 = std::min(nb, std::max(1, tiles / mt0));
+  const int mc = ((mb + mt0 - 1) / mt0) * kQ, nc = ((nb + nt0 - 1) / nt0) * kQ;
+  return {mc, nc, (M + mc - 1) / mc, (N + nc - 1) / nc};
+}
+
 // Every kernel loads stored elements with math::ld into the arithmetic type A (float for bf16),
 // computes in A and stores once with math::st<T>. For float and double both are the identity, so
 // those loops compile to what they would be without the indirection.
@@ -28,8 +79,16 @@ template <typename T> class CpuBackend final : public Backend<T> {
 
   T* alloc(size_t n) override { return static_cast<T*>(aligned_zeroed(n * sizeof(T))); }
   void free(T* p) override { std::free(p); }
-  void zero(T* p, size_t n) override { std::memset(p, 0, n * sizeof(T)); }
-  void copy(T* d, const T* s, size_t n) override { if (n) std::memmove(d, s, n * sizeof(T)); }
+  void zero(T* p, size_t n) override {
+    par_ranges(n, 16 * kGrain, [&](size_t b, size_t e) { std::memset(p + b, 0, (e - b) * sizeof(T)); });
+  }
+  void copy(T* d, const T* s, size_t n) override {
+    if (n == 0 || d == s) return;
+    if (d + n <= s || s + n <= d)  // disjoint: pieces may run side by side
+      par_ranges(n, 16 * kGrain, [&](size_t b, size_t e) { std::memcpy(d + b, s + b, (e - b) * sizeof(T)); });
+    else
+      std::memmove(d, s, n * sizeof(T));
+  }
   void to_host(T* h, const T* s, size_t n) override { copy(h, s, n); }
   void from_host(T* d, const T* h, size_t n) override { copy(d, h, n); }
   int32_t* alloc_ids(size_t n) override { return static_cast<int32_t*>(aligned_zeroed(n * sizeof(int32_t))); }
@@ -38,58 +97,94 @@ template <typename T> class CpuBackend final : public Backend<T> {
   void synchronize() override {}
 
   void from_f32(T* d, const float* s, size_t n) override {
-    for (size_t i = 0; i < n; ++i) d[i] = math::st<T>(static_cast<A>(s[i]));
+    par_ranges(n, kGrain, [&](size_t b, size_t e) {
+      for (size_t i = b; i < e; ++i) d[i] = math::st<T>(static_cast<A>(s[i]));
+    });
   }
   void add_to_f32(float* d, float alpha, const T* s, size_t n) override {
-    for (size_t i = 0; i < n; ++i) d[i] += alpha * static_cast<float>(math::ld(s[i]));
+    par_ranges(n, kGrain, [&](size_t b, size_t e) {
+      for (size_t i = b; i < e; ++i) d[i] += alpha * static_cast<float>(math::ld(s[i]));
+    });
   }
 
   void gemm(bool ta, bool tb, int M, int N, int K, S alpha, const T* Am, int lda, const T* B, int ldb, S beta,
             T* C, int ldc) override {
     if (M == 0 || N == 0) return;
-    auto TA = ta ? CblasTrans : CblasNoTrans;
-    auto TB = tb ? CblasTrans : CblasNoTrans;
-    if constexpr (std::is_same_v<T, float>) {
-      cblas_sgemm(CblasRowMajor, TA, TB, M, N, K, alpha, Am, lda, B, ldb, beta, C, ldc);
-    } else if constexpr (std::is_same_v<T, double>) {
-      cblas_dgemm(CblasRowMajor, TA, TB, M, N, K, alpha, Am, lda, B, ldb, beta, C, ldc);
+    if constexpr (!std::is_same_v<T, A>) {  // bf16: one widened sgemm on the calling thread (tests only)
+      gemm_bf16(ta, tb, M, N, K, alpha, Am, lda, B, ldb, beta, C, ldc);
     } else {
-      // bf16: widen the operands to float, sgemm (fp32 accumulation, as cuBLAS with
-      // CUBLAS_COMPUTE_32F), round the result once.
-      const int ra = ta ? K : M, ca = ta ? M : K, rb = tb ? N : K, cb = tb ? K : N;
-      widen(fa_, Am, ra, ca, lda);
-      widen(fb_, B, rb, cb, ldb);
-      if (beta != 0.0f) widen(fc_, C, M, N, ldc);
-      else fc_.assign(static_cast<size_t>(M) * N, 0.0f);
-      cblas_sgemm(CblasRowMajor, TA, TB, M, N, K, alpha, fa_.data(), ca, fb_.data(), cb, beta, fc_.data(), N);
-      for (int i = 0; i < M; ++i)
-        for (int j = 0; j < N; ++j) C[static_cast<size_t>(i) * ldc + j] = math::st<T>(fc_[static_cast<size_t>(i) * N + j]);
+      const GemmTiles g = gemm_tiles(M, N, K);
+      const int tiles = g.mt * g.nt;
+      auto tile = [&](int t) {
+        const int i0 = (t / g.nt) * g.mc, j0 = (t % g.nt) * g.nc;
+        const int m = std::min(g.mc, M - i0), n = std::min(g.nc, N - j0);
+        const T* a = ta ? Am + i0 : Am + static_cast<size_t>(i0) * lda;  // rows i0.. of op(A)
+        const T* b = tb ? B + static_cast<size_t>(j0) * ldb : B + j0;    // columns j0.. of op(B)
+        gemm1(ta, tb, m, n, K, alpha, a, lda, b, ldb, beta, C + static_cast<size_t>(i0) * ldc + j0, ldc);
+      };
+      if (tiles == 1 || omp_get_max_threads() == 1 || omp_in_parallel()) {
+        for (int t = 0; t < tiles; ++t) tile(t);
+      } else {
+#pragma omp parallel for schedule(dynamic, 1)
+        for (int t = 0; t < tiles; ++t) tile(t);
+      }
     }
   }
 
+  // Batch entries run side by side, each one single-threaded GEMM call (entries write distinct C).
   void gemm_strided_batched(bool ta, bool tb, int M, int N, int K, S alpha, const T* Am, int lda, int64_t sa,
                             const T* B, int ldb, int64_t sb, S beta, T* C, int ldc, int64_t sc, int batch) override {
-    for (int i = 0; i < batch; ++i) gemm(ta, tb, M, N, K, alpha, Am + i * sa, lda, B + i * sb, ldb, beta, C + i * sc, ldc);
+    if constexpr (!std::is_same_v<T, A>) {
+      for (int i = 0; i < batch; ++i)
+        gemm_bf16(ta, tb, M, N, K, alpha, Am + i * sa, lda, B + i * sb, ldb, beta, C + i * sc, ldc);
+    } else {
+      const double macs = static_cast<double>(M) * N * K * batch;
+      auto one = [&](int i) { gemm1(ta, tb, M, N, K, alpha, Am + i * sa, lda, B + i * sb, ldb, beta, C + i * sc, ldc); };
+      if (batch == 1 || macs < kGrain * 16.0 || omp_get_max_threads() == 1 || omp_in_parallel()) {
+        for (int i = 0; i < batch; ++i) one(i);
+      } else {
+#pragma omp parallel for schedule(dynamic, 1)
+        for (int i = 0; i < batch; ++i) one(i);
+      }
+    }
   }
 
   void axpy(size_t n, S alpha, const T* x, T* y) override {
-    for (size_t i = 0; i < n; ++i) y[i] = math::st<T>(math::ld(y[i]) + alpha * math::ld(x[i]));
+    par_ranges(n, kGrain, [&](size_t b, size_t e) {
+      for (size_t i = b; i < e; ++i) y[i] = math::st<T>(math::ld(y[i]) + alpha * math::ld(x[i]));
+    });
   }
   void scale(size_t n, S alpha, T* x) override {
-    for (size_t i = 0; i < n; ++i) x[i] = math::st<T>(alpha * math::ld(x[i]));
+    par_ranges(n, kGrain, [&](size_t b, size_t e) {
+      for (size_t i = b; i < e; ++i) x[i] = math::st<T>(alpha * math::ld(x[i]));
+    });
   }
+  // Partial sums over fixed chunks of kSumChunk elements, added in chunk order.
   double sum_squares(const T* x, size_t n) override {
+    const size_t chunks = (n + kSumChunk - 1) / kSumChunk;
+    part_.assign(chunks, 0.0);
+    par_ranges(chunks, row_grain(kSumChunk), [&](size_t cb, size_t ce) {
+      for (size_t c = cb; c < ce; ++c) {
+        double s = 0;
+        for (size_t i = c * kSumChunk, e = std::min(n, (c + 1) * kSumChunk); i < e; ++i) {
+          const double v = static_cast<double>(math::ld(x[i]));
+          s += v * v;
+        }
+        part_[c] = s;
+      }
+    });
     double s = 0;
-    for (size_t i = 0; i < n; ++i) {
-      double v = static_cast<double>(math::ld(x[i]));
-      s += v * v;
-    }
+    for (double p : part_) s += p;
     return s;
   }
 
   void embedding_forward(T* out, const int32_t* tok, const T* table, int N, int C) override {
-    for (int i = 0; i < N; ++i) std::memcpy(out + static_cast<size_t>(i) * C, table + static_cast<size_t>(tok[i]) * C, C * sizeof(T));
+    par_ranges(static_cast<size_t>(N), row_grain(C), [&](size_t b, size_t e) {
+      for (size_t i = b; i < e; ++i)
+        std::memcpy(out + i * C, table + static_cast<size_t>(tok[i]) * C, C * sizeof(T));
+    });
   }
+  // Column ranges side by side; within a column, positions are added in order 0..N-1.
   void embedding_backward(T* dtable, const int32_t* tok, const T* dout, int N, int C) override {
     if constexpr (!std::is_same_v<T, A>) {  // bf16: sum each token's rows in float, round once
       order_.resize(static_cast<size_t>(N));
@@ -106,45 +201,64 @@ template <typename T> class CpuBackend final : public Backend<T> {
         }
         for (int c = 0; c < C; ++c) row[c] = math::st<T>(row_[static_cast<size_t>(c)]);
       }
-      return;
-    }
-    for (int i = 0; i < N; ++i) {
-      T* row = dtable + static_cast<size_t>(tok[i]) * C;
-      const T* d = dout + static_cast<size_t>(i) * C;
-      for (int c = 0; c < C; ++c) row[c] = math::st<T>(math::ld(row[c]) + math::ld(d[c]));
+    } else {
+      par_ranges(static_cast<size_t>(C), col_grain(N), [&](size_t cb, size_t ce) {
+        for (int i = 0; i < N; ++i) {
+          T* row = dtable + static_cast<size_t>(tok[i]) * C;
+          const T* d = dout + static_cast<size_t>(i) * C;
+          for (size_t c = cb; c < ce; ++c) row[c] += d[c];
+        }
+      });
     }
   }
 
   void rmsnorm_forward(T* out, T* rstd, const T* x, const T* w, int N, int C, S eps) override {
-    for (int i = 0; i < N; ++i) {
-      const T* xi = x + static_cast<size_t>(i) * C;
-      T* oi = out + static_cast<size_t>(i) * C;
-      A ss = 0;
-      for (int c = 0; c < C; ++c) ss += math::ld(xi[c]) * math::ld(xi[c]);
-      A r = math::rmsnorm_rstd(ss, C, eps);
-      for (int c = 0; c < C; ++c) oi[c] = math::st<T>(math::ld(xi[c]) * r * math::ld(w[c]));
-      rstd[i] = math::st<T>(r);
-    }
+    par_ranges(static_cast<size_t>(N), row_grain(C), [&](size_t b, size_t e) {
+      for (size_t i = b; i < e; ++i) {
+        const T* xi = x + i * C;
+        T* oi = out + i * C;
+        A ss = 0;
+        for (int c = 0; c < C; ++c) ss += math::ld(xi[c]) * math::ld(xi[c]);
+        A r = math::rmsnorm_rstd(ss, C, eps);
+        for (int c = 0; c < C; ++c) oi[c] = math::st<T>(math::ld(xi[c]) * r * math::ld(w[c]));
+        rstd[i] = math::st<T>(r);
+      }
+    });
   }
   // y = x r w, r = (mean(x^2)+eps)^-1/2.  dx = r (w*dy) - x r^3 / C * sum(w*dy*x).
+  // dx: rows side by side. dw: column ranges side by side, rows added in order.
   void rmsnorm_backward(T* dx, T* dw, const T* dout, const T* x, const T* w, const T* rstd, int N, int C) override {
-    if constexpr (!std::is_same_v<T, A>) dwacc_.assign(static_cast<size_t>(C), A(0));
-    for (int i = 0; i < N; ++i) {
-      const T* xi = x + static_cast<size_t>(i) * C;
-      const T* di = dout + static_cast<size_t>(i) * C;
-      T* dxi = dx + static_cast<size_t>(i) * C;
-      A r = math::ld(rstd[i]);
-      A dot = 0;
-      for (int c = 0; c < C; ++c) dot += math::ld(w[c]) * math::ld(di[c]) * math::ld(xi[c]);
-      A k = math::rmsnorm_k(dot, r, C);
-      for (int c = 0; c < C; ++c) {
-        dxi[c] = math::st<T>(math::ld(dxi[c]) + math::rmsnorm_dx(r, math::ld(w[c]), math::ld(di[c]), k, math::ld(xi[c])));
-        if constexpr (std::is_same_v<T, A>) dw[c] += di[c] * xi[c] * r;
-        else dwacc_[c] += math::ld(di[c]) * math::ld(xi[c]) * r;
+    par_ranges(static_cast<size_t>(N), row_grain(C), [&](size_t b, size_t e) {
+      for (size_t i = b; i < e; ++i) {
+        const T* xi = x + i * C;
+        const T* di = dout + i * C;
+        T* dxi = dx + i * C;
+        A r = math::ld(rstd[i]);
+        A dot = 0;
+        for (int c = 0; c < C; ++c) dot += math::ld(w[c]) * math::ld(di[c]) * math::ld(xi[c]);
+        A k = math::rmsnorm_k(dot, r, C);
+        for (int c = 0; c < C; ++c)
+          dxi[c] = math::st<T>(math::ld(dxi[c]) + math::rmsnorm_dx(r, math::ld(w[c]), math::ld(di[c]), k, math::ld(xi[c])));
       }
-    }
-    if constexpr (!std::is_same_v<T, A>)  // bf16: sum the rows in float, round once
-      for (int c = 0; c < C; ++c) dw[c] = math::st<T>(math::ld(dw[c]) + dwacc_[c]);
+    });
+    par_ranges(static_cast<size_t>(C), col_grain(N), [&](size_t cb, size_t ce) {
+      const size_t nc = ce - cb;
+      // float/double: dw[c] += row terms, in row order. bf16: the rows' sum in float, added once.
+      std::vector<A> acc(nc, A(0));
+      if constexpr (std::is_same_v<T, A>)
+        for (size_t c = 0; c < nc; ++c) acc[c] = dw[cb + c];
+      for (int i = 0; i < N; ++i) {
+        const T* xi = x + static_cast<size_t>(i) * C + cb;
+        const T* di = dout + static_cast<size_t>(i) * C + cb;
+        const A r = math::ld(rstd[i]);
+        if constexpr (std::is_same_v<T, A>)
+          for (size_t c = 0; c < nc; ++c) acc[c] += di[c] * xi[c] * r;
+        else
+          for (size_t c = 0; c < nc; ++c) acc[c] += math::ld(di[c]) * math::ld(xi[c]) * r;
+      }
+      for (size_t c = 0; c < nc; ++c)
+        dw[cb + c] = std::is_same_v<T, A> ? math::st<T>(acc[c]) : math::st<T>(math::ld(dw[cb + c]) + acc[c]);
+    });
   }
 
   void rope_forward(T* x, const T* cs, const T* sn, int B, int T_, int H, int HD) override {
@@ -155,11 +269,13 @@ template <typename T> class CpuBackend final : public Backend<T> {
   }
 
   void softmax_causal_forward(T* att, int R, int T_, S scale) override {
-    row_.resize(static_cast<size_t>(T_));
-    for (int r = 0; r < R; ++r) {
-      for (int t = 0; t < T_; ++t) {
-        T* row = att + (static_cast<size_t>(r) * T_ + t) * T_;
-        A* e = std::is_same_v<T, A> ? reinterpret_cast<A*>(row) : row_.data();  // in place for float/double
+    const size_t rows = static_cast<size_t>(R) * T_;
+    par_ranges(rows, row_grain(T_), [&](size_t rb, size_t re) {
+      std::vector<A> tmp(std::is_same_v<T, A> ? 0 : static_cast<size_t>(T_));
+      for (size_t rr = rb; rr < re; ++rr) {
+        const int t = static_cast<int>(rr % T_);
+        T* row = att + rr * T_;
+        A* e = std::is_same_v<T, A> ? reinterpret_cast<A*>(row) : tmp.data();  // in place for float/double
         A mx = math::ld(row[0]) * scale;
         for (int s = 1; s <= t; ++s) mx = math::ld(row[s]) * scale > mx ? math::ld(row[s]) * scale : mx;
         for (int s = 0; s <= t; ++s) e[s] = math::st_exp(math::ld(row[s]) * scale - mx);  // vectorized
@@ -169,76 +285,118 @@ template <typename T> class CpuBackend final : public Backend<T> {
         for (int s = 0; s <= t; ++s) row[s] = math::st<T>(e[s] * inv);
         for (int s = t + 1; s < T_; ++s) row[s] = math::st<T>(A(0));
       }
-    }
+    });
   }
   // p = softmax(scale*z): dz = scale * p * (dp - sum(p*dp)).
   void softmax_causal_backward(T* datt, const T* att, int R, int T_, S scale) override {
-    for (int r = 0; r < R; ++r) {
-      for (int t = 0; t < T_; ++t) {
-        size_t o = (static_cast<size_t>(r) * T_ + t) * T_;
-        T* d = datt + o;
-        const T* p = att + o;
+    const size_t rows = static_cast<size_t>(R) * T_;
+    par_ranges(rows, row_grain(T_), [&](size_t rb, size_t re) {
+      for (size_t rr = rb; rr < re; ++rr) {
+        const int t = static_cast<int>(rr % T_);
+        T* d = datt + rr * T_;
+        const T* p = att + rr * T_;
         A dot = 0;
         for (int s = 0; s <= t; ++s) dot += math::ld(p[s]) * math::ld(d[s]);
         for (int s = 0; s <= t; ++s) d[s] = math::st<T>(math::softmax_grad(math::ld(p[s]), math::ld(d[s]), dot, scale));
         for (int s = t + 1; s < T_; ++s) d[s] = math::st<T>(A(0));
       }
-    }
+    });
   }
 
   void swiglu_forward(T* h, const T* g, const T* u, size_t n) override {
-    for (size_t i = 0; i < n; ++i) h[i] = math::st<T>(math::swiglu(math::ld(g[i]), math::ld(u[i])));
+    par_ranges(n, kGrain, [&](size_t b, size_t e) {
+      for (size_t i = b; i < e; ++i) h[i] = math::st<T>(math::swiglu(math::ld(g[i]), math::ld(u[i])));
+    });
   }
   void swiglu_backward(T* dg, T* du, const T* dh, const T* g, const T* u, size_t n) override {
-    for (size_t i = 0; i < n; ++i) {
-      A a, b;
-      math::swiglu_backward(math::ld(g[i]), math::ld(u[i]), math::ld(dh[i]), &a, &b);
-      dg[i] = math::st<T>(a);
-      du[i] = math::st<T>(b);
-    }
+    par_ranges(n, kGrain, [&](size_t b, size_t e) {
+      for (size_t i = b; i < e; ++i) {
+        A a, c;
+        math::swiglu_backward(math::ld(g[i]), math::ld(u[i]), math::ld(dh[i]), &a, &c);
+        dg[i] = math::st<T>(a);
+        du[i] = math::st<T>(c);
+      }
+    });
   }
 
+  // Rows side by side; the per-row losses are added in row order.
   double cross_entropy(T* dlogits, const T* logits, const int32_t* tgt, int N, int V, S grad_scale) override {
-    double total = 0;
     const bool inplace = std::is_same_v<T, A> && dlogits != nullptr;
-    if (!inplace) row_.resize(static_cast<size_t>(V));
-    for (int i = 0; i < N; ++i) {
-      const T* l = logits + static_cast<size_t>(i) * V;
-      A* e = inplace ? reinterpret_cast<A*>(dlogits + static_cast<size_t>(i) * V) : row_.data();  // may alias l
-      A mx = math::ld(l[0]);
-      for (int v = 1; v < V; ++v) mx = math::ld(l[v]) > mx ? math::ld(l[v]) : mx;
-      const A lt = math::ld(l[tgt[i]]);  // read before e overwrites it
-      for (int v = 0; v < V; ++v) e[v] = math::st_exp(math::ld(l[v]) - mx);  // vectorized
-      A sum = 0;
-      for (int v = 0; v < V; ++v) sum += e[v];
-      total += static_cast<double>(mx + std::log(sum) - lt);
-      if (dlogits) {
-        T* d = dlogits + static_cast<size_t>(i) * V;
-        const A k = grad_scale / sum, et = e[tgt[i]];  // e may be d: keep the target's value
-        for (int v = 0; v < V; ++v) d[v] = math::st<T>(e[v] * k);
-        d[tgt[i]] = math::st<T>(et * k - grad_scale);
+    part_.assign(static_cast<size_t>(N), 0.0);
+    par_ranges(static_cast<size_t>(N), row_grain(V), [&](size_t rb, size_t re) {
+      std::vector<A> tmp(inplace ? 0 : static_cast<size_t>(V));
+      for (size_t i = rb; i < re; ++i) {
+        const T* l = logits + i * V;
+        A* e = inplace ? reinterpret_cast<A*>(dlogits + i * V) : tmp.data();  // may alias l
+        A mx = math::ld(l[0]);
+        for (int v = 1; v < V; ++v) mx = math::ld(l[v]) > mx ? math::ld(l[v]) : mx;
+        const A lt = math::ld(l[tgt[i]]);  // read before e overwrites it
+        for (int v = 0; v < V; ++v) e[v] = math::st_exp(math::ld(l[v]) - mx);  // vectorized
+        A sum = 0;
+        for (int v = 0; v < V; ++v) sum += e[v];
+        part_[i] = static_cast<double>(mx + std::log(sum) - lt);
+        if (dlogits) {
+          T* d = dlogits + i * V;
+          const A k = grad_scale / sum, et = e[tgt[i]];  // e may be d: keep the target's value
+          for (int v = 0; v < V; ++v) d[v] = math::st<T>(e[v] * k);
+          d[tgt[i]] = math::st<T>(et * k - grad_scale);
+        }
       }
-    }
+    });
+    double total = 0;
+    for (double p : part_) total += p;
     return total;
   }
 
   void adamw(T* p, T* m, T* v, const T* g, size_t n, S lr, S b1, S b2, S eps, S wd, S gs, int64_t step) override {
     A bc1 = A(1) - static_cast<A>(std::pow(static_cast<double>(b1), static_cast<double>(step)));
     A bc2 = A(1) - static_cast<A>(std::pow(static_cast<double>(b2), static_cast<double>(step)));
-    for (size_t i = 0; i < n; ++i) {
-      A pv = math::ld(p[i]), mv = math::ld(m[i]), vv = math::ld(v[i]);
-      math::adamw(&pv, &mv, &vv, math::ld(g[i]) * gs, lr, b1, b2, eps, wd, bc1, bc2);
-      p[i] = math::st<T>(pv);
-      m[i] = math::st<T>(mv);
-      v[i] = math::st<T>(vv);
-    }
+    par_ranges(n, kGrain, [&](size_t b, size_t e) {
+      for (size_t i = b; i < e; ++i) {
+        A pv = math::ld(p[i]), mv = math::ld(m[i]), vv = math::ld(v[i]);
+        math::adamw(&pv, &mv, &vv, math::ld(g[i]) * gs, lr, b1, b2, eps, wd, bc1, bc2);
+        p[i] = math::st<T>(pv);
+        m[i] = math::st<T>(mv);
+        v[i] = math::st<T>(vv);
+      }
+    });
   }
 
  private:
-  std::vector<A> row_;     // one row of exponentials (cross_entropy without in-place dlogits, bf16 softmax)
-  std::vector<A> dwacc_;   // bf16 rmsnorm_backward: dw summed over rows in float
+  std::vector<A> row_;     // bf16 embedding_backward: one row summed in float
+  std::vector<double> part_;  // sum_squares / cross_entropy partial sums, added in order
   std::vector<int> order_; // bf16 embedding_backward: positions grouped by token
   std::vector<float> fa_, fb_, fc_;  // bf16 GEMM operands widened to float
+
+  // Columns per piece for a column-parallel sum over N rows of C columns: ~kGrain elements, at
+  // least 16 columns (one cache line of floats, so pieces never share a line).
+  static size_t col_grain(int N) {
+    return std::max<size_t>(16, kGrain / std::max<size_t>(1, static_cast<size_t>(N)));
+  }
+
+  // One single-threaded BLAS call (float or double).
+  static void gemm1(bool ta, bool tb, int M, int N, int K, S alpha, const T* Am, int lda, const T* B, int ldb, S beta,
+                    T* C, int ldc) {
+    auto TA = ta ? CblasTrans : CblasNoTrans;
+    auto TB = tb ? CblasTrans : CblasNoTrans;
+    if constexpr (std::is_same_v<T, float>) cblas_sgemm(CblasRowMajor, TA, TB, M, N, K, alpha, Am, lda, B, ldb, beta, C, ldc);
+    else if constexpr (std::is_same_v<T, double>) cblas_dgemm(CblasRowMajor, TA, TB, M, N, K, alpha, Am, lda, B, ldb, beta, C, ldc);
+  }
+  // bf16: widen the operands to float, sgemm (fp32 accumulation, as cuBLAS with CUBLAS_COMPUTE_32F),
+  // round the result once.
+  void gemm_bf16(bool ta, bool tb, int M, int N, int K, S alpha, const T* Am, int lda, const T* B, int ldb, S beta,
+                 T* C, int ldc) {
+    if (M == 0 || N == 0) return;
+    const int ra = ta ? K : M, ca = ta ? M : K, rb = tb ? N : K, cb = tb ? K : N;
+    widen(fa_, Am, ra, ca, lda);
+    widen(fb_, B, rb, cb, ldb);
+    if (beta != 0.0f) widen(fc_, C, M, N, ldc);
+    else fc_.assign(static_cast<size_t>(M) * N, 0.0f);
+    cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, M, N, K, alpha,
+                fa_.data(), ca, fb_.data(), cb, beta, fc_.data(), N);
+    for (int i = 0; i < M; ++i)
+      for (int j = 0; j < N; ++j) C[static_cast<size_t>(i) * ldc + j] = math::st<T>(fc_[static_cast<size_t>(i) * N + j]);
+  }
 
   static void* aligned_zeroed(size_t bytes) {
     bytes = std::max<size_t>(64, ((bytes + 63) / 64) * 64);
@@ -255,13 +413,14 @@ template <typename T> class CpuBackend final : public Backend<T> {
         dst[static_cast<size_t>(i) * cols + j] = static_cast<float>(math::ld(src[static_cast<size_t>(i) * ld + j]));
   }
   static void rope_apply(T* x, const T* cs, const T* sn, int B, int T_, int H, int HD, bool backward) {
-    int half = HD / 2;
-    for (int b = 0; b < B; ++b)
-      for (int t = 0; t < T_; ++t) {
-        const T* c = cs + static_cast<size_t>(t) * half;
-        const T* s = sn + static_cast<size_t>(t) * half;
+    const int half = HD / 2;
+    par_ranges(static_cast<size_t>(B) * T_, row_grain(static_cast<size_t>(H) * HD), [&](size_t rb, size_t re) {
+      for (size_t bt = rb; bt < re; ++bt) {
+        const size_t t = bt % static_cast<size_t>(T_);
+        const T* c = cs + t * half;
+        const T* s = sn + t * half;
         for (int h = 0; h < H; ++h) {
-          T* v = x + ((static_cast<size_t>(b) * T_ + t) * H + h) * HD;
+          T* v = x + (bt * H + h) * HD;
           for (int j = 0; j < half; ++j) {
             A o1, o2;
             if (backward) math::rope_rotate_backward(math::ld(v[j]), math::ld(v[j + half]), math::ld(c[j]), math::ld(s[j]), &o1, &o2);
@@ -271,6 +430,7 @@ template <typename T> class CpuBackend final : public Backend<T> {
           }
         }
       }
+    });
   }
 };
 
@@ -281,8 +441,12 @@ template std::unique_ptr<Backend<float>> make_cpu_backend<float>();
 template std::unique_ptr<Backend<double>> make_cpu_backend<double>();
 template std::unique_ptr<Backend<bf16>> make_cpu_backend<bf16>();
 
-void set_blas_threads(int n) {
-  if (n > 0) openblas_set_num_threads(n);
+void set_cpu_threads(int n) {
+  if (n <= 0) return;
+  omp_set_num_threads(n);
+  openblas_set_num_threads(1);  // BLAS calls run inside our threads, one call per tile
 }
+
+int cpu_threads() { return omp_get_max_threads(); }
 
 }  // namespace shardtrain
