@@ -24,6 +24,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <utility>
 
 #include "shardtrain/bf16.h"
 
@@ -131,6 +132,9 @@ template <typename T> std::unique_ptr<Backend<T>> make_cpu_backend();
 void set_cpu_threads(int n);
 // The thread count the CPU backend uses now.
 int cpu_threads();
+// How the CPU backend cuts an M x N x K GEMM: {tiles along M, tiles along N}. A function of the
+// shape only (never of the thread count); exposed for tests.
+std::pair<int, int> cpu_gemm_tiles(int M, int N, int K);
 
 // RAII array of n elements of E in a backend's memory, from Alloc and returned by Free. Move-only.
 template <typename T, typename E, E* (Backend<T>::*Alloc)(size_t), void (Backend<T>::*Free)(E*)>

@@ -62,8 +62,13 @@ void expect_same_for_all_thread_counts(const std::string& what, const std::funct
 TEST(CpuThreads, GemmBitwiseAndAccurate) {
   auto be = make_cpu_backend<float>();
   struct Shape { int M, N, K; };
-  // Several tiles in M; tiles in N once M runs out (M = 20); K past one OpenBLAS block (K = 700).
-  for (Shape s : {Shape{333, 129, 67}, Shape{20, 517, 700}, Shape{770, 384, 128}, Shape{5, 3, 2}})
+  // Tiles in M (the demo model's MLP shape, odd M); tiles in N once M runs out, K past one OpenBLAS
+  // block; one tile.
+  const std::vector<Shape> shapes{{777, 384, 128}, {20, 2001, 1000}, {5, 3, 2}};
+  EXPECT_GT(cpu_gemm_tiles(777, 384, 128).first, 4);
+  EXPECT_GT(cpu_gemm_tiles(20, 2001, 1000).second, 2);
+  EXPECT_EQ(cpu_gemm_tiles(5, 3, 2), std::make_pair(1, 1));
+  for (Shape s : shapes)
     for (int ta = 0; ta < 2; ++ta)
       for (int tb = 0; tb < 2; ++tb)
         for (float beta : {0.0f, 1.0f}) {

@@ -58,8 +58,10 @@ struct GemmTiles {
   int mc, nc, mt, nt;
 };
 inline GemmTiles gemm_tiles(int M, int N, int K) {
-  constexpr double kMinTileMacs = 1 << 18;  // ~10 us of one core: tiles below this cost more than they save
-  constexpr int kMaxTiles = 16, kQ = 16;
+  // A tile of fewer multiply-adds than this (~60 us of one AVX-512 core) costs more in re-packing
+  // op(B) and in scheduling than it gains; the demo model's GEMMs get ~8 tiles, large models 64.
+  constexpr double kMinTileMacs = 1 << 22;
+  constexpr int kMaxTiles = 64, kQ = 16;
   const double macs = static_cast<double>(M) * N * K;
   const int tiles = static_cast<int>(std::clamp(macs / kMinTileMacs, 1.0, static_cast<double>(kMaxTiles)));
   const int mb = (M + kQ - 1) / kQ, nb = (N + kQ - 1) / kQ;
@@ -440,6 +442,11 @@ template <typename T> std::unique_ptr<Backend<T>> make_cpu_backend() { return st
 template std::unique_ptr<Backend<float>> make_cpu_backend<float>();
 template std::unique_ptr<Backend<double>> make_cpu_backend<double>();
 template std::unique_ptr<Backend<bf16>> make_cpu_backend<bf16>();
+
+std::pair<int, int> cpu_gemm_tiles(int M, int N, int K) {
+  const GemmTiles g = gemm_tiles(M, N, K);
+  return {g.mt, g.nt};
+}
 
 void set_cpu_threads(int n) {
   if (n <= 0) return;
