@@ -93,3 +93,13 @@ first unbound | grep -qF " $want BLAS thread(s) per rank (" || fail "unbound: ex
 first unbound | grep -qF "shared by up to 2 ranks" || fail "unbound: the line does not say the ranks share CPUs: $(first unbound)"
 ! grep -q '^warning' "$WORK/unbound.log" || fail "unbound: unexpected warning: $(grep '^warning' "$WORK/unbound.log")"
 echo "ok: 2 unbound ranks on $cores core(s): $want thread(s) each: $(first unbound | grep -oE '[0-9]+ BLAS thread\(s\) per rank \([^)]*\)')"
+
+# 7. Started through the dynamic loader (tests/gpu/bundle.sh does so to bring its own glibc): the
+#    restart must repeat the loader's command line, not just the program's arguments.
+interp=$(readelf -l "$BIN" 2>/dev/null | grep -oE '/[^] ]*ld-linux[^] ]*' | head -1 || true)
+if [ -n "$interp" ] && [ -x "$interp" ]; then
+  timeout -k 5 120 $MPIRUN -np 1 "$interp" --library-path /nonexistent-dir "$BIN" "${ARGS[@]}" >"$WORK/loader.log" 2>&1 \
+    || { cat "$WORK/loader.log"; fail "loader: run through $interp failed"; }
+  [ "$(kernels loader)" = "$used" ] || fail "loader: '$(kernels loader)' kernels, expected $used: $(first loader)"
+  echo "ok: started as '$interp $BIN ...': $used kernels"
+fi

@@ -12,6 +12,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <limits>
 #include <sstream>
 #include <type_traits>
@@ -102,16 +104,38 @@ std::string write_marker(const Marker& m) {
   return s;
 }
 
+// The arguments that started this process image. Normally main()'s argv; but when the program was
+// started through the dynamic loader (`ld-linux-x86-64.so.2 [--library-path P] prog args`, as
+// tests/gpu/bundle.sh does to bring its own glibc), /proc/self/exe is the loader and main() sees
+// only prog's arguments: then the loader's whole command line, from /proc/self/cmdline.
+std::vector<std::string> restart_args(char** argv) {
+  std::vector<std::string> args;
+  std::error_code ec;
+  const std::string exe = std::filesystem::read_symlink("/proc/self/exe", ec).filename().string();
+  if (!ec && (exe.starts_with("ld-linux") || exe.starts_with("ld.so") || exe.starts_with("ld64.so"))) {
+    std::ifstream f("/proc/self/cmdline", std::ios::binary);
+    std::string a;
+    while (std::getline(f, a, '\0')) args.push_back(a);
+    if (!args.empty()) return args;
+  }
+  for (char** p = argv; p && *p; ++p) args.emplace_back(*p);
+  return args;
+}
+
 // Replaces this process by a fresh start of the same program with OPENBLAS_CORETYPE=set. Returns
 // only when execv failed (then the environment is as before and *why says why).
 void reexec_with(const std::string& set, Marker m, char** argv, std::string* why) {
+  std::vector<std::string> args = restart_args(argv);
+  std::vector<char*> cargs;
+  for (std::string& a : args) cargs.push_back(a.data());
+  cargs.push_back(nullptr);
   const char* old = std::getenv(kCoretype);
   const std::optional<std::string> saved = old ? std::optional<std::string>(old) : std::nullopt;
   m.reexecs++;
   setenv(kCoretype, set.c_str(), 1);
   setenv(kMarker, write_marker(m).c_str(), 1);
   std::fflush(nullptr);
-  execv("/proc/self/exe", argv);
+  execv("/proc/self/exe", cargs.data());
   *why = std::string("execv(/proc/self/exe): ") + std::strerror(errno);
   unsetenv(kMarker);
   if (saved) setenv(kCoretype, saved->c_str(), 1);
