@@ -243,8 +243,8 @@ st_train_main() {
     args+=(--seed "$ST_TASK")
     [ -z "$ST_METRICS" ] || args+=(--metrics "$ST_METRICS")
   fi
-  # BLAS threads per rank: the cores Slurm gave each task (shardtrain's own default counts every
-  # core of the node, not those of the job).
+  # BLAS threads per rank: the cores Slurm gave each task (shardtrain's own default reads the
+  # task's affinity mask, which is the same with --cpu-bind=cores but the job's whole cgroup without).
   if [ -n "${SLURM_CPUS_PER_TASK:-}" ] && ! st_extra threads >/dev/null && ! st_ini "$ST_JOB" threads >/dev/null; then
     args+=(--threads "$SLURM_CPUS_PER_TASK")
   fi

@@ -7,10 +7,12 @@
 #include <sstream>
 
 #include "shardtrain/backend.h"
+#include "shardtrain/blas_select.h"
 #include "shardtrain/checkpoint.h"
 #include "shardtrain/cuda.h"
 #include "shardtrain/hf.h"
 #include "shardtrain/config.h"
+#include "shardtrain/cpu_affinity.h"
 #include "shardtrain/data.h"
 #include "shardtrain/files.h"
 #include "shardtrain/options.h"
@@ -93,8 +95,16 @@ void run_train(Comm& comm, const Topology& topo, const Options& o) {
   std::unique_ptr<Backend<float>> be;
   std::unique_ptr<Backend<bf16>> be16;
   std::unique_ptr<Comm> dcomm;
-  int threads = o.threads > 0 ? o.threads
-                              : std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / topo.local_size);
+  // CPU runs: threads from each rank's affinity mask (--threads 0) and the BLAS kernel set, for the log.
+  ThreadPlan tp;
+  std::string blas;
+  std::vector<std::string> startup_lines;
+  if (!dp.cuda) {  // collectives; dp.cuda is the same on every rank
+    tp = plan_threads(comm, topo.host, o.threads);
+    blas = blas_report(comm, &startup_lines);
+    startup_lines.insert(startup_lines.end(), tp.warnings.begin(), tp.warnings.end());
+  }
+  const int threads = tp.threads;
   agree(comm, [&] {
     if (dp.cuda) {
       ctx = CudaContext::create(dp.gpu);
@@ -110,10 +120,11 @@ void run_train(Comm& comm, const Topology& topo, const Options& o) {
   if (dp.cuda && dp.nccl) dcomm = make_nccl_comm(comm, *ctx);  // collective; agrees on failure itself
   std::string where = dp.cuda ? ", rank 0 on cuda:" + std::to_string(dp.gpu) + " (" + ctx->device_name() + ", " +
                                     std::to_string(ctx->free_bytes() >> 30) + " GiB free)"
-                              : ", " + std::to_string(threads) + " BLAS thread(s) per rank";
+                              : ", " + tp.per_rank + " BLAS thread(s) per rank (" + tp.binding + "), " + blas;
   log_info(comm, "shardtrain: " + std::to_string(topo.world_size) + " ranks (" + std::to_string(topo.local_size) +
                      " on " + topo.host + "), device " + dp.summary + where + ", precision " + o.precision +
                      (prec == Precision::BF16 ? " (gradients reduced in " + o.reduce_dtype + ")" : ""));
+  for (const std::string& l : startup_lines) log_info(comm, l);
   if (prec == Precision::FP32 && o.reduce_dtype != "fp32")
     log_info(comm, "note: '--reduce-dtype " + o.reduce_dtype + "' applies only with '--precision bf16'; gradients are "
                    "reduced in fp32");
@@ -199,11 +210,15 @@ void run_inspect(Comm& comm, const Options& o) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // First: may re-execute the program with faster OpenBLAS kernels, which must happen before
+  // MPI_Init (and before anything else starts).
+  select_blas_kernels(argv);
   Runtime rt(&argc, &argv);
   Comm& comm = rt.comm();
   const Topology& topo = rt.topo();
   install_stop_handlers();
   try {
+    all_ok(comm, blas_selection().usable, blas_selection().error);  // every kernel set failed the GEMM check
     Options o = parse_options(comm, argc, argv);
     comm.set_collective_timeout(o.collective_timeout);
     if (o.help) {
