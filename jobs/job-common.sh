@@ -158,7 +158,7 @@ st_launcher() {
       ;;
     mpirun)
       # Open MPI's mpirun inside the allocation reads the nodes and slots from Slurm itself. Each rank
-      # gets its cores (PE=), so that its BLAS threads do not share one core.
+      # gets its cores (PE=), so that its threads do not share one core.
       ST_CMD=(mpirun -np "$n")
       local map=
       if [ -n "$per_node" ]; then map=ppr:$per_node:node; fi
@@ -243,7 +243,7 @@ st_train_main() {
     args+=(--seed "$ST_TASK")
     [ -z "$ST_METRICS" ] || args+=(--metrics "$ST_METRICS")
   fi
-  # BLAS threads per rank: the cores Slurm gave each task (shardtrain's own default reads the
+  # Threads per rank: the cores Slurm gave each task (shardtrain's own default reads the
   # task's affinity mask, which is the same with --cpu-bind=cores but the job's whole cgroup without).
   if [ -n "${SLURM_CPUS_PER_TASK:-}" ] && ! st_extra threads >/dev/null && ! st_ini "$ST_JOB" threads >/dev/null; then
     args+=(--threads "$SLURM_CPUS_PER_TASK")

@@ -120,7 +120,7 @@ void run_train(Comm& comm, const Topology& topo, const Options& o) {
   if (dp.cuda && dp.nccl) dcomm = make_nccl_comm(comm, *ctx);  // collective; agrees on failure itself
   std::string where = dp.cuda ? ", rank 0 on cuda:" + std::to_string(dp.gpu) + " (" + ctx->device_name() + ", " +
                                     std::to_string(ctx->free_bytes() >> 30) + " GiB free)"
-                              : ", " + tp.per_rank + " BLAS thread(s) per rank (" + tp.binding + "), " + blas;
+                              : ", " + tp.per_rank + " thread(s) per rank (" + tp.binding + "), " + blas;
   log_info(comm, "shardtrain: " + std::to_string(topo.world_size) + " ranks (" + std::to_string(topo.local_size) +
                      " on " + topo.host + "), device " + dp.summary + where + ", precision " + o.precision +
                      (prec == Precision::BF16 ? " (gradients reduced in " + o.reduce_dtype + ")" : ""));

@@ -31,7 +31,7 @@ struct Options {
   std::string out;                // token file to write (prepare)
   double val_fraction = 0.1;
   double collective_timeout = 600;  // seconds a collective may take before this rank ends the job; 0: never
-  int threads = 0;                // OpenBLAS threads per rank, 0 = by the affinity mask (plan_threads, cpu_affinity.h)
+  int threads = 0;                // threads per rank (OpenMP), 0 = by the affinity mask (plan_threads, cpu_affinity.h)
   std::string device = "auto";    // train: auto | cpu | cuda (see plan_devices in cuda.h)
   std::string gpu_comm = "nccl";  // train on cuda: nccl | mpi (MPI on host copies; GPUs shared by ranks)
   std::string precision = "fp32"; // train: fp32 | bf16 (mixed precision)

@@ -30,7 +30,7 @@ po::options_description describe(Options& o) {
       ("help,h", "print this help and exit")
       ("config", po::value<std::string>(&o.config_file), "INI job file (key = value, long option names); the command line overrides it")
       ("mode", po::value<std::string>(&o.mode)->default_value(o.mode), "job to run: train | prepare | inspect | export | import | generate")
-      ("threads", po::value<int>(&o.threads)->default_value(o.threads), "OpenBLAS threads per rank; 0 = the cores this rank may run on (its CPU affinity), shared with the ranks of its node bound to the same cores")
+      ("threads", po::value<int>(&o.threads)->default_value(o.threads), "threads per rank (OpenMP; each calls OpenBLAS single-threaded); 0 = the cores this rank may run on (its CPU affinity), shared with the ranks of its node bound to the same cores")
       ("collective-timeout", dbl(&o.collective_timeout), "seconds a collective may wait for the other ranks before this rank ends the job (a peer died or hangs); 0 = never")
       ("device", po::value<std::string>(&o.device)->default_value(o.device), "train on: auto (cuda when a GPU is visible, else cpu) | cpu | cuda (one GPU per rank: the local rank's)")
       ("gpu-comm", po::value<std::string>(&o.gpu_comm)->default_value(o.gpu_comm), "GPU collectives: nccl (one rank per GPU) | mpi (through MPI on host copies; lets several ranks share a GPU)")

@@ -75,7 +75,7 @@ unset SHARDTRAIN_TEST_BLAS_FAIL
 
 # 5. --threads beyond the rank's mask (mpirun binds to a core): a warning with the remedies.
 run threads3 1 --bind-to core -- --threads 3
-first threads3 | grep -qE "3 BLAS thread\(s\) per rank \(rank 0 bound to CPUs? [0-9,-]+\)" || fail "threads3: $(first threads3)"
+first threads3 | grep -qE "3 thread\(s\) per rank \(rank 0 bound to CPUs? [0-9,-]+\)" || fail "threads3: $(first threads3)"
 grep -q "^warning: option '--threads 3' is more than the CPUs rank 0 may run on .*'--bind-to none'.*'--cpus-per-task=3'" \
   "$WORK/threads3.log" || { cat "$WORK/threads3.log"; fail "threads3: no warning"; }
 echo "ok: --threads 3 on a rank bound to one core warns: $(grep -m1 -oE "^warning: option '--threads 3'[^.]*" "$WORK/threads3.log")"
@@ -89,10 +89,10 @@ for n in os.sched_getaffinity(0):
     except OSError: c.add(("cpu", n))
 print(len(c))')
 want=$((cores / 2 > 0 ? cores / 2 : 1))
-first unbound | grep -qF " $want BLAS thread(s) per rank (" || fail "unbound: expected $want threads per rank ($cores cores): $(first unbound)"
+first unbound | grep -qF " $want thread(s) per rank (" || fail "unbound: expected $want threads per rank ($cores cores): $(first unbound)"
 first unbound | grep -qF "shared by up to 2 ranks" || fail "unbound: the line does not say the ranks share CPUs: $(first unbound)"
 ! grep -q '^warning' "$WORK/unbound.log" || fail "unbound: unexpected warning: $(grep '^warning' "$WORK/unbound.log")"
-echo "ok: 2 unbound ranks on $cores core(s): $want thread(s) each: $(first unbound | grep -oE '[0-9]+ BLAS thread\(s\) per rank \([^)]*\)')"
+echo "ok: 2 unbound ranks on $cores core(s): $want thread(s) each: $(first unbound | grep -oE '[0-9]+ thread\(s\) per rank \([^)]*\)')"
 
 # 7. Started through the dynamic loader (tests/gpu/bundle.sh does so to bring its own glibc): the
 #    restart must repeat the loader's command line, not just the program's arguments.
