@@ -4,7 +4,7 @@
 #   make test    every test (unit, multi-rank under mpirun, end-to-end); prints "N passed, M failed"
 #   make demo    2-rank training run on the bundled default corpus (Debian's fortunes)
 #   make jobs-test  installation checks of the Slurm job files on one node (tests/jobs/run.sh, < 3 min)
-#   make bench   benchmarks (tinyshakespeare if ../shared/data has it); results for docs/benchmarks.md
+#   make bench   benchmarks (tinyshakespeare if ../shared/data has it) and the PyTorch peer; results for docs/benchmarks.md
 #   make clean
 SHELL := /bin/bash
 CXX := mpicxx
@@ -133,7 +133,7 @@ demo: deps build data
 	@echo "--- sample (--mode generate, temperature 0.8, top-k 40):"
 	@$(BUILD)/shardtrain --mode generate $(BUILD)/demo-ckpt/$$(cat $(BUILD)/demo-ckpt/latest) --prompt "The secret of life is" --max-new-tokens 300
 
-bench: deps build
+bench: deps build venv
 	bash tests/bench/run.sh
 
 clean:

@@ -1,0 +1,317 @@
+"""make bench, part 2: shardtrain against its PyTorch peer (tests/bench/peer_torch.py), interleaved.
+
+Usage: python3 tests/bench/throughput.py --data TOKENS [--bin build/shardtrain]
+           [--python .venv/bin/python] [--out build/bench] [--rounds 2] [--cases a,b] [--quick]
+
+Cases (issue 12): the same model config.json, token file, global batch, schedule, AdamW settings
+and seed for both programs; CPU fp32.
+  demo-2x1  tests/bench/demo-config.json (shardtrain's `demo` preset), seq-len 64, 2 ranks x 1 thread
+  demo-1x2  the same, 1 rank x 2 threads (mpirun --bind-to none: Open MPI binds a lone rank to one core)
+  gemm-2x1  tests/bench/gemm-config.json (hidden 512, 8 layers, 8 heads, SwiGLU 1376; 25.4M
+            parameters), seq-len 256, 2 ranks x 1 thread: the GEMMs dominate
+Each round runs shardtrain, the peer in eager mode, the peer with torch.compile, one after the
+other (A B C A B C ...), so that a change in the machine's load hits every program alike.
+
+Every run is launched by the same mpirun command (same process placement: Open MPI binds each of
+2 ranks to its own core), each rank wrapped by tests/bench/rank_usage.py. Measured per run:
+* tokens/s over the window: global batch x seq-len x (last step - first window step) divided
+  by the difference of the metrics' elapsed_s between those two steps (wall clock of rank 0; the
+  first steps are left out: allocation, page faults, and torch.compile's compilation);
+* CPU seconds in the window, all ranks: user + system time (/proc/PID/stat, all threads and
+  children) of every process under mpirun, read when rank 0 prints the window's first and last
+  step lines; also per token;
+* CPU seconds of the whole run, all ranks, and peak RSS per rank (wait4 of each rank, in
+  rank_usage.py); the whole run includes start-up (importing torch) and compilation;
+* warm-up: elapsed_s at the window's first step (compilation included);
+* the final training loss (both programs see the same batches from the same initial weights,
+  so their losses agree to about 4 digits).
+Prints every run, then the ratios (shardtrain / peer, per round; min and max over rounds) against
+issue 12's targets, and writes build/bench/throughput.json (everything) and build/bench/peer.md (a
+block for docs/benchmarks.md: machine, date, BLAS of each program, tables). Timings are noisy on
+a shared machine; the targets are not asserted.
+--quick (BENCH_QUICK=1 in run.sh) cuts every run to a few steps: a smoke test of the harness,
+not a benchmark.
+"""
+import argparse
+import ctypes
+import datetime
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+GLOBAL_BATCH = 12
+COMMON = ["--global-batch", str(GLOBAL_BATCH), "--lr", "1e-3", "--min-lr", "1e-4", "--beta2", "0.99",
+          "--weight-decay", "0.1", "--clip", "1.0", "--seed", "1337"]
+# name: config, ranks, threads, seq-len, steps, first step of the window, warm-up, log-every
+CASES = {
+    "demo-2x1": dict(config="demo-config.json", np=2, threads=1, seq_len=64, steps=300, window=20, warmup=100, log_every=20),
+    "demo-1x2": dict(config="demo-config.json", np=1, threads=2, seq_len=64, steps=300, window=20, warmup=100, log_every=20),
+    "gemm-2x1": dict(config="gemm-config.json", np=2, threads=1, seq_len=256, steps=7, window=2, warmup=2, log_every=1),
+}
+QUICK = {"demo-2x1": dict(steps=30, window=10, log_every=10), "demo-1x2": dict(steps=30, window=10, log_every=10),
+         "gemm-2x1": dict(steps=3, window=1, log_every=1)}
+PROGRAMS = ["shardtrain", "torch-eager", "torch-compile"]
+# (case, peer, minimum of shardtrain tokens/s / peer tokens/s), issue 12
+TARGETS = [("demo-2x1", "torch-eager", 2.5), ("demo-2x1", "torch-compile", 2.0),
+           ("demo-1x2", "torch-compile", 1.5), ("gemm-2x1", "torch-compile", 1.3)]
+RSS_TARGET = 0.5  # shardtrain's largest rank's peak RSS / the peer's, at most
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def descendants(root):
+    """PIDs of every process below `root` (not root itself), from /proc."""
+    children = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    out, todo = [], [root]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def cpu_seconds(root):
+    """User + system seconds of every process under `root`, and of their reaped children."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in descendants(root):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
+        except (OSError, IndexError, ValueError):
+            pass
+    return total / tick
+
+
+def run_one(a, case_name, case, program, rnd):
+    tag = f"{case_name}-{program}-r{rnd}"
+    log, metrics, usage = (os.path.join(a.out, "peer", tag + ext) for ext in (".log", ".jsonl", ""))
+    for f in [log, metrics] + [f"{usage}.rank{r}.json" for r in range(case["np"])]:
+        if os.path.exists(f):
+            os.remove(f)
+    tail = ["--model", os.path.join(HERE, case["config"]), "--data", a.data, "--seq-len", str(case["seq_len"]),
+            "--steps", str(case["steps"]), "--warmup", str(case["warmup"]), "--log-every", str(case["log_every"]),
+            "--threads", str(case["threads"]), "--metrics", metrics] + COMMON
+    if program == "shardtrain":
+        cmd = [a.bin, "--eval-every", "0", "--eval-batches", "1"] + tail
+    else:
+        cmd = [a.python, os.path.join(HERE, "peer_torch.py"), "--port", str(free_port())] + tail
+        if program == "torch-compile":
+            cmd.append("--compile")
+    launcher = ["mpirun", "--oversubscribe", "-np", str(case["np"])] + (["--bind-to", "none"] if case["np"] == 1 else [])
+    full = launcher + [sys.executable, os.path.join(HERE, "rank_usage.py"), usage, "--"] + cmd
+    w0, last = case["window"], case["steps"]
+    cpu = {}
+    t0 = time.perf_counter()
+    with open(log, "w") as lf:
+        lf.write("$ " + " ".join(full) + "\n")
+        p = subprocess.Popen(full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        for line in p.stdout:
+            lf.write(line)
+            for step in (w0, last):
+                if line.startswith(f"step {step}/") and step not in cpu:
+                    cpu[step] = cpu_seconds(p.pid)
+        rc = p.wait()
+    wall = time.perf_counter() - t0
+    r = dict(case=case_name, program=program, round=rnd, rc=rc, wall_s=wall, log=log)
+    ranks = []
+    for k in range(case["np"]):
+        try:
+            with open(f"{usage}.rank{k}.json") as f:
+                ranks.append(json.load(f))
+        except OSError:
+            rc = rc or 1
+    rows = []
+    if os.path.exists(metrics):
+        with open(metrics) as f:
+            rows = [json.loads(x) for x in f if x.strip()]
+    by_step = {x["step"]: x for x in rows if "loss" in x}
+    if rc != 0 or w0 not in by_step or last not in by_step or len(cpu) < 2:
+        r["rc"] = rc or 1
+        with open(log) as f:
+            r["error"] = "".join(f.readlines()[-15:])
+        return r
+    tokens = GLOBAL_BATCH * case["seq_len"] * (last - w0)
+    dt = by_step[last]["elapsed_s"] - by_step[w0]["elapsed_s"]
+    r.update(tokens_per_s=tokens / dt, window_cpu_s=cpu[last] - cpu[w0], window_tokens=tokens,
+             cpu_s_per_1k_tokens=1000 * (cpu[last] - cpu[w0]) / tokens, run_cpu_s=sum(x["cpu_s"] for x in ranks),
+             rss_mib=[x["maxrss_mib"] for x in ranks], warmup_s=by_step[w0]["elapsed_s"],
+             first_loss=by_step[min(by_step)]["loss"], final_loss=by_step[last]["loss"])
+    return r
+
+
+def describe(r):
+    if r["rc"] != 0:
+        return f"{r['case']:9} {r['program']:13} round {r['round']}: FAILED (exit {r['rc']}), see {r['log']}\n{r.get('error', '')}"
+    return (f"{r['case']:9} {r['program']:13} round {r['round']}: {r['tokens_per_s']:8.0f} tok/s, "
+            f"CPU {r['window_cpu_s']:6.1f} s in window ({r['cpu_s_per_1k_tokens']:.3f} s/1k tokens), "
+            f"{r['run_cpu_s']:6.1f} s whole run; peak RSS/rank " + "/".join(f"{x:.0f}" for x in r["rss_mib"])
+            + f" MiB; warm-up {r['warmup_s']:.1f} s; loss {r['first_loss']:.4f} -> {r['final_loss']:.4f}; wall {r['wall_s']:.0f} s")
+
+
+def ratios(results, case, peer):
+    """Per round: shardtrain / peer tokens/s, peer / shardtrain CPU per token, shardtrain / peer max RSS."""
+    out = []
+    ok = {(r["program"], r["round"]): r for r in results if r["case"] == case and r["rc"] == 0}
+    for (prog, rnd), s in sorted(ok.items()):
+        if prog == "shardtrain" and (peer, rnd) in ok:
+            q = ok[(peer, rnd)]
+            out.append((s["tokens_per_s"] / q["tokens_per_s"], q["cpu_s_per_1k_tokens"] / s["cpu_s_per_1k_tokens"],
+                        max(s["rss_mib"]) / max(q["rss_mib"])))
+    return out
+
+
+def span(xs, f="{:.2f}"):
+    return "—" if not xs else (f.format(min(xs)) if len(xs) == 1 else f"{f.format(min(xs))} – {f.format(max(xs))}")
+
+
+TORCH_INFO = """
+import re, torch, transformers
+c = torch.__config__.show()
+mkl = re.search(r"Math Kernel Library Version (\\S+)", c)
+blas = ("MKL " + mkl.group(1)) if mkl else re.search(r"BLAS_INFO=(\\w+)", c).group(1)
+cap = re.search(r"CPU capability usage: (\\S+)", c)
+print(f"PyTorch {torch.__version__} (BLAS {blas}, CPU capability {cap.group(1) if cap else '?'}), "
+      f"transformers {transformers.__version__}")
+"""
+
+
+def environment(a, results):
+    def sh(cmd):
+        try:
+            return subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=120).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+    env = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+           "cpu": sh("lscpu | sed -n 's/^Model name: *//p'"), "cores": os.cpu_count()}
+    blas = ""  # what shardtrain says about its BLAS, if it says anything
+    for r in results:
+        if r["program"] == "shardtrain" and os.path.exists(r["log"]):
+            with open(r["log"]) as f:
+                m = re.search(r"(?im)^.*(openblas|kernel set|corename).*$", f.read())
+            if m:
+                blas = m.group(0).strip()
+                break
+    if not blas:
+        try:
+            lib = ctypes.CDLL("libopenblas.so.0")
+            lib.openblas_get_corename.restype = lib.openblas_get_config.restype = ctypes.c_char_p
+            blas = (f"{lib.openblas_get_config().decode()}; openblas_get_corename() = "
+                    f"{lib.openblas_get_corename().decode()}")
+        except (OSError, AttributeError):
+            blas = "unknown (libopenblas.so.0 not loadable)"
+    env["shardtrain_blas"] = blas
+    try:
+        env["torch"] = subprocess.run([a.python, "-c", TORCH_INFO], capture_output=True, text=True,
+                                      timeout=300).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        env["torch"] = "PyTorch: unknown"
+    env["mpirun"] = sh("mpirun --version | head -1")
+    return env
+
+
+def markdown(a, results, env):
+    L = [f"### Against the PyTorch peer, {env['date']}", "",
+         f"`make bench` part 2 (`tests/bench/throughput.py`){' — QUICK SMOKE RUN, NOT A BENCHMARK' if a.quick else ''}: "
+         f"{a.rounds} round(s), programs interleaved in each round. Machine: {env['cpu']}, {env['cores']} cores "
+         f"(`lscpu`, `nproc`); {env['mpirun']}.",
+         f"shardtrain's BLAS: {env['shardtrain_blas']}.",
+         f"Peer: `tests/bench/peer_torch.py`, {env['torch']}; FSDP2 (`fully_shard` per decoder layer and on the "
+         "model), gloo, same config.json, data, batches, initial weights, schedule and AdamW settings.",
+         f"Data: `{os.path.relpath(a.data)}`. Common settings: {' '.join(COMMON)}.", "",
+         "| case | program | tokens/s | CPU-s per 1k tokens (window, all ranks) | peak RSS of the largest rank, MiB | warm-up, s | final loss |",
+         "|---|---|---:|---:|---:|---:|---:|"]
+    for cn in a.cases:
+        c = CASES[cn]
+        for prog in PROGRAMS:
+            rs = [r for r in results if r["case"] == cn and r["program"] == prog and r["rc"] == 0]
+            if not rs:
+                L.append(f"| {cn} | {prog} | failed | | | | |")
+                continue
+            L.append(f"| {cn} | {prog} | {span([r['tokens_per_s'] for r in rs], '{:,.0f}')} | "
+                     f"{span([r['cpu_s_per_1k_tokens'] for r in rs], '{:.3f}')} | "
+                     f"{span([max(r['rss_mib']) for r in rs], '{:.0f}')} | {span([r['warmup_s'] for r in rs], '{:.1f}')} | "
+                     f"{span([r['final_loss'] for r in rs], '{:.4f}')} |")
+    L += ["", "Cases: " + "; ".join(
+        f"{cn}: `{CASES[cn]['config']}`, {CASES[cn]['np']} rank(s) x {CASES[cn]['threads']} thread(s), seq-len "
+        f"{CASES[cn]['seq_len']}, {CASES[cn]['steps']} steps timed from step {CASES[cn]['window']}, warm-up "
+        f"{CASES[cn]['warmup']}" for cn in a.cases) + ". Ranges are min – max over rounds.", "",
+        "| shardtrain against | tokens/s ratio | target | met | CPU-s per token, peer / shardtrain | peak RSS, shardtrain / peer | ≤ 0.5 |",
+        "|---|---:|---|---|---:|---:|---|"]
+    for cn in a.cases:
+        for peer in PROGRAMS[1:]:
+            rr = ratios(results, cn, peer)
+            tgt = [t for c, p, t in TARGETS if c == cn and p == peer]
+            tok, rss = [x[0] for x in rr], [x[2] for x in rr]
+            met = "—" if not (rr and tgt) else ("yes" if min(tok) >= tgt[0] else "no")
+            rss_met = "—" if not rr else ("yes" if max(rss) <= RSS_TARGET else "no")
+            L.append(f"| {cn}, {peer} | {span(tok)} | {'≥ %.1f' % tgt[0] if tgt else '—'} | {met} | "
+                     f"{span([x[1] for x in rr])} | {span(rss)} | {rss_met} |")
+    L += ["", "Ratios are per round (shardtrain's run against the peer's run of the same round), min – max "
+          "over rounds; a target counts as met when the smallest round meets it."]
+    return "\n".join(L) + "\n"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--data", required=True)
+    p.add_argument("--bin", default="build/shardtrain")
+    p.add_argument("--python", default=".venv/bin/python")
+    p.add_argument("--out", default="build/bench")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--quick", action="store_true")
+    a = p.parse_args()
+    a.cases = [c for c in a.cases.split(",") if c]
+    for c in a.cases:
+        if c not in CASES:
+            sys.exit(f"throughput.py: unknown case '{c}' (known: {', '.join(CASES)})")
+        if a.quick:
+            CASES[c].update(QUICK[c])
+    os.makedirs(os.path.join(a.out, "peer"), exist_ok=True)
+    results = []
+    for cn in a.cases:
+        for rnd in range(1, a.rounds + 1):
+            for prog in PROGRAMS:
+                r = run_one(a, cn, CASES[cn], prog, rnd)
+                results.append(r)
+                print(describe(r), flush=True)
+    print("\nratios, per round (shardtrain / peer tokens/s; peer / shardtrain CPU-s per token; "
+          "shardtrain / peer peak RSS of the largest rank):")
+    for cn in a.cases:
+        for peer in PROGRAMS[1:]:
+            rr = ratios(results, cn, peer)
+            tgt = [t for c, pp, t in TARGETS if c == cn and pp == peer]
+            print(f"  {cn} vs {peer:13}: tokens/s {span([x[0] for x in rr])}"
+                  + (f" (target >= {tgt[0]})" if tgt else "")
+                  + f"; CPU per token {span([x[1] for x in rr])}; peak RSS {span([x[2] for x in rr])} (target <= {RSS_TARGET})")
+    env = environment(a, results)
+    with open(os.path.join(a.out, "throughput.json"), "w") as f:
+        json.dump({"environment": env, "cases": {c: CASES[c] for c in a.cases}, "quick": a.quick, "runs": results}, f, indent=1)
+    md = markdown(a, results, env)
+    with open(os.path.join(a.out, "peer.md"), "w") as f:
+        f.write(md)
+    print(f"\nwrote {os.path.join(a.out, 'peer.md')} (for docs/benchmarks.md) and throughput.json")
+    sys.exit(1 if any(r["rc"] != 0 for r in results) else 0)
+
+
+if __name__ == "__main__":
+    main()
