@@ -58,8 +58,11 @@ template <typename T> class LlamaModel {
   void reserve(int B, int T_) { ensure(B, T_); }
 
  private:
-  struct Layer {  // saved activations of one block
-    Buffer<T> x, ln1, rstd1, q, k, v, att, y, x1, ln2, rstd2, g, u, h;
+  // Saved activations of one block. The RMSNorm outputs are not kept: backward recomputes them
+  // from x / x1 and the weights (rstd is kept), which saves 2 x [B*T, C] per layer for two
+  // cheap row passes.
+  struct Layer {
+    Buffer<T> x, rstd1, q, k, v, att, y, x1, rstd2, g, u, h;
   };
   struct Offsets {  // flat offsets inside a block unit
     int64_t ln1, q, k, v, o, ln2, gate, up, down;
@@ -74,6 +77,7 @@ template <typename T> class LlamaModel {
   IdBuffer<T> tokens_, targets_;  // the micro-batch's ids, in backend memory
   std::vector<Layer> layers_;
   Buffer<T> xf_, lnf_, rstdf_, logits_, cos_, sin_;
+  Buffer<T> ln_;  // a block's RMSNorm output [B*T, C], forward and (recomputed) backward
   Buffer<T> dres_, dln_, dq_, dk_, dv_, datt_, dy_, dh_, dg_, du_;
 };
 

@@ -129,14 +129,15 @@ template <typename T> void LlamaModel<T>::ensure(int B, int T_) {
   const size_t Q = static_cast<size_t>(c_.num_attention_heads) * c_.head_dim(), KV = c_.kv_dim();
   const size_t A = static_cast<size_t>(B) * c_.num_attention_heads * T_ * T_;
   for (auto& L : layers_) {
-    L.x = Buffer<T>(be_, BT * C); L.ln1 = Buffer<T>(be_, BT * C); L.rstd1 = Buffer<T>(be_, BT);
+    L.x = Buffer<T>(be_, BT * C); L.rstd1 = Buffer<T>(be_, BT);
     L.q = Buffer<T>(be_, BT * Q); L.k = Buffer<T>(be_, BT * KV); L.v = Buffer<T>(be_, BT * KV);
     L.att = Buffer<T>(be_, A); L.y = Buffer<T>(be_, BT * Q); L.x1 = Buffer<T>(be_, BT * C);
-    L.ln2 = Buffer<T>(be_, BT * C); L.rstd2 = Buffer<T>(be_, BT);
+    L.rstd2 = Buffer<T>(be_, BT);
     L.g = Buffer<T>(be_, BT * I); L.u = Buffer<T>(be_, BT * I); L.h = Buffer<T>(be_, BT * I);
   }
   xf_ = Buffer<T>(be_, BT * C); lnf_ = Buffer<T>(be_, BT * C); rstdf_ = Buffer<T>(be_, BT);
   logits_ = Buffer<T>(be_, BT * c_.vocab_size);
+  ln_ = Buffer<T>(be_, BT * C);
   dres_ = Buffer<T>(be_, BT * C); dln_ = Buffer<T>(be_, BT * C);
   dq_ = Buffer<T>(be_, BT * Q); dk_ = Buffer<T>(be_, BT * KV); dv_ = Buffer<T>(be_, BT * KV);
   datt_ = Buffer<T>(be_, A); dy_ = Buffer<T>(be_, BT * Q);
@@ -176,19 +177,19 @@ double LlamaModel<T>::forward(UnitSource<T>& f, const int32_t* tokens, const int
     Layer& a = layers_[l];
     const T* w = f.gather(1 + l);
     // Attention sub-block: x1 = x + o_proj(attn(rope(q), rope(k), v)) on rmsnorm(x).
-    be_.rmsnorm_forward(a.ln1.data(), a.rstd1.data(), a.x.data(), w + off_.ln1, BT, C, static_cast<S>(c_.rms_norm_eps));
-    be_.gemm(false, true, BT, Q, C, S(1), a.ln1.data(), C, w + off_.q, C, S(0), a.q.data(), Q);
-    be_.gemm(false, true, BT, KV, C, S(1), a.ln1.data(), C, w + off_.k, C, S(0), a.k.data(), KV);
-    be_.gemm(false, true, BT, KV, C, S(1), a.ln1.data(), C, w + off_.v, C, S(0), a.v.data(), KV);
+    be_.rmsnorm_forward(ln_.data(), a.rstd1.data(), a.x.data(), w + off_.ln1, BT, C, static_cast<S>(c_.rms_norm_eps));
+    be_.gemm(false, true, BT, Q, C, S(1), ln_.data(), C, w + off_.q, C, S(0), a.q.data(), Q);
+    be_.gemm(false, true, BT, KV, C, S(1), ln_.data(), C, w + off_.k, C, S(0), a.k.data(), KV);
+    be_.gemm(false, true, BT, KV, C, S(1), ln_.data(), C, w + off_.v, C, S(0), a.v.data(), KV);
     be_.rope_forward(a.q.data(), cos_.data(), sin_.data(), B, T_, NH, HD);
     be_.rope_forward(a.k.data(), cos_.data(), sin_.data(), B, T_, NKV, HD);
     shardtrain::attention_forward(be_, a.q.data(), a.k.data(), a.v.data(), a.att.data(), a.y.data(), B, T_, NH, NKV, HD);
     be_.copy(a.x1.data(), a.x.data(), static_cast<size_t>(BT) * C);
     be_.gemm(false, true, BT, C, Q, S(1), a.y.data(), Q, w + off_.o, Q, S(1), a.x1.data(), C);
     // MLP sub-block: x_next = x1 + down(silu(gate(n)) * up(n)), n = rmsnorm(x1).
-    be_.rmsnorm_forward(a.ln2.data(), a.rstd2.data(), a.x1.data(), w + off_.ln2, BT, C, static_cast<S>(c_.rms_norm_eps));
-    be_.gemm(false, true, BT, I, C, S(1), a.ln2.data(), C, w + off_.gate, C, S(0), a.g.data(), I);
-    be_.gemm(false, true, BT, I, C, S(1), a.ln2.data(), C, w + off_.up, C, S(0), a.u.data(), I);
+    be_.rmsnorm_forward(ln_.data(), a.rstd2.data(), a.x1.data(), w + off_.ln2, BT, C, static_cast<S>(c_.rms_norm_eps));
+    be_.gemm(false, true, BT, I, C, S(1), ln_.data(), C, w + off_.gate, C, S(0), a.g.data(), I);
+    be_.gemm(false, true, BT, I, C, S(1), ln_.data(), C, w + off_.up, C, S(0), a.u.data(), I);
     be_.swiglu_forward(a.h.data(), a.g.data(), a.u.data(), static_cast<size_t>(BT) * I);
     T* xn = l + 1 < L ? layers_[l + 1].x.data() : xf_.data();
     be_.copy(xn, a.x1.data(), static_cast<size_t>(BT) * C);
@@ -240,8 +241,10 @@ template <typename T> void LlamaModel<T>::backward(UnitSource<T>& f) {
     be_.swiglu_backward(dg_.data(), du_.data(), dh_.data(), a.g.data(), a.u.data(), static_cast<size_t>(BT) * I);
     be_.gemm(false, false, BT, C, I, S(1), dg_.data(), I, w + off_.gate, C, S(0), dln_.data(), C);
     be_.gemm(false, false, BT, C, I, S(1), du_.data(), I, w + off_.up, C, S(1), dln_.data(), C);
-    be_.gemm(true, false, I, C, BT, S(1), dg_.data(), I, a.ln2.data(), C, S(1), gw + off_.gate, C);
-    be_.gemm(true, false, I, C, BT, S(1), du_.data(), I, a.ln2.data(), C, S(1), gw + off_.up, C);
+    // The normalized input is not kept per layer: recomputed (bitwise the same values, rstd too).
+    be_.rmsnorm_forward(ln_.data(), a.rstd2.data(), a.x1.data(), w + off_.ln2, BT, C, static_cast<S>(c_.rms_norm_eps));
+    be_.gemm(true, false, I, C, BT, S(1), dg_.data(), I, ln_.data(), C, S(1), gw + off_.gate, C);
+    be_.gemm(true, false, I, C, BT, S(1), du_.data(), I, ln_.data(), C, S(1), gw + off_.up, C);
     be_.rmsnorm_backward(dres_.data(), gw + off_.ln2, dln_.data(), a.x1.data(), w + off_.ln2, a.rstd2.data(), BT, C);
     // Attention: x1 = x + y Wo^T.
     be_.gemm(false, false, BT, Q, C, S(1), dres_.data(), C, w + off_.o, Q, S(0), dy_.data(), Q);
@@ -253,9 +256,10 @@ template <typename T> void LlamaModel<T>::backward(UnitSource<T>& f) {
     be_.gemm(false, false, BT, C, Q, S(1), dq_.data(), Q, w + off_.q, C, S(0), dln_.data(), C);
     be_.gemm(false, false, BT, C, KV, S(1), dk_.data(), KV, w + off_.k, C, S(1), dln_.data(), C);
     be_.gemm(false, false, BT, C, KV, S(1), dv_.data(), KV, w + off_.v, C, S(1), dln_.data(), C);
-    be_.gemm(true, false, Q, C, BT, S(1), dq_.data(), Q, a.ln1.data(), C, S(1), gw + off_.q, C);
-    be_.gemm(true, false, KV, C, BT, S(1), dk_.data(), KV, a.ln1.data(), C, S(1), gw + off_.k, C);
-    be_.gemm(true, false, KV, C, BT, S(1), dv_.data(), KV, a.ln1.data(), C, S(1), gw + off_.v, C);
+    be_.rmsnorm_forward(ln_.data(), a.rstd1.data(), a.x.data(), w + off_.ln1, BT, C, static_cast<S>(c_.rms_norm_eps));
+    be_.gemm(true, false, Q, C, BT, S(1), dq_.data(), Q, ln_.data(), C, S(1), gw + off_.q, C);
+    be_.gemm(true, false, KV, C, BT, S(1), dk_.data(), KV, ln_.data(), C, S(1), gw + off_.k, C);
+    be_.gemm(true, false, KV, C, BT, S(1), dv_.data(), KV, ln_.data(), C, S(1), gw + off_.v, C);
     be_.rmsnorm_backward(dres_.data(), gw + off_.ln1, dln_.data(), a.x.data(), w + off_.ln1, a.rstd1.data(), BT, C);
     f.reduce_scatter_grad(1 + l);
   }
