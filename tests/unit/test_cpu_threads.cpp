@@ -188,3 +188,29 @@ TEST(CpuThreads, SumSquaresMatchesFloat64) {
 
 }  // namespace
 }  // namespace shardtrain
+
+namespace shardtrain {
+namespace {
+
+// Denormal results are flushed to zero on every thread of the backend (FTZ/DAZ), the calling thread
+// and the OpenMP workers alike, so that a run's numbers do not depend on which thread computed
+// them. 1e-20 * 1e-20 = 1e-40 is a denormal float (below FLT_MIN = 1.18e-38); 1e-18 * 1e-18 is not.
+TEST(CpuThreads, DenormalsFlushedOnEveryThread) {
+  auto be = make_cpu_backend<float>();
+  for (int t : {1, 3}) {
+    set_cpu_threads(t);
+    const size_t n = 200000;  // several pieces: workers run some of them
+    std::vector<float> x(n, 1e-20f), y(n, 0.0f), z(n, 1e-18f), w(n, 0.0f);
+    be->axpy(n, 1e-20f, x.data(), y.data());
+    be->axpy(n, 1e-18f, z.data(), w.data());
+    size_t nonzero = 0;
+    for (float v : y) nonzero += v != 0.0f;
+    EXPECT_EQ(nonzero, 0u) << t << " threads: denormal results were kept";
+    EXPECT_FLOAT_EQ(w[0], 1e-36f);
+    EXPECT_FLOAT_EQ(w[n - 1], 1e-36f);
+  }
+  set_cpu_threads(1);
+}
+
+}  // namespace
+}  // namespace shardtrain
