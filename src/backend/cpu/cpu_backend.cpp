@@ -68,24 +68,27 @@ template <typename F> void par_ranges(size_t n, size_t grain, F&& fn) {
 // Grain (in rows) so that a piece of rows of `row_cost` elements each is about kGrain elements.
 inline size_t row_grain(size_t row_cost) { return std::max<size_t>(1, kGrain / std::max<size_t>(1, row_cost)); }
 
-// Fixed GEMM tiling: C[M, N] is cut into mt x nt tiles of mc x nc (edge tiles smaller). The cut
-// depends on (M, N, K) only, so each element of C comes from the same sgemm call, in the same
-// order of K, whatever the thread count. M is cut first (a tile of rows re-packs only op(B)'s
-// panel), in multiples of 16 rows (the AVX-512 sgemm micro-kernel's height); N only when M runs out.
+// Fixed GEMM tiling: C[M, N] is cut into mt x nt tiles; tile (i, j) holds rows [i*M/mt, (i+1)*M/mt)
+// and columns [j*N/nt, (j+1)*N/nt). The cut depends on (M, N, K) only, so each element of C comes
+// from the same sgemm call, in the same order of K, whatever the thread count. The tile count is a
+// power of two (even work for 2, 4, 8... threads). M is cut first (a tile of rows re-packs only
+// op(B)'s panel); N only when the tiles would have fewer than 16 rows.
 struct GemmTiles {
-  int mc, nc, mt, nt;
+  int mt, nt;
 };
 inline GemmTiles gemm_tiles(int M, int N, int K) {
-  // A tile of fewer multiply-adds than this (~60 us of one AVX-512 core) costs more in re-packing
-  // op(B) and in scheduling than it gains; the demo model's GEMMs get ~8 tiles, large models 64.
+  // A tile of fewer multiply-adds than this (~30 us of one AVX-512 core) costs more in re-packing
+  // and scheduling than it gains; the demo model's GEMMs get 2-8 tiles, large models 64.
   constexpr double kMinTileMacs = 1 << 22;
-  constexpr int kMaxTiles = 64, kQ = 16;
+  constexpr int kMaxTiles = 64, kMinRows = 16;
   const double macs = static_cast<double>(M) * N * K;
-  const int tiles = static_cast<int>(std::clamp(macs / kMinTileMacs, 1.0, static_cast<double>(kMaxTiles)));
-  const int mb = (M + kQ - 1) / kQ, nb = (N + kQ - 1) / kQ;
-  const int mt0 = std::min(mb, tiles), nt0 = std::min(nb, std::max(1, tiles / mt0));
-  const int mc = ((mb + mt0 - 1) / mt0) * kQ, nc = ((nb + nt0 - 1) / nt0) * kQ;
-  return {mc, nc, (M + mc - 1) / mc, (N + nc - 1) / nc};
+  int tiles = 1;
+  while (tiles < kMaxTiles && macs / (2 * tiles) >= kMinTileMacs) tiles *= 2;
+  int mt = 1;
+  while (mt < tiles && M / (2 * mt) >= kMinRows) mt *= 2;
+  int nt = 1;
+  while (mt * nt < tiles && N / (2 * nt) >= kMinRows) nt *= 2;
+  return {mt, nt};
 }
 
 // Every kernel loads stored elements with math::ld into the arithmetic type A (float for bf16),
@@ -137,8 +140,11 @@ template <typename T> class CpuBackend final : public Backend<T> {
       const GemmTiles g = gemm_tiles(M, N, K);
       const int tiles = g.mt * g.nt;
       auto tile = [&](int t) {
-        const int i0 = (t / g.nt) * g.mc, j0 = (t % g.nt) * g.nc;
-        const int m = std::min(g.mc, M - i0), n = std::min(g.nc, N - j0);
+        const int ti = t / g.nt, tj = t % g.nt;
+        const int i0 = static_cast<int>(static_cast<int64_t>(ti) * M / g.mt);
+        const int j0 = static_cast<int>(static_cast<int64_t>(tj) * N / g.nt);
+        const int m = static_cast<int>(static_cast<int64_t>(ti + 1) * M / g.mt) - i0;
+        const int n = static_cast<int>(static_cast<int64_t>(tj + 1) * N / g.nt) - j0;
         const T* a = ta ? Am + i0 : Am + static_cast<size_t>(i0) * lda;  // rows i0.. of op(A)
         const T* b = tb ? B + static_cast<size_t>(j0) * ldb : B + j0;    // columns j0.. of op(B)
         gemm1(ta, tb, m, n, K, alpha, a, lda, b, ldb, beta, C + static_cast<size_t>(i0) * ldc + j0, ldc);
