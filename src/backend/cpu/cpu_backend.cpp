@@ -76,13 +76,14 @@ inline size_t row_grain(size_t row_cost) { return std::max<size_t>(1, kGrain / s
 // tiles and op(A)'s m x K panel once per column of tiles: the extra packing is about 8/m + 8/n of
 // the tile's GEMM time (measured with OpenBLAS's SkylakeX kernels: 96-row tiles cost 14%; 24-row
 // tiles of a 1536 x 1376 x 512 GEMM made it 1.6x slower). So tiles keep >= 64 rows and columns,
-// the longer side is halved first, and there are at most 32 tiles of >= 2^22 multiply-adds each.
+// the longer side is halved first, and there are at most 16 tiles of >= 2^22 multiply-adds each
+// (32 tiles cost 7% more than 16 on the GEMM-bound bench config at 1 and at 2 threads).
 struct GemmTiles {
   int mt, nt;
 };
 inline GemmTiles gemm_tiles(int M, int N, int K) {
   constexpr double kMinTileMacs = 1 << 22;  // ~30 us of one AVX-512 core
-  constexpr int kMaxTiles = 32, kMinSide = 64;
+  constexpr int kMaxTiles = 16, kMinSide = 64;
   const double macs = static_cast<double>(M) * N * K;
   int tiles = 1;
   while (tiles < kMaxTiles && macs / (2 * tiles) >= kMinTileMacs) tiles *= 2;
