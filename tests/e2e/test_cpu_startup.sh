@@ -57,6 +57,14 @@ if [ "$level" != SSE ]; then
 fi
 echo "ok: OPENBLAS_CORETYPE=Prescott is respected: $(grep -m1 '^note: OPENBLAS' "$WORK/user.log" || first user)"
 
+# 2b. A restart marker left in the environment by someone else (garbage, or copied from a running
+#     rank) is ignored with a note: the choice is made as in a plain start.
+SHARDTRAIN_BLAS_STARTUP=$'reexecs=9\nfailed=SkylakeX' run stale 1 -x SHARDTRAIN_BLAS_STARTUP --
+[ "$(kernels stale)" = "$used" ] || fail "stale marker: '$(kernels stale)' kernels instead of $used: $(first stale)"
+grep -q "^note: SHARDTRAIN_BLAS_STARTUP was in the environment but not set by this start" "$WORK/stale.log" \
+  || { cat "$WORK/stale.log"; fail "stale marker: no note"; }
+echo "ok: a stale SHARDTRAIN_BLAS_STARTUP is ignored with a note, $used kernels as in a plain start"
+
 # 3. The set in use fails the GEMM check (test hook): the next weaker one runs, with a warning.
 if [ "$used" != Prescott ]; then
   SHARDTRAIN_TEST_BLAS_FAIL=$used run fallback 2 -x SHARDTRAIN_TEST_BLAS_FAIL --

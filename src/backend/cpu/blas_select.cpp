@@ -23,7 +23,9 @@ namespace {
 
 // Set by select_blas_kernels before it re-executes the program; read (and removed) by the next
 // process. Lines "key=value": reexecs=N, user=<OPENBLAS_CORETYPE as the user set it> (absent if
-// unset), pick=<the set OpenBLAS loaded on its own>, failed=<set>, note=..., warn=...
+// unset), pick=<the set OpenBLAS loaded on its own>, set=<the OPENBLAS_CORETYPE it set>,
+// failed=<set>, note=..., warn=... A marker whose `set` is not the OPENBLAS_CORETYPE in force (one
+// left in the environment by a parent, or garbage) was not written by our own restart: ignored.
 constexpr const char* kMarker = "SHARDTRAIN_BLAS_STARTUP";
 constexpr const char* kCoretype = "OPENBLAS_CORETYPE";
 constexpr const char* kTestFail = "SHARDTRAIN_TEST_BLAS_FAIL";
@@ -65,6 +67,8 @@ struct Marker {
   int reexecs = 0;
   std::optional<std::string> user;  // the user's OPENBLAS_CORETYPE
   std::string pick;                 // OpenBLAS's own pick in the first process
+  std::string set;                  // the OPENBLAS_CORETYPE the restart set
+  bool stale = false;               // a marker was in the environment but not written by our restart
   std::vector<std::string> failed, notes, warnings;
 };
 
@@ -87,9 +91,17 @@ Marker read_marker() {
     if (k == "reexecs") m.reexecs = std::atoi(val.c_str());
     else if (k == "user") m.user = val;
     else if (k == "pick") m.pick = val;
+    else if (k == "set") m.set = val;
     else if (k == "failed") m.failed.push_back(val);
     else if (k == "note") m.notes.push_back(val);
     else if (k == "warn") m.warnings.push_back(val);
+  }
+  const char* ct = std::getenv(kCoretype);
+  if (m.reexecs < 1 || m.set.empty() || !ct || m.set != ct) {  // not ours: start as if absent
+    Marker fresh;
+    fresh.stale = true;
+    unsetenv(kMarker);
+    return fresh;
   }
   return m;
 }
@@ -98,6 +110,7 @@ std::string write_marker(const Marker& m) {
   std::string s = "reexecs=" + std::to_string(m.reexecs) + "\n";
   if (m.user) s += "user=" + one_line(*m.user) + "\n";
   s += "pick=" + m.pick + "\n";
+  s += "set=" + one_line(m.set) + "\n";
   for (auto& f : m.failed) s += "failed=" + one_line(f) + "\n";
   for (auto& n : m.notes) s += "note=" + one_line(n) + "\n";
   for (auto& w : m.warnings) s += "warn=" + one_line(w) + "\n";
@@ -132,6 +145,7 @@ void reexec_with(const std::string& set, Marker m, char** argv, std::string* why
   const char* old = std::getenv(kCoretype);
   const std::optional<std::string> saved = old ? std::optional<std::string>(old) : std::nullopt;
   m.reexecs++;
+  m.set = set;
   setenv(kCoretype, set.c_str(), 1);
   setenv(kMarker, write_marker(m).c_str(), 1);
   std::fflush(nullptr);
@@ -398,6 +412,9 @@ const BlasSelection& select_blas_kernels(char** argv) {
   g_selected = true;
   Marker m = read_marker();
   unsetenv(kMarker);
+  if (m.stale)
+    m.notes.push_back(std::string(kMarker) + " was in the environment but not set by this start (shardtrain's restart "
+                      "marker, left by a parent process?): ignored");
   BlasSelection& s = g_sel;
   {  // "OpenBLAS 0.3.21 NO_LAPACKE DYNAMIC_ARCH NO_AFFINITY Prescott MAX_THREADS=64": name and version
     const std::string cfg = openblas_get_config();
