@@ -146,7 +146,13 @@ ThreadPlan plan_threads(const std::vector<RankCpus>& ranks, int rank, int reques
       if (requested > n) over.push_back(r);
       else if (requested * sharing[r] > n) shared.push_back(r);
     }
-    if (!over.empty()) {
+    if (!over.empty() && !bound(over.front())) {  // already unbound: the node itself has too few CPUs
+      const int r = over.front();
+      p.warnings.push_back("warning: option '--threads " + std::to_string(requested) + "' is more than the " +
+                           std::to_string(ranks[r].online) + " CPUs of " + rank_list(over) + "'s node (" +
+                           cpus_phrase(ranks[r].cpus) + "), so threads will share CPUs: use at most " +
+                           std::to_string(ranks[r].online) + ", or '--threads 0' (the cores each rank may use)");
+    } else if (!over.empty()) {
       const int r = over.front();
       p.warnings.push_back(
           "warning: option '--threads " + std::to_string(requested) + "' is more than the CPUs " + rank_list(over) +

@@ -77,6 +77,11 @@ TEST(CpuAffinity, UnboundRanksShareTheNode) {
   EXPECT_EQ(p.threads, 2);
   ASSERT_EQ(p.warnings.size(), 1u);
   EXPECT_TRUE(contains(p.warnings[0], "4 threads on 2 CPUs")) << p.warnings[0];
+  // Already unbound and more threads than the node has: no advice to unbind, the node's count.
+  p = st::plan_threads({rank_on(1, 2, {0, 1})}, 0, 4);
+  ASSERT_EQ(p.warnings.size(), 1u);
+  EXPECT_TRUE(contains(p.warnings[0], "more than the 2 CPUs of rank 0's node")) << p.warnings[0];
+  EXPECT_FALSE(contains(p.warnings[0], "--bind-to none")) << p.warnings[0];
   // 4 unbound ranks on a 64-core node: 16 each; 3 ranks: 21 each.
   std::vector<st::RankCpus> big(4, rank_on(1, 64, range(0, 64)));
   EXPECT_EQ(st::plan_threads(big, 3, 0).threads, 16);
