@@ -199,6 +199,8 @@ bool same_on_all_ranks(Comm& comm, uint64_t value);
 // in increasing order; empty when every rank passed rank 0's value. One all-gather of a uint64.
 std::vector<int> ranks_differing_from_root(Comm& comm, uint64_t value);
 
+// A sorted list of integers with runs shortened: {0, 3, 5, 6, 7} -> "0" sep "3" sep "5-7".
+std::string int_ranges(const std::vector<int>& v, const std::string& sep);
 // "rank 2", "ranks 1-2", "ranks 0, 3, 5-7": a sorted list of ranks for messages.
 std::string rank_list(const std::vector<int>& ranks);
 

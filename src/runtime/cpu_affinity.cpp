@@ -50,18 +50,7 @@ int count_cores(const std::vector<int>& cpus) {
   return static_cast<int>(cores.size());
 }
 
-std::string cpu_list(const std::vector<int>& cpus) {
-  std::string o;
-  for (size_t i = 0; i < cpus.size();) {
-    size_t j = i;
-    while (j + 1 < cpus.size() && cpus[j + 1] == cpus[j] + 1) ++j;
-    if (!o.empty()) o += ',';
-    o += std::to_string(cpus[i]);
-    if (j > i) o += '-' + std::to_string(cpus[j]);
-    i = j + 1;
-  }
-  return o;
-}
+std::string cpu_list(const std::vector<int>& cpus) { return int_ranges(cpus, ","); }
 
 namespace {
 

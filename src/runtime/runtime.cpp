@@ -285,21 +285,23 @@ std::vector<int> ranks_differing_from_root(Comm& comm, uint64_t value) {
   return odd;
 }
 
-std::string rank_list(const std::vector<int>& r) {
+std::string int_ranges(const std::vector<int>& v, const std::string& sep) {
   std::string o;
-  for (size_t i = 0; i < r.size();) {
+  for (size_t i = 0; i < v.size();) {
     size_t j = i;
-    while (j + 1 < r.size() && r[j + 1] == r[j] + 1) ++j;
-    if (!o.empty()) o += ", ";
-    o += std::to_string(r[i]);
+    while (j + 1 < v.size() && v[j + 1] == v[j] + 1) ++j;
+    if (!o.empty()) o += sep;
+    o += std::to_string(v[i]);
     if (j > i) {
       o += '-';
-      o += std::to_string(r[j]);
+      o += std::to_string(v[j]);
     }
     i = j + 1;
   }
-  return (r.size() == 1 ? "rank " : "ranks ") + o;
+  return o;
 }
+
+std::string rank_list(const std::vector<int>& r) { return (r.size() == 1 ? "rank " : "ranks ") + int_ranges(r, ", "); }
 
 uint64_t fnv1a64(const std::string& s) {
   uint64_t h = 1469598103934665603ull;
