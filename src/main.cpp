@@ -1,6 +1,5 @@
 // shardtrain: options -> mode -> one call into the layer that does the job.
 #include <iostream>
-#include <thread>
 
 #include <filesystem>
 #include <fstream>

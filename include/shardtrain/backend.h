@@ -128,7 +128,8 @@ template <typename T> class Backend {
 template <typename T> std::unique_ptr<Backend<T>> make_cpu_backend();
 
 // Sets the number of threads the CPU backend uses inside this process (OpenMP), n >= 1; 0 leaves it
-// as is. OpenBLAS is set to 1 thread: the backend calls it from its own threads, one call per tile.
+// as is. (Every CPU backend, from its constructor on, keeps OpenBLAS at 1 thread: it calls it from
+// its own threads, one call per tile.)
 void set_cpu_threads(int n);
 // The thread count the CPU backend uses now.
 int cpu_threads();

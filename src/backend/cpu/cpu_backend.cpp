@@ -42,7 +42,11 @@ constexpr size_t kSumChunk = 4096;  // sum_squares partials: fixed length, summe
 // code GCC generates for fast_expf's clamped branch (SwiGLU ran 10x slower on normal inputs).
 // TensorFlow flushes on its CPU threads too; results differ only where a value is below 1.2e-38.
 // MXCSR is per thread: set on the calling thread and on every thread of the OpenMP pool.
-void flush_denormals() {
+// Also sets OpenBLAS to one thread: the backend calls it from its own threads, one call per tile
+// (a threaded OpenBLAS inside them would oversubscribe the cores). Run by every backend's
+// constructor and by set_cpu_threads, so every mode (train, export, generate, tests) gets both.
+void prepare_threads() {
+  openblas_set_num_threads(1);
 #if defined(__SSE__)
   auto set = [] { _mm_setcsr(_mm_getcsr() | 0x8040); };  // FTZ (bit 15) | DAZ (bit 6)
   set();
@@ -104,7 +108,7 @@ template <typename T> class CpuBackend final : public Backend<T> {
  public:
   using S = typename Backend<T>::S;
   using A = math::Acc<T>;
-  CpuBackend() { flush_denormals(); }
+  CpuBackend() { prepare_threads(); }
   const char* name() const override { return "cpu"; }
 
   T* alloc(size_t n) override { return static_cast<T*>(aligned_zeroed(n * sizeof(T))); }
@@ -482,8 +486,7 @@ std::pair<int, int> cpu_gemm_tiles(int M, int N, int K) {
 void set_cpu_threads(int n) {
   if (n <= 0) return;
   omp_set_num_threads(n);
-  openblas_set_num_threads(1);  // BLAS calls run inside our threads, one call per tile
-  flush_denormals();            // threads the new pool size starts inherit it too
+  prepare_threads();  // the threads a new pool size starts get FTZ/DAZ too
 }
 
 int cpu_threads() { return omp_get_max_threads(); }
