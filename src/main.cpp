@@ -14,6 +14,7 @@
 #include "shardtrain/cpu_affinity.h"
 #include "shardtrain/data.h"
 #include "shardtrain/files.h"
+#include "shardtrain/memory_plan.h"
 #include "shardtrain/options.h"
 #include "shardtrain/runtime.h"
 #include "shardtrain/train.h"
@@ -137,6 +138,60 @@ void run_train(Comm& comm, const Topology& topo, const Options& o) {
   train(eng, mc, o.train, *data);
 }
 
+// --mode plan: the memory plan of a training run with these options, for --world-size ranks, without
+// launching them; with --device-memory, the largest micro-batch that fits for each recompute mode.
+void run_plan(Comm& comm, const Options& o) {
+  const ModelConfig mc = resolve_model_config(comm, o.model);
+  const int W = o.plan_world_size > 0 ? o.plan_world_size : comm.world_size();
+  const bool cuda = o.device == "cuda";
+  MemoryPlanInput in{mc, o.train, W, parse_precision(o.precision), o.reduce_dtype == "bf16", cuda, 0, 4, 0};
+  TrainConfig& t = in.train;
+  if (t.micro_batch == 0) {
+    all_ok(comm, t.global_batch % W == 0,
+           "option '--global-batch' (" + std::to_string(t.global_batch) + ") is not divisible by '--world-size' (" +
+               std::to_string(W) + "); give '--micro-batch'");
+    t.micro_batch = t.global_batch / W;
+  }
+  if (!o.data.empty()) {
+    TokenFileHeader h;
+    agree(comm, [&] { h = read_token_file_header(o.data); });
+    in.data_tokens = h.n_train + h.n_val;
+  }
+  if (cuda) {
+    in.runtime_bytes = kGpuRuntimeEstimate;
+  } else {  // this process with a CPU backend and its threads: what a training rank holds before allocating
+    auto be = make_cpu_backend<float>();
+    in.runtime_bytes = current_rss_bytes();
+    comm.all_reduce(&in.runtime_bytes, 1, ReduceOp::Max);
+  }
+  std::ostringstream os;
+  os << plan_memory(in).format("memory plan per rank: '" + o.model + "' (" + std::to_string(mc.num_params()) +
+                               " parameters), " + std::to_string(W) + " ranks, " + o.precision + ", micro-batch " +
+                               std::to_string(t.micro_batch) + " x " + std::to_string(t.seq_len) + " tokens, " +
+                               (cuda ? "GPU device memory" : "CPU memory"));
+  if (!o.device_memory.empty()) {
+    uint64_t dev = 0;
+    try {
+      dev = parse_size(o.device_memory);
+    } catch (const std::invalid_argument&) {
+      throw CollectiveError(0, "option '--device-memory' must be a size like 80GB or 141GiB, got '" + o.device_memory + "'");
+    }
+    os << "\nfits in " << o.device_memory << " per rank at seq-len " << t.seq_len << ":";
+    for (const char* r : {"none", "selective", "full"}) {
+      MemoryPlanInput m = in;
+      m.train.activation_checkpointing = r;
+      m.train.micro_batch = 1;
+      const int mb = largest_fitting_micro_batch(m, static_cast<int64_t>(dev));
+      char b[64];
+      std::snprintf(b, sizeof b, "%.1f GiB", static_cast<double>(plan_memory(m).total()) / (1 << 30));
+      os << "\n  --activation-checkpointing " << r << ": "
+         << (mb > 0 ? "micro-batch up to " + std::to_string(mb) + (mb == 1024 ? " (or more)" : "")
+                    : std::string("does not fit (micro-batch 1 needs ") + b + ")");
+    }
+  }
+  log_info(comm, os.str());
+}
+
 // --mode inspect: step, world size, config and per-unit shard tables of a checkpoint; optionally
 // one parameter gathered at the current world size and written as raw float32.
 void run_inspect(Comm& comm, const Options& o) {
@@ -227,6 +282,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (o.mode == "prepare") run_prepare(comm, o);
+    else if (o.mode == "plan") run_plan(comm, o);
     else if (o.mode == "inspect") run_inspect(comm, o);
     else if (o.mode == "export") export_hf(comm, ExportOptions{o.checkpoint, o.out, parse_export_dtype(o.dtype), parse_size(o.max_shard_size)});
     else if (o.mode == "import") import_hf(comm, o.hf_dir, o.out, o.data);

@@ -6,7 +6,8 @@
 //
 // Shapes: B = micro-batch sequences, T = sequence length, C = hidden size, V = vocab size,
 // NH / NKV = query / key-value heads, HD = head dim, I = intermediate size. Activations are
-// row-major [B, T, ...]; attention probabilities are [B, NH, T, T].
+// row-major [B, T, ...]; the exact attention path's probabilities are [B, NH, T, T] (the tiled
+// path, the default, keeps a log-sum-exp [B, NH, T] instead).
 //
 // Units and canonical (Hugging Face LlamaForCausalLM) parameter names, in flat-buffer order:
 //   unit 0      "model.embed_tokens": model.embed_tokens.weight [V, C]
@@ -20,6 +21,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "shardtrain/backend.h"
@@ -32,53 +34,120 @@ namespace shardtrain {
 // norms Ones (as transformers' LlamaPreTrainedModel._init_weights). Norm weights get no decay.
 std::vector<UnitSpec> llama_units(const ModelConfig& c);
 
+// Activation checkpointing (recompute in backward what forward did not keep; Chen et al. 2016,
+// "Training Deep Nets with Sublinear Memory Cost"). Per block (one FSDP unit), what is kept from
+// forward to backward, with BT = B*T rows:
+//   None:      the block input x [BT, C]; rstd of both RMSNorms [BT]; q, k after RoPE [BT, NH*HD],
+//              [BT, NKV*HD]; v [BT, NKV*HD]; the attention state (tiled: lse [B, NH, T]; exact: the
+//              probabilities [B, NH, T, T]); the attention output y [BT, NH*HD]; x1 = x + attention
+//              [BT, C]; gate and up [BT, I]; h = silu(gate) * up [BT, I]. (The RMSNorm outputs are
+//              never kept: backward recomputes them from x / x1, as in every mode.)
+//   Selective: as None without h, and without the exact path's probabilities: every GEMM output
+//              is kept, the cheap elementwise parts are recomputed in backward (h from gate and up;
+//              the exact path's scores and softmax from q and k). Megatron-LM's "selective"
+//              recompute (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+//              Transformer Models") and torchtitan's op-level policy that saves matmul outputs.
+//   Full:      only the block input x; backward reruns the block's forward (all but its last GEMM)
+//              into one shared set of buffers, then its backward (torchtitan / Megatron "full").
+// The recomputation runs the same kernels on the same inputs, so gradients are bitwise identical in
+// every mode. The final norm and the LM head are not a block: their backward runs inside forward
+// (see LlamaModel::forward), so nothing vocabulary-sized is kept.
+enum class Recompute { None, Selective, Full };
+// Attention implementation. Tiled: FlashAttention-2 (include/shardtrain/flash_attention.h), O(B*NH*T)
+// memory; Exact: scores and probabilities materialized, [B, NH, T, T] (reference for tests).
+enum class AttentionKind { Tiled, Exact };
+
+// How a model computes; none of it changes what is computed (beyond summation order of the loss
+// chunks). Not part of the checkpoint.
+struct ModelOptions {
+  Recompute recompute = Recompute::None;
+  AttentionKind attention = AttentionKind::Tiled;
+  int loss_chunk = 0;  // tokens per LM-head / cross-entropy chunk; 0 = default_loss_chunk(V)
+};
+// Parse "none" | "selective" | "full" and "tiled" | "exact"; throw std::invalid_argument naming the
+// options '--activation-checkpointing' / '--attention'.
+Recompute parse_recompute(const std::string& s);
+AttentionKind parse_attention(const std::string& s);
+const char* recompute_name(Recompute r);
+const char* attention_name(AttentionKind a);
+// Default chunk of the LM head and loss: as many tokens as make a [chunk, V] logits block of
+// 2^24 elements (64 MiB in fp32), at least 256 tokens: about 131 (-> 256) for a 128,256
+// vocabulary, 65,027 for 258.
+int default_loss_chunk(int vocab_size);
+
+// Activation memory of a LlamaModel<T> for micro-batches of B x T tokens, in bytes, by buffer
+// group; the same numbers LlamaModel::reserve allocates (a test counts the allocations).
+struct ActivationBytes {
+  int64_t per_layer = 0;       // kept per block from forward to backward, times num_hidden_layers
+  int64_t recompute = 0;       // one block's recomputed activations (Selective, Full)
+  int64_t block_scratch = 0;   // shared by blocks: RMSNorm output, the backward's activation gradients
+  int64_t head = 0;            // final norm input/output, the logits chunk, ids, RoPE tables
+  int64_t total() const { return per_layer + recompute + block_scratch + head; }
+};
+ActivationBytes activation_bytes(const ModelConfig& c, const ModelOptions& o, int B, int T_, size_t elem_bytes,
+                                 size_t acc_bytes);
+
 template <typename T> class LlamaModel {
  public:
   using S = typename Backend<T>::S;  // scalar type: float for float and bf16, double for double
-  LlamaModel(const ModelConfig& c, Backend<T>& be);
+  LlamaModel(const ModelConfig& c, Backend<T>& be, const ModelOptions& o = {});
 
   // Collective (gathers every unit once, the embedding twice when tied).
   // tokens, targets: host arrays [B, T] of ids in [0, V). targets may be nullptr: no loss is
-  // computed and logits() holds the logits afterwards.
-  // When `train` is true, activations are kept and d(loss)/d(logits) * grad_scale is formed, ready
-  // for backward(); grad_scale is usually 1 / (tokens per rank per optimizer step).
+  // computed and logits() holds the logits afterwards (a [B*T, V] buffer is allocated for that).
+  // With targets, the LM head and cross-entropy run over chunks of options().loss_chunk tokens and
+  // no [B*T, V] buffer exists. When `train` is true, activations are kept for backward() and the
+  // backward of the final norm and LM head runs here, chunk by chunk (d(loss)/d(logits) *
+  // grad_scale, the head's weight gradient reduce-scattered into its shard: unit L+1, and unit 0
+  // when tied); grad_scale is usually 1 / (tokens per rank per optimizer step).
   // Returns the sum over the B*T positions of the cross-entropy (nats); 0 if targets == nullptr.
   // Throws std::invalid_argument if T exceeds max_position_embeddings or a token is out of range.
   double forward(UnitSource<T>& f, const int32_t* tokens, const int32_t* targets, int B, int T_, bool train,
                  S grad_scale = S(1));
-  // Collective. Backward of the last training forward(): adds the gradients, averaged over ranks,
-  // into f's gradient shards (one reduce-scatter per unit, two for a tied embedding).
+  // Collective. Backward of the blocks and the embedding after a training forward(): adds the
+  // gradients, averaged over ranks, into f's gradient shards (one reduce-scatter per unit).
   void backward(UnitSource<T>& f);
   // Logits of the last forward with targets == nullptr, [B*T, V], copied to host.
   std::vector<T> logits();
 
   const ModelConfig& config() const { return c_; }
-  // Allocates the activation buffers for micro-batches of B x T_ tokens (forward does it lazily).
-  // Throws std::bad_alloc.
+  const ModelOptions& options() const { return o_; }
+  // Allocates the activation buffers for micro-batches of B x T_ tokens (forward does it lazily):
+  // activation_bytes(c, options, B, T_) in total. Throws std::bad_alloc.
   void reserve(int B, int T_) { ensure(B, T_); }
 
  private:
-  // Saved activations of one block. The RMSNorm outputs are not kept: backward recomputes them
-  // from x / x1 and the weights (rstd is kept), which saves 2 x [B*T, C] per layer for two
-  // cheap row passes.
+  // One block's activations (which of them exist depends on the Recompute mode, see above).
   struct Layer {
     Buffer<T> x, rstd1, q, k, v, att, y, x1, rstd2, g, u, h;
+    AccBuffer<T> lse;
   };
   struct Offsets {  // flat offsets inside a block unit
     int64_t ln1, q, k, v, o, ln2, gate, up, down;
   };
   void ensure(int B, int T_);
-  
+  // Forward of block l with weights w from input x: fills the activations of `a` and, when xn is not
+  // nullptr, writes the block output to xn (else stops before the down projection: recompute).
+  void block_forward(const T* w, const T* x, Layer& a, T* h, T* att, T* xn);
+  // The LM head and the loss over chunks, with (train) their backward and the final norm's; hw is the
+  // gathered unit L+1. See forward().
+  double head_forward(UnitSource<T>& f, const T* hw, bool train, S grad_scale);
+  // Where block l's activations are in backward (recomputed first when not kept).
+  Layer& backward_activations(int l, const T* w);
+
   ModelConfig c_;
+  ModelOptions o_;
   Backend<T>& be_;
   Offsets off_{};
   int64_t head_off_norm_ = 0, head_off_w_ = 0;
-  int cur_b_ = 0, cur_t_ = 0;  // micro-batch shape the buffers are sized for
+  int cur_b_ = 0, cur_t_ = 0, chunk_ = 0;  // micro-batch shape the buffers are sized for; loss chunk
   IdBuffer<T> tokens_, targets_;  // the micro-batch's ids, in backend memory
-  std::vector<Layer> layers_;
-  Buffer<T> xf_, lnf_, rstdf_, logits_, cos_, sin_;
+  std::vector<Layer> layers_;     // kept per block
+  Layer work_;                    // recomputed block (Selective: h, exact att; Full: all)
+  Buffer<T> xf_, lnf_, rstdf_, chunk_logits_, logits_, cos_, sin_;
   Buffer<T> ln_;  // a block's RMSNorm output [B*T, C], forward and (recomputed) backward
   Buffer<T> dres_, dln_, dq_, dk_, dv_, datt_, dy_, dh_, dg_, du_;
+  AccBuffer<T> dsum_;  // tiled attention backward: rowsum(dy * y) [B, NH, T]
 };
 
 // RoPE tables for positions [0, T) and pairs [0, HD/2): cos/sin of t * theta^(-2j/HD),
@@ -86,8 +155,9 @@ template <typename T> class LlamaModel {
 template <typename T> void rope_tables(std::vector<T>& cos, std::vector<T>& sin, int T_, int HD, double theta);
 
 // Causal self-attention with GQA on already-projected, RoPE-rotated q [B*T, NH*HD],
-// k and v [B*T, NKV*HD]; writes att [B, NH, T, T] (softmax probabilities) and y [B*T, NH*HD].
-// Query head h reads key/value head h / (NH/NKV). Exposed for tests.
+// k and v [B*T, NKV*HD]; writes att [B, NH, T, T] (softmax probabilities) and y [B*T, NH*HD]
+// (y == nullptr: the probabilities only). Query head h reads key/value head h / (NH/NKV). The
+// exact path (--attention exact), and the reference the tiled path is tested against.
 template <typename T>
 void attention_forward(Backend<T>& be, const T* q, const T* k, const T* v, T* att, T* y, int B, int T_, int NH,
                        int NKV, int HD);

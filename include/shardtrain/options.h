@@ -23,7 +23,7 @@ namespace shardtrain {
 struct Options {
   bool help = false;
   std::string help_text;
-  std::string mode = "train";     // train | prepare | inspect | export | import | generate
+  std::string mode = "train";     // train | prepare | inspect | export | import | generate | plan
   std::string config_file;        // INI job file
   std::string model = "demo";     // preset name or path to a Hugging Face config.json
   std::string data;               // token file (train)
@@ -47,6 +47,8 @@ struct Options {
   double temperature = 0.8;       // generate; 0 = greedy
   int top_k = 40;                 // generate; 0 = off
   std::string dump_logits;        // generate: raw float32 logits of BOS + prompt
+  int plan_world_size = 0;        // plan: ranks to plan for (0: this launch's)
+  std::string device_memory;      // plan: bytes of one device ("80GB"): print what fits
   TrainConfig train;
 };
 

@@ -152,11 +152,14 @@ template <typename T> class Fsdp final : public UnitSource<T> {
 //   full_grad(u): a bf16 full-unit gradient buffer, which the model's bf16 GEMMs fill (fp32
 //                accumulation inside each GEMM);
 //   reduce_scatter_grad(u): with reduce_bf16 == false the buffer is widened to fp32 and
-//                reduce-scattered in fp32, else reduce-scattered in bf16 (half the bytes); the
-//                mean is added into the fp32 gradient shard.
+//                reduce-scattered in fp32, one slab of at most kWidenSlab elements (over all
+//                ranks) at a time, so no fp32 copy of a whole unit exists (for a 128k vocabulary
+//                embedding that copy would be 4 bytes x V x C); else reduce-scattered in bf16 (half
+//                the bytes). The mean is added into the fp32 gradient shard.
 // `be` must run on the same device as master.backend().
 class MixedPrecisionUnits final : public UnitSource<bf16> {
  public:
+  static constexpr size_t kWidenSlab = size_t{1} << 22;  // fp32 elements (16 MiB) per widened slab
   // Throws std::bad_alloc.
   MixedPrecisionUnits(Fsdp<float>& master, Backend<bf16>& be, bool reduce_bf16);
   const bf16* gather(int u) override;
@@ -168,7 +171,8 @@ class MixedPrecisionUnits final : public UnitSource<bf16> {
   Backend<bf16>& be_;
   bool reduce_bf16_;
   Buffer<bf16> shard_, gather_, grad_, scatter_;
-  Buffer<float> grad32_, scatter32_;
+  Buffer<float> grad32_, scatter32_;  // [W, slab_] and [slab_]: the fp32 reduce-scatter of one slab
+  size_t slab_ = 0;                   // shard elements per fp32 reduce-scatter
 };
 
 // Deterministic standard normal for counter `i` of stream (seed, key): SplitMix64 + Box-Muller.

@@ -43,8 +43,16 @@ struct TrainConfig {
   int64_t stop_at_step = 0;    // stop (and save) after this step, keeping the schedule of `steps`; 0: run to `steps`
   int64_t debug_crash_before_publish = 0;  // test hook (see CheckpointOptions)
   bool skip_nonfinite = false;  // skip the update of a step with a non-finite loss or gradient norm instead of stopping
+  // How the model computes (model.h ModelOptions); none of these changes the result beyond the
+  // summation order of the loss chunks, so a resume may change them freely.
+  std::string activation_checkpointing = "none";  // none | selective | full
+  std::string attention = "tiled";  // tiled (FlashAttention-2) | exact ([B, NH, T, T] probabilities)
+  int loss_chunk = 0;               // tokens per LM-head / loss chunk; 0 = default_loss_chunk(V)
   std::string precision = "fp32";  // set by train() from the Engine, recorded in checkpoints: fp32 | bf16 (+ reduce dtype)
 };
+
+// The model options of a run; throws std::invalid_argument naming the option for a bad value.
+ModelOptions model_options(const TrainConfig& tc);
 
 // Thrown on every rank, at the same step, when some rank received SIGTERM or SIGUSR1: the step in
 // progress was finished and (with a checkpoint directory) saved. main() exits with kExitPreempted.

@@ -29,7 +29,7 @@ po::options_description describe(Options& o) {
   gen.add_options()
       ("help,h", "print this help and exit")
       ("config", po::value<std::string>(&o.config_file), "INI job file (key = value, long option names); the command line overrides it")
-      ("mode", po::value<std::string>(&o.mode)->default_value(o.mode), "job to run: train | prepare | inspect | export | import | generate")
+      ("mode", po::value<std::string>(&o.mode)->default_value(o.mode), "job to run: train | prepare | inspect | export | import | generate | plan (memory per rank, no launch needed)")
       ("threads", po::value<int>(&o.threads)->default_value(o.threads), "threads per rank (OpenMP; each calls OpenBLAS single-threaded); 0 = the cores this rank may run on (its CPU affinity), shared with the ranks of its node bound to the same cores")
       ("collective-timeout", dbl(&o.collective_timeout), "seconds a collective may wait for the other ranks before this rank ends the job (a peer died or hangs); 0 = never")
       ("device", po::value<std::string>(&o.device)->default_value(o.device), "train on: auto (cuda when a GPU is visible, else cpu) | cpu | cuda (one GPU per rank: the local rank's)")
@@ -64,6 +64,13 @@ po::options_description describe(Options& o) {
       ("eval-every", po::value<int64_t>(&t.eval_every)->default_value(t.eval_every), "steps between validation evaluations; 0 = only at the end")
       ("eval-batches", po::value<int>(&t.eval_batches)->default_value(t.eval_batches), "global batches of the validation split per evaluation")
       ("metrics", po::value<std::string>(&t.metrics_path), "JSON-lines metrics file written by rank 0");
+  po::options_description mem("Memory (train, plan)");
+  mem.add_options()
+      ("activation-checkpointing", po::value<std::string>(&t.activation_checkpointing)->default_value(t.activation_checkpointing), "none | selective (keep GEMM outputs, recompute elementwise parts) | full (keep each block's input, recompute the block in backward); gradients are identical")
+      ("attention", po::value<std::string>(&t.attention)->default_value(t.attention), "tiled (FlashAttention-2: no [T, T] matrices) | exact (keeps the [B, heads, T, T] probabilities; reference)")
+      ("loss-chunk", po::value<int>(&t.loss_chunk)->default_value(t.loss_chunk), "tokens per LM-head and cross-entropy chunk (no [tokens, vocab] logits are held); 0 = max(256, 2^24 / vocab)")
+      ("world-size", po::value<int>(&o.plan_world_size)->default_value(o.plan_world_size), "plan: ranks to plan for; 0 = the ranks of this launch")
+      ("device-memory", po::value<std::string>(&o.device_memory), "plan: memory of one device, e.g. 80GB, 141GB: also print the largest micro-batch that fits for each --activation-checkpointing mode");
   po::options_description ck("Checkpoints");
   ck.add_options()
       ("checkpoint-dir", po::value<std::string>(&t.checkpoint_dir), "directory of HDF5 checkpoints (step_N.h5 and a 'latest' pointer); empty: none")
@@ -92,7 +99,7 @@ po::options_description describe(Options& o) {
   po::options_description all(
       "shardtrain: fully sharded (FSDP / ZeRO-3) Llama training over MPI.\n"
       "Usage: mpirun -np N shardtrain [--config JOB.ini] [options]   (command line overrides the job file)");
-  all.add(gen).add(data).add(model).add(tr).add(ck).add(hf);
+  all.add(gen).add(data).add(model).add(tr).add(mem).add(ck).add(hf);
   return all;
 }
 
@@ -105,8 +112,11 @@ void finite(double v, const std::string& opt) { check(std::isfinite(v), opt, "mu
 void validate(const Options& o) {
   const TrainConfig& t = o.train;
   check(o.mode == "train" || o.mode == "prepare" || o.mode == "inspect" || o.mode == "export" || o.mode == "import" ||
-            o.mode == "generate",
-        "mode", "must be train, prepare, inspect, export, import or generate, got '" + o.mode + "'");
+            o.mode == "generate" || o.mode == "plan",
+        "mode", "must be train, prepare, inspect, export, import, generate or plan, got '" + o.mode + "'");
+  model_options(t);  // throws naming --activation-checkpointing, --attention or --loss-chunk
+  check(o.plan_world_size >= 0, "world-size", "must be >= 0 (0: the ranks of this launch)");
+  if (!o.device_memory.empty()) parse_size(o.device_memory);
   finite(o.temperature, "temperature");
   check(o.temperature >= 0, "temperature", "must be >= 0");
   check(o.top_k >= 0, "top-k", "must be >= 0");

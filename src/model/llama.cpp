@@ -107,17 +107,81 @@ void attention_backward(Backend<T>& be, const T* q, const T* k, const T* v, cons
     }
 }
 
+// ---- options and memory ----------------------------------------------------------------------
+Recompute parse_recompute(const std::string& s) {
+  if (s == "none") return Recompute::None;
+  if (s == "selective") return Recompute::Selective;
+  if (s == "full") return Recompute::Full;
+  throw std::invalid_argument("option '--activation-checkpointing' must be none, selective or full, got '" + s + "'");
+}
+AttentionKind parse_attention(const std::string& s) {
+  if (s == "tiled") return AttentionKind::Tiled;
+  if (s == "exact") return AttentionKind::Exact;
+  throw std::invalid_argument("option '--attention' must be tiled or exact, got '" + s + "'");
+}
+const char* recompute_name(Recompute r) {
+  return r == Recompute::None ? "none" : r == Recompute::Selective ? "selective" : "full";
+}
+const char* attention_name(AttentionKind a) { return a == AttentionKind::Tiled ? "tiled" : "exact"; }
+int default_loss_chunk(int V) { return std::max(256, static_cast<int>((int64_t{1} << 24) / std::max(1, V))); }
+
+namespace {
+// Elements of every activation buffer, by the buffer's role; LlamaModel::ensure allocates exactly
+// these and activation_bytes() adds them up, so the memory plan cannot drift from the code.
+struct Sizes {
+  int64_t BT, x, rstd, q, kv, att, lse, y, gi;  // gi: gate / up / h / their gradients, [BT, I]
+  int64_t chunk_logits, rope, dsum;
+  bool keep_all, keep_h, keep_att;  // per-layer buffers besides x; h; exact probabilities
+  Sizes(const ModelConfig& c, const ModelOptions& o, int B, int T_, int chunk) {
+    BT = int64_t{B} * T_;
+    const int64_t NH = c.num_attention_heads, HD = c.head_dim();
+    x = BT * c.hidden_size;
+    rstd = BT;
+    q = BT * NH * HD;
+    kv = BT * c.kv_dim();
+    const bool tiled = o.attention == AttentionKind::Tiled;
+    att = tiled ? 0 : int64_t{B} * NH * T_ * T_;
+    lse = tiled ? int64_t{B} * NH * T_ : 0;
+    dsum = lse;
+    y = q;
+    gi = BT * c.intermediate_size;
+    chunk_logits = int64_t{std::min<int64_t>(chunk, BT)} * c.vocab_size;
+    rope = int64_t{T_} * (HD / 2);
+    keep_all = o.recompute != Recompute::Full;
+    keep_h = o.recompute == Recompute::None;
+    keep_att = o.recompute == Recompute::None;
+  }
+};
+}  // namespace
+
+ActivationBytes activation_bytes(const ModelConfig& c, const ModelOptions& o, int B, int T_, size_t E, size_t A) {
+  const Sizes z(c, o, B, T_, o.loss_chunk > 0 ? o.loss_chunk : default_loss_chunk(c.vocab_size));
+  const int64_t e = static_cast<int64_t>(E), a = static_cast<int64_t>(A);
+  // One block's activations besides its input x, h and the exact probabilities.
+  const int64_t rest = e * (2 * z.rstd + z.q + 2 * z.kv + z.y + z.x + 2 * z.gi) + a * z.lse;
+  ActivationBytes r;
+  r.per_layer = c.num_hidden_layers *
+                (e * z.x + (z.keep_all ? rest : 0) + (z.keep_h ? e * z.gi : 0) + (z.keep_att ? e * z.att : 0));
+  if (o.recompute == Recompute::Selective) r.recompute = e * (z.gi + z.att);
+  if (o.recompute == Recompute::Full) r.recompute = rest + e * (z.gi + z.att);
+  r.block_scratch = e * (3 * z.x + 2 * z.q + 2 * z.kv + 3 * z.gi + z.att) + a * z.dsum;
+  r.head = e * (2 * z.x + z.rstd + z.chunk_logits + 2 * z.rope) + 2 * 4 * z.BT;
+  return r;
+}
+
 // ---- model ------------------------------------------------------------------------------------
-template <typename T> LlamaModel<T>::LlamaModel(const ModelConfig& c, Backend<T>& be) : c_(c), be_(be) {
+template <typename T>
+LlamaModel<T>::LlamaModel(const ModelConfig& c, Backend<T>& be, const ModelOptions& o) : c_(c), o_(o), be_(be) {
   ShardPlan p = ShardPlan::build(llama_units(c), 1);  // offsets do not depend on the world size
   const UnitPlan& blk = p.units[1];
-  auto o = [&](const char* n) { return blk.param("model.layers.0." + std::string(n)).offset; };
-  off_ = {o("input_layernorm.weight"), o("self_attn.q_proj.weight"), o("self_attn.k_proj.weight"),
-          o("self_attn.v_proj.weight"), o("self_attn.o_proj.weight"), o("post_attention_layernorm.weight"),
-          o("mlp.gate_proj.weight"), o("mlp.up_proj.weight"), o("mlp.down_proj.weight")};
+  auto of = [&](const char* n) { return blk.param("model.layers.0." + std::string(n)).offset; };
+  off_ = {of("input_layernorm.weight"), of("self_attn.q_proj.weight"), of("self_attn.k_proj.weight"),
+          of("self_attn.v_proj.weight"), of("self_attn.o_proj.weight"), of("post_attention_layernorm.weight"),
+          of("mlp.gate_proj.weight"), of("mlp.up_proj.weight"), of("mlp.down_proj.weight")};
   const UnitPlan& head = p.units.back();
   head_off_norm_ = head.param("model.norm.weight").offset;
   head_off_w_ = c.tie_word_embeddings ? 0 : head.param("lm_head.weight").offset;
+  if (o_.loss_chunk < 0) throw std::invalid_argument("option '--loss-chunk' must be >= 0");
   layers_.resize(c.num_hidden_layers);
 }
 
@@ -125,31 +189,69 @@ template <typename T> void LlamaModel<T>::ensure(int B, int T_) {
   if (B == cur_b_ && T_ == cur_t_) return;
   cur_b_ = B;
   cur_t_ = T_;
-  const size_t BT = static_cast<size_t>(B) * T_, C = c_.hidden_size, I = c_.intermediate_size;
-  const size_t Q = static_cast<size_t>(c_.num_attention_heads) * c_.head_dim(), KV = c_.kv_dim();
-  const size_t A = static_cast<size_t>(B) * c_.num_attention_heads * T_ * T_;
+  chunk_ = static_cast<int>(std::min<int64_t>(o_.loss_chunk > 0 ? o_.loss_chunk : default_loss_chunk(c_.vocab_size),
+                                               int64_t{B} * T_));
+  const Sizes z(c_, o_, B, T_, chunk_);
+  auto buf = [&](int64_t n) { return Buffer<T>(be_, static_cast<size_t>(n)); };
+  auto acc = [&](int64_t n) { return AccBuffer<T>(be_, static_cast<size_t>(n)); };
+  auto block = [&](Layer& L) {  // everything of a block but x, h and the exact probabilities
+    L.rstd1 = buf(z.rstd); L.q = buf(z.q); L.k = buf(z.kv); L.v = buf(z.kv); L.lse = acc(z.lse); L.y = buf(z.y);
+    L.x1 = buf(z.x); L.rstd2 = buf(z.rstd); L.g = buf(z.gi); L.u = buf(z.gi);
+  };
+  work_ = Layer{};
   for (auto& L : layers_) {
-    L.x = Buffer<T>(be_, BT * C); L.rstd1 = Buffer<T>(be_, BT);
-    L.q = Buffer<T>(be_, BT * Q); L.k = Buffer<T>(be_, BT * KV); L.v = Buffer<T>(be_, BT * KV);
-    L.att = Buffer<T>(be_, A); L.y = Buffer<T>(be_, BT * Q); L.x1 = Buffer<T>(be_, BT * C);
-    L.rstd2 = Buffer<T>(be_, BT);
-    L.g = Buffer<T>(be_, BT * I); L.u = Buffer<T>(be_, BT * I); L.h = Buffer<T>(be_, BT * I);
+    L = Layer{};
+    L.x = buf(z.x);
+    if (z.keep_all) block(L);
+    if (z.keep_h) L.h = buf(z.gi);
+    if (z.keep_att) L.att = buf(z.att);
   }
-  xf_ = Buffer<T>(be_, BT * C); lnf_ = Buffer<T>(be_, BT * C); rstdf_ = Buffer<T>(be_, BT);
-  logits_ = Buffer<T>(be_, BT * c_.vocab_size);
-  ln_ = Buffer<T>(be_, BT * C);
-  dres_ = Buffer<T>(be_, BT * C); dln_ = Buffer<T>(be_, BT * C);
-  dq_ = Buffer<T>(be_, BT * Q); dk_ = Buffer<T>(be_, BT * KV); dv_ = Buffer<T>(be_, BT * KV);
-  datt_ = Buffer<T>(be_, A); dy_ = Buffer<T>(be_, BT * Q);
-  dh_ = Buffer<T>(be_, BT * I); dg_ = Buffer<T>(be_, BT * I); du_ = Buffer<T>(be_, BT * I);
-  tokens_ = IdBuffer<T>(be_, BT); targets_ = IdBuffer<T>(be_, BT);
+  if (o_.recompute == Recompute::Full) block(work_);
+  if (o_.recompute != Recompute::None) { work_.h = buf(z.gi); work_.att = buf(z.att); }
+  xf_ = buf(z.x); lnf_ = buf(z.x); rstdf_ = buf(z.rstd);
+  chunk_logits_ = buf(z.chunk_logits);
+  logits_ = Buffer<T>();
+  ln_ = buf(z.x);
+  dres_ = buf(z.x); dln_ = buf(z.x);
+  dq_ = buf(z.q); dk_ = buf(z.kv); dv_ = buf(z.kv);
+  datt_ = buf(z.att); dsum_ = acc(z.dsum); dy_ = buf(z.y);
+  dh_ = buf(z.gi); dg_ = buf(z.gi); du_ = buf(z.gi);
+  tokens_ = IdBuffer<T>(be_, static_cast<size_t>(z.BT)); targets_ = IdBuffer<T>(be_, static_cast<size_t>(z.BT));
   std::vector<S> cs, sn;  // tables computed in double, rounded once to the storage type
   rope_tables(cs, sn, T_, c_.head_dim(), c_.rope_theta);
   std::vector<T> cst(cs.size()), snt(sn.size());
   for (size_t i = 0; i < cs.size(); ++i) { cst[i] = math::st<T>(cs[i]); snt[i] = math::st<T>(sn[i]); }
-  cos_ = Buffer<T>(be_, cs.size()); sin_ = Buffer<T>(be_, sn.size());
+  cos_ = buf(z.rope); sin_ = buf(z.rope);
   be_.from_host(cos_.data(), cst.data(), cst.size());
   be_.from_host(sin_.data(), snt.data(), snt.size());
+}
+
+template <typename T> void LlamaModel<T>::block_forward(const T* w, const T* x, Layer& a, T* h, T* att, T* xn) {
+  const int B = cur_b_, T_ = cur_t_, BT = B * T_, C = c_.hidden_size, I = c_.intermediate_size;
+  const int NH = c_.num_attention_heads, NKV = c_.num_key_value_heads, HD = c_.head_dim();
+  const int Q = NH * HD, KV = NKV * HD;
+  const S eps = static_cast<S>(c_.rms_norm_eps), scale = S(1) / std::sqrt(static_cast<S>(HD));
+  // Attention sub-block: x1 = x + o_proj(attn(rope(q), rope(k), v)) on rmsnorm(x).
+  be_.rmsnorm_forward(ln_.data(), a.rstd1.data(), x, w + off_.ln1, BT, C, eps);
+  be_.gemm(false, true, BT, Q, C, S(1), ln_.data(), C, w + off_.q, C, S(0), a.q.data(), Q);
+  be_.gemm(false, true, BT, KV, C, S(1), ln_.data(), C, w + off_.k, C, S(0), a.k.data(), KV);
+  be_.gemm(false, true, BT, KV, C, S(1), ln_.data(), C, w + off_.v, C, S(0), a.v.data(), KV);
+  be_.rope_forward(a.q.data(), cos_.data(), sin_.data(), B, T_, NH, HD);
+  be_.rope_forward(a.k.data(), cos_.data(), sin_.data(), B, T_, NKV, HD);
+  if (o_.attention == AttentionKind::Tiled)
+    be_.flash_attention_forward(a.y.data(), a.lse.data(), a.q.data(), a.k.data(), a.v.data(), B, T_, NH, NKV, HD, scale);
+  else
+    shardtrain::attention_forward(be_, a.q.data(), a.k.data(), a.v.data(), att, a.y.data(), B, T_, NH, NKV, HD);
+  be_.copy(a.x1.data(), x, static_cast<size_t>(BT) * C);
+  be_.gemm(false, true, BT, C, Q, S(1), a.y.data(), Q, w + off_.o, Q, S(1), a.x1.data(), C);
+  // MLP sub-block: x_next = x1 + down(silu(gate(n)) * up(n)), n = rmsnorm(x1).
+  be_.rmsnorm_forward(ln_.data(), a.rstd2.data(), a.x1.data(), w + off_.ln2, BT, C, eps);
+  be_.gemm(false, true, BT, I, C, S(1), ln_.data(), C, w + off_.gate, C, S(0), a.g.data(), I);
+  be_.gemm(false, true, BT, I, C, S(1), ln_.data(), C, w + off_.up, C, S(0), a.u.data(), I);
+  be_.swiglu_forward(h, a.g.data(), a.u.data(), static_cast<size_t>(BT) * I);
+  if (!xn) return;
+  be_.copy(xn, a.x1.data(), static_cast<size_t>(BT) * C);
+  be_.gemm(false, true, BT, C, I, S(1), h, I, w + off_.down, I, S(1), xn, C);
 }
 
 template <typename T>
@@ -158,9 +260,7 @@ double LlamaModel<T>::forward(UnitSource<T>& f, const int32_t* tokens, const int
   if (T_ > c_.max_position_embeddings)
     throw std::invalid_argument("sequence length " + std::to_string(T_) + " exceeds max_position_embeddings " +
                                 std::to_string(c_.max_position_embeddings));
-  const int BT = B * T_, C = c_.hidden_size, I = c_.intermediate_size, V = c_.vocab_size;
-  const int NH = c_.num_attention_heads, NKV = c_.num_key_value_heads, HD = c_.head_dim();
-  const int Q = NH * HD, KV = NKV * HD, L = c_.num_hidden_layers;
+  const int BT = B * T_, C = c_.hidden_size, V = c_.vocab_size, L = c_.num_hidden_layers;
   for (int i = 0; i < BT; ++i)
     if (tokens[i] < 0 || tokens[i] >= V || (targets && (targets[i] < 0 || targets[i] >= V)))
       throw std::invalid_argument("token id out of range [0, " + std::to_string(V) + ") at position " + std::to_string(i));
@@ -170,97 +270,124 @@ double LlamaModel<T>::forward(UnitSource<T>& f, const int32_t* tokens, const int
 
   // Embedding: x = wte[tokens].
   const T* emb = f.gather(0);
-  T* x = L > 0 ? layers_[0].x.data() : xf_.data();
-  be_.embedding_forward(x, tokens_.data(), emb, BT, C);
+  be_.embedding_forward(L > 0 ? layers_[0].x.data() : xf_.data(), tokens_.data(), emb, BT, C);
 
   for (int l = 0; l < L; ++l) {
-    Layer& a = layers_[l];
     const T* w = f.gather(1 + l);
-    // Attention sub-block: x1 = x + o_proj(attn(rope(q), rope(k), v)) on rmsnorm(x).
-    be_.rmsnorm_forward(ln_.data(), a.rstd1.data(), a.x.data(), w + off_.ln1, BT, C, static_cast<S>(c_.rms_norm_eps));
-    be_.gemm(false, true, BT, Q, C, S(1), ln_.data(), C, w + off_.q, C, S(0), a.q.data(), Q);
-    be_.gemm(false, true, BT, KV, C, S(1), ln_.data(), C, w + off_.k, C, S(0), a.k.data(), KV);
-    be_.gemm(false, true, BT, KV, C, S(1), ln_.data(), C, w + off_.v, C, S(0), a.v.data(), KV);
-    be_.rope_forward(a.q.data(), cos_.data(), sin_.data(), B, T_, NH, HD);
-    be_.rope_forward(a.k.data(), cos_.data(), sin_.data(), B, T_, NKV, HD);
-    shardtrain::attention_forward(be_, a.q.data(), a.k.data(), a.v.data(), a.att.data(), a.y.data(), B, T_, NH, NKV, HD);
-    be_.copy(a.x1.data(), a.x.data(), static_cast<size_t>(BT) * C);
-    be_.gemm(false, true, BT, C, Q, S(1), a.y.data(), Q, w + off_.o, Q, S(1), a.x1.data(), C);
-    // MLP sub-block: x_next = x1 + down(silu(gate(n)) * up(n)), n = rmsnorm(x1).
-    be_.rmsnorm_forward(ln_.data(), a.rstd2.data(), a.x1.data(), w + off_.ln2, BT, C, static_cast<S>(c_.rms_norm_eps));
-    be_.gemm(false, true, BT, I, C, S(1), ln_.data(), C, w + off_.gate, C, S(0), a.g.data(), I);
-    be_.gemm(false, true, BT, I, C, S(1), ln_.data(), C, w + off_.up, C, S(0), a.u.data(), I);
-    be_.swiglu_forward(a.h.data(), a.g.data(), a.u.data(), static_cast<size_t>(BT) * I);
-    T* xn = l + 1 < L ? layers_[l + 1].x.data() : xf_.data();
-    be_.copy(xn, a.x1.data(), static_cast<size_t>(BT) * C);
-    be_.gemm(false, true, BT, C, I, S(1), a.h.data(), I, w + off_.down, I, S(1), xn, C);
+    Layer& a = o_.recompute == Recompute::Full ? work_ : layers_[l];
+    T* h = o_.recompute == Recompute::None ? a.h.data() : work_.h.data();
+    T* att = o_.recompute == Recompute::None ? a.att.data() : work_.att.data();
+    block_forward(w, layers_[l].x.data(), a, h, att, l + 1 < L ? layers_[l + 1].x.data() : xf_.data());
   }
 
-  // Final norm, LM head, loss.
   const T* hw = f.gather(L + 1);
   be_.rmsnorm_forward(lnf_.data(), rstdf_.data(), xf_.data(), hw + head_off_norm_, BT, C, static_cast<S>(c_.rms_norm_eps));
-  const T* wout = c_.tie_word_embeddings ? f.gather(0) : hw + head_off_w_;
-  be_.gemm(false, true, BT, V, C, S(1), lnf_.data(), C, wout, C, S(0), logits_.data(), V);
-  if (!targets) return 0.0;
-  return be_.cross_entropy(train ? logits_.data() : nullptr, logits_.data(), targets_.data(), BT, V,
-                           train ? grad_scale : S(0));
+  if (targets) return head_forward(f, hw, train, grad_scale);
+  {  // logits for the caller (generation, export checks): one [B*T, V] buffer
+    const T* wout = c_.tie_word_embeddings ? f.gather(0) : hw + head_off_w_;
+    if (logits_.size() != static_cast<size_t>(BT) * V) logits_ = Buffer<T>(be_, static_cast<size_t>(BT) * V);
+    be_.gemm(false, true, BT, V, C, S(1), lnf_.data(), C, wout, C, S(0), logits_.data(), V);
+  }
+  return 0.0;
 }
 
-template <typename T> void LlamaModel<T>::backward(UnitSource<T>& f) {
-  const int B = cur_b_, T_ = cur_t_, BT = B * T_, C = c_.hidden_size, I = c_.intermediate_size, V = c_.vocab_size;
-  const int NH = c_.num_attention_heads, NKV = c_.num_key_value_heads, HD = c_.head_dim();
-  const int Q = NH * HD, KV = NKV * HD, L = c_.num_hidden_layers;
-  const T* dlogits = logits_.data();  // cross_entropy wrote d(loss)/d(logits) in place
-
-  // LM head: dlnf = dlogits W; dW += dlogits^T lnf. Tied: W is the embedding (unit 0).
-  if (c_.tie_word_embeddings) {
-    const T* w = f.gather(0);
-    be_.gemm(false, false, BT, C, V, S(1), dlogits, V, w, C, S(0), dln_.data(), C);
-    T* gw = f.full_grad(0);
-    be_.gemm(true, false, V, C, BT, S(1), dlogits, V, lnf_.data(), C, S(1), gw, C);
+// LM head and loss in chunks of chunk_ tokens (Liger-Kernel's fused linear cross-entropy and
+// torchtune's chunked loss do the same): per chunk, logits = lnf W^T, the loss, and when training
+// dlogits (in place), dlnf = dlogits W and dW += dlogits^T lnf. Then the final norm's backward
+// gives dres_, where the blocks' backward starts. Collective (gathers, reduce-scatters).
+template <typename T> double LlamaModel<T>::head_forward(UnitSource<T>& f, const T* hw, bool train, S grad_scale) {
+  const int BT = cur_b_ * cur_t_, C = c_.hidden_size, V = c_.vocab_size, L = c_.num_hidden_layers;
+  const bool tied = c_.tie_word_embeddings;
+  const T* wout = tied ? f.gather(0) : hw + head_off_w_;  // gathering unit 0 invalidates hw
+  T* gw = nullptr;
+  if (train) gw = tied ? f.full_grad(0) : f.full_grad(L + 1) + head_off_w_;
+  double loss = 0.0;
+  for (int r0 = 0; r0 < BT; r0 += chunk_) {
+    const int n = std::min(chunk_, BT - r0);
+    T* lg = chunk_logits_.data();
+    const T* x = lnf_.data() + static_cast<int64_t>(r0) * C;
+    be_.gemm(false, true, n, V, C, S(1), x, C, wout, C, S(0), lg, V);
+    loss += be_.cross_entropy(train ? lg : nullptr, lg, targets_.data() + r0, n, V, train ? grad_scale : S(0));
+    if (!train) continue;
+    be_.gemm(false, false, n, C, V, S(1), lg, V, wout, C, S(0), dln_.data() + static_cast<int64_t>(r0) * C, C);
+    be_.gemm(true, false, V, C, n, S(1), lg, V, x, C, S(1), gw, C);
+  }
+  if (!train) return loss;
+  if (tied) {
     f.reduce_scatter_grad(0);
+    hw = f.gather(L + 1);  // again: the embedding replaced it in the gather buffer (norm weight only: [C])
   }
-  const T* hw = f.gather(L + 1);
-  T* ghw = f.full_grad(L + 1);
-  if (!c_.tie_word_embeddings) {
-    be_.gemm(false, false, BT, C, V, S(1), dlogits, V, hw + head_off_w_, C, S(0), dln_.data(), C);
-    be_.gemm(true, false, V, C, BT, S(1), dlogits, V, lnf_.data(), C, S(1), ghw + head_off_w_, C);
-  }
+  T* ghw = tied ? f.full_grad(L + 1) : gw - head_off_w_;
   be_.zero(dres_.data(), static_cast<size_t>(BT) * C);
   be_.rmsnorm_backward(dres_.data(), ghw + head_off_norm_, dln_.data(), xf_.data(), hw + head_off_norm_,
                        rstdf_.data(), BT, C);
   f.reduce_scatter_grad(L + 1);
+  return loss;
+}
 
+template <typename T> typename LlamaModel<T>::Layer& LlamaModel<T>::backward_activations(int l, const T* w) {
+  const int B = cur_b_, T_ = cur_t_, NH = c_.num_attention_heads, NKV = c_.num_key_value_heads, HD = c_.head_dim();
+  const size_t n = static_cast<size_t>(B) * T_ * c_.intermediate_size;
+  Layer& a = layers_[l];
+  switch (o_.recompute) {
+    case Recompute::None:
+      return a;
+    case Recompute::Selective:
+      be_.swiglu_forward(work_.h.data(), a.g.data(), a.u.data(), n);
+      if (o_.attention == AttentionKind::Exact)  // the probabilities only (y is kept)
+        shardtrain::attention_forward<T>(be_, a.q.data(), a.k.data(), a.v.data(), work_.att.data(), nullptr, B, T_, NH,
+                                         NKV, HD);
+      return a;
+    case Recompute::Full:
+      block_forward(w, a.x.data(), work_, work_.h.data(), work_.att.data(), nullptr);
+      return work_;
+  }
+  return a;
+}
+
+template <typename T> void LlamaModel<T>::backward(UnitSource<T>& f) {
+  const int B = cur_b_, T_ = cur_t_, BT = B * T_, C = c_.hidden_size, I = c_.intermediate_size;
+  const int NH = c_.num_attention_heads, NKV = c_.num_key_value_heads, HD = c_.head_dim();
+  const int Q = NH * HD, KV = NKV * HD, L = c_.num_hidden_layers;
+  const S eps = static_cast<S>(c_.rms_norm_eps), scale = S(1) / std::sqrt(static_cast<S>(HD));
+  // forward() ran the head's backward: dres_ holds d(loss)/d(final block output).
   for (int l = L - 1; l >= 0; --l) {
-    Layer& a = layers_[l];
     const T* w = f.gather(1 + l);
+    Layer& a = backward_activations(l, w);
+    const T* x = layers_[l].x.data();
+    const T* h = o_.recompute == Recompute::None ? a.h.data() : work_.h.data();
+    const T* att = o_.recompute == Recompute::None ? a.att.data() : work_.att.data();
     T* gw = f.full_grad(1 + l);
     // MLP: x_next = x1 + h Wd^T.  dres flows to x1 unchanged (+ the norm path below).
     be_.gemm(false, false, BT, I, C, S(1), dres_.data(), C, w + off_.down, I, S(0), dh_.data(), I);
-    be_.gemm(true, false, C, I, BT, S(1), dres_.data(), C, a.h.data(), I, S(1), gw + off_.down, I);
+    be_.gemm(true, false, C, I, BT, S(1), dres_.data(), C, h, I, S(1), gw + off_.down, I);
     be_.swiglu_backward(dg_.data(), du_.data(), dh_.data(), a.g.data(), a.u.data(), static_cast<size_t>(BT) * I);
     be_.gemm(false, false, BT, C, I, S(1), dg_.data(), I, w + off_.gate, C, S(0), dln_.data(), C);
     be_.gemm(false, false, BT, C, I, S(1), du_.data(), I, w + off_.up, C, S(1), dln_.data(), C);
     // The normalized input is not kept per layer: recomputed (bitwise the same values, rstd too).
-    be_.rmsnorm_forward(ln_.data(), a.rstd2.data(), a.x1.data(), w + off_.ln2, BT, C, static_cast<S>(c_.rms_norm_eps));
+    be_.rmsnorm_forward(ln_.data(), a.rstd2.data(), a.x1.data(), w + off_.ln2, BT, C, eps);
     be_.gemm(true, false, I, C, BT, S(1), dg_.data(), I, ln_.data(), C, S(1), gw + off_.gate, C);
     be_.gemm(true, false, I, C, BT, S(1), du_.data(), I, ln_.data(), C, S(1), gw + off_.up, C);
     be_.rmsnorm_backward(dres_.data(), gw + off_.ln2, dln_.data(), a.x1.data(), w + off_.ln2, a.rstd2.data(), BT, C);
     // Attention: x1 = x + y Wo^T.
     be_.gemm(false, false, BT, Q, C, S(1), dres_.data(), C, w + off_.o, Q, S(0), dy_.data(), Q);
     be_.gemm(true, false, C, Q, BT, S(1), dres_.data(), C, a.y.data(), Q, S(1), gw + off_.o, Q);
-    shardtrain::attention_backward(be_, a.q.data(), a.k.data(), a.v.data(), a.att.data(), dy_.data(), datt_.data(),
-                                   dq_.data(), dk_.data(), dv_.data(), B, T_, NH, NKV, HD);
+    if (o_.attention == AttentionKind::Tiled)
+      be_.flash_attention_backward(dq_.data(), dk_.data(), dv_.data(), dsum_.data(), dy_.data(), a.q.data(),
+                                   a.k.data(), a.v.data(), a.y.data(), a.lse.data(), B, T_, NH, NKV, HD, scale);
+    else
+      shardtrain::attention_backward(be_, a.q.data(), a.k.data(), a.v.data(), att, dy_.data(), datt_.data(),
+                                     dq_.data(), dk_.data(), dv_.data(), B, T_, NH, NKV, HD);
     be_.rope_backward(dq_.data(), cos_.data(), sin_.data(), B, T_, NH, HD);
     be_.rope_backward(dk_.data(), cos_.data(), sin_.data(), B, T_, NKV, HD);
     be_.gemm(false, false, BT, C, Q, S(1), dq_.data(), Q, w + off_.q, C, S(0), dln_.data(), C);
     be_.gemm(false, false, BT, C, KV, S(1), dk_.data(), KV, w + off_.k, C, S(1), dln_.data(), C);
     be_.gemm(false, false, BT, C, KV, S(1), dv_.data(), KV, w + off_.v, C, S(1), dln_.data(), C);
-    be_.rmsnorm_forward(ln_.data(), a.rstd1.data(), a.x.data(), w + off_.ln1, BT, C, static_cast<S>(c_.rms_norm_eps));
+    be_.rmsnorm_forward(ln_.data(), a.rstd1.data(), x, w + off_.ln1, BT, C, eps);
     be_.gemm(true, false, Q, C, BT, S(1), dq_.data(), Q, ln_.data(), C, S(1), gw + off_.q, C);
     be_.gemm(true, false, KV, C, BT, S(1), dk_.data(), KV, ln_.data(), C, S(1), gw + off_.k, C);
     be_.gemm(true, false, KV, C, BT, S(1), dv_.data(), KV, ln_.data(), C, S(1), gw + off_.v, C);
-    be_.rmsnorm_backward(dres_.data(), gw + off_.ln1, dln_.data(), a.x.data(), w + off_.ln1, a.rstd1.data(), BT, C);
+    be_.rmsnorm_backward(dres_.data(), gw + off_.ln1, dln_.data(), x, w + off_.ln1, a.rstd1.data(), BT, C);
     f.reduce_scatter_grad(1 + l);
   }
 
@@ -271,7 +398,7 @@ template <typename T> void LlamaModel<T>::backward(UnitSource<T>& f) {
 }
 
 template <typename T> std::vector<T> LlamaModel<T>::logits() {
-  std::vector<T> out(static_cast<size_t>(cur_b_) * cur_t_ * c_.vocab_size);
+  std::vector<T> out(logits_.size());
   be_.to_host(out.data(), logits_.data(), out.size());
   return out;
 }

@@ -209,8 +209,10 @@ MixedPrecisionUnits::MixedPrecisionUnits(Fsdp<float>& master, Backend<bf16>& be,
   if (reduce_bf16_) {
     scatter_ = Buffer<bf16>(be_, max_shard);
   } else {
-    grad32_ = Buffer<float>(m_.backend(), max_padded);
-    scatter32_ = Buffer<float>(m_.backend(), max_shard);
+    const size_t W = static_cast<size_t>(m_.comm().world_size());
+    slab_ = std::min(max_shard, std::max<size_t>(1, kWidenSlab / W));
+    grad32_ = Buffer<float>(m_.backend(), slab_ * W);
+    scatter32_ = Buffer<float>(m_.backend(), slab_);
   }
 }
 
@@ -228,17 +230,21 @@ bf16* MixedPrecisionUnits::full_grad(int u) {
 
 void MixedPrecisionUnits::reduce_scatter_grad(int u) {
   const UnitPlan& up = m_.plan().units[u];
-  const size_t S = static_cast<size_t>(up.shard_size), P = static_cast<size_t>(up.padded_numel);
+  const size_t S = static_cast<size_t>(up.shard_size);
   const float inv_w = 1.0f / static_cast<float>(m_.comm().world_size());
   if (reduce_bf16_) {
     m_.data_comm().reduce_scatter_sum(grad_.data(), scatter_.data(), S);
     be_.add_to_f32(m_.grad_shard(u), inv_w, scatter_.data(), S);
-  } else {
+  } else {  // widened to fp32 one slab of every rank's part at a time: [W, n] of slab_ * W floats
     Backend<float>& b32 = m_.backend();
-    b32.zero(grad32_.data(), P);
-    be_.add_to_f32(grad32_.data(), 1.0f, grad_.data(), P);
-    m_.data_comm().reduce_scatter_sum(grad32_.data(), scatter32_.data(), S);
-    b32.axpy(S, inv_w, scatter32_.data(), m_.grad_shard(u));
+    const size_t W = static_cast<size_t>(m_.comm().world_size());
+    for (size_t a = 0; a < S; a += slab_) {
+      const size_t n = std::min(slab_, S - a);
+      b32.zero(grad32_.data(), n * W);
+      for (size_t r = 0; r < W; ++r) be_.add_to_f32(grad32_.data() + r * n, 1.0f, grad_.data() + r * S + a, n);
+      m_.data_comm().reduce_scatter_sum(grad32_.data(), scatter32_.data(), n);
+      b32.axpy(n, inv_w, scatter32_.data(), m_.grad_shard(u) + a);
+    }
   }
 }
 

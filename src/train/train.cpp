@@ -4,6 +4,7 @@
 
 #include "shardtrain/checkpoint.h"
 #include "shardtrain/files.h"
+#include "shardtrain/memory_plan.h"
 
 #include <algorithm>
 #include <chrono>
@@ -105,6 +106,15 @@ std::string fmt(const char* f, double v) {
 double flops_per_token(const ModelConfig& c, int T) {
   return 6.0 * static_cast<double>(c.num_params()) +
          12.0 * c.num_hidden_layers * static_cast<double>(c.hidden_size) * static_cast<double>(T);
+}
+
+ModelOptions model_options(const TrainConfig& tc) {
+  ModelOptions o;
+  o.recompute = parse_recompute(tc.activation_checkpointing);
+  o.attention = parse_attention(tc.attention);
+  if (tc.loss_chunk < 0) throw std::invalid_argument("option '--loss-chunk' must be >= 0 (0: the default)");
+  o.loss_chunk = tc.loss_chunk;
+  return o;
 }
 
 Precision parse_precision(const std::string& s) {
@@ -256,6 +266,21 @@ static TrainResult train_in(Engine& eng, const ModelConfig& mc, const TrainConfi
                                    " tokens, fewer than one sequence of --seq-len + 1 = " +
                                    std::to_string(tc.seq_len + 1));
   const int accum = per_rank / mb;
+  int64_t plan_total = 0;
+  ModelOptions mopt;
+  agree(comm, [&] { mopt = model_options(tc); });
+  {  // The memory plan, before anything is allocated (the process's own memory so far measured).
+    MemoryPlanInput mi{mc, tc, W, std::is_same_v<C, bf16> ? Precision::BF16 : Precision::FP32, eng.reduce_bf16,
+                       std::string(be.name()).find("cuda") != std::string::npos,
+                       data.header().n_train + data.header().n_val,
+                       static_cast<uint32_t>(sizeof(data.train().front())), 0};
+    mi.train.micro_batch = mb;
+    mi.runtime_bytes = mi.cuda ? kGpuRuntimeEstimate : current_rss_bytes();
+    comm.all_reduce(&mi.runtime_bytes, 1, ReduceOp::Max);
+    plan_total = plan_memory(mi).total();
+    log_info(comm, plan_memory(mi).format("memory plan per rank (" + std::string(mi.cuda ? "device" : "host") +
+                                          " memory; --mode plan prints it without a launch):"));
+  }
 
   // Allocation depends on local success: agree on it, and say what did not fit.
   std::unique_ptr<Fsdp<float>> fp;
@@ -268,10 +293,10 @@ static TrainResult train_in(Engine& eng, const ModelConfig& mc, const TrainConfi
       fp = std::make_unique<Fsdp<float>>(be, comm, ShardPlan::build(llama_units(mc), W), &eng.data_comm, !mixed);
       if constexpr (mixed) {
         cp.mixed = std::make_unique<MixedPrecisionUnits>(*fp, *eng.be16, eng.reduce_bf16);
-        cp.model = std::make_unique<LlamaModel<bf16>>(mc, *eng.be16);
+        cp.model = std::make_unique<LlamaModel<bf16>>(mc, *eng.be16, mopt);
         cp.units = cp.mixed.get();
       } else {
-        cp.model = std::make_unique<LlamaModel<float>>(mc, be);
+        cp.model = std::make_unique<LlamaModel<float>>(mc, be, mopt);
         cp.units = fp.get();
       }
       op = std::make_unique<AdamW<float>>(*fp, tc);
@@ -491,6 +516,17 @@ static TrainResult train_in(Engine& eng, const ModelConfig& mc, const TrainConfi
   log_info(comm, "done: " + std::to_string(ran) + " steps in " + fmt("%.1f", train_s) + " s of training, " +
                      fmt("%.0f", res.tokens_per_s) + " tok/s" +
                      (res.evals.empty() ? std::string() : ", final val_loss " + fmt("%.4f", res.evals.back().val_loss)));
+  if (std::string(be.name()) == "cpu") {  // the plan against what each rank's kernel counted
+    std::vector<int64_t> hwm(static_cast<size_t>(W));
+    int64_t mine = peak_rss_bytes();
+    comm.all_gather(&mine, hwm.data(), 1);
+    std::string per;
+    for (int r = 0; r < W; ++r) per += (r ? ", " : "") + fmt("%.0f", static_cast<double>(hwm[r]) / (1 << 20));
+    const int64_t mx = *std::max_element(hwm.begin(), hwm.end());
+    log_info(comm, "memory: peak resident (VmHWM) per rank " + per + " MiB; plan " +
+                       fmt("%.0f", static_cast<double>(plan_total) / (1 << 20)) + " MiB (largest rank " +
+                       fmt("%+.1f", 100.0 * (static_cast<double>(mx) / static_cast<double>(plan_total) - 1.0)) + "%)");
+  }
   return res;
 }
 

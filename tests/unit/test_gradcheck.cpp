@@ -600,3 +600,27 @@ TEST(GradCheck, ModelUntiedHead) {
 
 }  // namespace
 }  // namespace shardtrain
+
+// Activation checkpointing, both attention paths and a loss chunk that does not divide the tokens:
+// every combination against finite differences (the recomputed activations, the chunked head's
+// backward inside forward and the exact path's recomputed probabilities all enter the gradient).
+TEST(GradCheck, ModelRecomputeModesAttentionPathsAndLossChunks) {
+  Comm& comm = testing::comm();
+  if (comm.world_size() != 1) GTEST_SKIP() << "single-rank FD check";
+  auto be = make_cpu_backend<double>();
+  struct Case { Recompute r; AttentionKind a; int chunk; bool tied; };
+  for (const Case& k : {Case{Recompute::Full, AttentionKind::Tiled, 3, true},
+                        Case{Recompute::Selective, AttentionKind::Exact, 4, false},
+                        Case{Recompute::Full, AttentionKind::Exact, 0, false},
+                        Case{Recompute::Selective, AttentionKind::Tiled, 7, true}}) {
+    const ModelConfig cfg = tiny_config(k.tied);
+    Fsdp<double> f(*be, comm, ShardPlan::build(llama_units(cfg), 1));
+    f.init_params(2026);
+    spread_params(f, 9);
+    LlamaModel<double> m(cfg, *be, ModelOptions{k.r, k.a, k.chunk});
+    GradReport rep(std::string("model, recompute ") + recompute_name(k.r) + ", " + attention_name(k.a) +
+                   " attention, loss chunk " + std::to_string(k.chunk) + (k.tied ? ", tied" : ", untied"));
+    check_model(f, m, make_batch(), rep);
+    rep.finish();
+  }
+}

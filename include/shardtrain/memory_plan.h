@@ -1,0 +1,73 @@
+// shardtrain memory plan: the bytes one rank holds while training, by what they are for, from the
+// model config, the batch geometry, the world size, the precision and the recompute mode. Printed
+// by `--mode plan` (no launch needed) and at the start of every training run; checked against the
+// measured peak (CPU: VmHWM of each rank; GPU: peak device memory) by tests/bench/memory_plan.py.
+//
+// Accounting (ZeRO-3; Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training
+// Trillion Parameter Models", section 3: 16 bytes per parameter for mixed-precision Adam, here
+// fp32 master + fp32 gradient + two fp32 moments = 16 bytes, divided by the world size):
+//   parameter, gradient, AdamW m and v shards   4 + 4 + 4 + 4 bytes x shard elements (1/W)
+//   FSDP buffers                               full-unit gather and gradient buffers sized for the
+//                                              largest unit, a shard-sized scatter buffer (+ the
+//                                              bf16 copies of mixed precision), not divided by W
+//   activations                                activation_bytes() of the model (model.h)
+//   token data                                 the token file held by every rank (CPU memory)
+//   runtime                                    the process before any of the above: libraries,
+//                                              MPI, thread stacks (measured, see plan_memory)
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "shardtrain/config.h"
+#include "shardtrain/model.h"
+#include "shardtrain/train.h"
+
+namespace shardtrain {
+
+struct MemoryPlanInput {
+  ModelConfig model;
+  TrainConfig train;          // seq_len, micro_batch (resolved: > 0), activation_checkpointing, attention, loss_chunk
+  int world_size = 1;
+  Precision precision = Precision::FP32;
+  bool reduce_bf16 = false;
+  bool cuda = false;          // plan device memory of a GPU rank (else CPU memory)
+  uint64_t data_tokens = 0;   // tokens in the token file (CPU memory of every rank); 0: no data
+  uint32_t token_bytes = 4;   // bytes per token held in memory
+  int64_t runtime_bytes = 0;  // the process before allocation (CPU: VmRSS now; GPU: CUDA context etc.)
+};
+
+struct MemoryLine {
+  std::string name;    // e.g. "AdamW m and v shards"
+  int64_t bytes = 0;   // per rank
+  std::string detail;  // how it is computed, e.g. "2 x 4 B x 31,457,280 elements"
+};
+
+struct MemoryPlan {
+  std::vector<MemoryLine> lines;
+  int64_t total() const;
+  // A table for the log: one line per item, MiB and detail, then the total.
+  std::string format(const std::string& title) const;
+};
+
+// The plan for one rank; every rank's is the same (shards differ by at most one element per unit;
+// the largest is counted). Throws std::invalid_argument naming the option for a bad
+// --activation-checkpointing / --attention / --loss-chunk.
+MemoryPlan plan_memory(const MemoryPlanInput& in);
+
+// The runtime floor of a GPU rank when it cannot be measured (planning without a GPU): CUDA context,
+// cuBLAS workspace, NCCL buffers. 1 GiB, an estimate (CUDA 12 context ~500 MiB on H100-class
+// GPUs, NCCL ~200-400 MiB per communicator depending on channels).
+inline constexpr int64_t kGpuRuntimeEstimate = int64_t{1} << 30;
+
+// This process's resident memory now and its peak, from /proc/self/status (VmRSS, VmHWM), bytes;
+// 0 where unavailable.
+int64_t current_rss_bytes();
+int64_t peak_rss_bytes();
+
+// The largest micro-batch (sequences per rank) in [1, max_micro_batch] whose plan fits in
+// `device_bytes`, or 0 if none does.
+int largest_fitting_micro_batch(MemoryPlanInput in, int64_t device_bytes, int max_micro_batch = 1024);
+
+}  // namespace shardtrain

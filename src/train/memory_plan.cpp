@@ -1,0 +1,116 @@
+// The memory plan (include/shardtrain/memory_plan.h): the same sizes the code allocates, added up.
+#include "shardtrain/memory_plan.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+#include "shardtrain/shard.h"
+
+namespace shardtrain {
+namespace {
+std::string with_commas(int64_t v) {
+  std::string s = std::to_string(v), o;
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (i && (s.size() - i) % 3 == 0) o += ',';
+    o += s[i];
+  }
+  return o;
+}
+int64_t status_kib(const char* key) {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  const std::string k = std::string(key) + ":";
+  while (std::getline(in, line))
+    if (line.rfind(k, 0) == 0) return std::stoll(line.substr(k.size()));
+  return 0;
+}
+}  // namespace
+
+int64_t current_rss_bytes() { return status_kib("VmRSS") * 1024; }
+int64_t peak_rss_bytes() { return status_kib("VmHWM") * 1024; }
+
+int64_t MemoryPlan::total() const {
+  int64_t t = 0;
+  for (auto& l : lines) t += l.bytes;
+  return t;
+}
+
+std::string MemoryPlan::format(const std::string& title) const {
+  std::ostringstream os;
+  char b[64];
+  os << title << "\n";
+  for (auto& l : lines) {
+    std::snprintf(b, sizeof b, "%10.1f MiB", static_cast<double>(l.bytes) / (1 << 20));
+    os << "  " << b << "  " << l.name << (l.detail.empty() ? "" : " (" + l.detail + ")") << "\n";
+  }
+  std::snprintf(b, sizeof b, "%10.1f MiB", static_cast<double>(total()) / (1 << 20));
+  os << "  " << b << "  total per rank";
+  return os.str();
+}
+
+MemoryPlan plan_memory(const MemoryPlanInput& in) {
+  const ModelOptions mo = model_options(in.train);
+  const ShardPlan sp = ShardPlan::build(llama_units(in.model), in.world_size);
+  int64_t shard = 0;
+  for (auto& u : sp.units) shard += u.shard_size;
+  const int64_t maxp = sp.max_padded_numel(), maxs = sp.max_shard_size();
+  const bool bf = in.precision == Precision::BF16;
+  MemoryPlan p;
+  auto add = [&](std::string name, int64_t bytes, std::string detail) {
+    p.lines.push_back({std::move(name), bytes, std::move(detail)});
+  };
+  const std::string sh = with_commas(shard) + " shard elements (" + with_commas(in.model.num_params()) + " / " +
+                         std::to_string(in.world_size) + ", padded)";
+  add("fp32 parameter shards", 4 * shard, "4 B x " + sh);
+  add("fp32 gradient shards", 4 * shard, "4 B x " + sh);
+  add("AdamW m and v shards", 8 * shard, "2 x 4 B x " + sh);
+  const std::string mx = with_commas(maxp) + " elements, the largest unit";
+  if (!bf) {
+    add("FSDP gather + gradient buffers", 8 * maxp, "2 x 4 B x " + mx);
+    add("FSDP reduce-scatter buffer", 4 * maxs, "4 B x " + with_commas(maxs) + " shard elements");
+  } else {
+    add("bf16 gather + gradient buffers", 4 * maxp, "2 x 2 B x " + mx);
+    add("bf16 shard copy", 2 * maxs, "2 B x " + with_commas(maxs));
+    if (in.reduce_bf16)
+      add("bf16 reduce-scatter buffer", 2 * maxs, "2 B x " + with_commas(maxs));
+    else {
+      const int64_t W = in.world_size;
+      const int64_t slab = std::min<int64_t>(maxs, std::max<int64_t>(1, static_cast<int64_t>(MixedPrecisionUnits::kWidenSlab) / W));
+      add("fp32 reduce-scatter slabs", 4 * slab * (W + 1),
+          "4 B x " + with_commas(slab) + " x (" + std::to_string(W) + " + 1): the bf16 gradient widened a slab at a time");
+    }
+  }
+  const int B = in.train.micro_batch, T = in.train.seq_len;
+  const ActivationBytes a = activation_bytes(in.model, mo, B, T, bf ? 2 : 4, 4);
+  const std::string geo = std::to_string(B) + " x " + std::to_string(T) + " tokens, " +
+                          recompute_name(mo.recompute) + " recompute, " + attention_name(mo.attention) + " attention";
+  add("activations kept for backward", a.per_layer,
+      std::to_string(in.model.num_hidden_layers) + " blocks, " + geo);
+  if (a.recompute) add("recomputed block activations", a.recompute, "one block at a time");
+  add("block scratch and activation gradients", a.block_scratch, "shared by the blocks");
+  add("head: final norm, logits chunk, ids, RoPE", a.head,
+      "chunk of " + std::to_string(mo.loss_chunk > 0 ? mo.loss_chunk : default_loss_chunk(in.model.vocab_size)) +
+          " tokens x " + with_commas(in.model.vocab_size) + " vocabulary");
+  if (!in.cuda && in.data_tokens)
+    add("token data", static_cast<int64_t>(in.data_tokens) * in.token_bytes,
+        with_commas(static_cast<int64_t>(in.data_tokens)) + " tokens x " + std::to_string(in.token_bytes) +
+            " B, read by every rank");
+  if (in.runtime_bytes)
+    add(in.cuda ? "CUDA runtime (context, cuBLAS, NCCL)" : "process before allocation (libraries, MPI, threads)",
+        in.runtime_bytes, in.cuda ? "estimate" : "VmRSS measured");
+  return p;
+}
+
+int largest_fitting_micro_batch(MemoryPlanInput in, int64_t device_bytes, int max_micro_batch) {
+  int lo = 0, hi = max_micro_batch;  // activations grow with the micro-batch: bisect
+  while (lo < hi) {
+    const int mid = lo + (hi - lo + 1) / 2;
+    in.train.micro_batch = mid;
+    if (plan_memory(in).total() <= device_bytes) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+}  // namespace shardtrain

@@ -1,0 +1,105 @@
+#!/usr/bin/env python3
+"""make bench, part 4: the memory plan against the measured peak, and what activation checkpointing costs.
+
+Runs short CPU training runs (2 steps unless said otherwise) and reads from each run's log the plan
+total ("memory plan per rank") and every rank's peak resident memory ("memory: peak resident
+(VmHWM) per rank"), which the Linux kernel counts for the process; plan vs measured must be
+within 10%. Then, for `demo` and `llama-125m` (the 100M-class model), trains with
+--activation-checkpointing none / selective / full and reports memory per rank and step time (the
+mean of steps after the first, from the metrics file's elapsed_s).
+
+  python3 tests/bench/memory.py BIN TOKENS OUTDIR [--quick]
+
+Writes OUTDIR/memory.md (markdown for docs/benchmarks.md) and prints it.
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+BIN, TOK, OUT = sys.argv[1], sys.argv[2], sys.argv[3]
+QUICK = "--quick" in sys.argv
+os.makedirs(OUT, exist_ok=True)
+ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+           OMPI_MCA_rmaps_base_oversubscribe="1", OMPI_MCA_btl_vader_single_copy_mechanism="none")
+
+# Llama-3.2-1B with 4 of its 16 layers: same hidden size, heads and 128,256 vocabulary (~0.5B
+# parameters). Special ids unset: they come from the token file (the byte-level fortunes corpus).
+LLAMA1B_CUT = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
+    "intermediate_size": 8192, "num_hidden_layers": 4, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256, "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "hidden_act": "silu", "tie_word_embeddings": True,
+    "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    "bos_token_id": None, "eos_token_id": None, "initializer_range": 0.02,
+}
+cut = os.path.join(OUT, "llama-1b-4layers.json")
+with open(cut, "w") as f:
+    json.dump(LLAMA1B_CUT, f)
+
+
+def train(name, np_, model, seq, mb, ckpt, steps=2, extra=()):
+    metrics = os.path.join(OUT, f"mem-{name}.jsonl")
+    log = os.path.join(OUT, f"mem-{name}.log")
+    cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(np_), BIN, "--data", TOK,
+           "--model", model, "--seq-len", str(seq), "--micro-batch", str(mb), "--global-batch", str(mb * np_),
+           "--steps", str(steps), "--warmup", "1", "--log-every", "1", "--eval-every", "0", "--eval-batches", "1",
+           "--activation-checkpointing", ckpt, "--threads", str(max(1, 2 // np_)), "--metrics", metrics, *extra]
+    t0 = time.time()
+    p = subprocess.run(cmd, env=ENV, capture_output=True, text=True)
+    open(log, "w").write(p.stdout + p.stderr)
+    if p.returncode != 0:
+        raise SystemExit(f"{name}: exit {p.returncode}; see {log}\n" + (p.stdout + p.stderr)[-3000:])
+    text = p.stdout + p.stderr
+    plan = float(re.search(r"([\d.]+) MiB  total per rank", text).group(1))
+    hwm = [float(x) for x in re.search(r"VmHWM\) per rank ([\d, ]+) MiB", text).group(1).split(",")]
+    rows = [json.loads(l) for l in open(metrics) if '"loss"' in l]
+    el = [r["elapsed_s"] for r in rows]
+    step_s = (el[-1] - el[0]) / (len(el) - 1) if len(el) > 1 else el[0]
+    return {"name": name, "np": np_, "plan": plan, "hwm": hwm, "step_s": step_s, "wall": time.time() - t0}
+
+
+def pct(r):
+    return 100.0 * (max(r["hwm"]) / r["plan"] - 1.0)
+
+
+lines = ["| configuration | ranks | plan MiB/rank | measured VmHWM MiB per rank | largest vs plan |",
+         "|---|---|---|---|---|"]
+checks = [
+    ("llama-1b-4layers-W2", 2, cut, 512, 1, "full"),
+    ("llama-1b-4layers-W4", 4, cut, 512, 1, "full"),
+    ("llama-350m-W4-none", 4, "llama-350m", 128, 1, "none"),
+    ("llama-125m-W2-none", 2, "llama-125m", 256, 2, "none"),
+]
+if QUICK:
+    checks = [c for c in checks if "llama-1b" not in c[0]]
+results = []
+for name, np_, model, seq, mb, ck in checks:
+    r = train(name, np_, model, seq, mb, ck)
+    results.append(r)
+    short = model if not model.endswith(".json") else "llama-1b cut to 4 layers"
+    lines.append(f"| {short}, seq {seq}, micro-batch {mb}, {ck} | {np_} | {r['plan']:.0f} | "
+                 f"{', '.join(f'{h:.0f}' for h in r['hwm'])} | {pct(r):+.1f}% |")
+    print(lines[-1], flush=True)
+
+lines += ["", "| model | recompute | plan MiB/rank | measured VmHWM MiB (max over ranks) | step time s | vs none |",
+          "|---|---|---|---|---|---|"]
+for model, seq, mb in [("demo", 256, 8), ("llama-125m", 256, 2)]:
+    base = None
+    for ck in ["none", "selective", "full"]:
+        r = train(f"{model}-{ck}", 2, model, seq, mb, ck, steps=2 if QUICK else 4)
+        base = base or r["step_s"]
+        lines.append(f"| {model}, 2 ranks, seq {seq}, micro-batch {mb} | {ck} | {r['plan']:.0f} | "
+                     f"{max(r['hwm']):.0f} | {r['step_s']:.2f} | {r['step_s'] / base:.2f}x |")
+        print(lines[-1], flush=True)
+
+md = "\n".join(lines) + "\n"
+open(os.path.join(OUT, "memory.md"), "w").write(md)
+print(md)
+bad = [r["name"] for r in results if abs(pct(r)) > 10]
+if bad:
+    print("plan and measured peak differ by more than 10%: " + ", ".join(bad))
+    sys.exit(1)
