@@ -47,6 +47,10 @@ template <typename T> class Backend {
   virtual int32_t* alloc_ids(size_t n) = 0;  // zero-initialized; throws std::bad_alloc
   virtual void free_ids(int32_t* p) = 0;
   virtual void ids_from_host(int32_t* dst, const int32_t* host, size_t n) = 0;
+  // n scalars of type S (float for float and bf16, double for double) in the backend's memory,
+  // zero-initialized, for the flash attention statistics (lse, dsum); throws std::bad_alloc.
+  virtual S* alloc_acc(size_t n) = 0;
+  virtual void free_acc(S* p) = 0;
   // Waits until every queued call has finished (no-op on the CPU).
   virtual void synchronize() = 0;
 
@@ -101,6 +105,24 @@ template <typename T> class Backend {
   virtual void softmax_causal_forward(T* att, int R, int T_, S scale) = 0;
   // datt (in: d softmax output; out: d pre-scale scores * scale), att = softmax output.
   virtual void softmax_causal_backward(T* datt, const T* att, int R, int T_, S scale) = 0;
+
+  // Tiled causal self-attention with GQA, never storing the [T, T] probabilities: the
+  // FlashAttention-2 algorithm (Dao 2023), loop structure and per-row math in
+  // include/shardtrain/flash_attention.h (tiles of flash::kBr query x flash::kBc key rows).
+  // q, y [B*T, NH*HD] (row stride NH*HD); k, v [B*T, NKV*HD]; query head h reads key/value head
+  // h / (NH/NKV) (NH a multiple of NKV; NKV = 1 is MQA). Causal: query t sees keys s <= t.
+  // scale multiplies the scores q.k (1/sqrt(HD) in the model). Arithmetic in S.
+  // Writes y (=) and lse [B, NH, T] = log sum_s exp(scale * q_t.k_s), the per-row log-sum-exp of
+  // the scaled scores (kept for the backward). Same result as attention_forward (llama.cpp) to
+  // rounding.
+  virtual void flash_attention_forward(T* y, S* lse, const T* q, const T* k, const T* v, int B, int T_, int NH,
+                                       int NKV, int HD, S scale) = 0;
+  // Given dy [B*T, NH*HD] and the forward's y and lse, writes dq, dk, dv (=, not accumulated;
+  // shapes of q, k, v). dsum [B, NH, T] is scratch (D = rowsum(dy * y)). Deterministic: every
+  // output row is summed by one work item in a fixed order (no atomics).
+  virtual void flash_attention_backward(T* dq, T* dk, T* dv, S* dsum, const T* dy, const T* q, const T* k,
+                                        const T* v, const T* y, const S* lse, int B, int T_, int NH, int NKV,
+                                        int HD, S scale) = 0;
 
   // SwiGLU: h = silu(gate) * up, all [n].
   virtual void swiglu_forward(T* h, const T* gate, const T* up, size_t n) = 0;
@@ -165,5 +187,9 @@ class BackendArray {
 template <typename T> using Buffer = BackendArray<T, T, &Backend<T>::alloc, &Backend<T>::free>;
 // n token ids (int32, zero-initialized) in a backend's memory, for a Backend<T>.
 template <typename T> using IdBuffer = BackendArray<T, int32_t, &Backend<T>::alloc_ids, &Backend<T>::free_ids>;
+// n scalars of S = math::Acc<T> (zero-initialized) in a backend's memory: flash attention's lse and
+// dsum.
+template <typename T>
+using AccBuffer = BackendArray<T, typename Backend<T>::S, &Backend<T>::alloc_acc, &Backend<T>::free_acc>;
 
 }  // namespace shardtrain

@@ -33,6 +33,8 @@ template <typename T> class EmulatedBackend final : public Backend<T> {
   int32_t* alloc_ids(size_t n) override { return mem_->alloc_ids(n); }
   void free_ids(int32_t* p) override { mem_->free_ids(p); }
   void ids_from_host(int32_t* d, const int32_t* h, size_t n) override { mem_->ids_from_host(d, h, n); }
+  S* alloc_acc(size_t n) override { return mem_->alloc_acc(n); }
+  void free_acc(S* p) override { mem_->free_acc(p); }
   void synchronize() override {}
 
   void from_f32(T* d, const float* s, size_t n) override { mem_->from_f32(d, s, n); }
@@ -114,6 +116,28 @@ template <typename T> class EmulatedBackend final : public Backend<T> {
     std::vector<double> d = wide(datt, n), a = wide(att, n);
     d_->softmax_causal_backward(d.data(), a.data(), R, T_, scale);
     narrow(datt, d);
+  }
+
+  void flash_attention_forward(T* y, S* lse, const T* q, const T* k, const T* v, int B, int T_, int NH, int NKV,
+                               int HD, S scale) override {
+    const size_t nq = static_cast<size_t>(B) * T_ * NH * HD, nk = static_cast<size_t>(B) * T_ * NKV * HD;
+    std::vector<double> yd(nq), lsd(static_cast<size_t>(B) * NH * T_), qd = wide(q, nq), kd = wide(k, nk), vd = wide(v, nk);
+    d_->flash_attention_forward(yd.data(), lsd.data(), qd.data(), kd.data(), vd.data(), B, T_, NH, NKV, HD, scale);
+    narrow(y, yd);
+    for (size_t i = 0; i < lsd.size(); ++i) lse[i] = static_cast<S>(lsd[i]);
+  }
+  void flash_attention_backward(T* dq, T* dk, T* dv, S* dsum, const T* dy, const T* q, const T* k, const T* v,
+                                const T* y, const S* lse, int B, int T_, int NH, int NKV, int HD, S scale) override {
+    const size_t nq = static_cast<size_t>(B) * T_ * NH * HD, nk = static_cast<size_t>(B) * T_ * NKV * HD;
+    const size_t ns = static_cast<size_t>(B) * NH * T_;
+    std::vector<double> dqd(nq), dkd(nk), dvd(nk), sd(ns), lsd(lse, lse + ns), dyd = wide(dy, nq), qd = wide(q, nq),
+        kd = wide(k, nk), vd = wide(v, nk), yd = wide(y, nq);
+    d_->flash_attention_backward(dqd.data(), dkd.data(), dvd.data(), sd.data(), dyd.data(), qd.data(), kd.data(),
+                                 vd.data(), yd.data(), lsd.data(), B, T_, NH, NKV, HD, scale);
+    narrow(dq, dqd);
+    narrow(dk, dkd);
+    narrow(dv, dvd);
+    for (size_t i = 0; i < ns; ++i) dsum[i] = static_cast<S>(sd[i]);
   }
 
   void swiglu_forward(T* h, const T* g, const T* u, size_t n) override {

@@ -18,7 +18,9 @@
 //     (repeated ids; a token repeated 2200 times, beyond one kernel gather list of 2048);
 //   rmsnorm forward (out, rstd) and backward (+= into non-zero dx, dw); rope forward/backward with
 //     rope_tables; causal softmax forward/backward with rows of 1..300 (longer than a block) and
-//     more rows than a grid (exact zeros above the diagonal); swiglu forward/backward;
+//     more rows than a grid (exact zeros above the diagonal); flash attention forward (y, lse) and
+//     backward (dq, dk, dv) with GQA, MQA, T not a multiple of the tile, head dims 24, 64, 128
+//     (max |diff| / max(1, max |ref|): f32 1e-5, bf16 2e-2); swiglu forward/backward;
 //   cross_entropy for V = 50257, 260 and 7 (66000 rows), with dlogits == nullptr, a separate
 //     buffer and dlogits aliasing logits (loss and gradient; logits untouched when not aliased);
 //   adamw (steps 1 and 1000); from_f32 (bitwise, incl. ties, NaN, Inf, overflow, subnormals);
@@ -876,6 +878,75 @@ template <typename T> void check_softmax() {
   }
 }
 
+// Flash attention (FlashAttention-2 tiles, flash_attention.h): device against the CPU backend on the
+// same inputs, forward (y, lse) and backward (dq, dk, dv, each side from its own forward). Shapes:
+// T not a multiple of the 64-row tiles, one full tile, T = 1, GQA (2 and 3 heads per group), MQA,
+// head dims 24 and 128 (the latter needs more than 48 KiB of shared memory). Criterion
+// max |got - ref| / max(1, max |ref|) per output (the inputs are O(1); at T = 1 the true dq, dk are
+// 0 and each side returns its own rounding noise of dp - D, ~1e-6): f32 1e-5 (the kernels and the CPU differ in summation
+// order and FMA contraction only), bf16 2e-2 (outputs rounded to bf16 on each side, y rounded
+// before the backward reads it); lse is fp32 in both (1e-5 of max(1, |lse|)).
+template <typename T> std::vector<float> download_acc(st::Backend<T>& be, const st::AccBuffer<T>& b) {
+  // The backend copies T elements; an S buffer is moved as the same bytes.
+  static_assert(sizeof(st::math::Acc<T>) % sizeof(T) == 0);
+  std::vector<float> h(b.size());
+  const size_t per = sizeof(float) / sizeof(T);
+  if (!h.empty()) be.to_host(reinterpret_cast<T*>(h.data()), reinterpret_cast<const T*>(b.data()), b.size() * per);
+  return h;
+}
+
+template <typename T> void check_flash_attention() {
+  using S = st::math::Acc<T>;
+  std::mt19937 g(9101);
+  struct Case { int B, T_, NH, NKV, HD; };
+  for (const Case& c : {Case{2, 300, 4, 2, 64}, Case{1, 64, 4, 4, 64}, Case{1, 17, 4, 1, 64}, Case{1, 1, 2, 2, 64},
+                        Case{1, 130, 6, 2, 24}, Case{1, 200, 2, 1, 128}, Case{1, 1000, 2, 1, 64}}) {
+    const std::string sz = " B=" + std::to_string(c.B) + " T=" + std::to_string(c.T_) + " NH=" + std::to_string(c.NH) +
+                           " NKV=" + std::to_string(c.NKV) + " HD=" + std::to_string(c.HD);
+    const size_t nq = static_cast<size_t>(c.B) * c.T_ * c.NH * c.HD, nk = static_cast<size_t>(c.B) * c.T_ * c.NKV * c.HD;
+    const size_t ns = static_cast<size_t>(c.B) * c.NH * c.T_;
+    const std::vector<T> q = randn<T>(nq, g, 1.5), k = randn<T>(nk, g, 1.5), v = randn<T>(nk, g), dy = randn<T>(nq, g);
+    const S scale = S(1) / std::sqrt(static_cast<S>(c.HD));
+    auto run = [&](st::Backend<T>& be) {
+      st::Buffer<T> bq = upload(be, q), bk = upload(be, k), bv = upload(be, v), ddy = upload(be, dy), y(be, nq),
+                    gq(be, nq), gk(be, nk), gv(be, nk);
+      st::AccBuffer<T> lse(be, ns), dsum(be, ns);
+      be.flash_attention_forward(y.data(), lse.data(), bq.data(), bk.data(), bv.data(), c.B, c.T_, c.NH, c.NKV, c.HD,
+                                 scale);
+      be.flash_attention_backward(gq.data(), gk.data(), gv.data(), dsum.data(), ddy.data(), bq.data(), bk.data(),
+                                  bv.data(), y.data(), lse.data(), c.B, c.T_, c.NH, c.NKV, c.HD, scale);
+      return std::make_tuple(download(be, y.data(), nq), download_acc(be, lse), download(be, gq.data(), nq),
+                             download(be, gk.data(), nk), download(be, gv.data(), nk));
+    };
+    const auto got = run(dev<T>()), want = run(cpu<T>());
+    const double tol = std::is_same_v<T, float> ? 1e-5 : 2e-2;
+    auto rel = [](const auto& a, const auto& b) {
+      double num = 0, den = 0;
+      for (size_t i = 0; i < b.size(); ++i) {
+        const double x = static_cast<double>(st::math::ld(a[i])), w = static_cast<double>(st::math::ld(b[i]));
+        num = std::isfinite(x) ? std::max(num, std::fabs(x - w)) : std::numeric_limits<double>::infinity();
+        den = std::max(den, std::fabs(w));
+      }
+      return num / std::max(den, 1.0);
+    };
+    auto expect = [&](const char* what, double e, double t) {
+      note(label<T>(std::string("flash_attention ") + what + sz) + ": max|diff|/max(1,|ref|) " + fmt(e) + " (allowed " +
+           fmt(t) + ")");
+      EXPECT_LE(e, t) << label<T>(std::string("flash_attention ") + what + sz);
+    };
+    expect("y", rel(std::get<0>(got), std::get<0>(want)), tol);
+    double le = 0;
+    for (size_t i = 0; i < ns; ++i) {
+      const double a = std::get<1>(got)[i], b = std::get<1>(want)[i];
+      le = std::isfinite(a) ? std::max(le, std::fabs(a - b) / std::max(1.0, std::fabs(b))) : 1e30;
+    }
+    expect("lse", le, 1e-5);
+    expect("dq", rel(std::get<2>(got), std::get<2>(want)), tol);
+    expect("dk", rel(std::get<3>(got), std::get<3>(want)), tol);
+    expect("dv", rel(std::get<4>(got), std::get<4>(want)), tol);
+  }
+}
+
 template <typename T> void check_swiglu() {
   std::mt19937 g(7001);
   const size_t n = 100003;
@@ -1354,6 +1425,7 @@ GPU_TEST_BOTH(RmsNormForward, check_rmsnorm_forward)
 GPU_TEST_BOTH(RmsNormBackward, check_rmsnorm_backward)
 GPU_TEST_BOTH(Rope, check_rope)
 GPU_TEST_BOTH(SoftmaxCausal, check_softmax)
+GPU_TEST_BOTH(FlashAttention, check_flash_attention)
 GPU_TEST_BOTH(SwiGLU, check_swiglu)
 GPU_TEST_BOTH(CrossEntropy, check_cross_entropy)
 GPU_TEST_BOTH(AdamW, check_adamw)

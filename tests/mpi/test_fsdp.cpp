@@ -60,6 +60,10 @@ template <typename T> class CountingBackend final : public st::Backend<T> {
   int32_t* alloc_ids(size_t n) override { return inner_->alloc_ids(n); }
   void free_ids(int32_t* p) override { inner_->free_ids(p); }
   void ids_from_host(int32_t* d, const int32_t* h, size_t n) override { inner_->ids_from_host(d, h, n); }
+  // Flash attention statistics (S = T here): forwarded, not counted (the FSDP engine holds none).
+  using S = typename st::Backend<T>::S;
+  S* alloc_acc(size_t n) override { return inner_->alloc_acc(n); }
+  void free_acc(S* p) override { inner_->free_acc(p); }
   void synchronize() override { inner_->synchronize(); }
   void from_f32(T* d, const float* s, size_t n) override { inner_->from_f32(d, s, n); }
   void add_to_f32(float* d, float a, const T* s, size_t n) override { inner_->add_to_f32(d, a, s, n); }
@@ -95,6 +99,14 @@ template <typename T> class CountingBackend final : public st::Backend<T> {
   void softmax_causal_forward(T* att, int R, int T_, T sc) override { inner_->softmax_causal_forward(att, R, T_, sc); }
   void softmax_causal_backward(T* datt, const T* att, int R, int T_, T sc) override {
     inner_->softmax_causal_backward(datt, att, R, T_, sc);
+  }
+  void flash_attention_forward(T* y, S* lse, const T* q, const T* k, const T* v, int B, int T_, int NH, int NKV,
+                               int HD, S sc) override {
+    inner_->flash_attention_forward(y, lse, q, k, v, B, T_, NH, NKV, HD, sc);
+  }
+  void flash_attention_backward(T* dq, T* dk, T* dv, S* dsum, const T* dy, const T* q, const T* k, const T* v,
+                                const T* y, const S* lse, int B, int T_, int NH, int NKV, int HD, S sc) override {
+    inner_->flash_attention_backward(dq, dk, dv, dsum, dy, q, k, v, y, lse, B, T_, NH, NKV, HD, sc);
   }
   void swiglu_forward(T* h, const T* g, const T* u, size_t n) override { inner_->swiglu_forward(h, g, u, n); }
   void swiglu_backward(T* dg, T* du, const T* dh, const T* g, const T* u, size_t n) override {

@@ -11,6 +11,9 @@
 //  - Row-wise kernels (RMSNorm, softmax, cross-entropy, RoPE, embedding) split rows; elementwise
 //    kernels split ranges. Column sums (RMSNorm's dw, the embedding gradient) split columns and sum
 //    the rows of each column in order; sum_squares and the loss add fixed-size partials in order.
+//  - Flash attention (flash_attention.h): independent work items, (b, h, query tile) for the
+//    forward and the dQ pass, (b, kv head, key tile) for the dK/dV pass, each computed by one
+//    thread with single-threaded GEMMs on its tiles in a fixed order.
 #include <cblas.h>
 #include <omp.h>
 #if defined(__SSE__)
@@ -26,6 +29,7 @@
 #include <vector>
 
 #include "shardtrain/backend.h"
+#include "shardtrain/flash_attention.h"
 #include "shardtrain/ops_math.h"
 
 namespace shardtrain {
@@ -67,6 +71,18 @@ template <typename F> void par_ranges(size_t n, size_t grain, F&& fn) {
   }
 #pragma omp parallel for schedule(static)
   for (size_t p = 0; p < pieces; ++p) fn(p * grain, std::min(n, (p + 1) * grain));
+}
+
+// Runs fn(i) for every i in [0, n) on the rank's threads, one item at a time (dynamic schedule: items
+// may differ in cost). Only for items that write disjoint outputs.
+template <typename F> void par_items(size_t n, F&& fn) {
+  if (n == 0) return;
+  if (n == 1 || omp_get_max_threads() == 1 || omp_in_parallel()) {
+    for (size_t i = 0; i < n; ++i) fn(i);
+    return;
+  }
+#pragma omp parallel for schedule(dynamic, 1)
+  for (size_t i = 0; i < n; ++i) fn(i);
 }
 
 // Grain (in rows) so that a piece of rows of `row_cost` elements each is about kGrain elements.
@@ -128,6 +144,8 @@ template <typename T> class CpuBackend final : public Backend<T> {
   int32_t* alloc_ids(size_t n) override { return static_cast<int32_t*>(aligned_zeroed(n * sizeof(int32_t))); }
   void free_ids(int32_t* p) override { std::free(p); }
   void ids_from_host(int32_t* d, const int32_t* h, size_t n) override { if (n) std::memmove(d, h, n * sizeof(int32_t)); }
+  S* alloc_acc(size_t n) override { return static_cast<S*>(aligned_zeroed(n * sizeof(S))); }
+  void free_acc(S* p) override { std::free(p); }
   void synchronize() override {}
 
   void from_f32(T* d, const float* s, size_t n) override {
@@ -340,6 +358,148 @@ template <typename T> class CpuBackend final : public Backend<T> {
     });
   }
 
+  // FlashAttention-2 forward (flash_attention.h). Work items (b, h, query tile), the longest (last
+  // query tiles, most key tiles) first. Per key tile: scores = Q K^T (one GEMM), the online softmax
+  // row by row, acc = alpha acc + P V (rows scaled, then one GEMM with beta = 1).
+  void flash_attention_forward(T* y, S* lse, const T* q, const T* k, const T* v, int B, int T_, int NH, int NKV,
+                               int HD, S scale) override {
+    if (B <= 0 || T_ <= 0 || NH <= 0 || HD <= 0) return;
+    const int G = NH / NKV, nq = flash::num_tiles(T_, flash::kBr), ldq = NH * HD, ldk = NKV * HD;
+    const size_t BH = static_cast<size_t>(B) * NH;
+    par_items(BH * nq, [&](size_t it) {
+      const int i = nq - 1 - static_cast<int>(it / BH), b = static_cast<int>(it % BH) / NH, h = static_cast<int>(it % BH) % NH;
+      const int r0 = i * flash::kBr, nr = std::min(flash::kBr, T_ - r0);
+      FlashScratch& w = flash_scratch();
+      int lQ, lK, lV;
+      const S* Q = tile_s(q + (static_cast<size_t>(b) * T_ + r0) * ldq + static_cast<size_t>(h) * HD, ldq, nr, HD, w.q, &lQ);
+      w.acc.assign(static_cast<size_t>(nr) * HD, S(0));
+      w.m.assign(static_cast<size_t>(nr), -INFINITY);
+      w.l.assign(static_cast<size_t>(nr), S(0));
+      w.s.resize(static_cast<size_t>(nr) * flash::kBc);
+      const int jend = (r0 + nr - 1) / flash::kBc;
+      for (int j = 0; j <= jend; ++j) {
+        const int c0 = j * flash::kBc, nc = std::min(flash::kBc, r0 + nr - c0);
+        const size_t ko = (static_cast<size_t>(b) * T_ + c0) * ldk + static_cast<size_t>(h / G) * HD;
+        const S* K = tile_s(k + ko, ldk, nc, HD, w.k, &lK);
+        const S* V = tile_s(v + ko, ldk, nc, HD, w.v, &lV);
+        gemm_s(false, true, nr, nc, HD, S(1), Q, lQ, K, lK, S(0), w.s.data(), nc);
+        for (int r = 0; r < nr; ++r) {
+          S* x = w.s.data() + static_cast<size_t>(r) * nc;
+          const int last = r0 + r - c0;  // keys c <= last are visible
+          S mx = -INFINITY;
+          for (int c = 0; c < nc; ++c) {
+            x[c] = c <= last ? flash::score(x[c], scale) : S(-INFINITY);
+            mx = x[c] > mx ? x[c] : mx;
+          }
+          const S m_new = flash::online_max(w.m[r], mx), alpha = flash::online_rescale(w.m[r], m_new);
+          S sum = 0;
+          for (int c = 0; c < nc; ++c) x[c] = c <= last ? flash::prob(x[c], m_new) : S(0);  // vectorized
+          for (int c = 0; c < nc; ++c) sum += x[c];
+          w.l[r] = alpha * w.l[r] + sum;
+          w.m[r] = m_new;
+          S* a = w.acc.data() + static_cast<size_t>(r) * HD;
+          for (int d = 0; d < HD; ++d) a[d] *= alpha;
+        }
+        gemm_s(false, false, nr, HD, nc, S(1), w.s.data(), nc, V, lV, S(1), w.acc.data(), HD);
+      }
+      for (int r = 0; r < nr; ++r) {
+        const S inv = flash::finish_inv(w.l[r]);
+        T* yr = y + (static_cast<size_t>(b) * T_ + r0 + r) * ldq + static_cast<size_t>(h) * HD;
+        const S* a = w.acc.data() + static_cast<size_t>(r) * HD;
+        for (int d = 0; d < HD; ++d) yr[d] = math::st<T>(a[d] * inv);
+        lse[(static_cast<size_t>(b) * NH + h) * T_ + r0 + r] = flash::finish_lse(w.m[r], w.l[r]);
+      }
+    });
+  }
+
+  // FlashAttention-2 backward, two deterministic passes (flash_attention.h). Pass 1: items
+  // (b, h, query tile), dQ += dS K per key tile. Pass 2: items (b, kv head, key tile), over the G
+  // query heads of the group and the query tiles from the diagonal on: dV += P^T dY, dK += dS^T Q.
+  void flash_attention_backward(T* dq, T* dk, T* dv, S* dsum, const T* dy, const T* q, const T* k, const T* v,
+                                const T* y, const S* lse, int B, int T_, int NH, int NKV, int HD, S scale) override {
+    if (B <= 0 || T_ <= 0 || NH <= 0 || HD <= 0) return;
+    const int G = NH / NKV, nq = flash::num_tiles(T_, flash::kBr), nk = flash::num_tiles(T_, flash::kBc);
+    const int ldq = NH * HD, ldk = NKV * HD;
+    const size_t BH = static_cast<size_t>(B) * NH, BKV = static_cast<size_t>(B) * NKV;
+    // D = rowsum(dY o Y), rows (b, h, t).
+    par_ranges(BH * T_, row_grain(HD), [&](size_t rb, size_t re) {
+      for (size_t rr = rb; rr < re; ++rr) {
+        const size_t bh = rr / T_, t = rr % T_, b = bh / NH, h = bh % NH;
+        const size_t o = (b * T_ + t) * ldq + h * HD;
+        dsum[rr] = flash::row_dot(dy + o, y + o, HD);
+      }
+    });
+    // P and dS of a (query tile, key tile) pair, in place: s (in: Q K^T, out: P), dp (in: dY V^T,
+    // out: dS). Row r is query r0 + r, column c key c0 + c.
+    auto p_ds = [&](S* s, S* dp, int nr, int nc, int r0, int c0, const S* L, const S* D) {
+      for (int r = 0; r < nr; ++r) {
+        S* sr = s + static_cast<size_t>(r) * nc;
+        S* dr = dp + static_cast<size_t>(r) * nc;
+        const int last = r0 + r - c0;
+        const S lr = L[r], Dr = D[r];
+        for (int c = 0; c < nc; ++c) sr[c] = c <= last ? flash::prob_from_lse(flash::score(sr[c], scale), lr) : S(0);
+        for (int c = 0; c < nc; ++c) dr[c] = c <= last ? flash::dscore(sr[c], dr[c], Dr, scale) : S(0);
+      }
+    };
+    // Pass 1: dQ.
+    par_items(BH * nq, [&](size_t it) {
+      const int i = nq - 1 - static_cast<int>(it / BH), b = static_cast<int>(it % BH) / NH, h = static_cast<int>(it % BH) % NH;
+      const int r0 = i * flash::kBr, nr = std::min(flash::kBr, T_ - r0);
+      FlashScratch& w = flash_scratch();
+      const size_t qo = (static_cast<size_t>(b) * T_ + r0) * ldq + static_cast<size_t>(h) * HD;
+      const size_t so = (static_cast<size_t>(b) * NH + h) * T_ + r0;
+      int lQ, ldY, lK, lV;
+      const S* Q = tile_s(q + qo, ldq, nr, HD, w.q, &lQ);
+      const S* dY = tile_s(dy + qo, ldq, nr, HD, w.dy, &ldY);
+      w.acc.assign(static_cast<size_t>(nr) * HD, S(0));
+      w.s.resize(static_cast<size_t>(nr) * flash::kBc);
+      w.dp.resize(static_cast<size_t>(nr) * flash::kBc);
+      const int jend = (r0 + nr - 1) / flash::kBc;
+      for (int j = 0; j <= jend; ++j) {
+        const int c0 = j * flash::kBc, nc = std::min(flash::kBc, r0 + nr - c0);
+        const size_t ko = (static_cast<size_t>(b) * T_ + c0) * ldk + static_cast<size_t>(h / G) * HD;
+        const S* K = tile_s(k + ko, ldk, nc, HD, w.k, &lK);
+        const S* V = tile_s(v + ko, ldk, nc, HD, w.v, &lV);
+        gemm_s(false, true, nr, nc, HD, S(1), Q, lQ, K, lK, S(0), w.s.data(), nc);
+        gemm_s(false, true, nr, nc, HD, S(1), dY, ldY, V, lV, S(0), w.dp.data(), nc);
+        p_ds(w.s.data(), w.dp.data(), nr, nc, r0, c0, lse + so, dsum + so);
+        gemm_s(false, false, nr, HD, nc, S(1), w.dp.data(), nc, K, lK, S(1), w.acc.data(), HD);
+      }
+      store_tile(dq + qo, ldq, nr, HD, w.acc.data());
+    });
+    // Pass 2: dK, dV.
+    par_items(BKV * nk, [&](size_t it) {
+      const int j = static_cast<int>(it / BKV), b = static_cast<int>(it % BKV) / NKV, kvh = static_cast<int>(it % BKV) % NKV;
+      const int c0 = j * flash::kBc, nc = std::min(flash::kBc, T_ - c0);
+      FlashScratch& w = flash_scratch();
+      const size_t ko = (static_cast<size_t>(b) * T_ + c0) * ldk + static_cast<size_t>(kvh) * HD;
+      int lQ, ldY, lK, lV;
+      const S* K = tile_s(k + ko, ldk, nc, HD, w.k, &lK);
+      const S* V = tile_s(v + ko, ldk, nc, HD, w.v, &lV);
+      w.acc.assign(static_cast<size_t>(nc) * HD, S(0));   // dK
+      w.acc2.assign(static_cast<size_t>(nc) * HD, S(0));  // dV
+      w.s.resize(static_cast<size_t>(flash::kBr) * nc);
+      w.dp.resize(static_cast<size_t>(flash::kBr) * nc);
+      for (int g = 0; g < G; ++g) {
+        const int h = kvh * G + g;
+        for (int i = c0 / flash::kBr; i < nq; ++i) {
+          const int r0 = i * flash::kBr, nr = std::min(flash::kBr, T_ - r0);
+          const size_t qo = (static_cast<size_t>(b) * T_ + r0) * ldq + static_cast<size_t>(h) * HD;
+          const size_t so = (static_cast<size_t>(b) * NH + h) * T_ + r0;
+          const S* Q = tile_s(q + qo, ldq, nr, HD, w.q, &lQ);
+          const S* dY = tile_s(dy + qo, ldq, nr, HD, w.dy, &ldY);
+          gemm_s(false, true, nr, nc, HD, S(1), Q, lQ, K, lK, S(0), w.s.data(), nc);
+          gemm_s(false, true, nr, nc, HD, S(1), dY, ldY, V, lV, S(0), w.dp.data(), nc);
+          p_ds(w.s.data(), w.dp.data(), nr, nc, r0, c0, lse + so, dsum + so);
+          gemm_s(true, false, nc, HD, nr, S(1), w.s.data(), nc, dY, ldY, S(1), w.acc2.data(), HD);
+          gemm_s(true, false, nc, HD, nr, S(1), w.dp.data(), nc, Q, lQ, S(1), w.acc.data(), HD);
+        }
+      }
+      store_tile(dk + ko, ldk, nc, HD, w.acc.data());
+      store_tile(dv + ko, ldk, nc, HD, w.acc2.data());
+    });
+  }
+
   void swiglu_forward(T* h, const T* g, const T* u, size_t n) override {
     par_ranges(n, kGrain, [&](size_t b, size_t e) {
       for (size_t i = b; i < e; ++i) h[i] = math::st<T>(math::swiglu(math::ld(g[i]), math::ld(u[i])));
@@ -433,6 +593,45 @@ template <typename T> class CpuBackend final : public Backend<T> {
                 fa_.data(), ca, fb_.data(), cb, beta, fc_.data(), N);
     for (int i = 0; i < M; ++i)
       for (int j = 0; j < N; ++j) C[static_cast<size_t>(i) * ldc + j] = math::st<T>(fc_[static_cast<size_t>(i) * N + j]);
+  }
+
+  // Per-thread scratch of the flash attention work items (tiles in S).
+  struct FlashScratch {
+    std::vector<S> q, k, v, dy, s, dp, acc, acc2, m, l;
+  };
+  static FlashScratch& flash_scratch() {
+    thread_local FlashScratch w;
+    return w;
+  }
+  // A rows x HD block of a T matrix with row stride ld, as S: the block itself for float/double
+  // (*ld_out = ld), converted into buf for bf16 (*ld_out = HD).
+  static const S* tile_s(const T* src, int ld, int rows, int HD, std::vector<S>& buf, int* ld_out) {
+    if constexpr (std::is_same_v<T, S>) {
+      (void)rows, (void)HD, (void)buf;
+      *ld_out = ld;
+      return src;
+    } else {
+      buf.resize(static_cast<size_t>(rows) * HD);
+      for (int r = 0; r < rows; ++r)
+        for (int d = 0; d < HD; ++d)
+          buf[static_cast<size_t>(r) * HD + d] = math::ld(src[static_cast<size_t>(r) * ld + d]);
+      *ld_out = HD;
+      return buf.data();
+    }
+  }
+  // dst (rows x HD, row stride ld) = src (rows x HD, contiguous), rounded to T.
+  static void store_tile(T* dst, int ld, int rows, int HD, const S* src) {
+    for (int r = 0; r < rows; ++r)
+      for (int d = 0; d < HD; ++d)
+        dst[static_cast<size_t>(r) * ld + d] = math::st<T>(src[static_cast<size_t>(r) * HD + d]);
+  }
+  // One single-threaded BLAS call in S (sgemm for float and bf16, dgemm for double).
+  static void gemm_s(bool ta, bool tb, int M, int N, int K, S alpha, const S* Am, int lda, const S* B, int ldb,
+                     S beta, S* C, int ldc) {
+    auto TA = ta ? CblasTrans : CblasNoTrans;
+    auto TB = tb ? CblasTrans : CblasNoTrans;
+    if constexpr (std::is_same_v<S, float>) cblas_sgemm(CblasRowMajor, TA, TB, M, N, K, alpha, Am, lda, B, ldb, beta, C, ldc);
+    else cblas_dgemm(CblasRowMajor, TA, TB, M, N, K, alpha, Am, lda, B, ldb, beta, C, ldc);
   }
 
   static void* aligned_zeroed(size_t bytes) {

@@ -28,6 +28,7 @@
 #include "shardtrain/backend.h"
 #include "shardtrain/bf16.h"
 #include "shardtrain/cuda.h"
+#include "shardtrain/flash_attention.h"
 #include "shardtrain/ops_math.h"
 #include "cuda_check.h"
 
@@ -432,6 +433,221 @@ template <typename T> __global__ void add_to_f32_kernel(float* dst, float alpha,
   for (size_t i = gtid(); i < n; i += gstride()) dst[i] += alpha * math::ld(src[i]);
 }
 
+// ---- flash attention (include/shardtrain/flash_attention.h) -----------------------------------
+// The loops of flash_attention.h with its tile sizes and per-row math. One thread per owned row:
+//  - forward and dQ pass: one block of kBr threads per (query tile, head, sequence); thread r owns
+//    query row r0 + r, holds its kBc scores (and dP) in registers (unrolled loops) and its [HD]
+//    accumulator in shared memory, transposed ([HD][kBr]: thread r reads column r, conflict-free).
+//    The key and value tiles are staged in shared memory as float, [kBc][HD], zero past the last
+//    key; every thread of the block reads the same element at a time (broadcast).
+//  - dK/dV pass: one block of kBc threads per (key tile, kv head, sequence); thread c owns key row
+//    c0 + c (its k and v rows read from global memory), the query and dY tiles are staged.
+// Sums run in a fixed order per thread (no atomics): deterministic. Shared memory per block:
+// forward and dQ (2 kBc + kBr) HD floats (48 KiB at HD = 64), dK/dV (2 kBr + 2 kBc) HD + 2 kBr
+// floats; above 48 KiB the kernel is opted in to the device's larger limit.
+using flash::kBc;
+using flash::kBr;
+
+template <typename T>
+__global__ void __launch_bounds__(kBr) flash_forward_kernel(T* y, float* lse, const T* q, const T* k, const T* v,
+                                                            int T_, int NH, int NKV, int HD, float scale) {
+  extern __shared__ float smem[];
+  float* sK = smem;              // [kBc][HD]
+  float* sV = sK + kBc * HD;     // [kBc][HD]
+  float* sAcc = sV + kBc * HD;   // [HD][kBr]
+  const int i = blockIdx.x, h = blockIdx.y, b = blockIdx.z, r = threadIdx.x;
+  const int G = NH / NKV, ldq = NH * HD, ldk = NKV * HD;
+  const int r0 = i * kBr, t = r0 + r, last_row = min(T_, r0 + kBr) - 1;
+  const bool row_ok = t < T_;
+  const T* qr = q + (static_cast<size_t>(b) * T_ + (row_ok ? t : r0)) * ldq + static_cast<size_t>(h) * HD;
+  for (int d = 0; d < HD; ++d) sAcc[d * kBr + r] = 0.0f;
+  float m = -INFINITY, l = 0.0f;
+  for (int j = 0; j <= last_row / kBc; ++j) {
+    const int c0 = j * kBc, nc = min(kBc, last_row + 1 - c0);
+    const size_t ko = (static_cast<size_t>(b) * T_ + c0) * ldk + static_cast<size_t>(h / G) * HD;
+    __syncthreads();  // every thread is done with the previous tile
+    for (int e = r; e < kBc * HD; e += kBr) {
+      const int c = e / HD, d = e % HD;
+      sK[e] = c < nc ? math::ld(k[ko + static_cast<size_t>(c) * ldk + d]) : 0.0f;
+      sV[e] = c < nc ? math::ld(v[ko + static_cast<size_t>(c) * ldk + d]) : 0.0f;
+    }
+    __syncthreads();
+    float x[kBc];
+#pragma unroll
+    for (int c = 0; c < kBc; ++c) x[c] = 0.0f;
+    for (int d = 0; d < HD; ++d) {
+      const float qd = math::ld(qr[d]);
+#pragma unroll
+      for (int c = 0; c < kBc; ++c) x[c] += qd * sK[c * HD + d];
+    }
+    const int last = t - c0;  // keys c <= last are visible
+    float mx = -INFINITY;
+#pragma unroll
+    for (int c = 0; c < kBc; ++c) {
+      x[c] = c <= last ? flash::score(x[c], scale) : -INFINITY;
+      mx = x[c] > mx ? x[c] : mx;
+    }
+    const float m_new = flash::online_max(m, mx), alpha = flash::online_rescale(m, m_new);
+    float sum = 0.0f;
+#pragma unroll
+    for (int c = 0; c < kBc; ++c) {
+      x[c] = c <= last ? flash::prob(x[c], m_new) : 0.0f;
+      sum += x[c];
+    }
+    l = alpha * l + sum;
+    m = m_new;
+    for (int d = 0; d < HD; ++d) {
+      float a = sAcc[d * kBr + r] * alpha;
+#pragma unroll
+      for (int c = 0; c < kBc; ++c) a += x[c] * sV[c * HD + d];
+      sAcc[d * kBr + r] = a;
+    }
+  }
+  if (!row_ok) return;
+  const float inv = flash::finish_inv(l);
+  T* yr = y + (static_cast<size_t>(b) * T_ + t) * ldq + static_cast<size_t>(h) * HD;
+  for (int d = 0; d < HD; ++d) yr[d] = math::st<T>(sAcc[d * kBr + r] * inv);
+  lse[(static_cast<size_t>(b) * NH + h) * T_ + t] = flash::finish_lse(m, l);
+}
+
+// dsum[(b*NH + h)*T + t] = dy_t . y_t (head h), one thread per row.
+template <typename T>
+__global__ void flash_dsum_kernel(float* dsum, const T* dy, const T* y, int T_, int NH, int HD, size_t rows) {
+  for (size_t rr = gtid(); rr < rows; rr += gstride()) {
+    const size_t bh = rr / T_, t = rr % T_, b = bh / NH, h = bh % NH;
+    const size_t o = (b * T_ + t) * static_cast<size_t>(NH) * HD + h * HD;
+    dsum[rr] = flash::row_dot(dy + o, y + o, HD);
+  }
+}
+
+// Pass 1: dq of one query tile (block) and row (thread).
+template <typename T>
+__global__ void __launch_bounds__(kBr) flash_backward_dq_kernel(T* dq, const T* dy, const T* q, const T* k, const T* v,
+                                                                const float* lse, const float* dsum, int T_, int NH,
+                                                                int NKV, int HD, float scale) {
+  extern __shared__ float smem[];
+  float* sK = smem;              // [kBc][HD]
+  float* sV = sK + kBc * HD;     // [kBc][HD]
+  float* sAcc = sV + kBc * HD;   // [HD][kBr]
+  const int i = blockIdx.x, h = blockIdx.y, b = blockIdx.z, r = threadIdx.x;
+  const int G = NH / NKV, ldq = NH * HD, ldk = NKV * HD;
+  const int r0 = i * kBr, t = r0 + r, last_row = min(T_, r0 + kBr) - 1;
+  const bool row_ok = t < T_;
+  const size_t qo = (static_cast<size_t>(b) * T_ + (row_ok ? t : r0)) * ldq + static_cast<size_t>(h) * HD;
+  const size_t so = (static_cast<size_t>(b) * NH + h) * T_ + (row_ok ? t : r0);
+  const float L = lse[so], D = dsum[so];
+  for (int d = 0; d < HD; ++d) sAcc[d * kBr + r] = 0.0f;
+  for (int j = 0; j <= last_row / kBc; ++j) {
+    const int c0 = j * kBc, nc = min(kBc, last_row + 1 - c0);
+    const size_t ko = (static_cast<size_t>(b) * T_ + c0) * ldk + static_cast<size_t>(h / G) * HD;
+    __syncthreads();
+    for (int e = r; e < kBc * HD; e += kBr) {
+      const int c = e / HD, d = e % HD;
+      sK[e] = c < nc ? math::ld(k[ko + static_cast<size_t>(c) * ldk + d]) : 0.0f;
+      sV[e] = c < nc ? math::ld(v[ko + static_cast<size_t>(c) * ldk + d]) : 0.0f;
+    }
+    __syncthreads();
+    float x[kBc], dp[kBc];
+#pragma unroll
+    for (int c = 0; c < kBc; ++c) x[c] = dp[c] = 0.0f;
+    for (int d = 0; d < HD; ++d) {
+      const float qd = math::ld(q[qo + d]), gd = math::ld(dy[qo + d]);
+#pragma unroll
+      for (int c = 0; c < kBc; ++c) {
+        x[c] += qd * sK[c * HD + d];
+        dp[c] += gd * sV[c * HD + d];
+      }
+    }
+    const int last = t - c0;
+#pragma unroll
+    for (int c = 0; c < kBc; ++c) {
+      const float p = c <= last ? flash::prob_from_lse(flash::score(x[c], scale), L) : 0.0f;
+      x[c] = c <= last ? flash::dscore(p, dp[c], D, scale) : 0.0f;  // dS
+    }
+    for (int d = 0; d < HD; ++d) {
+      float a = sAcc[d * kBr + r];
+#pragma unroll
+      for (int c = 0; c < kBc; ++c) a += x[c] * sK[c * HD + d];
+      sAcc[d * kBr + r] = a;
+    }
+  }
+  if (!row_ok) return;
+  for (int d = 0; d < HD; ++d) dq[qo + d] = math::st<T>(sAcc[d * kBr + r]);
+}
+
+// Pass 2: dk, dv of one key tile (block) and key row (thread), over the G query heads of the group
+// and the query tiles from the diagonal on.
+template <typename T>
+__global__ void __launch_bounds__(kBc) flash_backward_dkv_kernel(T* dk, T* dv, const T* dy, const T* q, const T* k,
+                                                                 const T* v, const float* lse, const float* dsum,
+                                                                 int T_, int NH, int NKV, int HD, float scale) {
+  extern __shared__ float smem[];
+  float* sQ = smem;                // [kBr][HD]
+  float* sG = sQ + kBr * HD;       // [kBr][HD]  (dY)
+  float* sdK = sG + kBr * HD;      // [HD][kBc]
+  float* sdV = sdK + HD * kBc;     // [HD][kBc]
+  float* sL = sdV + HD * kBc;      // [kBr]
+  float* sD = sL + kBr;            // [kBr]
+  const int j = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, c = threadIdx.x;
+  const int G = NH / NKV, ldq = NH * HD, ldk = NKV * HD, nq = flash::num_tiles(T_, kBr);
+  const int c0 = j * kBc, key = c0 + c;
+  const bool key_ok = key < T_;
+  const size_t ko = (static_cast<size_t>(b) * T_ + (key_ok ? key : c0)) * ldk + static_cast<size_t>(kvh) * HD;
+  for (int d = 0; d < HD; ++d) sdK[d * kBc + c] = sdV[d * kBc + c] = 0.0f;
+  for (int g = 0; g < G; ++g) {
+    const int h = kvh * G + g;
+    for (int i = c0 / kBr; i < nq; ++i) {
+      const int r0 = i * kBr, nr = min(kBr, T_ - r0);
+      const size_t qo = (static_cast<size_t>(b) * T_ + r0) * ldq + static_cast<size_t>(h) * HD;
+      const size_t so = (static_cast<size_t>(b) * NH + h) * T_ + r0;
+      __syncthreads();
+      for (int e = c; e < kBr * HD; e += kBc) {
+        const int rr = e / HD, d = e % HD;
+        sQ[e] = rr < nr ? math::ld(q[qo + static_cast<size_t>(rr) * ldq + d]) : 0.0f;
+        sG[e] = rr < nr ? math::ld(dy[qo + static_cast<size_t>(rr) * ldq + d]) : 0.0f;
+      }
+      for (int rr = c; rr < kBr; rr += kBc) {
+        sL[rr] = rr < nr ? lse[so + rr] : 0.0f;
+        sD[rr] = rr < nr ? dsum[so + rr] : 0.0f;
+      }
+      __syncthreads();
+      float x[kBr], dp[kBr];
+#pragma unroll
+      for (int rr = 0; rr < kBr; ++rr) x[rr] = dp[rr] = 0.0f;
+      for (int d = 0; d < HD; ++d) {
+        const float kd = math::ld(k[ko + d]), vd = math::ld(v[ko + d]);
+#pragma unroll
+        for (int rr = 0; rr < kBr; ++rr) {
+          x[rr] += sQ[rr * HD + d] * kd;
+          dp[rr] += sG[rr * HD + d] * vd;
+        }
+      }
+#pragma unroll
+      for (int rr = 0; rr < kBr; ++rr) {
+        const bool ok = rr < nr && key <= r0 + rr;
+        const float p = ok ? flash::prob_from_lse(flash::score(x[rr], scale), sL[rr]) : 0.0f;
+        dp[rr] = ok ? flash::dscore(p, dp[rr], sD[rr], scale) : 0.0f;  // dS
+        x[rr] = p;
+      }
+      for (int d = 0; d < HD; ++d) {
+        float av = sdV[d * kBc + c], ak = sdK[d * kBc + c];
+#pragma unroll
+        for (int rr = 0; rr < kBr; ++rr) {
+          av += x[rr] * sG[rr * HD + d];
+          ak += dp[rr] * sQ[rr * HD + d];
+        }
+        sdV[d * kBc + c] = av;
+        sdK[d * kBc + c] = ak;
+      }
+    }
+  }
+  if (!key_ok) return;
+  for (int d = 0; d < HD; ++d) {
+    dk[ko + d] = math::st<T>(sdK[d * kBc + c]);
+    dv[ko + d] = math::st<T>(sdV[d * kBc + c]);
+  }
+}
+
 // ---- context ----------------------------------------------------------------------------------
 
 class CudaContextImpl final : public CudaContext {
@@ -520,6 +736,8 @@ template <typename T> class CudaBackend final : public Backend<T> {
     ST_CUDA(cudaMemcpyAsync(dst, host, n * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
     ST_CUDA(cudaStreamSynchronize(stream_));
   }
+  S* alloc_acc(size_t n) override { return static_cast<S*>(alloc_bytes(n * sizeof(S))); }
+  void free_acc(S* p) override { release(p); }
   void synchronize() override { ST_CUDA(cudaStreamSynchronize(stream_)); }
 
   // ---- precision conversion ----
@@ -641,6 +859,34 @@ template <typename T> class CudaBackend final : public Backend<T> {
     ST_LAUNCHED("softmax_causal_backward_kernel");
   }
 
+  void flash_attention_forward(T* y, S* lse, const T* q, const T* k, const T* v, int B, int T_, int NH, int NKV,
+                               int HD, S scale) override {
+    if (B <= 0 || T_ <= 0 || NH <= 0 || HD <= 0) return;
+    const size_t smem = sizeof(float) * static_cast<size_t>(2 * kBc + kBr) * HD;
+    allow_smem(flash_forward_kernel<T>, smem, HD);
+    const dim3 grid(static_cast<unsigned>(flash::num_tiles(T_, kBr)), static_cast<unsigned>(NH), static_cast<unsigned>(B));
+    flash_forward_kernel<T><<<grid, kBr, smem, stream_>>>(y, lse, q, k, v, T_, NH, NKV, HD, scale);
+    ST_LAUNCHED("flash_forward_kernel");
+  }
+  void flash_attention_backward(T* dq, T* dk, T* dv, S* dsum, const T* dy, const T* q, const T* k, const T* v,
+                                const T* y, const S* lse, int B, int T_, int NH, int NKV, int HD, S scale) override {
+    if (B <= 0 || T_ <= 0 || NH <= 0 || HD <= 0) return;
+    const size_t rows = static_cast<size_t>(B) * NH * T_;
+    flash_dsum_kernel<T><<<grid_for(rows, kBlock), kBlock, 0, stream_>>>(dsum, dy, y, T_, NH, HD, rows);
+    ST_LAUNCHED("flash_dsum_kernel");
+    const size_t smem_q = sizeof(float) * static_cast<size_t>(2 * kBc + kBr) * HD;
+    allow_smem(flash_backward_dq_kernel<T>, smem_q, HD);
+    const dim3 grid_q(static_cast<unsigned>(flash::num_tiles(T_, kBr)), static_cast<unsigned>(NH), static_cast<unsigned>(B));
+    flash_backward_dq_kernel<T><<<grid_q, kBr, smem_q, stream_>>>(dq, dy, q, k, v, lse, dsum, T_, NH, NKV, HD, scale);
+    ST_LAUNCHED("flash_backward_dq_kernel");
+    const size_t smem_kv = sizeof(float) * (static_cast<size_t>(2 * kBr + 2 * kBc) * HD + 2 * kBr);
+    allow_smem(flash_backward_dkv_kernel<T>, smem_kv, HD);
+    const dim3 grid_kv(static_cast<unsigned>(flash::num_tiles(T_, kBc)), static_cast<unsigned>(NKV), static_cast<unsigned>(B));
+    flash_backward_dkv_kernel<T><<<grid_kv, kBc, smem_kv, stream_>>>(dk, dv, dy, q, k, v, lse, dsum, T_, NH, NKV, HD,
+                                                                     scale);
+    ST_LAUNCHED("flash_backward_dkv_kernel");
+  }
+
   void swiglu_forward(T* h, const T* gate, const T* up, size_t n) override {
     if (!n) return;
     swiglu_forward_kernel<T><<<grid_for(n, kBlock), kBlock, 0, stream_>>>(h, gate, up, n);
@@ -729,6 +975,18 @@ template <typename T> class CudaBackend final : public Backend<T> {
     ST_CUDA(cudaMemcpyAsync(&h, out, sizeof(double), cudaMemcpyDeviceToHost, stream_));
     ST_CUDA(cudaStreamSynchronize(stream_));
     return h;
+  }
+  // Lets `kernel` use `bytes` of dynamic shared memory: above the default 48 KiB it is opted in to
+  // the device's limit; beyond that limit (head dimension too large) a runtime_error.
+  template <typename K> void allow_smem(K* kernel, size_t bytes, int HD) {
+    if (bytes <= 48 * 1024) return;
+    int dev = 0, limit = 0;
+    ST_CUDA(cudaGetDevice(&dev));
+    ST_CUDA(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    if (bytes > static_cast<size_t>(limit))
+      throw std::runtime_error("flash attention: head dim " + std::to_string(HD) + " needs " + std::to_string(bytes) +
+                               " bytes of shared memory per block, the device allows " + std::to_string(limit));
+    ST_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
   }
   void scale_c(T* C, int M, int N, int ldc, float beta) {
     if (beta == 1.0f) return;
