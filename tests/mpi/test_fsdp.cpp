@@ -20,6 +20,7 @@
 #include "shardtrain/runtime.h"
 #include "shardtrain/shard.h"
 #include "../test_env.h"
+#include "counting_backend.h"
 
 namespace st = shardtrain;
 using st::bf16;
@@ -28,100 +29,7 @@ namespace {
 
 st::Comm& world() { return st::testing::comm(); }
 
-// A backend that forwards to the CPU backend and records every allocation, so the tests can
-// check how much memory the FSDP engine holds per rank.
-template <typename T> class CountingBackend final : public st::Backend<T> {
- public:
-  CountingBackend() : inner_(st::make_cpu_backend<T>()) {}
-  std::map<const T*, size_t> live;  // pointer -> elements
-  size_t allocs = 0, frees = 0;
-  size_t live_elements() const {
-    size_t n = 0;
-    for (auto& [p, k] : live) n += k;
-    return n;
-  }
-
-  const char* name() const override { return "counting-cpu"; }
-  T* alloc(size_t n) override {
-    T* p = inner_->alloc(n);
-    live[p] = n;
-    ++allocs;
-    return p;
-  }
-  void free(T* p) override {
-    live.erase(p);
-    ++frees;
-    inner_->free(p);
-  }
-  void zero(T* p, size_t n) override { inner_->zero(p, n); }
-  void copy(T* d, const T* s, size_t n) override { inner_->copy(d, s, n); }
-  void to_host(T* h, const T* s, size_t n) override { inner_->to_host(h, s, n); }
-  void from_host(T* d, const T* h, size_t n) override { inner_->from_host(d, h, n); }
-  int32_t* alloc_ids(size_t n) override { return inner_->alloc_ids(n); }
-  void free_ids(int32_t* p) override { inner_->free_ids(p); }
-  void ids_from_host(int32_t* d, const int32_t* h, size_t n) override { inner_->ids_from_host(d, h, n); }
-  // Flash attention statistics (S = T here): forwarded, not counted (the FSDP engine holds none).
-  using S = typename st::Backend<T>::S;
-  S* alloc_acc(size_t n) override { return inner_->alloc_acc(n); }
-  void free_acc(S* p) override { inner_->free_acc(p); }
-  void synchronize() override { inner_->synchronize(); }
-  void from_f32(T* d, const float* s, size_t n) override { inner_->from_f32(d, s, n); }
-  void add_to_f32(float* d, float a, const T* s, size_t n) override { inner_->add_to_f32(d, a, s, n); }
-  void gemm(bool ta, bool tb, int M, int N, int K, T alpha, const T* A, int lda, const T* B, int ldb, T beta, T* C,
-            int ldc) override {
-    inner_->gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
-  }
-  void gemm_strided_batched(bool ta, bool tb, int M, int N, int K, T alpha, const T* A, int lda, int64_t sa,
-                            const T* B, int ldb, int64_t sb, T beta, T* C, int ldc, int64_t sc, int batch) override {
-    inner_->gemm_strided_batched(ta, tb, M, N, K, alpha, A, lda, sa, B, ldb, sb, beta, C, ldc, sc, batch);
-  }
-  void axpy(size_t n, T alpha, const T* x, T* y) override { inner_->axpy(n, alpha, x, y); }
-  void scale(size_t n, T alpha, T* x) override { inner_->scale(n, alpha, x); }
-  double sum_squares(const T* x, size_t n) override { return inner_->sum_squares(x, n); }
-  void embedding_forward(T* out, const int32_t* tok, const T* table, int N, int C) override {
-    inner_->embedding_forward(out, tok, table, N, C);
-  }
-  void embedding_backward(T* dtable, const int32_t* tok, const T* dout, int N, int C) override {
-    inner_->embedding_backward(dtable, tok, dout, N, C);
-  }
-  void rmsnorm_forward(T* out, T* rstd, const T* x, const T* w, int N, int C, T eps) override {
-    inner_->rmsnorm_forward(out, rstd, x, w, N, C, eps);
-  }
-  void rmsnorm_backward(T* dx, T* dw, const T* dout, const T* x, const T* w, const T* rstd, int N, int C) override {
-    inner_->rmsnorm_backward(dx, dw, dout, x, w, rstd, N, C);
-  }
-  void rope_forward(T* x, const T* c, const T* s, int B, int T_, int H, int HD) override {
-    inner_->rope_forward(x, c, s, B, T_, H, HD);
-  }
-  void rope_backward(T* dx, const T* c, const T* s, int B, int T_, int H, int HD) override {
-    inner_->rope_backward(dx, c, s, B, T_, H, HD);
-  }
-  void softmax_causal_forward(T* att, int R, int T_, T sc) override { inner_->softmax_causal_forward(att, R, T_, sc); }
-  void softmax_causal_backward(T* datt, const T* att, int R, int T_, T sc) override {
-    inner_->softmax_causal_backward(datt, att, R, T_, sc);
-  }
-  void flash_attention_forward(T* y, S* lse, const T* q, const T* k, const T* v, int B, int T_, int NH, int NKV,
-                               int HD, S sc) override {
-    inner_->flash_attention_forward(y, lse, q, k, v, B, T_, NH, NKV, HD, sc);
-  }
-  void flash_attention_backward(T* dq, T* dk, T* dv, S* dsum, const T* dy, const T* q, const T* k, const T* v,
-                                const T* y, const S* lse, int B, int T_, int NH, int NKV, int HD, S sc) override {
-    inner_->flash_attention_backward(dq, dk, dv, dsum, dy, q, k, v, y, lse, B, T_, NH, NKV, HD, sc);
-  }
-  void swiglu_forward(T* h, const T* g, const T* u, size_t n) override { inner_->swiglu_forward(h, g, u, n); }
-  void swiglu_backward(T* dg, T* du, const T* dh, const T* g, const T* u, size_t n) override {
-    inner_->swiglu_backward(dg, du, dh, g, u, n);
-  }
-  double cross_entropy(T* dl, const T* l, const int32_t* t, int N, int V, T gs) override {
-    return inner_->cross_entropy(dl, l, t, N, V, gs);
-  }
-  void adamw(T* p, T* m, T* v, const T* g, size_t n, T lr, T b1, T b2, T eps, T wd, T gs, int64_t step) override {
-    inner_->adamw(p, m, v, g, n, lr, b1, b2, eps, wd, gs, step);
-  }
-
- private:
-  std::unique_ptr<st::Backend<T>> inner_;
-};
+using st::testing::CountingBackend;
 
 st::ParamSpec pspec(std::string name, std::vector<int64_t> shape, st::Init init, double stdev = 0.02) {
   st::ParamSpec p;

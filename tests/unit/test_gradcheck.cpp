@@ -598,9 +598,6 @@ TEST(GradCheck, ModelUntiedHead) {
   }
 }
 
-}  // namespace
-}  // namespace shardtrain
-
 // Activation checkpointing, both attention paths and a loss chunk that does not divide the tokens:
 // every combination against finite differences (the recomputed activations, the chunked head's
 // backward inside forward and the exact path's recomputed probabilities all enter the gradient).
@@ -624,3 +621,6 @@ TEST(GradCheck, ModelRecomputeModesAttentionPathsAndLossChunks) {
     rep.finish();
   }
 }
+
+}  // namespace
+}  // namespace shardtrain
