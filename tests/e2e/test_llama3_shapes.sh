@@ -47,3 +47,28 @@ echo "ok: both config.json forms import to the same model config"
 # Token ids outside the vocabulary are refused by name.
 expect_fail prompt_ids_oov "option '--prompt-ids': '128256' is not a token id in [0, 128256)" 2 --mode generate "$CK" \
   --prompt-ids 5,128256 --max-new-tokens 0
+
+# A checkpoint written before head_dim and rope_scaling were part of the model config (its
+# model_config attribute lacks both keys, checksums resealed) still resumes, exports and generates.
+DATA=$(test_corpus)
+timeout -k 5 120 $MPIRUN -np 2 "$BIN" --model tiny --data "$DATA" --seq-len 16 --global-batch 4 --steps 3 --stop-at-step 2 \
+  --threads 1 --checkpoint-dir "$WORK/old" >"$WORK/old.log" 2>&1 || { cat "$WORK/old.log"; fail "tiny: 2 steps"; }
+"$PY" - "$WORK/old/step_00000002.h5" "$ROOT/tests/e2e" <<'PY' || fail "rewriting model_config as an older version wrote it"
+import sys, h5py
+sys.path.insert(0, sys.argv[2])
+import ckpt_meta
+with h5py.File(sys.argv[1], "r+") as f:
+    v = f.attrs["model_config"]
+    v = v.decode() if isinstance(v, bytes) else v
+    old = v.replace(',"head_dim":8', "").replace(',"rope_scaling":null', "")
+    assert old.count("head_dim") == 0 and old.count("rope_scaling") == 0 and len(old) < len(v), v
+    f.attrs["model_config"] = old
+ckpt_meta.reseal(sys.argv[1])
+PY
+grep -q '"head_dim"' <("$BIN" --mode inspect "$WORK/old/step_00000002.h5" | grep model_config) && fail "model_config still has head_dim"
+timeout -k 5 120 $MPIRUN -np 2 "$BIN" --model tiny --data "$DATA" --seq-len 16 --global-batch 4 --steps 3 --threads 1 \
+  --checkpoint-dir "$WORK/old" --resume auto >"$WORK/old_resume.log" 2>&1 || { cat "$WORK/old_resume.log"; fail "resuming the older checkpoint"; }
+grep -q '^step 3/3' "$WORK/old_resume.log" || { cat "$WORK/old_resume.log"; fail "older checkpoint: no step 3"; }
+timeout -k 5 60 "$BIN" --mode export "$WORK/old/step_00000002.h5" --out "$WORK/old_hf" >"$WORK/old_export.log" 2>&1 \
+  || { cat "$WORK/old_export.log"; fail "exporting the older checkpoint"; }
+echo "ok: a checkpoint whose model_config has neither head_dim nor rope_scaling (older versions) resumes and exports"
