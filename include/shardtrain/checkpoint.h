@@ -142,7 +142,9 @@ TrainState load_checkpoint(Comm& comm, const std::string& path, Fsdp<float>& f, 
 // The model-config keys whose values differ between two canonical configs (config.h) in a way that
 // matters for loading weights: every key except the labels `name` and `initializer_range`;
 // `bos_token_id`/`eos_token_id` count only when set (non-null) in both. Each entry reads
-// "key: checkpoint has A, requested B". Throws std::invalid_argument on malformed JSON.
+// "key: checkpoint has A, requested B". Both are first read as from_canonical_json reads them, so
+// keys an older version did not write ("head_dim", "rope_scaling") take their old meaning.
+// Throws std::invalid_argument on malformed JSON.
 std::vector<std::string> architecture_differences(const std::string& checkpoint_config,
                                                   const std::string& requested_config);
 

@@ -14,6 +14,18 @@ class Comm;
 // A special token id that config.json leaves out (or sets to null).
 inline constexpr int kUnsetTokenId = -1;
 
+// RoPE frequency scaling (config.json's rope_scaling / rope_parameters). rope_type "default" is
+// plain RoPE (the other fields unused); "llama3" is Llama 3.1's scaling (rope_inv_freqs). Field
+// names follow transformers' rope_parameters.
+struct RopeScaling {
+  std::string rope_type = "default";  // "default" | "llama3"
+  double factor = 1.0;
+  double low_freq_factor = 1.0;
+  double high_freq_factor = 4.0;
+  int original_max_position_embeddings = 0;
+  bool is_llama3() const { return rope_type == "llama3"; }
+};
+
 // Field names and meanings follow transformers' LlamaConfig
 // (https://huggingface.co/docs/transformers/model_doc/llama#transformers.LlamaConfig).
 struct ModelConfig {
@@ -27,6 +39,9 @@ struct ModelConfig {
   int max_position_embeddings = 256;
   double rms_norm_eps = 1e-5;
   double rope_theta = 10000.0;
+  RopeScaling rope_scaling;        // "default": none
+  // config.json's head_dim; 0 = hidden_size / num_attention_heads. Use head_dim() for the value.
+  int head_dim_override = 0;
   double initializer_range = 0.02;  // std of the normal init of matrices
   std::string hidden_act = "silu";
   bool tie_word_embeddings = true;
@@ -38,11 +53,14 @@ struct ModelConfig {
   //   eos_token_ids: every id that ends a sequence; generation stops on any of them. config.json's
   //     eos_token_id is one integer or a list (Llama 3.x: [128001, 128008, 128009]), kept as given;
   //     the first is the primary EOS (the tokenizer's "</s>", generation's pad id). Empty when unset.
-  // Presets use the byte-level tokenizer's 256 and 257 (data.h).
+  // The small presets use the byte-level tokenizer's 256 and 257 (data.h); the published-model
+  // presets (llama-1b, tinyllama-1.1b, llama-8b) their tokenizers' ids.
   int bos_token_id = 256;
   std::vector<int> eos_token_ids = {257};
 
-  int head_dim() const { return hidden_size / num_attention_heads; }
+  // Per-head size HD: head_dim_override when set, else hidden_size / num_attention_heads. The query
+  // projection is [NH*HD, C], which need not equal C (Llama-3-style configs may say so).
+  int head_dim() const { return head_dim_override > 0 ? head_dim_override : hidden_size / num_attention_heads; }
   int kv_dim() const { return head_dim() * num_key_value_heads; }
   // Total parameter count (elements), tied head counted once.
   int64_t num_params() const;
@@ -53,20 +71,39 @@ struct ModelConfig {
   bool is_eos(int64_t id) const;
 };
 
-// Names of the built-in presets, e.g. "tiny", "demo", "llama-125m".
+// RoPE inverse frequency of each pair j in [0, head_dim()/2), in double:
+//   base_j = rope_theta^(-2j / head_dim)
+// and with rope_scaling.rope_type "llama3" (transformers' modeling_rope_utils.py,
+// _compute_llama3_parameters; Meta's llama3 apply_scaling), with wavelen_j = 2*pi / base_j,
+// low = original_max_position_embeddings / low_freq_factor, high = original_max / high_freq_factor:
+//   wavelen_j < high                  -> base_j                   (high frequencies kept)
+//   wavelen_j > low                   -> base_j / factor          (low frequencies scaled)
+//   otherwise, s = (original_max / wavelen_j - low_freq_factor) / (high_freq_factor - low_freq_factor):
+//                                     -> (1 - s) * base_j / factor + s * base_j
+// The attention factor is 1 (cos/sin are not rescaled). rope_tables (model.h) turns these into
+// the cos/sin tables.
+std::vector<double> rope_inv_freqs(const ModelConfig& c);
+
+// Names of the built-in presets, e.g. "tiny", "demo", "llama-125m", "llama-1b".
 std::vector<std::string> preset_names();
 // Returns the preset; throws std::invalid_argument naming the preset and listing the known ones.
 ModelConfig preset(const std::string& name);
 
 // Parses a Hugging Face config.json (text). Accepts "architectures" absent or containing
-// "LlamaForCausalLM"; refuses others, rope_scaling, attention/mlp biases, and head_dim other than
-// hidden_size / num_attention_heads. bos_token_id: absent or null = unset, else a non-negative
+// "LlamaForCausalLM"; refuses others and attention/mlp biases. head_dim: absent or null =
+// hidden_size / num_attention_heads. RoPE: top-level rope_theta with transformers 4.x's
+// rope_scaling (null, or {"rope_type" or "type": "llama3", factor, low_freq_factor,
+// high_freq_factor, original_max_position_embeddings}), or transformers 5.x's rope_parameters
+// ({"rope_type": "default" | "llama3", "rope_theta", ...}); any other rope type (linear, dynamic,
+// yarn, longrope, ...) is refused naming the key. bos_token_id: absent or null = unset, else a non-negative
 // integer; eos_token_id: absent or null = unset, a non-negative integer, or a non-empty list of
 // them. Throws std::invalid_argument naming `source` and the key.
 ModelConfig parse_hf_config(const std::string& json_text, const std::string& source);
 
 // Checks the invariants the model relies on; throws std::invalid_argument naming `source` and
-// the offending key: positive sizes, NH divides C, NKV divides NH, even head_dim (RoPE pairs),
+// the offending key: positive sizes, NH divides C (unless head_dim is given), NKV divides NH,
+// positive even head_dim (RoPE pairs), llama3 rope parameters (factor >= 1, 0 < low_freq_factor <
+// high_freq_factor, original_max_position_embeddings > 0),
 // hidden_act == "silu", bos and every eos id inside the vocabulary when set (unset is fine),
 // eps > 0, theta > 0.
 void validate(const ModelConfig& c, const std::string& source);
@@ -74,9 +111,15 @@ void validate(const ModelConfig& c, const std::string& source);
 // Canonical JSON: keys sorted, no whitespace, every field present. Two configs are equal iff their
 // canonical JSON strings are equal. "bos_token_id" is an integer or null (unset); "eos_token_id" is
 // an integer (one id), an array of >= 2 integers (a list), or null (unset). from_canonical_json
-// also reads what older versions wrote (both ids integers); a one-element array reads as that id.
+// also reads what older versions wrote (both ids integers; no "head_dim": hidden_size /
+// num_attention_heads; no "rope_scaling": none); a one-element array reads as that id.
+// "head_dim" is the effective head_dim(); "rope_scaling" is null or {"factor", "high_freq_factor",
+// "low_freq_factor", "original_max_position_embeddings", "rope_type": "llama3"}.
 // to_hf_json adds the keys transformers expects and writes the ids the same way (a list as a list,
-// unset as null, so that transformers does not substitute LlamaConfig's defaults 1 and 2).
+// unset as null, so that transformers does not substitute LlamaConfig's defaults 1 and 2). RoPE is
+// written for both readers: transformers 5.x's "rope_parameters" {"rope_type", "rope_theta", ...}
+// (what LlamaConfig.to_dict() writes) and 4.x's top-level "rope_theta" with "rope_scaling" (null,
+// or the llama3 parameters); 5.x prefers rope_scaling when set, and reads both without warnings.
 std::string canonical_json(const ModelConfig& c);
 ModelConfig from_canonical_json(const std::string& s);  // throws std::invalid_argument
 std::string to_hf_json(const ModelConfig& c, const std::string& torch_dtype = "float32");

@@ -7,12 +7,12 @@
 //   12      4     u32 vocab_size (258 for the byte tokenizer)
 //   16      4     u32 bos_id (256)
 //   20      4     u32 eos_id (257)
-//   24      4     u32 bytes per token (2: tokens are u16)
+//   24      4     u32 bytes per token: 2 (tokens are u16) or 4 (u32, for ids above 65535)
 //   28      4     u32 reserved (0)
 //   32      8     u64 n_train tokens
 //   40      8     u64 n_val tokens
 //   48      16    tokenizer name, NUL-padded ("byte-level")
-//   64      2*n_train  train tokens, then 2*n_val validation tokens
+//   64      b*n_train  train tokens, then b*n_val validation tokens (b = bytes per token)
 #pragma once
 
 #include <cstdint>
@@ -39,17 +39,19 @@ struct TokenFileHeader {
 
 // Reads each input file as one document, encodes it as BOS + bytes + EOS, concatenates the
 // documents and writes a token file whose last `val_fraction` of tokens (rounded down) is the
-// validation split. Throws std::runtime_error naming the file if an input is missing or empty,
+// validation split, with u16 tokens (token_bytes 2: the byte-level ids fit). Throws
+// std::runtime_error naming the file if an input is missing or empty,
 // if val_fraction is outside (0, 1), or if the output cannot be written. Returns the header.
 TokenFileHeader prepare_token_file(const std::vector<std::string>& inputs, const std::string& out_path,
                                    double val_fraction);
 
 // Reads and checks only the 64-byte header of token file `path` (and that the file's size matches
 // it). Throws std::runtime_error naming the file, as TokenDataset does, for a missing or
-// unreadable file, bad magic, unknown version, unsupported token size, size not matching.
+// unreadable file, bad magic, unknown version, token size other than 2 or 4 (field "bytes per
+// token"), size not matching.
 TokenFileHeader read_token_file_header(const std::string& path);
 
-// A token file held in memory.
+// A token file held in memory, u16 or u32 tokens alike, as u32.
 class TokenDataset {
  public:
   // Reads and checks `path`. Throws std::runtime_error naming the file for: missing file, bad
@@ -58,14 +60,14 @@ class TokenDataset {
   const TokenFileHeader& header() const { return h_; }
   const std::string& path() const { return path_; }  // as given to the constructor
   uint32_t crc32() const { return crc32_; }  // zlib CRC32 of the whole file: ranks compare it
-  const std::vector<uint16_t>& train() const { return train_; }
-  const std::vector<uint16_t>& val() const { return val_; }
+  const std::vector<uint32_t>& train() const { return train_; }
+  const std::vector<uint32_t>& val() const { return val_; }
 
  private:
   std::string path_;
   uint32_t crc32_ = 0;
   TokenFileHeader h_;
-  std::vector<uint16_t> train_, val_;
+  std::vector<uint32_t> train_, val_;
 };
 
 // Which batch of which split. Sequence `i` of global batch `index` starts at a pseudo-random

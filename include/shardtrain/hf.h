@@ -63,6 +63,9 @@ struct GenerateOptions {
   int top_k = 40;            // 0: no top-k filtering
   uint64_t seed = 1337;
   std::string dump_logits;   // if set: raw float32 logits [T, V] of BOS + prompt written here
+  // If set: comma-separated token ids fed after BOS in place of the prompt's UTF-8 bytes (any id of
+  // the vocabulary, e.g. above 65535; the output still decodes bytes only).
+  std::string prompt_ids;
 };
 
 // Collective. Samples max_new_tokens bytes after BOS + prompt (context cropped to

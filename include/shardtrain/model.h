@@ -150,9 +150,10 @@ template <typename T> class LlamaModel {
   AccBuffer<T> dsum_;  // tiled attention backward: rowsum(dy * y) [B, NH, T]
 };
 
-// RoPE tables for positions [0, T) and pairs [0, HD/2): cos/sin of t * theta^(-2j/HD),
-// row-major [T, HD/2], computed in double.
-template <typename T> void rope_tables(std::vector<T>& cos, std::vector<T>& sin, int T_, int HD, double theta);
+// RoPE tables for positions [0, T) and pairs [0, HD/2) with HD/2 = inv_freq.size(): cos/sin of
+// t * inv_freq[j], row-major [T, HD/2], computed in double. inv_freq: rope_inv_freqs(config).
+template <typename T>
+void rope_tables(std::vector<T>& cos, std::vector<T>& sin, int T_, const std::vector<double>& inv_freq);
 
 // Causal self-attention with GQA on already-projected, RoPE-rotated q [B*T, NH*HD],
 // k and v [B*T, NKV*HD]; writes att [B, NH, T, T] (softmax probabilities) and y [B*T, NH*HD]

@@ -129,8 +129,9 @@ struct Engine {
 };
 
 // Model FLOPs per trained token at sequence length T (forward + backward): 6 N for the weight
-// matrices plus 12 L C T for attention scores and their use (PaLM, Chowdhery et al. 2022,
-// appendix B). N = the model's parameter count. MFU = tokens/s * this / peak FLOP/s.
+// matrices plus 12 L Q T for attention scores and their use (PaLM, Chowdhery et al. 2022,
+// appendix B, with Q = NH * head_dim, the query width: C unless config.json gives another
+// head_dim). N = the model's parameter count. MFU = tokens/s * this / peak FLOP/s.
 double flops_per_token(const ModelConfig& c, int T);
 
 // Collective. Trains `model_cfg` on `data` with `tc`, from a fresh init or from the checkpoint

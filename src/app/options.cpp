@@ -95,7 +95,8 @@ po::options_description describe(Options& o) {
       ("max-new-tokens", po::value<int>(&o.max_new_tokens)->default_value(o.max_new_tokens), "generate: tokens (bytes) to sample")
       ("temperature", dbl(&o.temperature), "generate: sampling temperature; 0 = greedy")
       ("top-k", po::value<int>(&o.top_k)->default_value(o.top_k), "generate: sample among the k most likely tokens; 0 = all")
-      ("dump-logits", po::value<std::string>(&o.dump_logits), "generate: write the float32 logits [T, V] of BOS + prompt to this file");
+      ("dump-logits", po::value<std::string>(&o.dump_logits), "generate: write the float32 logits [T, V] of BOS + prompt to this file")
+      ("prompt-ids", po::value<std::string>(&o.prompt_ids), "generate: token ids after BOS, comma-separated (e.g. 5,70000,128255), in place of --prompt's bytes");
   po::options_description all(
       "shardtrain: fully sharded (FSDP / ZeRO-3) Llama training over MPI.\n"
       "Usage: mpirun -np N shardtrain [--config JOB.ini] [options]   (command line overrides the job file)");
@@ -121,6 +122,7 @@ void validate(const Options& o) {
   check(o.temperature >= 0, "temperature", "must be >= 0");
   check(o.top_k >= 0, "top-k", "must be >= 0");
   check(o.max_new_tokens >= 0, "max-new-tokens", "must be >= 0");
+  check(o.prompt_ids.empty() || o.prompt.empty(), "prompt-ids", "and '--prompt' exclude each other");
   if (o.mode == "export" || o.mode == "generate")
     check(!o.checkpoint.empty(), "checkpoint", "is required with --mode " + o.mode + " (or give the file as an argument)");
   if (o.mode == "export") {

@@ -46,7 +46,7 @@ TokenFileHeader prepare_token_file(const std::vector<std::string>& inputs, const
   if (!(val_fraction > 0 && val_fraction < 1))
     throw std::runtime_error("option '--val-fraction' must be in (0, 1), got " + std::to_string(val_fraction));
   if (inputs.empty()) throw std::runtime_error("option '--input' names no file");
-  std::vector<uint16_t> toks;
+  std::vector<uint16_t> toks;  // byte-level ids (< 258): written as u16, token_bytes 2
   for (const auto& path : inputs) {
     std::ifstream f(path, std::ios::binary);
     std::error_code ec;
@@ -116,12 +116,14 @@ TokenFileHeader parse_header(const std::string& path, const char* b, uint64_t si
   h.bos_id = get<uint32_t>(p + 16);
   h.eos_id = get<uint32_t>(p + 20);
   h.token_bytes = get<uint32_t>(p + 24);
-  if (h.token_bytes != 2) fail("unsupported token size " + std::to_string(h.token_bytes));
+  if (h.token_bytes != 2 && h.token_bytes != 4)
+    fail("field 'bytes per token' (offset 24) is " + std::to_string(h.token_bytes) + "; supported: 2 (u16) or 4 (u32)");
   h.n_train = get<uint64_t>(p + 32);
   h.n_val = get<uint64_t>(p + 40);
   h.tokenizer = std::string(b + 48, strnlen(b + 48, 16));
-  const uint64_t payload = (size - 64) / 2;  // tokens the file can hold; compared without overflow
-  if (h.n_train > payload || h.n_val > payload - h.n_train || size != 64 + 2 * (h.n_train + h.n_val))
+  const uint64_t tb = h.token_bytes;
+  const uint64_t payload = (size - 64) / tb;  // tokens the file can hold; compared without overflow
+  if (h.n_train > payload || h.n_val > payload - h.n_train || size != 64 + tb * (h.n_train + h.n_val))
     fail("size " + std::to_string(size) + " bytes does not match header (" + std::to_string(h.n_train) +
          " train + " + std::to_string(h.n_val) + " val tokens)");
   return h;
@@ -150,10 +152,15 @@ TokenDataset::TokenDataset(const std::string& path) : path_(path) {
   crc32_ = crc32_update(0, p, b.size());
   train_.resize(h_.n_train);
   val_.resize(h_.n_val);
-  for (uint64_t i = 0; i < h_.n_train; ++i) train_[i] = get<uint16_t>(p + 64 + 2 * i);
-  for (uint64_t i = 0; i < h_.n_val; ++i) val_[i] = get<uint16_t>(p + 64 + 2 * (h_.n_train + i));
+  const uint64_t tb = h_.token_bytes;
+  auto token = [&](uint64_t i) {  // i-th token of the file
+    const unsigned char* q = p + 64 + tb * i;
+    return tb == 2 ? static_cast<uint32_t>(get<uint16_t>(q)) : get<uint32_t>(q);
+  };
+  for (uint64_t i = 0; i < h_.n_train; ++i) train_[i] = token(i);
+  for (uint64_t i = 0; i < h_.n_val; ++i) val_[i] = token(h_.n_train + i);
   for (auto* v : {&train_, &val_})
-    for (uint16_t t : *v)
+    for (uint32_t t : *v)
       if (t >= h_.vocab_size) fail("token " + std::to_string(t) + " >= vocab_size " + std::to_string(h_.vocab_size));
 }
 
@@ -170,8 +177,9 @@ void fill_batch(const TokenDataset& ds, Split split, uint64_t seed, int64_t inde
     uint64_t i = static_cast<uint64_t>(first + s);
     uint64_t off = mix(seed ^ mix(stream ^ mix(static_cast<uint64_t>(index) * 0x100000001b3ull + i))) % span;
     for (int t = 0; t < T; ++t) {
-      tokens[static_cast<size_t>(s) * T + t] = d[off + t];
-      targets[static_cast<size_t>(s) * T + t] = d[off + t + 1];
+      // Every token is < vocab_size (checked on reading), which the model's int vocab bounds.
+      tokens[static_cast<size_t>(s) * T + t] = static_cast<int32_t>(d[off + t]);
+      targets[static_cast<size_t>(s) * T + t] = static_cast<int32_t>(d[off + t + 1]);
     }
   }
 }

@@ -467,6 +467,15 @@ std::vector<std::string> architecture_differences(const std::string& ckpt, const
     throw std::invalid_argument(std::string("model config is not valid JSON: ") + e.what());
   }
   if (!a.is_object() || !b.is_object()) throw std::invalid_argument("model config is not a JSON object");
+  // Keys that older versions did not write ("head_dim", "rope_scaling") take the values they meant
+  // (hidden_size / num_attention_heads, no scaling): an old checkpoint of the same model matches.
+  for (json* x : {&a, &b}) {
+    try {
+      *x = json::parse(canonical_json(from_canonical_json(x->dump())));
+    } catch (const std::exception&) {
+      // Malformed for from_canonical_json: compared as written, key by key.
+    }
+  }
   std::set<std::string> keys;
   for (auto& [k, v] : a.items()) keys.insert(k);
   for (auto& [k, v] : b.items()) keys.insert(k);

@@ -474,9 +474,27 @@ std::string generate(Comm& comm, const GenerateOptions& o) {
                              "checkpoint records no token file to take it from); --mode generate starts from BOS. "
                              "Import with '--data TOKENFILE' to take the ids from a token file");
   LlamaModel<float> model(l.mc, *l.be);
-  std::vector<int32_t> ids = {l.mc.bos_token_id};
-  for (int32_t b : ByteTokenizer::encode(o.prompt)) ids.push_back(b);
   const int V = l.mc.vocab_size, maxT = l.mc.max_position_embeddings;
+  std::vector<int32_t> ids = {l.mc.bos_token_id};
+  if (!o.prompt_ids.empty()) {  // same text on every rank: the same decision
+    std::stringstream ss(o.prompt_ids);
+    std::string item;
+    while (std::getline(ss, item, ',')) {
+      size_t used = 0;
+      long long v = -1;
+      try {
+        v = std::stoll(item, &used);
+      } catch (const std::exception&) {
+        used = 0;
+      }
+      if (used == 0 || used != item.size() || v < 0 || v >= V)
+        throw CollectiveError(0, "option '--prompt-ids': '" + item + "' is not a token id in [0, " + std::to_string(V) +
+                                     ") (give comma-separated integers)");
+      ids.push_back(static_cast<int32_t>(v));
+    }
+  } else {
+    for (int32_t b : ByteTokenizer::encode(o.prompt)) ids.push_back(b);
+  }
   if (static_cast<int>(ids.size()) > maxT)  // same decision on every rank
     throw CollectiveError(0, "option '--prompt': BOS + " + std::to_string(ids.size() - 1) + " bytes exceed the model's " +
                                  "max_position_embeddings (" + std::to_string(maxT) + ")");

@@ -2,6 +2,7 @@
 #include "shardtrain/config.h"
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -25,6 +26,30 @@ int64_t ModelConfig::num_params() const {
   return V * C + num_hidden_layers * block + C + (tie_word_embeddings ? 0 : V * C);
 }
 
+std::vector<double> rope_inv_freqs(const ModelConfig& c) {
+  const int HD = c.head_dim(), half = HD / 2;
+  std::vector<double> f(static_cast<size_t>(std::max(half, 0)));
+  const RopeScaling& r = c.rope_scaling;
+  const double pi = 3.14159265358979323846;
+  for (int j = 0; j < half; ++j) {
+    const double base = 1.0 / std::pow(c.rope_theta, static_cast<double>(2 * j) / static_cast<double>(HD));
+    double v = base;
+    if (r.is_llama3()) {
+      const double old_len = r.original_max_position_embeddings;
+      const double low_wavelen = old_len / r.low_freq_factor, high_wavelen = old_len / r.high_freq_factor;
+      const double wavelen = 2 * pi / base;
+      if (wavelen > low_wavelen) {
+        v = base / r.factor;
+      } else if (!(wavelen < high_wavelen)) {  // medium: interpolate
+        const double s = (old_len / wavelen - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor);
+        v = (1 - s) * base / r.factor + s * base;
+      }
+    }
+    f[static_cast<size_t>(j)] = v;
+  }
+  return f;
+}
+
 bool ModelConfig::is_eos(int64_t id) const {
   return std::find(eos_token_ids.begin(), eos_token_ids.end(), id) != eos_token_ids.end();
 }
@@ -44,6 +69,27 @@ ModelConfig make(const std::string& name, int V, int C, int I, int L, int NH, in
   return c;
 }
 
+// Published models, numbers from their config.json on the Hugging Face Hub.
+ModelConfig published(const std::string& name, int V, int C, int I, int L, int NH, int NKV, int maxpos, bool tied,
+                      double theta, double eps, int bos, int eos, RopeScaling rs = {}) {
+  ModelConfig c = make(name, V, C, I, L, NH, NKV, maxpos, tied);
+  c.rope_theta = theta;
+  c.rms_norm_eps = eps;
+  c.bos_token_id = bos;
+  c.eos_token_ids = {eos};
+  c.rope_scaling = rs;
+  return c;
+}
+RopeScaling llama3_rope(double factor) {
+  RopeScaling r;
+  r.rope_type = "llama3";
+  r.factor = factor;
+  r.low_freq_factor = 1.0;
+  r.high_freq_factor = 4.0;
+  r.original_max_position_embeddings = 8192;
+  return r;
+}
+
 const std::map<std::string, ModelConfig>& presets() {
   static const std::map<std::string, ModelConfig> p = {
       // Tests: small, GQA 4:2.
@@ -56,6 +102,15 @@ const std::map<std::string, ModelConfig>& presets() {
       // GPU-scale configs (issue 5 benchmarks), GPT-2-small / -medium sized.
       {"llama-125m", make("llama-125m", 32000, 768, 2048, 12, 12, 12, 2048, true)},
       {"llama-350m", make("llama-350m", 32000, 1024, 2816, 24, 16, 16, 2048, true)},
+      // Billion-parameter models, shaped as published (weights can come from --mode import):
+      // meta-llama/Llama-3.2-1B config.json: 1,235,814,400 parameters (tied head).
+      {"llama-1b", published("llama-1b", 128256, 2048, 8192, 16, 32, 8, 131072, true, 500000.0, 1e-5, 128000, 128001,
+                             llama3_rope(32.0))},
+      // TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T config.json: 1,100,048,384 parameters.
+      {"tinyllama-1.1b", published("tinyllama-1.1b", 32000, 2048, 5632, 22, 32, 4, 2048, false, 10000.0, 1e-5, 1, 2)},
+      // meta-llama/Llama-3.1-8B config.json: 8,030,261,248 parameters.
+      {"llama-8b", published("llama-8b", 128256, 4096, 14336, 32, 32, 8, 131072, false, 500000.0, 1e-5, 128000, 128001,
+                             llama3_rope(8.0))},
   };
   return p;
 }
@@ -65,10 +120,14 @@ const std::map<std::string, ModelConfig>& presets() {
 }
 
 // Reads key as T, strictly: an int must be a JSON integer in int range (no floats, no booleans),
-// a double any JSON number, a bool a JSON boolean, a string a JSON string.
-template <typename T> T get_or(const json& j, const char* key, T dflt, const std::string& source) {
-  if (!j.contains(key) || j[key].is_null()) return dflt;
-  const json& v = j[key];
+// a double any JSON number, a bool a JSON boolean, a string a JSON string. Messages name the key
+// as `shown` when given (e.g. "rope_parameters.factor").
+template <typename T>
+T get_or(const json& j, const char* lookup, T dflt, const std::string& source, const std::string& shown = "") {
+  if (!j.contains(lookup) || j[lookup].is_null()) return dflt;
+  const std::string name = shown.empty() ? std::string(lookup) : shown;
+  const char* key = name.c_str();
+  const json& v = j[lookup];
   if constexpr (std::is_same_v<T, int>) {
     if (!v.is_number_integer())
       bad(source, std::string("key '") + key + "' must be an integer, got " + v.dump());
@@ -111,6 +170,47 @@ std::vector<int> parse_eos_ids(const json& j, const std::string& source) {
     ids.push_back(parse_token_id(json{{key, e}}, key, source));
   }
   return ids;
+}
+
+// One RoPE settings object, config.json's `key` ("rope_scaling" of transformers 4.x or
+// "rope_parameters" of 5.x): its type (rope_type, or the older "type"; `dflt_type` when neither),
+// its rope_theta when it has one, and the llama3 parameters. Refuses other types naming the key.
+void parse_rope_object(const json& o, const std::string& key, const std::string& dflt_type, int max_pos,
+                       double& theta, RopeScaling& rs, const std::string& source) {
+  if (!o.is_object()) bad(source, "key '" + key + "' must be an object or null, got " + o.dump());
+  const char* type_key = o.contains("rope_type") ? "rope_type" : "type";
+  if (dflt_type.empty() && (!o.contains(type_key) || o[type_key].is_null()))
+    bad(source, "key '" + key + "' has no 'rope_type' (or 'type'); only \"default\" and \"llama3\" RoPE are supported");
+  rs = RopeScaling{};
+  rs.rope_type = get_or<std::string>(o, type_key, dflt_type, source, key + "." + type_key);
+  if (rs.rope_type != "default" && rs.rope_type != "llama3")
+    bad(source, "key '" + key + "." + type_key + "' is \"" + rs.rope_type +
+                    "\"; only \"default\" and \"llama3\" RoPE are supported");
+  theta = get_or<double>(o, "rope_theta", theta, source, key + ".rope_theta");
+  const double prf = get_or<double>(o, "partial_rotary_factor", 1.0, source, key + ".partial_rotary_factor");
+  if (prf != 1.0) bad(source, "key '" + key + ".partial_rotary_factor' = " + o["partial_rotary_factor"].dump() +
+                                  " is not supported (RoPE over the whole head only)");
+  if (!rs.is_llama3()) {
+    rs = RopeScaling{};
+    return;
+  }
+  for (const char* k : {"factor", "low_freq_factor", "high_freq_factor"})
+    if (!o.contains(k) || o[k].is_null()) bad(source, "key '" + key + "." + k + "' is missing (rope_type \"llama3\")");
+  rs.factor = get_or<double>(o, "factor", 1.0, source, key + ".factor");
+  rs.low_freq_factor = get_or<double>(o, "low_freq_factor", 1.0, source, key + ".low_freq_factor");
+  rs.high_freq_factor = get_or<double>(o, "high_freq_factor", 4.0, source, key + ".high_freq_factor");
+  // transformers >= 5 falls back to max_position_embeddings (standardize_rope_params).
+  rs.original_max_position_embeddings =
+      get_or<int>(o, "original_max_position_embeddings", max_pos, source, key + ".original_max_position_embeddings");
+}
+
+json rope_scaling_json(const RopeScaling& r) {
+  if (!r.is_llama3()) return nullptr;
+  return json{{"rope_type", r.rope_type},
+              {"factor", r.factor},
+              {"low_freq_factor", r.low_freq_factor},
+              {"high_freq_factor", r.high_freq_factor},
+              {"original_max_position_embeddings", r.original_max_position_embeddings}};
 }
 
 json bos_json(const ModelConfig& c) { return c.has_bos() ? json(c.bos_token_id) : json(nullptr); }
@@ -169,7 +269,6 @@ ModelConfig parse_hf_config(const std::string& text, const std::string& source) 
       j["sliding_window"].get<int64_t>() < j["max_position_embeddings"].get<int64_t>())
     bad(source, "key 'sliding_window' = " + j["sliding_window"].dump() +
                     " is smaller than max_position_embeddings: sliding-window attention is not supported");
-  if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) bad(source, "key 'rope_scaling' is not supported");
   if (get_or<bool>(j, "attention_bias", false, source)) bad(source, "key 'attention_bias' = true is not supported");
   if (get_or<bool>(j, "mlp_bias", false, source)) bad(source, "key 'mlp_bias' = true is not supported");
   ModelConfig c;
@@ -185,24 +284,35 @@ ModelConfig parse_hf_config(const std::string& text, const std::string& source) 
   c.max_position_embeddings = get_or<int>(j, "max_position_embeddings", 2048, source);
   c.rms_norm_eps = get_or<double>(j, "rms_norm_eps", 1e-6, source);
   c.rope_theta = get_or<double>(j, "rope_theta", 10000.0, source);
-  // transformers >= 5 writes RoPE settings as rope_parameters {rope_type, rope_theta, ...}.
-  if (j.contains("rope_parameters") && !j["rope_parameters"].is_null()) {
-    const json& rp = j["rope_parameters"];
-    if (!rp.is_object()) bad(source, "key 'rope_parameters' must be an object");
-    std::string type = get_or<std::string>(rp, "rope_type", "default", source);
-    if (type != "default")
-      bad(source, "key 'rope_parameters.rope_type' is \"" + type + "\"; only \"default\" RoPE is supported");
-    c.rope_theta = get_or<double>(rp, "rope_theta", c.rope_theta, source);
-  }
+  if (get_or<double>(j, "partial_rotary_factor", 1.0, source) != 1.0)
+    bad(source, "key 'partial_rotary_factor' = " + j["partial_rotary_factor"].dump() + " is not supported");
+  // RoPE: transformers 4.x writes top-level rope_theta and rope_scaling (null or {rope_type or type,
+  // ...}); transformers >= 5 writes rope_parameters {rope_type, rope_theta, ...}. Both may be present
+  // (shardtrain's export writes both): then they must say the same.
+  const bool has_rs = j.contains("rope_scaling") && !j["rope_scaling"].is_null();
+  const bool has_rp = j.contains("rope_parameters") && !j["rope_parameters"].is_null();
+  double theta_rs = c.rope_theta, theta_rp = c.rope_theta;
+  RopeScaling rs, rp;
+  if (has_rs) parse_rope_object(j["rope_scaling"], "rope_scaling", "", c.max_position_embeddings, theta_rs, rs, source);
+  if (has_rp) parse_rope_object(j["rope_parameters"], "rope_parameters", "default", c.max_position_embeddings, theta_rp, rp, source);
+  if (has_rs && has_rp && (theta_rs != theta_rp || rope_scaling_json(rs) != rope_scaling_json(rp)))
+    bad(source, "keys 'rope_scaling' " + json{{"rope_theta", theta_rs}, {"rope_scaling", rope_scaling_json(rs)}}.dump() +
+                    " and 'rope_parameters' " + json{{"rope_theta", theta_rp}, {"rope_scaling", rope_scaling_json(rp)}}.dump() +
+                    " disagree");
+  c.rope_theta = has_rp ? theta_rp : theta_rs;
+  c.rope_scaling = has_rp ? rp : rs;
   c.initializer_range = get_or<double>(j, "initializer_range", 0.02, source);
   c.hidden_act = get_or<std::string>(j, "hidden_act", "silu", source);
   c.tie_word_embeddings = get_or<bool>(j, "tie_word_embeddings", false, source);  // LlamaConfig default
   c.bos_token_id = parse_token_id(j, "bos_token_id", source);
   c.eos_token_ids = parse_eos_ids(j, source);
-  if (j.contains("head_dim") && !j["head_dim"].is_null() && c.num_attention_heads > 0) {
+  if (j.contains("head_dim") && !j["head_dim"].is_null()) {
     int hd = get_or<int>(j, "head_dim", 0, source);
-    if (hd != c.hidden_size / c.num_attention_heads)
-      bad(source, "key 'head_dim' = " + std::to_string(hd) + " differs from hidden_size / num_attention_heads");
+    if (hd <= 0) bad(source, "key 'head_dim' must be positive, got " + std::to_string(hd));
+    // Equal to the derived value: the same model, kept as "not given".
+    const bool derived = c.num_attention_heads > 0 && c.hidden_size % c.num_attention_heads == 0 &&
+                         hd == c.hidden_size / c.num_attention_heads;
+    c.head_dim_override = derived ? 0 : hd;
   }
   return c;
 }
@@ -218,22 +328,39 @@ void validate(const ModelConfig& c, const std::string& source) {
   pos("num_attention_heads", c.num_attention_heads);
   pos("num_key_value_heads", c.num_key_value_heads);
   pos("max_position_embeddings", c.max_position_embeddings);
-  if (c.hidden_size % c.num_attention_heads != 0)
+  if (c.head_dim_override < 0) bad(source, "key 'head_dim' must be positive, got " + std::to_string(c.head_dim_override));
+  if (c.head_dim_override == 0 && c.hidden_size % c.num_attention_heads != 0)
     bad(source, "num_attention_heads (" + std::to_string(c.num_attention_heads) + ") does not divide hidden_size (" +
-                    std::to_string(c.hidden_size) + ")");
+                    std::to_string(c.hidden_size) + ") and config.json gives no head_dim");
   if (c.num_attention_heads % c.num_key_value_heads != 0)
     bad(source, "num_key_value_heads (" + std::to_string(c.num_key_value_heads) +
                     ") does not divide num_attention_heads (" + std::to_string(c.num_attention_heads) + ")");
+  if (c.head_dim() <= 0) bad(source, "head_dim = hidden_size / num_attention_heads = 0; it must be positive");
   if (c.head_dim() % 2 != 0)
-    bad(source, "head_dim = hidden_size / num_attention_heads = " + std::to_string(c.head_dim()) +
-                    " is odd; RoPE needs pairs");
+    bad(source, (c.head_dim_override > 0 ? "key 'head_dim' = " : "head_dim = hidden_size / num_attention_heads = ") +
+                    std::to_string(c.head_dim()) + " is odd; RoPE needs pairs");
   if (c.num_params() > (int64_t{1} << 40)) bad(source, "the model has more than 2^40 parameters");
   if (static_cast<int64_t>(c.vocab_size) * c.hidden_size > INT32_MAX ||
-      static_cast<int64_t>(c.intermediate_size) * c.hidden_size > INT32_MAX)
-    bad(source, "a weight matrix has more than 2^31 elements (vocab_size or intermediate_size x hidden_size)");
+      static_cast<int64_t>(c.intermediate_size) * c.hidden_size > INT32_MAX ||
+      static_cast<int64_t>(c.num_attention_heads) * c.head_dim() * c.hidden_size > INT32_MAX)
+    bad(source, "a weight matrix has more than 2^31 elements (vocab_size, intermediate_size or num_attention_heads x "
+                "head_dim, x hidden_size)");
   if (c.hidden_act != "silu") bad(source, "key 'hidden_act' is \"" + c.hidden_act + "\"; only \"silu\" (SwiGLU) is supported");
   if (!(c.rms_norm_eps > 0)) bad(source, "key 'rms_norm_eps' must be > 0");
   if (!(c.rope_theta > 0)) bad(source, "key 'rope_theta' must be > 0");
+  const RopeScaling& r = c.rope_scaling;
+  if (r.rope_type != "default" && r.rope_type != "llama3")
+    bad(source, "rope type \"" + r.rope_type + "\" is not supported (\"default\" or \"llama3\")");
+  if (r.is_llama3()) {
+    if (!(r.factor >= 1)) bad(source, "key 'rope_scaling.factor' must be >= 1, got " + json(r.factor).dump());
+    if (!(r.low_freq_factor > 0)) bad(source, "key 'rope_scaling.low_freq_factor' must be > 0, got " + json(r.low_freq_factor).dump());
+    if (!(r.high_freq_factor > r.low_freq_factor))
+      bad(source, "key 'rope_scaling.high_freq_factor' (" + json(r.high_freq_factor).dump() +
+                      ") must be greater than low_freq_factor (" + json(r.low_freq_factor).dump() + ")");
+    if (r.original_max_position_embeddings <= 0)
+      bad(source, "key 'rope_scaling.original_max_position_embeddings' must be positive, got " +
+                      std::to_string(r.original_max_position_embeddings));
+  }
   if (!(c.initializer_range > 0)) bad(source, "key 'initializer_range' must be > 0");
   const std::string vocab = " is outside the vocabulary (vocab_size " + std::to_string(c.vocab_size) + ")";
   if (c.bos_token_id != kUnsetTokenId && (c.bos_token_id < 0 || c.bos_token_id >= c.vocab_size))
@@ -255,6 +382,8 @@ std::string canonical_json(const ModelConfig& c) {
             {"max_position_embeddings", c.max_position_embeddings},
             {"rms_norm_eps", c.rms_norm_eps},
             {"rope_theta", c.rope_theta},
+            {"rope_scaling", rope_scaling_json(c.rope_scaling)},
+            {"head_dim", c.head_dim()},
             {"initializer_range", c.initializer_range},
             {"hidden_act", c.hidden_act},
             {"tie_word_embeddings", c.tie_word_embeddings},
@@ -278,6 +407,21 @@ ModelConfig from_canonical_json(const std::string& s) {
     c.max_position_embeddings = j.at("max_position_embeddings");
     c.rms_norm_eps = j.at("rms_norm_eps");
     c.rope_theta = j.at("rope_theta");
+    // Older versions wrote neither key: hidden_size / num_attention_heads, no scaling.
+    if (j.contains("head_dim") && !j["head_dim"].is_null()) {
+      const int hd = j["head_dim"].get<int>();
+      const bool derived = c.num_attention_heads > 0 && c.hidden_size % c.num_attention_heads == 0 &&
+                           hd == c.hidden_size / c.num_attention_heads;
+      c.head_dim_override = derived ? 0 : hd;
+    }
+    if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) {
+      const json& r = j["rope_scaling"];
+      c.rope_scaling.rope_type = r.at("rope_type").get<std::string>();
+      c.rope_scaling.factor = r.at("factor").get<double>();
+      c.rope_scaling.low_freq_factor = r.at("low_freq_factor").get<double>();
+      c.rope_scaling.high_freq_factor = r.at("high_freq_factor").get<double>();
+      c.rope_scaling.original_max_position_embeddings = r.at("original_max_position_embeddings").get<int>();
+    }
     c.initializer_range = j.at("initializer_range");
     c.hidden_act = j.at("hidden_act");
     c.tie_word_embeddings = j.at("tie_word_embeddings");
@@ -294,6 +438,8 @@ ModelConfig from_canonical_json(const std::string& s) {
 }
 
 std::string to_hf_json(const ModelConfig& c, const std::string& torch_dtype) {
+  json rope_parameters = {{"rope_type", c.rope_scaling.rope_type}, {"rope_theta", c.rope_theta}};
+  if (c.rope_scaling.is_llama3()) rope_parameters.update(rope_scaling_json(c.rope_scaling));
   json j = {{"architectures", {"LlamaForCausalLM"}},
             {"model_type", "llama"},
             {"vocab_size", c.vocab_size},
@@ -305,8 +451,9 @@ std::string to_hf_json(const ModelConfig& c, const std::string& torch_dtype) {
             {"head_dim", c.head_dim()},
             {"max_position_embeddings", c.max_position_embeddings},
             {"rms_norm_eps", c.rms_norm_eps},
-            {"rope_theta", c.rope_theta},
-            {"rope_scaling", nullptr},
+            {"rope_theta", c.rope_theta},          // transformers 4.x
+            {"rope_scaling", rope_scaling_json(c.rope_scaling)},  // transformers 4.x (5.x reads it too)
+            {"rope_parameters", rope_parameters},  // transformers 5.x
             {"initializer_range", c.initializer_range},
             {"hidden_act", c.hidden_act},
             {"attention_bias", false},

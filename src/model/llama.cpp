@@ -33,13 +33,13 @@ std::vector<UnitSpec> llama_units(const ModelConfig& c) {
   return units;
 }
 
-template <typename T> void rope_tables(std::vector<T>& cs, std::vector<T>& sn, int T_, int HD, double theta) {
-  int half = HD / 2;
+template <typename T> void rope_tables(std::vector<T>& cs, std::vector<T>& sn, int T_, const std::vector<double>& inv_freq) {
+  const int half = static_cast<int>(inv_freq.size());
   cs.resize(static_cast<size_t>(T_) * half);
   sn.resize(cs.size());
   for (int t = 0; t < T_; ++t)
     for (int j = 0; j < half; ++j) {
-      double a = t * math::rope_inv_freq<double>(j, HD, theta);
+      double a = t * inv_freq[static_cast<size_t>(j)];
       cs[static_cast<size_t>(t) * half + j] = static_cast<T>(std::cos(a));
       sn[static_cast<size_t>(t) * half + j] = static_cast<T>(std::sin(a));
     }
@@ -218,7 +218,7 @@ template <typename T> void LlamaModel<T>::ensure(int B, int T_) {
   dh_ = buf(z.gi); dg_ = buf(z.gi); du_ = buf(z.gi);
   tokens_ = IdBuffer<T>(be_, static_cast<size_t>(z.BT)); targets_ = IdBuffer<T>(be_, static_cast<size_t>(z.BT));
   std::vector<S> cs, sn;  // tables computed in double, rounded once to the storage type
-  rope_tables(cs, sn, T_, c_.head_dim(), c_.rope_theta);
+  rope_tables(cs, sn, T_, rope_inv_freqs(c_));
   std::vector<T> cst(cs.size()), snt(sn.size());
   for (size_t i = 0; i < cs.size(); ++i) { cst[i] = math::st<T>(cs[i]); snt[i] = math::st<T>(sn[i]); }
   cos_ = buf(z.rope); sin_ = buf(z.rope);
@@ -406,8 +406,8 @@ template <typename T> std::vector<T> LlamaModel<T>::logits() {
 template class LlamaModel<float>;
 template class LlamaModel<double>;
 template class LlamaModel<bf16>;
-template void rope_tables<float>(std::vector<float>&, std::vector<float>&, int, int, double);
-template void rope_tables<double>(std::vector<double>&, std::vector<double>&, int, int, double);
+template void rope_tables<float>(std::vector<float>&, std::vector<float>&, int, const std::vector<double>&);
+template void rope_tables<double>(std::vector<double>&, std::vector<double>&, int, const std::vector<double>&);
 #define ST_INST(T)                                                                                           \
   template void attention_forward<T>(Backend<T>&, const T*, const T*, const T*, T*, T*, int, int, int, int, int); \
   template void attention_backward<T>(Backend<T>&, const T*, const T*, const T*, const T*, const T*, T*, T*, T*, \

@@ -104,8 +104,10 @@ std::string fmt(const char* f, double v) {
 }  // namespace
 
 double flops_per_token(const ModelConfig& c, int T) {
-  return 6.0 * static_cast<double>(c.num_params()) +
-         12.0 * c.num_hidden_layers * static_cast<double>(c.hidden_size) * static_cast<double>(T);
+  // Attention scores and weighted values: 2 products of T x (NH*HD) per token and layer, forward
+  // and twice backward; NH*HD is the query width, not hidden_size when head_dim is given.
+  const double q_width = static_cast<double>(c.num_attention_heads) * c.head_dim();
+  return 6.0 * static_cast<double>(c.num_params()) + 12.0 * c.num_hidden_layers * q_width * static_cast<double>(T);
 }
 
 ModelOptions model_options(const TrainConfig& tc) {

@@ -134,7 +134,8 @@ def read_token_file(path):
     if bytes(head[:1].tobytes()) != b"STTOKv1\0":
         sys.exit(f"peer_torch: {path}: not a shardtrain token file")
     n_train = int(head[4])
-    return np.fromfile(path, dtype="<u2", offset=64, count=n_train)
+    token_bytes = int(np.fromfile(path, dtype="<u4", count=7)[6])  # 2 (u16) or 4 (u32)
+    return np.fromfile(path, dtype="<u2" if token_bytes == 2 else "<u4", offset=64, count=n_train)
 
 
 def train_batch(train, seed, index, first, count, T):

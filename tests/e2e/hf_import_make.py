@@ -90,6 +90,9 @@ edit_config("untied", "qwen2", architectures=["Qwen2ForCausalLM"], model_type="q
 edit_config("mistral", "sliding", sliding_window=16)
 edit_config("rope", "llama3_rope", rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
             "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+edit_config("rope", "yarn_rope", rope_parameters={"rope_type": "yarn", "rope_theta": 500000.0, "factor": 4.0,
+            "original_max_position_embeddings": 32})
+edit_config("rope", "linear_rope_v4", rope_scaling={"type": "linear", "factor": 2.0})
 d = variant("tied", "tied_diff_head")
 sd = load_file(f"{d}/model.safetensors")
 sd["lm_head.weight"] = sd["model.embed_tokens.weight"].clone() + 1.0

@@ -36,10 +36,14 @@ for k in a:
     assert torch.equal(b[k], want), f"{k}: not bitwise equal"
 for key in ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "rope_theta", "tie_word_embeddings",
-            "bos_token_id", "eos_token_id", "hidden_act"]:
+            "bos_token_id", "eos_token_id", "hidden_act", "head_dim", "rope_parameters"]:
     va, vb = ca.get(key), cb.get(key)
     if key == "rope_theta" and va is None:
         va = (ca.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    if key == "head_dim" and va is None:
+        va = ca["hidden_size"] // ca["num_attention_heads"]
+    if key == "rope_parameters" and va is None:
+        va = {"rope_type": "default", "rope_theta": ca.get("rope_theta", 10000.0)}
     if key == "tie_word_embeddings" and va is None:
         va = False
     assert va == vb, f"config {key}: {va} vs {vb}"
@@ -53,6 +57,9 @@ roundtrip mistral 2 && compare mistral
 roundtrip sharded 2 && compare sharded
 roundtrip rope 2 && compare rope
 grep -q '"rope_theta":500000' <("$BIN" --mode inspect "$WORK/rope.h5") || fail "rope_theta from rope_parameters was not imported"
+roundtrip llama3_rope 2 && compare llama3_rope  # rope_parameters {"rope_type": "llama3", ...} kept
+grep -qF '"rope_scaling":{"factor":8.0,"high_freq_factor":4.0,"low_freq_factor":1.0,"original_max_position_embeddings":32,"rope_type":"llama3"}' \
+  <("$BIN" --mode inspect "$WORK/llama3_rope.h5") || fail "llama3 rope_parameters were not imported"
 # Ranks that read different weights under one path (rank 0 in A, ranks 1-2 in B): refused, nothing written.
 mkdir -p "$WORK/A" "$WORK/B"
 cp -r "$WORK/untied" "$WORK/A/m"
@@ -114,7 +121,8 @@ expect_fail sliding "key 'sliding_window' = 16 is smaller than max_position_embe
 mkdir -p "$WORK/noweights" && cp "$WORK/untied/config.json" "$WORK/noweights/"
 expect_fail no_weights "has no model.safetensors or model.safetensors.index.json" 2 --mode import --hf-dir "$WORK/noweights" --out "$WORK/x.h5"
 expect_fail no_config "cannot open model config file '$WORK/empty/config.json'" 2 --mode import --hf-dir "$WORK/empty" --out "$WORK/x.h5"
-expect_fail llama3_rope "key 'rope_parameters.rope_type' is \"llama3\"; only \"default\" RoPE is supported" 2 --mode import --hf-dir "$WORK/llama3_rope" --out "$WORK/x.h5"
+expect_fail yarn_rope "key 'rope_parameters.rope_type' is \"yarn\"; only \"default\" and \"llama3\" RoPE are supported" 2 --mode import --hf-dir "$WORK/yarn_rope" --out "$WORK/x.h5"
+expect_fail linear_rope_v4 "key 'rope_scaling.type' is \"linear\"; only \"default\" and \"llama3\" RoPE are supported" 2 --mode import --hf-dir "$WORK/linear_rope_v4" --out "$WORK/x.h5"
 expect_fail tied_head_differs "says tie_word_embeddings, but tensor 'lm_head.weight' differs" 2 --mode import --hf-dir "$WORK/tied_diff_head" --out "$WORK/x.h5"
 [ ! -e "$WORK/x.h5" ] || fail "a refused import left a checkpoint behind"
 sum=$(sha256sum "$WORK/untied.h5")

@@ -87,6 +87,15 @@
 namespace st = shardtrain;
 using st::bf16;
 
+// A config whose plain RoPE (rope_inv_freqs) has head size HD and base theta.
+static shardtrain::ModelConfig rope_test_config(int HD, double theta) {
+  shardtrain::ModelConfig c;
+  c.hidden_size = HD;
+  c.num_attention_heads = 1;
+  c.rope_theta = theta;
+  return c;
+}
+
 namespace {
 
 // =============================================================================================
@@ -789,7 +798,7 @@ template <typename T> void check_rope() {
   struct Case { int B, T_, H, HD; };
   for (const Case& c : {Case{2, 50, 6, 64}, Case{3, 17, 2, 10}, Case{1, 3, 1, 2}}) {
     std::vector<float> cs, sn;
-    st::rope_tables(cs, sn, c.T_, c.HD, 10000.0);
+    st::rope_tables(cs, sn, c.T_, st::rope_inv_freqs(rope_test_config(c.HD, 10000.0)));
     std::vector<T> ct(cs.size()), stt(sn.size());
     for (size_t i = 0; i < cs.size(); ++i) {
       ct[i] = cast<T>(cs[i]);

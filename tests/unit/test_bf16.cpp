@@ -17,6 +17,15 @@
 namespace st = shardtrain;
 using st::bf16;
 
+// A config whose plain RoPE (rope_inv_freqs) has head size HD and base theta.
+static shardtrain::ModelConfig rope_test_config(int HD, double theta) {
+  shardtrain::ModelConfig c;
+  c.hidden_size = HD;
+  c.num_attention_heads = 1;
+  c.rope_theta = theta;
+  return c;
+}
+
 namespace {
 float bits_to_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
 uint32_t float_to_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
@@ -166,7 +175,7 @@ TEST(Bf16Backend, ElementwiseOpsAgainstFp32) {
   expect_close(lb, lf, "cross_entropy dlogits", 1e-3f);
   // RoPE forward then backward on [B=2, T=5, H=3, HD=8], tables rounded to bf16 as the model does.
   std::vector<float> cs, sn;
-  st::rope_tables(cs, sn, 5, 8, 10000.0);
+  st::rope_tables(cs, sn, 5, st::rope_inv_freqs(rope_test_config(8, 10000.0)));
   std::vector<bf16> csb(cs.size()), snb(sn.size());
   for (size_t i = 0; i < cs.size(); ++i) { csb[i] = st::math::f32_to_bf16(cs[i]); snb[i] = st::math::f32_to_bf16(sn[i]); cs[i] = st::math::bf16_to_f32(csb[i]); sn[i] = st::math::bf16_to_f32(snb[i]); }
   Pair q = rnd(2 * 5 * 3 * 8, g);

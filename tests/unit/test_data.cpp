@@ -155,3 +155,80 @@ TEST(Crc32, CheckValueAndPieces) {
   EXPECT_EQ(shardtrain::crc32_update(shardtrain::crc32_update(0, s.data(), 4), s.data() + 4, 5), 0xCBF43926u);
   EXPECT_EQ(shardtrain::crc32_update(0, s.data(), 0), 0u);
 }
+
+// 4-byte tokens (bytes per token 4): ids above 65535 read back whole, batches carry them; other
+// token sizes are refused naming the file and the field.
+TEST(Data, U32TokensAboveU16Range) {
+  const uint32_t V = 128256;
+  std::vector<uint32_t> toks;
+  for (uint32_t i = 0; i < 400; ++i) toks.push_back((i * 2654435761u) % V);
+  toks[0] = 128000;
+  toks[1] = 65535;
+  toks[2] = 65536;
+  toks[3] = V - 1;
+  auto file = [&](uint32_t token_bytes, const std::vector<uint32_t>& t) {
+    std::string b("STTOKv1\0", 8);
+    auto put = [&](uint64_t v, int n) { for (int i = 0; i < n; ++i) b.push_back(static_cast<char>((v >> (8 * i)) & 0xff)); };
+    for (uint32_t v : {1u, V, 128000u, 128001u, token_bytes, 0u}) put(v, 4);
+    put(300, 8);
+    put(t.size() - 300, 8);
+    std::string name = "test-u32";
+    name.resize(16, '\0');
+    b += name;
+    for (uint32_t v : t) put(v, token_bytes);
+    return b;
+  };
+  write(tmp("u32.tok"), file(4, toks));
+  const TokenFileHeader h = read_token_file_header(tmp("u32.tok"));
+  EXPECT_EQ(h.token_bytes, 4u);
+  TokenDataset ds(tmp("u32.tok"));
+  ASSERT_EQ(ds.train().size(), 300u);
+  ASSERT_EQ(ds.val().size(), 100u);
+  for (size_t i = 0; i < 300; ++i) ASSERT_EQ(ds.train()[i], toks[i]) << i;
+  for (size_t i = 0; i < 100; ++i) ASSERT_EQ(ds.val()[i], toks[300 + i]) << i;
+  size_t high = 0;
+  for (uint32_t t : ds.train()) high += t > 65535;
+  EXPECT_GT(high, 100u);
+  // Batches hold the ids as they are (int32), none cut to 16 bits.
+  std::vector<int32_t> a(4 * 16), tg(4 * 16);
+  fill_batch(ds, Split::Train, 3, 0, 0, 4, 16, a.data(), tg.data());
+  std::set<int32_t> in_file(toks.begin(), toks.end());
+  int above = 0;
+  for (int32_t x : a) {
+    EXPECT_TRUE(in_file.count(x)) << x;
+    above += x > 65535;
+  }
+  EXPECT_GT(above, 0);
+  // A token >= vocab_size is refused as for u16 files.
+  std::vector<uint32_t> bad = toks;
+  bad[5] = V;
+  write(tmp("u32bad.tok"), file(4, bad));
+  try {
+    TokenDataset x(tmp("u32bad.tok"));
+    ADD_FAILURE() << "token 128256 accepted";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("token 128256 >= vocab_size 128256"), std::string::npos) << e.what();
+  }
+  // Bytes per token 3 (or 8): refused naming the file and the field.
+  for (uint32_t tb : {3u, 8u, 1u}) {
+    std::string b = file(4, toks);
+    b[24] = static_cast<char>(tb);
+    write(tmp("u32tb.tok"), b);
+    for (int header_only = 0; header_only < 2; ++header_only) {
+      try {
+        if (header_only) read_token_file_header(tmp("u32tb.tok"));
+        else TokenDataset x(tmp("u32tb.tok"));
+        ADD_FAILURE() << "token size " << tb << " accepted";
+      } catch (const std::runtime_error& e) {
+        const std::string m = e.what();
+        EXPECT_NE(m.find("token file '" + tmp("u32tb.tok") + "'"), std::string::npos) << m;
+        EXPECT_NE(m.find("field 'bytes per token' (offset 24) is " + std::to_string(tb) + "; supported: 2 (u16) or 4 (u32)"),
+                  std::string::npos)
+            << m;
+      }
+    }
+  }
+  // A u32 file whose size does not match its header (one token short).
+  write(tmp("u32short.tok"), file(4, toks).substr(0, 64 + 4 * 400 - 4));
+  EXPECT_THROW(TokenDataset(tmp("u32short.tok")), std::runtime_error);
+}

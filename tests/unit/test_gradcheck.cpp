@@ -27,6 +27,15 @@ namespace {
 
 using Vec = std::vector<double>;
 
+// A config whose plain RoPE (rope_inv_freqs) has head size HD and base theta.
+shardtrain::ModelConfig rope_test_config(int HD, double theta) {
+  shardtrain::ModelConfig c;
+  c.hidden_size = HD;
+  c.num_attention_heads = 1;
+  c.rope_theta = theta;
+  return c;
+}
+
 constexpr double kH = 1e-5;       // finite-difference step
 constexpr double kRelTol = 1e-6;  // relative error bound
 constexpr double kAbsTol = 1e-9;  // absolute error bound (either one suffices)
@@ -190,7 +199,7 @@ TEST(GradCheck, RoPE) {
   // Forward against the independent reference, for two bases.
   for (double theta : {10000.0, 500000.0}) {
     Vec cs, sn;
-    rope_tables(cs, sn, T, HD, theta);
+    rope_tables(cs, sn, T, rope_inv_freqs(rope_test_config(HD, theta)));
     ASSERT_EQ(cs.size(), static_cast<size_t>(T) * HD / 2);
     const Vec x0 = randn(static_cast<size_t>(B) * T * H * HD, g);
     Vec x = x0;
@@ -203,7 +212,7 @@ TEST(GradCheck, RoPE) {
   }
 
   Vec cs, sn;
-  rope_tables(cs, sn, T, HD, 10000.0);
+  rope_tables(cs, sn, T, rope_inv_freqs(rope_test_config(HD, 10000.0)));
   Vec x = randn(static_cast<size_t>(B) * T * H * HD, g);
   const Vec R = randn(x.size(), g);
   Vec tmp(x.size());
