@@ -1,6 +1,6 @@
 # shardtrain — build, test, demo, benchmark.
 #   make deps    install the Debian packages (scripts/install-deps.sh; root or sudo)
-#   make build   build/shardtrain and the test binaries
+#   make build   build/shardtrain, the test binaries and (with nvcc) the CUDA plugin build/libshardtrain_cuda.so
 #   make test    every test (unit, multi-rank under mpirun, end-to-end); prints "N passed, M failed"
 #   make demo    2-rank training run on the bundled default corpus (Debian's fortunes)
 #   make jobs-test  installation checks of the Slurm job files on one node (tests/jobs/run.sh, < 3 min)
