@@ -1,6 +1,6 @@
 # shardtrain — build, test, demo, benchmark.
 #   make deps    install the Debian packages (scripts/install-deps.sh; root or sudo)
-#   make build   build/shardtrain and the test binaries
+#   make build   build/shardtrain, the test binaries and (with nvcc) the CUDA plugin build/libshardtrain_cuda.so
 #   make test    every test (unit, multi-rank under mpirun, end-to-end); prints "N passed, M failed"
 #   make demo    2-rank training run on the bundled default corpus (Debian's fortunes)
 #   make jobs-test  installation checks of the Slurm job files on one node (tests/jobs/run.sh, < 3 min)
@@ -26,34 +26,40 @@ export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 export OMPI_MCA_rmaps_base_oversubscribe := 1
 
-# CUDA backend (src/**/*.cu): built whenever nvcc is found (PATH, then /usr/local/cuda); without it
-# src/backend/cuda/no_cuda.cpp provides the same symbols, reporting "built without CUDA".
-# `make CUDA=0` forces a CPU-only build. GPU code targets sm_80 (A100) and sm_90 (H100/H200).
+# CUDA backend (src/**/*.cu): built whenever nvcc is found (PATH, then /usr/local/cuda), as a plugin,
+# $(BUILD)/libshardtrain_cuda.so: the .cu objects (position-independent) linked against cuBLAS, NCCL
+# and the CUDA runtime. The executables link none of the CUDA libraries; they are linked with
+# -rdynamic (the plugin takes Comm, CollectiveError, ... from them) and src/backend/cuda_plugin.cpp
+# dlopen()s the plugin from the executable's directory (or $SHARDTRAIN_CUDA_PLUGIN) when a CUDA
+# device is used, so CPU runs map no CUDA library. `make CUDA=0` forces a CPU-only build: no
+# plugin, and asking for CUDA fails with "built without CUDA". GPU code targets sm_80 (A100) and
+# sm_90 (H100/H200).
 NVCC ?= $(firstword $(shell command -v nvcc 2>/dev/null) $(wildcard /usr/local/cuda/bin/nvcc))
 CUDA ?= $(if $(NVCC),1,0)
 CUDA_ARCHS ?= 80 90
-NO_CUDA_SRC := src/backend/cuda/no_cuda.cpp
 ifeq ($(CUDA),1)
 CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
 CUDA_SRCS := $(shell find src -name '*.cu')
-CPPFLAGS_CUDA := -DSHARDTRAIN_CUDA=1 -isystem $(CUDA_HOME)/include
+CPPFLAGS_CUDA := -DSHARDTRAIN_CUDA=1
 # Machine code for each of CUDA_ARCHS, plus PTX of the newest so that later GPUs can JIT it.
 NVCCFLAGS := -std=c++20 -O3 -g -lineinfo $(foreach a,$(CUDA_ARCHS),-gencode arch=compute_$(a),code=sm_$(a)) \
 	-gencode arch=compute_$(lastword $(CUDA_ARCHS)),code=compute_$(lastword $(CUDA_ARCHS)) \
-	-Werror all-warnings -Xcompiler -Wall,-Wextra,-Wshadow,-Werror,-fno-math-errno,-fno-trapping-math
+	-Werror all-warnings -Xcompiler -fPIC,-Wall,-Wextra,-Wshadow,-Werror,-fno-math-errno,-fno-trapping-math \
+	-isystem $(CUDA_HOME)/include
 CUDA_LIBS := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lnccl -lcublas -lcudart
-SKIP_SRCS := $(NO_CUDA_SRC)
+CUDA_PLUGIN := $(BUILD)/libshardtrain_cuda.so
 else
 CUDA_SRCS :=
 CPPFLAGS_CUDA :=
-CUDA_LIBS :=
-SKIP_SRCS :=
+CUDA_PLUGIN :=
 endif
 CPPFLAGS += $(CPPFLAGS_CUDA)
-LDLIBS += $(CUDA_LIBS)
+# -rdynamic: the plugin's references to shardtrain symbols resolve against the executable.
+LDLIBS += -rdynamic -ldl
 
-LIB_SRCS := $(filter-out src/main.cpp $(SKIP_SRCS),$(shell find src -name '*.cpp'))
-LIB_OBJS := $(LIB_SRCS:%.cpp=$(BUILD)/%.o) $(CUDA_SRCS:%.cu=$(BUILD)/%.cu.o)
+LIB_SRCS := $(filter-out src/main.cpp,$(shell find src -name '*.cpp'))
+LIB_OBJS := $(LIB_SRCS:%.cpp=$(BUILD)/%.o)
+CUDA_OBJS := $(CUDA_SRCS:%.cu=$(BUILD)/%.cu.o)
 UNIT_SRCS := $(wildcard tests/unit/*.cpp) tests/test_main.cpp
 UNIT_OBJS := $(UNIT_SRCS:%.cpp=$(BUILD)/%.o)
 MPI_SRCS := $(wildcard tests/mpi/*.cpp) tests/test_main.cpp
@@ -71,7 +77,7 @@ deps:
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 build:
 	$(MAKE) --no-print-directory -j$(JOBS) binaries
-binaries: $(BUILD)/shardtrain $(BUILD)/unit_tests $(BUILD)/mpi_tests $(BUILD)/gpu_tests
+binaries: $(BUILD)/shardtrain $(BUILD)/unit_tests $(BUILD)/mpi_tests $(BUILD)/gpu_tests $(CUDA_PLUGIN)
 
 $(BUILD)/%.o: %.cpp
 	@mkdir -p $(dir $@)
@@ -81,10 +87,18 @@ $(BUILD)/%.cu.o: %.cu
 	@mkdir -p $(dir $@)
 	$(NVCC) $(CPPFLAGS) $(NVCCFLAGS) -MMD -MP -c $< -o $@
 
+# Made afresh: `ar r` keeps members whose objects are gone (e.g. .cu objects, now in the plugin).
 $(BUILD)/libshardtrain.a: $(LIB_OBJS)
+	rm -f $@
 	ar rcs $@ $^
 
-$(BUILD)/shardtrain: $(BUILD)/src/main.o $(BUILD)/libshardtrain.a
+# The CUDA plugin. Linked without -z defs: its shardtrain symbols come from the executable.
+# --as-needed drops the MPI libraries that mpicxx adds (the plugin calls MPI only through Comm).
+$(BUILD)/libshardtrain_cuda.so: $(CUDA_OBJS)
+	$(CXX) -shared -Wl,--as-needed $^ -o $@ $(CUDA_LIBS)
+
+# Each executable is built with the plugin beside it (order-only: a new plugin needs no relink).
+$(BUILD)/shardtrain: $(BUILD)/src/main.o $(BUILD)/libshardtrain.a | $(CUDA_PLUGIN)
 	$(CXX) $^ -o $@ $(LDLIBS)
 
 $(BUILD)/unit_tests: $(UNIT_OBJS) $(BUILD)/libshardtrain.a
@@ -95,7 +109,7 @@ $(BUILD)/mpi_tests: $(MPI_OBJS) $(BUILD)/libshardtrain.a
 
 # GPU tests (tests/gpu): CUDA backend and device collectives against the CPU backend. Built in
 # every configuration; without a CUDA device each test reports "skipped: no CUDA device".
-$(BUILD)/gpu_tests: $(GPU_OBJS) $(BUILD)/libshardtrain.a
+$(BUILD)/gpu_tests: $(GPU_OBJS) $(BUILD)/libshardtrain.a | $(CUDA_PLUGIN)
 	$(CXX) $^ -o $@ $(GTEST_LIBS) $(LDLIBS)
 
 # Default corpus: English text files of Debian's `fortunes` package (installed by make deps).

@@ -60,16 +60,18 @@ void run_train(Comm& comm, const Topology& topo, const Options& o) {
 
   // Device placement: each rank decides from what its node shows, then all agree, before any
   // device is touched; a run is all-GPU or all-CPU.
+  // '--device cpu' loads nothing CUDA; '--device auto' loads the CUDA plugin only when the driver
+  // sees a device (cuda.h).
   DevicePlan dp;
   int devices = 0;
+  std::string device_why;
   agree(comm, [&] {
-    std::string why;
-    const int n = devices = o.device == "cpu" ? 0 : cuda_device_count(&why);
+    const int n = devices = o.device == "cpu" ? 0 : cuda_device_count(&device_why);
     try {
       dp = plan_devices(o.device, o.gpu_comm, topo.local_rank, topo.local_size, n, cuda_built(), topo.host);
     } catch (const std::invalid_argument& e) {
       throw std::runtime_error(std::string(e.what()) +
-                               (cuda_built() && n == 0 && !why.empty() ? " [CUDA runtime: " + why + "]" : ""));
+                               (cuda_built() && n == 0 && !device_why.empty() ? " [CUDA: " + device_why + "]" : ""));
     }
   });
   int64_t on_gpu = dp.cuda ? 1 : 0;
@@ -103,6 +105,9 @@ void run_train(Comm& comm, const Topology& topo, const Options& o) {
     tp = plan_threads(comm, topo.host, o.threads);
     blas = blas_report(comm, &startup_lines);
     startup_lines.insert(startup_lines.end(), tp.warnings.begin(), tp.warnings.end());
+    // The driver saw a GPU but the CUDA plugin did not load: say so rather than train on the CPU silently.
+    if (o.device == "auto" && device_why.starts_with("cannot load the CUDA backend plugin"))
+      startup_lines.push_back("note: '--device auto' runs on the CPU: " + device_why);
   }
   const int threads = tp.threads;
   agree(comm, [&] {

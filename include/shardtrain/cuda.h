@@ -1,9 +1,19 @@
 // shardtrain CUDA layer: device discovery and placement, the CUDA backend (cuBLAS + kernels) and
 // the device-buffer collectives (NCCL, or MPI on host copies for ranks that share a GPU).
 //
-// Always declared; in a build without the CUDA backend (no nvcc, or make CUDA=0) cuda_built() is
-// false, cuda_device_count() is 0 (unless the test hook below fakes a count) and the factories
-// throw std::runtime_error("built without CUDA ...").
+// Always declared. The CUDA code itself is a plugin, libshardtrain_cuda.so (src/**/*.cu, linked
+// against cuBLAS, NCCL and the CUDA runtime), which the executable does not link: it is dlopen()ed
+// on first need (src/backend/cuda_plugin.cpp) from $SHARDTRAIN_CUDA_PLUGIN when set, else from the
+// directory of the executable file. So a CPU run maps no CUDA library: '--device cpu' loads
+// nothing CUDA, and '--device auto' asks the NVIDIA driver (libcuda.so.1, alone) for devices and
+// loads the plugin only when the driver sees one.
+//   - Build without the CUDA backend (no nvcc, or make CUDA=0): no plugin; cuda_built() is false,
+//     cuda_device_count() is 0 (unless the test hook below fakes a count) and the factories throw
+//     std::runtime_error("built without CUDA ...").
+//   - Plugin missing, or present but failing to load (e.g. libcudart not found): cuda_built() is
+//     still true; cuda_runtime_device_count returns 0 with the reason (dlerror()'s text) in *why,
+//     and the factories throw std::runtime_error("cannot load the CUDA backend plugin PATH (...):
+//     <dlerror>").
 // Nothing here calls a collective on its own except make_nccl_comm (see there).
 #pragma once
 
@@ -15,11 +25,14 @@
 
 namespace shardtrain {
 
-// True when this binary contains the CUDA backend.
+// True when this binary was built with the CUDA backend (its plugin); says nothing of whether the
+// plugin loads. Loads nothing.
 bool cuda_built();
 
 // Number of CUDA devices this process sees (honours CUDA_VISIBLE_DEVICES). 0 when there is no
-// driver or no device; then *why (if given) holds the CUDA runtime's reason. Never throws.
+// plugin, no driver or no device, or the plugin fails to load; then *why (if given) holds the
+// reason (the driver's, the CUDA runtime's, or dlerror()'s). Never throws. Loads the plugin only
+// when the driver sees a device.
 // Test hook: the environment variable SHARDTRAIN_FAKE_CUDA_DEVICES=N makes it return N without
 // asking the driver (only device placement logic may be tested this way; nothing runs on them).
 int cuda_device_count(std::string* why = nullptr);
@@ -43,7 +56,8 @@ struct DevicePlan {
 std::string cuda_device_uuid(int device);
 
 // What cuda_device_count and cuda_device_uuid ask when SHARDTRAIN_FAKE_CUDA_DEVICES is not set:
-// the CUDA runtime (src/backend/cuda/), or the stand-ins of a build without nvcc (no_cuda.cpp).
+// the driver, then the plugin's CUDA runtime (src/backend/cuda_plugin.cpp), or the stand-ins of a
+// build without CUDA (the same file).
 // Call the two functions above instead; these exist so that the test hook is read in one place.
 int cuda_runtime_device_count(std::string* why);
 std::string cuda_runtime_device_uuid(int device);
@@ -73,7 +87,7 @@ void check_gpu_sharing(const DevicePlan& plan, int ranks_on_gpu, int local_size,
 class CudaContext {
  public:
   // Binds the calling thread to `device` (cudaSetDevice), creates the stream and cuBLAS handle.
-  // Throws std::runtime_error naming the device and the CUDA error.
+  // Throws std::runtime_error naming the device and the CUDA error (or why the plugin cannot load).
   static std::unique_ptr<CudaContext> create(int device);
   virtual ~CudaContext() = default;
   virtual int device() const = 0;

@@ -17,6 +17,7 @@
 #include <string>
 
 #include "../backend/cuda/cuda_check.h"
+#include "../backend/cuda/plugin_abi.h"
 #include "shardtrain/cuda.h"
 
 namespace shardtrain {
@@ -282,7 +283,7 @@ class StagedComm final : public DeviceComm {
 // the call returns only once the communicator is usable (or failed), and on failure abort the
 // half-made communicator, which also closes its bootstrap sockets so that peers waiting on this
 // rank tend to fail too rather than wait.
-std::unique_ptr<Comm> make_nccl_comm(Comm& host, CudaContext& ctx) {
+std::unique_ptr<Comm> cuda_impl::make_nccl_comm(Comm& host, CudaContext& ctx) {
   const int rank = host.rank(), world = host.world_size(), device = ctx.device();
   const std::string where = "NCCL init failed on " + host_name() + " device " + std::to_string(device) + ": ";
 
@@ -333,7 +334,7 @@ std::unique_ptr<Comm> make_nccl_comm(Comm& host, CudaContext& ctx) {
   }
 }
 
-std::unique_ptr<Comm> make_staged_comm(Comm& host, CudaContext& ctx) {
+std::unique_ptr<Comm> cuda_impl::make_staged_comm(Comm& host, CudaContext& ctx) {
   return std::make_unique<StagedComm>(host, static_cast<cudaStream_t>(ctx.stream()));
 }
 

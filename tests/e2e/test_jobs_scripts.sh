@@ -246,7 +246,7 @@ has --device=cpu
 echo "ok: train-gpu dry run: --gpus-per-task=1, no --device and a warning for a CPU-only build; --device cuda for a" \
   "binary with the CUDA backend (unless given)"
 # The real binary says which it is.
-if ldd "$BIN" | grep -q libcudart; then "$BIN" --help | grep -q "CUDA backend: built" || bad "--help of a CUDA build"
+if [ -e "$(dirname "$BIN")/libshardtrain_cuda.so" ]; then "$BIN" --help | grep -q "CUDA backend: built" || bad "--help of a CUDA build"
 else "$BIN" --help | grep -q "CUDA backend: not built" || bad "--help of a CPU-only build"; fi
 
 # Array sweeps. One job file: --seed = SLURM_ARRAY_TASK_ID, checkpoints and metrics per task.

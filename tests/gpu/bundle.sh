@@ -5,7 +5,8 @@
 #
 #   1. Builds build-gpu/shardtrain and build-gpu/gpu_tests with MARCH=x86-64-v3 (AVX2/FMA: not
 #      -march=native, whose instructions the device's CPU may lack; build/ is left alone).
-#   2. .gpu-bundle/libexec: the two binaries (strip --strip-debug) and Open MPI's orterun / orted;
+#   2. .gpu-bundle/libexec: the two binaries and the CUDA plugin libshardtrain_cuda.so beside them
+#      (strip --strip-debug; the binaries dlopen it from their own directory) and Open MPI's orterun / orted;
 #      .gpu-bundle/bin: wrappers that set LD_LIBRARY_PATH and OPAL_PREFIX (Open MPI relocated, in
 #      Debian's layout lib/x86_64-linux-gnu/openmpi/lib/openmpi3, share/openmpi, etc/) and exec them.
 #   3. .gpu-bundle/lib: every shared library they and the kept MCA / PMIx plugins need (ldd,
@@ -35,9 +36,9 @@ SKIP_PLUGINS='ucx|ofi|openib|psm|verbs|mtl_|pml_cm|spml|sshmem|memheap|scoll|ato
 die() { echo "bundle: error: $*" >&2; exit 1; }
 
 # ---- 1. build ---------------------------------------------------------------------------------
-echo "bundle: building $BUILD/shardtrain and $BUILD/gpu_tests (MARCH=$MARCH)"
-make -s -j"$(nproc)" BUILD="$BUILD" MARCH="$MARCH" "$BUILD/shardtrain" "$BUILD/gpu_tests"
-case $(ldd "$BUILD/shardtrain") in *libcudart*) ;; *) die "$BUILD/shardtrain was built without CUDA (no nvcc found)" ;; esac
+echo "bundle: building $BUILD/shardtrain, $BUILD/gpu_tests and the CUDA plugin (MARCH=$MARCH)"
+make -s -j"$(nproc)" BUILD="$BUILD" MARCH="$MARCH" "$BUILD/shardtrain" "$BUILD/gpu_tests" "$BUILD/libshardtrain_cuda.so" ||
+  die "$BUILD: build failed (no CUDA plugin without nvcc)"
 NVCC=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
 
 # Open MPI's installation paths, relative to its prefix (Debian: /usr).
@@ -61,6 +62,7 @@ grep -qxF '/.gpu-bundle/' "$gitexclude" 2>/dev/null || echo '/.gpu-bundle/' >>"$
 # ---- 2. binaries and wrappers -----------------------------------------------------------------
 strip --strip-debug -o "$B/libexec/shardtrain" "$BUILD/shardtrain"
 strip --strip-debug -o "$B/libexec/gpu_tests" "$BUILD/gpu_tests"
+strip --strip-debug -o "$B/libexec/libshardtrain_cuda.so" "$BUILD/libshardtrain_cuda.so"
 cp "$(readlink -f "$(command -v orterun)")" "$B/libexec/orterun"
 cp "$(readlink -f "$(command -v orted)")" "$B/libexec/orted"
 
@@ -134,7 +136,7 @@ stub=$(mktemp -d)
 {
   echo '/* made by tests/gpu/bundle.sh: stands in for a missing libnccl.so.2; every call fails */'
   echo 'static const char msg[] = "NCCL stub (tests/gpu/bundle.sh): no libnccl.so.2 on this machine; use --gpu-comm mpi";'
-  nm -D --undefined-only "$B/libexec/shardtrain" "$B/libexec/gpu_tests" | awk '{print $2}' | grep '^nccl' | sort -u |
+  nm -D --undefined-only "$B/libexec/libshardtrain_cuda.so" | awk '{print $2}' | grep '^nccl' | sort -u |
     while read -r s; do
       case $s in
         ncclGetErrorString | ncclGetLastError) echo "const char* $s(void* a) { (void)a; return msg; }" ;;
@@ -193,6 +195,8 @@ for f in ssh rsh; do if command -v "$f" >/dev/null; then hide+=("$(readlink -f "
   for f in "${hide[@]}"; do echo "mount --bind /dev/null '$f'"; done
   for d in "$PKGLIBDIR" "$PMIX_DIR" "$SYSCONFDIR" "$PKGDATADIR" "$FORTUNES_DIR"; do echo "mount -t tmpfs none '$d'"; done
 } >"$T/hide.sh"
+NO_DRIVER=1  # without an NVIDIA driver, a faked device makes the plugin load and fail in cudaSetDevice
+if ldconfig -p | grep -q 'libcuda\.so\.1'; then NO_DRIVER=0; fi
 cat >"$T/test.sh" <<EOF
 set -e
 cd "$T"
@@ -209,6 +213,13 @@ for own in 0 1; do
   "\${E[@]}" GPU_BUNDLE_OWN_GLIBC=\$own b/bin/mpirun -np 1 "$T/b/bin/gpu_tests" --gtest_color=no >gt.log 2>&1 \
     || { tail -20 gt.log; exit 1; }
   echo "  gpu_tests, GPU_BUNDLE_OWN_GLIBC=\$own: \$(grep -E '^\[  (PASSED|SKIPPED|FAILED) ?\] [0-9]+ test' gt.log | tr '\n' ' ')"
+  if [ "$NO_DRIVER" = 1 ]; then  # the plugin is found in libexec/ (also through the glibc/ loader) and loads
+    "\${E[@]}" GPU_BUNDLE_OWN_GLIBC=\$own SHARDTRAIN_FAKE_CUDA_DEVICES=1 b/bin/mpirun --oversubscribe --bind-to none -np 1 \
+      "$T/b/bin/shardtrain" --device cuda --gpu-comm mpi --model tiny --data c.tok --seq-len 32 --global-batch 8 --steps 1 \
+      --threads 1 >plugin.log 2>&1 && { cat plugin.log; exit 1; }
+    grep -q 'CUDA error: cudaSetDevice' plugin.log || { cat plugin.log; exit 1; }
+    echo "  CUDA plugin, GPU_BUNDLE_OWN_GLIBC=\$own: loads from libexec/; without a driver: \$(grep -m1 -o 'CUDA error: cudaSetDevice.*' plugin.log | cut -c1-90)"
+  fi
 done
 EOF
 if unshare -m true 2>/dev/null; then

@@ -5,8 +5,9 @@
 #   bash tests/gpu/run.sh
 #
 # Binaries: .gpu-bundle/ when present (made by tests/gpu/bundle.sh on the build machine: shardtrain,
-# gpu_tests, Open MPI and their libraries; cuBLAS and NCCL come from this machine's CUDA toolkit,
-# ldconfig or pip nvidia-* wheels), else `make build`. Stages, each with a time limit inside the
+# gpu_tests, their CUDA plugin libshardtrain_cuda.so, Open MPI and their libraries; cuBLAS and NCCL,
+# which the plugin loads, come from this machine's CUDA toolkit, ldconfig or pip nvidia-* wheels),
+# else `make build`. Stages, each with a time limit inside the
 # budget (GPU_CHECK_BUDGET_S, default 450 s); a failure prints the log's tail and the next stage runs:
 #   1. environment: GPU, driver, nvcc, glibc, where the CUDA libraries were found; a token file
 #      made by --mode prepare from the bundled fortunes

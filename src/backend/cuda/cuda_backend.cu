@@ -31,6 +31,7 @@
 #include "shardtrain/flash_attention.h"
 #include "shardtrain/ops_math.h"
 #include "cuda_check.h"
+#include "plugin_abi.h"
 
 namespace shardtrain {
 namespace {
@@ -1003,11 +1004,11 @@ template <typename T> class CudaBackend final : public Backend<T> {
 
 }  // namespace
 
-// ---- public entry points ----------------------------------------------------------------------
+// ---- entry points (the plugin's table, plugin.cu) ---------------------------------------------
 
-bool cuda_built() { return true; }
+namespace cuda_impl {
 
-int cuda_runtime_device_count(std::string* why) {
+int device_count(std::string* why) {
   int n = 0;
   cudaError_t e = cudaGetDeviceCount(&n);
   if (e != cudaSuccess) {
@@ -1019,7 +1020,7 @@ int cuda_runtime_device_count(std::string* why) {
   return n;
 }
 
-std::unique_ptr<CudaContext> CudaContext::create(int device) {
+std::unique_ptr<CudaContext> create_context(int device) {
   auto ctx = std::make_unique<CudaContextImpl>(device);
   try {
     ctx->init();
@@ -1029,10 +1030,11 @@ std::unique_ptr<CudaContext> CudaContext::create(int device) {
   return ctx;
 }
 
-template <typename T> std::unique_ptr<Backend<T>> make_cuda_backend(CudaContext& ctx) {
+template <typename T> std::unique_ptr<Backend<T>> make_backend(CudaContext& ctx) {
   return std::make_unique<CudaBackend<T>>(ctx);
 }
-template std::unique_ptr<Backend<float>> make_cuda_backend<float>(CudaContext&);
-template std::unique_ptr<Backend<bf16>> make_cuda_backend<bf16>(CudaContext&);
+template std::unique_ptr<Backend<float>> make_backend<float>(CudaContext&);
+template std::unique_ptr<Backend<bf16>> make_backend<bf16>(CudaContext&);
 
+}  // namespace cuda_impl
 }  // namespace shardtrain

@@ -1,5 +1,5 @@
-// Device identity for placement checks (cuda.h: cuda_device_uuid). Kept apart from the backend:
-// it is called before any CudaContext exists.
+// Device identity for placement checks (cuda.h: cuda_device_uuid; the plugin's device_uuid).
+// Kept apart from the backend: it is called before any CudaContext exists.
 #include <cuda_runtime.h>
 
 #include <cstdio>
@@ -7,11 +7,12 @@
 #include <string>
 
 #include "cuda_check.h"
+#include "plugin_abi.h"
 #include "shardtrain/cuda.h"
 
 namespace shardtrain {
 
-std::string cuda_runtime_device_uuid(int device) {
+std::string cuda_impl::device_uuid(int device) {
   cudaDeviceProp prop{};
   cuda_detail::check_cuda(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties", ST_CUDA_HERE);
   std::string s = "GPU-";
