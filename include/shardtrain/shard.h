@@ -161,7 +161,8 @@ class MixedPrecisionUnits final : public UnitSource<bf16> {
  public:
   static constexpr size_t kWidenSlab = size_t{1} << 22;  // fp32 elements (16 MiB) per widened slab
   // Throws std::bad_alloc.
-  MixedPrecisionUnits(Fsdp<float>& master, Backend<bf16>& be, bool reduce_bf16);
+  // widen_slab: fp32 elements per widened slab (tests make it small to cut units into many slabs).
+  MixedPrecisionUnits(Fsdp<float>& master, Backend<bf16>& be, bool reduce_bf16, size_t widen_slab = kWidenSlab);
   const bf16* gather(int u) override;
   bf16* full_grad(int u) override;
   void reduce_scatter_grad(int u) override;

@@ -64,6 +64,7 @@ void attention_forward(Backend<T>& be, const T* q, const T* k, const T* v, T* at
                               ab, T_, G * TT, NKV);
     }
   be.softmax_causal_forward(att, B * NH, T_, S(1) / std::sqrt(static_cast<S>(HD)));
+  if (!y) return;  // the probabilities only (recomputed for backward)
   for (int b = 0; b < B; ++b)
     for (int g = 0; g < G; ++g) {
       const T* ab = att + (static_cast<int64_t>(b) * NH + g) * TT;

@@ -199,7 +199,8 @@ template <typename T> double Fsdp<T>::local_grad_sumsq() {
   return s;
 }
 
-MixedPrecisionUnits::MixedPrecisionUnits(Fsdp<float>& master, Backend<bf16>& be, bool reduce_bf16)
+MixedPrecisionUnits::MixedPrecisionUnits(Fsdp<float>& master, Backend<bf16>& be, bool reduce_bf16,
+                                         size_t widen_slab)
     : m_(master), be_(be), reduce_bf16_(reduce_bf16) {
   const size_t max_padded = static_cast<size_t>(m_.plan().max_padded_numel());
   const size_t max_shard = static_cast<size_t>(m_.plan().max_shard_size());
@@ -210,7 +211,7 @@ MixedPrecisionUnits::MixedPrecisionUnits(Fsdp<float>& master, Backend<bf16>& be,
     scatter_ = Buffer<bf16>(be_, max_shard);
   } else {
     const size_t W = static_cast<size_t>(m_.comm().world_size());
-    slab_ = std::min(max_shard, std::max<size_t>(1, kWidenSlab / W));
+    slab_ = std::min(max_shard, std::max<size_t>(1, widen_slab / W));
     grad32_ = Buffer<float>(m_.backend(), slab_ * W);
     scatter32_ = Buffer<float>(m_.backend(), slab_);
   }

@@ -209,3 +209,37 @@ TEST(MemoryPlan, MatchesCountedAllocations) {
     if (::testing::Test::HasFailure()) std::printf("%s\n", plan.format("plan that did not match").c_str());
   }
 }
+
+// The fp32 reduce-scatter of mixed precision widens a slab at a time: with slabs of a few elements
+// (every unit cut into many, the last one short) the gradient shards equal those of one slab per
+// unit (each element is the same sum over ranks; 1e-6 allows MPI to pick another summation order
+// for other message sizes).
+TEST(MemoryPlan, Bf16WidenedInSlabsMatchesWhole) {
+  const st::ModelConfig mc = cfg(true);
+  st::Comm& comm = st::testing::comm();
+  std::vector<std::vector<float>> g[2];
+  for (int k = 0; k < 2; ++k) {
+    auto be = st::make_cpu_backend<float>();
+    auto b16 = st::make_cpu_backend<bf16>();
+    st::Fsdp<float> f(*be, comm, st::ShardPlan::build(st::llama_units(mc), comm.world_size()), nullptr, false);
+    f.init_params(5);
+    f.zero_grads();
+    st::MixedPrecisionUnits mp(f, *b16, false, k == 0 ? size_t{1} << 30 : size_t{7} * comm.world_size());
+    std::vector<int32_t> tok, tgt;
+    batch(tok, tgt, mc.vocab_size, comm.rank());
+    st::LlamaModel<bf16> m(mc, *b16);
+    m.forward(mp, tok.data(), tgt.data(), kB, kT, true, 1.0f / (kB * kT));
+    m.backward(mp);
+    for (int u = 0; u < f.num_units(); ++u)
+      g[k].emplace_back(f.grad_shard(u), f.grad_shard(u) + f.plan().units[u].shard_size);
+  }
+  for (size_t u = 0; u < g[0].size(); ++u) {
+    float mx = 0, err = 0;
+    for (size_t i = 0; i < g[0][u].size(); ++i) {
+      mx = std::max(mx, std::abs(g[0][u][i]));
+      err = std::max(err, std::abs(g[1][u][i] - g[0][u][i]));
+    }
+    EXPECT_GT(mx, 0.0f) << "unit " << u;
+    EXPECT_LE(err, 1e-6f * mx) << "unit " << u;
+  }
+}
