@@ -1,6 +1,9 @@
 // MPI implementation of the runtime layer: bootstrap, MpiComm collectives, error agreement.
 #include "shardtrain/runtime.h"
 
+#include <algorithm>
+#include <cstring>
+
 #include <mpi.h>
 
 #include <atomic>
@@ -195,9 +198,23 @@ void MpiComm::all_gather_impl(const void* send, void* recv, size_t count, DType 
 
 void MpiComm::reduce_scatter_sum_impl(const void* send, void* recv, size_t count, DType t) {
   Guard g(wd_, "reduce_scatter");
-  check_mpi(MPI_Reduce_scatter_block(send, recv, to_count(count, "reduce_scatter"), mpi_type(t),
-                                     t == DType::BF16 ? bf16_sum() : MPI_SUM, as_mpi(comm_)),
-            "MPI_Reduce_scatter_block");
+  const size_t es = dtype_size(t), W = static_cast<size_t>(size_);
+  const size_t slab = std::max<size_t>(1, kReduceScatterSlab / es / W);  // elements per rank's block
+  MPI_Op op = t == DType::BF16 ? bf16_sum() : MPI_SUM;
+  if (count <= slab) {
+    check_mpi(MPI_Reduce_scatter_block(send, recv, to_count(count, "reduce_scatter"), mpi_type(t), op, as_mpi(comm_)),
+              "MPI_Reduce_scatter_block");
+    return;
+  }
+  slab_.resize(slab * W * es);
+  const char* s = static_cast<const char*>(send);
+  for (size_t a = 0; a < count; a += slab) {  // pack [W, n] from the W blocks, reduce-scatter it
+    const size_t n = std::min(slab, count - a);
+    for (size_t r = 0; r < W; ++r) std::memcpy(slab_.data() + r * n * es, s + (r * count + a) * es, n * es);
+    check_mpi(MPI_Reduce_scatter_block(slab_.data(), static_cast<char*>(recv) + a * es, to_count(n, "reduce_scatter"),
+                                       mpi_type(t), op, as_mpi(comm_)),
+              "MPI_Reduce_scatter_block");
+  }
 }
 
 void MpiComm::all_reduce_impl(void* buf, size_t count, DType t, ReduceOp op) {
