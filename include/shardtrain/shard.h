@@ -91,7 +91,8 @@ template <typename C> class UnitSource {
 
 // The FSDP engine. Holds, for this rank, each unit's parameter shard and gradient shard
 // (O(P / W) memory), plus one full-unit gather buffer and one full-unit gradient buffer sized for
-// the largest unit. Collective calls (gather, reduce_scatter_grad, gather_param) must be made by
+// the largest unit (both are needed at once for the tied LM head, so per-unit sizing would not
+// lower the peak), and slab-sized reduce-scatter buffers. Collective calls (gather, reduce_scatter_grad, gather_param) must be made by
 // every rank in the same order.
 //
 // Two communicators: `comm` carries host-memory control traffic (loss, norms, checkpoint tables);
@@ -101,6 +102,10 @@ template <typename C> class UnitSource {
 // full_grad(), reduce_scatter_grad() and gather_param() must not be called.
 template <typename T> class Fsdp final : public UnitSource<T> {
  public:
+  // Gradients are reduce-scattered kReduceSlab elements (all ranks' blocks together) at a time,
+  // packed from the full-unit buffer: the result buffer is 1/W of that, not a whole shard of the
+  // largest unit (for a 128k-vocabulary embedding at W = 2 that shard is 500 MiB).
+  static constexpr size_t kReduceSlab = size_t{1} << 22;
   // Throws std::invalid_argument if the plan's world size differs from comm's, std::bad_alloc.
   Fsdp(Backend<T>& be, Comm& comm, ShardPlan plan, Comm* data_comm = nullptr, bool full_buffers = true);
 
@@ -140,7 +145,9 @@ template <typename T> class Fsdp final : public UnitSource<T> {
   Comm* dcomm_;
   ShardPlan plan_;
   std::vector<Buffer<T>> params_, grads_;
-  Buffer<T> gather_buf_, grad_buf_, scatter_tmp_;
+  Buffer<T> gather_buf_, grad_buf_;
+  Buffer<T> scatter_tmp_, pack_;  // reduce-scatter of one slab: [slab_] result, [W, slab_] packed input
+  size_t slab_ = 0;               // shard elements per reduce-scatter call
   int gathered_ = -1;
 };
 

@@ -108,7 +108,10 @@ Fsdp<T>::Fsdp(Backend<T>& be, Comm& comm, ShardPlan plan, Comm* data_comm, bool 
   const size_t max_padded = static_cast<size_t>(plan_.max_padded_numel());
   gather_buf_ = Buffer<T>(be_, max_padded);
   grad_buf_ = Buffer<T>(be_, max_padded);
-  scatter_tmp_ = Buffer<T>(be_, static_cast<size_t>(plan_.max_shard_size()));
+  const size_t max_shard = static_cast<size_t>(plan_.max_shard_size()), W = static_cast<size_t>(plan_.world_size);
+  slab_ = std::min(max_shard, std::max<size_t>(1, kReduceSlab / W));
+  scatter_tmp_ = Buffer<T>(be_, slab_);
+  if (max_shard > slab_) pack_ = Buffer<T>(be_, slab_ * W);
 }
 
 template <typename T> void Fsdp<T>::init_params(uint64_t seed) {
@@ -155,9 +158,19 @@ template <typename T> T* Fsdp<T>::full_grad(int u) {
 
 template <typename T> void Fsdp<T>::reduce_scatter_grad(int u) {
   const UnitPlan& up = plan_.units[u];
-  size_t S = static_cast<size_t>(up.shard_size);
-  dcomm_->reduce_scatter_sum(grad_buf_.data(), scatter_tmp_.data(), S);
-  be_.axpy(S, T(1) / static_cast<T>(comm_.world_size()), scatter_tmp_.data(), grads_[u].data());
+  const size_t S = static_cast<size_t>(up.shard_size), W = static_cast<size_t>(comm_.world_size());
+  const T inv_w = T(1) / static_cast<T>(W);
+  if (S <= slab_) {
+    dcomm_->reduce_scatter_sum(grad_buf_.data(), scatter_tmp_.data(), S);
+    be_.axpy(S, inv_w, scatter_tmp_.data(), grads_[u].data());
+    return;
+  }
+  for (size_t a = 0; a < S; a += slab_) {  // pack [W, n] from the W blocks of the full-unit buffer
+    const size_t n = std::min(slab_, S - a);
+    for (size_t r = 0; r < W; ++r) be_.copy(pack_.data() + r * n, grad_buf_.data() + r * S + a, n);
+    dcomm_->reduce_scatter_sum(pack_.data(), scatter_tmp_.data(), n);
+    be_.axpy(n, inv_w, scatter_tmp_.data(), grads_[u].data() + a);
+  }
 }
 
 template <typename T> std::vector<T> Fsdp<T>::gather_param(const std::string& name) {

@@ -69,7 +69,10 @@ MemoryPlan plan_memory(const MemoryPlanInput& in) {
   const std::string mx = with_commas(maxp) + " elements, the largest unit";
   if (!bf) {
     add("FSDP gather + gradient buffers", 8 * maxp, "2 x 4 B x " + mx);
-    add("FSDP reduce-scatter buffer", 4 * maxs, "4 B x " + with_commas(maxs) + " shard elements");
+    const int64_t W = in.world_size;
+    const int64_t slab = std::min<int64_t>(maxs, std::max<int64_t>(1, static_cast<int64_t>(Fsdp<float>::kReduceSlab) / W));
+    add("FSDP reduce-scatter slab buffers", 4 * (slab + (maxs > slab ? slab * W : 0)),
+        "4 B x " + with_commas(slab) + (maxs > slab ? " x (" + std::to_string(W) + " + 1)" : std::string()));
   } else {
     add("bf16 gather + gradient buffers", 4 * maxp, "2 x 2 B x " + mx);
     add("bf16 shard copy", 2 * maxs, "2 B x " + with_commas(maxs));
@@ -85,9 +88,9 @@ MemoryPlan plan_memory(const MemoryPlanInput& in) {
   if (!in.cuda) {  // MPI reduce-scatter (runtime.h): our packed slab and the library's temporary
     const int64_t W = in.world_size, cap = static_cast<int64_t>(Comm::kReduceScatterSlab);
     const int64_t es = bf && in.reduce_bf16 ? 2 : 4;
-    const int64_t count = bf && !in.reduce_bf16
-                              ? std::min<int64_t>(maxs, std::max<int64_t>(1, static_cast<int64_t>(MixedPrecisionUnits::kWidenSlab) / W))
-                              : maxs;
+    const int64_t count = bf && in.reduce_bf16
+                              ? maxs
+                              : std::min<int64_t>(maxs, std::max<int64_t>(1, static_cast<int64_t>(Fsdp<float>::kReduceSlab) / W));
     const int64_t slab = std::max<int64_t>(1, cap / es / W);
     const int64_t ours = count > slab ? slab * W * es : 0, lib = std::min(cap, count * W * es);
     if (W > 1) add("MPI reduce-scatter buffers", ours + lib, "a packed slab and Open MPI's temporary, each <= 16 MiB");

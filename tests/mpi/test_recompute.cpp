@@ -247,3 +247,31 @@ TEST(MemoryPlan, Bf16WidenedInSlabsMatchesWhole) {
     EXPECT_LE(err, 1e-6f * mx) << "unit " << u;
   }
 }
+
+// Fsdp reduce-scatters a large unit a slab at a time (kReduceSlab elements over all ranks, packed
+// from the full-unit buffer): a unit of a bit more than two slabs gets every element's exact mean
+// (dyadic values: every summation order is exact), padding included.
+TEST(MemoryPlan, FsdpReduceScatterInSlabsIsExact) {
+  st::Comm& comm = st::testing::comm();
+  const int W = comm.world_size(), r = comm.rank();
+  const int64_t numel = 2 * static_cast<int64_t>(st::Fsdp<float>::kReduceSlab) + 5;
+  std::vector<st::UnitSpec> units{{"big", {st::ParamSpec{"big.weight", {numel}, true, st::Init::Zeros, 0.0}}}};
+  auto be = st::make_cpu_backend<float>();
+  st::Fsdp<float> f(*be, comm, st::ShardPlan::build(units, W));
+  f.zero_grads();
+  const st::UnitPlan& up = f.plan().units[0];
+  float* g = f.full_grad(0);
+  auto val = [](int q, int64_t i) { return static_cast<float>((q + 1) * 64 + i % 97) + 0.5f; };
+  for (int64_t i = 0; i < up.padded_numel; ++i) g[i] = val(r, i);
+  f.reduce_scatter_grad(0);
+  const int64_t S = up.shard_size;
+  size_t wrong = 0;
+  for (int64_t j = 0; j < S; ++j) {
+    double want = 0;
+    for (int q = 0; q < W; ++q) want += val(q, r * S + j);
+    const float mean = static_cast<float>(want) * (1.0f / static_cast<float>(W));  // the engine's arithmetic
+    if (f.grad_shard(0)[j] != mean && wrong++ < 5)
+      ADD_FAILURE() << "element " << j << ": " << f.grad_shard(0)[j] << " != " << mean;
+  }
+  EXPECT_EQ(wrong, 0u);
+}
