@@ -116,26 +116,32 @@ Fsdp<T>::Fsdp(Backend<T>& be, Comm& comm, ShardPlan plan, Comm* data_comm, bool 
 
 template <typename T> void Fsdp<T>::init_params(uint64_t seed) {
   int r = comm_.rank();
+  constexpr int64_t kPiece = int64_t{1} << 20;  // host staging of at most 1M elements, not a whole shard
+  std::vector<T> host;
   for (size_t u = 0; u < plan_.units.size(); ++u) {
     const UnitPlan& up = plan_.units[u];
     const RankShard& rs = up.ranks[r];
-    std::vector<T> host(static_cast<size_t>(up.shard_size), T(0));
-    for (const auto& slot : up.params) {
-      int64_t lo = std::max(slot.offset, rs.start), hi = std::min(slot.offset + slot.numel, rs.start + rs.valid);
-      uint64_t key = fnv1a64(slot.spec.name);
-      for (int64_t e = lo; e < hi; ++e) {
-        T v = 0;
-        switch (slot.spec.init) {
-          case Init::Ones: v = 1; break;
-          case Init::Zeros: v = 0; break;
-          case Init::Normal:
-            v = static_cast<T>(slot.spec.init_std * counter_normal(seed, key, static_cast<uint64_t>(e - slot.offset)));
-            break;
+    for (int64_t p0 = 0; p0 < up.shard_size; p0 += kPiece) {  // shard elements [p0, p1)
+      const int64_t p1 = std::min(up.shard_size, p0 + kPiece);
+      host.assign(static_cast<size_t>(p1 - p0), T(0));
+      for (const auto& slot : up.params) {
+        const int64_t lo = std::max({slot.offset, rs.start + p0}),
+                      hi = std::min({slot.offset + slot.numel, rs.start + rs.valid, rs.start + p1});
+        const uint64_t key = fnv1a64(slot.spec.name);
+        for (int64_t e = lo; e < hi; ++e) {
+          T v = 0;
+          switch (slot.spec.init) {
+            case Init::Ones: v = 1; break;
+            case Init::Zeros: v = 0; break;
+            case Init::Normal:
+              v = static_cast<T>(slot.spec.init_std * counter_normal(seed, key, static_cast<uint64_t>(e - slot.offset)));
+              break;
+          }
+          host[static_cast<size_t>(e - rs.start - p0)] = v;
         }
-        host[static_cast<size_t>(e - rs.start)] = v;
       }
+      be_.from_host(params_[u].data() + p0, host.data(), host.size());
     }
-    be_.from_host(params_[u].data(), host.data(), host.size());
   }
   gathered_ = -1;
 }
