@@ -96,6 +96,36 @@ for model, seq, mb in [("demo", 256, 8), ("llama-125m", 256, 2)]:
                      f"{max(r['hwm']):.0f} | {r['step_s']:.2f} | {r['step_s'] / base:.2f}x |")
         print(lines[-1], flush=True)
 
+# Plans for the published shapes on GPUs (bf16 mixed precision, T = 2048, NCCL): what fits, with
+# which checkpointing, at what micro-batch. No run: --mode plan on one process.
+lines += ["", "GPU plans (bf16 mixed precision, seq-len 2048; device memory 79 GiB = H100/A100 80GB, "
+          "139 GiB = H200 141GB; `--mode plan --device cuda`):", "",
+          "| model | GPUs | sharded state GiB/rank (16 B x P / W) | total at micro-batch 1, full | "
+          "largest micro-batch, 79 GiB: none / selective / full | 139 GiB: none / selective / full |",
+          "|---|---|---|---|---|---|"]
+for model in ["llama-1b", "tinyllama-1.1b", "llama-8b"]:
+    for w in [1, 8, 64, 512]:
+        cells = []
+        total = state = None
+        for mem in ["79GiB", "139GiB"]:
+            p = subprocess.run([BIN, "--mode", "plan", "--model", model, "--world-size", str(w), "--device", "cuda",
+                                "--precision", "bf16", "--seq-len", "2048", "--micro-batch", "1",
+                                "--activation-checkpointing", "full", "--device-memory", mem],
+                               env=ENV, capture_output=True, text=True)
+            t = p.stdout + p.stderr
+            if p.returncode != 0:
+                raise SystemExit(f"plan {model} W={w}: exit {p.returncode}\n{t[-2000:]}")
+            total = float(re.search(r"([\d.]+) MiB  total per rank", t).group(1)) / 1024
+            state = sum(float(re.search(r"([\d.]+) MiB  " + k, t).group(1)) for k in
+                        ["fp32 parameter shards", "fp32 gradient shards", "AdamW m and v shards"]) / 1024
+            fit = []
+            for mode in ["none", "selective", "full"]:
+                m = re.search(r"--activation-checkpointing " + mode + r": (micro-batch up to (\d+)|does not fit)", t)
+                fit.append(m.group(2) if m.group(2) else "-")
+            cells.append(" / ".join(fit))
+        lines.append(f"| {model} | {w} | {state:.1f} | {total:.1f} GiB | {cells[0]} | {cells[1]} |")
+print("\n".join(lines[-14:]), flush=True)
+
 md = "\n".join(lines) + "\n"
 open(os.path.join(OUT, "memory.md"), "w").write(md)
 print(md)
