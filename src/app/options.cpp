@@ -117,7 +117,13 @@ void validate(const Options& o) {
         "mode", "must be train, prepare, inspect, export, import, generate or plan, got '" + o.mode + "'");
   model_options(t);  // throws naming --activation-checkpointing, --attention or --loss-chunk
   check(o.plan_world_size >= 0, "world-size", "must be >= 0 (0: the ranks of this launch)");
-  if (!o.device_memory.empty()) parse_size(o.device_memory);
+  if (!o.device_memory.empty()) {
+    try {
+      parse_size(o.device_memory);
+    } catch (const std::invalid_argument&) {
+      check(false, "device-memory", "must be a size like 80GB or 139GiB, got '" + o.device_memory + "'");
+    }
+  }
   finite(o.temperature, "temperature");
   check(o.temperature >= 0, "temperature", "must be >= 0");
   check(o.top_k >= 0, "top-k", "must be >= 0");

@@ -21,6 +21,9 @@ import time
 
 BIN, TOK, OUT = sys.argv[1], sys.argv[2], sys.argv[3]
 QUICK = "--quick" in sys.argv
+# Parts to run (MEMORY_PARTS, comma-separated): checks (plan vs measured), recompute (modes: memory and
+# step time; wants a quiet machine), gpu (plans only).
+PARTS = os.environ.get("MEMORY_PARTS", "checks,recompute,gpu").split(",")
 os.makedirs(OUT, exist_ok=True)
 ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
            OMPI_MCA_rmaps_base_oversubscribe="1", OMPI_MCA_btl_vader_single_copy_mechanism="none")
@@ -76,6 +79,8 @@ checks = [
 ]
 if QUICK:
     checks = [c for c in checks if "llama-1b" not in c[0]]
+if "checks" not in PARTS:
+    checks = []
 results = []
 for name, np_, model, seq, mb, ck in checks:
     r = train(name, np_, model, seq, mb, ck)
@@ -87,7 +92,7 @@ for name, np_, model, seq, mb, ck in checks:
 
 lines += ["", "| model | recompute | plan MiB/rank | measured VmHWM MiB (max over ranks) | step time s | vs none |",
           "|---|---|---|---|---|---|"]
-for model, seq, mb in [("demo", 256, 8), ("llama-125m", 256, 2)]:
+for model, seq, mb in [("demo", 256, 8), ("llama-125m", 256, 2)] if "recompute" in PARTS else []:
     base = None
     for ck in ["none", "selective", "full"]:
         r = train(f"{model}-{ck}", 2, model, seq, mb, ck, steps=2 if QUICK else 4)
@@ -103,7 +108,7 @@ lines += ["", "GPU plans (bf16 mixed precision, seq-len 2048; device memory 79 G
           "| model | GPUs | sharded state GiB/rank (16 B x P / W) | total at micro-batch 1, full | "
           "largest micro-batch, 79 GiB: none / selective / full | 139 GiB: none / selective / full |",
           "|---|---|---|---|---|---|"]
-for model in ["llama-1b", "tinyllama-1.1b", "llama-8b"]:
+for model in ["llama-1b", "tinyllama-1.1b", "llama-8b"] if "gpu" in PARTS else []:
     for w in [1, 8, 64, 512]:
         cells = []
         total = state = None

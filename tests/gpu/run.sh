@@ -19,6 +19,8 @@
 #      uninterrupted CPU run (1e-4)
 #   5. benchmark: llama-125m and llama-350m, seq 1024, batch 16, bf16 (and llama-125m fp32):
 #      tokens/s (mean of steps 3-12), MFU, peak GPU memory, as markdown table rows
+#   5b. memory: llama-1b bf16 at seq 2048 with --activation-checkpointing full, 3 steps: the memory plan
+#      against nvidia-smi's peak (MEM1B=0 skips it)
 #   6. compute-sanitizer (when present): gpu_tests under memcheck (all cases) and racecheck (the kernels
 #      with shared memory), no error allowed
 #   7. only with GPU_CHECK_PROFILE=1: Nsight Compute's duration of every kernel over one llama-125m
@@ -367,6 +369,42 @@ if [ ${#ROWS[@]} -gt 0 ]; then
   echo "| model | params | precision | seq | batch | tokens/s | MFU | peak GPU memory |"
   echo "|---|---|---|---|---|---|---|---|"
   printf '%s\n' "${ROWS[@]}"
+fi
+
+# ---- 5b. memory: Llama-3.2-1B, bf16, T = 2048, full activation checkpointing, one GPU ----------------
+# The memory plan printed at start (memory_plan.h) against nvidia-smi's peak memory.used (which also
+# counts the CUDA context, cuBLAS and NCCL: the plan's 1 GiB estimate). llama-1b's shape with its
+# special ids left unset, so that they come from the fortunes token file.
+MEM1B=${MEM1B:-1}
+stage "5b. memory: llama-1b bf16, seq 2048, micro-batch 1, --activation-checkpointing full, 3 steps" $((T_END - SECONDS - SAN * SANITIZER_S))
+if [ "$GPU" = 0 ] || [ "$DEV" != cuda ] || [ "$MEM1B" = 0 ]; then
+  skipped mem-llama-1b "no CUDA device (or MEM1B=0)"
+else
+  python3 - "$W/llama-1b.json" <<'PY'
+import json, sys
+json.dump({"architectures": ["LlamaForCausalLM"], "hidden_size": 2048, "intermediate_size": 8192,
+           "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
+           "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+           "hidden_act": "silu", "tie_word_embeddings": True, "bos_token_id": None, "eos_token_id": None,
+           "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                            "original_max_position_embeddings": 8192}}, open(sys.argv[1], "w"))
+PY
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 250 >"$L/mem-llama-1b.mem" 2>/dev/null &
+  mempid=$!
+  rc=0
+  run_np mem-llama-1b 240 1 --model "$W/llama-1b.json" --data "$DATA" --seq-len 2048 --global-batch 1 --micro-batch 1 \
+    --steps 3 --log-every 1 --eval-batches 1 --device cuda --gpu-comm "$COMM1" --precision bf16 \
+    --activation-checkpointing full || rc=$?
+  kill "$mempid" 2>/dev/null; wait "$mempid" 2>/dev/null
+  plan=$(sed -n 's/^ *\([0-9.]*\) MiB  total per rank.*/\1/p' "$L/mem-llama-1b.log" | head -1)
+  peak=$(sort -n "$L/mem-llama-1b.mem" | tail -1)
+  if [ "$rc" = 0 ] && [ -n "$plan" ] && [ -n "$peak" ]; then
+    ratio=$(python3 -c "print(f'{$peak / $plan - 1:+.1%}')")
+    ok "mem-llama-1b: plan $plan MiB, nvidia-smi peak $peak MiB ($ratio); $(grep -m1 '^step 3/' "$L/mem-llama-1b.log")"
+  else
+    bad "mem-llama-1b: exit status $rc, plan '${plan}' MiB, peak '${peak}' MiB"
+    tail_log "$L/mem-llama-1b.log"
+  fi
 fi
 
 # ---- 6. compute-sanitizer ---------------------------------------------------------------------
