@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # make bench: training throughput and quality benchmarks. Results go to build/bench/ and are
 # summarised on stdout for docs/benchmarks.md. Not part of make test (timings are not asserted).
-# An estimated 20-25 minutes on an idle 2-core machine; BENCH_QUICK=1 cuts every run to a few steps (a smoke
+# An estimated 35-40 minutes on an idle 2-core machine (part 4 about 15); BENCH_QUICK=1 cuts every run to a few steps (a smoke
 # test of the harness: its figures are not benchmarks).
 #
 # 1. tinyshakespeare quality (if ../shared/data/tinyshakespeare.txt exists; it is never
@@ -13,6 +13,7 @@
 #    tinyshakespeare tokens (else fortunes): `demo` at 2 ranks x 1 thread and 1 rank x 2 threads,
 #    a GEMM-bound config at 2 x 1. Writes build/bench/peer.md for docs/benchmarks.md.
 # 3. Checkpoint save/load timing.
+# 4. Memory: plan vs measured peak per rank, activation checkpointing modes, GPU plans (tests/bench/memory.py).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
@@ -78,4 +79,11 @@ for i in 1 2 3; do
 done
 dd if=/dev/zero of="$OUT/dd.bin" bs=1M count=256 conv=fdatasync 2>&1 | tail -1 | sed 's/^/dd (256 MiB, conv=fdatasync): /'
 rm -f "$OUT/dd.bin"
+
+# 4. Memory: the plan against the measured peak (VmHWM) of every rank, within 10%; memory and step
+#    time of each --activation-checkpointing mode; GPU plans of the published shapes
+#    (tests/bench/memory.py; build/bench/memory.md for docs/benchmarks.md).
+MEM_FAILED=0
+python3 tests/bench/memory.py $BIN build/data/fortunes.tok "$OUT" "${QUICK_OPT[@]}" || MEM_FAILED=1
 if [ "$PEER_FAILED" = 1 ]; then echo "bench: some runs against the peer failed (see above)"; exit 1; fi
+if [ "$MEM_FAILED" = 1 ]; then echo "bench: a memory check failed (see above)"; exit 1; fi
