@@ -108,31 +108,7 @@ def fail(msg):
     raise AssertionError(msg)
 
 
-class Captured:
-    """transformers' log records at WARNING and above, plus Python warnings, while active (captured, not
-    printed: a check that fails shows them in its message)."""
-
-    def __enter__(self):
-        transformers.logging.disable_default_handler()
-        self.buf = io.StringIO()
-        self.handler = logging.StreamHandler(self.buf)
-        self.handler.setLevel(logging.WARNING)
-        self.logger = logging.getLogger("transformers")
-        self.logger.addHandler(self.handler)
-        self.catcher = warnings.catch_warnings(record=True)
-        self.records = self.catcher.__enter__()
-        warnings.simplefilter("always")
-        return self
-
-    def __exit__(self, *exc):
-        self.catcher.__exit__(*exc)
-        self.logger.removeHandler(self.handler)
-        transformers.logging.enable_default_handler()
-        return False
-
-    @property
-    def text(self):
-        return self.buf.getvalue() + "\n".join(str(w.message) for w in self.records)
+from hf_capture import Captured  # noqa: E402 (this directory is on sys.path: the script's own)
 
 
 def load_model(path, dtype=torch.float32):

@@ -93,30 +93,7 @@ def make():
     print("ok: made HF directories hf_v5 (rope_parameters) and hf_v4 (rope_theta + rope_scaling), head_dim 24")
 
 
-class Captured:
-    """transformers' log records at WARNING and above, and Python warnings, while active."""
-
-    def __enter__(self):
-        import transformers
-        self.buf = io.StringIO()
-        self.handler = logging.StreamHandler(self.buf)
-        self.handler.setLevel(logging.WARNING)
-        self.logger = logging.getLogger("transformers")
-        self.logger.addHandler(self.handler)
-        self.catcher = warnings.catch_warnings(record=True)
-        self.records = self.catcher.__enter__()
-        warnings.simplefilter("always")
-        transformers.logging.disable_progress_bar()
-        return self
-
-    def __exit__(self, *exc):
-        self.catcher.__exit__(*exc)
-        self.logger.removeHandler(self.handler)
-        return False
-
-    @property
-    def text(self):
-        return self.buf.getvalue() + "\n".join(str(w.message) for w in self.records)
+from hf_capture import Captured  # noqa: E402 (this directory is on sys.path: the script's own)
 
 
 def load(path):
