@@ -39,17 +39,20 @@ class Comm {
 
   // all_gather: rank i's `count` elements of `send` land at recv + i*count on every rank.
   // recv holds world_size*count elements. count == 0 is allowed (nothing moves, still collective).
-  // In place is allowed when send == recv + rank*count.
+  // In place is allowed when send == recv + rank*count. The MPI Comm runs it in slabs of at most
+  // kCollectiveSlab bytes over all ranks, unpacked into the W blocks: Open MPI's default algorithm
+  // for a world size that is not a power of two allocates a temporary of the whole receive buffer on
+  // ranks other than 0 (+64 MiB at W = 3 for llama-125m's embedding), which slabs bound.
   template <typename T> void all_gather(const T* send, T* recv, size_t count);
 
   // reduce_scatter (sum): `send` holds world_size*count elements on every rank; block i (elements
   // [i*count, (i+1)*count)) summed over all ranks lands in rank i's `recv` (count elements).
-  // The MPI Comm runs it in slabs of at most kReduceScatterSlab bytes over all ranks (each slab
+  // The MPI Comm runs it in slabs of at most kCollectiveSlab bytes over all ranks (each slab
   // packed from the W blocks): MPI libraries allocate a temporary of the whole send buffer (Open
   // MPI's default for few ranks reduces into rank 0 and scatters: rank 0 held one more copy of the
-  // largest unit), which slabs bound to kReduceScatterSlab.
+  // largest unit), which slabs bound to kCollectiveSlab.
   template <typename T> void reduce_scatter_sum(const T* send, T* recv, size_t count);
-  static constexpr size_t kReduceScatterSlab = size_t{16} << 20;  // bytes per slab, all ranks' blocks
+  static constexpr size_t kCollectiveSlab = size_t{16} << 20;  // bytes per slab, all ranks' blocks
 
   // all_reduce in place: every rank ends with op over all ranks' `buf`, element-wise.
   template <typename T> void all_reduce(T* buf, size_t count, ReduceOp op);
@@ -112,7 +115,7 @@ class MpiComm final : public Comm {
   void reduce_scatter_sum_impl(const void*, void*, size_t, DType) override;
   void all_reduce_impl(void*, size_t, DType, ReduceOp) override;
   void broadcast_impl(void*, size_t, DType, int) override;
-  std::vector<char> slab_;  // reduce_scatter: one packed slab (<= kReduceScatterSlab bytes)
+  std::vector<char> slab_;  // all_gather, reduce_scatter: one packed slab (<= kCollectiveSlab bytes)
   void* comm_ = nullptr;  // MPI_Comm, stored opaquely
   bool owned_ = false;
   int rank_ = 0, size_ = 1;

@@ -189,17 +189,32 @@ void MpiComm::barrier() {
 
 void MpiComm::all_gather_impl(const void* send, void* recv, size_t count, DType t) {
   MPI_Datatype dt = mpi_type(t);
-  int n = to_count(count, "all_gather");
   Guard g(wd_, "all_gather");
-  const void* s = send;
-  if (send == static_cast<char*>(recv) + static_cast<size_t>(rank_) * count * dtype_size(t)) s = MPI_IN_PLACE;
-  check_mpi(MPI_Allgather(s, n, dt, recv, n, dt, as_mpi(comm_)), "MPI_Allgather");
+  const size_t es = dtype_size(t), W = static_cast<size_t>(size_);
+  const size_t slab = std::max<size_t>(1, kCollectiveSlab / es / W);  // elements per rank's block
+  if (count <= slab) {
+    int n = to_count(count, "all_gather");
+    const void* s = send;
+    if (send == static_cast<char*>(recv) + static_cast<size_t>(rank_) * count * es) s = MPI_IN_PLACE;
+    check_mpi(MPI_Allgather(s, n, dt, recv, n, dt, as_mpi(comm_)), "MPI_Allgather");
+    return;
+  }
+  slab_.resize(slab * W * es);
+  const char* s = static_cast<const char*>(send);
+  char* r = static_cast<char*>(recv);
+  for (size_t a = 0; a < count; a += slab) {  // gather [W, n] packed, then unpack into the W blocks
+    const size_t n = std::min(slab, count - a);
+    check_mpi(MPI_Allgather(s + a * es, to_count(n, "all_gather"), dt, slab_.data(), to_count(n, "all_gather"), dt,
+                            as_mpi(comm_)),
+              "MPI_Allgather");
+    for (size_t q = 0; q < W; ++q) std::memcpy(r + (q * count + a) * es, slab_.data() + q * n * es, n * es);
+  }
 }
 
 void MpiComm::reduce_scatter_sum_impl(const void* send, void* recv, size_t count, DType t) {
   Guard g(wd_, "reduce_scatter");
   const size_t es = dtype_size(t), W = static_cast<size_t>(size_);
-  const size_t slab = std::max<size_t>(1, kReduceScatterSlab / es / W);  // elements per rank's block
+  const size_t slab = std::max<size_t>(1, kCollectiveSlab / es / W);  // elements per rank's block
   MPI_Op op = t == DType::BF16 ? bf16_sum() : MPI_SUM;
   if (count <= slab) {
     check_mpi(MPI_Reduce_scatter_block(send, recv, to_count(count, "reduce_scatter"), mpi_type(t), op, as_mpi(comm_)),

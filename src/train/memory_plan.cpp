@@ -85,15 +85,20 @@ MemoryPlan plan_memory(const MemoryPlanInput& in) {
           "4 B x " + with_commas(slab) + " x (" + std::to_string(W) + " + 1): the bf16 gradient widened a slab at a time");
     }
   }
-  if (!in.cuda) {  // MPI reduce-scatter (runtime.h): our packed slab and the library's temporary
-    const int64_t W = in.world_size, cap = static_cast<int64_t>(Comm::kReduceScatterSlab);
-    const int64_t es = bf && in.reduce_bf16 ? 2 : 4;
-    const int64_t count = bf && in.reduce_bf16
-                              ? maxs
-                              : std::min<int64_t>(maxs, std::max<int64_t>(1, static_cast<int64_t>(Fsdp<float>::kReduceSlab) / W));
-    const int64_t slab = std::max<int64_t>(1, cap / es / W);
-    const int64_t ours = count > slab ? slab * W * es : 0, lib = std::min(cap, count * W * es);
-    if (W > 1) add("MPI reduce-scatter buffers", ours + lib, "a packed slab and Open MPI's temporary, each <= 16 MiB");
+  if (!in.cuda && in.world_size > 1) {  // MpiComm's packed slab and the MPI library's temporaries (runtime.h)
+    const int64_t W = in.world_size, cap = static_cast<int64_t>(Comm::kCollectiveSlab);
+    const int64_t gs = bf ? 2 : 4;  // all-gather: shards in the compute type
+    const int64_t rs = bf && in.reduce_bf16 ? 2 : 4;
+    const int64_t rcount = bf && in.reduce_bf16
+                               ? maxs
+                               : std::min<int64_t>(maxs, std::max<int64_t>(1, static_cast<int64_t>(Fsdp<float>::kReduceSlab) / W));
+    auto ours = [&](int64_t count, int64_t es) {
+      const int64_t slab = std::max<int64_t>(1, cap / es / W);
+      return count > slab ? slab * W * es : 0;
+    };
+    const int64_t o = std::max(ours(maxs, gs), ours(rcount, rs));
+    const int64_t lib = std::max(std::min(cap, maxs * W * gs), std::min(cap, rcount * W * rs));
+    add("MPI collective buffers", o + lib, "a packed slab and Open MPI's temporary, each <= 16 MiB");
   }
   const int B = in.train.micro_batch, T = in.train.seq_len;
   const ActivationBytes a = activation_bytes(in.model, mo, B, T, bf ? 2 : 4, 4);

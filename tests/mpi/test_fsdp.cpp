@@ -133,7 +133,10 @@ class Fsdp : public ::testing::Test {
 template <typename T> void check_all_gather() {
   st::Comm& c = world();
   const int W = c.world_size(), r = c.rank();
-  for (size_t n : {size_t{1}, size_t{5}}) {
+  // And two and a bit slabs (runtime.h: the MPI Comm gathers kCollectiveSlab bytes of all ranks at
+  // a time and unpacks them; values below 2^24 stay exact in float).
+  const size_t slab = st::Comm::kCollectiveSlab / sizeof(T) / static_cast<size_t>(W);
+  for (size_t n : {size_t{1}, size_t{5}, 2 * slab + 3}) {
     std::vector<T> send(n), recv(n * static_cast<size_t>(W), T(-1));
     for (size_t i = 0; i < n; ++i) send[i] = static_cast<T>(100 * r + static_cast<int>(i)) + T(0.5);
     c.all_gather(send.data(), recv.data(), n);
@@ -154,9 +157,9 @@ template <typename T> void check_all_gather() {
 template <typename T> void check_reduce_scatter() {
   st::Comm& c = world();
   const int W = c.world_size(), r = c.rank();
-  // Two and a bit slabs (runtime.h: the MPI Comm packs and reduce-scatters kReduceScatterSlab bytes
+  // Two and a bit slabs (runtime.h: the MPI Comm packs and reduce-scatters kCollectiveSlab bytes
   // of all ranks at a time; the last slab is short).
-  const size_t slab = st::Comm::kReduceScatterSlab / sizeof(T) / static_cast<size_t>(W);
+  const size_t slab = st::Comm::kCollectiveSlab / sizeof(T) / static_cast<size_t>(W);
   for (size_t n : {size_t{1}, size_t{4}, 2 * slab + 3}) {
     // send[b*n + i] on rank q = (q+1)*1000 + 10*b + i%97 + 0.25: dyadic, so every summation order is exact.
     std::vector<T> send(n * static_cast<size_t>(W)), recv(n, T(-1));

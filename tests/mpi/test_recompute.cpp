@@ -173,7 +173,7 @@ TEST(Recompute, ActivationBytesMatchAllocations) {
 // The memory plan adds up what training allocates on this rank: Fsdp shards and buffers, AdamW
 // moments, mixed-precision buffers and the model's activations (counted by the backends), at this
 // world size, fp32 and bf16 (both reduce dtypes). Token data and the runtime floor are left out
-// here (data_tokens = 0, runtime_bytes = 0), and so are the MPI reduce-scatter buffers (host memory
+// here (data_tokens = 0, runtime_bytes = 0), and so are the MPI collective buffers (host memory
 // of MpiComm and the MPI library); the benchmark compares all of them with VmHWM.
 TEST(MemoryPlan, MatchesCountedAllocations) {
   st::Comm& comm = st::testing::comm();
@@ -191,7 +191,7 @@ TEST(MemoryPlan, MatchesCountedAllocations) {
     const st::MemoryPlan plan = st::plan_memory({mc, tc, W, k.p, k.rbf16, false, 0, 4, 0});
     int64_t backend_bytes = plan.total();  // all but the MPI library's and MpiComm's host buffers
     for (auto& l : plan.lines)
-      if (l.name == "MPI reduce-scatter buffers") backend_bytes -= l.bytes;
+      if (l.name == "MPI collective buffers") backend_bytes -= l.bytes;
     st::testing::CountingBackend<float> be;
     st::testing::CountingBackend<bf16> be16;
     {

@@ -580,19 +580,36 @@ template <typename T> class CpuBackend final : public Backend<T> {
     else if constexpr (std::is_same_v<T, double>) cblas_dgemm(CblasRowMajor, TA, TB, M, N, K, alpha, Am, lda, B, ldb, beta, C, ldc);
   }
   // bf16: widen the operands to float, sgemm (fp32 accumulation, as cuBLAS with CUBLAS_COMPUTE_32F),
-  // round the result once.
+  // round the result once. Blocks of kWiden rows / columns / depth at a time, so the float copies are
+  // at most 3 x kWiden^2 floats (3 MiB), not whole operands (an LM head's [V, C] weight and
+  // [tokens, V] logits were 250 MiB for llama-125m; the memory plan does not count them).
+  static constexpr int kWiden = 512;
   void gemm_bf16(bool ta, bool tb, int M, int N, int K, S alpha, const T* Am, int lda, const T* B, int ldb, S beta,
                  T* C, int ldc) {
     if (M == 0 || N == 0) return;
-    const int ra = ta ? K : M, ca = ta ? M : K, rb = tb ? N : K, cb = tb ? K : N;
-    widen(fa_, Am, ra, ca, lda);
-    widen(fb_, B, rb, cb, ldb);
-    if (beta != 0.0f) widen(fc_, C, M, N, ldc);
-    else fc_.assign(static_cast<size_t>(M) * N, 0.0f);
-    cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, M, N, K, alpha,
-                fa_.data(), ca, fb_.data(), cb, beta, fc_.data(), N);
-    for (int i = 0; i < M; ++i)
-      for (int j = 0; j < N; ++j) C[static_cast<size_t>(i) * ldc + j] = math::st<T>(fc_[static_cast<size_t>(i) * N + j]);
+    auto a_at = [&](int i, int k) { return ta ? Am + static_cast<size_t>(k) * lda + i : Am + static_cast<size_t>(i) * lda + k; };
+    auto b_at = [&](int k, int j) { return tb ? B + static_cast<size_t>(j) * ldb + k : B + static_cast<size_t>(k) * ldb + j; };
+    for (int i0 = 0; i0 < M; i0 += kWiden)
+      for (int j0 = 0; j0 < N; j0 += kWiden) {
+        const int m = std::min(kWiden, M - i0), n = std::min(kWiden, N - j0);
+        T* Ct = C + static_cast<size_t>(i0) * ldc + j0;
+        if (beta != 0.0f) widen(fc_, Ct, m, n, ldc);
+        else fc_.assign(static_cast<size_t>(m) * n, 0.0f);
+        float b = beta;
+        for (int k0 = 0; k0 < K; k0 += kWiden) {  // fp32 accumulation over depth blocks
+          const int d = std::min(kWiden, K - k0);
+          // Stored blocks as op() sees them: A block rows [i0, i0+m) x depth [k0, k0+d) etc.
+          if (ta) widen(fa_, a_at(i0, k0), d, m, lda); else widen(fa_, a_at(i0, k0), m, d, lda);
+          if (tb) widen(fb_, b_at(k0, j0), n, d, ldb); else widen(fb_, b_at(k0, j0), d, n, ldb);
+          cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, m, n, d, alpha,
+                      fa_.data(), ta ? m : d, fb_.data(), tb ? d : n, b, fc_.data(), n);
+          b = 1.0f;
+        }
+        if (K == 0 && beta != 1.0f)
+          for (float& x : fc_) x *= beta;
+        for (int i = 0; i < m; ++i)
+          for (int j = 0; j < n; ++j) Ct[static_cast<size_t>(i) * ldc + j] = math::st<T>(fc_[static_cast<size_t>(i) * n + j]);
+      }
   }
 
   // Per-thread scratch of the flash attention work items (tiles in S).
