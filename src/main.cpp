@@ -151,10 +151,15 @@ void run_plan(Comm& comm, const Options& o) {
   const bool cuda = o.device == "cuda";
   MemoryPlanInput in{mc, o.train, W, parse_precision(o.precision), o.reduce_dtype == "bf16", cuda, 0, 4, 0};
   TrainConfig& t = in.train;
+  // Training's check of the sequence length (train.cpp): no plan for a run that would be refused.
+  all_ok(comm, t.seq_len <= mc.max_position_embeddings,
+         "option '--seq-len' (" + std::to_string(t.seq_len) + ") exceeds the model's max_position_embeddings (" +
+             std::to_string(mc.max_position_embeddings) + ")");
+  // Memory depends on the micro-batch only: the global batch matters (and is checked) when it sets it.
   if (t.micro_batch == 0) {
     all_ok(comm, t.global_batch % W == 0,
            "option '--global-batch' (" + std::to_string(t.global_batch) + ") is not divisible by '--world-size' (" +
-               std::to_string(W) + "); give '--micro-batch'");
+               std::to_string(W) + "); give '--micro-batch' (memory depends on it alone)");
     t.micro_batch = t.global_batch / W;
   }
   if (!o.data.empty()) {
@@ -188,7 +193,9 @@ void run_plan(Comm& comm, const Options& o) {
       m.train.micro_batch = 1;
       const int mb = largest_fitting_micro_batch(m, static_cast<int64_t>(dev));
       char b[64];
-      std::snprintf(b, sizeof b, "%.1f GiB", static_cast<double>(plan_memory(m).total()) / (1 << 30));
+      const double need = static_cast<double>(plan_memory(m).total());
+      if (need >= (1 << 30)) std::snprintf(b, sizeof b, "%.1f GiB", need / (1 << 30));
+      else std::snprintf(b, sizeof b, "%.1f MiB", need / (1 << 20));
       os << "\n  --activation-checkpointing " << r << ": "
          << (mb > 0 ? "micro-batch up to " + std::to_string(mb) + (mb == 1024 ? " (or more)" : "")
                     : std::string("does not fit (micro-batch 1 needs ") + b + ")");

@@ -43,7 +43,7 @@ po::options_description describe(Options& o) {
       ("val-fraction", dbl(&o.val_fraction), "fraction of tokens (the last ones) held out for validation, in (0, 1)");
   po::options_description model("Model");
   model.add_options()
-      ("model", po::value<std::string>(&o.model)->default_value(o.model), "preset name (tiny, test-uneven, demo, llama-125m, llama-350m) or path to a Hugging Face config.json of a LlamaForCausalLM");
+      ("model", po::value<std::string>(&o.model)->default_value(o.model), "preset name (tiny, test-uneven, demo, llama-125m, llama-350m, llama-1b, tinyllama-1.1b, llama-8b) or path to a Hugging Face config.json of a LlamaForCausalLM");
   po::options_description tr("Training (--mode train)");
   tr.add_options()
       ("data", po::value<std::string>(&o.data), "token file made by --mode prepare")
