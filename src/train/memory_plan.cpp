@@ -109,7 +109,8 @@ MemoryPlan plan_memory(const MemoryPlanInput& in) {
   if (a.recompute) add("recomputed block activations", a.recompute, "one block at a time");
   add("block scratch and activation gradients", a.block_scratch, "shared by the blocks");
   add("head: final norm, logits chunk, ids, RoPE", a.head,
-      "chunk of " + std::to_string(mo.loss_chunk > 0 ? mo.loss_chunk : default_loss_chunk(in.model.vocab_size)) +
+      "chunk of " + std::to_string(std::min<int64_t>(mo.loss_chunk > 0 ? mo.loss_chunk : default_loss_chunk(in.model.vocab_size),
+                                                     int64_t{B} * T)) +
           " tokens x " + with_commas(in.model.vocab_size) + " vocabulary");
   if (!in.cuda && in.data_tokens)
     add("token data", static_cast<int64_t>(in.data_tokens) * in.token_bytes,
