@@ -72,6 +72,11 @@ struct ShardPlan {
   int unit_index(const std::string& name) const;  // -1 if absent
 };
 
+// Shard elements per reduce-scatter call when `slab_elements` elements of all ranks' blocks are
+// reduced at a time: min(largest shard, max(1, slab_elements / W)). The FSDP engine's and mixed
+// precision's buffers are sized by it, and so is the memory plan.
+size_t reduce_slab(const ShardPlan& plan, size_t slab_elements);
+
 // What the model needs from the sharding layer, in its compute type C: a unit's parameters,
 // gathered in full; a zeroed full-unit gradient buffer; and the reduce-scatter of that buffer into
 // this rank's gradient shard. Fsdp<T> is the UnitSource<T> of plain fp32 (or fp64) training;

@@ -2,6 +2,7 @@
 #include "shardtrain/shard.h"
 
 #include <algorithm>
+#include <type_traits>
 #include <cmath>
 #include <set>
 #include <stdexcept>
@@ -109,7 +110,7 @@ Fsdp<T>::Fsdp(Backend<T>& be, Comm& comm, ShardPlan plan, Comm* data_comm, bool 
   gather_buf_ = Buffer<T>(be_, max_padded);
   grad_buf_ = Buffer<T>(be_, max_padded);
   const size_t max_shard = static_cast<size_t>(plan_.max_shard_size()), W = static_cast<size_t>(plan_.world_size);
-  slab_ = std::min(max_shard, std::max<size_t>(1, kReduceSlab / W));
+  slab_ = reduce_slab(plan_, kReduceSlab);
   scatter_tmp_ = Buffer<T>(be_, slab_);
   if (max_shard > slab_) pack_ = Buffer<T>(be_, slab_ * W);
 }
@@ -150,6 +151,36 @@ template <typename T> void Fsdp<T>::zero_grads() {
   for (size_t u = 0; u < grads_.size(); ++u) be_.zero(grads_[u].data(), grads_[u].size());
 }
 
+size_t reduce_slab(const ShardPlan& plan, size_t slab_elements) {
+  const size_t max_shard = static_cast<size_t>(plan.max_shard_size()), W = static_cast<size_t>(plan.world_size);
+  return std::min(max_shard, std::max<size_t>(1, slab_elements / W));
+}
+
+namespace {
+// The one slab loop of both gradient paths. `full` is a full-unit buffer laid out [W, S] (rank r's
+// block at r*S). With S <= slab it is reduce-scattered as it is; else a slab of n <= slab elements
+// of every block at a time: stage(packed + r*n, full + r*S + a, n) fills the packed [W, n] buffer
+// (a copy, or a widening to fp32), which is reduce-scattered. add(a, n, out) consumes each summed
+// piece [a, a+n) of this rank's shard.
+template <typename F, typename P, typename Stage, typename Add>
+void reduce_scatter_slabs(Comm& comm, const F* full, size_t S, size_t W, size_t slab, P* packed, P* out, Stage stage,
+                          Add add) {
+  if constexpr (std::is_same_v<F, P>) {
+    if (S <= slab) {
+      comm.reduce_scatter_sum(full, out, S);
+      add(size_t{0}, S, out);
+      return;
+    }
+  }
+  for (size_t a = 0; a < S; a += slab) {
+    const size_t n = std::min(slab, S - a);
+    for (size_t r = 0; r < W; ++r) stage(packed + r * n, full + r * S + a, n);
+    comm.reduce_scatter_sum(packed, out, n);
+    add(a, n, out);
+  }
+}
+}  // namespace
+
 template <typename T> const T* Fsdp<T>::gather(int u) {
   const UnitPlan& up = plan_.units[u];
   dcomm_->all_gather(params_[u].data(), gather_buf_.data(), static_cast<size_t>(up.shard_size));
@@ -163,20 +194,12 @@ template <typename T> T* Fsdp<T>::full_grad(int u) {
 }
 
 template <typename T> void Fsdp<T>::reduce_scatter_grad(int u) {
-  const UnitPlan& up = plan_.units[u];
-  const size_t S = static_cast<size_t>(up.shard_size), W = static_cast<size_t>(comm_.world_size());
+  const size_t S = static_cast<size_t>(plan_.units[u].shard_size), W = static_cast<size_t>(comm_.world_size());
   const T inv_w = T(1) / static_cast<T>(W);
-  if (S <= slab_) {
-    dcomm_->reduce_scatter_sum(grad_buf_.data(), scatter_tmp_.data(), S);
-    be_.axpy(S, inv_w, scatter_tmp_.data(), grads_[u].data());
-    return;
-  }
-  for (size_t a = 0; a < S; a += slab_) {  // pack [W, n] from the W blocks of the full-unit buffer
-    const size_t n = std::min(slab_, S - a);
-    for (size_t r = 0; r < W; ++r) be_.copy(pack_.data() + r * n, grad_buf_.data() + r * S + a, n);
-    dcomm_->reduce_scatter_sum(pack_.data(), scatter_tmp_.data(), n);
-    be_.axpy(n, inv_w, scatter_tmp_.data(), grads_[u].data() + a);
-  }
+  reduce_scatter_slabs(
+      *dcomm_, grad_buf_.data(), S, W, slab_, pack_.data(), scatter_tmp_.data(),
+      [&](T* d, const T* src, size_t n) { be_.copy(d, src, n); },
+      [&](size_t a, size_t n, const T* sum) { be_.axpy(n, inv_w, sum, grads_[u].data() + a); });
 }
 
 template <typename T> std::vector<T> Fsdp<T>::gather_param(const std::string& name) {
@@ -229,9 +252,8 @@ MixedPrecisionUnits::MixedPrecisionUnits(Fsdp<float>& master, Backend<bf16>& be,
   if (reduce_bf16_) {
     scatter_ = Buffer<bf16>(be_, max_shard);
   } else {
-    const size_t W = static_cast<size_t>(m_.comm().world_size());
-    slab_ = std::min(max_shard, std::max<size_t>(1, widen_slab / W));
-    grad32_ = Buffer<float>(m_.backend(), slab_ * W);
+    slab_ = reduce_slab(m_.plan(), widen_slab);
+    grad32_ = Buffer<float>(m_.backend(), slab_ * static_cast<size_t>(m_.comm().world_size()));
     scatter32_ = Buffer<float>(m_.backend(), slab_);
   }
 }
@@ -249,23 +271,23 @@ bf16* MixedPrecisionUnits::full_grad(int u) {
 }
 
 void MixedPrecisionUnits::reduce_scatter_grad(int u) {
-  const UnitPlan& up = m_.plan().units[u];
-  const size_t S = static_cast<size_t>(up.shard_size);
-  const float inv_w = 1.0f / static_cast<float>(m_.comm().world_size());
-  if (reduce_bf16_) {
-    m_.data_comm().reduce_scatter_sum(grad_.data(), scatter_.data(), S);
-    be_.add_to_f32(m_.grad_shard(u), inv_w, scatter_.data(), S);
-  } else {  // widened to fp32 one slab of every rank's part at a time: [W, n] of slab_ * W floats
-    Backend<float>& b32 = m_.backend();
-    const size_t W = static_cast<size_t>(m_.comm().world_size());
-    for (size_t a = 0; a < S; a += slab_) {
-      const size_t n = std::min(slab_, S - a);
-      b32.zero(grad32_.data(), n * W);
-      for (size_t r = 0; r < W; ++r) be_.add_to_f32(grad32_.data() + r * n, 1.0f, grad_.data() + r * S + a, n);
-      m_.data_comm().reduce_scatter_sum(grad32_.data(), scatter32_.data(), n);
-      b32.axpy(n, inv_w, scatter32_.data(), m_.grad_shard(u) + a);
-    }
-  }
+  const size_t S = static_cast<size_t>(m_.plan().units[u].shard_size), W = static_cast<size_t>(m_.comm().world_size());
+  const float inv_w = 1.0f / static_cast<float>(W);
+  float* shard = m_.grad_shard(u);
+  Backend<float>& b32 = m_.backend();
+  if (reduce_bf16_)  // in bf16, the whole shard at once (scatter_ is shard-sized)
+    reduce_scatter_slabs(
+        m_.data_comm(), grad_.data(), S, W, S, static_cast<bf16*>(nullptr), scatter_.data(),
+        [](bf16*, const bf16*, size_t) {},
+        [&](size_t a, size_t n, const bf16* sum) { be_.add_to_f32(shard + a, inv_w, sum, n); });
+  else  // widened to fp32 a slab at a time: [W, n] of at most slab_ * W floats
+    reduce_scatter_slabs(
+        m_.data_comm(), grad_.data(), S, W, slab_, grad32_.data(), scatter32_.data(),
+        [&](float* d, const bf16* src, size_t n) {
+          b32.zero(d, n);
+          be_.add_to_f32(d, 1.0f, src, n);
+        },
+        [&](size_t a, size_t n, const float* sum) { b32.axpy(n, inv_w, sum, shard + a); });
 }
 
 template class Fsdp<float>;

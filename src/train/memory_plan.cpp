@@ -70,7 +70,7 @@ MemoryPlan plan_memory(const MemoryPlanInput& in) {
   if (!bf) {
     add("FSDP gather + gradient buffers", 8 * maxp, "2 x 4 B x " + mx);
     const int64_t W = in.world_size;
-    const int64_t slab = std::min<int64_t>(maxs, std::max<int64_t>(1, static_cast<int64_t>(Fsdp<float>::kReduceSlab) / W));
+    const int64_t slab = static_cast<int64_t>(reduce_slab(sp, Fsdp<float>::kReduceSlab));
     add("FSDP reduce-scatter slab buffers", 4 * (slab + (maxs > slab ? slab * W : 0)),
         "4 B x " + with_commas(slab) + (maxs > slab ? " x (" + std::to_string(W) + " + 1)" : std::string()));
   } else {
@@ -80,7 +80,7 @@ MemoryPlan plan_memory(const MemoryPlanInput& in) {
       add("bf16 reduce-scatter buffer", 2 * maxs, "2 B x " + with_commas(maxs));
     else {
       const int64_t W = in.world_size;
-      const int64_t slab = std::min<int64_t>(maxs, std::max<int64_t>(1, static_cast<int64_t>(MixedPrecisionUnits::kWidenSlab) / W));
+      const int64_t slab = static_cast<int64_t>(reduce_slab(sp, MixedPrecisionUnits::kWidenSlab));
       add("fp32 reduce-scatter slabs", 4 * slab * (W + 1),
           "4 B x " + with_commas(slab) + " x (" + std::to_string(W) + " + 1): the bf16 gradient widened a slab at a time");
     }
@@ -91,7 +91,7 @@ MemoryPlan plan_memory(const MemoryPlanInput& in) {
     const int64_t rs = bf && in.reduce_bf16 ? 2 : 4;
     const int64_t rcount = bf && in.reduce_bf16
                                ? maxs
-                               : std::min<int64_t>(maxs, std::max<int64_t>(1, static_cast<int64_t>(Fsdp<float>::kReduceSlab) / W));
+                               : static_cast<int64_t>(reduce_slab(sp, Fsdp<float>::kReduceSlab));
     auto ours = [&](int64_t count, int64_t es) {
       const int64_t slab = std::max<int64_t>(1, cap / es / W);
       return count > slab ? slab * W * es : 0;

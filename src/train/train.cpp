@@ -279,8 +279,9 @@ static TrainResult train_in(Engine& eng, const ModelConfig& mc, const TrainConfi
     mi.train.micro_batch = mb;
     mi.runtime_bytes = mi.cuda ? kGpuRuntimeEstimate : current_rss_bytes();
     comm.all_reduce(&mi.runtime_bytes, 1, ReduceOp::Max);
-    plan_total = plan_memory(mi).total();
-    log_info(comm, plan_memory(mi).format("memory plan per rank (" + std::string(mi.cuda ? "device" : "host") +
+    const MemoryPlan plan = plan_memory(mi);
+    plan_total = plan.total();
+    log_info(comm, plan.format("memory plan per rank (" + std::string(mi.cuda ? "device" : "host") +
                                           " memory; --mode plan prints it without a launch):"));
   }
 
