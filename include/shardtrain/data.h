@@ -16,10 +16,27 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
 namespace shardtrain {
+
+// "No such id" in a token file header's bos_id / eos_id (a tokenizer without BOS, as GPT-2's).
+inline constexpr uint32_t kNoTokenId = 0xFFFFFFFFu;
+
+// The tokenizer a token file was made with (format version 2 metadata, docs/data-format.md): what
+// export writes next to the model so that AutoTokenizer gives the ids training used.
+struct TokenizerInfo {
+  std::string kind = "byte-level";  // "byte-level" | "sentencepiece" | "hf-tokenizers" | "" (unknown: llm.c / nanoGPT data)
+  uint32_t vocab_size = 0;          // ids of the data are < vocab_size
+  int64_t bos_id = -1, eos_id = -1, pad_id = -1, unk_id = -1;  // -1: none
+  bool add_bos = true;              // each document starts with bos_id (when there is one)
+  bool add_eos = true;              // each document ends with eos_id
+  // The tokenizer's files by name ("tokenizer.model", "tokenizer.json", "tokenizer_config.json",
+  // "special_tokens_map.json"), their exact bytes. Empty for byte-level (export synthesizes it).
+  std::map<std::string, std::string> files;
+};
 
 // Byte-level tokenizer: ids 0-255 are the bytes of UTF-8 text, BOS = 256, EOS = 257.
 struct ByteTokenizer {
