@@ -11,6 +11,7 @@ PKGS=(
   nlohmann-json3-dev                  # config.json, canonical config JSON, metrics
   libopenblas-dev                     # CPU GEMM
   libgtest-dev                        # unit tests
+  libsentencepiece-dev                # SentencePiece tokenizers: train (--mode tokenizer), encode (--mode prepare), generate
   fortunes                            # default English corpus for `make demo` and tests
   python3 python3-venv                # verification clients (h5py, transformers) in a venv
   shellcheck                          # lints jobs/*.sbatch and the test scripts (tests/e2e/test_jobs_scripts.sh)
