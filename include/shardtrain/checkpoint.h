@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "shardtrain/config.h"
+#include "shardtrain/data.h"
 #include "shardtrain/runtime.h"
 #include "shardtrain/shard.h"
 
@@ -18,6 +19,13 @@ namespace shardtrain {
 
 template <typename T> class AdamW;
 struct TrainConfig;
+
+// A TokenizerInfo that records no tokenizer (kind ""): nothing to write, nothing known.
+inline TokenizerInfo no_tokenizer() {
+  TokenizerInfo t;
+  t.kind.clear();
+  return t;
+}
 
 // Version 2 added the metadata checksums (docs/checkpoint-format.md, "Integrity"), the batch
 // history in data_position and the `data` attribute. Version 1 files still load (their attributes
@@ -44,6 +52,9 @@ struct TrainState {
   int saved_world_size = 0; // world size the checkpoint was written at (0: not loaded)
   std::vector<BatchSegment> segments;  // the run's batch history, oldest first; empty: none (import)
   std::string data_info = "null";      // JSON of the token file trained on (see CheckpointInfo::data_info)
+  // The tokenizer of the data trained on (or of the imported model): written to group /tokenizer
+  // when tokenizer.kind is not empty, so that export can give the model its tokenizer.
+  TokenizerInfo tokenizer = no_tokenizer();
 };
 
 // Tokens consumed by `step` optimizer steps under `segments` (sum over segments of steps x
@@ -70,6 +81,9 @@ struct CheckpointInfo {
   // {"path", "tokenizer", "vocab_size", "bos_id", "eos_id"} from its header (data.h), "crc32" of the file.
   std::string data_info = "null";
   std::vector<BatchSegment> segments;  // from data_position (version 1: one segment from train_config)
+  // Group /tokenizer: its attribute `info` (kind, ids, file names, sizes and CRC32s) and the
+  // files' bytes, each checked against its CRC32. kind "" when the file has no such group.
+  TokenizerInfo tokenizer = no_tokenizer();
   uint64_t file_bytes = 0;             // size of the file as this rank saw it
   bool metadata_verified = false;      // version 2: every attribute and table matched its checksum
   std::vector<CheckpointUnitInfo> units;

@@ -162,12 +162,15 @@ std::string param_rows_bytes(const std::vector<ParamRow>& rows) {
 }
 
 // "@step" -> "attribute 'step'"; "units/U@numel" -> "attribute 'numel' of unit 'U'";
-// "units/U/shard_table" -> "dataset 'units/U/shard_table'".
+// "units/U/shard_table" -> "dataset 'units/U/shard_table'"; "tokenizer@info" -> "attribute 'info'
+// of group '/tokenizer'".
 std::string describe_item(const std::string& key) {
   size_t at = key.find('@');
   if (at == std::string::npos) return "dataset '" + key + "'";
   std::string attr = "attribute '" + key.substr(at + 1) + "'";
-  return at == 0 ? attr : attr + " of unit '" + key.substr(6, at - 6) + "'";
+  if (at == 0) return attr;
+  if (key.rfind("units/", 0) == 0) return attr + " of unit '" + key.substr(6, at - 6) + "'";
+  return attr + " of group '/" + key.substr(0, at) + "'";
 }
 
 // The checksums of the items written or read so far; when reading a version-2 file, each item is
@@ -304,6 +307,66 @@ std::string shape_str(const std::vector<int64_t>& s) {
   std::string o = "[";
   for (size_t i = 0; i < s.size(); ++i) o += (i ? ", " : "") + std::to_string(s[i]);
   return o + "]";
+}
+
+// Group /tokenizer (docs/checkpoint-format.md, "Tokenizer"): attribute `info` is this JSON; the
+// files' bytes are u8 datasets named like the files.
+json tokenizer_record(const TokenizerInfo& t) {
+  auto id = [](int64_t v) { return v < 0 ? json(nullptr) : json(v); };
+  json files = json::object();
+  for (auto& [name, bytes] : t.files) files[name] = {{"bytes", bytes.size()}, {"crc32", crc32_bytes(bytes)}};
+  return {{"kind", t.kind}, {"vocab_size", t.vocab_size}, {"bos_id", id(t.bos_id)}, {"eos_id", id(t.eos_id)},
+          {"pad_id", id(t.pad_id)}, {"unk_id", id(t.unk_id)}, {"add_bos", t.add_bos}, {"add_eos", t.add_eos},
+          {"files", files}};
+}
+
+void write_tokenizer_group(Comm& comm, hid_t file, MetaSums& ms, const TokenizerInfo& t, hid_t dxpl) {
+  H5Id g(chk(H5Gcreate2(file, "tokenizer", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), "create group /tokenizer"), H5Gclose);
+  put_str(g, ms, "tokenizer", "info", tokenizer_record(t).dump());
+  for (auto& [name, bytes] : t.files) {
+    const hsize_t dims[1] = {static_cast<hsize_t>(bytes.size())};
+    write_small(comm, g, name.c_str(), H5T_STD_U8LE, H5T_NATIVE_UINT8, 1, dims, bytes.data(), dxpl);
+  }
+}
+
+// Reads group /tokenizer (kind "" when absent), verifying each file against the CRC32 in `info`.
+TokenizerInfo read_tokenizer_group(hid_t file, MetaSums& ms) {
+  TokenizerInfo t;
+  t.kind = "";
+  if (H5Lexists(file, "tokenizer", H5P_DEFAULT) <= 0) return t;
+  H5Id g(chk(H5Gopen2(file, "tokenizer", H5P_DEFAULT), "open group /tokenizer"), H5Gclose);
+  const std::string text = get_str(g, ms, "tokenizer", "info", "group '/tokenizer'");
+  json j;
+  try {
+    j = json::parse(text);
+    t.kind = j.at("kind").get<std::string>();
+    t.vocab_size = j.at("vocab_size").get<uint32_t>();
+    auto id = [&](const char* k) { return j.at(k).is_null() ? int64_t{-1} : j.at(k).get<int64_t>(); };
+    t.bos_id = id("bos_id");
+    t.eos_id = id("eos_id");
+    t.pad_id = id("pad_id");
+    t.unk_id = id("unk_id");
+    t.add_bos = j.at("add_bos").get<bool>();
+    t.add_eos = j.at("add_eos").get<bool>();
+    if (!j.at("files").is_object()) throw std::runtime_error("'files' is not an object");
+  } catch (const std::exception& e) {
+    throw H5Error("attribute 'info' of group '/tokenizer' is malformed (" + std::string(e.what()) + ")");
+  }
+  for (auto& [name, meta] : j["files"].items()) {
+    const std::string w = "dataset 'tokenizer/" + name + "'";
+    if (H5Lexists(g, name.c_str(), H5P_DEFAULT) <= 0) throw H5Error(w + " is missing");
+    H5Id d(chk(H5Dopen2(g, name.c_str(), H5P_DEFAULT), "open " + w), H5Dclose);
+    H5Id sp(H5Dget_space(d), H5Sclose);
+    const hssize_t n = H5Sget_simple_extent_npoints(sp);
+    if (n < 0 || static_cast<uint64_t>(n) != meta.value("bytes", uint64_t{0}))
+      throw H5Error(w + " holds " + std::to_string(n) + " bytes, attribute 'info' says " + meta.value("bytes", json()).dump());
+    std::string bytes(static_cast<size_t>(n), '\0');
+    if (n > 0) chk(H5Dread(d, H5T_NATIVE_UINT8, H5S_ALL, H5S_ALL, H5P_DEFAULT, bytes.data()), "read " + w, 0);
+    if (crc32_bytes(bytes) != meta.value("crc32", uint64_t{0}))
+      throw H5Error(w + " fails its CRC32 check; the file is damaged");
+    t.files[name] = std::move(bytes);
+  }
+  return t;
 }
 
 struct QuietHdf5 {  // shardtrain reports HDF5 failures itself, with the file name
@@ -537,6 +600,7 @@ void write_checkpoint_file(Comm& comm, const std::string& tmp_path, Fsdp<float>&
     H5Id units(chk(H5Gcreate2(file, "units", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), "create group /units"), H5Gclose);
     H5Id dxpl(H5Pcreate(H5P_DATASET_XFER), H5Pclose);
     H5Pset_dxpl_mpio(dxpl, H5FD_MPIO_COLLECTIVE);
+    if (!st.tokenizer.kind.empty()) write_tokenizer_group(comm, file, ms, st.tokenizer, dxpl);
     H5Id rowt = param_row_type();
     std::vector<float> host;
     std::string write_err;
@@ -737,6 +801,7 @@ void read_metadata(const std::string& path, CheckpointInfo& info, MetaSums& ms) 
   info.rng_state = get_str(file, ms, "", "rng_state", where);
   info.program_version = get_str(file, ms, "", "program_version", where);
   info.data_info = info.format_version >= 2 ? get_str(file, ms, "", "data", where) : "null";
+  if (info.format_version >= 2) info.tokenizer = read_tokenizer_group(file, ms);
   if (info.world_size < 1) throw H5Error("attribute 'world_size' is " + std::to_string(info.world_size));
   H5Id units(H5Gopen2(file, "units", H5P_DEFAULT), H5Gclose);
   if (!units.ok()) throw H5Error("group '/units' is missing");
@@ -1039,6 +1104,7 @@ TrainState load_checkpoint(Comm& comm, const std::string& path, Fsdp<float>& f, 
   st.saved_world_size = info.world_size;
   st.segments = info.segments;
   st.data_info = info.data_info;
+  st.tokenizer = info.tokenizer;
   st.seed = json::parse(info.rng_state).at("seed").get<uint64_t>();  // checked by read_checkpoint_info
   return st;
 }

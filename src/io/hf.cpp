@@ -12,6 +12,8 @@
 #include <sstream>
 #include <stdexcept>
 
+#include <sentencepiece_processor.h>
+
 #include "shardtrain/checkpoint.h"
 #include "shardtrain/config.h"
 #include "shardtrain/data.h"
@@ -128,6 +130,7 @@ struct Loaded {  // a checkpoint's model, sharded over the current ranks
   ModelConfig mc;                 // special ids filled from the checkpoint's token file record
   bool has_data = false;          // the checkpoint records the token file it was trained on
   std::string data_tokenizer;     // that token file's tokenizer name, e.g. "byte-level"
+  TokenizerInfo tokenizer = no_tokenizer();  // group /tokenizer of the checkpoint (kind "": none)
   std::unique_ptr<Backend<float>> be;
   std::unique_ptr<Fsdp<float>> f;
 };
@@ -163,6 +166,7 @@ Loaded load_model(Comm& comm, const std::string& ckpt) {
     validate(l.mc, "in checkpoint '" + ckpt + "'");
     l.has_data = parse_data_info(ckpt, info.data_info, data, l.data_tokenizer);
   });
+  l.tokenizer = info.tokenizer;
   l.be = make_cpu_backend<float>();
   l.f = std::make_unique<Fsdp<float>>(*l.be, comm, ShardPlan::build(llama_units(l.mc), comm.world_size()));
   load_checkpoint(comm, ckpt, *l.f, nullptr, l.mc, &info);  // compares the config as stored: fill only after
@@ -198,11 +202,126 @@ std::string byte_tokenizer_unfit(const Loaded& l) {
   return "";
 }
 
+// The files a model's own tokenizer may consist of, as Hugging Face names them. Nothing else is
+// imported, stored or exported (a name from a file never becomes a path of its own).
+const std::vector<std::string>& tokenizer_file_names() {
+  static const std::vector<std::string> names = {"tokenizer.model", "tokenizer.json", "tokenizer_config.json",
+                                                 "special_tokens_map.json"};
+  return names;
+}
+
+// True when the recorded tokenizer is a model's own (SentencePiece or Hugging Face tokenizers)
+// with the file that defines it.
+bool has_own_tokenizer(const TokenizerInfo& t) {
+  return (t.kind == "sentencepiece" && t.files.count("tokenizer.model")) ||
+         (t.kind == "hf-tokenizers" && t.files.count("tokenizer.json"));
+}
+
+// The token string of `id` in tokenizer `t` ("" if it has none): the SentencePiece piece, or the
+// tokenizer.json added token / vocabulary entry.
+std::string token_string(const TokenizerInfo& t, int64_t id) {
+  if (id < 0) return "";
+  if (t.kind == "sentencepiece") {
+    sentencepiece::SentencePieceProcessor sp;
+    if (!sp.LoadFromSerializedProto(t.files.at("tokenizer.model")).ok() || id >= sp.GetPieceSize()) return "";
+    return sp.IdToPiece(static_cast<int>(id));
+  }
+  const json j = json::parse(t.files.at("tokenizer.json"), nullptr, false);
+  if (j.is_discarded()) return "";
+  if (j.contains("added_tokens") && j["added_tokens"].is_array())
+    for (auto& a : j["added_tokens"])
+      if (a.value("id", int64_t{-1}) == id && a.contains("content")) return a["content"].get<std::string>();
+  if (j.contains("model") && j["model"].contains("vocab") && j["model"]["vocab"].is_object())
+    for (auto& [k, v] : j["model"]["vocab"].items())
+      if (v.is_number_integer() && v.get<int64_t>() == id) return k;
+  return "";
+}
+
+// Writes the model's own tokenizer into export directory `d`: its files as recorded, plus a
+// tokenizer_config.json / special_tokens_map.json where the recording has none (a tokenizer.model
+// trained by --mode tokenizer): LlamaTokenizer with the special tokens of the recorded ids, BOS
+// added as training framed documents (https://huggingface.co/docs/transformers/main_classes/tokenizer).
+void write_own_tokenizer(const fs::path& d, const TokenizerInfo& t, const ModelConfig& mc) {
+  for (auto& [name, bytes] : t.files)
+    if (std::find(tokenizer_file_names().begin(), tokenizer_file_names().end(), name) != tokenizer_file_names().end())
+      write_file_atomic((d / name).string(), bytes);
+  json special = json::object();
+  auto add = [&](const char* key, int64_t id) {
+    const std::string s = token_string(t, id);
+    if (!s.empty()) special[key] = s;
+  };
+  add("bos_token", t.bos_id);
+  add("eos_token", t.eos_id);
+  add("unk_token", t.unk_id);
+  add("pad_token", t.pad_id);
+  if (!t.files.count("tokenizer_config.json")) {
+    json c = {{"tokenizer_class", t.kind == "sentencepiece" ? "LlamaTokenizer" : "PreTrainedTokenizerFast"}};
+    for (auto& [k, v] : special.items()) c[k] = v;
+    c["add_bos_token"] = t.add_bos && t.bos_id >= 0;
+    c["add_eos_token"] = false;  // training's trailing EOS ends a document; a prompt has none
+    if (t.kind == "sentencepiece") {
+      c["legacy"] = false;
+      // transformers' LlamaTokenizer prepends "▁" unless told otherwise, whatever the model says;
+      // SentencePiece does so only with normalizer_spec.add_dummy_prefix (seen as a leading "▁"
+      // piece for "a"). Say which, so that AutoTokenizer gives SentencePiece's ids.
+      sentencepiece::SentencePieceProcessor sp;
+      std::vector<std::string> pieces;
+      if (sp.LoadFromSerializedProto(t.files.at("tokenizer.model")).ok() && sp.Encode("a", &pieces).ok())
+        c["add_prefix_space"] = !pieces.empty() && pieces[0].rfind("\xe2\x96\x81", 0) == 0;
+    }
+    c["model_max_length"] = mc.max_position_embeddings;
+    c["clean_up_tokenization_spaces"] = false;
+    write_text(d / "tokenizer_config.json", c.dump(2) + "\n");
+  }
+  if (!t.files.count("special_tokens_map.json")) write_text(d / "special_tokens_map.json", special.dump(2) + "\n");
+}
+
+// The tokenizer files of Hugging Face directory `dir` (tokenizer.model: kind sentencepiece, else
+// tokenizer.json: hf-tokenizers; kind "" when it has neither), the special ids from `mc`. Throws
+// std::runtime_error naming a file that exists but cannot be read, or a tokenizer.model that
+// libsentencepiece cannot load.
+TokenizerInfo read_hf_tokenizer(const std::string& dir, const ModelConfig& mc) {
+  TokenizerInfo t = no_tokenizer();
+  for (const std::string& name : tokenizer_file_names()) {
+    const fs::path p = fs::path(dir) / name;
+    std::error_code ec;
+    if (!fs::is_regular_file(p, ec)) continue;
+    std::ifstream in(p, std::ios::binary);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    if (!in) throw std::runtime_error("cannot read tokenizer file '" + p.string() + "'");
+    t.files[name] = ss.str();
+  }
+  if (t.files.count("tokenizer.model")) {
+    sentencepiece::SentencePieceProcessor sp;
+    const auto st = sp.LoadFromSerializedProto(t.files["tokenizer.model"]);
+    if (!st.ok())
+      throw std::runtime_error("'" + (fs::path(dir) / "tokenizer.model").string() +
+                               "' is not a SentencePiece model (" + st.ToString() + ")");
+    t.kind = "sentencepiece";
+    t.vocab_size = static_cast<uint32_t>(sp.GetPieceSize());
+    t.unk_id = sp.unk_id();
+  } else if (t.files.count("tokenizer.json")) {
+    t.kind = "hf-tokenizers";
+    t.vocab_size = static_cast<uint32_t>(mc.vocab_size);
+  } else {
+    return no_tokenizer();
+  }
+  t.bos_id = mc.has_bos() ? mc.bos_token_id : -1;
+  t.eos_id = mc.eos_token_ids.empty() ? -1 : mc.primary_eos();
+  t.pad_id = -1;  // generation pads with the eos id (generation_config.json)
+  t.add_bos = t.bos_id >= 0;
+  return t;
+}
+
 }  // namespace
 
 void export_hf(Comm& comm, const ExportOptions& o) {
   Loaded l = load_model(comm, o.checkpoint);
-  const std::string no_tokenizer = byte_tokenizer_unfit(l);
+  // The model's own tokenizer (SentencePiece, tokenizer.json) when the checkpoint records one; else
+  // shardtrain's byte-level tokenizer when it fits the model.
+  const bool own_tokenizer = has_own_tokenizer(l.tokenizer);
+  const std::string no_tokenizer = own_tokenizer ? "" : byte_tokenizer_unfit(l);
   const ShardPlan& plan = l.f->plan();
   // Tensors in model order; files cut by size from the plan alone (no data needed).
   std::vector<const ParamSlot*> order;
@@ -293,8 +412,11 @@ void export_hf(Comm& comm, const ExportOptions& o) {
                       {"eos_token_id", cfg["eos_token_id"]},
                       {"pad_token_id", l.mc.eos_token_ids.empty() ? json(nullptr) : json(l.mc.primary_eos())}}
                          .dump(2) + "\n");
-      const char* tokenizer_files[] = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"};
-      if (no_tokenizer.empty()) {
+      // Files of an earlier export would be loaded with this model's: the tokenizer is rewritten whole.
+      for (const std::string& fname : tokenizer_file_names()) fs::remove(d / fname);
+      if (own_tokenizer) {
+        write_own_tokenizer(d, l.tokenizer, l.mc);
+      } else if (no_tokenizer.empty()) {
         write_text(d / "tokenizer.json", tokenizer_json(l.mc).dump(2) + "\n");
         // "<s>" comes from tokenizer.json's post-processor alone, so it is added exactly once:
         // transformers 5 drops add_bos_token / add_eos_token when a tokenizer.json is present
@@ -309,8 +431,6 @@ void export_hf(Comm& comm, const ExportOptions& o) {
                            .dump(2) + "\n");
         write_text(d / "special_tokens_map.json",
                    json{{"bos_token", "<s>"}, {"eos_token", "</s>"}, {"pad_token", "</s>"}}.dump(2) + "\n");
-      } else {
-        for (const char* fname : tokenizer_files) fs::remove(d / fname);  // an earlier export's would be loaded
       }
     } catch (const std::exception& e) {
       err = std::string("export to '") + o.out_dir + "': " + e.what();
@@ -325,6 +445,9 @@ void export_hf(Comm& comm, const ExportOptions& o) {
                        " from: config.json and generation_config.json say null (import with '--data TOKENFILE' to "
                        "take the ids from a token file)");
   }
+  if (own_tokenizer)
+    log_info(comm, "export: tokenizer: " + l.tokenizer.kind + " (" + std::to_string(l.tokenizer.files.size()) +
+                       " file(s) as recorded in the checkpoint)");
   if (!no_tokenizer.empty())
     log_info(comm, "note: no tokenizer written to '" + o.out_dir + "': " + no_tokenizer +
                        "; this model needs its own tokenizer (tokenizer.json and tokenizer_config.json of its origin)");
@@ -353,6 +476,18 @@ void import_hf(Comm& comm, const std::string& hf_dir, const std::string& out_pat
                      {"bos_id", h.bos_id}, {"eos_id", h.eos_id}}.dump();
     take_special_ids_from_data(comm, mc, "model config '" + config_path + "'",
                                DataSpecialIds{"token file '" + data_path + "'", h.vocab_size, h.bos_id, h.eos_id});
+  }
+  // The model's own tokenizer files travel into the checkpoint (group /tokenizer), so that data
+  // prepared with them can be checked against it and export gives them back.
+  TokenizerInfo tokenizer = no_tokenizer();
+  agree(comm, [&] { tokenizer = read_hf_tokenizer(hf_dir, mc); });
+  {
+    uint32_t c = 0;
+    for (auto& [name, bytes] : tokenizer.files) c = crc32_update(crc32_update(c, name.data(), name.size()), bytes.data(), bytes.size());
+    const std::vector<int> odd = ranks_differing_from_root(comm, c);
+    if (!odd.empty())
+      throw CollectiveError(odd.front(), "Hugging Face directory '" + hf_dir + "' (option '--hf-dir') holds other "
+                                         "tokenizer files on " + rank_list(odd) + " than on rank 0");
   }
   // Weight files and headers: every rank reads them (local I/O, agreed).
   std::vector<StFile> files;
@@ -454,6 +589,7 @@ void import_hf(Comm& comm, const std::string& hf_dir, const std::string& out_pat
   TrainState st;  // step 0: no batch history
   st.seed = tc.seed;
   st.data_info = data_info;
+  st.tokenizer = tokenizer;
   st.saved_world_size = comm.world_size();
   write_checkpoint_file(comm, tmp, f, opt, mc, tc, st);
   std::string err;
@@ -464,7 +600,9 @@ void import_hf(Comm& comm, const std::string& hf_dir, const std::string& out_pat
   }
   all_ok(comm, err.empty(), err);
   log_info(comm, "import: wrote '" + out_path + "' (step 0, " + std::to_string(mc.num_params()) + " parameters) from '" +
-                     hf_dir + "'");
+                     hf_dir + "'; tokenizer: " +
+                     (tokenizer.kind.empty() ? std::string("none found (no tokenizer.model or tokenizer.json)")
+                                             : tokenizer.kind + " (" + std::to_string(tokenizer.files.size()) + " file(s))"));
 }
 
 std::string generate(Comm& comm, const GenerateOptions& o) {
