@@ -300,7 +300,7 @@ int main(int argc, char** argv) {
     else if (o.mode == "import") import_hf(comm, o.hf_dir, o.out, o.data);
     else if (o.mode == "generate") {
       std::string text = generate(comm, GenerateOptions{o.checkpoint, o.prompt, o.max_new_tokens, o.temperature, o.top_k,
-                                                        o.train.seed, o.dump_logits, o.prompt_ids});
+                                                        o.train.seed, o.dump_logits, o.prompt_ids, o.print_ids});
       log_info(comm, o.prompt + text);
     }
     else run_train(comm, topo, o);

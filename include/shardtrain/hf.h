@@ -66,14 +66,17 @@ struct GenerateOptions {
   // If set: comma-separated token ids fed after BOS in place of the prompt's UTF-8 bytes (any id of
   // the vocabulary, e.g. above 65535; the output still decodes bytes only).
   std::string prompt_ids;
+  bool print_ids = false;    // also log "generate: prompt ids: ..." and "generate: new ids: ..."
 };
 
-// Collective. Samples max_new_tokens bytes after BOS + prompt (context cropped to
+// Collective. Samples max_new_tokens tokens after BOS + prompt (context cropped to
 // max_position_embeddings) and returns the generated text (rank 0 prints it); stops early at any
 // of the model's eos ids. Sampling happens on rank 0 and each token is broadcast, so every rank
-// runs the same forwards. The exported tokenizer gives the same ids for a prompt (BOS + UTF-8
-// bytes). Special ids are checked and filled as export does; with no bos_token_id it throws
-// CollectiveError naming the key.
+// runs the same forwards. The prompt is encoded with the checkpoint's tokenizer (group
+// /tokenizer): SentencePiece through libsentencepiece, else byte-level (UTF-8 bytes); a
+// tokenizer.json model (no C++ library for it here) needs --prompt-ids and returns ids, not text.
+// The exported tokenizer gives the same ids for a prompt. Special ids are checked and filled as
+// export does; with no bos_token_id it throws CollectiveError naming the key.
 std::string generate(Comm& comm, const GenerateOptions& o);
 
 }  // namespace shardtrain

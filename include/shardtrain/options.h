@@ -48,6 +48,7 @@ struct Options {
   int top_k = 40;                 // generate; 0 = off
   std::string dump_logits;        // generate: raw float32 logits of BOS + prompt
   std::string prompt_ids;         // generate: comma-separated ids after BOS, in place of --prompt
+  bool print_ids = false;         // generate: log the prompt's and the generated ids
   int plan_world_size = 0;        // plan: ranks to plan for (0: this launch's)
   std::string device_memory;      // plan: bytes of one device ("80GB"): print what fits
   TrainConfig train;

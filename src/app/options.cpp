@@ -91,12 +91,13 @@ po::options_description describe(Options& o) {
       ("max-shard-size", po::value<std::string>(&o.max_shard_size)->default_value(o.max_shard_size), "export: bytes per safetensors file, e.g. 5GB, 200MB; larger models get an index")
       ("hf-dir", po::value<std::string>(&o.hf_dir), "import: Hugging Face model directory (config.json + safetensors)")
       ("init-from", po::value<std::string>(&t.init_from), "train: start from this checkpoint's weights at step 0 (e.g. one made by --mode import)")
-      ("prompt", po::value<std::string>(&o.prompt)->default_value(o.prompt), "generate: text after BOS")
+      ("prompt", po::value<std::string>(&o.prompt)->default_value(o.prompt), "generate: text after BOS, encoded with the checkpoint's tokenizer")
       ("max-new-tokens", po::value<int>(&o.max_new_tokens)->default_value(o.max_new_tokens), "generate: tokens (bytes) to sample")
       ("temperature", dbl(&o.temperature), "generate: sampling temperature; 0 = greedy")
       ("top-k", po::value<int>(&o.top_k)->default_value(o.top_k), "generate: sample among the k most likely tokens; 0 = all")
       ("dump-logits", po::value<std::string>(&o.dump_logits), "generate: write the float32 logits [T, V] of BOS + prompt to this file")
-      ("prompt-ids", po::value<std::string>(&o.prompt_ids), "generate: token ids after BOS, comma-separated (e.g. 5,70000,128255), in place of --prompt's bytes");
+      ("prompt-ids", po::value<std::string>(&o.prompt_ids), "generate: token ids after BOS, comma-separated (e.g. 5,70000,128255), in place of --prompt's bytes")
+      ("print-ids", po::bool_switch(&o.print_ids), "generate: also print the prompt's and the generated token ids");
   po::options_description all(
       "shardtrain: fully sharded (FSDP / ZeRO-3) Llama training over MPI.\n"
       "Usage: mpirun -np N shardtrain [--config JOB.ini] [options]   (command line overrides the job file)");

@@ -613,6 +613,14 @@ std::string generate(Comm& comm, const GenerateOptions& o) {
                              "Import with '--data TOKENFILE' to take the ids from a token file");
   LlamaModel<float> model(l.mc, *l.be);
   const int V = l.mc.vocab_size, maxT = l.mc.max_position_embeddings;
+  // The checkpoint's own SentencePiece tokenizer, when it records one (same bytes on every rank).
+  std::unique_ptr<sentencepiece::SentencePieceProcessor> sp;
+  if (l.tokenizer.kind == "sentencepiece" && l.tokenizer.files.count("tokenizer.model")) {
+    sp = std::make_unique<sentencepiece::SentencePieceProcessor>();
+    if (!sp->LoadFromSerializedProto(l.tokenizer.files.at("tokenizer.model")).ok())
+      throw CollectiveError(0, "checkpoint '" + o.checkpoint + "': its tokenizer.model (group /tokenizer) is not a "
+                               "SentencePiece model libsentencepiece can load");
+  }
   std::vector<int32_t> ids = {l.mc.bos_token_id};
   if (!o.prompt_ids.empty()) {  // same text on every rank: the same decision
     std::stringstream ss(o.prompt_ids);
@@ -630,6 +638,16 @@ std::string generate(Comm& comm, const GenerateOptions& o) {
                                      ") (give comma-separated integers)");
       ids.push_back(static_cast<int32_t>(v));
     }
+  } else if (sp) {
+    std::vector<int> pieces;
+    if (!sp->Encode(o.prompt, &pieces).ok())
+      throw CollectiveError(0, "option '--prompt': the checkpoint's SentencePiece tokenizer cannot encode it");
+    ids.insert(ids.end(), pieces.begin(), pieces.end());
+  } else if (l.tokenizer.kind == "hf-tokenizers") {
+    if (!o.prompt.empty())
+      throw CollectiveError(0, "option '--prompt': checkpoint '" + o.checkpoint + "' has a Hugging Face tokenizer.json "
+                               "tokenizer, which shardtrain cannot run; give the prompt as '--prompt-ids' (ids from "
+                               "scripts/tokenize_hf.py or AutoTokenizer) or generate with transformers on the export");
   } else {
     for (int32_t b : ByteTokenizer::encode(o.prompt)) ids.push_back(b);
   }
@@ -678,6 +696,24 @@ std::string generate(Comm& comm, const GenerateOptions& o) {
     ids.push_back(static_cast<int32_t>(next));
     out.push_back(static_cast<int32_t>(next));
   }
+  if (o.print_ids) {
+    auto list = [](const int32_t* p, size_t n) {
+      std::string r;
+      for (size_t i = 0; i < n; ++i) {
+        if (i) r += ',';
+        r += std::to_string(p[i]);
+      }
+      return r;
+    };
+    log_info(comm, "generate: prompt ids: " + list(ids.data(), ids.size() - out.size()));
+    log_info(comm, "generate: new ids: " + list(out.data(), out.size()));
+  }
+  if (sp) {
+    std::string text;
+    sp->Decode(std::vector<int>(out.begin(), out.end()), &text);
+    return text;
+  }
+  if (l.tokenizer.kind == "hf-tokenizers") return "";  // ids only (--print-ids); decode with AutoTokenizer
   return ByteTokenizer::decode(out);
 }
 
