@@ -305,7 +305,7 @@ def run(a):
     try:
         from tqdm import tqdm
         bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1000, smoothing=0.1,
-                   disable=True if a.quiet else None, file=sys.stderr, desc="tokenizing", dynamic_ncols=True)
+                   disable=True if a.quiet else None, file=sys.stderr, desc="tokenizing")
         if a.workers == 1:
             _init_worker(tok_str, bos, eos, dtype)
             results = map(_encode, items)
