@@ -2,7 +2,7 @@
 #   make deps    install the Debian packages (scripts/install-deps.sh; root or sudo)
 #   make build   build/shardtrain, the test binaries and (with nvcc) the CUDA plugin build/libshardtrain_cuda.so
 #   make test    every test (unit, multi-rank under mpirun, end-to-end); prints "N passed, M failed"
-#   make demo    2-rank training run on the bundled default corpus (Debian's fortunes)
+#   make demo    2-rank training run on the bundled default corpus (Debian's fortunes); loss curves in build/demo-loss.png
 #   make jobs-test  installation checks of the Slurm job files on one node (tests/jobs/run.sh, < 3 min)
 #   make bench   benchmarks (tinyshakespeare if ../shared/data has it) and the PyTorch peer; results for docs/benchmarks.md
 #   make clean
@@ -146,6 +146,10 @@ demo: deps build data
 	$(BUILD)/shardtrain --mode export $(BUILD)/demo-ckpt/$$(cat $(BUILD)/demo-ckpt/latest) --out $(BUILD)/demo-hf
 	@echo "--- sample (--mode generate, temperature 0.8, top-k 40):"
 	@$(BUILD)/shardtrain --mode generate $(BUILD)/demo-ckpt/$$(cat $(BUILD)/demo-ckpt/latest) --prompt "The secret of life is" --max-new-tokens 300
+	@echo "--- loss curves (scripts/plot_metrics.py):"
+	@if [ -x $(VENV)/bin/python ]; then $(VENV)/bin/python scripts/plot_metrics.py $(BUILD)/demo-metrics.jsonl --out $(BUILD)/demo-loss.png \
+	  || echo "note: plotting failed (make venv installs matplotlib); the run itself is fine"; \
+	else echo "note: no $(VENV) (make venv): $(BUILD)/demo-loss.png not drawn"; fi
 
 bench: deps build venv
 	bash tests/bench/run.sh

@@ -1,0 +1,216 @@
+"""shardtrain token files (docs/data-format.md) in Python: one reader and one streaming writer that
+scripts/tokenize_hf.py, the tests and other scripts share.
+
+    import shardtrain_tokens as st
+    t = st.read_token_file("corpus.tok")
+    t["train"], t["val"]          # numpy memmaps (u16 or u32), nothing copied
+    t["metadata"]["tokenizer"]    # version 2: the tokenizer's description
+    t["files"]["tokenizer.json"]  # version 2: the tokenizer's files, as bytes
+
+    w = st.TokenFileWriter("out.tok", vocab_size=50257, bos_id=None, eos_id=50256, kind="hf-tokenizers")
+    w.append(ids)                 # any number of times; streamed to a temporary file
+    w.finish(val_fraction=0.1, metadata={...}, files={"tokenizer.json": b"..."})  # atomic rename
+
+Both raise TokenFileError (a ValueError) with the file named.
+"""
+
+import json
+import math
+import os
+import struct
+import tempfile
+import zlib
+
+import numpy as np
+
+MAGIC = b"STTOKv1\0"
+HEADER_BYTES = 64
+NO_ID = 0xFFFFFFFF  # header bos_id / eos_id: "none"
+KINDS = ("byte-level", "sentencepiece", "hf-tokenizers")
+# magic, version, vocab_size, bos_id, eos_id, bytes per token, J (v1: reserved), n_train, n_val, kind
+_HEADER = struct.Struct("<8sIIIIIIQQ16s")
+assert _HEADER.size == HEADER_BYTES
+
+
+class TokenFileError(ValueError):
+    pass
+
+
+def token_dtype(vocab_size):
+    """u16 tokens when every id fits (vocab_size <= 65536), else u32."""
+    return np.dtype("<u2") if vocab_size <= 65536 else np.dtype("<u4")
+
+
+def read_header(path):
+    """The 64-byte header of `path` as a dict (bos_id / eos_id None for 0xFFFFFFFF)."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(HEADER_BYTES)
+    except OSError as e:
+        raise TokenFileError(f"cannot read token file '{path}': {e.strerror}") from None
+    if len(raw) < HEADER_BYTES:
+        raise TokenFileError(f"token file '{path}': {len(raw)} bytes, shorter than the 64-byte header")
+    magic, version, vocab, bos, eos, b, j, n_train, n_val, kind = _HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise TokenFileError(f"token file '{path}': bad magic {magic!r} (expected {MAGIC!r})")
+    if version not in (1, 2):
+        raise TokenFileError(f"token file '{path}': unknown format version {version}")
+    if b not in (2, 4):
+        raise TokenFileError(f"token file '{path}': bytes per token {b}, expected 2 or 4")
+    return {
+        "version": version, "vocab_size": vocab,
+        "bos_id": None if bos == NO_ID else bos, "eos_id": None if eos == NO_ID else eos,
+        "token_bytes": b, "json_bytes": j if version == 2 else 0,
+        "n_train": n_train, "n_val": n_val,
+        "kind": kind.rstrip(b"\0").decode("ascii", "replace"),
+    }
+
+
+def read_token_file(path, check_tokens=True):
+    """Reads and checks token file `path`: the header fields, "train" and "val" (numpy memmaps of
+    the file), and for version 2 "metadata" (the JSON, a dict) and "files" (name -> bytes, CRC32
+    checked). Version 1 files have metadata None and files {}. check_tokens: refuse ids >= vocab_size
+    (reads every token once)."""
+    h = read_header(path)
+    b, n = h["token_bytes"], h["n_train"] + h["n_val"]
+    size = os.path.getsize(path)
+    end_tokens = HEADER_BYTES + b * n
+    if h["version"] == 1 and size != end_tokens:
+        raise TokenFileError(f"token file '{path}': {size} bytes, the header says {end_tokens} (version 1)")
+    if size < end_tokens + h["json_bytes"]:
+        raise TokenFileError(f"token file '{path}': {size} bytes, shorter than its tokens and metadata "
+                             f"({end_tokens + h['json_bytes']})")
+    dt = np.dtype("<u2") if b == 2 else np.dtype("<u4")
+    if n > 0:
+        tok = np.memmap(path, dtype=dt, mode="r", offset=HEADER_BYTES, shape=(n,))
+    else:
+        tok = np.zeros(0, dtype=dt)
+    h["train"], h["val"] = tok[: h["n_train"]], tok[h["n_train"]:]
+    if check_tokens and n > 0:
+        top = int(tok.max())
+        if top >= h["vocab_size"]:
+            raise TokenFileError(f"token file '{path}': token {top} >= vocab_size {h['vocab_size']}")
+    h["metadata"], h["files"] = None, {}
+    if h["version"] == 2:
+        with open(path, "rb") as f:
+            f.seek(end_tokens)
+            raw = f.read(h["json_bytes"])
+            try:
+                meta = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise TokenFileError(f"token file '{path}': metadata is not UTF-8 JSON: {e}") from None
+            tk = meta.get("tokenizer", {})
+            for key in ("kind", "vocab_size", "bos_id", "eos_id"):
+                if key in tk and tk[key] != h[key]:
+                    raise TokenFileError(f"token file '{path}': metadata tokenizer.{key} {tk[key]!r} "
+                                         f"disagrees with the header's {h[key]!r}")
+            area = end_tokens + h["json_bytes"]
+            total = 0
+            for name, fm in tk.get("files", {}).items():
+                off, nb = int(fm["offset"]), int(fm["bytes"])
+                if off < 0 or nb < 0 or area + off + nb > size:
+                    raise TokenFileError(f"token file '{path}': tokenizer file '{name}' lies outside the file")
+                f.seek(area + off)
+                data = f.read(nb)
+                if "crc32" in fm and zlib.crc32(data) != int(fm["crc32"]):
+                    raise TokenFileError(f"token file '{path}': tokenizer file '{name}' fails its CRC32")
+                h["files"][name] = data
+                total += nb
+            if size != area + total:
+                raise TokenFileError(f"token file '{path}': {size} bytes, the header and metadata say {area + total}")
+        h["metadata"] = meta
+    return h
+
+
+class TokenFileWriter:
+    """Writes a version 2 token file in constant memory: tokens go to a temporary file next to
+    `path` as they arrive; finish() appends the metadata and the tokenizer files, writes the header
+    and renames the temporary file to `path` (so `path` is either the old file or the complete new
+    one). abort() (or an exception inside a `with` block) removes the temporary file."""
+
+    def __init__(self, path, vocab_size, bos_id, eos_id, kind):
+        if kind not in KINDS:
+            raise ValueError(f"tokenizer kind {kind!r}: expected one of {KINDS}")
+        if len(kind.encode("ascii")) > 16:
+            raise ValueError(f"tokenizer kind {kind!r} is longer than 16 bytes")
+        if not 0 < vocab_size < NO_ID:
+            raise ValueError(f"vocab_size {vocab_size} out of range")
+        for name, v in (("bos_id", bos_id), ("eos_id", eos_id)):
+            if v is not None and not 0 <= v < vocab_size:
+                raise ValueError(f"{name} {v} is not below vocab_size {vocab_size}")
+        self.path, self.vocab_size, self.bos_id, self.eos_id, self.kind = path, vocab_size, bos_id, eos_id, kind
+        self.dtype = token_dtype(vocab_size)
+        self.n = 0
+        d = os.path.dirname(os.path.abspath(path))
+        fd, self.tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=d)
+        self.f = os.fdopen(fd, "wb")
+        self.f.write(b"\0" * HEADER_BYTES)
+
+    def append(self, ids):
+        """Appends token ids (any integer array-like); refuses ids outside [0, vocab_size)."""
+        a = np.asarray(ids)
+        if a.size == 0:
+            return
+        lo, hi = int(a.min()), int(a.max())
+        if lo < 0 or hi >= self.vocab_size:
+            raise TokenFileError(f"token file '{self.path}': token {hi if hi >= self.vocab_size else lo} "
+                                 f"outside [0, vocab_size {self.vocab_size})")
+        self.f.write(a.astype(self.dtype, copy=False).tobytes())
+        self.n += a.size
+
+    def finish(self, val_fraction, metadata=None, files=None):
+        """Ends the file: the last floor(n * val_fraction) tokens are the validation split. metadata:
+        extra top-level keys (e.g. "documents", "inputs", "written_by") and a "tokenizer" dict whose
+        kind / vocab_size / bos_id / eos_id / files are filled in here. files: name -> bytes, in order.
+        Returns the header as read_header() gives it."""
+        n_val = int(math.floor(self.n * val_fraction))
+        n_train = self.n - n_val
+        files = dict(files or {})
+        meta = {"format": "shardtrain-tokens"}
+        meta.update(metadata or {})
+        tk = dict(meta.get("tokenizer", {}))
+        tk.update({"kind": self.kind, "vocab_size": self.vocab_size, "bos_id": self.bos_id, "eos_id": self.eos_id})
+        placed, off = {}, 0
+        for name, data in files.items():
+            placed[name] = {"offset": off, "bytes": len(data), "crc32": zlib.crc32(data)}
+            off += len(data)
+        tk["files"] = placed
+        meta["tokenizer"] = tk
+        blob = json.dumps(meta, indent=1, ensure_ascii=False).encode("utf-8")
+        self.f.write(blob)
+        for data in files.values():
+            self.f.write(data)
+        header = _HEADER.pack(MAGIC, 2, self.vocab_size, NO_ID if self.bos_id is None else self.bos_id,
+                              NO_ID if self.eos_id is None else self.eos_id, self.dtype.itemsize, len(blob),
+                              n_train, n_val, self.kind.encode("ascii").ljust(16, b"\0"))
+        self.f.seek(0)
+        self.f.write(header)
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+        os.chmod(self.tmp, 0o666 & ~_umask())
+        os.replace(self.tmp, self.path)
+        self.tmp = None
+        return read_header(self.path)
+
+    def abort(self):
+        if self.tmp is not None:
+            self.f.close()
+            try:
+                os.unlink(self.tmp)
+            except FileNotFoundError:
+                pass
+            self.tmp = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.abort()
+        return False
+
+
+def _umask():
+    m = os.umask(0)
+    os.umask(m)
+    return m
