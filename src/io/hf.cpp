@@ -239,8 +239,8 @@ std::string token_string(const TokenizerInfo& t, int64_t id) {
 
 // Writes the model's own tokenizer into export directory `d`: its files as recorded, plus a
 // tokenizer_config.json / special_tokens_map.json where the recording has none (a tokenizer.model
-// trained by --mode tokenizer): LlamaTokenizer with the special tokens of the recorded ids, BOS
-// added as training framed documents (https://huggingface.co/docs/transformers/main_classes/tokenizer).
+// trained by --mode tokenizer): the special tokens of the recorded ids, BOS added as training
+// framed documents (https://huggingface.co/docs/transformers/main_classes/tokenizer).
 void write_own_tokenizer(const fs::path& d, const TokenizerInfo& t, const ModelConfig& mc) {
   for (auto& [name, bytes] : t.files)
     if (std::find(tokenizer_file_names().begin(), tokenizer_file_names().end(), name) != tokenizer_file_names().end())
@@ -255,20 +255,15 @@ void write_own_tokenizer(const fs::path& d, const TokenizerInfo& t, const ModelC
   add("unk_token", t.unk_id);
   add("pad_token", t.pad_id);
   if (!t.files.count("tokenizer_config.json")) {
-    json c = {{"tokenizer_class", t.kind == "sentencepiece" ? "LlamaTokenizer" : "PreTrainedTokenizerFast"}};
+    // No tokenizer_class for SentencePiece: transformers 5 then converts tokenizer.model generically
+    // (TokenizersBackend: Metaspace prepend "always", as SentencePiece), which gives
+    // SentencePiece's ids for every text. Its LlamaTokenizer adds no dummy prefix before a leading
+    // space (and drops it on decode): 430 of 2,000 random texts differ (docs/data-format.md).
+    json c = json::object();
+    if (t.kind != "sentencepiece") c["tokenizer_class"] = "PreTrainedTokenizerFast";
     for (auto& [k, v] : special.items()) c[k] = v;
     c["add_bos_token"] = t.add_bos && t.bos_id >= 0;
     c["add_eos_token"] = false;  // training's trailing EOS ends a document; a prompt has none
-    if (t.kind == "sentencepiece") {
-      c["legacy"] = false;
-      // transformers' LlamaTokenizer prepends "▁" unless told otherwise, whatever the model says;
-      // SentencePiece does so only with normalizer_spec.add_dummy_prefix (seen as a leading "▁"
-      // piece for "a"). Say which, so that AutoTokenizer gives SentencePiece's ids.
-      sentencepiece::SentencePieceProcessor sp;
-      std::vector<std::string> pieces;
-      if (sp.LoadFromSerializedProto(t.files.at("tokenizer.model")).ok() && sp.Encode("a", &pieces).ok())
-        c["add_prefix_space"] = !pieces.empty() && pieces[0].rfind("\xe2\x96\x81", 0) == 0;
-    }
     c["model_max_length"] = mc.max_position_embeddings;
     c["clean_up_tokenization_spaces"] = false;
     write_text(d / "tokenizer_config.json", c.dump(2) + "\n");
