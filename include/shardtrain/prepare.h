@@ -16,7 +16,7 @@ struct PrepareOptions {
   double val_fraction = 0.1;            // the last floor(n * val_fraction) tokens are the validation split
   std::string tokenizer = "byte-level"; // load_tokenizer (tokenizer.h): byte-level | a .model file | a directory
   std::string text_field = "text";      // .jsonl inputs: the field holding each document's text
-  size_t chunk_bytes = 1 << 20;         // bytes read at a time, and the size of the pieces a long document is cut into
+  size_t chunk_bytes = 1 << 20;         // bytes read at a time; a long document is cut into pieces of min(this, 16 KiB)
   bool progress = false;                // a progress line on stderr, refreshed at most twice a second
 };
 
