@@ -1,4 +1,9 @@
 // shardtrain: options -> mode -> one call into the layer that does the job.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <iostream>
 
 #include <filesystem>
@@ -16,27 +21,64 @@
 #include "shardtrain/files.h"
 #include "shardtrain/memory_plan.h"
 #include "shardtrain/options.h"
+#include "shardtrain/prepare.h"
 #include "shardtrain/runtime.h"
+#include "shardtrain/tokenizer.h"
 #include "shardtrain/train.h"
 
 using namespace shardtrain;
 
 namespace {
 
+// --mode prepare: rank 0 tokenizes and writes the token file (prepare.h); the others wait for the
+// agreed outcome. Progress on stderr when it is a terminal; a summary line always.
 void run_prepare(Comm& comm, const Options& o) {
-  TokenFileHeader h;
+  PrepareResult r;
   std::string err;
-  if (comm.rank() == 0) {  // one writer; the others wait for the agreed outcome
+  if (comm.rank() == 0) {  // one writer; no collective inside
     try {
-      h = prepare_token_file(o.inputs, o.out, o.val_fraction);
+      PrepareOptions po{o.inputs, o.out, o.val_fraction, o.tokenizer, o.text_field};
+      // Test hook: a tiny chunk makes the tests cut documents into many pieces.
+      if (const char* c = std::getenv("SHARDTRAIN_TEST_PREPARE_CHUNK_BYTES")) po.chunk_bytes = std::stoul(c);
+      po.progress = isatty(STDERR_FILENO) != 0;
+      r = prepare_tokens(po);
     } catch (const std::exception& e) {
       err = e.what();
     }
   }
   all_ok(comm, err.empty(), err);
+  const TokenFileHeader& h = r.header;
+  char rates[160];
+  std::snprintf(rates, sizeof rates, "%.1f MB in %.2f s: %.1f MB/s, %.3g tokens/s; peak RSS %.1f MB",
+                r.input_bytes / 1e6, r.seconds, r.input_bytes / 1e6 / std::max(r.seconds, 1e-9),
+                static_cast<double>(h.n_train + h.n_val) / std::max(r.seconds, 1e-9), r.peak_rss_bytes / 1e6);
   log_info(comm, "prepare: wrote '" + o.out + "': " + std::to_string(h.n_train) + " train + " +
                      std::to_string(h.n_val) + " validation tokens (" + h.tokenizer + ", vocab " +
-                     std::to_string(h.vocab_size) + ")");
+                     std::to_string(h.vocab_size) + "), " + std::to_string(r.documents) + " documents from " +
+                     std::to_string(r.files) + " files, " + rates);
+}
+
+// --mode tokenizer: rank 0 trains a SentencePiece model (tokenizer.h); all ranks agree on the outcome.
+void run_tokenizer(Comm& comm, const Options& o) {
+  TokenizerTrainResult r;
+  std::string err;
+  if (comm.rank() == 0) {
+    try {
+      TokenizerTrainOptions t;
+      t.inputs = o.inputs;
+      t.text_field = o.text_field;
+      t.vocab_size = o.vocab_size;
+      t.out = o.out;
+      r = train_sentencepiece(t);
+    } catch (const std::exception& e) {
+      err = e.what();
+    }
+  }
+  all_ok(comm, err.empty(), err);
+  char b[96];
+  std::snprintf(b, sizeof b, "%.1f MB in %.1f s", r.bytes / 1e6, r.seconds);
+  log_info(comm, "tokenizer: wrote '" + o.out + "': SentencePiece BPE, vocab " + std::to_string(r.vocab_size) +
+                     ", trained on " + std::to_string(r.sentences) + " lines (" + b + ")");
 }
 
 void run_train(Comm& comm, const Topology& topo, const Options& o) {
@@ -294,6 +336,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (o.mode == "prepare") run_prepare(comm, o);
+    else if (o.mode == "tokenizer") run_tokenizer(comm, o);
     else if (o.mode == "plan") run_plan(comm, o);
     else if (o.mode == "inspect") run_inspect(comm, o);
     else if (o.mode == "export") export_hf(comm, ExportOptions{o.checkpoint, o.out, parse_export_dtype(o.dtype), parse_size(o.max_shard_size)});

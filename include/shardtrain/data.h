@@ -54,11 +54,9 @@ struct TokenFileHeader {
   std::string tokenizer = "byte-level";
 };
 
-// Reads each input file as one document, encodes it as BOS + bytes + EOS, concatenates the
-// documents and writes a token file whose last `val_fraction` of tokens (rounded down) is the
-// validation split, with u16 tokens (token_bytes 2: the byte-level ids fit). Throws
-// std::runtime_error naming the file if an input is missing or empty,
-// if val_fraction is outside (0, 1), or if the output cannot be written. Returns the header.
+// prepare_tokens (prepare.h) with the byte-level tokenizer: each input file one document,
+// BOS + bytes + EOS, the last `val_fraction` of tokens (rounded down) the validation split, written
+// as format version 2 (u16 tokens). Throws as prepare_tokens. Returns the header written.
 TokenFileHeader prepare_token_file(const std::vector<std::string>& inputs, const std::string& out_path,
                                    double val_fraction);
 

@@ -23,12 +23,15 @@ namespace shardtrain {
 struct Options {
   bool help = false;
   std::string help_text;
-  std::string mode = "train";     // train | prepare | inspect | export | import | generate | plan
+  std::string mode = "train";     // train | prepare | tokenizer | inspect | export | import | generate | plan
   std::string config_file;        // INI job file
   std::string model = "demo";     // preset name or path to a Hugging Face config.json
   std::string data;               // token file (train)
-  std::vector<std::string> inputs;  // text files (prepare)
-  std::string out;                // token file to write (prepare)
+  std::vector<std::string> inputs;  // text files, directories, globs (prepare, tokenizer)
+  std::string out;                // token file to write (prepare), .model file (tokenizer)
+  std::string tokenizer = "byte-level";  // prepare: byte-level | SentencePiece .model | directory with tokenizer.model
+  std::string text_field = "text";  // prepare, tokenizer: the text field of .jsonl inputs
+  int vocab_size = 0;             // tokenizer: vocabulary size to train
   double val_fraction = 0.1;
   double collective_timeout = 600;  // seconds a collective may take before this rank ends the job; 0: never
   int threads = 0;                // threads per rank (OpenMP), 0 = by the affinity mask (plan_threads, cpu_affinity.h)

@@ -29,18 +29,21 @@ po::options_description describe(Options& o) {
   gen.add_options()
       ("help,h", "print this help and exit")
       ("config", po::value<std::string>(&o.config_file), "INI job file (key = value, long option names); the command line overrides it")
-      ("mode", po::value<std::string>(&o.mode)->default_value(o.mode), "job to run: train | prepare | inspect | export | import | generate | plan (memory per rank, no launch needed)")
+      ("mode", po::value<std::string>(&o.mode)->default_value(o.mode), "job to run: train | prepare (text -> token file) | tokenizer (train a SentencePiece model) | inspect | export | import | generate | plan (memory per rank, no launch needed)")
       ("threads", po::value<int>(&o.threads)->default_value(o.threads), "threads per rank (OpenMP; each calls OpenBLAS single-threaded); 0 = the cores this rank may run on (its CPU affinity), shared with the ranks of its node bound to the same cores")
       ("collective-timeout", dbl(&o.collective_timeout), "seconds a collective may wait for the other ranks before this rank ends the job (a peer died or hangs); 0 = never")
       ("device", po::value<std::string>(&o.device)->default_value(o.device), "train on: auto (cuda when a GPU is visible, else cpu) | cpu | cuda (one GPU per rank: the local rank's)")
       ("gpu-comm", po::value<std::string>(&o.gpu_comm)->default_value(o.gpu_comm), "GPU collectives: nccl (one rank per GPU) | mpi (through MPI on host copies; lets several ranks share a GPU)")
       ("precision", po::value<std::string>(&o.precision)->default_value(o.precision), "fp32 | bf16 (mixed precision: bf16 weights for compute and bf16 activations, fp32 master weights, AdamW state and GEMM accumulation)")
       ("reduce-dtype", po::value<std::string>(&o.reduce_dtype)->default_value(o.reduce_dtype), "with --precision bf16: gradients are reduce-scattered in fp32 | bf16 (half the bytes)");
-  po::options_description data("Data (--mode prepare)");
+  po::options_description data("Data (--mode prepare, --mode tokenizer; docs/data-format.md)");
   data.add_options()
-      ("input", po::value<std::vector<std::string>>(&o.inputs)->multitoken(), "text file(s) to tokenize, one document each (repeatable)")
-      ("out", po::value<std::string>(&o.out), "output: token file (prepare), Hugging Face directory (export), checkpoint file (import)")
-      ("val-fraction", dbl(&o.val_fraction), "fraction of tokens (the last ones) held out for validation, in (0, 1)");
+      ("input", po::value<std::vector<std::string>>(&o.inputs)->multitoken(), "text inputs (repeatable): files, directories (their files, recursively, sorted; hidden ones left out) or glob patterns; a plain-text file is one document, a .jsonl file one document per line")
+      ("out", po::value<std::string>(&o.out), "output: token file (prepare), SentencePiece .model (tokenizer), Hugging Face directory (export), checkpoint file (import)")
+      ("val-fraction", dbl(&o.val_fraction), "prepare: fraction of tokens (the last ones) held out for validation, in (0, 1)")
+      ("tokenizer", po::value<std::string>(&o.tokenizer)->default_value(o.tokenizer), "prepare: byte-level | a SentencePiece .model file | a directory holding tokenizer.model (e.g. a Hugging Face Llama directory); each document becomes BOS (if the tokenizer has one) + ids + EOS")
+      ("text-field", po::value<std::string>(&o.text_field)->default_value(o.text_field), "prepare, tokenizer: the JSON field holding the text in .jsonl inputs")
+      ("vocab-size", po::value<int>(&o.vocab_size)->default_value(o.vocab_size), "tokenizer: vocabulary size of the SentencePiece BPE model to train (Llama-style: byte fallback, so >= 256 + 3 + the corpus' characters)");
   po::options_description model("Model");
   model.add_options()
       ("model", po::value<std::string>(&o.model)->default_value(o.model), "preset name (tiny, test-uneven, demo, llama-125m, llama-350m, llama-1b, tinyllama-1.1b, llama-8b) or path to a Hugging Face config.json of a LlamaForCausalLM");
@@ -113,9 +116,9 @@ void finite(double v, const std::string& opt) { check(std::isfinite(v), opt, "mu
 
 void validate(const Options& o) {
   const TrainConfig& t = o.train;
-  check(o.mode == "train" || o.mode == "prepare" || o.mode == "inspect" || o.mode == "export" || o.mode == "import" ||
+  check(o.mode == "train" || o.mode == "prepare" || o.mode == "tokenizer" || o.mode == "inspect" || o.mode == "export" || o.mode == "import" ||
             o.mode == "generate" || o.mode == "plan",
-        "mode", "must be train, prepare, inspect, export, import, generate or plan, got '" + o.mode + "'");
+        "mode", "must be train, prepare, tokenizer, inspect, export, import, generate or plan, got '" + o.mode + "'");
   model_options(t);  // throws naming --activation-checkpointing, --attention or --loss-chunk
   check(o.plan_world_size >= 0, "world-size", "must be >= 0 (0: the ranks of this launch)");
   if (!o.device_memory.empty()) {
@@ -185,6 +188,13 @@ void validate(const Options& o) {
     check(!o.inputs.empty(), "input", "is required with --mode prepare");
     check(!o.out.empty(), "out", "is required with --mode prepare");
   }
+  if (o.mode == "tokenizer") {
+    check(!o.inputs.empty(), "input", "is required with --mode tokenizer");
+    check(!o.out.empty(), "out", "is required with --mode tokenizer (the SentencePiece .model file to write)");
+    check(o.vocab_size > 0, "vocab-size", "is required with --mode tokenizer (e.g. 32000, Llama's)");
+  }
+  check(o.vocab_size >= 0, "vocab-size", "must be >= 0");
+  check(!o.text_field.empty(), "text-field", "must not be empty");
 }
 }  // namespace
 

@@ -41,57 +41,7 @@ std::string ByteTokenizer::decode(const std::vector<int32_t>& ids) {
   return s;
 }
 
-TokenFileHeader prepare_token_file(const std::vector<std::string>& inputs, const std::string& out_path,
-                                   double val_fraction) {
-  if (!(val_fraction > 0 && val_fraction < 1))
-    throw std::runtime_error("option '--val-fraction' must be in (0, 1), got " + std::to_string(val_fraction));
-  if (inputs.empty()) throw std::runtime_error("option '--input' names no file");
-  std::vector<uint16_t> toks;  // byte-level ids (< 258): written as u16, token_bytes 2
-  for (const auto& path : inputs) {
-    std::ifstream f(path, std::ios::binary);
-    std::error_code ec;
-    if (!f) throw std::runtime_error("cannot read input text '" + path + "' (option '--input')");
-    if (std::filesystem::is_directory(path, ec)) throw std::runtime_error("input text '" + path + "' is a directory");
-    std::stringstream ss;
-    ss << f.rdbuf();
-    std::string text = ss.str();
-    if (text.empty()) throw std::runtime_error("input text '" + path + "' is empty");
-    toks.push_back(ByteTokenizer::kBos);
-    for (unsigned char c : text) toks.push_back(c);
-    toks.push_back(ByteTokenizer::kEos);
-  }
-  TokenFileHeader h;
-  h.n_val = static_cast<uint64_t>(static_cast<double>(toks.size()) * val_fraction);
-  h.n_train = toks.size() - h.n_val;
-  if (h.n_val < 2 || h.n_train < 2)
-    throw std::runtime_error("option '--val-fraction' " + (std::ostringstream() << val_fraction).str() + " leaves " +
-                             std::to_string(h.n_train) + " train and " + std::to_string(h.n_val) +
-                             " validation tokens; each split needs at least 2");
-  {
-    std::error_code ec;
-    if (std::filesystem::is_directory(out_path, ec))
-      throw std::runtime_error("option '--out': '" + out_path + "' is a directory");
-    for (const auto& in : inputs)
-      if (std::filesystem::equivalent(in, out_path, ec))
-        throw std::runtime_error("option '--out': '" + out_path + "' is also an input; refusing to overwrite it");
-  }
-  std::string b(kMagic, 8);
-  put<uint32_t>(b, h.version);
-  put<uint32_t>(b, h.vocab_size);
-  put<uint32_t>(b, h.bos_id);
-  put<uint32_t>(b, h.eos_id);
-  put<uint32_t>(b, h.token_bytes);
-  put<uint32_t>(b, 0);
-  put<uint64_t>(b, h.n_train);
-  put<uint64_t>(b, h.n_val);
-  std::string name = h.tokenizer;
-  name.resize(16, '\0');
-  b += name;
-  b.reserve(b.size() + 2 * toks.size());
-  for (uint16_t t : toks) put<uint16_t>(b, t);
-  write_file_atomic(out_path, b, false, "option '--out'");
-  return h;
-}
+// prepare_token_file: src/data/prepare.cpp (the streaming writer).
 
 namespace {
 // Opens a token file; throws naming it if it is missing or a directory.

@@ -1,0 +1,23 @@
+// Internal to src/data: the reading of text inputs shared by --mode tokenizer (tokenizer.cpp) and
+// --mode prepare (prepare.cpp).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace shardtrain::detail {
+
+// True for a JSON Lines input (one document per line): the name ends with ".jsonl".
+bool is_jsonl(const std::string& path);
+
+// The document of JSON Lines line `line` (1-based number `lineno` of file `path`): the string
+// value of field `field` of the JSON object on the line. Throws std::runtime_error
+// "<path>:<lineno>: ..." for invalid JSON, a value that is not an object, a missing field or a
+// field that is not a string.
+std::string jsonl_text(const std::string& line, const std::string& field, const std::string& path, uint64_t lineno);
+
+// True for a line of a JSON Lines file that holds no document (empty or only spaces, tabs, CR):
+// skipped, as most JSONL readers do with a trailing blank line.
+bool is_blank_line(const std::string& line);
+
+}  // namespace shardtrain::detail

@@ -1,0 +1,424 @@
+// Tokenizers (byte-level, SentencePiece), input expansion, SentencePiece training.
+#include "shardtrain/tokenizer.h"
+
+#include <glob.h>
+#include <sentencepiece_processor.h>
+#include <sentencepiece_trainer.h>
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <stdexcept>
+#include <unordered_map>
+
+#include "shardtrain/files.h"
+#include "text_inputs.h"
+
+// libsentencepiece's log threshold (0 INFO, 1 WARNING, 2 ERROR); exported by the library but
+// declared only in its internal common.h.
+namespace sentencepiece::logging {
+void SetMinLogLevel(int v);
+}
+
+namespace shardtrain {
+namespace fs = std::filesystem;
+
+namespace detail {
+bool is_jsonl(const std::string& path) { return path.size() >= 6 && path.ends_with(".jsonl"); }
+
+bool is_blank_line(const std::string& line) { return line.find_first_not_of(" \t\r") == std::string::npos; }
+
+std::string jsonl_text(const std::string& line, const std::string& field, const std::string& path, uint64_t lineno) {
+  const std::string where = path + ":" + std::to_string(lineno) + ": ";
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(line);
+  } catch (const nlohmann::json::exception& e) {
+    throw std::runtime_error(where + "invalid JSON (option '--input', a .jsonl file holds one JSON object a line): " +
+                             e.what());
+  }
+  if (!j.is_object()) throw std::runtime_error(where + "not a JSON object (option '--input')");
+  auto it = j.find(field);
+  if (it == j.end())
+    throw std::runtime_error(where + "no field '" + field + "' (option '--text-field' names the field holding the text)");
+  if (!it->is_string())
+    throw std::runtime_error(where + "field '" + field + "' is not a string (option '--text-field')");
+  return it->get<std::string>();
+}
+}  // namespace detail
+
+namespace {
+
+std::string read_file(const std::string& path, const std::string& what) {
+  std::ifstream f(path, std::ios::binary);
+  std::error_code ec;
+  if (!f || fs::is_directory(path, ec)) throw std::runtime_error("cannot read " + what + " '" + path + "'");
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+class ByteLevelTokenizer final : public Tokenizer {
+ public:
+  ByteLevelTokenizer() {
+    info_.kind = "byte-level";
+    info_.vocab_size = ByteTokenizer::kVocab;
+    info_.bos_id = ByteTokenizer::kBos;
+    info_.eos_id = ByteTokenizer::kEos;
+  }
+  std::vector<int32_t> encode(std::string_view text) const override {
+    std::vector<int32_t> ids(text.size());
+    for (size_t i = 0; i < text.size(); ++i) ids[i] = static_cast<unsigned char>(text[i]);
+    return ids;
+  }
+  std::string decode(const std::vector<int32_t>& ids) const override { return ByteTokenizer::decode(ids); }
+  bool cuttable() const override { return true; }
+  bool is_cut(std::string_view text, size_t i) const override { return i > 0 && i < text.size(); }
+  std::vector<int32_t> encode_continuation(std::string_view piece) const override { return encode(piece); }
+};
+
+// Minimal protobuf reading of a serialized sentencepiece ModelProto: the NormalizerSpec fields
+// that decide whether a text may be encoded in pieces (sentencepiece_model.proto: ModelProto
+// field 3 = normalizer_spec; NormalizerSpec 2 = precompiled_charsmap, 5 = escape_whitespaces).
+struct NormalizerFacts {
+  std::string name;
+  size_t charsmap_bytes = 0;
+  bool escape_whitespaces = true;  // proto default
+};
+bool read_varint(std::string_view b, size_t& p, uint64_t& v) {
+  v = 0;
+  for (int s = 0; s < 64 && p < b.size(); s += 7) {
+    const auto c = static_cast<unsigned char>(b[p++]);
+    v |= static_cast<uint64_t>(c & 0x7f) << s;
+    if (!(c & 0x80)) return true;
+  }
+  return false;
+}
+// Calls f(field, wire_type, varint value, bytes) for each field of message `b`; false if malformed.
+template <typename F> bool for_each_field(std::string_view b, F&& f) {
+  size_t p = 0;
+  while (p < b.size()) {
+    uint64_t key = 0, v = 0;
+    if (!read_varint(b, p, key)) return false;
+    const int wt = static_cast<int>(key & 7);
+    std::string_view bytes;
+    if (wt == 0) {
+      if (!read_varint(b, p, v)) return false;
+    } else if (wt == 1 || wt == 5) {
+      const size_t n = wt == 1 ? 8 : 4;
+      if (b.size() - p < n) return false;
+      p += n;
+    } else if (wt == 2) {
+      if (!read_varint(b, p, v) || v > b.size() - p) return false;
+      bytes = b.substr(p, v);
+      p += v;
+    } else {
+      return false;
+    }
+    f(key >> 3, wt, v, bytes);
+  }
+  return true;
+}
+NormalizerFacts normalizer_facts(std::string_view model) {
+  NormalizerFacts n;
+  for_each_field(model, [&](uint64_t field, int wt, uint64_t, std::string_view bytes) {
+    if (field != 3 || wt != 2) return;
+    for_each_field(bytes, [&](uint64_t f2, int wt2, uint64_t v2, std::string_view b2) {
+      if (f2 == 1 && wt2 == 2) n.name = std::string(b2);
+      if (f2 == 2 && wt2 == 2) n.charsmap_bytes = b2.size();
+      if (f2 == 5 && wt2 == 0) n.escape_whitespaces = v2 != 0;
+    });
+  });
+  return n;
+}
+
+class SentencePieceTokenizer final : public Tokenizer {
+ public:
+  SentencePieceTokenizer(const std::string& spec, const std::string& model_path, std::string model_bytes) {
+    auto st = sp_.LoadFromSerializedProto(model_bytes);
+    if (!st.ok())
+      throw std::runtime_error("cannot load tokenizer '" + spec + "': '" + model_path +
+                               "' is not a SentencePiece model (" + st.ToString() + ")");
+    info_.kind = "sentencepiece";
+    info_.vocab_size = static_cast<uint32_t>(sp_.GetPieceSize());
+    info_.bos_id = sp_.bos_id();
+    info_.eos_id = sp_.eos_id();
+    info_.pad_id = sp_.pad_id();
+    info_.unk_id = sp_.unk_id();
+    info_.add_bos = info_.bos_id >= 0;
+    info_.add_eos = true;
+    if (info_.eos_id < 0)
+      throw std::runtime_error("tokenizer '" + spec + "': the SentencePiece model has no EOS piece (eos_id -1); "
+                               "prepare ends every document with EOS, the separator training sees");
+    // Cutting a text before "x| y" is exact when no piece can span the cut, i.e. no piece holds a
+    // non-space character followed by the space mark U+2581 (true of every model trained with
+    // split_by_whitespace and without treat_whitespace_as_suffix, Llama's included), and the
+    // normalizer maps text character by character (identity: no precompiled charsmap, which
+    // could match across the cut) with spaces escaped to U+2581.
+    const NormalizerFacts nf = normalizer_facts(model_bytes);
+    bool ok = nf.charsmap_bytes == 0 && nf.escape_whitespaces;
+    static const std::string kMark = "\xe2\x96\x81";
+    for (int id = 0; ok && id < sp_.GetPieceSize(); ++id) {
+      if (sp_.IsControl(id) || sp_.IsUnknown(id) || sp_.IsByte(id)) continue;
+      const std::string& p = sp_.IdToPiece(id);
+      for (size_t at = p.find(kMark, 1); ok && at != std::string::npos; at = p.find(kMark, at + 1))
+        if (at < 3 || p.compare(at - 3, 3, kMark) != 0) ok = false;
+    }
+    if (ok) {  // the sentinel word whose ids a continuation drops (see encode_continuation)
+      sentinel_ids_ = encode(kSentinel);
+      ok = !sentinel_ids_.empty();
+    }
+    cuttable_ = ok;
+    info_.files["tokenizer.model"] = std::move(model_bytes);
+  }
+  std::vector<int32_t> encode(std::string_view text) const override {
+    std::vector<int> ids;
+    auto st = sp_.Encode(text, &ids);
+    if (!st.ok()) throw std::runtime_error("SentencePiece encode failed: " + st.ToString());
+    return std::vector<int32_t>(ids.begin(), ids.end());
+  }
+  std::string decode(const std::vector<int32_t>& ids) const override {
+    std::vector<int> v;
+    v.reserve(ids.size());
+    for (int32_t id : ids)
+      if (id >= 0 && static_cast<uint32_t>(id) < info_.vocab_size) v.push_back(id);
+    std::string s;
+    auto st = sp_.Decode(v, &s);
+    if (!st.ok()) throw std::runtime_error("SentencePiece decode failed: " + st.ToString());
+    return s;
+  }
+  void add_file(const std::string& name, std::string bytes) { info_.files[name] = std::move(bytes); }
+  bool cuttable() const override { return cuttable_; }
+  bool is_cut(std::string_view t, size_t i) const override {
+    return cuttable_ && i > 0 && i + 1 < t.size() && t[i] == ' ' && t[i - 1] != ' ' && t[i + 1] != ' ';
+  }
+  // "word" + piece is encoded as the word's ids (the same as encoding "word" alone, since no piece
+  // spans the cut between them) followed by exactly the ids `piece` has inside a longer text: the
+  // dummy prefix went to the sentinel. The prefix is checked on every call.
+  std::vector<int32_t> encode_continuation(std::string_view piece) const override {
+    if (!cuttable_ || piece.size() < 2 || piece[0] != ' ' || piece[1] == ' ')
+      throw std::logic_error("SentencePiece: encode_continuation of a piece that does not start at a cut");
+    std::string s(kSentinel);
+    s.append(piece);
+    std::vector<int32_t> ids = encode(s);
+    if (ids.size() < sentinel_ids_.size() || !std::equal(sentinel_ids_.begin(), sentinel_ids_.end(), ids.begin()))
+      throw std::logic_error("SentencePiece: the sentinel's ids changed inside a longer text");
+    ids.erase(ids.begin(), ids.begin() + static_cast<std::ptrdiff_t>(sentinel_ids_.size()));
+    return ids;
+  }
+
+ private:
+  static constexpr std::string_view kSentinel = "a";
+  sentencepiece::SentencePieceProcessor sp_;
+  bool cuttable_ = false;
+  std::vector<int32_t> sentinel_ids_;
+};
+
+void add_sorted_dir(const fs::path& dir, std::vector<std::string>& out) {
+  std::vector<std::string> files;
+  std::error_code ec;
+  for (auto it = fs::recursive_directory_iterator(dir, fs::directory_options::skip_permission_denied, ec);
+       !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (!name.empty() && name[0] == '.') {
+      if (it->is_directory(ec)) it.disable_recursion_pending();
+      continue;
+    }
+    if (it->is_regular_file(ec)) files.push_back(it->path().string());
+  }
+  if (ec) throw std::runtime_error("cannot list input directory '" + dir.string() + "' (option '--input'): " + ec.message());
+  std::sort(files.begin(), files.end());
+  out.insert(out.end(), files.begin(), files.end());
+}
+
+// One training sentence a line of every input (see train_sentencepiece).
+class LineIterator final : public sentencepiece::SentenceIterator {
+ public:
+  LineIterator(std::vector<std::string> files, std::string field) : files_(std::move(files)), field_(std::move(field)) {
+    Next();
+  }
+  bool done() const override { return done_; }
+  const std::string& value() const override { return value_; }
+  sentencepiece::util::Status status() const override {
+    return error_.empty() ? sentencepiece::util::Status()
+                          : sentencepiece::util::Status(sentencepiece::util::StatusCode::kInternal, error_);
+  }
+  void Next() override {
+    try {
+      next();
+    } catch (const std::exception& e) {
+      error_ = e.what();
+      done_ = true;
+    }
+  }
+  const std::string& error() const { return error_; }
+  uint64_t sentences = 0, bytes = 0;
+
+ private:
+  void next() {
+    for (;;) {
+      if (!pending_.empty()) {  // lines of the current JSONL document
+        size_t nl = pending_.find('\n', pend_at_);
+        value_ = pending_.substr(pend_at_, nl == std::string::npos ? std::string::npos : nl - pend_at_);
+        pend_at_ = nl == std::string::npos ? pending_.size() : nl + 1;
+        if (pend_at_ >= pending_.size()) pending_.clear(), pend_at_ = 0;
+        if (!value_.empty()) return ++sentences, void();
+        continue;
+      }
+      if (in_.is_open() && std::getline(in_, line_)) {
+        ++lineno_;
+        if (jsonl_) {
+          if (detail::is_blank_line(line_)) continue;
+          pending_ = detail::jsonl_text(line_, field_, files_[file_ - 1], lineno_);
+          pend_at_ = 0;
+          continue;
+        }
+        if (!line_.empty() && line_.back() == '\r') line_.pop_back();
+        if (line_.empty()) continue;
+        value_ = line_;
+        ++sentences;
+        return;
+      }
+      if (in_.is_open() && in_.bad()) throw std::runtime_error("error reading input '" + files_[file_ - 1] + "' (option '--input')");
+      in_.close();
+      if (file_ == files_.size()) return done_ = true, void();
+      const std::string& p = files_[file_++];
+      std::error_code ec;
+      in_.open(p, std::ios::binary);
+      if (!in_ || fs::is_directory(p, ec)) throw std::runtime_error("cannot read input text '" + p + "' (option '--input')");
+      const auto size = fs::file_size(p, ec);
+      if (ec || size == 0) throw std::runtime_error("input text '" + p + "' is empty (option '--input')");
+      bytes += size;
+      jsonl_ = detail::is_jsonl(p);
+      lineno_ = 0;
+    }
+  }
+  std::vector<std::string> files_;
+  std::string field_;
+  size_t file_ = 0;
+  std::ifstream in_;
+  bool jsonl_ = false, done_ = false;
+  uint64_t lineno_ = 0;
+  std::string line_, value_, pending_, error_;
+  size_t pend_at_ = 0;
+};
+
+}  // namespace
+
+std::vector<std::string> expand_inputs(const std::vector<std::string>& specs, const std::string& option) {
+  std::vector<std::string> out;
+  for (const std::string& s : specs) {
+    std::error_code ec;
+    if (fs::is_directory(s, ec)) {
+      const size_t before = out.size();
+      add_sorted_dir(s, out);
+      if (out.size() == before) throw std::runtime_error("input directory '" + s + "' (option '" + option + "') holds no file");
+    } else if (fs::exists(s, ec) || s.find_first_of("*?[") == std::string::npos) {
+      out.push_back(s);  // a file; a missing one is named when it is opened
+    } else {
+      glob_t g{};
+      const int rc = glob(s.c_str(), 0, nullptr, &g);
+      std::vector<std::string> m(g.gl_pathv, g.gl_pathv + (rc == 0 ? g.gl_pathc : 0));
+      globfree(&g);
+      if (m.empty()) throw std::runtime_error("cannot read input text '" + s + "' (option '" + option + "'): the pattern matches no file");
+      for (const std::string& p : m) {
+        if (fs::is_directory(p, ec)) add_sorted_dir(p, out);
+        else out.push_back(p);
+      }
+    }
+  }
+  return out;
+}
+
+std::unique_ptr<Tokenizer> load_tokenizer(const std::string& spec) {
+  if (spec == "byte-level") return std::make_unique<ByteLevelTokenizer>();
+  std::error_code ec;
+  if (!fs::exists(spec, ec))
+    throw std::runtime_error("cannot load tokenizer '" + spec +
+                             "': no such file or directory (give 'byte-level', a SentencePiece .model file, or a "
+                             "directory holding tokenizer.model)");
+  if (fs::is_directory(spec, ec)) {
+    const fs::path model = fs::path(spec) / "tokenizer.model";
+    if (!fs::is_regular_file(model, ec))
+      throw std::runtime_error("cannot load tokenizer '" + spec + "': the directory holds no tokenizer.model "
+                               "(a SentencePiece model; tokenizer.json alone is not supported)");
+    auto t = std::make_unique<SentencePieceTokenizer>(spec, model.string(), read_file(model.string(), "tokenizer file"));
+    for (const char* extra : {"tokenizer_config.json", "special_tokens_map.json"}) {
+      const fs::path p = fs::path(spec) / extra;
+      if (fs::is_regular_file(p, ec)) t->add_file(extra, read_file(p.string(), "tokenizer file"));
+    }
+    return t;
+  }
+  return std::make_unique<SentencePieceTokenizer>(spec, spec, read_file(spec, "tokenizer"));
+}
+
+TokenizerTrainResult train_sentencepiece(const TokenizerTrainOptions& o) {
+  // 256 byte pieces + <unk>, <s>, </s>, and at least one more piece.
+  if (o.vocab_size < 260)
+    throw std::runtime_error("option '--vocab-size' must be at least 260 (256 byte-fallback pieces, <unk>, <s>, </s>, "
+                             "and the corpus' characters), got " + std::to_string(o.vocab_size));
+  if (o.out.empty()) throw std::runtime_error("option '--out' is required with --mode tokenizer (the .model file to write)");
+  std::error_code ec;
+  if (fs::is_directory(o.out, ec)) throw std::runtime_error("option '--out': '" + o.out + "' is a directory");
+  std::vector<std::string> files = expand_inputs(o.inputs);
+  if (files.empty()) throw std::runtime_error("option '--input' names no file");
+  for (const auto& in : files)
+    if (fs::equivalent(in, o.out, ec))
+      throw std::runtime_error("option '--out': '" + o.out + "' is also an input; refusing to overwrite it");
+
+  const auto t0 = std::chrono::steady_clock::now();
+  std::ostringstream cov;
+  cov << o.character_coverage;
+  // Llama 2's trainer_spec / normalizer_spec (printed from its tokenizer.model), except the input
+  // sampling size and threads.
+  const std::unordered_map<std::string, std::string> args = {
+      {"model_type", "bpe"},
+      {"vocab_size", std::to_string(o.vocab_size)},
+      {"character_coverage", cov.str()},
+      {"byte_fallback", "true"},
+      {"normalization_rule_name", "identity"},
+      {"remove_extra_whitespaces", "false"},
+      {"add_dummy_prefix", "true"},
+      {"split_digits", "true"},
+      {"split_by_unicode_script", "true"},
+      {"split_by_whitespace", "true"},
+      {"split_by_number", "true"},
+      {"treat_whitespace_as_suffix", "false"},
+      {"allow_whitespace_only_pieces", "true"},
+      {"max_sentencepiece_length", "16"},
+      {"max_sentence_length", "4192"},
+      {"input_sentence_size", std::to_string(o.max_sentences)},
+      {"shuffle_input_sentence", "true"},
+      {"unk_id", "0"},
+      {"bos_id", "1"},
+      {"eos_id", "2"},
+      {"pad_id", "-1"},
+      {"hard_vocab_limit", "true"},
+      {"vocabulary_output_piece_score", "true"},
+      {"num_threads", "2"},
+  };
+  LineIterator lines(files, o.text_field);
+  std::string model;
+  sentencepiece::logging::SetMinLogLevel(1);  // INFO lines (one per training step) off
+  const auto st = sentencepiece::SentencePieceTrainer::Train(args, &lines, &model);
+  sentencepiece::logging::SetMinLogLevel(0);
+  if (!lines.error().empty()) throw std::runtime_error(lines.error());
+  if (!st.ok()) {
+    const std::string m = st.ToString();
+    if (m.find("ocab") != std::string::npos)  // "Vocabulary size is smaller than required_chars", "too high"
+      throw std::runtime_error("option '--vocab-size' " + std::to_string(o.vocab_size) + " does not fit the corpus: " + m);
+    throw std::runtime_error("SentencePiece training failed (option '--input'): " + m);
+  }
+  write_file_atomic(o.out, model, false, "option '--out'");
+  TokenizerTrainResult r;
+  r.sentences = lines.sentences;
+  r.bytes = lines.bytes;
+  r.vocab_size = o.vocab_size;
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return r;
+}
+
+}  // namespace shardtrain

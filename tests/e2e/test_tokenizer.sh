@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Tokenizers (issue 14): --mode tokenizer trains a SentencePiece model; --mode prepare writes a
+# version-2 token file whose ids equal independent references: Python sentencepiece for every
+# document framed BOS + ids + EOS, transformers' AutoTokenizer / LlamaTokenizer, the UTF-8 bytes
+# for byte-level; the embedded tokenizer.model equals the file byte for byte; documents cut into
+# 64-byte chunks give exactly the ids of encoding them whole; bad inputs fail on every rank,
+# naming the file or option.
+source "$(dirname "$0")/common.sh"
+"$PY" "$ROOT/tests/e2e/tokenizer_corpus.py" "$WORK"
+DOCS=$WORK/expected_docs.json
+
+# Train (2 ranks: rank 0 trains, both agree) a 500-piece model on the generated corpus.
+$MPIRUN -np 2 "$BIN" --mode tokenizer --input "$WORK/train.txt" --vocab-size 500 --out "$WORK/tok.model" >"$WORK/train.log" 2>&1 \
+  || { cat "$WORK/train.log"; fail "--mode tokenizer"; }
+grep -m1 "tokenizer: wrote" "$WORK/train.log"
+mkdir -p "$WORK/hf" && cp "$WORK/tok.model" "$WORK/hf/tokenizer.model"
+
+# Ids: the documents (plain-text files, a .jsonl with empty documents), whole and in 64-byte chunks.
+"$BIN" --mode prepare --tokenizer "$WORK/tok.model" --input "$WORK/docs" --out "$WORK/whole.tok" | tail -1
+"$PY" "$ROOT/tests/e2e/token_file_check.py" "$WORK/whole.tok" "$DOCS" "$WORK/tok.model" 0.1 "$WORK/hf" 2>&1 | grep -v Warning
+SHARDTRAIN_TEST_PREPARE_CHUNK_BYTES=64 $MPIRUN -np 2 -x SHARDTRAIN_TEST_PREPARE_CHUNK_BYTES "$BIN" --mode prepare \
+  --tokenizer "$WORK/tok.model" --input "$WORK/docs/*.txt" "$WORK/docs/z.jsonl" --out "$WORK/chunked.tok" | tail -1
+"$PY" "$ROOT/tests/e2e/token_file_check.py" "$WORK/chunked.tok" "$DOCS" "$WORK/tok.model" 0.1
+cmp "$WORK/whole.tok" "$WORK/chunked.tok" || fail "64-byte chunks changed the token file"
+echo "ok: 64-byte chunks give the same file byte for byte"
+# Byte-level (the default), chunked too.
+SHARDTRAIN_TEST_PREPARE_CHUNK_BYTES=64 "$BIN" --mode prepare --input "$WORK/docs" --out "$WORK/bytes.tok" --val-fraction 0.25 | tail -1
+"$PY" "$ROOT/tests/e2e/token_file_check.py" "$WORK/bytes.tok" "$DOCS" byte-level 0.25
+# A Hugging Face-style directory: tokenizer.model plus the JSON files, all embedded.
+echo '{"add_bos_token": true, "add_eos_token": false}' >"$WORK/hf/tokenizer_config.json"
+echo '{"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}' >"$WORK/hf/special_tokens_map.json"
+"$BIN" --mode prepare --tokenizer "$WORK/hf" --input "$WORK/docs" --out "$WORK/dir.tok" | tail -1
+"$PY" - "$WORK/dir.tok" "$WORK/hf" <<'PY'
+import json, struct, sys
+raw = open(sys.argv[1], "rb").read()
+tb, J = struct.unpack_from("<2I", raw, 24)
+n = sum(struct.unpack_from("<2Q", raw, 32))
+meta = json.loads(raw[64 + tb * n: 64 + tb * n + J])
+area = 64 + tb * n + J
+for name, f in meta["tokenizer"]["files"].items():
+    assert raw[area + f["offset"]: area + f["offset"] + f["bytes"]] == open(f"{sys.argv[2]}/{name}", "rb").read(), name
+assert sorted(meta["tokenizer"]["files"]) == ["special_tokens_map.json", "tokenizer.model", "tokenizer_config.json"]
+print("ok: a tokenizer directory embeds", ", ".join(sorted(meta["tokenizer"]["files"])), "byte for byte")
+PY
+
+# Bad inputs: every rank exits non-zero, naming the file or option.
+printf 'not a model' >"$WORK/bad.model"
+printf '{"text": "fine"}\n{"text": broken}\n' >"$WORK/bad.jsonl"
+printf '{"body": "no text field"}\n' >"$WORK/nofield.jsonl"
+expect_fail missing_input "cannot read input text '$WORK/none.txt' (option '--input')" 2 \
+  --mode prepare --tokenizer "$WORK/tok.model" --input "$WORK/none.txt" --out "$WORK/x.tok"
+expect_fail bad_model "option '--tokenizer': cannot load tokenizer '$WORK/bad.model'" 2 \
+  --mode prepare --tokenizer "$WORK/bad.model" --input "$WORK/docs" --out "$WORK/x.tok"
+expect_fail missing_model "option '--tokenizer': cannot load tokenizer '$WORK/none.model': no such file" 2 \
+  --mode prepare --tokenizer "$WORK/none.model" --input "$WORK/docs" --out "$WORK/x.tok"
+expect_fail bad_jsonl "$WORK/bad.jsonl:2: invalid JSON" 2 --mode prepare --input "$WORK/bad.jsonl" --out "$WORK/x.tok"
+expect_fail no_text_field "$WORK/nofield.jsonl:1: no field 'text' (option '--text-field'" 2 \
+  --mode prepare --input "$WORK/nofield.jsonl" --out "$WORK/x.tok"
+expect_fail vocab_too_small "option '--vocab-size' must be at least 260" 2 \
+  --mode tokenizer --input "$WORK/train.txt" --vocab-size 100 --out "$WORK/x.model"
+expect_fail vocab_below_chars "option '--vocab-size' 262 does not fit the corpus" 2 \
+  --mode tokenizer --input "$WORK/train.txt" --vocab-size 262 --out "$WORK/x.model"
+expect_fail tokenizer_missing_input "cannot read input text '$WORK/none.txt' (option '--input')" 2 \
+  --mode tokenizer --input "$WORK/none.txt" --vocab-size 500 --out "$WORK/x.model"
+expect_fail tokenizer_no_vocab "option '--vocab-size' is required with --mode tokenizer" 2 \
+  --mode tokenizer --input "$WORK/train.txt" --out "$WORK/x.model"
+expect_fail out_is_input "option '--out': '$WORK/docs/p00.txt' is also an input" 2 \
+  --mode prepare --input "$WORK/docs" --out "$WORK/docs/p00.txt"
+[ ! -e "$WORK/x.tok" ] && [ ! -e "$WORK/x.tok.tmp" ] && [ ! -e "$WORK/x.model" ] || fail "a failed run left an output file"
+echo "ok: no output or temporary file left by the failed runs"
