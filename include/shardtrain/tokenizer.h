@@ -73,6 +73,12 @@ class Tokenizer {
 // a file that libsentencepiece cannot load, or a model without EOS.
 std::unique_ptr<Tokenizer> load_tokenizer(const std::string& spec);
 
+// The tokenizer a TokenizerInfo records (a checkpoint's group /tokenizer, a token file's metadata):
+// byte-level, or SentencePiece from files["tokenizer.model"]; nullptr for other kinds
+// ("hf-tokenizers": no C++ library here; "": unknown). The special ids are the recorded ones.
+// Throws std::runtime_error naming `source` if tokenizer.model is missing or does not load.
+std::unique_ptr<Tokenizer> tokenizer_from_info(const TokenizerInfo& info, const std::string& source);
+
 // --mode tokenizer: trains a SentencePiece BPE model configured as Llama's tokenizer.model was
 // (trainer_spec printed from Llama 2's model: BPE, byte_fallback, identity normalization,
 // add_dummy_prefix, no whitespace removal, split_digits, allow_whitespace_only_pieces,

@@ -191,6 +191,13 @@ class SentencePieceTokenizer final : public Tokenizer {
     return s;
   }
   void add_file(const std::string& name, std::string bytes) { info_.files[name] = std::move(bytes); }
+  // Takes the special ids, framing and files as recorded (a checkpoint may carry the original
+  // tokenizer_config.json etc.); the model itself stays the one loaded.
+  void set_recorded(const TokenizerInfo& t) {
+    const std::string model = std::move(info_.files["tokenizer.model"]);
+    info_ = t;
+    info_.files["tokenizer.model"] = model;
+  }
   bool cuttable() const override { return cuttable_; }
   bool is_cut(std::string_view t, size_t i) const override {
     return cuttable_ && i > 0 && i + 1 < t.size() && t[i] == ' ' && t[i - 1] != ' ' && t[i + 1] != ' ';
@@ -353,6 +360,17 @@ std::unique_ptr<Tokenizer> load_tokenizer(const std::string& spec) {
     return t;
   }
   return std::make_unique<SentencePieceTokenizer>(spec, spec, read_file(spec, "tokenizer"));
+}
+
+std::unique_ptr<Tokenizer> tokenizer_from_info(const TokenizerInfo& info, const std::string& source) {
+  if (info.kind == "byte-level") return std::make_unique<ByteLevelTokenizer>();
+  if (info.kind != "sentencepiece") return nullptr;
+  auto it = info.files.find("tokenizer.model");
+  if (it == info.files.end())
+    throw std::runtime_error(source + ": its SentencePiece tokenizer has no tokenizer.model");
+  auto t = std::make_unique<SentencePieceTokenizer>(source, source + " (tokenizer.model)", it->second);
+  t->set_recorded(info);
+  return t;
 }
 
 TokenizerTrainResult train_sentencepiece(const TokenizerTrainOptions& o) {

@@ -19,6 +19,7 @@
 #include "shardtrain/data.h"
 #include "shardtrain/files.h"
 #include "shardtrain/model.h"
+#include "shardtrain/tokenizer.h"
 #include "shardtrain/train.h"
 
 namespace shardtrain {
@@ -608,13 +609,14 @@ std::string generate(Comm& comm, const GenerateOptions& o) {
                              "Import with '--data TOKENFILE' to take the ids from a token file");
   LlamaModel<float> model(l.mc, *l.be);
   const int V = l.mc.vocab_size, maxT = l.mc.max_position_embeddings;
-  // The checkpoint's own SentencePiece tokenizer, when it records one (same bytes on every rank).
-  std::unique_ptr<sentencepiece::SentencePieceProcessor> sp;
-  if (l.tokenizer.kind == "sentencepiece" && l.tokenizer.files.count("tokenizer.model")) {
-    sp = std::make_unique<sentencepiece::SentencePieceProcessor>();
-    if (!sp->LoadFromSerializedProto(l.tokenizer.files.at("tokenizer.model")).ok())
-      throw CollectiveError(0, "checkpoint '" + o.checkpoint + "': its tokenizer.model (group /tokenizer) is not a "
-                               "SentencePiece model libsentencepiece can load");
+  // The checkpoint's own tokenizer when it records a SentencePiece one (same bytes on every rank).
+  std::unique_ptr<Tokenizer> sp;
+  if (l.tokenizer.kind == "sentencepiece") {
+    try {
+      sp = tokenizer_from_info(l.tokenizer, "checkpoint '" + o.checkpoint + "'");
+    } catch (const std::exception& e) {
+      throw CollectiveError(0, e.what());
+    }
   }
   std::vector<int32_t> ids = {l.mc.bos_token_id};
   if (!o.prompt_ids.empty()) {  // same text on every rank: the same decision
@@ -634,10 +636,8 @@ std::string generate(Comm& comm, const GenerateOptions& o) {
       ids.push_back(static_cast<int32_t>(v));
     }
   } else if (sp) {
-    std::vector<int> pieces;
-    if (!sp->Encode(o.prompt, &pieces).ok())
-      throw CollectiveError(0, "option '--prompt': the checkpoint's SentencePiece tokenizer cannot encode it");
-    ids.insert(ids.end(), pieces.begin(), pieces.end());
+    const std::vector<int32_t> p = sp->encode(o.prompt);
+    ids.insert(ids.end(), p.begin(), p.end());
   } else if (l.tokenizer.kind == "hf-tokenizers") {
     if (!o.prompt.empty())
       throw CollectiveError(0, "option '--prompt': checkpoint '" + o.checkpoint + "' has a Hugging Face tokenizer.json "
@@ -703,11 +703,7 @@ std::string generate(Comm& comm, const GenerateOptions& o) {
     log_info(comm, "generate: prompt ids: " + list(ids.data(), ids.size() - out.size()));
     log_info(comm, "generate: new ids: " + list(out.data(), out.size()));
   }
-  if (sp) {
-    std::string text;
-    sp->Decode(std::vector<int>(out.begin(), out.end()), &text);
-    return text;
-  }
+  if (sp) return sp->decode(out);
   if (l.tokenizer.kind == "hf-tokenizers") return "";  // ids only (--print-ids); decode with AutoTokenizer
   return ByteTokenizer::decode(out);
 }
