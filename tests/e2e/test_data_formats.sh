@@ -59,6 +59,28 @@ for r in llmc llmc_glob nanogpt llmc_job; do
 done
 echo "ok: shardtrain, llm.c (1 file), llm.c (glob of 2 shards), llm.c (job file, 2 data keys), nanoGPT: identical losses $(paste -sd' ' "$WORK/shardtrain.loss")"
 
+# Exact resume over several files: stop after step 2, resume at another world size; the step-3
+# loss is the uninterrupted run's, and the checkpoint records every file and the dataset's CRC32.
+GLOB=(--data "$WORK/shard_*.bin" --val-data "$WORK/val_*.bin")
+timeout -k 5 120 $MPIRUN -np 2 "$BIN" "${COMMON[@]}" "${GLOB[@]}" --checkpoint-dir "$WORK/ck" --stop-at-step 2 \
+  --metrics "$WORK/res.jsonl" >"$WORK/res1.log" 2>&1 || { cat "$WORK/res1.log"; fail "resume: first part failed"; }
+timeout -k 5 120 $MPIRUN -np 1 "$BIN" "${COMMON[@]}" "${GLOB[@]}" --checkpoint-dir "$WORK/ck" --resume auto \
+  --metrics "$WORK/res.jsonl" >"$WORK/res2.log" 2>&1 || { cat "$WORK/res2.log"; fail "resume: second part failed"; }
+losses "$WORK/res.jsonl" >"$WORK/res.loss"
+"$PY" - "$WORK" "$(sed -n 3p "$WORK/llmc_glob.loss")" "$(tail -1 "$WORK/res.loss")" <<'PY'
+import glob, h5py, json, sys, zlib
+work, want, got = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
+assert abs(got - want) <= 1e-6 * abs(want), f"resumed step-3 loss {got} vs uninterrupted {want}"
+ck = sorted(glob.glob(f"{work}/ck/step_*.h5"))[-1]
+d = json.loads(h5py.File(ck, "r").attrs["data"])
+files = [f"{work}/shard_000.bin", f"{work}/shard_001.bin", f"{work}/val_000.bin"]
+assert d["files"] == files and d["path"] == files[0], d
+crcs = b"".join((zlib.crc32(open(f, "rb").read())).to_bytes(4, "little") for f in files)
+assert d["crc32"] == zlib.crc32(crcs), (d["crc32"], zlib.crc32(crcs))
+assert d["vocab_size"] == 0 and d["formats"] == ["llm.c gpt-2 (u16)"] * 3, d
+print(f"ok: resume over 2 shards (W=2 -> 1): step-3 loss {got} = uninterrupted {want}; checkpoint records {len(files)} files, CRC32 of their CRC32s")
+PY
+
 expect_fail llmc_bad_magic "token file '$WORK/badmagic.bin': bad magic" 2 "${COMMON[@]}" --data "$WORK/badmagic.bin" --val-data "$WORK/val_000.bin"
 expect_fail raw_without_flag "token file '$WORK/train.bin': bad magic: neither a shardtrain token file" 2 "${COMMON[@]}" --data "$WORK/train.bin" --val-data "$WORK/val.bin"
 grep -qF -- "'--data-format nanogpt'" "$WORK/raw_without_flag.log" || fail "raw_without_flag: no hint"
