@@ -84,20 +84,35 @@ void run_tokenizer(Comm& comm, const Options& o) {
 void run_train(Comm& comm, const Topology& topo, const Options& o) {
   ModelConfig mc = resolve_model_config(comm, o.model);
   std::unique_ptr<TokenDataset> data;
-  agree(comm, [&] { data = std::make_unique<TokenDataset>(o.data); });
-  {  // Every rank reads the token file itself: a path that names other files on other nodes would
+  std::string what;  // names the data in messages
+  agree(comm, [&] {  // every rank expands the patterns and reads (maps) the files itself
+    const std::vector<std::string> train_files = expand_data_paths(o.data, "data");
+    const std::vector<std::string> val_files = expand_data_paths(o.val_data, "val-data");
+    data = std::make_unique<TokenDataset>(train_files, val_files, parse_data_format(o.data_format));
+    const size_t n = data->files().size();
+    what = n == 1 ? "token file '" + data->path() + "'"
+                  : "token files '" + data->path() + "' and " + std::to_string(n - 1) + " more";
+  });
+  log_info(comm, "data: " + what + ": " + std::to_string(data->size(Split::Train)) + " train + " +
+                     std::to_string(data->size(Split::Val)) + " validation tokens (" + data->files().front().format +
+                     (data->header().vocab_size ? ", " + data->header().tokenizer + " vocab " +
+                                                      std::to_string(data->header().vocab_size)
+                                                : std::string(", no vocabulary: ids checked against the model")) +
+                     "), memory-mapped");
+  {  // Every rank reads the token files itself: a path that names other files on other nodes would
      // train each rank on other data without a word.
     const std::vector<int> odd = ranks_differing_from_root(comm, data->crc32());
     if (!odd.empty())
-      throw CollectiveError(odd.front(), "token file '" + o.data + "' (option '--data') is not the same file on every rank: " +
+      throw CollectiveError(odd.front(), what + " (options '--data', '--val-data') is not the same on every rank: " +
                                              rank_list(odd) + " read other contents than rank 0 (a copy on a node's local "
                                              "disk, or a relative path under different working directories?)");
   }
-  {  // Special ids the config leaves out come from the token file; a conflict is refused.
+  if (data->header().vocab_size > 0) {  // Special ids the config leaves out come from the token file; a conflict is refused.
     const bool is_file = o.model.size() > 5 && o.model.ends_with(".json");
     const TokenFileHeader& h = data->header();
+    auto id = [](uint32_t v) { return v == kNoTokenId ? int64_t{-1} : static_cast<int64_t>(v); };
     take_special_ids_from_data(comm, mc, (is_file ? "model config '" : "preset '") + o.model + "'",
-                               DataSpecialIds{"token file '" + o.data + "'", h.vocab_size, h.bos_id, h.eos_id});
+                               DataSpecialIds{what, h.vocab_size, id(h.bos_id), id(h.eos_id)});
   }
 
   // Device placement: each rank decides from what its node shows, then all agree, before any
@@ -204,11 +219,7 @@ void run_plan(Comm& comm, const Options& o) {
                std::to_string(W) + "); give '--micro-batch' (memory depends on it alone)");
     t.micro_batch = t.global_batch / W;
   }
-  if (!o.data.empty()) {
-    TokenFileHeader h;
-    agree(comm, [&] { h = read_token_file_header(o.data); });
-    in.data_tokens = h.n_train + h.n_val;
-  }
+  // Token data is memory-mapped (page cache, not resident per rank): not part of the plan.
   if (cuda) {
     in.runtime_bytes = kGpuRuntimeEstimate;
   } else {  // this process with a CPU backend and its threads: what a training rank holds before allocating
@@ -340,7 +351,7 @@ int main(int argc, char** argv) {
     else if (o.mode == "plan") run_plan(comm, o);
     else if (o.mode == "inspect") run_inspect(comm, o);
     else if (o.mode == "export") export_hf(comm, ExportOptions{o.checkpoint, o.out, parse_export_dtype(o.dtype), parse_size(o.max_shard_size)});
-    else if (o.mode == "import") import_hf(comm, o.hf_dir, o.out, o.data);
+    else if (o.mode == "import") import_hf(comm, o.hf_dir, o.out, o.data.empty() ? std::string() : o.data.front());
     else if (o.mode == "generate") {
       std::string text = generate(comm, GenerateOptions{o.checkpoint, o.prompt, o.max_new_tokens, o.temperature, o.top_k,
                                                         o.train.seed, o.dump_logits, o.prompt_ids, o.print_ids});

@@ -1,18 +1,22 @@
 // shardtrain data layer: the byte-level tokenizer, the token file format, and the per-rank loader.
 //
-// Token file layout (little-endian; documented in docs/data-format.md):
+// Token data: shardtrain token files (versions 1 and 2), llm.c .bin shards and nanoGPT raw u16
+// files, one or several, memory-mapped (docs/data-format.md).
+//
+// shardtrain token file layout (little-endian; documented in docs/data-format.md):
 //   offset  size  field
 //   0       8     magic "STTOKv1\0"
-//   8       4     u32 format version (1)
+//   8       4     u32 format version (1 or 2)
 //   12      4     u32 vocab_size (258 for the byte tokenizer)
 //   16      4     u32 bos_id (256)
 //   20      4     u32 eos_id (257)
 //   24      4     u32 bytes per token: 2 (tokens are u16) or 4 (u32, for ids above 65535)
-//   28      4     u32 reserved (0)
+//   28      4     u32 version 1: reserved (0); version 2: J, bytes of the metadata JSON
 //   32      8     u64 n_train tokens
 //   40      8     u64 n_val tokens
 //   48      16    tokenizer name, NUL-padded ("byte-level")
 //   64      b*n_train  train tokens, then b*n_val validation tokens (b = bytes per token)
+//   then (version 2) J bytes of metadata JSON, then the tokenizer's files
 #pragma once
 
 #include <cstdint>
@@ -60,36 +64,117 @@ struct TokenFileHeader {
 TokenFileHeader prepare_token_file(const std::vector<std::string>& inputs, const std::string& out_path,
                                    double val_fraction);
 
-// Reads and checks only the 64-byte header of token file `path` (and that the file's size matches
-// it). Throws std::runtime_error naming the file, as TokenDataset does, for a missing or
-// unreadable file, bad magic, unknown version, token size other than 2 or 4 (field "bytes per
+// Reads and checks only the 64-byte header of shardtrain token file `path` (and that the file's
+// size matches it). Throws std::runtime_error naming the file, as TokenDataset does, for a missing
+// or unreadable file, bad magic, unknown version, token size other than 2 or 4 (field "bytes per
 // token"), size not matching.
 TokenFileHeader read_token_file_header(const std::string& path);
 
-// A token file held in memory, u16 or u32 tokens alike, as u32.
-class TokenDataset {
- public:
-  // Reads and checks `path`. Throws std::runtime_error naming the file for: missing file, bad
-  // magic, unknown version, size not matching the header, tokens >= vocab_size.
-  explicit TokenDataset(const std::string& path);
-  const TokenFileHeader& header() const { return h_; }
-  const std::string& path() const { return path_; }  // as given to the constructor
-  uint32_t crc32() const { return crc32_; }  // zlib CRC32 of the whole file: ranks compare it
-  const std::vector<uint32_t>& train() const { return train_; }
-  const std::vector<uint32_t>& val() const { return val_; }
+// How the files given to --data / --val-data are read (option '--data-format'):
+//   Auto        by magic: shardtrain ("STTOKv1\0") or llm.c (int32 20240520 / 20240801); a file
+//               with neither is refused, suggesting '--data-format nanogpt'
+//   Shardtrain  shardtrain token files only (versions 1 and 2, docs/data-format.md)
+//   Llmc        llm.c .bin shards only: a header of 256 little-endian int32, [0] magic, [1] version,
+//               [2] token count; magic 20240520 version 1: u16 tokens (GPT-2), magic 20240801
+//               version 7: u32 tokens (Llama 3). Source: github.com/karpathy/llm.c,
+//               dev/data/data_common.py (write_datafile) and llmc/dataloader.h (the size check).
+//   NanoGPT     nanoGPT's train.bin / val.bin: raw u16 tokens, no header (data/*/prepare.py)
+enum class DataFormat { Auto, Shardtrain, Llmc, NanoGPT };
 
- private:
-  std::string path_;
-  uint32_t crc32_ = 0;
-  TokenFileHeader h_;
-  std::vector<uint32_t> train_, val_;
-};
+// "auto" | "shardtrain" | "llmc" | "nanogpt" -> DataFormat; std::invalid_argument naming
+// '--data-format' otherwise.
+DataFormat parse_data_format(const std::string& s);
 
-// Which batch of which split. Sequence `i` of global batch `index` starts at a pseudo-random
-// offset that depends only on (seed, stream, index, i): the global batch is the same at any world
-// size, and rank r of W takes sequences [r*G/W, (r+1)*G/W).
+// The files named by `patterns` (values of `option`, e.g. "data"): each value holding a glob
+// character (* ? [) is expanded with glob(3), sorted; other values are kept as given (a missing
+// file is reported when opened). Throws std::runtime_error naming the option and the pattern if a
+// pattern matches nothing.
+std::vector<std::string> expand_data_paths(const std::vector<std::string>& patterns, const std::string& option);
+
+// Which split of a dataset: the training stream or the validation stream.
 enum class Split { Train, Val };
 
+// One file of a TokenDataset, as read at open.
+struct TokenFileEntry {
+  std::string path;
+  std::string format;        // "shardtrain v1", "shardtrain v2", "llm.c gpt-2 (u16)", "llm.c llama-3 (u32)", "nanogpt (u16)"
+  uint64_t size = 0;         // bytes
+  uint64_t data_offset = 0;  // byte offset of token 0 (64, 1024 or 0)
+  uint32_t token_bytes = 2;  // 2 or 4
+  uint64_t n_train = 0, n_val = 0;  // tokens; llm.c / nanoGPT files: all tokens are n_train
+  uint32_t crc32 = 0;        // zlib CRC32 of the whole file
+  uint32_t max_id = 0;       // the largest token id in the file ...
+  uint64_t max_id_offset = 0;  // ... and the byte offset (in the file) of its first occurrence
+  bool known_vocab = false;  // shardtrain files: the header gives vocab_size / bos / eos
+};
+
+// A tokenized corpus over one or more files, memory-mapped read-only (MAP_SHARED): no token is
+// copied onto the heap, so a corpus larger than memory costs page cache, not resident memory.
+//
+// Streams (global, concatenated in the order the files are given):
+//   train  the training split of each shardtrain file of `train_files`, all tokens of each llm.c or
+//          nanoGPT file;
+//   val    all tokens (shardtrain: train + val split) of each of `val_files` if there are any, else
+//          the validation split of each shardtrain file of `train_files` (possibly empty).
+//
+// Opening scans every file once with pread() in 4 MiB chunks (resident memory does not grow with
+// the corpus): it computes the file's zlib CRC32 and its largest id, and for shardtrain files checks
+// every id < the header's vocab_size; version 2 metadata is parsed and each tokenizer file's CRC32
+// checked. Throws std::runtime_error naming the file (and the byte offset or field where it applies)
+// for: a missing / unreadable / empty file, bad magic (suggesting '--data-format nanogpt' when no
+// format is recognized), an unknown version, a token size other than 2 or 4, a header token count
+// beyond or not matching the file size, an odd size for raw u16, an id >= vocab_size ("token N >=
+// vocab_size V at byte offset O"), bad v2 metadata (JSON, kind / vocab / bos / eos disagreeing with
+// the header, a tokenizer file outside the file area or with another CRC32), and shardtrain files
+// that disagree on tokenizer / vocab_size / bos_id / eos_id. Ids of files without a vocabulary
+// (llm.c, nanoGPT) are checked against the model's vocabulary at train start (max_id()).
+class TokenDataset {
+ public:
+  explicit TokenDataset(const std::string& path, DataFormat format = DataFormat::Auto);
+  TokenDataset(const std::vector<std::string>& train_files, const std::vector<std::string>& val_files,
+               DataFormat format = DataFormat::Auto);
+  ~TokenDataset();
+  TokenDataset(const TokenDataset&) = delete;
+  TokenDataset& operator=(const TokenDataset&) = delete;
+
+  // The dataset's header: vocab_size / bos_id / eos_id / tokenizer of its shardtrain files (all
+  // agree), or vocab_size 0, bos_id = eos_id = kNoTokenId, tokenizer "" when no file has a
+  // vocabulary; n_train / n_val = tokens of the train / val streams; token_bytes = the widest file's.
+  const TokenFileHeader& header() const { return h_; }
+  // The tokenizer: version 2 metadata (with its files' bytes), byte-level info for version 1,
+  // kind "" and vocab_size 0 for llm.c / nanoGPT data.
+  const TokenizerInfo& tokenizer() const { return tok_; }
+  const std::string& path() const { return files_.front().path; }  // the first file
+  const std::vector<TokenFileEntry>& files() const { return files_; }  // train files, then val files
+  // zlib CRC32 of the concatenation of all files (train files, then val files) in order: for one
+  // file, the file's CRC32. Ranks compare it; checkpoints record it.
+  uint32_t crc32() const { return crc32_; }
+  uint64_t size(Split s) const { return s == Split::Train ? h_.n_train : h_.n_val; }
+  // Copies tokens [first, first + count) of stream `s` into out[0, count) (ids as u32), across file
+  // boundaries. Throws std::out_of_range if first + count > size(s).
+  void copy(Split s, uint64_t first, uint64_t count, uint32_t* out) const;
+  // The largest id of all files, and where it first occurs: "file 'x' byte offset N".
+  uint32_t max_id() const { return max_id_; }
+  std::string max_id_where() const;
+
+ private:
+  struct Segment {  // a run of tokens of one file in a stream
+    size_t file;
+    uint64_t first, count;  // in tokens of the file
+  };
+  std::vector<TokenFileEntry> files_;
+  std::vector<const unsigned char*> maps_;  // mmap of each file (nullptr for an empty file)
+  std::vector<Segment> seg_[2];
+  std::vector<uint64_t> start_[2];  // stream offset of each segment
+  uint32_t crc32_ = 0, max_id_ = 0;
+  size_t max_id_file_ = 0;
+  TokenFileHeader h_;
+  TokenizerInfo tok_;
+};
+
+// Sequence `i` of global batch `index` starts at a pseudo-random offset that depends only on
+// (seed, split, index, i): the global batch is the same at any world size, and rank r of W takes
+// sequences [r*G/W, (r+1)*G/W).
 // Fills tokens and targets ([count, T] row-major, targets shifted by one) with sequences
 // [first, first+count) of global batch `index` of `split`. Throws std::runtime_error if the split
 // holds fewer than T+1 tokens.

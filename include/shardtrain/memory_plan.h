@@ -11,7 +11,7 @@
 //                                              largest unit, a shard-sized scatter buffer (+ the
 //                                              bf16 copies of mixed precision), not divided by W
 //   activations                                activation_bytes() of the model (model.h)
-//   token data                                 the token file held by every rank (CPU memory)
+//   token data                                 a token file held in memory (training maps its files: not counted)
 //   runtime                                    the process before any of the above: libraries,
 //                                              MPI, thread stacks (measured, see plan_memory)
 #pragma once
@@ -33,7 +33,7 @@ struct MemoryPlanInput {
   Precision precision = Precision::FP32;
   bool reduce_bf16 = false;
   bool cuda = false;          // plan device memory of a GPU rank (else CPU memory)
-  uint64_t data_tokens = 0;   // tokens in the token file (CPU memory of every rank); 0: no data
+  uint64_t data_tokens = 0;   // tokens held in each rank's memory; 0: none (training memory-maps its token files)
   uint32_t token_bytes = 4;   // bytes per token held in memory
   int64_t runtime_bytes = 0;  // the process before allocation (CPU: VmRSS now; GPU: CUDA context etc.)
 };

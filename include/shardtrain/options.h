@@ -26,7 +26,9 @@ struct Options {
   std::string mode = "train";     // train | prepare | tokenizer | inspect | export | import | generate | plan
   std::string config_file;        // INI job file
   std::string model = "demo";     // preset name or path to a Hugging Face config.json
-  std::string data;               // token file (train)
+  std::vector<std::string> data;  // train: token files / glob patterns (--data, repeatable; job file: repeated keys)
+  std::vector<std::string> val_data;  // train: validation token files / glob patterns (--val-data, repeatable)
+  std::string data_format = "auto";   // auto | shardtrain | llmc | nanogpt (parse_data_format, data.h)
   std::vector<std::string> inputs;  // text files, directories, globs (prepare, tokenizer)
   std::string out;                // token file to write (prepare), .model file (tokenizer)
   std::string tokenizer = "byte-level";  // prepare: byte-level | SentencePiece .model | directory with tokenizer.model

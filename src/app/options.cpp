@@ -1,5 +1,6 @@
 // Option parsing with Boost.ProgramOptions; range checks that name the offending option.
 #include "shardtrain/options.h"
+#include "shardtrain/data.h"
 
 #include <boost/program_options.hpp>
 #include <algorithm>
@@ -49,7 +50,9 @@ po::options_description describe(Options& o) {
       ("model", po::value<std::string>(&o.model)->default_value(o.model), "preset name (tiny, test-uneven, demo, llama-125m, llama-350m, llama-1b, tinyllama-1.1b, llama-8b) or path to a Hugging Face config.json of a LlamaForCausalLM");
   po::options_description tr("Training (--mode train)");
   tr.add_options()
-      ("data", po::value<std::string>(&o.data), "token file made by --mode prepare")
+      ("data", po::value<std::vector<std::string>>(&o.data), "training token file(s), repeatable, each a path or a glob pattern (sorted): shardtrain files (--mode prepare; their train splits), llm.c .bin shards, nanoGPT train.bin; files are memory-mapped and concatenated in order")
+      ("val-data", po::value<std::vector<std::string>>(&o.val_data), "validation token file(s), repeatable, paths or glob patterns, all their tokens; default: the validation splits of the shardtrain '--data' files")
+      ("data-format", po::value<std::string>(&o.data_format)->default_value(o.data_format), "format of the --data / --val-data files: auto (by magic: shardtrain or llm.c) | shardtrain | llmc | nanogpt (raw uint16, no header: needs this flag)")
       ("seq-len", po::value<int>(&t.seq_len)->default_value(t.seq_len), "sequence length T, tokens")
       ("global-batch", po::value<int>(&t.global_batch)->default_value(t.global_batch), "sequences per optimizer step over all ranks; divisible by world size x micro-batch")
       ("micro-batch", po::value<int>(&t.micro_batch)->default_value(t.micro_batch), "sequences per rank per forward/backward; 0 = global-batch / world size (no accumulation)")
@@ -184,6 +187,9 @@ void validate(const Options& o) {
   check(t.eval_every >= 0, "eval-every", "must be >= 0");
   check(t.eval_batches >= 1, "eval-batches", "must be >= 1");
   if (o.mode == "train") check(!o.data.empty(), "data", "is required with --mode train (a token file from --mode prepare)");
+  if (o.mode == "import") check(o.data.size() <= 1, "data", "names one token file with --mode import");
+  parse_data_format(o.data_format);  // throws naming option '--data-format'
+
   if (o.mode == "prepare") {
     check(!o.inputs.empty(), "input", "is required with --mode prepare");
     check(!o.out.empty(), "out", "is required with --mode prepare");

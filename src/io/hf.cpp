@@ -149,6 +149,7 @@ bool parse_data_info(const std::string& ckpt, const std::string& text, DataSpeci
     ids.vocab_size = j["vocab_size"].get<int64_t>();
     ids.bos_id = j["bos_id"].get<int64_t>();
     ids.eos_id = j["eos_id"].get<int64_t>();
+    if (ids.vocab_size == 0) return false;  // llm.c / nanoGPT data: no tokenizer, no special ids known
     ids.source = "token file '" + path + "' (which checkpoint '" + ckpt + "' was trained on)";
     return true;
   } catch (const std::exception& e) {

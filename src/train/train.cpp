@@ -262,8 +262,16 @@ static TrainResult train_in(Engine& eng, const ModelConfig& mc, const TrainConfi
   if (data.header().vocab_size > static_cast<uint32_t>(mc.vocab_size))
     throw CollectiveError(0, "the token file's vocab_size (" + std::to_string(data.header().vocab_size) +
                                  ") exceeds the model's vocab_size (" + std::to_string(mc.vocab_size) + ")");
-  for (auto [n, name] : {std::pair{data.train().size(), "train"}, std::pair{data.val().size(), "validation"}})
-    if (n < static_cast<size_t>(tc.seq_len) + 1)
+  // Data without a vocabulary (llm.c, nanoGPT) is checked here, against the model's.
+  if (data.max_id() >= static_cast<uint32_t>(mc.vocab_size))
+    throw CollectiveError(0, "token id " + std::to_string(data.max_id()) + " at " + data.max_id_where() +
+                                 " is >= the model's vocab_size (" + std::to_string(mc.vocab_size) +
+                                 "): the data was tokenized for another vocabulary");
+  if (data.size(Split::Val) == 0)
+    throw CollectiveError(0, "no validation tokens: the '--data' files have no validation split (llm.c and nanoGPT "
+                             "files are all training tokens); name validation files with option '--val-data'");
+  for (auto [n, name] : {std::pair{data.size(Split::Train), "train"}, std::pair{data.size(Split::Val), "validation"}})
+    if (n < static_cast<uint64_t>(tc.seq_len) + 1)
       throw CollectiveError(0, std::string("the ") + name + " split of the token file holds " + std::to_string(n) +
                                    " tokens, fewer than one sequence of --seq-len + 1 = " +
                                    std::to_string(tc.seq_len + 1));
@@ -274,8 +282,7 @@ static TrainResult train_in(Engine& eng, const ModelConfig& mc, const TrainConfi
   {  // The memory plan, before anything is allocated (the process's own memory so far measured).
     MemoryPlanInput mi{mc, tc, W, std::is_same_v<C, bf16> ? Precision::BF16 : Precision::FP32, eng.reduce_bf16,
                        std::string(be.name()).find("cuda") != std::string::npos,
-                       data.header().n_train + data.header().n_val,
-                       static_cast<uint32_t>(sizeof(data.train().front())), 0};
+                       0, 4, 0};  // token data: memory-mapped (page cache), not held by the rank
     mi.train.micro_batch = mb;
     mi.runtime_bytes = mi.cuda ? kGpuRuntimeEstimate : current_rss_bytes();
     comm.all_reduce(&mi.runtime_bytes, 1, ReduceOp::Max);
@@ -367,8 +374,16 @@ static TrainResult train_in(Engine& eng, const ModelConfig& mc, const TrainConfi
   state.seed = tc.seed;
   {
     const TokenFileHeader& h = data.header();
-    const nlohmann::json now = {{"path", data.path()}, {"tokenizer", h.tokenizer}, {"vocab_size", h.vocab_size},
-                                {"bos_id", h.bos_id},  {"eos_id", h.eos_id},       {"crc32", data.crc32()}};
+    nlohmann::json files = nlohmann::json::array(), formats = nlohmann::json::array();
+    for (const TokenFileEntry& e : data.files()) {
+      files.push_back(e.path);
+      formats.push_back(e.format);
+    }
+    // "path": the first file (what format-1 readers know); "files": every file, train then val.
+    const nlohmann::json now = {{"path", data.path()}, {"files", files},         {"formats", formats},
+                                {"tokenizer", h.tokenizer}, {"vocab_size", h.vocab_size}, {"bos_id", h.bos_id},
+                                {"eos_id", h.eos_id},  {"n_train", h.n_train}, {"n_val", h.n_val},
+                                {"crc32", data.crc32()}};
     nlohmann::json before;
     try {
       before = nlohmann::json::parse(state.data_info);

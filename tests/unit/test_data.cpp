@@ -15,6 +15,11 @@ using namespace shardtrain;
 namespace {
 std::string tmp(const std::string& name) { return ::testing::TempDir() + "shardtrain_" + name; }
 void write(const std::string& p, const std::string& s) { std::ofstream(p, std::ios::binary) << s; }
+std::vector<uint32_t> split(const TokenDataset& ds, Split s) {  // a whole stream, through copy()
+  std::vector<uint32_t> v(ds.size(s));
+  ds.copy(s, 0, v.size(), v.data());
+  return v;
+}
 }  // namespace
 
 TEST(Data, TokenizerRoundTripsBytes) {
@@ -47,9 +52,9 @@ TEST(Data, PrepareWritesDocumentedLayout) {
   EXPECT_EQ(u16(64 + 2 * 4), 257u);  // EOS after "abc"
   EXPECT_EQ(b.substr(48, 10), "byte-level");
   TokenDataset ds(tmp("ab.tok"));
-  EXPECT_EQ(ds.train().size(), 11u);
-  EXPECT_EQ(ds.val().size(), 3u);
-  EXPECT_EQ(ds.val().back(), 257);
+  EXPECT_EQ(split(ds, Split::Train).size(), 11u);
+  EXPECT_EQ(split(ds, Split::Val).size(), 3u);
+  EXPECT_EQ(split(ds, Split::Val).back(), 257);
 }
 
 TEST(Data, BatchesAreDeterministicAndIndependentOfWorldSize) {
@@ -182,12 +187,13 @@ TEST(Data, U32TokensAboveU16Range) {
   const TokenFileHeader h = read_token_file_header(tmp("u32.tok"));
   EXPECT_EQ(h.token_bytes, 4u);
   TokenDataset ds(tmp("u32.tok"));
-  ASSERT_EQ(ds.train().size(), 300u);
-  ASSERT_EQ(ds.val().size(), 100u);
-  for (size_t i = 0; i < 300; ++i) ASSERT_EQ(ds.train()[i], toks[i]) << i;
-  for (size_t i = 0; i < 100; ++i) ASSERT_EQ(ds.val()[i], toks[300 + i]) << i;
+  const std::vector<uint32_t> tr = split(ds, Split::Train), va = split(ds, Split::Val);
+  ASSERT_EQ(tr.size(), 300u);
+  ASSERT_EQ(va.size(), 100u);
+  for (size_t i = 0; i < 300; ++i) ASSERT_EQ(tr[i], toks[i]) << i;
+  for (size_t i = 0; i < 100; ++i) ASSERT_EQ(va[i], toks[300 + i]) << i;
   size_t high = 0;
-  for (uint32_t t : ds.train()) high += t > 65535;
+  for (uint32_t t : tr) high += t > 65535;
   EXPECT_GT(high, 100u);
   // Batches hold the ids as they are (int32), none cut to 16 bits.
   std::vector<int32_t> a(4 * 16), tg(4 * 16);
