@@ -239,6 +239,39 @@ std::string continue_metrics(const std::string& given, int64_t step) {
 }
 }  // namespace
 
+// The file that defines a tokenizer of `kind` ("" for kinds without one).
+static std::string defining_file(const std::string& kind) {
+  return kind == "sentencepiece" ? "tokenizer.model" : kind == "hf-tokenizers" ? "tokenizer.json" : "";
+}
+
+// The tokenizer the run's checkpoints record: the token data's, or the checkpoint's (resumed or
+// --init-from) where the data names none (llm.c, nanoGPT). When both name the same tokenizer (the
+// same defining file, byte for byte), the checkpoint's record is kept, with the data's other files
+// added: an imported model keeps its tokenizer.json and tokenizer_config.json for export. Data made
+// with another tokenizer of the same kind than the checkpoint's model is refused (CollectiveError
+// naming both files): every id would mean another token. Other kind changes (byte-level data for
+// a model imported with a tokenizer.json) are noted; the data's tokenizer is recorded.
+static TokenizerInfo pick_tokenizer(Comm& comm, const TokenizerInfo& ckpt, const std::string& ckpt_path,
+                                    const TokenizerInfo& data, const std::string& data_path) {
+  if (data.kind.empty()) return ckpt;
+  if (ckpt.kind.empty()) return data;
+  const std::string def = defining_file(data.kind);
+  if (ckpt.kind == data.kind && !def.empty() && data.files.count(def) && ckpt.files.count(def)) {
+    if (data.files.at(def) != ckpt.files.at(def))
+      throw CollectiveError(0, "token file '" + data_path + "' was made with another " + data.kind + " tokenizer than "
+                               "checkpoint '" + ckpt_path + "': their " + def + " files differ, so the ids mean other "
+                               "tokens. Prepare the data with the model's tokenizer (--mode prepare --tokenizer "
+                               "<its Hugging Face directory or tokenizer.model>)");
+    TokenizerInfo t = ckpt;
+    for (auto& [name, bytes] : data.files) t.files.emplace(name, bytes);  // the checkpoint's own files win
+    return t;
+  }
+  if (ckpt.kind != data.kind)
+    log_info(comm, "note: checkpoint '" + ckpt_path + "' records a " + ckpt.kind + " tokenizer, token file '" + data_path +
+                       "' was made with " + data.kind + "; new checkpoints record the token file's");
+  return data;
+}
+
 template <typename C>
 static TrainResult train_in(Engine& eng, const ModelConfig& mc, const TrainConfig& tc, const TokenDataset& data) {
   Comm& comm = eng.comm;
@@ -363,7 +396,8 @@ static TrainResult train_in(Engine& eng, const ModelConfig& mc, const TrainConfi
                                "' (--start-over): its 'latest' names a checkpoint that no longer exists"
                          : "no checkpoint in '" + tc.checkpoint_dir + "': starting from step 0");
     if (!tc.init_from.empty()) {
-      load_checkpoint(comm, tc.init_from, f, nullptr, mc);  // weights only; AdamW starts from zero
+      // Weights only; AdamW starts from zero. The tokenizer record is kept to compare with the data's.
+      state.tokenizer = load_checkpoint(comm, tc.init_from, f, nullptr, mc).tokenizer;
       log_info(comm, "initialized weights from '" + tc.init_from + "'");
     }
   }
@@ -395,6 +429,8 @@ static TrainResult train_in(Engine& eng, const ModelConfig& mc, const TrainConfi
                          std::to_string(state.step + 1) + " on come from the new one");
     state.data_info = now.dump();
   }
+  state.tokenizer = pick_tokenizer(comm, state.tokenizer, resume_path.empty() ? tc.init_from : resume_path,
+                                   data.tokenizer(), data.path());
   const uint64_t seed = tc.seed;
   if (state.step >= tc.steps)
     throw CollectiveError(0, "checkpoint is at step " + std::to_string(state.step) + ", not before option '--steps' (" +

@@ -6,7 +6,8 @@
 #   * the token file's ids are AutoTokenizer's on the export, document by document (+ EOS);
 #   * the export's tokenizer files are the original's, byte for byte;
 #   * transformers' greedy generation from the export equals --mode generate greedy, 32 tokens;
-#   * the fine-tuned model really changed (training loss went down from the imported weights).
+#   * the fine-tuned model really changed (training loss went down from the imported weights);
+#   * data made with another tokenizer than the model's is refused.
 source "$(dirname "$0")/common.sh"
 "$PY" "$ROOT/tests/e2e/finetune_make.py" "$WORK" >"$WORK/make.log" 2>&1 || { cat "$WORK/make.log"; fail "making the HF Llama"; }
 run() {  # name np args...
@@ -19,9 +20,9 @@ grep -q "tokenizer: sentencepiece" "$WORK/import.log" || { cat "$WORK/import.log
 run prepare 1 --mode prepare --tokenizer "$WORK/hf" --input "$WORK/corpus" --out "$WORK/ft.tok" --val-fraction 0.1
 run train 2 --model "$WORK/hf/config.json" --data "$WORK/ft.tok" --init-from "$WORK/base.h5" --seq-len 64 \
   --global-batch 8 --steps 40 --lr 3e-3 --warmup 5 --threads 1 --log-every 1 --checkpoint-dir "$WORK/ck"
-run export 1 --mode export "$WORK/ck/latest" --out "$WORK/out"
+run export 1 --mode export "$WORK/ck/step_00000040.h5" --out "$WORK/out"
 PROMPT="the king of"
-run generate 2 --mode generate "$WORK/ck/latest" --prompt "$PROMPT" --max-new-tokens 32 --temperature 0 --print-ids
+run generate 2 --mode generate "$WORK/ck/step_00000040.h5" --prompt "$PROMPT" --max-new-tokens 32 --temperature 0 --print-ids
 "$PY" - "$WORK" "$PROMPT" <<'PY'
 import glob, json, re, sys
 import numpy as np, torch
@@ -40,7 +41,7 @@ for p in sorted(glob.glob(f"{work}/corpus/*.txt")):
     want += tok.encode(open(p, encoding="utf-8").read()) + [tok.eos_token_id]
 assert ids == want, f"token file ids differ from AutoTokenizer's on the export ({len(ids)} vs {len(want)} ids)"
 print(f"ok: {len(ids)} ids of {len(glob.glob(f'{work}/corpus/*.txt'))} documents equal AutoTokenizer's on the export")
-model = AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
+model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
 x = tok(prompt, return_tensors="pt").input_ids
 with torch.no_grad():
     g = model.generate(x, do_sample=False, max_new_tokens=32, pad_token_id=tok.eos_token_id)[0, x.shape[1]:].tolist()
@@ -60,4 +61,11 @@ loss = [float(m) for m in re.findall(r"^step \d+/\d+ .*?loss ([0-9.]+)", open(sy
 assert len(loss) >= 40 and sum(loss[-5:]) / 5 < loss[0] - 0.3, f"fine-tuning did not lower the loss: {loss[:3]} ... {loss[-3:]}"
 print(f"ok: fine-tuning loss {loss[0]:.3f} -> {sum(loss[-5:]) / 5:.3f}")
 PY
+# Data made with another SentencePiece model than the imported one: every id would mean another
+# token; refused on every rank, naming both files.
+run other_tok 1 --mode tokenizer --input "$WORK/corpus" --vocab-size 300 --out "$WORK/other.model"
+run other_prep 1 --mode prepare --tokenizer "$WORK/other.model" --input "$WORK/corpus" --out "$WORK/other.tok"
+expect_fail other_tokenizer "was made with another sentencepiece tokenizer than checkpoint" 2 \
+  --model "$WORK/hf/config.json" --data "$WORK/other.tok" --init-from "$WORK/base.h5" --seq-len 64 --global-batch 8 \
+  --steps 2 --threads 1
 echo "ok: fine-tune round trip"
