@@ -246,7 +246,9 @@ def _encode(item):
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="See docs/data-format.md.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("inputs", nargs="+", help="text or JSONL files, directories, globs")
+    p.add_argument("inputs", nargs="*", help="text or JSONL files, directories, globs")
+    p.add_argument("--input", action="append", default=[], dest="more_inputs",
+                   help="an input as with shardtrain --mode prepare (repeatable; same as a positional input)")
     p.add_argument("--tokenizer", required=True, help="tokenizer.json file or AutoTokenizer directory (local)")
     p.add_argument("--out", required=True, help="token file to write")
     p.add_argument("--text-field", default="text", help="JSONL field holding the text (default: text)")
@@ -261,6 +263,9 @@ def parse_args(argv):
     p.add_argument("--eos-id", type=int, help="EOS id to use instead of the tokenizer's (required if it has none)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     a = p.parse_args(argv)
+    a.inputs = a.inputs + a.more_inputs
+    if not a.inputs:
+        p.error("no input: give text or JSONL files, directories or globs (positional or --input)")
     if not 0 <= a.val_fraction < 1:
         p.error(f"--val-fraction {a.val_fraction}: expected 0 <= f < 1")
     if a.workers < 1:

@@ -54,8 +54,9 @@ void run_prepare(Comm& comm, const Options& o) {
                 static_cast<double>(h.n_train + h.n_val) / std::max(r.seconds, 1e-9), r.peak_rss_bytes / 1e6);
   log_info(comm, "prepare: wrote '" + o.out + "': " + std::to_string(h.n_train) + " train + " +
                      std::to_string(h.n_val) + " validation tokens (" + h.tokenizer + ", vocab " +
-                     std::to_string(h.vocab_size) + "), " + std::to_string(r.documents) + " documents from " +
-                     std::to_string(r.files) + " files, " + rates);
+                     std::to_string(h.vocab_size) + "), " + std::to_string(r.documents) +
+                     (r.documents == 1 ? " document from " : " documents from ") + std::to_string(r.files) +
+                     (r.files == 1 ? " file, " : " files, ") + rates);
 }
 
 // --mode tokenizer: rank 0 trains a SentencePiece model (tokenizer.h); all ranks agree on the outcome.

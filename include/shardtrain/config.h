@@ -129,7 +129,7 @@ std::string to_hf_json(const ModelConfig& c, const std::string& torch_dtype = "f
 struct DataSpecialIds {
   std::string source;       // names it in messages, e.g. "token file 'corpus.tok'"
   int64_t vocab_size = 0;   // ids in the data are < vocab_size
-  int64_t bos_id = -1;      // the id each document starts with
+  int64_t bos_id = -1;      // the id each document starts with; -1: documents have no BOS
   int64_t eos_id = -1;      // the id each document ends with
 };
 
@@ -137,6 +137,7 @@ struct DataSpecialIds {
 // std::invalid_argument naming `config_source` (e.g. "model config 'cfg.json'"), d.source and both
 // values: data vocab_size above c.vocab_size; a set bos_token_id other than d.bos_id; a set
 // eos_token_id that does not contain d.eos_id (one id: differs; a list: d.eos_id not among them).
+// d.bos_id < 0 (data framed without BOS, as GPT-2's) leaves bos_token_id as it is.
 // Fills an unset id from the data (the eos as a single id) and returns one "note: ..." line per
 // filled id (empty: nothing filled). The data's ids must lie inside c's vocabulary to be filled.
 std::vector<std::string> reconcile_special_ids(ModelConfig& c, const std::string& config_source,

@@ -14,6 +14,11 @@ namespace shardtrain {
 void write_file_atomic(const std::string& path, const std::string& bytes, bool durable = false,
                        const std::string& what = "");
 
+// Refuses an output path that exists and is not a regular file (a directory, a device such as
+// /dev/null, a FIFO, a socket): a rename over it would replace it. Throws std::runtime_error
+// naming `what` (e.g. "option '--out'") and the kind of file. A missing path is fine.
+void check_output_path(const std::string& path, const std::string& what);
+
 // zlib's CRC32 (the same as Python's zlib.crc32) of `bytes` bytes at `p`, continuing from `crc`
 // (0 to start). Any length: zlib's own length argument is 32-bit, so longer buffers go in pieces.
 uint32_t crc32_update(uint32_t crc, const void* p, size_t bytes);

@@ -194,12 +194,12 @@ void validate(const Options& o) {
     check(!o.inputs.empty(), "input", "is required with --mode prepare");
     check(!o.out.empty(), "out", "is required with --mode prepare");
   }
+  check(o.vocab_size >= 0, "vocab-size", "must be >= 0");
   if (o.mode == "tokenizer") {
     check(!o.inputs.empty(), "input", "is required with --mode tokenizer");
     check(!o.out.empty(), "out", "is required with --mode tokenizer (the SentencePiece .model file to write)");
     check(o.vocab_size > 0, "vocab-size", "is required with --mode tokenizer (e.g. 32000, Llama's)");
   }
-  check(o.vocab_size >= 0, "vocab-size", "must be >= 0");
   check(!o.text_field.empty(), "text-field", "must not be empty");
 }
 }  // namespace

@@ -386,6 +386,14 @@ TokenDataset::TokenDataset(const std::vector<std::string>& train_files, const st
       differ("vocab_size", std::to_string(a.vocab_size), std::to_string(o.h.vocab_size));
       differ("bos_id", std::to_string(a.bos_id), std::to_string(o.h.bos_id));
       differ("eos_id", std::to_string(a.eos_id), std::to_string(o.h.eos_id));
+      // The same kind and sizes can still be two different models: compare the defining files.
+      for (const char* f : {"tokenizer.model", "tokenizer.json"}) {
+        auto x = known->tok.files.find(f), y = o.tok.files.find(f);
+        if ((x == known->tok.files.end()) != (y == o.tok.files.end()) ||
+            (x != known->tok.files.end() && x->second != y->second))
+          throw std::runtime_error("token files '" + known->e.path + "' and '" + e.path + "' were made with different " +
+                                   "tokenizers (their embedded " + f + " differ): the files of one dataset need one tokenizer");
+      }
     } else if (!unknown) {
       unknown = &o;
     } else if (unknown->e.token_bytes != e.token_bytes) {

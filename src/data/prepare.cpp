@@ -230,12 +230,20 @@ PrepareResult prepare_tokens(const PrepareOptions& o) {
   uint64_t total = 0;
   {
     std::error_code ec;
-    if (fs::is_directory(o.out, ec)) throw std::runtime_error("option '--out': '" + o.out + "' is a directory");
+    check_output_path(o.out, "option '--out'");
+    for (const std::string& name : {std::string(), std::string("tokenizer.model"), std::string("tokenizer_config.json"),
+                                    std::string("special_tokens_map.json")})
+      if (o.tokenizer != "byte-level" && fs::equivalent(name.empty() ? fs::path(o.tokenizer) : fs::path(o.tokenizer) / name, o.out, ec))
+        throw std::runtime_error("option '--out': '" + o.out + "' is the tokenizer (option '--tokenizer'); refusing to overwrite it");
     for (const auto& in : files) {
       std::ifstream f(in, std::ios::binary);
       if (!f || fs::is_directory(in, ec)) throw std::runtime_error("cannot read input text '" + in + "' (option '--input')");
       const auto size = fs::file_size(in, ec);
       if (ec || size == 0) throw std::runtime_error("input text '" + in + "' is empty");
+      char magic[8] = {};
+      if (f.read(magic, 8) && std::string(magic, 7) == "STTOKv1")
+        throw std::runtime_error("input '" + in + "' is a shardtrain token file, not text (option '--input'; an "
+                                 "earlier --out inside an input directory?)");
       total += size;
       if (fs::equivalent(in, o.out, ec))
         throw std::runtime_error("option '--out': '" + o.out + "' is also an input; refusing to overwrite it");

@@ -27,7 +27,12 @@ namespace shardtrain {
 namespace fs = std::filesystem;
 
 namespace detail {
-bool is_jsonl(const std::string& path) { return path.size() >= 6 && path.ends_with(".jsonl"); }
+bool is_jsonl(const std::string& path) {  // by extension, in any case (".jsonl", ".JSONL")
+  if (path.size() < 6) return false;
+  std::string ext = path.substr(path.size() - 6);
+  for (char& c : ext) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return ext == ".jsonl";
+}
 
 bool is_blank_line(const std::string& line) { return line.find_first_not_of(" \t\r") == std::string::npos; }
 
@@ -380,7 +385,7 @@ TokenizerTrainResult train_sentencepiece(const TokenizerTrainOptions& o) {
                              "and the corpus' characters), got " + std::to_string(o.vocab_size));
   if (o.out.empty()) throw std::runtime_error("option '--out' is required with --mode tokenizer (the .model file to write)");
   std::error_code ec;
-  if (fs::is_directory(o.out, ec)) throw std::runtime_error("option '--out': '" + o.out + "' is a directory");
+  check_output_path(o.out, "option '--out'");
   std::vector<std::string> files = expand_inputs(o.inputs);
   if (files.empty()) throw std::runtime_error("option '--input' names no file");
   for (const auto& in : files)

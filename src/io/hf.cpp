@@ -147,8 +147,10 @@ bool parse_data_info(const std::string& ckpt, const std::string& text, DataSpeci
     for (const char* k : {"vocab_size", "bos_id", "eos_id"})
       if (!j.at(k).is_number_integer()) throw std::runtime_error(std::string("'") + k + "' is not an integer");
     ids.vocab_size = j["vocab_size"].get<int64_t>();
-    ids.bos_id = j["bos_id"].get<int64_t>();
-    ids.eos_id = j["eos_id"].get<int64_t>();
+    // A token file without BOS (GPT-2-style) records bos_id 0xFFFFFFFF (kNoTokenId): none.
+    auto id = [&](const char* k) { const int64_t v = j[k].get<int64_t>(); return v == kNoTokenId ? int64_t{-1} : v; };
+    ids.bos_id = id("bos_id");
+    ids.eos_id = id("eos_id");
     if (ids.vocab_size == 0) return false;  // llm.c / nanoGPT data: no tokenizer, no special ids known
     ids.source = "token file '" + path + "' (which checkpoint '" + ckpt + "' was trained on)";
     return true;
@@ -300,10 +302,27 @@ TokenizerInfo read_hf_tokenizer(const std::string& dir, const ModelConfig& mc) {
     t.unk_id = sp.unk_id();
   } else if (t.files.count("tokenizer.json")) {
     t.kind = "hf-tokenizers";
-    t.vocab_size = static_cast<uint32_t>(mc.vocab_size);
+    const json j = json::parse(t.files["tokenizer.json"], nullptr, false);
+    if (j.is_discarded() || !j.is_object())
+      throw std::runtime_error("'" + (fs::path(dir) / "tokenizer.json").string() + "' is not valid JSON");
+    int64_t top = -1;  // largest id of the vocabulary and the added tokens
+    if (j.contains("model") && j["model"].is_object() && j["model"].contains("vocab")) {
+      const json& v = j["model"]["vocab"];
+      if (v.is_object())
+        for (auto& [k, id] : v.items()) top = std::max(top, id.is_number_integer() ? id.get<int64_t>() : -1);
+      else if (v.is_array())  // Unigram: [[piece, score], ...], ids by position
+        top = std::max<int64_t>(top, static_cast<int64_t>(v.size()) - 1);
+    }
+    if (j.contains("added_tokens") && j["added_tokens"].is_array())
+      for (auto& a : j["added_tokens"]) top = std::max(top, a.value("id", int64_t{-1}));
+    t.vocab_size = static_cast<uint32_t>(top + 1);
   } else {
     return no_tokenizer();
   }
+  if (t.vocab_size > static_cast<uint32_t>(mc.vocab_size))
+    throw std::runtime_error("'" + dir + "': its tokenizer (" + (t.kind == "sentencepiece" ? "tokenizer.model" : "tokenizer.json") +
+                             ") has ids up to " + std::to_string(t.vocab_size - 1) + ", beyond the vocab_size " +
+                             std::to_string(mc.vocab_size) + " of config.json");
   t.bos_id = mc.has_bos() ? mc.bos_token_id : -1;
   t.eos_id = mc.eos_token_ids.empty() ? -1 : mc.primary_eos();
   t.pad_id = -1;  // generation pads with the eos id (generation_config.json)

@@ -484,8 +484,11 @@ std::vector<std::string> reconcile_special_ids(ModelConfig& c, const std::string
                     data_key + " of " + d.source);
     return static_cast<int>(id);
   };
-  if (!c.has_bos()) c.bos_token_id = fill("bos_token_id", "bos_id", d.bos_id);
-  else if (c.bos_token_id != d.bos_id)
+  if (d.bos_id < 0) {
+    // Data without BOS (GPT-2-style framing: documents separated by EOS only): nothing to check or fill.
+  } else if (!c.has_bos()) {
+    c.bos_token_id = fill("bos_token_id", "bos_id", d.bos_id);
+  } else if (c.bos_token_id != d.bos_id)
     fail(config_source + " has bos_token_id " + std::to_string(c.bos_token_id) + ", but " + d.source + " has bos_id " +
          std::to_string(d.bos_id) + ": they must agree");
   if (c.eos_token_ids.empty()) c.eos_token_ids = {fill("eos_token_id", "eos_id", d.eos_id)};

@@ -23,7 +23,19 @@ uint32_t crc32_update(uint32_t crc, const void* p, size_t bytes) {
   return static_cast<uint32_t>(c);
 }
 
+void check_output_path(const std::string& path, const std::string& what) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::file_status st = fs::status(path, ec);
+  if (ec || !fs::exists(st) || fs::is_regular_file(st)) return;
+  const char* kind = fs::is_directory(st) ? "a directory" : fs::is_character_file(st) || fs::is_block_file(st) ? "a device"
+                   : fs::is_fifo(st) ? "a FIFO" : fs::is_socket(st) ? "a socket" : "not a regular file";
+  throw std::runtime_error((what.empty() ? std::string() : what + ": ") + "'" + path + "' is " + kind +
+                           "; give the name of a file to write");
+}
+
 void write_file_atomic(const std::string& path, const std::string& bytes, bool durable, const std::string& what) {
+  check_output_path(path, what);
   const std::string tmp = path + ".tmp";
   const std::string ctx = "'" + path + "'" + (what.empty() ? "" : " (" + what + ")");
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);

@@ -239,29 +239,38 @@ std::string continue_metrics(const std::string& given, int64_t step) {
 }
 }  // namespace
 
-// The file that defines a tokenizer of `kind` ("" for kinds without one).
-static std::string defining_file(const std::string& kind) {
-  return kind == "sentencepiece" ? "tokenizer.model" : kind == "hf-tokenizers" ? "tokenizer.json" : "";
-}
-
 // The tokenizer the run's checkpoints record: the token data's, or the checkpoint's (resumed or
-// --init-from) where the data names none (llm.c, nanoGPT). When both name the same tokenizer (the
-// same defining file, byte for byte), the checkpoint's record is kept, with the data's other files
-// added: an imported model keeps its tokenizer.json and tokenizer_config.json for export. Data made
-// with another tokenizer of the same kind than the checkpoint's model is refused (CollectiveError
-// naming both files): every id would mean another token. Other kind changes (byte-level data for
-// a model imported with a tokenizer.json) are noted; the data's tokenizer is recorded.
+// --init-from) where the data names none (llm.c, nanoGPT). A model's own tokenizer is defined by
+// its tokenizer.model (SentencePiece) or tokenizer.json (Hugging Face); when the data and the
+// checkpoint share such a file byte for byte, they name the same tokenizer and the checkpoint's
+// record is kept, with the data's other files added (an imported model keeps its tokenizer.json and
+// tokenizer_config.json for export). When both have a tokenizer of their own but share no such file,
+// the data is refused (CollectiveError naming both): every id would mean another token. A change
+// from or to byte-level is noted; the data's tokenizer is recorded.
 static TokenizerInfo pick_tokenizer(Comm& comm, const TokenizerInfo& ckpt, const std::string& ckpt_path,
                                     const TokenizerInfo& data, const std::string& data_path) {
   if (data.kind.empty()) return ckpt;
   if (ckpt.kind.empty()) return data;
-  const std::string def = defining_file(data.kind);
-  if (ckpt.kind == data.kind && !def.empty() && data.files.count(def) && ckpt.files.count(def)) {
-    if (data.files.at(def) != ckpt.files.at(def))
-      throw CollectiveError(0, "token file '" + data_path + "' was made with another " + data.kind + " tokenizer than "
-                               "checkpoint '" + ckpt_path + "': their " + def + " files differ, so the ids mean other "
-                               "tokens. Prepare the data with the model's tokenizer (--mode prepare --tokenizer "
-                               "<its Hugging Face directory or tokenizer.model>)");
+  auto own = [](const TokenizerInfo& t) { return t.kind == "sentencepiece" || t.kind == "hf-tokenizers"; };
+  if (own(data) && own(ckpt)) {
+    bool same = false;
+    for (const char* f : {"tokenizer.model", "tokenizer.json"}) {
+      auto x = data.files.find(f), y = ckpt.files.find(f);
+      if (x != data.files.end() && y != ckpt.files.end()) {
+        if (x->second != y->second) {
+          same = false;
+          break;
+        }
+        same = true;
+      }
+    }
+    if (!same)
+      throw CollectiveError(0, "token file '" + data_path + "' was made with another tokenizer (" + data.kind +
+                               ") than the model of checkpoint '" + ckpt_path + "' (" + ckpt.kind + "): their "
+                               "tokenizer.model / tokenizer.json differ or cannot be compared, so the ids mean other "
+                               "tokens. Prepare the data with the model's own tokenizer: --mode prepare --tokenizer "
+                               "<its directory> (tokenizer.model), or scripts/tokenize_hf.py --tokenizer <its "
+                               "directory> (tokenizer.json)");
     TokenizerInfo t = ckpt;
     for (auto& [name, bytes] : data.files) t.files.emplace(name, bytes);  // the checkpoint's own files win
     return t;

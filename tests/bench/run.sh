@@ -14,6 +14,8 @@
 #    a GEMM-bound config at 2 x 1. Writes build/bench/peer.md for docs/benchmarks.md.
 # 3. Checkpoint save/load timing.
 # 4. Memory: plan vs measured peak per rank, activation checkpointing modes, GPU plans (tests/bench/memory.py).
+# 5. Tokenizing throughput (MB/s of text) of --mode prepare beside Python sentencepiece and tokenizers
+#    (tests/bench/prepare.py), and prepare's peak RSS on 64 MiB and 2 GiB of text.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
@@ -85,5 +87,13 @@ rm -f "$OUT/dd.bin"
 #    (tests/bench/memory.py; build/bench/memory.md for docs/benchmarks.md).
 MEM_FAILED=0
 python3 tests/bench/memory.py $BIN build/data/fortunes.tok "$OUT" "${QUICK_OPT[@]}" || MEM_FAILED=1
+# 5. Tokenizing: --mode prepare with a SentencePiece model beside Python sentencepiece and Hugging Face
+#    tokenizers on the same text (tinyshakespeare if present, else the fortunes), interleaved; and the
+#    peak RSS of a byte-level prepare of 64 MiB and 2 GiB (tests/bench/prepare.py; build/bench/prepare.md).
+PREP_TEXT=$SHAKES
+[ -f "$PREP_TEXT" ] || PREP_TEXT=/usr/share/games/fortunes/fortunes
+PREP_FAILED=0
+python3 tests/bench/prepare.py $BIN "$PREP_TEXT" "$OUT" "${QUICK_OPT[@]}" || PREP_FAILED=1
 if [ "$PEER_FAILED" = 1 ]; then echo "bench: some runs against the peer failed (see above)"; exit 1; fi
+if [ "$PREP_FAILED" = 1 ]; then echo "bench: the tokenizing benchmark failed (see above)"; exit 1; fi
 if [ "$MEM_FAILED" = 1 ]; then echo "bench: a memory check failed (see above)"; exit 1; fi

@@ -39,6 +39,8 @@ def metadata_items(f):
         items[f"units/{name}/shard_table"] = unit["shard_table"][:].astype("<i8").tobytes()
         items[f"units/{name}/shard_crc32"] = unit["shard_crc32"][:].astype("<u4").tobytes()
         items[f"units/{name}/param_table"] = unit["param_table"][:].astype(PACKED_ROW).tobytes()
+    if "tokenizer" in f:  # optional group: its `info` attribute (the files carry CRC32s inside it)
+        items["tokenizer@info"] = canonical(f["tokenizer"].attrs["info"])
     return items
 
 

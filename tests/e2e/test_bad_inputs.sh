@@ -29,10 +29,11 @@ else
   echo "skip: disk_full (cannot mount a tmpfs here; needs root)"
 fi
 
-head -c 74 "$DATA" >"$WORK/tiny.tok"  # header + 5 tokens; fix the header's counts: 4 train + 1 val
+head -c 74 "$DATA" >"$WORK/tiny.tok"  # header + 5 tokens; fix the header: 4 train + 1 val, no metadata (J = 0)
 "$PY" - "$WORK/tiny.tok" <<'PY'
 import sys
 b = bytearray(open(sys.argv[1], "rb").read())
+b[8:12] = (1).to_bytes(4, "little"); b[28:32] = (0).to_bytes(4, "little")  # version 1: no metadata
 b[32:40] = (4).to_bytes(8, "little"); b[40:48] = (1).to_bytes(8, "little")
 open(sys.argv[1], "wb").write(b)
 PY

@@ -201,6 +201,6 @@ grep -q "^step 1/" "$WORK/local_dir.log" && fail "local_dir: trained before find
 cp "$DATA" "$WORK/A/c.tok"
 "$BIN" --mode prepare --input /usr/share/games/fortunes/riddles --out "$WORK/B/c.tok" >/dev/null
 mpmd_args other_data "${T[@]}" --data c.tok
-grep -q "token file 'c.tok' (option '--data') is not the same file on every rank: ranks 1-2 read other contents than rank 0" \
+grep -q "token file 'c.tok' (options '--data', '--val-data') is not the same on every rank: ranks 1-2 read other contents than rank 0" \
   "$WORK/other_data.log" || { cat "$WORK/other_data.log"; fail "other_data: message"; }
 echo "ok: a checkpoint directory or a token file that differs between ranks is refused before training, naming ranks 1-2"

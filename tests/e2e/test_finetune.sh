@@ -7,7 +7,8 @@
 #   * the export's tokenizer files are the original's, byte for byte;
 #   * transformers' greedy generation from the export equals --mode generate greedy, 32 tokens;
 #   * the fine-tuned model really changed (training loss went down from the imported weights);
-#   * data made with another tokenizer than the model's is refused.
+#   * data made with another tokenizer than the model's is refused, as are --data files of two
+#     tokenizers and an import whose tokenizer has more ids than config.json's vocab_size.
 source "$(dirname "$0")/common.sh"
 "$PY" "$ROOT/tests/e2e/finetune_make.py" "$WORK" >"$WORK/make.log" 2>&1 || { cat "$WORK/make.log"; fail "making the HF Llama"; }
 run() {  # name np args...
@@ -63,9 +64,19 @@ print(f"ok: fine-tuning loss {loss[0]:.3f} -> {sum(loss[-5:]) / 5:.3f}")
 PY
 # Data made with another SentencePiece model than the imported one: every id would mean another
 # token; refused on every rank, naming both files.
-run other_tok 1 --mode tokenizer --input "$WORK/corpus" --vocab-size 300 --out "$WORK/other.model"
+run other_tok 1 --mode tokenizer --input "$WORK/corpus" --vocab-size 320 --out "$WORK/other.model"
 run other_prep 1 --mode prepare --tokenizer "$WORK/other.model" --input "$WORK/corpus" --out "$WORK/other.tok"
-expect_fail other_tokenizer "was made with another sentencepiece tokenizer than checkpoint" 2 \
+expect_fail other_tokenizer "was made with another tokenizer (sentencepiece) than the model of checkpoint" 2 \
   --model "$WORK/hf/config.json" --data "$WORK/other.tok" --init-from "$WORK/base.h5" --seq-len 64 --global-batch 8 \
   --steps 2 --threads 1
+# Two token files of the same size and kind but different SentencePiece models: one dataset, one tokenizer.
+expect_fail mixed_data "were made with different tokenizers (their embedded tokenizer.model differ)" 2 \
+  --model "$WORK/hf/config.json" --data "$WORK/ft.tok" --data "$WORK/other.tok" --seq-len 64 --global-batch 8 \
+  --steps 2 --threads 1
+# A tokenizer with more ids than the model's vocabulary is refused at import, naming both.
+cp -r "$WORK/hf" "$WORK/hf_small"
+"$PY" -c 'import json,sys; p=sys.argv[1]; c=json.load(open(p)); c["vocab_size"]=300; json.dump(c,open(p,"w"))' "$WORK/hf_small/config.json"
+expect_fail import_vocab "its tokenizer (tokenizer.model) has ids up to 319, beyond the vocab_size 300 of config.json" 2 \
+  --mode import --hf-dir "$WORK/hf_small" --out "$WORK/small.h5"
+[ ! -e "$WORK/small.h5" ] || fail "a refused import left a checkpoint"
 echo "ok: fine-tune round trip"

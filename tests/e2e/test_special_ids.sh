@@ -78,7 +78,8 @@ echo "ok: an eos list containing the token file's eos ($EOS) trains, without a n
 import json, shutil, sys
 w = sys.argv[1]
 for name, ids in (("hf_noids", {}), ("hf_llama_ids", {"bos_token_id": 1, "eos_token_id": 2})):
-    shutil.copytree(f"{w}/hf_trained", f"{w}/{name}")
+    shutil.copytree(f"{w}/hf_trained", f"{w}/{name}",  # weights and config only: these test the ids,
+                    ignore=shutil.ignore_patterns("tokenizer*", "special_tokens_map.json"))  # not the tokenizer
     c = json.load(open(f"{w}/{name}/config.json"))
     c.pop("bos_token_id"), c.pop("eos_token_id")
     c.update(ids)

@@ -60,4 +60,43 @@ refuse no-eos "tokenizer 'noeos/tokenizer.json' has no EOS token" --tokenizer no
 refuse out-is-dir "output 'outdir' is a directory" --tokenizer gpt2/tokenizer.json --out outdir corpus/doc1.txt
 refuse out-is-input "output 'corpus/doc1.txt' is also an input" --tokenizer gpt2/tokenizer.json --out corpus/doc1.txt corpus
 $CHECK check "$WORK" gpt2-w1.tok gpt2 "${IN[@]}" >/dev/null || fail "inputs changed by the refused runs"
+# shardtrain trains on these files and its export carries the tokenizer: AutoTokenizer on the
+# export gives the token file's ids, document by document (GPT-2-like: no BOS, u16; Llama-3-like:
+# BOS, ids above 65,535 as u32), and the tokenizer.json comes back byte for byte.
+for k in gpt2 llama3; do
+  V=$("$PY" -c "import sys; sys.path.insert(0, '$ROOT/scripts'); import shardtrain_tokens as st; print(st.read_token_file('$k-w1.tok')['vocab_size'])")
+  printf '{"vocab_size": %d, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 64, "tie_word_embeddings": true}\n' \
+    "$V" >"$k-model.json"
+  timeout -k 5 300 $MPIRUN -np 2 "$BIN" --model "$k-model.json" --data "$k-w1.tok" --seq-len 16 --global-batch 4 --steps 2 \
+    --threads 1 --eval-batches 1 --checkpoint-dir "ck-$k" >"$k-train.log" 2>&1 || { cat "$k-train.log"; fail "$k: train"; }
+  timeout -k 5 120 "$BIN" --mode export "ck-$k/step_00000002.h5" --out "hf-$k" >"$k-export.log" 2>&1 ||
+    { cat "$k-export.log"; fail "$k: export"; }
+  grep -q "tokenizer: hf-tokenizers" "$k-export.log" || { cat "$k-export.log"; fail "$k: export wrote no tokenizer"; }
+  "$PY" - "$k" "${IN[@]}" <<'PY' || fail "$k: AutoTokenizer on the export"
+import json, sys
+sys.path.insert(0, sys.argv[0].rsplit("/", 1)[0])
+k, inputs = sys.argv[1], sys.argv[2:]
+import numpy as np
+from transformers import AutoTokenizer
+tok = AutoTokenizer.from_pretrained(f"hf-{k}")
+assert open(f"hf-{k}/tokenizer.json", "rb").read() == open(f"{k}/tokenizer.json", "rb").read(), "tokenizer.json differs"
+h = np.fromfile(f"{k}-w1.tok", dtype="<u4", count=16)
+n = (int(h[8]) | int(h[9]) << 32) + (int(h[10]) | int(h[11]) << 32)
+ids = np.fromfile(f"{k}-w1.tok", dtype="<u2" if int(h[6]) == 2 else "<u4", count=n, offset=64).tolist()
+gen = json.load(open(f"hf-{k}/generation_config.json"))
+docs = []
+for p in inputs:
+    if p.endswith(".jsonl"):
+        docs += [json.loads(l)["text"] for l in open(p, encoding="utf-8") if l.strip()]
+    else:
+        docs.append(open(p, encoding="utf-8").read())
+want = []
+for d in docs:  # AutoTokenizer's own framing: BOS where the tokenizer has one, then EOS
+    want += tok.encode(d) + [tok.eos_token_id]
+assert ids == want, f"ids differ from AutoTokenizer's on the export ({len(ids)} vs {len(want)})"
+assert gen["eos_token_id"] == tok.eos_token_id, (gen, tok.eos_token_id)
+print(f"ok: {k}: trained, exported; AutoTokenizer on the export gives the file's {len(ids)} ids "
+      f"(max id {max(ids)}), tokenizer.json byte for byte")
+PY
+done
 echo "PASS"

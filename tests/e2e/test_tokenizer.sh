@@ -66,5 +66,19 @@ expect_fail tokenizer_no_vocab "option '--vocab-size' is required with --mode to
   --mode tokenizer --input "$WORK/train.txt" --out "$WORK/x.model"
 expect_fail out_is_input "option '--out': '$WORK/docs/p00.txt' is also an input" 2 \
   --mode prepare --input "$WORK/docs" --out "$WORK/docs/p00.txt"
+# Outputs that a rename would destroy: a FIFO (or a device such as /dev/null), the tokenizer
+# itself; and an input that is a token file (an earlier --out inside an input directory).
+mkfifo "$WORK/fifo"
+cp "$WORK/tok.model" "$WORK/tokcopy.model"
+expect_fail out_is_fifo "option '--out': '$WORK/fifo' is a FIFO" 2 --mode prepare --input "$WORK/docs" --out "$WORK/fifo"
+expect_fail tokenizer_out_is_fifo "option '--out': '$WORK/fifo' is a FIFO" 2 \
+  --mode tokenizer --input "$WORK/train.txt" --vocab-size 500 --out "$WORK/fifo"
+[ -p "$WORK/fifo" ] || fail "the FIFO was replaced"
+expect_fail out_is_tokenizer "option '--out': '$WORK/tokcopy.model' is the tokenizer (option '--tokenizer')" 2 \
+  --mode prepare --tokenizer "$WORK/tokcopy.model" --input "$WORK/docs" --out "$WORK/tokcopy.model"
+cmp -s "$WORK/tok.model" "$WORK/tokcopy.model" || fail "the tokenizer was overwritten"
+mkdir -p "$WORK/withtok" && cp "$WORK/docs/p00.txt" "$WORK/whole.tok" "$WORK/withtok/"
+expect_fail input_is_token_file "input '$WORK/withtok/whole.tok' is a shardtrain token file, not text" 2 \
+  --mode prepare --input "$WORK/withtok" --out "$WORK/x.tok"
 [ ! -e "$WORK/x.tok" ] && [ ! -e "$WORK/x.tok.tmp" ] && [ ! -e "$WORK/x.model" ] || fail "a failed run left an output file"
 echo "ok: no output or temporary file left by the failed runs"

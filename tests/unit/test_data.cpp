@@ -4,6 +4,7 @@
 
 #include <cstdio>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <string>
 
@@ -42,10 +43,18 @@ TEST(Data, PrepareWritesDocumentedLayout) {
   EXPECT_EQ(h.n_val, 3u);
   std::ifstream f(tmp("ab.tok"), std::ios::binary);
   std::string b((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-  ASSERT_EQ(b.size(), 64u + 2 * 14);
   EXPECT_EQ(b.substr(0, 8), std::string("STTOKv1\0", 8));
   auto u16 = [&](size_t off) { return static_cast<unsigned>(static_cast<unsigned char>(b[off])) |
                                       (static_cast<unsigned>(static_cast<unsigned char>(b[off + 1])) << 8); };
+  auto u32 = [&](size_t off) { return u16(off) | (u16(off + 2) << 16); };
+  // Format version 2: the tokens, then J bytes of metadata JSON (byte-level: no tokenizer files).
+  EXPECT_EQ(u32(8), 2u);
+  const size_t J = u32(28);
+  ASSERT_EQ(b.size(), 64u + 2 * 14 + J);
+  const auto meta = nlohmann::json::parse(b.substr(64 + 2 * 14, J));
+  EXPECT_EQ(meta.at("tokenizer").at("kind"), "byte-level");
+  EXPECT_EQ(meta.at("tokenizer").at("files").size(), 0u);
+  EXPECT_EQ(meta.at("documents"), 2);
   EXPECT_EQ(u16(12), 258u);   // vocab_size (low half of the u32)
   EXPECT_EQ(u16(64), 256u);   // BOS
   EXPECT_EQ(u16(66), unsigned('a'));
