@@ -100,6 +100,20 @@ TEST(Config, ReconcileFillsUnsetIdsWithNotes) {
   EXPECT_EQ(l.eos_token_ids, (std::vector<int>{10, 257}));
 }
 
+TEST(Config, ReconcileDataWithoutBosLeavesBosAlone) {
+  // GPT-2-style data (documents separated by EOS only, bos_id none): bos_token_id is neither
+  // filled nor checked; the eos still is.
+  const DataSpecialIds gpt2{"token file 'g.tok'", 258, -1, 257};
+  ModelConfig unset = parsed("");
+  auto notes = reconcile_special_ids(unset, "model config 'cfg.json'", gpt2);
+  EXPECT_FALSE(unset.has_bos());
+  EXPECT_EQ(unset.eos_token_ids, std::vector<int>{257});
+  EXPECT_EQ(notes.size(), 1u);
+  ModelConfig set = parsed(R"(, "bos_token_id": 257, "eos_token_id": 257)");
+  EXPECT_TRUE(reconcile_special_ids(set, "model config 'cfg.json'", gpt2).empty());
+  EXPECT_EQ(set.bos_token_id, 257);
+}
+
 TEST(Config, ReconcileRefusesConflicts) {
   auto why = [](const std::string& ids, DataSpecialIds d = kTok) {
     ModelConfig c = parsed(ids);
