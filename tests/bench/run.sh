@@ -93,7 +93,7 @@ python3 tests/bench/memory.py $BIN build/data/fortunes.tok "$OUT" "${QUICK_OPT[@
 PREP_TEXT=$SHAKES
 [ -f "$PREP_TEXT" ] || PREP_TEXT=/usr/share/games/fortunes/fortunes
 PREP_FAILED=0
-python3 tests/bench/prepare.py $BIN "$PREP_TEXT" "$OUT" "${QUICK_OPT[@]}" || PREP_FAILED=1
+.venv/bin/python tests/bench/prepare.py $BIN "$PREP_TEXT" "$OUT" "${QUICK_OPT[@]}" || PREP_FAILED=1
 if [ "$PEER_FAILED" = 1 ]; then echo "bench: some runs against the peer failed (see above)"; exit 1; fi
 if [ "$PREP_FAILED" = 1 ]; then echo "bench: the tokenizing benchmark failed (see above)"; exit 1; fi
 if [ "$MEM_FAILED" = 1 ]; then echo "bench: a memory check failed (see above)"; exit 1; fi
