@@ -23,6 +23,33 @@ SHARDTRAIN_TEST_PREPARE_CHUNK_BYTES=64 $MPIRUN -np 2 -x SHARDTRAIN_TEST_PREPARE_
 "$PY" "$ROOT/tests/e2e/token_file_check.py" "$WORK/chunked.tok" "$DOCS" "$WORK/tok.model" 0.1
 cmp "$WORK/whole.tok" "$WORK/chunked.tok" || fail "64-byte chunks changed the token file"
 echo "ok: 64-byte chunks give the same file byte for byte"
+
+# A model trained from scratch on this data: its export carries tokenizer.model and a
+# tokenizer_config.json of shardtrain's making; AutoTokenizer there (BOS added by itself) must give
+# each document's framed ids as the token file holds them, documents with a leading space included.
+printf '{"vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 64}\n' >"$WORK/m.json"
+$MPIRUN -np 2 "$BIN" --model "$WORK/m.json" --data "$WORK/whole.tok" --seq-len 16 --global-batch 4 --steps 2 --threads 1 \
+  --eval-batches 1 --checkpoint-dir "$WORK/ck" >"$WORK/fit.log" 2>&1 || { cat "$WORK/fit.log"; fail "training on the SentencePiece data"; }
+"$BIN" --mode export "$WORK/ck/step_00000002.h5" --out "$WORK/exp" >"$WORK/exp.log" 2>&1 || { cat "$WORK/exp.log"; fail "export"; }
+"$PY" - "$WORK/exp" "$DOCS" "$WORK/whole.tok" "$WORK/tok.model" 2>"$WORK/exp_check.err" <<'PY' || { cat "$WORK/exp_check.err"; fail "AutoTokenizer on the export"; }
+import json, sys
+import numpy as np
+from transformers import AutoTokenizer
+exp, docs_path, tokfile, model = sys.argv[1:5]
+assert open(f"{exp}/tokenizer.model", "rb").read() == open(model, "rb").read(), "tokenizer.model differs"
+tok = AutoTokenizer.from_pretrained(exp)
+docs = json.load(open(docs_path, encoding="utf-8"))
+h = np.fromfile(tokfile, dtype="<u4", count=16)
+n = (int(h[8]) | int(h[9]) << 32) + (int(h[10]) | int(h[11]) << 32)
+ids = np.fromfile(tokfile, dtype="<u2", count=n, offset=64).tolist()
+want = []
+for d in docs:
+    want += tok.encode(d) + [tok.eos_token_id]
+assert ids == want, "AutoTokenizer on the export differs from the token file"
+lead = sum(1 for d in docs if d.startswith(" "))
+print(f"ok: AutoTokenizer ({type(tok).__name__}) on the export gives the token file's {len(ids)} ids of {len(docs)} "
+      f"documents ({lead} starting with a space), BOS included by itself")
+PY
 # Byte-level (the default), chunked too.
 SHARDTRAIN_TEST_PREPARE_CHUNK_BYTES=64 "$BIN" --mode prepare --input "$WORK/docs" --out "$WORK/bytes.tok" --val-fraction 0.25 | tail -1
 "$PY" "$ROOT/tests/e2e/token_file_check.py" "$WORK/bytes.tok" "$DOCS" byte-level 0.25
