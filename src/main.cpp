@@ -82,6 +82,11 @@ void run_tokenizer(Comm& comm, const Options& o) {
                      ", trained on " + std::to_string(r.sentences) + " lines (" + b + ")");
 }
 
+// --overlap, --prefetch, --comm-progress (validated by parse_options).
+OverlapConfig overlap_config(const Options& o) {
+  return OverlapConfig{o.overlap == "on", o.prefetch, parse_comm_progress(o.comm_progress)};
+}
+
 void run_train(Comm& comm, const Topology& topo, const Options& o) {
   ModelConfig mc = resolve_model_config(comm, o.model);
   std::unique_ptr<TokenDataset> data;
@@ -197,7 +202,8 @@ void run_train(Comm& comm, const Topology& topo, const Options& o) {
   double peak = dp.cuda ? gpu_peak_bf16_flops(ctx->device_name()) : 0.0;
   comm.all_reduce(&peak, 1, ReduceOp::Min);
   const double job_peak = peak * topo.world_size;
-  Engine eng{comm, dcomm ? *dcomm : comm, *be, be16.get(), prec, o.reduce_dtype == "bf16", job_peak};
+  Engine eng{comm, dcomm ? *dcomm : comm, *be, be16.get(), prec, o.reduce_dtype == "bf16", job_peak, {}};
+  eng.overlap = overlap_config(o);
   train(eng, mc, o.train, *data);
 }
 

@@ -155,6 +155,14 @@ template <typename T> std::unique_ptr<Backend<T>> make_cpu_backend();
 void set_cpu_threads(int n);
 // The thread count the CPU backend uses now.
 int cpu_threads();
+// Prepares a thread other than the rank's main thread (FSDP's communication thread) to make CPU
+// backend calls with the results the main thread would get: the FTZ/DAZ mode of the rank's threads
+// and one OpenMP thread (its calls run serially on it, and no second thread pool competes).
+void prepare_cpu_helper_thread();
+// CPU backend: fn(arg) runs on the calling thread after every GEMM (fn == nullptr: nothing; the
+// default). FSDP's `--comm-progress poll` sets it to drive MPI progress between the GEMMs of a unit
+// (Open MPI advances nonblocking collectives only inside MPI calls). One hook per process.
+void set_cpu_gemm_hook(void (*fn)(void*), void* arg);
 // How the CPU backend cuts an M x N x K GEMM: {tiles along M, tiles along N}. A function of the
 // shape only (never of the thread count); exposed for tests.
 std::pair<int, int> cpu_gemm_tiles(int M, int N, int K);

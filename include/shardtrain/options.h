@@ -41,6 +41,9 @@ struct Options {
   std::string gpu_comm = "nccl";  // train on cuda: nccl | mpi (MPI on host copies; GPUs shared by ranks)
   std::string precision = "fp32"; // train: fp32 | bf16 (mixed precision)
   std::string reduce_dtype = "fp32";  // train, bf16: dtype of the gradient reduce-scatter, fp32 | bf16
+  std::string overlap = "on";      // train: on | off (prefetched all-gathers, asynchronous reduce-scatters)
+  int prefetch = 1;                // train: all-gathers in flight ahead of the unit computed
+  std::string comm_progress = "thread";  // train: thread | poll | wait (parse_comm_progress, shard.h)
   std::string checkpoint;         // inspect: the checkpoint file (also positional)
   std::string dump_param;         // inspect: write this gathered parameter ("all": every one) ...
   std::string dump_out;           // ... to this file (raw float32, little-endian; "all": a directory of <name>.bin)

@@ -79,6 +79,35 @@ class Comm {
   // Convenience: broadcast a string of any length from root (length first, then bytes).
   std::string broadcast_string(const std::string& s, int root);
 
+  // ---- Nonblocking collectives (issue 15: overlap communication with compute) ---------------
+  // The blocking calls above complete on return. The start_* calls below may return while the
+  // collective is still in flight; they hand back a Request, and the collective's buffers belong
+  // to it until Request::wait() returned (or test() returned true): the caller must not write
+  // `send` nor read `recv` before. Same rules as the blocking calls otherwise: every rank starts
+  // the same collectives in the same order on one Comm (nonblocking collectives on one
+  // communicator match in start order, MPI 4.0 section 6.12), counts in elements, same types.
+  // Several may be in flight at once on one Comm. No slabs: one MPI call over the whole count
+  // (callers bound the count; FSDP reduce-scatters one slab per call).
+  class Request {
+   public:
+    virtual ~Request() = default;
+    // Does not block; true once the collective completed. Drives MPI progress (MPI_Test).
+    virtual bool test() = 0;
+    // Blocks until the collective completed; then its results are visible to host code (MPI).
+    virtual void wait() = 0;
+  };
+  template <typename T> std::unique_ptr<Request> start_all_gather(const T* send, T* recv, size_t count);
+  template <typename T> std::unique_ptr<Request> start_reduce_scatter_sum(const T* send, T* recv, size_t count);
+  // True when the start_* calls return before completion (MpiComm: MPI_Iallgather,
+  // MPI_Ireduce_scatter_block). False: they complete on return, like the blocking calls (the
+  // device Comms: NCCL on the backend's stream and host-staged MPI).
+  virtual bool asynchronous() const { return false; }
+  // Collective. A new Comm over the same ranks on a duplicated MPI communicator (its collectives
+  // never match this one's), or nullptr where the implementation has none. FSDP runs its gathers
+  // and its reduce-scatters each on one, so that the two streams of collectives, started at
+  // different times on different ranks, cannot cross.
+  virtual std::unique_ptr<Comm> duplicate() { return nullptr; }
+
   // Type-erased entry points behind the templates above; public so that adapters (the NCCL and
   // host-staged device Comms) can forward to a host Comm. BF16 supports all_gather, broadcast
   // and reduce_scatter_sum (summed in float, rounded once per pairwise step), not all_reduce.
@@ -89,6 +118,9 @@ class Comm {
   virtual void reduce_scatter_sum_impl(const void* send, void* recv, size_t count, DType t) = 0;
   virtual void all_reduce_impl(void* buf, size_t count, DType t, ReduceOp op) = 0;
   virtual void broadcast_impl(void* buf, size_t count, DType t, int root) = 0;
+  // Default: the blocking call, and a Request that is already complete.
+  virtual std::unique_ptr<Request> start_all_gather_impl(const void* send, void* recv, size_t count, DType t);
+  virtual std::unique_ptr<Request> start_reduce_scatter_sum_impl(const void* send, void* recv, size_t count, DType t);
 };
 
 // Comm over an MPI communicator with host buffers. The communicator is duplicated, so shardtrain's
@@ -115,6 +147,14 @@ class MpiComm final : public Comm {
   void reduce_scatter_sum_impl(const void*, void*, size_t, DType) override;
   void all_reduce_impl(void*, size_t, DType, ReduceOp) override;
   void broadcast_impl(void*, size_t, DType, int) override;
+  std::unique_ptr<Request> start_all_gather_impl(const void*, void*, size_t, DType) override;
+  std::unique_ptr<Request> start_reduce_scatter_sum_impl(const void*, void*, size_t, DType) override;
+
+ public:
+  bool asynchronous() const override { return true; }
+  std::unique_ptr<Comm> duplicate() override;
+
+ private:
   std::vector<char> slab_;  // all_gather, reduce_scatter: one packed slab (<= kCollectiveSlab bytes)
   void* comm_ = nullptr;  // MPI_Comm, stored opaquely
   bool owned_ = false;
@@ -156,6 +196,10 @@ struct Topology {
   int local_size = 1;  // ranks on this node
   std::string host;    // processor name
 };
+
+// The thread support level MPI granted at start-up (Runtime asks for MPI_THREAD_MULTIPLE, which a
+// progress thread needs to call MPI_Test while the main thread calls other collectives).
+bool mpi_thread_multiple();
 
 // RAII MPI start-up and shut-down. Construct once in main(); calls MPI_Init_thread and, on
 // destruction, MPI_Finalize. Computes the Topology (local rank through a shared-memory split).

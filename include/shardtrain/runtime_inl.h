@@ -26,6 +26,12 @@ template <typename T> void Comm::all_reduce(T* b, size_t n, ReduceOp op) {
   if constexpr (std::is_same_v<T, bf16>) throw std::logic_error("Comm::all_reduce: bf16 is not supported");
   all_reduce_impl(b, n, dtype_of<T>(), op);
 }
+template <typename T> std::unique_ptr<Comm::Request> Comm::start_all_gather(const T* s, T* r, size_t n) {
+  return start_all_gather_impl(s, r, n, dtype_of<T>());
+}
+template <typename T> std::unique_ptr<Comm::Request> Comm::start_reduce_scatter_sum(const T* s, T* r, size_t n) {
+  return start_reduce_scatter_sum_impl(s, r, n, dtype_of<T>());
+}
 template <typename T> void Comm::broadcast(T* b, size_t n, int root) { broadcast_impl(b, n, dtype_of<T>(), root); }
 
 }  // namespace shardtrain

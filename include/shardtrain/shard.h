@@ -10,8 +10,16 @@
 //   takes part in every all-gather and reduce-scatter of that unit.
 #pragma once
 
+#include <condition_variable>
 #include <cstdint>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "shardtrain/backend.h"
@@ -77,6 +85,93 @@ struct ShardPlan {
 // precision's buffers are sized by it, and so is the memory plan.
 size_t reduce_slab(const ShardPlan& plan, size_t slab_elements);
 
+// ---- Overlap of communication with compute (issue 15) -----------------------------------------
+//
+// How nonblocking collectives advance while the rank computes. Open MPI progresses a nonblocking
+// collective only inside MPI calls, so something must make them (docs/architecture.md, "Overlap",
+// has the measurements behind the default):
+//   Thread: a communication thread starts, tests (MPI_Test, then a 20 us sleep) and finishes the
+//           collectives in flight (needs MPI_THREAD_MULTIPLE; without it, Poll is used);
+//   Poll:   the compute thread calls MPI_Test after every GEMM tile and at each unit (CPU backend
+//           hook, set_cpu_gemm_hook);
+//   Wait:   nothing between: a collective advances when it is started and when it is waited for
+//           (what Open MPI's own asynchronous progress, where a transport has it, would add to).
+enum class CommProgress { Thread, Poll, Wait };
+// "thread" | "poll" | "wait"; throws std::invalid_argument naming option '--comm-progress'.
+CommProgress parse_comm_progress(const std::string& s);
+const char* comm_progress_name(CommProgress p);
+
+struct OverlapConfig {
+  bool on = true;     // --overlap on|off. Off: each collective is waited for as soon as it is started
+                      // (same MPI calls, same arithmetic: the bitwise reference), nothing prefetched.
+  int prefetch = 1;   // --prefetch N: all-gathers in flight ahead of the unit being computed (>= 0)
+  CommProgress progress = CommProgress::Thread;  // --comm-progress
+};
+
+// Where a rank's time on FSDP collectives went, accumulated since construction (seconds).
+struct CommTimes {
+  double issued_s = 0;   // sum over collectives of (completion - start): communication in flight
+  double exposed_s = 0;  // time the compute thread waited for a collective (blocked in wait)
+  int64_t collectives = 0;  // MPI calls started (a reduce-scatter in slabs counts one per slab)
+  int64_t jobs = 0;         // jobs submitted (one per unit all-gather or reduce-scatter), counted at once
+};
+
+// One lane of collectives on its own communicator: jobs run one after another in submission order
+// (so every rank starts the same MPI calls in the same order), each job a chain of `parts`
+// collectives: start(comm, i) starts part i (staging its input first if it needs to), done(i)
+// consumes its result (e.g. adds a reduce-scattered slab into the gradient shard). With an
+// asynchronous comm and overlap on, parts advance in the background as CommProgress says; else
+// submit() runs the job to completion before it returns. Threads: submit/wait/poll from one
+// (compute) thread; start and done may run on the communication thread, so they must only touch
+// memory the compute thread leaves alone until wait() returned.
+class CommQueue {
+ public:
+  using Ticket = uint64_t;  // 1, 2, ... in submission order; 0 = nothing
+  struct Job {
+    int parts = 1;
+    std::function<std::unique_ptr<Comm::Request>(Comm&, int)> start;
+    std::function<void(int)> done;  // may be empty
+  };
+  // `lane`: the communicator of this queue's collectives; `watch`: the Comm whose collective
+  // watchdog (--collective-timeout) covers waits. prepare_thread runs first on the communication
+  // thread (CPU backend: prepare_cpu_helper_thread).
+  CommQueue(Comm& lane, Comm& watch, bool background, CommProgress progress, std::function<void()> prepare_thread);
+  ~CommQueue();  // waits for the jobs in flight, then stops the thread
+  CommQueue(const CommQueue&) = delete;
+  Ticket submit(Job job);
+  // Blocks until job t and every job before it completed (t = 0: returns). Rethrows an error of the
+  // communication thread (a failed MPI call) as std::runtime_error.
+  void wait(Ticket t);
+  void wait_all() { wait(last_); }
+  // Advances the jobs in flight without blocking (compute thread; no-op with a thread or in sync mode).
+  void poll();
+  bool background() const { return background_; }
+  CommTimes times() const;
+
+ private:
+  struct Active {
+    Job job;
+    Ticket ticket = 0;
+    int part = 0;
+    std::unique_ptr<Comm::Request> req;
+    double t0 = 0;
+  };
+  bool advance_locked();  // starts / tests / finishes the head; true if it completed a part
+  void run_inline(Job& job);
+  Comm& lane_;
+  Comm& watch_;
+  bool background_;
+  CommProgress progress_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_work_, cv_done_;
+  std::deque<Active> jobs_;
+  Ticket last_ = 0, completed_ = 0;
+  bool quit_ = false;
+  std::exception_ptr error_;
+  CommTimes times_;
+  std::thread thread_;
+};
+
 // What the model needs from the sharding layer, in its compute type C: a unit's parameters,
 // gathered in full; a zeroed full-unit gradient buffer; and the reduce-scatter of that buffer into
 // this rank's gradient shard. Fsdp<T> is the UnitSource<T> of plain fp32 (or fp64) training;
@@ -90,8 +185,82 @@ template <typename C> class UnitSource {
   // Zeroes and returns the full-unit gradient buffer for unit u (padded_numel elements).
   virtual C* full_grad(int u) = 0;
   // Collective: reduce-scatters the full-unit gradient buffer of unit u, divides by the world
-  // size (mean over ranks) and adds the result into this rank's gradient shard.
+  // size (mean over ranks) and adds the result into this rank's gradient shard. May return before
+  // it is done (overlap): the gradient shards are complete after end_pass().
   virtual void reduce_scatter_grad(int u) = 0;
+
+  // For the training loop, never the model (issue 15). A pass is a run of gathers between
+  // begin_pass and end_pass (a training step's micro-batches, an evaluation). The sharding layer
+  // records the order in which a pass labelled `label` gathers units and, in the next pass with
+  // that label, gathers ahead along it (prefetch). end_pass() waits for every collective in flight
+  // (after it the gradient shards hold every reduce-scatter); parameters may change only outside a
+  // pass. Gathers outside a pass are never prefetched.
+  virtual void begin_pass(const std::string& label) { (void)label; }
+  virtual void end_pass() {}
+  // Accumulated time of this source's collectives (zero for sources without any).
+  virtual CommTimes comm_times() const { return {}; }
+};
+
+// The gather / reduce-scatter machinery shared by Fsdp and MixedPrecisionUnits: gather buffers
+// (1 + prefetch with overlap on, else 1) and full-unit gradient buffers (2 with overlap on: one
+// is reduce-scattered while the next unit's gradient fills the other), two CommQueues on their own
+// duplicated communicators (all-gathers; reduce-scatters), and the recorded order of each pass.
+// A derived class says how one unit is gathered and reduce-scattered.
+template <typename C> class UnitPipeline : public UnitSource<C> {
+ public:
+  const C* gather(int u) override;
+  C* full_grad(int u) override;
+  void reduce_scatter_grad(int u) override;
+  void begin_pass(const std::string& label) override;
+  void end_pass() override;
+  CommTimes comm_times() const override;
+  const OverlapConfig& overlap() const { return ov_; }
+
+ protected:
+  UnitPipeline() = default;
+  ~UnitPipeline() override;
+  // Allocates the buffers and queues (collective: duplicates `data`). The derived constructor
+  // calls it once, after its own buffers exist.
+  void init_pipeline(Backend<C>& be, Comm& data, Comm& watch, const ShardPlan& plan, const OverlapConfig& o);
+  // Waits for everything in flight and stops the threads: derived destructors call it first, since
+  // the jobs use their buffers.
+  void stop_pipeline();
+  // Submits the all-gather of unit u into dst (padded_numel elements of C); `slot` names dst's
+  // gather buffer (for a per-slot staging buffer).
+  virtual CommQueue::Ticket issue_gather(CommQueue& q, int u, C* dst, int slot) = 0;
+  // Submits the reduce-scatter of unit u's full-unit gradient `full` into the gradient shard.
+  virtual CommQueue::Ticket issue_reduce(CommQueue& q, int u, const C* full) = 0;
+  int num_slots() const { return static_cast<int>(slots_.size()); }
+
+ private:
+  struct Slot {
+    Buffer<C> buf;
+    int unit = -1;
+    int64_t pos = -1;  // position in the pass this buffer was gathered for
+    CommQueue::Ticket ticket = 0;
+  };
+  struct GradBuf {
+    Buffer<C> buf;
+    int unit = -1;
+    CommQueue::Ticket ticket = 0;  // its reduce-scatter
+  };
+  int free_slot(int64_t pos) const;
+  void poll_all();
+  static void poll_hook(void* self);
+  Backend<C>* be_ = nullptr;
+  const ShardPlan* plan_ = nullptr;
+  OverlapConfig ov_;
+  std::unique_ptr<Comm> ag_comm_, rs_comm_;
+  std::unique_ptr<CommQueue> agq_, rsq_;
+  std::vector<Slot> slots_;
+  std::vector<GradBuf> grads_;
+  int current_ = -1, gnext_ = 0, gcur_ = -1;
+  int64_t pos_ = 0;
+  bool in_pass_ = false, follow_ = false, hooked_ = false;
+  std::string label_;
+  std::vector<int> rec_;
+  std::map<std::string, std::vector<int>> traces_;
+  const std::vector<int>* trace_ = nullptr;
 };
 
 // The FSDP engine. Holds, for this rank, each unit's parameter shard and gradient shard
@@ -105,14 +274,18 @@ template <typename C> class UnitSource {
 // CPU, NCCL (or MPI on host copies) on GPUs. With full_buffers == false the full-unit gather and
 // gradient buffers are not allocated (mixed precision keeps its own, in bf16) and gather(),
 // full_grad(), reduce_scatter_grad() and gather_param() must not be called.
-template <typename T> class Fsdp final : public UnitSource<T> {
+template <typename T> class Fsdp final : public UnitPipeline<T> {
  public:
   // Gradients are reduce-scattered kReduceSlab elements (all ranks' blocks together) at a time,
   // packed from the full-unit buffer: the result buffer is 1/W of that, not a whole shard of the
   // largest unit (for a 128k-vocabulary embedding at W = 2 that shard is 500 MiB).
   static constexpr size_t kReduceSlab = size_t{1} << 22;
   // Throws std::invalid_argument if the plan's world size differs from comm's, std::bad_alloc.
-  Fsdp(Backend<T>& be, Comm& comm, ShardPlan plan, Comm* data_comm = nullptr, bool full_buffers = true);
+  // `ov`: prefetch and asynchronous reduce-scatter (issue 15); the default waits for every
+  // collective at once (tools, tests); training passes --overlap / --prefetch / --comm-progress.
+  Fsdp(Backend<T>& be, Comm& comm, ShardPlan plan, Comm* data_comm = nullptr, bool full_buffers = true,
+       const OverlapConfig& ov = OverlapConfig{false, 0, CommProgress::Wait});
+  ~Fsdp() override;
 
   const ShardPlan& plan() const { return plan_; }
   Backend<T>& backend() { return be_; }
@@ -130,10 +303,7 @@ template <typename T> class Fsdp final : public UnitSource<T> {
   // Zeroes every gradient shard.
   void zero_grads();
 
-  // UnitSource<T> (see there), through data_comm.
-  const T* gather(int u) override;
-  T* full_grad(int u) override;
-  void reduce_scatter_grad(int u) override;
+  // UnitSource<T> (see there, and UnitPipeline), through data_comm.
 
   // Collective: the whole parameter `name`, gathered, copied to host (numel elements).
   std::vector<T> gather_param(const std::string& name);
@@ -149,11 +319,12 @@ template <typename T> class Fsdp final : public UnitSource<T> {
   Comm& comm_;
   Comm* dcomm_;
   ShardPlan plan_;
+  CommQueue::Ticket issue_gather(CommQueue& q, int u, T* dst, int slot) override;
+  CommQueue::Ticket issue_reduce(CommQueue& q, int u, const T* full) override;
   std::vector<Buffer<T>> params_, grads_;
-  Buffer<T> gather_buf_, grad_buf_;
   Buffer<T> scatter_tmp_, pack_;  // reduce-scatter of one slab: [slab_] result, [W, slab_] packed input
   size_t slab_ = 0;               // shard elements per reduce-scatter call
-  int gathered_ = -1;
+  bool full_ = false;
 };
 
 // Mixed precision (Micikevicius et al. 2018; PyTorch FSDP's MixedPrecision(param_dtype=bf16,
@@ -169,21 +340,23 @@ template <typename T> class Fsdp final : public UnitSource<T> {
 //                embedding that copy would be 4 bytes x V x C); else reduce-scattered in bf16 (half
 //                the bytes). The mean is added into the fp32 gradient shard.
 // `be` must run on the same device as master.backend().
-class MixedPrecisionUnits final : public UnitSource<bf16> {
+class MixedPrecisionUnits final : public UnitPipeline<bf16> {
  public:
   static constexpr size_t kWidenSlab = size_t{1} << 22;  // fp32 elements (16 MiB) per widened slab
   // Throws std::bad_alloc.
   // widen_slab: fp32 elements per widened slab (tests make it small to cut units into many slabs).
-  MixedPrecisionUnits(Fsdp<float>& master, Backend<bf16>& be, bool reduce_bf16, size_t widen_slab = kWidenSlab);
-  const bf16* gather(int u) override;
-  bf16* full_grad(int u) override;
-  void reduce_scatter_grad(int u) override;
+  MixedPrecisionUnits(Fsdp<float>& master, Backend<bf16>& be, bool reduce_bf16, size_t widen_slab = kWidenSlab,
+                      const OverlapConfig& ov = OverlapConfig{false, 0, CommProgress::Wait});
+  ~MixedPrecisionUnits() override;
 
  private:
+  CommQueue::Ticket issue_gather(CommQueue& q, int u, bf16* dst, int slot) override;
+  CommQueue::Ticket issue_reduce(CommQueue& q, int u, const bf16* full) override;
   Fsdp<float>& m_;
   Backend<bf16>& be_;
   bool reduce_bf16_;
-  Buffer<bf16> shard_, gather_, grad_, scatter_;
+  std::vector<Buffer<bf16>> shard_;  // per gather buffer: this rank's shard rounded to bf16
+  Buffer<bf16> scatter_;
   Buffer<float> grad32_, scatter32_;  // [W, slab_] and [slab_]: the fp32 reduce-scatter of one slab
   size_t slab_ = 0;                   // shard elements per fp32 reduce-scatter
 };

@@ -98,6 +98,9 @@ template <typename T> class AdamW {
 struct StepLog {
   int64_t step = 0;  // 1-based
   double loss = 0, lr = 0, grad_norm = 0, tokens_per_s = 0, elapsed_s = 0;
+  // This step's time (ms): on compute (step time - exposed), FSDP collectives in flight (summed
+  // over collectives), and waiting for them (exposed communication). See CommTimes (shard.h).
+  double compute_ms = 0, comm_ms = 0, exposed_comm_ms = 0;
 };
 struct EvalLog {
   int64_t step = 0;
@@ -126,6 +129,7 @@ struct Engine {
   Precision precision = Precision::FP32;
   bool reduce_bf16 = false;       // BF16 only: reduce-scatter gradients in bf16 (default fp32)
   double peak_flops = 0;          // dense bf16 peak of all ranks' devices together, FLOP/s; 0 = unknown (no MFU)
+  OverlapConfig overlap{};        // prefetch and asynchronous reduce-scatter (--overlap, --prefetch, --comm-progress)
 };
 
 // Model FLOPs per trained token at sequence length T (forward + backward): 6 N for the weight

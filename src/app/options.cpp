@@ -36,7 +36,10 @@ po::options_description describe(Options& o) {
       ("device", po::value<std::string>(&o.device)->default_value(o.device), "train on: auto (cuda when a GPU is visible, else cpu) | cpu | cuda (one GPU per rank: the local rank's)")
       ("gpu-comm", po::value<std::string>(&o.gpu_comm)->default_value(o.gpu_comm), "GPU collectives: nccl (one rank per GPU) | mpi (through MPI on host copies; lets several ranks share a GPU)")
       ("precision", po::value<std::string>(&o.precision)->default_value(o.precision), "fp32 | bf16 (mixed precision: bf16 weights for compute and bf16 activations, fp32 master weights, AdamW state and GEMM accumulation)")
-      ("reduce-dtype", po::value<std::string>(&o.reduce_dtype)->default_value(o.reduce_dtype), "with --precision bf16: gradients are reduce-scattered in fp32 | bf16 (half the bytes)");
+      ("reduce-dtype", po::value<std::string>(&o.reduce_dtype)->default_value(o.reduce_dtype), "with --precision bf16: gradients are reduce-scattered in fp32 | bf16 (half the bytes)")
+      ("overlap", po::value<std::string>(&o.overlap)->default_value(o.overlap), "on: all-gathers are prefetched and reduce-scatters run asynchronously, behind the compute | off: every collective is waited for when it is started (the reference: results are bitwise the same)")
+      ("prefetch", po::value<int>(&o.prefetch)->default_value(o.prefetch), "with --overlap on: units whose all-gather runs ahead of the unit being computed (each needs a buffer of the largest unit)")
+      ("comm-progress", po::value<std::string>(&o.comm_progress)->default_value(o.comm_progress), "with --overlap on, CPU: what advances MPI's nonblocking collectives: thread (a communication thread) | poll (MPI_Test between GEMM tiles) | wait (only when waited for)");
   po::options_description data("Data (--mode prepare, --mode tokenizer; docs/data-format.md)");
   data.add_options()
       ("input", po::value<std::vector<std::string>>(&o.inputs)->multitoken(), "text inputs (repeatable): files, directories (their files, recursively, sorted; hidden ones left out) or glob patterns; a plain-text file is one document, a .jsonl file one document per line")
@@ -165,6 +168,10 @@ void validate(const Options& o) {
   check(o.gpu_comm == "nccl" || o.gpu_comm == "mpi", "gpu-comm", "must be nccl or mpi, got '" + o.gpu_comm + "'");
   parse_precision(o.precision);  // throws naming option '--precision'
   check(o.reduce_dtype == "fp32" || o.reduce_dtype == "bf16", "reduce-dtype", "must be fp32 or bf16, got '" + o.reduce_dtype + "'");
+  check(o.overlap == "on" || o.overlap == "off", "overlap", "must be on or off, got '" + o.overlap + "'");
+  check(o.prefetch >= 0 && o.prefetch <= 8, "prefetch", "must be in [0, 8], got " + std::to_string(o.prefetch));
+  check(o.comm_progress == "thread" || o.comm_progress == "poll" || o.comm_progress == "wait", "comm-progress",
+        "must be thread, poll or wait, got '" + o.comm_progress + "'");
   finite(o.collective_timeout, "collective-timeout");
   check(o.collective_timeout >= 0, "collective-timeout", "must be >= 0");
   for (auto [v, n] : {std::pair{o.val_fraction, "val-fraction"}, {t.lr, "lr"}, {t.min_lr, "min-lr"}, {t.beta1, "beta1"},

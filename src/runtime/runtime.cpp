@@ -246,6 +246,73 @@ void MpiComm::broadcast_impl(void* buf, size_t count, DType t, int root) {
             "MPI_Bcast");
 }
 
+namespace {
+// A collective that completed before it was returned (the default start_* of Comm).
+class DoneRequest final : public Comm::Request {
+ public:
+  bool test() override { return true; }
+  void wait() override {}
+};
+class MpiRequest final : public Comm::Request {
+ public:
+  MPI_Request r = MPI_REQUEST_NULL;
+  bool done = false;
+  bool test() override {
+    if (!done) {
+      int flag = 0;
+      check_mpi(MPI_Test(&r, &flag, MPI_STATUS_IGNORE), "MPI_Test");
+      done = flag != 0;
+    }
+    return done;
+  }
+  void wait() override {
+    if (!done) check_mpi(MPI_Wait(&r, MPI_STATUS_IGNORE), "MPI_Wait");
+    done = true;
+  }
+  ~MpiRequest() override {
+    if (!done && r != MPI_REQUEST_NULL) MPI_Wait(&r, MPI_STATUS_IGNORE);  // never leave a request behind
+  }
+};
+int g_thread_level = 0;
+}  // namespace
+
+bool mpi_thread_multiple() { return g_thread_level >= MPI_THREAD_MULTIPLE; }
+
+std::unique_ptr<Comm::Request> Comm::start_all_gather_impl(const void* send, void* recv, size_t count, DType t) {
+  all_gather_impl(send, recv, count, t);
+  return std::make_unique<DoneRequest>();
+}
+std::unique_ptr<Comm::Request> Comm::start_reduce_scatter_sum_impl(const void* send, void* recv, size_t count,
+                                                                   DType t) {
+  reduce_scatter_sum_impl(send, recv, count, t);
+  return std::make_unique<DoneRequest>();
+}
+
+std::unique_ptr<Comm::Request> MpiComm::start_all_gather_impl(const void* send, void* recv, size_t count, DType t) {
+  auto q = std::make_unique<MpiRequest>();
+  const int n = to_count(count, "all_gather");
+  check_mpi(MPI_Iallgather(send, n, mpi_type(t), recv, n, mpi_type(t), as_mpi(comm_), &q->r), "MPI_Iallgather");
+  return q;
+}
+std::unique_ptr<Comm::Request> MpiComm::start_reduce_scatter_sum_impl(const void* send, void* recv, size_t count,
+                                                                      DType t) {
+  auto q = std::make_unique<MpiRequest>();
+  check_mpi(MPI_Ireduce_scatter_block(send, recv, to_count(count, "reduce_scatter"), mpi_type(t),
+                                      t == DType::BF16 ? bf16_sum() : MPI_SUM, as_mpi(comm_), &q->r),
+            "MPI_Ireduce_scatter_block");
+  return q;
+}
+std::unique_ptr<Comm> MpiComm::duplicate() {
+  auto c = std::unique_ptr<MpiComm>(new MpiComm());
+  MPI_Comm dup;
+  check_mpi(MPI_Comm_dup(as_mpi(comm_), &dup), "MPI_Comm_dup");
+  c->comm_ = reinterpret_cast<void*>(dup);
+  c->owned_ = true;
+  c->rank_ = rank_;
+  c->size_ = size_;
+  return c;
+}
+
 size_t Comm::dtype_size(DType t) {
   switch (t) {
     case DType::F32: return 4;
@@ -265,7 +332,10 @@ std::string Comm::broadcast_string(const std::string& s, int root) {
 
 Runtime::Runtime(int* argc, char*** argv) {
   int provided = 0;
-  MPI_Init_thread(argc, argv, MPI_THREAD_FUNNELED, &provided);
+  // MULTIPLE: the FSDP progress thread (--comm-progress thread) tests nonblocking collectives
+  // while the main thread runs others; mpi_thread_multiple() says whether MPI granted it.
+  MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &provided);
+  g_thread_level = provided;
   MPI_Comm_rank(MPI_COMM_WORLD, &topo_.rank);
   MPI_Comm_size(MPI_COMM_WORLD, &topo_.world_size);
   MPI_Comm local;

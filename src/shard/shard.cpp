@@ -2,6 +2,7 @@
 #include "shardtrain/shard.h"
 
 #include <algorithm>
+#include <chrono>
 #include <type_traits>
 #include <cmath>
 #include <set>
@@ -96,8 +97,8 @@ double counter_normal(uint64_t seed, uint64_t key, uint64_t i) {
 }
 
 template <typename T>
-Fsdp<T>::Fsdp(Backend<T>& be, Comm& comm, ShardPlan plan, Comm* data_comm, bool full_buffers)
-    : be_(be), comm_(comm), dcomm_(data_comm ? data_comm : &comm), plan_(std::move(plan)) {
+Fsdp<T>::Fsdp(Backend<T>& be, Comm& comm, ShardPlan plan, Comm* data_comm, bool full_buffers, const OverlapConfig& ov)
+    : be_(be), comm_(comm), dcomm_(data_comm ? data_comm : &comm), plan_(std::move(plan)), full_(full_buffers) {
   if (plan_.world_size != comm.world_size())
     throw std::invalid_argument("Fsdp: plan built for " + std::to_string(plan_.world_size) + " ranks, comm has " +
                                 std::to_string(comm.world_size()));
@@ -106,14 +107,14 @@ Fsdp<T>::Fsdp(Backend<T>& be, Comm& comm, ShardPlan plan, Comm* data_comm, bool 
     grads_.emplace_back(be_, static_cast<size_t>(u.shard_size));
   }
   if (!full_buffers) return;
-  const size_t max_padded = static_cast<size_t>(plan_.max_padded_numel());
-  gather_buf_ = Buffer<T>(be_, max_padded);
-  grad_buf_ = Buffer<T>(be_, max_padded);
   const size_t max_shard = static_cast<size_t>(plan_.max_shard_size()), W = static_cast<size_t>(plan_.world_size);
   slab_ = reduce_slab(plan_, kReduceSlab);
   scatter_tmp_ = Buffer<T>(be_, slab_);
   if (max_shard > slab_) pack_ = Buffer<T>(be_, slab_ * W);
+  this->init_pipeline(be_, *dcomm_, comm_, plan_, ov);
 }
+
+template <typename T> Fsdp<T>::~Fsdp() { this->stop_pipeline(); }
 
 template <typename T> void Fsdp<T>::init_params(uint64_t seed) {
   int r = comm_.rank();
@@ -144,7 +145,6 @@ template <typename T> void Fsdp<T>::init_params(uint64_t seed) {
       be_.from_host(params_[u].data() + p0, host.data(), host.size());
     }
   }
-  gathered_ = -1;
 }
 
 template <typename T> void Fsdp<T>::zero_grads() {
@@ -156,57 +156,376 @@ size_t reduce_slab(const ShardPlan& plan, size_t slab_elements) {
   return std::min(max_shard, std::max<size_t>(1, slab_elements / W));
 }
 
+// ---- CommQueue --------------------------------------------------------------------------------
+
 namespace {
-// The one slab loop of both gradient paths. `full` is a full-unit buffer laid out [W, S] (rank r's
-// block at r*S). With S <= slab it is reduce-scattered as it is; else a slab of n <= slab elements
-// of every block at a time: stage(packed + r*n, full + r*S + a, n) fills the packed [W, n] buffer
-// (a copy, or a widening to fp32), which is reduce-scattered. add(a, n, out) consumes each summed
-// piece [a, a+n) of this rank's shard.
-template <typename F, typename P, typename Stage, typename Add>
-void reduce_scatter_slabs(Comm& comm, const F* full, size_t S, size_t W, size_t slab, P* packed, P* out, Stage stage,
-                          Add add) {
-  if constexpr (std::is_same_v<F, P>) {
-    if (S <= slab) {
-      comm.reduce_scatter_sum(full, out, S);
-      add(size_t{0}, S, out);
-      return;
-    }
-  }
-  for (size_t a = 0; a < S; a += slab) {
-    const size_t n = std::min(slab, S - a);
-    for (size_t r = 0; r < W; ++r) stage(packed + r * n, full + r * S + a, n);
-    comm.reduce_scatter_sum(packed, out, n);
-    add(a, n, out);
-  }
+double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 }  // namespace
 
-template <typename T> const T* Fsdp<T>::gather(int u) {
-  const UnitPlan& up = plan_.units[u];
-  dcomm_->all_gather(params_[u].data(), gather_buf_.data(), static_cast<size_t>(up.shard_size));
-  gathered_ = u;
-  return gather_buf_.data();
+CommProgress parse_comm_progress(const std::string& s) {
+  if (s == "thread") return CommProgress::Thread;
+  if (s == "poll") return CommProgress::Poll;
+  if (s == "wait") return CommProgress::Wait;
+  throw std::invalid_argument("option '--comm-progress' must be thread, poll or wait, got '" + s + "'");
+}
+const char* comm_progress_name(CommProgress p) {
+  switch (p) {
+    case CommProgress::Thread: return "thread";
+    case CommProgress::Poll: return "poll";
+    case CommProgress::Wait: return "wait";
+  }
+  return "?";
 }
 
-template <typename T> T* Fsdp<T>::full_grad(int u) {
-  be_.zero(grad_buf_.data(), static_cast<size_t>(plan_.units[u].padded_numel));
-  return grad_buf_.data();
+CommQueue::CommQueue(Comm& lane, Comm& watch, bool background, CommProgress progress,
+                     std::function<void()> prepare_thread)
+    : lane_(lane), watch_(watch), background_(background && lane.asynchronous()), progress_(progress) {
+  if (!background_ || progress_ != CommProgress::Thread) return;
+  thread_ = std::thread([this, prep = std::move(prepare_thread)] {
+    if (prep) prep();
+    std::unique_lock<std::mutex> lk(mu_);
+    for (;;) {
+      cv_work_.wait(lk, [&] { return quit_ || !jobs_.empty(); });
+      if (jobs_.empty()) break;  // quit_ and nothing left
+      try {
+        while (advance_locked()) {
+        }
+      } catch (...) {
+        error_ = std::current_exception();
+        jobs_.clear();
+        completed_ = last_;
+        cv_done_.notify_all();
+        continue;
+      }
+      if (!jobs_.empty()) {  // in flight: test again shortly (MPI_Test drives Open MPI's progress)
+        lk.unlock();
+        std::this_thread::sleep_for(std::chrono::microseconds(20));
+        lk.lock();
+      }
+    }
+  });
 }
 
-template <typename T> void Fsdp<T>::reduce_scatter_grad(int u) {
-  const size_t S = static_cast<size_t>(plan_.units[u].shard_size), W = static_cast<size_t>(comm_.world_size());
+CommQueue::~CommQueue() {
+  try {
+    wait_all();
+  } catch (...) {  // an error was reported to the waiter already, or nobody waits any more
+  }
+  if (thread_.joinable()) {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      quit_ = true;
+    }
+    cv_work_.notify_all();
+    thread_.join();
+  }
+}
+
+// One step of the head job: start its current part, or test it and, when complete, consume it.
+bool CommQueue::advance_locked() {
+  if (jobs_.empty()) return false;
+  Active& a = jobs_.front();
+  if (!a.req) {
+    if (a.part == 0) a.t0 = now_s();
+    a.req = a.job.start(lane_, a.part);
+    ++times_.collectives;
+  }
+  if (!a.req->test()) return false;
+  a.req.reset();
+  if (a.job.done) a.job.done(a.part);
+  if (++a.part == a.job.parts) {
+    times_.issued_s += now_s() - a.t0;
+    completed_ = a.ticket;
+    jobs_.pop_front();
+    cv_done_.notify_all();
+  }
+  return true;
+}
+
+void CommQueue::run_inline(Job& job) {
+  const double t0 = now_s();
+  for (int i = 0; i < job.parts; ++i) {
+    auto r = job.start(lane_, i);
+    ++times_.collectives;
+    r->wait();
+    if (job.done) job.done(i);
+  }
+  const double dt = now_s() - t0;
+  times_.issued_s += dt;
+  times_.exposed_s += dt;
+}
+
+CommQueue::Ticket CommQueue::submit(Job job) {
+  if (job.parts <= 0) throw std::logic_error("CommQueue::submit: a job needs at least one part");
+  std::unique_lock<std::mutex> lk(mu_);
+  const Ticket t = ++last_;
+  ++times_.jobs;
+  if (!background_) {
+    lk.unlock();
+    CommWatch w(watch_, "FSDP collective");
+    run_inline(job);
+    lk.lock();
+    completed_ = t;
+    return t;
+  }
+  Active a;
+  a.job = std::move(job);
+  a.ticket = t;
+  jobs_.push_back(std::move(a));
+  if (thread_.joinable()) {
+    cv_work_.notify_one();
+  } else {
+    while (advance_locked()) {  // start it now if the lane is idle (and finish whatever is done)
+    }
+  }
+  return t;
+}
+
+void CommQueue::poll() {
+  if (!background_ || thread_.joinable()) return;
+  std::lock_guard<std::mutex> lk(mu_);
+  while (advance_locked()) {
+  }
+}
+
+void CommQueue::wait(Ticket t) {
+  std::unique_lock<std::mutex> lk(mu_);
+  if (completed_ >= t && !error_) return;
+  const double t0 = now_s();
+  {
+    CommWatch w(watch_, "FSDP collective (wait)");
+    if (thread_.joinable()) {
+      cv_done_.wait(lk, [&] { return completed_ >= t || error_; });
+    } else {
+      while (completed_ < t) {
+        if (!advance_locked() && !jobs_.empty()) {
+          jobs_.front().req->wait();  // blocks in MPI_Wait: nothing else to do meanwhile
+        }
+      }
+    }
+  }
+  times_.exposed_s += now_s() - t0;
+  if (error_) {
+    std::exception_ptr e = error_;
+    try {
+      std::rethrow_exception(e);
+    } catch (const std::exception& x) {
+      throw std::runtime_error(std::string("FSDP communication thread: ") + x.what());
+    }
+  }
+}
+
+CommTimes CommQueue::times() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return times_;
+}
+
+// ---- UnitPipeline ---------------------------------------------------------------------------------
+
+template <typename C>
+void UnitPipeline<C>::init_pipeline(Backend<C>& be, Comm& data, Comm& watch, const ShardPlan& plan,
+                                    const OverlapConfig& o) {
+  be_ = &be;
+  plan_ = &plan;
+  ov_ = o;
+  if (ov_.prefetch < 0) throw std::invalid_argument("option '--prefetch' must be >= 0");
+  if (ov_.on && ov_.progress == CommProgress::Thread && !mpi_thread_multiple()) ov_.progress = CommProgress::Poll;
+  ag_comm_ = data.duplicate();
+  rs_comm_ = data.duplicate();
+  const bool cpu = std::string(be.name()) == "cpu";
+  std::function<void()> prep;
+  if (cpu) prep = [] { prepare_cpu_helper_thread(); };
+  agq_ = std::make_unique<CommQueue>(ag_comm_ ? *ag_comm_ : data, watch, ov_.on, ov_.progress, prep);
+  rsq_ = std::make_unique<CommQueue>(rs_comm_ ? *rs_comm_ : data, watch, ov_.on, ov_.progress, prep);
+  const size_t max_padded = static_cast<size_t>(plan.max_padded_numel());
+  const int nslots = ov_.on ? 1 + ov_.prefetch : 1, ngrads = ov_.on ? 2 : 1;
+  for (int i = 0; i < nslots; ++i) slots_.push_back(Slot{Buffer<C>(be, max_padded)});
+  for (int i = 0; i < ngrads; ++i) grads_.push_back(GradBuf{Buffer<C>(be, max_padded)});
+  if (ov_.on && ov_.progress == CommProgress::Poll && cpu && agq_->background()) {
+    set_cpu_gemm_hook(&UnitPipeline<C>::poll_hook, this);
+    hooked_ = true;
+  }
+}
+
+template <typename C> void UnitPipeline<C>::stop_pipeline() {
+  if (hooked_) set_cpu_gemm_hook(nullptr, nullptr);
+  hooked_ = false;
+  agq_.reset();  // each waits for its jobs, then stops its thread
+  rsq_.reset();
+}
+
+template <typename C> UnitPipeline<C>::~UnitPipeline() { stop_pipeline(); }
+
+template <typename C> void UnitPipeline<C>::poll_hook(void* self) { static_cast<UnitPipeline<C>*>(self)->poll_all(); }
+
+template <typename C> void UnitPipeline<C>::poll_all() {
+  if (agq_) agq_->poll();
+  if (rsq_) rsq_->poll();
+}
+
+// A gather buffer to fill for position `pos`: not the one handed out last, not one prefetched for
+// a later position; the one handed out last if there is nothing else (a single buffer).
+template <typename C> int UnitPipeline<C>::free_slot(int64_t pos) const {
+  for (int i = 0; i < num_slots(); ++i)
+    if (i != current_ && slots_[i].pos < pos) return i;
+  return current_ >= 0 && slots_[current_].pos < pos ? current_ : -1;
+}
+
+template <typename C> const C* UnitPipeline<C>::gather(int u) {
+  poll_all();
+  const int64_t p = pos_++;
+  if (in_pass_) rec_.push_back(u);
+  int s = -1;
+  for (int i = 0; i < num_slots(); ++i)
+    if (slots_[i].pos == p) s = i;
+  if (s >= 0 && slots_[s].unit != u) {  // the pass left its recorded order: stop following it
+    follow_ = false;
+    s = -1;
+  }
+  if (s < 0) {
+    if (follow_ && trace_ && static_cast<size_t>(p) >= trace_->size()) follow_ = false;
+    s = free_slot(p);
+    if (s < 0) throw std::logic_error("UnitPipeline::gather: no free gather buffer");
+    Slot& sl = slots_[s];
+    agq_->wait(sl.ticket);  // a stale prefetch may still be writing it
+    sl.unit = u;
+    sl.pos = p;
+    sl.ticket = issue_gather(*agq_, u, sl.buf.data(), s);
+  }
+  agq_->wait(slots_[s].ticket);
+  current_ = s;
+  if (follow_ && trace_)
+    for (int k = 1; k <= ov_.prefetch; ++k) {
+      const int64_t q = p + k;
+      if (static_cast<size_t>(q) >= trace_->size()) break;
+      bool have = false;
+      for (const Slot& sl : slots_) have = have || sl.pos == q;
+      if (have) continue;
+      const int f = free_slot(p + 1);
+      if (f < 0) break;
+      Slot& sl = slots_[f];
+      agq_->wait(sl.ticket);
+      sl.unit = (*trace_)[static_cast<size_t>(q)];
+      sl.pos = q;
+      sl.ticket = issue_gather(*agq_, sl.unit, sl.buf.data(), f);
+    }
+  return slots_[s].buf.data();
+}
+
+template <typename C> C* UnitPipeline<C>::full_grad(int u) {
+  poll_all();
+  const int g = gnext_;
+  gnext_ = (gnext_ + 1) % static_cast<int>(grads_.size());
+  rsq_->wait(grads_[g].ticket);  // its previous reduce-scatter still reads it
+  grads_[g].unit = u;
+  grads_[g].ticket = 0;
+  be_->zero(grads_[g].buf.data(), static_cast<size_t>(plan_->units[u].padded_numel));
+  gcur_ = g;
+  return grads_[g].buf.data();
+}
+
+template <typename C> void UnitPipeline<C>::reduce_scatter_grad(int u) {
+  if (gcur_ < 0 || grads_[gcur_].unit != u)
+    throw std::logic_error("UnitPipeline::reduce_scatter_grad(" + std::to_string(u) +
+                           "): not the unit of the last full_grad");
+  GradBuf& g = grads_[gcur_];
+  g.ticket = issue_reduce(*rsq_, u, g.buf.data());
+  gcur_ = -1;
+  poll_all();
+}
+
+template <typename C> void UnitPipeline<C>::begin_pass(const std::string& label) {
+  if (!agq_) return;  // no full-unit buffers: nothing is gathered here
+  if (in_pass_) end_pass();
+  agq_->wait_all();
+  for (Slot& sl : slots_) sl.pos = -1, sl.unit = -1;
+  current_ = -1;
+  pos_ = 0;
+  label_ = label;
+  rec_.clear();
+  in_pass_ = true;
+  auto it = traces_.find(label);
+  trace_ = it == traces_.end() ? nullptr : &it->second;
+  follow_ = ov_.on && ov_.prefetch > 0 && trace_ != nullptr;
+}
+
+template <typename C> void UnitPipeline<C>::end_pass() {
+  if (!agq_) return;
+  agq_->wait_all();
+  rsq_->wait_all();
+  for (Slot& sl : slots_) sl.pos = -1, sl.unit = -1;
+  current_ = -1;
+  if (in_pass_) {
+    trace_ = nullptr;  // (it may point into traces_[label_])
+    traces_[label_] = std::move(rec_);
+    rec_.clear();
+  }
+  in_pass_ = false;
+  follow_ = false;
+  pos_ = 0;
+}
+
+template <typename C> CommTimes UnitPipeline<C>::comm_times() const {
+  CommTimes t;
+  for (const CommQueue* q : {agq_.get(), rsq_.get()})
+    if (q) {
+      const CommTimes a = q->times();
+      t.issued_s += a.issued_s;
+      t.exposed_s += a.exposed_s;
+      t.collectives += a.collectives;
+      t.jobs += a.jobs;
+    }
+  return t;
+}
+
+template class UnitPipeline<float>;
+template class UnitPipeline<double>;
+template class UnitPipeline<bf16>;
+
+// ---- Fsdp: one unit's collectives -----------------------------------------------------------------
+
+template <typename T> CommQueue::Ticket Fsdp<T>::issue_gather(CommQueue& q, int u, T* dst, int) {
+  const size_t S = static_cast<size_t>(plan_.units[u].shard_size);
+  const T* src = params_[u].data();
+  return q.submit({1, [=](Comm& c, int) { return c.start_all_gather(src, dst, S); }, {}});
+}
+
+// The full-unit gradient is laid out [W, S] (rank r's block at r*S). With S <= slab_ it is
+// reduce-scattered as it is; else one slab of n <= slab_ elements of every block at a time, packed
+// into [W, n] first (MPI libraries allocate a temporary of the whole send buffer: slabs bound it).
+// Each summed piece is divided by W and added into the gradient shard, in slab order.
+template <typename T> CommQueue::Ticket Fsdp<T>::issue_reduce(CommQueue& q, int u, const T* full) {
+  const size_t S = static_cast<size_t>(plan_.units[u].shard_size), W = static_cast<size_t>(plan_.world_size);
   const T inv_w = T(1) / static_cast<T>(W);
-  reduce_scatter_slabs(
-      *dcomm_, grad_buf_.data(), S, W, slab_, pack_.data(), scatter_tmp_.data(),
-      [&](T* d, const T* src, size_t n) { be_.copy(d, src, n); },
-      [&](size_t a, size_t n, const T* sum) { be_.axpy(n, inv_w, sum, grads_[u].data() + a); });
+  T* shard = grads_[u].data();
+  T* tmp = scatter_tmp_.data();
+  T* pack = pack_.data();
+  Backend<T>* be = &be_;
+  if (S <= slab_)
+    return q.submit({1, [=](Comm& c, int) { return c.start_reduce_scatter_sum(full, tmp, S); },
+                     [=](int) { be->axpy(S, inv_w, tmp, shard); }});
+  const size_t slab = slab_;
+  const int parts = static_cast<int>((S + slab - 1) / slab);
+  return q.submit({parts,
+                   [=](Comm& c, int i) {
+                     const size_t a = static_cast<size_t>(i) * slab, n = std::min(slab, S - a);
+                     for (size_t r = 0; r < W; ++r) be->copy(pack + r * n, full + r * S + a, n);
+                     return c.start_reduce_scatter_sum(pack, tmp, n);
+                   },
+                   [=](int i) {
+                     const size_t a = static_cast<size_t>(i) * slab, n = std::min(slab, S - a);
+                     be->axpy(n, inv_w, tmp, shard + a);
+                   }});
 }
 
 template <typename T> std::vector<T> Fsdp<T>::gather_param(const std::string& name) {
   for (size_t u = 0; u < plan_.units.size(); ++u)
     for (auto& slot : plan_.units[u].params)
       if (slot.spec.name == name) {
-        const T* full = gather(static_cast<int>(u));
+        if (!full_) throw std::logic_error("Fsdp::gather_param: constructed without full-unit buffers");
+        const T* full = this->gather(static_cast<int>(u));
         std::vector<T> out(static_cast<size_t>(slot.numel));
         be_.to_host(out.data(), full + slot.offset, out.size());
         return out;
@@ -227,7 +546,6 @@ template <typename T> void Fsdp<T>::set_param(const std::string& name, const std
         if (hi > lo)
           be_.from_host(params_[u].data() + (lo - rs.start), full.data() + (lo - slot.offset),
                         static_cast<size_t>(hi - lo));
-        gathered_ = -1;
         return;
       }
   throw std::out_of_range("no parameter named '" + name + "'");
@@ -242,52 +560,60 @@ template <typename T> double Fsdp<T>::local_grad_sumsq() {
 }
 
 MixedPrecisionUnits::MixedPrecisionUnits(Fsdp<float>& master, Backend<bf16>& be, bool reduce_bf16,
-                                         size_t widen_slab)
+                                         size_t widen_slab, const OverlapConfig& ov)
     : m_(master), be_(be), reduce_bf16_(reduce_bf16) {
-  const size_t max_padded = static_cast<size_t>(m_.plan().max_padded_numel());
   const size_t max_shard = static_cast<size_t>(m_.plan().max_shard_size());
-  shard_ = Buffer<bf16>(be_, max_shard);
-  gather_ = Buffer<bf16>(be_, max_padded);
-  grad_ = Buffer<bf16>(be_, max_padded);
   if (reduce_bf16_) {
     scatter_ = Buffer<bf16>(be_, max_shard);
   } else {
     slab_ = reduce_slab(m_.plan(), widen_slab);
-    grad32_ = Buffer<float>(m_.backend(), slab_ * static_cast<size_t>(m_.comm().world_size()));
+    grad32_ = Buffer<float>(m_.backend(), slab_ * static_cast<size_t>(m_.plan().world_size));
     scatter32_ = Buffer<float>(m_.backend(), slab_);
   }
+  init_pipeline(be_, m_.data_comm(), m_.comm(), m_.plan(), ov);
+  for (int i = 0; i < num_slots(); ++i) shard_.emplace_back(be_, max_shard);
 }
 
-const bf16* MixedPrecisionUnits::gather(int u) {
+MixedPrecisionUnits::~MixedPrecisionUnits() { stop_pipeline(); }
+
+// This rank's fp32 shard is rounded to bf16 (in the slot's own staging buffer, at once: the master
+// shard does not change within a pass), then the bf16 shards are all-gathered.
+CommQueue::Ticket MixedPrecisionUnits::issue_gather(CommQueue& q, int u, bf16* dst, int slot) {
   const size_t S = static_cast<size_t>(m_.plan().units[u].shard_size);
-  be_.from_f32(shard_.data(), m_.param_shard(u), S);
-  m_.data_comm().all_gather(shard_.data(), gather_.data(), S);
-  return gather_.data();
+  bf16* stage = shard_[static_cast<size_t>(slot)].data();
+  be_.from_f32(stage, m_.param_shard(u), S);
+  return q.submit({1, [=](Comm& c, int) { return c.start_all_gather(static_cast<const bf16*>(stage), dst, S); }, {}});
 }
 
-bf16* MixedPrecisionUnits::full_grad(int u) {
-  be_.zero(grad_.data(), static_cast<size_t>(m_.plan().units[u].padded_numel));
-  return grad_.data();
-}
-
-void MixedPrecisionUnits::reduce_scatter_grad(int u) {
-  const size_t S = static_cast<size_t>(m_.plan().units[u].shard_size), W = static_cast<size_t>(m_.comm().world_size());
+// bf16 reduce: the whole shard at once (scatter_ is shard-sized), the mean added into the fp32
+// gradient shard. fp32 reduce: widened to fp32 a slab at a time ([W, n] of at most slab_ * W floats),
+// so no fp32 copy of a whole unit exists.
+CommQueue::Ticket MixedPrecisionUnits::issue_reduce(CommQueue& q, int u, const bf16* full) {
+  const size_t S = static_cast<size_t>(m_.plan().units[u].shard_size), W = static_cast<size_t>(m_.plan().world_size);
   const float inv_w = 1.0f / static_cast<float>(W);
   float* shard = m_.grad_shard(u);
-  Backend<float>& b32 = m_.backend();
-  if (reduce_bf16_)  // in bf16, the whole shard at once (scatter_ is shard-sized)
-    reduce_scatter_slabs(
-        m_.data_comm(), grad_.data(), S, W, S, static_cast<bf16*>(nullptr), scatter_.data(),
-        [](bf16*, const bf16*, size_t) {},
-        [&](size_t a, size_t n, const bf16* sum) { be_.add_to_f32(shard + a, inv_w, sum, n); });
-  else  // widened to fp32 a slab at a time: [W, n] of at most slab_ * W floats
-    reduce_scatter_slabs(
-        m_.data_comm(), grad_.data(), S, W, slab_, grad32_.data(), scatter32_.data(),
-        [&](float* d, const bf16* src, size_t n) {
-          b32.zero(d, n);
-          be_.add_to_f32(d, 1.0f, src, n);
-        },
-        [&](size_t a, size_t n, const float* sum) { b32.axpy(n, inv_w, sum, shard + a); });
+  Backend<bf16>* be = &be_;
+  Backend<float>* b32 = &m_.backend();
+  if (reduce_bf16_) {
+    bf16* sc = scatter_.data();
+    return q.submit({1, [=](Comm& c, int) { return c.start_reduce_scatter_sum(full, sc, S); },
+                     [=](int) { be->add_to_f32(shard, inv_w, sc, S); }});
+  }
+  const size_t slab = slab_;
+  float* g32 = grad32_.data();
+  float* s32 = scatter32_.data();
+  const int parts = static_cast<int>((S + slab - 1) / slab);
+  return q.submit({parts,
+                   [=](Comm& c, int i) {
+                     const size_t a = static_cast<size_t>(i) * slab, n = std::min(slab, S - a);
+                     b32->zero(g32, n * W);
+                     for (size_t r = 0; r < W; ++r) be->add_to_f32(g32 + r * n, 1.0f, full + r * S + a, n);
+                     return c.start_reduce_scatter_sum(static_cast<const float*>(g32), s32, n);
+                   },
+                   [=](int i) {
+                     const size_t a = static_cast<size_t>(i) * slab, n = std::min(slab, S - a);
+                     b32->axpy(n, inv_w, s32, shard + a);
+                   }});
 }
 
 template class Fsdp<float>;

@@ -86,11 +86,13 @@ double evaluate(Comm& comm, LlamaModel<T>& model, UnitSource<T>& f, const TokenD
   const int mb = tc.micro_batch > 0 ? tc.micro_batch : per_rank;
   std::vector<int32_t> tok(static_cast<size_t>(mb) * tc.seq_len), tgt(tok.size());
   double sum = 0;
+  f.begin_pass("eval");  // the sharding layer prefetches along the order the last evaluation gathered in
   for (int e = 0; e < batches; ++e)
     for (int m = 0; m < per_rank / mb; ++m) {
       fill_batch(data, Split::Val, tc.seed, e, comm.rank() * per_rank + m * mb, mb, tc.seq_len, tok.data(), tgt.data());
       sum += model.forward(f, tok.data(), tgt.data(), mb, tc.seq_len, false);
     }
+  f.end_pass();
   comm.all_reduce(&sum, 1, ReduceOp::Sum);
   return sum / (static_cast<double>(batches) * tc.global_batch * tc.seq_len);
 }
@@ -342,9 +344,11 @@ static TrainResult train_in(Engine& eng, const ModelConfig& mc, const TrainConfi
   agree(comm, [&] {
     try {
       constexpr bool mixed = std::is_same_v<C, bf16>;
-      fp = std::make_unique<Fsdp<float>>(be, comm, ShardPlan::build(llama_units(mc), W), &eng.data_comm, !mixed);
+      fp = std::make_unique<Fsdp<float>>(be, comm, ShardPlan::build(llama_units(mc), W), &eng.data_comm, !mixed,
+                                         eng.overlap);
       if constexpr (mixed) {
-        cp.mixed = std::make_unique<MixedPrecisionUnits>(*fp, *eng.be16, eng.reduce_bf16);
+        cp.mixed = std::make_unique<MixedPrecisionUnits>(*fp, *eng.be16, eng.reduce_bf16,
+                                                         MixedPrecisionUnits::kWidenSlab, eng.overlap);
         cp.model = std::make_unique<LlamaModel<bf16>>(mc, *eng.be16, mopt);
         cp.units = cp.mixed.get();
       } else {
@@ -481,12 +485,25 @@ static TrainResult train_in(Engine& eng, const ModelConfig& mc, const TrainConfi
                      std::to_string(f.num_units()) + " units, world size " + std::to_string(W) + ", micro-batch " +
                      std::to_string(mb) + " x " + std::to_string(accum) + " accumulation steps, global batch " +
                      std::to_string(tc.global_batch) + " x " + std::to_string(tc.seq_len) + " tokens");
+  {
+    const OverlapConfig& ov = cp.mixed ? cp.mixed->overlap() : f.overlap();
+    log_info(comm, std::string("overlap: ") +
+                       (ov.on ? "on (prefetch " + std::to_string(ov.prefetch) + " unit(s), asynchronous reduce-scatter, " +
+                                    (eng.data_comm.asynchronous() ? std::string("progress: ") + comm_progress_name(ov.progress)
+                                                                  : std::string("collectives complete on return on this device")) +
+                                    ")"
+                              : std::string("off (every collective waited for when started)")) +
+                       (eng.overlap.on && ov.progress != eng.overlap.progress
+                            ? "; note: MPI granted no MPI_THREAD_MULTIPLE, so '--comm-progress thread' became poll"
+                            : std::string()));
+  }
 
   const float grad_scale = 1.0f / static_cast<float>(per_rank * tc.seq_len);  // d(mean loss on this rank)
   const double tokens_per_step = static_cast<double>(tc.global_batch) * tc.seq_len;
   TrainResult res;
   double train_s = 0, interval_s = 0;
   int64_t interval_steps = 0;
+  double interval_issued_s = 0, interval_exposed_s = 0;  // FSDP collectives of the steps in the interval
   auto t_start = clock::now();
 
   auto save = [&](int64_t step) {
@@ -504,13 +521,16 @@ static TrainResult train_in(Engine& eng, const ModelConfig& mc, const TrainConfi
 
   for (int64_t s = state.step; s < last_step; ++s) {
     auto t0 = clock::now();
+    const CommTimes comm0 = units.comm_times();
     f.zero_grads();
     double loss_sum = 0;
+    units.begin_pass("train");  // the sharding layer prefetches along the order the last step gathered in
     for (int m = 0; m < accum; ++m) {
       fill_batch(data, Split::Train, seed, s, rank * per_rank + m * mb, mb, tc.seq_len, tok.data(), tgt.data());
       loss_sum += model.forward(units, tok.data(), tgt.data(), mb, tc.seq_len, true, grad_scale);
       model.backward(units);  // reduce-scatters each unit's gradient (mean over ranks) into its shard
     }
+    units.end_pass();  // every reduce-scatter has landed in the gradient shards
     // One all-reduce: loss, squared gradient norm, and "some rank was asked to stop" (a signal),
     // so every rank sees the same values and takes the same decisions below.
     double red[3] = {loss_sum, f.local_grad_sumsq(), stop_signal() != 0 ? 1.0 : 0.0};
@@ -532,21 +552,36 @@ static TrainResult train_in(Engine& eng, const ModelConfig& mc, const TrainConfi
     double dt = std::chrono::duration<double>(clock::now() - t0).count();
     train_s += dt;
     interval_s += dt;
+    {
+      const CommTimes comm1 = units.comm_times();
+      interval_issued_s += comm1.issued_s - comm0.issued_s;
+      interval_exposed_s += comm1.exposed_s - comm0.exposed_s;
+    }
     ++interval_steps;
 
     StepLog sl{s + 1, loss, lr, gnorm, 0, std::chrono::duration<double>(clock::now() - t_start).count()};
     if ((s + 1) % tc.log_every == 0 || s + 1 == last_step || s == state.step) {
       sl.tokens_per_s = tokens_per_step * static_cast<double>(interval_steps) / interval_s;
+      {  // per-step means over the interval
+        const double n = static_cast<double>(interval_steps);
+        sl.comm_ms = 1e3 * interval_issued_s / n;
+        sl.exposed_comm_ms = 1e3 * interval_exposed_s / n;
+        sl.compute_ms = 1e3 * interval_s / n - sl.exposed_comm_ms;
+        interval_issued_s = interval_exposed_s = 0;
+      }
       interval_s = 0;
       interval_steps = 0;
       log_info(comm, "step " + std::to_string(s + 1) + "/" + std::to_string(tc.steps) + " | loss " + fmt("%.4f", loss) +
                          " | lr " + fmt("%.3e", lr) + " | grad_norm " + fmt("%.4f", gnorm) + " | " +
-                         fmt("%.0f", sl.tokens_per_s) + " tok/s | " +
+                         fmt("%.0f", sl.tokens_per_s) + " tok/s | exposed comm " + fmt("%.1f", sl.exposed_comm_ms) +
+                         " ms/step | " +
                          (eng.peak_flops > 0 ? "MFU " + fmt("%.1f", 100.0 * sl.tokens_per_s * flops_per_token(mc, tc.seq_len) / eng.peak_flops) + "% | " : std::string()) +
                          fmt("%.1f", sl.elapsed_s) + " s");
       if (metrics.is_open()) {
         nlohmann::json j = {{"step", sl.step}, {"loss", loss}, {"lr", lr}, {"grad_norm", gnorm},
-                            {"tokens_per_s", sl.tokens_per_s}, {"elapsed_s", sl.elapsed_s}};
+                            {"tokens_per_s", sl.tokens_per_s}, {"elapsed_s", sl.elapsed_s},
+                            {"compute_ms", sl.compute_ms}, {"comm_ms", sl.comm_ms},
+                            {"exposed_comm_ms", sl.exposed_comm_ms}};
         metrics << j.dump() << "\n" << std::flush;
       }
       if (!tc.metrics_path.empty())  // rank 0 writes; everybody learns whether it could

@@ -21,6 +21,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -49,6 +50,13 @@ constexpr size_t kSumChunk = 4096;  // sum_squares partials: fixed length, summe
 // Also sets OpenBLAS to one thread: the backend calls it from its own threads, one call per tile
 // (a threaded OpenBLAS inside them would oversubscribe the cores). Run by every backend's
 // constructor and by set_cpu_threads, so every mode (train, export, generate, tests) gets both.
+// set_cpu_gemm_hook's function, run after GEMM tiles on the calling thread.
+std::atomic<void (*)(void*)> g_gemm_hook{nullptr};
+std::atomic<void*> g_gemm_hook_arg{nullptr};
+inline void gemm_hook() {
+  if (auto fn = g_gemm_hook.load(std::memory_order_relaxed)) fn(g_gemm_hook_arg.load(std::memory_order_relaxed));
+}
+
 void prepare_threads() {
   openblas_set_num_threads(1);
 #if defined(__SSE__)
@@ -178,10 +186,14 @@ template <typename T> class CpuBackend final : public Backend<T> {
         gemm1(ta, tb, m, n, K, alpha, a, lda, b, ldb, beta, C + static_cast<size_t>(i0) * ldc + j0, ldc);
       };
       if (tiles == 1 || omp_get_max_threads() == 1 || omp_in_parallel()) {
-        for (int t = 0; t < tiles; ++t) tile(t);
+        for (int t = 0; t < tiles; ++t) {
+          tile(t);
+          if (!omp_in_parallel()) gemm_hook();
+        }
       } else {
 #pragma omp parallel for schedule(dynamic, 1)
         for (int t = 0; t < tiles; ++t) tile(t);
+        gemm_hook();
       }
     }
   }
@@ -697,6 +709,18 @@ template std::unique_ptr<Backend<bf16>> make_cpu_backend<bf16>();
 std::pair<int, int> cpu_gemm_tiles(int M, int N, int K) {
   const GemmTiles g = gemm_tiles(M, N, K);
   return {g.mt, g.nt};
+}
+
+void set_cpu_gemm_hook(void (*fn)(void*), void* arg) {
+  g_gemm_hook_arg.store(arg);
+  g_gemm_hook.store(fn);
+}
+
+void prepare_cpu_helper_thread() {
+  omp_set_num_threads(1);
+#if defined(__SSE__)
+  _mm_setcsr(_mm_getcsr() | 0x8040);  // FTZ | DAZ, as prepare_threads()
+#endif
 }
 
 void set_cpu_threads(int n) {
