@@ -455,8 +455,9 @@ def cmd_tables(a):
 
 # ---- check --------------------------------------------------------------------------------
 
-def load_bench(path):
-    """comm_bandwidth's JSON lines -> {world: {(op, dtype): [(bytes, median_s), ...] sorted}}."""
+def load_bench(path, stat="median"):
+    """comm_bandwidth's JSON lines -> {world: {(op, dtype): [(bytes, seconds), ...] sorted}},
+    seconds = the median (default) or the minimum over the repetitions."""
     runs = {}
     with open(path) as f:
         for line in f:
@@ -466,7 +467,7 @@ def load_bench(path):
             j = json.loads(line)
             d = runs.setdefault(int(j["world"]), {})
             for r in j["results"]:
-                d.setdefault((r["op"], r["dtype"]), []).append((int(r["bytes"]), float(r["median_s"])))
+                d.setdefault((r["op"], r["dtype"]), []).append((int(r["bytes"]), float(r[stat + "_s"])))
     for d in runs.values():
         for k in d:
             d[k].sort()
@@ -573,7 +574,7 @@ def check(a, out=sys.stdout):
         raise SystemExit("check: give --metrics and --world in pairs")
     cfg = load_config(a.model)
     prec = Precision(a.precision)
-    bench = load_bench(a.bandwidth_json)
+    bench = load_bench(a.bandwidth_json, getattr(a, "bench_stat", "median"))
     p = lambda s="": print(s, file=out)
     p("model %s (%d parameters), precision %s, seq %d, micro-batch %d, %d micro-batch(es) per step, "
       "prefetch %d for the exposed prediction" %
@@ -697,6 +698,8 @@ def main(argv=None):
     sc.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "bf16-rbf16", "bf16-noslab"])
     sc.add_argument("--prefetch", type=int, default=1, help="prefetch depth of the run's --overlap on (0 = off)")
     sc.add_argument("--skip", type=int, default=2, help="step rows dropped at the start")
+    sc.add_argument("--bench-stat", default="median", choices=["median", "min"],
+                    help="which time of the bandwidth file: median (default) or minimum over repetitions")
     sc.set_defaults(fn=check)
     ss = sub.add_parser("selftest")
     ss.set_defaults(fn=lambda a: selftest())
