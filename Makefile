@@ -5,6 +5,8 @@
 #   make demo    2-rank training run on the bundled default corpus (Debian's fortunes); loss curves in build/demo-loss.png
 #   make jobs-test  installation checks of the Slurm job files on one node (tests/jobs/run.sh, < 3 min)
 #   make bench   benchmarks (tinyshakespeare if ../shared/data has it) and the PyTorch peer; results for docs/benchmarks.md
+#   make comm-bench  MPI all-gather / reduce-scatter bandwidth at W = 2 and 4 ($(BUILD)/comm.jsonl; docs/scaling.md)
+#   make scaling-check  docs/scaling.md's model against shardtrain's measured comm_ms at W = 2 and 4
 #   make clean
 SHELL := /bin/bash
 CXX := mpicxx
@@ -67,7 +69,7 @@ MPI_OBJS := $(MPI_SRCS:%.cpp=$(BUILD)/%.o)
 GPU_SRCS := $(wildcard tests/gpu/*.cpp) tests/test_main.cpp
 GPU_OBJS := $(GPU_SRCS:%.cpp=$(BUILD)/%.o)
 
-.PHONY: all deps build binaries test jobs-test demo bench clean data venv
+.PHONY: all deps build binaries test jobs-test demo bench clean data venv comm-bench
 all: build
 
 deps:
@@ -153,6 +155,38 @@ demo: deps build data
 
 bench: deps build venv
 	bash tests/bench/run.sh
+
+# Communication micro-benchmark (tests/bench/comm_bandwidth.cpp): median times, algorithm and bus
+# bandwidth (nccl-tests' definitions) of MPI all-gather (fp32, bf16-sized) and reduce-scatter (fp32)
+# from 4 KiB to 64 MiB, at W = 2 and 4; one JSON line per world size in $(BUILD)/comm.jsonl, which
+# scripts/scaling_model.py reads (docs/scaling.md, "Checked against this machine").
+COMM_WORLDS ?= 2 4
+$(BUILD)/comm_bandwidth: tests/bench/comm_bandwidth.cpp
+	@mkdir -p $(dir $@)
+	$(CXX) $(CPPFLAGS) $(ALL_CXXFLAGS) $< -o $@
+comm-bench: $(BUILD)/comm_bandwidth
+	rm -f $(BUILD)/comm.jsonl
+	for w in $(COMM_WORLDS); do $(MPIRUN) -np $$w $(BUILD)/comm_bandwidth --json $(BUILD)/comm.jsonl || exit 1; done
+	@echo "comm-bench: $(BUILD)/comm.jsonl"
+
+# The scaling model's communication part against shardtrain's own per-step comm_ms / exposed_comm_ms
+# (--metrics) at W = 2 and 4 on tests/bench/scaling-config.json (hidden 1024, 4 layers, fp32, seq
+# 256, micro-batch 1): fills docs/scaling.md's "Checked against this machine". Runs comm-bench
+# first; needs a shardtrain with --overlap and those metrics fields.
+SCALING_OVERLAP ?= off
+SCALING_PREFETCH ?= $(if $(filter on,$(SCALING_OVERLAP)),1,0)
+SCALING_STEPS ?= 12
+.PHONY: scaling-check
+scaling-check: $(BUILD)/shardtrain $(BUILD)/data/fortunes.tok
+	$(MAKE) --no-print-directory comm-bench  # afresh: this machine's bandwidth varies with its load
+	for w in $(COMM_WORLDS); do $(MPIRUN) -np $$w $(BUILD)/shardtrain --model tests/bench/scaling-config.json \
+	  --data $(BUILD)/data/fortunes.tok --seq-len 256 --micro-batch 1 --global-batch $$w --steps $(SCALING_STEPS) \
+	  --precision fp32 --threads 1 --log-every 1 --eval-every 0 --eval-batches 1 --overlap $(SCALING_OVERLAP) \
+	  --metrics $(BUILD)/scaling-m$$w.jsonl || exit 1; done
+	python3 scripts/scaling_model.py check --model tests/bench/scaling-config.json --seq-len 256 --micro-batch 1 \
+	  --precision fp32 --prefetch $(SCALING_PREFETCH) --bandwidth-json $(BUILD)/comm.jsonl \
+	  $(foreach w,$(COMM_WORLDS),--metrics $(BUILD)/scaling-m$(w).jsonl --world $(w))
+	python3 tests/bench/test_scaling_model.py
 
 clean:
 	rm -rf $(BUILD) $(VENV)

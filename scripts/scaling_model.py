@@ -1,0 +1,711 @@
+#!/usr/bin/env python3
+"""Model of shardtrain's FSDP (ZeRO-3) step time: compute from an MFU, communication from the shard
+plan, a ring cost model (alpha-beta) and an overlap schedule with prefetch. Stdlib only,
+deterministic (no clocks, no randomness). docs/scaling.md explains the model and holds its tables.
+
+Subcommands
+  plan     per-unit element counts of the shard plan (as src/model/llama.cpp's llama_units and
+           src/shard/shard.cpp's ShardPlan::build make them) and bytes per step per rank
+  tables   the scaling tables of docs/scaling.md (llama-1b, llama-8b; FSDP / HSDP; prefetch 1 / 2;
+           W = 8 .. 1024; NVLink, InfiniBand NDR, 100 GbE); --markdown for the document
+  check    the communication part applied to a CPU run: predicted comm_ms (and exposed_comm_ms)
+           per step from comm_bandwidth's measured times, against shardtrain's --metrics files
+  selftest the arithmetic checks (also run by tests/bench/test_scaling_model.py)
+
+Examples
+  scripts/scaling_model.py plan --model llama-1b --world 8
+  scripts/scaling_model.py tables --markdown
+  scripts/scaling_model.py check --model tests/bench/scaling-config.json --seq-len 256 --micro-batch 1 \\
+      --precision fp32 --bandwidth-json build-cpu/comm.jsonl \\
+      --metrics m2.jsonl --world 2 --metrics m4.jsonl --world 4
+
+Units: bytes, seconds (ms in printed tables), GB = 1e9 bytes, FLOP/s.
+"""
+
+import argparse
+import bisect
+import json
+import os
+import sys
+
+# --------------------------------------------------------------------------------------------
+# Model shapes: shardtrain's presets (src/model/config.cpp), or a Hugging Face config.json.
+
+PRESETS = {
+    # name: (V, C, I, L, NH, NKV, tied)
+    "tiny": (258, 32, 64, 2, 4, 2, True),
+    "demo": (258, 128, 384, 4, 4, 4, True),
+    "llama-125m": (32000, 768, 2048, 12, 12, 12, True),
+    "llama-350m": (32000, 1024, 2816, 24, 16, 16, True),
+    "llama-1b": (128256, 2048, 8192, 16, 32, 8, True),  # meta-llama/Llama-3.2-1B
+    "tinyllama-1.1b": (32000, 2048, 5632, 22, 32, 4, False),
+    "llama-8b": (128256, 4096, 14336, 32, 32, 8, False),  # meta-llama/Llama-3.1-8B
+}
+
+
+class Config:
+    def __init__(self, name, V, C, I, L, NH, NKV, tied, head_dim=None):
+        self.name, self.V, self.C, self.I, self.L = name, V, C, I, L
+        self.NH, self.NKV, self.tied = NH, NKV, tied
+        self.HD = head_dim if head_dim else C // NH
+
+    @property
+    def Q(self):  # query width NH * head_dim
+        return self.NH * self.HD
+
+    @property
+    def KV(self):
+        return self.NKV * self.HD
+
+    def block_numel(self):
+        # ModelConfig::num_params' block: 2 norms + q, k, v, o + gate, up, down
+        C, Q, KV, I = self.C, self.Q, self.KV, self.I
+        return 2 * C + C * Q + 2 * C * KV + Q * C + 3 * C * I
+
+    def num_params(self):
+        return self.V * self.C + self.L * self.block_numel() + self.C + (0 if self.tied else self.V * self.C)
+
+
+def load_config(spec):
+    """A preset name or a path to a Hugging Face config.json (the fields shardtrain reads)."""
+    if spec in PRESETS:
+        V, C, I, L, NH, NKV, tied = PRESETS[spec]
+        return Config(spec, V, C, I, L, NH, NKV, tied)
+    with open(spec) as f:
+        j = json.load(f)
+    return Config(os.path.basename(spec), j["vocab_size"], j["hidden_size"], j["intermediate_size"],
+                  j["num_hidden_layers"], j["num_attention_heads"],
+                  j.get("num_key_value_heads", j["num_attention_heads"]),
+                  bool(j.get("tie_word_embeddings", False)), j.get("head_dim"))
+
+
+def units(cfg):
+    """[(name, numel)] in shardtrain's unit order: embedding, blocks, final norm (+ untied head)."""
+    u = [("model.embed_tokens", cfg.V * cfg.C)]
+    u += [("model.layers.%d" % l, cfg.block_numel()) for l in range(cfg.L)]
+    u.append(("model.norm", cfg.C + (0 if cfg.tied else cfg.V * cfg.C)))
+    return u
+
+
+def shard_size(numel, world):
+    """S = max(1, ceil(numel / W)) (ShardPlan::build)."""
+    return max(1, -(-numel // world))
+
+
+def flops_per_token(cfg, T):
+    """train.h flops_per_token: 6 N + 12 L Q T (PaLM, Chowdhery et al. 2022, appendix B)."""
+    return 6.0 * cfg.num_params() + 12.0 * cfg.L * cfg.Q * T
+
+
+# --------------------------------------------------------------------------------------------
+# What one micro-batch's forward + backward does, in program order (src/model/llama.cpp):
+# each item = (label, unit gathered before its compute or None, real FLOPs per token of its
+# compute, [units reduce-scattered after its compute]).
+
+def step_items(cfg, T):
+    C, V, L = cfg.C, cfg.V, cfg.L
+    blk_w = cfg.block_numel()
+    attn = 12.0 * cfg.Q * T  # per layer, forward + backward
+    E, H = 0, L + 1
+    items = [("embed fwd", E, 0.0, [])]
+    for l in range(L):
+        items.append(("block %d fwd" % l, 1 + l, 2.0 * blk_w + attn / 3, []))
+    if cfg.tied:
+        # gather(L+1) for the final norm; gather(0) again for the tied head; the head's forward and
+        # backward; reduce-scatter 0; gather(L+1) again for the norm's backward; reduce-scatter L+1.
+        items.append(("final norm fwd", H, 0.0, []))
+        items.append(("tied head fwd+bwd", E, 6.0 * V * C, [E]))
+        items.append(("final norm bwd", H, 0.0, [H]))
+    else:
+        items.append(("head fwd+bwd", H, 6.0 * V * C, [H]))
+    for l in reversed(range(L)):
+        items.append(("block %d bwd" % l, 1 + l, 4.0 * blk_w + 2 * attn / 3, [1 + l]))
+    items.append(("embed bwd", None, 0.0, [E]))  # no gather: the lookup gradient needs no weights
+    return items
+
+
+def collective_counts(cfg):
+    """Gathers and reduce-scatters per micro-batch, per unit index."""
+    n = cfg.L + 2
+    ag, rs = [0] * n, [0] * n
+    for _, g, _, r in step_items(cfg, 1):
+        if g is not None:
+            ag[g] += 1
+        for u in r:
+            rs[u] += 1
+    return ag, rs
+
+
+# --------------------------------------------------------------------------------------------
+# Precision and shardtrain's slabbing of reduce-scatters (shard.h / runtime.h).
+
+K_REDUCE_SLAB = 1 << 22      # Fsdp::kReduceSlab and MixedPrecisionUnits::kWidenSlab (elements, all ranks)
+K_COLLECTIVE_SLAB = 16 << 20  # Comm::kCollectiveSlab (bytes, all ranks): MPI Comm only
+
+
+class Precision:
+    """gather element bytes, reduce element bytes, and whether reduces are slabbed."""
+
+    def __init__(self, name):
+        self.name = name
+        if name == "fp32":
+            self.ag, self.rs, self.rs_slabbed = 4, 4, True
+        elif name == "bf16":  # --precision bf16 (reduce in fp32, the default)
+            self.ag, self.rs, self.rs_slabbed = 2, 4, True
+        elif name == "bf16-rbf16":  # --precision bf16 --reduce-dtype bf16: one call, whole shard
+            self.ag, self.rs, self.rs_slabbed = 2, 2, False
+        elif name == "bf16-noslab":  # hypothetical: fp32 reduce in one call per unit (no 2^22 slabs)
+            self.ag, self.rs, self.rs_slabbed = 2, 4, False
+        else:
+            raise ValueError("precision must be fp32, bf16, bf16-rbf16 or bf16-noslab, got %r" % name)
+
+
+def rs_calls(S, max_S, world, prec):
+    """Per-rank element counts of the reduce-scatter calls of one unit with shard size S."""
+    if not prec.rs_slabbed:
+        return [S]
+    slab = min(max_S, max(1, K_REDUCE_SLAB // world))
+    return [min(slab, S - a) for a in range(0, S, slab)]
+
+
+def mpi_split(count, world, elem_bytes):
+    """MpiComm's own slabs (CPU runs): at most kCollectiveSlab bytes over all ranks per call."""
+    slab = max(1, K_COLLECTIVE_SLAB // elem_bytes // world)
+    return [min(slab, count - a) for a in range(0, count, slab)] if count > slab else [count]
+
+
+def bytes_per_step(cfg, world, prec, micro_batches=1):
+    """Bytes each rank sends per optimizer step, ring algorithms: all-gather (W-1)/W x S x W x e,
+    reduce-scatter the same (nccl-tests PERFORMANCE.md). Returns (ag_bytes, rs_bytes)."""
+    ag, rs = collective_counts(cfg)
+    f = (world - 1) / world
+    agb = rsb = 0.0
+    for u, (_, numel) in enumerate(units(cfg)):
+        S = shard_size(numel, world)
+        agb += ag[u] * f * S * world * prec.ag
+        rsb += rs[u] * f * S * world * prec.rs
+    return agb * micro_batches, rsb * micro_batches
+
+
+# --------------------------------------------------------------------------------------------
+# Fabrics and the cost of one collective.
+#
+# Ring all-gather / reduce-scatter over n ranks of S total bytes: (n-1) steps, each rank sends
+# (n-1)/n S: t = (n-1) alpha + (n-1)/n S / B, B the bus bandwidth (nccl-tests' busbw).
+# Ring all-reduce: t = 2 (n-1) alpha + 2 (n-1)/n S / B.
+
+class Fabric:
+    def __init__(self, name, nvlink_GBps, nic_Gbps, nics_per_node, alpha_intra_us, alpha_inter_us,
+                 gpus_per_node=8, multi_ring=True):
+        self.name = name
+        self.B_intra = nvlink_GBps * 1e9
+        self.B_nic = nic_Gbps / 8 * 1e9          # one NIC, one direction, bytes/s
+        self.nics = nics_per_node
+        self.a_intra = alpha_intra_us * 1e-6
+        self.a_inter = alpha_inter_us * 1e-6
+        self.g = gpus_per_node
+        self.multi_ring = multi_ring
+
+    def B_flat(self):
+        """Bus bandwidth of a ring over several nodes. NCCL runs one ring per NIC, each leaving a
+        node once through its own NIC and crossing NVLink inside it: busbw = min(NVLink, NICs per
+        node x NIC). multi_ring=False: one ring, bound by one NIC (the pessimistic reading)."""
+        if self.multi_ring:
+            return min(self.B_intra, self.nics * self.B_nic)
+        return self.B_nic
+
+    def B_rail(self):
+        """Bandwidth per GPU when all g GPUs of a node talk across nodes at once (HSDP's
+        all-reduce: one per local rank, each on its rail): NICs per node x NIC / g."""
+        return self.nics * self.B_nic / self.g
+
+
+def t_ring(n, total_bytes, B, alpha, calls=1, allreduce=False):
+    if n <= 1:
+        return 0.0
+    k = 2 if allreduce else 1
+    return calls * k * (n - 1) * alpha + k * (n - 1) / n * total_bytes / B
+
+
+class Topology:
+    """FSDP: shard over all W. HSDP: shard over the g GPUs of a node; gradient shards all-reduced
+    across the R = W/g nodes."""
+
+    def __init__(self, fabric, world, mode):
+        self.f, self.W, self.mode = fabric, world, mode
+        if mode == "hsdp" and world > fabric.g and world % fabric.g:
+            raise ValueError("HSDP needs W a multiple of %d" % fabric.g)
+
+    def shard_world(self):
+        return min(self.W, self.f.g) if self.mode == "hsdp" else self.W
+
+    def _link(self, n):
+        f = self.f
+        return (f.B_intra, f.a_intra) if n <= f.g else (f.B_flat(), f.a_inter)
+
+    def gather_time(self, numel, prec):
+        n = self.shard_world()
+        S = shard_size(numel, n)
+        B, a = self._link(n)
+        return t_ring(n, S * n * prec.ag, B, a)
+
+    def reduce_time(self, numel, max_S, prec):
+        n = self.shard_world()
+        S = shard_size(numel, n)
+        B, a = self._link(n)
+        calls = rs_calls(S, max_S, n, prec)
+        t = sum(t_ring(n, c * n * prec.rs, B, a) for c in calls)
+        if self.mode == "hsdp" and self.W > n:
+            R = self.W // n
+            # fp32 (or bf16) all-reduce of this rank's gradient shard with its peers of the other
+            # nodes, on its rail, once per slab: 2(R-1) alpha + 2(R-1)/R S e / B_rail.
+            t += sum(t_ring(R, c * prec.rs, self.f.B_rail(), self.f.a_inter, allreduce=True) for c in calls)
+        return t
+
+
+# --------------------------------------------------------------------------------------------
+# The overlap schedule.
+
+def simulate(items, prefetch):
+    """items: [(label, gather_seconds, compute_seconds, [reduce_seconds, ...])] in program order.
+    Assumptions (docs/scaling.md): one communication stream, its collectives run one at a time in
+    the order they are issued; the program issues gather k+d when compute k starts (prefetch d),
+    gathers 0..d-1 at time 0, and each reduce-scatter right after its compute; compute k starts
+    when compute k-1 has ended and gather k is complete. prefetch 0: no overlap (every collective
+    blocks, compute and communication strictly alternate). The step ends when the last compute
+    and the last reduce-scatter are done (the optimizer needs every gradient shard).
+    Returns (step, compute, comm busy, exposed)."""
+    compute = sum(c for _, _, c, _ in items)
+    comm = sum(g + sum(r) for _, g, _, r in items)
+    if prefetch <= 0:
+        return compute + comm, compute, comm, comm
+    n = len(items)
+    free = 0.0            # when the communication stream is next idle
+    done = [None] * n     # gather k complete
+
+    def issue_gather(k, t):
+        nonlocal free
+        g = items[k][1]
+        if g <= 0:
+            done[k] = t
+            return
+        start = max(t, free)
+        free = start + g
+        done[k] = free
+
+    for k in range(min(prefetch, n)):
+        issue_gather(k, 0.0)
+    end = 0.0
+    for k in range(n):
+        s = max(end, done[k])
+        if k + prefetch < n:
+            issue_gather(k + prefetch, s)
+        end = s + items[k][2]
+        for r in items[k][3]:
+            start = max(end, free)
+            free = start + r
+    step = max(end, free)
+    return step, compute, comm, step - compute
+
+
+def model_items(cfg, T, tokens, topo, prec, t_compute):
+    """Items with seconds: compute t_compute split over items in proportion to their real FLOPs."""
+    raw = step_items(cfg, T)
+    real = sum(fl for _, _, fl, _ in raw)
+    us = units(cfg)
+    n = topo.shard_world()
+    max_S = max(shard_size(numel, n) for _, numel in us)
+    out = []
+    for label, g, fl, rs in raw:
+        tg = topo.gather_time(us[g][1], prec) if g is not None else 0.0
+        tr = [topo.reduce_time(us[u][1], max_S, prec) for u in rs]
+        out.append((label, tg, t_compute * fl / real, tr))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Defaults and sources (docs/scaling.md lists the URLs).
+
+PEAK_BF16 = 989e12       # H100/H200 SXM dense bf16 (the datasheets' 1,979 TFLOPS is with sparsity)
+MFU_MEASURED = 0.253     # docs/benchmarks.md, GPU 2026-11-29: llama-350m bf16 on one H200, 720932f
+MFU_TARGET = 0.45        # the issue's target
+SEQ = 2048
+TOKENS_PER_GPU = 8 * 2048  # one micro-batch of 8 x 2048 per GPU per optimizer step
+
+FABRICS = {
+    # NVLink 4: 900 GB/s per GPU total = 450 GB/s per direction; alpha per ring step assumed.
+    "nvlink+ndr": Fabric("NVLink 4 + IB NDR 8x400 Gb/s", 450, 400, 8, 2.0, 5.0),
+    "nvlink+100gbe": Fabric("NVLink 4 + 100 GbE 8x100 Gb/s", 450, 100, 8, 2.0, 10.0),
+}
+WORLDS = [8, 64, 256, 1024]
+
+
+def run_point(cfg, fabric, world, mode, prefetch, prec, mfu, tokens=TOKENS_PER_GPU, T=SEQ, peak=PEAK_BF16):
+    t_compute = flops_per_token(cfg, T) * tokens / (mfu * peak)
+    items = model_items(cfg, T, tokens, Topology(fabric, world, mode), prec, t_compute)
+    step, comp, comm, exposed = simulate(items, prefetch)
+    return {"step": step, "compute": comp, "comm": comm, "exposed": exposed, "tok_s": tokens / step}
+
+
+STARTS_THRESHOLD = 0.05
+
+
+def exposed_starts(cfg, fabric, mode, prefetch, prec, mfu, threshold=STARTS_THRESHOLD):
+    """Smallest W (powers of two, 8 .. 4096) whose exposed communication exceeds threshold x compute."""
+    W = 8
+    while W <= 4096:
+        r = run_point(cfg, fabric, W, mode, prefetch, prec, mfu)
+        if r["exposed"] > threshold * r["compute"]:
+            return W
+        W *= 2
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Subcommands.
+
+def cmd_plan(a):
+    cfg = load_config(a.model)
+    prec = Precision(a.precision)
+    print("%s: %d parameters (%s head), flops/token at T=%d: %.4g" %
+          (cfg.name, cfg.num_params(), "tied" if cfg.tied else "untied", a.seq_len, flops_per_token(cfg, a.seq_len)))
+    ag, rs = collective_counts(cfg)
+    print("%-20s %14s %14s %14s %8s %8s" % ("unit", "numel", "shard S", "padded S*W", "gathers", "reduces"))
+    for u, (name, numel) in enumerate(units(cfg)):
+        S = shard_size(numel, a.world)
+        print("%-20s %14d %14d %14d %8d %8d" % (name, numel, S, S * a.world, ag[u], rs[u]))
+    agb, rsb = bytes_per_step(cfg, a.world, prec)
+    print("per micro-batch per rank (ring, (W-1)/W): all-gather %.4g GB (%d-byte elements), "
+          "reduce-scatter %.4g GB (%d-byte)" % (agb / 1e9, prec.ag, rsb / 1e9, prec.rs))
+
+
+def fmt_ms(x):
+    return "%.1f" % (x * 1e3)
+
+
+def tables(markdown, mfus=(MFU_MEASURED, MFU_TARGET), out=sys.stdout):
+    p = lambda s="": print(s, file=out)
+    for mname in ("llama-1b", "llama-8b"):
+        cfg = load_config(mname)
+        fl = flops_per_token(cfg, SEQ)
+        p("### %s (%s parameters, %s head)" % (mname, format(cfg.num_params(), ","), "tied" if cfg.tied else "untied"))
+        p()
+        for mfu in mfus:
+            tc = fl * TOKENS_PER_GPU / (mfu * PEAK_BF16)
+            p("MFU %.1f%%: compute %.0f ms per step, %.0f tokens/s per GPU without communication." %
+              (100 * mfu, tc * 1e3, TOKENS_PER_GPU / tc))
+        p()
+        for pname in ("bf16", "bf16-rbf16"):
+            prec = Precision(pname)
+            for fkey, fab in FABRICS.items():
+                p("**%s, %s** (%s). Cells: exposed communication ms per step / tokens/s per GPU; "
+                  "first at MFU %.1f%%, then %.0f%%." %
+                  (mname, {"bf16": "bf16 gather, fp32 reduce", "bf16-rbf16": "bf16 gather, bf16 reduce"}[pname],
+                   fab.name, 100 * mfus[0], 100 * mfus[1]))
+                p()
+                p("| W | comm busy ms (FSDP / HSDP) | FSDP prefetch 1 | FSDP prefetch 2 | HSDP prefetch 1 | HSDP prefetch 2 |")
+                p("|---|---|---|---|---|---|")
+                for W in WORLDS:
+                    cells = []
+                    busy = []
+                    for mode in ("fsdp", "hsdp"):
+                        busy.append(fmt_ms(run_point(cfg, fab, W, mode, 1, prec, mfus[0])["comm"]))
+                        for d in (1, 2):
+                            rs = [run_point(cfg, fab, W, mode, d, prec, m) for m in mfus]
+                            cells.append(" ; ".join("%s / %s" % (fmt_ms(r["exposed"]), format(round(r["tok_s"]), ","))
+                                                    for r in rs))
+                    p("| %d | %s | %s |" % (W, " / ".join(busy), " | ".join(cells)))
+                p()
+                starts = []
+                for mode in ("fsdp", "hsdp"):
+                    for d in (1, 2):
+                        for m in mfus:
+                            w = exposed_starts(cfg, fab, mode, d, prec, m)
+                            starts.append("%s p%d MFU %.0f%%: %s" % (mode.upper(), d, 100 * m,
+                                                                   "W = %d" % w if w else "> 4096"))
+                p("Exposed communication above %d%% of compute from: " % (100 * STARTS_THRESHOLD) + "; ".join(starts) + ".")
+                p()
+        p("**%s, slabs vs none** (FSDP, prefetch 1, %s, MFU %.1f%%): exposed ms / tokens/s per GPU." %
+          (mname, FABRICS["nvlink+ndr"].name, 100 * mfus[0]))
+        p()
+        p("| W | fp32 reduce, 2^22-element slabs (today) | fp32 reduce, one call per unit | bf16 reduce (one call) |")
+        p("|---|---|---|---|")
+        for W in WORLDS:
+            cells = []
+            for pname in ("bf16", "bf16-noslab", "bf16-rbf16"):
+                r = run_point(cfg, FABRICS["nvlink+ndr"], W, "fsdp", 1, Precision(pname), mfus[0])
+                cells.append("%s / %s" % (fmt_ms(r["exposed"]), format(round(r["tok_s"]), ",")))
+            p("| %d | %s |" % (W, " | ".join(cells)))
+        p()
+        one = Fabric("single ring", 450, 400, 8, 2.0, 5.0, multi_ring=False)
+        p("**%s, one ring per collective** (FSDP bus bandwidth = one 400 Gb/s NIC, 50 GB/s, instead of "
+          "8 NICs; bf16 reduce; MFU %.1f%%): exposed ms / tokens/s per GPU, prefetch 1 and 2." % (mname, 100 * mfus[0]))
+        p()
+        p("| W | prefetch 1 | prefetch 2 |")
+        p("|---|---|---|")
+        for W in WORLDS:
+            rs = [run_point(cfg, one, W, "fsdp", d, Precision("bf16-rbf16"), mfus[0]) for d in (1, 2)]
+            p("| %d | %s |" % (W, " | ".join("%s / %s" % (fmt_ms(r["exposed"]), format(round(r["tok_s"]), ",")) for r in rs)))
+        p()
+
+
+def cmd_tables(a):
+    tables(a.markdown)
+
+
+# ---- check --------------------------------------------------------------------------------
+
+def load_bench(path, stat="median"):
+    """comm_bandwidth's JSON lines -> {world: {(op, dtype): [(bytes, seconds), ...] sorted}},
+    seconds = the median (default) or the minimum over the repetitions."""
+    runs = {}
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            j = json.loads(line)
+            d = runs.setdefault(int(j["world"]), {})
+            for r in j["results"]:
+                d.setdefault((r["op"], r["dtype"]), []).append((int(r["bytes"]), float(r[stat + "_s"])))
+    for d in runs.values():
+        for k in d:
+            d[k].sort()
+    return runs
+
+
+def interp_time(points, nbytes):
+    """Measured time of a collective of nbytes total: linear interpolation between the measured
+    sizes; beyond them, the nearest two points' line (t = a + S / algbw); never below 0."""
+    xs = [x for x, _ in points]
+    if len(points) == 1:
+        return points[0][1] * nbytes / points[0][0]
+    i = bisect.bisect_left(xs, nbytes)
+    i = min(max(i, 1), len(points) - 1)
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    return max(0.0, y0 + (y1 - y0) * (nbytes - x0) / (x1 - x0))
+
+
+def fit_line(points):
+    """Least squares t = alpha + S / B over the measured sizes: (alpha seconds, B bytes/s of S)."""
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    b = sum((x - mx) * (y - my) for x, y in points) / sxx
+    return my - b * mx, 1.0 / b
+
+
+def cpu_step_calls(cfg, world, prec, micro_batches=1):
+    """Every collective call of one optimizer step of a CPU run, as (op, dtype, total bytes S),
+    following Fsdp's slabs and then MpiComm's (kCollectiveSlab)."""
+    us = units(cfg)
+    max_S = max(shard_size(n, world) for _, n in us)
+    calls = []
+    dt = {4: "float32", 2: "bf16"}
+    for _, g, _, rs in step_items(cfg, 1):
+        if g is not None:
+            S = shard_size(us[g][1], world)
+            for c in mpi_split(S, world, prec.ag):
+                calls.append(("allgather", dt[prec.ag], c * world * prec.ag))
+        for u in rs:
+            S = shard_size(us[u][1], world)
+            for c0 in rs_calls(S, max_S, world, prec):
+                for c in mpi_split(c0, world, prec.rs):
+                    calls.append(("reduce_scatter", dt[prec.rs], c * world * prec.rs))
+    return calls * micro_batches
+
+
+def predict_comm(cfg, world, prec, bench, micro_batches=1):
+    pts = bench[world]
+    total = 0.0
+    for op, dtype, nbytes in cpu_step_calls(cfg, world, prec, micro_batches):
+        key = (op, dtype)
+        if key not in pts:
+            raise KeyError("no measured %s %s at W = %d in the bandwidth file" % (op, dtype, world))
+        total += interp_time(pts[key], nbytes)
+    return total
+
+
+def predict_exposed(cfg, world, prec, bench, compute_s, T, prefetch, micro_batches=1):
+    """Exposed communication of the overlap schedule (simulate) with the measured per-call times
+    and a measured compute time per step spread over the items by their FLOPs."""
+    pts = bench[world]
+    us = units(cfg)
+    max_S = max(shard_size(n, world) for _, n in us)
+    dt = {4: "float32", 2: "bf16"}
+
+    def t_of(op, e, count):
+        return sum(interp_time(pts[(op, dt[e])], c * world * e) for c in mpi_split(count, world, e))
+
+    raw = step_items(cfg, T)
+    real = sum(fl for _, _, fl, _ in raw)
+    items = []
+    for label, g, fl, rs in raw:
+        tg = t_of("allgather", prec.ag, shard_size(us[g][1], world)) if g is not None else 0.0
+        tr = [sum(t_of("reduce_scatter", prec.rs, c) for c in rs_calls(shard_size(us[u][1], world), max_S, world, prec))
+              for u in rs]
+        items.append((label, tg, compute_s / micro_batches * fl / real, tr))
+    exposed = simulate(items, prefetch)[3]
+    return exposed * micro_batches
+
+
+def read_metrics(path, skip):
+    """Step rows of a --metrics JSONL file (rows with 'step' and 'loss'), the first `skip` dropped."""
+    rows = []
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if line:
+                j = json.loads(line)
+                if "step" in j and "loss" in j:
+                    rows.append(j)
+    rows.sort(key=lambda r: r["step"])
+    return rows[skip:]
+
+
+def mean_field(rows, key):
+    vals = [float(r[key]) for r in rows if key in r]
+    return sum(vals) / len(vals) if vals else None
+
+
+def check(a, out=sys.stdout):
+    if len(a.metrics) != len(a.world):
+        raise SystemExit("check: give --metrics and --world in pairs")
+    cfg = load_config(a.model)
+    prec = Precision(a.precision)
+    bench = load_bench(a.bandwidth_json, getattr(a, "bench_stat", "median"))
+    p = lambda s="": print(s, file=out)
+    p("model %s (%d parameters), precision %s, seq %d, micro-batch %d, %d micro-batch(es) per step, "
+      "prefetch %d for the exposed prediction" %
+      (cfg.name, cfg.num_params(), prec.name, a.seq_len, a.micro_batch, a.accum, a.prefetch))
+    for W in sorted(bench):
+        for key, pts in sorted(bench[W].items()):
+            bw = lambda S: S / interp_time(pts, S) / 1e9 * (W - 1) / W
+            p("measured W=%d %-14s %-7s busbw GB/s at 64 KiB / 1 MiB / 16 MiB / 64 MiB: %s" %
+              (W, key[0], key[1], " / ".join("%.2f" % bw(S) for S in (1 << 16, 1 << 20, 1 << 24, 1 << 26))))
+    p()
+    if not a.metrics:  # predictions only
+        p("| W | collective calls per step | all-gather MB | reduce-scatter MB | predicted comm ms |")
+        p("|---|---|---|---|---|")
+        for W in sorted(bench):
+            calls = cpu_step_calls(cfg, W, prec, a.accum)
+            agb = sum(b for op, _, b in calls if op == "allgather") * (W - 1) / W
+            rsb = sum(b for op, _, b in calls if op == "reduce_scatter") * (W - 1) / W
+            p("| %d | %d | %.1f | %.1f | %.1f |" % (W, len(calls), agb / 1e6, rsb / 1e6,
+                                                  predict_comm(cfg, W, prec, bench, a.accum) * 1e3))
+        p()
+        p("(MB: bytes each rank sends, ring (W-1)/W.)")
+        return []
+    p("| W | metrics | steps | predicted comm ms | measured comm_ms | error | predicted exposed ms | measured exposed_comm_ms | error | compute_ms |")
+    p("|---|---|---|---|---|---|---|---|---|---|")
+    results = []
+    for path, W in zip(a.metrics, a.world):
+        if W not in bench:
+            raise SystemExit("check: no bandwidth run at W = %d in %s" % (W, a.bandwidth_json))
+        rows = read_metrics(path, a.skip)
+        if not rows:
+            raise SystemExit("check: %s has no step rows after the first %d" % (path, a.skip))
+        pred = predict_comm(cfg, W, prec, bench, a.accum)
+        meas = mean_field(rows, "comm_ms")
+        exp_meas = mean_field(rows, "exposed_comm_ms")
+        comp = mean_field(rows, "compute_ms")
+        pred_exp = None
+        if comp is not None:
+            pred_exp = predict_exposed(cfg, W, prec, bench, comp / 1e3, a.seq_len, a.prefetch, a.accum)
+        err = lambda pr, me: "%+.1f%%" % (100 * (pr - me) / me) if (pr is not None and me) else "-"
+        f = lambda x: "%.2f" % x if x is not None else "-"
+        p("| %d | %s | %d | %.2f | %s | %s | %s | %s | %s | %s |" %
+          (W, os.path.basename(path), len(rows), pred * 1e3, f(meas), err(pred * 1e3, meas),
+           f(pred_exp * 1e3 if pred_exp is not None else None), f(exp_meas),
+           err(pred_exp * 1e3 if pred_exp is not None else None, exp_meas), f(comp)))
+        results.append({"world": W, "predicted_comm_ms": pred * 1e3, "measured_comm_ms": meas,
+                        "predicted_exposed_ms": None if pred_exp is None else pred_exp * 1e3,
+                        "measured_exposed_ms": exp_meas, "compute_ms": comp})
+    p()
+    p("error = (predicted - measured) / measured; measured = mean over the step rows after the first %d." % a.skip)
+    return results
+
+
+# ---- selftest -----------------------------------------------------------------------------
+
+def selftest():
+    # Parameter counts of the published models (src/model/config.cpp comments).
+    assert load_config("llama-1b").num_params() == 1235814400
+    assert load_config("llama-8b").num_params() == 8030261248
+    c = load_config("llama-1b")
+    assert sum(n for _, n in units(c)) == c.num_params()
+    assert shard_size(2, 4) == 1 and shard_size(0, 4) == 1 and shard_size(9, 4) == 3
+    # Collective counts: tied: embedding gathered and reduced twice, final norm gathered twice.
+    ag, rs = collective_counts(c)
+    assert ag[0] == 2 and rs[0] == 2 and ag[1] == 2 and rs[1] == 1 and ag[-1] == 2 and rs[-1] == 1
+    ag, rs = collective_counts(load_config("llama-8b"))
+    assert ag[0] == 1 and rs[0] == 1 and ag[-1] == 1 and rs[-1] == 1
+    # Ring cost: 8 ranks, 8 GB over 1 GB/s bus: 7/8 x 8 = 7 s + 7 alpha.
+    assert abs(t_ring(8, 8e9, 1e9, 0.5) - (7 + 3.5)) < 1e-9
+    assert abs(t_ring(4, 4e9, 1e9, 0.0, allreduce=True) - 6.0) < 1e-9
+    # Schedule: two items, gather 1 s each, compute 2 s each, one reduce of 1 s after the last.
+    items = [("a", 1.0, 2.0, []), ("b", 1.0, 2.0, [1.0])]
+    assert simulate(items, 0) == (7.0, 4.0, 3.0, 3.0)
+    # prefetch 1: g0 0-1, c0 1-3 (g1 1-2 hidden), c1 3-5, r1 5-6: step 6, exposed 2.
+    assert simulate(items, 1) == (6.0, 4.0, 3.0, 2.0)
+    # A gather longer than the compute before it is exposed by the difference.
+    items = [("a", 1.0, 1.0, []), ("b", 3.0, 1.0, [])]
+    # g0 0-1, c0 1-2, g1 1-4 (issued at 1), c1 4-5: exposed = 5 - 2 = 3.
+    assert simulate(items, 1)[3] == 3.0
+    # prefetch 2 issues g1 at 0 too: g0 0-1, g1 1-4, c0 1-2, c1 4-5: the same here.
+    assert simulate(items, 2)[3] == 3.0
+    # Reduce-scatter slabs: fp32 at W = 2: 2^21 elements per call.
+    pr = Precision("fp32")
+    assert rs_calls(5 * 2 ** 20, 10 ** 9, 2, pr) == [2 ** 21, 2 ** 21, 2 ** 20]
+    assert rs_calls(5 * 2 ** 20, 10 ** 9, 2, Precision("bf16-rbf16")) == [5 * 2 ** 20]
+    assert mpi_split(10, 2, 4) == [10] and mpi_split(2 ** 21 + 1, 2, 4) == [2 ** 21, 1]
+    # Bytes: fp32, W = 2, tiny (tied): (W-1)/W x padded x 4 per collective.
+    t = load_config("tiny")
+    agb, rsb = bytes_per_step(t, 2, pr)
+    u = units(t)
+    exp_ag = sum(k * 0.5 * shard_size(n, 2) * 2 * 4 for k, (_, n) in zip(collective_counts(t)[0], u))
+    assert abs(agb - exp_ag) < 1e-6
+    # Interpolation and the line fit.
+    pts = [(100, 1.0), (200, 2.0), (400, 3.0)]
+    assert interp_time(pts, 150) == 1.5 and interp_time(pts, 800) == 5.0 and interp_time(pts, 50) == 0.5
+    al, B = fit_line([(1e6, 1e-3 + 1e-3), (2e6, 1e-3 + 2e-3)])
+    assert abs(al - 1e-3) < 1e-12 and abs(B - 1e9) < 1e-3
+    print("selftest: ok")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sp = sub.add_parser("plan", help="per-unit counts and bytes per step")
+    sp.add_argument("--model", default="llama-1b")
+    sp.add_argument("--world", type=int, default=8)
+    sp.add_argument("--seq-len", type=int, default=SEQ)
+    sp.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "bf16-rbf16", "bf16-noslab"])
+    sp.set_defaults(fn=cmd_plan)
+    st = sub.add_parser("tables", help="the tables of docs/scaling.md")
+    st.add_argument("--markdown", action="store_true")
+    st.set_defaults(fn=cmd_tables)
+    sc = sub.add_parser("check", help="predicted vs measured communication of CPU runs")
+    sc.add_argument("--model", default="tests/bench/scaling-config.json", help="preset or config.json of the run")
+    sc.add_argument("--metrics", action="append", default=[], help="--metrics JSONL of a run (repeat, with --world)")
+    sc.add_argument("--world", action="append", type=int, default=[], help="its world size")
+    sc.add_argument("--bandwidth-json", required=True, help="comm_bandwidth --json output (JSON lines)")
+    sc.add_argument("--seq-len", type=int, default=256)
+    sc.add_argument("--micro-batch", type=int, default=1, help="(reported; the collectives do not depend on it)")
+    sc.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
+    sc.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "bf16-rbf16", "bf16-noslab"])
+    sc.add_argument("--prefetch", type=int, default=1, help="prefetch depth of the run's --overlap on (0 = off)")
+    sc.add_argument("--skip", type=int, default=2, help="step rows dropped at the start")
+    sc.add_argument("--bench-stat", default="median", choices=["median", "min"],
+                    help="which time of the bandwidth file: median (default) or minimum over repetitions")
+    sc.set_defaults(fn=check)
+    ss = sub.add_parser("selftest")
+    ss.set_defaults(fn=lambda a: selftest())
+    a = ap.parse_args(argv)
+    a.fn(a)
+
+
+if __name__ == "__main__":
+    main()
