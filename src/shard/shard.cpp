@@ -492,32 +492,44 @@ template <typename T> CommQueue::Ticket Fsdp<T>::issue_gather(CommQueue& q, int 
   return q.submit({1, [=](Comm& c, int) { return c.start_all_gather(src, dst, S); }, {}});
 }
 
-// The full-unit gradient is laid out [W, S] (rank r's block at r*S). With S <= slab_ it is
-// reduce-scattered as it is; else one slab of n <= slab_ elements of every block at a time, packed
-// into [W, n] first (MPI libraries allocate a temporary of the whole send buffer: slabs bound it).
-// Each summed piece is divided by W and added into the gradient shard, in slab order.
+// The one slab job of both gradient paths. `full` is a full-unit buffer laid out [W, S] (rank r's
+// block at r*S). With `direct` (S <= slab, same element type) it is reduce-scattered as it is, in
+// one part; else one slab of n <= slab elements of every block per part: stage(packed + r*n,
+// full + r*S + a, n) fills the packed [W, n] buffer (a copy, or a widening to fp32; MPI libraries
+// allocate a temporary of the whole send buffer, slabs bound it), which is reduce-scattered into
+// `out`. add(a, n, out) consumes each summed piece [a, a+n) of this rank's shard, in slab order.
+template <typename F, typename P, typename Stage, typename Add>
+CommQueue::Ticket submit_reduce_slabs(CommQueue& q, const F* full, size_t S, size_t W, size_t slab, bool direct,
+                                      P* packed, P* out, Stage stage, Add add) {
+  if (direct)
+    return q.submit({1,
+                     [=](Comm& c, int) -> std::unique_ptr<Comm::Request> {
+                       if constexpr (std::is_same_v<F, P>) return c.start_reduce_scatter_sum(full, out, S);
+                       else throw std::logic_error("submit_reduce_slabs: direct needs one element type");
+                     },
+                     [=](int) { add(size_t{0}, S, static_cast<const P*>(out)); }});
+  return q.submit({static_cast<int>((S + slab - 1) / slab),
+                   [=](Comm& c, int i) {
+                     const size_t a = static_cast<size_t>(i) * slab, n = std::min(slab, S - a);
+                     for (size_t r = 0; r < W; ++r) stage(packed + r * n, full + r * S + a, n);
+                     return c.start_reduce_scatter_sum(static_cast<const P*>(packed), out, n);
+                   },
+                   [=](int i) {
+                     const size_t a = static_cast<size_t>(i) * slab;
+                     add(a, std::min(slab, S - a), static_cast<const P*>(out));
+                   }});
+}
+
+// Divided by W and added into the gradient shard.
 template <typename T> CommQueue::Ticket Fsdp<T>::issue_reduce(CommQueue& q, int u, const T* full) {
   const size_t S = static_cast<size_t>(plan_.units[u].shard_size), W = static_cast<size_t>(plan_.world_size);
   const T inv_w = T(1) / static_cast<T>(W);
   T* shard = grads_[u].data();
-  T* tmp = scatter_tmp_.data();
-  T* pack = pack_.data();
   Backend<T>* be = &be_;
-  if (S <= slab_)
-    return q.submit({1, [=](Comm& c, int) { return c.start_reduce_scatter_sum(full, tmp, S); },
-                     [=](int) { be->axpy(S, inv_w, tmp, shard); }});
-  const size_t slab = slab_;
-  const int parts = static_cast<int>((S + slab - 1) / slab);
-  return q.submit({parts,
-                   [=](Comm& c, int i) {
-                     const size_t a = static_cast<size_t>(i) * slab, n = std::min(slab, S - a);
-                     for (size_t r = 0; r < W; ++r) be->copy(pack + r * n, full + r * S + a, n);
-                     return c.start_reduce_scatter_sum(pack, tmp, n);
-                   },
-                   [=](int i) {
-                     const size_t a = static_cast<size_t>(i) * slab, n = std::min(slab, S - a);
-                     be->axpy(n, inv_w, tmp, shard + a);
-                   }});
+  return submit_reduce_slabs(
+      q, full, S, W, slab_, S <= slab_, pack_.data(), scatter_tmp_.data(),
+      [=](T* d, const T* src, size_t n) { be->copy(d, src, n); },
+      [=](size_t a, size_t n, const T* sum) { be->axpy(n, inv_w, sum, shard + a); });
 }
 
 template <typename T> std::vector<T> Fsdp<T>::gather_param(const std::string& name) {
@@ -594,26 +606,17 @@ CommQueue::Ticket MixedPrecisionUnits::issue_reduce(CommQueue& q, int u, const b
   float* shard = m_.grad_shard(u);
   Backend<bf16>* be = &be_;
   Backend<float>* b32 = &m_.backend();
-  if (reduce_bf16_) {
-    bf16* sc = scatter_.data();
-    return q.submit({1, [=](Comm& c, int) { return c.start_reduce_scatter_sum(full, sc, S); },
-                     [=](int) { be->add_to_f32(shard, inv_w, sc, S); }});
-  }
-  const size_t slab = slab_;
-  float* g32 = grad32_.data();
-  float* s32 = scatter32_.data();
-  const int parts = static_cast<int>((S + slab - 1) / slab);
-  return q.submit({parts,
-                   [=](Comm& c, int i) {
-                     const size_t a = static_cast<size_t>(i) * slab, n = std::min(slab, S - a);
-                     b32->zero(g32, n * W);
-                     for (size_t r = 0; r < W; ++r) be->add_to_f32(g32 + r * n, 1.0f, full + r * S + a, n);
-                     return c.start_reduce_scatter_sum(static_cast<const float*>(g32), s32, n);
-                   },
-                   [=](int i) {
-                     const size_t a = static_cast<size_t>(i) * slab, n = std::min(slab, S - a);
-                     b32->axpy(n, inv_w, s32, shard + a);
-                   }});
+  if (reduce_bf16_)
+    return submit_reduce_slabs(
+        q, full, S, W, S, true, static_cast<bf16*>(nullptr), scatter_.data(), [](bf16*, const bf16*, size_t) {},
+        [=](size_t a, size_t n, const bf16* sum) { be->add_to_f32(shard + a, inv_w, sum, n); });
+  return submit_reduce_slabs(
+      q, full, S, W, slab_, false, grad32_.data(), scatter32_.data(),
+      [=](float* d, const bf16* src, size_t n) {
+        b32->zero(d, n);
+        be->add_to_f32(d, 1.0f, src, n);
+      },
+      [=](size_t a, size_t n, const float* sum) { b32->axpy(n, inv_w, sum, shard + a); });
 }
 
 template class Fsdp<float>;
