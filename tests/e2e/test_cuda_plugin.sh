@@ -26,7 +26,8 @@ if [ ! -e "$PLUGIN" ]; then
   exit 0
 fi
 
-ldd "$PLUGIN" | grep -qE 'libcublas\.so' || fail "the plugin does not link cuBLAS"
+# (grep reads all of ldd's output: a `| grep -q` may exit first, and pipefail then fails on ldd's SIGPIPE)
+grep -qE 'libcublas\.so' <<<"$(ldd "$PLUGIN")" || fail "the plugin does not link cuBLAS"
 undef=$(nm -D --undefined-only "$PLUGIN" | awk '$1 == "U" {print $2}' | grep '10shardtrain' | sort -u)
 for b in shardtrain gpu_tests unit_tests; do
   missing=$(comm -23 <(echo "$undef") <(nm -D --defined-only "$DIR/$b" | awk '{print $3}' | sort -u) | c++filt)
@@ -81,7 +82,7 @@ expect_fail plugin_broken "cannot load the CUDA backend plugin $WORK/libbroken.s
 unset SHARDTRAIN_CUDA_PLUGIN
 # The plugin beside the binary loads (RTLD_NOW: every symbol resolves) and, without a driver,
 # reports the CUDA runtime's error. Only where there is no NVIDIA driver (with one, this would train).
-if ! ldconfig -p | grep -q 'libcuda\.so\.1'; then
+if ! grep -q 'libcuda\.so\.1' <<<"$(ldconfig -p)"; then
   expect_fail plugin_loads "CUDA device 0: CUDA error: cudaSetDevice" 2 "${A2[@]}" --device cuda --gpu-comm mpi
   ! grep -q "cannot load the CUDA backend plugin" "$WORK/plugin_loads.log" || fail "plugin_loads: the plugin did not load"
 fi
