@@ -213,7 +213,7 @@ void run_plan(Comm& comm, const Options& o) {
   const ModelConfig mc = resolve_model_config(comm, o.model);
   const int W = o.plan_world_size > 0 ? o.plan_world_size : comm.world_size();
   const bool cuda = o.device == "cuda";
-  MemoryPlanInput in{mc, o.train, W, parse_precision(o.precision), o.reduce_dtype == "bf16", cuda, 0, 4, 0};
+  MemoryPlanInput in{mc, o.train, W, parse_precision(o.precision), o.reduce_dtype == "bf16", cuda, 0, 4, 0, overlap_config(o)};
   TrainConfig& t = in.train;
   // Training's check of the sequence length (train.cpp): no plan for a run that would be refused.
   all_ok(comm, t.seq_len <= mc.max_position_embeddings,

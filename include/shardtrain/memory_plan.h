@@ -7,7 +7,8 @@
 // Trillion Parameter Models", section 3: 16 bytes per parameter for mixed-precision Adam, here
 // fp32 master + fp32 gradient + two fp32 moments = 16 bytes, divided by the world size):
 //   parameter, gradient, AdamW m and v shards   4 + 4 + 4 + 4 bytes x shard elements (1/W)
-//   FSDP buffers                               full-unit gather and gradient buffers sized for the
+//   FSDP buffers                               full-unit gather buffers (1 + prefetch with overlap on)
+//                                              and gradient buffers (2 with overlap on) sized for the
 //                                              largest unit, a shard-sized scatter buffer (+ the
 //                                              bf16 copies of mixed precision), not divided by W
 //   activations                                activation_bytes() of the model (model.h)
@@ -36,6 +37,8 @@ struct MemoryPlanInput {
   uint64_t data_tokens = 0;   // tokens held in each rank's memory; 0: none (training memory-maps its token files)
   uint32_t token_bytes = 4;   // bytes per token held in memory
   int64_t runtime_bytes = 0;  // the process before allocation (CPU: VmRSS now; GPU: CUDA context etc.)
+  // --overlap / --prefetch: 1 + prefetch gather buffers and 2 gradient buffers when on (UnitPipeline).
+  OverlapConfig overlap{};
 };
 
 struct MemoryLine {

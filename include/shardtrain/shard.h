@@ -135,7 +135,9 @@ class CommQueue {
   // `lane`: the communicator of this queue's collectives; `watch`: the Comm whose collective
   // watchdog (--collective-timeout) covers waits. prepare_thread runs first on the communication
   // thread (CPU backend: prepare_cpu_helper_thread).
-  CommQueue(Comm& lane, Comm& watch, bool background, CommProgress progress, std::function<void()> prepare_thread);
+  // `what` names the queue's collectives in watchdog messages ("FSDP all-gather").
+  CommQueue(Comm& lane, Comm& watch, bool background, CommProgress progress, std::function<void()> prepare_thread,
+            const char* what);
   ~CommQueue();  // waits for the jobs in flight, then stops the thread
   CommQueue(const CommQueue&) = delete;
   Ticket submit(Job job);
@@ -160,6 +162,7 @@ class CommQueue {
   void run_inline(Job& job);
   Comm& lane_;
   Comm& watch_;
+  const char* what_;
   bool background_;
   CommProgress progress_;
   mutable std::mutex mu_;

@@ -180,8 +180,8 @@ const char* comm_progress_name(CommProgress p) {
 }
 
 CommQueue::CommQueue(Comm& lane, Comm& watch, bool background, CommProgress progress,
-                     std::function<void()> prepare_thread)
-    : lane_(lane), watch_(watch), background_(background && lane.asynchronous()), progress_(progress) {
+                     std::function<void()> prepare_thread, const char* what)
+    : lane_(lane), watch_(watch), what_(what), background_(background && lane.asynchronous()), progress_(progress) {
   if (!background_ || progress_ != CommProgress::Thread) return;
   thread_ = std::thread([this, prep = std::move(prepare_thread)] {
     if (prep) prep();
@@ -264,7 +264,7 @@ CommQueue::Ticket CommQueue::submit(Job job) {
   ++times_.jobs;
   if (!background_) {
     lk.unlock();
-    CommWatch w(watch_, "FSDP collective");
+    CommWatch w(watch_, what_);
     run_inline(job);
     lk.lock();
     completed_ = t;
@@ -295,7 +295,7 @@ void CommQueue::wait(Ticket t) {
   if (completed_ >= t && !error_) return;
   const double t0 = now_s();
   {
-    CommWatch w(watch_, "FSDP collective (wait)");
+    CommWatch w(watch_, what_);
     if (thread_.joinable()) {
       cv_done_.wait(lk, [&] { return completed_ >= t || error_; });
     } else {
@@ -337,8 +337,9 @@ void UnitPipeline<C>::init_pipeline(Backend<C>& be, Comm& data, Comm& watch, con
   const bool cpu = std::string(be.name()) == "cpu";
   std::function<void()> prep;
   if (cpu) prep = [] { prepare_cpu_helper_thread(); };
-  agq_ = std::make_unique<CommQueue>(ag_comm_ ? *ag_comm_ : data, watch, ov_.on, ov_.progress, prep);
-  rsq_ = std::make_unique<CommQueue>(rs_comm_ ? *rs_comm_ : data, watch, ov_.on, ov_.progress, prep);
+  agq_ = std::make_unique<CommQueue>(ag_comm_ ? *ag_comm_ : data, watch, ov_.on, ov_.progress, prep, "FSDP all-gather");
+  rsq_ = std::make_unique<CommQueue>(rs_comm_ ? *rs_comm_ : data, watch, ov_.on, ov_.progress, prep,
+                                     "FSDP reduce-scatter");
   const size_t max_padded = static_cast<size_t>(plan.max_padded_numel());
   const int nslots = ov_.on ? 1 + ov_.prefetch : 1, ngrads = ov_.on ? 2 : 1;
   for (int i = 0; i < nslots; ++i) slots_.push_back(Slot{Buffer<C>(be, max_padded)});

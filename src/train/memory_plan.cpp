@@ -67,15 +67,19 @@ MemoryPlan plan_memory(const MemoryPlanInput& in) {
   add("fp32 gradient shards", 4 * shard, "4 B x " + sh);
   add("AdamW m and v shards", 8 * shard, "2 x 4 B x " + sh);
   const std::string mx = with_commas(maxp) + " elements, the largest unit";
+  const int64_t nbuf = (in.overlap.on ? 1 + in.overlap.prefetch : 1) + (in.overlap.on ? 2 : 1);  // gather + gradient
+  const std::string nb = std::to_string(nbuf) + " x ";
+  const std::string why = in.overlap.on ? " (overlap: " + std::to_string(1 + in.overlap.prefetch) + " gather + 2 gradient)" : "";
   if (!bf) {
-    add("FSDP gather + gradient buffers", 8 * maxp, "2 x 4 B x " + mx);
+    add("FSDP gather + gradient buffers", 4 * nbuf * maxp, nb + "4 B x " + mx + why);
     const int64_t W = in.world_size;
     const int64_t slab = static_cast<int64_t>(reduce_slab(sp, Fsdp<float>::kReduceSlab));
     add("FSDP reduce-scatter slab buffers", 4 * (slab + (maxs > slab ? slab * W : 0)),
         "4 B x " + with_commas(slab) + (maxs > slab ? " x (" + std::to_string(W) + " + 1)" : std::string()));
   } else {
-    add("bf16 gather + gradient buffers", 4 * maxp, "2 x 2 B x " + mx);
-    add("bf16 shard copy", 2 * maxs, "2 B x " + with_commas(maxs));
+    const int64_t ngather = in.overlap.on ? 1 + in.overlap.prefetch : 1;
+    add("bf16 gather + gradient buffers", 2 * nbuf * maxp, nb + "2 B x " + mx + why);
+    add("bf16 shard copy", 2 * ngather * maxs, std::to_string(ngather) + " x 2 B x " + with_commas(maxs));
     if (in.reduce_bf16)
       add("bf16 reduce-scatter buffer", 2 * maxs, "2 B x " + with_commas(maxs));
     else {

@@ -328,6 +328,7 @@ static TrainResult train_in(Engine& eng, const ModelConfig& mc, const TrainConfi
                        std::string(be.name()).find("cuda") != std::string::npos,
                        0, 4, 0};  // token data: memory-mapped (page cache), not held by the rank
     mi.train.micro_batch = mb;
+    mi.overlap = eng.overlap;
     mi.runtime_bytes = mi.cuda ? kGpuRuntimeEstimate : current_rss_bytes();
     comm.all_reduce(&mi.runtime_bytes, 1, ReduceOp::Max);
     const MemoryPlan plan = plan_memory(mi);

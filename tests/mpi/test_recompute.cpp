@@ -182,13 +182,16 @@ TEST(MemoryPlan, MatchesCountedAllocations) {
   for (const Case& k : {Case{st::Precision::FP32, false, st::Recompute::None},
                         Case{st::Precision::FP32, false, st::Recompute::Full},
                         Case{st::Precision::BF16, false, st::Recompute::Selective},
-                        Case{st::Precision::BF16, true, st::Recompute::Full}}) {
+                        Case{st::Precision::BF16, true, st::Recompute::Full}})
+   for (const st::OverlapConfig ov : {st::OverlapConfig{false, 0, st::CommProgress::Wait},
+                                      st::OverlapConfig{true, 2, st::CommProgress::Wait}}) {
+    SCOPED_TRACE(ov.on ? "overlap on, prefetch 2" : "overlap off");
     const st::ModelConfig mc = cfg(false);
     st::TrainConfig tc;
     tc.seq_len = kT;
     tc.micro_batch = kB;
     tc.activation_checkpointing = st::recompute_name(k.r);
-    const st::MemoryPlan plan = st::plan_memory({mc, tc, W, k.p, k.rbf16, false, 0, 4, 0});
+    const st::MemoryPlan plan = st::plan_memory({mc, tc, W, k.p, k.rbf16, false, 0, 4, 0, ov});
     int64_t backend_bytes = plan.total();  // all but the MPI library's and MpiComm's host buffers
     for (auto& l : plan.lines)
       if (l.name == "MPI collective buffers") backend_bytes -= l.bytes;
@@ -196,11 +199,11 @@ TEST(MemoryPlan, MatchesCountedAllocations) {
     st::testing::CountingBackend<bf16> be16;
     {
       const bool mixed = k.p == st::Precision::BF16;
-      st::Fsdp<float> f(be, comm, st::ShardPlan::build(st::llama_units(mc), W), nullptr, !mixed);
+      st::Fsdp<float> f(be, comm, st::ShardPlan::build(st::llama_units(mc), W), nullptr, !mixed, ov);
       st::AdamW<float> opt(f, tc);
       std::unique_ptr<st::MixedPrecisionUnits> mp;
       if (mixed) {
-        mp = std::make_unique<st::MixedPrecisionUnits>(f, be16, k.rbf16);
+        mp = std::make_unique<st::MixedPrecisionUnits>(f, be16, k.rbf16, st::MixedPrecisionUnits::kWidenSlab, ov);
         st::LlamaModel<bf16> m(mc, be16, st::model_options(tc));
         m.reserve(kB, kT);
         EXPECT_EQ(static_cast<int64_t>(be.live_bytes() + be16.live_bytes()), backend_bytes);
