@@ -90,7 +90,9 @@ template <typename C> class UnitSource {
   // Zeroes and returns the full-unit gradient buffer for unit u (padded_numel elements).
   virtual C* full_grad(int u) = 0;
   // Collective: reduce-scatters the full-unit gradient buffer of unit u, divides by the world
-  // size (mean over ranks) and adds the result into this rank's gradient shard.
+  // size (mean over ranks) and adds the result into this rank's gradient shard. Under hybrid
+  // sharding the reduce-scattered slabs are first summed over the replica groups (replica_sum in
+  // shard.cpp), so the mean is still over all W ranks.
   virtual void reduce_scatter_grad(int u) = 0;
 };
 
@@ -105,6 +107,12 @@ template <typename C> class UnitSource {
 // CPU, NCCL (or MPI on host copies) on GPUs. With full_buffers == false the full-unit gather and
 // gradient buffers are not allocated (mixed precision keeps its own, in bf16) and gather(),
 // full_grad(), reduce_scatter_grad() and gather_param() must not be called.
+//
+// Hybrid sharding (HSDP; PyTorch FSDP2 / torchtitan HSDP, ZeRO++ hpZ): the plan is built for the
+// G ranks of a shard group, data_comm spans that group (G consecutive ranks), and `replica_comm`
+// (nullptr with one group) joins the ranks of equal shard rank in the R = W / G groups. Gradients
+// are reduce-scattered within the group, summed over replica_comm and divided by W = G * R.
+// Every replica then holds and updates identical shards. `comm` stays the whole world.
 template <typename T> class Fsdp final : public UnitSource<T> {
  public:
   // Gradients are reduce-scattered kReduceSlab elements (all ranks' blocks together) at a time,
@@ -112,13 +120,22 @@ template <typename T> class Fsdp final : public UnitSource<T> {
   // largest unit (for a 128k-vocabulary embedding at W = 2 that shard is 500 MiB).
   static constexpr size_t kReduceSlab = size_t{1} << 22;
   // Throws std::invalid_argument if the plan's world size differs from comm's, std::bad_alloc.
-  Fsdp(Backend<T>& be, Comm& comm, ShardPlan plan, Comm* data_comm = nullptr, bool full_buffers = true);
+  // Also if the plan's world size differs from data_comm's (the shard group's).
+  Fsdp(Backend<T>& be, Comm& comm, ShardPlan plan, Comm* data_comm = nullptr, bool full_buffers = true,
+       Comm* replica_comm = nullptr);
 
   const ShardPlan& plan() const { return plan_; }
   Backend<T>& backend() { return be_; }
   Comm& comm() { return comm_; }
   Comm& data_comm() { return *dcomm_; }
   int num_units() const { return static_cast<int>(plan_.units.size()); }
+  // HSDP (see above): this rank's row in the plan (its rank in the shard group; = comm().rank()
+  // without HSDP), the replica communicator (nullptr: one group), this rank's replica group
+  // (0 .. R-1) and the number of replica groups R.
+  int plan_rank() const { return dcomm_->rank(); }
+  Comm* replica_comm() { return rcomm_; }
+  int replica_index() const { return rcomm_ ? rcomm_->rank() : 0; }
+  int replicas() const { return rcomm_ ? rcomm_->world_size() : 1; }
 
   // This rank's shard of unit u: shard_size elements (valid ones first, then zero padding).
   T* param_shard(int u) { return params_[u].data(); }
@@ -148,6 +165,7 @@ template <typename T> class Fsdp final : public UnitSource<T> {
   Backend<T>& be_;
   Comm& comm_;
   Comm* dcomm_;
+  Comm* rcomm_;  // HSDP replica communicator, nullptr with one group
   ShardPlan plan_;
   std::vector<Buffer<T>> params_, grads_;
   Buffer<T> gather_buf_, grad_buf_;
@@ -185,6 +203,7 @@ class MixedPrecisionUnits final : public UnitSource<bf16> {
   bool reduce_bf16_;
   Buffer<bf16> shard_, gather_, grad_, scatter_;
   Buffer<float> grad32_, scatter32_;  // [W, slab_] and [slab_]: the fp32 reduce-scatter of one slab
+  Buffer<float> replica32_;           // HSDP with bf16 reduce: a shard widened to fp32 for replica_sum
   size_t slab_ = 0;                   // shard elements per fp32 reduce-scatter
 };
 

@@ -96,11 +96,11 @@ double counter_normal(uint64_t seed, uint64_t key, uint64_t i) {
 }
 
 template <typename T>
-Fsdp<T>::Fsdp(Backend<T>& be, Comm& comm, ShardPlan plan, Comm* data_comm, bool full_buffers)
-    : be_(be), comm_(comm), dcomm_(data_comm ? data_comm : &comm), plan_(std::move(plan)) {
-  if (plan_.world_size != comm.world_size())
+Fsdp<T>::Fsdp(Backend<T>& be, Comm& comm, ShardPlan plan, Comm* data_comm, bool full_buffers, Comm* replica_comm)
+    : be_(be), comm_(comm), dcomm_(data_comm ? data_comm : &comm), rcomm_(replica_comm), plan_(std::move(plan)) {
+  if (plan_.world_size != dcomm_->world_size())
     throw std::invalid_argument("Fsdp: plan built for " + std::to_string(plan_.world_size) + " ranks, comm has " +
-                                std::to_string(comm.world_size()));
+                                std::to_string(dcomm_->world_size()));
   for (auto& u : plan_.units) {
     params_.emplace_back(be_, static_cast<size_t>(u.shard_size));
     grads_.emplace_back(be_, static_cast<size_t>(u.shard_size));
@@ -116,7 +116,7 @@ Fsdp<T>::Fsdp(Backend<T>& be, Comm& comm, ShardPlan plan, Comm* data_comm, bool 
 }
 
 template <typename T> void Fsdp<T>::init_params(uint64_t seed) {
-  int r = comm_.rank();
+  int r = plan_rank();
   constexpr int64_t kPiece = int64_t{1} << 20;  // host staging of at most 1M elements, not a whole shard
   std::vector<T> host;
   for (size_t u = 0; u < plan_.units.size(); ++u) {
@@ -179,6 +179,14 @@ void reduce_scatter_slabs(Comm& comm, const F* full, size_t S, size_t W, size_t 
     add(a, n, out);
   }
 }
+
+// Hybrid sharding: sums a reduce-scattered gradient slab (n elements of this shard rank's
+// gradient, already summed over its shard group) in place over the replica groups, so that it
+// holds the sum over all W ranks. Nothing to do with one group (replica == nullptr). The callers
+// then divide by W. The one place where gradients cross replica groups.
+template <typename T> void replica_sum(Comm* replica, T* slab, size_t n) {
+  if (replica) replica->all_reduce(slab, n, ReduceOp::Sum);
+}
 }  // namespace
 
 template <typename T> const T* Fsdp<T>::gather(int u) {
@@ -194,12 +202,16 @@ template <typename T> T* Fsdp<T>::full_grad(int u) {
 }
 
 template <typename T> void Fsdp<T>::reduce_scatter_grad(int u) {
-  const size_t S = static_cast<size_t>(plan_.units[u].shard_size), W = static_cast<size_t>(comm_.world_size());
-  const T inv_w = T(1) / static_cast<T>(W);
+  // G: ranks of the shard group (blocks of the buffer); the mean is over all G * R ranks.
+  const size_t S = static_cast<size_t>(plan_.units[u].shard_size), G = static_cast<size_t>(plan_.world_size);
+  const T inv_w = T(1) / static_cast<T>(G * static_cast<size_t>(replicas()));
   reduce_scatter_slabs(
-      *dcomm_, grad_buf_.data(), S, W, slab_, pack_.data(), scatter_tmp_.data(),
+      *dcomm_, grad_buf_.data(), S, G, slab_, pack_.data(), scatter_tmp_.data(),
       [&](T* d, const T* src, size_t n) { be_.copy(d, src, n); },
-      [&](size_t a, size_t n, const T* sum) { be_.axpy(n, inv_w, sum, grads_[u].data() + a); });
+      [&](size_t a, size_t n, T* sum) {
+        replica_sum(rcomm_, sum, n);
+        be_.axpy(n, inv_w, sum, grads_[u].data() + a);
+      });
 }
 
 template <typename T> std::vector<T> Fsdp<T>::gather_param(const std::string& name) {
@@ -215,7 +227,7 @@ template <typename T> std::vector<T> Fsdp<T>::gather_param(const std::string& na
 }
 
 template <typename T> void Fsdp<T>::set_param(const std::string& name, const std::vector<T>& full) {
-  int r = comm_.rank();
+  int r = plan_rank();
   for (size_t u = 0; u < plan_.units.size(); ++u)
     for (auto& slot : plan_.units[u].params)
       if (slot.spec.name == name) {
@@ -234,7 +246,7 @@ template <typename T> void Fsdp<T>::set_param(const std::string& name, const std
 }
 
 template <typename T> double Fsdp<T>::local_grad_sumsq() {
-  int r = comm_.rank();
+  int r = plan_rank();
   double s = 0;
   for (size_t u = 0; u < plan_.units.size(); ++u)
     s += be_.sum_squares(grads_[u].data(), static_cast<size_t>(plan_.units[u].ranks[r].valid));
@@ -253,9 +265,10 @@ MixedPrecisionUnits::MixedPrecisionUnits(Fsdp<float>& master, Backend<bf16>& be,
     scatter_ = Buffer<bf16>(be_, max_shard);
   } else {
     slab_ = reduce_slab(m_.plan(), widen_slab);
-    grad32_ = Buffer<float>(m_.backend(), slab_ * static_cast<size_t>(m_.comm().world_size()));
+    grad32_ = Buffer<float>(m_.backend(), slab_ * static_cast<size_t>(m_.plan().world_size));
     scatter32_ = Buffer<float>(m_.backend(), slab_);
   }
+  if (reduce_bf16_ && m_.replica_comm()) replica32_ = Buffer<float>(m_.backend(), max_shard);
 }
 
 const bf16* MixedPrecisionUnits::gather(int u) {
@@ -271,23 +284,35 @@ bf16* MixedPrecisionUnits::full_grad(int u) {
 }
 
 void MixedPrecisionUnits::reduce_scatter_grad(int u) {
-  const size_t S = static_cast<size_t>(m_.plan().units[u].shard_size), W = static_cast<size_t>(m_.comm().world_size());
-  const float inv_w = 1.0f / static_cast<float>(W);
+  // G: ranks of the shard group (blocks of the buffer); the mean is over all G * R ranks.
+  const size_t S = static_cast<size_t>(m_.plan().units[u].shard_size), G = static_cast<size_t>(m_.plan().world_size);
+  const float inv_w = 1.0f / static_cast<float>(G * static_cast<size_t>(m_.replicas()));
   float* shard = m_.grad_shard(u);
   Backend<float>& b32 = m_.backend();
+  Comm* rc = m_.replica_comm();
   if (reduce_bf16_)  // in bf16, the whole shard at once (scatter_ is shard-sized)
     reduce_scatter_slabs(
-        m_.data_comm(), grad_.data(), S, W, S, static_cast<bf16*>(nullptr), scatter_.data(),
+        m_.data_comm(), grad_.data(), S, G, S, static_cast<bf16*>(nullptr), scatter_.data(),
         [](bf16*, const bf16*, size_t) {},
-        [&](size_t a, size_t n, const bf16* sum) { be_.add_to_f32(shard + a, inv_w, sum, n); });
-  else  // widened to fp32 a slab at a time: [W, n] of at most slab_ * W floats
+        [&](size_t a, size_t n, const bf16* sum) {
+          if (!rc) return be_.add_to_f32(shard + a, inv_w, sum, n);
+          float* w = replica32_.data();  // HSDP: the group's bf16 sum widened, summed over replicas in fp32
+          b32.zero(w, n);
+          be_.add_to_f32(w, 1.0f, sum, n);
+          replica_sum(rc, w, n);
+          b32.axpy(n, inv_w, w, shard + a);
+        });
+  else  // widened to fp32 a slab at a time: [G, n] of at most slab_ * G floats
     reduce_scatter_slabs(
-        m_.data_comm(), grad_.data(), S, W, slab_, grad32_.data(), scatter32_.data(),
+        m_.data_comm(), grad_.data(), S, G, slab_, grad32_.data(), scatter32_.data(),
         [&](float* d, const bf16* src, size_t n) {
           b32.zero(d, n);
           be_.add_to_f32(d, 1.0f, src, n);
         },
-        [&](size_t a, size_t n, const float* sum) { b32.axpy(n, inv_w, sum, shard + a); });
+        [&](size_t a, size_t n, float* sum) {
+          replica_sum(rc, sum, n);
+          b32.axpy(n, inv_w, sum, shard + a);
+        });
 }
 
 template class Fsdp<float>;
