@@ -6,7 +6,8 @@
 // Accounting (ZeRO-3; Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training
 // Trillion Parameter Models", section 3: 16 bytes per parameter for mixed-precision Adam, here
 // fp32 master + fp32 gradient + two fp32 moments = 16 bytes, divided by the world size):
-//   parameter, gradient, AdamW m and v shards   4 + 4 + 4 + 4 bytes x shard elements (1/W)
+//   parameter, gradient, AdamW m and v shards   4 + 4 + 4 + 4 bytes x shard elements (1/W; 1/G, the
+//                                              shard group size, with hybrid sharding)
 //   FSDP buffers                               full-unit gather and gradient buffers sized for the
 //                                              largest unit, a shard-sized scatter buffer (+ the
 //                                              bf16 copies of mixed precision), not divided by W
@@ -36,6 +37,7 @@ struct MemoryPlanInput {
   uint64_t data_tokens = 0;   // tokens held in each rank's memory; 0: none (training memory-maps its token files)
   uint32_t token_bytes = 4;   // bytes per token held in memory
   int64_t runtime_bytes = 0;  // the process before allocation (CPU: VmRSS now; GPU: CUDA context etc.)
+  int shard_group_size = 0;   // ranks each unit is sharded over (hybrid sharding); 0: world_size
 };
 
 struct MemoryLine {

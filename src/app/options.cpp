@@ -36,7 +36,8 @@ po::options_description describe(Options& o) {
       ("device", po::value<std::string>(&o.device)->default_value(o.device), "train on: auto (cuda when a GPU is visible, else cpu) | cpu | cuda (one GPU per rank: the local rank's)")
       ("gpu-comm", po::value<std::string>(&o.gpu_comm)->default_value(o.gpu_comm), "GPU collectives: nccl (one rank per GPU) | mpi (through MPI on host copies; lets several ranks share a GPU)")
       ("precision", po::value<std::string>(&o.precision)->default_value(o.precision), "fp32 | bf16 (mixed precision: bf16 weights for compute and bf16 activations, fp32 master weights, AdamW state and GEMM accumulation)")
-      ("reduce-dtype", po::value<std::string>(&o.reduce_dtype)->default_value(o.reduce_dtype), "with --precision bf16: gradients are reduce-scattered in fp32 | bf16 (half the bytes)");
+      ("reduce-dtype", po::value<std::string>(&o.reduce_dtype)->default_value(o.reduce_dtype), "with --precision bf16: gradients are reduce-scattered in fp32 | bf16 (half the bytes)")
+      ("shard-group-size", po::value<std::string>(&o.shard_group_size), "hybrid sharding (HSDP): shard parameters within groups of G consecutive ranks and replicate them across the W / G groups; a number dividing the world size, or 'node' (the ranks of one node); default: the world size (plain FSDP)");
   po::options_description data("Data (--mode prepare, --mode tokenizer; docs/data-format.md)");
   data.add_options()
       ("input", po::value<std::vector<std::string>>(&o.inputs)->multitoken(), "text inputs (repeatable): files, directories (their files, recursively, sorted; hidden ones left out) or glob patterns; a plain-text file is one document, a .jsonl file one document per line")
@@ -114,6 +115,34 @@ po::options_description describe(Options& o) {
 void check(bool ok, const std::string& opt, const std::string& what) {
   if (!ok) throw std::invalid_argument("option '--" + opt + "' " + what);
 }
+}  // namespace
+
+int resolve_shard_group_size(const std::string& v, int world, int ranks_per_node) {
+  int g = world;
+  if (v == "node") {
+    check(world == 0 || ranks_per_node > 0, "shard-group-size",
+          "'node' needs the same number of ranks on every node, and the nodes of this job hold different numbers");
+    g = ranks_per_node;
+  } else if (!v.empty()) {
+    size_t used = 0;
+    long n = 0;
+    try {
+      n = std::stol(v, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    check(used == v.size() && n >= 1 && n <= (1 << 24), "shard-group-size",
+          "must be a positive integer or 'node', got '" + v + "'");
+    g = static_cast<int>(n);
+  }
+  if (world > 0)
+    check(world % g == 0, "shard-group-size",
+          "(" + std::to_string(g) + (v == "node" ? ", the ranks per node" : "") +
+              ") does not divide the world size (" + std::to_string(world) + ")");
+  return g;
+}
+
+namespace {
 void finite(double v, const std::string& opt) { check(std::isfinite(v), opt, "must be a finite number"); }
 
 
@@ -163,6 +192,7 @@ void validate(const Options& o) {
   check(o.threads >= 0 && o.threads <= 1024, "threads", "must be in [0, 1024]");
   check(o.device == "auto" || o.device == "cpu" || o.device == "cuda", "device", "must be auto, cpu or cuda, got '" + o.device + "'");
   check(o.gpu_comm == "nccl" || o.gpu_comm == "mpi", "gpu-comm", "must be nccl or mpi, got '" + o.gpu_comm + "'");
+  if (!o.shard_group_size.empty()) resolve_shard_group_size(o.shard_group_size, 0, 0);  // the form only
   parse_precision(o.precision);  // throws naming option '--precision'
   check(o.reduce_dtype == "fp32" || o.reduce_dtype == "bf16", "reduce-dtype", "must be fp32 or bf16, got '" + o.reduce_dtype + "'");
   finite(o.collective_timeout, "collective-timeout");
