@@ -119,8 +119,8 @@ template <typename T> class Fsdp final : public UnitSource<T> {
   // packed from the full-unit buffer: the result buffer is 1/W of that, not a whole shard of the
   // largest unit (for a 128k-vocabulary embedding at W = 2 that shard is 500 MiB).
   static constexpr size_t kReduceSlab = size_t{1} << 22;
-  // Throws std::invalid_argument if the plan's world size differs from comm's, std::bad_alloc.
-  // Also if the plan's world size differs from data_comm's (the shard group's).
+  // Throws std::invalid_argument if the plan's world size differs from data_comm's (comm's when
+  // data_comm is nullptr; the shard group's with hybrid sharding), std::bad_alloc.
   Fsdp(Backend<T>& be, Comm& comm, ShardPlan plan, Comm* data_comm = nullptr, bool full_buffers = true,
        Comm* replica_comm = nullptr);
 

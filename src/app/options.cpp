@@ -289,7 +289,10 @@ Options parse_options(Comm& comm, int argc, char** argv) {
     text = comm.broadcast_string(text, 0);
     try {
       std::istringstream is(normalize_job_file(text));
-      po::store(po::parse_config_file(is, desc), vm);
+      // Job files also take `shard_group_size` (the spelling of the HSDP design notes) for `shard-group-size`.
+      po::options_description file_desc;
+      file_desc.add(desc).add_options()("shard_group_size", po::value<std::string>(&o.shard_group_size), "");
+      po::store(po::parse_config_file(is, file_desc), vm);
     } catch (const std::exception& e) {
       err = "job file '" + cfg + "': " + e.what();
     }
@@ -297,6 +300,8 @@ Options parse_options(Comm& comm, int argc, char** argv) {
   }
   try {
     po::notify(vm);
+    // '--shard-group-size' (command line or job file) wins over the job file's `shard_group_size`.
+    if (vm.count("shard-group-size")) o.shard_group_size = vm["shard-group-size"].as<std::string>();
     std::vector<std::string> keys;  // "--accept-change steps,lr --accept-change seed" -> steps, lr, seed
     for (const std::string& v : o.train.accept_changes) {
       std::istringstream is(v);

@@ -128,6 +128,12 @@ line=$(head -1 "$WORK/node.log")
 SHARDTRAIN_TEST_RANKS_PER_NODE=3 expect_fail node3 "'node' needs the same number of ranks on every node" 4 \
   "${ARGS[@]}" --shard-group-size node
 echo "ok: --shard-group-size node: $line"
+# The job-file key, either spelling.
+printf 'shard_group_size = 2\n' >"$WORK/hsdp.ini"
+SHORT=1 run ini 4 --config "$WORK/hsdp.ini" --steps 2 --warmup 1
+grep -q "^topology: .*hybrid sharding: 2 replica groups of 2 ranks (shard group size 2)$" "$WORK/ini.log" \
+  || { head -3 "$WORK/ini.log"; fail "job file key shard_group_size not applied"; }
+echo "ok: job-file key shard_group_size = 2"
 
 # 6. The memory plan shards over G.
 "$BIN" --mode plan --model test-uneven --world-size 4 --micro-batch 1 --seq-len 32 >"$WORK/plan4.log" 2>&1 || fail "plan W=4"
