@@ -184,6 +184,16 @@ void run_train(Comm& comm, const Topology& topo, const Options& o) {
     replica_host = std::make_unique<MpiComm>(MpiComm::split(comm, topo.rank % G, topo.rank));
     group_host->set_collective_timeout(o.collective_timeout);
     replica_host->set_collective_timeout(o.collective_timeout);
+    // A shard group is meant to sit inside a node; with ranks not placed node by node it does not.
+    int64_t ids[2] = {topo.node_id, -static_cast<int64_t>(topo.node_id)};
+    group_host->all_reduce(ids, 2, ReduceOp::Max);
+    int64_t spans = ids[0] != -ids[1] && G <= topo.min_local_size ? 1 : 0;
+    comm.all_reduce(&spans, 1, ReduceOp::Max);
+    if (spans)
+      log_info(comm, "note: '--shard-group-size " + std::to_string(G) + "': some shard groups span several nodes "
+                     "although a node holds " + std::to_string(topo.min_local_size) + " or more ranks: the ranks are not "
+                     "placed node by node (use mpirun's --map-by slot or srun's block distribution), so gathers and "
+                     "reduce-scatters cross nodes");
   }
   Comm& group = group_host ? static_cast<Comm&>(*group_host) : comm;
   std::unique_ptr<CudaContext> ctx;  // declared first: destroyed after everything that uses it

@@ -125,6 +125,7 @@ SHARDTRAIN_TEST_RANKS_PER_NODE=2 SHORT=1 run node 4 --shard-group-size node --st
 line=$(head -1 "$WORK/node.log")
 [[ $line == "topology: 2 nodes x 2 ranks per node (world 4); hybrid sharding: 2 replica groups of 2 ranks (shard group size 2); nodes emulated by SHARDTRAIN_TEST_RANKS_PER_NODE=2 (test hook)" ]] \
   || fail "node: unexpected first line: $line"
+! grep -q "span several nodes" "$WORK/node.log" || fail "node: groups of consecutive ranks said to span nodes"
 SHARDTRAIN_TEST_RANKS_PER_NODE=3 expect_fail node3 "'node' needs the same number of ranks on every node" 4 \
   "${ARGS[@]}" --shard-group-size node
 echo "ok: --shard-group-size node: $line"
