@@ -87,7 +87,32 @@ OverlapConfig overlap_config(const Options& o) {
   return OverlapConfig{o.overlap == "on", o.prefetch, parse_comm_progress(o.comm_progress)};
 }
 
+// "ranks per node" of option '--shard-group-size node': 0 when the nodes hold different numbers.
+int ranks_per_node(const Topology& t) { return t.min_local_size == t.max_local_size ? t.local_size : 0; }
+
+// The first line of a training run: nodes x ranks per node, and how the parameters are sharded.
+std::string topology_line(const Topology& t, int G) {
+  const int W = t.world_size, R = W / G;
+  const std::string per = t.min_local_size == t.max_local_size
+                              ? std::to_string(t.max_local_size)
+                              : std::to_string(t.min_local_size) + "-" + std::to_string(t.max_local_size);
+  std::string s = "topology: " + std::to_string(t.nodes) + (t.nodes == 1 ? " node x " : " nodes x ") + per +
+                  (t.max_local_size == 1 ? " rank per node" : " ranks per node") + " (world " + std::to_string(W) + ")";
+  if (R == 1)
+    s += "; fully sharded over all " + std::to_string(W) + " ranks (shard group size " + std::to_string(G) + ")";
+  else
+    s += "; hybrid sharding: " + std::to_string(R) + " replica groups of " + std::to_string(G) + " ranks (shard group size " +
+         std::to_string(G) + ")";
+  if (t.emulated_ranks_per_node > 0)
+    s += "; nodes emulated by SHARDTRAIN_TEST_RANKS_PER_NODE=" + std::to_string(t.emulated_ranks_per_node) + " (test hook)";
+  return s;
+}
+
 void run_train(Comm& comm, const Topology& topo, const Options& o) {
+  // Hybrid sharding (HSDP): the shard group size, checked on every rank before anything else.
+  int G = topo.world_size;
+  agree(comm, [&] { G = resolve_shard_group_size(o.shard_group_size, topo.world_size, ranks_per_node(topo)); });
+  log_info(comm, topology_line(topo, G));
   ModelConfig mc = resolve_model_config(comm, o.model);
   std::unique_ptr<TokenDataset> data;
   std::string what;  // names the data in messages
@@ -156,10 +181,30 @@ void run_train(Comm& comm, const Topology& topo, const Options& o) {
   }
   const Precision prec = parse_precision(o.precision);
 
+  // Hybrid sharding: the shard group (G consecutive ranks: the data communicator) and the replica
+  // group (the ranks of equal shard rank in the W / G groups), split from the world in host memory.
+  std::unique_ptr<MpiComm> group_host, replica_host;
+  if (G < topo.world_size) {
+    group_host = std::make_unique<MpiComm>(MpiComm::split(comm, topo.rank / G, topo.rank));
+    replica_host = std::make_unique<MpiComm>(MpiComm::split(comm, topo.rank % G, topo.rank));
+    group_host->set_collective_timeout(o.collective_timeout);
+    replica_host->set_collective_timeout(o.collective_timeout);
+    // A shard group is meant to sit inside a node; with ranks not placed node by node it does not.
+    int64_t ids[2] = {topo.node_id, -static_cast<int64_t>(topo.node_id)};
+    group_host->all_reduce(ids, 2, ReduceOp::Max);
+    int64_t spans = ids[0] != -ids[1] && G <= topo.min_local_size ? 1 : 0;
+    comm.all_reduce(&spans, 1, ReduceOp::Max);
+    if (spans)
+      log_info(comm, "note: '--shard-group-size " + std::to_string(G) + "': some shard groups span several nodes "
+                     "although a node holds " + std::to_string(topo.min_local_size) + " or more ranks: the ranks are not "
+                     "placed node by node (use mpirun's --map-by slot or srun's block distribution), so gathers and "
+                     "reduce-scatters cross nodes");
+  }
+  Comm& group = group_host ? static_cast<Comm&>(*group_host) : comm;
   std::unique_ptr<CudaContext> ctx;  // declared first: destroyed after everything that uses it
   std::unique_ptr<Backend<float>> be;
   std::unique_ptr<Backend<bf16>> be16;
-  std::unique_ptr<Comm> dcomm;
+  std::unique_ptr<Comm> dcomm, rcomm;  // device communicators of the shard group / replica group
   // CPU runs: threads from each rank's affinity mask (--threads 0) and the BLAS kernel set, for the log.
   ThreadPlan tp;
   std::string blas;
@@ -178,14 +223,16 @@ void run_train(Comm& comm, const Topology& topo, const Options& o) {
       ctx = CudaContext::create(dp.gpu);
       be = make_cuda_backend<float>(*ctx);
       if (prec == Precision::BF16) be16 = make_cuda_backend<bf16>(*ctx);
-      if (!dp.nccl) dcomm = make_staged_comm(comm, *ctx);
+      if (!dp.nccl) dcomm = make_staged_comm(group, *ctx);
+      if (!dp.nccl && replica_host) rcomm = make_staged_comm(*replica_host, *ctx);
     } else {
       set_cpu_threads(threads);
       be = make_cpu_backend<float>();
       if (prec == Precision::BF16) be16 = make_cpu_backend<bf16>();
     }
   });
-  if (dp.cuda && dp.nccl) dcomm = make_nccl_comm(comm, *ctx);  // collective; agrees on failure itself
+  if (dp.cuda && dp.nccl) dcomm = make_nccl_comm(group, *ctx);  // collective; agrees on failure itself
+  if (dp.cuda && dp.nccl && replica_host) rcomm = make_nccl_comm(*replica_host, *ctx);
   std::string where = dp.cuda ? ", rank 0 on cuda:" + std::to_string(dp.gpu) + " (" + ctx->device_name() + ", " +
                                     std::to_string(ctx->free_bytes() >> 30) + " GiB free)"
                               : ", " + tp.per_rank + " thread(s) per rank (" + tp.binding + "), " + blas;
@@ -202,18 +249,22 @@ void run_train(Comm& comm, const Topology& topo, const Options& o) {
   double peak = dp.cuda ? gpu_peak_bf16_flops(ctx->device_name()) : 0.0;
   comm.all_reduce(&peak, 1, ReduceOp::Min);
   const double job_peak = peak * topo.world_size;
-  Engine eng{comm, dcomm ? *dcomm : comm, *be, be16.get(), prec, o.reduce_dtype == "bf16", job_peak, {}};
-  eng.overlap = overlap_config(o);
+  Engine eng{comm, dcomm ? *dcomm : group, *be, be16.get(), prec, o.reduce_dtype == "bf16", job_peak,
+             overlap_config(o), rcomm ? rcomm.get() : replica_host.get()};
   train(eng, mc, o.train, *data);
 }
 
 // --mode plan: the memory plan of a training run with these options, for --world-size ranks, without
 // launching them; with --device-memory, the largest micro-batch that fits for each recompute mode.
-void run_plan(Comm& comm, const Options& o) {
+void run_plan(Comm& comm, const Topology& topo, const Options& o) {
   const ModelConfig mc = resolve_model_config(comm, o.model);
   const int W = o.plan_world_size > 0 ? o.plan_world_size : comm.world_size();
   const bool cuda = o.device == "cuda";
-  MemoryPlanInput in{mc, o.train, W, parse_precision(o.precision), o.reduce_dtype == "bf16", cuda, 0, 4, 0, overlap_config(o)};
+  int G = W;  // --shard-group-size: shards over G ranks ('node': this launch's ranks per node)
+  agree(comm, [&] { G = resolve_shard_group_size(o.shard_group_size, W, ranks_per_node(topo)); });
+  MemoryPlanInput in{mc, o.train, W, parse_precision(o.precision), o.reduce_dtype == "bf16", cuda, 0, 4, 0,
+                     overlap_config(o)};
+  in.shard_group_size = G;
   TrainConfig& t = in.train;
   // Training's check of the sequence length (train.cpp): no plan for a run that would be refused.
   all_ok(comm, t.seq_len <= mc.max_position_embeddings,
@@ -236,7 +287,9 @@ void run_plan(Comm& comm, const Options& o) {
   }
   std::ostringstream os;
   os << plan_memory(in).format("memory plan per rank: '" + o.model + "' (" + std::to_string(mc.num_params()) +
-                               " parameters), " + std::to_string(W) + " ranks, " + o.precision + ", micro-batch " +
+                               " parameters), " + std::to_string(W) + " ranks" +
+                               (G != W ? " (shard group size " + std::to_string(G) + ")" : std::string()) + ", " +
+                               o.precision + ", micro-batch " +
                                std::to_string(t.micro_batch) + " x " + std::to_string(t.seq_len) + " tokens, " +
                                (cuda ? "GPU device memory" : "CPU memory"));
   if (!o.device_memory.empty()) {
@@ -355,7 +408,7 @@ int main(int argc, char** argv) {
     }
     if (o.mode == "prepare") run_prepare(comm, o);
     else if (o.mode == "tokenizer") run_tokenizer(comm, o);
-    else if (o.mode == "plan") run_plan(comm, o);
+    else if (o.mode == "plan") run_plan(comm, topo, o);
     else if (o.mode == "inspect") run_inspect(comm, o);
     else if (o.mode == "export") export_hf(comm, ExportOptions{o.checkpoint, o.out, parse_export_dtype(o.dtype), parse_size(o.max_shard_size)});
     else if (o.mode == "import") import_hf(comm, o.hf_dir, o.out, o.data.empty() ? std::string() : o.data.front());

@@ -6,7 +6,8 @@
 // Accounting (ZeRO-3; Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training
 // Trillion Parameter Models", section 3: 16 bytes per parameter for mixed-precision Adam, here
 // fp32 master + fp32 gradient + two fp32 moments = 16 bytes, divided by the world size):
-//   parameter, gradient, AdamW m and v shards   4 + 4 + 4 + 4 bytes x shard elements (1/W)
+//   parameter, gradient, AdamW m and v shards   4 + 4 + 4 + 4 bytes x shard elements (1/W; 1/G, the
+//                                              shard group size, with hybrid sharding)
 //   FSDP buffers                               full-unit gather buffers (1 + prefetch with overlap on)
 //                                              and gradient buffers (2 with overlap on) sized for the
 //                                              largest unit, a shard-sized scatter buffer (+ the
@@ -39,6 +40,7 @@ struct MemoryPlanInput {
   int64_t runtime_bytes = 0;  // the process before allocation (CPU: VmRSS now; GPU: CUDA context etc.)
   // --overlap / --prefetch: 1 + prefetch gather buffers and 2 gradient buffers when on (UnitPipeline).
   OverlapConfig overlap{};
+  int shard_group_size = 0;   // ranks each unit is sharded over (hybrid sharding); 0: world_size
 };
 
 struct MemoryLine {

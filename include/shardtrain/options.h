@@ -44,6 +44,7 @@ struct Options {
   std::string overlap = "on";      // train: on | off (prefetched all-gathers, asynchronous reduce-scatters)
   int prefetch = 1;                // train: all-gathers in flight ahead of the unit computed
   std::string comm_progress = "thread";  // train: thread | poll | wait (parse_comm_progress, shard.h)
+  std::string shard_group_size;   // train, plan: ranks a unit is sharded over (HSDP): "" = all, N, or "node"
   std::string checkpoint;         // inspect: the checkpoint file (also positional)
   std::string dump_param;         // inspect: write this gathered parameter ("all": every one) ...
   std::string dump_out;           // ... to this file (raw float32, little-endian; "all": a directory of <name>.bin)
@@ -66,6 +67,12 @@ struct Options {
 // every rank for an unknown option, a value of the wrong type, an out-of-range value (the message
 // names the option), an unreadable job file, or invalid INI syntax (the message names the file).
 Options parse_options(Comm& comm, int argc, char** argv);
+
+// The shard group size G of option '--shard-group-size' (hybrid sharding) for `world` ranks with
+// `ranks_per_node` ranks on every node (0: not the same on every node): "" -> world, "node" ->
+// ranks_per_node, else the number. Throws std::invalid_argument naming the option when G is not a
+// positive integer, "node" has no single value, or G does not divide the world size.
+int resolve_shard_group_size(const std::string& value, int world, int ranks_per_node);
 
 // The job-file text as Boost's INI parser is given it: a leading UTF-8 byte order mark (EF BB BF)
 // removed and every full-line `;` comment (first non-blank character `;`, after spaces or tabs)

@@ -130,6 +130,11 @@ class MpiComm final : public Comm {
   // `mpi_comm` is an MPI_Comm passed as its integer/pointer handle value (keeps mpi.h out of
   // this header). Use MpiComm::world() for MPI_COMM_WORLD.
   static MpiComm world();
+  // Collective over `parent` (MPI_Comm_split of its MPI communicator): the ranks of `parent` that
+  // pass the same `color` form one new MpiComm, ranked by `key` (ties by parent rank). Hybrid
+  // sharding (HSDP) builds its shard group (color rank / G) and replica group (color rank % G)
+  // this way. Throws std::runtime_error if MPI fails.
+  static MpiComm split(const Comm& parent, int color, int key);
   ~MpiComm() override;
   MpiComm(MpiComm&&) noexcept;
   MpiComm(const MpiComm&) = delete;
@@ -194,6 +199,12 @@ struct Topology {
   int world_size = 1;  // number of ranks
   int local_rank = 0;  // rank among the ranks on this node (MPI_COMM_TYPE_SHARED split)
   int local_size = 1;  // ranks on this node
+  int nodes = 1;       // number of nodes: distinct shared-memory groups over the job
+  int node_id = 0;     // lowest global rank on this rank's node (names the node)
+  int min_local_size = 1, max_local_size = 1;  // fewest / most ranks on any node
+  // Test hook: SHARDTRAIN_TEST_RANKS_PER_NODE=k emulates nodes of k consecutive ranks (the last
+  // one may hold fewer) on one host, in place of the shared-memory split; > 0 when in effect.
+  int emulated_ranks_per_node = 0;
   std::string host;    // processor name
 };
 

@@ -188,8 +188,10 @@ template <typename C> class UnitSource {
   // Zeroes and returns the full-unit gradient buffer for unit u (padded_numel elements).
   virtual C* full_grad(int u) = 0;
   // Collective: reduce-scatters the full-unit gradient buffer of unit u, divides by the world
-  // size (mean over ranks) and adds the result into this rank's gradient shard. May return before
-  // it is done (overlap): the gradient shards are complete after end_pass().
+  // size (mean over ranks) and adds the result into this rank's gradient shard. Under hybrid
+  // sharding the reduce-scattered slabs are first summed over the replica groups (replica_sum in
+  // shard.cpp), so the mean is still over all W ranks. May return before it is done (overlap):
+  // the gradient shards are complete after end_pass().
   virtual void reduce_scatter_grad(int u) = 0;
 
   // For the training loop, never the model (issue 15). A pass is a run of gathers between
@@ -222,9 +224,11 @@ template <typename C> class UnitPipeline : public UnitSource<C> {
  protected:
   UnitPipeline() = default;
   ~UnitPipeline() override;
-  // Allocates the buffers and queues (collective: duplicates `data`). The derived constructor
-  // calls it once, after its own buffers exist.
-  void init_pipeline(Backend<C>& be, Comm& data, Comm& watch, const ShardPlan& plan, const OverlapConfig& o);
+  // Allocates the buffers and queues (collective: duplicates `data`, and `replica` when given).
+  // The derived constructor calls it once, after its own buffers exist. `replica`: the HSDP
+  // replica communicator (nullptr without hybrid sharding).
+  void init_pipeline(Backend<C>& be, Comm& data, Comm& watch, const ShardPlan& plan, const OverlapConfig& o,
+                     Comm* replica = nullptr);
   // Waits for everything in flight and stops the threads: derived destructors call it first, since
   // the jobs use their buffers.
   void stop_pipeline();
@@ -234,6 +238,9 @@ template <typename C> class UnitPipeline : public UnitSource<C> {
   // Submits the reduce-scatter of unit u's full-unit gradient `full` into the gradient shard.
   virtual CommQueue::Ticket issue_reduce(CommQueue& q, int u, const C* full) = 0;
   int num_slots() const { return static_cast<int>(slots_.size()); }
+  // The replica communicator for the reduce-scatter jobs (their own duplicate, so that the
+  // communication thread is the only caller on it; nullptr without hybrid sharding).
+  Comm* replica_lane() const { return rep_; }
 
  private:
   struct Slot {
@@ -253,7 +260,8 @@ template <typename C> class UnitPipeline : public UnitSource<C> {
   Backend<C>* be_ = nullptr;
   const ShardPlan* plan_ = nullptr;
   OverlapConfig ov_;
-  std::unique_ptr<Comm> ag_comm_, rs_comm_;
+  std::unique_ptr<Comm> ag_comm_, rs_comm_, rep_comm_;
+  Comm* rep_ = nullptr;
   std::unique_ptr<CommQueue> agq_, rsq_;
   std::vector<Slot> slots_;
   std::vector<GradBuf> grads_;
@@ -277,17 +285,24 @@ template <typename C> class UnitPipeline : public UnitSource<C> {
 // CPU, NCCL (or MPI on host copies) on GPUs. With full_buffers == false the full-unit gather and
 // gradient buffers are not allocated (mixed precision keeps its own, in bf16) and gather(),
 // full_grad(), reduce_scatter_grad() and gather_param() must not be called.
+//
+// Hybrid sharding (HSDP; PyTorch FSDP2 / torchtitan HSDP, ZeRO++ hpZ): the plan is built for the
+// G ranks of a shard group, data_comm spans that group (G consecutive ranks), and `replica_comm`
+// (nullptr with one group) joins the ranks of equal shard rank in the R = W / G groups. Gradients
+// are reduce-scattered within the group, summed over replica_comm and divided by W = G * R.
+// Every replica then holds and updates identical shards. `comm` stays the whole world.
 template <typename T> class Fsdp final : public UnitPipeline<T> {
  public:
   // Gradients are reduce-scattered kReduceSlab elements (all ranks' blocks together) at a time,
   // packed from the full-unit buffer: the result buffer is 1/W of that, not a whole shard of the
   // largest unit (for a 128k-vocabulary embedding at W = 2 that shard is 500 MiB).
   static constexpr size_t kReduceSlab = size_t{1} << 22;
-  // Throws std::invalid_argument if the plan's world size differs from comm's, std::bad_alloc.
+  // Throws std::invalid_argument if the plan's world size differs from data_comm's (comm's when
+  // data_comm is nullptr; the shard group's with hybrid sharding), std::bad_alloc.
   // `ov`: prefetch and asynchronous reduce-scatter (issue 15); the default waits for every
   // collective at once (tools, tests); training passes --overlap / --prefetch / --comm-progress.
   Fsdp(Backend<T>& be, Comm& comm, ShardPlan plan, Comm* data_comm = nullptr, bool full_buffers = true,
-       const OverlapConfig& ov = OverlapConfig{false, 0, CommProgress::Wait});
+       Comm* replica_comm = nullptr, const OverlapConfig& ov = OverlapConfig{false, 0, CommProgress::Wait});
   ~Fsdp() override;
 
   const ShardPlan& plan() const { return plan_; }
@@ -295,6 +310,13 @@ template <typename T> class Fsdp final : public UnitPipeline<T> {
   Comm& comm() { return comm_; }
   Comm& data_comm() { return *dcomm_; }
   int num_units() const { return static_cast<int>(plan_.units.size()); }
+  // HSDP (see above): this rank's row in the plan (its rank in the shard group; = comm().rank()
+  // without HSDP), the replica communicator (nullptr: one group), this rank's replica group
+  // (0 .. R-1) and the number of replica groups R.
+  int plan_rank() const { return dcomm_->rank(); }
+  Comm* replica_comm() { return rcomm_; }
+  int replica_index() const { return rcomm_ ? rcomm_->rank() : 0; }
+  int replicas() const { return rcomm_ ? rcomm_->world_size() : 1; }
 
   // This rank's shard of unit u: shard_size elements (valid ones first, then zero padding).
   T* param_shard(int u) { return params_[u].data(); }
@@ -321,6 +343,7 @@ template <typename T> class Fsdp final : public UnitPipeline<T> {
   Backend<T>& be_;
   Comm& comm_;
   Comm* dcomm_;
+  Comm* rcomm_;  // HSDP replica communicator, nullptr with one group
   ShardPlan plan_;
   CommQueue::Ticket issue_gather(CommQueue& q, int u, T* dst, int slot) override;
   CommQueue::Ticket issue_reduce(CommQueue& q, int u, const T* full) override;
@@ -361,6 +384,7 @@ class MixedPrecisionUnits final : public UnitPipeline<bf16> {
   std::vector<Buffer<bf16>> shard_;  // per gather buffer: this rank's shard rounded to bf16
   Buffer<bf16> scatter_;
   Buffer<float> grad32_, scatter32_;  // [W, slab_] and [slab_]: the fp32 reduce-scatter of one slab
+  Buffer<float> replica32_;           // HSDP with bf16 reduce: a shard widened to fp32 for replica_sum
   size_t slab_ = 0;                   // shard elements per fp32 reduce-scatter
 };
 

@@ -49,6 +49,9 @@ struct TrainConfig {
   std::string attention = "tiled";  // tiled (FlashAttention-2) | exact ([B, NH, T, T] probabilities)
   int loss_chunk = 0;               // tokens per LM-head / loss chunk; 0 = default_loss_chunk(V)
   std::string precision = "fp32";  // set by train() from the Engine, recorded in checkpoints: fp32 | bf16 (+ reduce dtype)
+  // Set by train() from the Engine, recorded in checkpoints (train_config) when > 0: the run's
+  // world size W and shard group size G (hybrid sharding; G = W for plain FSDP).
+  int world_size = 0, shard_group_size = 0;
 };
 
 // The model options of a run; throws std::invalid_argument naming the option for a bad value.
@@ -123,13 +126,17 @@ Precision parse_precision(const std::string& s);
 // Where and how a run computes. The backends run on one device (CPU, or this rank's GPU).
 struct Engine {
   Comm& comm;                     // control traffic in host memory (MPI): losses, norms, checkpoints
-  Comm& data_comm;                // the backends' buffers: gathers and reduce-scatters
+  Comm& data_comm;                // the backends' buffers: gathers and reduce-scatters, over the shard group
+                                  // (all ranks, or G consecutive ranks with hybrid sharding)
   Backend<float>& be;             // fp32: master shards, AdamW, and fp32 compute
   Backend<bf16>* be16 = nullptr;  // bf16 compute; required when precision == BF16
   Precision precision = Precision::FP32;
   bool reduce_bf16 = false;       // BF16 only: reduce-scatter gradients in bf16 (default fp32)
   double peak_flops = 0;          // dense bf16 peak of all ranks' devices together, FLOP/s; 0 = unknown (no MFU)
   OverlapConfig overlap{};        // prefetch and asynchronous reduce-scatter (--overlap, --prefetch, --comm-progress)
+  // Hybrid sharding (HSDP, --shard-group-size): the backends' buffers across the R replica groups
+  // (the ranks of equal shard rank); nullptr when the parameters are sharded over all ranks.
+  Comm* replica_comm = nullptr;
 };
 
 // Model FLOPs per trained token at sequence length T (forward + backward): 6 N for the weight

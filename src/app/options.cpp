@@ -39,7 +39,8 @@ po::options_description describe(Options& o) {
       ("reduce-dtype", po::value<std::string>(&o.reduce_dtype)->default_value(o.reduce_dtype), "with --precision bf16: gradients are reduce-scattered in fp32 | bf16 (half the bytes)")
       ("overlap", po::value<std::string>(&o.overlap)->default_value(o.overlap), "on: all-gathers are prefetched and reduce-scatters run asynchronously, behind the compute | off: every collective is waited for when it is started (the reference: results are bitwise the same)")
       ("prefetch", po::value<int>(&o.prefetch)->default_value(o.prefetch), "with --overlap on: units whose all-gather runs ahead of the unit being computed (each needs a buffer of the largest unit)")
-      ("comm-progress", po::value<std::string>(&o.comm_progress)->default_value(o.comm_progress), "with --overlap on, CPU: what advances MPI's nonblocking collectives: thread (a communication thread) | poll (MPI_Test between GEMM tiles) | wait (only when waited for)");
+      ("comm-progress", po::value<std::string>(&o.comm_progress)->default_value(o.comm_progress), "with --overlap on, CPU: what advances MPI's nonblocking collectives: thread (a communication thread) | poll (MPI_Test between GEMM tiles) | wait (only when waited for)")
+      ("shard-group-size", po::value<std::string>(&o.shard_group_size), "hybrid sharding (HSDP): shard parameters within groups of G consecutive ranks and replicate them across the W / G groups; a number dividing the world size, or 'node' (the ranks of one node); default: the world size (plain FSDP)");
   po::options_description data("Data (--mode prepare, --mode tokenizer; docs/data-format.md)");
   data.add_options()
       ("input", po::value<std::vector<std::string>>(&o.inputs)->multitoken(), "text inputs (repeatable): files, directories (their files, recursively, sorted; hidden ones left out) or glob patterns; a plain-text file is one document, a .jsonl file one document per line")
@@ -117,6 +118,34 @@ po::options_description describe(Options& o) {
 void check(bool ok, const std::string& opt, const std::string& what) {
   if (!ok) throw std::invalid_argument("option '--" + opt + "' " + what);
 }
+}  // namespace
+
+int resolve_shard_group_size(const std::string& v, int world, int ranks_per_node) {
+  int g = world;
+  if (v == "node") {
+    check(world == 0 || ranks_per_node > 0, "shard-group-size",
+          "'node' needs the same number of ranks on every node, and the nodes of this job hold different numbers");
+    g = ranks_per_node;
+  } else if (!v.empty()) {
+    size_t used = 0;
+    long n = 0;
+    try {
+      n = std::stol(v, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    check(used == v.size() && n >= 1 && n <= (1 << 24), "shard-group-size",
+          "must be a positive integer or 'node', got '" + v + "'");
+    g = static_cast<int>(n);
+  }
+  if (world > 0)
+    check(world % g == 0, "shard-group-size",
+          "(" + std::to_string(g) + (v == "node" ? ", the ranks per node" : "") +
+              ") does not divide the world size (" + std::to_string(world) + ")");
+  return g;
+}
+
+namespace {
 void finite(double v, const std::string& opt) { check(std::isfinite(v), opt, "must be a finite number"); }
 
 
@@ -166,6 +195,7 @@ void validate(const Options& o) {
   check(o.threads >= 0 && o.threads <= 1024, "threads", "must be in [0, 1024]");
   check(o.device == "auto" || o.device == "cpu" || o.device == "cuda", "device", "must be auto, cpu or cuda, got '" + o.device + "'");
   check(o.gpu_comm == "nccl" || o.gpu_comm == "mpi", "gpu-comm", "must be nccl or mpi, got '" + o.gpu_comm + "'");
+  if (!o.shard_group_size.empty()) resolve_shard_group_size(o.shard_group_size, 0, 0);  // the form only
   parse_precision(o.precision);  // throws naming option '--precision'
   check(o.reduce_dtype == "fp32" || o.reduce_dtype == "bf16", "reduce-dtype", "must be fp32 or bf16, got '" + o.reduce_dtype + "'");
   check(o.overlap == "on" || o.overlap == "off", "overlap", "must be on or off, got '" + o.overlap + "'");
@@ -266,7 +296,10 @@ Options parse_options(Comm& comm, int argc, char** argv) {
     text = comm.broadcast_string(text, 0);
     try {
       std::istringstream is(normalize_job_file(text));
-      po::store(po::parse_config_file(is, desc), vm);
+      // Job files also take `shard_group_size` (the spelling of the HSDP design notes) for `shard-group-size`.
+      po::options_description file_desc;
+      file_desc.add(desc).add_options()("shard_group_size", po::value<std::string>(&o.shard_group_size), "");
+      po::store(po::parse_config_file(is, file_desc), vm);
     } catch (const std::exception& e) {
       err = "job file '" + cfg + "': " + e.what();
     }
@@ -274,6 +307,8 @@ Options parse_options(Comm& comm, int argc, char** argv) {
   }
   try {
     po::notify(vm);
+    // '--shard-group-size' (command line or job file) wins over the job file's `shard_group_size`.
+    if (vm.count("shard-group-size")) o.shard_group_size = vm["shard-group-size"].as<std::string>();
     std::vector<std::string> keys;  // "--accept-change steps,lr --accept-change seed" -> steps, lr, seed
     for (const std::string& v : o.train.accept_changes) {
       std::istringstream is(v);

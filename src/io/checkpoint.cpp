@@ -558,7 +558,12 @@ std::vector<std::string> architecture_differences(const std::string& ckpt, const
 void write_checkpoint_file(Comm& comm, const std::string& tmp_path, Fsdp<float>& f, AdamW<float>& opt,
                            const ModelConfig& mc, const TrainConfig& tc, const TrainState& st) {
   static QuietHdf5 quiet;
-  const int W = comm.world_size(), r = comm.rank();
+  // One logical copy for the plan's W = G ranks (G: shard group size; the world size without hybrid
+  // sharding), written by replica group 0 (global ranks 0 .. G-1, shard rank r = global rank). The
+  // ranks of the other replica groups hold identical shards: they take part in every collective
+  // HDF5 call with empty selections.
+  const int W = f.plan().world_size, r = f.plan_rank();
+  const bool writer = f.replica_index() == 0;
   Backend<float>& be = f.backend();
   const ShardPlan& plan = f.plan();
   std::string err;
@@ -603,7 +608,7 @@ void write_checkpoint_file(Comm& comm, const std::string& tmp_path, Fsdp<float>&
     if (!st.tokenizer.kind.empty()) write_tokenizer_group(comm, file, ms, st.tokenizer, dxpl);
     H5Id rowt = param_row_type();
     std::vector<float> host;
-    std::string write_err;
+    std::string write_err, diverged;
     for (int u = 0; u < f.num_units(); ++u) {
       const UnitPlan& up = plan.units[u];
       const hsize_t S = static_cast<hsize_t>(up.shard_size);
@@ -625,6 +630,10 @@ void write_checkpoint_file(Comm& comm, const std::string& tmp_path, Fsdp<float>&
         hsize_t start[1] = {static_cast<hsize_t>(r) * S}, count[1] = {S};
         H5Sselect_hyperslab(fsp, H5S_SELECT_SET, start, nullptr, count, nullptr);
         H5Id msp(H5Screate_simple(1, count, nullptr), H5Sclose);
+        if (!writer) {  // another replica group: same shard, written by replica group 0
+          H5Sselect_none(fsp);
+          H5Sselect_none(msp);
+        }
         host.resize(S);
         be.to_host(host.data(), src[k], S);
         my_crc[k] = crc32_of(host.data(), S);
@@ -642,11 +651,16 @@ void write_checkpoint_file(Comm& comm, const std::string& tmp_path, Fsdp<float>&
       std::string tb;
       for (int64_t v : table) put_le<uint64_t>(tb, static_cast<uint64_t>(v));
       ms.add(key + "/shard_table", tb);
-      // Every rank's checksums: row r of [W, 3] comes from rank r.
+      // Every rank's checksums: row r of [W, 3] comes from rank r (of replica group 0, global
+      // rank r). Hybrid sharding: the rows of the other groups must repeat them (identical replicas).
       uint64_t mine[3] = {my_crc[0], my_crc[1], my_crc[2]};
-      std::vector<uint64_t> table_crc(static_cast<size_t>(W) * 3);
+      std::vector<uint64_t> table_crc(static_cast<size_t>(comm.world_size()) * 3);
       comm.all_gather(mine, table_crc.data(), 3);
-      std::vector<uint32_t> crc32s(table_crc.begin(), table_crc.end());
+      for (size_t q = static_cast<size_t>(W) * 3; q < table_crc.size(); ++q)
+        if (table_crc[q] != table_crc[q % (static_cast<size_t>(W) * 3)] && diverged.empty())
+          diverged = "unit '" + up.name + "', " + kMoments[q % 3] + " of shard rank " + std::to_string(q / 3 % W) +
+                     ": global rank " + std::to_string(q / 3) + " differs from rank " + std::to_string(q / 3 % W);
+      std::vector<uint32_t> crc32s(table_crc.begin(), table_crc.begin() + static_cast<std::ptrdiff_t>(W) * 3);
       write_small(comm, g, "shard_crc32", H5T_STD_U32LE, H5T_NATIVE_UINT32, 2, tdims, crc32s.data(), dxpl);
       std::string cb;
       for (uint32_t v : crc32s) put_le<uint32_t>(cb, v);
@@ -671,6 +685,9 @@ void write_checkpoint_file(Comm& comm, const std::string& tmp_path, Fsdp<float>&
     const std::string table = ms.table_json();
     write_attr_str(file, kMetaTable, table);
     write_attr_i64(file, kMetaTableCheck, crc32_bytes(table));
+    if (!diverged.empty())  // every rank saw the same table; replica group 0's copy is what was saved
+      log_info(comm, "warning: checkpoint '" + tmp_path + "': the hybrid-sharding replica groups hold different "
+                     "parameters or AdamW state (" + diverged + "); replica group 0's copy is saved");
   } catch (const std::exception& e) {
     err = std::string("checkpoint '") + tmp_path + "': " + e.what();
   }
@@ -1006,7 +1023,8 @@ TrainState load_checkpoint(Comm& comm, const std::string& path, Fsdp<float>& f, 
   CheckpointInfo read;
   const CheckpointInfo& info = given ? *given : (read = read_checkpoint_info(comm, path));
   const ShardPlan& plan = f.plan();
-  const int M = comm.world_size(), r = comm.rank();
+  // Hybrid sharding: every replica group reads the slices of its own shard ranks.
+  const int M = plan.world_size, r = f.plan_rank();
   std::string err;
   // Structure checks: identical on every rank (the ranks agreed on the metadata), agreed anyway.
   try {

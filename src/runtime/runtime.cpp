@@ -2,6 +2,7 @@
 #include "shardtrain/runtime.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 
 #include <mpi.h>
@@ -161,6 +162,17 @@ MpiComm MpiComm::world() {
   c.owned_ = true;
   MPI_Comm_rank(dup, &c.rank_);
   MPI_Comm_size(dup, &c.size_);
+  return c;
+}
+
+MpiComm MpiComm::split(const Comm& parent, int color, int key) {
+  MpiComm c;
+  MPI_Comm sub;
+  check_mpi(MPI_Comm_split(as_mpi(parent.mpi_handle()), color, key, &sub), "MPI_Comm_split");
+  c.comm_ = reinterpret_cast<void*>(sub);
+  c.owned_ = true;
+  MPI_Comm_rank(sub, &c.rank_);
+  MPI_Comm_size(sub, &c.size_);
   return c;
 }
 
@@ -342,7 +354,25 @@ Runtime::Runtime(int* argc, char*** argv) {
   MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, topo_.rank, MPI_INFO_NULL, &local);
   MPI_Comm_rank(local, &topo_.local_rank);
   MPI_Comm_size(local, &topo_.local_size);
+  topo_.node_id = topo_.rank;
+  MPI_Allreduce(MPI_IN_PLACE, &topo_.node_id, 1, MPI_INT, MPI_MIN, local);
   MPI_Comm_free(&local);
+  // Test hook (README, "Running it"): emulate nodes of k consecutive ranks on one host.
+  if (const char* e = std::getenv("SHARDTRAIN_TEST_RANKS_PER_NODE")) {
+    const int k = std::atoi(e);
+    if (k > 0) {
+      topo_.emulated_ranks_per_node = k;
+      topo_.node_id = topo_.rank / k * k;
+      topo_.local_rank = topo_.rank - topo_.node_id;
+      topo_.local_size = std::min(k, topo_.world_size - topo_.node_id);
+    }
+  }
+  int agg[3] = {topo_.local_rank == 0 ? 1 : 0, topo_.local_size, -topo_.local_size};
+  MPI_Allreduce(MPI_IN_PLACE, agg, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
+  MPI_Allreduce(MPI_IN_PLACE, agg + 1, 2, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  topo_.nodes = agg[0];
+  topo_.max_local_size = agg[1];
+  topo_.min_local_size = -agg[2];
   char name[MPI_MAX_PROCESSOR_NAME];
   int len = 0;
   MPI_Get_processor_name(name, &len);

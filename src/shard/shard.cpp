@@ -97,11 +97,17 @@ double counter_normal(uint64_t seed, uint64_t key, uint64_t i) {
 }
 
 template <typename T>
-Fsdp<T>::Fsdp(Backend<T>& be, Comm& comm, ShardPlan plan, Comm* data_comm, bool full_buffers, const OverlapConfig& ov)
-    : be_(be), comm_(comm), dcomm_(data_comm ? data_comm : &comm), plan_(std::move(plan)), full_(full_buffers) {
-  if (plan_.world_size != comm.world_size())
+Fsdp<T>::Fsdp(Backend<T>& be, Comm& comm, ShardPlan plan, Comm* data_comm, bool full_buffers, Comm* replica_comm,
+              const OverlapConfig& ov)
+    : be_(be),
+      comm_(comm),
+      dcomm_(data_comm ? data_comm : &comm),
+      rcomm_(replica_comm),
+      plan_(std::move(plan)),
+      full_(full_buffers) {
+  if (plan_.world_size != dcomm_->world_size())
     throw std::invalid_argument("Fsdp: plan built for " + std::to_string(plan_.world_size) + " ranks, comm has " +
-                                std::to_string(comm.world_size()));
+                                std::to_string(dcomm_->world_size()));
   for (auto& u : plan_.units) {
     params_.emplace_back(be_, static_cast<size_t>(u.shard_size));
     grads_.emplace_back(be_, static_cast<size_t>(u.shard_size));
@@ -111,13 +117,13 @@ Fsdp<T>::Fsdp(Backend<T>& be, Comm& comm, ShardPlan plan, Comm* data_comm, bool 
   slab_ = reduce_slab(plan_, kReduceSlab);
   scatter_tmp_ = Buffer<T>(be_, slab_);
   if (max_shard > slab_) pack_ = Buffer<T>(be_, slab_ * W);
-  this->init_pipeline(be_, *dcomm_, comm_, plan_, ov);
+  this->init_pipeline(be_, *dcomm_, comm_, plan_, ov, rcomm_);
 }
 
 template <typename T> Fsdp<T>::~Fsdp() { this->stop_pipeline(); }
 
 template <typename T> void Fsdp<T>::init_params(uint64_t seed) {
-  int r = comm_.rank();
+  int r = plan_rank();
   constexpr int64_t kPiece = int64_t{1} << 20;  // host staging of at most 1M elements, not a whole shard
   std::vector<T> host;
   for (size_t u = 0; u < plan_.units.size(); ++u) {
@@ -161,6 +167,14 @@ size_t reduce_slab(const ShardPlan& plan, size_t slab_elements) {
 namespace {
 double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// Hybrid sharding: sums a reduce-scattered gradient slab (n elements of this shard rank's
+// gradient, already summed over its shard group) in place over the replica groups, so that it
+// holds the sum over all W ranks. Nothing to do with one group (replica == nullptr). The callers
+// then divide by W. The one place where gradients cross replica groups.
+template <typename T> void replica_sum(Comm* replica, T* slab, size_t n) {
+  if (replica) replica->all_reduce(slab, n, ReduceOp::Sum);
 }
 }  // namespace
 
@@ -326,7 +340,7 @@ CommTimes CommQueue::times() const {
 
 template <typename C>
 void UnitPipeline<C>::init_pipeline(Backend<C>& be, Comm& data, Comm& watch, const ShardPlan& plan,
-                                    const OverlapConfig& o) {
+                                    const OverlapConfig& o, Comm* replica) {
   be_ = &be;
   plan_ = &plan;
   ov_ = o;
@@ -334,6 +348,10 @@ void UnitPipeline<C>::init_pipeline(Backend<C>& be, Comm& data, Comm& watch, con
   if (ov_.on && ov_.progress == CommProgress::Thread && !mpi_thread_multiple()) ov_.progress = CommProgress::Poll;
   ag_comm_ = data.duplicate();
   rs_comm_ = data.duplicate();
+  if (replica) {
+    rep_comm_ = replica->duplicate();
+    rep_ = rep_comm_ ? rep_comm_.get() : replica;
+  }
   const bool cpu = std::string(be.name()) == "cpu";
   std::function<void()> prep;
   if (cpu) prep = [] { prepare_cpu_helper_thread(); };
@@ -498,7 +516,8 @@ template <typename T> CommQueue::Ticket Fsdp<T>::issue_gather(CommQueue& q, int 
 // one part; else one slab of n <= slab elements of every block per part: stage(packed + r*n,
 // full + r*S + a, n) fills the packed [W, n] buffer (a copy, or a widening to fp32; MPI libraries
 // allocate a temporary of the whole send buffer, slabs bound it), which is reduce-scattered into
-// `out`. add(a, n, out) consumes each summed piece [a, a+n) of this rank's shard, in slab order.
+// `out`. add(a, n, out) consumes each summed piece [a, a+n) of this rank's shard, in slab order
+// (and may modify it: hybrid sharding sums it over the replica groups first).
 template <typename F, typename P, typename Stage, typename Add>
 CommQueue::Ticket submit_reduce_slabs(CommQueue& q, const F* full, size_t S, size_t W, size_t slab, bool direct,
                                       P* packed, P* out, Stage stage, Add add) {
@@ -508,7 +527,7 @@ CommQueue::Ticket submit_reduce_slabs(CommQueue& q, const F* full, size_t S, siz
                        if constexpr (std::is_same_v<F, P>) return c.start_reduce_scatter_sum(full, out, S);
                        else throw std::logic_error("submit_reduce_slabs: direct needs one element type");
                      },
-                     [=](int) { add(size_t{0}, S, static_cast<const P*>(out)); }});
+                     [=](int) { add(size_t{0}, S, out); }});
   return q.submit({static_cast<int>((S + slab - 1) / slab),
                    [=](Comm& c, int i) {
                      const size_t a = static_cast<size_t>(i) * slab, n = std::min(slab, S - a);
@@ -517,20 +536,25 @@ CommQueue::Ticket submit_reduce_slabs(CommQueue& q, const F* full, size_t S, siz
                    },
                    [=](int i) {
                      const size_t a = static_cast<size_t>(i) * slab;
-                     add(a, std::min(slab, S - a), static_cast<const P*>(out));
+                     add(a, std::min(slab, S - a), out);
                    }});
 }
 
-// Divided by W and added into the gradient shard.
+// Summed over the replica groups (HSDP), divided by W = G * R and added into the gradient shard.
 template <typename T> CommQueue::Ticket Fsdp<T>::issue_reduce(CommQueue& q, int u, const T* full) {
-  const size_t S = static_cast<size_t>(plan_.units[u].shard_size), W = static_cast<size_t>(plan_.world_size);
-  const T inv_w = T(1) / static_cast<T>(W);
+  // G: ranks of the shard group (blocks of the buffer); the mean is over all G * R ranks.
+  const size_t S = static_cast<size_t>(plan_.units[u].shard_size), G = static_cast<size_t>(plan_.world_size);
+  const T inv_w = T(1) / static_cast<T>(G * static_cast<size_t>(replicas()));
   T* shard = grads_[u].data();
   Backend<T>* be = &be_;
+  Comm* rc = this->replica_lane();
   return submit_reduce_slabs(
-      q, full, S, W, slab_, S <= slab_, pack_.data(), scatter_tmp_.data(),
+      q, full, S, G, slab_, S <= slab_, pack_.data(), scatter_tmp_.data(),
       [=](T* d, const T* src, size_t n) { be->copy(d, src, n); },
-      [=](size_t a, size_t n, const T* sum) { be->axpy(n, inv_w, sum, shard + a); });
+      [=](size_t a, size_t n, T* sum) {
+        replica_sum(rc, sum, n);
+        be->axpy(n, inv_w, sum, shard + a);
+      });
 }
 
 template <typename T> std::vector<T> Fsdp<T>::gather_param(const std::string& name) {
@@ -547,7 +571,7 @@ template <typename T> std::vector<T> Fsdp<T>::gather_param(const std::string& na
 }
 
 template <typename T> void Fsdp<T>::set_param(const std::string& name, const std::vector<T>& full) {
-  int r = comm_.rank();
+  int r = plan_rank();
   for (size_t u = 0; u < plan_.units.size(); ++u)
     for (auto& slot : plan_.units[u].params)
       if (slot.spec.name == name) {
@@ -565,7 +589,7 @@ template <typename T> void Fsdp<T>::set_param(const std::string& name, const std
 }
 
 template <typename T> double Fsdp<T>::local_grad_sumsq() {
-  int r = comm_.rank();
+  int r = plan_rank();
   double s = 0;
   for (size_t u = 0; u < plan_.units.size(); ++u)
     s += be_.sum_squares(grads_[u].data(), static_cast<size_t>(plan_.units[u].ranks[r].valid));
@@ -583,7 +607,8 @@ MixedPrecisionUnits::MixedPrecisionUnits(Fsdp<float>& master, Backend<bf16>& be,
     grad32_ = Buffer<float>(m_.backend(), slab_ * static_cast<size_t>(m_.plan().world_size));
     scatter32_ = Buffer<float>(m_.backend(), slab_);
   }
-  init_pipeline(be_, m_.data_comm(), m_.comm(), m_.plan(), ov);
+  if (reduce_bf16_ && m_.replica_comm()) replica32_ = Buffer<float>(m_.backend(), max_shard);
+  init_pipeline(be_, m_.data_comm(), m_.comm(), m_.plan(), ov, m_.replica_comm());
   for (int i = 0; i < num_slots(); ++i) shard_.emplace_back(be_, max_shard);
 }
 
@@ -601,23 +626,38 @@ CommQueue::Ticket MixedPrecisionUnits::issue_gather(CommQueue& q, int u, bf16* d
 // bf16 reduce: the whole shard at once (scatter_ is shard-sized), the mean added into the fp32
 // gradient shard. fp32 reduce: widened to fp32 a slab at a time ([W, n] of at most slab_ * W floats),
 // so no fp32 copy of a whole unit exists.
+// Hybrid sharding: the group's sum is summed over the replica groups in fp32 (a bf16 group sum is
+// widened into replica32_ first) before the mean over W = G * R is added.
 CommQueue::Ticket MixedPrecisionUnits::issue_reduce(CommQueue& q, int u, const bf16* full) {
-  const size_t S = static_cast<size_t>(m_.plan().units[u].shard_size), W = static_cast<size_t>(m_.plan().world_size);
-  const float inv_w = 1.0f / static_cast<float>(W);
+  // G: ranks of the shard group (blocks of the buffer); the mean is over all G * R ranks.
+  const size_t S = static_cast<size_t>(m_.plan().units[u].shard_size), G = static_cast<size_t>(m_.plan().world_size);
+  const float inv_w = 1.0f / static_cast<float>(G * static_cast<size_t>(m_.replicas()));
   float* shard = m_.grad_shard(u);
   Backend<bf16>* be = &be_;
   Backend<float>* b32 = &m_.backend();
-  if (reduce_bf16_)
+  Comm* rc = replica_lane();
+  if (reduce_bf16_) {
+    float* w = replica32_.data();  // jobs run one at a time (FIFO): one buffer serves them all
     return submit_reduce_slabs(
-        q, full, S, W, S, true, static_cast<bf16*>(nullptr), scatter_.data(), [](bf16*, const bf16*, size_t) {},
-        [=](size_t a, size_t n, const bf16* sum) { be->add_to_f32(shard + a, inv_w, sum, n); });
+        q, full, S, G, S, true, static_cast<bf16*>(nullptr), scatter_.data(), [](bf16*, const bf16*, size_t) {},
+        [=](size_t a, size_t n, const bf16* sum) {
+          if (!rc) return be->add_to_f32(shard + a, inv_w, sum, n);
+          b32->zero(w, n);
+          be->add_to_f32(w, 1.0f, sum, n);
+          replica_sum(rc, w, n);
+          b32->axpy(n, inv_w, w, shard + a);
+        });
+  }
   return submit_reduce_slabs(
-      q, full, S, W, slab_, false, grad32_.data(), scatter32_.data(),
+      q, full, S, G, slab_, false, grad32_.data(), scatter32_.data(),
       [=](float* d, const bf16* src, size_t n) {
         b32->zero(d, n);
         be->add_to_f32(d, 1.0f, src, n);
       },
-      [=](size_t a, size_t n, const float* sum) { b32->axpy(n, inv_w, sum, shard + a); });
+      [=](size_t a, size_t n, float* sum) {
+        replica_sum(rc, sum, n);
+        b32->axpy(n, inv_w, sum, shard + a);
+      });
 }
 
 template class Fsdp<float>;

@@ -52,7 +52,9 @@ std::string MemoryPlan::format(const std::string& title) const {
 
 MemoryPlan plan_memory(const MemoryPlanInput& in) {
   const ModelOptions mo = model_options(in.train);
-  const ShardPlan sp = ShardPlan::build(llama_units(in.model), in.world_size);
+  // Shards are over the shard group: G ranks with hybrid sharding, else the whole world.
+  const int G = in.shard_group_size > 0 ? in.shard_group_size : in.world_size;
+  const ShardPlan sp = ShardPlan::build(llama_units(in.model), G);
   int64_t shard = 0;
   for (auto& u : sp.units) shard += u.shard_size;
   const int64_t maxp = sp.max_padded_numel(), maxs = sp.max_shard_size();
@@ -62,7 +64,7 @@ MemoryPlan plan_memory(const MemoryPlanInput& in) {
     p.lines.push_back({std::move(name), bytes, std::move(detail)});
   };
   const std::string sh = with_commas(shard) + " shard elements (" + with_commas(in.model.num_params()) + " / " +
-                         std::to_string(in.world_size) + ", padded)";
+                         std::to_string(G) + (G != in.world_size ? " ranks of a shard group" : "") + ", padded)";
   add("fp32 parameter shards", 4 * shard, "4 B x " + sh);
   add("fp32 gradient shards", 4 * shard, "4 B x " + sh);
   add("AdamW m and v shards", 8 * shard, "2 x 4 B x " + sh);
@@ -72,7 +74,7 @@ MemoryPlan plan_memory(const MemoryPlanInput& in) {
   const std::string why = in.overlap.on ? " (overlap: " + std::to_string(1 + in.overlap.prefetch) + " gather + 2 gradient)" : "";
   if (!bf) {
     add("FSDP gather + gradient buffers", 4 * nbuf * maxp, nb + "4 B x " + mx + why);
-    const int64_t W = in.world_size;
+    const int64_t W = G;
     const int64_t slab = static_cast<int64_t>(reduce_slab(sp, Fsdp<float>::kReduceSlab));
     add("FSDP reduce-scatter slab buffers", 4 * (slab + (maxs > slab ? slab * W : 0)),
         "4 B x " + with_commas(slab) + (maxs > slab ? " x (" + std::to_string(W) + " + 1)" : std::string()));
@@ -80,17 +82,19 @@ MemoryPlan plan_memory(const MemoryPlanInput& in) {
     const int64_t ngather = in.overlap.on ? 1 + in.overlap.prefetch : 1;
     add("bf16 gather + gradient buffers", 2 * nbuf * maxp, nb + "2 B x " + mx + why);
     add("bf16 shard copy", 2 * ngather * maxs, std::to_string(ngather) + " x 2 B x " + with_commas(maxs));
-    if (in.reduce_bf16)
+    if (in.reduce_bf16) {
       add("bf16 reduce-scatter buffer", 2 * maxs, "2 B x " + with_commas(maxs));
-    else {
-      const int64_t W = in.world_size;
+      if (G != in.world_size)
+        add("fp32 replica all-reduce buffer", 4 * maxs, "4 B x " + with_commas(maxs) + ": hybrid sharding");
+    } else {
+      const int64_t W = G;
       const int64_t slab = static_cast<int64_t>(reduce_slab(sp, MixedPrecisionUnits::kWidenSlab));
       add("fp32 reduce-scatter slabs", 4 * slab * (W + 1),
           "4 B x " + with_commas(slab) + " x (" + std::to_string(W) + " + 1): the bf16 gradient widened a slab at a time");
     }
   }
-  if (!in.cuda && in.world_size > 1) {  // MpiComm's packed slab and the MPI library's temporaries (runtime.h)
-    const int64_t W = in.world_size, cap = static_cast<int64_t>(Comm::kCollectiveSlab);
+  if (!in.cuda && G > 1) {  // MpiComm's packed slab and the MPI library's temporaries (runtime.h)
+    const int64_t W = G, cap = static_cast<int64_t>(Comm::kCollectiveSlab);
     const int64_t gs = bf ? 2 : 4;  // all-gather: shards in the compute type
     const int64_t rs = bf && in.reduce_bf16 ? 2 : 4;
     const int64_t rcount = bf && in.reduce_bf16

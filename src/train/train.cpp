@@ -46,16 +46,20 @@ const std::vector<std::string>& resume_checked_settings() {
 }
 
 std::string train_config_json(const TrainConfig& tc) {
-  return nlohmann::json({{"seq_len", tc.seq_len}, {"global_batch", tc.global_batch}, {"micro_batch", tc.micro_batch},
+  nlohmann::json j({{"seq_len", tc.seq_len}, {"global_batch", tc.global_batch}, {"micro_batch", tc.micro_batch},
                          {"steps", tc.steps}, {"lr", tc.lr}, {"min_lr", tc.min_lr}, {"warmup", tc.warmup},
                          {"beta1", tc.beta1}, {"beta2", tc.beta2}, {"eps", tc.eps}, {"weight_decay", tc.weight_decay},
-                         {"clip", tc.clip}, {"seed", tc.seed}, {"precision", tc.precision}})
-      .dump();
+                         {"clip", tc.clip}, {"seed", tc.seed}, {"precision", tc.precision}});
+  if (tc.world_size > 0) {  // the run's layout (hybrid sharding): informational, not compared on resume
+    j["world_size"] = tc.world_size;
+    j["shard_group_size"] = tc.shard_group_size > 0 ? tc.shard_group_size : tc.world_size;
+  }
+  return j.dump();
 }
 
 template <typename T> AdamW<T>::AdamW(Fsdp<T>& f, const TrainConfig& tc) : f_(f), tc_(tc) {
   const ShardPlan& plan = f.plan();
-  int r = f.comm().rank();
+  int r = f.plan_rank();
   for (int u = 0; u < f.num_units(); ++u) {
     const UnitPlan& up = plan.units[u];
     m_.emplace_back(f.backend(), static_cast<size_t>(up.shard_size));
@@ -289,6 +293,7 @@ static TrainResult train_in(Engine& eng, const ModelConfig& mc, const TrainConfi
   Backend<float>& be = eng.be;
   using clock = std::chrono::steady_clock;
   const int W = comm.world_size(), rank = comm.rank();
+  const int G = eng.data_comm.world_size();  // shard group size (hybrid sharding; W for plain FSDP)
   // Geometry checks: identical on every rank, so every rank throws the same message.
   if (tc.global_batch % W != 0)
     throw CollectiveError(0, "option '--global-batch' (" + std::to_string(tc.global_batch) +
@@ -329,6 +334,7 @@ static TrainResult train_in(Engine& eng, const ModelConfig& mc, const TrainConfi
                        0, 4, 0};  // token data: memory-mapped (page cache), not held by the rank
     mi.train.micro_batch = mb;
     mi.overlap = eng.overlap;
+    mi.shard_group_size = G;
     mi.runtime_bytes = mi.cuda ? kGpuRuntimeEstimate : current_rss_bytes();
     comm.all_reduce(&mi.runtime_bytes, 1, ReduceOp::Max);
     const MemoryPlan plan = plan_memory(mi);
@@ -345,8 +351,8 @@ static TrainResult train_in(Engine& eng, const ModelConfig& mc, const TrainConfi
   agree(comm, [&] {
     try {
       constexpr bool mixed = std::is_same_v<C, bf16>;
-      fp = std::make_unique<Fsdp<float>>(be, comm, ShardPlan::build(llama_units(mc), W), &eng.data_comm, !mixed,
-                                         eng.overlap);
+      fp = std::make_unique<Fsdp<float>>(be, comm, ShardPlan::build(llama_units(mc), G), &eng.data_comm, !mixed,
+                                         eng.replica_comm, eng.overlap);
       if constexpr (mixed) {
         cp.mixed = std::make_unique<MixedPrecisionUnits>(*fp, *eng.be16, eng.reduce_bf16,
                                                          MixedPrecisionUnits::kWidenSlab, eng.overlap);
@@ -362,7 +368,7 @@ static TrainResult train_in(Engine& eng, const ModelConfig& mc, const TrainConfi
       tgt.resize(tok.size());
     } catch (const std::bad_alloc&) {
       throw std::runtime_error("out of memory allocating model '" + mc.name + "' (" + std::to_string(mc.num_params()) +
-                               " parameters, sharded over " + std::to_string(W) + " ranks) with activations for " +
+                               " parameters, sharded over " + std::to_string(G) + " ranks) with activations for " +
                                std::to_string(mb) + " x " + std::to_string(tc.seq_len) +
                                " tokens per micro-batch; use more ranks, a smaller '--micro-batch' or '--seq-len', or a smaller '--model'");
     }
@@ -400,8 +406,15 @@ static TrainResult train_in(Engine& eng, const ModelConfig& mc, const TrainConfi
     state = load_checkpoint(comm, resume_path, f, &opt, mc, &info);
     double dt = std::chrono::duration<double>(clock::now() - t0).count();
     double mbytes = 3.0 * 4.0 * static_cast<double>(f.plan().total_numel()) / 1e6;
-    log_info(comm, "resumed from '" + resume_path + "' at step " + std::to_string(state.step) + " (saved at world size " +
-                       std::to_string(state.saved_world_size) + ") in " + fmt("%.2f", dt) + " s, " +
+    std::string saved = "world size " + std::to_string(state.saved_world_size);
+    {  // hybrid sharding: the file's world_size is its shard group's; train_config records the run's
+      const nlohmann::json j = nlohmann::json::parse(info.train_config);
+      if (j.contains("world_size") && j.contains("shard_group_size") &&
+          j["world_size"] != j["shard_group_size"])
+        saved = "world size " + j["world_size"].dump() + ", shard group size " + j["shard_group_size"].dump();
+    }
+    log_info(comm, "resumed from '" + resume_path + "' at step " + std::to_string(state.step) + " (saved at " +
+                       saved + ") in " + fmt("%.2f", dt) + " s, " +
                        fmt("%.0f", mbytes / dt) + " MB/s incl. CRC32 verification");
   } else {
     if (tc.resume == "auto")
@@ -534,7 +547,9 @@ static TrainResult train_in(Engine& eng, const ModelConfig& mc, const TrainConfi
     units.end_pass();  // every reduce-scatter has landed in the gradient shards
     // One all-reduce: loss, squared gradient norm, and "some rank was asked to stop" (a signal),
     // so every rank sees the same values and takes the same decisions below.
-    double red[3] = {loss_sum, f.local_grad_sumsq(), stop_signal() != 0 ? 1.0 : 0.0};
+    // Hybrid sharding: the replica groups hold identical gradient shards, so only replica group
+    // 0's ranks add theirs to the squared norm (each parameter counted once).
+    double red[3] = {loss_sum, f.replica_index() == 0 ? f.local_grad_sumsq() : 0.0, stop_signal() != 0 ? 1.0 : 0.0};
     comm.all_reduce(red, 3, ReduceOp::Sum);
     const double loss = red[0] / tokens_per_step, gnorm = std::sqrt(red[1]);
     const bool stop_requested = red[2] > 0;
@@ -631,6 +646,8 @@ static TrainResult train_in(Engine& eng, const ModelConfig& mc, const TrainConfi
 
 TrainResult train(Engine& eng, const ModelConfig& mc, const TrainConfig& tc_in, const TokenDataset& data) {
   TrainConfig tc = tc_in;
+  tc.world_size = eng.comm.world_size();
+  tc.shard_group_size = eng.data_comm.world_size();
   if (eng.precision == Precision::BF16) {
     if (!eng.be16) throw std::logic_error("train: Precision::BF16 without a bf16 backend");
     tc.precision = eng.reduce_bf16 ? "bf16 (bf16 gradient reduce)" : "bf16 (fp32 gradient reduce)";

@@ -539,7 +539,8 @@ TEST_F(Fsdp, PrefetchFollowsRecordedOrderAndStaysCorrect) {
   for (st::CommProgress prog : {st::CommProgress::Thread, st::CommProgress::Poll, st::CommProgress::Wait}) {
     SCOPED_TRACE(st::comm_progress_name(prog));
     st::Fsdp<double> ref(*be, world(), st::ShardPlan::build(test_units(), W));
-    st::Fsdp<double> f(*be, world(), st::ShardPlan::build(test_units(), W), nullptr, true, st::OverlapConfig{true, 2, prog});
+    st::Fsdp<double> f(*be, world(), st::ShardPlan::build(test_units(), W), nullptr, true, nullptr,
+                        st::OverlapConfig{true, 2, prog});
     ref.init_params(31);
     f.init_params(31);
     const int U = f.num_units();
@@ -854,6 +855,94 @@ TEST_F(Fsdp, MixedPrecisionGatherAndReduceScatter) {
         double tol = reduce_bf16 ? 2.0 * W / 256 : 1e-6;
         EXPECT_NEAR(got[i], want[i], tol * (1 + std::fabs(want[i]))) << "unit " << u << " shard element " << i
                                                                     << (reduce_bf16 ? " (bf16 reduce)" : "");
+      }
+    }
+  }
+}
+
+// Hybrid sharding: for every shard group size G < W dividing W, a plan over G ranks with the shard
+// group as data communicator and the replica group as replica communicator gathers the same units
+// as plain FSDP, and its gradient shard is the mean over all W ranks (not G), in fp64, fp32 and
+// mixed precision (fp32 and bf16 reduce). Summing local_grad_sumsq over replica group 0 alone
+// counts every element once. The same with overlap on (the replica all-reduce then runs inside the
+// asynchronous reduce-scatter job: on the communication thread, or polled), after end_pass().
+TEST_F(Fsdp, HybridShardingMeanOverAllRanks) {
+  st::Comm& c = world();
+  const int W = c.world_size(), r = c.rank();
+  auto be64 = st::make_cpu_backend<double>();
+  auto be32 = st::make_cpu_backend<float>();
+  auto be16 = st::make_cpu_backend<bf16>();
+  for (const st::OverlapConfig ov : {st::OverlapConfig{false, 0, st::CommProgress::Wait},
+                                     st::OverlapConfig{true, 1, st::CommProgress::Thread},
+                                     st::OverlapConfig{true, 1, st::CommProgress::Poll}})
+  for (int G = 1; G < W; ++G) {
+    if (W % G != 0) continue;
+    SCOPED_TRACE("G = " + std::to_string(G) + ", overlap " + (ov.on ? "on, progress " : "off, ") +
+                 st::comm_progress_name(ov.progress));
+    st::MpiComm group = st::MpiComm::split(c, r / G, r), replica = st::MpiComm::split(c, r % G, r);
+    EXPECT_EQ(group.world_size(), G);
+    EXPECT_EQ(group.rank(), r % G);
+    EXPECT_EQ(replica.world_size(), W / G);
+    EXPECT_EQ(replica.rank(), r / G);
+    st::Fsdp<double> f(*be64, c, st::ShardPlan::build(test_units(), G), &group, true, &replica, ov);
+    EXPECT_EQ(f.plan_rank(), r % G);
+    EXPECT_EQ(f.replica_index(), r / G);
+    EXPECT_EQ(f.replicas(), W / G);
+    f.init_params(5);
+    f.zero_grads();
+    double sumsq = 0;  // expected squared norm of the mean gradient
+    for (int u = 0; u < f.num_units(); ++u) {
+      const st::UnitPlan& up = f.plan().units[u];
+      std::vector<double> full = host_copy(*be64, f.gather(u), up.padded_numel);
+      for (const auto& slot : up.params) {
+        std::vector<double> want = expected_param<double>(5, slot.spec);
+        for (int64_t i = 0; i < slot.numel; ++i)
+          EXPECT_EQ(full[static_cast<size_t>(slot.offset + i)], want[static_cast<size_t>(i)]) << slot.spec.name;
+      }
+      std::vector<double> g(static_cast<size_t>(up.padded_numel), 0.0);
+      for (int64_t i = 0; i < up.numel; ++i) g[static_cast<size_t>(i)] = grad_value(r, u, i, 0);
+      be64->from_host(f.full_grad(u), g.data(), g.size());
+      f.reduce_scatter_grad(u);
+      f.end_pass();  // overlap: the reduce-scatter (and replica sum) may still be in flight
+      std::vector<double> got = host_copy(*be64, f.grad_shard(u), up.shard_size);
+      const st::RankShard& rs = up.ranks[static_cast<size_t>(r % G)];
+      for (int64_t k = 0; k < up.shard_size; ++k) {
+        double want = 0;
+        if (k < rs.valid)
+          for (int q = 0; q < W; ++q) want += grad_value(q, u, rs.start + k, 0) / W;
+        EXPECT_TRUE(near(got[static_cast<size_t>(k)], want, 1e-12)) << up.name << " element " << k << ": " << got[k]
+                                                                    << " vs " << want;
+      }
+      for (int64_t i = 0; i < up.numel; ++i) {
+        double m = 0;
+        for (int q = 0; q < W; ++q) m += grad_value(q, u, i, 0) / W;
+        sumsq += m * m;
+      }
+    }
+    double norm = f.replica_index() == 0 ? f.local_grad_sumsq() : 0.0;
+    c.all_reduce(&norm, 1, st::ReduceOp::Sum);
+    EXPECT_TRUE(near(norm, sumsq, 1e-10)) << norm << " vs " << sumsq;
+
+    for (bool reduce_bf16 : {false, true}) {  // mixed precision over an fp32 master with replicas
+      st::Fsdp<float> master(*be32, c, st::ShardPlan::build(test_units(), G), &group, false, &replica);
+      st::MixedPrecisionUnits mixed(master, *be16, reduce_bf16, st::MixedPrecisionUnits::kWidenSlab, ov);
+      master.zero_grads();
+      for (int u = 0; u < master.num_units(); ++u) {
+        const st::UnitPlan& up = master.plan().units[u];
+        std::vector<bf16> g16(static_cast<size_t>(up.padded_numel), b16(0.0f));
+        for (int64_t i = 0; i < up.numel; ++i) g16[static_cast<size_t>(i)] = b16(static_cast<float>(grad_value(r, u, i, 0)));
+        be16->from_host(mixed.full_grad(u), g16.data(), g16.size());
+        mixed.reduce_scatter_grad(u);
+        mixed.end_pass();
+        std::vector<float> got = host_copy(*be32, master.grad_shard(u), up.shard_size);
+        const st::RankShard& rs = up.ranks[static_cast<size_t>(r % G)];
+        for (int64_t k = 0; k < rs.valid; ++k) {
+          double want = 0;
+          for (int q = 0; q < W; ++q) want += f32(b16(static_cast<float>(grad_value(q, u, rs.start + k, 0)))) / W;
+          const double tol = reduce_bf16 ? 2.0 * W / 256 : 1e-6;
+          EXPECT_NEAR(got[static_cast<size_t>(k)], want, tol * (1 + std::fabs(want)))
+              << up.name << " element " << k << (reduce_bf16 ? " (bf16 reduce)" : "");
+        }
       }
     }
   }

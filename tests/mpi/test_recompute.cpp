@@ -199,7 +199,7 @@ TEST(MemoryPlan, MatchesCountedAllocations) {
     st::testing::CountingBackend<bf16> be16;
     {
       const bool mixed = k.p == st::Precision::BF16;
-      st::Fsdp<float> f(be, comm, st::ShardPlan::build(st::llama_units(mc), W), nullptr, !mixed, ov);
+      st::Fsdp<float> f(be, comm, st::ShardPlan::build(st::llama_units(mc), W), nullptr, !mixed, nullptr, ov);
       st::AdamW<float> opt(f, tc);
       std::unique_ptr<st::MixedPrecisionUnits> mp;
       if (mixed) {

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <tuple>
 
 #include "shardtrain/options.h"
 
@@ -27,4 +28,30 @@ TEST(JobFile, SemicolonAfterValueAndHashAreLeftAlone) {
   // Inline ';' is part of the value; '#' is Boost's comment, handled by Boost.
   const std::string s = "metrics = a;b.jsonl\nprompt = x ; y\n# hash\nsteps = 3 # three\n";
   EXPECT_EQ(normalize_job_file(s), s);
+}
+
+// --shard-group-size (hybrid sharding): empty = the world size, "node" = the ranks per node, a
+// number must divide the world size; every refusal names the option.
+TEST(ShardGroupSize, Resolves) {
+  EXPECT_EQ(resolve_shard_group_size("", 4, 2), 4);
+  EXPECT_EQ(resolve_shard_group_size("2", 4, 1), 2);
+  EXPECT_EQ(resolve_shard_group_size("4", 4, 1), 4);
+  EXPECT_EQ(resolve_shard_group_size("node", 8, 4), 4);
+  EXPECT_EQ(resolve_shard_group_size("3", 0, 0), 3);  // form only (option validation)
+}
+
+TEST(ShardGroupSize, RefusesNamingTheOption) {
+  for (auto [v, w, k] : {std::tuple{"3", 4, 4}, {"0", 4, 4}, {"-2", 4, 4}, {"2x", 4, 4}, {"x", 4, 4},
+                         {"node", 4, 0}, {"node", 4, 3}})
+    try {
+      resolve_shard_group_size(v, w, k);
+      ADD_FAILURE() << "accepted '" << v << "' at world " << w;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("'--shard-group-size'"), std::string::npos) << e.what();
+    }
+  try {
+    resolve_shard_group_size("3", 4, 4);
+  } catch (const std::invalid_argument& e) {
+    EXPECT_STREQ(e.what(), "option '--shard-group-size' (3) does not divide the world size (4)");
+  }
 }
