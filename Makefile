@@ -5,6 +5,7 @@
 #   make demo    2-rank training run on the bundled default corpus (Debian's fortunes); loss curves in build/demo-loss.png
 #   make jobs-test  installation checks of the Slurm job files on one node (tests/jobs/run.sh, < 3 min)
 #   make bench   benchmarks (tinyshakespeare if ../shared/data has it) and the PyTorch peer; results for docs/benchmarks.md
+#   make bench-overlap  --overlap off vs on (each --comm-progress) at W = 2 and 4 (make bench part 6 alone)
 #   make comm-bench  MPI all-gather / reduce-scatter bandwidth at W = 2 and 4 ($(BUILD)/comm.jsonl; docs/scaling.md)
 #   make scaling-check  docs/scaling.md's model against shardtrain's measured comm_ms at W = 2 and 4
 #   make clean
@@ -69,7 +70,7 @@ MPI_OBJS := $(MPI_SRCS:%.cpp=$(BUILD)/%.o)
 GPU_SRCS := $(wildcard tests/gpu/*.cpp) tests/test_main.cpp
 GPU_OBJS := $(GPU_SRCS:%.cpp=$(BUILD)/%.o)
 
-.PHONY: all deps build binaries test jobs-test demo bench clean data venv comm-bench
+.PHONY: all deps build binaries test jobs-test demo bench clean data venv comm-bench bench-overlap
 all: build
 
 deps:
@@ -155,6 +156,12 @@ demo: deps build data
 
 bench: deps build venv
 	bash tests/bench/run.sh
+
+# make bench, part 6 alone: --overlap off against on (thread, poll, wait progress) at W = 2 and 4,
+# interleaved (tests/bench/overlap.py; $(BUILD)/bench/overlap.md for docs/benchmarks.md).
+bench-overlap: $(BUILD)/shardtrain $(BUILD)/data/fortunes.tok
+	OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl_vader_single_copy_mechanism=none \
+	  python3 tests/bench/overlap.py --bin $(BUILD)/shardtrain --data $(BUILD)/data/fortunes.tok --out $(BUILD)/bench
 
 # Communication micro-benchmark (tests/bench/comm_bandwidth.cpp): median times, algorithm and bus
 # bandwidth (nccl-tests' definitions) of MPI all-gather (fp32, bf16-sized) and reduce-scatter (fp32)

@@ -149,6 +149,9 @@ class CommQueue {
   void poll();
   bool background() const { return background_; }
   CommTimes times() const;
+  // The communication thread tests the head request, then naps kPollMinUs, doubling the nap (up
+  // to kPollMaxUs) while no part completes: microseconds.
+  static constexpr int kPollMinUs = 20, kPollMaxUs = 1000;
 
  private:
   struct Active {

@@ -200,12 +200,16 @@ CommQueue::CommQueue(Comm& lane, Comm& watch, bool background, CommProgress prog
   thread_ = std::thread([this, prep = std::move(prepare_thread)] {
     if (prep) prep();
     std::unique_lock<std::mutex> lk(mu_);
+    int nap_us = kPollMinUs;
     for (;;) {
       cv_work_.wait(lk, [&] { return quit_ || !jobs_.empty(); });
       if (jobs_.empty()) break;  // quit_ and nothing left
       try {
-        while (advance_locked()) {
-        }
+        bool moved = false;
+        while (advance_locked()) moved = true;
+        // Back off while nothing completes: each MPI_Test runs Open MPI's whole progress loop, and
+        // on a machine with no spare core these wake-ups are taken from the compute threads.
+        nap_us = moved ? kPollMinUs : std::min(2 * nap_us, kPollMaxUs);
       } catch (...) {
         error_ = std::current_exception();
         jobs_.clear();
@@ -215,7 +219,7 @@ CommQueue::CommQueue(Comm& lane, Comm& watch, bool background, CommProgress prog
       }
       if (!jobs_.empty()) {  // in flight: test again shortly (MPI_Test drives Open MPI's progress)
         lk.unlock();
-        std::this_thread::sleep_for(std::chrono::microseconds(20));
+        std::this_thread::sleep_for(std::chrono::microseconds(nap_us));
         lk.lock();
       }
     }
@@ -309,14 +313,12 @@ void CommQueue::wait(Ticket t) {
   if (completed_ >= t && !error_) return;
   const double t0 = now_s();
   {
+    // The waiter drives the head job itself, in every progress mode (with a thread too: it would
+    // only notice completion after its next nap); the thread blocks on the lock meanwhile.
     CommWatch w(watch_, what_);
-    if (thread_.joinable()) {
-      cv_done_.wait(lk, [&] { return completed_ >= t || error_; });
-    } else {
-      while (completed_ < t) {
-        if (!advance_locked() && !jobs_.empty()) {
-          jobs_.front().req->wait();  // blocks in MPI_Wait: nothing else to do meanwhile
-        }
+    while (completed_ < t && !error_) {
+      if (!advance_locked() && !jobs_.empty()) {
+        jobs_.front().req->wait();  // blocks in MPI_Wait: nothing else to do meanwhile
       }
     }
   }

@@ -16,6 +16,8 @@
 # 4. Memory: plan vs measured peak per rank, activation checkpointing modes, GPU plans (tests/bench/memory.py).
 # 5. Tokenizing throughput (MB/s of text) of --mode prepare beside Python sentencepiece and tokenizers
 #    (tests/bench/prepare.py), and prepare's peak RSS on 64 MiB and 2 GiB of text.
+# 6. Overlap: --overlap off / on (thread, poll, wait progress) at W = 2 and 4 (tests/bench/overlap.py),
+#    about 8 minutes; `make bench-overlap` runs this part alone.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
@@ -94,6 +96,12 @@ PREP_TEXT=$SHAKES
 [ -f "$PREP_TEXT" ] || PREP_TEXT=/usr/share/games/fortunes/fortunes
 PREP_FAILED=0
 .venv/bin/python tests/bench/prepare.py $BIN "$PREP_TEXT" "$OUT" "${QUICK_OPT[@]}" || PREP_FAILED=1
+# 6. Overlap of communication with compute (issue 15): --overlap off against on with each
+#    --comm-progress mode, W = 2 and 4, on tests/bench/scaling-config.json, interleaved
+#    (tests/bench/overlap.py; build/bench/overlap.md for docs/benchmarks.md).
+OVL_FAILED=0
+python3 tests/bench/overlap.py --bin $BIN --data build/data/fortunes.tok --out "$OUT" "${QUICK_OPT[@]}" || OVL_FAILED=1
 if [ "$PEER_FAILED" = 1 ]; then echo "bench: some runs against the peer failed (see above)"; exit 1; fi
+if [ "$OVL_FAILED" = 1 ]; then echo "bench: the overlap benchmark failed (see above)"; exit 1; fi
 if [ "$PREP_FAILED" = 1 ]; then echo "bench: the tokenizing benchmark failed (see above)"; exit 1; fi
 if [ "$MEM_FAILED" = 1 ]; then echo "bench: a memory check failed (see above)"; exit 1; fi
