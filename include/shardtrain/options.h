@@ -43,7 +43,7 @@ struct Options {
   std::string reduce_dtype = "fp32";  // train, bf16: dtype of the gradient reduce-scatter, fp32 | bf16
   std::string overlap = "on";      // train: on | off (prefetched all-gathers, asynchronous reduce-scatters)
   int prefetch = 1;                // train: all-gathers in flight ahead of the unit computed
-  std::string comm_progress = "thread";  // train: thread | poll | wait (parse_comm_progress, shard.h)
+  std::string comm_progress = "poll";  // train: poll | thread | wait (parse_comm_progress, shard.h)
   std::string shard_group_size;   // train, plan: ranks a unit is sharded over (HSDP): "" = all, N, or "node"
   std::string checkpoint;         // inspect: the checkpoint file (also positional)
   std::string dump_param;         // inspect: write this gathered parameter ("all": every one) ...

@@ -90,10 +90,11 @@ size_t reduce_slab(const ShardPlan& plan, size_t slab_elements);
 // How nonblocking collectives advance while the rank computes. Open MPI progresses a nonblocking
 // collective only inside MPI calls, so something must make them (docs/architecture.md, "Overlap",
 // has the measurements behind the default):
-//   Thread: a communication thread starts, tests (MPI_Test, then a 20 us sleep) and finishes the
-//           collectives in flight (needs MPI_THREAD_MULTIPLE; without it, Poll is used);
-//   Poll:   the compute thread calls MPI_Test after every GEMM tile and at each unit (CPU backend
-//           hook, set_cpu_gemm_hook);
+//   Poll:   (default) the compute thread calls MPI_Test after every GEMM tile and at each unit
+//           (CPU backend hook, set_cpu_gemm_hook);
+//   Thread: a communication thread starts, tests (MPI_Test, then a nap of 20 us doubling to 1 ms
+//           while nothing completes) and finishes the collectives in flight (needs
+//           MPI_THREAD_MULTIPLE; without it, Poll is used);
 //   Wait:   nothing between: a collective advances when it is started and when it is waited for
 //           (what Open MPI's own asynchronous progress, where a transport has it, would add to).
 enum class CommProgress { Thread, Poll, Wait };
@@ -105,7 +106,7 @@ struct OverlapConfig {
   bool on = true;     // --overlap on|off. Off: each collective is waited for as soon as it is started
                       // (same MPI calls, same arithmetic: the bitwise reference), nothing prefetched.
   int prefetch = 1;   // --prefetch N: all-gathers in flight ahead of the unit being computed (>= 0)
-  CommProgress progress = CommProgress::Thread;  // --comm-progress
+  CommProgress progress = CommProgress::Poll;  // --comm-progress (poll: measured best, docs/benchmarks.md)
 };
 
 // Where a rank's time on FSDP collectives went, accumulated since construction (seconds).

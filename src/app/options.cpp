@@ -39,7 +39,7 @@ po::options_description describe(Options& o) {
       ("reduce-dtype", po::value<std::string>(&o.reduce_dtype)->default_value(o.reduce_dtype), "with --precision bf16: gradients are reduce-scattered in fp32 | bf16 (half the bytes)")
       ("overlap", po::value<std::string>(&o.overlap)->default_value(o.overlap), "on: all-gathers are prefetched and reduce-scatters run asynchronously, behind the compute | off: every collective is waited for when it is started (the reference: results are bitwise the same)")
       ("prefetch", po::value<int>(&o.prefetch)->default_value(o.prefetch), "with --overlap on: units whose all-gather runs ahead of the unit being computed (each needs a buffer of the largest unit)")
-      ("comm-progress", po::value<std::string>(&o.comm_progress)->default_value(o.comm_progress), "with --overlap on, CPU: what advances MPI's nonblocking collectives: thread (a communication thread) | poll (MPI_Test between GEMM tiles) | wait (only when waited for)")
+      ("comm-progress", po::value<std::string>(&o.comm_progress)->default_value(o.comm_progress), "with --overlap on, CPU: what advances MPI's nonblocking collectives: poll (MPI_Test between GEMM tiles; hid the most in docs/benchmarks.md) | thread (a communication thread) | wait (only when started and waited for)")
       ("shard-group-size", po::value<std::string>(&o.shard_group_size), "hybrid sharding (HSDP): shard parameters within groups of G consecutive ranks and replicate them across the W / G groups; a number dividing the world size, or 'node' (the ranks of one node); default: the world size (plain FSDP)");
   po::options_description data("Data (--mode prepare, --mode tokenizer; docs/data-format.md)");
   data.add_options()
@@ -201,7 +201,7 @@ void validate(const Options& o) {
   check(o.overlap == "on" || o.overlap == "off", "overlap", "must be on or off, got '" + o.overlap + "'");
   check(o.prefetch >= 0 && o.prefetch <= 8, "prefetch", "must be in [0, 8], got " + std::to_string(o.prefetch));
   check(o.comm_progress == "thread" || o.comm_progress == "poll" || o.comm_progress == "wait", "comm-progress",
-        "must be thread, poll or wait, got '" + o.comm_progress + "'");
+        "must be poll, thread or wait, got '" + o.comm_progress + "'");
   finite(o.collective_timeout, "collective-timeout");
   check(o.collective_timeout >= 0, "collective-timeout", "must be >= 0");
   for (auto [v, n] : {std::pair{o.val_fraction, "val-fraction"}, {t.lr, "lr"}, {t.min_lr, "min-lr"}, {t.beta1, "beta1"},

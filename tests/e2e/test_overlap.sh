@@ -3,7 +3,7 @@
 # compute: with --overlap on (prefetched all-gathers, asynchronous reduce-scatters) losses,
 # gradient norms, validation losses and the saved checkpoint (parameters and AdamW moments, i.e.
 # every gradient) must be bitwise identical to --overlap off, at world sizes 1-4, in fp32 and bf16.
-# At world size 3 the other progress modes (poll, wait) and prefetch 2 must agree too, and the
+# At world size 3 the other progress modes (thread, wait) and prefetch 2 must agree too, and the
 # metrics file must carry compute / comm / exposed-comm times.
 source "$(dirname "$0")/common.sh"
 DATA=$(test_corpus)
@@ -60,13 +60,13 @@ for np_ in 1 2 3 4; do
     same "off_${np_}_$prec" "on_${np_}_$prec"
   done
 done
-grep -q "overlap: on (prefetch 1 unit(s), asynchronous reduce-scatter, progress: thread)" "$WORK/on_3_fp32.log" ||
+grep -q "overlap: on (prefetch 1 unit(s), asynchronous reduce-scatter, progress: poll)" "$WORK/on_3_fp32.log" ||
   { cat "$WORK/on_3_fp32.log"; fail "no overlap line"; }
 grep -q "overlap: off" "$WORK/off_3_fp32.log" || fail "no 'overlap: off' line"
 grep -q "exposed comm [0-9.]* ms/step" "$WORK/on_3_fp32.log" || fail "step log lacks exposed comm"
 
-run on_3_poll 3 fp32 --overlap on --comm-progress poll
-same off_3_fp32 on_3_poll
+run on_3_thread 3 fp32 --overlap on --comm-progress thread
+same off_3_fp32 on_3_thread
 run on_3_wait 3 fp32 --overlap on --comm-progress wait --prefetch 2
 same off_3_fp32 on_3_wait
 run on_3_pf0 3 fp32 --overlap on --prefetch 0
@@ -108,4 +108,4 @@ PY
 expect_fail bad_overlap "option '--overlap'" 2 --model tiny --data "$DATA" --overlap maybe
 expect_fail bad_prefetch "option '--prefetch'" 2 --model tiny --data "$DATA" --prefetch -1
 expect_fail bad_progress "option '--comm-progress'" 2 --model tiny --data "$DATA" --comm-progress spin
-echo "ok: overlap on == off bitwise at world sizes 1-4, fp32 and bf16; poll, wait, prefetch 0 and 2 too"
+echo "ok: overlap on == off bitwise at world sizes 1-4, fp32 and bf16; thread, wait, prefetch 0 and 2 too"
