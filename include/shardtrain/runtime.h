@@ -94,14 +94,37 @@ class Comm {
     // Does not block; true once the collective completed. Drives MPI progress (MPI_Test).
     virtual bool test() = 0;
     // Blocks until the collective completed; then its results are visible to host code (MPI).
+    // Stream-ordered Comms: returns at once, the compute stream ordered after the collective.
     virtual void wait() = 0;
   };
   template <typename T> std::unique_ptr<Request> start_all_gather(const T* send, T* recv, size_t count);
   template <typename T> std::unique_ptr<Request> start_reduce_scatter_sum(const T* send, T* recv, size_t count);
   // True when the start_* calls return before completion (MpiComm: MPI_Iallgather,
-  // MPI_Ireduce_scatter_block). False: they complete on return, like the blocking calls (the
-  // device Comms: NCCL on the backend's stream and host-staged MPI).
+  // MPI_Ireduce_scatter_block; NcclComm: stream-ordered, below). False: they complete on return,
+  // like the blocking calls (the host-staged device Comm).
   virtual bool asynchronous() const { return false; }
+  // Stream-ordered device Comms (NcclComm; issue 15). start_* enqueue the collective on the
+  // Comm's own communication stream, after everything already enqueued on the compute stream (a
+  // CUDA event: inputs written, earlier readers of the output done), and return at once. Their
+  // Request::wait() does not block the host: it makes the compute stream wait for the collective
+  // (cudaStreamWaitEvent), so device work enqueued after wait() sees the result; host code sees it
+  // after synchronize(). test() asks whether the collective finished (cudaEventQuery). Callers
+  // must start every collective of such a Comm in program order, never depending on test(), so
+  // that every rank enqueues the same NCCL calls in the same order. The blocking calls above stay
+  // blocking and are ordered after every started collective.
+  virtual bool stream_ordered() const { return false; }
+  // Blocks the host until every collective started on this Comm, and the compute stream's work
+  // before this call, completed; a watched wait (the collective watchdog covers it). Rethrows a
+  // failure the device reported. No-op for Comms whose Requests complete on the host.
+  virtual void synchronize() {}
+  // Stream-ordered Comms: seconds the communication stream spent in started collectives
+  // (issued_s) and seconds the compute stream waited for them in Request::wait() (exposed_s),
+  // measured with CUDA events and accumulated up to the last synchronize(); zero elsewhere.
+  struct DeviceTimes {
+    double issued_s = 0, exposed_s = 0;
+    int64_t collectives = 0;
+  };
+  virtual DeviceTimes device_times() const { return {}; }
   // Collective. A new Comm over the same ranks on a duplicated MPI communicator (its collectives
   // never match this one's), or nullptr where the implementation has none. FSDP runs its gathers
   // and its reduce-scatters each on one, so that the two streams of collectives, started at

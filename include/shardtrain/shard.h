@@ -122,7 +122,9 @@ struct CommTimes {
 // collectives: start(comm, i) starts part i (staging its input first if it needs to), done(i)
 // consumes its result (e.g. adds a reduce-scattered slab into the gradient shard). With an
 // asynchronous comm and overlap on, parts advance in the background as CommProgress says; else
-// submit() runs the job to completion before it returns. Threads: submit/wait/poll from one
+// submit() runs the job to completion before it returns. On a stream-ordered lane (NCCL,
+// Comm::stream_ordered) submit() enqueues every part at once and wait() orders the compute stream
+// after the job instead of blocking the host. Threads: submit/wait/poll from one
 // (compute) thread; start and done may run on the communication thread, so they must only touch
 // memory the compute thread leaves alone until wait() returned.
 class CommQueue {
@@ -164,10 +166,13 @@ class CommQueue {
   };
   bool advance_locked();  // starts / tests / finishes the head; true if it completed a part
   void run_inline(Job& job);
+  Ticket submit_ordered_locked(Job job, Ticket t);  // stream-ordered lane (Comm::stream_ordered)
+  void finish_head_locked();
   Comm& lane_;
   Comm& watch_;
   const char* what_;
   bool background_;
+  bool ordered_;  // background on a stream-ordered lane: enqueue at submit, wait orders the device
   CommProgress progress_;
   mutable std::mutex mu_;
   std::condition_variable cv_work_, cv_done_;
@@ -266,6 +271,7 @@ template <typename C> class UnitPipeline : public UnitSource<C> {
   OverlapConfig ov_;
   std::unique_ptr<Comm> ag_comm_, rs_comm_, rep_comm_;
   Comm* rep_ = nullptr;
+  Comm* ordered_lane_ = nullptr;  // the data Comm when it is stream-ordered (NCCL): end_pass synchronizes it
   std::unique_ptr<CommQueue> agq_, rsq_;
   std::vector<Slot> slots_;
   std::vector<GradBuf> grads_;

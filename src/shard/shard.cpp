@@ -195,8 +195,15 @@ const char* comm_progress_name(CommProgress p) {
 
 CommQueue::CommQueue(Comm& lane, Comm& watch, bool background, CommProgress progress,
                      std::function<void()> prepare_thread, const char* what)
-    : lane_(lane), watch_(watch), what_(what), background_(background && lane.asynchronous()), progress_(progress) {
-  if (!background_ || progress_ != CommProgress::Thread) return;
+    : lane_(lane),
+      watch_(watch),
+      what_(what),
+      background_(background && lane.asynchronous()),
+      ordered_(background_ && lane.stream_ordered()),
+      progress_(progress) {
+  // A stream-ordered lane (NCCL) needs no progress from the host, and its collectives must be
+  // enqueued in program order: never from a thread.
+  if (!background_ || ordered_ || progress_ != CommProgress::Thread) return;
   thread_ = std::thread([this, prep = std::move(prepare_thread)] {
     if (prep) prep();
     std::unique_lock<std::mutex> lk(mu_);
@@ -288,6 +295,7 @@ CommQueue::Ticket CommQueue::submit(Job job) {
     completed_ = t;
     return t;
   }
+  if (ordered_) return submit_ordered_locked(std::move(job), t);
   Active a;
   a.job = std::move(job);
   a.ticket = t;
@@ -301,8 +309,39 @@ CommQueue::Ticket CommQueue::submit(Job job) {
   return t;
 }
 
+// Stream-ordered lane: every part is enqueued now, in program order (the same on every rank). The
+// parts before the last, and the jobs still queued whose `done` uses buffers that this job's
+// parts reuse (the reduce-scatter's packed and result slabs), are ordered before it on the
+// compute stream (Request::wait() does not block the host). The last part stays in flight: its
+// wait and `done` come when the ticket is waited for.
+CommQueue::Ticket CommQueue::submit_ordered_locked(Job job, Ticket t) {
+  while (!jobs_.empty() && jobs_.front().job.done) finish_head_locked();
+  Active a;
+  a.job = std::move(job);
+  a.ticket = t;
+  for (a.part = 0;; ++a.part) {
+    a.req = a.job.start(lane_, a.part);
+    ++times_.collectives;
+    if (a.part + 1 == a.job.parts) break;
+    a.req->wait();
+    if (a.job.done) a.job.done(a.part);
+  }
+  jobs_.push_back(std::move(a));
+  return t;
+}
+
+// Stream-ordered lane: orders the compute stream after the head's last part, consumes it.
+void CommQueue::finish_head_locked() {
+  Active& a = jobs_.front();
+  a.req->wait();
+  a.req.reset();
+  if (a.job.done) a.job.done(a.part);
+  completed_ = a.ticket;
+  jobs_.pop_front();
+}
+
 void CommQueue::poll() {
-  if (!background_ || thread_.joinable()) return;
+  if (!background_ || ordered_ || thread_.joinable()) return;
   std::lock_guard<std::mutex> lk(mu_);
   while (advance_locked()) {
   }
@@ -316,6 +355,7 @@ void CommQueue::wait(Ticket t) {
     // The waiter drives the head job itself, in every progress mode (with a thread too: it would
     // only notice completion after its next nap); the thread blocks on the lock meanwhile.
     CommWatch w(watch_, what_);
+    while (ordered_ && completed_ < t) finish_head_locked();
     while (completed_ < t && !error_) {
       if (!advance_locked() && !jobs_.empty()) {
         jobs_.front().req->wait();  // blocks in MPI_Wait: nothing else to do meanwhile
@@ -350,6 +390,9 @@ void UnitPipeline<C>::init_pipeline(Backend<C>& be, Comm& data, Comm& watch, con
   if (ov_.on && ov_.progress == CommProgress::Thread && !mpi_thread_multiple()) ov_.progress = CommProgress::Poll;
   ag_comm_ = data.duplicate();
   rs_comm_ = data.duplicate();
+  // NCCL: no duplicate; gathers and reduce-scatters share the Comm and its communication stream,
+  // enqueued in program order. end_pass() then waits for it once (the one host wait of a pass).
+  if (ov_.on && data.stream_ordered()) ordered_lane_ = &data;
   if (replica) {
     rep_comm_ = replica->duplicate();
     rep_ = rep_comm_ ? rep_comm_.get() : replica;
@@ -476,6 +519,7 @@ template <typename C> void UnitPipeline<C>::end_pass() {
   if (!agq_) return;
   agq_->wait_all();
   rsq_->wait_all();
+  if (ordered_lane_) ordered_lane_->synchronize();
   for (Slot& sl : slots_) sl.pos = -1, sl.unit = -1;
   current_ = -1;
   if (in_pass_) {
@@ -498,6 +542,11 @@ template <typename C> CommTimes UnitPipeline<C>::comm_times() const {
       t.collectives += a.collectives;
       t.jobs += a.jobs;
     }
+  if (ordered_lane_) {  // the host only enqueued: the device's own times (CUDA events)
+    const Comm::DeviceTimes d = ordered_lane_->device_times();
+    t.issued_s = d.issued_s;
+    t.exposed_s = d.exposed_s;
+  }
   return t;
 }
 

@@ -597,6 +597,175 @@ TEST_F(Fsdp, PrefetchFollowsRecordedOrderAndStaysCorrect) {
   }
 }
 
+// A stream-ordered Comm (Comm::stream_ordered, as NcclComm) emulated on the host, for the CPU
+// tests of the CommQueue / UnitPipeline path that GPUs take: start_* snapshot the input (what the
+// communication stream would read after the compute stream's event) and queue the collective;
+// with lazy == true it runs only when a Request::wait(), synchronize() or blocking call orders it
+// (the slowest device: a read of the output before wait() sees stale data), with lazy == false at
+// once (the fastest). Collectives run in start order, as on one stream.
+class EmulatedStreamComm final : public st::Comm {
+ public:
+  EmulatedStreamComm(st::Comm& host, bool lazy) : host_(host), lazy_(lazy) {}
+  int rank() const override { return host_.rank(); }
+  int world_size() const override { return host_.world_size(); }
+  void barrier() override { host_.barrier(); }
+  void set_collective_timeout(double s) override { host_.set_collective_timeout(s); }
+  void watch_begin(const char* w) override { host_.watch_begin(w); }
+  void watch_end() override { host_.watch_end(); }
+  void* mpi_handle() const override { return host_.mpi_handle(); }
+  bool asynchronous() const override { return true; }
+  bool stream_ordered() const override { return true; }
+  void synchronize() override {
+    flush(ops_.size());
+    ++syncs;
+  }
+  void all_gather_impl(const void* s, void* r, size_t n, DType t) override { flush(ops_.size()), host_.all_gather_impl(s, r, n, t); }
+  void reduce_scatter_sum_impl(const void* s, void* r, size_t n, DType t) override {
+    flush(ops_.size());
+    host_.reduce_scatter_sum_impl(s, r, n, t);
+  }
+  void all_reduce_impl(void* b, size_t n, DType t, st::ReduceOp op) override { flush(ops_.size()), host_.all_reduce_impl(b, n, t, op); }
+  void broadcast_impl(void* b, size_t n, DType t, int root) override { flush(ops_.size()), host_.broadcast_impl(b, n, t, root); }
+  std::unique_ptr<Request> start_all_gather_impl(const void* s, void* r, size_t n, DType t) override {
+    return start(false, s, r, n, t, n * dtype_size(t));
+  }
+  std::unique_ptr<Request> start_reduce_scatter_sum_impl(const void* s, void* r, size_t n, DType t) override {
+    return start(true, s, r, n, t, n * static_cast<size_t>(world_size()) * dtype_size(t));
+  }
+  int syncs = 0;
+
+ private:
+  struct Op {
+    bool reduce;
+    std::vector<char> in;
+    void* out;
+    size_t count;
+    DType t;
+  };
+  struct Req final : Request {
+    EmulatedStreamComm* c;
+    size_t index;
+    bool test() override { return c->done_ > index; }
+    void wait() override { c->flush(index + 1); }
+  };
+  std::unique_ptr<Request> start(bool reduce, const void* s, void* r, size_t n, DType t, size_t bytes) {
+    const char* p = static_cast<const char*>(s);
+    ops_.push_back(Op{reduce, std::vector<char>(p, p + bytes), r, n, t});
+    auto q = std::make_unique<Req>();
+    q->c = this;
+    q->index = ops_.size() - 1;
+    if (!lazy_) flush(ops_.size());
+    return q;
+  }
+  void flush(size_t upto) {
+    for (; done_ < upto; ++done_) {
+      Op& o = ops_[done_];
+      // The nonblocking MPI calls, as the reference pipeline makes them (Open MPI's blocking
+      // reduce-scatter adds in another order: bf16 sums could differ in the last bit at W = 4).
+      if (o.reduce) host_.start_reduce_scatter_sum_impl(o.in.data(), o.out, o.count, o.t)->wait();
+      else host_.start_all_gather_impl(o.in.data(), o.out, o.count, o.t)->wait();
+      std::vector<char>().swap(o.in);
+    }
+  }
+  st::Comm& host_;
+  bool lazy_;
+  std::vector<Op> ops_;
+  size_t done_ = 0;
+};
+
+// The GPU's overlap path on the CPU: over a stream-ordered data Comm (emulated, lazy and eager),
+// the pipeline enqueues every collective at submit and orders instead of waiting; gathered units,
+// gradient shards (fp64; mixed precision with fp32 and bf16 reduce) equal the waiting engine's
+// bitwise, over three passes with prefetch 1 and 2, and end_pass synchronizes the lane once.
+TEST_F(Fsdp, StreamOrderedLaneMatchesWaitingEngine) {
+  auto be = st::make_cpu_backend<double>();
+  auto be32 = st::make_cpu_backend<float>();
+  auto be16 = st::make_cpu_backend<bf16>();
+  const int W = world().world_size(), r = world().rank();
+  for (bool lazy : {true, false})
+    for (int prefetch : {1, 2}) {
+      SCOPED_TRACE(std::string(lazy ? "lazy" : "eager") + " stream, prefetch " + std::to_string(prefetch));
+      EmulatedStreamComm dev(world(), lazy);
+      const st::OverlapConfig ov{true, prefetch, st::CommProgress::Poll};
+      st::Fsdp<double> ref(*be, world(), st::ShardPlan::build(test_units(), W));
+      st::Fsdp<double> f(*be, world(), st::ShardPlan::build(test_units(), W), &dev, true, nullptr, ov);
+      ref.init_params(41);
+      f.init_params(41);
+      const int U = f.num_units();
+      std::vector<int> order;
+      for (int u = 0; u < U; ++u) order.push_back(u);
+      for (int u = U - 1; u >= 0; --u) order.push_back(u);
+      for (int round = 0; round < 3; ++round) {
+        ref.zero_grads();
+        f.zero_grads();
+        const int syncs = dev.syncs;
+        for (st::UnitPipeline<double>* src : {static_cast<st::UnitPipeline<double>*>(&ref), static_cast<st::UnitPipeline<double>*>(&f)}) {
+          src->begin_pass("train");
+          for (size_t i = 0; i < order.size(); ++i) {
+            const int u = order[i];
+            const auto& up = f.plan().units[static_cast<size_t>(u)];
+            std::vector<double> h = host_copy(*be, src->gather(u), up.padded_numel);
+            for (const auto& slot : up.params) {
+              std::vector<double> part(h.begin() + slot.offset, h.begin() + slot.offset + slot.numel);
+              EXPECT_EQ(count_diff(part, expected_param<double>(41, slot.spec)), 0) << up.name << " position " << i;
+            }
+            if (i < static_cast<size_t>(U)) continue;
+            std::vector<double> g(static_cast<size_t>(up.padded_numel), 0.0);
+            for (int64_t k = 0; k < up.numel; ++k) g[static_cast<size_t>(k)] = grad_value(r, u, k, round);
+            be->from_host(src->full_grad(u), g.data(), g.size());
+            src->reduce_scatter_grad(u);
+          }
+          src->end_pass();
+        }
+        EXPECT_EQ(dev.syncs, syncs + 1) << "one synchronize per pass";
+        for (int u = 0; u < U; ++u) {
+          const auto& up = f.plan().units[static_cast<size_t>(u)];
+          EXPECT_EQ(count_diff(host_copy(*be, f.grad_shard(u), up.shard_size), host_copy(*be, ref.grad_shard(u), up.shard_size)), 0)
+              << up.name << " round " << round;
+        }
+      }
+      for (bool reduce_bf16 : {false, true}) {  // mixed precision, slabs of 7 elements per rank: many parts
+        st::Fsdp<float> m_ref(*be32, world(), st::ShardPlan::build(test_units(), W), nullptr, false);
+        st::Fsdp<float> m_dev(*be32, world(), st::ShardPlan::build(test_units(), W), &dev, false);
+        st::MixedPrecisionUnits a(m_ref, *be16, reduce_bf16, size_t{7} * W);
+        st::MixedPrecisionUnits b(m_dev, *be16, reduce_bf16, size_t{7} * W, ov);
+        m_ref.init_params(43);
+        m_dev.init_params(43);
+        m_ref.zero_grads();
+        m_dev.zero_grads();
+        for (st::MixedPrecisionUnits* src : {&a, &b})
+          for (int pass = 0; pass < 2; ++pass) {
+            src->begin_pass("train");
+            for (size_t i = 0; i < order.size(); ++i) {
+              const int u = order[i];
+              const auto& up = m_ref.plan().units[static_cast<size_t>(u)];
+              std::vector<bf16> h = host_copy(*be16, src->gather(u), up.padded_numel);
+              for (const auto& slot : up.params) {
+                std::vector<float> want = expected_param<float>(43, slot.spec);
+                int64_t bad = 0;
+                for (int64_t k = 0; k < slot.numel; ++k)
+                  bad += st::math::bf16_to_f32(h[static_cast<size_t>(slot.offset + k)]) != st::math::bf16_to_f32(st::math::f32_to_bf16(want[static_cast<size_t>(k)]));
+                EXPECT_EQ(bad, 0) << up.name << " / " << slot.spec.name << " position " << i;
+              }
+              if (i < static_cast<size_t>(U)) continue;
+              std::vector<bf16> g(static_cast<size_t>(up.padded_numel), st::math::f32_to_bf16(0.0f));
+              for (int64_t k = 0; k < up.numel; ++k) g[static_cast<size_t>(k)] = st::math::f32_to_bf16(static_cast<float>(grad_value(r, u, k, pass)));
+              be16->from_host(src->full_grad(u), g.data(), g.size());
+              src->reduce_scatter_grad(u);
+            }
+            src->end_pass();
+          }
+        for (int u = 0; u < U; ++u) {
+          const auto& up = m_ref.plan().units[static_cast<size_t>(u)];
+          EXPECT_EQ(count_diff(host_copy(*be32, m_dev.grad_shard(u), up.shard_size),
+                               host_copy(*be32, m_ref.grad_shard(u), up.shard_size)),
+                    0)
+              << up.name << (reduce_bf16 ? " (bf16 reduce)" : " (fp32 reduce)");
+        }
+      }
+    }
+}
+
 TEST_F(Fsdp, SetParamRoundTrips) {
   Engine e;
   const uint64_t seed = 5;
