@@ -2,10 +2,12 @@
 // and StagedComm, which copies device buffers to host memory and runs the host (MPI) Comm on them,
 // for several ranks sharing one GPU (NCCL refuses two ranks on one device).
 //
-// Both run on the CudaContext's stream, which orders them after the backend's kernels, and both
-// synchronize that stream before returning: on return the result is in the device buffer, as an
-// MPI collective's is in the host buffer. mpi.h is deliberately not included; everything MPI goes
-// through the host Comm.
+// The blocking collectives of both run on the CudaContext's stream, which orders them after the
+// backend's kernels, and synchronize that stream before returning: on return the result is in the
+// device buffer, as an MPI collective's is in the host buffer. NcclComm's start_* calls are
+// stream-ordered instead (Comm::stream_ordered, runtime.h; issue 15): NCCL on a communication
+// stream of its own, ordered against the compute stream with CUDA events, and no host wait until
+// synchronize(). mpi.h is deliberately not included; everything MPI goes through the host Comm.
 #include <cuda_runtime.h>
 #include <nccl.h>
 #include <unistd.h>
@@ -15,6 +17,8 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "../backend/cuda/cuda_check.h"
 #include "../backend/cuda/plugin_abi.h"
@@ -97,10 +101,16 @@ class DeviceComm : public Comm {
 // ------------------------------------------------------------------------------------------------
 // NCCL
 
+// A CUDA event shared by the request that waits on it and the comm's timing lists.
+using Event = std::shared_ptr<CUevent_st>;
+
 class NcclComm final : public DeviceComm {
  public:
   NcclComm(Comm& host, ncclComm_t comm, cudaStream_t stream)
-      : DeviceComm(host, stream, "NcclComm::barrier"), comm_(comm) {}
+      : DeviceComm(host, stream, "NcclComm::barrier"), comm_(comm) {
+    check_cuda(cudaStreamCreateWithFlags(&cstream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags",
+               "NcclComm communication stream");
+  }
 
   // ncclCommDestroy flushes outstanding work and, in current NCCL, may wait on peers; it is
   // watched like a collective so that a dead peer cannot hang shutdown forever. While an exception
@@ -108,17 +118,11 @@ class NcclComm final : public DeviceComm {
   // destroy their side): ncclCommAbort then frees local resources without waiting for anyone.
   // Neither throws.
   ~NcclComm() override {
-    if (!comm_) return;
-    if (std::uncaught_exceptions() > 0) {
-      (void)ncclCommAbort(comm_);
-      return;
-    }
-    try {
-      CommWatch w(host_, "ncclCommDestroy");
-      (void)ncclCommDestroy(comm_);
-    } catch (...) {  // watch_begin could only fail to allocate; do not let it escape a destructor
-      (void)ncclCommAbort(comm_);
-    }
+    end_comm();
+    marks_.clear();  // the events, before their stream
+    waits_.clear();
+    last_.reset();
+    if (cstream_) (void)cudaStreamDestroy(cstream_);
   }
 
   // NCCL recognizes the in-place all-gather by exactly this address relation
@@ -144,21 +148,140 @@ class NcclComm final : public DeviceComm {
         [&] { return ncclBroadcast(buf, buf, count, nccl_type(t), root, comm_, stream_); });
   }
 
+  // ---- stream-ordered collectives (Comm::stream_ordered) --------------------------------------
+  bool asynchronous() const override { return true; }
+  bool stream_ordered() const override { return true; }
+  std::unique_ptr<Request> start_all_gather_impl(const void* send, void* recv, size_t count, DType t) override {
+    return start("ncclAllGather", count,
+                 [&](cudaStream_t s) { return ncclAllGather(send, recv, count, nccl_type(t), comm_, s); });
+  }
+  std::unique_ptr<Request> start_reduce_scatter_sum_impl(const void* send, void* recv, size_t count,
+                                                         DType t) override {
+    return start("ncclReduceScatter", count, [&](cudaStream_t s) {
+      return ncclReduceScatter(send, recv, count, nccl_type(t), ncclSum, comm_, s);
+    });
+  }
+  void synchronize() override {
+    if (!last_) return;
+    {
+      CommWatch w(host_, "nccl synchronize (overlapped collectives)");
+      check_cuda(cudaStreamSynchronize(cstream_), "cudaStreamSynchronize", "NcclComm::synchronize");
+      check_cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize", "NcclComm::synchronize");
+    }
+    check_async("NcclComm::synchronize");
+    auto add = [](std::vector<std::pair<Event, Event>>& v, double& acc) {
+      for (auto& [a, b] : v) {
+        float ms = 0;
+        check_cuda(cudaEventElapsedTime(&ms, a.get(), b.get()), "cudaEventElapsedTime", "NcclComm::synchronize");
+        acc += 1e-3 * ms;
+      }
+      v.clear();
+    };
+    times_.collectives += static_cast<int64_t>(marks_.size());
+    add(marks_, times_.issued_s);
+    add(waits_, times_.exposed_s);
+    last_.reset();
+  }
+  DeviceTimes device_times() const override { return times_; }
+
  private:
-  // Enqueues one NCCL collective on the stream and waits for it. The whole of it (enqueue and
-  // wait: a dead peer shows as a wait that never ends) is a watched section of the host Comm, so
-  // the host watchdog ends the job when it makes no progress for the collective timeout.
-  template <typename Launch> void run(const char* watch, const char* call, Launch&& launch) {
-    CommWatch w(host_, watch);
-    check_nccl(launch(), call, comm_);
-    check_cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize", call);
-    // A network or peer failure NCCL detected while the kernels ran (they may still complete).
+  // Waits on `e` from the compute stream (Request::wait), between two timing events.
+  class StreamRequest final : public Request {
+   public:
+    StreamRequest(NcclComm* c, Event done) : c_(c), done_(std::move(done)) {}
+    bool test() override {
+      const cudaError_t e = cudaEventQuery(done_.get());
+      if (e == cudaErrorNotReady) return false;
+      check_cuda(e, "cudaEventQuery", "NcclComm request");
+      return true;
+    }
+    void wait() override {
+      if (waited_) return;
+      waited_ = true;
+      Event a = c_->event(), b = c_->event();
+      check_cuda(cudaEventRecord(a.get(), c_->stream_), "cudaEventRecord", "NcclComm request wait");
+      check_cuda(cudaStreamWaitEvent(c_->stream_, done_.get(), 0), "cudaStreamWaitEvent", "NcclComm request wait");
+      check_cuda(cudaEventRecord(b.get(), c_->stream_), "cudaEventRecord", "NcclComm request wait");
+      c_->waits_.emplace_back(std::move(a), std::move(b));
+    }
+
+   private:
+    NcclComm* c_;
+    Event done_;
+    bool waited_ = false;
+  };
+
+  Event event() {
+    cudaEvent_t e = nullptr;
+    check_cuda(cudaEventCreate(&e), "cudaEventCreate", "NcclComm");
+    return Event(e, [](CUevent_st* p) { (void)cudaEventDestroy(p); });
+  }
+
+  // Enqueues one collective on the communication stream after everything enqueued so far on the
+  // compute stream, between two timing events, and returns without waiting. Only the enqueue is
+  // watched; the wait is synchronize()'s (or a later blocking call's).
+  template <typename Launch> std::unique_ptr<Request> start(const char* call, size_t count, Launch&& launch) {
+    Event ready = event(), t0 = event(), t1 = event();
+    check_cuda(cudaEventRecord(ready.get(), stream_), "cudaEventRecord", call);
+    check_cuda(cudaStreamWaitEvent(cstream_, ready.get(), 0), "cudaStreamWaitEvent", call);
+    check_cuda(cudaEventRecord(t0.get(), cstream_), "cudaEventRecord", call);
+    if (count > 0) {  // every rank sees the same count, so every rank skips it
+      CommWatch w(host_, call);
+      check_nccl(launch(cstream_), call, comm_);
+    }
+    check_cuda(cudaEventRecord(t1.get(), cstream_), "cudaEventRecord", call);
+    marks_.emplace_back(t0, t1);
+    last_ = t1;
+    return std::make_unique<StreamRequest>(this, std::move(t1));
+  }
+
+  // A NCCL or network failure detected while kernels ran.
+  void check_async(const char* call) {
     ncclResult_t async = ncclSuccess;
     check_nccl(ncclCommGetAsyncError(comm_, &async), "ncclCommGetAsyncError", comm_);
     if (async != ncclSuccess && async != ncclInProgress) throw std::runtime_error(nccl_error(async, call, comm_));
   }
 
+  // See ~NcclComm: flushes outstanding work and, in current NCCL, may wait on peers; it is
+  // watched like a collective so that a dead peer cannot hang shutdown forever. While an exception
+  // unwinds the stack the job is failing (possibly on this rank only, so peers may never come to
+  // destroy their side): ncclCommAbort then frees local resources without waiting for anyone.
+  // Never throws.
+  void end_comm() noexcept {
+    if (!comm_) return;
+    if (std::uncaught_exceptions() > 0) {
+      (void)ncclCommAbort(comm_);
+      comm_ = nullptr;
+      return;
+    }
+    try {
+      CommWatch w(host_, "ncclCommDestroy");
+      (void)ncclCommDestroy(comm_);
+    } catch (...) {  // watch_begin could only fail to allocate; do not let it escape a destructor
+      (void)ncclCommAbort(comm_);
+    }
+    comm_ = nullptr;
+  }
+
+  // Enqueues one NCCL collective on the stream and waits for it. The whole of it (enqueue and
+  // wait: a dead peer shows as a wait that never ends) is a watched section of the host Comm, so
+  // the host watchdog ends the job when it makes no progress for the collective timeout. After
+  // the stream-ordered collectives started before it (same communicator: same order everywhere).
+  template <typename Launch> void run(const char* watch, const char* call, Launch&& launch) {
+    CommWatch w(host_, watch);
+    if (last_) check_cuda(cudaStreamWaitEvent(stream_, last_.get(), 0), "cudaStreamWaitEvent", call);
+    check_nccl(launch(), call, comm_);
+    check_cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize", call);
+    // A network or peer failure NCCL detected while the kernels ran (they may still complete).
+    check_async(call);
+  }
+
   ncclComm_t comm_;
+  cudaStream_t cstream_ = nullptr;                  // the communication stream of start_*
+  std::vector<std::pair<Event, Event>> marks_;      // each started collective: start, end (cstream_)
+  std::vector<std::pair<Event, Event>> waits_;      // each Request::wait: before, after (stream_)
+  Event last_;                                      // end of the last started collective; null after synchronize
+  DeviceTimes times_;
 };
 
 // ------------------------------------------------------------------------------------------------

@@ -641,10 +641,13 @@ template <typename T> void Fsdp<T>::set_param(const std::string& name, const std
 
 template <typename T> double Fsdp<T>::local_grad_sumsq() {
   int r = plan_rank();
-  double s = 0;
-  for (size_t u = 0; u < plan_.units.size(); ++u)
-    s += be_.sum_squares(grads_[u].data(), static_cast<size_t>(plan_.units[u].ranks[r].valid));
-  return s;
+  std::vector<const T*> x;
+  std::vector<size_t> n;
+  for (size_t u = 0; u < plan_.units.size(); ++u) {
+    x.push_back(grads_[u].data());
+    n.push_back(static_cast<size_t>(plan_.units[u].ranks[r].valid));
+  }
+  return be_.sum_squares_many(x.data(), n.data(), x.size());
 }
 
 MixedPrecisionUnits::MixedPrecisionUnits(Fsdp<float>& master, Backend<bf16>& be, bool reduce_bf16,

@@ -503,8 +503,11 @@ static TrainResult train_in(Engine& eng, const ModelConfig& mc, const TrainConfi
     const OverlapConfig& ov = cp.mixed ? cp.mixed->overlap() : f.overlap();
     log_info(comm, std::string("overlap: ") +
                        (ov.on ? "on (prefetch " + std::to_string(ov.prefetch) + " unit(s), asynchronous reduce-scatter, " +
-                                    (eng.data_comm.asynchronous() ? std::string("progress: ") + comm_progress_name(ov.progress)
-                                                                  : std::string("collectives complete on return on this device")) +
+                                    (eng.data_comm.stream_ordered()
+                                         ? std::string("stream-ordered: NCCL on a communication stream, one host wait per pass")
+                                     : eng.data_comm.asynchronous()
+                                         ? std::string("progress: ") + comm_progress_name(ov.progress)
+                                         : std::string("collectives complete on return on this device")) +
                                     ")"
                               : std::string("off (every collective waited for when started)")) +
                        (eng.overlap.on && ov.progress != eng.overlap.progress

@@ -14,7 +14,8 @@
 #   2. gpu_tests (GoogleTest: the CUDA backend against the CPU backend), 1 rank
 #   3. training equivalence, 20 steps of `tiny` (and `test-uneven`): GPU fp32 vs CPU fp32 within 1e-4
 #      relative at every step, GPU bf16 vs CPU fp32 within 2e-2; 1 rank, and 2 ranks sharing the GPU
-#      (--gpu-comm mpi: NCCL refuses two ranks on one GPU)
+#      (--gpu-comm mpi: NCCL refuses two ranks on one GPU); at 1 rank --overlap off against the
+#      default (on: NCCL stream-ordered) bitwise, fp32 and bf16, with their exposed comm ms/step
 #   4. checkpoints across devices: GPU to step 10 then CPU to 20, and CPU then GPU, against an
 #      uninterrupted CPU run (1e-4)
 #   5. benchmark: llama-125m and llama-350m, seq 1024, batch 16, bf16 (and llama-125m fp32):
@@ -241,7 +242,7 @@ if [ "$rc" != 0 ] && [ -z "$f" ]; then bad "gpu_tests: exit status $rc$([ "$rc" 
 if [ "$rc" != 0 ] && [ -n "$f" ]; then tail_log "$L/gpu_tests.log" 15; fi
 
 # ---- 3. training equivalence ------------------------------------------------------------------
-stage "3. training equivalence: 20 steps, GPU vs CPU fp32 (losses at every step)" 80
+stage "3. training equivalence: 20 steps, GPU vs CPU fp32 (losses at every step)" 100
 TINY=(--data "$DATA" --seq-len 32 --global-batch 8 --steps 20 --lr 3e-3 --warmup 2 --eval-batches 1 --log-every 1 --threads 1)
 CPU=(--device cpu --precision fp32)
 # shellcheck disable=SC2206  # GPU_CHECK_ARGS: words
@@ -264,10 +265,24 @@ if [ "$GPU" = 1 ]; then
   check gpu-bf16-np1 cpu-fp32 2e-2 1 1 --model tiny "${TINY[@]}" "${G[@]}" --gpu-comm "$COMM1" --precision bf16
   check gpu-bf16-np2 cpu-fp32 2e-2 1 2 --model tiny "${TINY[@]}" "${G[@]}" --gpu-comm mpi --precision bf16
   check gpu-bf16r-np2 cpu-fp32 2e-2 1 2 --model tiny "${TINY[@]}" "${G[@]}" --gpu-comm mpi --precision bf16 --reduce-dtype bf16
+  # Overlap (issue 15): the runs above used the default --overlap on (with NCCL: stream-ordered
+  # collectives on a communication stream); --overlap off must give the same losses, bitwise.
+  check gpu-fp32-np1-ovoff gpu-fp32-np1 0 1 1 --model tiny "${TINY[@]}" "${G[@]}" --gpu-comm "$COMM1" --precision fp32 --overlap off
+  check gpu-bf16-np1-ovoff gpu-bf16-np1 0 1 1 --model tiny "${TINY[@]}" "${G[@]}" --gpu-comm "$COMM1" --precision bf16 --overlap off
+  for n in gpu-fp32-np1 gpu-fp32-np1-ovoff gpu-bf16-np1 gpu-bf16-np1-ovoff; do
+    python3 - "$L/$n.jsonl" "$n" <<'PY' 2>/dev/null
+import json, sys
+r = [j for j in map(json.loads, open(sys.argv[1])) if "loss" in j and j["step"] > 2]
+m = lambda k: sum(j.get(k, 0) for j in r) / max(len(r), 1)
+print(f"  {sys.argv[2]}: exposed comm {m('exposed_comm_ms'):.3f} ms/step, comm {m('comm_ms'):.3f} ms/step, compute {m('compute_ms'):.3f} ms/step")
+PY
+  done
   v=$(grep -h -m1 -o 'NCCL version [^ ]*' "$L"/gpu-*.log 2>/dev/null | head -1)
   [ -n "$v" ] && echo "  ($v)"
 else
-  for n in gpu-fp32-np1 gpu-fp32-np2 gpu-uneven-np2 gpu-bf16-np1 gpu-bf16-np2 gpu-bf16r-np2; do skipped "$n" "no CUDA device"; done
+  for n in gpu-fp32-np1 gpu-fp32-np2 gpu-uneven-np2 gpu-bf16-np1 gpu-bf16-np2 gpu-bf16r-np2 gpu-fp32-np1-ovoff gpu-bf16-np1-ovoff; do
+    skipped "$n" "no CUDA device"
+  done
 fi
 
 # ---- 4. checkpoints across devices ------------------------------------------------------------
@@ -343,10 +358,12 @@ mfu = tps * flops_per_token / peak
 mems = [int(x) for x in open(mem).read().split() if x.isdigit()] if os.path.exists(mem) else []
 memstr = f"{max(mems) / 1024:.1f} GiB" if mems else "n/a"
 note = "" if len(sel) == steps - 2 else f" (only steps 3-{max(tr)} ran)"
+expo = sum(r.get("exposed_comm_ms", 0) for r in sel) / len(sel)
+issued = sum(r.get("comm_ms", 0) for r in sel) / len(sel)
 print(f"INFO {model} {prec}: {tps:,.0f} tok/s (mean of steps 3-{max(r['step'] for r in sel)}: "
       f"{min(r['tokens_per_s'] for r in sel):,.0f}..{max(r['tokens_per_s'] for r in sel):,.0f}), "
       f"{B * T / tps:.3f} s/step, {flops_per_token * tps / 1e12:.1f} TFLOP/s, loss {tr[min(tr)]['loss']:.3f} -> "
-      f"{tr[max(tr)]['loss']:.3f}, peak GPU memory {memstr}{note}")
+      f"{tr[max(tr)]['loss']:.3f}, peak GPU memory {memstr}, exposed comm {expo:.2f} of {issued:.2f} ms/step{note}")
 partial = f" (steps 3-{max(tr)} of {steps})" if note else ""
 print(f"ROW | {model} | {N / 1e6:.1f}M | {prec} | {T} | {B} | {tps:,.0f}{partial} | {100 * mfu:.1f}% | {memstr} |")
 PY

@@ -1414,6 +1414,75 @@ void check_llama_bf16() {
   }
 }
 
+// Overlap on NCCL (issue 15): the stream-ordered pipeline (prefetch on the communication stream,
+// waits that order the compute stream) against --overlap off on the same device and comm, two
+// training passes of llama tiny (the second prefetches along the first's order): losses and
+// gradient shards bitwise equal, in fp32 and in mixed precision; the device's own times recorded;
+// and sum_squares_many equal to the loop of sum_squares, bitwise.
+void check_overlap_nccl(st::Comm& nc) {
+  st::Comm& hc = host();
+  const st::ModelConfig cfg = st::preset("tiny");
+  const st::ShardPlan plan = st::ShardPlan::build(st::llama_units(cfg), hc.world_size());
+  const Batch bt = make_batch(cfg, hc.rank());
+  const float gscale = 1.0f / static_cast<float>(bt.B * bt.T);
+  for (bool mixed : {false, true}) {
+    std::vector<double> loss[2];
+    std::vector<std::vector<float>> grads[2];
+    double sumsq[2] = {0, 0};
+    double issued = 0;
+    for (int k = 0; k < 2; ++k) {
+      const st::OverlapConfig ov = k == 0 ? st::OverlapConfig{false, 0, st::CommProgress::Wait}
+                                          : st::OverlapConfig{true, 1, st::CommProgress::Poll};
+      st::Fsdp<float> f(dev<float>(), hc, plan, &nc, !mixed, nullptr, ov);
+      f.init_params(2025);
+      std::unique_ptr<st::MixedPrecisionUnits> mp;
+      if (mixed) mp = std::make_unique<st::MixedPrecisionUnits>(f, dev<bf16>(), false, st::MixedPrecisionUnits::kWidenSlab, ov);
+      st::LlamaModel<float> m32(cfg, dev<float>());
+      st::LlamaModel<bf16> m16(cfg, dev<bf16>());
+      for (int pass = 0; pass < 2; ++pass) {
+        f.zero_grads();
+        if (mixed) {
+          mp->begin_pass("train");
+          loss[k].push_back(m16.forward(*mp, bt.tokens.data(), bt.targets.data(), bt.B, bt.T, true, gscale));
+          m16.backward(*mp);
+          mp->end_pass();
+        } else {
+          f.begin_pass("train");
+          loss[k].push_back(m32.forward(f, bt.tokens.data(), bt.targets.data(), bt.B, bt.T, true, gscale));
+          m32.backward(f);
+          f.end_pass();
+        }
+      }
+      for (int u = 0; u < f.num_units(); ++u)
+        grads[k].push_back(download(dev<float>(), static_cast<const float*>(f.grad_shard(u)),
+                                    static_cast<size_t>(plan.units[static_cast<size_t>(u)].shard_size)));
+      sumsq[k] = f.local_grad_sumsq();
+      if (k == 1) issued = (mixed ? mp->comm_times() : f.comm_times()).issued_s;
+    }
+    const std::string what = mixed ? "overlap on NCCL, mixed precision" : "overlap on NCCL, fp32";
+    EXPECT_EQ(loss[0], loss[1]) << what << ": losses";
+    for (size_t u = 0; u < grads[0].size(); ++u)
+      EXPECT_EQ(grads[0][u], grads[1][u]) << what << ": gradient shard of unit " << u;
+    EXPECT_EQ(sumsq[0], sumsq[1]) << what << ": local sum of squares";
+    EXPECT_GT(issued, 0.0) << what << ": the communication stream's time was not recorded";
+    note(what + ": bitwise equal to overlap off; device comm time " + fmt(issued * 1e3) + " ms");
+  }
+  // sum_squares_many against the loop, on arrays of different lengths (one empty).
+  const std::vector<size_t> lens = {1, 0, 4097, 1u << 20, 333};
+  std::vector<st::Buffer<float>> bufs;
+  std::vector<const float*> ptrs;
+  double loop = 0;
+  for (size_t i = 0; i < lens.size(); ++i) {
+    std::vector<float> h(lens[i]);
+    for (size_t j = 0; j < h.size(); ++j) h[j] = static_cast<float>(std::sin(0.37 * static_cast<double>(j + 17 * i)));
+    bufs.emplace_back(dev<float>(), std::max<size_t>(lens[i], 1));
+    dev<float>().from_host(bufs.back().data(), h.data(), h.size());
+    ptrs.push_back(bufs.back().data());
+  }
+  for (size_t i = 0; i < lens.size(); ++i) loop += dev<float>().sum_squares(ptrs[i], lens[i]);
+  EXPECT_EQ(dev<float>().sum_squares_many(ptrs.data(), lens.data(), lens.size()), loop) << "sum_squares_many";
+}
+
 }  // namespace
 
 // =============================================================================================
@@ -1463,6 +1532,13 @@ TEST_F(Gpu, MixedPrecisionUnitsNccl) {
   if (!gs().nccl_skip.empty()) GTEST_SKIP() << gs().nccl_skip;
   ASSERT_TRUE(gs().nccl_error.empty()) << gs().nccl_error;
   check_mixed_precision(*gs().nccl, "mixed precision (nccl)");
+}
+
+TEST_F(Gpu, OverlapNcclBitwise) {
+  ensure_comms();
+  if (!gs().nccl_skip.empty()) GTEST_SKIP() << gs().nccl_skip;
+  ASSERT_TRUE(gs().nccl_error.empty()) << gs().nccl_error;
+  check_overlap_nccl(*gs().nccl);
 }
 
 TEST_F(Gpu, LlamaTinyF32) { check_llama_f32(); }

@@ -800,6 +800,31 @@ template <typename T> class CudaBackend final : public Backend<T> {
     ST_LAUNCHED("sum_squares_kernel");
     return sum_to_host(part + 1, blocks, part);
   }
+  // Each array reduced as sum_squares does (block partials, then one block sums them into its
+  // slot), every sum copied back in one transfer, added on the host in order: one wait.
+  double sum_squares_many(const T* const* x, const size_t* n, size_t k) override {
+    if (k == 0) return 0.0;
+    double* sums = static_cast<double*>(scratch(sizeof(double) * k * (kReduceBlocks + 1)));
+    double* part = sums + k;
+    for (size_t i = 0; i < k; ++i) {
+      double* pi = part + i * kReduceBlocks;
+      if (!n[i]) {
+        ST_CUDA(cudaMemsetAsync(sums + i, 0, sizeof(double), stream_));
+        continue;
+      }
+      const unsigned blocks = std::min<unsigned>(grid_for(n[i], kBlock), kReduceBlocks);
+      sum_squares_kernel<T><<<blocks, kBlock, 0, stream_>>>(x[i], n[i], pi);
+      ST_LAUNCHED("sum_squares_kernel");
+      sum_doubles_kernel<<<1, kRowBlockLarge, 0, stream_>>>(pi, blocks, sums + i);
+      ST_LAUNCHED("sum_doubles_kernel");
+    }
+    std::vector<double> h(k);
+    ST_CUDA(cudaMemcpyAsync(h.data(), sums, sizeof(double) * k, cudaMemcpyDeviceToHost, stream_));
+    ST_CUDA(cudaStreamSynchronize(stream_));
+    double s = 0;
+    for (double v : h) s += v;
+    return s;
+  }
 
   void embedding_forward(T* out, const int32_t* tokens, const T* table, int N, int C) override {
     if (N <= 0 || C <= 0) return;

@@ -18,7 +18,7 @@
 namespace shardtrain::cuda_plugin {
 
 // Raise on any change to CudaPluginTable or to the classes whose objects cross the boundary.
-inline constexpr int kAbiVersion = 1;
+inline constexpr int kAbiVersion = 2;  // 2: Comm stream-ordered calls, Backend::sum_squares_many (issue 15)
 inline constexpr const char* kFileName = "libshardtrain_cuda.so";
 inline constexpr const char* kEntryPoint = "shardtrain_cuda_plugin";
 
