@@ -104,8 +104,11 @@ template <typename T> std::unique_ptr<Backend<T>> make_cuda_backend(CudaContext&
 
 // Collective. A Comm on device buffers over the ranks of `host` (every rank of host must call it):
 // rank 0 makes an ncclUniqueId, `host` broadcasts it, every rank calls ncclCommInitRank on its
-// GPU. Collectives run on ctx's stream and are complete (stream-synchronized) on return, as the
-// MPI Comm's are. A failure to make the id on rank 0 is agreed (all_ok): CollectiveError on every
+// GPU. The blocking collectives run on ctx's stream and are complete (stream-synchronized) on
+// return, as the MPI Comm's are. start_all_gather / start_reduce_scatter_sum are stream-ordered
+// (Comm::stream_ordered in runtime.h): NCCL on a communication stream of the Comm's own, ordered
+// after ctx's stream by an event; Request::wait() makes ctx's stream wait for it without blocking
+// the host; synchronize() is the host's wait, under the watchdog. A failure to make the id on rank 0 is agreed (all_ok): CollectiveError on every
 // rank. ncclCommInitRank is itself collective: when it fails on one rank, the others may wait
 // inside it; that wait runs under the host's collective watchdog (--collective-timeout), which
 // ends the job. Local init failures after it are agreed. barrier/watchdog/mpi_handle are

@@ -509,7 +509,7 @@ static TrainResult train_in(Engine& eng, const ModelConfig& mc, const TrainConfi
                                          ? std::string("progress: ") + comm_progress_name(ov.progress)
                                          : std::string("collectives complete on return on this device")) +
                                     ")"
-                              : std::string("off (every collective waited for when started)")) +
+                              : std::string("off (every collective waited for when started; --prefetch and --comm-progress have no effect)")) +
                        (eng.overlap.on && ov.progress != eng.overlap.progress
                             ? "; note: MPI granted no MPI_THREAD_MULTIPLE, so '--comm-progress thread' became poll"
                             : std::string()));
