@@ -101,7 +101,8 @@ std::string topology_line(const Topology& t, int G) {
   if (R == 1)
     s += "; fully sharded over all " + std::to_string(W) + " ranks (shard group size " + std::to_string(G) + ")";
   else
-    s += "; hybrid sharding: " + std::to_string(R) + " replica groups of " + std::to_string(G) + " ranks (shard group size " +
+    s += "; hybrid sharding: " + std::to_string(R) + " replica groups of " + std::to_string(G) + (G == 1 ? " rank" : " ranks") +
+         " (shard group size " +
          std::to_string(G) + ")";
   if (t.emulated_ranks_per_node > 0)
     s += "; nodes emulated by SHARDTRAIN_TEST_RANKS_PER_NODE=" + std::to_string(t.emulated_ranks_per_node) + " (test hook)";

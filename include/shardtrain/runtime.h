@@ -99,6 +99,9 @@ class Comm {
   };
   template <typename T> std::unique_ptr<Request> start_all_gather(const T* send, T* recv, size_t count);
   template <typename T> std::unique_ptr<Request> start_reduce_scatter_sum(const T* send, T* recv, size_t count);
+  // In place: buf (count elements) becomes the sum over ranks (float and double; not bf16). The
+  // buffer belongs to the Request until it completed. Hybrid sharding's replica sum (MPI_Iallreduce).
+  template <typename T> std::unique_ptr<Request> start_all_reduce_sum(T* buf, size_t count);
   // True when the start_* calls return before completion (MpiComm: MPI_Iallgather,
   // MPI_Ireduce_scatter_block; NcclComm: stream-ordered, below). False: they complete on return,
   // like the blocking calls (the host-staged device Comm).
@@ -144,6 +147,7 @@ class Comm {
   // Default: the blocking call, and a Request that is already complete.
   virtual std::unique_ptr<Request> start_all_gather_impl(const void* send, void* recv, size_t count, DType t);
   virtual std::unique_ptr<Request> start_reduce_scatter_sum_impl(const void* send, void* recv, size_t count, DType t);
+  virtual std::unique_ptr<Request> start_all_reduce_sum_impl(void* buf, size_t count, DType t);
 };
 
 // Comm over an MPI communicator with host buffers. The communicator is duplicated, so shardtrain's
@@ -177,6 +181,7 @@ class MpiComm final : public Comm {
   void broadcast_impl(void*, size_t, DType, int) override;
   std::unique_ptr<Request> start_all_gather_impl(const void*, void*, size_t, DType) override;
   std::unique_ptr<Request> start_reduce_scatter_sum_impl(const void*, void*, size_t, DType) override;
+  std::unique_ptr<Request> start_all_reduce_sum_impl(void*, size_t, DType) override;
 
  public:
   bool asynchronous() const override { return true; }

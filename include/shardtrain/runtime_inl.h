@@ -32,6 +32,9 @@ template <typename T> std::unique_ptr<Comm::Request> Comm::start_all_gather(cons
 template <typename T> std::unique_ptr<Comm::Request> Comm::start_reduce_scatter_sum(const T* s, T* r, size_t n) {
   return start_reduce_scatter_sum_impl(s, r, n, dtype_of<T>());
 }
+template <typename T> std::unique_ptr<Comm::Request> Comm::start_all_reduce_sum(T* b, size_t n) {
+  return start_all_reduce_sum_impl(b, n, dtype_of<T>());
+}
 template <typename T> void Comm::broadcast(T* b, size_t n, int root) { broadcast_impl(b, n, dtype_of<T>(), root); }
 
 }  // namespace shardtrain

@@ -150,6 +150,9 @@ class CommQueue {
   void wait_all() { wait(last_); }
   // Advances the jobs in flight without blocking (compute thread; no-op with a thread or in sync mode).
   void poll();
+  // The other queue of the same pipeline: without a communication thread, wait() keeps polling it
+  // instead of blocking in MPI_Wait (see wait in shard.cpp). nullptr: none.
+  void set_sibling(CommQueue* q) { sibling_ = q; }
   bool background() const { return background_; }
   CommTimes times() const;
   // The communication thread tests the head request, then naps kPollMinUs, doubling the nap (up
@@ -173,6 +176,7 @@ class CommQueue {
   const char* what_;
   bool background_;
   bool ordered_;  // background on a stream-ordered lane: enqueue at submit, wait orders the device
+  CommQueue* sibling_ = nullptr;
   CommProgress progress_;
   mutable std::mutex mu_;
   std::condition_variable cv_work_, cv_done_;
@@ -198,8 +202,8 @@ template <typename C> class UnitSource {
   virtual C* full_grad(int u) = 0;
   // Collective: reduce-scatters the full-unit gradient buffer of unit u, divides by the world
   // size (mean over ranks) and adds the result into this rank's gradient shard. Under hybrid
-  // sharding the reduce-scattered slabs are first summed over the replica groups (replica_sum in
-  // shard.cpp), so the mean is still over all W ranks. May return before it is done (overlap):
+  // sharding the reduce-scattered slabs are first summed over the replica groups (a nonblocking
+  // all-reduce per slab, submit_reduce_slabs in shard.cpp), so the mean is still over all W ranks. May return before it is done (overlap):
   // the gradient shards are complete after end_pass().
   virtual void reduce_scatter_grad(int u) = 0;
 
@@ -394,7 +398,7 @@ class MixedPrecisionUnits final : public UnitPipeline<bf16> {
   std::vector<Buffer<bf16>> shard_;  // per gather buffer: this rank's shard rounded to bf16
   Buffer<bf16> scatter_;
   Buffer<float> grad32_, scatter32_;  // [W, slab_] and [slab_]: the fp32 reduce-scatter of one slab
-  Buffer<float> replica32_;           // HSDP with bf16 reduce: a shard widened to fp32 for replica_sum
+  Buffer<float> replica32_;           // HSDP with bf16 reduce: a shard widened to fp32 for the replica sum
   size_t slab_ = 0;                   // shard elements per fp32 reduce-scatter
 };
 

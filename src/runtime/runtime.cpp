@@ -300,6 +300,11 @@ std::unique_ptr<Comm::Request> Comm::start_reduce_scatter_sum_impl(const void* s
   return std::make_unique<DoneRequest>();
 }
 
+std::unique_ptr<Comm::Request> Comm::start_all_reduce_sum_impl(void* buf, size_t count, DType t) {
+  all_reduce_impl(buf, count, t, ReduceOp::Sum);
+  return std::make_unique<DoneRequest>();
+}
+
 std::unique_ptr<Comm::Request> MpiComm::start_all_gather_impl(const void* send, void* recv, size_t count, DType t) {
   auto q = std::make_unique<MpiRequest>();
   const int n = to_count(count, "all_gather");
@@ -312,6 +317,13 @@ std::unique_ptr<Comm::Request> MpiComm::start_reduce_scatter_sum_impl(const void
   check_mpi(MPI_Ireduce_scatter_block(send, recv, to_count(count, "reduce_scatter"), mpi_type(t),
                                       t == DType::BF16 ? bf16_sum() : MPI_SUM, as_mpi(comm_), &q->r),
             "MPI_Ireduce_scatter_block");
+  return q;
+}
+std::unique_ptr<Comm::Request> MpiComm::start_all_reduce_sum_impl(void* buf, size_t count, DType t) {
+  if (t == DType::BF16) throw std::invalid_argument("MpiComm::start_all_reduce_sum: bf16 is not supported");
+  auto q = std::make_unique<MpiRequest>();
+  check_mpi(MPI_Iallreduce(MPI_IN_PLACE, buf, to_count(count, "all_reduce"), mpi_type(t), MPI_SUM, as_mpi(comm_), &q->r),
+            "MPI_Iallreduce");
   return q;
 }
 std::unique_ptr<Comm> MpiComm::duplicate() {

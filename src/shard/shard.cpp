@@ -169,13 +169,6 @@ double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-// Hybrid sharding: sums a reduce-scattered gradient slab (n elements of this shard rank's
-// gradient, already summed over its shard group) in place over the replica groups, so that it
-// holds the sum over all W ranks. Nothing to do with one group (replica == nullptr). The callers
-// then divide by W. The one place where gradients cross replica groups.
-template <typename T> void replica_sum(Comm* replica, T* slab, size_t n) {
-  if (replica) replica->all_reduce(slab, n, ReduceOp::Sum);
-}
 }  // namespace
 
 CommProgress parse_comm_progress(const std::string& s) {
@@ -357,7 +350,15 @@ void CommQueue::wait(Ticket t) {
     CommWatch w(watch_, what_);
     while (ordered_ && completed_ < t) finish_head_locked();
     while (completed_ < t && !error_) {
-      if (!advance_locked() && !jobs_.empty()) {
+      if (advance_locked() || jobs_.empty()) continue;
+      if (sibling_ && !thread_.joinable()) {
+        // Keep the other queue moving too: a part it has not started may be what the peers we
+        // wait for are waiting on (their next slab, the replica sum), so blocking in MPI_Wait here
+        // could close a cycle of waits across the two communicators. Yield like Open MPI does
+        // when oversubscribed.
+        sibling_->poll();
+        std::this_thread::yield();
+      } else {
         jobs_.front().req->wait();  // blocks in MPI_Wait: nothing else to do meanwhile
       }
     }
@@ -403,6 +404,8 @@ void UnitPipeline<C>::init_pipeline(Backend<C>& be, Comm& data, Comm& watch, con
   agq_ = std::make_unique<CommQueue>(ag_comm_ ? *ag_comm_ : data, watch, ov_.on, ov_.progress, prep, "FSDP all-gather");
   rsq_ = std::make_unique<CommQueue>(rs_comm_ ? *rs_comm_ : data, watch, ov_.on, ov_.progress, prep,
                                      "FSDP reduce-scatter");
+  agq_->set_sibling(rsq_.get());
+  rsq_->set_sibling(agq_.get());
   const size_t max_padded = static_cast<size_t>(plan.max_padded_numel());
   const int nslots = ov_.on ? 1 + ov_.prefetch : 1, ngrads = ov_.on ? 2 : 1;
   for (int i = 0; i < nslots; ++i) slots_.push_back(Slot{Buffer<C>(be, max_padded)});
@@ -416,6 +419,8 @@ void UnitPipeline<C>::init_pipeline(Backend<C>& be, Comm& data, Comm& watch, con
 template <typename C> void UnitPipeline<C>::stop_pipeline() {
   if (hooked_) set_cpu_gemm_hook(nullptr, nullptr);
   hooked_ = false;
+  if (agq_) agq_->set_sibling(nullptr);  // neither may poll the other while it is destroyed
+  if (rsq_) rsq_->set_sibling(nullptr);
   agq_.reset();  // each waits for its jobs, then stops its thread
   rsq_.reset();
 }
@@ -569,25 +574,41 @@ template <typename T> CommQueue::Ticket Fsdp<T>::issue_gather(CommQueue& q, int 
 // allocate a temporary of the whole send buffer, slabs bound it), which is reduce-scattered into
 // `out`. add(a, n, out) consumes each summed piece [a, a+n) of this rank's shard, in slab order
 // (and may modify it: hybrid sharding sums it over the replica groups first).
-template <typename F, typename P, typename Stage, typename Add>
+//
+// Hybrid sharding (rc != nullptr): after each slab's reduce-scatter comes a part of its own on the
+// replica communicator rc: prep(a, n, out) readies rbuf (n elements of R: `out` itself, or `out`
+// widened to fp32), a nonblocking all-reduce sums rbuf over the replica groups, and radd(a, n,
+// rbuf) consumes it in place of add. Nothing in a job blocks: a blocking replica all-reduce inside
+// a polled step let ranks wait on each other across the two communicators (a deadlock).
+template <typename F, typename P, typename R, typename Stage, typename Add, typename Prep, typename RAdd>
 CommQueue::Ticket submit_reduce_slabs(CommQueue& q, const F* full, size_t S, size_t W, size_t slab, bool direct,
-                                      P* packed, P* out, Stage stage, Add add) {
-  if (direct)
-    return q.submit({1,
-                     [=](Comm& c, int) -> std::unique_ptr<Comm::Request> {
+                                      P* packed, P* out, Stage stage, Add add, Comm* rc, R* rbuf, Prep prep,
+                                      RAdd radd) {
+  const size_t step = direct ? S : slab;
+  const int per = rc ? 2 : 1;  // parts per slab
+  const int parts = static_cast<int>((S + step - 1) / step) * per;
+  auto piece = [=](int i) {
+    const size_t a = static_cast<size_t>(i / per) * step;
+    return std::pair<size_t, size_t>(a, std::min(step, S - a));
+  };
+  return q.submit({parts,
+                   [=](Comm& c, int i) -> std::unique_ptr<Comm::Request> {
+                     const auto [a, n] = piece(i);
+                     if (rc && i % 2 == 1) {
+                       prep(a, n, out);
+                       return rc->start_all_reduce_sum(rbuf, n);
+                     }
+                     if (direct) {
                        if constexpr (std::is_same_v<F, P>) return c.start_reduce_scatter_sum(full, out, S);
                        else throw std::logic_error("submit_reduce_slabs: direct needs one element type");
-                     },
-                     [=](int) { add(size_t{0}, S, out); }});
-  return q.submit({static_cast<int>((S + slab - 1) / slab),
-                   [=](Comm& c, int i) {
-                     const size_t a = static_cast<size_t>(i) * slab, n = std::min(slab, S - a);
+                     }
                      for (size_t r = 0; r < W; ++r) stage(packed + r * n, full + r * S + a, n);
                      return c.start_reduce_scatter_sum(static_cast<const P*>(packed), out, n);
                    },
                    [=](int i) {
-                     const size_t a = static_cast<size_t>(i) * slab;
-                     add(a, std::min(slab, S - a), out);
+                     const auto [a, n] = piece(i);
+                     if (!rc) add(a, n, out);
+                     else if (i % 2 == 1) radd(a, n, rbuf);
                    }});
 }
 
@@ -598,14 +619,11 @@ template <typename T> CommQueue::Ticket Fsdp<T>::issue_reduce(CommQueue& q, int 
   const T inv_w = T(1) / static_cast<T>(G * static_cast<size_t>(replicas()));
   T* shard = grads_[u].data();
   Backend<T>* be = &be_;
-  Comm* rc = this->replica_lane();
+  auto add = [=](size_t a, size_t n, const T* sum) { be->axpy(n, inv_w, sum, shard + a); };
   return submit_reduce_slabs(
       q, full, S, G, slab_, S <= slab_, pack_.data(), scatter_tmp_.data(),
-      [=](T* d, const T* src, size_t n) { be->copy(d, src, n); },
-      [=](size_t a, size_t n, T* sum) {
-        replica_sum(rc, sum, n);
-        be->axpy(n, inv_w, sum, shard + a);
-      });
+      [=](T* d, const T* src, size_t n) { be->copy(d, src, n); }, add, this->replica_lane(), scatter_tmp_.data(),
+      [](size_t, size_t, const T*) {}, add);
 }
 
 template <typename T> std::vector<T> Fsdp<T>::gather_param(const std::string& name) {
@@ -690,17 +708,17 @@ CommQueue::Ticket MixedPrecisionUnits::issue_reduce(CommQueue& q, int u, const b
   Backend<bf16>* be = &be_;
   Backend<float>* b32 = &m_.backend();
   Comm* rc = replica_lane();
+  auto add32 = [=](size_t a, size_t n, const float* sum) { b32->axpy(n, inv_w, sum, shard + a); };
   if (reduce_bf16_) {
     float* w = replica32_.data();  // jobs run one at a time (FIFO): one buffer serves them all
     return submit_reduce_slabs(
         q, full, S, G, S, true, static_cast<bf16*>(nullptr), scatter_.data(), [](bf16*, const bf16*, size_t) {},
-        [=](size_t a, size_t n, const bf16* sum) {
-          if (!rc) return be->add_to_f32(shard + a, inv_w, sum, n);
+        [=](size_t a, size_t n, const bf16* sum) { be->add_to_f32(shard + a, inv_w, sum, n); }, rc, w,
+        [=](size_t, size_t n, const bf16* sum) {  // the group's bf16 sum, widened for the fp32 replica sum
           b32->zero(w, n);
           be->add_to_f32(w, 1.0f, sum, n);
-          replica_sum(rc, w, n);
-          b32->axpy(n, inv_w, w, shard + a);
-        });
+        },
+        add32);
   }
   return submit_reduce_slabs(
       q, full, S, G, slab_, false, grad32_.data(), scatter32_.data(),
@@ -708,10 +726,7 @@ CommQueue::Ticket MixedPrecisionUnits::issue_reduce(CommQueue& q, int u, const b
         b32->zero(d, n);
         be->add_to_f32(d, 1.0f, src, n);
       },
-      [=](size_t a, size_t n, float* sum) {
-        replica_sum(rc, sum, n);
-        b32->axpy(n, inv_w, sum, shard + a);
-      });
+      add32, rc, scatter32_.data(), [](size_t, size_t, const float*) {}, add32);
 }
 
 template class Fsdp<float>;

@@ -68,6 +68,17 @@ run hbr4 4 --precision bf16 --reduce-dtype bf16 --shard-group-size 2
 # 2 in bf16 and the replicas in fp32: the gradients differ by bf16 rounding, not by more.
 w2=$(compare br4 hbr4 1 $STEPS 2e-3) || fail "bf16 (bf16 reduce) W=4: HSDP G=2 vs plain FSDP"
 echo "ok: bf16 at W=4, G=2 follows plain FSDP: fp32 reduce within 1e-5 ($w), bf16 reduce within 2e-3 ($w2)"
+# Gradient accumulation (4 micro-batches of 1 per step) under each progress mode: a tester found
+# HSDP hanging here with poll progress (the replica sum then blocked inside a polled step; the
+# ranks waited on each other across the two communicators). --collective-timeout makes a hang fail.
+for prog in poll thread wait; do
+  run pa4_$prog 4 --micro-batch 1 --collective-timeout 60 --comm-progress $prog
+  run ha4_$prog 4 --micro-batch 1 --collective-timeout 60 --comm-progress $prog --shard-group-size 2
+  w=$(compare pa4_$prog ha4_$prog 1 $STEPS 1e-5) || fail "accumulation, $prog: HSDP G=2 vs plain FSDP"
+  run hba4_$prog 4 --micro-batch 1 --collective-timeout 60 --comm-progress $prog --shard-group-size 2 --precision bf16 \
+    --reduce-dtype bf16
+done
+echo "ok: HSDP with gradient accumulation under poll, thread and wait progress (fp32 and bf16 reduce) completes; fp32 follows plain FSDP"
 
 # 2. The HSDP checkpoint: one logical copy for G ranks, the same tensors as plain FSDP's.
 CK=$(printf 'step_%08d.h5' $STEPS)
