@@ -262,6 +262,10 @@ void run_plan(Comm& comm, const Topology& topo, const Options& o) {
   const int W = o.plan_world_size > 0 ? o.plan_world_size : comm.world_size();
   const bool cuda = o.device == "cuda";
   int G = W;  // --shard-group-size: shards over G ranks ('node': this launch's ranks per node)
+  all_ok(comm, !(o.shard_group_size == "node" && W != comm.world_size()),
+         "option '--shard-group-size' 'node' with '--world-size " + std::to_string(W) +
+             "': the ranks per node of the planned job are not known here (only this launch's); give the number "
+             "of ranks per node instead");
   agree(comm, [&] { G = resolve_shard_group_size(o.shard_group_size, W, ranks_per_node(topo)); });
   MemoryPlanInput in{mc, o.train, W, parse_precision(o.precision), o.reduce_dtype == "bf16", cuda, 0, 4, 0,
                      overlap_config(o)};

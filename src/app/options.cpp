@@ -309,6 +309,9 @@ Options parse_options(Comm& comm, int argc, char** argv) {
     po::notify(vm);
     // '--shard-group-size' (command line or job file) wins over the job file's `shard_group_size`.
     if (vm.count("shard-group-size")) o.shard_group_size = vm["shard-group-size"].as<std::string>();
+    // Given but empty is a mistake, not "the default".
+    if ((vm.count("shard-group-size") || vm.count("shard_group_size")) && o.shard_group_size.empty())
+      check(false, "shard-group-size", "must be a positive integer or 'node', got ''");
     std::vector<std::string> keys;  // "--accept-change steps,lr --accept-change seed" -> steps, lr, seed
     for (const std::string& v : o.train.accept_changes) {
       std::istringstream is(v);

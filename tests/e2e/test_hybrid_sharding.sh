@@ -129,6 +129,9 @@ echo "ok: a W=4, G=2 checkpoint resumes in plain FSDP at W=3 with the uninterrup
 # 4. G must divide W: every rank names the flag, no hang.
 expect_fail g3 "option '--shard-group-size' (3) does not divide the world size (4)" 4 "${ARGS[@]}" --shard-group-size 3
 expect_fail gx "option '--shard-group-size' must be a positive integer or 'node', got 'two'" 2 "${ARGS[@]}" --shard-group-size two
+expect_fail gempty "option '--shard-group-size' must be a positive integer or 'node', got ''" 2 "${ARGS[@]}" --shard-group-size ""
+expect_fail plannode "option '--shard-group-size' 'node' with '--world-size 32'" 1 --mode plan --model test-uneven \
+  --world-size 32 --shard-group-size node --micro-batch 1 --seq-len 32
 
 # 5. 'node' with the test hook emulating 2 ranks per node.
 # (mpirun starts the ranks of one host with its own environment: the variable reaches every rank.)
