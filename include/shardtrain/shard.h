@@ -203,8 +203,8 @@ template <typename C> class UnitSource {
   // Collective: reduce-scatters the full-unit gradient buffer of unit u, divides by the world
   // size (mean over ranks) and adds the result into this rank's gradient shard. Under hybrid
   // sharding the reduce-scattered slabs are first summed over the replica groups (a nonblocking
-  // all-reduce per slab, submit_reduce_slabs in shard.cpp), so the mean is still over all W ranks. May return before it is done (overlap):
-  // the gradient shards are complete after end_pass().
+  // all-reduce per slab, submit_reduce_slabs in shard.cpp), so the mean is still over all W ranks.
+  // May return before it is done (overlap): the gradient shards are complete after end_pass().
   virtual void reduce_scatter_grad(int u) = 0;
 
   // For the training loop, never the model (issue 15). A pass is a run of gathers between

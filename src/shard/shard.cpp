@@ -572,8 +572,7 @@ template <typename T> CommQueue::Ticket Fsdp<T>::issue_gather(CommQueue& q, int 
 // one part; else one slab of n <= slab elements of every block per part: stage(packed + r*n,
 // full + r*S + a, n) fills the packed [W, n] buffer (a copy, or a widening to fp32; MPI libraries
 // allocate a temporary of the whole send buffer, slabs bound it), which is reduce-scattered into
-// `out`. add(a, n, out) consumes each summed piece [a, a+n) of this rank's shard, in slab order
-// (and may modify it: hybrid sharding sums it over the replica groups first).
+// `out`. add(a, n, out) consumes each summed piece [a, a+n) of this rank's shard, in slab order.
 //
 // Hybrid sharding (rc != nullptr): after each slab's reduce-scatter comes a part of its own on the
 // replica communicator rc: prep(a, n, out) readies rbuf (n elements of R: `out` itself, or `out`
