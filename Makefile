@@ -51,6 +51,23 @@ NVCCFLAGS := -std=c++20 -O3 -g -lineinfo $(foreach a,$(CUDA_ARCHS),-gencode arch
 	-isystem $(CUDA_HOME)/include
 CUDA_LIBS := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lnccl -lcublas -lcudart
 CUDA_PLUGIN := $(BUILD)/libshardtrain_cuda.so
+# cuDNN's fused attention (src/backend/cuda/cudnn_attention.cu) is written against the cuDNN
+# frontend, a header-only C++ API that NVIDIA ships as the PyPI wheel nvidia-cudnn-frontend (its
+# include/ folder); the toolkit has cuDNN's own headers. The wheel is downloaded once into
+# $(BUILD)/cudnn-frontend (CUDNN_FE_INC=DIR uses headers already on disk; CUDNN_FE=0 builds without,
+# and the backend then always uses its own tiled attention kernels). libcudnn itself is loaded at
+# run time (dlopen), so the plugin does not need it to load.
+CUDNN_FE ?= 1
+CUDNN_FE_VERSION := 1.32.0
+ifeq ($(CUDNN_FE),1)
+CUDNN_FE_INC ?= $(BUILD)/cudnn-frontend/include
+# Host code only: compiled as C++ (-x c++; nvcc's per-architecture passes over the frontend's
+# headers took 3.5 minutes).
+$(BUILD)/src/backend/cuda/cudnn_attention.cu.o: NVCCFLAGS := -x c++ -std=c++20 -O2 -g -Werror all-warnings \
+	-Xcompiler -fPIC,-Wall,-Wextra,-Wshadow,-Werror -isystem $(CUDA_HOME)/include -isystem $(CUDNN_FE_INC) \
+	-DSHARDTRAIN_CUDNN=1
+$(BUILD)/src/backend/cuda/cudnn_attention.cu.o: | $(CUDNN_FE_INC)/cudnn_frontend.h
+endif
 else
 CUDA_SRCS :=
 CPPFLAGS_CUDA :=
@@ -89,6 +106,18 @@ $(BUILD)/%.o: %.cpp
 $(BUILD)/%.cu.o: %.cu
 	@mkdir -p $(dir $@)
 	$(NVCC) $(CPPFLAGS) $(NVCCFLAGS) -MMD -MP -c $< -o $@
+
+# The cuDNN frontend headers: the wheel for CPython 3.11 / manylinux_2_28 (the headers are the same in
+# every wheel), fetched with pip from a throw-away venv, unpacked with Python's zipfile.
+$(BUILD)/cudnn-frontend/include/cudnn_frontend.h:
+	@mkdir -p $(BUILD)/cudnn-frontend
+	python3 -m venv $(BUILD)/cudnn-frontend/venv
+	$(BUILD)/cudnn-frontend/venv/bin/pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+	  --python-version 3.11 --platform manylinux_2_28_x86_64 -d $(BUILD)/cudnn-frontend nvidia-cudnn-frontend==$(CUDNN_FE_VERSION)
+	python3 -c 'import glob, sys, zipfile; z = zipfile.ZipFile(glob.glob(sys.argv[1] + "/*.whl")[0]); \
+	  z.extractall(sys.argv[1], [n for n in z.namelist() if n.startswith("include/")])' $(BUILD)/cudnn-frontend
+	rm -rf $(BUILD)/cudnn-frontend/venv $(BUILD)/cudnn-frontend/*.whl
+	@test -f $@
 
 # Made afresh: `ar r` keeps members whose objects are gone (e.g. .cu objects, now in the plugin).
 $(BUILD)/libshardtrain.a: $(LIB_OBJS)

@@ -143,11 +143,28 @@ template <typename T> class Backend {
   // dlogits = (softmax(logits) - onehot(target)) * grad_scale (may alias logits).
   virtual double cross_entropy(T* dlogits, const T* logits, const int32_t* targets, int N, int V,
                                S grad_scale) = 0;
+  // The same, with the loss summed where it is computed: adds what cross_entropy would return to the
+  // backend's loss sum (double) instead of returning it, so that a chunked loss costs one host
+  // synchronisation, in take_loss_sum(), not one per chunk. take_loss_sum() returns the sum and
+  // resets it to 0 (on a device: waits for the queued work). Sums in call order, each call's rows
+  // summed as cross_entropy sums them: the total is bitwise that of adding cross_entropy's returns
+  // in a double. The default does exactly that on the host.
+  virtual void cross_entropy_sum(T* dlogits, const T* logits, const int32_t* targets, int N, int V, S grad_scale) {
+    loss_sum_ += cross_entropy(dlogits, logits, targets, N, V, grad_scale);
+  }
+  virtual double take_loss_sum() {
+    const double s = loss_sum_;
+    loss_sum_ = 0.0;
+    return s;
+  }
 
   // AdamW on n elements (see math::adamw). grad is multiplied by grad_scale first (clipping).
   // step is 1-based.
   virtual void adamw(T* p, T* m, T* v, const T* g, size_t n, S lr, S b1, S b2, S eps, S wd, S grad_scale,
                      int64_t step) = 0;
+
+ private:
+  double loss_sum_ = 0.0;  // the default cross_entropy_sum's
 };
 
 // OpenBLAS + loops, run on the rank's OpenMP threads (set_cpu_threads). Results are bitwise the

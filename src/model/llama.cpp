@@ -302,18 +302,28 @@ template <typename T> double LlamaModel<T>::head_forward(UnitSource<T>& f, const
   const T* wout = tied ? f.gather(0) : hw + head_off_w_;  // gathering unit 0 invalidates hw
   T* gw = nullptr;
   if (train) gw = tied ? f.full_grad(0) : f.full_grad(L + 1) + head_off_w_;
-  double loss = 0.0;
-  for (int r0 = 0; r0 < BT; r0 += chunk_) {
-    const int n = std::min(chunk_, BT - r0);
-    T* lg = chunk_logits_.data();
-    const T* x = lnf_.data() + static_cast<int64_t>(r0) * C;
-    be_.gemm(false, true, n, V, C, S(1), x, C, wout, C, S(0), lg, V);
-    loss += be_.cross_entropy(train ? lg : nullptr, lg, targets_.data() + r0, n, V, train ? grad_scale : S(0));
-    if (!train) continue;
-    be_.gemm(false, false, n, C, V, S(1), lg, V, wout, C, S(0), dln_.data() + static_cast<int64_t>(r0) * C, C);
-    be_.gemm(true, false, V, C, n, S(1), lg, V, x, C, S(1), gw, C);
+  // The loss is summed on the backend (cross_entropy_sum) and read once, at the end: one host
+  // synchronisation per micro-batch on a GPU instead of one per chunk. The sum starts at 0 (every
+  // path out of here takes it).
+  try {
+    for (int r0 = 0; r0 < BT; r0 += chunk_) {
+      const int n = std::min(chunk_, BT - r0);
+      T* lg = chunk_logits_.data();
+      const T* x = lnf_.data() + static_cast<int64_t>(r0) * C;
+      be_.gemm(false, true, n, V, C, S(1), x, C, wout, C, S(0), lg, V);
+      be_.cross_entropy_sum(train ? lg : nullptr, lg, targets_.data() + r0, n, V, train ? grad_scale : S(0));
+      if (!train) continue;
+      be_.gemm(false, false, n, C, V, S(1), lg, V, wout, C, S(0), dln_.data() + static_cast<int64_t>(r0) * C, C);
+      be_.gemm(true, false, V, C, n, S(1), lg, V, x, C, S(1), gw, C);
+    }
+  } catch (...) {
+    try {
+      (void)be_.take_loss_sum();
+    } catch (...) {  // the first error is the one to report
+    }
+    throw;
   }
-  if (!train) return loss;
+  if (!train) return be_.take_loss_sum();
   if (tied) {
     f.reduce_scatter_grad(0);
     hw = f.gather(L + 1);  // again: the embedding replaced it in the gather buffer (norm weight only: [C])
@@ -323,7 +333,7 @@ template <typename T> double LlamaModel<T>::head_forward(UnitSource<T>& f, const
   be_.rmsnorm_backward(dres_.data(), ghw + head_off_norm_, dln_.data(), xf_.data(), hw + head_off_norm_,
                        rstdf_.data(), BT, C);
   f.reduce_scatter_grad(L + 1);
-  return loss;
+  return be_.take_loss_sum();
 }
 
 template <typename T> typename LlamaModel<T>::Layer& LlamaModel<T>::backward_activations(int l, const T* w) {

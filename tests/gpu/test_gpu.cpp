@@ -15,14 +15,17 @@
 //     NaN-filled C (BLAS: C is not read), untouched padding; gemm_strided_batched: GQA shapes with
 //     stride 0 on B, stride 0 on A, padded strides, both transposed;
 //   axpy, scale, sum_squares (including > 1024 blocks); embedding forward (bitwise) and backward
-//     (repeated ids; a token repeated 2200 times, beyond one kernel gather list of 2048);
+//     (repeated ids; a token repeated 2200 times: one long run of the sorted positions);
 //   rmsnorm forward (out, rstd) and backward (+= into non-zero dx, dw); rope forward/backward with
 //     rope_tables; causal softmax forward/backward with rows of 1..300 (longer than a block) and
 //     more rows than a grid (exact zeros above the diagonal); flash attention forward (y, lse) and
 //     backward (dq, dk, dv) with GQA, MQA, T not a multiple of the tile, head dims 24, 64, 128
-//     (max |diff| / max(1, max |ref|): f32 1e-5, bf16 2e-2); swiglu forward/backward;
+//     (max |diff| / max(1, max |ref|): f32 1e-5, bf16 2e-2), shardtrain's tiled kernels; bf16
+//     attention through cuDNN's fused SDPA (CudnnAttentionBf16) at T = 1 .. 4096, GQA and MQA, head
+//     dims 64 and 128, against the same CPU reference; swiglu forward/backward;
 //   cross_entropy for V = 50257, 260 and 7 (66000 rows), with dlogits == nullptr, a separate
 //     buffer and dlogits aliasing logits (loss and gradient; logits untouched when not aliased);
+//     cross_entropy_sum over two calls read by take_loss_sum (the sum of the two losses, bitwise);
 //   adamw (steps 1 and 1000); from_f32 (bitwise, incl. ties, NaN, Inf, overflow, subnormals);
 //     add_to_f32;
 //   Comm on device buffers (NCCL and staged): all_gather (out of place, in place), reduce_scatter_sum,
@@ -48,7 +51,8 @@
 //   float: rtol 1e-5, atol 1e-6.  bf16: rtol 1e-2 (one bf16 ulp is at most 2^-7 = 0.0078 of a
 //            value: each side rounds a nearly equal fp32 value once), atol 1e-3.
 // Exceptions: embedding_backward on random data allows (r+1) roundings of T per row repeated r
-// times (the CPU sums a row's repeats in float and rounds once, the GPU once per 2048 gathered positions); on dyadic data (every partial sum
+// times (the CPU's bf16 path rounds after every addition; the GPU sums a row's repeats in float, in
+// position order, and rounds once); on dyadic data (every partial sum
 // exact) it is bitwise, as are embedding_forward, from_f32, the collectives and the mixed-precision
 // gathers. sum_squares (double accumulation): 1e-9 relative. Mixed-precision gradient shards: the
 // float criterion with m = sum over ranks of |g| / W, plus 2 (W - 1) 2^-8 m with reduce_bf16 (the
@@ -691,7 +695,7 @@ template <typename T> void check_embedding_backward() {
     expect_within(label<T>("embedding_backward random, ids x3"), got, want, allowed);
   }
   {  // Dyadic data, every partial sum exact in bf16 whatever the order: bitwise. Token 1 is repeated
-     // 2200 times (more than the kernel's 2048-entry gather list), 266 others 3-4 times.
+     // 2200 times (one long run of the sorted positions), 266 others 3-4 times.
     const int V = 400, C = 40, N = 3000, hot = 2200;
     std::vector<int32_t> tok(N);
     for (int i = 0; i < N; ++i) tok[static_cast<size_t>(i)] = i < hot ? 1 : 2 + (i - hot) % 266;
@@ -904,14 +908,36 @@ template <typename T> std::vector<float> download_acc(st::Backend<T>& be, const 
   return h;
 }
 
-template <typename T> void check_flash_attention() {
+struct FlashCase { int B, T_, NH, NKV, HD; };
+
+// Sets SHARDTRAIN_CUDNN_ATTENTION (src/backend/cuda/cudnn_attention.h) for one scope, restoring it after.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old, had_ = true;
+    setenv(name, value, 1);
+  }
+  ~ScopedEnv() {
+    if (had_) setenv(name_.c_str(), old_.c_str(), 1);
+    else unsetenv(name_.c_str());
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  std::string name_, old_;
+  bool had_ = false;
+};
+
+// lse_tol: relative to max(1, |lse|).
+template <typename T>
+void check_flash_attention_cases(const std::vector<FlashCase>& cases, const std::string& what_kernel, double lse_tol) {
   using S = st::math::Acc<T>;
   std::mt19937 g(9101);
-  struct Case { int B, T_, NH, NKV, HD; };
-  for (const Case& c : {Case{2, 300, 4, 2, 64}, Case{1, 64, 4, 4, 64}, Case{1, 17, 4, 1, 64}, Case{1, 1, 2, 2, 64},
-                        Case{1, 130, 6, 2, 24}, Case{1, 200, 2, 1, 128}, Case{1, 1000, 2, 1, 64}}) {
+  using Case = FlashCase;
+  for (const Case& c : cases) {
     const std::string sz = " B=" + std::to_string(c.B) + " T=" + std::to_string(c.T_) + " NH=" + std::to_string(c.NH) +
-                           " NKV=" + std::to_string(c.NKV) + " HD=" + std::to_string(c.HD);
+                           " NKV=" + std::to_string(c.NKV) + " HD=" + std::to_string(c.HD) + " (" + what_kernel + ")";
     const size_t nq = static_cast<size_t>(c.B) * c.T_ * c.NH * c.HD, nk = static_cast<size_t>(c.B) * c.T_ * c.NKV * c.HD;
     const size_t ns = static_cast<size_t>(c.B) * c.NH * c.T_;
     const std::vector<T> q = randn<T>(nq, g, 1.5), k = randn<T>(nk, g, 1.5), v = randn<T>(nk, g), dy = randn<T>(nq, g);
@@ -949,11 +975,33 @@ template <typename T> void check_flash_attention() {
       const double a = std::get<1>(got)[i], b = std::get<1>(want)[i];
       le = std::isfinite(a) ? std::max(le, std::fabs(a - b) / std::max(1.0, std::fabs(b))) : 1e30;
     }
-    expect("lse", le, 1e-5);
+    expect("lse", le, lse_tol);
     expect("dq", rel(std::get<2>(got), std::get<2>(want)), tol);
     expect("dk", rel(std::get<3>(got), std::get<3>(want)), tol);
     expect("dv", rel(std::get<4>(got), std::get<4>(want)), tol);
   }
+}
+
+// shardtrain's own tiled kernels (cuDNN switched off for bf16).
+template <typename T> void check_flash_attention() {
+  ScopedEnv own("SHARDTRAIN_CUDNN_ATTENTION", "off");
+  check_flash_attention_cases<T>({FlashCase{2, 300, 4, 2, 64}, FlashCase{1, 64, 4, 4, 64}, FlashCase{1, 17, 4, 1, 64},
+                                  FlashCase{1, 1, 2, 2, 64}, FlashCase{1, 130, 6, 2, 24}, FlashCase{1, 200, 2, 1, 128},
+                                  FlashCase{1, 1000, 2, 1, 64}},
+                                 "tiled kernels", 1e-5);
+}
+
+// bf16 attention through cuDNN's fused SDPA (SHARDTRAIN_CUDNN_ATTENTION=require: a missing cuDNN or
+// an unsupported shape fails instead of falling back), against the CPU backend's tiled reference
+// within the bf16 tolerance above: T = 1, 17, 300, 1024, 2049, 4096 (partial, single and many
+// tiles), GQA (4 query heads per key/value head) and MQA, head dims 64 and 128. lse: 5e-5 of
+// max(1, |lse|) (cuDNN forms exp as exp2 with log2(e) folded into the scale).
+void check_cudnn_attention() {
+  ScopedEnv require("SHARDTRAIN_CUDNN_ATTENTION", "require");
+  check_flash_attention_cases<bf16>({FlashCase{1, 1, 4, 1, 64}, FlashCase{2, 17, 8, 2, 64}, FlashCase{1, 300, 8, 2, 128},
+                                     FlashCase{1, 1024, 4, 1, 64}, FlashCase{1, 2049, 4, 4, 128},
+                                     FlashCase{1, 4096, 4, 1, 64}},
+                                    "cuDNN", 5e-5);
 }
 
 template <typename T> void check_swiglu() {
@@ -1027,6 +1075,20 @@ template <typename T> void check_cross_entropy() {
       st::Buffer<T> dl = upload(be, logits);
       expect_loss("dlogits nullptr", be.cross_entropy(nullptr, dl.data(), ids.data(), N, V, static_cast<S>(gsc)));
       expect_bitwise("cross_entropy dlogits nullptr: logits untouched" + sz, download(be, dl.data(), n), logits);
+    }
+    {  // cross_entropy_sum: the rows in two calls, summed on the backend, read once; bitwise the sum of
+       // cross_entropy's two returns (same per-row values and order); the sum is then 0 again.
+      st::Buffer<T> dl = upload(be, logits);
+      const int h = N / 2;
+      const size_t off = static_cast<size_t>(h) * V;
+      be.cross_entropy_sum(nullptr, dl.data(), ids.data(), h, V, S(0));
+      be.cross_entropy_sum(nullptr, dl.data() + off, ids.data() + h, N - h, V, S(0));
+      const double a = be.cross_entropy(nullptr, dl.data(), ids.data(), h, V, S(0));
+      const double b = be.cross_entropy(nullptr, dl.data() + off, ids.data() + h, N - h, V, S(0));
+      const double sum = be.take_loss_sum();
+      EXPECT_EQ(sum, a + b) << label<T>("cross_entropy_sum of two calls" + sz);
+      EXPECT_EQ(be.take_loss_sum(), 0.0) << label<T>("take_loss_sum after take_loss_sum" + sz);
+      expect_loss("cross_entropy_sum", sum);
     }
     {  // separate buffer (holding junk before)
       st::Buffer<T> dl = upload(be, logits), dd = upload(be, randn<T>(n, g));
@@ -1504,6 +1566,7 @@ GPU_TEST_BOTH(RmsNormBackward, check_rmsnorm_backward)
 GPU_TEST_BOTH(Rope, check_rope)
 GPU_TEST_BOTH(SoftmaxCausal, check_softmax)
 GPU_TEST_BOTH(FlashAttention, check_flash_attention)
+TEST_F(Gpu, CudnnAttentionBf16) { check_cudnn_attention(); }
 GPU_TEST_BOTH(SwiGLU, check_swiglu)
 GPU_TEST_BOTH(CrossEntropy, check_cross_entropy)
 GPU_TEST_BOTH(AdamW, check_adamw)

@@ -11,6 +11,7 @@
 // row reductions (rmsnorm, softmax, cross_entropy, embedding rows) use one block per row,
 // grid-striding over rows when there are more rows than kMaxGrid.
 #include <cublas_v2.h>
+#include <cub/device/device_radix_sort.cuh>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -21,6 +22,7 @@
 #include <cstdlib>
 #include <memory>
 #include <new>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -31,6 +33,7 @@
 #include "shardtrain/flash_attention.h"
 #include "shardtrain/ops_math.h"
 #include "cuda_check.h"
+#include "cudnn_attention.h"
 #include "plugin_abi.h"
 
 namespace shardtrain {
@@ -69,7 +72,6 @@ constexpr int kBlock = 256;           // elementwise and most row kernels
 constexpr int kRowBlockLarge = 1024;  // cross_entropy rows (V up to ~128K)
 constexpr unsigned kMaxGrid = 65535;  // grid-stride loops beyond this
 constexpr int kReduceBlocks = 1024;   // first pass of sum_squares
-constexpr int kEmbListCap = 2048;     // embedding_backward: positions gathered per flush
 constexpr int kWarpRowMax = 2048;     // causal softmax rows up to this: one warp per row (64 floats per lane)
 
 inline unsigned grid_for(size_t n, int block) {
@@ -141,12 +143,12 @@ template <typename T> __global__ void sum_squares_kernel(const T* x, size_t n, d
   if (threadIdx.x == 0) partial[blockIdx.x] = s;
 }
 
-// out[0] = sum of in[0..n) in double. One block.
-__global__ void sum_doubles_kernel(const double* in, size_t n, double* out) {
+// out[0] = sum of in[0..n) in double (accumulate: out[0] += that sum). One block.
+__global__ void sum_doubles_kernel(const double* in, size_t n, double* out, bool accumulate = false) {
   double s = 0;
   for (size_t i = threadIdx.x; i < n; i += blockDim.x) s += in[i];
   s = block_reduce(s, SumOp{});
-  if (threadIdx.x == 0) out[0] = s;
+  if (threadIdx.x == 0) out[0] = accumulate ? out[0] + s : s;
 }
 
 // One block per row i: out[i, :] = table[tok[i], :] (exact copy of the stored bits).
@@ -158,51 +160,32 @@ template <typename T> __global__ void embedding_forward_kernel(T* out, const int
   }
 }
 
-// dtable[tok[i], :] += dout[i, :], deterministic and without atomics: the block of position i
-// works only if i is the first occurrence of its token; it then gathers every position j >= i
-// holding the same token, in ascending order (ordered ballot compaction into shared memory), and
-// adds their rows to the table row in that order, one float accumulator per column: for float
-// storage this is exactly the CPU backend's sequence of additions.
+// dtable[tok[i], :] += dout[i, :], deterministic and without atomics, O(N * C) work: `order` is the
+// positions 0..N-1 stably sorted by token (cub::DeviceRadixSort over (token, position) pairs) and
+// `sorted` their tokens, so each token's positions form one run, in ascending order. The block of
+// sorted index k works only if k starts a run; it adds the run's dout rows to the table row in
+// that order, one float accumulator per column: for float storage exactly the CPU backend's
+// sequence of additions. (The previous kernel found runs by scanning every earlier position,
+// O(N^2) in N = B*T.)
 template <typename T>
-__global__ void embedding_backward_kernel(T* dtable, const int32_t* tok, const T* dout, int N, int C) {
-  __shared__ int list[kEmbListCap];
-  __shared__ int warp_count[32];
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
-  const int bdim = blockDim.x;
-  for (int i = blockIdx.x; i < N; i += gridDim.x) {
-    const int t = tok[i];
-    int seen = 0;
-    for (int j = tid; j < i; j += bdim) seen |= tok[j] == t;
-    if (__syncthreads_or(seen)) continue;  // an earlier position's block handles this token
+__global__ void embedding_backward_kernel(T* dtable, const int32_t* sorted, const int32_t* order, const T* dout, int N,
+                                          int C) {
+  for (int k = blockIdx.x; k < N; k += gridDim.x) {
+    const int t = sorted[k];
+    if (k > 0 && sorted[k - 1] == t) continue;  // not the start of a run
+    int end = k + 1;
+    while (end < N && sorted[end] == t) ++end;
     T* row = dtable + static_cast<size_t>(t) * C;
-    int count = 0;  // entries in `list`, the same in every thread
-    auto flush = [&]() {
-      for (int c = tid; c < C; c += bdim) {
-        float acc = math::ld(row[c]);
-        for (int k = 0; k < count; ++k) acc += math::ld(dout[static_cast<size_t>(list[k]) * C + c]);
-        row[c] = math::st<T>(acc);
-      }
-      count = 0;
-      __syncthreads();  // `list` is rewritten next
-    };
-    for (int j0 = i; j0 < N; j0 += bdim) {
-      if (count + bdim > kEmbListCap) flush();
-      const int j = j0 + tid;
-      const bool match = j < N && tok[j] == t;
-      const unsigned m = __ballot_sync(0xffffffffu, match);
-      if (lane == 0) warp_count[warp] = __popc(m);
-      __syncthreads();
-      int off = count, total = count;
-      for (int w = 0; w < nwarps; ++w) {
-        if (w < warp) off += warp_count[w];
-        total += warp_count[w];
-      }
-      if (match) list[off + __popc(m & ((1u << lane) - 1u))] = j;
-      count = total;
-      __syncthreads();  // `list` complete; `warp_count` read by everyone
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+      float acc = math::ld(row[c]);
+      for (int j = k; j < end; ++j) acc += math::ld(dout[static_cast<size_t>(order[j]) * C + c]);
+      row[c] = math::st<T>(acc);
     }
-    flush();
   }
+}
+
+__global__ void iota_kernel(int32_t* out, int n) {
+  for (size_t i = gtid(); i < static_cast<size_t>(n); i += gstride()) out[i] = static_cast<int32_t>(i);
 }
 
 // One block per row: out = x * rstd * w, rstd = 1/sqrt(mean(x^2) + eps), sum of squares in float.
@@ -705,7 +688,10 @@ template <typename T> class CudaBackend final : public Backend<T> {
 
   explicit CudaBackend(CudaContext& ctx)
       : stream_(static_cast<cudaStream_t>(ctx.stream())), handle_(static_cast<cublasHandle_t>(ctx.cublas())) {}
-  ~CudaBackend() override { release(scratch_); }
+  ~CudaBackend() override {
+    release(scratch_);
+    release(loss_sum_);
+  }
   CudaBackend(const CudaBackend&) = delete;
   CudaBackend& operator=(const CudaBackend&) = delete;
 
@@ -833,7 +819,21 @@ template <typename T> class CudaBackend final : public Backend<T> {
   }
   void embedding_backward(T* dtable, const int32_t* tokens, const T* dout, int N, int C) override {
     if (N <= 0 || C <= 0) return;
-    embedding_backward_kernel<T><<<grid_rows(N), kBlock, 0, stream_>>>(dtable, tokens, dout, N, C);
+    // Scratch: positions, sorted tokens, sorted positions (N int32 each, 256-byte aligned), then
+    // cub's temporary storage.
+    const size_t ids = (static_cast<size_t>(N) * sizeof(int32_t) + 255) / 256 * 256;
+    size_t temp = 0;
+    ST_CUDA(cub::DeviceRadixSort::SortPairs(nullptr, temp, tokens, static_cast<int32_t*>(nullptr),
+                                            static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr), N, 0,
+                                            32, stream_));
+    char* base = static_cast<char*>(scratch(3 * ids + temp));
+    int32_t* pos = reinterpret_cast<int32_t*>(base);
+    int32_t* sorted = reinterpret_cast<int32_t*>(base + ids);
+    int32_t* order = reinterpret_cast<int32_t*>(base + 2 * ids);
+    iota_kernel<<<grid_for(static_cast<size_t>(N), kBlock), kBlock, 0, stream_>>>(pos, N);
+    ST_LAUNCHED("iota_kernel");
+    ST_CUDA(cub::DeviceRadixSort::SortPairs(base + 3 * ids, temp, tokens, sorted, pos, order, N, 0, 32, stream_));
+    embedding_backward_kernel<T><<<grid_rows(N), kBlock, 0, stream_>>>(dtable, sorted, order, dout, N, C);
     ST_LAUNCHED("embedding_backward_kernel");
   }
 
@@ -885,9 +885,17 @@ template <typename T> class CudaBackend final : public Backend<T> {
     ST_LAUNCHED("softmax_causal_backward_kernel");
   }
 
+  // bf16: cuDNN's fused SDPA when SHARDTRAIN_CUDNN_ATTENTION allows it and cuDNN takes the shape
+  // (cudnn_attention.h), else the tiled kernels below; float: always the tiled kernels.
   void flash_attention_forward(T* y, S* lse, const T* q, const T* k, const T* v, int B, int T_, int NH, int NKV,
                                int HD, S scale) override {
     if (B <= 0 || T_ <= 0 || NH <= 0 || HD <= 0) return;
+    if constexpr (std::is_same_v<T, bf16>) {
+      if (use_cudnn([&](std::string* why) {
+            return cudnn().forward(y, lse, q, k, v, B, T_, NH, NKV, HD, scale, why);
+          }))
+        return;
+    }
     const size_t smem = sizeof(float) * static_cast<size_t>(2 * kBc + kBr) * HD;
     allow_smem(flash_forward_kernel<T>, smem, HD);
     const dim3 grid(static_cast<unsigned>(flash::num_tiles(T_, kBr)), static_cast<unsigned>(NH), static_cast<unsigned>(B));
@@ -897,6 +905,15 @@ template <typename T> class CudaBackend final : public Backend<T> {
   void flash_attention_backward(T* dq, T* dk, T* dv, S* dsum, const T* dy, const T* q, const T* k, const T* v,
                                 const T* y, const S* lse, int B, int T_, int NH, int NKV, int HD, S scale) override {
     if (B <= 0 || T_ <= 0 || NH <= 0 || HD <= 0) return;
+    if constexpr (std::is_same_v<T, bf16>) {
+      if (use_cudnn([&](std::string* why) {
+            return cudnn().backward(dq, dk, dv, dy, q, k, v, y, lse, B, T_, NH, NKV, HD, scale, why);
+          })) {
+        if (!cudnn_->deterministic()) note_once("cuDNN attention: the deterministic backward is not supported here; "
+                                                "using the non-deterministic one (runs may differ in the last bits)");
+        return;
+      }
+    }
     const size_t rows = static_cast<size_t>(B) * NH * T_;
     flash_dsum_kernel<T><<<grid_for(rows, kBlock), kBlock, 0, stream_>>>(dsum, dy, y, T_, NH, HD, rows);
     ST_LAUNCHED("flash_dsum_kernel");
@@ -932,6 +949,25 @@ template <typename T> class CudaBackend final : public Backend<T> {
     ST_LAUNCHED("cross_entropy_kernel");
     return sum_to_host(buf + 1, static_cast<size_t>(N), buf);
   }
+  // The rows' losses summed on the device and added to loss_sum_ there: no host wait per chunk.
+  void cross_entropy_sum(T* dlogits, const T* logits, const int32_t* targets, int N, int V, S grad_scale) override {
+    if (N <= 0 || V <= 0) return;
+    if (!loss_sum_) loss_sum_ = static_cast<double*>(alloc_bytes(sizeof(double)));  // zeroed
+    double* buf = static_cast<double*>(scratch(sizeof(double) * static_cast<size_t>(N)));
+    cross_entropy_kernel<T><<<grid_rows(N), kRowBlockLarge, 0, stream_>>>(dlogits, logits, targets, N, V, grad_scale,
+                                                                          buf);
+    ST_LAUNCHED("cross_entropy_kernel");
+    sum_doubles_kernel<<<1, kRowBlockLarge, 0, stream_>>>(buf, static_cast<size_t>(N), loss_sum_, true);
+    ST_LAUNCHED("sum_doubles_kernel (loss sum)");
+  }
+  double take_loss_sum() override {
+    if (!loss_sum_) return 0.0;
+    double h = 0;
+    ST_CUDA(cudaMemcpyAsync(&h, loss_sum_, sizeof(double), cudaMemcpyDeviceToHost, stream_));
+    ST_CUDA(cudaMemsetAsync(loss_sum_, 0, sizeof(double), stream_));
+    ST_CUDA(cudaStreamSynchronize(stream_));
+    return h;
+  }
 
   void adamw(T* p, T* m, T* v, const T* g, size_t n, S lr, S b1, S b2, S eps, S wd, S grad_scale,
              int64_t step) override {
@@ -949,7 +985,30 @@ template <typename T> class CudaBackend final : public Backend<T> {
   cublasHandle_t handle_;
   void* scratch_ = nullptr;  // reduction scratch, stream-ordered reuse across calls
   size_t scratch_bytes_ = 0;
+  double* loss_sum_ = nullptr;  // cross_entropy_sum's device double
   bool warned_free_ = false;
+  std::unique_ptr<cuda_detail::CudnnAttention> cudnn_;  // created at the first bf16 attention call
+  std::set<std::string> noted_;                         // notes already printed
+
+  cuda_detail::CudnnAttention& cudnn() {
+    if (!cudnn_) cudnn_ = std::make_unique<cuda_detail::CudnnAttention>(stream_);
+    return *cudnn_;
+  }
+  // Runs `try_cudnn(&why)` unless SHARDTRAIN_CUDNN_ATTENTION is off; true if cuDNN ran. When cuDNN
+  // cannot: "require" throws the reason, "auto" prints it once and returns false (tiled kernels).
+  template <typename F> bool use_cudnn(F&& try_cudnn) {
+    const cuda_detail::CudnnUse use = cuda_detail::cudnn_attention_use();
+    if (use == cuda_detail::CudnnUse::Off) return false;
+    std::string why;
+    if (try_cudnn(&why)) return true;
+    if (use == cuda_detail::CudnnUse::Require)
+      throw std::runtime_error("SHARDTRAIN_CUDNN_ATTENTION=require: " + why);
+    note_once("cuDNN attention unavailable, using the tiled kernels: " + why);
+    return false;
+  }
+  void note_once(const std::string& msg) {
+    if (noted_.insert(msg).second) std::fprintf(stderr, "shardtrain: note: %s\n", msg.c_str());
+  }
 
   // cudaMalloc + zero on the stream; synchronized so the memory is zero for any later user,
   // whatever stream it runs on.
