@@ -320,6 +320,19 @@ void run_plan(Comm& comm, const Topology& topo, const Options& o) {
     }
   }
   log_info(comm, os.str());
+  // --out FILE: the resolved model as a Hugging Face config.json (what a peer program, e.g.
+  // tests/gpu/peer.py, builds the same model from). Rank 0 writes; all ranks agree on the outcome.
+  if (!o.out.empty()) {
+    bool wrote = true;
+    if (comm.rank() == 0) {
+      std::ofstream f(o.out);
+      f << to_hf_json(mc, "bfloat16") << "\n";
+      f.close();
+      wrote = static_cast<bool>(f);
+    }
+    all_ok(comm, wrote, "option '--out': cannot write the model's config.json to '" + o.out + "'");
+    log_info(comm, "wrote the model's Hugging Face config.json to " + o.out);
+  }
 }
 
 // --mode inspect: step, world size, config and per-unit shard tables of a checkpoint; optionally

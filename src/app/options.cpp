@@ -44,7 +44,7 @@ po::options_description describe(Options& o) {
   po::options_description data("Data (--mode prepare, --mode tokenizer; docs/data-format.md)");
   data.add_options()
       ("input", po::value<std::vector<std::string>>(&o.inputs)->multitoken(), "text inputs (repeatable): files, directories (their files, recursively, sorted; hidden ones left out) or glob patterns; a plain-text file is one document, a .jsonl file one document per line")
-      ("out", po::value<std::string>(&o.out), "output: token file (prepare), SentencePiece .model (tokenizer), Hugging Face directory (export), checkpoint file (import)")
+      ("out", po::value<std::string>(&o.out), "output: token file (prepare), SentencePiece .model (tokenizer), Hugging Face directory (export), checkpoint file (import), the model's Hugging Face config.json (plan)")
       ("val-fraction", dbl(&o.val_fraction), "prepare: fraction of tokens (the last ones) held out for validation, in (0, 1)")
       ("tokenizer", po::value<std::string>(&o.tokenizer)->default_value(o.tokenizer), "prepare: byte-level | a SentencePiece .model file | a directory holding tokenizer.model (e.g. a Hugging Face Llama directory); each document becomes BOS (if the tokenizer has one) + ids + EOS")
       ("text-field", po::value<std::string>(&o.text_field)->default_value(o.text_field), "prepare, tokenizer: the JSON field holding the text in .jsonl inputs")

@@ -5,7 +5,8 @@
 #  - --attention exact and --loss-chunk 5 change only rounding: losses within 1e-5 relative;
 #  - a resume may change the checkpointing mode (it is not part of the checkpointed run);
 #  - every training run prints the memory plan and the measured peak per rank;
-#  - --mode plan: the sharded state falls as 1/W; --device-memory prints what fits; bad values of
+#  - --mode plan: the sharded state falls as 1/W; --device-memory prints what fits; --out writes the
+#    model's config.json, from which transformers builds a model of the same parameter count; bad values of
 #    the new options fail on every rank, naming the option.
 source "$(dirname "$0")/common.sh"
 DATA=$(test_corpus)
@@ -77,6 +78,25 @@ for mode in none selective full; do
     { echo "$out"; fail "plan --device-memory lacks the $mode line"; }
 done
 echo "ok: --mode plan: parameter shards $s1 MiB at W=8, $s2 MiB at W=64; fits: $(grep -o 'full: .*' <<<"$out")"
+
+# --mode plan --out: the resolved model as config.json (what tests/gpu/peer.py builds PyTorch's model
+# from). transformers' LlamaForCausalLM from it must have exactly shardtrain's parameter count.
+out=$(timeout -k 5 60 $MPIRUN -np 2 "$BIN" --mode plan --model llama-350m --out "$WORK/plan-config.json" 2>&1) ||
+  { echo "$out"; fail "--mode plan --out failed"; }
+n=$(sed -n "s/.*'llama-350m' (\([0-9]*\) parameters).*/\1/p" <<<"$out" | head -1)
+"$PY" - "$WORK/plan-config.json" "$n" <<'PY' || fail "--mode plan --out: config.json does not give shardtrain's model"
+import json, sys, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+cfg = json.load(open(sys.argv[1]))
+with torch.device("meta"):
+    m = LlamaForCausalLM(LlamaConfig(**cfg))
+got = sum(p.numel() for p in m.parameters())
+assert got == int(sys.argv[2]), (got, sys.argv[2])
+assert cfg["num_hidden_layers"] == 24 and cfg["hidden_size"] == 1024, cfg
+print(f"ok: --mode plan --out: transformers builds llama-350m from it with {got:,} parameters, as shardtrain")
+PY
+expect_fail bad_plan_out "option '--out': cannot write the model's config.json" 2 --mode plan --model tiny \
+  --out "$WORK/no-such-dir/config.json"
 
 expect_fail bad_ckpt "option '--activation-checkpointing' must be none, selective or full" 2 --model tiny --data "$DATA" --activation-checkpointing foo
 expect_fail bad_attention "option '--attention' must be tiled or exact" 2 --model tiny --data "$DATA" --attention flash
