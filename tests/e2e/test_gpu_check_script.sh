@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # tests/gpu/run.sh, the device check, run here with GPU_CHECK_DEVICE=cpu (its "GPU" runs on the CPU)
 # so that the script itself is tested on every CI run: every stage runs, every comparison passes,
-# the benchmark table has its row, and the script exits 0 with "0 failed". Then the GPU runs with
+# the benchmark table has its rows, the PyTorch peer (tests/gpu/peer.py, here on the CPU, eager) runs
+# beside the tiny bf16 row with its ratio, and the script exits 0 with "0 failed". Then the GPU runs with
 # another seed (GPU_CHECK_ARGS="--seed 7") must fail the 6 training comparisons, both resumes across
 # devices (refused: the seed of the resuming run differs from the checkpoint's, and a resume does not
 # change settings silently), and the script's exit status.
@@ -12,23 +13,24 @@ check() {  # check NAME EXTRA_ENV...: runs the script; its output in $WORK/NAME.
   shift
   rc=0
   env "$@" GPU_BUNDLE=none GPU_CHECK_BUILD="$BUILD_DIR" GPU_CHECK_DEVICE=cpu GPU_CHECK_DIR="$WORK/$name" \
-    BENCH_MODELS=tiny:fp32 BENCH_SEQ=32 BENCH_BATCH=4 GPU_CHECK_BUDGET_S=240 \
+    BENCH_MODELS="tiny:fp32 tiny:bf16" BENCH_SEQ=32 BENCH_BATCH=4 GPU_CHECK_BUDGET_S=240 \
     timeout -k 5 300 bash "$ROOT/tests/gpu/run.sh" >"$WORK/$name.txt" 2>&1 || rc=$?
 }
 # The case count run.sh reports: as many as gpu_tests lists.
 NCASES=$("$BUILD_DIR/gpu_tests" --gtest_list_tests | grep -c '^  ')
-check ok
+check ok PEER_MODELS=tiny:32:4 PEER_PY="$ROOT/.venv/bin/python"
 [ "$rc" = 0 ] || { cat "$WORK/ok.txt"; fail "run.sh exit status $rc"; }
 for want in 'PASS  env: shardtrain runs under mpirun' "SKIP  gpu_tests ($NCASES cases): skipped: no CUDA device" \
   'PASS  gpu-fp32-np1 vs cpu-fp32' 'PASS  gpu-uneven-np2 vs cpu-uneven' 'PASS  gpu-bf16r-np2 vs cpu-fp32' \
   'PASS  ckpt-gpu-to-cpu vs cpu-fp32' 'PASS  ckpt-cpu-to-gpu vs cpu-fp32' 'PASS  bench-tiny-fp32' '| tiny | ' \
+  'PASS  peer-tiny-32x4: tokens_per_s=' '| tiny | 32 | 4 | ' \
   'SKIP  sanitizer-memcheck: skipped: no CUDA device' 'SKIP  mem-llama-1b: skipped: no CUDA device'; do
   grep -qF -- "$want" "$WORK/ok.txt" || { cat "$WORK/ok.txt"; fail "run.sh output lacks '$want'"; }
 done
 grep -qE '^gpu: [0-9]+ passed, 0 failed' "$WORK/ok.txt" || { cat "$WORK/ok.txt"; fail "no 'gpu: N passed, 0 failed'"; }
 echo "ok: run.sh (GPU_CHECK_DEVICE=cpu): $(tail -1 "$WORK/ok.txt"), $(grep -m1 -o 'gpu-bf16-np1 vs cpu-fp32: worst[^;]*' "$WORK/ok.txt")"
 
-check seed GPU_CHECK_ARGS="--seed 7"
+check seed GPU_CHECK_ARGS="--seed 7" PEER_MODELS=""
 [ "$rc" != 0 ] || { cat "$WORK/seed.txt"; fail "run.sh passed with the GPU runs on another seed"; }
 nfail=$(grep -c '^  FAIL  \(gpu\|ckpt\)-' "$WORK/seed.txt" || true)
 [ "$nfail" = 8 ] || { cat "$WORK/seed.txt"; fail "--seed 7: $nfail of the GPU comparisons failed, expected 8"; }

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # tests/gpu/run.sh: the GPU check of shardtrain, for a machine with one NVIDIA GPU (sized for an
-# H200 and a budget of 8 minutes); what it prints is meant to be pasted into docs/benchmarks.md.
+# H200 and a budget of 9 minutes); what it prints is meant to be pasted into docs/benchmarks.md.
 #
 #   bash tests/gpu/run.sh
 #
@@ -18,10 +18,13 @@
 #      default (on: NCCL stream-ordered) bitwise, fp32 and bf16, with their exposed comm ms/step
 #   4. checkpoints across devices: GPU to step 10 then CPU to 20, and CPU then GPU, against an
 #      uninterrupted CPU run (1e-4)
-#   5. benchmark: llama-125m and llama-350m, seq 1024, batch 16, bf16 (and llama-125m fp32):
+#   5. benchmark: llama-125m and llama-350m, seq 1024, batch 16, bf16 (and llama-125m fp32), llama-350m
+#      and llama-1b at seq 2048, batch 8:
 #      tokens/s (mean of steps 3-12), MFU, peak GPU memory, as markdown table rows
 #   5b. memory: llama-1b bf16 at seq 2048 with --activation-checkpointing full, 3 steps: the memory plan
 #      against nvidia-smi's peak (MEM1B=0 skips it)
+#   5c. the PyTorch peer (tests/gpu/peer.py, the GPU machine's own torch and transformers): the same
+#      model, seq and batch as stage 5's bf16 rows (PEER_MODELS), tokens/s, peak memory and the ratio
 #   6. compute-sanitizer (when present): gpu_tests under memcheck (all cases) and racecheck (the kernels
 #      with shared memory), no error allowed
 #   7. only with GPU_CHECK_PROFILE=1: Nsight Compute's duration of every kernel over one llama-125m
@@ -31,21 +34,28 @@
 # status is non-zero iff something failed. Logs and metrics: build-gpu/gpu-check/logs (GPU_CHECK_DIR);
 # with $OUT set, also $OUT/summary.txt (this output) and $OUT/gpu-logs.tar.gz.
 # Knobs for testing the script itself: GPU_CHECK_DEVICE=cpu runs the "GPU" runs on the CPU;
-# BENCH_MODELS, BENCH_SEQ, BENCH_BATCH, BENCH_STEPS size the benchmark; SANITIZER_S stage 6;
+# BENCH_MODELS, BENCH_SEQ, BENCH_BATCH, BENCH_STEPS size the benchmark; PEER_MODELS, PEER_PY,
+# PEER_COMPILE(_S) stage 5c; SHARDTRAIN_CUDNN_ATTENTION=off the tiled kernels; SANITIZER_S stage 6;
 # GPU_BUNDLE=none with GPU_CHECK_BUILD=DIR: the binaries of DIR, no build (tests/e2e/test_gpu_check_script.sh);
 # GPU_CHECK_ARGS: more shardtrain options for the GPU runs of stages 3-4 (--seed 7 must fail them).
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 ROOT=$PWD
-BUDGET=${GPU_CHECK_BUDGET_S:-450}
+BUDGET=${GPU_CHECK_BUDGET_S:-540}
 DEV=${GPU_CHECK_DEVICE:-cuda}
 W=${GPU_CHECK_DIR:-$ROOT/build-gpu/gpu-check}
 L=$W/logs
-BENCH_MODELS=${BENCH_MODELS:-llama-125m:bf16 llama-350m:bf16 llama-125m:fp32}
+# MODEL:PRECISION[:SEQ[:BATCH]] (SEQ, BATCH default BENCH_SEQ, BENCH_BATCH); llama-1b is the 5b shape.
+BENCH_MODELS=${BENCH_MODELS:-llama-125m:bf16 llama-350m:bf16 llama-350m:bf16:2048:8 llama-1b:bf16:2048:8 llama-125m:fp32}
+# Stage 5c, the PyTorch peer: MODEL:SEQ:BATCH, each compared with the bf16 row of the same shape.
+PEER_MODELS=${PEER_MODELS:-llama-350m:1024:16 llama-1b:2048:8}
+PEER_PY=${PEER_PY:-python3}        # a Python with torch and transformers (the GPU machine's own)
+PEER_COMPILE=${PEER_COMPILE:-1}    # torch.compile the peer (time-boxed: PEER_COMPILE_S, then eager)
+PEER_COMPILE_S=${PEER_COMPILE_S:-150}
 BENCH_SEQ=${BENCH_SEQ:-1024}
 BENCH_BATCH=${BENCH_BATCH:-16}
 BENCH_STEPS=${BENCH_STEPS:-12}
-SANITIZER_S=${SANITIZER_S:-160}  # stage 6: memcheck and racecheck, half each; 0 skips stage 6
+SANITIZER_S=${SANITIZER_S:-120}  # stage 6: memcheck and racecheck, half each; 0 skips stage 6
 PEAK_FLOPS=989e12  # H100 / H200 SXM, dense bf16
 FORTUNES=(fortunes literature riddles science wisdom people politics work education computers)  # make data's
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
@@ -187,6 +197,15 @@ PY
       bad "env: $so not found (searched: ${dirs[*]})"
     fi
   done
+  # cuDNN (fused attention, src/backend/cuda/cudnn_attention.h) is dlopen()ed, not linked: optional.
+  found=
+  for d in "${dirs[@]}"; do if [ -e "$d/libcudnn.so.9" ]; then found=$d; break; fi; done
+  if [ -n "$found" ]; then
+    echo "  libcudnn.so.9: $found"
+    case ":$libpath:" in *":$found:"*) ;; *) libpath=$libpath:$found ;; esac
+  else
+    echo "  libcudnn.so.9: not found: bf16 attention uses shardtrain's tiled kernels (Gpu.CudnnAttentionBf16 fails)"
+  fi
   export GPU_BUNDLE_LIBPATH=$libpath:$B/cuda-fallback
   have=$(getconf GNU_LIBC_VERSION 2>/dev/null | awk '{print $2}')
   need=$(cat "$B/GLIBC_REQUIRED")
@@ -312,20 +331,39 @@ else
 fi
 
 # ---- 5. benchmark -----------------------------------------------------------------------------
+# llama-1b (Llama-3.2-1B's shape) with its special ids left unset, so that they come from the fortunes
+# token file: stages 5, 5b and 5c.
+python3 - "$W/llama-1b.json" <<'PY'
+import json, sys
+json.dump({"architectures": ["LlamaForCausalLM"], "hidden_size": 2048, "intermediate_size": 8192,
+           "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
+           "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+           "hidden_act": "silu", "tie_word_embeddings": True, "bos_token_id": None, "eos_token_id": None,
+           "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                            "original_max_position_embeddings": 8192}}, open(sys.argv[1], "w"))
+PY
+model_spec() { if [ "$1" = llama-1b ]; then echo "$W/llama-1b.json"; else echo "$1"; fi; }
+
 # Stage 6 runs when there is a GPU, compute-sanitizer and SANITIZER_S > 0: its time is kept from stage 5.
 CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
 SAN=0
 [ "$GPU" = 1 ] && [ "$DEV" = cuda ] && [ -n "$CS" ] && [ "$SANITIZER_S" -gt 0 ] && SAN=1
-stage "5. benchmark: 1 rank (--gpu-comm $COMM1), seq $BENCH_SEQ, batch $BENCH_BATCH (no accumulation), $BENCH_STEPS steps" \
-  $((T_END - SECONDS - SAN * SANITIZER_S))
+# Stage 5c's time is kept from stage 5 too.
+PEER_KEEP=0
+[ "$GPU" = 1 ] && [ -n "$PEER_MODELS" ] && PEER_KEEP=$((PEER_COMPILE_S + 60))
+stage "5. benchmark: 1 rank (--gpu-comm $COMM1), seq $BENCH_SEQ, batch $BENCH_BATCH unless given (no accumulation), $BENCH_STEPS steps" \
+  $((T_END - SECONDS - SAN * SANITIZER_S - PEER_KEEP))
 ROWS=()
+declare -A OURS_TPS OURS_MEM  # MODEL:SEQ:BATCH of the bf16 rows: tokens/s, peak memory (for 5c)
 GPU_NAME=$( [ "$DEV" = cuda ] && nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 for mp in $BENCH_MODELS; do
-  model=${mp%%:*} prec=${mp##*:} name=bench-${mp//:/-}
+  IFS=: read -r model prec seq batch <<<"$mp"
+  seq=${seq:-$BENCH_SEQ} batch=${batch:-$BENCH_BATCH} name=bench-${mp//:/-}
   if [ "$GPU" = 0 ]; then skipped "$name" "no CUDA device"; continue; fi
   case $model in  # layers, hidden size (src/model/config.cpp)
     llama-125m) LC="12 768" tmo=70 ;;
     llama-350m) LC="24 1024" tmo=100 ;;
+    llama-1b) LC="16 2048" tmo=120 ;;
     demo) LC="4 128" tmo=60 ;;
     *) LC="2 32" tmo=60 ;;
   esac
@@ -335,12 +373,12 @@ for mp in $BENCH_MODELS; do
     mempid=$!
   fi
   rc=0
-  run_np "$name" "$tmo" 1 --model "$model" --data "$DATA" --seq-len "$BENCH_SEQ" --global-batch "$BENCH_BATCH" \
-    --micro-batch "$BENCH_BATCH" --steps "$BENCH_STEPS" --log-every 1 --eval-batches 1 --device "$DEV" \
+  run_np "$name" "$tmo" 1 --model "$(model_spec "$model")" --data "$DATA" --seq-len "$seq" --global-batch "$batch" \
+    --micro-batch "$batch" --steps "$BENCH_STEPS" --log-every 1 --eval-batches 1 --device "$DEV" \
     --gpu-comm "$COMM1" --precision "$prec" || rc=$?
   if [ -n "$mempid" ]; then kill "$mempid" 2>/dev/null; wait "$mempid" 2>/dev/null; fi
   # shellcheck disable=SC2086  # LC is two numbers
-  out=$(python3 - "$L/$name.jsonl" "$L/$name.log" "$L/$name.mem" "$model" "$prec" "$BENCH_SEQ" "$BENCH_BATCH" \
+  out=$(python3 - "$L/$name.jsonl" "$L/$name.log" "$L/$name.mem" "$model" "$prec" "$seq" "$batch" \
     "$BENCH_STEPS" "$PEAK_FLOPS" $LC <<'PY'
 import json, os, re, sys
 metrics, log, mem, model, prec, T, B, steps, peak, L, C = sys.argv[1:]
@@ -366,11 +404,15 @@ print(f"INFO {model} {prec}: {tps:,.0f} tok/s (mean of steps 3-{max(r['step'] fo
       f"{tr[max(tr)]['loss']:.3f}, peak GPU memory {memstr}, exposed comm {expo:.2f} of {issued:.2f} ms/step{note}")
 partial = f" (steps 3-{max(tr)} of {steps})" if note else ""
 print(f"ROW | {model} | {N / 1e6:.1f}M | {prec} | {T} | {B} | {tps:,.0f}{partial} | {100 * mfu:.1f}% | {memstr} |")
+print(f"TPS {tps:.0f} {memstr.replace(' ', '')}")
 PY
 )
   info=$(sed -n 's/^INFO //p' <<<"$out")
   row=$(sed -n 's/^ROW //p' <<<"$out")
   [ -n "$row" ] && ROWS+=("$row")
+  if [ "$prec" = bf16 ] && read -r tps_ mem_ < <(sed -n 's/^TPS //p' <<<"$out"); then
+    OURS_TPS[$model:$seq:$batch]=$tps_ OURS_MEM[$model:$seq:$batch]=$mem_
+  fi
   if [ "$rc" = 0 ] && [ -n "$row" ]; then ok "$name: $info"
   else
     bad "$name: exit status $rc${info:+; partial: $info}$(sed -n 's/^FAIL /; /p' <<<"$out")"
@@ -390,22 +432,13 @@ fi
 
 # ---- 5b. memory: Llama-3.2-1B, bf16, T = 2048, full activation checkpointing, one GPU ----------------
 # The memory plan printed at start (memory_plan.h) against nvidia-smi's peak memory.used (which also
-# counts the CUDA context, cuBLAS and NCCL: the plan's 1 GiB estimate). llama-1b's shape with its
-# special ids left unset, so that they come from the fortunes token file.
+# counts the CUDA context, cuBLAS and NCCL: the plan's 1 GiB estimate).
 MEM1B=${MEM1B:-1}
-stage "5b. memory: llama-1b bf16, seq 2048, micro-batch 1, --activation-checkpointing full, 3 steps" $((T_END - SECONDS - SAN * SANITIZER_S))
+stage "5b. memory: llama-1b bf16, seq 2048, micro-batch 1, --activation-checkpointing full, 3 steps" \
+  $((T_END - SECONDS - SAN * SANITIZER_S - PEER_KEEP))
 if [ "$GPU" = 0 ] || [ "$DEV" != cuda ] || [ "$MEM1B" = 0 ]; then
   skipped mem-llama-1b "no CUDA device (or MEM1B=0)"
 else
-  python3 - "$W/llama-1b.json" <<'PY'
-import json, sys
-json.dump({"architectures": ["LlamaForCausalLM"], "hidden_size": 2048, "intermediate_size": 8192,
-           "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
-           "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-           "hidden_act": "silu", "tie_word_embeddings": True, "bos_token_id": None, "eos_token_id": None,
-           "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                            "original_max_position_embeddings": 8192}}, open(sys.argv[1], "w"))
-PY
   nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 250 >"$L/mem-llama-1b.mem" 2>/dev/null &
   mempid=$!
   rc=0
@@ -422,6 +455,64 @@ PY
     bad "mem-llama-1b: exit status $rc, plan '${plan}' MiB, peak '${peak}' MiB"
     tail_log "$L/mem-llama-1b.log"
   fi
+fi
+
+# ---- 5c. the PyTorch peer ----------------------------------------------------------------------
+# tests/gpu/peer.py: transformers' LlamaForCausalLM from the config.json shardtrain resolves for the
+# same model (--mode plan --out), bf16 autocast, SDPA attention, torch.compile (time-boxed at
+# PEER_COMPILE_S; on a timeout or error it runs eager), fused AdamW; same seq and batch, run right
+# after shardtrain's row on the same GPU. Ratio = shardtrain tokens/s / peer tokens/s.
+stage "5c. PyTorch peer: LlamaForCausalLM, bf16 autocast, sdpa, torch.compile, fused AdamW" $((T_END - SECONDS - SAN * SANITIZER_S))
+PEER_ROWS=()
+for pm in $PEER_MODELS; do
+  IFS=: read -r model seq batch <<<"$pm"
+  name=peer-$model-${seq}x$batch
+  if [ "$GPU" = 0 ]; then skipped "$name" "no CUDA device"; continue; fi
+  if ! "$PEER_PY" -c 'import torch, transformers' >/dev/null 2>&1; then
+    skipped "$name" "$PEER_PY cannot import torch and transformers (PEER_PY)"; continue
+  fi
+  "$MPIRUN" "${MPIRUN_OPTS[@]}" -np 1 "$BIN" --mode plan --model "$(model_spec "$model")" --data "$DATA" \
+    --out "$W/$name.json" >"$L/$name-config.log" 2>&1 || { bad "$name: shardtrain --mode plan --out"; tail_log "$L/$name-config.log"; continue; }
+  peer_dev=$DEV
+  [ "$DEV" = cuda ] || peer_dev=cpu
+  res='' how=''
+  if [ "$PEER_COMPILE" = 1 ] && [ "$DEV" = cuda ]; then
+    t=$(cap "$PEER_COMPILE_S")
+    [ "$t" != 0 ] && timeout -k 5 "$t" "$PEER_PY" "$ROOT/tests/gpu/peer.py" --config "$W/$name.json" --seq "$seq" \
+      --batch "$batch" --steps "$BENCH_STEPS" --compile --device "$peer_dev" >"$L/$name.log" 2>&1 &&
+      res=$(grep -m1 '^PEER ' "$L/$name.log") how=compiled
+    [ -z "$res" ] && echo "  $name: torch.compile did not finish in ${t}s or failed ($(tail -n1 "$L/$name.log" | cut -c1-160)); eager"
+  fi
+  if [ -z "$res" ]; then
+    t=$(cap 60)
+    [ "$t" != 0 ] && timeout -k 5 "$t" "$PEER_PY" "$ROOT/tests/gpu/peer.py" --config "$W/$name.json" --seq "$seq" \
+      --batch "$batch" --steps "$BENCH_STEPS" --device "$peer_dev" >"$L/$name-eager.log" 2>&1 &&
+      res=$(grep -m1 '^PEER ' "$L/$name-eager.log") how=eager
+  fi
+  if [ -z "$res" ]; then
+    bad "$name: the peer did not run"
+    if [ -e "$L/$name-eager.log" ]; then tail_log "$L/$name-eager.log"; else tail_log "$L/$name.log"; fi
+    continue
+  fi
+  ptps=$(grep -o 'tokens_per_s=[0-9]*' <<<"$res" | cut -d= -f2)
+  pmem=$(grep -o 'peak_gib=[0-9.a-z]*' <<<"$res" | cut -d= -f2)
+  ours=${OURS_TPS[$model:$seq:$batch]:-}
+  if [ -n "$ours" ]; then
+    ratio=$(python3 -c "print(f'{$ours / $ptps:.2f}')")
+    ok "$name: ${res#PEER }; shardtrain ${ours} tok/s, ratio $ratio"
+    PEER_ROWS+=("| $model | $seq | $batch | $ours | ${OURS_MEM[$model:$seq:$batch]} | $ptps ($how) | $pmem GiB | $ratio |")
+  else
+    ok "$name: ${res#PEER } (no bf16 shardtrain row of this shape in BENCH_MODELS: no ratio)"
+  fi
+done
+if [ ${#PEER_ROWS[@]} -gt 0 ]; then
+  echo
+  echo "PyTorch peer, ${GPU_NAME:-$DEV}, $(date -u +%Y-%m-%d), same run: tokens/s = mean of steps 3-$BENCH_STEPS of each;"
+  echo "peer memory = torch.cuda.max_memory_reserved; ratio = shardtrain / peer tokens/s."
+  echo
+  echo "| model | seq | batch | shardtrain tok/s | shardtrain peak | PyTorch tok/s | PyTorch peak | ratio |"
+  echo "|---|---|---|---|---|---|---|---|"
+  printf '%s\n' "${PEER_ROWS[@]}"
 fi
 
 # ---- 6. compute-sanitizer ---------------------------------------------------------------------
