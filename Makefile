@@ -97,7 +97,7 @@ deps:
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 build:
 	$(MAKE) --no-print-directory -j$(JOBS) binaries
-binaries: $(BUILD)/shardtrain $(BUILD)/unit_tests $(BUILD)/mpi_tests $(BUILD)/gpu_tests $(CUDA_PLUGIN)
+binaries: $(BUILD)/shardtrain $(BUILD)/unit_tests $(BUILD)/mpi_tests $(BUILD)/gpu_tests $(BUILD)/attention_bench $(CUDA_PLUGIN)
 
 $(BUILD)/%.o: %.cpp
 	@mkdir -p $(dir $@)
@@ -143,6 +143,11 @@ $(BUILD)/mpi_tests: $(MPI_OBJS) $(BUILD)/libshardtrain.a
 # every configuration; without a CUDA device each test reports "skipped: no CUDA device".
 $(BUILD)/gpu_tests: $(GPU_OBJS) $(BUILD)/libshardtrain.a | $(CUDA_PLUGIN)
 	$(CXX) $^ -o $@ $(GTEST_LIBS) $(LDLIBS)
+
+# Attention TFLOP/s on a GPU, cuDNN's fused SDPA against the tiled kernels (tests/bench/attention_bench.cpp;
+# tests/gpu/run.sh stage 5d). Without a GPU it says so and exits 0.
+$(BUILD)/attention_bench: $(BUILD)/tests/bench/attention_bench.o $(BUILD)/libshardtrain.a | $(CUDA_PLUGIN)
+	$(CXX) $^ -o $@ $(LDLIBS)
 
 # Default corpus: English text files of Debian's `fortunes` package (installed by make deps).
 FORTUNES_DIR := /usr/share/games/fortunes

@@ -24,7 +24,8 @@ for want in 'PASS  env: shardtrain runs under mpirun' "SKIP  gpu_tests ($NCASES 
   'PASS  gpu-fp32-np1 vs cpu-fp32' 'PASS  gpu-uneven-np2 vs cpu-uneven' 'PASS  gpu-bf16r-np2 vs cpu-fp32' \
   'PASS  ckpt-gpu-to-cpu vs cpu-fp32' 'PASS  ckpt-cpu-to-gpu vs cpu-fp32' 'PASS  bench-tiny-fp32' '| tiny | ' \
   'PASS  peer-tiny-32x4: tokens_per_s=' '| tiny | 32 | 4 | ' \
-  'SKIP  sanitizer-memcheck: skipped: no CUDA device' 'SKIP  mem-llama-1b: skipped: no CUDA device'; do
+  'SKIP  sanitizer-memcheck: skipped: no CUDA device' 'SKIP  mem-llama-1b: skipped: no CUDA device' \
+  'SKIP  attention-bench: skipped: no CUDA device'; do
   grep -qF -- "$want" "$WORK/ok.txt" || { cat "$WORK/ok.txt"; fail "run.sh output lacks '$want'"; }
 done
 grep -qE '^gpu: [0-9]+ passed, 0 failed' "$WORK/ok.txt" || { cat "$WORK/ok.txt"; fail "no 'gpu: N passed, 0 failed'"; }

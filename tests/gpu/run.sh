@@ -25,6 +25,8 @@
 #      against nvidia-smi's peak (MEM1B=0 skips it)
 #   5c. the PyTorch peer (tests/gpu/peer.py, the GPU machine's own torch and transformers): the same
 #      model, seq and batch as stage 5's bf16 rows (PEER_MODELS), tokens/s, peak memory and the ratio
+#   5d. attention TFLOP/s (tests/bench/attention_bench.cpp): cuDNN's fused SDPA and the tiled kernels
+#      on the FlashAttention-2 paper's shapes, forward and forward+backward
 #   6. compute-sanitizer (when present): gpu_tests under memcheck (all cases) and racecheck (the kernels
 #      with shared memory), no error allowed
 #   7. only with GPU_CHECK_PROFILE=1: Nsight Compute's duration of every kernel over one llama-125m
@@ -167,7 +169,7 @@ if [ -d "$B" ]; then
   echo "  binaries: .gpu-bundle ($(tr '\n' ';' <"$B/BUILD_INFO" 2>/dev/null))"
   cp -a "$B" "$W/bundle" && B=$W/bundle  # unpacked in a copy: .gpu-bundle stays small enough to carry
   "$B/unpack.sh" || bad "env: .gpu-bundle/unpack.sh"
-  BIN=$B/bin/shardtrain GTEST=$B/bin/gpu_tests MPIRUN=$B/bin/mpirun FORT=$B/fortunes
+  BIN=$B/bin/shardtrain GTEST=$B/bin/gpu_tests MPIRUN=$B/bin/mpirun FORT=$B/fortunes ABENCH=$B/bin/attention_bench
   # CUDA libraries of this machine: toolkit, pip wheels (nvidia-*, torch), ldconfig.
   mapfile -t dirs < <({
     for d in ${CUDA_HOME:+"$CUDA_HOME/lib64"} /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
@@ -217,11 +219,13 @@ PY
 elif [ -n "${GPU_CHECK_BUILD:-}" ]; then
   echo "  binaries: $GPU_CHECK_BUILD (GPU_CHECK_BUILD)"
   BIN=$GPU_CHECK_BUILD/shardtrain GTEST=$GPU_CHECK_BUILD/gpu_tests MPIRUN=mpirun FORT=/usr/share/games/fortunes
+  ABENCH=$GPU_CHECK_BUILD/attention_bench
 else
   echo "  binaries: make build ($(git rev-parse --short HEAD 2>/dev/null || echo '?'))"
   if ! make -s -j"$(nproc)" build >"$L/build.log" 2>&1; then bad "env: make build"; tail_log "$L/build.log"; fi
   T_END=$((SECONDS + BUDGET))  # the budget is for the checks, not the build
   BIN=$ROOT/build/shardtrain GTEST=$ROOT/build/gpu_tests MPIRUN=mpirun FORT=/usr/share/games/fortunes
+  ABENCH=$ROOT/build/attention_bench
 fi
 inputs=()
 for f in "${FORTUNES[@]}"; do inputs+=(--input "$FORT/$f"); done
@@ -513,6 +517,29 @@ if [ ${#PEER_ROWS[@]} -gt 0 ]; then
   echo "| model | seq | batch | shardtrain tok/s | shardtrain peak | PyTorch tok/s | PyTorch peak | ratio |"
   echo "|---|---|---|---|---|---|---|---|"
   printf '%s\n' "${PEER_ROWS[@]}"
+fi
+
+# ---- 5d. attention TFLOP/s -----------------------------------------------------------------------
+# tests/bench/attention_bench.cpp: causal bf16 attention, forward and forward+backward, cuDNN's fused
+# SDPA and the tiled kernels, on the FlashAttention-2 paper's shapes (its FLOP count). For scale: the
+# FlashAttention-3 paper (Shah et al. 2024) puts FlashAttention-2 at about 35% of an H100's 989
+# TFLOP/s, and FlashAttention-3 (FP16) at up to 740.
+stage "5d. attention: forward and forward+backward TFLOP/s (cuDNN SDPA, tiled kernels)" $((T_END - SECONDS - SAN * SANITIZER_S))
+if [ "$GPU" = 0 ] || [ "$DEV" != cuda ]; then skipped attention-bench "no CUDA device"
+else
+  t=$(cap 60)
+  rc=0
+  if [ "$t" = 0 ]; then rc=124; echo "out of time" >"$L/attention-bench.log"
+  else timeout -k 5 "$t" "$ABENCH" --reps 5 --warmup 2 >"$L/attention-bench.log" 2>&1 || rc=$?
+  fi
+  if [ "$rc" = 0 ] && grep -q '^| cuDNN SDPA' "$L/attention-bench.log"; then
+    ok "attention-bench: $(grep -c '^| ' "$L/attention-bench.log") rows"
+    echo
+    grep -E '^\||^shardtrain: note' "$L/attention-bench.log"
+  else
+    bad "attention-bench: exit status $rc"
+    tail_log "$L/attention-bench.log"
+  fi
 fi
 
 # ---- 6. compute-sanitizer ---------------------------------------------------------------------
