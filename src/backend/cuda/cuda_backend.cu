@@ -909,8 +909,8 @@ template <typename T> class CudaBackend final : public Backend<T> {
       if (use_cudnn([&](std::string* why) {
             return cudnn().backward(dq, dk, dv, dy, q, k, v, y, lse, B, T_, NH, NKV, HD, scale, why);
           })) {
-        if (!cudnn_->deterministic()) note_once("cuDNN attention: the deterministic backward is not supported here; "
-                                                "using the non-deterministic one (runs may differ in the last bits)");
+        if (!cudnn_->deterministic()) note_once("cuDNN attention: non-deterministic backward (not offered here, or "
+                                                "SHARDTRAIN_CUDNN_DETERMINISTIC=0): runs may differ in the last bits");
         return;
       }
     }

@@ -20,6 +20,9 @@
 //   "0" / "off"      never cuDNN (the tiled kernel; what the CPU backend computes)
 //   "1" / "require"  cuDNN or a runtime_error saying why not
 // Any other value: std::invalid_argument naming the variable.
+// SHARDTRAIN_CUDNN_DETERMINISTIC=0 skips the deterministic backward (on Hopper with cuDNN < 9.25 it
+// takes a dP workspace of about B*NH*T*T*2 bytes and is slower); default: deterministic when offered.
+// cuDNN's backward refuses T = 1 (frontend: "s_q = s_kv = 1 is not supported"): auto falls back.
 #pragma once
 
 #include <cuda_runtime.h>
