@@ -12,7 +12,7 @@
 #      launched the job's step.
 #  (3) preempt-scancel: train-cpu.sbatch (srun), 300 steps; after step 5 `scancel --signal=USR1
 #      --batch`: the batch shell forwards it through srun to the ranks, they save and exit 75, the
-#      script runs `scontrol requeue`; the test resets the requeued job's StartTime; the rerun logs
+#      script runs `scontrol requeue`; the test sets the requeued job's StartTime to now+2 s; the rerun logs
 #      "restart 1" (SLURM_RESTART_COUNT), resumes the saved step, and sbatch --wait ends with exit 0.
 #      The 300 losses equal an uninterrupted run of the same job (another sbatch) within 1e-5 relative.
 #      preempt-timer: the same with LAUNCHER=mpirun and the time-limit warning from Slurm itself:
@@ -330,7 +330,10 @@ preempt() {
   expect "$out" "shardtrain-job: batch shell got SIGUSR1; forwarding it to the launcher" "the batch shell did not get SIGUSR1"
   expect "$out" "preempted \(exit status 75\)" "no checkpoint exit 75"
   expect "$out" "requeueing job $job: scontrol requeue $job" "the script did not requeue the job"
-  local upd=(StartTime=now)
+  # Not StartTime=now: slurmd revoked the first run's credential moments ago, in whole seconds, and
+  # rejects a new one issued in the same second ("Job credential revoked": the job then ends with
+  # exit code 1 and is not started again). Slurm's own delay (about 2 minutes) avoids that.
+  local upd=(StartTime=now+2)
   [ "$how" = scancel ] || upd+=(TimeLimit=5)
   scontrol update JobId="$job" "${upd[@]}" || fail "scontrol update JobId=$job ${upd[*]} failed"
   local rc=0
