@@ -6,7 +6,9 @@
 #   slurmd (-N n1, -N n2: emulated nodes of 4 CPUs each on this host, whatever its
 #   core count) in the foreground mode (-D),
 #   as children of this shell, and waits (CLUSTER_START_TIMEOUT s, default 30) until both nodes are
-#   idle. Exports SLURM_CONF. Status 0 when the cluster is up; otherwise status 1 and CLUSTER_WHY says
+#   idle. Exports SLURM_CONF. CLUSTER_UTS=1 when each slurmd (and so each job's processes on that
+#   node) runs in a UTS namespace whose host name is the node's name (n1, n2); 0 when this machine
+#   does not allow it, or CLUSTER_NO_UTS=1 (then both nodes have this host's name). Status 0 when the cluster is up; otherwise status 1 and CLUSTER_WHY says
 #   why (the caller skips). CLUSTER_T0: the time slurmctld was started (its 30-s timers count from it).
 # cluster_stop: cancels this cluster's jobs, stops the daemons it started by their PIDs (SIGTERM, then
 #   SIGKILL after 10 s), ends any process still carrying this cluster's SLURM_CONF in its environment
@@ -23,6 +25,7 @@
   CLUSTER_DIR=
   CLUSTER_WHY=
   CLUSTER_T0=
+  CLUSTER_UTS=0
 }
 
 # _cl_port_free PORT: nothing listens on PORT (TCP, any address) and nothing is connected from it.
@@ -146,9 +149,20 @@ EOF
   CLUSTER_T0=$(date +%s)
   slurmctld -D -f "$SLURM_CONF" >"$d/log/slurmctld.out" 2>&1 &
   CLUSTER_PIDS+=("slurmctld:$!")
+  # Each slurmd in a UTS namespace of its own, with its node's name as host name, where this machine
+  # allows it (root, no seccomp filter against unshare): the jobs then see two hosts, as on a real
+  # cluster (Open MPI tells nodes apart by host name, e.g. in the names of its shared-memory files).
+  CLUSTER_UTS=0
+  if [ "${CLUSTER_NO_UTS:-0}" != 1 ] && command -v unshare >/dev/null && unshare --uts true 2>/dev/null; then CLUSTER_UTS=1; fi
   local n
   for n in n1 n2; do
-    slurmd -D -N "$n" -f "$SLURM_CONF" >"$d/log/slurmd-$n.out" 2>&1 &
+    if [ "$CLUSTER_UTS" = 1 ]; then
+      # unshare and sh exec: the PID is slurmd's.
+      # shellcheck disable=SC2016 # expanded by that sh
+      unshare --uts sh -c 'hostname "$1" && exec slurmd -D -N "$1" -f "$2"' sh "$n" "$SLURM_CONF" >"$d/log/slurmd-$n.out" 2>&1 &
+    else
+      slurmd -D -N "$n" -f "$SLURM_CONF" >"$d/log/slurmd-$n.out" 2>&1 &
+    fi
     CLUSTER_PIDS+=("slurmd-$n:$!")
   done
   local t_end=$((SECONDS + ${CLUSTER_START_TIMEOUT:-30})) idle dead

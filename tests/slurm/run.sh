@@ -19,6 +19,8 @@
 #      --time=1 --signal=B:USR1@30. slurmctld checks time limits every 30 s; a probe job (sleeping)
 #      measures when, and the job is submitted to start a few seconds before the next check; the rerun
 #      gets --time=5 (scontrol update) so that it is not warned again.
+#      preempt-ranks: as preempt-timer with srun and --signal=USR1@30 (the scripts' own form, no B:):
+#      the warning goes to the ranks, not to the batch shell. Its reference is preempt-timer's.
 #  (4) pipeline: train-cpu.sbatch, then export.sbatch with --dependency=afterok:JOB, submitted at
 #      once; the export runs after the training and exports step 40; transformers loads it (no missing
 #      or unexpected weights) and its logits match shardtrain's --dump-logits within 1e-4.
@@ -106,7 +108,8 @@ trap 'exit 143' TERM
 
 echo "slurm-test: the job scripts under a private Slurm cluster ($(nproc) cores)"
 cluster_start "$S/cluster" >"$LOGS/cluster.log" 2>&1 || skip "$CLUSTER_WHY"
-echo "cluster up in $((SECONDS - T_ALL)) s ($(sbatch --version)): nodes n1 n2 (4 CPUs each, both on $(hostname -s)), SLURM_CONF=$SLURM_CONF, daemons ${CLUSTER_PIDS[*]}"
+if [ "$CLUSTER_UTS" = 1 ]; then uts="host names n1 and n2 (UTS namespaces)"; else uts="both named $(hostname -s): multi-node jobs without shared memory"; fi
+echo "cluster up in $((SECONDS - T_ALL)) s ($(sbatch --version)): nodes n1 n2 of 4 CPUs on this host, $uts; SLURM_CONF=$SLURM_CONF; daemons ${CLUSTER_PIDS[*]}"
 
 # ---- helpers (run inside a scenario's subshell; 'fail' ends the scenario) ----
 fail() {
@@ -192,10 +195,11 @@ bg_done() {
   fi
 }
 
-# Both emulated nodes are this one host: Open MPI's shared-memory segments are named by host name,
-# job and local rank, so ranks of one job on n1 and n2 would share (and corrupt) them. Jobs spanning
-# both nodes use TCP (on lo) instead, as ranks on separate hosts would.
-multinode_env() { export OMPI_MCA_btl=self,tcp; }
+# Where the emulated nodes could not get host names of their own (CLUSTER_UTS=0), Open MPI's
+# shared-memory files of ranks on n1 and n2 would have the same names (host name, job, local rank):
+# ranks of one job on both nodes would share, and corrupt, them (it crashed in MPI_Init). Jobs
+# spanning both nodes then use TCP (on lo) only.
+multinode_env() { [ "$CLUSTER_UTS" = 1 ] || export OMPI_MCA_btl=self,tcp; }
 
 s_multinode() {
   multinode_env
@@ -221,15 +225,18 @@ s_multinode() {
     fi
     expect "$SUB/job.out" "^topology: 2 nodes x 2 ranks per node \(world 4\)" "job $JOB ($l): the topology line does not say 2 nodes x 2 ranks"
     expect "$SUB/job.out" "^shardtrain-job: training finished" "training did not finish"
-    # The ranks (srun) or mpirun's daemons (srun inside mpirun) were started by both slurmd.
-    local n
-    for n in n1 n2; do
+    # srun: both slurmd started the ranks (step 0). mpirun (in the batch step, on n1) starts its
+    # ranks on n1 itself and its daemon on n2 through srun (step 0); where both nodes have the same
+    # host name it cannot tell n1 from itself and starts a daemon on each.
+    local n nodes=(n1 n2)
+    [ "$l" = srun ] || [ "$CLUSTER_UTS" = 0 ] || nodes=(n2)
+    for n in "${nodes[@]}"; do
       grep -q "launch task StepId=$JOB\.0 " "$S/cluster/log/slurmd-$n.log" || fail "job $JOB ($l): slurmd $n launched no step $JOB.0"
     done
     [ "$(cat checkpoints/small-test/latest)" = step_00000040.h5 ] || fail "job $JOB ($l): no step-40 checkpoint"
     summary+=("job $JOB ($l)")
   done
-  echo "${summary[*]}: $(grep -m1 '^topology:' "$SUB/job.out" | cut -d';' -f1); step 0 of each launched by slurmd n1 and n2; step-40 checkpoints"
+  echo "${summary[*]}: $(grep -m1 '^topology:' "$SUB/job.out" | cut -d';' -f1); step 0 launched by slurmd n1 and n2 (srun), by n2 (mpirun's daemon); step-40 checkpoints"
 }
 
 # cpu LAUNCHER: train-cpu.sbatch, 2 tasks on n2.
@@ -260,24 +267,29 @@ PY
 s_cpu_srun() { cpu srun; }
 s_cpu_mpirun() { cpu mpirun; }
 
-# preempt NAME STEPS HOW: HOW is scancel (srun; USR1 to the batch shell after step 5) or timer
-# (LAUNCHER=mpirun, --signal=B:USR1@30 from the controller). Compares with an uninterrupted run.
+# preempt NAME STEPS HOW REF: HOW is scancel (srun; USR1 to the batch shell after step 5), timer
+# (LAUNCHER=mpirun, --signal=B:USR1@30 from the controller, to the batch shell) or ranks (srun,
+# --signal=USR1@30 from the controller, to the ranks: the scripts' default). Compares the losses with
+# the uninterrupted run in submit directory REF (submitted here when REF is NAME-ref).
 preempt() {
-  local name=$1 steps=$2 how=$3 i k
+  local name=$1 steps=$2 how=$3 refdir=$S/sub/$4 i k
   local args=(jobs/small-test.ini --steps "$steps" --eval-every 0 --checkpoint-every 0)
   if [ "$how" = scancel ]; then args+=(--log-every 1); else args+=(--log-every 10); fi
-  # The uninterrupted reference: the same job file and options, another submit directory, on n2.
-  subdir "$name-ref"
-  sb -o "$SUB/job.out" -w n2 --ntasks-per-node=2 "${COMMON[@]}" jobs/train-cpu.sbatch "${args[@]}" >"$SUB/job.id" ||
-    fail "sbatch of the reference run failed"
+  if [ "$4" = "$name-ref" ]; then
+    # The uninterrupted reference: the same job file and options, another submit directory, on n2.
+    subdir "$name-ref"
+    sb -o "$SUB/job.out" -w n2 --ntasks-per-node=2 "${COMMON[@]}" jobs/train-cpu.sbatch "${args[@]}" >"$SUB/job.id.tmp" ||
+      fail "sbatch of the reference run failed"
+    mv "$SUB/job.id.tmp" "$SUB/job.id"
+  fi
   subdir "$name"
   local out=$SUB/job.out opts=(--ntasks-per-node=2 --cpus-per-task=1) envs=()
   if [ "$how" = scancel ]; then
     opts+=(-w n2 --time=5)
   else
     # When does the controller check time limits? A probe job that only waits for the warning.
-    local probe=$S/probe.t
-    sb -o "$S/probe.out" -w n1 -n 1 --time=1 --signal=B:USR1@30 \
+    local probe=$S/probe-$name.t
+    sb -o "$S/probe-$name.out" -w n1 -n 1 --time=1 --signal=B:USR1@30 \
       --wrap "sleep 100 & trap 'date +%s >$probe; kill \$!; exit 0' USR1; wait" >/dev/null || fail "sbatch of the probe failed"
     for ((i = 0; i < 900; i++)); do
       [ -s "$probe" ] && break
@@ -292,8 +304,12 @@ preempt() {
     while [ $((next - now)) -lt 9 ]; do next=$((next + 30)); done
     echo "probe: time-limit check at T0+$((tc - CLUSTER_T0)) s; next expected at T0+$((next - CLUSTER_T0)) s"
     sleep $((next - 5 - now))
-    opts+=(-w n1 --time=1 --signal=B:USR1@30)
-    envs=(LAUNCHER=mpirun)
+    if [ "$how" = timer ]; then
+      opts+=(-w n1 --time=1 --signal=B:USR1@30)
+      envs=(LAUNCHER=mpirun)
+    else
+      opts+=(-w n1 --time=1 --signal=USR1@30)
+    fi
   fi
   env "${envs[@]}" timeout -k 5 240 sbatch --parsable --wait -o "$out" "${opts[@]}" jobs/train-cpu.sbatch "${args[@]}" \
     >"$out.id" 2>"$out.sbatch" &
@@ -327,7 +343,13 @@ preempt() {
     show "$out"
     fail "job $job was not requeued (state '$state', restarts '$restarts')"
   fi
-  expect "$out" "shardtrain-job: batch shell got SIGUSR1; forwarding it to the launcher" "the batch shell did not get SIGUSR1"
+  if [ "$how" = ranks ]; then
+    # Straight to the ranks (the job step), not to the batch shell.
+    ! grep -q "batch shell got SIGUSR1" "$out" || fail "--signal=USR1@30 (no B:) reached the batch shell"
+    expect "$out" "^shardtrain: stop requested by a signal" "the ranks did not get SIGUSR1"
+  else
+    expect "$out" "shardtrain-job: batch shell got SIGUSR1; forwarding it to the launcher" "the batch shell did not get SIGUSR1"
+  fi
   expect "$out" "preempted \(exit status 75\)" "no checkpoint exit 75"
   expect "$out" "requeueing job $job: scontrol requeue $job" "the script did not requeue the job"
   # Not StartTime=now: slurmd revoked the first run's credential moments ago, in whole seconds, and
@@ -345,7 +367,11 @@ preempt() {
   { [ "$k" -ge 1 ] && [ "$k" -lt "$steps" ]; } || fail "resumed at step $k, expected between 1 and $((steps - 1))"
   [ "$(grep -c '^shardtrain-job: training finished' "$out")" = 1 ] || fail "training did not finish once"
   # The reference job, and the losses.
-  cd "$S/sub/$name-ref" || exit 1
+  for ((i = 0; i < 100; i++)); do
+    [ -s "$refdir/job.id" ] && break
+    sleep 0.1
+  done
+  cd "$refdir" || exit 1
   local ref
   ref=$(cat job.id)
   for ((i = 0; i < 1200; i++)); do
@@ -353,14 +379,15 @@ preempt() {
     grep -q "^shardtrain-job: shardtrain failed" job.out 2>/dev/null && break
     sleep 0.1
   done
-  grep -q "^shardtrain-job: training finished" job.out || { show "$S/sub/$name-ref/job.out"; fail "reference job $ref did not finish"; }
+  grep -q "^shardtrain-job: training finished" job.out || { show "$refdir/job.out"; fail "reference job $ref did not finish"; }
   local cmp
-  cmp=$(compare_losses "$S/sub/$name-ref/$m" "$S/sub/$name/$m" "$k" 2>&1) || { echo "$cmp"; fail "losses"; }
+  cmp=$(compare_losses "$refdir/$m" "$S/sub/$name/$m" "$k" 2>&1) || { echo "$cmp"; fail "losses"; }
   echo "job $job ($(grep -oE 'launching: [a-z]+' "$out" | head -1 | cut -d' ' -f2)): USR1 -> checkpoint, exit 75, scontrol requeue;" \
     "rerun with SLURM_RESTART_COUNT=1 resumed at step $k, exit 0; $cmp (job $ref)"
 }
-s_preempt_scancel() { preempt preempt-scancel 300 scancel; }
-s_preempt_timer() { preempt preempt-timer 3000 timer; }
+s_preempt_scancel() { preempt preempt-scancel 300 scancel preempt-scancel-ref; }
+s_preempt_timer() { preempt preempt-timer 2000 timer preempt-timer-ref; }
+s_preempt_ranks() { preempt preempt-ranks 2000 ranks preempt-timer-ref; }
 
 s_pipeline() {
   subdir pipeline
@@ -480,16 +507,16 @@ run_bg multinode
 wait_file "$S/multinode.queued"
 run_bg misuse
 wait_file "$S/misuse.queued"
-for c in preempt-timer cpu-srun cpu-mpirun preempt-scancel pipeline array; do run_bg "$c"; done
-for c in multinode cpu-srun cpu-mpirun preempt-scancel preempt-timer pipeline array misuse; do
+for c in preempt-timer preempt-ranks cpu-srun cpu-mpirun preempt-scancel pipeline array; do run_bg "$c"; done
+for c in multinode cpu-srun cpu-mpirun preempt-scancel preempt-timer preempt-ranks pipeline array misuse; do
   rc=0
   wait "${PID_OF[$c]}" || rc=$?
   if [ "$rc" -eq 0 ]; then
     pass=$((pass + 1))
-    printf 'ok    %-16s %3ds  %s\n' "$c" $((SECONDS - T_START[$c])) "$(tail -1 "$LOGS/$c.log")"
+    printf 'ok    %-19s %3ds  %s\n' "$c" $((SECONDS - T_START[$c])) "$(tail -1 "$LOGS/$c.log")"
   else
     failed=$((failed + 1))
-    printf 'FAIL  %-16s %3ds  (log %s)\n' "$c" $((SECONDS - T_START[$c])) "$LOGS/$c.log"
+    printf 'FAIL  %-19s %3ds  (log %s)\n' "$c" $((SECONDS - T_START[$c])) "$LOGS/$c.log"
     tail -n 30 "$LOGS/$c.log" | sed 's/^/      /'
   fi
 done
