@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # make slurm-test: the job scripts in jobs/ under a real Slurm. Starts a private cluster on this
-# machine (tests/slurm/cluster.sh: munged, slurmctld and two slurmd emulating nodes n1 and n2 of 2
-# CPUs each, private ports, everything in a temporary folder, SLURM_CONF exported to this script's
-# processes only), submits the real scripts with sbatch from a submit directory laid out like the
-# repository (jobs/ and build/ linked), exactly as README's "Running on Slurm" shows, and checks:
+# machine (tests/slurm/cluster.sh: munged, slurmctld and two slurmd emulating nodes n1 and n2 of 4
+# CPUs each, with host names n1 and n2 where unshare allows, private ports, everything in a temporary
+# folder, SLURM_CONF exported to this script's processes only), submits the real scripts with sbatch
+# from a submit directory laid out like the repository (jobs/ and build/ linked), as README's
+# "Running on Slurm" shows, and checks:
 #  (1) cpu-srun, cpu-mpirun: jobs/train-cpu.sbatch, 2 tasks on one node (srun --mpi=pmix; and
 #      LAUNCHER=mpirun), sbatch --wait: exit code 0, the log's launch line, topology "1 node x 2
 #      ranks per node", "training finished", a step-40 checkpoint, the loss falls.
-#  (2) multinode: jobs/train-multinode.sbatch -N 2 --ntasks-per-node=2 (and its --exclusive): the
-#      topology line says "2 nodes x 2 ranks per node (world 4)", and both slurmd logs (n1, n2)
-#      launched the job's step.
+#  (2) multinode: jobs/train-multinode.sbatch -N 2 --ntasks-per-node=2 (and its --exclusive), with
+#      srun and with LAUNCHER=mpirun: the topology line says "2 nodes x 2 ranks per node (world 4)",
+#      and the slurmd logs show the job's step 0 started on both nodes (srun's ranks) or on n2
+#      (mpirun's daemon; mpirun itself runs on n1).
 #  (3) preempt-scancel: train-cpu.sbatch (srun), 300 steps; after step 5 `scancel --signal=USR1
 #      --batch`: the batch shell forwards it through srun to the ranks, they save and exit 75, the
 #      script runs `scontrol requeue`; the test sets the requeued job's StartTime to now+2 s; the rerun logs
@@ -26,11 +28,12 @@
 #      or unexpected weights) and its logits match shardtrain's --dump-logits within 1e-4.
 #  (5) array: --array=1-2 over 'sweep/%a.ini' (lr 3e-3 and 1e-3, each its own checkpoint-dir and
 #      metrics): two step-40 checkpoints, each metrics file with its own lr, equal first losses.
-#  (6) misuse: 5 tasks (--overcommit) for small-test's global batch of 12: the job fails (non-zero
-#      exit code) within 60 s with shardtrain's "is not divisible by the world size (5)" in its log,
+#  (6) misuse: sbatch -N 2 jobs/train-multinode.sbatch jobs/small-test.ini, i.e. the script's 4 tasks
+#      a node, 8 ranks for small-test's global batch of 12: the job fails (non-zero exit code) after
+#      at most 60 s of running, with shardtrain's "is not divisible by the world size (8)" in its log,
 #      and is not requeued.
-# Jobs run concurrently where the two nodes allow: the multi-node job first (both nodes), then the
-# time-limit probe and job on n1, everything else on n2.
+# Jobs run concurrently where the two nodes allow: the jobs that take both nodes (--exclusive) first,
+# then the time-limit probe and jobs on n1, everything else on n2.
 #
 # Skipped (not failed) when Slurm cannot start here: its programs are missing or its daemons do not
 # come up within CLUSTER_START_TIMEOUT (30) s. Then it prints one line "slurm-test: skipped: REASON"
