@@ -302,11 +302,12 @@ preempt() {
     local tc next now
     tc=$(cat "$probe")
     now=$(date +%s)
-    # Start the job 5 s before the next check; training runs well past it.
+    # Start the jobs 6 s before the next check: shardtrain has set up its signal handler by then (a
+    # SIGUSR1 before that would end the ranks), and 3000 steps take longer than 6 s on any machine.
     next=$((tc + 30))
     while [ $((next - now)) -lt 9 ]; do next=$((next + 30)); done
     echo "probe: time-limit check at T0+$((tc - CLUSTER_T0)) s; next expected at T0+$((next - CLUSTER_T0)) s"
-    sleep $((next - 5 - now))
+    sleep $((next - 6 - now))
     if [ "$how" = timer ]; then
       opts+=(-w n1 --time=1 --signal=B:USR1@30)
       envs=(LAUNCHER=mpirun)
@@ -389,8 +390,8 @@ preempt() {
     "rerun with SLURM_RESTART_COUNT=1 resumed at step $k, exit 0; $cmp (job $ref)"
 }
 s_preempt_scancel() { preempt preempt-scancel 300 scancel preempt-scancel-ref; }
-s_preempt_timer() { preempt preempt-timer 2000 timer preempt-timer-ref; }
-s_preempt_ranks() { preempt preempt-ranks 2000 ranks preempt-timer-ref; }
+s_preempt_timer() { preempt preempt-timer 3000 timer preempt-timer-ref; }
+s_preempt_ranks() { preempt preempt-ranks 3000 ranks preempt-timer-ref; }
 
 s_pipeline() {
   subdir pipeline
