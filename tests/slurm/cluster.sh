@@ -11,7 +11,7 @@
 #   does not allow it, or CLUSTER_NO_UTS=1 (then both nodes have this host's name). Status 0 when the cluster is up; otherwise status 1 and CLUSTER_WHY says
 #   why (the caller skips). CLUSTER_T0: the time slurmctld was started (its 30-s timers count from it).
 # cluster_stop: cancels this cluster's jobs, stops the daemons it started by their PIDs (SIGTERM, then
-#   SIGKILL after 10 s), ends any process still carrying this cluster's SLURM_CONF in its environment
+#   SIGKILL after 5 s), ends any process still carrying this cluster's SLURM_CONF in its environment
 #   (a job's process: only this cluster's jobs have it) and says so; prints one line stating whether any
 #   of the PIDs is still alive. Safe to call twice, and from an EXIT trap.
 #
@@ -209,12 +209,18 @@ _cl_job_pids() {
 
 cluster_stop() {
   [ ${#CLUSTER_PIDS[@]} -gt 0 ] || return 0
-  local e pid i alive=() left
-  if command -v scancel >/dev/null && [ -n "${SLURM_CONF:-}" ]; then
+  local e pid i alive=() left t0=$SECONDS
+  # (Only while slurmctld runs, and bounded: a timeout signals this whole process group, daemons
+  # included, and the clients of a controller that is going down retry for many seconds.)
+  local ctld='' t_end out
+  for e in "${CLUSTER_PIDS[@]}"; do [ "${e%%:*}" != slurmctld ] || ctld=${e#*:}; done
+  if command -v scancel >/dev/null && [ -n "${SLURM_CONF:-}" ] && [ -n "$ctld" ] && _cl_alive "$ctld"; then
     # Cancel this cluster's jobs first, so that no job outlives its slurmd.
-    scancel --quiet --user="$(id -un)" >/dev/null 2>&1 || true
-    for ((i = 0; i < 40; i++)); do
-      [ -z "$(squeue -h -o %A 2>/dev/null)" ] && break
+    timeout 5 scancel --quiet --user="$(id -un)" >/dev/null 2>&1 || true
+    t_end=$((SECONDS + 10))
+    while [ "$SECONDS" -lt "$t_end" ]; do
+      out=$(timeout 3 squeue -h -o %A 2>/dev/null) || break
+      [ -n "$out" ] || break
       sleep 0.25
     done
   fi
@@ -225,12 +231,12 @@ cluster_stop() {
       pid=${e#*:}
       _cl_alive "$pid" || continue
       kill -TERM "$pid" 2>/dev/null
-      for ((i = 0; i < 100; i++)); do
+      for ((i = 0; i < 50; i++)); do
         _cl_alive "$pid" || break
         sleep 0.1
       done
       if _cl_alive "$pid"; then
-        echo "cluster: $name (PID $pid) ignored SIGTERM for 10 s: SIGKILL"
+        echo "cluster: $name (PID $pid) ignored SIGTERM for 5 s: SIGKILL"
         kill -KILL "$pid" 2>/dev/null
       fi
       wait "$pid" 2>/dev/null
@@ -246,7 +252,7 @@ cluster_stop() {
   for e in "${CLUSTER_PIDS[@]}"; do _cl_alive "${e#*:}" && alive+=("$e"); done
   left=$(_cl_job_pids | tr '\n' ' ')
   if [ ${#alive[@]} -eq 0 ] && [ -z "$left" ]; then
-    echo "cluster: stopped ${CLUSTER_PIDS[*]}: none of these PIDs is alive, no process with this cluster's SLURM_CONF left"
+    echo "cluster: stopped ${CLUSTER_PIDS[*]} in $((SECONDS - t0)) s: none of these PIDs is alive, no process with this cluster's SLURM_CONF left"
     CLUSTER_PIDS=()
     return 0
   fi
