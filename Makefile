@@ -4,6 +4,7 @@
 #   make test    every test (unit, multi-rank under mpirun, end-to-end); prints "N passed, M failed"
 #   make demo    2-rank training run on the bundled default corpus (Debian's fortunes); loss curves in build/demo-loss.png
 #   make jobs-test  installation checks of the Slurm job files on one node (tests/jobs/run.sh, < 3 min)
+#   make slurm-test the job scripts under a real Slurm: a private two-node cluster on this machine (tests/slurm/run.sh, ~2 min)
 #   make bench   benchmarks (tinyshakespeare if ../shared/data has it) and the PyTorch peer; results for docs/benchmarks.md
 #   make bench-overlap  --overlap off vs on (each --comm-progress) at W = 2 and 4 (make bench part 6 alone)
 #   make comm-bench  MPI all-gather / reduce-scatter bandwidth at W = 2 and 4 ($(BUILD)/comm.jsonl; docs/scaling.md)
@@ -87,7 +88,7 @@ MPI_OBJS := $(MPI_SRCS:%.cpp=$(BUILD)/%.o)
 GPU_SRCS := $(wildcard tests/gpu/*.cpp) tests/test_main.cpp
 GPU_OBJS := $(GPU_SRCS:%.cpp=$(BUILD)/%.o)
 
-.PHONY: all deps build binaries test jobs-test demo bench clean data venv comm-bench bench-overlap
+.PHONY: all deps build binaries test jobs-test slurm-test demo bench clean data venv comm-bench bench-overlap
 all: build
 
 deps:
@@ -166,14 +167,25 @@ $(VENV)/.ok: tests/requirements.txt
 	$(VENV)/bin/pip install -q --disable-pip-version-check -r tests/requirements.txt
 	touch $@
 
-test: deps build venv
-	bash tests/run_all.sh
+test: deps build venv data
+	BUILD=$(BUILD) bash tests/run_all.sh
 
 # What a user runs on one node before submitting jobs/*.sbatch: jobs/small-test.ini at 2 ranks (the loss
 # falls), 4 -> 2 ranks through a checkpoint (the loss curve continues), export and transformers (the
 # logits match), the job script run for real with LAUNCHER=mpirun. Ends "jobs-test: N passed, M failed".
 jobs-test: deps build venv data
 	bash tests/jobs/run.sh
+
+# The job scripts under a real Slurm (tests/slurm/run.sh): a private cluster (munged, slurmctld, two
+# slurmd emulating nodes n1 and n2 on this machine, private ports, all in a temporary folder) runs
+# train-cpu (srun --mpi=pmix and LAUNCHER=mpirun), train-multinode on 2 nodes, preemption by scancel
+# --signal and by the time-limit --signal (to the batch shell and to the ranks) with requeue and
+# resume, train -> export (--dependency=afterok) -> transformers, an array sweep and a misuse that
+# must fail fast. Every daemon is stopped by its PID.
+# Ends "slurm-test: N passed, M failed"; when Slurm cannot start here it prints "slurm-test: skipped:
+# REASON" and succeeds (exit status 77 of the script; SLURM_TEST_REQUIRE=1 makes it a failure).
+slurm-test: deps build venv data
+	BUILD=$(BUILD) bash tests/slurm/run.sh || [ $$? -eq 77 ]
 
 # Train on 2 ranks (a fresh run each time), export the last checkpoint to Hugging Face layout on
 # one rank, and sample from it.

@@ -15,6 +15,8 @@ PKGS=(
   fortunes                            # default English corpus for `make demo` and tests
   python3 python3-venv                # verification clients (h5py, transformers) in a venv
   shellcheck                          # lints jobs/*.sbatch and the test scripts (tests/e2e/test_jobs_scripts.sh)
+  slurmctld slurmd slurm-client munge # make slurm-test starts its own private cluster (tests/slurm/run.sh); the system services
+                                      # stay down without /etc/slurm/slurm.conf
 )
 
 missing=()

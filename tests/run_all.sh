@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Runs every shardtrain test group, each under a timeout so that a hang fails instead of stalling,
-# and ends with one line "summary: N passed, M failed" (N, M count GoogleTest cases and end-to-end
-# scripts). Logs: build/test-logs/. Exit status non-zero iff something failed.
+# and ends with one line "summary: N passed, M failed" (N, M count GoogleTest cases, end-to-end
+# scripts and the scenarios of tests/slurm/run.sh), followed by ", K skipped" when a group skipped:
+# a group whose script exits 77 (tests/slurm/run.sh where Slurm cannot start) counts as neither
+# passed nor failed, and its "skipped: REASON" line is printed. Logs: build/test-logs/. Exit status
+# non-zero iff something failed (a skip is not a failure).
 set -u
 cd "$(dirname "$0")/.."
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
@@ -11,18 +14,33 @@ LOGS=$BUILD/test-logs
 mkdir -p "$LOGS"
 pass=0
 fail=0
+skip=0
 failed=()
+skipped=()
 
-# run NAME TIMEOUT_S CMD...: a GoogleTest binary (cases counted from its summary) or a script (1 case).
+# run NAME TIMEOUT_S CMD...: a GoogleTest binary (cases counted from its summary), tests/slurm/run.sh
+# (scenarios counted from its "slurm-test: N passed, M failed") or a script (1 case). Exit status 77:
+# skipped. KILL_AFTER (default 10): seconds between the timeout's SIGTERM and SIGKILL.
 run() {
   local name=$1 tmo=$2
   shift 2
   local log=$LOGS/$name.log t0=$SECONDS
-  timeout -k 10 "$tmo" "$@" >"$log" 2>&1
+  timeout -k "${KILL_AFTER:-10}" "$tmo" "$@" >"$log" 2>&1
   local rc=$?
+  if [ "$rc" -eq 77 ]; then
+    skip=$((skip + 1))
+    skipped+=("$name")
+    printf '  skip  %-34s %4ds  %s\n' "$name" $((SECONDS - t0)) "$(grep -m1 -o 'skipped: .*' "$log")"
+    return
+  fi
   local p f
   p=$(grep -oE '^\[  PASSED  \] [0-9]+' "$log" | grep -oE '[0-9]+$' | head -1)
   f=$(grep -oE '^\[  FAILED  \] [0-9]+ test' "$log" | grep -oE '[0-9]+' | head -1)
+  if [ -z "$p$f" ] && grep -qE '^slurm-test: [0-9]+ passed, [0-9]+ failed$' "$log"; then
+    p=$(grep -E '^slurm-test: [0-9]+ passed' "$log" | tail -1 | grep -oE '[0-9]+ passed' | grep -oE '[0-9]+')
+    f=$(grep -E '^slurm-test: [0-9]+ passed' "$log" | tail -1 | grep -oE '[0-9]+ failed' | grep -oE '[0-9]+')
+    [ "$f" != 0 ] || f=
+  fi
   if [ -n "$p$f" ]; then
     pass=$((pass + ${p:-0}))
     fail=$((fail + ${f:-0}))
@@ -56,8 +74,12 @@ SHARDTRAIN_GPU_TESTS_EMULATE=1 run gpu-emulated 300 mpirun -np 1 -x SHARDTRAIN_G
 for t in tests/e2e/test_*.sh; do
   run "$(basename "$t" .sh)"  600 bash "$t" "$BUILD"
 done
+# The job scripts under a private Slurm cluster (~2 min; skipped where Slurm cannot start). Its
+# EXIT trap stops the daemons it started: give it time to do so after a timeout.
+BUILD=$BUILD KILL_AFTER=60 run slurm 420 bash tests/slurm/run.sh
 
 echo
 [ ${#failed[@]} -gt 0 ] && echo "failed: ${failed[*]}"
-echo "summary: $pass passed, $fail failed"
+[ ${#skipped[@]} -gt 0 ] && echo "skipped: ${skipped[*]}"
+echo "summary: $pass passed, $fail failed${skipped[*]:+, $skip skipped}"
 [ "$fail" -eq 0 ] && [ ${#failed[@]} -eq 0 ]

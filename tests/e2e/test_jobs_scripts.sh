@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 source "$(dirname "$0")/common.sh"
 # The Slurm job scripts in jobs/, run under plain bash with the variables Slurm sets in a job.
-#  * shellcheck (every finding fails, style included) on jobs/*.sbatch, jobs/job-common.sh, this script
-#    and tests/jobs/run.sh; every #SBATCH line has a comment line above it; the training scripts
+#  * shellcheck (every finding fails, style included) on jobs/*.sbatch, jobs/job-common.sh, this script,
+#    tests/jobs/run.sh and tests/slurm/*.sh; every #SBATCH line has a comment line above it; the training scripts
 #    request --signal=USR1@120 and --requeue, export.sbatch --ntasks=1, train-gpu.sbatch one GPU a task.
 #  * SHARDTRAIN_DRYRUN=1: the printed launch command, one line: launcher (srun --mpi=pmix, or mpirun
 #    with LAUNCHER=mpirun), rank count from SLURM_NTASKS (or nodes x tasks per node), --config,
@@ -27,7 +27,8 @@ done < <(compgen -e)
 
 # ---- 1. Static checks ----
 command -v shellcheck >/dev/null || fail "shellcheck is not installed (make deps installs it)"
-LINT=("$JOBS"/*.sbatch "$JOBS"/job-common.sh "$ROOT/tests/e2e/test_jobs_scripts.sh" "$ROOT/tests/jobs/run.sh")
+LINT=("$JOBS"/*.sbatch "$JOBS"/job-common.sh "$ROOT/tests/e2e/test_jobs_scripts.sh" "$ROOT/tests/jobs/run.sh"
+  "$ROOT/tests/slurm/run.sh" "$ROOT/tests/slurm/cluster.sh")
 shellcheck -x -P SCRIPTDIR "${LINT[@]}" >"$WORK/shellcheck.log" 2>&1 || { cat "$WORK/shellcheck.log"; fail "shellcheck reports findings"; }
 echo "ok: shellcheck finds nothing (any severity) in ${#LINT[@]} scripts: ${LINT[*]#"$ROOT"/}"
 
