@@ -4,6 +4,7 @@ source "$(dirname "$0")/common.sh"
 #  * shellcheck (every finding fails, style included) on jobs/*.sbatch, jobs/job-common.sh, this script,
 #    tests/jobs/run.sh and tests/slurm/*.sh; every #SBATCH line has a comment line above it; the training scripts
 #    request --signal=USR1@120 and --requeue, export.sbatch --ntasks=1, train-gpu.sbatch one GPU a task.
+#  * tests/slurm/run.sh without Slurm on PATH: skipped (77); with SLURM_TEST_REQUIRE=1 a failure (1).
 #  * SHARDTRAIN_DRYRUN=1: the printed launch command, one line: launcher (srun --mpi=pmix, or mpirun
 #    with LAUNCHER=mpirun), rank count from SLURM_NTASKS (or nodes x tasks per node), --config,
 #    --checkpoint-dir (job file's, command line's, per array task), --resume auto, --threads from
@@ -499,3 +500,22 @@ grep -q -- "--seed 3" "$STUB_ARGS" || real_bad "array task: shardtrain got '$(ca
 [ -d "$SUB/checkpoints/small-test/seed_3" ] || real_bad "array task: no checkpoints/small-test/seed_3"
 echo "ok: SIGTERM to the batch shell and shardtrain, and SIGUSR1 to the batch shell alone (forwarded), each end in exit 75," \
   "'scontrol requeue', exit 0; array task 3 of job 6000 requeues 6003 only"
+
+# ---- 4. tests/slurm/run.sh where Slurm cannot start ----
+# With no Slurm program on PATH it skips (exit 77, "slurm-test: skipped: ..."), and with
+# SLURM_TEST_REQUIRE=1 the skip is a failure (exit 1): the test's own SLURM_TEST_* knobs survive its
+# clean-up of inherited SLURM_* variables.
+NOBIN=$WORK/nobin
+mkdir -p "$NOBIN"
+for t in bash dirname mktemp rm mkdir cat cp nproc date sleep grep sed awk head tail tr cut sort seq env kill ps; do
+  p=$(command -v "$t") && ln -sf "$p" "$NOBIN/$t"
+done
+rc=0
+out=$(env PATH="$NOBIN" BUILD="$BUILD" bash "$ROOT/tests/slurm/run.sh" 2>&1) || rc=$?
+{ [ "$rc" -eq 77 ] && grep -q "^slurm-test: skipped: 'sbatch' not found" <<<"$out"; } ||
+  { echo "$out"; fail "slurm test without Slurm: exit status $rc, expected 77 and a skip line"; }
+rc=0
+out=$(env PATH="$NOBIN" BUILD="$BUILD" SLURM_TEST_REQUIRE=1 bash "$ROOT/tests/slurm/run.sh" 2>&1) || rc=$?
+{ [ "$rc" -eq 1 ] && grep -q "SLURM_TEST_REQUIRE=1: a skip counts as a failure" <<<"$out"; } ||
+  { echo "$out"; fail "slurm test without Slurm, SLURM_TEST_REQUIRE=1: exit status $rc, expected 1"; }
+echo "ok: tests/slurm/run.sh without Slurm: skipped (77); with SLURM_TEST_REQUIRE=1 a failure (1)"

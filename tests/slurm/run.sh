@@ -59,7 +59,10 @@ export OMPI_MCA_btl_vader_single_copy_mechanism=none # containers often forbid C
 export OMPI_MCA_btl_tcp_if_include=lo OMPI_MCA_oob_tcp_if_include=lo
 # Not inside someone's Slurm job: nothing of an outer job or cluster leaks into ours.
 while read -r v; do
-  case $v in SLURM_* | SLURMD_* | SHARDTRAIN_* | LAUNCHER | JOB_FILE | SRUN_* | MPIRUN_ARGS | CKPT_DIR | CHECKPOINT | EXPORT_DIR) unset "$v" ;; esac
+  case $v in
+    SLURM_TEST_*) ;; # this test's own knobs (SLURM_TEST_REQUIRE, SLURM_TEST_KEEP)
+    SLURM_* | SLURMD_* | SHARDTRAIN_* | LAUNCHER | JOB_FILE | SRUN_* | MPIRUN_ARGS | CKPT_DIR | CHECKPOINT | EXPORT_DIR) unset "$v" ;;
+  esac
 done < <(compgen -e)
 # shellcheck source-path=SCRIPTDIR source=cluster.sh
 source "$ROOT/tests/slurm/cluster.sh"
@@ -94,7 +97,10 @@ stop_cluster() {
 }
 on_exit() {
   local rc=$?
-  trap - EXIT INT TERM
+  # Ignore further INT/TERM while cleaning up: timeout(1) and a second Ctrl-C deliver them twice,
+  # and the default action would end this shell half-way, leaving daemons and job processes.
+  trap '' INT TERM
+  trap - EXIT
   # Scenario subshells still running (after INT/TERM): end them (our children, by PID).
   local p
   for p in "${SCEN_PIDS[@]}"; do kill -TERM "$p" 2>/dev/null; done
