@@ -111,3 +111,15 @@ if [ -n "$interp" ] && [ -x "$interp" ]; then
   [ "$(kernels loader)" = "$used" ] || fail "loader: '$(kernels loader)' kernels, expected $used: $(first loader)"
   echo "ok: started as '$interp $BIN ...': $used kernels"
 fi
+
+# 8. The process keeps its name through the kernel-set restart (it execs its own path, not
+#    /proc/self/exe, which would name it "exe"), so ps -C shardtrain, pgrep and top find the ranks.
+"$BIN" --model tiny --data "$DATA" --seq-len 16 --global-batch 4 --steps 100000 --eval-every 0 --device cpu \
+  >"$WORK/name.log" 2>&1 &  # still training while we look
+pid=$!
+for _ in $(seq 1 300); do grep -q '^shardtrain: ' "$WORK/name.log" && break; sleep 0.1; done
+name=$(cat "/proc/$pid/comm" 2>/dev/null || true)
+kill "$pid" 2>/dev/null || true
+wait "$pid" 2>/dev/null || true
+[ "$name" = shardtrain ] || { cat "$WORK/name.log"; fail "process name '$name' after start-up, expected shardtrain"; }
+echo "ok: process name after start-up: $name (running $(first name | grep -oE 'with [^ ]+ kernels'))"

@@ -149,6 +149,11 @@ void reexec_with(const std::string& set, Marker m, char** argv, std::string* why
   setenv(kCoretype, set.c_str(), 1);
   setenv(kMarker, write_marker(m).c_str(), 1);
   std::fflush(nullptr);
+  // The program's own path, so that the new image keeps its name (ps -C shardtrain, pgrep, top: an
+  // image started from /proc/self/exe is named "exe"); /proc/self/exe when the file is gone.
+  std::error_code ec;
+  const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (!ec && self.is_absolute() && access(self.c_str(), X_OK) == 0) execv(self.c_str(), cargs.data());
   execv("/proc/self/exe", cargs.data());
   *why = std::string("execv(/proc/self/exe): ") + std::strerror(errno);
   unsetenv(kMarker);
