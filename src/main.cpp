@@ -326,7 +326,7 @@ void run_plan(Comm& comm, const Topology& topo, const Options& o) {
     bool wrote = true;
     if (comm.rank() == 0) {
       std::ofstream f(o.out);
-      f << to_hf_json(mc, "bfloat16") << "\n";
+      f << to_hf_json(mc, o.precision == "bf16" ? "bfloat16" : "float32") << "\n";  // torch_dtype: --precision
       f.close();
       wrote = static_cast<bool>(f);
     }

@@ -40,6 +40,15 @@ CudnnUse cudnn_attention_use() {
                               e + "'");
 }
 
+bool cudnn_deterministic_wanted() {
+  const char* e = std::getenv("SHARDTRAIN_CUDNN_DETERMINISTIC");
+  if (!e || !*e || std::strcmp(e, "1") == 0 || std::strcmp(e, "on") == 0) return true;
+  if (std::strcmp(e, "0") == 0 || std::strcmp(e, "off") == 0) return false;
+  throw std::invalid_argument(std::string("environment variable SHARDTRAIN_CUDNN_DETERMINISTIC must be 1 (on) or 0 "
+                                          "(off), got '") +
+                              e + "'");
+}
+
 #if SHARDTRAIN_CUDNN
 
 namespace fe = cudnn_frontend;
@@ -256,8 +265,7 @@ bool CudnnAttention::forward(bf16* y, float* lse, const bf16* q, const bf16* k, 
 bool CudnnAttention::backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dy, const bf16* q, const bf16* k,
                               const bf16* v, const bf16* y, const float* lse, int B, int T, int NH, int NKV, int HD,
                               float scale, std::string* why) {
-  const char* det_env = std::getenv("SHARDTRAIN_CUDNN_DETERMINISTIC");
-  const bool want_det = !(det_env && std::strcmp(det_env, "0") == 0);
+  const bool want_det = cudnn_deterministic_wanted();
   fe::graph::Graph* g = want_det ? impl_->graph(Key{true, true, B, T, NH, NKV, HD, scale}, why) : nullptr;
   if (g) {
     deterministic_ = true;

@@ -20,7 +20,7 @@
 //   "0" / "off"      never cuDNN (the tiled kernel; what the CPU backend computes)
 //   "1" / "require"  cuDNN or a runtime_error saying why not
 // Any other value: std::invalid_argument naming the variable.
-// SHARDTRAIN_CUDNN_DETERMINISTIC=0 skips the deterministic backward (on Hopper with cuDNN < 9.25 it
+// SHARDTRAIN_CUDNN_DETERMINISTIC=0 (or off) skips the deterministic backward (on Hopper with cuDNN < 9.25 it
 // takes a dP workspace of about B*NH*T*T*2 bytes and is slower); default: deterministic when offered.
 // cuDNN's backward refuses T = 1 (frontend: "s_q = s_kv = 1 is not supported"): auto falls back.
 #pragma once
@@ -38,6 +38,9 @@ enum class CudnnUse { Auto, Off, Require };
 
 // Parses SHARDTRAIN_CUDNN_ATTENTION (see above). Throws std::invalid_argument on another value.
 CudnnUse cudnn_attention_use();
+// Parses SHARDTRAIN_CUDNN_DETERMINISTIC: unset, "1" or "on": true; "0" or "off": false; another
+// value: std::invalid_argument naming the variable.
+bool cudnn_deterministic_wanted();
 
 // One per CUDA backend (stream): the cuDNN handle, the built graphs (one per shape and scale) and a
 // workspace. Not thread-safe: called from the backend's thread, as the backend itself.
