@@ -94,8 +94,9 @@ all: build
 deps:
 	bash scripts/install-deps.sh
 
-# `make build` compiles with one job per core (JOBS=1 for a serial build).
-JOBS ?= $(shell nproc 2>/dev/null || echo 2)
+# `make build` compiles with one job per core (JOBS=1 for a serial build). GNU nproc honours
+# OMP_NUM_THREADS / OMP_THREAD_LIMIT, which a user's shell may set to 1: not for the build.
+JOBS ?= $(shell env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo 2)
 build:
 	$(MAKE) --no-print-directory -j$(JOBS) binaries
 binaries: $(BUILD)/shardtrain $(BUILD)/unit_tests $(BUILD)/mpi_tests $(BUILD)/gpu_tests $(BUILD)/attention_bench $(CUDA_PLUGIN)

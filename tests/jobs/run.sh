@@ -181,7 +181,7 @@ PY
 pass=0
 failed=0
 t_all=$SECONDS
-echo "jobs-test: installation checks with $JOB ($(nproc) cores)"
+echo "jobs-test: installation checks with $JOB ($(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc) cores)"
 for need in "$BIN" "$DATA" "$PY"; do
   [ -e "$need" ] || { echo "FAIL  missing $need (make build data venv)"; echo "jobs-test: 0 passed, 1 failed"; exit 1; }
 done

@@ -115,7 +115,7 @@ trap on_exit EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 
-echo "slurm-test: the job scripts under a private Slurm cluster ($(nproc) cores)"
+echo "slurm-test: the job scripts under a private Slurm cluster ($(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc) cores)"
 cluster_start "$S/cluster" >"$LOGS/cluster.log" 2>&1 || skip "$CLUSTER_WHY"
 if [ "$CLUSTER_UTS" = 1 ]; then uts="host names n1 and n2 (UTS namespaces)"; else uts="both named $(hostname -s): multi-node jobs without shared memory"; fi
 echo "cluster up in $((SECONDS - T_ALL)) s ($(sbatch --version)): nodes n1 n2 of 4 CPUs on this host, $uts; SLURM_CONF=$SLURM_CONF; daemons ${CLUSTER_PIDS[*]}"
