@@ -10,7 +10,7 @@
 source "$(dirname "$0")/common.sh"
 DATA=$(test_corpus)
 ARGS=(--model tiny --data "$DATA" --seq-len 16 --global-batch 4 --steps 2 --eval-every 0 --eval-batches 1 --device cpu)
-unset OPENBLAS_CORETYPE SHARDTRAIN_TEST_BLAS_FAIL
+unset OPENBLAS_CORETYPE OPENBLAS_L2_SIZE SHARDTRAIN_TEST_BLAS_FAIL  # each case sets what it tests
 
 # The kernel sets OpenBLAS may rightly use on this CPU (blas_select.h: kernel_level).
 flags=" $(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2) "
@@ -56,6 +56,21 @@ if [ "$level" != SSE ]; then
     || { cat "$WORK/user.log"; fail "user: no note that faster kernels exist"; }
 fi
 echo "ok: OPENBLAS_CORETYPE=Prescott is respected: $(grep -m1 '^note: OPENBLAS' "$WORK/user.log" || first user)"
+
+# 2a. What some sites export because older OpenBLAS builds misbehave on their processors:
+#     OPENBLAS_CORETYPE=Haswell on a CPU with AVX-512. Honoured (the first line names Haswell), with
+#     the note that this CPU runs a faster set. Runs where the CPU has AVX-512; elsewhere Haswell is
+#     this CPU's own level or above it, and case 2 covers the note.
+if [ "$level" = AVX-512 ]; then
+  OPENBLAS_CORETYPE=Haswell OPENBLAS_L2_SIZE=512 run haswell 2 -x OPENBLAS_CORETYPE -x OPENBLAS_L2_SIZE --
+  [ "$(kernels haswell)" = Haswell ] || fail "haswell: OPENBLAS_CORETYPE=Haswell not used: $(first haswell)"
+  first haswell | grep -qF "set by OPENBLAS_CORETYPE" || fail "haswell: the line does not say why: $(first haswell)"
+  grep -qE "^note: OPENBLAS_CORETYPE=Haswell selects OpenBLAS's Haswell kernels; this CPU has AVX-512[^;]* and runs ($good) \(faster\); unset OPENBLAS_CORETYPE to use them\$" \
+    "$WORK/haswell.log" || { cat "$WORK/haswell.log"; fail "haswell: no note that this AVX-512 CPU runs faster kernels"; }
+  echo "ok: OPENBLAS_CORETYPE=Haswell on an AVX-512 CPU: $(kernels haswell) kernels, $(grep -m1 '^note: OPENBLAS' "$WORK/haswell.log")"
+else
+  echo "skip: OPENBLAS_CORETYPE=Haswell note: this CPU has $level, not AVX-512"
+fi
 
 # 2b. A restart marker left in the environment by someone else (garbage, or copied from a running
 #     rank) is ignored with a note: the choice is made as in a plain start.
