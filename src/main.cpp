@@ -339,6 +339,22 @@ void run_plan(Comm& comm, const Topology& topo, const Options& o) {
 // one parameter gathered at the current world size and written as raw float32.
 void run_inspect(Comm& comm, const Options& o) {
   CheckpointInfo info = read_checkpoint_info(comm, o.checkpoint);
+  // What is printed passes the loaders' checks first: the model config as load_model reads it, the
+  // unit and parameter tables against that model's layout (export and resume refuse the same).
+  ModelConfig mc;
+  agree(comm, [&] {
+    try {
+      mc = from_canonical_json(info.model_config);
+    } catch (const std::exception& e) {
+      throw std::runtime_error("checkpoint '" + o.checkpoint + "': attribute 'model_config': " + e.what());
+    }
+    validate(mc, "in checkpoint '" + o.checkpoint + "' (attribute 'model_config')");
+    try {
+      check_checkpoint_layout(info, ShardPlan::build(llama_units(mc), 1));
+    } catch (const std::exception& e) {
+      throw std::runtime_error("checkpoint '" + o.checkpoint + "': " + e.what());
+    }
+  });
   std::ostringstream os;
   os << "checkpoint " << info.path << "\n"
      << "  format_version " << info.format_version << ", " << info.program_version << "\n"
@@ -365,7 +381,6 @@ void run_inspect(Comm& comm, const Options& o) {
   }
   log_info(comm, os.str());
   if (o.dump_param.empty()) return;
-  ModelConfig mc = from_canonical_json(info.model_config);
   auto be = make_cpu_backend<float>();
   Fsdp<float> f(*be, comm, ShardPlan::build(llama_units(mc), comm.world_size()));
   load_checkpoint(comm, o.checkpoint, f, nullptr, mc, &info);

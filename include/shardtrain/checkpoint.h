@@ -143,6 +143,14 @@ void write_checkpoint_file(Comm& comm, const std::string& path, Fsdp<float>& f, 
 // version, a checksum mismatch, an inconsistent field, ranks that disagree.
 CheckpointInfo read_checkpoint_info(Comm& comm, const std::string& path);
 
+// The unit and parameter tables of `info` against the model split as `plan` (any world size: the
+// tables do not depend on it): every unit present, none extra, its numel; each unit's tensors by
+// name (none missing, none extra), shape, offset and numel. Not collective. Throws
+// std::runtime_error naming the unit, the tensor and the field that differs ("tensor 'T' has numel
+// 7 in the file (dataset 'param_table' of unit 'U'), expected 8 (the elements of its shape [2, 4])"),
+// not the file.
+void check_checkpoint_layout(const CheckpointInfo& info, const ShardPlan& plan);
+
 // Collective. Loads parameters (and AdamW moments when opt != nullptr) from `path` into f, whose
 // plan may be for any world size. Checks, each failing with a CollectiveError naming file and
 // unit/tensor: the model architecture equal to `mc`'s (labels such as `name` and

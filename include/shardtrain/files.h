@@ -19,6 +19,14 @@ void write_file_atomic(const std::string& path, const std::string& bytes, bool d
 // naming `what` (e.g. "option '--out'") and the kind of file. A missing path is fine.
 void check_output_path(const std::string& path, const std::string& what);
 
+// The path of file `name` inside directory `dir`, for reading a file that a directory's own
+// contents name (a safetensors index's shard files) or that a reader looks for there: refuses
+// (std::runtime_error naming `what`, the name and the directory) an empty or absolute name, one
+// with a ".." component, and one that exists but resolves, through symbolic links, to a place
+// outside `dir` (canonical paths compared). A name that does not exist is returned as is (the
+// caller reports it missing), so is one inside `dir` through links that stay inside.
+std::string path_inside(const std::string& dir, const std::string& name, const std::string& what);
+
 // zlib's CRC32 (the same as Python's zlib.crc32) of `bytes` bytes at `p`, continuing from `crc`
 // (0 to start). Any length: zlib's own length argument is 32-bit, so longer buffers go in pieces.
 uint32_t crc32_update(uint32_t crc, const void* p, size_t bytes);

@@ -79,6 +79,18 @@ std::unique_ptr<Tokenizer> load_tokenizer(const std::string& spec);
 // Throws std::runtime_error naming `source` if tokenizer.model is missing or does not load.
 std::unique_ptr<Tokenizer> tokenizer_from_info(const TokenizerInfo& info, const std::string& source);
 
+// Checks a serialized SentencePiece model (ModelProto) for what libsentencepiece's loader does not,
+// so that a model from a stranger cannot crash encode or decode: the precompiled_charsmap of its
+// normalizer_spec and denormalizer_spec must be empty (identity: Llama's), or the library's own
+// builtin table for the spec's name (nmt_nfkc, nfkc, nmt_nfkc_cf, nfkc_cf: T5's, mT5's), or
+// otherwise (a custom table from normalization_rule_tsv) a trie that the library can walk on any
+// input without reading outside the blob (every reachable node's children and every value inside
+// it, every value a NUL-terminated string). Called by every load (load_tokenizer,
+// tokenizer_from_info, import). Throws std::runtime_error starting with `where` and naming the
+// field ("field 'normalizer_spec.precompiled_charsmap' ... has a trie node (unit N) whose children
+// lie beyond its M units"), or saying the bytes are not a well-formed protobuf.
+void check_sentencepiece_model(std::string_view model, const std::string& where);
+
 // --mode tokenizer: trains a SentencePiece BPE model configured as Llama's tokenizer.model was
 // (trainer_spec printed from Llama 2's model: BPE, byte_fallback, identity normalization,
 // add_dummy_prefix, no whitespace removal, split_digits, allow_whitespace_only_pieces,

@@ -22,6 +22,15 @@
 namespace sentencepiece::logging {
 void SetMinLogLevel(int v);
 }
+// The builtin normalization tables ("nmt_nfkc", "nfkc", "nmt_nfkc_cf", "nfkc_cf"; "identity":
+// empty) as libsentencepiece_train compiled them in (normalizer::Builder, builder.h, which the
+// Debian package does not install; the symbol is exported).
+namespace sentencepiece::normalizer {
+class Builder {
+ public:
+  static util::Status GetPrecompiledCharsMap(std::string_view name, std::string* output);
+};
+}  // namespace sentencepiece::normalizer
 
 namespace shardtrain {
 namespace fs = std::filesystem;
@@ -127,17 +136,81 @@ template <typename F> bool for_each_field(std::string_view b, F&& f) {
   }
   return true;
 }
-NormalizerFacts normalizer_facts(std::string_view model) {
-  NormalizerFacts n;
-  for_each_field(model, [&](uint64_t field, int wt, uint64_t, std::string_view bytes) {
-    if (field != 3 || wt != 2) return;
-    for_each_field(bytes, [&](uint64_t f2, int wt2, uint64_t v2, std::string_view b2) {
+// The NormalizerSpec (ModelProto field 3) or the denormalizer's (field 5) of a serialized model.
+// Protobuf merges repeated occurrences of a message field, the last value of a field winning, which
+// visiting every occurrence in order reproduces. Returns false if the bytes are not a protobuf.
+bool normalizer_facts(std::string_view model, uint64_t which, NormalizerFacts& n, std::string_view* charsmap) {
+  bool ok = true;
+  const bool outer = for_each_field(model, [&](uint64_t field, int wt, uint64_t, std::string_view bytes) {
+    if (field != which || wt != 2) return;
+    ok = ok && for_each_field(bytes, [&](uint64_t f2, int wt2, uint64_t v2, std::string_view b2) {
       if (f2 == 1 && wt2 == 2) n.name = std::string(b2);
-      if (f2 == 2 && wt2 == 2) n.charsmap_bytes = b2.size();
+      if (f2 == 2 && wt2 == 2) n.charsmap_bytes = b2.size(), *charsmap = b2;
       if (f2 == 5 && wt2 == 0) n.escape_whitespaces = v2 != 0;
     });
   });
+  return outer && ok;
+}
+NormalizerFacts normalizer_facts(std::string_view model) {
+  NormalizerFacts n;
+  std::string_view cm;
+  normalizer_facts(model, 3, n, &cm);
   return n;
+}
+
+uint32_t le_u32(std::string_view b, size_t at) {
+  uint32_t v = 0;
+  for (int i = 0; i < 4; ++i) v |= static_cast<uint32_t>(static_cast<unsigned char>(b[at + i])) << (8 * i);
+  return v;
+}
+
+// Why libsentencepiece's Normalizer would read outside `blob` (its precompiled_charsmap), "" when
+// it cannot. The blob (normalizer.cc, DecodePrecompiledCharsMap): a u32 little-endian trie size T,
+// T bytes of a darts-clone double-array trie (4-byte units), then the normalized strings, each
+// NUL-terminated. The Normalizer looks up every prefix of the input, any byte 0-255 after any node
+// it reached (Darts::DoubleArray::commonPrefixSearch, no bounds checks), and reads the C string at a
+// leaf's value. So every node reachable from the root must have its 256 child slots inside the
+// array, and every leaf value must start a NUL-terminated string inside the normalized strings.
+std::string charsmap_problem(std::string_view blob) {
+  if (blob.size() <= 4) return "holds " + std::to_string(blob.size()) + " bytes, fewer than its 4-byte trie size and a trie";
+  const uint64_t trie_bytes = le_u32(blob, 0);
+  if (trie_bytes > blob.size() - 4)  // the library checks only trie_bytes < blob.size()
+    return "says its trie holds " + std::to_string(trie_bytes) + " bytes, beyond the " +
+           std::to_string(blob.size() - 4) + " bytes after its 4-byte size";
+  const std::string_view trie = blob.substr(4, trie_bytes);
+  const std::string_view normalized = blob.substr(4 + trie.size());
+  const uint64_t n = trie.size() / 4;  // units, as the library counts them
+  auto unit = [&](uint64_t i) { return le_u32(trie, 4 * i); };
+  auto offset = [](uint32_t u) { return static_cast<uint64_t>(u >> 10) << ((u & (1u << 9)) >> 6); };
+  auto label = [](uint32_t u) { return u & ((1u << 31) | 0xffu); };
+  if (n == 0) return "has an empty trie";
+  std::vector<bool> seen(n, false);
+  std::vector<uint64_t> stack = {0};
+  seen[0] = true;
+  while (!stack.empty()) {
+    const uint64_t pos = stack.back();
+    stack.pop_back();
+    const uint32_t u = unit(pos);
+    const uint64_t base = pos ^ offset(u);
+    if ((base | 0xff) >= n)
+      return "has a trie node (unit " + std::to_string(pos) + ") whose children lie beyond its " + std::to_string(n) +
+             " units";
+    if ((u >> 8) & 1) {  // has_leaf: the value is in the unit at `base`
+      const uint64_t v = unit(base) & 0x7fffffffu;
+      if (v >= normalized.size() || normalized.find('\0', v) == std::string_view::npos)
+        return "has a trie value (unit " + std::to_string(base) + ") at offset " + std::to_string(v) +
+               ", not the start of a NUL-terminated string inside its " + std::to_string(normalized.size()) +
+               " bytes of normalized strings";
+    }
+    for (uint32_t c = 1; c < 256; ++c) {
+      const uint64_t child = base ^ c;
+      if (!seen[child] && label(unit(child)) == c) {
+        seen[child] = true;
+        stack.push_back(child);
+      }
+    }
+  }
+  return "";
 }
 
 class SentencePieceTokenizer final : public Tokenizer {
@@ -147,6 +220,7 @@ class SentencePieceTokenizer final : public Tokenizer {
     if (!st.ok())
       throw std::runtime_error("cannot load tokenizer '" + spec + "': '" + model_path +
                                "' is not a SentencePiece model (" + st.ToString() + ")");
+    check_sentencepiece_model(model_bytes, "cannot load tokenizer '" + spec + "': '" + model_path + "'");
     info_.kind = "sentencepiece";
     info_.vocab_size = static_cast<uint32_t>(sp_.GetPieceSize());
     info_.bos_id = sp_.bos_id();
@@ -343,6 +417,25 @@ std::vector<std::string> expand_inputs(const std::vector<std::string>& specs, co
     }
   }
   return out;
+}
+
+void check_sentencepiece_model(std::string_view model, const std::string& where) {
+  for (const auto& [field, spec] : {std::pair<uint64_t, const char*>{3, "normalizer_spec"}, {5, "denormalizer_spec"}}) {
+    NormalizerFacts nf;
+    std::string_view charsmap;
+    if (!normalizer_facts(model, field, nf, &charsmap))
+      throw std::runtime_error(where + ": not a well-formed SentencePiece model (protobuf)");
+    if (charsmap.empty()) continue;  // no table: the identity (Llama's tokenizer.model)
+    std::string builtin;
+    if (!nf.name.empty() && sentencepiece::normalizer::Builder::GetPrecompiledCharsMap(nf.name, &builtin).ok() &&
+        builtin == charsmap)
+      continue;  // the library's own table for this name (nmt_nfkc: T5's, mT5's)
+    const std::string why = charsmap_problem(charsmap);
+    if (!why.empty())
+      throw std::runtime_error(where + ": field '" + spec + ".precompiled_charsmap' (normalizer '" + nf.name + "', " +
+                               std::to_string(charsmap.size()) + " bytes) " + why +
+                               "; libsentencepiece would read outside it: the file is damaged or crafted");
+  }
 }
 
 std::unique_ptr<Tokenizer> load_tokenizer(const std::string& spec) {

@@ -35,6 +35,7 @@ namespace {
 constexpr const char* kFormatName = "shardtrain-checkpoint";
 constexpr int kMaxDims = 4;
 constexpr int kNameLen = 128;
+constexpr int64_t kMaxParamRows = 1 << 16;  // rows of one unit's param_table read (a Llama block has 9)
 const char* const kMoments[3] = {"params", "adam_m", "adam_v"};
 
 // Owns an HDF5 id; closes it with the right H5*close.
@@ -360,6 +361,11 @@ TokenizerInfo read_tokenizer_group(hid_t file, MetaSums& ms) {
     const hssize_t n = H5Sget_simple_extent_npoints(sp);
     if (n < 0 || static_cast<uint64_t>(n) != meta.value("bytes", uint64_t{0}))
       throw H5Error(w + " holds " + std::to_string(n) + " bytes, attribute 'info' says " + meta.value("bytes", json()).dump());
+    // Written contiguous and uncompressed: a declared extent beyond what the file stores is damage,
+    // refused before it decides an allocation.
+    if (H5Dget_storage_size(d) < static_cast<hsize_t>(n))
+      throw H5Error(w + " declares " + std::to_string(n) + " bytes but the file stores " +
+                    std::to_string(H5Dget_storage_size(d)) + "; the file is damaged");
     std::string bytes(static_cast<size_t>(n), '\0');
     if (n > 0) chk(H5Dread(d, H5T_NATIVE_UINT8, H5S_ALL, H5S_ALL, H5P_DEFAULT, bytes.data()), "read " + w, 0);
     if (crc32_bytes(bytes) != meta.value("crc32", uint64_t{0}))
@@ -839,22 +845,28 @@ void read_metadata(const std::string& path, CheckpointInfo& info, MetaSums& ms) 
     ui.numel = get_i64(g, ms, key, "numel", w);
     ui.shard_size = get_i64(g, ms, key, "shard_size", w);
     ui.padded_numel = get_i64(g, ms, key, "padded_numel", w);
-    if (ui.numel < 1 || ui.shard_size != std::max<int64_t>(1, (ui.numel + W - 1) / W) || ui.padded_numel != ui.shard_size * W)
+    // numel / W + (remainder), not (numel + W - 1) / W: numel may be anything up to 2^63 - 1.
+    if (ui.numel < 1 || ui.shard_size != std::max<int64_t>(1, ui.numel / W + (ui.numel % W != 0)) ||
+        ui.shard_size > INT64_MAX / W || ui.padded_numel != ui.shard_size * W)
       throw H5Error(w + ": attributes numel (" + std::to_string(ui.numel) + "), shard_size (" +
                     std::to_string(ui.shard_size) + ") and padded_numel (" + std::to_string(ui.padded_numel) +
                     ") are inconsistent with world_size (" + std::to_string(W) + ")");
-    auto read_table = [&](const char* ds, hid_t mtype, void* out, hsize_t rows, hsize_t cols) {
+    // Reads a [rows][cols] table into `out`, sized only once the dataset's shape is known to match
+    // (world_size comes from the file: it must not decide an allocation before it is confirmed).
+    auto read_table = [&]<typename T>(const char* ds, hid_t mtype, std::vector<T>& out, hsize_t rows, hsize_t cols) {
       H5Id d(H5Dopen2(g, ds, H5P_DEFAULT), H5Dclose);
       if (!d.ok()) throw H5Error(w + ": dataset '" + ds + "' is missing");
       H5Id sp(H5Dget_space(d), H5Sclose);
       hsize_t dims[2] = {0, 0};
-      int nd = H5Sget_simple_extent_dims(sp, dims, nullptr);
-      if (nd < 1 || dims[0] != rows || (cols > 0 && (nd != 2 || dims[1] != cols)))
-        throw H5Error(w + ": dataset '" + ds + "' has an unexpected shape");
-      chk(H5Dread(d, mtype, H5S_ALL, H5S_ALL, H5P_DEFAULT, out), w + ": read " + ds, 0);
+      int nd = H5Sget_simple_extent_ndims(sp);
+      if (nd != 2 || H5Sget_simple_extent_dims(sp, dims, nullptr) != 2 || dims[0] != rows || dims[1] != cols)
+        throw H5Error(w + ": dataset '" + ds + "' has an unexpected shape (expected [" + std::to_string(rows) + "][" +
+                      std::to_string(cols) + "] from attribute 'world_size')");
+      out.resize(static_cast<size_t>(rows * cols));
+      chk(H5Dread(d, mtype, H5S_ALL, H5S_ALL, H5P_DEFAULT, out.data()), w + ": read " + ds, 0);
     };
-    std::vector<int64_t> table(static_cast<size_t>(W) * 3);
-    read_table("shard_table", H5T_NATIVE_INT64, table.data(), W, 3);
+    std::vector<int64_t> table;
+    read_table("shard_table", H5T_NATIVE_INT64, table, W, 3);
     std::string tb;
     for (int64_t v : table) put_le<uint64_t>(tb, static_cast<uint64_t>(v));
     ms.add(key + "/shard_table", tb);
@@ -868,8 +880,7 @@ void read_metadata(const std::string& path, CheckpointInfo& info, MetaSums& ms) 
                       std::to_string(ui.shard_size - valid) + ") from numel and world_size");
       ui.ranks.push_back(rs);
     }
-    ui.crc32.resize(static_cast<size_t>(W) * 3);
-    read_table("shard_crc32", H5T_NATIVE_UINT32, ui.crc32.data(), W, 3);
+    read_table("shard_crc32", H5T_NATIVE_UINT32, ui.crc32, W, 3);
     std::string cb;
     for (uint32_t v : ui.crc32) put_le<uint32_t>(cb, v);
     ms.add(key + "/shard_crc32", cb);
@@ -878,6 +889,10 @@ void read_metadata(const std::string& path, CheckpointInfo& info, MetaSums& ms) 
     H5Id psp(H5Dget_space(pd), H5Sclose);
     hssize_t np = H5Sget_simple_extent_npoints(psp);
     if (np < 1) throw H5Error(w + ": empty param_table");
+    // Rows are allocated from the dataset's declared extent, which a damaged file can make huge.
+    if (np > ui.numel || np > kMaxParamRows)
+      throw H5Error(w + ": dataset 'param_table' has " + std::to_string(np) + " rows, more than the unit's " +
+                    std::to_string(std::min<int64_t>(ui.numel, kMaxParamRows)) + " tensors could be");
     std::vector<ParamRow> rows(static_cast<size_t>(np));
     std::memset(rows.data(), 0, rows.size() * sizeof(ParamRow));
     chk(H5Dread(pd, rowt, H5S_ALL, H5S_ALL, H5P_DEFAULT, rows.data()), w + ": read param_table", 0);
@@ -889,8 +904,10 @@ void read_metadata(const std::string& path, CheckpointInfo& info, MetaSums& ms) 
       for (int j = 0; j < row.ndim; ++j) ps.spec.shape.push_back(row.shape[j]);
       ps.offset = row.offset;
       ps.numel = row.numel;
-      if (ps.offset < 0 || ps.numel < 0 || ps.offset + ps.numel > ui.numel)
-        throw H5Error(w + ": tensor '" + ps.spec.name + "' lies outside the unit");
+      if (ps.offset < 0 || ps.numel < 0 || ps.offset > ui.numel || ps.numel > ui.numel - ps.offset)  // no overflow
+        throw H5Error(w + ": tensor '" + ps.spec.name + "' (offset " + std::to_string(ps.offset) + ", numel " +
+                      std::to_string(ps.numel) + " in 'param_table') lies outside the unit's " +
+                      std::to_string(ui.numel) + " elements");
       for (auto& other : ui.params)
         if (other.spec.name == ps.spec.name) throw H5Error(w + ": tensor '" + ps.spec.name + "' appears twice in 'param_table'");
       ui.params.push_back(ps);
@@ -1018,6 +1035,36 @@ CheckpointInfo read_checkpoint_info(Comm& comm, const std::string& path) {
   return info;
 }
 
+void check_checkpoint_layout(const CheckpointInfo& info, const ShardPlan& plan) {
+  for (auto& u : info.units)
+    if (plan.unit_index(u.name) < 0) throw std::runtime_error("unexpected unit '" + u.name + "' for this model");
+  for (auto& up : plan.units) {
+    auto it = std::find_if(info.units.begin(), info.units.end(), [&](auto& u) { return u.name == up.name; });
+    if (it == info.units.end()) throw std::runtime_error("missing unit '" + up.name + "'");
+    if (it->numel != up.numel)
+      throw std::runtime_error("unit '" + up.name + "' holds " + std::to_string(it->numel) + " elements (attribute "
+                               "'numel'), expected " + std::to_string(up.numel));
+    for (auto& q : it->params)
+      if (std::none_of(up.params.begin(), up.params.end(), [&](auto& ps) { return ps.spec.name == q.spec.name; }))
+        throw std::runtime_error("unit '" + up.name + "' holds tensor '" + q.spec.name + "', which this model does not have");
+    for (auto& ps : up.params) {
+      auto pt = std::find_if(it->params.begin(), it->params.end(), [&](auto& q) { return q.spec.name == ps.spec.name; });
+      if (pt == it->params.end()) throw std::runtime_error("tensor '" + ps.spec.name + "' is missing from unit '" + up.name + "'");
+      // Each field that differs is named: shape, then offset, then numel.
+      const std::string row = "tensor '" + ps.spec.name + "' has ";
+      const std::string in = " in the file (dataset 'param_table' of unit '" + up.name + "'), expected ";
+      if (pt->spec.shape != ps.spec.shape)
+        throw std::runtime_error(row + "shape " + shape_str(pt->spec.shape) + " in the file, expected " +
+                                 shape_str(ps.spec.shape));
+      if (pt->offset != ps.offset)
+        throw std::runtime_error(row + "offset " + std::to_string(pt->offset) + in + std::to_string(ps.offset));
+      if (pt->numel != ps.numel)
+        throw std::runtime_error(row + "numel " + std::to_string(pt->numel) + in + std::to_string(ps.numel) +
+                                 " (the elements of its shape " + shape_str(ps.spec.shape) + ")");
+    }
+  }
+}
+
 TrainState load_checkpoint(Comm& comm, const std::string& path, Fsdp<float>& f, AdamW<float>* opt,
                            const ModelConfig& mc, const CheckpointInfo* given) {
   CheckpointInfo read;
@@ -1034,28 +1081,7 @@ TrainState load_checkpoint(Comm& comm, const std::string& path, Fsdp<float>& f, 
       for (auto& x : diff) d += (d.empty() ? "" : ", ") + x;
       throw std::runtime_error("model config does not match the requested one (" + d + ")");
     }
-    for (auto& u : info.units)
-      if (plan.unit_index(u.name) < 0) throw std::runtime_error("unexpected unit '" + u.name + "' for this model");
-    for (auto& up : plan.units) {
-      auto it = std::find_if(info.units.begin(), info.units.end(), [&](auto& u) { return u.name == up.name; });
-      if (it == info.units.end()) throw std::runtime_error("missing unit '" + up.name + "'");
-      if (it->numel != up.numel)
-        throw std::runtime_error("unit '" + up.name + "' holds " + std::to_string(it->numel) + " elements, expected " +
-                                 std::to_string(up.numel));
-      for (auto& q : it->params)
-        if (std::none_of(up.params.begin(), up.params.end(), [&](auto& ps) { return ps.spec.name == q.spec.name; }))
-          throw std::runtime_error("unit '" + up.name + "' holds tensor '" + q.spec.name + "', which this model does not have");
-      for (auto& ps : up.params) {
-        auto pt = std::find_if(it->params.begin(), it->params.end(), [&](auto& q) { return q.spec.name == ps.spec.name; });
-        if (pt == it->params.end()) throw std::runtime_error("tensor '" + ps.spec.name + "' is missing from unit '" + up.name + "'");
-        if (pt->spec.shape != ps.spec.shape)
-          throw std::runtime_error("tensor '" + ps.spec.name + "' has shape " + shape_str(pt->spec.shape) +
-                                   " in the file, expected " + shape_str(ps.spec.shape));
-        if (pt->offset != ps.offset || pt->numel != ps.numel)
-          throw std::runtime_error("tensor '" + ps.spec.name + "' is at offset " + std::to_string(pt->offset) +
-                                   " in the file, expected " + std::to_string(ps.offset));
-      }
-    }
+    check_checkpoint_layout(info, plan);
   } catch (const std::exception& e) {
     err = "checkpoint '" + path + "': " + e.what();
   }

@@ -282,7 +282,7 @@ void write_own_tokenizer(const fs::path& d, const TokenizerInfo& t, const ModelC
 TokenizerInfo read_hf_tokenizer(const std::string& dir, const ModelConfig& mc) {
   TokenizerInfo t = no_tokenizer();
   for (const std::string& name : tokenizer_file_names()) {
-    const fs::path p = fs::path(dir) / name;
+    const fs::path p = path_inside(dir, name, "Hugging Face directory '" + dir + "'");
     std::error_code ec;
     if (!fs::is_regular_file(p, ec)) continue;
     std::ifstream in(p, std::ios::binary);
@@ -297,6 +297,7 @@ TokenizerInfo read_hf_tokenizer(const std::string& dir, const ModelConfig& mc) {
     if (!st.ok())
       throw std::runtime_error("'" + (fs::path(dir) / "tokenizer.model").string() +
                                "' is not a SentencePiece model (" + st.ToString() + ")");
+    check_sentencepiece_model(t.files["tokenizer.model"], "'" + (fs::path(dir) / "tokenizer.model").string() + "'");
     t.kind = "sentencepiece";
     t.vocab_size = static_cast<uint32_t>(sp.GetPieceSize());
     t.unk_id = sp.unk_id();
@@ -315,13 +316,17 @@ TokenizerInfo read_hf_tokenizer(const std::string& dir, const ModelConfig& mc) {
     }
     if (j.contains("added_tokens") && j["added_tokens"].is_array())
       for (auto& a : j["added_tokens"]) top = std::max(top, a.value("id", int64_t{-1}));
+    // Compared before narrowing: an id from the file may be anything up to 2^63 - 1.
+    if (top >= static_cast<int64_t>(mc.vocab_size))
+      throw std::runtime_error("'" + dir + "': its tokenizer (tokenizer.json) has ids up to " + std::to_string(top) +
+                               ", beyond the vocab_size " + std::to_string(mc.vocab_size) + " of config.json");
     t.vocab_size = static_cast<uint32_t>(top + 1);
   } else {
     return no_tokenizer();
   }
   if (t.vocab_size > static_cast<uint32_t>(mc.vocab_size))
-    throw std::runtime_error("'" + dir + "': its tokenizer (" + (t.kind == "sentencepiece" ? "tokenizer.model" : "tokenizer.json") +
-                             ") has ids up to " + std::to_string(t.vocab_size - 1) + ", beyond the vocab_size " +
+    throw std::runtime_error("'" + dir + "': its tokenizer (tokenizer.model) has ids up to " +
+                             std::to_string(t.vocab_size - 1) + ", beyond the vocab_size " +
                              std::to_string(mc.vocab_size) + " of config.json");
   t.bos_id = mc.has_bos() ? mc.bos_token_id : -1;
   t.eos_id = mc.eos_token_ids.empty() ? -1 : mc.primary_eos();
@@ -481,8 +486,9 @@ void import_hf(Comm& comm, const std::string& hf_dir, const std::string& out_pat
       err = "option '--out': '" + out_path + "' exists; import never overwrites a checkpoint";
     all_ok(comm, err.empty(), err);
   }
-  // Config: rank 0 alone resolves it, as for training.
-  const std::string config_path = (fs::path(hf_dir) / "config.json").string();
+  // Config: rank 0 alone resolves it, as for training. Every file read lies inside hf_dir.
+  std::string config_path;
+  agree(comm, [&] { config_path = path_inside(hf_dir, "config.json", "Hugging Face directory '" + hf_dir + "'"); });
   ModelConfig mc = resolve_model_config(comm, config_path);
   std::string data_info = "null";  // the checkpoint's record of the token file, as training writes it
   if (!data_path.empty()) {  // as training does: every rank reads the token file's header itself
@@ -509,7 +515,9 @@ void import_hf(Comm& comm, const std::string& hf_dir, const std::string& out_pat
   std::vector<StFile> files;
   std::map<std::string, std::pair<size_t, size_t>> where;  // canonical name -> (file, entry)
   agree(comm, [&] {
-    fs::path d(hf_dir), single = d / "model.safetensors", index = d / "model.safetensors.index.json";
+    const std::string what = "Hugging Face directory '" + hf_dir + "'";
+    fs::path d(hf_dir), single = path_inside(hf_dir, "model.safetensors", what),
+                        index = path_inside(hf_dir, "model.safetensors.index.json", what);
     std::vector<std::string> names;
     if (fs::exists(index)) {
       json j;
@@ -522,11 +530,18 @@ void import_hf(Comm& comm, const std::string& hf_dir, const std::string& out_pat
       if (!j.contains("weight_map") || !j["weight_map"].is_object())
         throw std::runtime_error("index '" + index.string() + "' has no 'weight_map' object");
       std::set<std::string> uniq;
-      for (auto& [k, v] : j["weight_map"].items()) uniq.insert(v.get<std::string>());
+      for (auto& [k, v] : j["weight_map"].items()) {
+        if (!v.is_string())
+          throw std::runtime_error("index '" + index.string() + "': 'weight_map' entry '" + k + "' is not a file name");
+        uniq.insert(v.get<std::string>());
+      }
       for (auto& u : uniq) {
-        if (!fs::exists(d / u))
+        // A name from the file: it must stay inside the directory (no absolute path, no '..', no
+        // link out), or a crafted index would have us read, and echo in messages, any file.
+        const std::string p = path_inside(hf_dir, u, "index '" + index.string() + "' (key 'weight_map')");
+        if (!fs::exists(p))
           throw std::runtime_error("index '" + index.string() + "' names shard file '" + u + "', which is missing");
-        names.push_back((d / u).string());
+        names.push_back(p);
       }
     } else if (fs::exists(single)) {
       names.push_back(single.string());

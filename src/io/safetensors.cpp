@@ -158,15 +158,20 @@ StFile read_safetensors_header(const std::string& path) {
     } catch (const nlohmann::json::exception& ex) {
       fail("tensor '" + k + "': malformed entry (" + ex.what() + ")");
     }
-    uint64_t numel = 1;
+    // Elements and bytes with overflow checks: [2^62, 4] must not wrap to 0 bytes.
+    uint64_t numel = 1, bytes = 0;
     for (auto d : e.shape) {
       if (d < 0) fail("tensor '" + k + "' has a negative dimension");
-      numel *= static_cast<uint64_t>(d);
+      if (__builtin_mul_overflow(numel, static_cast<uint64_t>(d), &numel))
+        fail("tensor '" + k + "': the element count of its shape overflows 64 bits");
     }
+    if (__builtin_mul_overflow(numel, static_cast<uint64_t>(dtype_size(e.dtype)), &bytes))
+      fail("tensor '" + k + "': its shape of " + std::to_string(numel) + " elements of " + dtype_name(e.dtype) +
+           " needs more than 2^64 bytes");
     if (e.end < e.begin || e.end > data_len)
       fail("tensor '" + k + "': data_offsets [" + std::to_string(e.begin) + ", " + std::to_string(e.end) +
            ") are out of range (data buffer is " + std::to_string(data_len) + " bytes)");
-    if (e.end - e.begin != numel * dtype_size(e.dtype))
+    if (e.end - e.begin != bytes)
       fail("tensor '" + k + "': " + std::to_string(e.end - e.begin) + " bytes for shape of " + std::to_string(numel) +
            " elements of " + dtype_name(e.dtype));
     f.entries.push_back(e);

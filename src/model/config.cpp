@@ -2,6 +2,7 @@
 #include "shardtrain/config.h"
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -22,8 +23,12 @@ int64_t ModelConfig::num_params() const {
   int64_t C = hidden_size, I = intermediate_size, V = vocab_size;
   int64_t q = static_cast<int64_t>(num_attention_heads) * head_dim();
   int64_t kv = kv_dim();
-  int64_t block = 2 * C + C * q + 2 * C * kv + q * C + 3 * C * I;
-  return V * C + num_hidden_layers * block + C + (tie_word_embeddings ? 0 : V * C);
+  // In 128 bits, saturated: a config from a file may hold any int sizes (validate refuses them).
+  __extension__ using i128 = __int128;
+  const i128 block = 2 * C + static_cast<i128>(C) * q + 2 * static_cast<i128>(C) * kv +
+                         static_cast<i128>(q) * C + 3 * static_cast<i128>(C) * I;
+  const i128 n = static_cast<i128>(V) * C + num_hidden_layers * block + C + (tie_word_embeddings ? 0 : static_cast<i128>(V) * C);
+  return n > INT64_MAX ? INT64_MAX : static_cast<int64_t>(n);
 }
 
 std::vector<double> rope_inv_freqs(const ModelConfig& c) {
@@ -397,14 +402,24 @@ ModelConfig from_canonical_json(const std::string& s) {
   try {
     j = json::parse(s);
     ModelConfig c;
+    // Sizes must be integers that fit an int: nlohmann would narrow 2^64 - 1 to -1 and 2^32 + 64
+    // to 64 silently.
+    auto integer = [&](const char* k) {
+      const json& v = j.at(k);
+      if (!v.is_number_integer() || (v.is_number_unsigned() ? v.get<uint64_t>() > INT32_MAX
+                                                            : v.get<int64_t>() < INT32_MIN || v.get<int64_t>() > INT32_MAX))
+        throw std::invalid_argument(std::string("canonical model config is malformed: key '") + k + "' is " + v.dump() +
+                                    ", not an integer of 32 bits");
+      return v.get<int>();
+    };
     c.name = j.at("name");
-    c.vocab_size = j.at("vocab_size");
-    c.hidden_size = j.at("hidden_size");
-    c.intermediate_size = j.at("intermediate_size");
-    c.num_hidden_layers = j.at("num_hidden_layers");
-    c.num_attention_heads = j.at("num_attention_heads");
-    c.num_key_value_heads = j.at("num_key_value_heads");
-    c.max_position_embeddings = j.at("max_position_embeddings");
+    c.vocab_size = integer("vocab_size");
+    c.hidden_size = integer("hidden_size");
+    c.intermediate_size = integer("intermediate_size");
+    c.num_hidden_layers = integer("num_hidden_layers");
+    c.num_attention_heads = integer("num_attention_heads");
+    c.num_key_value_heads = integer("num_key_value_heads");
+    c.max_position_embeddings = integer("max_position_embeddings");
     c.rms_norm_eps = j.at("rms_norm_eps");
     c.rope_theta = j.at("rope_theta");
     // Older versions wrote neither key: hidden_size / num_attention_heads, no scaling.

@@ -5,6 +5,7 @@
 #include <unistd.h>
 #include <zlib.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <stdexcept>
@@ -21,6 +22,29 @@ uint32_t crc32_update(uint32_t crc, const void* p, size_t bytes) {
     bytes -= chunk;
   }
   return static_cast<uint32_t>(c);
+}
+
+std::string path_inside(const std::string& dir, const std::string& name, const std::string& what) {
+  namespace fs = std::filesystem;
+  const fs::path rel(name);
+  auto refuse = [&](const std::string& why) {
+    throw std::runtime_error(what + " names '" + name + "', " + why + " of directory '" + dir +
+                             "': every file read must lie inside it");
+  };
+  if (name.empty()) refuse("an empty name, not a file");
+  if (rel.is_absolute() || rel.has_root_name() || rel.has_root_directory()) refuse("an absolute path outside");
+  for (const fs::path& part : rel)
+    if (part == "..") refuse("a path with '..', which may lead out");
+  const fs::path p = fs::path(dir) / rel;
+  std::error_code ec;
+  if (!fs::exists(fs::symlink_status(p, ec))) return p.string();
+  std::error_code ec2;
+  const fs::path real = fs::canonical(p, ec), top = fs::canonical(dir, ec2);
+  if (ec || ec2) refuse("a file that cannot be resolved (a dangling symbolic link?) inside");
+  auto [a, b] = std::mismatch(top.begin(), top.end(), real.begin(), real.end());
+  if (a != top.end()) refuse("a symbolic link to '" + real.string() + "', outside");
+  (void)b;
+  return p.string();
 }
 
 void check_output_path(const std::string& path, const std::string& what) {

@@ -1,0 +1,132 @@
+// Files from strangers (issue 27): the SentencePiece charsmap check against libsentencepiece's own
+// builtin tables (an independent reference for valid tries), crafted tries, the path confinement of
+// path_inside.
+#include <gtest/gtest.h>
+#include <sentencepiece_processor.h>
+
+#include <filesystem>
+#include <fstream>
+#include <stdexcept>
+#include <string>
+
+#include "shardtrain/files.h"
+#include "shardtrain/tokenizer.h"
+
+// libsentencepiece_train's builtin tables (builder.h is not installed; see src/data/tokenizer.cpp).
+namespace sentencepiece::normalizer {
+class Builder {
+ public:
+  static util::Status GetPrecompiledCharsMap(std::string_view name, std::string* output);
+};
+}  // namespace sentencepiece::normalizer
+
+using namespace shardtrain;
+namespace fs = std::filesystem;
+
+namespace {
+std::string varint(uint64_t v) {
+  std::string s;
+  do {
+    s.push_back(static_cast<char>((v & 0x7f) | (v > 0x7f ? 0x80 : 0)));
+    v >>= 7;
+  } while (v);
+  return s;
+}
+std::string bytes_field(int field, const std::string& b) { return varint(static_cast<uint64_t>(field) << 3 | 2) + varint(b.size()) + b; }
+// A ModelProto holding only normalizer_spec {name, precompiled_charsmap}: all the check reads.
+std::string model_with(const std::string& name, const std::string& charsmap, int spec_field = 3) {
+  return bytes_field(spec_field, bytes_field(1, name) + bytes_field(2, charsmap));
+}
+std::string u32(uint32_t v) { return std::string{char(v), char(v >> 8), char(v >> 16), char(v >> 24)}; }
+std::string builtin(const char* name) {
+  std::string t;
+  EXPECT_TRUE(sentencepiece::normalizer::Builder::GetPrecompiledCharsMap(name, &t).ok()) << name;
+  return t;
+}
+std::string refusal(const std::string& model) {
+  try {
+    check_sentencepiece_model(model, "'m.model'");
+  } catch (const std::runtime_error& e) {
+    return e.what();
+  }
+  return "";
+}
+}  // namespace
+
+// Each builtin table (as T5-like models carry it) passes both ways: equal to the library's table
+// for its name, and, under a name that is not builtin, through the full trie walk.
+TEST(Untrusted, BuiltinCharsmapsPass) {
+  for (const char* name : {"nmt_nfkc", "nfkc", "nmt_nfkc_cf", "nfkc_cf"}) {
+    const std::string t = builtin(name);
+    ASSERT_GT(t.size(), 1000u) << name;
+    EXPECT_EQ(refusal(model_with(name, t)), "") << name;
+    EXPECT_EQ(refusal(model_with("user_defined", t)), "") << name;
+    EXPECT_EQ(refusal(model_with("user_defined", t, 5)), "") << name;  // denormalizer_spec
+  }
+  EXPECT_EQ(refusal(model_with("identity", "")), "");  // Llama's: no table
+}
+
+// The smallest crash of the issue: one trie unit whose offset leads far past the trie.
+TEST(Untrusted, TrieOffsetPastTheBlobIsRefused) {
+  const std::string blob = u32(4) + u32(0x7ffffc00u) + std::string(1, '\0');
+  const std::string m = refusal(model_with("identity", blob));
+  EXPECT_NE(m.find("'m.model': field 'normalizer_spec.precompiled_charsmap'"), std::string::npos) << m;
+  EXPECT_NE(m.find("unit 0) whose children lie beyond its 1 units"), std::string::npos) << m;
+  EXPECT_NE(refusal(model_with("identity", blob, 5)).find("'denormalizer_spec.precompiled_charsmap'"), std::string::npos);
+  // A trie size beyond the blob (the library checks only size < blob size: 3 bytes would be read past).
+  const std::string t = builtin("nmt_nfkc");
+  std::string bad = t;
+  const std::string sz = u32(static_cast<uint32_t>(t.size() - 1));
+  bad.replace(0, 4, sz);
+  EXPECT_NE(refusal(model_with("nmt_nfkc", bad)).find("says its trie holds"), std::string::npos);
+  EXPECT_NE(refusal(model_with("x", std::string(3, '\0'))).find("holds 3 bytes"), std::string::npos);
+}
+
+// A leaf value past the normalized strings, or a string without its NUL, is refused.
+TEST(Untrusted, TrieValueOutsideTheStringsIsRefused) {
+  const std::string t = builtin("nfkc");
+  const uint32_t trie_bytes = static_cast<uint32_t>(static_cast<unsigned char>(t[0]) | static_cast<unsigned char>(t[1]) << 8 |
+                                                    static_cast<unsigned char>(t[2]) << 16 | static_cast<unsigned char>(t[3]) << 24);
+  // Cut the normalized strings to nothing: every leaf value now points outside them.
+  const std::string cut = t.substr(0, 4 + trie_bytes) + std::string("");
+  const std::string m = refusal(model_with("user_defined", cut));
+  EXPECT_NE(m.find("not the start of a NUL-terminated string inside its 0 bytes"), std::string::npos) << m;
+  // The same table with its last NUL removed: the last string is not terminated inside the blob.
+  std::string open_end = t;
+  ASSERT_EQ(open_end.back(), '\0');
+  open_end.back() = 'x';
+  EXPECT_NE(refusal(model_with("user_defined", open_end)).find("NUL-terminated"), std::string::npos);
+  EXPECT_NE(refusal("\x1a\xff").find("not a well-formed SentencePiece model"), std::string::npos);
+}
+
+TEST(Untrusted, PathInsideRefusesWaysOut) {
+  const fs::path d = fs::path(::testing::TempDir()) / "shardtrain_inside";
+  const fs::path outside = fs::path(::testing::TempDir()) / "shardtrain_outside";
+  fs::remove_all(d);
+  fs::create_directories(d / "sub");
+  fs::create_directories(outside);
+  std::ofstream(outside / "secret") << "12345678";
+  std::ofstream(d / "sub" / "a.bin") << "x";
+  std::error_code ec;
+  fs::create_symlink(outside / "secret", d / "out", ec);
+  fs::create_symlink("sub/a.bin", d / "in", ec);
+  const std::string dir = d.string();
+  EXPECT_EQ(path_inside(dir, "sub/a.bin", "index 'i'"), (d / "sub" / "a.bin").string());
+  EXPECT_EQ(path_inside(dir, "in", "index 'i'"), (d / "in").string());        // a link that stays inside
+  EXPECT_EQ(path_inside(dir, "missing", "index 'i'"), (d / "missing").string());  // reported missing by the caller
+  auto why = [&](const std::string& name) {
+    try {
+      path_inside(dir, name, "index 'i'");
+    } catch (const std::runtime_error& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_NE(why("/etc/passwd").find("index 'i' names '/etc/passwd', an absolute path outside"), std::string::npos);
+  EXPECT_NE(why("sub/../../x").find("a path with '..'"), std::string::npos);
+  EXPECT_NE(why("out").find("a symbolic link to '" + fs::canonical(outside / "secret").string() + "', outside of directory"),
+            std::string::npos);
+  EXPECT_NE(why("").find("an empty name"), std::string::npos);
+  fs::remove_all(d);
+  fs::remove_all(outside);
+}
