@@ -24,7 +24,9 @@ void check_output_path(const std::string& path, const std::string& what);
 // (std::runtime_error naming `what`, the name and the directory) an empty or absolute name, one
 // with a ".." component, and one that exists but resolves, through symbolic links, to a place
 // outside `dir` (canonical paths compared). A name that does not exist is returned as is (the
-// caller reports it missing), so is one inside `dir` through links that stay inside.
+// caller reports it missing), so is one inside `dir` through links that stay inside. One exception,
+// the Hugging Face hub cache: when `dir` is a snapshot (.../models--ORG--NAME/snapshots/REV), links
+// into that repository's blobs/ folder (../../blobs, where the hub keeps the files) count as inside.
 std::string path_inside(const std::string& dir, const std::string& name, const std::string& what);
 
 // zlib's CRC32 (the same as Python's zlib.crc32) of `bytes` bytes at `p`, continuing from `crc`

@@ -41,9 +41,17 @@ std::string path_inside(const std::string& dir, const std::string& name, const s
   std::error_code ec2;
   const fs::path real = fs::canonical(p, ec), top = fs::canonical(dir, ec2);
   if (ec || ec2) refuse("a file that cannot be resolved (a dangling symbolic link?) inside");
-  auto [a, b] = std::mismatch(top.begin(), top.end(), real.begin(), real.end());
-  if (a != top.end()) refuse("a symbolic link to '" + real.string() + "', outside");
-  (void)b;
+  auto under = [&](const fs::path& root) {
+    return std::mismatch(root.begin(), root.end(), real.begin(), real.end()).first == root.end();
+  };
+  if (under(top)) return p.string();
+  // A Hugging Face hub cache snapshot (huggingface_hub's layout: models--ORG--NAME/snapshots/REV/FILE
+  // is a symbolic link to ../../blobs/SHA256): links into that repository's own blobs/ are inside.
+  if (top.parent_path().filename() == "snapshots") {
+    const fs::path blobs = top.parent_path().parent_path() / "blobs";
+    if (fs::is_directory(blobs, ec2) && under(blobs)) return p.string();
+  }
+  refuse("a symbolic link to '" + real.string() + "', outside");
   return p.string();
 }
 

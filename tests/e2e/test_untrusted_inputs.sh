@@ -111,6 +111,26 @@ PY
   ! grep -q 4050765991979987505 "$WORK/index_$way.log" || fail "index_$way: the secret's bytes reached the output"
 done
 
+# The Hugging Face hub cache (huggingface_hub's layout): every file of a snapshot is a symbolic link
+# to ../../blobs/<sha256>. That is inside the model's own cache folder: it imports, and the weights
+# are those of the plain directory; a snapshot link to anywhere else is still refused.
+HUB=$WORK/hub/models--org--tiny
+mkdir -p "$HUB/blobs" "$HUB/snapshots/0123abcd"
+for f in "$WORK"/hf/*; do
+  sha=$(sha256sum "$f" | cut -d' ' -f1)
+  cp "$f" "$HUB/blobs/$sha"
+  ln -s "../../blobs/$sha" "$HUB/snapshots/0123abcd/$(basename "$f")"
+done
+"$BIN" --mode import --hf-dir "$HUB/snapshots/0123abcd" --out "$WORK/hub.h5" >"$WORK/hub.log" 2>&1 \
+  || { cat "$WORK/hub.log"; fail "hub: a hub-cache snapshot (links to ../../blobs) was refused"; }
+"$BIN" --mode import --hf-dir "$WORK/hf" --out "$WORK/plain.h5" >/dev/null
+"$BIN" --mode export "$WORK/hub.h5" --out "$WORK/hub_re" >/dev/null && "$BIN" --mode export "$WORK/plain.h5" --out "$WORK/plain_re" >/dev/null
+cmp "$WORK/hub_re/model.safetensors" "$WORK/plain_re/model.safetensors" || fail "hub: imported weights differ from the plain directory's"
+ln -sfn "$WORK/secret" "$HUB/snapshots/0123abcd/model.safetensors"
+expect_fail hub_out "names 'model.safetensors', a symbolic link to '$(realpath "$WORK/secret")', outside of directory" 2 \
+  --mode import --hf-dir "$HUB/snapshots/0123abcd" --out "$WORK/x.h5"
+echo "ok: a hub-cache snapshot (links to ../../blobs) imports the same weights; a snapshot link elsewhere is refused"
+
 # ---- 3. element count overflow -----------------------------------------------------------------------
 cp -r "$WORK/hf" "$WORK/hf_overflow"
 "$PY" - "$WORK/hf_overflow/model.safetensors" <<'PY'
