@@ -88,6 +88,17 @@ AuthInfo=socket=$d/munge/munge.socket.2"
     auth="AuthType=auth/none
 CredType=cred/none"
   fi
+  # Each emulated node's tasks get a temporary folder of their own, per job, as on separate machines
+  # (or under job_container/tmpfs): both nodes share this host's /tmp and /dev/shm, and Open MPI keeps
+  # its session directories (TMPDIR) and shared-memory segments (btl_vader_backing_directory) there.
+  # slurmstepd runs the TaskProlog before every task, the batch script included, and applies the
+  # "export NAME=VALUE" lines it prints to the task's environment.
+  cat >"$d/task-prolog.sh" <<EOF
+#!/bin/sh
+t=$d/tmp/\${SLURMD_NODENAME:-unknown}/job\${SLURM_JOB_ID:-0}
+mkdir -p "\$t" && echo "export TMPDIR=\$t" && echo "export OMPI_MCA_btl_vader_backing_directory=\$t"
+EOF
+  chmod 755 "$d/task-prolog.sh"
   cat >"$d/slurm.conf" <<EOF
 # Written by tests/slurm/cluster.sh: a private cluster of two emulated nodes on $host.
 ClusterName=shardtrain-test
@@ -109,6 +120,7 @@ SlurmctldPort=$CL_PORT
 StateSaveLocation=$d/state
 SlurmdSpoolDir=$d/spool/%n
 TmpFS=$d/tmp/%n
+TaskProlog=$d/task-prolog.sh
 SlurmctldPidFile=$d/run/slurmctld.pid
 SlurmdPidFile=$d/run/slurmd-%n.pid
 SlurmctldLogFile=$d/log/slurmctld.log
