@@ -332,11 +332,19 @@ preempt() {
   [ -n "$job" ] || fail "sbatch printed no job id"
   local m=checkpoints/small-test/metrics.jsonl
   if [ "$how" = scancel ]; then
+    # The job may wait in the queue behind the other scenarios' jobs on n2 (long on a loaded
+    # machine): the 60 s for its first steps count from its start, not from its submission.
+    for ((i = 0; i < 1800; i++)); do
+      [ "$(job_field "$job" JobState)" = RUNNING ] && break
+      kill -0 "$wpid" 2>/dev/null || break
+      sleep 0.1
+    done
+    [ "$(job_field "$job" JobState)" = RUNNING ] || { show "$out"; fail "job $job: not running after 180 s in the queue"; }
     for ((i = 0; i < 600; i++)); do
       [ -f "$m" ] && [ "$(grep -c '"loss"' "$m")" -ge 5 ] && break
       sleep 0.1
     done
-    [ -f "$m" ] || { show "$out"; fail "job $job: no metrics after 60 s"; }
+    [ -f "$m" ] || { show "$out"; fail "job $job: no metrics 60 s after it started"; }
     scancel --signal=USR1 --batch "$job" || fail "scancel --signal=USR1 --batch $job failed"
     echo "job $job: scancel --signal=USR1 --batch at step $(grep -c '"loss"' "$m")"
   fi
