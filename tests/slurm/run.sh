@@ -20,7 +20,7 @@
 #      preempt-timer: the same with LAUNCHER=mpirun and the time-limit warning from Slurm itself:
 #      --time=1 --signal=B:USR1@30. slurmctld checks time limits every 30 s; a probe job (sleeping)
 #      measures when, and the job is submitted to start a few seconds before the next check; the rerun
-#      gets --time=5 (scontrol update) so that it is not warned again.
+#      gets --time=30 (scontrol update) so that it is not warned again.
 #      preempt-ranks: as preempt-timer with srun and --signal=USR1@30 (the scripts' own form, no B:):
 #      the warning goes to the ranks, not to the batch shell. Its reference is preempt-timer's.
 #  (4) pipeline: train-cpu.sbatch, then export.sbatch with --dependency=afterok:JOB, submitted at
@@ -286,15 +286,17 @@ preempt() {
   if [ "$how" = scancel ]; then args+=(--log-every 1); else args+=(--log-every 10); fi
   if [ "$4" = "$name-ref" ]; then
     # The uninterrupted reference: the same job file and options, another submit directory, on n2.
+    # --time=30: the script's own --signal=USR1@120 must not preempt it, and with COMMON's 5 minutes
+    # it did, on a loaded machine where 3000 steps took longer than 3 minutes.
     subdir "$name-ref"
-    sb -o "$SUB/job.out" -w n2 --ntasks-per-node=2 "${COMMON[@]}" jobs/train-cpu.sbatch "${args[@]}" >"$SUB/job.id.tmp" ||
+    sb -o "$SUB/job.out" -w n2 --ntasks-per-node=2 "${COMMON[@]}" --time=30 jobs/train-cpu.sbatch "${args[@]}" >"$SUB/job.id.tmp" ||
       fail "sbatch of the reference run failed"
     mv "$SUB/job.id.tmp" "$SUB/job.id"
   fi
   subdir "$name"
   local out=$SUB/job.out opts=(--ntasks-per-node=2 --cpus-per-task=1) envs=()
   if [ "$how" = scancel ]; then
-    opts+=(-w n2 --time=5)
+    opts+=(-w n2 --time=30)  # only scancel preempts it
   else
     # When does the controller check time limits? A probe job that only waits for the warning.
     local probe=$S/probe-$name.t
@@ -374,7 +376,7 @@ preempt() {
   # rejects a new one issued in the same second ("Job credential revoked": the job then ends with
   # exit code 1 and is not started again). Slurm's own delay (about 2 minutes) avoids that.
   local upd=(StartTime=now+2)
-  [ "$how" = scancel ] || upd+=(TimeLimit=5)
+  [ "$how" = scancel ] || upd+=(TimeLimit=30)  # not warned again, however slow the machine
   scontrol update JobId="$job" "${upd[@]}" || fail "scontrol update JobId=$job ${upd[*]} failed"
   local rc=0
   wait "$wpid" || rc=$?
