@@ -16,6 +16,7 @@
 #include "shardtrain/mesh.h"
 #include "shardtrain/runtime.h"
 #include "../test_env.h"
+#include "rank_test.h"
 
 namespace st = shardtrain;
 
@@ -23,23 +24,7 @@ namespace {
 
 st::Comm& world() { return st::testing::comm(); }
 
-class Mesh : public ::testing::Test {
- protected:
-  void TearDown() override {  // rank 0 reports the failures of the other ranks (gtest prints on rank 0)
-    st::Comm& c = world();
-    int64_t mask = ::testing::Test::HasFailure() ? (int64_t{1} << c.rank()) : 0;
-    c.all_reduce(&mask, 1, st::ReduceOp::Sum);
-    if (c.rank() == 0) {
-      std::string who;
-      for (int r = 1; r < c.world_size(); ++r)
-        if (mask & (int64_t{1} << r)) {
-          who += ' ';
-          who += std::to_string(r);
-        }
-      if (!who.empty()) ADD_FAILURE() << "this test failed on rank(s):" << who << " (their output is not printed)";
-    }
-  }
-};
+class Mesh : public st::testing::RankTest {};
 
 // The global ranks of the members of `c`, in c's rank order.
 std::vector<int> members(st::Comm& c) {
