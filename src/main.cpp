@@ -20,6 +20,7 @@
 #include "shardtrain/data.h"
 #include "shardtrain/files.h"
 #include "shardtrain/memory_plan.h"
+#include "shardtrain/mesh.h"
 #include "shardtrain/options.h"
 #include "shardtrain/prepare.h"
 #include "shardtrain/runtime.h"
@@ -82,39 +83,20 @@ void run_tokenizer(Comm& comm, const Options& o) {
                      ", trained on " + std::to_string(r.sentences) + " lines (" + b + ")");
 }
 
-// --overlap, --prefetch, --comm-progress (validated by parse_options).
-OverlapConfig overlap_config(const Options& o) {
-  return OverlapConfig{o.overlap == "on", o.prefetch, parse_comm_progress(o.comm_progress)};
-}
-
-// "ranks per node" of option '--shard-group-size node': 0 when the nodes hold different numbers.
-int ranks_per_node(const Topology& t) { return t.min_local_size == t.max_local_size ? t.local_size : 0; }
-
-// The first line of a training run: nodes x ranks per node, and how the parameters are sharded.
-std::string topology_line(const Topology& t, int G) {
-  const int W = t.world_size, R = W / G;
-  const std::string per = t.min_local_size == t.max_local_size
-                              ? std::to_string(t.max_local_size)
-                              : std::to_string(t.min_local_size) + "-" + std::to_string(t.max_local_size);
-  std::string s = "topology: " + std::to_string(t.nodes) + (t.nodes == 1 ? " node x " : " nodes x ") + per +
-                  (t.max_local_size == 1 ? " rank per node" : " ranks per node") + " (world " + std::to_string(W) + ")";
-  if (R == 1)
-    s += "; fully sharded over all " + std::to_string(W) + " ranks (shard group size " + std::to_string(G) + ")";
-  else
-    s += "; hybrid sharding: " + std::to_string(R) + " replica groups of " + std::to_string(G) + (G == 1 ? " rank" : " ranks") +
-         " (shard group size " +
-         std::to_string(G) + ")";
-  if (t.emulated_ranks_per_node > 0)
-    s += "; nodes emulated by SHARDTRAIN_TEST_RANKS_PER_NODE=" + std::to_string(t.emulated_ranks_per_node) + " (test hook)";
-  return s;
-}
-
-void run_train(Comm& comm, const Topology& topo, const Options& o) {
-  // Hybrid sharding (HSDP): the shard group size, checked on every rank before anything else.
+// The run's mesh from option '--shard-group-size' (hybrid sharding: G ranks per shard group, W / G
+// replica groups), checked on every rank before anything else; logs the topology line.
+std::unique_ptr<Mesh> build_mesh(Comm& comm, const Topology& topo, const Options& o) {
   int G = topo.world_size;
   agree(comm, [&] { G = resolve_shard_group_size(o.shard_group_size, topo.world_size, ranks_per_node(topo)); });
-  log_info(comm, topology_line(topo, G));
-  ModelConfig mc = resolve_model_config(comm, o.model);
+  auto mesh = std::make_unique<Mesh>(comm, topo, MeshDims{topo.world_size / G, G, 1, 1}, o.collective_timeout);
+  log_info(comm, mesh->topology_line());
+  if (!mesh->shard_group_note().empty()) log_info(comm, mesh->shard_group_note());
+  return mesh;
+}
+
+// The token files of '--data' / '--val-data', read (mapped) by every rank and checked to be the same
+// everywhere; special ids the model config leaves out are taken from them.
+std::unique_ptr<TokenDataset> open_data(Comm& comm, const Options& o, ModelConfig& mc) {
   std::unique_ptr<TokenDataset> data;
   std::string what;  // names the data in messages
   agree(comm, [&] {  // every rank expands the patterns and reads (maps) the files itself
@@ -146,21 +128,23 @@ void run_train(Comm& comm, const Topology& topo, const Options& o) {
     take_special_ids_from_data(comm, mc, (is_file ? "model config '" : "preset '") + o.model + "'",
                                DataSpecialIds{what, h.vocab_size, id(h.bos_id), id(h.eos_id)});
   }
+  return data;
+}
 
-  // Device placement: each rank decides from what its node shows, then all agree, before any
-  // device is touched; a run is all-GPU or all-CPU.
-  // '--device cpu' loads nothing CUDA; '--device auto' loads the CUDA plugin only when the driver
-  // sees a device (cuda.h).
+// Device placement: each rank decides from what its node shows, then all agree, before any device
+// is touched; a run is all-GPU or all-CPU. '--device cpu' loads nothing CUDA; '--device auto' loads
+// the CUDA plugin only when the driver sees a device (cuda.h). `why`: the driver's or the plugin's
+// word when no device was found.
+DevicePlan place_devices(Comm& comm, const Topology& topo, const Options& o, std::string& why) {
   DevicePlan dp;
   int devices = 0;
-  std::string device_why;
   agree(comm, [&] {
-    const int n = devices = o.device == "cpu" ? 0 : cuda_device_count(&device_why);
+    const int n = devices = o.run.device == DeviceChoice::Cpu ? 0 : cuda_device_count(&why);
     try {
       dp = plan_devices(o.device, o.gpu_comm, topo.local_rank, topo.local_size, n, cuda_built(), topo.host);
     } catch (const std::invalid_argument& e) {
       throw std::runtime_error(std::string(e.what()) +
-                               (cuda_built() && n == 0 && !device_why.empty() ? " [CUDA: " + device_why + "]" : ""));
+                               (cuda_built() && n == 0 && !why.empty() ? " [CUDA: " + why + "]" : ""));
     }
   });
   int64_t on_gpu = dp.cuda ? 1 : 0;
@@ -180,32 +164,20 @@ void run_train(Comm& comm, const Topology& topo, const Options& o) {
     for (int r = 0; r < topo.world_size; ++r) same += std::string(all.data() + r * kRec, kRec) == me ? 1 : 0;
     agree(comm, [&] { check_gpu_sharing(dp, same, topo.local_size, devices, topo.host); });
   }
-  const Precision prec = parse_precision(o.precision);
+  return dp;
+}
 
-  // Hybrid sharding: the shard group (G consecutive ranks: the data communicator) and the replica
-  // group (the ranks of equal shard rank in the W / G groups), split from the world in host memory.
-  std::unique_ptr<MpiComm> group_host, replica_host;
-  if (G < topo.world_size) {
-    group_host = std::make_unique<MpiComm>(MpiComm::split(comm, topo.rank / G, topo.rank));
-    replica_host = std::make_unique<MpiComm>(MpiComm::split(comm, topo.rank % G, topo.rank));
-    group_host->set_collective_timeout(o.collective_timeout);
-    replica_host->set_collective_timeout(o.collective_timeout);
-    // A shard group is meant to sit inside a node; with ranks not placed node by node it does not.
-    int64_t ids[2] = {topo.node_id, -static_cast<int64_t>(topo.node_id)};
-    group_host->all_reduce(ids, 2, ReduceOp::Max);
-    int64_t spans = ids[0] != -ids[1] && G <= topo.min_local_size ? 1 : 0;
-    comm.all_reduce(&spans, 1, ReduceOp::Max);
-    if (spans)
-      log_info(comm, "note: '--shard-group-size " + std::to_string(G) + "': some shard groups span several nodes "
-                     "although a node holds " + std::to_string(topo.min_local_size) + " or more ranks: the ranks are not "
-                     "placed node by node (use mpirun's --map-by slot or srun's block distribution), so gathers and "
-                     "reduce-scatters cross nodes");
-  }
-  Comm& group = group_host ? static_cast<Comm&>(*group_host) : comm;
-  std::unique_ptr<CudaContext> ctx;  // declared first: destroyed after everything that uses it
+// This rank's backends (fp32, and bf16 for mixed precision) on the planned device and, on GPUs, the
+// mesh's device communicators (NCCL, or MPI on host copies); logs the device line and notes.
+struct Backends {
   std::unique_ptr<Backend<float>> be;
   std::unique_ptr<Backend<bf16>> be16;
-  std::unique_ptr<Comm> dcomm, rcomm;  // device communicators of the shard group / replica group
+  double job_peak = 0;  // dense bf16 peak of all ranks' devices together (0: unknown)
+};
+Backends make_backends(Comm& comm, const Topology& topo, const Options& o, const DevicePlan& dp,
+                       const std::string& device_why, Mesh& mesh, std::unique_ptr<CudaContext>& ctx) {
+  const bool mixed = o.train.precision == Precision::BF16;
+  Backends b;
   // CPU runs: threads from each rank's affinity mask (--threads 0) and the BLAS kernel set, for the log.
   ThreadPlan tp;
   std::string blas;
@@ -215,43 +187,52 @@ void run_train(Comm& comm, const Topology& topo, const Options& o) {
     blas = blas_report(comm, &startup_lines);
     startup_lines.insert(startup_lines.end(), tp.warnings.begin(), tp.warnings.end());
     // The driver saw a GPU but the CUDA plugin did not load: say so rather than train on the CPU silently.
-    if (o.device == "auto" && device_why.starts_with("cannot load the CUDA backend plugin"))
+    if (o.run.device == DeviceChoice::Auto && device_why.starts_with("cannot load the CUDA backend plugin"))
       startup_lines.push_back("note: '--device auto' runs on the CPU: " + device_why);
   }
-  const int threads = tp.threads;
+  auto device_comm = [&](Comm& host) { return dp.nccl ? make_nccl_comm(host, *ctx) : make_staged_comm(host, *ctx); };
   agree(comm, [&] {
     if (dp.cuda) {
       ctx = CudaContext::create(dp.gpu);
-      be = make_cuda_backend<float>(*ctx);
-      if (prec == Precision::BF16) be16 = make_cuda_backend<bf16>(*ctx);
-      if (!dp.nccl) dcomm = make_staged_comm(group, *ctx);
-      if (!dp.nccl && replica_host) rcomm = make_staged_comm(*replica_host, *ctx);
+      b.be = make_cuda_backend<float>(*ctx);
+      if (mixed) b.be16 = make_cuda_backend<bf16>(*ctx);
+      if (!dp.nccl) mesh.attach_device_comms(device_comm);
     } else {
-      set_cpu_threads(threads);
-      be = make_cpu_backend<float>();
-      if (prec == Precision::BF16) be16 = make_cpu_backend<bf16>();
+      set_cpu_threads(tp.threads);
+      b.be = make_cpu_backend<float>();
+      if (mixed) b.be16 = make_cpu_backend<bf16>();
     }
   });
-  if (dp.cuda && dp.nccl) dcomm = make_nccl_comm(group, *ctx);  // collective; agrees on failure itself
-  if (dp.cuda && dp.nccl && replica_host) rcomm = make_nccl_comm(*replica_host, *ctx);
-  std::string where = dp.cuda ? ", rank 0 on cuda:" + std::to_string(dp.gpu) + " (" + ctx->device_name() + ", " +
-                                    std::to_string(ctx->free_bytes() >> 30) + " GiB free)"
-                              : ", " + tp.per_rank + " thread(s) per rank (" + tp.binding + "), " + blas;
+  if (dp.cuda && dp.nccl) mesh.attach_device_comms(device_comm);  // collective; agrees on failure itself
+  const std::string where = dp.cuda ? ", rank 0 on cuda:" + std::to_string(dp.gpu) + " (" + ctx->device_name() + ", " +
+                                          std::to_string(ctx->free_bytes() >> 30) + " GiB free)"
+                                    : ", " + tp.per_rank + " thread(s) per rank (" + tp.binding + "), " + blas;
+  const std::string reduce = o.train.reduce_bf16 ? "bf16" : "fp32";
   log_info(comm, "shardtrain: " + std::to_string(topo.world_size) + " ranks (" + std::to_string(topo.local_size) +
-                     " on " + topo.host + "), device " + dp.summary + where + ", precision " + o.precision +
-                     (prec == Precision::BF16 ? " (gradients reduced in " + o.reduce_dtype + ")" : ""));
+                     " on " + topo.host + "), device " + dp.summary + where + ", precision " +
+                     precision_name(o.train.precision) + (mixed ? " (gradients reduced in " + reduce + ")" : ""));
   for (const std::string& l : startup_lines) log_info(comm, l);
-  if (prec == Precision::FP32 && o.reduce_dtype != "fp32")
-    log_info(comm, "note: '--reduce-dtype " + o.reduce_dtype + "' applies only with '--precision bf16'; gradients are "
+  if (!mixed && o.train.reduce_bf16)
+    log_info(comm, "note: '--reduce-dtype " + reduce + "' applies only with '--precision bf16'; gradients are "
                    "reduced in fp32");
-  if (!dp.cuda && prec == Precision::BF16)
+  if (!dp.cuda && mixed)
     log_info(comm, "note: bf16 on the CPU is emulated (float math, bf16 rounding): slow, meant for testing");
   // MFU in the log: the job's peak is world size x the slowest rank's GPU peak (0 if any GPU is unknown).
   double peak = dp.cuda ? gpu_peak_bf16_flops(ctx->device_name()) : 0.0;
   comm.all_reduce(&peak, 1, ReduceOp::Min);
-  const double job_peak = peak * topo.world_size;
-  Engine eng{comm, dcomm ? *dcomm : group, *be, be16.get(), prec, o.reduce_dtype == "bf16", job_peak,
-             overlap_config(o), rcomm ? rcomm.get() : replica_host.get()};
+  b.job_peak = peak * topo.world_size;
+  return b;
+}
+
+void run_train(Comm& comm, const Topology& topo, const Options& o) {
+  std::unique_ptr<CudaContext> ctx;  // declared first: destroyed after everything that uses it (the mesh's device comms)
+  const std::unique_ptr<Mesh> mesh = build_mesh(comm, topo, o);
+  ModelConfig mc = resolve_model_config(comm, o.model);
+  const std::unique_ptr<TokenDataset> data = open_data(comm, o, mc);
+  std::string device_why;
+  const DevicePlan dp = place_devices(comm, topo, o, device_why);
+  const Backends b = make_backends(comm, topo, o, dp, device_why, *mesh, ctx);
+  Engine eng{*mesh, *b.be, b.be16.get(), b.job_peak};
   train(eng, mc, o.train, *data);
 }
 
@@ -260,15 +241,14 @@ void run_train(Comm& comm, const Topology& topo, const Options& o) {
 void run_plan(Comm& comm, const Topology& topo, const Options& o) {
   const ModelConfig mc = resolve_model_config(comm, o.model);
   const int W = o.plan_world_size > 0 ? o.plan_world_size : comm.world_size();
-  const bool cuda = o.device == "cuda";
+  const bool cuda = o.run.device == DeviceChoice::Cuda;
   int G = W;  // --shard-group-size: shards over G ranks ('node': this launch's ranks per node)
-  all_ok(comm, !(o.shard_group_size == "node" && W != comm.world_size()),
+  all_ok(comm, !(o.run.shard_group_node && W != comm.world_size()),
          "option '--shard-group-size' 'node' with '--world-size " + std::to_string(W) +
              "': the ranks per node of the planned job are not known here (only this launch's); give the number "
              "of ranks per node instead");
   agree(comm, [&] { G = resolve_shard_group_size(o.shard_group_size, W, ranks_per_node(topo)); });
-  MemoryPlanInput in{mc, o.train, W, parse_precision(o.precision), o.reduce_dtype == "bf16", cuda, 0, 4, 0,
-                     overlap_config(o)};
+  MemoryPlanInput in{mc, o.train, W, o.train.precision, o.train.reduce_bf16, cuda, 0, 4, 0, o.train.overlap};
   in.shard_group_size = G;
   TrainConfig& t = in.train;
   // Training's check of the sequence length (train.cpp): no plan for a run that would be refused.
@@ -294,7 +274,7 @@ void run_plan(Comm& comm, const Topology& topo, const Options& o) {
   os << plan_memory(in).format("memory plan per rank: '" + o.model + "' (" + std::to_string(mc.num_params()) +
                                " parameters), " + std::to_string(W) + " ranks" +
                                (G != W ? " (shard group size " + std::to_string(G) + ")" : std::string()) + ", " +
-                               o.precision + ", micro-batch " +
+                               precision_name(o.train.precision) + ", micro-batch " +
                                std::to_string(t.micro_batch) + " x " + std::to_string(t.seq_len) + " tokens, " +
                                (cuda ? "GPU device memory" : "CPU memory"));
   if (!o.device_memory.empty()) {
@@ -326,7 +306,7 @@ void run_plan(Comm& comm, const Topology& topo, const Options& o) {
     bool wrote = true;
     if (comm.rank() == 0) {
       std::ofstream f(o.out);
-      f << to_hf_json(mc, o.precision == "bf16" ? "bfloat16" : "float32") << "\n";  // torch_dtype: --precision
+      f << to_hf_json(mc, o.train.precision == Precision::BF16 ? "bfloat16" : "float32") << "\n";  // torch_dtype: --precision
       f.close();
       wrote = static_cast<bool>(f);
     }
@@ -439,18 +419,23 @@ int main(int argc, char** argv) {
                                        : "CUDA backend: not built (no nvcc at build time; --device cpu only)"));
       return 0;
     }
-    if (o.mode == "prepare") run_prepare(comm, o);
-    else if (o.mode == "tokenizer") run_tokenizer(comm, o);
-    else if (o.mode == "plan") run_plan(comm, topo, o);
-    else if (o.mode == "inspect") run_inspect(comm, o);
-    else if (o.mode == "export") export_hf(comm, ExportOptions{o.checkpoint, o.out, parse_export_dtype(o.dtype), parse_size(o.max_shard_size)});
-    else if (o.mode == "import") import_hf(comm, o.hf_dir, o.out, o.data.empty() ? std::string() : o.data.front());
-    else if (o.mode == "generate") {
-      std::string text = generate(comm, GenerateOptions{o.checkpoint, o.prompt, o.max_new_tokens, o.temperature, o.top_k,
-                                                        o.train.seed, o.dump_logits, o.prompt_ids, o.print_ids});
-      log_info(comm, o.prompt + text);
+    switch (o.run.mode) {
+      case Mode::Prepare: run_prepare(comm, o); break;
+      case Mode::Tokenizer: run_tokenizer(comm, o); break;
+      case Mode::Plan: run_plan(comm, topo, o); break;
+      case Mode::Inspect: run_inspect(comm, o); break;
+      case Mode::Export:
+        export_hf(comm, ExportOptions{o.checkpoint, o.out, parse_export_dtype(o.dtype), parse_size(o.max_shard_size)});
+        break;
+      case Mode::Import: import_hf(comm, o.hf_dir, o.out, o.data.empty() ? std::string() : o.data.front()); break;
+      case Mode::Generate: {
+        std::string text = generate(comm, GenerateOptions{o.checkpoint, o.prompt, o.max_new_tokens, o.temperature,
+                                                          o.top_k, o.train.seed, o.dump_logits, o.prompt_ids, o.print_ids});
+        log_info(comm, o.prompt + text);
+        break;
+      }
+      case Mode::Train: run_train(comm, topo, o); break;
     }
-    else run_train(comm, topo, o);
     comm.barrier();
     return 0;
   } catch (const Preempted& e) {

@@ -34,7 +34,11 @@ template <typename T> class Backend {
  public:
   using S = math::Acc<T>;  // scalar (and arithmetic) type of this backend
   virtual ~Backend() = default;
-  virtual const char* name() const = 0;
+  virtual const char* name() const = 0;  // for messages only; ask host_kernels() what it is
+  // True when the kernels run on this process's CPU threads (CpuBackend): the layers above install
+  // the CPU's thread setup (FTZ/DAZ, one OpenMP thread) on their helper threads and measure host
+  // memory. False for device backends (and test wrappers).
+  virtual bool host_kernels() const { return false; }
 
   // ---- memory -------------------------------------------------------------------------------
   virtual T* alloc(size_t n) = 0;  // n elements, zero-initialized; throws std::bad_alloc

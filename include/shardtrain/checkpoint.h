@@ -55,6 +55,9 @@ struct TrainState {
   // The tokenizer of the data trained on (or of the imported model): written to group /tokenizer
   // when tokenizer.kind is not empty, so that export can give the model its tokenizer.
   TokenizerInfo tokenizer = no_tokenizer();
+  // The layout of the run holding this state, recorded in train_config (train_config_json) when
+  // world_size > 0: world size W and shard group size G. Not read back by load_checkpoint.
+  int world_size = 0, shard_group_size = 0;
 };
 
 // Tokens consumed by `step` optimizer steps under `segments` (sum over segments of steps x
@@ -94,6 +97,9 @@ struct CheckpointOptions {
   int64_t every = 0;                    // --checkpoint-every N steps; 0: only at the end
   int keep_last = 0;                    // --keep-last K published checkpoints; 0: keep all
   int64_t debug_crash_before_publish = 0;  // test hook: die after writing step N, before publishing
+  // Whether this rank writes its shard rows (Mesh::writes_checkpoint: replica group 0 under hybrid
+  // sharding); false: it joins every collective HDF5 call with empty selections.
+  bool write_shards = true;
 };
 
 // "step_00000100.h5" for step 100.
@@ -128,9 +134,12 @@ std::string save_checkpoint(Comm& comm, Fsdp<float>& f, AdamW<float>& opt, const
                             const TrainConfig& tc, const TrainState& state, const CheckpointOptions& co);
 
 // Collective. Writes a complete checkpoint file at `path` (no rename, no `latest`): the building
-// block of save_checkpoint, also used by import. Throws CollectiveError naming the file.
+// block of save_checkpoint, also used by import. Rank r of f's plan writes row r of every flat
+// buffer when `write_shards` (CheckpointOptions::write_shards); the rows come from the ranks that
+// pass true, exactly one per plan row. Throws CollectiveError naming the file.
 void write_checkpoint_file(Comm& comm, const std::string& path, Fsdp<float>& f, AdamW<float>& opt,
-                           const ModelConfig& mc, const TrainConfig& tc, const TrainState& state);
+                           const ModelConfig& mc, const TrainConfig& tc, const TrainState& state,
+                           bool write_shards = true);
 
 // Collective. Reads the metadata (root and unit attributes, shard, checksum and parameter tables)
 // of `path`, verifies each against the file's metadata checksums (format version 2,

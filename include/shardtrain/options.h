@@ -20,7 +20,23 @@
 
 namespace shardtrain {
 
+// The job of a launch (option '--mode').
+enum class Mode { Train, Prepare, Tokenizer, Inspect, Export, Import, Generate, Plan };
+// Option '--device': auto (a GPU when the CUDA plugin loads and the node has one), cpu, cuda.
+enum class DeviceChoice { Auto, Cpu, Cuda };
+
+// The typed run config: what main() and the layers below decide on, parsed once by parse_options
+// from the option strings, so that no option is compared as a string after parsing. The training
+// settings among them (precision, gradient reduce dtype, overlap) are in TrainConfig (train.h).
+struct RunConfig {
+  Mode mode = Mode::Train;
+  DeviceChoice device = DeviceChoice::Auto;
+  bool shard_group_node = false;  // '--shard-group-size node': G = the ranks per node
+};
+
+// The options as given (strings as typed, for messages) and, in `run` and `train`, their typed form.
 struct Options {
+  RunConfig run;                  // typed, from mode, device, shard_group_size (parse_options)
   bool help = false;
   std::string help_text;
   std::string mode = "train";     // train | prepare | tokenizer | inspect | export | import | generate | plan
@@ -60,10 +76,11 @@ struct Options {
   bool print_ids = false;         // generate: log the prompt's and the generated ids
   int plan_world_size = 0;        // plan: ranks to plan for (0: this launch's)
   std::string device_memory;      // plan: bytes of one device ("80GB"): print what fits
-  TrainConfig train;
+  TrainConfig train;  // its precision, reduce_bf16 and overlap: from precision, reduce_dtype, overlap, prefetch, comm_progress
 };
 
-// Collective. Parses argv (and the --config job file, read by rank 0). Throws CollectiveError on
+// Collective. Parses argv (and the --config job file, read by rank 0) and fills the typed fields
+// (Options::run; TrainConfig's precision, reduce_bf16, overlap). Throws CollectiveError on
 // every rank for an unknown option, a value of the wrong type, an out-of-range value (the message
 // names the option), an unreadable job file, or invalid INI syntax (the message names the file).
 Options parse_options(Comm& comm, int argc, char** argv);

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "shardtrain/backend.h"
+#include "shardtrain/mesh.h"
 #include "shardtrain/runtime.h"
 
 namespace shardtrain {
@@ -317,6 +318,11 @@ template <typename T> class Fsdp final : public UnitPipeline<T> {
   // collective at once (tools, tests); training passes --overlap / --prefetch / --comm-progress.
   Fsdp(Backend<T>& be, Comm& comm, ShardPlan plan, Comm* data_comm = nullptr, bool full_buffers = true,
        Comm* replica_comm = nullptr, const OverlapConfig& ov = OverlapConfig{false, 0, CommProgress::Wait});
+  // The communicators from the run's mesh (mesh.h): comm = mesh.world(), data_comm =
+  // mesh.shard_data(), replica_comm = mesh.replica_data(). `plan` must be built for the shard group
+  // (mesh.dims().dp_shard ranks). The mesh must outlive the engine. Throws as the constructor above.
+  Fsdp(Backend<T>& be, const Mesh& mesh, ShardPlan plan, bool full_buffers, const OverlapConfig& ov)
+      : Fsdp(be, mesh.world(), std::move(plan), &mesh.shard_data(), full_buffers, mesh.replica_data(), ov) {}
   ~Fsdp() override;
 
   const ShardPlan& plan() const { return plan_; }
@@ -325,11 +331,11 @@ template <typename T> class Fsdp final : public UnitPipeline<T> {
   Comm& data_comm() { return *dcomm_; }
   int num_units() const { return static_cast<int>(plan_.units.size()); }
   // HSDP (see above): this rank's row in the plan (its rank in the shard group; = comm().rank()
-  // without HSDP), the replica communicator (nullptr: one group), this rank's replica group
-  // (0 .. R-1) and the number of replica groups R.
+  // without HSDP), the replica communicator (nullptr: one group) and the number of replica groups R
+  // (the gradient mean divides by G * R). Which replica writes checkpoints and counts in the
+  // gradient norm is the mesh's answer (Mesh::writes_checkpoint, Mesh::counts_in_norm).
   int plan_rank() const { return dcomm_->rank(); }
   Comm* replica_comm() { return rcomm_; }
-  int replica_index() const { return rcomm_ ? rcomm_->rank() : 0; }
   int replicas() const { return rcomm_ ? rcomm_->world_size() : 1; }
 
   // This rank's shard of unit u: shard_size elements (valid ones first, then zero padding).

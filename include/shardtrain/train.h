@@ -16,6 +16,17 @@
 
 namespace shardtrain {
 
+// Compute precision of a run. FP32: parameters, activations, gradients and GEMMs in fp32.
+// BF16: mixed precision (see MixedPrecisionUnits): fp32 master shards and AdamW state, bf16
+// gathered parameters and activations, fp32 arithmetic and GEMM accumulation.
+enum class Precision { FP32, BF16 };
+// Parses "fp32" / "bf16"; throws std::invalid_argument naming option '--precision'.
+Precision parse_precision(const std::string& s);
+// "fp32", "bf16": the option's spelling.
+const char* precision_name(Precision p);
+
+// The settings of a training run: input only (options and job files fill it; train() reads it).
+// What a run finds out (its step, batch history, layout) lives in TrainState (checkpoint.h).
 struct TrainConfig {
   int seq_len = 64;            // T, tokens per sequence
   int global_batch = 12;       // sequences per optimizer step, over all ranks
@@ -48,10 +59,11 @@ struct TrainConfig {
   std::string activation_checkpointing = "none";  // none | selective | full
   std::string attention = "tiled";  // tiled (FlashAttention-2) | exact ([B, NH, T, T] probabilities)
   int loss_chunk = 0;               // tokens per LM-head / loss chunk; 0 = default_loss_chunk(V)
-  std::string precision = "fp32";  // set by train() from the Engine, recorded in checkpoints: fp32 | bf16 (+ reduce dtype)
-  // Set by train() from the Engine, recorded in checkpoints (train_config) when > 0: the run's
-  // world size W and shard group size G (hybrid sharding; G = W for plain FSDP).
-  int world_size = 0, shard_group_size = 0;
+  // How the run computes and communicates: the result is the same for any overlap setting
+  // (bitwise); precision changes the arithmetic (recorded in checkpoints, see train_config_json).
+  Precision precision = Precision::FP32;  // --precision
+  bool reduce_bf16 = false;               // --reduce-dtype bf16 (BF16 only): reduce-scatter gradients in bf16
+  OverlapConfig overlap{};                // --overlap, --prefetch, --comm-progress
 };
 
 // The model options of a run; throws std::invalid_argument naming the option for a bad value.
@@ -71,8 +83,10 @@ const std::vector<std::string>& resume_checked_settings();
 
 // The run's settings as stored in a checkpoint's `train_config` attribute: a JSON object with
 // seq_len, global_batch, micro_batch, steps, lr, min_lr, warmup, beta1, beta2, eps, weight_decay,
-// clip, seed, precision (docs/checkpoint-format.md).
-std::string train_config_json(const TrainConfig& tc);
+// clip, seed, precision ("fp32", "bf16 (fp32 gradient reduce)" or "bf16 (bf16 gradient reduce)")
+// and, when world_size > 0, the run's layout: world_size W and shard_group_size G (G = W for plain
+// FSDP; 0 means W) (docs/checkpoint-format.md).
+std::string train_config_json(const TrainConfig& tc, int world_size = 0, int shard_group_size = 0);
 
 // Learning rate at 0-based step s: linear warm-up lr*(s+1)/warmup for s < warmup, then cosine
 // decay from lr to min_lr over the remaining steps (nanoGPT's get_lr).
@@ -116,27 +130,14 @@ struct TrainResult {
   double tokens_per_s = 0;     // global tokens / train_seconds
 };
 
-// Compute precision of a run. FP32: parameters, activations, gradients and GEMMs in fp32.
-// BF16: mixed precision (see MixedPrecisionUnits): fp32 master shards and AdamW state, bf16
-// gathered parameters and activations, fp32 arithmetic and GEMM accumulation.
-enum class Precision { FP32, BF16 };
-// Parses "fp32" / "bf16"; throws std::invalid_argument naming option '--precision'.
-Precision parse_precision(const std::string& s);
-
-// Where and how a run computes. The backends run on one device (CPU, or this rank's GPU).
+// Where a run computes. The backends run on one device (CPU, or this rank's GPU); every
+// communicator (control traffic, the shard group's and the replica group's buffers) is the mesh's.
+// Nothing here is owned: main() keeps the mesh and the backends alive for the run.
 struct Engine {
-  Comm& comm;                     // control traffic in host memory (MPI): losses, norms, checkpoints
-  Comm& data_comm;                // the backends' buffers: gathers and reduce-scatters, over the shard group
-                                  // (all ranks, or G consecutive ranks with hybrid sharding)
+  const Mesh& mesh;               // dimensions, communicators, who reads / writes / counts what (mesh.h)
   Backend<float>& be;             // fp32: master shards, AdamW, and fp32 compute
-  Backend<bf16>* be16 = nullptr;  // bf16 compute; required when precision == BF16
-  Precision precision = Precision::FP32;
-  bool reduce_bf16 = false;       // BF16 only: reduce-scatter gradients in bf16 (default fp32)
+  Backend<bf16>* be16 = nullptr;  // bf16 compute; required when TrainConfig::precision == BF16
   double peak_flops = 0;          // dense bf16 peak of all ranks' devices together, FLOP/s; 0 = unknown (no MFU)
-  OverlapConfig overlap{};        // prefetch and asynchronous reduce-scatter (--overlap, --prefetch, --comm-progress)
-  // Hybrid sharding (HSDP, --shard-group-size): the backends' buffers across the R replica groups
-  // (the ranks of equal shard rank); nullptr when the parameters are sharded over all ranks.
-  Comm* replica_comm = nullptr;
 };
 
 // Model FLOPs per trained token at sequence length T (forward + backward): 6 N for the weight
@@ -152,9 +153,12 @@ double flops_per_token(const ModelConfig& c, int T);
 // cannot be read or written.
 TrainResult train(Engine& eng, const ModelConfig& model_cfg, const TrainConfig& tc, const TokenDataset& data);
 
-// Collective. Mean validation loss (nats/token) of `model` over `batches` global batches.
+// Collective over mesh.world(). Mean validation loss (nats/token) of `model` over `batches` global
+// batches of the validation split; this rank reads the rows of its data-parallel index
+// (Mesh::dp_index), global_batch / dp_size sequences of each batch, in micro-batches of
+// tc.micro_batch (0: all at once).
 template <typename T>
-double evaluate(Comm& comm, LlamaModel<T>& model, UnitSource<T>& f, const TokenDataset& data, const TrainConfig& tc,
-                int batches);
+double evaluate(const Mesh& mesh, LlamaModel<T>& model, UnitSource<T>& f, const TokenDataset& data,
+                const TrainConfig& tc, int batches);
 
 }  // namespace shardtrain

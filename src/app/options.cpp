@@ -241,6 +241,22 @@ void validate(const Options& o) {
 }
 }  // namespace
 
+namespace {
+// The typed run config from the validated option strings (validate() accepted each of them).
+void fill_typed(Options& o) {
+  static const std::pair<const char*, Mode> modes[] = {
+      {"train", Mode::Train},     {"prepare", Mode::Prepare},   {"tokenizer", Mode::Tokenizer}, {"inspect", Mode::Inspect},
+      {"export", Mode::Export},   {"import", Mode::Import},     {"generate", Mode::Generate},   {"plan", Mode::Plan}};
+  for (auto& [name, m] : modes)
+    if (o.mode == name) o.run.mode = m;
+  o.run.device = o.device == "cpu" ? DeviceChoice::Cpu : o.device == "cuda" ? DeviceChoice::Cuda : DeviceChoice::Auto;
+  o.run.shard_group_node = o.shard_group_size == "node";
+  o.train.precision = parse_precision(o.precision);
+  o.train.reduce_bf16 = o.reduce_dtype == "bf16";
+  o.train.overlap = OverlapConfig{o.overlap == "on", o.prefetch, parse_comm_progress(o.comm_progress)};
+}
+}  // namespace
+
 std::string normalize_job_file(std::string text) {
   if (text.starts_with("\xEF\xBB\xBF")) text.erase(0, 3);  // UTF-8 byte order mark
   size_t line = 0;
@@ -329,6 +345,7 @@ Options parse_options(Comm& comm, int argc, char** argv) {
       o.help_text = os.str();
     } else {
       validate(o);
+      fill_typed(o);
     }
   } catch (const std::exception& e) {
     err = e.what();

@@ -562,14 +562,14 @@ std::vector<std::string> architecture_differences(const std::string& ckpt, const
 }
 
 void write_checkpoint_file(Comm& comm, const std::string& tmp_path, Fsdp<float>& f, AdamW<float>& opt,
-                           const ModelConfig& mc, const TrainConfig& tc, const TrainState& st) {
+                           const ModelConfig& mc, const TrainConfig& tc, const TrainState& st, bool write_shards) {
   static QuietHdf5 quiet;
   // One logical copy for the plan's W = G ranks (G: shard group size; the world size without hybrid
   // sharding), written by replica group 0 (global ranks 0 .. G-1, shard rank r = global rank). The
   // ranks of the other replica groups hold identical shards: they take part in every collective
-  // HDF5 call with empty selections.
+  // HDF5 call with empty selections. Who writes is the mesh's decision (Mesh::writes_checkpoint).
   const int W = f.plan().world_size, r = f.plan_rank();
-  const bool writer = f.replica_index() == 0;
+  const bool writer = write_shards;
   Backend<float>& be = f.backend();
   const ShardPlan& plan = f.plan();
   std::string err;
@@ -602,7 +602,7 @@ void write_checkpoint_file(Comm& comm, const std::string& tmp_path, Fsdp<float>&
     put_i64(file, ms, "", "tokens_seen", st.tokens_seen);
     put_i64(file, ms, "", "world_size", W);
     put_str(file, ms, "", "model_config", canonical_json(mc));
-    put_str(file, ms, "", "train_config", train_config_json(tc));
+    put_str(file, ms, "", "train_config", train_config_json(tc, st.world_size, st.shard_group_size));
     put_str(file, ms, "", "data_position",
             json({{"next_batch_index", st.step}, {"split", "train"}, {"segments", segments_json(st.segments)}}).dump());
     put_str(file, ms, "", "rng_state", json({{"seed", st.seed}, {"generator", "splitmix64 counter (data.h, shard.h)"}}).dump());
@@ -743,7 +743,7 @@ std::string save_checkpoint(Comm& comm, Fsdp<float>& f, AdamW<float>& opt, const
   const std::string final_path = (fs::path(co.dir) / checkpoint_name(st.step)).string();
   const std::string tmp_path = (fs::path(co.dir) / ("." + checkpoint_name(st.step) + ".tmp")).string();
   prepare_checkpoint_dir(comm, co.dir);
-  write_checkpoint_file(comm, tmp_path, f, opt, mc, tc, st);
+  write_checkpoint_file(comm, tmp_path, f, opt, mc, tc, st, co.write_shards);
   std::string err;
 
   if (co.debug_crash_before_publish > 0 && st.step == co.debug_crash_before_publish) {

@@ -398,7 +398,7 @@ void UnitPipeline<C>::init_pipeline(Backend<C>& be, Comm& data, Comm& watch, con
     rep_comm_ = replica->duplicate();
     rep_ = rep_comm_ ? rep_comm_.get() : replica;
   }
-  const bool cpu = std::string(be.name()) == "cpu";
+  const bool cpu = be.host_kernels();
   std::function<void()> prep;
   if (cpu) prep = [] { prepare_cpu_helper_thread(); };
   agq_ = std::make_unique<CommQueue>(ag_comm_ ? *ag_comm_ : data, watch, ov_.on, ov_.progress, prep, "FSDP all-gather");

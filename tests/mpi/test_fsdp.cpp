@@ -21,6 +21,7 @@
 #include "shardtrain/shard.h"
 #include "../test_env.h"
 #include "counting_backend.h"
+#include "rank_test.h"
 
 namespace st = shardtrain;
 using st::bf16;
@@ -103,29 +104,7 @@ bool near(double got, double want, double rel = 1e-12) {
 
 // Fixture: the suite is called Fsdp; names from the library are written st::... to avoid clashing
 // with st::Fsdp<T>.
-class Fsdp : public ::testing::Test {
- protected:
-  void SetUp() override {
-    rank_trace_ = std::make_unique<::testing::ScopedTrace>(
-        __FILE__, __LINE__, "rank " + std::to_string(world().rank()) + " of " + std::to_string(world().world_size()));
-  }
-  void TearDown() override {
-    rank_trace_.reset();
-    st::Comm& c = world();
-    // Bit r set when rank r failed (world sizes here are far below 63).
-    int64_t mask = ::testing::Test::HasFailure() ? (int64_t{1} << c.rank()) : 0;
-    c.all_reduce(&mask, 1, st::ReduceOp::Sum);
-    if (c.rank() == 0) {
-      std::string who;
-      for (int r = 1; r < c.world_size(); ++r)
-        if (mask & (int64_t{1} << r)) who += " " + std::to_string(r);
-      if (!who.empty()) ADD_FAILURE() << "this test failed on rank(s):" << who << " (their output is not printed)";
-    }
-  }
-
- private:
-  std::unique_ptr<::testing::ScopedTrace> rank_trace_;
-};
+class Fsdp : public st::testing::RankTest {};
 
 // ---------------------------------------------------------------------------------------------
 // Comm collectives
@@ -1055,7 +1034,7 @@ TEST_F(Fsdp, HybridShardingMeanOverAllRanks) {
     EXPECT_EQ(replica.rank(), r / G);
     st::Fsdp<double> f(*be64, c, st::ShardPlan::build(test_units(), G), &group, true, &replica, ov);
     EXPECT_EQ(f.plan_rank(), r % G);
-    EXPECT_EQ(f.replica_index(), r / G);
+    EXPECT_EQ(st::MeshLayout(st::MeshDims{W / G, G, 1, 1}).coord(r).dp_replicate, r / G);
     EXPECT_EQ(f.replicas(), W / G);
     f.init_params(5);
     f.zero_grads();
@@ -1088,7 +1067,7 @@ TEST_F(Fsdp, HybridShardingMeanOverAllRanks) {
         sumsq += m * m;
       }
     }
-    double norm = f.replica_index() == 0 ? f.local_grad_sumsq() : 0.0;
+    double norm = st::MeshLayout(st::MeshDims{W / G, G, 1, 1}).counts_in_norm(r) ? f.local_grad_sumsq() : 0.0;
     c.all_reduce(&norm, 1, st::ReduceOp::Sum);
     EXPECT_TRUE(near(norm, sumsq, 1e-10)) << norm << " vs " << sumsq;
 

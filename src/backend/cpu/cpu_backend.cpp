@@ -134,6 +134,7 @@ template <typename T> class CpuBackend final : public Backend<T> {
   using A = math::Acc<T>;
   CpuBackend() { prepare_threads(); }
   const char* name() const override { return "cpu"; }
+  bool host_kernels() const override { return true; }
 
   T* alloc(size_t n) override { return static_cast<T*>(aligned_zeroed(n * sizeof(T))); }
   void free(T* p) override { std::free(p); }

@@ -1,0 +1,138 @@
+// shardtrain device mesh: every dimension of parallelism of a run in one value, built once from the
+// world and the options, owning every communicator the run uses (torchtitan's ParallelDims, in C++).
+//
+// What this is not: a place that computes. The mesh only answers questions about ranks (which
+// coordinate, which group, who reads which batch rows, who writes which checkpoint rows, whose
+// gradient elements count in the norm) and hands out communicators. The model never sees it; the
+// shard layer takes its communicators from it (Fsdp's Mesh constructor), the trainer asks it the
+// questions above.
+//
+// Dimensions, outermost first: dp_replicate (R, replica groups of hybrid sharding) x dp_shard (G,
+// the shard group) x cp x tp (context and tensor parallelism: 1 until their issues). The global
+// rank of coordinate (rep, shard, cp, tp) is ((rep * G + shard) * cp_size + cp) * tp_size + tp:
+// tp varies fastest (its ranks sit together on a node), dp_replicate slowest (the dimension that
+// may cross nodes). With tp = cp = 1 this is rank = rep * G + shard: a shard group is G
+// consecutive ranks, a replica group the ranks of equal shard rank, as before the mesh.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "shardtrain/runtime.h"
+
+namespace shardtrain {
+
+// The sizes of the mesh's dimensions; each >= 1, their product the world size.
+struct MeshDims {
+  int dp_replicate = 1;  // R: replica groups (hybrid sharding); 1 = plain FSDP
+  int dp_shard = 1;      // G: ranks a unit is sharded over
+  int cp = 1;            // context parallelism (not yet implemented: must be 1)
+  int tp = 1;            // tensor parallelism (not yet implemented: must be 1)
+  int world() const { return dp_replicate * dp_shard * cp * tp; }
+  int dp() const { return dp_replicate * dp_shard; }  // data-parallel degree: ranks reading different batches
+};
+
+// A rank's coordinate in the mesh: each index in [0, size of its dimension).
+struct MeshCoord {
+  int dp_replicate = 0, dp_shard = 0, cp = 0, tp = 0;
+  bool operator==(const MeshCoord&) const = default;
+};
+
+// The mesh as pure arithmetic on ranks: no communicator, usable anywhere (planning, tests).
+// Every function is a pure function of (dims, rank); ranks are global ranks in [0, dims.world()).
+class MeshLayout {
+ public:
+  // Throws std::invalid_argument when a size is < 1, or cp or tp is not 1 (not implemented yet).
+  explicit MeshLayout(MeshDims d);
+  const MeshDims& dims() const { return d_; }
+  MeshCoord coord(int rank) const;
+  int rank_of(const MeshCoord& c) const;
+  // Data parallelism: the index of the batch rows `rank` reads, in [0, dims().dp()): replica-major
+  // (rep * G + shard). Ranks that differ only in cp / tp read the same rows.
+  int dp_index(int rank) const;
+  // The global ranks of `rank`'s shard group (its dp_shard dimension) and replica group (its
+  // dp_replicate dimension), in increasing order (= their rank order in the group's Comm).
+  std::vector<int> shard_group(int rank) const;
+  std::vector<int> replica_group(int rank) const;
+  // Checkpoints hold one logical copy: the ranks of replica group 0 write it, shard rank r writing
+  // row r of every unit's flat buffers; the others join every collective HDF5 call with empty
+  // selections. checkpoint_row: the row `rank` writes, or -1 when it writes none.
+  bool writes_checkpoint(int rank) const { return coord(rank).dp_replicate == 0; }
+  int checkpoint_row(int rank) const { return writes_checkpoint(rank) ? coord(rank).dp_shard : -1; }
+  // The global gradient norm counts every parameter element once: replicas hold identical gradient
+  // shards, so only replica group 0 adds its shards' sums of squares to the all-reduce.
+  bool counts_in_norm(int rank) const { return coord(rank).dp_replicate == 0; }
+
+ private:
+  MeshDims d_;
+};
+
+// The mesh of a run: the layout, this rank's coordinate, and the communicators of each dimension.
+// Host communicators (MPI, host memory) always; device communicators (NCCL, or MPI on host copies)
+// once attach_device_comms gave them. With one replica group (R = 1) the shard group is the world
+// and there is no replica communicator; with R > 1 the shard and replica groups are split from the
+// world (MPI_Comm_split). Not copyable; destroy it before the device context its device
+// communicators use.
+class Mesh {
+ public:
+  // Collective over `world`. Checks dims against the world size (throws CollectiveError naming
+  // option '--shard-group-size' on every rank when the product differs), splits the groups (each
+  // with `collective_timeout` seconds, see Comm::set_collective_timeout), and finds whether some
+  // shard group spans nodes although a node holds G or more ranks (shard_group_note). `topo`: this
+  // rank's placement (nodes, ranks per node) for the topology line and that check.
+  Mesh(Comm& world, const Topology& topo, MeshDims dims, double collective_timeout);
+  ~Mesh();
+  Mesh(const Mesh&) = delete;
+  Mesh& operator=(const Mesh&) = delete;
+
+  const MeshLayout& layout() const { return layout_; }
+  const MeshDims& dims() const { return layout_.dims(); }
+  const MeshCoord& coord() const { return coord_; }
+  int rank() const { return world_.rank(); }
+  int world_size() const { return world_.world_size(); }
+
+  // Communicators. world(): control traffic (error agreement, losses, norms, checkpoint tables).
+  // shard_host(): the shard group in host memory (the world when R = 1). replica_host(): the
+  // replica group in host memory, nullptr when R = 1. shard_data() / replica_data(): the same
+  // groups for the backend's buffers: the device communicators when attached, else the host ones.
+  // References stay valid for the mesh's lifetime.
+  Comm& world() const { return world_; }
+  Comm& shard_host() const { return shard_host_ ? *shard_host_ : world_; }
+  Comm* replica_host() const { return replica_host_.get(); }
+  Comm& shard_data() const { return shard_dev_ ? *shard_dev_ : shard_host(); }
+  Comm* replica_data() const { return replica_dev_ ? replica_dev_.get() : replica_host(); }
+
+  // Builds the device communicators of the shard group and (R > 1) the replica group with `make`,
+  // given each group's host communicator, in that order, and owns them. Collective as `make` is
+  // (NCCL: collective over the group; it agrees on failure itself). Call once.
+  void attach_device_comms(const std::function<std::unique_ptr<Comm>(Comm& host)>& make);
+
+  // This rank's answers (MeshLayout's, for rank()).
+  int dp_index() const { return layout_.dp_index(rank()); }
+  int dp_size() const { return dims().dp(); }
+  bool writes_checkpoint() const { return layout_.writes_checkpoint(rank()); }
+  bool counts_in_norm() const { return layout_.counts_in_norm(rank()); }
+
+  // The first line of a training run, e.g. "topology: 2 nodes x 2 ranks per node (world 4); hybrid
+  // sharding: 2 replica groups of 2 ranks (shard group size 2)".
+  std::string topology_line() const;
+  // A note for the log when some shard group spans nodes although a node holds G or more ranks
+  // (ranks not placed node by node); "" otherwise.
+  const std::string& shard_group_note() const { return note_; }
+
+ private:
+  Comm& world_;
+  Topology topo_;
+  MeshLayout layout_;
+  MeshCoord coord_;
+  std::unique_ptr<MpiComm> shard_host_, replica_host_;
+  std::unique_ptr<Comm> shard_dev_, replica_dev_;
+  std::string note_;
+};
+
+// "ranks per node" for option '--shard-group-size node': 0 when the nodes hold different numbers.
+int ranks_per_node(const Topology& t);
+
+}  // namespace shardtrain

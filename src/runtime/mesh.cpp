@@ -1,0 +1,114 @@
+// The device mesh (mesh.h): layout arithmetic, the split of the world into groups, the topology line.
+#include "shardtrain/mesh.h"
+
+#include <stdexcept>
+
+namespace shardtrain {
+
+MeshLayout::MeshLayout(MeshDims d) : d_(d) {
+  if (d.dp_replicate < 1 || d.dp_shard < 1 || d.cp < 1 || d.tp < 1)
+    throw std::invalid_argument("mesh: every dimension must be >= 1 (dp_replicate " + std::to_string(d.dp_replicate) +
+                                ", dp_shard " + std::to_string(d.dp_shard) + ", cp " + std::to_string(d.cp) + ", tp " +
+                                std::to_string(d.tp) + ")");
+  if (d.cp != 1 || d.tp != 1)
+    throw std::invalid_argument("mesh: context and tensor parallelism are not implemented (cp and tp must be 1)");
+}
+
+MeshCoord MeshLayout::coord(int rank) const {
+  MeshCoord c;
+  c.tp = rank % d_.tp;
+  rank /= d_.tp;
+  c.cp = rank % d_.cp;
+  rank /= d_.cp;
+  c.dp_shard = rank % d_.dp_shard;
+  c.dp_replicate = rank / d_.dp_shard;
+  return c;
+}
+
+int MeshLayout::rank_of(const MeshCoord& c) const {
+  return ((c.dp_replicate * d_.dp_shard + c.dp_shard) * d_.cp + c.cp) * d_.tp + c.tp;
+}
+
+int MeshLayout::dp_index(int rank) const {
+  const MeshCoord c = coord(rank);
+  return c.dp_replicate * d_.dp_shard + c.dp_shard;
+}
+
+std::vector<int> MeshLayout::shard_group(int rank) const {
+  MeshCoord c = coord(rank);
+  std::vector<int> v;
+  for (c.dp_shard = 0; c.dp_shard < d_.dp_shard; ++c.dp_shard) v.push_back(rank_of(c));
+  return v;
+}
+
+std::vector<int> MeshLayout::replica_group(int rank) const {
+  MeshCoord c = coord(rank);
+  std::vector<int> v;
+  for (c.dp_replicate = 0; c.dp_replicate < d_.dp_replicate; ++c.dp_replicate) v.push_back(rank_of(c));
+  return v;
+}
+
+namespace {
+MeshLayout checked_layout(const Comm& world, MeshDims d) {
+  if (d.dp_shard < 1 || d.world() != world.world_size())
+    throw CollectiveError(0, "option '--shard-group-size' (" + std::to_string(d.dp_shard) +
+                                 ") does not divide the world size (" + std::to_string(world.world_size()) + ")");
+  try {
+    return MeshLayout(d);
+  } catch (const std::invalid_argument& e) {  // the same dims on every rank: the same message
+    throw CollectiveError(0, e.what());
+  }
+}
+}  // namespace
+
+Mesh::Mesh(Comm& world, const Topology& topo, MeshDims dims, double collective_timeout)
+    : world_(world), topo_(topo), layout_(checked_layout(world, dims)), coord_(layout_.coord(world.rank())) {
+  if (dims.dp_replicate == 1) return;  // the shard group is the world; no replica group
+  // Colors: the group's first global rank (any value equal within a group and distinct across
+  // groups); keys: the global rank, so a group's ranks keep the world's order.
+  const int r = world.rank();
+  shard_host_ = std::make_unique<MpiComm>(MpiComm::split(world, layout_.shard_group(r).front(), r));
+  replica_host_ = std::make_unique<MpiComm>(MpiComm::split(world, layout_.replica_group(r).front(), r));
+  shard_host_->set_collective_timeout(collective_timeout);
+  replica_host_->set_collective_timeout(collective_timeout);
+  // A shard group is meant to sit inside a node; with ranks not placed node by node it does not.
+  const int G = dims.dp_shard;
+  int64_t ids[2] = {topo.node_id, -static_cast<int64_t>(topo.node_id)};
+  shard_host_->all_reduce(ids, 2, ReduceOp::Max);
+  int64_t spans = ids[0] != -ids[1] && G <= topo.min_local_size ? 1 : 0;
+  world.all_reduce(&spans, 1, ReduceOp::Max);
+  if (spans)
+    note_ = "note: '--shard-group-size " + std::to_string(G) + "': some shard groups span several nodes "
+            "although a node holds " + std::to_string(topo.min_local_size) + " or more ranks: the ranks are not "
+            "placed node by node (use mpirun's --map-by slot or srun's block distribution), so gathers and "
+            "reduce-scatters cross nodes";
+}
+
+Mesh::~Mesh() = default;
+
+void Mesh::attach_device_comms(const std::function<std::unique_ptr<Comm>(Comm& host)>& make) {
+  shard_dev_ = make(shard_host());
+  if (replica_host_) replica_dev_ = make(*replica_host_);
+}
+
+std::string Mesh::topology_line() const {
+  const Topology& t = topo_;
+  const int W = t.world_size, G = dims().dp_shard, R = dims().dp_replicate;
+  const std::string per = t.min_local_size == t.max_local_size
+                              ? std::to_string(t.max_local_size)
+                              : std::to_string(t.min_local_size) + "-" + std::to_string(t.max_local_size);
+  std::string s = "topology: " + std::to_string(t.nodes) + (t.nodes == 1 ? " node x " : " nodes x ") + per +
+                  (t.max_local_size == 1 ? " rank per node" : " ranks per node") + " (world " + std::to_string(W) + ")";
+  if (R == 1)
+    s += "; fully sharded over all " + std::to_string(W) + " ranks (shard group size " + std::to_string(G) + ")";
+  else
+    s += "; hybrid sharding: " + std::to_string(R) + " replica groups of " + std::to_string(G) +
+         (G == 1 ? " rank" : " ranks") + " (shard group size " + std::to_string(G) + ")";
+  if (t.emulated_ranks_per_node > 0)
+    s += "; nodes emulated by SHARDTRAIN_TEST_RANKS_PER_NODE=" + std::to_string(t.emulated_ranks_per_node) + " (test hook)";
+  return s;
+}
+
+int ranks_per_node(const Topology& t) { return t.min_local_size == t.max_local_size ? t.local_size : 0; }
+
+}  // namespace shardtrain

@@ -1,0 +1,491 @@
+// The trainer: setup (checks, memory plan, allocation, resume), the step, the loop, evaluation and
+// saving, each a function of its own. train_step reads as the algorithm: get batch, forward,
+// backward (reduce-scatter), all-reduce loss and norm, clip, step. The model sees only UnitSource;
+// every communicator and every "which rank does what" comes from the mesh (mesh.h).
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "resume.h"
+#include "shardtrain/checkpoint.h"
+#include "shardtrain/memory_plan.h"
+#include "shardtrain/train.h"
+
+namespace shardtrain {
+
+namespace {
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+std::string fmt(const char* f, double v) {
+  char b[64];
+  std::snprintf(b, sizeof b, f, v);
+  return b;
+}
+
+// The batch geometry of a run: identical on every rank.
+struct Geometry {
+  int per_rank = 0;  // sequences per data-parallel rank per step: global_batch / dp_size
+  int mb = 0;        // sequences per micro-batch
+  int accum = 0;     // micro-batches per step
+};
+
+// One optimizer step's outcome, the same on every rank (from the step's all-reduce).
+struct StepOutcome {
+  double loss = 0, grad_norm = 0, lr = 0;
+  bool stop_requested = false;  // some rank received SIGTERM / SIGUSR1
+  double seconds = 0;           // wall time of the step
+  CommTimes comm;               // the step's FSDP collectives (issued, exposed)
+};
+
+// Per-step means over the steps since the last log line.
+struct Interval {
+  double seconds = 0, issued_s = 0, exposed_s = 0;
+  int64_t steps = 0;
+};
+
+// A run in compute type C (float, or bf16 for mixed precision over fp32 master shards). The
+// constructor is the setup (collective; throws CollectiveError on every rank for anything a rank
+// cannot do); run() is the loop. Members are set up in declaration order and live for the run.
+template <typename C> class Trainer {
+ public:
+  Trainer(Engine& eng, const ModelConfig& mc, const TrainConfig& tc, const TokenDataset& data);
+  TrainResult run();
+
+ private:
+  void check_geometry();
+  void log_memory_plan();
+  void allocate();
+  void restore();
+  void record_data();
+  void prepare_outputs();
+  void log_setup();
+  StepOutcome train_step(int64_t s);
+  void log_step(int64_t s, const StepOutcome& o);
+  void evaluate_at(int64_t step);
+  void save(int64_t step);
+  void report_memory();
+
+  Engine& eng_;
+  const Mesh& mesh_;
+  Comm& comm_;  // mesh_.world(): control traffic
+  const ModelConfig& mc_;
+  const TrainConfig tc_;
+  const TokenDataset& data_;
+  const int W_, G_;  // world size, shard group size
+  Geometry geo_;
+  int64_t plan_total_ = 0;  // bytes of the memory plan per rank
+  ModelOptions mopt_;
+  std::unique_ptr<Fsdp<float>> f_;
+  std::unique_ptr<MixedPrecisionUnits> mixed_;  // C = bf16 only
+  std::unique_ptr<LlamaModel<C>> model_;
+  UnitSource<C>* units_ = nullptr;  // f_ (fp32) or mixed_ (bf16)
+  std::unique_ptr<AdamW<float>> opt_;
+  std::vector<int32_t> tok_, tgt_;
+  CheckpointOptions co_;
+  TrainState state_;         // the facts of the run: step, batch history, data and tokenizer record, layout
+  std::string resume_path_;  // the checkpoint resumed from; "" for a fresh start
+  int64_t last_step_ = 0;    // the loop stops after this step (--stop-at-step or --steps)
+  std::ofstream metrics_;    // rank 0, with --metrics
+  TrainResult res_;
+  Interval interval_;
+  Clock::time_point t_start_;  // the loop's start: elapsed_s of the step lines
+};
+
+template <typename C>
+Trainer<C>::Trainer(Engine& eng, const ModelConfig& mc, const TrainConfig& tc, const TokenDataset& data)
+    : eng_(eng), mesh_(eng.mesh), comm_(eng.mesh.world()), mc_(mc), tc_(tc), data_(data),
+      W_(eng.mesh.world_size()), G_(eng.mesh.dims().dp_shard) {
+  check_geometry();
+  agree(comm_, [&] { mopt_ = model_options(tc_); });
+  log_memory_plan();
+  allocate();
+  f_->init_params(tc_.seed);
+  co_ = CheckpointOptions{tc_.checkpoint_dir, tc_.checkpoint_every, tc_.keep_last, tc_.debug_crash_before_publish,
+                          mesh_.writes_checkpoint()};
+  restore();
+  record_data();
+  prepare_outputs();
+  log_setup();
+}
+
+// Geometry checks: identical on every rank, so every rank throws the same message.
+template <typename C> void Trainer<C>::check_geometry() {
+  const int dp = mesh_.dp_size();
+  if (tc_.global_batch % dp != 0)
+    throw CollectiveError(0, "option '--global-batch' (" + std::to_string(tc_.global_batch) +
+                                 ") is not divisible by the world size (" + std::to_string(dp) + ")");
+  geo_.per_rank = tc_.global_batch / dp;
+  geo_.mb = tc_.micro_batch > 0 ? tc_.micro_batch : geo_.per_rank;
+  if (geo_.per_rank % geo_.mb != 0)
+    throw CollectiveError(0, "option '--global-batch' (" + std::to_string(tc_.global_batch) +
+                                 ") is not divisible by world size x '--micro-batch' (" + std::to_string(dp) + " x " +
+                                 std::to_string(geo_.mb) + ")");
+  geo_.accum = geo_.per_rank / geo_.mb;
+  if (tc_.seq_len > mc_.max_position_embeddings)
+    throw CollectiveError(0, "option '--seq-len' (" + std::to_string(tc_.seq_len) +
+                                 ") exceeds the model's max_position_embeddings (" +
+                                 std::to_string(mc_.max_position_embeddings) + ")");
+  if (data_.header().vocab_size > static_cast<uint32_t>(mc_.vocab_size))
+    throw CollectiveError(0, "the token file's vocab_size (" + std::to_string(data_.header().vocab_size) +
+                                 ") exceeds the model's vocab_size (" + std::to_string(mc_.vocab_size) + ")");
+  // Data without a vocabulary (llm.c, nanoGPT) is checked here, against the model's.
+  if (data_.max_id() >= static_cast<uint32_t>(mc_.vocab_size))
+    throw CollectiveError(0, "token id " + std::to_string(data_.max_id()) + " at " + data_.max_id_where() +
+                                 " is >= the model's vocab_size (" + std::to_string(mc_.vocab_size) +
+                                 "): the data was tokenized for another vocabulary");
+  if (data_.size(Split::Val) == 0)
+    throw CollectiveError(0, "no validation tokens: the '--data' files have no validation split (llm.c and nanoGPT "
+                             "files are all training tokens); name validation files with option '--val-data'");
+  for (auto [n, name] : {std::pair{data_.size(Split::Train), "train"}, std::pair{data_.size(Split::Val), "validation"}})
+    if (n < static_cast<uint64_t>(tc_.seq_len) + 1)
+      throw CollectiveError(0, std::string("the ") + name + " split of the token file holds " + std::to_string(n) +
+                                   " tokens, fewer than one sequence of --seq-len + 1 = " +
+                                   std::to_string(tc_.seq_len + 1));
+}
+
+// The memory plan, before anything is allocated (the process's own memory so far measured).
+template <typename C> void Trainer<C>::log_memory_plan() {
+  MemoryPlanInput mi{mc_, tc_, W_, tc_.precision, tc_.reduce_bf16, !eng_.be.host_kernels(),
+                     0, 4, 0};  // token data: memory-mapped (page cache), not held by the rank
+  mi.train.micro_batch = geo_.mb;
+  mi.overlap = tc_.overlap;
+  mi.shard_group_size = G_;
+  mi.runtime_bytes = mi.cuda ? kGpuRuntimeEstimate : current_rss_bytes();
+  comm_.all_reduce(&mi.runtime_bytes, 1, ReduceOp::Max);
+  const MemoryPlan plan = plan_memory(mi);
+  plan_total_ = plan.total();
+  log_info(comm_, plan.format("memory plan per rank (" + std::string(mi.cuda ? "device" : "host") +
+                              " memory; --mode plan prints it without a launch):"));
+}
+
+// Allocation depends on local success: agree on it, and say what did not fit.
+template <typename C> void Trainer<C>::allocate() {
+  agree(comm_, [&] {
+    try {
+      constexpr bool mixed = std::is_same_v<C, bf16>;
+      f_ = std::make_unique<Fsdp<float>>(eng_.be, mesh_, ShardPlan::build(llama_units(mc_), G_), !mixed, tc_.overlap);
+      if constexpr (mixed) {
+        mixed_ = std::make_unique<MixedPrecisionUnits>(*f_, *eng_.be16, tc_.reduce_bf16,
+                                                       MixedPrecisionUnits::kWidenSlab, tc_.overlap);
+        model_ = std::make_unique<LlamaModel<bf16>>(mc_, *eng_.be16, mopt_);
+        units_ = mixed_.get();
+      } else {
+        model_ = std::make_unique<LlamaModel<float>>(mc_, eng_.be, mopt_);
+        units_ = f_.get();
+      }
+      opt_ = std::make_unique<AdamW<float>>(*f_, tc_);
+      model_->reserve(geo_.mb, tc_.seq_len);
+      tok_.resize(static_cast<size_t>(geo_.mb) * tc_.seq_len);
+      tgt_.resize(tok_.size());
+    } catch (const std::bad_alloc&) {
+      throw std::runtime_error("out of memory allocating model '" + mc_.name + "' (" + std::to_string(mc_.num_params()) +
+                               " parameters, sharded over " + std::to_string(G_) + " ranks) with activations for " +
+                               std::to_string(geo_.mb) + " x " + std::to_string(tc_.seq_len) +
+                               " tokens per micro-batch; use more ranks, a smaller '--micro-batch' or '--seq-len', or a smaller '--model'");
+    }
+  });
+}
+
+// Resume: parameters, AdamW moments, step (= data position and LR schedule position), batch
+// history; or a fresh start, optionally from --init-from's weights.
+template <typename C> void Trainer<C>::restore() {
+  state_.seed = tc_.seed;
+  {  // A fresh run must not overwrite another run's checkpoints (same step names, other weights),
+     // nor silently replace the `latest` of a run whose checkpoints are gone.
+    std::string err;
+    if (comm_.rank() == 0 && tc_.resume.empty() && !tc_.checkpoint_dir.empty()) {
+      std::error_code ec;
+      const std::vector<std::string> names = published_checkpoints(tc_.checkpoint_dir);
+      if (!names.empty())
+        err = "checkpoint directory '" + tc_.checkpoint_dir + "' already holds checkpoints (" + names.front() +
+              ", ...): pass '--resume auto' to continue that run, or use another '--checkpoint-dir'";
+      if (err.empty() && !tc_.start_over &&
+          std::filesystem::exists(std::filesystem::path(tc_.checkpoint_dir) / "latest", ec))
+        err = "checkpoint directory '" + tc_.checkpoint_dir + "' holds the 'latest' pointer of an earlier run but none of "
+              "its checkpoints: pass '--start-over' to start again from step 0 there, or use another '--checkpoint-dir'";
+    }
+    all_ok(comm_, err.empty(), err);
+  }
+  resume_path_ = resolve_resume(comm_, tc_.resume, tc_.checkpoint_dir, tc_.start_over);
+  if (!resume_path_.empty()) {
+    auto t0 = Clock::now();
+    const CheckpointInfo info = read_checkpoint_info(comm_, resume_path_);
+    check_resume_settings(comm_, info, tc_);  // refuses changed settings unless --accept-change names them
+    state_ = load_checkpoint(comm_, resume_path_, *f_, opt_.get(), mc_, &info);
+    const double dt = seconds_since(t0);
+    const double mbytes = 3.0 * 4.0 * static_cast<double>(f_->plan().total_numel()) / 1e6;
+    std::string saved = "world size " + std::to_string(state_.saved_world_size);
+    {  // hybrid sharding: the file's world_size is its shard group's; train_config records the run's
+      const nlohmann::json j = nlohmann::json::parse(info.train_config);
+      if (j.contains("world_size") && j.contains("shard_group_size") && j["world_size"] != j["shard_group_size"])
+        saved = "world size " + j["world_size"].dump() + ", shard group size " + j["shard_group_size"].dump();
+    }
+    log_info(comm_, "resumed from '" + resume_path_ + "' at step " + std::to_string(state_.step) + " (saved at " +
+                        saved + ") in " + fmt("%.2f", dt) + " s, " + fmt("%.0f", mbytes / dt) +
+                        " MB/s incl. CRC32 verification");
+  } else {
+    if (!tc_.resume.empty())  // '--resume auto' (a path that does not resolve is refused by resolve_resume)
+      log_info(comm_, tc_.start_over && std::filesystem::exists(std::filesystem::path(tc_.checkpoint_dir) / "latest")
+                          ? "starting over from step 0 in '" + tc_.checkpoint_dir +
+                                "' (--start-over): its 'latest' names a checkpoint that no longer exists"
+                          : "no checkpoint in '" + tc_.checkpoint_dir + "': starting from step 0");
+    if (!tc_.init_from.empty()) {
+      // Weights only; AdamW starts from zero. The tokenizer record is kept to compare with the data's.
+      state_.tokenizer = load_checkpoint(comm_, tc_.init_from, *f_, nullptr, mc_).tokenizer;
+      log_info(comm_, "initialized weights from '" + tc_.init_from + "'");
+    }
+  }
+  // The batch history: a new segment where the geometry or the seed changes (an accepted change).
+  if (state_.segments.empty() || state_.segments.back().global_batch != tc_.global_batch ||
+      state_.segments.back().seq_len != tc_.seq_len || state_.segments.back().seed != tc_.seed)
+    state_.segments.push_back({state_.step, tc_.global_batch, tc_.seq_len, tc_.seed});
+  state_.seed = tc_.seed;
+  state_.world_size = W_;
+  state_.shard_group_size = G_;
+}
+
+// The token data the checkpoints record (noting a change on resume), and the tokenizer.
+template <typename C> void Trainer<C>::record_data() {
+  const TokenFileHeader& h = data_.header();
+  nlohmann::json files = nlohmann::json::array(), formats = nlohmann::json::array();
+  for (const TokenFileEntry& e : data_.files()) {
+    files.push_back(e.path);
+    formats.push_back(e.format);
+  }
+  // "path": the first file (what format-1 readers know); "files": every file, train then val.
+  const nlohmann::json now = {{"path", data_.path()}, {"files", files},         {"formats", formats},
+                              {"tokenizer", h.tokenizer}, {"vocab_size", h.vocab_size}, {"bos_id", h.bos_id},
+                              {"eos_id", h.eos_id},  {"n_train", h.n_train}, {"n_val", h.n_val},
+                              {"crc32", data_.crc32()}};
+  nlohmann::json before;
+  try {
+    before = nlohmann::json::parse(state_.data_info);
+  } catch (const nlohmann::json::exception&) {  // verified when read; "null" for a fresh run
+  }
+  if (!resume_path_.empty() && before.is_object() && before.contains("crc32") && before["crc32"] != now["crc32"])
+    log_info(comm_, "note: resume: token file '" + data_.path() + "' is not the one the checkpoint trained on ('" +
+                        before.value("path", std::string("?")) + "', other contents): the batches from step " +
+                        std::to_string(state_.step + 1) + " on come from the new one");
+  state_.data_info = now.dump();
+  state_.tokenizer = pick_tokenizer(comm_, state_.tokenizer, resume_path_.empty() ? tc_.init_from : resume_path_,
+                                    data_.tokenizer(), data_.path());
+}
+
+// The steps to run, the checkpoint directory and the metrics file. A fresh run starts the metrics
+// file; a resumed run (or a start-over) continues it exactly at its step, moving the rows of steps
+// it will redo (written after that checkpoint) aside.
+template <typename C> void Trainer<C>::prepare_outputs() {
+  if (state_.step >= tc_.steps)
+    throw CollectiveError(0, "checkpoint is at step " + std::to_string(state_.step) + ", not before option '--steps' (" +
+                                 std::to_string(tc_.steps) + "): nothing to train (to train further, raise '--steps' "
+                                 "and pass '--accept-change steps')");
+  if (tc_.stop_at_step > 0 && tc_.stop_at_step <= state_.step)
+    throw CollectiveError(0, "option '--stop-at-step' (" + std::to_string(tc_.stop_at_step) +
+                                 ") is not after the checkpoint's step (" + std::to_string(state_.step) +
+                                 "): nothing to train");
+  last_step_ = tc_.stop_at_step > 0 ? std::min(tc_.stop_at_step, tc_.steps) : tc_.steps;
+  if (!tc_.checkpoint_dir.empty()) {
+    // Before hours of training, not at the first save: every rank must see one shared directory.
+    prepare_checkpoint_dir(comm_, tc_.checkpoint_dir);
+    if (!resume_path_.empty()) set_aside_later_checkpoints(comm_, tc_.checkpoint_dir, state_.step, resume_path_);
+  }
+  std::string err;
+  if (comm_.rank() == 0 && !tc_.metrics_path.empty()) {
+    const bool continuing = !resume_path_.empty() || tc_.start_over;
+    try {
+      if (continuing) {
+        std::string note = continue_metrics(tc_.metrics_path, state_.step);
+        if (!note.empty()) log_info(comm_, note);
+      }
+      metrics_.open(tc_.metrics_path, continuing ? std::ios::app : std::ios::trunc);
+      if (!metrics_) throw std::runtime_error("cannot open it");
+    } catch (const std::exception& e) {
+      err = "cannot write metrics file '" + tc_.metrics_path + "' (option '--metrics'): " + e.what();
+    }
+  }
+  all_ok(comm_, err.empty(), err);
+}
+
+template <typename C> void Trainer<C>::log_setup() {
+  log_info(comm_, "shardtrain: model " + mc_.name + ", " + std::to_string(mc_.num_params()) + " parameters, " +
+                      std::to_string(f_->num_units()) + " units, world size " + std::to_string(W_) + ", micro-batch " +
+                      std::to_string(geo_.mb) + " x " + std::to_string(geo_.accum) + " accumulation steps, global batch " +
+                      std::to_string(tc_.global_batch) + " x " + std::to_string(tc_.seq_len) + " tokens");
+  const OverlapConfig& ov = mixed_ ? mixed_->overlap() : f_->overlap();
+  const Comm& data = mesh_.shard_data();
+  log_info(comm_, std::string("overlap: ") +
+                      (ov.on ? "on (prefetch " + std::to_string(ov.prefetch) + " unit(s), asynchronous reduce-scatter, " +
+                                   (data.stream_ordered()
+                                        ? std::string("stream-ordered: NCCL on a communication stream, one host wait per pass")
+                                    : data.asynchronous()
+                                        ? std::string("progress: ") + comm_progress_name(ov.progress)
+                                        : std::string("collectives complete on return on this device")) +
+                                   ")"
+                             : std::string("off (every collective waited for when started; --prefetch and --comm-progress have no effect)")) +
+                      (tc_.overlap.on && ov.progress != tc_.overlap.progress
+                           ? "; note: MPI granted no MPI_THREAD_MULTIPLE, so '--comm-progress thread' became poll"
+                           : std::string()));
+}
+
+// One optimizer step (0-based s): get batch, forward, backward (each unit's gradient
+// reduce-scattered into its shard), one all-reduce of loss, squared norm and stop flag, clip, step.
+template <typename C> StepOutcome Trainer<C>::train_step(int64_t s) {
+  const auto t0 = Clock::now();
+  const CommTimes comm0 = units_->comm_times();
+  const float grad_scale = 1.0f / static_cast<float>(geo_.per_rank * tc_.seq_len);  // d(mean loss on this rank)
+  const double tokens_per_step = static_cast<double>(tc_.global_batch) * tc_.seq_len;
+  f_->zero_grads();
+  double loss_sum = 0;
+  units_->begin_pass("train");  // the sharding layer prefetches along the order the last step gathered in
+  for (int m = 0; m < geo_.accum; ++m) {
+    fill_batch(data_, Split::Train, tc_.seed, s, mesh_.dp_index() * geo_.per_rank + m * geo_.mb, geo_.mb, tc_.seq_len,
+               tok_.data(), tgt_.data());
+    loss_sum += model_->forward(*units_, tok_.data(), tgt_.data(), geo_.mb, tc_.seq_len, true, grad_scale);
+    model_->backward(*units_);  // reduce-scatters each unit's gradient (mean over ranks) into its shard
+  }
+  units_->end_pass();  // every reduce-scatter has landed in the gradient shards
+  // One all-reduce: loss, squared gradient norm, and "some rank was asked to stop" (a signal), so
+  // every rank sees the same values and takes the same decisions. The mesh says whose gradient
+  // elements count (each parameter once: replica group 0 under hybrid sharding).
+  double red[3] = {loss_sum, mesh_.counts_in_norm() ? f_->local_grad_sumsq() : 0.0, stop_signal() != 0 ? 1.0 : 0.0};
+  comm_.all_reduce(red, 3, ReduceOp::Sum);
+  StepOutcome o;
+  o.loss = red[0] / tokens_per_step;
+  o.grad_norm = std::sqrt(red[1]);
+  o.stop_requested = red[2] > 0;
+  o.lr = lr_at(tc_, s);
+  if (!std::isfinite(o.loss) || !std::isfinite(o.grad_norm)) {
+    std::string what = "non-finite " + std::string(std::isfinite(o.loss) ? "gradient norm" : "loss") + " at step " +
+                       std::to_string(s + 1) + " (loss " + fmt("%g", o.loss) + ", grad_norm " + fmt("%g", o.grad_norm) + ")";
+    if (!tc_.skip_nonfinite)  // nothing is applied or saved from this state
+      throw CollectiveError(0, what + "; stopping without applying it. Lower '--lr', enable '--clip', or pass "
+                                      "'--skip-nonfinite' to skip such steps");
+    log_info(comm_, what + ": update skipped (--skip-nonfinite)");
+  } else {
+    const double clip_scale = (tc_.clip > 0 && o.grad_norm > tc_.clip) ? tc_.clip / o.grad_norm : 1.0;
+    opt_->step(s + 1, o.lr, clip_scale);
+  }
+  o.seconds = seconds_since(t0);
+  const CommTimes comm1 = units_->comm_times();
+  o.comm.issued_s = comm1.issued_s - comm0.issued_s;
+  o.comm.exposed_s = comm1.exposed_s - comm0.exposed_s;
+  return o;
+}
+
+// Records step s (0-based) and, every --log-every steps (and at the first and the last), prints the
+// step line with the per-step means over the steps since the last line and appends it to the
+// metrics file.
+template <typename C> void Trainer<C>::log_step(int64_t s, const StepOutcome& o) {
+  res_.train_seconds += o.seconds;
+  interval_.seconds += o.seconds;
+  interval_.issued_s += o.comm.issued_s;
+  interval_.exposed_s += o.comm.exposed_s;
+  ++interval_.steps;
+  StepLog sl{s + 1, o.loss, o.lr, o.grad_norm, 0, seconds_since(t_start_)};
+  if ((s + 1) % tc_.log_every == 0 || s + 1 == last_step_ || s == state_.step) {
+    const double n = static_cast<double>(interval_.steps);
+    sl.tokens_per_s = static_cast<double>(tc_.global_batch) * tc_.seq_len * n / interval_.seconds;
+    sl.comm_ms = 1e3 * interval_.issued_s / n;
+    sl.exposed_comm_ms = 1e3 * interval_.exposed_s / n;
+    sl.compute_ms = 1e3 * interval_.seconds / n - sl.exposed_comm_ms;
+    interval_ = Interval{};
+    const double mfu = eng_.peak_flops > 0 ? 100.0 * sl.tokens_per_s * flops_per_token(mc_, tc_.seq_len) / eng_.peak_flops : 0;
+    log_info(comm_, "step " + std::to_string(s + 1) + "/" + std::to_string(tc_.steps) + " | loss " + fmt("%.4f", o.loss) +
+                        " | lr " + fmt("%.3e", o.lr) + " | grad_norm " + fmt("%.4f", o.grad_norm) + " | " +
+                        fmt("%.0f", sl.tokens_per_s) + " tok/s | exposed comm " + fmt("%.1f", sl.exposed_comm_ms) +
+                        " ms/step | " + (eng_.peak_flops > 0 ? "MFU " + fmt("%.1f", mfu) + "% | " : std::string()) +
+                        fmt("%.1f", sl.elapsed_s) + " s");
+    if (metrics_.is_open()) {
+      nlohmann::json j = {{"step", sl.step}, {"loss", o.loss}, {"lr", o.lr}, {"grad_norm", o.grad_norm},
+                          {"tokens_per_s", sl.tokens_per_s}, {"elapsed_s", sl.elapsed_s},
+                          {"compute_ms", sl.compute_ms}, {"comm_ms", sl.comm_ms},
+                          {"exposed_comm_ms", sl.exposed_comm_ms}};
+      metrics_ << j.dump() << "\n" << std::flush;
+    }
+    if (!tc_.metrics_path.empty())  // rank 0 writes; everybody learns whether it could
+      all_ok(comm_, !metrics_.is_open() || metrics_.good(),
+             "cannot write metrics file '" + tc_.metrics_path + "' (option '--metrics')");
+  }
+  res_.steps.push_back(sl);
+}
+
+// Collective: the validation loss after `step` steps, logged and recorded.
+template <typename C> void Trainer<C>::evaluate_at(int64_t step) {
+  const double vl = evaluate(mesh_, *model_, *units_, data_, tc_, tc_.eval_batches);
+  res_.evals.push_back({step, vl});
+  log_info(comm_, "eval step " + std::to_string(step) + " | val_loss " + fmt("%.4f", vl));
+  if (metrics_.is_open()) metrics_ << nlohmann::json({{"step", step}, {"val_loss", vl}}).dump() << "\n" << std::flush;
+}
+
+// Collective: the checkpoint of `step` (the mesh decided in co_ which ranks write their rows).
+template <typename C> void Trainer<C>::save(int64_t step) {
+  const auto t0 = Clock::now();
+  TrainState st = state_;
+  st.step = step;
+  st.tokens_seen = tokens_of(state_.segments, step);
+  st.saved_world_size = W_;
+  const std::string p = save_checkpoint(comm_, *f_, *opt_, mc_, tc_, st, co_);
+  const double dt = seconds_since(t0);
+  const double mbytes = 3.0 * 4.0 * static_cast<double>(f_->plan().total_numel()) / 1e6;
+  log_info(comm_, "checkpoint: saved '" + p + "' (" + fmt("%.1f", mbytes) + " MB of parameters + AdamW state) in " +
+                      fmt("%.2f", dt) + " s, " + fmt("%.0f", mbytes / dt) + " MB/s");
+}
+
+// CPU runs: the memory plan against what each rank's kernel counted (VmHWM). Collective.
+template <typename C> void Trainer<C>::report_memory() {
+  if (!eng_.be.host_kernels()) return;  // the same on every rank: a run is all-CPU or all-GPU
+  std::vector<int64_t> hwm(static_cast<size_t>(W_));
+  int64_t mine = peak_rss_bytes();
+  comm_.all_gather(&mine, hwm.data(), 1);
+  std::string per;
+  for (int r = 0; r < W_; ++r) per += (r ? ", " : "") + fmt("%.0f", static_cast<double>(hwm[r]) / (1 << 20));
+  const int64_t mx = *std::max_element(hwm.begin(), hwm.end());
+  const double plan = static_cast<double>(plan_total_);
+  log_info(comm_, "memory: peak resident (VmHWM) per rank " + per + " MiB; plan " + fmt("%.0f", plan / (1 << 20)) +
+                      " MiB (largest rank " + fmt("%+.1f", 100.0 * (static_cast<double>(mx) / plan - 1.0)) + "%)");
+}
+
+// The loop: step, log, evaluate (every --eval-every steps and at the end), save (every
+// --checkpoint-every steps, at the end, and when a stop was requested), stop on a signal.
+template <typename C> TrainResult Trainer<C>::run() {
+  t_start_ = Clock::now();
+  for (int64_t s = state_.step; s < last_step_; ++s) {
+    const StepOutcome o = train_step(s);
+    log_step(s, o);
+    const bool last = s + 1 == last_step_;
+    if ((tc_.eval_every > 0 && (s + 1) % tc_.eval_every == 0) || last) evaluate_at(s + 1);
+    if (!tc_.checkpoint_dir.empty() &&
+        ((tc_.checkpoint_every > 0 && (s + 1) % tc_.checkpoint_every == 0) || last || o.stop_requested))
+      save(s + 1);
+    if (o.stop_requested && !last)
+      throw Preempted("stop requested by a signal (SIGTERM or SIGUSR1) during step " + std::to_string(s + 1) + ": " +
+                          (tc_.checkpoint_dir.empty() ? std::string("no --checkpoint-dir, nothing saved")
+                                                      : "checkpoint of step " + std::to_string(s + 1) +
+                                                            " published; continue with --resume auto"),
+                      stop_signal());
+  }
+  const int64_t ran = last_step_ - state_.step;
+  res_.tokens_per_s = static_cast<double>(tc_.global_batch) * tc_.seq_len * static_cast<double>(ran) / res_.train_seconds;
+  log_info(comm_, "done: " + std::to_string(ran) + " steps in " + fmt("%.1f", res_.train_seconds) + " s of training, " +
+                      fmt("%.0f", res_.tokens_per_s) + " tok/s" +
+                      (res_.evals.empty() ? std::string() : ", final val_loss " + fmt("%.4f", res_.evals.back().val_loss)));
+  report_memory();
+  return res_;
+}
+
+}  // namespace
+
+TrainResult train(Engine& eng, const ModelConfig& mc, const TrainConfig& tc, const TokenDataset& data) {
+  if (tc.precision == Precision::BF16) {
+    if (!eng.be16) throw std::logic_error("train: Precision::BF16 without a bf16 backend");
+    return Trainer<bf16>(eng, mc, tc, data).run();
+  }
+  return Trainer<float>(eng, mc, tc, data).run();
+}
+
+}  // namespace shardtrain

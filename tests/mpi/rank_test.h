@@ -1,0 +1,44 @@
+// A GoogleTest fixture for multi-rank tests: each test runs under a trace naming the rank, and after
+// it every rank learns which ranks failed (one all-reduce), so that rank 0, the only one gtest
+// prints on, reports the failures of the others. Every test using it must make the same
+// collective calls on every rank (checks after a collective are EXPECT_*, never ASSERT_*).
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "../test_env.h"
+
+namespace shardtrain::testing {
+
+class RankTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    rank_trace_ = std::make_unique<::testing::ScopedTrace>(
+        __FILE__, __LINE__, "rank " + std::to_string(comm().rank()) + " of " + std::to_string(comm().world_size()));
+  }
+  void TearDown() override {
+    rank_trace_.reset();
+    Comm& c = comm();
+    // Bit r set when rank r failed (world sizes here are far below 63).
+    int64_t mask = ::testing::Test::HasFailure() ? (int64_t{1} << c.rank()) : 0;
+    c.all_reduce(&mask, 1, ReduceOp::Sum);
+    if (c.rank() == 0) {
+      std::string who;
+      for (int r = 1; r < c.world_size(); ++r)
+        if (mask & (int64_t{1} << r)) {
+          who += ' ';
+          who += std::to_string(r);
+        }
+      if (!who.empty()) ADD_FAILURE() << "this test failed on rank(s):" << who << " (their output is not printed)";
+    }
+  }
+
+ private:
+  std::unique_ptr<::testing::ScopedTrace> rank_trace_;
+};
+
+}  // namespace shardtrain::testing

@@ -1,0 +1,155 @@
+// The device mesh (mesh.h) under mpirun at 1..4 ranks: coordinates, group membership, the batch
+// index, the checkpoint writers and the norm counting, for plain FSDP (G = W) and every hybrid
+// sharding layout (G dividing W), each checked against an independent computation: the
+// communicators' own view (their ranks and an all-gather of the members' global ranks), a brute
+// force over all ranks, and the rules the program followed before the mesh (shard group = rank / G,
+// replica group = rank mod G, replica group 0 writes and counts).
+//
+// Every rank makes the same collective calls in the same order; checks are EXPECT_* only.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "shardtrain/mesh.h"
+#include "shardtrain/runtime.h"
+#include "../test_env.h"
+#include "rank_test.h"
+
+namespace st = shardtrain;
+
+namespace {
+
+st::Comm& world() { return st::testing::comm(); }
+
+class Mesh : public st::testing::RankTest {};
+
+// The global ranks of the members of `c`, in c's rank order.
+std::vector<int> members(st::Comm& c) {
+  int64_t me = world().rank();
+  std::vector<int64_t> all(static_cast<size_t>(c.world_size()));
+  c.all_gather(&me, all.data(), 1);
+  return std::vector<int>(all.begin(), all.end());
+}
+
+// Pure layout arithmetic, the same at every world size: W = 4, shard group 2 (HSDP) and W = 8,
+// shard group 4, written out by hand.
+TEST_F(Mesh, LayoutByHand) {
+  const st::MeshLayout h(st::MeshDims{2, 2, 1, 1});
+  EXPECT_EQ(h.dims().world(), 4);
+  EXPECT_EQ(h.dims().dp(), 4);
+  const st::MeshCoord c3{1, 1, 0, 0}, c2{1, 0, 0, 0};
+  EXPECT_EQ(h.coord(3), c3);
+  EXPECT_EQ(h.coord(2), c2);
+  EXPECT_EQ(h.shard_group(3), (std::vector<int>{2, 3}));
+  EXPECT_EQ(h.replica_group(3), (std::vector<int>{1, 3}));
+  EXPECT_EQ(h.replica_group(0), (std::vector<int>{0, 2}));
+  for (int q = 0; q < 4; ++q) EXPECT_EQ(h.dp_index(q), q);
+  EXPECT_EQ((std::vector<int>{h.checkpoint_row(0), h.checkpoint_row(1), h.checkpoint_row(2), h.checkpoint_row(3)}),
+            (std::vector<int>{0, 1, -1, -1}));
+  EXPECT_EQ((std::vector<bool>{h.counts_in_norm(0), h.counts_in_norm(1), h.counts_in_norm(2), h.counts_in_norm(3)}),
+            (std::vector<bool>{true, true, false, false}));
+  const st::MeshLayout e(st::MeshDims{2, 4, 1, 1});
+  EXPECT_EQ(e.shard_group(5), (std::vector<int>{4, 5, 6, 7}));
+  EXPECT_EQ(e.replica_group(5), (std::vector<int>{1, 5}));
+  EXPECT_EQ(e.checkpoint_row(3), 3);
+  EXPECT_EQ(e.checkpoint_row(7), -1);
+  const st::MeshLayout plain(st::MeshDims{1, 3, 1, 1});  // plain FSDP: everyone writes its row and counts
+  for (int q = 0; q < 3; ++q) {
+    EXPECT_EQ(plain.checkpoint_row(q), q);
+    EXPECT_TRUE(plain.counts_in_norm(q));
+    EXPECT_EQ(plain.replica_group(q), (std::vector<int>{q}));
+  }
+  EXPECT_THROW(st::MeshLayout(st::MeshDims{1, 2, 1, 2}), std::invalid_argument);  // tp: not yet
+  EXPECT_THROW(st::MeshLayout(st::MeshDims{1, 2, 2, 1}), std::invalid_argument);  // cp: not yet
+  EXPECT_THROW(st::MeshLayout(st::MeshDims{0, 2, 1, 1}), std::invalid_argument);
+}
+
+// For every G dividing W: the mesh's communicators, coordinates and answers against the
+// communicators' own view, a brute force over all ranks, and the pre-mesh rules.
+TEST_F(Mesh, GroupsBatchesWritersAndNormAgreeWithIndependentComputation) {
+  st::Comm& c = world();
+  const int W = c.world_size(), r = c.rank();
+  const st::Topology& topo = st::testing::g_runtime->topo();
+  for (int G = 1; G <= W; ++G) {
+    if (W % G != 0) continue;
+    const int R = W / G;
+    SCOPED_TRACE("W = " + std::to_string(W) + ", G = " + std::to_string(G));
+    st::Mesh mesh(c, topo, st::MeshDims{R, G, 1, 1}, 0);
+    const st::MeshLayout& L = mesh.layout();
+    // Coordinates: the pre-mesh rule, and the communicators' own ranks.
+    const st::MeshCoord want{r / G, r % G, 0, 0};
+    EXPECT_EQ(mesh.coord(), want);
+    EXPECT_EQ(mesh.shard_host().world_size(), G);
+    EXPECT_EQ(mesh.shard_host().rank(), r % G);
+    EXPECT_EQ(mesh.replica_host() != nullptr, R > 1);
+    if (mesh.replica_host()) {
+      EXPECT_EQ(mesh.replica_host()->world_size(), R);
+      EXPECT_EQ(mesh.replica_host()->rank(), r / G);
+    }
+    EXPECT_EQ(&mesh.shard_data(), &mesh.shard_host());  // no device communicators attached
+    EXPECT_EQ(mesh.replica_data(), mesh.replica_host());
+    for (int q = 0; q < W; ++q) EXPECT_EQ(L.rank_of(L.coord(q)), q);
+    // Group membership: brute force over all ranks vs the layout vs the communicators' members.
+    std::vector<int> shard_bf, replica_bf;
+    for (int q = 0; q < W; ++q) {
+      if (q / G == r / G) shard_bf.push_back(q);
+      if (q % G == r % G) replica_bf.push_back(q);
+    }
+    EXPECT_EQ(L.shard_group(r), shard_bf);
+    EXPECT_EQ(L.replica_group(r), replica_bf);
+    EXPECT_EQ(members(mesh.shard_host()), shard_bf);
+    if (mesh.replica_host()) {
+      EXPECT_EQ(members(*mesh.replica_host()), replica_bf);
+    }
+    // The batch index: rank r read rows r * per_rank before the mesh; the indices form a
+    // permutation of [0, dp_size).
+    EXPECT_EQ(mesh.dp_size(), W);
+    EXPECT_EQ(mesh.dp_index(), r);
+    int64_t idx = mesh.dp_index();
+    std::vector<int64_t> all(static_cast<size_t>(W));
+    c.all_gather(&idx, all.data(), 1);
+    std::sort(all.begin(), all.end());
+    for (int q = 0; q < W; ++q) EXPECT_EQ(all[static_cast<size_t>(q)], q);
+    // Checkpoint writers: exactly one rank per shard row, the ranks of replica communicator rank 0
+    // (every rank without hybrid sharding), and its row is its rank in the shard communicator.
+    const bool pre_mesh_writer = !mesh.replica_host() || mesh.replica_host()->rank() == 0;
+    EXPECT_EQ(mesh.writes_checkpoint(), pre_mesh_writer);
+    EXPECT_EQ(L.checkpoint_row(r), pre_mesh_writer ? mesh.shard_host().rank() : -1);
+    std::vector<int64_t> rows(static_cast<size_t>(W) * 1), per_row(static_cast<size_t>(G), 0);
+    int64_t my_row = L.checkpoint_row(r);
+    c.all_gather(&my_row, rows.data(), 1);
+    for (int64_t row : rows)
+      if (row >= 0) ++per_row[static_cast<size_t>(row)];
+    for (int k = 0; k < G; ++k) EXPECT_EQ(per_row[static_cast<size_t>(k)], 1) << "checkpoint row " << k;
+    // Norm counting: every replica holds the same shard values (here 2^(shard row)); summing the
+    // counted ranks' values over the world gives each shard row exactly once.
+    double v = mesh.counts_in_norm() ? static_cast<double>(int64_t{1} << mesh.coord().dp_shard) : 0.0;
+    c.all_reduce(&v, 1, st::ReduceOp::Sum);
+    EXPECT_EQ(v, static_cast<double>((int64_t{1} << G) - 1));
+    EXPECT_EQ(mesh.counts_in_norm(), pre_mesh_writer);
+    // The topology line names the layout.
+    const std::string line = mesh.topology_line();
+    EXPECT_NE(line.find("(world " + std::to_string(W) + ")"), std::string::npos) << line;
+    EXPECT_NE(line.find(R == 1 ? "fully sharded over all " + std::to_string(W) + " ranks"
+                               : "hybrid sharding: " + std::to_string(R) + " replica groups of " + std::to_string(G)),
+              std::string::npos)
+        << line;
+  }
+}
+
+// A layout that does not cover the world is refused on every rank, naming the option.
+TEST_F(Mesh, RefusesDimsThatDoNotMatchTheWorld) {
+  st::Comm& c = world();
+  const st::Topology& topo = st::testing::g_runtime->topo();
+  try {
+    st::Mesh m(c, topo, st::MeshDims{1, c.world_size() + 1, 1, 1}, 0);
+    ADD_FAILURE() << "no error";
+  } catch (const st::CollectiveError& e) {
+    EXPECT_NE(std::string(e.what()).find("'--shard-group-size'"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
