@@ -94,7 +94,8 @@ double evaluate(Comm& comm, LlamaModel<T>& model, UnitSource<T>& f, const TokenD
   for (int e = 0; e < batches; ++e)
     for (int m = 0; m < per_rank / mb; ++m) {
       fill_batch(data, Split::Val, tc.seed, e, comm.rank() * per_rank + m * mb, mb, tc.seq_len, tok.data(), tgt.data());
-      sum += model.forward(f, tok.data(), tgt.data(), mb, tc.seq_len, false);
+      model.forward(f, tok.data(), mb, tc.seq_len);
+      sum += model.loss(f, tgt.data());
     }
   f.end_pass();
   comm.all_reduce(&sum, 1, ReduceOp::Sum);
@@ -544,7 +545,8 @@ static TrainResult train_in(Engine& eng, const ModelConfig& mc, const TrainConfi
     units.begin_pass("train");  // the sharding layer prefetches along the order the last step gathered in
     for (int m = 0; m < accum; ++m) {
       fill_batch(data, Split::Train, seed, s, rank * per_rank + m * mb, mb, tc.seq_len, tok.data(), tgt.data());
-      loss_sum += model.forward(units, tok.data(), tgt.data(), mb, tc.seq_len, true, grad_scale);
+      model.forward(units, tok.data(), mb, tc.seq_len);
+      loss_sum += model.head_backward(units, tgt.data(), grad_scale);  // LM head and loss, forward and backward
       model.backward(units);  // reduce-scatters each unit's gradient (mean over ranks) into its shard
     }
     units.end_pass();  // every reduce-scatter has landed in the gradient shards
