@@ -171,7 +171,8 @@ TrainState load_checkpoint(Comm& comm, const std::string& path, Fsdp<float>& f, 
                            const ModelConfig& mc, const CheckpointInfo* info = nullptr);
 
 // The model-config keys whose values differ between two canonical configs (config.h) in a way that
-// matters for loading weights: every key except the labels `name` and `initializer_range`;
+// matters for loading weights: every key except the labels (`name`, `initializer_range`: the field
+// table's architecture = false);
 // `bos_token_id`/`eos_token_id` count only when set (non-null) in both. Each entry reads
 // "key: checkpoint has A, requested B". Both are first read as from_canonical_json reads them, so
 // keys an older version did not write ("head_dim", "rope_scaling") take their old meaning.

@@ -24,10 +24,16 @@ struct RopeScaling {
   double high_freq_factor = 4.0;
   int original_max_position_embeddings = 0;
   bool is_llama3() const { return rope_type == "llama3"; }
+  bool operator==(const RopeScaling&) const = default;
 };
 
 // Field names and meanings follow transformers' LlamaConfig
 // (https://huggingface.co/docs/transformers/model_doc/llama#transformers.LlamaConfig).
+// Every member has one row in the field table of src/model/config.cpp (model_config_fields()):
+// config.json parsing, validation, canonical JSON (hence hashing, the broadcast and the checkpoint's
+// `model_config` attribute), the exported config.json and the checkpoint's architecture comparison
+// all iterate that table. Adding a field = the member here + its row there; the unit test
+// ConfigFields.TableCoversEveryMember fails while a member has no row.
 struct ModelConfig {
   std::string name = "custom";     // preset name, or "custom" for a config.json
   int vocab_size = 258;            // rows of the embedding / LM head
@@ -69,7 +75,21 @@ struct ModelConfig {
   int primary_eos() const { return eos_token_ids.empty() ? kUnsetTokenId : eos_token_ids.front(); }
   // True iff `id` is one of eos_token_ids.
   bool is_eos(int64_t id) const;
+  // Member-wise equality (the tests' oracle for the field table; canonical_json equality is the
+  // program's: it also equates a head_dim given equal to the derived value).
+  bool operator==(const ModelConfig&) const = default;
 };
+
+// What the rest of the program may know of one row of the field table (config.cpp): its key and
+// how it compares between a checkpoint and a requested config.
+struct ModelConfigField {
+  const char* key;     // canonical JSON key, and config.json key where in_hf_config
+  bool in_hf_config;   // read from and written to config.json (false: "name", shardtrain's label)
+  bool architecture;   // false: a label that does not change what the weights mean (name, initializer_range)
+  bool unset_matches;  // a null (unset) value on either side matches anything (the special token ids)
+};
+// The rows, in the order parsing and validation visit them (sizes before what depends on them).
+const std::vector<ModelConfigField>& model_config_fields();
 
 // RoPE inverse frequency of each pair j in [0, head_dim()/2), in double:
 //   base_j = rope_theta^(-2j / head_dim)
@@ -100,8 +120,8 @@ ModelConfig preset(const std::string& name);
 // them. Throws std::invalid_argument naming `source` and the key.
 ModelConfig parse_hf_config(const std::string& json_text, const std::string& source);
 
-// Checks the invariants the model relies on; throws std::invalid_argument naming `source` and
-// the offending key: positive sizes, NH divides C (unless head_dim is given), NKV divides NH,
+// Checks the invariants the model relies on (each field's own checks in table order, then the
+// whole model's sizes); throws std::invalid_argument naming `source` and the offending key: positive sizes, NH divides C (unless head_dim is given), NKV divides NH,
 // positive even head_dim (RoPE pairs), llama3 rope parameters (factor >= 1, 0 < low_freq_factor <
 // high_freq_factor, original_max_position_embeddings > 0),
 // hidden_act == "silu", bos and every eos id inside the vocabulary when set (unset is fine),
@@ -121,8 +141,12 @@ void validate(const ModelConfig& c, const std::string& source);
 // (what LlamaConfig.to_dict() writes) and 4.x's top-level "rope_theta" with "rope_scaling" (null,
 // or the llama3 parameters); 5.x prefers rope_scaling when set, and reads both without warnings.
 std::string canonical_json(const ModelConfig& c);
-ModelConfig from_canonical_json(const std::string& s);  // throws std::invalid_argument
+// from_canonical_json reads strictly (an integer field must be a JSON integer, ...) and throws
+// std::invalid_argument "canonical model config is malformed: ..." naming the key.
+ModelConfig from_canonical_json(const std::string& s);
 std::string to_hf_json(const ModelConfig& c, const std::string& torch_dtype = "float32");
+// FNV-1a 64 of canonical_json(c): what ranks compare to agree on a config.
+uint64_t model_config_hash(const ModelConfig& c);
 
 // The vocabulary and special ids of the data a model is trained on: a token file's header
 // (data.h, docs/data-format.md), or the checkpoint's record of it (CheckpointInfo::data_info).

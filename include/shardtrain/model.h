@@ -50,8 +50,8 @@ std::vector<UnitSpec> llama_units(const ModelConfig& c);
 //   Full:      only the block input x; backward reruns the block's forward (all but its last GEMM)
 //              into one shared set of buffers, then its backward (torchtitan / Megatron "full").
 // The recomputation runs the same kernels on the same inputs, so gradients are bitwise identical in
-// every mode. The final norm and the LM head are not a block: their backward runs inside forward
-// (see LlamaModel::forward), so nothing vocabulary-sized is kept.
+// every mode. The final norm and the LM head are not a block: their backward runs in the head step,
+// chunk by chunk (LlamaModel::head_backward), so nothing vocabulary-sized is kept.
 enum class Recompute { None, Selective, Full };
 // Attention implementation. Tiled: FlashAttention-2 (include/shardtrain/flash_attention.h), O(B*NH*T)
 // memory; Exact: scores and probabilities materialized, [B, NH, T, T] (reference for tests).
@@ -75,6 +75,21 @@ const char* attention_name(AttentionKind a);
 // vocabulary, 65,027 for 258.
 int default_loss_chunk(int vocab_size);
 
+// The sizes a LlamaModel computes with, computed once from the config (the micro-batch's by
+// with_batch). Local: with tensor parallelism the heads and I become this rank's slice, and every
+// buffer size and projection shape follows from here; today each rank has them all.
+struct LlamaDims {
+  int C = 0, I = 0, V = 0, L = 0;  // hidden, intermediate (SwiGLU), vocabulary, blocks
+  int NH = 0, NKV = 0, HD = 0;     // query heads, key/value heads, head dim
+  int Q = 0, KV = 0;               // NH*HD, NKV*HD: widths of q and of k, v
+  int B = 0, T_ = 0, BT = 0;       // micro-batch (T_: sequence length); rows B*T_; 0 until with_batch
+  int chunk = 0;                   // LM head / loss chunk in tokens, min(loss chunk, BT)
+  explicit LlamaDims(const ModelConfig& c);
+  // This with the micro-batch B x T_ and the loss chunk min(loss_chunk, B*T_); loss_chunk 0 =
+  // default_loss_chunk(V).
+  LlamaDims with_batch(int B, int T_, int loss_chunk) const;
+};
+
 // Activation memory of a LlamaModel<T> for micro-batches of B x T tokens, in bytes, by buffer
 // group; the same numbers LlamaModel::reserve allocates (a test counts the allocations).
 struct ActivationBytes {
@@ -87,27 +102,55 @@ struct ActivationBytes {
 ActivationBytes activation_bytes(const ModelConfig& c, const ModelOptions& o, int B, int T_, size_t elem_bytes,
                                  size_t acc_bytes);
 
+// The three products of a projection y = x W^T, where W is [N, K] row-major (torch.nn.Linear's
+// weight: N outputs, K inputs), over M rows; row-major [M, ...] operands, leading dimension = row
+// width. Every projection of the model (q, k, v, o, gate, up, down, the LM head) goes through
+// this one function, so that a change of how projections compute (tensor parallelism's split of
+// W, float8) is made here. The backend's gemm computes in S (fp32 for bf16 storage).
+//   Forward:    out[M, N]  (+)=  a[M, K] · b[N, K]^T     a = x,  b = W,  out = y
+//   InputGrad:  out[M, K]  (+)=  a[M, N] · b[N, K]       a = dy, b = W,  out = dx
+//   WeightGrad: out[N, K]  (+)=  a[M, N]^T · b[M, K]     a = dy, b = x,  out = dW (the model accumulates)
+// accumulate: out += product (beta 1), else out = product (beta 0; out is not read). Pointers are
+// backend memory and must not alias out. Errors: those of Backend::gemm.
+enum class LinearRole { Forward, InputGrad, WeightGrad };
+template <typename T>
+void linear(Backend<T>& be, LinearRole role, int M, int N, int K, const T* a, const T* b, T* out, bool accumulate);
+
+// One training micro-batch, as the caller runs it (src/train/train.cpp):
+//   model.forward(f, tokens, B, T);                         // embedding, blocks, final norm
+//   loss_sum += model.head_backward(f, targets, scale);     // LM head + loss with their backward, chunked
+//   model.backward(f);                                      // blocks, then the embedding
+// Evaluation: forward, then loss(f, targets). Generation: forward, then head_logits(f), logits().
+// The head step must follow forward() on the same UnitSource with no gather in between (it uses the
+// final norm's unit as forward left it gathered); out of order calls throw std::logic_error.
 template <typename T> class LlamaModel {
  public:
   using S = typename Backend<T>::S;  // scalar type: float for float and bf16, double for double
   LlamaModel(const ModelConfig& c, Backend<T>& be, const ModelOptions& o = {});
 
-  // Collective (gathers every unit once, the embedding twice when tied).
-  // tokens, targets: host arrays [B, T] of ids in [0, V). targets may be nullptr: no loss is
-  // computed and logits() holds the logits afterwards (a [B*T, V] buffer is allocated for that).
-  // With targets, the LM head and cross-entropy run over chunks of options().loss_chunk tokens and
-  // no [B*T, V] buffer exists. When `train` is true, activations are kept for backward() and the
-  // backward of the final norm and LM head runs here, chunk by chunk (d(loss)/d(logits) *
-  // grad_scale, the head's weight gradient reduce-scattered into its shard: unit L+1, and unit 0
-  // when tied); grad_scale is usually 1 / (tokens per rank per optimizer step).
-  // Returns the sum over the B*T positions of the cross-entropy (nats); 0 if targets == nullptr.
-  // Throws std::invalid_argument if T exceeds max_position_embeddings or a token is out of range.
-  double forward(UnitSource<T>& f, const int32_t* tokens, const int32_t* targets, int B, int T_, bool train,
-                 S grad_scale = S(1));
-  // Collective. Backward of the blocks and the embedding after a training forward(): adds the
+  // Collective (gathers units 0, 1..L, L+1). tokens: host array [B, T] of ids in [0, V). Runs the
+  // embedding, the blocks and the final norm, keeping what backward() needs (options().recompute).
+  // Throws std::invalid_argument if T exceeds max_position_embeddings or a token is out of range
+  // (before any collective).
+  void forward(UnitSource<T>& f, const int32_t* tokens, int B, int T_);
+  // Collective (gathers unit 0 again when tied). After forward(): the LM head and cross-entropy
+  // over chunks of options().loss_chunk tokens (no [B*T, V] buffer). targets: host [B, T], ids in
+  // [0, V) (std::invalid_argument otherwise, before any collective). Returns the sum over the B*T
+  // positions of the cross-entropy (nats).
+  double loss(UnitSource<T>& f, const int32_t* targets);
+  // Collective. After forward(): the same loss (bitwise), and per chunk, while its logits exist,
+  // the head's backward: dlogits = d(loss)/d(logits) * grad_scale in place, dlnf = dlogits W,
+  // dW += dlogits^T lnf; then the final norm's backward. The head's weight gradient is
+  // reduce-scattered into its shard (unit 0 when tied, and unit L+1). grad_scale is usually
+  // 1 / (tokens per rank per optimizer step). Returns the loss sum, as loss() does.
+  double head_backward(UnitSource<T>& f, const int32_t* targets, S grad_scale);
+  // Collective. After head_backward(): the backward of the blocks and the embedding; adds the
   // gradients, averaged over ranks, into f's gradient shards (one reduce-scatter per unit).
   void backward(UnitSource<T>& f);
-  // Logits of the last forward with targets == nullptr, [B*T, V], copied to host.
+  // Collective (gathers unit 0 again when tied). After forward(): the logits [B*T, V] into a model
+  // buffer (allocated here, B*T*V elements), for generation and export checks.
+  void head_logits(UnitSource<T>& f);
+  // The logits of the last head_logits(), copied to host, [B*T, V] row-major. Not collective.
   std::vector<T> logits();
 
   const ModelConfig& config() const { return c_; }
@@ -125,22 +168,29 @@ template <typename T> class LlamaModel {
   struct Offsets {  // flat offsets inside a block unit
     int64_t ln1, q, k, v, o, ln2, gate, up, down;
   };
+  // Where the model is in a micro-batch: which call may come next.
+  enum class Stage { None, Forward, HeadBackward };
   void ensure(int B, int T_);
+  void check_ids(const int32_t* ids, int64_t n) const;  // std::invalid_argument if one is outside [0, V)
+  void expect_stage(Stage s, const char* call) const;    // std::logic_error if not at s
   // Forward of block l with weights w from input x: fills the activations of `a` and, when xn is not
   // nullptr, writes the block output to xn (else stops before the down projection: recompute).
   void block_forward(const T* w, const T* x, Layer& a, T* h, T* att, T* xn);
-  // The LM head and the loss over chunks, with (train) their backward and the final norm's; hw is the
-  // gathered unit L+1. See forward().
-  double head_forward(UnitSource<T>& f, const T* hw, bool train, S grad_scale);
+  // The LM head and the loss over chunks; with `grad` their backward and the final norm's. See
+  // loss() and head_backward().
+  double head(UnitSource<T>& f, const int32_t* targets, bool grad, S grad_scale);
   // Where block l's activations are in backward (recomputed first when not kept).
   Layer& backward_activations(int l, const T* w);
 
   ModelConfig c_;
   ModelOptions o_;
   Backend<T>& be_;
+  LlamaDims d_;
+  S eps_ = S(0), attn_scale_ = S(0);  // rms_norm_eps; 1 / sqrt(HD)
   Offsets off_{};
   int64_t head_off_norm_ = 0, head_off_w_ = 0;
-  int cur_b_ = 0, cur_t_ = 0, chunk_ = 0;  // micro-batch shape the buffers are sized for; loss chunk
+  Stage stage_ = Stage::None;
+  const T* head_w_ = nullptr;     // unit L+1 as forward() gathered it (valid until the next gather)
   IdBuffer<T> tokens_, targets_;  // the micro-batch's ids, in backend memory
   std::vector<Layer> layers_;     // kept per block
   Layer work_;                    // recomputed block (Selective: h, exact att; Full: all)

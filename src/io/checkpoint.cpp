@@ -550,10 +550,13 @@ std::vector<std::string> architecture_differences(const std::string& ckpt, const
   for (auto& [k, v] : b.items()) keys.insert(k);
   std::vector<std::string> diff;
   for (const std::string& k : keys) {
-    if (k == "name" || k == "initializer_range") continue;  // labels: they do not change the weights' meaning
+    // How the field table (config.h) says the key compares; a key it does not know counts.
+    const ModelConfigField* field = nullptr;
+    for (const ModelConfigField& f : model_config_fields())
+      if (k == f.key) field = &f;
+    if (field && !field->architecture) continue;  // labels: they do not change the weights' meaning
     const json va = a.contains(k) ? a[k] : json(), vb = b.contains(k) ? b[k] : json();
-    const bool special = k == "bos_token_id" || k == "eos_token_id";
-    if (special && (va.is_null() || vb.is_null())) continue;  // unset on one side: filled from the other
+    if (field && field->unset_matches && (va.is_null() || vb.is_null())) continue;  // unset on one side: filled from the other
     if (va != vb)
       diff.push_back(k + ": checkpoint has " + (a.contains(k) ? va.dump() : "nothing") + ", requested " +
                      (b.contains(k) ? vb.dump() : "nothing"));

@@ -685,7 +685,8 @@ std::string generate(Comm& comm, const GenerateOptions& o) {
     throw CollectiveError(0, "option '--prompt': BOS + " + std::to_string(ids.size() - 1) + " bytes exceed the model's " +
                                  "max_position_embeddings (" + std::to_string(maxT) + ")");
   if (!o.dump_logits.empty()) {
-    model.forward(*l.f, ids.data(), nullptr, 1, static_cast<int>(ids.size()), false);
+    model.forward(*l.f, ids.data(), 1, static_cast<int>(ids.size()));
+    model.head_logits(*l.f);
     std::vector<float> lg = model.logits();
     std::string err;
     if (comm.rank() == 0) {
@@ -703,7 +704,8 @@ std::string generate(Comm& comm, const GenerateOptions& o) {
   for (int i = 0; i < o.max_new_tokens; ++i) {
     size_t T = std::min(ids.size(), static_cast<size_t>(maxT));
     const int32_t* ctx = ids.data() + (ids.size() - T);
-    model.forward(*l.f, ctx, nullptr, 1, static_cast<int>(T), false);
+    model.forward(*l.f, ctx, 1, static_cast<int>(T));
+    model.head_logits(*l.f);
     int64_t next = 0;
     if (comm.rank() == 0) {
       std::vector<float> lg = model.logits();

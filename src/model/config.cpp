@@ -5,6 +5,7 @@
 #include <climits>
 #include <cmath>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -120,7 +121,9 @@ const std::map<std::string, ModelConfig>& presets() {
   return p;
 }
 
+// source "" = the canonical JSON (from_canonical_json), which only a damaged file gets wrong.
 [[noreturn]] void bad(const std::string& source, const std::string& what) {
+  if (source.empty()) throw std::invalid_argument("canonical model config is malformed: " + what);
   throw std::invalid_argument("Invalid model config " + source + ": " + what);
 }
 
@@ -225,6 +228,224 @@ json eos_json(const ModelConfig& c) {
   return c.eos_token_ids;
 }
 std::string eos_str(const ModelConfig& c) { return eos_json(c).dump(); }
+
+// ---- the field table ----------------------------------------------------------------------------
+// One row per ModelConfig member: its key, how config.json and the canonical JSON give it, how it
+// is written, and its own checks. parse_hf_config, validate, canonical_json, from_canonical_json,
+// to_hf_json and (through model_config_fields) architecture_differences iterate these rows and
+// name no field themselves. Rows are visited in order: a row may read the fields of rows above it
+// (num_key_value_heads defaults to num_attention_heads; head_dim's checks need the sizes).
+struct Field {
+  ModelConfigField info;
+  std::function<json(const ModelConfig&)> get;  // the canonical (and config.json) value
+  // Sets the member from the key's value `v` (present; null where the field has an unset or default
+  // meaning, an error otherwise), strictly; errors name `source` and the key ("" = canonical JSON).
+  std::function<void(ModelConfig&, const json& v, const std::string& source)> set;
+  // config.json: required (the key must be present; null reads as 0), or what absence / null means.
+  bool hf_required = false;
+  std::function<void(ModelConfig&)> hf_absent;
+  // config.json: reads the row from the whole object instead of from its key (RoPE's two forms).
+  std::function<void(ModelConfig&, const json& j, const std::string& source)> hf_read;
+  // Canonical JSON: true for keys that older versions did not write (absent: the member's default).
+  bool canonical_optional = false;
+  std::function<void(const ModelConfig&, const std::string& source)> check;  // validate(); may be empty
+};
+
+using Check = std::function<void(const ModelConfig&, const std::string&)>;
+
+// A plain member read with get_or's strict typing; config.json's default `hf_default`.
+template <typename V>
+Field scalar(const char* key, V ModelConfig::*m, V hf_default, Check check = {}, bool architecture = true) {
+  Field f;
+  f.info = {key, true, architecture, false};
+  f.get = [m](const ModelConfig& c) { return json(c.*m); };
+  f.set = [m, key](ModelConfig& c, const json& v, const std::string& source) {
+    if (v.is_null()) bad(source, std::string("key '") + key + "' must not be null");
+    c.*m = get_or<V>(json{{key, v}}, key, V{}, source);
+  };
+  f.hf_absent = [m, hf_default](ModelConfig& c) { c.*m = hf_default; };
+  f.check = std::move(check);
+  return f;
+}
+// A size config.json must give (vocab_size, ...): required there, positive.
+Field size(const char* key, int ModelConfig::*m, bool hf_required) {
+  Field f = scalar<int>(key, m, 0, [m, key](const ModelConfig& c, const std::string& source) {
+    if (c.*m <= 0) bad(source, std::string("key '") + key + "' must be positive, got " + std::to_string(c.*m));
+  });
+  f.hf_required = hf_required;
+  return f;
+}
+Check positive_real(const char* key, double ModelConfig::*m) {
+  return [m, key](const ModelConfig& c, const std::string& source) {
+    if (!(c.*m > 0)) bad(source, std::string("key '") + key + "' must be > 0");
+  };
+}
+
+// head_dim as given: equal to the derived hidden_size / num_attention_heads it is kept as "not
+// given" (the same model), so head_dim_override stays 0.
+void set_head_dim(ModelConfig& c, const json& v, const std::string& source) {
+  if (v.is_null()) {
+    c.head_dim_override = 0;
+    return;
+  }
+  const int hd = get_or<int>(json{{"head_dim", v}}, "head_dim", 0, source);
+  if (hd <= 0) bad(source, "key 'head_dim' must be positive, got " + std::to_string(hd));
+  const bool derived = c.num_attention_heads > 0 && c.hidden_size % c.num_attention_heads == 0 &&
+                       hd == c.hidden_size / c.num_attention_heads;
+  c.head_dim_override = derived ? 0 : hd;
+}
+
+// RoPE in config.json: transformers 4.x writes top-level rope_theta and rope_scaling (null or
+// {rope_type or type, ...}); transformers >= 5 writes rope_parameters {rope_type, rope_theta, ...}.
+// Both may be present (shardtrain's export writes both): then they must say the same. Sets
+// rope_scaling and, from rope_parameters, rope_theta (read by its own row above).
+void hf_read_rope(ModelConfig& c, const json& j, const std::string& source) {
+  if (get_or<double>(j, "partial_rotary_factor", 1.0, source) != 1.0)
+    bad(source, "key 'partial_rotary_factor' = " + j["partial_rotary_factor"].dump() + " is not supported");
+  const bool has_rs = j.contains("rope_scaling") && !j["rope_scaling"].is_null();
+  const bool has_rp = j.contains("rope_parameters") && !j["rope_parameters"].is_null();
+  double theta_rs = c.rope_theta, theta_rp = c.rope_theta;
+  RopeScaling rs, rp;
+  if (has_rs) parse_rope_object(j["rope_scaling"], "rope_scaling", "", c.max_position_embeddings, theta_rs, rs, source);
+  if (has_rp) parse_rope_object(j["rope_parameters"], "rope_parameters", "default", c.max_position_embeddings, theta_rp, rp, source);
+  if (has_rs && has_rp && (theta_rs != theta_rp || rope_scaling_json(rs) != rope_scaling_json(rp)))
+    bad(source, "keys 'rope_scaling' " + json{{"rope_theta", theta_rs}, {"rope_scaling", rope_scaling_json(rs)}}.dump() +
+                    " and 'rope_parameters' " + json{{"rope_theta", theta_rp}, {"rope_scaling", rope_scaling_json(rp)}}.dump() +
+                    " disagree");
+  c.rope_theta = has_rp ? theta_rp : theta_rs;
+  c.rope_scaling = has_rp ? rp : rs;
+}
+// The canonical form: null, or {"factor", "high_freq_factor", "low_freq_factor",
+// "original_max_position_embeddings", "rope_type"}, every key required.
+void set_rope_scaling(ModelConfig& c, const json& v, const std::string& source) {
+  c.rope_scaling = RopeScaling{};
+  if (v.is_null()) return;
+  if (!v.is_object()) bad(source, "key 'rope_scaling' must be an object or null, got " + v.dump());
+  for (const char* k : {"rope_type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"})
+    if (!v.contains(k)) bad(source, std::string("key 'rope_scaling.") + k + "' is missing");
+  RopeScaling& r = c.rope_scaling;
+  r.rope_type = get_or<std::string>(v, "rope_type", "", source, "rope_scaling.rope_type");
+  r.factor = get_or<double>(v, "factor", 0.0, source, "rope_scaling.factor");
+  r.low_freq_factor = get_or<double>(v, "low_freq_factor", 0.0, source, "rope_scaling.low_freq_factor");
+  r.high_freq_factor = get_or<double>(v, "high_freq_factor", 0.0, source, "rope_scaling.high_freq_factor");
+  r.original_max_position_embeddings =
+      get_or<int>(v, "original_max_position_embeddings", 0, source, "rope_scaling.original_max_position_embeddings");
+}
+void check_rope_scaling(const ModelConfig& c, const std::string& source) {
+  const RopeScaling& r = c.rope_scaling;
+  if (r.rope_type != "default" && r.rope_type != "llama3")
+    bad(source, "rope type \"" + r.rope_type + "\" is not supported (\"default\" or \"llama3\")");
+  if (!r.is_llama3()) return;
+  if (!(r.factor >= 1)) bad(source, "key 'rope_scaling.factor' must be >= 1, got " + json(r.factor).dump());
+  if (!(r.low_freq_factor > 0)) bad(source, "key 'rope_scaling.low_freq_factor' must be > 0, got " + json(r.low_freq_factor).dump());
+  if (!(r.high_freq_factor > r.low_freq_factor))
+    bad(source, "key 'rope_scaling.high_freq_factor' (" + json(r.high_freq_factor).dump() +
+                    ") must be greater than low_freq_factor (" + json(r.low_freq_factor).dump() + ")");
+  if (r.original_max_position_embeddings <= 0)
+    bad(source, "key 'rope_scaling.original_max_position_embeddings' must be positive, got " +
+                    std::to_string(r.original_max_position_embeddings));
+}
+void check_head_dim(const ModelConfig& c, const std::string& source) {
+  if (c.head_dim_override < 0) bad(source, "key 'head_dim' must be positive, got " + std::to_string(c.head_dim_override));
+  if (c.head_dim_override == 0 && c.hidden_size % c.num_attention_heads != 0)
+    bad(source, "num_attention_heads (" + std::to_string(c.num_attention_heads) + ") does not divide hidden_size (" +
+                    std::to_string(c.hidden_size) + ") and config.json gives no head_dim");
+  if (c.head_dim() <= 0) bad(source, "head_dim = hidden_size / num_attention_heads = 0; it must be positive");
+  if (c.head_dim() % 2 != 0)
+    bad(source, (c.head_dim_override > 0 ? "key 'head_dim' = " : "head_dim = hidden_size / num_attention_heads = ") +
+                    std::to_string(c.head_dim()) + " is odd; RoPE needs pairs");
+}
+
+const std::vector<Field>& fields() {
+  static const std::vector<Field> table = [] {
+    std::vector<Field> t;
+    // name: shardtrain's label (a preset's name, "custom" for a config.json); not in config.json.
+    t.push_back(scalar<std::string>("name", &ModelConfig::name, "custom", {}, false));
+    t.back().info.in_hf_config = false;
+    t.push_back(size("vocab_size", &ModelConfig::vocab_size, true));
+    t.push_back(size("hidden_size", &ModelConfig::hidden_size, true));
+    t.push_back(size("intermediate_size", &ModelConfig::intermediate_size, true));
+    t.push_back(size("num_hidden_layers", &ModelConfig::num_hidden_layers, true));
+    t.push_back(size("num_attention_heads", &ModelConfig::num_attention_heads, true));
+    t.push_back(size("num_key_value_heads", &ModelConfig::num_key_value_heads, false));
+    t.back().hf_absent = [](ModelConfig& c) { c.num_key_value_heads = c.num_attention_heads; };  // plain MHA
+    t.back().check = [check = t.back().check](const ModelConfig& c, const std::string& source) {
+      check(c, source);
+      if (c.num_attention_heads % c.num_key_value_heads != 0)
+        bad(source, "num_key_value_heads (" + std::to_string(c.num_key_value_heads) +
+                        ") does not divide num_attention_heads (" + std::to_string(c.num_attention_heads) + ")");
+    };
+    t.push_back(size("max_position_embeddings", &ModelConfig::max_position_embeddings, false));
+    t.back().hf_absent = [](ModelConfig& c) { c.max_position_embeddings = 2048; };
+    t.push_back(scalar<double>("rms_norm_eps", &ModelConfig::rms_norm_eps, 1e-6,
+                               positive_real("rms_norm_eps", &ModelConfig::rms_norm_eps)));
+    t.push_back(scalar<double>("rope_theta", &ModelConfig::rope_theta, 10000.0,
+                               positive_real("rope_theta", &ModelConfig::rope_theta)));
+    {
+      Field f;
+      f.info = {"rope_scaling", true, true, false};
+      f.get = [](const ModelConfig& c) { return rope_scaling_json(c.rope_scaling); };
+      f.set = set_rope_scaling;
+      f.hf_read = hf_read_rope;
+      f.canonical_optional = true;  // older versions: no scaling
+      f.check = check_rope_scaling;
+      t.push_back(f);
+    }
+    {  // the effective head_dim() is written; head_dim_override holds a given non-derived value
+      Field f;
+      f.info = {"head_dim", true, true, false};
+      f.get = [](const ModelConfig& c) { return json(c.head_dim()); };
+      f.set = set_head_dim;
+      f.hf_absent = [](ModelConfig& c) { c.head_dim_override = 0; };
+      f.canonical_optional = true;  // older versions: hidden_size / num_attention_heads
+      f.check = check_head_dim;
+      t.push_back(f);
+    }
+    t.push_back(scalar<double>("initializer_range", &ModelConfig::initializer_range, 0.02,
+                               positive_real("initializer_range", &ModelConfig::initializer_range), false));
+    t.push_back(scalar<std::string>("hidden_act", &ModelConfig::hidden_act, "silu",
+                                    [](const ModelConfig& c, const std::string& source) {
+                                      if (c.hidden_act != "silu")
+                                        bad(source, "key 'hidden_act' is \"" + c.hidden_act +
+                                                        "\"; only \"silu\" (SwiGLU) is supported");
+                                    }));
+    t.push_back(scalar<bool>("tie_word_embeddings", &ModelConfig::tie_word_embeddings, false));  // LlamaConfig default
+    const std::string vocab = " is outside the vocabulary (vocab_size ";
+    {
+      Field f;
+      f.info = {"bos_token_id", true, true, true};
+      f.get = bos_json;
+      f.set = [](ModelConfig& c, const json& v, const std::string& source) {
+        c.bos_token_id = parse_token_id(json{{"bos_token_id", v}}, "bos_token_id", source);
+      };
+      f.hf_absent = [](ModelConfig& c) { c.bos_token_id = kUnsetTokenId; };
+      f.check = [vocab](const ModelConfig& c, const std::string& source) {
+        if (c.bos_token_id != kUnsetTokenId && (c.bos_token_id < 0 || c.bos_token_id >= c.vocab_size))
+          bad(source, "key 'bos_token_id' = " + std::to_string(c.bos_token_id) + vocab + std::to_string(c.vocab_size) + ")");
+      };
+      t.push_back(f);
+    }
+    {
+      Field f;
+      f.info = {"eos_token_id", true, true, true};
+      f.get = eos_json;
+      f.set = [](ModelConfig& c, const json& v, const std::string& source) {
+        c.eos_token_ids = parse_eos_ids(json{{"eos_token_id", v}}, source);
+      };
+      f.hf_absent = [](ModelConfig& c) { c.eos_token_ids.clear(); };
+      f.check = [vocab](const ModelConfig& c, const std::string& source) {
+        const std::string v = vocab + std::to_string(c.vocab_size) + ")";
+        for (int id : c.eos_token_ids)
+          if (id < 0 || id >= c.vocab_size)
+            bad(source, "key 'eos_token_id' = " + eos_str(c) +
+                            (c.eos_token_ids.size() > 1 ? ": id " + std::to_string(id) + v : v));
+      };
+      t.push_back(f);
+    }
+    return t;
+  }();
+  return table;
+}
 }  // namespace
 
 std::vector<std::string> preset_names() {
@@ -277,123 +498,42 @@ ModelConfig parse_hf_config(const std::string& text, const std::string& source) 
   if (get_or<bool>(j, "attention_bias", false, source)) bad(source, "key 'attention_bias' = true is not supported");
   if (get_or<bool>(j, "mlp_bias", false, source)) bad(source, "key 'mlp_bias' = true is not supported");
   ModelConfig c;
-  c.name = "custom";
-  for (const char* k : {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"})
-    if (!j.contains(k)) bad(source, std::string("required key '") + k + "' is missing");
-  c.vocab_size = get_or<int>(j, "vocab_size", 0, source);
-  c.hidden_size = get_or<int>(j, "hidden_size", 0, source);
-  c.intermediate_size = get_or<int>(j, "intermediate_size", 0, source);
-  c.num_hidden_layers = get_or<int>(j, "num_hidden_layers", 0, source);
-  c.num_attention_heads = get_or<int>(j, "num_attention_heads", 0, source);
-  c.num_key_value_heads = get_or<int>(j, "num_key_value_heads", c.num_attention_heads, source);
-  c.max_position_embeddings = get_or<int>(j, "max_position_embeddings", 2048, source);
-  c.rms_norm_eps = get_or<double>(j, "rms_norm_eps", 1e-6, source);
-  c.rope_theta = get_or<double>(j, "rope_theta", 10000.0, source);
-  if (get_or<double>(j, "partial_rotary_factor", 1.0, source) != 1.0)
-    bad(source, "key 'partial_rotary_factor' = " + j["partial_rotary_factor"].dump() + " is not supported");
-  // RoPE: transformers 4.x writes top-level rope_theta and rope_scaling (null or {rope_type or type,
-  // ...}); transformers >= 5 writes rope_parameters {rope_type, rope_theta, ...}. Both may be present
-  // (shardtrain's export writes both): then they must say the same.
-  const bool has_rs = j.contains("rope_scaling") && !j["rope_scaling"].is_null();
-  const bool has_rp = j.contains("rope_parameters") && !j["rope_parameters"].is_null();
-  double theta_rs = c.rope_theta, theta_rp = c.rope_theta;
-  RopeScaling rs, rp;
-  if (has_rs) parse_rope_object(j["rope_scaling"], "rope_scaling", "", c.max_position_embeddings, theta_rs, rs, source);
-  if (has_rp) parse_rope_object(j["rope_parameters"], "rope_parameters", "default", c.max_position_embeddings, theta_rp, rp, source);
-  if (has_rs && has_rp && (theta_rs != theta_rp || rope_scaling_json(rs) != rope_scaling_json(rp)))
-    bad(source, "keys 'rope_scaling' " + json{{"rope_theta", theta_rs}, {"rope_scaling", rope_scaling_json(rs)}}.dump() +
-                    " and 'rope_parameters' " + json{{"rope_theta", theta_rp}, {"rope_scaling", rope_scaling_json(rp)}}.dump() +
-                    " disagree");
-  c.rope_theta = has_rp ? theta_rp : theta_rs;
-  c.rope_scaling = has_rp ? rp : rs;
-  c.initializer_range = get_or<double>(j, "initializer_range", 0.02, source);
-  c.hidden_act = get_or<std::string>(j, "hidden_act", "silu", source);
-  c.tie_word_embeddings = get_or<bool>(j, "tie_word_embeddings", false, source);  // LlamaConfig default
-  c.bos_token_id = parse_token_id(j, "bos_token_id", source);
-  c.eos_token_ids = parse_eos_ids(j, source);
-  if (j.contains("head_dim") && !j["head_dim"].is_null()) {
-    int hd = get_or<int>(j, "head_dim", 0, source);
-    if (hd <= 0) bad(source, "key 'head_dim' must be positive, got " + std::to_string(hd));
-    // Equal to the derived value: the same model, kept as "not given".
-    const bool derived = c.num_attention_heads > 0 && c.hidden_size % c.num_attention_heads == 0 &&
-                         hd == c.hidden_size / c.num_attention_heads;
-    c.head_dim_override = derived ? 0 : hd;
+  for (const Field& f : fields())
+    if (f.hf_required && !j.contains(f.info.key)) bad(source, std::string("required key '") + f.info.key + "' is missing");
+  for (const Field& f : fields()) {
+    if (!f.info.in_hf_config) continue;  // "name" keeps its default, "custom"
+    const char* k = f.info.key;
+    if (f.hf_read) f.hf_read(c, j, source);
+    else if (!j.contains(k) || j[k].is_null()) f.hf_absent(c);
+    else f.set(c, j[k], source);
   }
   return c;
 }
 
 void validate(const ModelConfig& c, const std::string& source) {
-  auto pos = [&](const char* k, long v) {
-    if (v <= 0) bad(source, std::string("key '") + k + "' must be positive, got " + std::to_string(v));
-  };
-  pos("vocab_size", c.vocab_size);
-  pos("hidden_size", c.hidden_size);
-  pos("intermediate_size", c.intermediate_size);
-  pos("num_hidden_layers", c.num_hidden_layers);
-  pos("num_attention_heads", c.num_attention_heads);
-  pos("num_key_value_heads", c.num_key_value_heads);
-  pos("max_position_embeddings", c.max_position_embeddings);
-  if (c.head_dim_override < 0) bad(source, "key 'head_dim' must be positive, got " + std::to_string(c.head_dim_override));
-  if (c.head_dim_override == 0 && c.hidden_size % c.num_attention_heads != 0)
-    bad(source, "num_attention_heads (" + std::to_string(c.num_attention_heads) + ") does not divide hidden_size (" +
-                    std::to_string(c.hidden_size) + ") and config.json gives no head_dim");
-  if (c.num_attention_heads % c.num_key_value_heads != 0)
-    bad(source, "num_key_value_heads (" + std::to_string(c.num_key_value_heads) +
-                    ") does not divide num_attention_heads (" + std::to_string(c.num_attention_heads) + ")");
-  if (c.head_dim() <= 0) bad(source, "head_dim = hidden_size / num_attention_heads = 0; it must be positive");
-  if (c.head_dim() % 2 != 0)
-    bad(source, (c.head_dim_override > 0 ? "key 'head_dim' = " : "head_dim = hidden_size / num_attention_heads = ") +
-                    std::to_string(c.head_dim()) + " is odd; RoPE needs pairs");
+  for (const Field& f : fields())
+    if (f.check) f.check(c, source);
+  // The whole model's sizes.
   if (c.num_params() > (int64_t{1} << 40)) bad(source, "the model has more than 2^40 parameters");
   if (static_cast<int64_t>(c.vocab_size) * c.hidden_size > INT32_MAX ||
       static_cast<int64_t>(c.intermediate_size) * c.hidden_size > INT32_MAX ||
       static_cast<int64_t>(c.num_attention_heads) * c.head_dim() * c.hidden_size > INT32_MAX)
     bad(source, "a weight matrix has more than 2^31 elements (vocab_size, intermediate_size or num_attention_heads x "
                 "head_dim, x hidden_size)");
-  if (c.hidden_act != "silu") bad(source, "key 'hidden_act' is \"" + c.hidden_act + "\"; only \"silu\" (SwiGLU) is supported");
-  if (!(c.rms_norm_eps > 0)) bad(source, "key 'rms_norm_eps' must be > 0");
-  if (!(c.rope_theta > 0)) bad(source, "key 'rope_theta' must be > 0");
-  const RopeScaling& r = c.rope_scaling;
-  if (r.rope_type != "default" && r.rope_type != "llama3")
-    bad(source, "rope type \"" + r.rope_type + "\" is not supported (\"default\" or \"llama3\")");
-  if (r.is_llama3()) {
-    if (!(r.factor >= 1)) bad(source, "key 'rope_scaling.factor' must be >= 1, got " + json(r.factor).dump());
-    if (!(r.low_freq_factor > 0)) bad(source, "key 'rope_scaling.low_freq_factor' must be > 0, got " + json(r.low_freq_factor).dump());
-    if (!(r.high_freq_factor > r.low_freq_factor))
-      bad(source, "key 'rope_scaling.high_freq_factor' (" + json(r.high_freq_factor).dump() +
-                      ") must be greater than low_freq_factor (" + json(r.low_freq_factor).dump() + ")");
-    if (r.original_max_position_embeddings <= 0)
-      bad(source, "key 'rope_scaling.original_max_position_embeddings' must be positive, got " +
-                      std::to_string(r.original_max_position_embeddings));
-  }
-  if (!(c.initializer_range > 0)) bad(source, "key 'initializer_range' must be > 0");
-  const std::string vocab = " is outside the vocabulary (vocab_size " + std::to_string(c.vocab_size) + ")";
-  if (c.bos_token_id != kUnsetTokenId && (c.bos_token_id < 0 || c.bos_token_id >= c.vocab_size))
-    bad(source, "key 'bos_token_id' = " + std::to_string(c.bos_token_id) + vocab);
-  for (int id : c.eos_token_ids)
-    if (id < 0 || id >= c.vocab_size)
-      bad(source, "key 'eos_token_id' = " + eos_str(c) +
-                      (c.eos_token_ids.size() > 1 ? ": id " + std::to_string(id) + vocab : vocab));
+}
+
+const std::vector<ModelConfigField>& model_config_fields() {
+  static const std::vector<ModelConfigField> v = [] {
+    std::vector<ModelConfigField> r;
+    for (const Field& f : fields()) r.push_back(f.info);
+    return r;
+  }();
+  return v;
 }
 
 std::string canonical_json(const ModelConfig& c) {
-  json j = {{"name", c.name},
-            {"vocab_size", c.vocab_size},
-            {"hidden_size", c.hidden_size},
-            {"intermediate_size", c.intermediate_size},
-            {"num_hidden_layers", c.num_hidden_layers},
-            {"num_attention_heads", c.num_attention_heads},
-            {"num_key_value_heads", c.num_key_value_heads},
-            {"max_position_embeddings", c.max_position_embeddings},
-            {"rms_norm_eps", c.rms_norm_eps},
-            {"rope_theta", c.rope_theta},
-            {"rope_scaling", rope_scaling_json(c.rope_scaling)},
-            {"head_dim", c.head_dim()},
-            {"initializer_range", c.initializer_range},
-            {"hidden_act", c.hidden_act},
-            {"tie_word_embeddings", c.tie_word_embeddings},
-            {"bos_token_id", bos_json(c)},
-            {"eos_token_id", eos_json(c)}};
+  json j = json::object();
+  for (const Field& f : fields()) j[f.info.key] = f.get(c);
   return j.dump();  // nlohmann::json objects are std::map-backed: keys come out sorted
 }
 
@@ -401,55 +541,21 @@ ModelConfig from_canonical_json(const std::string& s) {
   json j;
   try {
     j = json::parse(s);
-    ModelConfig c;
-    // Sizes must be integers that fit an int: nlohmann would narrow 2^64 - 1 to -1 and 2^32 + 64
-    // to 64 silently.
-    auto integer = [&](const char* k) {
-      const json& v = j.at(k);
-      if (!v.is_number_integer() || (v.is_number_unsigned() ? v.get<uint64_t>() > INT32_MAX
-                                                            : v.get<int64_t>() < INT32_MIN || v.get<int64_t>() > INT32_MAX))
-        throw std::invalid_argument(std::string("canonical model config is malformed: key '") + k + "' is " + v.dump() +
-                                    ", not an integer of 32 bits");
-      return v.get<int>();
-    };
-    c.name = j.at("name");
-    c.vocab_size = integer("vocab_size");
-    c.hidden_size = integer("hidden_size");
-    c.intermediate_size = integer("intermediate_size");
-    c.num_hidden_layers = integer("num_hidden_layers");
-    c.num_attention_heads = integer("num_attention_heads");
-    c.num_key_value_heads = integer("num_key_value_heads");
-    c.max_position_embeddings = integer("max_position_embeddings");
-    c.rms_norm_eps = j.at("rms_norm_eps");
-    c.rope_theta = j.at("rope_theta");
-    // Older versions wrote neither key: hidden_size / num_attention_heads, no scaling.
-    if (j.contains("head_dim") && !j["head_dim"].is_null()) {
-      const int hd = j["head_dim"].get<int>();
-      const bool derived = c.num_attention_heads > 0 && c.hidden_size % c.num_attention_heads == 0 &&
-                           hd == c.hidden_size / c.num_attention_heads;
-      c.head_dim_override = derived ? 0 : hd;
-    }
-    if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) {
-      const json& r = j["rope_scaling"];
-      c.rope_scaling.rope_type = r.at("rope_type").get<std::string>();
-      c.rope_scaling.factor = r.at("factor").get<double>();
-      c.rope_scaling.low_freq_factor = r.at("low_freq_factor").get<double>();
-      c.rope_scaling.high_freq_factor = r.at("high_freq_factor").get<double>();
-      c.rope_scaling.original_max_position_embeddings = r.at("original_max_position_embeddings").get<int>();
-    }
-    c.initializer_range = j.at("initializer_range");
-    c.hidden_act = j.at("hidden_act");
-    c.tie_word_embeddings = j.at("tie_word_embeddings");
-    const json& b = j.at("bos_token_id");
-    c.bos_token_id = b.is_null() ? kUnsetTokenId : b.get<int>();
-    const json& e = j.at("eos_token_id");
-    c.eos_token_ids.clear();
-    if (e.is_array()) c.eos_token_ids = e.get<std::vector<int>>();
-    else if (!e.is_null()) c.eos_token_ids = {e.get<int>()};
-    return c;
   } catch (const json::exception& e) {
-    throw std::invalid_argument(std::string("canonical model config is malformed: ") + e.what());
+    bad("", e.what());
   }
+  if (!j.is_object()) bad("", "not a JSON object");
+  ModelConfig c;
+  try {
+    for (const Field& f : fields()) {
+      const char* k = f.info.key;
+      if (j.contains(k)) f.set(c, j[k], "");
+      else if (!f.canonical_optional) bad("", std::string("key '") + k + "' is missing");
+    }
+  } catch (const json::exception& e) {
+    bad("", e.what());
+  }
+  return c;
 }
 
 std::string to_hf_json(const ModelConfig& c, const std::string& torch_dtype) {
@@ -457,32 +563,22 @@ std::string to_hf_json(const ModelConfig& c, const std::string& torch_dtype) {
   if (c.rope_scaling.is_llama3()) rope_parameters.update(rope_scaling_json(c.rope_scaling));
   json j = {{"architectures", {"LlamaForCausalLM"}},
             {"model_type", "llama"},
-            {"vocab_size", c.vocab_size},
-            {"hidden_size", c.hidden_size},
-            {"intermediate_size", c.intermediate_size},
-            {"num_hidden_layers", c.num_hidden_layers},
-            {"num_attention_heads", c.num_attention_heads},
-            {"num_key_value_heads", c.num_key_value_heads},
-            {"head_dim", c.head_dim()},
-            {"max_position_embeddings", c.max_position_embeddings},
-            {"rms_norm_eps", c.rms_norm_eps},
-            {"rope_theta", c.rope_theta},          // transformers 4.x
-            {"rope_scaling", rope_scaling_json(c.rope_scaling)},  // transformers 4.x (5.x reads it too)
-            {"rope_parameters", rope_parameters},  // transformers 5.x
-            {"initializer_range", c.initializer_range},
-            {"hidden_act", c.hidden_act},
+            {"rope_parameters", rope_parameters},  // transformers 5.x; rope_theta and rope_scaling for 4.x
             {"attention_bias", false},
             {"attention_dropout", 0.0},
             {"mlp_bias", false},
             {"pretraining_tp", 1},
             {"use_cache", true},
-            {"tie_word_embeddings", c.tie_word_embeddings},
-            {"bos_token_id", bos_json(c)},
-            {"eos_token_id", eos_json(c)},
             {"torch_dtype", torch_dtype},  // transformers < 4.56 reads this key
             {"dtype", torch_dtype}};       // transformers >= 4.56 reads this one
+  // The fields, as in the canonical JSON (special ids: a list as a list, unset as null, so that
+  // transformers does not substitute LlamaConfig's defaults 1 and 2).
+  for (const Field& f : fields())
+    if (f.info.in_hf_config) j[f.info.key] = f.get(c);
   return j.dump(2);
 }
+
+uint64_t model_config_hash(const ModelConfig& c) { return fnv1a64(canonical_json(c)); }
 
 std::vector<std::string> reconcile_special_ids(ModelConfig& c, const std::string& config_source,
                                                const DataSpecialIds& d) {
@@ -519,7 +615,7 @@ void take_special_ids_from_data(Comm& comm, ModelConfig& c, const std::string& c
   std::vector<std::string> notes;
   agree(comm, [&] { notes = reconcile_special_ids(c, config_source, d); });
   for (auto& n : notes) log_info(comm, n);
-  if (!same_on_all_ranks(comm, fnv1a64(canonical_json(c))))
+  if (!same_on_all_ranks(comm, model_config_hash(c)))
     throw CollectiveError(0, "ranks disagree on the model config after taking the special ids of " + d.source +
                                  " (does every rank read the same file?)");
 }
@@ -561,7 +657,7 @@ ModelConfig resolve_model_config(Comm& comm, const std::string& spec) {
     local_err = e.what();
   }
   all_ok(comm, local_err.empty(), local_err);
-  if (!same_on_all_ranks(comm, fnv1a64(canonical_json(c)))) throw CollectiveError(0, "ranks disagree on the model config (hash mismatch after broadcast)");
+  if (!same_on_all_ranks(comm, model_config_hash(c))) throw CollectiveError(0, "ranks disagree on the model config (hash mismatch after broadcast)");
   return c;
 }
 

@@ -108,6 +108,24 @@ void attention_backward(Backend<T>& be, const T* q, const T* k, const T* v, cons
     }
 }
 
+// ---- projections ------------------------------------------------------------------------------
+template <typename T>
+void linear(Backend<T>& be, LinearRole role, int M, int N, int K, const T* a, const T* b, T* out, bool accumulate) {
+  using S = typename Backend<T>::S;
+  const S beta = accumulate ? S(1) : S(0);
+  switch (role) {
+    case LinearRole::Forward:  // out[M, N] = x[M, K] W[N, K]^T
+      be.gemm(false, true, M, N, K, S(1), a, K, b, K, beta, out, N);
+      return;
+    case LinearRole::InputGrad:  // out[M, K] = dy[M, N] W[N, K]
+      be.gemm(false, false, M, K, N, S(1), a, N, b, K, beta, out, K);
+      return;
+    case LinearRole::WeightGrad:  // out[N, K] = dy[M, N]^T x[M, K]
+      be.gemm(true, false, N, K, M, S(1), a, N, b, K, beta, out, K);
+      return;
+  }
+}
+
 // ---- options and memory ----------------------------------------------------------------------
 Recompute parse_recompute(const std::string& s) {
   if (s == "none") return Recompute::None;
@@ -133,21 +151,20 @@ struct Sizes {
   int64_t BT, x, rstd, q, kv, att, lse, y, gi;  // gi: gate / up / h / their gradients, [BT, I]
   int64_t chunk_logits, rope, dsum;
   bool keep_all, keep_h, keep_att;  // per-layer buffers besides x; h; exact probabilities
-  Sizes(const ModelConfig& c, const ModelOptions& o, int B, int T_, int chunk) {
-    BT = int64_t{B} * T_;
-    const int64_t NH = c.num_attention_heads, HD = c.head_dim();
-    x = BT * c.hidden_size;
+  Sizes(const LlamaDims& d, const ModelOptions& o) {
+    BT = d.BT;
+    x = BT * d.C;
     rstd = BT;
-    q = BT * NH * HD;
-    kv = BT * c.kv_dim();
+    q = BT * d.Q;
+    kv = BT * d.KV;
     const bool tiled = o.attention == AttentionKind::Tiled;
-    att = tiled ? 0 : int64_t{B} * NH * T_ * T_;
-    lse = tiled ? int64_t{B} * NH * T_ : 0;
+    att = tiled ? 0 : int64_t{d.B} * d.NH * d.T_ * d.T_;
+    lse = tiled ? int64_t{d.B} * d.NH * d.T_ : 0;
     dsum = lse;
     y = q;
-    gi = BT * c.intermediate_size;
-    chunk_logits = int64_t{std::min<int64_t>(chunk, BT)} * c.vocab_size;
-    rope = int64_t{T_} * (HD / 2);
+    gi = BT * d.I;
+    chunk_logits = int64_t{d.chunk} * d.V;
+    rope = int64_t{d.T_} * (d.HD / 2);
     keep_all = o.recompute != Recompute::Full;
     keep_h = o.recompute == Recompute::None;
     keep_att = o.recompute == Recompute::None;
@@ -156,7 +173,7 @@ struct Sizes {
 }  // namespace
 
 ActivationBytes activation_bytes(const ModelConfig& c, const ModelOptions& o, int B, int T_, size_t E, size_t A) {
-  const Sizes z(c, o, B, T_, o.loss_chunk > 0 ? o.loss_chunk : default_loss_chunk(c.vocab_size));
+  const Sizes z(LlamaDims(c).with_batch(B, T_, o.loss_chunk), o);
   const int64_t e = static_cast<int64_t>(E), a = static_cast<int64_t>(A);
   // One block's activations besides its input x, h and the exact probabilities.
   const int64_t rest = e * (2 * z.rstd + z.q + 2 * z.kv + z.y + z.x + 2 * z.gi) + a * z.lse;
@@ -170,9 +187,27 @@ ActivationBytes activation_bytes(const ModelConfig& c, const ModelOptions& o, in
   return r;
 }
 
+LlamaDims::LlamaDims(const ModelConfig& c)
+    : C(c.hidden_size), I(c.intermediate_size), V(c.vocab_size), L(c.num_hidden_layers), NH(c.num_attention_heads),
+      NKV(c.num_key_value_heads), HD(c.head_dim()), Q(NH * HD), KV(NKV * HD) {}
+
+LlamaDims LlamaDims::with_batch(int B_, int T, int loss_chunk) const {
+  LlamaDims d = *this;
+  d.B = B_;
+  d.T_ = T;
+  d.BT = B_ * T;
+  d.chunk = static_cast<int>(std::min<int64_t>(loss_chunk > 0 ? loss_chunk : default_loss_chunk(V), int64_t{B_} * T));
+  return d;
+}
+
 // ---- model ------------------------------------------------------------------------------------
+namespace {
+constexpr LinearRole kFwd = LinearRole::Forward, kDIn = LinearRole::InputGrad, kDW = LinearRole::WeightGrad;
+}  // namespace
+
 template <typename T>
-LlamaModel<T>::LlamaModel(const ModelConfig& c, Backend<T>& be, const ModelOptions& o) : c_(c), o_(o), be_(be) {
+LlamaModel<T>::LlamaModel(const ModelConfig& c, Backend<T>& be, const ModelOptions& o)
+    : c_(c), o_(o), be_(be), d_(c) {
   ShardPlan p = ShardPlan::build(llama_units(c), 1);  // offsets do not depend on the world size
   const UnitPlan& blk = p.units[1];
   auto of = [&](const char* n) { return blk.param("model.layers.0." + std::string(n)).offset; };
@@ -183,16 +218,15 @@ LlamaModel<T>::LlamaModel(const ModelConfig& c, Backend<T>& be, const ModelOptio
   head_off_norm_ = head.param("model.norm.weight").offset;
   head_off_w_ = c.tie_word_embeddings ? 0 : head.param("lm_head.weight").offset;
   if (o_.loss_chunk < 0) throw std::invalid_argument("option '--loss-chunk' must be >= 0");
+  eps_ = static_cast<S>(c.rms_norm_eps);
+  attn_scale_ = S(1) / std::sqrt(static_cast<S>(d_.HD));
   layers_.resize(c.num_hidden_layers);
 }
 
 template <typename T> void LlamaModel<T>::ensure(int B, int T_) {
-  if (B == cur_b_ && T_ == cur_t_) return;
-  cur_b_ = B;
-  cur_t_ = T_;
-  chunk_ = static_cast<int>(std::min<int64_t>(o_.loss_chunk > 0 ? o_.loss_chunk : default_loss_chunk(c_.vocab_size),
-                                               int64_t{B} * T_));
-  const Sizes z(c_, o_, B, T_, chunk_);
+  if (B == d_.B && T_ == d_.T_) return;
+  d_ = d_.with_batch(B, T_, o_.loss_chunk);
+  const Sizes z(d_, o_);
   auto buf = [&](int64_t n) { return Buffer<T>(be_, static_cast<size_t>(n)); };
   auto acc = [&](int64_t n) { return AccBuffer<T>(be_, static_cast<size_t>(n)); };
   auto block = [&](Layer& L) {  // everything of a block but x, h and the exact probabilities
@@ -228,93 +262,120 @@ template <typename T> void LlamaModel<T>::ensure(int B, int T_) {
 }
 
 template <typename T> void LlamaModel<T>::block_forward(const T* w, const T* x, Layer& a, T* h, T* att, T* xn) {
-  const int B = cur_b_, T_ = cur_t_, BT = B * T_, C = c_.hidden_size, I = c_.intermediate_size;
-  const int NH = c_.num_attention_heads, NKV = c_.num_key_value_heads, HD = c_.head_dim();
-  const int Q = NH * HD, KV = NKV * HD;
-  const S eps = static_cast<S>(c_.rms_norm_eps), scale = S(1) / std::sqrt(static_cast<S>(HD));
+  const LlamaDims& d = d_;
   // Attention sub-block: x1 = x + o_proj(attn(rope(q), rope(k), v)) on rmsnorm(x).
-  be_.rmsnorm_forward(ln_.data(), a.rstd1.data(), x, w + off_.ln1, BT, C, eps);
-  be_.gemm(false, true, BT, Q, C, S(1), ln_.data(), C, w + off_.q, C, S(0), a.q.data(), Q);
-  be_.gemm(false, true, BT, KV, C, S(1), ln_.data(), C, w + off_.k, C, S(0), a.k.data(), KV);
-  be_.gemm(false, true, BT, KV, C, S(1), ln_.data(), C, w + off_.v, C, S(0), a.v.data(), KV);
-  be_.rope_forward(a.q.data(), cos_.data(), sin_.data(), B, T_, NH, HD);
-  be_.rope_forward(a.k.data(), cos_.data(), sin_.data(), B, T_, NKV, HD);
+  be_.rmsnorm_forward(ln_.data(), a.rstd1.data(), x, w + off_.ln1, d.BT, d.C, eps_);
+  linear(be_, kFwd, d.BT, d.Q, d.C, ln_.data(), w + off_.q, a.q.data(), false);
+  linear(be_, kFwd, d.BT, d.KV, d.C, ln_.data(), w + off_.k, a.k.data(), false);
+  linear(be_, kFwd, d.BT, d.KV, d.C, ln_.data(), w + off_.v, a.v.data(), false);
+  be_.rope_forward(a.q.data(), cos_.data(), sin_.data(), d.B, d.T_, d.NH, d.HD);
+  be_.rope_forward(a.k.data(), cos_.data(), sin_.data(), d.B, d.T_, d.NKV, d.HD);
   if (o_.attention == AttentionKind::Tiled)
-    be_.flash_attention_forward(a.y.data(), a.lse.data(), a.q.data(), a.k.data(), a.v.data(), B, T_, NH, NKV, HD, scale);
+    be_.flash_attention_forward(a.y.data(), a.lse.data(), a.q.data(), a.k.data(), a.v.data(), d.B, d.T_, d.NH, d.NKV,
+                                d.HD, attn_scale_);
   else
-    shardtrain::attention_forward(be_, a.q.data(), a.k.data(), a.v.data(), att, a.y.data(), B, T_, NH, NKV, HD);
-  be_.copy(a.x1.data(), x, static_cast<size_t>(BT) * C);
-  be_.gemm(false, true, BT, C, Q, S(1), a.y.data(), Q, w + off_.o, Q, S(1), a.x1.data(), C);
+    shardtrain::attention_forward(be_, a.q.data(), a.k.data(), a.v.data(), att, a.y.data(), d.B, d.T_, d.NH, d.NKV, d.HD);
+  be_.copy(a.x1.data(), x, static_cast<size_t>(d.BT) * d.C);
+  linear(be_, kFwd, d.BT, d.C, d.Q, a.y.data(), w + off_.o, a.x1.data(), true);
   // MLP sub-block: x_next = x1 + down(silu(gate(n)) * up(n)), n = rmsnorm(x1).
-  be_.rmsnorm_forward(ln_.data(), a.rstd2.data(), a.x1.data(), w + off_.ln2, BT, C, eps);
-  be_.gemm(false, true, BT, I, C, S(1), ln_.data(), C, w + off_.gate, C, S(0), a.g.data(), I);
-  be_.gemm(false, true, BT, I, C, S(1), ln_.data(), C, w + off_.up, C, S(0), a.u.data(), I);
-  be_.swiglu_forward(h, a.g.data(), a.u.data(), static_cast<size_t>(BT) * I);
+  be_.rmsnorm_forward(ln_.data(), a.rstd2.data(), a.x1.data(), w + off_.ln2, d.BT, d.C, eps_);
+  linear(be_, kFwd, d.BT, d.I, d.C, ln_.data(), w + off_.gate, a.g.data(), false);
+  linear(be_, kFwd, d.BT, d.I, d.C, ln_.data(), w + off_.up, a.u.data(), false);
+  be_.swiglu_forward(h, a.g.data(), a.u.data(), static_cast<size_t>(d.BT) * d.I);
   if (!xn) return;
-  be_.copy(xn, a.x1.data(), static_cast<size_t>(BT) * C);
-  be_.gemm(false, true, BT, C, I, S(1), h, I, w + off_.down, I, S(1), xn, C);
+  be_.copy(xn, a.x1.data(), static_cast<size_t>(d.BT) * d.C);
+  linear(be_, kFwd, d.BT, d.C, d.I, h, w + off_.down, xn, true);
 }
 
-template <typename T>
-double LlamaModel<T>::forward(UnitSource<T>& f, const int32_t* tokens, const int32_t* targets, int B, int T_,
-                              bool train, S grad_scale) {
+template <typename T> void LlamaModel<T>::forward(UnitSource<T>& f, const int32_t* tokens, int B, int T_) {
   if (T_ > c_.max_position_embeddings)
     throw std::invalid_argument("sequence length " + std::to_string(T_) + " exceeds max_position_embeddings " +
                                 std::to_string(c_.max_position_embeddings));
-  const int BT = B * T_, C = c_.hidden_size, V = c_.vocab_size, L = c_.num_hidden_layers;
-  for (int i = 0; i < BT; ++i)
-    if (tokens[i] < 0 || tokens[i] >= V || (targets && (targets[i] < 0 || targets[i] >= V)))
-      throw std::invalid_argument("token id out of range [0, " + std::to_string(V) + ") at position " + std::to_string(i));
+  check_ids(tokens, int64_t{B} * T_);
+  stage_ = Stage::None;
   ensure(B, T_);
-  be_.ids_from_host(tokens_.data(), tokens, static_cast<size_t>(BT));
-  if (targets) be_.ids_from_host(targets_.data(), targets, static_cast<size_t>(BT));
+  const LlamaDims& d = d_;
+  be_.ids_from_host(tokens_.data(), tokens, static_cast<size_t>(d.BT));
 
   // Embedding: x = wte[tokens].
   const T* emb = f.gather(0);
-  be_.embedding_forward(L > 0 ? layers_[0].x.data() : xf_.data(), tokens_.data(), emb, BT, C);
+  be_.embedding_forward(d.L > 0 ? layers_[0].x.data() : xf_.data(), tokens_.data(), emb, d.BT, d.C);
 
-  for (int l = 0; l < L; ++l) {
+  for (int l = 0; l < d.L; ++l) {
     const T* w = f.gather(1 + l);
     Layer& a = o_.recompute == Recompute::Full ? work_ : layers_[l];
     T* h = o_.recompute == Recompute::None ? a.h.data() : work_.h.data();
     T* att = o_.recompute == Recompute::None ? a.att.data() : work_.att.data();
-    block_forward(w, layers_[l].x.data(), a, h, att, l + 1 < L ? layers_[l + 1].x.data() : xf_.data());
+    block_forward(w, layers_[l].x.data(), a, h, att, l + 1 < d.L ? layers_[l + 1].x.data() : xf_.data());
   }
 
-  const T* hw = f.gather(L + 1);
-  be_.rmsnorm_forward(lnf_.data(), rstdf_.data(), xf_.data(), hw + head_off_norm_, BT, C, static_cast<S>(c_.rms_norm_eps));
-  if (targets) return head_forward(f, hw, train, grad_scale);
-  {  // logits for the caller (generation, export checks): one [B*T, V] buffer
-    const T* wout = c_.tie_word_embeddings ? f.gather(0) : hw + head_off_w_;
-    if (logits_.size() != static_cast<size_t>(BT) * V) logits_ = Buffer<T>(be_, static_cast<size_t>(BT) * V);
-    be_.gemm(false, true, BT, V, C, S(1), lnf_.data(), C, wout, C, S(0), logits_.data(), V);
-  }
-  return 0.0;
+  head_w_ = f.gather(d.L + 1);
+  be_.rmsnorm_forward(lnf_.data(), rstdf_.data(), xf_.data(), head_w_ + head_off_norm_, d.BT, d.C, eps_);
+  stage_ = Stage::Forward;
 }
 
-// LM head and loss in chunks of chunk_ tokens (Liger-Kernel's fused linear cross-entropy and
-// torchtune's chunked loss do the same): per chunk, logits = lnf W^T, the loss, and when training
+template <typename T> void LlamaModel<T>::check_ids(const int32_t* ids, int64_t n) const {
+  for (int64_t i = 0; i < n; ++i)
+    if (ids[i] < 0 || ids[i] >= c_.vocab_size)
+      throw std::invalid_argument("token id out of range [0, " + std::to_string(c_.vocab_size) + ") at position " +
+                                  std::to_string(i));
+}
+
+template <typename T> void LlamaModel<T>::expect_stage(Stage s, const char* call) const {
+  if (stage_ != s)
+    throw std::logic_error(std::string("LlamaModel::") + call +
+                           (s == Stage::Forward ? " must follow forward()" : " must follow head_backward()"));
+}
+
+template <typename T> void LlamaModel<T>::head_logits(UnitSource<T>& f) {
+  expect_stage(Stage::Forward, "head_logits");
+  stage_ = Stage::None;
+  const LlamaDims& d = d_;
+  const T* wout = c_.tie_word_embeddings ? f.gather(0) : head_w_ + head_off_w_;
+  if (logits_.size() != static_cast<size_t>(d.BT) * d.V) logits_ = Buffer<T>(be_, static_cast<size_t>(d.BT) * d.V);
+  linear(be_, kFwd, d.BT, d.V, d.C, lnf_.data(), wout, logits_.data(), false);
+}
+
+template <typename T> double LlamaModel<T>::loss(UnitSource<T>& f, const int32_t* targets) {
+  expect_stage(Stage::Forward, "loss");
+  stage_ = Stage::None;
+  return head(f, targets, false, S(0));
+}
+
+template <typename T> double LlamaModel<T>::head_backward(UnitSource<T>& f, const int32_t* targets, S grad_scale) {
+  expect_stage(Stage::Forward, "head_backward");
+  stage_ = Stage::None;
+  const double loss_sum = head(f, targets, true, grad_scale);
+  stage_ = Stage::HeadBackward;
+  return loss_sum;
+}
+
+// LM head and loss in chunks of d.chunk tokens (Liger-Kernel's fused linear cross-entropy and
+// torchtune's chunked loss do the same): per chunk, logits = lnf W^T, the loss, and with `grad`
 // dlogits (in place), dlnf = dlogits W and dW += dlogits^T lnf. Then the final norm's backward
 // gives dres_, where the blocks' backward starts. Collective (gathers, reduce-scatters).
-template <typename T> double LlamaModel<T>::head_forward(UnitSource<T>& f, const T* hw, bool train, S grad_scale) {
-  const int BT = cur_b_ * cur_t_, C = c_.hidden_size, V = c_.vocab_size, L = c_.num_hidden_layers;
+template <typename T> double LlamaModel<T>::head(UnitSource<T>& f, const int32_t* targets, bool grad, S grad_scale) {
+  const LlamaDims& d = d_;
+  check_ids(targets, d.BT);
+  be_.ids_from_host(targets_.data(), targets, static_cast<size_t>(d.BT));
   const bool tied = c_.tie_word_embeddings;
+  const T* hw = head_w_;
   const T* wout = tied ? f.gather(0) : hw + head_off_w_;  // gathering unit 0 invalidates hw
   T* gw = nullptr;
-  if (train) gw = tied ? f.full_grad(0) : f.full_grad(L + 1) + head_off_w_;
+  if (grad) gw = tied ? f.full_grad(0) : f.full_grad(d.L + 1) + head_off_w_;
   // The loss is summed on the backend (cross_entropy_sum) and read once, at the end: one host
   // synchronisation per micro-batch on a GPU instead of one per chunk. The sum starts at 0 (every
   // path out of here takes it).
   try {
-    for (int r0 = 0; r0 < BT; r0 += chunk_) {
-      const int n = std::min(chunk_, BT - r0);
+    for (int r0 = 0; r0 < d.BT; r0 += d.chunk) {
+      const int n = std::min(d.chunk, d.BT - r0);
       T* lg = chunk_logits_.data();
-      const T* x = lnf_.data() + static_cast<int64_t>(r0) * C;
-      be_.gemm(false, true, n, V, C, S(1), x, C, wout, C, S(0), lg, V);
-      be_.cross_entropy_sum(train ? lg : nullptr, lg, targets_.data() + r0, n, V, train ? grad_scale : S(0));
-      if (!train) continue;
-      be_.gemm(false, false, n, C, V, S(1), lg, V, wout, C, S(0), dln_.data() + static_cast<int64_t>(r0) * C, C);
-      be_.gemm(true, false, V, C, n, S(1), lg, V, x, C, S(1), gw, C);
+      const T* x = lnf_.data() + static_cast<int64_t>(r0) * d.C;
+      linear(be_, kFwd, n, d.V, d.C, x, wout, lg, false);
+      be_.cross_entropy_sum(grad ? lg : nullptr, lg, targets_.data() + r0, n, d.V, grad ? grad_scale : S(0));
+      if (!grad) continue;
+      linear(be_, kDIn, n, d.V, d.C, lg, wout, dln_.data() + static_cast<int64_t>(r0) * d.C, false);
+      linear(be_, kDW, n, d.V, d.C, lg, x, gw, true);
     }
   } catch (...) {
     try {
@@ -323,22 +384,22 @@ template <typename T> double LlamaModel<T>::head_forward(UnitSource<T>& f, const
     }
     throw;
   }
-  if (!train) return be_.take_loss_sum();
+  if (!grad) return be_.take_loss_sum();
   if (tied) {
     f.reduce_scatter_grad(0);
-    hw = f.gather(L + 1);  // again: the embedding replaced it in the gather buffer (norm weight only: [C])
+    hw = f.gather(d.L + 1);  // again: the embedding replaced it in the gather buffer (norm weight only: [C])
   }
-  T* ghw = tied ? f.full_grad(L + 1) : gw - head_off_w_;
-  be_.zero(dres_.data(), static_cast<size_t>(BT) * C);
+  T* ghw = tied ? f.full_grad(d.L + 1) : gw - head_off_w_;
+  be_.zero(dres_.data(), static_cast<size_t>(d.BT) * d.C);
   be_.rmsnorm_backward(dres_.data(), ghw + head_off_norm_, dln_.data(), xf_.data(), hw + head_off_norm_,
-                       rstdf_.data(), BT, C);
-  f.reduce_scatter_grad(L + 1);
+                       rstdf_.data(), d.BT, d.C);
+  f.reduce_scatter_grad(d.L + 1);
   return be_.take_loss_sum();
 }
 
 template <typename T> typename LlamaModel<T>::Layer& LlamaModel<T>::backward_activations(int l, const T* w) {
-  const int B = cur_b_, T_ = cur_t_, NH = c_.num_attention_heads, NKV = c_.num_key_value_heads, HD = c_.head_dim();
-  const size_t n = static_cast<size_t>(B) * T_ * c_.intermediate_size;
+  const LlamaDims& d = d_;
+  const size_t n = static_cast<size_t>(d.BT) * d.I;
   Layer& a = layers_[l];
   switch (o_.recompute) {
     case Recompute::None:
@@ -346,8 +407,8 @@ template <typename T> typename LlamaModel<T>::Layer& LlamaModel<T>::backward_act
     case Recompute::Selective:
       be_.swiglu_forward(work_.h.data(), a.g.data(), a.u.data(), n);
       if (o_.attention == AttentionKind::Exact)  // the probabilities only (y is kept)
-        shardtrain::attention_forward<T>(be_, a.q.data(), a.k.data(), a.v.data(), work_.att.data(), nullptr, B, T_, NH,
-                                         NKV, HD);
+        shardtrain::attention_forward<T>(be_, a.q.data(), a.k.data(), a.v.data(), work_.att.data(), nullptr, d.B, d.T_,
+                                         d.NH, d.NKV, d.HD);
       return a;
     case Recompute::Full:
       block_forward(w, a.x.data(), work_, work_.h.data(), work_.att.data(), nullptr);
@@ -357,12 +418,11 @@ template <typename T> typename LlamaModel<T>::Layer& LlamaModel<T>::backward_act
 }
 
 template <typename T> void LlamaModel<T>::backward(UnitSource<T>& f) {
-  const int B = cur_b_, T_ = cur_t_, BT = B * T_, C = c_.hidden_size, I = c_.intermediate_size;
-  const int NH = c_.num_attention_heads, NKV = c_.num_key_value_heads, HD = c_.head_dim();
-  const int Q = NH * HD, KV = NKV * HD, L = c_.num_hidden_layers;
-  const S eps = static_cast<S>(c_.rms_norm_eps), scale = S(1) / std::sqrt(static_cast<S>(HD));
-  // forward() ran the head's backward: dres_ holds d(loss)/d(final block output).
-  for (int l = L - 1; l >= 0; --l) {
+  expect_stage(Stage::HeadBackward, "backward");
+  stage_ = Stage::None;
+  const LlamaDims& d = d_;
+  // head_backward() ran the head's backward: dres_ holds d(loss)/d(final block output).
+  for (int l = d.L - 1; l >= 0; --l) {
     const T* w = f.gather(1 + l);
     Layer& a = backward_activations(l, w);
     const T* x = layers_[l].x.data();
@@ -370,41 +430,42 @@ template <typename T> void LlamaModel<T>::backward(UnitSource<T>& f) {
     const T* att = o_.recompute == Recompute::None ? a.att.data() : work_.att.data();
     T* gw = f.full_grad(1 + l);
     // MLP: x_next = x1 + h Wd^T.  dres flows to x1 unchanged (+ the norm path below).
-    be_.gemm(false, false, BT, I, C, S(1), dres_.data(), C, w + off_.down, I, S(0), dh_.data(), I);
-    be_.gemm(true, false, C, I, BT, S(1), dres_.data(), C, h, I, S(1), gw + off_.down, I);
-    be_.swiglu_backward(dg_.data(), du_.data(), dh_.data(), a.g.data(), a.u.data(), static_cast<size_t>(BT) * I);
-    be_.gemm(false, false, BT, C, I, S(1), dg_.data(), I, w + off_.gate, C, S(0), dln_.data(), C);
-    be_.gemm(false, false, BT, C, I, S(1), du_.data(), I, w + off_.up, C, S(1), dln_.data(), C);
+    linear(be_, kDIn, d.BT, d.C, d.I, dres_.data(), w + off_.down, dh_.data(), false);
+    linear(be_, kDW, d.BT, d.C, d.I, dres_.data(), h, gw + off_.down, true);
+    be_.swiglu_backward(dg_.data(), du_.data(), dh_.data(), a.g.data(), a.u.data(), static_cast<size_t>(d.BT) * d.I);
+    linear(be_, kDIn, d.BT, d.I, d.C, dg_.data(), w + off_.gate, dln_.data(), false);
+    linear(be_, kDIn, d.BT, d.I, d.C, du_.data(), w + off_.up, dln_.data(), true);
     // The normalized input is not kept per layer: recomputed (bitwise the same values, rstd too).
-    be_.rmsnorm_forward(ln_.data(), a.rstd2.data(), a.x1.data(), w + off_.ln2, BT, C, eps);
-    be_.gemm(true, false, I, C, BT, S(1), dg_.data(), I, ln_.data(), C, S(1), gw + off_.gate, C);
-    be_.gemm(true, false, I, C, BT, S(1), du_.data(), I, ln_.data(), C, S(1), gw + off_.up, C);
-    be_.rmsnorm_backward(dres_.data(), gw + off_.ln2, dln_.data(), a.x1.data(), w + off_.ln2, a.rstd2.data(), BT, C);
+    be_.rmsnorm_forward(ln_.data(), a.rstd2.data(), a.x1.data(), w + off_.ln2, d.BT, d.C, eps_);
+    linear(be_, kDW, d.BT, d.I, d.C, dg_.data(), ln_.data(), gw + off_.gate, true);
+    linear(be_, kDW, d.BT, d.I, d.C, du_.data(), ln_.data(), gw + off_.up, true);
+    be_.rmsnorm_backward(dres_.data(), gw + off_.ln2, dln_.data(), a.x1.data(), w + off_.ln2, a.rstd2.data(), d.BT, d.C);
     // Attention: x1 = x + y Wo^T.
-    be_.gemm(false, false, BT, Q, C, S(1), dres_.data(), C, w + off_.o, Q, S(0), dy_.data(), Q);
-    be_.gemm(true, false, C, Q, BT, S(1), dres_.data(), C, a.y.data(), Q, S(1), gw + off_.o, Q);
+    linear(be_, kDIn, d.BT, d.C, d.Q, dres_.data(), w + off_.o, dy_.data(), false);
+    linear(be_, kDW, d.BT, d.C, d.Q, dres_.data(), a.y.data(), gw + off_.o, true);
     if (o_.attention == AttentionKind::Tiled)
       be_.flash_attention_backward(dq_.data(), dk_.data(), dv_.data(), dsum_.data(), dy_.data(), a.q.data(),
-                                   a.k.data(), a.v.data(), a.y.data(), a.lse.data(), B, T_, NH, NKV, HD, scale);
+                                   a.k.data(), a.v.data(), a.y.data(), a.lse.data(), d.B, d.T_, d.NH, d.NKV, d.HD,
+                                   attn_scale_);
     else
       shardtrain::attention_backward(be_, a.q.data(), a.k.data(), a.v.data(), att, dy_.data(), datt_.data(),
-                                     dq_.data(), dk_.data(), dv_.data(), B, T_, NH, NKV, HD);
-    be_.rope_backward(dq_.data(), cos_.data(), sin_.data(), B, T_, NH, HD);
-    be_.rope_backward(dk_.data(), cos_.data(), sin_.data(), B, T_, NKV, HD);
-    be_.gemm(false, false, BT, C, Q, S(1), dq_.data(), Q, w + off_.q, C, S(0), dln_.data(), C);
-    be_.gemm(false, false, BT, C, KV, S(1), dk_.data(), KV, w + off_.k, C, S(1), dln_.data(), C);
-    be_.gemm(false, false, BT, C, KV, S(1), dv_.data(), KV, w + off_.v, C, S(1), dln_.data(), C);
-    be_.rmsnorm_forward(ln_.data(), a.rstd1.data(), x, w + off_.ln1, BT, C, eps);
-    be_.gemm(true, false, Q, C, BT, S(1), dq_.data(), Q, ln_.data(), C, S(1), gw + off_.q, C);
-    be_.gemm(true, false, KV, C, BT, S(1), dk_.data(), KV, ln_.data(), C, S(1), gw + off_.k, C);
-    be_.gemm(true, false, KV, C, BT, S(1), dv_.data(), KV, ln_.data(), C, S(1), gw + off_.v, C);
-    be_.rmsnorm_backward(dres_.data(), gw + off_.ln1, dln_.data(), x, w + off_.ln1, a.rstd1.data(), BT, C);
+                                     dq_.data(), dk_.data(), dv_.data(), d.B, d.T_, d.NH, d.NKV, d.HD);
+    be_.rope_backward(dq_.data(), cos_.data(), sin_.data(), d.B, d.T_, d.NH, d.HD);
+    be_.rope_backward(dk_.data(), cos_.data(), sin_.data(), d.B, d.T_, d.NKV, d.HD);
+    linear(be_, kDIn, d.BT, d.Q, d.C, dq_.data(), w + off_.q, dln_.data(), false);
+    linear(be_, kDIn, d.BT, d.KV, d.C, dk_.data(), w + off_.k, dln_.data(), true);
+    linear(be_, kDIn, d.BT, d.KV, d.C, dv_.data(), w + off_.v, dln_.data(), true);
+    be_.rmsnorm_forward(ln_.data(), a.rstd1.data(), x, w + off_.ln1, d.BT, d.C, eps_);
+    linear(be_, kDW, d.BT, d.Q, d.C, dq_.data(), ln_.data(), gw + off_.q, true);
+    linear(be_, kDW, d.BT, d.KV, d.C, dk_.data(), ln_.data(), gw + off_.k, true);
+    linear(be_, kDW, d.BT, d.KV, d.C, dv_.data(), ln_.data(), gw + off_.v, true);
+    be_.rmsnorm_backward(dres_.data(), gw + off_.ln1, dln_.data(), x, w + off_.ln1, a.rstd1.data(), d.BT, d.C);
     f.reduce_scatter_grad(1 + l);
   }
 
   // Embedding: dwte[tokens] += dres.
   T* ge = f.full_grad(0);
-  be_.embedding_backward(ge, tokens_.data(), dres_.data(), BT, C);
+  be_.embedding_backward(ge, tokens_.data(), dres_.data(), d.BT, d.C);
   f.reduce_scatter_grad(0);
 }
 
@@ -420,6 +481,7 @@ template class LlamaModel<bf16>;
 template void rope_tables<float>(std::vector<float>&, std::vector<float>&, int, const std::vector<double>&);
 template void rope_tables<double>(std::vector<double>&, std::vector<double>&, int, const std::vector<double>&);
 #define ST_INST(T)                                                                                           \
+  template void linear<T>(Backend<T>&, LinearRole, int, int, int, const T*, const T*, T*, bool);                 \
   template void attention_forward<T>(Backend<T>&, const T*, const T*, const T*, T*, T*, int, int, int, int, int); \
   template void attention_backward<T>(Backend<T>&, const T*, const T*, const T*, const T*, const T*, T*, T*, T*, \
                                       T*, int, int, int, int, int);

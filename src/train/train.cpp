@@ -79,7 +79,8 @@ double evaluate(const Mesh& mesh, LlamaModel<T>& model, UnitSource<T>& f, const 
     for (int m = 0; m < per_rank / mb; ++m) {
       fill_batch(data, Split::Val, tc.seed, e, mesh.dp_index() * per_rank + m * mb, mb, tc.seq_len, tok.data(),
                  tgt.data());
-      sum += model.forward(f, tok.data(), tgt.data(), mb, tc.seq_len, false);
+      model.forward(f, tok.data(), mb, tc.seq_len);
+      sum += model.loss(f, tgt.data());
     }
   f.end_pass();
   mesh.world().all_reduce(&sum, 1, ReduceOp::Sum);

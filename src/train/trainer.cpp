@@ -345,7 +345,8 @@ template <typename C> StepOutcome Trainer<C>::train_step(int64_t s) {
   for (int m = 0; m < geo_.accum; ++m) {
     fill_batch(data_, Split::Train, tc_.seed, s, mesh_.dp_index() * geo_.per_rank + m * geo_.mb, geo_.mb, tc_.seq_len,
                tok_.data(), tgt_.data());
-    loss_sum += model_->forward(*units_, tok_.data(), tgt_.data(), geo_.mb, tc_.seq_len, true, grad_scale);
+    model_->forward(*units_, tok_.data(), geo_.mb, tc_.seq_len);
+    loss_sum += model_->head_backward(*units_, tgt_.data(), grad_scale);  // LM head and loss, forward and backward
     model_->backward(*units_);  // reduce-scatters each unit's gradient (mean over ranks) into its shard
   }
   units_->end_pass();  // every reduce-scatter has landed in the gradient shards

@@ -1416,9 +1416,11 @@ void check_llama_f32() {
   st::LlamaModel<float> md(cfg, dev<float>()), mh(cfg, cpu<float>());
   fd.zero_grads();
   fh.zero_grads();
-  const double ld = md.forward(fd, bt.tokens.data(), bt.targets.data(), bt.B, bt.T, true, gscale);
+  md.forward(fd, bt.tokens.data(), bt.B, bt.T);
+  const double ld = md.head_backward(fd, bt.targets.data(), gscale);
   md.backward(fd);
-  const double lh = mh.forward(fh, bt.tokens.data(), bt.targets.data(), bt.B, bt.T, true, gscale);
+  mh.forward(fh, bt.tokens.data(), bt.B, bt.T);
+  const double lh = mh.head_backward(fh, bt.targets.data(), gscale);
   mh.backward(fh);
   note("llama f32 loss: cuda " + fmt(ld) + ", cpu " + fmt(lh));
   EXPECT_LE(std::fabs(ld - lh), 1e-5 * std::fabs(lh)) << "llama f32 loss: cuda " << fmt(ld) << ", cpu " << fmt(lh);
@@ -1435,8 +1437,10 @@ void check_llama_f32() {
     }
   }
   // Eval forward: logits.
-  md.forward(fd, bt.tokens.data(), nullptr, bt.B, bt.T, false);
-  mh.forward(fh, bt.tokens.data(), nullptr, bt.B, bt.T, false);
+  md.forward(fd, bt.tokens.data(), bt.B, bt.T);
+  md.head_logits(fd);
+  mh.forward(fh, bt.tokens.data(), bt.B, bt.T);
+  mh.head_logits(fh);
   const std::vector<float> lg = md.logits(), lw = mh.logits();
   expect_within("llama f32 eval logits (1e-4 of max-abs)", lg, lw, std::vector<double>(lw.size(), 1e-4 * max_abs(lw)));
 }
@@ -1455,9 +1459,11 @@ void check_llama_bf16() {
   st::LlamaModel<bf16> md(cfg, dev<bf16>()), mh(cfg, cpu<bf16>());
   fd.zero_grads();
   fh.zero_grads();
-  const double ld = md.forward(ud, bt.tokens.data(), bt.targets.data(), bt.B, bt.T, true, gscale);
+  md.forward(ud, bt.tokens.data(), bt.B, bt.T);
+  const double ld = md.head_backward(ud, bt.targets.data(), gscale);
   md.backward(ud);
-  const double lh = mh.forward(uh, bt.tokens.data(), bt.targets.data(), bt.B, bt.T, true, gscale);
+  mh.forward(uh, bt.tokens.data(), bt.B, bt.T);
+  const double lh = mh.head_backward(uh, bt.targets.data(), gscale);
   mh.backward(uh);
   note("llama bf16 loss: cuda " + fmt(ld) + ", cpu " + fmt(lh));
   EXPECT_LE(std::fabs(ld - lh), 1e-2 * std::fabs(lh)) << "llama bf16 loss: cuda " << fmt(ld) << ", cpu " << fmt(lh);
@@ -1509,12 +1515,14 @@ void check_overlap_nccl(st::Comm& nc) {
         f.zero_grads();
         if (mixed) {
           mp->begin_pass("train");
-          loss[k].push_back(m16.forward(*mp, bt.tokens.data(), bt.targets.data(), bt.B, bt.T, true, gscale));
+          m16.forward(*mp, bt.tokens.data(), bt.B, bt.T);
+          loss[k].push_back(m16.head_backward(*mp, bt.targets.data(), gscale));
           m16.backward(*mp);
           mp->end_pass();
         } else {
           f.begin_pass("train");
-          loss[k].push_back(m32.forward(f, bt.tokens.data(), bt.targets.data(), bt.B, bt.T, true, gscale));
+          m32.forward(f, bt.tokens.data(), bt.B, bt.T);
+          loss[k].push_back(m32.head_backward(f, bt.targets.data(), gscale));
           m32.backward(f);
           f.end_pass();
         }

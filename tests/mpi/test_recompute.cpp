@@ -73,11 +73,13 @@ Result run(const st::ModelConfig& mc, const st::ModelOptions& mo, bool bf16_redu
     auto b16 = st::make_cpu_backend<bf16>();
     st::MixedPrecisionUnits mp(f, *b16, bf16_reduce);
     st::LlamaModel<bf16> m(mc, *b16, mo);
-    r.loss = m.forward(mp, tok.data(), tgt.data(), kB, kT, true, 1.0f / (kB * kT));
+    m.forward(mp, tok.data(), kB, kT);
+    r.loss = m.head_backward(mp, tgt.data(), 1.0f / (kB * kT));
     m.backward(mp);
   } else {
     st::LlamaModel<float> m(mc, *be, mo);
-    r.loss = m.forward(f, tok.data(), tgt.data(), kB, kT, true, 1.0f / (kB * kT));
+    m.forward(f, tok.data(), kB, kT);
+    r.loss = m.head_backward(f, tgt.data(), 1.0f / (kB * kT));
     m.backward(f);
   }
   for (int u = 0; u < f.num_units(); ++u) {
@@ -235,7 +237,8 @@ TEST(MemoryPlan, Bf16WidenedInSlabsMatchesWhole) {
     std::vector<int32_t> tok, tgt;
     batch(tok, tgt, mc.vocab_size, comm.rank());
     st::LlamaModel<bf16> m(mc, *b16);
-    m.forward(mp, tok.data(), tgt.data(), kB, kT, true, 1.0f / (kB * kT));
+    m.forward(mp, tok.data(), kB, kT);
+    m.head_backward(mp, tgt.data(), 1.0f / (kB * kT));
     m.backward(mp);
     for (int u = 0; u < f.num_units(); ++u)
       g[k].emplace_back(f.grad_shard(u), f.grad_shard(u) + f.plan().units[u].shard_size);

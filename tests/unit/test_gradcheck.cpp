@@ -470,14 +470,18 @@ Batch make_batch() {
 // gradient. Returns the training loss.
 double check_model(Fsdp<double>& f, LlamaModel<double>& m, const Batch& bt, GradReport& rep) {
   f.zero_grads();
-  const double loss = m.forward(f, bt.tokens.data(), bt.targets.data(), bt.B, bt.T, true, 1.0);
+  m.forward(f, bt.tokens.data(), bt.B, bt.T);
+  const double loss = m.head_backward(f, bt.targets.data(), 1.0);
   m.backward(f);
   std::vector<Vec> grads;
   for (int u = 0; u < f.num_units(); ++u) {
     const int64_t S = f.plan().units[u].shard_size;
     grads.emplace_back(f.grad_shard(u), f.grad_shard(u) + S);
   }
-  auto eval = [&] { return m.forward(f, bt.tokens.data(), bt.targets.data(), bt.B, bt.T, false); };
+  auto eval = [&] {
+    m.forward(f, bt.tokens.data(), bt.B, bt.T);
+    return m.loss(f, bt.targets.data());
+  };
   EXPECT_NEAR(eval(), loss, 1e-13 * loss) << "train and eval forward disagree";
 
   for (int u = 0; u < f.num_units(); ++u)
@@ -496,7 +500,8 @@ double check_model(Fsdp<double>& f, LlamaModel<double>& m, const Batch& bt, Grad
 
   // grad_scale multiplies the gradient; parameter shards are unchanged by the FD loop.
   f.zero_grads();
-  EXPECT_NEAR(m.forward(f, bt.tokens.data(), bt.targets.data(), bt.B, bt.T, true, 0.25), loss, 1e-13 * loss);
+  m.forward(f, bt.tokens.data(), bt.B, bt.T);
+  EXPECT_NEAR(m.head_backward(f, bt.targets.data(), 0.25), loss, 1e-13 * loss);
   m.backward(f);
   for (int u = 0; u < f.num_units(); ++u)
     for (int64_t i = 0; i < f.plan().units[u].numel; ++i)
@@ -535,7 +540,8 @@ TEST(GradCheck, ModelTiedHead) {
   f2.set_param("lm_head.weight", f.gather_param("model.embed_tokens.weight"));
   LlamaModel<double> m2(cu, *be);
   f2.zero_grads();
-  const double loss2 = m2.forward(f2, bt.tokens.data(), bt.targets.data(), bt.B, bt.T, true, 1.0);
+  m2.forward(f2, bt.tokens.data(), bt.B, bt.T);
+  const double loss2 = m2.head_backward(f2, bt.targets.data(), 1.0);
   m2.backward(f2);
   EXPECT_NEAR(loss2, loss, 1e-13 * loss);
 
@@ -609,7 +615,7 @@ TEST(GradCheck, ModelUntiedHead) {
 
 // Activation checkpointing, both attention paths and a loss chunk that does not divide the tokens:
 // every combination against finite differences (the recomputed activations, the chunked head's
-// backward inside forward and the exact path's recomputed probabilities all enter the gradient).
+// backward (head_backward) and the exact path's recomputed probabilities all enter the gradient).
 TEST(GradCheck, ModelRecomputeModesAttentionPathsAndLossChunks) {
   Comm& comm = testing::comm();
   if (comm.world_size() != 1) GTEST_SKIP() << "single-rank FD check";
