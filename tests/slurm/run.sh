@@ -494,7 +494,9 @@ s_misuse() {
   ! grep -q "requeueing" "$SUB/job.out" || fail "a failed job was requeued"
   # How long the job ran: slurmctld's log, from the allocation to the completion.
   local log=$S/cluster/log/slurmctld.log t0 t1 took
-  t0=$(grep -m1 "sched: Allocate JobId=$JOB " "$log" | grep -oE '^\[[^]]*' | tr -d '[')
+  # The main scheduler logs "sched: Allocate JobId=J", the backfill scheduler "sched/backfill:
+  # _start_job: Started JobId=J"; either may start it.
+  t0=$(grep -m1 -E "sched: Allocate JobId=$JOB |sched/backfill: _start_job: Started JobId=$JOB " "$log" | grep -oE '^\[[^]]*' | tr -d '[')
   t1=$(grep -m1 "_job_complete: JobId=$JOB " "$log" | grep -oE '^\[[^]]*' | tr -d '[')
   { [ -n "$t0" ] && [ -n "$t1" ]; } || fail "no allocation or completion of job $JOB in slurmctld's log"
   took=$(($(date -d "$t1" +%s) - $(date -d "$t0" +%s)))
