@@ -12,6 +12,7 @@
 #    shardtrain, PyTorch FSDP2 eager and torch.compile, interleaved, two rounds, on the
 #    tinyshakespeare tokens (else fortunes): `demo` at 2 ranks x 1 thread and 1 rank x 2 threads,
 #    a GEMM-bound config at 2 x 1. Writes build/bench/peer.md for docs/benchmarks.md.
+#    BENCH_BASELINE=BIN adds another shardtrain binary (e.g. an earlier commit's) to every round.
 # 3. Checkpoint save/load timing.
 # 4. Memory: plan vs measured peak per rank, activation checkpointing modes, GPU plans (tests/bench/memory.py).
 # 5. Tokenizing throughput (MB/s of text) of --mode prepare beside Python sentencepiece and tokenizers
@@ -65,7 +66,8 @@ fi
 PEER_FAILED=0
 rm -f "$OUT/peer.md"
 python3 tests/bench/throughput.py --data "$DATA" --bin $BIN --python .venv/bin/python --out "$OUT" \
-  --rounds "$ROUNDS" ${BENCH_CASES:+--cases "$BENCH_CASES"} "${QUICK_OPT[@]}" || PEER_FAILED=1
+  --rounds "$ROUNDS" ${BENCH_CASES:+--cases "$BENCH_CASES"} ${BENCH_BASELINE:+--baseline "$BENCH_BASELINE"} \
+  "${QUICK_OPT[@]}" || PEER_FAILED=1
 if [ -f "$OUT/peer.md" ]; then echo "--- $OUT/peer.md:"; cat "$OUT/peer.md"; fi
 
 # 3. Checkpoint save/load: ~10.4M parameters = 125 MB of parameters + AdamW moments, 2 ranks, next

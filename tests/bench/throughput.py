@@ -2,6 +2,7 @@
 
 Usage: python3 tests/bench/throughput.py --data TOKENS [--bin build/shardtrain]
            [--python .venv/bin/python] [--out build/bench] [--rounds 2] [--cases a,b] [--quick]
+           [--baseline OTHER_SHARDTRAIN] [--programs shardtrain,baseline,torch-eager,torch-compile]
 
 Cases (issue 12): the same model config.json, token file, global batch, schedule, AdamW settings
 and seed for both programs; CPU fp32.
@@ -11,6 +12,9 @@ and seed for both programs; CPU fp32.
             parameters), seq-len 256, 2 ranks x 1 thread: the GEMMs dominate
 Each round runs shardtrain, the peer in eager mode, the peer with torch.compile, one after the
 other (A B C A B C ...), so that a change in the machine's load hits every program alike.
+--baseline BIN adds a fourth program, "baseline": another shardtrain binary (e.g. one built from an
+earlier commit) run with the same arguments in the same rounds, so that a refactor's speed is a
+ratio against its predecessor measured beside it. --programs picks and orders the programs run.
 
 Every run is launched by the same mpirun command (same process placement: Open MPI binds each of
 2 ranks to its own core), each rank wrapped by tests/bench/rank_usage.py. Measured per run:
@@ -110,8 +114,8 @@ def run_one(a, case_name, case, program, rnd):
     tail = ["--model", os.path.join(HERE, case["config"]), "--data", a.data, "--seq-len", str(case["seq_len"]),
             "--steps", str(case["steps"]), "--warmup", str(case["warmup"]), "--log-every", str(case["log_every"]),
             "--threads", str(case["threads"]), "--metrics", metrics] + COMMON
-    if program == "shardtrain":
-        cmd = [a.bin, "--eval-every", "0", "--eval-batches", "1"] + tail
+    if program in ("shardtrain", "baseline"):
+        cmd = [a.bin if program == "shardtrain" else a.baseline, "--eval-every", "0", "--eval-batches", "1"] + tail
     else:
         cmd = [a.python, os.path.join(HERE, "peer_torch.py"), "--port", str(free_port())] + tail
         if program == "torch-compile":
@@ -179,6 +183,11 @@ def ratios(results, case, peer):
     return out
 
 
+def peers(a):
+    """The programs shardtrain is compared with, in round order."""
+    return [x for x in a.programs if x != "shardtrain"]
+
+
 def span(xs, f="{:.2f}"):
     return "—" if not xs else (f.format(min(xs)) if len(xs) == 1 else f"{f.format(min(xs))} – {f.format(max(xs))}")
 
@@ -236,12 +245,13 @@ def markdown(a, results, env):
          f"shardtrain's BLAS: {env['shardtrain_blas']}.",
          f"Peer: `tests/bench/peer_torch.py`, {env['torch']}; FSDP2 (`fully_shard` per decoder layer and on the "
          "model), gloo, same config.json, data, batches, initial weights, schedule and AdamW settings.",
-         f"Data: `{os.path.relpath(a.data)}`. Common settings: {' '.join(COMMON)}.", "",
+         f"Data: `{os.path.relpath(a.data)}`. Common settings: {' '.join(COMMON)}."
+         + (f" baseline: `{a.baseline}` (same arguments as shardtrain, `{a.bin}`)." if a.baseline else ""), "",
          "| case | program | tokens/s | CPU-s per 1k tokens (window, all ranks) | peak RSS of the largest rank, MiB | warm-up, s | final loss |",
          "|---|---|---:|---:|---:|---:|---:|"]
     for cn in a.cases:
         c = CASES[cn]
-        for prog in PROGRAMS:
+        for prog in a.programs:
             rs = [r for r in results if r["case"] == cn and r["program"] == prog and r["rc"] == 0]
             if not rs:
                 L.append(f"| {cn} | {prog} | failed | | | | |")
@@ -257,7 +267,7 @@ def markdown(a, results, env):
         "| shardtrain against | tokens/s ratio | target | met | CPU-s per token, peer / shardtrain | peak RSS, shardtrain / peer | ≤ 0.5 |",
         "|---|---:|---|---|---:|---:|---|"]
     for cn in a.cases:
-        for peer in PROGRAMS[1:]:
+        for peer in peers(a):
             rr = ratios(results, cn, peer)
             tgt = [t for c, p, t in TARGETS if c == cn and p == peer]
             tok, rss = [x[0] for x in rr], [x[2] for x in rr]
@@ -279,7 +289,18 @@ def main():
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--cases", default=",".join(CASES))
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--baseline", default="", help="another shardtrain binary, run as program 'baseline'")
+    p.add_argument("--programs", default="", help="comma-separated, in round order; default: shardtrain[,baseline],"
+                   + ",".join(PROGRAMS[1:]))
     a = p.parse_args()
+    a.programs = [x for x in (a.programs or ",".join(PROGRAMS[:1] + (["baseline"] if a.baseline else []) + PROGRAMS[1:])).split(",") if x]
+    for x in a.programs:
+        if x not in PROGRAMS + ["baseline"]:
+            sys.exit(f"throughput.py: unknown program '{x}' (known: {', '.join(PROGRAMS + ['baseline'])})")
+    if "baseline" in a.programs and not a.baseline:
+        sys.exit("throughput.py: program 'baseline' needs --baseline BIN")
+    if "shardtrain" not in a.programs:
+        sys.exit("throughput.py: --programs must include shardtrain (every ratio is against it)")
     a.cases = [c for c in a.cases.split(",") if c]
     for c in a.cases:
         if c not in CASES:
@@ -290,19 +311,20 @@ def main():
     results = []
     for cn in a.cases:
         for rnd in range(1, a.rounds + 1):
-            for prog in PROGRAMS:
+            for prog in a.programs:
                 r = run_one(a, cn, CASES[cn], prog, rnd)
                 results.append(r)
                 print(describe(r), flush=True)
     print("\nratios, per round (shardtrain / peer tokens/s; peer / shardtrain CPU-s per token; "
           "shardtrain / peer peak RSS of the largest rank):")
     for cn in a.cases:
-        for peer in PROGRAMS[1:]:
+        for peer in peers(a):
             rr = ratios(results, cn, peer)
             tgt = [t for c, pp, t in TARGETS if c == cn and pp == peer]
             print(f"  {cn} vs {peer:13}: tokens/s {span([x[0] for x in rr])}"
                   + (f" (target >= {tgt[0]})" if tgt else "")
-                  + f"; CPU per token {span([x[1] for x in rr])}; peak RSS {span([x[2] for x in rr])} (target <= {RSS_TARGET})")
+                  + f"; CPU per token {span([x[1] for x in rr])}; peak RSS {span([x[2] for x in rr])}"
+                  + (f" (target <= {RSS_TARGET})" if peer != "baseline" else ""))
     env = environment(a, results)
     with open(os.path.join(a.out, "throughput.json"), "w") as f:
         json.dump({"environment": env, "cases": {c: CASES[c] for c in a.cases}, "quick": a.quick, "runs": results}, f, indent=1)
