@@ -250,6 +250,7 @@ void run_plan(Comm& comm, const Topology& topo, const Options& o) {
   agree(comm, [&] { G = resolve_shard_group_size(o.shard_group_size, W, ranks_per_node(topo)); });
   MemoryPlanInput in{mc, o.train, W, o.train.precision, o.train.reduce_bf16, cuda, 0, 4, 0, o.train.overlap};
   in.shard_group_size = G;
+  in.stream_lane = cuda && o.gpu_comm == "nccl";  // the data Comm training would make (main's dcomm)
   TrainConfig& t = in.train;
   // Training's check of the sequence length (train.cpp): no plan for a run that would be refused.
   all_ok(comm, t.seq_len <= mc.max_position_embeddings,

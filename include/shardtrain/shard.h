@@ -82,22 +82,29 @@ struct ShardPlan {
 };
 
 // Shard elements per reduce-scatter call when `slab_elements` elements of all ranks' blocks are
-// reduced at a time: min(largest shard, max(1, slab_elements / W)). The FSDP engine's and mixed
-// precision's buffers are sized by it, and so is the memory plan.
-size_t reduce_slab(const ShardPlan& plan, size_t slab_elements);
+// reduced at a time: min(largest shard, max(1, slab_elements / W)). On the stream lane
+// (stream_lane: the data Comm is stream-ordered, NCCL; see CommQueue) the largest shard: one
+// collective per unit, so that no compute-stream wait sits between slabs; its result buffer is then
+// a whole shard, and mixed precision's fp32 widening a whole unit (the memory plan shows it). The
+// FSDP engine's and mixed precision's buffers are sized by it, and so is the memory plan.
+size_t reduce_slab(const ShardPlan& plan, size_t slab_elements, bool stream_lane = false);
 
 // ---- Overlap of communication with compute (issue 15) -----------------------------------------
 //
-// How nonblocking collectives advance while the rank computes. Open MPI progresses a nonblocking
-// collective only inside MPI calls, so something must make them (docs/architecture.md, "Overlap",
-// has the measurements behind the default):
-//   Poll:   (default) the compute thread calls MPI_Test after every GEMM tile and at each unit
-//           (CPU backend hook, set_cpu_gemm_hook);
+// How the host lane's nonblocking collectives advance while the rank computes (the stream lane,
+// below, needs no host progress). Open MPI progresses a nonblocking collective only inside MPI
+// calls, so something must make them (docs/architecture.md, "Overlap", has the measurements
+// behind the default):
+//   Poll:   (default) the compute thread calls MPI_Test after every GEMM tile (CPU backend hook,
+//           set_cpu_gemm_hook) and at every unit boundary (UnitPipeline's gather, full_grad,
+//           reduce_scatter_grad);
 //   Thread: a communication thread starts, tests (MPI_Test, then a nap of 20 us doubling to 1 ms
 //           while nothing completes) and finishes the collectives in flight (needs
 //           MPI_THREAD_MULTIPLE; without it, Poll is used);
-//   Wait:   nothing between: a collective advances when it is started and when it is waited for
-//           (what Open MPI's own asynchronous progress, where a transport has it, would add to).
+//   Wait:   no tests between: MPI is entered only where a job is submitted (its first collective
+//           starts when the queue is idle; the jobs ahead of it advance) and where one is waited
+//           for (the waiter drives both queues of its pipeline, so that no rank blocks while its
+//           peers wait for a collective it has not started).
 enum class CommProgress { Thread, Poll, Wait };
 // "thread" | "poll" | "wait"; throws std::invalid_argument naming option '--comm-progress'.
 CommProgress parse_comm_progress(const std::string& s);
@@ -118,16 +125,34 @@ struct CommTimes {
   int64_t jobs = 0;         // jobs submitted (one per unit all-gather or reduce-scatter), counted at once
 };
 
-// One lane of collectives on its own communicator: jobs run one after another in submission order
-// (so every rank starts the same MPI calls in the same order), each job a chain of `parts`
-// collectives: start(comm, i) starts part i (staging its input first if it needs to), done(i)
-// consumes its result (e.g. adds a reduce-scattered slab into the gradient shard). With an
-// asynchronous comm and overlap on, parts advance in the background as CommProgress says; else
-// submit() runs the job to completion before it returns. On a stream-ordered lane (NCCL,
-// Comm::stream_ordered) submit() enqueues every part at once and wait() orders the compute stream
-// after the job instead of blocking the host. Threads: submit/wait/poll from one
-// (compute) thread; start and done may run on the communication thread, so they must only touch
-// memory the compute thread leaves alone until wait() returned.
+// A queue of FSDP collectives on one communicator (one queue for all-gathers, one for
+// reduce-scatters): jobs in submission order, each a chain of `parts` collectives. start(comm, i)
+// starts part i on the queue's Comm (staging its input first if it needs to) and returns its
+// Request; done(i) consumes part i's result (e.g. adds a reduce-scattered piece into the gradient
+// shard). Every rank submits the same jobs in the same order, so every rank starts the same
+// collectives in the same order on each communicator, although the two queues of a pipeline
+// advance independently of each other.
+//
+// Two lanes, chosen once by make() from the Comm:
+//   HostCommQueue   (Comm::stream_ordered() false: MpiComm, the host-staged device Comm): the
+//                   host completes collectives. Inline (overlap off, or a Comm whose collectives
+//                   complete on return): submit() runs the job to completion. Background: parts
+//                   advance as CommProgress says (poll, thread, wait), one job at a time.
+//   StreamCommQueue (Comm::stream_ordered(): NCCL): the device completes collectives. submit()
+//                   enqueues every part at once on the Comm's communication stream, in program
+//                   order (never from a thread, never depending on a test), so every rank enqueues
+//                   the same NCCL calls in the same order; the host never blocks. wait() orders the
+//                   compute stream after the job (one Request::wait, the job's only compute-stream
+//                   wait when it has one part) and runs its done(). Overlap off: submit() does that
+//                   at once.
+// Buffer ownership: a part's input belongs to the collective from start(i) until its Request
+// completed (host lane) or until wait() ordered the compute stream after it (stream lane); its
+// result is the caller's from done(i) on. Buffers shared between jobs are stated on the job
+// (Job::shared_buffers), never inferred. Errors: a failed start or MPI call throws from submit,
+// poll or wait on the compute thread; a communication thread's error is rethrown by the next wait.
+// Threads: submit, wait and poll from one (compute) thread; on the host lane start and done may run
+// on the communication thread, so they must only touch memory the compute thread leaves alone until
+// wait() returned.
 class CommQueue {
  public:
   using Ticket = uint64_t;  // 1, 2, ... in submission order; 0 = nothing
@@ -135,27 +160,64 @@ class CommQueue {
     int parts = 1;
     std::function<std::unique_ptr<Comm::Request>(Comm&, int)> start;
     std::function<void(int)> done;  // may be empty
+    // True when the job's parts write buffers that other jobs of this queue with shared_buffers
+    // also use, and its done() reads them (the reduce-scatter's staging and result slabs): such a
+    // job starts only after the previous such job's done() ran. The host lane runs jobs one at a
+    // time, which gives that; the stream lane orders the compute stream after the earlier job and
+    // runs its done() before enqueuing this one. False: the job's buffers are its own (a gather
+    // into its own slot; the caller orders reuse by waiting for the ticket).
+    bool shared_buffers = false;
   };
-  // `lane`: the communicator of this queue's collectives; `watch`: the Comm whose collective
-  // watchdog (--collective-timeout) covers waits. prepare_thread runs first on the communication
-  // thread (CPU backend: prepare_cpu_helper_thread).
-  // `what` names the queue's collectives in watchdog messages ("FSDP all-gather").
-  CommQueue(Comm& lane, Comm& watch, bool background, CommProgress progress, std::function<void()> prepare_thread,
-            const char* what);
-  ~CommQueue();  // waits for the jobs in flight, then stops the thread
+  // The lane for `lane`: StreamCommQueue when lane.stream_ordered(), else HostCommQueue.
+  // `background`: overlap on (collectives run while the rank computes; else each job completes
+  // at submit); `watch`: the Comm whose collective watchdog (--collective-timeout) covers waits;
+  // `prepare_thread` runs first on a communication thread (CPU backend:
+  // prepare_cpu_helper_thread); `what` names the queue in watchdog messages ("FSDP all-gather").
+  static std::unique_ptr<CommQueue> make(Comm& lane, Comm& watch, bool background, CommProgress progress,
+                                         std::function<void()> prepare_thread, const char* what);
+  virtual ~CommQueue() = default;  // derived destructors wait for the jobs in flight
   CommQueue(const CommQueue&) = delete;
-  Ticket submit(Job job);
-  // Blocks until job t and every job before it completed (t = 0: returns). Rethrows an error of the
-  // communication thread (a failed MPI call) as std::runtime_error.
-  void wait(Ticket t);
+  CommQueue& operator=(const CommQueue&) = delete;
+  // Throws std::logic_error for parts <= 0.
+  virtual Ticket submit(Job job) = 0;
+  // Job t and every job before it completed (t = 0: returns at once): host lane, their results
+  // are in host-visible memory and their done() ran; stream lane, the compute stream is ordered
+  // after them and their done() was enqueued. Rethrows an error of the communication thread (a
+  // failed MPI call) as std::runtime_error.
+  virtual void wait(Ticket t) = 0;
   void wait_all() { wait(last_); }
-  // Advances the jobs in flight without blocking (compute thread; no-op with a thread or in sync mode).
-  void poll();
-  // The other queue of the same pipeline: without a communication thread, wait() keeps polling it
-  // instead of blocking in MPI_Wait (see wait in shard.cpp). nullptr: none.
-  void set_sibling(CommQueue* q) { sibling_ = q; }
-  bool background() const { return background_; }
-  CommTimes times() const;
+  // Host lane with Poll progress: advances the jobs in flight without blocking (compute thread).
+  // A no-op otherwise.
+  virtual void poll() {}
+  // The other queue of the same pipeline (host lane without a thread: wait() drives it instead of
+  // blocking in MPI_Wait, see HostCommQueue::wait in shard.cpp). nullptr: none. No-op on the stream lane.
+  virtual void set_sibling(CommQueue* q) { (void)q; }
+  // Collectives run while the rank computes (overlap on, on an asynchronous Comm).
+  virtual bool background() const = 0;
+  virtual bool stream_lane() const = 0;
+  // Host-measured times (the stream lane's host only enqueues: issued_s and exposed_s stay near
+  // zero; UnitPipeline reads the device's own, Comm::device_times).
+  virtual CommTimes times() const = 0;
+
+ protected:
+  CommQueue() = default;
+  Ticket last_ = 0;  // the last ticket handed out
+};
+
+// The host lane (see CommQueue). Jobs run one at a time: the head job's parts are started, tested
+// and consumed in order; the next job starts when the head completed.
+class HostCommQueue final : public CommQueue {
+ public:
+  HostCommQueue(Comm& lane, Comm& watch, bool background, CommProgress progress, std::function<void()> prepare_thread,
+                const char* what);
+  ~HostCommQueue() override;  // waits for the jobs in flight, then stops the thread
+  Ticket submit(Job job) override;
+  void wait(Ticket t) override;
+  void poll() override;
+  void set_sibling(CommQueue* q) override;
+  bool background() const override { return background_; }
+  bool stream_lane() const override { return false; }
+  CommTimes times() const override;
   // The communication thread tests the head request, then naps kPollMinUs, doubling the nap (up
   // to kPollMaxUs) while no part completes: microseconds.
   static constexpr int kPollMinUs = 20, kPollMaxUs = 1000;
@@ -169,24 +231,56 @@ class CommQueue {
     double t0 = 0;
   };
   bool advance_locked();  // starts / tests / finishes the head; true if it completed a part
+  void drive();           // advances without blocking (a sibling's waiter; any progress mode)
   void run_inline(Job& job);
-  Ticket submit_ordered_locked(Job job, Ticket t);  // stream-ordered lane (Comm::stream_ordered)
-  void finish_head_locked();
   Comm& lane_;
   Comm& watch_;
   const char* what_;
   bool background_;
-  bool ordered_;  // background on a stream-ordered lane: enqueue at submit, wait orders the device
-  CommQueue* sibling_ = nullptr;
+  HostCommQueue* sibling_ = nullptr;
   CommProgress progress_;
   mutable std::mutex mu_;
   std::condition_variable cv_work_, cv_done_;
   std::deque<Active> jobs_;
-  Ticket last_ = 0, completed_ = 0;
+  Ticket completed_ = 0;
   bool quit_ = false;
   std::exception_ptr error_;
   CommTimes times_;
   std::thread thread_;
+};
+
+// The stream lane (see CommQueue): compute thread only, no host progress and no thread. Parts of
+// one job are enqueued back to back; a part after the first waits for the one before on the
+// compute stream only because its start reads what done() made of it (hybrid sharding's replica
+// sum after the reduce-scatter): the pipeline gives this lane one collective per unit and
+// direction (UnitPipeline, Fsdp, MixedPrecisionUnits), so each unit's collective has exactly one
+// compute-stream wait, when its ticket is waited for (or when a later job with shared_buffers
+// needs its buffers).
+class StreamCommQueue final : public CommQueue {
+ public:
+  StreamCommQueue(Comm& lane, Comm& watch, bool background, const char* what);
+  ~StreamCommQueue() override;  // orders the compute stream after the jobs in flight
+  Ticket submit(Job job) override;
+  void wait(Ticket t) override;
+  bool background() const override { return background_; }
+  bool stream_lane() const override { return true; }
+  CommTimes times() const override { return times_; }
+
+ private:
+  struct Active {
+    Job job;
+    Ticket ticket = 0;
+    std::unique_ptr<Comm::Request> last;  // the last part's request
+  };
+  void finish_head();  // orders the compute stream after the head's last part, runs its done
+  Comm& lane_;
+  Comm& watch_;
+  const char* what_;
+  bool background_;
+  std::deque<Active> jobs_;
+  Ticket completed_ = 0;
+  int shared_in_flight_ = 0;  // queued jobs with shared_buffers
+  CommTimes times_;
 };
 
 // What the model needs from the sharding layer, in its compute type C: a unit's parameters,
@@ -225,6 +319,11 @@ template <typename C> class UnitSource {
 // is reduce-scattered while the next unit's gradient fills the other), two CommQueues on their own
 // duplicated communicators (all-gathers; reduce-scatters), and the recorded order of each pass.
 // A derived class says how one unit is gathered and reduce-scattered.
+// Streams (stream lane, NCCL): the all-gather and the reduce-scatter Comms are duplicates of the
+// data Comm (ncclCommSplit), each with its own communication stream, so a prefetch never queues
+// behind a reduce-scatter; both are enqueued from the compute thread in program order, the same
+// on every rank (NCCL needs that across communicators too). end_pass() synchronizes the data Comm
+// once, which covers its duplicates (Comm::synchronize).
 template <typename C> class UnitPipeline : public UnitSource<C> {
  public:
   const C* gather(int u) override;
@@ -308,9 +407,11 @@ template <typename C> class UnitPipeline : public UnitSource<C> {
 // Every replica then holds and updates identical shards. `comm` stays the whole world.
 template <typename T> class Fsdp final : public UnitPipeline<T> {
  public:
-  // Gradients are reduce-scattered kReduceSlab elements (all ranks' blocks together) at a time,
-  // packed from the full-unit buffer: the result buffer is 1/W of that, not a whole shard of the
-  // largest unit (for a 128k-vocabulary embedding at W = 2 that shard is 500 MiB).
+  // Host lane: gradients are reduce-scattered kReduceSlab elements (all ranks' blocks together)
+  // at a time, packed from the full-unit buffer: the result buffer is 1/W of that, not a whole
+  // shard of the largest unit (for a 128k-vocabulary embedding at W = 2 that shard is 500 MiB).
+  // Stream lane (data_comm stream-ordered): one reduce-scatter per unit into a shard-sized result
+  // buffer (reduce_slab).
   static constexpr size_t kReduceSlab = size_t{1} << 22;
   // Throws std::invalid_argument if the plan's world size differs from data_comm's (comm's when
   // data_comm is nullptr; the shard group's with hybrid sharding), std::bad_alloc.
@@ -383,14 +484,17 @@ template <typename T> class Fsdp final : public UnitPipeline<T> {
 //   reduce_scatter_grad(u): with reduce_bf16 == false the buffer is widened to fp32 and
 //                reduce-scattered in fp32, one slab of at most kWidenSlab elements (over all
 //                ranks) at a time, so no fp32 copy of a whole unit exists (for a 128k vocabulary
-//                embedding that copy would be 4 bytes x V x C); else reduce-scattered in bf16 (half
-//                the bytes). The mean is added into the fp32 gradient shard.
+//                embedding that copy would be 4 bytes x V x C); on the stream lane (NCCL) the whole
+//                unit at once instead (one collective per unit: that fp32 copy exists, see
+//                reduce_slab). Else reduce-scattered in bf16 (half the bytes), one collective per
+//                unit. The mean is added into the fp32 gradient shard.
 // `be` must run on the same device as master.backend().
 class MixedPrecisionUnits final : public UnitPipeline<bf16> {
  public:
   static constexpr size_t kWidenSlab = size_t{1} << 22;  // fp32 elements (16 MiB) per widened slab
   // Throws std::bad_alloc.
-  // widen_slab: fp32 elements per widened slab (tests make it small to cut units into many slabs).
+  // widen_slab: fp32 elements per widened slab (tests make it small to cut units into many slabs);
+  // unused on the stream lane.
   MixedPrecisionUnits(Fsdp<float>& master, Backend<bf16>& be, bool reduce_bf16, size_t widen_slab = kWidenSlab,
                       const OverlapConfig& ov = OverlapConfig{false, 0, CommProgress::Wait});
   ~MixedPrecisionUnits() override;

@@ -114,7 +114,7 @@ Fsdp<T>::Fsdp(Backend<T>& be, Comm& comm, ShardPlan plan, Comm* data_comm, bool 
   }
   if (!full_buffers) return;
   const size_t max_shard = static_cast<size_t>(plan_.max_shard_size()), W = static_cast<size_t>(plan_.world_size);
-  slab_ = reduce_slab(plan_, kReduceSlab);
+  slab_ = reduce_slab(plan_, kReduceSlab, dcomm_->stream_ordered());
   scatter_tmp_ = Buffer<T>(be_, slab_);
   if (max_shard > slab_) pack_ = Buffer<T>(be_, slab_ * W);
   this->init_pipeline(be_, *dcomm_, comm_, plan_, ov, rcomm_);
@@ -157,8 +157,9 @@ template <typename T> void Fsdp<T>::zero_grads() {
   for (size_t u = 0; u < grads_.size(); ++u) be_.zero(grads_[u].data(), grads_[u].size());
 }
 
-size_t reduce_slab(const ShardPlan& plan, size_t slab_elements) {
+size_t reduce_slab(const ShardPlan& plan, size_t slab_elements, bool stream_lane) {
   const size_t max_shard = static_cast<size_t>(plan.max_shard_size()), W = static_cast<size_t>(plan.world_size);
+  if (stream_lane) return max_shard;
   return std::min(max_shard, std::max<size_t>(1, slab_elements / W));
 }
 
@@ -186,17 +187,18 @@ const char* comm_progress_name(CommProgress p) {
   return "?";
 }
 
-CommQueue::CommQueue(Comm& lane, Comm& watch, bool background, CommProgress progress,
-                     std::function<void()> prepare_thread, const char* what)
-    : lane_(lane),
-      watch_(watch),
-      what_(what),
-      background_(background && lane.asynchronous()),
-      ordered_(background_ && lane.stream_ordered()),
-      progress_(progress) {
-  // A stream-ordered lane (NCCL) needs no progress from the host, and its collectives must be
-  // enqueued in program order: never from a thread.
-  if (!background_ || ordered_ || progress_ != CommProgress::Thread) return;
+std::unique_ptr<CommQueue> CommQueue::make(Comm& lane, Comm& watch, bool background, CommProgress progress,
+                                            std::function<void()> prepare_thread, const char* what) {
+  if (lane.stream_ordered()) return std::make_unique<StreamCommQueue>(lane, watch, background, what);
+  return std::make_unique<HostCommQueue>(lane, watch, background, progress, std::move(prepare_thread), what);
+}
+
+// ---- HostCommQueue ----
+
+HostCommQueue::HostCommQueue(Comm& lane, Comm& watch, bool background, CommProgress progress,
+                             std::function<void()> prepare_thread, const char* what)
+    : lane_(lane), watch_(watch), what_(what), background_(background && lane.asynchronous()), progress_(progress) {
+  if (!background_ || progress_ != CommProgress::Thread) return;
   thread_ = std::thread([this, prep = std::move(prepare_thread)] {
     if (prep) prep();
     std::unique_lock<std::mutex> lk(mu_);
@@ -226,7 +228,7 @@ CommQueue::CommQueue(Comm& lane, Comm& watch, bool background, CommProgress prog
   });
 }
 
-CommQueue::~CommQueue() {
+HostCommQueue::~HostCommQueue() {
   try {
     wait_all();
   } catch (...) {  // an error was reported to the waiter already, or nobody waits any more
@@ -242,7 +244,7 @@ CommQueue::~CommQueue() {
 }
 
 // One step of the head job: start its current part, or test it and, when complete, consume it.
-bool CommQueue::advance_locked() {
+bool HostCommQueue::advance_locked() {
   if (jobs_.empty()) return false;
   Active& a = jobs_.front();
   if (!a.req) {
@@ -262,7 +264,7 @@ bool CommQueue::advance_locked() {
   return true;
 }
 
-void CommQueue::run_inline(Job& job) {
+void HostCommQueue::run_inline(Job& job) {
   const double t0 = now_s();
   for (int i = 0; i < job.parts; ++i) {
     auto r = job.start(lane_, i);
@@ -275,7 +277,7 @@ void CommQueue::run_inline(Job& job) {
   times_.exposed_s += dt;
 }
 
-CommQueue::Ticket CommQueue::submit(Job job) {
+CommQueue::Ticket HostCommQueue::submit(Job job) {
   if (job.parts <= 0) throw std::logic_error("CommQueue::submit: a job needs at least one part");
   std::unique_lock<std::mutex> lk(mu_);
   const Ticket t = ++last_;
@@ -288,7 +290,6 @@ CommQueue::Ticket CommQueue::submit(Job job) {
     completed_ = t;
     return t;
   }
-  if (ordered_) return submit_ordered_locked(std::move(job), t);
   Active a;
   a.job = std::move(job);
   a.ticket = t;
@@ -302,45 +303,24 @@ CommQueue::Ticket CommQueue::submit(Job job) {
   return t;
 }
 
-// Stream-ordered lane: every part is enqueued now, in program order (the same on every rank). The
-// parts before the last, and the jobs still queued whose `done` uses buffers that this job's
-// parts reuse (the reduce-scatter's packed and result slabs), are ordered before it on the
-// compute stream (Request::wait() does not block the host). The last part stays in flight: its
-// wait and `done` come when the ticket is waited for.
-CommQueue::Ticket CommQueue::submit_ordered_locked(Job job, Ticket t) {
-  while (!jobs_.empty() && jobs_.front().job.done) finish_head_locked();
-  Active a;
-  a.job = std::move(job);
-  a.ticket = t;
-  for (a.part = 0;; ++a.part) {
-    a.req = a.job.start(lane_, a.part);
-    ++times_.collectives;
-    if (a.part + 1 == a.job.parts) break;
-    a.req->wait();
-    if (a.job.done) a.job.done(a.part);
-  }
-  jobs_.push_back(std::move(a));
-  return t;
+// Unit boundaries and GEMM tiles (Poll only: Wait makes no MPI call there, Thread has its own).
+void HostCommQueue::poll() {
+  if (progress_ == CommProgress::Poll) drive();
 }
 
-// Stream-ordered lane: orders the compute stream after the head's last part, consumes it.
-void CommQueue::finish_head_locked() {
-  Active& a = jobs_.front();
-  a.req->wait();
-  a.req.reset();
-  if (a.job.done) a.job.done(a.part);
-  completed_ = a.ticket;
-  jobs_.pop_front();
-}
-
-void CommQueue::poll() {
-  if (!background_ || ordered_ || thread_.joinable()) return;
+void HostCommQueue::drive() {
+  if (!background_ || thread_.joinable()) return;
   std::lock_guard<std::mutex> lk(mu_);
   while (advance_locked()) {
   }
 }
 
-void CommQueue::wait(Ticket t) {
+void HostCommQueue::set_sibling(CommQueue* q) {
+  sibling_ = dynamic_cast<HostCommQueue*>(q);
+  if (q && !sibling_) throw std::logic_error("HostCommQueue::set_sibling: the sibling is on the stream lane");
+}
+
+void HostCommQueue::wait(Ticket t) {
   std::unique_lock<std::mutex> lk(mu_);
   if (completed_ >= t && !error_) return;
   const double t0 = now_s();
@@ -348,7 +328,6 @@ void CommQueue::wait(Ticket t) {
     // The waiter drives the head job itself, in every progress mode (with a thread too: it would
     // only notice completion after its next nap); the thread blocks on the lock meanwhile.
     CommWatch w(watch_, what_);
-    while (ordered_ && completed_ < t) finish_head_locked();
     while (completed_ < t && !error_) {
       if (advance_locked() || jobs_.empty()) continue;
       if (sibling_ && !thread_.joinable()) {
@@ -356,7 +335,7 @@ void CommQueue::wait(Ticket t) {
         // wait for are waiting on (their next slab, the replica sum), so blocking in MPI_Wait here
         // could close a cycle of waits across the two communicators. Yield like Open MPI does
         // when oversubscribed.
-        sibling_->poll();
+        sibling_->drive();
         std::this_thread::yield();
       } else {
         jobs_.front().req->wait();  // blocks in MPI_Wait: nothing else to do meanwhile
@@ -374,9 +353,65 @@ void CommQueue::wait(Ticket t) {
   }
 }
 
-CommTimes CommQueue::times() const {
+CommTimes HostCommQueue::times() const {
   std::lock_guard<std::mutex> lk(mu_);
   return times_;
+}
+
+// ---- StreamCommQueue ----
+
+StreamCommQueue::StreamCommQueue(Comm& lane, Comm& watch, bool background, const char* what)
+    : lane_(lane), watch_(watch), what_(what), background_(background) {}
+
+StreamCommQueue::~StreamCommQueue() {
+  try {
+    wait_all();
+  } catch (...) {  // a device error was reported already, or nobody waits any more
+  }
+}
+
+// Every part is enqueued now, in program order (the same on every rank). A job with shared
+// buffers first finishes the queued jobs that use them (their done reads them). The last part
+// stays in flight: its compute-stream wait and done come when the ticket is waited for.
+CommQueue::Ticket StreamCommQueue::submit(Job job) {
+  if (job.parts <= 0) throw std::logic_error("CommQueue::submit: a job needs at least one part");
+  const Ticket t = ++last_;
+  ++times_.jobs;
+  {
+    CommWatch w(watch_, what_);
+    if (job.shared_buffers)
+      while (shared_in_flight_ > 0) finish_head();
+    Active a;
+    a.job = std::move(job);
+    a.ticket = t;
+    for (int i = 0;; ++i) {
+      a.last = a.job.start(lane_, i);
+      ++times_.collectives;
+      if (i + 1 == a.job.parts) break;
+      a.last->wait();  // part i + 1 reads what done(i) makes (hybrid sharding's replica sum)
+      if (a.job.done) a.job.done(i);
+    }
+    shared_in_flight_ += a.job.shared_buffers ? 1 : 0;
+    jobs_.push_back(std::move(a));
+  }
+  if (!background_) wait(t);  // overlap off: the same calls, each waited for at once
+  return t;
+}
+
+void StreamCommQueue::finish_head() {
+  Active& a = jobs_.front();
+  a.last->wait();
+  a.last.reset();
+  if (a.job.done) a.job.done(a.job.parts - 1);
+  completed_ = a.ticket;
+  shared_in_flight_ -= a.job.shared_buffers ? 1 : 0;
+  jobs_.pop_front();
+}
+
+void StreamCommQueue::wait(Ticket t) {
+  if (completed_ >= t) return;
+  CommWatch w(watch_, what_);
+  while (completed_ < t) finish_head();
 }
 
 // ---- UnitPipeline ---------------------------------------------------------------------------------
@@ -391,8 +426,9 @@ void UnitPipeline<C>::init_pipeline(Backend<C>& be, Comm& data, Comm& watch, con
   if (ov_.on && ov_.progress == CommProgress::Thread && !mpi_thread_multiple()) ov_.progress = CommProgress::Poll;
   ag_comm_ = data.duplicate();
   rs_comm_ = data.duplicate();
-  // NCCL: no duplicate; gathers and reduce-scatters share the Comm and its communication stream,
-  // enqueued in program order. end_pass() then waits for it once (the one host wait of a pass).
+  // Stream lane (NCCL): the duplicates are split communicators, each with its own communication
+  // stream, enqueued in program order; end_pass() synchronizes `data`, which covers them (the one
+  // host wait of a pass). Without duplicates both queues share `data` and its stream.
   if (ov_.on && data.stream_ordered()) ordered_lane_ = &data;
   if (replica) {
     rep_comm_ = replica->duplicate();
@@ -401,16 +437,15 @@ void UnitPipeline<C>::init_pipeline(Backend<C>& be, Comm& data, Comm& watch, con
   const bool cpu = be.host_kernels();
   std::function<void()> prep;
   if (cpu) prep = [] { prepare_cpu_helper_thread(); };
-  agq_ = std::make_unique<CommQueue>(ag_comm_ ? *ag_comm_ : data, watch, ov_.on, ov_.progress, prep, "FSDP all-gather");
-  rsq_ = std::make_unique<CommQueue>(rs_comm_ ? *rs_comm_ : data, watch, ov_.on, ov_.progress, prep,
-                                     "FSDP reduce-scatter");
+  agq_ = CommQueue::make(ag_comm_ ? *ag_comm_ : data, watch, ov_.on, ov_.progress, prep, "FSDP all-gather");
+  rsq_ = CommQueue::make(rs_comm_ ? *rs_comm_ : data, watch, ov_.on, ov_.progress, prep, "FSDP reduce-scatter");
   agq_->set_sibling(rsq_.get());
   rsq_->set_sibling(agq_.get());
   const size_t max_padded = static_cast<size_t>(plan.max_padded_numel());
   const int nslots = ov_.on ? 1 + ov_.prefetch : 1, ngrads = ov_.on ? 2 : 1;
   for (int i = 0; i < nslots; ++i) slots_.push_back(Slot{Buffer<C>(be, max_padded)});
   for (int i = 0; i < ngrads; ++i) grads_.push_back(GradBuf{Buffer<C>(be, max_padded)});
-  if (ov_.on && ov_.progress == CommProgress::Poll && cpu && agq_->background()) {
+  if (ov_.on && ov_.progress == CommProgress::Poll && cpu && agq_->background() && !agq_->stream_lane()) {
     set_cpu_gemm_hook(&UnitPipeline<C>::poll_hook, this);
     hooked_ = true;
   }
@@ -564,7 +599,8 @@ template class UnitPipeline<bf16>;
 template <typename T> CommQueue::Ticket Fsdp<T>::issue_gather(CommQueue& q, int u, T* dst, int) {
   const size_t S = static_cast<size_t>(plan_.units[u].shard_size);
   const T* src = params_[u].data();
-  return q.submit({1, [=](Comm& c, int) { return c.start_all_gather(src, dst, S); }, {}});
+  // dst is its own gather buffer (the pipeline waits for its ticket before reusing it): no shared buffers.
+  return q.submit({1, [=](Comm& c, int) { return c.start_all_gather(src, dst, S); }, {}, false});
 }
 
 // The one slab job of both gradient paths. `full` is a full-unit buffer laid out [W, S] (rank r's
@@ -608,7 +644,8 @@ CommQueue::Ticket submit_reduce_slabs(CommQueue& q, const F* full, size_t S, siz
                      const auto [a, n] = piece(i);
                      if (!rc) add(a, n, out);
                      else if (i % 2 == 1) radd(a, n, rbuf);
-                   }});
+                   },
+                   true});  // packed, out and rbuf serve every reduce-scatter job of the queue
 }
 
 // Summed over the replica groups (HSDP), divided by W = G * R and added into the gradient shard.
@@ -674,7 +711,7 @@ MixedPrecisionUnits::MixedPrecisionUnits(Fsdp<float>& master, Backend<bf16>& be,
   if (reduce_bf16_) {
     scatter_ = Buffer<bf16>(be_, max_shard);
   } else {
-    slab_ = reduce_slab(m_.plan(), widen_slab);
+    slab_ = reduce_slab(m_.plan(), widen_slab, m_.data_comm().stream_ordered());
     grad32_ = Buffer<float>(m_.backend(), slab_ * static_cast<size_t>(m_.plan().world_size));
     scatter32_ = Buffer<float>(m_.backend(), slab_);
   }
@@ -691,12 +728,13 @@ CommQueue::Ticket MixedPrecisionUnits::issue_gather(CommQueue& q, int u, bf16* d
   const size_t S = static_cast<size_t>(m_.plan().units[u].shard_size);
   bf16* stage = shard_[static_cast<size_t>(slot)].data();
   be_.from_f32(stage, m_.param_shard(u), S);
-  return q.submit({1, [=](Comm& c, int) { return c.start_all_gather(static_cast<const bf16*>(stage), dst, S); }, {}});
+  return q.submit(
+      {1, [=](Comm& c, int) { return c.start_all_gather(static_cast<const bf16*>(stage), dst, S); }, {}, false});
 }
 
 // bf16 reduce: the whole shard at once (scatter_ is shard-sized), the mean added into the fp32
 // gradient shard. fp32 reduce: widened to fp32 a slab at a time ([W, n] of at most slab_ * W floats),
-// so no fp32 copy of a whole unit exists.
+// so no fp32 copy of a whole unit exists (stream lane: slab_ is the largest shard, one part).
 // Hybrid sharding: the group's sum is summed over the replica groups in fp32 (a bf16 group sum is
 // widened into replica32_ first) before the mean over W = G * R is added.
 CommQueue::Ticket MixedPrecisionUnits::issue_reduce(CommQueue& q, int u, const bf16* full) {

@@ -155,6 +155,7 @@ template <typename C> void Trainer<C>::log_memory_plan() {
   mi.train.micro_batch = geo_.mb;
   mi.overlap = tc_.overlap;
   mi.shard_group_size = G_;
+  mi.stream_lane = eng_.mesh.shard_data().stream_ordered();
   mi.runtime_bytes = mi.cuda ? kGpuRuntimeEstimate : current_rss_bytes();
   comm_.all_reduce(&mi.runtime_bytes, 1, ReduceOp::Max);
   const MemoryPlan plan = plan_memory(mi);
