@@ -363,7 +363,7 @@ void run_inspect(Comm& comm, const Options& o) {
   log_info(comm, os.str());
   if (o.dump_param.empty()) return;
   auto be = make_cpu_backend<float>();
-  Fsdp<float> f(*be, comm, ShardPlan::build(llama_units(mc), comm.world_size()));
+  ShardedState<float> f(*be, comm, ShardPlan::build(llama_units(mc), comm.world_size()));
   load_checkpoint(comm, o.checkpoint, f, nullptr, mc, &info);
   // "all": every parameter, each to <dump-out>/<name>.bin (dump-out is a directory).
   const bool all = o.dump_param == "all";

@@ -519,7 +519,7 @@ TEST_F(Fsdp, PrefetchFollowsRecordedOrderAndStaysCorrect) {
   for (st::CommProgress prog : {st::CommProgress::Thread, st::CommProgress::Poll, st::CommProgress::Wait}) {
     SCOPED_TRACE(st::comm_progress_name(prog));
     st::Fsdp<double> ref(*be, world(), st::ShardPlan::build(test_units(), W));
-    st::Fsdp<double> f(*be, world(), st::ShardPlan::build(test_units(), W), nullptr, true, nullptr,
+    st::Fsdp<double> f(*be, world(), st::ShardPlan::build(test_units(), W), nullptr, nullptr,
                         st::OverlapConfig{true, 2, prog});
     ref.init_params(31);
     f.init_params(31);
@@ -703,7 +703,7 @@ TEST_F(Fsdp, StreamOrderedLaneMatchesWaitingEngine) {
       EmulatedStreamComm dev(world(), lazy);
       const st::OverlapConfig ov{true, prefetch, st::CommProgress::Poll};
       st::Fsdp<double> ref(*be, world(), st::ShardPlan::build(test_units(), W));
-      st::Fsdp<double> f(*be, world(), st::ShardPlan::build(test_units(), W), &dev, true, nullptr, ov);
+      st::Fsdp<double> f(*be, world(), st::ShardPlan::build(test_units(), W), &dev, nullptr, ov);
       ref.init_params(41);
       f.init_params(41);
       const int U = f.num_units();
@@ -740,8 +740,8 @@ TEST_F(Fsdp, StreamOrderedLaneMatchesWaitingEngine) {
         }
       }
       for (bool reduce_bf16 : {false, true}) {  // mixed precision, slabs of 7 elements per rank: many parts
-        st::Fsdp<float> m_ref(*be32, world(), st::ShardPlan::build(test_units(), W), nullptr, false);
-        st::Fsdp<float> m_dev(*be32, world(), st::ShardPlan::build(test_units(), W), &dev, false);
+        st::ShardedState<float> m_ref(*be32, world(), st::ShardPlan::build(test_units(), W), nullptr);
+        st::ShardedState<float> m_dev(*be32, world(), st::ShardPlan::build(test_units(), W), &dev);
         st::MixedPrecisionUnits a(m_ref, *be16, reduce_bf16, size_t{7} * W);
         st::MixedPrecisionUnits b(m_dev, *be16, reduce_bf16, size_t{7} * W, ov);
         m_ref.init_params(43);
@@ -827,13 +827,13 @@ TEST_F(Fsdp, StreamLaneOneWaitPerUnitAndSeparateStreams) {
       const st::OverlapConfig ov{true, 1, st::CommProgress::Poll};
       int64_t reduces = 0, jobs = 0;
       if (mixed) {
-        st::Fsdp<float> m(*be32, world(), st::ShardPlan::build(test_units(), W), &dev, false);
+        st::ShardedState<float> m(*be32, world(), st::ShardPlan::build(test_units(), W), &dev);
         st::MixedPrecisionUnits mp(m, *be16, false, size_t{7} * W, ov);
         m.init_params(47);
         reduces = two_passes<bf16>(mp, m.plan(), *be16, r);
         jobs = mp.comm_times().jobs;
       } else {
-        st::Fsdp<double> f(*be, world(), st::ShardPlan::build(test_units(), W), &dev, true, nullptr, ov);
+        st::Fsdp<double> f(*be, world(), st::ShardPlan::build(test_units(), W), &dev, nullptr, ov);
         f.init_params(47);
         reduces = two_passes<double>(f, f.plan(), *be, r);
         jobs = f.comm_times().jobs;
@@ -1082,7 +1082,7 @@ TEST_F(Fsdp, MixedPrecisionGatherAndReduceScatter) {
   auto be16 = st::make_cpu_backend<bf16>();
   for (bool reduce_bf16 : {false, true}) {
     st::Fsdp<float> ref(*be32, c, st::ShardPlan::build(test_units(), W));
-    st::Fsdp<float> master(*be32, c, st::ShardPlan::build(test_units(), W), nullptr, /*full_buffers=*/false);
+    st::ShardedState<float> master(*be32, c, st::ShardPlan::build(test_units(), W));
     ref.init_params(11);
     master.init_params(11);
     st::MixedPrecisionUnits mixed(master, *be16, reduce_bf16);
@@ -1139,7 +1139,7 @@ TEST_F(Fsdp, HybridShardingMeanOverAllRanks) {
     EXPECT_EQ(group.rank(), r % G);
     EXPECT_EQ(replica.world_size(), W / G);
     EXPECT_EQ(replica.rank(), r / G);
-    st::Fsdp<double> f(*be64, c, st::ShardPlan::build(test_units(), G), &group, true, &replica, ov);
+    st::Fsdp<double> f(*be64, c, st::ShardPlan::build(test_units(), G), &group, &replica, ov);
     EXPECT_EQ(f.plan_rank(), r % G);
     EXPECT_EQ(st::MeshLayout(st::MeshDims{W / G, G, 1, 1}).coord(r).dp_replicate, r / G);
     EXPECT_EQ(f.replicas(), W / G);
@@ -1179,7 +1179,7 @@ TEST_F(Fsdp, HybridShardingMeanOverAllRanks) {
     EXPECT_TRUE(near(norm, sumsq, 1e-10)) << norm << " vs " << sumsq;
 
     for (bool reduce_bf16 : {false, true}) {  // mixed precision over an fp32 master with replicas
-      st::Fsdp<float> master(*be32, c, st::ShardPlan::build(test_units(), G), &group, false, &replica);
+      st::ShardedState<float> master(*be32, c, st::ShardPlan::build(test_units(), G), &group, &replica);
       st::MixedPrecisionUnits mixed(master, *be16, reduce_bf16, st::MixedPrecisionUnits::kWidenSlab, ov);
       master.zero_grads();
       for (int u = 0; u < master.num_units(); ++u) {
