@@ -250,6 +250,7 @@ void run_plan(Comm& comm, const Topology& topo, const Options& o) {
   agree(comm, [&] { G = resolve_shard_group_size(o.shard_group_size, W, ranks_per_node(topo)); });
   MemoryPlanInput in{mc, o.train, W, o.train.precision, o.train.reduce_bf16, cuda, 0, 4, 0, o.train.overlap};
   in.shard_group_size = G;
+  in.stream_lane = cuda && o.gpu_comm == "nccl";  // the data Comm training would make (main's dcomm)
   TrainConfig& t = in.train;
   // Training's check of the sequence length (train.cpp): no plan for a run that would be refused.
   all_ok(comm, t.seq_len <= mc.max_position_embeddings,
@@ -362,7 +363,7 @@ void run_inspect(Comm& comm, const Options& o) {
   log_info(comm, os.str());
   if (o.dump_param.empty()) return;
   auto be = make_cpu_backend<float>();
-  Fsdp<float> f(*be, comm, ShardPlan::build(llama_units(mc), comm.world_size()));
+  ShardedState<float> f(*be, comm, ShardPlan::build(llama_units(mc), comm.world_size()));
   load_checkpoint(comm, o.checkpoint, f, nullptr, mc, &info);
   // "all": every parameter, each to <dump-out>/<name>.bin (dump-out is a directory).
   const bool all = o.dump_param == "all";

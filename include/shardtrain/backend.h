@@ -39,6 +39,15 @@ template <typename T> class Backend {
   // the CPU's thread setup (FTZ/DAZ, one OpenMP thread) on their helper threads and measure host
   // memory. False for device backends (and test wrappers).
   virtual bool host_kernels() const { return false; }
+  // Host kernels: fn(arg) runs on the calling thread after every GEMM of this backend (after each
+  // tile when the tiles run serially; fn == nullptr: nothing, the default). The FSDP pipeline's
+  // `--comm-progress poll` sets it to drive MPI progress between the GEMMs of a unit (Open MPI
+  // advances nonblocking collectives only inside MPI calls). Device backends ignore it: their
+  // collectives need no host progress.
+  virtual void set_gemm_progress_hook(void (*fn)(void*), void* arg) {
+    (void)fn;
+    (void)arg;
+  }
 
   // ---- memory -------------------------------------------------------------------------------
   virtual T* alloc(size_t n) = 0;  // n elements, zero-initialized; throws std::bad_alloc
@@ -189,10 +198,6 @@ int cpu_threads();
 // backend calls with the results the main thread would get: the FTZ/DAZ mode of the rank's threads
 // and one OpenMP thread (its calls run serially on it, and no second thread pool competes).
 void prepare_cpu_helper_thread();
-// CPU backend: fn(arg) runs on the calling thread after every GEMM (fn == nullptr: nothing; the
-// default). FSDP's `--comm-progress poll` sets it to drive MPI progress between the GEMMs of a unit
-// (Open MPI advances nonblocking collectives only inside MPI calls). One hook per process.
-void set_cpu_gemm_hook(void (*fn)(void*), void* arg);
 // How the CPU backend cuts an M x N x K GEMM: {tiles along M, tiles along N}. A function of the
 // shape only (never of the thread count); exposed for tests.
 std::pair<int, int> cpu_gemm_tiles(int M, int N, int K);

@@ -130,14 +130,14 @@ void prepare_checkpoint_dir(Comm& comm, const std::string& dir);
 // "<dir>/latest" at it (write-temp-then-rename), and only then deletes checkpoints beyond
 // keep_last. Returns the published path. Throws CollectiveError (same message on every rank) if
 // the directory cannot be created or written, or HDF5 fails.
-std::string save_checkpoint(Comm& comm, Fsdp<float>& f, AdamW<float>& opt, const ModelConfig& mc,
+std::string save_checkpoint(Comm& comm, ShardedState<float>& f, AdamW<float>& opt, const ModelConfig& mc,
                             const TrainConfig& tc, const TrainState& state, const CheckpointOptions& co);
 
 // Collective. Writes a complete checkpoint file at `path` (no rename, no `latest`): the building
 // block of save_checkpoint, also used by import. Rank r of f's plan writes row r of every flat
 // buffer when `write_shards` (CheckpointOptions::write_shards); the rows come from the ranks that
 // pass true, exactly one per plan row. Throws CollectiveError naming the file.
-void write_checkpoint_file(Comm& comm, const std::string& path, Fsdp<float>& f, AdamW<float>& opt,
+void write_checkpoint_file(Comm& comm, const std::string& path, ShardedState<float>& f, AdamW<float>& opt,
                            const ModelConfig& mc, const TrainConfig& tc, const TrainState& state,
                            bool write_shards = true);
 
@@ -167,7 +167,7 @@ void check_checkpoint_layout(const CheckpointInfo& info, const ShardPlan& plan);
 // present, none extra; every tensor's name, shape and offset as expected; the CRC32 of every saved
 // slice that this rank loads, plus a share of the others so that every slice is verified.
 // `info`, when given, is the already read metadata of `path` (it is read otherwise).
-TrainState load_checkpoint(Comm& comm, const std::string& path, Fsdp<float>& f, AdamW<float>* opt,
+TrainState load_checkpoint(Comm& comm, const std::string& path, ShardedState<float>& f, AdamW<float>* opt,
                            const ModelConfig& mc, const CheckpointInfo* info = nullptr);
 
 // The model-config keys whose values differ between two canonical configs (config.h) in a way that

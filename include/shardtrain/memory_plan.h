@@ -41,6 +41,10 @@ struct MemoryPlanInput {
   // --overlap / --prefetch: 1 + prefetch gather buffers and 2 gradient buffers when on (UnitPipeline).
   OverlapConfig overlap{};
   int shard_group_size = 0;   // ranks each unit is sharded over (hybrid sharding); 0: world_size
+  // The data collectives are stream-ordered (NCCL: --device cuda --gpu-comm nccl): one
+  // reduce-scatter per unit (CommQueue's stream lane), whose result buffer is a whole shard and
+  // whose fp32 widening (mixed precision, fp32 reduce) a whole unit, instead of slabs.
+  bool stream_lane = false;
 };
 
 struct MemoryLine {

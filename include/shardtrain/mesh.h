@@ -4,7 +4,7 @@
 // What this is not: a place that computes. The mesh only answers questions about ranks (which
 // coordinate, which group, who reads which batch rows, who writes which checkpoint rows, whose
 // gradient elements count in the norm) and hands out communicators. The model never sees it; the
-// shard layer takes its communicators from it (Fsdp's Mesh constructor), the trainer asks it the
+// shard layer takes its communicators from it (ShardedState's Mesh constructor), the trainer asks it the
 // questions above.
 //
 // Dimensions, outermost first: dp_replicate (R, replica groups of hybrid sharding) x dp_shard (G,

@@ -116,22 +116,28 @@ class Comm {
   // that every rank enqueues the same NCCL calls in the same order. The blocking calls above stay
   // blocking and are ordered after every started collective.
   virtual bool stream_ordered() const { return false; }
-  // Blocks the host until every collective started on this Comm, and the compute stream's work
-  // before this call, completed; a watched wait (the collective watchdog covers it). Rethrows a
-  // failure the device reported. No-op for Comms whose Requests complete on the host.
+  // Blocks the host until every collective started on this Comm and on the Comms duplicate()
+  // made from it, and the compute stream's work before this call, completed; a watched wait (the
+  // collective watchdog covers it). Rethrows a failure the device reported. No-op for Comms whose
+  // Requests complete on the host.
   virtual void synchronize() {}
-  // Stream-ordered Comms: seconds the communication stream spent in started collectives
-  // (issued_s) and seconds the compute stream waited for them in Request::wait() (exposed_s),
-  // measured with CUDA events and accumulated up to the last synchronize(); zero elsewhere.
+  // Stream-ordered Comms: seconds the communication streams (this Comm's and its duplicates')
+  // spent in started collectives (issued_s) and seconds the compute stream waited for them in
+  // Request::wait() (exposed_s), measured with CUDA events and accumulated up to the last
+  // synchronize(); zero elsewhere.
   struct DeviceTimes {
     double issued_s = 0, exposed_s = 0;
     int64_t collectives = 0;
   };
   virtual DeviceTimes device_times() const { return {}; }
-  // Collective. A new Comm over the same ranks on a duplicated MPI communicator (its collectives
-  // never match this one's), or nullptr where the implementation has none. FSDP runs its gathers
-  // and its reduce-scatters each on one, so that the two streams of collectives, started at
-  // different times on different ranks, cannot cross.
+  // Collective. A new Comm over the same ranks on a duplicated communicator (its collectives
+  // never match this one's), or nullptr where the implementation has none. MpiComm: MPI_Comm_dup.
+  // NcclComm: ncclCommSplit, with a communication stream of its own (the compute stream is
+  // shared); it must not outlive this Comm, whose synchronize() covers it, and collectives of the
+  // two must be started in the same order on every rank (NCCL kernels of two communicators can
+  // otherwise wait on each other). FSDP runs its gathers and its reduce-scatters each on one, so
+  // that the two streams of collectives, started at different times on different ranks, cannot
+  // cross, and on NCCL a prefetch does not queue behind a reduce-scatter.
   virtual std::unique_ptr<Comm> duplicate() { return nullptr; }
 
   // Type-erased entry points behind the templates above; public so that adapters (the NCCL and

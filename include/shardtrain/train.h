@@ -97,7 +97,7 @@ double lr_at(const TrainConfig& tc, int64_t s);
 // elements are never touched.
 template <typename T> class AdamW {
  public:
-  AdamW(Fsdp<T>& f, const TrainConfig& tc);
+  AdamW(ShardedState<T>& f, const TrainConfig& tc);
   // One update at 1-based step `t` with learning rate `lr`; gradients are multiplied by
   // grad_scale (the clipping factor) first.
   void step(int64_t t, double lr, double grad_scale);
@@ -106,7 +106,7 @@ template <typename T> class AdamW {
 
  private:
   struct Segment { int unit; int64_t begin, count; bool decay; };  // shard-local element ranges
-  Fsdp<T>& f_;
+  ShardedState<T>& f_;
   TrainConfig tc_;
   std::vector<Buffer<T>> m_, v_;
   std::vector<Segment> segs_;

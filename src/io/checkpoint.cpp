@@ -564,7 +564,7 @@ std::vector<std::string> architecture_differences(const std::string& ckpt, const
   return diff;
 }
 
-void write_checkpoint_file(Comm& comm, const std::string& tmp_path, Fsdp<float>& f, AdamW<float>& opt,
+void write_checkpoint_file(Comm& comm, const std::string& tmp_path, ShardedState<float>& f, AdamW<float>& opt,
                            const ModelConfig& mc, const TrainConfig& tc, const TrainState& st, bool write_shards) {
   static QuietHdf5 quiet;
   // One logical copy for the plan's W = G ranks (G: shard group size; the world size without hybrid
@@ -739,7 +739,7 @@ void prepare_checkpoint_dir(Comm& comm, const std::string& dir) {
                                          "write into one shared directory");
 }
 
-std::string save_checkpoint(Comm& comm, Fsdp<float>& f, AdamW<float>& opt, const ModelConfig& mc,
+std::string save_checkpoint(Comm& comm, ShardedState<float>& f, AdamW<float>& opt, const ModelConfig& mc,
                             const TrainConfig& tc, const TrainState& st, const CheckpointOptions& co) {
   static QuietHdf5 quiet;
   const int W = comm.world_size(), r = comm.rank();
@@ -1068,7 +1068,7 @@ void check_checkpoint_layout(const CheckpointInfo& info, const ShardPlan& plan) 
   }
 }
 
-TrainState load_checkpoint(Comm& comm, const std::string& path, Fsdp<float>& f, AdamW<float>* opt,
+TrainState load_checkpoint(Comm& comm, const std::string& path, ShardedState<float>& f, AdamW<float>* opt,
                            const ModelConfig& mc, const CheckpointInfo* given) {
   CheckpointInfo read;
   const CheckpointInfo& info = given ? *given : (read = read_checkpoint_info(comm, path));

@@ -561,7 +561,7 @@ void import_hf(Comm& comm, const std::string& hf_dir, const std::string& out_pat
       }
   });
   auto be = make_cpu_backend<float>();
-  Fsdp<float> f(*be, comm, ShardPlan::build(llama_units(mc), comm.world_size()));
+  ShardedState<float> f(*be, comm, ShardPlan::build(llama_units(mc), comm.world_size()));
   uint32_t digest = 0;  // CRC32 of every weight this rank read, in model order
   agree(comm, [&] {
     std::set<std::string> expected;

@@ -118,6 +118,8 @@ class NcclComm final : public DeviceComm {
   // destroy their side): ncclCommAbort then frees local resources without waiting for anyone.
   // Neither throws.
   ~NcclComm() override {
+    if (parent_) std::erase(parent_->children_, this);
+    for (NcclComm* c : children_) c->parent_ = nullptr;
     end_comm();
     marks_.clear();  // the events, before their stream
     waits_.clear();
@@ -161,28 +163,69 @@ class NcclComm final : public DeviceComm {
       return ncclReduceScatter(send, recv, count, nccl_type(t), ncclSum, comm_, s);
     });
   }
+  // Covers the Comms duplicate() made from this one: their streams are waited for too, and their
+  // device times are added to this one's.
   void synchronize() override {
-    if (!last_) return;
+    bool any = static_cast<bool>(last_);
+    for (const NcclComm* c : children_) any = any || static_cast<bool>(c->last_);
+    if (!any) return;
     {
       CommWatch w(host_, "nccl synchronize (overlapped collectives)");
+      for (NcclComm* c : children_)
+        check_cuda(cudaStreamSynchronize(c->cstream_), "cudaStreamSynchronize", "NcclComm::synchronize");
       check_cuda(cudaStreamSynchronize(cstream_), "cudaStreamSynchronize", "NcclComm::synchronize");
       check_cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize", "NcclComm::synchronize");
     }
-    check_async("NcclComm::synchronize");
-    auto add = [](std::vector<std::pair<Event, Event>>& v, double& acc) {
-      for (auto& [a, b] : v) {
-        float ms = 0;
-        check_cuda(cudaEventElapsedTime(&ms, a.get(), b.get()), "cudaEventElapsedTime", "NcclComm::synchronize");
-        acc += 1e-3 * ms;
-      }
-      v.clear();
-    };
-    times_.collectives += static_cast<int64_t>(marks_.size());
-    add(marks_, times_.issued_s);
-    add(waits_, times_.exposed_s);
-    last_.reset();
+    for (NcclComm* c : children_) c->drain(times_);
+    drain(times_);
   }
   DeviceTimes device_times() const override { return times_; }
+
+  // Collective over this communicator's ranks: a NcclComm on a communicator of its own
+  // (ncclCommSplit, NCCL >= 2.18: the same ranks, in the same order) with its own communication
+  // stream, on the same compute stream and host Comm. Its collectives never match this one's and
+  // may run at the same time; callers enqueue collectives of the two in the same order on every
+  // rank (NCCL kernels of different communicators can otherwise wait on each other forever). It
+  // must not outlive this Comm, whose synchronize() covers it. A failure on any rank is agreed
+  // (all_ok over the host Comm): CollectiveError on every rank. Older NCCL: nullptr (the caller
+  // shares this Comm and its stream).
+  std::unique_ptr<Comm> duplicate() override {
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 18, 0)
+    ncclComm_t child = nullptr;
+    bool ok = true;
+    std::string msg;
+    {
+      CommWatch w(host_, "ncclCommSplit");
+      ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+      config.blocking = 1;
+      const ncclResult_t r = ncclCommSplit(comm_, 0, rank(), &child, &config);
+      if (r != ncclSuccess) {
+        ok = false;
+        msg = "NCCL communicator split failed: " + nccl_error(r, "ncclCommSplit", comm_);
+        if (child) (void)ncclCommAbort(child);
+        child = nullptr;
+      }
+    }
+    try {
+      all_ok(host_, ok, msg);
+    } catch (...) {
+      if (child) (void)ncclCommAbort(child);
+      throw;
+    }
+    std::unique_ptr<NcclComm> c;
+    try {
+      c = std::make_unique<NcclComm>(host_, child, stream_);
+    } catch (...) {
+      (void)ncclCommAbort(child);
+      throw;
+    }
+    c->parent_ = this;
+    children_.push_back(c.get());
+    return c;
+#else
+    return nullptr;
+#endif
+  }
 
  private:
   // Waits on `e` from the compute stream (Request::wait), between two timing events.
@@ -235,6 +278,25 @@ class NcclComm final : public DeviceComm {
     return std::make_unique<StreamRequest>(this, std::move(t1));
   }
 
+  // After a stream synchronize: a failure NCCL reported, then the started collectives' and the
+  // waits' device times, added into `t`.
+  void drain(DeviceTimes& t) {
+    if (!last_) return;
+    check_async("NcclComm::synchronize");
+    auto add = [](std::vector<std::pair<Event, Event>>& v, double& acc) {
+      for (auto& [a, b] : v) {
+        float ms = 0;
+        check_cuda(cudaEventElapsedTime(&ms, a.get(), b.get()), "cudaEventElapsedTime", "NcclComm::synchronize");
+        acc += 1e-3 * ms;
+      }
+      v.clear();
+    };
+    t.collectives += static_cast<int64_t>(marks_.size());
+    add(marks_, t.issued_s);
+    add(waits_, t.exposed_s);
+    last_.reset();
+  }
+
   // A NCCL or network failure detected while kernels ran.
   void check_async(const char* call) {
     ncclResult_t async = ncclSuccess;
@@ -282,6 +344,8 @@ class NcclComm final : public DeviceComm {
   std::vector<std::pair<Event, Event>> waits_;      // each Request::wait: before, after (stream_)
   Event last_;                                      // end of the last started collective; null after synchronize
   DeviceTimes times_;
+  NcclComm* parent_ = nullptr;         // the Comm this one was duplicated from (its synchronize covers this)
+  std::vector<NcclComm*> children_;    // live duplicates of this one
 };
 
 // ------------------------------------------------------------------------------------------------

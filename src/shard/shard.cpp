@@ -97,32 +97,18 @@ double counter_normal(uint64_t seed, uint64_t key, uint64_t i) {
 }
 
 template <typename T>
-Fsdp<T>::Fsdp(Backend<T>& be, Comm& comm, ShardPlan plan, Comm* data_comm, bool full_buffers, Comm* replica_comm,
-              const OverlapConfig& ov)
-    : be_(be),
-      comm_(comm),
-      dcomm_(data_comm ? data_comm : &comm),
-      rcomm_(replica_comm),
-      plan_(std::move(plan)),
-      full_(full_buffers) {
+ShardedState<T>::ShardedState(Backend<T>& be, Comm& comm, ShardPlan plan, Comm* data_comm, Comm* replica_comm)
+    : be_(be), comm_(comm), dcomm_(data_comm ? data_comm : &comm), rcomm_(replica_comm), plan_(std::move(plan)) {
   if (plan_.world_size != dcomm_->world_size())
-    throw std::invalid_argument("Fsdp: plan built for " + std::to_string(plan_.world_size) + " ranks, comm has " +
-                                std::to_string(dcomm_->world_size()));
+    throw std::invalid_argument("ShardedState: plan built for " + std::to_string(plan_.world_size) +
+                                " ranks, comm has " + std::to_string(dcomm_->world_size()));
   for (auto& u : plan_.units) {
     params_.emplace_back(be_, static_cast<size_t>(u.shard_size));
     grads_.emplace_back(be_, static_cast<size_t>(u.shard_size));
   }
-  if (!full_buffers) return;
-  const size_t max_shard = static_cast<size_t>(plan_.max_shard_size()), W = static_cast<size_t>(plan_.world_size);
-  slab_ = reduce_slab(plan_, kReduceSlab);
-  scatter_tmp_ = Buffer<T>(be_, slab_);
-  if (max_shard > slab_) pack_ = Buffer<T>(be_, slab_ * W);
-  this->init_pipeline(be_, *dcomm_, comm_, plan_, ov, rcomm_);
 }
 
-template <typename T> Fsdp<T>::~Fsdp() { this->stop_pipeline(); }
-
-template <typename T> void Fsdp<T>::init_params(uint64_t seed) {
+template <typename T> void ShardedState<T>::init_params(uint64_t seed) {
   int r = plan_rank();
   constexpr int64_t kPiece = int64_t{1} << 20;  // host staging of at most 1M elements, not a whole shard
   std::vector<T> host;
@@ -153,12 +139,13 @@ template <typename T> void Fsdp<T>::init_params(uint64_t seed) {
   }
 }
 
-template <typename T> void Fsdp<T>::zero_grads() {
+template <typename T> void ShardedState<T>::zero_grads() {
   for (size_t u = 0; u < grads_.size(); ++u) be_.zero(grads_[u].data(), grads_[u].size());
 }
 
-size_t reduce_slab(const ShardPlan& plan, size_t slab_elements) {
+size_t reduce_slab(const ShardPlan& plan, size_t slab_elements, bool stream_lane) {
   const size_t max_shard = static_cast<size_t>(plan.max_shard_size()), W = static_cast<size_t>(plan.world_size);
+  if (stream_lane) return max_shard;
   return std::min(max_shard, std::max<size_t>(1, slab_elements / W));
 }
 
@@ -186,17 +173,18 @@ const char* comm_progress_name(CommProgress p) {
   return "?";
 }
 
-CommQueue::CommQueue(Comm& lane, Comm& watch, bool background, CommProgress progress,
-                     std::function<void()> prepare_thread, const char* what)
-    : lane_(lane),
-      watch_(watch),
-      what_(what),
-      background_(background && lane.asynchronous()),
-      ordered_(background_ && lane.stream_ordered()),
-      progress_(progress) {
-  // A stream-ordered lane (NCCL) needs no progress from the host, and its collectives must be
-  // enqueued in program order: never from a thread.
-  if (!background_ || ordered_ || progress_ != CommProgress::Thread) return;
+std::unique_ptr<CommQueue> CommQueue::make(Comm& lane, Comm& watch, bool background, CommProgress progress,
+                                            std::function<void()> prepare_thread, const char* what) {
+  if (lane.stream_ordered()) return std::make_unique<StreamCommQueue>(lane, watch, background, what);
+  return std::make_unique<HostCommQueue>(lane, watch, background, progress, std::move(prepare_thread), what);
+}
+
+// ---- HostCommQueue ----
+
+HostCommQueue::HostCommQueue(Comm& lane, Comm& watch, bool background, CommProgress progress,
+                             std::function<void()> prepare_thread, const char* what)
+    : lane_(lane), watch_(watch), what_(what), background_(background && lane.asynchronous()), progress_(progress) {
+  if (!background_ || progress_ != CommProgress::Thread) return;
   thread_ = std::thread([this, prep = std::move(prepare_thread)] {
     if (prep) prep();
     std::unique_lock<std::mutex> lk(mu_);
@@ -226,7 +214,7 @@ CommQueue::CommQueue(Comm& lane, Comm& watch, bool background, CommProgress prog
   });
 }
 
-CommQueue::~CommQueue() {
+HostCommQueue::~HostCommQueue() {
   try {
     wait_all();
   } catch (...) {  // an error was reported to the waiter already, or nobody waits any more
@@ -242,7 +230,7 @@ CommQueue::~CommQueue() {
 }
 
 // One step of the head job: start its current part, or test it and, when complete, consume it.
-bool CommQueue::advance_locked() {
+bool HostCommQueue::advance_locked() {
   if (jobs_.empty()) return false;
   Active& a = jobs_.front();
   if (!a.req) {
@@ -262,7 +250,7 @@ bool CommQueue::advance_locked() {
   return true;
 }
 
-void CommQueue::run_inline(Job& job) {
+void HostCommQueue::run_inline(Job& job) {
   const double t0 = now_s();
   for (int i = 0; i < job.parts; ++i) {
     auto r = job.start(lane_, i);
@@ -275,7 +263,7 @@ void CommQueue::run_inline(Job& job) {
   times_.exposed_s += dt;
 }
 
-CommQueue::Ticket CommQueue::submit(Job job) {
+CommQueue::Ticket HostCommQueue::submit(Job job) {
   if (job.parts <= 0) throw std::logic_error("CommQueue::submit: a job needs at least one part");
   std::unique_lock<std::mutex> lk(mu_);
   const Ticket t = ++last_;
@@ -288,7 +276,6 @@ CommQueue::Ticket CommQueue::submit(Job job) {
     completed_ = t;
     return t;
   }
-  if (ordered_) return submit_ordered_locked(std::move(job), t);
   Active a;
   a.job = std::move(job);
   a.ticket = t;
@@ -302,45 +289,24 @@ CommQueue::Ticket CommQueue::submit(Job job) {
   return t;
 }
 
-// Stream-ordered lane: every part is enqueued now, in program order (the same on every rank). The
-// parts before the last, and the jobs still queued whose `done` uses buffers that this job's
-// parts reuse (the reduce-scatter's packed and result slabs), are ordered before it on the
-// compute stream (Request::wait() does not block the host). The last part stays in flight: its
-// wait and `done` come when the ticket is waited for.
-CommQueue::Ticket CommQueue::submit_ordered_locked(Job job, Ticket t) {
-  while (!jobs_.empty() && jobs_.front().job.done) finish_head_locked();
-  Active a;
-  a.job = std::move(job);
-  a.ticket = t;
-  for (a.part = 0;; ++a.part) {
-    a.req = a.job.start(lane_, a.part);
-    ++times_.collectives;
-    if (a.part + 1 == a.job.parts) break;
-    a.req->wait();
-    if (a.job.done) a.job.done(a.part);
-  }
-  jobs_.push_back(std::move(a));
-  return t;
+// Unit boundaries and GEMM tiles (Poll only: Wait makes no MPI call there, Thread has its own).
+void HostCommQueue::poll() {
+  if (progress_ == CommProgress::Poll) drive();
 }
 
-// Stream-ordered lane: orders the compute stream after the head's last part, consumes it.
-void CommQueue::finish_head_locked() {
-  Active& a = jobs_.front();
-  a.req->wait();
-  a.req.reset();
-  if (a.job.done) a.job.done(a.part);
-  completed_ = a.ticket;
-  jobs_.pop_front();
-}
-
-void CommQueue::poll() {
-  if (!background_ || ordered_ || thread_.joinable()) return;
+void HostCommQueue::drive() {
+  if (!background_ || thread_.joinable()) return;
   std::lock_guard<std::mutex> lk(mu_);
   while (advance_locked()) {
   }
 }
 
-void CommQueue::wait(Ticket t) {
+void HostCommQueue::set_sibling(CommQueue* q) {
+  sibling_ = dynamic_cast<HostCommQueue*>(q);
+  if (q && !sibling_) throw std::logic_error("HostCommQueue::set_sibling: the sibling is on the stream lane");
+}
+
+void HostCommQueue::wait(Ticket t) {
   std::unique_lock<std::mutex> lk(mu_);
   if (completed_ >= t && !error_) return;
   const double t0 = now_s();
@@ -348,7 +314,6 @@ void CommQueue::wait(Ticket t) {
     // The waiter drives the head job itself, in every progress mode (with a thread too: it would
     // only notice completion after its next nap); the thread blocks on the lock meanwhile.
     CommWatch w(watch_, what_);
-    while (ordered_ && completed_ < t) finish_head_locked();
     while (completed_ < t && !error_) {
       if (advance_locked() || jobs_.empty()) continue;
       if (sibling_ && !thread_.joinable()) {
@@ -356,7 +321,7 @@ void CommQueue::wait(Ticket t) {
         // wait for are waiting on (their next slab, the replica sum), so blocking in MPI_Wait here
         // could close a cycle of waits across the two communicators. Yield like Open MPI does
         // when oversubscribed.
-        sibling_->poll();
+        sibling_->drive();
         std::this_thread::yield();
       } else {
         jobs_.front().req->wait();  // blocks in MPI_Wait: nothing else to do meanwhile
@@ -374,25 +339,83 @@ void CommQueue::wait(Ticket t) {
   }
 }
 
-CommTimes CommQueue::times() const {
+CommTimes HostCommQueue::times() const {
   std::lock_guard<std::mutex> lk(mu_);
   return times_;
+}
+
+// ---- StreamCommQueue ----
+
+StreamCommQueue::StreamCommQueue(Comm& lane, Comm& watch, bool background, const char* what)
+    : lane_(lane), watch_(watch), what_(what), background_(background) {}
+
+StreamCommQueue::~StreamCommQueue() {
+  try {
+    wait_all();
+  } catch (...) {  // a device error was reported already, or nobody waits any more
+  }
+}
+
+// Every part is enqueued now, in program order (the same on every rank). A job with shared
+// buffers first finishes the queued jobs that use them (their done reads them). The last part
+// stays in flight: its compute-stream wait and done come when the ticket is waited for.
+CommQueue::Ticket StreamCommQueue::submit(Job job) {
+  if (job.parts <= 0) throw std::logic_error("CommQueue::submit: a job needs at least one part");
+  const Ticket t = ++last_;
+  ++times_.jobs;
+  {
+    CommWatch w(watch_, what_);
+    if (job.shared_buffers)
+      while (shared_in_flight_ > 0) finish_head();
+    Active a;
+    a.job = std::move(job);
+    a.ticket = t;
+    for (int i = 0;; ++i) {
+      a.last = a.job.start(lane_, i);
+      ++times_.collectives;
+      if (i + 1 == a.job.parts) break;
+      a.last->wait();  // part i + 1 reads what done(i) makes (hybrid sharding's replica sum)
+      if (a.job.done) a.job.done(i);
+    }
+    shared_in_flight_ += a.job.shared_buffers ? 1 : 0;
+    jobs_.push_back(std::move(a));
+  }
+  if (!background_) wait(t);  // overlap off: the same calls, each waited for at once
+  return t;
+}
+
+void StreamCommQueue::finish_head() {
+  Active& a = jobs_.front();
+  a.last->wait();
+  a.last.reset();
+  if (a.job.done) a.job.done(a.job.parts - 1);
+  completed_ = a.ticket;
+  shared_in_flight_ -= a.job.shared_buffers ? 1 : 0;
+  jobs_.pop_front();
+}
+
+void StreamCommQueue::wait(Ticket t) {
+  if (completed_ >= t) return;
+  CommWatch w(watch_, what_);
+  while (completed_ < t) finish_head();
 }
 
 // ---- UnitPipeline ---------------------------------------------------------------------------------
 
 template <typename C>
-void UnitPipeline<C>::init_pipeline(Backend<C>& be, Comm& data, Comm& watch, const ShardPlan& plan,
-                                    const OverlapConfig& o, Comm* replica) {
-  be_ = &be;
-  plan_ = &plan;
-  ov_ = o;
+UnitPipeline<C>::UnitPipeline(Backend<C>& be, std::unique_ptr<UnitCodec<C>> codec, const OverlapConfig& o)
+    : be_(be), codec_(std::move(codec)), plan_(codec_->plan()), ov_(o) {
+  Comm& data = codec_->data_comm();
+  Comm& watch = codec_->world();
+  Comm* replica = codec_->replica_comm();
+  const ShardPlan& plan = plan_;
   if (ov_.prefetch < 0) throw std::invalid_argument("option '--prefetch' must be >= 0");
   if (ov_.on && ov_.progress == CommProgress::Thread && !mpi_thread_multiple()) ov_.progress = CommProgress::Poll;
   ag_comm_ = data.duplicate();
   rs_comm_ = data.duplicate();
-  // NCCL: no duplicate; gathers and reduce-scatters share the Comm and its communication stream,
-  // enqueued in program order. end_pass() then waits for it once (the one host wait of a pass).
+  // Stream lane (NCCL): the duplicates are split communicators, each with its own communication
+  // stream, enqueued in program order; end_pass() synchronizes `data`, which covers them (the one
+  // host wait of a pass). Without duplicates both queues share `data` and its stream.
   if (ov_.on && data.stream_ordered()) ordered_lane_ = &data;
   if (replica) {
     rep_comm_ = replica->duplicate();
@@ -401,31 +424,28 @@ void UnitPipeline<C>::init_pipeline(Backend<C>& be, Comm& data, Comm& watch, con
   const bool cpu = be.host_kernels();
   std::function<void()> prep;
   if (cpu) prep = [] { prepare_cpu_helper_thread(); };
-  agq_ = std::make_unique<CommQueue>(ag_comm_ ? *ag_comm_ : data, watch, ov_.on, ov_.progress, prep, "FSDP all-gather");
-  rsq_ = std::make_unique<CommQueue>(rs_comm_ ? *rs_comm_ : data, watch, ov_.on, ov_.progress, prep,
-                                     "FSDP reduce-scatter");
+  agq_ = CommQueue::make(ag_comm_ ? *ag_comm_ : data, watch, ov_.on, ov_.progress, prep, "FSDP all-gather");
+  rsq_ = CommQueue::make(rs_comm_ ? *rs_comm_ : data, watch, ov_.on, ov_.progress, prep, "FSDP reduce-scatter");
   agq_->set_sibling(rsq_.get());
   rsq_->set_sibling(agq_.get());
   const size_t max_padded = static_cast<size_t>(plan.max_padded_numel());
   const int nslots = ov_.on ? 1 + ov_.prefetch : 1, ngrads = ov_.on ? 2 : 1;
   for (int i = 0; i < nslots; ++i) slots_.push_back(Slot{Buffer<C>(be, max_padded)});
   for (int i = 0; i < ngrads; ++i) grads_.push_back(GradBuf{Buffer<C>(be, max_padded)});
-  if (ov_.on && ov_.progress == CommProgress::Poll && cpu && agq_->background()) {
-    set_cpu_gemm_hook(&UnitPipeline<C>::poll_hook, this);
+  codec_->reserve(nslots);
+  if (ov_.on && ov_.progress == CommProgress::Poll && cpu && agq_->background() && !agq_->stream_lane()) {
+    be_.set_gemm_progress_hook(&UnitPipeline<C>::poll_hook, this);
     hooked_ = true;
   }
 }
 
-template <typename C> void UnitPipeline<C>::stop_pipeline() {
-  if (hooked_) set_cpu_gemm_hook(nullptr, nullptr);
-  hooked_ = false;
+template <typename C> UnitPipeline<C>::~UnitPipeline() {
+  if (hooked_) be_.set_gemm_progress_hook(nullptr, nullptr);
   if (agq_) agq_->set_sibling(nullptr);  // neither may poll the other while it is destroyed
   if (rsq_) rsq_->set_sibling(nullptr);
-  agq_.reset();  // each waits for its jobs, then stops its thread
+  agq_.reset();  // each waits for its jobs (which use the codec's buffers), then stops its thread
   rsq_.reset();
 }
-
-template <typename C> UnitPipeline<C>::~UnitPipeline() { stop_pipeline(); }
 
 template <typename C> void UnitPipeline<C>::poll_hook(void* self) { static_cast<UnitPipeline<C>*>(self)->poll_all(); }
 
@@ -461,7 +481,7 @@ template <typename C> const C* UnitPipeline<C>::gather(int u) {
     agq_->wait(sl.ticket);  // a stale prefetch may still be writing it
     sl.unit = u;
     sl.pos = p;
-    sl.ticket = issue_gather(*agq_, u, sl.buf.data(), s);
+    sl.ticket = codec_->issue_gather(*agq_, u, sl.buf.data(), s);
   }
   agq_->wait(slots_[s].ticket);
   current_ = s;
@@ -478,7 +498,7 @@ template <typename C> const C* UnitPipeline<C>::gather(int u) {
       agq_->wait(sl.ticket);
       sl.unit = (*trace_)[static_cast<size_t>(q)];
       sl.pos = q;
-      sl.ticket = issue_gather(*agq_, sl.unit, sl.buf.data(), f);
+      sl.ticket = codec_->issue_gather(*agq_, sl.unit, sl.buf.data(), f);
     }
   return slots_[s].buf.data();
 }
@@ -490,7 +510,7 @@ template <typename C> C* UnitPipeline<C>::full_grad(int u) {
   rsq_->wait(grads_[g].ticket);  // its previous reduce-scatter still reads it
   grads_[g].unit = u;
   grads_[g].ticket = 0;
-  be_->zero(grads_[g].buf.data(), static_cast<size_t>(plan_->units[u].padded_numel));
+  be_.zero(grads_[g].buf.data(), static_cast<size_t>(plan_.units[u].padded_numel));
   gcur_ = g;
   return grads_[g].buf.data();
 }
@@ -500,13 +520,12 @@ template <typename C> void UnitPipeline<C>::reduce_scatter_grad(int u) {
     throw std::logic_error("UnitPipeline::reduce_scatter_grad(" + std::to_string(u) +
                            "): not the unit of the last full_grad");
   GradBuf& g = grads_[gcur_];
-  g.ticket = issue_reduce(*rsq_, u, g.buf.data());
+  g.ticket = codec_->issue_reduce(*rsq_, u, g.buf.data(), rep_);
   gcur_ = -1;
   poll_all();
 }
 
 template <typename C> void UnitPipeline<C>::begin_pass(const std::string& label) {
-  if (!agq_) return;  // no full-unit buffers: nothing is gathered here
   if (in_pass_) end_pass();
   agq_->wait_all();
   for (Slot& sl : slots_) sl.pos = -1, sl.unit = -1;
@@ -521,7 +540,6 @@ template <typename C> void UnitPipeline<C>::begin_pass(const std::string& label)
 }
 
 template <typename C> void UnitPipeline<C>::end_pass() {
-  if (!agq_) return;
   agq_->wait_all();
   rsq_->wait_all();
   if (ordered_lane_) ordered_lane_->synchronize();
@@ -559,12 +577,21 @@ template class UnitPipeline<float>;
 template class UnitPipeline<double>;
 template class UnitPipeline<bf16>;
 
-// ---- Fsdp: one unit's collectives -----------------------------------------------------------------
+// ---- IdentityCodec ---------------------------------------------------------------------------------
 
-template <typename T> CommQueue::Ticket Fsdp<T>::issue_gather(CommQueue& q, int u, T* dst, int) {
-  const size_t S = static_cast<size_t>(plan_.units[u].shard_size);
-  const T* src = params_[u].data();
-  return q.submit({1, [=](Comm& c, int) { return c.start_all_gather(src, dst, S); }, {}});
+template <typename T> IdentityCodec<T>::IdentityCodec(ShardedState<T>& state) : s_(state) {
+  const ShardPlan& plan = s_.plan();
+  const size_t max_shard = static_cast<size_t>(plan.max_shard_size()), W = static_cast<size_t>(plan.world_size);
+  slab_ = reduce_slab(plan, kReduceSlab, s_.data_comm().stream_ordered());
+  scatter_tmp_ = Buffer<T>(s_.backend(), slab_);
+  if (max_shard > slab_) pack_ = Buffer<T>(s_.backend(), slab_ * W);
+}
+
+template <typename T> CommQueue::Ticket IdentityCodec<T>::issue_gather(CommQueue& q, int u, T* dst, int) {
+  const size_t S = static_cast<size_t>(s_.plan().units[u].shard_size);
+  const T* src = s_.param_shard(u);
+  // dst is its own gather buffer (the pipeline waits for its ticket before reusing it): no shared buffers.
+  return q.submit({1, [=](Comm& c, int) { return c.start_all_gather(src, dst, S); }, {}, false});
 }
 
 // The one slab job of both gradient paths. `full` is a full-unit buffer laid out [W, S] (rank r's
@@ -608,37 +635,40 @@ CommQueue::Ticket submit_reduce_slabs(CommQueue& q, const F* full, size_t S, siz
                      const auto [a, n] = piece(i);
                      if (!rc) add(a, n, out);
                      else if (i % 2 == 1) radd(a, n, rbuf);
-                   }});
+                   },
+                   true});  // packed, out and rbuf serve every reduce-scatter job of the queue
 }
 
 // Summed over the replica groups (HSDP), divided by W = G * R and added into the gradient shard.
-template <typename T> CommQueue::Ticket Fsdp<T>::issue_reduce(CommQueue& q, int u, const T* full) {
+template <typename T>
+CommQueue::Ticket IdentityCodec<T>::issue_reduce(CommQueue& q, int u, const T* full, Comm* replica) {
   // G: ranks of the shard group (blocks of the buffer); the mean is over all G * R ranks.
-  const size_t S = static_cast<size_t>(plan_.units[u].shard_size), G = static_cast<size_t>(plan_.world_size);
-  const T inv_w = T(1) / static_cast<T>(G * static_cast<size_t>(replicas()));
-  T* shard = grads_[u].data();
-  Backend<T>* be = &be_;
+  const size_t S = static_cast<size_t>(s_.plan().units[u].shard_size), G = static_cast<size_t>(s_.plan().world_size);
+  const T inv_w = T(1) / static_cast<T>(G * static_cast<size_t>(s_.replicas()));
+  T* shard = s_.grad_shard(u);
+  Backend<T>* be = &s_.backend();
   auto add = [=](size_t a, size_t n, const T* sum) { be->axpy(n, inv_w, sum, shard + a); };
   return submit_reduce_slabs(
       q, full, S, G, slab_, S <= slab_, pack_.data(), scatter_tmp_.data(),
-      [=](T* d, const T* src, size_t n) { be->copy(d, src, n); }, add, this->replica_lane(), scatter_tmp_.data(),
+      [=](T* d, const T* src, size_t n) { be->copy(d, src, n); }, add, replica, scatter_tmp_.data(),
       [](size_t, size_t, const T*) {}, add);
 }
 
-template <typename T> std::vector<T> Fsdp<T>::gather_param(const std::string& name) {
+template <typename T> std::vector<T> ShardedState<T>::gather_param(const std::string& name) {
   for (size_t u = 0; u < plan_.units.size(); ++u)
     for (auto& slot : plan_.units[u].params)
       if (slot.spec.name == name) {
-        if (!full_) throw std::logic_error("Fsdp::gather_param: constructed without full-unit buffers");
-        const T* full = this->gather(static_cast<int>(u));
+        const UnitPlan& up = plan_.units[u];
+        Buffer<T> full(be_, static_cast<size_t>(up.padded_numel));
+        dcomm_->all_gather(static_cast<const T*>(params_[u].data()), full.data(), static_cast<size_t>(up.shard_size));
         std::vector<T> out(static_cast<size_t>(slot.numel));
-        be_.to_host(out.data(), full + slot.offset, out.size());
+        be_.to_host(out.data(), full.data() + slot.offset, out.size());
         return out;
       }
   throw std::out_of_range("no parameter named '" + name + "'");
 }
 
-template <typename T> void Fsdp<T>::set_param(const std::string& name, const std::vector<T>& full) {
+template <typename T> void ShardedState<T>::set_param(const std::string& name, const std::vector<T>& full) {
   int r = plan_rank();
   for (size_t u = 0; u < plan_.units.size(); ++u)
     for (auto& slot : plan_.units[u].params)
@@ -656,7 +686,7 @@ template <typename T> void Fsdp<T>::set_param(const std::string& name, const std
   throw std::out_of_range("no parameter named '" + name + "'");
 }
 
-template <typename T> double Fsdp<T>::local_grad_sumsq() {
+template <typename T> double ShardedState<T>::local_grad_sumsq() {
   int r = plan_rank();
   std::vector<const T*> x;
   std::vector<size_t> n;
@@ -667,46 +697,47 @@ template <typename T> double Fsdp<T>::local_grad_sumsq() {
   return be_.sum_squares_many(x.data(), n.data(), x.size());
 }
 
-MixedPrecisionUnits::MixedPrecisionUnits(Fsdp<float>& master, Backend<bf16>& be, bool reduce_bf16,
-                                         size_t widen_slab, const OverlapConfig& ov)
+Bf16Codec::Bf16Codec(ShardedState<float>& master, Backend<bf16>& be, bool reduce_bf16, size_t widen_slab)
     : m_(master), be_(be), reduce_bf16_(reduce_bf16) {
   const size_t max_shard = static_cast<size_t>(m_.plan().max_shard_size());
   if (reduce_bf16_) {
     scatter_ = Buffer<bf16>(be_, max_shard);
   } else {
-    slab_ = reduce_slab(m_.plan(), widen_slab);
+    slab_ = reduce_slab(m_.plan(), widen_slab, m_.data_comm().stream_ordered());
     grad32_ = Buffer<float>(m_.backend(), slab_ * static_cast<size_t>(m_.plan().world_size));
     scatter32_ = Buffer<float>(m_.backend(), slab_);
   }
   if (reduce_bf16_ && m_.replica_comm()) replica32_ = Buffer<float>(m_.backend(), max_shard);
-  init_pipeline(be_, m_.data_comm(), m_.comm(), m_.plan(), ov, m_.replica_comm());
-  for (int i = 0; i < num_slots(); ++i) shard_.emplace_back(be_, max_shard);
 }
 
-MixedPrecisionUnits::~MixedPrecisionUnits() { stop_pipeline(); }
+void Bf16Codec::reserve(int slots) {
+  const size_t max_shard = static_cast<size_t>(m_.plan().max_shard_size());
+  while (static_cast<int>(shard_.size()) < slots) shard_.emplace_back(be_, max_shard);
+}
 
 // This rank's fp32 shard is rounded to bf16 (in the slot's own staging buffer, at once: the master
 // shard does not change within a pass), then the bf16 shards are all-gathered.
-CommQueue::Ticket MixedPrecisionUnits::issue_gather(CommQueue& q, int u, bf16* dst, int slot) {
+CommQueue::Ticket Bf16Codec::issue_gather(CommQueue& q, int u, bf16* dst, int slot) {
   const size_t S = static_cast<size_t>(m_.plan().units[u].shard_size);
   bf16* stage = shard_[static_cast<size_t>(slot)].data();
   be_.from_f32(stage, m_.param_shard(u), S);
-  return q.submit({1, [=](Comm& c, int) { return c.start_all_gather(static_cast<const bf16*>(stage), dst, S); }, {}});
+  return q.submit(
+      {1, [=](Comm& c, int) { return c.start_all_gather(static_cast<const bf16*>(stage), dst, S); }, {}, false});
 }
 
 // bf16 reduce: the whole shard at once (scatter_ is shard-sized), the mean added into the fp32
 // gradient shard. fp32 reduce: widened to fp32 a slab at a time ([W, n] of at most slab_ * W floats),
-// so no fp32 copy of a whole unit exists.
+// so no fp32 copy of a whole unit exists (stream lane: slab_ is the largest shard, one part).
 // Hybrid sharding: the group's sum is summed over the replica groups in fp32 (a bf16 group sum is
 // widened into replica32_ first) before the mean over W = G * R is added.
-CommQueue::Ticket MixedPrecisionUnits::issue_reduce(CommQueue& q, int u, const bf16* full) {
+CommQueue::Ticket Bf16Codec::issue_reduce(CommQueue& q, int u, const bf16* full, Comm* replica) {
   // G: ranks of the shard group (blocks of the buffer); the mean is over all G * R ranks.
   const size_t S = static_cast<size_t>(m_.plan().units[u].shard_size), G = static_cast<size_t>(m_.plan().world_size);
   const float inv_w = 1.0f / static_cast<float>(G * static_cast<size_t>(m_.replicas()));
   float* shard = m_.grad_shard(u);
   Backend<bf16>* be = &be_;
   Backend<float>* b32 = &m_.backend();
-  Comm* rc = replica_lane();
+  Comm* rc = replica;
   auto add32 = [=](size_t a, size_t n, const float* sum) { b32->axpy(n, inv_w, sum, shard + a); };
   if (reduce_bf16_) {
     float* w = replica32_.data();  // jobs run one at a time (FIFO): one buffer serves them all
@@ -728,7 +759,9 @@ CommQueue::Ticket MixedPrecisionUnits::issue_reduce(CommQueue& q, int u, const b
       add32, rc, scatter32_.data(), [](size_t, size_t, const float*) {}, add32);
 }
 
-template class Fsdp<float>;
-template class Fsdp<double>;
+template class ShardedState<float>;
+template class ShardedState<double>;
+template class IdentityCodec<float>;
+template class IdentityCodec<double>;
 
 }  // namespace shardtrain

@@ -75,9 +75,13 @@ MemoryPlan plan_memory(const MemoryPlanInput& in) {
   if (!bf) {
     add("FSDP gather + gradient buffers", 4 * nbuf * maxp, nb + "4 B x " + mx + why);
     const int64_t W = G;
-    const int64_t slab = static_cast<int64_t>(reduce_slab(sp, Fsdp<float>::kReduceSlab));
-    add("FSDP reduce-scatter slab buffers", 4 * (slab + (maxs > slab ? slab * W : 0)),
-        "4 B x " + with_commas(slab) + (maxs > slab ? " x (" + std::to_string(W) + " + 1)" : std::string()));
+    const int64_t slab = static_cast<int64_t>(reduce_slab(sp, Fsdp<float>::kReduceSlab, in.stream_lane));
+    if (in.stream_lane)
+      add("FSDP reduce-scatter result buffer", 4 * slab,
+          "4 B x " + with_commas(slab) + ": a whole shard, one reduce-scatter per unit (NCCL stream lane)");
+    else
+      add("FSDP reduce-scatter slab buffers", 4 * (slab + (maxs > slab ? slab * W : 0)),
+          "4 B x " + with_commas(slab) + (maxs > slab ? " x (" + std::to_string(W) + " + 1)" : std::string()));
   } else {
     const int64_t ngather = in.overlap.on ? 1 + in.overlap.prefetch : 1;
     add("bf16 gather + gradient buffers", 2 * nbuf * maxp, nb + "2 B x " + mx + why);
@@ -88,9 +92,15 @@ MemoryPlan plan_memory(const MemoryPlanInput& in) {
         add("fp32 replica all-reduce buffer", 4 * maxs, "4 B x " + with_commas(maxs) + ": hybrid sharding");
     } else {
       const int64_t W = G;
-      const int64_t slab = static_cast<int64_t>(reduce_slab(sp, MixedPrecisionUnits::kWidenSlab));
-      add("fp32 reduce-scatter slabs", 4 * slab * (W + 1),
-          "4 B x " + with_commas(slab) + " x (" + std::to_string(W) + " + 1): the bf16 gradient widened a slab at a time");
+      const int64_t slab = static_cast<int64_t>(reduce_slab(sp, MixedPrecisionUnits::kWidenSlab, in.stream_lane));
+      if (in.stream_lane)
+        add("fp32 reduce-scatter of a whole unit", 4 * slab * (W + 1),
+            "4 B x " + with_commas(slab) + " x (" + std::to_string(W) +
+                " + 1): the bf16 gradient widened a whole unit at once, one reduce-scatter per unit (NCCL stream "
+                "lane)");
+      else
+        add("fp32 reduce-scatter slabs", 4 * slab * (W + 1),
+            "4 B x " + with_commas(slab) + " x (" + std::to_string(W) + " + 1): the bf16 gradient widened a slab at a time");
     }
   }
   if (!in.cuda && G > 1) {  // MpiComm's packed slab and the MPI library's temporaries (runtime.h)

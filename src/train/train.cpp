@@ -41,7 +41,7 @@ std::string train_config_json(const TrainConfig& tc, int world_size, int shard_g
   return j.dump();
 }
 
-template <typename T> AdamW<T>::AdamW(Fsdp<T>& f, const TrainConfig& tc) : f_(f), tc_(tc) {
+template <typename T> AdamW<T>::AdamW(ShardedState<T>& f, const TrainConfig& tc) : f_(f), tc_(tc) {
   const ShardPlan& plan = f.plan();
   int r = f.plan_rank();
   for (int u = 0; u < f.num_units(); ++u) {

@@ -80,10 +80,9 @@ template <typename C> class Trainer {
   Geometry geo_;
   int64_t plan_total_ = 0;  // bytes of the memory plan per rank
   ModelOptions mopt_;
-  std::unique_ptr<Fsdp<float>> f_;
-  std::unique_ptr<MixedPrecisionUnits> mixed_;  // C = bf16 only
+  std::unique_ptr<ShardedState<float>> f_;  // fp32 master shards and gradient shards
+  std::unique_ptr<UnitPipeline<C>> units_;   // over f_: identity codec (fp32) or bf16 codec; destroyed first
   std::unique_ptr<LlamaModel<C>> model_;
-  UnitSource<C>* units_ = nullptr;  // f_ (fp32) or mixed_ (bf16)
   std::unique_ptr<AdamW<float>> opt_;
   std::vector<int32_t> tok_, tgt_;
   CheckpointOptions co_;
@@ -155,6 +154,7 @@ template <typename C> void Trainer<C>::log_memory_plan() {
   mi.train.micro_batch = geo_.mb;
   mi.overlap = tc_.overlap;
   mi.shard_group_size = G_;
+  mi.stream_lane = eng_.mesh.shard_data().stream_ordered();
   mi.runtime_bytes = mi.cuda ? kGpuRuntimeEstimate : current_rss_bytes();
   comm_.all_reduce(&mi.runtime_bytes, 1, ReduceOp::Max);
   const MemoryPlan plan = plan_memory(mi);
@@ -168,15 +168,15 @@ template <typename C> void Trainer<C>::allocate() {
   agree(comm_, [&] {
     try {
       constexpr bool mixed = std::is_same_v<C, bf16>;
-      f_ = std::make_unique<Fsdp<float>>(eng_.be, mesh_, ShardPlan::build(llama_units(mc_), G_), !mixed, tc_.overlap);
+      f_ = std::make_unique<ShardedState<float>>(eng_.be, mesh_, ShardPlan::build(llama_units(mc_), G_));
       if constexpr (mixed) {
-        mixed_ = std::make_unique<MixedPrecisionUnits>(*f_, *eng_.be16, tc_.reduce_bf16,
+        units_ = std::make_unique<MixedPrecisionUnits>(*f_, *eng_.be16, tc_.reduce_bf16,
                                                        MixedPrecisionUnits::kWidenSlab, tc_.overlap);
         model_ = std::make_unique<LlamaModel<bf16>>(mc_, *eng_.be16, mopt_);
-        units_ = mixed_.get();
       } else {
+        units_ = std::make_unique<UnitPipeline<float>>(eng_.be, std::make_unique<IdentityCodec<float>>(*f_),
+                                                       tc_.overlap);
         model_ = std::make_unique<LlamaModel<float>>(mc_, eng_.be, mopt_);
-        units_ = f_.get();
       }
       opt_ = std::make_unique<AdamW<float>>(*f_, tc_);
       model_->reserve(geo_.mb, tc_.seq_len);
@@ -316,7 +316,7 @@ template <typename C> void Trainer<C>::log_setup() {
                       std::to_string(f_->num_units()) + " units, world size " + std::to_string(W_) + ", micro-batch " +
                       std::to_string(geo_.mb) + " x " + std::to_string(geo_.accum) + " accumulation steps, global batch " +
                       std::to_string(tc_.global_batch) + " x " + std::to_string(tc_.seq_len) + " tokens");
-  const OverlapConfig& ov = mixed_ ? mixed_->overlap() : f_->overlap();
+  const OverlapConfig& ov = units_->overlap();
   const Comm& data = mesh_.shard_data();
   log_info(comm_, std::string("overlap: ") +
                       (ov.on ? "on (prefetch " + std::to_string(ov.prefetch) + " unit(s), asynchronous reduce-scatter, " +

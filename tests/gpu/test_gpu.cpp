@@ -1505,10 +1505,12 @@ void check_overlap_nccl(st::Comm& nc) {
     for (int k = 0; k < 2; ++k) {
       const st::OverlapConfig ov = k == 0 ? st::OverlapConfig{false, 0, st::CommProgress::Wait}
                                           : st::OverlapConfig{true, 1, st::CommProgress::Poll};
-      st::Fsdp<float> f(dev<float>(), hc, plan, &nc, !mixed, nullptr, ov);
+      st::ShardedState<float> f(dev<float>(), hc, plan, &nc);
       f.init_params(2025);
       std::unique_ptr<st::MixedPrecisionUnits> mp;
+      std::unique_ptr<st::UnitPipeline<float>> p32;
       if (mixed) mp = std::make_unique<st::MixedPrecisionUnits>(f, dev<bf16>(), false, st::MixedPrecisionUnits::kWidenSlab, ov);
+      else p32 = std::make_unique<st::UnitPipeline<float>>(dev<float>(), std::make_unique<st::IdentityCodec<float>>(f), ov);
       st::LlamaModel<float> m32(cfg, dev<float>());
       st::LlamaModel<bf16> m16(cfg, dev<bf16>());
       for (int pass = 0; pass < 2; ++pass) {
@@ -1520,18 +1522,18 @@ void check_overlap_nccl(st::Comm& nc) {
           m16.backward(*mp);
           mp->end_pass();
         } else {
-          f.begin_pass("train");
-          m32.forward(f, bt.tokens.data(), bt.B, bt.T);
-          loss[k].push_back(m32.head_backward(f, bt.targets.data(), gscale));
-          m32.backward(f);
-          f.end_pass();
+          p32->begin_pass("train");
+          m32.forward(*p32, bt.tokens.data(), bt.B, bt.T);
+          loss[k].push_back(m32.head_backward(*p32, bt.targets.data(), gscale));
+          m32.backward(*p32);
+          p32->end_pass();
         }
       }
       for (int u = 0; u < f.num_units(); ++u)
         grads[k].push_back(download(dev<float>(), static_cast<const float*>(f.grad_shard(u)),
                                     static_cast<size_t>(plan.units[static_cast<size_t>(u)].shard_size)));
       sumsq[k] = f.local_grad_sumsq();
-      if (k == 1) issued = (mixed ? mp->comm_times() : f.comm_times()).issued_s;
+      if (k == 1) issued = (mixed ? mp->comm_times() : p32->comm_times()).issued_s;
     }
     const std::string what = mixed ? "overlap on NCCL, mixed precision" : "overlap on NCCL, fp32";
     EXPECT_EQ(loss[0], loss[1]) << what << ": losses";

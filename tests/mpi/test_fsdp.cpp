@@ -14,6 +14,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "shardtrain/backend.h"
@@ -518,7 +519,7 @@ TEST_F(Fsdp, PrefetchFollowsRecordedOrderAndStaysCorrect) {
   for (st::CommProgress prog : {st::CommProgress::Thread, st::CommProgress::Poll, st::CommProgress::Wait}) {
     SCOPED_TRACE(st::comm_progress_name(prog));
     st::Fsdp<double> ref(*be, world(), st::ShardPlan::build(test_units(), W));
-    st::Fsdp<double> f(*be, world(), st::ShardPlan::build(test_units(), W), nullptr, true, nullptr,
+    st::Fsdp<double> f(*be, world(), st::ShardPlan::build(test_units(), W), nullptr, nullptr,
                         st::OverlapConfig{true, 2, prog});
     ref.init_params(31);
     f.init_params(31);
@@ -581,10 +582,33 @@ TEST_F(Fsdp, PrefetchFollowsRecordedOrderAndStaysCorrect) {
 // communication stream would read after the compute stream's event) and queue the collective;
 // with lazy == true it runs only when a Request::wait(), synchronize() or blocking call orders it
 // (the slowest device: a read of the output before wait() sees stale data), with lazy == false at
-// once (the fastest). Collectives run in start order, as on one stream.
+// once (the fastest). Collectives run in start order, as on one stream. duplicate() makes another
+// such Comm on a duplicate of the host Comm: another stream (ncclCommSplit's), whose collectives
+// this one's synchronize() covers. Each stream counts what was started on it and the
+// compute-stream waits (the first Request::wait of each request, as NcclComm's).
 class EmulatedStreamComm final : public st::Comm {
  public:
+  struct StreamStats {
+    int64_t all_gathers = 0, reduce_scatters = 0, waits = 0;
+  };
   EmulatedStreamComm(st::Comm& host, bool lazy) : host_(host), lazy_(lazy) {}
+  ~EmulatedStreamComm() override {
+    if (parent_) std::erase(parent_->children_, this);
+  }
+  std::unique_ptr<st::Comm> duplicate() override {
+    auto dup = host_.duplicate();
+    st::Comm& h = *dup;
+    auto c = std::make_unique<EmulatedStreamComm>(h, lazy_);
+    c->own_host_ = std::move(dup);
+    c->parent_ = this;
+    c->stats_ = stats_;
+    c->id_ = stats_->size();
+    stats_->emplace_back();
+    children_.push_back(c.get());
+    return c;
+  }
+  // Per stream: [0] this Comm, then its duplicates in creation order.
+  const std::vector<StreamStats>& streams() const { return *stats_; }
   int rank() const override { return host_.rank(); }
   int world_size() const override { return host_.world_size(); }
   void barrier() override { host_.barrier(); }
@@ -595,6 +619,7 @@ class EmulatedStreamComm final : public st::Comm {
   bool asynchronous() const override { return true; }
   bool stream_ordered() const override { return true; }
   void synchronize() override {
+    for (EmulatedStreamComm* c : children_) c->flush(c->ops_.size());
     flush(ops_.size());
     ++syncs;
   }
@@ -624,10 +649,16 @@ class EmulatedStreamComm final : public st::Comm {
   struct Req final : Request {
     EmulatedStreamComm* c;
     size_t index;
+    bool waited = false;
     bool test() override { return c->done_ > index; }
-    void wait() override { c->flush(index + 1); }
+    void wait() override {
+      if (!waited) ++(*c->stats_)[c->id_].waits;
+      waited = true;
+      c->flush(index + 1);
+    }
   };
   std::unique_ptr<Request> start(bool reduce, const void* s, void* r, size_t n, DType t, size_t bytes) {
+    ++(reduce ? (*stats_)[id_].reduce_scatters : (*stats_)[id_].all_gathers);
     const char* p = static_cast<const char*>(s);
     ops_.push_back(Op{reduce, std::vector<char>(p, p + bytes), r, n, t});
     auto q = std::make_unique<Req>();
@@ -650,6 +681,11 @@ class EmulatedStreamComm final : public st::Comm {
   bool lazy_;
   std::vector<Op> ops_;
   size_t done_ = 0;
+  std::unique_ptr<st::Comm> own_host_;  // a duplicate's host Comm
+  EmulatedStreamComm* parent_ = nullptr;
+  std::vector<EmulatedStreamComm*> children_;
+  std::shared_ptr<std::vector<StreamStats>> stats_ = std::make_shared<std::vector<StreamStats>>(1);
+  size_t id_ = 0;
 };
 
 // The GPU's overlap path on the CPU: over a stream-ordered data Comm (emulated, lazy and eager),
@@ -667,7 +703,7 @@ TEST_F(Fsdp, StreamOrderedLaneMatchesWaitingEngine) {
       EmulatedStreamComm dev(world(), lazy);
       const st::OverlapConfig ov{true, prefetch, st::CommProgress::Poll};
       st::Fsdp<double> ref(*be, world(), st::ShardPlan::build(test_units(), W));
-      st::Fsdp<double> f(*be, world(), st::ShardPlan::build(test_units(), W), &dev, true, nullptr, ov);
+      st::Fsdp<double> f(*be, world(), st::ShardPlan::build(test_units(), W), &dev, nullptr, ov);
       ref.init_params(41);
       f.init_params(41);
       const int U = f.num_units();
@@ -704,8 +740,8 @@ TEST_F(Fsdp, StreamOrderedLaneMatchesWaitingEngine) {
         }
       }
       for (bool reduce_bf16 : {false, true}) {  // mixed precision, slabs of 7 elements per rank: many parts
-        st::Fsdp<float> m_ref(*be32, world(), st::ShardPlan::build(test_units(), W), nullptr, false);
-        st::Fsdp<float> m_dev(*be32, world(), st::ShardPlan::build(test_units(), W), &dev, false);
+        st::ShardedState<float> m_ref(*be32, world(), st::ShardPlan::build(test_units(), W), nullptr);
+        st::ShardedState<float> m_dev(*be32, world(), st::ShardPlan::build(test_units(), W), &dev);
         st::MixedPrecisionUnits a(m_ref, *be16, reduce_bf16, size_t{7} * W);
         st::MixedPrecisionUnits b(m_dev, *be16, reduce_bf16, size_t{7} * W, ov);
         m_ref.init_params(43);
@@ -742,6 +778,77 @@ TEST_F(Fsdp, StreamOrderedLaneMatchesWaitingEngine) {
               << up.name << (reduce_bf16 ? " (bf16 reduce)" : " (fp32 reduce)");
         }
       }
+    }
+}
+
+// Two passes (forward 0..U-1, backward U-1..0 with a gradient per unit) of `src`; returns the
+// number of reduce_scatter_grad calls.
+template <typename C>
+int64_t two_passes(st::UnitPipeline<C>& src, const st::ShardPlan& plan, st::Backend<C>& be, int rank) {
+  const int U = static_cast<int>(plan.units.size());
+  int64_t reduces = 0;
+  for (int pass = 0; pass < 2; ++pass) {
+    src.begin_pass("train");
+    for (int i = 0; i < 2 * U; ++i) {
+      const int u = i < U ? i : 2 * U - 1 - i;
+      const auto& up = plan.units[static_cast<size_t>(u)];
+      src.gather(u);
+      if (i < U) continue;
+      auto to_c = [](double v) {
+        if constexpr (std::is_same_v<C, bf16>) return st::math::f32_to_bf16(static_cast<float>(v));
+        else return static_cast<C>(v);
+      };
+      std::vector<C> g(static_cast<size_t>(up.padded_numel), to_c(0.0));
+      for (int64_t k = 0; k < up.numel; ++k) g[static_cast<size_t>(k)] = to_c(grad_value(rank, u, k, pass));
+      be.from_host(src.full_grad(u), g.data(), g.size());
+      src.reduce_scatter_grad(u);
+      ++reduces;
+    }
+    src.end_pass();
+  }
+  return reduces;
+}
+
+// The stream lane's waits and streams (issue 28): over an emulated NCCL Comm the pipeline's
+// all-gathers and reduce-scatters go to two different duplicated streams (none to the data Comm's
+// own), each unit's reduce-scatter is one collective with exactly one compute-stream wait, and
+// each all-gather one collective with at most one; in fp64, and in mixed precision with widening
+// slabs of 7 elements per rank (which the host lane cuts into many parts, each waited for). A
+// stream lane that went back to waiting for every slab fails here.
+TEST_F(Fsdp, StreamLaneOneWaitPerUnitAndSeparateStreams) {
+  auto be = st::make_cpu_backend<double>();
+  auto be32 = st::make_cpu_backend<float>();
+  auto be16 = st::make_cpu_backend<bf16>();
+  const int W = world().world_size(), r = world().rank();
+  for (bool lazy : {true, false})
+    for (bool mixed : {false, true}) {
+      SCOPED_TRACE(std::string(lazy ? "lazy" : "eager") + (mixed ? " stream, mixed precision" : " stream, fp64"));
+      EmulatedStreamComm dev(world(), lazy);
+      const st::OverlapConfig ov{true, 1, st::CommProgress::Poll};
+      int64_t reduces = 0, jobs = 0;
+      if (mixed) {
+        st::ShardedState<float> m(*be32, world(), st::ShardPlan::build(test_units(), W), &dev);
+        st::MixedPrecisionUnits mp(m, *be16, false, size_t{7} * W, ov);
+        m.init_params(47);
+        reduces = two_passes<bf16>(mp, m.plan(), *be16, r);
+        jobs = mp.comm_times().jobs;
+      } else {
+        st::Fsdp<double> f(*be, world(), st::ShardPlan::build(test_units(), W), &dev, nullptr, ov);
+        f.init_params(47);
+        reduces = two_passes<double>(f, f.plan(), *be, r);
+        jobs = f.comm_times().jobs;
+      }
+      const auto& s = dev.streams();
+      ASSERT_EQ(s.size(), 3u) << "the data Comm and two duplicates (all-gathers, reduce-scatters)";
+      EXPECT_EQ(s[0].all_gathers + s[0].reduce_scatters, 0) << "nothing on the data Comm's own stream";
+      const size_t ag = s[1].all_gathers > 0 ? 1 : 2, rs = 3 - ag;
+      EXPECT_GT(s[ag].all_gathers, 0);
+      EXPECT_EQ(s[ag].reduce_scatters, 0) << "all-gathers and reduce-scatters on different streams";
+      EXPECT_EQ(s[rs].all_gathers, 0) << "all-gathers and reduce-scatters on different streams";
+      EXPECT_EQ(s[rs].reduce_scatters, reduces) << "one reduce-scatter per unit";
+      EXPECT_EQ(s[rs].waits, reduces) << "one compute-stream wait per unit's reduce-scatter";
+      EXPECT_EQ(s[ag].all_gathers, jobs - reduces) << "one all-gather per unit";
+      EXPECT_LE(s[ag].waits, s[ag].all_gathers) << "at most one compute-stream wait per unit's all-gather";
     }
 }
 
@@ -975,7 +1082,7 @@ TEST_F(Fsdp, MixedPrecisionGatherAndReduceScatter) {
   auto be16 = st::make_cpu_backend<bf16>();
   for (bool reduce_bf16 : {false, true}) {
     st::Fsdp<float> ref(*be32, c, st::ShardPlan::build(test_units(), W));
-    st::Fsdp<float> master(*be32, c, st::ShardPlan::build(test_units(), W), nullptr, /*full_buffers=*/false);
+    st::ShardedState<float> master(*be32, c, st::ShardPlan::build(test_units(), W));
     ref.init_params(11);
     master.init_params(11);
     st::MixedPrecisionUnits mixed(master, *be16, reduce_bf16);
@@ -1032,7 +1139,7 @@ TEST_F(Fsdp, HybridShardingMeanOverAllRanks) {
     EXPECT_EQ(group.rank(), r % G);
     EXPECT_EQ(replica.world_size(), W / G);
     EXPECT_EQ(replica.rank(), r / G);
-    st::Fsdp<double> f(*be64, c, st::ShardPlan::build(test_units(), G), &group, true, &replica, ov);
+    st::Fsdp<double> f(*be64, c, st::ShardPlan::build(test_units(), G), &group, &replica, ov);
     EXPECT_EQ(f.plan_rank(), r % G);
     EXPECT_EQ(st::MeshLayout(st::MeshDims{W / G, G, 1, 1}).coord(r).dp_replicate, r / G);
     EXPECT_EQ(f.replicas(), W / G);
@@ -1072,7 +1179,7 @@ TEST_F(Fsdp, HybridShardingMeanOverAllRanks) {
     EXPECT_TRUE(near(norm, sumsq, 1e-10)) << norm << " vs " << sumsq;
 
     for (bool reduce_bf16 : {false, true}) {  // mixed precision over an fp32 master with replicas
-      st::Fsdp<float> master(*be32, c, st::ShardPlan::build(test_units(), G), &group, false, &replica);
+      st::ShardedState<float> master(*be32, c, st::ShardPlan::build(test_units(), G), &group, &replica);
       st::MixedPrecisionUnits mixed(master, *be16, reduce_bf16, st::MixedPrecisionUnits::kWidenSlab, ov);
       master.zero_grads();
       for (int u = 0; u < master.num_units(); ++u) {

@@ -62,8 +62,7 @@ template <typename C>
 Result run(const st::ModelConfig& mc, const st::ModelOptions& mo, bool bf16_reduce = false) {
   st::Comm& comm = st::testing::comm();
   auto be = st::make_cpu_backend<float>();
-  st::Fsdp<float> f(*be, comm, st::ShardPlan::build(st::llama_units(mc), comm.world_size()), nullptr,
-                    !std::is_same_v<C, bf16>);
+  st::ShardedState<float> f(*be, comm, st::ShardPlan::build(st::llama_units(mc), comm.world_size()));
   f.init_params(77);
   f.zero_grads();
   std::vector<int32_t> tok, tgt;
@@ -77,10 +76,11 @@ Result run(const st::ModelConfig& mc, const st::ModelOptions& mo, bool bf16_redu
     r.loss = m.head_backward(mp, tgt.data(), 1.0f / (kB * kT));
     m.backward(mp);
   } else {
+    st::UnitPipeline<float> units(*be, std::make_unique<st::IdentityCodec<float>>(f));
     st::LlamaModel<float> m(mc, *be, mo);
-    m.forward(f, tok.data(), kB, kT);
-    r.loss = m.head_backward(f, tgt.data(), 1.0f / (kB * kT));
-    m.backward(f);
+    m.forward(units, tok.data(), kB, kT);
+    r.loss = m.head_backward(units, tgt.data(), 1.0f / (kB * kT));
+    m.backward(units);
   }
   for (int u = 0; u < f.num_units(); ++u) {
     const auto S = static_cast<size_t>(f.plan().units[u].shard_size);
@@ -201,9 +201,11 @@ TEST(MemoryPlan, MatchesCountedAllocations) {
     st::testing::CountingBackend<bf16> be16;
     {
       const bool mixed = k.p == st::Precision::BF16;
-      st::Fsdp<float> f(be, comm, st::ShardPlan::build(st::llama_units(mc), W), nullptr, !mixed, nullptr, ov);
+      st::ShardedState<float> f(be, comm, st::ShardPlan::build(st::llama_units(mc), W));
       st::AdamW<float> opt(f, tc);
       std::unique_ptr<st::MixedPrecisionUnits> mp;
+      std::unique_ptr<st::UnitPipeline<float>> p32;
+      if (!mixed) p32 = std::make_unique<st::UnitPipeline<float>>(be, std::make_unique<st::IdentityCodec<float>>(f), ov);
       if (mixed) {
         mp = std::make_unique<st::MixedPrecisionUnits>(f, be16, k.rbf16, st::MixedPrecisionUnits::kWidenSlab, ov);
         st::LlamaModel<bf16> m(mc, be16, st::model_options(tc));
@@ -230,7 +232,7 @@ TEST(MemoryPlan, Bf16WidenedInSlabsMatchesWhole) {
   for (int k = 0; k < 2; ++k) {
     auto be = st::make_cpu_backend<float>();
     auto b16 = st::make_cpu_backend<bf16>();
-    st::Fsdp<float> f(*be, comm, st::ShardPlan::build(st::llama_units(mc), comm.world_size()), nullptr, false);
+    st::ShardedState<float> f(*be, comm, st::ShardPlan::build(st::llama_units(mc), comm.world_size()));
     f.init_params(5);
     f.zero_grads();
     st::MixedPrecisionUnits mp(f, *b16, false, k == 0 ? size_t{1} << 30 : size_t{7} * comm.world_size());

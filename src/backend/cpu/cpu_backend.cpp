@@ -50,13 +50,6 @@ constexpr size_t kSumChunk = 4096;  // sum_squares partials: fixed length, summe
 // Also sets OpenBLAS to one thread: the backend calls it from its own threads, one call per tile
 // (a threaded OpenBLAS inside them would oversubscribe the cores). Run by every backend's
 // constructor and by set_cpu_threads, so every mode (train, export, generate, tests) gets both.
-// set_cpu_gemm_hook's function, run after GEMM tiles on the calling thread.
-std::atomic<void (*)(void*)> g_gemm_hook{nullptr};
-std::atomic<void*> g_gemm_hook_arg{nullptr};
-inline void gemm_hook() {
-  if (auto fn = g_gemm_hook.load(std::memory_order_relaxed)) fn(g_gemm_hook_arg.load(std::memory_order_relaxed));
-}
-
 void prepare_threads() {
   openblas_set_num_threads(1);
 #if defined(__SSE__)
@@ -135,6 +128,10 @@ template <typename T> class CpuBackend final : public Backend<T> {
   CpuBackend() { prepare_threads(); }
   const char* name() const override { return "cpu"; }
   bool host_kernels() const override { return true; }
+  void set_gemm_progress_hook(void (*fn)(void*), void* arg) override {
+    hook_arg_.store(arg);
+    hook_.store(fn);
+  }
 
   T* alloc(size_t n) override { return static_cast<T*>(aligned_zeroed(n * sizeof(T))); }
   void free(T* p) override { std::free(p); }
@@ -573,6 +570,13 @@ template <typename T> class CpuBackend final : public Backend<T> {
   }
 
  private:
+  // set_gemm_progress_hook's function, run on the calling thread after GEMM tiles.
+  std::atomic<void (*)(void*)> hook_{nullptr};
+  std::atomic<void*> hook_arg_{nullptr};
+  void gemm_hook() {
+    if (auto fn = hook_.load(std::memory_order_relaxed)) fn(hook_arg_.load(std::memory_order_relaxed));
+  }
+
   std::vector<A> row_;     // bf16 embedding_backward: one row summed in float
   std::vector<double> part_;  // sum_squares / cross_entropy partial sums, added in order
   std::vector<int> order_; // bf16 embedding_backward: positions grouped by token
@@ -710,11 +714,6 @@ template std::unique_ptr<Backend<bf16>> make_cpu_backend<bf16>();
 std::pair<int, int> cpu_gemm_tiles(int M, int N, int K) {
   const GemmTiles g = gemm_tiles(M, N, K);
   return {g.mt, g.nt};
-}
-
-void set_cpu_gemm_hook(void (*fn)(void*), void* arg) {
-  g_gemm_hook_arg.store(arg);
-  g_gemm_hook.store(fn);
 }
 
 void prepare_cpu_helper_thread() {
