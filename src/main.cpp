@@ -250,7 +250,6 @@ void run_plan(Comm& comm, const Topology& topo, const Options& o) {
   agree(comm, [&] { G = resolve_shard_group_size(o.shard_group_size, W, ranks_per_node(topo)); });
   MemoryPlanInput in{mc, o.train, W, o.train.precision, o.train.reduce_bf16, cuda, 0, 4, 0, o.train.overlap};
   in.shard_group_size = G;
-  in.stream_lane = cuda && o.gpu_comm == "nccl";  // the data Comm training would make (main's dcomm)
   TrainConfig& t = in.train;
   // Training's check of the sequence length (train.cpp): no plan for a run that would be refused.
   all_ok(comm, t.seq_len <= mc.max_position_embeddings,
@@ -364,7 +363,7 @@ void run_inspect(Comm& comm, const Options& o) {
   if (o.dump_param.empty()) return;
   auto be = make_cpu_backend<float>();
   ShardedState<float> f(*be, comm, ShardPlan::build(llama_units(mc), comm.world_size()));
-  load_checkpoint(comm, o.checkpoint, f, nullptr, mc, &info);
+  load_checkpoint(comm, o.checkpoint, sharded_params(f), mc, &info);
   // "all": every parameter, each to <dump-out>/<name>.bin (dump-out is a directory).
   const bool all = o.dump_param == "all";
   std::vector<std::string> names;
@@ -428,7 +427,9 @@ int main(int argc, char** argv) {
       case Mode::Export:
         export_hf(comm, ExportOptions{o.checkpoint, o.out, parse_export_dtype(o.dtype), parse_size(o.max_shard_size)});
         break;
-      case Mode::Import: import_hf(comm, o.hf_dir, o.out, o.data.empty() ? std::string() : o.data.front()); break;
+      case Mode::Import:  // a step-0 checkpoint records the default settings
+        import_hf(comm, o.hf_dir, o.out, train_config_json(TrainConfig()), o.data.empty() ? std::string() : o.data.front());
+        break;
       case Mode::Generate: {
         std::string text = generate(comm, GenerateOptions{o.checkpoint, o.prompt, o.max_new_tokens, o.temperature,
                                                           o.top_k, o.train.seed, o.dump_logits, o.prompt_ids, o.print_ids});

@@ -2,6 +2,16 @@
 // parallel HDF5 (MPI-IO), self-describing (per-unit shard and parameter tables), checksummed,
 // published atomically, and loadable at any world size (resharding).
 //
+// Three parts, one source file each (src/io/):
+//   checkpoint_dir.cpp   the directory: names, the temporary file, rename, `latest`, --keep-last,
+//                        --resume resolution;
+//   checkpoint_meta.cpp  metadata: attributes, tables, their checksums and cross-checks, what a
+//                        file holds (read_checkpoint_info) and whether it fits a model;
+//   checkpoint_data.cpp  tensor data: the named sharded tensors (ShardedTensors), snapshots of
+//                        them, their hyperslabs and CRC32s, loading with resharding.
+// Saving is snapshot (a host copy, take_checkpoint_snapshot) -> write (write_checkpoint_file) ->
+// publish (save_checkpoint does all three).
+//
 // Layout: docs/checkpoint-format.md (enough to rebuild every tensor with h5py alone).
 // HDF5 reference: https://docs.hdfgroup.org/hdf5/v1_10/ (H5P_SET_FAPL_MPIO, H5Sselect_hyperslab).
 #pragma once
@@ -10,15 +20,13 @@
 #include <string>
 #include <vector>
 
+#include "shardtrain/backend.h"
 #include "shardtrain/config.h"
 #include "shardtrain/data.h"
 #include "shardtrain/runtime.h"
 #include "shardtrain/shard.h"
 
 namespace shardtrain {
-
-template <typename T> class AdamW;
-struct TrainConfig;
 
 // A TokenizerInfo that records no tokenizer (kind ""): nothing to write, nothing known.
 inline TokenizerInfo no_tokenizer() {
@@ -71,7 +79,9 @@ struct CheckpointUnitInfo {
   int64_t numel = 0, shard_size = 0, padded_numel = 0;
   std::vector<RankShard> ranks;       // the shard table, one row per saving rank
   std::vector<ParamSlot> params;      // the parameter table (name, shape, offset, numel)
-  std::vector<uint32_t> crc32;        // [world][3]: CRC32 of each rank's slice of params, adam_m, adam_v
+  // [world][C], C = checkpoint_tensor_names().size(): CRC32 of each saving rank's slice of each
+  // tensor, in the columns of checkpoint_tensor_names().
+  std::vector<uint32_t> crc32;
 };
 
 struct CheckpointInfo {
@@ -125,21 +135,83 @@ void set_aside_later_checkpoints(Comm& comm, const std::string& dir, int64_t ste
 // naming the directory and, for the last case, the ranks that do not see it.
 void prepare_checkpoint_dir(Comm& comm, const std::string& dir);
 
-// Collective. Writes the checkpoint of `state.step` to "<dir>/.step_N.h5.tmp", then (all ranks
-// done and the file closed) rank 0 fsyncs it, renames it to "<dir>/step_N.h5", points
-// "<dir>/latest" at it (write-temp-then-rename), and only then deletes checkpoints beyond
-// keep_last. Returns the published path. Throws CollectiveError (same message on every rank) if
-// the directory cannot be created or written, or HDF5 fails.
-std::string save_checkpoint(Comm& comm, ShardedState<float>& f, AdamW<float>& opt, const ModelConfig& mc,
-                            const TrainConfig& tc, const TrainState& state, const CheckpointOptions& co);
+// ---- Tensor data --------------------------------------------------------------------------
 
-// Collective. Writes a complete checkpoint file at `path` (no rename, no `latest`): the building
-// block of save_checkpoint, also used by import. Rank r of f's plan writes row r of every flat
-// buffer when `write_shards` (CheckpointOptions::write_shards); the rows come from the ranks that
-// pass true, exactly one per plan row. Throws CollectiveError naming the file.
-void write_checkpoint_file(Comm& comm, const std::string& path, ShardedState<float>& f, AdamW<float>& opt,
-                           const ModelConfig& mc, const TrainConfig& tc, const TrainState& state,
-                           bool write_shards = true);
+// The tensors a checkpoint file holds, in the column order of each unit's shard_crc32 table:
+// "params" (the parameters), "adam_m" and "adam_v" (AdamW's first and second moments). Each is one
+// float32 dataset per unit, "units/<unit>/<name>", of the unit's padded_numel elements, sharded
+// like the parameters. A new optimizer moment is a new entry here (and a new format version).
+const std::vector<std::string>& checkpoint_tensor_names();
+
+// One tensor sharded like the model's units: `shards[u]` is this rank's row of unit u, i.e. the
+// plan's shard_size elements of unit u (valid ones, then zero padding), in the memory of the
+// backend of the ShardedTensors that holds it. Not owned.
+struct ShardedTensor {
+  std::string name;            // one of checkpoint_tensor_names()
+  std::vector<float*> shards;  // one per unit of the plan
+};
+
+// The named sharded tensors of one rank, as the sharded state and the optimizer expose them
+// (sharded_params below; train.h checkpoint_tensors adds AdamW's moments). Not owned: the plan,
+// the backend and every shard outlive this view.
+struct ShardedTensors {
+  const ShardPlan* plan = nullptr;    // the layout, for plan->world_size ranks
+  int plan_rank = 0;                  // this rank's row of every unit
+  Backend<float>* backend = nullptr;  // where the shards live (to_host / from_host)
+  std::vector<ShardedTensor> tensors;
+};
+
+// The parameter shards of `f` as the tensor "params" (its plan, plan rank and backend).
+ShardedTensors sharded_params(ShardedState<float>& f);
+
+// What one save writes, owned: host copies of this rank's rows of every tensor, and the metadata.
+// Taking it is the only part of a save that reads the training state: once taken, training may
+// change the tensors while the snapshot is written.
+struct CheckpointSnapshot {
+  ShardPlan plan;        // the tensors' layout (units, shard sizes, parameter tables)
+  int plan_rank = 0;     // the row of every unit these copies are
+  // Whether this rank's rows go into the file (CheckpointOptions::write_shards). Exactly one rank
+  // per plan row writes; the others (replica groups under hybrid sharding) join every collective
+  // HDF5 call with empty selections, and their rows are only compared with the written ones.
+  bool write_shards = true;
+  TrainState state;          // step, tokens_seen, seed, batch history, data record, tokenizer, layout
+  std::string model_config;  // canonical JSON (config.h canonical_json)
+  std::string train_config;  // the train_config attribute (train.h train_config_json)
+  struct Tensor {
+    std::string name;
+    std::vector<std::vector<float>> shards;  // [unit] plan.units[u].shard_size floats
+  };
+  std::vector<Tensor> tensors;  // in the order of the ShardedTensors it was taken from
+  // Bytes of tensor data held by this rank (4 B x elements of every copy).
+  uint64_t bytes() const;
+};
+
+// Copies this rank's rows of every tensor of `t` to host memory (the backend's to_host; on a GPU,
+// synchronous) with the metadata. Not collective. Throws std::invalid_argument when a tensor's
+// shard count differs from the plan's units or its name is not in checkpoint_tensor_names().
+CheckpointSnapshot take_checkpoint_snapshot(const ShardedTensors& t, const ModelConfig& mc, const std::string& train_config,
+                                            const TrainState& state, bool write_shards = true);
+
+// Collective. Writes a complete checkpoint file of `snap` at `path` (no rename, no `latest`): the
+// building block of save_checkpoint, also used by import. Every rank passes a snapshot of the same
+// plan, metadata and tensor names; the snapshot must hold every tensor of checkpoint_tensor_names()
+// (throws std::invalid_argument, on every rank alike, before any collective, if not). Row r of
+// every unit comes from the rank with plan_rank r and write_shards true. Refuses up front when the
+// directory has too little space. Throws CollectiveError naming the file (disk full, HDF5 failure).
+void write_checkpoint_file(Comm& comm, const std::string& path, const CheckpointSnapshot& snap);
+
+// Collective. Writes `snap` (of step N = snap.state.step) to "<dir>/.step_N.h5.tmp" (after
+// prepare_checkpoint_dir), then publishes it (publish_checkpoint). Returns the published path.
+// Throws CollectiveError (same message on every rank) if the directory cannot be created or
+// written, or HDF5 fails. The test hook CheckpointOptions::debug_crash_before_publish ends the
+// process (exit status 86) between the two.
+std::string save_checkpoint(Comm& comm, const CheckpointSnapshot& snap, const CheckpointOptions& co);
+
+// Collective. Publishes the complete file "<dir>/.step_N.h5.tmp" (N = `step`): rank 0 fsyncs it,
+// renames it to "<dir>/step_N.h5", fsyncs the directory, points "<dir>/latest" at it
+// (write-temp-then-rename), and only then deletes the oldest checkpoints beyond co.keep_last
+// (never step N's). Returns the published path. Throws CollectiveError naming it on failure.
+std::string publish_checkpoint(Comm& comm, const CheckpointOptions& co, int64_t step);
 
 // Collective. Reads the metadata (root and unit attributes, shard, checksum and parameter tables)
 // of `path`, verifies each against the file's metadata checksums (format version 2,
@@ -160,15 +232,17 @@ CheckpointInfo read_checkpoint_info(Comm& comm, const std::string& path);
 // not the file.
 void check_checkpoint_layout(const CheckpointInfo& info, const ShardPlan& plan);
 
-// Collective. Loads parameters (and AdamW moments when opt != nullptr) from `path` into f, whose
-// plan may be for any world size. Checks, each failing with a CollectiveError naming file and
-// unit/tensor: the model architecture equal to `mc`'s (labels such as `name` and
-// `initializer_range` may differ; special token ids, where both set, must agree); every unit
-// present, none extra; every tensor's name, shape and offset as expected; the CRC32 of every saved
-// slice that this rank loads, plus a share of the others so that every slice is verified.
-// `info`, when given, is the already read metadata of `path` (it is read otherwise).
-TrainState load_checkpoint(Comm& comm, const std::string& path, ShardedState<float>& f, AdamW<float>* opt,
-                           const ModelConfig& mc, const CheckpointInfo* info = nullptr);
+// Collective. Loads every tensor of `into` (by name: "params" alone for the weights, or all of
+// checkpoint_tensor_names() for a resume) from `path`; its plan may be for any world size (the
+// saved rows are resharded: each rank reads the saved slices that overlap its rows; padding is
+// zero). Checks, each failing with a CollectiveError naming file and unit/tensor: the model
+// architecture equal to `mc`'s (labels such as `name` and `initializer_range` may differ; special
+// token ids, where both set, must agree); every unit present, none extra; every tensor's name,
+// shape and offset as expected; the CRC32 of every saved slice that this rank loads, plus a share
+// of the others so that every slice is verified. `info`, when given, is the already read metadata
+// of `path` (it is read otherwise). Returns the state the file records (saved_world_size set).
+TrainState load_checkpoint(Comm& comm, const std::string& path, const ShardedTensors& into, const ModelConfig& mc,
+                           const CheckpointInfo* info = nullptr);
 
 // The model-config keys whose values differ between two canonical configs (config.h) in a way that
 // matters for loading weights: every key except the labels (`name`, `initializer_range`: the field

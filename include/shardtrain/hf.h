@@ -47,9 +47,12 @@ void export_hf(Comm& comm, const ExportOptions& o);
 // Special ids are kept as config.json has them (absent stays unset, an eos list stays a list).
 // With `data_path` (a token file, `--data`) they are checked against and filled from its header as
 // training does (config.h reconcile_special_ids): a conflict is refused naming both values.
+// `train_config` is the checkpoint's train_config attribute (train.h train_config_json; its seed is
+// recorded as the data seed too).
 // Refuses, naming architecture, file or tensor: unsupported architectures, missing or unexpected
 // tensors, shape mismatches, an index naming a missing file, bad safetensors headers.
-void import_hf(Comm& comm, const std::string& hf_dir, const std::string& out_path, const std::string& data_path = "");
+void import_hf(Comm& comm, const std::string& hf_dir, const std::string& out_path, const std::string& train_config,
+               const std::string& data_path = "");
 
 // Strips known wrapper prefixes from a tensor name: every `module.`, `_orig_mod.` and
 // `_fsdp_wrapped_module.` path component, wherever it appears.

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "shardtrain/backend.h"
+#include "shardtrain/checkpoint.h"
 #include "shardtrain/config.h"
 #include "shardtrain/data.h"
 #include "shardtrain/model.h"
@@ -111,6 +112,11 @@ template <typename T> class AdamW {
   std::vector<Buffer<T>> m_, v_;
   std::vector<Segment> segs_;
 };
+
+// The tensors a checkpoint of this run holds (checkpoint.h): f's parameter shards ("params"), then,
+// when `opt` is given, its moments ("adam_m", "adam_v"), in checkpoint_tensor_names()'s order;
+// views of f's and opt's shards (valid while both live).
+ShardedTensors checkpoint_tensors(ShardedState<float>& f, AdamW<float>* opt);
 
 struct StepLog {
   int64_t step = 0;  // 1-based

@@ -20,7 +20,6 @@
 #include "shardtrain/files.h"
 #include "shardtrain/model.h"
 #include "shardtrain/tokenizer.h"
-#include "shardtrain/train.h"
 
 namespace shardtrain {
 namespace fs = std::filesystem;
@@ -173,7 +172,7 @@ Loaded load_model(Comm& comm, const std::string& ckpt) {
   l.tokenizer = info.tokenizer;
   l.be = make_cpu_backend<float>();
   l.f = std::make_unique<Fsdp<float>>(*l.be, comm, ShardPlan::build(llama_units(l.mc), comm.world_size()));
-  load_checkpoint(comm, ckpt, *l.f, nullptr, l.mc, &info);  // compares the config as stored: fill only after
+  load_checkpoint(comm, ckpt, sharded_params(*l.f), l.mc, &info);  // compares the config as stored: fill only after
   if (l.has_data) {
     take_special_ids_from_data(comm, l.mc, "the model config of checkpoint '" + ckpt + "'", data);
     // With several eos ids, the token file's (the one its documents end with) is the primary one:
@@ -478,7 +477,8 @@ void export_hf(Comm& comm, const ExportOptions& o) {
                      std::to_string(comm.world_size()));
 }
 
-void import_hf(Comm& comm, const std::string& hf_dir, const std::string& out_path, const std::string& data_path) {
+void import_hf(Comm& comm, const std::string& hf_dir, const std::string& out_path, const std::string& train_config,
+               const std::string& data_path) {
   {
     std::string err;
     std::error_code ec;
@@ -614,15 +614,20 @@ void import_hf(Comm& comm, const std::string& hf_dir, const std::string& out_pat
                                              "relative path under different working directories?): every rank must read "
                                              "the same files");
   }
-  TrainConfig tc;
-  AdamW<float> opt(f, tc);
   const std::string tmp = out_path + ".tmp";
   TrainState st;  // step 0: no batch history
-  st.seed = tc.seed;
+  st.seed = json::parse(train_config).at("seed").get<uint64_t>();  // rng_state's seed must be train_config's
   st.data_info = data_info;
   st.tokenizer = tokenizer;
   st.saved_world_size = comm.world_size();
-  write_checkpoint_file(comm, tmp, f, opt, mc, tc, st);
+  CheckpointSnapshot snap = take_checkpoint_snapshot(sharded_params(f), mc, train_config, st);
+  for (const std::string& name : checkpoint_tensor_names()) {  // the optimizer state of a fresh start: zeros
+    if (name == "params") continue;
+    CheckpointSnapshot::Tensor zero{name, {}};
+    for (const UnitPlan& up : snap.plan.units) zero.shards.emplace_back(static_cast<size_t>(up.shard_size), 0.0f);
+    snap.tensors.push_back(std::move(zero));
+  }
+  write_checkpoint_file(comm, tmp, snap);
   std::string err;
   if (comm.rank() == 0) {
     std::error_code ec;

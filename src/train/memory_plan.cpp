@@ -68,6 +68,10 @@ MemoryPlan plan_memory(const MemoryPlanInput& in) {
   add("fp32 parameter shards", 4 * shard, "4 B x " + sh);
   add("fp32 gradient shards", 4 * shard, "4 B x " + sh);
   add("AdamW m and v shards", 8 * shard, "2 x 4 B x " + sh);
+  if (!in.cuda && !in.train.checkpoint_dir.empty()) {  // a save first copies every checkpoint tensor's rows
+    const int64_t n = static_cast<int64_t>(checkpoint_tensor_names().size());  // (CheckpointSnapshot, host memory)
+    add("checkpoint snapshot (while saving)", 4 * n * shard, std::to_string(n) + " x 4 B x " + sh);
+  }
   const std::string mx = with_commas(maxp) + " elements, the largest unit";
   const int64_t nbuf = (in.overlap.on ? 1 + in.overlap.prefetch : 1) + (in.overlap.on ? 2 : 1);  // gather + gradient
   const std::string nb = std::to_string(nbuf) + " x ";
@@ -75,7 +79,7 @@ MemoryPlan plan_memory(const MemoryPlanInput& in) {
   if (!bf) {
     add("FSDP gather + gradient buffers", 4 * nbuf * maxp, nb + "4 B x " + mx + why);
     const int64_t W = G;
-    const int64_t slab = static_cast<int64_t>(reduce_slab(sp, Fsdp<float>::kReduceSlab, in.stream_lane));
+    const int64_t slab = static_cast<int64_t>(reduce_slab(sp, IdentityCodec<float>::kReduceSlab, in.stream_lane));
     if (in.stream_lane)
       add("FSDP reduce-scatter result buffer", 4 * slab,
           "4 B x " + with_commas(slab) + ": a whole shard, one reduce-scatter per unit (NCCL stream lane)");
@@ -109,7 +113,7 @@ MemoryPlan plan_memory(const MemoryPlanInput& in) {
     const int64_t rs = bf && in.reduce_bf16 ? 2 : 4;
     const int64_t rcount = bf && in.reduce_bf16
                                ? maxs
-                               : static_cast<int64_t>(reduce_slab(sp, Fsdp<float>::kReduceSlab));
+                               : static_cast<int64_t>(reduce_slab(sp, IdentityCodec<float>::kReduceSlab));
     auto ours = [&](int64_t count, int64_t es) {
       const int64_t slab = std::max<int64_t>(1, cap / es / W);
       return count > slab ? slab * W * es : 0;

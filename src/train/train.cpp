@@ -112,6 +112,19 @@ Precision parse_precision(const std::string& s) {
 const char* precision_name(Precision p) { return p == Precision::BF16 ? "bf16" : "fp32"; }
 
 
+ShardedTensors checkpoint_tensors(ShardedState<float>& f, AdamW<float>* opt) {
+  ShardedTensors t = sharded_params(f);
+  if (!opt) return t;
+  ShardedTensor m{"adam_m", {}}, v{"adam_v", {}};
+  for (int u = 0; u < f.num_units(); ++u) {
+    m.shards.push_back(opt->m()[u].data());
+    v.shards.push_back(opt->v()[u].data());
+  }
+  t.tensors.push_back(std::move(m));
+  t.tensors.push_back(std::move(v));
+  return t;
+}
+
 template class AdamW<float>;
 template class AdamW<double>;
 template double evaluate<float>(const Mesh&, LlamaModel<float>&, UnitSource<float>&, const TokenDataset&,

@@ -216,7 +216,7 @@ template <typename C> void Trainer<C>::restore() {
     auto t0 = Clock::now();
     const CheckpointInfo info = read_checkpoint_info(comm_, resume_path_);
     check_resume_settings(comm_, info, tc_);  // refuses changed settings unless --accept-change names them
-    state_ = load_checkpoint(comm_, resume_path_, *f_, opt_.get(), mc_, &info);
+    state_ = load_checkpoint(comm_, resume_path_, checkpoint_tensors(*f_, opt_.get()), mc_, &info);
     const double dt = seconds_since(t0);
     const double mbytes = 3.0 * 4.0 * static_cast<double>(f_->plan().total_numel()) / 1e6;
     std::string saved = "world size " + std::to_string(state_.saved_world_size);
@@ -236,7 +236,7 @@ template <typename C> void Trainer<C>::restore() {
                           : "no checkpoint in '" + tc_.checkpoint_dir + "': starting from step 0");
     if (!tc_.init_from.empty()) {
       // Weights only; AdamW starts from zero. The tokenizer record is kept to compare with the data's.
-      state_.tokenizer = load_checkpoint(comm_, tc_.init_from, *f_, nullptr, mc_).tokenizer;
+      state_.tokenizer = load_checkpoint(comm_, tc_.init_from, sharded_params(*f_), mc_).tokenizer;
       log_info(comm_, "initialized weights from '" + tc_.init_from + "'");
     }
   }
@@ -430,7 +430,10 @@ template <typename C> void Trainer<C>::save(int64_t step) {
   st.step = step;
   st.tokens_seen = tokens_of(state_.segments, step);
   st.saved_world_size = W_;
-  const std::string p = save_checkpoint(comm_, *f_, *opt_, mc_, tc_, st, co_);
+  const CheckpointSnapshot snap =
+      take_checkpoint_snapshot(checkpoint_tensors(*f_, opt_.get()), mc_,
+                               train_config_json(tc_, st.world_size, st.shard_group_size), st, co_.write_shards);
+  const std::string p = save_checkpoint(comm_, snap, co_);
   const double dt = seconds_since(t0);
   const double mbytes = 3.0 * 4.0 * static_cast<double>(f_->plan().total_numel()) / 1e6;
   log_info(comm_, "checkpoint: saved '" + p + "' (" + fmt("%.1f", mbytes) + " MB of parameters + AdamW state) in " +

@@ -1,67 +1,29 @@
-// HDF5 checkpoints. Writes are collective through MPI-IO (every rank writes exactly one slice per
-// dataset, never an empty one, thanks to padding); reads are local to each rank (HDF5's POSIX
-// driver, no collective inside HDF5), and the ranks agree on what they read afterwards.
-#include "shardtrain/checkpoint.h"
-
-#include <fcntl.h>
-#include <sys/statvfs.h>
+// Checkpoint metadata (checkpoint.h, docs/checkpoint-format.md): the HDF5 plumbing, the root and
+// unit attributes, the per-unit tables, their checksums ("Integrity") and cross-checks, the reading
+// of what a file holds (read_checkpoint_info) and the comparison with a model (layout, config).
+// Reads are local to each rank (HDF5's POSIX driver, no collective inside HDF5), and the ranks
+// agree on what they read afterwards.
 #include <hdf5.h>
 #include <mpi.h>
-#include <unistd.h>
 
 #include <algorithm>
-#include <chrono>
-#include <cctype>
-#include <map>
-#include <set>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
-#include <sstream>
+#include <set>
 #include <stdexcept>
 
+#include "checkpoint_internal.h"
 #include "shardtrain/files.h"
-#include "shardtrain/train.h"
 
 namespace shardtrain {
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
-namespace {
+namespace ckpt {
 
-constexpr const char* kFormatName = "shardtrain-checkpoint";
-constexpr int kMaxDims = 4;
-constexpr int kNameLen = 128;
-constexpr int64_t kMaxParamRows = 1 << 16;  // rows of one unit's param_table read (a Llama block has 9)
-const char* const kMoments[3] = {"params", "adam_m", "adam_v"};
-
-// Owns an HDF5 id; closes it with the right H5*close.
-class H5Id {
- public:
-  H5Id() = default;
-  H5Id(hid_t id, herr_t (*closer)(hid_t)) : id_(id), close_(closer) {}
-  ~H5Id() { reset(); }
-  H5Id(H5Id&& o) noexcept : id_(o.id_), close_(o.close_) { o.id_ = -1; }
-  H5Id& operator=(H5Id&& o) noexcept {
-    if (this != &o) { reset(); id_ = o.id_; close_ = o.close_; o.id_ = -1; }
-    return *this;
-  }
-  H5Id(const H5Id&) = delete;
-  operator hid_t() const { return id_; }
-  bool ok() const { return id_ >= 0; }
-  void reset() { if (id_ >= 0 && close_) close_(id_); id_ = -1; }
-
- private:
-  hid_t id_ = -1;
-  herr_t (*close_)(hid_t) = nullptr;
-};
-
-struct H5Error : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
 hid_t chk(hid_t id, const std::string& what) {
   if (id < 0) throw H5Error(what);
   return id;
@@ -70,29 +32,6 @@ void chk(herr_t rc, const std::string& what, int) {
   if (rc < 0) throw H5Error(what);
 }
 
-// The packed record of one row of a unit's param_table.
-struct ParamRow {
-  char name[kNameLen];
-  int64_t offset;
-  int64_t numel;
-  int32_t ndim;
-  int64_t shape[kMaxDims];
-};
-
-H5Id param_row_type() {
-  H5Id str(H5Tcopy(H5T_C_S1), H5Tclose);
-  H5Tset_size(str, kNameLen);
-  H5Tset_strpad(str, H5T_STR_NULLTERM);
-  hsize_t dims[1] = {kMaxDims};
-  H5Id arr(H5Tarray_create2(H5T_STD_I64LE, 1, dims), H5Tclose);
-  H5Id t(H5Tcreate(H5T_COMPOUND, sizeof(ParamRow)), H5Tclose);
-  H5Tinsert(t, "name", HOFFSET(ParamRow, name), str);
-  H5Tinsert(t, "offset", HOFFSET(ParamRow, offset), H5T_STD_I64LE);
-  H5Tinsert(t, "numel", HOFFSET(ParamRow, numel), H5T_STD_I64LE);
-  H5Tinsert(t, "ndim", HOFFSET(ParamRow, ndim), H5T_STD_I32LE);
-  H5Tinsert(t, "shape", HOFFSET(ParamRow, shape), arr);
-  return t;
-}
 
 // Names HDF5's innermost error, which is often the informative one (e.g. "truncated file").
 std::string h5_detail() {
@@ -131,6 +70,43 @@ H5Id open_local(const std::string& path, std::string* why) {
   return H5Id(f, H5Fclose);
 }
 
+void quiet_hdf5() {
+  static const bool once = [] {
+    H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
+    return true;
+  }();
+  (void)once;
+}
+
+uint32_t crc32_bytes(const std::string& b) { return crc32_update(0, b.data(), b.size()); }
+
+namespace {
+
+// The packed record of one row of a unit's param_table.
+struct ParamRow {
+  char name[kNameLen];
+  int64_t offset;
+  int64_t numel;
+  int32_t ndim;
+  int64_t shape[kMaxDims];
+};
+
+H5Id param_row_type() {
+  H5Id str(H5Tcopy(H5T_C_S1), H5Tclose);
+  H5Tset_size(str, kNameLen);
+  H5Tset_strpad(str, H5T_STR_NULLTERM);
+  hsize_t dims[1] = {kMaxDims};
+  H5Id arr(H5Tarray_create2(H5T_STD_I64LE, 1, dims), H5Tclose);
+  H5Id t(H5Tcreate(H5T_COMPOUND, sizeof(ParamRow)), H5Tclose);
+  H5Tinsert(t, "name", HOFFSET(ParamRow, name), str);
+  H5Tinsert(t, "offset", HOFFSET(ParamRow, offset), H5T_STD_I64LE);
+  H5Tinsert(t, "numel", HOFFSET(ParamRow, numel), H5T_STD_I64LE);
+  H5Tinsert(t, "ndim", HOFFSET(ParamRow, ndim), H5T_STD_I32LE);
+  H5Tinsert(t, "shape", HOFFSET(ParamRow, shape), arr);
+  return t;
+}
+
+
 // ---- Metadata checksums (docs/checkpoint-format.md, "Integrity") ----------------------------
 // Every attribute and small table is an item with a key ("@step" for a root attribute,
 // "units/U@numel" for a unit attribute, "units/U/shard_table" for a table) and canonical bytes
@@ -141,7 +117,6 @@ H5Id open_local(const std::string& path, std::string* why) {
 constexpr const char* kMetaTable = "metadata_crc32";
 constexpr const char* kMetaTableCheck = "metadata_crc32_check";
 
-uint32_t crc32_bytes(const std::string& b) { return crc32_update(0, b.data(), b.size()); }
 template <typename U> void put_le(std::string& b, U v) {
   for (size_t i = 0; i < sizeof(U); ++i) b.push_back(static_cast<char>((static_cast<uint64_t>(v) >> (8 * i)) & 0xff));
 }
@@ -174,37 +149,36 @@ std::string describe_item(const std::string& key) {
   return attr + " of group '/" + key.substr(0, at) + "'";
 }
 
-// The checksums of the items written or read so far; when reading a version-2 file, each item is
-// compared with the stored table as soon as it is read, so the first damaged item is the one named.
-struct MetaSums {
-  std::map<std::string, uint32_t> computed, stored;
-  bool verify = false;
-  void add(const std::string& key, const std::string& bytes) {
-    uint32_t c = crc32_bytes(bytes);
-    computed[key] = c;
-    if (!verify) return;
-    auto it = stored.find(key);
-    if (it == stored.end())
-      throw H5Error(describe_item(key) + " has no entry in the metadata checksum table ('" + kMetaTable +
-                    "'); the file is damaged or was edited");
-    if (it->second != c) {
-      char b[96];
-      std::snprintf(b, sizeof b, " (stored %08x, computed %08x)", it->second, c);
-      throw H5Error(describe_item(key) + " fails its CRC32 check" + b +
-                    ": the file was damaged or edited after it was saved");
-    }
+
+}  // namespace
+
+void MetaSums::add(const std::string& key, const std::string& bytes) {
+  uint32_t c = crc32_bytes(bytes);
+  computed[key] = c;
+  if (!verify) return;
+  auto it = stored.find(key);
+  if (it == stored.end())
+    throw H5Error(describe_item(key) + " has no entry in the metadata checksum table ('" + kMetaTable +
+                  "'); the file is damaged or was edited");
+  if (it->second != c) {
+    char b[96];
+    std::snprintf(b, sizeof b, " (stored %08x, computed %08x)", it->second, c);
+    throw H5Error(describe_item(key) + " fails its CRC32 check" + b +
+                  ": the file was damaged or edited after it was saved");
   }
-  void finish() const {  // every stored entry names an item that was read
-    for (auto& [k, v] : stored)
-      if (!computed.count(k))
-        throw H5Error("the metadata checksum table names " + describe_item(k) + ", which the file lacks; the file is damaged");
-  }
-  std::string table_json() const {
-    json j = json::object();
-    for (auto& [k, v] : computed) j[k] = v;
-    return j.dump();
-  }
-};
+}
+void MetaSums::finish() const {
+  for (auto& [k, v] : stored)
+    if (!computed.count(k))
+      throw H5Error("the metadata checksum table names " + describe_item(k) + ", which the file lacks; the file is damaged");
+}
+std::string MetaSums::table_json() const {
+  json j = json::object();
+  for (auto& [k, v] : computed) j[k] = v;
+  return j.dump();
+}
+
+namespace {
 
 // Attributes. Every rank writes the same value (parallel HDF5 requires attribute writes to be
 // collective with identical data).
@@ -294,16 +268,6 @@ void write_small(Comm& comm, hid_t grp, const char* name, hid_t ftype, hid_t mty
   chk(H5Dwrite(d, mtype, msp, fsp, dxpl, data), std::string("write dataset ") + name, 0);
 }
 
-uint32_t crc32_of(const float* p, size_t n) { return crc32_update(0, p, n * sizeof(float)); }
-
-void fsync_path(const std::string& p, bool dir) {
-  int fd = ::open(p.c_str(), dir ? O_RDONLY | O_DIRECTORY : O_RDONLY);
-  if (fd >= 0) {
-    ::fsync(fd);
-    ::close(fd);
-  }
-}
-
 std::string shape_str(const std::vector<int64_t>& s) {
   std::string o = "[";
   for (size_t i = 0; i < s.size(); ++i) o += (i ? ", " : "") + std::to_string(s[i]);
@@ -319,15 +283,6 @@ json tokenizer_record(const TokenizerInfo& t) {
   return {{"kind", t.kind}, {"vocab_size", t.vocab_size}, {"bos_id", id(t.bos_id)}, {"eos_id", id(t.eos_id)},
           {"pad_id", id(t.pad_id)}, {"unk_id", id(t.unk_id)}, {"add_bos", t.add_bos}, {"add_eos", t.add_eos},
           {"files", files}};
-}
-
-void write_tokenizer_group(Comm& comm, hid_t file, MetaSums& ms, const TokenizerInfo& t, hid_t dxpl) {
-  H5Id g(chk(H5Gcreate2(file, "tokenizer", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), "create group /tokenizer"), H5Gclose);
-  put_str(g, ms, "tokenizer", "info", tokenizer_record(t).dump());
-  for (auto& [name, bytes] : t.files) {
-    const hsize_t dims[1] = {static_cast<hsize_t>(bytes.size())};
-    write_small(comm, g, name.c_str(), H5T_STD_U8LE, H5T_NATIVE_UINT8, 1, dims, bytes.data(), dxpl);
-  }
 }
 
 // Reads group /tokenizer (kind "" when absent), verifying each file against the CRC32 in `info`.
@@ -374,11 +329,6 @@ TokenizerInfo read_tokenizer_group(hid_t file, MetaSums& ms) {
   }
   return t;
 }
-
-struct QuietHdf5 {  // shardtrain reports HDF5 failures itself, with the file name
-  QuietHdf5() { H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr); }
-};
-
 
 json segments_json(const std::vector<BatchSegment>& segs) {
   json a = json::array();
@@ -461,321 +411,6 @@ void agree_on_file(Comm& comm, const std::string& path, const FileView& v) {
                                          (odd.size() == 1 ? " differs" : " differ") + " from rank 0" + hint);
 }
 
-}  // namespace
-
-int64_t tokens_of(const std::vector<BatchSegment>& segs, int64_t step) {
-  int64_t t = 0;
-  for (size_t i = 0; i < segs.size(); ++i) {
-    const BatchSegment& g = segs[i];
-    const int64_t end = i + 1 < segs.size() ? segs[i + 1].from_step : step;
-    if ((i == 0 && g.from_step != 0) || g.from_step > end || end > step || g.global_batch < 1 || g.seq_len < 1)
-      throw std::invalid_argument("the batch history does not cover steps [0, " + std::to_string(step) +
-                                  ") in order with positive batch sizes");
-    t += (end - g.from_step) * static_cast<int64_t>(g.global_batch) * g.seq_len;
-  }
-  return t;
-}
-
-std::string checkpoint_name(int64_t step) {
-  char b[64];
-  std::snprintf(b, sizeof b, "step_%08lld.h5", static_cast<long long>(step));
-  return b;
-}
-
-bool is_checkpoint_name(const std::string& n) {
-  return n.size() == 16 && n.rfind("step_", 0) == 0 && n.ends_with(".h5") &&
-         std::all_of(n.begin() + 5, n.begin() + 13, [](char c) { return c >= '0' && c <= '9'; });
-}
-
-std::vector<std::string> published_checkpoints(const std::string& dir) {
-  std::vector<std::string> names;
-  std::error_code ec;
-  for (auto& e : fs::directory_iterator(dir, ec)) {
-    std::string n = e.path().filename().string();
-    if (is_checkpoint_name(n) && e.is_regular_file(ec)) names.push_back(n);
-  }
-  std::sort(names.begin(), names.end());
-  return names;
-}
-
-void set_aside_later_checkpoints(Comm& comm, const std::string& dir, int64_t step, const std::string& resumed) {
-  std::string err, moved;
-  if (comm.rank() == 0) {
-    try {
-      std::vector<std::string> later;
-      std::error_code ec;
-      for (const std::string& n : published_checkpoints(dir))
-        if (n > checkpoint_name(step)) later.push_back(n);
-      if (!later.empty()) {
-        const fs::path aside = fs::path(dir) / "abandoned";
-        fs::create_directories(aside);
-        for (auto& n : later) {
-          fs::rename(fs::path(dir) / n, aside / n);
-          moved += (moved.empty() ? "" : ", ") + n;
-        }
-        if (fs::equivalent(fs::path(resumed).parent_path().empty() ? "." : fs::path(resumed).parent_path(), dir, ec))
-          write_file_atomic((fs::path(dir) / "latest").string(), fs::path(resumed).filename().string() + "\n", true);
-      }
-    } catch (const std::exception& e) {
-      err = "moving the later checkpoints of the abandoned run in '" + dir + "' aside: " + e.what();
-    }
-  }
-  all_ok(comm, err.empty(), err);
-  if (!moved.empty())
-    log_info(comm, "note: resumed at step " + std::to_string(step) + " while '" + dir + "' holds checkpoints of later steps " +
-                       "(" + moved + ") from the run that went on from there: moved to '" + dir +
-                       "/abandoned/', so that --keep-last and '--resume auto' follow this run");
-}
-
-std::vector<std::string> architecture_differences(const std::string& ckpt, const std::string& requested) {
-  json a, b;
-  try {
-    a = json::parse(ckpt);
-    b = json::parse(requested);
-  } catch (const json::exception& e) {
-    throw std::invalid_argument(std::string("model config is not valid JSON: ") + e.what());
-  }
-  if (!a.is_object() || !b.is_object()) throw std::invalid_argument("model config is not a JSON object");
-  // Keys that older versions did not write ("head_dim", "rope_scaling") take the values they meant
-  // (hidden_size / num_attention_heads, no scaling): an old checkpoint of the same model matches.
-  for (json* x : {&a, &b}) {
-    try {
-      *x = json::parse(canonical_json(from_canonical_json(x->dump())));
-    } catch (const std::exception&) {
-      // Malformed for from_canonical_json: compared as written, key by key.
-    }
-  }
-  std::set<std::string> keys;
-  for (auto& [k, v] : a.items()) keys.insert(k);
-  for (auto& [k, v] : b.items()) keys.insert(k);
-  std::vector<std::string> diff;
-  for (const std::string& k : keys) {
-    // How the field table (config.h) says the key compares; a key it does not know counts.
-    const ModelConfigField* field = nullptr;
-    for (const ModelConfigField& f : model_config_fields())
-      if (k == f.key) field = &f;
-    if (field && !field->architecture) continue;  // labels: they do not change the weights' meaning
-    const json va = a.contains(k) ? a[k] : json(), vb = b.contains(k) ? b[k] : json();
-    if (field && field->unset_matches && (va.is_null() || vb.is_null())) continue;  // unset on one side: filled from the other
-    if (va != vb)
-      diff.push_back(k + ": checkpoint has " + (a.contains(k) ? va.dump() : "nothing") + ", requested " +
-                     (b.contains(k) ? vb.dump() : "nothing"));
-  }
-  return diff;
-}
-
-void write_checkpoint_file(Comm& comm, const std::string& tmp_path, ShardedState<float>& f, AdamW<float>& opt,
-                           const ModelConfig& mc, const TrainConfig& tc, const TrainState& st, bool write_shards) {
-  static QuietHdf5 quiet;
-  // One logical copy for the plan's W = G ranks (G: shard group size; the world size without hybrid
-  // sharding), written by replica group 0 (global ranks 0 .. G-1, shard rank r = global rank). The
-  // ranks of the other replica groups hold identical shards: they take part in every collective
-  // HDF5 call with empty selections. Who writes is the mesh's decision (Mesh::writes_checkpoint).
-  const int W = f.plan().world_size, r = f.plan_rank();
-  const bool writer = write_shards;
-  Backend<float>& be = f.backend();
-  const ShardPlan& plan = f.plan();
-  std::string err;
-  // Refuse up front when the file cannot fit, rather than fail half-way through. (The test suite
-  // sets SHARDTRAIN_TEST_SKIP_SPACE_CHECK to exercise the mid-write failure path instead.)
-  if (r == 0 && !std::getenv("SHARDTRAIN_TEST_SKIP_SPACE_CHECK")) {
-    uint64_t need = 64u << 10;  // HDF5 superblock, root attributes
-    for (auto& up : plan.units) need += (8u << 10) + 3 * 4 * static_cast<uint64_t>(up.padded_numel);
-    struct statvfs sv {};
-    fs::path dir = fs::path(tmp_path).parent_path();
-    if (dir.empty()) dir = ".";
-    if (::statvfs(dir.c_str(), &sv) == 0 && static_cast<uint64_t>(sv.f_bavail) * sv.f_frsize < need)
-      err = "checkpoint '" + tmp_path + "': not enough space in '" + dir.string() + "' (need " +
-            std::to_string(need >> 10) + " KiB, " + std::to_string((static_cast<uint64_t>(sv.f_bavail) * sv.f_frsize) >> 10) +
-            " KiB free)";
-  }
-  all_ok(comm, err.empty(), err);
-  // HDF5's internal collectives are invisible to Comm; a failure inside HDF5 on one rank (a full
-  // disk during a metadata flush) can leave ranks in different MPI calls. The watchdog ends the
-  // job then, instead of a hang.
-  CommWatch watch(comm, "checkpoint write (parallel HDF5)");
-  try {
-    std::string why;
-    H5Id file = create_file(comm, tmp_path, &why);
-    if (!file.ok()) throw H5Error("cannot create '" + tmp_path + "': " + why);
-    MetaSums ms;  // every rank computes the same table from the same values
-    put_str(file, ms, "", "format", kFormatName);
-    put_i64(file, ms, "", "format_version", kCheckpointFormatVersion);
-    put_i64(file, ms, "", "step", st.step);
-    put_i64(file, ms, "", "tokens_seen", st.tokens_seen);
-    put_i64(file, ms, "", "world_size", W);
-    put_str(file, ms, "", "model_config", canonical_json(mc));
-    put_str(file, ms, "", "train_config", train_config_json(tc, st.world_size, st.shard_group_size));
-    put_str(file, ms, "", "data_position",
-            json({{"next_batch_index", st.step}, {"split", "train"}, {"segments", segments_json(st.segments)}}).dump());
-    put_str(file, ms, "", "rng_state", json({{"seed", st.seed}, {"generator", "splitmix64 counter (data.h, shard.h)"}}).dump());
-    put_str(file, ms, "", "program_version", kProgramVersion);
-    put_str(file, ms, "", "data", st.data_info.empty() ? "null" : st.data_info);
-    H5Id units(chk(H5Gcreate2(file, "units", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), "create group /units"), H5Gclose);
-    H5Id dxpl(H5Pcreate(H5P_DATASET_XFER), H5Pclose);
-    H5Pset_dxpl_mpio(dxpl, H5FD_MPIO_COLLECTIVE);
-    if (!st.tokenizer.kind.empty()) write_tokenizer_group(comm, file, ms, st.tokenizer, dxpl);
-    H5Id rowt = param_row_type();
-    std::vector<float> host;
-    std::string write_err, diverged;
-    for (int u = 0; u < f.num_units(); ++u) {
-      const UnitPlan& up = plan.units[u];
-      const hsize_t S = static_cast<hsize_t>(up.shard_size);
-      const std::string key = "units/" + up.name;
-      H5Id g(chk(H5Gcreate2(units, up.name.c_str(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), "create group " + up.name), H5Gclose);
-      put_i64(g, ms, key, "index", u);
-      put_i64(g, ms, key, "numel", up.numel);
-      put_i64(g, ms, key, "shard_size", up.shard_size);
-      put_i64(g, ms, key, "padded_numel", up.padded_numel);
-      // The three flat buffers: rank r writes its S elements (valid, then zero padding) at r*S.
-      uint32_t my_crc[3];
-      float* src[3] = {f.param_shard(u), opt.m()[u].data(), opt.v()[u].data()};
-      for (int k = 0; k < 3; ++k) {
-        hsize_t dims[1] = {static_cast<hsize_t>(up.padded_numel)};
-        H5Id fsp(H5Screate_simple(1, dims, nullptr), H5Sclose);
-        H5Id d(chk(H5Dcreate2(g, kMoments[k], H5T_IEEE_F32LE, fsp, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
-                   "create dataset " + up.name + "/" + kMoments[k]),
-               H5Dclose);
-        hsize_t start[1] = {static_cast<hsize_t>(r) * S}, count[1] = {S};
-        H5Sselect_hyperslab(fsp, H5S_SELECT_SET, start, nullptr, count, nullptr);
-        H5Id msp(H5Screate_simple(1, count, nullptr), H5Sclose);
-        if (!writer) {  // another replica group: same shard, written by replica group 0
-          H5Sselect_none(fsp);
-          H5Sselect_none(msp);
-        }
-        host.resize(S);
-        be.to_host(host.data(), src[k], S);
-        my_crc[k] = crc32_of(host.data(), S);
-        // A failed write (disk full) may fail on this rank only: record it and agree after the
-        // unit, so that every rank leaves the collective sequence at the same point.
-        if (H5Dwrite(d, H5T_NATIVE_FLOAT, msp, fsp, dxpl, host.data()) < 0 && write_err.empty())
-          write_err = "write " + up.name + "/" + kMoments[k] + " failed (" + h5_detail() + "; disk full?)";
-      }
-      all_ok(comm, write_err.empty(), write_err);
-      // Shard table [W, 3] (start, valid, padding) and slice checksums [W, 3] (params, adam_m, adam_v).
-      std::vector<int64_t> table;
-      for (auto& rs : up.ranks) table.insert(table.end(), {rs.start, rs.valid, rs.padding});
-      hsize_t tdims[2] = {static_cast<hsize_t>(W), 3};
-      write_small(comm, g, "shard_table", H5T_STD_I64LE, H5T_NATIVE_INT64, 2, tdims, table.data(), dxpl);
-      std::string tb;
-      for (int64_t v : table) put_le<uint64_t>(tb, static_cast<uint64_t>(v));
-      ms.add(key + "/shard_table", tb);
-      // Every rank's checksums: row r of [W, 3] comes from rank r (of replica group 0, global
-      // rank r). Hybrid sharding: the rows of the other groups must repeat them (identical replicas).
-      uint64_t mine[3] = {my_crc[0], my_crc[1], my_crc[2]};
-      std::vector<uint64_t> table_crc(static_cast<size_t>(comm.world_size()) * 3);
-      comm.all_gather(mine, table_crc.data(), 3);
-      for (size_t q = static_cast<size_t>(W) * 3; q < table_crc.size(); ++q)
-        if (table_crc[q] != table_crc[q % (static_cast<size_t>(W) * 3)] && diverged.empty())
-          diverged = "unit '" + up.name + "', " + kMoments[q % 3] + " of shard rank " + std::to_string(q / 3 % W) +
-                     ": global rank " + std::to_string(q / 3) + " differs from rank " + std::to_string(q / 3 % W);
-      std::vector<uint32_t> crc32s(table_crc.begin(), table_crc.begin() + static_cast<std::ptrdiff_t>(W) * 3);
-      write_small(comm, g, "shard_crc32", H5T_STD_U32LE, H5T_NATIVE_UINT32, 2, tdims, crc32s.data(), dxpl);
-      std::string cb;
-      for (uint32_t v : crc32s) put_le<uint32_t>(cb, v);
-      ms.add(key + "/shard_crc32", cb);
-      std::vector<ParamRow> rows(up.params.size());
-      for (size_t i = 0; i < up.params.size(); ++i) {
-        const ParamSlot& ps = up.params[i];
-        ParamRow& row = rows[i];
-        std::memset(&row, 0, sizeof row);
-        if (ps.spec.name.size() >= static_cast<size_t>(kNameLen) || ps.spec.shape.size() > static_cast<size_t>(kMaxDims))
-          throw H5Error("parameter '" + ps.spec.name + "' does not fit the param_table record");
-        std::memcpy(row.name, ps.spec.name.data(), ps.spec.name.size());
-        row.offset = ps.offset;
-        row.numel = ps.numel;
-        row.ndim = static_cast<int32_t>(ps.spec.shape.size());
-        for (size_t j = 0; j < ps.spec.shape.size(); ++j) row.shape[j] = ps.spec.shape[j];
-      }
-      hsize_t pdims[1] = {rows.size()};
-      write_small(comm, g, "param_table", rowt, rowt, 1, pdims, rows.data(), dxpl);
-      ms.add(key + "/param_table", param_rows_bytes(rows));
-    }
-    const std::string table = ms.table_json();
-    write_attr_str(file, kMetaTable, table);
-    write_attr_i64(file, kMetaTableCheck, crc32_bytes(table));
-    if (!diverged.empty())  // every rank saw the same table; replica group 0's copy is what was saved
-      log_info(comm, "warning: checkpoint '" + tmp_path + "': the hybrid-sharding replica groups hold different "
-                     "parameters or AdamW state (" + diverged + "); replica group 0's copy is saved");
-  } catch (const std::exception& e) {
-    err = std::string("checkpoint '") + tmp_path + "': " + e.what();
-  }
-  all_ok(comm, err.empty(), err);  // the file is closed on every rank here
-}
-
-void prepare_checkpoint_dir(Comm& comm, const std::string& dir) {
-  std::string err;
-  uint64_t nonce = 0;
-  if (comm.rank() == 0) {
-    std::error_code ec;
-    fs::create_directories(dir, ec);
-    if (ec) err = "cannot create checkpoint directory '" + dir + "' (option '--checkpoint-dir'): " + ec.message();
-    else if (::access(dir.c_str(), W_OK) != 0)
-      err = "checkpoint directory '" + dir + "' is not writable (option '--checkpoint-dir')";
-    nonce = static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()) ^
-            (static_cast<uint64_t>(::getpid()) << 40);
-  }
-  all_ok(comm, err.empty(), err);
-  comm.broadcast(&nonce, 1, 0);
-  // A name never used before: no rank can have it in a (negative) lookup cache.
-  const std::string probe = (fs::path(dir) / (".shardtrain-probe-" + std::to_string(nonce))).string();
-  if (comm.rank() == 0) {
-    try {
-      write_file_atomic(probe, std::to_string(nonce) + "\n");
-    } catch (const std::exception& e) {
-      err = "checkpoint directory '" + dir + "' (option '--checkpoint-dir'): " + e.what();
-    }
-  }
-  all_ok(comm, err.empty(), err);
-  std::string seen;
-  std::ifstream(probe) >> seen;
-  const std::vector<int> blind = ranks_differing_from_root(comm, seen == std::to_string(nonce) ? 1 : 0);
-  if (comm.rank() == 0) ::unlink(probe.c_str());
-  if (!blind.empty())
-    throw CollectiveError(blind.front(), "checkpoint directory '" + dir + "' (option '--checkpoint-dir') is not the same "
-                                         "directory on every rank: " + rank_list(blind) + " cannot see the file rank 0 "
-                                         "wrote there (a node-local path, a relative path under different working "
-                                         "directories, or a file system not mounted on every node); every rank must "
-                                         "write into one shared directory");
-}
-
-std::string save_checkpoint(Comm& comm, ShardedState<float>& f, AdamW<float>& opt, const ModelConfig& mc,
-                            const TrainConfig& tc, const TrainState& st, const CheckpointOptions& co) {
-  static QuietHdf5 quiet;
-  const int W = comm.world_size(), r = comm.rank();
-  const std::string final_path = (fs::path(co.dir) / checkpoint_name(st.step)).string();
-  const std::string tmp_path = (fs::path(co.dir) / ("." + checkpoint_name(st.step) + ".tmp")).string();
-  prepare_checkpoint_dir(comm, co.dir);
-  write_checkpoint_file(comm, tmp_path, f, opt, mc, tc, st, co.write_shards);
-  std::string err;
-
-  if (co.debug_crash_before_publish > 0 && st.step == co.debug_crash_before_publish) {
-    comm.barrier();
-    log_error(r, W, "debug: crashing after writing step " + std::to_string(st.step) + " before publishing it");
-    std::_Exit(86);
-  }
-
-  // Publish (rank 0): fsync data, rename, fsync dir, move `latest`, then prune.
-  if (r == 0) {
-    try {
-      fsync_path(tmp_path, false);
-      fs::rename(tmp_path, final_path);
-      fsync_path(co.dir, true);
-      write_file_atomic((fs::path(co.dir) / "latest").string(), checkpoint_name(st.step) + "\n", true);
-      if (co.keep_last > 0) {
-        std::vector<std::string> names = published_checkpoints(co.dir);
-        for (size_t i = 0; i + static_cast<size_t>(co.keep_last) < names.size(); ++i)
-          if (names[i] != checkpoint_name(st.step)) fs::remove(fs::path(co.dir) / names[i]);
-      }
-    } catch (const std::exception& e) {
-      err = "publishing checkpoint '" + final_path + "': " + e.what();
-    }
-  }
-  all_ok(comm, err.empty(), err);
-  return final_path;
-}
-
-namespace {
 
 // This rank's reading of the metadata of `path` (no collectives). Throws H5Error/std::exception
 // with a message that does not yet name the file.
@@ -883,7 +518,7 @@ void read_metadata(const std::string& path, CheckpointInfo& info, MetaSums& ms) 
                       std::to_string(ui.shard_size - valid) + ") from numel and world_size");
       ui.ranks.push_back(rs);
     }
-    read_table("shard_crc32", H5T_NATIVE_UINT32, ui.crc32, W, 3);
+    read_table("shard_crc32", H5T_NATIVE_UINT32, ui.crc32, W, checkpoint_tensor_names().size());
     std::string cb;
     for (uint32_t v : ui.crc32) put_le<uint32_t>(cb, v);
     ms.add(key + "/shard_crc32", cb);
@@ -1006,10 +641,145 @@ void cross_check(CheckpointInfo& info) {
   }
 }
 
+
 }  // namespace
 
+// ---- Writers (called by write_checkpoint_file, checkpoint_data.cpp, in the file's order) ----
+
+void write_root_attributes(hid_t file, MetaSums& ms, const CheckpointSnapshot& snap) {
+  const TrainState& st = snap.state;
+  put_str(file, ms, "", "format", kFormatName);
+  put_i64(file, ms, "", "format_version", kCheckpointFormatVersion);
+  put_i64(file, ms, "", "step", st.step);
+  put_i64(file, ms, "", "tokens_seen", st.tokens_seen);
+  put_i64(file, ms, "", "world_size", snap.plan.world_size);
+  put_str(file, ms, "", "model_config", snap.model_config);
+  put_str(file, ms, "", "train_config", snap.train_config);
+  put_str(file, ms, "", "data_position",
+          json({{"next_batch_index", st.step}, {"split", "train"}, {"segments", segments_json(st.segments)}}).dump());
+  put_str(file, ms, "", "rng_state", json({{"seed", st.seed}, {"generator", "splitmix64 counter (data.h, shard.h)"}}).dump());
+  put_str(file, ms, "", "program_version", kProgramVersion);
+  put_str(file, ms, "", "data", st.data_info.empty() ? "null" : st.data_info);
+}
+
+// Group /tokenizer (docs/checkpoint-format.md, "Tokenizer"): attribute `info` (tokenizer_record),
+// then the files' bytes as u8 datasets named like the files.
+void write_tokenizer_group(Comm& comm, hid_t file, MetaSums& ms, const TokenizerInfo& t, hid_t dxpl) {
+  H5Id g(chk(H5Gcreate2(file, "tokenizer", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), "create group /tokenizer"), H5Gclose);
+  put_str(g, ms, "tokenizer", "info", tokenizer_record(t).dump());
+  for (auto& [name, bytes] : t.files) {
+    const hsize_t dims[1] = {static_cast<hsize_t>(bytes.size())};
+    write_small(comm, g, name.c_str(), H5T_STD_U8LE, H5T_NATIVE_UINT8, 1, dims, bytes.data(), dxpl);
+  }
+}
+
+void write_unit_attributes(hid_t g, MetaSums& ms, int u, const UnitPlan& up) {
+  const std::string key = "units/" + up.name;
+  put_i64(g, ms, key, "index", u);
+  put_i64(g, ms, key, "numel", up.numel);
+  put_i64(g, ms, key, "shard_size", up.shard_size);
+  put_i64(g, ms, key, "padded_numel", up.padded_numel);
+}
+
+void write_unit_tables(Comm& comm, hid_t g, MetaSums& ms, const UnitPlan& up, int W, const std::vector<uint32_t>& crc,
+                       hid_t dxpl) {
+  const std::string key = "units/" + up.name;
+  const hsize_t C = checkpoint_tensor_names().size();
+  if (crc.size() != static_cast<size_t>(W) * C) throw std::logic_error("write_unit_tables: checksum table of the wrong size");
+  // Shard table [W, 3] (start, valid, padding) and slice checksums [W, C].
+  std::vector<int64_t> table;
+  for (auto& rs : up.ranks) table.insert(table.end(), {rs.start, rs.valid, rs.padding});
+  hsize_t tdims[2] = {static_cast<hsize_t>(W), 3};
+  write_small(comm, g, "shard_table", H5T_STD_I64LE, H5T_NATIVE_INT64, 2, tdims, table.data(), dxpl);
+  std::string tb;
+  for (int64_t v : table) put_le<uint64_t>(tb, static_cast<uint64_t>(v));
+  ms.add(key + "/shard_table", tb);
+  hsize_t cdims[2] = {static_cast<hsize_t>(W), C};
+  write_small(comm, g, "shard_crc32", H5T_STD_U32LE, H5T_NATIVE_UINT32, 2, cdims, crc.data(), dxpl);
+  std::string cb;
+  for (uint32_t v : crc) put_le<uint32_t>(cb, v);
+  ms.add(key + "/shard_crc32", cb);
+  std::vector<ParamRow> rows(up.params.size());
+  for (size_t i = 0; i < up.params.size(); ++i) {
+    const ParamSlot& ps = up.params[i];
+    ParamRow& row = rows[i];
+    std::memset(&row, 0, sizeof row);
+    if (ps.spec.name.size() >= static_cast<size_t>(kNameLen) || ps.spec.shape.size() > static_cast<size_t>(kMaxDims))
+      throw H5Error("parameter '" + ps.spec.name + "' does not fit the param_table record");
+    std::memcpy(row.name, ps.spec.name.data(), ps.spec.name.size());
+    row.offset = ps.offset;
+    row.numel = ps.numel;
+    row.ndim = static_cast<int32_t>(ps.spec.shape.size());
+    for (size_t j = 0; j < ps.spec.shape.size(); ++j) row.shape[j] = ps.spec.shape[j];
+  }
+  H5Id rowt = param_row_type();
+  hsize_t pdims[1] = {rows.size()};
+  write_small(comm, g, "param_table", rowt, rowt, 1, pdims, rows.data(), dxpl);
+  ms.add(key + "/param_table", param_rows_bytes(rows));
+}
+
+void write_metadata_checksums(hid_t file, const MetaSums& ms) {
+  const std::string table = ms.table_json();
+  write_attr_str(file, kMetaTable, table);
+  write_attr_i64(file, kMetaTableCheck, crc32_bytes(table));
+}
+
+}  // namespace ckpt
+
+using namespace ckpt;
+
+int64_t tokens_of(const std::vector<BatchSegment>& segs, int64_t step) {
+  int64_t t = 0;
+  for (size_t i = 0; i < segs.size(); ++i) {
+    const BatchSegment& g = segs[i];
+    const int64_t end = i + 1 < segs.size() ? segs[i + 1].from_step : step;
+    if ((i == 0 && g.from_step != 0) || g.from_step > end || end > step || g.global_batch < 1 || g.seq_len < 1)
+      throw std::invalid_argument("the batch history does not cover steps [0, " + std::to_string(step) +
+                                  ") in order with positive batch sizes");
+    t += (end - g.from_step) * static_cast<int64_t>(g.global_batch) * g.seq_len;
+  }
+  return t;
+}
+
+std::vector<std::string> architecture_differences(const std::string& ckpt, const std::string& requested) {
+  json a, b;
+  try {
+    a = json::parse(ckpt);
+    b = json::parse(requested);
+  } catch (const json::exception& e) {
+    throw std::invalid_argument(std::string("model config is not valid JSON: ") + e.what());
+  }
+  if (!a.is_object() || !b.is_object()) throw std::invalid_argument("model config is not a JSON object");
+  // Keys that older versions did not write ("head_dim", "rope_scaling") take the values they meant
+  // (hidden_size / num_attention_heads, no scaling): an old checkpoint of the same model matches.
+  for (json* x : {&a, &b}) {
+    try {
+      *x = json::parse(canonical_json(from_canonical_json(x->dump())));
+    } catch (const std::exception&) {
+      // Malformed for from_canonical_json: compared as written, key by key.
+    }
+  }
+  std::set<std::string> keys;
+  for (auto& [k, v] : a.items()) keys.insert(k);
+  for (auto& [k, v] : b.items()) keys.insert(k);
+  std::vector<std::string> diff;
+  for (const std::string& k : keys) {
+    // How the field table (config.h) says the key compares; a key it does not know counts.
+    const ModelConfigField* field = nullptr;
+    for (const ModelConfigField& f : model_config_fields())
+      if (k == f.key) field = &f;
+    if (field && !field->architecture) continue;  // labels: they do not change the weights' meaning
+    const json va = a.contains(k) ? a[k] : json(), vb = b.contains(k) ? b[k] : json();
+    if (field && field->unset_matches && (va.is_null() || vb.is_null())) continue;  // unset on one side: filled from the other
+    if (va != vb)
+      diff.push_back(k + ": checkpoint has " + (a.contains(k) ? va.dump() : "nothing") + ", requested " +
+                     (b.contains(k) ? vb.dump() : "nothing"));
+  }
+  return diff;
+}
+
 CheckpointInfo read_checkpoint_info(Comm& comm, const std::string& path) {
-  static QuietHdf5 quiet;
+  quiet_hdf5();
   CheckpointInfo info;
   info.path = path;
   FileView v;
@@ -1066,143 +836,6 @@ void check_checkpoint_layout(const CheckpointInfo& info, const ShardPlan& plan) 
                                  " (the elements of its shape " + shape_str(ps.spec.shape) + ")");
     }
   }
-}
-
-TrainState load_checkpoint(Comm& comm, const std::string& path, ShardedState<float>& f, AdamW<float>* opt,
-                           const ModelConfig& mc, const CheckpointInfo* given) {
-  CheckpointInfo read;
-  const CheckpointInfo& info = given ? *given : (read = read_checkpoint_info(comm, path));
-  const ShardPlan& plan = f.plan();
-  // Hybrid sharding: every replica group reads the slices of its own shard ranks.
-  const int M = plan.world_size, r = f.plan_rank();
-  std::string err;
-  // Structure checks: identical on every rank (the ranks agreed on the metadata), agreed anyway.
-  try {
-    std::vector<std::string> diff = architecture_differences(info.model_config, canonical_json(mc));
-    if (!diff.empty()) {
-      std::string d;
-      for (auto& x : diff) d += (d.empty() ? "" : ", ") + x;
-      throw std::runtime_error("model config does not match the requested one (" + d + ")");
-    }
-    check_checkpoint_layout(info, plan);
-  } catch (const std::exception& e) {
-    err = "checkpoint '" + path + "': " + e.what();
-  }
-  all_ok(comm, err.empty(), err);
-
-  // Data: every rank opens the file itself and reads, independently, each saved slice that
-  // overlaps its own shard under the current plan, plus the slices q with q % M == r (so that
-  // every slice is verified by some rank); each slice read is checked against its CRC32 before use.
-  Backend<float>& be = f.backend();
-  try {
-    std::string why;
-    H5Id file = open_local(path, &why);
-    if (!file.ok()) throw std::runtime_error("cannot open (" + why + ")");
-    std::vector<float> slice, out;
-    for (int u = 0; u < f.num_units(); ++u) {
-      const UnitPlan& up = plan.units[u];
-      const CheckpointUnitInfo& ui =
-          *std::find_if(info.units.begin(), info.units.end(), [&](auto& x) { return x.name == up.name; });
-      const std::string ug = "units/" + up.name;
-      const RankShard& rs = up.ranks[r];
-      const int64_t S = ui.shard_size, lo = rs.start, hi = rs.start + rs.valid;  // my elements [lo, hi)
-      std::set<int> qs;
-      for (int q = r; q < info.world_size; q += M) qs.insert(q);
-      if (hi > lo)
-        for (int64_t q = lo / S; q <= (hi - 1) / S; ++q) qs.insert(static_cast<int>(q));
-      for (int k = 0; k < 3; ++k) {
-        if (k > 0 && !opt) break;  // weights only: the moments are neither used nor read
-        const std::string dsname = ug + "/" + kMoments[k];
-        H5Id d(H5Dopen2(file, dsname.c_str(), H5P_DEFAULT), H5Dclose);
-        if (!d.ok()) throw std::runtime_error("dataset '" + dsname + "' is missing");
-        H5Id fsp(H5Dget_space(d), H5Sclose);
-        if (H5Sget_simple_extent_npoints(fsp) != ui.padded_numel)
-          throw std::runtime_error("dataset '" + dsname + "' has " + std::to_string(H5Sget_simple_extent_npoints(fsp)) +
-                                   " elements, expected " + std::to_string(ui.padded_numel));
-        out.assign(static_cast<size_t>(up.shard_size), 0.0f);  // padding stays zero
-        for (int q : qs) {
-          hsize_t start[1] = {static_cast<hsize_t>(q) * static_cast<hsize_t>(S)}, count[1] = {static_cast<hsize_t>(S)};
-          H5Sselect_hyperslab(fsp, H5S_SELECT_SET, start, nullptr, count, nullptr);
-          H5Id msp(H5Screate_simple(1, count, nullptr), H5Sclose);
-          slice.resize(static_cast<size_t>(S));
-          if (H5Dread(d, H5T_NATIVE_FLOAT, msp, fsp, H5P_DEFAULT, slice.data()) < 0)
-            throw std::runtime_error("cannot read '" + dsname + "' (" + h5_detail() + ")");
-          uint32_t c = crc32_of(slice.data(), slice.size()), want = ui.crc32[static_cast<size_t>(q) * 3 + k];
-          if (c != want) {
-            char b[160];
-            std::snprintf(b, sizeof b, "slice of saving rank %d fails its CRC32 check (stored %08x, computed %08x)", q,
-                          want, c);
-            throw std::runtime_error("dataset '" + dsname + "': " + b + "; the file is damaged");
-          }
-          for (int64_t p = std::max(lo, q * S); p < std::min(hi, (q + 1) * S); ++p)
-            out[static_cast<size_t>(p - lo)] = slice[static_cast<size_t>(p - q * S)];
-        }
-        float* dst = k == 0 ? f.param_shard(u) : k == 1 ? opt->m()[u].data() : opt->v()[u].data();
-        be.from_host(dst, out.data(), out.size());
-      }
-    }
-  } catch (const std::exception& e) {
-    err = "checkpoint '" + path + "': " + e.what();
-  }
-  all_ok(comm, err.empty(), err);
-  TrainState st;
-  st.step = info.step;
-  st.tokens_seen = info.tokens_seen;
-  st.saved_world_size = info.world_size;
-  st.segments = info.segments;
-  st.data_info = info.data_info;
-  st.tokenizer = info.tokenizer;
-  st.seed = json::parse(info.rng_state).at("seed").get<uint64_t>();  // checked by read_checkpoint_info
-  return st;
-}
-
-std::string resolve_resume(Comm& comm, const std::string& resume, const std::string& dir, bool start_over) {
-  std::string path, err;
-  if (comm.rank() == 0 && !resume.empty()) {
-    try {
-      if (resume == "auto") {
-        if (dir.empty()) throw std::runtime_error("option '--resume auto' needs '--checkpoint-dir'");
-        const fs::path latest = fs::path(dir) / "latest";
-        const std::vector<std::string> names = published_checkpoints(dir);
-        std::error_code ec;
-        if (fs::exists(latest, ec) || fs::is_symlink(latest, ec)) {
-          std::ifstream l(latest);
-          std::string name;
-          std::getline(l, name);
-          while (!name.empty() && std::isspace(static_cast<unsigned char>(name.back()))) name.pop_back();  // CRLF, blanks
-          const bool well_formed = fs::is_regular_file(latest, ec) && is_checkpoint_name(name);
-          if (well_formed && fs::is_regular_file(fs::path(dir) / name, ec)) {
-            path = (fs::path(dir) / name).string();
-          } else if (!(start_over && names.empty())) {
-            // A run existed (it wrote `latest`) and its newest checkpoint is gone, or the pointer is
-            // damaged: starting over, or silently going back to an older one, could lose progress.
-            std::string msg = !well_formed ? "'" + latest.string() + "' is damaged: it should hold one checkpoint name like '" +
-                                                 checkpoint_name(0) + "', not '" + name.substr(0, 80) + "'. "
-                              : "'" + latest.string() + "' names '" + name + "', which " +
-                                    (fs::exists(fs::path(dir) / name, ec) ? "is not a checkpoint file"
-                                                                          : "does not exist") +
-                                    ": the newest checkpoint of the run in '" + dir +
-                                    "' is gone (deleted, or on a file system this node does not see). ";
-            if (!names.empty())
-              msg += "The newest checkpoint still present is '" + names.back() + "': to continue from it, pass '--resume " +
-                     (fs::path(dir) / names.back()).string() + "'";
-            else
-              msg += "No checkpoint is left: to start again from step 0 in this directory, pass '--start-over'";
-            throw std::runtime_error(msg);
-          }
-        } else if (!names.empty()) {
-          path = (fs::path(dir) / names.back()).string();
-        }
-      } else {
-        if (!fs::exists(resume)) throw std::runtime_error("checkpoint '" + resume + "' (option '--resume'): no such file");
-        path = resume;
-      }
-    } catch (const std::exception& e) {
-      err = e.what();
-    }
-  }
-  all_ok(comm, err.empty(), err);
-  return comm.broadcast_string(path, 0);
 }
 
 }  // namespace shardtrain

@@ -1,0 +1,304 @@
+// Checkpoint tensor data (checkpoint.h): the named sharded tensors, snapshots of them, the file's
+// collective write through MPI-IO (every rank writes exactly one slice per dataset, never an empty
+// one, thanks to padding; or an empty selection when another replica group writes its rows), and
+// loading with resharding (each rank reads, independently, the saved slices it needs, each checked
+// against its CRC32).
+#include <hdf5.h>
+#include <mpi.h>
+#include <sys/statvfs.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <stdexcept>
+
+#include "checkpoint_internal.h"
+
+namespace shardtrain {
+namespace fs = std::filesystem;
+using namespace ckpt;
+
+const std::vector<std::string>& checkpoint_tensor_names() {
+  static const std::vector<std::string> names = {"params", "adam_m", "adam_v"};
+  return names;
+}
+
+namespace {
+
+// Column of `name` in the shard_crc32 table; -1 if the format has no such tensor.
+int tensor_column(const std::string& name) {
+  const auto& n = checkpoint_tensor_names();
+  auto it = std::find(n.begin(), n.end(), name);
+  return it == n.end() ? -1 : static_cast<int>(it - n.begin());
+}
+
+// Every tensor named like one of the format's, once, with one shard per unit of `plan`.
+void check_tensor_set(const ShardPlan& plan, const std::vector<std::string>& names, const std::vector<size_t>& shard_counts,
+                      const char* who) {
+  std::set<std::string> seen;
+  for (size_t i = 0; i < names.size(); ++i) {
+    if (tensor_column(names[i]) < 0)
+      throw std::invalid_argument(std::string(who) + ": no checkpoint tensor is called '" + names[i] + "'");
+    if (!seen.insert(names[i]).second) throw std::invalid_argument(std::string(who) + ": tensor '" + names[i] + "' given twice");
+    if (shard_counts[i] != plan.units.size())
+      throw std::invalid_argument(std::string(who) + ": tensor '" + names[i] + "' has " + std::to_string(shard_counts[i]) +
+                                  " shards for " + std::to_string(plan.units.size()) + " units");
+  }
+}
+
+}  // namespace
+
+ShardedTensors sharded_params(ShardedState<float>& f) {
+  ShardedTensors t;
+  t.plan = &f.plan();
+  t.plan_rank = f.plan_rank();
+  t.backend = &f.backend();
+  ShardedTensor p{"params", {}};
+  for (int u = 0; u < f.num_units(); ++u) p.shards.push_back(f.param_shard(u));
+  t.tensors.push_back(std::move(p));
+  return t;
+}
+
+uint64_t CheckpointSnapshot::bytes() const {
+  uint64_t b = 0;
+  for (auto& t : tensors)
+    for (auto& s : t.shards) b += 4 * static_cast<uint64_t>(s.size());
+  return b;
+}
+
+CheckpointSnapshot take_checkpoint_snapshot(const ShardedTensors& t, const ModelConfig& mc, const std::string& train_config,
+                                            const TrainState& state, bool write_shards) {
+  if (!t.plan || !t.backend) throw std::invalid_argument("take_checkpoint_snapshot: no plan or backend");
+  std::vector<std::string> names;
+  std::vector<size_t> counts;
+  for (auto& x : t.tensors) {
+    names.push_back(x.name);
+    counts.push_back(x.shards.size());
+  }
+  check_tensor_set(*t.plan, names, counts, "take_checkpoint_snapshot");
+  CheckpointSnapshot s;
+  s.plan = *t.plan;
+  s.plan_rank = t.plan_rank;
+  s.write_shards = write_shards;
+  s.state = state;
+  s.model_config = canonical_json(mc);
+  s.train_config = train_config;
+  for (auto& x : t.tensors) {
+    CheckpointSnapshot::Tensor c{x.name, {}};
+    c.shards.resize(x.shards.size());
+    for (size_t u = 0; u < x.shards.size(); ++u) {
+      c.shards[u].resize(static_cast<size_t>(s.plan.units[u].shard_size));
+      t.backend->to_host(c.shards[u].data(), x.shards[u], c.shards[u].size());
+    }
+    s.tensors.push_back(std::move(c));
+  }
+  return s;
+}
+
+void write_checkpoint_file(Comm& comm, const std::string& tmp_path, const CheckpointSnapshot& snap) {
+  quiet_hdf5();
+  // One logical copy for the plan's W = G ranks (G: shard group size; the world size without hybrid
+  // sharding), written by replica group 0 (global ranks 0 .. G-1, shard rank r = global rank). The
+  // ranks of the other replica groups hold identical shards: they take part in every collective
+  // HDF5 call with empty selections. Who writes is the mesh's decision (Mesh::writes_checkpoint).
+  const ShardPlan& plan = snap.plan;
+  const int W = plan.world_size, r = snap.plan_rank;
+  const bool writer = snap.write_shards;
+  const std::vector<std::string>& names = checkpoint_tensor_names();
+  const size_t C = names.size();
+  // The snapshot's tensors in the file's column order: all of them, each once.
+  std::vector<const CheckpointSnapshot::Tensor*> cols(C, nullptr);
+  {
+    std::vector<std::string> given;
+    std::vector<size_t> counts;
+    for (auto& x : snap.tensors) {
+      given.push_back(x.name);
+      counts.push_back(x.shards.size());
+    }
+    check_tensor_set(plan, given, counts, "write_checkpoint_file");
+    for (auto& x : snap.tensors) cols[static_cast<size_t>(tensor_column(x.name))] = &x;
+    for (size_t k = 0; k < C; ++k)
+      if (!cols[k]) throw std::invalid_argument("write_checkpoint_file: the snapshot lacks tensor '" + names[k] + "'");
+  }
+  std::string err;
+  // Refuse up front when the file cannot fit, rather than fail half-way through. (The test suite
+  // sets SHARDTRAIN_TEST_SKIP_SPACE_CHECK to exercise the mid-write failure path instead.)
+  if (r == 0 && !std::getenv("SHARDTRAIN_TEST_SKIP_SPACE_CHECK")) {
+    uint64_t need = 64u << 10;  // HDF5 superblock, root attributes
+    for (auto& up : plan.units) need += (8u << 10) + C * 4 * static_cast<uint64_t>(up.padded_numel);
+    struct statvfs sv {};
+    fs::path dir = fs::path(tmp_path).parent_path();
+    if (dir.empty()) dir = ".";
+    if (::statvfs(dir.c_str(), &sv) == 0 && static_cast<uint64_t>(sv.f_bavail) * sv.f_frsize < need)
+      err = "checkpoint '" + tmp_path + "': not enough space in '" + dir.string() + "' (need " +
+            std::to_string(need >> 10) + " KiB, " + std::to_string((static_cast<uint64_t>(sv.f_bavail) * sv.f_frsize) >> 10) +
+            " KiB free)";
+  }
+  all_ok(comm, err.empty(), err);
+  // HDF5's internal collectives are invisible to Comm; a failure inside HDF5 on one rank (a full
+  // disk during a metadata flush) can leave ranks in different MPI calls. The watchdog ends the
+  // job then, instead of a hang.
+  CommWatch watch(comm, "checkpoint write (parallel HDF5)");
+  try {
+    std::string why;
+    H5Id file = create_file(comm, tmp_path, &why);
+    if (!file.ok()) throw H5Error("cannot create '" + tmp_path + "': " + why);
+    MetaSums ms;  // every rank computes the same table from the same values
+    write_root_attributes(file, ms, snap);
+    H5Id units(chk(H5Gcreate2(file, "units", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), "create group /units"), H5Gclose);
+    H5Id dxpl(H5Pcreate(H5P_DATASET_XFER), H5Pclose);
+    H5Pset_dxpl_mpio(dxpl, H5FD_MPIO_COLLECTIVE);
+    if (!snap.state.tokenizer.kind.empty()) write_tokenizer_group(comm, file, ms, snap.state.tokenizer, dxpl);
+    std::string write_err, diverged;
+    for (size_t u = 0; u < plan.units.size(); ++u) {
+      const UnitPlan& up = plan.units[u];
+      const hsize_t S = static_cast<hsize_t>(up.shard_size);
+      H5Id g(chk(H5Gcreate2(units, up.name.c_str(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), "create group " + up.name), H5Gclose);
+      write_unit_attributes(g, ms, static_cast<int>(u), up);
+      // One flat dataset per tensor: rank r writes its S elements (valid, then zero padding) at r*S.
+      std::vector<uint64_t> my_crc(C);
+      for (size_t k = 0; k < C; ++k) {
+        const std::vector<float>& rows = cols[k]->shards[u];
+        hsize_t dims[1] = {static_cast<hsize_t>(up.padded_numel)};
+        H5Id fsp(H5Screate_simple(1, dims, nullptr), H5Sclose);
+        H5Id d(chk(H5Dcreate2(g, names[k].c_str(), H5T_IEEE_F32LE, fsp, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
+                   "create dataset " + up.name + "/" + names[k]),
+               H5Dclose);
+        hsize_t start[1] = {static_cast<hsize_t>(r) * S}, count[1] = {S};
+        H5Sselect_hyperslab(fsp, H5S_SELECT_SET, start, nullptr, count, nullptr);
+        H5Id msp(H5Screate_simple(1, count, nullptr), H5Sclose);
+        if (!writer) {  // another replica group: same shard, written by replica group 0
+          H5Sselect_none(fsp);
+          H5Sselect_none(msp);
+        }
+        my_crc[k] = crc32_of(rows.data(), S);
+        // A failed write (disk full) may fail on this rank only: record it and agree after the
+        // unit, so that every rank leaves the collective sequence at the same point.
+        if (H5Dwrite(d, H5T_NATIVE_FLOAT, msp, fsp, dxpl, rows.data()) < 0 && write_err.empty())
+          write_err = "write " + up.name + "/" + names[k] + " failed (" + h5_detail() + "; disk full?)";
+      }
+      all_ok(comm, write_err.empty(), write_err);
+      // Every rank's checksums: row r of [W, C] comes from rank r (of replica group 0, global
+      // rank r). Hybrid sharding: the rows of the other groups must repeat them (identical replicas).
+      std::vector<uint64_t> table_crc(static_cast<size_t>(comm.world_size()) * C);
+      comm.all_gather(my_crc.data(), table_crc.data(), C);
+      const size_t WC = static_cast<size_t>(W) * C;
+      for (size_t q = WC; q < table_crc.size(); ++q)
+        if (table_crc[q] != table_crc[q % WC] && diverged.empty())
+          diverged = "unit '" + up.name + "', " + names[q % C] + " of shard rank " + std::to_string(q / C % W) +
+                     ": global rank " + std::to_string(q / C) + " differs from rank " + std::to_string(q / C % W);
+      const std::vector<uint32_t> crc32s(table_crc.begin(), table_crc.begin() + static_cast<std::ptrdiff_t>(WC));
+      write_unit_tables(comm, g, ms, up, W, crc32s, dxpl);
+    }
+    write_metadata_checksums(file, ms);
+    if (!diverged.empty())  // every rank saw the same table; replica group 0's copy is what was saved
+      log_info(comm, "warning: checkpoint '" + tmp_path + "': the hybrid-sharding replica groups hold different "
+                     "parameters or AdamW state (" + diverged + "); replica group 0's copy is saved");
+  } catch (const std::exception& e) {
+    err = std::string("checkpoint '") + tmp_path + "': " + e.what();
+  }
+  all_ok(comm, err.empty(), err);  // the file is closed on every rank here
+}
+
+TrainState load_checkpoint(Comm& comm, const std::string& path, const ShardedTensors& into, const ModelConfig& mc,
+                           const CheckpointInfo* given) {
+  if (!into.plan || !into.backend) throw std::invalid_argument("load_checkpoint: no plan or backend");
+  {
+    std::vector<std::string> names;
+    std::vector<size_t> counts;
+    for (auto& x : into.tensors) {
+      names.push_back(x.name);
+      counts.push_back(x.shards.size());
+    }
+    check_tensor_set(*into.plan, names, counts, "load_checkpoint");
+  }
+  CheckpointInfo read;
+  const CheckpointInfo& info = given ? *given : (read = read_checkpoint_info(comm, path));
+  const ShardPlan& plan = *into.plan;
+  // Hybrid sharding: every replica group reads the slices of its own shard ranks.
+  const int M = plan.world_size, r = into.plan_rank;
+  const size_t C = checkpoint_tensor_names().size();
+  std::string err;
+  // Structure checks: identical on every rank (the ranks agreed on the metadata), agreed anyway.
+  try {
+    std::vector<std::string> diff = architecture_differences(info.model_config, canonical_json(mc));
+    if (!diff.empty()) {
+      std::string d;
+      for (auto& x : diff) d += (d.empty() ? "" : ", ") + x;
+      throw std::runtime_error("model config does not match the requested one (" + d + ")");
+    }
+    check_checkpoint_layout(info, plan);
+  } catch (const std::exception& e) {
+    err = "checkpoint '" + path + "': " + e.what();
+  }
+  all_ok(comm, err.empty(), err);
+
+  // Data: every rank opens the file itself and reads, independently, each saved slice that
+  // overlaps its own shard under the current plan, plus the slices q with q % M == r (so that
+  // every slice is verified by some rank); each slice read is checked against its CRC32 before use.
+  Backend<float>& be = *into.backend;
+  try {
+    std::string why;
+    H5Id file = open_local(path, &why);
+    if (!file.ok()) throw std::runtime_error("cannot open (" + why + ")");
+    std::vector<float> slice, out;
+    for (size_t u = 0; u < plan.units.size(); ++u) {
+      const UnitPlan& up = plan.units[u];
+      const CheckpointUnitInfo& ui =
+          *std::find_if(info.units.begin(), info.units.end(), [&](auto& x) { return x.name == up.name; });
+      const std::string ug = "units/" + up.name;
+      const RankShard& rs = up.ranks[r];
+      const int64_t S = ui.shard_size, lo = rs.start, hi = rs.start + rs.valid;  // my elements [lo, hi)
+      std::set<int> qs;
+      for (int q = r; q < info.world_size; q += M) qs.insert(q);
+      if (hi > lo)
+        for (int64_t q = lo / S; q <= (hi - 1) / S; ++q) qs.insert(static_cast<int>(q));
+      for (const ShardedTensor& t : into.tensors) {
+        const size_t k = static_cast<size_t>(tensor_column(t.name));
+        const std::string dsname = ug + "/" + t.name;
+        H5Id d(H5Dopen2(file, dsname.c_str(), H5P_DEFAULT), H5Dclose);
+        if (!d.ok()) throw std::runtime_error("dataset '" + dsname + "' is missing");
+        H5Id fsp(H5Dget_space(d), H5Sclose);
+        if (H5Sget_simple_extent_npoints(fsp) != ui.padded_numel)
+          throw std::runtime_error("dataset '" + dsname + "' has " + std::to_string(H5Sget_simple_extent_npoints(fsp)) +
+                                   " elements, expected " + std::to_string(ui.padded_numel));
+        out.assign(static_cast<size_t>(up.shard_size), 0.0f);  // padding stays zero
+        for (int q : qs) {
+          hsize_t start[1] = {static_cast<hsize_t>(q) * static_cast<hsize_t>(S)}, count[1] = {static_cast<hsize_t>(S)};
+          H5Sselect_hyperslab(fsp, H5S_SELECT_SET, start, nullptr, count, nullptr);
+          H5Id msp(H5Screate_simple(1, count, nullptr), H5Sclose);
+          slice.resize(static_cast<size_t>(S));
+          if (H5Dread(d, H5T_NATIVE_FLOAT, msp, fsp, H5P_DEFAULT, slice.data()) < 0)
+            throw std::runtime_error("cannot read '" + dsname + "' (" + h5_detail() + ")");
+          uint32_t c = crc32_of(slice.data(), slice.size()), want = ui.crc32[static_cast<size_t>(q) * C + k];
+          if (c != want) {
+            char b[160];
+            std::snprintf(b, sizeof b, "slice of saving rank %d fails its CRC32 check (stored %08x, computed %08x)", q,
+                          want, c);
+            throw std::runtime_error("dataset '" + dsname + "': " + b + "; the file is damaged");
+          }
+          for (int64_t p = std::max(lo, q * S); p < std::min(hi, (q + 1) * S); ++p)
+            out[static_cast<size_t>(p - lo)] = slice[static_cast<size_t>(p - q * S)];
+        }
+        be.from_host(t.shards[u], out.data(), out.size());
+      }
+    }
+  } catch (const std::exception& e) {
+    err = "checkpoint '" + path + "': " + e.what();
+  }
+  all_ok(comm, err.empty(), err);
+  TrainState st;
+  st.step = info.step;
+  st.tokens_seen = info.tokens_seen;
+  st.saved_world_size = info.world_size;
+  st.segments = info.segments;
+  st.data_info = info.data_info;
+  st.tokenizer = info.tokenizer;
+  st.seed = nlohmann::json::parse(info.rng_state).at("seed").get<uint64_t>();  // checked by read_checkpoint_info
+  return st;
+}
+
+}  // namespace shardtrain

@@ -1,0 +1,97 @@
+// Private to the checkpoint code (src/io/checkpoint_*.cpp): the HDF5 plumbing and the metadata
+// writers and readers that the data part (checkpoint_data.cpp) calls while it writes or reads a
+// file. The file layout is docs/checkpoint-format.md; the public contract is checkpoint.h.
+#pragma once
+
+#include <hdf5.h>
+
+#include <cstdint>
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "shardtrain/checkpoint.h"
+#include "shardtrain/files.h"
+
+namespace shardtrain::ckpt {
+
+inline constexpr const char* kFormatName = "shardtrain-checkpoint";
+inline constexpr int kMaxDims = 4;
+inline constexpr int kNameLen = 128;
+inline constexpr int64_t kMaxParamRows = 1 << 16;  // rows of one unit's param_table read (a Llama block has 9)
+
+// Owns an HDF5 id; closes it with the right H5*close.
+class H5Id {
+ public:
+  H5Id() = default;
+  H5Id(hid_t id, herr_t (*closer)(hid_t)) : id_(id), close_(closer) {}
+  ~H5Id() { reset(); }
+  H5Id(H5Id&& o) noexcept : id_(o.id_), close_(o.close_) { o.id_ = -1; }
+  H5Id& operator=(H5Id&& o) noexcept {
+    if (this != &o) { reset(); id_ = o.id_; close_ = o.close_; o.id_ = -1; }
+    return *this;
+  }
+  H5Id(const H5Id&) = delete;
+  operator hid_t() const { return id_; }
+  bool ok() const { return id_ >= 0; }
+  void reset() { if (id_ >= 0 && close_) close_(id_); id_ = -1; }
+
+ private:
+  hid_t id_ = -1;
+  herr_t (*close_)(hid_t) = nullptr;
+};
+
+// A failure inside the checkpoint code whose message does not yet name the file.
+struct H5Error : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+hid_t chk(hid_t id, const std::string& what);
+void chk(herr_t rc, const std::string& what, int);
+
+// HDF5's innermost error message (often the informative one, e.g. "truncated file").
+std::string h5_detail();
+// Turns off HDF5's own error printing (shardtrain reports failures itself, naming the file); once
+// per process, idempotent.
+void quiet_hdf5();
+
+// Collective create through MPI-IO (saves). On failure returns an invalid id and sets *why to
+// HDF5's own reason.
+H5Id create_file(Comm& comm, const std::string& path, std::string* why);
+// Local read-only open (POSIX driver, no file locking) on this rank alone. On failure returns an
+// invalid id and sets *why.
+H5Id open_local(const std::string& path, std::string* why);
+
+uint32_t crc32_bytes(const std::string& b);
+inline uint32_t crc32_of(const float* p, size_t n) { return crc32_update(0, p, n * sizeof(float)); }
+
+// The checksums of the metadata items written or read so far (docs/checkpoint-format.md,
+// "Integrity"): keys "@step" (root attribute), "units/U@numel" (unit attribute),
+// "units/U/shard_table" (table), "tokenizer@info". When reading a version-2 file (`verify`), each
+// item is compared with the stored table as it is added; the first damaged item throws H5Error.
+struct MetaSums {
+  std::map<std::string, uint32_t> computed, stored;
+  bool verify = false;
+  void add(const std::string& key, const std::string& bytes);
+  void finish() const;             // every stored entry names an item that was read
+  std::string table_json() const;  // the metadata_crc32 attribute's text
+};
+
+// ---- Writing (checkpoint_meta.cpp). Every rank calls each with the same values (parallel HDF5
+// requires collective attribute writes with identical data); tables are written by rank 0.
+
+// Root attributes: format, format_version, step, tokens_seen, world_size (the snapshot's plan),
+// model_config, train_config, data_position, rng_state, program_version, data.
+void write_root_attributes(hid_t file, MetaSums& ms, const CheckpointSnapshot& snap);
+// Group /tokenizer; only when snap.state.tokenizer.kind is not empty.
+void write_tokenizer_group(Comm& comm, hid_t file, MetaSums& ms, const TokenizerInfo& t, hid_t dxpl);
+// Unit `u`'s attributes: index, numel, shard_size, padded_numel.
+void write_unit_attributes(hid_t group, MetaSums& ms, int u, const UnitPlan& up);
+// Unit tables: shard_table [W][3] (start, valid, padding), shard_crc32 [W][C] (`crc`, row-major:
+// shard rank, then tensor column), param_table (one row per parameter).
+void write_unit_tables(Comm& comm, hid_t group, MetaSums& ms, const UnitPlan& up, int W,
+                       const std::vector<uint32_t>& crc, hid_t dxpl);
+// The metadata_crc32 table and its own check, last.
+void write_metadata_checksums(hid_t file, const MetaSums& ms);
+
+}  // namespace shardtrain::ckpt

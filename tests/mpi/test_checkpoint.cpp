@@ -1,0 +1,334 @@
+// Multi-rank tests of checkpoint tensor data (checkpoint.h): the round trip at one world size, the
+// file's layout read back with HDF5 directly, resharding between communicators of every pair of
+// sizes up to the world's (units split unevenly, with padding, and with shards that hold only
+// padding), snapshots independent of later changes to the tensors, and the tensor-set contract.
+// Every expected value comes from a formula of (unit, flat element index) evaluated here, never from
+// the code under test. Run under mpirun at 1, 2, 3 and 4 ranks.
+//
+// Every rank makes the same collective calls in the same order (checks after a collective are
+// EXPECT_*); ranks outside a sub-communicator skip its work and meet the others at a world barrier.
+#include <gtest/gtest.h>
+#include <hdf5.h>
+#include <unistd.h>
+#include <zlib.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <filesystem>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "shardtrain/backend.h"
+#include "shardtrain/checkpoint.h"
+#include "shardtrain/config.h"
+#include "shardtrain/runtime.h"
+#include "shardtrain/shard.h"
+#include "shardtrain/train.h"
+#include "rank_test.h"
+
+namespace st = shardtrain;
+
+namespace {
+
+st::Comm& world() { return st::testing::comm(); }
+
+st::ParamSpec pspec(std::string name, std::vector<int64_t> shape) {
+  st::ParamSpec p;
+  p.name = std::move(name);
+  p.shape = std::move(shape);
+  return p;
+}
+
+// Units of 35, 59, 2, 1 and 6 elements: at 2, 3 and 4 ranks some split unevenly (padding) and some
+// leave the last ranks' shards all padding (the 1- and 2-element units); parameters straddle shards.
+std::vector<st::UnitSpec> test_units() {
+  return {
+      {"model.embed_tokens", {pspec("model.embed_tokens.weight", {5, 7})}},
+      {"model.layers.0",
+       {pspec("model.layers.0.input_layernorm.weight", {13}), pspec("model.layers.0.self_attn.q_proj.weight", {5, 7}),
+        pspec("model.layers.0.self_attn.q_proj.bias", {2}), pspec("model.layers.0.mlp.up_proj.weight", {3, 3})}},
+      {"model.norm", {pspec("model.norm.weight", {2})}},
+      {"scalar", {pspec("scalar.x", {1})}},
+      {"norm6", {pspec("model.layers.1.post_attention_layernorm.weight", {6})}},
+  };
+}
+
+// The value of element i (flat index in its unit) of unit u in tensor k (0 params, 1 adam_m,
+// 2 adam_v): distinct, exact in float, independent of the world size.
+float value(int k, size_t u, int64_t i) {
+  const double base = 1000.0 * static_cast<double>(u) + static_cast<double>(i);
+  return static_cast<float>(k == 0 ? base + 0.25 : k == 1 ? -base - 0.5 : 0.125 * static_cast<double>(i + 1) + static_cast<double>(u));
+}
+
+// One rank's rows of the three tensors under `plan`, in host memory (the CPU backend's memory).
+struct Rows {
+  st::ShardPlan plan;
+  int rank = 0;
+  std::vector<std::vector<float>> t[3];  // [tensor][unit] shard_size floats
+  Rows(const st::ShardPlan& p, int r) : plan(p), rank(r) {
+    for (auto& x : t)
+      for (auto& up : plan.units) x.emplace_back(static_cast<size_t>(up.shard_size), 0.0f);
+  }
+  // Valid elements from value(), padding zero: what a trained state looks like.
+  void fill() {
+    for (int k = 0; k < 3; ++k)
+      for (size_t u = 0; u < plan.units.size(); ++u) {
+        const st::RankShard& rs = plan.units[u].ranks[static_cast<size_t>(rank)];
+        for (int64_t j = 0; j < plan.units[u].shard_size; ++j)
+          t[k][u][static_cast<size_t>(j)] = j < rs.valid ? value(k, u, rs.start + j) : 0.0f;
+      }
+  }
+  // Elements that differ from fill()'s values (padding must be zero), over tensors [0, ntensors).
+  int64_t wrong(int ntensors) const {
+    int64_t bad = 0;
+    for (int k = 0; k < ntensors; ++k)
+      for (size_t u = 0; u < plan.units.size(); ++u) {
+        const st::RankShard& rs = plan.units[u].ranks[static_cast<size_t>(rank)];
+        for (int64_t j = 0; j < plan.units[u].shard_size; ++j)
+          if (t[k][u][static_cast<size_t>(j)] != (j < rs.valid ? value(k, u, rs.start + j) : 0.0f)) ++bad;
+      }
+    return bad;
+  }
+  st::ShardedTensors view(st::Backend<float>& be, int ntensors = 3) {
+    st::ShardedTensors s;
+    s.plan = &plan;
+    s.plan_rank = rank;
+    s.backend = &be;
+    for (int k = 0; k < ntensors; ++k) {
+      st::ShardedTensor x{st::checkpoint_tensor_names()[static_cast<size_t>(k)], {}};
+      for (auto& shard : t[k]) x.shards.push_back(shard.data());
+      s.tensors.push_back(std::move(x));
+    }
+    return s;
+  }
+};
+
+st::ModelConfig test_model() { return st::preset("tiny"); }
+
+// A run's state at step 3 of 8 x 16 tokens with seed 7, and the matching train_config.
+st::TrainState test_state() {
+  st::TrainState s;
+  s.step = 3;
+  s.seed = 7;
+  s.segments = {{0, 8, 16, 7}};
+  s.tokens_seen = st::tokens_of(s.segments, s.step);
+  s.data_info = R"({"path":"corpus.tok","vocab_size":258})";
+  return s;
+}
+std::string test_train_config() {
+  st::TrainConfig tc;
+  tc.global_batch = 8;
+  tc.seq_len = 16;
+  tc.seed = 7;
+  return st::train_config_json(tc);
+}
+
+// A fresh directory every rank sees (rank 0 makes it), removed by the fixture.
+class Checkpoint : public st::testing::RankTest {
+ protected:
+  void SetUp() override {
+    RankTest::SetUp();
+    std::string d;
+    if (world().rank() == 0) {
+      char tmpl[] = "/tmp/shardtrain-ckpt-test.XXXXXX";
+      d = mkdtemp(tmpl) ? tmpl : "";
+    }
+    dir_ = world().broadcast_string(d, 0);
+  }
+  void TearDown() override {
+    world().barrier();
+    if (world().rank() == 0 && !dir_.empty()) std::filesystem::remove_all(dir_);
+    RankTest::TearDown();
+  }
+  std::string path(const std::string& name) const { return dir_ + "/" + name; }
+  std::string dir_;
+  std::unique_ptr<st::Backend<float>> be_ = st::make_cpu_backend<float>();
+};
+
+// Reads dataset `name` of `path` whole with HDF5 alone (no shardtrain code).
+template <typename T> std::vector<T> h5_read(const std::string& path, const std::string& name, hid_t mtype) {
+  std::vector<T> out;
+  hid_t f = H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
+  if (f < 0) return out;
+  hid_t d = H5Dopen2(f, name.c_str(), H5P_DEFAULT);
+  if (d >= 0) {
+    hid_t sp = H5Dget_space(d);
+    out.resize(static_cast<size_t>(H5Sget_simple_extent_npoints(sp)));
+    if (H5Dread(d, mtype, H5S_ALL, H5S_ALL, H5P_DEFAULT, out.data()) < 0) out.clear();
+    H5Sclose(sp);
+    H5Dclose(d);
+  }
+  H5Fclose(f);
+  return out;
+}
+
+}  // namespace
+
+TEST_F(Checkpoint, RoundTripAtWorldSizeAndLayoutOnDisk) {
+  st::Comm& c = world();
+  const st::ShardPlan plan = st::ShardPlan::build(test_units(), c.world_size());
+  Rows saved(plan, c.rank());
+  saved.fill();
+  const st::TrainState state = test_state();
+  const std::string file = path("rt.h5");
+  st::write_checkpoint_file(c, file, st::take_checkpoint_snapshot(saved.view(*be_), test_model(), test_train_config(), state));
+
+  Rows loaded(plan, c.rank());
+  const st::TrainState got = st::load_checkpoint(c, file, loaded.view(*be_), test_model());
+  EXPECT_EQ(loaded.wrong(3), 0);
+  EXPECT_EQ(got.step, 3);
+  EXPECT_EQ(got.tokens_seen, 3 * 8 * 16);
+  EXPECT_EQ(got.seed, 7u);
+  EXPECT_EQ(got.saved_world_size, c.world_size());
+  ASSERT_EQ(got.segments.size(), 1u);
+  EXPECT_EQ(got.segments[0].global_batch, 8);
+  EXPECT_EQ(got.segments[0].seq_len, 16);
+  EXPECT_EQ(got.data_info, state.data_info);
+
+  // The layout (docs/checkpoint-format.md) as HDF5 alone reads it: each unit's flat tensor, rank r's
+  // shard at r * S with zero padding; shard_crc32 [W][3] = zlib's CRC32 of each rank's slice.
+  if (c.rank() == 0) {
+    const size_t W = static_cast<size_t>(c.world_size());
+    for (size_t u = 0; u < plan.units.size(); ++u) {
+      const st::UnitPlan& up = plan.units[u];
+      const size_t S = static_cast<size_t>(up.shard_size);
+      std::vector<std::vector<float>> all(3);
+      for (int k = 0; k < 3; ++k) {
+        all[static_cast<size_t>(k)] = h5_read<float>(file, "units/" + up.name + "/" + st::checkpoint_tensor_names()[static_cast<size_t>(k)],
+                                                     H5T_NATIVE_FLOAT);
+        const std::vector<float>& a = all[static_cast<size_t>(k)];
+        ASSERT_EQ(a.size(), static_cast<size_t>(up.padded_numel)) << up.name;
+        int64_t bad = 0;
+        for (int64_t i = 0; i < up.padded_numel; ++i)
+          if (a[static_cast<size_t>(i)] != (i < up.numel ? value(k, u, i) : 0.0f)) ++bad;
+        EXPECT_EQ(bad, 0) << up.name << " tensor " << k;
+      }
+      const std::vector<uint32_t> crc = h5_read<uint32_t>(file, "units/" + up.name + "/shard_crc32", H5T_NATIVE_UINT32);
+      ASSERT_EQ(crc.size(), W * 3) << up.name;
+      for (size_t q = 0; q < W; ++q)
+        for (size_t k = 0; k < 3; ++k)
+          EXPECT_EQ(crc[q * 3 + k], crc32(0L, reinterpret_cast<const Bytef*>(all[k].data() + q * S), static_cast<uInt>(S * sizeof(float)))) << up.name << " rank " << q;
+    }
+  }
+}
+
+// Saved on the first `a` ranks, loaded on the first `b` ranks, for every a, b up to the world size.
+TEST_F(Checkpoint, ReshardsBetweenEverySubCommunicatorSize) {
+  st::Comm& c = world();
+  const int W = c.world_size();
+  for (int a = 1; a <= W; ++a)
+    for (int b = 1; b <= W; ++b) {
+      const std::string file = path("reshard-" + std::to_string(a) + "-" + std::to_string(b) + ".h5");
+      {
+        st::MpiComm sub = st::MpiComm::split(c, c.rank() < a ? 0 : 1, c.rank());
+        if (c.rank() < a) {
+          Rows saved(st::ShardPlan::build(test_units(), a), sub.rank());
+          saved.fill();
+          st::write_checkpoint_file(sub, file,
+                                    st::take_checkpoint_snapshot(saved.view(*be_), test_model(), test_train_config(), test_state()));
+        }
+      }
+      c.barrier();
+      st::MpiComm sub = st::MpiComm::split(c, c.rank() < b ? 0 : 1, c.rank());
+      if (c.rank() < b) {
+        Rows all(st::ShardPlan::build(test_units(), b), sub.rank());
+        const st::TrainState got = st::load_checkpoint(sub, file, all.view(*be_), test_model());
+        EXPECT_EQ(all.wrong(3), 0) << "saved at " << a << " ranks, loaded at " << b;
+        EXPECT_EQ(got.saved_world_size, a);
+        // Weights only (export, --init-from): "params" alone.
+        Rows params(st::ShardPlan::build(test_units(), b), sub.rank());
+        st::load_checkpoint(sub, file, params.view(*be_, 1), test_model());
+        EXPECT_EQ(params.wrong(1), 0) << "params saved at " << a << " ranks, loaded at " << b;
+      }
+      c.barrier();
+    }
+}
+
+// The snapshot owns its copies: tensors changed after it is taken do not reach the file.
+TEST_F(Checkpoint, SnapshotIsIndependentOfLaterChanges) {
+  st::Comm& c = world();
+  const st::ShardPlan plan = st::ShardPlan::build(test_units(), c.world_size());
+  Rows live(plan, c.rank());
+  live.fill();
+  const st::CheckpointSnapshot snap = st::take_checkpoint_snapshot(live.view(*be_), test_model(), test_train_config(), test_state());
+  uint64_t elements = 0;
+  for (auto& up : plan.units) elements += 3 * static_cast<uint64_t>(up.shard_size);
+  EXPECT_EQ(snap.bytes(), 4 * elements);
+  for (auto& x : live.t)
+    for (auto& s : x)
+      for (float& v : s) v = -7.0f;  // training went on
+  const std::string file = path("snap.h5");
+  st::write_checkpoint_file(c, file, snap);
+  Rows loaded(plan, c.rank());
+  st::load_checkpoint(c, file, loaded.view(*be_), test_model());
+  EXPECT_EQ(loaded.wrong(3), 0);
+}
+
+// save_checkpoint: the published file, `latest`, --keep-last, and no temporary file left.
+TEST_F(Checkpoint, SavePublishesAndKeepsLast) {
+  st::Comm& c = world();
+  const st::ShardPlan plan = st::ShardPlan::build(test_units(), c.world_size());
+  Rows live(plan, c.rank());
+  live.fill();
+  st::CheckpointOptions co;
+  co.dir = path("run");
+  co.keep_last = 2;
+  std::string last;
+  for (int64_t step : {1, 2, 3}) {
+    st::TrainState s = test_state();
+    s.step = step;
+    s.tokens_seen = st::tokens_of(s.segments, step);
+    last = st::save_checkpoint(c, st::take_checkpoint_snapshot(live.view(*be_), test_model(), test_train_config(), s), co);
+  }
+  EXPECT_EQ(last, co.dir + "/step_00000003.h5");
+  EXPECT_EQ(st::published_checkpoints(co.dir), (std::vector<std::string>{"step_00000002.h5", "step_00000003.h5"}));
+  EXPECT_FALSE(std::filesystem::exists(co.dir + "/.step_00000003.h5.tmp"));
+  EXPECT_EQ(st::resolve_resume(c, "auto", co.dir), last);
+  Rows loaded(plan, c.rank());
+  EXPECT_EQ(st::load_checkpoint(c, last, loaded.view(*be_), test_model()).step, 3);
+  EXPECT_EQ(loaded.wrong(3), 0);
+}
+
+// The tensor set: names from checkpoint_tensor_names() only, one shard per unit, all of them to write.
+TEST_F(Checkpoint, TensorSetContract) {
+  st::Comm& c = world();
+  EXPECT_EQ(st::checkpoint_tensor_names(), (std::vector<std::string>{"params", "adam_m", "adam_v"}));
+  const st::ShardPlan plan = st::ShardPlan::build(test_units(), c.world_size());
+  Rows live(plan, c.rank());
+  st::ShardedTensors bad = live.view(*be_);
+  bad.tensors[2].name = "adam_x";
+  EXPECT_THROW(st::take_checkpoint_snapshot(bad, test_model(), test_train_config(), test_state()), std::invalid_argument);
+  bad = live.view(*be_);
+  bad.tensors[1].shards.pop_back();
+  EXPECT_THROW(st::take_checkpoint_snapshot(bad, test_model(), test_train_config(), test_state()), std::invalid_argument);
+  // Without the moments a file cannot be written (refused on every rank before any collective).
+  const st::CheckpointSnapshot params_only =
+      st::take_checkpoint_snapshot(live.view(*be_, 1), test_model(), test_train_config(), test_state());
+  EXPECT_THROW(st::write_checkpoint_file(c, path("partial.h5"), params_only), std::invalid_argument);
+  EXPECT_FALSE(std::filesystem::exists(path("partial.h5")));
+}
+
+// The adapters: Fsdp's parameter shards and AdamW's moments, by name, in the format's order.
+TEST_F(Checkpoint, FsdpAndAdamWAdapters) {
+  st::Comm& c = world();
+  st::Fsdp<float> f(*be_, c, st::ShardPlan::build(test_units(), c.world_size()));
+  st::TrainConfig tc;
+  st::AdamW<float> opt(f, tc);
+  const st::ShardedTensors t = st::checkpoint_tensors(f, &opt);
+  EXPECT_EQ(t.plan, &f.plan());
+  EXPECT_EQ(t.plan_rank, f.plan_rank());
+  ASSERT_EQ(t.tensors.size(), 3u);
+  for (size_t k = 0; k < 3; ++k) {
+    EXPECT_EQ(t.tensors[k].name, st::checkpoint_tensor_names()[k]);
+    ASSERT_EQ(t.tensors[k].shards.size(), static_cast<size_t>(f.num_units()));
+  }
+  for (int u = 0; u < f.num_units(); ++u) {
+    EXPECT_EQ(t.tensors[0].shards[static_cast<size_t>(u)], f.param_shard(u));
+    EXPECT_EQ(t.tensors[1].shards[static_cast<size_t>(u)], opt.m()[static_cast<size_t>(u)].data());
+    EXPECT_EQ(t.tensors[2].shards[static_cast<size_t>(u)], opt.v()[static_cast<size_t>(u)].data());
+  }
+  EXPECT_EQ(st::checkpoint_tensors(f, nullptr).tensors.size(), 1u);
+  EXPECT_EQ(st::sharded_params(f).tensors.at(0).name, "params");
+}
