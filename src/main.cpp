@@ -285,16 +285,16 @@ void run_plan(Comm& comm, const Topology& topo, const Options& o) {
       throw CollectiveError(0, "option '--device-memory' must be a size like 80GB or 141GiB, got '" + o.device_memory + "'");
     }
     os << "\nfits in " << o.device_memory << " per rank at seq-len " << t.seq_len << ":";
-    for (const char* r : {"none", "selective", "full"}) {
+    for (Recompute r : {Recompute::None, Recompute::Selective, Recompute::Full}) {
       MemoryPlanInput m = in;
-      m.train.activation_checkpointing = r;
+      m.train.recompute = r;
       m.train.micro_batch = 1;
       const int mb = largest_fitting_micro_batch(m, static_cast<int64_t>(dev));
       char b[64];
       const double need = static_cast<double>(plan_memory(m).total());
       if (need >= (1 << 30)) std::snprintf(b, sizeof b, "%.1f GiB", need / (1 << 30));
       else std::snprintf(b, sizeof b, "%.1f MiB", need / (1 << 20));
-      os << "\n  --activation-checkpointing " << r << ": "
+      os << "\n  --activation-checkpointing " << recompute_name(r) << ": "
          << (mb > 0 ? "micro-batch up to " + std::to_string(mb) + (mb == 1024 ? " (or more)" : "")
                     : std::string("does not fit (micro-batch 1 needs ") + b + ")");
     }

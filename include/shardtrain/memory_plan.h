@@ -30,7 +30,7 @@ namespace shardtrain {
 
 struct MemoryPlanInput {
   ModelConfig model;
-  TrainConfig train;          // seq_len, micro_batch (resolved: > 0), activation_checkpointing, attention, loss_chunk
+  TrainConfig train;          // seq_len, micro_batch (resolved: > 0), recompute, attention, loss_chunk
   int world_size = 1;
   Precision precision = Precision::FP32;
   bool reduce_bf16 = false;

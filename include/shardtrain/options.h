@@ -56,6 +56,8 @@ struct Options {
   std::string device = "auto";    // train: auto | cpu | cuda (see plan_devices in cuda.h)
   std::string gpu_comm = "nccl";  // train on cuda: nccl | mpi (MPI on host copies; GPUs shared by ranks)
   std::string precision = "fp32"; // train: fp32 | bf16 (mixed precision)
+  std::string activation_checkpointing = "none";  // train, plan: none | selective | full (parse_recompute, model.h)
+  std::string attention = "tiled";                // train, plan: tiled | exact (parse_attention, model.h)
   std::string reduce_dtype = "fp32";  // train, bf16: dtype of the gradient reduce-scatter, fp32 | bf16
   std::string overlap = "on";      // train: on | off (prefetched all-gathers, asynchronous reduce-scatters)
   int prefetch = 1;                // train: all-gathers in flight ahead of the unit computed

@@ -57,8 +57,8 @@ struct TrainConfig {
   bool skip_nonfinite = false;  // skip the update of a step with a non-finite loss or gradient norm instead of stopping
   // How the model computes (model.h ModelOptions); none of these changes the result beyond the
   // summation order of the loss chunks, so a resume may change them freely.
-  std::string activation_checkpointing = "none";  // none | selective | full
-  std::string attention = "tiled";  // tiled (FlashAttention-2) | exact ([B, NH, T, T] probabilities)
+  Recompute recompute = Recompute::None;          // --activation-checkpointing none | selective | full
+  AttentionKind attention = AttentionKind::Tiled;  // --attention tiled (FlashAttention-2) | exact ([B, NH, T, T] probabilities)
   int loss_chunk = 0;               // tokens per LM-head / loss chunk; 0 = default_loss_chunk(V)
   // How the run computes and communicates: the result is the same for any overlap setting
   // (bitwise); precision changes the arithmetic (recorded in checkpoints, see train_config_json).

@@ -76,8 +76,8 @@ po::options_description describe(Options& o) {
       ("metrics", po::value<std::string>(&t.metrics_path), "JSON-lines metrics file written by rank 0");
   po::options_description mem("Memory (train, plan)");
   mem.add_options()
-      ("activation-checkpointing", po::value<std::string>(&t.activation_checkpointing)->default_value(t.activation_checkpointing), "none | selective (keep GEMM outputs, recompute elementwise parts) | full (keep each block's input, recompute the block in backward); gradients are identical")
-      ("attention", po::value<std::string>(&t.attention)->default_value(t.attention), "tiled (FlashAttention-2: no [T, T] matrices) | exact (keeps the [B, heads, T, T] probabilities; reference)")
+      ("activation-checkpointing", po::value<std::string>(&o.activation_checkpointing)->default_value(o.activation_checkpointing), "none | selective (keep GEMM outputs, recompute elementwise parts) | full (keep each block's input, recompute the block in backward); gradients are identical")
+      ("attention", po::value<std::string>(&o.attention)->default_value(o.attention), "tiled (FlashAttention-2: no [T, T] matrices) | exact (keeps the [B, heads, T, T] probabilities; reference)")
       ("loss-chunk", po::value<int>(&t.loss_chunk)->default_value(t.loss_chunk), "tokens per LM-head and cross-entropy chunk (no [tokens, vocab] logits are held); 0 = max(256, 2^24 / vocab)")
       ("world-size", po::value<int>(&o.plan_world_size)->default_value(o.plan_world_size), "plan: ranks to plan for; 0 = the ranks of this launch")
       ("device-memory", po::value<std::string>(&o.device_memory), "plan: memory of one device, e.g. 80GB, 141GB: also print the largest micro-batch that fits for each --activation-checkpointing mode");
@@ -154,7 +154,9 @@ void validate(const Options& o) {
   check(o.mode == "train" || o.mode == "prepare" || o.mode == "tokenizer" || o.mode == "inspect" || o.mode == "export" || o.mode == "import" ||
             o.mode == "generate" || o.mode == "plan",
         "mode", "must be train, prepare, tokenizer, inspect, export, import, generate or plan, got '" + o.mode + "'");
-  model_options(t);  // throws naming --activation-checkpointing, --attention or --loss-chunk
+  parse_recompute(o.activation_checkpointing);  // throws naming option '--activation-checkpointing'
+  parse_attention(o.attention);                 // throws naming option '--attention'
+  model_options(t);                             // throws naming option '--loss-chunk'
   check(o.plan_world_size >= 0, "world-size", "must be >= 0 (0: the ranks of this launch)");
   if (!o.device_memory.empty()) {
     try {
@@ -252,6 +254,8 @@ void fill_typed(Options& o) {
   o.run.device = o.device == "cpu" ? DeviceChoice::Cpu : o.device == "cuda" ? DeviceChoice::Cuda : DeviceChoice::Auto;
   o.run.shard_group_node = o.shard_group_size == "node";
   o.train.precision = parse_precision(o.precision);
+  o.train.recompute = parse_recompute(o.activation_checkpointing);
+  o.train.attention = parse_attention(o.attention);
   o.train.reduce_bf16 = o.reduce_dtype == "bf16";
   o.train.overlap = OverlapConfig{o.overlap == "on", o.prefetch, parse_comm_progress(o.comm_progress)};
 }

@@ -101,9 +101,9 @@ CheckpointSnapshot take_checkpoint_snapshot(const ShardedTensors& t, const Model
 void write_checkpoint_file(Comm& comm, const std::string& tmp_path, const CheckpointSnapshot& snap) {
   quiet_hdf5();
   // One logical copy for the plan's W = G ranks (G: shard group size; the world size without hybrid
-  // sharding), written by replica group 0 (global ranks 0 .. G-1, shard rank r = global rank). The
-  // ranks of the other replica groups hold identical shards: they take part in every collective
-  // HDF5 call with empty selections. Who writes is the mesh's decision (Mesh::writes_checkpoint).
+  // sharding), each plan row written by the one rank whose snapshot says write_shards (who writes
+  // is the mesh's decision, Mesh::writes_checkpoint). The ranks of the other replica groups hold
+  // identical shards: they take part in every collective HDF5 call with empty selections.
   const ShardPlan& plan = snap.plan;
   const int W = plan.world_size, r = snap.plan_rank;
   const bool writer = snap.write_shards;
@@ -181,22 +181,43 @@ void write_checkpoint_file(Comm& comm, const std::string& tmp_path, const Checkp
           write_err = "write " + up.name + "/" + names[k] + " failed (" + h5_detail() + "; disk full?)";
       }
       all_ok(comm, write_err.empty(), write_err);
-      // Every rank's checksums: row r of [W, C] comes from rank r (of replica group 0, global
-      // rank r). Hybrid sharding: the rows of the other groups must repeat them (identical replicas).
-      std::vector<uint64_t> table_crc(static_cast<size_t>(comm.world_size()) * C);
-      comm.all_gather(my_crc.data(), table_crc.data(), C);
+      // Every rank's checksums, with its plan row and whether it wrote: row r of the [W, C] table
+      // comes from the rank that wrote plan row r (CheckpointSnapshot::write_shards; the mesh says
+      // which). Hybrid sharding: every other rank of row r (another replica group) must repeat
+      // them (identical replicas).
+      const size_t E = C + 2;  // per rank: plan row, writer, C checksums
+      std::vector<uint64_t> mine(E), all(static_cast<size_t>(comm.world_size()) * E);
+      mine[0] = static_cast<uint64_t>(r);
+      mine[1] = writer ? 1 : 0;
+      std::copy(my_crc.begin(), my_crc.end(), mine.begin() + 2);
+      comm.all_gather(mine.data(), all.data(), E);
       const size_t WC = static_cast<size_t>(W) * C;
-      for (size_t q = WC; q < table_crc.size(); ++q)
-        if (table_crc[q] != table_crc[q % WC] && diverged.empty())
-          diverged = "unit '" + up.name + "', " + names[q % C] + " of shard rank " + std::to_string(q / C % W) +
-                     ": global rank " + std::to_string(q / C) + " differs from rank " + std::to_string(q / C % W);
-      const std::vector<uint32_t> crc32s(table_crc.begin(), table_crc.begin() + static_cast<std::ptrdiff_t>(WC));
+      std::vector<uint32_t> crc32s(WC, 0);
+      std::vector<int> wrote(static_cast<size_t>(W), -1);  // plan row -> the global rank that wrote it
+      for (int q = 0; q < comm.world_size(); ++q) {
+        const uint64_t* e = all.data() + static_cast<size_t>(q) * E;
+        if (e[1] == 0) continue;
+        if (e[0] >= static_cast<uint64_t>(W) || wrote[e[0]] >= 0)
+          throw std::logic_error("write_checkpoint_file: plan row " + std::to_string(e[0]) + " written by more than one rank");
+        wrote[e[0]] = q;
+        for (size_t k = 0; k < C; ++k) crc32s[e[0] * C + k] = static_cast<uint32_t>(e[2 + k]);
+      }
+      for (int row = 0; row < W; ++row)
+        if (wrote[static_cast<size_t>(row)] < 0)
+          throw std::logic_error("write_checkpoint_file: no rank writes plan row " + std::to_string(row));
+      for (int q = 0; q < comm.world_size() && diverged.empty(); ++q) {
+        const uint64_t* e = all.data() + static_cast<size_t>(q) * E;
+        for (size_t k = 0; k < C && diverged.empty(); ++k)
+          if (e[1] == 0 && static_cast<uint32_t>(e[2 + k]) != crc32s[e[0] * C + k])
+            diverged = "unit '" + up.name + "', " + names[k] + " of shard rank " + std::to_string(e[0]) + ": global rank " +
+                       std::to_string(q) + " differs from rank " + std::to_string(wrote[e[0]]);
+      }
       write_unit_tables(comm, g, ms, up, W, crc32s, dxpl);
     }
     write_metadata_checksums(file, ms);
-    if (!diverged.empty())  // every rank saw the same table; replica group 0's copy is what was saved
+    if (!diverged.empty())  // every rank saw the same table; the writing replica's copy is what was saved
       log_info(comm, "warning: checkpoint '" + tmp_path + "': the hybrid-sharding replica groups hold different "
-                     "parameters or AdamW state (" + diverged + "); replica group 0's copy is saved");
+                     "parameters or AdamW state (" + diverged + "); the writing replica group's copy is saved");
   } catch (const std::exception& e) {
     err = std::string("checkpoint '") + tmp_path + "': " + e.what();
   }

@@ -96,8 +96,8 @@ double flops_per_token(const ModelConfig& c, int T) {
 
 ModelOptions model_options(const TrainConfig& tc) {
   ModelOptions o;
-  o.recompute = parse_recompute(tc.activation_checkpointing);
-  o.attention = parse_attention(tc.attention);
+  o.recompute = tc.recompute;
+  o.attention = tc.attention;
   if (tc.loss_chunk < 0) throw std::invalid_argument("option '--loss-chunk' must be >= 0 (0: the default)");
   o.loss_chunk = tc.loss_chunk;
   return o;

@@ -247,6 +247,54 @@ TEST_F(Checkpoint, ReshardsBetweenEverySubCommunicatorSize) {
 }
 
 // The snapshot owns its copies: tensors changed after it is taken do not reach the file.
+// Hybrid sharding: the plan has G = 2 rows and the world W / 2 replica groups (even world sizes).
+// Rows are written by whichever rank the caller names (here the last replica group, ranks in
+// reverse: not global rank = plan row), and the other groups' copies, made different on purpose,
+// are not what the file holds. The file is read with HDF5 alone.
+TEST_F(Checkpoint, ReplicaGroupsWriteTheRowsTheirSnapshotsSay) {
+  st::Comm& c = world();
+  const int W = c.world_size();
+  if (W % 2 != 0) GTEST_SKIP() << "needs an even world size (two shard ranks per replica group)";
+  const int G = 2, R = W / G, group = c.rank() / G;
+  const int row = G - 1 - c.rank() % G;  // plan rows in reverse within each group
+  const bool writer = group == R - 1;
+  const st::ShardPlan plan = st::ShardPlan::build(test_units(), G);
+  Rows mine(plan, row);
+  mine.fill();
+  if (!writer)
+    for (auto& x : mine.t)
+      for (auto& shard : x)
+        for (auto& v : shard) v += 1000.0f;  // a diverged replica: must not reach the file
+  const std::string file = path("replicas.h5");
+  st::write_checkpoint_file(c, file, st::take_checkpoint_snapshot(mine.view(*be_), test_model(), test_train_config(),
+                                                                  test_state(), writer));
+  if (c.rank() == 0)
+    for (size_t u = 0; u < plan.units.size(); ++u) {
+      const st::UnitPlan& up = plan.units[u];
+      for (int k = 0; k < 3; ++k) {
+        const std::vector<float> a = h5_read<float>(
+            file, "units/" + up.name + "/" + st::checkpoint_tensor_names()[static_cast<size_t>(k)], H5T_NATIVE_FLOAT);
+        ASSERT_EQ(a.size(), static_cast<size_t>(up.padded_numel)) << up.name;
+        int64_t bad = 0;
+        for (int64_t i = 0; i < up.padded_numel; ++i)
+          if (a[static_cast<size_t>(i)] != (i < up.numel ? value(k, u, i) : 0.0f)) ++bad;
+        EXPECT_EQ(bad, 0) << up.name << " tensor " << k << " (world " << W << ")";
+        // shard_crc32 row q = zlib's CRC32 of plan row q's slice as written.
+        const std::vector<uint32_t> crc = h5_read<uint32_t>(file, "units/" + up.name + "/shard_crc32", H5T_NATIVE_UINT32);
+        ASSERT_EQ(crc.size(), static_cast<size_t>(G) * 3) << up.name;
+        const size_t S = static_cast<size_t>(up.shard_size);
+        for (size_t q = 0; q < static_cast<size_t>(G); ++q)
+          EXPECT_EQ(crc[q * 3 + static_cast<size_t>(k)],
+                    crc32(0L, reinterpret_cast<const Bytef*>(a.data() + q * S), static_cast<uInt>(S * sizeof(float))))
+              << up.name << " tensor " << k << " row " << q;
+      }
+    }
+  // The file loads (its CRCs verified) on the same layout.
+  Rows back(plan, row);
+  st::load_checkpoint(c, file, back.view(*be_), test_model());
+  EXPECT_EQ(back.wrong(3), 0);
+}
+
 TEST_F(Checkpoint, SnapshotIsIndependentOfLaterChanges) {
   st::Comm& c = world();
   const st::ShardPlan plan = st::ShardPlan::build(test_units(), c.world_size());

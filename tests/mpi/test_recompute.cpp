@@ -192,7 +192,7 @@ TEST(MemoryPlan, MatchesCountedAllocations) {
     st::TrainConfig tc;
     tc.seq_len = kT;
     tc.micro_batch = kB;
-    tc.activation_checkpointing = st::recompute_name(k.r);
+    tc.recompute = k.r;
     const st::MemoryPlan plan = st::plan_memory({mc, tc, W, k.p, k.rbf16, false, 0, 4, 0, ov});
     int64_t backend_bytes = plan.total();  // all but the MPI library's and MpiComm's host buffers
     for (auto& l : plan.lines)
