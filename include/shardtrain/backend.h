@@ -95,8 +95,8 @@ template <typename T> class Backend {
   virtual double sum_squares(const T* x, size_t n) = 0;
   // Sums of squares of k arrays (x[i], n[i] elements; k >= 0), each as sum_squares computes it,
   // added on the host in order i = 0..k-1: the same double as that loop, bitwise. One wait for the
-  // device (the gradient norm's one host synchronisation per step; issue 15) where sum_squares
-  // needs one per array. Default: the loop.
+  // device (the gradient norm's one host synchronisation per step) where sum_squares needs one per
+  // array. Default: the loop.
   virtual double sum_squares_many(const T* const* x, const size_t* n, size_t k) {
     double s = 0;
     for (size_t i = 0; i < k; ++i) s += sum_squares(x[i], n[i]);

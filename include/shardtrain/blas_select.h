@@ -59,7 +59,7 @@ KernelLevel cpu_level(const CpuFeatures& f);
 KernelLevel kernel_level(std::string_view corename);
 
 // The set to ask for (an OPENBLAS_CORETYPE value) on a CPU of level `l`: SkylakeX for Avx512 and
-// Avx512Bf16 (SkylakeX is what was measured here; Cooperlake adds only bf16 GEMM, unused),
+// Avx512Bf16 (Cooperlake adds only bf16 GEMM, which shardtrain does not call),
 // Haswell for Avx2, Sandybridge for Avx, "" for Sse/Unknown (nothing better than OpenBLAS's own
 // pick to ask for).
 std::string wanted_kernel_set(KernelLevel l);
@@ -119,9 +119,9 @@ struct GemmCheckResult {
 // must come back untouched. Bound per element: 2 (K + 3) u (|alpha| sum_k |a_ik b_kj| +
 // |beta c_ij|), u the unit roundoff of T -- twice the worst case of any summation order
 // (Higham, "Accuracy and Stability of Numerical Algorithms", 2nd ed., sec. 3.1), so a correct
-// GEMM never fails it (measured: at most 0.13 of it) and a wrong kernel, whose errors are of the
-// order of the result, does.
-// 18 cases, about 5 M multiply-adds per precision (20-40 ms, mostly the reference loop). Never throws.
+// GEMM never fails it and a wrong kernel, whose errors are of the order of the result, does
+// (docs/architecture.md, "CPU start-up", has the measured margins and cost).
+// 18 cases, about 5 M multiply-adds per precision. Never throws.
 GemmCheckResult check_gemm(const GemmFn<float>& sgemm, const GemmFn<double>& dgemm);
 
 // check_gemm of this process's OpenBLAS (cblas_sgemm / cblas_dgemm, row-major). Test hook:

@@ -8,11 +8,11 @@
 // questions above.
 //
 // Dimensions, outermost first: dp_replicate (R, replica groups of hybrid sharding) x dp_shard (G,
-// the shard group) x cp x tp (context and tensor parallelism: 1 until their issues). The global
-// rank of coordinate (rep, shard, cp, tp) is ((rep * G + shard) * cp_size + cp) * tp_size + tp:
-// tp varies fastest (its ranks sit together on a node), dp_replicate slowest (the dimension that
-// may cross nodes). With tp = cp = 1 this is rank = rep * G + shard: a shard group is G
-// consecutive ranks, a replica group the ranks of equal shard rank, as before the mesh.
+// the shard group) x cp x tp (context and tensor parallelism: not implemented yet, each must be 1).
+// The global rank of coordinate (rep, shard, cp, tp) is
+// ((rep * G + shard) * cp_size + cp) * tp_size + tp: tp varies fastest (its ranks sit together on
+// a node), dp_replicate slowest (the dimension that may cross nodes). With tp = cp = 1 this is rank = rep * G + shard: a shard group is G
+// consecutive ranks, a replica group the ranks of equal shard rank.
 #pragma once
 
 #include <functional>

@@ -1,8 +1,9 @@
 // shardtrain model layer: the Llama architecture (Touvron et al. 2023), forward and hand-written
 // backward, in the storage type T of its backend: float (fp32 training), bf16 (mixed precision:
 // bf16 weights and activations, fp32 arithmetic) or double (gradient checks). Written against a
-// UnitSource (the FSDP engine): each unit is gathered just before it is used and its gradient
-// reduce-scattered right after it is computed.
+// UnitSource (shard.h; UnitPipeline is the FSDP one): each unit is gathered just before it is used
+// and its gradient reduce-scattered right after it is computed. The model never sees a
+// communicator or the mesh.
 //
 // Shapes: B = micro-batch sequences, T = sequence length, C = hidden size, V = vocab size,
 // NH / NKV = query / key-value heads, HD = head dim, I = intermediate size. Activations are

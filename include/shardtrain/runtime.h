@@ -1,5 +1,7 @@
 // shardtrain runtime layer: MPI bootstrap, the collective interface (Comm), and collective
-// error agreement. Everything above this layer talks to other ranks only through Comm.
+// error agreement. Everything above this layer talks to other ranks only through Comm. The run's
+// communicators are made and owned by the device mesh (mesh.h); the device-buffer Comms (NCCL,
+// host-staged) are declared in cuda.h and implemented in src/runtime/cuda_comm.cu (CUDA plugin).
 //
 // What this is not: a general MPI wrapper. It exposes exactly the four collectives FSDP needs
 // (all-gather, reduce-scatter, all-reduce, broadcast) plus barrier, on equal-sized per-rank
@@ -27,7 +29,8 @@ enum class ReduceOp { Sum, Max, Min };
 
 // The collective interface. All calls are collective over the communicator: every rank must call
 // them in the same order with the same `count`. Buffers are host memory for the MPI implementation
-// (device memory for the NCCL one, issue 5). `count` is in elements, not bytes.
+// (MpiComm) and device memory for the device Comms (cuda.h: NCCL, host-staged). `count` is in
+// elements, not bytes.
 //
 // Supported element types: float, double, int64_t, uint64_t and char, for every call; bf16 for
 // all_gather, reduce_scatter_sum and broadcast (mixed-precision gathers and gradients).
@@ -40,9 +43,9 @@ class Comm {
   // all_gather: rank i's `count` elements of `send` land at recv + i*count on every rank.
   // recv holds world_size*count elements. count == 0 is allowed (nothing moves, still collective).
   // In place is allowed when send == recv + rank*count. The MPI Comm runs it in slabs of at most
-  // kCollectiveSlab bytes over all ranks, unpacked into the W blocks: Open MPI's default algorithm
-  // for a world size that is not a power of two allocates a temporary of the whole receive buffer on
-  // ranks other than 0 (+64 MiB at W = 3 for llama-125m's embedding), which slabs bound.
+  // kCollectiveSlab bytes over all ranks, unpacked into the W blocks, so that MPI's temporaries are
+  // bounded by kCollectiveSlab (Open MPI's default algorithm for a world size that is not a power
+  // of two allocates a temporary of the whole receive buffer on ranks other than 0).
   template <typename T> void all_gather(const T* send, T* recv, size_t count);
 
   // reduce_scatter (sum): `send` holds world_size*count elements on every rank; block i (elements
@@ -79,7 +82,7 @@ class Comm {
   // Convenience: broadcast a string of any length from root (length first, then bytes).
   std::string broadcast_string(const std::string& s, int root);
 
-  // ---- Nonblocking collectives (issue 15: overlap communication with compute) ---------------
+  // ---- Nonblocking collectives (overlap of communication with compute) ----------------------
   // The blocking calls above complete on return. The start_* calls below may return while the
   // collective is still in flight; they hand back a Request, and the collective's buffers belong
   // to it until Request::wait() returned (or test() returned true): the caller must not write
@@ -106,7 +109,7 @@ class Comm {
   // MPI_Ireduce_scatter_block; NcclComm: stream-ordered, below). False: they complete on return,
   // like the blocking calls (the host-staged device Comm).
   virtual bool asynchronous() const { return false; }
-  // Stream-ordered device Comms (NcclComm; issue 15). start_* enqueue the collective on the
+  // Stream-ordered device Comms (NcclComm, cuda.h make_nccl_comm). start_* enqueue the collective on the
   // Comm's own communication stream, after everything already enqueued on the compute stream (a
   // CUDA event: inputs written, earlier readers of the output done), and return at once. Their
   // Request::wait() does not block the host: it makes the compute stream wait for the collective
@@ -164,9 +167,8 @@ class MpiComm final : public Comm {
   // this header). Use MpiComm::world() for MPI_COMM_WORLD.
   static MpiComm world();
   // Collective over `parent` (MPI_Comm_split of its MPI communicator): the ranks of `parent` that
-  // pass the same `color` form one new MpiComm, ranked by `key` (ties by parent rank). Hybrid
-  // sharding (HSDP) builds its shard group (color rank / G) and replica group (color rank % G)
-  // this way. Throws std::runtime_error if MPI fails.
+  // pass the same `color` form one new MpiComm, ranked by `key` (ties by parent rank). The mesh
+  // (mesh.h) builds its shard and replica groups this way. Throws std::runtime_error if MPI fails.
   static MpiComm split(const Comm& parent, int color, int key);
   ~MpiComm() override;
   MpiComm(MpiComm&&) noexcept;

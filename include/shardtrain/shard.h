@@ -116,7 +116,7 @@ struct OverlapConfig {
   bool on = true;     // --overlap on|off. Off: each collective is waited for as soon as it is started
                       // (same MPI calls, same arithmetic: the bitwise reference), nothing prefetched.
   int prefetch = 1;   // --prefetch N: all-gathers in flight ahead of the unit being computed (>= 0)
-  CommProgress progress = CommProgress::Poll;  // --comm-progress (poll: measured best, docs/benchmarks.md)
+  CommProgress progress = CommProgress::Poll;  // --comm-progress (why poll is the default: docs/architecture.md)
 };
 
 // Where a rank's time on FSDP collectives went, accumulated since construction (seconds).

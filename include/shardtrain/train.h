@@ -1,5 +1,6 @@
 // shardtrain training layer: AdamW on shards, the LR schedule, global gradient-norm clipping, and
-// the training loop (get batch, forward, backward + reduce-scatter, clip, step, log, evaluate).
+// the training loop (get batch, forward, backward + reduce-scatter, clip, step, log, evaluate,
+// save). train() runs the Trainer of src/train/trainer.cpp; resume rules are src/train/resume.h.
 #pragma once
 
 #include <cstdint>

@@ -105,7 +105,7 @@ const std::map<std::string, ModelConfig>& presets() {
       {"test-uneven", make("test-uneven", 263, 50, 37, 2, 5, 1, 64, true)},
       // make demo and the tinyshakespeare benchmark: ~0.85M parameters.
       {"demo", make("demo", 258, 128, 384, 4, 4, 4, 256, true)},
-      // GPU-scale configs (issue 5 benchmarks), GPT-2-small / -medium sized.
+      // GPU-scale configs for the benchmarks (docs/benchmarks.md), GPT-2-small / -medium sized.
       {"llama-125m", make("llama-125m", 32000, 768, 2048, 12, 12, 12, 2048, true)},
       {"llama-350m", make("llama-350m", 32000, 1024, 2816, 24, 16, 16, 2048, true)},
       // Billion-parameter models, shaped as published (weights can come from --mode import):

@@ -5,7 +5,7 @@
 // The blocking collectives of both run on the CudaContext's stream, which orders them after the
 // backend's kernels, and synchronize that stream before returning: on return the result is in the
 // device buffer, as an MPI collective's is in the host buffer. NcclComm's start_* calls are
-// stream-ordered instead (Comm::stream_ordered, runtime.h; issue 15): NCCL on a communication
+// stream-ordered instead (Comm::stream_ordered, runtime.h): NCCL on a communication
 // stream of its own, ordered against the compute stream with CUDA events, and no host wait until
 // synchronize(). mpi.h is deliberately not included; everything MPI goes through the host Comm.
 #include <cuda_runtime.h>

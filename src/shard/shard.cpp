@@ -1,4 +1,5 @@
-// Shard plan construction and the FSDP engine (gather / reduce-scatter per unit).
+// The sharding layer (shard.h): shard plan construction, the CommQueue lanes (host, stream), the
+// sharded state, the codecs (identity, bf16) and the unit pipeline (gather / reduce-scatter per unit).
 #include "shardtrain/shard.h"
 
 #include <algorithm>

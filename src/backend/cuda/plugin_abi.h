@@ -17,9 +17,8 @@
 
 namespace shardtrain::cuda_plugin {
 
-// Raise on any change to CudaPluginTable or to the classes whose objects cross the boundary.
-// 2: Comm stream-ordered calls, Backend::sum_squares_many (issue 15); 3: Backend::cross_entropy_sum and
-// take_loss_sum (issue 16).
+// Raise on any change to CudaPluginTable or to the classes whose objects cross the boundary (the
+// versions so far: docs/architecture.md, "The CUDA plugin").
 inline constexpr int kAbiVersion = 3;
 inline constexpr const char* kFileName = "libshardtrain_cuda.so";
 inline constexpr const char* kEntryPoint = "shardtrain_cuda_plugin";
