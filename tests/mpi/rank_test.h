@@ -9,10 +9,21 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "../test_env.h"
 
 namespace shardtrain::testing {
+
+// Counts elements that differ (exactly), so a failure reports one line instead of thousands.
+template <typename T> int64_t count_diff(const std::vector<T>& a, const std::vector<T>& b) {
+  if (a.size() != b.size()) return -1;
+  int64_t d = 0;
+  for (size_t i = 0; i < a.size(); ++i)
+    if (a[i] != b[i]) ++d;
+  return d;
+}
+
 
 class RankTest : public ::testing::Test {
  protected:

@@ -15,20 +15,13 @@
 #include "shardtrain/runtime.h"
 #include "rank_test.h"
 
+using shardtrain::testing::count_diff;
+
 namespace st = shardtrain;
 
 namespace {
 
 st::Comm& world() { return st::testing::comm(); }
-
-// Counts elements that differ (exactly), so a failure reports one line instead of thousands.
-template <typename T> int64_t count_diff(const std::vector<T>& a, const std::vector<T>& b) {
-  if (a.size() != b.size()) return -1;
-  int64_t d = 0;
-  for (size_t i = 0; i < a.size(); ++i)
-    if (a[i] != b[i]) ++d;
-  return d;
-}
 
 }  // namespace
 

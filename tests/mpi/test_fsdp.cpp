@@ -24,6 +24,8 @@
 #include "counting_backend.h"
 #include "rank_test.h"
 
+using shardtrain::testing::count_diff;
+
 namespace st = shardtrain;
 using st::bf16;
 
@@ -81,15 +83,6 @@ template <typename T> std::vector<T> host_copy(st::Backend<T>& be, const T* dev,
   std::vector<T> h(static_cast<size_t>(n));
   if (n > 0) be.to_host(h.data(), dev, h.size());
   return h;
-}
-
-// Counts elements that differ (exactly), so a failure reports one line instead of thousands.
-template <typename T> int64_t count_diff(const std::vector<T>& a, const std::vector<T>& b) {
-  if (a.size() != b.size()) return -1;
-  int64_t d = 0;
-  for (size_t i = 0; i < a.size(); ++i)
-    if (a[i] != b[i]) ++d;
-  return d;
 }
 
 // Rank-dependent gradient value for element i of unit u in round k.
