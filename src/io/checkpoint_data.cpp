@@ -232,8 +232,10 @@ void write_checkpoint_file(Comm& comm, const std::string& tmp_path, const Checkp
   }
   all_ok(comm, err.empty(), err);
   // HDF5's internal collectives (create, the metadata flushes, close) are invisible to Comm: if a
-  // failure inside HDF5 still left ranks in different MPI calls, the watchdog ends the job.
-  CommWatch watch(comm, "checkpoint write (parallel HDF5)");
+  // failure inside HDF5 still left ranks in different MPI calls (an I/O error in a metadata write
+  // on one rank; a full disk cannot get there, see above), the watchdog ends the job, and its
+  // message says that this, not only a dead rank, can be why.
+  CommWatch watch(comm, "checkpoint write (parallel HDF5; also after a write error inside HDF5 on some rank)");
   std::string why;
   H5Id file = create_file(comm, tmp_path, &why);
   if (!file.ok()) err = where + "cannot create it (" + why + ")";
