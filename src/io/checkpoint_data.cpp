@@ -1,15 +1,21 @@
 // Checkpoint tensor data (checkpoint.h): the named sharded tensors, snapshots of them, the file's
-// collective write through MPI-IO (every rank writes exactly one slice per dataset, never an empty
-// one, thanks to padding; or an empty selection when another replica group writes its rows), and
+// write through parallel HDF5 and MPI-IO (space reserved first; every rank writes, with
+// independent MPI-IO, exactly one slice per dataset, never an empty one, thanks to padding; or an
+// empty selection when another replica group writes its rows), and
 // loading with resharding (each rank reads, independently, the saved slices it needs, each checked
 // against its CRC32).
+#include <fcntl.h>
 #include <hdf5.h>
 #include <mpi.h>
 #include <sys/statvfs.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <exception>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -98,12 +104,102 @@ CheckpointSnapshot take_checkpoint_snapshot(const ShardedTensors& t, const Model
   return s;
 }
 
+namespace {
+
+// An upper bound on the size of the file write_checkpoint_file makes from `snap`: the tensor data
+// exactly, plus generous room for HDF5's structures and the metadata (attributes, tables, the
+// tokenizer's files). It is what the save reserves (and, where the file system cannot reserve,
+// what must be free).
+uint64_t checkpoint_file_bound(const CheckpointSnapshot& snap) {
+  const uint64_t C = checkpoint_tensor_names().size(), W = static_cast<uint64_t>(snap.plan.world_size);
+  const TrainState& st = snap.state;
+  uint64_t b = 64u << 10;  // superblock, root group, the small root attributes, the checksum table's own
+  b += 2 * (snap.model_config.size() + snap.train_config.size() + st.data_info.size()) + 256 * st.segments.size();
+  if (!st.tokenizer.kind.empty()) {
+    b += 8u << 10;
+    for (auto& [name, bytes] : st.tokenizer.files) b += (2u << 10) + name.size() + bytes.size();
+  }
+  for (auto& up : snap.plan.units)
+    b += (8u << 10) + 256 * up.params.size() + W * (24 + 4 * C) + C * 4 * static_cast<uint64_t>(up.padded_numel);
+  return b;
+}
+
+std::string dir_of(const std::string& path) {
+  fs::path dir = fs::path(path).parent_path();
+  return dir.empty() ? std::string(".") : dir.string();
+}
+
+// "N KiB free in 'D'" (statvfs, for the space an unprivileged user may use), or "" if unknown.
+std::string free_space_text(const std::string& path) {
+  struct statvfs sv {};
+  const std::string dir = dir_of(path);
+  if (::statvfs(dir.c_str(), &sv) != 0) return "";
+  return std::to_string((static_cast<uint64_t>(sv.f_bavail) * sv.f_frsize) >> 10) + " KiB free in '" + dir + "'";
+}
+
+// Rank 0, before HDF5 opens the file: creates `path` empty and reserves `need` bytes for it
+// (fallocate with FALLOC_FL_KEEP_SIZE: the blocks are the file's, its size stays 0, so HDF5's
+// create does not truncate them away and the file's bytes are what they would be without). Every
+// later write of the save lands in reserved blocks, so a disk that fills up, or a quota reached,
+// during the save cannot fail it half-way. Returns "" on success, or when the file system cannot
+// reserve (*reserved false: then the free space is checked instead); else the error, the file
+// removed.
+std::string reserve_checkpoint_file(const std::string& path, uint64_t need, bool* reserved) {
+  *reserved = false;
+  const std::string kib = std::to_string(need >> 10) + " KiB";
+  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+  if (fd < 0) return "cannot create it: " + std::string(std::strerror(errno));
+  int rc, e = 0;
+  do {
+    rc = ::fallocate(fd, FALLOC_FL_KEEP_SIZE, 0, static_cast<off_t>(need));
+    e = rc == 0 ? 0 : errno;
+  } while (rc != 0 && e == EINTR);
+  ::close(fd);
+  if (rc == 0) {
+    *reserved = true;
+    return "";
+  }
+  if (e == EOPNOTSUPP || e == ENOSYS || e == EINVAL) {  // NFS v3, some FUSE file systems: check instead
+    struct statvfs sv {};
+    if (::statvfs(dir_of(path).c_str(), &sv) == 0 && static_cast<uint64_t>(sv.f_bavail) * sv.f_frsize < need) {
+      ::unlink(path.c_str());
+      return "not enough space in '" + dir_of(path) + "' (need " + kib + ", " + free_space_text(path) + ")";
+    }
+    return "";
+  }
+  ::unlink(path.c_str());  // frees whatever part was reserved
+  const std::string free = free_space_text(path);
+  return "not enough space in '" + dir_of(path) + "' (need " + kib + (free.empty() ? "" : ", " + free) +
+         "): reserving the file's space failed: " + std::strerror(e);
+}
+
+// Why this rank's write of `n` bytes at `offset` of `path` failed: MPI-IO and HDF5 report only
+// "file write failed" and errno does not survive them, so the same bytes are written again with
+// pwrite (harmless: they belong there) and its errno is returned; 0 if that write succeeds.
+int diagnose_write(const std::string& path, haddr_t offset, const void* data, size_t n) {
+  if (offset == HADDR_UNDEF) return 0;
+  int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
+  if (fd < 0) return errno;
+  int e = 0;
+  const char* p = static_cast<const char*>(data);
+  for (size_t done = 0; done < n && e == 0;) {
+    ssize_t w = ::pwrite(fd, p + done, n - done, static_cast<off_t>(offset + done));
+    if (w > 0) done += static_cast<size_t>(w);
+    else if (w == 0) e = EIO;  // (a short write that makes no progress)
+    else if (errno != EINTR) e = errno;
+  }
+  ::close(fd);
+  return e;
+}
+
+}  // namespace
+
 void write_checkpoint_file(Comm& comm, const std::string& tmp_path, const CheckpointSnapshot& snap) {
   quiet_hdf5();
   // One logical copy for the plan's W = G ranks (G: shard group size; the world size without hybrid
   // sharding), each plan row written by the one rank whose snapshot says write_shards (who writes
   // is the mesh's decision, Mesh::writes_checkpoint). The ranks of the other replica groups hold
-  // identical shards: they take part in every collective HDF5 call with empty selections.
+  // identical shards: they take part in every HDF5 call with empty selections.
   const ShardPlan& plan = snap.plan;
   const int W = plan.world_size, r = snap.plan_rank;
   const bool writer = snap.write_shards;
@@ -123,64 +219,92 @@ void write_checkpoint_file(Comm& comm, const std::string& tmp_path, const Checkp
     for (size_t k = 0; k < C; ++k)
       if (!cols[k]) throw std::invalid_argument("write_checkpoint_file: the snapshot lacks tensor '" + names[k] + "'");
   }
+  const std::string where = "checkpoint '" + tmp_path + "': ";
   std::string err;
-  // Refuse up front when the file cannot fit, rather than fail half-way through. (The test suite
-  // sets SHARDTRAIN_TEST_SKIP_SPACE_CHECK to exercise the mid-write failure path instead.)
-  if (r == 0 && !std::getenv("SHARDTRAIN_TEST_SKIP_SPACE_CHECK")) {
-    uint64_t need = 64u << 10;  // HDF5 superblock, root attributes
-    for (auto& up : plan.units) need += (8u << 10) + C * 4 * static_cast<uint64_t>(up.padded_numel);
-    struct statvfs sv {};
-    fs::path dir = fs::path(tmp_path).parent_path();
-    if (dir.empty()) dir = ".";
-    if (::statvfs(dir.c_str(), &sv) == 0 && static_cast<uint64_t>(sv.f_bavail) * sv.f_frsize < need)
-      err = "checkpoint '" + tmp_path + "': not enough space in '" + dir.string() + "' (need " +
-            std::to_string(need >> 10) + " KiB, " + std::to_string((static_cast<uint64_t>(sv.f_bavail) * sv.f_frsize) >> 10) +
-            " KiB free)";
+  // Reserve the whole file's space before anything is written (docs/checkpoint-format.md, "A
+  // failure during the write"): a full disk is refused here, by rank 0, before any rank enters
+  // HDF5. (The test suite sets SHARDTRAIN_TEST_SKIP_SPACE_CHECK to exercise the mid-write failure
+  // path instead.)
+  bool reserved = false;
+  if (comm.rank() == 0 && !std::getenv("SHARDTRAIN_TEST_SKIP_SPACE_CHECK")) {
+    std::string e = reserve_checkpoint_file(tmp_path, checkpoint_file_bound(snap), &reserved);
+    if (!e.empty()) err = where + e;
   }
   all_ok(comm, err.empty(), err);
-  // HDF5's internal collectives are invisible to Comm; a failure inside HDF5 on one rank (a full
-  // disk during a metadata flush) can leave ranks in different MPI calls. The watchdog ends the
-  // job then, instead of a hang.
-  CommWatch watch(comm, "checkpoint write (parallel HDF5)");
+  // HDF5's internal collectives (create, the metadata flushes, close) are invisible to Comm: if a
+  // failure inside HDF5 still left ranks in different MPI calls (an I/O error in a metadata write
+  // on one rank; a full disk cannot get there, see above), the watchdog ends the job, and its
+  // message says that this, not only a dead rank, can be why.
+  CommWatch watch(comm, "checkpoint write (parallel HDF5; also after a write error inside HDF5 on some rank)");
+  std::string why;
+  H5Id file = create_file(comm, tmp_path, &why);
+  if (!file.ok()) err = where + "cannot create it (" + why + ")";
+  all_ok(comm, err.empty(), err);
+
+  // Tensor data and tables are written with independent MPI-IO: a rank whose write fails returns
+  // from it alone and no rank waits for it inside HDF5 (with collective MPI-IO, a failing
+  // aggregator strands the others in the two-phase exchange). Each rank records its first failure
+  // and the ranks agree on it (all_ok) after the root attributes and after each unit's data, so
+  // they all leave the write at the same point with the same message.
+  std::string fail;
+  auto attempt = [&](auto&& fn) {
+    if (!fail.empty()) return;
+    try {
+      fn();
+    } catch (const std::exception& e) {
+      fail = where + e.what();
+    }
+  };
+  std::exception_ptr failed;  // the agreed failure (the same CollectiveError on every rank)
   try {
-    std::string why;
-    H5Id file = create_file(comm, tmp_path, &why);
-    if (!file.ok()) throw H5Error("cannot create '" + tmp_path + "': " + why);
     MetaSums ms;  // every rank computes the same table from the same values
-    write_root_attributes(file, ms, snap);
-    H5Id units(chk(H5Gcreate2(file, "units", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), "create group /units"), H5Gclose);
-    H5Id dxpl(H5Pcreate(H5P_DATASET_XFER), H5Pclose);
-    H5Pset_dxpl_mpio(dxpl, H5FD_MPIO_COLLECTIVE);
-    if (!snap.state.tokenizer.kind.empty()) write_tokenizer_group(comm, file, ms, snap.state.tokenizer, dxpl);
-    std::string write_err, diverged;
+    H5Id units, dxpl(H5Pcreate(H5P_DATASET_XFER), H5Pclose);
+    H5Pset_dxpl_mpio(dxpl, H5FD_MPIO_INDEPENDENT);
+    attempt([&] {
+      write_root_attributes(file, ms, snap);
+      units = H5Id(chk(H5Gcreate2(file, "units", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), "create group /units"), H5Gclose);
+      if (!snap.state.tokenizer.kind.empty()) write_tokenizer_group(comm, file, ms, snap.state.tokenizer, dxpl);
+    });
+    all_ok(comm, fail.empty(), fail);
+    std::string diverged;
     for (size_t u = 0; u < plan.units.size(); ++u) {
       const UnitPlan& up = plan.units[u];
       const hsize_t S = static_cast<hsize_t>(up.shard_size);
-      H5Id g(chk(H5Gcreate2(units, up.name.c_str(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), "create group " + up.name), H5Gclose);
-      write_unit_attributes(g, ms, static_cast<int>(u), up);
-      // One flat dataset per tensor: rank r writes its S elements (valid, then zero padding) at r*S.
       std::vector<uint64_t> my_crc(C);
-      for (size_t k = 0; k < C; ++k) {
-        const std::vector<float>& rows = cols[k]->shards[u];
-        hsize_t dims[1] = {static_cast<hsize_t>(up.padded_numel)};
-        H5Id fsp(H5Screate_simple(1, dims, nullptr), H5Sclose);
-        H5Id d(chk(H5Dcreate2(g, names[k].c_str(), H5T_IEEE_F32LE, fsp, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
-                   "create dataset " + up.name + "/" + names[k]),
-               H5Dclose);
-        hsize_t start[1] = {static_cast<hsize_t>(r) * S}, count[1] = {S};
-        H5Sselect_hyperslab(fsp, H5S_SELECT_SET, start, nullptr, count, nullptr);
-        H5Id msp(H5Screate_simple(1, count, nullptr), H5Sclose);
-        if (!writer) {  // another replica group: same shard, written by replica group 0
-          H5Sselect_none(fsp);
-          H5Sselect_none(msp);
+      for (size_t k = 0; k < C; ++k) my_crc[k] = crc32_of(cols[k]->shards[u].data(), S);
+      H5Id g;
+      attempt([&] {
+        g = H5Id(chk(H5Gcreate2(units, up.name.c_str(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), "create group " + up.name),
+                 H5Gclose);
+        write_unit_attributes(g, ms, static_cast<int>(u), up);
+        // One flat dataset per tensor: rank r writes its S elements (valid, then zero padding) at r*S.
+        for (size_t k = 0; k < C; ++k) {
+          hsize_t dims[1] = {static_cast<hsize_t>(up.padded_numel)};
+          H5Id fsp(H5Screate_simple(1, dims, nullptr), H5Sclose);
+          H5Id d(chk(H5Dcreate2(g, names[k].c_str(), H5T_IEEE_F32LE, fsp, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
+                     "create dataset " + up.name + "/" + names[k]),
+                 H5Dclose);
+          hsize_t start[1] = {static_cast<hsize_t>(r) * S}, count[1] = {S};
+          H5Sselect_hyperslab(fsp, H5S_SELECT_SET, start, nullptr, count, nullptr);
+          H5Id msp(H5Screate_simple(1, count, nullptr), H5Sclose);
+          if (!writer) {  // another replica group: same shard, written by replica group 0
+            H5Sselect_none(fsp);
+            H5Sselect_none(msp);
+          }
+          // A failed write (disk full, EIO) may fail on this rank only. The other tensors' datasets
+          // are still created (the ranks' HDF5 metadata stays identical, for the close).
+          const float* rows = cols[k]->shards[u].data();
+          if (H5Dwrite(d, H5T_NATIVE_FLOAT, msp, fsp, dxpl, rows) < 0 && fail.empty()) {
+            const std::string detail = h5_detail();
+            const int e = writer ? diagnose_write(tmp_path, H5Dget_offset(d) + start[0] * 4, rows, 4 * S) : 0;
+            const std::string free = free_space_text(tmp_path);
+            fail = where + "writing " + up.name + "/" + names[k] + " failed: " +
+                   (e ? std::string(std::strerror(e)) : std::string("write error (written again with pwrite, it succeeded)")) +
+                   " (HDF5: " + detail + (free.empty() ? "" : "; " + free) + ")";
+          }
         }
-        my_crc[k] = crc32_of(rows.data(), S);
-        // A failed write (disk full) may fail on this rank only: record it and agree after the
-        // unit, so that every rank leaves the collective sequence at the same point.
-        if (H5Dwrite(d, H5T_NATIVE_FLOAT, msp, fsp, dxpl, rows.data()) < 0 && write_err.empty())
-          write_err = "write " + up.name + "/" + names[k] + " failed (" + h5_detail() + "; disk full?)";
-      }
-      all_ok(comm, write_err.empty(), write_err);
+      });
+      all_ok(comm, fail.empty(), fail);
       // Every rank's checksums, with its plan row and whether it wrote: row r of the [W, C] table
       // comes from the rank that wrote plan row r (CheckpointSnapshot::write_shards; the mesh says
       // which). Hybrid sharding: every other rank of row r (another replica group) must repeat
@@ -212,16 +336,45 @@ void write_checkpoint_file(Comm& comm, const std::string& tmp_path, const Checkp
             diverged = "unit '" + up.name + "', " + names[k] + " of shard rank " + std::to_string(e[0]) + ": global rank " +
                        std::to_string(q) + " differs from rank " + std::to_string(wrote[e[0]]);
       }
-      write_unit_tables(comm, g, ms, up, W, crc32s, dxpl);
+      attempt([&] { write_unit_tables(comm, g, ms, up, W, crc32s, dxpl); });  // agreed after the next unit
     }
-    write_metadata_checksums(file, ms);
+    attempt([&] { write_metadata_checksums(file, ms); });
+    all_ok(comm, fail.empty(), fail);
     if (!diverged.empty())  // every rank saw the same table; the writing replica's copy is what was saved
       log_info(comm, "warning: checkpoint '" + tmp_path + "': the hybrid-sharding replica groups hold different "
                      "parameters or AdamW state (" + diverged + "); the writing replica group's copy is saved");
-  } catch (const std::exception& e) {
-    err = std::string("checkpoint '") + tmp_path + "': " + e.what();
+  } catch (const CollectiveError&) {
+    failed = std::current_exception();
   }
-  all_ok(comm, err.empty(), err);  // the file is closed on every rank here
+  // Every rank is here, at the same point (a logic_error above is the same on every rank too).
+  // After a failure, give the partial file's blocks back before the close: the close flushes
+  // HDF5's cached metadata (a few KiB, a collective sync point), and a write failing in it would
+  // leave the ranks in different MPI calls; on a full disk the freed blocks let it succeed. The
+  // file is discarded anyway.
+  if (failed) {
+    if (comm.rank() == 0) (void)::truncate(tmp_path.c_str(), 0);
+    comm.barrier();
+  }
+  // Close on every rank, success or not: an HDF5 file left open is closed by HDF5 inside
+  // MPI_Finalize, after MPI is gone (a segfault).
+  if (file.close() < 0 && !failed) err = where + "closing it failed (" + h5_detail() + ")";
+  if (!failed && comm.rank() == 0 && reserved) {
+    // Give back what the reservation held beyond the file's end (truncating to the same size
+    // frees the blocks past it).
+    std::error_code ec;
+    const auto size = fs::file_size(tmp_path, ec);
+    if (!ec) (void)::truncate(tmp_path.c_str(), static_cast<off_t>(size));
+  }
+  try {
+    if (!failed) all_ok(comm, err.empty(), err);
+  } catch (const CollectiveError&) {
+    failed = std::current_exception();
+  }
+  if (failed) {
+    comm.barrier();  // every rank has closed the file
+    if (comm.rank() == 0) ::unlink(tmp_path.c_str());
+    std::rethrow_exception(failed);
+  }
 }
 
 TrainState load_checkpoint(Comm& comm, const std::string& path, const ShardedTensors& into, const ModelConfig& mc,

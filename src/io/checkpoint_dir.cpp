@@ -6,9 +6,11 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <stdexcept>
@@ -21,12 +23,14 @@ namespace fs = std::filesystem;
 
 namespace {
 
-void fsync_path(const std::string& p, bool dir) {
+// fsync; returns 0 or the errno (a file system that writes back late, NFS among them, may report
+// a full disk or an I/O error only here).
+int fsync_path(const std::string& p, bool dir) {
   int fd = ::open(p.c_str(), dir ? O_RDONLY | O_DIRECTORY : O_RDONLY);
-  if (fd >= 0) {
-    ::fsync(fd);
-    ::close(fd);
-  }
+  if (fd < 0) return errno;
+  int e = ::fsync(fd) == 0 ? 0 : errno;
+  if (::close(fd) != 0 && e == 0) e = errno;
+  return e;
 }
 
 std::string tmp_path_of(const CheckpointOptions& co, int64_t step) {
@@ -145,9 +149,14 @@ std::string publish_checkpoint(Comm& comm, const CheckpointOptions& co, int64_t 
   // Rank 0: fsync data, rename, fsync dir, move `latest`, then prune.
   if (comm.rank() == 0) {
     try {
-      fsync_path(tmp_path, false);
+      // A data fsync that fails leaves the file unpublished and removed; `latest` untouched.
+      if (int e = fsync_path(tmp_path, false)) {
+        std::error_code ec;
+        fs::remove(tmp_path, ec);
+        throw std::runtime_error("fsync of '" + tmp_path + "' failed: " + std::strerror(e) + "; not published, removed");
+      }
       fs::rename(tmp_path, final_path);
-      fsync_path(co.dir, true);
+      (void)fsync_path(co.dir, true);  // directory fsync: not supported everywhere, best effort
       write_file_atomic((fs::path(co.dir) / "latest").string(), checkpoint_name(step) + "\n", true);
       if (co.keep_last > 0) {
         std::vector<std::string> names = published_checkpoints(co.dir);

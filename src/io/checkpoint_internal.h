@@ -36,6 +36,12 @@ class H5Id {
   operator hid_t() const { return id_; }
   bool ok() const { return id_ >= 0; }
   void reset() { if (id_ >= 0 && close_) close_(id_); id_ = -1; }
+  // Closes now and returns the closer's status (0 when there was nothing to close).
+  herr_t close() {
+    herr_t rc = id_ >= 0 && close_ ? close_(id_) : 0;
+    id_ = -1;
+    return rc;
+  }
 
  private:
   hid_t id_ = -1;
