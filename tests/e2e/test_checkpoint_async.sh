@@ -85,3 +85,48 @@ grep -q "resumed from '$CK/step_00000004.h5' at step 4" "$WORK/kill-resume.log" 
 diff <(losses "$WORK/w3-fp32-a.jsonl") <(losses "$WORK/kill.jsonl") || fail "kill -9: resumed losses differ from the uninterrupted run's"
 [ "$(cat "$CK/latest")" = "step_00000012.h5" ] || fail "kill -9: latest is not step 12 after the resumed run"
 echo "ok: kill -9 of rank 2 during the background save of step 8 (exit $RC): latest -> step_00000004.h5 (complete), the .tmp unread; resumed, 12 losses bitwise equal to the uninterrupted run"
+
+# SIGUSR1 while the save of step 4 is in flight: the preemption save waits for it (published), then
+# saves its own step; exit 75.
+CK=$WORK/usr1
+SHARDTRAIN_TEST_CHECKPOINT_WRITE_DELAY_MS=2000 $MPIRUN -np 2 "$BIN" "${ARGS[@]}" --steps 400 --checkpoint-every 4 \
+  --checkpoint-dir "$CK" >"$WORK/usr1.log" 2>&1 &
+JOB=$!
+for _ in $(seq 1 600); do
+  grep -q '^checkpoint: step 4: snapshot taken' "$WORK/usr1.log" && break
+  sleep 0.05
+done
+kill -USR1 "$(pgrep -P $JOB | sed -n 2p)"
+RC=0
+timeout 60 tail --pid=$JOB -f /dev/null || fail "SIGUSR1: the job did not end within 60 s"
+wait $JOB || RC=$?
+[ "$RC" -eq 75 ] || { cat "$WORK/usr1.log"; fail "SIGUSR1 during a background save: exit status $RC, expected 75"; }
+K=$(sed -n 's/^step_0*\([0-9]*\)\.h5$/\1/p' "$CK/latest")
+[ -n "$K" ] && [ "$K" -gt 4 ] && [ -f "$CK/step_00000004.h5" ] || { ls -la "$CK"; cat "$WORK/usr1.log"; fail "SIGUSR1: latest '$(cat "$CK/latest")', step 4 $(ls "$CK")"; }
+"$PY" "$ROOT/tests/e2e/ckpt_meta.py" verify "$CK/step_$(printf %08d "$K").h5" >/dev/null || fail "SIGUSR1: step $K's checkpoint is not complete"
+! ls -a "$CK" | grep -q '\.tmp$' || { ls -la "$CK"; fail "SIGUSR1: a temporary file was left"; }
+echo "ok: SIGUSR1 during the background save of step 4: it was published, then step $K saved; exit 75"
+
+# A background save that fails (the checkpoint directory replaced by a file after the setup checked
+# it): every rank stops at one step boundary with the save's error, exit non-zero.
+CK=$WORK/fails
+$MPIRUN -np 3 "$BIN" "${ARGS[@]}" --steps 2000 --checkpoint-every 300 --checkpoint-dir "$CK" >"$WORK/fails.log" 2>&1 &
+JOB=$!
+for _ in $(seq 1 600); do
+  grep -q '^step 5/' "$WORK/fails.log" && break
+  sleep 0.05
+done
+mv "$CK" "$CK.moved" && echo "not a directory" >"$CK"
+RC=0
+timeout 60 tail --pid=$JOB -f /dev/null || fail "failed background save: the job did not end within 60 s"
+wait $JOB || RC=$?
+[ "$RC" -ne 0 ] || { cat "$WORK/fails.log"; fail "failed background save: exit status 0"; }
+grep -q '^step 300/' "$WORK/fails.log" || { cat "$WORK/fails.log"; fail "failed background save: it stopped before step 300"; }
+for r in 0 1 2; do
+  grep -q "error \[rank $r/3\]: cannot create checkpoint directory '$CK' .*(checkpoint of step 300, written in the background; training stopped after step [0-9]*)" "$WORK/fails.log" \
+    || { cat "$WORK/fails.log"; fail "failed background save: rank $r did not report the save's error"; }
+done
+STOPS=$(grep -o 'training stopped after step [0-9]*' "$WORK/fails.log" | sort -u)
+[ "$(echo "$STOPS" | wc -l)" -eq 1 ] || fail "failed background save: ranks stopped at different steps: $STOPS"
+grep -q "^step ${STOPS##* }/" "$WORK/fails.log" || fail "failed background save: no log line of step ${STOPS##* }"
+echo "ok: a failed background save of step 300: all 3 ranks stopped after step ${STOPS##* } with its error (exit $RC)"
