@@ -16,8 +16,12 @@
 // HDF5 reference: https://docs.hdfgroup.org/hdf5/v1_10/ (H5P_SET_FAPL_MPIO, H5Sselect_hyperslab).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
+#include <exception>
+#include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "shardtrain/backend.h"
@@ -110,6 +114,9 @@ struct CheckpointOptions {
   // Whether this rank writes its shard rows (Mesh::writes_checkpoint: replica group 0 under hybrid
   // sharding); false: it joins every collective HDF5 call with empty selections.
   bool write_shards = true;
+  // Test hook: sleep this long between writing the temporary file and publishing it (set by
+  // AsyncCheckpointWriter from SHARDTRAIN_TEST_CHECKPOINT_WRITE_DELAY_MS for background saves).
+  int64_t test_delay_before_publish_ms = 0;
 };
 
 // "step_00000100.h5" for step 100.
@@ -212,6 +219,86 @@ std::string save_checkpoint(Comm& comm, const CheckpointSnapshot& snap, const Ch
 // (write-temp-then-rename), and only then deletes the oldest checkpoints beyond co.keep_last
 // (never step N's). Returns the published path. Throws CollectiveError naming it on failure.
 std::string publish_checkpoint(Comm& comm, const CheckpointOptions& co, int64_t step);
+
+// ---- Asynchronous saves -----------------------------------------------------------------
+
+// Test hook (documented in docs/errors.md): SHARDTRAIN_TEST_CHECKPOINT_WRITE_DELAY_MS=ms makes the
+// writer thread of a background save sleep that long in all, so that a tiny model's background
+// save spans several training steps: half before it writes the temporary file (the file is then
+// written after later steps changed the live tensors: the isolation tests) and half between
+// writing it and publishing it (an unpublished .tmp exists meanwhile: the kill -9 test).
+// Synchronous saves are not delayed. 0 when unset or not a positive integer.
+int64_t checkpoint_write_delay_ms();
+
+// Saves in the background: one writer thread per rank runs the whole save_checkpoint (CRC32s, the
+// collective HDF5 write, fsync, rename, `latest`, --keep-last) of a snapshot on the writer's own
+// communicator (a Comm::duplicate of the world, made once, under the collective watchdog), while
+// the calling thread trains on. Every HDF5 call of a save happens on that thread; the caller must
+// make none while a write is in flight (Debian's parallel HDF5 is not thread-safe). At most one
+// write is in flight. Needs MPI_THREAD_MULTIPLE (mpi_thread_multiple()); without it, or with
+// `async` false, start() saves synchronously on `world` in the calling thread, as save_checkpoint.
+//
+// Failures: the save's errors are agreed collectively on the writer's communicator (every rank's
+// thread ends with the same CollectiveError). failed() reports this rank's thread's outcome
+// locally; the trainer joins it to its per-step all-reduce so that every rank learns of a failure
+// at the same step boundary, then calls wait(), which rethrows the error on every rank.
+class AsyncCheckpointWriter {
+ public:
+  // Collective over `world` (the duplicate is made on every rank, also when saves will be
+  // synchronous, so that every rank takes the same path). `collective_timeout`: the watchdog of
+  // the writer's communicator (seconds, 0: none; option '--collective-timeout').
+  AsyncCheckpointWriter(Comm& world, bool async, double collective_timeout);
+  // Joins a write still in flight (its outcome is dropped: the caller is already leaving with an
+  // error of its own, which every rank shares, so every rank's thread runs to its end).
+  ~AsyncCheckpointWriter();
+  AsyncCheckpointWriter(const AsyncCheckpointWriter&) = delete;
+  AsyncCheckpointWriter& operator=(const AsyncCheckpointWriter&) = delete;
+
+  // Whether start() returns before the write ends; when not, note() says why ("" when async was
+  // not asked for).
+  bool asynchronous() const { return async_; }
+  const std::string& note() const { return note_; }
+
+  // The outcome of one finished save.
+  struct Result {
+    int64_t step = 0;
+    std::string path;         // the published checkpoint
+    double write_s = 0;       // the save: write + publish (the test delay, if any, not counted)
+    double delay_s = 0;       // SHARDTRAIN_TEST_CHECKPOINT_WRITE_DELAY_MS slept by the thread
+    uint64_t bytes = 0;       // tensor bytes of this rank's snapshot
+  };
+
+  // Collective in effect (every rank calls it at the same step, after wait() returned). Saves
+  // `snap` (step snap.state.step) with `co`: asynchronous: moves the snapshot into the writer
+  // thread and returns at once; synchronous: saves and returns when published (then finished()
+  // holds the result). Throws std::logic_error if a write is still in flight (call wait() first).
+  void start(CheckpointSnapshot&& snap, const CheckpointOptions& co);
+
+  // True while a started asynchronous save has not been collected by wait() / poll().
+  bool in_flight() const { return in_flight_; }
+  // Local, never blocks: whether this rank's writer thread has ended with an error.
+  bool failed() const;
+  // Local, never blocks: if this rank's save has ended successfully, collects it (joins the
+  // thread) and returns true with *out set. False while it runs, after a failure (see failed()),
+  // or with none in flight.
+  bool poll(Result* out);
+  // Waits for the save in flight (none: returns false at once) and collects it into *out. A
+  // failed save rethrows its error (a CollectiveError, the same on every rank) after the join.
+  // Every rank waits for its own thread, which ends when the collective write does.
+  bool wait(Result* out);
+
+ private:
+  void run(CheckpointSnapshot snap, CheckpointOptions co);
+  Comm& world_;
+  std::unique_ptr<Comm> comm_;  // the writer's duplicate of world_ (asynchronous saves)
+  bool async_ = false;
+  std::string note_;
+  bool in_flight_ = false;
+  std::thread thread_;
+  std::atomic<int> state_{0};  // 0 idle or running, 1 done, 2 failed (set by the thread last)
+  Result result_;              // written by the thread before state_ is set
+  std::exception_ptr error_;   // likewise
+};
 
 // Collective. Reads the metadata (root and unit attributes, shard, checksum and parameter tables)
 // of `path`, verifies each against the file's metadata checksums (format version 2,

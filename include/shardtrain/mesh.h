@@ -121,6 +121,9 @@ class Mesh {
   // A note for the log when some shard group spans nodes although a node holds G or more ranks
   // (ranks not placed node by node); "" otherwise.
   const std::string& shard_group_note() const { return note_; }
+  // The collective watchdog's timeout the mesh was made with (option '--collective-timeout'), for
+  // communicators made later (the checkpoint writer's).
+  double collective_timeout() const { return collective_timeout_; }
 
  private:
   Comm& world_;
@@ -130,6 +133,7 @@ class Mesh {
   std::unique_ptr<MpiComm> shard_host_, replica_host_;
   std::unique_ptr<Comm> shard_dev_, replica_dev_;
   std::string note_;
+  double collective_timeout_ = 0;
 };
 
 // "ranks per node" for option '--shard-group-size node': 0 when the nodes hold different numbers.

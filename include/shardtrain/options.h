@@ -59,6 +59,7 @@ struct Options {
   std::string activation_checkpointing = "none";  // train, plan: none | selective | full (parse_recompute, model.h)
   std::string attention = "tiled";                // train, plan: tiled | exact (parse_attention, model.h)
   std::string reduce_dtype = "fp32";  // train, bf16: dtype of the gradient reduce-scatter, fp32 | bf16
+  std::string checkpoint_async = "on";  // train: on | off (TrainConfig::checkpoint_async)
   std::string overlap = "on";      // train: on | off (prefetched all-gathers, asynchronous reduce-scatters)
   int prefetch = 1;                // train: all-gathers in flight ahead of the unit computed
   std::string comm_progress = "poll";  // train: poll | thread | wait (parse_comm_progress, shard.h)

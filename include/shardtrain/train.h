@@ -49,6 +49,10 @@ struct TrainConfig {
   std::string checkpoint_dir;  // empty: no checkpoints
   int64_t checkpoint_every = 0;  // steps between saves; 0: only at the end
   int keep_last = 0;           // published checkpoints kept; 0: all
+  // --checkpoint-async on|off: periodic saves write in a background thread (AsyncCheckpointWriter,
+  // checkpoint.h) while training goes on; the final and preemption saves always wait. Not part of
+  // train_config: it never changes what a checkpoint holds.
+  bool checkpoint_async = true;
   std::string resume;          // "" (fresh), "auto" (newest in checkpoint_dir, if any), or a path
   std::string init_from;       // start from these weights at step 0 (fresh optimizer); ignored when resuming
   std::vector<std::string> accept_changes;  // resume: settings (option names, e.g. "steps") allowed to differ from the checkpoint's

@@ -85,6 +85,7 @@ po::options_description describe(Options& o) {
   ck.add_options()
       ("checkpoint-dir", po::value<std::string>(&t.checkpoint_dir), "directory of HDF5 checkpoints (step_N.h5 and a 'latest' pointer); empty: none")
       ("checkpoint-every", po::value<int64_t>(&t.checkpoint_every)->default_value(t.checkpoint_every), "steps between checkpoints; 0 = only at the end of training")
+      ("checkpoint-async", po::value<std::string>(&o.checkpoint_async)->default_value(o.checkpoint_async), "on: periodic saves are written by a background thread while training goes on (the final and a preemption save wait for it); off: every save stops training until written")
       ("keep-last", po::value<int>(&t.keep_last)->default_value(t.keep_last), "published checkpoints to keep, older ones are deleted after a save; 0 = keep all")
       ("resume", po::value<std::string>(&t.resume), "'auto' (newest checkpoint in --checkpoint-dir, if any) or a checkpoint file; at any world size")
       ("accept-change", po::value<std::vector<std::string>>(&t.accept_changes)->composing(), "resume: let these settings differ from the checkpoint's (comma-separated option names, e.g. steps,lr; repeatable); any other change is refused")
@@ -200,6 +201,8 @@ void validate(const Options& o) {
   if (!o.shard_group_size.empty()) resolve_shard_group_size(o.shard_group_size, 0, 0);  // the form only
   parse_precision(o.precision);  // throws naming option '--precision'
   check(o.reduce_dtype == "fp32" || o.reduce_dtype == "bf16", "reduce-dtype", "must be fp32 or bf16, got '" + o.reduce_dtype + "'");
+  check(o.checkpoint_async == "on" || o.checkpoint_async == "off", "checkpoint-async",
+        "must be on or off, got '" + o.checkpoint_async + "'");
   check(o.overlap == "on" || o.overlap == "off", "overlap", "must be on or off, got '" + o.overlap + "'");
   check(o.prefetch >= 0 && o.prefetch <= 8, "prefetch", "must be in [0, 8], got " + std::to_string(o.prefetch));
   check(o.comm_progress == "thread" || o.comm_progress == "poll" || o.comm_progress == "wait", "comm-progress",
@@ -257,6 +260,7 @@ void fill_typed(Options& o) {
   o.train.recompute = parse_recompute(o.activation_checkpointing);
   o.train.attention = parse_attention(o.attention);
   o.train.reduce_bf16 = o.reduce_dtype == "bf16";
+  o.train.checkpoint_async = o.checkpoint_async == "on";
   o.train.overlap = OverlapConfig{o.overlap == "on", o.prefetch, parse_comm_progress(o.comm_progress)};
 }
 }  // namespace

@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <stdexcept>
+#include <thread>
 
 #include "shardtrain/checkpoint.h"
 #include "shardtrain/files.h"
@@ -133,6 +134,8 @@ std::string save_checkpoint(Comm& comm, const CheckpointSnapshot& snap, const Ch
   const int64_t step = snap.state.step;
   prepare_checkpoint_dir(comm, co.dir);
   write_checkpoint_file(comm, tmp_path_of(co, step), snap);
+  if (co.test_delay_before_publish_ms > 0)
+    std::this_thread::sleep_for(std::chrono::milliseconds(co.test_delay_before_publish_ms));
   if (co.debug_crash_before_publish > 0 && step == co.debug_crash_before_publish) {
     comm.barrier();
     log_error(comm.rank(), comm.world_size(),

@@ -62,7 +62,7 @@ MeshLayout checked_layout(const Comm& world, MeshDims d) {
 }  // namespace
 
 Mesh::Mesh(Comm& world, const Topology& topo, MeshDims dims, double collective_timeout)
-    : world_(world), topo_(topo), layout_(checked_layout(world, dims)), coord_(layout_.coord(world.rank())) {
+    : world_(world), topo_(topo), layout_(checked_layout(world, dims)), coord_(layout_.coord(world.rank())), collective_timeout_(collective_timeout) {
   if (dims.dp_replicate == 1) return;  // the shard group is the world; no replica group
   // Colors: the group's first global rank (any value equal within a group and distinct across
   // groups); keys: the global rank, so a group's ranks keep the world's order.

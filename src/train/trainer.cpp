@@ -38,6 +38,7 @@ struct Geometry {
 struct StepOutcome {
   double loss = 0, grad_norm = 0, lr = 0;
   bool stop_requested = false;  // some rank received SIGTERM / SIGUSR1
+  bool save_failed = false;     // some rank's background checkpoint save ended with an error
   double seconds = 0;           // wall time of the step
   CommTimes comm;               // the step's FSDP collectives (issued, exposed)
 };
@@ -67,7 +68,10 @@ template <typename C> class Trainer {
   StepOutcome train_step(int64_t s);
   void log_step(int64_t s, const StepOutcome& o);
   void evaluate_at(int64_t step);
-  void save(int64_t step);
+  void save(int64_t step, bool wait);
+  void collect_save(int64_t s);
+  void log_background_save(const AsyncCheckpointWriter::Result& r, double waited_s, int64_t now);
+  [[noreturn]] void rethrow_save_failure(const std::exception& e, int64_t step);
   void report_memory();
 
   Engine& eng_;
@@ -93,6 +97,10 @@ template <typename C> class Trainer {
   TrainResult res_;
   Interval interval_;
   Clock::time_point t_start_;  // the loop's start: elapsed_s of the step lines
+  // The checkpoint saves (with --checkpoint-dir): a background writer thread on a communicator of
+  // its own (--checkpoint-async on) or synchronous. Last member: destroyed (joined) first.
+  std::unique_ptr<AsyncCheckpointWriter> writer_;
+  int64_t writing_step_ = 0;  // the step of the save in flight, while one is
 };
 
 template <typename C>
@@ -109,6 +117,8 @@ Trainer<C>::Trainer(Engine& eng, const ModelConfig& mc, const TrainConfig& tc, c
   restore();
   record_data();
   prepare_outputs();
+  if (!tc_.checkpoint_dir.empty())  // collective: duplicates the world communicator for the writer
+    writer_ = std::make_unique<AsyncCheckpointWriter>(comm_, tc_.checkpoint_async, mesh_.collective_timeout());
   log_setup();
 }
 
@@ -330,6 +340,18 @@ template <typename C> void Trainer<C>::log_setup() {
                       (tc_.overlap.on && ov.progress != tc_.overlap.progress
                            ? "; note: MPI granted no MPI_THREAD_MULTIPLE, so '--comm-progress thread' became poll"
                            : std::string()));
+  if (writer_) {
+    if (!writer_->note().empty()) log_info(comm_, writer_->note());
+    log_info(comm_, writer_->asynchronous()
+                        ? std::string("checkpoints: asynchronous (--checkpoint-async on): a periodic save blocks training "
+                                      "for its host snapshot only, a writer thread writes and publishes it; the final "
+                                      "and a preemption save wait for their write") +
+                              (checkpoint_write_delay_ms() > 0
+                                   ? "; test hook SHARDTRAIN_TEST_CHECKPOINT_WRITE_DELAY_MS=" +
+                                         std::to_string(checkpoint_write_delay_ms()) + " delays every background write"
+                                   : std::string())
+                        : std::string("checkpoints: synchronous: training waits for every save"));
+  }
 }
 
 // One optimizer step (0-based s): get batch, forward, backward (each unit's gradient
@@ -350,15 +372,19 @@ template <typename C> StepOutcome Trainer<C>::train_step(int64_t s) {
     model_->backward(*units_);  // reduce-scatters each unit's gradient (mean over ranks) into its shard
   }
   units_->end_pass();  // every reduce-scatter has landed in the gradient shards
-  // One all-reduce: loss, squared gradient norm, and "some rank was asked to stop" (a signal), so
-  // every rank sees the same values and takes the same decisions. The mesh says whose gradient
-  // elements count (each parameter once: replica group 0 under hybrid sharding).
-  double red[3] = {loss_sum, mesh_.counts_in_norm() ? f_->local_grad_sumsq() : 0.0, stop_signal() != 0 ? 1.0 : 0.0};
-  comm_.all_reduce(red, 3, ReduceOp::Sum);
+  // One all-reduce: loss, squared gradient norm, "some rank was asked to stop" (a signal) and "the
+  // background checkpoint save of some rank failed" (AsyncCheckpointWriter), so every rank sees the
+  // same values and takes the same decisions, a failed save included, at the same step boundary.
+  // The mesh says whose gradient elements count (each parameter once: replica group 0 under hybrid
+  // sharding).
+  double red[4] = {loss_sum, mesh_.counts_in_norm() ? f_->local_grad_sumsq() : 0.0, stop_signal() != 0 ? 1.0 : 0.0,
+                   writer_ && writer_->failed() ? 1.0 : 0.0};
+  comm_.all_reduce(red, 4, ReduceOp::Sum);
   StepOutcome o;
   o.loss = red[0] / tokens_per_step;
   o.grad_norm = std::sqrt(red[1]);
   o.stop_requested = red[2] > 0;
+  o.save_failed = red[3] > 0;
   o.lr = lr_at(tc_, s);
   if (!std::isfinite(o.loss) || !std::isfinite(o.grad_norm)) {
     std::string what = "non-finite " + std::string(std::isfinite(o.loss) ? "gradient norm" : "loss") + " at step " +
@@ -423,21 +449,91 @@ template <typename C> void Trainer<C>::evaluate_at(int64_t step) {
   if (metrics_.is_open()) metrics_ << nlohmann::json({{"step", step}, {"val_loss", vl}}).dump() << "\n" << std::flush;
 }
 
-// Collective: the checkpoint of `step` (the mesh decided in co_ which ranks write their rows).
-template <typename C> void Trainer<C>::save(int64_t step) {
+// Collective: the checkpoint of `step` (the mesh decided in co_ which ranks write their rows). A
+// save still in flight is waited for first (the log says how long). Then the snapshot (the only
+// part that reads the training state; training is blocked for it) goes to the writer: in the
+// background (--checkpoint-async on, `wait` false: training goes on and collect_save reports the
+// write when it ends), or written before this returns (`wait`: the final and a preemption save;
+// or synchronous saves).
+template <typename C> void Trainer<C>::save(int64_t step, bool wait) {
   const auto t0 = Clock::now();
+  double waited_s = 0;
+  if (writer_->in_flight()) {
+    AsyncCheckpointWriter::Result prev;
+    try {
+      writer_->wait(&prev);
+    } catch (const std::exception& e) {
+      rethrow_save_failure(e, step);
+    }
+    waited_s = seconds_since(t0);
+    log_background_save(prev, waited_s, step);
+  }
+  const auto t1 = Clock::now();
   TrainState st = state_;
   st.step = step;
   st.tokens_seen = tokens_of(state_.segments, step);
   st.saved_world_size = W_;
-  const CheckpointSnapshot snap =
+  CheckpointSnapshot snap =
       take_checkpoint_snapshot(checkpoint_tensors(*f_, opt_.get()), mc_,
                                train_config_json(tc_, st.world_size, st.shard_group_size), st, co_.write_shards);
-  const std::string p = save_checkpoint(comm_, snap, co_);
-  const double dt = seconds_since(t0);
+  const double snap_s = seconds_since(t1);
   const double mbytes = 3.0 * 4.0 * static_cast<double>(f_->plan().total_numel()) / 1e6;
-  log_info(comm_, "checkpoint: saved '" + p + "' (" + fmt("%.1f", mbytes) + " MB of parameters + AdamW state) in " +
-                      fmt("%.2f", dt) + " s, " + fmt("%.0f", mbytes / dt) + " MB/s");
+  const std::string waited = waited_s > 0 ? ", of which " + fmt("%.2f", waited_s) + " s waiting for the previous write" : "";
+  writer_->start(std::move(snap), co_);  // synchronous saves: written and published on return
+  writing_step_ = step;
+  if (writer_->asynchronous() && !wait) {
+    log_info(comm_, "checkpoint: step " + std::to_string(step) + ": snapshot taken in " + fmt("%.2f", snap_s) +
+                        " s, writing in the background (training blocked " + fmt("%.2f", seconds_since(t0)) + " s" +
+                        waited + ")");
+    return;
+  }
+  AsyncCheckpointWriter::Result r;
+  try {
+    writer_->wait(&r);
+  } catch (const std::exception& e) {
+    rethrow_save_failure(e, step);
+  }
+  const double dt = seconds_since(t0);
+  log_info(comm_, "checkpoint: saved '" + r.path + "' (" + fmt("%.1f", mbytes) + " MB of parameters + AdamW state) in " +
+                      fmt("%.2f", dt) + " s, " + fmt("%.0f", mbytes / std::max(r.write_s, 1e-9)) +
+                      " MB/s (training blocked " + fmt("%.2f", dt) + " s: snapshot " + fmt("%.2f", snap_s) + " s, write " +
+                      fmt("%.2f", r.write_s) + " s" +
+                      (r.delay_s > 0 ? ", test delay " + fmt("%.2f", r.delay_s) + " s" : std::string()) + waited + ")");
+}
+
+// At a step boundary (after step s, 0-based): a background save that has ended on this rank is
+// collected and reported. Local: joining a finished thread needs no other rank.
+template <typename C> void Trainer<C>::collect_save(int64_t s) {
+  AsyncCheckpointWriter::Result r;
+  if (writer_ && writer_->poll(&r)) log_background_save(r, 0, s + 1);
+}
+
+// The line of a finished background save: where it went, the write time and rate, and the steps
+// that ran while it was written (from the save's step to `now`, the step boundary it is reported
+// at; the last of them may have overlapped it only in part).
+template <typename C>
+void Trainer<C>::log_background_save(const AsyncCheckpointWriter::Result& r, double waited_s, int64_t now) {
+  const double mbytes = 3.0 * 4.0 * static_cast<double>(f_->plan().total_numel()) / 1e6;
+  log_info(comm_, "checkpoint: saved '" + r.path + "' (" + fmt("%.1f", mbytes) +
+                      " MB of parameters + AdamW state) in the background: write " + fmt("%.2f", r.write_s) + " s, " +
+                      fmt("%.0f", mbytes / std::max(r.write_s, 1e-9)) + " MB/s" +
+                      (r.delay_s > 0 ? " (plus the test delay of " + fmt("%.2f", r.delay_s) + " s)" : std::string()) +
+                      (now > r.step ? "; steps " + std::to_string(r.step + 1) + "-" + std::to_string(now) +
+                                          " ran meanwhile"
+                                    : std::string()) +
+                      (waited_s > 0 ? "; the next save waited " + fmt("%.2f", waited_s) + " s for it" : std::string()));
+}
+
+// A save that failed (the writer's error, agreed on every rank by the write's collectives): the run
+// stops here, with that error, on every rank.
+template <typename C> void Trainer<C>::rethrow_save_failure(const std::exception& e, int64_t step) {
+  const auto* ce = dynamic_cast<const CollectiveError*>(&e);
+  throw CollectiveError(ce ? ce->origin_rank : 0,
+                        std::string(e.what()) + " (checkpoint of step " + std::to_string(writing_step_) +
+                            (writer_->asynchronous() ? ", written in the background; training stopped after step " +
+                                                           std::to_string(step)
+                                                     : std::string()) +
+                            ")");
 }
 
 // CPU runs: the memory plan against what each rank's kernel counted (VmHWM). Collective.
@@ -461,11 +557,21 @@ template <typename C> TrainResult Trainer<C>::run() {
   for (int64_t s = state_.step; s < last_step_; ++s) {
     const StepOutcome o = train_step(s);
     log_step(s, o);
+    if (o.save_failed) {  // every rank, at this step boundary: join the writer, stop with its error
+      try {
+        writer_->wait(nullptr);
+      } catch (const std::exception& e) {
+        rethrow_save_failure(e, s + 1);
+      }
+      throw CollectiveError(0, "the background save of the checkpoint of step " + std::to_string(writing_step_) +
+                                   " failed on another rank; training stopped after step " + std::to_string(s + 1));
+    }
+    collect_save(s);
     const bool last = s + 1 == last_step_;
     if ((tc_.eval_every > 0 && (s + 1) % tc_.eval_every == 0) || last) evaluate_at(s + 1);
     if (!tc_.checkpoint_dir.empty() &&
         ((tc_.checkpoint_every > 0 && (s + 1) % tc_.checkpoint_every == 0) || last || o.stop_requested))
-      save(s + 1);
+      save(s + 1, last || o.stop_requested);  // the final and a preemption save wait for their write
     if (o.stop_requested && !last)
       throw Preempted("stop requested by a signal (SIGTERM or SIGUSR1) during step " + std::to_string(s + 1) + ": " +
                           (tc_.checkpoint_dir.empty() ? std::string("no --checkpoint-dir, nothing saved")
