@@ -7,13 +7,14 @@
 #   shim_midwrite  every rank sees a full disk, the reservation skipped (as on a file system that
 #                  cannot reserve): the data writes fail half-way
 #   shim_rank1     only rank 1's writes fail (past the reservation: a quota, a file system that
-#                  does not honour it)
+#                  does not honour it); shim_rank1_sync the same with --checkpoint-async off
 #   tmpfs_*        the same on a real small tmpfs, where mounting one is permitted (root)
 # The shim is tests/e2e/enospc_shim.c (LD_PRELOAD), used where a tmpfs cannot be mounted and for
 # the one-rank case, which a shared disk cannot produce.
 source "$(dirname "$0")/common.sh"
 DATA=$(test_corpus)
 ARGS=(--model tiny --data "$DATA" --seq-len 16 --global-batch 4 --steps 4 --eval-every 0 --eval-batches 1 --threads 1)
+EXTRA=()  # more options for the failing run (expect_diskfull)
 SHIM=$WORK/enospc_shim.so
 cc -shared -fPIC -O1 -o "$SHIM" "$ROOT/tests/e2e/enospc_shim.c" -ldl || fail "cannot compile the ENOSPC shim"
 
@@ -33,7 +34,7 @@ expect_diskfull() {
   sum=$(sha256sum <"$dir/step_00000002.h5")
   local xs=() kv
   for kv in "$@"; do xs+=(-x "${kv%%=*}"); done  # mpirun passes these to the ranks
-  env "$@" timeout -k 5 30 $MPIRUN -np 2 "${xs[@]}" "$BIN" "${ARGS[@]}" --checkpoint-dir "$dir" --resume auto \
+  env "$@" timeout -k 5 30 $MPIRUN -np 2 "${xs[@]}" "$BIN" "${ARGS[@]}" "${EXTRA[@]}" --checkpoint-dir "$dir" --resume auto \
     >"$log" 2>&1 || rc=$?
   local took=$((SECONDS - t0))
   [ "$rc" -ne 0 ] || { cat "$log"; fail "$name: exit status 0, expected failure"; }
@@ -70,6 +71,10 @@ shim=(LD_PRELOAD="$SHIM" ENOSPC_SHIM_DIR="$(realpath "$CK")" ENOSPC_SHIM_LIMIT=$
 expect_diskfull shim_reserve "$CK" "reserving the file's space failed: $ENOSPC" "${shim[@]}"
 expect_diskfull shim_midwrite "$CK" "writing .* failed: $ENOSPC" "${shim[@]}" SHARDTRAIN_TEST_SKIP_SPACE_CHECK=1
 expect_diskfull shim_rank1 "$CK" "rank 1: .*writing .* failed: $ENOSPC" "${shim[@]}" ENOSPC_SHIM_RANK=1 ENOSPC_SHIM_IGNORE_RESERVATION=1
+# The same with a synchronous save (the cases above save in the background, the default).
+EXTRA=(--checkpoint-async off)
+expect_diskfull shim_rank1_sync "$CK" "rank 1: .*writing .* failed: $ENOSPC" "${shim[@]}" ENOSPC_SHIM_RANK=1 ENOSPC_SHIM_IGNORE_RESERVATION=1
+EXTRA=()
 loadable "$CK"
 
 mkdir -p "$WORK/small"
