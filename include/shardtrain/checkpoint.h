@@ -186,18 +186,26 @@ struct CheckpointSnapshot {
   std::string train_config;  // the train_config attribute (train.h train_config_json)
   struct Tensor {
     std::string name;
-    std::vector<std::vector<float>> shards;  // [unit] plan.units[u].shard_size floats
+    std::vector<std::vector<float>> shards;  // [unit] plan.units[u].shard_size floats (a copy)
+    // A borrowed snapshot (take_checkpoint_snapshot with borrow): [unit] the live rows in host
+    // memory, not owned; `shards` is then empty.
+    std::vector<const float*> view;
+    size_t units() const { return view.empty() ? shards.size() : view.size(); }
+    const float* rows(size_t u) const { return view.empty() ? shards[u].data() : view[u]; }
   };
   std::vector<Tensor> tensors;  // in the order of the ShardedTensors it was taken from
-  // Bytes of tensor data held by this rank (4 B x elements of every copy).
+  // Bytes of tensor data held by this rank (4 B x elements of every copy; 0 when borrowed).
   uint64_t bytes() const;
 };
 
 // Copies this rank's rows of every tensor of `t` to host memory (the backend's to_host; on a GPU,
 // synchronous) with the metadata. Not collective. Throws std::invalid_argument when a tensor's
 // shard count differs from the plan's units or its name is not in checkpoint_tensor_names().
+// `borrow` (a save written before the tensors change again: synchronous saves): on a backend whose
+// memory is host memory (Backend::host_kernels) the snapshot points at the live rows instead of
+// copying them, so a synchronous save costs no memory; elsewhere it copies as without borrow.
 CheckpointSnapshot take_checkpoint_snapshot(const ShardedTensors& t, const ModelConfig& mc, const std::string& train_config,
-                                            const TrainState& state, bool write_shards = true);
+                                            const TrainState& state, bool write_shards = true, bool borrow = false);
 
 // Collective. Writes a complete checkpoint file of `snap` at `path` (no rename, no `latest`): the
 // building block of save_checkpoint, also used by import. Every rank passes a snapshot of the same

@@ -76,7 +76,7 @@ uint64_t CheckpointSnapshot::bytes() const {
 }
 
 CheckpointSnapshot take_checkpoint_snapshot(const ShardedTensors& t, const ModelConfig& mc, const std::string& train_config,
-                                            const TrainState& state, bool write_shards) {
+                                            const TrainState& state, bool write_shards, bool borrow) {
   if (!t.plan || !t.backend) throw std::invalid_argument("take_checkpoint_snapshot: no plan or backend");
   std::vector<std::string> names;
   std::vector<size_t> counts;
@@ -93,7 +93,12 @@ CheckpointSnapshot take_checkpoint_snapshot(const ShardedTensors& t, const Model
   s.model_config = canonical_json(mc);
   s.train_config = train_config;
   for (auto& x : t.tensors) {
-    CheckpointSnapshot::Tensor c{x.name, {}};
+    CheckpointSnapshot::Tensor c{x.name, {}, {}};
+    if (borrow && t.backend->host_kernels()) {
+      c.view.assign(x.shards.begin(), x.shards.end());
+      s.tensors.push_back(std::move(c));
+      continue;
+    }
     c.shards.resize(x.shards.size());
     for (size_t u = 0; u < x.shards.size(); ++u) {
       c.shards[u].resize(static_cast<size_t>(s.plan.units[u].shard_size));
@@ -212,7 +217,7 @@ void write_checkpoint_file(Comm& comm, const std::string& tmp_path, const Checkp
     std::vector<size_t> counts;
     for (auto& x : snap.tensors) {
       given.push_back(x.name);
-      counts.push_back(x.shards.size());
+      counts.push_back(x.units());
     }
     check_tensor_set(plan, given, counts, "write_checkpoint_file");
     for (auto& x : snap.tensors) cols[static_cast<size_t>(tensor_column(x.name))] = &x;
@@ -271,7 +276,7 @@ void write_checkpoint_file(Comm& comm, const std::string& tmp_path, const Checkp
       const UnitPlan& up = plan.units[u];
       const hsize_t S = static_cast<hsize_t>(up.shard_size);
       std::vector<uint64_t> my_crc(C);
-      for (size_t k = 0; k < C; ++k) my_crc[k] = crc32_of(cols[k]->shards[u].data(), S);
+      for (size_t k = 0; k < C; ++k) my_crc[k] = crc32_of(cols[k]->rows(u), S);
       H5Id g;
       attempt([&] {
         g = H5Id(chk(H5Gcreate2(units, up.name.c_str(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), "create group " + up.name),
@@ -293,7 +298,7 @@ void write_checkpoint_file(Comm& comm, const std::string& tmp_path, const Checkp
           }
           // A failed write (disk full, EIO) may fail on this rank only. The other tensors' datasets
           // are still created (the ranks' HDF5 metadata stays identical, for the close).
-          const float* rows = cols[k]->shards[u].data();
+          const float* rows = cols[k]->rows(u);
           if (H5Dwrite(d, H5T_NATIVE_FLOAT, msp, fsp, dxpl, rows) < 0 && fail.empty()) {
             const std::string detail = h5_detail();
             const int e = writer ? diagnose_write(tmp_path, H5Dget_offset(d) + start[0] * 4, rows, 4 * S) : 0;

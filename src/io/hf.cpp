@@ -620,10 +620,10 @@ void import_hf(Comm& comm, const std::string& hf_dir, const std::string& out_pat
   st.data_info = data_info;
   st.tokenizer = tokenizer;
   st.saved_world_size = comm.world_size();
-  CheckpointSnapshot snap = take_checkpoint_snapshot(sharded_params(f), mc, train_config, st);
+  CheckpointSnapshot snap = take_checkpoint_snapshot(sharded_params(f), mc, train_config, st, true, /*borrow=*/true);
   for (const std::string& name : checkpoint_tensor_names()) {  // the optimizer state of a fresh start: zeros
     if (name == "params") continue;
-    CheckpointSnapshot::Tensor zero{name, {}};
+    CheckpointSnapshot::Tensor zero{name, {}, {}};
     for (const UnitPlan& up : snap.plan.units) zero.shards.emplace_back(static_cast<size_t>(up.shard_size), 0.0f);
     snap.tensors.push_back(std::move(zero));
   }

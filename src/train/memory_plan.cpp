@@ -68,9 +68,12 @@ MemoryPlan plan_memory(const MemoryPlanInput& in) {
   add("fp32 parameter shards", 4 * shard, "4 B x " + sh);
   add("fp32 gradient shards", 4 * shard, "4 B x " + sh);
   add("AdamW m and v shards", 8 * shard, "2 x 4 B x " + sh);
-  if (!in.cuda && !in.train.checkpoint_dir.empty()) {  // a save first copies every checkpoint tensor's rows
-    const int64_t n = static_cast<int64_t>(checkpoint_tensor_names().size());  // (CheckpointSnapshot, host memory)
-    add("checkpoint snapshot (while saving)", 4 * n * shard, std::to_string(n) + " x 4 B x " + sh);
+  // A background save first copies every checkpoint tensor's rows (CheckpointSnapshot, host
+  // memory); a synchronous one writes from the live shards on the CPU (a borrowed snapshot).
+  if (!in.cuda && !in.train.checkpoint_dir.empty() && in.train.checkpoint_async) {
+    const int64_t n = static_cast<int64_t>(checkpoint_tensor_names().size());
+    add("checkpoint snapshot (while saving in the background)", 4 * n * shard,
+        std::to_string(n) + " x 4 B x " + sh + "; --checkpoint-async off: none");
   }
   const std::string mx = with_commas(maxp) + " elements, the largest unit";
   const int64_t nbuf = (in.overlap.on ? 1 + in.overlap.prefetch : 1) + (in.overlap.on ? 2 : 1);  // gather + gradient

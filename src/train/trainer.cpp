@@ -475,7 +475,8 @@ template <typename C> void Trainer<C>::save(int64_t step, bool wait) {
   st.saved_world_size = W_;
   CheckpointSnapshot snap =
       take_checkpoint_snapshot(checkpoint_tensors(*f_, opt_.get()), mc_,
-                               train_config_json(tc_, st.world_size, st.shard_group_size), st, co_.write_shards);
+                               train_config_json(tc_, st.world_size, st.shard_group_size), st, co_.write_shards,
+                               /*borrow=*/!writer_->asynchronous() || wait);  // written before training goes on
   const double snap_s = seconds_since(t1);
   const double mbytes = 3.0 * 4.0 * static_cast<double>(f_->plan().total_numel()) / 1e6;
   const std::string waited = waited_s > 0 ? ", of which " + fmt("%.2f", waited_s) + " s waiting for the previous write" : "";

@@ -295,6 +295,33 @@ TEST_F(Checkpoint, ReplicaGroupsWriteTheRowsTheirSnapshotsSay) {
   EXPECT_EQ(back.wrong(3), 0);
 }
 
+// A borrowed snapshot (synchronous saves on the CPU) copies nothing: it points at the live rows,
+// and the file written from it is the file a copied snapshot gives, byte for byte in every dataset.
+TEST_F(Checkpoint, BorrowedSnapshotWritesTheLiveRows) {
+  st::Comm& c = world();
+  const st::ShardPlan plan = st::ShardPlan::build(test_units(), c.world_size());
+  Rows live(plan, c.rank());
+  live.fill();
+  const st::CheckpointSnapshot borrowed =
+      st::take_checkpoint_snapshot(live.view(*be_), test_model(), test_train_config(), test_state(), true, true);
+  EXPECT_EQ(borrowed.bytes(), 0u);
+  ASSERT_EQ(borrowed.tensors.size(), 3u);
+  for (int k = 0; k < 3; ++k)
+    for (size_t u = 0; u < plan.units.size(); ++u)
+      EXPECT_EQ(borrowed.tensors[static_cast<size_t>(k)].rows(u), live.t[k][u].data()) << "tensor " << k << " unit " << u;
+  st::write_checkpoint_file(c, path("borrowed.h5"), borrowed);
+  st::write_checkpoint_file(c, path("copied.h5"), st::take_checkpoint_snapshot(live.view(*be_), test_model(),
+                                                                               test_train_config(), test_state()));
+  if (c.rank() == 0)
+    for (const st::UnitPlan& up : plan.units)
+      for (const std::string& name : st::checkpoint_tensor_names()) {
+        const std::string ds = "units/" + up.name + "/" + name;
+        const std::vector<float> a = h5_read<float>(path("borrowed.h5"), ds, H5T_NATIVE_FLOAT);
+        EXPECT_EQ(a.size(), static_cast<size_t>(up.padded_numel)) << ds;
+        EXPECT_TRUE(a == h5_read<float>(path("copied.h5"), ds, H5T_NATIVE_FLOAT)) << ds;
+      }
+}
+
 TEST_F(Checkpoint, SnapshotIsIndependentOfLaterChanges) {
   st::Comm& c = world();
   const st::ShardPlan plan = st::ShardPlan::build(test_units(), c.world_size());
