@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # make bench: training throughput and quality benchmarks. Results go to build/bench/ and are
 # summarised on stdout for docs/benchmarks.md. Not part of make test (timings are not asserted).
-# An estimated 45-50 minutes on an idle 2-core machine (part 4 about 15, part 6 about 8); BENCH_QUICK=1 cuts every run to a few steps (a smoke
+# An estimated 55-60 minutes on an idle 2-core machine (part 3 about 10, part 4 about 15, part 6 about 8); BENCH_QUICK=1 cuts every run to a few steps (a smoke
 # test of the harness: its figures are not benchmarks).
 #
 # 1. tinyshakespeare quality (if ../shared/data/tinyshakespeare.txt exists; it is never
