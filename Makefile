@@ -6,6 +6,7 @@
 #   make jobs-test  installation checks of the Slurm job files on one node (tests/jobs/run.sh, < 3 min)
 #   make slurm-test the job scripts under a real Slurm: a private two-node cluster on this machine (tests/slurm/run.sh, ~2 min)
 #   make bench   benchmarks (tinyshakespeare if ../shared/data has it) and the PyTorch peer; results for docs/benchmarks.md
+#   make bench-checkpoint  checkpoint saves, --checkpoint-async on vs off, ~99M parameters at W = 2 (make bench part 3's second half)
 #   make bench-overlap  --overlap off vs on (each --comm-progress) at W = 2 and 4 (make bench part 6 alone)
 #   make comm-bench  MPI all-gather / reduce-scatter bandwidth at W = 2 and 4 ($(BUILD)/comm.jsonl; docs/scaling.md)
 #   make scaling-check  docs/scaling.md's model against shardtrain's measured comm_ms at W = 2 and 4
@@ -88,7 +89,7 @@ MPI_OBJS := $(MPI_SRCS:%.cpp=$(BUILD)/%.o)
 GPU_SRCS := $(wildcard tests/gpu/*.cpp) tests/test_main.cpp
 GPU_OBJS := $(GPU_SRCS:%.cpp=$(BUILD)/%.o)
 
-.PHONY: all deps build binaries test jobs-test slurm-test demo bench clean data venv comm-bench bench-overlap
+.PHONY: all deps build binaries test jobs-test slurm-test demo bench clean data venv comm-bench bench-overlap bench-checkpoint
 all: build
 
 deps:
@@ -203,6 +204,12 @@ demo: deps build data
 
 bench: deps build venv
 	bash tests/bench/run.sh
+
+# make bench, part 3's asynchronous-save benchmark alone (issue 29 item 4): --checkpoint-async on
+# against off, interleaved, with dd on the same disk (tests/bench/checkpoint.py; $(BUILD)/bench/ckpt-async.md).
+bench-checkpoint: $(BUILD)/shardtrain $(BUILD)/data/fortunes.tok
+	OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl_vader_single_copy_mechanism=none \
+	  python3 tests/bench/checkpoint.py --bin $(BUILD)/shardtrain --data $(BUILD)/data/fortunes.tok --out $(BUILD)/bench
 
 # make bench, part 6 alone: --overlap off against on (thread, poll, wait progress) at W = 2 and 4,
 # interleaved (tests/bench/overlap.py; $(BUILD)/bench/overlap.md for docs/benchmarks.md).

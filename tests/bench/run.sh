@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # make bench: training throughput and quality benchmarks. Results go to build/bench/ and are
 # summarised on stdout for docs/benchmarks.md. Not part of make test (timings are not asserted).
-# An estimated 45-50 minutes on an idle 2-core machine (part 4 about 15, part 6 about 8); BENCH_QUICK=1 cuts every run to a few steps (a smoke
+# An estimated 55-60 minutes on an idle 2-core machine (part 3 about 10, part 4 about 15, part 6 about 8); BENCH_QUICK=1 cuts every run to a few steps (a smoke
 # test of the harness: its figures are not benchmarks).
 #
 # 1. tinyshakespeare quality (if ../shared/data/tinyshakespeare.txt exists; it is never
@@ -13,7 +13,10 @@
 #    tinyshakespeare tokens (else fortunes): `demo` at 2 ranks x 1 thread and 1 rank x 2 threads,
 #    a GEMM-bound config at 2 x 1. Writes build/bench/peer.md for docs/benchmarks.md.
 #    BENCH_BASELINE=BIN adds another shardtrain binary (e.g. an earlier commit's) to every round.
-# 3. Checkpoint save/load timing.
+# 3. Checkpoint save/load timing; then asynchronous against synchronous saves of a ~99M-parameter model at
+#    2 ranks, interleaved, with dd on the same disk (tests/bench/checkpoint.py, about 10 minutes with
+#    the default 2 rounds; build/bench/ckpt-async.md for docs/benchmarks.md; `make bench-checkpoint`
+#    runs it alone).
 # 4. Memory: plan vs measured peak per rank, activation checkpointing modes, GPU plans (tests/bench/memory.py).
 # 5. Tokenizing throughput (MB/s of text) of --mode prepare beside Python sentencepiece and tokenizers
 #    (tests/bench/prepare.py), and prepare's peak RSS on 64 MiB and 2 GiB of text.
@@ -85,6 +88,12 @@ for i in 1 2 3; do
 done
 dd if=/dev/zero of="$OUT/dd.bin" bs=1M count=256 conv=fdatasync 2>&1 | tail -1 | sed 's/^/dd (256 MiB, conv=fdatasync): /'
 rm -f "$OUT/dd.bin"
+# Asynchronous (--checkpoint-async on) against synchronous saves (issue 29 item 4): training blocked
+# per save, write MB/s against dd conv=fdatasync of the same size in the same directory, and the
+# step time of the steps that ran during a background write against a normal step.
+CKPT_FAILED=0
+python3 tests/bench/checkpoint.py --bin $BIN --data build/data/fortunes.tok --out "$OUT" --rounds "$ROUNDS" \
+  "${QUICK_OPT[@]}" || CKPT_FAILED=1
 
 # 4. Memory: the plan against the measured peak (VmHWM) of every rank, within 10%; memory and step
 #    time of each --activation-checkpointing mode; GPU plans of the published shapes
@@ -103,6 +112,7 @@ PREP_FAILED=0
 #    (tests/bench/overlap.py; build/bench/overlap.md for docs/benchmarks.md).
 OVL_FAILED=0
 python3 tests/bench/overlap.py --bin $BIN --data build/data/fortunes.tok --out "$OUT" "${QUICK_OPT[@]}" || OVL_FAILED=1
+if [ "$CKPT_FAILED" = 1 ]; then echo "bench: the checkpoint benchmark failed (see above)"; exit 1; fi
 if [ "$PEER_FAILED" = 1 ]; then echo "bench: some runs against the peer failed (see above)"; exit 1; fi
 if [ "$OVL_FAILED" = 1 ]; then echo "bench: the overlap benchmark failed (see above)"; exit 1; fi
 if [ "$PREP_FAILED" = 1 ]; then echo "bench: the tokenizing benchmark failed (see above)"; exit 1; fi
