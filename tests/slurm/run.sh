@@ -389,7 +389,7 @@ preempt() {
   fi
   expect "$out" "preempted \(exit status 75\)" "no checkpoint exit 75"
   expect "$out" "requeueing job $job: scontrol requeue $job" "the script did not requeue the job"
-  local inflight=
+  local what="USR1 -> checkpoint"
   if [ "$how" = scancel ]; then
     # The ranks saw the delay; the preemption (at step kp) found a background write (of step kw) in
     # flight and waited for it: the line of that write, reported at step kp. Then kw and kp were both
@@ -407,8 +407,8 @@ preempt() {
     [ "$(cat "$ck/latest")" = "$(printf 'step_%08d.h5' "$kp")" ] || fail "after the preemption latest is '$(cat "$ck/latest")', expected step $kp"
     [ -f "$(printf '%s/step_%08d.h5' "$ck" "$kw")" ] || fail "the background write of step $kw in flight at the preemption was not published"
     [ -z "$(find "$ck" -maxdepth 1 -name '*.tmp')" ] || fail "a temporary checkpoint file was left: $(ls -a "$ck")"
-    inflight=" at step $kp, the background write of step $kw in flight (steps $((kw + 1))-$kp ran during it, $(echo "$line" | grep -oE 'the next save waited [0-9.]+ s' | sed 's/the next save/the preemption save/'));"
-    inflight+=" steps $kw and $kp published"
+    what="USR1 at step $kp with the background write of step $kw in flight (steps $((kw + 1))-$kp ran during it)"
+    what+=" -> the checkpoint waited $(echo "$line" | grep -oE 'waited [0-9.]+ s' | cut -d' ' -f2) s for it, then saved step $kp (both published)"
   fi
   # Not StartTime=now: slurmd revoked the first run's credential moments ago, in whole seconds, and
   # rejects a new one issued in the same second ("Job credential revoked": the job then ends with
@@ -441,7 +441,7 @@ preempt() {
   grep -q "^shardtrain-job: training finished" job.out || { show "$refdir/job.out"; fail "reference job $ref did not finish"; }
   local cmp
   cmp=$(compare_losses "$refdir/$m" "$S/sub/$name/$m" "$k" 2>&1) || { echo "$cmp"; fail "losses"; }
-  echo "job $job ($(grep -oE 'launching: [a-z]+' "$out" | head -1 | cut -d' ' -f2)): USR1$inflight -> checkpoint, exit 75, scontrol requeue;" \
+  echo "job $job ($(grep -oE 'launching: [a-z]+' "$out" | head -1 | cut -d' ' -f2)): $what, exit 75, scontrol requeue;" \
     "rerun with SLURM_RESTART_COUNT=1 resumed at step $k, exit 0; $cmp (job $ref)"
 }
 s_preempt_scancel() { preempt preempt-scancel 300 scancel preempt-scancel-ref; }
