@@ -181,8 +181,8 @@ jobs-test: deps build venv data
 # The job scripts under a real Slurm (tests/slurm/run.sh): a private cluster (munged, slurmctld, two
 # slurmd emulating nodes n1 and n2 on this machine, private ports, all in a temporary folder) runs
 # train-cpu (srun --mpi=pmix and LAUNCHER=mpirun), train-multinode on 2 nodes, preemption by scancel
-# --signal and by the time-limit --signal (to the batch shell and to the ranks) with requeue and
-# resume, train -> export (--dependency=afterok) -> transformers, an array sweep and a misuse that
+# --signal (with a background checkpoint write in flight) and by the time-limit --signal (to the batch
+# shell and to the ranks) with requeue and resume, train -> export (--dependency=afterok) -> transformers, an array sweep and a misuse that
 # must fail fast. Every daemon is stopped by its PID.
 # Ends "slurm-test: N passed, M failed"; when Slurm cannot start here it prints "slurm-test: skipped:
 # REASON" and succeeds (exit status 77 of the script; SLURM_TEST_REQUIRE=1 makes it a failure).

@@ -12,10 +12,14 @@
 #      srun and with LAUNCHER=mpirun: the topology line says "2 nodes x 2 ranks per node (world 4)",
 #      and the slurmd logs show the job's step 0 started on both nodes (srun's ranks) or on n2
 #      (mpirun's daemon; mpirun itself runs on n1).
-#  (3) preempt-scancel: train-cpu.sbatch (srun), 300 steps; after step 5 `scancel --signal=USR1
-#      --batch`: the batch shell forwards it through srun to the ranks, they save and exit 75, the
+#  (3) preempt-scancel: train-cpu.sbatch (srun), 300 steps, a checkpoint every 100 steps saved in the
+#      background and each background write delayed by 3 s (SHARDTRAIN_TEST_CHECKPOINT_WRITE_DELAY_MS
+#      in sbatch's environment); once the save of step 100 is writing, `scancel --signal=USR1
+#      --batch`: the batch shell forwards it through srun to the ranks; with that write in flight (the
+#      log's "steps 101-K ran meanwhile; the next save waited ... for it", K the preempted step) they
+#      wait for it, save step K and exit 75 (steps 100 and K published, latest K, no .tmp); the
 #      script runs `scontrol requeue`; the test sets the requeued job's StartTime to now+2 s; the rerun logs
-#      "restart 1" (SLURM_RESTART_COUNT), resumes the saved step, and sbatch --wait ends with exit 0.
+#      "restart 1" (SLURM_RESTART_COUNT), resumes at step K, and sbatch --wait ends with exit 0.
 #      The 300 losses equal an uninterrupted run of the same job (another sbatch) within 1e-5 relative.
 #      preempt-timer: the same with LAUNCHER=mpirun and the time-limit warning from Slurm itself:
 #      --time=1 --signal=B:USR1@30. slurmctld checks time limits every 30 s; a probe job (sleeping)
@@ -280,10 +284,20 @@ s_cpu_mpirun() { cpu mpirun; }
 # (LAUNCHER=mpirun, --signal=B:USR1@30 from the controller, to the batch shell) or ranks (srun,
 # --signal=USR1@30 from the controller, to the ranks: the scripts' default). Compares the losses with
 # the uninterrupted run in submit directory REF (submitted here when REF is NAME-ref).
+# scancel also saves every CKPT_EVERY steps with every background write delayed by WRITE_DELAY_MS
+# (the test hook SHARDTRAIN_TEST_CHECKPOINT_WRITE_DELAY_MS, in sbatch's environment: sbatch exports
+# it to the batch shell, srun to the ranks; the requeued job keeps it), and signals once the save
+# of step CKPT_EVERY is being written: the preemption comes with that write (or the next, which
+# waits for it) in flight, the preemption save waits for it, and the log says so.
+CKPT_EVERY=100 WRITE_DELAY_MS=3000
 preempt() {
   local name=$1 steps=$2 how=$3 refdir=$S/sub/$4 i k
-  local args=(jobs/small-test.ini --steps "$steps" --eval-every 0 --checkpoint-every 0)
-  if [ "$how" = scancel ]; then args+=(--log-every 1); else args+=(--log-every 10); fi
+  local args=(jobs/small-test.ini --steps "$steps" --eval-every 0)
+  if [ "$how" = scancel ]; then
+    args+=(--log-every 1 --checkpoint-every "$CKPT_EVERY")
+  else
+    args+=(--log-every 10 --checkpoint-every 0)
+  fi
   if [ "$4" = "$name-ref" ]; then
     # The uninterrupted reference: the same job file and options, another submit directory, on n2.
     # --time=30: the script's own --signal=USR1@120 must not preempt it, and with COMMON's 5 minutes
@@ -297,6 +311,7 @@ preempt() {
   local out=$SUB/job.out opts=(--ntasks-per-node=2 --cpus-per-task=1) envs=()
   if [ "$how" = scancel ]; then
     opts+=(-w n2 --time=30)  # only scancel preempts it
+    envs=(SHARDTRAIN_TEST_CHECKPOINT_WRITE_DELAY_MS="$WRITE_DELAY_MS")
   else
     # When does the controller check time limits? A probe job that only waits for the warning.
     local probe=$S/probe-$name.t
@@ -342,13 +357,15 @@ preempt() {
       sleep 0.1
     done
     [ "$(job_field "$job" JobState)" = RUNNING ] || { show "$out"; fail "job $job: not running after 180 s in the queue"; }
+    # Once the save of step CKPT_EVERY is writing in the background (for WRITE_DELAY_MS and more).
+    local snap="^checkpoint: step $CKPT_EVERY: snapshot taken in [0-9.]+ s, writing in the background"
     for ((i = 0; i < 600; i++)); do
-      [ -f "$m" ] && [ "$(grep -c '"loss"' "$m")" -ge 5 ] && break
+      grep -qE "$snap" "$out" 2>/dev/null && break
       sleep 0.1
     done
-    [ -f "$m" ] || { show "$out"; fail "job $job: no metrics 60 s after it started"; }
+    grep -qE "$snap" "$out" || { show "$out"; fail "job $job: no background save of step $CKPT_EVERY 60 s after it started"; }
     scancel --signal=USR1 --batch "$job" || fail "scancel --signal=USR1 --batch $job failed"
-    echo "job $job: scancel --signal=USR1 --batch at step $(grep -c '"loss"' "$m")"
+    echo "job $job: scancel --signal=USR1 --batch at step $(grep -c '"loss"' "$m"), the save of step $CKPT_EVERY writing in the background"
   fi
   # The script requeues the job after the checkpoint exit; it then waits for its BeginTime.
   local state restarts
@@ -372,6 +389,27 @@ preempt() {
   fi
   expect "$out" "preempted \(exit status 75\)" "no checkpoint exit 75"
   expect "$out" "requeueing job $job: scontrol requeue $job" "the script did not requeue the job"
+  local what="USR1 -> checkpoint"
+  if [ "$how" = scancel ]; then
+    # The ranks saw the delay; the preemption (at step kp) found a background write (of step kw) in
+    # flight and waited for it: the line of that write, reported at step kp. Then kw and kp were both
+    # published, latest names kp, no .tmp is left (the job is PENDING now: nothing writes there).
+    expect "$out" "^checkpoints: asynchronous .*SHARDTRAIN_TEST_CHECKPOINT_WRITE_DELAY_MS=$WRITE_DELAY_MS delays every background write" \
+      "the ranks did not save asynchronously with the test's write delay"
+    local stop="^shardtrain: stop requested by a signal \(SIGTERM or SIGUSR1\) during step [0-9]+: checkpoint of step [0-9]+ published" kp kw line
+    expect "$out" "$stop" "no preemption save"
+    kp=$(grep -oE "$stop" "$out" | head -1 | grep -oE '[0-9]+ published$' | grep -oE '^[0-9]+')
+    line=$(grep -E "^checkpoint: saved 'checkpoints/small-test/step_[0-9]+\.h5' .* in the background: .*; steps [0-9]+-$kp ran meanwhile; the next save waited [0-9.]+ s for it" "$out" | head -1)
+    [ -n "$line" ] || { show "$out"; fail "job $job: the preemption at step $kp found no background write in flight (no 'steps ...-$kp ran meanwhile; the next save waited' line)"; }
+    kw=$(echo "$line" | sed -E 's/.*step_0*([0-9]+)\.h5.*/\1/')
+    expect "$out" "^checkpoint: saved 'checkpoints/small-test/step_0*$kp\.h5' .*test delay" "the preemption save of step $kp was not written by the writer thread"
+    local ck=checkpoints/small-test
+    [ "$(cat "$ck/latest")" = "$(printf 'step_%08d.h5' "$kp")" ] || fail "after the preemption latest is '$(cat "$ck/latest")', expected step $kp"
+    [ -f "$(printf '%s/step_%08d.h5' "$ck" "$kw")" ] || fail "the background write of step $kw in flight at the preemption was not published"
+    [ -z "$(find "$ck" -maxdepth 1 -name '*.tmp')" ] || fail "a temporary checkpoint file was left: $(ls -a "$ck")"
+    what="USR1 at step $kp with the background write of step $kw in flight (steps $((kw + 1))-$kp ran during it)"
+    what+=" -> the checkpoint waited $(echo "$line" | grep -oE 'waited [0-9.]+ s' | cut -d' ' -f2) s for it, then saved step $kp (both published)"
+  fi
   # Not StartTime=now: slurmd revoked the first run's credential moments ago, in whole seconds, and
   # rejects a new one issued in the same second ("Job credential revoked": the job then ends with
   # exit code 1 and is not started again). Slurm's own delay (about 2 minutes) avoids that.
@@ -385,6 +423,7 @@ preempt() {
   expect "$out" "^resumed from 'checkpoints/small-test/step_[0-9]+\.h5' at step [0-9]+" "the rerun did not resume"
   k=$(grep -oE "^resumed from 'checkpoints/small-test/step_[0-9]+\.h5' at step [0-9]+" "$out" | grep -oE '[0-9]+$')
   { [ "$k" -ge 1 ] && [ "$k" -lt "$steps" ]; } || fail "resumed at step $k, expected between 1 and $((steps - 1))"
+  [ "$how" != scancel ] || [ "$k" = "$kp" ] || fail "resumed at step $k, not at the preemption save's step $kp"
   [ "$(grep -c '^shardtrain-job: training finished' "$out")" = 1 ] || fail "training did not finish once"
   # The reference job, and the losses.
   for ((i = 0; i < 100; i++)); do
@@ -402,7 +441,7 @@ preempt() {
   grep -q "^shardtrain-job: training finished" job.out || { show "$refdir/job.out"; fail "reference job $ref did not finish"; }
   local cmp
   cmp=$(compare_losses "$refdir/$m" "$S/sub/$name/$m" "$k" 2>&1) || { echo "$cmp"; fail "losses"; }
-  echo "job $job ($(grep -oE 'launching: [a-z]+' "$out" | head -1 | cut -d' ' -f2)): USR1 -> checkpoint, exit 75, scontrol requeue;" \
+  echo "job $job ($(grep -oE 'launching: [a-z]+' "$out" | head -1 | cut -d' ' -f2)): $what, exit 75, scontrol requeue;" \
     "rerun with SLURM_RESTART_COUNT=1 resumed at step $k, exit 0; $cmp (job $ref)"
 }
 s_preempt_scancel() { preempt preempt-scancel 300 scancel preempt-scancel-ref; }
