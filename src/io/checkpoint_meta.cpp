@@ -48,9 +48,21 @@ std::string h5_detail() {
 
 // Collective create through MPI-IO (saves). On failure returns an invalid id and sets *why to
 // HDF5's own reason (read before any other HDF5 call clears the error stack).
+// Metadata is written by rank 0 alone (H5AC_METADATA_WRITE_STRATEGY__PROCESS_0_ONLY; HDF5 1.10's
+// default distributes the dirty metadata over all ranks at each sync point): a rank other than 0
+// then writes only its own tensor rows, through calls whose failure the ranks agree on, never
+// inside one of HDF5's sync points, whose error path skips the barrier the others wait in (a
+// failed write on a replica rank, which writes no rows, hung the save there). The file's bytes do
+// not depend on which rank writes its metadata.
 H5Id create_file(Comm& comm, const std::string& path, std::string* why) {
   hid_t fapl = H5Pcreate(H5P_FILE_ACCESS);
   H5Pset_fapl_mpio(fapl, reinterpret_cast<MPI_Comm>(comm.mpi_handle()), MPI_INFO_NULL);
+  H5AC_cache_config_t mdc;
+  mdc.version = H5AC__CURR_CACHE_CONFIG_VERSION;
+  if (H5Pget_mdc_config(fapl, &mdc) >= 0) {
+    mdc.metadata_write_strategy = H5AC_METADATA_WRITE_STRATEGY__PROCESS_0_ONLY;
+    H5Pset_mdc_config(fapl, &mdc);
+  }
   hid_t f = H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl);
   if (f < 0 && why) *why = h5_detail();
   H5Pclose(fapl);
