@@ -7,6 +7,8 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
@@ -50,6 +52,28 @@ class RankTest : public ::testing::Test {
 
  private:
   std::unique_ptr<::testing::ScopedTrace> rank_trace_;
+};
+
+// A RankTest with a fresh directory that every rank sees (rank 0 makes it under /tmp, the name is
+// broadcast), removed after the test, once every rank is done with it.
+class TempDirTest : public RankTest {
+ protected:
+  void SetUp() override {
+    RankTest::SetUp();
+    std::string d;
+    if (comm().rank() == 0) {
+      char tmpl[] = "/tmp/shardtrain-test.XXXXXX";
+      d = mkdtemp(tmpl) ? tmpl : "";
+    }
+    dir_ = comm().broadcast_string(d, 0);
+  }
+  void TearDown() override {
+    comm().barrier();
+    if (comm().rank() == 0 && !dir_.empty()) std::filesystem::remove_all(dir_);
+    RankTest::TearDown();
+  }
+  std::string path(const std::string& name) const { return dir_ + "/" + name; }
+  std::string dir_;
 };
 
 }  // namespace shardtrain::testing

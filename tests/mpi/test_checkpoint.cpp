@@ -125,25 +125,9 @@ std::string test_train_config() {
   return st::train_config_json(tc);
 }
 
-// A fresh directory every rank sees (rank 0 makes it), removed by the fixture.
-class Checkpoint : public st::testing::RankTest {
+// A fresh directory every rank sees (TempDirTest) and a CPU backend.
+class Checkpoint : public st::testing::TempDirTest {
  protected:
-  void SetUp() override {
-    RankTest::SetUp();
-    std::string d;
-    if (world().rank() == 0) {
-      char tmpl[] = "/tmp/shardtrain-ckpt-test.XXXXXX";
-      d = mkdtemp(tmpl) ? tmpl : "";
-    }
-    dir_ = world().broadcast_string(d, 0);
-  }
-  void TearDown() override {
-    world().barrier();
-    if (world().rank() == 0 && !dir_.empty()) std::filesystem::remove_all(dir_);
-    RankTest::TearDown();
-  }
-  std::string path(const std::string& name) const { return dir_ + "/" + name; }
-  std::string dir_;
   std::unique_ptr<st::Backend<float>> be_ = st::make_cpu_backend<float>();
 };
 

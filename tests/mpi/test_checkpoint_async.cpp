@@ -98,26 +98,11 @@ std::string train_config() {
   return st::train_config_json(tc);
 }
 
-class CheckpointAsync : public st::testing::RankTest {
+class CheckpointAsync : public st::testing::TempDirTest {
  protected:
-  void SetUp() override {
-    RankTest::SetUp();
-    std::string d;
-    if (world().rank() == 0) {
-      char tmpl[] = "/tmp/shardtrain-async-test.XXXXXX";
-      d = mkdtemp(tmpl) ? tmpl : "";
-    }
-    dir_ = world().broadcast_string(d, 0);
-  }
-  void TearDown() override {
-    world().barrier();
-    if (world().rank() == 0 && !dir_.empty()) std::filesystem::remove_all(dir_);
-    RankTest::TearDown();
-  }
   st::CheckpointSnapshot snapshot(Rows& r, int64_t step) {
     return st::take_checkpoint_snapshot(r.view(*be_), st::preset("tiny"), train_config(), state_at(step));
   }
-  std::string dir_;
   std::unique_ptr<st::Backend<float>> be_ = st::make_cpu_backend<float>();
 };
 

@@ -47,22 +47,8 @@ template <typename F> std::string error_of(F&& fn) {
 }
 
 // A fresh directory every rank sees; rank 0 alone changes files in it, between world barriers.
-class Resume : public st::testing::RankTest {
+class Resume : public st::testing::TempDirTest {
  protected:
-  void SetUp() override {
-    RankTest::SetUp();
-    std::string d;
-    if (world().rank() == 0) {
-      char tmpl[] = "/tmp/shardtrain-resume-test.XXXXXX";
-      d = mkdtemp(tmpl) ? tmpl : "";
-    }
-    dir_ = world().broadcast_string(d, 0);
-  }
-  void TearDown() override {
-    world().barrier();
-    if (world().rank() == 0 && !dir_.empty()) fs::remove_all(dir_);
-    RankTest::TearDown();
-  }
   // Rank 0 writes `bytes` to dir/name; every rank returns after it is there.
   void put(const std::string& name, const std::string& bytes) {
     if (world().rank() == 0) std::ofstream(dir_ + "/" + name, std::ios::binary) << bytes;
@@ -72,7 +58,6 @@ class Resume : public st::testing::RankTest {
     if (world().rank() == 0) fs::remove_all(dir_ + "/" + name);
     world().barrier();
   }
-  std::string dir_;
 };
 
 }  // namespace
