@@ -243,8 +243,10 @@ int64_t checkpoint_write_delay_ms();
 // communicator (a Comm::duplicate of the world, made once, under the collective watchdog), while
 // the calling thread trains on. Every HDF5 call of a save happens on that thread; the caller must
 // make none while a write is in flight (Debian's parallel HDF5 is not thread-safe). At most one
-// write is in flight. Needs MPI_THREAD_MULTIPLE (mpi_thread_multiple()); without it, or with
-// `async` false, start() saves synchronously on `world` in the calling thread, as save_checkpoint.
+// write is in flight. The writer thread runs at idle CPU priority (SCHED_IDLE; nice 19 where that
+// is refused), so that it takes a core only when training's threads leave it. Needs
+// MPI_THREAD_MULTIPLE (mpi_thread_multiple()); without it, or with `async` false, start() saves
+// synchronously on `world` in the calling thread, as save_checkpoint.
 //
 // Failures: the save's errors are agreed collectively on the writer's communicator (every rank's
 // thread ends with the same CollectiveError). failed() reports this rank's thread's outcome
@@ -274,6 +276,8 @@ class AsyncCheckpointWriter {
     double write_s = 0;       // the save: write + publish (the test delay, if any, not counted)
     double delay_s = 0;       // SHARDTRAIN_TEST_CHECKPOINT_WRITE_DELAY_MS slept by the thread
     uint64_t bytes = 0;       // tensor bytes of this rank's snapshot
+    int sched_policy = -1;    // the writing thread's scheduling policy (sched_getscheduler): SCHED_IDLE
+                              // for a background write (see below), the caller's for a synchronous one
   };
 
   // Collective in effect (every rank calls it at the same step, after wait() returned). Saves

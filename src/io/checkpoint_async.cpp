@@ -7,6 +7,10 @@
 #include <stdexcept>
 #include <string>
 
+#include <sched.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
 #include "shardtrain/checkpoint.h"
 
 namespace shardtrain {
@@ -18,6 +22,23 @@ int64_t checkpoint_write_delay_ms() {
   const long long ms = std::strtoll(v, &end, 10);
   return (end && *end == '\0' && ms > 0) ? static_cast<int64_t>(ms) : 0;
 }
+
+namespace {
+
+// The writer thread yields its core to training: SCHED_IDLE (Linux, sched(7): runs only when no
+// other thread of normal policy wants the CPU; needs no privilege to lower), else nice 19. Applies
+// to the calling thread only (sched_setscheduler / setpriority with the thread's id). On a rank
+// with a spare core nothing changes; where training fills every core (a CPU run with one rank per
+// core), the write runs in training's gaps (its communication waits) instead of taking time
+// slices from the step. docs/benchmarks.md ("Asynchronous checkpoint saves") measures both.
+void lower_writer_priority() {
+  sched_param sp{};
+  sp.sched_priority = 0;
+  if (::sched_setscheduler(0, SCHED_IDLE, &sp) != 0)
+    (void)::setpriority(PRIO_PROCESS, static_cast<id_t>(::gettid()), 19);
+}
+
+}  // namespace
 
 AsyncCheckpointWriter::AsyncCheckpointWriter(Comm& world, bool async, double collective_timeout) : world_(world) {
   if (!async) return;
@@ -46,6 +67,7 @@ void AsyncCheckpointWriter::run(CheckpointSnapshot snap, CheckpointOptions co) {
   Result r;
   r.step = snap.state.step;
   r.bytes = snap.bytes();
+  if (async_) lower_writer_priority();
   try {
     if (const int64_t ms = checkpoint_write_delay_ms(); ms > 0 && async_) {
       std::this_thread::sleep_for(std::chrono::milliseconds(ms / 2));  // before the write ...
@@ -56,6 +78,7 @@ void AsyncCheckpointWriter::run(CheckpointSnapshot snap, CheckpointOptions co) {
     r.path = save_checkpoint(async_ ? *comm_ : world_, snap, co);
     r.write_s = std::chrono::duration<double>(Clock::now() - t0).count() -
                 static_cast<double>(co.test_delay_before_publish_ms) / 1e3;  // the delay is not the write's
+    r.sched_policy = ::sched_getscheduler(0);
     result_ = std::move(r);
     state_.store(1, std::memory_order_release);
   } catch (...) {

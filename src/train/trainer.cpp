@@ -344,7 +344,8 @@ template <typename C> void Trainer<C>::log_setup() {
     if (!writer_->note().empty()) log_info(comm_, writer_->note());
     log_info(comm_, writer_->asynchronous()
                         ? std::string("checkpoints: asynchronous (--checkpoint-async on): a periodic save blocks training "
-                                      "for its host snapshot only, a writer thread writes and publishes it; the final "
+                                      "for its host snapshot only, a writer thread at idle CPU priority (SCHED_IDLE) writes "
+                                      "and publishes it; the final "
                                       "and a preemption save wait for their write") +
                               (checkpoint_write_delay_ms() > 0
                                    ? "; test hook SHARDTRAIN_TEST_CHECKPOINT_WRITE_DELAY_MS=" +

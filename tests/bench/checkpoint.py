@@ -11,8 +11,11 @@ batch 2 (so that a step is about as long as a save), --steps 10, --checkpoint-ev
 saves after steps 3, 6 and 9; the final save after step 10 is synchronous in both modes and waits
 for the write in flight, so it is left out), --log-every 1, --eval-every 0 --eval-batches 1.
 Runs are interleaved, off on / on off / ..., so that a change in the machine's load hits both alike,
-each into a fresh checkpoint directory under OUT/ckpt-async/. After each round, dd writes a file of
-the checkpoint's size to the same directory: dd if=/dev/zero bs=1M conv=fdatasync.
+each into a fresh checkpoint directory under OUT/ckpt-async/. After each run, before its checkpoints
+are deleted, dd writes a new file of the checkpoint's size into the run's checkpoint directory:
+dd if=/dev/zero bs=1M conv=fdatasync. So dd meets the page cache as the run's saves did (on the VM of
+docs/benchmarks.md, writing into pages just freed is ~5x faster than into fresh ones, so a dd after
+deleting files measures a state no save sees).
 
 Measured, per periodic save, from the log:
 * training blocked: off, "saved ... in T s ... (training blocked T s ...)"; on, "snapshot taken in
@@ -96,17 +99,19 @@ def run(args, mode, rnd, cfg_path, steps, every):
     for f in os.listdir(os.path.join(d, "ck")):
         if f.endswith(".h5"):
             size = max(size, os.path.getsize(os.path.join(d, "ck", f)))
+    # dd in the state the saves met: same directory, this run's checkpoints still there (their pages
+    # dropped from the page cache by the save's POSIX_FADV_DONTNEED), a new file
+    ddr = dd(os.path.join(d, "ck", "dd.bin"), size)
     shutil.rmtree(os.path.join(d, "ck"))  # 1.2 GB each
     first = min(step_ms)
     normal = [v for k, v in step_ms.items() if k != first and k not in during]
     dur = [step_ms[k] for k in sorted(during) if k in step_ms]
     banner = next((l for l in log.splitlines() if "OpenBLAS" in l), "")
     return {"mode": mode, "round": rnd, "saves": saves, "step_ms": step_ms, "during": sorted(during),
-            "normal_ms": normal, "during_ms": dur, "file_bytes": size, "banner": banner}
+            "normal_ms": normal, "during_ms": dur, "file_bytes": size, "banner": banner, "dd": ddr}
 
 
-def dd(args, nbytes):
-    path = os.path.join(args.out, "ckpt-async", "dd.bin")
+def dd(path, nbytes):
     mib = max(1, round(nbytes / (1 << 20)))
     p = subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={mib}", "conv=fdatasync"],
                        capture_output=True, text=True)
@@ -144,9 +149,9 @@ def main():
                       f"write {s['write_s']:.2f} s = {s['mb_s']:.0f} MB/s{extra}", flush=True)
             print(f"  round {rnd} {mode:3}: step ms, normal {['%.0f' % x for x in r['normal_ms']]}, during a write "
                   f"{['%.0f' % x for x in r['during_ms']]}", flush=True)
-        dds.append(dd(args, runs[-1]["file_bytes"]))
-        print(f"  round {rnd} dd {dds[-1]['mib']} MiB conv=fdatasync: {dds[-1]['s']:.2f} s = "
-              f"{dds[-1]['mb_s']:.0f} MB/s", flush=True)
+            dds.append(r["dd"])
+            print(f"  round {rnd} {mode:3}: then dd {dds[-1]['mib']} MiB conv=fdatasync into the run's checkpoint "
+                  f"directory: {dds[-1]['s']:.2f} s = {dds[-1]['mb_s']:.0f} MB/s", flush=True)
 
     def saves(mode, key):
         return [s[key] for r in runs if r["mode"] == mode for s in r["saves"]]

@@ -4,11 +4,16 @@
 // rethrown by wait() with the same message everywhere; synchronous mode saves on return. Run under
 // mpirun at 1, 2, 3 and 4 ranks (needs MPI_THREAD_MULTIPLE for the asynchronous cases, which
 // Debian's Open MPI grants; without it they check the synchronous fallback and its note).
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sched.h>
+#include <sys/mman.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -31,6 +36,32 @@ namespace st = shardtrain;
 namespace {
 
 st::Comm& world() { return st::testing::comm(); }
+
+// Pages of `path` in the page cache (mincore(2) on a read-only mapping), or -1 where the question
+// has no answer: a file system whose files live in memory (tmpfs, ramfs), or an empty file.
+long resident_pages(const std::string& path) {
+  struct statfs sf {};
+  if (::statfs(path.c_str(), &sf) != 0 || sf.f_type == 0x01021994 /*TMPFS*/ || sf.f_type == 0x858458f6 /*RAMFS*/)
+    return -1;
+  const int fd = ::open(path.c_str(), O_RDONLY);
+  if (fd < 0) return -1;
+  const off_t size = ::lseek(fd, 0, SEEK_END);
+  long n = -1;
+  if (size > 0) {
+    void* m = ::mmap(nullptr, static_cast<size_t>(size), PROT_READ, MAP_SHARED, fd, 0);
+    if (m != MAP_FAILED) {
+      const long page = ::sysconf(_SC_PAGESIZE);
+      std::vector<unsigned char> v(static_cast<size_t>((size + page - 1) / page));
+      if (::mincore(m, static_cast<size_t>(size), v.data()) == 0) {
+        n = 0;
+        for (unsigned char b : v) n += b & 1;
+      }
+      ::munmap(m, static_cast<size_t>(size));
+    }
+  }
+  ::close(fd);
+  return n;
+}
 
 st::ParamSpec pspec(std::string name, std::vector<int64_t> shape) {
   st::ParamSpec p;
@@ -134,6 +165,16 @@ TEST_F(CheckpointAsync, BackgroundSaveIsIsolatedAndPublished) {
   EXPECT_FALSE(w.wait(&r));  // nothing in flight
   EXPECT_EQ(r.step, 1);
   EXPECT_EQ(r.path, co.dir + "/step_00000001.h5");
+  // The background write ran at idle CPU priority (checkpoint.h), a synchronous one on the caller's.
+  EXPECT_EQ(r.sched_policy, w.asynchronous() ? SCHED_IDLE : ::sched_getscheduler(0));
+  // Published = on disk and out of the page cache (publish_checkpoint's POSIX_FADV_DONTNEED).
+  if (c.rank() == 0) {
+    const long pages = resident_pages(r.path);
+    if (pages < 0)
+      std::printf("[ note ] page-cache check skipped: %s is in memory (tmpfs) or unmappable\n", r.path.c_str());
+    else
+      EXPECT_EQ(pages, 0) << r.path << ": pages left in the page cache after publishing";
+  }
   Rows want(plan, c.rank()), got(plan, c.rank());
   want.fill(0.5f);
   EXPECT_EQ(st::load_checkpoint(c, r.path, got.view(*be_), st::preset("tiny")).step, 1);
