@@ -92,6 +92,8 @@ class Mesh {
   const MeshCoord& coord() const { return coord_; }
   int rank() const { return world_.rank(); }
   int world_size() const { return world_.world_size(); }
+  // This rank's placement (host, node, ranks per node), as given to the constructor.
+  const Topology& topology() const { return topo_; }
 
   // Communicators. world(): control traffic (error agreement, losses, norms, checkpoint tables).
   // shard_host(): the shard group in host memory (the world when R = 1). replica_host(): the

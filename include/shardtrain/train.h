@@ -123,12 +123,29 @@ template <typename T> class AdamW {
 // views of f's and opt's shards (valid while both live).
 ShardedTensors checkpoint_tensors(ShardedState<float>& f, AdamW<float>* opt);
 
+// Stragglers: each log interval, every rank's per-step compute time (its step time less its
+// exposed communication) and wait time (its exposed communication), gathered over the world. A
+// slow rank computes longer; the others wait for it, so their wait time grows instead. The
+// straggler is the rank with the longest compute time, flagged when that is more than
+// `threshold` x the median over ranks (1.2, issue 30; the median of an even count is the mean of
+// the middle two). Needs at least 2 ranks to flag anyone.
+struct StragglerStats {
+  double compute_min = 0, compute_median = 0, compute_max = 0;  // ms per step
+  double wait_min = 0, wait_median = 0, wait_max = 0;           // ms per step
+  int slowest = -1;     // rank with the longest compute time (-1: no ranks)
+  bool flagged = false;  // compute_max > threshold * compute_median
+};
+// compute_ms[r], wait_ms[r]: rank r's per-step means. Same size; throws std::invalid_argument if not.
+StragglerStats straggler_stats(const std::vector<double>& compute_ms, const std::vector<double>& wait_ms,
+                               double threshold = 1.2);
+
 struct StepLog {
   int64_t step = 0;  // 1-based
   double loss = 0, lr = 0, grad_norm = 0, tokens_per_s = 0, elapsed_s = 0;
   // This step's time (ms): on compute (step time - exposed), FSDP collectives in flight (summed
   // over collectives), and waiting for them (exposed communication). See CommTimes (shard.h).
   double compute_ms = 0, comm_ms = 0, exposed_comm_ms = 0;
+  StragglerStats ranks;  // over all ranks (logged steps only; zero elsewhere)
 };
 struct EvalLog {
   int64_t step = 0;

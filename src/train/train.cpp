@@ -15,6 +15,8 @@
 #include <iomanip>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <stdexcept>
+#include <vector>
 
 namespace shardtrain {
 
@@ -85,6 +87,25 @@ double evaluate(const Mesh& mesh, LlamaModel<T>& model, UnitSource<T>& f, const 
   f.end_pass();
   mesh.world().all_reduce(&sum, 1, ReduceOp::Sum);
   return sum / (static_cast<double>(batches) * tc.global_batch * tc.seq_len);
+}
+
+StragglerStats straggler_stats(const std::vector<double>& compute_ms, const std::vector<double>& wait_ms,
+                               double threshold) {
+  if (compute_ms.size() != wait_ms.size()) throw std::invalid_argument("straggler_stats: sizes differ");
+  StragglerStats st;
+  if (compute_ms.empty()) return st;
+  auto summary = [](std::vector<double> v, double& lo, double& med, double& hi) {
+    std::sort(v.begin(), v.end());
+    const size_t n = v.size();
+    lo = v.front();
+    hi = v.back();
+    med = n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+  };
+  summary(compute_ms, st.compute_min, st.compute_median, st.compute_max);
+  summary(wait_ms, st.wait_min, st.wait_median, st.wait_max);
+  st.slowest = static_cast<int>(std::max_element(compute_ms.begin(), compute_ms.end()) - compute_ms.begin());
+  st.flagged = compute_ms.size() > 1 && st.compute_max > threshold * st.compute_median;
+  return st;
 }
 
 double flops_per_token(const ModelConfig& c, int T) {

@@ -6,9 +6,11 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <thread>
 
 #include "resume.h"
 #include "shardtrain/checkpoint.h"
@@ -64,6 +66,7 @@ template <typename C> class Trainer {
   void restore();
   void record_data();
   void prepare_outputs();
+  void gather_hosts();
   void log_setup();
   StepOutcome train_step(int64_t s);
   void log_step(int64_t s, const StepOutcome& o);
@@ -96,6 +99,8 @@ template <typename C> class Trainer {
   std::ofstream metrics_;    // rank 0, with --metrics
   TrainResult res_;
   Interval interval_;
+  std::vector<std::string> hosts_;  // every rank's host (its processor name), to name a straggler's node
+  int64_t slow_rank_ms_ = 0;        // test hook SHARDTRAIN_TEST_SLOW_RANK: this rank sleeps this long per step
   Clock::time_point t_start_;  // the loop's start: elapsed_s of the step lines
   // The checkpoint saves (with --checkpoint-dir): a background writer thread on a communicator of
   // its own (--checkpoint-async on) or synchronous. Last member: destroyed (joined) first.
@@ -117,6 +122,7 @@ Trainer<C>::Trainer(Engine& eng, const ModelConfig& mc, const TrainConfig& tc, c
   restore();
   record_data();
   prepare_outputs();
+  gather_hosts();
   if (!tc_.checkpoint_dir.empty())  // collective: duplicates the world communicator for the writer
     writer_ = std::make_unique<AsyncCheckpointWriter>(comm_, tc_.checkpoint_async, mesh_.collective_timeout());
   log_setup();
@@ -289,6 +295,24 @@ template <typename C> void Trainer<C>::record_data() {
 // The steps to run, the checkpoint directory and the metrics file. A fresh run starts the metrics
 // file; a resumed run (or a start-over) continues it exactly at its step, moving the rows of steps
 // it will redo (written after that checkpoint) aside.
+// Collective: every rank's host name (to name a straggler's node in the step line), and the test
+// hook SHARDTRAIN_TEST_SLOW_RANK=R:MS (docs/errors.md): rank R sleeps MS ms at the start of every
+// step, so that the straggler report has a rank to find.
+template <typename C> void Trainer<C>::gather_hosts() {
+  constexpr size_t kHost = 64;
+  std::vector<char> mine(kHost, 0), all(kHost * static_cast<size_t>(W_));
+  const std::string& h = mesh_.topology().host;
+  std::copy_n(h.begin(), std::min(h.size(), kHost - 1), mine.begin());
+  comm_.all_gather(mine.data(), all.data(), kHost);
+  hosts_.clear();
+  for (int r = 0; r < W_; ++r) hosts_.emplace_back(&all[static_cast<size_t>(r) * kHost]);
+  if (const char* v = std::getenv("SHARDTRAIN_TEST_SLOW_RANK")) {
+    int r = -1;
+    long long ms = 0;
+    if (std::sscanf(v, "%d:%lld", &r, &ms) == 2 && r == comm_.rank() && ms > 0) slow_rank_ms_ = ms;
+  }
+}
+
 template <typename C> void Trainer<C>::prepare_outputs() {
   if (state_.step >= tc_.steps)
     throw CollectiveError(0, "checkpoint is at step " + std::to_string(state_.step) + ", not before option '--steps' (" +
@@ -359,6 +383,7 @@ template <typename C> void Trainer<C>::log_setup() {
 // reduce-scattered into its shard), one all-reduce of loss, squared norm and stop flag, clip, step.
 template <typename C> StepOutcome Trainer<C>::train_step(int64_t s) {
   const auto t0 = Clock::now();
+  if (slow_rank_ms_ > 0) std::this_thread::sleep_for(std::chrono::milliseconds(slow_rank_ms_));  // test hook
   const CommTimes comm0 = units_->comm_times();
   const float grad_scale = 1.0f / static_cast<float>(geo_.per_rank * tc_.seq_len);  // d(mean loss on this rank)
   const double tokens_per_step = static_cast<double>(tc_.global_batch) * tc_.seq_len;
@@ -414,7 +439,9 @@ template <typename C> void Trainer<C>::log_step(int64_t s, const StepOutcome& o)
   interval_.issued_s += o.comm.issued_s;
   interval_.exposed_s += o.comm.exposed_s;
   ++interval_.steps;
-  StepLog sl{s + 1, o.loss, o.lr, o.grad_norm, 0, seconds_since(t_start_)};
+  StepLog sl;
+  sl.step = s + 1;
+  sl.loss = o.loss, sl.lr = o.lr, sl.grad_norm = o.grad_norm, sl.elapsed_s = seconds_since(t_start_);
   if ((s + 1) % tc_.log_every == 0 || s + 1 == last_step_ || s == state_.step) {
     const double n = static_cast<double>(interval_.steps);
     sl.tokens_per_s = static_cast<double>(tc_.global_batch) * tc_.seq_len * n / interval_.seconds;
@@ -422,17 +449,34 @@ template <typename C> void Trainer<C>::log_step(int64_t s, const StepOutcome& o)
     sl.exposed_comm_ms = 1e3 * interval_.exposed_s / n;
     sl.compute_ms = 1e3 * interval_.seconds / n - sl.exposed_comm_ms;
     interval_ = Interval{};
+    // Collective (every rank logs the same steps): every rank's compute and wait time.
+    const double mine[2] = {sl.compute_ms, sl.exposed_comm_ms};
+    std::vector<double> all(2 * static_cast<size_t>(W_)), compute(static_cast<size_t>(W_)), wait(static_cast<size_t>(W_));
+    comm_.all_gather(mine, all.data(), 2);
+    for (size_t r = 0; r < compute.size(); ++r) compute[r] = all[2 * r], wait[r] = all[2 * r + 1];
+    sl.ranks = straggler_stats(compute, wait);
+    const std::string straggler =
+        sl.ranks.flagged ? " | straggler: rank " + std::to_string(sl.ranks.slowest) + " on " +
+                               hosts_[static_cast<size_t>(sl.ranks.slowest)] + ", compute " +
+                               fmt("%.0f", sl.ranks.compute_max) + " ms/step vs median " +
+                               fmt("%.0f", sl.ranks.compute_median)
+                         : std::string();
     const double mfu = eng_.peak_flops > 0 ? 100.0 * sl.tokens_per_s * flops_per_token(mc_, tc_.seq_len) / eng_.peak_flops : 0;
     log_info(comm_, "step " + std::to_string(s + 1) + "/" + std::to_string(tc_.steps) + " | loss " + fmt("%.4f", o.loss) +
                         " | lr " + fmt("%.3e", o.lr) + " | grad_norm " + fmt("%.4f", o.grad_norm) + " | " +
                         fmt("%.0f", sl.tokens_per_s) + " tok/s | exposed comm " + fmt("%.1f", sl.exposed_comm_ms) +
                         " ms/step | " + (eng_.peak_flops > 0 ? "MFU " + fmt("%.1f", mfu) + "% | " : std::string()) +
-                        fmt("%.1f", sl.elapsed_s) + " s");
+                        fmt("%.1f", sl.elapsed_s) + " s" + straggler);
     if (metrics_.is_open()) {
       nlohmann::json j = {{"step", sl.step}, {"loss", o.loss}, {"lr", o.lr}, {"grad_norm", o.grad_norm},
                           {"tokens_per_s", sl.tokens_per_s}, {"elapsed_s", sl.elapsed_s},
                           {"compute_ms", sl.compute_ms}, {"comm_ms", sl.comm_ms},
-                          {"exposed_comm_ms", sl.exposed_comm_ms}};
+                          {"exposed_comm_ms", sl.exposed_comm_ms},
+                          {"compute_ms_min", sl.ranks.compute_min}, {"compute_ms_median", sl.ranks.compute_median},
+                          {"compute_ms_max", sl.ranks.compute_max}, {"wait_ms_min", sl.ranks.wait_min},
+                          {"wait_ms_median", sl.ranks.wait_median}, {"wait_ms_max", sl.ranks.wait_max},
+                          {"slowest_rank", sl.ranks.slowest}};
+      if (sl.ranks.flagged) j["straggler_rank"] = sl.ranks.slowest;
       metrics_ << j.dump() << "\n" << std::flush;
     }
     if (!tc_.metrics_path.empty())  // rank 0 writes; everybody learns whether it could
