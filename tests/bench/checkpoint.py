@@ -51,9 +51,9 @@ QUICK_CONFIG = dict(CONFIG, hidden_size=512, intermediate_size=1536, num_hidden_
 
 RE_BG_START = re.compile(r"checkpoint: step (\d+): snapshot taken in ([\d.]+) s, writing in the background "
                          r"\(training blocked ([\d.]+) s(?:, of which ([\d.]+) s waiting)?")
-RE_BG_DONE = re.compile(r"checkpoint: saved '([^']*step_0*(\d+)\.h5)' \(([\d.]+) MB [^)]*\) in the background: "
+RE_BG_DONE = re.compile(r"checkpoint: saved '([^']*step_0*(\d+)(?:\.h5)?)' \(([\d.]+) MB [^)]*\) in the background: "
                         r"write ([\d.]+) s, (\d+) MB/s(?:[^;]*; steps (\d+)-(\d+) ran meanwhile)?")
-RE_SYNC = re.compile(r"checkpoint: saved '([^']*step_0*(\d+)\.h5)' \(([\d.]+) MB [^)]*\) in ([\d.]+) s, (\d+) MB/s "
+RE_SYNC = re.compile(r"checkpoint: saved '([^']*step_0*(\d+)(?:\.h5)?)' \(([\d.]+) MB [^)]*\) in ([\d.]+) s, (\d+) MB/s "
                      r"\(training blocked ([\d.]+) s: snapshot ([\d.]+) s, write ([\d.]+) s")
 RE_DD = re.compile(r"(\d+) bytes .* copied, ([\d.]+) s, ([\d.]+) ([kMG]?B)/s")
 
@@ -67,10 +67,14 @@ def run(args, mode, rnd, cfg_path, steps, every):
     shutil.rmtree(d, ignore_errors=True)
     os.makedirs(d)
     metrics = os.path.join(d, "metrics.jsonl")
-    cmd = ["mpirun", "-np", "2", args.bin, "--model", cfg_path, "--data", args.data, "--seq-len", "16",
+    torch = mode.startswith("torch-")
+    prog = [args.python, os.path.join(os.path.dirname(os.path.abspath(__file__)), "peer_torch.py"),
+            "--port", str(29600 + rnd * 10 + len(mode))] if torch else [args.bin]
+    cmd = ["mpirun", "-np", "2"] + prog + [
+           "--model", cfg_path, "--data", args.data, "--seq-len", "16",
            "--global-batch", "2", "--steps", str(steps), "--checkpoint-every", str(every), "--log-every", "1",
            "--eval-every", "0", "--eval-batches", "1", "--threads", "1", "--checkpoint-dir", os.path.join(d, "ck"),
-           "--checkpoint-async", mode, "--metrics", metrics]
+           "--checkpoint-async", mode.removeprefix("torch-"), "--metrics", metrics]
     p = subprocess.run(cmd, capture_output=True, text=True)
     log = p.stdout + p.stderr
     with open(os.path.join(d, "log.txt"), "w") as f:
@@ -78,9 +82,12 @@ def run(args, mode, rnd, cfg_path, steps, every):
     if p.returncode != 0:
         sys.exit(f"checkpoint bench: {mode} round {rnd} failed (exit {p.returncode}); see {d}/log.txt")
     rows = [json.loads(l) for l in open(metrics)]
-    step_ms = {r["step"]: r["compute_ms"] + r["exposed_comm_ms"] for r in rows if "loss" in r}
+    # the step's own time: shardtrain's compute + exposed communication; the peer's, from tokens/s of a
+    # one-step log interval (its step time, measured before the save as shardtrain's is)
+    step_ms = {r["step"]: (r["compute_ms"] + r["exposed_comm_ms"]) if "compute_ms" in r else 2 * 16 * 1e3 / r["tokens_per_s"]
+               for r in rows if "loss" in r}
     saves, during = [], set()
-    if mode == "on":
+    if mode.endswith("on"):
         starts = {int(m[1]): m for m in RE_BG_START.finditer(log)}
         for m in RE_BG_DONE.finditer(log):
             s = int(m[2])
@@ -95,10 +102,13 @@ def run(args, mode, rnd, cfg_path, steps, every):
             saves.append({"step": int(m[2]), "blocked_s": float(m[6]), "snapshot_s": float(m[7]),
                           "write_s": float(m[8]), "mb": float(m[3]), "mb_s": float(m[3]) / float(m[8])})
     saves = [s for s in saves if s["step"] != steps]  # the final save: synchronous in both modes
-    size = 0
+    size = 0  # one checkpoint's bytes: shardtrain's largest .h5 file, or the peer's largest step_N directory
     for f in os.listdir(os.path.join(d, "ck")):
+        fp = os.path.join(d, "ck", f)
         if f.endswith(".h5"):
-            size = max(size, os.path.getsize(os.path.join(d, "ck", f)))
+            size = max(size, os.path.getsize(fp))
+        elif torch and f.startswith("step_") and os.path.isdir(fp):
+            size = max(size, sum(os.path.getsize(os.path.join(fp, x)) for x in os.listdir(fp)))
     # dd in the state the saves met: same directory, this run's checkpoints still there (their pages
     # dropped from the page cache by the save's POSIX_FADV_DONTNEED), a new file
     ddr = dd(os.path.join(d, "ck", "dd.bin"), size)
@@ -128,6 +138,8 @@ def main():
     ap.add_argument("--data", required=True)
     ap.add_argument("--out", default="build/bench")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--python", default=".venv/bin/python", help="the venv's python, for the PyTorch DCP peer")
+    ap.add_argument("--no-peer", action="store_true", help="leave out the PyTorch DCP peer runs")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     steps, every, rounds, cfg = 10, 3, args.rounds, CONFIG
@@ -137,66 +149,68 @@ def main():
     cfg_path = os.path.join(args.out, "ckpt-100m-config.json")
     with open(cfg_path, "w") as f:
         json.dump(cfg, f)
-    runs, dds = [], []
+    modes = ["off", "on"] + ([] if args.no_peer else ["torch-off", "torch-on"])
+    runs = []
     for rnd in range(1, rounds + 1):
-        for mode in (("off", "on") if rnd % 2 else ("on", "off")):
+        for mode in (modes if rnd % 2 else modes[::-1]):
             r = run(args, mode, rnd, cfg_path, steps, every)
             runs.append(r)
             for s in r["saves"]:
                 extra = (f", snapshot {s['snapshot_s']:.2f} s, steps during the write {s['steps_meanwhile']}"
-                         if mode == "on" else "")
-                print(f"  round {rnd} {mode:3}: save of step {s['step']}: training blocked {s['blocked_s']:.2f} s, "
+                         if mode.endswith("on") else "")
+                print(f"  round {rnd} {mode:9}: save of step {s['step']}: training blocked {s['blocked_s']:.2f} s, "
                       f"write {s['write_s']:.2f} s = {s['mb_s']:.0f} MB/s{extra}", flush=True)
-            print(f"  round {rnd} {mode:3}: step ms, normal {['%.0f' % x for x in r['normal_ms']]}, during a write "
+            print(f"  round {rnd} {mode:9}: step ms, normal {['%.0f' % x for x in r['normal_ms']]}, during a write "
                   f"{['%.0f' % x for x in r['during_ms']]}", flush=True)
-            dds.append(r["dd"])
-            print(f"  round {rnd} {mode:3}: then dd {dds[-1]['mib']} MiB conv=fdatasync into the run's checkpoint "
-                  f"directory: {dds[-1]['s']:.2f} s = {dds[-1]['mb_s']:.0f} MB/s", flush=True)
+            print(f"  round {rnd} {mode:9}: then dd {r['dd']['mib']} MiB conv=fdatasync into the run's checkpoint "
+                  f"directory: {r['dd']['s']:.2f} s = {r['dd']['mb_s']:.0f} MB/s", flush=True)
 
-    def saves(mode, key):
-        return [s[key] for r in runs if r["mode"] == mode for s in r["saves"]]
+    def of(prog):  # the figures of one program ("" shardtrain, "torch-" the peer)
+        def saves(mode, key):
+            return [s[key] for r in runs if r["mode"] == prog + mode for s in r["saves"]]
 
-    def steps_of(mode, key):
-        return [x for r in runs if r["mode"] == mode for x in r[key]]
-
-    blk_off, blk_on = saves("off", "blocked_s"), saves("on", "blocked_s")
-    mbs_off, mbs_on = saves("off", "mb_s"), saves("on", "mb_s")
-    dd_mbs = [d["mb_s"] for d in dds]
-    normal_on, normal_off, during = steps_of("on", "normal_ms"), steps_of("off", "normal_ms"), steps_of("on", "during_ms")
-    normal = normal_on + normal_off
-    res = {
-        "date": datetime.date.today().isoformat(), "host": socket.gethostname(), "banner": runs[0]["banner"],
-        "file_bytes": runs[0]["file_bytes"], "runs": runs, "dd": dds,
-        "blocked_off_s": med(blk_off), "blocked_on_s": med(blk_on), "write_mb_s_off": med(mbs_off),
-        "write_mb_s_on": med(mbs_on), "dd_mb_s": med(dd_mbs), "step_ms_normal": med(normal),
-        "step_ms_normal_on": med(normal_on), "step_ms_normal_off": med(normal_off), "step_ms_during": med(during),
-    }
+        def steps_of(mode, key):
+            return [x for r in runs if r["mode"] == prog + mode for x in r[key]]
+        f = {"blk_off": saves("off", "blocked_s"), "blk_on": saves("on", "blocked_s"),
+             "mbs_off": saves("off", "mb_s"), "mbs_on": saves("on", "mb_s"),
+             "dd": [r["dd"]["mb_s"] for r in runs if r["mode"] in (prog + "off", prog + "on")],
+             "normal_on": steps_of("on", "normal_ms"), "normal_off": steps_of("off", "normal_ms"),
+             "during": steps_of("on", "during_ms")}
+        f["normal"] = f["normal_on"] + f["normal_off"]
+        f.update({k + "_med": med(v) for k, v in list(f.items())})
+        return f
+    progs = {"shardtrain": of("")}
+    if not args.no_peer:
+        progs["PyTorch DCP"] = of("torch-")
+    res = {"date": datetime.date.today().isoformat(), "host": socket.gethostname(), "banner": runs[0]["banner"],
+           "file_bytes": runs[0]["file_bytes"], "runs": runs, "summary": progs}
     with open(os.path.join(args.out, "ckpt-async.json"), "w") as f:
         json.dump(res, f, indent=1)
     rng = lambda xs, fm="%.2f": (fm % min(xs) + " – " + fm % max(xs)) if xs else "-"
-    md = [
-        f"| per save (median; range) | `--checkpoint-async off` | `--checkpoint-async on` | ratio | target |",
-        "|---|---|---|---|---|",
-        f"| training blocked | {res['blocked_off_s']:.2f} s ({rng(blk_off)}) | {res['blocked_on_s']:.2f} s "
-        f"({rng(blk_on)}) | on/off {res['blocked_on_s'] / res['blocked_off_s']:.2f} | ≤ 0.10 |",
-        f"| write throughput (the writer's time) | {res['write_mb_s_off']:.0f} MB/s ({rng(mbs_off, '%.0f')}) | "
-        f"{res['write_mb_s_on']:.0f} MB/s ({rng(mbs_on, '%.0f')}) | vs dd {res['dd_mb_s']:.0f} MB/s "
-        f"({rng(dd_mbs, '%.0f')}): off {res['write_mb_s_off'] / res['dd_mb_s']:.2f}, on "
-        f"{res['write_mb_s_on'] / res['dd_mb_s']:.2f} | ≥ 0.70 |",
-        f"| step time, normal step | {res['step_ms_normal_off']:.0f} ms ({rng(normal_off, '%.0f')}, "
-        f"{len(normal_off)} steps) | {res['step_ms_normal_on']:.0f} ms ({rng(normal_on, '%.0f')}, {len(normal_on)} "
-        f"steps) | | |",
-        f"| step time, during a background write | | {res['step_ms_during']:.0f} ms ({rng(during, '%.0f')}, "
-        f"{len(during)} steps) | vs all normal steps ({res['step_ms_normal']:.0f} ms) "
-        f"{res['step_ms_during'] / res['step_ms_normal']:.2f} | ≤ 1.25 |",
-    ]
+    md = ["| per save (median; range) | program | sync (`off` / `dcp.save`) | async (`on` / `dcp.async_save`) "
+          "| ratio | target |", "|---|---|---|---|---|---|"]
+    for name, f in progs.items():
+        md += [
+            f"| training blocked | {name} | {f['blk_off_med']:.2f} s ({rng(f['blk_off'])}) | {f['blk_on_med']:.2f} s "
+            f"({rng(f['blk_on'])}) | async/sync {f['blk_on_med'] / f['blk_off_med']:.2f} | ≤ 0.10 |",
+            f"| write throughput (the writer's time) | {name} | {f['mbs_off_med']:.0f} MB/s ({rng(f['mbs_off'], '%.0f')}) | "
+            f"{f['mbs_on_med']:.0f} MB/s ({rng(f['mbs_on'], '%.0f')}) | vs dd after the same runs {f['dd_med']:.0f} MB/s "
+            f"({rng(f['dd'], '%.0f')}): sync {f['mbs_off_med'] / f['dd_med']:.2f}, async "
+            f"{f['mbs_on_med'] / f['dd_med']:.2f} | ≥ 0.70 |",
+            f"| step time, normal step | {name} | {f['normal_off_med']:.0f} ms ({rng(f['normal_off'], '%.0f')}, "
+            f"{len(f['normal_off'])} steps) | {f['normal_on_med']:.0f} ms ({rng(f['normal_on'], '%.0f')}, "
+            f"{len(f['normal_on'])} steps) | | |",
+            f"| step time, during a background write | {name} | | {f['during_med']:.0f} ms ({rng(f['during'], '%.0f')}, "
+            f"{len(f['during'])} steps) | vs all normal steps ({f['normal_med']:.0f} ms) "
+            f"{f['during_med'] / f['normal_med']:.2f} | ≤ 1.25 |"]
     with open(os.path.join(args.out, "ckpt-async.md"), "w") as f:
         f.write("\n".join(md) + "\n")
     print("\n".join(md))
-    print(f"checkpoint bench: targets (not asserted): blocked on/off "
-          f"{res['blocked_on_s'] / res['blocked_off_s']:.2f} (<= 0.10), steps during a write "
-          f"{res['step_ms_during'] / res['step_ms_normal']:.2f}x (<= 1.25), write on / dd "
-          f"{res['write_mb_s_on'] / res['dd_mb_s']:.2f} (>= 0.70)")
+    for name, f in progs.items():
+        print(f"checkpoint bench: {name}: targets (not asserted): blocked async/sync "
+              f"{f['blk_on_med'] / f['blk_off_med']:.2f} (<= 0.10), steps during a write "
+              f"{f['during_med'] / f['normal_med']:.2f}x (<= 1.25), write sync / dd {f['mbs_off_med'] / f['dd_med']:.2f}, "
+              f"async / dd {f['mbs_on_med'] / f['dd_med']:.2f} (>= 0.70)")
 
 
 if __name__ == "__main__":

@@ -36,6 +36,19 @@ step, after the set-up), so that one summariser reads both programs. At the end 
 every rank's peak RSS (getrusage ru_maxrss) and CPU seconds. The loss is all-reduced only on
 logged steps (shardtrain reduces it every step along with the gradient norm). No evaluation.
 AdamW runs with foreach=True (fused=True measured the same here, within the noise).
+Checkpoints (the peer of tests/bench/checkpoint.py): with --checkpoint-dir and --checkpoint-every
+N, after every N-th step (not the last) the model's and AdamW's state dicts (the FSDP2 shards,
+get_model_state_dict / get_optimizer_state_dict) are saved with torch.distributed.checkpoint to
+DIR/step_N: --checkpoint-async off: dcp.save (FileSystemWriter, its default sync_files=True:
+every file fsynced); on: dcp.async_save (the state staged to CPU memory, then written by a
+thread) on a gloo process group of its own, as torchtitan does, at most one in flight (the next
+save and the end of the run wait for it). Rank 0 logs each save in shardtrain's words, so that
+checkpoint.py reads both programs' logs with one set of patterns: off, "checkpoint: saved ... in
+T s, R MB/s (training blocked T s: snapshot 0.00 s, write T s)"; on, "checkpoint: step N:
+snapshot taken in S s, writing in the background (training blocked B s)" and, once its future is
+done, "... in the background: write W s, R MB/s; steps A-B ran meanwhile" (W from the call to
+the future's completion, by a done-callback). MB: parameters + both moments, 12 bytes per
+parameter, as shardtrain counts them.
 """
 import argparse
 import json
@@ -70,6 +83,11 @@ def parse_args():
     p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer and the loss")
     p.add_argument("--port", type=int, default=29511, help="TCP port of the gloo rendezvous on 127.0.0.1")
     # shardtrain options that mean nothing here, accepted so both programs take the same tail.
+    p.add_argument("--checkpoint-dir", default="", help="torch.distributed.checkpoint (DCP) saves go here")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="a DCP save of model + AdamW state every N steps")
+    p.add_argument("--checkpoint-async", choices=("on", "off"), default="on",
+                   help="on: dcp.async_save (a staged CPU copy, written by a thread, on a gloo group of its own); "
+                        "off: dcp.save")
     p.add_argument("--eval-every", type=int, default=0, help="ignored (no evaluation)")
     p.add_argument("--eval-batches", type=int, default=0, help="ignored (no evaluation)")
     return p.parse_args()
@@ -89,6 +107,8 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict  # noqa: E402
 
 MASK = (1 << 64) - 1
 
@@ -186,6 +206,66 @@ def init_like_shardtrain(model, cfg, seed):
             flat[lo:lo + n].copy_(torch.from_numpy(v.astype(np.float32)))
 
 
+class Checkpointer:
+    """DCP saves every --checkpoint-every steps; see the module's docstring."""
+
+    def __init__(self, a, rank, model, opt, n_params):
+        self.a, self.rank, self.model, self.opt = a, rank, model, opt
+        self.mb = 12 * n_params / 1e6  # parameters + AdamW's two moments, fp32
+        self.async_ = a.checkpoint_async == "on"
+        self.group = dist.new_group(backend="gloo") if self.async_ else None
+        self.fut, self.fut_step, self.t_call, self.t_done = None, 0, 0.0, [0.0]
+
+    def log(self, msg):
+        if self.rank == 0:
+            print(msg, flush=True)
+
+    def collect(self, now_step, wait):
+        if self.fut is None or (not wait and not self.fut.done()):
+            return 0.0
+        t0 = time.perf_counter()
+        self.fut.result()
+        waited = time.perf_counter() - t0
+        w = self.t_done[0] - self.t_call
+        self.log(f"checkpoint: saved '{self.path(self.fut_step)}' ({self.mb:.1f} MB of parameters + AdamW state) "
+                 f"in the background: write {w:.2f} s, {self.mb / w:.0f} MB/s; steps {self.fut_step + 1}-{now_step} "
+                 f"ran meanwhile")
+        self.fut = None
+        return waited
+
+    def path(self, step):
+        return os.path.join(self.a.checkpoint_dir, f"step_{step:08d}")
+
+    def after_step(self, step, last):
+        if self.async_:
+            self.collect(step, wait=False)
+        if step % self.a.checkpoint_every or last:
+            return
+        t0 = time.perf_counter()
+        waited = self.collect(step, wait=True) if self.async_ else 0.0
+        state = {"model": get_model_state_dict(self.model), "optim": get_optimizer_state_dict(self.model, self.opt)}
+        if self.async_:
+            self.t_call = time.perf_counter()
+            self.fut = dcp.async_save(state, checkpoint_id=self.path(step), process_group=self.group)
+            self.t_done = [0.0]
+            done = self.t_done
+            self.fut.add_done_callback(lambda f: done.__setitem__(0, time.perf_counter()))
+            self.fut_step = step
+            b = time.perf_counter() - t0
+            self.log(f"checkpoint: step {step}: snapshot taken in {b - waited:.2f} s, writing in the background "
+                     f"(training blocked {b:.2f} s" + (f", of which {waited:.2f} s waiting" if waited > 0 else "") + ")")
+        else:
+            dcp.save(state, checkpoint_id=self.path(step))
+            dist.barrier()
+            t = time.perf_counter() - t0
+            self.log(f"checkpoint: saved '{self.path(step)}' ({self.mb:.1f} MB of parameters + AdamW state) in "
+                     f"{t:.2f} s, {self.mb / t:.0f} MB/s (training blocked {t:.2f} s: snapshot 0.00 s, write {t:.2f} s)")
+
+    def finish(self):
+        if self.async_:
+            self.collect(self.a.steps, wait=True)
+
+
 def main():
     a = ARGS
     t_proc = time.perf_counter()
@@ -238,6 +318,7 @@ def main():
               f"{'torch.compile' if a.compile else 'eager'}, {n_params} parameters, global batch "
               f"{a.global_batch} x {a.seq_len} tokens; set-up {time.perf_counter() - t_proc:.1f} s", flush=True)
 
+    ck = Checkpointer(a, rank, model, opt, n_params) if (a.checkpoint_dir and a.checkpoint_every > 0) else None
     t_start = time.perf_counter()
     interval_s, interval_steps, first_step_s = 0.0, 0, 0.0
     for s in range(a.steps):
@@ -279,6 +360,10 @@ def main():
                     metrics.write(json.dumps({"step": s + 1, "loss": loss_g, "lr": lr, "grad_norm": gnorm,
                                               "tokens_per_s": tps, "elapsed_s": elapsed}) + "\n")
                     metrics.flush()
+        if ck:
+            ck.after_step(s + 1, last=(s + 1 == a.steps))
+    if ck:
+        ck.finish()
     train_s = time.perf_counter() - t_start
     ru = resource.getrusage(resource.RUSAGE_SELF)
     stats = torch.tensor([ru.ru_maxrss / 1024.0, ru.ru_utime + ru.ru_stime], dtype=torch.float64)
