@@ -8,7 +8,12 @@
 #                  cannot reserve): the data writes fail half-way
 #   shim_rank1     only rank 1's writes fail (past the reservation: a quota, a file system that
 #                  does not honour it); shim_rank1_sync the same with --checkpoint-async off
+#   eio_meta_rank0 an I/O error (EIO, not a full disk) in HDF5's metadata write, which rank 0 alone
+#                  does, in the close (also _sync: --checkpoint-async off); eio_data_rank1 an EIO in
+#                  a tensor-data write of rank 1 only
 #   tmpfs_*        the same on a real small tmpfs, where mounting one is permitted (root)
+#   race_*         a small tmpfs that another writer fills WHILE the save runs (issue 29's scenario),
+#                  the writer started at three moments; see race_case for what each gives
 # The shim is tests/e2e/enospc_shim.c (LD_PRELOAD), used where a tmpfs cannot be mounted and for
 # the one-rank case, which a shared disk cannot produce.
 source "$(dirname "$0")/common.sh"
@@ -138,12 +143,16 @@ fi
 # SHARDTRAIN_TEST_CHECKPOINT_WRITE_DELAY_MS holds open (half before the write, half between the
 # closed file and its publication):
 #   race_before    as training starts, before the save: the filler takes the free space first, and
-#                  the save is refused cleanly (the directory probe or the reservation: no space)
+#                  the save is refused cleanly, exit 1 (here: the directory probe, "write failed for
+#                  '…/.shardtrain-probe-N': No space left on device (0 KiB free in '…')"; a slower
+#                  filler leaves it to the reservation's "not enough space" message)
 #   race_reserved  when the .tmp appears (rank 0 has reserved its space; the ranks are writing):
-#                  the filler gets ENOSPC, the save does not; it is published and loads
+#                  the filler gets ENOSPC, the save does not: exit 0, step 4 published and verified
 #   race_closed    once the file is closed and cut to its size (the reservation's surplus given
-#                  back to the disk, which the filler takes), before it is published: `latest` must
-#                  still move
+#                  back to the disk, which the filler takes), before it is published: exit 0 too,
+#                  because `latest`'s new contents were written before the file (latest.tmp). Before
+#                  that, both cases failed in the publication, after step 4 had been renamed into
+#                  place, with "write failed for '…/latest' (disk full?)".
 # Every repetition: exit 0 or 1 within 30 s, never 139 or the watchdog; on 0 the new checkpoint
 # verifies (--mode inspect, every CRC); on 1 one message on every rank naming the file, the errno's
 # text and the free space; step 2 unchanged (sha256), `latest` unchanged unless step 4 was
@@ -154,19 +163,20 @@ race_case() {
   cp -a "$WORK/race-seed" "$dir"
   sum2=$(sha256sum <"$dir/step_00000002.h5")
   latest0=$(cat "$dir/latest")
-  SHARDTRAIN_TEST_CHECKPOINT_WRITE_DELAY_MS=1000 timeout -k 5 30 $MPIRUN -np 2 -x SHARDTRAIN_TEST_CHECKPOINT_WRITE_DELAY_MS \
+  SHARDTRAIN_TEST_CHECKPOINT_WRITE_DELAY_MS=800 timeout -k 5 30 $MPIRUN -np 2 -x SHARDTRAIN_TEST_CHECKPOINT_WRITE_DELAY_MS \
     "$BIN" "${ARGS[@]}" --checkpoint-dir "$dir" --resume auto >"$log" 2>&1 &
   mpid=$!
   local tmp=$dir/.step_00000004.h5.tmp
-  for ((i = 0; i < 3000; i++)); do  # (10 ms polls; the run itself is bounded by its timeout)
+  local seen=0
+  for ((i = 0; i < 3000 && !seen; i++)); do  # (10 ms polls; the run itself is bounded by its timeout)
     kill -0 "$mpid" 2>/dev/null || break
     case $when in
-      before) grep -q "resumed from" "$log" && break ;;
-      reserved) [ -e "$tmp" ] && break ;;
+      before) grep -q "resumed from" "$log" && seen=1 ;;
+      reserved) [ -e "$tmp" ] && seen=1 ;;
       closed) [ -e "$tmp" ] && [ "$(stat -c %s "$tmp" 2>/dev/null || echo 0)" -eq "$size" ] &&
-        [ $(($(stat -c %b "$tmp" 2>/dev/null || echo 0) * 512)) -lt $((need_kib * 1024)) ] && break ;;
+        [ $(($(stat -c %b "$tmp" 2>/dev/null || echo 0) * 512)) -lt $((need_kib * 1024)) ] && seen=1 ;;
     esac
-    sleep 0.01
+    [ "$seen" -eq 1 ] || sleep 0.01
   done
   python3 "$ROOT/tests/e2e/disk_filler.py" "$RACE/filler" >"$WORK/$name.filler" 2>&1 &
   fpid=$!
@@ -174,6 +184,7 @@ race_case() {
   kill "$fpid" && wait "$fpid" || true
   local took=$((SECONDS - t0)) filled
   filled=$(cat "$WORK/$name.filler")
+  [ "$seen" -eq 1 ] || { cat "$log"; fail "$name: the run ended before the moment '$when' was seen (the filler came too late)"; }
   rm -f "$RACE/filler"
   [ "$rc" -ne 124 ] && [ "$rc" -ne 137 ] || { cat "$log"; fail "$name: not finished within 30 s (hang)"; }
   [ "$rc" -ne 139 ] && ! grep -q "signal 11\|Segmentation fault\|exited on signal" "$log" || { cat "$log"; fail "$name: crashed (rc $rc)"; }
