@@ -208,8 +208,8 @@ struct Hdf5WriteFailure {
 };
 thread_local Hdf5WriteFailure* t_capture = nullptr;
 
-// Sets t_capture for its lifetime (RAII); `off` suspends it (the tensor rows' H5Dwrite, whose failure
-// HDF5 reports and the caller diagnoses itself).
+// Sets t_capture for its lifetime (RAII); destroying it early suspends the capture (around the
+// tensor rows' H5Dwrite, whose failure HDF5 reports and the caller diagnoses itself).
 class CaptureHdf5Writes {
  public:
   explicit CaptureHdf5Writes(Hdf5WriteFailure* f) : saved_(t_capture) { t_capture = f; }
