@@ -216,7 +216,9 @@ CheckpointSnapshot take_checkpoint_snapshot(const ShardedTensors& t, const Model
 void write_checkpoint_file(Comm& comm, const std::string& path, const CheckpointSnapshot& snap);
 
 // Collective. Writes `snap` (of step N = snap.state.step) to "<dir>/.step_N.h5.tmp" (after
-// prepare_checkpoint_dir), then publishes it (publish_checkpoint). Returns the published path.
+// prepare_checkpoint_dir, and after writing `latest`'s new contents to "<dir>/latest.tmp", so that
+// a disk filling during the save cannot fail the publication), then publishes it
+// (publish_checkpoint). Returns the published path.
 // Throws CollectiveError (same message on every rank) if the directory cannot be created or
 // written, or HDF5 fails. The test hook CheckpointOptions::debug_crash_before_publish ends the
 // process (exit status 86) between the two.
@@ -224,7 +226,9 @@ std::string save_checkpoint(Comm& comm, const CheckpointSnapshot& snap, const Ch
 
 // Collective. Publishes the complete file "<dir>/.step_N.h5.tmp" (N = `step`): rank 0 fsyncs it,
 // renames it to "<dir>/step_N.h5", fsyncs the directory, points "<dir>/latest" at it
-// (write-temp-then-rename), and only then deletes the oldest checkpoints beyond co.keep_last
+// (write-temp-then-rename; "<dir>/latest.tmp" is written before the rename, or taken as it is when
+// save_checkpoint wrote it already, so that no space is needed once the checkpoint is renamed),
+// and only then deletes the oldest checkpoints beyond co.keep_last
 // (never step N's). Returns the published path. Throws CollectiveError naming it on failure.
 std::string publish_checkpoint(Comm& comm, const CheckpointOptions& co, int64_t step);
 

@@ -13,6 +13,14 @@ namespace shardtrain {
 // `path` (and `what`, e.g. "option '--out'", when given).
 void write_file_atomic(const std::string& path, const std::string& bytes, bool durable = false,
                        const std::string& what = "");
+// write_file_atomic in two halves, for a caller that must know the new file fits before it changes
+// anything else (publish_checkpoint writes `latest` this way before it renames the checkpoint):
+// write_file_temp writes (and, when `durable`, fsyncs) "<path>.tmp" and returns its name; the
+// message of a failure names `path` and the errno's text. commit_file_temp renames it over `path`
+// (no new space needed) and fsyncs the directory when `durable`.
+std::string write_file_temp(const std::string& path, const std::string& bytes, bool durable = false,
+                            const std::string& what = "");
+void commit_file_temp(const std::string& tmp, const std::string& path, bool durable = false, const std::string& what = "");
 
 // Refuses an output path that exists and is not a regular file (a directory, a device such as
 // /dev/null, a FIFO, a socket): a rename over it would replace it. Throws std::runtime_error

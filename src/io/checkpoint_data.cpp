@@ -18,6 +18,7 @@
 #include <exception>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
 #include <stdexcept>
 
@@ -197,7 +198,72 @@ int diagnose_write(const std::string& path, haddr_t offset, const void* data, si
   return e;
 }
 
+// A write by HDF5 that failed on this rank while a checkpoint file was open for writing, other
+// than a tensor row's (see MPI_File_write_at below).
+struct Hdf5WriteFailure {
+  std::string path;   // the file being written
+  int err = 0;        // errno of the first failed write; 0: none
+  long long offset = -1;
+  long long bytes = 0;
+};
+thread_local Hdf5WriteFailure* t_capture = nullptr;
+
+// Sets t_capture for its lifetime (RAII); destroying it early suspends the capture (around the
+// tensor rows' H5Dwrite, whose failure HDF5 reports and the caller diagnoses itself).
+class CaptureHdf5Writes {
+ public:
+  explicit CaptureHdf5Writes(Hdf5WriteFailure* f) : saved_(t_capture) { t_capture = f; }
+  ~CaptureHdf5Writes() { t_capture = saved_; }
+  CaptureHdf5Writes(const CaptureHdf5Writes&) = delete;
+  CaptureHdf5Writes& operator=(const CaptureHdf5Writes&) = delete;
+
+ private:
+  Hdf5WriteFailure* saved_;
+};
+
 }  // namespace
+
+}  // namespace shardtrain
+
+// HDF5's metadata is written by rank 0 alone, but inside HDF5's own collectives (a metadata flush:
+// barrier, rank 0 writes, then a broadcast of what it wrote; the close's truncate): a write that
+// fails there makes rank 0 leave the collective early, and the other ranks wait in the broadcast
+// for ever (issue 29: an I/O error in the close's metadata flush on rank 0 hung the save until the
+// watchdog). Through MPI's profiling interface this executable sees HDF5's MPI-IO writes: while
+// a checkpoint file is written on this thread (t_capture set), a failed write is recorded and
+// reported to HDF5 as done, so every rank goes through HDF5's collectives as if nothing happened;
+// write_checkpoint_file then agrees on the recorded error (all_ok) like on any other, and the file
+// is discarded. HDF5 keeps what it writes in its metadata cache and does not read it back during
+// the close; should it re-read an evicted entry whose write failed, that read fails (or its
+// checksum does) inside an HDF5 call that the ranks agree on like any other. Outside a save, and
+// on other threads, this is PMPI_File_write_at.
+extern "C" int MPI_File_write_at(MPI_File fh, MPI_Offset offset, const void* buf, int count, MPI_Datatype datatype,
+                                 MPI_Status* status) {
+  shardtrain::Hdf5WriteFailure* c = shardtrain::t_capture;
+  if (!c) return PMPI_File_write_at(fh, offset, buf, count, datatype, status);
+  MPI_Status own;
+  if (status == MPI_STATUS_IGNORE) status = &own;
+  errno = 0;
+  const int rc = PMPI_File_write_at(fh, offset, buf, count, datatype, status);
+  int e = errno, size = 0;
+  PMPI_Type_size(datatype, &size);
+  const long long bytes = static_cast<long long>(size) * count;
+  // Open MPI's ompio returns MPI_SUCCESS for a pwritev that failed, with fewer bytes in the status
+  // (HDF5 then says "file write failed"): a short count is a failure too.
+  MPI_Count done = 0;
+  if (rc == MPI_SUCCESS && PMPI_Get_elements_x(status, MPI_BYTE, &done) == MPI_SUCCESS && done >= bytes) return rc;
+  if (datatype == MPI_BYTE && offset >= 0)  // MPI-IO may not leave errno: write the bytes again to learn it
+    if (int d = shardtrain::diagnose_write(c->path, static_cast<haddr_t>(offset), buf, static_cast<size_t>(bytes))) e = d;
+  if (c->err == 0) {
+    c->err = e ? e : EIO;
+    c->offset = static_cast<long long>(offset);
+    c->bytes = bytes;
+  }
+  PMPI_Status_set_elements(status, datatype, count);
+  return MPI_SUCCESS;
+}
+
+namespace shardtrain {
 
 void write_checkpoint_file(Comm& comm, const std::string& tmp_path, const CheckpointSnapshot& snap) {
   quiet_hdf5();
@@ -241,6 +307,17 @@ void write_checkpoint_file(Comm& comm, const std::string& tmp_path, const Checkp
   // on one rank; a full disk cannot get there, see above), the watchdog ends the job, and its
   // message says that this, not only a dead rank, can be why.
   CommWatch watch(comm, "checkpoint write (parallel HDF5; also after a write error inside HDF5 on some rank)");
+  // HDF5's own writes on this rank (metadata, tables) that fail are recorded, not failed inside
+  // HDF5 (MPI_File_write_at above), and agreed on with the rest.
+  Hdf5WriteFailure hw;
+  hw.path = tmp_path;
+  std::optional<CaptureHdf5Writes> capture(std::in_place, &hw);
+  auto hdf5_write_error = [&](const char* when) -> std::string {
+    if (hw.err == 0) return "";
+    const std::string free = free_space_text(tmp_path);
+    return where + "writing HDF5's metadata or tables (" + std::to_string(hw.bytes) + " bytes at byte offset " +
+           std::to_string(hw.offset) + when + ") failed: " + std::strerror(hw.err) + (free.empty() ? "" : " (" + free + ")");
+  };
   std::string why;
   H5Id file = create_file(comm, tmp_path, &why);
   if (!file.ok()) err = where + "cannot create it (" + why + ")";
@@ -259,6 +336,7 @@ void write_checkpoint_file(Comm& comm, const std::string& tmp_path, const Checkp
     } catch (const std::exception& e) {
       fail = where + e.what();
     }
+    if (fail.empty()) fail = hdf5_write_error("");
   };
   std::exception_ptr failed;  // the agreed failure (the same CollectiveError on every rank)
   try {
@@ -299,7 +377,10 @@ void write_checkpoint_file(Comm& comm, const std::string& tmp_path, const Checkp
           // A failed write (disk full, EIO) may fail on this rank only. The other tensors' datasets
           // are still created (the ranks' HDF5 metadata stays identical, for the close).
           const float* rows = cols[k]->rows(u);
-          if (H5Dwrite(d, H5T_NATIVE_FLOAT, msp, fsp, dxpl, rows) < 0 && fail.empty()) {
+          capture.reset();  // a tensor row: its failure is HDF5's to report, diagnosed below
+          const herr_t wrc = H5Dwrite(d, H5T_NATIVE_FLOAT, msp, fsp, dxpl, rows);
+          capture.emplace(&hw);
+          if (wrc < 0 && fail.empty()) {
             const std::string detail = h5_detail();
             const int e = writer ? diagnose_write(tmp_path, H5Dget_offset(d) + start[0] * 4, rows, 4 * S) : 0;
             const std::string free = free_space_text(tmp_path);
@@ -362,7 +443,11 @@ void write_checkpoint_file(Comm& comm, const std::string& tmp_path, const Checkp
   }
   // Close on every rank, success or not: an HDF5 file left open is closed by HDF5 inside
   // MPI_Finalize, after MPI is gone (a segfault).
+  // (A metadata write failing in the close is recorded (hw), not failed inside HDF5: every rank
+  // leaves the close, and the agreement below carries rank 0's error to the others.)
   if (file.close() < 0 && !failed) err = where + "closing it failed (" + h5_detail() + ")";
+  capture.reset();
+  if (err.empty() && !failed && hw.err) err = hdf5_write_error(", closing the file");
   if (!failed && comm.rank() == 0 && reserved) {
     // Give back what the reservation held beyond the file's end (truncating to the same size
     // frees the blocks past it).

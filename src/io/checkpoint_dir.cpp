@@ -2,6 +2,7 @@
 // --keep-last, the abandoned continuation of a rolled-back run, and --resume resolution. Rank 0
 // alone touches the directory; the ranks agree on the outcome.
 #include <fcntl.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -13,6 +14,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <stdexcept>
 #include <thread>
 
@@ -38,6 +40,13 @@ int fsync_path(const std::string& p, bool dir, bool drop_cache = false) {
   if (e == 0 && drop_cache) (void)::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
   if (::close(fd) != 0 && e == 0) e = errno;
   return e;
+}
+
+// " (N KiB free in 'D')" (statvfs: the space an unprivileged user may use), or "" if unknown.
+std::string free_space_note(const std::string& dir) {
+  struct statvfs sv {};
+  if (::statvfs(dir.c_str(), &sv) != 0) return "";
+  return " (" + std::to_string((static_cast<uint64_t>(sv.f_bavail) * sv.f_frsize) >> 10) + " KiB free in '" + dir + "')";
 }
 
 std::string tmp_path_of(const CheckpointOptions& co, int64_t step) {
@@ -119,8 +128,8 @@ void prepare_checkpoint_dir(Comm& comm, const std::string& dir) {
   if (comm.rank() == 0) {
     try {
       write_file_atomic(probe, std::to_string(nonce) + "\n");
-    } catch (const std::exception& e) {
-      err = "checkpoint directory '" + dir + "' (option '--checkpoint-dir'): " + e.what();
+    } catch (const std::exception& e) {  // (a disk filled by another writer before the save fails here)
+      err = "checkpoint directory '" + dir + "' (option '--checkpoint-dir'): " + e.what() + free_space_note(dir);
     }
   }
   all_ok(comm, err.empty(), err);
@@ -139,7 +148,26 @@ void prepare_checkpoint_dir(Comm& comm, const std::string& dir) {
 std::string save_checkpoint(Comm& comm, const CheckpointSnapshot& snap, const CheckpointOptions& co) {
   const int64_t step = snap.state.step;
   prepare_checkpoint_dir(comm, co.dir);
-  write_checkpoint_file(comm, tmp_path_of(co, step), snap);
+  // `latest`'s new contents are written (to "latest.tmp") before the checkpoint, like the file's
+  // reserved space: a disk that another writer fills during the save then cannot fail the
+  // publication either (it failed there when `latest` was written last: issue 29's race).
+  // publish_checkpoint renames it into place; a save that fails removes it.
+  const std::string latest = (fs::path(co.dir) / "latest").string();
+  std::string err;
+  if (comm.rank() == 0) {
+    try {
+      (void)write_file_temp(latest, checkpoint_name(step) + "\n", true);
+    } catch (const std::exception& e) {
+      err = "checkpoint '" + tmp_path_of(co, step) + "': " + e.what() + free_space_note(co.dir);
+    }
+  }
+  all_ok(comm, err.empty(), err);
+  try {
+    write_checkpoint_file(comm, tmp_path_of(co, step), snap);
+  } catch (...) {
+    if (comm.rank() == 0) ::unlink((latest + ".tmp").c_str());
+    throw;
+  }
   if (co.test_delay_before_publish_ms > 0)
     std::this_thread::sleep_for(std::chrono::milliseconds(co.test_delay_before_publish_ms));
   if (co.debug_crash_before_publish > 0 && step == co.debug_crash_before_publish) {
@@ -162,11 +190,36 @@ std::string publish_checkpoint(Comm& comm, const CheckpointOptions& co, int64_t 
       if (int e = fsync_path(tmp_path, false, /*drop_cache=*/true)) {
         std::error_code ec;
         fs::remove(tmp_path, ec);
+        fs::remove(fs::path(co.dir) / "latest.tmp", ec);
         throw std::runtime_error("fsync of '" + tmp_path + "' failed: " + std::strerror(e) + "; not published, removed");
       }
-      fs::rename(tmp_path, final_path);
+      // `latest`'s new contents are written before anything is renamed: on a disk that another
+      // writer filled since the save's reservation, that small write is what fails, and then nothing
+      // is published (the .tmp removed, `latest` untouched) rather than a checkpoint renamed into
+      // place that `latest` does not name. The two renames need no space.
+      const std::string latest = (fs::path(co.dir) / "latest").string(), want = checkpoint_name(step) + "\n";
+      std::string latest_tmp = latest + ".tmp", staged;
+      {
+        std::ifstream in(latest_tmp, std::ios::binary);
+        staged.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+      }
+      try {
+        if (staged != want) latest_tmp = write_file_temp(latest, want, true);  // (not staged by save_checkpoint)
+      } catch (const std::exception& e) {
+        std::error_code ec;
+        fs::remove(tmp_path, ec);
+        throw std::runtime_error(std::string(e.what()) + "; '" + tmp_path + "' not published, removed" +
+                                 free_space_note(co.dir));
+      }
+      try {
+        fs::rename(tmp_path, final_path);
+      } catch (...) {
+        std::error_code ec;
+        fs::remove(latest_tmp, ec);
+        throw;
+      }
       (void)fsync_path(co.dir, true);  // directory fsync: not supported everywhere, best effort
-      write_file_atomic((fs::path(co.dir) / "latest").string(), checkpoint_name(step) + "\n", true);
+      commit_file_temp(latest_tmp, latest, true);
       if (co.keep_last > 0) {
         std::vector<std::string> names = published_checkpoints(co.dir);
         for (size_t i = 0; i + static_cast<size_t>(co.keep_last) < names.size(); ++i)

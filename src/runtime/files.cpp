@@ -6,7 +6,9 @@
 #include <zlib.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <stdexcept>
 
@@ -66,28 +68,35 @@ void check_output_path(const std::string& path, const std::string& what) {
                            "; give the name of a file to write");
 }
 
-void write_file_atomic(const std::string& path, const std::string& bytes, bool durable, const std::string& what) {
+std::string write_file_temp(const std::string& path, const std::string& bytes, bool durable, const std::string& what) {
   check_output_path(path, what);
   const std::string tmp = path + ".tmp";
   const std::string ctx = "'" + path + "'" + (what.empty() ? "" : " (" + what + ")");
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  if (fd < 0) throw std::runtime_error("cannot write " + ctx);
+  if (fd < 0) throw std::runtime_error("cannot write " + ctx + ": " + std::strerror(errno));
   size_t off = 0;
-  bool ok = true;
-  while (ok && off < bytes.size()) {
+  int e = 0;  // the first failure's errno
+  while (e == 0 && off < bytes.size()) {
     ssize_t n = ::write(fd, bytes.data() + off, bytes.size() - off);
-    if (n <= 0) ok = false;
-    else off += static_cast<size_t>(n);
+    if (n > 0) off += static_cast<size_t>(n);
+    else if (n == 0) e = EIO;  // (no progress)
+    else if (errno != EINTR) e = errno;
   }
-  if (ok && durable) ok = ::fsync(fd) == 0;
-  ok = (::close(fd) == 0) && ok;
-  if (!ok) {
+  if (e == 0 && durable && ::fsync(fd) != 0) e = errno;
+  if (::close(fd) != 0 && e == 0) e = errno;
+  if (e != 0) {
     std::remove(tmp.c_str());
-    throw std::runtime_error("write failed for " + ctx + " (disk full?)");
+    throw std::runtime_error("write failed for " + ctx + ": " + std::strerror(e));
   }
+  return tmp;
+}
+
+void commit_file_temp(const std::string& tmp, const std::string& path, bool durable, const std::string& what) {
+  const std::string ctx = "'" + path + "'" + (what.empty() ? "" : " (" + what + ")");
   if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int e = errno;
     std::remove(tmp.c_str());
-    throw std::runtime_error("cannot rename '" + tmp + "' to " + ctx);
+    throw std::runtime_error("cannot rename '" + tmp + "' to " + ctx + ": " + std::strerror(e));
   }
   if (durable) {
     std::string dir = std::filesystem::path(path).parent_path().string();
@@ -97,6 +106,10 @@ void write_file_atomic(const std::string& path, const std::string& bytes, bool d
       ::close(dfd);
     }
   }
+}
+
+void write_file_atomic(const std::string& path, const std::string& bytes, bool durable, const std::string& what) {
+  commit_file_temp(write_file_temp(path, bytes, durable, what), path, durable, what);
 }
 
 }  // namespace shardtrain

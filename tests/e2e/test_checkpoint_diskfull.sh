@@ -8,12 +8,19 @@
 #                  cannot reserve): the data writes fail half-way
 #   shim_rank1     only rank 1's writes fail (past the reservation: a quota, a file system that
 #                  does not honour it); shim_rank1_sync the same with --checkpoint-async off
+#   eio_meta_rank0 an I/O error (EIO, not a full disk) in HDF5's metadata write, which rank 0 alone
+#                  does, in the close (also _sync: --checkpoint-async off); eio_data_rank1 an EIO in
+#                  a tensor-data write of rank 1 only
 #   tmpfs_*        the same on a real small tmpfs, where mounting one is permitted (root)
+#   race_*         a small tmpfs that another writer fills WHILE the save runs (issue 29's scenario),
+#                  the writer started at three moments; see race_case for what each gives
 # The shim is tests/e2e/enospc_shim.c (LD_PRELOAD), used where a tmpfs cannot be mounted and for
 # the one-rank case, which a shared disk cannot produce.
 source "$(dirname "$0")/common.sh"
 DATA=$(test_corpus)
-ARGS=(--model tiny --data "$DATA" --seq-len 16 --global-batch 4 --steps 4 --eval-every 0 --eval-batches 1 --threads 1)
+# --collective-timeout 20: a save that hangs shows up as the watchdog's message within the 30 s limit.
+ARGS=(--model tiny --data "$DATA" --seq-len 16 --global-batch 4 --steps 4 --eval-every 0 --eval-batches 1 --threads 1
+  --collective-timeout 20)
 EXTRA=()  # more options for the failing run (expect_diskfull)
 SHIM=$WORK/enospc_shim.so
 cc -shared -fPIC -O1 -o "$SHIM" "$ROOT/tests/e2e/enospc_shim.c" -ldl || fail "cannot compile the ENOSPC shim"
@@ -64,6 +71,7 @@ loadable() {
 
 CK=$WORK/ck
 first_checkpoint "$CK"
+cp -a "$CK" "$WORK/race-seed"  # step 2 and latest, for the race cases at the end
 size=$(stat -c %s "$CK/step_00000002.h5")
 ENOSPC="No space left on device"
 echo "note: ENOSPC injection by LD_PRELOAD shim (tests/e2e/enospc_shim.c); checkpoint of $size bytes"
@@ -75,6 +83,22 @@ expect_diskfull shim_rank1 "$CK" "rank 1: .*writing .* failed: $ENOSPC" "${shim[
 EXTRA=(--checkpoint-async off)
 expect_diskfull shim_rank1_sync "$CK" "rank 1: .*writing .* failed: $ENOSPC" "${shim[@]}" ENOSPC_SHIM_RANK=1 ENOSPC_SHIM_IGNORE_RESERVATION=1
 EXTRA=()
+# I/O errors that are not a full disk (EIO), on one rank only. HDF5's metadata is written by rank 0
+# alone, when the file is closed (the shim fails rank 0's writes into the file's first 2 KiB, where
+# HDF5 keeps its superblock and root group and which it writes only then); a tensor row is written
+# by the rank that holds it (rank 1's writes of 4 KiB or more: its rows, 16-18 KiB here). A
+# metadata write failing inside HDF5's close hung the other rank until the watchdog (it waited in
+# HDF5's broadcast that rank 0 had skipped); write_checkpoint_file now records it and the ranks agree
+# on it after the close (docs/checkpoint-format.md, "A failure during the write").
+EIO="Input/output error"
+eio=(LD_PRELOAD="$SHIM" ENOSPC_SHIM_DIR="$(realpath "$CK")" ENOSPC_SHIM_ERRNO=EIO ENOSPC_SHIM_NAME=.h5.tmp)
+expect_diskfull eio_meta_rank0 "$CK" "writing HDF5's metadata or tables (.*closing the file) failed: $EIO" "${eio[@]}" \
+  ENOSPC_SHIM_RANK=0 ENOSPC_SHIM_OFFSET=0-2048
+EXTRA=(--checkpoint-async off)
+expect_diskfull eio_meta_rank0_sync "$CK" "writing HDF5's metadata or tables (.*closing the file) failed: $EIO" "${eio[@]}" \
+  ENOSPC_SHIM_RANK=0 ENOSPC_SHIM_OFFSET=0-2048
+EXTRA=()
+expect_diskfull eio_data_rank1 "$CK" "rank 1: .*writing [^ ]*/[a-z_]* failed: $EIO" "${eio[@]}" ENOSPC_SHIM_RANK=1 ENOSPC_SHIM_MIN_BYTES=4096
 loadable "$CK"
 # Hybrid sharding (2 ranks, shard group 1): rank 1 is a replica that writes no rows, and only rank 0
 # writes HDF5's metadata, so a disk failing for rank 1 alone cannot fail, or hang, the save (it hung
@@ -109,4 +133,96 @@ if mount -t tmpfs -o size=$((size * 5 / 1024 + 64))k tmpfs "$WORK/small" 2>/dev/
   loadable "$WORK/small/ck"
 else
   echo "note: no tmpfs case (mounting is not permitted here); the shim cases above stand for it"
+fi
+
+# ---- A small tmpfs that fills WHILE the checkpoint is written (issue 29's own scenario) ---------
+# The tmpfs holds the published step 2, `latest` and exactly the space the save of step 4 reserves
+# (its "need N KiB"), plus two pages (the directory probe, `latest`'s temporary): the checkpoint
+# fits only if nothing else writes. Another writer (disk_filler.py, a busy log: 4 KiB a millisecond,
+# retrying a refused write) starts at one of three moments of the final save, which
+# SHARDTRAIN_TEST_CHECKPOINT_WRITE_DELAY_MS holds open (half before the write, half between the
+# closed file and its publication):
+#   race_before    as training starts, before the save: the filler takes the free space first, and
+#                  the save is refused cleanly, exit 1 (here: the directory probe, "write failed for
+#                  '…/.shardtrain-probe-N': No space left on device (0 KiB free in '…')"; a slower
+#                  filler leaves it to the reservation's "not enough space" message)
+#   race_reserved  when the .tmp appears (rank 0 has reserved its space; the ranks are writing):
+#                  the filler gets ENOSPC, the save does not: exit 0, step 4 published and verified
+#   race_closed    once the file is closed and cut to its size (the reservation's surplus given
+#                  back to the disk, which the filler takes), before it is published: exit 0 too,
+#                  because `latest`'s new contents were written before the file (latest.tmp). Before
+#                  that, both cases failed in the publication, after step 4 had been renamed into
+#                  place, with "write failed for '…/latest' (disk full?)".
+# Every repetition: exit 0 or 1 within 30 s, never 139 or the watchdog; on 0 the new checkpoint
+# verifies (--mode inspect, every CRC); on 1 one message on every rank naming the file, the errno's
+# text and the free space; step 2 unchanged (sha256), `latest` unchanged unless step 4 was
+# published, no .tmp left. The outcomes this machine gave are in docs/checkpoint-format.md.
+race_case() {
+  local name=$1 when=$2 dir=$RACE/ck log=$WORK/$1.log rc=0 t0=$SECONDS i mpid fpid sum2 latest0
+  rm -rf "$dir" "$RACE/filler"
+  cp -a "$WORK/race-seed" "$dir"
+  sum2=$(sha256sum <"$dir/step_00000002.h5")
+  latest0=$(cat "$dir/latest")
+  SHARDTRAIN_TEST_CHECKPOINT_WRITE_DELAY_MS=800 timeout -k 5 30 $MPIRUN -np 2 -x SHARDTRAIN_TEST_CHECKPOINT_WRITE_DELAY_MS \
+    "$BIN" "${ARGS[@]}" --checkpoint-dir "$dir" --resume auto >"$log" 2>&1 &
+  mpid=$!
+  local tmp=$dir/.step_00000004.h5.tmp
+  local seen=0
+  for ((i = 0; i < 3000 && !seen; i++)); do  # (10 ms polls; the run itself is bounded by its timeout)
+    kill -0 "$mpid" 2>/dev/null || break
+    case $when in
+      before) grep -q "resumed from" "$log" && seen=1 ;;
+      reserved) [ -e "$tmp" ] && seen=1 ;;
+      closed) [ -e "$tmp" ] && [ "$(stat -c %s "$tmp" 2>/dev/null || echo 0)" -eq "$size" ] &&
+        [ $(($(stat -c %b "$tmp" 2>/dev/null || echo 0) * 512)) -lt $((need_kib * 1024)) ] && seen=1 ;;
+    esac
+    [ "$seen" -eq 1 ] || sleep 0.01
+  done
+  python3 "$ROOT/tests/e2e/disk_filler.py" "$RACE/filler" >"$WORK/$name.filler" 2>&1 &
+  fpid=$!
+  wait "$mpid" || rc=$?
+  kill "$fpid" && wait "$fpid" || true
+  local took=$((SECONDS - t0)) filled
+  filled=$(cat "$WORK/$name.filler")
+  [ "$seen" -eq 1 ] || { cat "$log"; fail "$name: the run ended before the moment '$when' was seen (the filler came too late)"; }
+  rm -f "$RACE/filler"
+  [ "$rc" -ne 124 ] && [ "$rc" -ne 137 ] || { cat "$log"; fail "$name: not finished within 30 s (hang)"; }
+  [ "$rc" -ne 139 ] && ! grep -q "signal 11\|Segmentation fault\|exited on signal" "$log" || { cat "$log"; fail "$name: crashed (rc $rc)"; }
+  ! grep -q "has not completed after" "$log" || { cat "$log"; fail "$name: the collective watchdog fired"; }
+  [ "$(sha256sum <"$dir/step_00000002.h5")" = "$sum2" ] || fail "$name: the published step 2 changed"
+  [ -z "$(ls -A "$dir" | grep -v '^step_00000002.h5$\|^step_00000004.h5$\|^latest$')" ] || { ls -la "$dir"; fail "$name: files left behind"; }
+  local outcome
+  if [ "$rc" -eq 0 ]; then
+    [ "$(cat "$dir/latest")" = "step_00000004.h5" ] || fail "$name: exit 0 but latest is '$(cat "$dir/latest")'"
+    "$BIN" --mode inspect "$dir/step_00000004.h5" >"$WORK/$name-inspect.log" 2>&1 || { cat "$WORK/$name-inspect.log"; fail "$name: step 4 does not verify"; }
+    outcome="the save succeeded; step 4 published and verified"
+  elif [ "$rc" -eq 1 ]; then
+    for r in 0 1; do
+      grep -q "error \[rank $r/2\]: .*'$dir/[^']*'.*No space left on device" "$log" ||
+        { cat "$log"; fail "$name: rank $r did not report ENOSPC naming a file of the directory"; }
+    done
+    grep -q "error \[rank 0/2\]: .*KiB free" "$log" || { cat "$log"; fail "$name: message lacks the free space"; }
+    [ "$(cat "$dir/latest")" = "$latest0" ] || fail "$name: latest moved to '$(cat "$dir/latest")'"
+    [ ! -e "$dir/step_00000004.h5" ] || { ls -la "$dir"; fail "$name: step 4 left in the directory, though the save failed"; }
+    outcome="the save failed cleanly: $(grep -m1 -o 'error \[rank 0/2\]: .*' "$log" | cut -c1-300)"
+  else
+    cat "$log"
+    fail "$name: exit $rc (expected 0, or 1 with the disk-full message)"
+  fi
+  echo "ok: $name (filler from $when): exit $rc after ${took}s; filler: $filled; $outcome"
+}
+
+RACE=$WORK/race
+mkdir -p "$RACE"
+need_kib=$(grep -m1 -o 'need [0-9]* KiB' "$WORK/shim_reserve.log" | tr -dc 0-9)
+pages() { echo $((($1 + 4095) / 4096)); }
+race_kib=$((4 * ($(pages "$size") + 1 + $(pages $((need_kib * 1024))) + 2)))
+if mount -t tmpfs -o size=${race_kib}k tmpfs "$RACE" 2>/dev/null; then
+  trap 'umount -l "$WORK/small" 2>/dev/null; umount -l "$RACE" 2>/dev/null; rm -rf "$WORK"' EXIT
+  echo "note: a $race_kib KiB tmpfs that fills during the save (step 2, latest, the save's $need_kib KiB and 2 pages)"
+  race_case race_before before
+  race_case race_reserved reserved
+  race_case race_closed closed
+else
+  echo "note: no tmpfs race case (mounting is not permitted here)"
 fi
