@@ -52,7 +52,7 @@ std::string tb_event_scalars(double wall_time, int64_t step, const std::vector<s
 
 // The TensorBoard tag of a metrics key (README, "Watching a run"): loss -> train/loss, val_loss ->
 // val/loss, any other val_X -> val/X; timings, rates, memory and MFU (keys ending in _s, _ms,
-// _per_s, _bytes, _mib, _gib, or holding "_ms_", "mem" or "mfu") -> perf/<key>; everything else
+// _per_s, _bytes, _mib, _gib, or holding "_ms_", "mem", "mfu" or "rank": the straggler fields) -> perf/<key>; everything else
 // -> train/<key> (lr, grad_norm, skipped updates, ...). "" for "step", which is the event's step.
 std::string tensorboard_tag(const std::string& key);
 

@@ -132,7 +132,7 @@ std::string tensorboard_tag(const std::string& key) {
   };
   const bool perf = ends("_s") || ends("_ms") || ends("_per_s") || ends("_bytes") || ends("_mib") || ends("_gib") ||
                     key.find("_ms_") != std::string::npos || key.find("mem") != std::string::npos ||
-                    key.find("mfu") != std::string::npos;
+                    key.find("mfu") != std::string::npos || key.find("rank") != std::string::npos;
   return (perf ? "perf/" : "train/") + key;
 }
 
