@@ -20,7 +20,7 @@ def tag_of(key):
     if key.startswith("val_"):
         return "val/" + key[4:]
     perf = (key.endswith(("_s", "_ms", "_per_s", "_bytes", "_mib", "_gib")) or "_ms_" in key or "mem" in key
-            or "mfu" in key)
+            or "mfu" in key or "rank" in key)
     return ("perf/" if perf else "train/") + key
 
 

@@ -67,6 +67,8 @@ TEST(TensorBoard, TagMap) {
   EXPECT_EQ(tensorboard_tag("mfu"), "perf/mfu");
   EXPECT_EQ(tensorboard_tag("peak_mem_mib"), "perf/peak_mem_mib");
   EXPECT_EQ(tensorboard_tag("step_ms_max"), "perf/step_ms_max");
+  EXPECT_EQ(tensorboard_tag("wait_ms_median"), "perf/wait_ms_median");
+  EXPECT_EQ(tensorboard_tag("slowest_rank"), "perf/slowest_rank");
   EXPECT_EQ(tensorboard_tag("skipped_updates"), "train/skipped_updates");
 }
 
