@@ -2,7 +2,7 @@
 #   make deps    install the Debian packages (scripts/install-deps.sh; root or sudo)
 #   make build   build/shardtrain, the test binaries and (with nvcc) the CUDA plugin build/libshardtrain_cuda.so
 #   make test    every test (unit, multi-rank under mpirun, end-to-end); prints "N passed, M failed"
-#   make demo    2-rank training run on the bundled default corpus (Debian's fortunes); loss curves in build/demo-loss.png
+#   make demo    2-rank training run on the bundled default corpus (Debian's fortunes); loss curves in build/demo-loss.png, TensorBoard files in build/demo-tb
 #   make jobs-test  installation checks of the Slurm job files on one node (tests/jobs/run.sh, < 3 min)
 #   make slurm-test the job scripts under a real Slurm: a private two-node cluster on this machine (tests/slurm/run.sh, ~2 min)
 #   make bench   benchmarks (tinyshakespeare if ../shared/data has it) and the PyTorch peer; results for docs/benchmarks.md
@@ -192,8 +192,10 @@ slurm-test: deps build venv data
 # Train on 2 ranks (a fresh run each time), export the last checkpoint to Hugging Face layout on
 # one rank, and sample from it.
 demo: deps build data
-	rm -rf $(BUILD)/demo-ckpt
+	rm -rf $(BUILD)/demo-ckpt $(BUILD)/demo-tb
 	time $(MPIRUN) -np 2 $(BUILD)/shardtrain --config jobs/demo.ini
+	@echo "--- TensorBoard event files (jobs/demo.ini: tensorboard = $(BUILD)/demo-tb): $$(ls $(BUILD)/demo-tb)"
+	@echo "    watch: $(VENV)/bin/tensorboard --logdir $(BUILD)/demo-tb   (then open http://localhost:6006)"
 	$(BUILD)/shardtrain --mode export $(BUILD)/demo-ckpt/$$(cat $(BUILD)/demo-ckpt/latest) --out $(BUILD)/demo-hf
 	@echo "--- sample (--mode generate, temperature 0.8, top-k 40):"
 	@$(BUILD)/shardtrain --mode generate $(BUILD)/demo-ckpt/$$(cat $(BUILD)/demo-ckpt/latest) --prompt "The secret of life is" --max-new-tokens 300

@@ -45,6 +45,7 @@ struct TrainConfig {
   int64_t eval_every = 100;    // steps between evaluations; 0 = only at the end
   int eval_batches = 4;        // global batches of the validation split per evaluation
   std::string metrics_path;    // JSON lines, rank 0; empty = none
+  std::string tensorboard_dir;  // TensorBoard event files of the metrics records, rank 0 (tensorboard.h); empty = none
   // Checkpoints (docs/checkpoint-format.md).
   std::string checkpoint_dir;  // empty: no checkpoints
   int64_t checkpoint_every = 0;  // steps between saves; 0: only at the end

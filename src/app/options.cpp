@@ -73,7 +73,8 @@ po::options_description describe(Options& o) {
       ("log-every", po::value<int64_t>(&t.log_every)->default_value(t.log_every), "steps between log lines")
       ("eval-every", po::value<int64_t>(&t.eval_every)->default_value(t.eval_every), "steps between validation evaluations; 0 = only at the end")
       ("eval-batches", po::value<int>(&t.eval_batches)->default_value(t.eval_batches), "global batches of the validation split per evaluation")
-      ("metrics", po::value<std::string>(&t.metrics_path), "JSON-lines metrics file written by rank 0");
+      ("metrics", po::value<std::string>(&t.metrics_path), "JSON-lines metrics file written by rank 0")
+      ("tensorboard", po::value<std::string>(&t.tensorboard_dir), "directory for TensorBoard event files of the same records (rank 0 writes; created if missing): tensorboard --logdir DIR, or wandb sync --sync-tensorboard DIR");
   po::options_description mem("Memory (train, plan)");
   mem.add_options()
       ("activation-checkpointing", po::value<std::string>(&o.activation_checkpointing)->default_value(o.activation_checkpointing), "none | selective (keep GEMM outputs, recompute elementwise parts) | full (keep each block's input, recompute the block in backward); gradients are identical")

@@ -15,6 +15,7 @@
 #include "resume.h"
 #include "shardtrain/checkpoint.h"
 #include "shardtrain/memory_plan.h"
+#include "shardtrain/tensorboard.h"
 #include "shardtrain/train.h"
 
 namespace shardtrain {
@@ -71,6 +72,8 @@ template <typename C> class Trainer {
   StepOutcome train_step(int64_t s);
   void log_step(int64_t s, const StepOutcome& o);
   void evaluate_at(int64_t step);
+  void write_record(const nlohmann::json& j);
+  void check_outputs();
   void save(int64_t step, bool wait);
   void collect_save(int64_t s);
   void log_background_save(const AsyncCheckpointWriter::Result& r, double waited_s, int64_t now);
@@ -97,6 +100,7 @@ template <typename C> class Trainer {
   std::string resume_path_;  // the checkpoint resumed from; "" for a fresh start
   int64_t last_step_ = 0;    // the loop stops after this step (--stop-at-step or --steps)
   std::ofstream metrics_;    // rank 0, with --metrics
+  std::unique_ptr<TensorBoardWriter> tb_;  // rank 0, with --tensorboard
   TrainResult res_;
   Interval interval_;
   std::vector<std::string> hosts_;  // every rank's host (its processor name), to name a straggler's node
@@ -342,7 +346,18 @@ template <typename C> void Trainer<C>::prepare_outputs() {
       err = "cannot write metrics file '" + tc_.metrics_path + "' (option '--metrics'): " + e.what();
     }
   }
+  std::string tb_note;
+  if (comm_.rank() == 0 && !tc_.tensorboard_dir.empty() && err.empty()) {
+    try {  // a new event file; its START event at the first step to train hides later steps of earlier files
+      tb_ = std::make_unique<TensorBoardWriter>(tc_.tensorboard_dir, state_.step + 1);
+      tb_note = tb_->note();
+    } catch (const std::exception& e) {
+      err = e.what();
+    }
+  }
   all_ok(comm_, err.empty(), err);
+  if (!tb_note.empty()) log_info(comm_, tb_note);
+  if (tb_) log_info(comm_, "tensorboard: writing '" + tb_->path() + "' (tensorboard --logdir " + tc_.tensorboard_dir + ")");
 }
 
 template <typename C> void Trainer<C>::log_setup() {
@@ -467,7 +482,7 @@ template <typename C> void Trainer<C>::log_step(int64_t s, const StepOutcome& o)
                         fmt("%.0f", sl.tokens_per_s) + " tok/s | exposed comm " + fmt("%.1f", sl.exposed_comm_ms) +
                         " ms/step | " + (eng_.peak_flops > 0 ? "MFU " + fmt("%.1f", mfu) + "% | " : std::string()) +
                         fmt("%.1f", sl.elapsed_s) + " s" + straggler);
-    if (metrics_.is_open()) {
+    if (metrics_.is_open() || tb_) {
       nlohmann::json j = {{"step", sl.step}, {"loss", o.loss}, {"lr", o.lr}, {"grad_norm", o.grad_norm},
                           {"tokens_per_s", sl.tokens_per_s}, {"elapsed_s", sl.elapsed_s},
                           {"compute_ms", sl.compute_ms}, {"comm_ms", sl.comm_ms},
@@ -477,11 +492,9 @@ template <typename C> void Trainer<C>::log_step(int64_t s, const StepOutcome& o)
                           {"wait_ms_median", sl.ranks.wait_median}, {"wait_ms_max", sl.ranks.wait_max},
                           {"slowest_rank", sl.ranks.slowest}};
       if (sl.ranks.flagged) j["straggler_rank"] = sl.ranks.slowest;
-      metrics_ << j.dump() << "\n" << std::flush;
+      write_record(j);
     }
-    if (!tc_.metrics_path.empty())  // rank 0 writes; everybody learns whether it could
-      all_ok(comm_, !metrics_.is_open() || metrics_.good(),
-             "cannot write metrics file '" + tc_.metrics_path + "' (option '--metrics')");
+    check_outputs();
   }
   res_.steps.push_back(sl);
 }
@@ -491,7 +504,26 @@ template <typename C> void Trainer<C>::evaluate_at(int64_t step) {
   const double vl = evaluate(mesh_, *model_, *units_, data_, tc_, tc_.eval_batches);
   res_.evals.push_back({step, vl});
   log_info(comm_, "eval step " + std::to_string(step) + " | val_loss " + fmt("%.4f", vl));
-  if (metrics_.is_open()) metrics_ << nlohmann::json({{"step", step}, {"val_loss", vl}}).dump() << "\n" << std::flush;
+  if (metrics_.is_open() || tb_) write_record({{"step", step}, {"val_loss", vl}});
+  check_outputs();
+}
+
+// Rank 0: one metrics record to the --metrics file and the --tensorboard event file, each flushed.
+template <typename C> void Trainer<C>::write_record(const nlohmann::json& j) {
+  if (metrics_.is_open()) metrics_ << j.dump() << "\n" << std::flush;
+  if (tb_) tb_->write(j);
+}
+
+// Collective when --metrics or --tensorboard is given (the same on every rank): rank 0 wrote, every
+// rank learns whether it could.
+template <typename C> void Trainer<C>::check_outputs() {
+  if (!tc_.metrics_path.empty())
+    all_ok(comm_, !metrics_.is_open() || metrics_.good(),
+           "cannot write metrics file '" + tc_.metrics_path + "' (option '--metrics')");
+  if (!tc_.tensorboard_dir.empty())
+    all_ok(comm_, !tb_ || tb_->good(),
+           "cannot write TensorBoard event file '" + (tb_ ? tb_->path() : tc_.tensorboard_dir) +
+               "' (option '--tensorboard')");
 }
 
 // Collective: the checkpoint of `step` (the mesh decided in co_ which ranks write their rows). A
