@@ -20,6 +20,7 @@
 #include "shardtrain/data.h"
 #include "shardtrain/files.h"
 #include "shardtrain/memory_plan.h"
+#include "shardtrain/mfu.h"
 #include "shardtrain/mesh.h"
 #include "shardtrain/options.h"
 #include "shardtrain/prepare.h"
@@ -218,7 +219,7 @@ Backends make_backends(Comm& comm, const Topology& topo, const Options& o, const
   if (!dp.cuda && mixed)
     log_info(comm, "note: bf16 on the CPU is emulated (float math, bf16 rounding): slow, meant for testing");
   // MFU in the log: the job's peak is world size x the slowest rank's GPU peak (0 if any GPU is unknown).
-  double peak = dp.cuda ? gpu_peak_bf16_flops(ctx->device_name()) : 0.0;
+  double peak = dp.cuda ? gpu_peak_flops(ctx->device_name(), mixed) : 0.0;
   comm.all_reduce(&peak, 1, ReduceOp::Min);
   b.job_peak = peak * topo.world_size;
   return b;
