@@ -20,6 +20,7 @@
 #include "shardtrain/data.h"
 #include "shardtrain/files.h"
 #include "shardtrain/memory_plan.h"
+#include "shardtrain/mfu.h"
 #include "shardtrain/mesh.h"
 #include "shardtrain/options.h"
 #include "shardtrain/prepare.h"
@@ -167,6 +168,84 @@ DevicePlan place_devices(Comm& comm, const Topology& topo, const Options& o, std
   return dp;
 }
 
+std::string num(const char* f, double v) {
+  char b[64];
+  std::snprintf(b, sizeof b, f, v);
+  return b;
+}
+
+// The job's peak FLOP/s for MFU (mfu.h): the sum of the ranks' device peaks -- --peak-tflops, the GPU
+// table by each rank's device name and the run's precision, or the CPU's sgemm rate measured here
+// (all ranks at once) -- or 0 (MFU n/a) when any rank's is unknown or the ranks share cores. Logs
+// one line saying which figure and where it comes from. Collective; after the backends exist (the
+// CPU measurement runs on the rank's threads, with OpenBLAS as the backend set it).
+double job_peak_flops(Comm& comm, const Options& o, const DevicePlan& dp, const ThreadPlan& tp, const CudaContext* ctx) {
+  const int W = comm.world_size();
+  const bool bf16 = o.train.precision == Precision::BF16;
+  const std::string ranks = std::to_string(W) + (W == 1 ? " rank" : " ranks");
+  if (o.peak_tflops_given) {
+    const double job = o.peak_tflops * 1e12 * W;
+    log_info(comm, "MFU peak: --peak-tflops " + num("%g", o.peak_tflops) + " TFLOP/s per rank's device x " + ranks +
+                       " = " + num("%g", job / 1e12) + " TFLOP/s");
+    return job;
+  }
+  // Per-rank figures, then their sum, range and whether any is unknown (0).
+  auto gather = [&](double mine, double* sum, double* lo, double* hi) {
+    std::vector<double> all(static_cast<size_t>(W));
+    comm.all_gather(&mine, all.data(), 1);
+    *sum = 0;
+    *lo = *hi = all[0];
+    for (double v : all) {
+      *sum += v;
+      *lo = std::min(*lo, v);
+      *hi = std::max(*hi, v);
+    }
+  };
+  if (dp.cuda) {
+    const std::string name = ctx->device_name();
+    const double mine = gpu_peak_flops(name, bf16);
+    int64_t first_unknown = mine > 0 ? W : comm.rank();
+    comm.all_reduce(&first_unknown, 1, ReduceOp::Min);
+    if (first_unknown < W) {
+      const std::string who = comm.broadcast_string(name, static_cast<int>(first_unknown));
+      const bool fp32_only = !bf16 && find_gpu_peak(who) != nullptr;  // in the table without an FP32 figure
+      log_info(comm, unknown_peak_message(who + (fp32_only ? " in fp32" : "")) +
+                         (W > 1 ? " (rank " + std::to_string(first_unknown) + ")" : ""));
+      return 0;
+    }
+    double sum = 0, lo = 0, hi = 0;
+    gather(mine, &sum, &lo, &hi);
+    const GpuPeak* p = find_gpu_peak(name);
+    log_info(comm, std::string("MFU peak: ") + (bf16 ? "dense bf16 tensor-core" : "plain FP32 (CUDA cores, not TF32)") +
+                       " peak of " + (lo == hi ? name + " (" + p->source + "): " + std::to_string(W) + " x " +
+                                                     num("%.1f", hi / 1e12) + " TFLOP/s"
+                                                : "the ranks' GPUs, " + num("%.1f", lo / 1e12) + " to " +
+                                                      num("%.1f", hi / 1e12) + " TFLOP/s (rank 0: " + name + ")") +
+                       (W > 1 ? " = " + num("%.1f", sum / 1e12) + " TFLOP/s" : ""));
+    return sum;
+  }
+  if (tp.cores_shared) {  // the same on every rank (plan_threads sees every rank's mask)
+    log_info(comm, "CPU peak not measured: cores shared (" + tp.shared_why + "): MFU n/a; --peak-tflops sets it");
+    return 0;
+  }
+  comm.barrier();  // every rank measures at once, as they will train
+  const GemmRate g = measure_sgemm_rate(tp.threads);
+  double sum = 0, lo = 0, hi = 0;
+  gather(g.flops_per_thread * g.threads, &sum, &lo, &hi);
+  double secs = g.seconds;
+  comm.all_reduce(&secs, 1, ReduceOp::Max);
+  const std::string threads = tp.per_rank + (tp.per_rank == "1" ? " thread" : " threads");
+  log_info(comm, "CPU peak (measured: sgemm " + std::to_string(g.n) + "^3 on every thread at once, best of " +
+                     std::to_string(g.reps) + ", " + blas_selection().corename + " kernels, " + threads + " x " +
+                     ranks + ", " + num("%.2f", secs) + " s): " +
+                     (lo == hi || hi - lo < 0.0005 * hi ? std::to_string(W) + " x " + num("%.1f", hi / 1e9) + " GFLOP/s"
+                                                        : "ranks " + num("%.1f", lo / 1e9) + " to " +
+                                                              num("%.1f", hi / 1e9) + " GFLOP/s") +
+                     (W > 1 ? " = " + num("%.1f", sum / 1e9) + " GFLOP/s" : "") +
+                     (bf16 ? "; bf16 is emulated on the CPU: MFU is against this fp32 GEMM peak" : ""));
+  return sum;
+}
+
 // This rank's backends (fp32, and bf16 for mixed precision) on the planned device and, on GPUs, the
 // mesh's device communicators (NCCL, or MPI on host copies); logs the device line and notes.
 struct Backends {
@@ -217,10 +296,7 @@ Backends make_backends(Comm& comm, const Topology& topo, const Options& o, const
                    "reduced in fp32");
   if (!dp.cuda && mixed)
     log_info(comm, "note: bf16 on the CPU is emulated (float math, bf16 rounding): slow, meant for testing");
-  // MFU in the log: the job's peak is world size x the slowest rank's GPU peak (0 if any GPU is unknown).
-  double peak = dp.cuda ? gpu_peak_bf16_flops(ctx->device_name()) : 0.0;
-  comm.all_reduce(&peak, 1, ReduceOp::Min);
-  b.job_peak = peak * topo.world_size;
+  b.job_peak = job_peak_flops(comm, o, dp, tp, ctx.get());
   return b;
 }
 

@@ -131,6 +131,21 @@ GemmCheckResult check_gemm(const GemmFn<float>& sgemm, const GemmFn<double>& dge
 // exercised on a machine whose kernels are correct.
 GemmCheckResult check_openblas_gemm();
 
+// The CPU's own GEMM limit, for MFU (mfu.h), measured with this process's kernel set.
+struct GemmRate {
+  double flops_per_thread = 0;  // best rate of one thread, FLOP/s (2 n^3 per sgemm)
+  int threads = 0, n = 0, reps = 0;
+  double seconds = 0;           // wall time of the whole measurement
+};
+// Runs an n x n x n single-threaded sgemm (row-major NN, fp32; what the CPU backend runs on each
+// thread, one tile per call) on each of `threads` OpenMP threads at the same time, repeated until
+// `budget_s` is spent (at least 2, at most 8 times), and keeps the fastest repetition: the first
+// pays page faults and OpenBLAS's buffers. All threads at once, so that what the cores share
+// (clock under full load, caches, memory bandwidth) is in the figure. Sets OpenBLAS to one thread
+// for the calls and restores its count. n = 1024 takes ~20 ms per repetition with AVX-512 kernels
+// (~100 GFLOP/s per core), ~0.15 s with SSE ones. Never throws; threads < 1 counts as 1.
+GemmRate measure_sgemm_rate(int threads, int n = 1024, double budget_s = 0.25);
+
 // What select_blas_kernels decided, for the log (blas_report).
 struct BlasSelection {
   std::string library;       // "OpenBLAS 0.3.21" (from openblas_get_config())

@@ -54,6 +54,13 @@ struct ThreadPlan {
                                       // CPUs in the mask (names mpirun's '--bind-to none' and
                                       // Slurm's '--cpus-per-task'), or ranks sharing CPUs with
                                       // more threads in all than CPUs
+  // Some rank of the job has no cores of its own: the threads of the ranks of its node whose masks
+  // overlap its mask (its own included) outnumber the physical cores in its mask (so also when
+  // --threads exceeds them). A measured CPU peak would then be a share, not the machine's: the
+  // CPU MFU is not measured (mfu.h). shared_why says where, e.g. "rank 0: 4 threads of 4 ranks on
+  // 2 cores (CPUs 0-1)"; "" when not shared.
+  bool cores_shared = false;
+  std::string shared_why;
 };
 
 // Pure: the plan of rank `rank` from every rank's placement (ranks[r] for rank r) and the

@@ -37,10 +37,7 @@ bool cuda_built();
 // asking the driver (only device placement logic may be tested this way; nothing runs on them).
 int cuda_device_count(std::string* why = nullptr);
 
-// Dense bf16 tensor-core peak of a GPU from its name (cudaDeviceProp::name), FLOP/s, for MFU:
-// H100/H200 SXM 989e12, H100 PCIe 756e12, A100 312e12, L40S 362e12 (NVIDIA data sheets, without
-// sparsity). 0 for a GPU not in the table (MFU is then not printed).
-double gpu_peak_bf16_flops(const std::string& device_name);
+// The peak FLOP/s of a device by its name (for MFU) is in shardtrain/mfu.h (gpu_peak_flops).
 
 // How the ranks of a run use devices; the result of plan_devices().
 struct DevicePlan {

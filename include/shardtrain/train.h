@@ -166,13 +166,25 @@ struct Engine {
   const Mesh& mesh;               // dimensions, communicators, who reads / writes / counts what (mesh.h)
   Backend<float>& be;             // fp32: master shards, AdamW, and fp32 compute
   Backend<bf16>* be16 = nullptr;  // bf16 compute; required when TrainConfig::precision == BF16
-  double peak_flops = 0;          // dense bf16 peak of all ranks' devices together, FLOP/s; 0 = unknown (no MFU)
+  double peak_flops = 0;          // the job's peak FLOP/s for MFU, all ranks together (mfu.h); 0 = unknown (MFU n/a)
 };
 
-// Model FLOPs per trained token at sequence length T (forward + backward): 6 N for the weight
-// matrices plus 12 L Q T for attention scores and their use (PaLM, Chowdhery et al. 2022,
-// appendix B, with Q = NH * head_dim, the query width: C unless config.json gives another
-// head_dim). N = the model's parameter count. MFU = tokens/s * this / peak FLOP/s.
+// Model FLOPs per trained token at sequence length T (forward + backward), as PaLM counts them
+// (Chowdhery et al. 2022, "PaLM: Scaling Language Modeling with Pathways", appendix B; also
+// nanoGPT's estimate_mfu):
+//     flops_per_token = 6 N + 12 L H Q T
+//   6 N: 2 FLOPs per multiply-add of each weight, once forward and twice backward (input and
+//     weight gradients). N = the weights that multiply: every parameter of the model
+//     (ModelConfig::num_params) except an untied input embedding table, which is a row lookup
+//     (nanoGPT leaves its position-embedding table out for the same reason; a tied table counts
+//     once, as the LM head's matrix). GQA's narrower K/V projections and SwiGLU's three matrices
+//     enter through N; the RMSNorm weights (2 C per layer + C) stay in N, as in PaLM (< 0.01%).
+//   12 L H Q T: attention's two T-long products per token and layer (scores Q K^T, then P V),
+//     2 FLOPs each multiply-add, x3 for forward and backward; L layers, H = num_attention_heads,
+//     Q = head_dim (H Q = hidden_size unless config.json gives head_dim), T = --seq-len. Causal
+//     masking is not halved (PaLM does not), so MFU is comparable with PaLM's and nanoGPT's.
+// Recomputation (--activation-checkpointing) is not counted: model FLOPs, not hardware FLOPs.
+// MFU = tokens/s x this / the job's peak FLOP/s (mfu.h).
 double flops_per_token(const ModelConfig& c, int T);
 
 // Collective. Trains `model_cfg` on `data` with `tc`, from a fresh init or from the checkpoint

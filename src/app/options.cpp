@@ -74,7 +74,8 @@ po::options_description describe(Options& o) {
       ("eval-every", po::value<int64_t>(&t.eval_every)->default_value(t.eval_every), "steps between validation evaluations; 0 = only at the end")
       ("eval-batches", po::value<int>(&t.eval_batches)->default_value(t.eval_batches), "global batches of the validation split per evaluation")
       ("metrics", po::value<std::string>(&t.metrics_path), "JSON-lines metrics file written by rank 0")
-      ("tensorboard", po::value<std::string>(&t.tensorboard_dir), "directory for TensorBoard event files of the same records (rank 0 writes; created if missing): tensorboard --logdir DIR, or wandb sync --sync-tensorboard DIR");
+      ("tensorboard", po::value<std::string>(&t.tensorboard_dir), "directory for TensorBoard event files of the same records (rank 0 writes; created if missing): tensorboard --logdir DIR, or wandb sync --sync-tensorboard DIR")
+      ("peak-tflops", po::value<double>(&o.peak_tflops), "MFU: the peak of each rank's device, TFLOP/s (GPU: dense bf16, or plain FP32 for fp32 runs; CPU: what its cores can do); replaces the GPU peak table and the CPU's measured peak. Default: the table by the GPU's name, or measured at start-up on the CPU");
   po::options_description mem("Memory (train, plan)");
   mem.add_options()
       ("activation-checkpointing", po::value<std::string>(&o.activation_checkpointing)->default_value(o.activation_checkpointing), "none | selective (keep GEMM outputs, recompute elementwise parts) | full (keep each block's input, recompute the block in backward); gradients are identical")
@@ -197,6 +198,10 @@ void validate(const Options& o) {
   if (o.mode == "inspect") check(!o.checkpoint.empty(), "checkpoint", "is required with --mode inspect (or give the file as an argument)");
   if (!o.dump_param.empty()) check(!o.dump_out.empty(), "dump-out", "is required with --dump-param");
   check(o.threads >= 0 && o.threads <= 1024, "threads", "must be in [0, 1024]");
+  if (o.peak_tflops_given) {
+    finite(o.peak_tflops, "peak-tflops");
+    check(o.peak_tflops > 0, "peak-tflops", "must be > 0 (TFLOP/s of each rank's device)");
+  }
   check(o.device == "auto" || o.device == "cpu" || o.device == "cuda", "device", "must be auto, cpu or cuda, got '" + o.device + "'");
   check(o.gpu_comm == "nccl" || o.gpu_comm == "mpi", "gpu-comm", "must be nccl or mpi, got '" + o.gpu_comm + "'");
   if (!o.shard_group_size.empty()) resolve_shard_group_size(o.shard_group_size, 0, 0);  // the form only
@@ -347,6 +352,7 @@ Options parse_options(Comm& comm, int argc, char** argv) {
       }
     }
     o.train.accept_changes = keys;
+    o.peak_tflops_given = vm.count("peak-tflops") > 0;
     o.help = vm.count("help") > 0;
     if (o.help) {
       std::ostringstream os;

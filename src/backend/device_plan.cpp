@@ -49,15 +49,6 @@ DevicePlan plan_devices(const std::string& device, const std::string& gpu_comm, 
   return p;
 }
 
-double gpu_peak_bf16_flops(const std::string& name) {
-  auto has = [&](const char* s) { return name.find(s) != std::string::npos; };
-  if (has("H100 PCIe")) return 756e12;
-  if (has("H100") || has("H200") || has("GH200")) return 989e12;
-  if (has("A100")) return 312e12;
-  if (has("L40S")) return 362e12;
-  return 0;
-}
-
 void check_gpu_sharing(const DevicePlan& p, int ranks_on_gpu, int local_size, int devices, const std::string& host) {
   if (!p.cuda || !p.nccl || ranks_on_gpu <= 1) return;
   throw std::invalid_argument(

@@ -123,6 +123,18 @@ ThreadPlan plan_threads(const std::vector<RankCpus>& ranks, int rank, int reques
                    (group.size() > 1 ? " each" : "");
     }
   }
+  // Cores to itself: the threads of the ranks whose masks overlap this one fit in its cores.
+  for (int r = 0; r < world && !p.cores_shared; ++r) {
+    int load = 0;
+    for (int s = 0; s < world; ++s)
+      if (ranks[s].host == ranks[r].host && overlap(ranks[s].cpus, ranks[r].cpus)) load += threads[s];
+    if (load <= std::max(1, ranks[r].cores)) continue;
+    p.cores_shared = true;
+    p.shared_why = "rank " + std::to_string(r) + ": " + std::to_string(load) + " threads of " +
+                   std::to_string(sharing[r]) + (sharing[r] == 1 ? " rank" : " ranks") + " on " +
+                   std::to_string(ranks[r].cores) + (ranks[r].cores == 1 ? " core (" : " cores (") +
+                   cpus_phrase(ranks[r].cpus) + ")";
+  }
   const int most_sharing = *std::max_element(sharing.begin(), sharing.end());
   if (most_sharing > 1)
     p.binding += ", shared by up to " + std::to_string(most_sharing) + " ranks";

@@ -109,10 +109,12 @@ StragglerStats straggler_stats(const std::vector<double>& compute_ms, const std:
 }
 
 double flops_per_token(const ModelConfig& c, int T) {
-  // Attention scores and weighted values: 2 products of T x (NH*HD) per token and layer, forward
-  // and twice backward; NH*HD is the query width, not hidden_size when head_dim is given.
-  const double q_width = static_cast<double>(c.num_attention_heads) * c.head_dim();
-  return 6.0 * static_cast<double>(c.num_params()) + 12.0 * c.num_hidden_layers * q_width * static_cast<double>(T);
+  // train.h has the formula and why. N leaves out an untied input embedding (a lookup, no FLOPs).
+  const double lookup = c.tie_word_embeddings ? 0.0 : static_cast<double>(c.vocab_size) * c.hidden_size;
+  const double N = static_cast<double>(c.num_params()) - lookup;
+  // H Q: the query width num_attention_heads x head_dim, not hidden_size when head_dim is given.
+  const double HQ = static_cast<double>(c.num_attention_heads) * c.head_dim();
+  return 6.0 * N + 12.0 * c.num_hidden_layers * HQ * static_cast<double>(T);
 }
 
 ModelOptions model_options(const TrainConfig& tc) {

@@ -16,6 +16,7 @@
 #include "shardtrain/checkpoint.h"
 #include "shardtrain/memory_plan.h"
 #include "shardtrain/tensorboard.h"
+#include "shardtrain/mfu.h"
 #include "shardtrain/train.h"
 
 namespace shardtrain {
@@ -106,6 +107,7 @@ template <typename C> class Trainer {
   std::vector<std::string> hosts_;  // every rank's host (its processor name), to name a straggler's node
   int64_t slow_rank_ms_ = 0;        // test hook SHARDTRAIN_TEST_SLOW_RANK: this rank sleeps this long per step
   Clock::time_point t_start_;  // the loop's start: elapsed_s of the step lines
+  Clock::time_point t_first_;  // the end of this process's first step: the ETA's mean step time from there
   // The checkpoint saves (with --checkpoint-dir): a background writer thread on a communicator of
   // its own (--checkpoint-async on) or synchronous. Last member: destroyed (joined) first.
   std::unique_ptr<AsyncCheckpointWriter> writer_;
@@ -457,6 +459,7 @@ template <typename C> void Trainer<C>::log_step(int64_t s, const StepOutcome& o)
   StepLog sl;
   sl.step = s + 1;
   sl.loss = o.loss, sl.lr = o.lr, sl.grad_norm = o.grad_norm, sl.elapsed_s = seconds_since(t_start_);
+  if (s == state_.step) t_first_ = Clock::now();  // the ETA leaves out this process's first (warm-up) step
   if ((s + 1) % tc_.log_every == 0 || s + 1 == last_step_ || s == state_.step) {
     const double n = static_cast<double>(interval_.steps);
     sl.tokens_per_s = static_cast<double>(tc_.global_batch) * tc_.seq_len * n / interval_.seconds;
@@ -476,12 +479,13 @@ template <typename C> void Trainer<C>::log_step(int64_t s, const StepOutcome& o)
                                fmt("%.0f", sl.ranks.compute_max) + " ms/step vs median " +
                                fmt("%.0f", sl.ranks.compute_median)
                          : std::string();
-    const double mfu = eng_.peak_flops > 0 ? 100.0 * sl.tokens_per_s * flops_per_token(mc_, tc_.seq_len) / eng_.peak_flops : 0;
+    const double mfu = mfu_percent(sl.tokens_per_s, flops_per_token(mc_, tc_.seq_len), eng_.peak_flops);  // < 0: n/a
+    const double eta = eta_seconds(seconds_since(t_first_), s - state_.step, tc_.steps - (s + 1));  // < 0: n/a
+    const int64_t seen = tokens_of(state_.segments, s + 1);  // every step since 0, through resumes
     log_info(comm_, "step " + std::to_string(s + 1) + "/" + std::to_string(tc_.steps) + " | loss " + fmt("%.4f", o.loss) +
                         " | lr " + fmt("%.3e", o.lr) + " | grad_norm " + fmt("%.4f", o.grad_norm) + " | " +
                         fmt("%.0f", sl.tokens_per_s) + " tok/s | exposed comm " + fmt("%.1f", sl.exposed_comm_ms) +
-                        " ms/step | " + (eng_.peak_flops > 0 ? "MFU " + fmt("%.1f", mfu) + "% | " : std::string()) +
-                        fmt("%.1f", sl.elapsed_s) + " s" + straggler);
+                        " ms/step" + straggler + " | " + step_line_tail(mfu, sl.elapsed_s, eta, seen));
     if (metrics_.is_open() || tb_) {
       nlohmann::json j = {{"step", sl.step}, {"loss", o.loss}, {"lr", o.lr}, {"grad_norm", o.grad_norm},
                           {"tokens_per_s", sl.tokens_per_s}, {"elapsed_s", sl.elapsed_s},
@@ -490,8 +494,10 @@ template <typename C> void Trainer<C>::log_step(int64_t s, const StepOutcome& o)
                           {"compute_ms_min", sl.ranks.compute_min}, {"compute_ms_median", sl.ranks.compute_median},
                           {"compute_ms_max", sl.ranks.compute_max}, {"wait_ms_min", sl.ranks.wait_min},
                           {"wait_ms_median", sl.ranks.wait_median}, {"wait_ms_max", sl.ranks.wait_max},
-                          {"slowest_rank", sl.ranks.slowest}};
+                          {"slowest_rank", sl.ranks.slowest}, {"tokens_seen", seen}};
       if (sl.ranks.flagged) j["straggler_rank"] = sl.ranks.slowest;
+      if (mfu >= 0) j["mfu"] = mfu / 100;  // fraction of the peak; left out when the peak is unknown
+      if (eta >= 0) j["eta_s"] = eta;
       write_record(j);
     }
     check_outputs();

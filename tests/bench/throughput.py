@@ -28,7 +28,11 @@ Every run is launched by the same mpirun command (same process placement: Open M
   rank_usage.py); the whole run includes start-up (importing torch) and compilation;
 * warm-up: elapsed_s at the window's first step (compilation included);
 * the final training loss (both programs see the same batches from the same initial weights,
-  so their losses agree to about 4 digits).
+  so their losses agree to about 4 digits);
+* MFU (issue 30): shardtrain's window tokens/s x FLOPs per token / the CPU peak it measured at
+  start-up (its metrics' mfu / tokens_per_s is FLOPs per token / peak); each peer run is given the
+  same (same model, same FLOPs, same machine) with the shardtrain run of its round: the peer's
+  tokens/s against shardtrain's measured peak. "—" when shardtrain measured none (cores shared).
 Prints every run, then the ratios (shardtrain / peer, per round; min and max over rounds) against
 issue 12's targets, and writes build/bench/throughput.json (everything) and build/bench/peer.md (a
 block for docs/benchmarks.md: machine, date, BLAS of each program, tables). Timings are noisy on
@@ -159,6 +163,15 @@ def run_one(a, case_name, case, program, rnd):
              cpu_s_per_1k_tokens=1000 * (cpu[last] - cpu[w0]) / tokens, run_cpu_s=sum(x["cpu_s"] for x in ranks),
              rss_mib=[x["maxrss_mib"] for x in ranks], warmup_s=by_step[w0]["elapsed_s"],
              first_loss=by_step[min(by_step)]["loss"], final_loss=by_step[last]["loss"])
+    # MFU: FLOPs per token / the job's peak, from any row that has an mfu (the peak is the run's).
+    per = [x["mfu"] / x["tokens_per_s"] for x in by_step.values() if "mfu" in x and x.get("tokens_per_s")]
+    if per:
+        r["flops_per_peak"] = per[-1]
+        r["mfu"] = r["tokens_per_s"] * per[-1]
+    with open(log) as f:
+        m = re.search(r"(?m)^(CPU peak .*|MFU peak: .*|MFU n/a .*)$", f.read())
+    if m:
+        r["peak_line"] = m.group(1)
     return r
 
 
@@ -168,7 +181,8 @@ def describe(r):
     return (f"{r['case']:9} {r['program']:13} round {r['round']}: {r['tokens_per_s']:8.0f} tok/s, "
             f"CPU {r['window_cpu_s']:6.1f} s in window ({r['cpu_s_per_1k_tokens']:.3f} s/1k tokens), "
             f"{r['run_cpu_s']:6.1f} s whole run; peak RSS/rank " + "/".join(f"{x:.0f}" for x in r["rss_mib"])
-            + f" MiB; warm-up {r['warmup_s']:.1f} s; loss {r['first_loss']:.4f} -> {r['final_loss']:.4f}; wall {r['wall_s']:.0f} s")
+            + f" MiB; warm-up {r['warmup_s']:.1f} s; loss {r['first_loss']:.4f} -> {r['final_loss']:.4f}; wall {r['wall_s']:.0f} s"
+            + (f"; MFU {100 * r['mfu']:.1f}%" if "mfu" in r else ""))
 
 
 def ratios(results, case, peer):
@@ -181,6 +195,13 @@ def ratios(results, case, peer):
             out.append((s["tokens_per_s"] / q["tokens_per_s"], q["cpu_s_per_1k_tokens"] / s["cpu_s_per_1k_tokens"],
                         max(s["rss_mib"]) / max(q["rss_mib"])))
     return out
+
+
+def mfu_scale(results, case, rnd):
+    """[FLOPs per token / peak] of the shardtrain run of `case` in round `rnd`, or [] (none measured)."""
+    return [r["flops_per_peak"] for r in results
+            if r["case"] == case and r["round"] == rnd and r["program"] == "shardtrain" and r["rc"] == 0
+            and "flops_per_peak" in r]
 
 
 def peers(a):
@@ -247,23 +268,28 @@ def markdown(a, results, env):
          "model), gloo, same config.json, data, batches, initial weights, schedule and AdamW settings.",
          f"Data: `{os.path.relpath(a.data)}`. Common settings: {' '.join(COMMON)}."
          + (f" baseline: `{a.baseline}` (same arguments as shardtrain, `{a.bin}`)." if a.baseline else ""), "",
-         "| case | program | tokens/s | CPU-s per 1k tokens (window, all ranks) | peak RSS of the largest rank, MiB | warm-up, s | final loss |",
-         "|---|---|---:|---:|---:|---:|---:|"]
+         "| case | program | tokens/s | CPU-s per 1k tokens (window, all ranks) | peak RSS of the largest rank, MiB | warm-up, s | final loss | MFU (shardtrain's measured CPU peak) |",
+         "|---|---|---:|---:|---:|---:|---:|---:|"]
+    peaks = []
     for cn in a.cases:
         c = CASES[cn]
         for prog in a.programs:
             rs = [r for r in results if r["case"] == cn and r["program"] == prog and r["rc"] == 0]
             if not rs:
-                L.append(f"| {cn} | {prog} | failed | | | | |")
+                L.append(f"| {cn} | {prog} | failed | | | | | |")
                 continue
+            mfu = [100 * r["tokens_per_s"] * fp for r in rs for fp in mfu_scale(results, cn, r["round"])]
+            peaks += [f"{cn} round {r['round']}: {r['peak_line']}" for r in rs if prog == "shardtrain" and "peak_line" in r]
             L.append(f"| {cn} | {prog} | {span([r['tokens_per_s'] for r in rs], '{:,.0f}')} | "
                      f"{span([r['cpu_s_per_1k_tokens'] for r in rs], '{:.3f}')} | "
                      f"{span([max(r['rss_mib']) for r in rs], '{:.0f}')} | {span([r['warmup_s'] for r in rs], '{:.1f}')} | "
-                     f"{span([r['final_loss'] for r in rs], '{:.4f}')} |")
+                     f"{span([r['final_loss'] for r in rs], '{:.4f}')} | {span(mfu, '{:.1f}%')} |")
     L += ["", "Cases: " + "; ".join(
         f"{cn}: `{CASES[cn]['config']}`, {CASES[cn]['np']} rank(s) x {CASES[cn]['threads']} thread(s), seq-len "
         f"{CASES[cn]['seq_len']}, {CASES[cn]['steps']} steps timed from step {CASES[cn]['window']}, warm-up "
-        f"{CASES[cn]['warmup']}" for cn in a.cases) + ". Ranges are min – max over rounds.", "",
+        f"{CASES[cn]['warmup']}" for cn in a.cases) + ". Ranges are min – max over rounds. MFU: tokens/s x "
+        "FLOPs per token (PaLM's 6N + 12LHQT, README) / the CPU peak shardtrain measured at start-up in the same "
+        "round, the peers' tokens/s against that same peak. shardtrain's peaks:", ""] + [f"* {x}" for x in peaks] + ["",
         "| shardtrain against | tokens/s ratio | target | met | CPU-s per token, peer / shardtrain | peak RSS, shardtrain / peer | ≤ 0.5 |",
         "|---|---:|---|---|---:|---:|---|"]
     for cn in a.cases:

@@ -132,3 +132,32 @@ TEST(CpuAffinity, BadArguments) {
   EXPECT_THROW(st::plan_threads(ranks, 1, 0), std::invalid_argument);
   EXPECT_THROW(st::plan_threads(ranks, 0, -1), std::invalid_argument);
 }
+
+// Whether the ranks have their cores to themselves (the CPU peak is measured only then).
+TEST(CpuAffinity, CoresSharedForTheMeasuredPeak) {
+  // mpirun -np 2 on 2 cores: each rank bound to its core.
+  EXPECT_FALSE(st::plan_threads({rank_on(1, 2, {0}), rank_on(1, 2, {1})}, 0, 0).cores_shared);
+  // --bind-to none, 2 ranks x 1 thread on 2 cores: the masks overlap, but the threads fit.
+  const std::vector<st::RankCpus> two(2, rank_on(1, 2, {0, 1}));
+  EXPECT_FALSE(st::plan_threads(two, 0, 0).cores_shared);
+  EXPECT_TRUE(st::plan_threads(two, 0, 0).shared_why.empty());
+  // ... with --threads 2: 4 threads on 2 cores.
+  EXPECT_TRUE(st::plan_threads(two, 1, 2).cores_shared);
+  // mpirun -np 4 --oversubscribe on 2 cores: every rank sees both, 4 threads on 2 cores; every
+  // rank knows it (the flag is the job's, not the rank's).
+  const std::vector<st::RankCpus> four(4, rank_on(1, 2, {0, 1}));
+  for (int r = 0; r < 4; ++r) {
+    const st::ThreadPlan p = st::plan_threads(four, r, 0);
+    EXPECT_TRUE(p.cores_shared) << r;
+    EXPECT_EQ(p.shared_why, "rank 0: 4 threads of 4 ranks on 2 cores (CPUs 0-1)");
+  }
+  // Two ranks bound to the same core (a launcher's mistake).
+  EXPECT_TRUE(st::plan_threads({rank_on(1, 2, {0}), rank_on(1, 2, {0})}, 1, 0).cores_shared);
+  // One rank, --threads beyond its mask.
+  EXPECT_TRUE(st::plan_threads({rank_on(1, 8, range(0, 4))}, 0, 8).cores_shared);
+  EXPECT_FALSE(st::plan_threads({rank_on(1, 8, range(0, 4))}, 0, 4).cores_shared);
+  // The same masks on different nodes do not share.
+  EXPECT_FALSE(st::plan_threads({rank_on(1, 2, {0, 1}), rank_on(2, 2, {0, 1})}, 0, 0).cores_shared);
+  // Hyperthreads: 2 logical CPUs of one core, 2 threads: shared (one core).
+  EXPECT_TRUE(st::plan_threads({rank_on(1, 4, {0, 1}, 1)}, 0, 2).cores_shared);
+}

@@ -77,26 +77,3 @@ TEST(DevicePlan, RefusalsNameTheOption) {
             std::string::npos);
 }
 
-TEST(DevicePlan, PeakFlopsTable) {
-  EXPECT_EQ(st::gpu_peak_bf16_flops("NVIDIA H200"), 989e12);
-  EXPECT_EQ(st::gpu_peak_bf16_flops("NVIDIA H100 80GB HBM3"), 989e12);
-  EXPECT_EQ(st::gpu_peak_bf16_flops("NVIDIA H100 PCIe"), 756e12);
-  EXPECT_EQ(st::gpu_peak_bf16_flops("NVIDIA A100-SXM4-80GB"), 312e12);
-  EXPECT_EQ(st::gpu_peak_bf16_flops("Tesla T4"), 0.0);
-}
-
-// flops_per_token against the PaLM formula evaluated from the architecture by hand (the parameter
-// count summed per matrix here, not taken from ModelConfig::num_params).
-TEST(DevicePlan, FlopsPerTokenIsPalmFormula) {
-  st::ModelConfig wide = st::preset("tiny");  // head_dim given: NH * HD = 4 * 24 = 96 != C = 32
-  wide.head_dim_override = 24;
-  for (const char* name : {"llama-125m", "llama-350m", "tiny", "llama-1b", "wide"}) {
-    st::ModelConfig c = std::string(name) == "wide" ? wide : st::preset(name);
-    const double C = c.hidden_size, I = c.intermediate_size, V = c.vocab_size, L = c.num_hidden_layers;
-    const double Q = c.num_attention_heads * c.head_dim(), KV = c.num_key_value_heads * c.head_dim();
-    const double block = 2 * C + C * Q + 2 * C * KV + Q * C + 3 * C * I;
-    const double N = V * C + L * block + C + (c.tie_word_embeddings ? 0 : V * C);
-    for (int T : {64, 1024})
-      EXPECT_DOUBLE_EQ(st::flops_per_token(c, T), 6 * N + 12 * L * Q * T) << name << " T=" << T;
-  }
-}

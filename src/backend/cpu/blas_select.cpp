@@ -2,10 +2,12 @@
 #include "shardtrain/blas_select.h"
 
 #include <cblas.h>
+#include <omp.h>
 #include <dlfcn.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cctype>
 #include <cerrno>
 #include <cmath>
@@ -408,6 +410,50 @@ GemmCheckResult check_openblas_gemm() {
   GemmCheckResult r = check_gemm(sgemm, dgemm);
   if (inject && !r.ok) r.detail += " [made to fail by " + std::string(kTestFail) + "]";
   return r;
+}
+
+GemmRate measure_sgemm_rate(int threads, int n, double budget_s) {
+  using Clock = std::chrono::steady_clock;
+  GemmRate g;
+  g.threads = std::max(1, threads);
+  g.n = std::max(16, n);
+  const size_t nn = static_cast<size_t>(g.n) * g.n;
+  const int saved = openblas_get_num_threads();
+  openblas_set_num_threads(1);
+  const auto t_begin = Clock::now();
+  Clock::time_point t0;
+  double best = 0;
+  bool stop = false;
+#pragma omp parallel num_threads(g.threads)
+  {
+    // Each thread's own operands, first touched by it (its NUMA node). Values in [0.5, 1.5): no
+    // denormals, no overflow at K = n.
+    std::vector<float> A(nn), B(nn), C(nn);
+    for (size_t i = 0; i < nn; ++i) {
+      A[i] = 0.5f + static_cast<float>(i % 97) / 97.0f;
+      B[i] = 1.5f - static_cast<float>(i % 89) / 89.0f;
+    }
+    for (int rep = 0; rep < 8; ++rep) {
+#pragma omp barrier
+#pragma omp single
+      t0 = Clock::now();
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, g.n, g.n, g.n, 1.0f, A.data(), g.n, B.data(), g.n, 0.0f,
+                  C.data(), g.n);
+#pragma omp barrier
+#pragma omp single
+      {
+        const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
+        best = std::max(best, 2.0 * static_cast<double>(g.n) * g.n * g.n / std::max(dt, 1e-9));
+        g.reps = rep + 1;
+        stop = g.reps >= 2 && std::chrono::duration<double>(Clock::now() - t_begin).count() >= budget_s;
+      }  // implicit barrier: every thread reads the same `stop`
+      if (stop) break;
+    }
+  }
+  openblas_set_num_threads(saved);
+  g.flops_per_thread = best;
+  g.seconds = std::chrono::duration<double>(Clock::now() - t_begin).count();
+  return g;
 }
 
 const BlasSelection& blas_selection() { return g_sel; }
