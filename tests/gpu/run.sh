@@ -382,7 +382,8 @@ same_h5() {
   if [ -x "${B:-}/bin/h5diff" ]; then h5diff=$B/bin/h5diff; elif command -v h5diff >/dev/null; then h5diff=h5diff; fi
   if [ -n "$h5diff" ]; then
     if "$h5diff" -r "$1" "$2" >"$L/h5diff.log" 2>&1; then echo "equal (h5diff -r: every group, dataset and attribute)"; return 0; fi
-    echo "h5diff -r: $(grep -c . "$L/h5diff.log") lines of differences: $(head -c 300 "$L/h5diff.log")"
+    echo "h5diff -r: $(grep -cE '^[1-9][0-9]* differences? found' "$L/h5diff.log") objects differ, e.g." \
+      "$(grep -B1 -m3 -E '^[1-9][0-9]* differences? found' "$L/h5diff.log" | grep -v '^--' | paste -sd' ' | head -c 300)"
     return 1
   fi
   # Neither: shardtrain's own reader (metadata, checksums verified; parameters bitwise; the AdamW
