@@ -241,6 +241,13 @@ fi
 
 # ---- size -------------------------------------------------------------------------------------
 bytes=$(du -sb "$B" | cut -f1)
+if [ -e "$B/libexec/h5diff" ] && [ "$bytes" -gt $((LIMIT_MIB * 1048576)) ]; then
+  # h5diff is optional (run.sh falls back to shardtrain --mode inspect): dropped, with the serial
+  # HDF5 library that only it needs, rather than the bundle failing its limit.
+  rm -f "$B/libexec/h5diff" "$B/bin/h5diff" "$B"/lib/libhdf5_serial.so*
+  echo "  h5diff left out: the bundle would exceed $LIMIT_MIB MiB with it"
+  bytes=$(du -sb "$B" | cut -f1)
+fi
 mib=$(awk -v b="$bytes" 'BEGIN {printf "%.1f", b / 1048576}')
 echo "bundle: $B: $mib MiB ($(find "$B" -type f | wc -l) files; needs glibc >= $(cat "$B/GLIBC_REQUIRED") or uses its own)"
 du -sh "$B"/* | sort -h | tail -5 | sed 's/^/  /'
