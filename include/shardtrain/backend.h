@@ -16,14 +16,18 @@
 //    float and bf16 storage, double for double. Arithmetic happens in S; bf16 is only stored.
 //  - Calls are ordered: each call sees the results of the previous ones. A device backend may run
 //    them asynchronously on its stream; calls that return a value to the host (sum_squares,
-//    cross_entropy, to_host) wait for the queued work first.
+//    cross_entropy, to_host) wait for the queued work first. to_host_async alone runs on a stream
+//    of its own (ordered after the calls before it), until wait_host_copies.
 //  - Nothing throws except allocation (std::bad_alloc) and device failures (std::runtime_error
 //    naming the CUDA/cuBLAS call); shape errors are the caller's bug.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
+#include <new>
 #include <utility>
 
 #include "shardtrain/bf16.h"
@@ -66,6 +70,30 @@ template <typename T> class Backend {
   virtual void free_acc(S* p) = 0;
   // Waits until every queued call has finished (no-op on the CPU).
   virtual void synchronize() = 0;
+
+  // ---- staging to the host (checkpoint snapshots) ---------------------------------------------
+  // `bytes` of host memory that to_host_async copies into fastest: page-locked ("pinned",
+  // cudaHostAlloc) on a GPU, so that the copy is a DMA of the copy engine that blocks no stream but
+  // its own; plain host memory (64-byte aligned) on the CPU. Contents unspecified (not zeroed).
+  // Expensive on a GPU (the pages are locked): allocate once and reuse. Throws std::bad_alloc.
+  // The default is the CPU's: malloc'ed memory.
+  virtual void* alloc_pinned_host(size_t bytes) {
+    void* p = std::aligned_alloc(64, (std::max<size_t>(bytes, 1) + 63) / 64 * 64);
+    if (!p) throw std::bad_alloc();
+    return p;
+  }
+  // Frees memory of alloc_pinned_host (nullptr: nothing), after the copies into it have finished.
+  // Never throws.
+  virtual void free_pinned_host(void* p) noexcept { std::free(p); }
+  // Copies n elements of backend memory `src` to host memory `host` (alloc_pinned_host's, or any
+  // host memory): the copy sees the results of every call queued before it and delays none queued
+  // after it. On a GPU it is queued on a copy stream of the backend's own, after an event recorded
+  // on the compute stream, and may still run on return: `host` must not be read, nor `src`
+  // written, before wait_host_copies() returns. Default (the CPU): to_host, done on return.
+  virtual void to_host_async(T* host, const T* src, size_t n) { to_host(host, src, n); }
+  // Waits until every to_host_async so far has finished (the host's wait for the copy stream
+  // alone; the compute stream runs on). No-op on the CPU (the default).
+  virtual void wait_host_copies() {}
 
   // ---- precision conversion (mixed precision: fp32 master shards <-> compute type T) ---------
   // dst[i] = T(src[i]), rounding to nearest even for bf16. n elements; src is fp32 memory of the

@@ -9,8 +9,9 @@
 //                        file holds (read_checkpoint_info) and whether it fits a model;
 //   checkpoint_data.cpp  tensor data: the named sharded tensors (ShardedTensors), snapshots of
 //                        them, their hyperslabs and CRC32s, loading with resharding.
-// Saving is snapshot (a host copy, take_checkpoint_snapshot) -> write (write_checkpoint_file) ->
-// publish (save_checkpoint does all three).
+// Saving is snapshot (a host copy, take_checkpoint_snapshot; on a GPU into pinned host memory, a
+// SnapshotBuffer, on a copy stream) -> write (write_checkpoint_file) -> publish (save_checkpoint
+// does all three).
 //
 // Layout: docs/checkpoint-format.md (enough to rebuild every tensor with h5py alone).
 // HDF5 reference: https://docs.hdfgroup.org/hdf5/v1_10/ (H5P_SET_FAPL_MPIO, H5Sselect_hyperslab).
@@ -171,9 +172,40 @@ struct ShardedTensors {
 // The parameter shards of `f` as the tensor "params" (its plan, plan rank and backend).
 ShardedTensors sharded_params(ShardedState<float>& f);
 
-// What one save writes, owned: host copies of this rank's rows of every tensor, and the metadata.
-// Taking it is the only part of a save that reads the training state: once taken, training may
-// change the tensors while the snapshot is written.
+// Host memory for the snapshots of one run, allocated once and reused by every save: one block of
+// Backend::alloc_pinned_host (page-locked on a GPU, so that the device-to-host copies are DMAs at
+// full bandwidth; plain host memory on the CPU) holding this rank's rows of `tensors` tensors,
+// [tensor][unit] one after the other, plan.units[u].shard_size floats each. Pinning is slow and
+// fresh pages cost a first touch: both are paid once per run, not per save. The backend must
+// outlive it. Snapshots taken into it share its ownership (CheckpointSnapshot::buffer); a new one
+// overwrites the bytes of the one before, so take it only after that one's write has ended
+// (Trainer::save waits for the write in flight first).
+class SnapshotBuffer {
+ public:
+  // Throws std::bad_alloc (from the backend) when the memory cannot be had.
+  SnapshotBuffer(Backend<float>& be, const ShardPlan& plan, size_t tensors);
+  ~SnapshotBuffer();
+  SnapshotBuffer(const SnapshotBuffer&) = delete;
+  SnapshotBuffer& operator=(const SnapshotBuffer&) = delete;
+  size_t tensors() const { return tensors_; }
+  size_t units() const { return offset_.size(); }
+  int64_t shard_size(size_t unit) const { return size_[unit]; }
+  // Tensor k's rows of unit u: shard_size(u) floats.
+  float* rows(size_t k, size_t u) const { return base_ + k * per_tensor_ + offset_[u]; }
+  uint64_t bytes() const { return 4 * static_cast<uint64_t>(per_tensor_) * tensors_; }
+
+ private:
+  Backend<float>* be_;
+  float* base_ = nullptr;
+  size_t tensors_ = 0, per_tensor_ = 0;  // per_tensor_: floats of one tensor's rows (all units)
+  std::vector<size_t> offset_;           // [unit] first float of its rows within a tensor's
+  std::vector<int64_t> size_;            // [unit] shard_size
+};
+
+// What one save writes: this rank's rows of every tensor (owned copies, rows in a SnapshotBuffer,
+// or borrowed live rows) and the metadata. Taking it is the only part of a save that reads the
+// training state: once taken (copied), training may change the tensors while the snapshot is
+// written.
 struct CheckpointSnapshot {
   ShardPlan plan;        // the tensors' layout (units, shard sizes, parameter tables)
   int plan_rank = 0;     // the row of every unit these copies are
@@ -188,24 +220,36 @@ struct CheckpointSnapshot {
     std::string name;
     std::vector<std::vector<float>> shards;  // [unit] plan.units[u].shard_size floats (a copy)
     // A borrowed snapshot (take_checkpoint_snapshot with borrow): [unit] the live rows in host
-    // memory, not owned; `shards` is then empty.
+    // memory, not owned; or the copies in `buffer` (a snapshot taken into a SnapshotBuffer).
+    // `shards` is then empty.
     std::vector<const float*> view;
     size_t units() const { return view.empty() ? shards.size() : view.size(); }
     const float* rows(size_t u) const { return view.empty() ? shards[u].data() : view[u]; }
   };
   std::vector<Tensor> tensors;  // in the order of the ShardedTensors it was taken from
-  // Bytes of tensor data held by this rank (4 B x elements of every copy; 0 when borrowed).
+  // The SnapshotBuffer holding the copies, when taken into one (kept alive by the snapshot).
+  std::shared_ptr<const SnapshotBuffer> buffer;
+  // Bytes of tensor data copied by this rank (4 B x elements of every copy, owned or in `buffer`;
+  // 0 when borrowed).
   uint64_t bytes() const;
 };
 
-// Copies this rank's rows of every tensor of `t` to host memory (the backend's to_host; on a GPU,
-// synchronous) with the metadata. Not collective. Throws std::invalid_argument when a tensor's
-// shard count differs from the plan's units or its name is not in checkpoint_tensor_names().
+// Copies this rank's rows of every tensor of `t` to host memory with the metadata. Not collective.
+// Throws std::invalid_argument when a tensor's shard count differs from the plan's units or its name
+// is not in checkpoint_tensor_names(), or when `into` does not fit `t` (fewer tensors, other units
+// or shard sizes).
 // `borrow` (a save written before the tensors change again: synchronous saves): on a backend whose
 // memory is host memory (Backend::host_kernels) the snapshot points at the live rows instead of
 // copying them, so a synchronous save costs no memory; elsewhere it copies as without borrow.
+// `into` (the trainer's, made once per run): the copies go into it, tensor k of `t` into its rows
+// of tensor k, through the backend's to_host_async (on a GPU: on the copy stream, into pinned
+// memory, after everything queued on the compute stream, i.e. the step's optimizer update), and
+// the copies are waited for (wait_host_copies) before this returns: the snapshot is the state at
+// the call, bitwise, whatever the compute stream does next. Without `into`: owned std::vectors,
+// filled with to_host (on a GPU, synchronous on the compute stream).
 CheckpointSnapshot take_checkpoint_snapshot(const ShardedTensors& t, const ModelConfig& mc, const std::string& train_config,
-                                            const TrainState& state, bool write_shards = true, bool borrow = false);
+                                            const TrainState& state, bool write_shards = true, bool borrow = false,
+                                            std::shared_ptr<SnapshotBuffer> into = nullptr);
 
 // Collective. Writes a complete checkpoint file of `snap` at `path` (no rename, no `latest`): the
 // building block of save_checkpoint, also used by import. Every rank passes a snapshot of the same

@@ -52,6 +52,12 @@ struct DevicePlan {
 // has). Under SHARDTRAIN_FAKE_CUDA_DEVICES: "fake-GPU-<device>". Throws std::runtime_error.
 std::string cuda_device_uuid(int device);
 
+// What the CUDA runtime knows of the memory at `p` (cudaPointerGetAttributes): "device",
+// "pinned host" (page-locked: cudaHostAlloc, Backend::alloc_pinned_host on a GPU), "managed", or
+// "host" (pageable memory, unknown to CUDA). For tests and diagnostics; loads the plugin. Throws
+// std::runtime_error (no plugin, or the runtime fails).
+std::string cuda_memory_kind(const void* p);
+
 // What cuda_device_count and cuda_device_uuid ask when SHARDTRAIN_FAKE_CUDA_DEVICES is not set:
 // the driver, then the plugin's CUDA runtime (src/backend/cuda_plugin.cpp), or the stand-ins of a
 // build without CUDA (the same file).

@@ -51,11 +51,14 @@ struct MemoryLine {
   std::string name;    // e.g. "AdamW m and v shards"
   int64_t bytes = 0;   // per rank
   std::string detail;  // how it is computed, e.g. "2 x 4 B x 31,457,280 elements"
+  // Host memory in a GPU rank's (device) plan: listed, not counted in total() (the checkpoint
+  // snapshot's pinned host memory).
+  bool host = false;
 };
 
 struct MemoryPlan {
   std::vector<MemoryLine> lines;
-  int64_t total() const;
+  int64_t total() const;  // the lines' bytes, host lines excepted
   // A table for the log: one line per item, MiB and detail, then the total.
   std::string format(const std::string& title) const;
 };

@@ -48,6 +48,7 @@ int cuda_runtime_device_count(std::string* why) {
   return 0;
 }
 std::string cuda_runtime_device_uuid(int) { no_cuda(); }
+std::string cuda_memory_kind(const void*) { no_cuda(); }
 std::unique_ptr<CudaContext> CudaContext::create(int) { no_cuda(); }
 template <typename T> std::unique_ptr<Backend<T>> make_cuda_backend(CudaContext&) { no_cuda(); }
 template std::unique_ptr<Backend<float>> make_cuda_backend<float>(CudaContext&);
@@ -194,6 +195,8 @@ int cuda_runtime_device_count(std::string* why) {
 }
 
 std::string cuda_runtime_device_uuid(int device) { return need_plugin().device_uuid(device); }
+
+std::string cuda_memory_kind(const void* p) { return need_plugin().memory_kind(p); }
 
 std::unique_ptr<CudaContext> CudaContext::create(int device) { return need_plugin().create_context(device); }
 

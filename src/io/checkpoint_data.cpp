@@ -69,15 +69,31 @@ ShardedTensors sharded_params(ShardedState<float>& f) {
   return t;
 }
 
+SnapshotBuffer::SnapshotBuffer(Backend<float>& be, const ShardPlan& plan, size_t tensors) : be_(&be), tensors_(tensors) {
+  for (auto& up : plan.units) {
+    offset_.push_back(per_tensor_);
+    size_.push_back(up.shard_size);
+    // Each unit's rows start on a 64-byte boundary (16 floats), as a separate allocation would.
+    per_tensor_ += (static_cast<size_t>(up.shard_size) + 15) / 16 * 16;
+  }
+  base_ = static_cast<float*>(be.alloc_pinned_host(4 * std::max<size_t>(per_tensor_ * tensors_, 1)));
+}
+
+SnapshotBuffer::~SnapshotBuffer() { be_->free_pinned_host(base_); }
+
 uint64_t CheckpointSnapshot::bytes() const {
   uint64_t b = 0;
   for (auto& t : tensors)
     for (auto& s : t.shards) b += 4 * static_cast<uint64_t>(s.size());
+  if (buffer)
+    for (size_t k = 0; k < tensors.size(); ++k)
+      for (size_t u = 0; u < buffer->units(); ++u) b += 4 * static_cast<uint64_t>(buffer->shard_size(u));
   return b;
 }
 
 CheckpointSnapshot take_checkpoint_snapshot(const ShardedTensors& t, const ModelConfig& mc, const std::string& train_config,
-                                            const TrainState& state, bool write_shards, bool borrow) {
+                                            const TrainState& state, bool write_shards, bool borrow,
+                                            std::shared_ptr<SnapshotBuffer> into) {
   if (!t.plan || !t.backend) throw std::invalid_argument("take_checkpoint_snapshot: no plan or backend");
   std::vector<std::string> names;
   std::vector<size_t> counts;
@@ -86,6 +102,16 @@ CheckpointSnapshot take_checkpoint_snapshot(const ShardedTensors& t, const Model
     counts.push_back(x.shards.size());
   }
   check_tensor_set(*t.plan, names, counts, "take_checkpoint_snapshot");
+  const bool borrowed = borrow && t.backend->host_kernels();
+  if (into && !borrowed) {
+    bool fits = into->tensors() >= t.tensors.size() && into->units() == t.plan->units.size();
+    for (size_t u = 0; fits && u < into->units(); ++u) fits = into->shard_size(u) == t.plan->units[u].shard_size;
+    if (!fits)
+      throw std::invalid_argument("take_checkpoint_snapshot: the snapshot buffer does not fit the tensors (" +
+                                  std::to_string(into->tensors()) + " tensors of " + std::to_string(into->units()) +
+                                  " units, given " + std::to_string(t.tensors.size()) + " of " +
+                                  std::to_string(t.plan->units.size()) + ")");
+  }
   CheckpointSnapshot s;
   s.plan = *t.plan;
   s.plan_rank = t.plan_rank;
@@ -93,19 +119,30 @@ CheckpointSnapshot take_checkpoint_snapshot(const ShardedTensors& t, const Model
   s.state = state;
   s.model_config = canonical_json(mc);
   s.train_config = train_config;
-  for (auto& x : t.tensors) {
+  for (size_t k = 0; k < t.tensors.size(); ++k) {
+    const ShardedTensor& x = t.tensors[k];
     CheckpointSnapshot::Tensor c{x.name, {}, {}};
-    if (borrow && t.backend->host_kernels()) {
+    if (borrowed) {
       c.view.assign(x.shards.begin(), x.shards.end());
-      s.tensors.push_back(std::move(c));
-      continue;
-    }
-    c.shards.resize(x.shards.size());
-    for (size_t u = 0; u < x.shards.size(); ++u) {
-      c.shards[u].resize(static_cast<size_t>(s.plan.units[u].shard_size));
-      t.backend->to_host(c.shards[u].data(), x.shards[u], c.shards[u].size());
+    } else if (into) {  // queued on the copy stream, waited for below
+      for (size_t u = 0; u < x.shards.size(); ++u) {
+        t.backend->to_host_async(into->rows(k, u), x.shards[u], static_cast<size_t>(s.plan.units[u].shard_size));
+        c.view.push_back(into->rows(k, u));
+      }
+    } else {
+      c.shards.resize(x.shards.size());
+      for (size_t u = 0; u < x.shards.size(); ++u) {
+        c.shards[u].resize(static_cast<size_t>(s.plan.units[u].shard_size));
+        t.backend->to_host(c.shards[u].data(), x.shards[u], c.shards[u].size());
+      }
     }
     s.tensors.push_back(std::move(c));
+  }
+  if (into && !borrowed) {
+    // Synchronous: the copies end here, before the caller queues the next step's update of the
+    // shards (a GPU's compute stream is not made to wait: nothing after this call may start early).
+    t.backend->wait_host_copies();
+    s.buffer = std::move(into);
   }
   return s;
 }

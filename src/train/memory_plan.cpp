@@ -33,7 +33,8 @@ int64_t peak_rss_bytes() { return status_kib("VmHWM") * 1024; }
 
 int64_t MemoryPlan::total() const {
   int64_t t = 0;
-  for (auto& l : lines) t += l.bytes;
+  for (auto& l : lines)
+    if (!l.host) t += l.bytes;
   return t;
 }
 
@@ -61,7 +62,7 @@ MemoryPlan plan_memory(const MemoryPlanInput& in) {
   const bool bf = in.precision == Precision::BF16;
   MemoryPlan p;
   auto add = [&](std::string name, int64_t bytes, std::string detail) {
-    p.lines.push_back({std::move(name), bytes, std::move(detail)});
+    p.lines.push_back({std::move(name), bytes, std::move(detail), false});
   };
   const std::string sh = with_commas(shard) + " shard elements (" + with_commas(in.model.num_params()) + " / " +
                          std::to_string(G) + (G != in.world_size ? " ranks of a shard group" : "") + ", padded)";
@@ -69,12 +70,16 @@ MemoryPlan plan_memory(const MemoryPlanInput& in) {
   add("fp32 gradient shards", 4 * shard, "4 B x " + sh);
   add("AdamW m and v shards", 8 * shard, "2 x 4 B x " + sh);
   // A background save first copies every checkpoint tensor's rows (CheckpointSnapshot, host
-  // memory); a synchronous one writes from the live shards on the CPU (a borrowed snapshot).
-  if (!in.cuda && !in.train.checkpoint_dir.empty() && in.train.checkpoint_async) {
-    const int64_t n = static_cast<int64_t>(checkpoint_tensor_names().size());
-    add("checkpoint snapshot (while saving in the background)", 4 * n * shard,
-        std::to_string(n) + " x 4 B x " + sh + "; --checkpoint-async off: none");
-  }
+  // memory); a synchronous one writes from the live shards on the CPU (a borrowed snapshot). On a
+  // GPU every save copies, into pinned host memory (a SnapshotBuffer, made once per run): host
+  // memory, listed in the device plan but not counted in its total.
+  const int64_t ntensors = static_cast<int64_t>(checkpoint_tensor_names().size());
+  if (!in.cuda && !in.train.checkpoint_dir.empty() && in.train.checkpoint_async)
+    add("checkpoint snapshot (while saving in the background)", 4 * ntensors * shard,
+        std::to_string(ntensors) + " x 4 B x " + sh + "; --checkpoint-async off: none");
+  if (in.cuda && !in.train.checkpoint_dir.empty())
+    p.lines.push_back({"checkpoint snapshot (pinned host memory, not in the device total)", 4 * ntensors * shard,
+                       std::to_string(ntensors) + " x 4 B x " + sh + "; allocated once, reused by every save", true});
   const std::string mx = with_commas(maxp) + " elements, the largest unit";
   const int64_t nbuf = (in.overlap.on ? 1 + in.overlap.prefetch : 1) + (in.overlap.on ? 2 : 1);  // gather + gradient
   const std::string nb = std::to_string(nbuf) + " x ";

@@ -9,7 +9,10 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <memory>
+#include <new>
 #include <nlohmann/json.hpp>
+#include <stdexcept>
 #include <thread>
 
 #include "resume.h"
@@ -100,6 +103,9 @@ template <typename C> class Trainer {
   TrainState state_;         // the facts of the run: step, batch history, data and tokenizer record, layout
   std::string resume_path_;  // the checkpoint resumed from; "" for a fresh start
   int64_t last_step_ = 0;    // the loop stops after this step (--stop-at-step or --steps)
+  // Host memory of the snapshots that copy (every save on a GPU, pinned; background saves on the
+  // CPU), made once at setup and reused by every save. Declared before writer_: outlives its thread.
+  std::shared_ptr<SnapshotBuffer> snap_buf_;
   std::ofstream metrics_;    // rank 0, with --metrics
   std::unique_ptr<TensorBoardWriter> tb_;  // rank 0, with --tensorboard
   TrainResult res_;
@@ -129,8 +135,23 @@ Trainer<C>::Trainer(Engine& eng, const ModelConfig& mc, const TrainConfig& tc, c
   record_data();
   prepare_outputs();
   gather_hosts();
-  if (!tc_.checkpoint_dir.empty())  // collective: duplicates the world communicator for the writer
+  if (!tc_.checkpoint_dir.empty()) {  // collective: duplicates the world communicator for the writer
     writer_ = std::make_unique<AsyncCheckpointWriter>(comm_, tc_.checkpoint_async, mesh_.collective_timeout());
+    // A snapshot copies unless it can borrow the live rows (synchronous saves on the CPU).
+    const ShardedTensors ct = checkpoint_tensors(*f_, opt_.get());
+    if (!ct.backend->host_kernels() || writer_->asynchronous())
+      agree(comm_, [&] {
+        try {
+          snap_buf_ = std::make_shared<SnapshotBuffer>(*ct.backend, *ct.plan, ct.tensors.size());
+        } catch (const std::bad_alloc&) {
+          uint64_t n = 0;
+          for (auto& up : ct.plan->units) n += static_cast<uint64_t>(up.shard_size);
+          throw std::runtime_error("cannot allocate the checkpoint snapshot buffer (" +
+                                   fmt("%.1f", 4.0 * static_cast<double>(n * ct.tensors.size()) / (1 << 20)) + " MiB of " +
+                                   (ct.backend->host_kernels() ? "host" : "pinned host") + " memory)");
+        }
+      });
+  }
   log_setup();
 }
 
@@ -393,6 +414,10 @@ template <typename C> void Trainer<C>::log_setup() {
                                          std::to_string(checkpoint_write_delay_ms()) + " delays every background write"
                                    : std::string())
                         : std::string("checkpoints: synchronous: training waits for every save"));
+    if (snap_buf_ && !f_->backend().host_kernels())
+      log_info(comm_, "checkpoints: snapshots copied on a copy stream into " +
+                          fmt("%.1f", static_cast<double>(snap_buf_->bytes()) / (1 << 20)) +
+                          " MiB of pinned host memory per rank (allocated once)");
   }
 }
 
@@ -559,7 +584,8 @@ template <typename C> void Trainer<C>::save(int64_t step, bool wait) {
   CheckpointSnapshot snap =
       take_checkpoint_snapshot(checkpoint_tensors(*f_, opt_.get()), mc_,
                                train_config_json(tc_, st.world_size, st.shard_group_size), st, co_.write_shards,
-                               /*borrow=*/!writer_->asynchronous() || wait);  // written before training goes on
+                               /*borrow=*/!writer_->asynchronous() || wait,  // written before training goes on
+                               snap_buf_);  // a copy (on a GPU: pinned memory, copy stream), waited for
   const double snap_s = seconds_since(t1);
   const double mbytes = 3.0 * 4.0 * static_cast<double>(f_->plan().total_numel()) / 1e6;
   const std::string waited = waited_s > 0 ? ", of which " + fmt("%.2f", waited_s) + " s waiting for the previous write" : "";

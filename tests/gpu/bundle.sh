@@ -6,7 +6,8 @@
 #   1. Builds build-gpu/shardtrain, gpu_tests and attention_bench with MARCH=x86-64-v3 (AVX2/FMA: not
 #      -march=native, whose instructions the device's CPU may lack; build/ is left alone).
 #   2. .gpu-bundle/libexec: shardtrain, gpu_tests, attention_bench and the CUDA plugin libshardtrain_cuda.so beside them
-#      (strip --strip-debug; the binaries dlopen it from their own directory) and Open MPI's orterun / orted;
+#      (strip --strip-debug; the binaries dlopen it from their own directory), Open MPI's orterun / orted
+#      and, when installed, HDF5's h5diff (run.sh compares checkpoint files with it where h5py is missing);
 #      .gpu-bundle/bin: wrappers that set LD_LIBRARY_PATH and OPAL_PREFIX (Open MPI relocated, in
 #      Debian's layout lib/x86_64-linux-gnu/openmpi/lib/openmpi3, share/openmpi, etc/) and exec them.
 #   3. .gpu-bundle/lib: every shared library they and the kept MCA / PMIx plugins need (ldd,
@@ -67,6 +68,10 @@ strip --strip-debug -o "$B/libexec/attention_bench" "$BUILD/attention_bench"
 strip --strip-debug -o "$B/libexec/libshardtrain_cuda.so" "$BUILD/libshardtrain_cuda.so"
 cp "$(readlink -f "$(command -v orterun)")" "$B/libexec/orterun"
 cp "$(readlink -f "$(command -v orted)")" "$B/libexec/orted"
+# HDF5's h5diff (hdf5-tools), when installed: run.sh stage 4b compares checkpoint files with it where
+# the device's Python has no h5py.
+H5DIFF=$(command -v h5diff || true)
+if [ -n "$H5DIFF" ]; then cp "$(readlink -f "$H5DIFF")" "$B/libexec/h5diff"; fi
 
 wrapper() {  # wrapper NAME TARGET: bin/NAME runs libexec/TARGET
   cat >"$B/bin/$1" <<EOF
@@ -93,6 +98,7 @@ wrapper attention_bench attention_bench
 wrapper mpirun orterun
 wrapper orterun orterun
 wrapper orted orted
+if [ -e "$B/libexec/h5diff" ]; then wrapper h5diff h5diff; fi
 
 # ---- 3. Open MPI / PMIx plugins and data files ------------------------------------------------
 for p in "$PKGLIBDIR"/*.so; do
@@ -235,6 +241,13 @@ fi
 
 # ---- size -------------------------------------------------------------------------------------
 bytes=$(du -sb "$B" | cut -f1)
+if [ -e "$B/libexec/h5diff" ] && [ "$bytes" -gt $((LIMIT_MIB * 1048576)) ]; then
+  # h5diff is optional (run.sh falls back to shardtrain --mode inspect): dropped, with the serial
+  # HDF5 library that only it needs, rather than the bundle failing its limit.
+  rm -f "$B/libexec/h5diff" "$B/bin/h5diff" "$B"/lib/libhdf5_serial.so*
+  echo "  h5diff left out: the bundle would exceed $LIMIT_MIB MiB with it"
+  bytes=$(du -sb "$B" | cut -f1)
+fi
 mib=$(awk -v b="$bytes" 'BEGIN {printf "%.1f", b / 1048576}')
 echo "bundle: $B: $mib MiB ($(find "$B" -type f | wc -l) files; needs glibc >= $(cat "$B/GLIBC_REQUIRED") or uses its own)"
 du -sh "$B"/* | sort -h | tail -5 | sed 's/^/  /'

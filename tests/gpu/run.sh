@@ -12,12 +12,18 @@
 #   1. environment: GPU, driver, nvcc, glibc, where the CUDA libraries were found; a token file
 #      made by --mode prepare from the bundled fortunes
 #   2. gpu_tests (GoogleTest: the CUDA backend against the CPU backend), 1 rank
+#   2b. checkpoint snapshots (gtest Gpu.CheckpointSnapshot*): pinned host memory (cudaMemoryTypeHost),
+#      copies on the copy stream ordered after the queued updates, isolated from the next ones
 #   3. training equivalence, 20 steps of `tiny` (and `test-uneven`): GPU fp32 vs CPU fp32 within 1e-4
 #      relative at every step, GPU bf16 vs CPU fp32 within 2e-2; 1 rank, and 2 ranks sharing the GPU
 #      (--gpu-comm mpi: NCCL refuses two ranks on one GPU); at 1 rank --overlap off against the
 #      default (on: NCCL stream-ordered) bitwise, fp32 and bf16, with their exposed comm ms/step
 #   4. checkpoints across devices: GPU to step 10 then CPU to 20, and CPU then GPU, against an
 #      uninterrupted CPU run (1e-4)
+#   4b. asynchronous saves on the GPU, fp32 and bf16: the step-4 file of a --checkpoint-async on run
+#      (the write delayed, so that steps 5.. run meanwhile) equals that of a run stopped at step 4
+#      with --checkpoint-async off (tests/e2e/h5_equal.py with h5py; else h5diff; else shardtrain
+#      --mode inspect --dump-param all: metadata and parameters only)
 #   5. benchmark: llama-125m and llama-350m, seq 1024, batch 16, bf16 (and llama-125m fp32), llama-350m
 #      and llama-1b at seq 2048, batch 8:
 #      tokens/s (mean of steps 3-12), MFU, peak GPU memory, as markdown table rows
@@ -240,11 +246,13 @@ else bad "env: shardtrain --mode prepare"; tail_log "$L/prepare.log"; fi
 DATA=$W/corpus.tok
 
 # ---- 2. gpu_tests -----------------------------------------------------------------------------
+SNAP_TESTS='Gpu.CheckpointSnapshot*'  # stage 2b
 stage "2. gpu_tests (GoogleTest, CUDA backend vs CPU backend, 1 rank)" 120
 t=$(cap 120)
 rc=0
 if [ "$t" = 0 ]; then echo "out of time (stage limit)" >"$L/gpu_tests.log"; rc=124  # timeout 0 would mean no limit
-else timeout -k 5 "$t" "$MPIRUN" "${MPIRUN_OPTS[@]}" -np 1 "$GTEST" --gtest_color=no >"$L/gpu_tests.log" 2>&1 || rc=$?
+else timeout -k 5 "$t" "$MPIRUN" "${MPIRUN_OPTS[@]}" -np 1 "$GTEST" --gtest_color=no --gtest_filter="-$SNAP_TESTS" \
+  >"$L/gpu_tests.log" 2>&1 || rc=$?
 fi
 p=$(grep -oE '^\[  PASSED  \] [0-9]+' "$L/gpu_tests.log" | grep -oE '[0-9]+$' | head -1)
 f=$(grep -oE '^\[  FAILED  \] [0-9]+ test' "$L/gpu_tests.log" | grep -oE '[0-9]+' | head -1)
@@ -263,6 +271,28 @@ elif [ "${s:-0}" -gt 0 ] && [ "${p:-0}" = 0 ]; then
 fi
 if [ "$rc" != 0 ] && [ -z "$f" ]; then bad "gpu_tests: exit status $rc$([ "$rc" = 124 ] && echo " (timeout ${t}s)")"; tail_log "$L/gpu_tests.log"; fi
 if [ "$rc" != 0 ] && [ -n "$f" ]; then tail_log "$L/gpu_tests.log" 15; fi
+
+# ---- 2b. checkpoint snapshots -------------------------------------------------------------------
+# take_checkpoint_snapshot into a SnapshotBuffer on the CUDA backend (tests/gpu/test_gpu.cpp,
+# check_checkpoint_snapshot): pinned memory, the copy stream after the compute stream, isolation.
+stage "2b. checkpoint snapshots: pinned host memory, copy stream, isolation (gtest $SNAP_TESTS)" 40
+t=$(cap 40)
+rc=0
+if [ "$t" = 0 ]; then echo "out of time (stage limit)" >"$L/gpu_snapshot.log"; rc=124
+else timeout -k 5 "$t" "$MPIRUN" "${MPIRUN_OPTS[@]}" -np 1 "$GTEST" --gtest_color=no --gtest_filter="$SNAP_TESTS" \
+  >"$L/gpu_snapshot.log" 2>&1 || rc=$?
+fi
+p=$(grep -oE '^\[  PASSED  \] [0-9]+' "$L/gpu_snapshot.log" | grep -oE '[0-9]+$' | head -1)
+s=$(grep -oE '^\[  SKIPPED \] [0-9]+ test' "$L/gpu_snapshot.log" | grep -oE '[0-9]+' | head -1)
+if [ "$rc" = 0 ] && [ "${p:-0}" -gt 0 ] && [ "${s:-0}" = 0 ]; then
+  ok "snapshot-pinned: $(grep -m1 -o 'checkpoint snapshot: .*' "$L/gpu_snapshot.log")"
+elif [ "$rc" = 0 ] && [ "${s:-0}" -gt 0 ] && [ "${p:-0}" = 0 ]; then
+  if [ "$GPU" = 1 ] && [ "$DEV" = cuda ]; then bad "snapshot-pinned: skipped although a GPU is present"; tail_log "$L/gpu_snapshot.log"
+  else skipped snapshot-pinned "no CUDA device"; fi
+else
+  bad "snapshot-pinned: exit status $rc$([ "$rc" = 124 ] && echo " (timeout ${t}s)")"
+  tail_log "$L/gpu_snapshot.log" 25
+fi
 
 # ---- 3. training equivalence ------------------------------------------------------------------
 stage "3. training equivalence: 20 steps, GPU vs CPU fp32 (losses at every step)" 100
@@ -333,6 +363,72 @@ else
   skipped ckpt-gpu-to-cpu "no CUDA device"
   skipped ckpt-cpu-to-gpu "no CUDA device"
 fi
+
+# ---- 4b. asynchronous checkpoint saves on the GPU -------------------------------------------------
+# As tests/e2e/test_checkpoint_async.sh on the CPU: the background save of step 4 is delayed (half of
+# SHARDTRAIN_TEST_CHECKPOINT_WRITE_DELAY_MS before its write) so that steps 5.. change the device
+# shards while it is written; its file must equal, bitwise, the step-4 file of a synchronous run
+# stopped at step 4. The snapshot went to pinned host memory on the copy stream (the log says so).
+stage "4b. asynchronous checkpoint saves on the GPU: step-4 file, --checkpoint-async on vs off" 80
+ASYNC=(--model tiny --data "$DATA" --seq-len 16 --global-batch 12 --steps 8 --log-every 1 --eval-every 0 --eval-batches 1
+  --threads 1 --checkpoint-every 4)
+# same_h5 A B: prints how the two files were compared and whether they are equal; status 0 iff equal.
+same_h5() {
+  if python3 -c 'import h5py' >/dev/null 2>&1; then
+    python3 "$ROOT/tests/e2e/h5_equal.py" "$1" "$2" | tail -1
+    return "${PIPESTATUS[0]}"
+  fi
+  local h5diff=
+  if [ -x "${B:-}/bin/h5diff" ]; then h5diff=$B/bin/h5diff; elif command -v h5diff >/dev/null; then h5diff=h5diff; fi
+  if [ -n "$h5diff" ]; then
+    if "$h5diff" -r "$1" "$2" >"$L/h5diff.log" 2>&1; then echo "equal (h5diff -r: every group, dataset and attribute)"; return 0; fi
+    echo "h5diff -r: $(grep -cE '^[1-9][0-9]* differences? found' "$L/h5diff.log") objects differ, e.g." \
+      "$(grep -B1 -m3 -E '^[1-9][0-9]* differences? found' "$L/h5diff.log" | grep -v '^--' | paste -sd' ' | head -c 300)"
+    return 1
+  fi
+  # Neither: shardtrain's own reader (metadata, checksums verified; parameters bitwise; the AdamW
+  # moments are only CRC-checked on load, not compared).
+  local f d rc=0
+  for f in "$1" "$2"; do
+    d=$f.dump
+    "$MPIRUN" "${MPIRUN_OPTS[@]}" -np 1 "$BIN" --mode inspect --checkpoint "$f" --dump-param all --dump-out "$d" \
+      >"$d.log" 2>&1 || { echo "shardtrain --mode inspect '$f' failed"; return 1; }
+    grep -E '^ ' "$d.log" | grep -v 'bytes; ' >"$d.meta"
+  done
+  diff -q "$1.dump.meta" "$2.dump.meta" >/dev/null || { echo "metadata differ (shardtrain --mode inspect)"; rc=1; }
+  diff -rq "$1.dump" "$2.dump" >/dev/null || { echo "parameters differ (--dump-param all)"; rc=1; }
+  [ "$rc" = 0 ] && echo "equal (no h5py or h5diff here: shardtrain --mode inspect metadata and --dump-param all" \
+    "parameters, $(find "$1.dump" -name '*.bin' | wc -l) tensors bitwise; AdamW moments not compared)"
+  return "$rc"
+}
+for prec in fp32 bf16; do
+  name=ckpt-async-gpu-$prec
+  if [ "$GPU" = 0 ]; then skipped "$name" "no CUDA device"; continue; fi
+  rc=0
+  SHARDTRAIN_TEST_CHECKPOINT_WRITE_DELAY_MS=1500 run_np "$name-on" 60 1 "${ASYNC[@]}" "${G[@]}" --gpu-comm "$COMM1" \
+    --precision "$prec" --checkpoint-async on --checkpoint-dir "$W/ck-$name-on" || rc=$?
+  if [ "$rc" != 0 ]; then bad "$name: the asynchronous run: exit status $rc"; tail_log "$L/$name-on.log"; continue; fi
+  if ! grep -q '^checkpoints: asynchronous' "$L/$name-on.log"; then
+    bad "$name: saves were not asynchronous (MPI_THREAD_MULTIPLE?)"; tail_log "$L/$name-on.log"; continue
+  fi
+  if [ "$DEV" = cuda ] && ! grep -q 'MiB of pinned host memory per rank' "$L/$name-on.log"; then
+    bad "$name: no pinned snapshot buffer in the log"; tail_log "$L/$name-on.log"; continue
+  fi
+  during=$(awk '/^checkpoint: step 4: snapshot taken .* writing in the background/ { on = 1; next }
+    on && /^checkpoint: saved / && /step_00000004.h5/ { print n + 0; found = 1; exit }
+    on && /^step [0-9]+\// { n++ }
+    END { if (!found) print -1 }' "$L/$name-on.log")
+  if [ "$during" -lt 2 ]; then bad "$name: $during step(s) ran during the background save of step 4, expected >= 2"; tail_log "$L/$name-on.log"; continue; fi
+  run_np "$name-off" 60 1 "${ASYNC[@]}" "${G[@]}" --gpu-comm "$COMM1" --precision "$prec" --checkpoint-async off \
+    --stop-at-step 4 --checkpoint-dir "$W/ck-$name-off" || rc=$?
+  if [ "$rc" != 0 ]; then bad "$name: the synchronous run: exit status $rc"; tail_log "$L/$name-off.log"; continue; fi
+  if res=$(same_h5 "$W/ck-$name-on/step_00000004.h5" "$W/ck-$name-off/step_00000004.h5"); then
+    ok "$name: $during steps ran during the background save of step 4; its file equals the synchronous run's: $res;" \
+      "$(grep -m1 -o 'step 4: snapshot taken in [0-9.]* s' "$L/$name-on.log")"
+  else
+    bad "$name: the step-4 files differ: $res"
+  fi
+done
 
 # ---- 5. benchmark -----------------------------------------------------------------------------
 # llama-1b (Llama-3.2-1B's shape) with its special ids left unset, so that they come from the fortunes

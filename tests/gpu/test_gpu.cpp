@@ -34,6 +34,8 @@
 //     (inputs are small dyadic numbers, so every summation order is exact);
 //   MixedPrecisionUnits over Fsdp<float> on CUDA vs on CPU: gathered bf16 bitwise equal (and equal
 //     to rounding the fp32 shards on the host), reduce_scatter_grad (reduce_bf16 false / true);
+//   checkpoint snapshots (CheckpointSnapshotPinned): into pinned host memory on the copy stream,
+//     ordered after the queued updates, isolated from the next ones (see check_checkpoint_snapshot);
 //   LlamaModel<float> "tiny" forward+backward: loss within 1e-5 relative, every gradient shard within
 //     1e-4 of its max-abs, eval logits within 1e-4 of their max-abs; LlamaModel<bf16> through
 //     MixedPrecisionUnits: loss within 1e-2 relative, gradient shards with cosine similarity >= 0.99.
@@ -82,6 +84,7 @@
 #include "emulated_backend.h"
 #include "shardtrain/backend.h"
 #include "shardtrain/bf16.h"
+#include "shardtrain/checkpoint.h"
 #include "shardtrain/config.h"
 #include "shardtrain/cuda.h"
 #include "shardtrain/model.h"
@@ -1564,6 +1567,120 @@ void check_overlap_nccl(st::Comm& nc) {
 // =============================================================================================
 // Tests (in this order: AllocZeroed runs first, on fresh device memory).
 
+// =============================================================================================
+// Checkpoint snapshots (issue 29): take_checkpoint_snapshot into a SnapshotBuffer copies the device
+// shards into pinned host memory (Backend::alloc_pinned_host) on the backend's copy stream
+// (to_host_async), after the work queued on the compute stream, and waits for the copies before it
+// returns (wait_host_copies).
+//   - the buffer is page-locked: cudaPointerGetAttributes says cudaMemoryTypeHost ("pinned host");
+//   - ordering: updates are queued on the compute stream (not waited for) right before the
+//     snapshot, on a shard of 8 MiB; the snapshot holds their result, bitwise, which is also what
+//     a plain device-to-host copy (to_host, pageable memory, compute stream) reads;
+//   - isolation: updates queued right after the snapshot (the next step's optimizer) leave it
+//     unchanged, read before and after they run; the next snapshot reuses the same memory.
+
+st::UnitSpec snapshot_unit(const std::string& name, int64_t n) {
+  st::ParamSpec p;
+  p.name = name + ".weight";
+  p.shape = {n};
+  return {name, {p}};
+}
+
+void check_checkpoint_snapshot() {
+  st::Backend<float>& be = dev<float>();
+  const st::ShardPlan plan =
+      st::ShardPlan::build({snapshot_unit("big", (int64_t{1} << 21) + 5), snapshot_unit("small", 37), snapshot_unit("one", 1)}, 1);
+  const std::vector<std::string>& names = st::checkpoint_tensor_names();
+  const size_t K = names.size(), U = plan.units.size();
+  constexpr int kReps = 8;  // queued axpy passes before the snapshot
+  std::vector<std::vector<st::Buffer<float>>> live(K);
+  std::vector<st::Buffer<float>> step(U);
+  std::vector<std::vector<std::vector<float>>> want(K, std::vector<std::vector<float>>(U));
+  for (size_t u = 0; u < U; ++u) {
+    const size_t n = static_cast<size_t>(plan.units[u].shard_size);
+    std::vector<float> x(n);
+    for (size_t i = 0; i < n; ++i) x[i] = static_cast<float>(i % 7 + 1);
+    step[u] = upload(be, x);
+    for (size_t k = 0; k < K; ++k) {
+      std::vector<float> h(n);
+      for (size_t i = 0; i < n; ++i) h[i] = static_cast<float>((i * 13 + 7 * k + u) % 1024);  // exact sums below
+      live[k].push_back(upload(be, h));
+      want[k][u] = h;
+      for (size_t i = 0; i < n; ++i) want[k][u][i] += static_cast<float>(kReps) * x[i];
+    }
+  }
+  st::ShardedTensors t;
+  t.plan = &plan;
+  t.plan_rank = 0;
+  t.backend = &be;
+  for (size_t k = 0; k < K; ++k) {
+    st::ShardedTensor x{names[k], {}};
+    for (auto& b : live[k]) x.shards.push_back(b.data());
+    t.tensors.push_back(std::move(x));
+  }
+  auto buf = std::make_shared<st::SnapshotBuffer>(be, plan, K);
+  if (!gs().emulated) {
+    EXPECT_EQ(st::cuda_memory_kind(buf->rows(0, 0)), "pinned host") << "the snapshot buffer is not page-locked";
+    EXPECT_EQ(st::cuda_memory_kind(live[0][0].data()), "device");
+    std::vector<float> pageable(16);
+    EXPECT_EQ(st::cuda_memory_kind(pageable.data()), "host");
+  }
+  // The "optimizer step": queued on the compute stream, not waited for.
+  auto queue_updates = [&](float scale) {
+    for (size_t k = 0; k < K; ++k)
+      for (size_t u = 0; u < U; ++u) {
+        const size_t n = static_cast<size_t>(plan.units[u].shard_size);
+        if (scale == 0) {
+          for (int r = 0; r < kReps; ++r) be.axpy(n, 1.0f, step[u].data(), live[k][u].data());
+        } else {
+          be.scale(n, scale, live[k][u].data());
+        }
+      }
+  };
+  queue_updates(0);
+  const st::CheckpointSnapshot snap =
+      st::take_checkpoint_snapshot(t, st::preset("tiny"), "{}", st::TrainState{}, true, false, buf);
+  queue_updates(-3.0f);  // the next step, queued at once
+  std::vector<std::vector<std::vector<float>>> early(K);
+  for (size_t k = 0; k < K; ++k)
+    for (size_t u = 0; u < U; ++u) {
+      const size_t n = static_cast<size_t>(plan.units[u].shard_size);
+      ASSERT_EQ(snap.tensors[k].rows(u), buf->rows(k, u)) << "tensor " << k << " unit " << u;
+      early[k].emplace_back(snap.tensors[k].rows(u), snap.tensors[k].rows(u) + n);  // while the update may run
+    }
+  be.synchronize();
+  for (size_t k = 0; k < K; ++k)
+    for (size_t u = 0; u < U; ++u) {
+      const size_t n = static_cast<size_t>(plan.units[u].shard_size);
+      const std::string what = "snapshot of " + names[k] + " unit " + plan.units[u].name;
+      const std::vector<float> now(snap.tensors[k].rows(u), snap.tensors[k].rows(u) + n);
+      expect_bitwise(what + ": the queued update's result", early[k][u], want[k][u]);
+      expect_bitwise(what + ": unchanged by the next update", now, want[k][u]);
+      std::vector<float> moved = want[k][u];
+      for (float& v : moved) v *= -3.0f;
+      expect_bitwise(what + ": the device shard after the next update", download(be, live[k][u].data(), n), moved);
+    }
+  // A plain device-to-host copy (to_host: pageable memory, the compute stream) reads the same bytes;
+  // and the next snapshot reuses the buffer.
+  const st::CheckpointSnapshot again =
+      st::take_checkpoint_snapshot(t, st::preset("tiny"), "{}", st::TrainState{}, true, false, buf);
+  const st::CheckpointSnapshot plain = st::take_checkpoint_snapshot(t, st::preset("tiny"), "{}", st::TrainState{});
+  for (size_t k = 0; k < K; ++k)
+    for (size_t u = 0; u < U; ++u) {
+      const size_t n = static_cast<size_t>(plan.units[u].shard_size);
+      EXPECT_EQ(again.tensors[k].rows(u), buf->rows(k, u));
+      expect_bitwise("snapshot of " + names[k] + " unit " + plan.units[u].name + " vs a plain device-to-host copy",
+                     std::vector<float>(again.tensors[k].rows(u), again.tensors[k].rows(u) + n),
+                     std::vector<float>(plain.tensors[k].rows(u), plain.tensors[k].rows(u) + n));
+    }
+  EXPECT_EQ(again.bytes(), plain.bytes());
+  if (host().rank() == 0)
+    std::printf("[ GPU ] checkpoint snapshot: %.1f MiB of %s memory, %zu tensors x %zu units, ordered after %d queued "
+                "updates and isolated from the next\n",
+                static_cast<double>(buf->bytes()) / (1 << 20),
+                gs().emulated ? "emulated" : st::cuda_memory_kind(buf->rows(0, 0)).c_str(), K, U, kReps);
+}
+
 #define GPU_TEST_BOTH(Name, fn)       \
   TEST_F(Gpu, Name##F32) { fn<float>(); } \
   TEST_F(Gpu, Name##Bf16) { fn<bf16>(); }
@@ -1617,6 +1734,8 @@ TEST_F(Gpu, OverlapNcclBitwise) {
   ASSERT_TRUE(gs().nccl_error.empty()) << gs().nccl_error;
   check_overlap_nccl(*gs().nccl);
 }
+
+TEST_F(Gpu, CheckpointSnapshotPinned) { check_checkpoint_snapshot(); }
 
 TEST_F(Gpu, LlamaTinyF32) { check_llama_f32(); }
 

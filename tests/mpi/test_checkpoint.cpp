@@ -1,7 +1,9 @@
 // Multi-rank tests of checkpoint tensor data (checkpoint.h): the round trip at one world size, the
 // file's layout read back with HDF5 directly, resharding between communicators of every pair of
 // sizes up to the world's (units split unevenly, with padding, and with shards that hold only
-// padding), snapshots independent of later changes to the tensors, and the tensor-set contract.
+// padding), snapshots independent of later changes to the tensors (owned copies and the
+// SnapshotBuffer the trainer reuses; the CPU backend's host-staging primitives), and the
+// tensor-set contract.
 // Every expected value comes from a formula of (unit, flat element index) evaluated here, never from
 // the code under test. Run under mpirun at 1, 2, 3 and 4 ranks.
 //
@@ -14,6 +16,7 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <memory>
 #include <stdexcept>
@@ -21,6 +24,7 @@
 #include <vector>
 
 #include "shardtrain/backend.h"
+#include "shardtrain/bf16.h"
 #include "shardtrain/checkpoint.h"
 #include "shardtrain/config.h"
 #include "shardtrain/runtime.h"
@@ -323,6 +327,97 @@ TEST_F(Checkpoint, SnapshotIsIndependentOfLaterChanges) {
   Rows loaded(plan, c.rank());
   st::load_checkpoint(c, file, loaded.view(*be_), test_model());
   EXPECT_EQ(loaded.wrong(3), 0);
+}
+
+// The host-staging primitives of the CPU backend (Backend's defaults: what a GPU does with pinned
+// memory and a copy stream, done as plain memory and a copy): 64-byte aligned memory, copies of
+// every length exact and done on return, wait_host_copies a no-op; float and bf16.
+template <typename T> void check_cpu_host_staging() {
+  std::unique_ptr<st::Backend<T>> be = st::make_cpu_backend<T>();
+  for (size_t n : {size_t{0}, size_t{1}, size_t{17}, size_t{1} << 20}) {
+    st::Buffer<T> dev(*be, n);
+    std::vector<T> src(n);
+    for (size_t i = 0; i < n; ++i) src[i] = st::math::st<T>(static_cast<float>(static_cast<int>(i % 1000) - 500) * 0.25f);
+    be->from_host(dev.data(), src.data(), n);
+    T* host = static_cast<T*>(be->alloc_pinned_host(n * sizeof(T)));
+    ASSERT_NE(host, nullptr);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(host) % 64, 0u) << n;
+    be->to_host_async(host, dev.data(), n);
+    be->wait_host_copies();
+    EXPECT_EQ(std::memcmp(host, src.data(), n * sizeof(T)), 0) << n << " elements";
+    be->free_pinned_host(host);
+  }
+  be->free_pinned_host(nullptr);  // nothing
+}
+
+TEST_F(Checkpoint, CpuBackendHostStagingCopies) {
+  check_cpu_host_staging<float>();
+  check_cpu_host_staging<st::bf16>();
+}
+
+// A snapshot taken into a SnapshotBuffer (the trainer's, once per run): its rows are the buffer's,
+// its bytes the copies', its file equal (every dataset) to that of an owned copy, it does not
+// change when the live rows do, and the next snapshot reuses the same memory. A buffer of another
+// plan is refused; a borrowing snapshot on the CPU ignores the buffer.
+TEST_F(Checkpoint, SnapshotIntoBufferIsIndependentAndReused) {
+  st::Comm& c = world();
+  const st::ShardPlan plan = st::ShardPlan::build(test_units(), c.world_size());
+  Rows live(plan, c.rank());
+  live.fill();
+  auto buf = std::make_shared<st::SnapshotBuffer>(*be_, plan, 3);
+  uint64_t elements = 0;
+  for (auto& up : plan.units) elements += 3 * static_cast<uint64_t>(up.shard_size);
+  EXPECT_GE(buf->bytes(), 4 * elements);
+  {
+    st::CheckpointSnapshot snap =
+        st::take_checkpoint_snapshot(live.view(*be_), test_model(), test_train_config(), test_state(), true, false, buf);
+    EXPECT_EQ(snap.bytes(), 4 * elements);
+    EXPECT_EQ(snap.buffer.get(), buf.get());
+    for (size_t k = 0; k < 3; ++k)
+      for (size_t u = 0; u < plan.units.size(); ++u) {
+        EXPECT_EQ(snap.tensors[k].rows(u), buf->rows(k, u)) << "tensor " << k << " unit " << u;
+        EXPECT_EQ(std::memcmp(snap.tensors[k].rows(u), live.t[k][u].data(), 4 * live.t[k][u].size()), 0);
+      }
+    st::write_checkpoint_file(c, path("owned.h5"), st::take_checkpoint_snapshot(live.view(*be_), test_model(),
+                                                                               test_train_config(), test_state()));
+    for (auto& x : live.t)
+      for (auto& sh : x)
+        for (float& v : sh) v = -7.0f;  // training went on
+    st::write_checkpoint_file(c, path("buffer.h5"), snap);
+    if (c.rank() == 0)
+      for (const st::UnitPlan& up : plan.units)
+        for (const std::string& name : st::checkpoint_tensor_names()) {
+          const std::string ds = "units/" + up.name + "/" + name;
+          EXPECT_TRUE(h5_read<float>(path("buffer.h5"), ds, H5T_NATIVE_FLOAT) ==
+                      h5_read<float>(path("owned.h5"), ds, H5T_NATIVE_FLOAT))
+              << ds;
+        }
+    Rows loaded(plan, c.rank());
+    st::load_checkpoint(c, path("buffer.h5"), loaded.view(*be_), test_model());
+    EXPECT_EQ(loaded.wrong(3), 0);
+  }
+  // The next save's snapshot: the same memory, the new values.
+  const st::CheckpointSnapshot again =
+      st::take_checkpoint_snapshot(live.view(*be_), test_model(), test_train_config(), test_state(), true, false, buf);
+  EXPECT_EQ(again.tensors[1].rows(0), buf->rows(1, 0));
+  EXPECT_EQ(again.tensors[2].rows(plan.units.size() - 1)[0], -7.0f);
+  // Borrowing on the CPU: the live rows, the buffer unused.
+  const st::CheckpointSnapshot borrowed =
+      st::take_checkpoint_snapshot(live.view(*be_), test_model(), test_train_config(), test_state(), true, true, buf);
+  EXPECT_EQ(borrowed.tensors[0].rows(0), live.t[0][0].data());
+  EXPECT_FALSE(borrowed.buffer);
+  EXPECT_EQ(borrowed.bytes(), 0u);
+  // A buffer of another layout (one unit fewer), or of fewer tensors: refused.
+  st::ShardPlan other = plan;
+  other.units.pop_back();
+  auto wrong_plan = std::make_shared<st::SnapshotBuffer>(*be_, other, 3);
+  EXPECT_THROW(st::take_checkpoint_snapshot(live.view(*be_), test_model(), test_train_config(), test_state(), true,
+                                            false, wrong_plan),
+               std::invalid_argument);
+  auto too_few = std::make_shared<st::SnapshotBuffer>(*be_, plan, 2);
+  EXPECT_THROW(st::take_checkpoint_snapshot(live.view(*be_), test_model(), test_train_config(), test_state(), true,
+                                            false, too_few),
+               std::invalid_argument);
 }
 
 // save_checkpoint: the published file, `latest`, --keep-last, and no temporary file left.

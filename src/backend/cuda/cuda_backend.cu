@@ -691,6 +691,11 @@ template <typename T> class CudaBackend final : public Backend<T> {
   ~CudaBackend() override {
     release(scratch_);
     release(loss_sum_);
+    if (copy_stream_) {
+      (void)cudaStreamSynchronize(copy_stream_);
+      (void)cudaStreamDestroy(copy_stream_);
+    }
+    if (compute_done_) (void)cudaEventDestroy(compute_done_);
   }
   CudaBackend(const CudaBackend&) = delete;
   CudaBackend& operator=(const CudaBackend&) = delete;
@@ -726,6 +731,36 @@ template <typename T> class CudaBackend final : public Backend<T> {
   S* alloc_acc(size_t n) override { return static_cast<S*>(alloc_bytes(n * sizeof(S))); }
   void free_acc(S* p) override { release(p); }
   void synchronize() override { ST_CUDA(cudaStreamSynchronize(stream_)); }
+
+  // ---- staging to the host: pinned memory, the copy stream ----
+  void* alloc_pinned_host(size_t bytes) override {
+    void* p = nullptr;
+    ST_CUDA_ALLOC(cudaHostAlloc(&p, std::max<size_t>(bytes, 1), cudaHostAllocDefault));
+    return p;
+  }
+  void free_pinned_host(void* p) noexcept override {
+    if (!p) return;
+    cudaError_t e = copy_stream_ ? cudaStreamSynchronize(copy_stream_) : cudaSuccess;  // copies into p
+    cudaError_t f = cudaFreeHost(p);
+    if (e == cudaSuccess) e = f;
+    if (e != cudaSuccess) warn_free(e);
+  }
+  // The copy stream (non-blocking: no implicit order with the legacy default stream) waits for an
+  // event recorded on the compute stream now, so the copy reads what every call queued so far
+  // wrote, and the compute stream goes on without waiting for the copy.
+  void to_host_async(T* host, const T* src, size_t n) override {
+    if (n == 0) return;
+    if (!copy_stream_) {
+      ST_CUDA(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking));
+      ST_CUDA(cudaEventCreateWithFlags(&compute_done_, cudaEventDisableTiming));
+    }
+    ST_CUDA(cudaEventRecord(compute_done_, stream_));
+    ST_CUDA(cudaStreamWaitEvent(copy_stream_, compute_done_, 0));
+    ST_CUDA(cudaMemcpyAsync(host, src, n * sizeof(T), cudaMemcpyDeviceToHost, copy_stream_));
+  }
+  void wait_host_copies() override {
+    if (copy_stream_) ST_CUDA(cudaStreamSynchronize(copy_stream_));
+  }
 
   // ---- precision conversion ----
   void from_f32(T* dst, const float* src, size_t n) override {
@@ -986,6 +1021,8 @@ template <typename T> class CudaBackend final : public Backend<T> {
   void* scratch_ = nullptr;  // reduction scratch, stream-ordered reuse across calls
   size_t scratch_bytes_ = 0;
   double* loss_sum_ = nullptr;  // cross_entropy_sum's device double
+  cudaStream_t copy_stream_ = nullptr;  // to_host_async's, made at its first call
+  cudaEvent_t compute_done_ = nullptr;  // recorded on stream_, waited for by copy_stream_
   bool warned_free_ = false;
   std::unique_ptr<cuda_detail::CudnnAttention> cudnn_;  // created at the first bf16 attention call
   std::set<std::string> noted_;                         // notes already printed
@@ -1033,12 +1070,13 @@ template <typename T> class CudaBackend final : public Backend<T> {
     cudaError_t e = cudaStreamSynchronize(stream_);
     cudaError_t f = cudaFree(p);
     if (e == cudaSuccess) e = f;
-    if (e != cudaSuccess) {
-      (void)cudaGetLastError();
-      if (!warned_free_) {
-        warned_free_ = true;
-        std::fprintf(stderr, "shardtrain: warning: CUDA free failed: %s\n", cudaGetErrorString(e));
-      }
+    if (e != cudaSuccess) warn_free(e);
+  }
+  void warn_free(cudaError_t e) noexcept {
+    (void)cudaGetLastError();
+    if (!warned_free_) {
+      warned_free_ = true;
+      std::fprintf(stderr, "shardtrain: warning: CUDA free failed: %s\n", cudaGetErrorString(e));
     }
   }
   void* scratch(size_t bytes) {

@@ -1,5 +1,6 @@
-// Device identity for placement checks (cuda.h: cuda_device_uuid; the plugin's device_uuid).
-// Kept apart from the backend: it is called before any CudaContext exists.
+// Device identity for placement checks (cuda.h: cuda_device_uuid; the plugin's device_uuid), and
+// what kind of memory a pointer is (cuda_memory_kind). Kept apart from the backend: they need no
+// CudaContext.
 #include <cuda_runtime.h>
 
 #include <cstdio>
@@ -22,6 +23,17 @@ std::string cuda_impl::device_uuid(int device) {
     s += hex;
   }
   return s;
+}
+
+std::string cuda_impl::memory_kind(const void* p) {
+  cudaPointerAttributes a{};
+  cuda_detail::check_cuda(cudaPointerGetAttributes(&a, p), "cudaPointerGetAttributes", ST_CUDA_HERE);
+  switch (a.type) {
+    case cudaMemoryTypeDevice: return "device";
+    case cudaMemoryTypeHost: return "pinned host";
+    case cudaMemoryTypeManaged: return "managed";
+    default: return "host";  // cudaMemoryTypeUnregistered: pageable
+  }
 }
 
 }  // namespace shardtrain

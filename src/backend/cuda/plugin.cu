@@ -13,6 +13,7 @@ const shardtrain::cuda_plugin::CudaPluginTable kTable = {
     &shardtrain::cuda_impl::make_backend<shardtrain::bf16>,
     &shardtrain::cuda_impl::make_nccl_comm,
     &shardtrain::cuda_impl::make_staged_comm,
+    &shardtrain::cuda_impl::memory_kind,
 };
 }  // namespace
 

@@ -19,7 +19,7 @@ namespace shardtrain::cuda_plugin {
 
 // Raise on any change to CudaPluginTable or to the classes whose objects cross the boundary (the
 // versions so far: docs/architecture.md, "The CUDA plugin").
-inline constexpr int kAbiVersion = 4;
+inline constexpr int kAbiVersion = 5;
 inline constexpr const char* kFileName = "libshardtrain_cuda.so";
 inline constexpr const char* kEntryPoint = "shardtrain_cuda_plugin";
 
@@ -34,6 +34,7 @@ struct CudaPluginTable {
   std::unique_ptr<Backend<bf16>> (*make_backend_bf16)(CudaContext& ctx);
   std::unique_ptr<Comm> (*make_nccl_comm)(Comm& host, CudaContext& ctx);
   std::unique_ptr<Comm> (*make_staged_comm)(Comm& host, CudaContext& ctx);
+  std::string (*memory_kind)(const void* p);
 };
 
 using EntryPoint = const CudaPluginTable* (*)();
@@ -49,4 +50,5 @@ std::unique_ptr<CudaContext> create_context(int device);
 template <typename T> std::unique_ptr<Backend<T>> make_backend(CudaContext& ctx);
 std::unique_ptr<Comm> make_nccl_comm(Comm& host, CudaContext& ctx);
 std::unique_ptr<Comm> make_staged_comm(Comm& host, CudaContext& ctx);
+std::string memory_kind(const void* p);
 }  // namespace shardtrain::cuda_impl
