@@ -175,6 +175,7 @@ TEST_F(CheckpointAsync, BackgroundSaveIsIsolatedAndPublished) {
     else
       EXPECT_EQ(pages, 0) << r.path << ": pages left in the page cache after publishing";
   }
+  c.barrier();  // before any rank reads the file back (which caches its pages again)
   Rows want(plan, c.rank()), got(plan, c.rank());
   want.fill(0.5f);
   EXPECT_EQ(st::load_checkpoint(c, r.path, got.view(*be_), st::preset("tiny")).step, 1);
