@@ -71,7 +71,7 @@ def flip_table(ds, index):
     return edit
 
 variant("rope_theta", "attribute 'model_config' fails its CRC32 check", in_place(b'"rope_theta":10000.0', b'"rope_theta":90000.0'))
-for a in ["train_config", "data_position", "rng_state", "program_version", "data"]:
+for a in ["train_config", "data_position", "rng_state", "program_version", "data", "spike_stats"]:
     variant(a, f"attribute '{a}' fails its CRC32 check", flip_string(a))
 variant("format", "attribute 'format' is", flip_string("format"))
 variant("table", "attribute 'metadata_crc32' (the metadata checksums) fails its own CRC32 check", flip_string("metadata_crc32"))
@@ -137,6 +137,8 @@ cross seed "attribute 'train_config' has seed 7, attribute 'rng_state' has 1337"
 cross shard_table "row 1 of dataset 'shard_table' is" \
   "t = f['units/model.norm/shard_table'][:]; t[1] = [0, 32, 0]; f['units/model.norm/shard_table'][...] = t"
 cross world "are inconsistent with world_size (3)" "f.attrs['world_size'] = 3"
+cross spike_stats "attribute 'spike_stats' is malformed: 'loss' and 'grad_norm' hold 5 and 6 values for a window of 128" \
+  "d = json.loads(f.attrs['spike_stats']); d['loss'].pop(); f.attrs['spike_stats'] = json.dumps(d)"
 cross no_lr "attribute 'train_config' has no 'lr'" \
   "d = json.loads(f.attrs['train_config']); del d['lr']; f.attrs['train_config'] = json.dumps(d)"
 cross lr_string "attribute 'train_config': 'lr' is not a number" \
