@@ -78,7 +78,7 @@ variant("table", "attribute 'metadata_crc32' (the metadata checksums) fails its 
 variant("table_check", "fails its own CRC32 check ('metadata_crc32_check')", flip_int("/", "metadata_crc32_check", 1))
 for a in ["step", "tokens_seen", "world_size"]:
     variant(a, f"attribute '{a}' fails its CRC32 check", flip_int("/", a))
-variant("format_version", "unknown format version 258 in attribute 'format_version'", flip_int("/", "format_version", 1))
+variant("format_version", "unknown format version 259 in attribute 'format_version'", flip_int("/", "format_version", 1))
 variant("format_version_1", "attribute 'format_version' says 1, but the file carries the metadata checksums", flip_int("/", "format_version", value=1))
 for a in ["index", "numel", "shard_size", "padded_numel"]:
     variant("unit_" + a, f"attribute '{a}' of unit 'model.layers.1' fails its CRC32 check", flip_int("units/model.layers.1", a))
