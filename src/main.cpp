@@ -419,6 +419,10 @@ void run_inspect(Comm& comm, const Options& o) {
      << "  train_config " << info.train_config << "\n"
      << "  data_position " << info.data_position << ", rng_state " << info.rng_state << "\n"
      << "  data " << info.data_info << "\n"
+     << "  spike_stats " << info.spikes.loss.size() << " of " << kSpikeWindow << " steps in the window, "
+     << info.spikes.skipped_updates << " updates skipped"
+     << (info.format_version < 3 ? " (none recorded: format version " + std::to_string(info.format_version) + ")" : "")
+     << "\n"
      << "  " << info.file_bytes << " bytes; "
      << (info.metadata_verified ? "every attribute and table matches its CRC32 (metadata_crc32)"
                                 : "format version 1: attributes not checksummed")

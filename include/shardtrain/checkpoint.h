@@ -41,9 +41,10 @@ inline TokenizerInfo no_tokenizer() {
 }
 
 // Version 2 added the metadata checksums (docs/checkpoint-format.md, "Integrity"), the batch
-// history in data_position and the `data` attribute. Version 1 files still load (their attributes
-// unverified, with a note); saves always write version 2.
-inline constexpr int kCheckpointFormatVersion = 2;
+// history in data_position and the `data` attribute; version 3 the `spike_stats` attribute (the
+// loss-spike statistics, SpikeStats). Version 1 files still load (their attributes unverified, with
+// a note), version 1 and 2 files with empty spike statistics; saves always write version 3.
+inline constexpr int kCheckpointFormatVersion = 3;
 inline constexpr const char* kProgramVersion = "shardtrain 0.2.0";
 
 // One stretch of a run with constant batch geometry and seed: optimizer steps
@@ -54,6 +55,17 @@ struct BatchSegment {
   int global_batch = 0;  // sequences per optimizer step
   int seq_len = 0;       // tokens per sequence
   uint64_t seed = 0;     // data order (and, for segment 0, the init)
+};
+
+// The loss-spike statistics of a run (--skip-spikes; train.h check_spike): the loss and gradient
+// norm of the last kSpikeWindow steps whose values entered the window, oldest first, and the skip
+// counters. Kept (and checkpointed, root attribute `spike_stats`) with or without --skip-spikes, so
+// that a resumed run decides exactly as the uninterrupted one.
+inline constexpr int kSpikeWindow = 128;
+struct SpikeStats {
+  std::vector<double> loss, grad_norm;  // the window: equal lengths, at most kSpikeWindow
+  int64_t skipped_in_a_row = 0;  // updates skipped as spikes in a row, up to the last step
+  int64_t skipped_updates = 0;   // updates skipped by the run so far (spikes and non-finite steps)
 };
 
 // Where a run stands, besides its tensors. The data position is `step` itself: batch k of the
@@ -68,6 +80,7 @@ struct TrainState {
   // The tokenizer of the data trained on (or of the imported model): written to group /tokenizer
   // when tokenizer.kind is not empty, so that export can give the model its tokenizer.
   TokenizerInfo tokenizer = no_tokenizer();
+  SpikeStats spikes;  // the loss-spike statistics (empty: a fresh run, or a file older than version 3)
   // The layout of the run holding this state, recorded in train_config (train_config_json) when
   // world_size > 0: world size W and shard group size G. Not read back by load_checkpoint.
   int world_size = 0, shard_group_size = 0;
@@ -99,6 +112,7 @@ struct CheckpointInfo {
   // {"path", "tokenizer", "vocab_size", "bos_id", "eos_id"} from its header (data.h), "crc32" of the file.
   std::string data_info = "null";
   std::vector<BatchSegment> segments;  // from data_position (version 1: one segment from train_config)
+  SpikeStats spikes;                   // from spike_stats (versions 1 and 2: empty)
   // Group /tokenizer: its attribute `info` (kind, ids, file names, sizes and CRC32s) and the
   // files' bytes, each checked against its CRC32. kind "" when the file has no such group.
   TokenizerInfo tokenizer = no_tokenizer();

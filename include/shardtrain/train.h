@@ -61,6 +61,7 @@ struct TrainConfig {
   int64_t stop_at_step = 0;    // stop (and save) after this step, keeping the schedule of `steps`; 0: run to `steps`
   int64_t debug_crash_before_publish = 0;  // test hook (see CheckpointOptions)
   bool skip_nonfinite = false;  // skip the update of a step with a non-finite loss or gradient norm instead of stopping
+  double skip_spikes = 0;       // --skip-spikes Z: skip the update of a loss or grad-norm spike (check_spike); 0: off
   // How the model computes (model.h ModelOptions); none of these changes the result beyond the
   // summation order of the loss chunks, so a resume may change them freely.
   Recompute recompute = Recompute::None;          // --activation-checkpointing none | selective | full
@@ -98,6 +99,35 @@ std::string train_config_json(const TrainConfig& tc, int world_size = 0, int sha
 // Learning rate at 0-based step s: linear warm-up lr*(s+1)/warmup for s < warmup, then cosine
 // decay from lr to min_lr over the remaining steps (nanoGPT's get_lr).
 double lr_at(const TrainConfig& tc, int64_t s);
+
+// --skip-spikes Z (llm.c's -sl / -sg outlier detector, one threshold for both): the verdict on a
+// step with a finite loss and gradient norm, both globally reduced (the same on every rank).
+struct SpikeCheck {
+  bool judged = false;  // the window was full; before that (warm-up) nothing is skipped
+  bool skip = false;    // loss_z > Z or grad_z > Z (never with Z = 0)
+  double loss_z = 0, grad_z = 0;  // (value - mean) / std over the window; 0 when the std is 0
+  double loss_mean = 0, loss_std = 0, grad_mean = 0, grad_std = 0;  // the window's (population std)
+};
+// Judges (loss, grad_norm) against the window of `st` (the values of earlier steps only) with
+// threshold `z` (0: off, nothing is skipped), then records the step in `st`: an applied step's
+// values enter the window (the oldest leaves past kSpikeWindow); a skipped step's do not, so that
+// a spike does not loosen the statistics that judge the next steps, except from the third skip in
+// a row on (a lasting change of level is absorbed instead of skipping every later step). Counts
+// skipped_updates and skipped_in_a_row.
+SpikeCheck check_spike(SpikeStats& st, double loss, double grad_norm, double z);
+// Why step was skipped: "loss 312.4 is 5210.3 standard deviations above the mean of the last 128
+// steps (2.95, std 0.0571) (--skip-spikes 6)" (and/or the same for grad_norm).
+std::string describe_spike(const SpikeCheck& c, double loss, double grad_norm, double z);
+
+// Test hook (docs/errors.md): SHARDTRAIN_TEST_SPIKE_STEP=N[,M...] multiplies the loss and the
+// gradient (so its norm, and the gradient AdamW would apply) of those 1-based steps by
+// SHARDTRAIN_TEST_SPIKE_SCALE (default 100), after the step's all-reduce: an injected spike.
+struct TestSpike {
+  std::vector<int64_t> steps;  // empty: the hook is off
+  double scale = 1;
+  double at(int64_t step) const;  // scale at a listed step, else 1
+};
+TestSpike test_spike_hook();  // from the environment
 
 // AdamW over this rank's shards (first and second moments exist only for the owned shard).
 // Weight decay is applied per parameter slice according to ParamSpec::weight_decay; padding
@@ -147,6 +177,7 @@ struct StepLog {
   // over collectives), and waiting for them (exposed communication). See CommTimes (shard.h).
   double compute_ms = 0, comm_ms = 0, exposed_comm_ms = 0;
   StragglerStats ranks;  // over all ranks (logged steps only; zero elsewhere)
+  bool update_skipped = false;  // the update was not applied (--skip-nonfinite, --skip-spikes)
 };
 struct EvalLog {
   int64_t step = 0;

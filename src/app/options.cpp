@@ -93,6 +93,7 @@ po::options_description describe(Options& o) {
       ("accept-change", po::value<std::vector<std::string>>(&t.accept_changes)->composing(), "resume: let these settings differ from the checkpoint's (comma-separated option names, e.g. steps,lr; repeatable); any other change is refused")
       ("start-over", po::bool_switch(&t.start_over), "train from step 0 although --checkpoint-dir's 'latest' names a checkpoint that no longer exists (the old metrics rows are moved aside)")
       ("skip-nonfinite", po::bool_switch(&t.skip_nonfinite), "skip the update of a step whose loss or gradient norm is not finite, instead of stopping")
+      ("skip-spikes", dbl(&t.skip_spikes), "Z: skip the update of a step whose loss or gradient norm is more than Z standard deviations above the mean of the last 128 steps (nothing is skipped before 128 steps); 0 = off")
       ("stop-at-step", po::value<int64_t>(&t.stop_at_step)->default_value(t.stop_at_step), "stop and save after this step, keeping the LR schedule of --steps; 0 = run to --steps")
       ("checkpoint", po::value<std::string>(&o.checkpoint), "checkpoint file for --mode inspect (also the positional argument)")
       ("dump-param", po::value<std::string>(&o.dump_param), "inspect: gather this parameter (canonical name), or 'all' ...")
@@ -216,7 +217,8 @@ void validate(const Options& o) {
   finite(o.collective_timeout, "collective-timeout");
   check(o.collective_timeout >= 0, "collective-timeout", "must be >= 0");
   for (auto [v, n] : {std::pair{o.val_fraction, "val-fraction"}, {t.lr, "lr"}, {t.min_lr, "min-lr"}, {t.beta1, "beta1"},
-                      {t.beta2, "beta2"}, {t.eps, "adam-eps"}, {t.weight_decay, "weight-decay"}, {t.clip, "clip"}})
+                      {t.beta2, "beta2"}, {t.eps, "adam-eps"}, {t.weight_decay, "weight-decay"}, {t.clip, "clip"},
+                      {t.skip_spikes, "skip-spikes"}})
     finite(v, n);
   check(o.val_fraction > 0 && o.val_fraction < 1, "val-fraction", "must be in (0, 1)");
   check(t.seq_len >= 1, "seq-len", "must be >= 1");
@@ -231,6 +233,7 @@ void validate(const Options& o) {
   check(t.eps > 0, "adam-eps", "must be > 0");
   check(t.weight_decay >= 0, "weight-decay", "must be >= 0");
   check(t.clip >= 0, "clip", "must be >= 0");
+  check(t.skip_spikes >= 0, "skip-spikes", "must be >= 0 (0: off)");
   check(t.log_every >= 1, "log-every", "must be >= 1");
   check(t.eval_every >= 0, "eval-every", "must be >= 0");
   check(t.eval_batches >= 1, "eval-batches", "must be >= 1");

@@ -598,6 +598,7 @@ TrainState load_checkpoint(Comm& comm, const std::string& path, const ShardedTen
   st.segments = info.segments;
   st.data_info = info.data_info;
   st.tokenizer = info.tokenizer;
+  st.spikes = info.spikes;
   st.seed = nlohmann::json::parse(info.rng_state).at("seed").get<uint64_t>();  // checked by read_checkpoint_info
   return st;
 }

@@ -87,7 +87,7 @@ struct MetaSums {
 // requires collective attribute writes with identical data); tables are written by rank 0.
 
 // Root attributes: format, format_version, step, tokens_seen, world_size (the snapshot's plan),
-// model_config, train_config, data_position, rng_state, program_version, data.
+// model_config, train_config, data_position, rng_state, program_version, data, spike_stats.
 void write_root_attributes(hid_t file, MetaSums& ms, const CheckpointSnapshot& snap);
 // Group /tokenizer; only when snap.state.tokenizer.kind is not empty.
 void write_tokenizer_group(Comm& comm, hid_t file, MetaSums& ms, const TokenizerInfo& t, hid_t dxpl);

@@ -342,6 +342,45 @@ TokenizerInfo read_tokenizer_group(hid_t file, MetaSums& ms) {
   return t;
 }
 
+// Attribute `spike_stats` (format version 3): the loss-spike statistics as JSON. Doubles are
+// written in their shortest round-trip form, so a resumed run reads back the exact window.
+json spike_stats_json(const SpikeStats& st) {
+  return {{"window", kSpikeWindow}, {"loss", st.loss}, {"grad_norm", st.grad_norm},
+          {"skipped_in_a_row", st.skipped_in_a_row}, {"skipped_updates", st.skipped_updates}};
+}
+
+// The statistics of attribute `spike_stats`; throws H5Error naming what is malformed. A window
+// longer than this program's (a future version) keeps its newest kSpikeWindow values.
+SpikeStats parse_spike_stats(const std::string& text) {
+  SpikeStats st;
+  try {
+    const json j = json::parse(text);
+    if (!j.is_object()) throw std::runtime_error("not a JSON object");
+    for (const char* k : {"window", "skipped_in_a_row", "skipped_updates"})
+      if (!j.contains(k) || !j[k].is_number_integer() || j[k].get<int64_t>() < 0)
+        throw std::runtime_error(std::string("'") + k + "' is not a non-negative integer");
+    for (const char* k : {"loss", "grad_norm"}) {
+      if (!j.contains(k) || !j[k].is_array()) throw std::runtime_error(std::string("'") + k + "' is not an array");
+      for (const json& v : j[k])
+        if (!v.is_number()) throw std::runtime_error(std::string("'") + k + "' holds " + v.dump() + ", not a number");
+    }
+    st.loss = j["loss"].get<std::vector<double>>();
+    st.grad_norm = j["grad_norm"].get<std::vector<double>>();
+    st.skipped_in_a_row = j["skipped_in_a_row"].get<int64_t>();
+    st.skipped_updates = j["skipped_updates"].get<int64_t>();
+    if (st.loss.size() != st.grad_norm.size() || st.loss.size() > j["window"].get<uint64_t>())
+      throw std::runtime_error("'loss' and 'grad_norm' hold " + std::to_string(st.loss.size()) + " and " +
+                               std::to_string(st.grad_norm.size()) + " values for a window of " + j["window"].dump());
+    if (st.skipped_in_a_row > st.skipped_updates)
+      throw std::runtime_error("'skipped_in_a_row' exceeds 'skipped_updates'");
+  } catch (const std::exception& e) {
+    throw H5Error(std::string("attribute 'spike_stats' is malformed: ") + e.what());
+  }
+  for (std::vector<double>* v : {&st.loss, &st.grad_norm})
+    if (v->size() > static_cast<size_t>(kSpikeWindow)) v->erase(v->begin(), v->end() - kSpikeWindow);
+  return st;
+}
+
 json segments_json(const std::vector<BatchSegment>& segs) {
   json a = json::array();
   for (auto& g : segs)
@@ -436,13 +475,13 @@ void read_metadata(const std::string& path, CheckpointInfo& info, MetaSums& ms) 
   info.format_version = static_cast<int>(read_attr_i64(file, "format_version", where));
   const bool has_table = H5Aexists(file, kMetaTable) > 0;
   // The version decides how the rest is read, so it is checked before anything else is trusted.
-  if (info.format_version != 1 && info.format_version != kCheckpointFormatVersion)
+  if (info.format_version < 1 || info.format_version > kCheckpointFormatVersion)
     throw H5Error("unknown format version " + std::to_string(info.format_version) +
-                  " in attribute 'format_version' (this program reads versions 1 and " +
+                  " in attribute 'format_version' (this program reads versions 1 to " +
                   std::to_string(kCheckpointFormatVersion) + ")");
   if (info.format_version == 1 && has_table)
-    throw H5Error("attribute 'format_version' says 1, but the file carries the metadata checksums of version " +
-                  std::to_string(kCheckpointFormatVersion) + "; the file is damaged or was edited");
+    throw H5Error("attribute 'format_version' says 1, but the file carries the metadata checksums of versions 2 "
+                  "and later; the file is damaged or was edited");
   if (info.format_version >= 2) {
     if (!has_table) throw H5Error("attribute '" + std::string(kMetaTable) + "' (the metadata checksums) is missing");
     const std::string table = read_attr_str(file, kMetaTable, where);
@@ -475,6 +514,7 @@ void read_metadata(const std::string& path, CheckpointInfo& info, MetaSums& ms) 
   info.program_version = get_str(file, ms, "", "program_version", where);
   info.data_info = info.format_version >= 2 ? get_str(file, ms, "", "data", where) : "null";
   if (info.format_version >= 2) info.tokenizer = read_tokenizer_group(file, ms);
+  if (info.format_version >= 3) info.spikes = parse_spike_stats(get_str(file, ms, "", "spike_stats", where));
   if (info.world_size < 1) throw H5Error("attribute 'world_size' is " + std::to_string(info.world_size));
   H5Id units(H5Gopen2(file, "units", H5P_DEFAULT), H5Gclose);
   if (!units.ok()) throw H5Error("group '/units' is missing");
@@ -672,6 +712,7 @@ void write_root_attributes(hid_t file, MetaSums& ms, const CheckpointSnapshot& s
   put_str(file, ms, "", "rng_state", json({{"seed", st.seed}, {"generator", "splitmix64 counter (data.h, shard.h)"}}).dump());
   put_str(file, ms, "", "program_version", kProgramVersion);
   put_str(file, ms, "", "data", st.data_info.empty() ? "null" : st.data_info);
+  put_str(file, ms, "", "spike_stats", spike_stats_json(st.spikes).dump());
 }
 
 // Group /tokenizer (docs/checkpoint-format.md, "Tokenizer"): attribute `info` (tokenizer_record),

@@ -46,6 +46,7 @@ struct StepOutcome {
   double loss = 0, grad_norm = 0, lr = 0;
   bool stop_requested = false;  // some rank received SIGTERM / SIGUSR1
   bool save_failed = false;     // some rank's background checkpoint save ended with an error
+  bool skipped = false;         // the update was not applied (--skip-nonfinite, --skip-spikes)
   double seconds = 0;           // wall time of the step
   CommTimes comm;               // the step's FSDP collectives (issued, exposed)
 };
@@ -106,6 +107,7 @@ template <typename C> class Trainer {
   // Host memory of the snapshots that copy (every save on a GPU, pinned; background saves on the
   // CPU), made once at setup and reused by every save. Declared before writer_: outlives its thread.
   std::shared_ptr<SnapshotBuffer> snap_buf_;
+  const TestSpike test_spike_ = test_spike_hook();  // SHARDTRAIN_TEST_SPIKE_STEP: injected spikes
   std::ofstream metrics_;    // rank 0, with --metrics
   std::unique_ptr<TensorBoardWriter> tb_;  // rank 0, with --tensorboard
   TrainResult res_;
@@ -271,6 +273,10 @@ template <typename C> void Trainer<C>::restore() {
     log_info(comm_, "resumed from '" + resume_path_ + "' at step " + std::to_string(state_.step) + " (saved at " +
                         saved + ") in " + fmt("%.2f", dt) + " s, " + fmt("%.0f", mbytes / dt) +
                         " MB/s incl. CRC32 verification");
+    if (info.format_version < 3 && tc_.skip_spikes > 0)
+      log_info(comm_, "note: checkpoint '" + resume_path_ + "' is format version " + std::to_string(info.format_version) +
+                          ", without loss-spike statistics: --skip-spikes starts from an empty window and skips nothing "
+                          "before it holds " + std::to_string(kSpikeWindow) + " steps again");
   } else {
     if (!tc_.resume.empty())  // '--resume auto' (a path that does not resolve is refused by resolve_resume)
       log_info(comm_, tc_.start_over && std::filesystem::exists(std::filesystem::path(tc_.checkpoint_dir) / "latest")
@@ -419,6 +425,16 @@ template <typename C> void Trainer<C>::log_setup() {
                           fmt("%.1f", static_cast<double>(snap_buf_->bytes()) / (1 << 20)) +
                           " MiB of pinned host memory per rank (allocated once)");
   }
+  if (tc_.skip_spikes > 0)
+    log_info(comm_, "skip-spikes: the update of a step whose loss or grad_norm is more than " + fmt("%g", tc_.skip_spikes) +
+                        " standard deviations above the mean of the last " + std::to_string(kSpikeWindow) +
+                        " steps is skipped; the window holds " + std::to_string(state_.spikes.loss.size()) + " of them");
+  if (!test_spike_.steps.empty()) {
+    std::string at;
+    for (int64_t x : test_spike_.steps) at += (at.empty() ? std::string() : std::string(",")) + std::to_string(x);
+    log_info(comm_, "test hook SHARDTRAIN_TEST_SPIKE_STEP=" + at + ": the loss and gradient of step(s) " + at +
+                        " are multiplied by " + fmt("%g", test_spike_.scale));
+  }
 }
 
 // One optimizer step (0-based s): get batch, forward, backward (each unit's gradient
@@ -454,6 +470,11 @@ template <typename C> StepOutcome Trainer<C>::train_step(int64_t s) {
   o.stop_requested = red[2] > 0;
   o.save_failed = red[3] > 0;
   o.lr = lr_at(tc_, s);
+  const double injected = test_spike_.at(s + 1);  // test hook: 1 at every other step
+  o.loss *= injected;
+  o.grad_norm *= injected;
+  o.skipped = true;  // unless applied below
+  SpikeCheck spike;
   if (!std::isfinite(o.loss) || !std::isfinite(o.grad_norm)) {
     std::string what = "non-finite " + std::string(std::isfinite(o.loss) ? "gradient norm" : "loss") + " at step " +
                        std::to_string(s + 1) + " (loss " + fmt("%g", o.loss) + ", grad_norm " + fmt("%g", o.grad_norm) + ")";
@@ -461,9 +482,15 @@ template <typename C> StepOutcome Trainer<C>::train_step(int64_t s) {
       throw CollectiveError(0, what + "; stopping without applying it. Lower '--lr', enable '--clip', or pass "
                                       "'--skip-nonfinite' to skip such steps");
     log_info(comm_, what + ": update skipped (--skip-nonfinite)");
+    ++state_.spikes.skipped_updates;  // the window is left as it was
+  } else if ((spike = check_spike(state_.spikes, o.loss, o.grad_norm, tc_.skip_spikes)).skip) {
+    // As a non-finite step: parameters and AdamW moments stay; step, LR schedule and data advance.
+    log_info(comm_, "step " + std::to_string(s + 1) + ": update skipped: " +
+                        describe_spike(spike, o.loss, o.grad_norm, tc_.skip_spikes));
   } else {
     const double clip_scale = (tc_.clip > 0 && o.grad_norm > tc_.clip) ? tc_.clip / o.grad_norm : 1.0;
-    opt_->step(s + 1, o.lr, clip_scale);
+    opt_->step(s + 1, o.lr, clip_scale * injected);
+    o.skipped = false;
   }
   o.seconds = seconds_since(t0);
   const CommTimes comm1 = units_->comm_times();
@@ -485,6 +512,7 @@ template <typename C> void Trainer<C>::log_step(int64_t s, const StepOutcome& o)
   sl.step = s + 1;
   sl.loss = o.loss, sl.lr = o.lr, sl.grad_norm = o.grad_norm, sl.elapsed_s = seconds_since(t_start_);
   if (s == state_.step) t_first_ = Clock::now();  // the ETA leaves out this process's first (warm-up) step
+  sl.update_skipped = o.skipped;
   if ((s + 1) % tc_.log_every == 0 || s + 1 == last_step_ || s == state_.step) {
     const double n = static_cast<double>(interval_.steps);
     sl.tokens_per_s = static_cast<double>(tc_.global_batch) * tc_.seq_len * n / interval_.seconds;
@@ -519,7 +547,8 @@ template <typename C> void Trainer<C>::log_step(int64_t s, const StepOutcome& o)
                           {"compute_ms_min", sl.ranks.compute_min}, {"compute_ms_median", sl.ranks.compute_median},
                           {"compute_ms_max", sl.ranks.compute_max}, {"wait_ms_min", sl.ranks.wait_min},
                           {"wait_ms_median", sl.ranks.wait_median}, {"wait_ms_max", sl.ranks.wait_max},
-                          {"slowest_rank", sl.ranks.slowest}, {"tokens_seen", seen}};
+                          {"slowest_rank", sl.ranks.slowest}, {"tokens_seen", seen}, {"update_skipped", o.skipped},
+                          {"skipped_updates", state_.spikes.skipped_updates}};
       if (sl.ranks.flagged) j["straggler_rank"] = sl.ranks.slowest;
       if (mfu >= 0) j["mfu"] = mfu / 100;  // fraction of the peak; left out when the peak is unknown
       if (eta >= 0) j["eta_s"] = eta;

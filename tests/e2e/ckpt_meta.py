@@ -14,9 +14,10 @@ import numpy as np
 # One param_table row, packed field by field, little-endian: 128 + 8 + 8 + 4 + 32 = 180 bytes.
 PACKED_ROW = np.dtype([("name", "S128"), ("offset", "<i8"), ("numel", "<i8"), ("ndim", "<i4"), ("shape", "<i8", (4,))])
 TABLE, CHECK = "metadata_crc32", "metadata_crc32_check"
-# The checksummed attributes (format version 2). Others a file may carry are neither used nor covered.
+# The checksummed attributes (format version 3; version 2 files lack spike_stats). Others a file may
+# carry are neither used nor covered.
 ROOT_ATTRS = ["format", "format_version", "step", "tokens_seen", "world_size", "model_config", "train_config",
-              "data_position", "rng_state", "program_version", "data"]
+              "data_position", "rng_state", "program_version", "data", "spike_stats"]
 UNIT_ATTRS = ["index", "numel", "shard_size", "padded_numel"]
 
 

@@ -43,7 +43,7 @@ import sys, zlib, json
 import h5py, numpy as np
 path, work = sys.argv[1], sys.argv[2]
 f = h5py.File(path, "r")
-assert f.attrs["format"] == "shardtrain-checkpoint" and f.attrs["format_version"] == 2
+assert f.attrs["format"] == "shardtrain-checkpoint" and f.attrs["format_version"] == 3
 sys.path.insert(0, sys.argv[3])
 import ckpt_meta
 assert ckpt_meta.problems(path) == [], ckpt_meta.problems(path)  # the metadata checksums, from the documented layout

@@ -71,14 +71,14 @@ def flip_table(ds, index):
     return edit
 
 variant("rope_theta", "attribute 'model_config' fails its CRC32 check", in_place(b'"rope_theta":10000.0', b'"rope_theta":90000.0'))
-for a in ["train_config", "data_position", "rng_state", "program_version", "data"]:
+for a in ["train_config", "data_position", "rng_state", "program_version", "data", "spike_stats"]:
     variant(a, f"attribute '{a}' fails its CRC32 check", flip_string(a))
 variant("format", "attribute 'format' is", flip_string("format"))
 variant("table", "attribute 'metadata_crc32' (the metadata checksums) fails its own CRC32 check", flip_string("metadata_crc32"))
 variant("table_check", "fails its own CRC32 check ('metadata_crc32_check')", flip_int("/", "metadata_crc32_check", 1))
 for a in ["step", "tokens_seen", "world_size"]:
     variant(a, f"attribute '{a}' fails its CRC32 check", flip_int("/", a))
-variant("format_version", "unknown format version 258 in attribute 'format_version'", flip_int("/", "format_version", 1))
+variant("format_version", "unknown format version 259 in attribute 'format_version'", flip_int("/", "format_version", 1))
 variant("format_version_1", "attribute 'format_version' says 1, but the file carries the metadata checksums", flip_int("/", "format_version", value=1))
 for a in ["index", "numel", "shard_size", "padded_numel"]:
     variant("unit_" + a, f"attribute '{a}' of unit 'model.layers.1' fails its CRC32 check", flip_int("units/model.layers.1", a))
@@ -137,6 +137,8 @@ cross seed "attribute 'train_config' has seed 7, attribute 'rng_state' has 1337"
 cross shard_table "row 1 of dataset 'shard_table' is" \
   "t = f['units/model.norm/shard_table'][:]; t[1] = [0, 32, 0]; f['units/model.norm/shard_table'][...] = t"
 cross world "are inconsistent with world_size (3)" "f.attrs['world_size'] = 3"
+cross spike_stats "attribute 'spike_stats' is malformed: 'loss' and 'grad_norm' hold 5 and 6 values for a window of 128" \
+  "d = json.loads(f.attrs['spike_stats']); d['loss'].pop(); f.attrs['spike_stats'] = json.dumps(d)"
 cross no_lr "attribute 'train_config' has no 'lr'" \
   "d = json.loads(f.attrs['train_config']); del d['lr']; f.attrs['train_config'] = json.dumps(d)"
 cross lr_string "attribute 'train_config': 'lr' is not a number" \

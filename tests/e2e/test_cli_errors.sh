@@ -10,6 +10,7 @@ expect_fail unknown_option "unrecognised option '--learning-rate'" 2 "${COMMON[@
 expect_fail wrong_type "for option '--steps' is invalid" 2 "${COMMON[@]}" --steps abc
 expect_fail out_of_range_lr "option '--lr' must be > 0" 2 "${COMMON[@]}" --lr -1
 expect_fail out_of_range_beta "option '--beta2' must be in [0, 1)" 2 "${COMMON[@]}" --beta2 1.5
+expect_fail out_of_range_skip_spikes "option '--skip-spikes' must be >= 0 (0: off)" 2 "${COMMON[@]}" --skip-spikes -1
 expect_fail bad_mode "option '--mode' must be train, prepare, tokenizer, inspect, export, import, generate or plan" 2 "${COMMON[@]}" --mode fly
 expect_fail missing_data "cannot open token file '$WORK/none.tok'" 2 --model tiny --data "$WORK/none.tok"
 expect_fail no_data "option '--data' is required" 2 --model tiny

@@ -14,6 +14,7 @@
 #include <unistd.h>
 #include <zlib.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -203,6 +204,32 @@ TEST_F(Checkpoint, RoundTripAtWorldSizeAndLayoutOnDisk) {
 }
 
 // Saved on the first `a` ranks, loaded on the first `b` ranks, for every a, b up to the world size.
+// The loss-spike statistics (attribute spike_stats, format version 3) come back bitwise: a resumed
+// run judges its next steps by exactly the window the uninterrupted one had.
+TEST_F(Checkpoint, SpikeStatisticsRoundTripBitwise) {
+  st::Comm& c = world();
+  const st::ShardPlan plan = st::ShardPlan::build(test_units(), c.world_size());
+  Rows saved(plan, c.rank());
+  saved.fill();
+  st::TrainState state = test_state();
+  for (int i = 0; i < st::kSpikeWindow + 7; ++i)  // values with long expansions, one window full
+    st::check_spike(state.spikes, std::exp(1.0 + std::sin(i)) / 3.0, std::sqrt(2.0 + i) * 1e-7, 0);
+  state.spikes.skipped_updates = 5;
+  state.spikes.skipped_in_a_row = 2;
+  const std::string file = path("spikes.h5");
+  st::write_checkpoint_file(c, file, st::take_checkpoint_snapshot(saved.view(*be_), test_model(), test_train_config(), state));
+  const st::CheckpointInfo info = st::read_checkpoint_info(c, file);
+  EXPECT_EQ(info.format_version, 3);
+  Rows loaded(plan, c.rank());
+  const st::TrainState got = st::load_checkpoint(c, file, loaded.view(*be_), test_model(), &info);
+  ASSERT_EQ(got.spikes.loss.size(), static_cast<size_t>(st::kSpikeWindow));
+  EXPECT_EQ(0, std::memcmp(got.spikes.loss.data(), state.spikes.loss.data(), 8 * got.spikes.loss.size()));
+  ASSERT_EQ(got.spikes.grad_norm.size(), state.spikes.grad_norm.size());
+  EXPECT_EQ(0, std::memcmp(got.spikes.grad_norm.data(), state.spikes.grad_norm.data(), 8 * got.spikes.grad_norm.size()));
+  EXPECT_EQ(got.spikes.skipped_updates, 5);
+  EXPECT_EQ(got.spikes.skipped_in_a_row, 2);
+}
+
 TEST_F(Checkpoint, ReshardsBetweenEverySubCommunicatorSize) {
   st::Comm& c = world();
   const int W = c.world_size();
