@@ -70,7 +70,7 @@ def run(args, mode, rnd, cfg_path, steps, every):
     torch = mode.startswith("torch-")
     prog = [args.python, os.path.join(os.path.dirname(os.path.abspath(__file__)), "peer_torch.py"),
             "--port", str(29600 + rnd * 10 + len(mode))] if torch else [args.bin]
-    cmd = ["mpirun", "-np", "2"] + prog + [
+    cmd = ["mpirun", "-np", str(args.np)] + prog + [
            "--model", cfg_path, "--data", args.data, "--seq-len", "16",
            "--global-batch", "2", "--steps", str(steps), "--checkpoint-every", str(every), "--log-every", "1",
            "--eval-every", "0", "--eval-batches", "1", "--threads", "1", "--checkpoint-dir", os.path.join(d, "ck"),
@@ -140,6 +140,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--python", default=".venv/bin/python", help="the venv's python, for the PyTorch DCP peer")
     ap.add_argument("--no-peer", action="store_true", help="leave out the PyTorch DCP peer runs")
+    ap.add_argument("--np", type=int, default=2, help="world size (2: the issue's W = 2; 1: one rank, whose "
+                    "writer thread has the other core of a 2-core machine to itself)")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     steps, every, rounds, cfg = 10, 3, args.rounds, CONFIG
