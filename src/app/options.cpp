@@ -4,6 +4,7 @@
 
 #include <boost/program_options.hpp>
 #include <algorithm>
+#include <cstdio>
 #include <charconv>
 #include <cmath>
 #include <filesystem>
@@ -202,6 +203,14 @@ void validate(const Options& o) {
   if (o.peak_tflops_given) {
     finite(o.peak_tflops, "peak-tflops");
     check(o.peak_tflops > 0, "peak-tflops", "must be > 0 (TFLOP/s of each rank's device)");
+    // A device's peak lies far inside [1e-6, 1e6] TFLOP/s (1 MFLOP/s .. 1 EFLOP/s); outside it the
+    // job's peak (a sum over ranks) and MFU over- or underflow into inf, 0 or absurd percentages.
+    check(o.peak_tflops >= 1e-6 && o.peak_tflops <= 1e6, "peak-tflops",
+          [&] {
+            char b[64];
+            std::snprintf(b, sizeof b, "must be in [1e-6, 1e6] TFLOP/s per device (got %g)", o.peak_tflops);
+            return std::string(b);
+          }());
   }
   check(o.device == "auto" || o.device == "cpu" || o.device == "cuda", "device", "must be auto, cpu or cuda, got '" + o.device + "'");
   check(o.gpu_comm == "nccl" || o.gpu_comm == "mpi", "gpu-comm", "must be nccl or mpi, got '" + o.gpu_comm + "'");

@@ -339,10 +339,16 @@ template <typename C> void Trainer<C>::gather_hosts() {
   comm_.all_gather(mine.data(), all.data(), kHost);
   hosts_.clear();
   for (int r = 0; r < W_; ++r) hosts_.emplace_back(&all[static_cast<size_t>(r) * kHost]);
-  if (const char* v = std::getenv("SHARDTRAIN_TEST_SLOW_RANK")) {
-    int r = -1;
-    long long ms = 0;
-    if (std::sscanf(v, "%d:%lld", &r, &ms) == 2 && r == comm_.rank() && ms > 0) slow_rank_ms_ = ms;
+  if (const char* v = std::getenv("SHARDTRAIN_TEST_SLOW_RANK")) {  // exactly "R:MS", both decimal, MS <= 60000
+    const std::string t(v);
+    const size_t c = t.find(':');
+    const auto digits = [](const std::string& x) {
+      return !x.empty() && x.size() <= 9 && x.find_first_not_of("0123456789") == std::string::npos;
+    };
+    if (c != std::string::npos && digits(t.substr(0, c)) && digits(t.substr(c + 1))) {
+      const long long r = std::stoll(t.substr(0, c)), ms = std::stoll(t.substr(c + 1));
+      if (r == comm_.rank() && ms > 0 && ms <= 60000) slow_rank_ms_ = ms;
+    }
   }
 }
 

@@ -96,3 +96,5 @@ echo "ok: --peak-tflops 0.001 x 2 ranks: $(steps peak | tail -1 | grep -oE '[0-9
 # 4. --peak-tflops refused when not a positive finite number, naming the option.
 expect_fail peak-zero "option '--peak-tflops' must be > 0" 1 "${ARGS[@]}" --peak-tflops 0
 expect_fail peak-nan "option '--peak-tflops' must be a finite number" 1 "${ARGS[@]}" --peak-tflops nan
+expect_fail peak-huge "option '--peak-tflops' must be in [1e-6, 1e6]" 1 "${ARGS[@]}" --peak-tflops 1e300
+expect_fail peak-tiny "option '--peak-tflops' must be in [1e-6, 1e6]" 1 "${ARGS[@]}" --peak-tflops 1e-300
