@@ -51,6 +51,22 @@ struct StepOutcome {
   CommTimes comm;               // the step's FSDP collectives (issued, exposed)
 };
 
+// Test hook SHARDTRAIN_TEST_SLOW_RANK=R:MS (docs/errors.md): the ms rank `rank` sleeps at the start
+// of every step (0: none), so that the straggler report has a rank to find. Exactly two decimal
+// integers, 0 < MS <= 60000; anything else is ignored.
+int64_t slow_rank_hook(int rank) {
+  const char* v = std::getenv("SHARDTRAIN_TEST_SLOW_RANK");
+  if (!v) return 0;
+  const std::string t(v);
+  const size_t c = t.find(':');
+  const auto digits = [](const std::string& x) {
+    return !x.empty() && x.size() <= 9 && x.find_first_not_of("0123456789") == std::string::npos;
+  };
+  if (c == std::string::npos || !digits(t.substr(0, c)) || !digits(t.substr(c + 1))) return 0;
+  const long long r = std::stoll(t.substr(0, c)), ms = std::stoll(t.substr(c + 1));
+  return (r == rank && ms > 0 && ms <= 60000) ? ms : 0;
+}
+
 // Per-step means over the steps since the last log line.
 struct Interval {
   double seconds = 0, issued_s = 0, exposed_s = 0;
@@ -113,7 +129,7 @@ template <typename C> class Trainer {
   TrainResult res_;
   Interval interval_;
   std::vector<std::string> hosts_;  // every rank's host (its processor name), to name a straggler's node
-  int64_t slow_rank_ms_ = 0;        // test hook SHARDTRAIN_TEST_SLOW_RANK: this rank sleeps this long per step
+  int64_t slow_rank_ms_ = 0;        // test hook SHARDTRAIN_TEST_SLOW_RANK (slow_rank_hook): ms slept per step
   Clock::time_point t_start_;  // the loop's start: elapsed_s of the step lines
   Clock::time_point t_first_;  // the end of this process's first step: the ETA's mean step time from there
   // The checkpoint saves (with --checkpoint-dir): a background writer thread on a communicator of
@@ -137,6 +153,7 @@ Trainer<C>::Trainer(Engine& eng, const ModelConfig& mc, const TrainConfig& tc, c
   record_data();
   prepare_outputs();
   gather_hosts();
+  slow_rank_ms_ = slow_rank_hook(comm_.rank());
   if (!tc_.checkpoint_dir.empty()) {  // collective: duplicates the world communicator for the writer
     writer_ = std::make_unique<AsyncCheckpointWriter>(comm_, tc_.checkpoint_async, mesh_.collective_timeout());
     // A snapshot copies unless it can borrow the live rows (synchronous saves on the CPU).
@@ -325,12 +342,7 @@ template <typename C> void Trainer<C>::record_data() {
                                     data_.tokenizer(), data_.path());
 }
 
-// The steps to run, the checkpoint directory and the metrics file. A fresh run starts the metrics
-// file; a resumed run (or a start-over) continues it exactly at its step, moving the rows of steps
-// it will redo (written after that checkpoint) aside.
-// Collective: every rank's host name (to name a straggler's node in the step line), and the test
-// hook SHARDTRAIN_TEST_SLOW_RANK=R:MS (docs/errors.md): rank R sleeps MS ms at the start of every
-// step, so that the straggler report has a rank to find.
+// Collective: every rank's host name (to name a straggler's node in the step line).
 template <typename C> void Trainer<C>::gather_hosts() {
   constexpr size_t kHost = 64;
   std::vector<char> mine(kHost, 0), all(kHost * static_cast<size_t>(W_));
@@ -339,19 +351,11 @@ template <typename C> void Trainer<C>::gather_hosts() {
   comm_.all_gather(mine.data(), all.data(), kHost);
   hosts_.clear();
   for (int r = 0; r < W_; ++r) hosts_.emplace_back(&all[static_cast<size_t>(r) * kHost]);
-  if (const char* v = std::getenv("SHARDTRAIN_TEST_SLOW_RANK")) {  // exactly "R:MS", both decimal, MS <= 60000
-    const std::string t(v);
-    const size_t c = t.find(':');
-    const auto digits = [](const std::string& x) {
-      return !x.empty() && x.size() <= 9 && x.find_first_not_of("0123456789") == std::string::npos;
-    };
-    if (c != std::string::npos && digits(t.substr(0, c)) && digits(t.substr(c + 1))) {
-      const long long r = std::stoll(t.substr(0, c)), ms = std::stoll(t.substr(c + 1));
-      if (r == comm_.rank() && ms > 0 && ms <= 60000) slow_rank_ms_ = ms;
-    }
-  }
 }
 
+// The steps to run, the checkpoint directory and the metrics file. A fresh run starts the metrics
+// file; a resumed run (or a start-over) continues it exactly at its step, moving the rows of steps
+// it will redo (written after that checkpoint) aside.
 template <typename C> void Trainer<C>::prepare_outputs() {
   if (state_.step >= tc_.steps)
     throw CollectiveError(0, "checkpoint is at step " + std::to_string(state_.step) + ", not before option '--steps' (" +
@@ -583,13 +587,13 @@ template <typename C> void Trainer<C>::write_record(const nlohmann::json& j) {
 // Collective when --metrics or --tensorboard is given (the same on every rank): rank 0 wrote, every
 // rank learns whether it could.
 template <typename C> void Trainer<C>::check_outputs() {
-  if (!tc_.metrics_path.empty())
-    all_ok(comm_, !metrics_.is_open() || metrics_.good(),
-           "cannot write metrics file '" + tc_.metrics_path + "' (option '--metrics')");
-  if (!tc_.tensorboard_dir.empty())
-    all_ok(comm_, !tb_ || tb_->good(),
-           "cannot write TensorBoard event file '" + (tb_ ? tb_->path() : tc_.tensorboard_dir) +
-               "' (option '--tensorboard')");
+  if (tc_.metrics_path.empty() && tc_.tensorboard_dir.empty()) return;
+  std::string err;  // one agreement for both outputs
+  if (metrics_.is_open() && !metrics_.good())
+    err = "cannot write metrics file '" + tc_.metrics_path + "' (option '--metrics')";
+  else if (tb_ && !tb_->good())
+    err = "cannot write TensorBoard event file '" + tb_->path() + "' (option '--tensorboard')";
+  all_ok(comm_, err.empty(), err);
 }
 
 // Collective: the checkpoint of `step` (the mesh decided in co_ which ranks write their rows). A
