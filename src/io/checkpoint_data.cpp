@@ -172,13 +172,8 @@ std::string dir_of(const std::string& path) {
   return dir.empty() ? std::string(".") : dir.string();
 }
 
-// "N KiB free in 'D'" (statvfs, for the space an unprivileged user may use), or "" if unknown.
-std::string free_space_text(const std::string& path) {
-  struct statvfs sv {};
-  const std::string dir = dir_of(path);
-  if (::statvfs(dir.c_str(), &sv) != 0) return "";
-  return std::to_string((static_cast<uint64_t>(sv.f_bavail) * sv.f_frsize) >> 10) + " KiB free in '" + dir + "'";
-}
+// The free space of the directory holding `path` (ckpt::free_space_in).
+std::string free_space_text(const std::string& path) { return free_space_in(dir_of(path)); }
 
 // Rank 0, before HDF5 opens the file: creates `path` empty and reserves `need` bytes for it
 // (fallocate with FALLOC_FL_KEEP_SIZE: the blocks are the file's, its size stays 0, so HDF5's

@@ -18,6 +18,7 @@
 #include <stdexcept>
 #include <thread>
 
+#include "checkpoint_internal.h"
 #include "shardtrain/checkpoint.h"
 #include "shardtrain/files.h"
 
@@ -42,11 +43,10 @@ int fsync_path(const std::string& p, bool dir, bool drop_cache = false) {
   return e;
 }
 
-// " (N KiB free in 'D')" (statvfs: the space an unprivileged user may use), or "" if unknown.
+// " (N KiB free in 'D')", or "" if unknown.
 std::string free_space_note(const std::string& dir) {
-  struct statvfs sv {};
-  if (::statvfs(dir.c_str(), &sv) != 0) return "";
-  return " (" + std::to_string((static_cast<uint64_t>(sv.f_bavail) * sv.f_frsize) >> 10) + " KiB free in '" + dir + "')";
+  const std::string f = ckpt::free_space_in(dir);
+  return f.empty() ? f : " (" + f + ")";
 }
 
 std::string tmp_path_of(const CheckpointOptions& co, int64_t step) {
@@ -281,5 +281,15 @@ std::string resolve_resume(Comm& comm, const std::string& resume, const std::str
   all_ok(comm, err.empty(), err);
   return comm.broadcast_string(path, 0);
 }
+
+namespace ckpt {
+
+std::string free_space_in(const std::string& dir) {
+  struct statvfs sv {};
+  if (::statvfs(dir.c_str(), &sv) != 0) return "";
+  return std::to_string((static_cast<uint64_t>(sv.f_bavail) * sv.f_frsize) >> 10) + " KiB free in '" + dir + "'";
+}
+
+}  // namespace ckpt
 
 }  // namespace shardtrain

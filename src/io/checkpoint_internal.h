@@ -55,6 +55,10 @@ struct H5Error : std::runtime_error {
 hid_t chk(hid_t id, const std::string& what);
 void chk(herr_t rc, const std::string& what, int);
 
+// "N KiB free in 'DIR'" (statvfs: the space an unprivileged user may use), or "" if unknown.
+// Defined in checkpoint_dir.cpp.
+std::string free_space_in(const std::string& dir);
+
 // HDF5's innermost error message (often the informative one, e.g. "truncated file").
 std::string h5_detail();
 // Turns off HDF5's own error printing (shardtrain reports failures itself, naming the file); once
