@@ -24,7 +24,7 @@ CPPFLAGS := -DOMPI_SKIP_MPICXX=1 -Iinclude -I/usr/include/x86_64-linux-gnu/openb
 # Neither reorders arithmetic (no -ffast-math), so results stay deterministic and NaN propagates.
 MATHFLAGS := -fno-math-errno -fno-trapping-math
 ALL_CXXFLAGS := -std=c++20 -march=$(MARCH) -fopenmp $(CXXFLAGS) $(MATHFLAGS) $(WARN) -MMD -MP
-LDLIBS := -fopenmp -L/usr/lib/x86_64-linux-gnu/hdf5/openmpi -lhdf5 -lz -lboost_program_options -lopenblas -lsentencepiece_train -lsentencepiece -lpthread
+LDLIBS := -fopenmp -L/usr/lib/x86_64-linux-gnu/hdf5/openmpi -lhdf5 -lz -ldeflate -lboost_program_options -lopenblas -lsentencepiece_train -lsentencepiece -lpthread
 GTEST_LIBS := -lgtest -lpthread
 MPIRUN ?= mpirun --oversubscribe
 export OMPI_ALLOW_RUN_AS_ROOT := 1

@@ -10,6 +10,7 @@ PKGS=(
   libboost-program-options-dev        # CLI and INI job files
   nlohmann-json3-dev                  # config.json, canonical config JSON, metrics
   libopenblas-dev                     # CPU GEMM
+  libdeflate-dev                      # CRC-32 of checkpoint shards and data files (PCLMULQDQ; zlib's table code is ~10x slower)
   libgtest-dev                        # unit tests
   libsentencepiece-dev                # SentencePiece tokenizers: train (--mode tokenizer), encode (--mode prepare), generate
   fortunes                            # default English corpus for `make demo` and tests

@@ -37,8 +37,9 @@ void check_output_path(const std::string& path, const std::string& what);
 // into that repository's blobs/ folder (../../blobs, where the hub keeps the files) count as inside.
 std::string path_inside(const std::string& dir, const std::string& name, const std::string& what);
 
-// zlib's CRC32 (the same as Python's zlib.crc32) of `bytes` bytes at `p`, continuing from `crc`
-// (0 to start). Any length: zlib's own length argument is 32-bit, so longer buffers go in pieces.
+// The CRC-32 of zlib and Python's zlib.crc32 (ISO-HDLC: reflected polynomial 0xEDB88320, initial
+// and final xor 0xFFFFFFFF) of `bytes` bytes at `p`, continuing from `crc` (0 to start). Any length.
+// Computed by libdeflate (PCLMULQDQ where available); tests/unit/test_data.cpp checks it against zlib.
 uint32_t crc32_update(uint32_t crc, const void* p, size_t bytes);
 
 }  // namespace shardtrain

@@ -1,9 +1,9 @@
-// write_file_atomic: temp file, flush, optional fsync, rename; crc32_update: zlib in pieces.
+// write_file_atomic: temp file, flush, optional fsync, rename; crc32_update: libdeflate's CRC-32.
 #include "shardtrain/files.h"
 
 #include <fcntl.h>
 #include <unistd.h>
-#include <zlib.h>
+#include <libdeflate.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -15,15 +15,10 @@
 namespace shardtrain {
 
 uint32_t crc32_update(uint32_t crc, const void* p, size_t bytes) {
-  uLong c = crc;
-  const Bytef* b = static_cast<const Bytef*>(p);
-  while (bytes > 0) {
-    const uInt chunk = static_cast<uInt>(bytes < (size_t{1} << 30) ? bytes : (size_t{1} << 30));
-    c = ::crc32(c, b, chunk);
-    b += chunk;
-    bytes -= chunk;
-  }
-  return static_cast<uint32_t>(c);
+  // libdeflate's CRC-32 is zlib's (same polynomial, initial value and final xor; size_t length),
+  // carry-less-multiply (PCLMULQDQ) code where the CPU has it: ~10x zlib 1.2.13's table code, which
+  // took ~0.45 s per rank of a 1.2 GB checkpoint save (docs/benchmarks.md).
+  return libdeflate_crc32(crc, p, bytes);
 }
 
 std::string path_inside(const std::string& dir, const std::string& name, const std::string& what) {
