@@ -23,6 +23,7 @@
 #include <stdexcept>
 
 #include "checkpoint_internal.h"
+#include "shardtrain/direct_io.h"
 
 namespace shardtrain {
 namespace fs = std::filesystem;
@@ -375,6 +376,7 @@ void write_checkpoint_file(Comm& comm, const std::string& tmp_path, const Checkp
     MetaSums ms;  // every rank computes the same table from the same values
     H5Id units, dxpl(H5Pcreate(H5P_DATASET_XFER), H5Pclose);
     H5Pset_dxpl_mpio(dxpl, H5FD_MPIO_INDEPENDENT);
+    std::optional<DirectFileWriter> rows_out;  // opened at this rank's first row (direct_io.h)
     attempt([&] {
       write_root_attributes(file, ms, snap);
       units = H5Id(chk(H5Gcreate2(file, "units", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), "create group /units"), H5Gclose);
@@ -409,6 +411,20 @@ void write_checkpoint_file(Comm& comm, const std::string& tmp_path, const Checkp
           // A failed write (disk full, EIO) may fail on this rank only. The other tensors' datasets
           // are still created (the ranks' HDF5 metadata stays identical, for the close).
           const float* rows = cols[k]->rows(u);
+          // The rows themselves: at the dataset's file offset (contiguous layout, allocated at
+          // creation: parallel HDF5 allocates early), by DirectFileWriter, past the page cache
+          // (direct_io.h says why); through H5Dwrite only if HDF5 gives no offset. Either way the
+          // same bytes at the same place (tests/bench/bitwise_ab.sh: every dataset and attribute).
+          const haddr_t at = H5Dget_offset(d);
+          if (writer && at != HADDR_UNDEF) {
+            if (!rows_out) rows_out.emplace(tmp_path);
+            if (const int e = rows_out->write(at + start[0] * 4, rows, 4 * S); e != 0 && fail.empty()) {
+              const std::string free = free_space_text(tmp_path);
+              fail = where + "writing " + up.name + "/" + names[k] + " failed: " + std::strerror(e) +
+                     (free.empty() ? "" : " (" + free + ")");
+            }
+            continue;
+          }
           capture.reset();  // a tensor row: its failure is HDF5's to report, diagnosed below
           const herr_t wrc = H5Dwrite(d, H5T_NATIVE_FLOAT, msp, fsp, dxpl, rows);
           capture.emplace(&hw);
