@@ -123,6 +123,7 @@ template <typename C> class Trainer {
   // Host memory of the snapshots that copy (every save on a GPU, pinned; background saves on the
   // CPU), made once at setup and reused by every save. Declared before writer_: outlives its thread.
   std::shared_ptr<SnapshotBuffer> snap_buf_;
+  double copy_wait_s_ = 0;  // the save in flight: time train_step waited for its copy (wait_copied)
   const TestSpike test_spike_ = test_spike_hook();  // SHARDTRAIN_TEST_SPIKE_STEP: injected spikes
   std::ofstream metrics_;    // rank 0, with --metrics
   std::unique_ptr<TensorBoardWriter> tb_;  // rank 0, with --tensorboard
@@ -499,6 +500,9 @@ template <typename C> StepOutcome Trainer<C>::train_step(int64_t s) {
                         describe_spike(spike, o.loss, o.grad_norm, tc_.skip_spikes));
   } else {
     const double clip_scale = (tc_.clip > 0 && o.grad_norm > tc_.clip) ? tc_.clip / o.grad_norm : 1.0;
+    // A background save's copy of the shards (AsyncCheckpointWriter::start with copy_into) must
+    // have ended before the update changes them.
+    if (writer_) copy_wait_s_ += writer_->wait_copied();
     opt_->step(s + 1, o.lr, clip_scale * injected);
     o.skipped = false;
   }
@@ -620,20 +624,27 @@ template <typename C> void Trainer<C>::save(int64_t step, bool wait) {
   st.step = step;
   st.tokens_seen = tokens_of(state_.segments, step);
   st.saved_world_size = W_;
+  const ShardedTensors ct = checkpoint_tensors(*f_, opt_.get());
+  // A background save on the CPU borrows the live shards and its writer thread copies them while
+  // the next step's forward and backward run (they only read them); the update waits for the copy
+  // (train_step: wait_copied). Elsewhere the copy is made here (on a GPU: pinned memory, copy stream).
+  const bool copy_later = writer_->asynchronous() && !wait && snap_buf_ && ct.backend->host_kernels();
   CheckpointSnapshot snap =
-      take_checkpoint_snapshot(checkpoint_tensors(*f_, opt_.get()), mc_,
-                               train_config_json(tc_, st.world_size, st.shard_group_size), st, co_.write_shards,
-                               /*borrow=*/!writer_->asynchronous() || wait,  // written before training goes on
-                               snap_buf_);  // a copy (on a GPU: pinned memory, copy stream), waited for
+      take_checkpoint_snapshot(ct, mc_, train_config_json(tc_, st.world_size, st.shard_group_size), st, co_.write_shards,
+                               /*borrow=*/!writer_->asynchronous() || wait || copy_later,
+                               copy_later ? nullptr : snap_buf_);
   const double snap_s = seconds_since(t1);
   const double mbytes = 3.0 * 4.0 * static_cast<double>(f_->plan().total_numel()) / 1e6;
   const std::string waited = waited_s > 0 ? ", of which " + fmt("%.2f", waited_s) + " s waiting for the previous write" : "";
-  writer_->start(std::move(snap), co_);  // synchronous saves: written and published on return
+  copy_wait_s_ = 0;
+  writer_->start(std::move(snap), co_, copy_later ? snap_buf_ : nullptr);  // synchronous saves: published on return
   writing_step_ = step;
   if (writer_->asynchronous() && !wait) {
     log_info(comm_, "checkpoint: step " + std::to_string(step) + ": snapshot taken in " + fmt("%.2f", snap_s) +
                         " s, writing in the background (training blocked " + fmt("%.2f", seconds_since(t0)) + " s" +
-                        waited + ")");
+                        waited + ")" +
+                        (copy_later ? "; the writer thread copies the shards first, the next update waits for that"
+                                    : std::string()));
     return;
   }
   AsyncCheckpointWriter::Result r;
@@ -667,6 +678,9 @@ void Trainer<C>::log_background_save(const AsyncCheckpointWriter::Result& r, dou
                       " MB of parameters + AdamW state) in the background: write " + fmt("%.2f", r.write_s) + " s, " +
                       fmt("%.0f", mbytes / std::max(r.write_s, 1e-9)) + " MB/s" +
                       (r.delay_s > 0 ? " (plus the test delay of " + fmt("%.2f", r.delay_s) + " s)" : std::string()) +
+                      (r.copy_s > 0 ? ", its copy of the shards " + fmt("%.2f", r.copy_s) + " s, training blocked " +
+                                          fmt("%.2f", copy_wait_s_) + " s waiting for it"
+                                    : std::string()) +
                       (now > r.step ? "; steps " + std::to_string(r.step + 1) + "-" + std::to_string(now) +
                                           " ran meanwhile"
                                     : std::string()) +
