@@ -43,6 +43,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import time
 
 CONFIG = {"vocab_size": 258, "hidden_size": 768, "intermediate_size": 2560, "num_hidden_layers": 12,
           "num_attention_heads": 12, "max_position_embeddings": 64, "tie_word_embeddings": True,
@@ -52,7 +53,8 @@ QUICK_CONFIG = dict(CONFIG, hidden_size=512, intermediate_size=1536, num_hidden_
 RE_BG_START = re.compile(r"checkpoint: step (\d+): snapshot taken in ([\d.]+) s, writing in the background "
                          r"\(training blocked ([\d.]+) s(?:, of which ([\d.]+) s waiting)?")
 RE_BG_DONE = re.compile(r"checkpoint: saved '([^']*step_0*(\d+)(?:\.h5)?)' \(([\d.]+) MB [^)]*\) in the background: "
-                        r"write ([\d.]+) s, (\d+) MB/s(?:[^;]*; steps (\d+)-(\d+) ran meanwhile)?")
+                        r"write ([\d.]+) s, (\d+) MB/s(?:[^;\n]*; steps (\d+)-(\d+) ran meanwhile)?[^\n]*")
+RE_COPY_WAIT = re.compile(r"training blocked ([\d.]+) s waiting for it")
 RE_SYNC = re.compile(r"checkpoint: saved '([^']*step_0*(\d+)(?:\.h5)?)' \(([\d.]+) MB [^)]*\) in ([\d.]+) s, (\d+) MB/s "
                      r"\(training blocked ([\d.]+) s: snapshot ([\d.]+) s, write ([\d.]+) s")
 RE_DD = re.compile(r"(\d+) bytes .* copied, ([\d.]+) s, ([\d.]+) ([kMG]?B)/s")
@@ -94,7 +96,11 @@ def run(args, mode, rnd, cfg_path, steps, every):
             st = starts[s]
             meanwhile = list(range(int(m[6]), int(m[7]) + 1)) if m[6] else []
             during.update(meanwhile)
-            saves.append({"step": s, "blocked_s": float(st[3]), "snapshot_s": float(st[2]),
+            # the writer thread's copy of the shards (CPU): the update after the save may wait for it
+            cw = RE_COPY_WAIT.search(m[0])
+            copy_wait = float(cw[1]) if cw else 0.0
+            saves.append({"step": s, "blocked_s": float(st[3]) + copy_wait, "snapshot_s": float(st[2]),
+                          "copy_wait_s": copy_wait,
                           "waited_s": float(st[4] or 0), "write_s": float(m[4]), "mb": float(m[3]),
                           "mb_s": float(m[3]) / float(m[4]), "steps_meanwhile": meanwhile})
     else:
@@ -109,23 +115,42 @@ def run(args, mode, rnd, cfg_path, steps, every):
             size = max(size, os.path.getsize(fp))
         elif torch and f.startswith("step_") and os.path.isdir(fp):
             size = max(size, sum(os.path.getsize(os.path.join(fp, x)) for x in os.listdir(fp)))
-    # dd in the state the saves met: same directory, this run's checkpoints still there (their pages
-    # dropped from the page cache by the save's POSIX_FADV_DONTNEED), a new file
+    # dd in the states the saves met, same directory, this run's checkpoints still there. On a VM with
+    # free page reporting (virtio-balloon; the firecracker guest of docs/benchmarks.md) memory the guest
+    # frees goes back to the host within seconds, and the next write into it faults in the host: a
+    # write is ~5x faster into pages freed a moment ago than into pages freed 8 s ago, for any writer.
+    # So dd three times: (1) right after the run, into the pages the final save just dropped from the
+    # page cache (POSIX_FADV_DONTNEED): the most favourable state, the only one measured before; (2)
+    # after a pause as long as the interval between two saves (every x a normal step), the state a
+    # save after a run's first met; (3) with that file kept, a second file, which gets pages the guest
+    # had not used lately: the state of a run's first save.
+    normal_now = [v for k, v in step_ms.items() if k != min(step_ms)]
+    pause = every * statistics.median(normal_now) / 1e3 if normal_now else 0.0
     ddr = dd(os.path.join(d, "ck", "dd.bin"), size)
+    time.sleep(pause)
+    ddi = dd(os.path.join(d, "ck", "dd-interval.bin"), size, keep=True)
+    ddi["pause_s"] = pause
+    ddf = dd(os.path.join(d, "ck", "dd-fresh.bin"), size)
+    os.remove(os.path.join(d, "ck", "dd-interval.bin"))
+    if saves:
+        first_save = min(s["step"] for s in saves)
+        for s in saves:
+            s["first"] = s["step"] == first_save
     shutil.rmtree(os.path.join(d, "ck"))  # 1.2 GB each
     first = min(step_ms)
     normal = [v for k, v in step_ms.items() if k != first and k not in during]
     dur = [step_ms[k] for k in sorted(during) if k in step_ms]
     banner = next((l for l in log.splitlines() if "OpenBLAS" in l), "")
     return {"mode": mode, "round": rnd, "saves": saves, "step_ms": step_ms, "during": sorted(during),
-            "normal_ms": normal, "during_ms": dur, "file_bytes": size, "banner": banner, "dd": ddr}
+            "normal_ms": normal, "during_ms": dur, "file_bytes": size, "banner": banner, "dd": ddr, "dd_interval": ddi, "dd_fresh": ddf}
 
 
-def dd(path, nbytes):
+def dd(path, nbytes, keep=False):
     mib = max(1, round(nbytes / (1 << 20)))
     p = subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={mib}", "conv=fdatasync"],
                        capture_output=True, text=True)
-    os.remove(path)
+    if not keep:
+        os.remove(path)
     m = RE_DD.search(p.stderr)
     if not m:
         sys.exit("checkpoint bench: cannot parse dd's output: " + p.stderr)
@@ -165,21 +190,33 @@ def main():
             print(f"  round {rnd} {mode:9}: step ms, normal {['%.0f' % x for x in r['normal_ms']]}, during a write "
                   f"{['%.0f' % x for x in r['during_ms']]}", flush=True)
             print(f"  round {rnd} {mode:9}: then dd {r['dd']['mib']} MiB conv=fdatasync into the run's checkpoint "
-                  f"directory: {r['dd']['s']:.2f} s = {r['dd']['mb_s']:.0f} MB/s", flush=True)
+                  f"directory: {r['dd']['s']:.2f} s = {r['dd']['mb_s']:.0f} MB/s; after {r['dd_interval']['pause_s']:.1f} s "
+                  f"(a save interval): {r['dd_interval']['mb_s']:.0f} MB/s; a second file beside it (fresh pages): "
+                  f"{r['dd_fresh']['mb_s']:.0f} MB/s", flush=True)
 
     def of(prog):  # the figures of one program ("" shardtrain, "torch-" the peer)
-        def saves(mode, key):
-            return [s[key] for r in runs if r["mode"] == prog + mode for s in r["saves"]]
+        def saves(mode, key, first=None):  # first: None every save, True / False a run's first save / the others
+            return [s[key] for r in runs if r["mode"] == prog + mode for s in r["saves"]
+                    if first is None or s.get("first") == first]
 
         def steps_of(mode, key):
             return [x for r in runs if r["mode"] == prog + mode for x in r[key]]
         f = {"blk_off": saves("off", "blocked_s"), "blk_on": saves("on", "blocked_s"),
              "mbs_off": saves("off", "mb_s"), "mbs_on": saves("on", "mb_s"),
+             "mbs_off_first": saves("off", "mb_s", True), "mbs_off_later": saves("off", "mb_s", False),
+             "mbs_on_first": saves("on", "mb_s", True), "mbs_on_later": saves("on", "mb_s", False),
              "dd": [r["dd"]["mb_s"] for r in runs if r["mode"] in (prog + "off", prog + "on")],
+             "dd_fresh": [r["dd_fresh"]["mb_s"] for r in runs if r["mode"] in (prog + "off", prog + "on")],
+             "dd_interval": [r["dd_interval"]["mb_s"] for r in runs if r["mode"] in (prog + "off", prog + "on")],
              "normal_on": steps_of("on", "normal_ms"), "normal_off": steps_of("off", "normal_ms"),
              "during": steps_of("on", "during_ms")}
         f["normal"] = f["normal_on"] + f["normal_off"]
         f.update({k + "_med": med(v) for k, v in list(f.items())})
+        # training time a save costs: sync, its blocked time; async, its blocked time plus what the steps
+        # that ran during its write took beyond a normal step (summed over the steps, per save)
+        n_on = len(saves("on", "blocked_s"))
+        f["lost_on"] = (f["blk_on_med"] + (sum(f["during"]) - len(f["during"]) * f["normal_med"]) / 1e3 / n_on
+                        if n_on else float("nan"))
         return f
     progs = {"shardtrain": of("")}
     if not args.no_peer:
@@ -196,15 +233,27 @@ def main():
             f"| training blocked | {name} | {f['blk_off_med']:.2f} s ({rng(f['blk_off'])}) | {f['blk_on_med']:.2f} s "
             f"({rng(f['blk_on'])}) | async/sync {f['blk_on_med'] / f['blk_off_med']:.2f} | ≤ 0.10 |",
             f"| write throughput (the writer's time) | {name} | {f['mbs_off_med']:.0f} MB/s ({rng(f['mbs_off'], '%.0f')}) | "
-            f"{f['mbs_on_med']:.0f} MB/s ({rng(f['mbs_on'], '%.0f')}) | vs dd after the same runs {f['dd_med']:.0f} MB/s "
+            f"{f['mbs_on_med']:.0f} MB/s ({rng(f['mbs_on'], '%.0f')}) | vs dd right after the same runs {f['dd_med']:.0f} MB/s "
             f"({rng(f['dd'], '%.0f')}): sync {f['mbs_off_med'] / f['dd_med']:.2f}, async "
             f"{f['mbs_on_med'] / f['dd_med']:.2f} | ≥ 0.70 |",
+            f"| write throughput, saves after a run's first (recycled pages) | {name} | {f['mbs_off_later_med']:.0f} MB/s "
+            f"({rng(f['mbs_off_later'], '%.0f')}) | {f['mbs_on_later_med']:.0f} MB/s ({rng(f['mbs_on_later'], '%.0f')}) | "
+            f"vs dd in that state (a save interval after a drop) {f['dd_interval_med']:.0f} MB/s "
+            f"({rng(f['dd_interval'], '%.0f')}): sync {f['mbs_off_later_med'] / f['dd_interval_med']:.2f}, async "
+            f"{f['mbs_on_later_med'] / f['dd_interval_med']:.2f} | ≥ 0.70 |",
+            f"| write throughput, a run's first save (fresh pages) | {name} | {f['mbs_off_first_med']:.0f} MB/s "
+            f"({rng(f['mbs_off_first'], '%.0f')}) | {f['mbs_on_first_med']:.0f} MB/s ({rng(f['mbs_on_first'], '%.0f')}) | "
+            f"vs dd in that state {f['dd_fresh_med']:.0f} MB/s ({rng(f['dd_fresh'], '%.0f')}): sync "
+            f"{f['mbs_off_first_med'] / f['dd_fresh_med']:.2f}, async {f['mbs_on_first_med'] / f['dd_fresh_med']:.2f} "
+            f"| ≥ 0.70 |",
             f"| step time, normal step | {name} | {f['normal_off_med']:.0f} ms ({rng(f['normal_off'], '%.0f')}, "
             f"{len(f['normal_off'])} steps) | {f['normal_on_med']:.0f} ms ({rng(f['normal_on'], '%.0f')}, "
             f"{len(f['normal_on'])} steps) | | |",
             f"| step time, during a background write | {name} | | {f['during_med']:.0f} ms ({rng(f['during'], '%.0f')}, "
             f"{len(f['during'])} steps) | vs all normal steps ({f['normal_med']:.0f} ms) "
-            f"{f['during_med'] / f['normal_med']:.2f} | ≤ 1.25 |"]
+            f"{f['during_med'] / f['normal_med']:.2f} | ≤ 1.25 |",
+            f"| training time lost per save (blocked + the slower steps' excess) | {name} | {f['blk_off_med']:.2f} s | "
+            f"{f['lost_on']:.2f} s | async/sync {f['lost_on'] / f['blk_off_med']:.2f} | |"]
     with open(os.path.join(args.out, "ckpt-async.md"), "w") as f:
         f.write("\n".join(md) + "\n")
     print("\n".join(md))
@@ -212,7 +261,11 @@ def main():
         print(f"checkpoint bench: {name}: targets (not asserted): blocked async/sync "
               f"{f['blk_on_med'] / f['blk_off_med']:.2f} (<= 0.10), steps during a write "
               f"{f['during_med'] / f['normal_med']:.2f}x (<= 1.25), write sync / dd {f['mbs_off_med'] / f['dd_med']:.2f}, "
-              f"async / dd {f['mbs_on_med'] / f['dd_med']:.2f} (>= 0.70)")
+              f"async / dd {f['mbs_on_med'] / f['dd_med']:.2f} (>= 0.70); against dd in the same page-cache state: "
+              f"later saves sync {f['mbs_off_later_med'] / f['dd_interval_med']:.2f}, async "
+              f"{f['mbs_on_later_med'] / f['dd_interval_med']:.2f}; "
+              f"first saves sync {f['mbs_off_first_med'] / f['dd_fresh_med']:.2f}, async "
+              f"{f['mbs_on_first_med'] / f['dd_fresh_med']:.2f}")
 
 
 if __name__ == "__main__":
