@@ -12,16 +12,19 @@ saves after steps 3, 6 and 9; the final save after step 10 is synchronous in bot
 for the write in flight, so it is left out), --log-every 1, --eval-every 0 --eval-batches 1.
 Runs are interleaved, off on / on off / ..., so that a change in the machine's load hits both alike,
 each into a fresh checkpoint directory under OUT/ckpt-async/. After each run, before its checkpoints
-are deleted, dd writes a new file of the checkpoint's size into the run's checkpoint directory:
-dd if=/dev/zero bs=1M conv=fdatasync. So dd meets the page cache as the run's saves did (on the VM of
-docs/benchmarks.md, writing into pages just freed is ~5x faster than into fresh ones, so a dd after
-deleting files measures a state no save sees).
+are deleted, dd writes new files of the checkpoint's size into the run's checkpoint directory
+(dd if=/dev/zero bs=1M conv=fdatasync), three times: right after the run; after a pause of one save
+interval; and a second file beside that one. On a VM with free page reporting (docs/benchmarks.md,
+"Checkpoint writes past the page cache") a buffered write's speed depends on how long ago the pages
+it gets were freed, so the three measure the states a save can meet: the most favourable, a run's
+later saves', a run's first save's. The table compares each kind of save with dd in its state.
 
 Measured, per periodic save, from the log:
 * training blocked: off, "saved ... in T s ... (training blocked T s ...)"; on, "snapshot taken in
-  S s, writing in the background (training blocked B s)";
+  S s, writing in the background (training blocked B s)" plus, on the CPU, the next update's wait
+  for the writer thread's copy ("training blocked W s waiting for it" in the line of the finished write);
 * the write: its time and MB/s (the writer's own figures: off, "write W s"; on, "in the background:
-  write W s, R MB/s"), against dd's MB/s of the same round;
+  write W s, R MB/s"), against dd's MB/s of the same run;
 * the steps that ran during a background write: on, "steps A-B ran meanwhile" (B, the step at whose
   boundary the end of the write was seen, may have overlapped it only in part).
 Per step, from the metrics file (rank 0, --log-every 1): compute_ms + exposed_comm_ms, the step's
