@@ -60,7 +60,7 @@ struct ModelConfig {
   //     eos_token_id is one integer or a list (Llama 3.x: [128001, 128008, 128009]), kept as given;
   //     the first is the primary EOS (the tokenizer's "</s>", generation's pad id). Empty when unset.
   // The small presets use the byte-level tokenizer's 256 and 257 (data.h); the published-model
-  // presets (llama-1b, tinyllama-1.1b, llama-8b) their tokenizers' ids.
+  // presets (llama-1b, tinyllama-1.1b, llama-8b, llama-70b) their tokenizers' ids.
   int bos_token_id = 256;
   std::vector<int> eos_token_ids = {257};
 

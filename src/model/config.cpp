@@ -117,6 +117,10 @@ const std::map<std::string, ModelConfig>& presets() {
       // meta-llama/Llama-3.1-8B config.json: 8,030,261,248 parameters.
       {"llama-8b", published("llama-8b", 128256, 4096, 14336, 32, 32, 8, 131072, false, 500000.0, 1e-5, 128000, 128001,
                              llama3_rope(8.0))},
+      // meta-llama/Llama-3.1-70B config.json: 70,553,706,496 parameters (issue 31's tensor-parallel
+      // plans; weights from --mode import).
+      {"llama-70b", published("llama-70b", 128256, 8192, 28672, 80, 64, 8, 131072, false, 500000.0, 1e-5, 128000, 128001,
+                              llama3_rope(8.0))},
   };
   return p;
 }

@@ -331,6 +331,9 @@ TEST(Config, PublishedPresets) {
                         Want{"tinyllama-1.1b", 1'100'048'384, 32000, 2048, 5632, 22, 32, 4, 2048, 1, 2, false, 10000.0,
                              0.0},
                         Want{"llama-8b", 8'030'261'248, 128256, 4096, 14336, 32, 32, 8, 131072, 128000, 128001, false,
+                             500000.0, 8.0},
+                        // transformers 4.x, LlamaForCausalLM on the meta device: 70,553,706,496
+                        Want{"llama-70b", 70'553'706'496, 128256, 8192, 28672, 80, 64, 8, 131072, 128000, 128001, false,
                              500000.0, 8.0}}) {
     const ModelConfig c = preset(w.name);
     EXPECT_NO_THROW(validate(c, w.name));
