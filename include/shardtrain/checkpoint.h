@@ -307,8 +307,8 @@ int64_t checkpoint_write_delay_ms();
 // communicator (a Comm::duplicate of the world, made once, under the collective watchdog), while
 // the calling thread trains on. Every HDF5 call of a save happens on that thread; the caller must
 // make none while a write is in flight (Debian's parallel HDF5 is not thread-safe). At most one
-// write is in flight. The writer thread runs at idle CPU priority (SCHED_IDLE; nice 19 where that
-// is refused), so that it takes a core only when training's threads leave it. Needs
+// write is in flight. The writer thread runs at nice 19, on any CPU of the job (checkpoint_async.cpp
+// says why), so that it takes little of a core training's threads want. Needs
 // MPI_THREAD_MULTIPLE (mpi_thread_multiple()); without it, or with `async` false, start() saves
 // synchronously on `world` in the calling thread, as save_checkpoint.
 //
@@ -340,8 +340,8 @@ class AsyncCheckpointWriter {
     double write_s = 0;       // the save: write + publish (the test delay, if any, not counted)
     double delay_s = 0;       // SHARDTRAIN_TEST_CHECKPOINT_WRITE_DELAY_MS slept by the thread
     uint64_t bytes = 0;       // tensor bytes of this rank's snapshot
-    int sched_policy = -1;    // the writing thread's scheduling policy (sched_getscheduler): SCHED_IDLE
-                              // for a background write (see below), the caller's for a synchronous one
+    int sched_policy = -1;    // the writing thread's scheduling policy (sched_getscheduler)
+    int nice = 0;             // and its nice value: 19 for a background write, the caller's otherwise
     double copy_s = 0;        // start() with copy_into: the thread's copy of the live rows
     int cpus = -1;            // CPUs the writing thread may run on (a background writer: every CPU of
                               // the job's cpuset, not only its rank's binding; see checkpoint_async.cpp)
@@ -360,7 +360,13 @@ class AsyncCheckpointWriter {
   // the file still holds the state of step snap.state.step, bitwise. What this saves: the copy
   // (~0.1 s per 600 MB, memory-bound) no longer blocks training at the save; it overlaps the next
   // step's forward and backward instead (docs/benchmarks.md).
-  void start(CheckpointSnapshot&& snap, const CheckpointOptions& co, std::shared_ptr<SnapshotBuffer> copy_into = nullptr);
+  //
+  // `foreground` (a save training waits for anyway: the final and a preemption save): written on the
+  // calling thread, at its priority, on the writer's communicator, and published on return, as a
+  // synchronous save. (On the writer thread it would run at nice 19, behind every other busy process
+  // of the node.)
+  void start(CheckpointSnapshot&& snap, const CheckpointOptions& co, std::shared_ptr<SnapshotBuffer> copy_into = nullptr,
+             bool foreground = false);
   // Blocks until the rows of a save started with copy_into have been copied (at once when none is
   // pending); returns the seconds it waited. Local. Call before changing the shards.
   double wait_copied();
@@ -379,7 +385,9 @@ class AsyncCheckpointWriter {
   bool wait(Result* out);
 
  private:
-  void run(CheckpointSnapshot snap, CheckpointOptions co, std::shared_ptr<SnapshotBuffer> copy_into);
+  // background: on the writer thread (nice 19, any CPU); else on the caller's. The test delay
+  // (SHARDTRAIN_TEST_CHECKPOINT_WRITE_DELAY_MS) applies to every save of an asynchronous writer.
+  void run(CheckpointSnapshot snap, CheckpointOptions co, std::shared_ptr<SnapshotBuffer> copy_into, bool background);
   Comm& world_;
   std::mutex copy_mu_;
   std::condition_variable copy_cv_;

@@ -26,25 +26,28 @@ int64_t checkpoint_write_delay_ms() {
 
 namespace {
 
-// The writer thread yields its core to training: SCHED_IDLE (Linux, sched(7): runs only when no
-// other thread of normal policy wants the CPU; needs no privilege to lower), else nice 19. Applies
-// to the calling thread only (sched_setscheduler / setpriority with the thread's id). On a rank
-// with a spare core nothing changes; where training fills every core (a CPU run with one rank per
-// core), the write runs in training's gaps (its communication waits) instead of taking time
-// slices from the step. docs/benchmarks.md ("Asynchronous checkpoint saves") measures both.
+// The writer thread runs at nice 19 (setpriority on its thread id; lowering one's own priority
+// needs no privilege): against training's threads it gets ~1.5% of a contended core (CFS/EEVDF
+// weight 15 against 1024), so where training fills every core (a CPU run with one rank per core)
+// the write runs mostly in training's gaps; on a rank with a spare core nothing changes. Not
+// SCHED_IDLE, which the first version used: a SCHED_IDLE thread gets nothing while any other
+// process on the node wants the CPU, niced builds included, and a save that training then waited
+// for outlasted the collective watchdog on a loaded machine (docs/benchmarks.md, "Checkpoint writes
+// past the page cache": also the step-time comparison of the two, equal within noise). Neither can
+// be undone without privilege (RLIMIT_NICE), so saves that training waits for do not run on this
+// thread at all (AsyncCheckpointWriter::start, `foreground`).
 //
-// And it may run on any CPU the job may use, not only its rank's: mpirun and srun bind each rank
+// And it may run on any CPU the kernel lets it, not only its rank's: mpirun and srun bind each rank
 // to its core(s) and threads inherit the binding, which put the writer on the one core its rank's
 // training keeps busy while a core beside it idled (a background write at W = 1 on 2 cores ran at
 // 259 MB/s against 1,211 MB/s for the same write with training stopped). sched_setaffinity with
-// every CPU is cut down by the kernel to the CPUs of the thread's cpuset (a Slurm job's cgroup),
-// so the writer never leaves the job's allocation; at SCHED_IDLE it takes none of another rank's
-// time either. Best effort: the binding stays where the call fails.
+// every CPU is cut down by the kernel to the thread's cpuset, so under Slurm's task/cgroup (the
+// usual setup) the writer stays inside the job's allocation. A limit set only as an affinity mask
+// (taskset, task/affinity without cgroups) is not visible to it and is widened: at nice 19 the
+// writer then takes little from whatever else runs there. Best effort: the binding stays where the
+// call fails.
 void place_writer_thread() {
-  sched_param sp{};
-  sp.sched_priority = 0;
-  if (::sched_setscheduler(0, SCHED_IDLE, &sp) != 0)
-    (void)::setpriority(PRIO_PROCESS, static_cast<id_t>(::gettid()), 19);
+  (void)::setpriority(PRIO_PROCESS, static_cast<id_t>(::gettid()), 19);
   const long n = ::sysconf(_SC_NPROCESSORS_CONF);
   if (n <= 0) return;
   cpu_set_t* set = CPU_ALLOC(static_cast<int>(n));
@@ -92,11 +95,12 @@ AsyncCheckpointWriter::~AsyncCheckpointWriter() {
 
 bool AsyncCheckpointWriter::failed() const { return in_flight_ && state_.load(std::memory_order_acquire) == 2; }
 
-void AsyncCheckpointWriter::run(CheckpointSnapshot snap, CheckpointOptions co, std::shared_ptr<SnapshotBuffer> copy_into) {
+void AsyncCheckpointWriter::run(CheckpointSnapshot snap, CheckpointOptions co, std::shared_ptr<SnapshotBuffer> copy_into,
+                                bool background) {
   using Clock = std::chrono::steady_clock;
   Result r;
   r.step = snap.state.step;
-  const int64_t delay_ms = async_ ? checkpoint_write_delay_ms() : 0;
+  const int64_t delay_ms = async_ ? checkpoint_write_delay_ms() : 0;  // the test hook: every save of an async writer
   if (copy_into) {
     // The live rows into the buffer, before anything else and before the priority drops: training
     // waits for this at its next optimizer update (wait_copied). The test delay's first quarter
@@ -121,7 +125,7 @@ void AsyncCheckpointWriter::run(CheckpointSnapshot snap, CheckpointOptions co, s
     copy_cv_.notify_all();
   }
   r.bytes = snap.bytes();
-  if (async_) place_writer_thread();
+  if (background) place_writer_thread();
   r.cpus = thread_cpu_count();
   try {
     if (delay_ms > 0) {
@@ -131,10 +135,11 @@ void AsyncCheckpointWriter::run(CheckpointSnapshot snap, CheckpointOptions co, s
       r.delay_s = static_cast<double>(delay_ms) / 1e3;
     }
     const auto t0 = Clock::now();
-    r.path = save_checkpoint(async_ ? *comm_ : world_, snap, co);
+    r.path = save_checkpoint(async_ ? *comm_ : world_, snap, co);  // the writer's communicator, on either thread
     r.write_s = std::chrono::duration<double>(Clock::now() - t0).count() -
                 static_cast<double>(co.test_delay_before_publish_ms) / 1e3;  // the delay is not the write's
     r.sched_policy = ::sched_getscheduler(0);
+    r.nice = ::getpriority(PRIO_PROCESS, static_cast<id_t>(::gettid()));
     result_ = std::move(r);
     state_.store(1, std::memory_order_release);
   } catch (...) {
@@ -144,11 +149,11 @@ void AsyncCheckpointWriter::run(CheckpointSnapshot snap, CheckpointOptions co, s
 }
 
 void AsyncCheckpointWriter::start(CheckpointSnapshot&& snap, const CheckpointOptions& co,
-                                  std::shared_ptr<SnapshotBuffer> copy_into) {
+                                  std::shared_ptr<SnapshotBuffer> copy_into, bool foreground) {
   if (in_flight_) throw std::logic_error("AsyncCheckpointWriter::start: a save is still in flight");
   if (thread_.joinable()) thread_.join();
   if (copy_into) {
-    bool fits = async_ && copy_into->tensors() >= snap.tensors.size() && copy_into->units() == snap.plan.units.size();
+    bool fits = async_ && !foreground && copy_into->tensors() >= snap.tensors.size() && copy_into->units() == snap.plan.units.size();
     for (size_t u = 0; fits && u < copy_into->units(); ++u)
       fits = copy_into->shard_size(u) == snap.plan.units[u].shard_size;
     for (auto& t : snap.tensors) fits = fits && t.view.size() == snap.plan.units.size();
@@ -160,8 +165,8 @@ void AsyncCheckpointWriter::start(CheckpointSnapshot&& snap, const CheckpointOpt
   error_ = nullptr;
   result_ = Result{};
   in_flight_ = true;
-  if (!async_) {  // synchronous: the save on the calling thread, on the world communicator
-    run(std::move(snap), co, nullptr);
+  if (!async_ || foreground) {  // on the calling thread, at its priority: training waits for it anyway
+    run(std::move(snap), co, nullptr, false);
     if (state_.load() == 2) {
       in_flight_ = false;
       std::rethrow_exception(error_);
@@ -173,7 +178,7 @@ void AsyncCheckpointWriter::start(CheckpointSnapshot&& snap, const CheckpointOpt
     copy_pending_ = copy_into != nullptr;
   }
   try {
-    thread_ = std::thread([this, s = std::move(snap), co, copy_into]() mutable { run(std::move(s), co, copy_into); });
+    thread_ = std::thread([this, s = std::move(snap), co, copy_into]() mutable { run(std::move(s), co, copy_into, true); });
   } catch (...) {
     std::lock_guard<std::mutex> lk(copy_mu_);
     copy_pending_ = false;

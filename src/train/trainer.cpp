@@ -423,9 +423,9 @@ template <typename C> void Trainer<C>::log_setup() {
     if (!writer_->note().empty()) log_info(comm_, writer_->note());
     log_info(comm_, writer_->asynchronous()
                         ? std::string("checkpoints: asynchronous (--checkpoint-async on): a periodic save blocks training "
-                                      "for its host snapshot only, a writer thread at idle CPU priority (SCHED_IDLE) writes "
+                                      "for its host snapshot only, a writer thread at low CPU priority (nice 19) writes "
                                       "and publishes it; the final "
-                                      "and a preemption save wait for their write") +
+                                      "and a preemption save are written before training goes on") +
                               (checkpoint_write_delay_ms() > 0
                                    ? "; test hook SHARDTRAIN_TEST_CHECKPOINT_WRITE_DELAY_MS=" +
                                          std::to_string(checkpoint_write_delay_ms()) + " delays every background write"
@@ -637,7 +637,9 @@ template <typename C> void Trainer<C>::save(int64_t step, bool wait) {
   const double mbytes = 3.0 * 4.0 * static_cast<double>(f_->plan().total_numel()) / 1e6;
   const std::string waited = waited_s > 0 ? ", of which " + fmt("%.2f", waited_s) + " s waiting for the previous write" : "";
   copy_wait_s_ = 0;
-  writer_->start(std::move(snap), co_, copy_later ? snap_buf_ : nullptr);  // synchronous saves: published on return
+  // A save that training waits for (`wait`) is written on this thread, at its priority; synchronous
+  // saves too. Both are published when start() returns.
+  writer_->start(std::move(snap), co_, copy_later ? snap_buf_ : nullptr, /*foreground=*/wait);
   writing_step_ = step;
   if (writer_->asynchronous() && !wait) {
     log_info(comm_, "checkpoint: step " + std::to_string(step) + ": snapshot taken in " + fmt("%.2f", snap_s) +

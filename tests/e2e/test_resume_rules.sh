@@ -127,7 +127,7 @@ for np in 2 3; do
   # Synchronous saves: the crash then comes right after step 6, so exactly steps 4-6 and the
   # evaluations at 4 and 6 (5 rows) are written after the last published checkpoint (3). With a
   # background write, how many more steps run before its crash depends on the machine (the writer
-  # runs at idle priority); test_checkpoint_async.sh covers a crash during a background write.
+  # runs at nice 19); test_checkpoint_async.sh covers a crash during a background write.
   timeout -k 5 120 $MPIRUN -np 2 "$BIN" "${M[@]}" --checkpoint-dir "$WORK/m$np" --checkpoint-every 3 --debug-crash-before-publish 6 \
     --checkpoint-async off --metrics "$WORK/m$np.jsonl" >"$WORK/crash$np.log" 2>&1 || rc=$?
   [ "$rc" = 86 ] || { cat "$WORK/crash$np.log"; fail "crash run: exit status $rc"; }
