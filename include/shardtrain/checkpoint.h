@@ -209,6 +209,9 @@ class SnapshotBuffer {
   // Tensor k's rows of unit u: shard_size(u) floats.
   float* rows(size_t k, size_t u) const { return base_ + k * per_tensor_ + offset_[u]; }
   uint64_t bytes() const { return 4 * static_cast<uint64_t>(per_tensor_) * tensors_; }
+  // Whether `tensors` tensors of `plan` fit: as many tensor slots or more, the plan's units and
+  // shard sizes.
+  bool fits(const ShardPlan& plan, size_t tensors) const;
 
  private:
   Backend<float>* be_;

@@ -153,9 +153,7 @@ void AsyncCheckpointWriter::start(CheckpointSnapshot&& snap, const CheckpointOpt
   if (in_flight_) throw std::logic_error("AsyncCheckpointWriter::start: a save is still in flight");
   if (thread_.joinable()) thread_.join();
   if (copy_into) {
-    bool fits = async_ && !foreground && copy_into->tensors() >= snap.tensors.size() && copy_into->units() == snap.plan.units.size();
-    for (size_t u = 0; fits && u < copy_into->units(); ++u)
-      fits = copy_into->shard_size(u) == snap.plan.units[u].shard_size;
+    bool fits = async_ && !foreground && copy_into->fits(snap.plan, snap.tensors.size());
     for (auto& t : snap.tensors) fits = fits && t.view.size() == snap.plan.units.size();
     if (!fits)
       throw std::invalid_argument("AsyncCheckpointWriter::start: copy_into needs an asynchronous writer, a borrowed "

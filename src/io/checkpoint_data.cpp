@@ -70,6 +70,13 @@ ShardedTensors sharded_params(ShardedState<float>& f) {
   return t;
 }
 
+bool SnapshotBuffer::fits(const ShardPlan& plan, size_t tensors) const {
+  if (tensors_ < tensors || units() != plan.units.size()) return false;
+  for (size_t u = 0; u < units(); ++u)
+    if (size_[u] != plan.units[u].shard_size) return false;
+  return true;
+}
+
 SnapshotBuffer::SnapshotBuffer(Backend<float>& be, const ShardPlan& plan, size_t tensors) : be_(&be), tensors_(tensors) {
   for (auto& up : plan.units) {
     offset_.push_back(per_tensor_);
@@ -105,9 +112,7 @@ CheckpointSnapshot take_checkpoint_snapshot(const ShardedTensors& t, const Model
   check_tensor_set(*t.plan, names, counts, "take_checkpoint_snapshot");
   const bool borrowed = borrow && t.backend->host_kernels();
   if (into && !borrowed) {
-    bool fits = into->tensors() >= t.tensors.size() && into->units() == t.plan->units.size();
-    for (size_t u = 0; fits && u < into->units(); ++u) fits = into->shard_size(u) == t.plan->units[u].shard_size;
-    if (!fits)
+    if (!into->fits(*t.plan, t.tensors.size()))
       throw std::invalid_argument("take_checkpoint_snapshot: the snapshot buffer does not fit the tensors (" +
                                   std::to_string(into->tensors()) + " tensors of " + std::to_string(into->units()) +
                                   " units, given " + std::to_string(t.tensors.size()) + " of " +
