@@ -132,9 +132,10 @@ template <typename T> class Backend {
   }
 
   // Embedding lookup: out[i, :] = table[tokens[i], :], out [N, C], table [V, C], tokens [N] ids in
-  // the backend's memory (alloc_ids).
+  // the backend's memory (alloc_ids). A negative id gives a zero row (the vocabulary-parallel
+  // embedding: a token of another rank's rows).
   virtual void embedding_forward(T* out, const int32_t* tokens, const T* table, int N, int C) = 0;
-  // dtable[tokens[i], :] += dout[i, :].
+  // dtable[tokens[i], :] += dout[i, :]; rows of negative ids are skipped.
   virtual void embedding_backward(T* dtable, const int32_t* tokens, const T* dout, int N, int C) = 0;
 
   // RMSNorm (Zhang & Sennrich 2019): out[i,:] = x[i,:] * rstd[i] * w, rstd[i] = 1/sqrt(mean(x^2)+eps).
@@ -199,10 +200,37 @@ template <typename T> class Backend {
     return s;
   }
 
+  // Vocabulary-parallel cross-entropy (Megatron-LM's VocabParallelCrossEntropy; tensor
+  // parallelism, model.h): each rank of the TP group of G ranks holds the logits of its vocabulary
+  // columns, logits [N, Vl] row-major = columns [v0, v0 + Vl) of the full [N, V] logits, of which
+  // the first `valid` (0 <= valid <= Vl) are real and the rest padding of the vocabulary to a
+  // multiple of G (masked: as -inf, never in a sum, gradient 0). targets [N]: global ids in
+  // [0, V), backend memory. Three local passes, the group's reductions between them (the model
+  // runs them through TensorParallelOps):
+  //   1. vocab_ce_max:    mx[i] = max over row i's real columns (-inf when valid == 0).
+  //      (group: mx of every rank all-gathered into maxes [G, N], rank g's at g * N)
+  //   2. vocab_ce_sum:    with m_i = max_g maxes[g * N + i]: st[2i] = sum over real columns of
+  //                       exp(l - m_i), st[2i + 1] = l[target - v0] if this rank holds the target,
+  //                       else 0.  (group: st all-reduced, summed)
+  //   3. vocab_ce_finish: adds sum_i (m_i + log st[2i] - st[2i + 1]) to the backend's loss sum
+  //                       (take_loss_sum; rows in order, each in double) and, when dlogits is not
+  //                       nullptr, writes dlogits = (exp(l - m_i) / st[2i] - onehot) * grad_scale
+  //                       on real columns, 0 on padding (dlogits may alias logits).
+  // mx, maxes, st: S scalars in backend memory (alloc_acc). Arithmetic in S, as cross_entropy.
+  // With G = 1 and valid = V this is cross_entropy's loss and gradient to rounding.
+  virtual void vocab_ce_max(const T* logits, int N, int Vl, int valid, S* mx) = 0;
+  virtual void vocab_ce_sum(const T* logits, const int32_t* targets, int N, int Vl, int valid, int v0,
+                            const S* maxes, int G, S* st) = 0;
+  virtual void vocab_ce_finish(T* dlogits, const T* logits, const int32_t* targets, int N, int Vl, int valid, int v0,
+                               const S* maxes, int G, const S* st, S grad_scale) = 0;
+
   // AdamW on n elements (see math::adamw). grad is multiplied by grad_scale first (clipping).
   // step is 1-based.
   virtual void adamw(T* p, T* m, T* v, const T* g, size_t n, S lr, S b1, S b2, S eps, S wd, S grad_scale,
                      int64_t step) = 0;
+
+ protected:
+  void add_loss_sum(double x) { loss_sum_ += x; }  // for host-side overrides (the CPU backend)
 
  private:
   double loss_sum_ = 0.0;  // the default cross_entropy_sum's

@@ -160,6 +160,29 @@ template <typename T> class EmulatedBackend final : public Backend<T> {
     return loss;
   }
 
+  void vocab_ce_max(const T* logits, int N, int Vl, int valid, S* mx) override {
+    std::vector<double> l = wide(logits, static_cast<size_t>(N) * Vl), m(static_cast<size_t>(N));
+    d_->vocab_ce_max(l.data(), N, Vl, valid, m.data());
+    for (size_t i = 0; i < m.size(); ++i) mx[i] = static_cast<S>(m[i]);
+  }
+  void vocab_ce_sum(const T* logits, const int32_t* targets, int N, int Vl, int valid, int v0, const S* maxes, int G,
+                    S* st) override {
+    std::vector<double> l = wide(logits, static_cast<size_t>(N) * Vl), mx(maxes, maxes + static_cast<size_t>(G) * N),
+                        s(2 * static_cast<size_t>(N));
+    d_->vocab_ce_sum(l.data(), targets, N, Vl, valid, v0, mx.data(), G, s.data());
+    for (size_t i = 0; i < s.size(); ++i) st[i] = static_cast<S>(s[i]);
+  }
+  void vocab_ce_finish(T* dlogits, const T* logits, const int32_t* targets, int N, int Vl, int valid, int v0,
+                       const S* maxes, int G, const S* st, S grad_scale) override {
+    const size_t n = static_cast<size_t>(N) * Vl;
+    std::vector<double> l = wide(logits, n), d(dlogits ? n : 0), mx(maxes, maxes + static_cast<size_t>(G) * N),
+                        s(st, st + 2 * static_cast<size_t>(N));
+    d_->vocab_ce_finish(dlogits ? d.data() : nullptr, l.data(), targets, N, Vl, valid, v0, mx.data(), G, s.data(),
+                        grad_scale);
+    if (dlogits) narrow(dlogits, d);
+    this->add_loss_sum(d_->take_loss_sum());
+  }
+
   void adamw(T* p, T* m, T* v, const T* g, size_t n, S lr, S b1, S b2, S eps, S wdecay, S grad_scale,
              int64_t step) override {
     std::vector<double> pd = wide(p, n), md = wide(m, n), vd = wide(v, n), gd = wide(g, n);

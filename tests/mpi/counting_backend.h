@@ -117,6 +117,15 @@ template <typename T> class CountingBackend final : public shardtrain::Backend<T
   double cross_entropy(T* dl, const T* l, const int32_t* t, int N, int V, S gs) override {
     return inner_->cross_entropy(dl, l, t, N, V, gs);
   }
+  void vocab_ce_max(const T* l, int N, int Vl, int valid, S* mx) override { inner_->vocab_ce_max(l, N, Vl, valid, mx); }
+  void vocab_ce_sum(const T* l, const int32_t* t, int N, int Vl, int valid, int v0, const S* mx, int G, S* st) override {
+    inner_->vocab_ce_sum(l, t, N, Vl, valid, v0, mx, G, st);
+  }
+  void vocab_ce_finish(T* dl, const T* l, const int32_t* t, int N, int Vl, int valid, int v0, const S* mx, int G,
+                       const S* st, S gs) override {
+    inner_->vocab_ce_finish(dl, l, t, N, Vl, valid, v0, mx, G, st, gs);
+    this->add_loss_sum(inner_->take_loss_sum());
+  }
   void adamw(T* p, T* m, T* v, const T* g, size_t n, S lr, S b1, S b2, S eps, S wd, S gs, int64_t step) override {
     inner_->adamw(p, m, v, g, n, lr, b1, b2, eps, wd, gs, step);
   }

@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <new>
 #include <type_traits>
 #include <vector>
@@ -246,7 +247,10 @@ template <typename T> class CpuBackend final : public Backend<T> {
   void embedding_forward(T* out, const int32_t* tok, const T* table, int N, int C) override {
     par_ranges(static_cast<size_t>(N), row_grain(C), [&](size_t b, size_t e) {
       for (size_t i = b; i < e; ++i)
-        std::memcpy(out + i * C, table + static_cast<size_t>(tok[i]) * C, C * sizeof(T));
+        if (tok[i] < 0)
+          std::memset(out + i * C, 0, C * sizeof(T));
+        else
+          std::memcpy(out + i * C, table + static_cast<size_t>(tok[i]) * C, C * sizeof(T));
     });
   }
   // Column ranges side by side; within a column, positions are added in order 0..N-1.
@@ -258,6 +262,10 @@ template <typename T> class CpuBackend final : public Backend<T> {
       row_.resize(static_cast<size_t>(C));
       for (size_t g = 0; g < order_.size();) {
         const int32_t t = tok[order_[g]];
+        if (t < 0) {  // another rank's rows (vocabulary-parallel embedding): sorted first, skipped
+          ++g;
+          continue;
+        }
         T* row = dtable + static_cast<size_t>(t) * C;
         for (int c = 0; c < C; ++c) row_[static_cast<size_t>(c)] = math::ld(row[c]);
         for (; g < order_.size() && tok[order_[g]] == t; ++g) {
@@ -269,6 +277,7 @@ template <typename T> class CpuBackend final : public Backend<T> {
     } else {
       par_ranges(static_cast<size_t>(C), col_grain(N), [&](size_t cb, size_t ce) {
         for (int i = 0; i < N; ++i) {
+          if (tok[i] < 0) continue;  // another rank's rows (vocabulary-parallel embedding)
           T* row = dtable + static_cast<size_t>(tok[i]) * C;
           const T* d = dout + static_cast<size_t>(i) * C;
           for (size_t c = cb; c < ce; ++c) row[c] += d[c];
@@ -555,6 +564,56 @@ template <typename T> class CpuBackend final : public Backend<T> {
     return total;
   }
 
+  // Vocabulary-parallel cross-entropy (backend.h): rows side by side, each as cross_entropy.
+  void vocab_ce_max(const T* logits, int N, int Vl, int valid, S* mx) override {
+    par_ranges(static_cast<size_t>(N), row_grain(static_cast<size_t>(valid)), [&](size_t rb, size_t re) {
+      for (size_t i = rb; i < re; ++i) {
+        const T* l = logits + i * Vl;
+        A m = -std::numeric_limits<A>::infinity();
+        for (int v = 0; v < valid; ++v) m = math::ld(l[v]) > m ? math::ld(l[v]) : m;
+        mx[i] = m;
+      }
+    });
+  }
+  void vocab_ce_sum(const T* logits, const int32_t* tgt, int N, int Vl, int valid, int v0, const S* maxes, int G,
+                    S* st) override {
+    par_ranges(static_cast<size_t>(N), row_grain(static_cast<size_t>(valid)), [&](size_t rb, size_t re) {
+      for (size_t i = rb; i < re; ++i) {
+        const T* l = logits + i * Vl;
+        const A m = group_max(maxes, G, N, i);
+        A sum = 0;
+        for (int v = 0; v < valid; ++v) sum += math::st_exp(math::ld(l[v]) - m);
+        const int t = tgt[i] - v0;
+        st[2 * i] = sum;
+        st[2 * i + 1] = t >= 0 && t < valid ? math::ld(l[t]) : A(0);
+      }
+    });
+  }
+  void vocab_ce_finish(T* dlogits, const T* logits, const int32_t* tgt, int N, int Vl, int valid, int v0,
+                       const S* maxes, int G, const S* st, S grad_scale) override {
+    part_.assign(static_cast<size_t>(N), 0.0);
+    par_ranges(static_cast<size_t>(N), row_grain(static_cast<size_t>(Vl)), [&](size_t rb, size_t re) {
+      for (size_t i = rb; i < re; ++i) {
+        const A m = group_max(maxes, G, N, i), sum = st[2 * i];
+        part_[i] = static_cast<double>(m + std::log(sum) - st[2 * i + 1]);
+        if (!dlogits) continue;
+        const T* l = logits + i * Vl;
+        T* d = dlogits + i * Vl;  // may be l: each element read before it is written
+        const A k = grad_scale / sum;
+        const int t = tgt[i] - v0;
+        for (int v = 0; v < valid; ++v) {
+          A p = math::st_exp(math::ld(l[v]) - m) * k;
+          if (v == t) p -= grad_scale;
+          d[v] = math::st<T>(p);
+        }
+        for (int v = valid; v < Vl; ++v) d[v] = math::st<T>(A(0));
+      }
+    });
+    double total = 0;
+    for (double p : part_) total += p;
+    this->add_loss_sum(total);
+  }
+
   void adamw(T* p, T* m, T* v, const T* g, size_t n, S lr, S b1, S b2, S eps, S wd, S gs, int64_t step) override {
     A bc1 = A(1) - static_cast<A>(std::pow(static_cast<double>(b1), static_cast<double>(step)));
     A bc2 = A(1) - static_cast<A>(std::pow(static_cast<double>(b2), static_cast<double>(step)));
@@ -575,6 +634,13 @@ template <typename T> class CpuBackend final : public Backend<T> {
   std::atomic<void*> hook_arg_{nullptr};
   void gemm_hook() {
     if (auto fn = hook_.load(std::memory_order_relaxed)) fn(hook_arg_.load(std::memory_order_relaxed));
+  }
+
+  // The vocabulary-parallel cross-entropy's row maximum over the G ranks' maxima [G, N].
+  static A group_max(const S* maxes, int G, int N, size_t i) {
+    A m = maxes[i];
+    for (int g = 1; g < G; ++g) m = std::max<A>(m, maxes[static_cast<size_t>(g) * N + i]);
+    return m;
   }
 
   std::vector<A> row_;     // bf16 embedding_backward: one row summed in float

@@ -154,8 +154,12 @@ __global__ void sum_doubles_kernel(const double* in, size_t n, double* out, bool
 // One block per row i: out[i, :] = table[tok[i], :] (exact copy of the stored bits).
 template <typename T> __global__ void embedding_forward_kernel(T* out, const int32_t* tok, const T* table, int N, int C) {
   for (int i = blockIdx.x; i < N; i += gridDim.x) {
-    const T* src = table + static_cast<size_t>(tok[i]) * C;
     T* dst = out + static_cast<size_t>(i) * C;
+    if (tok[i] < 0) {  // another rank's rows (vocabulary-parallel embedding): a zero row
+      for (int c = threadIdx.x; c < C; c += blockDim.x) dst[c] = math::st<T>(0.0f);
+      continue;
+    }
+    const T* src = table + static_cast<size_t>(tok[i]) * C;
     for (int c = threadIdx.x; c < C; c += blockDim.x) dst[c] = src[c];
   }
 }
@@ -172,6 +176,7 @@ __global__ void embedding_backward_kernel(T* dtable, const int32_t* sorted, cons
                                           int C) {
   for (int k = blockIdx.x; k < N; k += gridDim.x) {
     const int t = sorted[k];
+    if (t < 0) continue;                         // another rank's rows (vocabulary-parallel embedding)
     if (k > 0 && sorted[k - 1] == t) continue;  // not the start of a run
     int end = k + 1;
     while (end < N && sorted[end] == t) ++end;
@@ -394,6 +399,63 @@ __global__ void cross_entropy_kernel(T* dlogits, const T* logits, const int32_t*
       }
     }
     __syncthreads();  // next row: nothing pending on this one (block_reduce also syncs)
+  }
+}
+
+// Vocabulary-parallel cross-entropy (backend.h), one block per row, as cross_entropy_kernel.
+__device__ inline float group_max(const float* maxes, int G, int N, int i) {
+  float m = maxes[i];
+  for (int g = 1; g < G; ++g) m = fmaxf(m, maxes[static_cast<size_t>(g) * N + i]);
+  return m;
+}
+template <typename T> __global__ void vocab_ce_max_kernel(const T* logits, int N, int Vl, int valid, float* mx) {
+  for (int i = blockIdx.x; i < N; i += gridDim.x) {
+    const T* l = logits + static_cast<size_t>(i) * Vl;
+    float m = -INFINITY;
+    for (int v = threadIdx.x; v < valid; v += blockDim.x) m = MaxOp{}(m, math::ld(l[v]));
+    m = block_reduce(m, MaxOp{});
+    if (threadIdx.x == 0) mx[i] = m;
+    __syncthreads();
+  }
+}
+template <typename T>
+__global__ void vocab_ce_sum_kernel(const T* logits, const int32_t* tgt, int N, int Vl, int valid, int v0,
+                                    const float* maxes, int G, float* st) {
+  for (int i = blockIdx.x; i < N; i += gridDim.x) {
+    const T* l = logits + static_cast<size_t>(i) * Vl;
+    const float m = group_max(maxes, G, N, i);
+    float sum = 0;
+    for (int v = threadIdx.x; v < valid; v += blockDim.x) sum += math::st_exp(math::ld(l[v]) - m);
+    sum = block_reduce(sum, SumOp{});
+    if (threadIdx.x == 0) {
+      const int t = tgt[i] - v0;
+      st[2 * static_cast<size_t>(i)] = sum;
+      st[2 * static_cast<size_t>(i) + 1] = t >= 0 && t < valid ? math::ld(l[t]) : 0.0f;
+    }
+    __syncthreads();
+  }
+}
+// Each element is read and written by the same thread (dlogits may alias logits).
+template <typename T>
+__global__ void vocab_ce_finish_kernel(T* dlogits, const T* logits, const int32_t* tgt, int N, int Vl, int valid,
+                                       int v0, const float* maxes, int G, const float* st, float grad_scale,
+                                       double* loss) {
+  for (int i = blockIdx.x; i < N; i += gridDim.x) {
+    const float m = group_max(maxes, G, N, i), sum = st[2 * static_cast<size_t>(i)];
+    if (threadIdx.x == 0) loss[i] = static_cast<double>(m + logf(sum) - st[2 * static_cast<size_t>(i) + 1]);
+    if (!dlogits) continue;
+    const T* l = logits + static_cast<size_t>(i) * Vl;
+    T* d = dlogits + static_cast<size_t>(i) * Vl;
+    const float k = grad_scale / sum;
+    const int t = tgt[i] - v0;
+    for (int v = threadIdx.x; v < Vl; v += blockDim.x) {
+      float p = 0.0f;
+      if (v < valid) {
+        p = math::st_exp(math::ld(l[v]) - m) * k;
+        if (v == t) p -= grad_scale;
+      }
+      d[v] = math::st<T>(p);
+    }
   }
 }
 
@@ -1002,6 +1064,30 @@ template <typename T> class CudaBackend final : public Backend<T> {
     ST_CUDA(cudaMemsetAsync(loss_sum_, 0, sizeof(double), stream_));
     ST_CUDA(cudaStreamSynchronize(stream_));
     return h;
+  }
+
+  void vocab_ce_max(const T* logits, int N, int Vl, int valid, S* mx) override {
+    if (N <= 0) return;
+    vocab_ce_max_kernel<T><<<grid_rows(N), kRowBlockLarge, 0, stream_>>>(logits, N, Vl, valid, mx);
+    ST_LAUNCHED("vocab_ce_max_kernel");
+  }
+  void vocab_ce_sum(const T* logits, const int32_t* targets, int N, int Vl, int valid, int v0, const S* maxes, int G,
+                    S* st) override {
+    if (N <= 0) return;
+    vocab_ce_sum_kernel<T><<<grid_rows(N), kRowBlockLarge, 0, stream_>>>(logits, targets, N, Vl, valid, v0, maxes, G, st);
+    ST_LAUNCHED("vocab_ce_sum_kernel");
+  }
+  // The rows' losses summed on the device into loss_sum_, as cross_entropy_sum.
+  void vocab_ce_finish(T* dlogits, const T* logits, const int32_t* targets, int N, int Vl, int valid, int v0,
+                       const S* maxes, int G, const S* st, S grad_scale) override {
+    if (N <= 0) return;
+    if (!loss_sum_) loss_sum_ = static_cast<double*>(alloc_bytes(sizeof(double)));  // zeroed
+    double* buf = static_cast<double*>(scratch(sizeof(double) * static_cast<size_t>(N)));
+    vocab_ce_finish_kernel<T><<<grid_rows(N), kRowBlockLarge, 0, stream_>>>(dlogits, logits, targets, N, Vl, valid, v0,
+                                                                            maxes, G, st, grad_scale, buf);
+    ST_LAUNCHED("vocab_ce_finish_kernel");
+    sum_doubles_kernel<<<1, kRowBlockLarge, 0, stream_>>>(buf, static_cast<size_t>(N), loss_sum_, true);
+    ST_LAUNCHED("sum_doubles_kernel (loss sum)");
   }
 
   void adamw(T* p, T* m, T* v, const T* g, size_t n, S lr, S b1, S b2, S eps, S wd, S grad_scale,
