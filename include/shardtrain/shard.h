@@ -33,13 +33,39 @@ namespace shardtrain {
 // How a parameter is initialized.
 enum class Init { Normal, Ones, Zeros };
 
+// Which part of a canonical tensor a tensor-parallel rank holds (Megatron-LM's split; model.h
+// llama_units). The canonical tensor is 2-D [rows, cols] row-major (1-D tensors are only ever
+// replicated). With degree N, rank t of the TP group holds:
+//   Rows (column-parallel q/k/v/gate/up, vocabulary-parallel embedding and LM head): rows
+//     [offset, offset + local rows) of the canonical tensor; rows at or past `rows` (the canonical
+//     row count) are padding (the vocabulary padded to a multiple of N): zero, never trained.
+//   Cols (row-parallel o/down): columns [offset, offset + local cols).
+//   Replicated: all of it, on every rank of the group (RMSNorm weights): their gradients are
+//     summed over the group (ShardedState::sum_replicated_grads) and they count once in the
+//     gradient norm.
+// degree 1 (the default): the whole canonical tensor, as without tensor parallelism.
+enum class TpSplit { None, Rows, Cols, Replicated };
+struct TpSlice {
+  TpSplit split = TpSplit::None;
+  int degree = 1;       // N, the TP group's size
+  int64_t rows = 0;     // canonical rows (Rows: unpadded; the local rows may reach past them)
+  int64_t cols = 0;     // canonical columns
+  int64_t offset = 0;   // first canonical row (Rows) or column (Cols) held here
+};
+
 struct ParamSpec {
   std::string name;             // canonical (Hugging Face) name, e.g. "model.layers.0.mlp.up_proj.weight"
-  std::vector<int64_t> shape;   // row-major, e.g. {intermediate_size, hidden_size}
+  std::vector<int64_t> shape;   // row-major, e.g. {intermediate_size, hidden_size}: this rank's slice under TP
   bool weight_decay = true;     // AdamW decay applies (false for norm weights)
   Init init = Init::Normal;
   double init_std = 0.02;       // for Init::Normal
+  TpSlice tp{};                 // the slice of the canonical tensor `shape` is (default: all of it)
   int64_t numel() const;
+  // The canonical flat index of local element e (row-major in `shape`), or -1 for vocabulary
+  // padding (a Rows slice's rows past tp.rows). Without TP: e.
+  int64_t canonical_index(int64_t e) const;
+  // Replicated over a TP group of more than one rank.
+  bool tp_replicated() const { return tp.split == TpSplit::Replicated && tp.degree > 1; }
 };
 
 struct UnitSpec {
@@ -317,6 +343,66 @@ template <typename C> class UnitSource {
   virtual CommTimes comm_times() const { return {}; }
 };
 
+// ---- Tensor parallelism -------------------------------------------------------------------------
+//
+// What the model needs from tensor parallelism (Megatron-LM, Shoeybi et al. 2019, with sequence
+// parallelism, Korthikanti et al. 2022), in its compute type C: the few collectives of its TP group
+// of size() ranks. The model calls them (model.h says where); the parallel layer implements them on
+// the mesh's TP communicator (TpGroup below), as UnitSource implements the FSDP ones. Every rank of
+// the group makes the same calls in the same order with the same counts. Buffers are backend
+// memory. Sequence-parallel layout: a "rows" buffer [N * n, C] holds the N ranks' blocks of n rows,
+// rank r's at rows [r * n, (r + 1) * n).
+template <typename C> class TensorParallelOps {
+ public:
+  using S = math::Acc<C>;
+  virtual ~TensorParallelOps() = default;
+  virtual int size() const = 0;  // N, the TP degree
+  virtual int rank() const = 0;  // this rank's index in the group, in [0, N)
+  // local (count elements) of every rank, concatenated in rank order into full (N * count).
+  virtual void all_gather(const C* local, C* full, size_t count) = 0;
+  // full (N * count elements) summed over the group; block r (elements [r * count, (r + 1) * count))
+  // lands in rank r's local (count elements).
+  virtual void reduce_scatter_sum(const C* full, C* local, size_t count) = 0;
+  // The same two for the S scalars of the vocabulary-parallel cross-entropy (all-gather of the row
+  // maxima, all-reduce of the sums; backend.h vocab_ce_*).
+  virtual void all_gather_acc(const S* local, S* full, size_t count) = 0;
+  virtual void all_reduce_sum_acc(S* buf, size_t count) = 0;
+};
+
+// Where a rank's TP collectives went (seconds, bytes), accumulated since construction. The TP
+// collectives are blocking (the compute waits for each), so issued and exposed time are the same
+// wall time. Bytes are those one rank sends in a ring algorithm, the measure of docs/scaling.md:
+// an all-gather or reduce-scatter of `count` elements per rank sends (N - 1) * count elements, an
+// all-reduce of `count` elements 2 * (N - 1) / N * count.
+struct TpCommStats {
+  double seconds = 0;
+  int64_t all_gathers = 0, reduce_scatters = 0, all_reduces = 0;  // calls
+  double all_gather_bytes = 0, reduce_scatter_bytes = 0, all_reduce_bytes = 0;
+  double bytes() const { return all_gather_bytes + reduce_scatter_bytes + all_reduce_bytes; }
+};
+
+// TensorParallelOps on a communicator of the TP group (Mesh::tp_data(): MPI on the CPU, NCCL or
+// the host-staged device Comm on GPUs). On a stream-ordered Comm (NCCL, on its own stream) each
+// call is started and waited for at once, which orders the compute stream after it without
+// blocking the host; elsewhere the calls are blocking. `comm` must outlive this.
+template <typename C> class TpGroup final : public TensorParallelOps<C> {
+ public:
+  using S = math::Acc<C>;
+  explicit TpGroup(Comm& comm) : comm_(comm) {}
+  int size() const override { return comm_.world_size(); }
+  int rank() const override { return comm_.rank(); }
+  void all_gather(const C* local, C* full, size_t count) override;
+  void reduce_scatter_sum(const C* full, C* local, size_t count) override;
+  void all_gather_acc(const S* local, S* full, size_t count) override;
+  void all_reduce_sum_acc(S* buf, size_t count) override;
+  const TpCommStats& stats() const { return stats_; }
+
+ private:
+  template <typename E> void gather(const E* local, E* full, size_t count);
+  Comm& comm_;
+  TpCommStats stats_;
+};
+
 // ---- The sharded state ----------------------------------------------------------------------------
 //
 // For this rank, each unit's parameter shard and gradient shard (O(P / W) memory) in the master
@@ -366,6 +452,8 @@ template <typename T> class ShardedState {
 
   // Fills every parameter shard deterministically from `seed`: element i of parameter p gets a
   // value that depends only on (seed, p's name, i), so the model is the same at any world size.
+  // Under tensor parallelism i is the canonical index (ParamSpec::canonical_index): each TP rank's
+  // slice holds exactly the values of the same elements without TP (padding rows: zero).
   void init_params(uint64_t seed);
   // Zeroes every gradient shard.
   void zero_grads();
@@ -378,8 +466,17 @@ template <typename T> class ShardedState {
   // elements). Not collective. Throws std::out_of_range, std::invalid_argument (wrong size).
   void set_param(const std::string& name, const std::vector<T>& full);
 
-  // Sum of squares of this rank's valid gradient elements (padding excluded), in double.
-  double local_grad_sumsq();
+  // Sum of squares of this rank's valid gradient elements (padding excluded), in double. With
+  // include_replicated false, the elements of TP-replicated parameters (ParamSpec::tp_replicated)
+  // are left out: every TP rank but the group's first holds a copy of them, and the norm counts
+  // each element once (Mesh::counts_replicated_in_norm).
+  double local_grad_sumsq(bool include_replicated = true);
+  // Collective over `tp` (the TP group's data communicator; every rank of it holds the same plan):
+  // sums this rank's gradient shard elements of TP-replicated parameters over the group, in place.
+  // Under sequence parallelism each TP rank computed the RMSNorm weights' gradient from its own
+  // tokens, so the sum is the gradient (Korthikanti et al. 2022, section 4.2.2). No-op when no
+  // parameter is replicated.
+  void sum_replicated_grads(Comm& tp);
 
  private:
   Backend<T>& be_;

@@ -17,6 +17,14 @@ int64_t ParamSpec::numel() const {
   return n;
 }
 
+int64_t ParamSpec::canonical_index(int64_t e) const {
+  if (tp.degree <= 1 || tp.split == TpSplit::None || tp.split == TpSplit::Replicated) return e;
+  const int64_t lcols = shape.size() == 2 ? shape[1] : 1;
+  const int64_t r = e / lcols, c = e % lcols;
+  if (tp.split == TpSplit::Rows) return tp.offset + r < tp.rows ? (tp.offset + r) * tp.cols + c : -1;
+  return r * tp.cols + tp.offset + c;  // Cols
+}
+
 const ParamSlot& UnitPlan::param(const std::string& n) const {
   for (auto& p : params)
     if (p.spec.name == n) return p;
@@ -128,9 +136,11 @@ template <typename T> void ShardedState<T>::init_params(uint64_t seed) {
           switch (slot.spec.init) {
             case Init::Ones: v = 1; break;
             case Init::Zeros: v = 0; break;
-            case Init::Normal:
-              v = static_cast<T>(slot.spec.init_std * counter_normal(seed, key, static_cast<uint64_t>(e - slot.offset)));
+            case Init::Normal: {
+              const int64_t ci = slot.spec.canonical_index(e - slot.offset);  // -1: vocabulary padding
+              v = ci < 0 ? T(0) : static_cast<T>(slot.spec.init_std * counter_normal(seed, key, static_cast<uint64_t>(ci)));
               break;
+            }
           }
           host[static_cast<size_t>(e - rs.start - p0)] = v;
         }
@@ -687,15 +697,47 @@ template <typename T> void ShardedState<T>::set_param(const std::string& name, c
   throw std::out_of_range("no parameter named '" + name + "'");
 }
 
-template <typename T> double ShardedState<T>::local_grad_sumsq() {
+namespace {
+// The shard-local ranges [begin, end) of unit plan `up`'s TP-replicated parameters in rank r's shard.
+std::vector<std::pair<int64_t, int64_t>> replicated_ranges(const UnitPlan& up, int r) {
+  std::vector<std::pair<int64_t, int64_t>> v;
+  const RankShard& rs = up.ranks[static_cast<size_t>(r)];
+  for (const ParamSlot& slot : up.params) {
+    if (!slot.spec.tp_replicated()) continue;
+    const int64_t lo = std::max(slot.offset, rs.start), hi = std::min(slot.offset + slot.numel, rs.start + rs.valid);
+    if (lo < hi) v.emplace_back(lo - rs.start, hi - rs.start);
+  }
+  return v;
+}
+}  // namespace
+
+template <typename T> double ShardedState<T>::local_grad_sumsq(bool include_replicated) {
   int r = plan_rank();
   std::vector<const T*> x;
   std::vector<size_t> n;
   for (size_t u = 0; u < plan_.units.size(); ++u) {
-    x.push_back(grads_[u].data());
-    n.push_back(static_cast<size_t>(plan_.units[u].ranks[r].valid));
+    const int64_t valid = plan_.units[u].ranks[r].valid;
+    if (include_replicated) {  // the shard's valid elements in one piece (without TP: always)
+      x.push_back(grads_[u].data());
+      n.push_back(static_cast<size_t>(valid));
+      continue;
+    }
+    int64_t at = 0;  // the valid elements between the replicated ranges
+    for (auto [b, e] : replicated_ranges(plan_.units[u], r)) {
+      if (b > at) { x.push_back(grads_[u].data() + at); n.push_back(static_cast<size_t>(b - at)); }
+      at = e;
+    }
+    if (valid > at) { x.push_back(grads_[u].data() + at); n.push_back(static_cast<size_t>(valid - at)); }
   }
   return be_.sum_squares_many(x.data(), n.data(), x.size());
+}
+
+template <typename T> void ShardedState<T>::sum_replicated_grads(Comm& tp) {
+  if (tp.world_size() == 1) return;
+  const int r = plan_rank();
+  for (size_t u = 0; u < plan_.units.size(); ++u)
+    for (auto [b, e] : replicated_ranges(plan_.units[u], r))
+      tp.all_reduce(grads_[u].data() + b, static_cast<size_t>(e - b), ReduceOp::Sum);
 }
 
 Bf16Codec::Bf16Codec(ShardedState<float>& master, Backend<bf16>& be, bool reduce_bf16, size_t widen_slab)
@@ -759,6 +801,53 @@ CommQueue::Ticket Bf16Codec::issue_reduce(CommQueue& q, int u, const bf16* full,
       },
       add32, rc, scatter32_.data(), [](size_t, size_t, const float*) {}, add32);
 }
+
+// ---- TpGroup ------------------------------------------------------------------------------------
+
+namespace {
+double wall_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+}  // namespace
+
+template <typename C> template <typename E> void TpGroup<C>::gather(const E* local, E* full, size_t count) {
+  const double t0 = wall_s();
+  if (comm_.stream_ordered())
+    comm_.start_all_gather(local, full, count)->wait();
+  else
+    comm_.all_gather(local, full, count);
+  stats_.seconds += wall_s() - t0;
+  ++stats_.all_gathers;
+  stats_.all_gather_bytes += static_cast<double>(size() - 1) * static_cast<double>(count * sizeof(E));
+}
+template <typename C> void TpGroup<C>::all_gather(const C* local, C* full, size_t count) { gather(local, full, count); }
+template <typename C> void TpGroup<C>::all_gather_acc(const S* local, S* full, size_t count) {
+  gather(local, full, count);
+}
+template <typename C> void TpGroup<C>::reduce_scatter_sum(const C* full, C* local, size_t count) {
+  const double t0 = wall_s();
+  if (comm_.stream_ordered())
+    comm_.start_reduce_scatter_sum(full, local, count)->wait();
+  else
+    comm_.reduce_scatter_sum(full, local, count);
+  stats_.seconds += wall_s() - t0;
+  ++stats_.reduce_scatters;
+  stats_.reduce_scatter_bytes += static_cast<double>(size() - 1) * static_cast<double>(count * sizeof(C));
+}
+template <typename C> void TpGroup<C>::all_reduce_sum_acc(S* buf, size_t count) {
+  const double t0 = wall_s();
+  if (comm_.stream_ordered())
+    comm_.start_all_reduce_sum(buf, count)->wait();
+  else
+    comm_.all_reduce(buf, count, ReduceOp::Sum);
+  stats_.seconds += wall_s() - t0;
+  ++stats_.all_reduces;
+  stats_.all_reduce_bytes +=
+      2.0 * static_cast<double>(size() - 1) / size() * static_cast<double>(count * sizeof(S));
+}
+template class TpGroup<float>;
+template class TpGroup<double>;
+template class TpGroup<bf16>;
 
 template class ShardedState<float>;
 template class ShardedState<double>;
