@@ -19,6 +19,26 @@
 //   unit L+1    "model.norm":         model.norm.weight [C], and lm_head.weight [V, C] when untied.
 // Tied head: the LM head multiplies by model.embed_tokens.weight, gathering unit 0 a second time;
 // its gradient is reduce-scattered into unit 0 right away, so no unit stays gathered.
+//
+// Tensor parallelism (--tp N; Megatron-LM, Shoeybi et al. 2019, "Megatron-LM: Training
+// Multi-Billion Parameter Language Models Using Model Parallelism"; sequence parallelism,
+// Korthikanti et al. 2022). Rank t of a TP group of N ranks holds (llama_units(c, N, t)):
+//   q/k/v_proj, gate/up_proj: column-parallel, rows [t*n, (t+1)*n) of the canonical weight (its
+//     heads NH/N and KV heads NKV/N, a slice I/N of the intermediate size);
+//   o_proj, down_proj: row-parallel, columns [t*n, (t+1)*n) (the matching input slice);
+//   embed_tokens, lm_head: vocabulary-parallel, rows [t*Vl, (t+1)*Vl), Vl = ceil(V / N); rows at or
+//     past V are padding (zero, never trained, masked to -inf in the loss);
+//   the RMSNorm weights: replicated (their gradient summed over the group by the trainer).
+// Sequence parallelism: the residual stream (x, x1, the RMSNorms, the embedding output, the final
+// norm) holds this rank's B*T/N rows, block t of the micro-batch's B*T rows. Per block: all-gather
+// the RMSNorm output before q/k/v and before gate/up (the GEMMs see all B*T rows), reduce-scatter
+// the partial sums after o and after down into the residual; backward the mirror image (all-gather
+// of the residual gradient, reduce-scatter of the input gradients, the RMSNorm outputs all-gathered
+// again for the weight gradients). The embedding's partial lookups are reduce-scattered; the head
+// all-gathers the final norm's output, computes logits [chunk, Vl] and the vocabulary-parallel
+// cross-entropy (backend.h vocab_ce_*), reduce-scattering its input gradient. Every rank of the
+// group computes the loss of all B*T tokens. The model calls the group only through
+// TensorParallelOps (shard.h); with N = 1 it calls nothing and computes bitwise as without TP.
 #pragma once
 
 #include <cstdint>
@@ -33,7 +53,13 @@ namespace shardtrain {
 
 // The units of a Llama model for config `c`, with init: matrices Normal(0, initializer_range),
 // norms Ones (as transformers' LlamaPreTrainedModel._init_weights). Norm weights get no decay.
-std::vector<UnitSpec> llama_units(const ModelConfig& c);
+// With tp > 1: the slices of TP rank tp_rank (above; ParamSpec::tp says which part of the canonical
+// tensor each is). Throws std::invalid_argument when tp does not divide the heads, the KV heads
+// or the intermediate size (check_tensor_parallel's message).
+std::vector<UnitSpec> llama_units(const ModelConfig& c, int tp = 1, int tp_rank = 0);
+// "" when `tp` fits the model (divides num_attention_heads, num_key_value_heads and
+// intermediate_size), else why not, naming option '--tp' and the numbers.
+std::string check_tensor_parallel(const ModelConfig& c, int tp);
 
 // Activation checkpointing (recompute in backward what forward did not keep; Chen et al. 2016,
 // "Training Deep Nets with Sublinear Memory Cost"). Per block (one FSDP unit), what is kept from
@@ -77,17 +103,21 @@ const char* attention_name(AttentionKind a);
 int default_loss_chunk(int vocab_size);
 
 // The sizes a LlamaModel computes with, computed once from the config (the micro-batch's by
-// with_batch). Local: with tensor parallelism the heads and I become this rank's slice, and every
-// buffer size and projection shape follows from here; today each rank has them all.
+// with_batch). Local: with tensor parallelism the heads, I and the vocabulary rows are this rank's
+// slice, and every buffer size and projection shape follows from here.
 struct LlamaDims {
-  int C = 0, I = 0, V = 0, L = 0;  // hidden, intermediate (SwiGLU), vocabulary, blocks
-  int NH = 0, NKV = 0, HD = 0;     // query heads, key/value heads, head dim
-  int Q = 0, KV = 0;               // NH*HD, NKV*HD: widths of q and of k, v
+  int C = 0, I = 0, V = 0, L = 0;  // hidden, local intermediate (SwiGLU), canonical vocabulary, blocks
+  int NH = 0, NKV = 0, HD = 0;     // local query heads, local key/value heads, head dim
+  int Q = 0, KV = 0;               // NH*HD, NKV*HD: widths of q and of k, v (local)
+  int tp = 1;                      // TP degree N
+  int Vl = 0, v0 = 0, valid = 0;   // vocabulary rows held (ceil(V/N)), the first one, how many are real
   int B = 0, T_ = 0, BT = 0;       // micro-batch (T_: sequence length); rows B*T_; 0 until with_batch
+  int R = 0;                       // residual-stream rows held: BT / tp (sequence parallelism)
   int chunk = 0;                   // LM head / loss chunk in tokens, min(loss chunk, BT)
-  explicit LlamaDims(const ModelConfig& c);
+  // tp must divide the heads, KV heads and I (check_tensor_parallel; not checked here).
+  explicit LlamaDims(const ModelConfig& c, int tp = 1, int tp_rank = 0);
   // This with the micro-batch B x T_ and the loss chunk min(loss_chunk, B*T_); loss_chunk 0 =
-  // default_loss_chunk(V).
+  // default_loss_chunk(Vl). Throws std::invalid_argument naming '--tp' when tp does not divide B*T_.
   LlamaDims with_batch(int B, int T_, int loss_chunk) const;
 };
 
@@ -100,8 +130,9 @@ struct ActivationBytes {
   int64_t head = 0;            // final norm input/output, the logits chunk, ids, RoPE tables
   int64_t total() const { return per_layer + recompute + block_scratch + head; }
 };
+// tp: the TP degree (sequence-parallel rows B*T/tp, local heads and intermediate slice).
 ActivationBytes activation_bytes(const ModelConfig& c, const ModelOptions& o, int B, int T_, size_t elem_bytes,
-                                 size_t acc_bytes);
+                                 size_t acc_bytes, int tp = 1);
 
 // The three products of a projection y = x W^T, where W is [N, K] row-major (torch.nn.Linear's
 // weight: N outputs, K inputs), over M rows; row-major [M, ...] operands, leading dimension = row
@@ -127,7 +158,10 @@ void linear(Backend<T>& be, LinearRole role, int M, int N, int K, const T* a, co
 template <typename T> class LlamaModel {
  public:
   using S = typename Backend<T>::S;  // scalar type: float for float and bf16, double for double
-  LlamaModel(const ModelConfig& c, Backend<T>& be, const ModelOptions& o = {});
+  // tp: the TP group's collectives (shard.h), nullptr or size 1 = no tensor parallelism; must
+  // outlive the model. Under TP the UnitSource serves this rank's slices (llama_units(c, N, t)).
+  // Throws std::invalid_argument when tp does not fit the model (check_tensor_parallel).
+  LlamaModel(const ModelConfig& c, Backend<T>& be, const ModelOptions& o = {}, TensorParallelOps<T>* tp = nullptr);
 
   // Collective (gathers units 0, 1..L, L+1). tokens: host array [B, T] of ids in [0, V). Runs the
   // embedding, the blocks and the final norm, keeping what backward() needs (options().recompute).
@@ -149,7 +183,8 @@ template <typename T> class LlamaModel {
   // gradients, averaged over ranks, into f's gradient shards (one reduce-scatter per unit).
   void backward(UnitSource<T>& f);
   // Collective (gathers unit 0 again when tied). After forward(): the logits [B*T, V] into a model
-  // buffer (allocated here, B*T*V elements), for generation and export checks.
+  // buffer (allocated here, B*T*V elements), for generation and export checks. Not under tensor
+  // parallelism (std::logic_error).
   void head_logits(UnitSource<T>& f);
   // The logits of the last head_logits(), copied to host, [B*T, V] row-major. Not collective.
   std::vector<T> logits();
@@ -157,7 +192,8 @@ template <typename T> class LlamaModel {
   const ModelConfig& config() const { return c_; }
   const ModelOptions& options() const { return o_; }
   // Allocates the activation buffers for micro-batches of B x T_ tokens (forward does it lazily):
-  // activation_bytes(c, options, B, T_) in total. Throws std::bad_alloc.
+  // activation_bytes(c, options, B, T_, ..., tp) in total. Throws std::bad_alloc, and
+  // std::invalid_argument when the TP degree does not divide B*T_.
   void reserve(int B, int T_) { ensure(B, T_); }
 
  private:
@@ -182,10 +218,22 @@ template <typename T> class LlamaModel {
   double head(UnitSource<T>& f, const int32_t* targets, bool grad, S grad_scale);
   // Where block l's activations are in backward (recomputed first when not kept).
   Layer& backward_activations(int l, const T* w);
+  // Sequence parallelism (TP > 1; identity without): the full [BT, C] rows of the local [R, C]
+  // `local`, all-gathered into `into` (full_ or dfull_); without TP `local` itself.
+  const T* gather_rows(const T* local, Buffer<T>& into);
+  // out[R, C] = x + (in[BT, K] W[C, K]^T), the product summed over the TP group and
+  // reduce-scattered (row-parallel o / down); without TP: out = x, then the GEMM accumulates.
+  void row_parallel_residual(const T* in, int K, const T* W, const T* x, T* out);
+  // After the input-gradient GEMMs wrote the full partial gradient of a column-parallel input into
+  // dfull_ (TP > 1): reduce-scatters it into dln_. No-op without TP (they wrote dln_ directly).
+  void reduce_input_grad();
+  T* input_grad() { return tp_n_ > 1 ? dfull_.data() : dln_.data(); }  // where those GEMMs write
 
   ModelConfig c_;
   ModelOptions o_;
   Backend<T>& be_;
+  TensorParallelOps<T>* tp_ = nullptr;  // the TP group; nullptr without TP
+  int tp_n_ = 1, tp_rank_ = 0;
   LlamaDims d_;
   S eps_ = S(0), attn_scale_ = S(0);  // rms_norm_eps; 1 / sqrt(HD)
   Offsets off_{};
@@ -199,6 +247,14 @@ template <typename T> class LlamaModel {
   Buffer<T> ln_;  // a block's RMSNorm output [B*T, C], forward and (recomputed) backward
   Buffer<T> dres_, dln_, dq_, dk_, dv_, datt_, dy_, dh_, dg_, du_;
   AccBuffer<T> dsum_;  // tiled attention backward: rowsum(dy * y) [B, NH, T]
+  // TP > 1 only (empty without TP). full_: an all-gathered [BT, C] (RMSNorm output; after forward()
+  // the final norm's, which the head reads); dfull_: a [BT, C] gradient (the all-gathered residual
+  // gradient, or the partial input gradient before its reduce-scatter); ids_tp_: the tokens as rows
+  // of this rank's embedding slice (-1: another rank's); the cross-entropy's row maxima [chunk],
+  // the group's [N, chunk] and the sums [2 * chunk].
+  Buffer<T> full_, dfull_;
+  IdBuffer<T> ids_tp_;
+  AccBuffer<T> ce_mx_, ce_maxes_, ce_st_;
 };
 
 // RoPE tables for positions [0, T) and pairs [0, HD/2) with HD/2 = inv_freq.size(): cos/sin of

@@ -10,25 +10,55 @@
 
 namespace shardtrain {
 
-std::vector<UnitSpec> llama_units(const ModelConfig& c) {
+std::string check_tensor_parallel(const ModelConfig& c, int tp) {
+  if (tp < 1) return "option '--tp' must be >= 1, got " + std::to_string(tp);
+  for (auto [n, what] : {std::pair{c.num_attention_heads, "attention heads"},
+                         std::pair{c.num_key_value_heads, "key/value heads"},
+                         std::pair{c.intermediate_size, "intermediate size"}})
+    if (n % tp != 0)
+      return "option '--tp' (" + std::to_string(tp) + ") does not divide the model's " + what + " (" +
+             std::to_string(n) + "): tensor parallelism splits them evenly over the TP group";
+  return "";
+}
+
+std::vector<UnitSpec> llama_units(const ModelConfig& c, int tp, int tp_rank) {
+  if (const std::string why = check_tensor_parallel(c, tp); !why.empty()) throw std::invalid_argument(why);
+  if (tp_rank < 0 || tp_rank >= tp) throw std::invalid_argument("llama_units: TP rank out of range");
   const int64_t C = c.hidden_size, I = c.intermediate_size, V = c.vocab_size;
   const int64_t Q = static_cast<int64_t>(c.num_attention_heads) * c.head_dim(), KV = c.kv_dim();
+  const int64_t Vl = (V + tp - 1) / tp;
   const double sd = c.initializer_range;
+  // A [rows, cols] weight: whole (tp 1), its rows [t*rows/tp, ...) (column-parallel: `split_rows`,
+  // `local` rows) or its columns (row-parallel).
   auto mat = [&](std::string n, int64_t r, int64_t k) { return ParamSpec{std::move(n), {r, k}, true, Init::Normal, sd}; };
-  auto norm = [&](std::string n) { return ParamSpec{std::move(n), {C}, false, Init::Ones, 0.0}; };
+  auto rows = [&](std::string n, int64_t r, int64_t k, int64_t local) {
+    ParamSpec p = mat(std::move(n), local, k);
+    if (tp > 1) p.tp = TpSlice{TpSplit::Rows, tp, r, k, tp_rank * local};
+    return p;
+  };
+  auto cols = [&](std::string n, int64_t r, int64_t k) {
+    ParamSpec p = mat(std::move(n), r, k / tp);
+    if (tp > 1) p.tp = TpSlice{TpSplit::Cols, tp, r, k, tp_rank * (k / tp)};
+    return p;
+  };
+  auto norm = [&](std::string n) {
+    ParamSpec p{std::move(n), {C}, false, Init::Ones, 0.0};
+    if (tp > 1) p.tp = TpSlice{TpSplit::Replicated, tp, C, 1, 0};
+    return p;
+  };
   std::vector<UnitSpec> units;
-  units.push_back({"model.embed_tokens", {mat("model.embed_tokens.weight", V, C)}});
+  units.push_back({"model.embed_tokens", {rows("model.embed_tokens.weight", V, C, Vl)}});
   for (int l = 0; l < c.num_hidden_layers; ++l) {
     std::string p = "model.layers." + std::to_string(l) + ".";
     units.push_back({"model.layers." + std::to_string(l),
-                     {norm(p + "input_layernorm.weight"), mat(p + "self_attn.q_proj.weight", Q, C),
-                      mat(p + "self_attn.k_proj.weight", KV, C), mat(p + "self_attn.v_proj.weight", KV, C),
-                      mat(p + "self_attn.o_proj.weight", C, Q), norm(p + "post_attention_layernorm.weight"),
-                      mat(p + "mlp.gate_proj.weight", I, C), mat(p + "mlp.up_proj.weight", I, C),
-                      mat(p + "mlp.down_proj.weight", C, I)}});
+                     {norm(p + "input_layernorm.weight"), rows(p + "self_attn.q_proj.weight", Q, C, Q / tp),
+                      rows(p + "self_attn.k_proj.weight", KV, C, KV / tp),
+                      rows(p + "self_attn.v_proj.weight", KV, C, KV / tp), cols(p + "self_attn.o_proj.weight", C, Q),
+                      norm(p + "post_attention_layernorm.weight"), rows(p + "mlp.gate_proj.weight", I, C, I / tp),
+                      rows(p + "mlp.up_proj.weight", I, C, I / tp), cols(p + "mlp.down_proj.weight", C, I)}});
   }
   UnitSpec head{"model.norm", {norm("model.norm.weight")}};
-  if (!c.tie_word_embeddings) head.params.push_back(mat("lm_head.weight", V, C));
+  if (!c.tie_word_embeddings) head.params.push_back(rows("lm_head.weight", V, C, Vl));
   units.push_back(head);
   return units;
 }
@@ -151,10 +181,13 @@ struct Sizes {
   int64_t BT, x, rstd, q, kv, att, lse, y, gi;  // gi: gate / up / h / their gradients, [BT, I]
   int64_t chunk_logits, rope, dsum;
   bool keep_all, keep_h, keep_att;  // per-layer buffers besides x; h; exact probabilities
+  int64_t full, ce;  // TP > 1: full_ and dfull_ [BT, C] each; the cross-entropy's scalars
   Sizes(const LlamaDims& d, const ModelOptions& o) {
     BT = d.BT;
-    x = BT * d.C;
-    rstd = BT;
+    x = int64_t{d.R} * d.C;  // the residual stream: this rank's rows (all of them without TP)
+    rstd = d.R;
+    full = d.tp > 1 ? BT * d.C : 0;
+    ce = d.tp > 1 ? int64_t{d.chunk} * (d.tp + 3) : 0;
     q = BT * d.Q;
     kv = BT * d.KV;
     const bool tiled = o.attention == AttentionKind::Tiled;
@@ -163,7 +196,7 @@ struct Sizes {
     dsum = lse;
     y = q;
     gi = BT * d.I;
-    chunk_logits = int64_t{d.chunk} * d.V;
+    chunk_logits = int64_t{d.chunk} * d.Vl;
     rope = int64_t{d.T_} * (d.HD / 2);
     keep_all = o.recompute != Recompute::Full;
     keep_h = o.recompute == Recompute::None;
@@ -172,8 +205,9 @@ struct Sizes {
 };
 }  // namespace
 
-ActivationBytes activation_bytes(const ModelConfig& c, const ModelOptions& o, int B, int T_, size_t E, size_t A) {
-  const Sizes z(LlamaDims(c).with_batch(B, T_, o.loss_chunk), o);
+ActivationBytes activation_bytes(const ModelConfig& c, const ModelOptions& o, int B, int T_, size_t E, size_t A,
+                                 int tp) {
+  const Sizes z(LlamaDims(c, tp).with_batch(B, T_, o.loss_chunk), o);
   const int64_t e = static_cast<int64_t>(E), a = static_cast<int64_t>(A);
   // One block's activations besides its input x, h and the exact probabilities.
   const int64_t rest = e * (2 * z.rstd + z.q + 2 * z.kv + z.y + z.x + 2 * z.gi) + a * z.lse;
@@ -184,19 +218,30 @@ ActivationBytes activation_bytes(const ModelConfig& c, const ModelOptions& o, in
   if (o.recompute == Recompute::Full) r.recompute = rest + e * (z.gi + z.att);
   r.block_scratch = e * (3 * z.x + 2 * z.q + 2 * z.kv + 3 * z.gi + z.att) + a * z.dsum;
   r.head = e * (2 * z.x + z.rstd + z.chunk_logits + 2 * z.rope) + 2 * 4 * z.BT;
+  if (tp > 1) {  // full_, dfull_, ids_tp_, the cross-entropy's scalars
+    r.block_scratch += e * 2 * z.full;
+    r.head += 4 * z.BT + a * z.ce;
+  }
   return r;
 }
 
-LlamaDims::LlamaDims(const ModelConfig& c)
-    : C(c.hidden_size), I(c.intermediate_size), V(c.vocab_size), L(c.num_hidden_layers), NH(c.num_attention_heads),
-      NKV(c.num_key_value_heads), HD(c.head_dim()), Q(NH * HD), KV(NKV * HD) {}
+LlamaDims::LlamaDims(const ModelConfig& c, int tp_, int tp_rank)
+    : C(c.hidden_size), I(c.intermediate_size / tp_), V(c.vocab_size), L(c.num_hidden_layers),
+      NH(c.num_attention_heads / tp_), NKV(c.num_key_value_heads / tp_), HD(c.head_dim()), Q(NH * HD), KV(NKV * HD),
+      tp(tp_), Vl((c.vocab_size + tp_ - 1) / tp_), v0(tp_rank * Vl),
+      valid(std::clamp(c.vocab_size - tp_rank * Vl, 0, Vl)) {}
 
 LlamaDims LlamaDims::with_batch(int B_, int T, int loss_chunk) const {
   LlamaDims d = *this;
   d.B = B_;
   d.T_ = T;
   d.BT = B_ * T;
-  d.chunk = static_cast<int>(std::min<int64_t>(loss_chunk > 0 ? loss_chunk : default_loss_chunk(V), int64_t{B_} * T));
+  if (d.BT % tp != 0)
+    throw std::invalid_argument("option '--tp' (" + std::to_string(tp) + ") does not divide the tokens of a micro-batch (" +
+                                std::to_string(B_) + " x " + std::to_string(T) + " = " + std::to_string(d.BT) +
+                                "): sequence parallelism splits them evenly over the TP group");
+  d.R = d.BT / tp;
+  d.chunk = static_cast<int>(std::min<int64_t>(loss_chunk > 0 ? loss_chunk : default_loss_chunk(Vl), int64_t{B_} * T));
   return d;
 }
 
@@ -206,9 +251,11 @@ constexpr LinearRole kFwd = LinearRole::Forward, kDIn = LinearRole::InputGrad, k
 }  // namespace
 
 template <typename T>
-LlamaModel<T>::LlamaModel(const ModelConfig& c, Backend<T>& be, const ModelOptions& o)
-    : c_(c), o_(o), be_(be), d_(c) {
-  ShardPlan p = ShardPlan::build(llama_units(c), 1);  // offsets do not depend on the world size
+LlamaModel<T>::LlamaModel(const ModelConfig& c, Backend<T>& be, const ModelOptions& o, TensorParallelOps<T>* tp)
+    : c_(c), o_(o), be_(be), tp_(tp && tp->size() > 1 ? tp : nullptr), tp_n_(tp_ ? tp_->size() : 1),
+      tp_rank_(tp_ ? tp_->rank() : 0), d_(c, tp_n_, tp_rank_) {
+  // Offsets do not depend on the world size; with TP, the slices' (llama_units checks tp).
+  ShardPlan p = ShardPlan::build(llama_units(c, tp_n_, tp_rank_), 1);
   const UnitPlan& blk = p.units[1];
   auto of = [&](const char* n) { return blk.param("model.layers.0." + std::string(n)).offset; };
   off_ = {of("input_layernorm.weight"), of("self_attn.q_proj.weight"), of("self_attn.k_proj.weight"),
@@ -225,7 +272,7 @@ LlamaModel<T>::LlamaModel(const ModelConfig& c, Backend<T>& be, const ModelOptio
 
 template <typename T> void LlamaModel<T>::ensure(int B, int T_) {
   if (B == d_.B && T_ == d_.T_) return;
-  d_ = d_.with_batch(B, T_, o_.loss_chunk);
+  d_ = d_.with_batch(B, T_, o_.loss_chunk);  // throws when TP does not divide B*T_
   const Sizes z(d_, o_);
   auto buf = [&](int64_t n) { return Buffer<T>(be_, static_cast<size_t>(n)); };
   auto acc = [&](int64_t n) { return AccBuffer<T>(be_, static_cast<size_t>(n)); };
@@ -252,6 +299,10 @@ template <typename T> void LlamaModel<T>::ensure(int B, int T_) {
   datt_ = buf(z.att); dsum_ = acc(z.dsum); dy_ = buf(z.y);
   dh_ = buf(z.gi); dg_ = buf(z.gi); du_ = buf(z.gi);
   tokens_ = IdBuffer<T>(be_, static_cast<size_t>(z.BT)); targets_ = IdBuffer<T>(be_, static_cast<size_t>(z.BT));
+  full_ = buf(z.full); dfull_ = buf(z.full);
+  ids_tp_ = IdBuffer<T>(be_, tp_n_ > 1 ? static_cast<size_t>(z.BT) : 0);
+  const int64_t ch = tp_n_ > 1 ? d_.chunk : 0;
+  ce_mx_ = acc(ch); ce_maxes_ = acc(ch * tp_n_); ce_st_ = acc(2 * ch);
   std::vector<S> cs, sn;  // tables computed in double, rounded once to the storage type
   rope_tables(cs, sn, T_, rope_inv_freqs(c_));
   std::vector<T> cst(cs.size()), snt(sn.size());
@@ -261,13 +312,37 @@ template <typename T> void LlamaModel<T>::ensure(int B, int T_) {
   be_.from_host(sin_.data(), snt.data(), snt.size());
 }
 
+template <typename T> const T* LlamaModel<T>::gather_rows(const T* local, Buffer<T>& into) {
+  if (tp_n_ == 1) return local;
+  tp_->all_gather(local, into.data(), static_cast<size_t>(d_.R) * d_.C);
+  return into.data();
+}
+
+template <typename T> void LlamaModel<T>::row_parallel_residual(const T* in, int K, const T* W, const T* x, T* out) {
+  const LlamaDims& d = d_;
+  const size_t n = static_cast<size_t>(d.R) * d.C;
+  if (tp_n_ == 1) {
+    be_.copy(out, x, n);
+    linear(be_, kFwd, d.BT, d.C, K, in, W, out, true);
+    return;
+  }
+  linear(be_, kFwd, d.BT, d.C, K, in, W, full_.data(), false);  // this rank's partial sums, all rows
+  tp_->reduce_scatter_sum(full_.data(), out, n);                 // summed over the group, this rank's rows
+  be_.axpy(n, S(1), x, out);
+}
+
+template <typename T> void LlamaModel<T>::reduce_input_grad() {
+  if (tp_n_ > 1) tp_->reduce_scatter_sum(dfull_.data(), dln_.data(), static_cast<size_t>(d_.R) * d_.C);
+}
+
 template <typename T> void LlamaModel<T>::block_forward(const T* w, const T* x, Layer& a, T* h, T* att, T* xn) {
   const LlamaDims& d = d_;
   // Attention sub-block: x1 = x + o_proj(attn(rope(q), rope(k), v)) on rmsnorm(x).
-  be_.rmsnorm_forward(ln_.data(), a.rstd1.data(), x, w + off_.ln1, d.BT, d.C, eps_);
-  linear(be_, kFwd, d.BT, d.Q, d.C, ln_.data(), w + off_.q, a.q.data(), false);
-  linear(be_, kFwd, d.BT, d.KV, d.C, ln_.data(), w + off_.k, a.k.data(), false);
-  linear(be_, kFwd, d.BT, d.KV, d.C, ln_.data(), w + off_.v, a.v.data(), false);
+  be_.rmsnorm_forward(ln_.data(), a.rstd1.data(), x, w + off_.ln1, d.R, d.C, eps_);
+  const T* n1 = gather_rows(ln_.data(), full_);
+  linear(be_, kFwd, d.BT, d.Q, d.C, n1, w + off_.q, a.q.data(), false);
+  linear(be_, kFwd, d.BT, d.KV, d.C, n1, w + off_.k, a.k.data(), false);
+  linear(be_, kFwd, d.BT, d.KV, d.C, n1, w + off_.v, a.v.data(), false);
   be_.rope_forward(a.q.data(), cos_.data(), sin_.data(), d.B, d.T_, d.NH, d.HD);
   be_.rope_forward(a.k.data(), cos_.data(), sin_.data(), d.B, d.T_, d.NKV, d.HD);
   if (o_.attention == AttentionKind::Tiled)
@@ -275,16 +350,15 @@ template <typename T> void LlamaModel<T>::block_forward(const T* w, const T* x, 
                                 d.HD, attn_scale_);
   else
     shardtrain::attention_forward(be_, a.q.data(), a.k.data(), a.v.data(), att, a.y.data(), d.B, d.T_, d.NH, d.NKV, d.HD);
-  be_.copy(a.x1.data(), x, static_cast<size_t>(d.BT) * d.C);
-  linear(be_, kFwd, d.BT, d.C, d.Q, a.y.data(), w + off_.o, a.x1.data(), true);
+  row_parallel_residual(a.y.data(), d.Q, w + off_.o, x, a.x1.data());
   // MLP sub-block: x_next = x1 + down(silu(gate(n)) * up(n)), n = rmsnorm(x1).
-  be_.rmsnorm_forward(ln_.data(), a.rstd2.data(), a.x1.data(), w + off_.ln2, d.BT, d.C, eps_);
-  linear(be_, kFwd, d.BT, d.I, d.C, ln_.data(), w + off_.gate, a.g.data(), false);
-  linear(be_, kFwd, d.BT, d.I, d.C, ln_.data(), w + off_.up, a.u.data(), false);
+  be_.rmsnorm_forward(ln_.data(), a.rstd2.data(), a.x1.data(), w + off_.ln2, d.R, d.C, eps_);
+  const T* n2 = gather_rows(ln_.data(), full_);
+  linear(be_, kFwd, d.BT, d.I, d.C, n2, w + off_.gate, a.g.data(), false);
+  linear(be_, kFwd, d.BT, d.I, d.C, n2, w + off_.up, a.u.data(), false);
   be_.swiglu_forward(h, a.g.data(), a.u.data(), static_cast<size_t>(d.BT) * d.I);
   if (!xn) return;
-  be_.copy(xn, a.x1.data(), static_cast<size_t>(d.BT) * d.C);
-  linear(be_, kFwd, d.BT, d.C, d.I, h, w + off_.down, xn, true);
+  row_parallel_residual(h, d.I, w + off_.down, a.x1.data(), xn);
 }
 
 template <typename T> void LlamaModel<T>::forward(UnitSource<T>& f, const int32_t* tokens, int B, int T_) {
@@ -297,9 +371,20 @@ template <typename T> void LlamaModel<T>::forward(UnitSource<T>& f, const int32_
   const LlamaDims& d = d_;
   be_.ids_from_host(tokens_.data(), tokens, static_cast<size_t>(d.BT));
 
-  // Embedding: x = wte[tokens].
+  // Embedding: x = wte[tokens]. Vocabulary-parallel: each rank looks up the tokens of its rows (zero
+  // rows for the others'); the reduce-scatter sums them and leaves this rank its rows of x.
   const T* emb = f.gather(0);
-  be_.embedding_forward(d.L > 0 ? layers_[0].x.data() : xf_.data(), tokens_.data(), emb, d.BT, d.C);
+  T* x0 = d.L > 0 ? layers_[0].x.data() : xf_.data();
+  if (tp_n_ == 1) {
+    be_.embedding_forward(x0, tokens_.data(), emb, d.BT, d.C);
+  } else {
+    std::vector<int32_t> local(static_cast<size_t>(d.BT));
+    for (int i = 0; i < d.BT; ++i)
+      local[static_cast<size_t>(i)] = tokens[i] >= d.v0 && tokens[i] < d.v0 + d.valid ? tokens[i] - d.v0 : -1;
+    be_.ids_from_host(ids_tp_.data(), local.data(), local.size());
+    be_.embedding_forward(full_.data(), ids_tp_.data(), emb, d.BT, d.C);
+    tp_->reduce_scatter_sum(full_.data(), x0, static_cast<size_t>(d.R) * d.C);
+  }
 
   for (int l = 0; l < d.L; ++l) {
     const T* w = f.gather(1 + l);
@@ -310,7 +395,8 @@ template <typename T> void LlamaModel<T>::forward(UnitSource<T>& f, const int32_
   }
 
   head_w_ = f.gather(d.L + 1);
-  be_.rmsnorm_forward(lnf_.data(), rstdf_.data(), xf_.data(), head_w_ + head_off_norm_, d.BT, d.C, eps_);
+  be_.rmsnorm_forward(lnf_.data(), rstdf_.data(), xf_.data(), head_w_ + head_off_norm_, d.R, d.C, eps_);
+  (void)gather_rows(lnf_.data(), full_);  // TP: the head reads all rows from full_
   stage_ = Stage::Forward;
 }
 
@@ -329,6 +415,7 @@ template <typename T> void LlamaModel<T>::expect_stage(Stage s, const char* call
 
 template <typename T> void LlamaModel<T>::head_logits(UnitSource<T>& f) {
   expect_stage(Stage::Forward, "head_logits");
+  if (tp_n_ > 1) throw std::logic_error("LlamaModel::head_logits is not available under tensor parallelism");
   stage_ = Stage::None;
   const LlamaDims& d = d_;
   const T* wout = c_.tie_word_embeddings ? f.gather(0) : head_w_ + head_off_w_;
@@ -366,16 +453,30 @@ template <typename T> double LlamaModel<T>::head(UnitSource<T>& f, const int32_t
   // The loss is summed on the backend (cross_entropy_sum) and read once, at the end: one host
   // synchronisation per micro-batch on a GPU instead of one per chunk. The sum starts at 0 (every
   // path out of here takes it).
+  // Under TP the logits are this rank's vocabulary columns [chunk, Vl] of all BT rows (the final
+  // norm's output all-gathered into full_ by forward()), the loss the vocabulary-parallel one.
+  const T* lnf = tp_n_ > 1 ? full_.data() : lnf_.data();
+  T* dlnf = input_grad();
   try {
     for (int r0 = 0; r0 < d.BT; r0 += d.chunk) {
       const int n = std::min(d.chunk, d.BT - r0);
       T* lg = chunk_logits_.data();
-      const T* x = lnf_.data() + static_cast<int64_t>(r0) * d.C;
-      linear(be_, kFwd, n, d.V, d.C, x, wout, lg, false);
-      be_.cross_entropy_sum(grad ? lg : nullptr, lg, targets_.data() + r0, n, d.V, grad ? grad_scale : S(0));
+      const T* x = lnf + static_cast<int64_t>(r0) * d.C;
+      const int32_t* tg = targets_.data() + r0;
+      linear(be_, kFwd, n, d.Vl, d.C, x, wout, lg, false);
+      if (tp_n_ == 1) {
+        be_.cross_entropy_sum(grad ? lg : nullptr, lg, tg, n, d.V, grad ? grad_scale : S(0));
+      } else {
+        be_.vocab_ce_max(lg, n, d.Vl, d.valid, ce_mx_.data());
+        tp_->all_gather_acc(ce_mx_.data(), ce_maxes_.data(), static_cast<size_t>(n));
+        be_.vocab_ce_sum(lg, tg, n, d.Vl, d.valid, d.v0, ce_maxes_.data(), tp_n_, ce_st_.data());
+        tp_->all_reduce_sum_acc(ce_st_.data(), 2 * static_cast<size_t>(n));
+        be_.vocab_ce_finish(grad ? lg : nullptr, lg, tg, n, d.Vl, d.valid, d.v0, ce_maxes_.data(), tp_n_,
+                            ce_st_.data(), grad ? grad_scale : S(0));
+      }
       if (!grad) continue;
-      linear(be_, kDIn, n, d.V, d.C, lg, wout, dln_.data() + static_cast<int64_t>(r0) * d.C, false);
-      linear(be_, kDW, n, d.V, d.C, lg, x, gw, true);
+      linear(be_, kDIn, n, d.Vl, d.C, lg, wout, dlnf + static_cast<int64_t>(r0) * d.C, false);
+      linear(be_, kDW, n, d.Vl, d.C, lg, x, gw, true);
     }
   } catch (...) {
     try {
@@ -390,9 +491,10 @@ template <typename T> double LlamaModel<T>::head(UnitSource<T>& f, const int32_t
     hw = f.gather(d.L + 1);  // again: the embedding replaced it in the gather buffer (norm weight only: [C])
   }
   T* ghw = tied ? f.full_grad(d.L + 1) : gw - head_off_w_;
-  be_.zero(dres_.data(), static_cast<size_t>(d.BT) * d.C);
+  reduce_input_grad();  // TP: the partial d(final norm output) summed, this rank's rows into dln_
+  be_.zero(dres_.data(), static_cast<size_t>(d.R) * d.C);
   be_.rmsnorm_backward(dres_.data(), ghw + head_off_norm_, dln_.data(), xf_.data(), hw + head_off_norm_,
-                       rstdf_.data(), d.BT, d.C);
+                       rstdf_.data(), d.R, d.C);
   f.reduce_scatter_grad(d.L + 1);
   return be_.take_loss_sum();
 }
@@ -430,19 +532,23 @@ template <typename T> void LlamaModel<T>::backward(UnitSource<T>& f) {
     const T* att = o_.recompute == Recompute::None ? a.att.data() : work_.att.data();
     T* gw = f.full_grad(1 + l);
     // MLP: x_next = x1 + h Wd^T.  dres flows to x1 unchanged (+ the norm path below).
-    linear(be_, kDIn, d.BT, d.C, d.I, dres_.data(), w + off_.down, dh_.data(), false);
-    linear(be_, kDW, d.BT, d.C, d.I, dres_.data(), h, gw + off_.down, true);
+    const T* dr = gather_rows(dres_.data(), dfull_);  // TP: all rows of d(x_next)
+    linear(be_, kDIn, d.BT, d.C, d.I, dr, w + off_.down, dh_.data(), false);
+    linear(be_, kDW, d.BT, d.C, d.I, dr, h, gw + off_.down, true);
     be_.swiglu_backward(dg_.data(), du_.data(), dh_.data(), a.g.data(), a.u.data(), static_cast<size_t>(d.BT) * d.I);
-    linear(be_, kDIn, d.BT, d.I, d.C, dg_.data(), w + off_.gate, dln_.data(), false);
-    linear(be_, kDIn, d.BT, d.I, d.C, du_.data(), w + off_.up, dln_.data(), true);
+    linear(be_, kDIn, d.BT, d.I, d.C, dg_.data(), w + off_.gate, input_grad(), false);
+    linear(be_, kDIn, d.BT, d.I, d.C, du_.data(), w + off_.up, input_grad(), true);
     // The normalized input is not kept per layer: recomputed (bitwise the same values, rstd too).
-    be_.rmsnorm_forward(ln_.data(), a.rstd2.data(), a.x1.data(), w + off_.ln2, d.BT, d.C, eps_);
-    linear(be_, kDW, d.BT, d.I, d.C, dg_.data(), ln_.data(), gw + off_.gate, true);
-    linear(be_, kDW, d.BT, d.I, d.C, du_.data(), ln_.data(), gw + off_.up, true);
-    be_.rmsnorm_backward(dres_.data(), gw + off_.ln2, dln_.data(), a.x1.data(), w + off_.ln2, a.rstd2.data(), d.BT, d.C);
+    be_.rmsnorm_forward(ln_.data(), a.rstd2.data(), a.x1.data(), w + off_.ln2, d.R, d.C, eps_);
+    const T* n2 = gather_rows(ln_.data(), full_);
+    linear(be_, kDW, d.BT, d.I, d.C, dg_.data(), n2, gw + off_.gate, true);
+    linear(be_, kDW, d.BT, d.I, d.C, du_.data(), n2, gw + off_.up, true);
+    reduce_input_grad();
+    be_.rmsnorm_backward(dres_.data(), gw + off_.ln2, dln_.data(), a.x1.data(), w + off_.ln2, a.rstd2.data(), d.R, d.C);
     // Attention: x1 = x + y Wo^T.
-    linear(be_, kDIn, d.BT, d.C, d.Q, dres_.data(), w + off_.o, dy_.data(), false);
-    linear(be_, kDW, d.BT, d.C, d.Q, dres_.data(), a.y.data(), gw + off_.o, true);
+    dr = gather_rows(dres_.data(), dfull_);
+    linear(be_, kDIn, d.BT, d.C, d.Q, dr, w + off_.o, dy_.data(), false);
+    linear(be_, kDW, d.BT, d.C, d.Q, dr, a.y.data(), gw + off_.o, true);
     if (o_.attention == AttentionKind::Tiled)
       be_.flash_attention_backward(dq_.data(), dk_.data(), dv_.data(), dsum_.data(), dy_.data(), a.q.data(),
                                    a.k.data(), a.v.data(), a.y.data(), a.lse.data(), d.B, d.T_, d.NH, d.NKV, d.HD,
@@ -452,20 +558,25 @@ template <typename T> void LlamaModel<T>::backward(UnitSource<T>& f) {
                                      dq_.data(), dk_.data(), dv_.data(), d.B, d.T_, d.NH, d.NKV, d.HD);
     be_.rope_backward(dq_.data(), cos_.data(), sin_.data(), d.B, d.T_, d.NH, d.HD);
     be_.rope_backward(dk_.data(), cos_.data(), sin_.data(), d.B, d.T_, d.NKV, d.HD);
-    linear(be_, kDIn, d.BT, d.Q, d.C, dq_.data(), w + off_.q, dln_.data(), false);
-    linear(be_, kDIn, d.BT, d.KV, d.C, dk_.data(), w + off_.k, dln_.data(), true);
-    linear(be_, kDIn, d.BT, d.KV, d.C, dv_.data(), w + off_.v, dln_.data(), true);
-    be_.rmsnorm_forward(ln_.data(), a.rstd1.data(), x, w + off_.ln1, d.BT, d.C, eps_);
-    linear(be_, kDW, d.BT, d.Q, d.C, dq_.data(), ln_.data(), gw + off_.q, true);
-    linear(be_, kDW, d.BT, d.KV, d.C, dk_.data(), ln_.data(), gw + off_.k, true);
-    linear(be_, kDW, d.BT, d.KV, d.C, dv_.data(), ln_.data(), gw + off_.v, true);
-    be_.rmsnorm_backward(dres_.data(), gw + off_.ln1, dln_.data(), x, w + off_.ln1, a.rstd1.data(), d.BT, d.C);
+    linear(be_, kDIn, d.BT, d.Q, d.C, dq_.data(), w + off_.q, input_grad(), false);
+    linear(be_, kDIn, d.BT, d.KV, d.C, dk_.data(), w + off_.k, input_grad(), true);
+    linear(be_, kDIn, d.BT, d.KV, d.C, dv_.data(), w + off_.v, input_grad(), true);
+    be_.rmsnorm_forward(ln_.data(), a.rstd1.data(), x, w + off_.ln1, d.R, d.C, eps_);
+    const T* n1 = gather_rows(ln_.data(), full_);
+    linear(be_, kDW, d.BT, d.Q, d.C, dq_.data(), n1, gw + off_.q, true);
+    linear(be_, kDW, d.BT, d.KV, d.C, dk_.data(), n1, gw + off_.k, true);
+    linear(be_, kDW, d.BT, d.KV, d.C, dv_.data(), n1, gw + off_.v, true);
+    reduce_input_grad();
+    be_.rmsnorm_backward(dres_.data(), gw + off_.ln1, dln_.data(), x, w + off_.ln1, a.rstd1.data(), d.R, d.C);
     f.reduce_scatter_grad(1 + l);
   }
 
-  // Embedding: dwte[tokens] += dres.
+  // Embedding: dwte[tokens] += dres (TP: all rows, this rank's vocabulary rows).
   T* ge = f.full_grad(0);
-  be_.embedding_backward(ge, tokens_.data(), dres_.data(), d.BT, d.C);
+  if (tp_n_ == 1)
+    be_.embedding_backward(ge, tokens_.data(), dres_.data(), d.BT, d.C);
+  else
+    be_.embedding_backward(ge, ids_tp_.data(), gather_rows(dres_.data(), dfull_), d.BT, d.C);
   f.reduce_scatter_grad(0);
 }
 
