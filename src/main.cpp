@@ -84,12 +84,12 @@ void run_tokenizer(Comm& comm, const Options& o) {
                      ", trained on " + std::to_string(r.sentences) + " lines (" + b + ")");
 }
 
-// The run's mesh from option '--shard-group-size' (hybrid sharding: G ranks per shard group, W / G
+// The run's mesh from options '--tp' and '--shard-group-size' (hybrid sharding: G ranks per shard group, W / G
 // replica groups), checked on every rank before anything else; logs the topology line.
 std::unique_ptr<Mesh> build_mesh(Comm& comm, const Topology& topo, const Options& o) {
-  int G = topo.world_size;
-  agree(comm, [&] { G = resolve_shard_group_size(o.shard_group_size, topo.world_size, ranks_per_node(topo)); });
-  auto mesh = std::make_unique<Mesh>(comm, topo, MeshDims{topo.world_size / G, G, 1, 1}, o.collective_timeout);
+  MeshDims dims;
+  agree(comm, [&] { dims = resolve_mesh_dims(o.shard_group_size, o.tp, topo.world_size, ranks_per_node(topo)); });
+  auto mesh = std::make_unique<Mesh>(comm, topo, dims, o.collective_timeout);
   log_info(comm, mesh->topology_line());
   if (!mesh->shard_group_note().empty()) log_info(comm, mesh->shard_group_note());
   return mesh;
@@ -318,14 +318,18 @@ void run_plan(Comm& comm, const Topology& topo, const Options& o) {
   const ModelConfig mc = resolve_model_config(comm, o.model);
   const int W = o.plan_world_size > 0 ? o.plan_world_size : comm.world_size();
   const bool cuda = o.run.device == DeviceChoice::Cuda;
-  int G = W;  // --shard-group-size: shards over G ranks ('node': this launch's ranks per node)
   all_ok(comm, !(o.run.shard_group_node && W != comm.world_size()),
          "option '--shard-group-size' 'node' with '--world-size " + std::to_string(W) +
              "': the ranks per node of the planned job are not known here (only this launch's); give the number "
              "of ranks per node instead");
-  agree(comm, [&] { G = resolve_shard_group_size(o.shard_group_size, W, ranks_per_node(topo)); });
+  // --shard-group-size: shards over G ranks ('node': this launch's ranks per node), TP groups included.
+  MeshDims dims;
+  agree(comm, [&] { dims = resolve_mesh_dims(o.shard_group_size, o.tp, W, ranks_per_node(topo)); });
+  const int G = dims.dp_shard * dims.tp, dp = dims.dp();
+  all_ok(comm, check_tensor_parallel(mc, o.tp).empty(), check_tensor_parallel(mc, o.tp));
   MemoryPlanInput in{mc, o.train, W, o.train.precision, o.train.reduce_bf16, cuda, 0, 4, 0, o.train.overlap};
-  in.shard_group_size = G;
+  in.shard_group_size = dims.dp_shard;
+  in.tp = dims.tp;
   TrainConfig& t = in.train;
   // Training's check of the sequence length (train.cpp): no plan for a run that would be refused.
   all_ok(comm, t.seq_len <= mc.max_position_embeddings,
@@ -333,11 +337,14 @@ void run_plan(Comm& comm, const Topology& topo, const Options& o) {
              std::to_string(mc.max_position_embeddings) + ")");
   // Memory depends on the micro-batch only: the global batch matters (and is checked) when it sets it.
   if (t.micro_batch == 0) {
-    all_ok(comm, t.global_batch % W == 0,
-           "option '--global-batch' (" + std::to_string(t.global_batch) + ") is not divisible by '--world-size' (" +
-               std::to_string(W) + "); give '--micro-batch' (memory depends on it alone)");
-    t.micro_batch = t.global_batch / W;
+    all_ok(comm, t.global_batch % dp == 0,
+           "option '--global-batch' (" + std::to_string(t.global_batch) + ") is not divisible by the data-parallel size (" +
+               std::to_string(dp) + "); give '--micro-batch' (memory depends on it alone)");
+    t.micro_batch = t.global_batch / dp;
   }
+  all_ok(comm, int64_t{t.micro_batch} * t.seq_len % o.tp == 0,
+         "option '--tp' (" + std::to_string(o.tp) + ") does not divide the tokens of a micro-batch (" +
+             std::to_string(t.micro_batch) + " x " + std::to_string(t.seq_len) + ")");
   // Token data is memory-mapped (page cache, not resident per rank): not part of the plan.
   if (cuda) {
     in.runtime_bytes = kGpuRuntimeEstimate;
@@ -349,7 +356,8 @@ void run_plan(Comm& comm, const Topology& topo, const Options& o) {
   std::ostringstream os;
   os << plan_memory(in).format("memory plan per rank: '" + o.model + "' (" + std::to_string(mc.num_params()) +
                                " parameters), " + std::to_string(W) + " ranks" +
-                               (G != W ? " (shard group size " + std::to_string(G) + ")" : std::string()) + ", " +
+                               (G != W ? " (shard group size " + std::to_string(G) + ")" : std::string()) +
+                               (dims.tp > 1 ? ", TP " + std::to_string(dims.tp) : std::string()) + ", " +
                                precision_name(o.train.precision) + ", micro-batch " +
                                std::to_string(t.micro_batch) + " x " + std::to_string(t.seq_len) + " tokens, " +
                                (cuda ? "GPU device memory" : "CPU memory"));

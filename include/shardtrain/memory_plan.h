@@ -40,7 +40,10 @@ struct MemoryPlanInput {
   int64_t runtime_bytes = 0;  // the process before allocation (CPU: VmRSS now; GPU: CUDA context etc.)
   // --overlap / --prefetch: 1 + prefetch gather buffers and 2 gradient buffers when on (UnitPipeline).
   OverlapConfig overlap{};
-  int shard_group_size = 0;   // ranks each unit is sharded over (hybrid sharding); 0: world_size
+  int shard_group_size = 0;   // ranks each unit is sharded over (hybrid sharding: dp_shard); 0: world_size / tp
+  // Tensor parallelism (--tp): each rank holds its TP slices (llama_units(model, tp, 0)), sharded
+  // over shard_group_size ranks; activations with sequence parallelism (activation_bytes(..., tp)).
+  int tp = 1;
   // The data collectives are stream-ordered (NCCL: --device cuda --gpu-comm nccl): one
   // reduce-scatter per unit (CommQueue's stream lane), whose result buffer is a whole shard and
   // whose fp32 widening (mixed precision, fp32 reduce) a whole unit, instead of slabs.

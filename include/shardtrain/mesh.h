@@ -8,7 +8,8 @@
 // questions above.
 //
 // Dimensions, outermost first: dp_replicate (R, replica groups of hybrid sharding) x dp_shard (G,
-// the shard group) x cp x tp (context and tensor parallelism: not implemented yet, each must be 1).
+// the shard group) x cp x tp (context parallelism: not implemented yet, must be 1; tensor
+// parallelism, --tp: the TP group of consecutive ranks, model.h).
 // The global rank of coordinate (rep, shard, cp, tp) is
 // ((rep * G + shard) * cp_size + cp) * tp_size + tp: tp varies fastest (its ranks sit together on
 // a node), dp_replicate slowest (the dimension that may cross nodes). With tp = cp = 1 this is rank = rep * G + shard: a shard group is G
@@ -29,7 +30,7 @@ struct MeshDims {
   int dp_replicate = 1;  // R: replica groups (hybrid sharding); 1 = plain FSDP
   int dp_shard = 1;      // G: ranks a unit is sharded over
   int cp = 1;            // context parallelism (not yet implemented: must be 1)
-  int tp = 1;            // tensor parallelism (not yet implemented: must be 1)
+  int tp = 1;            // tensor parallelism: ranks of a TP group (--tp)
   int world() const { return dp_replicate * dp_shard * cp * tp; }
   int dp() const { return dp_replicate * dp_shard; }  // data-parallel degree: ranks reading different batches
 };
@@ -44,7 +45,7 @@ struct MeshCoord {
 // Every function is a pure function of (dims, rank); ranks are global ranks in [0, dims.world()).
 class MeshLayout {
  public:
-  // Throws std::invalid_argument when a size is < 1, or cp or tp is not 1 (not implemented yet).
+  // Throws std::invalid_argument when a size is < 1, or cp is not 1 (not implemented yet).
   explicit MeshLayout(MeshDims d);
   const MeshDims& dims() const { return d_; }
   MeshCoord coord(int rank) const;
@@ -56,6 +57,8 @@ class MeshLayout {
   // dp_replicate dimension), in increasing order (= their rank order in the group's Comm).
   std::vector<int> shard_group(int rank) const;
   std::vector<int> replica_group(int rank) const;
+  // The global ranks of `rank`'s TP group (its tp dimension: tp consecutive ranks), in order.
+  std::vector<int> tp_group(int rank) const;
   // Checkpoints hold one logical copy: the ranks of replica group 0 write it, shard rank r writing
   // row r of every unit's flat buffers; the others join every collective HDF5 call with empty
   // selections. checkpoint_row: the row `rank` writes, or -1 when it writes none.
@@ -64,6 +67,12 @@ class MeshLayout {
   // The global gradient norm counts every parameter element once: replicas hold identical gradient
   // shards, so only replica group 0 adds its shards' sums of squares to the all-reduce.
   bool counts_in_norm(int rank) const { return coord(rank).dp_replicate == 0; }
+  // ... and of a TP group, whose ranks each hold their own slices but the same copy of the
+  // replicated parameters (the RMSNorm weights), those count on the group's first rank only.
+  bool counts_replicated_in_norm(int rank) const { return coord(rank).tp == 0; }
+  // Every rank of a TP group computes the loss of the group's tokens: it counts once, from the
+  // group's first rank, in the step's loss sum.
+  bool counts_loss(int rank) const { return coord(rank).tp == 0; }
 
  private:
   MeshDims d_;
@@ -96,19 +105,23 @@ class Mesh {
   const Topology& topology() const { return topo_; }
 
   // Communicators. world(): control traffic (error agreement, losses, norms, checkpoint tables).
-  // shard_host(): the shard group in host memory (the world when R = 1). replica_host(): the
-  // replica group in host memory, nullptr when R = 1. shard_data() / replica_data(): the same
-  // groups for the backend's buffers: the device communicators when attached, else the host ones.
+  // shard_host(): the shard group in host memory (the world when it is the whole world).
+  // replica_host(): the replica group in host memory, nullptr when R = 1. tp_host(): the TP group
+  // in host memory, nullptr when tp = 1. shard_data() / replica_data() / tp_data(): the same groups
+  // for the backend's buffers: the device communicators when attached, else the host ones.
   // References stay valid for the mesh's lifetime.
   Comm& world() const { return world_; }
   Comm& shard_host() const { return shard_host_ ? *shard_host_ : world_; }
   Comm* replica_host() const { return replica_host_.get(); }
+  Comm* tp_host() const { return tp_host_.get(); }
   Comm& shard_data() const { return shard_dev_ ? *shard_dev_ : shard_host(); }
   Comm* replica_data() const { return replica_dev_ ? replica_dev_.get() : replica_host(); }
+  Comm* tp_data() const { return tp_dev_ ? tp_dev_.get() : tp_host(); }
 
-  // Builds the device communicators of the shard group and (R > 1) the replica group with `make`,
-  // given each group's host communicator, in that order, and owns them. Collective as `make` is
-  // (NCCL: collective over the group; it agrees on failure itself). Call once.
+  // Builds the device communicators of the shard group, (R > 1) the replica group and (tp > 1) the
+  // TP group with `make`, given each group's host communicator, in that order, and owns them.
+  // Collective as `make` is (NCCL: collective over the group; it agrees on failure itself). Call
+  // once.
   void attach_device_comms(const std::function<std::unique_ptr<Comm>(Comm& host)>& make);
 
   // This rank's answers (MeshLayout's, for rank()).
@@ -116,6 +129,8 @@ class Mesh {
   int dp_size() const { return dims().dp(); }
   bool writes_checkpoint() const { return layout_.writes_checkpoint(rank()); }
   bool counts_in_norm() const { return layout_.counts_in_norm(rank()); }
+  bool counts_replicated_in_norm() const { return layout_.counts_replicated_in_norm(rank()); }
+  bool counts_loss() const { return layout_.counts_loss(rank()); }
 
   // The first line of a training run, e.g. "topology: 2 nodes x 2 ranks per node (world 4); hybrid
   // sharding: 2 replica groups of 2 ranks (shard group size 2)".
@@ -132,8 +147,8 @@ class Mesh {
   Topology topo_;
   MeshLayout layout_;
   MeshCoord coord_;
-  std::unique_ptr<MpiComm> shard_host_, replica_host_;
-  std::unique_ptr<Comm> shard_dev_, replica_dev_;
+  std::unique_ptr<MpiComm> shard_host_, replica_host_, tp_host_;
+  std::unique_ptr<Comm> shard_dev_, replica_dev_, tp_dev_;
   std::string note_;
   double collective_timeout_ = 0;
 };

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "shardtrain/mesh.h"
 #include "shardtrain/train.h"
 #include "shardtrain/hf.h"
 
@@ -66,6 +67,7 @@ struct Options {
   int prefetch = 1;                // train: all-gathers in flight ahead of the unit computed
   std::string comm_progress = "poll";  // train: poll | thread | wait (parse_comm_progress, shard.h)
   std::string shard_group_size;   // train, plan: ranks a unit is sharded over (HSDP): "" = all, N, or "node"
+  int tp = 1;                     // train, plan: tensor-parallel degree (--tp; model.h)
   std::string checkpoint;         // inspect: the checkpoint file (also positional)
   std::string dump_param;         // inspect: write this gathered parameter ("all": every one) ...
   std::string dump_out;           // ... to this file (raw float32, little-endian; "all": a directory of <name>.bin)
@@ -95,6 +97,11 @@ Options parse_options(Comm& comm, int argc, char** argv);
 // ranks_per_node, else the number. Throws std::invalid_argument naming the option when G is not a
 // positive integer, "node" has no single value, or G does not divide the world size.
 int resolve_shard_group_size(const std::string& value, int world, int ranks_per_node);
+// The mesh of options '--tp' N and '--shard-group-size' G (ranks, TP groups included) for `world`
+// ranks: {dp_replicate W / G, dp_shard G / N, cp 1, tp N}. Throws std::invalid_argument naming the
+// option when N does not divide the world size or G is not a multiple of N (and as
+// resolve_shard_group_size).
+MeshDims resolve_mesh_dims(const std::string& shard_group_size, int tp, int world, int ranks_per_node);
 
 // The job-file text as Boost's INI parser is given it: a leading UTF-8 byte order mark (EF BB BF)
 // removed and every full-line `;` comment (first non-blank character `;`, after spaces or tabs)

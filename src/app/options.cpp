@@ -41,7 +41,8 @@ po::options_description describe(Options& o) {
       ("overlap", po::value<std::string>(&o.overlap)->default_value(o.overlap), "on: all-gathers are prefetched and reduce-scatters run asynchronously, behind the compute | off: every collective is waited for when it is started (the reference: results are bitwise the same)")
       ("prefetch", po::value<int>(&o.prefetch)->default_value(o.prefetch), "with --overlap on: units whose all-gather runs ahead of the unit being computed (each needs a buffer of the largest unit)")
       ("comm-progress", po::value<std::string>(&o.comm_progress)->default_value(o.comm_progress), "with --overlap on, CPU: what advances MPI's nonblocking collectives: poll (MPI_Test between GEMM tiles; hid the most in docs/benchmarks.md) | thread (a communication thread) | wait (only when started and waited for)")
-      ("shard-group-size", po::value<std::string>(&o.shard_group_size), "hybrid sharding (HSDP): shard parameters within groups of G consecutive ranks and replicate them across the W / G groups; a number dividing the world size, or 'node' (the ranks of one node); default: the world size (plain FSDP)");
+      ("shard-group-size", po::value<std::string>(&o.shard_group_size), "hybrid sharding (HSDP): shard parameters within groups of G consecutive ranks and replicate them across the W / G groups; a number dividing the world size, or 'node' (the ranks of one node); default: the world size (plain FSDP). With --tp N, G counts ranks and must be a multiple of N")
+      ("tp", po::value<int>(&o.tp)->default_value(o.tp), "tensor parallelism (Megatron-style, with sequence parallelism): groups of N consecutive ranks (inside a node) split every layer's heads and MLP and the vocabulary; FSDP shards each rank's slice over the data-parallel ranks. N must divide the world size, the attention and key/value heads, the intermediate size and the tokens of a micro-batch");
   po::options_description data("Data (--mode prepare, --mode tokenizer; docs/data-format.md)");
   data.add_options()
       ("input", po::value<std::vector<std::string>>(&o.inputs)->multitoken(), "text inputs (repeatable): files, directories (their files, recursively, sorted; hidden ones left out) or glob patterns; a plain-text file is one document, a .jsonl file one document per line")
@@ -150,6 +151,19 @@ int resolve_shard_group_size(const std::string& v, int world, int ranks_per_node
   return g;
 }
 
+MeshDims resolve_mesh_dims(const std::string& sgs, int tp, int world, int ranks_per_node) {
+  check(tp >= 1 && tp <= (1 << 16), "tp", "must be a positive integer, got " + std::to_string(tp));
+  if (world > 0)
+    check(world % tp == 0, "tp",
+          "(" + std::to_string(tp) + ") does not divide the world size (" + std::to_string(world) + ")");
+  const int g = resolve_shard_group_size(sgs, world, ranks_per_node);
+  if (world > 0)
+    check(g % tp == 0, "shard-group-size",
+          "(" + std::to_string(g) + ") is not a multiple of '--tp' (" + std::to_string(tp) +
+              "): a shard group is made of whole TP groups");
+  return MeshDims{world > 0 ? world / g : 1, g / tp, 1, tp};
+}
+
 namespace {
 void finite(double v, const std::string& opt) { check(std::isfinite(v), opt, "must be a finite number"); }
 
@@ -215,6 +229,10 @@ void validate(const Options& o) {
   check(o.device == "auto" || o.device == "cpu" || o.device == "cuda", "device", "must be auto, cpu or cuda, got '" + o.device + "'");
   check(o.gpu_comm == "nccl" || o.gpu_comm == "mpi", "gpu-comm", "must be nccl or mpi, got '" + o.gpu_comm + "'");
   if (!o.shard_group_size.empty()) resolve_shard_group_size(o.shard_group_size, 0, 0);  // the form only
+  check(o.tp >= 1 && o.tp <= (1 << 16), "tp", "must be a positive integer, got " + std::to_string(o.tp));
+  check(o.tp == 1 || (t.checkpoint_dir.empty() && t.resume.empty() && t.init_from.empty()), "tp",
+        "> 1 cannot be combined with '--checkpoint-dir', '--resume' or '--init-from' yet: checkpoints of "
+        "tensor-parallel runs (format version 4, docs/checkpoint-format.md) are not implemented");
   parse_precision(o.precision);  // throws naming option '--precision'
   check(o.reduce_dtype == "fp32" || o.reduce_dtype == "bf16", "reduce-dtype", "must be fp32 or bf16, got '" + o.reduce_dtype + "'");
   check(o.checkpoint_async == "on" || o.checkpoint_async == "off", "checkpoint-async",

@@ -103,6 +103,10 @@ const std::map<std::string, ModelConfig>& presets() {
       // Tests: every unit size is uneven over 3 ranks and over 4 ranks (C = 50, V = 263, I = 37);
       // GQA 5:1.
       {"test-uneven", make("test-uneven", 263, 50, 37, 2, 5, 1, 64, true)},
+      // Tests of tensor parallelism (--tp 2, 3, 4, 6 divide the 24 heads, the 12 KV heads (GQA 2:1)
+      // and I = 72; V = 263 is padded at every TP degree), tied and untied.
+      {"test-tp", make("test-tp", 263, 96, 72, 2, 24, 12, 64, true)},
+      {"test-tp-untied", make("test-tp-untied", 263, 96, 72, 2, 24, 12, 64, false)},
       // make demo and the tinyshakespeare benchmark: ~0.85M parameters.
       {"demo", make("demo", 258, 128, 384, 4, 4, 4, 256, true)},
       // GPU-scale configs for the benchmarks (docs/benchmarks.md), GPT-2-small / -medium sized.

@@ -10,8 +10,7 @@ MeshLayout::MeshLayout(MeshDims d) : d_(d) {
     throw std::invalid_argument("mesh: every dimension must be >= 1 (dp_replicate " + std::to_string(d.dp_replicate) +
                                 ", dp_shard " + std::to_string(d.dp_shard) + ", cp " + std::to_string(d.cp) + ", tp " +
                                 std::to_string(d.tp) + ")");
-  if (d.cp != 1 || d.tp != 1)
-    throw std::invalid_argument("mesh: context and tensor parallelism are not implemented (cp and tp must be 1)");
+  if (d.cp != 1) throw std::invalid_argument("mesh: context parallelism is not implemented (cp must be 1)");
 }
 
 MeshCoord MeshLayout::coord(int rank) const {
@@ -48,10 +47,17 @@ std::vector<int> MeshLayout::replica_group(int rank) const {
   return v;
 }
 
+std::vector<int> MeshLayout::tp_group(int rank) const {
+  MeshCoord c = coord(rank);
+  std::vector<int> v;
+  for (c.tp = 0; c.tp < d_.tp; ++c.tp) v.push_back(rank_of(c));
+  return v;
+}
+
 namespace {
 MeshLayout checked_layout(const Comm& world, MeshDims d) {
-  if (d.dp_shard < 1 || d.world() != world.world_size())
-    throw CollectiveError(0, "option '--shard-group-size' (" + std::to_string(d.dp_shard) +
+  if (d.dp_shard < 1 || d.tp < 1 || d.world() != world.world_size())
+    throw CollectiveError(0, "option '--shard-group-size' (" + std::to_string(d.dp_shard * d.tp) +
                                  ") does not divide the world size (" + std::to_string(world.world_size()) + ")");
   try {
     return MeshLayout(d);
@@ -63,13 +69,20 @@ MeshLayout checked_layout(const Comm& world, MeshDims d) {
 
 Mesh::Mesh(Comm& world, const Topology& topo, MeshDims dims, double collective_timeout)
     : world_(world), topo_(topo), layout_(checked_layout(world, dims)), coord_(layout_.coord(world.rank())), collective_timeout_(collective_timeout) {
-  if (dims.dp_replicate == 1) return;  // the shard group is the world; no replica group
   // Colors: the group's first global rank (any value equal within a group and distinct across
-  // groups); keys: the global rank, so a group's ranks keep the world's order.
+  // groups); keys: the global rank, so a group's ranks keep the world's order. Every rank makes the
+  // same splits (the dims are the same everywhere).
   const int r = world.rank();
-  shard_host_ = std::make_unique<MpiComm>(MpiComm::split(world, layout_.shard_group(r).front(), r));
+  if (dims.tp > 1) {
+    tp_host_ = std::make_unique<MpiComm>(MpiComm::split(world, layout_.tp_group(r).front(), r));
+    tp_host_->set_collective_timeout(collective_timeout);
+  }
+  if (dims.dp_shard != world.world_size()) {  // else the shard group is the world
+    shard_host_ = std::make_unique<MpiComm>(MpiComm::split(world, layout_.shard_group(r).front(), r));
+    shard_host_->set_collective_timeout(collective_timeout);
+  }
+  if (dims.dp_replicate == 1) return;  // no replica group
   replica_host_ = std::make_unique<MpiComm>(MpiComm::split(world, layout_.replica_group(r).front(), r));
-  shard_host_->set_collective_timeout(collective_timeout);
   replica_host_->set_collective_timeout(collective_timeout);
   // A shard group is meant to sit inside a node; with ranks not placed node by node it does not.
   const int G = dims.dp_shard;
@@ -89,6 +102,7 @@ Mesh::~Mesh() = default;
 void Mesh::attach_device_comms(const std::function<std::unique_ptr<Comm>(Comm& host)>& make) {
   shard_dev_ = make(shard_host());
   if (replica_host_) replica_dev_ = make(*replica_host_);
+  if (tp_host_) tp_dev_ = make(*tp_host_);
 }
 
 std::string Mesh::topology_line() const {
@@ -99,11 +113,19 @@ std::string Mesh::topology_line() const {
                               : std::to_string(t.min_local_size) + "-" + std::to_string(t.max_local_size);
   std::string s = "topology: " + std::to_string(t.nodes) + (t.nodes == 1 ? " node x " : " nodes x ") + per +
                   (t.max_local_size == 1 ? " rank per node" : " ranks per node") + " (world " + std::to_string(W) + ")";
-  if (R == 1)
+  const int N = dims().tp;
+  if (N > 1)
+    s += "; tensor parallel: " + std::to_string(W / N) + " TP groups of " + std::to_string(N) +
+         " consecutive ranks (--tp " + std::to_string(N) + ", sequence parallel), FSDP over " + std::to_string(G) +
+         (G == 1 ? " rank" : " ranks") + " of equal TP rank";
+  if (R == 1 && N == 1)
     s += "; fully sharded over all " + std::to_string(W) + " ranks (shard group size " + std::to_string(G) + ")";
+  else if (R == 1)
+    s += "; fully sharded over the " + std::to_string(G) + " data-parallel ranks (shard group size " +
+         std::to_string(G * N) + ")";
   else
-    s += "; hybrid sharding: " + std::to_string(R) + " replica groups of " + std::to_string(G) +
-         (G == 1 ? " rank" : " ranks") + " (shard group size " + std::to_string(G) + ")";
+    s += "; hybrid sharding: " + std::to_string(R) + " replica groups of " + std::to_string(G * N) +
+         (G * N == 1 ? " rank" : " ranks") + " (shard group size " + std::to_string(G * N) + ")";
   if (t.emulated_ranks_per_node > 0)
     s += "; nodes emulated by SHARDTRAIN_TEST_RANKS_PER_NODE=" + std::to_string(t.emulated_ranks_per_node) + " (test hook)";
   return s;

@@ -53,9 +53,11 @@ std::string MemoryPlan::format(const std::string& title) const {
 
 MemoryPlan plan_memory(const MemoryPlanInput& in) {
   const ModelOptions mo = model_options(in.train);
-  // Shards are over the shard group: G ranks with hybrid sharding, else the whole world.
-  const int G = in.shard_group_size > 0 ? in.shard_group_size : in.world_size;
-  const ShardPlan sp = ShardPlan::build(llama_units(in.model), G);
+  // Shards are over the shard group: G ranks with hybrid sharding, else the whole world (of equal
+  // TP rank: W / tp ranks); under TP each rank holds its slices (the TP ranks' are the same size).
+  const int N = std::max(1, in.tp);
+  const int G = in.shard_group_size > 0 ? in.shard_group_size : in.world_size / N;
+  const ShardPlan sp = ShardPlan::build(llama_units(in.model, N, 0), G);
   int64_t shard = 0;
   for (auto& u : sp.units) shard += u.shard_size;
   const int64_t maxp = sp.max_padded_numel(), maxs = sp.max_shard_size();
@@ -65,7 +67,9 @@ MemoryPlan plan_memory(const MemoryPlanInput& in) {
     p.lines.push_back({std::move(name), bytes, std::move(detail), false});
   };
   const std::string sh = with_commas(shard) + " shard elements (" + with_commas(in.model.num_params()) + " / " +
-                         std::to_string(G) + (G != in.world_size ? " ranks of a shard group" : "") + ", padded)";
+                         (N > 1 ? "(TP " + std::to_string(N) + " x " : "") + std::to_string(G) +
+                         (G * N != in.world_size ? " ranks of a shard group" : "") + (N > 1 ? ")" : "") +
+                         (N > 1 ? ", norms replicated over TP" : "") + ", padded)";
   add("fp32 parameter shards", 4 * shard, "4 B x " + sh);
   add("fp32 gradient shards", 4 * shard, "4 B x " + sh);
   add("AdamW m and v shards", 8 * shard, "2 x 4 B x " + sh);
@@ -130,18 +134,24 @@ MemoryPlan plan_memory(const MemoryPlanInput& in) {
     const int64_t lib = std::max(std::min(cap, maxs * W * gs), std::min(cap, rcount * W * rs));
     add("MPI collective buffers", o + lib, "a packed slab and Open MPI's temporary, each <= 16 MiB");
   }
+  if (!in.cuda && N > 1) {  // the TP collectives' ([B*T, C] rows over N ranks) packed slab and temporary
+    const int64_t es = bf ? 2 : 4, cap = static_cast<int64_t>(Comm::kCollectiveSlab);
+    const int64_t full = int64_t{in.train.micro_batch} * in.train.seq_len * in.model.hidden_size * es;
+    add("MPI buffers of the TP collectives", 2 * std::min(cap, full), "a packed slab and Open MPI's temporary, each <= 16 MiB");
+  }
   const int B = in.train.micro_batch, T = in.train.seq_len;
-  const ActivationBytes a = activation_bytes(in.model, mo, B, T, bf ? 2 : 4, 4);
+  const int vl = (in.model.vocab_size + N - 1) / N;  // vocabulary rows per TP rank
+  const ActivationBytes a = activation_bytes(in.model, mo, B, T, bf ? 2 : 4, 4, N);
   const std::string geo = std::to_string(B) + " x " + std::to_string(T) + " tokens, " +
                           recompute_name(mo.recompute) + " recompute, " + attention_name(mo.attention) + " attention";
   add("activations kept for backward", a.per_layer,
-      std::to_string(in.model.num_hidden_layers) + " blocks, " + geo);
+      std::to_string(in.model.num_hidden_layers) + " blocks, " + geo +
+          (N > 1 ? ", TP " + std::to_string(N) + ": the residual stream's rows and the heads / MLP split" : ""));
   if (a.recompute) add("recomputed block activations", a.recompute, "one block at a time");
   add("block scratch and activation gradients", a.block_scratch, "shared by the blocks");
   add("head: final norm, logits chunk, ids, RoPE", a.head,
-      "chunk of " + std::to_string(std::min<int64_t>(mo.loss_chunk > 0 ? mo.loss_chunk : default_loss_chunk(in.model.vocab_size),
-                                                     int64_t{B} * T)) +
-          " tokens x " + with_commas(in.model.vocab_size) + " vocabulary");
+      "chunk of " + std::to_string(std::min<int64_t>(mo.loss_chunk > 0 ? mo.loss_chunk : default_loss_chunk(vl), int64_t{B} * T)) +
+          " tokens x " + with_commas(vl) + (N > 1 ? " vocabulary rows of this TP rank" : " vocabulary"));
   if (!in.cuda && in.data_tokens)
     add("token data", static_cast<int64_t>(in.data_tokens) * in.token_bytes,
         with_commas(static_cast<int64_t>(in.data_tokens)) + " tokens x " + std::to_string(in.token_bytes) +

@@ -82,7 +82,8 @@ double evaluate(const Mesh& mesh, LlamaModel<T>& model, UnitSource<T>& f, const 
       fill_batch(data, Split::Val, tc.seed, e, mesh.dp_index() * per_rank + m * mb, mb, tc.seq_len, tok.data(),
                  tgt.data());
       model.forward(f, tok.data(), mb, tc.seq_len);
-      sum += model.loss(f, tgt.data());
+      const double l = model.loss(f, tgt.data());
+      if (mesh.counts_loss()) sum += l;  // a TP group's ranks computed the same loss: counted once
     }
   f.end_pass();
   mesh.world().all_reduce(&sum, 1, ReduceOp::Sum);

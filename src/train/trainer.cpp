@@ -49,6 +49,7 @@ struct StepOutcome {
   bool skipped = false;         // the update was not applied (--skip-nonfinite, --skip-spikes)
   double seconds = 0;           // wall time of the step
   CommTimes comm;               // the step's FSDP collectives (issued, exposed)
+  TpCommStats tp;               // the step's TP collectives (--tp > 1; blocking: issued = exposed)
 };
 
 // Test hook SHARDTRAIN_TEST_SLOW_RANK=R:MS (docs/errors.md): the ms rank `rank` sleeps at the start
@@ -70,6 +71,7 @@ int64_t slow_rank_hook(int rank) {
 // Per-step means over the steps since the last log line.
 struct Interval {
   double seconds = 0, issued_s = 0, exposed_s = 0;
+  double tp_s = 0, tp_bytes = 0;  // TP collectives: seconds (all exposed), bytes one rank sent
   int64_t steps = 0;
 };
 
@@ -113,6 +115,7 @@ template <typename C> class Trainer {
   ModelOptions mopt_;
   std::unique_ptr<ShardedState<float>> f_;  // fp32 master shards and gradient shards
   std::unique_ptr<UnitPipeline<C>> units_;   // over f_: identity codec (fp32) or bf16 codec; destroyed first
+  std::unique_ptr<TpGroup<C>> tp_;           // --tp > 1: the TP group's collectives (the mesh's tp_data); outlives model_
   std::unique_ptr<LlamaModel<C>> model_;
   std::unique_ptr<AdamW<float>> opt_;
   std::vector<int32_t> tok_, tgt_;
@@ -188,6 +191,13 @@ template <typename C> void Trainer<C>::check_geometry() {
                                  ") is not divisible by world size x '--micro-batch' (" + std::to_string(dp) + " x " +
                                  std::to_string(geo_.mb) + ")");
   geo_.accum = geo_.per_rank / geo_.mb;
+  const int tp = mesh_.dims().tp;
+  if (const std::string why = check_tensor_parallel(mc_, tp); !why.empty()) throw CollectiveError(0, why);
+  if (static_cast<int64_t>(geo_.mb) * tc_.seq_len % tp != 0)
+    throw CollectiveError(0, "option '--tp' (" + std::to_string(tp) + ") does not divide the tokens of a micro-batch (" +
+                                 std::to_string(geo_.mb) + " x " + std::to_string(tc_.seq_len) + " = " +
+                                 std::to_string(static_cast<int64_t>(geo_.mb) * tc_.seq_len) +
+                                 "): sequence parallelism splits them evenly over the TP group");
   if (tc_.seq_len > mc_.max_position_embeddings)
     throw CollectiveError(0, "option '--seq-len' (" + std::to_string(tc_.seq_len) +
                                  ") exceeds the model's max_position_embeddings (" +
@@ -217,6 +227,7 @@ template <typename C> void Trainer<C>::log_memory_plan() {
   mi.train.micro_batch = geo_.mb;
   mi.overlap = tc_.overlap;
   mi.shard_group_size = G_;
+  mi.tp = mesh_.dims().tp;
   mi.stream_lane = eng_.mesh.shard_data().stream_ordered();
   mi.runtime_bytes = mi.cuda ? kGpuRuntimeEstimate : current_rss_bytes();
   comm_.all_reduce(&mi.runtime_bytes, 1, ReduceOp::Max);
@@ -231,15 +242,20 @@ template <typename C> void Trainer<C>::allocate() {
   agree(comm_, [&] {
     try {
       constexpr bool mixed = std::is_same_v<C, bf16>;
-      f_ = std::make_unique<ShardedState<float>>(eng_.be, mesh_, ShardPlan::build(llama_units(mc_), G_));
+      // Under TP each rank holds its TP slices (llama_units), sharded over its shard group (G_ ranks
+      // of equal TP rank).
+      const int tp = mesh_.dims().tp;
+      f_ = std::make_unique<ShardedState<float>>(eng_.be, mesh_,
+                                                 ShardPlan::build(llama_units(mc_, tp, mesh_.coord().tp), G_));
+      if (tp > 1) tp_ = std::make_unique<TpGroup<C>>(*mesh_.tp_data());
       if constexpr (mixed) {
         units_ = std::make_unique<MixedPrecisionUnits>(*f_, *eng_.be16, tc_.reduce_bf16,
                                                        MixedPrecisionUnits::kWidenSlab, tc_.overlap);
-        model_ = std::make_unique<LlamaModel<bf16>>(mc_, *eng_.be16, mopt_);
+        model_ = std::make_unique<LlamaModel<bf16>>(mc_, *eng_.be16, mopt_, tp_.get());
       } else {
         units_ = std::make_unique<UnitPipeline<float>>(eng_.be, std::make_unique<IdentityCodec<float>>(*f_),
                                                        tc_.overlap);
-        model_ = std::make_unique<LlamaModel<float>>(mc_, eng_.be, mopt_);
+        model_ = std::make_unique<LlamaModel<float>>(mc_, eng_.be, mopt_, tp_.get());
       }
       opt_ = std::make_unique<AdamW<float>>(*f_, tc_);
       model_->reserve(geo_.mb, tc_.seq_len);
@@ -454,6 +470,7 @@ template <typename C> StepOutcome Trainer<C>::train_step(int64_t s) {
   const auto t0 = Clock::now();
   if (slow_rank_ms_ > 0) std::this_thread::sleep_for(std::chrono::milliseconds(slow_rank_ms_));  // test hook
   const CommTimes comm0 = units_->comm_times();
+  const TpCommStats tp0 = tp_ ? tp_->stats() : TpCommStats{};
   const float grad_scale = 1.0f / static_cast<float>(geo_.per_rank * tc_.seq_len);  // d(mean loss on this rank)
   const double tokens_per_step = static_cast<double>(tc_.global_batch) * tc_.seq_len;
   f_->zero_grads();
@@ -467,13 +484,17 @@ template <typename C> StepOutcome Trainer<C>::train_step(int64_t s) {
     model_->backward(*units_);  // reduce-scatters each unit's gradient (mean over ranks) into its shard
   }
   units_->end_pass();  // every reduce-scatter has landed in the gradient shards
+  // TP: each rank's gradient of the replicated RMSNorm weights came from its own rows: sum them.
+  if (tp_) f_->sum_replicated_grads(*mesh_.tp_data());
   // One all-reduce: loss, squared gradient norm, "some rank was asked to stop" (a signal) and "the
   // background checkpoint save of some rank failed" (AsyncCheckpointWriter), so every rank sees the
   // same values and takes the same decisions, a failed save included, at the same step boundary.
   // The mesh says whose gradient elements count (each parameter once: replica group 0 under hybrid
-  // sharding).
-  double red[4] = {loss_sum, mesh_.counts_in_norm() ? f_->local_grad_sumsq() : 0.0, stop_signal() != 0 ? 1.0 : 0.0,
-                   writer_ && writer_->failed() ? 1.0 : 0.0};
+  // sharding; a TP group's replicated norms on its first rank) and whose loss (a TP group's first
+  // rank: every rank of the group computed the same loss of the same tokens).
+  double red[4] = {mesh_.counts_loss() ? loss_sum : 0.0,
+                   mesh_.counts_in_norm() ? f_->local_grad_sumsq(mesh_.counts_replicated_in_norm()) : 0.0,
+                   stop_signal() != 0 ? 1.0 : 0.0, writer_ && writer_->failed() ? 1.0 : 0.0};
   comm_.all_reduce(red, 4, ReduceOp::Sum);
   StepOutcome o;
   o.loss = red[0] / tokens_per_step;
@@ -510,6 +531,16 @@ template <typename C> StepOutcome Trainer<C>::train_step(int64_t s) {
   const CommTimes comm1 = units_->comm_times();
   o.comm.issued_s = comm1.issued_s - comm0.issued_s;
   o.comm.exposed_s = comm1.exposed_s - comm0.exposed_s;
+  if (tp_) {
+    const TpCommStats& t1 = tp_->stats();
+    o.tp.seconds = t1.seconds - tp0.seconds;
+    o.tp.all_gathers = t1.all_gathers - tp0.all_gathers;
+    o.tp.reduce_scatters = t1.reduce_scatters - tp0.reduce_scatters;
+    o.tp.all_reduces = t1.all_reduces - tp0.all_reduces;
+    o.tp.all_gather_bytes = t1.all_gather_bytes - tp0.all_gather_bytes;
+    o.tp.reduce_scatter_bytes = t1.reduce_scatter_bytes - tp0.reduce_scatter_bytes;
+    o.tp.all_reduce_bytes = t1.all_reduce_bytes - tp0.all_reduce_bytes;
+  }
   return o;
 }
 
@@ -521,6 +552,8 @@ template <typename C> void Trainer<C>::log_step(int64_t s, const StepOutcome& o)
   interval_.seconds += o.seconds;
   interval_.issued_s += o.comm.issued_s;
   interval_.exposed_s += o.comm.exposed_s;
+  interval_.tp_s += o.tp.seconds;
+  interval_.tp_bytes += o.tp.bytes();
   ++interval_.steps;
   StepLog sl;
   sl.step = s + 1;
@@ -532,10 +565,13 @@ template <typename C> void Trainer<C>::log_step(int64_t s, const StepOutcome& o)
     sl.tokens_per_s = static_cast<double>(tc_.global_batch) * tc_.seq_len * n / interval_.seconds;
     sl.comm_ms = 1e3 * interval_.issued_s / n;
     sl.exposed_comm_ms = 1e3 * interval_.exposed_s / n;
-    sl.compute_ms = 1e3 * interval_.seconds / n - sl.exposed_comm_ms;
+    sl.tp_comm_ms = 1e3 * interval_.tp_s / n;
+    sl.tp_bytes = interval_.tp_bytes / n;
+    // TP collectives block the compute: they are waiting time too (the straggler report's).
+    sl.compute_ms = 1e3 * interval_.seconds / n - sl.exposed_comm_ms - sl.tp_comm_ms;
     interval_ = Interval{};
     // Collective (every rank logs the same steps): every rank's compute and wait time.
-    const double mine[2] = {sl.compute_ms, sl.exposed_comm_ms};
+    const double mine[2] = {sl.compute_ms, sl.exposed_comm_ms + sl.tp_comm_ms};
     std::vector<double> all(2 * static_cast<size_t>(W_)), compute(static_cast<size_t>(W_)), wait(static_cast<size_t>(W_));
     comm_.all_gather(mine, all.data(), 2);
     for (size_t r = 0; r < compute.size(); ++r) compute[r] = all[2 * r], wait[r] = all[2 * r + 1];
@@ -552,7 +588,11 @@ template <typename C> void Trainer<C>::log_step(int64_t s, const StepOutcome& o)
     log_info(comm_, "step " + std::to_string(s + 1) + "/" + std::to_string(tc_.steps) + " | loss " + fmt("%.4f", o.loss) +
                         " | lr " + fmt("%.3e", o.lr) + " | grad_norm " + fmt("%.4f", o.grad_norm) + " | " +
                         fmt("%.0f", sl.tokens_per_s) + " tok/s | exposed comm " + fmt("%.1f", sl.exposed_comm_ms) +
-                        " ms/step" + straggler + " | " + step_line_tail(mfu, sl.elapsed_s, eta, seen));
+                        " ms/step" +
+                        (tp_ ? " | tp comm " + fmt("%.1f", sl.tp_comm_ms) + " ms/step, " + fmt("%.1f", sl.tp_bytes / 1e6) +
+                                   " MB/step"
+                             : std::string()) +
+                        straggler + " | " + step_line_tail(mfu, sl.elapsed_s, eta, seen));
     if (metrics_.is_open() || tb_) {
       nlohmann::json j = {{"step", sl.step}, {"loss", o.loss}, {"lr", o.lr}, {"grad_norm", o.grad_norm},
                           {"tokens_per_s", sl.tokens_per_s}, {"elapsed_s", sl.elapsed_s},
@@ -564,6 +604,10 @@ template <typename C> void Trainer<C>::log_step(int64_t s, const StepOutcome& o)
                           {"slowest_rank", sl.ranks.slowest}, {"tokens_seen", seen}, {"update_skipped", o.skipped},
                           {"skipped_updates", state_.spikes.skipped_updates}};
       if (sl.ranks.flagged) j["straggler_rank"] = sl.ranks.slowest;
+      if (tp_) {  // TP collectives, apart from FSDP's comm_ms / exposed_comm_ms (blocking: all exposed)
+        j["tp_comm_ms"] = sl.tp_comm_ms;
+        j["tp_bytes"] = sl.tp_bytes;
+      }
       if (mfu >= 0) j["mfu"] = mfu / 100;  // fraction of the peak; left out when the peak is unknown
       if (eta >= 0) j["eta_s"] = eta;
       write_record(j);

@@ -62,9 +62,55 @@ TEST_F(Mesh, LayoutByHand) {
     EXPECT_TRUE(plain.counts_in_norm(q));
     EXPECT_EQ(plain.replica_group(q), (std::vector<int>{q}));
   }
-  EXPECT_THROW(st::MeshLayout(st::MeshDims{1, 2, 1, 2}), std::invalid_argument);  // tp: not yet
   EXPECT_THROW(st::MeshLayout(st::MeshDims{1, 2, 2, 1}), std::invalid_argument);  // cp: not yet
+  // Tensor parallelism: W = 8 = 2 replica groups x 2 shard ranks x TP 2. TP groups are consecutive
+  // ranks; a shard group joins the ranks of equal TP rank; a TP group reads one batch share.
+  const st::MeshLayout t(st::MeshDims{2, 2, 1, 2});
+  const st::MeshCoord c5{1, 0, 0, 1};
+  EXPECT_EQ(t.coord(5), c5);
+  EXPECT_EQ(t.tp_group(5), (std::vector<int>{4, 5}));
+  EXPECT_EQ(t.shard_group(5), (std::vector<int>{5, 7}));
+  EXPECT_EQ(t.replica_group(5), (std::vector<int>{1, 5}));
+  EXPECT_EQ((std::vector<int>{t.dp_index(0), t.dp_index(1), t.dp_index(2), t.dp_index(3), t.dp_index(4)}),
+            (std::vector<int>{0, 0, 1, 1, 2}));
+  EXPECT_EQ(t.dims().dp(), 4);
+  EXPECT_TRUE(t.counts_in_norm(1));   // replica group 0: its TP slices count
+  EXPECT_FALSE(t.counts_in_norm(5));  // replica group 1
+  EXPECT_TRUE(t.counts_replicated_in_norm(4));
+  EXPECT_FALSE(t.counts_replicated_in_norm(5));  // its norms are TP rank 0's copy
+  EXPECT_TRUE(t.counts_loss(2));
+  EXPECT_FALSE(t.counts_loss(3));
   EXPECT_THROW(st::MeshLayout(st::MeshDims{0, 2, 1, 1}), std::invalid_argument);
+}
+
+// For every TP degree N dividing W (and N <= W): the TP and shard communicators against their
+// members computed by brute force, the batch index (one per TP group) and who counts the loss.
+TEST_F(Mesh, TensorParallelGroupsAgreeWithIndependentComputation) {
+  st::Comm& c = world();
+  const int W = c.world_size(), r = c.rank();
+  const st::Topology& topo = st::testing::g_runtime->topo();
+  for (int N = 2; N <= W; ++N) {
+    if (W % N != 0) continue;
+    SCOPED_TRACE("W = " + std::to_string(W) + ", tp = " + std::to_string(N));
+    st::Mesh mesh(c, topo, st::MeshDims{1, W / N, 1, N}, 0);
+    ASSERT_NE(mesh.tp_host(), nullptr);
+    EXPECT_EQ(mesh.tp_data(), mesh.tp_host());
+    std::vector<int> tp_bf, shard_bf;
+    for (int q = 0; q < W; ++q) {
+      if (q / N == r / N) tp_bf.push_back(q);
+      if (q % N == r % N) shard_bf.push_back(q);
+    }
+    EXPECT_EQ(members(*mesh.tp_host()), tp_bf);
+    EXPECT_EQ(members(mesh.shard_host()), shard_bf);
+    EXPECT_EQ(mesh.coord().tp, r % N);
+    EXPECT_EQ(mesh.dp_index(), r / N);
+    EXPECT_EQ(mesh.dp_size(), W / N);
+    EXPECT_EQ(mesh.counts_loss(), r % N == 0);
+    EXPECT_NE(mesh.topology_line().find("tensor parallel: " + std::to_string(W / N) + " TP groups of " +
+                                        std::to_string(N)),
+              std::string::npos)
+        << mesh.topology_line();
+  }
 }
 
 // For every G dividing W: the mesh's communicators, coordinates and answers against the
