@@ -40,6 +40,7 @@ PRESETS = {
     "llama-1b": (128256, 2048, 8192, 16, 32, 8, True),  # meta-llama/Llama-3.2-1B
     "tinyllama-1.1b": (32000, 2048, 5632, 22, 32, 4, False),
     "llama-8b": (128256, 4096, 14336, 32, 32, 8, False),  # meta-llama/Llama-3.1-8B
+    "llama-70b": (128256, 8192, 28672, 80, 64, 8, False),  # meta-llama/Llama-3.1-70B
 }
 
 
@@ -57,10 +58,17 @@ class Config:
     def KV(self):
         return self.NKV * self.HD
 
-    def block_numel(self):
-        # ModelConfig::num_params' block: 2 norms + q, k, v, o + gate, up, down
-        C, Q, KV, I = self.C, self.Q, self.KV, self.I
+    def block_numel(self, tp=1):
+        # ModelConfig::num_params' block: 2 norms + q, k, v, o + gate, up, down. With tensor
+        # parallelism, one TP rank's slice: q/k/v rows, o columns, gate/up rows and down columns
+        # divided by tp, the two RMSNorm weights [C] replicated (check_tp: tp divides NH, NKV, I).
+        C, Q, KV, I = self.C, self.Q // tp, self.KV // tp, self.I // tp
         return 2 * C + C * Q + 2 * C * KV + Q * C + 3 * C * I
+
+    def vocab_rows(self, tp=1):
+        """Rows of the embedding (and lm_head) per TP rank: Vp / tp, Vp = V rounded up to a
+        multiple of tp (vocabulary parallelism)."""
+        return -(-self.V // tp)
 
     def num_params(self):
         return self.V * self.C + self.L * self.block_numel() + self.C + (0 if self.tied else self.V * self.C)
@@ -79,11 +87,22 @@ def load_config(spec):
                   bool(j.get("tie_word_embeddings", False)), j.get("head_dim"))
 
 
-def units(cfg):
-    """[(name, numel)] in shardtrain's unit order: embedding, blocks, final norm (+ untied head)."""
-    u = [("model.embed_tokens", cfg.V * cfg.C)]
-    u += [("model.layers.%d" % l, cfg.block_numel()) for l in range(cfg.L)]
-    u.append(("model.norm", cfg.C + (0 if cfg.tied else cfg.V * cfg.C)))
+def check_tp(cfg, tp):
+    """tp must divide the heads, the KV heads and the MLP width (the shards of q/k/v, o, gate/up,
+    down); the vocabulary is padded instead (Config.vocab_rows)."""
+    if tp < 1 or cfg.NH % tp or cfg.NKV % tp or cfg.I % tp:
+        raise ValueError("tp %d must divide heads %d, KV heads %d and intermediate %d of %s" %
+                         (tp, cfg.NH, cfg.NKV, cfg.I, cfg.name))
+
+
+def units(cfg, tp=1):
+    """[(name, numel)] in shardtrain's unit order: embedding, blocks, final norm (+ untied head).
+    tp > 1: one TP rank's slice of each unit (what FSDP shards over the dp_shard ranks)."""
+    check_tp(cfg, tp)
+    Vt = cfg.vocab_rows(tp)
+    u = [("model.embed_tokens", Vt * cfg.C)]
+    u += [("model.layers.%d" % l, cfg.block_numel(tp)) for l in range(cfg.L)]
+    u.append(("model.norm", cfg.C + (0 if cfg.tied else Vt * cfg.C)))
     return u
 
 
@@ -137,6 +156,85 @@ def collective_counts(cfg):
 
 
 # --------------------------------------------------------------------------------------------
+# Tensor parallelism with sequence parallelism (issue 31): the collectives of a TP group of tp
+# consecutive ranks, per micro-batch of B x T tokens (the whole group's micro-batch). Between the
+# blocks the residual stream is split over the tp ranks along the sequence ([B*T/tp, C] each);
+# each all-gather or reduce-scatter moves a full [B*T, C] buffer of F = B*T*C*e bytes (e the
+# activation element size), (tp-1)/tp F per rank (ring). docs/scaling.md lists the calls.
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+def default_loss_chunk(V):
+    """src/model/llama.cpp default_loss_chunk: max(256, 2^24 / V) tokens."""
+    return max(256, (1 << 24) // max(1, V))
+
+
+def tp_item_calls(cfg, B, T, tp, elem_bytes, recompute="none", loss_chunk=None):
+    """The TP collectives of one micro-batch, one list per item of step_items(cfg, T) (same order):
+    (op, total bytes S of the call over the tp ranks, element bytes), op as comm_bandwidth names
+    it (allgather, reduce_scatter, allreduce). tp = 1: none."""
+    if recompute not in RECOMPUTE:
+        raise ValueError("recompute must be one of %s, got %r" % (", ".join(RECOMPUTE), recompute))
+    check_tp(cfg, tp)
+    raw = step_items(cfg, T)
+    if tp == 1:
+        return [[] for _ in raw]
+    e = elem_bytes
+    F = B * T * cfg.C * e
+    AG, RS = ("allgather", F, e), ("reduce_scatter", F, e)
+    BT = B * T
+    chunk = min(loss_chunk if loss_chunk else default_loss_chunk(cfg.V), BT)
+    ce = []
+    for a in range(0, BT, chunk):  # per loss chunk of n tokens: fp32 row max, then sum of exp + target logit
+        n = min(chunk, BT - a)
+        ce += [("allreduce", n * 4, 4), ("allreduce", 2 * n * 4, 4)]
+    out = []
+    for label, _, _, _ in raw:
+        if label == "embed fwd":
+            c = [RS]                       # vocabulary-parallel lookup: partial rows, reduce-scattered
+        elif label == "embed bwd":
+            c = [AG]                       # the sequence-split output gradient, gathered
+        elif label.startswith("block") and label.endswith("fwd"):
+            c = [AG, RS, AG, RS]           # norm -> q/k/v, o_proj -> residual; norm -> gate/up, down -> residual
+        elif label.startswith("block") and label.endswith("bwd"):
+            c = [AG, RS, AG] if recompute == "full" else []  # the rerun forward stops before down_proj
+            c += [AG, AG, RS, AG, AG, RS]  # mlp: dy for down, norm output for gate/up, RS dx; attn: the same
+        elif "head" in label:
+            c = [AG] + ce + [RS]           # final-norm output gathered; the loss; its input gradient
+        else:
+            c = []                         # tied model's final norm items: no TP collective
+        out.append(c)
+    return out
+
+
+def tp_bytes_per_microbatch(cfg, B, T, tp, elem_bytes, recompute="none", loss_chunk=None):
+    """Bytes each rank of a TP group sends in the TP collectives of one micro-batch of B x T tokens,
+    ring algorithms: all-gather and reduce-scatter (tp-1)/tp S, all-reduce 2 (tp-1)/tp S. Per
+    decoder layer (all-gathers + reduce-scatters) 10 (tp-1)/tp F, 13 with full recompute."""
+    sums = {"allgather": 0, "reduce_scatter": 0, "allreduce": 0}
+    calls = dict.fromkeys(sums, 0)
+    for c in tp_item_calls(cfg, B, T, tp, elem_bytes, recompute, loss_chunk):
+        for op, S, _ in c:
+            sums[op] += S
+            calls[op] += 1
+    F = B * T * cfg.C * elem_bytes
+    per_layer = (13 if recompute == "full" else 10) * F * (tp - 1) / tp
+    return {"all_gather": sums["allgather"] * (tp - 1) / tp,
+            "reduce_scatter": sums["reduce_scatter"] * (tp - 1) / tp,
+            "all_reduce": 2 * sums["allreduce"] * (tp - 1) / tp,
+            "calls": {"all_gather": calls["allgather"], "reduce_scatter": calls["reduce_scatter"],
+                      "all_reduce": calls["allreduce"]},
+            "F": F, "per_layer": per_layer if tp > 1 else 0.0}
+
+
+def recompute_flops(cfg, T):
+    """Real FLOPs per token of one layer's forward rerun under --activation-checkpointing full
+    (every GEMM but down_proj, and the attention), added to that layer's backward item."""
+    return 2.0 * cfg.block_numel() + 12.0 * cfg.Q * T / 3 - 2.0 * cfg.C * cfg.I
+
+
+# --------------------------------------------------------------------------------------------
 # Precision and shardtrain's slabbing of reduce-scatters (shard.h / runtime.h).
 
 K_REDUCE_SLAB = 1 << 22      # Fsdp::kReduceSlab and MixedPrecisionUnits::kWidenSlab (elements, all ranks)
@@ -174,16 +272,21 @@ def mpi_split(count, world, elem_bytes):
     return [min(slab, count - a) for a in range(0, count, slab)] if count > slab else [count]
 
 
-def bytes_per_step(cfg, world, prec, micro_batches=1):
-    """Bytes each rank sends per optimizer step, ring algorithms: all-gather (W-1)/W x S x W x e,
-    reduce-scatter the same (nccl-tests PERFORMANCE.md). Returns (ag_bytes, rs_bytes)."""
+def bytes_per_step(cfg, world, prec, micro_batches=1, tp=1):
+    """FSDP bytes each rank sends per optimizer step, ring algorithms: all-gather (n-1)/n x S x n x e,
+    reduce-scatter the same (nccl-tests PERFORMANCE.md), n = W / tp dp_shard ranks, S the shard of
+    a TP rank's slice of the unit (units(cfg, tp)). Returns (ag_bytes, rs_bytes). The TP
+    collectives are tp_bytes_per_microbatch's."""
+    if world % tp:
+        raise ValueError("W = %d is not a multiple of tp = %d" % (world, tp))
+    n = world // tp
     ag, rs = collective_counts(cfg)
-    f = (world - 1) / world
+    f = (n - 1) / n
     agb = rsb = 0.0
-    for u, (_, numel) in enumerate(units(cfg)):
-        S = shard_size(numel, world)
-        agb += ag[u] * f * S * world * prec.ag
-        rsb += rs[u] * f * S * world * prec.rs
+    for u, (_, numel) in enumerate(units(cfg, tp)):
+        S = shard_size(numel, n)
+        agb += ag[u] * f * S * n * prec.ag
+        rsb += rs[u] * f * S * n * prec.rs
     return agb * micro_batches, rsb * micro_batches
 
 
@@ -206,12 +309,15 @@ class Fabric:
         self.g = gpus_per_node
         self.multi_ring = multi_ring
 
-    def B_flat(self):
+    def B_flat(self, tp=1):
         """Bus bandwidth of a ring over several nodes. NCCL runs one ring per NIC, each leaving a
         node once through its own NIC and crossing NVLink inside it: busbw = min(NVLink, NICs per
-        node x NIC). multi_ring=False: one ring, bound by one NIC (the pessimistic reading)."""
+        node x NIC). multi_ring=False: one ring, bound by one NIC (the pessimistic reading).
+        tp > 1: the tp dp_shard groups of a node (one per TP rank) run their collectives at the
+        same time and share the node's NICs: min(NVLink, NICs x NIC / tp) each; with one ring per
+        collective each group keeps its own NIC (its rail)."""
         if self.multi_ring:
-            return min(self.B_intra, self.nics * self.B_nic)
+            return min(self.B_intra, self.nics * self.B_nic / tp)
         return self.B_nic
 
     def B_rail(self):
@@ -229,19 +335,24 @@ def t_ring(n, total_bytes, B, alpha, calls=1, allreduce=False):
 
 class Topology:
     """FSDP: shard over all W. HSDP: shard over the g GPUs of a node; gradient shards all-reduced
-    across the R = W/g nodes."""
+    across the R = W/g nodes. tp > 1: W = dp_replicate x dp_shard x tp with the tp ranks of a TP
+    group consecutive (inside a node); FSDP shards each TP rank's slice over the dp_shard =
+    G / tp ranks of its shard group (G = W for FSDP, g for HSDP: --shard-group-size counts ranks),
+    which span G consecutive ranks, so they leave the node when G > g."""
 
-    def __init__(self, fabric, world, mode):
-        self.f, self.W, self.mode = fabric, world, mode
+    def __init__(self, fabric, world, mode, tp=1):
+        self.f, self.W, self.mode, self.tp = fabric, world, mode, tp
         if mode == "hsdp" and world > fabric.g and world % fabric.g:
             raise ValueError("HSDP needs W a multiple of %d" % fabric.g)
+        if world % tp or fabric.g % tp or (tp > 1 and min(world, fabric.g) % tp):
+            raise ValueError("tp = %d must divide W = %d and the %d GPUs of a node" % (tp, world, fabric.g))
 
     def shard_world(self):
-        return min(self.W, self.f.g) if self.mode == "hsdp" else self.W
+        return (min(self.W, self.f.g) if self.mode == "hsdp" else self.W) // self.tp
 
     def _link(self, n):
         f = self.f
-        return (f.B_intra, f.a_intra) if n <= f.g else (f.B_flat(), f.a_inter)
+        return (f.B_intra, f.a_intra) if n * self.tp <= f.g else (f.B_flat(self.tp), f.a_inter)
 
     def gather_time(self, numel, prec):
         n = self.shard_world()
@@ -255,8 +366,8 @@ class Topology:
         B, a = self._link(n)
         calls = rs_calls(S, max_S, n, prec)
         t = sum(t_ring(n, c * n * prec.rs, B, a) for c in calls)
-        if self.mode == "hsdp" and self.W > n:
-            R = self.W // n
+        if self.mode == "hsdp" and self.W > n * self.tp:
+            R = self.W // (n * self.tp)
             # fp32 (or bf16) all-reduce of this rank's gradient shard with its peers of the other
             # nodes, on its rail, once per slab: 2(R-1) alpha + 2(R-1)/R S e / B_rail.
             t += sum(t_ring(R, c * prec.rs, self.f.B_rail(), self.f.a_inter, allreduce=True) for c in calls)
@@ -308,19 +419,47 @@ def simulate(items, prefetch):
     return step, compute, comm, step - compute
 
 
-def model_items(cfg, T, tokens, topo, prec, t_compute):
-    """Items with seconds: compute t_compute split over items in proportion to their real FLOPs."""
+def model_items(cfg, T, tokens, topo, prec, t_compute, recompute="none", act_bytes=2, loss_chunk=None):
+    """Items with seconds: compute t_compute split over items in proportion to their real FLOPs.
+    With tp = topo.tp > 1 the FSDP collectives are those of a TP rank's slices (units(cfg, tp))
+    over the dp_shard ranks, and each item's TP collectives (tp_item_calls for the group's
+    micro-batch of tokens x tp tokens, on NVLink) are added to its compute: they block it.
+    recompute full: each layer's backward item also reruns its forward (recompute_flops) at the
+    same rate (t_compute is the time of the model FLOPs; the rerun costs in proportion)."""
     raw = step_items(cfg, T)
     real = sum(fl for _, _, fl, _ in raw)
-    us = units(cfg)
+    tp = topo.tp
+    us = units(cfg, tp)
     n = topo.shard_world()
     max_S = max(shard_size(numel, n) for _, numel in us)
+    extra = recompute_flops(cfg, T) if recompute == "full" else 0.0
+    tpc = None
+    if tp > 1:
+        if (tokens * tp) % T:
+            raise ValueError("tokens x tp = %d is not whole sequences of %d" % (tokens * tp, T))
+        tpc = tp_item_calls(cfg, tokens * tp // T, T, tp, act_bytes, recompute, loss_chunk)
+    f = topo.f
     out = []
-    for label, g, fl, rs in raw:
+    for k, (label, g, fl, rs) in enumerate(raw):
         tg = topo.gather_time(us[g][1], prec) if g is not None else 0.0
         tr = [topo.reduce_time(us[u][1], max_S, prec) for u in rs]
-        out.append((label, tg, t_compute * fl / real, tr))
+        if extra and label.startswith("block") and label.endswith("bwd"):
+            fl = fl + extra
+        tc = t_compute * fl / real
+        if tpc:
+            tc += sum(t_ring(tp, S, f.B_intra, f.a_intra, allreduce=(op == "allreduce")) for op, S, _ in tpc[k])
+        out.append((label, tg, tc, tr))
     return out
+
+
+def tp_time(cfg, tokens, T, topo, act_bytes=2, recompute="none", loss_chunk=None):
+    """Seconds per step of the TP collectives on one GPU (exposed: they block the compute)."""
+    if topo.tp == 1:
+        return 0.0
+    f = topo.f
+    calls = tp_item_calls(cfg, tokens * topo.tp // T, T, topo.tp, act_bytes, recompute, loss_chunk)
+    return sum(t_ring(topo.tp, S, f.B_intra, f.a_intra, allreduce=(op == "allreduce"))
+               for c in calls for op, S, _ in c)
 
 
 # --------------------------------------------------------------------------------------------
@@ -340,11 +479,21 @@ FABRICS = {
 WORLDS = [8, 64, 256, 1024]
 
 
-def run_point(cfg, fabric, world, mode, prefetch, prec, mfu, tokens=TOKENS_PER_GPU, T=SEQ, peak=PEAK_BF16):
+def run_point(cfg, fabric, world, mode, prefetch, prec, mfu, tokens=TOKENS_PER_GPU, T=SEQ, peak=PEAK_BF16,
+              tp=1, act_bytes=2, recompute="none", loss_chunk=None):
+    """One optimizer step of one micro-batch; tokens = tokens per GPU per step. tp > 1: a TP group
+    of tp GPUs runs a micro-batch of tokens x tp tokens (tokens/s per GPU = the group's / tp);
+    'compute' then holds the TP collectives ('tp'), 'exposed' is FSDP's alone."""
     t_compute = flops_per_token(cfg, T) * tokens / (mfu * peak)
-    items = model_items(cfg, T, tokens, Topology(fabric, world, mode), prec, t_compute)
+    topo = Topology(fabric, world, mode, tp)
+    items = model_items(cfg, T, tokens, topo, prec, t_compute, recompute, act_bytes, loss_chunk)
     step, comp, comm, exposed = simulate(items, prefetch)
-    return {"step": step, "compute": comp, "comm": comm, "exposed": exposed, "tok_s": tokens / step}
+    r = {"step": step, "compute": comp, "comm": comm, "exposed": exposed, "tok_s": tokens / step}
+    if tp > 1:
+        r["tp"] = tp_time(cfg, tokens, T, topo, act_bytes, recompute, loss_chunk)
+    else:
+        r["tp"] = 0.0
+    return r
 
 
 STARTS_THRESHOLD = 0.05
@@ -367,16 +516,28 @@ def exposed_starts(cfg, fabric, mode, prefetch, prec, mfu, threshold=STARTS_THRE
 def cmd_plan(a):
     cfg = load_config(a.model)
     prec = Precision(a.precision)
+    tp = a.tp
+    n = a.world // tp
     print("%s: %d parameters (%s head), flops/token at T=%d: %.4g" %
           (cfg.name, cfg.num_params(), "tied" if cfg.tied else "untied", a.seq_len, flops_per_token(cfg, a.seq_len)))
+    if tp > 1:
+        print("tp %d: units are one TP rank's slice, sharded over dp_shard = W / tp = %d ranks" % (tp, n))
     ag, rs = collective_counts(cfg)
     print("%-20s %14s %14s %14s %8s %8s" % ("unit", "numel", "shard S", "padded S*W", "gathers", "reduces"))
-    for u, (name, numel) in enumerate(units(cfg)):
-        S = shard_size(numel, a.world)
-        print("%-20s %14d %14d %14d %8d %8d" % (name, numel, S, S * a.world, ag[u], rs[u]))
-    agb, rsb = bytes_per_step(cfg, a.world, prec)
+    for u, (name, numel) in enumerate(units(cfg, tp)):
+        S = shard_size(numel, n)
+        print("%-20s %14d %14d %14d %8d %8d" % (name, numel, S, S * n, ag[u], rs[u]))
+    agb, rsb = bytes_per_step(cfg, a.world, prec, tp=tp)
     print("per micro-batch per rank (ring, (W-1)/W): all-gather %.4g GB (%d-byte elements), "
           "reduce-scatter %.4g GB (%d-byte)" % (agb / 1e9, prec.ag, rsb / 1e9, prec.rs))
+    if tp > 1:
+        b = tp_bytes_per_microbatch(cfg, a.micro_batch, a.seq_len, tp, prec.ag, a.recompute)
+        print("TP per micro-batch of %d x %d per rank (ring, (tp-1)/tp; all-reduce 2(tp-1)/tp): F = %d bytes; "
+              "all-gather %.4g GB in %d calls, reduce-scatter %.4g GB in %d, all-reduce %.4g MB in %d; "
+              "per layer %.4g GB (recompute %s)" %
+              (a.micro_batch, a.seq_len, b["F"], b["all_gather"] / 1e9, b["calls"]["all_gather"],
+               b["reduce_scatter"] / 1e9, b["calls"]["reduce_scatter"], b["all_reduce"] / 1e6,
+               b["calls"]["all_reduce"], b["per_layer"] / 1e9, a.recompute))
 
 
 def fmt_ms(x):
@@ -451,6 +612,119 @@ def tables(markdown, mfus=(MFU_MEASURED, MFU_TARGET), out=sys.stdout):
 
 def cmd_tables(a):
     tables(a.markdown)
+
+
+# ---- tp-tables ----------------------------------------------------------------------------
+
+TP_WORLDS = [64, 256, 1024]
+TP_SIZES = [1, 2, 4, 8]
+TP_MODELS = (("llama-8b", "none"), ("llama-70b", "full"))  # the recompute that fits at tp 1 (--mode plan)
+
+
+def state_bytes(cfg, world, tp=1):
+    """Coarse per-GPU bytes of the fp32 parameter shard, its gradient and AdamW's two moments
+    (16 B per shard element): FSDP x TP shards everything over W (each TP slice over W / tp)."""
+    return 16 * sum(shard_size(n, world // tp) for _, n in units(cfg, tp))
+
+
+def tp_row(cfg, fab, W, prec, mfu, prefetch=1, tokens=None, recompute=None):
+    """run_point for each TP size; tokens / recompute: a value or a function of tp."""
+    out = []
+    for tp in TP_SIZES:
+        tk = tokens(tp) if callable(tokens) else (tokens or TOKENS_PER_GPU)
+        rc = recompute(tp) if callable(recompute) else (recompute or "none")
+        out.append(run_point(cfg, fab, W, "fsdp", prefetch, prec, mfu, tokens=tk, tp=tp, recompute=rc))
+    return out
+
+
+def tp_verdict(rows):
+    """'W = 64: tp 1; W = 1024: tp 4 (+209% over tp 1)' from {W: [run_point per TP size]}."""
+    parts = []
+    for W, rs in rows.items():
+        best = max(range(len(rs)), key=lambda i: rs[i]["tok_s"])
+        gain = rs[best]["tok_s"] / rs[0]["tok_s"] - 1
+        if best == 0:
+            second = max(range(1, len(rs)), key=lambda i: rs[i]["tok_s"])
+            parts.append("W = %d: tp 1 (best TP, tp %d, %.0f%% slower)" %
+                         (W, TP_SIZES[second], 100 * (1 - rs[second]["tok_s"] / rs[0]["tok_s"])))
+        else:
+            parts.append("W = %d: tp %d (%+.0f%% over tp 1)" % (W, TP_SIZES[best], 100 * gain))
+    return "; ".join(parts)
+
+
+def tp_tables(markdown=True, out=sys.stdout):
+    """Predicted tokens/s per GPU with TP + SP (docs/scaling.md, "Tensor parallelism (issue 31)")."""
+    p = lambda s="": print(s, file=out)
+    fab = FABRICS["nvlink+ndr"]
+    variants = [
+        ("bf16 gather, fp32 reduce in one call per unit (the NCCL lane today)", Precision("bf16-noslab")),
+        ("bf16 gather, fp32 reduce in 2^22-element slabs (the host lane; the FSDP tables' 'today')", Precision("bf16")),
+    ]
+    for mname, rc in TP_MODELS:
+        cfg = load_config(mname)
+        p("### %s with TP (%s parameters, --activation-checkpointing %s)" % (mname, format(cfg.num_params(), ","), rc))
+        p()
+        p("Largest TP-local unit (%s) gathered in bf16, per GPU: %s GB at tp %s; "
+          "params + grads + AdamW (16 B per shard element) per GPU: %s GB at W = %s (any tp)." %
+          ("embedding / head" if cfg.V * cfg.C > cfg.block_numel() else "a layer",
+           " / ".join("%.2f" % (2 * max(n for _, n in units(cfg, tp)) / 1e9) for tp in TP_SIZES),
+           " / ".join(str(tp) for tp in TP_SIZES),
+           " / ".join("%.1f" % (state_bytes(cfg, W) / 1e9) for W in TP_WORLDS),
+           " / ".join(str(W) for W in TP_WORLDS)))
+        p()
+        for vname, prec in variants:
+            for mfu in (MFU_MEASURED, MFU_TARGET):
+                if prec.rs_slabbed and mfu != MFU_MEASURED:
+                    continue
+                p("**%s, %s**, MFU %.1f%%, %s tokens per GPU per step (TP group micro-batch 8·tp × %d), "
+                  "prefetch 1, %s. Cells: tokens/s per GPU (TP ms / FSDP exposed ms per step); "
+                  "the best per row in bold." % (mname, vname, 100 * mfu, format(TOKENS_PER_GPU, ","), SEQ, fab.name))
+                p()
+                p("| W | " + " | ".join("tp %d" % tp for tp in TP_SIZES) + " |")
+                p("|---|" + "---|" * len(TP_SIZES))
+                rows = {}
+                for W in TP_WORLDS:
+                    rs = tp_row(cfg, fab, W, prec, mfu, recompute=rc)
+                    rows[W] = rs
+                    best = max(r["tok_s"] for r in rs)
+                    cells = []
+                    for r in rs:
+                        c = format(round(r["tok_s"]), ",")
+                        if r["tok_s"] == best:
+                            c = "**%s**" % c
+                        cells.append("%s (%s / %s)" % (c, fmt_ms(r["tp"]), fmt_ms(r["exposed"])))
+                    p("| %d | %s |" % (W, " | ".join(cells)))
+                p()
+                p("Best: " + tp_verdict(rows) + ".")
+                p()
+        if mname == "llama-70b":
+            # TP in place of recompute: the group keeps tp 1's micro-batch of 8 x 2048 (per-GPU
+            # activations about 1/tp of tp 1's with SP), so tokens per GPU = 16,384 / tp.
+            rcf = lambda tp: "full" if tp < 4 else "none"
+            for mfu in (MFU_MEASURED, MFU_TARGET):
+                p("**%s, TP in place of recompute**: TP group micro-batch 8 × %d (tokens per GPU per step "
+                  "16,384 / tp), --activation-checkpointing full at tp 1 and 2, none at tp 4 and 8 "
+                  "(coarse fit, see the text); bf16 gather, fp32 reduce in one call per unit, MFU %.1f%%, prefetch 1. "
+                  "Cells as above." % (mname, SEQ, 100 * mfu))
+                p()
+                p("| W | " + " | ".join("tp %d (%s)" % (tp, rcf(tp)) for tp in TP_SIZES) + " |")
+                p("|---|" + "---|" * len(TP_SIZES))
+                rows = {}
+                for W in TP_WORLDS:
+                    rs = tp_row(cfg, fab, W, Precision("bf16-noslab"), mfu,
+                                tokens=lambda tp: TOKENS_PER_GPU // tp, recompute=rcf)
+                    rows[W] = rs
+                    best = max(r["tok_s"] for r in rs)
+                    p("| %d | %s |" % (W, " | ".join(
+                        "%s (%s / %s)" % (("**%s**" if r["tok_s"] == best else "%s") % format(round(r["tok_s"]), ","),
+                                          fmt_ms(r["tp"]), fmt_ms(r["exposed"])) for r in rs)))
+                p()
+                p("Best: " + tp_verdict(rows) + ".")
+                p()
+
+
+def cmd_tp_tables(a):
+    tp_tables(a.markdown)
 
 
 # ---- check --------------------------------------------------------------------------------
@@ -548,6 +822,61 @@ def predict_exposed(cfg, world, prec, bench, compute_s, T, prefetch, micro_batch
         items.append((label, tg, compute_s / micro_batches * fl / real, tr))
     exposed = simulate(items, prefetch)[3]
     return exposed * micro_batches
+
+
+def tp_cpu_calls(cfg, B, T, tp, elem_bytes, micro_batches=1, recompute="none", loss_chunk=None):
+    """Every TP collective call of one optimizer step of a CPU run, as (op, dtype, total bytes S),
+    after MpiComm's slabs (kCollectiveSlab, as for Fsdp's calls; assumed to apply to the TP
+    group's calls too). The cross-entropy all-reduces are kept whole (at most 2 x chunk floats)."""
+    dt = {4: "float32", 2: "bf16"}
+    calls = []
+    for c in tp_item_calls(cfg, B, T, tp, elem_bytes, recompute, loss_chunk):
+        for op, S, e in c:
+            if op == "allreduce":
+                calls.append((op, dt[e], S))
+                continue
+            for k in mpi_split(S // (tp * e), tp, e):
+                calls.append((op, dt[e], k * tp * e))
+    return calls * micro_batches
+
+
+def predict_tp_comm(cfg, B, T, tp, elem_bytes, bench, micro_batches=1, recompute="none", loss_chunk=None):
+    """Seconds per optimizer step of the TP collectives of a CPU run (--tp tp, micro-batch B x T per
+    TP group, micro_batches per step), from comm_bandwidth's measured times at world = tp (the TP
+    group; at W = 2, TP 2 it is the whole world): the sum over tp_cpu_calls of the interpolated
+    time of a call of that size. They block, so all of it is exposed. An all-reduce the bandwidth
+    file does not hold (comm_bandwidth measures none today) is timed as a reduce-scatter plus an
+    all-gather of the same bytes (the ring all-reduce)."""
+    pts = bench[tp]
+    total = 0.0
+    for op, dtype, nbytes in tp_cpu_calls(cfg, B, T, tp, elem_bytes, micro_batches, recompute, loss_chunk):
+        if (op, dtype) in pts:
+            total += interp_time(pts[(op, dtype)], nbytes)
+        elif op == "allreduce" and ("reduce_scatter", dtype) in pts and ("allgather", dtype) in pts:
+            total += interp_time(pts[("reduce_scatter", dtype)], nbytes) + interp_time(pts[("allgather", dtype)], nbytes)
+        else:
+            raise KeyError("no measured %s %s at W = %d in the bandwidth file" % (op, dtype, tp))
+    return total
+
+
+def cmd_predict_tp_cpu(a, out=sys.stdout):
+    cfg = load_config(a.model)
+    e = {"fp32": 4, "bf16": 2}[a.act_dtype]
+    bench = load_bench(a.bandwidth_json, a.bench_stat)
+    if a.tp not in bench:
+        raise SystemExit("predict-tp-cpu: no bandwidth run at W = %d (the TP group) in %s" % (a.tp, a.bandwidth_json))
+    b = tp_bytes_per_microbatch(cfg, a.micro_batch, a.seq_len, a.tp, e, a.recompute, a.loss_chunk)
+    calls = tp_cpu_calls(cfg, a.micro_batch, a.seq_len, a.tp, e, a.accum, a.recompute, a.loss_chunk)
+    p = lambda s="": print(s, file=out)
+    p("model %s, tp %d, micro-batch %d x %d, %d micro-batch(es) per step, %s activations, recompute %s" %
+      (cfg.name, a.tp, a.micro_batch, a.seq_len, a.accum, a.act_dtype, a.recompute))
+    p("per micro-batch per rank: F = %d bytes; calls all-gather %d, reduce-scatter %d, all-reduce %d; "
+      "bytes sent all-gather %.0f, reduce-scatter %.0f, all-reduce %.0f (per layer %.0f)" %
+      (b["F"], b["calls"]["all_gather"], b["calls"]["reduce_scatter"], b["calls"]["all_reduce"],
+       b["all_gather"], b["reduce_scatter"], b["all_reduce"], b["per_layer"]))
+    t = predict_tp_comm(cfg, a.micro_batch, a.seq_len, a.tp, e, bench, a.accum, a.recompute, a.loss_chunk)
+    p("per step: %d calls after MpiComm's slabs; predicted TP communication %.2f ms" % (len(calls), t * 1e3))
+    return t
 
 
 def read_metrics(path, skip):
@@ -671,6 +1000,41 @@ def selftest():
     assert interp_time(pts, 150) == 1.5 and interp_time(pts, 800) == 5.0 and interp_time(pts, 50) == 0.5
     al, B = fit_line([(1e6, 1e-3 + 1e-3), (2e6, 1e-3 + 2e-3)])
     assert abs(al - 1e-3) < 1e-12 and abs(B - 1e9) < 1e-3
+    # Tensor parallelism. llama-70b's published count; tp = 1 leaves the units as they were.
+    c70 = load_config("llama-70b")
+    assert c70.num_params() == 70553706496
+    assert units(c70, 1) == units(c70) and units(c, 1) == units(c)
+    # TP slices: tp x a slice = the whole, but for the replicated norms (2C per layer, C final).
+    for cf in (c70, load_config("llama-8b"), c):
+        for tp in (2, 4, 8):
+            whole = tp * sum(n for _, n in units(cf, tp))
+            assert whole == cf.num_params() + (tp - 1) * (2 * cf.C * cf.L + cf.C), (cf.name, tp)
+    assert bytes_per_step(c70, 64, Precision("bf16"), tp=1) == bytes_per_step(c70, 64, Precision("bf16"))
+    # A llama-70b layer's slice at tp 8: 2C + C Q/8 + 2 C KV/8 + Q/8 C + 3 C I/8.
+    assert c70.block_numel(8) == 2 * 8192 + 8192 * 1024 + 2 * 8192 * 128 + 1024 * 8192 + 3 * 8192 * 3584
+    # Vocabulary padding: V = 258 at tp 4 (not a divisor of tiny's heads; vocab_rows alone) -> 65 rows.
+    assert t.vocab_rows(4) == 65 and t.vocab_rows(2) == 129
+    # tiny (L 2, C 32), B 1, T 4, tp 2, fp32: F = 512 bytes; per layer 10 x 1/2 x 512 = 2560.
+    b = tp_bytes_per_microbatch(t, 1, 4, 2, 4)
+    assert b["F"] == 512 and b["per_layer"] == 2560.0
+    assert b["calls"] == {"all_gather": 2 * 6 + 2, "reduce_scatter": 2 * 4 + 2, "all_reduce": 2}
+    assert b["all_gather"] == 14 * 256.0 and b["reduce_scatter"] == 10 * 256.0
+    assert b["all_reduce"] == 3 * 4 * 4 * 2 * 0.5  # 3 B T floats, ring all-reduce 2 (tp-1)/tp
+    assert b["all_gather"] + b["reduce_scatter"] - 2 * 2 * 256 == 2 * b["per_layer"]  # L layers + embed + head
+    bf = tp_bytes_per_microbatch(t, 1, 4, 2, 4, "full")
+    assert bf["per_layer"] == 13 * 256.0 and bf["calls"]["all_gather"] == 2 * 8 + 2 and bf["calls"]["reduce_scatter"] == 2 * 5 + 2
+    assert tp_bytes_per_microbatch(t, 1, 4, 2, 4, "selective") == b
+    b1 = tp_bytes_per_microbatch(t, 1, 4, 1, 4, "full")
+    assert b1["all_gather"] == b1["reduce_scatter"] == b1["all_reduce"] == b1["per_layer"] == 0
+    # Loss chunks: 1,000 tokens in chunks of 256: 4 chunks, 8 all-reduces, 3 x 1000 floats in all.
+    bc = tp_bytes_per_microbatch(t, 1, 1000, 2, 2, loss_chunk=256)
+    assert bc["calls"]["all_reduce"] == 8 and bc["all_reduce"] == 3 * 1000 * 4
+    # Topology: W 64, tp 8: dp_shard 8 across nodes, the node's 8 NICs shared by 8 groups: 50 GB/s.
+    nd = FABRICS["nvlink+ndr"]
+    tp8 = Topology(nd, 64, "fsdp", 8)
+    assert tp8.shard_world() == 8 and tp8._link(8) == (50e9, nd.a_inter)
+    assert Topology(nd, 8, "fsdp", 2)._link(4) == (450e9, nd.a_intra)
+    assert Topology(nd, 64, "hsdp", 4).shard_world() == 2
     print("selftest: ok")
 
 
@@ -683,6 +1047,9 @@ def main(argv=None):
     sp.add_argument("--world", type=int, default=8)
     sp.add_argument("--seq-len", type=int, default=SEQ)
     sp.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "bf16-rbf16", "bf16-noslab"])
+    sp.add_argument("--tp", type=int, default=1, help="tensor-parallel size (W = dp x tp)")
+    sp.add_argument("--micro-batch", type=int, default=8, help="sequences per TP group micro-batch (TP bytes)")
+    sp.add_argument("--recompute", default="none", choices=list(RECOMPUTE), help="--activation-checkpointing (TP bytes)")
     sp.set_defaults(fn=cmd_plan)
     st = sub.add_parser("tables", help="the tables of docs/scaling.md")
     st.add_argument("--markdown", action="store_true")
@@ -701,6 +1068,21 @@ def main(argv=None):
     sc.add_argument("--bench-stat", default="median", choices=["median", "min"],
                     help="which time of the bandwidth file: median (default) or minimum over repetitions")
     sc.set_defaults(fn=check)
+    stp = sub.add_parser("tp-tables", help="tokens/s per GPU with tensor parallelism (docs/scaling.md)")
+    stp.add_argument("--markdown", action="store_true")
+    stp.set_defaults(fn=cmd_tp_tables)
+    sq = sub.add_parser("predict-tp-cpu", help="predicted TP communication per step of a CPU run")
+    sq.add_argument("--model", default="tests/bench/scaling-config.json", help="preset or config.json of the run")
+    sq.add_argument("--bandwidth-json", required=True, help="comm_bandwidth --json output with a run at W = tp")
+    sq.add_argument("--tp", type=int, default=2)
+    sq.add_argument("--seq-len", type=int, default=256)
+    sq.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch of the TP group")
+    sq.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
+    sq.add_argument("--act-dtype", default="fp32", choices=["fp32", "bf16"], help="activation element type")
+    sq.add_argument("--recompute", default="none", choices=list(RECOMPUTE))
+    sq.add_argument("--loss-chunk", type=int, default=0, help="tokens per loss chunk (0 = default_loss_chunk(V))")
+    sq.add_argument("--bench-stat", default="median", choices=["median", "min"])
+    sq.set_defaults(fn=cmd_predict_tp_cpu)
     ss = sub.add_parser("selftest")
     ss.set_defaults(fn=lambda a: selftest())
     a = ap.parse_args(argv)
