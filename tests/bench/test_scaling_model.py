@@ -92,6 +92,86 @@ class ScalingModelTest(unittest.TestCase):
         one = sm.predict_comm(cfg, 4, sm.Precision("fp32"), b)
         self.assertAlmostEqual(sm.predict_comm(cfg, 4, sm.Precision("fp32"), b, micro_batches=3), 3 * one, places=12)
 
+    def test_llama_70b(self):
+        cfg = sm.load_config("llama-70b")
+        self.assertEqual(cfg.num_params(), 70553706496)  # meta-llama/Llama-3.1-70B, as transformers counts it
+        self.assertEqual(sum(n for _, n in sm.units(cfg)), cfg.num_params())
+        for tp in (1, 2, 4, 8):
+            sm.check_tp(cfg, tp)  # divides 64 heads, 8 KV heads, 28672
+        with self.assertRaises(ValueError):
+            sm.check_tp(cfg, 16)  # 8 KV heads
+
+    def test_tp_bytes_by_hand(self):
+        # scaling-config.json (C 1024, L 4, V 258), micro-batch 2 x 256, tp 2, bf16 activations:
+        # F = 2 * 256 * 1024 * 2 = 1,048,576 bytes; each all-gather / reduce-scatter (tp-1)/tp F = 524,288.
+        cfg = sm.load_config(CONFIG)
+        F = 2 * 256 * 1024 * 2
+        b = sm.tp_bytes_per_microbatch(cfg, 2, 256, 2, 2)
+        self.assertEqual(b["F"], F)
+        self.assertEqual(b["per_layer"], 10 * 524288)  # 10 (tp-1)/tp F
+        # Per layer 2 + 4 all-gathers, 2 + 2 reduce-scatters; embedding 1 RS + 1 AG; head 1 AG + 1 RS.
+        self.assertEqual(b["calls"], {"all_gather": 4 * 6 + 2, "reduce_scatter": 4 * 4 + 2,
+                                      "all_reduce": 2})  # 512 tokens: one chunk (default 2^24 / 258 = 65,027)
+        self.assertEqual(sm.tp_bytes_per_microbatch(cfg, 2, 256, 2, 2, loss_chunk=256)["calls"]["all_reduce"], 4)
+        self.assertEqual(b["all_gather"], 26 * 524288)
+        self.assertEqual(b["reduce_scatter"], 18 * 524288)
+        self.assertEqual(b["all_reduce"], 3 * 512 * 4 * 2 * 1 / 2)  # 3 B T floats, 2 (tp-1)/tp
+        # Full recompute: + 2 all-gathers + 1 reduce-scatter per layer: 13 (tp-1)/tp F.
+        f = sm.tp_bytes_per_microbatch(cfg, 2, 256, 2, 2, "full")
+        self.assertEqual(f["per_layer"], 13 * 524288)
+        self.assertEqual(f["all_gather"] + f["reduce_scatter"], (4 * 13 + 4) * 524288)
+        # tp 4, fp32: (tp-1)/tp = 3/4 of F = 2 * 256 * 1024 * 4.
+        b4 = sm.tp_bytes_per_microbatch(cfg, 2, 256, 4, 4)
+        self.assertEqual(b4["all_gather"] + b4["reduce_scatter"], (4 * 10 + 4) * 0.75 * 2 * 256 * 1024 * 4)
+        # tp 1: no TP collective at all.
+        b1 = sm.tp_bytes_per_microbatch(cfg, 2, 256, 1, 2, "full")
+        self.assertEqual((b1["all_gather"], b1["reduce_scatter"], b1["all_reduce"]), (0, 0, 0))
+        self.assertEqual(b1["calls"], {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0})
+
+    def test_fsdp_bytes_with_tp(self):
+        # W 64, tp 8: each TP rank's slice sharded over 8 dp_shard ranks: (8-1)/8 x padded slice x e.
+        cfg = sm.load_config("llama-8b")
+        pr = sm.Precision("bf16")
+        ag, rs = sm.bytes_per_step(cfg, 64, pr, tp=8)
+        us = sm.units(cfg, 8)
+        self.assertEqual(us[0][1], 128256 // 8 * 4096)
+        self.assertEqual(us[1][1], 2 * 4096 + 4096 * 512 + 2 * 4096 * 128 + 512 * 4096 + 3 * 4096 * 1792)
+        exp_ag = sum(k * 7 / 8 * sm.shard_size(n, 8) * 8 * 2 for k, (_, n) in zip(sm.collective_counts(cfg)[0], us))
+        self.assertAlmostEqual(ag, exp_ag, delta=1e-3)
+        self.assertEqual(sm.bytes_per_step(cfg, 64, pr, tp=1), sm.bytes_per_step(cfg, 64, pr))
+
+    def test_tp_time_by_hand(self):
+        # llama-8b, 16,384 tokens per GPU, tp 2: the group's micro-batch is 16 x 2048, F = 16*2048*4096*2.
+        # 194 all-gathers + 130 reduce-scatters, each alpha + F/2 / 450 GB/s; 128 loss chunks of 256:
+        # 256 all-reduces, each 2 alpha + 2 * 1/2 * S / B, S summing to 3 * 32768 * 4.
+        cfg = sm.load_config("llama-8b")
+        fab = sm.FABRICS["nvlink+ndr"]
+        F = 16 * 2048 * 4096 * 2
+        a, B = fab.a_intra, fab.B_intra
+        expect = 324 * (a + F / 2 / B) + 256 * 2 * a + 3 * 32768 * 4 / B
+        r = sm.run_point(cfg, fab, 64, "fsdp", 1, sm.Precision("bf16-noslab"), sm.MFU_MEASURED, tp=2)
+        self.assertAlmostEqual(r["tp"], expect, places=9)
+        # The TP time is in 'compute' (it blocks); 'exposed' is FSDP's.
+        r1 = sm.run_point(cfg, fab, 64, "fsdp", 1, sm.Precision("bf16-noslab"), sm.MFU_MEASURED)
+        self.assertAlmostEqual(r["compute"] - r1["compute"], expect, places=9)
+        self.assertEqual(r1["tp"], 0.0)
+
+    def test_predict_tp_comm_by_hand(self):
+        # scaling-config.json, micro-batch 1 x 256, tp 2, fp32: F = 256 * 1024 * 4 = 1 MiB total per
+        # call (131,072 elements per rank: one MpiComm call). 26 all-gathers + 18 reduce-scatters of
+        # S = F; 2 all-reduces of 1 KiB and 2 KiB, timed as reduce-scatter + all-gather (the hand-made
+        # file has no all-reduce): 4 more calls. The hand-made machine: t = alpha + S / BW.
+        cfg = sm.load_config(CONFIG)
+        F = 256 * 1024 * 4
+        expect = 48 * ALPHA + (44 * F + 2 * (1024 + 2048)) / BW
+        got = sm.predict_tp_comm(cfg, 1, 256, 2, 4, sm.load_bench(self.bench))
+        self.assertAlmostEqual(got, expect, places=12)
+        self.assertAlmostEqual(sm.predict_tp_comm(cfg, 1, 256, 2, 4, sm.load_bench(self.bench), micro_batches=3),
+                               3 * expect, places=12)
+        full = 48 * ALPHA + 4 * 3 * ALPHA + (44 * F + 4 * 3 * F + 2 * (1024 + 2048)) / BW
+        self.assertAlmostEqual(sm.predict_tp_comm(cfg, 1, 256, 2, 4, sm.load_bench(self.bench), recompute="full"),
+                               full, places=12)
+
     def test_plan_matches_shardtrain(self):
         # The shard elements per rank that `shardtrain --mode plan` prints, when a build exists.
         import re
@@ -100,7 +180,7 @@ class ScalingModelTest(unittest.TestCase):
                     if os.path.exists(os.path.join(ROOT, b, "shardtrain"))), None)
         if exe is None:
             self.skipTest("no build-cpu/shardtrain or build/shardtrain")
-        for model, world in (("llama-1b", 8), ("llama-8b", 64), (CONFIG, 2), (CONFIG, 4)):
+        for model, world in (("llama-1b", 8), ("llama-8b", 64), ("llama-70b", 64), (CONFIG, 2), (CONFIG, 4)):
             out = subprocess.run([exe, "--mode", "plan", "--model", model, "--world-size", str(world),
                                   "--micro-batch", "1", "--seq-len", "256"], capture_output=True, text=True,
                                  timeout=120).stdout
