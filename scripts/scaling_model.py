@@ -662,7 +662,7 @@ def tp_tables(markdown=True, out=sys.stdout):
     ]
     for mname, rc in TP_MODELS:
         cfg = load_config(mname)
-        p("### %s with TP (%s parameters, --activation-checkpointing %s)" % (mname, format(cfg.num_params(), ","), rc))
+        p("#### %s with TP (%s parameters, --activation-checkpointing %s)" % (mname, format(cfg.num_params(), ","), rc))
         p()
         p("Largest TP-local unit (%s) gathered in bf16, per GPU: %s GB at tp %s; "
           "params + grads + AdamW (16 B per shard element) per GPU: %s GB at W = %s (any tp)." %
