@@ -10,11 +10,16 @@ Subcommands
            W = 8 .. 1024; NVLink, InfiniBand NDR, 100 GbE); --markdown for the document
   check    the communication part applied to a CPU run: predicted comm_ms (and exposed_comm_ms)
            per step from comm_bandwidth's measured times, against shardtrain's --metrics files
+  tp-tables tokens/s per GPU with tensor + sequence parallelism (llama-8b, llama-70b; W = 64, 256,
+           1024; tp 1, 2, 4, 8): docs/scaling.md, "Tensor parallelism (issue 31)"; plan --tp too
+  predict-tp-cpu  the TP collectives of a CPU run (predict_tp_comm) from comm_bandwidth's times
   selftest the arithmetic checks (also run by tests/bench/test_scaling_model.py)
 
 Examples
   scripts/scaling_model.py plan --model llama-1b --world 8
   scripts/scaling_model.py tables --markdown
+  scripts/scaling_model.py tp-tables --markdown
+  scripts/scaling_model.py predict-tp-cpu --tp 2 --seq-len 256 --micro-batch 1 --bandwidth-json build-cpu/comm.jsonl
   scripts/scaling_model.py check --model tests/bench/scaling-config.json --seq-len 256 --micro-batch 1 \\
       --precision fp32 --bandwidth-json build-cpu/comm.jsonl \\
       --metrics m2.jsonl --world 2 --metrics m4.jsonl --world 4
