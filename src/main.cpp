@@ -435,9 +435,19 @@ void run_inspect(Comm& comm, const Options& o) {
      << (info.metadata_verified ? "every attribute and table matches its CRC32 (metadata_crc32)"
                                 : "format version 1: attributes not checksummed")
      << "; tensor data is verified when loaded (--dump-param)\n";
+  if (info.tp > 1)
+    os << "  saved by a tensor-parallel run: tp " << info.tp << " x dp_shard " << info.tp_dp_shard << " x dp_replicate "
+       << info.tp_dp_replicate << "; the tensors are canonical, in rows of its " << info.world_size
+       << " ranks (docs/checkpoint-format.md, version 4)\n";
   for (auto& u : info.units) {
     os << "  unit " << u.name << ": numel " << u.numel << ", shard_size " << u.shard_size << ", padded_numel "
        << u.padded_numel << "\n";
+    if (info.tp > 1) {
+      os << "    TP-local buffer " << u.tp.local_numel << " elements, shard_size " << u.tp.local_shard_size
+         << " over dp_shard " << u.tp.shards.size() << "; tp_table (split, degree, padded_rows, local_offset):";
+      for (auto& r : u.tp.params) os << " (" << r[0] << ", " << r[1] << ", " << r[2] << ", " << r[3] << ")";
+      os << "\n";
+    }
     for (auto& p : u.params) {
       os << "    param " << p.spec.name << " [";
       for (size_t i = 0; i < p.spec.shape.size(); ++i) os << (i ? ", " : "") << p.spec.shape[i];

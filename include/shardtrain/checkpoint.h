@@ -19,6 +19,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <array>
 #include <cstdint>
 #include <exception>
 #include <memory>
@@ -46,7 +47,7 @@ inline TokenizerInfo no_tokenizer() {
 // history in data_position and the `data` attribute; version 3 the `spike_stats` attribute (the
 // loss-spike statistics, SpikeStats). Version 1 files still load (their attributes unverified, with
 // a note), version 1 and 2 files with empty spike statistics; saves always write version 3.
-inline constexpr int kCheckpointFormatVersion = 3;
+inline constexpr int kCheckpointFormatVersion = 4;  // the newest read; a run without --tp writes 3
 inline constexpr const char* kProgramVersion = "shardtrain 0.2.0";
 
 // One stretch of a run with constant batch geometry and seed: optimizer steps
@@ -94,9 +95,27 @@ struct TrainState {
 int64_t tokens_of(const std::vector<BatchSegment>& segments, int64_t step);
 
 // Per-unit tables as stored.
+// Version 4 (docs/checkpoint-format.md): how a tensor-parallel run held one unit. `params`: per
+// parameter, in param_table's order, {split (0 rows, 1 columns, -1 replicated), degree N,
+// padded_rows, local_offset}; the TP-local buffer of local_numel elements, sharded over the
+// data-parallel ranks as `shards` (dp_shard rows: start, valid, padding), the same for every TP rank.
+struct TpUnitRecord {
+  std::vector<std::array<int64_t, 4>> params;
+  int64_t local_numel = 0, local_shard_size = 0;
+  std::vector<RankShard> shards;
+};
+// The saving run's mesh and every unit's record (version 4; tp = 1: none, a version 3 file).
+struct TpRecord {
+  int tp = 1, dp_shard = 1, dp_replicate = 1;
+  std::vector<TpUnitRecord> units;
+};
+// The record of a run with these TP plans (TpCheckpointLayout::tp_plans) and mesh.
+TpRecord tp_record(const std::vector<ShardPlan>& tp_plans, const MeshDims& dims);
+
 struct CheckpointUnitInfo {
   std::string name;
   int64_t numel = 0, shard_size = 0, padded_numel = 0;
+  TpUnitRecord tp;                    // version 4: the saving run's TP record of this unit
   std::vector<RankShard> ranks;       // the shard table, one row per saving rank
   std::vector<ParamSlot> params;      // the parameter table (name, shape, offset, numel)
   // [world][C], C = checkpoint_tensor_names().size(): CRC32 of each saving rank's slice of each
@@ -121,6 +140,8 @@ struct CheckpointInfo {
   uint64_t file_bytes = 0;             // size of the file as this rank saw it
   bool metadata_verified = false;      // version 2: every attribute and table matched its checksum
   std::vector<CheckpointUnitInfo> units;
+  // Version 4: the saving run's mesh (attribute `tensor_parallel`); tp = 1 for older versions.
+  int tp = 1, tp_dp_shard = 0, tp_dp_replicate = 0;
 };
 
 struct CheckpointOptions {
@@ -188,6 +209,62 @@ struct ShardedTensors {
 // The parameter shards of `f` as the tensor "params" (its plan, plan rank and backend).
 ShardedTensors sharded_params(ShardedState<float>& f);
 
+// ---- Tensor parallelism: the canonical layout of checkpoints ----------------------------------
+//
+// Under --tp N a rank holds, per unit, data-parallel shard d of its TP rank t's slices (shard.h
+// TpSlice; model.h). Checkpoints store the canonical tensors instead (docs/checkpoint-format.md,
+// "Version 4"): the units as without TP, each unit's flat buffer cut into W contiguous rows, one
+// per rank of the world (row = world rank), as a plain FSDP run of W ranks would hold them. This
+// class moves a run's state between the two layouts (one MPI_Alltoallv per unit over the world,
+// in host memory), so that the version 3 writer and reader, with their per-row CRC32s, store and
+// verify every byte, and a checkpoint loads at any (tp', dp_shard', dp_replicate').
+//   to_canonical:   each canonical element comes from one holder: replica group 0, and for a
+//                   replicated parameter (RMSNorm weights) TP rank 0; vocabulary padding rows are
+//                   left out (the canonical tensors have none).
+//   from_canonical: every holder receives its elements (each replica, each TP rank of a
+//                   replicated parameter); padding rows become 0.
+// Cost: every rank enumerates every rank's runs of contiguous canonical elements (O(W x runs per
+// rank): fine up to thousands of ranks for these shapes; a row-parallel slice is one run per row).
+class TpCheckpointLayout {
+ public:
+  // tp_plans[t]: TP rank t's plan (ShardPlan::build(llama_units(c, N, t), dp_shard)), N =
+  // mesh.dims().tp of them; canonical: ShardPlan::build(llama_units(c), W) for W = the world
+  // size. `names`: the tensors held (checkpoint_tensor_names(), or its first for weights only).
+  // Allocates the canonical rows (names x canonical shard sizes, host memory; std::bad_alloc).
+  TpCheckpointLayout(const MeshLayout& mesh, int rank, std::vector<ShardPlan> tp_plans, ShardPlan canonical,
+                     std::vector<std::string> names);
+  // Collective over `world` (every rank, in the same order). `local`: this rank's shards (plan
+  // tp_plans[t]), tensors named as `names`, in any backend memory. Fills this rank's canonical rows.
+  void to_canonical(Comm& world, const ShardedTensors& local);
+  // Collective over `world`. Writes this rank's shards of `local` from the canonical rows (padding
+  // and rows past a parameter's end: 0).
+  void from_canonical(Comm& world, const ShardedTensors& local);
+  // This rank's canonical rows as ShardedTensors (plan `canonical`, plan rank = this rank, host
+  // memory); valid while this object lives. `n` first tensors (0: all).
+  ShardedTensors canonical(size_t n = 0);
+  const ShardPlan& canonical_plan() const { return canon_; }
+  const std::vector<ShardPlan>& tp_plans() const { return plans_; }
+  // Elements this rank sent to other ranks in the last to_canonical / from_canonical, all tensors.
+  int64_t last_elements_moved() const { return moved_; }
+
+ private:
+  struct Run {
+    int64_t local = 0, canon = 0, len = 0;  // offset in the holder's shard, in the canonical unit; elements
+    bool replicated = false;
+  };
+  std::vector<Run> runs(int q, size_t u) const;  // rank q's shard of unit u in canonical runs, in shard order
+  void move(Comm& world, const ShardedTensors& local, bool to_canon);
+  MeshLayout mesh_;
+  int rank_;
+  std::vector<ShardPlan> plans_;
+  ShardPlan canon_;
+  std::vector<std::string> names_;
+  std::unique_ptr<Backend<float>> host_;  // the canonical rows' memory (CPU backend: host memory)
+  std::vector<std::vector<Buffer<float>>> rows_;  // [tensor][unit]
+  std::vector<std::vector<int64_t>> canon_offset_;  // [unit][param of the TP plans] canonical offset
+  int64_t moved_ = 0;
+};
+
 // Host memory for the snapshots of one run, allocated once and reused by every save: one block of
 // Backend::alloc_pinned_host (page-locked on a GPU, so that the device-to-host copies are DMAs at
 // full bandwidth; plain host memory on the CPU) holding this rank's rows of `tensors` tensors,
@@ -235,6 +312,9 @@ struct CheckpointSnapshot {
   TrainState state;          // step, tokens_seen, seed, batch history, data record, tokenizer, layout
   std::string model_config;  // canonical JSON (config.h canonical_json)
   std::string train_config;  // the train_config attribute (train.h train_config_json)
+  // A tensor-parallel run's record (tp > 1): the file is format version 4 with its tables; the
+  // tensors are the canonical rows (TpCheckpointLayout). tp = 1: version 3.
+  TpRecord tp;
   struct Tensor {
     std::string name;
     std::vector<std::vector<float>> shards;  // [unit] plan.units[u].shard_size floats (a copy)

@@ -475,8 +475,9 @@ template <typename T> class ShardedState {
   // sums this rank's gradient shard elements of TP-replicated parameters over the group, in place.
   // Under sequence parallelism each TP rank computed the RMSNorm weights' gradient from its own
   // tokens, so the sum is the gradient (Korthikanti et al. 2022, section 4.2.2). No-op when no
-  // parameter is replicated.
-  void sum_replicated_grads(Comm& tp);
+  // parameter is replicated. Returns the all-reduces made and the elements they summed (this
+  // rank's; for the TP communication count of the step log).
+  std::pair<int64_t, int64_t> sum_replicated_grads(Comm& tp);
 
  private:
   Backend<T>& be_;

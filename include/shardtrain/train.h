@@ -94,7 +94,9 @@ const std::vector<std::string>& resume_checked_settings();
 // clip, seed, precision ("fp32", "bf16 (fp32 gradient reduce)" or "bf16 (bf16 gradient reduce)")
 // and, when world_size > 0, the run's layout: world_size W and shard_group_size G (G = W for plain
 // FSDP; 0 means W) (docs/checkpoint-format.md).
-std::string train_config_json(const TrainConfig& tc, int world_size = 0, int shard_group_size = 0);
+// tp > 1 (a tensor-parallel run) adds "tp"; its checkpoints hold the canonical rows of all W
+// ranks (shard_group_size = world_size).
+std::string train_config_json(const TrainConfig& tc, int world_size = 0, int shard_group_size = 0, int tp = 1);
 
 // Learning rate at 0-based step s: linear warm-up lr*(s+1)/warmup for s < warmup, then cosine
 // decay from lr to min_lr over the remaining steps (nanoGPT's get_lr).

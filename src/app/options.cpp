@@ -230,9 +230,6 @@ void validate(const Options& o) {
   check(o.gpu_comm == "nccl" || o.gpu_comm == "mpi", "gpu-comm", "must be nccl or mpi, got '" + o.gpu_comm + "'");
   if (!o.shard_group_size.empty()) resolve_shard_group_size(o.shard_group_size, 0, 0);  // the form only
   check(o.tp >= 1 && o.tp <= (1 << 16), "tp", "must be a positive integer, got " + std::to_string(o.tp));
-  check(o.tp == 1 || (t.checkpoint_dir.empty() && t.resume.empty() && t.init_from.empty()), "tp",
-        "> 1 cannot be combined with '--checkpoint-dir', '--resume' or '--init-from' yet: checkpoints of "
-        "tensor-parallel runs (format version 4, docs/checkpoint-format.md) are not implemented");
   parse_precision(o.precision);  // throws naming option '--precision'
   check(o.reduce_dtype == "fp32" || o.reduce_dtype == "bf16", "reduce-dtype", "must be fp32 or bf16, got '" + o.reduce_dtype + "'");
   check(o.checkpoint_async == "on" || o.checkpoint_async == "off", "checkpoint-async",

@@ -399,6 +399,7 @@ void write_checkpoint_file(Comm& comm, const std::string& tmp_path, const Checkp
         g = H5Id(chk(H5Gcreate2(units, up.name.c_str(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), "create group " + up.name),
                  H5Gclose);
         write_unit_attributes(g, ms, static_cast<int>(u), up);
+        if (snap.tp.tp > 1) write_unit_tp_tables(comm, g, ms, up, snap.tp.units.at(u), dxpl);
         // One flat dataset per tensor: rank r writes its S elements (valid, then zero padding) at r*S.
         for (size_t k = 0; k < C; ++k) {
           hsize_t dims[1] = {static_cast<hsize_t>(up.padded_numel)};

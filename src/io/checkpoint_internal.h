@@ -97,6 +97,9 @@ void write_root_attributes(hid_t file, MetaSums& ms, const CheckpointSnapshot& s
 void write_tokenizer_group(Comm& comm, hid_t file, MetaSums& ms, const TokenizerInfo& t, hid_t dxpl);
 // Unit `u`'s attributes: index, numel, shard_size, padded_numel.
 void write_unit_attributes(hid_t group, MetaSums& ms, int u, const UnitPlan& up);
+// Version 4 (snapshot of a tensor-parallel run): the unit's attributes local_numel and
+// local_shard_size and datasets tp_table [params][4] and tp_shard_table [dp_shard][3]. Collective.
+void write_unit_tp_tables(Comm& comm, hid_t group, MetaSums& ms, const UnitPlan& up, const TpUnitRecord& t, hid_t dxpl);
 // Unit tables: shard_table [W][3] (start, valid, padding), shard_crc32 [W][C] (`crc`, row-major:
 // shard rank, then tensor column), param_table (one row per parameter).
 void write_unit_tables(Comm& comm, hid_t group, MetaSums& ms, const UnitPlan& up, int W,

@@ -7,6 +7,7 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <tuple>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -516,6 +517,21 @@ void read_metadata(const std::string& path, CheckpointInfo& info, MetaSums& ms) 
   if (info.format_version >= 2) info.tokenizer = read_tokenizer_group(file, ms);
   if (info.format_version >= 3) info.spikes = parse_spike_stats(get_str(file, ms, "", "spike_stats", where));
   if (info.world_size < 1) throw H5Error("attribute 'world_size' is " + std::to_string(info.world_size));
+  if (info.format_version >= 4) {  // the saving run's mesh: tp x dp_shard x dp_replicate = world_size
+    const std::string tp = get_str(file, ms, "", "tensor_parallel", where);
+    try {
+      const json j = json::parse(tp);
+      info.tp = j.at("tp").get<int>();
+      info.tp_dp_shard = j.at("dp_shard").get<int>();
+      info.tp_dp_replicate = j.at("dp_replicate").get<int>();
+    } catch (const json::exception& e) {
+      throw H5Error(std::string("attribute 'tensor_parallel' is malformed: ") + e.what());
+    }
+    if (info.tp < 2 || info.tp_dp_shard < 1 || info.tp_dp_replicate < 1 ||
+        int64_t{info.tp} * info.tp_dp_shard * info.tp_dp_replicate != info.world_size)
+      throw H5Error("attribute 'tensor_parallel' (" + tp + ") does not multiply to attribute 'world_size' (" +
+                    std::to_string(info.world_size) + ")");
+  }
   H5Id units(H5Gopen2(file, "units", H5P_DEFAULT), H5Gclose);
   if (!units.ok()) throw H5Error("group '/units' is missing");
   H5G_info_t gi;
@@ -601,6 +617,29 @@ void read_metadata(const std::string& path, CheckpointInfo& info, MetaSums& ms) 
       for (auto& other : ui.params)
         if (other.spec.name == ps.spec.name) throw H5Error(w + ": tensor '" + ps.spec.name + "' appears twice in 'param_table'");
       ui.params.push_back(ps);
+    }
+    if (info.tp > 1) {  // version 4: the saving run's TP record of this unit (docs/checkpoint-format.md)
+      TpUnitRecord& t = ui.tp;
+      t.local_numel = get_i64(g, ms, key, "local_numel", w);
+      t.local_shard_size = get_i64(g, ms, key, "local_shard_size", w);
+      std::vector<int64_t> tt, st;
+      read_table("tp_table", H5T_NATIVE_INT64, tt, ui.params.size(), 4);
+      read_table("tp_shard_table", H5T_NATIVE_INT64, st, static_cast<hsize_t>(info.tp_dp_shard), 3);
+      for (auto [ds, v] : {std::pair{"tp_table", &tt}, std::pair{"tp_shard_table", &st}}) {
+        std::string b;
+        for (int64_t x : *v) put_le<uint64_t>(b, static_cast<uint64_t>(x));
+        ms.add(key + "/" + ds, b);
+      }
+      for (size_t p = 0; p < ui.params.size(); ++p) {
+        const std::array<int64_t, 4> row{tt[4 * p], tt[4 * p + 1], tt[4 * p + 2], tt[4 * p + 3]};
+        if (row[0] < -1 || row[0] > 1 || row[1] != info.tp || row[2] < 0 || row[3] < 0 || row[3] > t.local_numel)
+          throw H5Error(w + ": row " + std::to_string(p) + " of dataset 'tp_table' (" + std::to_string(row[0]) + ", " +
+                        std::to_string(row[1]) + ", " + std::to_string(row[2]) + ", " + std::to_string(row[3]) +
+                        ") is not a TP record of degree " + std::to_string(info.tp));
+        t.params.push_back(row);
+      }
+      for (int d = 0; d < info.tp_dp_shard; ++d)
+        t.shards.push_back({st[3 * static_cast<size_t>(d)], st[3 * static_cast<size_t>(d) + 1], st[3 * static_cast<size_t>(d) + 2]});
     }
     found.emplace_back(index, std::move(ui));
   }
@@ -701,7 +740,9 @@ void cross_check(CheckpointInfo& info) {
 void write_root_attributes(hid_t file, MetaSums& ms, const CheckpointSnapshot& snap) {
   const TrainState& st = snap.state;
   put_str(file, ms, "", "format", kFormatName);
-  put_i64(file, ms, "", "format_version", kCheckpointFormatVersion);
+  // Version 4 only where it says more (a tensor-parallel run's tables); else version 3, which
+  // older programs read.
+  put_i64(file, ms, "", "format_version", snap.tp.tp > 1 ? 4 : 3);
   put_i64(file, ms, "", "step", st.step);
   put_i64(file, ms, "", "tokens_seen", st.tokens_seen);
   put_i64(file, ms, "", "world_size", snap.plan.world_size);
@@ -713,6 +754,26 @@ void write_root_attributes(hid_t file, MetaSums& ms, const CheckpointSnapshot& s
   put_str(file, ms, "", "program_version", kProgramVersion);
   put_str(file, ms, "", "data", st.data_info.empty() ? "null" : st.data_info);
   put_str(file, ms, "", "spike_stats", spike_stats_json(st.spikes).dump());
+  if (snap.tp.tp > 1)
+    put_str(file, ms, "", "tensor_parallel",
+            json({{"tp", snap.tp.tp}, {"dp_shard", snap.tp.dp_shard}, {"dp_replicate", snap.tp.dp_replicate}}).dump());
+}
+
+void write_unit_tp_tables(Comm& comm, hid_t g, MetaSums& ms, const UnitPlan& up, const TpUnitRecord& t, hid_t dxpl) {
+  const std::string key = "units/" + up.name;
+  if (t.params.size() != up.params.size()) throw std::logic_error("write_unit_tp_tables: record of the wrong unit");
+  put_i64(g, ms, key, "local_numel", t.local_numel);
+  put_i64(g, ms, key, "local_shard_size", t.local_shard_size);
+  std::vector<int64_t> tt, st;
+  for (auto& row : t.params) tt.insert(tt.end(), row.begin(), row.end());
+  for (auto& rs : t.shards) st.insert(st.end(), {rs.start, rs.valid, rs.padding});
+  for (auto [name, v, cols] : {std::tuple{"tp_table", &tt, 4}, std::tuple{"tp_shard_table", &st, 3}}) {
+    hsize_t dims[2] = {static_cast<hsize_t>(v->size() / cols), static_cast<hsize_t>(cols)};
+    write_small(comm, g, name, H5T_STD_I64LE, H5T_NATIVE_INT64, 2, dims, v->data(), dxpl);
+    std::string b;
+    for (int64_t x : *v) put_le<uint64_t>(b, static_cast<uint64_t>(x));
+    ms.add(key + "/" + name, b);
+  }
 }
 
 // Group /tokenizer (docs/checkpoint-format.md, "Tokenizer"): attribute `info` (tokenizer_record),

@@ -115,14 +115,13 @@ std::string Mesh::topology_line() const {
                   (t.max_local_size == 1 ? " rank per node" : " ranks per node") + " (world " + std::to_string(W) + ")";
   const int N = dims().tp;
   if (N > 1)
-    s += "; tensor parallel: " + std::to_string(W / N) + " TP groups of " + std::to_string(N) +
-         " consecutive ranks (--tp " + std::to_string(N) + ", sequence parallel), FSDP over " + std::to_string(G) +
-         (G == 1 ? " rank" : " ranks") + " of equal TP rank";
+    s += "; tensor parallel: " + std::to_string(W / N) + (W / N == 1 ? " TP group of " : " TP groups of ") +
+         std::to_string(N) + " consecutive ranks (--tp " + std::to_string(N) + ", sequence parallel), FSDP over " +
+         std::to_string(G) + (G == 1 ? " rank" : " ranks") + " of equal TP rank";
   if (R == 1 && N == 1)
     s += "; fully sharded over all " + std::to_string(W) + " ranks (shard group size " + std::to_string(G) + ")";
   else if (R == 1)
-    s += "; fully sharded over the " + std::to_string(G) + " data-parallel ranks (shard group size " +
-         std::to_string(G * N) + ")";
+    s += "; one replica (shard group size " + std::to_string(G * N) + " ranks: TP groups included)";
   else
     s += "; hybrid sharding: " + std::to_string(R) + " replica groups of " + std::to_string(G * N) +
          (G * N == 1 ? " rank" : " ranks") + " (shard group size " + std::to_string(G * N) + ")";

@@ -78,10 +78,21 @@ MemoryPlan plan_memory(const MemoryPlanInput& in) {
   // GPU every save copies, into pinned host memory (a SnapshotBuffer, made once per run): host
   // memory, listed in the device plan but not counted in its total.
   const int64_t ntensors = static_cast<int64_t>(checkpoint_tensor_names().size());
-  if (!in.cuda && !in.train.checkpoint_dir.empty() && in.train.checkpoint_async)
+  // Under TP a checkpoint holds the canonical rows (TpCheckpointLayout): made once, they are the
+  // snapshot of every save (host memory; in a GPU rank's plan listed, not counted).
+  const bool tp_rows = N > 1 && (!in.train.checkpoint_dir.empty() || !in.train.resume.empty() || !in.train.init_from.empty());
+  if (tp_rows) {
+    int64_t rows = 0;
+    for (const UnitPlan& up : ShardPlan::build(llama_units(in.model), in.world_size).units) rows += up.shard_size;
+    p.lines.push_back({"checkpoint canonical rows (TP; the snapshot of every save)", 4 * ntensors * rows,
+                       std::to_string(ntensors) + " x 4 B x " + with_commas(rows) + " elements (" +
+                           with_commas(in.model.num_params()) + " / " + std::to_string(in.world_size) + " ranks, padded)",
+                       in.cuda});
+  }
+  if (!tp_rows && !in.cuda && !in.train.checkpoint_dir.empty() && in.train.checkpoint_async)
     add("checkpoint snapshot (while saving in the background)", 4 * ntensors * shard,
         std::to_string(ntensors) + " x 4 B x " + sh + "; --checkpoint-async off: none");
-  if (in.cuda && !in.train.checkpoint_dir.empty())
+  if (!tp_rows && in.cuda && !in.train.checkpoint_dir.empty())
     p.lines.push_back({"checkpoint snapshot (pinned host memory, not in the device total)", 4 * ntensors * shard,
                        std::to_string(ntensors) + " x 4 B x " + sh + "; allocated once, reused by every save", true});
   const std::string mx = with_commas(maxp) + " elements, the largest unit";

@@ -28,7 +28,7 @@ double lr_at(const TrainConfig& tc, int64_t s) {
 }
 
 
-std::string train_config_json(const TrainConfig& tc, int world_size, int shard_group_size) {
+std::string train_config_json(const TrainConfig& tc, int world_size, int shard_group_size, int tp) {
   const std::string precision = tc.precision == Precision::FP32 ? std::string("fp32")
                                 : tc.reduce_bf16                ? std::string("bf16 (bf16 gradient reduce)")
                                                                 : std::string("bf16 (fp32 gradient reduce)");
@@ -40,6 +40,7 @@ std::string train_config_json(const TrainConfig& tc, int world_size, int shard_g
     j["world_size"] = world_size;
     j["shard_group_size"] = shard_group_size > 0 ? shard_group_size : world_size;
   }
+  if (tp > 1) j["tp"] = tp;
   return j.dump();
 }
 

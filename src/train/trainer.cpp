@@ -72,6 +72,7 @@ int64_t slow_rank_hook(int rank) {
 struct Interval {
   double seconds = 0, issued_s = 0, exposed_s = 0;
   double tp_s = 0, tp_bytes = 0;  // TP collectives: seconds (all exposed), bytes one rank sent
+  int64_t tp_calls = 0;
   int64_t steps = 0;
 };
 
@@ -118,6 +119,9 @@ template <typename C> class Trainer {
   std::unique_ptr<TpGroup<C>> tp_;           // --tp > 1: the TP group's collectives (the mesh's tp_data); outlives model_
   std::unique_ptr<LlamaModel<C>> model_;
   std::unique_ptr<AdamW<float>> opt_;
+  // --tp > 1 with checkpoints (saving, resuming or --init-from): the canonical rows of the state
+  // that checkpoints store (checkpoint.h TpCheckpointLayout); nullptr otherwise.
+  std::unique_ptr<TpCheckpointLayout> tp_ckpt_;
   std::vector<int32_t> tok_, tgt_;
   CheckpointOptions co_;
   TrainState state_;         // the facts of the run: step, batch history, data and tokenizer record, layout
@@ -151,8 +155,9 @@ Trainer<C>::Trainer(Engine& eng, const ModelConfig& mc, const TrainConfig& tc, c
   log_memory_plan();
   allocate();
   f_->init_params(tc_.seed);
+  // Under TP every rank writes its row of the canonical layout (one row per world rank).
   co_ = CheckpointOptions{tc_.checkpoint_dir, tc_.checkpoint_every, tc_.keep_last, tc_.debug_crash_before_publish,
-                          mesh_.writes_checkpoint()};
+                          tp_ckpt_ ? true : mesh_.writes_checkpoint()};
   restore();
   record_data();
   prepare_outputs();
@@ -162,7 +167,9 @@ Trainer<C>::Trainer(Engine& eng, const ModelConfig& mc, const TrainConfig& tc, c
     writer_ = std::make_unique<AsyncCheckpointWriter>(comm_, tc_.checkpoint_async, mesh_.collective_timeout());
     // A snapshot copies unless it can borrow the live rows (synchronous saves on the CPU).
     const ShardedTensors ct = checkpoint_tensors(*f_, opt_.get());
-    if (!ct.backend->host_kernels() || writer_->asynchronous())
+    // (Under TP the canonical rows are the snapshot: they change only at the next save, which
+    // waits for this one's write first.)
+    if (!tp_ckpt_ && (!ct.backend->host_kernels() || writer_->asynchronous()))
       agree(comm_, [&] {
         try {
           snap_buf_ = std::make_shared<SnapshotBuffer>(*ct.backend, *ct.plan, ct.tensors.size());
@@ -258,6 +265,12 @@ template <typename C> void Trainer<C>::allocate() {
         model_ = std::make_unique<LlamaModel<float>>(mc_, eng_.be, mopt_, tp_.get());
       }
       opt_ = std::make_unique<AdamW<float>>(*f_, tc_);
+      if (tp > 1 && (!tc_.checkpoint_dir.empty() || !tc_.resume.empty() || !tc_.init_from.empty())) {
+        std::vector<ShardPlan> plans;
+        for (int t = 0; t < tp; ++t) plans.push_back(ShardPlan::build(llama_units(mc_, tp, t), G_));
+        tp_ckpt_ = std::make_unique<TpCheckpointLayout>(mesh_.layout(), comm_.rank(), std::move(plans),
+                                                        ShardPlan::build(llama_units(mc_), W_), checkpoint_tensor_names());
+      }
       model_->reserve(geo_.mb, tc_.seq_len);
       tok_.resize(static_cast<size_t>(geo_.mb) * tc_.seq_len);
       tgt_.resize(tok_.size());
@@ -295,13 +308,22 @@ template <typename C> void Trainer<C>::restore() {
     auto t0 = Clock::now();
     const CheckpointInfo info = read_checkpoint_info(comm_, resume_path_);
     check_resume_settings(comm_, info, tc_);  // refuses changed settings unless --accept-change names them
-    state_ = load_checkpoint(comm_, resume_path_, checkpoint_tensors(*f_, opt_.get()), mc_, &info);
+    if (tp_ckpt_) {  // the canonical rows of this world, then each rank's TP slices from them
+      state_ = load_checkpoint(comm_, resume_path_, tp_ckpt_->canonical(), mc_, &info);
+      tp_ckpt_->from_canonical(comm_, checkpoint_tensors(*f_, opt_.get()));
+    } else {
+      state_ = load_checkpoint(comm_, resume_path_, checkpoint_tensors(*f_, opt_.get()), mc_, &info);
+    }
     const double dt = seconds_since(t0);
-    const double mbytes = 3.0 * 4.0 * static_cast<double>(f_->plan().total_numel()) / 1e6;
+    const double mbytes = 3.0 * 4.0 * static_cast<double>(mc_.num_params()) / 1e6;
     std::string saved = "world size " + std::to_string(state_.saved_world_size);
+    if (info.tp > 1)
+      saved += ": tp " + std::to_string(info.tp) + " x dp_shard " + std::to_string(info.tp_dp_shard) +
+               " x dp_replicate " + std::to_string(info.tp_dp_replicate);
     {  // hybrid sharding: the file's world_size is its shard group's; train_config records the run's
       const nlohmann::json j = nlohmann::json::parse(info.train_config);
-      if (j.contains("world_size") && j.contains("shard_group_size") && j["world_size"] != j["shard_group_size"])
+      if (info.tp == 1 && j.contains("world_size") && j.contains("shard_group_size") &&
+          j["world_size"] != j["shard_group_size"])
         saved = "world size " + j["world_size"].dump() + ", shard group size " + j["shard_group_size"].dump();
     }
     log_info(comm_, "resumed from '" + resume_path_ + "' at step " + std::to_string(state_.step) + " (saved at " +
@@ -319,7 +341,12 @@ template <typename C> void Trainer<C>::restore() {
                           : "no checkpoint in '" + tc_.checkpoint_dir + "': starting from step 0");
     if (!tc_.init_from.empty()) {
       // Weights only; AdamW starts from zero. The tokenizer record is kept to compare with the data's.
-      state_.tokenizer = load_checkpoint(comm_, tc_.init_from, sharded_params(*f_), mc_).tokenizer;
+      if (tp_ckpt_) {
+        state_.tokenizer = load_checkpoint(comm_, tc_.init_from, tp_ckpt_->canonical(1), mc_).tokenizer;
+        tp_ckpt_->from_canonical(comm_, sharded_params(*f_));
+      } else {
+        state_.tokenizer = load_checkpoint(comm_, tc_.init_from, sharded_params(*f_), mc_).tokenizer;
+      }
       log_info(comm_, "initialized weights from '" + tc_.init_from + "'");
     }
   }
@@ -485,7 +512,15 @@ template <typename C> StepOutcome Trainer<C>::train_step(int64_t s) {
   }
   units_->end_pass();  // every reduce-scatter has landed in the gradient shards
   // TP: each rank's gradient of the replicated RMSNorm weights came from its own rows: sum them.
-  if (tp_) f_->sum_replicated_grads(*mesh_.tp_data());
+  TpCommStats tp_norms;  // that all-reduce, counted with the step's TP communication
+  if (tp_) {
+    const auto t_sum = Clock::now();
+    const auto [calls, elems] = f_->sum_replicated_grads(*mesh_.tp_data());
+    const int N = mesh_.dims().tp;
+    tp_norms.seconds = seconds_since(t_sum);
+    tp_norms.all_reduces = calls;
+    tp_norms.all_reduce_bytes = 2.0 * (N - 1) / N * 4.0 * static_cast<double>(elems);
+  }
   // One all-reduce: loss, squared gradient norm, "some rank was asked to stop" (a signal) and "the
   // background checkpoint save of some rank failed" (AsyncCheckpointWriter), so every rank sees the
   // same values and takes the same decisions, a failed save included, at the same step boundary.
@@ -533,13 +568,13 @@ template <typename C> StepOutcome Trainer<C>::train_step(int64_t s) {
   o.comm.exposed_s = comm1.exposed_s - comm0.exposed_s;
   if (tp_) {
     const TpCommStats& t1 = tp_->stats();
-    o.tp.seconds = t1.seconds - tp0.seconds;
+    o.tp.seconds = t1.seconds - tp0.seconds + tp_norms.seconds;
     o.tp.all_gathers = t1.all_gathers - tp0.all_gathers;
     o.tp.reduce_scatters = t1.reduce_scatters - tp0.reduce_scatters;
-    o.tp.all_reduces = t1.all_reduces - tp0.all_reduces;
+    o.tp.all_reduces = t1.all_reduces - tp0.all_reduces + tp_norms.all_reduces;
     o.tp.all_gather_bytes = t1.all_gather_bytes - tp0.all_gather_bytes;
     o.tp.reduce_scatter_bytes = t1.reduce_scatter_bytes - tp0.reduce_scatter_bytes;
-    o.tp.all_reduce_bytes = t1.all_reduce_bytes - tp0.all_reduce_bytes;
+    o.tp.all_reduce_bytes = t1.all_reduce_bytes - tp0.all_reduce_bytes + tp_norms.all_reduce_bytes;
   }
   return o;
 }
@@ -554,6 +589,7 @@ template <typename C> void Trainer<C>::log_step(int64_t s, const StepOutcome& o)
   interval_.exposed_s += o.comm.exposed_s;
   interval_.tp_s += o.tp.seconds;
   interval_.tp_bytes += o.tp.bytes();
+  interval_.tp_calls += o.tp.all_gathers + o.tp.reduce_scatters + o.tp.all_reduces;
   ++interval_.steps;
   StepLog sl;
   sl.step = s + 1;
@@ -567,6 +603,7 @@ template <typename C> void Trainer<C>::log_step(int64_t s, const StepOutcome& o)
     sl.exposed_comm_ms = 1e3 * interval_.exposed_s / n;
     sl.tp_comm_ms = 1e3 * interval_.tp_s / n;
     sl.tp_bytes = interval_.tp_bytes / n;
+    const double tp_calls = static_cast<double>(interval_.tp_calls) / n;
     // TP collectives block the compute: they are waiting time too (the straggler report's).
     sl.compute_ms = 1e3 * interval_.seconds / n - sl.exposed_comm_ms - sl.tp_comm_ms;
     interval_ = Interval{};
@@ -607,6 +644,7 @@ template <typename C> void Trainer<C>::log_step(int64_t s, const StepOutcome& o)
       if (tp_) {  // TP collectives, apart from FSDP's comm_ms / exposed_comm_ms (blocking: all exposed)
         j["tp_comm_ms"] = sl.tp_comm_ms;
         j["tp_bytes"] = sl.tp_bytes;
+        j["tp_collectives"] = tp_calls;
       }
       if (mfu >= 0) j["mfu"] = mfu / 100;  // fraction of the peak; left out when the peak is unknown
       if (eta >= 0) j["eta_s"] = eta;
@@ -668,17 +706,24 @@ template <typename C> void Trainer<C>::save(int64_t step, bool wait) {
   st.step = step;
   st.tokens_seen = tokens_of(state_.segments, step);
   st.saved_world_size = W_;
-  const ShardedTensors ct = checkpoint_tensors(*f_, opt_.get());
+  ShardedTensors ct = checkpoint_tensors(*f_, opt_.get());
+  if (tp_ckpt_) {  // TP: the canonical rows (collective over the world), borrowed by the snapshot
+    tp_ckpt_->to_canonical(comm_, ct);
+    ct = tp_ckpt_->canonical();
+  }
   // A background save on the CPU borrows the live shards and its writer thread copies them while
   // the next step's forward and backward run (they only read them); the update waits for the copy
   // (train_step: wait_copied). Elsewhere the copy is made here (on a GPU: pinned memory, copy stream).
   const bool copy_later = writer_->asynchronous() && !wait && snap_buf_ && ct.backend->host_kernels();
+  const std::string tcj = tp_ckpt_ ? train_config_json(tc_, W_, W_, mesh_.dims().tp)
+                                   : train_config_json(tc_, st.world_size, st.shard_group_size);
   CheckpointSnapshot snap =
-      take_checkpoint_snapshot(ct, mc_, train_config_json(tc_, st.world_size, st.shard_group_size), st, co_.write_shards,
-                               /*borrow=*/!writer_->asynchronous() || wait || copy_later,
+      take_checkpoint_snapshot(ct, mc_, tcj, st, co_.write_shards,
+                               /*borrow=*/!writer_->asynchronous() || wait || copy_later || tp_ckpt_ != nullptr,
                                copy_later ? nullptr : snap_buf_);
+  if (tp_ckpt_) snap.tp = tp_record(tp_ckpt_->tp_plans(), mesh_.dims());
   const double snap_s = seconds_since(t1);
-  const double mbytes = 3.0 * 4.0 * static_cast<double>(f_->plan().total_numel()) / 1e6;
+  const double mbytes = 3.0 * 4.0 * static_cast<double>(mc_.num_params()) / 1e6;
   const std::string waited = waited_s > 0 ? ", of which " + fmt("%.2f", waited_s) + " s waiting for the previous write" : "";
   copy_wait_s_ = 0;
   // A save that training waits for (`wait`) is written on this thread, at its priority; synchronous
@@ -719,7 +764,7 @@ template <typename C> void Trainer<C>::collect_save(int64_t s) {
 // at; the last of them may have overlapped it only in part).
 template <typename C>
 void Trainer<C>::log_background_save(const AsyncCheckpointWriter::Result& r, double waited_s, int64_t now) {
-  const double mbytes = 3.0 * 4.0 * static_cast<double>(f_->plan().total_numel()) / 1e6;
+  const double mbytes = 3.0 * 4.0 * static_cast<double>(mc_.num_params()) / 1e6;
   log_info(comm_, "checkpoint: saved '" + r.path + "' (" + fmt("%.1f", mbytes) +
                       " MB of parameters + AdamW state) in the background: write " + fmt("%.2f", r.write_s) + " s, " +
                       fmt("%.0f", mbytes / std::max(r.write_s, 1e-9)) + " MB/s" +

@@ -106,8 +106,8 @@ TEST_F(Mesh, TensorParallelGroupsAgreeWithIndependentComputation) {
     EXPECT_EQ(mesh.dp_index(), r / N);
     EXPECT_EQ(mesh.dp_size(), W / N);
     EXPECT_EQ(mesh.counts_loss(), r % N == 0);
-    EXPECT_NE(mesh.topology_line().find("tensor parallel: " + std::to_string(W / N) + " TP groups of " +
-                                        std::to_string(N)),
+    EXPECT_NE(mesh.topology_line().find("tensor parallel: " + std::to_string(W / N) +
+                                        (W / N == 1 ? " TP group of " : " TP groups of ") + std::to_string(N)),
               std::string::npos)
         << mesh.topology_line();
   }

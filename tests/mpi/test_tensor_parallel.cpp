@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "rank_test.h"
+#include "shardtrain/checkpoint.h"
 #include "shardtrain/mesh.h"
 #include "shardtrain/model.h"
 #include "shardtrain/runtime.h"
@@ -187,5 +188,112 @@ TEST_F(TensorParallel, GradientsMatchFiniteDifferencesAndNoTpUntied) {
   if (W != 2 && W != 4) GTEST_SKIP() << "TP N = the world size, N = 2 or 4";
   run_tp_gradcheck(false, 0);
 }
+
+// ---- Checkpoints: the canonical layout (checkpoint.h TpCheckpointLayout) -----------------------
+
+namespace st_ckpt {
+
+class TpCheckpoint : public st::testing::TempDirTest {};
+
+// The value tensor k holds at canonical element i of unit u (exactly representable).
+float value(size_t k, size_t u, int64_t i) { return static_cast<float>(1000000 * k + 10000 * u + i % 9973) + 0.25f; }
+
+// A rank's shards of every tensor for mesh `dims` (host memory; the CPU backend is host memory).
+struct State {
+  std::vector<st::ShardPlan> plans;  // per TP rank
+  std::vector<std::vector<std::vector<float>>> rows;  // [tensor][unit] shard
+  int t = 0;
+  State(const st::ModelConfig& cfg, const st::MeshLayout& L, int rank) {
+    const st::MeshDims d = L.dims();
+    for (int q = 0; q < d.tp; ++q) plans.push_back(st::ShardPlan::build(st::llama_units(cfg, d.tp, q), d.dp_shard));
+    t = L.coord(rank).tp;
+    rows.assign(3, {});
+    for (auto& r : rows)
+      for (const auto& up : plans[static_cast<size_t>(t)].units) r.emplace_back(static_cast<size_t>(up.shard_size), -1.0f);
+  }
+  st::ShardedTensors view(st::Backend<float>& be, int shard_rank) {
+    st::ShardedTensors v;
+    v.plan = &plans[static_cast<size_t>(t)];
+    v.plan_rank = shard_rank;
+    v.backend = &be;
+    for (size_t k = 0; k < 3; ++k) {
+      st::ShardedTensor s{st::checkpoint_tensor_names()[k], {}};
+      for (auto& r : rows[k]) s.shards.push_back(r.data());
+      v.tensors.push_back(std::move(s));
+    }
+    return v;
+  }
+  // Sets (fill) or counts the elements that differ from (check) value() at their canonical index;
+  // padding (vocabulary rows, a shard's tail) must be 0.
+  int64_t visit(const st::ShardPlan& canon, int shard_rank, bool fill) {
+    int64_t bad = 0;
+    const st::ShardPlan& p = plans[static_cast<size_t>(t)];
+    for (size_t u = 0; u < p.units.size(); ++u) {
+      const st::UnitPlan& up = p.units[u];
+      const st::RankShard& rs = up.ranks[static_cast<size_t>(shard_rank)];
+      for (size_t k = 0; k < 3; ++k) {
+        std::vector<float>& r = rows[k][u];
+        for (int64_t e = 0; e < up.shard_size; ++e) {
+          float want = 0.0f;
+          const int64_t flat = rs.start + e;
+          if (e < rs.valid)
+            for (const auto& slot : up.params)
+              if (flat >= slot.offset && flat < slot.offset + slot.numel) {
+                const int64_t ci = slot.spec.canonical_index(flat - slot.offset);
+                if (ci >= 0) want = value(k, u, canon.units[u].param(slot.spec.name).offset + ci);
+              }
+          if (fill) r[static_cast<size_t>(e)] = want;
+          else if (r[static_cast<size_t>(e)] != want) ++bad;
+        }
+      }
+    }
+    return bad;
+  }
+};
+
+// Saved at (tp 2, dp_shard W/2) through a real file; loaded at every other layout of the same
+// world: tp 1, tp W (when W divides the heads), hybrid with TP. Every element equal.
+TEST_F(TpCheckpoint, ReshardsParametersAndMomentsElementForElement) {
+  st::Comm& c = world();
+  const int W = c.world_size(), r = c.rank();
+  if (W != 2 && W != 4) GTEST_SKIP() << "W = 2 or 4";
+  const st::ModelConfig cfg = config(false, 4);  // untied, 4 heads, 4 KV heads, V 37 (padding at tp 2, 4)
+  const st::ShardPlan canon = st::ShardPlan::build(st::llama_units(cfg), W);
+  auto be = st::make_cpu_backend<float>();
+  const st::MeshLayout saved_at(st::MeshDims{1, W / 2, 1, 2});
+  State s(cfg, saved_at, r);
+  s.visit(canon, saved_at.coord(r).dp_shard, true);
+  st::TpCheckpointLayout out(saved_at, r, s.plans, canon, st::checkpoint_tensor_names());
+  out.to_canonical(c, s.view(*be, saved_at.coord(r).dp_shard));
+  // The canonical rows: row r of every unit, value() at every valid element.
+  int64_t bad = 0;
+  st::ShardedTensors cv = out.canonical();
+  for (size_t u = 0; u < canon.units.size(); ++u)
+    for (size_t k = 0; k < 3; ++k) {
+      const st::RankShard& rs = canon.units[u].ranks[static_cast<size_t>(r)];
+      for (int64_t e = 0; e < canon.units[u].shard_size; ++e)
+        if (cv.tensors[k].shards[u][e] != (e < rs.valid ? value(k, u, rs.start + e) : 0.0f)) ++bad;
+    }
+  EXPECT_EQ(bad, 0) << "canonical rows after to_canonical";
+  st::TrainState state;
+  state.step = 0;
+  state.seed = 7;
+  const std::string file = path("tp.h5");
+  st::write_checkpoint_file(c, file, st::take_checkpoint_snapshot(cv, cfg, "{\"seq_len\":6,\"global_batch\":2,\"micro_batch\":2,\"steps\":1,\"warmup\":0,\"seed\":7,\"lr\":1,\"min_lr\":1,\"beta1\":0.9,\"beta2\":0.99,\"eps\":1e-8,\"weight_decay\":0,\"clip\":0,\"precision\":\"fp32\"}", state));
+  std::vector<st::MeshDims> layouts = {{1, W, 1, 1}, {1, W / 2, 1, 2}};
+  if (W == 4) layouts.push_back({1, 1, 1, 4}), layouts.push_back({2, 1, 1, 2});
+  for (const st::MeshDims& d : layouts) {
+    SCOPED_TRACE("load at dp_replicate " + std::to_string(d.dp_replicate) + ", dp_shard " + std::to_string(d.dp_shard) +
+                 ", tp " + std::to_string(d.tp));
+    const st::MeshLayout L(d);
+    State got(cfg, L, r);
+    st::TpCheckpointLayout in(L, r, got.plans, canon, st::checkpoint_tensor_names());
+    st::load_checkpoint(c, file, in.canonical(), cfg);
+    in.from_canonical(c, got.view(*be, L.coord(r).dp_shard));
+    EXPECT_EQ(got.visit(canon, L.coord(r).dp_shard, false), 0);
+  }
+}
+
+}  // namespace st_ckpt
 
 }  // namespace
