@@ -1,0 +1,184 @@
+#!/usr/bin/env bash
+# Tensor parallelism (--tp N: Megatron-style with sequence parallelism; groups of N consecutive ranks
+# split the heads, the MLP and the vocabulary, FSDP shards each rank's slice over the data-parallel
+# ranks) on the CPU backend, with (tp, dp) meaning --tp tp at world size tp x dp:
+#   1. fp32 losses of 20 steps at (2,1), (2,2), (4,1), (3,2) and (2,3) equal the single-rank run's
+#      within 1e-5 relative at every step (tied head, test-tp); the untied head (test-tp-untied) at
+#      (2,2) likewise. The TP runs are not the reference again: they report TP traffic, and their
+#      losses differ from it in the last bits.
+#   2. bf16 at (2,1) follows bf16 at (1,1) within 2e-2 (the bf16 tolerance of test_mixed_precision.sh).
+#   3. TP inside hybrid sharding (W=4, --tp 2, --shard-group-size 2: 2 replica groups of one TP
+#      group each) follows (1,1) within 1e-5; the topology line (the log's first) says both.
+#   4. --activation-checkpointing selective and full, and --attention exact, at (2,1) follow (1,1)
+#      within 1e-5.
+#   5. The TP traffic of every step (metrics tp_bytes, tp_collectives) equals the formula, computed
+#      here from the config, exactly: (2,1) and (4,1) with no and full recompute, bf16 at (2,1); and
+#      per optimizer step, not per micro-batch, where it differs: 2 replica groups (item 3's run),
+#      and 4 micro-batches of 3 with loss chunks of 40 tokens (3 per micro-batch), whose losses
+#      also follow (1,1) within 1e-5.
+#   6. --tp that does not divide the world size, the attention heads, the key/value heads, the
+#      intermediate size or the tokens of a micro-batch, and a shard group that is not whole TP
+#      groups: refused on every rank with a message naming the rule, no hang.
+#   7. --mode plan plans for TP ('TP 2' in its title) and refuses a --tp that does not divide
+#      --world-size.
+source "$(dirname "$0")/common.sh"
+DATA=$(test_corpus)
+STEPS=20
+BASE=(--data "$DATA" --seq-len 32 --global-batch 12 --lr 3e-3 --log-every 1 --eval-every 0 --eval-batches 1
+      --warmup 2 --threads 1)
+run() {  # NAME NP ARGS...: a training run of $STEPS steps (ARGS may not repeat an option of BASE)
+  local name=$1 np=$2
+  shift 2
+  timeout -k 5 300 $MPIRUN -np "$np" "$BIN" "${BASE[@]}" --steps "${N_STEPS:-$STEPS}" --metrics "$WORK/$name.jsonl" "$@" \
+    >"$WORK/$name.log" 2>&1 || { cat "$WORK/$name.log"; fail "$name: run failed"; }
+}
+# compare REF RUN TOL: the losses of steps 1..$STEPS equal within TOL relative; prints the worst
+# relative difference.
+compare() {
+  "$PY" - "$WORK/$1.jsonl" "$WORK/$2.jsonl" "$STEPS" "$3" <<'PY'
+import json, sys
+def losses(p):
+    return {r["step"]: r["loss"] for r in map(json.loads, open(p)) if "loss" in r}
+a, b = losses(sys.argv[1]), losses(sys.argv[2])
+steps, tol = int(sys.argv[3]), float(sys.argv[4])
+worst = 0.0
+for s in range(1, steps + 1):
+    assert s in a and s in b, f"step {s} missing"
+    rel = abs(a[s] - b[s]) / abs(a[s])
+    worst = max(worst, rel)
+    assert rel <= tol, f"step {s}: loss {b[s]!r} vs {a[s]!r} (rel {rel:.2e} > {tol})"
+assert a[steps] < a[1] - 0.1, f"the reference loss did not fall ({a[1]} -> {a[steps]})"
+print(f"{worst:.1e}")
+PY
+}
+# tp_traffic NAME: every step record has tp_bytes > 0 and tp_collectives > 0 (a TP run).
+tp_traffic() {
+  "$PY" - "$WORK/$1.jsonl" <<'PY'
+import json, sys
+recs = [r for r in map(json.loads, open(sys.argv[1])) if "loss" in r]
+assert recs and all(r.get("tp_bytes", 0) > 0 and r.get("tp_collectives", 0) > 0 for r in recs), "no TP traffic"
+PY
+}
+M=(--model test-tp)
+MU=(--model test-tp-untied)
+
+# 1. fp32 losses at every (tp, dp) against the single rank.
+run ref 1 "${M[@]}"
+! grep -q '"tp_bytes"' "$WORK/ref.jsonl" || fail "ref: a run without --tp reports TP traffic"
+worst_all=0 summary=""
+for tpdp in 2,1 2,2 4,1 3,2 2,3; do
+  tp=${tpdp%,*} dp=${tpdp#*,}
+  name=tp${tp}dp${dp}
+  run "$name" $((tp * dp)) "${M[@]}" --tp "$tp"
+  tp_traffic "$name" || fail "$name: metrics without TP traffic"
+  w=$(compare ref "$name" 1e-5) || fail "($tp,$dp) vs (1,1)"
+  summary+=" ($tp,$dp) $w,"
+  worst_all=$(python3 -c "print(max($worst_all, $w))")
+done
+python3 -c "assert $worst_all > 0" || fail "every TP run repeats the reference's losses bit for bit: TP did not run"
+echo "ok: fp32 losses of $STEPS steps equal (1,1)'s within 1e-5 at (tp, dp) =${summary%,} (worst relative differences)"
+run uref 1 "${MU[@]}"
+run utp2dp2 4 "${MU[@]}" --tp 2
+tp_traffic utp2dp2 || fail "utp2dp2: metrics without TP traffic"
+w=$(compare uref utp2dp2 1e-5) || fail "untied (2,2) vs (1,1)"
+echo "ok: untied head: (2,2) follows (1,1) within 1e-5 for $STEPS steps (worst $w)"
+
+# 2. bf16.
+run bref 1 "${M[@]}" --precision bf16
+run btp2 2 "${M[@]}" --precision bf16 --tp 2
+w=$(compare bref btp2 2e-2) || fail "bf16 (2,1) vs bf16 (1,1)"
+w2=$(compare ref btp2 2e-2) || fail "bf16 (2,1) vs fp32 (1,1)"
+echo "ok: bf16 (2,1) follows bf16 (1,1) within 2e-2 for $STEPS steps (worst $w; against fp32 $w2)"
+
+# 3. TP with hybrid sharding: 2 replica groups, each one TP group of 2 (dp_shard 1).
+run hsdp 4 "${M[@]}" --tp 2 --shard-group-size 2
+line=$(head -1 "$WORK/hsdp.log")
+[[ $line == topology:* && $line == *"tensor parallel: 2 TP groups of 2 consecutive ranks"* &&
+   $line == *"hybrid sharding: 2 replica groups"* ]] || fail "hsdp: first line: $line"
+w=$(compare ref hsdp 1e-5) || fail "hsdp (--tp 2 --shard-group-size 2 at W=4) vs (1,1)"
+echo "ok: --tp 2 --shard-group-size 2 at W=4 follows (1,1) within 1e-5 (worst $w); $line"
+
+# 4. Recompute and exact attention under TP.
+summary=""
+for opt in "--activation-checkpointing selective" "--activation-checkpointing full" "--attention exact"; do
+  name=tp2_${opt##* }
+  run "$name" 2 "${M[@]}" --tp 2 $opt
+  w=$(compare ref "$name" 1e-5) || fail "(2,1) $opt vs (1,1)"
+  summary+=" ${opt##* } $w,"
+done
+echo "ok: (2,1) with recompute selective / full and exact attention follows (1,1) within 1e-5 (worst:${summary%,})"
+
+# 5. TP bytes and collectives per step against the formula (every step record of rank 0's metrics).
+N_STEPS=3 run tp4full 4 "${M[@]}" --tp 4 --activation-checkpointing full
+run tp2acc 2 "${M[@]}" --tp 2 --micro-batch 3 --loss-chunk 40
+w=$(compare ref tp2acc 1e-5) || fail "(2,1) with 4 micro-batches of 3 and loss chunks of 40 vs (1,1)"
+echo "ok: (2,1) with 4 micro-batches of 3 and loss chunks of 40 tokens follows (1,1) within 1e-5 (worst $w)"
+# tp_formula NAME TP WORLD ELEM_BYTES RECOMPUTE [MICRO_BATCH [LOSS_CHUNK]]: every step's tp_bytes and
+# tp_collectives in NAME's metrics. Replicated norms: the formula holds for dp_shard = 1 only.
+tp_formula() {
+  "$PY" - "$WORK/$1.jsonl" "$2" "$3" "$4" "$5" "${6:-0}" "${7:-0}" <<'PY'
+import json, sys
+path, N, world, e, recompute = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+micro, loss_chunk = int(sys.argv[6]), int(sys.argv[7])
+C, L, V, T, G = 96, 2, 263, 32, 12                       # test-tp; --seq-len, --global-batch
+dp = world // N
+B = micro or G // dp                                     # micro-batch (default: global / dp)
+micro_batches = G // dp // B
+BT = B * T
+R = BT // N                                              # rows (tokens) per rank
+full = recompute == "full"
+ag_calls, rs_calls = (8 * L + 2, 5 * L + 2) if full else (6 * L + 2, 4 * L + 2)
+mb_bytes = (ag_calls + rs_calls) * (N - 1) * R * C * e   # activations: all-gathers, reduce-scatters
+mb_calls = ag_calls + rs_calls
+Vl = -(-V // N)
+chunk = min(loss_chunk or max(256, 2**24 // Vl), BT)     # --loss-chunk or default_loss_chunk(Vl), capped at BT
+for start in range(0, BT, chunk):                        # cross-entropy per chunk of n tokens:
+    n = min(chunk, BT - start)
+    mb_bytes += (N - 1) * n * 4 + 2 * (N - 1) / N * 2 * n * 4  # all-gather of maxima, all-reduce of 2n
+    mb_calls += 2
+norms = 2 * L + 1                                        # replicated RMSNorm weights, all-reduced per step
+want_bytes = micro_batches * mb_bytes + norms * 2 * (N - 1) / N * 4 * C
+want_calls = micro_batches * mb_calls + norms
+recs = [r for r in map(json.loads, open(path)) if "loss" in r]
+assert recs, "no step records"
+for r in recs:
+    got_b, got_c = r["tp_bytes"], r["tp_collectives"]
+    assert abs(got_b - want_bytes) <= 1e-12 * want_bytes and got_c == want_calls, (
+        f"step {r['step']}: tp_bytes {got_b!r}, tp_collectives {got_c!r}; formula {want_bytes!r}, {want_calls}")
+print(f"{len(recs)} steps x {want_bytes:,.0f} B in {want_calls} collectives")
+PY
+}
+summary=""
+for c in "tp2dp1 2 2 4 none" "tp4dp1 4 4 4 none" "tp2_full 2 2 4 full" "tp4full 4 4 4 full" "btp2 2 2 2 none" \
+         "hsdp 2 4 4 none" "tp2acc 2 2 4 none 3 40"; do
+  got=$(tp_formula $c) || fail "${c%% *}: TP bytes per step differ from the formula"
+  summary+=" ${c%% *}: $got;"
+done
+echo "ok: TP bytes and collectives per step equal the formula exactly:${summary%;}"
+
+# 6. Refusals: every rank names the rule, no hang.
+A=("${BASE[@]}" --steps 2)
+expect_fail tp_world "option '--tp' (4) does not divide the world size (6)" 6 "${M[@]}" "${A[@]}" --tp 4
+expect_fail tp_heads "does not divide the model's attention heads (24)" 5 "${M[@]}" "${A[@]}" --tp 5
+expect_fail tp_kv_heads "does not divide the model's key/value heads (2)" 4 --model tiny "${A[@]}" --tp 4
+cat >"$WORK/ffn38.json" <<'J'
+{"architectures": ["LlamaForCausalLM"], "vocab_size": 263, "hidden_size": 32, "intermediate_size": 38,
+ "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 64,
+ "bos_token_id": 256, "eos_token_id": 257}
+J
+expect_fail tp_intermediate "does not divide the model's intermediate size (38)" 4 --model "$WORK/ffn38.json" "${A[@]}" --tp 4
+expect_fail tp_tokens "does not divide the tokens of a micro-batch (1 x 33 = 33)" 2 "${M[@]}" --data "$DATA" --seq-len 33 \
+  --global-batch 1 --steps 2 --threads 1 --tp 2
+expect_fail tp_group1 "option '--shard-group-size' (1) is not a multiple of '--tp' (2)" 4 "${M[@]}" "${A[@]}" --tp 2 \
+  --shard-group-size 1
+expect_fail tp_group3 "option '--shard-group-size' (3) is not a multiple of '--tp' (2)" 6 "${M[@]}" "${A[@]}" --tp 2 \
+  --shard-group-size 3
+
+# 7. The memory plan.
+timeout -k 5 60 $MPIRUN -np 1 "$BIN" --mode plan --model test-tp --tp 2 --world-size 4 --micro-batch 3 --seq-len 32 \
+  >"$WORK/plan.log" 2>&1 || { cat "$WORK/plan.log"; fail "plan --tp 2 --world-size 4"; }
+title=$(grep -m1 "^memory plan" "$WORK/plan.log") || { cat "$WORK/plan.log"; fail "plan: no title"; }
+[[ $title == *"TP 2"* ]] || fail "plan: title without 'TP 2': $title"
+echo "ok: --mode plan --tp 2: $title"
+expect_fail plan_tp3 "option '--tp' (3) does not divide the world size (4)" 1 --mode plan --model test-tp --tp 3 \
+  --world-size 4 --micro-batch 3 --seq-len 32
