@@ -4,7 +4,8 @@
 # the benchmark table has its rows, the PyTorch peer (tests/gpu/peer.py, here on the CPU, eager) runs
 # beside the tiny bf16 row with its ratio, the asynchronous-save comparison (stage 4b) passes on the
 # CPU, and the script exits 0 with "0 failed". Then the GPU runs with
-# another seed (GPU_CHECK_ARGS="--seed 7") must fail the 6 training comparisons, both resumes across
+# another seed (GPU_CHECK_ARGS="--seed 7") must fail the 6 training comparisons, the 2 of TP (stage
+# 3b), both resumes across
 # devices (refused: the seed of the resuming run differs from the checkpoint's, and a resume does not
 # change settings silently), and the script's exit status.
 source "$(dirname "$0")/common.sh"
@@ -27,7 +28,8 @@ for want in 'PASS  env: shardtrain runs under mpirun' "SKIP  gpu_tests ($NCASES 
   'PASS  peer-tiny-32x4: tokens_per_s=' '| tiny | 32 | 4 | ' \
   'SKIP  sanitizer-memcheck: skipped: no CUDA device' 'SKIP  mem-llama-1b: skipped: no CUDA device' \
   'SKIP  attention-bench: skipped: no CUDA device' 'SKIP  snapshot-pinned: skipped: no CUDA device' \
-  'PASS  ckpt-async-gpu-fp32: ' 'PASS  ckpt-async-gpu-bf16: '; do
+  'PASS  ckpt-async-gpu-fp32: ' 'PASS  ckpt-async-gpu-bf16: ' 'PASS  gpu-tp2-fp32 vs cpu-tp-ref' \
+  'PASS  gpu-tp2-bf16 vs cpu-tp-ref'; do
   grep -qF -- "$want" "$WORK/ok.txt" || { cat "$WORK/ok.txt"; fail "run.sh output lacks '$want'"; }
 done
 grep -qE '^gpu: [0-9]+ passed, 0 failed' "$WORK/ok.txt" || { cat "$WORK/ok.txt"; fail "no 'gpu: N passed, 0 failed'"; }
@@ -36,7 +38,7 @@ echo "ok: run.sh (GPU_CHECK_DEVICE=cpu): $(tail -1 "$WORK/ok.txt"), $(grep -m1 -
 check seed GPU_CHECK_ARGS="--seed 7" PEER_MODELS=""
 [ "$rc" != 0 ] || { cat "$WORK/seed.txt"; fail "run.sh passed with the GPU runs on another seed"; }
 nfail=$(grep -c '^  FAIL  \(gpu\|ckpt\)-' "$WORK/seed.txt" || true)
-[ "$nfail" = 8 ] || { cat "$WORK/seed.txt"; fail "--seed 7: $nfail of the GPU comparisons failed, expected 8"; }
+[ "$nfail" = 10 ] || { cat "$WORK/seed.txt"; fail "--seed 7: $nfail of the GPU comparisons failed, expected 10 (stages 3, 3b and 4)"; }
 for want in 'FAIL  ckpt-gpu-to-cpu: exit status 1' 'FAIL  ckpt-cpu-to-gpu: exit status 1' 'PASS  ckpt-cpu-to-cpu vs cpu-fp32'; do
   grep -qF -- "$want" "$WORK/seed.txt" || { cat "$WORK/seed.txt"; fail "--seed 7: no '$want'"; }
 done

@@ -18,6 +18,8 @@
 #      relative at every step, GPU bf16 vs CPU fp32 within 2e-2; 1 rank, and 2 ranks sharing the GPU
 #      (--gpu-comm mpi: NCCL refuses two ranks on one GPU); at 1 rank --overlap off against the
 #      default (on: NCCL stream-ordered) bitwise, fp32 and bf16, with their exposed comm ms/step
+#   3b. tensor parallelism (issue 31): --tp 2 with 2 ranks sharing the GPU (--gpu-comm mpi), fp32
+#      within 1e-4 and bf16 within 2e-2 of the CPU's single-rank losses of test-tp; CPU --tp 2 as control
 #   4. checkpoints across devices: GPU to step 10 then CPU to 20, and CPU then GPU, against an
 #      uninterrupted CPU run (1e-4)
 #   4b. asynchronous saves on the GPU, fp32 and bf16: the step-4 file of a --checkpoint-async on run
@@ -336,6 +338,21 @@ else
   for n in gpu-fp32-np1 gpu-fp32-np2 gpu-uneven-np2 gpu-bf16-np1 gpu-bf16-np2 gpu-bf16r-np2 gpu-fp32-np1-ovoff gpu-bf16-np1-ovoff; do
     skipped "$n" "no CUDA device"
   done
+fi
+
+# ---- 3b. tensor parallelism --------------------------------------------------------------------
+stage "3b. tensor parallelism: --tp 2 on one GPU (2 ranks, --gpu-comm mpi) vs the CPU, 20 steps of test-tp" 60
+# The TP collectives of two ranks sharing the GPU go through the host-staged device Comm (NCCL
+# refuses two ranks on one GPU); the vocabulary-parallel loss runs the CUDA vocab_ce_* kernels.
+if run_np cpu-tp-ref 40 1 --model test-tp "${TINY[@]}" "${CPU[@]}"; then ok "cpu-tp-ref (test-tp, 1 rank): $(grep -m1 '^done:' "$L/cpu-tp-ref.log")"
+else bad "cpu-tp-ref: reference run"; tail_log "$L/cpu-tp-ref.log"; fi
+check cpu-tp2 cpu-tp-ref 1e-5 1 2 --model test-tp "${TINY[@]}" "${CPU[@]}" --tp 2  # control: TP on the CPU
+if [ "$GPU" = 1 ]; then
+  check gpu-tp2-fp32 cpu-tp-ref 1e-4 1 2 --model test-tp "${TINY[@]}" "${G[@]}" --gpu-comm mpi --precision fp32 --tp 2
+  check gpu-tp2-bf16 cpu-tp-ref 2e-2 1 2 --model test-tp "${TINY[@]}" "${G[@]}" --gpu-comm mpi --precision bf16 --tp 2
+  grep -h -m1 -o 'tp comm [^|]*' "$L/gpu-tp2-fp32.log" 2>/dev/null | sed 's/^/  gpu-tp2-fp32: /'
+else
+  for n in gpu-tp2-fp32 gpu-tp2-bf16; do skipped "$n" "no CUDA device"; done
 fi
 
 # ---- 4. checkpoints across devices ------------------------------------------------------------
