@@ -165,20 +165,27 @@ def collective_counts(cfg):
 # consecutive ranks, per micro-batch of B x T tokens (the whole group's micro-batch). Between the
 # blocks the residual stream is split over the tp ranks along the sequence ([B*T/tp, C] each);
 # each all-gather or reduce-scatter moves a full [B*T, C] buffer of F = B*T*C*e bytes (e the
-# activation element size), (tp-1)/tp F per rank (ring). docs/scaling.md lists the calls.
+# activation element size), (tp-1)/tp F per rank (ring). docs/scaling.md lists the calls. Once per
+# optimizer step the replicated RMSNorm weights' gradients are summed over the group as well
+# (tp_norm_allreduce). The C++ counts the same bytes in its per-step metric tp_bytes.
 
 RECOMPUTE = ("none", "selective", "full")
 
 
 def default_loss_chunk(V):
-    """src/model/llama.cpp default_loss_chunk: max(256, 2^24 / V) tokens."""
+    """src/model/llama.cpp default_loss_chunk: max(256, 2^24 / V) tokens. Under TP it is called with
+    the vocabulary rows of one TP rank, Vl = ceil(V / tp) (Config.vocab_rows(tp))."""
     return max(256, (1 << 24) // max(1, V))
 
 
 def tp_item_calls(cfg, B, T, tp, elem_bytes, recompute="none", loss_chunk=None):
     """The TP collectives of one micro-batch, one list per item of step_items(cfg, T) (same order):
     (op, total bytes S of the call over the tp ranks, element bytes), op as comm_bandwidth names
-    it (allgather, reduce_scatter, allreduce). tp = 1: none."""
+    it (allgather, reduce_scatter, allreduce). tp = 1: none. The vocabulary-parallel cross-entropy,
+    per loss chunk of n tokens (chunk = min(loss_chunk or default_loss_chunk(Vl), B T), Vl =
+    ceil(V / tp)): one all-gather of the n fp32 row maxima (n floats from each rank: S = tp n 4)
+    and one all-reduce (sum) of 2n fp32 (sum of exponentials, target logit: S = 2n 4). The
+    replicated norms' per-step all-reduce is not here (tp_norm_allreduce)."""
     if recompute not in RECOMPUTE:
         raise ValueError("recompute must be one of %s, got %r" % (", ".join(RECOMPUTE), recompute))
     check_tp(cfg, tp)
@@ -189,11 +196,11 @@ def tp_item_calls(cfg, B, T, tp, elem_bytes, recompute="none", loss_chunk=None):
     F = B * T * cfg.C * e
     AG, RS = ("allgather", F, e), ("reduce_scatter", F, e)
     BT = B * T
-    chunk = min(loss_chunk if loss_chunk else default_loss_chunk(cfg.V), BT)
+    chunk = min(loss_chunk if loss_chunk else default_loss_chunk(cfg.vocab_rows(tp)), BT)
     ce = []
-    for a in range(0, BT, chunk):  # per loss chunk of n tokens: fp32 row max, then sum of exp + target logit
+    for a in range(0, BT, chunk):  # per loss chunk of n tokens: fp32 row maxima, then sum of exp + target logit
         n = min(chunk, BT - a)
-        ce += [("allreduce", n * 4, 4), ("allreduce", 2 * n * 4, 4)]
+        ce += [("allgather", tp * n * 4, 4), ("allreduce", 2 * n * 4, 4)]
     out = []
     for label, _, _, _ in raw:
         if label == "embed fwd":
@@ -231,6 +238,35 @@ def tp_bytes_per_microbatch(cfg, B, T, tp, elem_bytes, recompute="none", loss_ch
             "calls": {"all_gather": calls["allgather"], "reduce_scatter": calls["reduce_scatter"],
                       "all_reduce": calls["allreduce"]},
             "F": F, "per_layer": per_layer if tp > 1 else 0.0}
+
+
+def tp_norm_allreduce(cfg, tp, dp_shard=1):
+    """The per-step sum of the replicated RMSNorm weights' gradients over the TP group
+    (ShardedState::sum_replicated_grads, once per optimizer step after the last micro-batch): one
+    fp32 all-reduce per replicated parameter range inside the rank's own FSDP shard of each unit.
+    Returns (calls, bytes sent per rank, ring 2 (tp-1)/tp x count x 4). dp_shard = 1, exact: 2L + 1
+    all-reduces of C floats (each layer's two norms, the final norm). dp_shard > 1: which ranges a
+    rank's shard holds (and how many calls a range cut by a shard boundary makes) depends on where
+    the boundaries fall; modelled as the dp_shard = 1 case divided evenly over the dp_shard ranks
+    (calls and bytes / dp_shard, possibly fractional). tp = 1: (0, 0)."""
+    check_tp(cfg, tp)
+    if tp == 1:
+        return 0, 0.0
+    calls = 2 * cfg.L + 1
+    nbytes = calls * 2 * (tp - 1) / tp * cfg.C * 4
+    if dp_shard == 1:
+        return calls, nbytes
+    return calls / dp_shard, nbytes / dp_shard
+
+
+def tp_bytes_per_step(cfg, B, T, tp, elem_bytes, micro_batches=1, recompute="none", loss_chunk=None, dp_shard=1):
+    """What the C++ reports per optimizer step (metrics tp_bytes, tp_collectives): micro_batches x
+    the micro-batch's TP bytes and calls (tp_bytes_per_microbatch) + the norms' all-reduce once
+    (tp_norm_allreduce). Returns {"bytes", "calls"}."""
+    b = tp_bytes_per_microbatch(cfg, B, T, tp, elem_bytes, recompute, loss_chunk)
+    nc, nb = tp_norm_allreduce(cfg, tp, dp_shard)
+    return {"bytes": micro_batches * (b["all_gather"] + b["reduce_scatter"] + b["all_reduce"]) + nb,
+            "calls": micro_batches * sum(b["calls"].values()) + nc}
 
 
 def recompute_flops(cfg, T):
@@ -457,14 +493,26 @@ def model_items(cfg, T, tokens, topo, prec, t_compute, recompute="none", act_byt
     return out
 
 
+def tp_norm_time(cfg, topo):
+    """Seconds per step of the replicated norms' all-reduce over the TP group (tp_norm_allreduce with
+    dp_shard = topo.shard_world(), on NVLink). It runs after the step's last reduce-scatter and
+    blocks: run_point adds it to the end of the step."""
+    if topo.tp == 1:
+        return 0.0
+    calls, nbytes = tp_norm_allreduce(cfg, topo.tp, topo.shard_world())
+    S = nbytes / (2 * (topo.tp - 1) / topo.tp)  # the calls' total bytes
+    return t_ring(topo.tp, S, topo.f.B_intra, topo.f.a_intra, calls=calls, allreduce=True)
+
+
 def tp_time(cfg, tokens, T, topo, act_bytes=2, recompute="none", loss_chunk=None):
-    """Seconds per step of the TP collectives on one GPU (exposed: they block the compute)."""
+    """Seconds per step of the TP collectives on one GPU (exposed: they block the compute): the
+    micro-batch's (tp_item_calls) and the norms' per-step all-reduce (tp_norm_time)."""
     if topo.tp == 1:
         return 0.0
     f = topo.f
     calls = tp_item_calls(cfg, tokens * topo.tp // T, T, topo.tp, act_bytes, recompute, loss_chunk)
     return sum(t_ring(topo.tp, S, f.B_intra, f.a_intra, allreduce=(op == "allreduce"))
-               for c in calls for op, S, _ in c)
+               for c in calls for op, S, _ in c) + tp_norm_time(cfg, topo)
 
 
 # --------------------------------------------------------------------------------------------
@@ -488,11 +536,15 @@ def run_point(cfg, fabric, world, mode, prefetch, prec, mfu, tokens=TOKENS_PER_G
               tp=1, act_bytes=2, recompute="none", loss_chunk=None):
     """One optimizer step of one micro-batch; tokens = tokens per GPU per step. tp > 1: a TP group
     of tp GPUs runs a micro-batch of tokens x tp tokens (tokens/s per GPU = the group's / tp);
-    'compute' then holds the TP collectives ('tp'), 'exposed' is FSDP's alone."""
+    'compute' then holds the TP collectives ('tp'), 'exposed' is FSDP's alone. The norms' per-step
+    TP all-reduce (tp_norm_time) follows the last reduce-scatter: it adds to the step and to
+    'compute'."""
     t_compute = flops_per_token(cfg, T) * tokens / (mfu * peak)
     topo = Topology(fabric, world, mode, tp)
     items = model_items(cfg, T, tokens, topo, prec, t_compute, recompute, act_bytes, loss_chunk)
     step, comp, comm, exposed = simulate(items, prefetch)
+    t_norm = tp_norm_time(cfg, topo)
+    step, comp = step + t_norm, comp + t_norm
     r = {"step": step, "compute": comp, "comm": comm, "exposed": exposed, "tok_s": tokens / step}
     if tp > 1:
         r["tp"] = tp_time(cfg, tokens, T, topo, act_bytes, recompute, loss_chunk)
@@ -543,6 +595,10 @@ def cmd_plan(a):
               (a.micro_batch, a.seq_len, b["F"], b["all_gather"] / 1e9, b["calls"]["all_gather"],
                b["reduce_scatter"] / 1e9, b["calls"]["reduce_scatter"], b["all_reduce"] / 1e6,
                b["calls"]["all_reduce"], b["per_layer"] / 1e9, a.recompute))
+        nc, nb = tp_norm_allreduce(cfg, tp, n)
+        print("TP per optimizer step: the replicated norms' gradient all-reduce, %.4g calls, %.4g MB per rank "
+              "(%s)" % (nc, nb / 1e6, "exact: 2L + 1 of C fp32" if n == 1 else
+                        "2L + 1 of C fp32 divided evenly over dp_shard = %d, modelled" % n))
 
 
 def fmt_ms(x):
@@ -832,7 +888,9 @@ def predict_exposed(cfg, world, prec, bench, compute_s, T, prefetch, micro_batch
 def tp_cpu_calls(cfg, B, T, tp, elem_bytes, micro_batches=1, recompute="none", loss_chunk=None):
     """Every TP collective call of one optimizer step of a CPU run, as (op, dtype, total bytes S),
     after MpiComm's slabs (kCollectiveSlab, as for Fsdp's calls; assumed to apply to the TP
-    group's calls too). The cross-entropy all-reduces are kept whole (at most 2 x chunk floats)."""
+    group's calls too): micro_batches x the micro-batch's calls, then, once per step, the
+    replicated norms' fp32 all-reduces (tp_norm_allreduce, dp_shard = 1: 2L + 1 of C floats). The
+    all-reduces are kept whole (at most 2 x chunk floats, or C)."""
     dt = {4: "float32", 2: "bf16"}
     calls = []
     for c in tp_item_calls(cfg, B, T, tp, elem_bytes, recompute, loss_chunk):
@@ -842,14 +900,16 @@ def tp_cpu_calls(cfg, B, T, tp, elem_bytes, micro_batches=1, recompute="none", l
                 continue
             for k in mpi_split(S // (tp * e), tp, e):
                 calls.append((op, dt[e], k * tp * e))
-    return calls * micro_batches
+    norms = [("allreduce", "float32", cfg.C * 4)] * tp_norm_allreduce(cfg, tp)[0]
+    return calls * micro_batches + norms
 
 
 def predict_tp_comm(cfg, B, T, tp, elem_bytes, bench, micro_batches=1, recompute="none", loss_chunk=None):
     """Seconds per optimizer step of the TP collectives of a CPU run (--tp tp, micro-batch B x T per
     TP group, micro_batches per step), from comm_bandwidth's measured times at world = tp (the TP
     group; at W = 2, TP 2 it is the whole world): the sum over tp_cpu_calls of the interpolated
-    time of a call of that size. They block, so all of it is exposed. An all-reduce the bandwidth
+    time of a call of that size (the replicated norms' all-reduce once per step, dp_shard = 1).
+    They block, so all of it is exposed. An all-reduce the bandwidth
     file does not hold (comm_bandwidth measures none today) is timed as a reduce-scatter plus an
     all-gather of the same bytes (the ring all-reduce)."""
     pts = bench[tp]
@@ -879,6 +939,12 @@ def cmd_predict_tp_cpu(a, out=sys.stdout):
       "bytes sent all-gather %.0f, reduce-scatter %.0f, all-reduce %.0f (per layer %.0f)" %
       (b["F"], b["calls"]["all_gather"], b["calls"]["reduce_scatter"], b["calls"]["all_reduce"],
        b["all_gather"], b["reduce_scatter"], b["all_reduce"], b["per_layer"]))
+    nc, nb = tp_norm_allreduce(cfg, a.tp)
+    st = tp_bytes_per_step(cfg, a.micro_batch, a.seq_len, a.tp, e, a.accum, a.recompute, a.loss_chunk)
+    p("per step, once: the replicated norms' all-reduce, %d calls of %d fp32, %.0f bytes sent (dp_shard = 1)" %
+      (nc, cfg.C, nb))
+    p("per step per rank (as the metrics' tp_bytes, tp_collectives): %.0f bytes in %d collectives" %
+      (st["bytes"], st["calls"]))
     t = predict_tp_comm(cfg, a.micro_batch, a.seq_len, a.tp, e, bench, a.accum, a.recompute, a.loss_chunk)
     p("per step: %d calls after MpiComm's slabs; predicted TP communication %.2f ms" % (len(calls), t * 1e3))
     return t
@@ -1022,18 +1088,32 @@ def selftest():
     # tiny (L 2, C 32), B 1, T 4, tp 2, fp32: F = 512 bytes; per layer 10 x 1/2 x 512 = 2560.
     b = tp_bytes_per_microbatch(t, 1, 4, 2, 4)
     assert b["F"] == 512 and b["per_layer"] == 2560.0
-    assert b["calls"] == {"all_gather": 2 * 6 + 2, "reduce_scatter": 2 * 4 + 2, "all_reduce": 2}
-    assert b["all_gather"] == 14 * 256.0 and b["reduce_scatter"] == 10 * 256.0
-    assert b["all_reduce"] == 3 * 4 * 4 * 2 * 0.5  # 3 B T floats, ring all-reduce 2 (tp-1)/tp
-    assert b["all_gather"] + b["reduce_scatter"] - 2 * 2 * 256 == 2 * b["per_layer"]  # L layers + embed + head
+    # One loss chunk (4 tokens): one all-gather of 4 fp32 maxima per rank ((tp-1) x 4 x 4 = 16 bytes
+    # sent), one all-reduce of 2 x 4 fp32 (2 (tp-1)/tp x 32 = 32 bytes).
+    assert b["calls"] == {"all_gather": 2 * 6 + 2 + 1, "reduce_scatter": 2 * 4 + 2, "all_reduce": 1}
+    assert b["all_gather"] == 14 * 256.0 + 16 and b["reduce_scatter"] == 10 * 256.0
+    assert b["all_reduce"] == 2 * 4 * 4 * 2 * 0.5  # 2 B T floats, ring all-reduce 2 (tp-1)/tp
+    assert b["all_gather"] - 16 + b["reduce_scatter"] - 2 * 2 * 256 == 2 * b["per_layer"]  # L layers + embed + head
     bf = tp_bytes_per_microbatch(t, 1, 4, 2, 4, "full")
-    assert bf["per_layer"] == 13 * 256.0 and bf["calls"]["all_gather"] == 2 * 8 + 2 and bf["calls"]["reduce_scatter"] == 2 * 5 + 2
+    assert bf["per_layer"] == 13 * 256.0 and bf["calls"]["all_gather"] == 2 * 8 + 2 + 1 and bf["calls"]["reduce_scatter"] == 2 * 5 + 2
     assert tp_bytes_per_microbatch(t, 1, 4, 2, 4, "selective") == b
     b1 = tp_bytes_per_microbatch(t, 1, 4, 1, 4, "full")
     assert b1["all_gather"] == b1["reduce_scatter"] == b1["all_reduce"] == b1["per_layer"] == 0
-    # Loss chunks: 1,000 tokens in chunks of 256: 4 chunks, 8 all-reduces, 3 x 1000 floats in all.
+    # Loss chunks: 1,000 tokens in chunks of 256: 4 chunks, 4 all-gathers of the maxima (1,000 fp32
+    # sent per rank at tp 2) and 4 all-reduces of 2 x 1000 floats in all.
     bc = tp_bytes_per_microbatch(t, 1, 1000, 2, 2, loss_chunk=256)
-    assert bc["calls"]["all_reduce"] == 8 and bc["all_reduce"] == 3 * 1000 * 4
+    assert bc["calls"]["all_reduce"] == 4 and bc["calls"]["all_gather"] == 14 + 4 and bc["all_reduce"] == 2 * 1000 * 4
+    assert bc["all_gather"] == 14 * 1000 * 32 * 2 / 2 + 1000 * 4
+    # The default chunk is default_loss_chunk(Vl), Vl = ceil(V / tp): llama-8b at tp 4, 2^24 // 32064 = 523.
+    c8 = load_config("llama-8b")
+    assert default_loss_chunk(c8.vocab_rows(4)) == 523 and default_loss_chunk(c8.V) == 256
+    assert tp_bytes_per_microbatch(c8, 1, 2048, 4, 2)["calls"]["all_reduce"] == 4  # ceil(2048 / 523)
+    # The replicated norms, once per step: 2L + 1 all-reduces of C fp32 (tiny at tp 2: 5 of 32).
+    assert tp_norm_allreduce(t, 2) == (5, 5 * 2 * 0.5 * 32 * 4) and tp_norm_allreduce(t, 1) == (0, 0.0)
+    assert tp_norm_allreduce(t, 2, 4) == (5 / 4, 5 * 32 * 4 / 4)
+    st = tp_bytes_per_step(t, 1, 4, 2, 4, micro_batches=3)
+    assert st["calls"] == 3 * (15 + 10 + 1) + 5
+    assert st["bytes"] == 3 * (b["all_gather"] + b["reduce_scatter"] + b["all_reduce"]) + 5 * 128
     # Topology: W 64, tp 8: dp_shard 8 across nodes, the node's 8 NICs shared by 8 groups: 50 GB/s.
     nd = FABRICS["nvlink+ndr"]
     tp8 = Topology(nd, 64, "fsdp", 8)
@@ -1085,7 +1165,7 @@ def main(argv=None):
     sq.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
     sq.add_argument("--act-dtype", default="fp32", choices=["fp32", "bf16"], help="activation element type")
     sq.add_argument("--recompute", default="none", choices=list(RECOMPUTE))
-    sq.add_argument("--loss-chunk", type=int, default=0, help="tokens per loss chunk (0 = default_loss_chunk(V))")
+    sq.add_argument("--loss-chunk", type=int, default=0, help="tokens per loss chunk (0 = default_loss_chunk(ceil(V / tp)))")
     sq.add_argument("--bench-stat", default="median", choices=["median", "min"])
     sq.set_defaults(fn=cmd_predict_tp_cpu)
     ss = sub.add_parser("selftest")

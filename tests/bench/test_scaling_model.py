@@ -109,24 +109,94 @@ class ScalingModelTest(unittest.TestCase):
         b = sm.tp_bytes_per_microbatch(cfg, 2, 256, 2, 2)
         self.assertEqual(b["F"], F)
         self.assertEqual(b["per_layer"], 10 * 524288)  # 10 (tp-1)/tp F
-        # Per layer 2 + 4 all-gathers, 2 + 2 reduce-scatters; embedding 1 RS + 1 AG; head 1 AG + 1 RS.
-        self.assertEqual(b["calls"], {"all_gather": 4 * 6 + 2, "reduce_scatter": 4 * 4 + 2,
-                                      "all_reduce": 2})  # 512 tokens: one chunk (default 2^24 / 258 = 65,027)
-        self.assertEqual(sm.tp_bytes_per_microbatch(cfg, 2, 256, 2, 2, loss_chunk=256)["calls"]["all_reduce"], 4)
-        self.assertEqual(b["all_gather"], 26 * 524288)
+        # Per layer 2 + 4 all-gathers, 2 + 2 reduce-scatters; embedding 1 RS + 1 AG; head 1 AG + 1 RS;
+        # the loss: 512 tokens in one chunk (default_loss_chunk(Vl), Vl = ceil(258 / 2) = 129:
+        # 2^24 // 129 = 130,055), one all-gather of the fp32 row maxima and one all-reduce of 2n fp32.
+        self.assertEqual(b["calls"], {"all_gather": 4 * 6 + 2 + 1, "reduce_scatter": 4 * 4 + 2, "all_reduce": 1})
+        c2 = sm.tp_bytes_per_microbatch(cfg, 2, 256, 2, 2, loss_chunk=256)["calls"]
+        self.assertEqual((c2["all_gather"], c2["all_reduce"]), (26 + 2, 2))
+        self.assertEqual(b["all_gather"], 26 * 524288 + 1 * 512 * 4)  # + (tp-1) n 4: the maxima
         self.assertEqual(b["reduce_scatter"], 18 * 524288)
-        self.assertEqual(b["all_reduce"], 3 * 512 * 4 * 2 * 1 / 2)  # 3 B T floats, 2 (tp-1)/tp
+        self.assertEqual(b["all_reduce"], 2 * 512 * 4 * 2 * 1 / 2)  # 2 B T floats, 2 (tp-1)/tp
         # Full recompute: + 2 all-gathers + 1 reduce-scatter per layer: 13 (tp-1)/tp F.
         f = sm.tp_bytes_per_microbatch(cfg, 2, 256, 2, 2, "full")
         self.assertEqual(f["per_layer"], 13 * 524288)
-        self.assertEqual(f["all_gather"] + f["reduce_scatter"], (4 * 13 + 4) * 524288)
-        # tp 4, fp32: (tp-1)/tp = 3/4 of F = 2 * 256 * 1024 * 4.
+        self.assertEqual(f["all_gather"] + f["reduce_scatter"], (4 * 13 + 4) * 524288 + 512 * 4)
+        # tp 4, fp32: (tp-1)/tp = 3/4 of F = 2 * 256 * 1024 * 4; the maxima 3 x 512 x 4.
         b4 = sm.tp_bytes_per_microbatch(cfg, 2, 256, 4, 4)
-        self.assertEqual(b4["all_gather"] + b4["reduce_scatter"], (4 * 10 + 4) * 0.75 * 2 * 256 * 1024 * 4)
+        self.assertEqual(b4["all_gather"] + b4["reduce_scatter"],
+                         (4 * 10 + 4) * 0.75 * 2 * 256 * 1024 * 4 + 3 * 512 * 4)
+        self.assertEqual(b4["all_reduce"], 2 * 3 / 4 * 2 * 512 * 4)
         # tp 1: no TP collective at all.
         b1 = sm.tp_bytes_per_microbatch(cfg, 2, 256, 1, 2, "full")
         self.assertEqual((b1["all_gather"], b1["reduce_scatter"], b1["all_reduce"]), (0, 0, 0))
         self.assertEqual(b1["calls"], {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0})
+
+    def test_tp_doc_example(self):
+        # docs/scaling.md's example: scaling-config.json, fp32, micro-batch 1 x 256, tp 2: F = 1 MiB;
+        # 27 all-gathers (26 (tp-1)/tp F + the maxima, (tp-1) x 256 x 4), 18 reduce-scatters, 1 all-reduce
+        # (2 x 1/2 x 2 x 256 x 4); per step + the norms: 9 all-reduces of 1,024 fp32 (2 x 1/2 x 4,096).
+        cfg = sm.load_config(CONFIG)
+        b = sm.tp_bytes_per_microbatch(cfg, 1, 256, 2, 4)
+        self.assertEqual(b["calls"], {"all_gather": 27, "reduce_scatter": 18, "all_reduce": 1})
+        self.assertEqual((b["all_gather"], b["reduce_scatter"], b["all_reduce"]), (13632512, 9437184, 2048))
+        self.assertEqual(sm.tp_norm_allreduce(cfg, 2), (9, 36864))
+        self.assertEqual(sm.tp_bytes_per_step(cfg, 1, 256, 2, 4), {"bytes": 23108608, "calls": 55})
+
+    def test_tp_norm_allreduce(self):
+        # 2L + 1 fp32 all-reduces of C per step (each layer's 2 RMSNorm weights + the final norm),
+        # ring 2 (tp-1)/tp x 4C bytes each; dp_shard > 1: divided evenly (a model); tp 1: none.
+        cfg = sm.load_config("llama-8b")
+        self.assertEqual(sm.tp_norm_allreduce(cfg, 1), (0, 0.0))
+        self.assertEqual(sm.tp_norm_allreduce(cfg, 2), (65, 65 * 2 * 1 / 2 * 4096 * 4))
+        self.assertEqual(sm.tp_norm_allreduce(cfg, 8), (65, 65 * 2 * 7 / 8 * 4096 * 4))
+        self.assertEqual(sm.tp_norm_allreduce(cfg, 8, dp_shard=8), (65 / 8, 65 * 2 * 7 / 8 * 4096 * 4 / 8))
+        # Once per step, not per micro-batch.
+        one = sm.tp_bytes_per_step(cfg, 1, 2048, 2, 2)
+        three = sm.tp_bytes_per_step(cfg, 1, 2048, 2, 2, micro_batches=3)
+        self.assertEqual(three["calls"] - 65, 3 * (one["calls"] - 65))
+        self.assertAlmostEqual(three["bytes"] - 65 * 16384, 3 * (one["bytes"] - 65 * 16384), places=3)
+        # In the CPU calls: 65 all-reduces of 4C bytes, whatever the number of micro-batches.
+        calls = sm.tp_cpu_calls(cfg, 1, 2048, 2, 2, micro_batches=3)
+        self.assertEqual(calls.count(("allreduce", "float32", 4096 * 4)), 65)
+
+    def test_tp_bytes_match_e2e_formula(self):
+        # tests/e2e/test_tensor_parallel.sh, item 5: the formula its C++ counters (metrics tp_bytes,
+        # tp_collectives per step) pass, here for test-tp (src/model/config.cpp), 12 x 32 tokens,
+        # fp32, one micro-batch per step, dp_shard 1; and the numbers the C++ measured.
+        cfg = sm.Config("test-tp", 263, 96, 72, 2, 24, 12, True, head_dim=4)
+        C, L, V, T, e = 96, 2, 263, 32, 4
+
+        def formula(N, B, recompute, micro_batches=1, loss_chunk=0):
+            BT = B * T
+            R = BT // N
+            ag, rs = (8 * L + 2, 5 * L + 2) if recompute == "full" else (6 * L + 2, 4 * L + 2)
+            mb_bytes, mb_calls = (ag + rs) * (N - 1) * R * C * e, ag + rs
+            chunk = min(loss_chunk or max(256, 2 ** 24 // -(-V // N)), BT)
+            for start in range(0, BT, chunk):
+                n = min(chunk, BT - start)
+                mb_bytes += (N - 1) * n * 4 + 2 * (N - 1) / N * 2 * n * 4
+                mb_calls += 2
+            norms = 2 * L + 1
+            return (micro_batches * mb_bytes + norms * 2 * (N - 1) / N * 4 * C, micro_batches * mb_calls + norms)
+
+        for tp, recompute, measured in ((2, "none", 1776000), (4, "none", 2666304), (2, "full", 2218368),
+                                        (4, "full", None)):
+            want_bytes, want_calls = formula(tp, 12, recompute)
+            if measured is not None:
+                self.assertEqual(want_bytes, measured)
+            b = sm.tp_bytes_per_microbatch(cfg, 12, 32, tp, e, recompute)
+            nc, nb = sm.tp_norm_allreduce(cfg, tp)
+            got = b["all_gather"] + b["reduce_scatter"] + b["all_reduce"] + nb
+            self.assertAlmostEqual(got, want_bytes, delta=1e-9 * want_bytes)
+            self.assertEqual(sum(b["calls"].values()) + nc, want_calls)
+            self.assertEqual(sm.tp_bytes_per_step(cfg, 12, 32, tp, e, recompute=recompute),
+                             {"bytes": got, "calls": want_calls})
+        # The e2e's accumulation case: 4 micro-batches of 3 x 32, loss chunks of 40 tokens, tp 2.
+        want_bytes, want_calls = formula(2, 3, "none", 4, 40)
+        got = sm.tp_bytes_per_step(cfg, 3, 32, 2, e, micro_batches=4, loss_chunk=40)
+        self.assertAlmostEqual(got["bytes"], want_bytes, delta=1e-9 * want_bytes)
+        self.assertEqual(got["calls"], want_calls)
 
     def test_fsdp_bytes_with_tp(self):
         # W 64, tp 8: each TP rank's slice sharded over 8 dp_shard ranks: (8-1)/8 x padded slice x e.
@@ -142,13 +212,18 @@ class ScalingModelTest(unittest.TestCase):
 
     def test_tp_time_by_hand(self):
         # llama-8b, 16,384 tokens per GPU, tp 2: the group's micro-batch is 16 x 2048, F = 16*2048*4096*2.
-        # 194 all-gathers + 130 reduce-scatters, each alpha + F/2 / 450 GB/s; 128 loss chunks of 256:
-        # 256 all-reduces, each 2 alpha + 2 * 1/2 * S / B, S summing to 3 * 32768 * 4.
+        # 194 all-gathers + 130 reduce-scatters, each alpha + F/2 / 450 GB/s. The loss: chunks of
+        # default_loss_chunk(64,128) = 2^24 // 64,128 = 261 tokens, ceil(32,768 / 261) = 126 chunks,
+        # each an all-gather of the maxima (alpha + 1/2 * 2n * 4 / B) and an all-reduce of 2n floats
+        # (2 alpha + 2 * 1/2 * 8n / B): 126 * 3 alpha + 12 * 32768 / B. The norms, once per step:
+        # 65 all-reduces of 4,096 fp32 over dp_shard = 64 / 2 = 32, divided evenly: 65/32 calls of
+        # 2 alpha, 65 * 16384 / 32 bytes at 2 * 1/2 / B.
         cfg = sm.load_config("llama-8b")
         fab = sm.FABRICS["nvlink+ndr"]
         F = 16 * 2048 * 4096 * 2
         a, B = fab.a_intra, fab.B_intra
-        expect = 324 * (a + F / 2 / B) + 256 * 2 * a + 3 * 32768 * 4 / B
+        expect = (324 * (a + F / 2 / B) + 126 * 3 * a + 12 * 32768 / B
+                  + 65 / 32 * 2 * a + 65 * 16384 / 32 / B)
         r = sm.run_point(cfg, fab, 64, "fsdp", 1, sm.Precision("bf16-noslab"), sm.MFU_MEASURED, tp=2)
         self.assertAlmostEqual(r["tp"], expect, places=9)
         # The TP time is in 'compute' (it blocks); 'exposed' is FSDP's.
@@ -159,16 +234,22 @@ class ScalingModelTest(unittest.TestCase):
     def test_predict_tp_comm_by_hand(self):
         # scaling-config.json, micro-batch 1 x 256, tp 2, fp32: F = 256 * 1024 * 4 = 1 MiB total per
         # call (131,072 elements per rank: one MpiComm call). 26 all-gathers + 18 reduce-scatters of
-        # S = F; 2 all-reduces of 1 KiB and 2 KiB, timed as reduce-scatter + all-gather (the hand-made
-        # file has no all-reduce): 4 more calls. The hand-made machine: t = alpha + S / BW.
+        # S = F; the loss (one chunk of 256): an all-gather of the maxima, S = 2 * 256 * 4 = 2 KiB, and
+        # an all-reduce of 2 KiB, timed as reduce-scatter + all-gather (the hand-made file has no
+        # all-reduce): 47 calls per micro-batch. Once per step, the norms: 9 all-reduces of 1,024
+        # fp32 (4 KiB), each a reduce-scatter + an all-gather: 18 calls. The hand-made machine:
+        # t = alpha + S / BW.
         cfg = sm.load_config(CONFIG)
         F = 256 * 1024 * 4
-        expect = 48 * ALPHA + (44 * F + 2 * (1024 + 2048)) / BW
+        mb = 47 * ALPHA + (44 * F + 2048 + 2 * 2048) / BW
+        norms = 18 * ALPHA + 18 * 4096 / BW
+        expect = mb + norms
         got = sm.predict_tp_comm(cfg, 1, 256, 2, 4, sm.load_bench(self.bench))
         self.assertAlmostEqual(got, expect, places=12)
+        self.assertEqual(len(sm.tp_cpu_calls(cfg, 1, 256, 2, 4)), 27 + 18 + 1 + 9)
         self.assertAlmostEqual(sm.predict_tp_comm(cfg, 1, 256, 2, 4, sm.load_bench(self.bench), micro_batches=3),
-                               3 * expect, places=12)
-        full = 48 * ALPHA + 4 * 3 * ALPHA + (44 * F + 4 * 3 * F + 2 * (1024 + 2048)) / BW
+                               3 * mb + norms, places=12)
+        full = expect + 4 * 3 * ALPHA + 4 * 3 * F / BW
         self.assertAlmostEqual(sm.predict_tp_comm(cfg, 1, 256, 2, 4, sm.load_bench(self.bench), recompute="full"),
                                full, places=12)
 
