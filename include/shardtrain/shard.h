@@ -151,6 +151,11 @@ struct CommTimes {
   double exposed_s = 0;  // time the compute thread waited for a collective (blocked in wait)
   int64_t collectives = 0;  // MPI calls started (a reduce-scatter in slabs counts one per slab)
   int64_t jobs = 0;         // jobs submitted (one per unit all-gather or reduce-scatter), counted at once
+  // Bytes this rank sends in ring algorithms (docs/scaling.md, bytes_per_step): an all-gather or
+  // reduce-scatter of a unit with shard size S over n ranks (n - 1) * S * e, hybrid sharding's
+  // replica all-reduce 2 (R - 1) / R * S * e; e the element size the unit travels in. Counted by
+  // UnitPipeline when a job is submitted.
+  double gather_bytes = 0, reduce_bytes = 0;
 };
 
 // A queue of FSDP collectives on one communicator (one queue for all-gathers, one for
@@ -510,6 +515,9 @@ template <typename C> class UnitCodec {
   virtual void reserve(int slots) = 0;
   virtual CommQueue::Ticket issue_gather(CommQueue& q, int u, C* dst, int slot) = 0;
   virtual CommQueue::Ticket issue_reduce(CommQueue& q, int u, const C* full, Comm* replica) = 0;
+  // Bytes per element of the reduce-scatter and of the replica all-reduce (hybrid sharding).
+  virtual size_t reduce_elem_bytes() const = 0;
+  virtual size_t replica_elem_bytes() const = 0;
 };
 
 // C = T: the shard is all-gathered as it is; the gradient is reduce-scattered kReduceSlab
@@ -529,6 +537,8 @@ template <typename T> class IdentityCodec final : public UnitCodec<T> {
   void reserve(int) override {}
   CommQueue::Ticket issue_gather(CommQueue& q, int u, T* dst, int slot) override;
   CommQueue::Ticket issue_reduce(CommQueue& q, int u, const T* full, Comm* replica) override;
+  size_t reduce_elem_bytes() const override { return sizeof(T); }
+  size_t replica_elem_bytes() const override { return sizeof(T); }
 
  private:
   ShardedState<T>& s_;
@@ -562,6 +572,8 @@ class Bf16Codec final : public UnitCodec<bf16> {
   void reserve(int slots) override;
   CommQueue::Ticket issue_gather(CommQueue& q, int u, bf16* dst, int slot) override;
   CommQueue::Ticket issue_reduce(CommQueue& q, int u, const bf16* full, Comm* replica) override;
+  size_t reduce_elem_bytes() const override { return reduce_bf16_ ? 2 : 4; }
+  size_t replica_elem_bytes() const override { return 4; }  // summed in fp32 either way
 
  private:
   ShardedState<float>& m_;
@@ -636,6 +648,7 @@ template <typename C> class UnitPipeline : public UnitSource<C> {
   std::unique_ptr<CommQueue> agq_, rsq_;
   std::vector<Slot> slots_;
   std::vector<GradBuf> grads_;
+  double gather_bytes_ = 0, reduce_bytes_ = 0;  // CommTimes' bytes, counted at submission
   int current_ = -1, gnext_ = 0, gcur_ = -1;
   int64_t pos_ = 0;
   bool in_pass_ = false, follow_ = false, hooked_ = false;

@@ -493,6 +493,7 @@ template <typename C> const C* UnitPipeline<C>::gather(int u) {
     sl.unit = u;
     sl.pos = p;
     sl.ticket = codec_->issue_gather(*agq_, u, sl.buf.data(), s);
+    gather_bytes_ += static_cast<double>(plan_.world_size - 1) * static_cast<double>(plan_.units[u].shard_size) * sizeof(C);
   }
   agq_->wait(slots_[s].ticket);
   current_ = s;
@@ -510,6 +511,8 @@ template <typename C> const C* UnitPipeline<C>::gather(int u) {
       sl.unit = (*trace_)[static_cast<size_t>(q)];
       sl.pos = q;
       sl.ticket = codec_->issue_gather(*agq_, sl.unit, sl.buf.data(), f);
+      gather_bytes_ += static_cast<double>(plan_.world_size - 1) *
+                       static_cast<double>(plan_.units[static_cast<size_t>(sl.unit)].shard_size) * sizeof(C);
     }
   return slots_[s].buf.data();
 }
@@ -532,6 +535,12 @@ template <typename C> void UnitPipeline<C>::reduce_scatter_grad(int u) {
                            "): not the unit of the last full_grad");
   GradBuf& g = grads_[gcur_];
   g.ticket = codec_->issue_reduce(*rsq_, u, g.buf.data(), rep_);
+  const double S = static_cast<double>(plan_.units[u].shard_size);
+  reduce_bytes_ += static_cast<double>(plan_.world_size - 1) * S * static_cast<double>(codec_->reduce_elem_bytes());
+  if (rep_) {
+    const double R = rep_->world_size();
+    reduce_bytes_ += 2.0 * (R - 1) / R * S * static_cast<double>(codec_->replica_elem_bytes());
+  }
   gcur_ = -1;
   poll_all();
 }
@@ -568,6 +577,8 @@ template <typename C> void UnitPipeline<C>::end_pass() {
 
 template <typename C> CommTimes UnitPipeline<C>::comm_times() const {
   CommTimes t;
+  t.gather_bytes = gather_bytes_;
+  t.reduce_bytes = reduce_bytes_;
   for (const CommQueue* q : {agq_.get(), rsq_.get()})
     if (q) {
       const CommTimes a = q->times();

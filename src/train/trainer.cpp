@@ -72,6 +72,7 @@ int64_t slow_rank_hook(int rank) {
 struct Interval {
   double seconds = 0, issued_s = 0, exposed_s = 0;
   double tp_s = 0, tp_bytes = 0;  // TP collectives: seconds (all exposed), bytes one rank sent
+  double fsdp_bytes = 0;          // FSDP's all-gathers and reduce-scatters, bytes one rank sent
   int64_t tp_calls = 0;
   int64_t steps = 0;
 };
@@ -566,6 +567,8 @@ template <typename C> StepOutcome Trainer<C>::train_step(int64_t s) {
   const CommTimes comm1 = units_->comm_times();
   o.comm.issued_s = comm1.issued_s - comm0.issued_s;
   o.comm.exposed_s = comm1.exposed_s - comm0.exposed_s;
+  o.comm.gather_bytes = comm1.gather_bytes - comm0.gather_bytes;
+  o.comm.reduce_bytes = comm1.reduce_bytes - comm0.reduce_bytes;
   if (tp_) {
     const TpCommStats& t1 = tp_->stats();
     o.tp.seconds = t1.seconds - tp0.seconds + tp_norms.seconds;
@@ -589,6 +592,7 @@ template <typename C> void Trainer<C>::log_step(int64_t s, const StepOutcome& o)
   interval_.exposed_s += o.comm.exposed_s;
   interval_.tp_s += o.tp.seconds;
   interval_.tp_bytes += o.tp.bytes();
+  interval_.fsdp_bytes += o.comm.gather_bytes + o.comm.reduce_bytes;
   interval_.tp_calls += o.tp.all_gathers + o.tp.reduce_scatters + o.tp.all_reduces;
   ++interval_.steps;
   StepLog sl;
@@ -604,6 +608,7 @@ template <typename C> void Trainer<C>::log_step(int64_t s, const StepOutcome& o)
     sl.tp_comm_ms = 1e3 * interval_.tp_s / n;
     sl.tp_bytes = interval_.tp_bytes / n;
     const double tp_calls = static_cast<double>(interval_.tp_calls) / n;
+    const double fsdp_bytes = interval_.fsdp_bytes / n;
     // TP collectives block the compute: they are waiting time too (the straggler report's).
     sl.compute_ms = 1e3 * interval_.seconds / n - sl.exposed_comm_ms - sl.tp_comm_ms;
     interval_ = Interval{};
@@ -634,7 +639,7 @@ template <typename C> void Trainer<C>::log_step(int64_t s, const StepOutcome& o)
       nlohmann::json j = {{"step", sl.step}, {"loss", o.loss}, {"lr", o.lr}, {"grad_norm", o.grad_norm},
                           {"tokens_per_s", sl.tokens_per_s}, {"elapsed_s", sl.elapsed_s},
                           {"compute_ms", sl.compute_ms}, {"comm_ms", sl.comm_ms},
-                          {"exposed_comm_ms", sl.exposed_comm_ms},
+                          {"exposed_comm_ms", sl.exposed_comm_ms}, {"fsdp_bytes", fsdp_bytes},
                           {"compute_ms_min", sl.ranks.compute_min}, {"compute_ms_median", sl.ranks.compute_median},
                           {"compute_ms_max", sl.ranks.compute_max}, {"wait_ms_min", sl.ranks.wait_min},
                           {"wait_ms_median", sl.ranks.wait_median}, {"wait_ms_max", sl.ranks.wait_max},

@@ -15,7 +15,8 @@
 #      here from the config, exactly: (2,1) and (4,1) with no and full recompute, bf16 at (2,1); and
 #      per optimizer step, not per micro-batch, where it differs: 2 replica groups (item 3's run),
 #      and 4 micro-batches of 3 with loss chunks of 40 tokens (3 per micro-batch), whose losses
-#      also follow (1,1) within 1e-5.
+#      also follow (1,1) within 1e-5. FSDP's bytes per step (fsdp_bytes) equal the scaling model's
+#      bytes_per_step (scripts/scaling_model.py) at (2,2), (3,2), (2,3) and with 2 replica groups.
 #   6. --tp that does not divide the world size, the attention heads, the key/value heads, the
 #      intermediate size or the tokens of a micro-batch, and a shard group that is not whole TP
 #      groups: refused on every rank with a message naming the rule, no hang.
@@ -157,6 +158,28 @@ for c in "tp2dp1 2 2 4 none" "tp4dp1 4 4 4 none" "tp2_full 2 2 4 full" "tp4full 
   summary+=" ${c%% *}: $got;"
 done
 echo "ok: TP bytes and collectives per step equal the formula exactly:${summary%;}"
+# FSDP's bytes per step (metrics fsdp_bytes, rank 0's) against scripts/scaling_model.py's
+# bytes_per_step (docs/scaling.md), under TP: each TP rank's slices sharded over dp_shard ranks; with
+# 2 replica groups plus the replica all-reduce 2 (R - 1) / R x S x 4 of every reduce-scatter.
+"$PY" - "$ROOT/scripts" "$WORK" <<'PY' || fail "FSDP bytes per step against the scaling model"
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import scaling_model as sm
+cfg = sm.Config("test-tp", 263, 96, 72, 2, 24, 12, True)
+out = []
+for name, W, tp, R in [("tp2dp2", 4, 2, 1), ("tp3dp2", 6, 3, 1), ("tp2dp3", 6, 2, 1), ("hsdp", 4, 2, 2)]:
+    got = [r["fsdp_bytes"] for r in map(json.loads, open(f"{sys.argv[2]}/{name}.jsonl")) if "loss" in r]
+    ag, rs = sm.bytes_per_step(cfg, W // R, sm.Precision("fp32"), 1, tp)
+    want = ag + rs
+    if R > 1:  # the replica all-reduce of each reduce-scatter (one per unit; tied embedding: two)
+        _, rs_counts = sm.collective_counts(cfg)
+        want += sum(c * 2 * (R - 1) / R * sm.shard_size(n, W // R // tp) * 4
+                    for c, (_, n) in zip(rs_counts, sm.units(cfg, tp)))
+    assert got and all(abs(g - want) <= 1e-9 * want for g in got), (name, got[:3], want)
+    out.append(f"{name} {want:,.0f} B")
+print("; ".join(out))
+PY
+echo "ok: FSDP bytes per step equal scripts/scaling_model.py's bytes_per_step under TP (tp2dp2, tp3dp2, tp2dp3, and 2 replica groups)"
 
 # 6. Refusals: every rank names the rule, no hang.
 A=("${BASE[@]}" --steps 2)
