@@ -404,6 +404,7 @@ template <typename C> class TpGroup final : public TensorParallelOps<C> {
 
  private:
   template <typename E> void gather(const E* local, E* full, size_t count);
+  template <typename F> void timed(F&& call);  // runs call, adding its wall time to stats_.seconds
   Comm& comm_;
   TpCommStats stats_;
 };

@@ -826,13 +826,16 @@ double wall_s() {
 }
 }  // namespace
 
-template <typename C> template <typename E> void TpGroup<C>::gather(const E* local, E* full, size_t count) {
+template <typename C> template <typename F> void TpGroup<C>::timed(F&& call) {
   const double t0 = wall_s();
-  if (comm_.stream_ordered())
-    comm_.start_all_gather(local, full, count)->wait();
-  else
-    comm_.all_gather(local, full, count);
+  call();
   stats_.seconds += wall_s() - t0;
+}
+template <typename C> template <typename E> void TpGroup<C>::gather(const E* local, E* full, size_t count) {
+  timed([&] {
+    if (comm_.stream_ordered()) comm_.start_all_gather(local, full, count)->wait();
+    else comm_.all_gather(local, full, count);
+  });
   ++stats_.all_gathers;
   stats_.all_gather_bytes += static_cast<double>(size() - 1) * static_cast<double>(count * sizeof(E));
 }
@@ -841,22 +844,18 @@ template <typename C> void TpGroup<C>::all_gather_acc(const S* local, S* full, s
   gather(local, full, count);
 }
 template <typename C> void TpGroup<C>::reduce_scatter_sum(const C* full, C* local, size_t count) {
-  const double t0 = wall_s();
-  if (comm_.stream_ordered())
-    comm_.start_reduce_scatter_sum(full, local, count)->wait();
-  else
-    comm_.reduce_scatter_sum(full, local, count);
-  stats_.seconds += wall_s() - t0;
+  timed([&] {
+    if (comm_.stream_ordered()) comm_.start_reduce_scatter_sum(full, local, count)->wait();
+    else comm_.reduce_scatter_sum(full, local, count);
+  });
   ++stats_.reduce_scatters;
   stats_.reduce_scatter_bytes += static_cast<double>(size() - 1) * static_cast<double>(count * sizeof(C));
 }
 template <typename C> void TpGroup<C>::all_reduce_sum_acc(S* buf, size_t count) {
-  const double t0 = wall_s();
-  if (comm_.stream_ordered())
-    comm_.start_all_reduce_sum(buf, count)->wait();
-  else
-    comm_.all_reduce(buf, count, ReduceOp::Sum);
-  stats_.seconds += wall_s() - t0;
+  timed([&] {
+    if (comm_.stream_ordered()) comm_.start_all_reduce_sum(buf, count)->wait();
+    else comm_.all_reduce(buf, count, ReduceOp::Sum);
+  });
   ++stats_.all_reduces;
   stats_.all_reduce_bytes +=
       2.0 * static_cast<double>(size() - 1) / size() * static_cast<double>(count * sizeof(S));
