@@ -155,10 +155,14 @@ void TpCheckpointLayout::move(Comm& world, const ShardedTensors& local, bool to_
     const std::vector<int64_t>& out = to_canon ? hold : own;  // what this rank sends
     const std::vector<int64_t>& in = to_canon ? own : hold;   // what it receives
     int64_t so = 0, ro = 0;
+    bool fits = true;  // MPI_Alltoallv's int counts and displacements
+    for (int q = 0; q < W; ++q) fits = fits && (so += out[static_cast<size_t>(q)]) <= INT_MAX && (ro += in[static_cast<size_t>(q)]) <= INT_MAX;
+    // Agreed before the collective (a rank alone refusing would leave the others in it).
+    all_ok(world, fits,
+           "checkpoint of a tensor-parallel run: unit '" + canon_.units[u].name +
+               "' would move more than 2^31 floats to or from one rank in the canonical layout; use more ranks");
+    so = ro = 0;
     for (int q = 0; q < W; ++q) {
-      if (out[static_cast<size_t>(q)] > INT_MAX || in[static_cast<size_t>(q)] > INT_MAX || so > INT_MAX || ro > INT_MAX)
-        throw std::runtime_error("TpCheckpointLayout: unit '" + canon_.units[u].name +
-                                 "' moves more than 2^31 floats between two ranks; use more ranks");
       scount[static_cast<size_t>(q)] = static_cast<int>(out[static_cast<size_t>(q)]);
       rcount[static_cast<size_t>(q)] = static_cast<int>(in[static_cast<size_t>(q)]);
       sdispl[static_cast<size_t>(q)] = static_cast<int>(so);
