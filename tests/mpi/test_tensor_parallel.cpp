@@ -252,7 +252,8 @@ struct State {
 };
 
 // Saved at (tp 2, dp_shard W/2) through a real file; loaded at every other layout of the same
-// world: tp 1, tp W (when W divides the heads), hybrid with TP. Every element equal.
+// world (tp 1, tp 4, hybrid with TP) and at W - 1 and 1 ranks. Every element of the parameters
+// and both AdamW moments equal.
 TEST_F(TpCheckpoint, ReshardsParametersAndMomentsElementForElement) {
   st::Comm& c = world();
   const int W = c.world_size(), r = c.rank();
@@ -291,6 +292,23 @@ TEST_F(TpCheckpoint, ReshardsParametersAndMomentsElementForElement) {
     st::load_checkpoint(c, file, in.canonical(), cfg);
     in.from_canonical(c, got.view(*be, L.coord(r).dp_shard));
     EXPECT_EQ(got.visit(canon, L.coord(r).dp_shard, false), 0);
+  }
+  // Other world sizes: W - 1 ranks (at W = 4: TP 1 x FSDP 3, the resume) and 1 rank
+  // (each rank alone), on sub-communicators; the ranks left out wait.
+  for (int n : {W - 1, 1}) {
+    SCOPED_TRACE("load at world size " + std::to_string(n) + ", tp 1");
+    st::MpiComm sub = st::MpiComm::split(c, n == 1 ? r : (r < n ? 0 : 1), r);
+    if (n == 1 || r < n) {
+      const st::MeshLayout L(st::MeshDims{1, n, 1, 1});
+      const int sr = sub.rank();
+      State got(cfg, L, sr);
+      st::TpCheckpointLayout in(L, sr, got.plans, st::ShardPlan::build(st::llama_units(cfg), n),
+                                st::checkpoint_tensor_names());
+      st::load_checkpoint(sub, file, in.canonical(), cfg);
+      in.from_canonical(sub, got.view(*be, sr));
+      EXPECT_EQ(got.visit(st::ShardPlan::build(st::llama_units(cfg), n), sr, false), 0);
+    }
+    c.barrier();
   }
 }
 
