@@ -323,6 +323,9 @@ void run_plan(Comm& comm, const Topology& topo, const Options& o) {
              "': the ranks per node of the planned job are not known here (only this launch's); give the number "
              "of ranks per node instead");
   // --shard-group-size: shards over G ranks ('node': this launch's ranks per node), TP groups included.
+  all_ok(comm, o.plan_world_size > 0 || W % o.tp == 0,
+         "option '--tp' (" + std::to_string(o.tp) + ") does not divide this launch's world size (" + std::to_string(W) +
+             "): give the planned job's ranks with '--world-size'");
   MeshDims dims;
   agree(comm, [&] { dims = resolve_mesh_dims(o.shard_group_size, o.tp, W, ranks_per_node(topo)); });
   const int G = dims.dp_shard * dims.tp, dp = dims.dp();

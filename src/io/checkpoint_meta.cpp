@@ -18,6 +18,7 @@
 
 #include "checkpoint_internal.h"
 #include "shardtrain/files.h"
+#include "shardtrain/model.h"
 
 namespace shardtrain {
 namespace fs = std::filesystem;
@@ -464,6 +465,54 @@ void agree_on_file(Comm& comm, const std::string& path, const FileView& v) {
 }
 
 
+// Version 4: the TP record of every unit must be the one a run of the file's model and mesh writes
+// (tp_record of llama_units(model, tp, 0) sharded over dp_shard): the record follows from the
+// model, the parameter table and the mesh, so any other value is damage or an edit (the loader
+// does not use it, but --mode inspect and the h5py recipe of docs/checkpoint-format.md do).
+void check_tp_record(const CheckpointInfo& info, const std::vector<std::pair<int64_t, CheckpointUnitInfo>>& units) {
+  TpRecord want;
+  try {
+    const ModelConfig mc = from_canonical_json(info.model_config);
+    want = tp_record({ShardPlan::build(llama_units(mc, info.tp, 0), info.tp_dp_shard)},
+                     MeshDims{info.tp_dp_replicate, info.tp_dp_shard, 1, info.tp});
+  } catch (const std::exception& e) {
+    throw H5Error("attribute 'tensor_parallel' (tp " + std::to_string(info.tp) + ") does not fit attribute "
+                  "'model_config': " + e.what());
+  }
+  if (want.units.size() != units.size())
+    throw H5Error("the file has " + std::to_string(units.size()) + " units, its 'model_config' " +
+                  std::to_string(want.units.size()));
+  for (size_t u = 0; u < units.size(); ++u) {
+    const CheckpointUnitInfo& ui = units[u].second;
+    const TpUnitRecord &got = ui.tp, &w = want.units[u];
+    const std::string where = "unit '" + ui.name + "'";
+    if (got.local_numel != w.local_numel || got.local_shard_size != w.local_shard_size)
+      throw H5Error(where + ": attributes local_numel (" + std::to_string(got.local_numel) + ") and local_shard_size (" +
+                    std::to_string(got.local_shard_size) + ") are not the model's at tp " + std::to_string(info.tp) +
+                    ", dp_shard " + std::to_string(info.tp_dp_shard) + " (" + std::to_string(w.local_numel) + ", " +
+                    std::to_string(w.local_shard_size) + ")");
+    if (got.params != w.params)
+      for (size_t p = 0; p < std::min(got.params.size(), w.params.size()); ++p)
+        if (got.params[p] != w.params[p])
+          throw H5Error(where + ": row " + std::to_string(p) + " of dataset 'tp_table' (" + std::to_string(got.params[p][0]) +
+                        ", " + std::to_string(got.params[p][1]) + ", " + std::to_string(got.params[p][2]) + ", " +
+                        std::to_string(got.params[p][3]) + ") is not the model's (" + std::to_string(w.params[p][0]) +
+                        ", " + std::to_string(w.params[p][1]) + ", " + std::to_string(w.params[p][2]) + ", " +
+                        std::to_string(w.params[p][3]) + ")");
+    if (got.params.size() != w.params.size())
+      throw H5Error(where + ": dataset 'tp_table' has " + std::to_string(got.params.size()) + " rows, the model " +
+                    std::to_string(w.params.size()));
+    for (size_t d = 0; d < w.shards.size(); ++d) {
+      const RankShard &a = got.shards.at(d), &b = w.shards[d];
+      if (a.start != b.start || a.valid != b.valid || a.padding != b.padding)
+        throw H5Error(where + ": row " + std::to_string(d) + " of dataset 'tp_shard_table' (" + std::to_string(a.start) +
+                      ", " + std::to_string(a.valid) + ", " + std::to_string(a.padding) + ") is not (" +
+                      std::to_string(b.start) + ", " + std::to_string(b.valid) + ", " + std::to_string(b.padding) +
+                      "), the rule of docs/checkpoint-format.md for local_numel and dp_shard");
+    }
+  }
+}
+
 // This rank's reading of the metadata of `path` (no collectives). Throws H5Error/std::exception
 // with a message that does not yet name the file.
 void read_metadata(const std::string& path, CheckpointInfo& info, MetaSums& ms) {
@@ -521,16 +570,21 @@ void read_metadata(const std::string& path, CheckpointInfo& info, MetaSums& ms) 
     const std::string tp = get_str(file, ms, "", "tensor_parallel", where);
     try {
       const json j = json::parse(tp);
-      info.tp = j.at("tp").get<int>();
-      info.tp_dp_shard = j.at("dp_shard").get<int>();
-      info.tp_dp_replicate = j.at("dp_replicate").get<int>();
+      int* out[3] = {&info.tp, &info.tp_dp_shard, &info.tp_dp_replicate};
+      const char* keys[3] = {"tp", "dp_shard", "dp_replicate"};
+      for (int k = 0; k < 3; ++k) {
+        const json& v = j.at(keys[k]);
+        if (!v.is_number_integer() || v.get<int64_t>() < 1 || v.get<int64_t>() > info.world_size)
+          throw H5Error(std::string("attribute 'tensor_parallel' (") + tp + "): '" + keys[k] +
+                        "' is not an integer in [1, world_size]");
+        *out[k] = static_cast<int>(v.get<int64_t>());
+      }
     } catch (const json::exception& e) {
       throw H5Error(std::string("attribute 'tensor_parallel' is malformed: ") + e.what());
     }
-    if (info.tp < 2 || info.tp_dp_shard < 1 || info.tp_dp_replicate < 1 ||
-        int64_t{info.tp} * info.tp_dp_shard * info.tp_dp_replicate != info.world_size)
-      throw H5Error("attribute 'tensor_parallel' (" + tp + ") does not multiply to attribute 'world_size' (" +
-                    std::to_string(info.world_size) + ")");
+    if (info.tp < 2 || int64_t{info.tp} * info.tp_dp_shard * info.tp_dp_replicate != info.world_size)
+      throw H5Error("attribute 'tensor_parallel' (" + tp + ") is not a mesh of tp >= 2 whose sizes multiply to "
+                    "attribute 'world_size' (" + std::to_string(info.world_size) + ")");
   }
   H5Id units(H5Gopen2(file, "units", H5P_DEFAULT), H5Gclose);
   if (!units.ok()) throw H5Error("group '/units' is missing");
@@ -559,7 +613,8 @@ void read_metadata(const std::string& path, CheckpointInfo& info, MetaSums& ms) 
                     ") are inconsistent with world_size (" + std::to_string(W) + ")");
     // Reads a [rows][cols] table into `out`, sized only once the dataset's shape is known to match
     // (world_size comes from the file: it must not decide an allocation before it is confirmed).
-    auto read_table = [&]<typename T>(const char* ds, hid_t mtype, std::vector<T>& out, hsize_t rows, hsize_t cols) {
+    auto read_table = [&]<typename T>(const char* ds, hid_t mtype, std::vector<T>& out, hsize_t rows, hsize_t cols,
+                                      const char* from = "attribute 'world_size'") {
       H5Id d(H5Dopen2(g, ds, H5P_DEFAULT), H5Dclose);
       if (!d.ok()) throw H5Error(w + ": dataset '" + ds + "' is missing");
       H5Id sp(H5Dget_space(d), H5Sclose);
@@ -567,7 +622,7 @@ void read_metadata(const std::string& path, CheckpointInfo& info, MetaSums& ms) 
       int nd = H5Sget_simple_extent_ndims(sp);
       if (nd != 2 || H5Sget_simple_extent_dims(sp, dims, nullptr) != 2 || dims[0] != rows || dims[1] != cols)
         throw H5Error(w + ": dataset '" + ds + "' has an unexpected shape (expected [" + std::to_string(rows) + "][" +
-                      std::to_string(cols) + "] from attribute 'world_size')");
+                      std::to_string(cols) + "] from " + from + ")");
       out.resize(static_cast<size_t>(rows * cols));
       chk(H5Dread(d, mtype, H5S_ALL, H5S_ALL, H5P_DEFAULT, out.data()), w + ": read " + ds, 0);
     };
@@ -623,8 +678,9 @@ void read_metadata(const std::string& path, CheckpointInfo& info, MetaSums& ms) 
       t.local_numel = get_i64(g, ms, key, "local_numel", w);
       t.local_shard_size = get_i64(g, ms, key, "local_shard_size", w);
       std::vector<int64_t> tt, st;
-      read_table("tp_table", H5T_NATIVE_INT64, tt, ui.params.size(), 4);
-      read_table("tp_shard_table", H5T_NATIVE_INT64, st, static_cast<hsize_t>(info.tp_dp_shard), 3);
+      read_table("tp_table", H5T_NATIVE_INT64, tt, ui.params.size(), 4, "dataset 'param_table'");
+      read_table("tp_shard_table", H5T_NATIVE_INT64, st, static_cast<hsize_t>(info.tp_dp_shard), 3,
+                 "attribute 'tensor_parallel'");
       for (auto [ds, v] : {std::pair{"tp_table", &tt}, std::pair{"tp_shard_table", &st}}) {
         std::string b;
         for (int64_t x : *v) put_le<uint64_t>(b, static_cast<uint64_t>(x));
@@ -632,7 +688,7 @@ void read_metadata(const std::string& path, CheckpointInfo& info, MetaSums& ms) 
       }
       for (size_t p = 0; p < ui.params.size(); ++p) {
         const std::array<int64_t, 4> row{tt[4 * p], tt[4 * p + 1], tt[4 * p + 2], tt[4 * p + 3]};
-        if (row[0] < -1 || row[0] > 1 || row[1] != info.tp || row[2] < 0 || row[3] < 0 || row[3] > t.local_numel)
+        if (row[0] < -1 || row[0] > 1 || row[1] != info.tp || row[2] < 0 || row[3] < 0)
           throw H5Error(w + ": row " + std::to_string(p) + " of dataset 'tp_table' (" + std::to_string(row[0]) + ", " +
                         std::to_string(row[1]) + ", " + std::to_string(row[2]) + ", " + std::to_string(row[3]) +
                         ") is not a TP record of degree " + std::to_string(info.tp));
@@ -645,6 +701,7 @@ void read_metadata(const std::string& path, CheckpointInfo& info, MetaSums& ms) 
   }
   ms.finish();
   std::sort(found.begin(), found.end(), [](auto& a, auto& b) { return a.first < b.first; });
+  if (info.tp > 1) check_tp_record(info, found);
   for (size_t i = 0; i < found.size(); ++i)
     if (found[i].first != static_cast<int64_t>(i))
       throw H5Error("the units' 'index' attributes are not 0.." + std::to_string(found.size() - 1) + " (unit '" +

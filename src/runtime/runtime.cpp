@@ -150,7 +150,12 @@ void MpiComm::watch_end() {
 }
 
 void MpiComm::set_collective_timeout(double seconds) {
-  if (!wd_) wd_ = new Watchdog(rank_, size_);
+  // The message names the job's rank (MPI_COMM_WORLD), not this communicator's: a sub-group's
+  // (shard, replica, TP group) rank numbers repeat across its groups.
+  int wr = 0, ws = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &wr);
+  MPI_Comm_size(MPI_COMM_WORLD, &ws);
+  if (!wd_) wd_ = new Watchdog(wr, ws);
   wd_->timeout_ns.store(static_cast<int64_t>(seconds * 1e9));
 }
 

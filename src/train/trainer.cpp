@@ -189,15 +189,19 @@ Trainer<C>::Trainer(Engine& eng, const ModelConfig& mc, const TrainConfig& tc, c
 // Geometry checks: identical on every rank, so every rank throws the same message.
 template <typename C> void Trainer<C>::check_geometry() {
   const int dp = mesh_.dp_size();
+  // The ranks that read different batches: the world, or under TP the world / tp.
+  const std::string dp_what = mesh_.dims().tp > 1 ? "the data-parallel size (world " + std::to_string(W_) + " / tp " +
+                                                        std::to_string(mesh_.dims().tp) + " = " + std::to_string(dp) + ")"
+                                                  : "the world size (" + std::to_string(dp) + ")";
   if (tc_.global_batch % dp != 0)
-    throw CollectiveError(0, "option '--global-batch' (" + std::to_string(tc_.global_batch) +
-                                 ") is not divisible by the world size (" + std::to_string(dp) + ")");
+    throw CollectiveError(0, "option '--global-batch' (" + std::to_string(tc_.global_batch) + ") is not divisible by " +
+                                 dp_what);
   geo_.per_rank = tc_.global_batch / dp;
   geo_.mb = tc_.micro_batch > 0 ? tc_.micro_batch : geo_.per_rank;
   if (geo_.per_rank % geo_.mb != 0)
-    throw CollectiveError(0, "option '--global-batch' (" + std::to_string(tc_.global_batch) +
-                                 ") is not divisible by world size x '--micro-batch' (" + std::to_string(dp) + " x " +
-                                 std::to_string(geo_.mb) + ")");
+    throw CollectiveError(0, "option '--global-batch' (" + std::to_string(tc_.global_batch) + ") is not divisible by " +
+                                 (mesh_.dims().tp > 1 ? std::string("data-parallel size") : std::string("world size")) +
+                                 " x '--micro-batch' (" + std::to_string(dp) + " x " + std::to_string(geo_.mb) + ")");
   geo_.accum = geo_.per_rank / geo_.mb;
   const int tp = mesh_.dims().tp;
   if (const std::string why = check_tensor_parallel(mc_, tp); !why.empty()) throw CollectiveError(0, why);

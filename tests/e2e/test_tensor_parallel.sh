@@ -24,6 +24,7 @@
 #      --world-size.
 #   8. A checkpoint saved at (2,2) resumes at (1,3), (4,1) and (1,1) (below).
 #   9. That file (format version 4) exports alike at -np 1 and 4 and reads with h5py alone (below).
+#  10. Crafted TP records (checksums recomputed) are refused naming the file and the item (below).
 source "$(dirname "$0")/common.sh"
 DATA=$(test_corpus)
 STEPS=20
@@ -270,3 +271,42 @@ assert seen == len(exported), (seen, len(exported))  # every exported tensor, re
 print(f"{seen} tensors")
 PY
 echo "ok: the version 4 file exports byte for byte alike at -np 1 and -np 4; h5py reads every parameter from param_table alone, equal to the export, and the TP record follows its rules"
+
+# 10. Crafted version 4 files, their metadata checksums recomputed (so that the semantic checks,
+#     not the CRC32s, must refuse them): a TP record that is not the model's, or a mesh that is not
+#     one, is refused naming the file and the item (--mode inspect reads the record).
+for mut in local_numel split_swap padded_rows mesh_float shard_row; do
+  "$PY" - "$F" "$WORK/bad_$mut.h5" "$mut" <<'PY' || fail "crafting $mut"
+import h5py, json, shutil, sys, zlib
+import numpy as np
+src, dst, mut = sys.argv[1:4]
+shutil.copy(src, dst)
+f = h5py.File(dst, "r+")
+sums = json.loads(f.attrs["metadata_crc32"])
+U, E = "units/model.layers.0", "units/model.embed_tokens"
+def table(path, a):  # int64 table, its checksum as the writer computes it (little-endian rows)
+    del f[path]; f.create_dataset(path, data=a); sums[path] = zlib.crc32(a.astype("<i8").tobytes())
+if mut == "local_numel":
+    v = int(f[U].attrs["local_numel"]) + 1
+    del f[U].attrs["local_numel"]; f[U].attrs["local_numel"] = np.int64(v)
+    sums[U + "@local_numel"] = zlib.crc32(v.to_bytes(8, "little", signed=True))
+elif mut == "split_swap":  # q_proj recorded as row-parallel
+    t = f[U + "/tp_table"][:]; t[1, 0] = 1; table(U + "/tp_table", t)
+elif mut == "padded_rows":
+    t = f[E + "/tp_table"][:]; t[0, 2] += 2; table(E + "/tp_table", t)
+elif mut == "mesh_float":
+    s = '{"dp_replicate":1,"dp_shard":2,"tp":2.5}'
+    del f.attrs["tensor_parallel"]; f.attrs["tensor_parallel"] = s; sums["@tensor_parallel"] = zlib.crc32(s.encode())
+elif mut == "shard_row":
+    t = f[U + "/tp_shard_table"][:]; t[0] += 1; table(U + "/tp_shard_table", t)
+s = json.dumps(sums, separators=(",", ":"))
+del f.attrs["metadata_crc32"]; f.attrs["metadata_crc32"] = s
+del f.attrs["metadata_crc32_check"]; f.attrs["metadata_crc32_check"] = np.int64(zlib.crc32(s.encode()))
+PY
+  if timeout -k 5 60 $MPIRUN -np 1 "$BIN" --mode inspect "$WORK/bad_$mut.h5" >"$WORK/bad_$mut.log" 2>&1; then
+    cat "$WORK/bad_$mut.log"; fail "crafted $mut: accepted"
+  fi
+  grep -q "error .*bad_$mut.h5'.*\(tp_table\|tp_shard_table\|local_numel\|tensor_parallel\)" "$WORK/bad_$mut.log" \
+    || { cat "$WORK/bad_$mut.log"; fail "crafted $mut: the message does not name the file and the item"; }
+done
+echo "ok: crafted version 4 files (local_numel, split, padded rows, a float in the mesh, a shard row) refused by name"
