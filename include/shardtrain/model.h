@@ -254,6 +254,7 @@ template <typename T> class LlamaModel {
   // the group's [N, chunk] and the sums [2 * chunk].
   Buffer<T> full_, dfull_;
   IdBuffer<T> ids_tp_;
+  std::vector<int32_t> ids_host_;  // ids_tp_'s host staging (kept: no allocation per micro-batch)
   AccBuffer<T> ce_mx_, ce_maxes_, ce_st_;
 };
 

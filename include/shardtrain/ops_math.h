@@ -110,6 +110,22 @@ template <typename T> ST_HD T rmsnorm_dx(T rstd, T w, T dy, T k, T x) { return r
 // dot = sum(p * dp) over the row: dz = scale * p * (dp - dot).
 template <typename T> ST_HD T softmax_grad(T p, T dp, T dot, T scale) { return scale * p * (dp - dot); }
 
+// Vocabulary-parallel cross-entropy (backend.h vocab_ce_*): the row maximum over the G ranks'
+// maxima, laid out [G, N] (rank g's N rows at g * N), of row i; and one element's gradient,
+// (exp(l - m) / sum - [v is the target]) * grad_scale, with k = grad_scale / sum.
+template <typename T> ST_HD T group_max(const T* maxes, int G, int N, size_t i) {
+  T m = maxes[i];
+  for (int g = 1; g < G; ++g) {
+    const T x = maxes[static_cast<size_t>(g) * static_cast<size_t>(N) + i];
+    m = x > m ? x : m;
+  }
+  return m;
+}
+template <typename T> ST_HD T vocab_ce_grad(T l, T m, T k, bool target, T grad_scale) {
+  const T p = st_exp(l - m) * k;
+  return target ? p - grad_scale : p;
+}
+
 // AdamW update of one element (Loshchilov & Hutter 2019, "Decoupled Weight Decay
 // Regularization"; the same arithmetic as torch.optim.AdamW):
 //   p <- p - lr*wd*p;  m <- b1 m + (1-b1) g;  v <- b2 v + (1-b2) g^2

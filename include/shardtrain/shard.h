@@ -477,13 +477,13 @@ template <typename T> class ShardedState {
   // are left out: every TP rank but the group's first holds a copy of them, and the norm counts
   // each element once (Mesh::counts_replicated_in_norm).
   double local_grad_sumsq(bool include_replicated = true);
-  // Collective over `tp` (the TP group's data communicator; every rank of it holds the same plan):
-  // sums this rank's gradient shard elements of TP-replicated parameters over the group, in place.
+  // Collective over the TP group (every rank of it holds the same plan): sums this rank's gradient
+  // shard elements of TP-replicated parameters over the group, in place, each range by
+  // `sum(pointer, count)` (TpGroup::all_reduce_sum_acc, which counts the traffic).
   // Under sequence parallelism each TP rank computed the RMSNorm weights' gradient from its own
   // tokens, so the sum is the gradient (Korthikanti et al. 2022, section 4.2.2). No-op when no
-  // parameter is replicated. Returns the all-reduces made and the elements they summed (this
-  // rank's; for the TP communication count of the step log).
-  std::pair<int64_t, int64_t> sum_replicated_grads(Comm& tp);
+  // parameter is replicated.
+  void sum_replicated_grads(const std::function<void(T*, size_t)>& sum);
 
  private:
   Backend<T>& be_;

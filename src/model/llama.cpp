@@ -378,10 +378,10 @@ template <typename T> void LlamaModel<T>::forward(UnitSource<T>& f, const int32_
   if (tp_n_ == 1) {
     be_.embedding_forward(x0, tokens_.data(), emb, d.BT, d.C);
   } else {
-    std::vector<int32_t> local(static_cast<size_t>(d.BT));
+    ids_host_.resize(static_cast<size_t>(d.BT));
     for (int i = 0; i < d.BT; ++i)
-      local[static_cast<size_t>(i)] = tokens[i] >= d.v0 && tokens[i] < d.v0 + d.valid ? tokens[i] - d.v0 : -1;
-    be_.ids_from_host(ids_tp_.data(), local.data(), local.size());
+      ids_host_[static_cast<size_t>(i)] = tokens[i] >= d.v0 && tokens[i] < d.v0 + d.valid ? tokens[i] - d.v0 : -1;
+    be_.ids_from_host(ids_tp_.data(), ids_host_.data(), ids_host_.size());
     be_.embedding_forward(full_.data(), ids_tp_.data(), emb, d.BT, d.C);
     tp_->reduce_scatter_sum(full_.data(), x0, static_cast<size_t>(d.R) * d.C);
   }

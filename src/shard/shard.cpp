@@ -743,17 +743,10 @@ template <typename T> double ShardedState<T>::local_grad_sumsq(bool include_repl
   return be_.sum_squares_many(x.data(), n.data(), x.size());
 }
 
-template <typename T> std::pair<int64_t, int64_t> ShardedState<T>::sum_replicated_grads(Comm& tp) {
-  std::pair<int64_t, int64_t> done{0, 0};
-  if (tp.world_size() == 1) return done;
+template <typename T> void ShardedState<T>::sum_replicated_grads(const std::function<void(T*, size_t)>& sum) {
   const int r = plan_rank();
   for (size_t u = 0; u < plan_.units.size(); ++u)
-    for (auto [b, e] : replicated_ranges(plan_.units[u], r)) {
-      tp.all_reduce(grads_[u].data() + b, static_cast<size_t>(e - b), ReduceOp::Sum);
-      ++done.first;
-      done.second += e - b;
-    }
-  return done;
+    for (auto [b, e] : replicated_ranges(plan_.units[u], r)) sum(grads_[u].data() + b, static_cast<size_t>(e - b));
 }
 
 Bf16Codec::Bf16Codec(ShardedState<float>& master, Backend<bf16>& be, bool reduce_bf16, size_t widen_slab)

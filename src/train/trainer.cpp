@@ -517,15 +517,9 @@ template <typename C> StepOutcome Trainer<C>::train_step(int64_t s) {
   }
   units_->end_pass();  // every reduce-scatter has landed in the gradient shards
   // TP: each rank's gradient of the replicated RMSNorm weights came from its own rows: sum them.
-  TpCommStats tp_norms;  // that all-reduce, counted with the step's TP communication
-  if (tp_) {
-    const auto t_sum = Clock::now();
-    const auto [calls, elems] = f_->sum_replicated_grads(*mesh_.tp_data());
-    const int N = mesh_.dims().tp;
-    tp_norms.seconds = seconds_since(t_sum);
-    tp_norms.all_reduces = calls;
-    tp_norms.all_reduce_bytes = 2.0 * (N - 1) / N * 4.0 * static_cast<double>(elems);
-  }
+  // Through the TP group, which counts it with the step's TP communication (its S is float for
+  // both compute types).
+  if (tp_) f_->sum_replicated_grads([&](float* g, size_t n) { tp_->all_reduce_sum_acc(g, n); });
   // One all-reduce: loss, squared gradient norm, "some rank was asked to stop" (a signal) and "the
   // background checkpoint save of some rank failed" (AsyncCheckpointWriter), so every rank sees the
   // same values and takes the same decisions, a failed save included, at the same step boundary.
@@ -575,13 +569,13 @@ template <typename C> StepOutcome Trainer<C>::train_step(int64_t s) {
   o.comm.reduce_bytes = comm1.reduce_bytes - comm0.reduce_bytes;
   if (tp_) {
     const TpCommStats& t1 = tp_->stats();
-    o.tp.seconds = t1.seconds - tp0.seconds + tp_norms.seconds;
+    o.tp.seconds = t1.seconds - tp0.seconds;
     o.tp.all_gathers = t1.all_gathers - tp0.all_gathers;
     o.tp.reduce_scatters = t1.reduce_scatters - tp0.reduce_scatters;
-    o.tp.all_reduces = t1.all_reduces - tp0.all_reduces + tp_norms.all_reduces;
+    o.tp.all_reduces = t1.all_reduces - tp0.all_reduces;
     o.tp.all_gather_bytes = t1.all_gather_bytes - tp0.all_gather_bytes;
     o.tp.reduce_scatter_bytes = t1.reduce_scatter_bytes - tp0.reduce_scatter_bytes;
-    o.tp.all_reduce_bytes = t1.all_reduce_bytes - tp0.all_reduce_bytes + tp_norms.all_reduce_bytes;
+    o.tp.all_reduce_bytes = t1.all_reduce_bytes - tp0.all_reduce_bytes;
   }
   return o;
 }

@@ -580,7 +580,7 @@ template <typename T> class CpuBackend final : public Backend<T> {
     par_ranges(static_cast<size_t>(N), row_grain(static_cast<size_t>(valid)), [&](size_t rb, size_t re) {
       for (size_t i = rb; i < re; ++i) {
         const T* l = logits + i * Vl;
-        const A m = group_max(maxes, G, N, i);
+        const A m = math::group_max<A>(maxes, G, N, i);
         A sum = 0;
         for (int v = 0; v < valid; ++v) sum += math::st_exp(math::ld(l[v]) - m);
         const int t = tgt[i] - v0;
@@ -594,18 +594,14 @@ template <typename T> class CpuBackend final : public Backend<T> {
     part_.assign(static_cast<size_t>(N), 0.0);
     par_ranges(static_cast<size_t>(N), row_grain(static_cast<size_t>(Vl)), [&](size_t rb, size_t re) {
       for (size_t i = rb; i < re; ++i) {
-        const A m = group_max(maxes, G, N, i), sum = st[2 * i];
+        const A m = math::group_max<A>(maxes, G, N, i), sum = st[2 * i];
         part_[i] = static_cast<double>(m + std::log(sum) - st[2 * i + 1]);
         if (!dlogits) continue;
         const T* l = logits + i * Vl;
         T* d = dlogits + i * Vl;  // may be l: each element read before it is written
         const A k = grad_scale / sum;
         const int t = tgt[i] - v0;
-        for (int v = 0; v < valid; ++v) {
-          A p = math::st_exp(math::ld(l[v]) - m) * k;
-          if (v == t) p -= grad_scale;
-          d[v] = math::st<T>(p);
-        }
+        for (int v = 0; v < valid; ++v) d[v] = math::st<T>(math::vocab_ce_grad<A>(math::ld(l[v]), m, k, v == t, grad_scale));
         for (int v = valid; v < Vl; ++v) d[v] = math::st<T>(A(0));
       }
     });
@@ -634,13 +630,6 @@ template <typename T> class CpuBackend final : public Backend<T> {
   std::atomic<void*> hook_arg_{nullptr};
   void gemm_hook() {
     if (auto fn = hook_.load(std::memory_order_relaxed)) fn(hook_arg_.load(std::memory_order_relaxed));
-  }
-
-  // The vocabulary-parallel cross-entropy's row maximum over the G ranks' maxima [G, N].
-  static A group_max(const S* maxes, int G, int N, size_t i) {
-    A m = maxes[i];
-    for (int g = 1; g < G; ++g) m = std::max<A>(m, maxes[static_cast<size_t>(g) * N + i]);
-    return m;
   }
 
   std::vector<A> row_;     // bf16 embedding_backward: one row summed in float

@@ -402,12 +402,8 @@ __global__ void cross_entropy_kernel(T* dlogits, const T* logits, const int32_t*
   }
 }
 
-// Vocabulary-parallel cross-entropy (backend.h), one block per row, as cross_entropy_kernel.
-__device__ inline float group_max(const float* maxes, int G, int N, int i) {
-  float m = maxes[i];
-  for (int g = 1; g < G; ++g) m = fmaxf(m, maxes[static_cast<size_t>(g) * N + i]);
-  return m;
-}
+// Vocabulary-parallel cross-entropy (backend.h), one block per row, as cross_entropy_kernel; the
+// per-row and per-element math is ops_math.h's (math::group_max, math::vocab_ce_grad), the CPU's.
 template <typename T> __global__ void vocab_ce_max_kernel(const T* logits, int N, int Vl, int valid, float* mx) {
   for (int i = blockIdx.x; i < N; i += gridDim.x) {
     const T* l = logits + static_cast<size_t>(i) * Vl;
@@ -423,7 +419,7 @@ __global__ void vocab_ce_sum_kernel(const T* logits, const int32_t* tgt, int N, 
                                     const float* maxes, int G, float* st) {
   for (int i = blockIdx.x; i < N; i += gridDim.x) {
     const T* l = logits + static_cast<size_t>(i) * Vl;
-    const float m = group_max(maxes, G, N, i);
+    const float m = math::group_max<float>(maxes, G, N, static_cast<size_t>(i));
     float sum = 0;
     for (int v = threadIdx.x; v < valid; v += blockDim.x) sum += math::st_exp(math::ld(l[v]) - m);
     sum = block_reduce(sum, SumOp{});
@@ -441,7 +437,7 @@ __global__ void vocab_ce_finish_kernel(T* dlogits, const T* logits, const int32_
                                        int v0, const float* maxes, int G, const float* st, float grad_scale,
                                        double* loss) {
   for (int i = blockIdx.x; i < N; i += gridDim.x) {
-    const float m = group_max(maxes, G, N, i), sum = st[2 * static_cast<size_t>(i)];
+    const float m = math::group_max<float>(maxes, G, N, static_cast<size_t>(i)), sum = st[2 * static_cast<size_t>(i)];
     if (threadIdx.x == 0) loss[i] = static_cast<double>(m + logf(sum) - st[2 * static_cast<size_t>(i) + 1]);
     if (!dlogits) continue;
     const T* l = logits + static_cast<size_t>(i) * Vl;
@@ -449,12 +445,7 @@ __global__ void vocab_ce_finish_kernel(T* dlogits, const T* logits, const int32_
     const float k = grad_scale / sum;
     const int t = tgt[i] - v0;
     for (int v = threadIdx.x; v < Vl; v += blockDim.x) {
-      float p = 0.0f;
-      if (v < valid) {
-        p = math::st_exp(math::ld(l[v]) - m) * k;
-        if (v == t) p -= grad_scale;
-      }
-      d[v] = math::st<T>(p);
+      d[v] = math::st<T>(v < valid ? math::vocab_ce_grad<float>(math::ld(l[v]), m, k, v == t, grad_scale) : 0.0f);
     }
   }
 }
