@@ -2,7 +2,8 @@
 #   make deps    install the Debian packages (scripts/install-deps.sh; root or sudo)
 #   make build   build/shardtrain, the test binaries and (with nvcc) the CUDA plugin build/libshardtrain_cuda.so
 #   make test    every test (unit, multi-rank under mpirun, end-to-end); prints "N passed, M failed"
-#   make demo    2-rank training run on the bundled default corpus (Debian's fortunes); loss curves in build/demo-loss.png, TensorBoard files in build/demo-tb
+#   make demo    2-rank training run on the bundled default corpus (Debian's fortunes); loss curves in build/demo-loss.png, TensorBoard files in build/demo-tb;
+#                builds only build/shardtrain (and the CUDA plugin when `nvidia-smi -L` lists a GPU, or with CUDA=1)
 #   make jobs-test  installation checks of the Slurm job files on one node (tests/jobs/run.sh, < 3 min)
 #   make slurm-test the job scripts under a real Slurm: a private two-node cluster on this machine (tests/slurm/run.sh, ~2 min)
 #   make bench   benchmarks (tinyshakespeare if ../shared/data has it) and the PyTorch peer; results for docs/benchmarks.md
@@ -132,8 +133,11 @@ $(BUILD)/libshardtrain.a: $(LIB_OBJS)
 $(BUILD)/libshardtrain_cuda.so: $(CUDA_OBJS)
 	$(CXX) -shared -Wl,--as-needed $^ -o $@ $(CUDA_LIBS)
 
-# Each executable is built with the plugin beside it (order-only: a new plugin needs no relink).
-$(BUILD)/shardtrain: $(BUILD)/src/main.o $(BUILD)/libshardtrain.a | $(CUDA_PLUGIN)
+# build/shardtrain does not need the plugin to link or to run on the CPU (a CPU run never loads it;
+# `--device auto` without it runs on the CPU): `make build` builds both, `make demo` the plugin only
+# where it is used. gpu_tests and attention_bench, which exist to load it, are built with it beside
+# them (order-only: a new plugin needs no relink).
+$(BUILD)/shardtrain: $(BUILD)/src/main.o $(BUILD)/libshardtrain.a
 	$(CXX) $^ -o $@ $(LDLIBS)
 
 $(BUILD)/unit_tests: $(UNIT_OBJS) $(BUILD)/libshardtrain.a
@@ -190,8 +194,18 @@ slurm-test: deps build venv data
 	BUILD=$(BUILD) bash tests/slurm/run.sh || [ $$? -eq 77 ]
 
 # Train on 2 ranks (a fresh run each time), export the last checkpoint to Hugging Face layout on
-# one rank, and sample from it.
-demo: deps build data
+# one rank, and sample from it. Builds only what the demo runs (issue 39): build/shardtrain, compiled
+# as by `make build` (with nvcc, -DSHARDTRAIN_CUDA=1, so a later `make build` or `make test` adds
+# the plugin and the test binaries without recompiling it), and the CUDA plugin only when
+# `nvidia-smi -L` lists a GPU or CUDA=1 is given (make demo CUDA=1); jobs/demo.ini's device is the
+# default, auto, which without the plugin runs on the CPU.
+DEMO_GPU = $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU [0-9]' && echo yes)
+DEMO_PLUGIN = $(if $(CUDA_PLUGIN),$(if $(or $(filter-out file default,$(origin CUDA)),$(DEMO_GPU)),$(CUDA_PLUGIN)))
+.PHONY: demo-build
+demo-build:
+	$(if $(CUDA_PLUGIN),$(if $(DEMO_PLUGIN),,@echo "demo: nvidia-smi -L lists no GPU: the CUDA plugin is not built (make demo CUDA=1 builds it; make build builds everything)"))
+	$(MAKE) --no-print-directory -j$(JOBS) $(BUILD)/shardtrain $(DEMO_PLUGIN)
+demo: deps demo-build data
 	rm -rf $(BUILD)/demo-ckpt $(BUILD)/demo-tb
 	time $(MPIRUN) -np 2 $(BUILD)/shardtrain --config jobs/demo.ini
 	@echo "--- TensorBoard event files (jobs/demo.ini: tensorboard = $(BUILD)/demo-tb): $$(ls $(BUILD)/demo-tb)"
