@@ -46,15 +46,25 @@
 # Every daemon is stopped by its PID at exit (EXIT/INT/TERM trap), also when a check fails; the last
 # line before the summary says whether any is still alive. Logs: $BUILD/slurm-test-logs/ (each
 # scenario's log, the job logs and the daemons' logs). SLURM_TEST_KEEP=1 keeps the temporary folder.
-# Ends "slurm-test: N passed, M failed"; exit status non-zero iff a check failed.
+# BUILD may be absolute (a frozen copy of build/ elsewhere: its shardtrain and data/fortunes.tok).
+# Measuring a rare failure (issue 39): SLURM_TEST_ONLY="misuse" (scenario names, separated by
+# spaces or commas) runs only those; SLURM_TEST_REPEAT=N runs the selected scenarios N times in
+# rounds on one cluster start (fresh submit directories each round; logs of round K in
+# slurm-test-logs/round-K/), then prints each scenario's tally ("misuse: 49 of 50 passed") and
+# which rounds failed. Neither set: every scenario once, as always.
+# Ends "slurm-test: N passed, M failed" (scenario runs); exit status non-zero iff a check failed.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 ROOT=$PWD
 BUILD=${BUILD:-build}
-BIN=$ROOT/$BUILD/shardtrain
-DATA=$ROOT/$BUILD/data/fortunes.tok
+case $BUILD in
+  /*) BDIR=$BUILD ;;
+  *) BDIR=$ROOT/$BUILD ;;
+esac
+BIN=$BDIR/shardtrain
+DATA=$BDIR/data/fortunes.tok
 PY=$ROOT/.venv/bin/python
-LOGS=$ROOT/$BUILD/slurm-test-logs
+LOGS=$BDIR/slurm-test-logs
 export PATH=$PATH:/usr/sbin:/sbin
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export OMPI_MCA_btl_vader_single_copy_mechanism=none # containers often forbid CMA (ptrace)
@@ -80,7 +90,38 @@ skip() {
   exit 77
 }
 
-for need in "$BIN" "$DATA" "$PY"; do
+# Scenarios in their start order; SLURM_TEST_ONLY picks some, SLURM_TEST_REPEAT repeats them.
+ALL_SCENARIOS=(multinode misuse preempt-timer preempt-ranks cpu-srun cpu-mpirun preempt-scancel pipeline array)
+SELECTED=()
+if [ -n "${SLURM_TEST_ONLY:-}" ]; then
+  read -r -a only <<<"${SLURM_TEST_ONLY//,/ }"
+  for o in "${only[@]}"; do
+    [[ " ${ALL_SCENARIOS[*]} " == *" $o "* ]] || {
+      echo "slurm-test: SLURM_TEST_ONLY: no scenario '$o' (scenarios: ${ALL_SCENARIOS[*]})"
+      exit 2
+    }
+  done
+  for c in "${ALL_SCENARIOS[@]}"; do [[ " ${only[*]} " != *" $c "* ]] || SELECTED+=("$c"); done
+  # preempt-ranks compares its losses with preempt-timer's reference run.
+  [[ " ${SELECTED[*]} " != *" preempt-ranks "* ]] || [[ " ${SELECTED[*]} " == *" preempt-timer "* ]] || {
+    echo "slurm-test: SLURM_TEST_ONLY: preempt-ranks needs preempt-timer (its reference run)"
+    exit 2
+  }
+else
+  SELECTED=("${ALL_SCENARIOS[@]}")
+fi
+REPEAT=${SLURM_TEST_REPEAT:-1}
+[[ $REPEAT =~ ^[1-9][0-9]*$ ]] || {
+  echo "slurm-test: SLURM_TEST_REPEAT='$REPEAT': expected a positive integer"
+  exit 2
+}
+selected() { [[ " ${SELECTED[*]} " == *" $1 "* ]]; }
+# Only multinode and misuse run no Python.
+NEEDS=("$BIN" "$DATA")
+for c in "${SELECTED[@]}"; do
+  case $c in multinode | misuse) ;; *) NEEDS=("$BIN" "$DATA" "$PY") ;; esac
+done
+for need in "${NEEDS[@]}"; do
   [ -e "$need" ] || {
     echo "FAIL  missing $need (make build data venv)"
     echo "slurm-test: 0 passed, 1 failed"
@@ -134,7 +175,7 @@ subdir() {
   SUB=$S/sub/$1
   mkdir -p "$SUB"
   ln -sfn "$ROOT/jobs" "$SUB/jobs"
-  ln -sfn "$ROOT/$BUILD" "$SUB/build"
+  ln -sfn "$BDIR" "$SUB/build"
   cd "$SUB" || exit 1
 }
 # sb ARGS...: sbatch --parsable (the job id on stdout), from the current directory.
@@ -546,11 +587,12 @@ s_misuse() {
 # ---- run ----
 pass=0
 failed=0
-declare -A T_START PID_OF
+declare -A T_START PID_OF PASSES FAILS
+FAILED_ROUNDS=()
 run_bg() {
   local name=$1
   T_START[$name]=$SECONDS
-  ("s_${name//-/_}") >"$LOGS/$name.log" 2>&1 &
+  ("s_${name//-/_}") >"$RLOGS/$name.log" 2>&1 &
   SCEN_PIDS+=("$!")
   PID_OF[$name]=$!
 }
@@ -562,30 +604,57 @@ wait_file() {
     sleep 0.1
   done
 }
-# First the jobs that take both nodes (--exclusive), so that they do not run in the time-limit
-# job's window; then the rest: the time-limit probe and job on n1, everything else on n2.
-run_bg multinode
-wait_file "$S/multinode.queued"
-run_bg misuse
-wait_file "$S/misuse.queued"
-for c in preempt-timer preempt-ranks cpu-srun cpu-mpirun preempt-scancel pipeline array; do run_bg "$c"; done
-for c in multinode cpu-srun cpu-mpirun preempt-scancel preempt-timer preempt-ranks pipeline array misuse; do
-  rc=0
-  wait "${PID_OF[$c]}" || rc=$?
-  if [ "$rc" -eq 0 ]; then
-    pass=$((pass + 1))
-    printf 'ok    %-19s %3ds  %s\n' "$c" $((SECONDS - T_START[$c])) "$(tail -1 "$LOGS/$c.log")"
-  else
-    failed=$((failed + 1))
-    printf 'FAIL  %-19s %3ds  (log %s)\n' "$c" $((SECONDS - T_START[$c])) "$LOGS/$c.log"
-    tail -n 30 "$LOGS/$c.log" | sed 's/^/      /'
+for ((round = 1; round <= REPEAT; round++)); do
+  RLOGS=$LOGS
+  if [ "$REPEAT" -gt 1 ]; then
+    RLOGS=$LOGS/round-$(printf '%03d' "$round")
+    mkdir -p "$RLOGS"
+    echo "--- round $round of $REPEAT ($(date -u +%H:%M:%S) UTC, load $(cut -d' ' -f1-3 /proc/loadavg))"
   fi
+  rm -rf "$S/sub" "$S"/*.queued "$S"/probe-*
+  # First the jobs that take both nodes (--exclusive), so that they do not run in the time-limit
+  # job's window; then the rest: the time-limit probe and job on n1, everything else on n2.
+  if selected multinode; then
+    run_bg multinode
+    wait_file "$S/multinode.queued"
+  fi
+  if selected misuse; then
+    run_bg misuse
+    wait_file "$S/misuse.queued"
+  fi
+  for c in preempt-timer preempt-ranks cpu-srun cpu-mpirun preempt-scancel pipeline array; do
+    ! selected "$c" || run_bg "$c"
+  done
+  round_failed=0
+  for c in multinode cpu-srun cpu-mpirun preempt-scancel preempt-timer preempt-ranks pipeline array misuse; do
+    selected "$c" || continue
+    rc=0
+    wait "${PID_OF[$c]}" || rc=$?
+    if [ "$rc" -eq 0 ]; then
+      pass=$((pass + 1))
+      PASSES[$c]=$((${PASSES[$c]:-0} + 1))
+      printf 'ok    %-19s %3ds  %s\n' "$c" $((SECONDS - T_START[$c])) "$(tail -1 "$RLOGS/$c.log")"
+    else
+      failed=$((failed + 1))
+      FAILS[$c]=$((${FAILS[$c]:-0} + 1))
+      round_failed=1
+      printf 'FAIL  %-19s %3ds  (log %s)\n' "$c" $((SECONDS - T_START[$c])) "$RLOGS/$c.log"
+      tail -n 30 "$RLOGS/$c.log" | sed 's/^/      /'
+    fi
+  done
+  [ "$round_failed" = 0 ] || FAILED_ROUNDS+=("$round")
+  SCEN_PIDS=()
+  # Job logs beside the scenario logs (they hold the ranks' own output: errors, crash reports).
+  for d in "$S"/sub/*/; do
+    for f in "$d"*.out; do [ -f "$f" ] && cp "$f" "$RLOGS/$(basename "$d")-$(basename "$f")"; done
+  done
 done
-SCEN_PIDS=()
-# Job logs beside the scenario logs.
-for d in "$S"/sub/*/; do
-  for f in "$d"*.out; do [ -f "$f" ] && cp "$f" "$LOGS/$(basename "$d")-$(basename "$f")"; done
-done
+if [ "$REPEAT" -gt 1 ]; then
+  for c in "${SELECTED[@]}"; do
+    echo "$c: ${PASSES[$c]:-0} of $REPEAT passed, ${FAILS[$c]:-0} failed"
+  done
+  echo "rounds with a failure: ${FAILED_ROUNDS[*]:-none}"
+fi
 echo "($((SECONDS - T_ALL)) s; logs in $LOGS)"
 stop_cluster || failed=$((failed + 1))
 echo "slurm-test: $pass passed, $failed failed"
