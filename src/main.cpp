@@ -503,12 +503,14 @@ void run_inspect(Comm& comm, const Options& o) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // First: may re-execute the program with faster OpenBLAS kernels, which must happen before
-  // MPI_Init (and before anything else starts).
+  // First the fatal-signal report; then a possible re-execution with faster OpenBLAS kernels, which
+  // must happen before MPI_Init (and before anything else starts).
+  install_fatal_signal_handlers();  // a fault anywhere from here on prints a backtrace with the rank
   select_blas_kernels(argv);
   Runtime rt(&argc, &argv);
   Comm& comm = rt.comm();
   const Topology& topo = rt.topo();
+  fatal_signal_mpi_ready(topo.rank, topo.world_size);
   install_stop_handlers();
   try {
     all_ok(comm, blas_selection().usable, blas_selection().error);  // every kernel set failed the GEMM check

@@ -218,6 +218,16 @@ void install_stop_handlers();
 // The recorded signal number, 0 if none.
 int stop_signal();
 
+// Fatal signals (SIGSEGV, SIGBUS, SIGFPE, SIGILL; src/runtime/fatal_signal.cpp): the faulting
+// thread's backtrace on stderr with the rank, the signal and the fault address, then death by the
+// same signal. install_fatal_signal_handlers() runs first in main(), before MPI_Init (the rank then
+// comes from OMPI_COMM_WORLD_RANK, PMIX_RANK or SLURM_PROCID; Open MPI keeps a handler installed
+// before MPI_Init instead of its own); fatal_signal_mpi_ready() after it: the real rank and world
+// size, the handlers checked (re-installed if a library replaced them). Test hook:
+// SHARDTRAIN_TEST_FATAL_SIGNAL=WHAT[:RANK][:pre] (docs/errors.md).
+void install_fatal_signal_handlers();
+void fatal_signal_mpi_ready(int rank, int world);
+
 // RAII section for the collective watchdog (see Comm::watch_begin).
 class CommWatch {
  public:
