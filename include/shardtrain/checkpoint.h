@@ -177,8 +177,60 @@ void set_aside_later_checkpoints(Comm& comm, const std::string& dir, int64_t ste
 // file: a path that is not one shared directory on every rank (node-local, a relative path under
 // different working directories, a file system not mounted everywhere) would make the collective
 // write hang or publish an incomplete file. Throws CollectiveError (same message on every rank)
-// naming the directory and, for the last case, the ranks that do not see it.
+// naming the directory and, for the last case, the ranks that do not see it. The probe is named
+// ".shardtrain-probe-<tag>.<nonce>" (tag: rank 0's checkpoint_temp_tag(); written through
+// "<probe>.tmp") and removed again.
 void prepare_checkpoint_dir(Comm& comm, const std::string& dir);
+
+// ---- Temporary files of the checkpoint directory ----------------------------------------------
+//
+// Every name a save or the directory probe creates in '--checkpoint-dir' before it is final
+// carries the tag of rank 0's process, so that a run can tell its own leftovers (a job killed
+// with SIGKILL mid-save) from a live job's files (a shared file system may hold several jobs'
+// directories, and a misdirected job may write into another's):
+//   ".step_N.h5.<tag>.tmp"                    the checkpoint being written (all ranks, MPI-IO)
+//   "latest.<tag>.tmp"                        `latest`'s new contents, staged before the file
+//   ".shardtrain-probe-<tag>.<nonce>[.tmp]"   prepare_checkpoint_dir's probe
+// One tag per save, rank 0's, broadcast: the collective file must have one name on every rank.
+
+// This process's tag: "<host>.<pid>", host = gethostname() with every character outside
+// [A-Za-z0-9.-] replaced by '-' ("unknown-host" when empty), followed by "_pidns<inode>" when the
+// process is not in the initial PID namespace (a container: its process ids are not the host's,
+// and two containers on one host may share a host name), pid = getpid() (the same for the
+// background writer thread). Not collective.
+std::string checkpoint_temp_tag();
+
+// A temporary name of the checkpoint directory, parsed (parse_checkpoint_temp_name).
+struct CheckpointTempName {
+  enum class Kind { kCheckpoint, kLatest, kProbe };
+  Kind kind = Kind::kCheckpoint;
+  bool tagged = false;  // false: an untagged name of an earlier version (".step_N.h5.tmp",
+                        // "latest.tmp", ".shardtrain-probe-<digits>[.tmp]"): no host, pid 0
+  std::string host;     // the tag's host part (with its "_pidns<inode>", if any)
+  long long pid = 0;    // the tag's process id (>= 1 when tagged)
+};
+// Whether `name` (a file name, no directory) is one of the temporary names above, tagged or of an
+// earlier version; fills *out when it is. A tag is "<host>.<pid>": host non-empty, of
+// [A-Za-z0-9._-], pid decimal digits (no leading zero, at most 18). Not collective.
+bool parse_checkpoint_temp_name(const std::string& name, CheckpointTempName* out);
+
+// Call on every rank (no MPI call: rank 0 alone looks at `dir`, the others return at once). Run
+// once when a training run starts (the trainer, after prepare_checkpoint_dir). Rank 0 lists `dir` (not its sub-directories)
+// and, for each temporary name (parse_checkpoint_temp_name):
+//  - tagged, this host (the host part equal to this process's, and not "localhost..."), and its
+//    process gone (kill(pid, 0) fails with ESRCH, or the process is a zombie): removed (a save
+//    that was killed; nothing reads it), and a note "removed '<name>' ...: process <pid> on host
+//    <host> is gone";
+//  - tagged, this host, process alive (or this process itself, or EPERM: another user's): left,
+//    note "left '<name>' ...: process <pid> on <host> is alive". A process id reused since the
+//    writer died reads as alive too: the file is left and reported, never a live job's removed;
+//  - tagged, another host (or a "localhost..." host name, which does not identify a machine):
+//    left, note "... of host <host>: not checked from here";
+//  - untagged (an earlier version's): left, note "... names no process: not removed".
+// Returns the notes on rank 0, in name order (the caller logs them); empty on the other ranks.
+// Never throws: a failure to list or to remove becomes a note (these files are never read, so
+// leaving one is harmless; published_checkpoints and resolve_resume see only "step_N.h5").
+std::vector<std::string> clean_checkpoint_temp_files(Comm& comm, const std::string& dir);
 
 // ---- Tensor data --------------------------------------------------------------------------
 
@@ -358,19 +410,20 @@ CheckpointSnapshot take_checkpoint_snapshot(const ShardedTensors& t, const Model
 // directory has too little space. Throws CollectiveError naming the file (disk full, HDF5 failure).
 void write_checkpoint_file(Comm& comm, const std::string& path, const CheckpointSnapshot& snap);
 
-// Collective. Writes `snap` (of step N = snap.state.step) to "<dir>/.step_N.h5.tmp" (after
-// prepare_checkpoint_dir, and after writing `latest`'s new contents to "<dir>/latest.tmp", so that
-// a disk filling during the save cannot fail the publication), then publishes it
-// (publish_checkpoint). Returns the published path.
+// Collective. Writes `snap` (of step N = snap.state.step) to "<dir>/.step_N.h5.<tag>.tmp" (tag:
+// rank 0's checkpoint_temp_tag(), broadcast; after prepare_checkpoint_dir, and after writing
+// `latest`'s new contents to "<dir>/latest.<tag>.tmp", so that a disk filling during the save
+// cannot fail the publication), then publishes it (publish_checkpoint). Returns the published path.
 // Throws CollectiveError (same message on every rank) if the directory cannot be created or
 // written, or HDF5 fails. The test hook CheckpointOptions::debug_crash_before_publish ends the
 // process (exit status 86) between the two.
 std::string save_checkpoint(Comm& comm, const CheckpointSnapshot& snap, const CheckpointOptions& co);
 
-// Collective. Publishes the complete file "<dir>/.step_N.h5.tmp" (N = `step`): rank 0 fsyncs it,
-// renames it to "<dir>/step_N.h5", fsyncs the directory, points "<dir>/latest" at it
-// (write-temp-then-rename; "<dir>/latest.tmp" is written before the rename, or taken as it is when
-// save_checkpoint wrote it already, so that no space is needed once the checkpoint is renamed),
+// Collective. Publishes the complete file "<dir>/.step_N.h5.<tag>.tmp" (N = `step`, tag: rank 0's
+// checkpoint_temp_tag()): rank 0 fsyncs it, renames it to "<dir>/step_N.h5", fsyncs the directory,
+// points "<dir>/latest" at it (write-temp-then-rename; "<dir>/latest.<tag>.tmp" is written before
+// the rename, or taken as it is when save_checkpoint wrote it already, so that no space is needed
+// once the checkpoint is renamed),
 // and only then deletes the oldest checkpoints beyond co.keep_last
 // (never step N's). Returns the published path. Throws CollectiveError naming it on failure.
 std::string publish_checkpoint(Comm& comm, const CheckpointOptions& co, int64_t step);

@@ -7,19 +7,21 @@
 
 namespace shardtrain {
 
-// Writes `bytes` to `path` atomically: to "<path>.tmp" first, flushed (and fsync'd, with the
-// directory, when `durable`), then renamed over `path`. Readers see the old file or the new one,
-// never a partial one. On failure the temporary file is removed and std::runtime_error names
-// `path` (and `what`, e.g. "option '--out'", when given).
+// Writes `bytes` to `path` atomically: to "<path><tmp_suffix>" ("<path>.tmp" by default) first,
+// flushed (and fsync'd, with the directory, when `durable`), then renamed over `path`. Readers see
+// the old file or the new one, never a partial one. On failure the temporary file is removed and
+// std::runtime_error names `path` (and `what`, e.g. "option '--out'", when given). `tmp_suffix`:
+// the checkpoint directory's writers pass ".<host>.<pid>.tmp" (checkpoint.h checkpoint_temp_tag),
+// so that a leftover names its process.
 void write_file_atomic(const std::string& path, const std::string& bytes, bool durable = false,
-                       const std::string& what = "");
+                       const std::string& what = "", const std::string& tmp_suffix = ".tmp");
 // write_file_atomic in two halves, for a caller that must know the new file fits before it changes
 // anything else (publish_checkpoint writes `latest` this way before it renames the checkpoint):
-// write_file_temp writes (and, when `durable`, fsyncs) "<path>.tmp" and returns its name; the
-// message of a failure names `path` and the errno's text. commit_file_temp renames it over `path`
-// (no new space needed) and fsyncs the directory when `durable`.
+// write_file_temp writes (and, when `durable`, fsyncs) "<path><tmp_suffix>" and returns its name;
+// the message of a failure names `path` and the errno's text. commit_file_temp renames it over
+// `path` (no new space needed) and fsyncs the directory when `durable`.
 std::string write_file_temp(const std::string& path, const std::string& bytes, bool durable = false,
-                            const std::string& what = "");
+                            const std::string& what = "", const std::string& tmp_suffix = ".tmp");
 void commit_file_temp(const std::string& tmp, const std::string& path, bool durable = false, const std::string& what = "");
 
 // Refuses an output path that exists and is not a regular file (a directory, a device such as

@@ -1,7 +1,9 @@
-// The checkpoint directory (checkpoint.h): names, the temporary file, fsync + rename, `latest`,
-// --keep-last, the abandoned continuation of a rolled-back run, and --resume resolution. Rank 0
+// The checkpoint directory (checkpoint.h): names, the temporary files (tagged with rank 0's host
+// and process id) and the removal of a dead process's, fsync + rename, `latest`, --keep-last, the
+// abandoned continuation of a rolled-back run, and --resume resolution. Rank 0
 // alone touches the directory; the ranks agree on the outcome.
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 
@@ -15,7 +17,9 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <limits>
 #include <stdexcept>
+#include <string_view>
 #include <thread>
 
 #include "checkpoint_internal.h"
@@ -49,14 +53,147 @@ std::string free_space_note(const std::string& dir) {
   return f.empty() ? f : " (" + f + ")";
 }
 
-std::string tmp_path_of(const CheckpointOptions& co, int64_t step) {
+// "<dir>/.step_N.h5.<tag>.tmp": the checkpoint being written (checkpoint.h, "Temporary files").
+std::string tmp_path_of(const CheckpointOptions& co, int64_t step, const std::string& tag) {
   std::string name = ".";  // (GCC 12's -Wrestrict misreads "." + std::string here)
   name += checkpoint_name(step);
-  name += ".tmp";
+  name += "." + tag + ".tmp";
   return (fs::path(co.dir) / name).string();
 }
 
+// `latest`'s temporary file: "<dir>/latest.<tag>.tmp" (write_file_temp's suffix).
+std::string latest_suffix(const std::string& tag) { return "." + tag + ".tmp"; }
+
+constexpr const char* kProbePrefix = ".shardtrain-probe-";
+
+bool all_digits(std::string_view s) {
+  return !s.empty() && std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
+// "<host>.<pid>" -> host, pid; false unless both are well-formed (checkpoint.h).
+bool parse_tag(std::string_view tag, CheckpointTempName* out) {
+  const size_t dot = tag.rfind('.');
+  if (dot == std::string_view::npos || dot == 0) return false;
+  const std::string_view host = tag.substr(0, dot), pid = tag.substr(dot + 1);
+  if (!all_digits(pid) || pid.size() > 18 || pid[0] == '0') return false;
+  if (!std::all_of(host.begin(), host.end(), [](char c) {
+        return std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '-' || c == '_';
+      }))
+    return false;
+  out->tagged = true;
+  out->host = std::string(host);
+  out->pid = std::stoll(std::string(pid));
+  return true;
+}
+
+// Whether process `pid` of this host (this PID namespace) is gone: kill(pid, 0) fails with ESRCH,
+// or it is a zombie (it has exited; its parent has not collected it yet: mpirun's ranks for a
+// moment after a kill -9). Anything else (alive, EPERM: another user's) counts as alive.
+bool process_gone(long long pid) {
+  if (pid <= 0 || pid > std::numeric_limits<pid_t>::max()) return false;
+  if (::kill(static_cast<pid_t>(pid), 0) != 0) return errno == ESRCH;
+  std::ifstream st("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  std::getline(st, line);
+  const size_t paren = line.rfind(')');  // "pid (comm) S ...": comm may hold spaces and parentheses
+  return paren != std::string::npos && paren + 2 < line.size() && (line[paren + 2] == 'Z' || line[paren + 2] == 'X');
+}
+
 }  // namespace
+
+std::string checkpoint_temp_tag() {
+  char h[256] = {};
+  std::string host;
+  if (::gethostname(h, sizeof h - 1) == 0) host = h;
+  for (char& c : host)
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '-')) c = '-';
+  if (host.empty()) host = "unknown-host";
+  // A process in a PID namespace other than the initial one (inode 0xEFFFFFFC, PROC_PID_INIT_INO)
+  // has process ids that mean nothing outside it: such a container's files name their namespace.
+  char ns[64] = {};
+  const ssize_t n = ::readlink("/proc/self/ns/pid", ns, sizeof ns - 1);
+  if (n > 0) {
+    const std::string_view v(ns, static_cast<size_t>(n));  // "pid:[4026531836]"
+    if (v.starts_with("pid:[") && v.ends_with("]")) {
+      const std::string_view ino = v.substr(5, v.size() - 6);
+      if (all_digits(ino) && ino != "4026531836") host += "_pidns" + std::string(ino);
+    }
+  }
+  return host + "." + std::to_string(static_cast<long long>(::getpid()));
+}
+
+bool parse_checkpoint_temp_name(const std::string& name, CheckpointTempName* out) {
+  CheckpointTempName t;
+  std::string_view v(name);
+  // ".step_NNNNNNNN.h5" + (".tmp" | ".<tag>.tmp")
+  if (v.size() > 17 && v[0] == '.' && is_checkpoint_name(std::string(v.substr(1, 16))) && v.ends_with(".tmp")) {
+    t.kind = CheckpointTempName::Kind::kCheckpoint;
+    const std::string_view mid = v.substr(17, v.size() - 17 - 4);  // "" or ".<tag>"
+    if (!(mid.empty() || (mid[0] == '.' && parse_tag(mid.substr(1), &t)))) return false;
+  } else if (v.starts_with("latest.") && v.ends_with(".tmp")) {
+    t.kind = CheckpointTempName::Kind::kLatest;
+    const std::string_view mid = v.substr(6, v.size() - 6 - 4);  // "" or ".<tag>"
+    if (!(mid.empty() || (mid[0] == '.' && parse_tag(mid.substr(1), &t)))) return false;
+  } else if (v.starts_with(kProbePrefix)) {
+    t.kind = CheckpointTempName::Kind::kProbe;
+    v.remove_prefix(std::strlen(kProbePrefix));
+    if (v.ends_with(".tmp")) v.remove_suffix(4);          // write_file_atomic's own temporary
+    const size_t dot = v.rfind('.');                       // "<tag>.<nonce>" or "<nonce>"
+    if (dot == std::string_view::npos) {
+      if (!all_digits(v)) return false;
+    } else if (!all_digits(v.substr(dot + 1)) || !parse_tag(v.substr(0, dot), &t)) {
+      return false;
+    }
+  } else {
+    return false;
+  }
+  if (out != nullptr) *out = t;
+  return true;
+}
+
+std::vector<std::string> clean_checkpoint_temp_files(Comm& comm, const std::string& dir) {
+  std::vector<std::string> notes;
+  if (comm.rank() != 0) return notes;
+  try {
+    std::vector<std::pair<std::string, CheckpointTempName>> found;
+    std::error_code ec;
+    for (auto it = fs::directory_iterator(dir, ec); !ec && it != fs::directory_iterator(); it.increment(ec)) {
+      CheckpointTempName t;
+      std::error_code ec2;
+      const std::string n = it->path().filename().string();
+      // Regular files only (not followed through links): a directory or link of that name is no save's.
+      if (parse_checkpoint_temp_name(n, &t) && fs::is_regular_file(it->symlink_status(ec2))) found.emplace_back(n, t);
+    }
+    if (ec) notes.push_back("note: could not list '" + dir + "' for the temporary files of interrupted saves: " + ec.message());
+    std::sort(found.begin(), found.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+    const std::string mine = checkpoint_temp_tag();
+    const std::string my_host = mine.substr(0, mine.rfind('.'));
+    const bool host_known = !my_host.starts_with("localhost");
+    for (const auto& [n, t] : found) {
+      const std::string at = "'" + n + "' in '" + dir + "'";
+      if (!t.tagged) {
+        notes.push_back("note: left " + at + ": a temporary file of an earlier shardtrain version, which names no " +
+                        "process: not removed (remove it once no job of an earlier version writes to this directory)");
+      } else if (t.host != my_host || !host_known) {
+        notes.push_back("note: left " + at + ": a temporary file of process " + std::to_string(t.pid) + " of host " +
+                        t.host + ": not checked from here" +
+                        (host_known ? std::string() : " (host name '" + my_host + "' does not identify a machine)"));
+      } else if (t.pid == static_cast<long long>(::getpid()) || !process_gone(t.pid)) {
+        notes.push_back("note: left " + at + ": process " + std::to_string(t.pid) + " on " + t.host +
+                        " is alive (a save of another job, or a process id used again since its writer died)");
+      } else if (fs::remove(fs::path(dir) / n, ec); ec) {
+        notes.push_back("note: could not remove " + at + " (process " + std::to_string(t.pid) + " on " + t.host +
+                        " is gone): " + ec.message());
+      } else {
+        notes.push_back("note: removed " + at + ": a temporary file of an interrupted save; process " +
+                        std::to_string(t.pid) + " on " + t.host + " is gone");
+      }
+    }
+  } catch (const std::exception& e) {  // (allocation; the listing itself reports through ec)
+    notes.push_back("note: looking for the temporary files of interrupted saves in '" + dir + "': " + e.what());
+  }
+  return notes;
+}
 
 std::string checkpoint_name(int64_t step) {
   char b[64];
@@ -96,7 +233,8 @@ void set_aside_later_checkpoints(Comm& comm, const std::string& dir, int64_t ste
           moved += (moved.empty() ? "" : ", ") + n;
         }
         if (fs::equivalent(fs::path(resumed).parent_path().empty() ? "." : fs::path(resumed).parent_path(), dir, ec))
-          write_file_atomic((fs::path(dir) / "latest").string(), fs::path(resumed).filename().string() + "\n", true);
+          write_file_atomic((fs::path(dir) / "latest").string(), fs::path(resumed).filename().string() + "\n", true, "",
+                            latest_suffix(checkpoint_temp_tag()));
       }
     } catch (const std::exception& e) {
       err = "moving the later checkpoints of the abandoned run in '" + dir + "' aside: " + e.what();
@@ -109,25 +247,30 @@ void set_aside_later_checkpoints(Comm& comm, const std::string& dir, int64_t ste
                        "/abandoned/', so that --keep-last and '--resume auto' follow this run");
 }
 
-void prepare_checkpoint_dir(Comm& comm, const std::string& dir) {
-  std::string err;
-  uint64_t nonce = 0;
+namespace {
+
+// prepare_checkpoint_dir; returns rank 0's checkpoint_temp_tag() on every rank (the names of the
+// save that follows).
+std::string prepare_dir(Comm& comm, const std::string& dir) {
+  std::string err, id;  // id: "<tag>.<nonce>"
   if (comm.rank() == 0) {
     std::error_code ec;
     fs::create_directories(dir, ec);
     if (ec) err = "cannot create checkpoint directory '" + dir + "' (option '--checkpoint-dir'): " + ec.message();
     else if (::access(dir.c_str(), W_OK) != 0)
       err = "checkpoint directory '" + dir + "' is not writable (option '--checkpoint-dir')";
-    nonce = static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()) ^
-            (static_cast<uint64_t>(::getpid()) << 40);
+    const uint64_t nonce = static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()) ^
+                           (static_cast<uint64_t>(::getpid()) << 40);
+    id = checkpoint_temp_tag() + "." + std::to_string(nonce);
   }
   all_ok(comm, err.empty(), err);
-  comm.broadcast(&nonce, 1, 0);
+  id = comm.broadcast_string(id, 0);
+  const std::string tag = id.substr(0, id.rfind('.'));
   // A name never used before: no rank can have it in a (negative) lookup cache.
-  const std::string probe = (fs::path(dir) / (".shardtrain-probe-" + std::to_string(nonce))).string();
+  const std::string probe = (fs::path(dir) / (kProbePrefix + id)).string();
   if (comm.rank() == 0) {
     try {
-      write_file_atomic(probe, std::to_string(nonce) + "\n");
+      write_file_atomic(probe, id + "\n");  // (through "<probe>.tmp", which carries the tag too)
     } catch (const std::exception& e) {  // (a disk filled by another writer before the save fails here)
       err = "checkpoint directory '" + dir + "' (option '--checkpoint-dir'): " + e.what() + free_space_note(dir);
     }
@@ -135,7 +278,7 @@ void prepare_checkpoint_dir(Comm& comm, const std::string& dir) {
   all_ok(comm, err.empty(), err);
   std::string seen;
   std::ifstream(probe) >> seen;
-  const std::vector<int> blind = ranks_differing_from_root(comm, seen == std::to_string(nonce) ? 1 : 0);
+  const std::vector<int> blind = ranks_differing_from_root(comm, seen == id ? 1 : 0);
   if (comm.rank() == 0) ::unlink(probe.c_str());
   if (!blind.empty())
     throw CollectiveError(blind.front(), "checkpoint directory '" + dir + "' (option '--checkpoint-dir') is not the same "
@@ -143,12 +286,18 @@ void prepare_checkpoint_dir(Comm& comm, const std::string& dir) {
                                          "wrote there (a node-local path, a relative path under different working "
                                          "directories, or a file system not mounted on every node); every rank must "
                                          "write into one shared directory");
+  return tag;
 }
+
+}  // namespace
+
+void prepare_checkpoint_dir(Comm& comm, const std::string& dir) { (void)prepare_dir(comm, dir); }
 
 std::string save_checkpoint(Comm& comm, const CheckpointSnapshot& snap, const CheckpointOptions& co) {
   const int64_t step = snap.state.step;
-  prepare_checkpoint_dir(comm, co.dir);
-  // `latest`'s new contents are written (to "latest.tmp") before the checkpoint, like the file's
+  const std::string tag = prepare_dir(comm, co.dir);  // rank 0's: one name on every rank
+  const std::string tmp_path = tmp_path_of(co, step, tag);
+  // `latest`'s new contents are written (to "latest.<tag>.tmp") before the checkpoint, like the file's
   // reserved space: a disk that another writer fills during the save then cannot fail the
   // publication either (it failed there when `latest` was written last: issue 29's race).
   // publish_checkpoint renames it into place; a save that fails removes it.
@@ -156,16 +305,16 @@ std::string save_checkpoint(Comm& comm, const CheckpointSnapshot& snap, const Ch
   std::string err;
   if (comm.rank() == 0) {
     try {
-      (void)write_file_temp(latest, checkpoint_name(step) + "\n", true);
+      (void)write_file_temp(latest, checkpoint_name(step) + "\n", true, "", latest_suffix(tag));
     } catch (const std::exception& e) {
-      err = "checkpoint '" + tmp_path_of(co, step) + "': " + e.what() + free_space_note(co.dir);
+      err = "checkpoint '" + tmp_path + "': " + e.what() + free_space_note(co.dir);
     }
   }
   all_ok(comm, err.empty(), err);
   try {
-    write_checkpoint_file(comm, tmp_path_of(co, step), snap);
+    write_checkpoint_file(comm, tmp_path, snap);
   } catch (...) {
-    if (comm.rank() == 0) ::unlink((latest + ".tmp").c_str());
+    if (comm.rank() == 0) ::unlink((latest + latest_suffix(tag)).c_str());
     throw;
   }
   if (co.test_delay_before_publish_ms > 0)
@@ -181,7 +330,8 @@ std::string save_checkpoint(Comm& comm, const CheckpointSnapshot& snap, const Ch
 
 std::string publish_checkpoint(Comm& comm, const CheckpointOptions& co, int64_t step) {
   const std::string final_path = (fs::path(co.dir) / checkpoint_name(step)).string();
-  const std::string tmp_path = tmp_path_of(co, step);
+  const std::string tag = comm.rank() == 0 ? checkpoint_temp_tag() : "";  // (rank 0 alone uses the names)
+  const std::string tmp_path = tmp_path_of(co, step, tag);
   std::string err;
   // Rank 0: fsync data, rename, fsync dir, move `latest`, then prune.
   if (comm.rank() == 0) {
@@ -190,7 +340,7 @@ std::string publish_checkpoint(Comm& comm, const CheckpointOptions& co, int64_t 
       if (int e = fsync_path(tmp_path, false, /*drop_cache=*/true)) {
         std::error_code ec;
         fs::remove(tmp_path, ec);
-        fs::remove(fs::path(co.dir) / "latest.tmp", ec);
+        fs::remove(fs::path(co.dir) / ("latest" + latest_suffix(tag)), ec);
         throw std::runtime_error("fsync of '" + tmp_path + "' failed: " + std::strerror(e) + "; not published, removed");
       }
       // `latest`'s new contents are written before anything is renamed: on a disk that another
@@ -198,13 +348,13 @@ std::string publish_checkpoint(Comm& comm, const CheckpointOptions& co, int64_t 
       // is published (the .tmp removed, `latest` untouched) rather than a checkpoint renamed into
       // place that `latest` does not name. The two renames need no space.
       const std::string latest = (fs::path(co.dir) / "latest").string(), want = checkpoint_name(step) + "\n";
-      std::string latest_tmp = latest + ".tmp", staged;
+      std::string latest_tmp = latest + latest_suffix(tag), staged;
       {
         std::ifstream in(latest_tmp, std::ios::binary);
         staged.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
       }
       try {
-        if (staged != want) latest_tmp = write_file_temp(latest, want, true);  // (not staged by save_checkpoint)
+        if (staged != want) latest_tmp = write_file_temp(latest, want, true, "", latest_suffix(tag));  // (not staged by save_checkpoint)
       } catch (const std::exception& e) {
         std::error_code ec;
         fs::remove(tmp_path, ec);

@@ -63,9 +63,10 @@ void check_output_path(const std::string& path, const std::string& what) {
                            "; give the name of a file to write");
 }
 
-std::string write_file_temp(const std::string& path, const std::string& bytes, bool durable, const std::string& what) {
+std::string write_file_temp(const std::string& path, const std::string& bytes, bool durable, const std::string& what,
+                            const std::string& tmp_suffix) {
   check_output_path(path, what);
-  const std::string tmp = path + ".tmp";
+  const std::string tmp = path + tmp_suffix;
   const std::string ctx = "'" + path + "'" + (what.empty() ? "" : " (" + what + ")");
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   if (fd < 0) throw std::runtime_error("cannot write " + ctx + ": " + std::strerror(errno));
@@ -103,8 +104,9 @@ void commit_file_temp(const std::string& tmp, const std::string& path, bool dura
   }
 }
 
-void write_file_atomic(const std::string& path, const std::string& bytes, bool durable, const std::string& what) {
-  commit_file_temp(write_file_temp(path, bytes, durable, what), path, durable, what);
+void write_file_atomic(const std::string& path, const std::string& bytes, bool durable, const std::string& what,
+                       const std::string& tmp_suffix) {
+  commit_file_temp(write_file_temp(path, bytes, durable, what, tmp_suffix), path, durable, what);
 }
 
 }  // namespace shardtrain

@@ -418,6 +418,8 @@ template <typename C> void Trainer<C>::prepare_outputs() {
   if (!tc_.checkpoint_dir.empty()) {
     // Before hours of training, not at the first save: every rank must see one shared directory.
     prepare_checkpoint_dir(comm_, tc_.checkpoint_dir);
+    // What a killed save left: removed where its process is gone, reported otherwise (checkpoint.h).
+    for (const std::string& note : clean_checkpoint_temp_files(comm_, tc_.checkpoint_dir)) log_info(comm_, note);
     if (!resume_path_.empty()) set_aside_later_checkpoints(comm_, tc_.checkpoint_dir, state_.step, resume_path_);
   }
   std::string err;
