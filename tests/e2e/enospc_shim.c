@@ -22,8 +22,8 @@
 //   ENOSPC_SHIM_OFFSET=A-B  only writes starting at a byte offset in [A, B) can fail (HDF5 puts its
 //                      superblock and root group in a checkpoint's first 2 KiB and writes them only
 //                      when the file is closed: 0-2048 selects the metadata flush of the close)
-//   ENOSPC_SHIM_NAME   only files whose path contains this can fail (".h5.tmp": the checkpoint being
-//                      written, not `latest` or the directory probe)
+//   ENOSPC_SHIM_NAME   only files whose path contains this can fail (".step_": the checkpoint being
+//                      written, ".step_N.h5.<host>.<pid>.tmp", not `latest` or the directory probe)
 //   ENOSPC_SHIM_SKIP   the first this many writes that would fail succeed instead (counted per
 //                      process), so a failure can be placed later in the save
 // fallocate is never failed with an errno other than ENOSPC (a reservation either gets the space

@@ -12,8 +12,11 @@ if mount -t tmpfs -o size=600k tmpfs "$WORK/small" 2>/dev/null; then
   timeout -k 5 60 $MPIRUN -np 2 "$BIN" "${ARGS[@]}" --checkpoint-dir "$WORK/small/ck" --stop-at-step 2 >"$WORK/first.log" 2>&1 \
     || { cat "$WORK/first.log"; fail "first checkpoint on the small disk"; }
   sum=$(sha256sum "$WORK/small/ck/step_00000002.h5")
-  expect_fail disk_full "checkpoint '$WORK/small/ck/.step_00000004.h5.tmp': not enough space in '$WORK/small/ck'" 2 \
-    "${ARGS[@]}" --checkpoint-dir "$WORK/small/ck" --resume auto
+  expect_fail disk_full "': not enough space in '$WORK/small/ck'" 2 "${ARGS[@]}" --checkpoint-dir "$WORK/small/ck" --resume auto
+  # The file named is the save's temporary, tagged with rank 0's host and process id.
+  host=$(hostname | tr -c 'A-Za-z0-9.\n-' '-')
+  grep -qE "error \[rank 0/2\]: checkpoint '$WORK/small/ck/\.step_00000004\.h5\.$host(_pidns[0-9]+)?\.[1-9][0-9]*\.tmp': not enough space in '$WORK/small/ck'" \
+    "$WORK/disk_full.log" || { cat "$WORK/disk_full.log"; fail "disk_full: the message does not name '.step_00000004.h5.$host.<pid>.tmp'"; }
   # Without the up-front reservation the write fails half-way: the ranks agree on the failure and
   # exit 1 (test_checkpoint_diskfull.sh checks this in detail; the watchdog is only a backstop).
   rc=0

@@ -8,8 +8,10 @@
 #    before the write) equals, in every group, dataset and attribute (tests/e2e/h5_equal.py), the
 #    step-4 file of a synchronous run (--checkpoint-async off) stopped at step 4;
 #  * kill -9 of one rank while the save of step 8 is in flight (its .tmp written, not published):
-#    `latest` still names step 4's complete file, the .tmp is not read (it is overwritten with junk
-#    first), and --resume auto reproduces the uninterrupted run's 12 losses bitwise.
+#    `latest` still names step 4's complete file, the .tmp (".step_00000008.h5.<host>.<pid>.tmp",
+#    rank 0's host and pid) is not read (it is overwritten with junk first), the resumed run removes
+#    it with a note (its process is gone), and --resume auto reproduces the uninterrupted run's 12
+#    losses bitwise. (tests/e2e/test_checkpoint_tmp_names.sh: live and other hosts' files.)
 source "$(dirname "$0")/common.sh"
 DATA=$(test_corpus)
 ARGS=(--model tiny --data "$DATA" --seq-len 16 --global-batch 12 --log-every 1 --eval-every 0 --eval-batches 1 --threads 1)
@@ -62,11 +64,16 @@ CK=$WORK/kill
 SHARDTRAIN_TEST_CHECKPOINT_WRITE_DELAY_MS=4000 $MPIRUN -np 3 "$BIN" "${ARGS[@]}" --steps 12 --checkpoint-every 4 \
   --checkpoint-dir "$CK" --metrics "$WORK/kill.jsonl" >"$WORK/kill.log" 2>&1 &
 JOB=$!
+TMP=
 for _ in $(seq 1 600); do
-  [ -e "$CK/.step_00000008.h5.tmp" ] && break
+  TMP=$(compgen -G "$CK/.step_00000008.h5.*.tmp") && break
   sleep 0.05
 done
-[ -e "$CK/.step_00000008.h5.tmp" ] || { kill -9 $JOB; cat "$WORK/kill.log"; fail "kill -9: the save of step 8 never started"; }
+[ -n "$TMP" ] || { kill -9 $JOB; cat "$WORK/kill.log"; fail "kill -9: the save of step 8 never started"; }
+TMP=${TMP##*/}
+RANK0=${TMP%.tmp}
+RANK0=${RANK0##*.}  # rank 0's process id, from the temporary name
+pgrep -P $JOB | grep -qx "$RANK0" || fail "kill -9: '$TMP' does not name a rank of the job (its ranks: $(pgrep -P $JOB | xargs))"
 sleep 0.3  # into the second half of the delay: the .tmp is written, not published
 [ ! -e "$CK/step_00000008.h5" ] || fail "kill -9: step 8 already published (the delay is too short on this machine)"
 kill -9 "$(pgrep -P $JOB | sed -n 3p)"
@@ -76,15 +83,19 @@ wait $JOB || RC=$?
 [ "$RC" -ne 0 ] || fail "kill -9: exit status 0"
 [ "$(cat "$CK/latest")" = "step_00000004.h5" ] || fail "kill -9: latest is '$(cat "$CK/latest")', expected step_00000004.h5"
 "$PY" "$ROOT/tests/e2e/ckpt_meta.py" verify "$CK/step_00000004.h5" >/dev/null || fail "kill -9: step 4's checkpoint is not complete"
-[ -e "$CK/.step_00000008.h5.tmp" ] && [ ! -e "$CK/step_00000008.h5" ] || { ls -la "$CK"; fail "kill -9: expected an unpublished .step_00000008.h5.tmp"; }
-echo "junk, not HDF5: reading this file is a bug" >"$CK/.step_00000008.h5.tmp"
+[ -e "$CK/$TMP" ] && [ ! -e "$CK/step_00000008.h5" ] || { ls -la "$CK"; fail "kill -9: expected an unpublished $TMP"; }
+for _ in $(seq 1 100); do kill -0 "$RANK0" 2>/dev/null || break; sleep 0.1; done
+echo "junk, not HDF5: reading this file is a bug" >"$CK/$TMP"
 timeout -k 5 120 $MPIRUN -np 3 "$BIN" "${ARGS[@]}" --steps 12 --checkpoint-every 4 --checkpoint-dir "$CK" --resume auto \
   --metrics "$WORK/kill.jsonl" >"$WORK/kill-resume.log" 2>&1 || { cat "$WORK/kill-resume.log"; fail "kill -9: resume"; }
 grep -q "resumed from '$CK/step_00000004.h5' at step 4" "$WORK/kill-resume.log" || { cat "$WORK/kill-resume.log"; fail "kill -9: did not resume from step 4"; }
 [ "$(losses "$WORK/kill.jsonl" | wc -l)" -eq 12 ] || fail "kill -9: the resumed metrics do not hold 12 losses"
 diff <(losses "$WORK/w3-fp32-a.jsonl") <(losses "$WORK/kill.jsonl") || fail "kill -9: resumed losses differ from the uninterrupted run's"
 [ "$(cat "$CK/latest")" = "step_00000012.h5" ] || fail "kill -9: latest is not step 12 after the resumed run"
-echo "ok: kill -9 of rank 2 during the background save of step 8 (exit $RC): latest -> step_00000004.h5 (complete), the .tmp unread; resumed, 12 losses bitwise equal to the uninterrupted run"
+grep -qF "note: removed '$TMP' in '$CK': a temporary file of an interrupted save; process $RANK0 on " "$WORK/kill-resume.log" \
+  || { cat "$WORK/kill-resume.log"; fail "kill -9: the resumed run did not remove '$TMP' with a note"; }
+[ ! -e "$CK/$TMP" ] && ! ls -a "$CK" | grep -q '\.tmp$' || { ls -la "$CK"; fail "kill -9: a temporary file is left after the resumed run"; }
+echo "ok: kill -9 of rank 2 during the background save of step 8 (exit $RC): latest -> step_00000004.h5 (complete), '$TMP' unread and removed at the resume; resumed, 12 losses bitwise equal to the uninterrupted run"
 
 # SIGUSR1 while the save of step 4 is in flight: the preemption save waits for it (published), then
 # saves its own step; exit 75.

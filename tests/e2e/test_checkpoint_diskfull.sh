@@ -50,7 +50,7 @@ expect_diskfull() {
   ! grep -q "has not completed after" "$log" || { cat "$log"; fail "$name: the collective watchdog fired"; }
   grep -q "saved checkpoint\|step_00000004.h5'" "$log" && grep -q "latest -> step_00000004" "$log" && fail "$name: step 4 published"
   for r in 0 1; do
-    grep -q "error \[rank $r/2\]: .*\.step_00000004\.h5\.tmp'" "$log" || { cat "$log"; fail "$name: rank $r did not report the error naming the file"; }
+    grep -q "error \[rank $r/2\]: .*/\.step_00000004\.h5\.[A-Za-z0-9._-]*\.[0-9]*\.tmp'" "$log" || { cat "$log"; fail "$name: rank $r did not report the error naming the file"; }
   done
   grep -q "error \[rank 0/2\]: .*$want" "$log" || { cat "$log"; fail "$name: message lacks '$want'"; }
   grep -q "error \[rank 0/2\]: .*KiB free" "$log" || { cat "$log"; fail "$name: message lacks the free space"; }
@@ -91,7 +91,7 @@ EXTRA=()
 # HDF5's broadcast that rank 0 had skipped); write_checkpoint_file now records it and the ranks agree
 # on it after the close (docs/checkpoint-format.md, "A failure during the write").
 EIO="Input/output error"
-eio=(LD_PRELOAD="$SHIM" ENOSPC_SHIM_DIR="$(realpath "$CK")" ENOSPC_SHIM_ERRNO=EIO ENOSPC_SHIM_NAME=.h5.tmp)
+eio=(LD_PRELOAD="$SHIM" ENOSPC_SHIM_DIR="$(realpath "$CK")" ENOSPC_SHIM_ERRNO=EIO ENOSPC_SHIM_NAME=.step_)
 expect_diskfull eio_meta_rank0 "$CK" "writing HDF5's metadata or tables (.*closing the file) failed: $EIO" "${eio[@]}" \
   ENOSPC_SHIM_RANK=0 ENOSPC_SHIM_OFFSET=0-2048
 EXTRA=(--checkpoint-async off)
@@ -166,14 +166,14 @@ race_case() {
   SHARDTRAIN_TEST_CHECKPOINT_WRITE_DELAY_MS=800 timeout -k 5 30 $MPIRUN -np 2 -x SHARDTRAIN_TEST_CHECKPOINT_WRITE_DELAY_MS \
     "$BIN" "${ARGS[@]}" --checkpoint-dir "$dir" --resume auto >"$log" 2>&1 &
   mpid=$!
-  local tmp=$dir/.step_00000004.h5.tmp
-  local seen=0
+  local tmp= seen=0
   for ((i = 0; i < 3000 && !seen; i++)); do  # (10 ms polls; the run itself is bounded by its timeout)
     kill -0 "$mpid" 2>/dev/null || break
+    [ -n "$tmp" ] || tmp=$(compgen -G "$dir/.step_00000004.h5.*.tmp" | head -1) || true  # (named by rank 0's host and pid)
     case $when in
       before) grep -q "resumed from" "$log" && seen=1 ;;
-      reserved) [ -e "$tmp" ] && seen=1 ;;
-      closed) [ -e "$tmp" ] && [ "$(stat -c %s "$tmp" 2>/dev/null || echo 0)" -eq "$size" ] &&
+      reserved) [ -n "$tmp" ] && [ -e "$tmp" ] && seen=1 ;;
+      closed) [ -n "$tmp" ] && [ -e "$tmp" ] && [ "$(stat -c %s "$tmp" 2>/dev/null || echo 0)" -eq "$size" ] &&
         [ $(($(stat -c %b "$tmp" 2>/dev/null || echo 0) * 512)) -lt $((need_kib * 1024)) ] && seen=1 ;;
     esac
     [ "$seen" -eq 1 ] || sleep 0.01
