@@ -45,7 +45,7 @@ std::atomic<int> g_reporting{0};
 
 // ---- async-signal-safe output ----
 struct Out {
-  char buf[512];
+  char buf[1024];
   size_t n = 0;
   void s(const char* t) {
     while (*t && n < sizeof buf) buf[n++] = *t++;
@@ -142,6 +142,14 @@ void prefix(Out& o, const char* what = "fatal") {
   o.s("] ");
 }
 
+// Whether the page holding address a is mapped (mincore(2): ENOMEM for an unmapped range).
+uintptr_t g_page = 4096;  // sysconf(_SC_PAGESIZE), read at install time
+bool page_mapped(uintptr_t a) {
+  const uintptr_t page = g_page;
+  unsigned char v = 0;
+  return a >= page && mincore(reinterpret_cast<void*>(a & ~(page - 1)), page, &v) == 0;
+}
+
 // The instruction pointer and stack pointer of the interrupted context.
 uintptr_t* ctx_pc(void* uc) {
 #if defined(__x86_64__)
@@ -206,31 +214,41 @@ void report(int sig, siginfo_t* si, void* uc) {
   uintptr_t* sp = uc ? reinterpret_cast<uintptr_t*>(&static_cast<ucontext_t*>(uc)->uc_mcontext.gregs[REG_RSP]) : nullptr;
   uintptr_t saved_sp = sp ? *sp : 0;
 #endif
-  bool null_call = false;
+  bool null_call = false, wild_pc = false;
+  uintptr_t ret_addr = 0;
   if (pc) {
     saved_pc = *pc;
     o.s(", instruction at ");
     o.x(saved_pc);
-    // A call through a null (or tiny) function pointer: the instruction pointer is in the null page.
-    // The unwinder finds no frame there and would stop; the caller is one return away.
-    if (sig == SIGSEGV && saved_pc < 4096) {
-      null_call = true;
+    // A call through a null (or tiny) function pointer, or a dangling one (into a library no longer
+    // mapped): the instruction pointer is in no mapping. The unwinder finds no frame there (and its
+    // fallback would read the code at that address, faulting again inside this handler); the caller
+    // is one return away.
+    null_call = sig == SIGSEGV && saved_pc < 4096;
+    wild_pc = !null_call && (sig == SIGSEGV || sig == SIGBUS) && !page_mapped(saved_pc);
+    if (null_call || wild_pc) {
 #if defined(__x86_64__)
-      if (sp) {  // `call` pushed the return address: pretend the callee returned at once
-        *pc = *reinterpret_cast<uintptr_t*>(saved_sp);
+      if (sp && page_mapped(saved_sp)) {  // `call` pushed the return address: pretend the callee returned at once
+        ret_addr = *reinterpret_cast<uintptr_t*>(saved_sp);
+        *pc = ret_addr;
         *sp = saved_sp + sizeof(uintptr_t);
       }
 #elif defined(__aarch64__)
-      *pc = static_cast<ucontext_t*>(uc)->uc_mcontext.regs[30];  // the link register
+      ret_addr = static_cast<ucontext_t*>(uc)->uc_mcontext.regs[30];  // the link register
+      *pc = ret_addr;
 #endif
     }
   }
   o.s("\n");
   o.flush();
-  if (null_call) {
+  if (null_call || wild_pc) {
     prefix(o);
-    o.s("the instruction address is in the null page: a call through a null function pointer; the backtrace "
-        "starts at its caller (the frame after the signal frame)\n");
+    o.s(null_call ? "the instruction address is in the null page: a call through a null function pointer"
+                  : "the instruction address is in no mapping: a call through a dangling function pointer (e.g. into "
+                    "an unloaded library)");
+    o.s(" (or a return to a corrupted address); the backtrace starts at the return address on the stack, ");
+    o.x(ret_addr);
+    o.s(" (the frame after the signal frame)\n");
     o.flush();
   }
   prefix(o);
@@ -239,13 +257,34 @@ void report(int sig, siginfo_t* si, void* uc) {
   void* frames[64];
   const int n = backtrace(frames, 64);
   // Frame 0 is this handler (report, inlined or not, and on_fatal_signal): from its caller on.
+  // Each frame's line is one write(2), so that the reports of ranks sharing a terminal or a job log
+  // do not interleave inside a line: backtrace_symbols_fd writes the symbol into a pipe, read back.
+  int pfd[2] = {-1, -1};
+  const bool piped = pipe2(pfd, O_CLOEXEC | O_NONBLOCK) == 0;
   for (int k = 1; k < n; ++k) {
     prefix(o);
     o.s("  #");
     o.i(k - 1);
     o.s(" ");
+    if (!piped) {
+      o.flush();
+      backtrace_symbols_fd(&frames[k], 1, 2);
+      continue;
+    }
+    backtrace_symbols_fd(&frames[k], 1, pfd[1]);
+    char line[768];
+    ssize_t got = 0, r;
+    while (got < static_cast<ssize_t>(sizeof line) - 1 &&
+           (r = ::read(pfd[0], line + got, sizeof line - 1 - static_cast<size_t>(got))) > 0)
+      got += r;
+    line[got] = 0;
+    o.s(line);  // ends with the newline backtrace_symbols_fd wrote
+    if (got == 0 || line[got - 1] != '\n') o.s("\n");
     o.flush();
-    backtrace_symbols_fd(&frames[k], 1, 2);
+  }
+  if (piped) {
+    ::close(pfd[0]);
+    ::close(pfd[1]);
   }
   prefix(o);
   o.s("end of backtrace; ending the process with ");
@@ -323,7 +362,7 @@ Injection parse_injection() {
   }
   in.what = parts[0];
   if (in.what != "SIGSEGV" && in.what != "SIGBUS" && in.what != "SIGFPE" && in.what != "SIGILL" &&
-      in.what != "NULLCALL" && in.what != "STACKOVERFLOW")
+      in.what != "NULLCALL" && in.what != "WILDCALL" && in.what != "STACKOVERFLOW")
     return in;
   for (int k = 1; k < np; ++k) {
     const std::string& p = parts[k];
@@ -348,6 +387,15 @@ __attribute__((noinline)) void fatal_signal_test_segv() {
 }
 __attribute__((noinline)) void fatal_signal_test_null_call() {
   void (*volatile f)() = nullptr;
+  f();
+  asm volatile("" ::: "memory");  // not a tail call: this frame stays on the stack
+}
+__attribute__((noinline)) void fatal_signal_test_wild_call() {
+  // A function pointer into a page that is no longer mapped (as after a library was unloaded).
+  void* m = mmap(nullptr, 4096, PROT_READ | PROT_EXEC, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (m == MAP_FAILED) return;
+  munmap(m, 4096);
+  void (*volatile f)() = reinterpret_cast<void (*)()>(static_cast<char*>(m) + 16);
   f();
   asm volatile("" ::: "memory");  // not a tail call: this frame stays on the stack
 }
@@ -381,6 +429,7 @@ void maybe_inject(bool pre) {
   if (in.rank >= 0 && in.rank != g_rank.load()) return;
   if (in.what == "SIGSEGV") fatal_signal_test_segv();
   else if (in.what == "NULLCALL") fatal_signal_test_null_call();
+  else if (in.what == "WILDCALL") fatal_signal_test_wild_call();
   else if (in.what == "SIGBUS") fatal_signal_test_bus();
   else if (in.what == "SIGFPE") fatal_signal_test_fpe();
   else if (in.what == "SIGILL") fatal_signal_test_ill();
@@ -406,6 +455,7 @@ void install_fatal_signal_handlers() {
       break;
     }
   }
+  if (const long ps = sysconf(_SC_PAGESIZE); ps > 0) g_page = static_cast<uintptr_t>(ps);
   if (gethostname(g_host, sizeof g_host - 1) != 0) std::strcpy(g_host, "?");
   g_host[sizeof g_host - 1] = 0;
   {  // load libgcc's unwinder now: the first backtrace() dlopen()s it, which a handler must not do

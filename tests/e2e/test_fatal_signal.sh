@@ -7,7 +7,7 @@
 # within the timeout. Open MPI's own handler ("*** Process received signal ***") stays out: ours is
 # installed before MPI_Init. Cases: SIGSEGV after MPI_Init on rank 1; before MPI_Init on rank 0 (the
 # rank from the launcher's environment); a call through a null function pointer (the fault at address
-# 0 with no frame of its own: the report starts at its caller); SIGBUS, SIGFPE, SIGILL; a stack
+# 0 with no frame of its own: the report starts at its caller), and through a dangling one; SIGBUS, SIGFPE, SIGILL; a stack
 # overflow (reported from the alternate signal stack); a malformed hook value is ignored.
 source "$(dirname "$0")/common.sh"
 
@@ -57,6 +57,9 @@ fault segv_before_init SIGSEGV:0:pre 0 11 SIGSEGV fatal_signal_test_segv \
 # A call through a null function pointer: instruction at 0x0, and the backtrace names the caller.
 fault null_call NULLCALL:1 1 11 SIGSEGV fatal_signal_test_null_call \
   'instruction at 0x0$' 'a call through a null function pointer'
+# A call through a dangling function pointer (into an unmapped page, as after a library was unloaded).
+fault wild_call WILDCALL:0 0 11 SIGSEGV fatal_signal_test_wild_call \
+  'the instruction address is in no mapping: a call through a dangling function pointer'
 fault sigbus SIGBUS:1 1 7 SIGBUS fatal_signal_test_bus 'BUS_ADRERR'
 fault sigfpe SIGFPE:0 0 8 SIGFPE fatal_signal_test_fpe 'FPE_INTDIV'
 fault sigill SIGILL:1 1 4 SIGILL fatal_signal_test_ill 'ILL_ILLOP'
