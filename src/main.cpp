@@ -500,6 +500,17 @@ void run_inspect(Comm& comm, const Options& o) {
                        std::to_string(comm.world_size()) + " ranks) to " + o.dump_out + "/<name>.bin");
 }
 
+// Test hook SHARDTRAIN_TEST_MODE_PAUSE=FLAG (docs/errors.md): after the options are parsed and the
+// signal dispositions of the mode set, each rank creates FLAG.<rank> (holding its process id) and
+// waits, at most 60 s, until it is removed; the tests send signals meanwhile.
+void test_mode_pause(int rank) {
+  const char* v = std::getenv("SHARDTRAIN_TEST_MODE_PAUSE");
+  if (v == nullptr || *v == '\0') return;
+  const std::string flag = std::string(v) + "." + std::to_string(rank);
+  { std::ofstream(flag) << ::getpid() << "\n"; }
+  for (int i = 0; i < 6000 && path_exists(flag); ++i) ::usleep(10'000);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -522,6 +533,8 @@ int main(int argc, char** argv) {
                                        : "CUDA backend: not built (no nvcc at build time; --device cpu only)"));
       return 0;
     }
+    if (o.run.mode != Mode::Train) end_on_stop_signals();  // training keeps SIGTERM's meaning: save, exit 75
+    test_mode_pause(comm.rank());
     switch (o.run.mode) {
       case Mode::Prepare: run_prepare(comm, o); break;
       case Mode::Tokenizer: run_tokenizer(comm, o); break;

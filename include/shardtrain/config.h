@@ -177,6 +177,10 @@ void take_special_ids_from_data(Comm& comm, ModelConfig& c, const std::string& c
 // config.json (anything ending in ".json") — and validates it; it then broadcasts the canonical
 // JSON, every rank parses it, and all ranks check (via an FNV-1a hash all-reduce) that they hold
 // byte-identical configs. If rank 0 fails, every rank throws CollectiveError with rank 0's message.
-ModelConfig resolve_model_config(Comm& comm, const std::string& spec);
+// A config file must be a regular file (no FIFO or device; files.h InputFile) of at most
+// kMaxConfigBytes. With `dir` given, `spec` is a file name inside directory `dir` (a Hugging Face
+// directory from strangers), opened by InputFile::open_inside.
+inline constexpr uint64_t kMaxConfigBytes = 64ull << 20;
+ModelConfig resolve_model_config(Comm& comm, const std::string& spec, const std::string& dir = "");
 
 }  // namespace shardtrain

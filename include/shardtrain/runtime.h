@@ -217,6 +217,12 @@ inline constexpr int kExitCollectiveTimeout = 70;
 void install_stop_handlers();
 // The recorded signal number, 0 if none.
 int stop_signal();
+// For the modes that do not train (prepare, tokenizer, plan, inspect, export, import, generate):
+// SIGTERM and SIGINT take their default action again (the process ends at once), replacing
+// install_stop_handlers' recording handler, whose SA_RESTART would have a blocked system call
+// restart and the signal wait for a poll that only the training loop makes. SIGINT is reset even
+// where the launcher left it ignored (a background job of a non-interactive shell).
+void end_on_stop_signals();
 
 // Fatal signals (SIGSEGV, SIGBUS, SIGFPE, SIGILL; src/runtime/fatal_signal.cpp): the faulting
 // thread's backtrace on stderr with the rank, the signal and the fault address, then death by the

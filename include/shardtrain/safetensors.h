@@ -5,8 +5,11 @@
 // contiguous row-major little-endian and together cover the buffer exactly.
 #pragma once
 
+#include "shardtrain/files.h"
+
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -43,6 +46,7 @@ struct StEntry {
 };
 struct StFile {
   std::string path;
+  std::shared_ptr<const InputFile> file;  // the descriptor the header came from; tensors are read from it
   uint64_t data_start = 0;  // 8 + N
   std::vector<StEntry> entries;
 };
@@ -53,13 +57,18 @@ struct StFile {
 // Hugging Face libraries read too; it also bounds the memory a damaged length can make us allocate.
 inline constexpr uint64_t kSafetensorsMaxHeader = 100'000'000;
 
-// Parses and validates the header: JSON, dtypes (F32/BF16/F16), offsets inside the file, sizes
-// matching dtype x shape, no overlaps and no gaps. Throws std::runtime_error naming the file and
-// the tensor; a header length longer than the rest of the file: "... exceeds the file (M bytes
+// Parses and validates the header: JSON, dtypes (F32/BF16/F16), shapes (JSON integers in
+// [0, 2^63); a fraction, a negative or larger number is refused naming the dimension), offsets
+// inside the file, sizes matching dtype x shape, no overlaps and no gaps. Throws std::runtime_error
+// naming the file and the tensor; a header length longer than the rest of the file: "... exceeds the file (M bytes
 // after the 8-byte length)"; one within the file but above kSafetensorsMaxHeader: "... exceeds the
 // safetensors format's limit of 100000000 bytes".
+// The StFile keeps `file` open: every tensor is read through the descriptor the header came
+// from, so a name swapped meanwhile changes nothing that is read.
+StFile read_safetensors_header(const InputFile& file);
+// The same for a file named by the user (InputFile::open: a regular file).
 StFile read_safetensors_header(const std::string& path);
-// Reads one tensor as fp32.
+// Reads one tensor as fp32, from f.file.
 std::vector<float> read_safetensors_tensor(const StFile& f, const StEntry& e);
 
 }  // namespace shardtrain

@@ -1,5 +1,6 @@
 // Option parsing with Boost.ProgramOptions; range checks that name the offending option.
 #include "shardtrain/options.h"
+#include "shardtrain/files.h"
 #include "shardtrain/data.h"
 
 #include <boost/program_options.hpp>
@@ -342,12 +343,13 @@ Options parse_options(Comm& comm, int argc, char** argv) {
   if (!cfg.empty()) {
     std::string rerr;
     if (comm.rank() == 0) {
-      std::ifstream f(cfg);
-      std::error_code ec;
-      if (!f || !std::filesystem::is_regular_file(cfg, ec)) rerr = "cannot read job file '" + cfg + "' (option '--config'): not a readable file";
-      std::stringstream ss;
-      ss << f.rdbuf();
-      text = ss.str();
+      // A regular file, checked on the open descriptor without blocking (files.h InputFile).
+      try {
+        if (!path_exists(cfg)) throw std::runtime_error("cannot read job file '" + cfg + "': no such file");
+        text = InputFile::open(cfg, "job file").read_all(16u << 20);
+      } catch (const std::exception& e) {
+        rerr = std::string(e.what()) + " (option '--config')";
+      }
     }
     all_ok(comm, rerr.empty(), rerr);
     text = comm.broadcast_string(text, 0);

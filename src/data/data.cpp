@@ -74,13 +74,22 @@ struct Fd {
 
 // Opens `path` read-only; throws naming it if it is missing, unreadable or a directory. Returns its size.
 uint64_t open_token_file(const std::string& path, Fd& f) {
-  f.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (f.fd < 0)
-    throw std::runtime_error("cannot open token file '" + path + "' (make one with --mode prepare): " +
-                             std::strerror(errno));
+  // O_NONBLOCK: a FIFO is refused below, not waited on in open(2).
+  f.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
+  if (f.fd < 0) {
+    const int e = errno;
+    struct stat st {};
+    if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode) && !S_ISDIR(st.st_mode))
+      throw std::runtime_error("token file '" + path + "' is not a regular file (a socket or device)");
+    throw std::runtime_error("cannot open token file '" + path + "' (make one with --mode prepare): " + std::strerror(e));
+  }
   struct stat st {};
   if (::fstat(f.fd, &st) != 0) fail_file(path, std::string("cannot stat: ") + std::strerror(errno));
   if (S_ISDIR(st.st_mode)) throw std::runtime_error("token file '" + path + "' is a directory");
+  if (!S_ISREG(st.st_mode))
+    throw std::runtime_error("token file '" + path + "' is not a regular file (" +
+                             (S_ISFIFO(st.st_mode) ? "a FIFO" : S_ISSOCK(st.st_mode) ? "a socket" : "a device") + ")");
+  ::fcntl(f.fd, F_SETFL, ::fcntl(f.fd, F_GETFL) & ~O_NONBLOCK);
   return static_cast<uint64_t>(st.st_size);
 }
 

@@ -66,14 +66,8 @@ std::string jsonl_text(const std::string& line, const std::string& field, const 
 
 namespace {
 
-std::string read_file(const std::string& path, const std::string& what) {
-  std::ifstream f(path, std::ios::binary);
-  std::error_code ec;
-  if (!f || fs::is_directory(path, ec)) throw std::runtime_error("cannot read " + what + " '" + path + "'");
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
+// A tokenizer file named by the user: a regular file (InputFile: never a FIFO's endless wait).
+std::string read_file(const std::string& path, const std::string& what) { return InputFile::open(path, what).read_all(); }
 
 class ByteLevelTokenizer final : public Tokenizer {
  public:
@@ -313,7 +307,8 @@ void add_sorted_dir(const fs::path& dir, std::vector<std::string>& out) {
       if (it->is_directory(ec)) it.disable_recursion_pending();
       continue;
     }
-    if (it->is_regular_file(ec)) files.push_back(it->path().string());
+    // Everything but a directory: a FIFO, socket or device found here is refused by expand_inputs.
+    if (!it->is_directory(ec)) files.push_back(it->path().string());
   }
   if (ec) throw std::runtime_error("cannot list input directory '" + dir.string() + "' (option '--input'): " + ec.message());
   std::sort(files.begin(), files.end());
@@ -416,6 +411,16 @@ std::vector<std::string> expand_inputs(const std::vector<std::string>& specs, co
       }
     }
   }
+  // Every input that exists must be a regular file, checked without blocking: a FIFO would
+  // otherwise hang the reader in open(2) (a missing file is named when it is opened).
+  for (const std::string& p : out)
+    if (path_exists(p)) {
+      try {
+        (void)InputFile::open(p, "input text");
+      } catch (const std::exception& e) {
+        throw std::runtime_error(std::string(e.what()) + " (option '" + option + "')");
+      }
+    }
   return out;
 }
 
@@ -446,15 +451,17 @@ std::unique_ptr<Tokenizer> load_tokenizer(const std::string& spec) {
                              "': no such file or directory (give 'byte-level', a SentencePiece .model file, or a "
                              "directory holding tokenizer.model)");
   if (fs::is_directory(spec, ec)) {
+    // A directory's files (often a downloaded model's) are read as import reads them: each a
+    // regular file, opened inside the directory (files.h InputFile::open_inside).
     const fs::path model = fs::path(spec) / "tokenizer.model";
-    if (!fs::is_regular_file(model, ec))
+    const std::string what = "tokenizer directory '" + spec + "'";
+    if (!path_exists(model.string()))
       throw std::runtime_error("cannot load tokenizer '" + spec + "': the directory holds no tokenizer.model "
                                "(a SentencePiece model; tokenizer.json alone is not supported)");
-    auto t = std::make_unique<SentencePieceTokenizer>(spec, model.string(), read_file(model.string(), "tokenizer file"));
-    for (const char* extra : {"tokenizer_config.json", "special_tokens_map.json"}) {
-      const fs::path p = fs::path(spec) / extra;
-      if (fs::is_regular_file(p, ec)) t->add_file(extra, read_file(p.string(), "tokenizer file"));
-    }
+    auto t = std::make_unique<SentencePieceTokenizer>(spec, model.string(),
+                                                      InputFile::open_inside(spec, "tokenizer.model", what).read_all());
+    for (const char* extra : {"tokenizer_config.json", "special_tokens_map.json"})
+      if (path_exists((fs::path(spec) / extra).string())) t->add_file(extra, InputFile::open_inside(spec, extra, what).read_all());
     return t;
   }
   return std::make_unique<SentencePieceTokenizer>(spec, spec, read_file(spec, "tokenizer"));

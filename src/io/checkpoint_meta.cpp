@@ -958,6 +958,8 @@ CheckpointInfo read_checkpoint_info(Comm& comm, const std::string& path) {
     std::error_code ec;
     if (!fs::exists(path, ec)) throw H5Error("no such file");
     if (fs::is_directory(path, ec)) throw H5Error("is a directory, not a checkpoint file");
+    // A FIFO would block H5Fis_hdf5's open(2): refused by its type, which stat(2) gives without opening.
+    if (!fs::is_regular_file(path, ec)) throw H5Error("is not a regular file (a FIFO, socket or device), not a checkpoint file");
     v.bytes = static_cast<int64_t>(fs::file_size(path, ec));
     if (ec) throw H5Error("cannot read its size (" + ec.message() + ")");
     if (H5Fis_hdf5(path.c_str()) <= 0) throw H5Error("not an HDF5 file");

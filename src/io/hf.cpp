@@ -281,14 +281,9 @@ void write_own_tokenizer(const fs::path& d, const TokenizerInfo& t, const ModelC
 TokenizerInfo read_hf_tokenizer(const std::string& dir, const ModelConfig& mc) {
   TokenizerInfo t = no_tokenizer();
   for (const std::string& name : tokenizer_file_names()) {
-    const fs::path p = path_inside(dir, name, "Hugging Face directory '" + dir + "'");
-    std::error_code ec;
-    if (!fs::is_regular_file(p, ec)) continue;
-    std::ifstream in(p, std::ios::binary);
-    std::stringstream ss;
-    ss << in.rdbuf();
-    if (!in) throw std::runtime_error("cannot read tokenizer file '" + p.string() + "'");
-    t.files[name] = ss.str();
+    // Absent: skipped. Present: a regular file inside `dir`, read through the descriptor checked.
+    if (!path_exists(path_inside(dir, name, "Hugging Face directory '" + dir + "'"))) continue;
+    t.files[name] = InputFile::open_inside(dir, name, "Hugging Face directory '" + dir + "' (tokenizer file)").read_all();
   }
   if (t.files.count("tokenizer.model")) {
     sentencepiece::SentencePieceProcessor sp;
@@ -487,9 +482,8 @@ void import_hf(Comm& comm, const std::string& hf_dir, const std::string& out_pat
     all_ok(comm, err.empty(), err);
   }
   // Config: rank 0 alone resolves it, as for training. Every file read lies inside hf_dir.
-  std::string config_path;
-  agree(comm, [&] { config_path = path_inside(hf_dir, "config.json", "Hugging Face directory '" + hf_dir + "'"); });
-  ModelConfig mc = resolve_model_config(comm, config_path);
+  const std::string config_path = (fs::path(hf_dir) / "config.json").string();
+  ModelConfig mc = resolve_model_config(comm, "config.json", hf_dir);
   std::string data_info = "null";  // the checkpoint's record of the token file, as training writes it
   if (!data_path.empty()) {  // as training does: every rank reads the token file's header itself
     TokenFileHeader h;
@@ -518,16 +512,16 @@ void import_hf(Comm& comm, const std::string& hf_dir, const std::string& out_pat
     const std::string what = "Hugging Face directory '" + hf_dir + "'";
     fs::path d(hf_dir), single = path_inside(hf_dir, "model.safetensors", what),
                         index = path_inside(hf_dir, "model.safetensors.index.json", what);
-    std::vector<std::string> names;
-    if (fs::exists(index)) {
+    std::vector<std::string> names;  // inside hf_dir, each opened once by open_inside
+    if (path_exists(index)) {
+      const std::string text = InputFile::open_inside(hf_dir, "model.safetensors.index.json", what).read_all();
       json j;
       try {
-        std::ifstream in(index);
-        j = json::parse(in);
+        j = json::parse(text);
       } catch (const std::exception& e) {
         throw std::runtime_error("index '" + index.string() + "' is not valid JSON (" + e.what() + ")");
       }
-      if (!j.contains("weight_map") || !j["weight_map"].is_object())
+      if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
         throw std::runtime_error("index '" + index.string() + "' has no 'weight_map' object");
       std::set<std::string> uniq;
       for (auto& [k, v] : j["weight_map"].items()) {
@@ -539,18 +533,21 @@ void import_hf(Comm& comm, const std::string& hf_dir, const std::string& out_pat
         // A name from the file: it must stay inside the directory (no absolute path, no '..', no
         // link out), or a crafted index would have us read, and echo in messages, any file.
         const std::string p = path_inside(hf_dir, u, "index '" + index.string() + "' (key 'weight_map')");
-        if (!fs::exists(p))
+        if (!path_exists(p))
           throw std::runtime_error("index '" + index.string() + "' names shard file '" + u + "', which is missing");
-        names.push_back(p);
+        names.push_back(u);
       }
-    } else if (fs::exists(single)) {
-      names.push_back(single.string());
+    } else if (path_exists(single)) {
+      names.push_back("model.safetensors");
     } else if (fs::exists(d / "pytorch_model.bin")) {
       throw std::runtime_error("'" + hf_dir + "' holds pytorch_model.bin only; re-save it with safe_serialization=True");
     } else {
       throw std::runtime_error("'" + hf_dir + "' has no model.safetensors or model.safetensors.index.json");
     }
-    for (auto& nm : names) files.push_back(read_safetensors_header(nm));
+    // One descriptor per file from its header to its last tensor (StFile::file).
+    for (auto& nm : names)
+      files.push_back(read_safetensors_header(InputFile::open_inside(
+          hf_dir, nm, nm == "model.safetensors" ? what : "index '" + index.string() + "' (key 'weight_map')")));
     for (size_t fi = 0; fi < files.size(); ++fi)
       for (size_t ei = 0; ei < files[fi].entries.size(); ++ei) {
         const std::string& raw = files[fi].entries[ei].name;

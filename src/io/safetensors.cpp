@@ -4,6 +4,8 @@
 #include "shardtrain/bf16.h"
 
 #include <algorithm>
+#include <climits>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -110,17 +112,39 @@ void write_safetensors(const std::string& path, const std::vector<StTensor>& ts,
   if (!o) throw std::runtime_error("write failed for '" + path + "' (disk full?)");
 }
 
+namespace {
+// A count from the header (a dimension, an offset): a JSON integer in [0, max], checked before any
+// conversion (nlohmann's get<int64_t>() truncates 64.9, and converting 1e300 is undefined).
+template <typename Fail>
+uint64_t json_count(const json& d, const std::string& which, uint64_t max, Fail&& fail) {
+  const std::string w = which + " (" + d.dump() + ")";
+  if (d.is_number_float()) {
+    const double x = d.get<double>();
+    if (std::isfinite(x) && x == std::floor(x) && std::fabs(x) > static_cast<double>(max))
+      fail(w + " is out of range (" + (max == UINT64_MAX ? "2^64" : "2^63") + " or more)");
+    fail(w + " is not an integer (a JSON integer, without fraction or exponent)");
+  }
+  if (!d.is_number_integer()) fail(w + " is not an integer");
+  if (!d.is_number_unsigned() && d.get<int64_t>() < 0) fail(w + " is negative");
+  if (d.get<uint64_t>() > max) fail(w + " is out of range (" + (max == UINT64_MAX ? "2^64" : "2^63") + " or more)");
+  return d.get<uint64_t>();
+}
+}  // namespace
+
 StFile read_safetensors_header(const std::string& path) {
+  return read_safetensors_header(InputFile::open(path, "safetensors file"));
+}
+
+StFile read_safetensors_header(const InputFile& file) {
   StFile f;
-  f.path = path;
+  f.path = file.path();
+  f.file = std::make_shared<const InputFile>(file);
+  const std::string& path = f.path;
   auto fail = [&](const std::string& w) { throw std::runtime_error("safetensors file '" + path + "': " + w); };
-  std::error_code ec;
-  if (!std::filesystem::is_regular_file(path, ec)) fail("no such file");
-  uint64_t fsize = std::filesystem::file_size(path, ec);
-  std::ifstream in(path, std::ios::binary);
-  if (!in || fsize < 8) fail("shorter than its 8-byte header length");
+  const uint64_t fsize = file.size();
+  if (fsize < 8) fail("shorter than its 8-byte header length");
   unsigned char len[8];
-  in.read(reinterpret_cast<char*>(len), 8);
+  file.read_at(len, 8, 0);
   uint64_t n = 0;
   for (int i = 0; i < 8; ++i) n |= static_cast<uint64_t>(len[i]) << (8 * i);
   if (n > fsize - 8)
@@ -130,7 +154,7 @@ StFile read_safetensors_header(const std::string& path) {
     fail("header length " + std::to_string(n) + " bytes exceeds the safetensors format's limit of " +
          std::to_string(kSafetensorsMaxHeader) + " bytes (MAX_HEADER_SIZE of the safetensors library)");
   std::string hs(n, '\0');
-  in.read(hs.data(), static_cast<std::streamsize>(n));
+  file.read_at(hs.data(), n, 8);
   f.data_start = 8 + n;
   const uint64_t data_len = fsize - f.data_start;
   json h;
@@ -150,18 +174,21 @@ StFile read_safetensors_header(const std::string& path) {
       else if (dt == "BF16") e.dtype = DType::BF16;
       else if (dt == "F16") e.dtype = DType::F16;
       else fail("tensor '" + k + "' has unsupported dtype " + dt + " (F32, BF16, F16 are read)");
-      e.shape = v.at("shape").get<std::vector<int64_t>>();
-      auto off = v.at("data_offsets").get<std::vector<uint64_t>>();
-      if (off.size() != 2) fail("tensor '" + k + "': data_offsets must have 2 entries");
-      e.begin = off[0];
-      e.end = off[1];
+      const json& shape = v.at("shape");
+      if (!shape.is_array()) fail("tensor '" + k + "': shape must be a list of integers, got " + shape.dump());
+      for (size_t i = 0; i < shape.size(); ++i)
+        e.shape.push_back(static_cast<int64_t>(
+            json_count(shape[i], "tensor '" + k + "': dimension " + std::to_string(i) + " of its shape", INT64_MAX, fail)));
+      const json& off = v.at("data_offsets");
+      if (!off.is_array() || off.size() != 2) fail("tensor '" + k + "': data_offsets must have 2 entries");
+      e.begin = json_count(off[0], "tensor '" + k + "': data_offsets[0]", UINT64_MAX, fail);
+      e.end = json_count(off[1], "tensor '" + k + "': data_offsets[1]", UINT64_MAX, fail);
     } catch (const nlohmann::json::exception& ex) {
       fail("tensor '" + k + "': malformed entry (" + ex.what() + ")");
     }
     // Elements and bytes with overflow checks: [2^62, 4] must not wrap to 0 bytes.
     uint64_t numel = 1, bytes = 0;
     for (auto d : e.shape) {
-      if (d < 0) fail("tensor '" + k + "' has a negative dimension");
       if (__builtin_mul_overflow(numel, static_cast<uint64_t>(d), &numel))
         fail("tensor '" + k + "': the element count of its shape overflows 64 bits");
     }
@@ -189,11 +216,14 @@ StFile read_safetensors_header(const std::string& path) {
 }
 
 std::vector<float> read_safetensors_tensor(const StFile& f, const StEntry& e) {
-  std::ifstream in(f.path, std::ios::binary);
-  in.seekg(static_cast<std::streamoff>(f.data_start + e.begin));
+  if (!f.file) throw std::logic_error("read_safetensors_tensor: '" + f.path + "' is not open");
+  test_file_pause("read", f.path);
   std::vector<char> buf(e.end - e.begin);
-  in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
-  if (!in) throw std::runtime_error("safetensors file '" + f.path + "': cannot read tensor '" + e.name + "'");
+  try {
+    f.file->read_at(buf.data(), buf.size(), f.data_start + e.begin);
+  } catch (const std::exception& ex) {
+    throw std::runtime_error("safetensors file '" + f.path + "': cannot read tensor '" + e.name + "' (" + ex.what() + ")");
+  }
   size_t n = buf.size() / dtype_size(e.dtype);
   std::vector<float> out(n);
   for (size_t i = 0; i < n; ++i) {

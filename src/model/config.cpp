@@ -1,5 +1,6 @@
 // Model config: presets, Hugging Face config.json parsing, validation, canonical JSON, broadcast.
 #include "shardtrain/config.h"
+#include "shardtrain/files.h"
 
 #include <algorithm>
 #include <climits>
@@ -188,6 +189,8 @@ std::vector<int> parse_eos_ids(const json& j, const std::string& source) {
   return ids;
 }
 
+void check_llama3_rope(const RopeScaling& r, const std::string& key, const std::string& source);
+
 // One RoPE settings object, config.json's `key` ("rope_scaling" of transformers 4.x or
 // "rope_parameters" of 5.x): its type (rope_type, or the older "type"; `dflt_type` when neither),
 // its rope_theta when it has one, and the llama3 parameters. Refuses other types naming the key.
@@ -218,6 +221,7 @@ void parse_rope_object(const json& o, const std::string& key, const std::string&
   // transformers >= 5 falls back to max_position_embeddings (standardize_rope_params).
   rs.original_max_position_embeddings =
       get_or<int>(o, "original_max_position_embeddings", max_pos, source, key + ".original_max_position_embeddings");
+  check_llama3_rope(rs, key, source);  // here, before validate(), so that the message names `key`
 }
 
 json rope_scaling_json(const RopeScaling& r) {
@@ -339,19 +343,23 @@ void set_rope_scaling(ModelConfig& c, const json& v, const std::string& source) 
   r.original_max_position_embeddings =
       get_or<int>(v, "original_max_position_embeddings", 0, source, "rope_scaling.original_max_position_embeddings");
 }
+// The llama3 parameters' ranges, messages naming config.json's `key` ("rope_scaling" or
+// "rope_parameters"): the form the user wrote is the one named.
+void check_llama3_rope(const RopeScaling& r, const std::string& key, const std::string& source) {
+  if (!(r.factor >= 1)) bad(source, "key '" + key + ".factor' must be >= 1, got " + json(r.factor).dump());
+  if (!(r.low_freq_factor > 0)) bad(source, "key '" + key + ".low_freq_factor' must be > 0, got " + json(r.low_freq_factor).dump());
+  if (!(r.high_freq_factor > r.low_freq_factor))
+    bad(source, "key '" + key + ".high_freq_factor' (" + json(r.high_freq_factor).dump() +
+                    ") must be greater than low_freq_factor (" + json(r.low_freq_factor).dump() + ")");
+  if (r.original_max_position_embeddings <= 0)
+    bad(source, "key '" + key + ".original_max_position_embeddings' must be positive, got " +
+                    std::to_string(r.original_max_position_embeddings));
+}
 void check_rope_scaling(const ModelConfig& c, const std::string& source) {
   const RopeScaling& r = c.rope_scaling;
   if (r.rope_type != "default" && r.rope_type != "llama3")
     bad(source, "rope type \"" + r.rope_type + "\" is not supported (\"default\" or \"llama3\")");
-  if (!r.is_llama3()) return;
-  if (!(r.factor >= 1)) bad(source, "key 'rope_scaling.factor' must be >= 1, got " + json(r.factor).dump());
-  if (!(r.low_freq_factor > 0)) bad(source, "key 'rope_scaling.low_freq_factor' must be > 0, got " + json(r.low_freq_factor).dump());
-  if (!(r.high_freq_factor > r.low_freq_factor))
-    bad(source, "key 'rope_scaling.high_freq_factor' (" + json(r.high_freq_factor).dump() +
-                    ") must be greater than low_freq_factor (" + json(r.low_freq_factor).dump() + ")");
-  if (r.original_max_position_embeddings <= 0)
-    bad(source, "key 'rope_scaling.original_max_position_embeddings' must be positive, got " +
-                    std::to_string(r.original_max_position_embeddings));
+  if (r.is_llama3()) check_llama3_rope(r, "rope_scaling", source);
 }
 void check_head_dim(const ModelConfig& c, const std::string& source) {
   if (c.head_dim_override < 0) bad(source, "key 'head_dim' must be positive, got " + std::to_string(c.head_dim_override));
@@ -628,7 +636,7 @@ void take_special_ids_from_data(Comm& comm, ModelConfig& c, const std::string& c
                                  " (does every rank read the same file?)");
 }
 
-ModelConfig resolve_model_config(Comm& comm, const std::string& spec) {
+ModelConfig resolve_model_config(Comm& comm, const std::string& spec, const std::string& dir) {
   std::string canon;
   std::string err;
   if (comm.rank() == 0) {
@@ -636,14 +644,15 @@ ModelConfig resolve_model_config(Comm& comm, const std::string& spec) {
       ModelConfig c;
       bool is_file = spec.size() > 5 && spec.substr(spec.size() - 5) == ".json";
       if (is_file) {
-        std::ifstream f(spec);
-        std::error_code ec;
-        if (!f || !std::filesystem::is_regular_file(spec, ec))
-          throw std::invalid_argument("cannot open model config file '" + spec + "'");
-        std::stringstream ss;
-        ss << f.rdbuf();
-        c = parse_hf_config(ss.str(), "'" + spec + "'");
-        validate(c, "'" + spec + "'");
+        const std::string path = dir.empty() ? spec : (std::filesystem::path(dir) / spec).string();
+        if (!path_exists(path)) throw std::invalid_argument("cannot open model config file '" + path + "': no such file");
+        // Read through one checked descriptor: a regular file (never a FIFO's endless wait), and
+        // for a file of `dir`, the file actually opened lies inside it.
+        const std::string text = dir.empty() ? InputFile::open(path, "model config file").read_all(kMaxConfigBytes)
+                                             : InputFile::open_inside(dir, spec, "Hugging Face directory '" + dir + "'")
+                                                   .read_all(kMaxConfigBytes);
+        c = parse_hf_config(text, "'" + path + "'");
+        validate(c, "'" + path + "'");
       } else {
         c = preset(spec);
         validate(c, "preset '" + spec + "'");

@@ -2,15 +2,19 @@
 #include "shardtrain/files.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <libdeflate.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <stdexcept>
+#include <cstdlib>
 
 namespace shardtrain {
 
@@ -21,39 +25,150 @@ uint32_t crc32_update(uint32_t crc, const void* p, size_t bytes) {
   return libdeflate_crc32(crc, p, bytes);
 }
 
-std::string path_inside(const std::string& dir, const std::string& name, const std::string& what) {
-  namespace fs = std::filesystem;
+namespace {
+
+namespace fs = std::filesystem;
+
+[[noreturn]] void refuse_inside(const std::string& dir, const std::string& name, const std::string& what,
+                                const std::string& why) {
+  throw std::runtime_error(what + " names '" + name + "', " + why + " of directory '" + dir +
+                           "': every file read must lie inside it");
+}
+
+// path_inside's rules for the name alone: not empty, not absolute, no "..".
+fs::path checked_name(const std::string& dir, const std::string& name, const std::string& what) {
   const fs::path rel(name);
-  auto refuse = [&](const std::string& why) {
-    throw std::runtime_error(what + " names '" + name + "', " + why + " of directory '" + dir +
-                             "': every file read must lie inside it");
-  };
-  if (name.empty()) refuse("an empty name, not a file");
-  if (rel.is_absolute() || rel.has_root_name() || rel.has_root_directory()) refuse("an absolute path outside");
+  if (name.empty()) refuse_inside(dir, name, what, "an empty name, not a file");
+  if (rel.is_absolute() || rel.has_root_name() || rel.has_root_directory())
+    refuse_inside(dir, name, what, "an absolute path outside");
   for (const fs::path& part : rel)
-    if (part == "..") refuse("a path with '..', which may lead out");
-  const fs::path p = fs::path(dir) / rel;
+    if (part == "..") refuse_inside(dir, name, what, "a path with '..', which may lead out");
+  return fs::path(dir) / rel;
+}
+
+// Refuses `real` (a canonical path: no links, no "..") unless it lies under canonical(dir) or, when
+// dir is a hub-cache snapshot, under that repository's blobs/.
+void check_real_inside(const std::string& dir, const std::string& name, const std::string& what, const fs::path& real) {
   std::error_code ec;
-  if (!fs::exists(fs::symlink_status(p, ec))) return p.string();
-  std::error_code ec2;
-  const fs::path real = fs::canonical(p, ec), top = fs::canonical(dir, ec2);
-  if (ec || ec2) refuse("a file that cannot be resolved (a dangling symbolic link?) inside");
+  const fs::path top = fs::canonical(dir, ec);
+  if (ec) refuse_inside(dir, name, what, "a file that cannot be resolved inside");
   auto under = [&](const fs::path& root) {
     return std::mismatch(root.begin(), root.end(), real.begin(), real.end()).first == root.end();
   };
-  if (under(top)) return p.string();
+  if (under(top)) return;
   // A Hugging Face hub cache snapshot (huggingface_hub's layout: models--ORG--NAME/snapshots/REV/FILE
   // is a symbolic link to ../../blobs/SHA256): links into that repository's own blobs/ are inside.
   if (top.parent_path().filename() == "snapshots") {
     const fs::path blobs = top.parent_path().parent_path() / "blobs";
-    if (fs::is_directory(blobs, ec2) && under(blobs)) return p.string();
+    if (fs::is_directory(blobs, ec) && under(blobs)) return;
   }
-  refuse("a symbolic link to '" + real.string() + "', outside");
+  refuse_inside(dir, name, what, "a symbolic link to '" + real.string() + "', outside");
+}
+
+const char* kind_of(mode_t m) {
+  return S_ISDIR(m) ? "a directory" : S_ISCHR(m) || S_ISBLK(m) ? "a device" : S_ISFIFO(m) ? "a FIFO"
+       : S_ISSOCK(m) ? "a socket" : "not a regular file";
+}
+
+}  // namespace
+
+std::string path_inside(const std::string& dir, const std::string& name, const std::string& what) {
+  const fs::path p = checked_name(dir, name, what);
+  std::error_code ec;
+  if (!fs::exists(fs::symlink_status(p, ec))) return p.string();
+  const fs::path real = fs::canonical(p, ec);
+  if (ec) refuse_inside(dir, name, what, "a file that cannot be resolved (a dangling symbolic link?) inside");
+  check_real_inside(dir, name, what, real);
   return p.string();
 }
 
+InputFile InputFile::open(const std::string& path, const std::string& what) {
+  const std::string named = (what.empty() ? std::string("file") : what) + " '" + path + "'";
+  auto not_regular = [&](mode_t m) {
+    return std::runtime_error(named + " is not a regular file (" + kind_of(m) + "); give a file to read");
+  };
+  // O_NONBLOCK: opening a FIFO with no writer returns at once (without it, open(2) waits for one,
+  // and SA_RESTART handlers restart the wait); the descriptor is checked before any read.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
+  if (fd < 0) {
+    const int e = errno;
+    struct stat st {};
+    if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) throw not_regular(st.st_mode);  // a socket: ENXIO
+    if (e == ENOENT) throw std::runtime_error(named + ": no such file");
+    throw std::runtime_error("cannot open " + named + ": " + std::strerror(e));
+  }
+  std::shared_ptr<const int> held(new int(fd), [](const int* p) {
+    ::close(*p);
+    delete p;
+  });
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) throw std::runtime_error("cannot stat " + named + ": " + std::strerror(errno));
+  if (!S_ISREG(st.st_mode)) throw not_regular(st.st_mode);
+  const int fl = ::fcntl(fd, F_GETFL);
+  if (fl >= 0) ::fcntl(fd, F_SETFL, fl & ~O_NONBLOCK);  // (no effect on a regular file's reads; for clarity)
+  return InputFile(path, std::move(held), static_cast<uint64_t>(st.st_size));
+}
+
+InputFile InputFile::open_inside(const std::string& dir, const std::string& name, const std::string& what) {
+  const fs::path p = checked_name(dir, name, what);
+  test_file_pause("open", p.string());
+  InputFile f = open(p.string(), what + ": file");
+  // The file actually opened, by the kernel's name for the descriptor: a link swapped after any
+  // check of the name cannot bring in another file's bytes.
+  std::error_code ec;
+  fs::path real = fs::read_symlink("/proc/self/fd/" + std::to_string(f.fd()), ec);
+  if (ec) {  // no /proc: the name resolved now must be the very file opened (device and inode)
+    real = fs::canonical(p, ec);
+    struct stat a {}, b {};
+    if (ec || ::stat(real.c_str(), &a) != 0 || ::fstat(f.fd(), &b) != 0 || a.st_dev != b.st_dev || a.st_ino != b.st_ino)
+      refuse_inside(dir, name, what, "a file that changed while it was opened, inside");
+  }
+  check_real_inside(dir, name, what, real);
+  return f;
+}
+
+void InputFile::read_at(void* buf, size_t n, uint64_t off) const {
+  auto* p = static_cast<char*>(buf);
+  size_t done = 0;
+  while (done < n) {
+    const ssize_t r = ::pread(*fd_, p + done, n - done, static_cast<off_t>(off + done));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0)
+      throw std::runtime_error("cannot read " + std::to_string(n) + " bytes at byte offset " + std::to_string(off) +
+                               " of '" + path_ + "': " + (r < 0 ? std::strerror(errno) : "end of file"));
+    done += static_cast<size_t>(r);
+  }
+}
+
+std::string InputFile::read_all(uint64_t max_bytes) const {
+  if (size_ > max_bytes)
+    throw std::runtime_error("'" + path_ + "' has " + std::to_string(size_) + " bytes, more than the " +
+                             std::to_string(max_bytes) + " read from such a file");
+  std::string s(size_, '\0');
+  read_at(s.data(), s.size(), 0);
+  return s;
+}
+
+bool path_exists(const std::string& path) {
+  struct stat st {};
+  return ::lstat(path.c_str(), &st) == 0;
+}
+
+void test_file_pause(const char* point, const std::string& path) {
+  static std::atomic<bool> done{false};
+  const char* v = std::getenv("SHARDTRAIN_TEST_FILE_PAUSE");
+  if (v == nullptr || done.load()) return;
+  const std::string spec(v);
+  const size_t a = spec.find(':'), b = a == std::string::npos ? a : spec.find(':', a + 1);
+  if (b == std::string::npos) return;
+  if (spec.substr(0, a) != point || spec.substr(a + 1, b - a - 1) != fs::path(path).filename().string()) return;
+  if (done.exchange(true)) return;
+  const std::string flag = spec.substr(b + 1);
+  { std::ofstream(flag) << ::getpid() << "\n"; }
+  for (int i = 0; i < 6000 && path_exists(flag); ++i) ::usleep(10'000);
+}
+
 void check_output_path(const std::string& path, const std::string& what) {
-  namespace fs = std::filesystem;
   std::error_code ec;
   const fs::file_status st = fs::status(path, ec);
   if (ec || !fs::exists(st) || fs::is_regular_file(st)) return;

@@ -84,6 +84,13 @@ void install_stop_handlers() {
   sigaction(SIGUSR1, &sa, nullptr);
 }
 int stop_signal() { return g_stop_signal.load(); }
+void end_on_stop_signals() {
+  struct sigaction sa {};
+  sa.sa_handler = SIG_DFL;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGTERM, &sa, nullptr);
+  sigaction(SIGINT, &sa, nullptr);
+}
 
 // A thread that wakes every 0.5 s and checks how long the current collective has been running.
 struct MpiComm::Watchdog {

@@ -35,7 +35,7 @@ expect_fail nonfinite_wd "option '--weight-decay' must be a finite number" 2 "${
 expect_fail diverged "non-finite gradient norm at step 2" 2 "${COMMON[@]}" --lr 1e30 --clip 0 --steps 20 --checkpoint-dir "$WORK/nan-ck"
 [ ! -e "$WORK/nan-ck/latest" ] || fail "a checkpoint was published from a diverged run"
 mkdir -p "$WORK/dir.ini"
-expect_fail job_file_is_dir "cannot read job file '$WORK/dir.ini'" 2 --config "$WORK/dir.ini" "${COMMON[@]}"
+expect_fail job_file_is_dir "job file '$WORK/dir.ini' is not a regular file (a directory)" 2 --config "$WORK/dir.ini" "${COMMON[@]}"
 expect_fail data_is_dir "token file '$WORK' is a directory" 2 --model tiny --data "$WORK"
 expect_fail out_of_memory "out of memory allocating model 'tiny'" 2 --model tiny --data "$DATA" --seq-len 64 --global-batch 30000000
 "$ROOT/.venv/bin/python" - "$DATA" "$WORK/huge_header.tok" <<'PY'

@@ -45,7 +45,7 @@ expect_fail int_out_of_range "key 'intermediate_size' = 4294967360 is out of ran
 expect_fail bool_as_int "key 'num_hidden_layers' must be an integer, got true" 3 --model "$WORK/bool_int.json" "${COMMON[@]}"
 expect_fail float_as_int "key 'vocab_size' must be an integer, got 258.7" 3 --model "$WORK/float_int.json" "${COMMON[@]}"
 expect_fail too_large "more than 2^31 elements" 3 --model "$WORK/huge.json" "${COMMON[@]}"
-expect_fail config_is_dir "cannot open model config file '$WORK/adir.json'" 3 --model "$WORK/adir.json" "${COMMON[@]}"
+expect_fail config_is_dir "model config file '$WORK/adir.json' is not a regular file (a directory)" 3 --model "$WORK/adir.json" "${COMMON[@]}"
 # The message is rank 0's, shown as such on every rank (no "rank N:" prefix from another rank).
 grep -q "error \[rank 2/3\]: Invalid model config" "$WORK/heads_divide.log" || fail "rank 2 did not print rank 0's message"
 # A valid config.json is accepted by every rank (untied head, GQA 4:2).

@@ -1,11 +1,14 @@
 // Files from strangers (issue 27): the SentencePiece charsmap check against libsentencepiece's own
 // builtin tables (an independent reference for valid tries), crafted tries, the path confinement of
-// path_inside.
+// path_inside, and InputFile (issue 39: the checks hold for the open descriptor; no FIFO waited on).
 #include <gtest/gtest.h>
 #include <sentencepiece_processor.h>
 
+#include <sys/stat.h>
+
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <stdexcept>
 #include <string>
 
@@ -127,6 +130,63 @@ TEST(Untrusted, PathInsideRefusesWaysOut) {
   EXPECT_NE(why("out").find("a symbolic link to '" + fs::canonical(outside / "secret").string() + "', outside of directory"),
             std::string::npos);
   EXPECT_NE(why("").find("an empty name"), std::string::npos);
+  fs::remove_all(d);
+  fs::remove_all(outside);
+}
+
+namespace {
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+}  // namespace
+
+// InputFile: the checks hold for the descriptor, whatever happens to the name afterwards.
+TEST(Untrusted, InputFileReadsTheFileItChecked) {
+  const fs::path d = fs::path(::testing::TempDir()) / "shardtrain_inputfile";
+  const fs::path outside = fs::path(::testing::TempDir()) / "shardtrain_inputfile_out";
+  fs::remove_all(d);
+  fs::remove_all(outside);
+  fs::create_directories(d);
+  fs::create_directories(outside);
+  std::ofstream(d / "real") << "inside!!";
+  std::ofstream(outside / "secret") << "SECRET!!";
+  fs::create_symlink("real", d / "link");
+  const InputFile f = InputFile::open_inside(d.string(), "link", "dir 'd'");
+  EXPECT_EQ(f.size(), 8u);
+  // The name now leads outside: the open descriptor still reads the file that was checked.
+  fs::remove(d / "link");
+  fs::create_symlink(outside / "secret", d / "link");
+  EXPECT_EQ(f.read_all(), "inside!!");
+  char b[4];
+  f.read_at(b, 4, 4);
+  EXPECT_EQ(std::string(b, 4), "de!!");
+  EXPECT_NE(error_of([&] { f.read_at(b, 4, 6); }).find("end of file"), std::string::npos);
+  EXPECT_NE(error_of([&] { (void)f.read_all(7); }).find("has 8 bytes, more than the 7"), std::string::npos);
+  // Opened now, the link is refused by the file it reaches, not by its name.
+  EXPECT_NE(error_of([&] { InputFile::open_inside(d.string(), "link", "dir 'd'"); })
+                .find("a symbolic link to '" + fs::canonical(outside / "secret").string() + "', outside"),
+            std::string::npos);
+  // Anything but a regular file, refused without blocking (a FIFO with no writer would block open(2)).
+  ASSERT_EQ(::mkfifo((d / "fifo").c_str(), 0600), 0);
+  fs::create_directories(d / "adir");
+  EXPECT_NE(error_of([&] { InputFile::open((d / "fifo").string(), "model config file"); })
+                .find("model config file '" + (d / "fifo").string() + "' is not a regular file (a FIFO)"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { InputFile::open_inside(d.string(), "fifo", "dir 'd'"); }).find("is not a regular file (a FIFO)"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { InputFile::open((d / "adir").string(), "job file"); }).find("is not a regular file (a directory)"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { InputFile::open((d / "none").string(), "job file"); }).find("': no such file"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { InputFile::open("/dev/null", "job file"); }).find("is not a regular file (a device)"),
+            std::string::npos);
+  EXPECT_TRUE(path_exists((d / "fifo").string()));
+  EXPECT_FALSE(path_exists((d / "none").string()));
   fs::remove_all(d);
   fs::remove_all(outside);
 }
