@@ -56,7 +56,7 @@ swap() {
   SHARDTRAIN_TEST_FILE_PAUSE="$point:$name:$flag" timeout -k 5 60 \
     "$BIN" --mode import --hf-dir "$d" --out "$WORK/swap_$1_$2.h5" >"$LOG" 2>&1 &
   local pid=$! i
-  for ((i = 0; i < 300 && ! -e $flag; i++)); do sleep 0.1; done
+  for ((i = 0; i < 300; i++)); do [ -e "$flag" ] && break; sleep 0.1; done
   [ -e "$flag" ] || { kill "$pid"; cat "$LOG"; fail "swap $point $name: the reader never reached the pause"; }
   ln -sfn "../outside/$name" "$d/$name"
   rm -f "$flag"
@@ -135,19 +135,19 @@ done
 echo "ok: FIFO, directory, device and socket refused at once in every place an input is read"
 
 # ---- 3. SIGTERM / SIGINT in the modes that do not train -------------------------------------------
-"$BIN" --mode tokenizer --input "$WORK/small.txt" --vocab-size 300 --out "$WORK/sp.model" >/dev/null
+"$BIN" --mode tokenizer --input "$WORK/small.txt" --vocab-size 400 --out "$WORK/sp.model" >/dev/null
 # stops MODE SIGNAL CMD...: the mode, paused by the hook, ends within 2 s of SIGNAL, killed by it.
 stops() {
   local mode=$1 sig=$2 flag=$WORK/pause_$1_$2
   shift 2
   SHARDTRAIN_TEST_MODE_PAUSE=$flag "$BIN" "$@" >"$WORK/sig.log" 2>&1 &
   local pid=$! i rc=0
-  for ((i = 0; i < 300 && ! -e $flag.0; i++)); do sleep 0.1; done
+  for ((i = 0; i < 300; i++)); do [ -e "$flag.0" ] && break; sleep 0.1; done
   [ -e "$flag.0" ] || { kill -9 "$pid"; cat "$WORK/sig.log"; fail "$mode: never reached the pause"; }
   local t0 t1
   t0=$(date +%s%N)
   kill -"$sig" "$pid"
-  for ((i = 0; i < 40 && $(kill -0 "$pid" 2>/dev/null && echo 1 || echo 0); i++)); do sleep 0.05; done
+  for ((i = 0; i < 40; i++)); do kill -0 "$pid" 2>/dev/null || break; sleep 0.05; done
   t1=$(date +%s%N)
   if kill -0 "$pid" 2>/dev/null; then
     rm -f "$flag.0"
@@ -165,7 +165,7 @@ for sig in TERM INT; do
   stops inspect $sig --mode inspect "$CKPT"
   stops plan $sig --mode plan --model "$WORK/m.json" --world-size 2
   stops prepare $sig --mode prepare --input "$WORK/small.txt" --out "$WORK/sig_$sig.tok"
-  stops tokenizer $sig --mode tokenizer --input "$WORK/small.txt" --vocab-size 300 --out "$WORK/sig_$sig.model"
+  stops tokenizer $sig --mode tokenizer --input "$WORK/small.txt" --vocab-size 400 --out "$WORK/sig_$sig.model"
   stops generate $sig --mode generate "$CKPT" --prompt "a" --max-new-tokens 2
 done
 # Training keeps SIGTERM's meaning (a checkpoint, exit 75: tests/e2e/test_preemption.sh).
