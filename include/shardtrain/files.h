@@ -57,6 +57,10 @@ class InputFile {
   static InputFile open_inside(const std::string& dir, const std::string& name, const std::string& what);
 
   const std::string& path() const { return path_; }
+  // A name that opens this very file again (for readers that need a stream, e.g. std::ifstream):
+  // "/proc/self/fd/N" where /proc is mounted, else the path as named. Valid while this InputFile
+  // (or a copy) lives.
+  std::string reopen_path() const;
   uint64_t size() const { return size_; }  // bytes, at open (fstat)
   int fd() const { return *fd_; }
   // Exactly `n` bytes at byte offset `off`; throws naming the file on an error or end of file.
@@ -72,6 +76,11 @@ class InputFile {
   std::shared_ptr<const int> fd_;
   uint64_t size_ = 0;
 };
+
+// "" if `text` holds no NUL byte, else why it cannot be JSON ("a NUL byte at byte offset N ..."):
+// nlohmann::json (3.11) ends its input at a NUL and ignores what follows, where Python's json and
+// the safetensors library refuse the file; readers of JSON from strangers check this first.
+std::string json_nul_problem(const std::string& text);
 
 // Does `path` name something (a file, a directory, a FIFO, a dangling link: anything lstat sees)?
 bool path_exists(const std::string& path);

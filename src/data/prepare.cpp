@@ -236,10 +236,12 @@ PrepareResult prepare_tokens(const PrepareOptions& o) {
       if (o.tokenizer != "byte-level" && fs::equivalent(name.empty() ? fs::path(o.tokenizer) : fs::path(o.tokenizer) / name, o.out, ec))
         throw std::runtime_error("option '--out': '" + o.out + "' is the tokenizer (option '--tokenizer'); refusing to overwrite it");
     for (const auto& in : files) {
-      std::ifstream f(in, std::ios::binary);
-      if (!f || fs::is_directory(in, ec)) throw std::runtime_error("cannot read input text '" + in + "' (option '--input')");
-      const auto size = fs::file_size(in, ec);
-      if (ec || size == 0) throw std::runtime_error("input text '" + in + "' is empty");
+      // Checked on the descriptor (a regular file, opened without blocking), then read through it.
+      const InputFile file = InputFile::open(in, "input text");
+      std::ifstream f(file.reopen_path(), std::ios::binary);
+      if (!f) throw std::runtime_error("cannot read input text '" + in + "' (option '--input')");
+      const uint64_t size = file.size();
+      if (size == 0) throw std::runtime_error("input text '" + in + "' is empty");
       char magic[8] = {};
       if (f.read(magic, 8) && std::string(magic, 7) == "STTOKv1")
         throw std::runtime_error("input '" + in + "' is a shardtrain token file, not text (option '--input'; an "
@@ -268,7 +270,8 @@ PrepareResult prepare_tokens(const PrepareOptions& o) {
   uint64_t done = 0;
   std::vector<char> chunk(o.chunk_bytes);
   for (const std::string& path : files) {
-    std::ifstream f(path, std::ios::binary);
+    const InputFile file = InputFile::open(path, "input text");  // (checked again: the name may have changed)
+    std::ifstream f(file.reopen_path(), std::ios::binary);
     if (!f) throw std::runtime_error("cannot read input text '" + path + "' (option '--input')");
     ++r.files;
     if (detail::is_jsonl(path)) {

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <stdexcept>
@@ -367,11 +368,12 @@ class LineIterator final : public sentencepiece::SentenceIterator {
       in_.close();
       if (file_ == files_.size()) return done_ = true, void();
       const std::string& p = files_[file_++];
-      std::error_code ec;
-      in_.open(p, std::ios::binary);
-      if (!in_ || fs::is_directory(p, ec)) throw std::runtime_error("cannot read input text '" + p + "' (option '--input')");
-      const auto size = fs::file_size(p, ec);
-      if (ec || size == 0) throw std::runtime_error("input text '" + p + "' is empty (option '--input')");
+      // Checked on the descriptor (a regular file, opened without blocking), then read through it.
+      cur_ = InputFile::open(p, "input text");
+      in_.open(cur_->reopen_path(), std::ios::binary);
+      if (!in_) throw std::runtime_error("cannot read input text '" + p + "' (option '--input')");
+      const uint64_t size = cur_->size();
+      if (size == 0) throw std::runtime_error("input text '" + p + "' is empty (option '--input')");
       bytes += size;
       jsonl_ = detail::is_jsonl(p);
       lineno_ = 0;
@@ -380,6 +382,7 @@ class LineIterator final : public sentencepiece::SentenceIterator {
   std::vector<std::string> files_;
   std::string field_;
   size_t file_ = 0;
+  std::optional<InputFile> cur_;  // the file being read (in_ reads it through its descriptor)
   std::ifstream in_;
   bool jsonl_ = false, done_ = false;
   uint64_t lineno_ = 0;

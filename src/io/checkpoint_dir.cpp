@@ -4,6 +4,7 @@
 // alone touches the directory; the ranks agree on the outcome.
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 
@@ -349,9 +350,11 @@ std::string publish_checkpoint(Comm& comm, const CheckpointOptions& co, int64_t 
       // place that `latest` does not name. The two renames need no space.
       const std::string latest = (fs::path(co.dir) / "latest").string(), want = checkpoint_name(step) + "\n";
       std::string latest_tmp = latest + latest_suffix(tag), staged;
-      {
-        std::ifstream in(latest_tmp, std::ios::binary);
-        staged.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+      try {  // (our own staged file; read through a checked descriptor all the same, and bounded)
+        const InputFile in = InputFile::open(latest_tmp, "the staged checkpoint pointer");
+        if (in.size() <= 4096) staged = in.read_all(4096);
+      } catch (const std::exception&) {
+        staged.clear();  // missing or not a file: written afresh below
       }
       try {
         if (staged != want) latest_tmp = write_file_temp(latest, want, true, "", latest_suffix(tag));  // (not staged by save_checkpoint)
@@ -393,10 +396,21 @@ std::string resolve_resume(Comm& comm, const std::string& resume, const std::str
         const std::vector<std::string> names = published_checkpoints(dir);
         std::error_code ec;
         if (fs::exists(latest, ec) || fs::is_symlink(latest, ec)) {
-          std::ifstream l(latest);
+          // Read through a checked descriptor: a FIFO or device named `latest` is refused at once
+          // (never waited on), and only a small file is read (one name and a line end).
           std::string name;
-          std::getline(l, name);
+          if (struct stat st {}; ::stat(latest.c_str(), &st) == 0) {
+            const InputFile lf = InputFile::open(latest.string(), "the checkpoint pointer");
+            if (lf.size() <= 4096) {
+              const std::string text = lf.read_all(4096);
+              name = text.substr(0, text.find('\n'));
+            } else {
+              name = "(" + std::to_string(lf.size()) + " bytes)";
+            }
+          }
           while (!name.empty() && std::isspace(static_cast<unsigned char>(name.back()))) name.pop_back();  // CRLF, blanks
+          for (char& c : name)  // quoted in the message below: no control bytes (a NUL would end it)
+            if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) c = '?';
           const bool well_formed = fs::is_regular_file(latest, ec) && is_checkpoint_name(name);
           if (well_formed && fs::is_regular_file(fs::path(dir) / name, ec)) {
             path = (fs::path(dir) / name).string();

@@ -229,6 +229,7 @@ std::string token_string(const TokenizerInfo& t, int64_t id) {
     if (!sp.LoadFromSerializedProto(t.files.at("tokenizer.model")).ok() || id >= sp.GetPieceSize()) return "";
     return sp.IdToPiece(static_cast<int>(id));
   }
+  if (!json_nul_problem(t.files.at("tokenizer.json")).empty()) return "";
   const json j = json::parse(t.files.at("tokenizer.json"), nullptr, false);
   if (j.is_discarded()) return "";
   if (j.contains("added_tokens") && j["added_tokens"].is_array())
@@ -297,6 +298,8 @@ TokenizerInfo read_hf_tokenizer(const std::string& dir, const ModelConfig& mc) {
     t.unk_id = sp.unk_id();
   } else if (t.files.count("tokenizer.json")) {
     t.kind = "hf-tokenizers";
+    if (const std::string nul = json_nul_problem(t.files["tokenizer.json"]); !nul.empty())
+      throw std::runtime_error("'" + (fs::path(dir) / "tokenizer.json").string() + "' is not valid JSON: " + nul);
     const json j = json::parse(t.files["tokenizer.json"], nullptr, false);
     if (j.is_discarded() || !j.is_object())
       throw std::runtime_error("'" + (fs::path(dir) / "tokenizer.json").string() + "' is not valid JSON");
@@ -516,6 +519,8 @@ void import_hf(Comm& comm, const std::string& hf_dir, const std::string& out_pat
     if (path_exists(index)) {
       const std::string text = InputFile::open_inside(hf_dir, "model.safetensors.index.json", what).read_all();
       json j;
+      if (const std::string nul = json_nul_problem(text); !nul.empty())
+        throw std::runtime_error("index '" + index.string() + "' is not valid JSON (" + nul + ")");
       try {
         j = json::parse(text);
       } catch (const std::exception& e) {

@@ -158,6 +158,7 @@ StFile read_safetensors_header(const InputFile& file) {
   f.data_start = 8 + n;
   const uint64_t data_len = fsize - f.data_start;
   json h;
+  if (const std::string nul = json_nul_problem(hs); !nul.empty()) fail("header is not valid JSON (" + nul + ")");
   try {
     h = json::parse(hs);
   } catch (const std::exception& e) {

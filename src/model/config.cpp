@@ -483,6 +483,7 @@ ModelConfig preset(const std::string& name) {
 
 ModelConfig parse_hf_config(const std::string& text, const std::string& source) {
   json j;
+  if (const std::string nul = json_nul_problem(text); !nul.empty()) bad(source, "not valid JSON: " + nul);
   try {
     j = json::parse(text);
   } catch (const json::exception& e) {

@@ -127,6 +127,13 @@ InputFile InputFile::open_inside(const std::string& dir, const std::string& name
   return f;
 }
 
+std::string InputFile::reopen_path() const {
+  const std::string self = "/proc/self/fd/" + std::to_string(*fd_);
+  struct stat a {}, b {};
+  if (::stat(self.c_str(), &a) == 0 && ::fstat(*fd_, &b) == 0 && a.st_dev == b.st_dev && a.st_ino == b.st_ino) return self;
+  return path_;
+}
+
 void InputFile::read_at(void* buf, size_t n, uint64_t off) const {
   auto* p = static_cast<char*>(buf);
   size_t done = 0;
@@ -147,6 +154,13 @@ std::string InputFile::read_all(uint64_t max_bytes) const {
   std::string s(size_, '\0');
   read_at(s.data(), s.size(), 0);
   return s;
+}
+
+std::string json_nul_problem(const std::string& text) {
+  const size_t z = text.find('\0');
+  if (z == std::string::npos) return "";
+  return "a NUL byte at byte offset " + std::to_string(z) + " of " + std::to_string(text.size()) +
+         " (JSON text holds none; a parser that stopped there would ignore the rest)";
 }
 
 bool path_exists(const std::string& path) {

@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "resume.h"
+#include "shardtrain/files.h"
 #include "shardtrain/checkpoint.h"
 #include "shardtrain/memory_plan.h"
 #include "shardtrain/tensorboard.h"
@@ -52,11 +53,13 @@ struct StepOutcome {
   TpCommStats tp;               // the step's TP collectives (--tp > 1; blocking: issued = exposed)
 };
 
-// Test hook SHARDTRAIN_TEST_SLOW_RANK=R:MS (docs/errors.md): the ms rank `rank` sleeps at the start
-// of every step (0: none), so that the straggler report has a rank to find. Exactly two decimal
-// integers, 0 < MS <= 60000; anything else is ignored.
-int64_t slow_rank_hook(int rank) {
-  const char* v = std::getenv("SHARDTRAIN_TEST_SLOW_RANK");
+// Test hooks of the form VAR=R:MS (docs/errors.md): the ms that rank `rank` is to sleep (0: none).
+// SHARDTRAIN_TEST_SLOW_RANK: at the start of every step, so that the straggler report has a rank to
+// find; SHARDTRAIN_TEST_LATE_RANK: once, before the trainer's checks of the options, so that the
+// ranks reach an agreed error at very different times. Exactly two decimal integers,
+// 0 < MS <= 60000; anything else is ignored.
+int64_t rank_sleep_hook(const char* var, int rank) {
+  const char* v = std::getenv(var);
   if (!v) return 0;
   const std::string t(v);
   const size_t c = t.find(':');
@@ -138,7 +141,7 @@ template <typename C> class Trainer {
   TrainResult res_;
   Interval interval_;
   std::vector<std::string> hosts_;  // every rank's host (its processor name), to name a straggler's node
-  int64_t slow_rank_ms_ = 0;        // test hook SHARDTRAIN_TEST_SLOW_RANK (slow_rank_hook): ms slept per step
+  int64_t slow_rank_ms_ = 0;        // test hook SHARDTRAIN_TEST_SLOW_RANK (rank_sleep_hook): ms slept per step
   Clock::time_point t_start_;  // the loop's start: elapsed_s of the step lines
   Clock::time_point t_first_;  // the end of this process's first step: the ETA's mean step time from there
   // The checkpoint saves (with --checkpoint-dir): a background writer thread on a communicator of
@@ -151,6 +154,8 @@ template <typename C>
 Trainer<C>::Trainer(Engine& eng, const ModelConfig& mc, const TrainConfig& tc, const TokenDataset& data)
     : eng_(eng), mesh_(eng.mesh), comm_(eng.mesh.world()), mc_(mc), tc_(tc), data_(data),
       W_(eng.mesh.world_size()), G_(eng.mesh.dims().dp_shard) {
+  if (const int64_t late = rank_sleep_hook("SHARDTRAIN_TEST_LATE_RANK", comm_.rank()); late > 0)
+    std::this_thread::sleep_for(std::chrono::milliseconds(late));
   check_geometry();
   agree(comm_, [&] { mopt_ = model_options(tc_); });
   log_memory_plan();
@@ -163,7 +168,7 @@ Trainer<C>::Trainer(Engine& eng, const ModelConfig& mc, const TrainConfig& tc, c
   record_data();
   prepare_outputs();
   gather_hosts();
-  slow_rank_ms_ = slow_rank_hook(comm_.rank());
+  slow_rank_ms_ = rank_sleep_hook("SHARDTRAIN_TEST_SLOW_RANK", comm_.rank());
   if (!tc_.checkpoint_dir.empty()) {  // collective: duplicates the world communicator for the writer
     writer_ = std::make_unique<AsyncCheckpointWriter>(comm_, tc_.checkpoint_async, mesh_.collective_timeout());
     // A snapshot copies unless it can borrow the live rows (synchronous saves on the CPU).
@@ -426,6 +431,8 @@ template <typename C> void Trainer<C>::prepare_outputs() {
   if (comm_.rank() == 0 && !tc_.metrics_path.empty()) {
     const bool continuing = !resume_path_.empty() || tc_.start_over;
     try {
+      // A FIFO or device here would block the open (and a FIFO's reader would wait forever).
+      check_output_path(tc_.metrics_path, "");
       if (continuing) {
         std::string note = continue_metrics(tc_.metrics_path, state_.step);
         if (!note.empty()) log_info(comm_, note);

@@ -15,6 +15,15 @@ expect_fail bad_mode "option '--mode' must be train, prepare, tokenizer, inspect
 expect_fail missing_data "cannot open token file '$WORK/none.tok'" 2 --model tiny --data "$WORK/none.tok"
 expect_fail no_data "option '--data' is required" 2 --model tiny
 expect_fail batch_divisible "option '--global-batch' (5) is not divisible by the world size (2)" 2 "${BASE[@]}" --global-batch 5
+# The same agreed error when the ranks reach the check at very different times (issue 39): rank 3
+# arrives 6 s after the others (test hook SHARDTRAIN_TEST_LATE_RANK); every rank still reports it
+# and exits 1, none is killed by a signal, and the job waits for the late rank rather than ending
+# before it spoke.
+t0=$SECONDS
+SHARDTRAIN_TEST_LATE_RANK=3:6000 expect_fail batch_divisible_late "option '--global-batch' (6) is not divisible by the world size (4)" \
+  4 "${BASE[@]}" --global-batch 6
+[ $((SECONDS - t0)) -ge 6 ] || fail "batch_divisible_late: ended after $((SECONDS - t0)) s, before the late rank's 6 s"
+! grep -q "signal\|Segmentation\|fatal \[rank" "$WORK/batch_divisible_late.log" || { cat "$WORK/batch_divisible_late.log"; fail "batch_divisible_late: a rank died of a signal"; }
 expect_fail micro_divisible "not divisible by world size x '--micro-batch' (2 x 3)" 2 "${BASE[@]}" --global-batch 4 --micro-batch 3
 expect_fail seq_too_long "option '--seq-len' (100) exceeds the model's max_position_embeddings (64)" 2 --model tiny --data "$DATA" --global-batch 4 --seq-len 100
 printf 'this is not a token file at all, just text that is long enough to have a header.........\n' >"$WORK/junk.tok"

@@ -132,6 +132,17 @@ for kind in fifo dir device socket; do
   [ "$kind" = dir ] || { make_special "$kind" "$WORK/indir/b.txt";
     refused_at_once "nr_${kind}_indir" "input text '$WORK/indir/b.txt' $what" 1 --mode prepare --input "$WORK/indir" --out "$WORK/x.tok"; }
 done
+# The checkpoint directory's `latest` and the --metrics file a resume continues (found by a break
+# test: both were opened by name, blocking, and SIGTERM could not end the wait).
+cp -r "$WORK/ck" "$WORK/ckf"
+rm "$WORK/ckf/latest" && mkfifo "$WORK/ckf/latest"
+refused_at_once latest_fifo "'$WORK/ckf/latest' is not a regular file (a FIFO)" 2 \
+  --model "$WORK/m.json" --data "$DATA" --seq-len 16 --global-batch 2 --eval-batches 1 --threads 1 --steps 2 \
+  --checkpoint-dir "$WORK/ckf" --resume auto
+mkfifo "$WORK/metrics.fifo"
+refused_at_once metrics_fifo "'$WORK/metrics.fifo' is a FIFO" 2 \
+  --model "$WORK/m.json" --data "$DATA" --seq-len 16 --global-batch 2 --eval-batches 1 --threads 1 --steps 2 \
+  --checkpoint-dir "$WORK/ck" --resume auto --accept-change steps --metrics "$WORK/metrics.fifo"
 echo "ok: FIFO, directory, device and socket refused at once in every place an input is read"
 
 # ---- 3. SIGTERM / SIGINT in the modes that do not train -------------------------------------------
@@ -194,6 +205,25 @@ shape fraction "[64.9, 64.2]" "dimension 0 of its shape (64.9) is not an integer
 shape big "[9223372036854775808, 1]" "dimension 0 of its shape (9223372036854775808) is out of range (2^63 or more)"
 shape e300 "[1e300, 1]" "dimension 0 of its shape (1e+300) is out of range (2^63 or more)"
 shape negative "[-3, 16]" "dimension 0 of its shape (-3) is negative"
+# A NUL byte ends nlohmann::json's input: what follows it must not be ignored (Python's json and
+# the safetensors library refuse such files).
+rm -rf "$WORK/nul" && cp -r "$WORK/hf" "$WORK/nul"
+printf '\0garbage {{{' >>"$WORK/nul/config.json"
+expect_fail nul_config "not valid JSON: a NUL byte at byte offset" 2 --mode import --hf-dir "$WORK/nul" --out "$WORK/x.h5"
+rm -rf "$WORK/nul" && cp -r "$WORK/hf" "$WORK/nul"
+printf '\0{{{' >>"$WORK/nul/model.safetensors.index.json"
+expect_fail nul_index "is not valid JSON (a NUL byte at byte offset" 2 --mode import --hf-dir "$WORK/nul" --out "$WORK/x.h5"
+rm -rf "$WORK/nul" && cp -r "$WORK/hf1" "$WORK/nul"
+"$PY" - "$WORK/nul/model.safetensors" <<'PY'
+import struct, sys
+p = sys.argv[1]
+b = open(p, "rb").read()
+n = struct.unpack_from("<Q", b)[0]
+h = b[8:8 + n].rstrip(b" ") + b"\0"
+h += b" " * (-len(h) % 8)
+open(p, "wb").write(struct.pack("<Q", len(h)) + h + b[8 + n:])
+PY
+expect_fail nul_header "header is not valid JSON (a NUL byte at byte offset" 2 --mode import --hf-dir "$WORK/nul" --out "$WORK/x.h5"
 rm -rf "$WORK/rp" && cp -r "$WORK/hf1" "$WORK/rp"
 "$PY" - "$WORK/rp/config.json" <<'PY'
 import json, sys

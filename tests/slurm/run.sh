@@ -35,7 +35,7 @@
 #  (6) misuse: sbatch -N 2 jobs/train-multinode.sbatch jobs/small-test.ini, i.e. the script's 4 tasks
 #      a node, 8 ranks for small-test's global batch of 12: the job fails (non-zero exit code) after
 #      at most 60 s of running, with shardtrain's "is not divisible by the world size (8)" in its log,
-#      and is not requeued.
+#      and is not requeued; rank 5 reaches that check 5 s after the others (SHARDTRAIN_TEST_LATE_RANK).
 # Jobs run concurrently where the two nodes allow: the jobs that take both nodes (--exclusive) first,
 # then the time-limit probe and jobs on n1, everything else on n2.
 #
@@ -561,6 +561,9 @@ PY
 # The script's own layout (--ntasks-per-node=4) on 2 nodes is 8 ranks: 12 sequences do not divide.
 s_misuse() {
   multinode_env
+  # Rank 5 (on n2) reaches the option checks 5 s after the others (test hook, docs/errors.md): the
+  # agreed error must still end every rank cleanly, the early ones waiting for it.
+  export SHARDTRAIN_TEST_LATE_RANK=5:5000
   subdir misuse
   sbw_bg 150 "$SUB/job.out" -N 2 "${COMMON[@]}" jobs/train-multinode.sbatch jobs/small-test.ini
   touch "$S/misuse.queued"
@@ -570,6 +573,11 @@ s_misuse() {
   local err="option '--global-batch' \(12\) is not divisible by the world size \(8\)"
   expect "$SUB/job.out" "^shardtrain-job: job $JOB, restart 0: 8 ranks" "the script did not see 8 tasks"
   expect "$SUB/job.out" "$err" "not the project's error"
+  local r
+  for ((r = 0; r < 8; r++)); do
+    expect "$SUB/job.out" "error \[rank $r/8\]: $err" "rank $r did not report the agreed error"
+  done
+  ! grep -qE "fatal \[rank|Segmentation fault|signal 11" "$SUB/job.out" || { show "$SUB/job.out"; fail "a rank died of a signal"; }
   expect "$SUB/job.out" "^shardtrain-job: shardtrain failed with exit status [0-9]+; not requeued" "the script did not report the failure"
   ! grep -q "requeueing" "$SUB/job.out" || fail "a failed job was requeued"
   # How long the job ran: slurmctld's log, from the allocation to the completion.
