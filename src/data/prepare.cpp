@@ -237,7 +237,7 @@ PrepareResult prepare_tokens(const PrepareOptions& o) {
         throw std::runtime_error("option '--out': '" + o.out + "' is the tokenizer (option '--tokenizer'); refusing to overwrite it");
     for (const auto& in : files) {
       // Checked on the descriptor (a regular file, opened without blocking), then read through it.
-      const InputFile file = InputFile::open(in, "input text");
+      const InputFile file = detail::open_input_text(in);
       std::ifstream f(file.reopen_path(), std::ios::binary);
       if (!f) throw std::runtime_error("cannot read input text '" + in + "' (option '--input')");
       const uint64_t size = file.size();
@@ -270,7 +270,7 @@ PrepareResult prepare_tokens(const PrepareOptions& o) {
   uint64_t done = 0;
   std::vector<char> chunk(o.chunk_bytes);
   for (const std::string& path : files) {
-    const InputFile file = InputFile::open(path, "input text");  // (checked again: the name may have changed)
+    const InputFile file = detail::open_input_text(path);  // (checked again: the name may have changed)
     std::ifstream f(file.reopen_path(), std::ios::binary);
     if (!f) throw std::runtime_error("cannot read input text '" + path + "' (option '--input')");
     ++r.files;

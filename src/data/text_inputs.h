@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <string>
 
+#include "shardtrain/files.h"
+
 namespace shardtrain::detail {
 
 // True for a JSON Lines input (one document per line): the name ends with ".jsonl".
@@ -19,5 +21,10 @@ std::string jsonl_text(const std::string& line, const std::string& field, const 
 // True for a line of a JSON Lines file that holds no document (empty or only spaces, tabs, CR):
 // skipped, as most JSONL readers do with a trailing blank line.
 bool is_blank_line(const std::string& line);
+
+// Input text `path` of option '--input', opened and checked on its descriptor (files.h InputFile):
+// "cannot read input text 'P' (option '--input'): no such file" when it is gone, "input text 'P' is
+// not a regular file (a FIFO) ... (option '--input')" for a FIFO, device, socket or directory.
+InputFile open_input_text(const std::string& path);
 
 }  // namespace shardtrain::detail

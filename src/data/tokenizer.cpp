@@ -369,7 +369,7 @@ class LineIterator final : public sentencepiece::SentenceIterator {
       if (file_ == files_.size()) return done_ = true, void();
       const std::string& p = files_[file_++];
       // Checked on the descriptor (a regular file, opened without blocking), then read through it.
-      cur_ = InputFile::open(p, "input text");
+      cur_ = detail::open_input_text(p);
       in_.open(cur_->reopen_path(), std::ios::binary);
       if (!in_) throw std::runtime_error("cannot read input text '" + p + "' (option '--input')");
       const uint64_t size = cur_->size();
@@ -426,6 +426,17 @@ std::vector<std::string> expand_inputs(const std::vector<std::string>& specs, co
     }
   return out;
 }
+
+namespace detail {
+InputFile open_input_text(const std::string& path) {
+  if (!path_exists(path)) throw std::runtime_error("cannot read input text '" + path + "' (option '--input'): no such file");
+  try {
+    return InputFile::open(path, "input text");
+  } catch (const std::exception& e) {
+    throw std::runtime_error(std::string(e.what()) + " (option '--input')");
+  }
+}
+}  // namespace detail
 
 void check_sentencepiece_model(std::string_view model, const std::string& where) {
   for (const auto& [field, spec] : {std::pair<uint64_t, const char*>{3, "normalizer_spec"}, {5, "denormalizer_spec"}}) {
