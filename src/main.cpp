@@ -506,9 +506,7 @@ void run_inspect(Comm& comm, const Options& o) {
 void test_mode_pause(int rank) {
   const char* v = std::getenv("SHARDTRAIN_TEST_MODE_PAUSE");
   if (v == nullptr || *v == '\0') return;
-  const std::string flag = std::string(v) + "." + std::to_string(rank);
-  { std::ofstream(flag) << ::getpid() << "\n"; }
-  for (int i = 0; i < 6000 && path_exists(flag); ++i) ::usleep(10'000);
+  wait_while_flag(std::string(v) + "." + std::to_string(rank));
 }
 
 }  // namespace

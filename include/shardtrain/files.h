@@ -82,6 +82,14 @@ class InputFile {
 // the safetensors library refuse the file; readers of JSON from strangers check this first.
 std::string json_nul_problem(const std::string& text);
 
+// What a stat(2) mode names, for messages: "a regular file", "a directory", "a device", "a FIFO",
+// "a socket" (else "not a regular file").
+const char* file_kind(unsigned mode);
+
+// Test hooks' pause: creates `flag` (holding this process's id) and waits, at most 60 s, until it
+// is removed (the test acts meanwhile).
+void wait_while_flag(const std::string& flag);
+
 // Does `path` name something (a file, a directory, a FIFO, a dangling link: anything lstat sees)?
 bool path_exists(const std::string& path);
 

@@ -80,15 +80,14 @@ uint64_t open_token_file(const std::string& path, Fd& f) {
     const int e = errno;
     struct stat st {};
     if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode) && !S_ISDIR(st.st_mode))
-      throw std::runtime_error("token file '" + path + "' is not a regular file (a socket or device)");
+      throw std::runtime_error("token file '" + path + "' is not a regular file (" + file_kind(st.st_mode) + ")");
     throw std::runtime_error("cannot open token file '" + path + "' (make one with --mode prepare): " + std::strerror(e));
   }
   struct stat st {};
   if (::fstat(f.fd, &st) != 0) fail_file(path, std::string("cannot stat: ") + std::strerror(errno));
   if (S_ISDIR(st.st_mode)) throw std::runtime_error("token file '" + path + "' is a directory");
   if (!S_ISREG(st.st_mode))
-    throw std::runtime_error("token file '" + path + "' is not a regular file (" +
-                             (S_ISFIFO(st.st_mode) ? "a FIFO" : S_ISSOCK(st.st_mode) ? "a socket" : "a device") + ")");
+    throw std::runtime_error("token file '" + path + "' is not a regular file (" + file_kind(st.st_mode) + ")");
   ::fcntl(f.fd, F_SETFL, ::fcntl(f.fd, F_GETFL) & ~O_NONBLOCK);
   return static_cast<uint64_t>(st.st_size);
 }

@@ -6,6 +6,8 @@
 #include <hdf5.h>
 #include <mpi.h>
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <tuple>
 #include <cstdio>
@@ -959,7 +961,8 @@ CheckpointInfo read_checkpoint_info(Comm& comm, const std::string& path) {
     if (!fs::exists(path, ec)) throw H5Error("no such file");
     if (fs::is_directory(path, ec)) throw H5Error("is a directory, not a checkpoint file");
     // A FIFO would block H5Fis_hdf5's open(2): refused by its type, which stat(2) gives without opening.
-    if (!fs::is_regular_file(path, ec)) throw H5Error("is not a regular file (a FIFO, socket or device), not a checkpoint file");
+    if (struct stat st {}; ::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode))
+      throw H5Error(std::string("is not a regular file (") + file_kind(st.st_mode) + "), not a checkpoint file");
     v.bytes = static_cast<int64_t>(fs::file_size(path, ec));
     if (ec) throw H5Error("cannot read its size (" + ec.message() + ")");
     if (H5Fis_hdf5(path.c_str()) <= 0) throw H5Error("not an HDF5 file");

@@ -65,12 +65,19 @@ void check_real_inside(const std::string& dir, const std::string& name, const st
   refuse_inside(dir, name, what, "a symbolic link to '" + real.string() + "', outside");
 }
 
-const char* kind_of(mode_t m) {
-  return S_ISDIR(m) ? "a directory" : S_ISCHR(m) || S_ISBLK(m) ? "a device" : S_ISFIFO(m) ? "a FIFO"
-       : S_ISSOCK(m) ? "a socket" : "not a regular file";
-}
 
 }  // namespace
+
+const char* file_kind(unsigned mode) {
+  const mode_t m = static_cast<mode_t>(mode);
+  return S_ISREG(m) ? "a regular file" : S_ISDIR(m) ? "a directory" : S_ISCHR(m) || S_ISBLK(m) ? "a device"
+       : S_ISFIFO(m) ? "a FIFO" : S_ISSOCK(m) ? "a socket" : "not a regular file";
+}
+
+void wait_while_flag(const std::string& flag) {
+  { std::ofstream(flag) << ::getpid() << "\n"; }
+  for (int i = 0; i < 6000 && path_exists(flag); ++i) ::usleep(10'000);
+}
 
 std::string path_inside(const std::string& dir, const std::string& name, const std::string& what) {
   const fs::path p = checked_name(dir, name, what);
@@ -85,7 +92,7 @@ std::string path_inside(const std::string& dir, const std::string& name, const s
 InputFile InputFile::open(const std::string& path, const std::string& what) {
   const std::string named = (what.empty() ? std::string("file") : what) + " '" + path + "'";
   auto not_regular = [&](mode_t m) {
-    return std::runtime_error(named + " is not a regular file (" + kind_of(m) + "); give a file to read");
+    return std::runtime_error(named + " is not a regular file (" + file_kind(m) + "); give a file to read");
   };
   // O_NONBLOCK: opening a FIFO with no writer returns at once (without it, open(2) waits for one,
   // and SA_RESTART handlers restart the wait); the descriptor is checked before any read.
@@ -178,16 +185,14 @@ void test_file_pause(const char* point, const std::string& path) {
   if (spec.substr(0, a) != point || spec.substr(a + 1, b - a - 1) != fs::path(path).filename().string()) return;
   if (done.exchange(true)) return;
   const std::string flag = spec.substr(b + 1);
-  { std::ofstream(flag) << ::getpid() << "\n"; }
-  for (int i = 0; i < 6000 && path_exists(flag); ++i) ::usleep(10'000);
+  wait_while_flag(flag);
 }
 
 void check_output_path(const std::string& path, const std::string& what) {
   std::error_code ec;
-  const fs::file_status st = fs::status(path, ec);
-  if (ec || !fs::exists(st) || fs::is_regular_file(st)) return;
-  const char* kind = fs::is_directory(st) ? "a directory" : fs::is_character_file(st) || fs::is_block_file(st) ? "a device"
-                   : fs::is_fifo(st) ? "a FIFO" : fs::is_socket(st) ? "a socket" : "not a regular file";
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0 || S_ISREG(st.st_mode)) return;
+  const char* kind = file_kind(st.st_mode);
   throw std::runtime_error((what.empty() ? std::string() : what + ": ") + "'" + path + "' is " + kind +
                            "; give the name of a file to write");
 }
