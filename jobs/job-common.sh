@@ -9,6 +9,8 @@
 #   SHARDTRAIN_BIN     the binary (default: build/shardtrain of this repository)
 #   SHARDTRAIN_DRYRUN  1: print the launch command (one line, "srun ..." or "mpirun ...") and exit 0
 #   LAUNCHER           srun (default) or mpirun; SRUN_MPI: srun's --mpi plugin (default pmix)
+#   SHARDTRAIN_SRUN_PML  auto (default: Open MPI's UCX PML under srun where it exists, see st_srun_pml),
+#                      ucx (required), default (leave Open MPI's choice); a set OMPI_MCA_pml wins
 #   SRUN_ARGS, MPIRUN_ARGS  extra launcher options, split on spaces (e.g. MPIRUN_ARGS=--oversubscribe)
 #   SHARDTRAIN_SWEEP   how an array job (sbatch --array) varies: auto (default), seed, file or none
 #   SHARDTRAIN_REQUEUE 0: do not requeue after a preemption (exit status 75)
@@ -141,6 +143,39 @@ st_setup() {
   fi
 }
 
+# st_srun_pml: under srun, Open MPI's UCX PML instead of ob1 and its TCP BTL (appends an --export
+# option to ST_CMD). Why: with Open MPI 4.1's ob1, a rank still waiting in MPI_Init's first PMIx fence
+# can receive a peer's TCP fragment before ob1 has registered its receive callbacks, and calls an empty
+# one: a segmentation fault at start-up, about 1 in 100 8-rank srun starts on a loaded machine
+# (docs/slurm-startup-crash.md). UCX queues such a message as unexpected. Left alone when the user
+# chose a PML (OMPI_MCA_pml set), with SHARDTRAIN_SRUN_PML=default, or when this Open MPI has no UCX
+# PML (a warning; MPICH and others: nothing). pml_ucx_tls/devices=any let UCX run where it finds no
+# InfiniBand (it then uses TCP and shared memory); with InfiniBand UCX picks it as before.
+st_srun_pml() {
+  local want=${SHARDTRAIN_SRUN_PML:-auto}
+  case $want in
+    auto | ucx | default) ;;
+    *) st_die "SHARDTRAIN_SRUN_PML='$want': expected auto, ucx or default" ;;
+  esac
+  [ "$want" != default ] || return 0
+  if [ -n "${OMPI_MCA_pml:-}" ]; then
+    [ "$want" = auto ] || st_note "SHARDTRAIN_SRUN_PML=ucx ignored: OMPI_MCA_pml=$OMPI_MCA_pml is set"
+    return 0
+  fi
+  command -v ompi_info >/dev/null 2>&1 || return 0 # not Open MPI (or not on PATH): nothing to avoid
+  local info
+  info=$(ompi_info --parsable 2>/dev/null) || info=
+  if ! grep -q '^mca:pml:ucx:' <<<"$info"; then
+    [ "$want" = ucx ] && st_die "SHARDTRAIN_SRUN_PML=ucx: this Open MPI ($(command -v ompi_info)) has no UCX PML"
+    st_note "warning: this Open MPI has no UCX PML; srun starts may rarely crash in MPI_Init (docs/slurm-startup-crash.md)"
+    return 0
+  fi
+  local ex=ALL,OMPI_MCA_pml=ucx
+  [ -n "${OMPI_MCA_pml_ucx_tls:-}" ] || ex+=,OMPI_MCA_pml_ucx_tls=any
+  [ -n "${OMPI_MCA_pml_ucx_devices:-}" ] || ex+=,OMPI_MCA_pml_ucx_devices=any
+  ST_CMD+=("--export=$ex")
+}
+
 # st_launcher NTASKS EXTRA_SRUN_OPTIONS...: sets ST_CMD to the launcher part of the command.
 st_launcher() {
   local n=$1 nodes=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}} per_node=${SLURM_NTASKS_PER_NODE:-} cpus=${SLURM_CPUS_PER_TASK:-}
@@ -153,6 +188,7 @@ st_launcher() {
       ST_CMD=(srun "--mpi=${SRUN_MPI:-pmix}" "--nodes=$nodes" "--ntasks=$n")
       [ -z "$per_node" ] || ST_CMD+=("--ntasks-per-node=$per_node")
       [ -z "$cpus" ] || ST_CMD+=("--cpus-per-task=$cpus" --cpu-bind=cores)
+      [ "$n" -le 1 ] || st_srun_pml # one rank receives no peer's message: nothing to avoid
       ST_CMD+=("$@")
       read -r -a user <<<"${SRUN_ARGS:-}"
       ;;

@@ -139,20 +139,61 @@ errs() {
   grep -qF -- "$2" "$WORK/$CASE.err" || bad "stderr lacks '$2'"
 }
 
+# Stand-ins for ompi_info, first on PATH, so that what the scripts print does not depend on this
+# machine's Open MPI: one with the UCX PML (the default for every dry run below), one without.
+for k in ucx noucx; do
+  mkdir -p "$WORK/ompi-$k"
+  {
+    echo '#!/bin/bash'
+    echo 'echo "mca:pml:ob1:version:\"component:4.1.4\""'
+    [ "$k" = noucx ] || echo 'echo "mca:pml:ucx:version:\"component:4.1.4\""'
+  } >"$WORK/ompi-$k/ompi_info"
+  chmod +x "$WORK/ompi-$k/ompi_info"
+done
+REAL_PATH=$PATH
+export PATH="$WORK/ompi-ucx:$PATH"
+UCX_EXPORT=--export=ALL,OMPI_MCA_pml=ucx,OMPI_MCA_pml_ucx_tls=any,OMPI_MCA_pml_ucx_devices=any
+# As the scripts print it (printf %q, which escapes the commas; the line stays runnable as printed).
+UCX_EXPORT_Q=$(printf '%q' "$UCX_EXPORT")
+
 # train-cpu.sbatch: the whole line, exactly.
 dry cpu "${CPU_ENV[@]}" SHARDTRAIN_BIN="$BIN" -- train-cpu.sbatch jobs/small-test.ini --steps 30 --lr 1e-3
-want="srun --mpi=pmix --nodes=1 --ntasks=4 --ntasks-per-node=4 --cpus-per-task=8 --cpu-bind=cores $BIN"
+want="srun --mpi=pmix --nodes=1 --ntasks=4 --ntasks-per-node=4 --cpus-per-task=8 --cpu-bind=cores $UCX_EXPORT_Q $BIN"
 want+=" --config jobs/small-test.ini --checkpoint-dir checkpoints/small-test --resume auto --threads 8 --steps 30 --lr 1e-3"
 launched srun
 [ "$OUT" = "$want" ] || bad "command differs from: $want"
 echo "ok: train-cpu dry run: $OUT"
+
+# The start-up crash avoidance (docs/slurm-startup-crash.md): srun gets Open MPI's UCX PML where this
+# Open MPI has one, unless the user chose (OMPI_MCA_pml, SHARDTRAIN_SRUN_PML=default); their own
+# pml_ucx settings are kept; mpirun is left alone.
+dry pml_default "${CPU_ENV[@]}" SHARDTRAIN_BIN="$BIN" SHARDTRAIN_SRUN_PML=default -- train-cpu.sbatch
+launched srun
+[[ $OUT != *--export* ]] || bad "SHARDTRAIN_SRUN_PML=default still exports a PML"
+dry pml_user "${CPU_ENV[@]}" SHARDTRAIN_BIN="$BIN" OMPI_MCA_pml=ob1 SHARDTRAIN_SRUN_PML=ucx -- train-cpu.sbatch
+launched srun
+[[ $OUT != *--export* ]] || bad "OMPI_MCA_pml=ob1 set by the user, yet the command exports a PML"
+grep -qF "SHARDTRAIN_SRUN_PML=ucx ignored: OMPI_MCA_pml=ob1 is set" "$WORK/$CASE.err" || bad "no note that the user's PML wins"
+dry pml_user_tls "${CPU_ENV[@]}" SHARDTRAIN_BIN="$BIN" OMPI_MCA_pml_ucx_tls=rc_mlx5,sm -- train-cpu.sbatch
+launched srun
+has "$(printf '%q' --export=ALL,OMPI_MCA_pml=ucx,OMPI_MCA_pml_ucx_devices=any)"
+dry pml_noucx "${CPU_ENV[@]}" SHARDTRAIN_BIN="$BIN" PATH="$WORK/ompi-noucx:$REAL_PATH" -- train-cpu.sbatch
+launched srun
+[[ $OUT != *--export* ]] || bad "an Open MPI without the UCX PML, yet the command exports it"
+grep -qF "warning: this Open MPI has no UCX PML" "$WORK/$CASE.err" || bad "no warning about the missing UCX PML"
+dry pml_noucx_required "${CPU_ENV[@]}" SHARDTRAIN_BIN="$BIN" PATH="$WORK/ompi-noucx:$REAL_PATH" SHARDTRAIN_SRUN_PML=ucx -- train-cpu.sbatch
+errs 2 "SHARDTRAIN_SRUN_PML=ucx: this Open MPI ($WORK/ompi-noucx/ompi_info) has no UCX PML"
+dry pml_bad "${CPU_ENV[@]}" SHARDTRAIN_BIN="$BIN" SHARDTRAIN_SRUN_PML=yes -- train-cpu.sbatch
+errs 2 "SHARDTRAIN_SRUN_PML='yes': expected auto, ucx or default"
+echo "ok: srun gets $UCX_EXPORT where Open MPI has the UCX PML; not with SHARDTRAIN_SRUN_PML=default or a user's OMPI_MCA_pml;" \
+  "a user's pml_ucx_tls kept; without the UCX PML a warning (an error when required); a bad value refused; not for one rank (the export)"
 
 # Job file from JOB_FILE, and the default one; the default binary is the repository's build/shardtrain.
 dry cpu_env "${CPU_ENV[@]}" JOB_FILE=jobs/llama-125m.ini -- train-cpu.sbatch
 launched srun
 opt --config jobs/llama-125m.ini
 opt --checkpoint-dir checkpoints/llama-125m
-[ "${W[7]}" = "$ROOT/build/shardtrain" ] || bad "binary '${W[7]}', expected the default $ROOT/build/shardtrain"
+[ "${W[8]}" = "$ROOT/build/shardtrain" ] || bad "binary '${W[8]}', expected the default $ROOT/build/shardtrain"
 dry cpu_default "${CPU_ENV[@]}" SHARDTRAIN_BIN="$BIN" -- train-cpu.sbatch --steps 5
 launched srun
 opt --config "$ROOT/jobs/small-test.ini"
@@ -178,7 +219,7 @@ cp "$JOBS/train-cpu.sbatch" "$WORK/spool/job4242/slurm_script"
 RC=0
 (cd "$DRY" && env "${CPU_ENV[@]}" SHARDTRAIN_DRYRUN=1 bash "$WORK/spool/job4242/slurm_script" jobs/small-test.ini) \
   >"$WORK/spool.out" 2>"$WORK/spool.err" || RC=$?
-if [ "$RC" -ne 0 ] || [ "$(cut -d' ' -f8 "$WORK/spool.out")" != "$DRY/build/shardtrain" ]; then
+if [ "$RC" -ne 0 ] || [ "$(cut -d' ' -f9 "$WORK/spool.out")" != "$DRY/build/shardtrain" ]; then
   cat "$WORK/spool.out" "$WORK/spool.err"
   fail "slurmd's copy of the script did not find the repository through SLURM_SUBMIT_DIR"
 fi
@@ -207,6 +248,7 @@ opt --checkpoint-dir checkpoints/llama-350m
 opt --resume auto
 opt --eval-every 0
 hasnt srun
+[[ $OUT != *OMPI_MCA_pml* ]] || bad "mpirun was given a PML"
 echo "ok: train-multinode dry run (LAUNCHER=mpirun): $OUT"
 dry bad_launcher "${MULTI_ENV[@]}" SHARDTRAIN_BIN="$BIN" LAUNCHER=mpiexec -- train-multinode.sbatch jobs/llama-350m.ini
 errs 2 "LAUNCHER='mpiexec'"

@@ -71,6 +71,8 @@ export OMPI_MCA_btl_vader_single_copy_mechanism=none # containers often forbid C
 # The emulated nodes reach each other on lo; this host's other interfaces may not reach themselves
 # (in some containers connecting to the own eth0 address fails, and Open MPI then crashes).
 export OMPI_MCA_btl_tcp_if_include=lo OMPI_MCA_oob_tcp_if_include=lo
+# The same for UCX, which the job scripts select under srun (jobs/job-common.sh, st_srun_pml).
+export UCX_NET_DEVICES=lo
 # Not inside someone's Slurm job: nothing of an outer job or cluster leaks into ours.
 while read -r v; do
   case $v in
@@ -572,6 +574,9 @@ s_misuse() {
   [ "$RC" -ne 0 ] || { show "$SUB/job.out"; fail "job $JOB: exit code 0 for 8 ranks and a global batch of 12"; }
   local err="option '--global-batch' \(12\) is not divisible by the world size \(8\)"
   expect "$SUB/job.out" "^shardtrain-job: job $JOB, restart 0: 8 ranks" "the script did not see 8 tasks"
+  # The start-up crash's avoidance (docs/slurm-startup-crash.md): Open MPI's UCX PML, forced, so that a
+  # job that got through MPI_Init ran on it (Open MPI fails MPI_Init when a forced PML cannot run).
+  expect "$SUB/job.out" "launching: srun .*--export=ALL.,OMPI_MCA_pml=ucx" "the job script did not select the UCX PML"
   expect "$SUB/job.out" "$err" "not the project's error"
   local r
   for ((r = 0; r < 8; r++)); do
