@@ -147,27 +147,49 @@ st_setup() {
 # option to ST_CMD). Why: with Open MPI 4.1's ob1, a rank still waiting in MPI_Init's first PMIx fence
 # can receive a peer's TCP fragment before ob1 has registered its receive callbacks, and calls an empty
 # one: a segmentation fault at start-up, about 1 in 100 8-rank srun starts on a loaded machine
-# (docs/slurm-startup-crash.md). UCX queues such a message as unexpected. Left alone when the user
-# chose a PML (OMPI_MCA_pml set), with SHARDTRAIN_SRUN_PML=default, or when this Open MPI has no UCX
-# PML (a warning; MPICH and others: nothing). pml_ucx_tls/devices=any let UCX run where it finds no
-# InfiniBand (it then uses TCP and shared memory); with InfiniBand UCX picks it as before.
-st_srun_pml() {
+# (docs/slurm-startup-crash.md). Under the UCX PML no rank sends through a BTL. Left alone when the
+# user chose a PML (OMPI_MCA_pml set), with SHARDTRAIN_SRUN_PML=default, when the user gives srun's
+# --export (SRUN_ARGS or SLURM_EXPORT_ENV: theirs would replace or be replaced by ours), or when this
+# Open MPI has no UCX PML (a warning; MPICH and others: nothing). pml_ucx_tls/devices=any let UCX run
+# where it finds no InfiniBand (it then uses TCP and shared memory). A forced PML does not fall back:
+# if UCX cannot run (a UCX_TLS naming a missing transport), MPI_Init fails with "PML ucx cannot be
+# selected"; SHARDTRAIN_SRUN_PML=default then restores Open MPI's own choice.
+st_srun_pml_mode() {
   local want=${SHARDTRAIN_SRUN_PML:-auto}
   case $want in
-    auto | ucx | default) ;;
+    auto | ucx | default) echo "$want" ;;
     *) st_die "SHARDTRAIN_SRUN_PML='$want': expected auto, ucx or default" ;;
   esac
+}
+st_srun_pml() {
+  local want
+  want=$(st_srun_pml_mode) || exit 2
   [ "$want" != default ] || return 0
+  # not_added WHY: the PML is not set; a note (an error when SHARDTRAIN_SRUN_PML=ucx requires it).
+  not_added() {
+    [ "$want" != ucx ] || st_die "SHARDTRAIN_SRUN_PML=ucx: $1"
+    [ -z "${2:-}" ] || st_note "$2: $1; srun starts may rarely crash in MPI_Init (docs/slurm-startup-crash.md)"
+  }
   if [ -n "${OMPI_MCA_pml:-}" ]; then
     [ "$want" = auto ] || st_note "SHARDTRAIN_SRUN_PML=ucx ignored: OMPI_MCA_pml=$OMPI_MCA_pml is set"
     return 0
   fi
-  command -v ompi_info >/dev/null 2>&1 || return 0 # not Open MPI (or not on PATH): nothing to avoid
-  local info
-  info=$(ompi_info --parsable 2>/dev/null) || info=
+  if [ -n "${SLURM_EXPORT_ENV:-}" ] || [[ " ${SRUN_ARGS:-} " == *" --export"* ]]; then
+    not_added "srun's --export is given (SRUN_ARGS or SLURM_EXPORT_ENV): the UCX PML is not added to it (export OMPI_MCA_pml=ucx yourself)" note
+    return 0
+  fi
+  if ! command -v ompi_info >/dev/null 2>&1; then
+    not_added "no ompi_info on PATH (not Open MPI?)"
+    return 0
+  fi
+  local info rc=0
+  info=$(timeout 30 ompi_info --parsable 2>/dev/null) || rc=$?
+  if [ "$rc" -ne 0 ]; then
+    not_added "'ompi_info --parsable' failed (status $rc; 124: not done in 30 s)" warning
+    return 0
+  fi
   if ! grep -q '^mca:pml:ucx:' <<<"$info"; then
-    [ "$want" = ucx ] && st_die "SHARDTRAIN_SRUN_PML=ucx: this Open MPI ($(command -v ompi_info)) has no UCX PML"
-    st_note "warning: this Open MPI has no UCX PML; srun starts may rarely crash in MPI_Init (docs/slurm-startup-crash.md)"
+    not_added "this Open MPI ($(command -v ompi_info)) has no UCX PML" warning
     return 0
   fi
   local ex=ALL,OMPI_MCA_pml=ucx
@@ -181,6 +203,7 @@ st_launcher() {
   local n=$1 nodes=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}} per_node=${SLURM_NTASKS_PER_NODE:-} cpus=${SLURM_CPUS_PER_TASK:-}
   shift
   local user=()
+  st_srun_pml_mode >/dev/null || exit 2 # a bad SHARDTRAIN_SRUN_PML fails whatever the launch
   case ${LAUNCHER:-srun} in
     srun)
       # srun starts the ranks through Slurm's PMIx plugin (no mpirun). Since Slurm 22.05 srun does not

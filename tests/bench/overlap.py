@@ -12,6 +12,8 @@ batch W (one micro-batch per rank per step), fp32, --threads 1, mpirun --oversub
   thread  --overlap on --comm-progress thread (a communication thread tests the requests)
   poll    --overlap on --comm-progress poll (MPI_Test between GEMM tiles)
   wait    --overlap on --comm-progress wait (the requests progress only inside MPI_Wait)
+  ucx-off, ucx-poll, ucx-tcp-off   Open MPI's UCX PML (the job scripts' choice under srun) against
+          ob1: off, the default overlap (poll), and TCP alone; compared with off, poll and tcp-off
   tcp-off, tcp-async   Open MPI 4.1's own asynchronous progress exists only in its TCP transport
           (btl_tcp_progress_thread): --overlap off, and on with wait progress plus that thread,
           both over loopback TCP (OMPI_MCA_btl=self,tcp) instead of shared memory
@@ -47,6 +49,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 # progress, which only its TCP transport has (btl_tcp_progress_thread; shared memory has none):
 # tcp-async against tcp-off, both over loopback TCP instead of shared memory.
 TCP = {"OMPI_MCA_btl": "self,tcp"}
+UCX = {"OMPI_MCA_pml": "ucx", "OMPI_MCA_pml_ucx_tls": "any", "OMPI_MCA_pml_ucx_devices": "any"}
 MODES = {
     "off": (["--overlap", "off"], {}),
     "thread": (["--overlap", "on", "--comm-progress", "thread"], {}),
@@ -54,11 +57,19 @@ MODES = {
     "wait": (["--overlap", "on", "--comm-progress", "wait"], {}),
     "tcp-off": (["--overlap", "off"], TCP),
     "tcp-async": (["--overlap", "on", "--comm-progress", "wait"], dict(TCP, OMPI_MCA_btl_tcp_progress_thread="1")),
+    # Open MPI's UCX PML, as the job scripts select it under srun (jobs/job-common.sh, st_srun_pml;
+    # docs/slurm-startup-crash.md), against ob1: with overlap off, with the default overlap (poll),
+    # and over TCP alone (UCX_TLS=tcp,self, against ob1's tcp-off).
+    "ucx-off": (["--overlap", "off"], UCX),
+    "ucx-poll": (["--overlap", "on", "--comm-progress", "poll"], UCX),
+    "ucx-tcp-off": (["--overlap", "off"], dict(UCX, UCX_TLS="tcp,self", UCX_NET_DEVICES="lo")),
 }
 
 
 def baseline(mode):
-    return "tcp-off" if mode.startswith("tcp-") else "off"
+    if mode == "ucx-poll":
+        return "poll"
+    return "tcp-off" if "tcp-" in mode else "off"
 
 
 def run_one(a, W, mode, rnd):
@@ -147,7 +158,7 @@ def main():
     lines.append(f"Machine: {cpu_model}, {os.cpu_count()} cores ({host}); {datetime.date.today().isoformat()}; "
                  f"{a.rounds} round(s) interleaved ({', '.join(modes)}), prefetch {a.prefetch}, {a.steps} steps, means over steps "
                  f"{a.warmup + 1}-{a.steps}, medians over rounds; ratio columns: per round against "
-                 f"`off` of the same round (`tcp-off` for the tcp modes), min-max.")
+                 f"`off` of the same round (`tcp-off` for the tcp modes, `poll` for ucx-poll), min-max.")
     lines.append("")
     lines.append("| W | mode | tokens/s | exposed comm ms/step | comm issued ms/step | compute ms/step | CPU s/step (all ranks) | tokens/s vs baseline | exposed vs baseline |")
     lines.append("|---|---|---|---|---|---|---|---|---|")

@@ -180,13 +180,51 @@ has "$(printf '%q' --export=ALL,OMPI_MCA_pml=ucx,OMPI_MCA_pml_ucx_devices=any)"
 dry pml_noucx "${CPU_ENV[@]}" SHARDTRAIN_BIN="$BIN" PATH="$WORK/ompi-noucx:$REAL_PATH" -- train-cpu.sbatch
 launched srun
 [[ $OUT != *--export* ]] || bad "an Open MPI without the UCX PML, yet the command exports it"
-grep -qF "warning: this Open MPI has no UCX PML" "$WORK/$CASE.err" || bad "no warning about the missing UCX PML"
+grep -qF "warning: this Open MPI ($WORK/ompi-noucx/ompi_info) has no UCX PML" "$WORK/$CASE.err" || bad "no warning about the missing UCX PML"
 dry pml_noucx_required "${CPU_ENV[@]}" SHARDTRAIN_BIN="$BIN" PATH="$WORK/ompi-noucx:$REAL_PATH" SHARDTRAIN_SRUN_PML=ucx -- train-cpu.sbatch
 errs 2 "SHARDTRAIN_SRUN_PML=ucx: this Open MPI ($WORK/ompi-noucx/ompi_info) has no UCX PML"
 dry pml_bad "${CPU_ENV[@]}" SHARDTRAIN_BIN="$BIN" SHARDTRAIN_SRUN_PML=yes -- train-cpu.sbatch
 errs 2 "SHARDTRAIN_SRUN_PML='yes': expected auto, ucx or default"
+dry pml_bad_mpirun "${CPU_ENV[@]}" SHARDTRAIN_BIN="$BIN" SHARDTRAIN_SRUN_PML=UCX LAUNCHER=mpirun -- train-cpu.sbatch
+errs 2 "SHARDTRAIN_SRUN_PML='UCX': expected auto, ucx or default"
+dry pml_bad_one "${CPU_ENV[@]}" SHARDTRAIN_BIN="$BIN" SHARDTRAIN_SRUN_PML=on SLURM_NTASKS=1 -- train-cpu.sbatch
+errs 2 "SHARDTRAIN_SRUN_PML='on': expected auto, ucx or default"
+# srun's --export given by the user (SRUN_ARGS, or SLURM_EXPORT_ENV as sbatch --export=NONE leaves
+# it): not replaced, and no second --export; a note says the avoidance is off.
+dry pml_srun_args "${CPU_ENV[@]}" SHARDTRAIN_BIN="$BIN" SRUN_ARGS="--export=ALL,FOO=1" -- train-cpu.sbatch
+launched srun
+[ "$(grep -o -- --export <<<"$OUT" | wc -l)" -eq 1 ] || bad "expected only the user's --export"
+has "$(printf "%q" --export=ALL,FOO=1)"
+grep -qF "note: srun's --export is given" "$WORK/$CASE.err" || bad "no note that the user's --export leaves the PML alone"
+dry pml_export_env "${CPU_ENV[@]}" SHARDTRAIN_BIN="$BIN" SLURM_EXPORT_ENV=NONE -- train-cpu.sbatch
+launched srun
+[[ $OUT != *--export* ]] || bad "SLURM_EXPORT_ENV set, yet the command has --export"
+grep -qF "note: srun's --export is given" "$WORK/$CASE.err" || bad "no note for SLURM_EXPORT_ENV"
+dry pml_export_env_required "${CPU_ENV[@]}" SHARDTRAIN_BIN="$BIN" SLURM_EXPORT_ENV=NONE SHARDTRAIN_SRUN_PML=ucx -- train-cpu.sbatch
+errs 2 "SHARDTRAIN_SRUN_PML=ucx: srun's --export is given"
+# ompi_info failing (status 3, though it printed the UCX line), and missing from PATH.
+mkdir -p "$WORK/ompi-fail" "$WORK/no-ompi"
+printf '#!/bin/bash\necho "mca:pml:ucx:version:x"\nexit 3\n' >"$WORK/ompi-fail/ompi_info"
+chmod +x "$WORK/ompi-fail/ompi_info"
+dry pml_info_fails "${CPU_ENV[@]}" SHARDTRAIN_BIN="$BIN" PATH="$WORK/ompi-fail:$REAL_PATH" -- train-cpu.sbatch
+launched srun
+[[ $OUT != *--export* ]] || bad "ompi_info failed, yet the command exports the PML"
+grep -qF "warning: 'ompi_info --parsable' failed (status 3" "$WORK/$CASE.err" || bad "no warning that ompi_info failed"
+for d in /usr/local/bin /usr/bin /bin; do
+  for f in "$d"/*; do
+    n=${f##*/}
+    [ "$n" = ompi_info ] || [ -e "$WORK/no-ompi/$n" ] || ln -s "$f" "$WORK/no-ompi/$n"
+  done
+done
+dry pml_no_info "${CPU_ENV[@]}" SHARDTRAIN_BIN="$BIN" PATH="$WORK/no-ompi" -- train-cpu.sbatch
+launched srun
+[[ $OUT != *--export* ]] || bad "no ompi_info, yet the command exports the PML"
+[ ! -s "$WORK/$CASE.err" ] || ! grep -q "PML" "$WORK/$CASE.err" || bad "a note about the PML without Open MPI"
+dry pml_no_info_required "${CPU_ENV[@]}" SHARDTRAIN_BIN="$BIN" PATH="$WORK/no-ompi" SHARDTRAIN_SRUN_PML=ucx -- train-cpu.sbatch
+errs 2 "SHARDTRAIN_SRUN_PML=ucx: no ompi_info on PATH"
 echo "ok: srun gets $UCX_EXPORT where Open MPI has the UCX PML; not with SHARDTRAIN_SRUN_PML=default or a user's OMPI_MCA_pml;" \
-  "a user's pml_ucx_tls kept; without the UCX PML a warning (an error when required); a bad value refused; not for one rank (the export)"
+  "a user's pml_ucx_tls kept; a user's srun --export (SRUN_ARGS, SLURM_EXPORT_ENV) kept, with a note;" \
+  "without the UCX PML, with a failing or no ompi_info: none (a warning; an error when required); a bad value refused with any launcher; not for one rank"
 
 # Job file from JOB_FILE, and the default one; the default binary is the repository's build/shardtrain.
 dry cpu_env "${CPU_ENV[@]}" JOB_FILE=jobs/llama-125m.ini -- train-cpu.sbatch
