@@ -51,7 +51,8 @@
 # spaces or commas) runs only those; SLURM_TEST_REPEAT=N runs the selected scenarios N times in
 # rounds on one cluster start (fresh submit directories each round; logs of round K in
 # slurm-test-logs/round-K/), then prints each scenario's tally ("misuse: 49 of 50 passed") and
-# which rounds failed. Neither set: every scenario once, as always.
+# which rounds failed. Neither set: every scenario once, as always. SLURM_TEST_QUEUE_S (default 240):
+# the seconds a job may wait in the queue on top of its own time limit (see QUEUE_S below).
 # Ends "slurm-test: N passed, M failed" (scenario runs); exit status non-zero iff a check failed.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
@@ -182,10 +183,16 @@ subdir() {
 }
 # sb ARGS...: sbatch --parsable (the job id on stdout), from the current directory.
 sb() { sbatch --parsable "$@"; }
+# The scenarios run side by side on the two nodes, so a job can wait in the queue behind another
+# scenario's job (a preemption test holds n1 for minutes); on a loaded machine that wait reached 120 s
+# (two suites of ten under load failed so, job 9 never allocated). Every job's limit below is its
+# running time plus this queue allowance (SLURM_TEST_QUEUE_S, default 240): a hang still ends in 124.
+QUEUE_S=${SLURM_TEST_QUEUE_S:-240}
+[[ $QUEUE_S =~ ^[0-9]+$ ]] || { echo "SLURM_TEST_QUEUE_S='$QUEUE_S': expected seconds" >&2; exit 2; }
 # sbw TIMEOUT LOG ARGS...: sbatch --wait; sets JOB and RC (the job's exit code, 124 when TIMEOUT
-# seconds passed: then the job is cancelled).
+# seconds (plus QUEUE_S) passed: then the job is cancelled).
 sbw() {
-  local t=$1 log=$2
+  local t=$(($1 + QUEUE_S)) log=$2
   shift 2
   RC=0
   timeout -k 5 "$t" sbatch --parsable --wait -o "$log" "$@" >"$log.id" 2>"$log.sbatch" || RC=$?
@@ -228,7 +235,7 @@ COMMON=(--cpus-per-task=1 --time=5)
 # sbw_bg TIMEOUT LOG ARGS...: sbatch --wait in the background (PID in BG), returns once the job id is
 # known (in LOG.id), so that jobs submitted one after the other queue in that order.
 sbw_bg() {
-  local t=$1 log=$2 i
+  local t=$(($1 + QUEUE_S)) log=$2 i
   shift 2
   timeout -k 5 "$t" sbatch --parsable --wait -o "$log" "$@" >"$log.id" 2>"$log.sbatch" &
   BG=$!
@@ -381,7 +388,7 @@ preempt() {
       opts+=(-w n1 --time=1 --signal=USR1@30)
     fi
   fi
-  env "${envs[@]}" timeout -k 5 240 sbatch --parsable --wait -o "$out" "${opts[@]}" jobs/train-cpu.sbatch "${args[@]}" \
+  env "${envs[@]}" timeout -k 5 $((240 + QUEUE_S)) sbatch --parsable --wait -o "$out" "${opts[@]}" jobs/train-cpu.sbatch "${args[@]}" \
     >"$out.id" 2>"$out.sbatch" &
   local wpid=$! job=
   for ((i = 0; i < 100; i++)); do
@@ -394,12 +401,12 @@ preempt() {
   if [ "$how" = scancel ]; then
     # The job may wait in the queue behind the other scenarios' jobs on n2 (long on a loaded
     # machine): the 60 s for its first steps count from its start, not from its submission.
-    for ((i = 0; i < 1800; i++)); do
+    for ((i = 0; i < QUEUE_S * 10; i++)); do
       [ "$(job_field "$job" JobState)" = RUNNING ] && break
       kill -0 "$wpid" 2>/dev/null || break
       sleep 0.1
     done
-    [ "$(job_field "$job" JobState)" = RUNNING ] || { show "$out"; fail "job $job: not running after 180 s in the queue"; }
+    [ "$(job_field "$job" JobState)" = RUNNING ] || { show "$out"; fail "job $job: not running after $QUEUE_S s in the queue"; }
     # Once the save of step CKPT_EVERY is writing in the background (for WRITE_DELAY_MS and more).
     local snap="^checkpoint: step $CKPT_EVERY: snapshot taken in [0-9.]+ s, writing in the background"
     for ((i = 0; i < 600; i++)); do
@@ -570,7 +577,7 @@ s_misuse() {
   sbw_bg 150 "$SUB/job.out" -N 2 "${COMMON[@]}" jobs/train-multinode.sbatch jobs/small-test.ini
   touch "$S/misuse.queued"
   bg_done "$SUB/job.out"
-  [ "$RC" -ne 124 ] || { show "$SUB/job.out"; fail "job $JOB did not end within 150 s (a hang)"; }
+  [ "$RC" -ne 124 ] || { show "$SUB/job.out"; fail "job $JOB did not end within $((150 + QUEUE_S)) s (a hang)"; }
   [ "$RC" -ne 0 ] || { show "$SUB/job.out"; fail "job $JOB: exit code 0 for 8 ranks and a global batch of 12"; }
   local err="option '--global-batch' \(12\) is not divisible by the world size \(8\)"
   expect "$SUB/job.out" "^shardtrain-job: job $JOB, restart 0: 8 ranks" "the script did not see 8 tasks"
