@@ -14,6 +14,7 @@
 #include "shardtrain/blas_select.h"
 #include "shardtrain/checkpoint.h"
 #include "shardtrain/cuda.h"
+#include "shardtrain/geometry.h"
 #include "shardtrain/hf.h"
 #include "shardtrain/config.h"
 #include "shardtrain/cpu_affinity.h"
@@ -328,26 +329,18 @@ void run_plan(Comm& comm, const Topology& topo, const Options& o) {
              "): give the planned job's ranks with '--world-size'");
   MeshDims dims;
   agree(comm, [&] { dims = resolve_mesh_dims(o.shard_group_size, o.tp, W, ranks_per_node(topo)); });
-  const int G = dims.dp_shard * dims.tp, dp = dims.dp();
-  all_ok(comm, check_tensor_parallel(mc, o.tp).empty(), check_tensor_parallel(mc, o.tp));
+  const int G = dims.dp_shard * dims.tp;
   MemoryPlanInput in{mc, o.train, W, o.train.precision, o.train.reduce_bf16, cuda, 0, 4, 0, o.train.overlap};
   in.shard_group_size = dims.dp_shard;
   in.tp = dims.tp;
   TrainConfig& t = in.train;
-  // Training's check of the sequence length (train.cpp): no plan for a run that would be refused.
-  all_ok(comm, t.seq_len <= mc.max_position_embeddings,
-         "option '--seq-len' (" + std::to_string(t.seq_len) + ") exceeds the model's max_position_embeddings (" +
-             std::to_string(mc.max_position_embeddings) + ")");
-  // Memory depends on the micro-batch only: the global batch matters (and is checked) when it sets it.
-  if (t.micro_batch == 0) {
-    all_ok(comm, t.global_batch % dp == 0,
-           "option '--global-batch' (" + std::to_string(t.global_batch) + ") is not divisible by the data-parallel size (" +
-               std::to_string(dp) + "); give '--micro-batch' (memory depends on it alone)");
-    t.micro_batch = t.global_batch / dp;
-  }
-  all_ok(comm, int64_t{t.micro_batch} * t.seq_len % o.tp == 0,
-         "option '--tp' (" + std::to_string(o.tp) + ") does not divide the tokens of a micro-batch (" +
-             std::to_string(t.micro_batch) + " x " + std::to_string(t.seq_len) + ")");
+  // Training's geometry (geometry.h): no plan for a run that would be refused. Memory depends on the
+  // micro-batch alone: given, it stands for the global batch (micro-batch x dp, no accumulation).
+  const BatchOptions bo{t.micro_batch > 0 ? t.micro_batch * dims.dp() : t.global_batch, t.micro_batch, t.seq_len};
+  const GeometryResult geo = resolve_geometry(bo, dims, mc);
+  const bool batch_refused = geo.refusal.starts_with("option '--global-batch'");
+  all_ok(comm, geo.ok(), geo.refusal + (batch_refused ? "; give '--micro-batch' (memory depends on it alone)" : ""));
+  t.micro_batch = geo.geometry.micro_batch;
   // Token data is memory-mapped (page cache, not resident per rank): not part of the plan.
   if (cuda) {
     in.runtime_bytes = kGpuRuntimeEstimate;

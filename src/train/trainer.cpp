@@ -17,6 +17,7 @@
 
 #include "resume.h"
 #include "shardtrain/files.h"
+#include "shardtrain/geometry.h"
 #include "shardtrain/checkpoint.h"
 #include "shardtrain/memory_plan.h"
 #include "shardtrain/tensorboard.h"
@@ -34,13 +35,6 @@ std::string fmt(const char* f, double v) {
   std::snprintf(b, sizeof b, f, v);
   return b;
 }
-
-// The batch geometry of a run: identical on every rank.
-struct Geometry {
-  int per_rank = 0;  // sequences per data-parallel rank per step: global_batch / dp_size
-  int mb = 0;        // sequences per micro-batch
-  int accum = 0;     // micro-batches per step
-};
 
 // One optimizer step's outcome, the same on every rank (from the step's all-reduce).
 struct StepOutcome {
@@ -115,7 +109,7 @@ template <typename C> class Trainer {
   const TrainConfig tc_;
   const TokenDataset& data_;
   const int W_, G_;  // world size, shard group size
-  Geometry geo_;
+  BatchGeometry geo_;  // resolve_geometry's: identical on every rank
   int64_t plan_total_ = 0;  // bytes of the memory plan per rank
   ModelOptions mopt_;
   std::unique_ptr<ShardedState<float>> f_;  // fp32 master shards and gradient shards
@@ -191,34 +185,12 @@ Trainer<C>::Trainer(Engine& eng, const ModelConfig& mc, const TrainConfig& tc, c
   log_setup();
 }
 
-// Geometry checks: identical on every rank, so every rank throws the same message.
+// The batch geometry (geometry.h) and the data's fit to the model: identical on every rank, so every
+// rank throws the same message.
 template <typename C> void Trainer<C>::check_geometry() {
-  const int dp = mesh_.dp_size();
-  // The ranks that read different batches: the world, or under TP the world / tp.
-  const std::string dp_what = mesh_.dims().tp > 1 ? "the data-parallel size (world " + std::to_string(W_) + " / tp " +
-                                                        std::to_string(mesh_.dims().tp) + " = " + std::to_string(dp) + ")"
-                                                  : "the world size (" + std::to_string(dp) + ")";
-  if (tc_.global_batch % dp != 0)
-    throw CollectiveError(0, "option '--global-batch' (" + std::to_string(tc_.global_batch) + ") is not divisible by " +
-                                 dp_what);
-  geo_.per_rank = tc_.global_batch / dp;
-  geo_.mb = tc_.micro_batch > 0 ? tc_.micro_batch : geo_.per_rank;
-  if (geo_.per_rank % geo_.mb != 0)
-    throw CollectiveError(0, "option '--global-batch' (" + std::to_string(tc_.global_batch) + ") is not divisible by " +
-                                 (mesh_.dims().tp > 1 ? std::string("data-parallel size") : std::string("world size")) +
-                                 " x '--micro-batch' (" + std::to_string(dp) + " x " + std::to_string(geo_.mb) + ")");
-  geo_.accum = geo_.per_rank / geo_.mb;
-  const int tp = mesh_.dims().tp;
-  if (const std::string why = check_tensor_parallel(mc_, tp); !why.empty()) throw CollectiveError(0, why);
-  if (static_cast<int64_t>(geo_.mb) * tc_.seq_len % tp != 0)
-    throw CollectiveError(0, "option '--tp' (" + std::to_string(tp) + ") does not divide the tokens of a micro-batch (" +
-                                 std::to_string(geo_.mb) + " x " + std::to_string(tc_.seq_len) + " = " +
-                                 std::to_string(static_cast<int64_t>(geo_.mb) * tc_.seq_len) +
-                                 "): sequence parallelism splits them evenly over the TP group");
-  if (tc_.seq_len > mc_.max_position_embeddings)
-    throw CollectiveError(0, "option '--seq-len' (" + std::to_string(tc_.seq_len) +
-                                 ") exceeds the model's max_position_embeddings (" +
-                                 std::to_string(mc_.max_position_embeddings) + ")");
+  const GeometryResult g = resolve_geometry({tc_.global_batch, tc_.micro_batch, tc_.seq_len}, mesh_.dims(), mc_);
+  if (!g.ok()) throw CollectiveError(0, g.refusal);
+  geo_ = g.geometry;
   if (data_.header().vocab_size > static_cast<uint32_t>(mc_.vocab_size))
     throw CollectiveError(0, "the token file's vocab_size (" + std::to_string(data_.header().vocab_size) +
                                  ") exceeds the model's vocab_size (" + std::to_string(mc_.vocab_size) + ")");
@@ -241,7 +213,7 @@ template <typename C> void Trainer<C>::check_geometry() {
 template <typename C> void Trainer<C>::log_memory_plan() {
   MemoryPlanInput mi{mc_, tc_, W_, tc_.precision, tc_.reduce_bf16, !eng_.be.host_kernels(),
                      0, 4, 0};  // token data: memory-mapped (page cache), not held by the rank
-  mi.train.micro_batch = geo_.mb;
+  mi.train.micro_batch = geo_.micro_batch;
   mi.overlap = tc_.overlap;
   mi.shard_group_size = G_;
   mi.tp = mesh_.dims().tp;
@@ -281,13 +253,13 @@ template <typename C> void Trainer<C>::allocate() {
         tp_ckpt_ = std::make_unique<TpCheckpointLayout>(mesh_.layout(), comm_.rank(), std::move(plans),
                                                         ShardPlan::build(llama_units(mc_), W_), checkpoint_tensor_names());
       }
-      model_->reserve(geo_.mb, tc_.seq_len);
-      tok_.resize(static_cast<size_t>(geo_.mb) * tc_.seq_len);
+      model_->reserve(geo_.micro_batch, tc_.seq_len);
+      tok_.resize(static_cast<size_t>(geo_.micro_batch) * tc_.seq_len);
       tgt_.resize(tok_.size());
     } catch (const std::bad_alloc&) {
       throw std::runtime_error("out of memory allocating model '" + mc_.name + "' (" + std::to_string(mc_.num_params()) +
                                " parameters, sharded over " + std::to_string(G_) + " ranks) with activations for " +
-                               std::to_string(geo_.mb) + " x " + std::to_string(tc_.seq_len) +
+                               std::to_string(geo_.micro_batch) + " x " + std::to_string(tc_.seq_len) +
                                " tokens per micro-batch; use more ranks, a smaller '--micro-batch' or '--seq-len', or a smaller '--model'");
     }
   });
@@ -460,7 +432,7 @@ template <typename C> void Trainer<C>::prepare_outputs() {
 template <typename C> void Trainer<C>::log_setup() {
   log_info(comm_, "shardtrain: model " + mc_.name + ", " + std::to_string(mc_.num_params()) + " parameters, " +
                       std::to_string(f_->num_units()) + " units, world size " + std::to_string(W_) + ", micro-batch " +
-                      std::to_string(geo_.mb) + " x " + std::to_string(geo_.accum) + " accumulation steps, global batch " +
+                      std::to_string(geo_.micro_batch) + " x " + std::to_string(geo_.accum) + " accumulation steps, global batch " +
                       std::to_string(tc_.global_batch) + " x " + std::to_string(tc_.seq_len) + " tokens");
   const OverlapConfig& ov = units_->overlap();
   const Comm& data = mesh_.shard_data();
@@ -518,9 +490,9 @@ template <typename C> StepOutcome Trainer<C>::train_step(int64_t s) {
   double loss_sum = 0;
   units_->begin_pass("train");  // the sharding layer prefetches along the order the last step gathered in
   for (int m = 0; m < geo_.accum; ++m) {
-    fill_batch(data_, Split::Train, tc_.seed, s, mesh_.dp_index() * geo_.per_rank + m * geo_.mb, geo_.mb, tc_.seq_len,
+    fill_batch(data_, Split::Train, tc_.seed, s, mesh_.dp_index() * geo_.per_rank + m * geo_.micro_batch, geo_.micro_batch, tc_.seq_len,
                tok_.data(), tgt_.data());
-    model_->forward(*units_, tok_.data(), geo_.mb, tc_.seq_len);
+    model_->forward(*units_, tok_.data(), geo_.micro_batch, tc_.seq_len);
     loss_sum += model_->head_backward(*units_, tgt_.data(), grad_scale);  // LM head and loss, forward and backward
     model_->backward(*units_);  // reduce-scatters each unit's gradient (mean over ranks) into its shard
   }

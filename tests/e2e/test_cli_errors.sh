@@ -26,6 +26,13 @@ SHARDTRAIN_TEST_LATE_RANK=3:6000 expect_fail batch_divisible_late "option '--glo
 ! grep -q "signal\|Segmentation\|fatal \[rank" "$WORK/batch_divisible_late.log" || { cat "$WORK/batch_divisible_late.log"; fail "batch_divisible_late: a rank died of a signal"; }
 expect_fail micro_divisible "not divisible by world size x '--micro-batch' (2 x 3)" 2 "${BASE[@]}" --global-batch 4 --micro-batch 3
 expect_fail seq_too_long "option '--seq-len' (100) exceeds the model's max_position_embeddings (64)" 2 --model tiny --data "$DATA" --global-batch 4 --seq-len 100
+# --mode plan refuses what training refuses, with training's words (one geometry, geometry.h).
+expect_fail plan_batch_divisible "option '--global-batch' (5) is not divisible by the world size (2); give '--micro-batch'" \
+  2 --mode plan --model tiny --seq-len 16 --global-batch 5
+expect_fail plan_tp_tokens "option '--tp' (2) does not divide the tokens of a micro-batch (1 x 33 = 33)" \
+  2 --mode plan --model demo --seq-len 33 --micro-batch 1 --tp 2
+expect_fail plan_seq_too_long "option '--seq-len' (100) exceeds the model's max_position_embeddings (64)" \
+  2 --mode plan --model tiny --seq-len 100
 printf 'this is not a token file at all, just text that is long enough to have a header.........\n' >"$WORK/junk.tok"
 expect_fail bad_token_file "token file '$WORK/junk.tok': bad magic" 2 --model tiny --data "$WORK/junk.tok"
 head -c 100 "$DATA" >"$WORK/short.tok"
