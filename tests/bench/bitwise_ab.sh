@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # A refactor's bitwise check against an earlier build: tests/bench/bitwise_ab.sh REF_BIN NEW_BIN [OUT]
-# Runs the same tiny trainings (12 steps, checkpoints at steps 6 and 12) with both binaries in 7
+# Runs the same tiny trainings (12 steps, checkpoints at steps 6 and 12) with both binaries in 9
 # configurations (fp32 W=2; fp32 W=3 --overlap off; bf16 W=2; bf16 W=3 with bf16 reduce; hybrid
-# sharding W=4 G=2; --comm-progress thread W=2; wait W=3 prefetch 2) and compares, exactly: every
+# sharding W=4 G=2; --comm-progress thread W=2; wait W=3 prefetch 2; TP 2 x FSDP 2 W=4; TP 2 with
+# hybrid sharding W=8 G=4) and compares, exactly: every
 # loss and validation loss of the metrics files, and every dataset and attribute of every
 # checkpoint (h5py; HDF5's own object timestamps are not visible to it). NEW_ARGS="..." passes
 # options to NEW_BIN only (e.g. --checkpoint-async off). Exit 0 when everything is equal.
@@ -61,4 +62,7 @@ run bf16-w3-rbf16 3 --precision bf16 --reduce-dtype bf16
 run hsdp-w4 4 --shard-group-size 2
 run thread-w2 2 --comm-progress thread
 run wait-w3 3 --comm-progress wait --prefetch 2
+# Tensor parallelism: TP 2 x FSDP 2, and TP 2 under hybrid sharding (shard groups of 2 x TP 2, 2 replicas).
+run tp2-fsdp2-w4 4 --tp 2
+run tp2-hsdp-w8 8 --tp 2 --shard-group-size 4
 exit $fail
