@@ -244,3 +244,34 @@ TEST(Ranges, TwoMicroBatchesInFlightOneFOneB) {
       EXPECT_EQ(pipe.units.size(), want_units);
     }
 }
+
+// The range API refuses, before any collective, what it cannot run: a range outside the model, a
+// unit map of the wrong size, a range from block 0 without tokens or from a later block without its
+// input, a backward before the head or without the output gradient; and a stage's map refuses a
+// unit the stage does not hold.
+TEST(Ranges, RefusesBadRangesAndMissingInputs) {
+  const st::ModelConfig mc = cfg(false);
+  auto be = st::make_cpu_backend<float>();
+  auto f = state(*be, st::llama_units(mc));
+  auto units = pipeline(*be, *f);
+  st::LlamaModel<float> m(mc, *be, {});
+  using Ctx = st::LlamaModel<float>::Context;
+  const Batch bt = batch(mc.vocab_size, st::testing::comm().rank(), 0);
+  Ctx past(st::BlockRange{2, 4, {}}), backwards(st::BlockRange{2, 1, {}}), short_map(st::BlockRange{0, 3, {0, 1}});
+  EXPECT_THROW(m.forward(*units, past, nullptr, f->param_shard(0), kB, kT), std::invalid_argument);
+  EXPECT_THROW(m.forward(*units, backwards, bt.tok.data(), nullptr, kB, kT), std::invalid_argument);
+  EXPECT_THROW(m.forward(*units, short_map, bt.tok.data(), nullptr, kB, kT), std::invalid_argument);
+  Ctx first(st::BlockRange{0, 1, {}}), rest(st::BlockRange{1, 3, {}});
+  EXPECT_THROW(m.forward(*units, first, nullptr, nullptr, kB, kT), std::invalid_argument);
+  EXPECT_THROW(m.forward(*units, rest, nullptr, nullptr, kB, kT), std::invalid_argument);
+  EXPECT_THROW(m.backward(*units, first, nullptr), std::logic_error);  // no forward yet
+  m.forward(*units, first, bt.tok.data(), nullptr, kB, kT);
+  EXPECT_THROW(m.head_backward(*units, first, bt.tgt.data(), kScale), std::logic_error);  // no head in [0, 1)
+  EXPECT_THROW(m.backward(*units, first, nullptr), std::invalid_argument);                // output_grad missing
+  m.forward(*units, rest, nullptr, first.output(), kB, kT);
+  EXPECT_THROW(m.backward(*units, rest, nullptr), std::logic_error);  // before head_backward
+  const st::BlockRange stage = st::llama_stage_range(mc, 1, 3);
+  EXPECT_EQ(stage.units, (std::vector<int>{-1, -1, 0, 1, 2}));
+  EXPECT_THROW((void)stage.unit(0), std::logic_error);
+  EXPECT_THROW(st::llama_stage_range(mc, 2, 4), std::invalid_argument);
+}
