@@ -148,16 +148,92 @@ enum class LinearRole { Forward, InputGrad, WeightGrad };
 template <typename T>
 void linear(Backend<T>& be, LinearRole role, int M, int N, int K, const T* a, const T* b, T* out, bool accumulate);
 
+// The blocks [begin, end) of a model of L blocks (0 <= begin <= end <= L), as one pipeline stage runs
+// them, and where the UnitSource it is given holds the units they use. A range uses the embedding
+// (unit 0) when begin == 0, blocks begin..end-1 (units 1+l), and the final norm and head (unit L+1,
+// and unit 0 again for a tied head) when end == L. units[u] is the index in the UnitSource of
+// model unit u in [0, L+2), -1 for a unit it does not hold; empty: the identity (the whole model's
+// plan). A stage's plan holds only its units (llama_stage_units), so its map is not the identity.
+struct BlockRange {
+  int begin = 0, end = 0;
+  std::vector<int> units;
+  // The UnitSource index of model unit u; std::logic_error when the map says it is not held.
+  int unit(int u) const;
+};
+// The units of a stage over blocks [begin, end) of config c (llama_units' slices, in model order):
+// the embedding when begin == 0 or (end == L and the head is tied: the LM head reads it; the
+// pipeline then owns summing that gradient with the first stage's), the blocks, the final norm
+// (and lm_head when untied) when end == L. llama_stage_range: the same range with the map into
+// these units. std::invalid_argument when not 0 <= begin <= end <= L.
+std::vector<UnitSpec> llama_stage_units(const ModelConfig& c, int begin, int end, int tp = 1, int tp_rank = 0);
+BlockRange llama_stage_range(const ModelConfig& c, int begin, int end);
+
 // One training micro-batch, as the caller runs it (src/train/train.cpp):
 //   model.forward(f, tokens, B, T);                         // embedding, blocks, final norm
 //   loss_sum += model.head_backward(f, targets, scale);     // LM head + loss with their backward, chunked
 //   model.backward(f);                                      // blocks, then the embedding
 // Evaluation: forward, then loss(f, targets). Generation: forward, then head_logits(f), logits().
-// The head step must follow forward() on the same UnitSource with no gather in between (it uses the
-// final norm's unit as forward left it gathered); out of order calls throw std::logic_error.
+// The head step must follow forward() on the same UnitSource with no gather in between by other
+// code (it uses the final norm's unit as forward left it gathered, and gathers it again when this
+// model gathered since); out of order calls throw std::logic_error.
+//
+// The same over a range of blocks, several micro-batches in flight (a pipeline stage): each
+// micro-batch has a Context, owned by the caller, that holds what its backward needs from its
+// forward (the blocks' kept activations, the range's output or the final norm's, the residual
+// gradient, the ids); scratch that is dead between calls (recomputed blocks, activation gradients,
+// logits chunks, RoPE tables) is the model's and shared. Per micro-batch and range:
+//   model.forward(f, ctx, tokens, input, B, T);    // begin == 0: tokens; else input [R, C] (the
+//                                                  // previous range's ctx.output())
+//   end == L: loss += model.head_backward(f, ctx, targets, scale);
+//   model.backward(f, ctx, output_grad);           // end < L: d(loss)/d(output) [R, C] (the next
+//                                                  // range's ctx.input_grad()); end == L: nullptr
+//   begin > 0: ctx.input_grad() is d(loss)/d(input) [R, C]
+// R = B*T / tp rows of this rank (sequence parallelism; B*T without TP). The whole-model calls are
+// these over one context of [0, L) held by the model; ranges [0, a), [a, b), [b, L) chained compute
+// bitwise what the whole model does (the same kernels on the same values, the same UnitSource
+// requests in the same order).
 template <typename T> class LlamaModel {
  public:
   using S = typename Backend<T>::S;  // scalar type: float for float and bf16, double for double
+
+ private:
+  // One block's activations (which of them exist depends on the Recompute mode, see above).
+  struct Layer {
+    Buffer<T> x, rstd1, q, k, v, att, y, x1, rstd2, g, u, h;
+    AccBuffer<T> lse;
+  };
+  // Where a micro-batch is: which call may come next.
+  enum class Stage { None, Forward, HeadBackward };
+
+ public:
+  // One micro-batch's state over a BlockRange between its forward and its backward. Allocated by
+  // the model at forward() for the micro-batch's B x T (activation_bytes' per-layer part for its
+  // blocks, plus [R, C] output and gradient, plus the ids, the final norm's input, output and rstd
+  // when end == L); movable, not copyable; must not outlive the model's backend.
+  class Context {
+   public:
+    Context() = default;
+    explicit Context(BlockRange r) : r_(std::move(r)) {}
+    const BlockRange& range() const { return r_; }
+    // After forward() with end < L: the range's output activation [R, C] (backend memory).
+    const T* output() const { return xf_.data(); }
+    // After backward() with begin > 0: d(loss)/d(the range's input) [R, C] (backend memory).
+    const T* input_grad() const { return dres_.data(); }
+
+   private:
+    friend class LlamaModel;
+    BlockRange r_;
+    int B_ = 0, T_ = 0;
+    Stage stage_ = Stage::None;
+    const T* head_w_ = nullptr;      // unit L+1 as forward() gathered it (valid until the next gather)
+    int64_t head_gathers_ = -1;      // the model's gather count right after that gather
+    std::vector<Layer> layers_;      // blocks begin..end-1
+    Buffer<T> xf_, lnf_, rstdf_;     // the range's output (the final norm's input); end == L: its output, rstd
+    Buffer<T> dres_;                 // d(loss)/d(residual stream), backward's running gradient
+    IdBuffer<T> tokens_, targets_;   // begin == 0 / end == L: the micro-batch's ids in backend memory
+    IdBuffer<T> ids_tp_;             // TP > 1, begin == 0: tokens as rows of this rank's embedding slice
+  };
+
   // tp: the TP group's collectives (shard.h), nullptr or size 1 = no tensor parallelism; must
   // outlive the model. Under TP the UnitSource serves this rank's slices (llama_units(c, N, t)).
   // Throws std::invalid_argument when tp does not fit the model (check_tensor_parallel).
@@ -167,21 +243,37 @@ template <typename T> class LlamaModel {
   // embedding, the blocks and the final norm, keeping what backward() needs (options().recompute).
   // Throws std::invalid_argument if T exceeds max_position_embeddings or a token is out of range
   // (before any collective).
-  void forward(UnitSource<T>& f, const int32_t* tokens, int B, int T_);
+  void forward(UnitSource<T>& f, const int32_t* tokens, int B, int T_) { forward(f, ctx_, tokens, nullptr, B, T_); }
   // Collective (gathers unit 0 again when tied). After forward(): the LM head and cross-entropy
   // over chunks of options().loss_chunk tokens (no [B*T, V] buffer). targets: host [B, T], ids in
   // [0, V) (std::invalid_argument otherwise, before any collective). Returns the sum over the B*T
   // positions of the cross-entropy (nats).
-  double loss(UnitSource<T>& f, const int32_t* targets);
+  double loss(UnitSource<T>& f, const int32_t* targets) { return loss(f, ctx_, targets); }
   // Collective. After forward(): the same loss (bitwise), and per chunk, while its logits exist,
   // the head's backward: dlogits = d(loss)/d(logits) * grad_scale in place, dlnf = dlogits W,
   // dW += dlogits^T lnf; then the final norm's backward. The head's weight gradient is
   // reduce-scattered into its shard (unit 0 when tied, and unit L+1). grad_scale is usually
   // 1 / (tokens per rank per optimizer step). Returns the loss sum, as loss() does.
-  double head_backward(UnitSource<T>& f, const int32_t* targets, S grad_scale);
+  double head_backward(UnitSource<T>& f, const int32_t* targets, S grad_scale) {
+    return head_backward(f, ctx_, targets, grad_scale);
+  }
   // Collective. After head_backward(): the backward of the blocks and the embedding; adds the
   // gradients, averaged over ranks, into f's gradient shards (one reduce-scatter per unit).
-  void backward(UnitSource<T>& f);
+  void backward(UnitSource<T>& f) { backward(f, ctx_, nullptr); }
+
+  // The range calls (see above). forward: collective over the range's units in order (0 when
+  // begin == 0, 1+begin..end, L+1 when end == L); tokens (host [B, T], begin == 0) or input
+  // (backend [R, C], begin > 0) must be given, the other is ignored; std::invalid_argument for a bad
+  // range or unit map, a missing input, T past max_position_embeddings or a token out of range
+  // (before any collective). loss / head_backward: as the whole-model ones, on a context whose
+  // range ends at L (std::logic_error otherwise or out of order). backward: after head_backward()
+  // (end == L, output_grad ignored) or forward() (end < L, output_grad required: backend [R, C]);
+  // blocks end-1..begin, then the embedding when begin == 0; else leaves ctx.input_grad().
+  void forward(UnitSource<T>& f, Context& ctx, const int32_t* tokens, const T* input, int B, int T_);
+  double loss(UnitSource<T>& f, Context& ctx, const int32_t* targets);
+  double head_backward(UnitSource<T>& f, Context& ctx, const int32_t* targets, S grad_scale);
+  void backward(UnitSource<T>& f, Context& ctx, const T* output_grad);
+
   // Collective (gathers unit 0 again when tied). After forward(): the logits [B*T, V] into a model
   // buffer (allocated here, B*T*V elements), for generation and export checks. Not under tensor
   // parallelism (std::logic_error).
@@ -192,32 +284,41 @@ template <typename T> class LlamaModel {
   const ModelConfig& config() const { return c_; }
   const ModelOptions& options() const { return o_; }
   // Allocates the activation buffers for micro-batches of B x T_ tokens (forward does it lazily):
-  // activation_bytes(c, options, B, T_, ..., tp) in total. Throws std::bad_alloc, and
-  // std::invalid_argument when the TP degree does not divide B*T_.
-  void reserve(int B, int T_) { ensure(B, T_); }
+  // the shared scratch and the whole-model context, activation_bytes(c, options, B, T_, ..., tp)
+  // in total. Throws std::bad_alloc, and std::invalid_argument when the TP degree does not divide
+  // B*T_.
+  void reserve(int B, int T_) {
+    ensure(B, T_);
+    ensure_context(ctx_);
+  }
 
  private:
-  // One block's activations (which of them exist depends on the Recompute mode, see above).
-  struct Layer {
-    Buffer<T> x, rstd1, q, k, v, att, y, x1, rstd2, g, u, h;
-    AccBuffer<T> lse;
-  };
   struct Offsets {  // flat offsets inside a block unit
     int64_t ln1, q, k, v, o, ln2, gate, up, down;
   };
-  // Where the model is in a micro-batch: which call may come next.
-  enum class Stage { None, Forward, HeadBackward };
+  // f.gather(u), counted (gathers_): the head knows whether unit L+1 is still where forward() left it.
+  const T* gather(UnitSource<T>& f, int u) {
+    ++gathers_;
+    return f.gather(u);
+  }
   void ensure(int B, int T_);
+  void ensure_context(Context& ctx);  // sized for d_ (B, T), when it is not yet
+  void check_range(const BlockRange& r) const;           // std::invalid_argument if not a range of this model
   void check_ids(const int32_t* ids, int64_t n) const;  // std::invalid_argument if one is outside [0, V)
-  void expect_stage(Stage s, const char* call) const;    // std::logic_error if not at s
+  void expect_stage(const Context& ctx, Stage s, const char* call) const;  // std::logic_error if not at s
+  // The embedding of ctx's tokens into x0 [R, C] (collective: gathers unit 0).
+  void embed(UnitSource<T>& f, Context& ctx, const int32_t* tokens, T* x0);
   // Forward of block l with weights w from input x: fills the activations of `a` and, when xn is not
   // nullptr, writes the block output to xn (else stops before the down projection: recompute).
   void block_forward(const T* w, const T* x, Layer& a, T* h, T* att, T* xn);
+  // Backward of block l (ctx's) with weights w into its full-unit gradient (f.full_grad, taken after
+  // any recomputation): ctx.dres_ from d(block output) to d(block input).
+  void block_backward(UnitSource<T>& f, Context& ctx, int l, const T* w);
   // The LM head and the loss over chunks; with `grad` their backward and the final norm's. See
   // loss() and head_backward().
-  double head(UnitSource<T>& f, const int32_t* targets, bool grad, S grad_scale);
+  double head(UnitSource<T>& f, Context& ctx, const int32_t* targets, bool grad, S grad_scale);
   // Where block l's activations are in backward (recomputed first when not kept).
-  Layer& backward_activations(int l, const T* w);
+  Layer& backward_activations(Context& ctx, int l, const T* w);
   // Sequence parallelism (TP > 1; identity without): the full [BT, C] rows of the local [R, C]
   // `local`, all-gathered into `into` (full_ or dfull_); without TP `local` itself.
   const T* gather_rows(const T* local, Buffer<T>& into);
@@ -238,22 +339,18 @@ template <typename T> class LlamaModel {
   S eps_ = S(0), attn_scale_ = S(0);  // rms_norm_eps; 1 / sqrt(HD)
   Offsets off_{};
   int64_t head_off_norm_ = 0, head_off_w_ = 0;
-  Stage stage_ = Stage::None;
-  const T* head_w_ = nullptr;     // unit L+1 as forward() gathered it (valid until the next gather)
-  IdBuffer<T> tokens_, targets_;  // the micro-batch's ids, in backend memory
-  std::vector<Layer> layers_;     // kept per block
+  Context ctx_;                   // the whole-model calls' micro-batch, blocks [0, L)
+  int64_t gathers_ = 0;           // gathers made through this model (gather())
   Layer work_;                    // recomputed block (Selective: h, exact att; Full: all)
-  Buffer<T> xf_, lnf_, rstdf_, chunk_logits_, logits_, cos_, sin_;
+  Buffer<T> chunk_logits_, logits_, cos_, sin_;
   Buffer<T> ln_;  // a block's RMSNorm output [B*T, C], forward and (recomputed) backward
-  Buffer<T> dres_, dln_, dq_, dk_, dv_, datt_, dy_, dh_, dg_, du_;
+  Buffer<T> dln_, dq_, dk_, dv_, datt_, dy_, dh_, dg_, du_;
   AccBuffer<T> dsum_;  // tiled attention backward: rowsum(dy * y) [B, NH, T]
-  // TP > 1 only (empty without TP). full_: an all-gathered [BT, C] (RMSNorm output; after forward()
-  // the final norm's, which the head reads); dfull_: a [BT, C] gradient (the all-gathered residual
-  // gradient, or the partial input gradient before its reduce-scatter); ids_tp_: the tokens as rows
-  // of this rank's embedding slice (-1: another rank's); the cross-entropy's row maxima [chunk],
-  // the group's [N, chunk] and the sums [2 * chunk].
+  // TP > 1 only (empty without TP). full_: an all-gathered [BT, C] (an RMSNorm output; in the head
+  // step the final norm's, which the head reads); dfull_: a [BT, C] gradient (the all-gathered
+  // residual gradient, or the partial input gradient before its reduce-scatter); the
+  // cross-entropy's row maxima [chunk], the group's [N, chunk] and the sums [2 * chunk].
   Buffer<T> full_, dfull_;
-  IdBuffer<T> ids_tp_;
   std::vector<int32_t> ids_host_;  // ids_tp_'s host staging (kept: no allocation per micro-batch)
   AccBuffer<T> ce_mx_, ce_maxes_, ce_st_;
 };

@@ -267,7 +267,7 @@ LlamaModel<T>::LlamaModel(const ModelConfig& c, Backend<T>& be, const ModelOptio
   if (o_.loss_chunk < 0) throw std::invalid_argument("option '--loss-chunk' must be >= 0");
   eps_ = static_cast<S>(c.rms_norm_eps);
   attn_scale_ = S(1) / std::sqrt(static_cast<S>(d_.HD));
-  layers_.resize(c.num_hidden_layers);
+  ctx_ = Context(BlockRange{0, c.num_hidden_layers, {}});
 }
 
 template <typename T> void LlamaModel<T>::ensure(int B, int T_) {
@@ -276,31 +276,20 @@ template <typename T> void LlamaModel<T>::ensure(int B, int T_) {
   const Sizes z(d_, o_);
   auto buf = [&](int64_t n) { return Buffer<T>(be_, static_cast<size_t>(n)); };
   auto acc = [&](int64_t n) { return AccBuffer<T>(be_, static_cast<size_t>(n)); };
-  auto block = [&](Layer& L) {  // everything of a block but x, h and the exact probabilities
-    L.rstd1 = buf(z.rstd); L.q = buf(z.q); L.k = buf(z.kv); L.v = buf(z.kv); L.lse = acc(z.lse); L.y = buf(z.y);
-    L.x1 = buf(z.x); L.rstd2 = buf(z.rstd); L.g = buf(z.gi); L.u = buf(z.gi);
-  };
   work_ = Layer{};
-  for (auto& L : layers_) {
-    L = Layer{};
-    L.x = buf(z.x);
-    if (z.keep_all) block(L);
-    if (z.keep_h) L.h = buf(z.gi);
-    if (z.keep_att) L.att = buf(z.att);
+  if (o_.recompute == Recompute::Full) {
+    work_.rstd1 = buf(z.rstd); work_.q = buf(z.q); work_.k = buf(z.kv); work_.v = buf(z.kv); work_.lse = acc(z.lse);
+    work_.y = buf(z.y); work_.x1 = buf(z.x); work_.rstd2 = buf(z.rstd); work_.g = buf(z.gi); work_.u = buf(z.gi);
   }
-  if (o_.recompute == Recompute::Full) block(work_);
   if (o_.recompute != Recompute::None) { work_.h = buf(z.gi); work_.att = buf(z.att); }
-  xf_ = buf(z.x); lnf_ = buf(z.x); rstdf_ = buf(z.rstd);
   chunk_logits_ = buf(z.chunk_logits);
   logits_ = Buffer<T>();
   ln_ = buf(z.x);
-  dres_ = buf(z.x); dln_ = buf(z.x);
+  dln_ = buf(z.x);
   dq_ = buf(z.q); dk_ = buf(z.kv); dv_ = buf(z.kv);
   datt_ = buf(z.att); dsum_ = acc(z.dsum); dy_ = buf(z.y);
   dh_ = buf(z.gi); dg_ = buf(z.gi); du_ = buf(z.gi);
-  tokens_ = IdBuffer<T>(be_, static_cast<size_t>(z.BT)); targets_ = IdBuffer<T>(be_, static_cast<size_t>(z.BT));
   full_ = buf(z.full); dfull_ = buf(z.full);
-  ids_tp_ = IdBuffer<T>(be_, tp_n_ > 1 ? static_cast<size_t>(z.BT) : 0);
   const int64_t ch = tp_n_ > 1 ? d_.chunk : 0;
   ce_mx_ = acc(ch); ce_maxes_ = acc(ch * tp_n_); ce_st_ = acc(2 * ch);
   std::vector<S> cs, sn;  // tables computed in double, rounded once to the storage type
@@ -310,6 +299,41 @@ template <typename T> void LlamaModel<T>::ensure(int B, int T_) {
   cos_ = buf(z.rope); sin_ = buf(z.rope);
   be_.from_host(cos_.data(), cst.data(), cst.size());
   be_.from_host(sin_.data(), snt.data(), snt.size());
+}
+
+// A context's buffers for d_'s micro-batch: per block of its range what the mode keeps (Sizes), the
+// range's output and residual gradient; the ids and the final norm's buffers where the range has
+// the embedding / the head. For [0, L) exactly what activation_bytes counts besides the scratch.
+template <typename T> void LlamaModel<T>::ensure_context(Context& ctx) {
+  if (ctx.B_ == d_.B && ctx.T_ == d_.T_) return;
+  const Sizes z(d_, o_);
+  const BlockRange& r = ctx.r_;
+  auto buf = [&](int64_t n) { return Buffer<T>(be_, static_cast<size_t>(n)); };
+  auto acc = [&](int64_t n) { return AccBuffer<T>(be_, static_cast<size_t>(n)); };
+  auto ids = [&](bool need) { return IdBuffer<T>(be_, need ? static_cast<size_t>(z.BT) : 0); };
+  ctx.B_ = ctx.T_ = 0;
+  ctx.stage_ = Stage::None;
+  ctx.layers_.clear();
+  ctx.layers_.resize(static_cast<size_t>(r.end - r.begin));
+  for (auto& L : ctx.layers_) {
+    L.x = buf(z.x);
+    if (z.keep_all) {  // everything of a block but x, h and the exact probabilities
+      L.rstd1 = buf(z.rstd); L.q = buf(z.q); L.k = buf(z.kv); L.v = buf(z.kv); L.lse = acc(z.lse); L.y = buf(z.y);
+      L.x1 = buf(z.x); L.rstd2 = buf(z.rstd); L.g = buf(z.gi); L.u = buf(z.gi);
+    }
+    if (z.keep_h) L.h = buf(z.gi);
+    if (z.keep_att) L.att = buf(z.att);
+  }
+  const bool head = r.end == d_.L;
+  ctx.xf_ = buf(z.x);
+  ctx.lnf_ = buf(head ? z.x : 0);
+  ctx.rstdf_ = buf(head ? z.rstd : 0);
+  ctx.dres_ = buf(z.x);
+  ctx.tokens_ = ids(r.begin == 0);
+  ctx.targets_ = ids(head);
+  ctx.ids_tp_ = ids(r.begin == 0 && tp_n_ > 1);
+  ctx.B_ = d_.B;
+  ctx.T_ = d_.T_;
 }
 
 template <typename T> const T* LlamaModel<T>::gather_rows(const T* local, Buffer<T>& into) {
@@ -361,43 +385,98 @@ template <typename T> void LlamaModel<T>::block_forward(const T* w, const T* x, 
   row_parallel_residual(h, d.I, w + off_.down, a.x1.data(), xn);
 }
 
-template <typename T> void LlamaModel<T>::forward(UnitSource<T>& f, const int32_t* tokens, int B, int T_) {
+int BlockRange::unit(int u) const {
+  if (units.empty()) return u;
+  const int i = units.at(static_cast<size_t>(u));
+  if (i < 0) throw std::logic_error("BlockRange: model unit " + std::to_string(u) + " is not held by this range's units");
+  return i;
+}
+
+std::vector<UnitSpec> llama_stage_units(const ModelConfig& c, int begin, int end, int tp, int tp_rank) {
+  const BlockRange r = llama_stage_range(c, begin, end);
+  std::vector<UnitSpec> all = llama_units(c, tp, tp_rank), out;
+  for (size_t u = 0; u < all.size(); ++u)
+    if (r.units[u] >= 0) out.push_back(std::move(all[u]));
+  return out;
+}
+
+BlockRange llama_stage_range(const ModelConfig& c, int begin, int end) {
+  const int L = c.num_hidden_layers;
+  if (begin < 0 || begin > end || end > L)
+    throw std::invalid_argument("block range [" + std::to_string(begin) + ", " + std::to_string(end) +
+                                ") is not inside [0, " + std::to_string(L) + ")");
+  BlockRange r{begin, end, std::vector<int>(static_cast<size_t>(L) + 2, -1)};
+  int n = 0;
+  if (begin == 0 || (end == L && c.tie_word_embeddings)) r.units[0] = n++;
+  for (int l = begin; l < end; ++l) r.units[static_cast<size_t>(1 + l)] = n++;
+  if (end == L) r.units[static_cast<size_t>(L) + 1] = n++;
+  return r;
+}
+
+template <typename T> void LlamaModel<T>::check_range(const BlockRange& r) const {
+  if (r.begin < 0 || r.begin > r.end || r.end > c_.num_hidden_layers)
+    throw std::invalid_argument("LlamaModel: block range [" + std::to_string(r.begin) + ", " + std::to_string(r.end) +
+                                ") is not inside [0, " + std::to_string(c_.num_hidden_layers) + ")");
+  if (!r.units.empty() && r.units.size() != static_cast<size_t>(c_.num_hidden_layers) + 2)
+    throw std::invalid_argument("LlamaModel: a unit map has one entry per model unit (" +
+                                std::to_string(c_.num_hidden_layers + 2) + "), got " + std::to_string(r.units.size()));
+}
+
+template <typename T>
+void LlamaModel<T>::forward(UnitSource<T>& f, Context& ctx, const int32_t* tokens, const T* input, int B, int T_) {
+  check_range(ctx.r_);
+  const int a = ctx.r_.begin, b = ctx.r_.end;
   if (T_ > c_.max_position_embeddings)
     throw std::invalid_argument("sequence length " + std::to_string(T_) + " exceeds max_position_embeddings " +
                                 std::to_string(c_.max_position_embeddings));
-  check_ids(tokens, int64_t{B} * T_);
-  stage_ = Stage::None;
+  if (a == 0 && !tokens) throw std::invalid_argument("LlamaModel::forward: a range from block 0 needs the tokens");
+  if (a > 0 && !input) throw std::invalid_argument("LlamaModel::forward: a range from block > 0 needs its input");
+  if (a == 0) check_ids(tokens, int64_t{B} * T_);
+  ctx.stage_ = Stage::None;
   ensure(B, T_);
+  ensure_context(ctx);
   const LlamaDims& d = d_;
-  be_.ids_from_host(tokens_.data(), tokens, static_cast<size_t>(d.BT));
+  T* x0 = b > a ? ctx.layers_[0].x.data() : ctx.xf_.data();
+  if (a == 0)
+    embed(f, ctx, tokens, x0);
+  else
+    be_.copy(x0, input, static_cast<size_t>(d.R) * d.C);
 
-  // Embedding: x = wte[tokens]. Vocabulary-parallel: each rank looks up the tokens of its rows (zero
-  // rows for the others'); the reduce-scatter sums them and leaves this rank its rows of x.
-  const T* emb = f.gather(0);
-  T* x0 = d.L > 0 ? layers_[0].x.data() : xf_.data();
+  for (int l = a; l < b; ++l) {
+    const T* w = gather(f, ctx.r_.unit(1 + l));
+    Layer& kept = ctx.layers_[static_cast<size_t>(l - a)];
+    Layer& act = o_.recompute == Recompute::Full ? work_ : kept;
+    T* h = o_.recompute == Recompute::None ? act.h.data() : work_.h.data();
+    T* att = o_.recompute == Recompute::None ? act.att.data() : work_.att.data();
+    block_forward(w, kept.x.data(), act, h, att,
+                  l + 1 < b ? ctx.layers_[static_cast<size_t>(l + 1 - a)].x.data() : ctx.xf_.data());
+  }
+
+  if (b == d.L) {
+    ctx.head_w_ = gather(f, ctx.r_.unit(d.L + 1));
+    ctx.head_gathers_ = gathers_;
+    be_.rmsnorm_forward(ctx.lnf_.data(), ctx.rstdf_.data(), ctx.xf_.data(), ctx.head_w_ + head_off_norm_, d.R, d.C,
+                        eps_);
+  }
+  ctx.stage_ = Stage::Forward;
+}
+
+// Embedding: x = wte[tokens]. Vocabulary-parallel: each rank looks up the tokens of its rows (zero
+// rows for the others'); the reduce-scatter sums them and leaves this rank its rows of x.
+template <typename T> void LlamaModel<T>::embed(UnitSource<T>& f, Context& ctx, const int32_t* tokens, T* x0) {
+  const LlamaDims& d = d_;
+  be_.ids_from_host(ctx.tokens_.data(), tokens, static_cast<size_t>(d.BT));
+  const T* emb = gather(f, ctx.r_.unit(0));
   if (tp_n_ == 1) {
-    be_.embedding_forward(x0, tokens_.data(), emb, d.BT, d.C);
+    be_.embedding_forward(x0, ctx.tokens_.data(), emb, d.BT, d.C);
   } else {
     ids_host_.resize(static_cast<size_t>(d.BT));
     for (int i = 0; i < d.BT; ++i)
       ids_host_[static_cast<size_t>(i)] = tokens[i] >= d.v0 && tokens[i] < d.v0 + d.valid ? tokens[i] - d.v0 : -1;
-    be_.ids_from_host(ids_tp_.data(), ids_host_.data(), ids_host_.size());
-    be_.embedding_forward(full_.data(), ids_tp_.data(), emb, d.BT, d.C);
+    be_.ids_from_host(ctx.ids_tp_.data(), ids_host_.data(), ids_host_.size());
+    be_.embedding_forward(full_.data(), ctx.ids_tp_.data(), emb, d.BT, d.C);
     tp_->reduce_scatter_sum(full_.data(), x0, static_cast<size_t>(d.R) * d.C);
   }
-
-  for (int l = 0; l < d.L; ++l) {
-    const T* w = f.gather(1 + l);
-    Layer& a = o_.recompute == Recompute::Full ? work_ : layers_[l];
-    T* h = o_.recompute == Recompute::None ? a.h.data() : work_.h.data();
-    T* att = o_.recompute == Recompute::None ? a.att.data() : work_.att.data();
-    block_forward(w, layers_[l].x.data(), a, h, att, l + 1 < d.L ? layers_[l + 1].x.data() : xf_.data());
-  }
-
-  head_w_ = f.gather(d.L + 1);
-  be_.rmsnorm_forward(lnf_.data(), rstdf_.data(), xf_.data(), head_w_ + head_off_norm_, d.R, d.C, eps_);
-  (void)gather_rows(lnf_.data(), full_);  // TP: the head reads all rows from full_
-  stage_ = Stage::Forward;
 }
 
 template <typename T> void LlamaModel<T>::check_ids(const int32_t* ids, int64_t n) const {
@@ -407,62 +486,76 @@ template <typename T> void LlamaModel<T>::check_ids(const int32_t* ids, int64_t 
                                   std::to_string(i));
 }
 
-template <typename T> void LlamaModel<T>::expect_stage(Stage s, const char* call) const {
-  if (stage_ != s)
+template <typename T> void LlamaModel<T>::expect_stage(const Context& ctx, Stage s, const char* call) const {
+  if (ctx.stage_ != s)
     throw std::logic_error(std::string("LlamaModel::") + call +
                            (s == Stage::Forward ? " must follow forward()" : " must follow head_backward()"));
+  if (ctx.B_ != d_.B || ctx.T_ != d_.T_)
+    throw std::logic_error(std::string("LlamaModel::") + call +
+                           ": a forward() of another micro-batch size came in between (the scratch is sized for it)");
 }
 
 template <typename T> void LlamaModel<T>::head_logits(UnitSource<T>& f) {
-  expect_stage(Stage::Forward, "head_logits");
+  expect_stage(ctx_, Stage::Forward, "head_logits");
   if (tp_n_ > 1) throw std::logic_error("LlamaModel::head_logits is not available under tensor parallelism");
-  stage_ = Stage::None;
+  ctx_.stage_ = Stage::None;
   const LlamaDims& d = d_;
-  const T* wout = c_.tie_word_embeddings ? f.gather(0) : head_w_ + head_off_w_;
+  const T* hw = ctx_.head_gathers_ == gathers_ ? ctx_.head_w_ : gather(f, d.L + 1);
+  const T* wout = c_.tie_word_embeddings ? gather(f, 0) : hw + head_off_w_;
   if (logits_.size() != static_cast<size_t>(d.BT) * d.V) logits_ = Buffer<T>(be_, static_cast<size_t>(d.BT) * d.V);
-  linear(be_, kFwd, d.BT, d.V, d.C, lnf_.data(), wout, logits_.data(), false);
+  linear(be_, kFwd, d.BT, d.V, d.C, ctx_.lnf_.data(), wout, logits_.data(), false);
 }
 
-template <typename T> double LlamaModel<T>::loss(UnitSource<T>& f, const int32_t* targets) {
-  expect_stage(Stage::Forward, "loss");
-  stage_ = Stage::None;
-  return head(f, targets, false, S(0));
+template <typename T> double LlamaModel<T>::loss(UnitSource<T>& f, Context& ctx, const int32_t* targets) {
+  if (ctx.r_.end != c_.num_hidden_layers) throw std::logic_error("LlamaModel::loss: the range does not end at the head");
+  expect_stage(ctx, Stage::Forward, "loss");
+  ctx.stage_ = Stage::None;
+  return head(f, ctx, targets, false, S(0));
 }
 
-template <typename T> double LlamaModel<T>::head_backward(UnitSource<T>& f, const int32_t* targets, S grad_scale) {
-  expect_stage(Stage::Forward, "head_backward");
-  stage_ = Stage::None;
-  const double loss_sum = head(f, targets, true, grad_scale);
-  stage_ = Stage::HeadBackward;
+template <typename T>
+double LlamaModel<T>::head_backward(UnitSource<T>& f, Context& ctx, const int32_t* targets, S grad_scale) {
+  if (ctx.r_.end != c_.num_hidden_layers)
+    throw std::logic_error("LlamaModel::head_backward: the range does not end at the head");
+  expect_stage(ctx, Stage::Forward, "head_backward");
+  ctx.stage_ = Stage::None;
+  const double loss_sum = head(f, ctx, targets, true, grad_scale);
+  ctx.stage_ = Stage::HeadBackward;
   return loss_sum;
 }
 
 // LM head and loss in chunks of d.chunk tokens (Liger-Kernel's fused linear cross-entropy and
 // torchtune's chunked loss do the same): per chunk, logits = lnf W^T, the loss, and with `grad`
 // dlogits (in place), dlnf = dlogits W and dW += dlogits^T lnf. Then the final norm's backward
-// gives dres_, where the blocks' backward starts. Collective (gathers, reduce-scatters).
-template <typename T> double LlamaModel<T>::head(UnitSource<T>& f, const int32_t* targets, bool grad, S grad_scale) {
+// gives ctx.dres_, where the blocks' backward starts. Collective (TP: the all-gather of the final
+// norm's output first; gathers, reduce-scatters).
+template <typename T>
+double LlamaModel<T>::head(UnitSource<T>& f, Context& ctx, const int32_t* targets, bool grad, S grad_scale) {
   const LlamaDims& d = d_;
+  const BlockRange& r = ctx.r_;
   check_ids(targets, d.BT);
-  be_.ids_from_host(targets_.data(), targets, static_cast<size_t>(d.BT));
+  // Under TP the logits are this rank's vocabulary columns [chunk, Vl] of all BT rows (the final
+  // norm's output all-gathered into full_), the loss the vocabulary-parallel one.
+  const T* lnf = gather_rows(ctx.lnf_.data(), full_);
+  be_.ids_from_host(ctx.targets_.data(), targets, static_cast<size_t>(d.BT));
   const bool tied = c_.tie_word_embeddings;
-  const T* hw = head_w_;
-  const T* wout = tied ? f.gather(0) : hw + head_off_w_;  // gathering unit 0 invalidates hw
+  // ctx.head_w_ is the unit as ctx's forward() gathered it, unless this model gathered since (another
+  // micro-batch's forward in between, as in a pipeline schedule): then it is gathered again.
+  // (Tied, hw is not read before the gather of unit 0, and unit L+1 is gathered again after it.)
+  const T* hw = tied || ctx.head_gathers_ == gathers_ ? ctx.head_w_ : gather(f, r.unit(d.L + 1));
+  const T* wout = tied ? gather(f, r.unit(0)) : hw + head_off_w_;  // gathering unit 0 invalidates hw
   T* gw = nullptr;
-  if (grad) gw = tied ? f.full_grad(0) : f.full_grad(d.L + 1) + head_off_w_;
+  if (grad) gw = tied ? f.full_grad(r.unit(0)) : f.full_grad(r.unit(d.L + 1)) + head_off_w_;
   // The loss is summed on the backend (cross_entropy_sum) and read once, at the end: one host
   // synchronisation per micro-batch on a GPU instead of one per chunk. The sum starts at 0 (every
   // path out of here takes it).
-  // Under TP the logits are this rank's vocabulary columns [chunk, Vl] of all BT rows (the final
-  // norm's output all-gathered into full_ by forward()), the loss the vocabulary-parallel one.
-  const T* lnf = tp_n_ > 1 ? full_.data() : lnf_.data();
   T* dlnf = input_grad();
   try {
     for (int r0 = 0; r0 < d.BT; r0 += d.chunk) {
       const int n = std::min(d.chunk, d.BT - r0);
       T* lg = chunk_logits_.data();
       const T* x = lnf + static_cast<int64_t>(r0) * d.C;
-      const int32_t* tg = targets_.data() + r0;
+      const int32_t* tg = ctx.targets_.data() + r0;
       linear(be_, kFwd, n, d.Vl, d.C, x, wout, lg, false);
       if (tp_n_ == 1) {
         be_.cross_entropy_sum(grad ? lg : nullptr, lg, tg, n, d.V, grad ? grad_scale : S(0));
@@ -487,22 +580,23 @@ template <typename T> double LlamaModel<T>::head(UnitSource<T>& f, const int32_t
   }
   if (!grad) return be_.take_loss_sum();
   if (tied) {
-    f.reduce_scatter_grad(0);
-    hw = f.gather(d.L + 1);  // again: the embedding replaced it in the gather buffer (norm weight only: [C])
+    f.reduce_scatter_grad(r.unit(0));
+    hw = gather(f, r.unit(d.L + 1));  // again: the embedding replaced it in the gather buffer (norm weight only: [C])
   }
-  T* ghw = tied ? f.full_grad(d.L + 1) : gw - head_off_w_;
+  T* ghw = tied ? f.full_grad(r.unit(d.L + 1)) : gw - head_off_w_;
   reduce_input_grad();  // TP: the partial d(final norm output) summed, this rank's rows into dln_
-  be_.zero(dres_.data(), static_cast<size_t>(d.R) * d.C);
-  be_.rmsnorm_backward(dres_.data(), ghw + head_off_norm_, dln_.data(), xf_.data(), hw + head_off_norm_,
-                       rstdf_.data(), d.R, d.C);
-  f.reduce_scatter_grad(d.L + 1);
+  be_.zero(ctx.dres_.data(), static_cast<size_t>(d.R) * d.C);
+  be_.rmsnorm_backward(ctx.dres_.data(), ghw + head_off_norm_, dln_.data(), ctx.xf_.data(), hw + head_off_norm_,
+                       ctx.rstdf_.data(), d.R, d.C);
+  f.reduce_scatter_grad(r.unit(d.L + 1));
   return be_.take_loss_sum();
 }
 
-template <typename T> typename LlamaModel<T>::Layer& LlamaModel<T>::backward_activations(int l, const T* w) {
+template <typename T>
+typename LlamaModel<T>::Layer& LlamaModel<T>::backward_activations(Context& ctx, int l, const T* w) {
   const LlamaDims& d = d_;
   const size_t n = static_cast<size_t>(d.BT) * d.I;
-  Layer& a = layers_[l];
+  Layer& a = ctx.layers_[static_cast<size_t>(l - ctx.r_.begin)];
   switch (o_.recompute) {
     case Recompute::None:
       return a;
@@ -519,65 +613,76 @@ template <typename T> typename LlamaModel<T>::Layer& LlamaModel<T>::backward_act
   return a;
 }
 
-template <typename T> void LlamaModel<T>::backward(UnitSource<T>& f) {
-  expect_stage(Stage::HeadBackward, "backward");
-  stage_ = Stage::None;
+template <typename T> void LlamaModel<T>::backward(UnitSource<T>& f, Context& ctx, const T* output_grad) {
   const LlamaDims& d = d_;
-  // head_backward() ran the head's backward: dres_ holds d(loss)/d(final block output).
-  for (int l = d.L - 1; l >= 0; --l) {
-    const T* w = f.gather(1 + l);
-    Layer& a = backward_activations(l, w);
-    const T* x = layers_[l].x.data();
-    const T* h = o_.recompute == Recompute::None ? a.h.data() : work_.h.data();
-    const T* att = o_.recompute == Recompute::None ? a.att.data() : work_.att.data();
-    T* gw = f.full_grad(1 + l);
-    // MLP: x_next = x1 + h Wd^T.  dres flows to x1 unchanged (+ the norm path below).
-    const T* dr = gather_rows(dres_.data(), dfull_);  // TP: all rows of d(x_next)
-    linear(be_, kDIn, d.BT, d.C, d.I, dr, w + off_.down, dh_.data(), false);
-    linear(be_, kDW, d.BT, d.C, d.I, dr, h, gw + off_.down, true);
-    be_.swiglu_backward(dg_.data(), du_.data(), dh_.data(), a.g.data(), a.u.data(), static_cast<size_t>(d.BT) * d.I);
-    linear(be_, kDIn, d.BT, d.I, d.C, dg_.data(), w + off_.gate, input_grad(), false);
-    linear(be_, kDIn, d.BT, d.I, d.C, du_.data(), w + off_.up, input_grad(), true);
-    // The normalized input is not kept per layer: recomputed (bitwise the same values, rstd too).
-    be_.rmsnorm_forward(ln_.data(), a.rstd2.data(), a.x1.data(), w + off_.ln2, d.R, d.C, eps_);
-    const T* n2 = gather_rows(ln_.data(), full_);
-    linear(be_, kDW, d.BT, d.I, d.C, dg_.data(), n2, gw + off_.gate, true);
-    linear(be_, kDW, d.BT, d.I, d.C, du_.data(), n2, gw + off_.up, true);
-    reduce_input_grad();
-    be_.rmsnorm_backward(dres_.data(), gw + off_.ln2, dln_.data(), a.x1.data(), w + off_.ln2, a.rstd2.data(), d.R, d.C);
-    // Attention: x1 = x + y Wo^T.
-    dr = gather_rows(dres_.data(), dfull_);
-    linear(be_, kDIn, d.BT, d.C, d.Q, dr, w + off_.o, dy_.data(), false);
-    linear(be_, kDW, d.BT, d.C, d.Q, dr, a.y.data(), gw + off_.o, true);
-    if (o_.attention == AttentionKind::Tiled)
-      be_.flash_attention_backward(dq_.data(), dk_.data(), dv_.data(), dsum_.data(), dy_.data(), a.q.data(),
-                                   a.k.data(), a.v.data(), a.y.data(), a.lse.data(), d.B, d.T_, d.NH, d.NKV, d.HD,
-                                   attn_scale_);
-    else
-      shardtrain::attention_backward(be_, a.q.data(), a.k.data(), a.v.data(), att, dy_.data(), datt_.data(),
-                                     dq_.data(), dk_.data(), dv_.data(), d.B, d.T_, d.NH, d.NKV, d.HD);
-    be_.rope_backward(dq_.data(), cos_.data(), sin_.data(), d.B, d.T_, d.NH, d.HD);
-    be_.rope_backward(dk_.data(), cos_.data(), sin_.data(), d.B, d.T_, d.NKV, d.HD);
-    linear(be_, kDIn, d.BT, d.Q, d.C, dq_.data(), w + off_.q, input_grad(), false);
-    linear(be_, kDIn, d.BT, d.KV, d.C, dk_.data(), w + off_.k, input_grad(), true);
-    linear(be_, kDIn, d.BT, d.KV, d.C, dv_.data(), w + off_.v, input_grad(), true);
-    be_.rmsnorm_forward(ln_.data(), a.rstd1.data(), x, w + off_.ln1, d.R, d.C, eps_);
-    const T* n1 = gather_rows(ln_.data(), full_);
-    linear(be_, kDW, d.BT, d.Q, d.C, dq_.data(), n1, gw + off_.q, true);
-    linear(be_, kDW, d.BT, d.KV, d.C, dk_.data(), n1, gw + off_.k, true);
-    linear(be_, kDW, d.BT, d.KV, d.C, dv_.data(), n1, gw + off_.v, true);
-    reduce_input_grad();
-    be_.rmsnorm_backward(dres_.data(), gw + off_.ln1, dln_.data(), x, w + off_.ln1, a.rstd1.data(), d.R, d.C);
-    f.reduce_scatter_grad(1 + l);
+  const BlockRange& r = ctx.r_;
+  if (r.end == c_.num_hidden_layers) {
+    expect_stage(ctx, Stage::HeadBackward, "backward");  // head_backward() left d(final block output) in dres_
+  } else {
+    expect_stage(ctx, Stage::Forward, "backward");
+    if (!output_grad) throw std::invalid_argument("LlamaModel::backward: a range before the head needs output_grad");
+    be_.copy(ctx.dres_.data(), output_grad, static_cast<size_t>(d.R) * d.C);
   }
-
+  ctx.stage_ = Stage::None;
+  for (int l = r.end - 1; l >= r.begin; --l) {
+    const T* w = gather(f, r.unit(1 + l));
+    block_backward(f, ctx, l, w);
+    f.reduce_scatter_grad(r.unit(1 + l));
+  }
+  if (r.begin > 0) return;  // ctx.dres_ is d(loss)/d(the range's input)
   // Embedding: dwte[tokens] += dres (TP: all rows, this rank's vocabulary rows).
-  T* ge = f.full_grad(0);
+  T* ge = f.full_grad(r.unit(0));
   if (tp_n_ == 1)
-    be_.embedding_backward(ge, tokens_.data(), dres_.data(), d.BT, d.C);
+    be_.embedding_backward(ge, ctx.tokens_.data(), ctx.dres_.data(), d.BT, d.C);
   else
-    be_.embedding_backward(ge, ids_tp_.data(), gather_rows(dres_.data(), dfull_), d.BT, d.C);
-  f.reduce_scatter_grad(0);
+    be_.embedding_backward(ge, ctx.ids_tp_.data(), gather_rows(ctx.dres_.data(), dfull_), d.BT, d.C);
+  f.reduce_scatter_grad(r.unit(0));
+}
+
+template <typename T> void LlamaModel<T>::block_backward(UnitSource<T>& f, Context& ctx, int l, const T* w) {
+  const LlamaDims& d = d_;
+  Layer& a = backward_activations(ctx, l, w);
+  T* gw = f.full_grad(ctx.r_.unit(1 + l));
+  T* dres = ctx.dres_.data();
+  const T* x = ctx.layers_[static_cast<size_t>(l - ctx.r_.begin)].x.data();
+  const T* h = o_.recompute == Recompute::None ? a.h.data() : work_.h.data();
+  const T* att = o_.recompute == Recompute::None ? a.att.data() : work_.att.data();
+  // MLP: x_next = x1 + h Wd^T.  dres flows to x1 unchanged (+ the norm path below).
+  const T* dr = gather_rows(dres, dfull_);  // TP: all rows of d(x_next)
+  linear(be_, kDIn, d.BT, d.C, d.I, dr, w + off_.down, dh_.data(), false);
+  linear(be_, kDW, d.BT, d.C, d.I, dr, h, gw + off_.down, true);
+  be_.swiglu_backward(dg_.data(), du_.data(), dh_.data(), a.g.data(), a.u.data(), static_cast<size_t>(d.BT) * d.I);
+  linear(be_, kDIn, d.BT, d.I, d.C, dg_.data(), w + off_.gate, input_grad(), false);
+  linear(be_, kDIn, d.BT, d.I, d.C, du_.data(), w + off_.up, input_grad(), true);
+  // The normalized input is not kept per layer: recomputed (bitwise the same values, rstd too).
+  be_.rmsnorm_forward(ln_.data(), a.rstd2.data(), a.x1.data(), w + off_.ln2, d.R, d.C, eps_);
+  const T* n2 = gather_rows(ln_.data(), full_);
+  linear(be_, kDW, d.BT, d.I, d.C, dg_.data(), n2, gw + off_.gate, true);
+  linear(be_, kDW, d.BT, d.I, d.C, du_.data(), n2, gw + off_.up, true);
+  reduce_input_grad();
+  be_.rmsnorm_backward(dres, gw + off_.ln2, dln_.data(), a.x1.data(), w + off_.ln2, a.rstd2.data(), d.R, d.C);
+  // Attention: x1 = x + y Wo^T.
+  dr = gather_rows(dres, dfull_);
+  linear(be_, kDIn, d.BT, d.C, d.Q, dr, w + off_.o, dy_.data(), false);
+  linear(be_, kDW, d.BT, d.C, d.Q, dr, a.y.data(), gw + off_.o, true);
+  if (o_.attention == AttentionKind::Tiled)
+    be_.flash_attention_backward(dq_.data(), dk_.data(), dv_.data(), dsum_.data(), dy_.data(), a.q.data(), a.k.data(),
+                                 a.v.data(), a.y.data(), a.lse.data(), d.B, d.T_, d.NH, d.NKV, d.HD, attn_scale_);
+  else
+    shardtrain::attention_backward(be_, a.q.data(), a.k.data(), a.v.data(), att, dy_.data(), datt_.data(), dq_.data(),
+                                   dk_.data(), dv_.data(), d.B, d.T_, d.NH, d.NKV, d.HD);
+  be_.rope_backward(dq_.data(), cos_.data(), sin_.data(), d.B, d.T_, d.NH, d.HD);
+  be_.rope_backward(dk_.data(), cos_.data(), sin_.data(), d.B, d.T_, d.NKV, d.HD);
+  linear(be_, kDIn, d.BT, d.Q, d.C, dq_.data(), w + off_.q, input_grad(), false);
+  linear(be_, kDIn, d.BT, d.KV, d.C, dk_.data(), w + off_.k, input_grad(), true);
+  linear(be_, kDIn, d.BT, d.KV, d.C, dv_.data(), w + off_.v, input_grad(), true);
+  be_.rmsnorm_forward(ln_.data(), a.rstd1.data(), x, w + off_.ln1, d.R, d.C, eps_);
+  const T* n1 = gather_rows(ln_.data(), full_);
+  linear(be_, kDW, d.BT, d.Q, d.C, dq_.data(), n1, gw + off_.q, true);
+  linear(be_, kDW, d.BT, d.KV, d.C, dk_.data(), n1, gw + off_.k, true);
+  linear(be_, kDW, d.BT, d.KV, d.C, dv_.data(), n1, gw + off_.v, true);
+  reduce_input_grad();
+  be_.rmsnorm_backward(dres, gw + off_.ln1, dln_.data(), x, w + off_.ln1, a.rstd1.data(), d.R, d.C);
 }
 
 template <typename T> std::vector<T> LlamaModel<T>::logits() {

@@ -5,6 +5,7 @@
 #include "shardtrain/checkpoint.h"
 #include "shardtrain/files.h"
 #include "shardtrain/memory_plan.h"
+#include "shardtrain/schedule.h"
 
 #include <algorithm>
 #include <chrono>
@@ -78,10 +79,11 @@ double evaluate(const Mesh& mesh, LlamaModel<T>& model, UnitSource<T>& f, const 
   std::vector<int32_t> tok(static_cast<size_t>(mb) * tc.seq_len), tgt(tok.size());
   double sum = 0;
   f.begin_pass("eval");  // the sharding layer prefetches along the order the last evaluation gathered in
+  const GradAccumulation schedule(per_rank / mb, model.config().num_hidden_layers, false);  // forwards only
   for (int e = 0; e < batches; ++e)
-    for (int m = 0; m < per_rank / mb; ++m) {
-      fill_batch(data, Split::Val, tc.seed, e, mesh.dp_index() * per_rank + m * mb, mb, tc.seq_len, tok.data(),
-                 tgt.data());
+    for (const Action& a : schedule.actions()) {  // Forward of micro-batch a.microbatch, with the loss
+      fill_batch(data, Split::Val, tc.seed, e, mesh.dp_index() * per_rank + a.microbatch * mb, mb, tc.seq_len,
+                 tok.data(), tgt.data());
       model.forward(f, tok.data(), mb, tc.seq_len);
       const double l = model.loss(f, tgt.data());
       if (mesh.counts_loss()) sum += l;  // a TP group's ranks computed the same loss: counted once

@@ -22,6 +22,7 @@
 #include "shardtrain/memory_plan.h"
 #include "shardtrain/tensorboard.h"
 #include "shardtrain/mfu.h"
+#include "shardtrain/schedule.h"
 #include "shardtrain/train.h"
 
 namespace shardtrain {
@@ -92,6 +93,7 @@ template <typename C> class Trainer {
   void gather_hosts();
   void log_setup();
   StepOutcome train_step(int64_t s);
+  void run_action(const Action& a, int64_t s, float grad_scale, double& loss_sum);
   void log_step(int64_t s, const StepOutcome& o);
   void evaluate_at(int64_t step);
   void write_record(const nlohmann::json& j);
@@ -121,6 +123,7 @@ template <typename C> class Trainer {
   // that checkpoints store (checkpoint.h TpCheckpointLayout); nullptr otherwise.
   std::unique_ptr<TpCheckpointLayout> tp_ckpt_;
   std::vector<int32_t> tok_, tgt_;
+  std::unique_ptr<Schedule> schedule_;  // a step's micro-batches (gradient accumulation)
   CheckpointOptions co_;
   TrainState state_;         // the facts of the run: step, batch history, data and tokenizer record, layout
   std::string resume_path_;  // the checkpoint resumed from; "" for a fresh start
@@ -191,6 +194,9 @@ template <typename C> void Trainer<C>::check_geometry() {
   const GeometryResult g = resolve_geometry({tc_.global_batch, tc_.micro_batch, tc_.seq_len}, mesh_.dims(), mc_);
   if (!g.ok()) throw CollectiveError(0, g.refusal);
   geo_ = g.geometry;
+  schedule_ = std::make_unique<GradAccumulation>(geo_.accum, mc_.num_hidden_layers);
+  if (const std::string why = one_in_flight_problem(*schedule_, mc_.num_hidden_layers); !why.empty())
+    throw CollectiveError(0, "the trainer cannot run this schedule: " + why);
   if (data_.header().vocab_size > static_cast<uint32_t>(mc_.vocab_size))
     throw CollectiveError(0, "the token file's vocab_size (" + std::to_string(data_.header().vocab_size) +
                                  ") exceeds the model's vocab_size (" + std::to_string(mc_.vocab_size) + ")");
@@ -477,6 +483,27 @@ template <typename C> void Trainer<C>::log_setup() {
   }
 }
 
+// One action of step s's schedule (one micro-batch in flight: check_geometry checked it). Forward:
+// get micro-batch a.microbatch, forward; Backward: the LM head and loss, forward and backward, then
+// the blocks' backward, which reduce-scatters each unit's gradient (mean over ranks) into its shard.
+template <typename C> void Trainer<C>::run_action(const Action& a, int64_t s, float grad_scale, double& loss_sum) {
+  switch (a.kind) {
+    case ActionKind::Forward:
+      fill_batch(data_, Split::Train, tc_.seed, s, mesh_.dp_index() * geo_.per_rank + a.microbatch * geo_.micro_batch, geo_.micro_batch,
+                 tc_.seq_len, tok_.data(), tgt_.data());
+      model_->forward(*units_, tok_.data(), geo_.micro_batch, tc_.seq_len);
+      return;
+    case ActionKind::Backward:
+      loss_sum += model_->head_backward(*units_, tgt_.data(), grad_scale);
+      model_->backward(*units_);
+      return;
+    case ActionKind::BackwardInput:
+    case ActionKind::BackwardWeight:
+      break;
+  }
+  throw std::logic_error("Trainer: a split backward action (one_in_flight_problem rejects them)");
+}
+
 // One optimizer step (0-based s): get batch, forward, backward (each unit's gradient
 // reduce-scattered into its shard), one all-reduce of loss, squared norm and stop flag, clip, step.
 template <typename C> StepOutcome Trainer<C>::train_step(int64_t s) {
@@ -489,13 +516,7 @@ template <typename C> StepOutcome Trainer<C>::train_step(int64_t s) {
   f_->zero_grads();
   double loss_sum = 0;
   units_->begin_pass("train");  // the sharding layer prefetches along the order the last step gathered in
-  for (int m = 0; m < geo_.accum; ++m) {
-    fill_batch(data_, Split::Train, tc_.seed, s, mesh_.dp_index() * geo_.per_rank + m * geo_.micro_batch, geo_.micro_batch, tc_.seq_len,
-               tok_.data(), tgt_.data());
-    model_->forward(*units_, tok_.data(), geo_.micro_batch, tc_.seq_len);
-    loss_sum += model_->head_backward(*units_, tgt_.data(), grad_scale);  // LM head and loss, forward and backward
-    model_->backward(*units_);  // reduce-scatters each unit's gradient (mean over ranks) into its shard
-  }
+  for (const Action& a : schedule_->actions()) run_action(a, s, grad_scale, loss_sum);
   units_->end_pass();  // every reduce-scatter has landed in the gradient shards
   // TP: each rank's gradient of the replicated RMSNorm weights came from its own rows: sum them.
   // Through the TP group, which counts it with the step's TP communication (its S is float for

@@ -1,0 +1,79 @@
+// Schedules (schedule.h): the actions of gradient accumulation and the table of any schedule.
+#include "shardtrain/schedule.h"
+
+#include <cstdio>
+#include <stdexcept>
+
+namespace shardtrain {
+
+const char* action_letter(ActionKind k) {
+  switch (k) {
+    case ActionKind::Forward: return "F";
+    case ActionKind::Backward: return "B";
+    case ActionKind::BackwardInput: return "I";
+    case ActionKind::BackwardWeight: return "W";
+  }
+  return "?";
+}
+
+namespace {
+std::string label(const Action& a) {  // "F3"
+  std::string s = action_letter(a.kind);
+  s += std::to_string(a.microbatch);
+  return s;
+}
+}  // namespace
+
+std::string Schedule::to_table() const {
+  const int S = stages(), M = microbatches();
+  std::string out = name() + ": " + std::to_string(M) + (M == 1 ? " micro-batch, " : " micro-batches, ") +
+                    std::to_string(S) + (S == 1 ? " stage\n" : " stages\n");
+  const std::vector<Action> all = actions();
+  for (int s = 0; s < S; ++s) {
+    std::string row;
+    int begin = -1, end = -1;
+    for (const Action& a : all) {
+      if (a.stage != s) continue;
+      if (begin < 0) begin = a.begin, end = a.end;
+      char cell[16];
+      std::snprintf(cell, sizeof cell, "%-4s", label(a).c_str());
+      row += cell;
+    }
+    while (!row.empty() && row.back() == ' ') row.pop_back();
+    out += "stage " + std::to_string(s) + " [" + std::to_string(begin) + ", " + std::to_string(end) + ") | " + row + "\n";
+  }
+  return out;
+}
+
+GradAccumulation::GradAccumulation(int microbatches, int blocks, bool backward)
+    : m_(microbatches), blocks_(blocks), backward_(backward) {
+  if (microbatches < 1) throw std::invalid_argument("GradAccumulation: needs at least one micro-batch");
+  if (blocks < 0) throw std::invalid_argument("GradAccumulation: a negative number of blocks");
+}
+
+std::vector<Action> GradAccumulation::actions() const {
+  std::vector<Action> a;
+  for (int m = 0; m < m_; ++m) {
+    a.push_back({ActionKind::Forward, m, 0, 0, blocks_});
+    if (backward_) a.push_back({ActionKind::Backward, m, 0, 0, blocks_});
+  }
+  return a;
+}
+
+std::string one_in_flight_problem(const Schedule& s, int blocks) {
+  const std::vector<Action> all = s.actions();
+  for (size_t i = 0; i < all.size(); ++i) {
+    const Action& a = all[i];
+    const std::string at = "action " + std::to_string(i) + " (" + label(a) + ") of schedule '" + s.name() + "'";
+    if (a.stage != 0 || a.begin != 0 || a.end != blocks)
+      return at + " is not on one stage over all " + std::to_string(blocks) + " blocks";
+    if (a.kind != ActionKind::Forward && a.kind != ActionKind::Backward)
+      return at + " splits the backward, which the model does not yet";
+    if (a.kind == ActionKind::Backward &&
+        (i == 0 || all[i - 1].kind != ActionKind::Forward || all[i - 1].microbatch != a.microbatch))
+      return at + " does not directly follow its micro-batch's forward (one micro-batch in flight)";
+  }
+  return "";
+}
+
+}  // namespace shardtrain
