@@ -178,9 +178,9 @@ struct StepLog {
   // This step's time (ms): on compute (step time - exposed), FSDP collectives in flight (summed
   // over collectives), and waiting for them (exposed communication). See CommTimes (shard.h).
   double compute_ms = 0, comm_ms = 0, exposed_comm_ms = 0;
-  // Tensor parallelism (--tp > 1): the TP collectives' time (ms per step; blocking, so all of it
-  // is waiting, not part of compute_ms) and bytes one rank sent per step (TpCommStats).
-  double tp_comm_ms = 0, tp_bytes = 0;
+  // Time waiting for communication, every dimension's (FSDP's exposed_comm_ms and the blocking TP
+  // collectives): step time = compute_ms + wait_ms.
+  double wait_ms = 0;
   StragglerStats ranks;  // over all ranks (logged steps only; zero elsewhere)
   bool update_skipped = false;  // the update was not applied (--skip-nonfinite, --skip-spikes)
 };

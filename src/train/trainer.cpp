@@ -20,6 +20,7 @@
 #include "shardtrain/geometry.h"
 #include "shardtrain/checkpoint.h"
 #include "shardtrain/memory_plan.h"
+#include "shardtrain/parallelize.h"
 #include "shardtrain/tensorboard.h"
 #include "shardtrain/mfu.h"
 #include "shardtrain/schedule.h"
@@ -44,8 +45,7 @@ struct StepOutcome {
   bool save_failed = false;     // some rank's background checkpoint save ended with an error
   bool skipped = false;         // the update was not applied (--skip-nonfinite, --skip-spikes)
   double seconds = 0;           // wall time of the step
-  CommTimes comm;               // the step's FSDP collectives (issued, exposed)
-  TpCommStats tp;               // the step's TP collectives (--tp > 1; blocking: issued = exposed)
+  CommStats comm;               // the step's communication, every dimension's (parallelize.h)
 };
 
 // Test hooks of the form VAR=R:MS (docs/errors.md): the ms that rank `rank` is to sleep (0: none).
@@ -68,10 +68,8 @@ int64_t rank_sleep_hook(const char* var, int rank) {
 
 // Per-step means over the steps since the last log line.
 struct Interval {
-  double seconds = 0, issued_s = 0, exposed_s = 0;
-  double tp_s = 0, tp_bytes = 0;  // TP collectives: seconds (all exposed), bytes one rank sent
-  double fsdp_bytes = 0;          // FSDP's all-gathers and reduce-scatters, bytes one rank sent
-  int64_t tp_calls = 0;
+  double seconds = 0;
+  CommStats comm;  // every dimension's, summed over the steps
   int64_t steps = 0;
 };
 
@@ -114,14 +112,13 @@ template <typename C> class Trainer {
   BatchGeometry geo_;  // resolve_geometry's: identical on every rank
   int64_t plan_total_ = 0;  // bytes of the memory plan per rank
   ModelOptions mopt_;
-  std::unique_ptr<ShardedState<float>> f_;  // fp32 master shards and gradient shards
-  std::unique_ptr<UnitPipeline<C>> units_;   // over f_: identity codec (fp32) or bf16 codec; destroyed first
-  std::unique_ptr<TpGroup<C>> tp_;           // --tp > 1: the TP group's collectives (the mesh's tp_data); outlives model_
+  // The run's layout (parallelize.h): sharded state, unit source, each dimension's ops for the
+  // model, the checkpoint layout (with checkpoints). Outlives model_ and opt_.
+  ParallelRun<C> run_;
+  ShardedState<float>* f_ = nullptr;  // run_.state: fp32 master shards and gradient shards
+  UnitPipeline<C>* units_ = nullptr;  // run_.units: the model's UnitSource over f_
   std::unique_ptr<LlamaModel<C>> model_;
   std::unique_ptr<AdamW<float>> opt_;
-  // --tp > 1 with checkpoints (saving, resuming or --init-from): the canonical rows of the state
-  // that checkpoints store (checkpoint.h TpCheckpointLayout); nullptr otherwise.
-  std::unique_ptr<TpCheckpointLayout> tp_ckpt_;
   std::vector<int32_t> tok_, tgt_;
   std::unique_ptr<Schedule> schedule_;  // a step's micro-batches (gradient accumulation)
   CheckpointOptions co_;
@@ -158,9 +155,8 @@ Trainer<C>::Trainer(Engine& eng, const ModelConfig& mc, const TrainConfig& tc, c
   log_memory_plan();
   allocate();
   f_->init_params(tc_.seed);
-  // Under TP every rank writes its row of the canonical layout (one row per world rank).
   co_ = CheckpointOptions{tc_.checkpoint_dir, tc_.checkpoint_every, tc_.keep_last, tc_.debug_crash_before_publish,
-                          tp_ckpt_ ? true : mesh_.writes_checkpoint()};
+                          run_.checkpoint && run_.checkpoint->writes_shards()};
   restore();
   record_data();
   prepare_outputs();
@@ -170,9 +166,9 @@ Trainer<C>::Trainer(Engine& eng, const ModelConfig& mc, const TrainConfig& tc, c
     writer_ = std::make_unique<AsyncCheckpointWriter>(comm_, tc_.checkpoint_async, mesh_.collective_timeout());
     // A snapshot copies unless it can borrow the live rows (synchronous saves on the CPU).
     const ShardedTensors ct = checkpoint_tensors(*f_, opt_.get());
-    // (Under TP the canonical rows are the snapshot: they change only at the next save, which
-    // waits for this one's write first.)
-    if (!tp_ckpt_ && (!ct.backend->host_kernels() || writer_->asynchronous()))
+    // (Rows the layout owns are the snapshot: they change only at the next save, which waits for
+    // this one's write first.)
+    if (!run_.checkpoint->owns_saved_rows() && (!ct.backend->host_kernels() || writer_->asynchronous()))
       agree(comm_, [&] {
         try {
           snap_buf_ = std::make_shared<SnapshotBuffer>(*ct.backend, *ct.plan, ct.tensors.size());
@@ -236,29 +232,13 @@ template <typename C> void Trainer<C>::log_memory_plan() {
 template <typename C> void Trainer<C>::allocate() {
   agree(comm_, [&] {
     try {
-      constexpr bool mixed = std::is_same_v<C, bf16>;
-      // Under TP each rank holds its TP slices (llama_units), sharded over its shard group (G_ ranks
-      // of equal TP rank).
-      const int tp = mesh_.dims().tp;
-      f_ = std::make_unique<ShardedState<float>>(eng_.be, mesh_,
-                                                 ShardPlan::build(llama_units(mc_, tp, mesh_.coord().tp), G_));
-      if (tp > 1) tp_ = std::make_unique<TpGroup<C>>(*mesh_.tp_data());
-      if constexpr (mixed) {
-        units_ = std::make_unique<MixedPrecisionUnits>(*f_, *eng_.be16, tc_.reduce_bf16,
-                                                       MixedPrecisionUnits::kWidenSlab, tc_.overlap);
-        model_ = std::make_unique<LlamaModel<bf16>>(mc_, *eng_.be16, mopt_, tp_.get());
-      } else {
-        units_ = std::make_unique<UnitPipeline<float>>(eng_.be, std::make_unique<IdentityCodec<float>>(*f_),
-                                                       tc_.overlap);
-        model_ = std::make_unique<LlamaModel<float>>(mc_, eng_.be, mopt_, tp_.get());
-      }
+      const bool checkpoints = !tc_.checkpoint_dir.empty() || !tc_.resume.empty() || !tc_.init_from.empty();
+      run_ = parallelize<C>(mesh_, mc_, eng_.be, eng_.be16, {tc_.overlap, tc_.reduce_bf16, checkpoints});
+      f_ = run_.state.get();
+      units_ = run_.units.get();
+      if constexpr (std::is_same_v<C, bf16>) model_ = std::make_unique<LlamaModel<bf16>>(mc_, *eng_.be16, mopt_, run_.tp_ops());
+      else model_ = std::make_unique<LlamaModel<float>>(mc_, eng_.be, mopt_, run_.tp_ops());
       opt_ = std::make_unique<AdamW<float>>(*f_, tc_);
-      if (tp > 1 && (!tc_.checkpoint_dir.empty() || !tc_.resume.empty() || !tc_.init_from.empty())) {
-        std::vector<ShardPlan> plans;
-        for (int t = 0; t < tp; ++t) plans.push_back(ShardPlan::build(llama_units(mc_, tp, t), G_));
-        tp_ckpt_ = std::make_unique<TpCheckpointLayout>(mesh_.layout(), comm_.rank(), std::move(plans),
-                                                        ShardPlan::build(llama_units(mc_), W_), checkpoint_tensor_names());
-      }
       model_->reserve(geo_.micro_batch, tc_.seq_len);
       tok_.resize(static_cast<size_t>(geo_.micro_batch) * tc_.seq_len);
       tgt_.resize(tok_.size());
@@ -296,12 +276,9 @@ template <typename C> void Trainer<C>::restore() {
     auto t0 = Clock::now();
     const CheckpointInfo info = read_checkpoint_info(comm_, resume_path_);
     check_resume_settings(comm_, info, tc_);  // refuses changed settings unless --accept-change names them
-    if (tp_ckpt_) {  // the canonical rows of this world, then each rank's TP slices from them
-      state_ = load_checkpoint(comm_, resume_path_, tp_ckpt_->canonical(), mc_, &info);
-      tp_ckpt_->from_canonical(comm_, checkpoint_tensors(*f_, opt_.get()));
-    } else {
-      state_ = load_checkpoint(comm_, resume_path_, checkpoint_tensors(*f_, opt_.get()), mc_, &info);
-    }
+    const ShardedTensors live = checkpoint_tensors(*f_, opt_.get());
+    state_ = load_checkpoint(comm_, resume_path_, run_.checkpoint->load_target(live), mc_, &info);
+    run_.checkpoint->finish_load(comm_, live);
     const double dt = seconds_since(t0);
     const double mbytes = 3.0 * 4.0 * static_cast<double>(mc_.num_params()) / 1e6;
     std::string saved = "world size " + std::to_string(state_.saved_world_size);
@@ -329,12 +306,9 @@ template <typename C> void Trainer<C>::restore() {
                           : "no checkpoint in '" + tc_.checkpoint_dir + "': starting from step 0");
     if (!tc_.init_from.empty()) {
       // Weights only; AdamW starts from zero. The tokenizer record is kept to compare with the data's.
-      if (tp_ckpt_) {
-        state_.tokenizer = load_checkpoint(comm_, tc_.init_from, tp_ckpt_->canonical(1), mc_).tokenizer;
-        tp_ckpt_->from_canonical(comm_, sharded_params(*f_));
-      } else {
-        state_.tokenizer = load_checkpoint(comm_, tc_.init_from, sharded_params(*f_), mc_).tokenizer;
-      }
+      const ShardedTensors live = sharded_params(*f_);
+      state_.tokenizer = load_checkpoint(comm_, tc_.init_from, run_.checkpoint->load_target(live), mc_).tokenizer;
+      run_.checkpoint->finish_load(comm_, live);
       log_info(comm_, "initialized weights from '" + tc_.init_from + "'");
     }
   }
@@ -509,8 +483,7 @@ template <typename C> void Trainer<C>::run_action(const Action& a, int64_t s, fl
 template <typename C> StepOutcome Trainer<C>::train_step(int64_t s) {
   const auto t0 = Clock::now();
   if (slow_rank_ms_ > 0) std::this_thread::sleep_for(std::chrono::milliseconds(slow_rank_ms_));  // test hook
-  const CommTimes comm0 = units_->comm_times();
-  const TpCommStats tp0 = tp_ ? tp_->stats() : TpCommStats{};
+  const CommStats comm0 = run_.comm_stats();
   const float grad_scale = 1.0f / static_cast<float>(geo_.per_rank * tc_.seq_len);  // d(mean loss on this rank)
   const double tokens_per_step = static_cast<double>(tc_.global_batch) * tc_.seq_len;
   f_->zero_grads();
@@ -521,7 +494,7 @@ template <typename C> StepOutcome Trainer<C>::train_step(int64_t s) {
   // TP: each rank's gradient of the replicated RMSNorm weights came from its own rows: sum them.
   // Through the TP group, which counts it with the step's TP communication (its S is float for
   // both compute types).
-  if (tp_) f_->sum_replicated_grads([&](float* g, size_t n) { tp_->all_reduce_sum_acc(g, n); });
+  run_.finish_grads();
   // One all-reduce: loss, squared gradient norm, "some rank was asked to stop" (a signal) and "the
   // background checkpoint save of some rank failed" (AsyncCheckpointWriter), so every rank sees the
   // same values and takes the same decisions, a failed save included, at the same step boundary.
@@ -564,21 +537,7 @@ template <typename C> StepOutcome Trainer<C>::train_step(int64_t s) {
     o.skipped = false;
   }
   o.seconds = seconds_since(t0);
-  const CommTimes comm1 = units_->comm_times();
-  o.comm.issued_s = comm1.issued_s - comm0.issued_s;
-  o.comm.exposed_s = comm1.exposed_s - comm0.exposed_s;
-  o.comm.gather_bytes = comm1.gather_bytes - comm0.gather_bytes;
-  o.comm.reduce_bytes = comm1.reduce_bytes - comm0.reduce_bytes;
-  if (tp_) {
-    const TpCommStats& t1 = tp_->stats();
-    o.tp.seconds = t1.seconds - tp0.seconds;
-    o.tp.all_gathers = t1.all_gathers - tp0.all_gathers;
-    o.tp.reduce_scatters = t1.reduce_scatters - tp0.reduce_scatters;
-    o.tp.all_reduces = t1.all_reduces - tp0.all_reduces;
-    o.tp.all_gather_bytes = t1.all_gather_bytes - tp0.all_gather_bytes;
-    o.tp.reduce_scatter_bytes = t1.reduce_scatter_bytes - tp0.reduce_scatter_bytes;
-    o.tp.all_reduce_bytes = t1.all_reduce_bytes - tp0.all_reduce_bytes;
-  }
+  o.comm = run_.comm_stats() - comm0;
   return o;
 }
 
@@ -588,12 +547,7 @@ template <typename C> StepOutcome Trainer<C>::train_step(int64_t s) {
 template <typename C> void Trainer<C>::log_step(int64_t s, const StepOutcome& o) {
   res_.train_seconds += o.seconds;
   interval_.seconds += o.seconds;
-  interval_.issued_s += o.comm.issued_s;
-  interval_.exposed_s += o.comm.exposed_s;
-  interval_.tp_s += o.tp.seconds;
-  interval_.tp_bytes += o.tp.bytes();
-  interval_.fsdp_bytes += o.comm.gather_bytes + o.comm.reduce_bytes;
-  interval_.tp_calls += o.tp.all_gathers + o.tp.reduce_scatters + o.tp.all_reduces;
+  interval_.comm += o.comm;
   ++interval_.steps;
   StepLog sl;
   sl.step = s + 1;
@@ -603,17 +557,30 @@ template <typename C> void Trainer<C>::log_step(int64_t s, const StepOutcome& o)
   if ((s + 1) % tc_.log_every == 0 || s + 1 == last_step_ || s == state_.step) {
     const double n = static_cast<double>(interval_.steps);
     sl.tokens_per_s = static_cast<double>(tc_.global_batch) * tc_.seq_len * n / interval_.seconds;
-    sl.comm_ms = 1e3 * interval_.issued_s / n;
-    sl.exposed_comm_ms = 1e3 * interval_.exposed_s / n;
-    sl.tp_comm_ms = 1e3 * interval_.tp_s / n;
-    sl.tp_bytes = interval_.tp_bytes / n;
-    const double tp_calls = static_cast<double>(interval_.tp_calls) / n;
-    const double fsdp_bytes = interval_.fsdp_bytes / n;
-    // TP collectives block the compute: they are waiting time too (the straggler report's).
-    sl.compute_ms = 1e3 * interval_.seconds / n - sl.exposed_comm_ms - sl.tp_comm_ms;
+    const CommStats& c = interval_.comm;
+    sl.comm_ms = 1e3 * c[CommDim::Fsdp].issued_s / n;
+    sl.exposed_comm_ms = 1e3 * c[CommDim::Fsdp].exposed_s / n;
+    const double fsdp_bytes = c[CommDim::Fsdp].bytes / n;
+    // Every dimension's waiting (TP's blocking collectives included) is not compute (and is the
+    // straggler report's wait time).
+    sl.wait_ms = 1e3 * c.exposed_s() / n;
+    sl.compute_ms = 1e3 * interval_.seconds / n - sl.wait_ms;
+    // The other dimensions that communicated: "<dim> comm" in the step line, <dim>_comm_ms,
+    // <dim>_bytes and <dim>_collectives per step in the metrics (blocking collectives: all exposed).
+    std::string dims_line;
+    nlohmann::json dims_rec = nlohmann::json::object();
+    for (CommDim d : {CommDim::Tp, CommDim::Cp, CommDim::Pp}) {
+      if (c[d].calls == 0) continue;
+      const std::string name = CommStats::name(d);
+      const double ms = 1e3 * c[d].exposed_s / n, bytes = c[d].bytes / n;
+      dims_line += " | " + name + " comm " + fmt("%.1f", ms) + " ms/step, " + fmt("%.1f", bytes / 1e6) + " MB/step";
+      dims_rec[name + "_comm_ms"] = ms;
+      dims_rec[name + "_bytes"] = bytes;
+      dims_rec[name + "_collectives"] = static_cast<double>(c[d].calls) / n;
+    }
     interval_ = Interval{};
     // Collective (every rank logs the same steps): every rank's compute and wait time.
-    const double mine[2] = {sl.compute_ms, sl.exposed_comm_ms + sl.tp_comm_ms};
+    const double mine[2] = {sl.compute_ms, sl.wait_ms};
     std::vector<double> all(2 * static_cast<size_t>(W_)), compute(static_cast<size_t>(W_)), wait(static_cast<size_t>(W_));
     comm_.all_gather(mine, all.data(), 2);
     for (size_t r = 0; r < compute.size(); ++r) compute[r] = all[2 * r], wait[r] = all[2 * r + 1];
@@ -630,11 +597,7 @@ template <typename C> void Trainer<C>::log_step(int64_t s, const StepOutcome& o)
     log_info(comm_, "step " + std::to_string(s + 1) + "/" + std::to_string(tc_.steps) + " | loss " + fmt("%.4f", o.loss) +
                         " | lr " + fmt("%.3e", o.lr) + " | grad_norm " + fmt("%.4f", o.grad_norm) + " | " +
                         fmt("%.0f", sl.tokens_per_s) + " tok/s | exposed comm " + fmt("%.1f", sl.exposed_comm_ms) +
-                        " ms/step" +
-                        (tp_ ? " | tp comm " + fmt("%.1f", sl.tp_comm_ms) + " ms/step, " + fmt("%.1f", sl.tp_bytes / 1e6) +
-                                   " MB/step"
-                             : std::string()) +
-                        straggler + " | " + step_line_tail(mfu, sl.elapsed_s, eta, seen));
+                        " ms/step" + dims_line + straggler + " | " + step_line_tail(mfu, sl.elapsed_s, eta, seen));
     if (metrics_.is_open() || tb_) {
       nlohmann::json j = {{"step", sl.step}, {"loss", o.loss}, {"lr", o.lr}, {"grad_norm", o.grad_norm},
                           {"tokens_per_s", sl.tokens_per_s}, {"elapsed_s", sl.elapsed_s},
@@ -646,11 +609,7 @@ template <typename C> void Trainer<C>::log_step(int64_t s, const StepOutcome& o)
                           {"slowest_rank", sl.ranks.slowest}, {"tokens_seen", seen}, {"update_skipped", o.skipped},
                           {"skipped_updates", state_.spikes.skipped_updates}};
       if (sl.ranks.flagged) j["straggler_rank"] = sl.ranks.slowest;
-      if (tp_) {  // TP collectives, apart from FSDP's comm_ms / exposed_comm_ms (blocking: all exposed)
-        j["tp_comm_ms"] = sl.tp_comm_ms;
-        j["tp_bytes"] = sl.tp_bytes;
-        j["tp_collectives"] = tp_calls;
-      }
+      j.update(dims_rec);
       if (mfu >= 0) j["mfu"] = mfu / 100;  // fraction of the peak; left out when the peak is unknown
       if (eta >= 0) j["eta_s"] = eta;
       write_record(j);
@@ -711,22 +670,19 @@ template <typename C> void Trainer<C>::save(int64_t step, bool wait) {
   st.step = step;
   st.tokens_seen = tokens_of(state_.segments, step);
   st.saved_world_size = W_;
-  ShardedTensors ct = checkpoint_tensors(*f_, opt_.get());
-  if (tp_ckpt_) {  // TP: the canonical rows (collective over the world), borrowed by the snapshot
-    tp_ckpt_->to_canonical(comm_, ct);
-    ct = tp_ckpt_->canonical();
-  }
+  CheckpointLayout& layout = *run_.checkpoint;
+  const ShardedTensors ct = layout.for_save(comm_, checkpoint_tensors(*f_, opt_.get()));  // collective
   // A background save on the CPU borrows the live shards and its writer thread copies them while
   // the next step's forward and backward run (they only read them); the update waits for the copy
   // (train_step: wait_copied). Elsewhere the copy is made here (on a GPU: pinned memory, copy stream).
   const bool copy_later = writer_->asynchronous() && !wait && snap_buf_ && ct.backend->host_kernels();
-  const std::string tcj = tp_ckpt_ ? train_config_json(tc_, W_, W_, mesh_.dims().tp)
-                                   : train_config_json(tc_, st.world_size, st.shard_group_size);
+  const SavedLayout& sl = layout.saved_layout();
   CheckpointSnapshot snap =
-      take_checkpoint_snapshot(ct, mc_, tcj, st, co_.write_shards,
-                               /*borrow=*/!writer_->asynchronous() || wait || copy_later || tp_ckpt_ != nullptr,
+      take_checkpoint_snapshot(ct, mc_, train_config_json(tc_, sl.world_size, sl.shard_group_size, sl.tp), st,
+                               co_.write_shards,
+                               /*borrow=*/!writer_->asynchronous() || wait || copy_later || layout.owns_saved_rows(),
                                copy_later ? nullptr : snap_buf_);
-  if (tp_ckpt_) snap.tp = tp_record(tp_ckpt_->tp_plans(), mesh_.dims());
+  snap.tp = sl.tp_record;
   const double snap_s = seconds_since(t1);
   const double mbytes = 3.0 * 4.0 * static_cast<double>(mc_.num_params()) / 1e6;
   const std::string waited = waited_s > 0 ? ", of which " + fmt("%.2f", waited_s) + " s waiting for the previous write" : "";

@@ -1,0 +1,120 @@
+// shardtrain's parallel layer: what each dimension of the mesh does to a run, applied from outside
+// the model (the model sees parameters through UnitSource and collectives through the ops it is
+// given; it never touches a communicator or the mesh).
+//
+// parallelize() builds, from the mesh, the model config and the backends, everything a run needs
+// for its layout — the sharded state, the unit source, each dimension's operations for the model,
+// the checkpoint layout — so that the trainer asks once and never asks which dimensions are on:
+//   dp_shard (FSDP) and dp_replicate (HSDP): the ShardedState over the shard group (its replica
+//        communicator under hybrid sharding) and the UnitPipeline that gathers units and
+//        reduce-scatters their gradients (shard layer);
+//   tp: every unit holds this rank's TP slices (llama_units(c, tp, tp_rank)), the model's
+//        TensorParallelOps is the TP group's (TpGroup), replicated parameters' gradients are summed
+//        over the group, and checkpoints store the canonical rows (TpCheckpointLayout, io);
+//   cp, pp: not implemented yet; their rooms are here (docs/architecture.md, "Where the next
+//        features go").
+//
+// Layer: between io and train. It uses runtime, backend, shard, model and io; train uses it;
+// runtime, backend, shard, model, data and io never include it.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <memory>
+
+#include "shardtrain/checkpoint.h"
+#include "shardtrain/config.h"
+#include "shardtrain/mesh.h"
+#include "shardtrain/shard.h"
+
+namespace shardtrain {
+
+// The run's layout as a checkpoint records it (train.h train_config_json's world_size,
+// shard_group_size and tp; the format's TP tables).
+struct SavedLayout {
+  int world_size = 1;        // the ranks whose rows the file holds (its plan's world size)
+  int shard_group_size = 1;  // the saving run's shard group (== world_size but under hybrid sharding)
+  int tp = 1;
+  TpRecord tp_record;        // tp > 1: format version 4's tables (io, checkpoint.h)
+};
+
+// How a run's state maps to what its checkpoints store. The trainer saves and restores through
+// this alone, at every layout. Collective calls are made by every rank of the world, in the same
+// order.
+class CheckpointLayout {
+ public:
+  virtual ~CheckpointLayout() = default;
+  // Whether this rank's rows go into the file (CheckpointOptions::write_shards).
+  virtual bool writes_shards() const = 0;
+  // Collective over the world. The tensors a save writes for `live` (this rank's sharded tensors,
+  // train.h checkpoint_tensors): `live` itself, or rows this layout owns (owns_saved_rows).
+  virtual ShardedTensors for_save(Comm& world, const ShardedTensors& live) = 0;
+  // True when for_save returns host rows that this layout owns and that stay unchanged until the
+  // next for_save (which the trainer calls only after the previous save's write): a snapshot may
+  // borrow them, even for a background write.
+  virtual bool owns_saved_rows() const = 0;
+  // Restore: load_checkpoint fills load_target(live) (live itself, or this layout's rows for the
+  // same tensor names), then finish_load (collective over the world) moves them into `live`.
+  virtual ShardedTensors load_target(const ShardedTensors& live) = 0;
+  virtual void finish_load(Comm& world, const ShardedTensors& live) = 0;
+  virtual const SavedLayout& saved_layout() const = 0;
+};
+
+// The mesh's dimensions that communicate in a step, in the order the step log lists them.
+enum class CommDim { Fsdp, Tp, Cp, Pp };
+
+// One dimension's communication, accumulated since the run started (or, as a difference, over an
+// interval).
+struct DimComm {
+  int64_t calls = 0;     // collectives (or transfers) started
+  double bytes = 0;      // bytes this rank sent (ring algorithms: docs/scaling.md, bytes_per_step)
+  double issued_s = 0;   // time in flight, summed over calls
+  double exposed_s = 0;  // time the compute thread waited for them (blocking calls: all of issued_s)
+};
+
+// Every dimension's communication in one structure: what the step log, the metrics and TensorBoard
+// read. FSDP's comes from the unit pipeline's queues (CommTimes), TP's from its group (TpCommStats);
+// CP and PP stay zero until they exist.
+struct CommStats {
+  static constexpr int kDims = 4;
+  std::array<DimComm, kDims> dim;
+  DimComm& operator[](CommDim d) { return dim[static_cast<size_t>(d)]; }
+  const DimComm& operator[](CommDim d) const { return dim[static_cast<size_t>(d)]; }
+  static const char* name(CommDim d);  // "fsdp", "tp", "cp", "pp" (the metrics' prefixes)
+  double exposed_s() const;            // summed over the dimensions
+  CommStats& operator+=(const CommStats& b);
+  CommStats operator-(const CommStats& b) const;
+};
+
+struct ParallelOptions {
+  OverlapConfig overlap;     // --overlap, --prefetch, --comm-progress (shard.h)
+  bool reduce_bf16 = false;  // --reduce-dtype bf16 (mixed precision only)
+  bool checkpoints = false;  // the run saves, resumes or initializes from a checkpoint
+};
+
+// Everything a run holds for its layout, in compute type C (float; bf16 over fp32 master shards).
+// Members are destroyed in reverse order: the checkpoint layout and the unit pipeline before the
+// state they read.
+template <typename C> struct ParallelRun {
+  std::unique_ptr<ShardedState<float>> state;  // fp32 master shards and gradient shards
+  std::unique_ptr<TpGroup<C>> tp;              // tp > 1: the TP group's collectives; else nullptr
+  std::unique_ptr<UnitPipeline<C>> units;      // the model's UnitSource over `state`
+  std::unique_ptr<CheckpointLayout> checkpoint;  // nullptr without checkpoints (options.checkpoints)
+  // The model's TensorParallelOps (nullptr: no TP); valid while this lives.
+  TensorParallelOps<C>* tp_ops() const { return tp.get(); }
+  // After the backward of a step: gradients of parameters every rank of a group holds whole (TP's
+  // RMSNorm weights) summed over the group. No-op where no dimension replicates a parameter.
+  void finish_grads();
+  // Every dimension's communication since the run started.
+  CommStats comm_stats() const;
+};
+
+// Builds the run's layout. Collective only through what it constructs (none of it communicates
+// at construction). Throws std::bad_alloc (allocation; the trainer agrees on it),
+// std::invalid_argument when the mesh does not fit the model (resolve_geometry refuses this first).
+// `be16`: the bf16 backend, required when C is bf16.
+template <typename C>
+ParallelRun<C> parallelize(const Mesh& mesh, const ModelConfig& mc, Backend<float>& be, Backend<bf16>* be16,
+                           const ParallelOptions& o);
+
+}  // namespace shardtrain
