@@ -313,6 +313,16 @@ class EmulatedStreamComm final : public st::Comm {
   std::unique_ptr<Request> start_reduce_scatter_sum_impl(const void* s, void* r, size_t n, DType t) override {
     return start(true, s, r, n, t, n * static_cast<size_t>(world_size()) * dtype_size(t));
   }
+  // Point-to-point: everything started before runs first (one stream), then the host Comm's
+  // nonblocking transfer, whose Request this returns (the fastest device).
+  std::unique_ptr<Request> start_send_impl(const void* s, size_t n, DType t, int peer, int tag) override {
+    flush(ops_.size());
+    return host_.start_send_impl(s, n, t, peer, tag);
+  }
+  std::unique_ptr<Request> start_recv_impl(void* r, size_t n, DType t, int peer, int tag) override {
+    flush(ops_.size());
+    return host_.start_recv_impl(r, n, t, peer, tag);
+  }
   int syncs = 0;
 
  private:
