@@ -31,6 +31,7 @@
 #include <utility>
 
 #include "shardtrain/bf16.h"
+#include "shardtrain/progress.h"
 
 namespace shardtrain {
 
@@ -43,15 +44,14 @@ template <typename T> class Backend {
   // the CPU's thread setup (FTZ/DAZ, one OpenMP thread) on their helper threads and measure host
   // memory. False for device backends (and test wrappers).
   virtual bool host_kernels() const { return false; }
-  // Host kernels: fn(arg) runs on the calling thread after every GEMM of this backend (after each
-  // tile when the tiles run serially; fn == nullptr: nothing, the default). The FSDP pipeline's
-  // `--comm-progress poll` sets it to drive MPI progress between the GEMMs of a unit (Open MPI
-  // advances nonblocking collectives only inside MPI calls). Device backends ignore it: their
-  // collectives need no host progress.
-  virtual void set_gemm_progress_hook(void (*fn)(void*), void* arg) {
-    (void)fn;
-    (void)arg;
-  }
+  // Host kernels: the progress registry (progress.h) whose members the backend polls on the calling
+  // thread while kernels run: after every GEMM (after each tile when the tiles run serially) and
+  // between the work items of flash attention forward and backward (on the OpenMP master thread,
+  // i.e. the calling thread). Clients that need host progress (Open MPI advances nonblocking
+  // transfers only inside MPI calls: FSDP's `--comm-progress poll` queues, a context-parallel ring,
+  // pipeline transfers) join it for as long as they have transfers in flight. nullptr (the
+  // default): a device backend, whose transfers need no host progress. Polling changes no result.
+  virtual ProgressRegistry* progress() { return nullptr; }
 
   // ---- memory -------------------------------------------------------------------------------
   virtual T* alloc(size_t n) = 0;  // n elements, zero-initialized; throws std::bad_alloc

@@ -5,7 +5,8 @@
 //
 // What this is not: a general MPI wrapper. It exposes exactly the four collectives FSDP needs
 // (all-gather, reduce-scatter, all-reduce, broadcast) plus barrier, on equal-sized per-rank
-// blocks, which is what a padded shard plan guarantees.
+// blocks, which is what a padded shard plan guarantees, and nonblocking point-to-point transfers
+// with a ring shift (context-parallel rings, pipeline stages).
 #pragma once
 
 #include <cstdint>
@@ -105,6 +106,45 @@ class Comm {
   // In place: buf (count elements) becomes the sum over ranks (float and double; not bf16). The
   // buffer belongs to the Request until it completed. Hybrid sharding's replica sum (MPI_Iallreduce).
   template <typename T> std::unique_ptr<Request> start_all_reduce_sum(T* buf, size_t count);
+
+  // ---- Point-to-point (context parallelism's ring, pipeline stages) ----------------------------
+  // start_send: `count` elements of `send` go to rank `peer` of this Comm (a rank of this group,
+  // not of the world); start_recv: `count` elements from rank `peer` land in `recv`. Both are
+  // nonblocking and return a Request that owns the buffer until its wait() returned or its test()
+  // returned true: the caller must not write `send` nor read `recv` before. The Request must not
+  // outlive the Comm; one destroyed before it completed waits for it (watched, as below).
+  // Matching: a send to q with tag t matches q's receive from this rank with tag t, and sends and
+  // receives between one pair of ranks with one tag match in start order (MPI's non-overtaking
+  // rule, MPI 4.0 section 3.5). Both sides pass the same count and element type. peer == rank()
+  // is allowed. Tags: 0 <= tag < kP2pTagLimit (kRingShiftTag is the ring shift's own).
+  // Stream-ordered Comms (NCCL) have no tags: the k-th send to q matches q's k-th receive from
+  // this rank, and transfers started one after another run one after another on the Comm's
+  // communication stream, ordered with its collectives (a send that waits for its receiver blocks
+  // what was started after it). So portable callers start matching sends and receives in the same
+  // order on both sides, never two sends towards each other before their receives (an exchange
+  // is start_ring_shift, one NCCL group), and use tags as on MPI.
+  // Progress: MPI advances the transfer inside MPI calls only (Request::test, a ProgressRegistry
+  // member of the compute backend, progress.h). Stream-ordered Comms: as their start_* above.
+  // Errors: std::invalid_argument for a peer outside [0, world_size()) or a bad tag, before
+  // anything started (this rank only: callers agree on arguments beforehand); std::logic_error on
+  // a Comm without point-to-point (the base class's default); a failed MPI or NCCL call:
+  // std::runtime_error. Watchdog: a Request's wait() (and a destroyed Request's wait) is watched
+  // like a collective: a peer that died or never starts its side ends every waiting rank with the
+  // watchdog's message and kExitCollectiveTimeout after the collective timeout.
+  template <typename T> std::unique_ptr<Request> start_send(const T* send, size_t count, int peer, int tag);
+  template <typename T> std::unique_ptr<Request> start_recv(T* recv, size_t count, int peer, int tag);
+  // Ring shift, collective over this Comm: rank r sends `count` elements of `send` to rank
+  // (r+1) mod W and receives rank (r-1) mod W's into `recv`, so that afterwards rank r's recv is
+  // its left neighbour's send (W = 1: its own). Every rank starts the same ring shifts, same count,
+  // in the same order (they match in start order, tag kRingShiftTag); send and recv must not
+  // overlap. One Request owns both buffers (receive posted first, then the send). ring_shift is
+  // start_ring_shift followed by wait().
+  template <typename T> std::unique_ptr<Request> start_ring_shift(const T* send, T* recv, size_t count);
+  template <typename T> void ring_shift(const T* send, T* recv, size_t count);
+  static constexpr int kP2pTagLimit = 32767;          // MPI guarantees tags up to 32767 (MPI_TAG_UB)
+  static constexpr int kRingShiftTag = kP2pTagLimit;  // reserved for the ring shift
+  // Throws std::invalid_argument unless 0 <= peer < world_size() and 0 <= tag < kP2pTagLimit.
+  void check_p2p(int peer, int tag, const char* what) const;
   // True when the start_* calls return before completion (MpiComm: MPI_Iallgather,
   // MPI_Ireduce_scatter_block; NcclComm: stream-ordered, below). False: they complete on return,
   // like the blocking calls (the host-staged device Comm).
@@ -157,6 +197,12 @@ class Comm {
   virtual std::unique_ptr<Request> start_all_gather_impl(const void* send, void* recv, size_t count, DType t);
   virtual std::unique_ptr<Request> start_reduce_scatter_sum_impl(const void* send, void* recv, size_t count, DType t);
   virtual std::unique_ptr<Request> start_all_reduce_sum_impl(void* buf, size_t count, DType t);
+  // Point-to-point. send/recv default: std::logic_error (no point-to-point). The ring shift's
+  // default: start_recv_impl from the left neighbour, then start_send_impl to the right one, both
+  // with kRingShiftTag, under one Request (waits for both). tag may be kRingShiftTag here.
+  virtual std::unique_ptr<Request> start_send_impl(const void* send, size_t count, DType t, int peer, int tag);
+  virtual std::unique_ptr<Request> start_recv_impl(void* recv, size_t count, DType t, int peer, int tag);
+  virtual std::unique_ptr<Request> start_ring_shift_impl(const void* send, void* recv, size_t count, DType t);
 };
 
 // Comm over an MPI communicator with host buffers. The communicator is duplicated, so shardtrain's
@@ -190,6 +236,9 @@ class MpiComm final : public Comm {
   std::unique_ptr<Request> start_all_gather_impl(const void*, void*, size_t, DType) override;
   std::unique_ptr<Request> start_reduce_scatter_sum_impl(const void*, void*, size_t, DType) override;
   std::unique_ptr<Request> start_all_reduce_sum_impl(void*, size_t, DType) override;
+  std::unique_ptr<Request> start_send_impl(const void*, size_t, DType, int, int) override;  // MPI_Isend
+  std::unique_ptr<Request> start_recv_impl(void*, size_t, DType, int, int) override;        // MPI_Irecv
+  class P2pRequest;  // watched wait
 
  public:
   bool asynchronous() const override { return true; }

@@ -35,6 +35,18 @@ template <typename T> std::unique_ptr<Comm::Request> Comm::start_reduce_scatter_
 template <typename T> std::unique_ptr<Comm::Request> Comm::start_all_reduce_sum(T* b, size_t n) {
   return start_all_reduce_sum_impl(b, n, dtype_of<T>());
 }
+template <typename T> std::unique_ptr<Comm::Request> Comm::start_send(const T* s, size_t n, int peer, int tag) {
+  check_p2p(peer, tag, "Comm::start_send");
+  return start_send_impl(s, n, dtype_of<T>(), peer, tag);
+}
+template <typename T> std::unique_ptr<Comm::Request> Comm::start_recv(T* r, size_t n, int peer, int tag) {
+  check_p2p(peer, tag, "Comm::start_recv");
+  return start_recv_impl(r, n, dtype_of<T>(), peer, tag);
+}
+template <typename T> std::unique_ptr<Comm::Request> Comm::start_ring_shift(const T* s, T* r, size_t n) {
+  return start_ring_shift_impl(s, r, n, dtype_of<T>());
+}
+template <typename T> void Comm::ring_shift(const T* s, T* r, size_t n) { start_ring_shift(s, r, n)->wait(); }
 template <typename T> void Comm::broadcast(T* b, size_t n, int root) { broadcast_impl(b, n, dtype_of<T>(), root); }
 
 }  // namespace shardtrain

@@ -123,9 +123,9 @@ size_t reduce_slab(const ShardPlan& plan, size_t slab_elements, bool stream_lane
 // below, needs no host progress). Open MPI progresses a nonblocking collective only inside MPI
 // calls, so something must make them (docs/architecture.md, "Overlap", has the measurements
 // behind the default):
-//   Poll:   (default) the compute thread calls MPI_Test after every GEMM tile (the backend's
-//           progress hook, Backend::set_gemm_progress_hook) and at every unit boundary (UnitPipeline's gather, full_grad,
-//           reduce_scatter_grad);
+//   Poll:   (default) the compute thread calls MPI_Test after every GEMM tile and between
+//           attention tiles (the backend's progress registry, Backend::progress) and at every unit
+//           boundary (UnitPipeline's gather, full_grad, reduce_scatter_grad);
 //   Thread: a communication thread starts, tests (MPI_Test, then a nap of 20 us doubling to 1 ms
 //           while nothing completes) and finishes the collectives in flight (needs
 //           MPI_THREAD_MULTIPLE; without it, Poll is used);
@@ -601,8 +601,8 @@ class Bf16Codec final : public UnitCodec<bf16> {
 // behind a reduce-scatter; both are enqueued from the compute thread in program order, the same
 // on every rank (NCCL needs that across communicators too). end_pass() synchronizes the data Comm
 // once, which covers its duplicates (Comm::synchronize).
-// Host progress (--comm-progress poll, on a host-kernel backend): the pipeline installs its poll
-// as `be`'s GEMM progress hook (Backend::set_gemm_progress_hook) for its lifetime.
+// Host progress (--comm-progress poll, on a host-kernel backend): the pipeline joins `be`'s
+// progress registry (Backend::progress, progress.h) with its poll for its lifetime.
 template <typename C> class UnitPipeline : public UnitSource<C> {
  public:
   // `be`: the compute backend (the buffers' and the hook's). The state behind `codec` must outlive
@@ -652,7 +652,8 @@ template <typename C> class UnitPipeline : public UnitSource<C> {
   double gather_bytes_ = 0, reduce_bytes_ = 0;  // CommTimes' bytes, counted at submission
   int current_ = -1, gnext_ = 0, gcur_ = -1;
   int64_t pos_ = 0;
-  bool in_pass_ = false, follow_ = false, hooked_ = false;
+  bool in_pass_ = false, follow_ = false;
+  ProgressRegistry::Member progress_member_;  // in be_'s progress registry (host progress, poll)
   std::string label_;
   std::vector<int> rec_;
   std::map<std::string, std::vector<int>> traces_;

@@ -163,6 +163,30 @@ class NcclComm final : public DeviceComm {
       return ncclReduceScatter(send, recv, count, nccl_type(t), ncclSum, comm_, s);
     });
   }
+  // Point-to-point, stream-ordered like start_* above (runtime.h): on the communication stream
+  // after the compute stream's work so far, one NCCL group each (ncclSend / ncclRecv; the ring
+  // shift's send and receive in one group, so that no rank's send waits behind its own receive).
+  // NCCL has no tags: transfers match in start order per pair of ranks.
+  std::unique_ptr<Request> start_send_impl(const void* send, size_t count, DType t, int peer, int) override {
+    return start("ncclSend", count, [&](cudaStream_t s) {
+      return grouped([&] { return ncclSend(send, count, nccl_type(t), peer, comm_, s); });
+    });
+  }
+  std::unique_ptr<Request> start_recv_impl(void* recv, size_t count, DType t, int peer, int) override {
+    return start("ncclRecv", count, [&](cudaStream_t s) {
+      return grouped([&] { return ncclRecv(recv, count, nccl_type(t), peer, comm_, s); });
+    });
+  }
+  std::unique_ptr<Request> start_ring_shift_impl(const void* send, void* recv, size_t count, DType t) override {
+    const int W = world_size(), r = rank();
+    return start("nccl ring_shift", count, [&](cudaStream_t s) {
+      return grouped([&] {
+        const ncclResult_t a = ncclRecv(recv, count, nccl_type(t), (r + W - 1) % W, comm_, s);
+        return a != ncclSuccess ? a : ncclSend(send, count, nccl_type(t), (r + 1) % W, comm_, s);
+      });
+    });
+  }
+
   // Covers the Comms duplicate() made from this one: their streams are waited for too, and their
   // device times are added to this one's.
   void synchronize() override {
@@ -253,6 +277,15 @@ class NcclComm final : public DeviceComm {
     Event done_;
     bool waited_ = false;
   };
+
+  // ncclGroupStart, the calls, ncclGroupEnd (also after a failed call: the group is closed).
+  template <typename Calls> static ncclResult_t grouped(Calls&& calls) {
+    const ncclResult_t g = ncclGroupStart();
+    if (g != ncclSuccess) return g;
+    const ncclResult_t r = calls();
+    const ncclResult_t e = ncclGroupEnd();
+    return r != ncclSuccess ? r : e;
+  }
 
   Event event() {
     cudaEvent_t e = nullptr;
@@ -452,6 +485,60 @@ class StagedComm final : public DeviceComm {
                what);
     check_cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize", what);
   }
+
+  // Point-to-point through host memory: the send copies the device block into a host buffer that
+  // its Request owns and starts the host Comm's send; the receive starts the host receive into such
+  // a buffer and copies it to the device when it completed (test() true or wait(), which then waits
+  // for the copy). Nonblocking like the host Comm's; the ring shift is the base class's (a
+  // receive, then a send, one Request). Tags are the host Comm's.
+  std::unique_ptr<Request> start_send_impl(const void* send, size_t count, DType t, int peer, int tag) override {
+    const size_t bytes = count * dtype_size(t);
+    auto q = std::make_unique<StagedRequest>(bytes, nullptr, stream_);
+    to_host(q->host(), send, bytes, "send");
+    q->inner = host_.start_send_impl(q->host(), count, t, peer, tag);
+    return q;
+  }
+  std::unique_ptr<Request> start_recv_impl(void* recv, size_t count, DType t, int peer, int tag) override {
+    const size_t bytes = count * dtype_size(t);
+    auto q = std::make_unique<StagedRequest>(bytes, recv, stream_);
+    q->inner = host_.start_recv_impl(q->host(), count, t, peer, tag);
+    return q;
+  }
+
+ private:
+  class StagedRequest final : public Request {
+   public:
+    StagedRequest(size_t bytes, void* device_recv, cudaStream_t s)
+        : buf_(std::make_unique_for_overwrite<char[]>(bytes > 0 ? bytes : 1)), bytes_(bytes), dev_(device_recv), s_(s) {}
+    ~StagedRequest() override { inner.reset(); }  // the host transfer ends before its buffer goes
+    char* host() { return buf_.get(); }
+    bool test() override {
+      if (done_) return true;
+      if (!inner->test()) return false;
+      finish();
+      return true;
+    }
+    void wait() override {
+      if (done_) return;
+      inner->wait();
+      finish();
+    }
+    std::unique_ptr<Request> inner;  // the host transfer (its destructor waits for it)
+
+   private:
+    void finish() {
+      done_ = true;
+      if (!dev_ || bytes_ == 0) return;
+      check_cuda(cudaMemcpyAsync(dev_, buf_.get(), bytes_, cudaMemcpyHostToDevice, s_), "cudaMemcpyAsync host to device",
+                 "receive");
+      check_cuda(cudaStreamSynchronize(s_), "cudaStreamSynchronize", "receive");
+    }
+    std::unique_ptr<char[]> buf_;
+    size_t bytes_;
+    void* dev_;
+    cudaStream_t s_;
+    bool done_ = false;
+  };
 
   HostBuffer all_;   // world*count elements (all_gather result, reduce_scatter input), or count
   HostBuffer part_;  // count elements (reduce_scatter result)

@@ -338,6 +338,94 @@ std::unique_ptr<Comm::Request> MpiComm::start_all_reduce_sum_impl(void* buf, siz
             "MPI_Iallreduce");
   return q;
 }
+// ---- Point-to-point --------------------------------------------------------------------------
+
+void Comm::check_p2p(int peer, int tag, const char* what) const {
+  if (peer < 0 || peer >= world_size())
+    throw std::invalid_argument(std::string(what) + ": peer " + std::to_string(peer) + " is not a rank of this group (0.." +
+                                std::to_string(world_size() - 1) + ")");
+  if (tag < 0 || tag >= kP2pTagLimit)
+    throw std::invalid_argument(std::string(what) + ": tag " + std::to_string(tag) + " is outside [0, " +
+                                std::to_string(kP2pTagLimit) + ")");
+}
+
+std::unique_ptr<Comm::Request> Comm::start_send_impl(const void*, size_t, DType, int, int) {
+  throw std::logic_error("this Comm has no point-to-point transfers (start_send)");
+}
+std::unique_ptr<Comm::Request> Comm::start_recv_impl(void*, size_t, DType, int, int) {
+  throw std::logic_error("this Comm has no point-to-point transfers (start_recv)");
+}
+
+namespace {
+// Both halves of a ring shift: complete when both are.
+class BothRequest final : public Comm::Request {
+ public:
+  BothRequest(std::unique_ptr<Comm::Request> a, std::unique_ptr<Comm::Request> b) : a_(std::move(a)), b_(std::move(b)) {}
+  bool test() override {
+    const bool x = a_->test(), y = b_->test();  // test both: each call drives progress
+    return x && y;
+  }
+  void wait() override {
+    a_->wait();
+    b_->wait();
+  }
+
+ private:
+  std::unique_ptr<Comm::Request> a_, b_;
+};
+}  // namespace
+
+std::unique_ptr<Comm::Request> Comm::start_ring_shift_impl(const void* send, void* recv, size_t count, DType t) {
+  const int W = world_size(), r = rank();
+  auto in = start_recv_impl(recv, count, t, (r + W - 1) % W, kRingShiftTag);
+  auto out = start_send_impl(send, count, t, (r + 1) % W, kRingShiftTag);
+  return std::make_unique<BothRequest>(std::move(in), std::move(out));
+}
+
+// One MPI_Isend or MPI_Irecv. Its waits (wait(), and the destructor's when it never completed) are
+// watched collectives of the Comm's watchdog.
+class MpiComm::P2pRequest final : public Comm::Request {
+ public:
+  P2pRequest(Watchdog* wd, const char* what) : wd_(wd), what_(what) {}
+  MPI_Request r = MPI_REQUEST_NULL;
+  bool test() override {
+    if (!done_) {
+      int flag = 0;
+      check_mpi(MPI_Test(&r, &flag, MPI_STATUS_IGNORE), "MPI_Test");
+      done_ = flag != 0;
+    }
+    return done_;
+  }
+  void wait() override {
+    if (done_) return;
+    Guard g(wd_, what_);
+    check_mpi(MPI_Wait(&r, MPI_STATUS_IGNORE), "MPI_Wait");
+    done_ = true;
+  }
+  ~P2pRequest() override {
+    if (!done_ && r != MPI_REQUEST_NULL) {
+      Guard g(wd_, what_);
+      MPI_Wait(&r, MPI_STATUS_IGNORE);
+    }
+  }
+
+ private:
+  Watchdog* wd_;
+  const char* what_;
+  bool done_ = false;
+};
+
+std::unique_ptr<Comm::Request> MpiComm::start_send_impl(const void* send, size_t count, DType t, int peer, int tag) {
+  auto q = std::make_unique<P2pRequest>(wd_, tag == kRingShiftTag ? "ring_shift (send)" : "send");
+  check_mpi(MPI_Isend(send, to_count(count, "send"), mpi_type(t), peer, tag, as_mpi(comm_), &q->r), "MPI_Isend");
+  return q;
+}
+std::unique_ptr<Comm::Request> MpiComm::start_recv_impl(void* recv, size_t count, DType t, int peer, int tag) {
+  auto q = std::make_unique<P2pRequest>(wd_, tag == kRingShiftTag ? "ring_shift (receive)" : "receive");
+  check_mpi(MPI_Irecv(recv, to_count(count, "receive"), mpi_type(t), peer, tag, as_mpi(comm_), &q->r), "MPI_Irecv");
+  return q;
+}
+
 std::unique_ptr<Comm> MpiComm::duplicate() {
   auto c = std::unique_ptr<MpiComm>(new MpiComm());
   MPI_Comm dup;

@@ -444,14 +444,12 @@ UnitPipeline<C>::UnitPipeline(Backend<C>& be, std::unique_ptr<UnitCodec<C>> code
   for (int i = 0; i < nslots; ++i) slots_.push_back(Slot{Buffer<C>(be, max_padded)});
   for (int i = 0; i < ngrads; ++i) grads_.push_back(GradBuf{Buffer<C>(be, max_padded)});
   codec_->reserve(nslots);
-  if (ov_.on && ov_.progress == CommProgress::Poll && cpu && agq_->background() && !agq_->stream_lane()) {
-    be_.set_gemm_progress_hook(&UnitPipeline<C>::poll_hook, this);
-    hooked_ = true;
-  }
+  if (ov_.on && ov_.progress == CommProgress::Poll && cpu && be.progress() && agq_->background() && !agq_->stream_lane())
+    progress_member_ = be.progress()->join(&UnitPipeline<C>::poll_hook, this);
 }
 
 template <typename C> UnitPipeline<C>::~UnitPipeline() {
-  if (hooked_) be_.set_gemm_progress_hook(nullptr, nullptr);
+  progress_member_.reset();  // leaves the backend's progress registry
   if (agq_) agq_->set_sibling(nullptr);  // neither may poll the other while it is destroyed
   if (rsq_) rsq_->set_sibling(nullptr);
   agq_.reset();  // each waits for its jobs (which use the codec's buffers), then stops its thread

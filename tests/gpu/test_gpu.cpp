@@ -30,7 +30,8 @@
 //     add_to_f32;
 //   Comm on device buffers (NCCL and staged): all_gather (out of place, in place), reduce_scatter_sum,
 //     all_reduce Sum/Max/Min (float; bf16 must be refused, as MpiComm does), broadcast from every
-//     root, count 0; bitwise equal to the same collective on host buffers through the MPI Comm
+//     root, count 0; ring_shift and start_ring_shift, a send/receive exchange between ranks r and
+//     r^1; bitwise equal to the same collective or transfer on host buffers through the MPI Comm
 //     (inputs are small dyadic numbers, so every summation order is exact);
 //   MixedPrecisionUnits over Fsdp<float> on CUDA vs on CPU: gathered bf16 bitwise equal (and equal
 //     to rounding the fp32 shards on the host), reduce_scatter_grad (reduce_bf16 false / true);
@@ -1252,6 +1253,39 @@ template <typename T> void check_comm_type(st::Comm& dc, const std::string& name
       hc.broadcast(want.data(), n, root);
       dc.broadcast(db.data(), n, root);
       expect_bitwise(name + " broadcast root " + std::to_string(root) + sz, download(be, db.data(), n), want);
+    }    {  // point-to-point: ring shift (blocking, and started), a pairwise exchange (r, r^1)
+      const std::vector<T> send = dyadic<T>(n, g);
+      std::vector<T> want(n);
+      hc.ring_shift(send.data(), want.data(), n);
+      st::Buffer<T> ds = upload(be, send), dr = upload(be, std::vector<T>(n, sentinel)),
+                    dr2 = upload(be, std::vector<T>(n, sentinel));
+      dc.ring_shift(ds.data(), dr.data(), n);
+      expect_bitwise(name + " ring_shift" + sz, download(be, dr.data(), n), want);
+      auto q = dc.start_ring_shift(ds.data(), dr2.data(), n);
+      q->wait();
+      dc.synchronize();
+      expect_bitwise(name + " start_ring_shift" + sz, download(be, dr2.data(), n), want);
+      const int peer = r ^ 1;
+      if (peer < W) {  // the lower rank sends first, the higher receives first (NCCL: one stream)
+        std::vector<T> hwant(n);
+        auto hr = hc.start_recv(hwant.data(), n, peer, 3);
+        auto hs = hc.start_send(send.data(), n, peer, 3);
+        hr->wait();
+        hs->wait();
+        st::Buffer<T> dx = upload(be, std::vector<T>(n, sentinel));
+        std::unique_ptr<st::Comm::Request> a, b;
+        if (r < peer) {
+          a = dc.start_send(ds.data(), n, peer, 3);
+          b = dc.start_recv(dx.data(), n, peer, 3);
+        } else {
+          b = dc.start_recv(dx.data(), n, peer, 3);
+          a = dc.start_send(ds.data(), n, peer, 3);
+        }
+        a->wait();
+        b->wait();
+        dc.synchronize();
+        expect_bitwise(name + " send/recv with rank " + std::to_string(peer) + sz, download(be, dx.data(), n), hwant);
+      }
     }
   }
   {  // count 0: allowed, collective, writes nothing

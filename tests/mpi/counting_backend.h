@@ -31,6 +31,7 @@ template <typename T> class CountingBackend final : public shardtrain::Backend<T
   }
 
   const char* name() const override { return "counting-cpu"; }
+  shardtrain::ProgressRegistry* progress() override { return inner_->progress(); }  // the kernels that poll it
   T* alloc(size_t n) override {
     T* p = inner_->alloc(n);
     live[p] = n;

@@ -313,6 +313,16 @@ class EmulatedStreamComm final : public st::Comm {
   std::unique_ptr<Request> start_reduce_scatter_sum_impl(const void* s, void* r, size_t n, DType t) override {
     return start(true, s, r, n, t, n * static_cast<size_t>(world_size()) * dtype_size(t));
   }
+  // Point-to-point: everything started before runs first (one stream), then the host Comm's
+  // nonblocking transfer, whose Request this returns (the fastest device).
+  std::unique_ptr<Request> start_send_impl(const void* s, size_t n, DType t, int peer, int tag) override {
+    flush(ops_.size());
+    return host_.start_send_impl(s, n, t, peer, tag);
+  }
+  std::unique_ptr<Request> start_recv_impl(void* r, size_t n, DType t, int peer, int tag) override {
+    flush(ops_.size());
+    return host_.start_recv_impl(r, n, t, peer, tag);
+  }
   int syncs = 0;
 
  private:
@@ -364,6 +374,30 @@ class EmulatedStreamComm final : public st::Comm {
   std::shared_ptr<std::vector<StreamStats>> stats_ = std::make_shared<std::vector<StreamStats>>(1);
   size_t id_ = 0;
 };
+
+// Point-to-point on the emulated stream Comm (lazy and eager): a ring shift started after an
+// all-gather that is still queued runs after it (one stream: the all-gather's result is there
+// before anything was waited for) and delivers the left neighbour's block.
+TEST_F(Fsdp, EmulatedStreamCommRingShiftFollowsQueuedCollectives) {
+  const int W = world().world_size(), r = world().rank();
+  for (bool lazy : {true, false}) {
+    EmulatedStreamComm dev(world(), lazy);
+    std::vector<double> gin(3, r + 0.5), gout(3 * static_cast<size_t>(W), -1.0), want_g(gout.size());
+    for (int q = 0; q < W; ++q)
+      for (int i = 0; i < 3; ++i) want_g[static_cast<size_t>(3 * q + i)] = q + 0.5;
+    auto ag = dev.start_all_gather(gin.data(), gout.data(), 3);
+    std::vector<double> send(1000), recv(1000, -1.0), want(1000);
+    for (int i = 0; i < 1000; ++i) {
+      send[static_cast<size_t>(i)] = 1000.0 * r + i;
+      want[static_cast<size_t>(i)] = 1000.0 * ((r + W - 1) % W) + i;
+    }
+    auto q = dev.start_ring_shift(send.data(), recv.data(), recv.size());
+    EXPECT_EQ(count_diff(gout, want_g), 0) << (lazy ? "lazy" : "eager") << ": the queued all-gather ran first";
+    q->wait();
+    ag->wait();
+    EXPECT_EQ(count_diff(recv, want), 0) << (lazy ? "lazy" : "eager");
+  }
+}
 
 // The GPU's overlap path on the CPU: over a stream-ordered data Comm (emulated, lazy and eager),
 // the pipeline enqueues every collective at submit and orders instead of waiting; gathered units,

@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cstring>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -54,7 +55,51 @@ class GatedComm final : public st::Comm {
   std::atomic<int> started{0}, tests{0}, waits{0}, open{0};
   std::vector<std::string> log;  // stream lane only (compute thread)
 
+  // Point-to-point with itself (the only rank), unlike the collectives on real buffers: sends and
+  // receives of one tag match in start order; a transfer completes when matched (the send's
+  // bytes are read then). Waiting for an unmatched one would hang a real Comm: here it throws.
+  std::unique_ptr<Request> start_send_impl(const void* s, size_t n, DType t, int, int tag) override {
+    auto done = std::make_shared<bool>(false);
+    sends_.push_back(Xfer{tag, const_cast<void*>(s), n * dtype_size(t), done});
+    match();
+    return std::make_unique<P2pReq>(done);
+  }
+  std::unique_ptr<Request> start_recv_impl(void* r, size_t n, DType t, int, int tag) override {
+    auto done = std::make_shared<bool>(false);
+    recvs_.push_back(Xfer{tag, r, n * dtype_size(t), done});
+    match();
+    return std::make_unique<P2pReq>(done);
+  }
+
  private:
+  struct Xfer {
+    int tag;
+    void* buf;
+    size_t bytes;
+    std::shared_ptr<bool> done;
+  };
+  struct P2pReq final : Request {
+    explicit P2pReq(std::shared_ptr<bool> d) : done(std::move(d)) {}
+    std::shared_ptr<bool> done;
+    bool test() override { return *done; }
+    void wait() override {
+      if (!*done) throw std::logic_error("GatedComm: waiting for an unmatched transfer");
+    }
+  };
+  void match() {
+    for (size_t i = 0; i < recvs_.size(); ++i)
+      for (size_t j = 0; j < sends_.size(); ++j)
+        if (sends_[j].tag == recvs_[i].tag) {
+          if (sends_[j].bytes != recvs_[i].bytes) throw std::logic_error("GatedComm: send and receive sizes differ");
+          if (sends_[j].bytes) std::memcpy(recvs_[i].buf, sends_[j].buf, sends_[j].bytes);
+          *sends_[j].done = *recvs_[i].done = true;
+          sends_.erase(sends_.begin() + static_cast<std::ptrdiff_t>(j));
+          recvs_.erase(recvs_.begin() + static_cast<std::ptrdiff_t>(i));
+          return match();
+        }
+  }
+  std::vector<Xfer> sends_, recvs_;  // started, not yet matched (start order)
+
   struct Req final : Request {
     GatedComm* c = nullptr;
     int k = 0;
@@ -194,3 +239,27 @@ TEST(CommQueue, StreamLaneOverlapOffWaitsAtSubmitAndChainedPartsWaitBetween) {
 }
 
 }  // namespace
+
+// The fake's point-to-point (GatedComm above), the one rank with itself: the ring shift hands a
+// rank its own block (W = 1), sends and receives of one tag match in start order, tags apart.
+TEST(CommQueue, GatedCommPointToPointWithItself) {
+  GatedComm c(false);
+  const std::vector<double> a{1.5, 2.5, 3.5}, b{-1, -2, -3};
+  std::vector<double> r(3, 0);
+  c.ring_shift(a.data(), r.data(), 3);
+  EXPECT_EQ(r, a);
+  std::vector<double> r1(3, 0), r2(3, 0), r3(3, 0);
+  auto q1 = c.start_recv(r1.data(), 3, 0, 7);
+  EXPECT_FALSE(q1->test());
+  EXPECT_THROW(q1->wait(), std::logic_error);
+  auto q2 = c.start_recv(r2.data(), 3, 0, 8);
+  auto s1 = c.start_send(b.data(), 3, 0, 8);  // tag 8: the second receive
+  auto s2 = c.start_send(a.data(), 3, 0, 7);
+  auto s3 = c.start_send(b.data(), 3, 0, 7);  // a second tag-7 message: the next tag-7 receive
+  auto q3 = c.start_recv(r3.data(), 3, 0, 7);
+  for (auto* q : {q1.get(), q2.get(), q3.get(), s1.get(), s2.get(), s3.get()}) EXPECT_TRUE(q->test());
+  EXPECT_EQ(r1, a);
+  EXPECT_EQ(r2, b);
+  EXPECT_EQ(r3, b);
+  EXPECT_THROW(c.start_send(a.data(), 3, 1, 0), std::invalid_argument);
+}

@@ -87,6 +87,32 @@ template <typename F> void par_items(size_t n, F&& fn) {
   for (size_t i = 0; i < n; ++i) fn(i);
 }
 
+// par_items, with poll() on the calling thread after each item it runs (the master thread of the
+// region; the calling thread itself when the items run serially) and, in a region, once more when
+// the master ran out of items (it may run none under the dynamic schedule) while the others may
+// still work: the progress registry between attention tiles. Items are distributed as par_items
+// does and write disjoint outputs, so the results do not change.
+template <typename F, typename P> void par_items_polled(size_t n, F&& fn, P&& poll) {
+  if (n == 0) return;
+  if (n == 1 || omp_get_max_threads() == 1 || omp_in_parallel()) {
+    for (size_t i = 0; i < n; ++i) {
+      fn(i);
+      poll();
+    }
+    return;
+  }
+#pragma omp parallel
+  {
+    const bool master = omp_get_thread_num() == 0;
+#pragma omp for schedule(dynamic, 1) nowait
+    for (size_t i = 0; i < n; ++i) {
+      fn(i);
+      if (master) poll();
+    }
+    if (master) poll();
+  }
+}
+
 // Grain (in rows) so that a piece of rows of `row_cost` elements each is about kGrain elements.
 inline size_t row_grain(size_t row_cost) { return std::max<size_t>(1, kGrain / std::max<size_t>(1, row_cost)); }
 
@@ -129,10 +155,7 @@ template <typename T> class CpuBackend final : public Backend<T> {
   CpuBackend() { prepare_threads(); }
   const char* name() const override { return "cpu"; }
   bool host_kernels() const override { return true; }
-  void set_gemm_progress_hook(void (*fn)(void*), void* arg) override {
-    hook_arg_.store(arg);
-    hook_.store(fn);
-  }
+  ProgressRegistry* progress() override { return &progress_; }
 
   T* alloc(size_t n) override { return static_cast<T*>(aligned_zeroed(n * sizeof(T))); }
   void free(T* p) override { std::free(p); }
@@ -187,12 +210,12 @@ template <typename T> class CpuBackend final : public Backend<T> {
       if (tiles == 1 || omp_get_max_threads() == 1 || omp_in_parallel()) {
         for (int t = 0; t < tiles; ++t) {
           tile(t);
-          if (!omp_in_parallel()) gemm_hook();
+          if (!omp_in_parallel()) poll_progress();
         }
       } else {
 #pragma omp parallel for schedule(dynamic, 1)
         for (int t = 0; t < tiles; ++t) tile(t);
-        gemm_hook();
+        poll_progress();
       }
     }
   }
@@ -385,7 +408,7 @@ template <typename T> class CpuBackend final : public Backend<T> {
     if (B <= 0 || T_ <= 0 || NH <= 0 || HD <= 0) return;
     const int G = NH / NKV, nq = flash::num_tiles(T_, flash::kBr), ldq = NH * HD, ldk = NKV * HD;
     const size_t BH = static_cast<size_t>(B) * NH;
-    par_items(BH * nq, [&](size_t it) {
+    par_items_polled(BH * nq, [&](size_t it) {
       const int i = nq - 1 - static_cast<int>(it / BH), b = static_cast<int>(it % BH) / NH, h = static_cast<int>(it % BH) % NH;
       const int r0 = i * flash::kBr, nr = std::min(flash::kBr, T_ - r0);
       FlashScratch& w = flash_scratch();
@@ -428,7 +451,7 @@ template <typename T> class CpuBackend final : public Backend<T> {
         for (int d = 0; d < HD; ++d) yr[d] = math::st<T>(a[d] * inv);
         lse[(static_cast<size_t>(b) * NH + h) * T_ + r0 + r] = flash::finish_lse(w.m[r], w.l[r]);
       }
-    });
+    }, [this] { poll_progress(); });
   }
 
   // FlashAttention-2 backward, two deterministic passes (flash_attention.h). Pass 1: items
@@ -461,7 +484,7 @@ template <typename T> class CpuBackend final : public Backend<T> {
       }
     };
     // Pass 1: dQ.
-    par_items(BH * nq, [&](size_t it) {
+    par_items_polled(BH * nq, [&](size_t it) {
       const int i = nq - 1 - static_cast<int>(it / BH), b = static_cast<int>(it % BH) / NH, h = static_cast<int>(it % BH) % NH;
       const int r0 = i * flash::kBr, nr = std::min(flash::kBr, T_ - r0);
       FlashScratch& w = flash_scratch();
@@ -485,9 +508,9 @@ template <typename T> class CpuBackend final : public Backend<T> {
         gemm_s(false, false, nr, HD, nc, S(1), w.dp.data(), nc, K, lK, S(1), w.acc.data(), HD);
       }
       store_tile(dq + qo, ldq, nr, HD, w.acc.data());
-    });
+    }, [this] { poll_progress(); });
     // Pass 2: dK, dV.
-    par_items(BKV * nk, [&](size_t it) {
+    par_items_polled(BKV * nk, [&](size_t it) {
       const int j = static_cast<int>(it / BKV), b = static_cast<int>(it % BKV) / NKV, kvh = static_cast<int>(it % BKV) % NKV;
       const int c0 = j * flash::kBc, nc = std::min(flash::kBc, T_ - c0);
       FlashScratch& w = flash_scratch();
@@ -516,7 +539,7 @@ template <typename T> class CpuBackend final : public Backend<T> {
       }
       store_tile(dk + ko, ldk, nc, HD, w.acc.data());
       store_tile(dv + ko, ldk, nc, HD, w.acc2.data());
-    });
+    }, [this] { poll_progress(); });
   }
 
   void swiglu_forward(T* h, const T* g, const T* u, size_t n) override {
@@ -625,11 +648,14 @@ template <typename T> class CpuBackend final : public Backend<T> {
   }
 
  private:
-  // set_gemm_progress_hook's function, run on the calling thread after GEMM tiles.
-  std::atomic<void (*)(void*)> hook_{nullptr};
-  std::atomic<void*> hook_arg_{nullptr};
-  void gemm_hook() {
-    if (auto fn = hook_.load(std::memory_order_relaxed)) fn(hook_arg_.load(std::memory_order_relaxed));
+  // progress()'s registry. poll_progress() is the one call kernels make between their tiles: on
+  // the calling thread outside a parallel region, on the master thread (the calling thread) inside
+  // one, nowhere else (the registry also ignores any thread but its members' one).
+  ProgressRegistry progress_;
+  void poll_progress() {
+    if (progress_.size() == 0) return;
+    if (omp_in_parallel() && omp_get_thread_num() != 0) return;
+    progress_.poll();
   }
 
   std::vector<A> row_;     // bf16 embedding_backward: one row summed in float
