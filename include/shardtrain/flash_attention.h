@@ -52,8 +52,10 @@
 //     fully masked   kpos_min > qpos_max, or the document ranges do not overlap
 //                    (kdoc_max < qdoc_min or kdoc_min > qdoc_max)     -> skipped, counted
 //     otherwise      every pair tested with visible() (fully visible tiles test true everywhere)
-// With positions increasing along the sequence and document ids non-decreasing (contiguous
-// documents), the range test is exact: a pair is skipped iff no (query, key) in it is visible.
+// With positions increasing along the sequence, document ids non-decreasing (contiguous
+// documents) and tiles that are contiguous runs of the sequence, the range test is exact: a pair is
+// skipped iff no (query, key) in it is visible. Elsewhere (positions restarting per document, a
+// tile spanning a head-tail seam) it may visit a fully masked pair, never skip a visible one.
 //
 // Forward: the loop of Algorithm 1 over all key tiles of the block (masked tiles skipped), ending
 // with block_finish: rows that saw no key get y = 0 and lse = -inf. The block's y is normalised

@@ -22,7 +22,11 @@
 //     backward (dq, dk, dv) with GQA, MQA, T not a multiple of the tile, head dims 24, 64, 128
 //     (max |diff| / max(1, max |ref|): f32 1e-5, bf16 2e-2), shardtrain's tiled kernels; bf16
 //     attention through cuDNN's fused SDPA (CudnnAttentionBf16) at T = 2 .. 4096, GQA and MQA, head
-//     dims 64 and 128, against the same CPU reference; swiglu forward/backward;
+//     dims 64 and 128, against the same CPU reference; block attention at global positions
+//     (block_attention_run.h: random-size blocks, all pairs merged, backward accumulated; with and
+//     without documents; y, lse, dq, dk, dv within the flash tolerances, skipped tile pairs equal),
+//     the exact path's document mask, RoPE at positions (bitwise the device's whole-sequence rows);
+//     swiglu forward/backward;
 //   cross_entropy for V = 50257, 260 and 7 (66000 rows), with dlogits == nullptr, a separate
 //     buffer and dlogits aliasing logits (loss and gradient; logits untouched when not aliased);
 //     cross_entropy_sum over two calls read by take_loss_sum (the sum of the two losses, bitwise);

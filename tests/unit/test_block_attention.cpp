@@ -16,6 +16,7 @@
 //   - positions that restart per document (with document ids) give bitwise the results of global
 //     positions (the masks are the same).
 //   - GQA with NH = 4 and NKV = 4, 2, 1.
+// Bitwise the same with 1, 2 and 3 threads; the progress hook is polled between tiles.
 // Exact path: one document for every token gives bitwise the causal-only result (doc = nullptr).
 // RoPE at positions: a slice, a head-tail pair of chunks and per-document restarts, forward and
 // backward, float, double and bf16, bitwise the corresponding rows of rope_forward on whole
@@ -361,6 +362,23 @@ TEST(BlockAttention, PollsProgressHook) {
   be->set_gemm_progress_hook(nullptr, nullptr);
   EXPECT_GT(calls, 0);
   EXPECT_GT(r.tile_pairs, r.skipped);
+}
+
+// Bitwise the same results with 1, 2 and 3 threads (work items are cut by shape, summed in order).
+TEST(BlockAttention, BitwiseAcrossThreadCounts) {
+  auto be = make_cpu_backend<float>();
+  const Case c{2, 200, 4, 2, 32};
+  const Data d = make_data(c, 21, true);
+  const int saved = cpu_threads();
+  set_cpu_threads(1);
+  const auto ref = run_blocks<float>(*be, c, d, d.pos);
+  for (int t : {2, 3}) {
+    set_cpu_threads(t);
+    const auto r = run_blocks<float>(*be, c, d, d.pos);
+    EXPECT_TRUE(r.y == ref.y && r.lse == ref.lse && r.dq == ref.dq && r.dk == ref.dk && r.dv == ref.dv) << t;
+    EXPECT_EQ(r.skipped, ref.skipped) << t;
+  }
+  set_cpu_threads(saved);
 }
 
 // ---- RoPE at per-token positions ---------------------------------------------------------------
