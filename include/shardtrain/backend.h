@@ -151,6 +151,15 @@ template <typename T> class Backend {
   // In place: turns d(rotated x) into d(x).
   virtual void rope_backward(T* dx, const T* cos, const T* sin, int B, int T_, int H, int HD) = 0;
 
+  // RoPE at per-token positions: row i of x [N, H, HD] (row stride H*HD) is rotated by the table
+  // row pos[i] (pos [N] int32, backend memory; 0 <= pos[i] < rows of the tables): cos/sin
+  // [P, HD/2] as rope_tables. A sequence's slice, a head-tail pair of chunks or positions that
+  // restart per document: each row is bitwise the row of the whole-sequence rope_forward at that
+  // position (a gather of the same table entries, the same per-pair math).
+  virtual void rope_forward_at(T* x, const T* cos, const T* sin, const int32_t* pos, int N, int H, int HD) = 0;
+  // In place: turns d(rotated x) into d(x), rows as rope_forward_at.
+  virtual void rope_backward_at(T* dx, const T* cos, const T* sin, const int32_t* pos, int N, int H, int HD) = 0;
+
   // Causal softmax in place over `rows` = R*T_ rows of length T_ (R score matrices [T_, T_]):
   // att[t, s] = softmax_s(scale * att[t, s]) over s <= t; att[t, s] = 0 for s > t.
   virtual void softmax_causal_forward(T* att, int R, int T_, S scale) = 0;
@@ -174,6 +183,48 @@ template <typename T> class Backend {
   virtual void flash_attention_backward(T* dq, T* dk, T* dv, S* dsum, const T* dy, const T* q, const T* k,
                                         const T* v, const T* y, const S* lse, int B, int T_, int NH, int NKV,
                                         int HD, S scale) = 0;
+
+  // ---- block attention at global positions (flash_attention.h, "Block attention") ---------------
+  // One query block of Tq rows against one key block of Tk rows of the same B sequences, for
+  // context parallelism: q, y, dq, dy [B*Tq, NH*HD]; k, v, dk, dv [B*Tk, NKV*HD] (GQA as
+  // flash_attention_forward); lse, dsum [B, NH, Tq] in S. q_pos [B, Tq] and k_pos [B, Tk]: every
+  // token's global position (int32, backend memory: alloc_ids); q_doc, k_doc: document ids of the
+  // same shapes, or both nullptr (one document). Query t sees key s iff k_pos[s] <= q_pos[t] and
+  // (documents given) q_doc[t] == k_doc[s]. A tile pair that no query can see is skipped
+  // (flash::tile_pair_masked) and counted (block_attention_stats).
+  // Forward: writes (=) the block's normalised y and lse = log sum_{visible s} exp(scale q_t.k_s);
+  // rows that see no key of the block get y = 0, lse = -inf.
+  virtual void attention_block_forward(T* y, S* lse, const T* q, const T* k, const T* v, const int32_t* q_pos,
+                                       const int32_t* k_pos, const int32_t* q_doc, const int32_t* k_doc, int B,
+                                       int Tq, int Tk, int NH, int NKV, int HD, S scale) = 0;
+  // Online-softmax merge in S (flash::merge_weights): (y, lse) <- merge((y, lse), (y_part,
+  // lse_part)), y, y_part [B*Tq, NH*HD], lse, lse_part [B, NH, Tq]; -inf-safe (a part that saw no
+  // key changes nothing). Merging the blocks of disjoint key sets in any order gives attention over
+  // their union (to rounding).
+  virtual void attention_merge(T* y, S* lse, const T* y_part, const S* lse_part, int B, int Tq, int NH, int HD) = 0;
+  // dsum [B, NH, Tq] = rowsum(dy o y) per (b, h, t) (flash::row_dot), with y the MERGED output.
+  virtual void attention_row_dot(S* dsum, const T* dy, const T* y, int B, int Tq, int NH, int HD) = 0;
+  // Backward of one block pair given the MERGED lse (over every key block of these queries) and
+  // dsum = attention_row_dot of the merged y: ACCUMULATES (+=) this pair's terms into dq [query
+  // block], dk, dv [key block]; summed over all block pairs they are the whole-sequence gradients.
+  // Deterministic (two passes as flash_attention_backward, no atomics).
+  virtual void attention_block_backward(T* dq, T* dk, T* dv, const T* dy, const T* q, const T* k, const T* v,
+                                        const S* lse, const S* dsum, const int32_t* q_pos, const int32_t* k_pos,
+                                        const int32_t* q_doc, const int32_t* k_doc, int B, int Tq, int Tk, int NH,
+                                        int NKV, int HD, S scale) = 0;
+  // Tile pairs of block attention since the last call, and how many of them were skipped as fully
+  // masked; resets both. Each attention_block_forward and each attention_block_backward adds its
+  // B * NH * ceil(Tq/kBr) * ceil(Tk/kBc) pairs (b, h, query tile, key tile). Waits for queued work.
+  struct BlockAttentionStats {
+    int64_t tile_pairs = 0, skipped = 0;
+  };
+  virtual BlockAttentionStats take_block_attention_stats() = 0;
+
+  // Exact path with document masks: softmax_causal_forward over B*NH matrices [T, T] (matrix
+  // b*NH + h is sequence b) where key s is also masked (p = 0) unless doc[b*T + s] == doc[b*T + t];
+  // doc [B, T] int32 (alloc_ids). Every row keeps its diagonal, so no row is empty. The backward
+  // is softmax_causal_backward (masked probabilities are 0 and give 0).
+  virtual void softmax_causal_doc_forward(T* att, const int32_t* doc, int B, int NH, int T_, S scale) = 0;
 
   // SwiGLU: h = silu(gate) * up, all [n].
   virtual void swiglu_forward(T* h, const T* gate, const T* up, size_t n) = 0;

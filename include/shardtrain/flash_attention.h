@@ -40,6 +40,38 @@
 // The per-row math below is ST_HD (host and device) and used by both backends, so the CPU tests
 // (float, double) cover the arithmetic the GPU kernels run. exp is math::st_exp: fast_expf in
 // float, as the exact causal softmax, so the two attention paths agree to rounding.
+//
+// ---- Block attention at global positions (context-parallel pieces of one attention) ----------
+// One query block (Tq rows) against one key block (Tk rows) of the same sequences, each token
+// carrying its global position and optionally a document id (int32, [B, Tq] / [B, Tk], one per
+// token, backend memory). Query t sees key s when
+//     kpos[s] <= qpos[t]  and, where document ids are given,  qdoc[t] == kdoc[s]   (visible)
+// Masks come from the positions, never from tile or block indices, so blocks may be any slices of
+// the sequence (a head-tail pair, positions that restart per document). A pair of tiles (query
+// tile of kBr rows, key tile of kBc rows) is classified from the tiles' ranges (tile_range):
+//     fully masked   kpos_min > qpos_max, or the document ranges do not overlap
+//                    (kdoc_max < qdoc_min or kdoc_min > qdoc_max)     -> skipped, counted
+//     otherwise      every pair tested with visible() (fully visible tiles test true everywhere)
+// With positions increasing along the sequence, document ids non-decreasing (contiguous
+// documents) and tiles that are contiguous runs of the sequence, the range test is exact: a pair is
+// skipped iff no (query, key) in it is visible. Elsewhere (positions restarting per document, a
+// tile spanning a head-tail seam) it may visit a fully masked pair, never skip a visible one.
+//
+// Forward: the loop of Algorithm 1 over all key tiles of the block (masked tiles skipped), ending
+// with block_finish: rows that saw no key get y = 0 and lse = -inf. The block's y is normalised
+// and lse = log sum_{visible s} exp(x[t, s]) over the block's keys.
+// Merge (the online-softmax rule, as Ring Attention, Liu et al. 2023, combines blocks; arithmetic
+// in S): for partial results (y_a, lse_a) and (y_b, lse_b) of disjoint key sets,
+//     m = max(lse_a, lse_b);  w_a = exp(lse_a - m), w_b = exp(lse_b - m)
+//     y = (w_a y_a + w_b y_b) / (w_a + w_b);  lse = m + log(w_a + w_b)
+// and m = -inf (neither part saw a key) keeps y = 0, lse = -inf (merge_weights). Merged over every
+// key block, y and lse are those of attention over all keys.
+// Backward (FlashAttention-2's Algorithm 2 at one block pair): given the MERGED y (through
+// D_t = dy_t . y_t, row_dot) and the MERGED lse, p = exp(x - lse) is the final probability of the
+// pair, so dP, dS and the contributions ds k_s to dq_t, p dy_t to dv_s and ds q_t to dk_s of this
+// block pair are exactly the terms of the whole-sequence backward that involve its keys: summing
+// (+=) them over key blocks (dq) and query blocks (dk, dv) gives the whole gradients. The same two
+// deterministic passes as above, with visible() for the mask and masked tile pairs skipped.
 #pragma once
 
 #include <cmath>
@@ -96,6 +128,50 @@ template <typename T> ST_HD math::Acc<T> row_dot(const T* dy, const T* y, int HD
   math::Acc<T> s = 0;
   for (int d = 0; d < HD; ++d) s += math::ld(dy[d]) * math::ld(y[d]);
   return s;
+}
+
+// ---- block attention (see the header comment) -------------------------------------------------
+// Query t sees key s (positions; document ids, or 0 and 0 where none are given).
+ST_HD bool visible(int qpos, int kpos, int qdoc, int kdoc) { return kpos <= qpos && qdoc == kdoc; }
+// Position and document ranges of n >= 1 tokens (doc == nullptr: documents [0, 0]).
+struct TileRange {
+  int pos_min, pos_max, doc_min, doc_max;
+};
+ST_HD TileRange tile_range(const int* pos, const int* doc, int n) {
+  TileRange r{pos[0], pos[0], doc ? doc[0] : 0, doc ? doc[0] : 0};
+  for (int i = 1; i < n; ++i) {
+    r.pos_min = pos[i] < r.pos_min ? pos[i] : r.pos_min;
+    r.pos_max = pos[i] > r.pos_max ? pos[i] : r.pos_max;
+    if (doc) {
+      r.doc_min = doc[i] < r.doc_min ? doc[i] : r.doc_min;
+      r.doc_max = doc[i] > r.doc_max ? doc[i] : r.doc_max;
+    }
+  }
+  return r;
+}
+// True when no query of tile q can see a key of tile k (the pair is skipped).
+ST_HD bool tile_pair_masked(const TileRange& q, const TileRange& k) {
+  return k.pos_min > q.pos_max || k.doc_max < q.doc_min || k.doc_min > q.doc_max;
+}
+// End of a block's forward row: y = acc * block_finish_inv(l), lse = block_finish_lse(m, l); a row
+// that saw no key (l = 0) gets y = 0 and lse = -inf.
+template <typename S> ST_HD S block_finish_inv(S l) { return l > S(0) ? finish_inv(l) : S(0); }
+template <typename S> ST_HD S block_finish_lse(S m, S l) { return l > S(0) ? finish_lse(m, l) : S(-INFINITY); }
+// Merge of two partial results: y = wa * y_a + wb * y_b, lse = *lse_out (weights already divided by
+// w_a + w_b). Both -inf: wa = wb = 0, lse = -inf.
+template <typename S> ST_HD void merge_weights(S lse_a, S lse_b, S* wa, S* wb, S* lse_out) {
+  const S m = lse_a > lse_b ? lse_a : lse_b;
+  if (m == S(-INFINITY)) {
+    *wa = S(0);
+    *wb = S(0);
+    *lse_out = S(-INFINITY);
+    return;
+  }
+  const S ea = lse_a == S(-INFINITY) ? S(0) : math::st_exp(lse_a - m);
+  const S eb = lse_b == S(-INFINITY) ? S(0) : math::st_exp(lse_b - m), sum = ea + eb, inv = S(1) / sum;
+  *wa = ea * inv;
+  *wb = eb * inv;
+  *lse_out = m + st_log(sum);
 }
 
 }  // namespace shardtrain::flash

@@ -364,9 +364,12 @@ void rope_tables(std::vector<T>& cos, std::vector<T>& sin, int T_, const std::ve
 // k and v [B*T, NKV*HD]; writes att [B, NH, T, T] (softmax probabilities) and y [B*T, NH*HD]
 // (y == nullptr: the probabilities only). Query head h reads key/value head h / (NH/NKV). The
 // exact path (--attention exact), and the reference the tiled path is tested against.
+// doc: document ids [B, T] (int32, backend memory) or nullptr; given, query t also sees only keys
+// of its own document (softmax_causal_doc_forward; the backward is unchanged, masked
+// probabilities are 0). nullptr is bitwise the causal-only path.
 template <typename T>
 void attention_forward(Backend<T>& be, const T* q, const T* k, const T* v, T* att, T* y, int B, int T_, int NH,
-                       int NKV, int HD);
+                       int NKV, int HD, const int32_t* doc = nullptr);
 // Given dy, writes dq (=), and dk, dv (=). datt is scratch of the size of att.
 template <typename T>
 void attention_backward(Backend<T>& be, const T* q, const T* k, const T* v, const T* att, const T* dy, T* datt,

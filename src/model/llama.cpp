@@ -81,7 +81,7 @@ template <typename T> void rope_tables(std::vector<T>& cs, std::vector<T>& sn, i
 // each (b, g) is one strided-batched GEMM over j: B*G calls per product (B for plain MHA).
 template <typename T>
 void attention_forward(Backend<T>& be, const T* q, const T* k, const T* v, T* att, T* y, int B, int T_, int NH,
-                       int NKV, int HD) {
+                       int NKV, int HD, const int32_t* doc) {
   using S = typename Backend<T>::S;
   const int G = NH / NKV, ldq = NH * HD, ldk = NKV * HD;
   const int64_t TT = static_cast<int64_t>(T_) * T_;
@@ -93,7 +93,8 @@ void attention_forward(Backend<T>& be, const T* q, const T* k, const T* v, T* at
       be.gemm_strided_batched(false, true, T_, T_, HD, S(1), qb, ldq, static_cast<int64_t>(G) * HD, kb, ldk, HD, S(0),
                               ab, T_, G * TT, NKV);
     }
-  be.softmax_causal_forward(att, B * NH, T_, S(1) / std::sqrt(static_cast<S>(HD)));
+  if (doc) be.softmax_causal_doc_forward(att, doc, B, NH, T_, S(1) / std::sqrt(static_cast<S>(HD)));
+  else be.softmax_causal_forward(att, B * NH, T_, S(1) / std::sqrt(static_cast<S>(HD)));
   if (!y) return;  // the probabilities only (recomputed for backward)
   for (int b = 0; b < B; ++b)
     for (int g = 0; g < G; ++g) {
@@ -698,7 +699,8 @@ template void rope_tables<float>(std::vector<float>&, std::vector<float>&, int, 
 template void rope_tables<double>(std::vector<double>&, std::vector<double>&, int, const std::vector<double>&);
 #define ST_INST(T)                                                                                           \
   template void linear<T>(Backend<T>&, LinearRole, int, int, int, const T*, const T*, T*, bool);                 \
-  template void attention_forward<T>(Backend<T>&, const T*, const T*, const T*, T*, T*, int, int, int, int, int); \
+  template void attention_forward<T>(Backend<T>&, const T*, const T*, const T*, T*, T*, int, int, int, int, int, \
+                                     const int32_t*);                                                            \
   template void attention_backward<T>(Backend<T>&, const T*, const T*, const T*, const T*, const T*, T*, T*, T*, \
                                       T*, int, int, int, int, int);
 ST_INST(float)

@@ -118,6 +118,63 @@ template <typename T> class EmulatedBackend final : public Backend<T> {
     narrow(datt, d);
   }
 
+  void rope_forward_at(T* x, const T* cs, const T* sn, const int32_t* pos, int N, int H, int HD) override {
+    rope_at(x, cs, sn, pos, N, H, HD, false);
+  }
+  void rope_backward_at(T* dx, const T* cs, const T* sn, const int32_t* pos, int N, int H, int HD) override {
+    rope_at(dx, cs, sn, pos, N, H, HD, true);
+  }
+  void softmax_causal_doc_forward(T* att, const int32_t* doc, int B, int NH, int T_, S scale) override {
+    const size_t n = static_cast<size_t>(B) * NH * T_ * T_;
+    std::vector<double> a = wide(att, n);
+    d_->softmax_causal_doc_forward(a.data(), doc, B, NH, T_, scale);
+    narrow(att, a);
+  }
+  void attention_block_forward(T* y, S* lse, const T* q, const T* k, const T* v, const int32_t* qp, const int32_t* kp,
+                               const int32_t* qd, const int32_t* kd, int B, int Tq, int Tk, int NH, int NKV, int HD,
+                               S scale) override {
+    const size_t nq = static_cast<size_t>(B) * Tq * NH * HD, nk = static_cast<size_t>(B) * Tk * NKV * HD;
+    std::vector<double> yd(nq), lsd(static_cast<size_t>(B) * NH * Tq), qd2 = wide(q, nq), kd2 = wide(k, nk),
+        vd = wide(v, nk);
+    d_->attention_block_forward(yd.data(), lsd.data(), qd2.data(), kd2.data(), vd.data(), qp, kp, qd, kd, B, Tq, Tk,
+                                NH, NKV, HD, scale);
+    narrow(y, yd);
+    for (size_t i = 0; i < lsd.size(); ++i) lse[i] = static_cast<S>(lsd[i]);
+  }
+  void attention_merge(T* y, S* lse, const T* yp, const S* lp, int B, int Tq, int NH, int HD) override {
+    const size_t n = static_cast<size_t>(B) * Tq * NH * HD, ns = static_cast<size_t>(B) * NH * Tq;
+    std::vector<double> yd = wide(y, n), ypd = wide(yp, n), ld(lse, lse + ns), lpd(lp, lp + ns);
+    d_->attention_merge(yd.data(), ld.data(), ypd.data(), lpd.data(), B, Tq, NH, HD);
+    narrow(y, yd);
+    for (size_t i = 0; i < ns; ++i) lse[i] = static_cast<S>(ld[i]);
+  }
+  void attention_row_dot(S* dsum, const T* dy, const T* y, int B, int Tq, int NH, int HD) override {
+    const size_t n = static_cast<size_t>(B) * Tq * NH * HD, ns = static_cast<size_t>(B) * NH * Tq;
+    std::vector<double> s(ns), dyd = wide(dy, n), yd = wide(y, n);
+    d_->attention_row_dot(s.data(), dyd.data(), yd.data(), B, Tq, NH, HD);
+    for (size_t i = 0; i < ns; ++i) dsum[i] = static_cast<S>(s[i]);
+  }
+  void attention_block_backward(T* dq, T* dk, T* dv, const T* dy, const T* q, const T* k, const T* v, const S* lse,
+                                const S* dsum, const int32_t* qp, const int32_t* kp, const int32_t* qd,
+                                const int32_t* kd, int B, int Tq, int Tk, int NH, int NKV, int HD, S scale) override {
+    const size_t nq = static_cast<size_t>(B) * Tq * NH * HD, nk = static_cast<size_t>(B) * Tk * NKV * HD;
+    const size_t ns = static_cast<size_t>(B) * NH * Tq;
+    std::vector<double> dqd = wide(dq, nq), dkd = wide(dk, nk), dvd = wide(dv, nk), dyd = wide(dy, nq),
+                        qd2 = wide(q, nq), kd2 = wide(k, nk), vd = wide(v, nk), lsd(lse, lse + ns),
+                        sd(dsum, dsum + ns);
+    d_->attention_block_backward(dqd.data(), dkd.data(), dvd.data(), dyd.data(), qd2.data(), kd2.data(), vd.data(),
+                                 lsd.data(), sd.data(), qp, kp, qd, kd, B, Tq, Tk, NH, NKV, HD, scale);
+    narrow(dq, dqd);
+    narrow(dk, dkd);
+    narrow(dv, dvd);
+  }
+  typename Backend<T>::BlockAttentionStats take_block_attention_stats() override {
+    const auto s = d_->take_block_attention_stats();  // Backend<double>'s struct: copied field by field
+    typename Backend<T>::BlockAttentionStats r;
+    r.tile_pairs = s.tile_pairs;
+    r.skipped = s.skipped;
+    return r;
+  }
   void flash_attention_forward(T* y, S* lse, const T* q, const T* k, const T* v, int B, int T_, int NH, int NKV,
                                int HD, S scale) override {
     const size_t nq = static_cast<size_t>(B) * T_ * NH * HD, nk = static_cast<size_t>(B) * T_ * NKV * HD;
@@ -210,6 +267,16 @@ template <typename T> class EmulatedBackend final : public Backend<T> {
     if (rows <= 0 || cols <= 0) return 0;
     return static_cast<size_t>(batch - 1) * static_cast<size_t>(s) + static_cast<size_t>(rows - 1) * ld +
            static_cast<size_t>(cols);
+  }
+  void rope_at(T* x, const T* cs, const T* sn, const int32_t* pos, int N, int H, int HD, bool backward) {
+    const size_t n = static_cast<size_t>(N) * H * HD;
+    int P = 0;
+    for (int i = 0; i < N; ++i) P = std::max(P, pos[i] + 1);
+    const size_t nt = static_cast<size_t>(P) * (HD / 2);
+    std::vector<double> xd = wide(x, n), c = wide(cs, nt), s = wide(sn, nt);
+    if (backward) d_->rope_backward_at(xd.data(), c.data(), s.data(), pos, N, H, HD);
+    else d_->rope_forward_at(xd.data(), c.data(), s.data(), pos, N, H, HD);
+    narrow(x, xd);
   }
   void rope(T* x, const T* cs, const T* sn, int B, int T_, int H, int HD, bool backward) {
     const size_t n = static_cast<size_t>(B) * T_ * H * HD, nt = static_cast<size_t>(T_) * (HD / 2);

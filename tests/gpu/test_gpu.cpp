@@ -22,7 +22,11 @@
 //     backward (dq, dk, dv) with GQA, MQA, T not a multiple of the tile, head dims 24, 64, 128
 //     (max |diff| / max(1, max |ref|): f32 1e-5, bf16 2e-2), shardtrain's tiled kernels; bf16
 //     attention through cuDNN's fused SDPA (CudnnAttentionBf16) at T = 2 .. 4096, GQA and MQA, head
-//     dims 64 and 128, against the same CPU reference; swiglu forward/backward;
+//     dims 64 and 128, against the same CPU reference; block attention at global positions
+//     (block_attention_run.h: random-size blocks, all pairs merged, backward accumulated; with and
+//     without documents; y, lse, dq, dk, dv within the flash tolerances, skipped tile pairs equal),
+//     the exact path's document mask, RoPE at positions (bitwise the device's whole-sequence rows);
+//     swiglu forward/backward;
 //   cross_entropy for V = 50257, 260 and 7 (66000 rows), with dlogits == nullptr, a separate
 //     buffer and dlogits aliasing logits (loss and gradient; logits untouched when not aliased);
 //     cross_entropy_sum over two calls read by take_loss_sum (the sum of the two losses, bitwise);
@@ -82,6 +86,7 @@
 #include <vector>
 
 #include "../test_env.h"
+#include "../unit/block_attention_run.h"
 #include "emulated_backend.h"
 #include "shardtrain/backend.h"
 #include "shardtrain/bf16.h"
@@ -1715,6 +1720,125 @@ void check_checkpoint_snapshot() {
                 gs().emulated ? "emulated" : st::cuda_memory_kind(buf->rows(0, 0)).c_str(), K, U, kReps);
 }
 
+// Block attention at global positions (block_attention_run.h): the same blocks, documents and
+// inputs on the device and on the CPU backend; y, lse, dq, dk, dv within the flash attention
+// tolerances, the skipped tile pairs equal. The exact path's document mask (softmax_causal_doc_forward)
+// likewise. RoPE at positions: bitwise the device's own whole-sequence rope rows (a head-tail pair
+// and per-document restarts) and within rope's tolerance of the CPU's.
+template <typename T> void check_block_attention() {
+  std::mt19937 g(9301);
+  struct Case { int B, T_, NH, NKV, HD; std::vector<int> cuts; bool docs; };
+  const std::vector<Case> cases = {{2, 300, 4, 2, 64, {0, 1, 90, 170, 300}, false},
+                                   {1, 260, 4, 1, 24, {0, 64, 65, 200, 260}, true},
+                                   {2, 150, 4, 4, 64, {0, 75, 150}, true}};
+  const double tol = std::is_same_v<T, float> ? 1e-5 : 2e-2;
+  auto rel = [](const std::vector<double>& a, const std::vector<double>& b) {  // lse may be -inf on both
+    double num = 0, den = 0;
+    for (size_t i = 0; i < b.size(); ++i) {
+      if (std::isfinite(b[i])) den = std::max(den, std::fabs(b[i]));
+      if (a[i] == b[i]) continue;
+      if (!std::isfinite(a[i]) || !std::isfinite(b[i])) return std::numeric_limits<double>::infinity();
+      num = std::max(num, std::fabs(a[i] - b[i]));
+    }
+    return num / std::max(den, 1.0);
+  };
+  for (const Case& c : cases) {
+    const size_t nq = static_cast<size_t>(c.B) * c.T_ * c.NH * c.HD, nk = static_cast<size_t>(c.B) * c.T_ * c.NKV * c.HD;
+    const std::vector<T> q = randn<T>(nq, g, 1.5), k = randn<T>(nk, g, 1.5), v = randn<T>(nk, g), dy = randn<T>(nq, g);
+    std::vector<int32_t> pos, doc;
+    for (int b = 0; b < c.B; ++b)
+      for (int t = 0; t < c.T_; ++t) {
+        pos.push_back(t);
+        if (c.docs) doc.push_back(t / 37 + (t > 100 ? 1 : 0) + b);
+      }
+    const std::string sz = " B=" + std::to_string(c.B) + " T=" + std::to_string(c.T_) + " NH=" + std::to_string(c.NH) +
+                           " NKV=" + std::to_string(c.NKV) + " HD=" + std::to_string(c.HD) + (c.docs ? " docs" : "");
+    const auto got = st::blocktest::run_blocks<T>(dev<T>(), c.B, c.T_, c.NH, c.NKV, c.HD, q, k, v, dy, pos, doc, c.cuts);
+    const auto want = st::blocktest::run_blocks<T>(cpu<T>(), c.B, c.T_, c.NH, c.NKV, c.HD, q, k, v, dy, pos, doc, c.cuts);
+    auto expect = [&](const char* what, double e) {
+      note(label<T>(std::string("block attention ") + what + sz) + ": max|diff|/max(1,|ref|) " + fmt(e) + " (allowed " +
+           fmt(tol) + ")");
+      EXPECT_LE(e, tol) << label<T>(std::string("block attention ") + what + sz);
+    };
+    expect("y", rel(got.y, want.y));
+    expect("lse", rel(got.lse, want.lse));
+    expect("dq", rel(got.dq, want.dq));
+    expect("dk", rel(got.dk, want.dk));
+    expect("dv", rel(got.dv, want.dv));
+    EXPECT_EQ(got.tile_pairs, want.tile_pairs) << sz;
+    EXPECT_EQ(got.skipped, want.skipped) << sz;
+    EXPECT_GT(got.skipped, 0) << sz;
+    if (c.docs) {  // the exact path with the same document mask: probabilities
+      const size_t natt = static_cast<size_t>(c.B) * c.NH * c.T_ * c.T_;
+      auto run = [&](st::Backend<T>& be) {
+        st::Buffer<T> bq = upload(be, q), bk = upload(be, k), bv = upload(be, v), att(be, natt), y(be, nq);
+        st::IdBuffer<T> bd(be, doc.size());
+        be.ids_from_host(bd.data(), doc.data(), doc.size());
+        st::attention_forward(be, bq.data(), bk.data(), bv.data(), att.data(), y.data(), c.B, c.T_, c.NH, c.NKV, c.HD,
+                              bd.data());
+        std::vector<double> out;
+        for (const T& e : download(be, att.data(), natt)) out.push_back(val(e));
+        return out;
+      };
+      expect("exact path, document mask: probabilities", rel(run(dev<T>()), run(cpu<T>())));
+    }
+  }
+  // RoPE at positions.
+  const int Tn = 120, H = 4, HD = 64, row = H * HD;
+  std::vector<float> cs, sn;
+  st::rope_tables(cs, sn, Tn, st::rope_inv_freqs(rope_test_config(HD, 10000.0)));
+  std::vector<T> ct(cs.size()), stt(sn.size());
+  for (size_t i = 0; i < cs.size(); ++i) ct[i] = cast<T>(cs[i]), stt[i] = cast<T>(sn[i]);
+  const std::vector<T> x = randn<T>(static_cast<size_t>(Tn) * row, g);
+  std::vector<int32_t> ht, restart;  // head-tail chunks [10, 30) + [90, 110); documents [0, 50), [50, 120)
+  for (int t = 10; t < 30; ++t) ht.push_back(t);
+  for (int t = 90; t < 110; ++t) ht.push_back(t);
+  for (int t = 0; t < Tn; ++t) restart.push_back(t < 50 ? t : t - 50);
+  for (bool backward : {false, true}) {
+    auto whole = [&](st::Backend<T>& be, const std::vector<T>& in, int rows) {
+      st::Buffer<T> bx = upload(be, in), bc = upload(be, ct), bs = upload(be, stt);
+      if (backward) be.rope_backward(bx.data(), bc.data(), bs.data(), 1, rows, H, HD);
+      else be.rope_forward(bx.data(), bc.data(), bs.data(), 1, rows, H, HD);
+      return download(be, bx.data(), in.size());
+    };
+    auto at = [&](st::Backend<T>& be, const std::vector<T>& in, const std::vector<int32_t>& p) {
+      st::Buffer<T> bx = upload(be, in), bc = upload(be, ct), bs = upload(be, stt);
+      st::IdBuffer<T> bp(be, p.size());
+      be.ids_from_host(bp.data(), p.data(), p.size());
+      const int N = static_cast<int>(p.size());
+      if (backward) be.rope_backward_at(bx.data(), bc.data(), bs.data(), bp.data(), N, H, HD);
+      else be.rope_forward_at(bx.data(), bc.data(), bs.data(), bp.data(), N, H, HD);
+      return download(be, bx.data(), in.size());
+    };
+    auto rows = [&](const std::vector<T>& src, int r0, int r1) {
+      return std::vector<T>(src.begin() + static_cast<size_t>(r0) * row, src.begin() + static_cast<size_t>(r1) * row);
+    };
+    auto same_bits = [](const std::vector<T>& a, const std::vector<T>& b) {
+      return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+    };
+    const std::string what = std::string(backward ? "rope_backward_at" : "rope_forward_at");
+    const std::vector<T> w = whole(dev<T>(), x, Tn);
+    std::vector<T> in_ht = rows(x, 10, 30), want_ht = rows(w, 10, 30);
+    const std::vector<T> x2 = rows(x, 90, 110), w2 = rows(w, 90, 110);
+    in_ht.insert(in_ht.end(), x2.begin(), x2.end());
+    want_ht.insert(want_ht.end(), w2.begin(), w2.end());
+    const std::vector<T> got_ht = at(dev<T>(), in_ht, ht);
+    EXPECT_TRUE(same_bits(got_ht, want_ht)) << label<T>(what + " head-tail vs whole-sequence rows");
+    std::vector<T> want_doc = whole(dev<T>(), rows(x, 0, 50), 50);
+    const std::vector<T> d2 = whole(dev<T>(), rows(x, 50, Tn), Tn - 50);
+    want_doc.insert(want_doc.end(), d2.begin(), d2.end());
+    const std::vector<T> got_doc = at(dev<T>(), x, restart);
+    EXPECT_TRUE(same_bits(got_doc, want_doc)) << label<T>(what + " per-document restarts vs whole-sequence rows");
+    const std::vector<T> cpu_doc = at(cpu<T>(), x, restart);
+    std::vector<double> a, b;
+    for (size_t i = 0; i < got_doc.size(); ++i) a.push_back(val(got_doc[i])), b.push_back(val(cpu_doc[i]));
+    const double e = rel(a, b);
+    note(label<T>(what + " per-document restarts vs CPU") + ": max|diff|/max(1,|ref|) " + fmt(e) + " (allowed " +
+         fmt(tol) + ")");
+    EXPECT_LE(e, tol) << label<T>(what + " vs CPU");
+  }
+}
+
 #define GPU_TEST_BOTH(Name, fn)       \
   TEST_F(Gpu, Name##F32) { fn<float>(); } \
   TEST_F(Gpu, Name##Bf16) { fn<bf16>(); }
@@ -1731,6 +1855,7 @@ GPU_TEST_BOTH(RmsNormBackward, check_rmsnorm_backward)
 GPU_TEST_BOTH(Rope, check_rope)
 GPU_TEST_BOTH(SoftmaxCausal, check_softmax)
 GPU_TEST_BOTH(FlashAttention, check_flash_attention)
+GPU_TEST_BOTH(BlockAttention, check_block_attention)
 TEST_F(Gpu, CudnnAttentionBf16) { check_cudnn_attention(); }
 GPU_TEST_BOTH(SwiGLU, check_swiglu)
 GPU_TEST_BOTH(CrossEntropy, check_cross_entropy)

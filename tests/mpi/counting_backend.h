@@ -103,6 +103,34 @@ template <typename T> class CountingBackend final : public shardtrain::Backend<T
   void softmax_causal_backward(T* datt, const T* att, int R, int T_, S sc) override {
     inner_->softmax_causal_backward(datt, att, R, T_, sc);
   }
+  void rope_forward_at(T* x, const T* c, const T* s, const int32_t* pos, int N, int H, int HD) override {
+    inner_->rope_forward_at(x, c, s, pos, N, H, HD);
+  }
+  void rope_backward_at(T* dx, const T* c, const T* s, const int32_t* pos, int N, int H, int HD) override {
+    inner_->rope_backward_at(dx, c, s, pos, N, H, HD);
+  }
+  void softmax_causal_doc_forward(T* att, const int32_t* doc, int B, int NH, int T_, S sc) override {
+    inner_->softmax_causal_doc_forward(att, doc, B, NH, T_, sc);
+  }
+  void attention_block_forward(T* y, S* lse, const T* q, const T* k, const T* v, const int32_t* qp, const int32_t* kp,
+                               const int32_t* qd, const int32_t* kd, int B, int Tq, int Tk, int NH, int NKV, int HD,
+                               S sc) override {
+    inner_->attention_block_forward(y, lse, q, k, v, qp, kp, qd, kd, B, Tq, Tk, NH, NKV, HD, sc);
+  }
+  void attention_merge(T* y, S* lse, const T* yp, const S* lp, int B, int Tq, int NH, int HD) override {
+    inner_->attention_merge(y, lse, yp, lp, B, Tq, NH, HD);
+  }
+  void attention_row_dot(S* dsum, const T* dy, const T* y, int B, int Tq, int NH, int HD) override {
+    inner_->attention_row_dot(dsum, dy, y, B, Tq, NH, HD);
+  }
+  void attention_block_backward(T* dq, T* dk, T* dv, const T* dy, const T* q, const T* k, const T* v, const S* lse,
+                                const S* dsum, const int32_t* qp, const int32_t* kp, const int32_t* qd,
+                                const int32_t* kd, int B, int Tq, int Tk, int NH, int NKV, int HD, S sc) override {
+    inner_->attention_block_backward(dq, dk, dv, dy, q, k, v, lse, dsum, qp, kp, qd, kd, B, Tq, Tk, NH, NKV, HD, sc);
+  }
+  typename shardtrain::Backend<T>::BlockAttentionStats take_block_attention_stats() override {
+    return inner_->take_block_attention_stats();
+  }
   void flash_attention_forward(T* y, S* lse, const T* q, const T* k, const T* v, int B, int T_, int NH, int NKV,
                                int HD, S sc) override {
     inner_->flash_attention_forward(y, lse, q, k, v, B, T_, NH, NKV, HD, sc);

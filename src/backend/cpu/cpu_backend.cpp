@@ -13,7 +13,9 @@
 //    the rows of each column in order; sum_squares and the loss add fixed-size partials in order.
 //  - Flash attention (flash_attention.h): independent work items, (b, h, query tile) for the
 //    forward and the dQ pass, (b, kv head, key tile) for the dK/dV pass, each computed by one
-//    thread with single-threaded GEMMs on its tiles in a fixed order.
+//    thread with single-threaded GEMMs on its tiles in a fixed order. Block attention at global
+//    positions: the same items over the key (query) tiles of the block, masked tile pairs skipped;
+//    thread 0 (the calling thread) polls the progress hook between its tiles.
 #include <cblas.h>
 #include <omp.h>
 #if defined(__SSE__)
@@ -365,6 +367,13 @@ template <typename T> class CpuBackend final : public Backend<T> {
     rope_apply(dx, cs, sn, B, T_, H, HD, true);
   }
 
+  void rope_forward_at(T* x, const T* cs, const T* sn, const int32_t* pos, int N, int H, int HD) override {
+    rope_apply_at(x, cs, sn, pos, N, H, HD, false);
+  }
+  void rope_backward_at(T* dx, const T* cs, const T* sn, const int32_t* pos, int N, int H, int HD) override {
+    rope_apply_at(dx, cs, sn, pos, N, H, HD, true);
+  }
+
   void softmax_causal_forward(T* att, int R, int T_, S scale) override {
     const size_t rows = static_cast<size_t>(R) * T_;
     par_ranges(rows, row_grain(T_), [&](size_t rb, size_t re) {
@@ -378,6 +387,29 @@ template <typename T> class CpuBackend final : public Backend<T> {
         for (int s = 0; s <= t; ++s) e[s] = math::st_exp(math::ld(row[s]) * scale - mx);  // vectorized
         A sum = 0;
         for (int s = 0; s <= t; ++s) sum += e[s];
+        A inv = A(1) / sum;
+        for (int s = 0; s <= t; ++s) row[s] = math::st<T>(e[s] * inv);
+        for (int s = t + 1; s < T_; ++s) row[s] = math::st<T>(A(0));
+      }
+    });
+  }
+  // As softmax_causal_forward, keys of other documents masked too (the diagonal always stays).
+  void softmax_causal_doc_forward(T* att, const int32_t* doc, int B, int NH, int T_, S scale) override {
+    const size_t rows = static_cast<size_t>(B) * NH * T_;
+    par_ranges(rows, row_grain(T_), [&](size_t rb, size_t re) {
+      std::vector<A> e(static_cast<size_t>(T_));
+      for (size_t rr = rb; rr < re; ++rr) {
+        const int t = static_cast<int>(rr % T_);
+        const int32_t* db = doc + (rr / T_ / NH) * T_;
+        T* row = att + rr * T_;
+        A mx = math::ld(row[t]) * scale;
+        for (int s = 0; s <= t; ++s)
+          if (db[s] == db[t]) mx = math::ld(row[s]) * scale > mx ? math::ld(row[s]) * scale : mx;
+        A sum = 0;
+        for (int s = 0; s <= t; ++s) {
+          e[s] = db[s] == db[t] ? math::st_exp(math::ld(row[s]) * scale - mx) : A(0);
+          sum += e[s];
+        }
         A inv = A(1) / sum;
         for (int s = 0; s <= t; ++s) row[s] = math::st<T>(e[s] * inv);
         for (int s = t + 1; s < T_; ++s) row[s] = math::st<T>(A(0));
@@ -542,6 +574,218 @@ template <typename T> class CpuBackend final : public Backend<T> {
     }, [this] { poll_progress(); });
   }
 
+  // Block attention at global positions (flash_attention.h, "Block attention"): the loops of the
+  // two functions above over every key tile of the block, with visible() for the mask and fully
+  // masked tile pairs skipped. Between key tiles the calling thread polls the progress hook.
+  void attention_block_forward(T* y, S* lse, const T* q, const T* k, const T* v, const int32_t* qp, const int32_t* kp,
+                               const int32_t* qd, const int32_t* kd, int B, int Tq, int Tk, int NH, int NKV, int HD,
+                               S scale) override {
+    if (B <= 0 || Tq <= 0 || NH <= 0 || HD <= 0) return;
+    const int G = NH / NKV, nq = flash::num_tiles(Tq, flash::kBr), nk = Tk > 0 ? flash::num_tiles(Tk, flash::kBc) : 0;
+    const int ldq = NH * HD, ldk = NKV * HD;
+    const size_t BH = static_cast<size_t>(B) * NH;
+    std::atomic<int64_t> skipped{0};
+    par_items(BH * nq, [&](size_t it) {
+      const int i = static_cast<int>(it / BH), b = static_cast<int>(it % BH) / NH, h = static_cast<int>(it % BH) % NH;
+      const int r0 = i * flash::kBr, nr = std::min(flash::kBr, Tq - r0);
+      const int32_t* QP = qp + static_cast<size_t>(b) * Tq + r0;
+      const int32_t* QD = qd ? qd + static_cast<size_t>(b) * Tq + r0 : nullptr;
+      const flash::TileRange qr = flash::tile_range(QP, QD, nr);
+      FlashScratch& w = flash_scratch();
+      int lQ, lK, lV;
+      const S* Q = tile_s(q + (static_cast<size_t>(b) * Tq + r0) * ldq + static_cast<size_t>(h) * HD, ldq, nr, HD, w.q, &lQ);
+      w.acc.assign(static_cast<size_t>(nr) * HD, S(0));
+      w.m.assign(static_cast<size_t>(nr), -INFINITY);
+      w.l.assign(static_cast<size_t>(nr), S(0));
+      w.s.resize(static_cast<size_t>(nr) * flash::kBc);
+      int64_t skip = 0;
+      for (int j = 0; j < nk; ++j) {
+        const int c0 = j * flash::kBc, nc = std::min(flash::kBc, Tk - c0);
+        const int32_t* KP = kp + static_cast<size_t>(b) * Tk + c0;
+        const int32_t* KD = kd ? kd + static_cast<size_t>(b) * Tk + c0 : nullptr;
+        if (flash::tile_pair_masked(qr, flash::tile_range(KP, KD, nc))) {
+          ++skip;
+          continue;
+        }
+        const size_t ko = (static_cast<size_t>(b) * Tk + c0) * ldk + static_cast<size_t>(h / G) * HD;
+        const S* K = tile_s(k + ko, ldk, nc, HD, w.k, &lK);
+        const S* V = tile_s(v + ko, ldk, nc, HD, w.v, &lV);
+        gemm_s(false, true, nr, nc, HD, S(1), Q, lQ, K, lK, S(0), w.s.data(), nc);
+        for (int r = 0; r < nr; ++r) {
+          S* x = w.s.data() + static_cast<size_t>(r) * nc;
+          const int qpr = QP[r], qdr = QD ? QD[r] : 0;
+          S mx = -INFINITY;
+          for (int c = 0; c < nc; ++c) {
+            x[c] = flash::visible(qpr, KP[c], qdr, KD ? KD[c] : 0) ? flash::score(x[c], scale) : S(-INFINITY);
+            mx = x[c] > mx ? x[c] : mx;
+          }
+          const S m_new = flash::online_max(w.m[r], mx), alpha = flash::online_rescale(w.m[r], m_new);
+          S sum = 0;
+          for (int c = 0; c < nc; ++c) x[c] = x[c] != S(-INFINITY) ? flash::prob(x[c], m_new) : S(0);
+          for (int c = 0; c < nc; ++c) sum += x[c];
+          w.l[r] = alpha * w.l[r] + sum;
+          w.m[r] = m_new;
+          S* a = w.acc.data() + static_cast<size_t>(r) * HD;
+          for (int d = 0; d < HD; ++d) a[d] *= alpha;
+        }
+        gemm_s(false, false, nr, HD, nc, S(1), w.s.data(), nc, V, lV, S(1), w.acc.data(), HD);
+        poll_progress();
+      }
+      for (int r = 0; r < nr; ++r) {
+        const S inv = flash::block_finish_inv(w.l[r]);
+        T* yr = y + (static_cast<size_t>(b) * Tq + r0 + r) * ldq + static_cast<size_t>(h) * HD;
+        const S* a = w.acc.data() + static_cast<size_t>(r) * HD;
+        for (int d = 0; d < HD; ++d) yr[d] = math::st<T>(a[d] * inv);
+        lse[(static_cast<size_t>(b) * NH + h) * Tq + r0 + r] = flash::block_finish_lse(w.m[r], w.l[r]);
+      }
+      skipped += skip;
+    });
+    block_pairs_ += static_cast<int64_t>(BH) * nq * nk;
+    block_skipped_ += skipped.load();
+  }
+
+  void attention_merge(T* y, S* lse, const T* yp, const S* lsep, int B, int Tq, int NH, int HD) override {
+    const size_t rows = static_cast<size_t>(B) * NH * Tq;
+    par_ranges(rows, row_grain(HD), [&](size_t rb, size_t re) {
+      for (size_t rr = rb; rr < re; ++rr) {
+        const size_t bh = rr / Tq, t = rr % Tq, b = bh / NH, h = bh % NH;
+        const size_t o = (b * Tq + t) * NH * HD + h * HD;
+        S wa, wb, l;
+        flash::merge_weights(lse[rr], lsep[rr], &wa, &wb, &l);
+        for (int d = 0; d < HD; ++d) y[o + d] = math::st<T>(wa * math::ld(y[o + d]) + wb * math::ld(yp[o + d]));
+        lse[rr] = l;
+      }
+    });
+  }
+
+  void attention_row_dot(S* dsum, const T* dy, const T* y, int B, int Tq, int NH, int HD) override {
+    const size_t rows = static_cast<size_t>(B) * NH * Tq;
+    par_ranges(rows, row_grain(HD), [&](size_t rb, size_t re) {
+      for (size_t rr = rb; rr < re; ++rr) {
+        const size_t bh = rr / Tq, t = rr % Tq, b = bh / NH, h = bh % NH;
+        const size_t o = (b * Tq + t) * NH * HD + h * HD;
+        dsum[rr] = flash::row_dot(dy + o, y + o, HD);
+      }
+    });
+  }
+
+  void attention_block_backward(T* dq, T* dk, T* dv, const T* dy, const T* q, const T* k, const T* v, const S* lse,
+                                const S* dsum, const int32_t* qp, const int32_t* kp, const int32_t* qd,
+                                const int32_t* kd, int B, int Tq, int Tk, int NH, int NKV, int HD, S scale) override {
+    if (B <= 0 || Tq <= 0 || Tk <= 0 || NH <= 0 || HD <= 0) return;
+    const int G = NH / NKV, nq = flash::num_tiles(Tq, flash::kBr), nk = flash::num_tiles(Tk, flash::kBc);
+    const int ldq = NH * HD, ldk = NKV * HD;
+    const size_t BH = static_cast<size_t>(B) * NH, BKV = static_cast<size_t>(B) * NKV;
+    std::atomic<int64_t> skipped{0};
+    // P and dS of a tile pair in place (as flash_attention_backward's), masked by positions.
+    auto p_ds = [&](S* s, S* dp, int nr, int nc, const int32_t* QP, const int32_t* QD, const int32_t* KP,
+                    const int32_t* KD, const S* L, const S* D) {
+      for (int r = 0; r < nr; ++r) {
+        S* sr = s + static_cast<size_t>(r) * nc;
+        S* dr = dp + static_cast<size_t>(r) * nc;
+        const int qpr = QP[r], qdr = QD ? QD[r] : 0;
+        const S lr = L[r], Dr = D[r];
+        for (int c = 0; c < nc; ++c) {
+          const bool ok = flash::visible(qpr, KP[c], qdr, KD ? KD[c] : 0);
+          sr[c] = ok ? flash::prob_from_lse(flash::score(sr[c], scale), lr) : S(0);
+          dr[c] = ok ? flash::dscore(sr[c], dr[c], Dr, scale) : S(0);
+        }
+      }
+    };
+    auto add_tile = [](T* dst, int ld, int rows, int hd, const S* src) {
+      for (int r = 0; r < rows; ++r)
+        for (int d = 0; d < hd; ++d) {
+          T& o = dst[static_cast<size_t>(r) * ld + d];
+          o = math::st<T>(math::ld(o) + src[static_cast<size_t>(r) * hd + d]);
+        }
+    };
+    // Pass 1: dQ += dS K over the key tiles of the block.
+    par_items(BH * nq, [&](size_t it) {
+      const int i = static_cast<int>(it / BH), b = static_cast<int>(it % BH) / NH, h = static_cast<int>(it % BH) % NH;
+      const int r0 = i * flash::kBr, nr = std::min(flash::kBr, Tq - r0);
+      const int32_t* QP = qp + static_cast<size_t>(b) * Tq + r0;
+      const int32_t* QD = qd ? qd + static_cast<size_t>(b) * Tq + r0 : nullptr;
+      const flash::TileRange qr = flash::tile_range(QP, QD, nr);
+      FlashScratch& w = flash_scratch();
+      const size_t qo = (static_cast<size_t>(b) * Tq + r0) * ldq + static_cast<size_t>(h) * HD;
+      const size_t so = (static_cast<size_t>(b) * NH + h) * Tq + r0;
+      int lQ, ldY, lK, lV;
+      const S* Q = tile_s(q + qo, ldq, nr, HD, w.q, &lQ);
+      const S* dY = tile_s(dy + qo, ldq, nr, HD, w.dy, &ldY);
+      w.acc.assign(static_cast<size_t>(nr) * HD, S(0));
+      w.s.resize(static_cast<size_t>(nr) * flash::kBc);
+      w.dp.resize(static_cast<size_t>(nr) * flash::kBc);
+      int64_t skip = 0;
+      for (int j = 0; j < nk; ++j) {
+        const int c0 = j * flash::kBc, nc = std::min(flash::kBc, Tk - c0);
+        const int32_t* KP = kp + static_cast<size_t>(b) * Tk + c0;
+        const int32_t* KD = kd ? kd + static_cast<size_t>(b) * Tk + c0 : nullptr;
+        if (flash::tile_pair_masked(qr, flash::tile_range(KP, KD, nc))) {
+          ++skip;
+          continue;
+        }
+        const size_t ko = (static_cast<size_t>(b) * Tk + c0) * ldk + static_cast<size_t>(h / G) * HD;
+        const S* K = tile_s(k + ko, ldk, nc, HD, w.k, &lK);
+        const S* V = tile_s(v + ko, ldk, nc, HD, w.v, &lV);
+        gemm_s(false, true, nr, nc, HD, S(1), Q, lQ, K, lK, S(0), w.s.data(), nc);
+        gemm_s(false, true, nr, nc, HD, S(1), dY, ldY, V, lV, S(0), w.dp.data(), nc);
+        p_ds(w.s.data(), w.dp.data(), nr, nc, QP, QD, KP, KD, lse + so, dsum + so);
+        gemm_s(false, false, nr, HD, nc, S(1), w.dp.data(), nc, K, lK, S(1), w.acc.data(), HD);
+        poll_progress();
+      }
+      add_tile(dq + qo, ldq, nr, HD, w.acc.data());
+      skipped += skip;
+    });
+    // Pass 2: dK += dS^T Q, dV += P^T dY over the G query heads and the query tiles of the block.
+    par_items(BKV * nk, [&](size_t it) {
+      const int j = static_cast<int>(it / BKV), b = static_cast<int>(it % BKV) / NKV, kvh = static_cast<int>(it % BKV) % NKV;
+      const int c0 = j * flash::kBc, nc = std::min(flash::kBc, Tk - c0);
+      const int32_t* KP = kp + static_cast<size_t>(b) * Tk + c0;
+      const int32_t* KD = kd ? kd + static_cast<size_t>(b) * Tk + c0 : nullptr;
+      const flash::TileRange kr = flash::tile_range(KP, KD, nc);
+      FlashScratch& w = flash_scratch();
+      const size_t ko = (static_cast<size_t>(b) * Tk + c0) * ldk + static_cast<size_t>(kvh) * HD;
+      int lQ, ldY, lK, lV;
+      const S* K = tile_s(k + ko, ldk, nc, HD, w.k, &lK);
+      const S* V = tile_s(v + ko, ldk, nc, HD, w.v, &lV);
+      w.acc.assign(static_cast<size_t>(nc) * HD, S(0));   // dK
+      w.acc2.assign(static_cast<size_t>(nc) * HD, S(0));  // dV
+      w.s.resize(static_cast<size_t>(flash::kBr) * nc);
+      w.dp.resize(static_cast<size_t>(flash::kBr) * nc);
+      for (int g = 0; g < G; ++g) {
+        const int h = kvh * G + g;
+        for (int i = 0; i < nq; ++i) {
+          const int r0 = i * flash::kBr, nr = std::min(flash::kBr, Tq - r0);
+          const int32_t* QP = qp + static_cast<size_t>(b) * Tq + r0;
+          const int32_t* QD = qd ? qd + static_cast<size_t>(b) * Tq + r0 : nullptr;
+          if (flash::tile_pair_masked(flash::tile_range(QP, QD, nr), kr)) continue;  // counted in pass 1
+          const size_t qo = (static_cast<size_t>(b) * Tq + r0) * ldq + static_cast<size_t>(h) * HD;
+          const size_t so = (static_cast<size_t>(b) * NH + h) * Tq + r0;
+          const S* Q = tile_s(q + qo, ldq, nr, HD, w.q, &lQ);
+          const S* dY = tile_s(dy + qo, ldq, nr, HD, w.dy, &ldY);
+          gemm_s(false, true, nr, nc, HD, S(1), Q, lQ, K, lK, S(0), w.s.data(), nc);
+          gemm_s(false, true, nr, nc, HD, S(1), dY, ldY, V, lV, S(0), w.dp.data(), nc);
+          p_ds(w.s.data(), w.dp.data(), nr, nc, QP, QD, KP, KD, lse + so, dsum + so);
+          gemm_s(true, false, nc, HD, nr, S(1), w.s.data(), nc, dY, ldY, S(1), w.acc2.data(), HD);
+          gemm_s(true, false, nc, HD, nr, S(1), w.dp.data(), nc, Q, lQ, S(1), w.acc.data(), HD);
+          poll_progress();
+        }
+      }
+      add_tile(dk + ko, ldk, nc, HD, w.acc.data());
+      add_tile(dv + ko, ldk, nc, HD, w.acc2.data());
+    });
+    block_pairs_ += static_cast<int64_t>(BH) * nq * nk;
+    block_skipped_ += skipped.load();
+  }
+
+  typename Backend<T>::BlockAttentionStats take_block_attention_stats() override {
+    typename Backend<T>::BlockAttentionStats st;
+    st.tile_pairs = block_pairs_;
+    st.skipped = block_skipped_;
+    block_pairs_ = block_skipped_ = 0;
+    return st;
+  }
+
   void swiglu_forward(T* h, const T* g, const T* u, size_t n) override {
     par_ranges(n, kGrain, [&](size_t b, size_t e) {
       for (size_t i = b; i < e; ++i) h[i] = math::st<T>(math::swiglu(math::ld(g[i]), math::ld(u[i])));
@@ -652,6 +896,7 @@ template <typename T> class CpuBackend final : public Backend<T> {
   // the calling thread outside a parallel region, on the master thread (the calling thread) inside
   // one, nowhere else (the registry also ignores any thread but its members' one).
   ProgressRegistry progress_;
+  int64_t block_pairs_ = 0, block_skipped_ = 0;  // take_block_attention_stats
   void poll_progress() {
     if (progress_.size() == 0) return;
     if (omp_in_parallel() && omp_get_thread_num() != 0) return;
@@ -762,6 +1007,27 @@ template <typename T> class CpuBackend final : public Backend<T> {
     for (int i = 0; i < rows; ++i)
       for (int j = 0; j < cols; ++j)
         dst[static_cast<size_t>(i) * cols + j] = static_cast<float>(math::ld(src[static_cast<size_t>(i) * ld + j]));
+  }
+  // rope_apply with row i at table row pos[i] (the same per-pair math).
+  static void rope_apply_at(T* x, const T* cs, const T* sn, const int32_t* pos, int N, int H, int HD, bool backward) {
+    const int half = HD / 2;
+    par_ranges(static_cast<size_t>(N), row_grain(static_cast<size_t>(H) * HD), [&](size_t rb, size_t re) {
+      for (size_t bt = rb; bt < re; ++bt) {
+        const size_t t = static_cast<size_t>(pos[bt]);
+        const T* c = cs + t * half;
+        const T* s = sn + t * half;
+        for (int h = 0; h < H; ++h) {
+          T* v = x + (bt * H + h) * HD;
+          for (int j = 0; j < half; ++j) {
+            A o1, o2;
+            if (backward) math::rope_rotate_backward(math::ld(v[j]), math::ld(v[j + half]), math::ld(c[j]), math::ld(s[j]), &o1, &o2);
+            else math::rope_rotate(math::ld(v[j]), math::ld(v[j + half]), math::ld(c[j]), math::ld(s[j]), &o1, &o2);
+            v[j] = math::st<T>(o1);
+            v[j + half] = math::st<T>(o2);
+          }
+        }
+      }
+    });
   }
   static void rope_apply(T* x, const T* cs, const T* sn, int B, int T_, int H, int HD, bool backward) {
     const int half = HD / 2;

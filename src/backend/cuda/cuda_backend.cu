@@ -685,6 +685,318 @@ __global__ void __launch_bounds__(kBc) flash_backward_dkv_kernel(T* dk, T* dv, c
   }
 }
 
+// ---- block attention at global positions (flash_attention.h, "Block attention") ----------------
+// The three kernels above with the block's masks: positions (and documents) of the query tile and
+// of each key tile staged in shared memory, the tile pair classified by flash::tile_pair_masked
+// from them (the same decision in every thread of the block, so a masked pair is skipped by the
+// whole block), visible() per pair; rows with no key get y = 0, lse = -inf; the backward adds
+// (+=) into dq, dk, dv. Skipped pairs: thread 0 of each forward / dQ block adds its count to
+// *skipped (one atomicAdd per block).
+template <typename T>
+__global__ void __launch_bounds__(kBr) block_forward_kernel(T* y, float* lse, const T* q, const T* k, const T* v,
+                                                            const int32_t* qp, const int32_t* kp, const int32_t* qdoc,
+                                                            const int32_t* kdoc, int Tq, int Tk, int NH, int NKV,
+                                                            int HD, float scale, unsigned long long* skipped) {
+  extern __shared__ float smem[];
+  float* sK = smem;              // [kBc][HD]
+  float* sV = sK + kBc * HD;     // [kBc][HD]
+  float* sAcc = sV + kBc * HD;   // [HD][kBr]
+  __shared__ int sQP[kBr], sQD[kBr], sKP[kBc], sKD[kBc];
+  const int i = blockIdx.x, h = blockIdx.y, b = blockIdx.z, r = threadIdx.x;
+  const int G = NH / NKV, ldq = NH * HD, ldk = NKV * HD;
+  const int r0 = i * kBr, t = r0 + r, nr = min(kBr, Tq - r0);
+  const bool row_ok = t < Tq;
+  const T* qr = q + (static_cast<size_t>(b) * Tq + (row_ok ? t : r0)) * ldq + static_cast<size_t>(h) * HD;
+  for (int e = r; e < nr; e += blockDim.x) {
+    sQP[e] = qp[static_cast<size_t>(b) * Tq + r0 + e];
+    sQD[e] = qdoc ? qdoc[static_cast<size_t>(b) * Tq + r0 + e] : 0;
+  }
+  __syncthreads();
+  const flash::TileRange qrange = flash::tile_range(sQP, qdoc ? sQD : nullptr, nr);
+  const int my_p = row_ok ? sQP[r] : 0, my_d = row_ok ? sQD[r] : 0;
+  for (int d = 0; d < HD; ++d) sAcc[d * kBr + r] = 0.0f;
+  float m = -INFINITY, l = 0.0f;
+  unsigned long long skip = 0;
+  const int nk = flash::num_tiles(Tk, kBc);
+  for (int j = 0; j < nk; ++j) {
+    const int c0 = j * kBc, nc = min(kBc, Tk - c0);
+    const size_t ko = (static_cast<size_t>(b) * Tk + c0) * ldk + static_cast<size_t>(h / G) * HD;
+    __syncthreads();  // every thread is done with the previous tile
+    for (int e = r; e < nc; e += blockDim.x) {
+      sKP[e] = kp[static_cast<size_t>(b) * Tk + c0 + e];
+      sKD[e] = kdoc ? kdoc[static_cast<size_t>(b) * Tk + c0 + e] : 0;
+    }
+    __syncthreads();
+    if (flash::tile_pair_masked(qrange, flash::tile_range(sKP, kdoc ? sKD : nullptr, nc))) {
+      ++skip;
+      continue;
+    }
+    for (int e = r; e < kBc * HD; e += kBr) {
+      const int c = e / HD, d = e % HD;
+      sK[e] = c < nc ? math::ld(k[ko + static_cast<size_t>(c) * ldk + d]) : 0.0f;
+      sV[e] = c < nc ? math::ld(v[ko + static_cast<size_t>(c) * ldk + d]) : 0.0f;
+    }
+    __syncthreads();
+    float x[kBc];
+#pragma unroll
+    for (int c = 0; c < kBc; ++c) x[c] = 0.0f;
+    for (int d = 0; d < HD; ++d) {
+      const float qd = math::ld(qr[d]);
+#pragma unroll
+      for (int c = 0; c < kBc; ++c) x[c] += qd * sK[c * HD + d];
+    }
+    float mx = -INFINITY;
+    bool ok[kBc];
+#pragma unroll
+    for (int c = 0; c < kBc; ++c) {
+      ok[c] = row_ok && c < nc && flash::visible(my_p, sKP[c], my_d, sKD[c]);
+      x[c] = ok[c] ? flash::score(x[c], scale) : -INFINITY;
+      mx = x[c] > mx ? x[c] : mx;
+    }
+    const float m_new = flash::online_max(m, mx), alpha = flash::online_rescale(m, m_new);
+    float sum = 0.0f;
+#pragma unroll
+    for (int c = 0; c < kBc; ++c) {
+      x[c] = ok[c] ? flash::prob(x[c], m_new) : 0.0f;
+      sum += x[c];
+    }
+    l = alpha * l + sum;
+    m = m_new;
+    for (int d = 0; d < HD; ++d) {
+      float a = sAcc[d * kBr + r] * alpha;
+#pragma unroll
+      for (int c = 0; c < kBc; ++c) a += x[c] * sV[c * HD + d];
+      sAcc[d * kBr + r] = a;
+    }
+  }
+  if (r == 0 && skip) atomicAdd(skipped, skip);
+  if (!row_ok) return;
+  const float inv = flash::block_finish_inv(l);
+  T* yr = y + (static_cast<size_t>(b) * Tq + t) * ldq + static_cast<size_t>(h) * HD;
+  for (int d = 0; d < HD; ++d) yr[d] = math::st<T>(sAcc[d * kBr + r] * inv);
+  lse[(static_cast<size_t>(b) * NH + h) * Tq + t] = flash::block_finish_lse(m, l);
+}
+
+// Online-softmax merge (flash::merge_weights), one thread per row (b, h, t).
+template <typename T>
+__global__ void block_merge_kernel(T* y, float* lse, const T* yp, const float* lsep, int Tq, int NH, int HD,
+                                   size_t rows) {
+  for (size_t rr = gtid(); rr < rows; rr += gstride()) {
+    const size_t bh = rr / Tq, t = rr % Tq, b = bh / NH, h = bh % NH;
+    const size_t o = (b * Tq + t) * static_cast<size_t>(NH) * HD + h * HD;
+    float wa, wb, l;
+    flash::merge_weights(lse[rr], lsep[rr], &wa, &wb, &l);
+    for (int d = 0; d < HD; ++d) y[o + d] = math::st<T>(wa * math::ld(y[o + d]) + wb * math::ld(yp[o + d]));
+    lse[rr] = l;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kBr) block_backward_dq_kernel(T* dq, const T* dy, const T* q, const T* k, const T* v,
+                                                                const float* lse, const float* dsum, const int32_t* qp,
+                                                                const int32_t* kp, const int32_t* qdoc,
+                                                                const int32_t* kdoc, int Tq, int Tk, int NH, int NKV,
+                                                                int HD, float scale, unsigned long long* skipped) {
+  extern __shared__ float smem[];
+  float* sK = smem;              // [kBc][HD]
+  float* sV = sK + kBc * HD;     // [kBc][HD]
+  float* sAcc = sV + kBc * HD;   // [HD][kBr]
+  __shared__ int sQP[kBr], sQD[kBr], sKP[kBc], sKD[kBc];
+  const int i = blockIdx.x, h = blockIdx.y, b = blockIdx.z, r = threadIdx.x;
+  const int G = NH / NKV, ldq = NH * HD, ldk = NKV * HD;
+  const int r0 = i * kBr, t = r0 + r, nr = min(kBr, Tq - r0);
+  const bool row_ok = t < Tq;
+  const size_t qo = (static_cast<size_t>(b) * Tq + (row_ok ? t : r0)) * ldq + static_cast<size_t>(h) * HD;
+  const size_t so = (static_cast<size_t>(b) * NH + h) * Tq + (row_ok ? t : r0);
+  const float L = lse[so], D = dsum[so];
+  for (int e = r; e < nr; e += blockDim.x) {
+    sQP[e] = qp[static_cast<size_t>(b) * Tq + r0 + e];
+    sQD[e] = qdoc ? qdoc[static_cast<size_t>(b) * Tq + r0 + e] : 0;
+  }
+  __syncthreads();
+  const flash::TileRange qrange = flash::tile_range(sQP, qdoc ? sQD : nullptr, nr);
+  const int my_p = row_ok ? sQP[r] : 0, my_d = row_ok ? sQD[r] : 0;
+  for (int d = 0; d < HD; ++d) sAcc[d * kBr + r] = 0.0f;
+  unsigned long long skip = 0;
+  const int nk = flash::num_tiles(Tk, kBc);
+  for (int j = 0; j < nk; ++j) {
+    const int c0 = j * kBc, nc = min(kBc, Tk - c0);
+    const size_t ko = (static_cast<size_t>(b) * Tk + c0) * ldk + static_cast<size_t>(h / G) * HD;
+    __syncthreads();
+    for (int e = r; e < nc; e += blockDim.x) {
+      sKP[e] = kp[static_cast<size_t>(b) * Tk + c0 + e];
+      sKD[e] = kdoc ? kdoc[static_cast<size_t>(b) * Tk + c0 + e] : 0;
+    }
+    __syncthreads();
+    if (flash::tile_pair_masked(qrange, flash::tile_range(sKP, kdoc ? sKD : nullptr, nc))) {
+      ++skip;
+      continue;
+    }
+    for (int e = r; e < kBc * HD; e += kBr) {
+      const int c = e / HD, d = e % HD;
+      sK[e] = c < nc ? math::ld(k[ko + static_cast<size_t>(c) * ldk + d]) : 0.0f;
+      sV[e] = c < nc ? math::ld(v[ko + static_cast<size_t>(c) * ldk + d]) : 0.0f;
+    }
+    __syncthreads();
+    float x[kBc], dp[kBc];
+#pragma unroll
+    for (int c = 0; c < kBc; ++c) x[c] = dp[c] = 0.0f;
+    for (int d = 0; d < HD; ++d) {
+      const float qd = math::ld(q[qo + d]), gd = math::ld(dy[qo + d]);
+#pragma unroll
+      for (int c = 0; c < kBc; ++c) {
+        x[c] += qd * sK[c * HD + d];
+        dp[c] += gd * sV[c * HD + d];
+      }
+    }
+#pragma unroll
+    for (int c = 0; c < kBc; ++c) {
+      const bool ok = row_ok && c < nc && flash::visible(my_p, sKP[c], my_d, sKD[c]);
+      const float p = ok ? flash::prob_from_lse(flash::score(x[c], scale), L) : 0.0f;
+      x[c] = ok ? flash::dscore(p, dp[c], D, scale) : 0.0f;  // dS
+    }
+    for (int d = 0; d < HD; ++d) {
+      float a = sAcc[d * kBr + r];
+#pragma unroll
+      for (int c = 0; c < kBc; ++c) a += x[c] * sK[c * HD + d];
+      sAcc[d * kBr + r] = a;
+    }
+  }
+  if (r == 0 && skip) atomicAdd(skipped, skip);
+  if (!row_ok) return;
+  for (int d = 0; d < HD; ++d) dq[qo + d] = math::st<T>(math::ld(dq[qo + d]) + sAcc[d * kBr + r]);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kBc) block_backward_dkv_kernel(T* dk, T* dv, const T* dy, const T* q, const T* k,
+                                                                 const T* v, const float* lse, const float* dsum,
+                                                                 const int32_t* qp, const int32_t* kp,
+                                                                 const int32_t* qdoc, const int32_t* kdoc, int Tq,
+                                                                 int Tk, int NH, int NKV, int HD, float scale) {
+  extern __shared__ float smem[];
+  float* sQ = smem;                // [kBr][HD]
+  float* sG = sQ + kBr * HD;       // [kBr][HD]  (dY)
+  float* sdK = sG + kBr * HD;      // [HD][kBc]
+  float* sdV = sdK + HD * kBc;     // [HD][kBc]
+  float* sL = sdV + HD * kBc;      // [kBr]
+  float* sD = sL + kBr;            // [kBr]
+  __shared__ int sQP[kBr], sQD[kBr], sKP[kBc], sKD[kBc];
+  const int j = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, c = threadIdx.x;
+  const int G = NH / NKV, ldq = NH * HD, ldk = NKV * HD, nq = flash::num_tiles(Tq, kBr);
+  const int c0 = j * kBc, key = c0 + c, nc = min(kBc, Tk - c0);
+  const bool key_ok = key < Tk;
+  const size_t ko = (static_cast<size_t>(b) * Tk + (key_ok ? key : c0)) * ldk + static_cast<size_t>(kvh) * HD;
+  for (int e = c; e < nc; e += blockDim.x) {
+    sKP[e] = kp[static_cast<size_t>(b) * Tk + c0 + e];
+    sKD[e] = kdoc ? kdoc[static_cast<size_t>(b) * Tk + c0 + e] : 0;
+  }
+  __syncthreads();
+  const flash::TileRange krange = flash::tile_range(sKP, kdoc ? sKD : nullptr, nc);
+  const int my_p = key_ok ? sKP[c] : 0, my_d = key_ok ? sKD[c] : 0;
+  for (int d = 0; d < HD; ++d) sdK[d * kBc + c] = sdV[d * kBc + c] = 0.0f;
+  for (int g = 0; g < G; ++g) {
+    const int h = kvh * G + g;
+    for (int i = 0; i < nq; ++i) {
+      const int r0 = i * kBr, nr = min(kBr, Tq - r0);
+      const size_t qo = (static_cast<size_t>(b) * Tq + r0) * ldq + static_cast<size_t>(h) * HD;
+      const size_t so = (static_cast<size_t>(b) * NH + h) * Tq + r0;
+      __syncthreads();
+      for (int e = c; e < nr; e += blockDim.x) {
+        sQP[e] = qp[static_cast<size_t>(b) * Tq + r0 + e];
+        sQD[e] = qdoc ? qdoc[static_cast<size_t>(b) * Tq + r0 + e] : 0;
+      }
+      __syncthreads();
+      if (flash::tile_pair_masked(flash::tile_range(sQP, qdoc ? sQD : nullptr, nr), krange)) continue;
+      for (int e = c; e < kBr * HD; e += kBc) {
+        const int rr = e / HD, d = e % HD;
+        sQ[e] = rr < nr ? math::ld(q[qo + static_cast<size_t>(rr) * ldq + d]) : 0.0f;
+        sG[e] = rr < nr ? math::ld(dy[qo + static_cast<size_t>(rr) * ldq + d]) : 0.0f;
+      }
+      for (int rr = c; rr < kBr; rr += kBc) {
+        sL[rr] = rr < nr ? lse[so + rr] : 0.0f;
+        sD[rr] = rr < nr ? dsum[so + rr] : 0.0f;
+      }
+      __syncthreads();
+      float x[kBr], dp[kBr];
+#pragma unroll
+      for (int rr = 0; rr < kBr; ++rr) x[rr] = dp[rr] = 0.0f;
+      for (int d = 0; d < HD; ++d) {
+        const float kd = math::ld(k[ko + d]), vd = math::ld(v[ko + d]);
+#pragma unroll
+        for (int rr = 0; rr < kBr; ++rr) {
+          x[rr] += sQ[rr * HD + d] * kd;
+          dp[rr] += sG[rr * HD + d] * vd;
+        }
+      }
+#pragma unroll
+      for (int rr = 0; rr < kBr; ++rr) {
+        const bool ok = key_ok && rr < nr && flash::visible(sQP[rr], my_p, sQD[rr], my_d);
+        const float p = ok ? flash::prob_from_lse(flash::score(x[rr], scale), sL[rr]) : 0.0f;
+        dp[rr] = ok ? flash::dscore(p, dp[rr], sD[rr], scale) : 0.0f;  // dS
+        x[rr] = p;
+      }
+      for (int d = 0; d < HD; ++d) {
+        float av = sdV[d * kBc + c], ak = sdK[d * kBc + c];
+#pragma unroll
+        for (int rr = 0; rr < kBr; ++rr) {
+          av += x[rr] * sG[rr * HD + d];
+          ak += dp[rr] * sQ[rr * HD + d];
+        }
+        sdV[d * kBc + c] = av;
+        sdK[d * kBc + c] = ak;
+      }
+    }
+  }
+  if (!key_ok) return;
+  for (int d = 0; d < HD; ++d) {
+    dk[ko + d] = math::st<T>(math::ld(dk[ko + d]) + sdK[d * kBc + c]);
+    dv[ko + d] = math::st<T>(math::ld(dv[ko + d]) + sdV[d * kBc + c]);
+  }
+}
+
+// softmax_causal_forward_kernel with keys of other documents masked (doc [B, T], matrix r / T_ of
+// rows r belongs to sequence r / T_ / NH). The diagonal is always visible, so sum >= 1.
+template <typename T>
+__global__ void softmax_causal_doc_forward_kernel(T* att, const int32_t* doc, size_t rows, int NH, int T_, float scale) {
+  for (size_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    T* row = att + r * T_;
+    const int t = static_cast<int>(r % T_);
+    const int32_t* db = doc + (r / T_ / NH) * T_;
+    const int dt = db[t];
+    float mx = -INFINITY;
+    for (int s = threadIdx.x; s <= t; s += blockDim.x)
+      if (db[s] == dt) mx = MaxOp{}(mx, __fmul_rn(math::ld(row[s]), scale));
+    mx = block_reduce(mx, MaxOp{});
+    float sum = 0;
+    for (int s = threadIdx.x; s <= t; s += blockDim.x)
+      if (db[s] == dt) sum += math::st_exp(__fmul_rn(math::ld(row[s]), scale) - mx);
+    sum = block_reduce(sum, SumOp{});
+    const float inv = 1.0f / sum;
+    for (int s = threadIdx.x; s < T_; s += blockDim.x)
+      row[s] = math::st<T>(s <= t && db[s] == dt ? math::st_exp(__fmul_rn(math::ld(row[s]), scale) - mx) * inv : 0.0f);
+  }
+}
+
+// rope_kernel with row i (of N rows of H heads) at table row pos[i].
+template <typename T>
+__global__ void rope_at_kernel(T* x, const T* cs, const T* sn, const int32_t* pos, int N, int H, int HD, bool backward) {
+  const int half = HD / 2;
+  const size_t pairs = static_cast<size_t>(N) * H * half;
+  for (size_t idx = gtid(); idx < pairs; idx += gstride()) {
+    const size_t j = idx % half;
+    const size_t rest = idx / half;  // i*H + h
+    const size_t t = static_cast<size_t>(pos[rest / H]);
+    T* v = x + rest * HD;
+    const float c = math::ld(cs[t * half + j]), s = math::ld(sn[t * half + j]);
+    const float x1 = math::ld(v[j]), x2 = math::ld(v[j + half]);
+    float o1, o2;
+    if (backward) math::rope_rotate_backward(x1, x2, c, s, &o1, &o2);
+    else math::rope_rotate(x1, x2, c, s, &o1, &o2);
+    v[j] = math::st<T>(o1);
+    v[j + half] = math::st<T>(o2);
+  }
+}
+
 // ---- context ----------------------------------------------------------------------------------
 
 class CudaContextImpl final : public CudaContext {
@@ -744,6 +1056,7 @@ template <typename T> class CudaBackend final : public Backend<T> {
   ~CudaBackend() override {
     release(scratch_);
     release(loss_sum_);
+    release(skip_);
     if (copy_stream_) {
       (void)cudaStreamSynchronize(copy_stream_);
       (void)cudaStreamDestroy(copy_stream_);
@@ -1018,6 +1331,75 @@ template <typename T> class CudaBackend final : public Backend<T> {
     ST_LAUNCHED("flash_backward_dkv_kernel");
   }
 
+  // ---- block attention (the block_* kernels) ----
+  void attention_block_forward(T* y, S* lse, const T* q, const T* k, const T* v, const int32_t* qp, const int32_t* kp,
+                               const int32_t* qd, const int32_t* kd, int B, int Tq, int Tk, int NH, int NKV, int HD,
+                               S scale) override {
+    if (B <= 0 || Tq <= 0 || NH <= 0 || HD <= 0) return;
+    const size_t smem = sizeof(float) * static_cast<size_t>(2 * kBc + kBr) * HD;
+    allow_smem(block_forward_kernel<T>, smem, HD);
+    const dim3 grid(static_cast<unsigned>(flash::num_tiles(Tq, kBr)), static_cast<unsigned>(NH), static_cast<unsigned>(B));
+    block_forward_kernel<T><<<grid, kBr, smem, stream_>>>(y, lse, q, k, v, qp, kp, qd, kd, Tq, std::max(Tk, 0), NH, NKV,
+                                                          HD, scale, skip_counter());
+    ST_LAUNCHED("block_forward_kernel");
+    block_pairs_ += int64_t{B} * NH * flash::num_tiles(Tq, kBr) * (Tk > 0 ? flash::num_tiles(Tk, kBc) : 0);
+  }
+  void attention_merge(T* y, S* lse, const T* yp, const S* lsep, int B, int Tq, int NH, int HD) override {
+    const size_t rows = static_cast<size_t>(B) * NH * Tq;
+    if (B <= 0 || Tq <= 0 || NH <= 0 || HD <= 0) return;
+    block_merge_kernel<T><<<grid_for(rows, kBlock), kBlock, 0, stream_>>>(y, lse, yp, lsep, Tq, NH, HD, rows);
+    ST_LAUNCHED("block_merge_kernel");
+  }
+  void attention_row_dot(S* dsum, const T* dy, const T* y, int B, int Tq, int NH, int HD) override {
+    const size_t rows = static_cast<size_t>(B) * NH * Tq;
+    if (B <= 0 || Tq <= 0 || NH <= 0 || HD <= 0) return;
+    flash_dsum_kernel<T><<<grid_for(rows, kBlock), kBlock, 0, stream_>>>(dsum, dy, y, Tq, NH, HD, rows);
+    ST_LAUNCHED("flash_dsum_kernel (attention_row_dot)");
+  }
+  void attention_block_backward(T* dq, T* dk, T* dv, const T* dy, const T* q, const T* k, const T* v, const S* lse,
+                                const S* dsum, const int32_t* qp, const int32_t* kp, const int32_t* qd,
+                                const int32_t* kd, int B, int Tq, int Tk, int NH, int NKV, int HD, S scale) override {
+    if (B <= 0 || Tq <= 0 || Tk <= 0 || NH <= 0 || HD <= 0) return;
+    const size_t smem_q = sizeof(float) * static_cast<size_t>(2 * kBc + kBr) * HD;
+    allow_smem(block_backward_dq_kernel<T>, smem_q, HD);
+    const dim3 grid_q(static_cast<unsigned>(flash::num_tiles(Tq, kBr)), static_cast<unsigned>(NH), static_cast<unsigned>(B));
+    block_backward_dq_kernel<T><<<grid_q, kBr, smem_q, stream_>>>(dq, dy, q, k, v, lse, dsum, qp, kp, qd, kd, Tq, Tk,
+                                                                  NH, NKV, HD, scale, skip_counter());
+    ST_LAUNCHED("block_backward_dq_kernel");
+    const size_t smem_kv = sizeof(float) * (static_cast<size_t>(2 * kBr + 2 * kBc) * HD + 2 * kBr);
+    allow_smem(block_backward_dkv_kernel<T>, smem_kv, HD);
+    const dim3 grid_kv(static_cast<unsigned>(flash::num_tiles(Tk, kBc)), static_cast<unsigned>(NKV), static_cast<unsigned>(B));
+    block_backward_dkv_kernel<T><<<grid_kv, kBc, smem_kv, stream_>>>(dk, dv, dy, q, k, v, lse, dsum, qp, kp, qd, kd,
+                                                                     Tq, Tk, NH, NKV, HD, scale);
+    ST_LAUNCHED("block_backward_dkv_kernel");
+    block_pairs_ += int64_t{B} * NH * flash::num_tiles(Tq, kBr) * flash::num_tiles(Tk, kBc);
+  }
+  typename Backend<T>::BlockAttentionStats take_block_attention_stats() override {
+    typename Backend<T>::BlockAttentionStats st;
+    st.tile_pairs = block_pairs_;
+    block_pairs_ = 0;
+    if (skip_) {
+      unsigned long long h = 0;
+      ST_CUDA(cudaMemcpyAsync(&h, skip_, sizeof(h), cudaMemcpyDeviceToHost, stream_));
+      ST_CUDA(cudaMemsetAsync(skip_, 0, sizeof(h), stream_));
+      ST_CUDA(cudaStreamSynchronize(stream_));
+      st.skipped = static_cast<int64_t>(h);
+    }
+    return st;
+  }
+  void softmax_causal_doc_forward(T* att, const int32_t* doc, int B, int NH, int T_, S scale) override {
+    const size_t rows = static_cast<size_t>(B) * NH * T_;
+    if (B <= 0 || NH <= 0 || T_ <= 0) return;
+    softmax_causal_doc_forward_kernel<T><<<grid_rows(rows), kBlock, 0, stream_>>>(att, doc, rows, NH, T_, scale);
+    ST_LAUNCHED("softmax_causal_doc_forward_kernel");
+  }
+  void rope_forward_at(T* x, const T* cos, const T* sin, const int32_t* pos, int N, int H, int HD) override {
+    rope_at(x, cos, sin, pos, N, H, HD, false);
+  }
+  void rope_backward_at(T* dx, const T* cos, const T* sin, const int32_t* pos, int N, int H, int HD) override {
+    rope_at(dx, cos, sin, pos, N, H, HD, true);
+  }
+
   void swiglu_forward(T* h, const T* gate, const T* up, size_t n) override {
     if (!n) return;
     swiglu_forward_kernel<T><<<grid_for(n, kBlock), kBlock, 0, stream_>>>(h, gate, up, n);
@@ -1098,6 +1480,8 @@ template <typename T> class CudaBackend final : public Backend<T> {
   void* scratch_ = nullptr;  // reduction scratch, stream-ordered reuse across calls
   size_t scratch_bytes_ = 0;
   double* loss_sum_ = nullptr;  // cross_entropy_sum's device double
+  unsigned long long* skip_ = nullptr;  // block attention: skipped tile pairs (device counter)
+  int64_t block_pairs_ = 0;             // block attention: tile pairs launched (host count)
   cudaStream_t copy_stream_ = nullptr;  // to_host_async's, made at its first call
   cudaEvent_t compute_done_ = nullptr;  // recorded on stream_, waited for by copy_stream_
   bool warned_free_ = false;
@@ -1192,6 +1576,17 @@ template <typename T> class CudaBackend final : public Backend<T> {
     if (beta == 1.0f) return;
     scale_matrix_kernel<T><<<grid_for(static_cast<size_t>(M) * N, kBlock), kBlock, 0, stream_>>>(C, M, N, ldc, beta);
     ST_LAUNCHED("scale_matrix_kernel");
+  }
+  void rope_at(T* x, const T* cs, const T* sn, const int32_t* pos, int N, int H, int HD, bool backward) {
+    const size_t pairs = static_cast<size_t>(N) * H * (HD / 2);
+    if (N <= 0 || H <= 0 || HD < 2) return;
+    rope_at_kernel<T><<<grid_for(pairs, kBlock), kBlock, 0, stream_>>>(x, cs, sn, pos, N, H, HD, backward);
+    ST_LAUNCHED("rope_at_kernel");
+  }
+  // The device counter of skipped block-attention tile pairs (allocated zeroed on first use).
+  unsigned long long* skip_counter() {
+    if (!skip_) skip_ = static_cast<unsigned long long*>(alloc_bytes(sizeof(unsigned long long)));
+    return skip_;
   }
   void rope(T* x, const T* cs, const T* sn, int B, int T_, int H, int HD, bool backward) {
     const size_t pairs = static_cast<size_t>(B) * T_ * H * (HD / 2);
