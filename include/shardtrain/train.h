@@ -15,6 +15,7 @@
 #include "shardtrain/data.h"
 #include "shardtrain/model.h"
 #include "shardtrain/shard.h"
+#include "shardtrain/train_state.h"
 
 namespace shardtrain {
 
@@ -28,7 +29,7 @@ Precision parse_precision(const std::string& s);
 const char* precision_name(Precision p);
 
 // The settings of a training run: input only (options and job files fill it; train() reads it).
-// What a run finds out (its step, batch history, layout) lives in TrainState (checkpoint.h).
+// What a run finds out (its step, batch history, layout) lives in TrainState (train_state.h).
 struct TrainConfig {
   int seq_len = 64;            // T, tokens per sequence
   int global_batch = 12;       // sequences per optimizer step, over all ranks

@@ -13,10 +13,10 @@
 #include <sstream>
 #include <stdexcept>
 
-#include "shardtrain/checkpoint.h"  // kProgramVersion
 #include "shardtrain/files.h"
-#include "shardtrain/memory_plan.h"  // peak_rss_bytes
+#include "shardtrain/process_stats.h"  // peak_rss_bytes
 #include "shardtrain/tokenizer.h"
+#include "shardtrain/version.h"  // kProgramVersion
 #include "text_inputs.h"
 
 namespace shardtrain {

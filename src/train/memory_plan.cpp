@@ -3,7 +3,6 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <fstream>
 #include <sstream>
 
 #include "shardtrain/shard.h"
@@ -18,18 +17,7 @@ std::string with_commas(int64_t v) {
   }
   return o;
 }
-int64_t status_kib(const char* key) {
-  std::ifstream in("/proc/self/status");
-  std::string line;
-  const std::string k = std::string(key) + ":";
-  while (std::getline(in, line))
-    if (line.rfind(k, 0) == 0) return std::stoll(line.substr(k.size()));
-  return 0;
-}
 }  // namespace
-
-int64_t current_rss_bytes() { return status_kib("VmRSS") * 1024; }
-int64_t peak_rss_bytes() { return status_kib("VmHWM") * 1024; }
 
 int64_t MemoryPlan::total() const {
   int64_t t = 0;
