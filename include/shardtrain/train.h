@@ -15,6 +15,7 @@
 #include "shardtrain/data.h"
 #include "shardtrain/model.h"
 #include "shardtrain/shard.h"
+#include "shardtrain/tensor_parallel.h"
 #include "shardtrain/train_state.h"
 
 namespace shardtrain {
@@ -177,7 +178,7 @@ struct StepLog {
   int64_t step = 0;  // 1-based
   double loss = 0, lr = 0, grad_norm = 0, tokens_per_s = 0, elapsed_s = 0;
   // This step's time (ms): on compute (step time - exposed), FSDP collectives in flight (summed
-  // over collectives), and waiting for them (exposed communication). See CommTimes (shard.h).
+  // over collectives), and waiting for them (exposed communication). See CommTimes (comm_queue.h).
   double compute_ms = 0, comm_ms = 0, exposed_comm_ms = 0;
   // Tensor parallelism (--tp > 1): the TP collectives' time (ms per step; blocking, so all of it
   // is waiting, not part of compute_ms) and bytes one rank sent per step (TpCommStats).
