@@ -2,11 +2,12 @@
 // parallel HDF5 (MPI-IO), self-describing (per-unit shard and parameter tables), checksummed,
 // published atomically, and loadable at any world size (resharding).
 //
-// Three parts, one source file each (src/io/):
+// Three parts (src/io/):
 //   checkpoint_dir.cpp   the directory: names, the temporary file, rename, `latest`, --keep-last,
 //                        --resume resolution;
-//   checkpoint_meta.cpp  metadata: attributes, tables, their checksums and cross-checks, what a
-//                        file holds (read_checkpoint_info) and whether it fits a model;
+//   metadata             checkpoint_h5.cpp (HDF5 plumbing, attributes, their checksums),
+//                        checkpoint_meta_write.cpp, checkpoint_meta_read.cpp (reading, cross-checks,
+//                        what a file holds, read_checkpoint_info, and whether it fits a model);
 //   checkpoint_data.cpp  tensor data: the named sharded tensors (ShardedTensors), snapshots of
 //                        them, their hyperslabs and CRC32s, loading with resharding.
 // Saving is snapshot (a host copy, take_checkpoint_snapshot; on a GPU into pinned host memory, a
