@@ -24,6 +24,7 @@
 
 #include "shardtrain/config.h"
 #include "shardtrain/model.h"
+#include "shardtrain/process_stats.h"  // current_rss_bytes, peak_rss_bytes (the plan's callers use them)
 #include "shardtrain/train.h"
 
 namespace shardtrain {
@@ -75,11 +76,6 @@ MemoryPlan plan_memory(const MemoryPlanInput& in);
 // cuBLAS workspace, NCCL buffers. 1 GiB, an estimate (CUDA 12 context ~500 MiB on H100-class
 // GPUs, NCCL ~200-400 MiB per communicator depending on channels).
 inline constexpr int64_t kGpuRuntimeEstimate = int64_t{1} << 30;
-
-// This process's resident memory now and its peak, from /proc/self/status (VmRSS, VmHWM), bytes;
-// 0 where unavailable.
-int64_t current_rss_bytes();
-int64_t peak_rss_bytes();
 
 // The largest micro-batch (sequences per rank) in [1, max_micro_batch] whose plan fits in
 // `device_bytes`, or 0 if none does.

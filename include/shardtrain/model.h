@@ -1,7 +1,7 @@
 // shardtrain model layer: the Llama architecture (Touvron et al. 2023), forward and hand-written
 // backward, in the storage type T of its backend: float (fp32 training), bf16 (mixed precision:
 // bf16 weights and activations, fp32 arithmetic) or double (gradient checks). Written against a
-// UnitSource (shard.h; UnitPipeline is the FSDP one): each unit is gathered just before it is used
+// UnitSource (unit_source.h; UnitPipeline is the FSDP one): each unit is gathered just before it is used
 // and its gradient reduce-scattered right after it is computed. The model never sees a
 // communicator or the mesh.
 //
@@ -38,7 +38,7 @@
 // all-gathers the final norm's output, computes logits [chunk, Vl] and the vocabulary-parallel
 // cross-entropy (backend.h vocab_ce_*), reduce-scattering its input gradient. Every rank of the
 // group computes the loss of all B*T tokens. The model calls the group only through
-// TensorParallelOps (shard.h); with N = 1 it calls nothing and computes bitwise as without TP.
+// TensorParallelOps (tensor_parallel_ops.h); with N = 1 it calls nothing and computes bitwise as without TP.
 #pragma once
 
 #include <cstdint>
@@ -234,7 +234,7 @@ template <typename T> class LlamaModel {
     IdBuffer<T> ids_tp_;             // TP > 1, begin == 0: tokens as rows of this rank's embedding slice
   };
 
-  // tp: the TP group's collectives (shard.h), nullptr or size 1 = no tensor parallelism; must
+  // tp: the TP group's collectives (tensor_parallel_ops.h), nullptr or size 1 = no tensor parallelism; must
   // outlive the model. Under TP the UnitSource serves this rank's slices (llama_units(c, N, t)).
   // Throws std::invalid_argument when tp does not fit the model (check_tensor_parallel).
   LlamaModel(const ModelConfig& c, Backend<T>& be, const ModelOptions& o = {}, TensorParallelOps<T>* tp = nullptr);

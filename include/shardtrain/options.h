@@ -65,7 +65,7 @@ struct Options {
   std::string checkpoint_async = "on";  // train: on | off (TrainConfig::checkpoint_async)
   std::string overlap = "on";      // train: on | off (prefetched all-gathers, asynchronous reduce-scatters)
   int prefetch = 1;                // train: all-gathers in flight ahead of the unit computed
-  std::string comm_progress = "poll";  // train: poll | thread | wait (parse_comm_progress, shard.h)
+  std::string comm_progress = "poll";  // train: poll | thread | wait (parse_comm_progress, comm_queue.h)
   std::string shard_group_size;   // train, plan: ranks a unit is sharded over (HSDP): "" = all, N, or "node"
   int tp = 1;                     // train, plan: tensor-parallel degree (--tp; model.h)
   std::string checkpoint;         // inspect: the checkpoint file (also positional)

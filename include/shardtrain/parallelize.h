@@ -26,6 +26,7 @@
 #include "shardtrain/config.h"
 #include "shardtrain/mesh.h"
 #include "shardtrain/shard.h"
+#include "shardtrain/tensor_parallel.h"
 
 namespace shardtrain {
 

@@ -15,6 +15,8 @@
 #include "shardtrain/data.h"
 #include "shardtrain/model.h"
 #include "shardtrain/shard.h"
+#include "shardtrain/tensor_parallel.h"
+#include "shardtrain/train_state.h"
 
 namespace shardtrain {
 
@@ -28,7 +30,7 @@ Precision parse_precision(const std::string& s);
 const char* precision_name(Precision p);
 
 // The settings of a training run: input only (options and job files fill it; train() reads it).
-// What a run finds out (its step, batch history, layout) lives in TrainState (checkpoint.h).
+// What a run finds out (its step, batch history, layout) lives in TrainState (train_state.h).
 struct TrainConfig {
   int seq_len = 64;            // T, tokens per sequence
   int global_batch = 12;       // sequences per optimizer step, over all ranks
@@ -176,7 +178,7 @@ struct StepLog {
   int64_t step = 0;  // 1-based
   double loss = 0, lr = 0, grad_norm = 0, tokens_per_s = 0, elapsed_s = 0;
   // This step's time (ms): on compute (step time - exposed), FSDP collectives in flight (summed
-  // over collectives), and waiting for them (exposed communication). See CommTimes (shard.h).
+  // over collectives), and waiting for them (exposed communication). See CommTimes (comm_queue.h).
   double compute_ms = 0, comm_ms = 0, exposed_comm_ms = 0;
   // Time waiting for communication, every dimension's (FSDP's exposed_comm_ms and the blocking TP
   // collectives): step time = compute_ms + wait_ms.

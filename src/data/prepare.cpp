@@ -13,10 +13,10 @@
 #include <sstream>
 #include <stdexcept>
 
-#include "shardtrain/checkpoint.h"  // kProgramVersion
 #include "shardtrain/files.h"
-#include "shardtrain/memory_plan.h"  // peak_rss_bytes
+#include "shardtrain/process_stats.h"  // peak_rss_bytes
 #include "shardtrain/tokenizer.h"
+#include "shardtrain/version.h"  // kProgramVersion
 #include "text_inputs.h"
 
 namespace shardtrain {
@@ -211,62 +211,40 @@ class Progress {
 };
 
 std::string fmt_fraction(double v) { return (std::ostringstream() << v).str(); }
-}  // namespace
 
-PrepareResult prepare_tokens(const PrepareOptions& o) {
-  const auto t0 = Clock::now();
-  if (!(o.val_fraction > 0 && o.val_fraction < 1))
-    throw std::runtime_error("option '--val-fraction' must be in (0, 1), got " + std::to_string(o.val_fraction));
-  if (o.inputs.empty()) throw std::runtime_error("option '--input' names no file");
-  if (o.chunk_bytes < 2) throw std::runtime_error("prepare: chunk size must be at least 2 bytes");
-  std::unique_ptr<Tokenizer> tok;
-  try {
-    tok = load_tokenizer(o.tokenizer);
-  } catch (const std::exception& e) {
-    throw std::runtime_error(std::string("option '--tokenizer': ") + e.what());
-  }
-  const std::vector<std::string> files = expand_inputs(o.inputs);
-  if (files.empty()) throw std::runtime_error("option '--input' names no file");
+// Checks the output path (not the tokenizer, not an input) and every input (a non-empty regular text
+// file, not a token file); returns the inputs' total size in bytes. Throws std::runtime_error
+// naming the option.
+uint64_t check_prepare_paths(const PrepareOptions& o, const std::vector<std::string>& files) {
   uint64_t total = 0;
-  {
-    std::error_code ec;
-    check_output_path(o.out, "option '--out'");
-    for (const std::string& name : {std::string(), std::string("tokenizer.model"), std::string("tokenizer_config.json"),
-                                    std::string("special_tokens_map.json")})
-      if (o.tokenizer != "byte-level" && fs::equivalent(name.empty() ? fs::path(o.tokenizer) : fs::path(o.tokenizer) / name, o.out, ec))
-        throw std::runtime_error("option '--out': '" + o.out + "' is the tokenizer (option '--tokenizer'); refusing to overwrite it");
-    for (const auto& in : files) {
-      // Checked on the descriptor (a regular file, opened without blocking), then read through it.
-      const InputFile file = detail::open_input_text(in);
-      std::ifstream f(file.reopen_path(), std::ios::binary);
-      if (!f) throw std::runtime_error("cannot read input text '" + in + "' (option '--input')");
-      const uint64_t size = file.size();
-      if (size == 0) throw std::runtime_error("input text '" + in + "' is empty");
-      char magic[8] = {};
-      if (f.read(magic, 8) && std::string(magic, 7) == "STTOKv1")
-        throw std::runtime_error("input '" + in + "' is a shardtrain token file, not text (option '--input'; an "
-                                 "earlier --out inside an input directory?)");
-      total += size;
-      if (fs::equivalent(in, o.out, ec))
-        throw std::runtime_error("option '--out': '" + o.out + "' is also an input; refusing to overwrite it");
-    }
+  std::error_code ec;
+  check_output_path(o.out, "option '--out'");
+  for (const std::string& name : {std::string(), std::string("tokenizer.model"), std::string("tokenizer_config.json"),
+                                  std::string("special_tokens_map.json")})
+    if (o.tokenizer != "byte-level" && fs::equivalent(name.empty() ? fs::path(o.tokenizer) : fs::path(o.tokenizer) / name, o.out, ec))
+      throw std::runtime_error("option '--out': '" + o.out + "' is the tokenizer (option '--tokenizer'); refusing to overwrite it");
+  for (const auto& in : files) {
+    // Checked on the descriptor (a regular file, opened without blocking), then read through it.
+    const InputFile file = detail::open_input_text(in);
+    std::ifstream f(file.reopen_path(), std::ios::binary);
+    if (!f) throw std::runtime_error("cannot read input text '" + in + "' (option '--input')");
+    const uint64_t size = file.size();
+    if (size == 0) throw std::runtime_error("input text '" + in + "' is empty");
+    char magic[8] = {};
+    if (f.read(magic, 8) && std::string(magic, 7) == "STTOKv1")
+      throw std::runtime_error("input '" + in + "' is a shardtrain token file, not text (option '--input'; an "
+                               "earlier --out inside an input directory?)");
+    total += size;
+    if (fs::equivalent(in, o.out, ec))
+      throw std::runtime_error("option '--out': '" + o.out + "' is also an input; refusing to overwrite it");
   }
-  const TokenizerInfo& info = tok->info();
-  PrepareResult r;
-  TokenFileHeader& h = r.header;
-  h.version = 2;
-  h.vocab_size = info.vocab_size;
-  h.bos_id = info.bos_id >= 0 ? static_cast<uint32_t>(info.bos_id) : kNoTokenId;
-  h.eos_id = static_cast<uint32_t>(info.eos_id);
-  h.token_bytes = info.vocab_size <= 65536 ? 2 : 4;
-  h.tokenizer = info.kind;
-  r.cut_documents = tok->cuttable();
+  return total;
+}
 
-  TempFile out(o.out);
-  out.write(std::string(64, '\0'));  // the header, written last
-  Encoder enc(*tok, out, h.token_bytes, std::max<size_t>(size_t{4} << 20, 2 * o.chunk_bytes));
-  DocumentSplitter split(*tok, enc, std::min(o.chunk_bytes, kPieceBytes));
-  Progress progress(o.progress, total);
+// Reads the inputs in order, in chunks of o.chunk_bytes (JSONL: a document per line), into the
+// splitter; returns the bytes read and counts the files in r.files.
+uint64_t encode_inputs(const PrepareOptions& o, const std::vector<std::string>& files, DocumentSplitter& split,
+                       Encoder& enc, Progress& progress, PrepareResult& r) {
   uint64_t done = 0;
   std::vector<char> chunk(o.chunk_bytes);
   for (const std::string& path : files) {
@@ -296,20 +274,12 @@ PrepareResult prepare_tokens(const PrepareOptions& o) {
     }
     if (f.bad()) throw std::runtime_error("error reading input text '" + path + "' (option '--input')");
   }
-  enc.flush();
-  progress.update(done, enc.tokens, true);
-  progress.end();
-  r.documents = enc.documents;
-  r.input_bytes = done;
+  return done;
+}
 
-  const uint64_t n = enc.tokens;
-  h.n_val = static_cast<uint64_t>(static_cast<double>(n) * o.val_fraction);
-  h.n_train = n - h.n_val;
-  if (h.n_val < 2 || h.n_train < 2)
-    throw std::runtime_error("option '--val-fraction' " + fmt_fraction(o.val_fraction) + " leaves " +
-                             std::to_string(h.n_train) + " train and " + std::to_string(h.n_val) +
-                             " validation tokens; each split needs at least 2");
-
+// The token file's metadata JSON (docs/data-format.md): the tokenizer with its files' offsets,
+// sizes and CRC32s, the document and input counts, the writing program.
+std::string token_file_metadata(const TokenizerInfo& info, const PrepareResult& r) {
   nlohmann::ordered_json files_json = nlohmann::ordered_json::object();
   uint64_t offset = 0;
   for (const auto& [name, bytes] : info.files) {
@@ -333,24 +303,81 @@ PrepareResult prepare_tokens(const PrepareOptions& o) {
       {"inputs", r.files},
       {"written_by", std::string(kProgramVersion) + " --mode prepare"},
   };
-  const std::string js = meta.dump(2) + "\n";
-  if (js.size() > 0xFFFFFFFFull) throw std::runtime_error("prepare: metadata JSON too large");
-  r.metadata_bytes = js.size();
-  out.write(js);
-  for (const auto& [name, bytes] : info.files) out.write(bytes);
+  return meta.dump(2) + "\n";
+}
 
+// The token file's 64-byte header (data.h) for a metadata JSON of json_bytes bytes.
+std::string token_file_header_bytes(const TokenFileHeader& h, size_t json_bytes) {
   std::string b(kMagic, 8);
   put<uint32_t>(b, h.version);
   put<uint32_t>(b, h.vocab_size);
   put<uint32_t>(b, h.bos_id);
   put<uint32_t>(b, h.eos_id);
   put<uint32_t>(b, h.token_bytes);
-  put<uint32_t>(b, static_cast<uint32_t>(js.size()));
+  put<uint32_t>(b, static_cast<uint32_t>(json_bytes));
   put<uint64_t>(b, h.n_train);
   put<uint64_t>(b, h.n_val);
   std::string name = h.tokenizer;
   name.resize(16, '\0');
   b += name;
+  return b;
+}
+
+}  // namespace
+
+PrepareResult prepare_tokens(const PrepareOptions& o) {
+  const auto t0 = Clock::now();
+  if (!(o.val_fraction > 0 && o.val_fraction < 1))
+    throw std::runtime_error("option '--val-fraction' must be in (0, 1), got " + std::to_string(o.val_fraction));
+  if (o.inputs.empty()) throw std::runtime_error("option '--input' names no file");
+  if (o.chunk_bytes < 2) throw std::runtime_error("prepare: chunk size must be at least 2 bytes");
+  std::unique_ptr<Tokenizer> tok;
+  try {
+    tok = load_tokenizer(o.tokenizer);
+  } catch (const std::exception& e) {
+    throw std::runtime_error(std::string("option '--tokenizer': ") + e.what());
+  }
+  const std::vector<std::string> files = expand_inputs(o.inputs);
+  if (files.empty()) throw std::runtime_error("option '--input' names no file");
+  const uint64_t total = check_prepare_paths(o, files);
+  const TokenizerInfo& info = tok->info();
+  PrepareResult r;
+  TokenFileHeader& h = r.header;
+  h.version = 2;
+  h.vocab_size = info.vocab_size;
+  h.bos_id = info.bos_id >= 0 ? static_cast<uint32_t>(info.bos_id) : kNoTokenId;
+  h.eos_id = static_cast<uint32_t>(info.eos_id);
+  h.token_bytes = info.vocab_size <= 65536 ? 2 : 4;
+  h.tokenizer = info.kind;
+  r.cut_documents = tok->cuttable();
+
+  TempFile out(o.out);
+  out.write(std::string(64, '\0'));  // the header, written last
+  Encoder enc(*tok, out, h.token_bytes, std::max<size_t>(size_t{4} << 20, 2 * o.chunk_bytes));
+  DocumentSplitter split(*tok, enc, std::min(o.chunk_bytes, kPieceBytes));
+  Progress progress(o.progress, total);
+  const uint64_t done = encode_inputs(o, files, split, enc, progress, r);
+  enc.flush();
+  progress.update(done, enc.tokens, true);
+  progress.end();
+  r.documents = enc.documents;
+  r.input_bytes = done;
+
+  const uint64_t n = enc.tokens;
+  h.n_val = static_cast<uint64_t>(static_cast<double>(n) * o.val_fraction);
+  h.n_train = n - h.n_val;
+  if (h.n_val < 2 || h.n_train < 2)
+    throw std::runtime_error("option '--val-fraction' " + fmt_fraction(o.val_fraction) + " leaves " +
+                             std::to_string(h.n_train) + " train and " + std::to_string(h.n_val) +
+                             " validation tokens; each split needs at least 2");
+
+  const std::string js = token_file_metadata(info, r);
+  if (js.size() > 0xFFFFFFFFull) throw std::runtime_error("prepare: metadata JSON too large");
+  r.metadata_bytes = js.size();
+  out.write(js);
+  for (const auto& [name, bytes] : info.files) out.write(bytes);
+
+  const std::string b = token_file_header_bytes(h, js.size());
   out.patch(b);
   out.publish();
   r.seconds = std::chrono::duration<double>(Clock::now() - t0).count();

@@ -303,6 +303,184 @@ extern "C" int MPI_File_write_at(MPI_File fh, MPI_Offset offset, const void* buf
 
 namespace shardtrain {
 
+namespace {
+
+// The snapshot's tensors in the file's column order: all of them, each once. Throws
+// std::invalid_argument if a tensor is missing or does not fit the plan.
+std::vector<const CheckpointSnapshot::Tensor*> snapshot_columns(const CheckpointSnapshot& snap) {
+  const std::vector<std::string>& names = checkpoint_tensor_names();
+  const size_t C = names.size();
+  std::vector<const CheckpointSnapshot::Tensor*> cols(C, nullptr);
+  {
+    std::vector<std::string> given;
+    std::vector<size_t> counts;
+    for (auto& x : snap.tensors) {
+      given.push_back(x.name);
+      counts.push_back(x.units());
+    }
+    check_tensor_set(snap.plan, given, counts, "write_checkpoint_file");
+    for (auto& x : snap.tensors) cols[static_cast<size_t>(tensor_column(x.name))] = &x;
+    for (size_t k = 0; k < C; ++k)
+      if (!cols[k]) throw std::invalid_argument("write_checkpoint_file: the snapshot lacks tensor '" + names[k] + "'");
+  }
+  return cols;
+}
+
+// One rank's write of a checkpoint file: its path, the prefix of its messages, and the capture of
+// HDF5's own writes (suspended around a tensor row's H5Dwrite). References into
+// write_checkpoint_file's frame, which owns them.
+struct WriteContext {
+  const std::string& tmp_path;
+  const std::string& where;
+  Hdf5WriteFailure& hw;
+  std::optional<CaptureHdf5Writes>& capture;
+};
+
+// The message of the HDF5 write failure recorded in c.hw ("" if none); `when` is added after the offset.
+std::string hdf5_write_error(const WriteContext& c, const char* when) {
+  const Hdf5WriteFailure& hw = c.hw;
+  if (hw.err == 0) return "";
+  const std::string free = free_space_text(c.tmp_path);
+  return c.where + "writing HDF5's metadata or tables (" + std::to_string(hw.bytes) + " bytes at byte offset " +
+         std::to_string(hw.offset) + when + ") failed: " + std::strerror(hw.err) + (free.empty() ? "" : " (" + free + ")");
+}
+
+// Unit u's tensors: one flat dataset each (created by every rank, so that the ranks' HDF5 metadata
+// stays identical), into which this rank writes its plan row r of S elements (valid, then zero
+// padding) at r*S when it is the row's writer. Records its first failure in `fail`.
+void write_unit_rows(WriteContext& c, hid_t g, const UnitPlan& up, size_t u,
+                     const std::vector<const CheckpointSnapshot::Tensor*>& cols, int r, bool writer, hid_t dxpl,
+                     std::optional<DirectFileWriter>& rows_out, std::string& fail) {
+  const std::vector<std::string>& names = checkpoint_tensor_names();
+  const size_t C = names.size();
+  const hsize_t S = static_cast<hsize_t>(up.shard_size);
+  // One flat dataset per tensor: rank r writes its S elements (valid, then zero padding) at r*S.
+  for (size_t k = 0; k < C; ++k) {
+    hsize_t dims[1] = {static_cast<hsize_t>(up.padded_numel)};
+    H5Id fsp(H5Screate_simple(1, dims, nullptr), H5Sclose);
+    H5Id d(chk(H5Dcreate2(g, names[k].c_str(), H5T_IEEE_F32LE, fsp, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
+               "create dataset " + up.name + "/" + names[k]),
+           H5Dclose);
+    hsize_t start[1] = {static_cast<hsize_t>(r) * S}, count[1] = {S};
+    H5Sselect_hyperslab(fsp, H5S_SELECT_SET, start, nullptr, count, nullptr);
+    H5Id msp(H5Screate_simple(1, count, nullptr), H5Sclose);
+    if (!writer) {  // another replica group: same shard, written by replica group 0
+      H5Sselect_none(fsp);
+      H5Sselect_none(msp);
+    }
+    // A failed write (disk full, EIO) may fail on this rank only. The other tensors' datasets
+    // are still created (the ranks' HDF5 metadata stays identical, for the close).
+    const float* rows = cols[k]->rows(u);
+    // The rows themselves: at the dataset's file offset (contiguous layout, allocated at
+    // creation: parallel HDF5 allocates early), by DirectFileWriter, past the page cache
+    // (direct_io.h says why); through H5Dwrite only if HDF5 gives no offset. Either way the
+    // same bytes at the same place (tests/bench/bitwise_ab.sh: every dataset and attribute).
+    const haddr_t at = H5Dget_offset(d);
+    if (writer && at != HADDR_UNDEF) {
+      if (!rows_out) rows_out.emplace(c.tmp_path);
+      if (const int e = rows_out->write(at + start[0] * 4, rows, 4 * S); e != 0 && fail.empty()) {
+        const std::string free = free_space_text(c.tmp_path);
+        fail = c.where + "writing " + up.name + "/" + names[k] + " failed: " + std::strerror(e) +
+               (free.empty() ? "" : " (" + free + ")");
+      }
+      continue;
+    }
+    c.capture.reset();  // a tensor row: its failure is HDF5's to report, diagnosed below
+    const herr_t wrc = H5Dwrite(d, H5T_NATIVE_FLOAT, msp, fsp, dxpl, rows);
+    c.capture.emplace(&c.hw);
+    if (wrc < 0 && fail.empty()) {
+      const std::string detail = h5_detail();
+      const int e = writer ? diagnose_write(c.tmp_path, H5Dget_offset(d) + start[0] * 4, rows, 4 * S) : 0;
+      const std::string free = free_space_text(c.tmp_path);
+      fail = c.where + "writing " + up.name + "/" + names[k] + " failed: " +
+             (e ? std::string(std::strerror(e)) : std::string("write error (written again with pwrite, it succeeded)")) +
+             " (HDF5: " + detail + (free.empty() ? "" : "; " + free) + ")";
+    }
+  }
+}
+
+// Collective. The [W, C] checksum table of unit `up` from every rank's `my_crc`: every rank's
+// checksums, with its plan row and whether it wrote: row r of the [W, C] table comes from the rank
+// that wrote plan row r (CheckpointSnapshot::write_shards; the mesh says which). Hybrid sharding:
+// every other rank of row r (another replica group) must repeat them (identical replicas); the
+// first that does not is described in `diverged` (if still empty). Throws std::logic_error if a
+// plan row has no writer or more than one.
+std::vector<uint32_t> gather_unit_checksums(Comm& comm, const UnitPlan& up, int W, int r, bool writer,
+                                            const std::vector<uint64_t>& my_crc, std::string& diverged) {
+  const std::vector<std::string>& names = checkpoint_tensor_names();
+  const size_t C = names.size();
+  const size_t E = C + 2;  // per rank: plan row, writer, C checksums
+  std::vector<uint64_t> mine(E), all(static_cast<size_t>(comm.world_size()) * E);
+  mine[0] = static_cast<uint64_t>(r);
+  mine[1] = writer ? 1 : 0;
+  std::copy(my_crc.begin(), my_crc.end(), mine.begin() + 2);
+  comm.all_gather(mine.data(), all.data(), E);
+  const size_t WC = static_cast<size_t>(W) * C;
+  std::vector<uint32_t> crc32s(WC, 0);
+  std::vector<int> wrote(static_cast<size_t>(W), -1);  // plan row -> the global rank that wrote it
+  for (int q = 0; q < comm.world_size(); ++q) {
+    const uint64_t* e = all.data() + static_cast<size_t>(q) * E;
+    if (e[1] == 0) continue;
+    if (e[0] >= static_cast<uint64_t>(W) || wrote[e[0]] >= 0)
+      throw std::logic_error("write_checkpoint_file: plan row " + std::to_string(e[0]) + " written by more than one rank");
+    wrote[e[0]] = q;
+    for (size_t k = 0; k < C; ++k) crc32s[e[0] * C + k] = static_cast<uint32_t>(e[2 + k]);
+  }
+  for (int row = 0; row < W; ++row)
+    if (wrote[static_cast<size_t>(row)] < 0)
+      throw std::logic_error("write_checkpoint_file: no rank writes plan row " + std::to_string(row));
+  for (int q = 0; q < comm.world_size() && diverged.empty(); ++q) {
+    const uint64_t* e = all.data() + static_cast<size_t>(q) * E;
+    for (size_t k = 0; k < C && diverged.empty(); ++k)
+      if (e[1] == 0 && static_cast<uint32_t>(e[2 + k]) != crc32s[e[0] * C + k])
+        diverged = "unit '" + up.name + "', " + names[k] + " of shard rank " + std::to_string(e[0]) + ": global rank " +
+                   std::to_string(q) + " differs from rank " + std::to_string(wrote[e[0]]);
+  }
+  return crc32s;
+}
+
+// The end of write_checkpoint_file on every rank, success (`failed` null) or not: after a failure
+// the partial file's blocks are given back, the file is closed, the close's errors agreed on, the
+// reservation's excess freed; after a failure the file is removed and the failure rethrown.
+void finish_checkpoint_file(Comm& comm, WriteContext& c, H5Id& file, std::exception_ptr failed, std::string err,
+                            bool reserved) {
+  // Every rank is here, at the same point (a logic_error above is the same on every rank too).
+  // After a failure, give the partial file's blocks back before the close: the close flushes
+  // HDF5's cached metadata (a few KiB, a collective sync point), and a write failing in it would
+  // leave the ranks in different MPI calls; on a full disk the freed blocks let it succeed. The
+  // file is discarded anyway.
+  if (failed) {
+    if (comm.rank() == 0) (void)::truncate(c.tmp_path.c_str(), 0);
+    comm.barrier();
+  }
+  // Close on every rank, success or not: an HDF5 file left open is closed by HDF5 inside
+  // MPI_Finalize, after MPI is gone (a segfault).
+  // (A metadata write failing in the close is recorded (hw), not failed inside HDF5: every rank
+  // leaves the close, and the agreement below carries rank 0's error to the others.)
+  if (file.close() < 0 && !failed) err = c.where + "closing it failed (" + h5_detail() + ")";
+  c.capture.reset();
+  if (err.empty() && !failed && c.hw.err) err = hdf5_write_error(c, ", closing the file");
+  if (!failed && comm.rank() == 0 && reserved) {
+    // Give back what the reservation held beyond the file's end (truncating to the same size
+    // frees the blocks past it).
+    std::error_code ec;
+    const auto size = fs::file_size(c.tmp_path, ec);
+    if (!ec) (void)::truncate(c.tmp_path.c_str(), static_cast<off_t>(size));
+  }
+  try {
+    if (!failed) all_ok(comm, err.empty(), err);
+  } catch (const CollectiveError&) {
+    failed = std::current_exception();
+  }
+  if (failed) {
+    comm.barrier();  // every rank has closed the file
+    if (comm.rank() == 0) ::unlink(c.tmp_path.c_str());
+    std::rethrow_exception(failed);
+  }
+}
+
+}  // namespace
+
 void write_checkpoint_file(Comm& comm, const std::string& tmp_path, const CheckpointSnapshot& snap) {
   quiet_hdf5();
   // One logical copy for the plan's W = G ranks (G: shard group size; the world size without hybrid
@@ -314,20 +492,7 @@ void write_checkpoint_file(Comm& comm, const std::string& tmp_path, const Checkp
   const bool writer = snap.write_shards;
   const std::vector<std::string>& names = checkpoint_tensor_names();
   const size_t C = names.size();
-  // The snapshot's tensors in the file's column order: all of them, each once.
-  std::vector<const CheckpointSnapshot::Tensor*> cols(C, nullptr);
-  {
-    std::vector<std::string> given;
-    std::vector<size_t> counts;
-    for (auto& x : snap.tensors) {
-      given.push_back(x.name);
-      counts.push_back(x.units());
-    }
-    check_tensor_set(plan, given, counts, "write_checkpoint_file");
-    for (auto& x : snap.tensors) cols[static_cast<size_t>(tensor_column(x.name))] = &x;
-    for (size_t k = 0; k < C; ++k)
-      if (!cols[k]) throw std::invalid_argument("write_checkpoint_file: the snapshot lacks tensor '" + names[k] + "'");
-  }
+  const std::vector<const CheckpointSnapshot::Tensor*> cols = snapshot_columns(snap);
   const std::string where = "checkpoint '" + tmp_path + "': ";
   std::string err;
   // Reserve the whole file's space before anything is written (docs/checkpoint-format.md, "A
@@ -350,12 +515,7 @@ void write_checkpoint_file(Comm& comm, const std::string& tmp_path, const Checkp
   Hdf5WriteFailure hw;
   hw.path = tmp_path;
   std::optional<CaptureHdf5Writes> capture(std::in_place, &hw);
-  auto hdf5_write_error = [&](const char* when) -> std::string {
-    if (hw.err == 0) return "";
-    const std::string free = free_space_text(tmp_path);
-    return where + "writing HDF5's metadata or tables (" + std::to_string(hw.bytes) + " bytes at byte offset " +
-           std::to_string(hw.offset) + when + ") failed: " + std::strerror(hw.err) + (free.empty() ? "" : " (" + free + ")");
-  };
+  WriteContext wc{tmp_path, where, hw, capture};
   std::string why;
   H5Id file = create_file(comm, tmp_path, &why);
   if (!file.ok()) err = where + "cannot create it (" + why + ")";
@@ -374,7 +534,7 @@ void write_checkpoint_file(Comm& comm, const std::string& tmp_path, const Checkp
     } catch (const std::exception& e) {
       fail = where + e.what();
     }
-    if (fail.empty()) fail = hdf5_write_error("");
+    if (fail.empty()) fail = hdf5_write_error(wc, "");
   };
   std::exception_ptr failed;  // the agreed failure (the same CollectiveError on every rank)
   try {
@@ -400,82 +560,10 @@ void write_checkpoint_file(Comm& comm, const std::string& tmp_path, const Checkp
                  H5Gclose);
         write_unit_attributes(g, ms, static_cast<int>(u), up);
         if (snap.tp.tp > 1) write_unit_tp_tables(comm, g, ms, up, snap.tp.units.at(u), dxpl);
-        // One flat dataset per tensor: rank r writes its S elements (valid, then zero padding) at r*S.
-        for (size_t k = 0; k < C; ++k) {
-          hsize_t dims[1] = {static_cast<hsize_t>(up.padded_numel)};
-          H5Id fsp(H5Screate_simple(1, dims, nullptr), H5Sclose);
-          H5Id d(chk(H5Dcreate2(g, names[k].c_str(), H5T_IEEE_F32LE, fsp, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
-                     "create dataset " + up.name + "/" + names[k]),
-                 H5Dclose);
-          hsize_t start[1] = {static_cast<hsize_t>(r) * S}, count[1] = {S};
-          H5Sselect_hyperslab(fsp, H5S_SELECT_SET, start, nullptr, count, nullptr);
-          H5Id msp(H5Screate_simple(1, count, nullptr), H5Sclose);
-          if (!writer) {  // another replica group: same shard, written by replica group 0
-            H5Sselect_none(fsp);
-            H5Sselect_none(msp);
-          }
-          // A failed write (disk full, EIO) may fail on this rank only. The other tensors' datasets
-          // are still created (the ranks' HDF5 metadata stays identical, for the close).
-          const float* rows = cols[k]->rows(u);
-          // The rows themselves: at the dataset's file offset (contiguous layout, allocated at
-          // creation: parallel HDF5 allocates early), by DirectFileWriter, past the page cache
-          // (direct_io.h says why); through H5Dwrite only if HDF5 gives no offset. Either way the
-          // same bytes at the same place (tests/bench/bitwise_ab.sh: every dataset and attribute).
-          const haddr_t at = H5Dget_offset(d);
-          if (writer && at != HADDR_UNDEF) {
-            if (!rows_out) rows_out.emplace(tmp_path);
-            if (const int e = rows_out->write(at + start[0] * 4, rows, 4 * S); e != 0 && fail.empty()) {
-              const std::string free = free_space_text(tmp_path);
-              fail = where + "writing " + up.name + "/" + names[k] + " failed: " + std::strerror(e) +
-                     (free.empty() ? "" : " (" + free + ")");
-            }
-            continue;
-          }
-          capture.reset();  // a tensor row: its failure is HDF5's to report, diagnosed below
-          const herr_t wrc = H5Dwrite(d, H5T_NATIVE_FLOAT, msp, fsp, dxpl, rows);
-          capture.emplace(&hw);
-          if (wrc < 0 && fail.empty()) {
-            const std::string detail = h5_detail();
-            const int e = writer ? diagnose_write(tmp_path, H5Dget_offset(d) + start[0] * 4, rows, 4 * S) : 0;
-            const std::string free = free_space_text(tmp_path);
-            fail = where + "writing " + up.name + "/" + names[k] + " failed: " +
-                   (e ? std::string(std::strerror(e)) : std::string("write error (written again with pwrite, it succeeded)")) +
-                   " (HDF5: " + detail + (free.empty() ? "" : "; " + free) + ")";
-          }
-        }
+        write_unit_rows(wc, g, up, u, cols, r, writer, dxpl, rows_out, fail);
       });
       all_ok(comm, fail.empty(), fail);
-      // Every rank's checksums, with its plan row and whether it wrote: row r of the [W, C] table
-      // comes from the rank that wrote plan row r (CheckpointSnapshot::write_shards; the mesh says
-      // which). Hybrid sharding: every other rank of row r (another replica group) must repeat
-      // them (identical replicas).
-      const size_t E = C + 2;  // per rank: plan row, writer, C checksums
-      std::vector<uint64_t> mine(E), all(static_cast<size_t>(comm.world_size()) * E);
-      mine[0] = static_cast<uint64_t>(r);
-      mine[1] = writer ? 1 : 0;
-      std::copy(my_crc.begin(), my_crc.end(), mine.begin() + 2);
-      comm.all_gather(mine.data(), all.data(), E);
-      const size_t WC = static_cast<size_t>(W) * C;
-      std::vector<uint32_t> crc32s(WC, 0);
-      std::vector<int> wrote(static_cast<size_t>(W), -1);  // plan row -> the global rank that wrote it
-      for (int q = 0; q < comm.world_size(); ++q) {
-        const uint64_t* e = all.data() + static_cast<size_t>(q) * E;
-        if (e[1] == 0) continue;
-        if (e[0] >= static_cast<uint64_t>(W) || wrote[e[0]] >= 0)
-          throw std::logic_error("write_checkpoint_file: plan row " + std::to_string(e[0]) + " written by more than one rank");
-        wrote[e[0]] = q;
-        for (size_t k = 0; k < C; ++k) crc32s[e[0] * C + k] = static_cast<uint32_t>(e[2 + k]);
-      }
-      for (int row = 0; row < W; ++row)
-        if (wrote[static_cast<size_t>(row)] < 0)
-          throw std::logic_error("write_checkpoint_file: no rank writes plan row " + std::to_string(row));
-      for (int q = 0; q < comm.world_size() && diverged.empty(); ++q) {
-        const uint64_t* e = all.data() + static_cast<size_t>(q) * E;
-        for (size_t k = 0; k < C && diverged.empty(); ++k)
-          if (e[1] == 0 && static_cast<uint32_t>(e[2 + k]) != crc32s[e[0] * C + k])
-            diverged = "unit '" + up.name + "', " + names[k] + " of shard rank " + std::to_string(e[0]) + ": global rank " +
-                       std::to_string(q) + " differs from rank " + std::to_string(wrote[e[0]]);
-      }
+      const std::vector<uint32_t> crc32s = gather_unit_checksums(comm, up, W, r, writer, my_crc, diverged);
       attempt([&] { write_unit_tables(comm, g, ms, up, W, crc32s, dxpl); });  // agreed after the next unit
     }
     attempt([&] { write_metadata_checksums(file, ms); });
@@ -486,39 +574,7 @@ void write_checkpoint_file(Comm& comm, const std::string& tmp_path, const Checkp
   } catch (const CollectiveError&) {
     failed = std::current_exception();
   }
-  // Every rank is here, at the same point (a logic_error above is the same on every rank too).
-  // After a failure, give the partial file's blocks back before the close: the close flushes
-  // HDF5's cached metadata (a few KiB, a collective sync point), and a write failing in it would
-  // leave the ranks in different MPI calls; on a full disk the freed blocks let it succeed. The
-  // file is discarded anyway.
-  if (failed) {
-    if (comm.rank() == 0) (void)::truncate(tmp_path.c_str(), 0);
-    comm.barrier();
-  }
-  // Close on every rank, success or not: an HDF5 file left open is closed by HDF5 inside
-  // MPI_Finalize, after MPI is gone (a segfault).
-  // (A metadata write failing in the close is recorded (hw), not failed inside HDF5: every rank
-  // leaves the close, and the agreement below carries rank 0's error to the others.)
-  if (file.close() < 0 && !failed) err = where + "closing it failed (" + h5_detail() + ")";
-  capture.reset();
-  if (err.empty() && !failed && hw.err) err = hdf5_write_error(", closing the file");
-  if (!failed && comm.rank() == 0 && reserved) {
-    // Give back what the reservation held beyond the file's end (truncating to the same size
-    // frees the blocks past it).
-    std::error_code ec;
-    const auto size = fs::file_size(tmp_path, ec);
-    if (!ec) (void)::truncate(tmp_path.c_str(), static_cast<off_t>(size));
-  }
-  try {
-    if (!failed) all_ok(comm, err.empty(), err);
-  } catch (const CollectiveError&) {
-    failed = std::current_exception();
-  }
-  if (failed) {
-    comm.barrier();  // every rank has closed the file
-    if (comm.rank() == 0) ::unlink(tmp_path.c_str());
-    std::rethrow_exception(failed);
-  }
+  finish_checkpoint_file(comm, wc, file, failed, err, reserved);
 }
 
 TrainState load_checkpoint(Comm& comm, const std::string& path, const ShardedTensors& into, const ModelConfig& mc,

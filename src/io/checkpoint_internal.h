@@ -87,7 +87,50 @@ struct MetaSums {
   std::string table_json() const;  // the metadata_crc32 attribute's text
 };
 
-// ---- Writing (checkpoint_meta.cpp). Every rank calls each with the same values (parallel HDF5
+// ---- The param_table row, attributes and small tables (checkpoint_h5.cpp) ----
+// The packed record of one row of a unit's param_table.
+struct ParamRow {
+  char name[kNameLen];
+  int64_t offset;
+  int64_t numel;
+  int32_t ndim;
+  int64_t shape[kMaxDims];
+};
+H5Id param_row_type();  // the HDF5 compound type of ParamRow
+// ---- Metadata checksums (docs/checkpoint-format.md, "Integrity") ----------------------------
+// Every attribute and small table is an item with a key ("@step" for a root attribute,
+// "units/U@numel" for a unit attribute, "units/U/shard_table" for a table) and canonical bytes
+// (a string's UTF-8 bytes; an int64 as 8 bytes little-endian; a table's elements little-endian,
+// row-major; a param_table row packed field by field, 180 bytes). The root attribute
+// `metadata_crc32` maps every key to the zlib CRC32 of its bytes; `metadata_crc32_check` is the
+// CRC32 of that attribute's own bytes.
+inline constexpr const char* kMetaTable = "metadata_crc32";
+inline constexpr const char* kMetaTableCheck = "metadata_crc32_check";
+template <typename U> void put_le(std::string& b, U v) {
+  for (size_t i = 0; i < sizeof(U); ++i) b.push_back(static_cast<char>((static_cast<uint64_t>(v) >> (8 * i)) & 0xff));
+}
+std::string le_i64(int64_t v);  // 8 bytes little-endian
+// A param_table's canonical bytes: each row packed field by field, little-endian (180 bytes a row).
+std::string param_rows_bytes(const std::vector<ParamRow>& rows);
+// Attributes. Every rank writes the same value (parallel HDF5 requires attribute writes to be
+// collective with identical data). put_* also record the item's checksum under prefix + "@" + name.
+void write_attr_str(hid_t obj, const char* name, const std::string& v);
+void write_attr_i64(hid_t obj, const char* name, int64_t v);
+void put_str(hid_t obj, MetaSums& ms, const std::string& prefix, const char* name, const std::string& v);
+void put_i64(hid_t obj, MetaSums& ms, const std::string& prefix, const char* name, int64_t v);
+// Opens attribute `name` of `obj`, which must hold exactly one element of class `cls`; throws
+// H5Error naming `where` otherwise.
+H5Id open_scalar_attr(hid_t obj, const char* name, H5T_class_t cls, const std::string& where);
+// Reads one string or integer attribute; get_* also check it against the metadata checksums.
+std::string read_attr_str(hid_t obj, const char* name, const std::string& where);
+int64_t read_attr_i64(hid_t obj, const char* name, const std::string& where);
+std::string get_str(hid_t obj, MetaSums& ms, const std::string& prefix, const char* name, const std::string& where);
+int64_t get_i64(hid_t obj, MetaSums& ms, const std::string& prefix, const char* name, const std::string& where);
+// Collective write of a whole small dataset by rank 0 (other ranks select nothing).
+void write_small(Comm& comm, hid_t grp, const char* name, hid_t ftype, hid_t mtype, int rank, const hsize_t* dims,
+                 const void* data, hid_t dxpl);
+
+// ---- Writing (checkpoint_meta_write.cpp). Every rank calls each with the same values (parallel HDF5
 // requires collective attribute writes with identical data); tables are written by rank 0.
 
 // Root attributes: format, format_version, step, tokens_seen, world_size (the snapshot's plan),

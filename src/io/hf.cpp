@@ -332,6 +332,200 @@ TokenizerInfo read_hf_tokenizer(const std::string& dir, const ModelConfig& mc) {
   return t;
 }
 
+// The exported tensors in model order (`order`, with each one's unit in `unit_of`), cut into
+// safetensors files of at most o.max_shard_bytes each (a larger tensor alone); `total`: their bytes.
+std::vector<std::vector<const ParamSlot*>> export_files(const ShardPlan& plan, const ExportOptions& o,
+                                                       std::vector<const ParamSlot*>& order, std::vector<int>& unit_of,
+                                                       uint64_t& total) {
+  for (size_t u = 0; u < plan.units.size(); ++u)
+    for (auto& p : plan.units[u].params) {
+      order.push_back(&p);
+      unit_of.push_back(static_cast<int>(u));
+    }
+  std::vector<std::vector<const ParamSlot*>> files(1);
+  uint64_t cur = 0;
+  for (auto* p : order) {
+    uint64_t bytes = static_cast<uint64_t>(p->numel) * dtype_size(o.dtype);
+    if (cur > 0 && cur + bytes > o.max_shard_bytes) {
+      files.emplace_back();
+      cur = 0;
+    }
+    files.back().push_back(p);
+    cur += bytes;
+    total += bytes;
+  }
+  return files;
+}
+
+// Rank 0's export directory: created, and cleared of an earlier export's weights. Returns the
+// error ("" if none).
+std::string prepare_export_dir(const ExportOptions& o) {
+  std::string err;
+  std::error_code ec;
+  fs::create_directories(o.out_dir, ec);
+  if (ec || !fs::is_directory(o.out_dir)) err = "cannot create export directory '" + o.out_dir + "' (option '--out')";
+  // Weights of an earlier export in the same directory would be loaded in place of (or next
+  // to) this one: remove every model*.safetensors and the index first.
+  for (auto& e : fs::directory_iterator(o.out_dir, ec)) {
+    std::string fname = e.path().filename().string();
+    if (fname == "model.safetensors.index.json" || (fname.rfind("model", 0) == 0 && fname.ends_with(".safetensors")))
+      fs::remove(e.path(), ec);
+  }
+  return err;
+}
+
+// Rank 0's files of an export besides the weights: the index (several weight files), config.json,
+// generation_config.json and the tokenizer (the model's own, or the byte-level one when it fits:
+// no_tokenizer empty). Returns the error ("" if none).
+std::string write_export_side_files(const Loaded& l, const ExportOptions& o, size_t n, uint64_t total,
+                                    const json& weight_map, bool own_tokenizer, const std::string& no_tokenizer) {
+  std::string err;
+  try {
+    fs::path d(o.out_dir);
+    if (n > 1) {
+      write_text(d / "model.safetensors.index.json",
+                 json{{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}}.dump(2) + "\n");
+    } else {
+      fs::remove(d / "model.safetensors.index.json");  // a stale index would shadow model.safetensors
+    }
+    json cfg = json::parse(to_hf_json(l.mc, torch_dtype(o.dtype)));
+    write_text(d / "config.json", cfg.dump(2) + "\n");
+    // Unset ids stay null (transformers then substitutes nothing); a list of eos ids stays a list.
+    write_text(d / "generation_config.json",
+               json{{"_from_model_config", true}, {"bos_token_id", cfg["bos_token_id"]},
+                    {"eos_token_id", cfg["eos_token_id"]},
+                    {"pad_token_id", l.mc.eos_token_ids.empty() ? json(nullptr) : json(l.mc.primary_eos())}}
+                       .dump(2) + "\n");
+    // Files of an earlier export would be loaded with this model's: the tokenizer is rewritten whole.
+    for (const std::string& fname : tokenizer_file_names()) fs::remove(d / fname);
+    if (own_tokenizer) {
+      write_own_tokenizer(d, l.tokenizer, l.mc);
+    } else if (no_tokenizer.empty()) {
+      write_text(d / "tokenizer.json", tokenizer_json(l.mc).dump(2) + "\n");
+      // "<s>" comes from tokenizer.json's post-processor alone, so it is added exactly once:
+      // transformers 5 drops add_bos_token / add_eos_token when a tokenizer.json is present
+      // (PreTrainedTokenizerBase._from_pretrained), and 4.x's PreTrainedTokenizerFast never reads
+      // them. They are written to say the same thing for readers that do (true / false; from them
+      // TokenizersBackend.update_post_processor builds the same templates).
+      write_text(d / "tokenizer_config.json",
+                 json{{"tokenizer_class", "PreTrainedTokenizerFast"}, {"bos_token", "<s>"}, {"eos_token", "</s>"},
+                      {"pad_token", "</s>"}, {"model_max_length", l.mc.max_position_embeddings},
+                      {"add_bos_token", true}, {"add_eos_token", false}, {"split_special_tokens", true},
+                      {"clean_up_tokenization_spaces", false}}
+                         .dump(2) + "\n");
+      write_text(d / "special_tokens_map.json",
+                 json{{"bos_token", "<s>"}, {"eos_token", "</s>"}, {"pad_token", "</s>"}}.dump(2) + "\n");
+    }
+  } catch (const std::exception& e) {
+    err = std::string("export to '") + o.out_dir + "': " + e.what();
+  }
+  return err;
+}
+
+// The safetensors headers of a Hugging Face directory (model.safetensors, or the files its index
+// names, each inside hf_dir), and where each canonical tensor name lies in them (file, entry).
+// Throws std::runtime_error naming the file for a missing, duplicate or unsafe name.
+void read_hf_weight_headers(const std::string& hf_dir, std::vector<StFile>& files,
+                            std::map<std::string, std::pair<size_t, size_t>>& where) {
+  const std::string what = "Hugging Face directory '" + hf_dir + "'";
+  fs::path d(hf_dir), single = path_inside(hf_dir, "model.safetensors", what),
+                      index = path_inside(hf_dir, "model.safetensors.index.json", what);
+  std::vector<std::string> names;  // inside hf_dir, each opened once by open_inside
+  if (path_exists(index)) {
+    const std::string text = InputFile::open_inside(hf_dir, "model.safetensors.index.json", what).read_all();
+    json j;
+    if (const std::string nul = json_nul_problem(text); !nul.empty())
+      throw std::runtime_error("index '" + index.string() + "' is not valid JSON (" + nul + ")");
+    try {
+      j = json::parse(text);
+    } catch (const std::exception& e) {
+      throw std::runtime_error("index '" + index.string() + "' is not valid JSON (" + e.what() + ")");
+    }
+    if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
+      throw std::runtime_error("index '" + index.string() + "' has no 'weight_map' object");
+    std::set<std::string> uniq;
+    for (auto& [k, v] : j["weight_map"].items()) {
+      if (!v.is_string())
+        throw std::runtime_error("index '" + index.string() + "': 'weight_map' entry '" + k + "' is not a file name");
+      uniq.insert(v.get<std::string>());
+    }
+    for (auto& u : uniq) {
+      // A name from the file: it must stay inside the directory (no absolute path, no '..', no
+      // link out), or a crafted index would have us read, and echo in messages, any file.
+      const std::string p = path_inside(hf_dir, u, "index '" + index.string() + "' (key 'weight_map')");
+      if (!path_exists(p))
+        throw std::runtime_error("index '" + index.string() + "' names shard file '" + u + "', which is missing");
+      names.push_back(u);
+    }
+  } else if (path_exists(single)) {
+    names.push_back("model.safetensors");
+  } else if (fs::exists(d / "pytorch_model.bin")) {
+    throw std::runtime_error("'" + hf_dir + "' holds pytorch_model.bin only; re-save it with safe_serialization=True");
+  } else {
+    throw std::runtime_error("'" + hf_dir + "' has no model.safetensors or model.safetensors.index.json");
+  }
+  // One descriptor per file from its header to its last tensor (StFile::file).
+  for (auto& nm : names)
+    files.push_back(read_safetensors_header(InputFile::open_inside(
+        hf_dir, nm, nm == "model.safetensors" ? what : "index '" + index.string() + "' (key 'weight_map')")));
+  for (size_t fi = 0; fi < files.size(); ++fi)
+    for (size_t ei = 0; ei < files[fi].entries.size(); ++ei) {
+      const std::string& raw = files[fi].entries[ei].name;
+      if (raw.ends_with("rotary_emb.inv_freq")) continue;  // a buffer, not a weight
+      std::string c = canonical_tensor_name(raw);
+      if (!where.emplace(c, std::make_pair(fi, ei)).second)
+        throw std::runtime_error("tensor '" + c + "' appears twice (as '" + raw + "')");
+    }
+}
+
+// Checks the directory's tensors against the model's (each present with its shape; nothing extra
+// but a tied lm_head equal to the embedding) and sets f's parameters from them, adding each one's
+// bytes to `digest` (CRC32, model order). Throws std::runtime_error naming the file.
+void set_hf_weights(ShardedState<float>& f, const ModelConfig& mc, const std::string& hf_dir,
+                    const std::vector<StFile>& files, const std::map<std::string, std::pair<size_t, size_t>>& where,
+                    uint32_t& digest) {
+  std::set<std::string> expected;
+  for (auto& u : f.plan().units)
+    for (auto& p : u.params) {
+      expected.insert(p.spec.name);
+      auto it = where.find(p.spec.name);
+      if (it == where.end())
+        throw std::runtime_error("'" + hf_dir + "': tensor '" + p.spec.name + "' is missing");
+      const StEntry& e = files[it->second.first].entries[it->second.second];
+      if (e.shape != p.spec.shape) {
+        auto str = [](const std::vector<int64_t>& s) {
+          std::string o = "[";
+          for (size_t i = 0; i < s.size(); ++i) o += (i ? ", " : "") + std::to_string(s[i]);
+          return o + "]";
+        };
+        throw std::runtime_error("'" + files[it->second.first].path + "': tensor '" + p.spec.name + "' has shape " +
+                                 str(e.shape) + ", expected " + str(p.spec.shape) + " from config.json");
+      }
+    }
+  for (auto& [name, loc] : where) {
+    if (expected.count(name)) continue;
+    if (name == "lm_head.weight" && mc.tie_word_embeddings) {  // tied: must be the embedding itself
+      auto emb = where.find("model.embed_tokens.weight");
+      if (emb != where.end() &&
+          read_safetensors_tensor(files[loc.first], files[loc.first].entries[loc.second]) !=
+              read_safetensors_tensor(files[emb->second.first], files[emb->second.first].entries[emb->second.second]))
+        throw std::runtime_error("'" + hf_dir + "': config.json says tie_word_embeddings, but tensor 'lm_head.weight' "
+                                 "differs from 'model.embed_tokens.weight'");
+      continue;
+    }
+    throw std::runtime_error("'" + files[loc.first].path + "': tensor '" + name +
+                             "' has no place in a LlamaForCausalLM of this config" +
+                             (name.find(".bias") != std::string::npos ? " (shardtrain's Llama has no biases)" : ""));
+  }
+  for (auto& u : f.plan().units)
+    for (auto& p : u.params) {
+      auto loc = where.at(p.spec.name);
+      const std::vector<float> v = read_safetensors_tensor(files[loc.first], files[loc.first].entries[loc.second]);
+      digest = crc32_update(digest, v.data(), v.size() * sizeof(float));
+      f.set_param(p.spec.name, v);
+    }
+}
+
 }  // namespace
 
 void export_hf(Comm& comm, const ExportOptions& o) {
@@ -344,23 +538,8 @@ void export_hf(Comm& comm, const ExportOptions& o) {
   // Tensors in model order; files cut by size from the plan alone (no data needed).
   std::vector<const ParamSlot*> order;
   std::vector<int> unit_of;  // unit index of order[k]
-  for (size_t u = 0; u < plan.units.size(); ++u)
-    for (auto& p : plan.units[u].params) {
-      order.push_back(&p);
-      unit_of.push_back(static_cast<int>(u));
-    }
-  std::vector<std::vector<const ParamSlot*>> files(1);
-  uint64_t cur = 0, total = 0;
-  for (auto* p : order) {
-    uint64_t bytes = static_cast<uint64_t>(p->numel) * dtype_size(o.dtype);
-    if (cur > 0 && cur + bytes > o.max_shard_bytes) {
-      files.emplace_back();
-      cur = 0;
-    }
-    files.back().push_back(p);
-    cur += bytes;
-    total += bytes;
-  }
+  uint64_t total = 0;
+  const std::vector<std::vector<const ParamSlot*>> files = export_files(plan, o, order, unit_of, total);
   const size_t n = files.size();
   auto file_name = [&](size_t i) {
     if (n == 1) return std::string("model.safetensors");
@@ -368,19 +547,7 @@ void export_hf(Comm& comm, const ExportOptions& o) {
     std::snprintf(b, sizeof b, "model-%05zu-of-%05zu.safetensors", i + 1, n);
     return std::string(b);
   };
-  std::string err;
-  if (comm.rank() == 0) {
-    std::error_code ec;
-    fs::create_directories(o.out_dir, ec);
-    if (ec || !fs::is_directory(o.out_dir)) err = "cannot create export directory '" + o.out_dir + "' (option '--out')";
-    // Weights of an earlier export in the same directory would be loaded in place of (or next
-    // to) this one: remove every model*.safetensors and the index first.
-    for (auto& e : fs::directory_iterator(o.out_dir, ec)) {
-      std::string fname = e.path().filename().string();
-      if (fname == "model.safetensors.index.json" || (fname.rfind("model", 0) == 0 && fname.ends_with(".safetensors")))
-        fs::remove(e.path(), ec);
-    }
-  }
+  std::string err = comm.rank() == 0 ? prepare_export_dir(o) : "";
   all_ok(comm, err.empty(), err);
   json weight_map = json::object();
   size_t k = 0;            // index into order / unit_of
@@ -413,47 +580,7 @@ void export_hf(Comm& comm, const ExportOptions& o) {
     }
     all_ok(comm, err.empty(), err);
   }
-  if (comm.rank() == 0) {
-    try {
-      fs::path d(o.out_dir);
-      if (n > 1) {
-        write_text(d / "model.safetensors.index.json",
-                   json{{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}}.dump(2) + "\n");
-      } else {
-        fs::remove(d / "model.safetensors.index.json");  // a stale index would shadow model.safetensors
-      }
-      json cfg = json::parse(to_hf_json(l.mc, torch_dtype(o.dtype)));
-      write_text(d / "config.json", cfg.dump(2) + "\n");
-      // Unset ids stay null (transformers then substitutes nothing); a list of eos ids stays a list.
-      write_text(d / "generation_config.json",
-                 json{{"_from_model_config", true}, {"bos_token_id", cfg["bos_token_id"]},
-                      {"eos_token_id", cfg["eos_token_id"]},
-                      {"pad_token_id", l.mc.eos_token_ids.empty() ? json(nullptr) : json(l.mc.primary_eos())}}
-                         .dump(2) + "\n");
-      // Files of an earlier export would be loaded with this model's: the tokenizer is rewritten whole.
-      for (const std::string& fname : tokenizer_file_names()) fs::remove(d / fname);
-      if (own_tokenizer) {
-        write_own_tokenizer(d, l.tokenizer, l.mc);
-      } else if (no_tokenizer.empty()) {
-        write_text(d / "tokenizer.json", tokenizer_json(l.mc).dump(2) + "\n");
-        // "<s>" comes from tokenizer.json's post-processor alone, so it is added exactly once:
-        // transformers 5 drops add_bos_token / add_eos_token when a tokenizer.json is present
-        // (PreTrainedTokenizerBase._from_pretrained), and 4.x's PreTrainedTokenizerFast never reads
-        // them. They are written to say the same thing for readers that do (true / false; from them
-        // TokenizersBackend.update_post_processor builds the same templates).
-        write_text(d / "tokenizer_config.json",
-                   json{{"tokenizer_class", "PreTrainedTokenizerFast"}, {"bos_token", "<s>"}, {"eos_token", "</s>"},
-                        {"pad_token", "</s>"}, {"model_max_length", l.mc.max_position_embeddings},
-                        {"add_bos_token", true}, {"add_eos_token", false}, {"split_special_tokens", true},
-                        {"clean_up_tokenization_spaces", false}}
-                           .dump(2) + "\n");
-        write_text(d / "special_tokens_map.json",
-                   json{{"bos_token", "<s>"}, {"eos_token", "</s>"}, {"pad_token", "</s>"}}.dump(2) + "\n");
-      }
-    } catch (const std::exception& e) {
-      err = std::string("export to '") + o.out_dir + "': " + e.what();
-    }
-  }
+  if (comm.rank() == 0) err = write_export_side_files(l, o, n, total, weight_map, own_tokenizer, no_tokenizer);
   all_ok(comm, err.empty(), err);
   if (!l.mc.has_bos() || l.mc.eos_token_ids.empty()) {
     const bool both = !l.mc.has_bos() && l.mc.eos_token_ids.empty();
@@ -511,102 +638,11 @@ void import_hf(Comm& comm, const std::string& hf_dir, const std::string& out_pat
   // Weight files and headers: every rank reads them (local I/O, agreed).
   std::vector<StFile> files;
   std::map<std::string, std::pair<size_t, size_t>> where;  // canonical name -> (file, entry)
-  agree(comm, [&] {
-    const std::string what = "Hugging Face directory '" + hf_dir + "'";
-    fs::path d(hf_dir), single = path_inside(hf_dir, "model.safetensors", what),
-                        index = path_inside(hf_dir, "model.safetensors.index.json", what);
-    std::vector<std::string> names;  // inside hf_dir, each opened once by open_inside
-    if (path_exists(index)) {
-      const std::string text = InputFile::open_inside(hf_dir, "model.safetensors.index.json", what).read_all();
-      json j;
-      if (const std::string nul = json_nul_problem(text); !nul.empty())
-        throw std::runtime_error("index '" + index.string() + "' is not valid JSON (" + nul + ")");
-      try {
-        j = json::parse(text);
-      } catch (const std::exception& e) {
-        throw std::runtime_error("index '" + index.string() + "' is not valid JSON (" + e.what() + ")");
-      }
-      if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
-        throw std::runtime_error("index '" + index.string() + "' has no 'weight_map' object");
-      std::set<std::string> uniq;
-      for (auto& [k, v] : j["weight_map"].items()) {
-        if (!v.is_string())
-          throw std::runtime_error("index '" + index.string() + "': 'weight_map' entry '" + k + "' is not a file name");
-        uniq.insert(v.get<std::string>());
-      }
-      for (auto& u : uniq) {
-        // A name from the file: it must stay inside the directory (no absolute path, no '..', no
-        // link out), or a crafted index would have us read, and echo in messages, any file.
-        const std::string p = path_inside(hf_dir, u, "index '" + index.string() + "' (key 'weight_map')");
-        if (!path_exists(p))
-          throw std::runtime_error("index '" + index.string() + "' names shard file '" + u + "', which is missing");
-        names.push_back(u);
-      }
-    } else if (path_exists(single)) {
-      names.push_back("model.safetensors");
-    } else if (fs::exists(d / "pytorch_model.bin")) {
-      throw std::runtime_error("'" + hf_dir + "' holds pytorch_model.bin only; re-save it with safe_serialization=True");
-    } else {
-      throw std::runtime_error("'" + hf_dir + "' has no model.safetensors or model.safetensors.index.json");
-    }
-    // One descriptor per file from its header to its last tensor (StFile::file).
-    for (auto& nm : names)
-      files.push_back(read_safetensors_header(InputFile::open_inside(
-          hf_dir, nm, nm == "model.safetensors" ? what : "index '" + index.string() + "' (key 'weight_map')")));
-    for (size_t fi = 0; fi < files.size(); ++fi)
-      for (size_t ei = 0; ei < files[fi].entries.size(); ++ei) {
-        const std::string& raw = files[fi].entries[ei].name;
-        if (raw.ends_with("rotary_emb.inv_freq")) continue;  // a buffer, not a weight
-        std::string c = canonical_tensor_name(raw);
-        if (!where.emplace(c, std::make_pair(fi, ei)).second)
-          throw std::runtime_error("tensor '" + c + "' appears twice (as '" + raw + "')");
-      }
-  });
+  agree(comm, [&] { read_hf_weight_headers(hf_dir, files, where); });
   auto be = make_cpu_backend<float>();
   ShardedState<float> f(*be, comm, ShardPlan::build(llama_units(mc), comm.world_size()));
   uint32_t digest = 0;  // CRC32 of every weight this rank read, in model order
-  agree(comm, [&] {
-    std::set<std::string> expected;
-    for (auto& u : f.plan().units)
-      for (auto& p : u.params) {
-        expected.insert(p.spec.name);
-        auto it = where.find(p.spec.name);
-        if (it == where.end())
-          throw std::runtime_error("'" + hf_dir + "': tensor '" + p.spec.name + "' is missing");
-        const StEntry& e = files[it->second.first].entries[it->second.second];
-        if (e.shape != p.spec.shape) {
-          auto str = [](const std::vector<int64_t>& s) {
-            std::string o = "[";
-            for (size_t i = 0; i < s.size(); ++i) o += (i ? ", " : "") + std::to_string(s[i]);
-            return o + "]";
-          };
-          throw std::runtime_error("'" + files[it->second.first].path + "': tensor '" + p.spec.name + "' has shape " +
-                                   str(e.shape) + ", expected " + str(p.spec.shape) + " from config.json");
-        }
-      }
-    for (auto& [name, loc] : where) {
-      if (expected.count(name)) continue;
-      if (name == "lm_head.weight" && mc.tie_word_embeddings) {  // tied: must be the embedding itself
-        auto emb = where.find("model.embed_tokens.weight");
-        if (emb != where.end() &&
-            read_safetensors_tensor(files[loc.first], files[loc.first].entries[loc.second]) !=
-                read_safetensors_tensor(files[emb->second.first], files[emb->second.first].entries[emb->second.second]))
-          throw std::runtime_error("'" + hf_dir + "': config.json says tie_word_embeddings, but tensor 'lm_head.weight' "
-                                   "differs from 'model.embed_tokens.weight'");
-        continue;
-      }
-      throw std::runtime_error("'" + files[loc.first].path + "': tensor '" + name +
-                               "' has no place in a LlamaForCausalLM of this config" +
-                               (name.find(".bias") != std::string::npos ? " (shardtrain's Llama has no biases)" : ""));
-    }
-    for (auto& u : f.plan().units)
-      for (auto& p : u.params) {
-        auto loc = where.at(p.spec.name);
-        const std::vector<float> v = read_safetensors_tensor(files[loc.first], files[loc.first].entries[loc.second]);
-        digest = crc32_update(digest, v.data(), v.size() * sizeof(float));
-        f.set_param(p.spec.name, v);
-      }
-  });
+  agree(comm, [&] { set_hf_weights(f, mc, hf_dir, files, where, digest); });
   {  // Every rank read the weights itself: other files under the same path on other nodes would
      // give a checkpoint whose shards come from different models.
     const std::vector<int> odd = ranks_differing_from_root(comm, digest);

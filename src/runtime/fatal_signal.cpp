@@ -162,8 +162,9 @@ uintptr_t* ctx_pc(void* uc) {
 #endif
 }
 
-void report(int sig, siginfo_t* si, void* uc) {
-  Out o;
+// The report's first line: the signal, process, host, thread (id, name, main or not) and where the
+// rank came from; without its newline. Async-signal-safe, as report.
+void report_process(Out& o, int sig) {
   prefix(o);
   o.s(sig_name(sig));
   o.s(" in process ");
@@ -195,6 +196,24 @@ void report(int sig, siginfo_t* si, void* uc) {
     o.s(src);
     o.s(", before MPI_Init completed");
   }
+}
+
+// The note on a fault at a null or unmapped instruction address, whose backtrace starts at the
+// return address ret_addr. Async-signal-safe, as report.
+void report_redirected_pc(Out& o, bool null_call, uintptr_t ret_addr) {
+  prefix(o);
+  o.s(null_call ? "the instruction address is in the null page: a call through a null function pointer"
+                : "the instruction address is in no mapping: a call through a dangling function pointer (e.g. into "
+                  "an unloaded library)");
+  o.s(" (or a return to a corrupted address); the backtrace starts at the return address on the stack, ");
+  o.x(ret_addr);
+  o.s(" (the frame after the signal frame)\n");
+  o.flush();
+}
+
+void report(int sig, siginfo_t* si, void* uc) {
+  Out o;
+  report_process(o, sig);
   o.s("\n");
   o.flush();
   prefix(o);
@@ -241,16 +260,7 @@ void report(int sig, siginfo_t* si, void* uc) {
   }
   o.s("\n");
   o.flush();
-  if (null_call || wild_pc) {
-    prefix(o);
-    o.s(null_call ? "the instruction address is in the null page: a call through a null function pointer"
-                  : "the instruction address is in no mapping: a call through a dangling function pointer (e.g. into "
-                    "an unloaded library)");
-    o.s(" (or a return to a corrupted address); the backtrace starts at the return address on the stack, ");
-    o.x(ret_addr);
-    o.s(" (the frame after the signal frame)\n");
-    o.flush();
-  }
+  if (null_call || wild_pc) report_redirected_pc(o, null_call, ret_addr);
   prefix(o);
   o.s("backtrace of the faulting thread (addresses as +0xOFFSET in a file: addr2line -Cfie FILE 0xOFFSET; names: c++filt):\n");
   o.flush();

@@ -3,7 +3,6 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <fstream>
 #include <sstream>
 
 #include "shardtrain/shard.h"
@@ -18,18 +17,26 @@ std::string with_commas(int64_t v) {
   }
   return o;
 }
-int64_t status_kib(const char* key) {
-  std::ifstream in("/proc/self/status");
-  std::string line;
-  const std::string k = std::string(key) + ":";
-  while (std::getline(in, line))
-    if (line.rfind(k, 0) == 0) return std::stoll(line.substr(k.size()));
-  return 0;
+// The CPU's FSDP collectives through MpiComm over G ranks: its packed slab (when a block exceeds
+// one, Comm::kCollectiveSlab) and the MPI library's temporary (at most that slab), for the
+// all-gather of the largest shard (maxs elements, in the compute type: bf16 or fp32) and the
+// reduce-scatter (bf16 with reduce_bf16, else fp32 slabs), whichever needs more.
+int64_t mpi_collective_bytes(const ShardPlan& sp, int G, bool bf, bool reduce_bf16, int64_t maxs) {
+  const int64_t W = G, cap = static_cast<int64_t>(Comm::kCollectiveSlab);
+  const int64_t gs = bf ? 2 : 4;  // all-gather: shards in the compute type
+  const int64_t rs = bf && reduce_bf16 ? 2 : 4;
+  const int64_t rcount = bf && reduce_bf16
+                             ? maxs
+                             : static_cast<int64_t>(reduce_slab(sp, IdentityCodec<float>::kReduceSlab));
+  auto ours = [&](int64_t count, int64_t es) {
+    const int64_t slab = std::max<int64_t>(1, cap / es / W);
+    return count > slab ? slab * W * es : 0;
+  };
+  const int64_t o = std::max(ours(maxs, gs), ours(rcount, rs));
+  const int64_t lib = std::max(std::min(cap, maxs * W * gs), std::min(cap, rcount * W * rs));
+  return o + lib;
 }
 }  // namespace
-
-int64_t current_rss_bytes() { return status_kib("VmRSS") * 1024; }
-int64_t peak_rss_bytes() { return status_kib("VmHWM") * 1024; }
 
 int64_t MemoryPlan::total() const {
   int64_t t = 0;
@@ -130,21 +137,9 @@ MemoryPlan plan_memory(const MemoryPlanInput& in) {
             "4 B x " + with_commas(slab) + " x (" + std::to_string(W) + " + 1): the bf16 gradient widened a slab at a time");
     }
   }
-  if (!in.cuda && G > 1) {  // MpiComm's packed slab and the MPI library's temporaries (runtime.h)
-    const int64_t W = G, cap = static_cast<int64_t>(Comm::kCollectiveSlab);
-    const int64_t gs = bf ? 2 : 4;  // all-gather: shards in the compute type
-    const int64_t rs = bf && in.reduce_bf16 ? 2 : 4;
-    const int64_t rcount = bf && in.reduce_bf16
-                               ? maxs
-                               : static_cast<int64_t>(reduce_slab(sp, IdentityCodec<float>::kReduceSlab));
-    auto ours = [&](int64_t count, int64_t es) {
-      const int64_t slab = std::max<int64_t>(1, cap / es / W);
-      return count > slab ? slab * W * es : 0;
-    };
-    const int64_t o = std::max(ours(maxs, gs), ours(rcount, rs));
-    const int64_t lib = std::max(std::min(cap, maxs * W * gs), std::min(cap, rcount * W * rs));
-    add("MPI collective buffers", o + lib, "a packed slab and Open MPI's temporary, each <= 16 MiB");
-  }
+  if (!in.cuda && G > 1)  // MpiComm's packed slab and the MPI library's temporaries (runtime.h)
+    add("MPI collective buffers", mpi_collective_bytes(sp, G, bf, in.reduce_bf16, maxs),
+        "a packed slab and Open MPI's temporary, each <= 16 MiB");
   if (!in.cuda && N > 1) {  // the TP collectives' ([B*T, C] rows over N ranks) packed slab and temporary
     const int64_t es = bf ? 2 : 4, cap = static_cast<int64_t>(Comm::kCollectiveSlab);
     const int64_t full = int64_t{in.train.micro_batch} * in.train.seq_len * in.model.hidden_size * es;

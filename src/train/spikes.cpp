@@ -3,7 +3,7 @@
 // skipped. Plain double arithmetic over the window in a fixed order (oldest first), from the
 // globally reduced loss and norm: every rank, and a resumed run, decides the same. Not here: the
 // skip itself (the trainer leaves parameters and AdamW moments alone) and the checkpoint attribute
-// (checkpoint_meta.cpp, `spike_stats`).
+// (checkpoint_meta_write.cpp / checkpoint_meta_read.cpp, `spike_stats`).
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>

@@ -12,7 +12,7 @@ What it trains, and why it is the same run as shardtrain's:
   cache), fp32. Parameters are created on the meta device, sharded with FSDP2 (fully_shard on
   each decoder layer, then on the whole model, gloo process group over 127.0.0.1), and only
   then materialised: a rank never holds more than its shards plus the layers it is gathering,
-  as with shardtrain. Their values are shardtrain's init exactly (src/shard/shard.cpp: every
+  as with shardtrain. Their values are shardtrain's init exactly (src/shard/sharded_state.cpp: every
   matrix element is counter_normal(seed, fnv1a64(name), flat index) * initializer_range,
   norm weights 1; tied embeddings), computed here in numpy for each rank's own rows.
 * Data: shardtrain's token file (docs/data-format.md) and its batches exactly
@@ -113,7 +113,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 MASK = (1 << 64) - 1
 
 
-# ---- shardtrain's counter-based random numbers (src/data/data.cpp mix, src/shard/shard.cpp) ----
+# ---- shardtrain's counter-based random numbers (src/data/data.cpp mix, src/shard/sharded_state.cpp) ----
 def mix(x):
     """SplitMix64 finaliser of one Python int (shardtrain's mix / splitmix64)."""
     x = (x + 0x9E3779B97F4A7C15) & MASK

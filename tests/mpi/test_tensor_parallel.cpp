@@ -19,6 +19,7 @@
 #include "rank_test.h"
 #include "shardtrain/checkpoint.h"
 #include "shardtrain/mesh.h"
+#include "shardtrain/tensor_parallel.h"
 #include "shardtrain/model.h"
 #include "shardtrain/runtime.h"
 
