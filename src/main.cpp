@@ -331,8 +331,7 @@ void run_plan(Comm& comm, const Topology& topo, const Options& o) {
   agree(comm, [&] { dims = resolve_mesh_dims(o.shard_group_size, o.tp, W, ranks_per_node(topo)); });
   const int G = dims.dp_shard * dims.tp;
   MemoryPlanInput in{mc, o.train, W, o.train.precision, o.train.reduce_bf16, cuda, 0, 4, 0, o.train.overlap};
-  in.shard_group_size = dims.dp_shard;
-  in.tp = dims.tp;
+  in.mesh = dims;
   TrainConfig& t = in.train;
   // Training's geometry (geometry.h): no plan for a run that would be refused. Memory depends on the
   // micro-batch alone: given, it stands for the global batch (micro-batch x dp, no accumulation).

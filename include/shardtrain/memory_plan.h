@@ -19,10 +19,12 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "shardtrain/config.h"
+#include "shardtrain/mesh.h"
 #include "shardtrain/model.h"
 #include "shardtrain/process_stats.h"  // current_rss_bytes, peak_rss_bytes (the plan's callers use them)
 #include "shardtrain/train.h"
@@ -41,10 +43,10 @@ struct MemoryPlanInput {
   int64_t runtime_bytes = 0;  // the process before allocation (CPU: VmRSS now; GPU: CUDA context etc.)
   // --overlap / --prefetch: 1 + prefetch gather buffers and 2 gradient buffers when on (UnitPipeline).
   OverlapConfig overlap{};
-  int shard_group_size = 0;   // ranks each unit is sharded over (hybrid sharding: dp_shard); 0: world_size / tp
-  // Tensor parallelism (--tp): each rank holds its TP slices (llama_units(model, tp, 0)), sharded
-  // over shard_group_size ranks; activations with sequence parallelism (activation_bytes(..., tp)).
-  int tp = 1;
+  // The run's mesh (mesh.h): what a rank holds of the model (parallelize.h rank_unit_plan: its TP
+  // slices sharded over dp_shard ranks), what its checkpoint layout keeps, its activations (with
+  // sequence parallelism under TP: activation_bytes(..., tp)). Unset: plain FSDP over world_size.
+  std::optional<MeshDims> mesh{};
   // The data collectives are stream-ordered (NCCL: --device cuda --gpu-comm nccl): one
   // reduce-scatter per unit (CommQueue's stream lane), whose result buffer is a whole shard and
   // whose fp32 widening (mixed precision, fp32 reduce) a whole unit, instead of slabs.

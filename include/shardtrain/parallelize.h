@@ -110,6 +110,24 @@ template <typename C> struct ParallelRun {
   CommStats comm_stats() const;
 };
 
+// The plan of the units one rank of the mesh `d` holds: TP rank `tp_rank`'s slices of every unit
+// (llama_units(mc, d.tp, tp_rank)), sharded over its shard group (d.dp_shard ranks). parallelize()
+// builds the state from it; the memory plan sizes it.
+ShardPlan rank_unit_plan(const ModelConfig& mc, const MeshDims& d, int tp_rank = 0);
+
+// How the mesh divides a parameter, in the memory plan's words: "G" (FSDP), "G ranks of a shard
+// group" (hybrid sharding), "(TP N x G), norms replicated over TP" (tensor parallelism).
+std::string sharding_words(const MeshDims& d);
+
+// Host memory the checkpoint layout of a run on mesh `d` keeps for its saves (with checkpoints):
+// TP's canonical rows, every saved tensor's rows of a world-size plan, made once and borrowed by
+// every save; none (elements 0) where saves snapshot the live shards. `ntensors`: tensors saved.
+struct LayoutRows {
+  int64_t elements = 0;  // per tensor
+  std::string name;      // the memory plan's line
+};
+LayoutRows checkpoint_layout_rows(const ModelConfig& mc, const MeshDims& d);
+
 // Builds the run's layout. Collective only through what it constructs (none of it communicates
 // at construction). Throws std::bad_alloc (allocation; the trainer agrees on it),
 // std::invalid_argument when the mesh does not fit the model (resolve_geometry refuses this first).

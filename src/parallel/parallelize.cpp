@@ -1,6 +1,7 @@
 // The parallel layer's entry point (parallelize.h): the run's layout from its mesh.
 #include "shardtrain/parallelize.h"
 
+#include <string>
 #include <type_traits>
 
 #include "shardtrain/model.h"  // llama_units
@@ -53,7 +54,7 @@ class TpCanonicalLayout final : public CheckpointLayout {
  private:
   static std::vector<ShardPlan> tp_plans(const Mesh& mesh, const ModelConfig& mc) {
     std::vector<ShardPlan> plans;
-    for (int t = 0; t < mesh.dims().tp; ++t) plans.push_back(ShardPlan::build(llama_units(mc, mesh.dims().tp, t), mesh.dims().dp_shard));
+    for (int t = 0; t < mesh.dims().tp; ++t) plans.push_back(rank_unit_plan(mc, mesh.dims(), t));
     return plans;
   }
   TpCheckpointLayout layout_;
@@ -105,6 +106,25 @@ template <typename C> CommStats ParallelRun<C>::comm_stats() const {
   return s;
 }
 
+ShardPlan rank_unit_plan(const ModelConfig& mc, const MeshDims& d, int tp_rank) {
+  return ShardPlan::build(llama_units(mc, d.tp, tp_rank), d.dp_shard);
+}
+
+std::string sharding_words(const MeshDims& d) {
+  const int N = d.tp, G = d.dp_shard;
+  return (N > 1 ? "(TP " + std::to_string(N) + " x " : "") + std::to_string(G) +
+         (G * N != d.world() ? " ranks of a shard group" : "") + (N > 1 ? ")" : "") +
+         (N > 1 ? ", norms replicated over TP" : "");
+}
+
+LayoutRows checkpoint_layout_rows(const ModelConfig& mc, const MeshDims& d) {
+  LayoutRows r;
+  if (d.tp == 1) return r;  // ShardRowsLayout: the live shards
+  for (const UnitPlan& up : ShardPlan::build(llama_units(mc), d.world()).units) r.elements += up.shard_size;
+  r.name = "checkpoint canonical rows (TP; the snapshot of every save)";
+  return r;
+}
+
 template <typename C> void ParallelRun<C>::finish_grads() {
   if (tp) state->sum_replicated_grads([&](float* g, size_t n) { tp->all_reduce_sum_acc(g, n); });
 }
@@ -116,7 +136,7 @@ ParallelRun<C> parallelize(const Mesh& mesh, const ModelConfig& mc, Backend<floa
   const MeshDims& d = mesh.dims();
   // Each rank holds its TP slices (llama_units), sharded over its shard group (dp_shard ranks of
   // equal TP rank).
-  r.state = std::make_unique<ShardedState<float>>(be, mesh, ShardPlan::build(llama_units(mc, d.tp, mesh.coord().tp), d.dp_shard));
+  r.state = std::make_unique<ShardedState<float>>(be, mesh, rank_unit_plan(mc, d, mesh.coord().tp));
   if (d.tp > 1) r.tp = std::make_unique<TpGroup<C>>(*mesh.tp_data());
   if constexpr (std::is_same_v<C, bf16>) {
     if (!be16) throw std::invalid_argument("parallelize: mixed precision needs the bf16 backend");

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <sstream>
 
+#include "shardtrain/parallelize.h"  // rank_unit_plan, sharding_words, checkpoint_layout_rows
 #include "shardtrain/shard.h"
 
 namespace shardtrain {
@@ -60,11 +61,11 @@ std::string MemoryPlan::format(const std::string& title) const {
 
 MemoryPlan plan_memory(const MemoryPlanInput& in) {
   const ModelOptions mo = model_options(in.train);
-  // Shards are over the shard group: G ranks with hybrid sharding, else the whole world (of equal
-  // TP rank: W / tp ranks); under TP each rank holds its slices (the TP ranks' are the same size).
-  const int N = std::max(1, in.tp);
-  const int G = in.shard_group_size > 0 ? in.shard_group_size : in.world_size / N;
-  const ShardPlan sp = ShardPlan::build(llama_units(in.model, N, 0), G);
+  // What a rank holds, as the parallel layer lays the run out (its TP slices over its shard group;
+  // the TP ranks' are the same size).
+  const MeshDims d = in.mesh ? *in.mesh : MeshDims{1, in.world_size, 1, 1};
+  const int N = d.tp, G = d.dp_shard;
+  const ShardPlan sp = rank_unit_plan(in.model, d);
   int64_t shard = 0;
   for (auto& u : sp.units) shard += u.shard_size;
   const int64_t maxp = sp.max_padded_numel(), maxs = sp.max_shard_size();
@@ -74,9 +75,7 @@ MemoryPlan plan_memory(const MemoryPlanInput& in) {
     p.lines.push_back({std::move(name), bytes, std::move(detail), false});
   };
   const std::string sh = with_commas(shard) + " shard elements (" + with_commas(in.model.num_params()) + " / " +
-                         (N > 1 ? "(TP " + std::to_string(N) + " x " : "") + std::to_string(G) +
-                         (G * N != in.world_size ? " ranks of a shard group" : "") + (N > 1 ? ")" : "") +
-                         (N > 1 ? ", norms replicated over TP" : "") + ", padded)";
+                         sharding_words(d) + ", padded)";
   add("fp32 parameter shards", 4 * shard, "4 B x " + sh);
   add("fp32 gradient shards", 4 * shard, "4 B x " + sh);
   add("AdamW m and v shards", 8 * shard, "2 x 4 B x " + sh);
@@ -85,17 +84,16 @@ MemoryPlan plan_memory(const MemoryPlanInput& in) {
   // GPU every save copies, into pinned host memory (a SnapshotBuffer, made once per run): host
   // memory, listed in the device plan but not counted in its total.
   const int64_t ntensors = static_cast<int64_t>(checkpoint_tensor_names().size());
-  // Under TP a checkpoint holds the canonical rows (TpCheckpointLayout): made once, they are the
-  // snapshot of every save (host memory; in a GPU rank's plan listed, not counted).
-  const bool tp_rows = N > 1 && (!in.train.checkpoint_dir.empty() || !in.train.resume.empty() || !in.train.init_from.empty());
-  if (tp_rows) {
-    int64_t rows = 0;
-    for (const UnitPlan& up : ShardPlan::build(llama_units(in.model), in.world_size).units) rows += up.shard_size;
-    p.lines.push_back({"checkpoint canonical rows (TP; the snapshot of every save)", 4 * ntensors * rows,
-                       std::to_string(ntensors) + " x 4 B x " + with_commas(rows) + " elements (" +
+  // Rows the checkpoint layout keeps (TP's canonical rows): made once, they are the snapshot of
+  // every save (host memory; in a GPU rank's plan listed, not counted).
+  const bool checkpoints = !in.train.checkpoint_dir.empty() || !in.train.resume.empty() || !in.train.init_from.empty();
+  const LayoutRows kept = checkpoint_layout_rows(in.model, d);
+  const bool tp_rows = checkpoints && kept.elements > 0;
+  if (tp_rows)
+    p.lines.push_back({kept.name, 4 * ntensors * kept.elements,
+                       std::to_string(ntensors) + " x 4 B x " + with_commas(kept.elements) + " elements (" +
                            with_commas(in.model.num_params()) + " / " + std::to_string(in.world_size) + " ranks, padded)",
                        in.cuda});
-  }
   if (!tp_rows && !in.cuda && !in.train.checkpoint_dir.empty() && in.train.checkpoint_async)
     add("checkpoint snapshot (while saving in the background)", 4 * ntensors * shard,
         std::to_string(ntensors) + " x 4 B x " + sh + "; --checkpoint-async off: none");

@@ -217,8 +217,7 @@ template <typename C> void Trainer<C>::log_memory_plan() {
                      0, 4, 0};  // token data: memory-mapped (page cache), not held by the rank
   mi.train.micro_batch = geo_.micro_batch;
   mi.overlap = tc_.overlap;
-  mi.shard_group_size = G_;
-  mi.tp = mesh_.dims().tp;
+  mi.mesh = mesh_.dims();
   mi.stream_lane = eng_.mesh.shard_data().stream_ordered();
   mi.runtime_bytes = mi.cuda ? kGpuRuntimeEstimate : current_rss_bytes();
   comm_.all_reduce(&mi.runtime_bytes, 1, ReduceOp::Max);
