@@ -81,6 +81,9 @@ def parse_args():
     p.add_argument("--metrics", default="", help="JSON-lines metrics file written by rank 0")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank (torch.set_num_threads)")
     p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer and the loss")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor parallelism over all ranks (world size = TP, no data parallelism): "
+                        "parallelize_module with torchtitan's Llama plan instead of FSDP2")
     p.add_argument("--port", type=int, default=29511, help="TCP port of the gloo rendezvous on 127.0.0.1")
     # shardtrain options that mean nothing here, accepted so both programs take the same tail.
     p.add_argument("--checkpoint-dir", default="", help="torch.distributed.checkpoint (DCP) saves go here")
@@ -104,7 +107,9 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
+from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: E402
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,  # noqa: E402
+                                               SequenceParallel, parallelize_module)
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
@@ -139,7 +144,11 @@ def fnv1a64(s):
 
 def counter_normal(seed, key, first, count):
     """counter_normal(seed, key, i) for i in [first, first + count): SplitMix64 + Box-Muller."""
-    i = np.arange(first, first + count, dtype=np.uint64)
+    return counter_normal_at(seed, key, np.arange(first, first + count, dtype=np.uint64))
+
+
+def counter_normal_at(seed, key, i):
+    """counter_normal(seed, key, i) for each flat index of the uint64 array i."""
     s, k = np.uint64(seed), np.uint64(key)
     a = mix_np(s ^ mix_np(k ^ mix_np(np.uint64(2) * i)))
     b = mix_np(s ^ mix_np(k ^ mix_np(np.uint64(2) * i + np.uint64(1))))
@@ -195,15 +204,71 @@ def init_like_shardtrain(model, cfg, seed):
             continue
         shape, offset = (compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
                          if isinstance(p, DTensor) else (tuple(p.shape), (0,) * p.dim()))
-        assert tuple(shape) == tuple(local.shape) and all(o == 0 for o in offset[1:]), (name, shape, offset)
+        assert tuple(shape) == tuple(local.shape) and p.dim() == 2, (name, shape, offset)
         cols = p.shape[1]
-        flat = local.view(-1)
         key = fnv1a64(name)
+        if offset[1] != 0 or shape[1] != cols:  # a block of columns (--tp: RowwiseParallel's Shard(1))
+            r = np.arange(offset[0], offset[0] + shape[0], dtype=np.uint64)[:, None]
+            c = np.arange(offset[1], offset[1] + shape[1], dtype=np.uint64)[None, :]
+            v = cfg.initializer_range * counter_normal_at(seed, key, (r * np.uint64(cols) + c).reshape(-1))
+            local.copy_(torch.from_numpy(v.astype(np.float32)).view(local.shape))
+            continue
+        flat = local.view(-1)
         first = offset[0] * cols
         for lo in range(0, flat.numel(), chunk):
             n = min(chunk, flat.numel() - lo)
             v = cfg.initializer_range * counter_normal(seed, key, first + lo, n)
             flat[lo:lo + n].copy_(torch.from_numpy(v.astype(np.float32)))
+
+
+def parallelize_tp(model, mesh):
+    """--tp: Megatron-style TP with sequence parallelism over the 1-D mesh, torchtitan's Llama plan
+    (torchtitan/models/llama3/infra/parallelize.py apply_tp, without loss parallelism) on
+    transformers' module names. Between blocks the residual stream is sharded over the sequence
+    (Shard(1)); each block's input is all-gathered before q/k/v and gate/up (ColwiseParallel:
+    weights split by output features, i.e. by heads and by SwiGLU columns) and reduce-scattered
+    after o/down (RowwiseParallel: split by input features). The norms run on their sequence
+    shard (SequenceParallel, weights replicated, gradients all-reduced). The embedding is split by
+    vocabulary rows (RowwiseParallel, output reduce-scattered to Shard(1)); the head by vocabulary
+    columns (ColwiseParallel), its logits all-gathered to every rank (Replicate), so the loss is the
+    plain cross-entropy over the whole batch on each rank."""
+    parallelize_module(model, mesh, {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "model.norm": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    })
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh, {
+            "input_layernorm": SequenceParallel(),
+            "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                            desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+            "self_attn.q_proj": ColwiseParallel(),
+            "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+            "post_attention_layernorm": SequenceParallel(),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+        })
+    # The plan gave the embedding and the head a DTensor each: tie them again (both Shard(0)).
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+
+
+def tp_logits(model, tokens):
+    """LlamaForCausalLM's forward under --tp. LlamaModel.forward takes the sequence length from the
+    embedding's output, which is the rank's sequence shard here; so this runs its steps itself with
+    the whole sequence's RoPE positions: embedding, decoder layers (no mask: sdpa's causal path, as
+    in the FSDP2 run), final norm, head. Returns the [B, T, V] logits, the same on every rank."""
+    m = model.model
+    h = m.embed_tokens(tokens)  # this rank's sequence shard, [B, T / tp, C]
+    pos = torch.arange(tokens.shape[1], dtype=torch.long).unsqueeze(0)
+    rope = m.rotary_emb(h, pos)
+    for layer in m.layers:
+        h = layer(h, position_embeddings=rope)
+    return model.lm_head(m.norm(h))
 
 
 class Checkpointer:
@@ -273,9 +338,13 @@ def main():
     torch.set_num_threads(a.threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.port}", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
-    if a.global_batch % world:
-        sys.exit(f"peer_torch: --global-batch {a.global_batch} is not divisible by the world size {world}")
-    per_rank = a.global_batch // world
+    if a.tp > 1 and (a.tp != world or a.compile or a.seq_len % a.tp):
+        sys.exit(f"peer_torch: --tp {a.tp} needs the world size ({world}) = TP, no --compile and --seq-len "
+                 f"a multiple of TP")
+    dp, dp_rank = world // a.tp, rank // a.tp  # with --tp every rank takes the whole batch
+    if a.global_batch % dp:
+        sys.exit(f"peer_torch: --global-batch {a.global_batch} is not divisible by the data-parallel size {dp}")
+    per_rank = a.global_batch // dp
 
     with open(a.model) as f:
         cfg = LlamaConfig(**json.load(f))
@@ -284,11 +353,14 @@ def main():
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     assert model.lm_head.weight is model.model.embed_tokens.weight or not cfg.tie_word_embeddings
-    for layer in model.model.layers:
-        if a.compile:
-            layer.forward = torch.compile(layer.forward)
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    if a.tp > 1:
+        parallelize_tp(model, mesh)
+    else:
+        for layer in model.model.layers:
+            if a.compile:
+                layer.forward = torch.compile(layer.forward)
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     model.to_empty(device="cpu")
     # Buffers are not parameters: the RoPE frequencies were left on the meta device's promise.
     model.model.rotary_emb = type(model.model.rotary_emb)(cfg)
@@ -315,7 +387,7 @@ def main():
     n_params = sum(p.numel() for p in params)
     if rank == 0:
         print(f"peer_torch: torch {torch.__version__}, {world} rank(s), {a.threads} thread(s) per rank, "
-              f"{'torch.compile' if a.compile else 'eager'}, {n_params} parameters, global batch "
+              f"{'torch.compile' if a.compile else 'eager'}, {f'TP {a.tp} (parallelize_module)' if a.tp > 1 else 'FSDP2'}, {n_params} parameters, global batch "
               f"{a.global_batch} x {a.seq_len} tokens; set-up {time.perf_counter() - t_proc:.1f} s", flush=True)
 
     ck = Checkpointer(a, rank, model, opt, n_params) if (a.checkpoint_dir and a.checkpoint_every > 0) else None
@@ -323,8 +395,8 @@ def main():
     interval_s, interval_steps, first_step_s = 0.0, 0, 0.0
     for s in range(a.steps):
         t0 = time.perf_counter()
-        tokens, targets = train_batch(train, a.seed, s, rank * per_rank, per_rank, a.seq_len)
-        logits = model(input_ids=tokens).logits
+        tokens, targets = train_batch(train, a.seed, s, dp_rank * per_rank, per_rank, a.seq_len)
+        logits = tp_logits(model, tokens) if a.tp > 1 else model(input_ids=tokens).logits
         loss = loss_fn(logits, targets)
         loss.backward()
         grads = [p.grad for p in params if p.grad is not None]

@@ -11,7 +11,11 @@
 # 2. Throughput against the PyTorch peer (tests/bench/throughput.py, tests/bench/peer_torch.py):
 #    shardtrain, PyTorch FSDP2 eager and torch.compile, interleaved, two rounds, on the
 #    tinyshakespeare tokens (else fortunes): `demo` at 2 ranks x 1 thread and 1 rank x 2 threads,
-#    a GEMM-bound config at 2 x 1. Writes build/bench/peer.md for docs/benchmarks.md.
+#    a GEMM-bound config at 2 x 1; and TP 2 x 1 thread: shardtrain --tp 2 at 2 ranks against PyTorch's
+#    own tensor parallelism (peer_torch.py --tp 2: parallelize_module with ColwiseParallel /
+#    RowwiseParallel / SequenceParallel, torchtitan's Llama plan, gloo), the same `demo` run, batches
+#    and weights (case tp2-2x1; BENCH_CASES=tp2-2x1 runs it alone). Writes build/bench/peer.md for
+#    docs/benchmarks.md.
 #    BENCH_BASELINE=BIN adds another shardtrain binary (e.g. an earlier commit's) to every round.
 # 3. Checkpoint save/load timing; then asynchronous against synchronous saves of a ~99M-parameter model at
 #    2 ranks, interleaved, with dd on the same disk (tests/bench/checkpoint.py, about 10 minutes with

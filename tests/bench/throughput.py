@@ -2,7 +2,7 @@
 
 Usage: python3 tests/bench/throughput.py --data TOKENS [--bin build/shardtrain]
            [--python .venv/bin/python] [--out build/bench] [--rounds 2] [--cases a,b] [--quick]
-           [--baseline OTHER_SHARDTRAIN] [--programs shardtrain,baseline,torch-eager,torch-compile]
+           [--baseline OTHER_SHARDTRAIN] [--programs shardtrain,baseline,torch-eager,torch-compile,torch-tp]
 
 Cases (issue 12): the same model config.json, token file, global batch, schedule, AdamW settings
 and seed for both programs; CPU fp32.
@@ -10,8 +10,13 @@ and seed for both programs; CPU fp32.
   demo-1x2  the same, 1 rank x 2 threads (mpirun --bind-to none: Open MPI binds a lone rank to one core)
   gemm-2x1  tests/bench/gemm-config.json (hidden 512, 8 layers, 8 heads, SwiGLU 1376; 25.4M
             parameters), seq-len 256, 2 ranks x 1 thread: the GEMMs dominate
+  tp2-2x1   TP 2 x 1 thread (issue 40): `demo` as demo-2x1, shardtrain `--tp 2` at W = 2 (no data
+            parallelism) against the peer's `--tp 2` ("torch-tp": parallelize_module with
+            torchtitan's Llama plan, ColwiseParallel / RowwiseParallel / SequenceParallel, gloo,
+            eager), the only programs of this case; the FSDP2 peers do not run in it
 Each round runs shardtrain, the peer in eager mode, the peer with torch.compile, one after the
 other (A B C A B C ...), so that a change in the machine's load hits every program alike.
+Each case runs only the programs it lists in CASE_PROGRAMS.
 --baseline BIN adds a fourth program, "baseline": another shardtrain binary (e.g. one built from an
 earlier commit) run with the same arguments in the same rounds, so that a refactor's speed is a
 ratio against its predecessor measured beside it. --programs picks and orders the programs run.
@@ -60,10 +65,15 @@ CASES = {
     "demo-2x1": dict(config="demo-config.json", np=2, threads=1, seq_len=64, steps=300, window=20, warmup=100, log_every=20),
     "demo-1x2": dict(config="demo-config.json", np=1, threads=2, seq_len=64, steps=300, window=20, warmup=100, log_every=20),
     "gemm-2x1": dict(config="gemm-config.json", np=2, threads=1, seq_len=256, steps=7, window=2, warmup=2, log_every=1),
+    "tp2-2x1": dict(config="demo-config.json", np=2, threads=1, seq_len=64, steps=300, window=20, warmup=100, log_every=20, tp=2),
 }
 QUICK = {"demo-2x1": dict(steps=30, window=10, log_every=10), "demo-1x2": dict(steps=30, window=10, log_every=10),
-         "gemm-2x1": dict(steps=3, window=1, log_every=1)}
-PROGRAMS = ["shardtrain", "torch-eager", "torch-compile"]
+         "gemm-2x1": dict(steps=3, window=1, log_every=1), "tp2-2x1": dict(steps=30, window=10, log_every=10)}
+PROGRAMS = ["shardtrain", "torch-eager", "torch-compile", "torch-tp"]
+FSDP_PEERS = ["shardtrain", "baseline", "torch-eager", "torch-compile"]
+# The programs each case runs (those of --programs not listed here are skipped in that case).
+CASE_PROGRAMS = {"demo-2x1": FSDP_PEERS, "demo-1x2": FSDP_PEERS, "gemm-2x1": FSDP_PEERS,
+                 "tp2-2x1": ["shardtrain", "baseline", "torch-tp"]}
 # (case, peer, minimum of shardtrain tokens/s / peer tokens/s), issue 12
 TARGETS = [("demo-2x1", "torch-eager", 2.5), ("demo-2x1", "torch-compile", 2.0),
            ("demo-1x2", "torch-compile", 1.5), ("gemm-2x1", "torch-compile", 1.3)]
@@ -118,6 +128,8 @@ def run_one(a, case_name, case, program, rnd):
     tail = ["--model", os.path.join(HERE, case["config"]), "--data", a.data, "--seq-len", str(case["seq_len"]),
             "--steps", str(case["steps"]), "--warmup", str(case["warmup"]), "--log-every", str(case["log_every"]),
             "--threads", str(case["threads"]), "--metrics", metrics] + COMMON
+    if case.get("tp", 1) > 1:  # both programs: TP over the case's ranks
+        tail += ["--tp", str(case["tp"])]
     if program in ("shardtrain", "baseline"):
         cmd = [a.bin if program == "shardtrain" else a.baseline, "--eval-every", "0", "--eval-batches", "1"] + tail
     else:
@@ -204,9 +216,18 @@ def mfu_scale(results, case, rnd):
             and "flops_per_peak" in r]
 
 
-def peers(a):
-    """The programs shardtrain is compared with, in round order."""
-    return [x for x in a.programs if x != "shardtrain"]
+def peers(a, case=None):
+    """The programs shardtrain is compared with, in round order (those `case` runs, if given)."""
+    return [x for x in a.programs if x != "shardtrain" and (case is None or x in CASE_PROGRAMS[case])]
+
+
+def first_losses(results, case):
+    """{program: [first logged loss of each successful run]} of `case` (step 1: same weights, same batch)."""
+    out = {}
+    for r in results:
+        if r["case"] == case and r["rc"] == 0:
+            out.setdefault(r["program"], []).append(r["first_loss"])
+    return out
 
 
 def span(xs, f="{:.2f}"):
@@ -265,15 +286,17 @@ def markdown(a, results, env):
          f"(`lscpu`, `nproc`); {env['mpirun']}.",
          f"shardtrain's BLAS: {env['shardtrain_blas']}.",
          f"Peer: `tests/bench/peer_torch.py`, {env['torch']}; FSDP2 (`fully_shard` per decoder layer and on the "
-         "model), gloo, same config.json, data, batches, initial weights, schedule and AdamW settings.",
+         "model), gloo, same config.json, data, batches, initial weights, schedule and AdamW settings; "
+         "tp2-2x1: shardtrain `--tp 2` against the peer's `--tp 2` (torch-tp: `parallelize_module`, torchtitan's "
+         "Llama plan, ColwiseParallel q/k/v and gate/up, RowwiseParallel o/down, SequenceParallel norms, "
+         "embedding and head split by vocabulary, eager, gloo).",
          f"Data: `{os.path.relpath(a.data)}`. Common settings: {' '.join(COMMON)}."
          + (f" baseline: `{a.baseline}` (same arguments as shardtrain, `{a.bin}`)." if a.baseline else ""), "",
          "| case | program | tokens/s | CPU-s per 1k tokens (window, all ranks) | peak RSS of the largest rank, MiB | warm-up, s | final loss | MFU (shardtrain's measured CPU peak) |",
          "|---|---|---:|---:|---:|---:|---:|---:|"]
     peaks = []
     for cn in a.cases:
-        c = CASES[cn]
-        for prog in a.programs:
+        for prog in [x for x in a.programs if x in CASE_PROGRAMS[cn]]:
             rs = [r for r in results if r["case"] == cn and r["program"] == prog and r["rc"] == 0]
             if not rs:
                 L.append(f"| {cn} | {prog} | failed | | | | | |")
@@ -293,7 +316,7 @@ def markdown(a, results, env):
         "| shardtrain against | tokens/s ratio | target | met | CPU-s per token, peer / shardtrain | peak RSS, shardtrain / peer | ≤ 0.5 |",
         "|---|---:|---|---|---:|---:|---|"]
     for cn in a.cases:
-        for peer in peers(a):
+        for peer in peers(a, cn):
             rr = ratios(results, cn, peer)
             tgt = [t for c, p, t in TARGETS if c == cn and p == peer]
             tok, rss = [x[0] for x in rr], [x[2] for x in rr]
@@ -302,7 +325,10 @@ def markdown(a, results, env):
             L.append(f"| {cn}, {peer} | {span(tok)} | {'≥ %.1f' % tgt[0] if tgt else '—'} | {met} | "
                      f"{span([x[1] for x in rr])} | {span(rss)} | {rss_met} |")
     L += ["", "Ratios are per round (shardtrain's run against the peer's run of the same round), min – max "
-          "over rounds; a target counts as met when the smallest round meets it."]
+          "over rounds; a target counts as met when the smallest round meets it.", "",
+          "First step's loss (same weights, same batch), min – max over rounds: " + "; ".join(
+              f"{cn}: " + ", ".join(f"{prog} {span(v, '{:.6f}')}" for prog, v in first_losses(results, cn).items())
+              for cn in a.cases) + "."]
     return "\n".join(L) + "\n"
 
 
@@ -337,20 +363,26 @@ def main():
     results = []
     for cn in a.cases:
         for rnd in range(1, a.rounds + 1):
-            for prog in a.programs:
+            for prog in [x for x in a.programs if x in CASE_PROGRAMS[cn]]:
                 r = run_one(a, cn, CASES[cn], prog, rnd)
                 results.append(r)
                 print(describe(r), flush=True)
     print("\nratios, per round (shardtrain / peer tokens/s; peer / shardtrain CPU-s per token; "
           "shardtrain / peer peak RSS of the largest rank):")
     for cn in a.cases:
-        for peer in peers(a):
+        for peer in peers(a, cn):
             rr = ratios(results, cn, peer)
             tgt = [t for c, pp, t in TARGETS if c == cn and pp == peer]
             print(f"  {cn} vs {peer:13}: tokens/s {span([x[0] for x in rr])}"
                   + (f" (target >= {tgt[0]})" if tgt else "")
                   + f"; CPU per token {span([x[1] for x in rr])}; peak RSS {span([x[2] for x in rr])}"
                   + (f" (target <= {RSS_TARGET})" if peer != "baseline" else ""))
+    print("first step's loss (same weights, same batch):")
+    for cn in a.cases:
+        fl = first_losses(results, cn)
+        allv = [x for v in fl.values() for x in v]
+        print(f"  {cn}: " + ", ".join(f"{prog} {span(v, '{:.6f}')}" for prog, v in fl.items())
+              + (f"; largest difference {max(allv) - min(allv):.1e}" if allv else ""))
     env = environment(a, results)
     with open(os.path.join(a.out, "throughput.json"), "w") as f:
         json.dump({"environment": env, "cases": {c: CASES[c] for c in a.cases}, "quick": a.quick, "runs": results}, f, indent=1)
