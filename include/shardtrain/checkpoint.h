@@ -500,6 +500,11 @@ class AsyncCheckpointWriter {
 // version, a checksum mismatch, an inconsistent field, ranks that disagree.
 CheckpointInfo read_checkpoint_info(Comm& comm, const std::string& path);
 
+// The saving run's layout in words, for log lines: "world size 4", "world size 8, shard group size
+// 4" (hybrid sharding: the file holds a shard group's rows; train_config records the run), "world
+// size 8: tp 2 x dp_shard 2 x dp_replicate 2" (version 4).
+std::string saved_layout_words(const CheckpointInfo& info);
+
 // The unit and parameter tables of `info` against the model split as `plan` (any world size: the
 // tables do not depend on it): every unit present, none extra, its numel; each unit's tensors by
 // name (none missing, none extra), shape, offset and numel. Not collective. Throws

@@ -656,4 +656,14 @@ void check_checkpoint_layout(const CheckpointInfo& info, const ShardPlan& plan) 
   }
 }
 
+std::string saved_layout_words(const CheckpointInfo& info) {
+  if (info.tp > 1)
+    return "world size " + std::to_string(info.world_size) + ": tp " + std::to_string(info.tp) + " x dp_shard " +
+           std::to_string(info.tp_dp_shard) + " x dp_replicate " + std::to_string(info.tp_dp_replicate);
+  const nlohmann::json j = nlohmann::json::parse(info.train_config, nullptr, /*allow_exceptions=*/false);
+  if (j.is_object() && j.contains("world_size") && j.contains("shard_group_size") && j["world_size"] != j["shard_group_size"])
+    return "world size " + j["world_size"].dump() + ", shard group size " + j["shard_group_size"].dump();
+  return "world size " + std::to_string(info.world_size);
+}
+
 }  // namespace shardtrain

@@ -280,18 +280,8 @@ template <typename C> void Trainer<C>::restore() {
     run_.checkpoint->finish_load(comm_, live);
     const double dt = seconds_since(t0);
     const double mbytes = 3.0 * 4.0 * static_cast<double>(mc_.num_params()) / 1e6;
-    std::string saved = "world size " + std::to_string(state_.saved_world_size);
-    if (info.tp > 1)
-      saved += ": tp " + std::to_string(info.tp) + " x dp_shard " + std::to_string(info.tp_dp_shard) +
-               " x dp_replicate " + std::to_string(info.tp_dp_replicate);
-    {  // hybrid sharding: the file's world_size is its shard group's; train_config records the run's
-      const nlohmann::json j = nlohmann::json::parse(info.train_config);
-      if (info.tp == 1 && j.contains("world_size") && j.contains("shard_group_size") &&
-          j["world_size"] != j["shard_group_size"])
-        saved = "world size " + j["world_size"].dump() + ", shard group size " + j["shard_group_size"].dump();
-    }
     log_info(comm_, "resumed from '" + resume_path_ + "' at step " + std::to_string(state_.step) + " (saved at " +
-                        saved + ") in " + fmt("%.2f", dt) + " s, " + fmt("%.0f", mbytes / dt) +
+                        saved_layout_words(info) + ") in " + fmt("%.2f", dt) + " s, " + fmt("%.0f", mbytes / dt) +
                         " MB/s incl. CRC32 verification");
     if (info.format_version < 3 && tc_.skip_spikes > 0)
       log_info(comm_, "note: checkpoint '" + resume_path_ + "' is format version " + std::to_string(info.format_version) +
