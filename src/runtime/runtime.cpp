@@ -277,18 +277,20 @@ class DoneRequest final : public Comm::Request {
   bool test() override { return true; }
   void wait() override {}
 };
+// Comm::Request::test of one MPI request: MPI_Test once unless *done, which it sets on completion.
+bool test_mpi_request(MPI_Request* r, bool* done) {
+  if (!*done) {
+    int flag = 0;
+    check_mpi(MPI_Test(r, &flag, MPI_STATUS_IGNORE), "MPI_Test");
+    *done = flag != 0;
+  }
+  return *done;
+}
 class MpiRequest final : public Comm::Request {
  public:
   MPI_Request r = MPI_REQUEST_NULL;
   bool done = false;
-  bool test() override {
-    if (!done) {
-      int flag = 0;
-      check_mpi(MPI_Test(&r, &flag, MPI_STATUS_IGNORE), "MPI_Test");
-      done = flag != 0;
-    }
-    return done;
-  }
+  bool test() override { return test_mpi_request(&r, &done); }
   void wait() override {
     if (!done) check_mpi(MPI_Wait(&r, MPI_STATUS_IGNORE), "MPI_Wait");
     done = true;
@@ -388,14 +390,7 @@ class MpiComm::P2pRequest final : public Comm::Request {
  public:
   P2pRequest(Watchdog* wd, const char* what) : wd_(wd), what_(what) {}
   MPI_Request r = MPI_REQUEST_NULL;
-  bool test() override {
-    if (!done_) {
-      int flag = 0;
-      check_mpi(MPI_Test(&r, &flag, MPI_STATUS_IGNORE), "MPI_Test");
-      done_ = flag != 0;
-    }
-    return done_;
-  }
+  bool test() override { return test_mpi_request(&r, &done_); }
   void wait() override {
     if (done_) return;
     Guard g(wd_, what_);
