@@ -438,51 +438,24 @@ template <typename T> class CpuBackend final : public Backend<T> {
   void flash_attention_forward(T* y, S* lse, const T* q, const T* k, const T* v, int B, int T_, int NH, int NKV,
                                int HD, S scale) override {
     if (B <= 0 || T_ <= 0 || NH <= 0 || HD <= 0) return;
-    const int G = NH / NKV, nq = flash::num_tiles(T_, flash::kBr), ldq = NH * HD, ldk = NKV * HD;
+    const int G = NH / NKV, nq = flash::num_tiles(T_, flash::kBr), ldk = NKV * HD;
     const size_t BH = static_cast<size_t>(B) * NH;
     par_items_polled(BH * nq, [&](size_t it) {
       const int i = nq - 1 - static_cast<int>(it / BH), b = static_cast<int>(it % BH) / NH, h = static_cast<int>(it % BH) % NH;
       const int r0 = i * flash::kBr, nr = std::min(flash::kBr, T_ - r0);
       FlashScratch& w = flash_scratch();
-      int lQ, lK, lV;
-      const S* Q = tile_s(q + (static_cast<size_t>(b) * T_ + r0) * ldq + static_cast<size_t>(h) * HD, ldq, nr, HD, w.q, &lQ);
-      w.acc.assign(static_cast<size_t>(nr) * HD, S(0));
-      w.m.assign(static_cast<size_t>(nr), -INFINITY);
-      w.l.assign(static_cast<size_t>(nr), S(0));
-      w.s.resize(static_cast<size_t>(nr) * flash::kBc);
+      const QueryTile qt = query_tile(w, q, nullptr, b, h, T_, NH, HD, r0, nr);
+      start_query_tile(w, nr, HD, false);
       const int jend = (r0 + nr - 1) / flash::kBc;
       for (int j = 0; j <= jend; ++j) {
         const int c0 = j * flash::kBc, nc = std::min(flash::kBc, r0 + nr - c0);
         const size_t ko = (static_cast<size_t>(b) * T_ + c0) * ldk + static_cast<size_t>(h / G) * HD;
-        const S* K = tile_s(k + ko, ldk, nc, HD, w.k, &lK);
-        const S* V = tile_s(v + ko, ldk, nc, HD, w.v, &lV);
-        gemm_s(false, true, nr, nc, HD, S(1), Q, lQ, K, lK, S(0), w.s.data(), nc);
-        for (int r = 0; r < nr; ++r) {
-          S* x = w.s.data() + static_cast<size_t>(r) * nc;
+        forward_pair(w, qt.Q, qt.lQ, key_tile(w, k, v, ko, ldk, nc, HD), nr, nc, HD, scale, [r0, c0](int r) {
           const int last = r0 + r - c0;  // keys c <= last are visible
-          S mx = -INFINITY;
-          for (int c = 0; c < nc; ++c) {
-            x[c] = c <= last ? flash::score(x[c], scale) : S(-INFINITY);
-            mx = x[c] > mx ? x[c] : mx;
-          }
-          const S m_new = flash::online_max(w.m[r], mx), alpha = flash::online_rescale(w.m[r], m_new);
-          S sum = 0;
-          for (int c = 0; c < nc; ++c) x[c] = c <= last ? flash::prob(x[c], m_new) : S(0);  // vectorized
-          for (int c = 0; c < nc; ++c) sum += x[c];
-          w.l[r] = alpha * w.l[r] + sum;
-          w.m[r] = m_new;
-          S* a = w.acc.data() + static_cast<size_t>(r) * HD;
-          for (int d = 0; d < HD; ++d) a[d] *= alpha;
-        }
-        gemm_s(false, false, nr, HD, nc, S(1), w.s.data(), nc, V, lV, S(1), w.acc.data(), HD);
+          return [last](int c) { return c <= last; };
+        });
       }
-      for (int r = 0; r < nr; ++r) {
-        const S inv = flash::finish_inv(w.l[r]);
-        T* yr = y + (static_cast<size_t>(b) * T_ + r0 + r) * ldq + static_cast<size_t>(h) * HD;
-        const S* a = w.acc.data() + static_cast<size_t>(r) * HD;
-        for (int d = 0; d < HD; ++d) yr[d] = math::st<T>(a[d] * inv);
-        lse[(static_cast<size_t>(b) * NH + h) * T_ + r0 + r] = flash::finish_lse(w.m[r], w.l[r]);
-      }
+      finish_query_tile(w, y, lse, b, h, T_, NH, HD, r0, nr, false);
     }, [this] { poll_progress(); });
   }
 
@@ -503,43 +476,28 @@ template <typename T> class CpuBackend final : public Backend<T> {
         dsum[rr] = flash::row_dot(dy + o, y + o, HD);
       }
     });
-    // P and dS of a (query tile, key tile) pair, in place: s (in: Q K^T, out: P), dp (in: dY V^T,
-    // out: dS). Row r is query r0 + r, column c key c0 + c.
-    auto p_ds = [&](S* s, S* dp, int nr, int nc, int r0, int c0, const S* L, const S* D) {
-      for (int r = 0; r < nr; ++r) {
-        S* sr = s + static_cast<size_t>(r) * nc;
-        S* dr = dp + static_cast<size_t>(r) * nc;
+    // Keys c <= r0 + r - c0 are visible to row r (query r0 + r, key tile c0..).
+    auto causal = [](int r0, int c0) {
+      return [r0, c0](int r) {
         const int last = r0 + r - c0;
-        const S lr = L[r], Dr = D[r];
-        for (int c = 0; c < nc; ++c) sr[c] = c <= last ? flash::prob_from_lse(flash::score(sr[c], scale), lr) : S(0);
-        for (int c = 0; c < nc; ++c) dr[c] = c <= last ? flash::dscore(sr[c], dr[c], Dr, scale) : S(0);
-      }
+        return [last](int c) { return c <= last; };
+      };
     };
     // Pass 1: dQ.
     par_items_polled(BH * nq, [&](size_t it) {
       const int i = nq - 1 - static_cast<int>(it / BH), b = static_cast<int>(it % BH) / NH, h = static_cast<int>(it % BH) % NH;
       const int r0 = i * flash::kBr, nr = std::min(flash::kBr, T_ - r0);
       FlashScratch& w = flash_scratch();
-      const size_t qo = (static_cast<size_t>(b) * T_ + r0) * ldq + static_cast<size_t>(h) * HD;
-      const size_t so = (static_cast<size_t>(b) * NH + h) * T_ + r0;
-      int lQ, ldY, lK, lV;
-      const S* Q = tile_s(q + qo, ldq, nr, HD, w.q, &lQ);
-      const S* dY = tile_s(dy + qo, ldq, nr, HD, w.dy, &ldY);
-      w.acc.assign(static_cast<size_t>(nr) * HD, S(0));
-      w.s.resize(static_cast<size_t>(nr) * flash::kBc);
-      w.dp.resize(static_cast<size_t>(nr) * flash::kBc);
+      const QueryTile qt = query_tile(w, q, dy, b, h, T_, NH, HD, r0, nr);
+      start_query_tile(w, nr, HD, true);
       const int jend = (r0 + nr - 1) / flash::kBc;
       for (int j = 0; j <= jend; ++j) {
         const int c0 = j * flash::kBc, nc = std::min(flash::kBc, r0 + nr - c0);
         const size_t ko = (static_cast<size_t>(b) * T_ + c0) * ldk + static_cast<size_t>(h / G) * HD;
-        const S* K = tile_s(k + ko, ldk, nc, HD, w.k, &lK);
-        const S* V = tile_s(v + ko, ldk, nc, HD, w.v, &lV);
-        gemm_s(false, true, nr, nc, HD, S(1), Q, lQ, K, lK, S(0), w.s.data(), nc);
-        gemm_s(false, true, nr, nc, HD, S(1), dY, ldY, V, lV, S(0), w.dp.data(), nc);
-        p_ds(w.s.data(), w.dp.data(), nr, nc, r0, c0, lse + so, dsum + so);
-        gemm_s(false, false, nr, HD, nc, S(1), w.dp.data(), nc, K, lK, S(1), w.acc.data(), HD);
+        backward_pair(w, qt, key_tile(w, k, v, ko, ldk, nc, HD), nr, nc, HD, scale, lse + qt.so, dsum + qt.so, true,
+                      causal(r0, c0));
       }
-      store_tile(dq + qo, ldq, nr, HD, w.acc.data());
+      store_tile(dq + qt.qo, ldq, nr, HD, w.acc.data());
     }, [this] { poll_progress(); });
     // Pass 2: dK, dV.
     par_items_polled(BKV * nk, [&](size_t it) {
@@ -547,26 +505,13 @@ template <typename T> class CpuBackend final : public Backend<T> {
       const int c0 = j * flash::kBc, nc = std::min(flash::kBc, T_ - c0);
       FlashScratch& w = flash_scratch();
       const size_t ko = (static_cast<size_t>(b) * T_ + c0) * ldk + static_cast<size_t>(kvh) * HD;
-      int lQ, ldY, lK, lV;
-      const S* K = tile_s(k + ko, ldk, nc, HD, w.k, &lK);
-      const S* V = tile_s(v + ko, ldk, nc, HD, w.v, &lV);
-      w.acc.assign(static_cast<size_t>(nc) * HD, S(0));   // dK
-      w.acc2.assign(static_cast<size_t>(nc) * HD, S(0));  // dV
-      w.s.resize(static_cast<size_t>(flash::kBr) * nc);
-      w.dp.resize(static_cast<size_t>(flash::kBr) * nc);
+      const KeyTile kt = start_key_tile(w, k, v, ko, ldk, nc, HD);
       for (int g = 0; g < G; ++g) {
         const int h = kvh * G + g;
         for (int i = c0 / flash::kBr; i < nq; ++i) {
           const int r0 = i * flash::kBr, nr = std::min(flash::kBr, T_ - r0);
-          const size_t qo = (static_cast<size_t>(b) * T_ + r0) * ldq + static_cast<size_t>(h) * HD;
-          const size_t so = (static_cast<size_t>(b) * NH + h) * T_ + r0;
-          const S* Q = tile_s(q + qo, ldq, nr, HD, w.q, &lQ);
-          const S* dY = tile_s(dy + qo, ldq, nr, HD, w.dy, &ldY);
-          gemm_s(false, true, nr, nc, HD, S(1), Q, lQ, K, lK, S(0), w.s.data(), nc);
-          gemm_s(false, true, nr, nc, HD, S(1), dY, ldY, V, lV, S(0), w.dp.data(), nc);
-          p_ds(w.s.data(), w.dp.data(), nr, nc, r0, c0, lse + so, dsum + so);
-          gemm_s(true, false, nc, HD, nr, S(1), w.s.data(), nc, dY, ldY, S(1), w.acc2.data(), HD);
-          gemm_s(true, false, nc, HD, nr, S(1), w.dp.data(), nc, Q, lQ, S(1), w.acc.data(), HD);
+          const QueryTile qt = query_tile(w, q, dy, b, h, T_, NH, HD, r0, nr);
+          backward_pair(w, qt, kt, nr, nc, HD, scale, lse + qt.so, dsum + qt.so, false, causal(r0, c0));
         }
       }
       store_tile(dk + ko, ldk, nc, HD, w.acc.data());
@@ -581,67 +526,13 @@ template <typename T> class CpuBackend final : public Backend<T> {
                                const int32_t* qd, const int32_t* kd, int B, int Tq, int Tk, int NH, int NKV, int HD,
                                S scale) override {
     if (B <= 0 || Tq <= 0 || NH <= 0 || HD <= 0) return;
-    const int G = NH / NKV, nq = flash::num_tiles(Tq, flash::kBr), nk = Tk > 0 ? flash::num_tiles(Tk, flash::kBc) : 0;
-    const int ldq = NH * HD, ldk = NKV * HD;
-    const size_t BH = static_cast<size_t>(B) * NH;
-    std::atomic<int64_t> skipped{0};
-    par_items(BH * nq, [&](size_t it) {
-      const int i = static_cast<int>(it / BH), b = static_cast<int>(it % BH) / NH, h = static_cast<int>(it % BH) % NH;
-      const int r0 = i * flash::kBr, nr = std::min(flash::kBr, Tq - r0);
-      const int32_t* QP = qp + static_cast<size_t>(b) * Tq + r0;
-      const int32_t* QD = qd ? qd + static_cast<size_t>(b) * Tq + r0 : nullptr;
-      const flash::TileRange qr = flash::tile_range(QP, QD, nr);
-      FlashScratch& w = flash_scratch();
-      int lQ, lK, lV;
-      const S* Q = tile_s(q + (static_cast<size_t>(b) * Tq + r0) * ldq + static_cast<size_t>(h) * HD, ldq, nr, HD, w.q, &lQ);
-      w.acc.assign(static_cast<size_t>(nr) * HD, S(0));
-      w.m.assign(static_cast<size_t>(nr), -INFINITY);
-      w.l.assign(static_cast<size_t>(nr), S(0));
-      w.s.resize(static_cast<size_t>(nr) * flash::kBc);
-      int64_t skip = 0;
-      for (int j = 0; j < nk; ++j) {
-        const int c0 = j * flash::kBc, nc = std::min(flash::kBc, Tk - c0);
-        const int32_t* KP = kp + static_cast<size_t>(b) * Tk + c0;
-        const int32_t* KD = kd ? kd + static_cast<size_t>(b) * Tk + c0 : nullptr;
-        if (flash::tile_pair_masked(qr, flash::tile_range(KP, KD, nc))) {
-          ++skip;
-          continue;
-        }
-        const size_t ko = (static_cast<size_t>(b) * Tk + c0) * ldk + static_cast<size_t>(h / G) * HD;
-        const S* K = tile_s(k + ko, ldk, nc, HD, w.k, &lK);
-        const S* V = tile_s(v + ko, ldk, nc, HD, w.v, &lV);
-        gemm_s(false, true, nr, nc, HD, S(1), Q, lQ, K, lK, S(0), w.s.data(), nc);
-        for (int r = 0; r < nr; ++r) {
-          S* x = w.s.data() + static_cast<size_t>(r) * nc;
-          const int qpr = QP[r], qdr = QD ? QD[r] : 0;
-          S mx = -INFINITY;
-          for (int c = 0; c < nc; ++c) {
-            x[c] = flash::visible(qpr, KP[c], qdr, KD ? KD[c] : 0) ? flash::score(x[c], scale) : S(-INFINITY);
-            mx = x[c] > mx ? x[c] : mx;
-          }
-          const S m_new = flash::online_max(w.m[r], mx), alpha = flash::online_rescale(w.m[r], m_new);
-          S sum = 0;
-          for (int c = 0; c < nc; ++c) x[c] = x[c] != S(-INFINITY) ? flash::prob(x[c], m_new) : S(0);
-          for (int c = 0; c < nc; ++c) sum += x[c];
-          w.l[r] = alpha * w.l[r] + sum;
-          w.m[r] = m_new;
-          S* a = w.acc.data() + static_cast<size_t>(r) * HD;
-          for (int d = 0; d < HD; ++d) a[d] *= alpha;
-        }
-        gemm_s(false, false, nr, HD, nc, S(1), w.s.data(), nc, V, lV, S(1), w.acc.data(), HD);
-        poll_progress();
-      }
-      for (int r = 0; r < nr; ++r) {
-        const S inv = flash::block_finish_inv(w.l[r]);
-        T* yr = y + (static_cast<size_t>(b) * Tq + r0 + r) * ldq + static_cast<size_t>(h) * HD;
-        const S* a = w.acc.data() + static_cast<size_t>(r) * HD;
-        for (int d = 0; d < HD; ++d) yr[d] = math::st<T>(a[d] * inv);
-        lse[(static_cast<size_t>(b) * NH + h) * Tq + r0 + r] = flash::block_finish_lse(w.m[r], w.l[r]);
-      }
-      skipped += skip;
+    auto pair = [&](FlashScratch& w, const QueryTile& qt, const KeyTile& kt, int nr, int nc, const auto& row_vis) {
+      forward_pair(w, qt.Q, qt.lQ, kt, nr, nc, HD, scale, row_vis);
+    };
+    block_query_pass(q, nullptr, k, v, qp, kp, qd, kd, B, Tq, Tk, NH, NKV, HD, pair,
+                     [&](FlashScratch& w, const QueryTile&, int b, int h, int r0, int nr) {
+      finish_query_tile(w, y, lse, b, h, Tq, NH, HD, r0, nr, true);
     });
-    block_pairs_ += static_cast<int64_t>(BH) * nq * nk;
-    block_skipped_ += skipped.load();
   }
 
   void attention_merge(T* y, S* lse, const T* yp, const S* lsep, int B, int Tq, int NH, int HD) override {
@@ -673,25 +564,9 @@ template <typename T> class CpuBackend final : public Backend<T> {
                                 const S* dsum, const int32_t* qp, const int32_t* kp, const int32_t* qd,
                                 const int32_t* kd, int B, int Tq, int Tk, int NH, int NKV, int HD, S scale) override {
     if (B <= 0 || Tq <= 0 || Tk <= 0 || NH <= 0 || HD <= 0) return;
-    const int G = NH / NKV, nq = flash::num_tiles(Tq, flash::kBr), nk = flash::num_tiles(Tk, flash::kBc);
+    const int G = NH / NKV, nk = flash::num_tiles(Tk, flash::kBc);
     const int ldq = NH * HD, ldk = NKV * HD;
-    const size_t BH = static_cast<size_t>(B) * NH, BKV = static_cast<size_t>(B) * NKV;
-    std::atomic<int64_t> skipped{0};
-    // P and dS of a tile pair in place (as flash_attention_backward's), masked by positions.
-    auto p_ds = [&](S* s, S* dp, int nr, int nc, const int32_t* QP, const int32_t* QD, const int32_t* KP,
-                    const int32_t* KD, const S* L, const S* D) {
-      for (int r = 0; r < nr; ++r) {
-        S* sr = s + static_cast<size_t>(r) * nc;
-        S* dr = dp + static_cast<size_t>(r) * nc;
-        const int qpr = QP[r], qdr = QD ? QD[r] : 0;
-        const S lr = L[r], Dr = D[r];
-        for (int c = 0; c < nc; ++c) {
-          const bool ok = flash::visible(qpr, KP[c], qdr, KD ? KD[c] : 0);
-          sr[c] = ok ? flash::prob_from_lse(flash::score(sr[c], scale), lr) : S(0);
-          dr[c] = ok ? flash::dscore(sr[c], dr[c], Dr, scale) : S(0);
-        }
-      }
-    };
+    const size_t BKV = static_cast<size_t>(B) * NKV;
     auto add_tile = [](T* dst, int ld, int rows, int hd, const S* src) {
       for (int r = 0; r < rows; ++r)
         for (int d = 0; d < hd; ++d) {
@@ -700,82 +575,32 @@ template <typename T> class CpuBackend final : public Backend<T> {
         }
     };
     // Pass 1: dQ += dS K over the key tiles of the block.
-    par_items(BH * nq, [&](size_t it) {
-      const int i = static_cast<int>(it / BH), b = static_cast<int>(it % BH) / NH, h = static_cast<int>(it % BH) % NH;
-      const int r0 = i * flash::kBr, nr = std::min(flash::kBr, Tq - r0);
-      const int32_t* QP = qp + static_cast<size_t>(b) * Tq + r0;
-      const int32_t* QD = qd ? qd + static_cast<size_t>(b) * Tq + r0 : nullptr;
-      const flash::TileRange qr = flash::tile_range(QP, QD, nr);
-      FlashScratch& w = flash_scratch();
-      const size_t qo = (static_cast<size_t>(b) * Tq + r0) * ldq + static_cast<size_t>(h) * HD;
-      const size_t so = (static_cast<size_t>(b) * NH + h) * Tq + r0;
-      int lQ, ldY, lK, lV;
-      const S* Q = tile_s(q + qo, ldq, nr, HD, w.q, &lQ);
-      const S* dY = tile_s(dy + qo, ldq, nr, HD, w.dy, &ldY);
-      w.acc.assign(static_cast<size_t>(nr) * HD, S(0));
-      w.s.resize(static_cast<size_t>(nr) * flash::kBc);
-      w.dp.resize(static_cast<size_t>(nr) * flash::kBc);
-      int64_t skip = 0;
-      for (int j = 0; j < nk; ++j) {
-        const int c0 = j * flash::kBc, nc = std::min(flash::kBc, Tk - c0);
-        const int32_t* KP = kp + static_cast<size_t>(b) * Tk + c0;
-        const int32_t* KD = kd ? kd + static_cast<size_t>(b) * Tk + c0 : nullptr;
-        if (flash::tile_pair_masked(qr, flash::tile_range(KP, KD, nc))) {
-          ++skip;
-          continue;
-        }
-        const size_t ko = (static_cast<size_t>(b) * Tk + c0) * ldk + static_cast<size_t>(h / G) * HD;
-        const S* K = tile_s(k + ko, ldk, nc, HD, w.k, &lK);
-        const S* V = tile_s(v + ko, ldk, nc, HD, w.v, &lV);
-        gemm_s(false, true, nr, nc, HD, S(1), Q, lQ, K, lK, S(0), w.s.data(), nc);
-        gemm_s(false, true, nr, nc, HD, S(1), dY, ldY, V, lV, S(0), w.dp.data(), nc);
-        p_ds(w.s.data(), w.dp.data(), nr, nc, QP, QD, KP, KD, lse + so, dsum + so);
-        gemm_s(false, false, nr, HD, nc, S(1), w.dp.data(), nc, K, lK, S(1), w.acc.data(), HD);
-        poll_progress();
-      }
-      add_tile(dq + qo, ldq, nr, HD, w.acc.data());
-      skipped += skip;
+    auto pair = [&](FlashScratch& w, const QueryTile& qt, const KeyTile& kt, int nr, int nc, const auto& row_vis) {
+      backward_pair(w, qt, kt, nr, nc, HD, scale, lse + qt.so, dsum + qt.so, true, row_vis);
+    };
+    block_query_pass(q, dy, k, v, qp, kp, qd, kd, B, Tq, Tk, NH, NKV, HD, pair,
+                     [&](FlashScratch& w, const QueryTile& qt, int, int, int, int nr) {
+      add_tile(dq + qt.qo, ldq, nr, HD, w.acc.data());
     });
     // Pass 2: dK += dS^T Q, dV += P^T dY over the G query heads and the query tiles of the block.
     par_items(BKV * nk, [&](size_t it) {
       const int j = static_cast<int>(it / BKV), b = static_cast<int>(it % BKV) / NKV, kvh = static_cast<int>(it % BKV) % NKV;
       const int c0 = j * flash::kBc, nc = std::min(flash::kBc, Tk - c0);
-      const int32_t* KP = kp + static_cast<size_t>(b) * Tk + c0;
-      const int32_t* KD = kd ? kd + static_cast<size_t>(b) * Tk + c0 : nullptr;
-      const flash::TileRange kr = flash::tile_range(KP, KD, nc);
+      const PosTile pk = pos_tile(kp, kd, b, Tk, c0, nc);
       FlashScratch& w = flash_scratch();
       const size_t ko = (static_cast<size_t>(b) * Tk + c0) * ldk + static_cast<size_t>(kvh) * HD;
-      int lQ, ldY, lK, lV;
-      const S* K = tile_s(k + ko, ldk, nc, HD, w.k, &lK);
-      const S* V = tile_s(v + ko, ldk, nc, HD, w.v, &lV);
-      w.acc.assign(static_cast<size_t>(nc) * HD, S(0));   // dK
-      w.acc2.assign(static_cast<size_t>(nc) * HD, S(0));  // dV
-      w.s.resize(static_cast<size_t>(flash::kBr) * nc);
-      w.dp.resize(static_cast<size_t>(flash::kBr) * nc);
+      const KeyTile kt = start_key_tile(w, k, v, ko, ldk, nc, HD);
       for (int g = 0; g < G; ++g) {
         const int h = kvh * G + g;
-        for (int i = 0; i < nq; ++i) {
-          const int r0 = i * flash::kBr, nr = std::min(flash::kBr, Tq - r0);
-          const int32_t* QP = qp + static_cast<size_t>(b) * Tq + r0;
-          const int32_t* QD = qd ? qd + static_cast<size_t>(b) * Tq + r0 : nullptr;
-          if (flash::tile_pair_masked(flash::tile_range(QP, QD, nr), kr)) continue;  // counted in pass 1
-          const size_t qo = (static_cast<size_t>(b) * Tq + r0) * ldq + static_cast<size_t>(h) * HD;
-          const size_t so = (static_cast<size_t>(b) * NH + h) * Tq + r0;
-          const S* Q = tile_s(q + qo, ldq, nr, HD, w.q, &lQ);
-          const S* dY = tile_s(dy + qo, ldq, nr, HD, w.dy, &ldY);
-          gemm_s(false, true, nr, nc, HD, S(1), Q, lQ, K, lK, S(0), w.s.data(), nc);
-          gemm_s(false, true, nr, nc, HD, S(1), dY, ldY, V, lV, S(0), w.dp.data(), nc);
-          p_ds(w.s.data(), w.dp.data(), nr, nc, QP, QD, KP, KD, lse + so, dsum + so);
-          gemm_s(true, false, nc, HD, nr, S(1), w.s.data(), nc, dY, ldY, S(1), w.acc2.data(), HD);
-          gemm_s(true, false, nc, HD, nr, S(1), w.dp.data(), nc, Q, lQ, S(1), w.acc.data(), HD);
-          poll_progress();
-        }
+        // Masked pairs are counted in pass 1.
+        walk_unmasked_tiles(qp, qd, b, Tq, flash::kBr, pk.range, false, [&](int r0, int nr, const PosTile& pq) {
+          const QueryTile qt = query_tile(w, q, dy, b, h, Tq, NH, HD, r0, nr);
+          backward_pair(w, qt, kt, nr, nc, HD, scale, lse + qt.so, dsum + qt.so, false, block_row_vis(pq, pk));
+        });
       }
       add_tile(dk + ko, ldk, nc, HD, w.acc.data());
       add_tile(dv + ko, ldk, nc, HD, w.acc2.data());
     });
-    block_pairs_ += static_cast<int64_t>(BH) * nq * nk;
-    block_skipped_ += skipped.load();
   }
 
   typename Backend<T>::BlockAttentionStats take_block_attention_stats() override {
@@ -979,6 +804,187 @@ template <typename T> class CpuBackend final : public Backend<T> {
       return buf.data();
     }
   }
+  // The nr query rows r0.. of head h of sequence b as S tiles (Q and, with dy, dY), their offset qo
+  // into q / dy ([B, T, NH, HD]) and so into lse / dsum ([B, NH, T]); w.acc, w.s (and w.dp with
+  // dy) sized for a query tile.
+  struct QueryTile {
+    const S* Q = nullptr;
+    const S* dY = nullptr;
+    int lQ = 0, ldY = 0;
+    size_t qo = 0, so = 0;
+  };
+  static QueryTile query_tile(FlashScratch& w, const T* q, const T* dy, int b, int h, int T_, int NH, int HD, int r0,
+                              int nr) {
+    QueryTile t;
+    const int ldq = NH * HD;
+    t.qo = (static_cast<size_t>(b) * T_ + r0) * ldq + static_cast<size_t>(h) * HD;
+    t.so = (static_cast<size_t>(b) * NH + h) * T_ + r0;
+    t.Q = tile_s(q + t.qo, ldq, nr, HD, w.q, &t.lQ);
+    if (dy) t.dY = tile_s(dy + t.qo, ldq, nr, HD, w.dy, &t.ldY);
+    return t;
+  }
+  static void start_query_tile(FlashScratch& w, int nr, int HD, bool backward) {
+    w.acc.assign(static_cast<size_t>(nr) * HD, S(0));
+    if (!backward) {
+      w.m.assign(static_cast<size_t>(nr), -INFINITY);
+      w.l.assign(static_cast<size_t>(nr), S(0));
+    }
+    w.s.resize(static_cast<size_t>(nr) * flash::kBc);
+    if (backward) w.dp.resize(static_cast<size_t>(nr) * flash::kBc);
+  }
+  // The nc key and value rows at offset ko (row stride ldk) as S tiles.
+  struct KeyTile {
+    const S* K = nullptr;
+    const S* V = nullptr;
+    int lK = 0, lV = 0;
+  };
+  static KeyTile key_tile(FlashScratch& w, const T* k, const T* v, size_t ko, int ldk, int nc, int HD) {
+    KeyTile t;
+    t.K = tile_s(k + ko, ldk, nc, HD, w.k, &t.lK);
+    t.V = tile_s(v + ko, ldk, nc, HD, w.v, &t.lV);
+    return t;
+  }
+  // key_tile for the dK/dV pass, with w.acc (dK), w.acc2 (dV), w.s, w.dp sized for a key tile.
+  static KeyTile start_key_tile(FlashScratch& w, const T* k, const T* v, size_t ko, int ldk, int nc, int HD) {
+    const KeyTile kt = key_tile(w, k, v, ko, ldk, nc, HD);
+    w.acc.assign(static_cast<size_t>(nc) * HD, S(0));   // dK
+    w.acc2.assign(static_cast<size_t>(nc) * HD, S(0));  // dV
+    w.s.resize(static_cast<size_t>(flash::kBr) * nc);
+    w.dp.resize(static_cast<size_t>(flash::kBr) * nc);
+    return kt;
+  }
+  // The forward of one (query tile, key tile) pair: scores = Q K^T (one GEMM), the online softmax
+  // row by row with row_vis(r) telling which keys c row r sees, acc = alpha acc + P V (rows scaled,
+  // then one GEMM with beta = 1).
+  template <typename RowVis>
+  static void forward_pair(FlashScratch& w, const S* Q, int lQ, const KeyTile& kt, int nr, int nc, int HD, S scale,
+                           RowVis&& row_vis) {
+    gemm_s(false, true, nr, nc, HD, S(1), Q, lQ, kt.K, kt.lK, S(0), w.s.data(), nc);
+    for (int r = 0; r < nr; ++r) {
+      S* x = w.s.data() + static_cast<size_t>(r) * nc;
+      const auto vis = row_vis(r);
+      S mx = -INFINITY;
+      for (int c = 0; c < nc; ++c) {
+        x[c] = vis(c) ? flash::score(x[c], scale) : S(-INFINITY);
+        mx = x[c] > mx ? x[c] : mx;
+      }
+      const S m_new = flash::online_max(w.m[r], mx), alpha = flash::online_rescale(w.m[r], m_new);
+      S sum = 0;
+      for (int c = 0; c < nc; ++c) x[c] = vis(c) ? flash::prob(x[c], m_new) : S(0);  // vectorized
+      for (int c = 0; c < nc; ++c) sum += x[c];
+      w.l[r] = alpha * w.l[r] + sum;
+      w.m[r] = m_new;
+      S* a = w.acc.data() + static_cast<size_t>(r) * HD;
+      for (int d = 0; d < HD; ++d) a[d] *= alpha;
+    }
+    gemm_s(false, false, nr, HD, nc, S(1), w.s.data(), nc, kt.V, kt.lV, S(1), w.acc.data(), HD);
+  }
+  // The backward of one tile pair: s = Q K^T, dp = dY V^T, in place P and dS (row r of query r0 + r,
+  // column c of key c0 + c; row_vis(r) tells which keys row r sees), then with dq: dQ (w.acc) += dS K,
+  // else dV (w.acc2) += P^T dY, dK (w.acc) += dS^T Q.
+  template <typename RowVis>
+  static void backward_pair(FlashScratch& w, const QueryTile& qt, const KeyTile& kt, int nr, int nc, int HD, S scale,
+                            const S* L, const S* D, bool dq, RowVis&& row_vis) {
+    gemm_s(false, true, nr, nc, HD, S(1), qt.Q, qt.lQ, kt.K, kt.lK, S(0), w.s.data(), nc);
+    gemm_s(false, true, nr, nc, HD, S(1), qt.dY, qt.ldY, kt.V, kt.lV, S(0), w.dp.data(), nc);
+    for (int r = 0; r < nr; ++r) {
+      S* sr = w.s.data() + static_cast<size_t>(r) * nc;
+      S* dr = w.dp.data() + static_cast<size_t>(r) * nc;
+      const auto vis = row_vis(r);
+      const S lr = L[r], Dr = D[r];
+      for (int c = 0; c < nc; ++c) sr[c] = vis(c) ? flash::prob_from_lse(flash::score(sr[c], scale), lr) : S(0);
+      for (int c = 0; c < nc; ++c) dr[c] = vis(c) ? flash::dscore(sr[c], dr[c], Dr, scale) : S(0);
+    }
+    if (dq) {
+      gemm_s(false, false, nr, HD, nc, S(1), w.dp.data(), nc, kt.K, kt.lK, S(1), w.acc.data(), HD);
+    } else {
+      gemm_s(true, false, nc, HD, nr, S(1), w.s.data(), nc, qt.dY, qt.ldY, S(1), w.acc2.data(), HD);
+      gemm_s(true, false, nc, HD, nr, S(1), w.dp.data(), nc, qt.Q, qt.lQ, S(1), w.acc.data(), HD);
+    }
+  }
+  // Positions (and documents, or none) of the n tokens t0.. of sequence b of a block ([B, T]) and
+  // their flash::tile_range.
+  struct PosTile {
+    const int32_t* P;
+    const int32_t* D;
+    flash::TileRange range;
+  };
+  static PosTile pos_tile(const int32_t* pos, const int32_t* doc, int b, int T_, int t0, int n) {
+    const int32_t* P = pos + static_cast<size_t>(b) * T_ + t0;
+    const int32_t* D = doc ? doc + static_cast<size_t>(b) * T_ + t0 : nullptr;
+    return {P, D, flash::tile_range(P, D, n)};
+  }
+  // flash::visible of query row r of qt for the keys of kt, as forward_pair's row_vis.
+  static auto block_row_vis(const PosTile& qt, const PosTile& kt) {
+    return [&qt, &kt](int r) {
+      const int qpr = qt.P[r], qdr = qt.D ? qt.D[r] : 0;
+      return [&kt, qpr, qdr](int c) { return flash::visible(qpr, kt.P[c], qdr, kt.D ? kt.D[c] : 0); };
+    };
+  }
+  // The tiles (of size tile) of the T_ tokens of sequence b of a block that are not fully masked
+  // against other (a query tile's range when the walked tiles are keys, a key tile's when they are
+  // queries): f(t0, n, tile) for each, then a poll of the progress registry. Returns the count of
+  // masked tiles skipped.
+  template <typename F>
+  int64_t walk_unmasked_tiles(const int32_t* pos, const int32_t* doc, int b, int T_, int tile,
+                              const flash::TileRange& other, bool keys, F&& f) {
+    int64_t skip = 0;
+    const int n_tiles = T_ > 0 ? flash::num_tiles(T_, tile) : 0;
+    for (int j = 0; j < n_tiles; ++j) {
+      const int t0 = j * tile, n = std::min(tile, T_ - t0);
+      const PosTile pt = pos_tile(pos, doc, b, T_, t0, n);
+      if (keys ? flash::tile_pair_masked(other, pt.range) : flash::tile_pair_masked(pt.range, other)) {
+        ++skip;
+        continue;
+      }
+      f(t0, n, pt);
+      poll_progress();
+    }
+    return skip;
+  }
+  // The (b, h, query tile) work items of a block: the forward, or with dy the dQ pass. Per item the
+  // query tile qt (positions pq; Q, and dY with dy), pair(w, qt, key tile, nr, nc, row_vis) for each
+  // key tile not fully masked against it (walk_unmasked_tiles: a poll after each), then
+  // done(w, qt, b, h, r0, nr). Adds the item's tile pairs and skipped pairs to block_pairs_,
+  // block_skipped_.
+  template <typename Pair, typename Done>
+  void block_query_pass(const T* q, const T* dy, const T* k, const T* v, const int32_t* qp, const int32_t* kp,
+                        const int32_t* qd, const int32_t* kd, int B, int Tq, int Tk, int NH, int NKV, int HD,
+                        Pair&& pair, Done&& done) {
+    const int G = NH / NKV, nq = flash::num_tiles(Tq, flash::kBr), nk = Tk > 0 ? flash::num_tiles(Tk, flash::kBc) : 0;
+    const int ldk = NKV * HD;
+    const size_t BH = static_cast<size_t>(B) * NH;
+    std::atomic<int64_t> skipped{0};
+    par_items(BH * nq, [&](size_t it) {
+      const int i = static_cast<int>(it / BH), b = static_cast<int>(it % BH) / NH, h = static_cast<int>(it % BH) % NH;
+      const int r0 = i * flash::kBr, nr = std::min(flash::kBr, Tq - r0);
+      const PosTile pq = pos_tile(qp, qd, b, Tq, r0, nr);
+      FlashScratch& w = flash_scratch();
+      const QueryTile qt = query_tile(w, q, dy, b, h, Tq, NH, HD, r0, nr);
+      start_query_tile(w, nr, HD, dy != nullptr);
+      skipped += walk_unmasked_tiles(kp, kd, b, Tk, flash::kBc, pq.range, true, [&](int c0, int nc, const PosTile& pk) {
+        const size_t ko = (static_cast<size_t>(b) * Tk + c0) * ldk + static_cast<size_t>(h / G) * HD;
+        pair(w, qt, key_tile(w, k, v, ko, ldk, nc, HD), nr, nc, block_row_vis(pq, pk));
+      });
+      done(w, qt, b, h, r0, nr);
+    });
+    block_pairs_ += static_cast<int64_t>(BH) * nq * nk;
+    block_skipped_ += skipped.load();
+  }
+  // The end of a forward query tile (rows r0.. of head h of sequence b): y = acc * finish_inv(l),
+  // lse = finish_lse(m, l); with block, block_finish_inv / block_finish_lse (rows with no key).
+  static void finish_query_tile(const FlashScratch& w, T* y, S* lse, int b, int h, int T_, int NH, int HD, int r0,
+                                int nr, bool block) {
+    const int ldq = NH * HD;
+    for (int r = 0; r < nr; ++r) {
+      const S inv = block ? flash::block_finish_inv(w.l[r]) : flash::finish_inv(w.l[r]);
+      T* yr = y + (static_cast<size_t>(b) * T_ + r0 + r) * ldq + static_cast<size_t>(h) * HD;
+      const S* a = w.acc.data() + static_cast<size_t>(r) * HD;
+      for (int d = 0; d < HD; ++d) yr[d] = math::st<T>(a[d] * inv);
+      lse[(static_cast<size_t>(b) * NH + h) * T_ + r0 + r] =
+          block ? flash::block_finish_lse(w.m[r], w.l[r]) : flash::finish_lse(w.m[r], w.l[r]);
+    }
+  }
   // dst (rows x HD, row stride ld) = src (rows x HD, contiguous), rounded to T.
   static void store_tile(T* dst, int ld, int rows, int HD, const S* src) {
     for (int r = 0; r < rows; ++r)
@@ -1008,12 +1014,13 @@ template <typename T> class CpuBackend final : public Backend<T> {
       for (int j = 0; j < cols; ++j)
         dst[static_cast<size_t>(i) * cols + j] = static_cast<float>(math::ld(src[static_cast<size_t>(i) * ld + j]));
   }
-  // rope_apply with row i at table row pos[i] (the same per-pair math).
-  static void rope_apply_at(T* x, const T* cs, const T* sn, const int32_t* pos, int N, int H, int HD, bool backward) {
+  // x [N, H, HD] rotated in place, row bt at RoPE table row row_pos(bt) (cs, sn [*, HD / 2]).
+  template <typename RowPos>
+  static void rope_rows(T* x, const T* cs, const T* sn, size_t N, RowPos&& row_pos, int H, int HD, bool backward) {
     const int half = HD / 2;
-    par_ranges(static_cast<size_t>(N), row_grain(static_cast<size_t>(H) * HD), [&](size_t rb, size_t re) {
+    par_ranges(N, row_grain(static_cast<size_t>(H) * HD), [&](size_t rb, size_t re) {
       for (size_t bt = rb; bt < re; ++bt) {
-        const size_t t = static_cast<size_t>(pos[bt]);
+        const size_t t = row_pos(bt);
         const T* c = cs + t * half;
         const T* s = sn + t * half;
         for (int h = 0; h < H; ++h) {
@@ -1029,25 +1036,14 @@ template <typename T> class CpuBackend final : public Backend<T> {
       }
     });
   }
+  // rope_apply with row i at table row pos[i] (the same per-pair math).
+  static void rope_apply_at(T* x, const T* cs, const T* sn, const int32_t* pos, int N, int H, int HD, bool backward) {
+    rope_rows(x, cs, sn, static_cast<size_t>(N), [pos](size_t bt) { return static_cast<size_t>(pos[bt]); }, H, HD,
+              backward);
+  }
   static void rope_apply(T* x, const T* cs, const T* sn, int B, int T_, int H, int HD, bool backward) {
-    const int half = HD / 2;
-    par_ranges(static_cast<size_t>(B) * T_, row_grain(static_cast<size_t>(H) * HD), [&](size_t rb, size_t re) {
-      for (size_t bt = rb; bt < re; ++bt) {
-        const size_t t = bt % static_cast<size_t>(T_);
-        const T* c = cs + t * half;
-        const T* s = sn + t * half;
-        for (int h = 0; h < H; ++h) {
-          T* v = x + (bt * H + h) * HD;
-          for (int j = 0; j < half; ++j) {
-            A o1, o2;
-            if (backward) math::rope_rotate_backward(math::ld(v[j]), math::ld(v[j + half]), math::ld(c[j]), math::ld(s[j]), &o1, &o2);
-            else math::rope_rotate(math::ld(v[j]), math::ld(v[j + half]), math::ld(c[j]), math::ld(s[j]), &o1, &o2);
-            v[j] = math::st<T>(o1);
-            v[j + half] = math::st<T>(o2);
-          }
-        }
-      }
-    });
+    rope_rows(x, cs, sn, static_cast<size_t>(B) * T_, [T_](size_t bt) { return bt % static_cast<size_t>(T_); }, H, HD,
+              backward);
   }
 };
 
