@@ -476,28 +476,43 @@ template <typename T> class CpuBackend final : public Backend<T> {
         dsum[rr] = flash::row_dot(dy + o, y + o, HD);
       }
     });
-    // Keys c <= r0 + r - c0 are visible to row r (query r0 + r, key tile c0..).
-    auto causal = [](int r0, int c0) {
-      return [r0, c0](int r) {
+    // P and dS of a (query tile, key tile) pair, in place: s (in: Q K^T, out: P), dp (in: dY V^T,
+    // out: dS). Row r is query r0 + r, column c key c0 + c.
+    auto p_ds = [&](S* s, S* dp, int nr, int nc, int r0, int c0, const S* L, const S* D) {
+      for (int r = 0; r < nr; ++r) {
+        S* sr = s + static_cast<size_t>(r) * nc;
+        S* dr = dp + static_cast<size_t>(r) * nc;
         const int last = r0 + r - c0;
-        return [last](int c) { return c <= last; };
-      };
+        const S lr = L[r], Dr = D[r];
+        for (int c = 0; c < nc; ++c) sr[c] = c <= last ? flash::prob_from_lse(flash::score(sr[c], scale), lr) : S(0);
+        for (int c = 0; c < nc; ++c) dr[c] = c <= last ? flash::dscore(sr[c], dr[c], Dr, scale) : S(0);
+      }
     };
     // Pass 1: dQ.
     par_items_polled(BH * nq, [&](size_t it) {
       const int i = nq - 1 - static_cast<int>(it / BH), b = static_cast<int>(it % BH) / NH, h = static_cast<int>(it % BH) % NH;
       const int r0 = i * flash::kBr, nr = std::min(flash::kBr, T_ - r0);
       FlashScratch& w = flash_scratch();
-      const QueryTile qt = query_tile(w, q, dy, b, h, T_, NH, HD, r0, nr);
-      start_query_tile(w, nr, HD, true);
+      const size_t qo = (static_cast<size_t>(b) * T_ + r0) * ldq + static_cast<size_t>(h) * HD;
+      const size_t so = (static_cast<size_t>(b) * NH + h) * T_ + r0;
+      int lQ, ldY, lK, lV;
+      const S* Q = tile_s(q + qo, ldq, nr, HD, w.q, &lQ);
+      const S* dY = tile_s(dy + qo, ldq, nr, HD, w.dy, &ldY);
+      w.acc.assign(static_cast<size_t>(nr) * HD, S(0));
+      w.s.resize(static_cast<size_t>(nr) * flash::kBc);
+      w.dp.resize(static_cast<size_t>(nr) * flash::kBc);
       const int jend = (r0 + nr - 1) / flash::kBc;
       for (int j = 0; j <= jend; ++j) {
         const int c0 = j * flash::kBc, nc = std::min(flash::kBc, r0 + nr - c0);
         const size_t ko = (static_cast<size_t>(b) * T_ + c0) * ldk + static_cast<size_t>(h / G) * HD;
-        backward_pair(w, qt, key_tile(w, k, v, ko, ldk, nc, HD), nr, nc, HD, scale, lse + qt.so, dsum + qt.so, true,
-                      causal(r0, c0));
+        const S* K = tile_s(k + ko, ldk, nc, HD, w.k, &lK);
+        const S* V = tile_s(v + ko, ldk, nc, HD, w.v, &lV);
+        gemm_s(false, true, nr, nc, HD, S(1), Q, lQ, K, lK, S(0), w.s.data(), nc);
+        gemm_s(false, true, nr, nc, HD, S(1), dY, ldY, V, lV, S(0), w.dp.data(), nc);
+        p_ds(w.s.data(), w.dp.data(), nr, nc, r0, c0, lse + so, dsum + so);
+        gemm_s(false, false, nr, HD, nc, S(1), w.dp.data(), nc, K, lK, S(1), w.acc.data(), HD);
       }
-      store_tile(dq + qt.qo, ldq, nr, HD, w.acc.data());
+      store_tile(dq + qo, ldq, nr, HD, w.acc.data());
     }, [this] { poll_progress(); });
     // Pass 2: dK, dV.
     par_items_polled(BKV * nk, [&](size_t it) {
@@ -505,13 +520,26 @@ template <typename T> class CpuBackend final : public Backend<T> {
       const int c0 = j * flash::kBc, nc = std::min(flash::kBc, T_ - c0);
       FlashScratch& w = flash_scratch();
       const size_t ko = (static_cast<size_t>(b) * T_ + c0) * ldk + static_cast<size_t>(kvh) * HD;
-      const KeyTile kt = start_key_tile(w, k, v, ko, ldk, nc, HD);
+      int lQ, ldY, lK, lV;
+      const S* K = tile_s(k + ko, ldk, nc, HD, w.k, &lK);
+      const S* V = tile_s(v + ko, ldk, nc, HD, w.v, &lV);
+      w.acc.assign(static_cast<size_t>(nc) * HD, S(0));   // dK
+      w.acc2.assign(static_cast<size_t>(nc) * HD, S(0));  // dV
+      w.s.resize(static_cast<size_t>(flash::kBr) * nc);
+      w.dp.resize(static_cast<size_t>(flash::kBr) * nc);
       for (int g = 0; g < G; ++g) {
         const int h = kvh * G + g;
         for (int i = c0 / flash::kBr; i < nq; ++i) {
           const int r0 = i * flash::kBr, nr = std::min(flash::kBr, T_ - r0);
-          const QueryTile qt = query_tile(w, q, dy, b, h, T_, NH, HD, r0, nr);
-          backward_pair(w, qt, kt, nr, nc, HD, scale, lse + qt.so, dsum + qt.so, false, causal(r0, c0));
+          const size_t qo = (static_cast<size_t>(b) * T_ + r0) * ldq + static_cast<size_t>(h) * HD;
+          const size_t so = (static_cast<size_t>(b) * NH + h) * T_ + r0;
+          const S* Q = tile_s(q + qo, ldq, nr, HD, w.q, &lQ);
+          const S* dY = tile_s(dy + qo, ldq, nr, HD, w.dy, &ldY);
+          gemm_s(false, true, nr, nc, HD, S(1), Q, lQ, K, lK, S(0), w.s.data(), nc);
+          gemm_s(false, true, nr, nc, HD, S(1), dY, ldY, V, lV, S(0), w.dp.data(), nc);
+          p_ds(w.s.data(), w.dp.data(), nr, nc, r0, c0, lse + so, dsum + so);
+          gemm_s(true, false, nc, HD, nr, S(1), w.s.data(), nc, dY, ldY, S(1), w.acc2.data(), HD);
+          gemm_s(true, false, nc, HD, nr, S(1), w.dp.data(), nc, Q, lQ, S(1), w.acc.data(), HD);
         }
       }
       store_tile(dk + ko, ldk, nc, HD, w.acc.data());
@@ -526,9 +554,8 @@ template <typename T> class CpuBackend final : public Backend<T> {
                                const int32_t* qd, const int32_t* kd, int B, int Tq, int Tk, int NH, int NKV, int HD,
                                S scale) override {
     if (B <= 0 || Tq <= 0 || NH <= 0 || HD <= 0) return;
-    auto pair = [&](FlashScratch& w, const QueryTile& qt, const KeyTile& kt, int nr, int nc, const auto& row_vis) {
-      forward_pair(w, qt.Q, qt.lQ, kt, nr, nc, HD, scale, row_vis);
-    };
+    auto pair = [&](FlashScratch& w, const QueryTile& qt, const KeyTile& kt, int nr, int nc, const PosTile& pq,
+                    const PosTile& pk) { forward_pair(w, qt.Q, qt.lQ, kt, nr, nc, HD, scale, block_row_vis(pq, pk)); };
     block_query_pass(q, nullptr, k, v, qp, kp, qd, kd, B, Tq, Tk, NH, NKV, HD, pair,
                      [&](FlashScratch& w, const QueryTile&, int b, int h, int r0, int nr) {
       finish_query_tile(w, y, lse, b, h, Tq, NH, HD, r0, nr, true);
@@ -567,6 +594,20 @@ template <typename T> class CpuBackend final : public Backend<T> {
     const int G = NH / NKV, nk = flash::num_tiles(Tk, flash::kBc);
     const int ldq = NH * HD, ldk = NKV * HD;
     const size_t BKV = static_cast<size_t>(B) * NKV;
+    // P and dS of a tile pair in place (as flash_attention_backward's), masked by positions.
+    auto p_ds = [&](S* s, S* dp, int nr, int nc, const PosTile& pq, const PosTile& pk, const S* L, const S* D) {
+      for (int r = 0; r < nr; ++r) {
+        S* sr = s + static_cast<size_t>(r) * nc;
+        S* dr = dp + static_cast<size_t>(r) * nc;
+        const int qpr = pq.P[r], qdr = pq.D ? pq.D[r] : 0;
+        const S lr = L[r], Dr = D[r];
+        for (int c = 0; c < nc; ++c) {
+          const bool ok = flash::visible(qpr, pk.P[c], qdr, pk.D ? pk.D[c] : 0);
+          sr[c] = ok ? flash::prob_from_lse(flash::score(sr[c], scale), lr) : S(0);
+          dr[c] = ok ? flash::dscore(sr[c], dr[c], Dr, scale) : S(0);
+        }
+      }
+    };
     auto add_tile = [](T* dst, int ld, int rows, int hd, const S* src) {
       for (int r = 0; r < rows; ++r)
         for (int d = 0; d < hd; ++d) {
@@ -575,8 +616,9 @@ template <typename T> class CpuBackend final : public Backend<T> {
         }
     };
     // Pass 1: dQ += dS K over the key tiles of the block.
-    auto pair = [&](FlashScratch& w, const QueryTile& qt, const KeyTile& kt, int nr, int nc, const auto& row_vis) {
-      backward_pair(w, qt, kt, nr, nc, HD, scale, lse + qt.so, dsum + qt.so, true, row_vis);
+    auto pair = [&](FlashScratch& w, const QueryTile& qt, const KeyTile& kt, int nr, int nc, const PosTile& pq,
+                    const PosTile& pk) {
+      backward_pair(w, qt, kt, nr, nc, HD, true, [&](S* s, S* dp) { p_ds(s, dp, nr, nc, pq, pk, lse + qt.so, dsum + qt.so); });
     };
     block_query_pass(q, dy, k, v, qp, kp, qd, kd, B, Tq, Tk, NH, NKV, HD, pair,
                      [&](FlashScratch& w, const QueryTile& qt, int, int, int, int nr) {
@@ -595,7 +637,9 @@ template <typename T> class CpuBackend final : public Backend<T> {
         // Masked pairs are counted in pass 1.
         walk_unmasked_tiles(qp, qd, b, Tq, flash::kBr, pk.range, false, [&](int r0, int nr, const PosTile& pq) {
           const QueryTile qt = query_tile(w, q, dy, b, h, Tq, NH, HD, r0, nr);
-          backward_pair(w, qt, kt, nr, nc, HD, scale, lse + qt.so, dsum + qt.so, false, block_row_vis(pq, pk));
+          backward_pair(w, qt, kt, nr, nc, HD, false, [&](S* s, S* dp) {
+            p_ds(s, dp, nr, nc, pq, pk, lse + qt.so, dsum + qt.so);
+          });
         });
       }
       add_tile(dk + ko, ldk, nc, HD, w.acc.data());
@@ -879,22 +923,14 @@ template <typename T> class CpuBackend final : public Backend<T> {
     }
     gemm_s(false, false, nr, HD, nc, S(1), w.s.data(), nc, kt.V, kt.lV, S(1), w.acc.data(), HD);
   }
-  // The backward of one tile pair: s = Q K^T, dp = dY V^T, in place P and dS (row r of query r0 + r,
-  // column c of key c0 + c; row_vis(r) tells which keys row r sees), then with dq: dQ (w.acc) += dS K,
-  // else dV (w.acc2) += P^T dY, dK (w.acc) += dS^T Q.
-  template <typename RowVis>
-  static void backward_pair(FlashScratch& w, const QueryTile& qt, const KeyTile& kt, int nr, int nc, int HD, S scale,
-                            const S* L, const S* D, bool dq, RowVis&& row_vis) {
+  // The backward of one tile pair: s = Q K^T, dp = dY V^T, p_ds(s, dp) turning them into P and dS
+  // in place, then with dq: dQ (w.acc) += dS K, else dV (w.acc2) += P^T dY, dK (w.acc) += dS^T Q.
+  template <typename PDs>
+  static void backward_pair(FlashScratch& w, const QueryTile& qt, const KeyTile& kt, int nr, int nc, int HD, bool dq,
+                            PDs&& p_ds) {
     gemm_s(false, true, nr, nc, HD, S(1), qt.Q, qt.lQ, kt.K, kt.lK, S(0), w.s.data(), nc);
     gemm_s(false, true, nr, nc, HD, S(1), qt.dY, qt.ldY, kt.V, kt.lV, S(0), w.dp.data(), nc);
-    for (int r = 0; r < nr; ++r) {
-      S* sr = w.s.data() + static_cast<size_t>(r) * nc;
-      S* dr = w.dp.data() + static_cast<size_t>(r) * nc;
-      const auto vis = row_vis(r);
-      const S lr = L[r], Dr = D[r];
-      for (int c = 0; c < nc; ++c) sr[c] = vis(c) ? flash::prob_from_lse(flash::score(sr[c], scale), lr) : S(0);
-      for (int c = 0; c < nc; ++c) dr[c] = vis(c) ? flash::dscore(sr[c], dr[c], Dr, scale) : S(0);
-    }
+    p_ds(w.s.data(), w.dp.data());
     if (dq) {
       gemm_s(false, false, nr, HD, nc, S(1), w.dp.data(), nc, kt.K, kt.lK, S(1), w.acc.data(), HD);
     } else {
@@ -943,7 +979,7 @@ template <typename T> class CpuBackend final : public Backend<T> {
     return skip;
   }
   // The (b, h, query tile) work items of a block: the forward, or with dy the dQ pass. Per item the
-  // query tile qt (positions pq; Q, and dY with dy), pair(w, qt, key tile, nr, nc, row_vis) for each
+  // query tile qt (positions pq; Q, and dY with dy), pair(w, qt, key tile, nr, nc, pq, pk) for each
   // key tile not fully masked against it (walk_unmasked_tiles: a poll after each), then
   // done(w, qt, b, h, r0, nr). Adds the item's tile pairs and skipped pairs to block_pairs_,
   // block_skipped_.
@@ -964,7 +1000,7 @@ template <typename T> class CpuBackend final : public Backend<T> {
       start_query_tile(w, nr, HD, dy != nullptr);
       skipped += walk_unmasked_tiles(kp, kd, b, Tk, flash::kBc, pq.range, true, [&](int c0, int nc, const PosTile& pk) {
         const size_t ko = (static_cast<size_t>(b) * Tk + c0) * ldk + static_cast<size_t>(h / G) * HD;
-        pair(w, qt, key_tile(w, k, v, ko, ldk, nc, HD), nr, nc, block_row_vis(pq, pk));
+        pair(w, qt, key_tile(w, k, v, ko, ldk, nc, HD), nr, nc, pq, pk);
       });
       done(w, qt, b, h, r0, nr);
     });
