@@ -140,4 +140,14 @@ template <typename T> ST_HD void adamw(T* p, T* m, T* v, T g, T lr, T b1, T b2, 
   *p = pv - lr * (mv / bc1) / (st_sqrt(vv / bc2) + eps);
 }
 
+// SplitMix64's output function (Steele, Lea and Flood 2014, "Fast splittable pseudorandom number
+// generators"; Vigna's splitmix64.c): a bijective 64-bit mix. The counter-based randomness of
+// parameter initialization (counter_normal) and of batch sampling (data.cpp) is built on it.
+ST_HD uint64_t splitmix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
 }  // namespace shardtrain::math

@@ -19,6 +19,7 @@
 
 #include "shardtrain/data.h"
 #include "shardtrain/files.h"
+#include "shardtrain/ops_math.h"  // math::splitmix64
 
 namespace shardtrain {
 namespace {
@@ -31,12 +32,6 @@ template <typename U> U get(const unsigned char* p) {
   uint64_t v = 0;
   for (size_t i = 0; i < sizeof(U); ++i) v |= static_cast<uint64_t>(p[i]) << (8 * i);
   return static_cast<U>(v);
-}
-uint64_t mix(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
 }
 }  // namespace
 
@@ -514,7 +509,8 @@ void fill_batch(const TokenDataset& ds, Split split, uint64_t seed, int64_t inde
   std::vector<uint32_t> seq(static_cast<size_t>(T) + 1);
   for (int s = 0; s < count; ++s) {
     uint64_t i = static_cast<uint64_t>(first + s);
-    uint64_t off = mix(seed ^ mix(stream ^ mix(static_cast<uint64_t>(index) * 0x100000001b3ull + i))) % span;
+    using math::splitmix64;
+    uint64_t off = splitmix64(seed ^ splitmix64(stream ^ splitmix64(static_cast<uint64_t>(index) * 0x100000001b3ull + i))) % span;
     ds.copy(split, off, seq.size(), seq.data());
     for (int t = 0; t < T; ++t) {
       // Ids are < vocab_size (checked on reading, or against the model at train start).

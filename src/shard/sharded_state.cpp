@@ -1,19 +1,15 @@
 // This rank's parameter and gradient shards (sharded_state.h): init, gather / set of one parameter,
 // the gradient norm's local sum, the replicated gradients' sum.
 #include "shardtrain/sharded_state.h"
+
 #include <cmath>
 #include <stdexcept>
 
+#include "shardtrain/ops_math.h"  // math::splitmix64
+
 namespace shardtrain {
 
-namespace {
-uint64_t splitmix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
-}  // namespace
+using math::splitmix64;
 
 double counter_normal(uint64_t seed, uint64_t key, uint64_t i) {
   uint64_t a = splitmix64(seed ^ splitmix64(key ^ splitmix64(2 * i)));
