@@ -334,10 +334,12 @@ void run_plan(Comm& comm, const Topology& topo, const Options& o) {
   in.mesh = dims;
   TrainConfig& t = in.train;
   // Training's geometry (geometry.h): no plan for a run that would be refused. Memory depends on the
-  // micro-batch alone: given, it stands for the global batch (micro-batch x dp, no accumulation).
-  const BatchOptions bo{t.micro_batch > 0 ? t.micro_batch * dims.dp() : t.global_batch, t.micro_batch, t.seq_len};
+  // micro-batch alone: given without --global-batch, it stands for the global batch (micro-batch x
+  // dp, no accumulation; 64-bit, as the product may not fit an int).
+  const bool mb_alone = t.micro_batch > 0 && !o.global_batch_given;
+  const BatchOptions bo{mb_alone ? int64_t{t.micro_batch} * dims.dp() : int64_t{t.global_batch}, t.micro_batch, t.seq_len};
   const GeometryResult geo = resolve_geometry(bo, dims, mc);
-  const bool batch_refused = geo.refusal.starts_with("option '--global-batch'");
+  const bool batch_refused = t.micro_batch == 0 && geo.refusal.starts_with("option '--global-batch'");
   all_ok(comm, geo.ok(), geo.refusal + (batch_refused ? "; give '--micro-batch' (memory depends on it alone)" : ""));
   t.micro_batch = geo.geometry.micro_batch;
   // Token data is memory-mapped (page cache, not resident per rank): not part of the plan.

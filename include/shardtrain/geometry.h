@@ -1,7 +1,8 @@
 // shardtrain batch geometry: how one optimizer step's global batch is laid out over the mesh,
 // resolved once from the options and the mesh's dimensions. Training (Trainer) and `--mode plan`
 // both call resolve_geometry, so a plan is never made for a run that training would refuse, and
-// each dimension's divisibility rule is written here alone.
+// each dimension's divisibility rule is written here alone. (`--mode plan` with `--micro-batch` and
+// no `--global-batch` plans for global batch = micro-batch x dp: memory depends on the micro-batch.)
 //
 // Units: sequences (rows of T = seq_len tokens) and tokens. Terms as Megatron and torchtitan use them:
 //   global batch  sequences per optimizer step over the whole mesh (--global-batch)
@@ -30,7 +31,7 @@ namespace shardtrain {
 
 // The options that shape the batch (TrainConfig's fields of the same names).
 struct BatchOptions {
-  int global_batch = 0;  // --global-batch
+  int64_t global_batch = 0;  // --global-batch (64-bit: --mode plan passes micro-batch x dp)
   int micro_batch = 0;   // --micro-batch; 0 = the whole per-rank batch
   int seq_len = 0;       // --seq-len (T: a sequence's global length)
 };

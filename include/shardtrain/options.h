@@ -56,6 +56,7 @@ struct Options {
   int threads = 0;                // threads per rank (OpenMP), 0 = by the affinity mask (plan_threads, cpu_affinity.h)
   double peak_tflops = 0;         // train: --peak-tflops, each rank's device peak for MFU (TFLOP/s; mfu.h)
   bool peak_tflops_given = false; // --peak-tflops was given (then peak_tflops > 0, finite)
+  bool global_batch_given = false;  // --global-batch was given (command line or job file), not defaulted
   std::string device = "auto";    // train: auto | cpu | cuda (see plan_devices in cuda.h)
   std::string gpu_comm = "nccl";  // train on cuda: nccl | mpi (MPI on host copies; GPUs shared by ranks)
   std::string precision = "fp32"; // train: fp32 | bf16 (mixed precision)

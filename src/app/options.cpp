@@ -382,6 +382,7 @@ Options parse_options(Comm& comm, int argc, char** argv) {
     }
     o.train.accept_changes = keys;
     o.peak_tflops_given = vm.count("peak-tflops") > 0;
+    o.global_batch_given = vm.count("global-batch") > 0 && !vm["global-batch"].defaulted();
     o.help = vm.count("help") > 0;
     if (o.help) {
       std::ostringstream os;

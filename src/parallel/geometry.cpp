@@ -36,7 +36,7 @@ GeometryResult resolve_geometry(const BatchOptions& o, const MeshDims& dims, con
                        str(mc.max_position_embeddings) + ")");
   if (o.global_batch < 1 || o.global_batch % g.dp != 0)
     return refuse("option '--global-batch' (" + str(o.global_batch) + ") is not divisible by " + dp_what(dims));
-  g.per_rank = o.global_batch / g.dp;
+  g.per_rank = static_cast<int>(o.global_batch / g.dp);  // <= the micro-batch or --global-batch: an int
   g.micro_batch = o.micro_batch > 0 ? o.micro_batch : g.per_rank;
   if (g.per_rank % g.micro_batch != 0)
     return refuse("option '--global-batch' (" + str(o.global_batch) + ") is not divisible by " +

@@ -31,6 +31,14 @@ expect_fail plan_batch_divisible "option '--global-batch' (5) is not divisible b
   2 --mode plan --model tiny --seq-len 16 --global-batch 5
 expect_fail plan_tp_tokens "option '--tp' (2) does not divide the tokens of a micro-batch (1 x 33 = 33)" \
   2 --mode plan --model demo --seq-len 33 --micro-batch 1 --tp 2
+# Given with --micro-batch, --global-batch is checked as training checks it; the micro-batch alone
+# stands for any global batch, however large (micro-batch x world size past 2^31 included).
+expect_fail plan_micro_divisible "option '--global-batch' (12) is not divisible by world size x '--micro-batch' (4 x 5)" \
+  2 --mode plan --model demo --seq-len 32 --world-size 4 --global-batch 12 --micro-batch 5
+timeout -k 5 60 $MPIRUN -np 1 "$BIN" --mode plan --model demo --seq-len 32 --world-size 4 --micro-batch 1073741824 \
+  >"$WORK/plan_big_mb.log" 2>&1 || { cat "$WORK/plan_big_mb.log"; fail "plan_big_mb: a micro-batch of 2^30 at 4 ranks was refused"; }
+grep -q "micro-batch 1073741824 x 32 tokens" "$WORK/plan_big_mb.log" || { cat "$WORK/plan_big_mb.log"; fail "plan_big_mb: no plan"; }
+echo "ok: plan_big_mb -> $(grep -m1 -o 'memory plan per rank.*' "$WORK/plan_big_mb.log" | cut -c1-120)"
 expect_fail plan_seq_too_long "option '--seq-len' (100) exceeds the model's max_position_embeddings (64)" \
   2 --mode plan --model tiny --seq-len 100
 printf 'this is not a token file at all, just text that is long enough to have a header.........\n' >"$WORK/junk.tok"
