@@ -181,7 +181,12 @@ TEST(ProgressRegistry, CpuBackendPollsInGemmAndAttentionBitwise) {
     Counter all;
     auto m = be->progress()->join(&Counter::fn, &all);
     run(got);
-    EXPECT_GT(all.n, gemm.n + attn.n) << "the backward polls too";
+    // One thread: the counts are exact, so the backward's polls show in the difference. Two threads:
+    // how many items the master thread runs depends on the load (dynamic schedule), so only what is
+    // certain: each parallel kernel polls at least once when its master runs out of items (GEMM,
+    // forward, the backward's two passes).
+    if (threads == 1) EXPECT_GT(all.n, gemm.n + attn.n) << "the backward polls too";
+    else EXPECT_GE(all.n, 4) << "GEMM, forward and both backward passes each poll";
     for (size_t i = 0; i < ref.size(); ++i)
       EXPECT_EQ(std::memcmp(ref[i].data(), got[i].data(), ref[i].size() * sizeof(float)), 0) << "output " << i;
   }

@@ -625,7 +625,7 @@ template <typename T> class CpuBackend final : public Backend<T> {
       add_tile(dq + qt.qo, ldq, nr, HD, w.acc.data());
     });
     // Pass 2: dK += dS^T Q, dV += P^T dY over the G query heads and the query tiles of the block.
-    par_items(BKV * nk, [&](size_t it) {
+    par_items_polled(BKV * nk, [&](size_t it) {
       const int j = static_cast<int>(it / BKV), b = static_cast<int>(it % BKV) / NKV, kvh = static_cast<int>(it % BKV) % NKV;
       const int c0 = j * flash::kBc, nc = std::min(flash::kBc, Tk - c0);
       const PosTile pk = pos_tile(kp, kd, b, Tk, c0, nc);
@@ -644,7 +644,7 @@ template <typename T> class CpuBackend final : public Backend<T> {
       }
       add_tile(dk + ko, ldk, nc, HD, w.acc.data());
       add_tile(dv + ko, ldk, nc, HD, w.acc2.data());
-    });
+    }, [this] { poll_progress(); });
   }
 
   typename Backend<T>::BlockAttentionStats take_block_attention_stats() override {
@@ -991,7 +991,7 @@ template <typename T> class CpuBackend final : public Backend<T> {
     const int ldk = NKV * HD;
     const size_t BH = static_cast<size_t>(B) * NH;
     std::atomic<int64_t> skipped{0};
-    par_items(BH * nq, [&](size_t it) {
+    par_items_polled(BH * nq, [&](size_t it) {
       const int i = static_cast<int>(it / BH), b = static_cast<int>(it % BH) / NH, h = static_cast<int>(it % BH) % NH;
       const int r0 = i * flash::kBr, nr = std::min(flash::kBr, Tq - r0);
       const PosTile pq = pos_tile(qp, qd, b, Tq, r0, nr);
@@ -1003,7 +1003,7 @@ template <typename T> class CpuBackend final : public Backend<T> {
         pair(w, qt, key_tile(w, k, v, ko, ldk, nc, HD), nr, nc, pq, pk);
       });
       done(w, qt, b, h, r0, nr);
-    });
+    }, [this] { poll_progress(); });
     block_pairs_ += static_cast<int64_t>(BH) * nq * nk;
     block_skipped_ += skipped.load();
   }
