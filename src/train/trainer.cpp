@@ -473,7 +473,7 @@ template <typename C> StepOutcome Trainer<C>::train_step(int64_t s) {
   const auto t0 = Clock::now();
   if (slow_rank_ms_ > 0) std::this_thread::sleep_for(std::chrono::milliseconds(slow_rank_ms_));  // test hook
   const CommStats comm0 = run_.comm_stats();
-  const float grad_scale = 1.0f / static_cast<float>(geo_.per_rank * tc_.seq_len);  // d(mean loss on this rank)
+  const float grad_scale = 1.0f / static_cast<float>(geo_.rank_tokens());  // d(mean loss on this rank)
   const double tokens_per_step = static_cast<double>(tc_.global_batch) * tc_.seq_len;
   f_->zero_grads();
   double loss_sum = 0;
