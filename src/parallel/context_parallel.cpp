@@ -1,0 +1,459 @@
+// Context parallelism (context_parallel.h): the head-tail split, its tile-pair count, and
+// CpAttention's ring and all-gather methods over the backend's block attention
+// (flash_attention.h, "Block attention at global positions").
+#include "shardtrain/context_parallel.h"
+
+#include <algorithm>
+#include <chrono>
+#include <climits>
+#include <stdexcept>
+#include <utility>
+
+#include "shardtrain/flash_attention.h"
+
+namespace shardtrain {
+
+// ---- The split ------------------------------------------------------------------------------------
+
+std::string cp_split_problem(int64_t T, int cp) {
+  const std::string t = std::to_string(T), c = std::to_string(cp);
+  if (cp < 1) return "context parallelism: cp must be >= 1 (got cp = " + c + ")";
+  if (T < 1 || T > INT_MAX)
+    return "context parallelism: the sequence length T = " + t + " is outside [1, 2^31 - 1] (positions are int32)";
+  if (T % (int64_t{2} * cp) != 0) {
+    const std::string c2 = std::to_string(int64_t{2} * cp);
+    return "context parallelism: the sequence length T = " + t + " is not divisible by 2 x cp = " + c2 + " (cp = " + c +
+           "): every sequence is cut into 2 x cp equal chunks and CP rank r holds chunks r and 2 x cp - 1 - r "
+           "(head-tail split); use a T that is a multiple of " + c2;
+  }
+  return "";
+}
+
+CpChunks cp_chunks(int T, int cp, int rank) {
+  const std::string why = cp_split_problem(T, cp);
+  if (!why.empty()) throw std::invalid_argument(why);
+  if (rank < 0 || rank >= cp)
+    throw std::invalid_argument("context parallelism: rank " + std::to_string(rank) + " is outside [0, cp = " +
+                                std::to_string(cp) + ")");
+  CpChunks c;
+  c.len = T / (2 * cp);
+  c.head = rank * c.len;
+  c.tail = (2 * cp - 1 - rank) * c.len;
+  return c;
+}
+
+std::vector<int32_t> cp_rows(int T, int cp, int rank, CpSplit split) {
+  std::vector<int32_t> rows;
+  if (split == CpSplit::HeadTail) {
+    const CpChunks c = cp_chunks(T, cp, rank);
+    rows.reserve(static_cast<size_t>(2) * c.len);
+    for (int i = 0; i < c.len; ++i) rows.push_back(c.head + i);
+    for (int i = 0; i < c.len; ++i) rows.push_back(c.tail + i);
+    return rows;
+  }
+  if (cp < 1 || T < 1 || T % cp != 0 || rank < 0 || rank >= cp)
+    throw std::invalid_argument("context parallelism (contiguous split): T = " + std::to_string(T) +
+                                " must be a positive multiple of cp = " + std::to_string(cp) + " and rank " +
+                                std::to_string(rank) + " in [0, cp)");
+  const int Tl = T / cp;
+  for (int i = 0; i < Tl; ++i) rows.push_back(rank * Tl + i);
+  return rows;
+}
+
+std::vector<int32_t> cp_positions(int B, int T, int cp, int rank, CpSplit split) {
+  if (B < 1) throw std::invalid_argument("context parallelism: B = " + std::to_string(B) + " must be >= 1");
+  const std::vector<int32_t> rows = cp_rows(T, cp, rank, split);
+  std::vector<int32_t> pos;
+  pos.reserve(rows.size() * static_cast<size_t>(B));
+  for (int b = 0; b < B; ++b) pos.insert(pos.end(), rows.begin(), rows.end());
+  return pos;
+}
+
+// ---- Tile pairs -------------------------------------------------------------------------------------
+
+namespace {
+std::vector<flash::TileRange> tile_ranges(const int32_t* pos, const int32_t* doc, int n, int tile) {
+  std::vector<flash::TileRange> r;
+  for (int t0 = 0; t0 < n; t0 += tile) r.push_back(flash::tile_range(pos + t0, doc ? doc + t0 : nullptr, std::min(tile, n - t0)));
+  return r;
+}
+}  // namespace
+
+CpTilePairs block_tile_pairs(const int32_t* qpos, const int32_t* qdoc, int Tq, const int32_t* kpos,
+                             const int32_t* kdoc, int Tk) {
+  CpTilePairs c;
+  if (Tq <= 0 || Tk <= 0) return c;
+  const std::vector<flash::TileRange> qr = tile_ranges(qpos, qdoc, Tq, flash::kBr), kr = tile_ranges(kpos, kdoc, Tk, flash::kBc);
+  for (const flash::TileRange& a : qr)
+    for (const flash::TileRange& b : kr) {
+      ++c.pairs;
+      if (flash::tile_pair_masked(a, b)) ++c.skipped;
+    }
+  return c;
+}
+
+std::vector<CpTilePairs> cp_tile_pairs(int T, int cp, CpSplit split) {
+  std::vector<std::vector<int32_t>> rows;
+  for (int r = 0; r < cp; ++r) rows.push_back(cp_rows(T, cp, r, split));
+  std::vector<CpTilePairs> out(static_cast<size_t>(cp));
+  for (int r = 0; r < cp; ++r)
+    for (int o = 0; o < cp; ++o) {
+      const auto& q = rows[static_cast<size_t>(r)];
+      const auto& k = rows[static_cast<size_t>(o)];
+      const CpTilePairs c = block_tile_pairs(q.data(), nullptr, static_cast<int>(q.size()), k.data(), nullptr,
+                                             static_cast<int>(k.size()));
+      out[static_cast<size_t>(r)].pairs += c.pairs;
+      out[static_cast<size_t>(r)].skipped += c.skipped;
+    }
+  return out;
+}
+
+const char* cp_comm_name(CpComm m) { return m == CpComm::Ring ? "ring" : "allgather"; }
+
+// ---- Transfers in flight ----------------------------------------------------------------------------
+
+namespace {
+
+double wall_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// The transfers of one call, in groups waited for together, advanced by the backend's progress
+// polls while the block attention runs (a member of its registry for the object's lifetime; none on
+// device backends). A transfer a poll saw complete needs no wait (runtime.h: test() returned true).
+class Transfers {
+ public:
+  Transfers(ProgressRegistry* reg, CpCommStats& st, bool count) : st_(st), count_(count) {
+    if (reg) member_ = reg->join(&Transfers::poll, this);
+  }
+  Transfers(const Transfers&) = delete;
+  Transfers& operator=(const Transfers&) = delete;
+  void add(std::unique_ptr<Comm::Request> r, int group, double bytes) {
+    items_.push_back(Item{std::move(r), group, wall_s(), false, false});
+    if (count_) {
+      ++st_.transfers;
+      st_.bytes += bytes;
+    }
+  }
+  void wait(int group) {
+    for (Item& it : items_) {
+      if (it.group != group) continue;
+      if (it.done) {
+        if (count_) ++st_.done_in_compute;
+        continue;
+      }
+      const double t0 = wall_s();
+      it.req->wait();
+      const double t1 = wall_s();
+      it.done = true;
+      if (count_) {
+        st_.exposed_s += t1 - t0;
+        st_.issued_s += t1 - it.t0;
+      }
+    }
+    items_.erase(std::remove_if(items_.begin(), items_.end(), [&](const Item& it) { return it.group == group; }),
+                 items_.end());
+  }
+
+ private:
+  struct Item {
+    std::unique_ptr<Comm::Request> req;
+    int group;
+    double t0;
+    bool done, failed;
+  };
+  // A failing test() is not thrown through the kernels (an OpenMP region): the item stops being
+  // polled and its wait() reports the failure.
+  static void poll(void* self) {
+    auto* t = static_cast<Transfers*>(self);
+    if (t->count_ && !t->items_.empty()) ++t->st_.polls;
+    for (Item& it : t->items_) {
+      if (it.done || it.failed) continue;
+      try {
+        if (!it.req->test()) continue;
+      } catch (...) {
+        it.failed = true;
+        continue;
+      }
+      it.done = true;
+      if (t->count_) t->st_.issued_s += wall_s() - it.t0;
+    }
+  }
+  CpCommStats& st_;
+  bool count_;
+  std::vector<Item> items_;            // destroyed after member_ left: a pending Request waits
+  ProgressRegistry::Member member_;    // declared last: leaves first
+};
+
+enum Group { kKv = 0, kGrad = 1 };
+
+const char* bytes_of(const int32_t* p) { return reinterpret_cast<const char*>(p); }
+char* bytes_of(int32_t* p) { return reinterpret_cast<char*>(p); }
+
+// A K/V block with its positions and document ids (d == nullptr: no documents).
+template <typename C> struct KvView {
+  const C *k, *v;
+  const int32_t *p, *d;
+};
+template <typename C> struct KvBuf {
+  C *k, *v;
+  int32_t *p, *d;
+  KvView<C> view() const { return {k, v, p, d}; }
+};
+
+// One ring step's shifts of a K/V block: k, v, positions, document ids (ids as bytes: int32 is not
+// a Comm element type).
+template <typename C>
+void start_kv_shift(Comm& comm, Transfers& tr, const KvView<C>& from, const KvBuf<C>& to, size_t nk, size_t nid) {
+  tr.add(comm.start_ring_shift(from.k, to.k, nk), kKv, static_cast<double>(nk * sizeof(C)));
+  tr.add(comm.start_ring_shift(from.v, to.v, nk), kKv, static_cast<double>(nk * sizeof(C)));
+  tr.add(comm.start_ring_shift(bytes_of(from.p), bytes_of(to.p), nid * 4), kKv, static_cast<double>(nid * 4));
+  if (from.d) tr.add(comm.start_ring_shift(bytes_of(from.d), bytes_of(to.d), nid * 4), kKv, static_cast<double>(nid * 4));
+}
+
+template <typename Arr, typename Be> auto* fit(Arr& a, Be& be, size_t n) {
+  if (a.size() < n) {
+    a.reset();
+    a = Arr(be, n);
+  }
+  return a.data();
+}
+
+void check_sizes(int B, int Tl, int NH, int NKV, int HD, int cp, bool pointers_ok) {
+  const std::string got = " (got B=" + std::to_string(B) + " Tl=" + std::to_string(Tl) + " NH=" + std::to_string(NH) +
+                          " NKV=" + std::to_string(NKV) + " HD=" + std::to_string(HD) + ")";
+  if (B < 1 || Tl < 1 || NH < 1 || NKV < 1 || HD < 1)
+    throw std::invalid_argument("context-parallel attention: B, Tl, NH, NKV and HD must be >= 1" + got);
+  if (NH % NKV != 0)
+    throw std::invalid_argument("context-parallel attention: NH must be a multiple of NKV" + got);
+  if (int64_t{Tl} * cp > INT_MAX || int64_t{B} * Tl * NH * HD > INT64_MAX / 8)
+    throw std::invalid_argument("context-parallel attention: cp x Tl = " + std::to_string(int64_t{Tl} * cp) +
+                                " tokens per sequence exceed int32 positions" + got);
+  if (!pointers_ok) throw std::invalid_argument("context-parallel attention: a required buffer is nullptr" + got);
+}
+
+}  // namespace
+
+// ---- CpAttention --------------------------------------------------------------------------------------
+
+template <typename C> struct CpAttention<C>::Args {
+  C *y = nullptr, *dq = nullptr, *dk = nullptr, *dv = nullptr;
+  S* lse_out = nullptr;
+  const C *q = nullptr, *k = nullptr, *v = nullptr, *dy = nullptr, *yin = nullptr;
+  const S* lse = nullptr;
+  const int32_t *pos = nullptr, *doc = nullptr;
+  int B = 0, Tl = 0, NH = 0, NKV = 0, HD = 0;
+  S scale = 0;
+  int ldq() const { return NH * HD; }
+  int ldk() const { return NKV * HD; }
+  size_t nq() const { return static_cast<size_t>(B) * Tl * ldq(); }
+  size_t nk() const { return static_cast<size_t>(B) * Tl * ldk(); }
+  size_t ns() const { return static_cast<size_t>(B) * NH * Tl; }
+  size_t nid() const { return static_cast<size_t>(B) * Tl; }
+};
+
+template <typename C> struct CpAttention<C>::Work {
+  Buffer<C> kb[2], vb[2], gk[2], gv[2], rk[2], rv[2], ytmp, kg, vg, dkg, dvg;
+  IdBuffer<C> pb[2], db[2], pg, dg;
+  AccBuffer<C> ltmp, dsum;
+};
+
+template <typename C>
+CpAttention<C>::CpAttention(Comm& comm, Backend<C>& be, CpComm method)
+    : comm_(comm), be_(be), method_(method), work_(std::make_unique<Work>()) {}
+template <typename C> CpAttention<C>::~CpAttention() = default;
+
+template <typename C> const CpCommStats& CpAttention<C>::stats() {
+  const typename Backend<C>::BlockAttentionStats st = be_.take_block_attention_stats();
+  stats_.tile_pairs += st.tile_pairs;
+  stats_.skipped += st.skipped;
+  return stats_;
+}
+
+template <typename C>
+void CpAttention<C>::forward(C* y, S* lse, const C* q, const C* k, const C* v, const int32_t* pos,
+                             const int32_t* doc, int B, int Tl, int NH, int NKV, int HD, S scale) {
+  check_sizes(B, Tl, NH, NKV, HD, size(), y && lse && q && k && v && pos);
+  Args a;
+  a.y = y;
+  a.lse_out = lse;
+  a.q = q;
+  a.k = k;
+  a.v = v;
+  a.pos = pos;
+  a.doc = doc;
+  a.B = B, a.Tl = Tl, a.NH = NH, a.NKV = NKV, a.HD = HD, a.scale = scale;
+  if (method_ == CpComm::Ring) ring_forward(a);
+  else gather_forward(a);
+}
+
+template <typename C>
+void CpAttention<C>::backward(C* dq, C* dk, C* dv, const C* dy, const C* q, const C* k, const C* v, const C* y,
+                              const S* lse, const int32_t* pos, const int32_t* doc, int B, int Tl, int NH, int NKV,
+                              int HD, S scale) {
+  check_sizes(B, Tl, NH, NKV, HD, size(), dq && dk && dv && dy && q && k && v && y && lse && pos);
+  Args a;
+  a.dq = dq;
+  a.dk = dk;
+  a.dv = dv;
+  a.dy = dy;
+  a.q = q;
+  a.k = k;
+  a.v = v;
+  a.yin = y;
+  a.lse = lse;
+  a.pos = pos;
+  a.doc = doc;
+  a.B = B, a.Tl = Tl, a.NH = NH, a.NKV = NKV, a.HD = HD, a.scale = scale;
+  if (method_ == CpComm::Ring) ring_backward(a);
+  else gather_backward(a);
+}
+
+// Ring forward: at step s this rank holds the K/V block of rank (r - s) mod cp; it starts that
+// block's shift to rank r + 1 (receiving the next one from r - 1), attends to the block in hand,
+// merges, and only then waits for the shift.
+template <typename C> void CpAttention<C>::ring_forward(const Args& a) {
+  const int P = size();
+  Work& w = *work_;
+  const size_t nk = a.nk(), nid = a.nid();
+  C* yt = P > 1 ? fit(w.ytmp, be_, a.nq()) : nullptr;
+  S* lt = P > 1 ? fit(w.ltmp, be_, a.ns()) : nullptr;
+  KvView<C> cur{a.k, a.v, a.pos, a.doc};
+  Transfers tr(be_.progress(), stats_, P > 1);
+  for (int s = 0; s < P; ++s) {
+    const int nx = s % 2;
+    KvBuf<C> next{nullptr, nullptr, nullptr, nullptr};
+    if (s + 1 < P) {
+      next = KvBuf<C>{fit(w.kb[nx], be_, nk), fit(w.vb[nx], be_, nk), fit(w.pb[nx], be_, nid),
+                      a.doc ? fit(w.db[nx], be_, nid) : nullptr};
+      start_kv_shift(comm_, tr, cur, next, nk, nid);
+    }
+    be_.attention_block_forward(s == 0 ? a.y : yt, s == 0 ? a.lse_out : lt, a.q, cur.k, cur.v, a.pos, cur.p, a.doc,
+                                cur.d, a.B, a.Tl, a.Tl, a.NH, a.NKV, a.HD, a.scale);
+    if (s > 0) be_.attention_merge(a.y, a.lse_out, yt, lt, a.B, a.Tl, a.NH, a.HD);
+    if (s + 1 < P) {
+      tr.wait(kKv);
+      cur = next.view();
+    }
+  }
+}
+
+// Ring backward (FlashAttention-2's Algorithm 2 per block pair, with the merged lse and
+// D = rowsum(dy o y)): K/V travel as in the forward. At step s the pair (this rank's queries, the
+// block in hand) adds its dQ here and its dK/dV into a fresh partial sum g[s % 2]; then the dK/dV
+// sum of that block from the ranks before (shifted at the end of step s - 1, in flight during this
+// step's compute) is added, and the sum is shifted on. After the shift of step cp - 1 every rank
+// receives its own keys' complete dK/dV, straight into dk, dv.
+template <typename C> void CpAttention<C>::ring_backward(const Args& a) {
+  const int P = size();
+  Work& w = *work_;
+  const size_t nk = a.nk(), nid = a.nid();
+  S* dsum = fit(w.dsum, be_, a.ns());
+  be_.attention_row_dot(dsum, a.dy, a.yin, a.B, a.Tl, a.NH, a.HD);
+  be_.zero(a.dq, a.nq());
+  KvView<C> cur{a.k, a.v, a.pos, a.doc};
+  Transfers tr(be_.progress(), stats_, P > 1);
+  for (int s = 0; s < P; ++s) {
+    const int nx = s % 2;
+    KvBuf<C> next{nullptr, nullptr, nullptr, nullptr};
+    if (s + 1 < P) {
+      next = KvBuf<C>{fit(w.kb[nx], be_, nk), fit(w.vb[nx], be_, nk), fit(w.pb[nx], be_, nid),
+                      a.doc ? fit(w.db[nx], be_, nid) : nullptr};
+      start_kv_shift(comm_, tr, cur, next, nk, nid);
+    }
+    C* gk = fit(w.gk[nx], be_, nk);
+    C* gv = fit(w.gv[nx], be_, nk);
+    be_.zero(gk, nk);
+    be_.zero(gv, nk);
+    be_.attention_block_backward(a.dq, gk, gv, a.dy, a.q, cur.k, cur.v, a.lse, dsum, a.pos, cur.p, a.doc, cur.d, a.B,
+                                 a.Tl, a.Tl, a.NH, a.NKV, a.HD, a.scale);
+    if (s > 0) {
+      tr.wait(kGrad);  // the partial dK/dV of this block from ranks r - s .. r - 1
+      be_.axpy(nk, S(1), w.rk[1 - nx].data(), gk);
+      be_.axpy(nk, S(1), w.rv[1 - nx].data(), gv);
+    }
+    C* to_k = s + 1 < P ? fit(w.rk[nx], be_, nk) : a.dk;
+    C* to_v = s + 1 < P ? fit(w.rv[nx], be_, nk) : a.dv;
+    tr.add(comm_.start_ring_shift(static_cast<const C*>(gk), to_k, nk), kGrad, static_cast<double>(nk * sizeof(C)));
+    tr.add(comm_.start_ring_shift(static_cast<const C*>(gv), to_v, nk), kGrad, static_cast<double>(nk * sizeof(C)));
+    if (s + 1 < P) {
+      tr.wait(kKv);
+      cur = next.view();
+    }
+  }
+  tr.wait(kGrad);
+}
+
+namespace {
+// Sequence b's K, V, positions and document ids of every rank of the group, rank-major: rows
+// [o * Tl, (o + 1) * Tl) are rank o's (any order works: the masks come from the positions).
+template <typename C>
+void gather_sequence(Comm& comm, Transfers& tr, const KvView<C>& mine, const KvBuf<C>& all, size_t nk, size_t nid) {
+  const double others = static_cast<double>(comm.world_size() - 1);
+  tr.add(comm.start_all_gather(mine.k, all.k, nk), kKv, others * static_cast<double>(nk * sizeof(C)));
+  tr.add(comm.start_all_gather(mine.v, all.v, nk), kKv, others * static_cast<double>(nk * sizeof(C)));
+  tr.add(comm.start_all_gather(bytes_of(mine.p), bytes_of(all.p), nid * 4), kKv, others * static_cast<double>(nid * 4));
+  if (mine.d)
+    tr.add(comm.start_all_gather(bytes_of(mine.d), bytes_of(all.d), nid * 4), kKv, others * static_cast<double>(nid * 4));
+  tr.wait(kKv);
+}
+}  // namespace
+
+// All-gather forward: per sequence, the whole K/V, then one block call of this rank's queries
+// against all keys (every row sees its own key: no -inf rows, no merge).
+template <typename C> void CpAttention<C>::gather_forward(const Args& a) {
+  const int P = size(), Tk = P * a.Tl;
+  Work& w = *work_;
+  const size_t nk1 = static_cast<size_t>(a.Tl) * a.ldk(), nq1 = static_cast<size_t>(a.Tl) * a.ldq(),
+               nsq = static_cast<size_t>(a.NH) * a.Tl;
+  const KvBuf<C> all{fit(w.kg, be_, nk1 * P), fit(w.vg, be_, nk1 * P), fit(w.pg, be_, static_cast<size_t>(Tk)),
+                     a.doc ? fit(w.dg, be_, static_cast<size_t>(Tk)) : nullptr};
+  Transfers tr(nullptr, stats_, P > 1);  // blocking: nothing to overlap with
+  for (int b = 0; b < a.B; ++b) {
+    const size_t tb = static_cast<size_t>(b) * a.Tl;
+    const int32_t* doc_b = a.doc ? a.doc + tb : nullptr;
+    gather_sequence(comm_, tr, KvView<C>{a.k + b * nk1, a.v + b * nk1, a.pos + tb, doc_b}, all, nk1,
+                    static_cast<size_t>(a.Tl));
+    be_.attention_block_forward(a.y + b * nq1, a.lse_out + b * nsq, a.q + b * nq1, all.k, all.v, a.pos + tb, all.p,
+                                doc_b, all.d, 1, a.Tl, Tk, a.NH, a.NKV, a.HD, a.scale);
+  }
+}
+
+// All-gather backward: per sequence, the whole K/V again (not kept from the forward: one sequence's
+// buffers at a time), this rank's queries' terms of dQ and of the whole sequence's dK/dV, then
+// dK/dV reduce-scattered (summed) so that each rank receives its own rows'.
+template <typename C> void CpAttention<C>::gather_backward(const Args& a) {
+  const int P = size(), Tk = P * a.Tl;
+  Work& w = *work_;
+  const size_t nk1 = static_cast<size_t>(a.Tl) * a.ldk(), nq1 = static_cast<size_t>(a.Tl) * a.ldq(),
+               nsq = static_cast<size_t>(a.NH) * a.Tl;
+  const KvBuf<C> all{fit(w.kg, be_, nk1 * P), fit(w.vg, be_, nk1 * P), fit(w.pg, be_, static_cast<size_t>(Tk)),
+                     a.doc ? fit(w.dg, be_, static_cast<size_t>(Tk)) : nullptr};
+  C* dkg = fit(w.dkg, be_, nk1 * P);
+  C* dvg = fit(w.dvg, be_, nk1 * P);
+  S* dsum = fit(w.dsum, be_, a.ns());
+  be_.attention_row_dot(dsum, a.dy, a.yin, a.B, a.Tl, a.NH, a.HD);
+  be_.zero(a.dq, a.nq());
+  Transfers tr(nullptr, stats_, P > 1);
+  const double rs_bytes = static_cast<double>(P - 1) * static_cast<double>(nk1 * sizeof(C));
+  for (int b = 0; b < a.B; ++b) {
+    const size_t tb = static_cast<size_t>(b) * a.Tl;
+    const int32_t* doc_b = a.doc ? a.doc + tb : nullptr;
+    gather_sequence(comm_, tr, KvView<C>{a.k + b * nk1, a.v + b * nk1, a.pos + tb, doc_b}, all, nk1,
+                    static_cast<size_t>(a.Tl));
+    be_.zero(dkg, nk1 * P);
+    be_.zero(dvg, nk1 * P);
+    be_.attention_block_backward(a.dq + b * nq1, dkg, dvg, a.dy + b * nq1, a.q + b * nq1, all.k, all.v,
+                                 a.lse + b * nsq, dsum + b * nsq, a.pos + tb, all.p, doc_b, all.d, 1, a.Tl, Tk, a.NH,
+                                 a.NKV, a.HD, a.scale);
+    tr.add(comm_.start_reduce_scatter_sum(static_cast<const C*>(dkg), a.dk + b * nk1, nk1), kGrad, rs_bytes);
+    tr.add(comm_.start_reduce_scatter_sum(static_cast<const C*>(dvg), a.dv + b * nk1, nk1), kGrad, rs_bytes);
+    tr.wait(kGrad);
+  }
+}
+
+template class CpAttention<float>;
+template class CpAttention<double>;
+template class CpAttention<bf16>;
+
+}  // namespace shardtrain
