@@ -7,7 +7,9 @@
 #     tp 2) are format version 5 with attribute `mesh`, their shard tables have the rows the
 #     format says, their metadata checksums match (tests/e2e/ckpt_meta.py), and every stored
 #     element equals the value the test gave it (the formula again, here in Python); the files
-#     without cp stay versions 3 and 4. (The same test loads them back bitwise at other meshes.)
+#     without cp stay versions 3 and 4 (the same test loads them back bitwise at other meshes);
+#     --mode inspect names the mesh, and the four files, which hold the same values, export to the
+#     same bytes.
 #  2. --mode plan --cp N for llama-8b and llama-70b at 32,768 and 131,072 tokens on 80 GB and
 #     141 GB GPUs: the title names CP, the K/V buffers of each method are listed, the activations
 #     kept fall as 1 / cp (ratio of the printed MiB), and T > max_position_embeddings is refused at
@@ -71,6 +73,19 @@ check("v3.h5", 3, None, 4, None)
 check("v4.h5", 4, None, 4, 2)
 PY
 echo "ok: h5py reads the version 5 files (cp 2 x dp_shard 2; cp 2 x tp 2): mesh, rows, checksums and every element"
+# The program's own readers: --mode inspect names the mesh; the four files hold the same values, so
+# their exports (at 1 rank and at 3) are the same bytes.
+timeout -k 5 60 "$BIN" --mode inspect "$WORK/cp2_dp2.h5" 2>&1 | grep -qF "saved by a context-parallel run: world size 4: cp 2 x dp_shard 2 (attribute 'mesh'" ||
+  fail "inspect cp2_dp2.h5: no mesh line"
+timeout -k 5 60 "$BIN" --mode inspect "$WORK/cp2_tp2.h5" 2>&1 | grep -qF "world size 4: tp 2 x cp 2 x dp_shard 1 x dp_replicate 1" ||
+  fail "inspect cp2_tp2.h5: no mesh line"
+for f in v3 cp2_dp2 cp2_tp2 v4; do
+  np=1; [ "$f" = cp2_tp2 ] && np=3
+  timeout -k 5 120 $MPIRUN -np "$np" "$BIN" --mode export --checkpoint "$WORK/$f.h5" --out "$WORK/hf-$f" >"$WORK/export-$f.log" 2>&1 ||
+    { cat "$WORK/export-$f.log"; fail "export of $f.h5"; }
+  [ "$f" = v3 ] || cmp -s "$WORK/hf-v3/model.safetensors" "$WORK/hf-$f/model.safetensors" || fail "export of $f.h5 differs from v3.h5's"
+done
+echo "ok: --mode inspect names the mesh of version 5 files; exports of the cp 2 x dp 2, cp 2 x tp 2 (at 3 ranks) and version 4 files equal the version 3 file's, byte for byte"
 
 # 2. --mode plan --cp N.
 plan() { timeout -k 5 120 "$BIN" --mode plan --device cuda --precision bf16 --micro-batch 1 --world-size 8 \

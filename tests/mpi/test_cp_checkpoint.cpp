@@ -43,6 +43,8 @@ st::ModelConfig config() {
   c.max_position_embeddings = 16;
   c.tie_word_embeddings = false;
   c.rope_theta = 10000.0;
+  c.bos_token_id = 1;  // inside the vocabulary: the files pass --mode inspect's checks too
+  c.eos_token_ids = {2};
   return c;
 }
 
