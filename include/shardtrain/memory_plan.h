@@ -15,9 +15,10 @@
 //   activations                                activation_bytes() of the model (model.h) for the rows a
 //                                              rank holds: B x T / cp (context parallelism: each
 //                                              sequence's T / cp rows; cp_memory, parallelize.h)
-//   CP K/V buffers (cp > 1)                    ring: 8 x (B x T / cp) x NKV/tp x HD x elem bytes;
-//                                              allgather: 4 x B x T x NKV/tp x HD x elem bytes
-//                                              (cp_memory, parallelize.h, says why)
+//   CP K/V buffers (cp > 1)                    the CP attention's scratch: ring about 12 x (B x T / cp)
+//                                              x NKV/tp x HD x elem bytes, allgather about 4 x T x
+//                                              NKV/tp x HD x elem bytes (one sequence at a time); the
+//                                              exact formula and why: cp_memory, parallelize.h
 //   token data                                 a token file held in memory (training maps its files: not counted)
 //   runtime                                    the process before any of the above: libraries,
 //                                              MPI, thread stacks (measured, see plan_memory)

@@ -141,27 +141,31 @@ LayoutRows checkpoint_layout_rows(const ModelConfig& mc, const MeshDims& d);
 std::string training_refusal(const MeshDims& d);
 
 // Context parallelism in the memory plan (memory_plan.h), per rank, for micro-batches of B
-// sequences of T tokens on mesh `d` (elem_bytes: the compute type's). With cp = C, NKV' = the
-// key/value heads of a TP rank (NKV / tp), HD the head dimension, r = B x T / C rows held:
+// sequences of T tokens on mesh `d` (elem_bytes: the compute type's). With cp = C, r = B x T / C
+// rows held, KV' = (NKV / tp) x HD and Q' = (NH / tp) x HD the widths of a TP rank's K/V and Q:
 //   rows      T / C: each sequence's rows a rank holds; every activation buffer is the model's
 //             for T / C tokens (activation_bytes(mc, options, B, T / C, ...)), so activations
 //             fall as 1 / C (CP attention is blockwise: no [T, T] probabilities);
-//   ring      8 x r x NKV' x HD x elem_bytes: in the backward (the peak), the K and V block in hand
-//             and the one arriving (2 x 2 x r x NKV' x HD), and the dK and dV of the visiting block
-//             travelling with it and the one arriving (2 x 2 x r x NKV' x HD); the forward holds half;
-//   allgather 4 x B x T x H x HD x elem_bytes: the gathered K and V of all T rows (2 x B x T x H x HD)
-//             and, in the backward, their gathered gradients before the reduce-scatter (as many);
-//             H = kv_chunk_heads KV heads gathered at a time (0: all NKV' at once; per-KV-head
-//             chunking, H = 1, bounds the buffer).
-// cp = 1: rows = T, no K/V buffers (kv_bytes 0), and the words of the plan as before CP.
+// and the scratch of the CP attention (CpAttention, context_parallel.h: kept between calls, so the
+// forward's and the backward's add up), with 4-byte lse / dsum (S) and int32 positions and
+// document ids:
+//   ring      elem_bytes x (12 x r x KV' + r x Q') + 4 x 2 x r x NH/tp + 4 x 4 x r: K and V
+//             arriving, double-buffered (4 blocks of r x KV'); the backward's dK and dV of the
+//             visiting block and the partial sums arriving, double-buffered (8); the merge's y;
+//             lse and dsum; positions and document ids, 2 buffers each;
+//   allgather elem_bytes x 4 x T x KV' + 4 x r x NH/tp + 4 x 2 x T: one sequence at a time, the
+//             gathered K and V of all T rows and, in the backward, their gathered gradients before
+//             the reduce-scatter; dsum; the sequence's positions and document ids.
+// cp = 1: rows = T, no CP scratch (kv_bytes 0), and the words of the plan as before CP. When
+// CpAttention's buffers change, this changes with them (a test compares the two once the model
+// runs CP).
 struct CpMemory {
   int rows = 0;             // T / C
   std::string rows_words;   // "B x T tokens", or "B x T / C = B x rows tokens of each sequence (CP C)"
-  int64_t kv_bytes = 0;     // K/V exchange buffers (0: none)
+  int64_t kv_bytes = 0;     // the CP attention's scratch (0: none)
   std::string kv_name, kv_detail;  // the memory plan's line
 };
-CpMemory cp_memory(const ModelConfig& mc, const MeshDims& d, CpComm method, int B, int T, size_t elem_bytes,
-                   int kv_chunk_heads = 0);
+CpMemory cp_memory(const ModelConfig& mc, const MeshDims& d, CpComm method, int B, int T, size_t elem_bytes);
 
 // Builds the run's layout. Collective only through what it constructs (none of it communicates
 // at construction). Throws std::bad_alloc (allocation; the trainer agrees on it),

@@ -139,8 +139,7 @@ std::string training_refusal(const MeshDims& d) {
   return "";
 }
 
-CpMemory cp_memory(const ModelConfig& mc, const MeshDims& d, CpComm method, int B, int T, size_t elem_bytes,
-                   int kv_chunk_heads) {
+CpMemory cp_memory(const ModelConfig& mc, const MeshDims& d, CpComm method, int B, int T, size_t elem_bytes) {
   CpMemory m;
   const int C = d.cp;
   m.rows = T / C;
@@ -150,20 +149,21 @@ CpMemory cp_memory(const ModelConfig& mc, const MeshDims& d, CpComm method, int 
   }
   m.rows_words = std::to_string(B) + " x " + std::to_string(T) + " / " + std::to_string(C) + " = " + std::to_string(B) +
                  " x " + std::to_string(m.rows) + " tokens of each sequence (CP " + std::to_string(C) + ")";
-  const int64_t e = static_cast<int64_t>(elem_bytes), HD = mc.head_dim(), nkv = mc.num_key_value_heads / d.tp;
+  const int64_t e = static_cast<int64_t>(elem_bytes), HD = mc.head_dim();
+  const int64_t kv = int64_t{mc.num_key_value_heads / d.tp} * HD, nh = mc.num_attention_heads / d.tp, q = nh * HD;
   const int64_t r = int64_t{B} * m.rows;  // rows held
+  const std::string es = std::to_string(e) + " B";
   if (method == CpComm::Ring) {
-    m.kv_bytes = 8 * r * nkv * HD * e;
+    m.kv_bytes = e * (12 * r * kv + r * q) + 4 * 2 * r * nh + 4 * 4 * r;
     m.kv_name = "CP ring K/V buffers";
-    m.kv_detail = "8 x " + std::to_string(r) + " rows x " + std::to_string(nkv) + " KV heads x " + std::to_string(HD) +
-                  " x " + std::to_string(e) + " B: K, V in hand and arriving, dK, dV travelling and arriving (backward)";
+    m.kv_detail = es + " x (12 x " + std::to_string(r) + " rows x " + std::to_string(kv) + " + the merge's y): K, V "
+                  "arriving and dK, dV travelling, double-buffered; lse, dsum, positions, document ids";
   } else {
-    const int64_t H = kv_chunk_heads > 0 ? std::min<int64_t>(kv_chunk_heads, nkv) : nkv;
-    m.kv_bytes = 4 * int64_t{B} * T * H * HD * e;
+    m.kv_bytes = e * 4 * int64_t{T} * kv + 4 * r * nh + 4 * 2 * int64_t{T};
     m.kv_name = "CP all-gathered K/V buffers";
-    m.kv_detail = "4 x " + std::to_string(int64_t{B} * T) + " rows x " + std::to_string(H) + " KV heads x " +
-                  std::to_string(HD) + " x " + std::to_string(e) + " B: gathered K, V and their gradients before the "
-                  "reduce-scatter" + (H < nkv ? " (" + std::to_string(H) + " KV head(s) at a time)" : "");
+    m.kv_detail = es + " x 4 x " + std::to_string(T) + " rows x " + std::to_string(kv) +
+                  ": one sequence's gathered K, V and their gradients before the reduce-scatter; dsum, positions, "
+                  "document ids";
   }
   return m;
 }

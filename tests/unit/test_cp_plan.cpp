@@ -3,7 +3,7 @@
 // `--mode plan --cp N` plans them. Checked against arithmetic written here: the activations a rank
 // keeps fall exactly as 1 / cp (tiled attention: every buffer is rows x width), the K/V buffers of
 // each method follow their formula from the model's shapes, and the refusals are training's
-// (resolve_geometry).
+// (resolve_geometry). The CP scratch's formula is CpAttention's buffers (parallelize.h cp_memory).
 #include <gtest/gtest.h>
 
 #include <string>
@@ -58,11 +58,14 @@ TEST(CpPlan, ActivationsFallAsOneOverCpAndKvBuffersFollowTheirFormula) {
           // Every buffer of a block is (rows held) x (a width): exactly 1 / cp of the cp = 1 plan.
           EXPECT_EQ(line(p, "activations kept for backward") * cp, kept1);
           EXPECT_EQ(line(p, "block scratch and activation gradients") * cp, scratch1);
-          // K/V: bf16 (2 bytes), 8 KV heads of 128; ring: 8 x (T / cp) rows; allgather: 4 x T rows.
+          // The CP attention's scratch, bf16 (2 bytes), 8 KV heads of 128, NH query heads of 128:
+          // ring: 12 blocks of (T / cp) rows of K/V, the merge's y, lse + dsum (fp32), 4 int32 id
+          // buffers; allgather: 4 x T rows of K/V (one sequence), dsum, 2 id buffers of T.
+          const int64_t r = T / cp, nh = mc.num_attention_heads;
           if (how == CpComm::Ring)
-            EXPECT_EQ(line(p, "CP ring K/V buffers"), int64_t{8} * (T / cp) * 8 * 128 * 2);
+            EXPECT_EQ(line(p, "CP ring K/V buffers"), 2 * (12 * r * 8 * 128 + r * nh * 128) + 4 * 2 * r * nh + 4 * 4 * r);
           else
-            EXPECT_EQ(line(p, "CP all-gathered K/V buffers"), int64_t{4} * T * 8 * 128 * 2);
+            EXPECT_EQ(line(p, "CP all-gathered K/V buffers"), 2 * (int64_t{4} * T * 8 * 128) + 4 * r * nh + 4 * 2 * int64_t{T});
           // More CP ranks: less memory per rank (parameters are sharded over dp_shard x cp = 8 at
           // every cp, so only activations and K/V change).
           const int64_t total = p.total();
@@ -102,14 +105,16 @@ TEST(CpPlan, RefusalsAreTrainings) {
             "option '--seq-len' (262144) exceeds the model's max_position_embeddings (131072)");
 }
 
-// The K/V formula's chunked all-gather (per-KV-head chunks) and the TP split of KV heads.
-TEST(CpPlan, KvBuffersUnderTpAndChunking) {
-  const ModelConfig mc = preset("llama-8b");
+// The scratch under TP (a TP rank's heads) and B > 1 (the ring holds every sequence's rows, the
+// all-gather one sequence at a time).
+TEST(CpPlan, KvBuffersUnderTpAndMicroBatches) {
+  const ModelConfig mc = preset("llama-8b");  // 32 heads, 8 KV heads, HD 128
   const CpMemory ring = cp_memory(mc, MeshDims{1, 1, 2, 4}, CpComm::Ring, 2, 32768, 2);
   EXPECT_EQ(ring.rows, 16384);
-  EXPECT_EQ(ring.kv_bytes, int64_t{8} * 2 * 16384 * (8 / 4) * 128 * 2);  // 2 KV heads per TP rank
-  const CpMemory ag1 = cp_memory(mc, MeshDims{1, 1, 2, 1}, CpComm::AllGather, 1, 32768, 4, 1);
-  EXPECT_EQ(ag1.kv_bytes, int64_t{4} * 32768 * 1 * 128 * 4);  // one KV head at a time, fp32
+  const int64_t r = 2 * 16384;  // rows held: 2 sequences x 16384
+  EXPECT_EQ(ring.kv_bytes, 2 * (12 * r * 2 * 128 + r * 8 * 128) + 4 * 2 * r * 8 + 4 * 4 * r);  // 2 KV, 8 Q heads per TP rank
+  const CpMemory ag = cp_memory(mc, MeshDims{1, 1, 2, 1}, CpComm::AllGather, 3, 32768, 4);
+  EXPECT_EQ(ag.kv_bytes, 4 * (int64_t{4} * 32768 * 8 * 128) + 4 * (3 * 16384) * 32 + 4 * 2 * 32768);  // fp32
   const CpMemory none = cp_memory(mc, MeshDims{1, 2, 1, 1}, CpComm::Ring, 1, 32768, 2);
   EXPECT_EQ(none.kv_bytes, 0);
   EXPECT_EQ(none.rows, 32768);
