@@ -85,11 +85,11 @@ void run_tokenizer(Comm& comm, const Options& o) {
                      ", trained on " + std::to_string(r.sentences) + " lines (" + b + ")");
 }
 
-// The run's mesh from options '--tp' and '--shard-group-size' (hybrid sharding: G ranks per shard group, W / G
-// replica groups), checked on every rank before anything else; logs the topology line.
+// The run's mesh from options '--tp', '--cp' and '--shard-group-size' (hybrid sharding: G ranks per
+// shard group, W / G replica groups), checked on every rank before anything else; logs the topology line.
 std::unique_ptr<Mesh> build_mesh(Comm& comm, const Topology& topo, const Options& o) {
   MeshDims dims;
-  agree(comm, [&] { dims = resolve_mesh_dims(o.shard_group_size, o.tp, topo.world_size, ranks_per_node(topo)); });
+  agree(comm, [&] { dims = resolve_mesh_dims(o.shard_group_size, o.tp, o.cp, topo.world_size, ranks_per_node(topo)); });
   auto mesh = std::make_unique<Mesh>(comm, topo, dims, o.collective_timeout);
   log_info(comm, mesh->topology_line());
   if (!mesh->shard_group_note().empty()) log_info(comm, mesh->shard_group_note());
@@ -327,9 +327,13 @@ void run_plan(Comm& comm, const Topology& topo, const Options& o) {
   all_ok(comm, o.plan_world_size > 0 || W % o.tp == 0,
          "option '--tp' (" + std::to_string(o.tp) + ") does not divide this launch's world size (" + std::to_string(W) +
              "): give the planned job's ranks with '--world-size'");
+  all_ok(comm, o.plan_world_size > 0 || W % (int64_t{o.tp} * o.cp) == 0,
+         "option '--cp' (" + std::to_string(o.cp) + ") x '--tp' (" + std::to_string(o.tp) +
+             ") does not divide this launch's world size (" + std::to_string(W) +
+             "): give the planned job's ranks with '--world-size'");
   MeshDims dims;
-  agree(comm, [&] { dims = resolve_mesh_dims(o.shard_group_size, o.tp, W, ranks_per_node(topo)); });
-  const int G = dims.dp_shard * dims.tp;
+  agree(comm, [&] { dims = resolve_mesh_dims(o.shard_group_size, o.tp, o.cp, W, ranks_per_node(topo)); });
+  const int G = dims.fsdp() * dims.tp;
   MemoryPlanInput in{mc, o.train, W, o.train.precision, o.train.reduce_bf16, cuda, 0, 4, 0, o.train.overlap};
   in.mesh = dims;
   TrainConfig& t = in.train;
@@ -354,7 +358,12 @@ void run_plan(Comm& comm, const Topology& topo, const Options& o) {
   os << plan_memory(in).format("memory plan per rank: '" + o.model + "' (" + std::to_string(mc.num_params()) +
                                " parameters), " + std::to_string(W) + " ranks" +
                                (G != W ? " (shard group size " + std::to_string(G) + ")" : std::string()) +
-                               (dims.tp > 1 ? ", TP " + std::to_string(dims.tp) : std::string()) + ", " +
+                               (dims.tp > 1 ? ", TP " + std::to_string(dims.tp) : std::string()) +
+                               (dims.cp > 1 ? ", CP " + std::to_string(dims.cp) + " (" + cp_comm_name(o.train.cp_comm) +
+                                                  "; FSDP over dp_shard " + std::to_string(dims.dp_shard) + " x cp " +
+                                                  std::to_string(dims.cp) + ")"
+                                            : std::string()) +
+                               ", " +
                                precision_name(o.train.precision) + ", micro-batch " +
                                std::to_string(t.micro_batch) + " x " + std::to_string(t.seq_len) + " tokens, " +
                                (cuda ? "GPU device memory" : "CPU memory"));
@@ -432,7 +441,11 @@ void run_inspect(Comm& comm, const Options& o) {
      << (info.metadata_verified ? "every attribute and table matches its CRC32 (metadata_crc32)"
                                 : "format version 1: attributes not checksummed")
      << "; tensor data is verified when loaded (--dump-param)\n";
-  if (info.tp > 1)
+  if (info.cp > 1)
+    os << "  saved by a context-parallel run: " << saved_layout_words(info) << " (attribute 'mesh'; "
+       << (info.tp > 1 ? "the tensors are canonical, in rows of its world" : "the rows of its shard group, dp_shard x cp")
+       << "; docs/checkpoint-format.md, version 5)\n";
+  else if (info.tp > 1)
     os << "  saved by a tensor-parallel run: tp " << info.tp << " x dp_shard " << info.tp_dp_shard << " x dp_replicate "
        << info.tp_dp_replicate << "; the tensors are canonical, in rows of its " << info.world_size
        << " ranks (docs/checkpoint-format.md, version 4)\n";
@@ -441,7 +454,7 @@ void run_inspect(Comm& comm, const Options& o) {
        << u.padded_numel << "\n";
     if (info.tp > 1) {
       os << "    TP-local buffer " << u.tp.local_numel << " elements, shard_size " << u.tp.local_shard_size
-         << " over dp_shard " << u.tp.shards.size() << "; tp_table (split, degree, padded_rows, local_offset):";
+         << " over " << (info.cp > 1 ? "dp_shard x cp " : "dp_shard ") << u.tp.shards.size() << "; tp_table (split, degree, padded_rows, local_offset):";
       for (auto& r : u.tp.params) os << " (" << r[0] << ", " << r[1] << ", " << r[2] << ", " << r[3] << ")";
       os << "\n";
     }

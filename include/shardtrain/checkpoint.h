@@ -43,21 +43,25 @@ namespace shardtrain {
 // history in data_position and the `data` attribute; version 3 the `spike_stats` attribute (the
 // loss-spike statistics, SpikeStats). Version 1 files still load (their attributes unverified, with
 // a note), version 1 and 2 files with empty spike statistics; saves always write version 3.
-inline constexpr int kCheckpointFormatVersion = 4;  // the newest read; a run without --tp writes 3
+// Version 4 (--tp N > 1) adds the TP record, version 5 (--cp C > 1) the saving run's mesh with cp
+// (attribute `mesh`; docs/checkpoint-format.md, "Version 5"). Files of versions 1 to 4 read with cp = 1.
+inline constexpr int kCheckpointFormatVersion = 5;  // the newest read; a run writes 3, 4 (--tp) or 5 (--cp)
 
 // Per-unit tables as stored.
 // Version 4 (docs/checkpoint-format.md): how a tensor-parallel run held one unit. `params`: per
 // parameter, in param_table's order, {split (0 rows, 1 columns, -1 replicated), degree N,
 // padded_rows, local_offset}; the TP-local buffer of local_numel elements, sharded over the
-// data-parallel ranks as `shards` (dp_shard rows: start, valid, padding), the same for every TP rank.
+// ranks of its FSDP shard group as `shards` (dp_shard x cp rows: start, valid, padding), the same
+// for every TP rank.
 struct TpUnitRecord {
   std::vector<std::array<int64_t, 4>> params;
   int64_t local_numel = 0, local_shard_size = 0;
   std::vector<RankShard> shards;
 };
-// The saving run's mesh and every unit's record (version 4; tp = 1: none, a version 3 file).
+// The saving run's mesh and, tp > 1, every unit's record (version 4; tp = 1: no units). cp > 1:
+// the file is version 5, which records the mesh with cp (attribute `mesh`).
 struct TpRecord {
-  int tp = 1, dp_shard = 1, dp_replicate = 1;
+  int tp = 1, dp_shard = 1, dp_replicate = 1, cp = 1;
   std::vector<TpUnitRecord> units;
 };
 // The record of a run with these TP plans (TpCheckpointLayout::tp_plans) and mesh.
@@ -92,7 +96,8 @@ struct CheckpointInfo {
   bool metadata_verified = false;      // version 2: every attribute and table matched its checksum
   std::vector<CheckpointUnitInfo> units;
   // Version 4: the saving run's mesh (attribute `tensor_parallel`); tp = 1 for older versions.
-  int tp = 1, tp_dp_shard = 0, tp_dp_replicate = 0;
+  // Version 5: the same from attribute `mesh`, with cp (tp may be 1); cp = 1 for older versions.
+  int tp = 1, tp_dp_shard = 0, tp_dp_replicate = 0, cp = 1;
 };
 
 struct CheckpointOptions {
@@ -230,7 +235,7 @@ ShardedTensors sharded_params(ShardedState<float>& f);
 // rank): fine up to thousands of ranks for these shapes; a row-parallel slice is one run per row).
 class TpCheckpointLayout {
  public:
-  // tp_plans[t]: TP rank t's plan (ShardPlan::build(llama_units(c, N, t), dp_shard)), N =
+  // tp_plans[t]: TP rank t's plan (ShardPlan::build(llama_units(c, N, t), dp_shard x cp)), N =
   // mesh.dims().tp of them; canonical: ShardPlan::build(llama_units(c), W) for W = the world
   // size. `names`: the tensors held (checkpoint_tensor_names(), or its first for weights only).
   // Allocates the canonical rows (names x canonical shard sizes, host memory; std::bad_alloc).
@@ -502,7 +507,9 @@ CheckpointInfo read_checkpoint_info(Comm& comm, const std::string& path);
 
 // The saving run's layout in words, for log lines: "world size 4", "world size 8, shard group size
 // 4" (hybrid sharding: the file holds a shard group's rows; train_config records the run), "world
-// size 8: tp 2 x dp_shard 2 x dp_replicate 2" (version 4).
+// size 8: tp 2 x dp_shard 2 x dp_replicate 2" (version 4), "world size 4: cp 2 x dp_shard 2" (a
+// shard group's rows; " (one of R replica groups)" under hybrid sharding) or "world size 8: tp 2 x
+// cp 2 x dp_shard 2 x dp_replicate 1" (version 5).
 std::string saved_layout_words(const CheckpointInfo& info);
 
 // The unit and parameter tables of `info` against the model split as `plan` (any world size: the

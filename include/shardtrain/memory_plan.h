@@ -7,12 +7,18 @@
 // Trillion Parameter Models", section 3: 16 bytes per parameter for mixed-precision Adam, here
 // fp32 master + fp32 gradient + two fp32 moments = 16 bytes, divided by the world size):
 //   parameter, gradient, AdamW m and v shards   4 + 4 + 4 + 4 bytes x shard elements (1/W; 1/G, the
-//                                              shard group size, with hybrid sharding)
+//                                              shard group size (dp_shard x cp), with hybrid sharding)
 //   FSDP buffers                               full-unit gather buffers (1 + prefetch with overlap on)
 //                                              and gradient buffers (2 with overlap on) sized for the
 //                                              largest unit, a shard-sized scatter buffer (+ the
 //                                              bf16 copies of mixed precision), not divided by W
-//   activations                                activation_bytes() of the model (model.h)
+//   activations                                activation_bytes() of the model (model.h) for the rows a
+//                                              rank holds: B x T / cp (context parallelism: each
+//                                              sequence's T / cp rows; cp_memory, parallelize.h)
+//   CP K/V buffers (cp > 1)                    the CP attention's scratch: ring about 12 x (B x T / cp)
+//                                              x NKV/tp x HD x elem bytes, allgather about 4 x T x
+//                                              NKV/tp x HD x elem bytes (one sequence at a time); the
+//                                              exact formula and why: cp_memory, parallelize.h
 //   token data                                 a token file held in memory (training maps its files: not counted)
 //   runtime                                    the process before any of the above: libraries,
 //                                              MPI, thread stacks (measured, see plan_memory)
@@ -45,7 +51,8 @@ struct MemoryPlanInput {
   OverlapConfig overlap{};
   // The run's mesh (mesh.h): what a rank holds of the model (parallelize.h rank_unit_plan: its TP
   // slices sharded over dp_shard ranks), what its checkpoint layout keeps, its activations (with
-  // sequence parallelism under TP: activation_bytes(..., tp)). Unset: plain FSDP over world_size.
+  // sequence parallelism under TP: activation_bytes(..., tp); under CP the T / cp rows of each
+  // sequence and the K/V buffers of train.cp_comm). Unset: plain FSDP over world_size.
   std::optional<MeshDims> mesh{};
   // The data collectives are stream-ordered (NCCL: --device cuda --gpu-comm nccl): one
   // reduce-scatter per unit (CommQueue's stream lane), whose result buffer is a whole shard and

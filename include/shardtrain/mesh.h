@@ -7,13 +7,25 @@
 // shard layer takes its communicators from it (ShardedState's Mesh constructor), the trainer asks it the
 // questions above.
 //
-// Dimensions, outermost first: dp_replicate (R, replica groups of hybrid sharding) x dp_shard (G,
-// the shard group) x cp x tp (context parallelism: not implemented yet, must be 1; tensor
-// parallelism, --tp: the TP group of consecutive ranks, model.h).
+// Dimensions, outermost first: dp_replicate (R, replica groups of hybrid sharding) x dp_shard (D)
+// x cp (C, context parallelism, --cp: the ranks of a CP group hold different parts of the same
+// sequences) x tp (N, tensor parallelism, --tp: the TP group of consecutive ranks, model.h).
 // The global rank of coordinate (rep, shard, cp, tp) is
-// ((rep * G + shard) * cp_size + cp) * tp_size + tp: tp varies fastest (its ranks sit together on
-// a node), dp_replicate slowest (the dimension that may cross nodes). With tp = cp = 1 this is rank = rep * G + shard: a shard group is G
-// consecutive ranks, a replica group the ranks of equal shard rank.
+// ((rep * D + shard) * C + cp) * N + tp: tp varies fastest (its ranks sit together on a node), then
+// cp, dp_replicate slowest (the dimension that may cross nodes). With tp = cp = 1 this is
+// rank = rep * D + shard: a shard group is D consecutive ranks, a replica group the ranks of equal
+// shard rank.
+//
+// What each dimension does to the questions below (each stated again at its function):
+//   FSDP's shard group spans dp_shard x cp (D * C ranks, MeshDims::fsdp()): the CP ranks of a group
+//     hold different shards of the same parameters, as torchtitan's dp_shard_cp mesh does. Its
+//     ranks: equal (rep, tp), differing in (shard, cp), in rank order: index shard * C + cp.
+//   Batch rows: ranks that differ only in cp or tp read the same rows (dp_index excludes both).
+//   Checkpoint rows: replica group 0 writes them, one row per rank of the (larger) shard group.
+//   Gradient norm: every rank of replica group 0 counts its shards (CP ranks hold different ones);
+//     a TP group's replicated parameters count once (TP rank 0).
+//   Loss: each CP rank holds different tokens, so the loss sums over CP ranks; a TP group's ranks
+//     compute the loss of the same tokens, so it counts once (TP rank 0).
 #pragma once
 
 #include <functional>
@@ -29,10 +41,11 @@ namespace shardtrain {
 struct MeshDims {
   int dp_replicate = 1;  // R: replica groups (hybrid sharding); 1 = plain FSDP
   int dp_shard = 1;      // G: ranks a unit is sharded over
-  int cp = 1;            // context parallelism (not yet implemented: must be 1)
-  int tp = 1;            // tensor parallelism: ranks of a TP group (--tp)
+  int cp = 1;            // C: context parallelism, ranks of a CP group (--cp)
+  int tp = 1;            // N: tensor parallelism, ranks of a TP group (--tp)
   int world() const { return dp_replicate * dp_shard * cp * tp; }
   int dp() const { return dp_replicate * dp_shard; }  // data-parallel degree: ranks reading different batches
+  int fsdp() const { return dp_shard * cp; }          // ranks of an FSDP shard group: dp_shard x cp
 };
 
 // A rank's coordinate in the mesh: each index in [0, size of its dimension).
@@ -45,7 +58,7 @@ struct MeshCoord {
 // Every function is a pure function of (dims, rank); ranks are global ranks in [0, dims.world()).
 class MeshLayout {
  public:
-  // Throws std::invalid_argument when a size is < 1, or cp is not 1 (not implemented yet).
+  // Throws std::invalid_argument when a size is < 1.
   explicit MeshLayout(MeshDims d);
   const MeshDims& dims() const { return d_; }
   MeshCoord coord(int rank) const;
@@ -53,25 +66,35 @@ class MeshLayout {
   // Data parallelism: the index of the batch rows `rank` reads, in [0, dims().dp()): replica-major
   // (rep * G + shard). Ranks that differ only in cp / tp read the same rows.
   int dp_index(int rank) const;
-  // The global ranks of `rank`'s shard group (its dp_shard dimension) and replica group (its
-  // dp_replicate dimension), in increasing order (= their rank order in the group's Comm).
+  // The global ranks of `rank`'s FSDP shard group (its dp_shard and cp dimensions: the ranks of
+  // equal dp_replicate and tp, dims().fsdp() of them) and replica group (its dp_replicate
+  // dimension), in increasing order (= their rank order in the group's Comm).
   std::vector<int> shard_group(int rank) const;
   std::vector<int> replica_group(int rank) const;
+  // `rank`'s index in its shard group (its row of the shard plan): dp_shard * cp_size + cp, in
+  // [0, dims().fsdp()); = the position of `rank` in shard_group(rank).
+  int shard_index(int rank) const;
   // The global ranks of `rank`'s TP group (its tp dimension: tp consecutive ranks), in order.
   std::vector<int> tp_group(int rank) const;
-  // Checkpoints hold one logical copy: the ranks of replica group 0 write it, shard rank r writing
-  // row r of every unit's flat buffers; the others join every collective HDF5 call with empty
-  // selections. checkpoint_row: the row `rank` writes, or -1 when it writes none.
+  // The global ranks of `rank`'s CP group (its cp dimension: the ranks differing from it only in
+  // the cp coordinate, tp apart), in order; index i holds chunks i and 2·cp−1−i of every sequence.
+  std::vector<int> cp_group(int rank) const;
+  // Checkpoints hold one logical copy: the ranks of replica group 0 write it, the rank of shard
+  // index r (shard_index: over dp_shard x cp) writing row r of every unit's flat buffers; the
+  // others join every collective HDF5 call with empty selections. checkpoint_row: the row `rank`
+  // writes, or -1 when it writes none.
   bool writes_checkpoint(int rank) const { return coord(rank).dp_replicate == 0; }
-  int checkpoint_row(int rank) const { return writes_checkpoint(rank) ? coord(rank).dp_shard : -1; }
+  int checkpoint_row(int rank) const { return writes_checkpoint(rank) ? shard_index(rank) : -1; }
   // The global gradient norm counts every parameter element once: replicas hold identical gradient
-  // shards, so only replica group 0 adds its shards' sums of squares to the all-reduce.
+  // shards, so only replica group 0 adds its shards' sums of squares to the all-reduce. The CP
+  // ranks of a shard group hold different shards: each counts its own.
   bool counts_in_norm(int rank) const { return coord(rank).dp_replicate == 0; }
   // ... and of a TP group, whose ranks each hold their own slices but the same copy of the
   // replicated parameters (the RMSNorm weights), those count on the group's first rank only.
   bool counts_replicated_in_norm(int rank) const { return coord(rank).tp == 0; }
   // Every rank of a TP group computes the loss of the group's tokens: it counts once, from the
-  // group's first rank, in the step's loss sum.
+  // group's first rank, in the step's loss sum. The ranks of a CP group hold different tokens of
+  // the same sequences: each counts its own (the loss sums over CP ranks).
   bool counts_loss(int rank) const { return coord(rank).tp == 0; }
 
  private:
@@ -107,8 +130,9 @@ class Mesh {
   // Communicators. world(): control traffic (error agreement, losses, norms, checkpoint tables).
   // shard_host(): the shard group in host memory (the world when it is the whole world).
   // replica_host(): the replica group in host memory, nullptr when R = 1. tp_host(): the TP group
-  // in host memory, nullptr when tp = 1. shard_data() / replica_data() / tp_data(): the same groups
-  // for the backend's buffers: the device communicators when attached, else the host ones.
+  // in host memory, nullptr when tp = 1. cp_host(): the CP group (cp_group) in host memory, nullptr
+  // when cp = 1. shard_data() / replica_data() / tp_data() / cp_data(): the same groups for the
+  // backend's buffers: the device communicators when attached, else the host ones.
   // References stay valid for the mesh's lifetime.
   Comm& world() const { return world_; }
   Comm& shard_host() const { return shard_host_ ? *shard_host_ : world_; }
@@ -117,9 +141,12 @@ class Mesh {
   Comm& shard_data() const { return shard_dev_ ? *shard_dev_ : shard_host(); }
   Comm* replica_data() const { return replica_dev_ ? replica_dev_.get() : replica_host(); }
   Comm* tp_data() const { return tp_dev_ ? tp_dev_.get() : tp_host(); }
+  Comm* cp_host() const { return cp_host_.get(); }
+  Comm* cp_data() const { return cp_dev_ ? cp_dev_.get() : cp_host(); }
 
-  // Builds the device communicators of the shard group, (R > 1) the replica group and (tp > 1) the
-  // TP group with `make`, given each group's host communicator, in that order, and owns them.
+  // Builds the device communicators of the shard group, (R > 1) the replica group, (tp > 1) the
+  // TP group and (cp > 1) the CP group with `make`, given each group's host communicator, in that
+  // order, and owns them.
   // Collective as `make` is (NCCL: collective over the group; it agrees on failure itself). Call
   // once.
   void attach_device_comms(const std::function<std::unique_ptr<Comm>(Comm& host)>& make);
@@ -147,8 +174,8 @@ class Mesh {
   Topology topo_;
   MeshLayout layout_;
   MeshCoord coord_;
-  std::unique_ptr<MpiComm> shard_host_, replica_host_, tp_host_;
-  std::unique_ptr<Comm> shard_dev_, replica_dev_, tp_dev_;
+  std::unique_ptr<MpiComm> shard_host_, replica_host_, tp_host_, cp_host_;
+  std::unique_ptr<Comm> shard_dev_, replica_dev_, tp_dev_, cp_dev_;
   std::string note_;
   double collective_timeout_ = 0;
 };

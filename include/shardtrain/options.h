@@ -69,6 +69,8 @@ struct Options {
   std::string comm_progress = "poll";  // train: poll | thread | wait (parse_comm_progress, comm_queue.h)
   std::string shard_group_size;   // train, plan: ranks a unit is sharded over (HSDP): "" = all, N, or "node"
   int tp = 1;                     // train, plan: tensor-parallel degree (--tp; model.h)
+  int cp = 1;                     // train, plan: context-parallel degree (--cp; mesh.h, geometry.h)
+  std::string cp_comm = "ring";   // train, plan: ring | allgather (parse_cp_comm, geometry.h; TrainConfig::cp_comm)
   std::string checkpoint;         // inspect: the checkpoint file (also positional)
   std::string dump_param;         // inspect: write this gathered parameter ("all": every one) ...
   std::string dump_out;           // ... to this file (raw float32, little-endian; "all": a directory of <name>.bin)
@@ -98,11 +100,12 @@ Options parse_options(Comm& comm, int argc, char** argv);
 // ranks_per_node, else the number. Throws std::invalid_argument naming the option when G is not a
 // positive integer, "node" has no single value, or G does not divide the world size.
 int resolve_shard_group_size(const std::string& value, int world, int ranks_per_node);
-// The mesh of options '--tp' N and '--shard-group-size' G (ranks, TP groups included) for `world`
-// ranks: {dp_replicate W / G, dp_shard G / N, cp 1, tp N}. Throws std::invalid_argument naming the
-// option when N does not divide the world size or G is not a multiple of N (and as
-// resolve_shard_group_size).
-MeshDims resolve_mesh_dims(const std::string& shard_group_size, int tp, int world, int ranks_per_node);
+// The mesh of options '--tp' N, '--cp' C and '--shard-group-size' G (ranks of a replica: its TP and
+// CP groups included) for `world` ranks: {dp_replicate W / G, dp_shard G / (C x N), cp C, tp N}.
+// Throws std::invalid_argument naming the option and the numbers when N or C x N does not divide
+// the world size or G is not a multiple of C x N (and as resolve_shard_group_size). world 0: the
+// forms only.
+MeshDims resolve_mesh_dims(const std::string& shard_group_size, int tp, int cp, int world, int ranks_per_node);
 
 // The job-file text as Boost's INI parser is given it: a leading UTF-8 byte order mark (EF BB BF)
 // removed and every full-line `;` comment (first non-blank character `;`, after spaces or tabs)

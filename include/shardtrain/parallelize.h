@@ -11,8 +11,10 @@
 //   tp: every unit holds this rank's TP slices (llama_units(c, tp, tp_rank)), the model's
 //        TensorParallelOps is the TP group's (TpGroup), replicated parameters' gradients are summed
 //        over the group, and checkpoints store the canonical rows (TpCheckpointLayout, io);
-//   cp, pp: not implemented yet; their rooms are here (docs/architecture.md, "Where the next
-//        features go").
+//   cp: the mesh, the batch geometry, the memory plan and checkpoints know it (FSDP shards over
+//        dp_shard x cp; cp_memory below); the model does not run it yet, so training refuses it
+//        (training_refusal). pp: not implemented yet; its room is here (docs/architecture.md,
+//        "Where the next features go").
 //
 // Layer: between io and train. It uses runtime, backend, shard, model and io; train uses it;
 // runtime, backend, shard, model, data and io never include it.
@@ -24,6 +26,7 @@
 
 #include "shardtrain/checkpoint.h"
 #include "shardtrain/config.h"
+#include "shardtrain/geometry.h"  // CpComm
 #include "shardtrain/mesh.h"
 #include "shardtrain/shard.h"
 #include "shardtrain/tensor_parallel.h"
@@ -34,9 +37,11 @@ namespace shardtrain {
 // shard_group_size and tp; the format's TP tables).
 struct SavedLayout {
   int world_size = 1;        // the ranks whose rows the file holds (its plan's world size)
-  int shard_group_size = 1;  // the saving run's shard group (== world_size but under hybrid sharding)
+  int shard_group_size = 1;  // the saving run's shard group, dp_shard x cp (== world_size but under hybrid sharding)
   int tp = 1;
-  TpRecord tp_record;        // tp > 1: format version 4's tables (io, checkpoint.h)
+  // The saving run's mesh (tp, cp, dp_shard, dp_replicate) and, tp > 1, format version 4's tables;
+  // cp > 1 makes the file version 5 (io, checkpoint.h).
+  TpRecord tp_record;
 };
 
 // How a run's state maps to what its checkpoints store. The trainer saves and restores through
@@ -111,12 +116,13 @@ template <typename C> struct ParallelRun {
 };
 
 // The plan of the units one rank of the mesh `d` holds: TP rank `tp_rank`'s slices of every unit
-// (llama_units(mc, d.tp, tp_rank)), sharded over its shard group (d.dp_shard ranks). parallelize()
-// builds the state from it; the memory plan sizes it.
+// (llama_units(mc, d.tp, tp_rank)), sharded over its FSDP shard group (d.fsdp() = dp_shard x cp
+// ranks). parallelize() builds the state from it; the memory plan sizes it.
 ShardPlan rank_unit_plan(const ModelConfig& mc, const MeshDims& d, int tp_rank = 0);
 
 // How the mesh divides a parameter, in the memory plan's words: "G" (FSDP), "G ranks of a shard
-// group" (hybrid sharding), "(TP N x G), norms replicated over TP" (tensor parallelism).
+// group" (hybrid sharding), "(TP N x G), norms replicated over TP" (tensor parallelism); G =
+// dp_shard x cp, written "D x C" with cp > 1.
 std::string sharding_words(const MeshDims& d);
 
 // Host memory the checkpoint layout of a run on mesh `d` keeps for its saves (with checkpoints):
@@ -127,6 +133,39 @@ struct LayoutRows {
   std::string name;      // the memory plan's line
 };
 LayoutRows checkpoint_layout_rows(const ModelConfig& mc, const MeshDims& d);
+
+// What a training run cannot do yet on mesh `d`: "" or the refusal, the same on every rank
+// ("--cp 2: context-parallel training is not wired into the model yet": the model computes no CP
+// attention yet, and a run must not compute wrong numbers). The trainer refuses with it before
+// anything is allocated.
+std::string training_refusal(const MeshDims& d);
+
+// Context parallelism in the memory plan (memory_plan.h), per rank, for micro-batches of B
+// sequences of T tokens on mesh `d` (elem_bytes: the compute type's). With cp = C, r = B x T / C
+// rows held, KV' = (NKV / tp) x HD and Q' = (NH / tp) x HD the widths of a TP rank's K/V and Q:
+//   rows      T / C: each sequence's rows a rank holds; every activation buffer is the model's
+//             for T / C tokens (activation_bytes(mc, options, B, T / C, ...)), so activations
+//             fall as 1 / C (CP attention is blockwise: no [T, T] probabilities);
+// and the scratch of the CP attention (CpAttention, context_parallel.h: kept between calls, so the
+// forward's and the backward's add up), with 4-byte lse / dsum (S) and int32 positions and
+// document ids:
+//   ring      elem_bytes x (12 x r x KV' + r x Q') + 4 x 2 x r x NH/tp + 4 x 4 x r: K and V
+//             arriving, double-buffered (4 blocks of r x KV'); the backward's dK and dV of the
+//             visiting block and the partial sums arriving, double-buffered (8); the merge's y;
+//             lse and dsum; positions and document ids, 2 buffers each;
+//   allgather elem_bytes x 4 x T x KV' + 4 x r x NH/tp + 4 x 2 x T: one sequence at a time, the
+//             gathered K and V of all T rows and, in the backward, their gathered gradients before
+//             the reduce-scatter; dsum; the sequence's positions and document ids.
+// cp = 1: rows = T, no CP scratch (kv_bytes 0), and the words of the plan as before CP. When
+// CpAttention's buffers change, this changes with them (a test compares the two once the model
+// runs CP).
+struct CpMemory {
+  int rows = 0;             // T / C
+  std::string rows_words;   // "B x T tokens", or "B x T / C = B x rows tokens of each sequence (CP C)"
+  int64_t kv_bytes = 0;     // the CP attention's scratch (0: none)
+  std::string kv_name, kv_detail;  // the memory plan's line
+};
+CpMemory cp_memory(const ModelConfig& mc, const MeshDims& d, CpComm method, int B, int T, size_t elem_bytes);
 
 // Builds the run's layout. Collective only through what it constructs (none of it communicates
 // at construction). Throws std::bad_alloc (allocation; the trainer agrees on it),

@@ -37,7 +37,7 @@ template <typename T> class ShardedState {
   ShardedState(Backend<T>& be, Comm& comm, ShardPlan plan, Comm* data_comm = nullptr, Comm* replica_comm = nullptr);
   // The communicators from the run's mesh (mesh.h): comm = mesh.world(), data_comm =
   // mesh.shard_data(), replica_comm = mesh.replica_data(). `plan` must be built for the shard group
-  // (mesh.dims().dp_shard ranks). The mesh must outlive the state. Throws as the constructor above.
+  // (mesh.dims().fsdp() = dp_shard x cp ranks). The mesh must outlive the state. Throws as the constructor above.
   ShardedState(Backend<T>& be, const Mesh& mesh, ShardPlan plan)
       : ShardedState(be, mesh.world(), std::move(plan), &mesh.shard_data(), mesh.replica_data()) {}
   ShardedState(const ShardedState&) = delete;

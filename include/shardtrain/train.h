@@ -13,6 +13,7 @@
 #include "shardtrain/checkpoint.h"
 #include "shardtrain/config.h"
 #include "shardtrain/data.h"
+#include "shardtrain/geometry.h"  // CpComm
 #include "shardtrain/model.h"
 #include "shardtrain/shard.h"
 #include "shardtrain/tensor_parallel.h"
@@ -74,6 +75,7 @@ struct TrainConfig {
   Precision precision = Precision::FP32;  // --precision
   bool reduce_bf16 = false;               // --reduce-dtype bf16 (BF16 only): reduce-scatter gradients in bf16
   OverlapConfig overlap{};                // --overlap, --prefetch, --comm-progress
+  CpComm cp_comm = CpComm::Ring;          // --cp-comm (with --cp > 1): how a CP group moves K/V
 };
 
 // The model options of a run; throws std::invalid_argument naming the option for a bad value.

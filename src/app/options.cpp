@@ -2,6 +2,7 @@
 #include "shardtrain/options.h"
 #include "shardtrain/files.h"
 #include "shardtrain/data.h"
+#include "shardtrain/geometry.h"  // parse_cp_comm
 
 #include <boost/program_options.hpp>
 #include <algorithm>
@@ -42,8 +43,10 @@ po::options_description describe(Options& o) {
       ("overlap", po::value<std::string>(&o.overlap)->default_value(o.overlap), "on: all-gathers are prefetched and reduce-scatters run asynchronously, behind the compute | off: every collective is waited for when it is started (the reference: results are bitwise the same)")
       ("prefetch", po::value<int>(&o.prefetch)->default_value(o.prefetch), "with --overlap on: units whose all-gather runs ahead of the unit being computed (each needs a buffer of the largest unit)")
       ("comm-progress", po::value<std::string>(&o.comm_progress)->default_value(o.comm_progress), "with --overlap on, CPU: what advances MPI's nonblocking collectives: poll (MPI_Test between GEMM tiles; hid the most in docs/benchmarks.md) | thread (a communication thread) | wait (only when started and waited for)")
-      ("shard-group-size", po::value<std::string>(&o.shard_group_size), "hybrid sharding (HSDP): shard parameters within groups of G consecutive ranks and replicate them across the W / G groups; a number dividing the world size, or 'node' (the ranks of one node); default: the world size (plain FSDP). With --tp N, G counts ranks and must be a multiple of N")
-      ("tp", po::value<int>(&o.tp)->default_value(o.tp), "tensor parallelism (Megatron-style, with sequence parallelism): groups of N consecutive ranks (inside a node) split every layer's heads and MLP and the vocabulary; FSDP shards each rank's slice over the data-parallel ranks. N must divide the world size, the attention and key/value heads, the intermediate size and the tokens of a micro-batch");
+      ("shard-group-size", po::value<std::string>(&o.shard_group_size), "hybrid sharding (HSDP): shard parameters within groups of G consecutive ranks and replicate them across the W / G groups; a number dividing the world size, or 'node' (the ranks of one node); default: the world size (plain FSDP). With --tp N and --cp C, G counts ranks and must be a multiple of C x N")
+      ("tp", po::value<int>(&o.tp)->default_value(o.tp), "tensor parallelism (Megatron-style, with sequence parallelism): groups of N consecutive ranks (inside a node) split every layer's heads and MLP and the vocabulary; FSDP shards each rank's slice over the data-parallel ranks. N must divide the world size, the attention and key/value heads, the intermediate size and the tokens of a micro-batch")
+      ("cp", po::value<int>(&o.cp)->default_value(o.cp), "context parallelism: every sequence is split over a CP group of N ranks (head-tail: 2 x N chunks, rank r holding chunks r and 2N-1-r), which read the same batch rows; FSDP shards over dp_shard x cp. N (x --tp) must divide the world size, 2 x N the sequence length. Training at N > 1 is refused until the model uses it; --mode plan plans it")
+      ("cp-comm", po::value<std::string>(&o.cp_comm)->default_value(o.cp_comm), "with --cp N > 1: how K/V move between the ranks of a CP group: ring (blocks pass around the group, overlapped with the block attention) | allgather (K/V gathered before attention, dK/dV reduce-scattered after it)");
   po::options_description data("Data (--mode prepare, --mode tokenizer; docs/data-format.md)");
   data.add_options()
       ("input", po::value<std::vector<std::string>>(&o.inputs)->multitoken(), "text inputs (repeatable): files, directories (their files, recursively, sorted; hidden ones left out) or glob patterns; a plain-text file is one document, a .jsonl file one document per line")
@@ -152,17 +155,27 @@ int resolve_shard_group_size(const std::string& v, int world, int ranks_per_node
   return g;
 }
 
-MeshDims resolve_mesh_dims(const std::string& sgs, int tp, int world, int ranks_per_node) {
+MeshDims resolve_mesh_dims(const std::string& sgs, int tp, int cp, int world, int ranks_per_node) {
   check(tp >= 1 && tp <= (1 << 16), "tp", "must be a positive integer, got " + std::to_string(tp));
+  check(cp >= 1 && cp <= (1 << 16), "cp", "must be a positive integer, got " + std::to_string(cp));
   if (world > 0)
     check(world % tp == 0, "tp",
           "(" + std::to_string(tp) + ") does not divide the world size (" + std::to_string(world) + ")");
-  const int g = resolve_shard_group_size(sgs, world, ranks_per_node);
+  const int64_t ct = int64_t{cp} * tp;  // up to 2^32
   if (world > 0)
-    check(g % tp == 0, "shard-group-size",
-          "(" + std::to_string(g) + ") is not a multiple of '--tp' (" + std::to_string(tp) +
-              "): a shard group is made of whole TP groups");
-  return MeshDims{world > 0 ? world / g : 1, g / tp, 1, tp};
+    check(world % ct == 0, "cp",
+          "(" + std::to_string(cp) + ")" + (tp > 1 ? " x '--tp' (" + std::to_string(tp) + ")" : std::string()) +
+              " does not divide the world size (" + std::to_string(world) + "): the ranks are dp_replicate x dp_shard x "
+              "cp x tp");
+  const int g = resolve_shard_group_size(sgs, world, ranks_per_node);
+  if (world > 0 && g % ct != 0) {
+    const std::string what = cp > 1 ? "'--cp' x '--tp' (" + std::to_string(cp) + " x " + std::to_string(tp) + ")"
+                                    : "'--tp' (" + std::to_string(tp) + ")";
+    check(false, "shard-group-size",
+          "(" + std::to_string(g) + ") is not a multiple of " + what + ": a shard group is made of whole " +
+              (cp > 1 ? "CP and TP groups" : "TP groups"));
+  }
+  return MeshDims{world > 0 ? world / g : 1, world > 0 ? static_cast<int>(g / ct) : 1, cp, tp};
 }
 
 namespace {
@@ -231,6 +244,8 @@ void validate(const Options& o) {
   check(o.gpu_comm == "nccl" || o.gpu_comm == "mpi", "gpu-comm", "must be nccl or mpi, got '" + o.gpu_comm + "'");
   if (!o.shard_group_size.empty()) resolve_shard_group_size(o.shard_group_size, 0, 0);  // the form only
   check(o.tp >= 1 && o.tp <= (1 << 16), "tp", "must be a positive integer, got " + std::to_string(o.tp));
+  check(o.cp >= 1 && o.cp <= (1 << 16), "cp", "must be a positive integer, got " + std::to_string(o.cp));
+  parse_cp_comm(o.cp_comm);  // throws naming option '--cp-comm'
   parse_precision(o.precision);  // throws naming option '--precision'
   check(o.reduce_dtype == "fp32" || o.reduce_dtype == "bf16", "reduce-dtype", "must be fp32 or bf16, got '" + o.reduce_dtype + "'");
   check(o.checkpoint_async == "on" || o.checkpoint_async == "off", "checkpoint-async",
@@ -293,6 +308,7 @@ void fill_typed(Options& o) {
   o.train.precision = parse_precision(o.precision);
   o.train.recompute = parse_recompute(o.activation_checkpointing);
   o.train.attention = parse_attention(o.attention);
+  o.train.cp_comm = parse_cp_comm(o.cp_comm);
   o.train.reduce_bf16 = o.reduce_dtype == "bf16";
   o.train.checkpoint_async = o.checkpoint_async == "on";
   o.train.overlap = OverlapConfig{o.overlap == "on", o.prefetch, parse_comm_progress(o.comm_progress)};

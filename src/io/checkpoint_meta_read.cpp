@@ -194,11 +194,12 @@ void check_tp_record(const CheckpointInfo& info, const std::vector<std::pair<int
   TpRecord want;
   try {
     const ModelConfig mc = from_canonical_json(info.model_config);
-    want = tp_record({ShardPlan::build(llama_units(mc, info.tp, 0), info.tp_dp_shard)},
-                     MeshDims{info.tp_dp_replicate, info.tp_dp_shard, 1, info.tp});
+    // Version 5: the TP-local buffer is sharded over the FSDP shard group, dp_shard x cp.
+    want = tp_record({ShardPlan::build(llama_units(mc, info.tp, 0), info.tp_dp_shard * info.cp)},
+                     MeshDims{info.tp_dp_replicate, info.tp_dp_shard, info.cp, info.tp});
   } catch (const std::exception& e) {
-    throw H5Error("attribute 'tensor_parallel' (tp " + std::to_string(info.tp) + ") does not fit attribute "
-                  "'model_config': " + e.what());
+    throw H5Error("attribute '" + std::string(info.format_version >= 5 ? "mesh" : "tensor_parallel") + "' (tp " +
+                  std::to_string(info.tp) + ") does not fit attribute 'model_config': " + e.what());
   }
   if (want.units.size() != units.size())
     throw H5Error("the file has " + std::to_string(units.size()) + " units, its 'model_config' " +
@@ -229,7 +230,8 @@ void check_tp_record(const CheckpointInfo& info, const std::vector<std::pair<int
         throw H5Error(where + ": row " + std::to_string(d) + " of dataset 'tp_shard_table' (" + std::to_string(a.start) +
                       ", " + std::to_string(a.valid) + ", " + std::to_string(a.padding) + ") is not (" +
                       std::to_string(b.start) + ", " + std::to_string(b.valid) + ", " + std::to_string(b.padding) +
-                      "), the rule of docs/checkpoint-format.md for local_numel and dp_shard");
+                      "), the rule of docs/checkpoint-format.md for local_numel and dp_shard" +
+                      (info.cp > 1 ? " x cp" : ""));
     }
   }
 }
@@ -316,6 +318,36 @@ void read_tp_mesh(hid_t file, CheckpointInfo& info, MetaSums& ms) {
                   "attribute 'world_size' (" + std::to_string(info.world_size) + ")");
 }
 
+// Version 5: attribute 'mesh', the saving run's mesh with context parallelism (cp >= 2). The file
+// holds the rows of the FSDP shard group (cp x dp_shard = world_size) without TP, the canonical rows
+// of the world (tp x cp x dp_shard x dp_replicate = world_size) with TP.
+void read_mesh(hid_t file, CheckpointInfo& info, MetaSums& ms) {
+  const std::string where = "root group";
+  const std::string m = get_str(file, ms, "", "mesh", where);
+  int dims[4] = {0, 0, 0, 0};
+  const char* keys[4] = {"tp", "cp", "dp_shard", "dp_replicate"};
+  try {
+    const json j = json::parse(m);
+    for (int k = 0; k < 4; ++k) {
+      const json& v = j.at(keys[k]);
+      if (!v.is_number_integer() || v.get<int64_t>() < 1 || v.get<int64_t>() > (int64_t{1} << 24))
+        throw H5Error("attribute 'mesh' (" + m + "): '" + keys[k] + "' is not an integer in [1, 2^24]");
+      dims[k] = static_cast<int>(v.get<int64_t>());
+    }
+  } catch (const json::exception& e) {
+    throw H5Error(std::string("attribute 'mesh' is malformed: ") + e.what());
+  }
+  info.tp = dims[0];
+  info.cp = dims[1];
+  info.tp_dp_shard = dims[2];
+  info.tp_dp_replicate = dims[3];
+  const int64_t rows = int64_t{info.cp} * info.tp_dp_shard * (info.tp > 1 ? int64_t{info.tp} * info.tp_dp_replicate : 1);
+  if (info.cp < 2 || rows != info.world_size)
+    throw H5Error("attribute 'mesh' (" + m + ") is not a mesh of cp >= 2 whose " +
+                  (info.tp > 1 ? "sizes (tp x cp x dp_shard x dp_replicate)" : "shard group (cp x dp_shard)") +
+                  " multiply to attribute 'world_size' (" + std::to_string(info.world_size) + ")");
+}
+
 // Reads a [rows][cols] table into `out`, sized only once the dataset's shape is known to match
 // (world_size comes from the file: it must not decide an allocation before it is confirmed).
 template <typename T>
@@ -397,8 +429,9 @@ void read_unit_tp_record(hid_t g, const std::string& w, const std::string& key, 
   t.local_shard_size = get_i64(g, ms, key, "local_shard_size", w);
   std::vector<int64_t> tt, st;
   read_unit_table(g, w, "tp_table", H5T_NATIVE_INT64, tt, ui.params.size(), 4, "dataset 'param_table'");
-  read_unit_table(g, w, "tp_shard_table", H5T_NATIVE_INT64, st, static_cast<hsize_t>(info.tp_dp_shard), 3,
-                  "attribute 'tensor_parallel'");
+  const int fsdp = info.tp_dp_shard * info.cp;  // the TP-local buffer's shard group (version 5: with cp)
+  read_unit_table(g, w, "tp_shard_table", H5T_NATIVE_INT64, st, static_cast<hsize_t>(fsdp), 3,
+                  info.format_version >= 5 ? "attribute 'mesh'" : "attribute 'tensor_parallel'");
   for (auto [ds, v] : {std::pair{"tp_table", &tt}, std::pair{"tp_shard_table", &st}}) {
     std::string b;
     for (int64_t x : *v) put_le<uint64_t>(b, static_cast<uint64_t>(x));
@@ -412,7 +445,7 @@ void read_unit_tp_record(hid_t g, const std::string& w, const std::string& key, 
                     ") is not a TP record of degree " + std::to_string(info.tp));
     t.params.push_back(row);
   }
-  for (int d = 0; d < info.tp_dp_shard; ++d)
+  for (int d = 0; d < fsdp; ++d)
     t.shards.push_back({st[3 * static_cast<size_t>(d)], st[3 * static_cast<size_t>(d) + 1], st[3 * static_cast<size_t>(d) + 2]});
 }
 
@@ -451,7 +484,8 @@ void read_metadata(const std::string& path, CheckpointInfo& info, MetaSums& ms) 
   if (!file.ok()) throw H5Error("cannot open (" + why + "); the file may be truncated or damaged");
   const std::string fmt = read_format_and_checksums(file, info, ms);
   read_root_attributes(file, info, ms, fmt);
-  if (info.format_version >= 4) read_tp_mesh(file, info, ms);
+  if (info.format_version == 4) read_tp_mesh(file, info, ms);
+  if (info.format_version >= 5) read_mesh(file, info, ms);
   H5Id units(H5Gopen2(file, "units", H5P_DEFAULT), H5Gclose);
   if (!units.ok()) throw H5Error("group '/units' is missing");
   H5G_info_t gi;
@@ -657,6 +691,14 @@ void check_checkpoint_layout(const CheckpointInfo& info, const ShardPlan& plan) 
 }
 
 std::string saved_layout_words(const CheckpointInfo& info) {
+  if (info.cp > 1 && info.tp > 1)  // the canonical rows of the world
+    return "world size " + std::to_string(info.world_size) + ": tp " + std::to_string(info.tp) + " x cp " +
+           std::to_string(info.cp) + " x dp_shard " + std::to_string(info.tp_dp_shard) + " x dp_replicate " +
+           std::to_string(info.tp_dp_replicate);
+  if (info.cp > 1)  // the rows of a shard group
+    return "world size " + std::to_string(info.world_size) + ": cp " + std::to_string(info.cp) + " x dp_shard " +
+           std::to_string(info.tp_dp_shard) +
+           (info.tp_dp_replicate > 1 ? " (one of " + std::to_string(info.tp_dp_replicate) + " replica groups)" : "");
   if (info.tp > 1)
     return "world size " + std::to_string(info.world_size) + ": tp " + std::to_string(info.tp) + " x dp_shard " +
            std::to_string(info.tp_dp_shard) + " x dp_replicate " + std::to_string(info.tp_dp_replicate);

@@ -18,8 +18,8 @@ TpCheckpointLayout::TpCheckpointLayout(const MeshLayout& mesh, int rank, std::ve
   if (static_cast<int>(plans_.size()) != mesh_.dims().tp || canon_.world_size != mesh_.dims().world())
     throw std::invalid_argument("TpCheckpointLayout: plans do not match the mesh");
   for (const ShardPlan& p : plans_)
-    if (p.units.size() != canon_.units.size() || p.world_size != mesh_.dims().dp_shard)
-      throw std::invalid_argument("TpCheckpointLayout: a TP plan does not match the canonical plan or dp_shard");
+    if (p.units.size() != canon_.units.size() || p.world_size != mesh_.dims().fsdp())
+      throw std::invalid_argument("TpCheckpointLayout: a TP plan does not match the canonical plan or dp_shard x cp");
   for (size_t u = 0; u < canon_.units.size(); ++u) {
     std::vector<int64_t> off;
     for (const ParamSlot& slot : plans_[0].units[u].params) off.push_back(canon_.units[u].param(slot.spec.name).offset);
@@ -35,6 +35,7 @@ TpRecord tp_record(const std::vector<ShardPlan>& tp_plans, const MeshDims& dims)
   r.tp = dims.tp;
   r.dp_shard = dims.dp_shard;
   r.dp_replicate = dims.dp_replicate;
+  r.cp = dims.cp;
   if (tp_plans.empty()) return r;
   for (const UnitPlan& up : tp_plans[0].units) {
     TpUnitRecord t;
@@ -69,7 +70,7 @@ ShardedTensors TpCheckpointLayout::canonical(size_t n) {
 std::vector<TpCheckpointLayout::Run> TpCheckpointLayout::runs(int q, size_t u) const {
   const MeshCoord c = mesh_.coord(q);
   const UnitPlan& up = plans_[static_cast<size_t>(c.tp)].units[u];
-  const RankShard& rs = up.ranks[static_cast<size_t>(c.dp_shard)];
+  const RankShard& rs = up.ranks[static_cast<size_t>(mesh_.shard_index(q))];  // its row over dp_shard x cp
   std::vector<Run> out;
   for (size_t i = 0; i < up.params.size(); ++i) {
     const ParamSlot& slot = up.params[i];

@@ -1,6 +1,8 @@
 // Batch geometry (geometry.h): every dimension's divisibility rule, once.
 #include "shardtrain/geometry.h"
 
+#include <stdexcept>
+
 #include "shardtrain/model.h"  // check_tensor_parallel
 
 namespace shardtrain {
@@ -20,6 +22,14 @@ std::string dp_what(const MeshDims& d) {
 
 }  // namespace
 
+CpComm parse_cp_comm(const std::string& s) {
+  if (s == "ring") return CpComm::Ring;
+  if (s == "allgather") return CpComm::AllGather;
+  throw std::invalid_argument("option '--cp-comm' must be ring or allgather, got '" + s + "'");
+}
+
+const char* cp_comm_name(CpComm c) { return c == CpComm::Ring ? "ring" : "allgather"; }
+
 GeometryResult resolve_geometry(const BatchOptions& o, const MeshDims& dims, const ModelConfig& mc) {
   GeometryResult r;
   BatchGeometry& g = r.geometry;
@@ -34,6 +44,10 @@ GeometryResult resolve_geometry(const BatchOptions& o, const MeshDims& dims, con
   if (o.seq_len > mc.max_position_embeddings)
     return refuse("option '--seq-len' (" + str(o.seq_len) + ") exceeds the model's max_position_embeddings (" +
                        str(mc.max_position_embeddings) + ")");
+  if (dims.cp > 1 && o.seq_len % (2 * dims.cp) != 0)
+    return refuse("option '--seq-len' (" + str(o.seq_len) + ") is not divisible by 2 x '--cp' (2 x " + str(dims.cp) +
+                  " = " + str(2 * dims.cp) + "): the head-tail split of context parallelism cuts every sequence into 2 x " +
+                  str(dims.cp) + " equal chunks");
   if (o.global_batch < 1 || o.global_batch % g.dp != 0)
     return refuse("option '--global-batch' (" + str(o.global_batch) + ") is not divisible by " + dp_what(dims));
   g.per_rank = static_cast<int>(o.global_batch / g.dp);  // <= the micro-batch or --global-batch: an int
@@ -44,9 +58,11 @@ GeometryResult resolve_geometry(const BatchOptions& o, const MeshDims& dims, con
                        str(g.dp) + " x " + str(g.micro_batch) + ")");
   g.accum = g.per_rank / g.micro_batch;
   if (std::string why = check_tensor_parallel(mc, dims.tp); !why.empty()) return refuse(std::move(why));
-  if (g.micro_tokens() % dims.tp != 0)
+  if (g.cp_tokens() % dims.tp != 0)
     return refuse("option '--tp' (" + str(dims.tp) + ") does not divide the tokens of a micro-batch (" +
-                       str(g.micro_batch) + " x " + str(o.seq_len) + " = " + str(g.micro_tokens()) +
+                       str(g.micro_batch) + " x " + str(o.seq_len) +
+                       (dims.cp > 1 ? " / cp " + str(dims.cp) + " = " + str(g.cp_tokens()) + " held by a CP rank"
+                                    : " = " + str(g.micro_tokens())) +
                        "): sequence parallelism splits them evenly over the TP group");
   return r;
 }

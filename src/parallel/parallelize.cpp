@@ -1,6 +1,7 @@
 // The parallel layer's entry point (parallelize.h): the run's layout from its mesh.
 #include "shardtrain/parallelize.h"
 
+#include <algorithm>
 #include <string>
 #include <type_traits>
 
@@ -10,13 +11,18 @@ namespace shardtrain {
 
 namespace {
 
-// FSDP and HSDP: a checkpoint holds the shard group's rows as the run holds them; replica group 0
-// writes them (Mesh::writes_checkpoint).
+// FSDP and HSDP (and CP, whose ranks are part of the shard group): a checkpoint holds the shard
+// group's rows (dp_shard x cp of them) as the run holds them; replica group 0 writes them
+// (Mesh::writes_checkpoint, row Mesh::shard_index).
 class ShardRowsLayout final : public CheckpointLayout {
  public:
   explicit ShardRowsLayout(const Mesh& mesh) : writes_(mesh.writes_checkpoint()) {
+    const MeshDims& d = mesh.dims();
     saved_.world_size = mesh.world_size();  // train_config's; the file's plan is the shard group's
-    saved_.shard_group_size = mesh.dims().dp_shard;
+    saved_.shard_group_size = d.fsdp();
+    saved_.tp_record.dp_shard = d.dp_shard;  // the mesh record (version 5 with cp > 1)
+    saved_.tp_record.dp_replicate = d.dp_replicate;
+    saved_.tp_record.cp = d.cp;
   }
   bool writes_shards() const override { return writes_; }
   ShardedTensors for_save(Comm&, const ShardedTensors& live) override { return live; }
@@ -107,12 +113,14 @@ template <typename C> CommStats ParallelRun<C>::comm_stats() const {
 }
 
 ShardPlan rank_unit_plan(const ModelConfig& mc, const MeshDims& d, int tp_rank) {
-  return ShardPlan::build(llama_units(mc, d.tp, tp_rank), d.dp_shard);
+  return ShardPlan::build(llama_units(mc, d.tp, tp_rank), d.fsdp());
 }
 
 std::string sharding_words(const MeshDims& d) {
-  const int N = d.tp, G = d.dp_shard;
-  return (N > 1 ? "(TP " + std::to_string(N) + " x " : "") + std::to_string(G) +
+  const int N = d.tp, G = d.fsdp();
+  const std::string g = d.cp > 1 ? std::to_string(d.dp_shard) + " x " + std::to_string(d.cp) + " (dp_shard x cp)"
+                                 : std::to_string(G);
+  return (N > 1 ? "(TP " + std::to_string(N) + " x " : "") + g +
          (G * N != d.world() ? " ranks of a shard group" : "") + (N > 1 ? ")" : "") +
          (N > 1 ? ", norms replicated over TP" : "");
 }
@@ -125,6 +133,41 @@ LayoutRows checkpoint_layout_rows(const ModelConfig& mc, const MeshDims& d) {
   return r;
 }
 
+std::string training_refusal(const MeshDims& d) {
+  if (d.cp > 1)
+    return "--cp " + std::to_string(d.cp) + ": context-parallel training is not wired into the model yet";
+  return "";
+}
+
+CpMemory cp_memory(const ModelConfig& mc, const MeshDims& d, CpComm method, int B, int T, size_t elem_bytes) {
+  CpMemory m;
+  const int C = d.cp;
+  m.rows = T / C;
+  if (C == 1) {
+    m.rows_words = std::to_string(B) + " x " + std::to_string(T) + " tokens";
+    return m;
+  }
+  m.rows_words = std::to_string(B) + " x " + std::to_string(T) + " / " + std::to_string(C) + " = " + std::to_string(B) +
+                 " x " + std::to_string(m.rows) + " tokens of each sequence (CP " + std::to_string(C) + ")";
+  const int64_t e = static_cast<int64_t>(elem_bytes), HD = mc.head_dim();
+  const int64_t kv = int64_t{mc.num_key_value_heads / d.tp} * HD, nh = mc.num_attention_heads / d.tp, q = nh * HD;
+  const int64_t r = int64_t{B} * m.rows;  // rows held
+  const std::string es = std::to_string(e) + " B";
+  if (method == CpComm::Ring) {
+    m.kv_bytes = e * (12 * r * kv + r * q) + 4 * 2 * r * nh + 4 * 4 * r;
+    m.kv_name = "CP ring K/V buffers";
+    m.kv_detail = es + " x (12 x " + std::to_string(r) + " rows x " + std::to_string(kv) + " + the merge's y): K, V "
+                  "arriving and dK, dV travelling, double-buffered; lse, dsum, positions, document ids";
+  } else {
+    m.kv_bytes = e * 4 * int64_t{T} * kv + 4 * r * nh + 4 * 2 * int64_t{T};
+    m.kv_name = "CP all-gathered K/V buffers";
+    m.kv_detail = es + " x 4 x " + std::to_string(T) + " rows x " + std::to_string(kv) +
+                  ": one sequence's gathered K, V and their gradients before the reduce-scatter; dsum, positions, "
+                  "document ids";
+  }
+  return m;
+}
+
 template <typename C> void ParallelRun<C>::finish_grads() {
   if (tp) state->sum_replicated_grads([&](float* g, size_t n) { tp->all_reduce_sum_acc(g, n); });
 }
@@ -134,8 +177,8 @@ ParallelRun<C> parallelize(const Mesh& mesh, const ModelConfig& mc, Backend<floa
                            const ParallelOptions& o) {
   ParallelRun<C> r;
   const MeshDims& d = mesh.dims();
-  // Each rank holds its TP slices (llama_units), sharded over its shard group (dp_shard ranks of
-  // equal TP rank).
+  // Each rank holds its TP slices (llama_units), sharded over its shard group (dp_shard x cp ranks
+  // of equal TP rank).
   r.state = std::make_unique<ShardedState<float>>(be, mesh, rank_unit_plan(mc, d, mesh.coord().tp));
   if (d.tp > 1) r.tp = std::make_unique<TpGroup<C>>(*mesh.tp_data());
   if constexpr (std::is_same_v<C, bf16>) {

@@ -10,7 +10,6 @@ MeshLayout::MeshLayout(MeshDims d) : d_(d) {
     throw std::invalid_argument("mesh: every dimension must be >= 1 (dp_replicate " + std::to_string(d.dp_replicate) +
                                 ", dp_shard " + std::to_string(d.dp_shard) + ", cp " + std::to_string(d.cp) + ", tp " +
                                 std::to_string(d.tp) + ")");
-  if (d.cp != 1) throw std::invalid_argument("mesh: context parallelism is not implemented (cp must be 1)");
 }
 
 MeshCoord MeshLayout::coord(int rank) const {
@@ -36,7 +35,20 @@ int MeshLayout::dp_index(int rank) const {
 std::vector<int> MeshLayout::shard_group(int rank) const {
   MeshCoord c = coord(rank);
   std::vector<int> v;
-  for (c.dp_shard = 0; c.dp_shard < d_.dp_shard; ++c.dp_shard) v.push_back(rank_of(c));
+  for (c.dp_shard = 0; c.dp_shard < d_.dp_shard; ++c.dp_shard)
+    for (c.cp = 0; c.cp < d_.cp; ++c.cp) v.push_back(rank_of(c));  // rank order: cp varies faster
+  return v;
+}
+
+int MeshLayout::shard_index(int rank) const {
+  const MeshCoord c = coord(rank);
+  return c.dp_shard * d_.cp + c.cp;
+}
+
+std::vector<int> MeshLayout::cp_group(int rank) const {
+  MeshCoord c = coord(rank);
+  std::vector<int> v;
+  for (c.cp = 0; c.cp < d_.cp; ++c.cp) v.push_back(rank_of(c));
   return v;
 }
 
@@ -56,8 +68,8 @@ std::vector<int> MeshLayout::tp_group(int rank) const {
 
 namespace {
 MeshLayout checked_layout(const Comm& world, MeshDims d) {
-  if (d.dp_shard < 1 || d.tp < 1 || d.world() != world.world_size())
-    throw CollectiveError(0, "option '--shard-group-size' (" + std::to_string(d.dp_shard * d.tp) +
+  if (d.dp_shard < 1 || d.cp < 1 || d.tp < 1 || d.world() != world.world_size())
+    throw CollectiveError(0, "option '--shard-group-size' (" + std::to_string(d.fsdp() * d.tp) +
                                  ") does not divide the world size (" + std::to_string(world.world_size()) + ")");
   try {
     return MeshLayout(d);
@@ -77,7 +89,11 @@ Mesh::Mesh(Comm& world, const Topology& topo, MeshDims dims, double collective_t
     tp_host_ = std::make_unique<MpiComm>(MpiComm::split(world, layout_.tp_group(r).front(), r));
     tp_host_->set_collective_timeout(collective_timeout);
   }
-  if (dims.dp_shard != world.world_size()) {  // else the shard group is the world
+  if (dims.cp > 1) {
+    cp_host_ = std::make_unique<MpiComm>(MpiComm::split(world, layout_.cp_group(r).front(), r));
+    cp_host_->set_collective_timeout(collective_timeout);
+  }
+  if (dims.fsdp() != world.world_size()) {  // else the shard group is the world
     shard_host_ = std::make_unique<MpiComm>(MpiComm::split(world, layout_.shard_group(r).front(), r));
     shard_host_->set_collective_timeout(collective_timeout);
   }
@@ -85,7 +101,7 @@ Mesh::Mesh(Comm& world, const Topology& topo, MeshDims dims, double collective_t
   replica_host_ = std::make_unique<MpiComm>(MpiComm::split(world, layout_.replica_group(r).front(), r));
   replica_host_->set_collective_timeout(collective_timeout);
   // A shard group is meant to sit inside a node; with ranks not placed node by node it does not.
-  const int G = dims.dp_shard;
+  const int G = dims.fsdp();
   int64_t ids[2] = {topo.node_id, -static_cast<int64_t>(topo.node_id)};
   shard_host_->all_reduce(ids, 2, ReduceOp::Max);
   int64_t spans = ids[0] != -ids[1] && G <= topo.min_local_size ? 1 : 0;
@@ -103,11 +119,13 @@ void Mesh::attach_device_comms(const std::function<std::unique_ptr<Comm>(Comm& h
   shard_dev_ = make(shard_host());
   if (replica_host_) replica_dev_ = make(*replica_host_);
   if (tp_host_) tp_dev_ = make(*tp_host_);
+  if (cp_host_) cp_dev_ = make(*cp_host_);
 }
 
 std::string Mesh::topology_line() const {
   const Topology& t = topo_;
-  const int W = t.world_size, G = dims().dp_shard, R = dims().dp_replicate;
+  // G: the ranks of an FSDP shard group (dp_shard x cp).
+  const int W = t.world_size, G = dims().fsdp(), R = dims().dp_replicate, C = dims().cp;
   const std::string per = t.min_local_size == t.max_local_size
                               ? std::to_string(t.max_local_size)
                               : std::to_string(t.min_local_size) + "-" + std::to_string(t.max_local_size);
@@ -118,6 +136,10 @@ std::string Mesh::topology_line() const {
     s += "; tensor parallel: " + std::to_string(W / N) + (W / N == 1 ? " TP group of " : " TP groups of ") +
          std::to_string(N) + " consecutive ranks (--tp " + std::to_string(N) + ", sequence parallel), FSDP over " +
          std::to_string(G) + (G == 1 ? " rank" : " ranks") + " of equal TP rank";
+  if (C > 1)
+    s += "; context parallel: " + std::to_string(W / C) + (W / C == 1 ? " CP group of " : " CP groups of ") +
+         std::to_string(C) + " ranks (--cp " + std::to_string(C) + ", head-tail split of every sequence), FSDP over " +
+         std::to_string(dims().dp_shard) + " x " + std::to_string(C) + " ranks (dp_shard x cp)";
   if (R == 1 && N == 1)
     s += "; fully sharded over all " + std::to_string(W) + " ranks (shard group size " + std::to_string(G) + ")";
   else if (R == 1)

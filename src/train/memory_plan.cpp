@@ -64,7 +64,7 @@ MemoryPlan plan_memory(const MemoryPlanInput& in) {
   // What a rank holds, as the parallel layer lays the run out (its TP slices over its shard group;
   // the TP ranks' are the same size).
   const MeshDims d = in.mesh ? *in.mesh : MeshDims{1, in.world_size, 1, 1};
-  const int N = d.tp, G = d.dp_shard;
+  const int N = d.tp, G = d.fsdp();  // G: the FSDP shard group, dp_shard x cp
   const ShardPlan sp = rank_unit_plan(in.model, d);
   int64_t shard = 0;
   for (auto& u : sp.units) shard += u.shard_size;
@@ -138,23 +138,28 @@ MemoryPlan plan_memory(const MemoryPlanInput& in) {
   if (!in.cuda && G > 1)  // MpiComm's packed slab and the MPI library's temporaries (runtime.h)
     add("MPI collective buffers", mpi_collective_bytes(sp, G, bf, in.reduce_bf16, maxs),
         "a packed slab and Open MPI's temporary, each <= 16 MiB");
-  if (!in.cuda && N > 1) {  // the TP collectives' ([B*T, C] rows over N ranks) packed slab and temporary
+  const int B = in.train.micro_batch, T = in.train.seq_len;
+  // Context parallelism (the parallel layer's rows and K/V buffers): a rank holds T / cp rows of
+  // every sequence (all T without CP).
+  const CpMemory cpm = cp_memory(in.model, d, in.train.cp_comm, B, T, bf ? 2 : 4);
+  const int64_t rows = int64_t{B} * cpm.rows;
+  if (!in.cuda && N > 1) {  // the TP collectives' ([rows, C] over N ranks) packed slab and temporary
     const int64_t es = bf ? 2 : 4, cap = static_cast<int64_t>(Comm::kCollectiveSlab);
-    const int64_t full = int64_t{in.train.micro_batch} * in.train.seq_len * in.model.hidden_size * es;
+    const int64_t full = rows * in.model.hidden_size * es;
     add("MPI buffers of the TP collectives", 2 * std::min(cap, full), "a packed slab and Open MPI's temporary, each <= 16 MiB");
   }
-  const int B = in.train.micro_batch, T = in.train.seq_len;
   const int vl = (in.model.vocab_size + N - 1) / N;  // vocabulary rows per TP rank
-  const ActivationBytes a = activation_bytes(in.model, mo, B, T, bf ? 2 : 4, 4, N);
-  const std::string geo = std::to_string(B) + " x " + std::to_string(T) + " tokens, " +
-                          recompute_name(mo.recompute) + " recompute, " + attention_name(mo.attention) + " attention";
+  const ActivationBytes a = activation_bytes(in.model, mo, B, cpm.rows, bf ? 2 : 4, 4, N);
+  const std::string geo = cpm.rows_words + ", " + recompute_name(mo.recompute) + " recompute, " +
+                          attention_name(mo.attention) + " attention";
   add("activations kept for backward", a.per_layer,
       std::to_string(in.model.num_hidden_layers) + " blocks, " + geo +
           (N > 1 ? ", TP " + std::to_string(N) + ": the residual stream's rows and the heads / MLP split" : ""));
+  if (cpm.kv_bytes) add(cpm.kv_name, cpm.kv_bytes, cpm.kv_detail);
   if (a.recompute) add("recomputed block activations", a.recompute, "one block at a time");
   add("block scratch and activation gradients", a.block_scratch, "shared by the blocks");
   add("head: final norm, logits chunk, ids, RoPE", a.head,
-      "chunk of " + std::to_string(std::min<int64_t>(mo.loss_chunk > 0 ? mo.loss_chunk : default_loss_chunk(vl), int64_t{B} * T)) +
+      "chunk of " + std::to_string(std::min<int64_t>(mo.loss_chunk > 0 ? mo.loss_chunk : default_loss_chunk(vl), rows)) +
           " tokens x " + with_commas(vl) + (N > 1 ? " vocabulary rows of this TP rank" : " vocabulary"));
   if (!in.cuda && in.data_tokens)
     add("token data", static_cast<int64_t>(in.data_tokens) * in.token_bytes,

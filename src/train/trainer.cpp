@@ -147,7 +147,7 @@ template <typename C> class Trainer {
 template <typename C>
 Trainer<C>::Trainer(Engine& eng, const ModelConfig& mc, const TrainConfig& tc, const TokenDataset& data)
     : eng_(eng), mesh_(eng.mesh), comm_(eng.mesh.world()), mc_(mc), tc_(tc), data_(data),
-      W_(eng.mesh.world_size()), G_(eng.mesh.dims().dp_shard) {
+      W_(eng.mesh.world_size()), G_(eng.mesh.dims().fsdp()) {
   if (const int64_t late = rank_sleep_hook("SHARDTRAIN_TEST_LATE_RANK", comm_.rank()); late > 0)
     std::this_thread::sleep_for(std::chrono::milliseconds(late));
   check_geometry();
@@ -187,6 +187,8 @@ Trainer<C>::Trainer(Engine& eng, const ModelConfig& mc, const TrainConfig& tc, c
 // The batch geometry (geometry.h) and the data's fit to the model: identical on every rank, so every
 // rank throws the same message.
 template <typename C> void Trainer<C>::check_geometry() {
+  // What the parallel layer cannot train yet (context parallelism: the model has no CP attention).
+  if (const std::string why = training_refusal(mesh_.dims()); !why.empty()) throw CollectiveError(0, why);
   const GeometryResult g = resolve_geometry({tc_.global_batch, tc_.micro_batch, tc_.seq_len}, mesh_.dims(), mc_);
   if (!g.ok()) throw CollectiveError(0, g.refusal);
   geo_ = g.geometry;

@@ -14,11 +14,13 @@ import numpy as np
 # One param_table row, packed field by field, little-endian: 128 + 8 + 8 + 4 + 32 = 180 bytes.
 PACKED_ROW = np.dtype([("name", "S128"), ("offset", "<i8"), ("numel", "<i8"), ("ndim", "<i4"), ("shape", "<i8", (4,))])
 TABLE, CHECK = "metadata_crc32", "metadata_crc32_check"
-# The checksummed attributes (format version 3; version 2 files lack spike_stats). Others a file may
-# carry are neither used nor covered.
+# The checksummed attributes (format version 3; version 2 files lack spike_stats; version 4 adds
+# tensor_parallel and the units' TP record, version 5 mesh). Others a file may carry are neither
+# used nor covered.
 ROOT_ATTRS = ["format", "format_version", "step", "tokens_seen", "world_size", "model_config", "train_config",
-              "data_position", "rng_state", "program_version", "data", "spike_stats"]
-UNIT_ATTRS = ["index", "numel", "shard_size", "padded_numel"]
+              "data_position", "rng_state", "program_version", "data", "spike_stats", "tensor_parallel", "mesh"]
+UNIT_ATTRS = ["index", "numel", "shard_size", "padded_numel", "local_numel", "local_shard_size"]
+UNIT_TP_TABLES = ["tp_table", "tp_shard_table"]  # versions 4 and 5 with TP: int64 tables
 
 
 def canonical(value):
@@ -40,6 +42,9 @@ def metadata_items(f):
         items[f"units/{name}/shard_table"] = unit["shard_table"][:].astype("<i8").tobytes()
         items[f"units/{name}/shard_crc32"] = unit["shard_crc32"][:].astype("<u4").tobytes()
         items[f"units/{name}/param_table"] = unit["param_table"][:].astype(PACKED_ROW).tobytes()
+        for t in UNIT_TP_TABLES:
+            if t in unit:
+                items[f"units/{name}/{t}"] = unit[t][:].astype("<i8").tobytes()
     if "tokenizer" in f:  # optional group: its `info` attribute (the files carry CRC32s inside it)
         items["tokenizer@info"] = canonical(f["tokenizer"].attrs["info"])
     return items

@@ -39,6 +39,15 @@ timeout -k 5 60 $MPIRUN -np 1 "$BIN" --mode plan --model demo --seq-len 32 --wor
   >"$WORK/plan_big_mb.log" 2>&1 || { cat "$WORK/plan_big_mb.log"; fail "plan_big_mb: a micro-batch of 2^30 at 4 ranks was refused"; }
 grep -q "micro-batch 1073741824 x 32 tokens" "$WORK/plan_big_mb.log" || { cat "$WORK/plan_big_mb.log"; fail "plan_big_mb: no plan"; }
 echo "ok: plan_big_mb -> $(grep -m1 -o 'memory plan per rank.*' "$WORK/plan_big_mb.log" | cut -c1-120)"
+# Context parallelism (issue 41): the mesh and the plan know --cp, the model does not yet, so a
+# training run at --cp > 1 is refused on every rank (no run computes wrong numbers); the mesh's and
+# the geometry's refusals name the numbers and the rule.
+expect_fail cp_not_wired "--cp 2: context-parallel training is not wired into the model yet" 2 "${COMMON[@]}" --cp 2
+expect_fail cp_world "option '--cp' (3) does not divide the world size (2)" 2 "${COMMON[@]}" --cp 3
+expect_fail cp_tp_world "option '--cp' (2) x '--tp' (2) does not divide the world size (2)" 2 "${COMMON[@]}" --cp 2 --tp 2
+expect_fail cp_comm_value "option '--cp-comm' must be ring or allgather, got 'ring2'" 2 "${COMMON[@]}" --cp-comm ring2
+expect_fail plan_cp_seq "option '--seq-len' (36) is not divisible by 2 x '--cp' (2 x 4 = 8)" \
+  2 --mode plan --model demo --seq-len 36 --micro-batch 1 --cp 4 --world-size 4
 expect_fail plan_seq_too_long "option '--seq-len' (100) exceeds the model's max_position_embeddings (64)" \
   2 --mode plan --model tiny --seq-len 100
 printf 'this is not a token file at all, just text that is long enough to have a header.........\n' >"$WORK/junk.tok"
@@ -119,5 +128,7 @@ grep -q "tokens" "$WORK/help.txt" || fail "--help does not show units"
 # Doubles show their defaults as typed: 13936b5 printed beta1 (=0.90000000000000002), beta2 (=0.98999999999999999).
 grep -qF -- "--beta1 arg (=0.9) " "$WORK/help.txt" || fail "--help: beta1's default is not shown as (=0.9)"
 grep -qF -- "--beta2 arg (=0.99) " "$WORK/help.txt" || fail "--help: beta2's default is not shown as (=0.99)"
+grep -qF -- "--cp arg (=1) " "$WORK/help.txt" || fail "--help: --cp and its default 1 are not shown"
+grep -qF -- "--cp-comm arg (=ring) " "$WORK/help.txt" || fail "--help: --cp-comm and its default ring are not shown"
 if grep -E '\(=[^)]*([0-9]\.[0-9]*0000000|99999999)' "$WORK/help.txt"; then fail "--help shows a default with binary noise digits"; fi
 echo "ok: --help lists all options"

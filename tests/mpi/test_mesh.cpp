@@ -1,6 +1,7 @@
-// The device mesh (mesh.h) under mpirun at 1..4 ranks: coordinates, group membership, the batch
-// index, the checkpoint writers and the norm counting, for plain FSDP (G = W) and every hybrid
-// sharding layout (G dividing W), each checked against an independent computation: the
+// The device mesh (mesh.h) under mpirun at 1..4 ranks (the context-parallel case also at 6 by
+// hand): coordinates, group membership, the batch index, the checkpoint writers and the norm and
+// loss counting, for plain FSDP (G = W), every hybrid sharding layout (G dividing W), every TP
+// degree and every mesh with cp >= 2, each checked against an independent computation: the
 // communicators' own view (their ranks and an all-gather of the members' global ranks), a brute
 // force over all ranks, and the rules the program followed before the mesh (shard group = rank / G,
 // replica group = rank mod G, replica group 0 writes and counts).
@@ -9,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -62,7 +64,42 @@ TEST_F(Mesh, LayoutByHand) {
     EXPECT_TRUE(plain.counts_in_norm(q));
     EXPECT_EQ(plain.replica_group(q), (std::vector<int>{q}));
   }
-  EXPECT_THROW(st::MeshLayout(st::MeshDims{1, 2, 2, 1}), std::invalid_argument);  // cp: not yet
+  // Context parallelism: W = 4 = dp_shard 2 x cp 2. Rank = shard * 2 + cp; the shard group spans
+  // dp_shard x cp (all 4, row = rank); CP ranks read the same rows and each counts its loss.
+  const st::MeshLayout cp(st::MeshDims{1, 2, 2, 1});
+  const st::MeshCoord c3cp{0, 1, 1, 0};
+  EXPECT_EQ(cp.coord(3), c3cp);
+  EXPECT_EQ(cp.cp_group(3), (std::vector<int>{2, 3}));
+  EXPECT_EQ(cp.cp_group(0), (std::vector<int>{0, 1}));
+  EXPECT_EQ(cp.shard_group(2), (std::vector<int>{0, 1, 2, 3}));
+  EXPECT_EQ((std::vector<int>{cp.dp_index(0), cp.dp_index(1), cp.dp_index(2), cp.dp_index(3)}),
+            (std::vector<int>{0, 0, 1, 1}));
+  EXPECT_EQ((std::vector<int>{cp.checkpoint_row(0), cp.checkpoint_row(1), cp.checkpoint_row(2), cp.checkpoint_row(3)}),
+            (std::vector<int>{0, 1, 2, 3}));
+  EXPECT_TRUE(cp.counts_loss(1));
+  EXPECT_TRUE(cp.counts_in_norm(3));
+  EXPECT_EQ(cp.dims().dp(), 2);
+  EXPECT_EQ(cp.dims().fsdp(), 4);
+  // W = 8 = 2 replica groups x cp 2 x tp 2: rank = (rep * 2 + cp) * 2 + tp. Rank 5 = (1, 0, 0, 1).
+  const st::MeshLayout ct(st::MeshDims{2, 1, 2, 2});
+  const st::MeshCoord c5ct{1, 0, 0, 1};
+  EXPECT_EQ(ct.coord(5), c5ct);
+  EXPECT_EQ(ct.cp_group(5), (std::vector<int>{5, 7}));
+  EXPECT_EQ(ct.tp_group(5), (std::vector<int>{4, 5}));
+  EXPECT_EQ(ct.shard_group(5), (std::vector<int>{5, 7}));  // equal (rep, tp), cp 0 and 1
+  EXPECT_EQ(ct.replica_group(5), (std::vector<int>{1, 5}));
+  EXPECT_EQ(ct.dp_index(5), 1);
+  EXPECT_EQ(ct.shard_index(7), 1);
+  EXPECT_EQ(ct.checkpoint_row(3), 1);   // replica 0, cp 1
+  EXPECT_EQ(ct.checkpoint_row(5), -1);  // replica 1
+  EXPECT_FALSE(ct.counts_loss(5));      // TP rank 1
+  EXPECT_TRUE(ct.counts_loss(6));       // (1, 0, 1, 0): CP rank 1 counts its own tokens
+  // W = 8 = dp_shard 2 x cp 2 x tp 2: rank 6 = (0, 1, 1, 0); its shard group: ranks of TP rank 0.
+  const st::MeshLayout sct(st::MeshDims{1, 2, 2, 2});
+  EXPECT_EQ(sct.shard_group(6), (std::vector<int>{0, 2, 4, 6}));
+  EXPECT_EQ(sct.shard_index(6), 3);
+  EXPECT_EQ(sct.cp_group(6), (std::vector<int>{4, 6}));
+  EXPECT_EQ(sct.dp_index(6), 1);
   // Tensor parallelism: W = 8 = 2 replica groups x 2 shard ranks x TP 2. TP groups are consecutive
   // ranks; a shard group joins the ranks of equal TP rank; a TP group reads one batch share.
   const st::MeshLayout t(st::MeshDims{2, 2, 1, 2});
@@ -136,6 +173,7 @@ TEST_F(Mesh, GroupsBatchesWritersAndNormAgreeWithIndependentComputation) {
       EXPECT_EQ(mesh.replica_host()->rank(), r / G);
     }
     EXPECT_EQ(&mesh.shard_data(), &mesh.shard_host());  // no device communicators attached
+    EXPECT_EQ(mesh.cp_host(), nullptr);                   // cp = 1: no CP group
     EXPECT_EQ(mesh.replica_data(), mesh.replica_host());
     for (int q = 0; q < W; ++q) EXPECT_EQ(L.rank_of(L.coord(q)), q);
     // Group membership: brute force over all ranks vs the layout vs the communicators' members.
@@ -184,6 +222,92 @@ TEST_F(Mesh, GroupsBatchesWritersAndNormAgreeWithIndependentComputation) {
               std::string::npos)
         << line;
   }
+}
+
+// Every mesh with cp >= 2 of this world (all (R, D, C, N) with R x D x C x N = W): the CP, shard,
+// replica and TP communicators' members and ranks, the coordinates, the batch index, the
+// checkpoint rows and the loss and norm counting, against arithmetic written here from the rank
+// alone (rank = ((rep x D + shard) x C + cp) x N + tp) and sums over the world.
+TEST_F(Mesh, ContextParallelGroupsAgreeWithIndependentComputation) {
+  st::Comm& c = world();
+  const int W = c.world_size(), r = c.rank();
+  const st::Topology& topo = st::testing::g_runtime->topo();
+  int meshes = 0;
+  for (int C = 2; C <= W; ++C)
+    for (int N = 1; N <= W; ++N)
+      for (int D = 1; D <= W; ++D) {
+        if (W % (C * N * D) != 0) continue;
+        const int R = W / (C * N * D);
+        SCOPED_TRACE("W " + std::to_string(W) + ": R " + std::to_string(R) + ", D " + std::to_string(D) + ", C " +
+                     std::to_string(C) + ", N " + std::to_string(N));
+        ++meshes;
+        st::Mesh mesh(c, topo, st::MeshDims{R, D, C, N}, 0);
+        auto tp_of = [&](int q) { return q % N; };
+        auto cp_of = [&](int q) { return q / N % C; };
+        auto shard_of = [&](int q) { return q / (N * C) % D; };
+        auto rep_of = [&](int q) { return q / (N * C * D); };
+        const st::MeshCoord want{rep_of(r), shard_of(r), cp_of(r), tp_of(r)};
+        EXPECT_EQ(mesh.coord(), want);
+        std::vector<int> cp_bf, shard_bf, replica_bf, tp_bf;
+        for (int q = 0; q < W; ++q) {
+          const bool rep = rep_of(q) == rep_of(r), sh = shard_of(q) == shard_of(r), cpq = cp_of(q) == cp_of(r),
+                     tp = tp_of(q) == tp_of(r);
+          if (rep && sh && tp) cp_bf.push_back(q);
+          if (rep && tp) shard_bf.push_back(q);
+          if (sh && cpq && tp) replica_bf.push_back(q);
+          if (rep && sh && cpq) tp_bf.push_back(q);
+        }
+        ASSERT_NE(mesh.cp_host(), nullptr);
+        EXPECT_EQ(mesh.cp_data(), mesh.cp_host());  // no device communicators attached
+        EXPECT_EQ(members(*mesh.cp_host()), cp_bf);
+        EXPECT_EQ(mesh.cp_host()->rank(), cp_of(r));
+        EXPECT_EQ(mesh.layout().cp_group(r), cp_bf);
+        EXPECT_EQ(members(mesh.shard_host()), shard_bf);
+        EXPECT_EQ(mesh.layout().shard_group(r), shard_bf);
+        EXPECT_EQ(mesh.shard_host().rank(), shard_of(r) * C + cp_of(r));
+        EXPECT_EQ(mesh.layout().shard_index(r), mesh.shard_host().rank());
+        if (R > 1) {
+          ASSERT_NE(mesh.replica_host(), nullptr);
+          EXPECT_EQ(members(*mesh.replica_host()), replica_bf);
+        } else {
+          EXPECT_EQ(mesh.replica_host(), nullptr);
+        }
+        if (N > 1) {
+          ASSERT_NE(mesh.tp_host(), nullptr);
+          EXPECT_EQ(members(*mesh.tp_host()), tp_bf);
+        }
+        // CP ranks read the same rows: the batch index of (rep, shard), dp = R x D indices.
+        EXPECT_EQ(mesh.dp_index(), rep_of(r) * D + shard_of(r));
+        EXPECT_EQ(mesh.dp_size(), R * D);
+        // Checkpoint rows: replica 0 writes, row = rank in the shard group; each of the D x C rows
+        // is written by exactly N ranks (one per TP rank: TP files are moved to canonical rows first).
+        const int row = mesh.layout().checkpoint_row(r);
+        EXPECT_EQ(row, rep_of(r) == 0 ? shard_of(r) * C + cp_of(r) : -1);
+        std::vector<int64_t> per_row(static_cast<size_t>(D * C), 0);
+        std::vector<int64_t> rows(static_cast<size_t>(W));
+        int64_t mine = row;
+        c.all_gather(&mine, rows.data(), 1);
+        for (int64_t q : rows)
+          if (q >= 0) ++per_row[static_cast<size_t>(q)];
+        for (int k = 0; k < D * C; ++k) EXPECT_EQ(per_row[static_cast<size_t>(k)], N) << "checkpoint row " << k;
+        // Loss: every CP rank holds its own tokens of the rows of batch index dp_index, a TP group
+        // the same tokens: summing 2^(dp_index x C + cp) over the counting ranks gives each
+        // (batch index, CP part) exactly once.
+        double loss = mesh.counts_loss() ? std::ldexp(1.0, mesh.dp_index() * C + cp_of(r)) : 0.0;
+        c.all_reduce(&loss, 1, st::ReduceOp::Sum);
+        EXPECT_EQ(loss, std::ldexp(1.0, R * D * C) - 1);
+        // Norm: each (tp, shard row) holds different elements; replicas hold copies: counting
+        // 2^(tp x D x C + row) over the counting ranks gives each element group once.
+        double norm = mesh.counts_in_norm() ? std::ldexp(1.0, tp_of(r) * D * C + shard_of(r) * C + cp_of(r)) : 0.0;
+        c.all_reduce(&norm, 1, st::ReduceOp::Sum);
+        EXPECT_EQ(norm, std::ldexp(1.0, N * D * C) - 1);
+        const std::string line = mesh.topology_line();
+        EXPECT_NE(line.find("context parallel: " + std::to_string(W / C) + (W / C == 1 ? " CP group of " : " CP groups of ") +
+                            std::to_string(C) + " ranks (--cp " + std::to_string(C) + ","),
+                  std::string::npos)
+            << line;
+      }
+  if (meshes == 0) GTEST_SKIP() << "no mesh with cp >= 2 at world size " << W;
 }
 
 // A layout that does not cover the world is refused on every rank, naming the option.

@@ -5,6 +5,7 @@
 #include <string>
 #include <tuple>
 
+#include "shardtrain/geometry.h"
 #include "shardtrain/options.h"
 
 using namespace shardtrain;
@@ -53,5 +54,63 @@ TEST(ShardGroupSize, RefusesNamingTheOption) {
     resolve_shard_group_size("3", 4, 4);
   } catch (const std::invalid_argument& e) {
     EXPECT_STREQ(e.what(), "option '--shard-group-size' (3) does not divide the world size (4)");
+  }
+}
+
+// --cp C with --tp N and --shard-group-size G (ranks of a replica: its CP and TP groups included):
+// {dp_replicate W / G, dp_shard G / (C x N), cp C, tp N}, each field against the arithmetic here;
+// every refusal names the option and the numbers.
+TEST(MeshDims, ContextParallelResolves) {
+  for (int W : {1, 2, 4, 6, 8, 12})
+    for (int C : {1, 2, 3, 4})
+      for (int N : {1, 2})
+        for (int G : {0, 2, 4, 6, 12}) {  // 0: the default (the world)
+          const int g = G == 0 ? W : G;
+          const bool ok = W % (C * N) == 0 && W % g == 0 && g % (C * N) == 0;
+          const std::string sgs = G == 0 ? "" : std::to_string(G);
+          try {
+            const MeshDims d = resolve_mesh_dims(sgs, N, C, W, 1);
+            EXPECT_TRUE(ok) << "accepted W " << W << " cp " << C << " tp " << N << " G " << g;
+            EXPECT_EQ(d.cp, C);
+            EXPECT_EQ(d.tp, N);
+            EXPECT_EQ(d.dp_replicate, W / g);
+            EXPECT_EQ(d.dp_shard * C * N, g);
+            EXPECT_EQ(d.world(), W);
+            EXPECT_EQ(d.fsdp(), g / N);  // the FSDP shard group: dp_shard x cp ranks of equal TP rank
+          } catch (const std::invalid_argument& e) {
+            EXPECT_FALSE(ok) << "refused W " << W << " cp " << C << " tp " << N << " G " << g << ": " << e.what();
+          }
+        }
+}
+
+TEST(MeshDims, ContextParallelRefusalsNameTheNumbers) {
+  auto msg = [](const std::string& sgs, int tp, int cp, int W) {
+    try {
+      resolve_mesh_dims(sgs, tp, cp, W, 1);
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  EXPECT_EQ(msg("", 1, 3, 4),
+            "option '--cp' (3) does not divide the world size (4): the ranks are dp_replicate x dp_shard x cp x tp");
+  EXPECT_EQ(msg("", 2, 3, 4), "option '--cp' (3) x '--tp' (2) does not divide the world size (4): the ranks are "
+                              "dp_replicate x dp_shard x cp x tp");
+  EXPECT_EQ(msg("2", 1, 4, 8), "option '--shard-group-size' (2) is not a multiple of '--cp' x '--tp' (4 x 1): a shard "
+                               "group is made of whole CP and TP groups");
+  EXPECT_EQ(msg("", 1, 0, 4), "option '--cp' must be a positive integer, got 0");
+  EXPECT_EQ(msg("4", 2, 2, 8), "accepted");
+}
+
+TEST(CpComm, ParsesTheOptionsSpellingsAndRefusesOthers) {
+  EXPECT_EQ(parse_cp_comm("ring"), CpComm::Ring);
+  EXPECT_EQ(parse_cp_comm("allgather"), CpComm::AllGather);
+  EXPECT_STREQ(cp_comm_name(CpComm::Ring), "ring");
+  EXPECT_STREQ(cp_comm_name(CpComm::AllGather), "allgather");
+  try {
+    parse_cp_comm("all-gather");
+    ADD_FAILURE() << "accepted 'all-gather'";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_STREQ(e.what(), "option '--cp-comm' must be ring or allgather, got 'all-gather'");
   }
 }
