@@ -68,6 +68,10 @@ struct TrainConfig {
   // summation order of the loss chunks, so a resume may change them freely.
   Recompute recompute = Recompute::None;          // --activation-checkpointing none | selective | full
   AttentionKind attention = AttentionKind::Tiled;  // --attention tiled (FlashAttention-2) | exact ([B, NH, T, T] probabilities)
+  // --attention-mask causal | document (model.h AttentionMask). Unlike the others it changes what is
+  // computed: document masks attention between the documents of a packed sequence (they end at the
+  // data's EOS id) and restarts RoPE positions per document, in training and evaluation.
+  AttentionMask attention_mask = AttentionMask::Causal;
   int loss_chunk = 0;               // tokens per LM-head / loss chunk; 0 = default_loss_chunk(V)
   // How the run computes and communicates: the result is the same for any overlap setting
   // (bitwise); precision changes the arithmetic (recorded in checkpoints, see train_config_json).
@@ -232,10 +236,20 @@ double flops_per_token(const ModelConfig& c, int T);
 // cannot be read or written.
 TrainResult train(Engine& eng, const ModelConfig& model_cfg, const TrainConfig& tc, const TokenDataset& data);
 
+// "" when tc's attention mask fits `data`, else why not: '--attention-mask document' with data that
+// names no EOS id (eos_id kNoTokenId: llm.c / nanoGPT files, a tokenizer without EOS), naming the
+// option and the files. The same on every rank (the data's header is).
+std::string check_attention_mask(const TrainConfig& tc, const TokenDataset& data);
+// The layout of a micro-batch of tokens [B, T] for the model's forward under tc's mask: empty for
+// causal; for document the positions and documents of document_layout (data.h) at the data's EOS
+// id, written into pos and doc (resized to B * T), which the result points into.
+TokenLayout batch_layout(const TrainConfig& tc, const TokenDataset& data, const int32_t* tokens, int B, int T,
+                         std::vector<int32_t>& pos, std::vector<int32_t>& doc);
+
 // Collective over mesh.world(). Mean validation loss (nats/token) of `model` over `batches` global
 // batches of the validation split; this rank reads the rows of its data-parallel index
 // (Mesh::dp_index), global_batch / dp_size sequences of each batch, in micro-batches of
-// tc.micro_batch (0: all at once).
+// tc.micro_batch (0: all at once), each with tc's attention mask (batch_layout).
 template <typename T>
 double evaluate(const Mesh& mesh, LlamaModel<T>& model, UnitSource<T>& f, const TokenDataset& data,
                 const TrainConfig& tc, int batches);

@@ -119,7 +119,7 @@ template <typename C> class Trainer {
   UnitPipeline<C>* units_ = nullptr;  // run_.units: the model's UnitSource over f_
   std::unique_ptr<LlamaModel<C>> model_;
   std::unique_ptr<AdamW<float>> opt_;
-  std::vector<int32_t> tok_, tgt_;
+  std::vector<int32_t> tok_, tgt_, pos_, doc_;  // a micro-batch's tokens, targets and layout (batch_layout)
   std::unique_ptr<Schedule> schedule_;  // a step's micro-batches (gradient accumulation)
   CheckpointOptions co_;
   TrainState state_;         // the facts of the run: step, batch history, data and tokenizer record, layout
@@ -201,6 +201,7 @@ template <typename C> void Trainer<C>::check_geometry() {
     throw CollectiveError(0, "token id " + std::to_string(data_.max_id()) + " at " + data_.max_id_where() +
                                  " is >= the model's vocab_size (" + std::to_string(mc_.vocab_size) +
                                  "): the data was tokenized for another vocabulary");
+  if (const std::string why = check_attention_mask(tc_, data_); !why.empty()) throw CollectiveError(0, why);
   if (data_.size(Split::Val) == 0)
     throw CollectiveError(0, "no validation tokens: the '--data' files have no validation split (llm.c and nanoGPT "
                              "files are all training tokens); name validation files with option '--val-data'");
@@ -454,7 +455,8 @@ template <typename C> void Trainer<C>::run_action(const Action& a, int64_t s, fl
     case ActionKind::Forward:
       fill_batch(data_, Split::Train, tc_.seed, s, mesh_.dp_index() * geo_.per_rank + a.microbatch * geo_.micro_batch, geo_.micro_batch,
                  tc_.seq_len, tok_.data(), tgt_.data());
-      model_->forward(*units_, tok_.data(), geo_.micro_batch, tc_.seq_len);
+      model_->forward(*units_, tok_.data(), geo_.micro_batch, tc_.seq_len,
+                      batch_layout(tc_, data_, tok_.data(), geo_.micro_batch, tc_.seq_len, pos_, doc_));
       return;
     case ActionKind::Backward:
       loss_sum += model_->head_backward(*units_, tgt_.data(), grad_scale);
