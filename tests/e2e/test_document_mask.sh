@@ -31,6 +31,19 @@ run() {  # name np args...: a training run with metrics in $WORK/name.jsonl
 }
 run doc 2 --global-batch 2 --attention-mask document --checkpoint-dir "$WORK/ck"
 grep -q "document mask" "$WORK/doc.log" || { cat "$WORK/doc.log"; fail "doc: the memory plan does not name the document mask"; }
+# The step line and the metrics count the attention tile pairs the mask let the kernels skip:
+# T = 160 is 3 x 3 tile pairs per (sequence, head), 6 on and below the diagonal; the documents of
+# the train split leave some of those 6 fully masked too, so more than 3 of 9 are skipped.
+grep -qE "attn tiles skipped [0-9]+%" "$WORK/doc.log" || { cat "$WORK/doc.log"; fail "doc: no 'attn tiles skipped' in the step line"; }
+"$PY" - "$WORK/doc.jsonl" <<'P' || fail "doc: attention tile counts in the metrics"
+import json, sys
+r = next(json.loads(l) for l in open(sys.argv[1]) if '"loss"' in l)
+pairs, skipped = r["attn_tile_pairs"], r["attn_tiles_skipped"]
+# Rank 0: 1 sequence x 4 heads x 2 layers x (forward + backward) x 9 tile pairs.
+assert pairs == 1 * 4 * 2 * 2 * 9, pairs
+assert skipped > pairs / 3, (skipped, pairs)
+print(f"ok: metrics: {skipped:g} of {pairs:g} attention tile pairs skipped per step (causal skips {pairs / 3:g})")
+P
 run doc_tp2 2 --global-batch 1 --attention-mask document --tp 2
 run doc_exact_full 1 --global-batch 1 --attention-mask document --attention exact --activation-checkpointing full
 run causal 2 --global-batch 2
