@@ -92,7 +92,8 @@ struct Preempted : std::runtime_error {
 
 // The settings a resume compares with the checkpoint's train_config, by option name (without
 // dashes): seq-len, global-batch, steps, lr, min-lr, warmup, beta1, beta2, adam-eps, weight-decay,
-// clip, seed. A resume with any of them changed is refused unless '--accept-change' names it.
+// clip, seed, attention-mask. A resume with any of them changed is refused unless '--accept-change'
+// names it.
 const std::vector<std::string>& resume_checked_settings();
 
 // The run's settings as stored in a checkpoint's `train_config` attribute: a JSON object with
@@ -101,7 +102,8 @@ const std::vector<std::string>& resume_checked_settings();
 // and, when world_size > 0, the run's layout: world_size W and shard_group_size G (G = W for plain
 // FSDP; 0 means W) (docs/checkpoint-format.md).
 // tp > 1 (a tensor-parallel run) adds "tp"; its checkpoints hold the canonical rows of all W
-// ranks (shard_group_size = world_size).
+// ranks (shard_group_size = world_size). --attention-mask document adds "attention_mask":
+// "document" (absent: causal).
 std::string train_config_json(const TrainConfig& tc, int world_size = 0, int shard_group_size = 0, int tp = 1);
 
 // Learning rate at 0-based step s: linear warm-up lr*(s+1)/warmup for s < warmup, then cosine

@@ -42,6 +42,7 @@ std::string train_config_json(const TrainConfig& tc, int world_size, int shard_g
     j["shard_group_size"] = shard_group_size > 0 ? shard_group_size : world_size;
   }
   if (tp > 1) j["tp"] = tp;
+  if (tc.attention_mask == AttentionMask::Document) j["attention_mask"] = attention_mask_name(tc.attention_mask);
   return j.dump();
 }
 

@@ -11,7 +11,8 @@
 #   document at 2 ranks (data parallel), document at 2 ranks with --tp 2, document with
 #   --attention exact and --activation-checkpointing full, causal at 2 ranks.
 # And '--attention-mask document' with data that has no EOS id (a nanoGPT file) is refused on
-# every rank, naming the option and the file; an unknown mask value is refused naming the option.
+# every rank, naming the option and the file; an unknown mask value is refused naming the option; a
+# resume that changes the mask is refused unless '--accept-change attention-mask'.
 source "$(dirname "$0")/common.sh"
 CHECK=$ROOT/tests/e2e/document_mask_check.py
 T=160
@@ -21,12 +22,12 @@ cat >"$WORK/cfg.json" <<J
  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
  "tie_word_embeddings": false, "bos_token_id": 256, "eos_token_id": 257, "rope_theta": 10000.0, "initializer_range": 0.1}
 J
-TRAIN=(--model "$WORK/cfg.json" --data "$WORK/docs.tok" --seq-len $T --steps 1 --lr 1e-30 --min-lr 0 --warmup 0
+TRAIN=(--model "$WORK/cfg.json" --data "$WORK/docs.tok" --seq-len $T --lr 1e-30 --min-lr 0 --warmup 0
        --eval-every 0 --eval-batches 1 --threads 1)
 run() {  # name np args...: a training run with metrics in $WORK/name.jsonl
   local name=$1 np=$2
   shift 2
-  timeout -k 5 120 $MPIRUN -np "$np" "$BIN" "${TRAIN[@]}" --metrics "$WORK/$name.jsonl" "$@" >"$WORK/$name.log" 2>&1 \
+  timeout -k 5 120 $MPIRUN -np "$np" "$BIN" "${TRAIN[@]}" --steps 1 --metrics "$WORK/$name.jsonl" "$@" >"$WORK/$name.log" 2>&1 \
     || { cat "$WORK/$name.log"; fail "$name"; }
 }
 run doc 2 --global-batch 2 --attention-mask document --checkpoint-dir "$WORK/ck"
@@ -55,5 +56,13 @@ timeout -k 5 200 "$PY" "$CHECK" check $T "$WORK/docs.tok" "$WORK/hf" doc="$WORK/
 expect_fail no_eos "option '--attention-mask document' needs the data's EOS id (documents end at it), but the token data '$WORK/noeos.bin' (nanogpt (u16))" \
   2 --model tiny --data "$WORK/noeos.bin" --val-data "$WORK/noeos.bin" --data-format nanogpt --seq-len 16 --global-batch 2 \
   --attention-mask document --threads 1
+# A resume that changes the mask is refused (the objective would change mid-run), unless accepted.
+expect_fail resume_mask_change "--attention-mask \"document\" -> \"causal\"" 2 "${TRAIN[@]}" --global-batch 2 --steps 2 \
+  --checkpoint-dir "$WORK/ck" --resume auto
+timeout -k 5 120 $MPIRUN -np 2 "$BIN" "${TRAIN[@]}" --global-batch 2 --steps 2 --checkpoint-dir "$WORK/ck" --resume auto \
+  --accept-change steps,attention-mask >"$WORK/resume_ok.log" 2>&1 || { cat "$WORK/resume_ok.log"; fail "resume accepting the change"; }
+grep -qF -- "accepted change --attention-mask \"document\" -> \"causal\"" "$WORK/resume_ok.log" \
+  || { cat "$WORK/resume_ok.log"; fail "resume_ok: no note of the accepted change"; }
+echo "ok: a resume changing --attention-mask is refused on every rank, and noted when accepted"
 expect_fail bad_mask "option '--attention-mask' must be causal or document, got 'documents'" \
   2 --model tiny --data "$WORK/docs.tok" --seq-len 16 --global-batch 2 --attention-mask documents --threads 1
