@@ -123,8 +123,10 @@ const char* attention_mask_name(AttentionMask m);
 //        nullptr: one document per row (causal).
 // Both nullptr (the default), or arrays that change nothing (every pos[b, t] == t, every row one
 // document), run today's causal code path, bitwise. The rows are whole sequences in order: the
-// mask compares row indices (so a fully masked tile pair is skipped exactly), the positions only
-// rotate. (Context parallelism will hand a rank's head-tail rows with their global indices.)
+// mask compares row indices, the positions only rotate. Any document ids are correct; with ids
+// non-decreasing along a row (contiguous documents, as document_layout's) the tiled path skips
+// exactly the tile pairs in which no query sees a key (flash_attention.h). (Context parallelism,
+// whose rows are a rank's head-tail chunks, will have to pass the rows' global indices as well.)
 struct TokenLayout {
   const int32_t* pos = nullptr;
   const int32_t* doc = nullptr;

@@ -12,6 +12,8 @@
 //     the causal model (float64 and fp32);
 //   - the tile pairs the block kernels compute for a batch of many short documents: exactly those
 //     holding a visible (query, key) pair (a brute-force count), fewer than causal attention's;
+//   - the range calls (pipeline stages) keep each micro-batch's layout: two in flight, bitwise the
+//     whole model one at a time; a position outside [0, T) is refused;
 //   - the model allocates what activation_bytes counts with mask Document.
 #include <gtest/gtest.h>
 
@@ -365,6 +367,52 @@ TEST(DocumentMask, SkipsTilePairsOfOtherDocuments) {
               rows[0].size(), rows[1].size(), T, static_cast<long long>(st.tile_pairs - st.skipped),
               static_cast<long long>(st.tile_pairs), 100.0 * static_cast<double>(st.skipped) / static_cast<double>(st.tile_pairs),
               static_cast<long long>(causal));
+}
+
+// The range calls (pipeline stages) take the layout per micro-batch and keep it in its Context:
+// two micro-batches with different documents, over ranges [0, 1) and [1, 2), both forwards before
+// either backward (1F1B's order), give bitwise the loss and gradients of the whole model running
+// them one at a time. And a position outside [0, T) is refused before anything runs.
+TEST(DocumentMask, RangesKeepEachMicroBatchsLayout) {
+  if (testing::comm().world_size() != 1) GTEST_SKIP() << "single-rank check";
+  const Batch b1 = packed({{30, 1, 60, 9}, {77, 23}}, 43), b2 = packed({{100}, {12, 12, 12, 64}}, 47);
+  Model md(doc_config(128), 6);
+  LlamaModel<double> m(md.cfg, *md.be, ModelOptions{Recompute::None, AttentionKind::Tiled, 0, AttentionMask::Document});
+  md.f.zero_grads();
+  double want_loss = 0;
+  for (const Batch* b : {&b1, &b2}) {
+    m.forward(md.f, b->tokens.data(), b->B, b->T, b->layout());
+    want_loss += m.head_backward(md.f, b->targets.data(), 1.0);
+    m.backward(md.f);
+  }
+  std::vector<std::vector<double>> want;
+  for (int u = 0; u < md.f.num_units(); ++u)
+    want.emplace_back(md.f.grad_shard(u), md.f.grad_shard(u) + md.f.plan().units[u].shard_size);
+
+  using Ctx = LlamaModel<double>::Context;
+  Ctx c0[2] = {Ctx(BlockRange{0, 1, {}}), Ctx(BlockRange{0, 1, {}})};
+  Ctx c1[2] = {Ctx(BlockRange{1, 2, {}}), Ctx(BlockRange{1, 2, {}})};
+  const Batch* bs[2] = {&b1, &b2};
+  md.f.zero_grads();
+  for (int k = 0; k < 2; ++k) {
+    m.forward(md.f, c0[k], bs[k]->tokens.data(), nullptr, bs[k]->B, bs[k]->T, bs[k]->layout());
+    m.forward(md.f, c1[k], nullptr, c0[k].output(), bs[k]->B, bs[k]->T, bs[k]->layout());
+  }
+  double got_loss = 0;
+  for (int k = 0; k < 2; ++k) {
+    got_loss += m.head_backward(md.f, c1[k], bs[k]->targets.data(), 1.0);
+    m.backward(md.f, c1[k], nullptr);
+    m.backward(md.f, c0[k], c1[k].input_grad());
+  }
+  EXPECT_EQ(got_loss, want_loss);
+  for (int u = 0; u < md.f.num_units(); ++u)
+    EXPECT_TRUE(std::equal(want[static_cast<size_t>(u)].begin(), want[static_cast<size_t>(u)].end(), md.f.grad_shard(u)))
+        << "unit " << u;
+
+  std::vector<int32_t> bad = b1.lay.pos;
+  bad[5] = b1.T;
+  EXPECT_THROW(m.forward(md.f, b1.tokens.data(), b1.B, b1.T, TokenLayout{bad.data(), b1.lay.doc.data()}),
+               std::invalid_argument);
 }
 
 // With mask Document the model allocates what activation_bytes counts (the layout's ids included).
