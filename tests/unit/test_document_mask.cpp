@@ -12,6 +12,8 @@
 //     the causal model (float64 and fp32);
 //   - the tile pairs the block kernels compute for a batch of many short documents: exactly those
 //     holding a visible (query, key) pair (a brute-force count), fewer than causal attention's;
+//   - positions alone (RoPE is relative, so under the document mask the restart only rounds
+//     differently): they change the loss, tiled == exact within 1e-12;
 //   - the range calls (pipeline stages) keep each micro-batch's layout: two in flight, bitwise the
 //     whole model one at a time; a position outside [0, T) is refused;
 //   - the model allocates what activation_bytes counts with mask Document.
@@ -367,6 +369,33 @@ TEST(DocumentMask, SkipsTilePairsOfOtherDocuments) {
               rows[0].size(), rows[1].size(), T, static_cast<long long>(st.tile_pairs - st.skipped),
               static_cast<long long>(st.tile_pairs), 100.0 * static_cast<double>(st.skipped) / static_cast<double>(st.tile_pairs),
               static_cast<long long>(causal));
+}
+
+// RoPE is relative: within a document, positions restarting at its first token and positions
+// counted from the row's start give the same scores (to rounding), so with the document mask the
+// restart is invisible in the loss. Positions alone (no documents) are not: tokens then attend
+// across documents at distances the positions make up. That the model applies them: a layout of
+// positions only changes the loss, and the tiled and exact paths agree on it within 1e-12.
+TEST(DocumentMask, PositionsAloneRotate) {
+  if (testing::comm().world_size() != 1) GTEST_SKIP() << "single-rank check";
+  const Batch bt = packed({{30, 1, 60, 9}, {77, 23}}, 53);
+  std::vector<Step<double>> runs;
+  for (AttentionKind a : {AttentionKind::Tiled, AttentionKind::Exact}) {
+    Model md(doc_config(128), 8);
+    LlamaModel<double> m(md.cfg, *md.be, ModelOptions{Recompute::None, a, 0});
+    const Step<double> plain = train_step(md.f, m, bt, false);
+    md.f.zero_grads();
+    m.forward(md.f, bt.tokens.data(), bt.B, bt.T, TokenLayout{bt.lay.pos.data(), nullptr});
+    Step<double> r;
+    r.loss = m.head_backward(md.f, bt.targets.data(), 1.0);
+    m.backward(md.f);
+    for (int u = 0; u < md.f.num_units(); ++u)
+      r.grads.emplace_back(md.f.grad_shard(u), md.f.grad_shard(u) + md.f.plan().units[u].shard_size);
+    EXPECT_GT(std::abs(r.loss - plain.loss), 1e-6 * plain.loss) << attention_name(a);
+    runs.push_back(r);
+  }
+  EXPECT_LE(std::abs(runs[0].loss - runs[1].loss), 1e-12 * runs[1].loss);
+  EXPECT_LE(grad_diff(runs[0], runs[1]), 1e-12);
 }
 
 // The range calls (pipeline stages) take the layout per micro-batch and keep it in its Context:
