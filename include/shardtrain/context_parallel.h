@@ -13,6 +13,7 @@
 
 #include "shardtrain/backend.h"
 #include "shardtrain/context_parallel_ops.h"
+#include "shardtrain/geometry.h"
 #include "shardtrain/runtime.h"
 
 namespace shardtrain {
@@ -81,8 +82,7 @@ std::vector<CpTilePairs> cp_tile_pairs(int T, int cp, CpSplit split);
 //              [cp·Tl, NKV·HD] and attends to all of them in one block call; the backward
 //              reduce-scatters (sums) the whole sequence's dK, dV back to their owners. The
 //              gathered buffers hold one sequence's K/V (chunked per sequence, not per KV head).
-enum class CpComm { Ring, AllGather };
-const char* cp_comm_name(CpComm m);  // "ring", "allgather"
+// CpComm (Ring, AllGather) and cp_comm_name: geometry.h (the option --cp-comm).
 
 // What a rank's context-parallel attention cost, accumulated since construction. Transfers: ring
 // shifts (each of k, v, positions, document ids and, in the backward, dK and dV is one) or

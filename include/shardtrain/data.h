@@ -181,4 +181,16 @@ class TokenDataset {
 void fill_batch(const TokenDataset& ds, Split split, uint64_t seed, int64_t index, int first, int count, int T,
                 int32_t* tokens, int32_t* targets);
 
+// Document masking (--attention-mask document, model.h AttentionMask): the documents of packed
+// sequences. Documents end AT the EOS: a token equal to `eos` is the last token of its document
+// and the next token starts a new one; a row's first token starts a document too (a row that
+// begins inside a document starts at position 0). For tokens [B, T] (row b at tokens + b * stride,
+// stride >= T; fill_batch's tokens have stride T, whole sequences [B, T + 1] stride T + 1, of which
+// the first T tokens are read), writes [B, T] row-major:
+//   doc[b, t] = the number of EOS among tokens[b, 0 .. t-1]  (0, 1, ... along the row)
+//   pos[b, t] = t minus the index of the first token of t's document  (0 at each document's start)
+// the inputs of LlamaModel's TokenLayout. Pure; throws std::invalid_argument when B < 0, T < 0 or
+// stride < T.
+void document_layout(const int32_t* tokens, int B, int T, int64_t stride, int32_t eos, int32_t* doc, int32_t* pos);
+
 }  // namespace shardtrain

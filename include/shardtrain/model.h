@@ -84,19 +84,53 @@ enum class Recompute { None, Selective, Full };
 // memory; Exact: scores and probabilities materialized, [B, NH, T, T] (reference for tests).
 enum class AttentionKind { Tiled, Exact };
 
-// How a model computes; none of it changes what is computed (beyond summation order of the loss
-// chunks). Not part of the checkpoint.
+// What attention masks (--attention-mask). Causal: query t sees keys s <= t of its sequence.
+// Document (packed training data; Llama 3, Dubey et al. 2024, section 3.2: "an attention mask that
+// prevents self-attention between different documents within the same sequence"): query t sees keys
+// s <= t of its own document, and RoPE positions restart at 0 at each document's first token (as
+// transformers does for packed sequences given position_ids). The documents of a micro-batch come
+// with it (TokenLayout, below; the data layer's document_layout, data.h).
+enum class AttentionMask { Causal, Document };
+
+// How a model computes; none of it but `mask` changes what is computed (beyond summation order of
+// the loss chunks). Not part of the checkpoint.
 struct ModelOptions {
   Recompute recompute = Recompute::None;
   AttentionKind attention = AttentionKind::Tiled;
   int loss_chunk = 0;  // tokens per LM-head / cross-entropy chunk; 0 = default_loss_chunk(V)
+  // Document: the model reserves (and activation_bytes counts) the buffers of a TokenLayout per
+  // micro-batch; the mask itself is what each forward's layout says (none given: causal).
+  AttentionMask mask = AttentionMask::Causal;
 };
-// Parse "none" | "selective" | "full" and "tiled" | "exact"; throw std::invalid_argument naming the
-// options '--activation-checkpointing' / '--attention'.
+// Parse "none" | "selective" | "full", "tiled" | "exact" and "causal" | "document"; throw
+// std::invalid_argument naming the options '--activation-checkpointing' / '--attention' /
+// '--attention-mask'.
 Recompute parse_recompute(const std::string& s);
 AttentionKind parse_attention(const std::string& s);
+AttentionMask parse_attention_mask(const std::string& s);
 const char* recompute_name(Recompute r);
 const char* attention_name(AttentionKind a);
+const char* attention_mask_name(AttentionMask m);
+
+// Where the tokens of one micro-batch are, for RoPE and the attention mask: host arrays [B, T]
+// (row-major, int32) that a forward() copies into the micro-batch's Context (kept for its backward,
+// as the token ids are), or nullptr.
+//   pos: each token's RoPE position, in [0, T) (document masking: its position in its document,
+//        0 at each document's first token and at a row's first token); nullptr: t, the token's
+//        index in its row (today's RoPE).
+//   doc: each token's document id, compared only within a row (document_layout numbers them 0, 1,
+//        ... along the row); query t sees key s iff s <= t (row order) and doc[s] == doc[t];
+//        nullptr: one document per row (causal).
+// Both nullptr (the default), or arrays that change nothing (every pos[b, t] == t, every row one
+// document), run today's causal code path, bitwise. The rows are whole sequences in order: the
+// mask compares row indices, the positions only rotate. Any document ids are correct; with ids
+// non-decreasing along a row (contiguous documents, as document_layout's) the tiled path skips
+// exactly the tile pairs in which no query sees a key (flash_attention.h). (Context parallelism,
+// whose rows are a rank's head-tail chunks, will have to pass the rows' global indices as well.)
+struct TokenLayout {
+  const int32_t* pos = nullptr;
+  const int32_t* doc = nullptr;
+};
 // Default chunk of the LM head and loss: as many tokens as make a [chunk, V] logits block of
 // 2^24 elements (64 MiB in fp32), at least 256 tokens: about 131 (-> 256) for a 128,256
 // vocabulary, 65,027 for 258.
@@ -127,7 +161,8 @@ struct ActivationBytes {
   int64_t per_layer = 0;       // kept per block from forward to backward, times num_hidden_layers
   int64_t recompute = 0;       // one block's recomputed activations (Selective, Full)
   int64_t block_scratch = 0;   // shared by blocks: RMSNorm output, the backward's activation gradients
-  int64_t head = 0;            // final norm input/output, the logits chunk, ids, RoPE tables
+  int64_t head = 0;            // final norm input/output, the logits chunk, ids, RoPE tables; with
+                               // mask Document the layout's positions, documents and row indices
   int64_t total() const { return per_layer + recompute + block_scratch + head; }
 };
 // tp: the TP degree (sequence-parallel rows B*T/tp, local heads and intermediate slice).
@@ -232,6 +267,9 @@ template <typename T> class LlamaModel {
     Buffer<T> dres_;                 // d(loss)/d(residual stream), backward's running gradient
     IdBuffer<T> tokens_, targets_;   // begin == 0 / end == L: the micro-batch's ids in backend memory
     IdBuffer<T> ids_tp_;             // TP > 1, begin == 0: tokens as rows of this rank's embedding slice
+    IdBuffer<T> pos_, doc_;          // the layout's positions and documents [B, T] (mask Document, or
+                                     // allocated at the first forward given a layout)
+    bool use_pos_ = false, use_doc_ = false;  // this micro-batch's layout changes RoPE / the mask
   };
 
   // tp: the TP group's collectives (tensor_parallel_ops.h), nullptr or size 1 = no tensor parallelism; must
@@ -241,9 +279,12 @@ template <typename T> class LlamaModel {
 
   // Collective (gathers units 0, 1..L, L+1). tokens: host array [B, T] of ids in [0, V). Runs the
   // embedding, the blocks and the final norm, keeping what backward() needs (options().recompute).
-  // Throws std::invalid_argument if T exceeds max_position_embeddings or a token is out of range
-  // (before any collective).
-  void forward(UnitSource<T>& f, const int32_t* tokens, int B, int T_) { forward(f, ctx_, tokens, nullptr, B, T_); }
+  // layout: the micro-batch's positions and documents (TokenLayout; default: causal).
+  // Throws std::invalid_argument if T exceeds max_position_embeddings, a token is out of range or a
+  // layout position is outside [0, T) (before any collective).
+  void forward(UnitSource<T>& f, const int32_t* tokens, int B, int T_, const TokenLayout& layout = {}) {
+    forward(f, ctx_, tokens, nullptr, B, T_, layout);
+  }
   // Collective (gathers unit 0 again when tied). After forward(): the LM head and cross-entropy
   // over chunks of options().loss_chunk tokens (no [B*T, V] buffer). targets: host [B, T], ids in
   // [0, V) (std::invalid_argument otherwise, before any collective). Returns the sum over the B*T
@@ -264,12 +305,14 @@ template <typename T> class LlamaModel {
   // The range calls (see above). forward: collective over the range's units in order (0 when
   // begin == 0, 1+begin..end, L+1 when end == L); tokens (host [B, T], begin == 0) or input
   // (backend [R, C], begin > 0) must be given, the other is ignored; std::invalid_argument for a bad
-  // range or unit map, a missing input, T past max_position_embeddings or a token out of range
-  // (before any collective). loss / head_backward: as the whole-model ones, on a context whose
+  // range or unit map, a missing input, T past max_position_embeddings, a token out of range or a
+  // layout position outside [0, T) (before any collective). Every range of a micro-batch takes its
+  // layout (every block attends). loss / head_backward: as the whole-model ones, on a context whose
   // range ends at L (std::logic_error otherwise or out of order). backward: after head_backward()
   // (end == L, output_grad ignored) or forward() (end < L, output_grad required: backend [R, C]);
   // blocks end-1..begin, then the embedding when begin == 0; else leaves ctx.input_grad().
-  void forward(UnitSource<T>& f, Context& ctx, const int32_t* tokens, const T* input, int B, int T_);
+  void forward(UnitSource<T>& f, Context& ctx, const int32_t* tokens, const T* input, int B, int T_,
+               const TokenLayout& layout = {});
   double loss(UnitSource<T>& f, Context& ctx, const int32_t* targets);
   double head_backward(UnitSource<T>& f, Context& ctx, const int32_t* targets, S grad_scale);
   void backward(UnitSource<T>& f, Context& ctx, const T* output_grad);
@@ -303,14 +346,27 @@ template <typename T> class LlamaModel {
   }
   void ensure(int B, int T_);
   void ensure_context(Context& ctx);  // sized for d_ (B, T), when it is not yet
+  void ensure_rows();                 // rows_ sized for d_ and filled, when it is not yet
   void check_range(const BlockRange& r) const;           // std::invalid_argument if not a range of this model
   void check_ids(const int32_t* ids, int64_t n) const;  // std::invalid_argument if one is outside [0, V)
   void expect_stage(const Context& ctx, Stage s, const char* call) const;  // std::logic_error if not at s
   // The embedding of ctx's tokens into x0 [R, C] (collective: gathers unit 0).
   void embed(UnitSource<T>& f, Context& ctx, const int32_t* tokens, T* x0);
-  // Forward of block l with weights w from input x: fills the activations of `a` and, when xn is not
-  // nullptr, writes the block output to xn (else stops before the down projection: recompute).
-  void block_forward(const T* w, const T* x, Layer& a, T* h, T* att, T* xn);
+  // Forward of block l (ctx's micro-batch) with weights w from input x: fills the activations of
+  // `a` and, when xn is not nullptr, writes the block output to xn (else stops before the down
+  // projection: recompute).
+  void block_forward(const Context& ctx, const T* w, const T* x, Layer& a, T* h, T* att, T* xn);
+  // The layout's checks (std::invalid_argument) and, in set_layout, its copy into ctx (use_pos_ /
+  // use_doc_ only where it changes something).
+  void check_layout(const TokenLayout& lay, int B, int T_) const;
+  void set_layout(Context& ctx, const TokenLayout& lay);
+  // RoPE (forward or backward) of x [BT, H, HD] at ctx's positions.
+  void rope(const Context& ctx, T* x, int H, bool backward);
+  // Attention of block activations `a` (tiled: y, lse; exact: att, y), and its backward into dq_,
+  // dk_, dv_ from dy_: causal (flash_attention_* / the exact path) or, with ctx's documents, the
+  // block attention kernels over the whole sequence as one block (masked tile pairs skipped).
+  void attend(const Context& ctx, Layer& a, T* att);
+  void attend_backward(const Context& ctx, const Layer& a, const T* att);
   // Backward of block l (ctx's) with weights w into its full-unit gradient (f.full_grad, taken after
   // any recomputation): ctx.dres_ from d(block output) to d(block input).
   void block_backward(UnitSource<T>& f, Context& ctx, int l, const T* w);
@@ -346,6 +402,7 @@ template <typename T> class LlamaModel {
   Buffer<T> ln_;  // a block's RMSNorm output [B*T, C], forward and (recomputed) backward
   Buffer<T> dln_, dq_, dk_, dv_, datt_, dy_, dh_, dg_, du_;
   AccBuffer<T> dsum_;  // tiled attention backward: rowsum(dy * y) [B, NH, T]
+  IdBuffer<T> rows_;   // block attention with documents: each token's index t in its row [B, T]
   // TP > 1 only (empty without TP). full_: an all-gathered [BT, C] (an RMSNorm output; in the head
   // step the final norm's, which the head reads); dfull_: a [BT, C] gradient (the all-gathered
   // residual gradient, or the partial input gradient before its reduce-scatter); the

@@ -69,6 +69,10 @@ struct TrainConfig {
   // summation order of the loss chunks, so a resume may change them freely.
   Recompute recompute = Recompute::None;          // --activation-checkpointing none | selective | full
   AttentionKind attention = AttentionKind::Tiled;  // --attention tiled (FlashAttention-2) | exact ([B, NH, T, T] probabilities)
+  // --attention-mask causal | document (model.h AttentionMask). Unlike the others it changes what is
+  // computed: document masks attention between the documents of a packed sequence (they end at the
+  // data's EOS id) and restarts RoPE positions per document, in training and evaluation.
+  AttentionMask attention_mask = AttentionMask::Causal;
   int loss_chunk = 0;               // tokens per LM-head / loss chunk; 0 = default_loss_chunk(V)
   // How the run computes and communicates: the result is the same for any overlap setting
   // (bitwise); precision changes the arithmetic (recorded in checkpoints, see train_config_json).
@@ -90,7 +94,8 @@ struct Preempted : std::runtime_error {
 
 // The settings a resume compares with the checkpoint's train_config, by option name (without
 // dashes): seq-len, global-batch, steps, lr, min-lr, warmup, beta1, beta2, adam-eps, weight-decay,
-// clip, seed. A resume with any of them changed is refused unless '--accept-change' names it.
+// clip, seed, attention-mask. A resume with any of them changed is refused unless '--accept-change'
+// names it.
 const std::vector<std::string>& resume_checked_settings();
 
 // The run's settings as stored in a checkpoint's `train_config` attribute: a JSON object with
@@ -99,7 +104,8 @@ const std::vector<std::string>& resume_checked_settings();
 // and, when world_size > 0, the run's layout: world_size W and shard_group_size G (G = W for plain
 // FSDP; 0 means W) (docs/checkpoint-format.md).
 // tp > 1 (a tensor-parallel run) adds "tp"; its checkpoints hold the canonical rows of all W
-// ranks (shard_group_size = world_size).
+// ranks (shard_group_size = world_size). --attention-mask document adds "attention_mask":
+// "document" (absent: causal).
 std::string train_config_json(const TrainConfig& tc, int world_size = 0, int shard_group_size = 0, int tp = 1);
 
 // Learning rate at 0-based step s: linear warm-up lr*(s+1)/warmup for s < warmup, then cosine
@@ -234,10 +240,20 @@ double flops_per_token(const ModelConfig& c, int T);
 // cannot be read or written.
 TrainResult train(Engine& eng, const ModelConfig& model_cfg, const TrainConfig& tc, const TokenDataset& data);
 
+// "" when tc's attention mask fits `data`, else why not: '--attention-mask document' with data that
+// names no EOS id (eos_id kNoTokenId: llm.c / nanoGPT files, a tokenizer without EOS), naming the
+// option and the files. The same on every rank (the data's header is).
+std::string check_attention_mask(const TrainConfig& tc, const TokenDataset& data);
+// The layout of a micro-batch of tokens [B, T] for the model's forward under tc's mask: empty for
+// causal; for document the positions and documents of document_layout (data.h) at the data's EOS
+// id, written into pos and doc (resized to B * T), which the result points into.
+TokenLayout batch_layout(const TrainConfig& tc, const TokenDataset& data, const int32_t* tokens, int B, int T,
+                         std::vector<int32_t>& pos, std::vector<int32_t>& doc);
+
 // Collective over mesh.world(). Mean validation loss (nats/token) of `model` over `batches` global
 // batches of the validation split; this rank reads the rows of its data-parallel index
 // (Mesh::dp_index), global_batch / dp_size sequences of each batch, in micro-batches of
-// tc.micro_batch (0: all at once).
+// tc.micro_batch (0: all at once), each with tc's attention mask (batch_layout).
 template <typename T>
 double evaluate(const Mesh& mesh, LlamaModel<T>& model, UnitSource<T>& f, const TokenDataset& data,
                 const TrainConfig& tc, int batches);

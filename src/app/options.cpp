@@ -86,6 +86,7 @@ po::options_description describe(Options& o) {
   mem.add_options()
       ("activation-checkpointing", po::value<std::string>(&o.activation_checkpointing)->default_value(o.activation_checkpointing), "none | selective (keep GEMM outputs, recompute elementwise parts) | full (keep each block's input, recompute the block in backward); gradients are identical")
       ("attention", po::value<std::string>(&o.attention)->default_value(o.attention), "tiled (FlashAttention-2: no [T, T] matrices) | exact (keeps the [B, heads, T, T] probabilities; reference)")
+      ("attention-mask", po::value<std::string>(&o.attention_mask)->default_value(o.attention_mask), "causal | document: a token attends only to earlier tokens of its own document (documents end at the data's EOS id) and RoPE positions restart at 0 per document (packed sequences, as Llama 3); training and evaluation")
       ("loss-chunk", po::value<int>(&t.loss_chunk)->default_value(t.loss_chunk), "tokens per LM-head and cross-entropy chunk (no [tokens, vocab] logits are held); 0 = max(256, 2^24 / vocab)")
       ("world-size", po::value<int>(&o.plan_world_size)->default_value(o.plan_world_size), "plan: ranks to plan for; 0 = the ranks of this launch")
       ("device-memory", po::value<std::string>(&o.device_memory), "plan: memory of one device, e.g. 80GB, 141GB: also print the largest micro-batch that fits for each --activation-checkpointing mode");
@@ -189,6 +190,7 @@ void validate(const Options& o) {
         "mode", "must be train, prepare, tokenizer, inspect, export, import, generate or plan, got '" + o.mode + "'");
   parse_recompute(o.activation_checkpointing);  // throws naming option '--activation-checkpointing'
   parse_attention(o.attention);                 // throws naming option '--attention'
+  parse_attention_mask(o.attention_mask);       // throws naming option '--attention-mask'
   model_options(t);                             // throws naming option '--loss-chunk'
   check(o.plan_world_size >= 0, "world-size", "must be >= 0 (0: the ranks of this launch)");
   if (!o.device_memory.empty()) {
@@ -309,6 +311,8 @@ void fill_typed(Options& o) {
   o.train.recompute = parse_recompute(o.activation_checkpointing);
   o.train.attention = parse_attention(o.attention);
   o.train.cp_comm = parse_cp_comm(o.cp_comm);
+
+  o.train.attention_mask = parse_attention_mask(o.attention_mask);
   o.train.reduce_bf16 = o.reduce_dtype == "bf16";
   o.train.checkpoint_async = o.checkpoint_async == "on";
   o.train.overlap = OverlapConfig{o.overlap == "on", o.prefetch, parse_comm_progress(o.comm_progress)};

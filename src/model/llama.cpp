@@ -172,7 +172,13 @@ AttentionKind parse_attention(const std::string& s) {
 const char* recompute_name(Recompute r) {
   return r == Recompute::None ? "none" : r == Recompute::Selective ? "selective" : "full";
 }
+AttentionMask parse_attention_mask(const std::string& s) {
+  if (s == "causal") return AttentionMask::Causal;
+  if (s == "document") return AttentionMask::Document;
+  throw std::invalid_argument("option '--attention-mask' must be causal or document, got '" + s + "'");
+}
 const char* attention_name(AttentionKind a) { return a == AttentionKind::Tiled ? "tiled" : "exact"; }
+const char* attention_mask_name(AttentionMask m) { return m == AttentionMask::Document ? "document" : "causal"; }
 int default_loss_chunk(int V) { return std::max(256, static_cast<int>((int64_t{1} << 24) / std::max(1, V))); }
 
 namespace {
@@ -183,8 +189,10 @@ struct Sizes {
   int64_t chunk_logits, rope, dsum;
   bool keep_all, keep_h, keep_att;  // per-layer buffers besides x; h; exact probabilities
   int64_t full, ce;  // TP > 1: full_ and dfull_ [BT, C] each; the cross-entropy's scalars
+  int64_t layout;    // mask Document: a context's positions and documents, the model's row indices (ids each)
   Sizes(const LlamaDims& d, const ModelOptions& o) {
     BT = d.BT;
+    layout = o.mask == AttentionMask::Document ? BT : 0;
     x = int64_t{d.R} * d.C;  // the residual stream: this rank's rows (all of them without TP)
     rstd = d.R;
     full = d.tp > 1 ? BT * d.C : 0;
@@ -218,7 +226,7 @@ ActivationBytes activation_bytes(const ModelConfig& c, const ModelOptions& o, in
   if (o.recompute == Recompute::Selective) r.recompute = e * (z.gi + z.att);
   if (o.recompute == Recompute::Full) r.recompute = rest + e * (z.gi + z.att);
   r.block_scratch = e * (3 * z.x + 2 * z.q + 2 * z.kv + 3 * z.gi + z.att) + a * z.dsum;
-  r.head = e * (2 * z.x + z.rstd + z.chunk_logits + 2 * z.rope) + 2 * 4 * z.BT;
+  r.head = e * (2 * z.x + z.rstd + z.chunk_logits + 2 * z.rope) + 2 * 4 * z.BT + 3 * 4 * z.layout;
   if (tp > 1) {  // full_, dfull_, ids_tp_, the cross-entropy's scalars
     r.block_scratch += e * 2 * z.full;
     r.head += 4 * z.BT + a * z.ce;
@@ -300,6 +308,46 @@ template <typename T> void LlamaModel<T>::ensure(int B, int T_) {
   cos_ = buf(z.rope); sin_ = buf(z.rope);
   be_.from_host(cos_.data(), cst.data(), cst.size());
   be_.from_host(sin_.data(), snt.data(), snt.size());
+  rows_ = IdBuffer<T>();
+  if (z.layout > 0) ensure_rows();
+}
+
+template <typename T> void LlamaModel<T>::ensure_rows() {
+  if (rows_.size() == static_cast<size_t>(d_.BT)) return;
+  std::vector<int32_t> t(static_cast<size_t>(d_.BT));
+  for (size_t i = 0; i < t.size(); ++i) t[i] = static_cast<int32_t>(i % static_cast<size_t>(d_.T_));
+  rows_ = IdBuffer<T>(be_, t.size());
+  be_.ids_from_host(rows_.data(), t.data(), t.size());
+}
+
+template <typename T> void LlamaModel<T>::check_layout(const TokenLayout& lay, int B, int T_) const {
+  if (!lay.pos) return;
+  for (int64_t i = 0; i < int64_t{B} * T_; ++i)
+    if (lay.pos[i] < 0 || lay.pos[i] >= T_)
+      throw std::invalid_argument("token position " + std::to_string(lay.pos[i]) + " at token " + std::to_string(i) +
+                                  " is outside [0, " + std::to_string(T_) + ") (the sequence length)");
+}
+
+// Only what changes something is used: positions other than t, rows of more than one document.
+template <typename T> void LlamaModel<T>::set_layout(Context& ctx, const TokenLayout& lay) {
+  const LlamaDims& d = d_;
+  const size_t n = static_cast<size_t>(d.BT), T_ = static_cast<size_t>(d.T_);
+  bool pos = false, doc = false;
+  for (size_t i = 0; i < n; ++i) {
+    pos = pos || (lay.pos && lay.pos[i] != static_cast<int32_t>(i % T_));
+    doc = doc || (lay.doc && lay.doc[i] != lay.doc[i - i % T_]);
+  }
+  ctx.use_pos_ = pos;
+  ctx.use_doc_ = doc;
+  if (pos) {
+    if (ctx.pos_.size() != n) ctx.pos_ = IdBuffer<T>(be_, n);
+    be_.ids_from_host(ctx.pos_.data(), lay.pos, n);
+  }
+  if (doc) {
+    if (ctx.doc_.size() != n) ctx.doc_ = IdBuffer<T>(be_, n);
+    be_.ids_from_host(ctx.doc_.data(), lay.doc, n);
+    ensure_rows();
+  }
 }
 
 // A context's buffers for d_'s micro-batch: per block of its range what the mode keeps (Sizes), the
@@ -333,6 +381,9 @@ template <typename T> void LlamaModel<T>::ensure_context(Context& ctx) {
   ctx.tokens_ = ids(r.begin == 0);
   ctx.targets_ = ids(head);
   ctx.ids_tp_ = ids(r.begin == 0 && tp_n_ > 1);
+  ctx.pos_ = ids(z.layout > 0);
+  ctx.doc_ = ids(z.layout > 0);
+  ctx.use_pos_ = ctx.use_doc_ = false;
   ctx.B_ = d_.B;
   ctx.T_ = d_.T_;
 }
@@ -360,7 +411,60 @@ template <typename T> void LlamaModel<T>::reduce_input_grad() {
   if (tp_n_ > 1) tp_->reduce_scatter_sum(dfull_.data(), dln_.data(), static_cast<size_t>(d_.R) * d_.C);
 }
 
-template <typename T> void LlamaModel<T>::block_forward(const T* w, const T* x, Layer& a, T* h, T* att, T* xn) {
+template <typename T> void LlamaModel<T>::rope(const Context& ctx, T* x, int H, bool backward) {
+  const LlamaDims& d = d_;
+  if (!ctx.use_pos_) {
+    if (backward) be_.rope_backward(x, cos_.data(), sin_.data(), d.B, d.T_, H, d.HD);
+    else be_.rope_forward(x, cos_.data(), sin_.data(), d.B, d.T_, H, d.HD);
+  } else if (backward) {
+    be_.rope_backward_at(x, cos_.data(), sin_.data(), ctx.pos_.data(), d.BT, H, d.HD);
+  } else {
+    be_.rope_forward_at(x, cos_.data(), sin_.data(), ctx.pos_.data(), d.BT, H, d.HD);
+  }
+}
+
+// With documents, the tiled path is block attention (flash_attention.h) of the whole sequence
+// against itself: positions = row indices, so the mask is s <= t within a document, and tile pairs
+// that it hides entirely (other documents, above the diagonal) are skipped and counted
+// (take_block_attention_stats). One block: its y and lse are the final ones (no merge).
+template <typename T> void LlamaModel<T>::attend(const Context& ctx, Layer& a, T* att) {
+  const LlamaDims& d = d_;
+  const int32_t* doc = ctx.use_doc_ ? ctx.doc_.data() : nullptr;
+  if (o_.attention == AttentionKind::Exact)
+    shardtrain::attention_forward(be_, a.q.data(), a.k.data(), a.v.data(), att, a.y.data(), d.B, d.T_, d.NH, d.NKV,
+                                  d.HD, doc);
+  else if (!doc)
+    be_.flash_attention_forward(a.y.data(), a.lse.data(), a.q.data(), a.k.data(), a.v.data(), d.B, d.T_, d.NH, d.NKV,
+                                d.HD, attn_scale_);
+  else
+    be_.attention_block_forward(a.y.data(), a.lse.data(), a.q.data(), a.k.data(), a.v.data(), rows_.data(),
+                                rows_.data(), doc, doc, d.B, d.T_, d.T_, d.NH, d.NKV, d.HD, attn_scale_);
+}
+
+// The exact path's backward needs no documents (masked probabilities are 0). The block backward
+// accumulates into dq_, dk_, dv_ (zeroed first), given D = rowsum(dy o y) of the (final) y.
+template <typename T> void LlamaModel<T>::attend_backward(const Context& ctx, const Layer& a, const T* att) {
+  const LlamaDims& d = d_;
+  if (o_.attention == AttentionKind::Exact) {
+    shardtrain::attention_backward(be_, a.q.data(), a.k.data(), a.v.data(), att, dy_.data(), datt_.data(), dq_.data(),
+                                   dk_.data(), dv_.data(), d.B, d.T_, d.NH, d.NKV, d.HD);
+  } else if (!ctx.use_doc_) {
+    be_.flash_attention_backward(dq_.data(), dk_.data(), dv_.data(), dsum_.data(), dy_.data(), a.q.data(), a.k.data(),
+                                 a.v.data(), a.y.data(), a.lse.data(), d.B, d.T_, d.NH, d.NKV, d.HD, attn_scale_);
+  } else {
+    const int32_t* doc = ctx.doc_.data();
+    be_.attention_row_dot(dsum_.data(), dy_.data(), a.y.data(), d.B, d.T_, d.NH, d.HD);
+    be_.zero(dq_.data(), dq_.size());
+    be_.zero(dk_.data(), dk_.size());
+    be_.zero(dv_.data(), dv_.size());
+    be_.attention_block_backward(dq_.data(), dk_.data(), dv_.data(), dy_.data(), a.q.data(), a.k.data(), a.v.data(),
+                                 a.lse.data(), dsum_.data(), rows_.data(), rows_.data(), doc, doc, d.B, d.T_, d.T_,
+                                 d.NH, d.NKV, d.HD, attn_scale_);
+  }
+}
+
+template <typename T>
+void LlamaModel<T>::block_forward(const Context& ctx, const T* w, const T* x, Layer& a, T* h, T* att, T* xn) {
   const LlamaDims& d = d_;
   // Attention sub-block: x1 = x + o_proj(attn(rope(q), rope(k), v)) on rmsnorm(x).
   be_.rmsnorm_forward(ln_.data(), a.rstd1.data(), x, w + off_.ln1, d.R, d.C, eps_);
@@ -368,13 +472,9 @@ template <typename T> void LlamaModel<T>::block_forward(const T* w, const T* x, 
   linear(be_, kFwd, d.BT, d.Q, d.C, n1, w + off_.q, a.q.data(), false);
   linear(be_, kFwd, d.BT, d.KV, d.C, n1, w + off_.k, a.k.data(), false);
   linear(be_, kFwd, d.BT, d.KV, d.C, n1, w + off_.v, a.v.data(), false);
-  be_.rope_forward(a.q.data(), cos_.data(), sin_.data(), d.B, d.T_, d.NH, d.HD);
-  be_.rope_forward(a.k.data(), cos_.data(), sin_.data(), d.B, d.T_, d.NKV, d.HD);
-  if (o_.attention == AttentionKind::Tiled)
-    be_.flash_attention_forward(a.y.data(), a.lse.data(), a.q.data(), a.k.data(), a.v.data(), d.B, d.T_, d.NH, d.NKV,
-                                d.HD, attn_scale_);
-  else
-    shardtrain::attention_forward(be_, a.q.data(), a.k.data(), a.v.data(), att, a.y.data(), d.B, d.T_, d.NH, d.NKV, d.HD);
+  rope(ctx, a.q.data(), d.NH, false);
+  rope(ctx, a.k.data(), d.NKV, false);
+  attend(ctx, a, att);
   row_parallel_residual(a.y.data(), d.Q, w + off_.o, x, a.x1.data());
   // MLP sub-block: x_next = x1 + down(silu(gate(n)) * up(n)), n = rmsnorm(x1).
   be_.rmsnorm_forward(ln_.data(), a.rstd2.data(), a.x1.data(), w + off_.ln2, d.R, d.C, eps_);
@@ -424,7 +524,8 @@ template <typename T> void LlamaModel<T>::check_range(const BlockRange& r) const
 }
 
 template <typename T>
-void LlamaModel<T>::forward(UnitSource<T>& f, Context& ctx, const int32_t* tokens, const T* input, int B, int T_) {
+void LlamaModel<T>::forward(UnitSource<T>& f, Context& ctx, const int32_t* tokens, const T* input, int B, int T_,
+                            const TokenLayout& layout) {
   check_range(ctx.r_);
   const int a = ctx.r_.begin, b = ctx.r_.end;
   if (T_ > c_.max_position_embeddings)
@@ -433,9 +534,11 @@ void LlamaModel<T>::forward(UnitSource<T>& f, Context& ctx, const int32_t* token
   if (a == 0 && !tokens) throw std::invalid_argument("LlamaModel::forward: a range from block 0 needs the tokens");
   if (a > 0 && !input) throw std::invalid_argument("LlamaModel::forward: a range from block > 0 needs its input");
   if (a == 0) check_ids(tokens, int64_t{B} * T_);
+  check_layout(layout, B, T_);
   ctx.stage_ = Stage::None;
   ensure(B, T_);
   ensure_context(ctx);
+  set_layout(ctx, layout);
   const LlamaDims& d = d_;
   T* x0 = b > a ? ctx.layers_[0].x.data() : ctx.xf_.data();
   if (a == 0)
@@ -449,7 +552,7 @@ void LlamaModel<T>::forward(UnitSource<T>& f, Context& ctx, const int32_t* token
     Layer& act = o_.recompute == Recompute::Full ? work_ : kept;
     T* h = o_.recompute == Recompute::None ? act.h.data() : work_.h.data();
     T* att = o_.recompute == Recompute::None ? act.att.data() : work_.att.data();
-    block_forward(w, kept.x.data(), act, h, att,
+    block_forward(ctx, w, kept.x.data(), act, h, att,
                   l + 1 < b ? ctx.layers_[static_cast<size_t>(l + 1 - a)].x.data() : ctx.xf_.data());
   }
 
@@ -605,10 +708,10 @@ typename LlamaModel<T>::Layer& LlamaModel<T>::backward_activations(Context& ctx,
       be_.swiglu_forward(work_.h.data(), a.g.data(), a.u.data(), n);
       if (o_.attention == AttentionKind::Exact)  // the probabilities only (y is kept)
         shardtrain::attention_forward<T>(be_, a.q.data(), a.k.data(), a.v.data(), work_.att.data(), nullptr, d.B, d.T_,
-                                         d.NH, d.NKV, d.HD);
+                                         d.NH, d.NKV, d.HD, ctx.use_doc_ ? ctx.doc_.data() : nullptr);
       return a;
     case Recompute::Full:
-      block_forward(w, a.x.data(), work_, work_.h.data(), work_.att.data(), nullptr);
+      block_forward(ctx, w, a.x.data(), work_, work_.h.data(), work_.att.data(), nullptr);
       return work_;
   }
   return a;
@@ -666,14 +769,9 @@ template <typename T> void LlamaModel<T>::block_backward(UnitSource<T>& f, Conte
   dr = gather_rows(dres, dfull_);
   linear(be_, kDIn, d.BT, d.C, d.Q, dr, w + off_.o, dy_.data(), false);
   linear(be_, kDW, d.BT, d.C, d.Q, dr, a.y.data(), gw + off_.o, true);
-  if (o_.attention == AttentionKind::Tiled)
-    be_.flash_attention_backward(dq_.data(), dk_.data(), dv_.data(), dsum_.data(), dy_.data(), a.q.data(), a.k.data(),
-                                 a.v.data(), a.y.data(), a.lse.data(), d.B, d.T_, d.NH, d.NKV, d.HD, attn_scale_);
-  else
-    shardtrain::attention_backward(be_, a.q.data(), a.k.data(), a.v.data(), att, dy_.data(), datt_.data(), dq_.data(),
-                                   dk_.data(), dv_.data(), d.B, d.T_, d.NH, d.NKV, d.HD);
-  be_.rope_backward(dq_.data(), cos_.data(), sin_.data(), d.B, d.T_, d.NH, d.HD);
-  be_.rope_backward(dk_.data(), cos_.data(), sin_.data(), d.B, d.T_, d.NKV, d.HD);
+  attend_backward(ctx, a, att);
+  rope(ctx, dq_.data(), d.NH, true);
+  rope(ctx, dk_.data(), d.NKV, true);
   linear(be_, kDIn, d.BT, d.Q, d.C, dq_.data(), w + off_.q, input_grad(), false);
   linear(be_, kDIn, d.BT, d.KV, d.C, dk_.data(), w + off_.k, input_grad(), true);
   linear(be_, kDIn, d.BT, d.KV, d.C, dv_.data(), w + off_.v, input_grad(), true);

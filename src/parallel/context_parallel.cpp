@@ -108,7 +108,6 @@ std::vector<CpTilePairs> cp_tile_pairs(int T, int cp, CpSplit split) {
   return out;
 }
 
-const char* cp_comm_name(CpComm m) { return m == CpComm::Ring ? "ring" : "allgather"; }
 
 // ---- Transfers in flight ----------------------------------------------------------------------------
 

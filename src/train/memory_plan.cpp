@@ -151,7 +151,8 @@ MemoryPlan plan_memory(const MemoryPlanInput& in) {
   const int vl = (in.model.vocab_size + N - 1) / N;  // vocabulary rows per TP rank
   const ActivationBytes a = activation_bytes(in.model, mo, B, cpm.rows, bf ? 2 : 4, 4, N);
   const std::string geo = cpm.rows_words + ", " + recompute_name(mo.recompute) + " recompute, " +
-                          attention_name(mo.attention) + " attention";
+                          attention_name(mo.attention) + " attention" +
+                          (mo.mask == AttentionMask::Document ? ", document mask" : "");
   add("activations kept for backward", a.per_layer,
       std::to_string(in.model.num_hidden_layers) + " blocks, " + geo +
           (N > 1 ? ", TP " + std::to_string(N) + ": the residual stream's rows and the heads / MLP split" : ""));

@@ -18,8 +18,15 @@ const std::vector<std::pair<std::string, std::string>>& checked_keys() {
   static const std::vector<std::pair<std::string, std::string>> k = {
       {"seq-len", "seq_len"}, {"global-batch", "global_batch"}, {"steps", "steps"},     {"lr", "lr"},
       {"min-lr", "min_lr"},   {"warmup", "warmup"},             {"beta1", "beta1"},     {"beta2", "beta2"},
-      {"adam-eps", "eps"},    {"weight-decay", "weight_decay"}, {"clip", "clip"},       {"seed", "seed"}};
+      {"adam-eps", "eps"},    {"weight-decay", "weight_decay"}, {"clip", "clip"},       {"seed", "seed"},
+      {"attention-mask", "attention_mask"}};
   return k;
+}
+// Setting `key` of a train_config; null when absent, except attention_mask: written only for
+// "document" (train_config_json), so absent is "causal", in older checkpoints too.
+nlohmann::json setting(const nlohmann::json& j, const std::string& key) {
+  if (j.contains(key)) return j[key];
+  return key == "attention_mask" ? nlohmann::json("causal") : nlohmann::json();
 }
 }  // namespace
 
@@ -53,8 +60,8 @@ void check_resume_settings(Comm& comm, const CheckpointInfo& info, const TrainCo
   std::vector<std::string> refused, refused_names, accepted;
   bool schedule = false;
   for (auto& [opt, key] : checked_keys()) {
-    if (!old.contains(key) || old[key] == now[key]) continue;
-    const std::string change = "--" + opt + " " + old[key].dump() + " -> " + now[key].dump();
+    if (setting(old, key).is_null() || setting(old, key) == setting(now, key)) continue;
+    const std::string change = "--" + opt + " " + setting(old, key).dump() + " -> " + setting(now, key).dump();
     if (std::find(acc.begin(), acc.end(), opt) == acc.end()) {
       refused.push_back(change);
       refused_names.push_back(opt);
@@ -73,8 +80,9 @@ void check_resume_settings(Comm& comm, const CheckpointInfo& info, const TrainCo
     log_info(comm, "note: resume at step " + std::to_string(info.step) + ": accepted change " + c + " (--accept-change)");
   for (auto& a : acc) {
     auto it = std::find_if(checked_keys().begin(), checked_keys().end(), [&](auto& k) { return k.first == a; });
-    if (it != checked_keys().end() && old.contains(it->second) && old[it->second] == now[it->second])
-      log_info(comm, "note: '--accept-change " + a + "': --" + a + " is unchanged (" + now[it->second].dump() + ")");
+    if (it != checked_keys().end() && !setting(old, it->second).is_null() &&
+        setting(old, it->second) == setting(now, it->second))
+      log_info(comm, "note: '--accept-change " + a + "': --" + a + " is unchanged (" + setting(now, it->second).dump() + ")");
   }
   if (schedule) {
     TrainConfig o = tc;

@@ -42,6 +42,7 @@ std::string train_config_json(const TrainConfig& tc, int world_size, int shard_g
     j["shard_group_size"] = shard_group_size > 0 ? shard_group_size : world_size;
   }
   if (tp > 1) j["tp"] = tp;
+  if (tc.attention_mask == AttentionMask::Document) j["attention_mask"] = attention_mask_name(tc.attention_mask);
   return j.dump();
 }
 
@@ -71,12 +72,31 @@ template <typename T> void AdamW<T>::step(int64_t t, double lr, double grad_scal
   }
 }
 
+std::string check_attention_mask(const TrainConfig& tc, const TokenDataset& data) {
+  if (tc.attention_mask != AttentionMask::Document || data.header().eos_id != kNoTokenId) return "";
+  std::string files;
+  for (const TokenFileEntry& e : data.files())
+    files += (files.empty() ? "'" : ", '") + e.path + "' (" + e.format + ")";
+  return "option '--attention-mask document' needs the data's EOS id (documents end at it), but the token data " +
+         files + " names none: give data prepared with an EOS (shardtrain token files with an eos_id) or use "
+         "'--attention-mask causal'";
+}
+
+TokenLayout batch_layout(const TrainConfig& tc, const TokenDataset& data, const int32_t* tokens, int B, int T,
+                         std::vector<int32_t>& pos, std::vector<int32_t>& doc) {
+  if (tc.attention_mask != AttentionMask::Document) return {};
+  pos.resize(static_cast<size_t>(B) * T);
+  doc.resize(pos.size());
+  document_layout(tokens, B, T, T, static_cast<int32_t>(data.header().eos_id), doc.data(), pos.data());
+  return {pos.data(), doc.data()};
+}
+
 template <typename T>
 double evaluate(const Mesh& mesh, LlamaModel<T>& model, UnitSource<T>& f, const TokenDataset& data,
                 const TrainConfig& tc, int batches) {
   const int per_rank = tc.global_batch / mesh.dp_size();
   const int mb = tc.micro_batch > 0 ? tc.micro_batch : per_rank;
-  std::vector<int32_t> tok(static_cast<size_t>(mb) * tc.seq_len), tgt(tok.size());
+  std::vector<int32_t> tok(static_cast<size_t>(mb) * tc.seq_len), tgt(tok.size()), pos, doc;
   double sum = 0;
   f.begin_pass("eval");  // the sharding layer prefetches along the order the last evaluation gathered in
   const GradAccumulation schedule(per_rank / mb, model.config().num_hidden_layers, false);  // forwards only
@@ -84,7 +104,7 @@ double evaluate(const Mesh& mesh, LlamaModel<T>& model, UnitSource<T>& f, const 
     for (const Action& a : schedule.actions()) {  // Forward of micro-batch a.microbatch, with the loss
       fill_batch(data, Split::Val, tc.seed, e, mesh.dp_index() * per_rank + a.microbatch * mb, mb, tc.seq_len,
                  tok.data(), tgt.data());
-      model.forward(f, tok.data(), mb, tc.seq_len);
+      model.forward(f, tok.data(), mb, tc.seq_len, batch_layout(tc, data, tok.data(), mb, tc.seq_len, pos, doc));
       const double l = model.loss(f, tgt.data());
       if (mesh.counts_loss()) sum += l;  // a TP group's ranks computed the same loss: counted once
     }
@@ -125,6 +145,7 @@ ModelOptions model_options(const TrainConfig& tc) {
   ModelOptions o;
   o.recompute = tc.recompute;
   o.attention = tc.attention;
+  o.mask = tc.attention_mask;
   if (tc.loss_chunk < 0) throw std::invalid_argument("option '--loss-chunk' must be >= 0 (0: the default)");
   o.loss_chunk = tc.loss_chunk;
   return o;

@@ -46,6 +46,7 @@ struct StepOutcome {
   bool skipped = false;         // the update was not applied (--skip-nonfinite, --skip-spikes)
   double seconds = 0;           // wall time of the step
   CommStats comm;               // the step's communication, every dimension's (parallelize.h)
+  Backend<float>::BlockAttentionStats attn;  // --attention-mask document: this rank's tile pairs (backend.h)
 };
 
 // Test hooks of the form VAR=R:MS (docs/errors.md): the ms that rank `rank` is to sleep (0: none).
@@ -71,6 +72,7 @@ struct Interval {
   double seconds = 0;
   CommStats comm;  // every dimension's, summed over the steps
   int64_t steps = 0;
+  int64_t attn_pairs = 0, attn_skipped = 0;  // --attention-mask document: StepOutcome::attn, summed
 };
 
 // A run in compute type C (float, or bf16 for mixed precision over fp32 master shards). The
@@ -94,6 +96,7 @@ template <typename C> class Trainer {
   void run_action(const Action& a, int64_t s, float grad_scale, double& loss_sum);
   void log_step(int64_t s, const StepOutcome& o);
   void evaluate_at(int64_t step);
+  typename Backend<C>::BlockAttentionStats take_attention_stats();
   void write_record(const nlohmann::json& j);
   void check_outputs();
   void save(int64_t step, bool wait);
@@ -119,7 +122,7 @@ template <typename C> class Trainer {
   UnitPipeline<C>* units_ = nullptr;  // run_.units: the model's UnitSource over f_
   std::unique_ptr<LlamaModel<C>> model_;
   std::unique_ptr<AdamW<float>> opt_;
-  std::vector<int32_t> tok_, tgt_;
+  std::vector<int32_t> tok_, tgt_, pos_, doc_;  // a micro-batch's tokens, targets and layout (batch_layout)
   std::unique_ptr<Schedule> schedule_;  // a step's micro-batches (gradient accumulation)
   CheckpointOptions co_;
   TrainState state_;         // the facts of the run: step, batch history, data and tokenizer record, layout
@@ -203,6 +206,7 @@ template <typename C> void Trainer<C>::check_geometry() {
     throw CollectiveError(0, "token id " + std::to_string(data_.max_id()) + " at " + data_.max_id_where() +
                                  " is >= the model's vocab_size (" + std::to_string(mc_.vocab_size) +
                                  "): the data was tokenized for another vocabulary");
+  if (const std::string why = check_attention_mask(tc_, data_); !why.empty()) throw CollectiveError(0, why);
   if (data_.size(Split::Val) == 0)
     throw CollectiveError(0, "no validation tokens: the '--data' files have no validation split (llm.c and nanoGPT "
                              "files are all training tokens); name validation files with option '--val-data'");
@@ -456,7 +460,8 @@ template <typename C> void Trainer<C>::run_action(const Action& a, int64_t s, fl
     case ActionKind::Forward:
       fill_batch(data_, Split::Train, tc_.seed, s, mesh_.dp_index() * geo_.per_rank + a.microbatch * geo_.micro_batch, geo_.micro_batch,
                  tc_.seq_len, tok_.data(), tgt_.data());
-      model_->forward(*units_, tok_.data(), geo_.micro_batch, tc_.seq_len);
+      model_->forward(*units_, tok_.data(), geo_.micro_batch, tc_.seq_len,
+                      batch_layout(tc_, data_, tok_.data(), geo_.micro_batch, tc_.seq_len, pos_, doc_));
       return;
     case ActionKind::Backward:
       loss_sum += model_->head_backward(*units_, tgt_.data(), grad_scale);
@@ -482,6 +487,7 @@ template <typename C> StepOutcome Trainer<C>::train_step(int64_t s) {
   units_->begin_pass("train");  // the sharding layer prefetches along the order the last step gathered in
   for (const Action& a : schedule_->actions()) run_action(a, s, grad_scale, loss_sum);
   units_->end_pass();  // every reduce-scatter has landed in the gradient shards
+  const auto attn = take_attention_stats();
   // TP: each rank's gradient of the replicated RMSNorm weights came from its own rows: sum them.
   // Through the TP group, which counts it with the step's TP communication (its S is float for
   // both compute types).
@@ -529,7 +535,17 @@ template <typename C> StepOutcome Trainer<C>::train_step(int64_t s) {
   }
   o.seconds = seconds_since(t0);
   o.comm = run_.comm_stats() - comm0;
+  o.attn = {attn.tile_pairs, attn.skipped};
   return o;
+}
+
+// With the document mask the model's tiled attention runs the block kernels, which count the tile
+// pairs they compute and skip: this rank's since the last call (the evaluation's are taken after
+// it and dropped). Waits for the compute backend's queued work. Zeros with the causal mask.
+template <typename C> typename Backend<C>::BlockAttentionStats Trainer<C>::take_attention_stats() {
+  if (tc_.attention_mask != AttentionMask::Document) return {};
+  if constexpr (std::is_same_v<C, bf16>) return eng_.be16->take_block_attention_stats();
+  else return eng_.be.take_block_attention_stats();
 }
 
 // Records step s (0-based) and, every --log-every steps (and at the first and the last), prints the
@@ -540,6 +556,8 @@ template <typename C> void Trainer<C>::log_step(int64_t s, const StepOutcome& o)
   interval_.seconds += o.seconds;
   interval_.comm += o.comm;
   ++interval_.steps;
+  interval_.attn_pairs += o.attn.tile_pairs;
+  interval_.attn_skipped += o.attn.skipped;
   StepLog sl;
   sl.step = s + 1;
   sl.loss = o.loss, sl.lr = o.lr, sl.grad_norm = o.grad_norm, sl.elapsed_s = seconds_since(t_start_);
@@ -568,6 +586,14 @@ template <typename C> void Trainer<C>::log_step(int64_t s, const StepOutcome& o)
       dims_rec[name + "_comm_ms"] = ms;
       dims_rec[name + "_bytes"] = bytes;
       dims_rec[name + "_collectives"] = static_cast<double>(c[d].calls) / n;
+    }
+    // The document mask: the fraction of attention tile pairs skipped as fully masked (rank 0's).
+    const int64_t pairs = interval_.attn_pairs, skipped = interval_.attn_skipped;
+    const double skip_frac = pairs > 0 ? static_cast<double>(skipped) / static_cast<double>(pairs) : 0.0;
+    if (pairs > 0) {
+      dims_line += " | attn tiles skipped " + fmt("%.0f", 100 * skip_frac) + "%";
+      dims_rec["attn_tile_pairs"] = static_cast<double>(pairs) / n;
+      dims_rec["attn_tiles_skipped"] = static_cast<double>(skipped) / n;
     }
     interval_ = Interval{};
     // Collective (every rank logs the same steps): every rank's compute and wait time.
@@ -613,6 +639,7 @@ template <typename C> void Trainer<C>::log_step(int64_t s, const StepOutcome& o)
 // Collective: the validation loss after `step` steps, logged and recorded.
 template <typename C> void Trainer<C>::evaluate_at(int64_t step) {
   const double vl = evaluate(mesh_, *model_, *units_, data_, tc_, tc_.eval_batches);
+  (void)take_attention_stats();  // not the training steps' tile pairs
   res_.evals.push_back({step, vl});
   log_info(comm_, "eval step " + std::to_string(step) + " | val_loss " + fmt("%.4f", vl));
   if (metrics_.is_open() || tb_) write_record({{"step", step}, {"val_loss", vl}});

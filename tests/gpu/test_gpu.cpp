@@ -42,7 +42,8 @@
 //   checkpoint snapshots (CheckpointSnapshotPinned): into pinned host memory on the copy stream,
 //     ordered after the queued updates, isolated from the next ones (see check_checkpoint_snapshot);
 //   LlamaModel<float> "tiny" forward+backward: loss within 1e-5 relative, every gradient shard within
-//     1e-4 of its max-abs, eval logits within 1e-4 of their max-abs; LlamaModel<bf16> through
+//     1e-4 of its max-abs, eval logits within 1e-4 of their max-abs; the same with the document mask
+//     (EOS tokens in the batch: positions per document, the block attention kernels); LlamaModel<bf16> through
 //     MixedPrecisionUnits: loss within 1e-2 relative, gradient shards with cosine similarity >= 0.99.
 //
 // Tolerances. The two sides run the same per-element math (ops_math.h) on the same stored inputs;
@@ -93,6 +94,7 @@
 #include "shardtrain/checkpoint.h"
 #include "shardtrain/config.h"
 #include "shardtrain/cuda.h"
+#include "shardtrain/data.h"
 #include "shardtrain/model.h"
 #include "shardtrain/runtime.h"
 #include "shardtrain/shard.h"
@@ -1445,7 +1447,9 @@ double max_abs(const std::vector<float>& v) {
   return m;
 }
 
-void check_llama_f32() {
+// document: --attention-mask document, EOS tokens put into the batch (documents of 1 to 30 tokens):
+// RoPE at per-document positions and the block attention kernels (cuDNN is never used for it).
+void check_llama_f32(bool document = false) {
   st::Comm& hc = host();
   const st::ModelConfig cfg = st::preset("tiny");
   const st::ShardPlan plan = st::ShardPlan::build(st::llama_units(cfg), hc.world_size());
@@ -1453,18 +1457,27 @@ void check_llama_f32() {
   fd.init_params(2024);
   fh.init_params(2024);
   spread_params(fd, fh);
-  const Batch bt = make_batch(cfg, hc.rank());
+  Batch bt = make_batch(cfg, hc.rank());
   const float gscale = 1.0f / static_cast<float>(bt.B * bt.T);
-  st::LlamaModel<float> md(cfg, dev<float>()), mh(cfg, cpu<float>());
+  st::ModelOptions mo;
+  std::vector<int32_t> doc(bt.tokens.size()), pos(bt.tokens.size());
+  st::TokenLayout lay;
+  if (document) {
+    mo.mask = st::AttentionMask::Document;
+    for (int t : {9, 10, 30, bt.T + 20, bt.T + 50}) bt.tokens[static_cast<size_t>(t % (bt.B * bt.T))] = cfg.eos_token_ids.front();
+    st::document_layout(bt.tokens.data(), bt.B, bt.T, bt.T, cfg.eos_token_ids.front(), doc.data(), pos.data());
+    lay = {pos.data(), doc.data()};
+  }
+  st::LlamaModel<float> md(cfg, dev<float>(), mo), mh(cfg, cpu<float>(), mo);
   fd.zero_grads();
   fh.zero_grads();
-  md.forward(fd, bt.tokens.data(), bt.B, bt.T);
+  md.forward(fd, bt.tokens.data(), bt.B, bt.T, lay);
   const double ld = md.head_backward(fd, bt.targets.data(), gscale);
   md.backward(fd);
-  mh.forward(fh, bt.tokens.data(), bt.B, bt.T);
+  mh.forward(fh, bt.tokens.data(), bt.B, bt.T, lay);
   const double lh = mh.head_backward(fh, bt.targets.data(), gscale);
   mh.backward(fh);
-  note("llama f32 loss: cuda " + fmt(ld) + ", cpu " + fmt(lh));
+  note(std::string(document ? "llama f32 (document mask)" : "llama f32") + " loss: cuda " + fmt(ld) + ", cpu " + fmt(lh));
   EXPECT_LE(std::fabs(ld - lh), 1e-5 * std::fabs(lh)) << "llama f32 loss: cuda " << fmt(ld) << ", cpu " << fmt(lh);
   for (int u = 0; u < fd.num_units(); ++u) {
     const st::UnitPlan& up = plan.units[static_cast<size_t>(u)];
@@ -1479,9 +1492,9 @@ void check_llama_f32() {
     }
   }
   // Eval forward: logits.
-  md.forward(fd, bt.tokens.data(), bt.B, bt.T);
+  md.forward(fd, bt.tokens.data(), bt.B, bt.T, lay);
   md.head_logits(fd);
-  mh.forward(fh, bt.tokens.data(), bt.B, bt.T);
+  mh.forward(fh, bt.tokens.data(), bt.B, bt.T, lay);
   mh.head_logits(fh);
   const std::vector<float> lg = md.logits(), lw = mh.logits();
   expect_within("llama f32 eval logits (1e-4 of max-abs)", lg, lw, std::vector<double>(lw.size(), 1e-4 * max_abs(lw)));
@@ -1897,5 +1910,6 @@ TEST_F(Gpu, OverlapNcclBitwise) {
 TEST_F(Gpu, CheckpointSnapshotPinned) { check_checkpoint_snapshot(); }
 
 TEST_F(Gpu, LlamaTinyF32) { check_llama_f32(); }
+TEST_F(Gpu, LlamaTinyDocumentMaskF32) { check_llama_f32(true); }
 
 TEST_F(Gpu, LlamaTinyBf16MixedPrecision) { check_llama_bf16(); }

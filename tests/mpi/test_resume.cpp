@@ -164,6 +164,7 @@ TEST_F(Resume, ChangedSettingsAreRefusedUnlessAccepted) {
     else if (opt == "weight-decay") t.weight_decay = 0.3;
     else if (opt == "clip") t.clip = 0.5;
     else if (opt == "seed") t.seed += 1;
+    else if (opt == "attention-mask") t.attention_mask = st::AttentionMask::Document;
     else ADD_FAILURE() << "no change written for --" << opt;
     e = error_of([&] { st::check_resume_settings(c, info, t); });
     EXPECT_TRUE(contains(e, "'--accept-change " + opt + "'")) << opt << ": " << e;
