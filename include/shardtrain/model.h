@@ -39,6 +39,19 @@
 // cross-entropy (backend.h vocab_ce_*), reduce-scattering its input gradient. Every rank of the
 // group computes the loss of all B*T tokens. The model calls the group only through
 // TensorParallelOps (tensor_parallel_ops.h); with N = 1 it calls nothing and computes bitwise as without TP.
+//
+// Context parallelism (--cp N; Ring Attention, Liu et al. 2023; Llama 3, section 3.3.2): every
+// sequence of T tokens is split over a CP group of N ranks, each holding Tl = T / N rows of it (the
+// parallel layer's head-tail split, context_parallel.h cp_rows). The model is given those rows
+// ([B, Tl] tokens and targets) and each row's GLOBAL position (TokenLayout::pos, required under
+// CP) and, with the document mask, its document id; it runs everything as for B x Tl tokens except
+// self-attention, which goes through ContextParallelOps (context_parallel_ops.h: this rank's query
+// rows against the keys of the whole sequence; forward and backward are collective over the CP
+// group). The sequence's global length is N x Tl (the split gives every rank Tl = T / N rows): the
+// RoPE tables cover it, the positions are checked against it and max_position_embeddings applies to
+// it. The loss is the sum over this rank's rows (the caller sums over the group). The CP ranks hold
+// the same parameters and see different tokens: their gradients are partial sums, to be summed (the
+// FSDP reduce-scatter over dp_shard x cp does it). With N = 1 (or no ops) nothing changes, bitwise.
 #pragma once
 
 #include <cstdint>
@@ -47,6 +60,7 @@
 
 #include "shardtrain/backend.h"
 #include "shardtrain/config.h"
+#include "shardtrain/context_parallel_ops.h"
 #include "shardtrain/shard.h"
 
 namespace shardtrain {
@@ -115,7 +129,8 @@ const char* attention_mask_name(AttentionMask m);
 // Where the tokens of one micro-batch are, for RoPE and the attention mask: host arrays [B, T]
 // (row-major, int32) that a forward() copies into the micro-batch's Context (kept for its backward,
 // as the token ids are), or nullptr.
-//   pos: each token's RoPE position, in [0, T) (document masking: its position in its document,
+//   pos: each token's RoPE position, in [0, T) (T: the global sequence length, cp x the rows given
+//        under context parallelism; document masking: its position in its document,
 //        0 at each document's first token and at a row's first token); nullptr: t, the token's
 //        index in its row (today's RoPE).
 //   doc: each token's document id, compared only within a row (document_layout numbers them 0, 1,
@@ -125,8 +140,13 @@ const char* attention_mask_name(AttentionMask m);
 // document), run today's causal code path, bitwise. The rows are whole sequences in order: the
 // mask compares row indices, the positions only rotate. Any document ids are correct; with ids
 // non-decreasing along a row (contiguous documents, as document_layout's) the tiled path skips
-// exactly the tile pairs in which no query sees a key (flash_attention.h). (Context parallelism,
-// whose rows are a rank's head-tail chunks, will have to pass the rows' global indices as well.)
+// exactly the tile pairs in which no query sees a key (flash_attention.h).
+// Under context parallelism (LlamaModel given ContextParallelOps of size > 1) the rows are this
+// rank's chunks of each sequence, not in order: pos is REQUIRED and must be each row's global
+// position, which is also what the mask compares (query t sees key s iff pos[s] <= pos[t] and, doc
+// given, doc[s] == doc[t]; so positions restart per document only together with doc ids);
+// doc, when given, is always used (every rank of the CP group must give it or none: the CP
+// attention moves the ids with K/V).
 struct TokenLayout {
   const int32_t* pos = nullptr;
   const int32_t* doc = nullptr;
@@ -144,12 +164,14 @@ struct LlamaDims {
   int NH = 0, NKV = 0, HD = 0;     // local query heads, local key/value heads, head dim
   int Q = 0, KV = 0;               // NH*HD, NKV*HD: widths of q and of k, v (local)
   int tp = 1;                      // TP degree N
+  int cp = 1;                      // CP degree: the model holds T_ of the sequence's Tg = cp * T_ rows
   int Vl = 0, v0 = 0, valid = 0;   // vocabulary rows held (ceil(V/N)), the first one, how many are real
-  int B = 0, T_ = 0, BT = 0;       // micro-batch (T_: sequence length); rows B*T_; 0 until with_batch
+  int B = 0, T_ = 0, BT = 0;       // micro-batch (T_: rows of each sequence held); rows B*T_; 0 until with_batch
+  int Tg = 0;                      // the sequence's global length cp * T_ (T_ without CP)
   int R = 0;                       // residual-stream rows held: BT / tp (sequence parallelism)
   int chunk = 0;                   // LM head / loss chunk in tokens, min(loss chunk, BT)
   // tp must divide the heads, KV heads and I (check_tensor_parallel; not checked here).
-  explicit LlamaDims(const ModelConfig& c, int tp = 1, int tp_rank = 0);
+  explicit LlamaDims(const ModelConfig& c, int tp = 1, int tp_rank = 0, int cp = 1);
   // This with the micro-batch B x T_ and the loss chunk min(loss_chunk, B*T_); loss_chunk 0 =
   // default_loss_chunk(Vl). Throws std::invalid_argument naming '--tp' when tp does not divide B*T_.
   LlamaDims with_batch(int B, int T_, int loss_chunk) const;
@@ -165,9 +187,11 @@ struct ActivationBytes {
                                // mask Document the layout's positions, documents and row indices
   int64_t total() const { return per_layer + recompute + block_scratch + head; }
 };
-// tp: the TP degree (sequence-parallel rows B*T/tp, local heads and intermediate slice).
+// tp: the TP degree (sequence-parallel rows B*T/tp, local heads and intermediate slice). cp: the CP
+// degree, T_ the rows of each sequence a rank holds (T / cp): the RoPE tables cover cp * T_
+// positions, and the layout's ids are kept as with mask Document (positions are required).
 ActivationBytes activation_bytes(const ModelConfig& c, const ModelOptions& o, int B, int T_, size_t elem_bytes,
-                                 size_t acc_bytes, int tp = 1);
+                                 size_t acc_bytes, int tp = 1, int cp = 1);
 
 // The three products of a projection y = x W^T, where W is [N, K] row-major (torch.nn.Linear's
 // weight: N outputs, K inputs), over M rows; row-major [M, ...] operands, leading dimension = row
@@ -274,14 +298,20 @@ template <typename T> class LlamaModel {
 
   // tp: the TP group's collectives (tensor_parallel_ops.h), nullptr or size 1 = no tensor parallelism; must
   // outlive the model. Under TP the UnitSource serves this rank's slices (llama_units(c, N, t)).
-  // Throws std::invalid_argument when tp does not fit the model (check_tensor_parallel).
-  LlamaModel(const ModelConfig& c, Backend<T>& be, const ModelOptions& o = {}, TensorParallelOps<T>* tp = nullptr);
+  // cp: context-parallel attention (context_parallel_ops.h, above), nullptr or size 1 = none; must
+  // outlive the model; its backend memory is this model's backend's. Under CP every forward's T_ is
+  // the rows held per sequence (T / cp) and its layout must give positions.
+  // Throws std::invalid_argument when tp does not fit the model (check_tensor_parallel), or when cp
+  // is given with --attention exact (CP runs the tiled block kernels only).
+  LlamaModel(const ModelConfig& c, Backend<T>& be, const ModelOptions& o = {}, TensorParallelOps<T>* tp = nullptr,
+             ContextParallelOps<T>* cp = nullptr);
 
   // Collective (gathers units 0, 1..L, L+1). tokens: host array [B, T] of ids in [0, V). Runs the
   // embedding, the blocks and the final norm, keeping what backward() needs (options().recompute).
   // layout: the micro-batch's positions and documents (TokenLayout; default: causal).
-  // Throws std::invalid_argument if T exceeds max_position_embeddings, a token is out of range or a
-  // layout position is outside [0, T) (before any collective).
+  // Throws std::invalid_argument if T (under CP: cp x T_) exceeds max_position_embeddings, a token is
+  // out of range, a layout position is outside [0, T), or under CP the layout has no positions
+  // (before any collective).
   void forward(UnitSource<T>& f, const int32_t* tokens, int B, int T_, const TokenLayout& layout = {}) {
     forward(f, ctx_, tokens, nullptr, B, T_, layout);
   }
@@ -390,6 +420,7 @@ template <typename T> class LlamaModel {
   ModelOptions o_;
   Backend<T>& be_;
   TensorParallelOps<T>* tp_ = nullptr;  // the TP group; nullptr without TP
+  ContextParallelOps<T>* cp_ = nullptr;  // the CP group's attention; nullptr without CP
   int tp_n_ = 1, tp_rank_ = 0;
   LlamaDims d_;
   S eps_ = S(0), attn_scale_ = S(0);  // rms_norm_eps; 1 / sqrt(HD)

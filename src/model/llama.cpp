@@ -192,7 +192,7 @@ struct Sizes {
   int64_t layout;    // mask Document: a context's positions and documents, the model's row indices (ids each)
   Sizes(const LlamaDims& d, const ModelOptions& o) {
     BT = d.BT;
-    layout = o.mask == AttentionMask::Document ? BT : 0;
+    layout = o.mask == AttentionMask::Document || d.cp > 1 ? BT : 0;
     x = int64_t{d.R} * d.C;  // the residual stream: this rank's rows (all of them without TP)
     rstd = d.R;
     full = d.tp > 1 ? BT * d.C : 0;
@@ -206,7 +206,7 @@ struct Sizes {
     y = q;
     gi = BT * d.I;
     chunk_logits = int64_t{d.chunk} * d.Vl;
-    rope = int64_t{d.T_} * (d.HD / 2);
+    rope = int64_t{d.Tg} * (d.HD / 2);
     keep_all = o.recompute != Recompute::Full;
     keep_h = o.recompute == Recompute::None;
     keep_att = o.recompute == Recompute::None;
@@ -215,8 +215,8 @@ struct Sizes {
 }  // namespace
 
 ActivationBytes activation_bytes(const ModelConfig& c, const ModelOptions& o, int B, int T_, size_t E, size_t A,
-                                 int tp) {
-  const Sizes z(LlamaDims(c, tp).with_batch(B, T_, o.loss_chunk), o);
+                                 int tp, int cp) {
+  const Sizes z(LlamaDims(c, tp, 0, cp).with_batch(B, T_, o.loss_chunk), o);
   const int64_t e = static_cast<int64_t>(E), a = static_cast<int64_t>(A);
   // One block's activations besides its input x, h and the exact probabilities.
   const int64_t rest = e * (2 * z.rstd + z.q + 2 * z.kv + z.y + z.x + 2 * z.gi) + a * z.lse;
@@ -234,16 +234,17 @@ ActivationBytes activation_bytes(const ModelConfig& c, const ModelOptions& o, in
   return r;
 }
 
-LlamaDims::LlamaDims(const ModelConfig& c, int tp_, int tp_rank)
+LlamaDims::LlamaDims(const ModelConfig& c, int tp_, int tp_rank, int cp_)
     : C(c.hidden_size), I(c.intermediate_size / tp_), V(c.vocab_size), L(c.num_hidden_layers),
       NH(c.num_attention_heads / tp_), NKV(c.num_key_value_heads / tp_), HD(c.head_dim()), Q(NH * HD), KV(NKV * HD),
-      tp(tp_), Vl((c.vocab_size + tp_ - 1) / tp_), v0(tp_rank * Vl),
+      tp(tp_), cp(cp_), Vl((c.vocab_size + tp_ - 1) / tp_), v0(tp_rank * Vl),
       valid(std::clamp(c.vocab_size - tp_rank * Vl, 0, Vl)) {}
 
 LlamaDims LlamaDims::with_batch(int B_, int T, int loss_chunk) const {
   LlamaDims d = *this;
   d.B = B_;
   d.T_ = T;
+  d.Tg = cp * T;
   d.BT = B_ * T;
   if (d.BT % tp != 0)
     throw std::invalid_argument("option '--tp' (" + std::to_string(tp) + ") does not divide the tokens of a micro-batch (" +
@@ -260,9 +261,13 @@ constexpr LinearRole kFwd = LinearRole::Forward, kDIn = LinearRole::InputGrad, k
 }  // namespace
 
 template <typename T>
-LlamaModel<T>::LlamaModel(const ModelConfig& c, Backend<T>& be, const ModelOptions& o, TensorParallelOps<T>* tp)
-    : c_(c), o_(o), be_(be), tp_(tp && tp->size() > 1 ? tp : nullptr), tp_n_(tp_ ? tp_->size() : 1),
-      tp_rank_(tp_ ? tp_->rank() : 0), d_(c, tp_n_, tp_rank_) {
+LlamaModel<T>::LlamaModel(const ModelConfig& c, Backend<T>& be, const ModelOptions& o, TensorParallelOps<T>* tp,
+                          ContextParallelOps<T>* cp)
+    : c_(c), o_(o), be_(be), tp_(tp && tp->size() > 1 ? tp : nullptr), cp_(cp && cp->size() > 1 ? cp : nullptr),
+      tp_n_(tp_ ? tp_->size() : 1), tp_rank_(tp_ ? tp_->rank() : 0), d_(c, tp_n_, tp_rank_, cp_ ? cp_->size() : 1) {
+  if (cp_ && o_.attention == AttentionKind::Exact)
+    throw std::invalid_argument("context parallelism (--cp " + std::to_string(cp_->size()) +
+                                ") runs tiled attention only, not '--attention exact'");
   // Offsets do not depend on the world size; with TP, the slices' (llama_units checks tp).
   ShardPlan p = ShardPlan::build(llama_units(c, tp_n_, tp_rank_), 1);
   const UnitPlan& blk = p.units[1];
@@ -302,7 +307,7 @@ template <typename T> void LlamaModel<T>::ensure(int B, int T_) {
   const int64_t ch = tp_n_ > 1 ? d_.chunk : 0;
   ce_mx_ = acc(ch); ce_maxes_ = acc(ch * tp_n_); ce_st_ = acc(2 * ch);
   std::vector<S> cs, sn;  // tables computed in double, rounded once to the storage type
-  rope_tables(cs, sn, T_, rope_inv_freqs(c_));
+  rope_tables(cs, sn, d_.Tg, rope_inv_freqs(c_));
   std::vector<T> cst(cs.size()), snt(sn.size());
   for (size_t i = 0; i < cs.size(); ++i) { cst[i] = math::st<T>(cs[i]); snt[i] = math::st<T>(sn[i]); }
   cos_ = buf(z.rope); sin_ = buf(z.rope);
@@ -321,11 +326,15 @@ template <typename T> void LlamaModel<T>::ensure_rows() {
 }
 
 template <typename T> void LlamaModel<T>::check_layout(const TokenLayout& lay, int B, int T_) const {
+  if (cp_ && !lay.pos)
+    throw std::invalid_argument("LlamaModel::forward: under context parallelism the layout must give every row's "
+                                "global position (TokenLayout::pos)");
   if (!lay.pos) return;
+  const int64_t Tg = int64_t{T_} * d_.cp;
   for (int64_t i = 0; i < int64_t{B} * T_; ++i)
-    if (lay.pos[i] < 0 || lay.pos[i] >= T_)
+    if (lay.pos[i] < 0 || lay.pos[i] >= Tg)
       throw std::invalid_argument("token position " + std::to_string(lay.pos[i]) + " at token " + std::to_string(i) +
-                                  " is outside [0, " + std::to_string(T_) + ") (the sequence length)");
+                                  " is outside [0, " + std::to_string(Tg) + ") (the sequence length)");
 }
 
 // Only what changes something is used: positions other than t, rows of more than one document.
@@ -337,6 +346,12 @@ template <typename T> void LlamaModel<T>::set_layout(Context& ctx, const TokenLa
     pos = pos || (lay.pos && lay.pos[i] != static_cast<int32_t>(i % T_));
     doc = doc || (lay.doc && lay.doc[i] != lay.doc[i - i % T_]);
   }
+  // Under CP the rows are not in order (the positions always matter), and every rank of the group
+  // must make the same attention call: documents given are used whatever this rank's rows hold.
+  if (cp_) {
+    pos = true;
+    doc = lay.doc != nullptr;
+  }
   ctx.use_pos_ = pos;
   ctx.use_doc_ = doc;
   if (pos) {
@@ -346,7 +361,7 @@ template <typename T> void LlamaModel<T>::set_layout(Context& ctx, const TokenLa
   if (doc) {
     if (ctx.doc_.size() != n) ctx.doc_ = IdBuffer<T>(be_, n);
     be_.ids_from_host(ctx.doc_.data(), lay.doc, n);
-    ensure_rows();
+    if (!cp_) ensure_rows();
   }
 }
 
@@ -430,7 +445,10 @@ template <typename T> void LlamaModel<T>::rope(const Context& ctx, T* x, int H, 
 template <typename T> void LlamaModel<T>::attend(const Context& ctx, Layer& a, T* att) {
   const LlamaDims& d = d_;
   const int32_t* doc = ctx.use_doc_ ? ctx.doc_.data() : nullptr;
-  if (o_.attention == AttentionKind::Exact)
+  if (cp_)  // tiled only (the constructor refuses exact): this rank's rows against the whole sequence
+    cp_->forward(a.y.data(), a.lse.data(), a.q.data(), a.k.data(), a.v.data(), ctx.pos_.data(), doc, d.B, d.T_, d.NH,
+                 d.NKV, d.HD, attn_scale_);
+  else if (o_.attention == AttentionKind::Exact)
     shardtrain::attention_forward(be_, a.q.data(), a.k.data(), a.v.data(), att, a.y.data(), d.B, d.T_, d.NH, d.NKV,
                                   d.HD, doc);
   else if (!doc)
@@ -445,7 +463,11 @@ template <typename T> void LlamaModel<T>::attend(const Context& ctx, Layer& a, T
 // accumulates into dq_, dk_, dv_ (zeroed first), given D = rowsum(dy o y) of the (final) y.
 template <typename T> void LlamaModel<T>::attend_backward(const Context& ctx, const Layer& a, const T* att) {
   const LlamaDims& d = d_;
-  if (o_.attention == AttentionKind::Exact) {
+  if (cp_) {  // writes (=) dq and this rank's dk, dv (the other ranks' queries' parts come home)
+    cp_->backward(dq_.data(), dk_.data(), dv_.data(), dy_.data(), a.q.data(), a.k.data(), a.v.data(), a.y.data(),
+                  a.lse.data(), ctx.pos_.data(), ctx.use_doc_ ? ctx.doc_.data() : nullptr, d.B, d.T_, d.NH, d.NKV,
+                  d.HD, attn_scale_);
+  } else if (o_.attention == AttentionKind::Exact) {
     shardtrain::attention_backward(be_, a.q.data(), a.k.data(), a.v.data(), att, dy_.data(), datt_.data(), dq_.data(),
                                    dk_.data(), dv_.data(), d.B, d.T_, d.NH, d.NKV, d.HD);
   } else if (!ctx.use_doc_) {
@@ -528,9 +550,10 @@ void LlamaModel<T>::forward(UnitSource<T>& f, Context& ctx, const int32_t* token
                             const TokenLayout& layout) {
   check_range(ctx.r_);
   const int a = ctx.r_.begin, b = ctx.r_.end;
-  if (T_ > c_.max_position_embeddings)
-    throw std::invalid_argument("sequence length " + std::to_string(T_) + " exceeds max_position_embeddings " +
-                                std::to_string(c_.max_position_embeddings));
+  if (int64_t{T_} * d_.cp > c_.max_position_embeddings)
+    throw std::invalid_argument("sequence length " + std::to_string(int64_t{T_} * d_.cp) +
+                                (d_.cp > 1 ? " (" + std::to_string(T_) + " rows x CP " + std::to_string(d_.cp) + ")" : "") +
+                                " exceeds max_position_embeddings " + std::to_string(c_.max_position_embeddings));
   if (a == 0 && !tokens) throw std::invalid_argument("LlamaModel::forward: a range from block 0 needs the tokens");
   if (a > 0 && !input) throw std::invalid_argument("LlamaModel::forward: a range from block > 0 needs its input");
   if (a == 0) check_ids(tokens, int64_t{B} * T_);

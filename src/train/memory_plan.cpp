@@ -149,7 +149,7 @@ MemoryPlan plan_memory(const MemoryPlanInput& in) {
     add("MPI buffers of the TP collectives", 2 * std::min(cap, full), "a packed slab and Open MPI's temporary, each <= 16 MiB");
   }
   const int vl = (in.model.vocab_size + N - 1) / N;  // vocabulary rows per TP rank
-  const ActivationBytes a = activation_bytes(in.model, mo, B, cpm.rows, bf ? 2 : 4, 4, N);
+  const ActivationBytes a = activation_bytes(in.model, mo, B, cpm.rows, bf ? 2 : 4, 4, N, d.cp);
   const std::string geo = cpm.rows_words + ", " + recompute_name(mo.recompute) + " recompute, " +
                           attention_name(mo.attention) + " attention" +
                           (mo.mask == AttentionMask::Document ? ", document mask" : "");

@@ -1,0 +1,201 @@
+// The Llama model under context parallelism (model.h, LlamaModel given ContextParallelOps; issue
+// 41): CP groups of g consecutive ranks (g = 2 and 4 where they divide the world) run CpAttention
+// (Ring and AllGather) and each rank gives the model its head-tail rows of B sequences (cp_rows:
+// tokens, targets, the rows' global positions and, with the document mask, their document ids).
+// The reference is the same model without CP on each rank alone, on the whole sequences, with the
+// same weights. Asserted:
+//   - the group's summed loss equals the whole-sequence loss, and the group's summed parameter
+//     gradients (the CP ranks hold the same parameters and see different tokens: the FSDP
+//     reduce-scatter over dp_shard x cp sums them) equal the whole-sequence gradients, element by
+//     element: float64 within 1e-12 relative (of max |g| over the unit), fp32 within 1e-5;
+//   - causal, and the document mask (positions restarting per document, from document_layout);
+//     recompute None and Full (Full reruns the CP attention forward in backward);
+//   - the refusals: no positions under CP, cp x Tl past max_position_embeddings, exact attention.
+// Each rank compares its own sums; checks are EXPECT_* only (every rank makes every collective).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "rank_test.h"
+#include "shardtrain/context_parallel.h"
+#include "shardtrain/data.h"
+#include "shardtrain/model.h"
+#include "shardtrain/runtime.h"
+#include "shardtrain/shard.h"
+#include "shardtrain/unit_pipeline.h"
+
+namespace st = shardtrain;
+
+namespace {
+
+st::Comm& world() { return st::testing::comm(); }
+
+class CpModel : public st::testing::RankTest {};
+
+// 4 heads over 2 KV heads (GQA), two blocks, V = 37; T = 16 splits into 2 x 4 chunks of 2.
+st::ModelConfig config() {
+  st::ModelConfig c;
+  c.name = "cp-model";
+  c.vocab_size = 37;
+  c.hidden_size = 16;
+  c.intermediate_size = 24;
+  c.num_hidden_layers = 2;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.max_position_embeddings = 32;
+  c.tie_word_embeddings = false;
+  c.rope_theta = 10000.0;
+  return c;
+}
+constexpr int kB = 2, kT = 16;
+constexpr int32_t kEos = 5;
+
+// Spread parameters (as test_tensor_parallel's): values large enough to exercise the nonlinearities.
+template <typename T> void spread(st::ShardedState<T>& f, uint64_t seed) {
+  for (int u = 0; u < f.num_units(); ++u)
+    for (const auto& slot : f.plan().units[static_cast<size_t>(u)].params)
+      for (int64_t e = 0; e < slot.numel; ++e) {
+        const uint64_t h = (seed * 0x9E3779B97F4A7C15ull) ^
+                           (std::hash<std::string>{}(slot.spec.name) + static_cast<uint64_t>(e) * 0xBF58476D1CE4E5B9ull);
+        const double r = static_cast<double>(h % 100003) / 100003.0 - 0.5;
+        f.param_shard(u)[slot.offset + e] = static_cast<T>(slot.spec.init == st::Init::Ones ? 1.0 + 0.4 * r : 0.6 * r);
+      }
+}
+
+struct Result {
+  double loss = 0;
+  std::vector<std::vector<double>> grads;  // per unit, the whole unit (one shard rank)
+};
+
+// One micro-batch forward + head_backward (scale 1: gradients of the loss SUM) + backward.
+template <typename T>
+Result run(st::LlamaModel<T>& m, st::Fsdp<T>& f, const std::vector<int32_t>& tok, const std::vector<int32_t>& tgt,
+           int B, int T_, const st::TokenLayout& lay) {
+  Result r;
+  f.zero_grads();
+  m.forward(f, tok.data(), B, T_, lay);
+  r.loss = m.head_backward(f, tgt.data(), 1);
+  m.backward(f);
+  f.end_pass();
+  for (int u = 0; u < f.num_units(); ++u) {
+    const T* g = f.grad_shard(u);
+    r.grads.emplace_back(g, g + f.plan().units[static_cast<size_t>(u)].shard_size);
+  }
+  return r;
+}
+
+template <typename T> void check(st::CpComm method, bool document, st::Recompute rc, double tol) {
+  const int W = world().world_size();
+  const st::ModelConfig cfg = config();
+  auto be = st::make_cpu_backend<T>();
+  st::MpiComm self = st::MpiComm::split(world(), world().rank(), 0);
+  // The batch, the same on every rank: random tokens with EOS (document ends) at random places.
+  std::mt19937 gen(41);
+  std::vector<int32_t> tok(kB * kT), tgt(kB * kT), doc(kB * kT), pos(kB * kT);
+  for (auto& t : tok) t = static_cast<int32_t>(gen() % 37);
+  for (auto& t : tgt) t = static_cast<int32_t>(gen() % 37);
+  tok[3] = tok[9] = tok[10] = tok[kT + 6] = kEos;  // documents of 4, 6, 1, 5 | 7, 9 tokens
+  st::document_layout(tok.data(), kB, kT, kT, kEos, doc.data(), pos.data());
+  st::ModelOptions o;
+  o.recompute = rc;
+  o.mask = document ? st::AttentionMask::Document : st::AttentionMask::Causal;
+  const st::TokenLayout whole_lay = document ? st::TokenLayout{pos.data(), doc.data()} : st::TokenLayout{};
+
+  st::Fsdp<T> ref_f(*be, self, st::ShardPlan::build(st::llama_units(cfg), 1), &self, nullptr);
+  spread(ref_f, 7);
+  st::LlamaModel<T> ref_m(cfg, *be, o);
+  const Result ref = run(ref_m, ref_f, tok, tgt, kB, kT, whole_lay);
+
+  for (int g : {2, 4}) {
+    if (W % g != 0) continue;
+    st::MpiComm grp = st::MpiComm::split(world(), world().rank() / g, world().rank());
+    const int r = grp.rank(), Tl = kT / g;
+    st::CpAttention<T> cp(grp, *be, method);
+    st::Fsdp<T> f(*be, self, st::ShardPlan::build(st::llama_units(cfg), 1), &self, nullptr);
+    spread(f, 7);
+    st::LlamaModel<T> m(cfg, *be, o, nullptr, &cp);
+    // This rank's rows of every sequence: tokens, targets, global positions (restarting per
+    // document under the document mask) and document ids.
+    const std::vector<int32_t> rows = st::cp_rows(kT, g, r);
+    std::vector<int32_t> ltok, ltgt, lpos, ldoc;
+    for (int b = 0; b < kB; ++b)
+      for (int32_t t : rows) {
+        const size_t i = static_cast<size_t>(b * kT + t);
+        ltok.push_back(tok[i]);
+        ltgt.push_back(tgt[i]);
+        lpos.push_back(document ? pos[i] : t);
+        ldoc.push_back(doc[i]);
+      }
+    const st::TokenLayout lay{lpos.data(), document ? ldoc.data() : nullptr};
+    Result got = run(m, f, ltok, ltgt, kB, Tl, lay);
+    grp.all_reduce(&got.loss, 1, st::ReduceOp::Sum);
+    for (auto& u : got.grads) grp.all_reduce(u.data(), u.size(), st::ReduceOp::Sum);
+    const std::string what = std::string(st::cp_comm_name(method)) + (document ? " document" : " causal") +
+                             " recompute " + st::recompute_name(rc) + " cp " + std::to_string(g);
+    EXPECT_NEAR(got.loss, ref.loss, tol * std::fabs(ref.loss)) << what;
+    double worst = 0;
+    for (size_t u = 0; u < ref.grads.size(); ++u) {
+      double mx = 0, d = 0;
+      for (size_t e = 0; e < ref.grads[u].size(); ++e) {
+        mx = std::max(mx, std::fabs(ref.grads[u][e]));
+        d = std::max(d, std::fabs(got.grads[u][e] - ref.grads[u][e]));
+      }
+      ASSERT_GT(mx, 0.0) << what << " unit " << u << ": a gradient that is all zero checks nothing";
+      worst = std::max(worst, d / mx);
+      EXPECT_LE(d / mx, tol) << what << " unit " << u;
+    }
+    if (world().rank() == 0)
+      std::printf("[ CP model ] %s: loss %.15g vs %.15g (rel %.1e), worst unit gradient rel diff %.1e\n", what.c_str(),
+                  got.loss, ref.loss, std::fabs(got.loss - ref.loss) / std::fabs(ref.loss), worst);
+  }
+}
+
+TEST_F(CpModel, Float64RingAndAllGatherCausalAndDocumentEqualWholeSequence) {
+  if (world().world_size() % 2 != 0) GTEST_SKIP() << "CP groups of 2 or 4 ranks";
+  for (st::CpComm m : {st::CpComm::Ring, st::CpComm::AllGather})
+    for (bool doc : {false, true}) check<double>(m, doc, st::Recompute::None, 1e-12);
+  check<double>(st::CpComm::Ring, true, st::Recompute::Full, 1e-12);
+  check<double>(st::CpComm::AllGather, false, st::Recompute::Selective, 1e-12);
+}
+
+TEST_F(CpModel, Float32RingAndAllGatherCausalAndDocumentEqualWholeSequence) {
+  if (world().world_size() % 2 != 0) GTEST_SKIP() << "CP groups of 2 or 4 ranks";
+  for (st::CpComm m : {st::CpComm::Ring, st::CpComm::AllGather})
+    for (bool doc : {false, true}) check<float>(m, doc, st::Recompute::None, 1e-5);
+}
+
+TEST_F(CpModel, RefusesMissingPositionsLongSequencesAndExactAttention) {
+  if (world().world_size() % 2 != 0) GTEST_SKIP() << "CP groups of 2 ranks";
+  const st::ModelConfig cfg = config();
+  auto be = st::make_cpu_backend<double>();
+  st::MpiComm self = st::MpiComm::split(world(), world().rank(), 0);
+  st::MpiComm grp = st::MpiComm::split(world(), world().rank() / 2, world().rank());
+  st::CpAttention<double> cp(grp, *be, st::CpComm::Ring);
+  st::Fsdp<double> f(*be, self, st::ShardPlan::build(st::llama_units(cfg), 1), &self, nullptr);
+  st::LlamaModel<double> m(cfg, *be, {}, nullptr, &cp);
+  std::vector<int32_t> tok(24, 1), pos(24, 0);
+  // No positions: refused before any collective, on every rank.
+  EXPECT_THROW(m.forward(f, tok.data(), 1, 8, {}), std::invalid_argument);
+  // 2 x 24 = 48 > max_position_embeddings 32 (24 rows alone would pass).
+  try {
+    m.forward(f, tok.data(), 1, 24, {pos.data(), nullptr});
+    ADD_FAILURE() << "48 global positions accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("48"), std::string::npos) << e.what();
+  }
+  // A position past the global length 16 of 2 x 8 rows; 15 is inside.
+  pos[0] = 16;
+  EXPECT_THROW(m.forward(f, tok.data(), 1, 8, {pos.data(), nullptr}), std::invalid_argument);
+  st::ModelOptions ex;
+  ex.attention = st::AttentionKind::Exact;
+  EXPECT_THROW(st::LlamaModel<double>(cfg, *be, ex, nullptr, &cp), std::invalid_argument);
+}
+
+}  // namespace
