@@ -11,10 +11,11 @@
 //   tp: every unit holds this rank's TP slices (llama_units(c, tp, tp_rank)), the model's
 //        TensorParallelOps is the TP group's (TpGroup), replicated parameters' gradients are summed
 //        over the group, and checkpoints store the canonical rows (TpCheckpointLayout, io);
-//   cp: the mesh, the batch geometry, the memory plan and checkpoints know it (FSDP shards over
-//        dp_shard x cp; cp_memory below); the model does not run it yet, so training refuses it
-//        (training_refusal). pp: not implemented yet; its room is here (docs/architecture.md,
-//        "Where the next features go").
+//   cp: FSDP shards over dp_shard x cp; the model's ContextParallelOps is a CpAttention on the
+//        mesh's CP communicator (--cp-comm ring | allgather); every rank of a CP group reads the
+//        same batch rows and gives the model its head-tail rows of each sequence (SequenceSplit,
+//        below); the memory plan (cp_memory) and checkpoints know it. pp: not implemented yet; its
+//        room is here (docs/architecture.md, "Where the next features go").
 //
 // Layer: between io and train. It uses runtime, backend, shard, model and io; train uses it;
 // runtime, backend, shard, model, data and io never include it.
@@ -23,11 +24,14 @@
 #include <array>
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "shardtrain/checkpoint.h"
 #include "shardtrain/config.h"
+#include "shardtrain/context_parallel.h"
 #include "shardtrain/geometry.h"  // CpComm
 #include "shardtrain/mesh.h"
+#include "shardtrain/model.h"  // AttentionKind, TokenLayout
 #include "shardtrain/shard.h"
 #include "shardtrain/tensor_parallel.h"
 
@@ -79,8 +83,9 @@ struct DimComm {
 };
 
 // Every dimension's communication in one structure: what the step log, the metrics and TensorBoard
-// read. FSDP's comes from the unit pipeline's queues (CommTimes), TP's from its group (TpCommStats);
-// CP and PP stay zero until they exist.
+// read. FSDP's comes from the unit pipeline's queues (CommTimes), TP's from its group (TpCommStats),
+// CP's from its attention (CpCommStats: ring shifts or collectives, their bytes, time in flight and
+// the part the compute thread waited); PP stays zero until it exists.
 struct CommStats {
   static constexpr int kDims = 4;
   std::array<DimComm, kDims> dim;
@@ -96,6 +101,7 @@ struct ParallelOptions {
   OverlapConfig overlap;     // --overlap, --prefetch, --comm-progress (shard.h)
   bool reduce_bf16 = false;  // --reduce-dtype bf16 (mixed precision only)
   bool checkpoints = false;  // the run saves, resumes or initializes from a checkpoint
+  CpComm cp_comm = CpComm::Ring;  // --cp-comm: how a CP group (cp > 1) moves K/V
 };
 
 // Everything a run holds for its layout, in compute type C (float; bf16 over fp32 master shards).
@@ -104,15 +110,49 @@ struct ParallelOptions {
 template <typename C> struct ParallelRun {
   std::unique_ptr<ShardedState<float>> state;  // fp32 master shards and gradient shards
   std::unique_ptr<TpGroup<C>> tp;              // tp > 1: the TP group's collectives; else nullptr
+  std::unique_ptr<CpAttention<C>> cp;          // cp > 1: the CP group's attention; else nullptr
   std::unique_ptr<UnitPipeline<C>> units;      // the model's UnitSource over `state`
   std::unique_ptr<CheckpointLayout> checkpoint;  // nullptr without checkpoints (options.checkpoints)
-  // The model's TensorParallelOps (nullptr: no TP); valid while this lives.
+  // The model's TensorParallelOps (nullptr: no TP) and ContextParallelOps (nullptr: no CP); valid
+  // while this lives.
   TensorParallelOps<C>* tp_ops() const { return tp.get(); }
+  ContextParallelOps<C>* cp_ops() const { return cp.get(); }
   // After the backward of a step: gradients of parameters every rank of a group holds whole (TP's
   // RMSNorm weights) summed over the group. No-op where no dimension replicates a parameter.
   void finish_grads();
-  // Every dimension's communication since the run started.
+  // Every dimension's communication since the run started. (With CP: CpAttention::stats, which also
+  // takes the backend's block-attention tile counters: take the step's counts before this.)
   CommStats comm_stats() const;
+};
+
+// The rows of a micro-batch one rank gives the model (LlamaModel::forward): every rank of a CP group
+// reads the same B whole sequences of T tokens (Mesh::dp_index excludes cp) and keeps its head-tail
+// rows of each (context_parallel.h cp_rows for its CP coordinate): tokens, targets, and the layout
+// the model needs under CP — each row's global position (the whole sequence's layout position when
+// given, e.g. restarting per document, else the row's index in its sequence) and, when given, its
+// document id. The layout is computed on the whole sequence first (document_layout needs the
+// tokens before the row), then picked. Without CP (cp = 1) take() returns its inputs unchanged:
+// rows() = T, the pointers as given (bitwise the run without CP).
+class SequenceSplit {
+ public:
+  // T: the sequence length; std::invalid_argument when T does not split over the mesh's cp
+  // (cp_split_problem; resolve_geometry refuses it first).
+  SequenceSplit(const Mesh& mesh, int T);
+  int rows() const { return Tl_; }  // T / cp: each sequence's rows a rank holds
+  // tokens, targets: host [B, T] (targets may be nullptr: evaluation without a loss is not a use,
+  // but forward-only callers pass it anyway); whole: the whole sequences' layout (host [B, T]
+  // arrays or nullptr). Returns the layout of the rows kept, valid until the next take(); tokens()
+  // and targets() are the rows kept [B, rows()].
+  TokenLayout take(const int32_t* tokens, const int32_t* targets, const TokenLayout& whole, int B);
+  const int32_t* tokens() const { return tok_; }
+  const int32_t* targets() const { return tgt_; }
+
+ private:
+  int T_ = 0, Tl_ = 0;
+  std::vector<int32_t> rows_;                 // cp_rows of this rank (empty without CP)
+  std::vector<int32_t> tok_l_, tgt_l_, pos_l_, doc_l_;
+  const int32_t* tok_ = nullptr;
+  const int32_t* tgt_ = nullptr;
 };
 
 // The plan of the units one rank of the mesh `d` holds: TP rank `tp_rank`'s slices of every unit
@@ -134,11 +174,12 @@ struct LayoutRows {
 };
 LayoutRows checkpoint_layout_rows(const ModelConfig& mc, const MeshDims& d);
 
-// What a training run cannot do yet on mesh `d`: "" or the refusal, the same on every rank
-// ("--cp 2: context-parallel training is not wired into the model yet": the model computes no CP
-// attention yet, and a run must not compute wrong numbers). The trainer refuses with it before
-// anything is allocated.
-std::string training_refusal(const MeshDims& d);
+// What a training run cannot do yet on mesh `d`: "" or the refusal, the same on every rank (today
+// "": every mesh resolve_mesh_dims accepts trains; a dimension that exists in the mesh before the
+// model runs it refuses here, so that a run never computes wrong numbers). The trainer refuses
+// with it before anything is allocated.
+// With cp > 1 and '--attention exact' the refusal (CP runs the tiled block kernels only).
+std::string training_refusal(const MeshDims& d, AttentionKind attention);
 
 // Context parallelism in the memory plan (memory_plan.h), per rank, for micro-batches of B
 // sequences of T tokens on mesh `d` (elem_bytes: the compute type's). With cp = C, r = B x T / C

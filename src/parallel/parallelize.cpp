@@ -109,7 +109,43 @@ template <typename C> CommStats ParallelRun<C>::comm_stats() const {
     const TpCommStats& t = tp->stats();
     s[CommDim::Tp] = {t.all_gathers + t.reduce_scatters + t.all_reduces, t.bytes(), t.seconds, t.seconds};
   }
+  if (cp) {
+    const CpCommStats& c = cp->stats();
+    s[CommDim::Cp] = {c.transfers, c.bytes, c.issued_s, c.exposed_s};
+  }
   return s;
+}
+
+SequenceSplit::SequenceSplit(const Mesh& mesh, int T) : T_(T), Tl_(T) {
+  const int cp = mesh.dims().cp;
+  if (cp == 1) return;
+  rows_ = cp_rows(T, cp, mesh.coord().cp);  // throws cp_split_problem's text
+  Tl_ = static_cast<int>(rows_.size());
+}
+
+TokenLayout SequenceSplit::take(const int32_t* tokens, const int32_t* targets, const TokenLayout& whole, int B) {
+  if (rows_.empty()) {
+    tok_ = tokens;
+    tgt_ = targets;
+    return whole;
+  }
+  const size_t n = static_cast<size_t>(B) * Tl_;
+  tok_l_.resize(n);
+  tgt_l_.resize(targets ? n : 0);
+  pos_l_.resize(n);
+  doc_l_.resize(whole.doc ? n : 0);
+  for (int b = 0; b < B; ++b)
+    for (int i = 0; i < Tl_; ++i) {
+      const size_t src = static_cast<size_t>(b) * T_ + static_cast<size_t>(rows_[static_cast<size_t>(i)]);
+      const size_t dst = static_cast<size_t>(b) * Tl_ + static_cast<size_t>(i);
+      tok_l_[dst] = tokens[src];
+      if (targets) tgt_l_[dst] = targets[src];
+      pos_l_[dst] = whole.pos ? whole.pos[src] : rows_[static_cast<size_t>(i)];
+      if (whole.doc) doc_l_[dst] = whole.doc[src];
+    }
+  tok_ = tok_l_.data();
+  tgt_ = targets ? tgt_l_.data() : nullptr;
+  return {pos_l_.data(), whole.doc ? doc_l_.data() : nullptr};
 }
 
 ShardPlan rank_unit_plan(const ModelConfig& mc, const MeshDims& d, int tp_rank) {
@@ -133,9 +169,10 @@ LayoutRows checkpoint_layout_rows(const ModelConfig& mc, const MeshDims& d) {
   return r;
 }
 
-std::string training_refusal(const MeshDims& d) {
-  if (d.cp > 1)
-    return "--cp " + std::to_string(d.cp) + ": context-parallel training is not wired into the model yet";
+std::string training_refusal(const MeshDims& d, AttentionKind attention) {
+  if (d.cp > 1 && attention == AttentionKind::Exact)
+    return "option '--attention exact' does not run under '--cp " + std::to_string(d.cp) +
+           "': context parallelism computes attention with the tiled block kernels (use '--attention tiled')";
   return "";
 }
 
@@ -183,8 +220,10 @@ ParallelRun<C> parallelize(const Mesh& mesh, const ModelConfig& mc, Backend<floa
   if (d.tp > 1) r.tp = std::make_unique<TpGroup<C>>(*mesh.tp_data());
   if constexpr (std::is_same_v<C, bf16>) {
     if (!be16) throw std::invalid_argument("parallelize: mixed precision needs the bf16 backend");
+    if (d.cp > 1) r.cp = std::make_unique<CpAttention<bf16>>(*mesh.cp_data(), *be16, o.cp_comm);
     r.units = std::make_unique<MixedPrecisionUnits>(*r.state, *be16, o.reduce_bf16, MixedPrecisionUnits::kWidenSlab, o.overlap);
   } else {
+    if (d.cp > 1) r.cp = std::make_unique<CpAttention<float>>(*mesh.cp_data(), be, o.cp_comm);
     r.units = std::make_unique<UnitPipeline<float>>(be, std::make_unique<IdentityCodec<float>>(*r.state), o.overlap);
   }
   if (o.checkpoints) {

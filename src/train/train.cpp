@@ -5,6 +5,7 @@
 #include "shardtrain/checkpoint.h"
 #include "shardtrain/files.h"
 #include "shardtrain/memory_plan.h"
+#include "shardtrain/parallelize.h"  // SequenceSplit
 #include "shardtrain/schedule.h"
 
 #include <algorithm>
@@ -97,6 +98,7 @@ double evaluate(const Mesh& mesh, LlamaModel<T>& model, UnitSource<T>& f, const 
   const int per_rank = tc.global_batch / mesh.dp_size();
   const int mb = tc.micro_batch > 0 ? tc.micro_batch : per_rank;
   std::vector<int32_t> tok(static_cast<size_t>(mb) * tc.seq_len), tgt(tok.size()), pos, doc;
+  SequenceSplit split(mesh, tc.seq_len);  // CP: this rank's rows of each sequence (as in training)
   double sum = 0;
   f.begin_pass("eval");  // the sharding layer prefetches along the order the last evaluation gathered in
   const GradAccumulation schedule(per_rank / mb, model.config().num_hidden_layers, false);  // forwards only
@@ -104,9 +106,13 @@ double evaluate(const Mesh& mesh, LlamaModel<T>& model, UnitSource<T>& f, const 
     for (const Action& a : schedule.actions()) {  // Forward of micro-batch a.microbatch, with the loss
       fill_batch(data, Split::Val, tc.seed, e, mesh.dp_index() * per_rank + a.microbatch * mb, mb, tc.seq_len,
                  tok.data(), tgt.data());
-      model.forward(f, tok.data(), mb, tc.seq_len, batch_layout(tc, data, tok.data(), mb, tc.seq_len, pos, doc));
-      const double l = model.loss(f, tgt.data());
-      if (mesh.counts_loss()) sum += l;  // a TP group's ranks computed the same loss: counted once
+      const TokenLayout lay =
+          split.take(tok.data(), tgt.data(), batch_layout(tc, data, tok.data(), mb, tc.seq_len, pos, doc), mb);
+      model.forward(f, split.tokens(), mb, split.rows(), lay);
+      const double l = model.loss(f, split.targets());
+      // A TP group's ranks computed the same loss: counted once; a CP group's hold different tokens:
+      // each counts (Mesh::counts_loss).
+      if (mesh.counts_loss()) sum += l;
     }
   f.end_pass();
   mesh.world().all_reduce(&sum, 1, ReduceOp::Sum);

@@ -123,6 +123,7 @@ template <typename C> class Trainer {
   std::unique_ptr<LlamaModel<C>> model_;
   std::unique_ptr<AdamW<float>> opt_;
   std::vector<int32_t> tok_, tgt_, pos_, doc_;  // a micro-batch's tokens, targets and layout (batch_layout)
+  std::unique_ptr<SequenceSplit> split_;          // the rows of them this rank gives the model (CP: its head-tail rows)
   std::unique_ptr<Schedule> schedule_;  // a step's micro-batches (gradient accumulation)
   CheckpointOptions co_;
   TrainState state_;         // the facts of the run: step, batch history, data and tokenizer record, layout
@@ -190,8 +191,9 @@ Trainer<C>::Trainer(Engine& eng, const ModelConfig& mc, const TrainConfig& tc, c
 // The batch geometry (geometry.h) and the data's fit to the model: identical on every rank, so every
 // rank throws the same message.
 template <typename C> void Trainer<C>::check_geometry() {
-  // What the parallel layer cannot train yet (context parallelism: the model has no CP attention).
-  if (const std::string why = training_refusal(mesh_.dims()); !why.empty()) throw CollectiveError(0, why);
+  // What the parallel layer cannot train (on this mesh, with this attention).
+  if (const std::string why = training_refusal(mesh_.dims(), tc_.attention); !why.empty())
+    throw CollectiveError(0, why);
   const GeometryResult g = resolve_geometry({tc_.global_batch, tc_.micro_batch, tc_.seq_len}, mesh_.dims(), mc_);
   if (!g.ok()) throw CollectiveError(0, g.refusal);
   geo_ = g.geometry;
@@ -238,13 +240,16 @@ template <typename C> void Trainer<C>::allocate() {
   agree(comm_, [&] {
     try {
       const bool checkpoints = !tc_.checkpoint_dir.empty() || !tc_.resume.empty() || !tc_.init_from.empty();
-      run_ = parallelize<C>(mesh_, mc_, eng_.be, eng_.be16, {tc_.overlap, tc_.reduce_bf16, checkpoints});
+      run_ = parallelize<C>(mesh_, mc_, eng_.be, eng_.be16, {tc_.overlap, tc_.reduce_bf16, checkpoints, tc_.cp_comm});
       f_ = run_.state.get();
       units_ = run_.units.get();
-      if constexpr (std::is_same_v<C, bf16>) model_ = std::make_unique<LlamaModel<bf16>>(mc_, *eng_.be16, mopt_, run_.tp_ops());
-      else model_ = std::make_unique<LlamaModel<float>>(mc_, eng_.be, mopt_, run_.tp_ops());
+      if constexpr (std::is_same_v<C, bf16>)
+        model_ = std::make_unique<LlamaModel<bf16>>(mc_, *eng_.be16, mopt_, run_.tp_ops(), run_.cp_ops());
+      else
+        model_ = std::make_unique<LlamaModel<float>>(mc_, eng_.be, mopt_, run_.tp_ops(), run_.cp_ops());
       opt_ = std::make_unique<AdamW<float>>(*f_, tc_);
-      model_->reserve(geo_.micro_batch, tc_.seq_len);
+      split_ = std::make_unique<SequenceSplit>(mesh_, tc_.seq_len);
+      model_->reserve(geo_.micro_batch, split_->rows());
       tok_.resize(static_cast<size_t>(geo_.micro_batch) * tc_.seq_len);
       tgt_.resize(tok_.size());
     } catch (const std::bad_alloc&) {
@@ -458,13 +463,19 @@ template <typename C> void Trainer<C>::log_setup() {
 template <typename C> void Trainer<C>::run_action(const Action& a, int64_t s, float grad_scale, double& loss_sum) {
   switch (a.kind) {
     case ActionKind::Forward:
+    {
+      // Every rank of a CP group reads the same rows (dp_index excludes cp); the layout is the
+      // whole sequences' (documents are found on them), then the split keeps this rank's rows.
       fill_batch(data_, Split::Train, tc_.seed, s, mesh_.dp_index() * geo_.per_rank + a.microbatch * geo_.micro_batch, geo_.micro_batch,
                  tc_.seq_len, tok_.data(), tgt_.data());
-      model_->forward(*units_, tok_.data(), geo_.micro_batch, tc_.seq_len,
-                      batch_layout(tc_, data_, tok_.data(), geo_.micro_batch, tc_.seq_len, pos_, doc_));
+      const TokenLayout lay = split_->take(
+          tok_.data(), tgt_.data(), batch_layout(tc_, data_, tok_.data(), geo_.micro_batch, tc_.seq_len, pos_, doc_),
+          geo_.micro_batch);
+      model_->forward(*units_, split_->tokens(), geo_.micro_batch, split_->rows(), lay);
       return;
-    case ActionKind::Backward:
-      loss_sum += model_->head_backward(*units_, tgt_.data(), grad_scale);
+    }
+    case ActionKind::Backward:  // one micro-batch in flight: split_ holds its rows
+      loss_sum += model_->head_backward(*units_, split_->targets(), grad_scale);
       model_->backward(*units_);
       return;
     case ActionKind::BackwardInput:
@@ -480,7 +491,12 @@ template <typename C> StepOutcome Trainer<C>::train_step(int64_t s) {
   const auto t0 = Clock::now();
   if (slow_rank_ms_ > 0) std::this_thread::sleep_for(std::chrono::milliseconds(slow_rank_ms_));  // test hook
   const CommStats comm0 = run_.comm_stats();
-  const float grad_scale = 1.0f / static_cast<float>(geo_.rank_tokens());  // d(mean loss on this rank)
+  // d(mean loss on this rank): rank_tokens = per_rank x T / cp target tokens. The reduce-scatter
+  // averages over the shard group's dp_shard x cp ranks (and hybrid sharding's replica sum over
+  // dp_replicate divides by it too), so each token's gradient enters with weight
+  // (1 / (per_rank T / cp)) / (dp_shard cp dp_replicate) = 1 / (per_rank dp T) = 1 / (global_batch T):
+  // the gradient of the mean over every target token of the global batch, with CP as without.
+  const float grad_scale = 1.0f / static_cast<float>(geo_.rank_tokens());
   const double tokens_per_step = static_cast<double>(tc_.global_batch) * tc_.seq_len;
   f_->zero_grads();
   double loss_sum = 0;

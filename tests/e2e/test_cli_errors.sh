@@ -39,10 +39,10 @@ timeout -k 5 60 $MPIRUN -np 1 "$BIN" --mode plan --model demo --seq-len 32 --wor
   >"$WORK/plan_big_mb.log" 2>&1 || { cat "$WORK/plan_big_mb.log"; fail "plan_big_mb: a micro-batch of 2^30 at 4 ranks was refused"; }
 grep -q "micro-batch 1073741824 x 32 tokens" "$WORK/plan_big_mb.log" || { cat "$WORK/plan_big_mb.log"; fail "plan_big_mb: no plan"; }
 echo "ok: plan_big_mb -> $(grep -m1 -o 'memory plan per rank.*' "$WORK/plan_big_mb.log" | cut -c1-120)"
-# Context parallelism (issue 41): the mesh and the plan know --cp, the model does not yet, so a
-# training run at --cp > 1 is refused on every rank (no run computes wrong numbers); the mesh's and
-# the geometry's refusals name the numbers and the rule.
-expect_fail cp_not_wired "--cp 2: context-parallel training is not wired into the model yet" 2 "${COMMON[@]}" --cp 2
+# Context parallelism (issue 41): CP attention runs the tiled block kernels only, so --attention
+# exact at --cp > 1 is refused on every rank; the mesh's and the geometry's refusals name the
+# numbers and the rule.
+expect_fail cp_exact "option '--attention exact' does not run under '--cp 2'" 2 "${COMMON[@]}" --cp 2 --attention exact
 expect_fail cp_world "option '--cp' (3) does not divide the world size (2)" 2 "${COMMON[@]}" --cp 3
 expect_fail cp_tp_world "option '--cp' (2) x '--tp' (2) does not divide the world size (2)" 2 "${COMMON[@]}" --cp 2 --tp 2
 expect_fail cp_comm_value "option '--cp-comm' must be ring or allgather, got 'ring2'" 2 "${COMMON[@]}" --cp-comm ring2
