@@ -139,10 +139,10 @@ class SequenceSplit {
   // (cp_split_problem; resolve_geometry refuses it first).
   SequenceSplit(const Mesh& mesh, int T);
   int rows() const { return Tl_; }  // T / cp: each sequence's rows a rank holds
-  // tokens, targets: host [B, T] (targets may be nullptr: evaluation without a loss is not a use,
-  // but forward-only callers pass it anyway); whole: the whole sequences' layout (host [B, T]
-  // arrays or nullptr). Returns the layout of the rows kept, valid until the next take(); tokens()
-  // and targets() are the rows kept [B, rows()].
+  // tokens, targets: host [B, T] (targets may be nullptr: then targets() is nullptr); whole: the
+  // whole sequences' layout (host [B, T] arrays or nullptr). Returns the layout of the rows kept
+  // (under CP always with positions), valid until the next take(); tokens() and targets() are the
+  // rows kept [B, rows()], valid as long.
   TokenLayout take(const int32_t* tokens, const int32_t* targets, const TokenLayout& whole, int B);
   const int32_t* tokens() const { return tok_; }
   const int32_t* targets() const { return tgt_; }

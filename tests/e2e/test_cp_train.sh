@@ -9,7 +9,7 @@
 #             (allgather) at 4 ranks;
 #   document: --cp 2 ring at 2 ranks, --cp 4 allgather at 4 ranks (against --cp 1 with the
 #             document mask, which itself must differ from causal: the documents are seen).
-# Each CP run's step line shows 'cp comm' and its metrics cp_bytes > 0.
+# Each CP run's step line shows 'cp comm' and its metrics cp_bytes > 0. bf16: --cp 2 within 2e-3.
 # Resume across layouts: a --cp 2 run saved at step 3 continued at --cp 1, and the reverse, give
 # the straight run's losses at steps 4-6 within 1e-5 (and the same final val_loss).
 source "$(dirname "$0")/common.sh"
@@ -89,6 +89,17 @@ run doc_cp2_ring 2 --cp 2 --cp-comm ring --attention-mask document
 compare ref_doc doc_cp2_ring
 run doc_cp4_gather 4 --cp 4 --cp-comm allgather --attention-mask document
 compare ref_doc doc_cp4_gather
+
+# bf16 (mixed precision): --cp 2 against --cp 1 at the project's bf16 tolerance, 2e-3.
+run ref_bf16 1 --precision bf16
+run cp2_bf16 2 --cp 2 --precision bf16
+"$PY" - "$WORK/ref_bf16.jsonl" "$WORK/cp2_bf16.jsonl" <<'P' || fail "cp2_bf16 differs from ref_bf16 by more than 2e-3"
+import json, sys
+a, b = ([json.loads(l)["loss"] for l in open(p) if '"loss"' in l] for p in sys.argv[1:3])
+w = max(abs(x - y) / abs(x) for x, y in zip(a, b))
+print(f"ok: cp2_bf16: {len(a)} steps, loss rel diff <= {w:.1e} (bf16 tolerance 2e-3)")
+sys.exit(0 if len(a) == len(b) == 6 and w <= 2e-3 else 1)
+P
 
 # Resume across layouts: a 6-step run saving at step 3, continued from that file at the other CP.
 run save_cp2 2 --cp 2 --checkpoint-dir "$WORK/ck_cp2" --checkpoint-every 3

@@ -10,7 +10,10 @@
 //     element: float64 within 1e-12 relative (of max |g| over the unit), fp32 within 1e-5;
 //   - causal, and the document mask (positions restarting per document, from document_layout);
 //     recompute None and Full (Full reruns the CP attention forward in backward);
-//   - the refusals: no positions under CP, cp x Tl past max_position_embeddings, exact attention.
+//   - the refusals: no positions under CP, cp x Tl past max_position_embeddings, exact attention;
+//   - the model allocates what activation_bytes(..., cp) counts (the memory plan's activations):
+//     beside the same rows without CP, the RoPE tables of cp x Tl positions and, causal, the
+//     layout's ids (positions are required under CP).
 // Each rank compares its own sums; checks are EXPECT_* only (every rank makes every collective).
 #include <gtest/gtest.h>
 
@@ -23,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "counting_backend.h"
 #include "rank_test.h"
 #include "shardtrain/context_parallel.h"
 #include "shardtrain/data.h"
@@ -196,6 +200,51 @@ TEST_F(CpModel, RefusesMissingPositionsLongSequencesAndExactAttention) {
   st::ModelOptions ex;
   ex.attention = st::AttentionKind::Exact;
   EXPECT_THROW(st::LlamaModel<double>(cfg, *be, ex, nullptr, &cp), std::invalid_argument);
+}
+
+// Only what reserve() reads of the CP group (its size); reserve communicates nothing.
+class SizeOnly final : public st::ContextParallelOps<float> {
+ public:
+  explicit SizeOnly(int n) : n_(n) {}
+  int size() const override { return n_; }
+  int rank() const override { return 0; }
+  void forward(float*, float*, const float*, const float*, const float*, const int32_t*, const int32_t*, int, int, int,
+               int, int, float) override {
+    throw std::logic_error("not called by reserve()");
+  }
+  void backward(float*, float*, float*, const float*, const float*, const float*, const float*, const float*,
+                const float*, const int32_t*, const int32_t*, int, int, int, int, int, float) override {
+    throw std::logic_error("not called by reserve()");
+  }
+
+ private:
+  int n_;
+};
+
+TEST_F(CpModel, AllocatesWhatActivationBytesCounts) {
+  const st::ModelConfig cfg = config();
+  const int B = 3, Tl = 8, HD = cfg.head_dim();
+  for (int n : {2, 4})
+    for (st::Recompute rc : {st::Recompute::None, st::Recompute::Full})
+      for (st::AttentionMask mask : {st::AttentionMask::Causal, st::AttentionMask::Document}) {
+        st::ModelOptions o;
+        o.recompute = rc;
+        o.mask = mask;
+        SizeOnly cp(n);
+        st::testing::CountingBackend<float> be;
+        {
+          st::LlamaModel<float> m(cfg, be, o, nullptr, &cp);
+          m.reserve(B, Tl);
+          EXPECT_EQ(static_cast<int64_t>(be.live_bytes()), st::activation_bytes(cfg, o, B, Tl, 4, 4, 1, n).total())
+              << "cp " << n << " " << st::recompute_name(rc) << " " << st::attention_mask_name(mask);
+        }
+        // Against the same rows without CP: cos and sin tables of (n - 1) x Tl more positions; with
+        // the causal mask, positions, documents and row indices (three int32 per token).
+        const int64_t extra = int64_t{2} * 4 * (n - 1) * Tl * (HD / 2) +
+                              (mask == st::AttentionMask::Causal ? int64_t{3} * 4 * B * Tl : 0);
+        EXPECT_EQ(st::activation_bytes(cfg, o, B, Tl, 4, 4, 1, n).total() - st::activation_bytes(cfg, o, B, Tl, 4, 4).total(),
+                  extra);
+      }
 }
 
 }  // namespace
