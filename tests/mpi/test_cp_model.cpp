@@ -8,6 +8,9 @@
 //     gradients (the CP ranks hold the same parameters and see different tokens: the FSDP
 //     reduce-scatter over dp_shard x cp sums them) equal the whole-sequence gradients, element by
 //     element: float64 within 1e-12 relative (of max |g| over the unit), fp32 within 1e-5;
+//   - the summed gradient against central finite differences of the group's summed loss (float64,
+//     CP 2 and 4, ring causal and allgather document; first, middle and last element of every
+//     parameter, perturbed on every rank of the group at once);
 //   - causal, and the document mask (positions restarting per document, from document_layout);
 //     recompute None and Full (Full reruns the CP attention forward in backward);
 //   - the refusals: no positions under CP, cp x Tl past max_position_embeddings, exact attention;
@@ -95,7 +98,7 @@ Result run(st::LlamaModel<T>& m, st::Fsdp<T>& f, const std::vector<int32_t>& tok
   return r;
 }
 
-template <typename T> void check(st::CpComm method, bool document, st::Recompute rc, double tol) {
+template <typename T> void check(st::CpComm method, bool document, st::Recompute rc, double tol, bool fd = false) {
   const int W = world().world_size();
   const st::ModelConfig cfg = config();
   auto be = st::make_cpu_backend<T>();
@@ -158,6 +161,39 @@ template <typename T> void check(st::CpComm method, bool document, st::Recompute
     if (world().rank() == 0)
       std::printf("[ CP model ] %s: loss %.15g vs %.15g (rel %.1e), worst unit gradient rel diff %.1e\n", what.c_str(),
                   got.loss, ref.loss, std::fabs(got.loss - ref.loss) / std::fabs(ref.loss), worst);
+    if (!fd) continue;
+    // Central differences of the group's loss sum (every rank perturbs the same element of its
+    // whole copy, then the group sums its ranks' losses).
+    const double h = 1e-5;
+    auto group_loss = [&] {
+      m.forward(f, ltok.data(), kB, Tl, lay);
+      double l = m.loss(f, ltgt.data());
+      grp.all_reduce(&l, 1, st::ReduceOp::Sum);
+      return l;
+    };
+    int checked = 0;
+    double max_rel = 0;
+    for (int u = 0; u < f.num_units(); ++u)
+      for (const auto& slot : f.plan().units[static_cast<size_t>(u)].params)
+        for (int64_t e : {int64_t{0}, slot.numel / 2, slot.numel - 1}) {
+          T* p = f.param_shard(u) + slot.offset + e;
+          const T old = *p;
+          *p = old + h;
+          const double lp = group_loss();
+          *p = old - h;
+          const double lm = group_loss();
+          *p = old;
+          const double num = (lp - lm) / (2 * h), a = got.grads[static_cast<size_t>(u)][static_cast<size_t>(slot.offset + e)];
+          const double err = std::fabs(a - num), rel = err / std::max(1e-8, std::fabs(a) + std::fabs(num));
+          if (std::fabs(a) + std::fabs(num) > 1e-6) max_rel = std::max(max_rel, rel);
+          ++checked;
+          EXPECT_TRUE(rel < 1e-6 || err < 1e-9) << what << " " << slot.spec.name << "[" << e << "] analytic " << a
+                                                 << " numeric " << num;
+        }
+    EXPECT_GT(checked, 0);
+    if (world().rank() == 0)
+      std::printf("[ CP model ] %s: %d elements vs central differences, max rel err %.1e\n", what.c_str(), checked,
+                  max_rel);
   }
 }
 
@@ -167,6 +203,12 @@ TEST_F(CpModel, Float64RingAndAllGatherCausalAndDocumentEqualWholeSequence) {
     for (bool doc : {false, true}) check<double>(m, doc, st::Recompute::None, 1e-12);
   check<double>(st::CpComm::Ring, true, st::Recompute::Full, 1e-12);
   check<double>(st::CpComm::AllGather, false, st::Recompute::Selective, 1e-12);
+}
+
+TEST_F(CpModel, Float64GradientsMatchCentralDifferences) {
+  if (world().world_size() % 2 != 0) GTEST_SKIP() << "CP groups of 2 or 4 ranks";
+  check<double>(st::CpComm::Ring, false, st::Recompute::None, 1e-12, true);
+  check<double>(st::CpComm::AllGather, true, st::Recompute::None, 1e-12, true);
 }
 
 TEST_F(CpModel, Float32RingAndAllGatherCausalAndDocumentEqualWholeSequence) {
