@@ -126,6 +126,17 @@ struct CpCommStats {
 // head's four gathered buffers take 4·131072·128·2 B = 128 MiB, so hk = 2 (of 8); at T = 32,768,
 // hk = 8 (one chunk, no packing).
 inline constexpr size_t kCpGatherBytes = size_t{256} << 20;  // default bound on AllGather's gathered buffers
+
+// AllGather's chunk for cp ranks of Tl rows per sequence, NKV KV heads of HD (this rank's: NKV / tp
+// under TP), elements of elem_bytes: KV heads per chunk, the largest hk in [1, NKV] with
+// 4·cp·Tl·hk·HD·elem_bytes <= gather_bytes, or 1 (CpAttention::gather_kv_heads); and the scratch
+// of T elements CpAttention then holds after a forward and backward, in bytes (the list above:
+// gathered K, V, dK, dV, and when hk < NKV the packed k, v, dk, dv and q, y (dy), dq; positions,
+// ids and the S-typed dsum not included). Pure: for a memory plan. Throws std::invalid_argument for
+// sizes < 1 or NH not a multiple of NKV.
+int cp_gather_kv_heads(int cp, int Tl, int NKV, int HD, size_t elem_bytes, size_t gather_bytes = kCpGatherBytes);
+int64_t cp_gather_scratch_bytes(int cp, int Tl, int NH, int NKV, int HD, size_t elem_bytes,
+                                size_t gather_bytes = kCpGatherBytes);
 template <typename C> class CpAttention final : public ContextParallelOps<C> {
  public:
   using S = math::Acc<C>;

@@ -420,10 +420,25 @@ template <typename C> void gather_kv(Comm& comm, Transfers& tr, const C* k, cons
 }
 }  // namespace
 
+int cp_gather_kv_heads(int cp, int Tl, int NKV, int HD, size_t elem_bytes, size_t gather_bytes) {
+  if (cp < 1 || Tl < 1 || NKV < 1 || HD < 1 || elem_bytes < 1)
+    throw std::invalid_argument("cp_gather_kv_heads: cp, Tl, NKV, HD and elem_bytes must be >= 1");
+  const double per_head = 4.0 * cp * Tl * HD * static_cast<double>(elem_bytes);
+  const double fit_heads = std::floor(static_cast<double>(gather_bytes) / per_head);
+  return static_cast<int>(std::clamp(fit_heads, 1.0, static_cast<double>(NKV)));
+}
+
+int64_t cp_gather_scratch_bytes(int cp, int Tl, int NH, int NKV, int HD, size_t elem_bytes, size_t gather_bytes) {
+  if (NH < 1 || NKV < 1 || NH % NKV != 0)
+    throw std::invalid_argument("cp_gather_scratch_bytes: NH must be a positive multiple of NKV");
+  const int64_t hk = cp_gather_kv_heads(cp, Tl, NKV, HD, elem_bytes, gather_bytes), G = NH / NKV;
+  int64_t elems = 4 * int64_t{cp} * Tl * hk * HD;  // K, V, dK, dV gathered
+  if (hk < NKV) elems += 4 * int64_t{Tl} * hk * HD + 3 * int64_t{Tl} * G * hk * HD;  // packed k, v, dk, dv; q, y, dq
+  return elems * static_cast<int64_t>(elem_bytes);
+}
+
 template <typename C> int CpAttention<C>::gather_kv_heads(int Tl, int NKV, int HD) const {
-  const double per_head = 4.0 * size() * Tl * HD * static_cast<double>(sizeof(C));
-  const double fit_heads = std::floor(static_cast<double>(gather_bytes_) / per_head);
-  return static_cast<int>(std::clamp(fit_heads, 1.0, static_cast<double>(std::max(NKV, 1))));
+  return cp_gather_kv_heads(size(), Tl, NKV, HD, sizeof(C), gather_bytes_);
 }
 
 // All-gather forward: per sequence, its positions and document ids, then per chunk of hk KV heads

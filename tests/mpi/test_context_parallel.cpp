@@ -405,6 +405,8 @@ TEST_F(ContextParallel, AllGatherChunkedPerKvHeadEqualsUnchunkedWithinBound) {
     size_t scratch_all = 0, scratch_hk = 0;
     const Local all = run_cp<double>(c, be, st::CpComm::AllGather, s, w, &st_all, SIZE_MAX, &scratch_all);
     EXPECT_EQ(scratch_all, static_cast<size_t>(4) * Tk * s.NKV * s.HD) << "unchunked: K, V, dK, dV gathered";
+    EXPECT_EQ(st::cp_gather_scratch_bytes(W, Tl, s.NH, s.NKV, s.HD, sizeof(double), SIZE_MAX),
+              static_cast<int64_t>(scratch_all * sizeof(double)));
     for (int hk : {1, 2, 3}) {
       const size_t bound = static_cast<size_t>(4) * Tk * hk * s.HD * sizeof(double);
       {
@@ -428,6 +430,8 @@ TEST_F(ContextParallel, AllGatherChunkedPerKvHeadEqualsUnchunkedWithinBound) {
       const size_t gathered = static_cast<size_t>(4) * Tk * hk * s.HD;  // K, V, dK, dV
       const size_t packed = static_cast<size_t>(4) * Tl * hk * s.HD + static_cast<size_t>(3) * Tl * G * hk * s.HD;
       EXPECT_EQ(scratch_hk, gathered + packed) << what;
+      EXPECT_EQ(st::cp_gather_scratch_bytes(W, Tl, s.NH, s.NKV, s.HD, sizeof(double), bound),
+                static_cast<int64_t>(scratch_hk * sizeof(double))) << what;
       EXPECT_LE(gathered * sizeof(double), bound) << what;
       if (world().rank() == 0 && !with_doc)
         std::printf("[ cp ] all-gather cp %d, hk %d of %d KV heads: gathered %zu B (bound %zu B, unchunked %zu B), "
