@@ -58,6 +58,12 @@ template <typename T> class Backend {
   virtual void free(T* p) = 0;
   virtual void zero(T* p, size_t n) = 0;
   virtual void copy(T* dst, const T* src, size_t n) = 0;  // device to device
+  // Device to device, 2-D: rows x cols elements, row i from src + i * ld_src to dst + i * ld_dst
+  // (ld >= cols; the regions must not overlap): a column slice of a row-major matrix packed or
+  // unpacked (context parallelism's per-KV-head chunks). Default: one copy() per row.
+  virtual void copy_2d(T* dst, size_t ld_dst, const T* src, size_t ld_src, size_t rows, size_t cols) {
+    for (size_t i = 0; i < rows; ++i) copy(dst + i * ld_dst, src + i * ld_src, cols);
+  }
   virtual void to_host(T* host, const T* src, size_t n) = 0;
   virtual void from_host(T* dst, const T* host, size_t n) = 0;
   // Token ids (int32) in the backend's memory, for embedding and cross_entropy.
@@ -68,6 +74,7 @@ template <typename T> class Backend {
   // zero-initialized, for the flash attention statistics (lse, dsum); throws std::bad_alloc.
   virtual S* alloc_acc(size_t n) = 0;
   virtual void free_acc(S* p) = 0;
+  virtual void zero_acc(S* p, size_t n) = 0;  // n scalars of S set to 0
   // Waits until every queued call has finished (no-op on the CPU).
   virtual void synchronize() = 0;
 
@@ -202,6 +209,12 @@ template <typename T> class Backend {
   // key changes nothing). Merging the blocks of disjoint key sets in any order gives attention over
   // their union (to rounding).
   virtual void attention_merge(T* y, S* lse, const T* y_part, const S* lse_part, int B, int Tq, int NH, int HD) = 0;
+  // The same merge into an accumulator y_acc [B*Tq, NH*HD] of the arithmetic type S (the part still
+  // in T): merging cp parts rounds y once, when the caller stores y_acc in T (from_f32), instead of
+  // at every merge (context parallelism's ring in bf16, issue 41). For T = S the same arithmetic as
+  // attention_merge, bitwise.
+  virtual void attention_merge_acc(S* y_acc, S* lse, const T* y_part, const S* lse_part, int B, int Tq, int NH,
+                                   int HD) = 0;
   // dsum [B, NH, Tq] = rowsum(dy o y) per (b, h, t) (flash::row_dot), with y the MERGED output.
   virtual void attention_row_dot(S* dsum, const T* dy, const T* y, int B, int Tq, int NH, int HD) = 0;
   // Backward of one block pair given the MERGED lse (over every key block of these queries) and

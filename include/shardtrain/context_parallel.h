@@ -6,6 +6,7 @@
 // shard, model and io layers never do.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -78,10 +79,18 @@ std::vector<CpTilePairs> cp_tile_pairs(int T, int cp, CpSplit split);
 //              (attention_merge). Backward: the same ring, with each visiting block's dK/dV partial
 //              sums travelling with it (one step behind, so that their shift too overlaps a block's
 //              compute) and arriving home after cp shifts.
-//   AllGather  per sequence, the group all-gathers K, V (and positions, document ids) into
-//              [cp·Tl, NKV·HD] and attends to all of them in one block call; the backward
-//              reduce-scatters (sums) the whole sequence's dK, dV back to their owners. The
-//              gathered buffers hold one sequence's K/V (chunked per sequence, not per KV head).
+//   AllGather  per sequence, the group all-gathers its positions and document ids, then, per
+//              chunk of hk KV heads (gather_kv_heads: as many as the bound gather_bytes allows),
+//              that chunk's K, V into [cp·Tl, hk·HD] and attends to all of them with the query
+//              heads that read the chunk (GQA) in one block call; the backward reduce-scatters
+//              (sums) the chunk's dK, dV of the whole sequence back to their owners. Chunks of
+//              fewer than NKV heads pack their columns (Backend::copy_2d); the results do not
+//              depend on the chunking; the bytes sent neither (ceil(NKV/hk) times as many
+//              collectives of K, V, dK, dV, each that much smaller). The backward gathers K, V again rather than keeping the
+//              forward's: kept, every layer's gathered K/V (cp times the rank's K/V) would live from
+//              its forward to its backward, the activation memory context parallelism exists to
+//              divide by cp; gathering again costs one more all-gather of K/V per layer, the same
+//              bytes as the forward's ((cp − 1)·2·Tl·NKV·HD·sizeof(C) per sequence and rank).
 // CpComm (Ring, AllGather) and cp_comm_name: geometry.h (the option --cp-comm).
 
 // What a rank's context-parallel attention cost, accumulated since construction. Transfers: ring
@@ -102,17 +111,43 @@ struct CpCommStats {
 
 // ContextParallelOps on a communicator of the CP group (MPI on the CPU; NCCL or the host-staged
 // device Comm on GPUs) and the model's backend (whose memory every buffer is in). `comm` and `be`
-// must outlive this. Scratch buffers are kept between calls (reallocated when sizes grow): Ring
-// holds 2 x (K, V, ids) of this rank's size and, in the backward, 4 x (dK, dV) of it; AllGather
-// holds K, V, ids of one whole sequence and, in the backward, its dK, dV.
+// must outlive this. Scratch buffers are kept between calls (reallocated when sizes grow), in
+// elements of C unless said (G = NH/NKV, Tl rows per sequence and rank, hk = gather_kv_heads):
+//   Ring       2 x (K, V, ids) of this rank's size (2·B·Tl·NKV·HD each of K, V); in the backward
+//              4 x (dK, dV) of it; in bf16 also y's fp32 accumulator (B·Tl·NH·HD floats).
+//   AllGather  the gathered buffers: K, V of one chunk of one sequence, [cp·Tl, hk·HD] each, and in
+//              the backward dK, dV of the same size; positions and ids [cp·Tl] int32. hk is chosen
+//              so that the four together, 4·cp·Tl·hk·HD·sizeof(C) bytes, fit in gather_bytes (hk = 1
+//              when even one head does not: the bound is then exceeded, by the size of one head).
+//              When hk < NKV also the packed chunk of this rank's rows: k, v [Tl, hk·HD] and q, y
+//              [Tl, G·hk·HD] (forward), plus dk, dv [Tl, hk·HD] and dq [Tl, G·hk·HD] (backward;
+//              dy reuses y's). These are what a memory plan must count for the all-gather.
+// The default, 256 MiB: for llama-8b (NKV = 8, HD = 128) in bf16 at T = cp·Tl = 131,072 one KV
+// head's four gathered buffers take 4·131072·128·2 B = 128 MiB, so hk = 2 (of 8); at T = 32,768,
+// hk = 8 (one chunk, no packing).
+inline constexpr size_t kCpGatherBytes = size_t{256} << 20;  // default bound on AllGather's gathered buffers
+
+// AllGather's chunk for cp ranks of Tl rows per sequence, NKV KV heads of HD (this rank's: NKV / tp
+// under TP), elements of elem_bytes: KV heads per chunk, the largest hk in [1, NKV] with
+// 4·cp·Tl·hk·HD·elem_bytes <= gather_bytes, or 1 (CpAttention::gather_kv_heads); and the scratch
+// of T elements CpAttention then holds after a forward and backward, in bytes (the list above:
+// gathered K, V, dK, dV, and when hk < NKV the packed k, v, dk, dv and q, y (dy), dq; positions,
+// ids and the S-typed dsum not included). Pure: for a memory plan. Throws std::invalid_argument for
+// sizes < 1 or NH not a multiple of NKV.
+int cp_gather_kv_heads(int cp, int Tl, int NKV, int HD, size_t elem_bytes, size_t gather_bytes = kCpGatherBytes);
+int64_t cp_gather_scratch_bytes(int cp, int Tl, int NH, int NKV, int HD, size_t elem_bytes,
+                                size_t gather_bytes = kCpGatherBytes);
 template <typename C> class CpAttention final : public ContextParallelOps<C> {
  public:
   using S = math::Acc<C>;
-  CpAttention(Comm& comm, Backend<C>& be, CpComm method);
+  CpAttention(Comm& comm, Backend<C>& be, CpComm method, size_t gather_bytes = kCpGatherBytes);
   ~CpAttention() override;
   int size() const override { return comm_.world_size(); }
   int rank() const override { return comm_.rank(); }
   CpComm method() const { return method_; }
+  // AllGather: KV heads per chunk for Tl rows per rank, NKV heads of HD: the largest hk in
+  // [1, NKV] with 4·cp·Tl·hk·HD·sizeof(C) <= gather_bytes, or 1.
+  int gather_kv_heads(int Tl, int NKV, int HD) const;
   void forward(C* y, S* lse, const C* q, const C* k, const C* v, const int32_t* pos, const int32_t* doc, int B,
                int Tl, int NH, int NKV, int HD, S scale) override;
   void backward(C* dq, C* dk, C* dv, const C* dy, const C* q, const C* k, const C* v, const C* y, const S* lse,
@@ -132,6 +167,7 @@ template <typename C> class CpAttention final : public ContextParallelOps<C> {
   Comm& comm_;
   Backend<C>& be_;
   CpComm method_;
+  size_t gather_bytes_;
   CpCommStats stats_;
   std::unique_ptr<Work> work_;
 };

@@ -173,5 +173,11 @@ template <typename S> ST_HD void merge_weights(S lse_a, S lse_b, S* wa, S* wb, S
   *wb = eb * inv;
   *lse_out = m + st_log(sum);
 }
+// One row of the merge: y[d] = wa y[d] + wb y_part[d] (weights from merge_weights), in S, stored as
+// Y. Y = T (attention_merge: y rounded to the compute type at every merge) or Y = S
+// (attention_merge_acc: y kept in the arithmetic type, rounded once by its caller).
+template <typename Y, typename T, typename S> ST_HD void merge_row(Y* y, const T* y_part, S wa, S wb, int HD) {
+  for (int d = 0; d < HD; ++d) y[d] = math::st<Y>(wa * math::ld(y[d]) + wb * math::ld(y_part[d]));
+}
 
 }  // namespace shardtrain::flash

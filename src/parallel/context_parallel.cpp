@@ -6,7 +6,9 @@
 #include <algorithm>
 #include <chrono>
 #include <climits>
+#include <cmath>
 #include <stdexcept>
+#include <type_traits>
 #include <utility>
 
 #include "shardtrain/flash_attention.h"
@@ -252,14 +254,14 @@ template <typename C> struct CpAttention<C>::Args {
 };
 
 template <typename C> struct CpAttention<C>::Work {
-  Buffer<C> kb[2], vb[2], gk[2], gv[2], rk[2], rv[2], ytmp, kg, vg, dkg, dvg;
+  Buffer<C> kb[2], vb[2], gk[2], gv[2], rk[2], rv[2], ytmp, kg, vg, dkg, dvg, kp, vp, qp, yp, dqp, dkp, dvp;
   IdBuffer<C> pb[2], db[2], pg, dg;
-  AccBuffer<C> ltmp, dsum;
+  AccBuffer<C> ltmp, dsum, yacc;
 };
 
 template <typename C>
-CpAttention<C>::CpAttention(Comm& comm, Backend<C>& be, CpComm method)
-    : comm_(comm), be_(be), method_(method), work_(std::make_unique<Work>()) {}
+CpAttention<C>::CpAttention(Comm& comm, Backend<C>& be, CpComm method, size_t gather_bytes)
+    : comm_(comm), be_(be), method_(method), gather_bytes_(gather_bytes), work_(std::make_unique<Work>()) {}
 template <typename C> CpAttention<C>::~CpAttention() = default;
 
 template <typename C> const CpCommStats& CpAttention<C>::stats() {
@@ -310,13 +312,18 @@ void CpAttention<C>::backward(C* dq, C* dk, C* dv, const C* dy, const C* q, cons
 
 // Ring forward: at step s this rank holds the K/V block of rank (r - s) mod cp; it starts that
 // block's shift to rank r + 1 (receiving the next one from r - 1), attends to the block in hand,
-// merges, and only then waits for the shift.
+// merges, and only then waits for the shift. When C is narrower than S (bf16), y is merged in an S
+// accumulator (attention_merge_acc) and rounded to C once at the end (from_f32), so that each
+// block's part is rounded once and the merged y once, as the cp = 1 path rounds its y once; for
+// C = S the accumulator is y itself (the same arithmetic as before, bitwise).
 template <typename C> void CpAttention<C>::ring_forward(const Args& a) {
+  constexpr bool kAcc = !std::is_same_v<C, S>;
   const int P = size();
   Work& w = *work_;
   const size_t nk = a.nk(), nid = a.nid();
   C* yt = P > 1 ? fit(w.ytmp, be_, a.nq()) : nullptr;
   S* lt = P > 1 ? fit(w.ltmp, be_, a.ns()) : nullptr;
+  S* yacc = kAcc && P > 1 ? fit(w.yacc, be_, a.nq()) : nullptr;
   KvView<C> cur{a.k, a.v, a.pos, a.doc};
   Transfers tr(be_.progress(), stats_, P > 1);
   for (int s = 0; s < P; ++s) {
@@ -327,14 +334,26 @@ template <typename C> void CpAttention<C>::ring_forward(const Args& a) {
                       a.doc ? fit(w.db[nx], be_, nid) : nullptr};
       start_kv_shift(comm_, tr, cur, next, nk, nid);
     }
-    be_.attention_block_forward(s == 0 ? a.y : yt, s == 0 ? a.lse_out : lt, a.q, cur.k, cur.v, a.pos, cur.p, a.doc,
+    const bool direct = s == 0 && !yacc;  // the first block writes y itself, unless y accumulates in S
+    be_.attention_block_forward(direct ? a.y : yt, s == 0 ? a.lse_out : lt, a.q, cur.k, cur.v, a.pos, cur.p, a.doc,
                                 cur.d, a.B, a.Tl, a.Tl, a.NH, a.NKV, a.HD, a.scale);
-    if (s > 0) be_.attention_merge(a.y, a.lse_out, yt, lt, a.B, a.Tl, a.NH, a.HD);
+    if constexpr (kAcc) {
+      if (yacc && s == 0) {  // yacc = the first part, widened (exact)
+        be_.zero_acc(yacc, a.nq());
+        be_.add_to_f32(yacc, 1.0f, yt, a.nq());
+      } else if (yacc) {
+        be_.attention_merge_acc(yacc, a.lse_out, yt, lt, a.B, a.Tl, a.NH, a.HD);
+      }
+    } else if (s > 0) {
+      be_.attention_merge(a.y, a.lse_out, yt, lt, a.B, a.Tl, a.NH, a.HD);
+    }
     if (s + 1 < P) {
       tr.wait(kKv);
       cur = next.view();
     }
   }
+  if constexpr (kAcc)
+    if (yacc) be_.from_f32(a.y, yacc, a.nq());  // the one rounding of the merged y
 }
 
 // Ring backward (FlashAttention-2's Algorithm 2 per block pair, with the merged lse and
@@ -384,70 +403,156 @@ template <typename C> void CpAttention<C>::ring_backward(const Args& a) {
 }
 
 namespace {
-// Sequence b's K, V, positions and document ids of every rank of the group, rank-major: rows
+// Sequence b's positions and document ids of every rank of the group, rank-major: rows
 // [o * Tl, (o + 1) * Tl) are rank o's (any order works: the masks come from the positions).
-template <typename C>
-void gather_sequence(Comm& comm, Transfers& tr, const KvView<C>& mine, const KvBuf<C>& all, size_t nk, size_t nid) {
+void gather_ids(Comm& comm, Transfers& tr, const int32_t* p, const int32_t* d, int32_t* all_p, int32_t* all_d, size_t nid) {
   const double others = static_cast<double>(comm.world_size() - 1);
-  tr.add(comm.start_all_gather(mine.k, all.k, nk), kKv, others * static_cast<double>(nk * sizeof(C)));
-  tr.add(comm.start_all_gather(mine.v, all.v, nk), kKv, others * static_cast<double>(nk * sizeof(C)));
-  tr.add(comm.start_all_gather(bytes_of(mine.p), bytes_of(all.p), nid * 4), kKv, others * static_cast<double>(nid * 4));
-  if (mine.d)
-    tr.add(comm.start_all_gather(bytes_of(mine.d), bytes_of(all.d), nid * 4), kKv, others * static_cast<double>(nid * 4));
+  tr.add(comm.start_all_gather(bytes_of(p), bytes_of(all_p), nid * 4), kKv, others * static_cast<double>(nid * 4));
+  if (d) tr.add(comm.start_all_gather(bytes_of(d), bytes_of(all_d), nid * 4), kKv, others * static_cast<double>(nid * 4));
+  tr.wait(kKv);
+}
+// One chunk of K and V (n elements per rank, contiguous), gathered rank-major as the ids.
+template <typename C> void gather_kv(Comm& comm, Transfers& tr, const C* k, const C* v, C* all_k, C* all_v, size_t n) {
+  const double bytes = static_cast<double>(comm.world_size() - 1) * static_cast<double>(n * sizeof(C));
+  tr.add(comm.start_all_gather(k, all_k, n), kKv, bytes);
+  tr.add(comm.start_all_gather(v, all_v, n), kKv, bytes);
   tr.wait(kKv);
 }
 }  // namespace
 
-// All-gather forward: per sequence, the whole K/V, then one block call of this rank's queries
-// against all keys (every row sees its own key: no -inf rows, no merge).
+int cp_gather_kv_heads(int cp, int Tl, int NKV, int HD, size_t elem_bytes, size_t gather_bytes) {
+  if (cp < 1 || Tl < 1 || NKV < 1 || HD < 1 || elem_bytes < 1)
+    throw std::invalid_argument("cp_gather_kv_heads: cp, Tl, NKV, HD and elem_bytes must be >= 1");
+  const double per_head = 4.0 * cp * Tl * HD * static_cast<double>(elem_bytes);
+  const double fit_heads = std::floor(static_cast<double>(gather_bytes) / per_head);
+  return static_cast<int>(std::clamp(fit_heads, 1.0, static_cast<double>(NKV)));
+}
+
+int64_t cp_gather_scratch_bytes(int cp, int Tl, int NH, int NKV, int HD, size_t elem_bytes, size_t gather_bytes) {
+  if (NH < 1 || NKV < 1 || NH % NKV != 0)
+    throw std::invalid_argument("cp_gather_scratch_bytes: NH must be a positive multiple of NKV");
+  const int64_t hk = cp_gather_kv_heads(cp, Tl, NKV, HD, elem_bytes, gather_bytes), G = NH / NKV;
+  int64_t elems = 4 * int64_t{cp} * Tl * hk * HD;  // K, V, dK, dV gathered
+  if (hk < NKV) elems += 4 * int64_t{Tl} * hk * HD + 3 * int64_t{Tl} * G * hk * HD;  // packed k, v, dk, dv; q, y, dq
+  return elems * static_cast<int64_t>(elem_bytes);
+}
+
+template <typename C> int CpAttention<C>::gather_kv_heads(int Tl, int NKV, int HD) const {
+  return cp_gather_kv_heads(size(), Tl, NKV, HD, sizeof(C), gather_bytes_);
+}
+
+// All-gather forward: per sequence, its positions and document ids, then per chunk of hk KV heads
+// (gather_kv_heads) that chunk's K/V of every rank and one block call of the query heads that read
+// it (GQA: query heads h0·G .. (h0 + n)·G − 1, G = NH/NKV) against all keys of the sequence (every
+// row sees its own key: no -inf rows, no merge). When one chunk holds every KV head the tensors are
+// used in place; otherwise the chunk's columns of k, v, q are packed (copy_2d) into contiguous
+// buffers and y's unpacked. Per (sequence, head) the kernels' work is the same either way, so the
+// results do not depend on the chunking (bitwise on the CPU backend: the chunking test).
 template <typename C> void CpAttention<C>::gather_forward(const Args& a) {
-  const int P = size(), Tk = P * a.Tl;
+  const int P = size(), Tk = P * a.Tl, G = a.NH / a.NKV, hk = gather_kv_heads(a.Tl, a.NKV, a.HD);
+  const bool chunked = hk < a.NKV;
   Work& w = *work_;
-  const size_t nk1 = static_cast<size_t>(a.Tl) * a.ldk(), nq1 = static_cast<size_t>(a.Tl) * a.ldq(),
-               nsq = static_cast<size_t>(a.NH) * a.Tl;
-  const KvBuf<C> all{fit(w.kg, be_, nk1 * P), fit(w.vg, be_, nk1 * P), fit(w.pg, be_, static_cast<size_t>(Tk)),
-                     a.doc ? fit(w.dg, be_, static_cast<size_t>(Tk)) : nullptr};
+  const size_t Tl = static_cast<size_t>(a.Tl), ldk = static_cast<size_t>(a.ldk()), ldq = static_cast<size_t>(a.ldq()),
+               nk1 = Tl * ldk, nq1 = Tl * ldq, nsq = static_cast<size_t>(a.NH) * Tl,
+               wk = static_cast<size_t>(hk) * a.HD, wq = static_cast<size_t>(G) * wk;
+  C* kg = fit(w.kg, be_, static_cast<size_t>(Tk) * wk);
+  C* vg = fit(w.vg, be_, static_cast<size_t>(Tk) * wk);
+  int32_t* pg = fit(w.pg, be_, static_cast<size_t>(Tk));
+  int32_t* dg = a.doc ? fit(w.dg, be_, static_cast<size_t>(Tk)) : nullptr;
+  C *kp = nullptr, *vp = nullptr, *qp = nullptr, *yp = nullptr;
+  if (chunked) {
+    kp = fit(w.kp, be_, Tl * wk), vp = fit(w.vp, be_, Tl * wk);
+    qp = fit(w.qp, be_, Tl * wq), yp = fit(w.yp, be_, Tl * wq);
+  }
   Transfers tr(nullptr, stats_, P > 1);  // blocking: nothing to overlap with
   for (int b = 0; b < a.B; ++b) {
-    const size_t tb = static_cast<size_t>(b) * a.Tl;
+    const size_t tb = static_cast<size_t>(b) * Tl;
     const int32_t* doc_b = a.doc ? a.doc + tb : nullptr;
-    gather_sequence(comm_, tr, KvView<C>{a.k + b * nk1, a.v + b * nk1, a.pos + tb, doc_b}, all, nk1,
-                    static_cast<size_t>(a.Tl));
-    be_.attention_block_forward(a.y + b * nq1, a.lse_out + b * nsq, a.q + b * nq1, all.k, all.v, a.pos + tb, all.p,
-                                doc_b, all.d, 1, a.Tl, Tk, a.NH, a.NKV, a.HD, a.scale);
+    gather_ids(comm_, tr, a.pos + tb, doc_b, pg, dg, Tl);
+    for (int h0 = 0; h0 < a.NKV; h0 += hk) {
+      const int n = std::min(hk, a.NKV - h0);
+      const size_t ck = static_cast<size_t>(n) * a.HD, cq = static_cast<size_t>(G) * ck;
+      const C* k = a.k + b * nk1 + static_cast<size_t>(h0) * a.HD;
+      const C* v = a.v + b * nk1 + static_cast<size_t>(h0) * a.HD;
+      const C* q = a.q + b * nq1 + static_cast<size_t>(h0) * G * a.HD;
+      C* y = a.y + b * nq1 + static_cast<size_t>(h0) * G * a.HD;
+      if (chunked) {
+        be_.copy_2d(kp, ck, k, ldk, Tl, ck);
+        be_.copy_2d(vp, ck, v, ldk, Tl, ck);
+        be_.copy_2d(qp, cq, q, ldq, Tl, cq);
+        k = kp, v = vp, q = qp;
+      }
+      gather_kv(comm_, tr, k, v, kg, vg, Tl * ck);
+      be_.attention_block_forward(chunked ? yp : y, a.lse_out + b * nsq + static_cast<size_t>(h0) * G * Tl, q, kg, vg,
+                                  a.pos + tb, pg, doc_b, dg, 1, a.Tl, Tk, G * n, n, a.HD, a.scale);
+      if (chunked) be_.copy_2d(y, ldq, yp, cq, Tl, cq);
+    }
   }
 }
 
-// All-gather backward: per sequence, the whole K/V again (not kept from the forward: one sequence's
-// buffers at a time), this rank's queries' terms of dQ and of the whole sequence's dK/dV, then
-// dK/dV reduce-scattered (summed) so that each rank receives its own rows'.
+// All-gather backward: per sequence and chunk of KV heads as the forward, the chunk's K/V gathered
+// again (see the header: not kept from the forward), this rank's queries' terms of dQ and of the
+// whole sequence's dK/dV of the chunk, then dK/dV reduce-scattered (summed) so that each rank
+// receives its own rows'.
 template <typename C> void CpAttention<C>::gather_backward(const Args& a) {
-  const int P = size(), Tk = P * a.Tl;
+  const int P = size(), Tk = P * a.Tl, G = a.NH / a.NKV, hk = gather_kv_heads(a.Tl, a.NKV, a.HD);
+  const bool chunked = hk < a.NKV;
   Work& w = *work_;
-  const size_t nk1 = static_cast<size_t>(a.Tl) * a.ldk(), nq1 = static_cast<size_t>(a.Tl) * a.ldq(),
-               nsq = static_cast<size_t>(a.NH) * a.Tl;
-  const KvBuf<C> all{fit(w.kg, be_, nk1 * P), fit(w.vg, be_, nk1 * P), fit(w.pg, be_, static_cast<size_t>(Tk)),
-                     a.doc ? fit(w.dg, be_, static_cast<size_t>(Tk)) : nullptr};
-  C* dkg = fit(w.dkg, be_, nk1 * P);
-  C* dvg = fit(w.dvg, be_, nk1 * P);
+  const size_t Tl = static_cast<size_t>(a.Tl), ldk = static_cast<size_t>(a.ldk()), ldq = static_cast<size_t>(a.ldq()),
+               nk1 = Tl * ldk, nq1 = Tl * ldq, nsq = static_cast<size_t>(a.NH) * Tl,
+               wk = static_cast<size_t>(hk) * a.HD, wq = static_cast<size_t>(G) * wk;
+  C* kg = fit(w.kg, be_, static_cast<size_t>(Tk) * wk);
+  C* vg = fit(w.vg, be_, static_cast<size_t>(Tk) * wk);
+  C* dkg = fit(w.dkg, be_, static_cast<size_t>(Tk) * wk);
+  C* dvg = fit(w.dvg, be_, static_cast<size_t>(Tk) * wk);
+  int32_t* pg = fit(w.pg, be_, static_cast<size_t>(Tk));
+  int32_t* dg = a.doc ? fit(w.dg, be_, static_cast<size_t>(Tk)) : nullptr;
+  C *kp = nullptr, *vp = nullptr, *qp = nullptr, *dyp = nullptr, *dqp = nullptr, *dkp = nullptr, *dvp = nullptr;
+  if (chunked) {
+    kp = fit(w.kp, be_, Tl * wk), vp = fit(w.vp, be_, Tl * wk), dkp = fit(w.dkp, be_, Tl * wk),
+    dvp = fit(w.dvp, be_, Tl * wk);
+    qp = fit(w.qp, be_, Tl * wq), dyp = fit(w.yp, be_, Tl * wq), dqp = fit(w.dqp, be_, Tl * wq);
+  }
   S* dsum = fit(w.dsum, be_, a.ns());
   be_.attention_row_dot(dsum, a.dy, a.yin, a.B, a.Tl, a.NH, a.HD);
   be_.zero(a.dq, a.nq());
   Transfers tr(nullptr, stats_, P > 1);
-  const double rs_bytes = static_cast<double>(P - 1) * static_cast<double>(nk1 * sizeof(C));
   for (int b = 0; b < a.B; ++b) {
-    const size_t tb = static_cast<size_t>(b) * a.Tl;
+    const size_t tb = static_cast<size_t>(b) * Tl;
     const int32_t* doc_b = a.doc ? a.doc + tb : nullptr;
-    gather_sequence(comm_, tr, KvView<C>{a.k + b * nk1, a.v + b * nk1, a.pos + tb, doc_b}, all, nk1,
-                    static_cast<size_t>(a.Tl));
-    be_.zero(dkg, nk1 * P);
-    be_.zero(dvg, nk1 * P);
-    be_.attention_block_backward(a.dq + b * nq1, dkg, dvg, a.dy + b * nq1, a.q + b * nq1, all.k, all.v,
-                                 a.lse + b * nsq, dsum + b * nsq, a.pos + tb, all.p, doc_b, all.d, 1, a.Tl, Tk, a.NH,
-                                 a.NKV, a.HD, a.scale);
-    tr.add(comm_.start_reduce_scatter_sum(static_cast<const C*>(dkg), a.dk + b * nk1, nk1), kGrad, rs_bytes);
-    tr.add(comm_.start_reduce_scatter_sum(static_cast<const C*>(dvg), a.dv + b * nk1, nk1), kGrad, rs_bytes);
-    tr.wait(kGrad);
+    gather_ids(comm_, tr, a.pos + tb, doc_b, pg, dg, Tl);
+    for (int h0 = 0; h0 < a.NKV; h0 += hk) {
+      const int n = std::min(hk, a.NKV - h0);
+      const size_t ck = static_cast<size_t>(n) * a.HD, cq = static_cast<size_t>(G) * ck,
+                   ok = b * nk1 + static_cast<size_t>(h0) * a.HD, oq = b * nq1 + static_cast<size_t>(h0) * G * a.HD,
+                   os = b * nsq + static_cast<size_t>(h0) * G * Tl;
+      const C *k = a.k + ok, *v = a.v + ok, *q = a.q + oq, *dy = a.dy + oq;
+      C* dq = a.dq + oq;
+      if (chunked) {
+        be_.copy_2d(kp, ck, k, ldk, Tl, ck);
+        be_.copy_2d(vp, ck, v, ldk, Tl, ck);
+        be_.copy_2d(qp, cq, q, ldq, Tl, cq);
+        be_.copy_2d(dyp, cq, dy, ldq, Tl, cq);
+        be_.zero(dqp, Tl * cq);
+        k = kp, v = vp, q = qp, dy = dyp, dq = dqp;
+      }
+      gather_kv(comm_, tr, k, v, kg, vg, Tl * ck);
+      be_.zero(dkg, static_cast<size_t>(Tk) * ck);
+      be_.zero(dvg, static_cast<size_t>(Tk) * ck);
+      be_.attention_block_backward(dq, dkg, dvg, dy, q, kg, vg, a.lse + os, dsum + os, a.pos + tb, pg, doc_b, dg, 1,
+                                   a.Tl, Tk, G * n, n, a.HD, a.scale);
+      const double rs_bytes = static_cast<double>(P - 1) * static_cast<double>(Tl * ck * sizeof(C));
+      tr.add(comm_.start_reduce_scatter_sum(static_cast<const C*>(dkg), chunked ? dkp : a.dk + ok, Tl * ck), kGrad,
+             rs_bytes);
+      tr.add(comm_.start_reduce_scatter_sum(static_cast<const C*>(dvg), chunked ? dvp : a.dv + ok, Tl * ck), kGrad,
+             rs_bytes);
+      tr.wait(kGrad);
+      if (chunked) {
+        be_.copy_2d(a.dq + oq, ldq, dqp, cq, Tl, cq);
+        be_.copy_2d(a.dk + ok, ldk, dkp, ck, Tl, ck);
+        be_.copy_2d(a.dv + ok, ldk, dvp, ck, Tl, ck);
+      }
+    }
   }
 }
 

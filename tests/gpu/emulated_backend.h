@@ -35,6 +35,7 @@ template <typename T> class EmulatedBackend final : public Backend<T> {
   void ids_from_host(int32_t* d, const int32_t* h, size_t n) override { mem_->ids_from_host(d, h, n); }
   S* alloc_acc(size_t n) override { return mem_->alloc_acc(n); }
   void free_acc(S* p) override { mem_->free_acc(p); }
+  void zero_acc(S* p, size_t n) override { mem_->zero_acc(p, n); }
   void synchronize() override {}
 
   void from_f32(T* d, const float* s, size_t n) override { mem_->from_f32(d, s, n); }
@@ -146,6 +147,13 @@ template <typename T> class EmulatedBackend final : public Backend<T> {
     std::vector<double> yd = wide(y, n), ypd = wide(yp, n), ld(lse, lse + ns), lpd(lp, lp + ns);
     d_->attention_merge(yd.data(), ld.data(), ypd.data(), lpd.data(), B, Tq, NH, HD);
     narrow(y, yd);
+    for (size_t i = 0; i < ns; ++i) lse[i] = static_cast<S>(ld[i]);
+  }
+  void attention_merge_acc(S* y, S* lse, const T* yp, const S* lp, int B, int Tq, int NH, int HD) override {
+    const size_t n = static_cast<size_t>(B) * Tq * NH * HD, ns = static_cast<size_t>(B) * NH * Tq;
+    std::vector<double> yd(y, y + n), ypd = wide(yp, n), ld(lse, lse + ns), lpd(lp, lp + ns);
+    d_->attention_merge(yd.data(), ld.data(), ypd.data(), lpd.data(), B, Tq, NH, HD);
+    for (size_t i = 0; i < n; ++i) y[i] = static_cast<S>(yd[i]);
     for (size_t i = 0; i < ns; ++i) lse[i] = static_cast<S>(ld[i]);
   }
   void attention_row_dot(S* dsum, const T* dy, const T* y, int B, int Tq, int NH, int HD) override {

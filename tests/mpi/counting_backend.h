@@ -67,6 +67,7 @@ template <typename T> class CountingBackend final : public shardtrain::Backend<T
     other_.erase(p);
     inner_->free_acc(p);
   }
+  void zero_acc(S* p, size_t n) override { inner_->zero_acc(p, n); }
   void synchronize() override { inner_->synchronize(); }
   void from_f32(T* d, const float* s, size_t n) override { inner_->from_f32(d, s, n); }
   void add_to_f32(float* d, float a, const T* s, size_t n) override { inner_->add_to_f32(d, a, s, n); }
@@ -119,6 +120,9 @@ template <typename T> class CountingBackend final : public shardtrain::Backend<T
   }
   void attention_merge(T* y, S* lse, const T* yp, const S* lp, int B, int Tq, int NH, int HD) override {
     inner_->attention_merge(y, lse, yp, lp, B, Tq, NH, HD);
+  }
+  void attention_merge_acc(S* y, S* lse, const T* yp, const S* lp, int B, int Tq, int NH, int HD) override {
+    inner_->attention_merge_acc(y, lse, yp, lp, B, Tq, NH, HD);
   }
   void attention_row_dot(S* dsum, const T* dy, const T* y, int B, int Tq, int NH, int HD) override {
     inner_->attention_row_dot(dsum, dy, y, B, Tq, NH, HD);

@@ -190,3 +190,25 @@ TEST(CpSplit, HeadTailBalancesContiguousDoesNot) {
     }
   }
 }
+
+// The all-gather's chunk of KV heads under the default bound (256 MiB over the gathered K, V, dK,
+// dV), worked by hand for llama-8b's attention (NKV = 8, NH = 32, HD = 128) in bf16: one KV head's
+// four buffers at T = cp·Tl tokens are 4·T·128·2 B, i.e. 128 MiB at T = 131,072 (hk = 2) and
+// 32 MiB at 32,768 (hk = 8, one chunk, nothing packed); at T = 1,048,576 one head alone (1 GiB)
+// exceeds the bound (hk = 1). Scratch bytes: the gathered 4·T·hk·128·2 plus, chunked, the packed
+// (4·Tl·hk + 3·Tl·G·hk)·128·2 (G = 4).
+TEST(CpSplit, AllGatherChunkOfKvHeads) {
+  const size_t e = 2;  // bf16
+  EXPECT_EQ(st::cp_gather_kv_heads(8, 131072 / 8, 8, 128, e), 2);
+  EXPECT_EQ(st::cp_gather_kv_heads(8, 32768 / 8, 8, 128, e), 8);
+  EXPECT_EQ(st::cp_gather_kv_heads(4, 32768 / 4, 8, 128, e), 8);  // depends on T = cp·Tl only
+  EXPECT_EQ(st::cp_gather_kv_heads(8, 1048576 / 8, 8, 128, e), 1);
+  EXPECT_EQ(st::cp_gather_kv_heads(8, 131072 / 8, 8, 128, e, (size_t{128} << 20) - 1), 1);
+  EXPECT_EQ(st::cp_gather_kv_heads(8, 131072 / 8, 8, 128, e, size_t{3} << 30), 8);  // capped at NKV
+  const int64_t Tl = 131072 / 8, MiB = int64_t{1} << 20;
+  EXPECT_EQ(st::cp_gather_scratch_bytes(8, static_cast<int>(Tl), 32, 8, 128, e),
+            256 * MiB + (4 * Tl * 2 + 3 * Tl * 4 * 2) * 128 * 2);
+  EXPECT_EQ(st::cp_gather_scratch_bytes(8, 32768 / 8, 32, 8, 128, e), 4 * int64_t{32768} * 8 * 128 * 2);
+  EXPECT_THROW(st::cp_gather_kv_heads(0, 16, 8, 128, e), std::invalid_argument);
+  EXPECT_THROW(st::cp_gather_scratch_bytes(2, 16, 6, 4, 128, e), std::invalid_argument);
+}

@@ -178,6 +178,15 @@ template <typename T> class CpuBackend final : public Backend<T> {
   void ids_from_host(int32_t* d, const int32_t* h, size_t n) override { if (n) std::memmove(d, h, n * sizeof(int32_t)); }
   S* alloc_acc(size_t n) override { return static_cast<S*>(aligned_zeroed(n * sizeof(S))); }
   void free_acc(S* p) override { std::free(p); }
+  void copy_2d(T* d, size_t ldd, const T* s, size_t lds, size_t rows, size_t cols) override {
+    if (rows == 0 || cols == 0) return;
+    par_ranges(rows, std::max<size_t>(1, 16 * kGrain / cols), [&](size_t b, size_t e) {
+      for (size_t i = b; i < e; ++i) std::memcpy(d + i * ldd, s + i * lds, cols * sizeof(T));
+    });
+  }
+  void zero_acc(S* p, size_t n) override {
+    par_ranges(n, 16 * kGrain, [&](size_t b, size_t e) { std::memset(p + b, 0, (e - b) * sizeof(S)); });
+  }
   void synchronize() override {}
 
   void from_f32(T* d, const float* s, size_t n) override {
@@ -563,6 +572,13 @@ template <typename T> class CpuBackend final : public Backend<T> {
   }
 
   void attention_merge(T* y, S* lse, const T* yp, const S* lsep, int B, int Tq, int NH, int HD) override {
+    merge_rows(y, lse, yp, lsep, B, Tq, NH, HD);
+  }
+  void attention_merge_acc(S* y, S* lse, const T* yp, const S* lsep, int B, int Tq, int NH, int HD) override {
+    merge_rows(y, lse, yp, lsep, B, Tq, NH, HD);
+  }
+  // y: T (attention_merge) or S (attention_merge_acc).
+  template <typename Y> void merge_rows(Y* y, S* lse, const T* yp, const S* lsep, int B, int Tq, int NH, int HD) {
     const size_t rows = static_cast<size_t>(B) * NH * Tq;
     par_ranges(rows, row_grain(HD), [&](size_t rb, size_t re) {
       for (size_t rr = rb; rr < re; ++rr) {
@@ -570,7 +586,7 @@ template <typename T> class CpuBackend final : public Backend<T> {
         const size_t o = (b * Tq + t) * NH * HD + h * HD;
         S wa, wb, l;
         flash::merge_weights(lse[rr], lsep[rr], &wa, &wb, &l);
-        for (int d = 0; d < HD; ++d) y[o + d] = math::st<T>(wa * math::ld(y[o + d]) + wb * math::ld(yp[o + d]));
+        flash::merge_row(y + o, yp + o, wa, wb, HD);
         lse[rr] = l;
       }
     });

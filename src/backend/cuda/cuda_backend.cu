@@ -777,16 +777,17 @@ __global__ void __launch_bounds__(kBr) block_forward_kernel(T* y, float* lse, co
   lse[(static_cast<size_t>(b) * NH + h) * Tq + t] = flash::block_finish_lse(m, l);
 }
 
-// Online-softmax merge (flash::merge_weights), one thread per row (b, h, t).
-template <typename T>
-__global__ void block_merge_kernel(T* y, float* lse, const T* yp, const float* lsep, int Tq, int NH, int HD,
+// Online-softmax merge (flash::merge_weights, flash::merge_row), one thread per row (b, h, t); y in
+// T (attention_merge) or float (attention_merge_acc).
+template <typename Y, typename T>
+__global__ void block_merge_kernel(Y* y, float* lse, const T* yp, const float* lsep, int Tq, int NH, int HD,
                                    size_t rows) {
   for (size_t rr = gtid(); rr < rows; rr += gstride()) {
     const size_t bh = rr / Tq, t = rr % Tq, b = bh / NH, h = bh % NH;
     const size_t o = (b * Tq + t) * static_cast<size_t>(NH) * HD + h * HD;
     float wa, wb, l;
     flash::merge_weights(lse[rr], lsep[rr], &wa, &wb, &l);
-    for (int d = 0; d < HD; ++d) y[o + d] = math::st<T>(wa * math::ld(y[o + d]) + wb * math::ld(yp[o + d]));
+    flash::merge_row(y + o, yp + o, wa, wb, HD);
     lse[rr] = l;
   }
 }
@@ -1096,6 +1097,14 @@ template <typename T> class CudaBackend final : public Backend<T> {
   }
   S* alloc_acc(size_t n) override { return static_cast<S*>(alloc_bytes(n * sizeof(S))); }
   void free_acc(S* p) override { release(p); }
+  void copy_2d(T* dst, size_t ldd, const T* src, size_t lds, size_t rows, size_t cols) override {
+    if (rows && cols)
+      ST_CUDA(cudaMemcpy2DAsync(dst, ldd * sizeof(T), src, lds * sizeof(T), cols * sizeof(T), rows,
+                                cudaMemcpyDeviceToDevice, stream_));
+  }
+  void zero_acc(S* p, size_t n) override {
+    if (n) ST_CUDA(cudaMemsetAsync(p, 0, n * sizeof(S), stream_));
+  }
   void synchronize() override { ST_CUDA(cudaStreamSynchronize(stream_)); }
 
   // ---- staging to the host: pinned memory, the copy stream ----
@@ -1347,8 +1356,14 @@ template <typename T> class CudaBackend final : public Backend<T> {
   void attention_merge(T* y, S* lse, const T* yp, const S* lsep, int B, int Tq, int NH, int HD) override {
     const size_t rows = static_cast<size_t>(B) * NH * Tq;
     if (B <= 0 || Tq <= 0 || NH <= 0 || HD <= 0) return;
-    block_merge_kernel<T><<<grid_for(rows, kBlock), kBlock, 0, stream_>>>(y, lse, yp, lsep, Tq, NH, HD, rows);
+    block_merge_kernel<T, T><<<grid_for(rows, kBlock), kBlock, 0, stream_>>>(y, lse, yp, lsep, Tq, NH, HD, rows);
     ST_LAUNCHED("block_merge_kernel");
+  }
+  void attention_merge_acc(S* y, S* lse, const T* yp, const S* lsep, int B, int Tq, int NH, int HD) override {
+    const size_t rows = static_cast<size_t>(B) * NH * Tq;
+    if (B <= 0 || Tq <= 0 || NH <= 0 || HD <= 0) return;
+    block_merge_kernel<S, T><<<grid_for(rows, kBlock), kBlock, 0, stream_>>>(y, lse, yp, lsep, Tq, NH, HD, rows);
+    ST_LAUNCHED("block_merge_kernel (attention_merge_acc)");
   }
   void attention_row_dot(S* dsum, const T* dy, const T* y, int B, int Tq, int NH, int HD) override {
     const size_t rows = static_cast<size_t>(B) * NH * Tq;
