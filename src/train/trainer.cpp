@@ -557,9 +557,10 @@ template <typename C> StepOutcome Trainer<C>::train_step(int64_t s) {
 
 // With the document mask the model's tiled attention runs the block kernels, which count the tile
 // pairs they compute and skip: this rank's since the last call (the evaluation's are taken after
-// it and dropped). Waits for the compute backend's queued work. Zeros with the causal mask.
+// it and dropped). Waits for the compute backend's queued work. Zeros with the causal mask without CP.
 template <typename C> typename Backend<C>::BlockAttentionStats Trainer<C>::take_attention_stats() {
-  if (tc_.attention_mask != AttentionMask::Document) return {};
+  // Under CP every mask runs the block kernels (whose counts show the split's balance, issue 41).
+  if (tc_.attention_mask != AttentionMask::Document && mesh_.dims().cp == 1) return {};
   if constexpr (std::is_same_v<C, bf16>) return eng_.be16->take_block_attention_stats();
   else return eng_.be.take_block_attention_stats();
 }
@@ -611,12 +612,19 @@ template <typename C> void Trainer<C>::log_step(int64_t s, const StepOutcome& o)
       dims_rec["attn_tile_pairs"] = static_cast<double>(pairs) / n;
       dims_rec["attn_tiles_skipped"] = static_cast<double>(skipped) / n;
     }
+    // Collective (every rank logs the same steps): every rank's compute and wait time, and its
+    // attention tile pairs computed (not skipped) per step.
+    const double mine[3] = {sl.compute_ms, sl.wait_ms, static_cast<double>(pairs - skipped) / n};
+    std::vector<double> all(3 * static_cast<size_t>(W_)), compute(static_cast<size_t>(W_)), wait(static_cast<size_t>(W_)),
+        tiles(static_cast<size_t>(W_));
+    comm_.all_gather(mine, all.data(), 3);
+    for (size_t r = 0; r < compute.size(); ++r) compute[r] = all[3 * r], wait[r] = all[3 * r + 1], tiles[r] = all[3 * r + 2];
+    // Per rank (index = world rank) under CP: the balance of the sequence split (issue 41).
+    if (pairs > 0 && mesh_.dims().cp > 1) {
+      dims_rec["attn_tiles_computed_ranks"] = tiles;
+      dims_rec["compute_ms_ranks"] = compute;
+    }
     interval_ = Interval{};
-    // Collective (every rank logs the same steps): every rank's compute and wait time.
-    const double mine[2] = {sl.compute_ms, sl.wait_ms};
-    std::vector<double> all(2 * static_cast<size_t>(W_)), compute(static_cast<size_t>(W_)), wait(static_cast<size_t>(W_));
-    comm_.all_gather(mine, all.data(), 2);
-    for (size_t r = 0; r < compute.size(); ++r) compute[r] = all[2 * r], wait[r] = all[2 * r + 1];
     sl.ranks = straggler_stats(compute, wait);
     const std::string straggler =
         sl.ranks.flagged ? " | straggler: rank " + std::to_string(sl.ranks.slowest) + " on " +

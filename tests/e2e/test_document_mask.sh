@@ -9,7 +9,8 @@
 # mask for document, plain for causal, and each of shardtrain's losses (step 1's training loss,
 # the final val_loss: evaluation uses the run's mask) must agree within 1e-5 relative:
 #   document at 2 ranks (data parallel), document at 2 ranks with --tp 2, document with
-#   --attention exact and --activation-checkpointing full, causal at 2 ranks; and document with
+#   --attention exact and --activation-checkpointing full, causal at 2 ranks; document and causal
+#   at --cp 2 (ring) and --cp 4 (allgather), one sequence split over the CP ranks; and document with
 #   --precision bf16 within 2e-3 (and nearer the document reference than the causal one).
 # And '--attention-mask document' with data that has no EOS id (a nanoGPT file) is refused on
 # every rank, naming the option and the file; an unknown mask value is refused naming the option; a
@@ -50,11 +51,18 @@ run doc_tp2 2 --global-batch 1 --attention-mask document --tp 2
 run doc_exact_full 1 --global-batch 1 --attention-mask document --attention exact --activation-checkpointing full
 run causal 2 --global-batch 2
 run doc_bf16 2 --global-batch 2 --attention-mask document --precision bf16
+# Context parallelism (T = 160 is divisible by 2 cp): each rank holds head-tail rows of the one
+# sequence, so transformers' whole-sequence loss checks the CP split, positions and masks.
+run doc_cp2_ring 2 --global-batch 1 --attention-mask document --cp 2 --cp-comm ring
+run doc_cp4_gather 4 --global-batch 1 --attention-mask document --cp 4 --cp-comm allgather
+run causal_cp2_ring 2 --global-batch 1 --cp 2 --cp-comm ring
+run causal_cp4_gather 4 --global-batch 1 --cp 4 --cp-comm allgather
 timeout -k 5 60 "$BIN" --mode export "$WORK/ck/step_00000001.h5" --out "$WORK/hf" >"$WORK/export.log" 2>&1 \
   || { cat "$WORK/export.log"; fail "export"; }
 timeout -k 5 200 "$PY" "$CHECK" check $T "$WORK/docs.tok" "$WORK/hf" doc="$WORK/doc.jsonl" doc_tp2="$WORK/doc_tp2.jsonl" \
   doc_exact_full="$WORK/doc_exact_full.jsonl" causal="$WORK/causal.jsonl" \
-  doc_bf16="$WORK/doc_bf16.jsonl" || fail "document_mask_check.py (status $?)"
+  doc_bf16="$WORK/doc_bf16.jsonl" doc_cp2_ring="$WORK/doc_cp2_ring.jsonl" doc_cp4_gather="$WORK/doc_cp4_gather.jsonl" \
+  causal_cp2_ring="$WORK/causal_cp2_ring.jsonl" causal_cp4_gather="$WORK/causal_cp4_gather.jsonl" || fail "document_mask_check.py (status $?)"
 
 expect_fail no_eos "option '--attention-mask document' needs the data's EOS id (documents end at it), but the token data '$WORK/noeos.bin' (nanogpt (u16))" \
   2 --model tiny --data "$WORK/noeos.bin" --val-data "$WORK/noeos.bin" --data-format nanogpt --seq-len 16 --global-batch 2 \
