@@ -191,16 +191,24 @@ CpMemory cp_memory(const ModelConfig& mc, const MeshDims& d, CpComm method, int 
   const int64_t r = int64_t{B} * m.rows;  // rows held
   const std::string es = std::to_string(e) + " B";
   if (method == CpComm::Ring) {
-    m.kv_bytes = e * (12 * r * kv + r * q) + 4 * 2 * r * nh + 4 * 4 * r;
+    // bf16 (e < 4): the merge accumulates y in fp32 (CpAttention rounds it once, at the end).
+    const int64_t yacc = e < 4 ? 4 * r * q : 0;
+    m.kv_bytes = e * (12 * r * kv + r * q) + yacc + 4 * 2 * r * nh + 4 * 4 * r;
     m.kv_name = "CP ring K/V buffers";
     m.kv_detail = es + " x (12 x " + std::to_string(r) + " rows x " + std::to_string(kv) + " + the merge's y): K, V "
-                  "arriving and dK, dV travelling, double-buffered; lse, dsum, positions, document ids";
+                  "arriving and dK, dV travelling, double-buffered; " + (yacc ? "the fp32 y accumulator; " : "") +
+                  "lse, dsum, positions, document ids";
   } else {
-    m.kv_bytes = e * 4 * int64_t{T} * kv + 4 * r * nh + 4 * 2 * int64_t{T};
+    // One sequence at a time, K/V gathered a chunk of KV heads at a time (cp_gather_kv_heads: at most
+    // kCpGatherBytes of gathered K, V, dK, dV), plus the packed per-chunk copies when chunked.
+    const int nkv = mc.num_key_value_heads / d.tp, hk = cp_gather_kv_heads(C, m.rows, nkv, static_cast<int>(HD), e);
+    m.kv_bytes = cp_gather_scratch_bytes(C, m.rows, static_cast<int>(nh), nkv, static_cast<int>(HD), e) + 4 * r * nh +
+                 4 * 2 * int64_t{T};
     m.kv_name = "CP all-gathered K/V buffers";
-    m.kv_detail = es + " x 4 x " + std::to_string(T) + " rows x " + std::to_string(kv) +
-                  ": one sequence's gathered K, V and their gradients before the reduce-scatter; dsum, positions, "
-                  "document ids";
+    m.kv_detail = "one sequence's gathered K, V and their gradients, " + std::to_string(hk) + " of " +
+                  std::to_string(nkv) + " KV heads at a time (at most " +
+                  std::to_string(kCpGatherBytes >> 20) + " MiB gathered)" + (hk < nkv ? ", with the chunk's packed copies" : "") +
+                  "; dsum, positions, document ids";
   }
   return m;
 }

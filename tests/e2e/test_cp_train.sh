@@ -10,8 +10,8 @@
 #   document: --cp 2 ring at 2 ranks, --cp 4 allgather at 4 ranks (against --cp 1 with the
 #             document mask, which itself must differ from causal: the documents are seen).
 # Each CP run's step line shows 'cp comm' and its metrics cp_bytes > 0. bf16: --cp 2 within 2e-3.
-# Resume across layouts: a --cp 2 run saved at step 3 continued at --cp 1, and the reverse, give
-# the straight run's losses at steps 4-6 within 1e-5 (and the same final val_loss).
+# Resume across layouts: a (cp 2, dp 2) run saved at step 3 continued at (cp 1, tp 2) and at
+# (cp 4, dp 1) gives the straight run's losses at steps 4-6 within 1e-5 (and the same val_loss).
 source "$(dirname "$0")/common.sh"
 "$PY" - "$WORK/docs.tok" <<'P'
 import random, struct, sys
@@ -101,10 +101,11 @@ print(f"ok: cp2_bf16: {len(a)} steps, loss rel diff <= {w:.1e} (bf16 tolerance 2
 sys.exit(0 if len(a) == len(b) == 6 and w <= 2e-3 else 1)
 P
 
-# Resume across layouts: a 6-step run saving at step 3, continued from that file at the other CP.
-run save_cp2 2 --cp 2 --checkpoint-dir "$WORK/ck_cp2" --checkpoint-every 3
-run resume_cp1 1 --resume "$WORK/ck_cp2/step_00000003.h5"
-compare ref resume_cp1 4
-run save_cp1 1 --checkpoint-dir "$WORK/ck_cp1" --checkpoint-every 3
-run resume_cp2 2 --cp 2 --cp-comm allgather --resume "$WORK/ck_cp1/step_00000003.h5"
-compare ref resume_cp2 4
+# Resume across layouts (the issue's case): a (cp 2, dp 2) run saving at step 3, continued from that
+# file at (cp 1, tp 2) and at (cp 4, dp 1): the straight run's losses at steps 4-6 (and val_loss).
+run save_cp2_dp2 4 --cp 2 --checkpoint-dir "$WORK/ck_cp2_dp2" --checkpoint-every 3
+compare ref save_cp2_dp2
+run resume_tp2 2 --tp 2 --resume "$WORK/ck_cp2_dp2/step_00000003.h5"
+compare ref resume_tp2 4
+run resume_cp4 4 --cp 4 --cp-comm allgather --resume "$WORK/ck_cp2_dp2/step_00000003.h5"
+compare ref resume_cp4 4

@@ -59,13 +59,21 @@ TEST(CpPlan, ActivationsFallAsOneOverCpAndKvBuffersFollowTheirFormula) {
           EXPECT_EQ(line(p, "activations kept for backward") * cp, kept1);
           EXPECT_EQ(line(p, "block scratch and activation gradients") * cp, scratch1);
           // The CP attention's scratch, bf16 (2 bytes), 8 KV heads of 128, NH query heads of 128:
-          // ring: 12 blocks of (T / cp) rows of K/V, the merge's y, lse + dsum (fp32), 4 int32 id
-          // buffers; allgather: 4 x T rows of K/V (one sequence), dsum, 2 id buffers of T.
+          // ring: 12 blocks of (T / cp) rows of K/V, the merge's y and its fp32 accumulator (bf16),
+          // lse + dsum (fp32), 4 int32 id buffers; allgather: gathered K, V, dK, dV of one sequence a
+          // chunk of KV heads at a time (cp_gather_scratch_bytes; unchunked at 32K: 4 x T rows of
+          // all 8 KV heads), dsum, 2 id buffers of T.
           const int64_t r = T / cp, nh = mc.num_attention_heads;
-          if (how == CpComm::Ring)
-            EXPECT_EQ(line(p, "CP ring K/V buffers"), 2 * (12 * r * 8 * 128 + r * nh * 128) + 4 * 2 * r * nh + 4 * 4 * r);
-          else
-            EXPECT_EQ(line(p, "CP all-gathered K/V buffers"), 2 * (int64_t{4} * T * 8 * 128) + 4 * r * nh + 4 * 2 * int64_t{T});
+          if (how == CpComm::Ring) {
+            EXPECT_EQ(line(p, "CP ring K/V buffers"),
+                      2 * (12 * r * 8 * 128 + r * nh * 128) + 4 * r * nh * 128 + 4 * 2 * r * nh + 4 * 4 * r);
+          } else {
+            const int64_t gathered = cp_gather_scratch_bytes(cp, static_cast<int>(r), static_cast<int>(nh), 8, 128, 2);
+            if (T == 32768) {
+              EXPECT_EQ(gathered, 2 * (int64_t{4} * T * 8 * 128));
+            }
+            EXPECT_EQ(line(p, "CP all-gathered K/V buffers"), gathered + 4 * r * nh + 4 * 2 * int64_t{T});
+          }
           // More CP ranks: less memory per rank (parameters are sharded over dp_shard x cp = 8 at
           // every cp, so only activations and K/V change).
           const int64_t total = p.total();
@@ -112,7 +120,8 @@ TEST(CpPlan, KvBuffersUnderTpAndMicroBatches) {
   const CpMemory ring = cp_memory(mc, MeshDims{1, 1, 2, 4}, CpComm::Ring, 2, 32768, 2);
   EXPECT_EQ(ring.rows, 16384);
   const int64_t r = 2 * 16384;  // rows held: 2 sequences x 16384
-  EXPECT_EQ(ring.kv_bytes, 2 * (12 * r * 2 * 128 + r * 8 * 128) + 4 * 2 * r * 8 + 4 * 4 * r);  // 2 KV, 8 Q heads per TP rank
+  // 2 KV, 8 Q heads per TP rank; bf16: the merge's y also accumulates in fp32
+  EXPECT_EQ(ring.kv_bytes, 2 * (12 * r * 2 * 128 + r * 8 * 128) + 4 * r * 8 * 128 + 4 * 2 * r * 8 + 4 * 4 * r);
   const CpMemory ag = cp_memory(mc, MeshDims{1, 1, 2, 1}, CpComm::AllGather, 3, 32768, 4);
   EXPECT_EQ(ag.kv_bytes, 4 * (int64_t{4} * 32768 * 8 * 128) + 4 * (3 * 16384) * 32 + 4 * 2 * 32768);  // fp32
   const CpMemory none = cp_memory(mc, MeshDims{1, 2, 1, 1}, CpComm::Ring, 1, 32768, 2);
