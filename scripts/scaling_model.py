@@ -13,6 +13,9 @@ Subcommands
   tp-tables tokens/s per GPU with tensor + sequence parallelism (llama-8b, llama-70b; W = 64, 256,
            1024; tp 1, 2, 4, 8): docs/scaling.md, "Tensor parallelism (issue 31)"; plan --tp too
   predict-tp-cpu  the TP collectives of a CPU run (predict_tp_comm) from comm_bandwidth's times
+  cp-tables context parallelism (issue 41): bytes per layer of --cp-comm ring and allgather and their
+           exposed time on NVLink for llama-8b at 32K and 128K tokens, cp 2, 4, 8 (docs/scaling.md)
+  cp-bytes cp_bytes / cp_collectives per step of a CPU run, as its metrics count them
   selftest the arithmetic checks (also run by tests/bench/test_scaling_model.py)
 
 Examples
@@ -788,6 +791,161 @@ def cmd_tp_tables(a):
     tp_tables(a.markdown)
 
 
+# ---- context parallelism (issue 41) -------------------------------------------------------
+
+CP_METHODS = ("ring", "allgather")
+K_CP_GATHER_BYTES = 256 << 20  # kCpGatherBytes (context_parallel.h): bound on AllGather's gathered K, V, dK, dV
+
+
+def cp_gather_kv_heads(cp, Tl, nkv, HD, e, gather_bytes=K_CP_GATHER_BYTES):
+    """KV heads per all-gather chunk: as many as fit 4 cp Tl hk HD e <= gather_bytes, at least 1
+    (cp_gather_kv_heads in src/parallel/context_parallel.cpp)."""
+    return int(max(1, min(nkv, gather_bytes // (4 * cp * Tl * HD * e))))
+
+
+def cp_bytes_per_layer(cfg, B, T, cp, method, e, doc=False, tp=1):
+    """Bytes one rank sends in one decoder layer's context-parallel attention of one micro-batch of
+    B sequences of T tokens (forward + backward), and the number of calls, as CpAttention counts
+    them (metrics cp_bytes / cp_collectives; src/parallel/context_parallel.cpp). Tl = T / cp rows
+    of each sequence per rank; K and V rows are KV/tp = NKV/tp x HD elements of e bytes (with TP,
+    a rank holds NKV/tp KV heads); positions (and, with the document mask, document ids) travel
+    with K/V as int32.
+      ring: forward cp-1 shifts of K, V, positions (, ids); backward the same again plus cp
+            shifts of the partial dK, dV (the last one delivers each rank its own keys' sums).
+      allgather: per sequence an all-gather of positions (, ids), per chunk of KV heads an
+            all-gather of K and V, forward and again in the backward, plus the backward's
+            reduce-scatter of dK and dV: (cp-1) x a rank's part each (ring collectives)."""
+    if method not in CP_METHODS:
+        raise ValueError("method must be ring or allgather, got %r" % method)
+    check_tp(cfg, tp)
+    if cp < 1 or T % (2 * cp):
+        raise ValueError("T = %d must divide by 2 x cp = %d" % (T, 2 * cp))
+    Tl, KV = T // cp, cfg.KV // tp
+    nid = 2 if doc else 1
+    kv = B * Tl * KV * e          # one of K or V, this rank's rows
+    ids = B * Tl * 4 * nid        # positions (+ document ids)
+    out = {"Tl": Tl, "kv_block": kv}
+    if cp == 1:
+        out.update(forward=0.0, backward=0.0, bytes=0.0, calls=0)
+        return out
+    if method == "ring":
+        fwd = (cp - 1) * (2 * kv + ids)
+        bwd = (cp - 1) * (2 * kv + ids) + cp * 2 * kv
+        calls = (cp - 1) * (2 + nid) * 2 + 2 * cp
+    else:
+        chunks = -(-(cfg.NKV // tp) // cp_gather_kv_heads(cp, Tl, cfg.NKV // tp, cfg.HD, e))
+        fwd = (cp - 1) * (2 * kv + ids)
+        bwd = (cp - 1) * (2 * kv + ids) + (cp - 1) * 2 * kv
+        calls = 2 * B * (nid + 2 * chunks) + 2 * B * chunks
+        out["chunks"] = chunks
+    out.update(forward=float(fwd), backward=float(bwd), bytes=float(fwd + bwd), calls=calls)
+    return out
+
+
+def cp_bytes_per_step(cfg, B, T, cp, method, e, doc=False, tp=1, micro_batches=1):
+    """cp_bytes and cp_collectives of one optimizer step (every decoder layer, every micro-batch;
+    --activation-checkpointing none: a rerun forward would add its forward part again, not modelled)."""
+    b = cp_bytes_per_layer(cfg, B, T, cp, method, e, doc, tp)
+    return {"bytes": micro_batches * cfg.L * b["bytes"], "calls": micro_batches * cfg.L * b["calls"]}
+
+
+def cp_layer_time(cfg, B, T, cp, method, mfu, B_link, alpha, e=2, doc=False, peak=PEAK_BF16):
+    """One decoder layer of one micro-batch on one rank of a CP group over one NVLink domain:
+    compute (PaLM FLOPs at `mfu` of `peak`: GEMMs 2 P_layer and attention 4 Q T per token forward,
+    twice that backward, for the B T / cp tokens the rank holds; the head-tail split gives each
+    rank, and each ring step, the same attention work) and the CP communication left exposed.
+      ring: each of the cp-1 forward steps sends one K/V block (alpha + bytes / B_link, a point-
+            to-point shift) while the step's block attention (1/cp of the rank's attention) runs;
+            exposed = the part longer than that compute. Backward: K/V and the previous step's
+            dK/dV in flight during each step's compute, the last dK/dV shift after the last step,
+            exposed whole.
+      allgather: blocking collectives (CpAttention's Transfers has no progress registry there):
+            all of their ring time t_ring(cp, ...) is exposed.
+    Returns dict(compute_s, attn_s, exposed_s, busy_s)."""
+    Tl, KV, Q = T // cp, cfg.KV, cfg.Q
+    tok = B * Tl
+    rate = mfu * peak
+    attn_f = 4.0 * Q * T * tok / rate
+    gemm_f = 2.0 * cfg.block_numel() * tok / rate
+    compute = 3 * (attn_f + gemm_f)
+    nid = 2 if doc else 1
+    kv, ids = B * Tl * KV * e, B * Tl * 4 * nid
+    if cp == 1:
+        return dict(compute_s=compute, attn_s=3 * attn_f, exposed_s=0.0, busy_s=0.0)
+    if method == "ring":
+        t_kv = alpha + (2 * kv + ids) / B_link
+        t_g = alpha + 2 * kv / B_link
+        step_f, step_b = attn_f / cp, 2 * attn_f / cp
+        exposed = (cp - 1) * max(0.0, t_kv - step_f) + (cp - 1) * max(0.0, t_kv + t_g - step_b) + t_g
+        busy = 2 * (cp - 1) * t_kv + cp * t_g
+    else:
+        chunks = -(-cfg.NKV // cp_gather_kv_heads(cp, Tl, cfg.NKV, cfg.HD, e))
+        ag = t_ring(cp, cp * (2 * kv + ids), B_link, alpha, calls=B * (nid + 2 * chunks))
+        rs = t_ring(cp, cp * 2 * kv, B_link, alpha, calls=2 * B * chunks)
+        exposed = busy = 2 * ag + rs
+    return dict(compute_s=compute, attn_s=3 * attn_f, exposed_s=exposed, busy_s=busy)
+
+
+def cp_ring_min_rows(cfg, mfu, B_link, e=2, peak=PEAK_BF16):
+    """Rows per rank Tl above which a ring step's K/V transfer (2 Tl KV e bytes, alpha left out)
+    takes less than the step's block attention (4 Q Tl^2 FLOPs forward): Tl >= KV e mfu peak /
+    (2 Q B_link). The backward's ratio is the same (twice the bytes, twice the FLOPs)."""
+    return cfg.KV * e * mfu * peak / (2.0 * cfg.Q * B_link)
+
+
+CP_SEQS = (32768, 131072)
+CP_SIZES = (2, 4, 8)
+
+
+def cp_tables(markdown=True, out=sys.stdout, model="llama-8b", mfus=(MFU_MEASURED, MFU_TARGET)):
+    cfg = load_config(model)
+    f = FABRICS["nvlink+ndr"]
+    B_link, alpha = f.B_intra, f.a_intra
+    w = out.write
+    w("**%s, bf16 (e = 2), one sequence per CP group (B = 1), CP inside one node (NVLink 4: %.0f GB/s per "
+      "direction, alpha %.0f us), --activation-checkpointing none.** Bytes: what one rank sends per layer "
+      "per step (forward + backward, causal; `document` adds 4 B per token and step for the ids). "
+      "Cells of the time columns: CP exposed ms per step (all %d layers) / share of the step's compute, at MFU "
+      "%.1f%% then %.0f%%.\n\n" % (model, B_link / 1e9, alpha * 1e6, cfg.L, 100 * mfus[0], 100 * mfus[1]))
+    w("| T | cp | rows per rank | MB per layer, ring / allgather | compute per step, s (MFU %.1f%%) | ring exposed | allgather exposed | better |\n"
+      % (100 * mfus[0]))
+    w("|---|---|---|---|---|---|---|---|\n")
+    for T in CP_SEQS:
+        for cp in CP_SIZES:
+            r = cp_bytes_per_layer(cfg, 1, T, cp, "ring", 2)
+            g = cp_bytes_per_layer(cfg, 1, T, cp, "allgather", 2)
+            cells, best = {}, None
+            for m in CP_METHODS:
+                parts = []
+                for mfu in mfus:
+                    t = cp_layer_time(cfg, 1, T, cp, m, mfu, B_link, alpha)
+                    parts.append("%.1f / %.2f%%" % (1e3 * cfg.L * t["exposed_s"], 100 * t["exposed_s"] / t["compute_s"]))
+                cells[m] = " ; ".join(parts)
+            t0 = cp_layer_time(cfg, 1, T, cp, "ring", mfus[0], B_link, alpha)
+            er = cp_layer_time(cfg, 1, T, cp, "ring", mfus[1], B_link, alpha)["exposed_s"]
+            eg = cp_layer_time(cfg, 1, T, cp, "allgather", mfus[1], B_link, alpha)["exposed_s"]
+            best = "ring" if er < eg else "allgather"
+            w("| %s | %d | %s | %.0f / %.0f | %.2f | %s | %s | %s |\n" % (
+                "{:,}".format(T), cp, "{:,}".format(T // cp), r["bytes"] / 1e6, g["bytes"] / 1e6,
+                cfg.L * t0["compute_s"], cells["ring"], cells["allgather"], best))
+    w("\nRing hides its K/V transfers when a rank holds at least %.0f rows (MFU %.1f%%) / %.0f (%.0f%%) "
+      "(`cp_ring_min_rows`, alpha left out).\n" % (cp_ring_min_rows(cfg, mfus[0], B_link), 100 * mfus[0],
+                                                  cp_ring_min_rows(cfg, mfus[1], B_link), 100 * mfus[1]))
+
+
+def cmd_cp_tables(a):
+    cp_tables(a.markdown, model=a.model)
+
+
+def cmd_cp_bytes(a, out=sys.stdout):
+    cfg = load_config(a.model)
+    for m in ([a.method] if a.method else CP_METHODS):
+        s = cp_bytes_per_step(cfg, a.micro_batch, a.seq_len, a.cp, m, 2 if a.act_dtype == "bf16" else 4,
+                              a.mask == "document", a.tp, a.accum)
+        out.write("%s cp %d, T %d, B %d, %s, %s: cp_bytes %.0f per step, cp_collectives %d\n" % (
+            m, a.cp, a.seq_len, a.micro_batch, a.act_dtype, a.mask, s["bytes"], s["calls"]))
+
+
 # ---- check --------------------------------------------------------------------------------
 
 def load_bench(path, stat="median"):
@@ -1120,6 +1278,25 @@ def selftest():
     assert tp8.shard_world() == 8 and tp8._link(8) == (50e9, nd.a_inter)
     assert Topology(nd, 8, "fsdp", 2)._link(4) == (450e9, nd.a_intra)
     assert Topology(nd, 64, "hsdp", 4).shard_world() == 2
+    # Context parallelism (issue 41): tiny (KV = 2 x 8), B 1, T 8, cp 2, fp32, causal: Tl 4, a K or V
+    # block 4 x 16 x 4 = 256 bytes, positions 16. ring: forward 1 x (2 x 256 + 16), backward the
+    # same + 2 shifts of dK, dV (512 each); allgather: forward the same, backward + 1 x 2 x 256.
+    r = cp_bytes_per_layer(t, 1, 8, 2, "ring", 4)
+    assert (r["forward"], r["backward"], r["calls"]) == (528.0, 528.0 + 1024, 10)
+    g = cp_bytes_per_layer(t, 1, 8, 2, "allgather", 4)
+    assert (g["forward"], g["backward"], g["calls"], g["chunks"]) == (528.0, 528.0 + 512, 8, 1)
+    assert cp_bytes_per_layer(t, 1, 8, 2, "ring", 4, doc=True)["bytes"] == r["bytes"] + 2 * 16
+    assert cp_bytes_per_layer(t, 1, 8, 1, "ring", 4)["bytes"] == 0
+    assert cp_bytes_per_step(t, 1, 8, 2, "ring", 4, micro_batches=3)["bytes"] == 3 * t.L * r["bytes"]
+    # ring - allgather = 2 x a K/V block (the last dK/dV shift) at every cp; both ~ 6 B T KV e.
+    for cp in (2, 4, 8):
+        d = (cp_bytes_per_layer(c8, 1, 32768, cp, "ring", 2)["bytes"]
+             - cp_bytes_per_layer(c8, 1, 32768, cp, "allgather", 2)["bytes"])
+        assert d == 2 * (32768 // cp) * c8.KV * 2
+    # llama-8b at 128K, cp 8: Tl 16384; chunks of KV heads: 4 x 8 x 16384 x 128 x 2 = 128 MiB per head: 2 heads.
+    assert cp_gather_kv_heads(8, 16384, 8, 128, 2) == 2
+    # The head-tail ring hides its transfers above KV e MFU peak / (2 Q B): llama-8b 139 rows at 25.3%.
+    assert 138 < cp_ring_min_rows(c8, 0.253, 450e9) < 140
     print("selftest: ok")
 
 
@@ -1168,6 +1345,21 @@ def main(argv=None):
     sq.add_argument("--loss-chunk", type=int, default=0, help="tokens per loss chunk (0 = default_loss_chunk(ceil(V / tp)))")
     sq.add_argument("--bench-stat", default="median", choices=["median", "min"])
     sq.set_defaults(fn=cmd_predict_tp_cpu)
+    scp = sub.add_parser("cp-tables", help="context parallelism on NVLink: bytes per layer, exposed time (docs/scaling.md)")
+    scp.add_argument("--markdown", action="store_true")
+    scp.add_argument("--model", default="llama-8b")
+    scp.set_defaults(fn=cmd_cp_tables)
+    scb = sub.add_parser("cp-bytes", help="cp_bytes and cp_collectives per step of a run (as its metrics count them)")
+    scb.add_argument("--model", default="tests/bench/cp-config.json", help="preset or config.json of the run")
+    scb.add_argument("--cp", type=int, default=2)
+    scb.add_argument("--method", default="", choices=["", "ring", "allgather"], help="default: both")
+    scb.add_argument("--seq-len", type=int, default=16384)
+    scb.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch of the CP group")
+    scb.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
+    scb.add_argument("--tp", type=int, default=1)
+    scb.add_argument("--act-dtype", default="fp32", choices=["fp32", "bf16"])
+    scb.add_argument("--mask", default="causal", choices=["causal", "document"])
+    scb.set_defaults(fn=cmd_cp_bytes)
     ss = sub.add_parser("selftest")
     ss.set_defaults(fn=lambda a: selftest())
     a = ap.parse_args(argv)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # make bench: training throughput and quality benchmarks. Results go to build/bench/ and are
 # summarised on stdout for docs/benchmarks.md. Not part of make test (timings are not asserted).
-# An estimated 55-60 minutes on an idle 2-core machine (part 3 about 10, part 4 about 15, part 6 about 8); BENCH_QUICK=1 cuts every run to a few steps (a smoke
+# An estimated 75-80 minutes on an idle 2-core machine (part 2's long-context cases about 20: 12 runs of ~100 s, part 3 about 10, part 4 about 15, part 6 about 8); BENCH_QUICK=1 cuts every run to a few steps (a smoke
 # test of the harness: its figures are not benchmarks).
 #
 # 1. tinyshakespeare quality (if ../shared/data/tinyshakespeare.txt exists; it is never
@@ -14,8 +14,11 @@
 #    a GEMM-bound config at 2 x 1; and TP 2 x 1 thread: shardtrain --tp 2 at 2 ranks against PyTorch's
 #    own tensor parallelism (peer_torch.py --tp 2: parallelize_module with ColwiseParallel /
 #    RowwiseParallel / SequenceParallel, torchtitan's Llama plan, gloo), the same `demo` run, batches
-#    and weights (case tp2-2x1; BENCH_CASES=tp2-2x1 runs it alone). Writes build/bench/peer.md for
-#    docs/benchmarks.md.
+#    and weights (case tp2-2x1; BENCH_CASES=tp2-2x1 runs it alone). Long context (issue 41), T = 16,384,
+#    global batch 2, 2 ranks: --cp 2 with each --cp-comm against plain data parallelism (cases cp2-ring,
+#    cp2-gather), --attention-mask document against causal on short documents the script writes
+#    (doc-vs-causal); the peer of these is the same binary with other arguments. Writes
+#    build/bench/peer.md for docs/benchmarks.md.
 #    BENCH_BASELINE=BIN adds another shardtrain binary (e.g. an earlier commit's) to every round.
 # 3. Checkpoint save/load timing; then asynchronous against synchronous saves of a ~99M-parameter model at
 #    2 ranks, interleaved, with dd on the same disk (tests/bench/checkpoint.py, about 10 minutes with

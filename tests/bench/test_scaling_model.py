@@ -274,6 +274,47 @@ class ScalingModelTest(unittest.TestCase):
             max_s = max(sm.shard_size(n, world) for _, n in sm.units(cfg))
             self.assertEqual(int(slab.group(1).replace(",", "")), sm.rs_calls(max_s, max_s, world, sm.Precision("fp32"))[0])
 
+    def test_cp_bytes_by_hand(self):
+        # tiny (C 32, 4 heads over 2 KV heads of 8), tp 2: 1 KV head per rank, KV = 8; B 2, T 16,
+        # cp 4: Tl 4; bf16: a K block b = 2 x 4 x 8 x 2 = 128 bytes; document: positions and ids,
+        # 2 x 4 tokens x 4 B x 2 arrays = 64 bytes per shift or per rank's part of a gather.
+        t = sm.load_config("tiny")
+        r = sm.cp_bytes_per_layer(t, 2, 16, 4, "ring", 2, doc=True, tp=2)
+        self.assertEqual(r["forward"], 3 * (2 * 128 + 64))
+        self.assertEqual(r["backward"], 3 * (2 * 128 + 64) + 4 * 2 * 128)
+        self.assertEqual(r["calls"], 2 * 3 * 4 + 2 * 4)  # k, v, positions, ids per shift; 2 x cp dK/dV shifts
+        g = sm.cp_bytes_per_layer(t, 2, 16, 4, "allgather", 2, doc=True, tp=2)
+        self.assertEqual(g["forward"], 3 * (2 * 128 + 64))
+        self.assertEqual(g["backward"], 3 * (2 * 128 + 64) + 3 * 2 * 128)
+        self.assertEqual(g["calls"], 2 * 2 * 2 + 6 * 2 * 1)  # per sequence: ids twice; per chunk: 6
+        self.assertEqual(sm.cp_bytes_per_step(t, 2, 16, 4, "ring", 2, True, 2, micro_batches=2)["bytes"],
+                         2 * t.L * r["bytes"])
+        with self.assertRaises(ValueError):
+            sm.cp_bytes_per_layer(t, 1, 12, 4, "ring", 4)  # T must divide by 2 cp
+
+    def test_cp_time_by_hand(self):
+        # tiny, B 1, T 8, cp 2, fp32, 1 GFLOP/s at MFU 1, 1 MB/s, alpha 0: a rank's 4 tokens.
+        t = sm.load_config("tiny")
+        attn_f = 4 * 32 * 8 * 4 / 1e9                    # 4 Q T per token forward
+        gemm_f = 2 * t.block_numel() * 4 / 1e9
+        r = sm.cp_layer_time(t, 1, 8, 2, "ring", 1.0, 1e6, 0.0, e=4, peak=1e9)
+        self.assertAlmostEqual(r["compute_s"], 3 * (attn_f + gemm_f), places=15)
+        # K/V block 4 x 16 x 4 = 256 B: a forward shift 528 B (K, V, positions) = 528 us against
+        # half the attention; backward K/V + dK/dV 1040 B against the other half of twice that;
+        # the last dK/dV shift (512 B) exposed whole.
+        want = (528e-6 - attn_f / 2) + (1040e-6 - attn_f) + 512e-6
+        self.assertAlmostEqual(r["exposed_s"], want, places=12)
+        g = sm.cp_layer_time(t, 1, 8, 2, "allgather", 1.0, 1e6, 0.0, e=4, peak=1e9)
+        self.assertAlmostEqual(g["exposed_s"], (528 + 528 + 512) * 1e-6, places=12)  # blocking: bytes / B
+        self.assertEqual(sm.cp_layer_time(t, 1, 8, 1, "ring", 1.0, 1e6, 0.0, e=4, peak=1e9)["exposed_s"], 0.0)
+
+    def test_cp_table_in_docs(self):
+        # docs/scaling.md's CP table is the script's output, verbatim.
+        out = io.StringIO()
+        sm.cp_tables(True, out)
+        with open(os.path.join(ROOT, "docs", "scaling.md")) as f:
+            self.assertIn(out.getvalue(), f.read())
+
 
 if __name__ == "__main__":
     unittest.main(verbosity=2)

@@ -2,7 +2,8 @@
 
 Usage: python3 tests/bench/throughput.py --data TOKENS [--bin build/shardtrain]
            [--python .venv/bin/python] [--out build/bench] [--rounds 2] [--cases a,b] [--quick]
-           [--baseline OTHER_SHARDTRAIN] [--programs shardtrain,baseline,torch-eager,torch-compile,torch-tp]
+           [--baseline OTHER_SHARDTRAIN]
+           [--programs shardtrain,baseline,torch-eager,torch-compile,torch-tp,shardtrain-ref]
 
 Cases (issue 12): the same model config.json, token file, global batch, schedule, AdamW settings
 and seed for both programs; CPU fp32.
@@ -14,6 +15,20 @@ and seed for both programs; CPU fp32.
             parallelism) against the peer's `--tp 2` ("torch-tp": parallelize_module with
             torchtitan's Llama plan, ColwiseParallel / RowwiseParallel / SequenceParallel, gloo,
             eager), the only programs of this case; the FSDP2 peers do not run in it
+Long-context cases (issue 41): tests/bench/cp-config.json (hidden 128, 2 layers, 2 heads over 1 KV
+head, so that attention dominates), seq-len LONG_T = 16,384, global batch 2, 2 ranks x 1 thread.
+Their peer is the same shardtrain binary with other arguments ("shardtrain-ref", the case's
+ref_args in place of its args), the only peer they run:
+  cp2-ring    --cp 2 --cp-comm ring against plain data parallelism at W = 2 (no --cp) over the
+              same global batch: the CP group of both ranks holds both sequences, half of each
+  cp2-gather  the same with --cp-comm allgather
+  doc-vs-causal  --attention-mask document against causal (both without CP, W = 2) on a corpus of
+              short documents (64 to 512 tokens, BOS ... EOS, random bytes) that this script
+              writes to OUT/short-docs.tok (never ../shared data)
+Their runs also report, as means over the window's steps of the metrics: the exposed CP
+communication (cp_comm_ms: the time CpAttention waited for its transfers, cp_bytes sent per
+rank), FSDP's exposed communication (exposed_comm_ms), and the fraction of attention tile pairs
+skipped as fully masked (attn_tiles_skipped / attn_tile_pairs, rank 0's).
 Each round runs shardtrain, the peer in eager mode, the peer with torch.compile, one after the
 other (A B C A B C ...), so that a change in the machine's load hits every program alike.
 Each case runs only the programs it lists in CASE_PROGRAMS.
@@ -52,31 +67,50 @@ import json
 import os
 import re
 import socket
+import struct
 import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-GLOBAL_BATCH = 12
-COMMON = ["--global-batch", str(GLOBAL_BATCH), "--lr", "1e-3", "--min-lr", "1e-4", "--beta2", "0.99",
+GLOBAL_BATCH = 12  # every case but those that set global_batch
+COMMON = ["--lr", "1e-3", "--min-lr", "1e-4", "--beta2", "0.99",
           "--weight-decay", "0.1", "--clip", "1.0", "--seed", "1337"]
-# name: config, ranks, threads, seq-len, steps, first step of the window, warm-up, log-every
+LONG_T = 16384  # the long-context cases' seq-len (issue 41: W = 2, T = 16,384)
+# name: config, ranks, threads, seq-len, steps, first step of the window, warm-up, log-every;
+# optional: global_batch, tp, args (shardtrain's and baseline's extra arguments), ref_args
+# (shardtrain-ref's), data ("short-docs": the corpus this script writes)
 CASES = {
     "demo-2x1": dict(config="demo-config.json", np=2, threads=1, seq_len=64, steps=300, window=20, warmup=100, log_every=20),
     "demo-1x2": dict(config="demo-config.json", np=1, threads=2, seq_len=64, steps=300, window=20, warmup=100, log_every=20),
     "gemm-2x1": dict(config="gemm-config.json", np=2, threads=1, seq_len=256, steps=7, window=2, warmup=2, log_every=1),
     "tp2-2x1": dict(config="demo-config.json", np=2, threads=1, seq_len=64, steps=300, window=20, warmup=100, log_every=20, tp=2),
+    "cp2-ring": dict(config="cp-config.json", np=2, threads=1, seq_len=LONG_T, steps=5, window=2, warmup=0, log_every=1,
+                     global_batch=2, args=["--cp", "2", "--cp-comm", "ring"], ref_args=[]),
+    "cp2-gather": dict(config="cp-config.json", np=2, threads=1, seq_len=LONG_T, steps=5, window=2, warmup=0, log_every=1,
+                       global_batch=2, args=["--cp", "2", "--cp-comm", "allgather"], ref_args=[]),
+    "doc-vs-causal": dict(config="cp-config.json", np=2, threads=1, seq_len=LONG_T, steps=5, window=2, warmup=0,
+                          log_every=1, global_batch=2, data="short-docs", args=["--attention-mask", "document"],
+                          ref_args=["--attention-mask", "causal"]),
 }
 QUICK = {"demo-2x1": dict(steps=30, window=10, log_every=10), "demo-1x2": dict(steps=30, window=10, log_every=10),
-         "gemm-2x1": dict(steps=3, window=1, log_every=1), "tp2-2x1": dict(steps=30, window=10, log_every=10)}
-PROGRAMS = ["shardtrain", "torch-eager", "torch-compile", "torch-tp"]
+         "gemm-2x1": dict(steps=3, window=1, log_every=1), "tp2-2x1": dict(steps=30, window=10, log_every=10),
+         "cp2-ring": dict(steps=2, window=1, log_every=1), "cp2-gather": dict(steps=2, window=1, log_every=1),
+         "doc-vs-causal": dict(steps=2, window=1, log_every=1)}
+PROGRAMS = ["shardtrain", "torch-eager", "torch-compile", "torch-tp", "shardtrain-ref"]
 FSDP_PEERS = ["shardtrain", "baseline", "torch-eager", "torch-compile"]
+SAME_BIN = ["shardtrain", "baseline", "shardtrain-ref"]  # the peer is shardtrain itself, other arguments
 # The programs each case runs (those of --programs not listed here are skipped in that case).
 CASE_PROGRAMS = {"demo-2x1": FSDP_PEERS, "demo-1x2": FSDP_PEERS, "gemm-2x1": FSDP_PEERS,
-                 "tp2-2x1": ["shardtrain", "baseline", "torch-tp"]}
-# (case, peer, minimum of shardtrain tokens/s / peer tokens/s), issue 12
+                 "tp2-2x1": ["shardtrain", "baseline", "torch-tp"],
+                 "cp2-ring": SAME_BIN, "cp2-gather": SAME_BIN, "doc-vs-causal": SAME_BIN}
+# (case, peer, minimum of shardtrain tokens/s / peer tokens/s): issue 12; doc-vs-causal: issue 41 (> 1)
 TARGETS = [("demo-2x1", "torch-eager", 2.5), ("demo-2x1", "torch-compile", 2.0),
-           ("demo-1x2", "torch-compile", 1.5), ("gemm-2x1", "torch-compile", 1.3)]
+           ("demo-1x2", "torch-compile", 1.5), ("gemm-2x1", "torch-compile", 1.3),
+           ("doc-vs-causal", "shardtrain-ref", 1.0)]
+# Means over the window's metrics rows, when a run's metrics have them (issue 41's long-context cases).
+EXTRA_METRICS = ["cp_comm_ms", "cp_bytes", "cp_collectives", "exposed_comm_ms", "attn_tile_pairs", "attn_tiles_skipped"]
+SHORT_DOCS = (64, 512)  # document lengths of the short-document corpus, tokens (uniform), BOS ... EOS
 RSS_TARGET = 0.5  # shardtrain's largest rank's peak RSS / the peer's, at most
 
 
@@ -119,19 +153,50 @@ def cpu_seconds(root):
     return total / tick
 
 
+def global_batch(case):
+    return case.get("global_batch", GLOBAL_BATCH)
+
+
+def write_short_docs(path, n_train=1 << 20, n_val=1 << 16, seed=41):
+    """A byte-level shardtrain token file (format version 1, as tests/e2e/test_cp_matrix.sh writes
+    one) of short documents: each BOS, random bytes, EOS, its length uniform in SHORT_DOCS."""
+    import array
+    import random
+    BOS, EOS, V = 256, 257, 258
+    rnd = random.Random(seed)
+
+    def split(n):
+        out = array.array("H")
+        while len(out) < n:
+            k = rnd.randint(*SHORT_DOCS)
+            out.append(BOS)
+            out.extend(rnd.randrange(256) for _ in range(k - 2))
+            out.append(EOS)
+        return out[:n]
+    train, val = split(n_train), split(n_val)
+    head = b"STTOKv1\0" + struct.pack("<6I", 1, V, BOS, EOS, 2, 0) + struct.pack("<2Q", len(train), len(val))
+    head += b"byte-level".ljust(16, b"\0")
+    if sys.byteorder != "little":
+        train.byteswap(), val.byteswap()
+    with open(path, "wb") as f:
+        f.write(head + train.tobytes() + val.tobytes())
+
+
 def run_one(a, case_name, case, program, rnd):
     tag = f"{case_name}-{program}-r{rnd}"
     log, metrics, usage = (os.path.join(a.out, "peer", tag + ext) for ext in (".log", ".jsonl", ""))
     for f in [log, metrics] + [f"{usage}.rank{r}.json" for r in range(case["np"])]:
         if os.path.exists(f):
             os.remove(f)
-    tail = ["--model", os.path.join(HERE, case["config"]), "--data", a.data, "--seq-len", str(case["seq_len"]),
+    data = a.short_docs if case.get("data") == "short-docs" else a.data
+    tail = ["--model", os.path.join(HERE, case["config"]), "--data", data, "--seq-len", str(case["seq_len"]),
             "--steps", str(case["steps"]), "--warmup", str(case["warmup"]), "--log-every", str(case["log_every"]),
-            "--threads", str(case["threads"]), "--metrics", metrics] + COMMON
+            "--threads", str(case["threads"]), "--metrics", metrics, "--global-batch", str(global_batch(case))] + COMMON
     if case.get("tp", 1) > 1:  # both programs: TP over the case's ranks
         tail += ["--tp", str(case["tp"])]
-    if program in ("shardtrain", "baseline"):
-        cmd = [a.bin if program == "shardtrain" else a.baseline, "--eval-every", "0", "--eval-batches", "1"] + tail
+    if program in ("shardtrain", "baseline", "shardtrain-ref"):
+        extra = case.get("ref_args" if program == "shardtrain-ref" else "args", [])
+        cmd = [a.baseline if program == "baseline" else a.bin, "--eval-every", "0", "--eval-batches", "1"] + tail + extra
     else:
         cmd = [a.python, os.path.join(HERE, "peer_torch.py"), "--port", str(free_port())] + tail
         if program == "torch-compile":
@@ -169,7 +234,7 @@ def run_one(a, case_name, case, program, rnd):
         with open(log) as f:
             r["error"] = "".join(f.readlines()[-15:])
         return r
-    tokens = GLOBAL_BATCH * case["seq_len"] * (last - w0)
+    tokens = global_batch(case) * case["seq_len"] * (last - w0)
     dt = by_step[last]["elapsed_s"] - by_step[w0]["elapsed_s"]
     r.update(tokens_per_s=tokens / dt, window_cpu_s=cpu[last] - cpu[w0], window_tokens=tokens,
              cpu_s_per_1k_tokens=1000 * (cpu[last] - cpu[w0]) / tokens, run_cpu_s=sum(x["cpu_s"] for x in ranks),
@@ -180,6 +245,13 @@ def run_one(a, case_name, case, program, rnd):
     if per:
         r["flops_per_peak"] = per[-1]
         r["mfu"] = r["tokens_per_s"] * per[-1]
+    window = [x for s, x in by_step.items() if w0 < s <= last]
+    for k in EXTRA_METRICS:
+        v = [x[k] for x in window if k in x]
+        if v:
+            r[k] = sum(v) / len(v)
+    if r.get("attn_tile_pairs"):
+        r["skipped_fraction"] = r.get("attn_tiles_skipped", 0.0) / r["attn_tile_pairs"]
     with open(log) as f:
         m = re.search(r"(?m)^(CPU peak .*|MFU peak: .*|MFU n/a .*)$", f.read())
     if m:
@@ -194,7 +266,19 @@ def describe(r):
             f"CPU {r['window_cpu_s']:6.1f} s in window ({r['cpu_s_per_1k_tokens']:.3f} s/1k tokens), "
             f"{r['run_cpu_s']:6.1f} s whole run; peak RSS/rank " + "/".join(f"{x:.0f}" for x in r["rss_mib"])
             + f" MiB; warm-up {r['warmup_s']:.1f} s; loss {r['first_loss']:.4f} -> {r['final_loss']:.4f}; wall {r['wall_s']:.0f} s"
-            + (f"; MFU {100 * r['mfu']:.1f}%" if "mfu" in r else ""))
+            + (f"; MFU {100 * r['mfu']:.1f}%" if "mfu" in r else "") + extras(r))
+
+
+def extras(r):
+    """The long-context metrics of a run, for its line: CP and FSDP exposed communication, skipped tiles."""
+    out = ""
+    if "cp_comm_ms" in r:
+        out += f"; CP comm exposed {r['cp_comm_ms']:.1f} ms/step ({r.get('cp_bytes', 0) / 1e6:.1f} MB/step)"
+    if "cp_comm_ms" in r or "skipped_fraction" in r:
+        out += f"; FSDP exposed {r.get('exposed_comm_ms', 0):.1f} ms/step"
+    if "skipped_fraction" in r:
+        out += f"; attention tiles skipped {100 * r['skipped_fraction']:.1f}% of {r['attn_tile_pairs']:,.0f}/step"
+    return out
 
 
 def ratios(results, case, peer):
@@ -289,8 +373,14 @@ def markdown(a, results, env):
          "model), gloo, same config.json, data, batches, initial weights, schedule and AdamW settings; "
          "tp2-2x1: shardtrain `--tp 2` against the peer's `--tp 2` (torch-tp: `parallelize_module`, torchtitan's "
          "Llama plan, ColwiseParallel q/k/v and gate/up, RowwiseParallel o/down, SequenceParallel norms, "
-         "embedding and head split by vocabulary, eager, gloo).",
-         f"Data: `{os.path.relpath(a.data)}`. Common settings: {' '.join(COMMON)}."
+         "embedding and head split by vocabulary, eager, gloo)."
+         + (" Long-context cases (cp2-ring, cp2-gather, doc-vs-causal): the peer is the same shardtrain binary "
+            "(shardtrain-ref): cp2-*: `--cp 2` against plain data parallelism at W = 2 (no `--cp`) over the same "
+            "global batch; doc-vs-causal: `--attention-mask document` against `causal` on the short-document corpus "
+            f"the script writes ({SHORT_DOCS[0]}-{SHORT_DOCS[1]} tokens per document)."
+            if any("ref_args" in CASES[c] for c in a.cases) else ""),
+         f"Data: `{os.path.relpath(a.data)}`. Common settings: {' '.join(COMMON)}; global batch {GLOBAL_BATCH} "
+         "unless a case says otherwise."
          + (f" baseline: `{a.baseline}` (same arguments as shardtrain, `{a.bin}`)." if a.baseline else ""), "",
          "| case | program | tokens/s | CPU-s per 1k tokens (window, all ranks) | peak RSS of the largest rank, MiB | warm-up, s | final loss | MFU (shardtrain's measured CPU peak) |",
          "|---|---|---:|---:|---:|---:|---:|---:|"]
@@ -309,8 +399,10 @@ def markdown(a, results, env):
                      f"{span([r['final_loss'] for r in rs], '{:.4f}')} | {span(mfu, '{:.1f}%')} |")
     L += ["", "Cases: " + "; ".join(
         f"{cn}: `{CASES[cn]['config']}`, {CASES[cn]['np']} rank(s) x {CASES[cn]['threads']} thread(s), seq-len "
-        f"{CASES[cn]['seq_len']}, {CASES[cn]['steps']} steps timed from step {CASES[cn]['window']}, warm-up "
-        f"{CASES[cn]['warmup']}" for cn in a.cases) + ". Ranges are min – max over rounds. MFU: tokens/s x "
+        f"{CASES[cn]['seq_len']}, global batch {global_batch(CASES[cn])}, {CASES[cn]['steps']} steps timed from step "
+        f"{CASES[cn]['window']}, warm-up {CASES[cn]['warmup']}"
+        + (f", shardtrain `{' '.join(CASES[cn]['args'])}` against shardtrain-ref `{' '.join(CASES[cn]['ref_args']) or '(none)'}`"
+           if "ref_args" in CASES[cn] else "") for cn in a.cases) + ". Ranges are min – max over rounds. MFU: tokens/s x "
         "FLOPs per token (PaLM's 6N + 12LHQT, README) / the CPU peak shardtrain measured at start-up in the same "
         "round, the peers' tokens/s against that same peak. shardtrain's peaks:", ""] + [f"* {x}" for x in peaks] + ["",
         "| shardtrain against | tokens/s ratio | target | met | CPU-s per token, peer / shardtrain | peak RSS, shardtrain / peer | ≤ 0.5 |",
@@ -321,11 +413,28 @@ def markdown(a, results, env):
             tgt = [t for c, p, t in TARGETS if c == cn and p == peer]
             tok, rss = [x[0] for x in rr], [x[2] for x in rr]
             met = "—" if not (rr and tgt) else ("yes" if min(tok) >= tgt[0] else "no")
-            rss_met = "—" if not rr or peer == "baseline" else ("yes" if max(rss) <= RSS_TARGET else "no")
+            rss_met = "—" if not rr or peer in ("baseline", "shardtrain-ref") else ("yes" if max(rss) <= RSS_TARGET else "no")
             L.append(f"| {cn}, {peer} | {span(tok)} | {'≥ %.1f' % tgt[0] if tgt else '—'} | {met} | "
                      f"{span([x[1] for x in rr])} | {span(rss)} | {rss_met} |")
     L += ["", "Ratios are per round (shardtrain's run against the peer's run of the same round), min – max "
-          "over rounds; a target counts as met when the smallest round meets it.", "",
+          "over rounds; a target counts as met when the smallest round meets it.", ""]
+    long_runs = [r for r in results if r["rc"] == 0 and "ref_args" in CASES[r["case"]]]
+    if long_runs:
+        L += ["Long-context runs: means over the window's steps of the metrics (per step; rank 0's tile counts).", "",
+              "| case | program | CP comm exposed, ms | CP MB sent per rank | FSDP exposed comm, ms | attention tiles skipped |",
+              "|---|---|---:|---:|---:|---:|"]
+        for cn in a.cases:
+            for prog in [x for x in a.programs if x in CASE_PROGRAMS[cn]]:
+                rs = [r for r in long_runs if r["case"] == cn and r["program"] == prog]
+                if not rs:
+                    continue
+                cp = [r["cp_comm_ms"] for r in rs if "cp_comm_ms" in r]
+                mb = [r["cp_bytes"] / 1e6 for r in rs if "cp_bytes" in r]
+                sk = [100 * r["skipped_fraction"] for r in rs if "skipped_fraction" in r]
+                L.append(f"| {cn} | {prog} | {span(cp, '{:.1f}')} | {span(mb, '{:.1f}')} | "
+                         f"{span([r.get('exposed_comm_ms', 0) for r in rs], '{:.1f}')} | {span(sk, '{:.1f}%')} |")
+        L.append("")
+    L += [
           "First step's loss (same weights, same batch), min – max over rounds: " + "; ".join(
               f"{cn}: " + ", ".join(f"{prog} {span(v, '{:.6f}')}" for prog, v in first_losses(results, cn).items())
               for cn in a.cases) + "."]
@@ -360,6 +469,9 @@ def main():
         if a.quick:
             CASES[c].update(QUICK[c])
     os.makedirs(os.path.join(a.out, "peer"), exist_ok=True)
+    a.short_docs = os.path.join(a.out, "short-docs.tok")
+    if any(CASES[c].get("data") == "short-docs" for c in a.cases):
+        write_short_docs(a.short_docs)
     results = []
     for cn in a.cases:
         for rnd in range(1, a.rounds + 1):
@@ -376,7 +488,7 @@ def main():
             print(f"  {cn} vs {peer:13}: tokens/s {span([x[0] for x in rr])}"
                   + (f" (target >= {tgt[0]})" if tgt else "")
                   + f"; CPU per token {span([x[1] for x in rr])}; peak RSS {span([x[2] for x in rr])}"
-                  + (f" (target <= {RSS_TARGET})" if peer != "baseline" else ""))
+                  + (f" (target <= {RSS_TARGET})" if peer not in ("baseline", "shardtrain-ref") else ""))
     print("first step's loss (same weights, same batch):")
     for cn in a.cases:
         fl = first_losses(results, cn)
