@@ -22,7 +22,8 @@ earlier commit) run with the same arguments in the same rounds, so that a refact
 ratio against its predecessor measured beside it. --programs picks and orders the programs run.
 
 Every run is launched by the same mpirun command (same process placement: Open MPI binds each of
-2 ranks to its own core), each rank wrapped by tests/bench/rank_usage.py. Measured per run:
+2 ranks to its own core), each rank wrapped by tests/bench/rank_usage.py; the two shardtrain
+binaries run through links of equal path length (equal_length_paths). Measured per run:
 * tokens/s over the window: global batch x seq-len x (last step - first window step) divided
   by the difference of the metrics' elapsed_s between those two steps (wall clock of rank 0; the
   first steps are left out: allocation, page faults, and torch.compile's compilation);
@@ -131,7 +132,7 @@ def run_one(a, case_name, case, program, rnd):
     if case.get("tp", 1) > 1:  # both programs: TP over the case's ranks
         tail += ["--tp", str(case["tp"])]
     if program in ("shardtrain", "baseline"):
-        cmd = [a.bin if program == "shardtrain" else a.baseline, "--eval-every", "0", "--eval-batches", "1"] + tail
+        cmd = [a.run_bin[program], "--eval-every", "0", "--eval-batches", "1"] + tail
     else:
         cmd = [a.python, os.path.join(HERE, "peer_torch.py"), "--port", str(free_port())] + tail
         if program == "torch-compile":
@@ -185,6 +186,28 @@ def run_one(a, case_name, case, program, rnd):
     if m:
         r["peak_line"] = m.group(1)
     return r
+
+
+def equal_length_paths(a):
+    """The paths the two shardtrain binaries run under: symbolic links of equal length to --bin and
+    --baseline (OUT/bin/1/shardtrain, OUT/bin/2/shardtrain). The path a program is started with is
+    copied onto its initial stack (argv[0], AT_EXECFN), so its length shifts the stack's alignment;
+    the same binary started as /work/bin-7bce9da (17 characters) ran at a median 0.96 of itself
+    started under a 29-character path in 10 interleaved rounds of demo-2x1 (8 below 1, compute 3-20%
+    longer: docs/benchmarks.md, issue 40) - a bias as large as a refactor's allowed change. With
+    links of one length the comparison sees the binaries alone (the links resolve to the files
+    given, so /proc/self/exe and anything found beside the binary are unchanged)."""
+    paths = {}
+    for i, (prog, target) in enumerate((("shardtrain", a.bin), ("baseline", a.baseline)), start=1):
+        if not target:
+            continue
+        link = os.path.join(a.out, "bin", str(i), "shardtrain")
+        os.makedirs(os.path.dirname(link), exist_ok=True)
+        if os.path.lexists(link):
+            os.remove(link)
+        os.symlink(os.path.abspath(target), link)
+        paths[prog] = link
+    return paths
 
 
 def describe(r):
@@ -360,6 +383,7 @@ def main():
         if a.quick:
             CASES[c].update(QUICK[c])
     os.makedirs(os.path.join(a.out, "peer"), exist_ok=True)
+    a.run_bin = equal_length_paths(a)
     results = []
     for cn in a.cases:
         for rnd in range(1, a.rounds + 1):
