@@ -78,6 +78,7 @@ CASE_PROGRAMS = {"demo-2x1": FSDP_PEERS, "demo-1x2": FSDP_PEERS, "gemm-2x1": FSD
 # (case, peer, minimum of shardtrain tokens/s / peer tokens/s), issue 12
 TARGETS = [("demo-2x1", "torch-eager", 2.5), ("demo-2x1", "torch-compile", 2.0),
            ("demo-1x2", "torch-compile", 1.5), ("gemm-2x1", "torch-compile", 1.3)]
+FILE_LABEL = {"shardtrain": "bin1", "baseline": "bin2"}  # the per-run files of the two shardtrain binaries
 RSS_TARGET = 0.5  # shardtrain's largest rank's peak RSS / the peer's, at most
 
 
@@ -121,7 +122,9 @@ def cpu_seconds(root):
 
 
 def run_one(a, case_name, case, program, rnd):
-    tag = f"{case_name}-{program}-r{rnd}"
+    # The two binaries' files get tags of one length (their paths are in each rank's command line and
+    # in Open MPI's OMPI_ARGV environment variable: equal_length_paths).
+    tag = f"{case_name}-{FILE_LABEL.get(program, program)}-r{rnd}"
     log, metrics, usage = (os.path.join(a.out, "peer", tag + ext) for ext in (".log", ".jsonl", ""))
     for f in [log, metrics] + [f"{usage}.rank{r}.json" for r in range(case["np"])]:
         if os.path.exists(f):
@@ -144,6 +147,8 @@ def run_one(a, case_name, case, program, rnd):
     t0 = time.perf_counter()
     with open(log, "w") as lf:
         lf.write("$ " + " ".join(full) + "\n")
+        if program in a.run_bin:
+            lf.write(f"# {a.run_bin[program]} -> {os.readlink(a.run_bin[program])}\n")
         p = subprocess.Popen(full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
         for line in p.stdout:
             lf.write(line)
@@ -189,23 +194,38 @@ def run_one(a, case_name, case, program, rnd):
 
 
 def equal_length_paths(a):
-    """The paths the two shardtrain binaries run under: symbolic links of equal length to --bin and
-    --baseline (OUT/bin/1/shardtrain, OUT/bin/2/shardtrain). The path a program is started with is
-    copied onto its initial stack (argv[0], AT_EXECFN), so its length shifts the stack's alignment;
-    the same binary started as /work/bin-7bce9da (17 characters) ran at a median 0.96 of itself
-    started under a 29-character path in 10 interleaved rounds of demo-2x1 (8 below 1, compute 3-20%
-    longer: docs/benchmarks.md, issue 40) - a bias as large as a refactor's allowed change. With
-    links of one length the comparison sees the binaries alone (the links resolve to the files
-    given, so /proc/self/exe and anything found beside the binary are unchanged)."""
+    """The paths the two shardtrain binaries run under: symbolic links of equal length to the files
+    --bin and --baseline name (resolved first: OUT/bin/1/shardtrain, OUT/bin/2/shardtrain), so that
+    the two programs' command lines and environments have the same lengths (the binary's path is in
+    argv[0] and, through mpirun, in Open MPI's OMPI_ARGV; the per-run files' names, also in both,
+    have tags of one length: FILE_LABEL). Why: the same binary started as /work/bin-7bce9da (17
+    characters) ran at a median 0.96 of itself started under a 29-character path, 8 of 10
+    interleaved rounds of demo-2x1 below 1 (docs/benchmarks.md, issue 40): a difference between the
+    two programs other than the binaries, of the size of a refactor's allowed change. The cause is
+    not established (the environment's size is known to move timings: Mytkowicz et al., ASPLOS
+    2009); the harness removes the difference. Not equalized: AT_EXECFN after shardtrain's BLAS
+    re-exec (blas_select.cpp, through /proc/self/exe) is the real file's path.
+    Exits naming the option when a binary is not an executable file or OUT/bin cannot be written."""
+    targets = {}
+    for prog, opt, given in (("shardtrain", "--bin", a.bin), ("baseline", "--baseline", a.baseline)):
+        if not given:
+            continue
+        real = os.path.realpath(given)  # before any link below is re-pointed: links of an earlier run resolve to their files
+        if not (os.path.isfile(real) and os.access(real, os.X_OK)):
+            sys.exit(f"throughput.py: {opt} '{given}': not an executable file")
+        targets[prog] = real
     paths = {}
-    for i, (prog, target) in enumerate((("shardtrain", a.bin), ("baseline", a.baseline)), start=1):
-        if not target:
+    for i, prog in enumerate(("shardtrain", "baseline"), start=1):
+        if prog not in targets:
             continue
         link = os.path.join(a.out, "bin", str(i), "shardtrain")
-        os.makedirs(os.path.dirname(link), exist_ok=True)
-        if os.path.lexists(link):
-            os.remove(link)
-        os.symlink(os.path.abspath(target), link)
+        try:
+            os.makedirs(os.path.dirname(link), exist_ok=True)
+            if os.path.lexists(link):
+                os.remove(link)
+            os.symlink(targets[prog], link)
+        except OSError as e:
+            sys.exit(f"throughput.py: cannot make the link {link} for {prog} (--out '{a.out}'): {e.strerror}")
         paths[prog] = link
     return paths
 
