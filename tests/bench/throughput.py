@@ -195,17 +195,13 @@ def run_one(a, case_name, case, program, rnd):
 
 def equal_length_paths(a):
     """The paths the two shardtrain binaries run under: symbolic links of equal length to the files
-    --bin and --baseline name (resolved first: OUT/bin/1/shardtrain, OUT/bin/2/shardtrain), so that
-    the two programs' command lines and environments have the same lengths (the binary's path is in
-    argv[0] and, through mpirun, in Open MPI's OMPI_ARGV; the per-run files' names, also in both,
-    have tags of one length: FILE_LABEL). Why: the same binary started as /work/bin-7bce9da (17
-    characters) ran at a median 0.96 of itself started under a 29-character path, 8 of 10
-    interleaved rounds of demo-2x1 below 1 (docs/benchmarks.md, issue 40): a difference between the
-    two programs other than the binaries, of the size of a refactor's allowed change. The cause is
-    not established (the environment's size is known to move timings: Mytkowicz et al., ASPLOS
-    2009); the harness removes the difference. Not equalized: AT_EXECFN after shardtrain's BLAS
-    re-exec (blas_select.cpp, through /proc/self/exe) is the real file's path.
-    Exits naming the option when a binary is not an executable file or OUT/bin cannot be written."""
+    --bin and --baseline name, resolved before any link is re-pointed (OUT/bin/1/shardtrain,
+    OUT/bin/2/shardtrain). With FILE_LABEL's tags of one length, the two programs' command lines and
+    environments (argv[0]; Open MPI's OMPI_ARGV) then have the same lengths: a difference of path
+    length alone moved one binary's demo-2x1 by about 4% (docs/benchmarks.md, issue 40, "the
+    harness's path-length bias"). Not equalized: AT_EXECFN after shardtrain's BLAS re-exec through
+    /proc/self/exe. Exits naming the option when a binary is not an executable file, or OUT/bin
+    when a link cannot be made."""
     targets = {}
     for prog, opt, given in (("shardtrain", "--bin", a.bin), ("baseline", "--baseline", a.baseline)):
         if not given:
