@@ -37,7 +37,8 @@ earlier commit) run with the same arguments in the same rounds, so that a refact
 ratio against its predecessor measured beside it. --programs picks and orders the programs run.
 
 Every run is launched by the same mpirun command (same process placement: Open MPI binds each of
-2 ranks to its own core), each rank wrapped by tests/bench/rank_usage.py. Measured per run:
+2 ranks to its own core), each rank wrapped by tests/bench/rank_usage.py; the two shardtrain
+binaries run through links of equal path length (equal_length_paths). Measured per run:
 * tokens/s over the window: global batch x seq-len x (last step - first window step) divided
   by the difference of the metrics' elapsed_s between those two steps (wall clock of rank 0; the
   first steps are left out: allocation, page faults, and torch.compile's compilation);
@@ -111,6 +112,9 @@ TARGETS = [("demo-2x1", "torch-eager", 2.5), ("demo-2x1", "torch-compile", 2.0),
 # Means over the window's metrics rows, when a run's metrics have them (issue 41's long-context cases).
 EXTRA_METRICS = ["cp_comm_ms", "cp_bytes", "cp_collectives", "exposed_comm_ms", "attn_tile_pairs", "attn_tiles_skipped"]
 SHORT_DOCS = (64, 512)  # document lengths of the short-document corpus, tokens (uniform), BOS ... EOS
+# The per-run files of the shardtrain programs, tags of one length (shardtrain-ref is the first binary
+# with the case's reference arguments).
+FILE_LABEL = {"shardtrain": "bin1", "baseline": "bin2", "shardtrain-ref": "ref1"}
 RSS_TARGET = 0.5  # shardtrain's largest rank's peak RSS / the peer's, at most
 
 
@@ -183,7 +187,9 @@ def write_short_docs(path, n_train=1 << 20, n_val=1 << 16, seed=41):
 
 
 def run_one(a, case_name, case, program, rnd):
-    tag = f"{case_name}-{program}-r{rnd}"
+    # The two binaries' files get tags of one length (their paths are in each rank's command line and
+    # in Open MPI's OMPI_ARGV environment variable: equal_length_paths).
+    tag = f"{case_name}-{FILE_LABEL.get(program, program)}-r{rnd}"
     log, metrics, usage = (os.path.join(a.out, "peer", tag + ext) for ext in (".log", ".jsonl", ""))
     for f in [log, metrics] + [f"{usage}.rank{r}.json" for r in range(case["np"])]:
         if os.path.exists(f):
@@ -194,9 +200,9 @@ def run_one(a, case_name, case, program, rnd):
             "--threads", str(case["threads"]), "--metrics", metrics, "--global-batch", str(global_batch(case))] + COMMON
     if case.get("tp", 1) > 1:  # both programs: TP over the case's ranks
         tail += ["--tp", str(case["tp"])]
-    if program in ("shardtrain", "baseline", "shardtrain-ref"):
+    if program in SAME_BIN:
         extra = case.get("ref_args" if program == "shardtrain-ref" else "args", [])
-        cmd = [a.baseline if program == "baseline" else a.bin, "--eval-every", "0", "--eval-batches", "1"] + tail + extra
+        cmd = [a.run_bin[program], "--eval-every", "0", "--eval-batches", "1"] + tail + extra
     else:
         cmd = [a.python, os.path.join(HERE, "peer_torch.py"), "--port", str(free_port())] + tail
         if program == "torch-compile":
@@ -208,6 +214,8 @@ def run_one(a, case_name, case, program, rnd):
     t0 = time.perf_counter()
     with open(log, "w") as lf:
         lf.write("$ " + " ".join(full) + "\n")
+        if program in a.run_bin:
+            lf.write(f"# {a.run_bin[program]} -> {os.readlink(a.run_bin[program])}\n")
         p = subprocess.Popen(full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
         for line in p.stdout:
             lf.write(line)
@@ -257,6 +265,41 @@ def run_one(a, case_name, case, program, rnd):
     if m:
         r["peak_line"] = m.group(1)
     return r
+
+
+def equal_length_paths(a):
+    """The paths the two shardtrain binaries run under: symbolic links of equal length to the files
+    --bin and --baseline name, resolved before any link is re-pointed (OUT/bin/1/shardtrain,
+    OUT/bin/2/shardtrain). With FILE_LABEL's tags of one length, the two programs' command lines and
+    environments (argv[0]; Open MPI's OMPI_ARGV) then have the same lengths: a difference of path
+    length alone moved one binary's demo-2x1 by about 4% (docs/benchmarks.md, issue 40, "the
+    harness's path-length bias"). Not equalized: AT_EXECFN after shardtrain's BLAS re-exec through
+    /proc/self/exe. Exits naming the option when a binary is not an executable file, or OUT/bin
+    when a link cannot be made."""
+    targets = {}
+    for prog, opt, given in (("shardtrain", "--bin", a.bin), ("baseline", "--baseline", a.baseline)):
+        if not given:
+            continue
+        real = os.path.realpath(given)  # before any link below is re-pointed: links of an earlier run resolve to their files
+        if not (os.path.isfile(real) and os.access(real, os.X_OK)):
+            sys.exit(f"throughput.py: {opt} '{given}': not an executable file")
+        targets[prog] = real
+    paths = {}
+    for i, prog in enumerate(("shardtrain", "baseline"), start=1):
+        if prog not in targets:
+            continue
+        link = os.path.join(a.out, "bin", str(i), "shardtrain")
+        try:
+            os.makedirs(os.path.dirname(link), exist_ok=True)
+            if os.path.lexists(link):
+                os.remove(link)
+            os.symlink(targets[prog], link)
+        except OSError as e:
+            sys.exit(f"throughput.py: cannot make the link {link} for {prog} (--out '{a.out}'): {e.strerror}")
+        paths[prog] = link
+    if "shardtrain" in paths:  # the same binary, the case's reference arguments
+        paths["shardtrain-ref"] = paths["shardtrain"]
+    return paths
 
 
 def describe(r):
@@ -472,6 +515,7 @@ def main():
     a.short_docs = os.path.join(a.out, "short-docs.tok")
     if any(CASES[c].get("data") == "short-docs" for c in a.cases):
         write_short_docs(a.short_docs)
+    a.run_bin = equal_length_paths(a)
     results = []
     for cn in a.cases:
         for rnd in range(1, a.rounds + 1):
