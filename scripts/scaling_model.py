@@ -794,13 +794,17 @@ def cmd_tp_tables(a):
 # ---- context parallelism (issue 41) -------------------------------------------------------
 
 CP_METHODS = ("ring", "allgather")
-K_CP_GATHER_BYTES = 256 << 20  # kCpGatherBytes (context_parallel.h): bound on AllGather's gathered K, V, dK, dV
+K_CP_GATHER_BYTES = 256 << 20  # kCpGatherBytes (context_parallel.h): bound on AllGather's scratch
 
 
-def cp_gather_kv_heads(cp, Tl, nkv, HD, e, gather_bytes=K_CP_GATHER_BYTES):
-    """KV heads per all-gather chunk: as many as fit 4 cp Tl hk HD e <= gather_bytes, at least 1
-    (cp_gather_kv_heads in src/parallel/context_parallel.cpp)."""
-    return int(max(1, min(nkv, gather_bytes // (4 * cp * Tl * HD * e))))
+def cp_gather_kv_heads(cp, Tl, nh, nkv, HD, e, gather_bytes=K_CP_GATHER_BYTES):
+    """KV heads per all-gather chunk (cp_gather_kv_heads in src/parallel/context_parallel.cpp): all
+    nkv when their gathered K, V, dK, dV, 4 cp Tl nkv HD e bytes, fit gather_bytes; else as many as
+    fit with the chunk's packed rows, (4 cp + 4 + 3 nh/nkv) Tl hk HD e, at least 1."""
+    row_head = Tl * HD * e
+    if 4 * cp * nkv * row_head <= gather_bytes:
+        return nkv
+    return int(max(1, min(nkv - 1, gather_bytes // ((4 * cp + 4 + 3 * (nh // nkv)) * row_head))))
 
 
 def cp_bytes_per_layer(cfg, B, T, cp, method, e, doc=False, tp=1):
@@ -833,7 +837,7 @@ def cp_bytes_per_layer(cfg, B, T, cp, method, e, doc=False, tp=1):
         bwd = (cp - 1) * (2 * kv + ids) + cp * 2 * kv
         calls = (cp - 1) * (2 + nid) * 2 + 2 * cp
     else:
-        chunks = -(-(cfg.NKV // tp) // cp_gather_kv_heads(cp, Tl, cfg.NKV // tp, cfg.HD, e))
+        chunks = -(-(cfg.NKV // tp) // cp_gather_kv_heads(cp, Tl, cfg.NH // tp, cfg.NKV // tp, cfg.HD, e))
         fwd = (cp - 1) * (2 * kv + ids)
         bwd = (cp - 1) * (2 * kv + ids) + (cp - 1) * 2 * kv
         calls = 2 * B * (nid + 2 * chunks) + 2 * B * chunks
@@ -879,7 +883,7 @@ def cp_layer_time(cfg, B, T, cp, method, mfu, B_link, alpha, e=2, doc=False, pea
         exposed = (cp - 1) * max(0.0, t_kv - step_f) + (cp - 1) * max(0.0, t_kv + t_g - step_b) + t_g
         busy = 2 * (cp - 1) * t_kv + cp * t_g
     else:
-        chunks = -(-cfg.NKV // cp_gather_kv_heads(cp, Tl, cfg.NKV, cfg.HD, e))
+        chunks = -(-cfg.NKV // cp_gather_kv_heads(cp, Tl, cfg.NH, cfg.NKV, cfg.HD, e))
         ag = t_ring(cp, cp * (2 * kv + ids), B_link, alpha, calls=B * (nid + 2 * chunks))
         rs = t_ring(cp, cp * 2 * kv, B_link, alpha, calls=2 * B * chunks)
         exposed = busy = 2 * ag + rs
@@ -1293,8 +1297,10 @@ def selftest():
         d = (cp_bytes_per_layer(c8, 1, 32768, cp, "ring", 2)["bytes"]
              - cp_bytes_per_layer(c8, 1, 32768, cp, "allgather", 2)["bytes"])
         assert d == 2 * (32768 // cp) * c8.KV * 2
-    # llama-8b at 128K, cp 8: Tl 16384; chunks of KV heads: 4 x 8 x 16384 x 128 x 2 = 128 MiB per head: 2 heads.
-    assert cp_gather_kv_heads(8, 16384, 8, 128, 2) == 2
+    # llama-8b at 128K, cp 8: Tl 16384; all 8 heads gathered 1 GiB > 256 MiB; one head chunked with its
+    # packed rows (32 + 4 + 12) x 16384 x 128 x 2 = 192 MiB: 1 head a chunk. At 32K all 8 fit (256 MiB).
+    assert cp_gather_kv_heads(8, 16384, 32, 8, 128, 2) == 1
+    assert cp_gather_kv_heads(8, 4096, 32, 8, 128, 2) == 8
     # The head-tail ring hides its transfers above KV e MFU peak / (2 Q B): llama-8b 139 rows at 25.3%.
     assert 138 < cp_ring_min_rows(c8, 0.253, 450e9) < 140
     print("selftest: ok")

@@ -116,25 +116,27 @@ struct CpCommStats {
 //   Ring       2 x (K, V, ids) of this rank's size (2·B·Tl·NKV·HD each of K, V); in the backward
 //              4 x (dK, dV) of it; in bf16 also y's fp32 accumulator (B·Tl·NH·HD floats).
 //   AllGather  the gathered buffers: K, V of one chunk of one sequence, [cp·Tl, hk·HD] each, and in
-//              the backward dK, dV of the same size; positions and ids [cp·Tl] int32. hk is chosen
-//              so that the four together, 4·cp·Tl·hk·HD·sizeof(C) bytes, fit in gather_bytes (hk = 1
-//              when even one head does not: the bound is then exceeded, by the size of one head).
-//              When hk < NKV also the packed chunk of this rank's rows: k, v [Tl, hk·HD] and q, y
-//              [Tl, G·hk·HD] (forward), plus dk, dv [Tl, hk·HD] and dq [Tl, G·hk·HD] (backward;
-//              dy reuses y's). These are what a memory plan must count for the all-gather.
-// The default, 256 MiB: for llama-8b (NKV = 8, HD = 128) in bf16 at T = cp·Tl = 131,072 one KV
-// head's four gathered buffers take 4·131072·128·2 B = 128 MiB, so hk = 2 (of 8); at T = 32,768,
-// hk = 8 (one chunk, no packing).
+//              the backward dK, dV of the same size; positions and ids [cp·Tl] int32. When hk < NKV
+//              also the packed chunk of this rank's rows: k, v [Tl, hk·HD] and q, y [Tl, G·hk·HD]
+//              (forward), plus dk, dv [Tl, hk·HD] and dq [Tl, G·hk·HD] (backward; dy reuses y's).
+//              hk is chosen so that all of these together fit in gather_bytes: every KV head in one
+//              chunk (nothing packed) when 4·cp·Tl·NKV·HD·sizeof(C) does, else the most heads whose
+//              (4·cp + 4 + 3·G)·Tl·hk·HD·sizeof(C) does, or hk = 1 when even one head does not (the
+//              bound is then exceeded, by the size of one head's buffers). These are what a memory
+//              plan must count for the all-gather (cp_gather_scratch_bytes).
+// The default, 256 MiB: for llama-8b (NH = 32, NKV = 8, HD = 128) in bf16 at T = cp·Tl = 32,768 the
+// four gathered buffers of all 8 heads take 4·32768·8·128·2 B = 256 MiB: one chunk, nothing packed;
+// at T = 131,072 on cp = 8 one head chunked takes (32 + 4 + 12)·16384·128·2 B = 192 MiB, so hk = 1.
 inline constexpr size_t kCpGatherBytes = size_t{256} << 20;  // default bound on AllGather's gathered buffers
 
-// AllGather's chunk for cp ranks of Tl rows per sequence, NKV KV heads of HD (this rank's: NKV / tp
-// under TP), elements of elem_bytes: KV heads per chunk, the largest hk in [1, NKV] with
-// 4·cp·Tl·hk·HD·elem_bytes <= gather_bytes, or 1 (CpAttention::gather_kv_heads); and the scratch
-// of T elements CpAttention then holds after a forward and backward, in bytes (the list above:
-// gathered K, V, dK, dV, and when hk < NKV the packed k, v, dk, dv and q, y (dy), dq; positions,
-// ids and the S-typed dsum not included). Pure: for a memory plan. Throws std::invalid_argument for
-// sizes < 1 or NH not a multiple of NKV.
-int cp_gather_kv_heads(int cp, int Tl, int NKV, int HD, size_t elem_bytes, size_t gather_bytes = kCpGatherBytes);
+// AllGather's chunk for cp ranks of Tl rows per sequence, NH query and NKV KV heads of HD (this
+// rank's: NH / tp and NKV / tp under TP), elements of elem_bytes: KV heads per chunk, chosen as the
+// list above says so that the scratch fits in gather_bytes (CpAttention::gather_kv_heads); and that
+// scratch CpAttention then holds after a forward and backward, in bytes (gathered K, V, dK, dV, and
+// when hk < NKV the packed k, v, dk, dv and q, y (dy), dq; positions, ids and the S-typed dsum not
+// included): at most gather_bytes unless hk = 1. Pure: for a memory plan. Throws
+// std::invalid_argument for sizes < 1 or NH not a multiple of NKV.
+int cp_gather_kv_heads(int cp, int Tl, int NH, int NKV, int HD, size_t elem_bytes, size_t gather_bytes = kCpGatherBytes);
 int64_t cp_gather_scratch_bytes(int cp, int Tl, int NH, int NKV, int HD, size_t elem_bytes,
                                 size_t gather_bytes = kCpGatherBytes);
 template <typename C> class CpAttention final : public ContextParallelOps<C> {
@@ -145,9 +147,9 @@ template <typename C> class CpAttention final : public ContextParallelOps<C> {
   int size() const override { return comm_.world_size(); }
   int rank() const override { return comm_.rank(); }
   CpComm method() const { return method_; }
-  // AllGather: KV heads per chunk for Tl rows per rank, NKV heads of HD: the largest hk in
-  // [1, NKV] with 4·cp·Tl·hk·HD·sizeof(C) <= gather_bytes, or 1.
-  int gather_kv_heads(int Tl, int NKV, int HD) const;
+  // AllGather: KV heads per chunk for Tl rows per rank, NH query and NKV KV heads of HD
+  // (cp_gather_kv_heads with this group's size, sizeof(C) and the bound).
+  int gather_kv_heads(int Tl, int NH, int NKV, int HD) const;
   void forward(C* y, S* lse, const C* q, const C* k, const C* v, const int32_t* pos, const int32_t* doc, int B,
                int Tl, int NH, int NKV, int HD, S scale) override;
   void backward(C* dq, C* dk, C* dv, const C* dy, const C* q, const C* k, const C* v, const C* y, const S* lse,

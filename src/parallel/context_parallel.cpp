@@ -420,25 +420,27 @@ template <typename C> void gather_kv(Comm& comm, Transfers& tr, const C* k, cons
 }
 }  // namespace
 
-int cp_gather_kv_heads(int cp, int Tl, int NKV, int HD, size_t elem_bytes, size_t gather_bytes) {
+int cp_gather_kv_heads(int cp, int Tl, int NH, int NKV, int HD, size_t elem_bytes, size_t gather_bytes) {
   if (cp < 1 || Tl < 1 || NKV < 1 || HD < 1 || elem_bytes < 1)
     throw std::invalid_argument("cp_gather_kv_heads: cp, Tl, NKV, HD and elem_bytes must be >= 1");
-  const double per_head = 4.0 * cp * Tl * HD * static_cast<double>(elem_bytes);
-  const double fit_heads = std::floor(static_cast<double>(gather_bytes) / per_head);
-  return static_cast<int>(std::clamp(fit_heads, 1.0, static_cast<double>(NKV)));
+  if (NH < 1 || NH % NKV != 0) throw std::invalid_argument("cp_gather_kv_heads: NH must be a positive multiple of NKV");
+  const double row_head = static_cast<double>(Tl) * HD * static_cast<double>(elem_bytes), bound = static_cast<double>(gather_bytes);
+  if (4.0 * cp * NKV * row_head <= bound) return NKV;  // one chunk: nothing packed
+  const double per_head = (4.0 * cp + 4.0 + 3.0 * (NH / NKV)) * row_head;  // gathered + packed, per KV head
+  return static_cast<int>(std::max(1.0, std::min(std::floor(bound / per_head), static_cast<double>(NKV - 1))));
 }
 
 int64_t cp_gather_scratch_bytes(int cp, int Tl, int NH, int NKV, int HD, size_t elem_bytes, size_t gather_bytes) {
   if (NH < 1 || NKV < 1 || NH % NKV != 0)
     throw std::invalid_argument("cp_gather_scratch_bytes: NH must be a positive multiple of NKV");
-  const int64_t hk = cp_gather_kv_heads(cp, Tl, NKV, HD, elem_bytes, gather_bytes), G = NH / NKV;
+  const int64_t hk = cp_gather_kv_heads(cp, Tl, NH, NKV, HD, elem_bytes, gather_bytes), G = NH / NKV;
   int64_t elems = 4 * int64_t{cp} * Tl * hk * HD;  // K, V, dK, dV gathered
   if (hk < NKV) elems += 4 * int64_t{Tl} * hk * HD + 3 * int64_t{Tl} * G * hk * HD;  // packed k, v, dk, dv; q, y, dq
   return elems * static_cast<int64_t>(elem_bytes);
 }
 
-template <typename C> int CpAttention<C>::gather_kv_heads(int Tl, int NKV, int HD) const {
-  return cp_gather_kv_heads(size(), Tl, NKV, HD, sizeof(C), gather_bytes_);
+template <typename C> int CpAttention<C>::gather_kv_heads(int Tl, int NH, int NKV, int HD) const {
+  return cp_gather_kv_heads(size(), Tl, NH, NKV, HD, sizeof(C), gather_bytes_);
 }
 
 // All-gather forward: per sequence, its positions and document ids, then per chunk of hk KV heads
@@ -449,7 +451,7 @@ template <typename C> int CpAttention<C>::gather_kv_heads(int Tl, int NKV, int H
 // buffers and y's unpacked. Per (sequence, head) the kernels' work is the same either way, so the
 // results do not depend on the chunking (bitwise on the CPU backend: the chunking test).
 template <typename C> void CpAttention<C>::gather_forward(const Args& a) {
-  const int P = size(), Tk = P * a.Tl, G = a.NH / a.NKV, hk = gather_kv_heads(a.Tl, a.NKV, a.HD);
+  const int P = size(), Tk = P * a.Tl, G = a.NH / a.NKV, hk = gather_kv_heads(a.Tl, a.NH, a.NKV, a.HD);
   const bool chunked = hk < a.NKV;
   Work& w = *work_;
   const size_t Tl = static_cast<size_t>(a.Tl), ldk = static_cast<size_t>(a.ldk()), ldq = static_cast<size_t>(a.ldq()),
@@ -495,7 +497,7 @@ template <typename C> void CpAttention<C>::gather_forward(const Args& a) {
 // whole sequence's dK/dV of the chunk, then dK/dV reduce-scattered (summed) so that each rank
 // receives its own rows'.
 template <typename C> void CpAttention<C>::gather_backward(const Args& a) {
-  const int P = size(), Tk = P * a.Tl, G = a.NH / a.NKV, hk = gather_kv_heads(a.Tl, a.NKV, a.HD);
+  const int P = size(), Tk = P * a.Tl, G = a.NH / a.NKV, hk = gather_kv_heads(a.Tl, a.NH, a.NKV, a.HD);
   const bool chunked = hk < a.NKV;
   Work& w = *work_;
   const size_t Tl = static_cast<size_t>(a.Tl), ldk = static_cast<size_t>(a.ldk()), ldq = static_cast<size_t>(a.ldq()),

@@ -200,14 +200,15 @@ CpMemory cp_memory(const ModelConfig& mc, const MeshDims& d, CpComm method, int 
                   "lse, dsum, positions, document ids";
   } else {
     // One sequence at a time, K/V gathered a chunk of KV heads at a time (cp_gather_kv_heads: at most
-    // kCpGatherBytes of gathered K, V, dK, dV), plus the packed per-chunk copies when chunked.
-    const int nkv = mc.num_key_value_heads / d.tp, hk = cp_gather_kv_heads(C, m.rows, nkv, static_cast<int>(HD), e);
+    // kCpGatherBytes of gathered K, V, dK, dV and, when chunked, the chunk's packed copies).
+    const int nkv = mc.num_key_value_heads / d.tp,
+              hk = cp_gather_kv_heads(C, m.rows, static_cast<int>(nh), nkv, static_cast<int>(HD), e);
     m.kv_bytes = cp_gather_scratch_bytes(C, m.rows, static_cast<int>(nh), nkv, static_cast<int>(HD), e) + 4 * r * nh +
                  4 * 2 * int64_t{T};
     m.kv_name = "CP all-gathered K/V buffers";
     m.kv_detail = "one sequence's gathered K, V and their gradients, " + std::to_string(hk) + " of " +
                   std::to_string(nkv) + " KV heads at a time (at most " +
-                  std::to_string(kCpGatherBytes >> 20) + " MiB gathered)" + (hk < nkv ? ", with the chunk's packed copies" : "") +
+                  std::to_string(kCpGatherBytes >> 20) + " MiB with the chunk's packed copies)" +
                   "; dsum, positions, document ids";
   }
   return m;

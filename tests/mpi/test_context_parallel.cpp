@@ -386,34 +386,42 @@ TEST_F(ContextParallel, Bf16ErrorNoWorseThanWholeSequenceTiled) {
   }
 }
 
-// AllGather in chunks of hk KV heads (the bound gather_bytes set to exactly hk heads' gathered
-// K, V, dK, dV: 4·cp·Tl·hk·HD·8 bytes), hk = 1, 2, 3 of NKV = 4 (3: a last chunk of 1 head): y,
-// lse, dq, dk, dv bitwise equal to one chunk of every head (the unchunked path), within 1e-12 of
-// the float64 whole-sequence loops, the same bytes sent; and the scratch CpAttention holds (counted
-// by a CountingBackend) is exactly the header's list, its gathered buffers within the bound.
+// AllGather in chunks of hk KV heads: the bound gather_bytes set to exactly hk heads' chunked
+// scratch, (4·cp + 4 + 3·G)·Tl·hk·HD·8 bytes (gathered K, V, dK, dV plus the packed rows), for
+// hk = 1, 2, 3 of NKV = 8 (3: a last chunk of 2 heads), or all 8 heads in one chunk where their
+// unchunked 4·cp·Tl·8·HD·8 bytes fit that bound (hk = 3 at cp 1). Each: y, lse, dq, dk, dv bitwise
+// equal to one chunk of every head (the unchunked path), within 1e-12 of the float64
+// whole-sequence loops, the same bytes sent; and the scratch CpAttention holds (counted by a
+// CountingBackend) is exactly the header's list (cp_gather_scratch_bytes) and within the bound.
 TEST_F(ContextParallel, AllGatherChunkedPerKvHeadEqualsUnchunkedWithinBound) {
   const int W = world().world_size();
   st::testing::CountingBackend<double> be;
   st::MpiComm c = group_comm(W);
-  const Shape s{2, 48, 8, 4, 8};  // G = 2 query heads per KV head; T = 48 splits at cp 1, 2, 3, 4
+  const Shape s{2, 48, 16, 8, 8};  // G = 2 query heads per KV head; T = 48 splits at cp 1, 2, 3, 4
   const int Tl = s.T / W, Tk = s.T, G = s.NH / s.NKV;
   const std::vector<int32_t> rows = st::cp_rows(s.T, W, c.rank());
+  const size_t unchunked = static_cast<size_t>(4) * Tk * s.NKV * s.HD * sizeof(double);
   for (bool with_doc : {false, true}) {
     const Whole w = make_whole<double>(s, 999u + with_doc, with_doc);
     const Ref ref = reference(s, w);
     st::CpCommStats st_all, st_hk;
     size_t scratch_all = 0, scratch_hk = 0;
     const Local all = run_cp<double>(c, be, st::CpComm::AllGather, s, w, &st_all, SIZE_MAX, &scratch_all);
-    EXPECT_EQ(scratch_all, static_cast<size_t>(4) * Tk * s.NKV * s.HD) << "unchunked: K, V, dK, dV gathered";
+    EXPECT_EQ(scratch_all * sizeof(double), unchunked) << "unchunked: K, V, dK, dV gathered";
     EXPECT_EQ(st::cp_gather_scratch_bytes(W, Tl, s.NH, s.NKV, s.HD, sizeof(double), SIZE_MAX),
-              static_cast<int64_t>(scratch_all * sizeof(double)));
-    for (int hk : {1, 2, 3}) {
-      const size_t bound = static_cast<size_t>(4) * Tk * hk * s.HD * sizeof(double);
+              static_cast<int64_t>(unchunked));
+    for (int want : {1, 2, 3}) {
+      const size_t bound = static_cast<size_t>(4 * W + 4 + 3 * G) * Tl * want * s.HD * sizeof(double);
+      const int hk = unchunked <= bound ? s.NKV : want;
       {
         st::CpAttention<double> probe(c, be, st::CpComm::AllGather, bound);
-        EXPECT_EQ(probe.gather_kv_heads(Tl, s.NKV, s.HD), hk);
-        st::CpAttention<double> less(c, be, st::CpComm::AllGather, bound - 1);
-        EXPECT_EQ(less.gather_kv_heads(Tl, s.NKV, s.HD), std::max(1, hk - 1));
+        EXPECT_EQ(probe.gather_kv_heads(Tl, s.NH, s.NKV, s.HD), hk);
+        st::CpAttention<double> less(c, be, st::CpComm::AllGather, std::min(bound, unchunked) - 1);
+        // A byte less: one head fewer when chunked; chunked when the unchunked no longer fits.
+        const size_t per_head = bound / want;
+        const int fewer = hk < s.NKV ? std::max(1, hk - 1)
+                                     : std::max(1, std::min(s.NKV - 1, static_cast<int>((unchunked - 1) / per_head)));
+        EXPECT_EQ(less.gather_kv_heads(Tl, s.NH, s.NKV, s.HD), fewer);
       }
       const Local l = run_cp<double>(c, be, st::CpComm::AllGather, s, w, &st_hk, bound, &scratch_hk);
       const std::string what = "cp " + std::to_string(W) + " hk " + std::to_string(hk) + (with_doc ? " documents" : " causal");
@@ -428,15 +436,15 @@ TEST_F(ContextParallel, AllGatherChunkedPerKvHeadEqualsUnchunkedWithinBound) {
       EXPECT_LE(rel(l.dv, take_rows(ref.dv, s.B, s.T, s.ldk(), rows)), 1e-12) << what;
       EXPECT_DOUBLE_EQ(st_hk.bytes, st_all.bytes) << what;
       const size_t gathered = static_cast<size_t>(4) * Tk * hk * s.HD;  // K, V, dK, dV
-      const size_t packed = static_cast<size_t>(4) * Tl * hk * s.HD + static_cast<size_t>(3) * Tl * G * hk * s.HD;
+      const size_t packed = hk < s.NKV ? static_cast<size_t>(4) * Tl * hk * s.HD + static_cast<size_t>(3) * Tl * G * hk * s.HD : 0;
       EXPECT_EQ(scratch_hk, gathered + packed) << what;
       EXPECT_EQ(st::cp_gather_scratch_bytes(W, Tl, s.NH, s.NKV, s.HD, sizeof(double), bound),
                 static_cast<int64_t>(scratch_hk * sizeof(double))) << what;
-      EXPECT_LE(gathered * sizeof(double), bound) << what;
+      EXPECT_LE(scratch_hk * sizeof(double), bound) << what << ": the packed copies count in the bound";
       if (world().rank() == 0 && !with_doc)
-        std::printf("[ cp ] all-gather cp %d, hk %d of %d KV heads: gathered %zu B (bound %zu B, unchunked %zu B), "
-                    "packed %zu B, %lld transfers (unchunked %lld)\n",
-                    W, hk, s.NKV, gathered * sizeof(double), bound, scratch_all * sizeof(double), packed * sizeof(double),
+        std::printf("[ cp ] all-gather cp %d, hk %d of %d KV heads: gathered %zu B + packed %zu B (bound %zu B, "
+                    "unchunked %zu B), %lld transfers (unchunked %lld)\n",
+                    W, hk, s.NKV, gathered * sizeof(double), packed * sizeof(double), bound, unchunked,
                     static_cast<long long>(st_hk.transfers), static_cast<long long>(st_all.transfers));
     }
   }

@@ -191,24 +191,44 @@ TEST(CpSplit, HeadTailBalancesContiguousDoesNot) {
   }
 }
 
-// The all-gather's chunk of KV heads under the default bound (256 MiB over the gathered K, V, dK,
-// dV), worked by hand for llama-8b's attention (NKV = 8, NH = 32, HD = 128) in bf16: one KV head's
-// four buffers at T = cp·Tl tokens are 4·T·128·2 B, i.e. 128 MiB at T = 131,072 (hk = 2) and
-// 32 MiB at 32,768 (hk = 8, one chunk, nothing packed); at T = 1,048,576 one head alone (1 GiB)
-// exceeds the bound (hk = 1). Scratch bytes: the gathered 4·T·hk·128·2 plus, chunked, the packed
-// (4·Tl·hk + 3·Tl·G·hk)·128·2 (G = 4).
+// AllGather's chunk of KV heads under the default 256 MiB bound, worked by hand for llama-8b's
+// attention (NH = 32, NKV = 8, G = 4, HD = 128) in bf16. All 8 heads' gathered K, V, dK, dV at
+// T = cp·Tl tokens take 4·T·8·128·2 B: 256 MiB at T = 32,768 (fits: one chunk, nothing packed).
+// Chunked, one head takes its gathered 4·T·128·2 B plus the packed k, v, dk, dv (4·Tl·128·2) and
+// q, y, dq (3·Tl·4·128·2): at T = 131,072 on cp = 8 (Tl = 16,384) 128 + 64 = 192 MiB, so hk = 1;
+// with a 512 MiB bound hk = 2 (384 MiB). The scratch never exceeds the bound unless hk = 1.
 TEST(CpSplit, AllGatherChunkOfKvHeads) {
   const size_t e = 2;  // bf16
-  EXPECT_EQ(st::cp_gather_kv_heads(8, 131072 / 8, 8, 128, e), 2);
-  EXPECT_EQ(st::cp_gather_kv_heads(8, 32768 / 8, 8, 128, e), 8);
-  EXPECT_EQ(st::cp_gather_kv_heads(4, 32768 / 4, 8, 128, e), 8);  // depends on T = cp·Tl only
-  EXPECT_EQ(st::cp_gather_kv_heads(8, 1048576 / 8, 8, 128, e), 1);
-  EXPECT_EQ(st::cp_gather_kv_heads(8, 131072 / 8, 8, 128, e, (size_t{128} << 20) - 1), 1);
-  EXPECT_EQ(st::cp_gather_kv_heads(8, 131072 / 8, 8, 128, e, size_t{3} << 30), 8);  // capped at NKV
-  const int64_t Tl = 131072 / 8, MiB = int64_t{1} << 20;
-  EXPECT_EQ(st::cp_gather_scratch_bytes(8, static_cast<int>(Tl), 32, 8, 128, e),
-            256 * MiB + (4 * Tl * 2 + 3 * Tl * 4 * 2) * 128 * 2);
-  EXPECT_EQ(st::cp_gather_scratch_bytes(8, 32768 / 8, 32, 8, 128, e), 4 * int64_t{32768} * 8 * 128 * 2);
-  EXPECT_THROW(st::cp_gather_kv_heads(0, 16, 8, 128, e), std::invalid_argument);
+  const int64_t MiB = int64_t{1} << 20;
+  EXPECT_EQ(st::cp_gather_kv_heads(8, 32768 / 8, 32, 8, 128, e), 8);
+  EXPECT_EQ(st::cp_gather_kv_heads(4, 32768 / 4, 32, 8, 128, e), 8);  // unchunked: depends on T = cp·Tl only
+  EXPECT_EQ(st::cp_gather_scratch_bytes(8, 32768 / 8, 32, 8, 128, e), 256 * MiB);
+  EXPECT_EQ(st::cp_gather_kv_heads(8, 131072 / 8, 32, 8, 128, e), 1);
+  EXPECT_EQ(st::cp_gather_scratch_bytes(8, 131072 / 8, 32, 8, 128, e), 192 * MiB);
+  EXPECT_EQ(st::cp_gather_kv_heads(8, 131072 / 8, 32, 8, 128, e, size_t{512} << 20), 2);
+  EXPECT_EQ(st::cp_gather_scratch_bytes(8, 131072 / 8, 32, 8, 128, e, size_t{512} << 20), 384 * MiB);
+  EXPECT_EQ(st::cp_gather_kv_heads(8, 131072 / 8, 32, 8, 128, e, (size_t{576} << 20) - 1), 2);
+  EXPECT_EQ(st::cp_gather_kv_heads(8, 131072 / 8, 32, 8, 128, e, size_t{576} << 20), 3);
+  EXPECT_EQ(st::cp_gather_kv_heads(8, 131072 / 8, 32, 8, 128, e, size_t{1} << 30), 8);  // 4·T·8·128·2 = 1 GiB fits
+  EXPECT_EQ(st::cp_gather_kv_heads(8, 131072 / 8, 32, 8, 128, e, (size_t{1} << 30) - 1), 5);  // chunked: 5 x 192 MiB
+  EXPECT_EQ(st::cp_gather_kv_heads(8, 1048576 / 8, 32, 8, 128, e), 1);  // one head alone exceeds the bound
+  EXPECT_EQ(st::cp_gather_kv_heads(2, 1 << 20, 8, 1, 128, e), 1);      // NKV = 1 that does not fit
+  // fp32, cp 2, T = 32,768 (the case that first showed packed copies outside the bound): unchunked
+  // 512 MiB does not fit; one head chunked is (8 + 4 + 12)·16384·128·4 B = 192 MiB.
+  EXPECT_EQ(st::cp_gather_kv_heads(2, 16384, 32, 8, 128, 4), 1);
+  EXPECT_EQ(st::cp_gather_scratch_bytes(2, 16384, 32, 8, 128, 4), 192 * MiB);
+  // Over a grid of shapes the scratch is within the bound whenever more than one head is taken.
+  for (int cp : {1, 2, 3, 4, 8})
+    for (int T : {4096, 32768, 131072, 262144})
+      for (int G : {1, 4, 8})
+        for (size_t el : {size_t{2}, size_t{4}, size_t{8}}) {
+          const int hk = st::cp_gather_kv_heads(cp, T / cp, 8 * G, 8, 128, el);
+          if (hk > 1) {
+            EXPECT_LE(st::cp_gather_scratch_bytes(cp, T / cp, 8 * G, 8, 128, el), 256 * MiB)
+                << "cp " << cp << " T " << T << " G " << G << " elem " << el;
+          }
+        }
+  EXPECT_THROW(st::cp_gather_kv_heads(0, 16, 8, 8, 128, e), std::invalid_argument);
+  EXPECT_THROW(st::cp_gather_kv_heads(2, 16, 6, 4, 128, e), std::invalid_argument);
   EXPECT_THROW(st::cp_gather_scratch_bytes(2, 16, 6, 4, 128, e), std::invalid_argument);
 }

@@ -123,11 +123,12 @@ TEST(CpPlan, KvBuffersUnderTpAndMicroBatches) {
   // 2 KV, 8 Q heads per TP rank; bf16: the merge's y also accumulates in fp32
   EXPECT_EQ(ring.kv_bytes, 2 * (12 * r * 2 * 128 + r * 8 * 128) + 4 * r * 8 * 128 + 4 * 2 * r * 8 + 4 * 4 * r);
   const CpMemory ag = cp_memory(mc, MeshDims{1, 1, 2, 1}, CpComm::AllGather, 3, 32768, 4);
-  // fp32, cp 2, 16384 rows a rank: 4 x 2 x 16384 x hk x 128 x 4 B <= 256 MiB gives hk = 4 of 8 KV
-  // heads a chunk: gathered K, V, dK, dV of 4 heads over T rows, and the chunk's packed k, v, dk, dv
-  // (4 KV heads) and q, y, dq (16 query heads) of the rank's rows. (More than the unchunked 512 MiB:
-  // the packed copies are not inside the bound; see the status of issue 41.)
-  const int64_t gathered = int64_t{4} * 32768 * 4 * 128 * 4, packed = (int64_t{4} * 16384 * 4 * 128 + 3 * 16384 * 16 * 128) * 4;
+  // fp32, cp 2, 16384 rows a rank: all 8 KV heads' gathered K, V, dK, dV over T rows take
+  // 4 x 32768 x 8 x 128 x 4 B = 512 MiB > 256 MiB, so chunked; one head's chunk is its gathered
+  // 4 x 32768 x 128 x 4 B plus its packed k, v, dk, dv (1 KV head) and q, y, dq (4 query heads) of
+  // the rank's rows, (8 + 4 + 12) x 16384 x 128 x 4 B = 192 MiB: hk = 1, within the bound.
+  const int64_t gathered = int64_t{4} * 32768 * 1 * 128 * 4, packed = (int64_t{4} * 16384 * 128 + 3 * 16384 * 4 * 128) * 4;
+  EXPECT_EQ(gathered + packed, int64_t{192} << 20);
   EXPECT_EQ(ag.kv_bytes, gathered + packed + 4 * (3 * 16384) * 32 + 4 * 2 * 32768);
   const CpMemory none = cp_memory(mc, MeshDims{1, 2, 1, 1}, CpComm::Ring, 1, 32768, 2);
   EXPECT_EQ(none.kv_bytes, 0);
