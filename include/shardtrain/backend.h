@@ -226,10 +226,13 @@ template <typename T> class Backend {
                                         const int32_t* q_doc, const int32_t* k_doc, int B, int Tq, int Tk, int NH,
                                         int NKV, int HD, S scale) = 0;
   // Tile pairs of block attention since the last call, and how many of them were skipped as fully
-  // masked; resets both. Each attention_block_forward and each attention_block_backward adds its
+  // masked; resets them. Each attention_block_forward and each attention_block_backward adds its
   // B * NH * ceil(Tq/kBr) * ceil(Tk/kBc) pairs (b, h, query tile, key tile). Waits for queued work.
+  // cpu_s: host backends, the process's CPU seconds (CLOCK_PROCESS_CPUTIME_ID, OpenMP workers
+  // included, and any other thread busy meanwhile) inside those calls; 0 where not measured (devices).
   struct BlockAttentionStats {
     int64_t tile_pairs = 0, skipped = 0;
+    double cpu_s = 0;
   };
   virtual BlockAttentionStats take_block_attention_stats() = 0;
 

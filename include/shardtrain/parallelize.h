@@ -205,6 +205,12 @@ struct CpMemory {
   std::string rows_words;   // "B x T tokens", or "B x T / C = B x rows tokens of each sequence (CP C)"
   int64_t kv_bytes = 0;     // the CP attention's scratch (0: none)
   std::string kv_name, kv_detail;  // the memory plan's line
+  // allgather over MPI (host Comm): Open MPI's MPI_Ireduce_scatter_block (libnbc,
+  // ompi/mca/coll/libnbc/nbc_ireduce_scatter_block.c) reduces the whole input to the group's first
+  // rank along a binomial tree; each receiving rank touches one temporary of the whole input per
+  // round it receives in, up to two (alternating): the first rank min(2, ceil(log2 cp)) of them.
+  // For dK and dV of one chunk, started together: n x 2 x T x hk x HD x elem_bytes (0 for ring).
+  int64_t mpi_reduce_scatter_bytes = 0;
 };
 CpMemory cp_memory(const ModelConfig& mc, const MeshDims& d, CpComm method, int B, int T, size_t elem_bytes);
 

@@ -205,6 +205,8 @@ CpMemory cp_memory(const ModelConfig& mc, const MeshDims& d, CpComm method, int 
               hk = cp_gather_kv_heads(C, m.rows, static_cast<int>(nh), nkv, static_cast<int>(HD), e);
     m.kv_bytes = cp_gather_scratch_bytes(C, m.rows, static_cast<int>(nh), nkv, static_cast<int>(HD), e) + 4 * r * nh +
                  4 * 2 * int64_t{T};
+    const int64_t rounds = C > 2 ? 2 : 1;  // ceil(log2 C) receiving rounds of the first rank, up to 2 buffers
+    m.mpi_reduce_scatter_bytes = rounds * 2 * int64_t{T} * hk * HD * e;
     m.kv_name = "CP all-gathered K/V buffers";
     m.kv_detail = "one sequence's gathered K, V and their gradients, " + std::to_string(hk) + " of " +
                   std::to_string(nkv) + " KV heads at a time (at most " +

@@ -157,6 +157,10 @@ MemoryPlan plan_memory(const MemoryPlanInput& in) {
       std::to_string(in.model.num_hidden_layers) + " blocks, " + geo +
           (N > 1 ? ", TP " + std::to_string(N) + ": the residual stream's rows and the heads / MLP split" : ""));
   if (cpm.kv_bytes) add(cpm.kv_name, cpm.kv_bytes, cpm.kv_detail);
+  if (!in.cuda && cpm.mpi_reduce_scatter_bytes)  // the host Comm's MPI_Ireduce_scatter_block (parallelize.h CpMemory)
+    add("MPI buffers of the CP reduce-scatter", cpm.mpi_reduce_scatter_bytes,
+        "Open MPI's non-blocking reduce-scatter of dK and dV reduces to the CP group's first rank, "
+        "which holds " + std::string(d.cp > 2 ? "2 temporaries" : "1 temporary") + " of each");
   if (a.recompute) add("recomputed block activations", a.recompute, "one block at a time");
   add("block scratch and activation gradients", a.block_scratch, "shared by the blocks");
   add("head: final norm, logits chunk, ids, RoPE", a.head,

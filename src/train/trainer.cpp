@@ -73,6 +73,7 @@ struct Interval {
   CommStats comm;  // every dimension's, summed over the steps
   int64_t steps = 0;
   int64_t attn_pairs = 0, attn_skipped = 0;  // --attention-mask document: StepOutcome::attn, summed
+  double attn_cpu_s = 0;
 };
 
 // A run in compute type C (float, or bf16 for mixed precision over fp32 master shards). The
@@ -551,7 +552,7 @@ template <typename C> StepOutcome Trainer<C>::train_step(int64_t s) {
   }
   o.seconds = seconds_since(t0);
   o.comm = run_.comm_stats() - comm0;
-  o.attn = {attn.tile_pairs, attn.skipped};
+  o.attn = {attn.tile_pairs, attn.skipped, attn.cpu_s};
   return o;
 }
 
@@ -575,6 +576,7 @@ template <typename C> void Trainer<C>::log_step(int64_t s, const StepOutcome& o)
   ++interval_.steps;
   interval_.attn_pairs += o.attn.tile_pairs;
   interval_.attn_skipped += o.attn.skipped;
+  interval_.attn_cpu_s += o.attn.cpu_s;
   StepLog sl;
   sl.step = s + 1;
   sl.loss = o.loss, sl.lr = o.lr, sl.grad_norm = o.grad_norm, sl.elapsed_s = seconds_since(t_start_);
@@ -612,17 +614,22 @@ template <typename C> void Trainer<C>::log_step(int64_t s, const StepOutcome& o)
       dims_rec["attn_tile_pairs"] = static_cast<double>(pairs) / n;
       dims_rec["attn_tiles_skipped"] = static_cast<double>(skipped) / n;
     }
-    // Collective (every rank logs the same steps): every rank's compute and wait time, and its
-    // attention tile pairs computed (not skipped) per step.
-    const double mine[3] = {sl.compute_ms, sl.wait_ms, static_cast<double>(pairs - skipped) / n};
-    std::vector<double> all(3 * static_cast<size_t>(W_)), compute(static_cast<size_t>(W_)), wait(static_cast<size_t>(W_)),
-        tiles(static_cast<size_t>(W_));
-    comm_.all_gather(mine, all.data(), 3);
-    for (size_t r = 0; r < compute.size(); ++r) compute[r] = all[3 * r], wait[r] = all[3 * r + 1], tiles[r] = all[3 * r + 2];
-    // Per rank (index = world rank) under CP: the balance of the sequence split (issue 41).
+    // Collective (every rank logs the same steps): every rank's compute and wait time, its
+    // attention tile pairs computed (not skipped) and the block kernels' CPU milliseconds per step.
+    constexpr size_t kPer = 4;
+    const double mine[kPer] = {sl.compute_ms, sl.wait_ms, static_cast<double>(pairs - skipped) / n,
+                               1e3 * interval_.attn_cpu_s / n};
+    std::vector<double> all(kPer * static_cast<size_t>(W_)), compute(static_cast<size_t>(W_)),
+        wait(static_cast<size_t>(W_)), tiles(static_cast<size_t>(W_)), attn_cpu(static_cast<size_t>(W_));
+    comm_.all_gather(mine, all.data(), kPer);
+    for (size_t r = 0; r < compute.size(); ++r)
+      compute[r] = all[kPer * r], wait[r] = all[kPer * r + 1], tiles[r] = all[kPer * r + 2], attn_cpu[r] = all[kPer * r + 3];
+    // Per rank (index = world rank) under CP: the balance of the sequence split (issue 41); the
+    // attention's CPU time where the backend measures it (host backends).
     if (pairs > 0 && mesh_.dims().cp > 1) {
       dims_rec["attn_tiles_computed_ranks"] = tiles;
       dims_rec["compute_ms_ranks"] = compute;
+      if (interval_.attn_cpu_s > 0) dims_rec["attn_cpu_ms_ranks"] = attn_cpu;
     }
     interval_ = Interval{};
     sl.ranks = straggler_stats(compute, wait);

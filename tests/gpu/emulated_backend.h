@@ -181,6 +181,7 @@ template <typename T> class EmulatedBackend final : public Backend<T> {
     typename Backend<T>::BlockAttentionStats r;
     r.tile_pairs = s.tile_pairs;
     r.skipped = s.skipped;
+    r.cpu_s = s.cpu_s;
     return r;
   }
   void flash_attention_forward(T* y, S* lse, const T* q, const T* k, const T* v, int B, int T_, int NH, int NKV,

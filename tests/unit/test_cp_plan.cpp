@@ -130,6 +130,12 @@ TEST(CpPlan, KvBuffersUnderTpAndMicroBatches) {
   const int64_t gathered = int64_t{4} * 32768 * 1 * 128 * 4, packed = (int64_t{4} * 16384 * 128 + 3 * 16384 * 4 * 128) * 4;
   EXPECT_EQ(gathered + packed, int64_t{192} << 20);
   EXPECT_EQ(ag.kv_bytes, gathered + packed + 4 * (3 * 16384) * 32 + 4 * 2 * 32768);
+  // Open MPI's libnbc reduce-scatter on the host: at cp 2 the first rank receives once (one
+  // temporary of the whole chunk of dK, one of dV); from cp 3 on, twice (two each).
+  EXPECT_EQ(ag.mpi_reduce_scatter_bytes, int64_t{1} * 2 * 32768 * 1 * 128 * 4);
+  EXPECT_EQ(cp_memory(mc, MeshDims{1, 1, 4, 1}, CpComm::AllGather, 1, 32768, 2).mpi_reduce_scatter_bytes,
+            int64_t{2} * 2 * 32768 * 8 * 128 * 2);  // bf16 cp 4: all 8 KV heads in one chunk (their 256 MiB fit)
+  EXPECT_EQ(ring.mpi_reduce_scatter_bytes, 0);
   const CpMemory none = cp_memory(mc, MeshDims{1, 2, 1, 1}, CpComm::Ring, 1, 32768, 2);
   EXPECT_EQ(none.kv_bytes, 0);
   EXPECT_EQ(none.rows, 32768);

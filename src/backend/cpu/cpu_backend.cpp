@@ -18,6 +18,7 @@
 //    thread 0 (the calling thread) polls the progress hook between its tiles.
 #include <cblas.h>
 #include <omp.h>
+#include <time.h>
 #if defined(__SSE__)
 #include <xmmintrin.h>
 #endif
@@ -559,9 +560,25 @@ template <typename T> class CpuBackend final : public Backend<T> {
   // Block attention at global positions (flash_attention.h, "Block attention"): the loops of the
   // two functions above over every key tile of the block, with visible() for the mask and fully
   // masked tile pairs skipped. Between key tiles the calling thread polls the progress hook.
+  // The process's CPU seconds while alive, added to `acc` (BlockAttentionStats::cpu_s).
+  struct ProcessCpuTimer {
+    double& acc;
+    double t0 = now();
+    explicit ProcessCpuTimer(double& a) : acc(a) {}
+    ~ProcessCpuTimer() { acc += now() - t0; }
+    ProcessCpuTimer(const ProcessCpuTimer&) = delete;
+    ProcessCpuTimer& operator=(const ProcessCpuTimer&) = delete;
+    static double now() {
+      timespec ts{};
+      clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+      return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+    }
+  };
+
   void attention_block_forward(T* y, S* lse, const T* q, const T* k, const T* v, const int32_t* qp, const int32_t* kp,
                                const int32_t* qd, const int32_t* kd, int B, int Tq, int Tk, int NH, int NKV, int HD,
                                S scale) override {
+    const ProcessCpuTimer timer(block_cpu_s_);
     if (B <= 0 || Tq <= 0 || NH <= 0 || HD <= 0) return;
     auto pair = [&](FlashScratch& w, const QueryTile& qt, const KeyTile& kt, int nr, int nc, const PosTile& pq,
                     const PosTile& pk) { forward_pair(w, qt.Q, qt.lQ, kt, nr, nc, HD, scale, block_row_vis(pq, pk)); };
@@ -606,6 +623,7 @@ template <typename T> class CpuBackend final : public Backend<T> {
   void attention_block_backward(T* dq, T* dk, T* dv, const T* dy, const T* q, const T* k, const T* v, const S* lse,
                                 const S* dsum, const int32_t* qp, const int32_t* kp, const int32_t* qd,
                                 const int32_t* kd, int B, int Tq, int Tk, int NH, int NKV, int HD, S scale) override {
+    const ProcessCpuTimer timer(block_cpu_s_);
     if (B <= 0 || Tq <= 0 || Tk <= 0 || NH <= 0 || HD <= 0) return;
     const int G = NH / NKV, nk = flash::num_tiles(Tk, flash::kBc);
     const int ldq = NH * HD, ldk = NKV * HD;
@@ -667,7 +685,9 @@ template <typename T> class CpuBackend final : public Backend<T> {
     typename Backend<T>::BlockAttentionStats st;
     st.tile_pairs = block_pairs_;
     st.skipped = block_skipped_;
+    st.cpu_s = block_cpu_s_;
     block_pairs_ = block_skipped_ = 0;
+    block_cpu_s_ = 0;
     return st;
   }
 
@@ -782,6 +802,7 @@ template <typename T> class CpuBackend final : public Backend<T> {
   // one, nowhere else (the registry also ignores any thread but its members' one).
   ProgressRegistry progress_;
   int64_t block_pairs_ = 0, block_skipped_ = 0;  // take_block_attention_stats
+  double block_cpu_s_ = 0;
   void poll_progress() {
     if (progress_.size() == 0) return;
     if (omp_in_parallel() && omp_get_thread_num() != 0) return;
