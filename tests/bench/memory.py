@@ -23,9 +23,11 @@ import time
 
 BIN, TOK, OUT = sys.argv[1], sys.argv[2], sys.argv[3]
 QUICK = "--quick" in sys.argv
-# Parts to run (MEMORY_PARTS, comma-separated): checks (plan vs measured), recompute (modes: memory and
-# step time; wants a quiet machine), gpu (plans only).
-PARTS = os.environ.get("MEMORY_PARTS", "checks,recompute,gpu").split(",")
+# Parts to run (MEMORY_PARTS, comma-separated): checks (plan vs measured), cp (context parallelism:
+# plan vs measured at T = 16,384, cp 1, 2, 4), recompute (modes: memory and step time; wants a quiet
+# machine), gpu (plans only).
+PARTS = os.environ.get("MEMORY_PARTS", "checks,cp,recompute,gpu").split(",")
+HERE = os.path.dirname(os.path.abspath(__file__))
 os.makedirs(OUT, exist_ok=True)
 ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
            OMPI_MCA_rmaps_base_oversubscribe="1", OMPI_MCA_btl_vader_single_copy_mechanism="none")
@@ -46,13 +48,15 @@ with open(cut, "w") as f:
     json.dump(LLAMA1B_CUT, f)
 
 
-def train(name, np_, model, seq, mb, ckpt, steps=2, extra=()):
+def train(name, np_, model, seq, mb, ckpt, steps=2, extra=(), cp=1):
     metrics = os.path.join(OUT, f"mem-{name}.jsonl")
     log = os.path.join(OUT, f"mem-{name}.log")
+    # The cp ranks of a CP group read the same rows: mb rows per data-parallel rank.
     cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(np_), BIN, "--data", TOK,
-           "--model", model, "--seq-len", str(seq), "--micro-batch", str(mb), "--global-batch", str(mb * np_),
+           "--model", model, "--seq-len", str(seq), "--micro-batch", str(mb), "--global-batch", str(mb * np_ // cp),
            "--steps", str(steps), "--warmup", "1", "--log-every", "1", "--eval-every", "0", "--eval-batches", "1",
-           "--activation-checkpointing", ckpt, "--threads", str(max(1, 2 // np_)), "--metrics", metrics, *extra]
+           "--activation-checkpointing", ckpt, "--threads", str(max(1, 2 // np_)), "--metrics", metrics,
+           *(["--cp", str(cp)] if cp > 1 else []), *extra]
     t0 = time.time()
     c0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     p = subprocess.run(cmd, env=ENV, capture_output=True, text=True)
@@ -94,6 +98,25 @@ for name, np_, model, seq, mb, ck in checks:
     lines.append(f"| {short}, seq {seq}, micro-batch {mb}, {ck} | {np_} | {r['plan']:.0f} | "
                  f"{', '.join(f'{h:.0f}' for h in r['hwm'])} | {pct(r):+.1f}% |")
     print(lines[-1], flush=True)
+
+# Context parallelism (issue 41): one sequence of T = 16,384 tokens (tests/bench/cp-config.json:
+# C 128, 2 layers, activations dominate) held whole at cp 1 and split over 2 and 4 ranks; each
+# rank's peak against the plan (within 10%), and how the largest rank's peak falls with cp beside
+# the plan's fall.
+cp_results = []
+if "cp" in PARTS:
+    lines += ["", "| T = 16,384, micro-batch 1, none | cp | --cp-comm | plan MiB/rank | measured VmHWM MiB per rank "
+              "| largest vs plan | plan / cp 1 plan | measured / cp 1 measured |", "|---|---|---|---|---|---|---|---|"]
+    cp_model = os.path.join(HERE, "cp-config.json")
+    for cp, how in [(1, "ring"), (2, "ring"), (2, "allgather"), (4, "ring"), (4, "allgather")]:
+        r = train(f"cp{cp}-{how}", cp, cp_model, 16384, 1, "none", steps=2, extra=("--cp-comm", how), cp=cp)
+        cp_results.append(r)
+        results.append(r)
+        base = cp_results[0]
+        lines.append(f"| cp-config.json (C 128, 2 layers) | {cp} | {how if cp > 1 else '-'} | {r['plan']:.0f} | "
+                     f"{', '.join(f'{h:.0f}' for h in r['hwm'])} | {pct(r):+.1f}% | {r['plan'] / base['plan']:.3f} | "
+                     f"{max(r['hwm']) / max(base['hwm']):.3f} |")
+        print(lines[-1], flush=True)
 
 lines += ["", "| model | recompute | plan MiB/rank | measured VmHWM MiB (max over ranks) | step time s (best of rounds) "
           "| vs none | CPU-s per run (all ranks, best) |", "|---|---|---|---|---|---|---|"]

@@ -24,7 +24,9 @@
 #    2 ranks, interleaved, with dd on the same disk (tests/bench/checkpoint.py, about 10 minutes with
 #    the default 2 rounds; build/bench/ckpt-async.md for docs/benchmarks.md; `make bench-checkpoint`
 #    runs it alone).
-# 4. Memory: plan vs measured peak per rank, activation checkpointing modes, GPU plans (tests/bench/memory.py).
+# 4. Memory: plan vs measured peak per rank (context parallelism's cp 1, 2, 4 at T = 16,384 included),
+#    activation checkpointing modes, GPU plans (tests/bench/memory.py); then the balance of CP 4's
+#    head-tail split in attention CPU time per rank (tests/e2e/test_cp_balance.sh at T = 4096).
 # 5. Tokenizing throughput (MB/s of text) of --mode prepare beside Python sentencepiece and tokenizers
 #    (tests/bench/prepare.py), and prepare's peak RSS on 64 MiB and 2 GiB of text.
 # 6. Overlap: --overlap off / on (thread, poll, wait progress) at W = 2 and 4 (tests/bench/overlap.py),
@@ -107,6 +109,10 @@ python3 tests/bench/checkpoint.py --bin $BIN --data build/data/fortunes.tok --ou
 #    (tests/bench/memory.py; build/bench/memory.md for docs/benchmarks.md).
 MEM_FAILED=0
 python3 tests/bench/memory.py $BIN build/data/fortunes.tok "$OUT" "${QUICK_OPT[@]}" || MEM_FAILED=1
+# CP 4's balance (issue 41): each rank's attention CPU time (the block kernels', CPU seconds, so the
+# 4 ranks sharing cores does not enter) within 10% of the mean, beside the tile counts.
+CP_BALANCE_CPU_CHECK=1 CP_BALANCE_T=4096 CP_BALANCE_STEPS=4 bash tests/e2e/test_cp_balance.sh "$(dirname "$BIN")" \
+  | tee "$OUT/cp-balance.txt" || MEM_FAILED=1
 # 5. Tokenizing: --mode prepare with a SentencePiece model beside Python sentencepiece and Hugging Face
 #    tokenizers on the same text (tinyshakespeare if present, else the fortunes), interleaved; and the
 #    peak RSS of a byte-level prepare of 64 MiB and 2 GiB (tests/bench/prepare.py; build/bench/prepare.md).

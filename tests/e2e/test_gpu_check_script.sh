@@ -5,7 +5,7 @@
 # beside the tiny bf16 row with its ratio, the asynchronous-save comparison (stage 4b) passes on the
 # CPU, and the script exits 0 with "0 failed". Then the GPU runs with
 # another seed (GPU_CHECK_ARGS="--seed 7") must fail the 6 training comparisons, the 2 of TP (stage
-# 3b), both resumes across
+# 3b), the 4 of CP (stage 3c), both resumes across
 # devices (refused: the seed of the resuming run differs from the checkpoint's, and a resume does not
 # change settings silently), and the script's exit status.
 source "$(dirname "$0")/common.sh"
@@ -29,7 +29,8 @@ for want in 'PASS  env: shardtrain runs under mpirun' "SKIP  gpu_tests ($NCASES 
   'SKIP  sanitizer-memcheck: skipped: no CUDA device' 'SKIP  mem-llama-1b: skipped: no CUDA device' \
   'SKIP  attention-bench: skipped: no CUDA device' 'SKIP  snapshot-pinned: skipped: no CUDA device' \
   'PASS  ckpt-async-gpu-fp32: ' 'PASS  ckpt-async-gpu-bf16: ' 'PASS  gpu-tp2-fp32 vs cpu-tp-ref' \
-  'PASS  gpu-tp2-bf16 vs cpu-tp-ref'; do
+  'PASS  gpu-tp2-bf16 vs cpu-tp-ref' 'PASS  gpu-cp2-ring vs cpu-fp32' 'PASS  gpu-cp2-allgather vs cpu-fp32' \
+  'PASS  gpu-cp2-doc vs cpu-doc-ref' 'PASS  gpu-cp2-bf16 vs cpu-fp32'; do
   grep -qF -- "$want" "$WORK/ok.txt" || { cat "$WORK/ok.txt"; fail "run.sh output lacks '$want'"; }
 done
 grep -qE '^gpu: [0-9]+ passed, 0 failed' "$WORK/ok.txt" || { cat "$WORK/ok.txt"; fail "no 'gpu: N passed, 0 failed'"; }
@@ -38,7 +39,7 @@ echo "ok: run.sh (GPU_CHECK_DEVICE=cpu): $(tail -1 "$WORK/ok.txt"), $(grep -m1 -
 check seed GPU_CHECK_ARGS="--seed 7" PEER_MODELS=""
 [ "$rc" != 0 ] || { cat "$WORK/seed.txt"; fail "run.sh passed with the GPU runs on another seed"; }
 nfail=$(grep -c '^  FAIL  \(gpu\|ckpt\)-' "$WORK/seed.txt" || true)
-[ "$nfail" = 10 ] || { cat "$WORK/seed.txt"; fail "--seed 7: $nfail of the GPU comparisons failed, expected 10 (stages 3, 3b and 4)"; }
+[ "$nfail" = 14 ] || { cat "$WORK/seed.txt"; fail "--seed 7: $nfail of the GPU comparisons failed, expected 14 (stages 3, 3b, 3c and 4)"; }
 for want in 'FAIL  ckpt-gpu-to-cpu: exit status 1' 'FAIL  ckpt-cpu-to-gpu: exit status 1' 'PASS  ckpt-cpu-to-cpu vs cpu-fp32'; do
   grep -qF -- "$want" "$WORK/seed.txt" || { cat "$WORK/seed.txt"; fail "--seed 7: no '$want'"; }
 done

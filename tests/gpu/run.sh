@@ -20,6 +20,9 @@
 #      default (on: NCCL stream-ordered) bitwise, fp32 and bf16, with their exposed comm ms/step
 #   3b. tensor parallelism (issue 31): --tp 2 with 2 ranks sharing the GPU (--gpu-comm mpi), fp32
 #      within 1e-4 and bf16 within 2e-2 of the CPU's single-rank losses of test-tp; CPU --tp 2 as control
+#   3c. context parallelism (issue 41): --cp 2 with 2 ranks sharing the GPU (--gpu-comm mpi), ring and
+#      allgather, causal and document mask, fp32 within 1e-4 and bf16 within 2e-2 of the CPU's
+#      single-rank losses with the same mask; CPU --cp 2 as control
 #   4. checkpoints across devices: GPU to step 10 then CPU to 20, and CPU then GPU, against an
 #      uninterrupted CPU run (1e-4)
 #   4b. asynchronous saves on the GPU, fp32 and bf16: the step-4 file of a --checkpoint-async on run
@@ -353,6 +356,27 @@ if [ "$GPU" = 1 ]; then
   grep -h -m1 -o 'tp comm [^|]*' "$L/gpu-tp2-fp32.log" 2>/dev/null | sed 's/^/  gpu-tp2-fp32: /'
 else
   for n in gpu-tp2-fp32 gpu-tp2-bf16; do skipped "$n" "no CUDA device"; done
+fi
+
+# ---- 3c. context parallelism -------------------------------------------------------------------
+stage "3c. context parallelism: --cp 2 on one GPU (2 ranks, --gpu-comm mpi) vs the CPU, 20 steps, causal and document" 90
+# Each rank holds 2 of the 4 head-tail chunks of every sequence of 32 tokens; K/V move through the
+# host-staged device Comm of the CP group (NCCL refuses two ranks on one GPU) and the CUDA block
+# attention kernels run with positions (and document ids); references: 1 rank on the CPU, same mask.
+if run_np cpu-doc-ref 40 1 --model tiny "${TINY[@]}" "${CPU[@]}" --attention-mask document; then
+  ok "cpu-doc-ref (tiny, document mask, 1 rank): $(grep -m1 '^done:' "$L/cpu-doc-ref.log")"
+else bad "cpu-doc-ref: reference run"; tail_log "$L/cpu-doc-ref.log"; fi
+check cpu-cp2 cpu-fp32 1e-5 1 2 --model tiny "${TINY[@]}" "${CPU[@]}" --cp 2  # control: CP on the CPU
+if [ "$GPU" = 1 ]; then
+  check gpu-cp2-ring cpu-fp32 1e-4 1 2 --model tiny "${TINY[@]}" "${G[@]}" --gpu-comm mpi --precision fp32 --cp 2 --cp-comm ring
+  check gpu-cp2-allgather cpu-fp32 1e-4 1 2 --model tiny "${TINY[@]}" "${G[@]}" --gpu-comm mpi --precision fp32 --cp 2 \
+    --cp-comm allgather
+  check gpu-cp2-doc cpu-doc-ref 1e-4 1 2 --model tiny "${TINY[@]}" "${G[@]}" --gpu-comm mpi --precision fp32 --cp 2 \
+    --attention-mask document
+  check gpu-cp2-bf16 cpu-fp32 2e-2 1 2 --model tiny "${TINY[@]}" "${G[@]}" --gpu-comm mpi --precision bf16 --cp 2
+  grep -h -m1 -o 'cp comm [^|]*' "$L/gpu-cp2-ring.log" 2>/dev/null | sed 's/^/  gpu-cp2-ring: /'
+else
+  for n in gpu-cp2-ring gpu-cp2-allgather gpu-cp2-doc gpu-cp2-bf16; do skipped "$n" "no CUDA device"; done
 fi
 
 # ---- 4. checkpoints across devices ------------------------------------------------------------
