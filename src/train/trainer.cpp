@@ -556,12 +556,12 @@ template <typename C> StepOutcome Trainer<C>::train_step(int64_t s) {
   return o;
 }
 
-// With the document mask the model's tiled attention runs the block kernels, which count the tile
-// pairs they compute and skip: this rank's since the last call (the evaluation's are taken after
-// it and dropped). Waits for the compute backend's queued work. Zeros with the causal mask without CP.
+// The block attention kernels (the document mask's tiled path, and every mask under context
+// parallelism) count the tile pairs they compute and skip and their CPU time: this rank's since
+// the last call (the evaluation's are taken after it and dropped). Zeros where they did not run
+// (the backend then has nothing to wait for); else waits for the compute backend's queued work.
+// Asked whatever the mesh: the trainer does not ask which dimensions are on.
 template <typename C> typename Backend<C>::BlockAttentionStats Trainer<C>::take_attention_stats() {
-  // Under CP every mask runs the block kernels (whose counts show the split's balance, issue 41).
-  if (tc_.attention_mask != AttentionMask::Document && mesh_.dims().cp == 1) return {};
   if constexpr (std::is_same_v<C, bf16>) return eng_.be16->take_block_attention_stats();
   else return eng_.be.take_block_attention_stats();
 }
@@ -624,9 +624,10 @@ template <typename C> void Trainer<C>::log_step(int64_t s, const StepOutcome& o)
     comm_.all_gather(mine, all.data(), kPer);
     for (size_t r = 0; r < compute.size(); ++r)
       compute[r] = all[kPer * r], wait[r] = all[kPer * r + 1], tiles[r] = all[kPer * r + 2], attn_cpu[r] = all[kPer * r + 3];
-    // Per rank (index = world rank) under CP: the balance of the sequence split (issue 41); the
-    // attention's CPU time where the backend measures it (host backends).
-    if (pairs > 0 && mesh_.dims().cp > 1) {
+    // Per rank (index = world rank) where the block kernels ran: under CP the balance of the
+    // sequence split (issue 41); the attention's CPU time where the backend measures it (host
+    // backends). Every rank logs the same steps and ran the same kernels: the same decision.
+    if (pairs > 0) {
       dims_rec["attn_tiles_computed_ranks"] = tiles;
       dims_rec["compute_ms_ranks"] = compute;
       if (interval_.attn_cpu_s > 0) dims_rec["attn_cpu_ms_ranks"] = attn_cpu;
