@@ -259,6 +259,19 @@ template <typename C> struct CpAttention<C>::Work {
   AccBuffer<C> ltmp, dsum, yacc;
 };
 
+namespace {
+// A ring step's next block: buffer pair nx of `w` (fitted to nk elements of K and V, nid ids) and
+// the shifts of the block in hand `cur` into it, started (ring_forward and ring_backward).
+template <typename C, typename W>
+KvBuf<C> start_next_block(Comm& comm, Backend<C>& be, Transfers& tr, W& w, const KvView<C>& cur, int nx, size_t nk,
+                          size_t nid) {
+  const KvBuf<C> next{fit(w.kb[nx], be, nk), fit(w.vb[nx], be, nk), fit(w.pb[nx], be, nid),
+                      cur.d ? fit(w.db[nx], be, nid) : nullptr};
+  start_kv_shift(comm, tr, cur, next, nk, nid);
+  return next;
+}
+}  // namespace
+
 template <typename C>
 CpAttention<C>::CpAttention(Comm& comm, Backend<C>& be, CpComm method, size_t gather_bytes)
     : comm_(comm), be_(be), method_(method), gather_bytes_(gather_bytes), work_(std::make_unique<Work>()) {}
@@ -328,12 +341,7 @@ template <typename C> void CpAttention<C>::ring_forward(const Args& a) {
   Transfers tr(be_.progress(), stats_, P > 1);
   for (int s = 0; s < P; ++s) {
     const int nx = s % 2;
-    KvBuf<C> next{nullptr, nullptr, nullptr, nullptr};
-    if (s + 1 < P) {
-      next = KvBuf<C>{fit(w.kb[nx], be_, nk), fit(w.vb[nx], be_, nk), fit(w.pb[nx], be_, nid),
-                      a.doc ? fit(w.db[nx], be_, nid) : nullptr};
-      start_kv_shift(comm_, tr, cur, next, nk, nid);
-    }
+    const KvBuf<C> next = s + 1 < P ? start_next_block(comm_, be_, tr, w, cur, nx, nk, nid) : KvBuf<C>{};
     const bool direct = s == 0 && !yacc;  // the first block writes y itself, unless y accumulates in S
     be_.attention_block_forward(direct ? a.y : yt, s == 0 ? a.lse_out : lt, a.q, cur.k, cur.v, a.pos, cur.p, a.doc,
                                 cur.d, a.B, a.Tl, a.Tl, a.NH, a.NKV, a.HD, a.scale);
@@ -373,12 +381,7 @@ template <typename C> void CpAttention<C>::ring_backward(const Args& a) {
   Transfers tr(be_.progress(), stats_, P > 1);
   for (int s = 0; s < P; ++s) {
     const int nx = s % 2;
-    KvBuf<C> next{nullptr, nullptr, nullptr, nullptr};
-    if (s + 1 < P) {
-      next = KvBuf<C>{fit(w.kb[nx], be_, nk), fit(w.vb[nx], be_, nk), fit(w.pb[nx], be_, nid),
-                      a.doc ? fit(w.db[nx], be_, nid) : nullptr};
-      start_kv_shift(comm_, tr, cur, next, nk, nid);
-    }
+    const KvBuf<C> next = s + 1 < P ? start_next_block(comm_, be_, tr, w, cur, nx, nk, nid) : KvBuf<C>{};
     C* gk = fit(w.gk[nx], be_, nk);
     C* gv = fit(w.gv[nx], be_, nk);
     be_.zero(gk, nk);
