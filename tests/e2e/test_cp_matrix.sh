@@ -11,22 +11,7 @@
 # from the causal one (the documents are seen). Prints one line per comparison and a table of the
 # worst relative difference per run (docs/benchmarks.md holds a measured one).
 source "$(dirname "$0")/common.sh"
-"$PY" - "$WORK/docs.tok" <<'P'
-import random, struct, sys
-BOS, EOS, V = 256, 257, 258
-rnd = random.Random(41)
-def split(n):
-    out = []
-    while len(out) < n:
-        k = rnd.randrange(3, 41)
-        out += [BOS] + [rnd.randrange(32, 127) for _ in range(k - 2)] + [EOS]
-    return out[:n]
-train, val = split(12000), split(1200)
-head = b"STTOKv1\0" + struct.pack("<6I", 1, V, BOS, EOS, 2, 0) + struct.pack("<2Q", len(train), len(val))
-head += b"byte-level".ljust(16, b"\0")
-with open(sys.argv[1], "wb") as f:
-    f.write(head + struct.pack(f"<{len(train) + len(val)}H", *(train + val)))
-P
+short_docs "$WORK/docs.tok" 12000 1200
 cat >"$WORK/cfg.json" <<J
 {"architectures": ["LlamaForCausalLM"], "vocab_size": 258, "hidden_size": 64, "intermediate_size": 96,
  "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 64,

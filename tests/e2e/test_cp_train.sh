@@ -13,22 +13,7 @@
 # Resume across layouts: a (cp 2, dp 2) run saved at step 3 continued at (cp 1, tp 2) and at
 # (cp 4, dp 1) gives the straight run's losses at steps 4-6 within 1e-5 (and the same val_loss).
 source "$(dirname "$0")/common.sh"
-"$PY" - "$WORK/docs.tok" <<'P'
-import random, struct, sys
-BOS, EOS, V = 256, 257, 258
-rnd = random.Random(41)
-def split(n):
-    out = []
-    while len(out) < n:
-        k = rnd.randrange(3, 41)
-        out += [BOS] + [rnd.randrange(32, 127) for _ in range(k - 2)] + [EOS]
-    return out[:n]
-train, val = split(6000), split(1200)
-head = b"STTOKv1\0" + struct.pack("<6I", 1, V, BOS, EOS, 2, 0) + struct.pack("<2Q", len(train), len(val))
-head += b"byte-level".ljust(16, b"\0")
-with open(sys.argv[1], "wb") as f:
-    f.write(head + struct.pack(f"<{len(train) + len(val)}H", *(train + val)))
-P
+short_docs "$WORK/docs.tok" 6000 1200
 cat >"$WORK/cfg.json" <<J
 {"architectures": ["LlamaForCausalLM"], "vocab_size": 258, "hidden_size": 64, "intermediate_size": 96,
  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
