@@ -446,6 +446,25 @@ template <typename C> int CpAttention<C>::gather_kv_heads(int Tl, int NH, int NK
   return cp_gather_kv_heads(size(), Tl, NH, NKV, HD, sizeof(C), gather_bytes_);
 }
 
+namespace {
+// The sizes both all-gather passes use: group size P, Tk = P·Tl gathered rows, G query heads per
+// KV head, hk KV heads per chunk (chunked: hk < NKV), this rank's Tl rows, the row strides of K/V
+// and Q/Y, one sequence's K/V and Q elements and lse entries, a chunk's K/V and Q widths. `a` is
+// a CpAttention<C>::Args.
+struct GatherGeometry {
+  int P, Tk, G, hk;
+  bool chunked;
+  size_t Tl, ldk, ldq, nk1, nq1, nsq, wk, wq;
+};
+template <typename A> GatherGeometry gather_geometry(const A& a, int P, int hk) {
+  const int G = a.NH / a.NKV;
+  const size_t Tl = static_cast<size_t>(a.Tl), ldk = static_cast<size_t>(a.ldk()), ldq = static_cast<size_t>(a.ldq()),
+               wk = static_cast<size_t>(hk) * a.HD;
+  return {P, P * a.Tl, G, hk, hk < a.NKV, Tl, ldk, ldq, Tl * ldk, Tl * ldq, static_cast<size_t>(a.NH) * Tl, wk,
+          static_cast<size_t>(G) * wk};
+}
+}  // namespace
+
 // All-gather forward: per sequence, its positions and document ids, then per chunk of hk KV heads
 // (gather_kv_heads) that chunk's K/V of every rank and one block call of the query heads that read
 // it (GQA: query heads h0·G .. (h0 + n)·G − 1, G = NH/NKV) against all keys of the sequence (every
@@ -454,12 +473,9 @@ template <typename C> int CpAttention<C>::gather_kv_heads(int Tl, int NH, int NK
 // buffers and y's unpacked. Per (sequence, head) the kernels' work is the same either way, so the
 // results do not depend on the chunking (bitwise on the CPU backend: the chunking test).
 template <typename C> void CpAttention<C>::gather_forward(const Args& a) {
-  const int P = size(), Tk = P * a.Tl, G = a.NH / a.NKV, hk = gather_kv_heads(a.Tl, a.NH, a.NKV, a.HD);
-  const bool chunked = hk < a.NKV;
+  const auto [P, Tk, G, hk, chunked, Tl, ldk, ldq, nk1, nq1, nsq, wk, wq] =
+      gather_geometry(a, size(), gather_kv_heads(a.Tl, a.NH, a.NKV, a.HD));
   Work& w = *work_;
-  const size_t Tl = static_cast<size_t>(a.Tl), ldk = static_cast<size_t>(a.ldk()), ldq = static_cast<size_t>(a.ldq()),
-               nk1 = Tl * ldk, nq1 = Tl * ldq, nsq = static_cast<size_t>(a.NH) * Tl,
-               wk = static_cast<size_t>(hk) * a.HD, wq = static_cast<size_t>(G) * wk;
   C* kg = fit(w.kg, be_, static_cast<size_t>(Tk) * wk);
   C* vg = fit(w.vg, be_, static_cast<size_t>(Tk) * wk);
   int32_t* pg = fit(w.pg, be_, static_cast<size_t>(Tk));
@@ -500,12 +516,9 @@ template <typename C> void CpAttention<C>::gather_forward(const Args& a) {
 // whole sequence's dK/dV of the chunk, then dK/dV reduce-scattered (summed) so that each rank
 // receives its own rows'.
 template <typename C> void CpAttention<C>::gather_backward(const Args& a) {
-  const int P = size(), Tk = P * a.Tl, G = a.NH / a.NKV, hk = gather_kv_heads(a.Tl, a.NH, a.NKV, a.HD);
-  const bool chunked = hk < a.NKV;
+  const auto [P, Tk, G, hk, chunked, Tl, ldk, ldq, nk1, nq1, nsq, wk, wq] =
+      gather_geometry(a, size(), gather_kv_heads(a.Tl, a.NH, a.NKV, a.HD));
   Work& w = *work_;
-  const size_t Tl = static_cast<size_t>(a.Tl), ldk = static_cast<size_t>(a.ldk()), ldq = static_cast<size_t>(a.ldq()),
-               nk1 = Tl * ldk, nq1 = Tl * ldq, nsq = static_cast<size_t>(a.NH) * Tl,
-               wk = static_cast<size_t>(hk) * a.HD, wq = static_cast<size_t>(G) * wk;
   C* kg = fit(w.kg, be_, static_cast<size_t>(Tk) * wk);
   C* vg = fit(w.vg, be_, static_cast<size_t>(Tk) * wk);
   C* dkg = fit(w.dkg, be_, static_cast<size_t>(Tk) * wk);
