@@ -21,6 +21,10 @@ backwards; torch/distributed/tensor/experimental/_context_parallel/_attention.py
 SDPA, aten._scaled_dot_product_flash_attention_for_cpu, then reaches DTensor without a sharding
 rule. The script catches that error, prints "error: <type>: <message>" and the torch version on
 rank 0, and exits with status 2, so that throughput.py can show the refusal in place of a peer.
+
+--device cuda (tests/gpu/run.sh stage 3c, the GPU peer of --cp 2): NCCL, each rank on GPU
+rank % device count, the model in bf16 (the flash SDPA operator CP replaces). On one GPU, two
+ranks share it, which NCCL may refuse; any such error is caught and printed the same way.
 """
 import argparse
 import os
@@ -34,6 +38,7 @@ p.add_argument("--batch", type=int, default=2, help="sequences per step (the CP 
 p.add_argument("--steps", type=int, default=20)
 p.add_argument("--threads", type=int, default=1)
 p.add_argument("--port", type=int, default=29521)
+p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: NCCL, bf16 (see above)")
 ARGS = p.parse_args()
 for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ[var] = str(ARGS.threads)
@@ -53,20 +58,26 @@ def main():
         print(f"error: --seq-len {T} is not divisible by 2 x world size = {2 * world}", file=sys.stderr)
         return 1
     torch.set_num_threads(ARGS.threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ARGS.port}", rank=rank, world_size=world)
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
-    cfg = LlamaConfig.from_json_file(ARGS.model)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(1337)
-    model = LlamaForCausalLM(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    gen = torch.Generator().manual_seed(7)
+    cuda = ARGS.device == "cuda"
+    backend = "nccl" if cuda else "gloo"
     times = []
     try:
+        if cuda:
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{ARGS.port}", rank=rank, world_size=world)
+        mesh = init_device_mesh(ARGS.device, (world,), mesh_dim_names=("cp",))
+        cfg = LlamaConfig.from_json_file(ARGS.model)
+        cfg._attn_implementation = "sdpa"
+        torch.manual_seed(1337)
+        model = LlamaForCausalLM(cfg)
+        if cuda:
+            model = model.to(device="cuda", dtype=torch.bfloat16)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        gen = torch.Generator().manual_seed(7)
         for _ in range(ARGS.steps):
-            ids = torch.randint(0, cfg.vocab_size, (B, T), generator=gen)
+            ids = torch.randint(0, cfg.vocab_size, (B, T), generator=gen).to(ARGS.device)
             labels = ids.clone()
-            pos = torch.arange(T).unsqueeze(0).expand(B, T).contiguous()
+            pos = torch.arange(T).unsqueeze(0).expand(B, T).contiguous().to(ARGS.device)
             dist.barrier()
             t0 = time.perf_counter()
             with context_parallel(mesh, buffers=[ids, labels, pos], buffer_seq_dims=[1, 1, 1]):
@@ -74,17 +85,21 @@ def main():
                 loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            if cuda:
+                torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
-    except Exception as e:  # the refusal on the CPU (see the docstring)
+    except Exception as e:  # the refusal on the CPU (see the docstring), or NCCL's on one GPU
         if rank == 0:
             msg = str(e).strip().splitlines()
             print(f"error: {type(e).__name__}: {msg[-1] if msg else ''}")
-            print(f"torch {torch.__version__}, gloo, world {world}, cp {world}, T {T}")
-        dist.destroy_process_group()
+            print(f"torch {torch.__version__}, {backend}, world {world}, cp {world}, T {T}")
+        if dist.is_initialized():
+            dist.destroy_process_group()
         return 2
     if rank == 0:
         timed = times[2:] or times
-        print(f"tokens/s {B * T * len(timed) / sum(timed):.1f} (torch {torch.__version__}, cp {world}, T {T}, B {B})")
+        print(f"tokens/s {B * T * len(timed) / sum(timed):.1f} (torch {torch.__version__}, {ARGS.device}, cp {world}, "
+              f"T {T}, B {B}, loss {loss.item():.4f})")
     dist.destroy_process_group()
     return 0
 

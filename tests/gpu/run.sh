@@ -378,6 +378,23 @@ if [ "$GPU" = 1 ]; then
 else
   for n in gpu-cp2-ring gpu-cp2-allgather gpu-cp2-doc gpu-cp2-bf16; do skipped "$n" "no CUDA device"; done
 fi
+# The peer: PyTorch's context_parallel (tests/bench/peer_torch_cp.py --device cuda: NCCL, bf16, the
+# same config as tiny) at 2 ranks on this GPU, beside shardtrain's bf16 --cp 2 run above. It does not
+# run on the CPU (docs/benchmarks.md); on one GPU NCCL may refuse two ranks: its error is recorded.
+if [ "$DEV" = cuda ] && "$PEER_PY" -c 'import torch, transformers' >/dev/null 2>&1 &&
+  "$MPIRUN" "${MPIRUN_OPTS[@]}" -np 1 "$BIN" --mode plan --model tiny --data "$DATA" --out "$W/peer-cp.json" \
+    >"$L/peer-cp-config.log" 2>&1; then
+  t=$(cap 40)
+  [ "$t" != 0 ] && timeout -k 5 "$t" "$MPIRUN" "${MPIRUN_OPTS[@]}" -np 2 "$PEER_PY" "$ROOT/tests/bench/peer_torch_cp.py" \
+    --device cuda --model "$W/peer-cp.json" --seq-len 32 --batch 8 --steps 20 >"$L/peer-torch-cp2.log" 2>&1
+  if res=$(grep -m1 '^tokens/s' "$L/peer-torch-cp2.log"); then
+    ok "peer-torch-cp2: $res; shardtrain gpu-cp2-bf16: $(grep -m1 -o '[0-9]* tok/s, final' "$L/gpu-cp2-bf16.log" 2>/dev/null | cut -d, -f1 || echo '?')"
+  else
+    skipped peer-torch-cp2 "$(grep -m1 '^error' "$L/peer-torch-cp2.log" || tail -1 "$L/peer-torch-cp2.log")"
+  fi
+else
+  skipped peer-torch-cp2 "needs a CUDA device and $PEER_PY with torch and transformers"
+fi
 
 # ---- 4. checkpoints across devices ------------------------------------------------------------
 stage "4. checkpoints across devices: save at step 10, resume to 20, vs the uninterrupted CPU run" 50
