@@ -24,6 +24,7 @@
 #include "shardtrain/mfu.h"
 #include "shardtrain/mesh.h"
 #include "shardtrain/options.h"
+#include "shardtrain/parallelize.h"  // training_refusal
 #include "shardtrain/prepare.h"
 #include "shardtrain/runtime.h"
 #include "shardtrain/tokenizer.h"
@@ -345,6 +346,8 @@ void run_plan(Comm& comm, const Topology& topo, const Options& o) {
   const GeometryResult geo = resolve_geometry(bo, dims, mc);
   const bool batch_refused = t.micro_batch == 0 && geo.refusal.starts_with("option '--global-batch'");
   all_ok(comm, geo.ok(), geo.refusal + (batch_refused ? "; give '--micro-batch' (memory depends on it alone)" : ""));
+  const std::string refused = training_refusal(dims, t.attention);  // what the mesh refuses at training
+  all_ok(comm, refused.empty(), refused);
   t.micro_batch = geo.geometry.micro_batch;
   // Token data is memory-mapped (page cache, not resident per rank): not part of the plan.
   if (cuda) {

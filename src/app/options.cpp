@@ -45,7 +45,7 @@ po::options_description describe(Options& o) {
       ("comm-progress", po::value<std::string>(&o.comm_progress)->default_value(o.comm_progress), "with --overlap on, CPU: what advances MPI's nonblocking collectives: poll (MPI_Test between GEMM tiles; hid the most in docs/benchmarks.md) | thread (a communication thread) | wait (only when started and waited for)")
       ("shard-group-size", po::value<std::string>(&o.shard_group_size), "hybrid sharding (HSDP): shard parameters within groups of G consecutive ranks and replicate them across the W / G groups; a number dividing the world size, or 'node' (the ranks of one node); default: the world size (plain FSDP). With --tp N and --cp C, G counts ranks and must be a multiple of C x N")
       ("tp", po::value<int>(&o.tp)->default_value(o.tp), "tensor parallelism (Megatron-style, with sequence parallelism): groups of N consecutive ranks (inside a node) split every layer's heads and MLP and the vocabulary; FSDP shards each rank's slice over the data-parallel ranks. N must divide the world size, the attention and key/value heads, the intermediate size and the tokens of a micro-batch")
-      ("cp", po::value<int>(&o.cp)->default_value(o.cp), "context parallelism: every sequence is split over a CP group of N ranks (head-tail: 2 x N chunks, rank r holding chunks r and 2N-1-r), which read the same batch rows; FSDP shards over dp_shard x cp. N (x --tp) must divide the world size, 2 x N the sequence length. Training at N > 1 is refused until the model uses it; --mode plan plans it")
+      ("cp", po::value<int>(&o.cp)->default_value(o.cp), "context parallelism: every sequence is split over a CP group of N ranks (head-tail: 2 x N chunks, rank r holding chunks r and 2N-1-r), which read the same batch rows; FSDP shards over dp_shard x cp. N (x --tp) must divide the world size, 2 x N the sequence length; --attention tiled only. --cp-comm chooses how K/V move; --mode plan --cp N plans it")
       ("cp-comm", po::value<std::string>(&o.cp_comm)->default_value(o.cp_comm), "with --cp N > 1: how K/V move between the ranks of a CP group: ring (blocks pass around the group, overlapped with the block attention) | allgather (K/V gathered before attention, dK/dV reduce-scattered after it)");
   po::options_description data("Data (--mode prepare, --mode tokenizer; docs/data-format.md)");
   data.add_options()
@@ -157,8 +157,8 @@ int resolve_shard_group_size(const std::string& v, int world, int ranks_per_node
 }
 
 MeshDims resolve_mesh_dims(const std::string& sgs, int tp, int cp, int world, int ranks_per_node) {
-  check(tp >= 1 && tp <= (1 << 16), "tp", "must be a positive integer, got " + std::to_string(tp));
-  check(cp >= 1 && cp <= (1 << 16), "cp", "must be a positive integer, got " + std::to_string(cp));
+  check(tp >= 1 && tp <= (1 << 16), "tp", "must be an integer in [1, 65536], got " + std::to_string(tp));
+  check(cp >= 1 && cp <= (1 << 16), "cp", "must be an integer in [1, 65536], got " + std::to_string(cp));
   if (world > 0)
     check(world % tp == 0, "tp",
           "(" + std::to_string(tp) + ") does not divide the world size (" + std::to_string(world) + ")");
@@ -245,8 +245,8 @@ void validate(const Options& o) {
   check(o.device == "auto" || o.device == "cpu" || o.device == "cuda", "device", "must be auto, cpu or cuda, got '" + o.device + "'");
   check(o.gpu_comm == "nccl" || o.gpu_comm == "mpi", "gpu-comm", "must be nccl or mpi, got '" + o.gpu_comm + "'");
   if (!o.shard_group_size.empty()) resolve_shard_group_size(o.shard_group_size, 0, 0);  // the form only
-  check(o.tp >= 1 && o.tp <= (1 << 16), "tp", "must be a positive integer, got " + std::to_string(o.tp));
-  check(o.cp >= 1 && o.cp <= (1 << 16), "cp", "must be a positive integer, got " + std::to_string(o.cp));
+  check(o.tp >= 1 && o.tp <= (1 << 16), "tp", "must be an integer in [1, 65536], got " + std::to_string(o.tp));
+  check(o.cp >= 1 && o.cp <= (1 << 16), "cp", "must be an integer in [1, 65536], got " + std::to_string(o.cp));
   parse_cp_comm(o.cp_comm);  // throws naming option '--cp-comm'
   parse_precision(o.precision);  // throws naming option '--precision'
   check(o.reduce_dtype == "fp32" || o.reduce_dtype == "bf16", "reduce-dtype", "must be fp32 or bf16, got '" + o.reduce_dtype + "'");

@@ -74,10 +74,14 @@ template <typename T> void AdamW<T>::step(int64_t t, double lr, double grad_scal
 }
 
 std::string check_attention_mask(const TrainConfig& tc, const TokenDataset& data) {
-  if (tc.attention_mask != AttentionMask::Document || data.header().eos_id != kNoTokenId) return "";
+  if (tc.attention_mask != AttentionMask::Document) return "";
+  // Every file must name the EOS (llm.c and nanoGPT files name none even beside a file that does:
+  // their documents would not end at the merged header's id).
+  const bool merged_eos = data.header().eos_id != kNoTokenId;
   std::string files;
   for (const TokenFileEntry& e : data.files())
-    files += (files.empty() ? "'" : ", '") + e.path + "' (" + e.format + ")";
+    if (!merged_eos || !e.known_vocab) files += (files.empty() ? "'" : ", '") + e.path + "' (" + e.format + ")";
+  if (files.empty()) return "";
   return "option '--attention-mask document' needs the data's EOS id (documents end at it), but the token data " +
          files + " names none: give data prepared with an EOS (shardtrain token files with an eos_id) or use "
          "'--attention-mask causal'";

@@ -47,6 +47,8 @@ expect_fail cp_world "option '--cp' (3) does not divide the world size (2)" 2 "$
 expect_fail cp_tp_world "option '--cp' (2) x '--tp' (2) does not divide the world size (2)" 2 "${COMMON[@]}" --cp 2 --tp 2
 expect_fail cp_seq "option '--seq-len' (18) is not divisible by 2 x '--cp' (2 x 2 = 4)" 2 --model tiny --data "$DATA" --threads 1 --global-batch 4 --seq-len 18 --cp 2
 expect_fail cp_comm_value "option '--cp-comm' must be ring or allgather, got 'ring2'" 2 "${COMMON[@]}" --cp-comm ring2
+expect_fail plan_cp_exact "option '--attention exact' does not run under '--cp 2'" \
+  2 --mode plan --model demo --seq-len 64 --micro-batch 1 --cp 2 --world-size 4 --attention exact
 expect_fail plan_cp_seq "option '--seq-len' (36) is not divisible by 2 x '--cp' (2 x 4 = 8)" \
   2 --mode plan --model demo --seq-len 36 --micro-batch 1 --cp 4 --world-size 4
 expect_fail plan_seq_too_long "option '--seq-len' (100) exceeds the model's max_position_embeddings (64)" \

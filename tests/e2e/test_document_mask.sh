@@ -67,6 +67,18 @@ timeout -k 5 200 "$PY" "$CHECK" check $T "$WORK/docs.tok" "$WORK/hf" doc="$WORK/
 expect_fail no_eos "option '--attention-mask document' needs the data's EOS id (documents end at it), but the token data '$WORK/noeos.bin' (nanogpt (u16))" \
   2 --model tiny --data "$WORK/noeos.bin" --val-data "$WORK/noeos.bin" --data-format nanogpt --seq-len 16 --global-batch 2 \
   --attention-mask document --threads 1
+# Every file must name the EOS: an llm.c shard (no EOS id in its header) beside a shardtrain file
+# that names one is refused too, naming the llm.c file (its documents would not end at that id).
+"$PY" - "$WORK/llmc.bin" <<'P'
+import random, struct, sys
+rnd = random.Random(3)
+toks = [rnd.randrange(256) for _ in range(4096)]
+with open(sys.argv[1], "wb") as f:
+    f.write(struct.pack("<256i", 20240520, 1, len(toks), *([0] * 253)) + struct.pack(f"<{len(toks)}H", *toks))
+P
+expect_fail mixed_eos "needs the data's EOS id (documents end at it), but the token data '$WORK/llmc.bin' (llm.c gpt-2 (u16)) names none" \
+  2 --model tiny --data "$WORK/docs.tok" --data "$WORK/llmc.bin" --val-data "$WORK/docs.tok" --seq-len 16 --global-batch 2 \
+  --attention-mask document --threads 1
 # A resume that changes the mask is refused (the objective would change mid-run), unless accepted.
 expect_fail resume_mask_change "--attention-mask \"document\" -> \"causal\"" 2 "${TRAIN[@]}" --global-batch 2 --steps 2 \
   --checkpoint-dir "$WORK/ck" --resume auto

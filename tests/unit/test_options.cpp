@@ -98,7 +98,8 @@ TEST(MeshDims, ContextParallelRefusalsNameTheNumbers) {
                               "dp_replicate x dp_shard x cp x tp");
   EXPECT_EQ(msg("2", 1, 4, 8), "option '--shard-group-size' (2) is not a multiple of '--cp' x '--tp' (4 x 1): a shard "
                                "group is made of whole CP and TP groups");
-  EXPECT_EQ(msg("", 1, 0, 4), "option '--cp' must be a positive integer, got 0");
+  EXPECT_EQ(msg("", 1, 0, 4), "option '--cp' must be an integer in [1, 65536], got 0");
+  EXPECT_EQ(msg("", 1, 65537, 4), "option '--cp' must be an integer in [1, 65536], got 65537");
   EXPECT_EQ(msg("4", 2, 2, 8), "accepted");
 }
 
