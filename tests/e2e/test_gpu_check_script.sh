@@ -30,7 +30,8 @@ for want in 'PASS  env: shardtrain runs under mpirun' "SKIP  gpu_tests ($NCASES 
   'SKIP  attention-bench: skipped: no CUDA device' 'SKIP  snapshot-pinned: skipped: no CUDA device' \
   'PASS  ckpt-async-gpu-fp32: ' 'PASS  ckpt-async-gpu-bf16: ' 'PASS  gpu-tp2-fp32 vs cpu-tp-ref' \
   'PASS  gpu-tp2-bf16 vs cpu-tp-ref' 'PASS  gpu-cp2-ring vs cpu-fp32' 'PASS  gpu-cp2-allgather vs cpu-fp32' \
-  'PASS  gpu-cp2-doc vs cpu-doc-ref' 'PASS  gpu-cp2-bf16 vs cpu-fp32'; do
+  'PASS  gpu-cp2-doc vs cpu-doc-ref' 'PASS  gpu-cp2-bf16 vs cpu-fp32' 'PASS  plugin-cpu: --device cpu, 3 steps trained' \
+  'SKIP  plugin-gpu: skipped: no CUDA device'; do
   grep -qF -- "$want" "$WORK/ok.txt" || { cat "$WORK/ok.txt"; fail "run.sh output lacks '$want'"; }
 done
 grep -qE '^gpu: [0-9]+ passed, 0 failed' "$WORK/ok.txt" || { cat "$WORK/ok.txt"; fail "no 'gpu: N passed, 0 failed'"; }
@@ -46,3 +47,10 @@ done
 grep -qF -- "--seed 1337 -> 7" "$WORK/seed/logs/ckpt-cpu-to-gpu.log" || fail "--seed 7: the resume does not name the changed seed"
 grep -qF -- "--seed 7 -> 1337" "$WORK/seed/logs/ckpt-gpu-to-cpu.log" || fail "--seed 7: the resume does not name the changed seed"
 echo "ok: GPU runs on another seed: $nfail comparisons failed, e.g. $(grep -m1 -o 'gpu-fp32-np1 vs cpu-fp32: worst[^;]*' "$WORK/seed.txt")"
+
+# GPU_CHECK_PART=figures (the second device call): stage 1 and the figures only, no training comparison.
+check figures GPU_CHECK_PART=figures PEER_MODELS=""
+[ "$rc" = 0 ] || { cat "$WORK/figures.txt"; fail "GPU_CHECK_PART=figures: exit status $rc"; }
+grep -qF 'PASS  bench-tiny-fp32' "$WORK/figures.txt" || { cat "$WORK/figures.txt"; fail "GPU_CHECK_PART=figures: no benchmark row"; }
+! grep -E '^== (2|3|4|6)' "$WORK/figures.txt" || fail "GPU_CHECK_PART=figures ran a correctness stage"
+echo "ok: GPU_CHECK_PART=figures: $(grep -c '^== ' "$WORK/figures.txt") stages (1, 5-5d), $(tail -1 "$WORK/figures.txt")"

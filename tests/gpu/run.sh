@@ -14,6 +14,8 @@
 #   2. gpu_tests (GoogleTest: the CUDA backend against the CPU backend), 1 rank
 #   2b. checkpoint snapshots (gtest Gpu.CheckpointSnapshot*): pinned host memory (cudaMemoryTypeHost),
 #      copies on the copy stream ordered after the queued updates, isolated from the next ones
+#   2c. the CUDA plugin: a --device cpu run maps no CUDA library and not libshardtrain_cuda.so (on this
+#      machine, where CUDA is installed); a --device cuda run maps both (the control)
 #   3. training equivalence, 20 steps of `tiny` (and `test-uneven`): GPU fp32 vs CPU fp32 within 1e-4
 #      relative at every step, GPU bf16 vs CPU fp32 within 2e-2; 1 rank, and 2 ranks sharing the GPU
 #      (--gpu-comm mpi: NCCL refuses two ranks on one GPU); at 1 rank --overlap off against the
@@ -40,12 +42,14 @@
 #      on the FlashAttention-2 paper's shapes, forward and forward+backward
 #   6. compute-sanitizer (when present): gpu_tests under memcheck (all cases) and racecheck (the kernels
 #      with shared memory), no error allowed
-#   7. only with GPU_CHECK_PROFILE=1: Nsight Compute's duration of every kernel over one llama-125m
+#   7. only with GPU_CHECK_PROFILE=1: Nsight Compute's duration of every kernel over one PROFILE_MODEL (llama-125m)
 #      bf16 step, summed per kernel (where the step's GPU time goes)
 # Without a CUDA device the GPU parts say "skipped: no CUDA device" (not a failure); the CPU
 # controls still run. Ends with "gpu: N passed, M failed" (GoogleTest cases and checks); the exit
 # status is non-zero iff something failed. Logs and metrics: build-gpu/gpu-check/logs (GPU_CHECK_DIR);
 # with $OUT set, also $OUT/summary.txt (this output) and $OUT/gpu-logs.tar.gz.
+# GPU_CHECK_PART=correctness runs stages 1-4b and 6, GPU_CHECK_PART=figures stages 1 and 5-7 (default
+# all): a device session makes two calls, correctness first, so that a failure leaves time to rerun.
 # Knobs for testing the script itself: GPU_CHECK_DEVICE=cpu runs the "GPU" runs on the CPU;
 # BENCH_MODELS, BENCH_SEQ, BENCH_BATCH, BENCH_STEPS size the benchmark; PEER_MODELS, PEER_PY,
 # PEER_COMPILE(_S) stage 5c; SHARDTRAIN_CUDNN_ATTENTION=off the tiled kernels; SANITIZER_S stage 6;
@@ -55,6 +59,11 @@ set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 ROOT=$PWD
 BUDGET=${GPU_CHECK_BUDGET_S:-540}
+# GPU_CHECK_PART: correctness (stages 1-4b and 6), figures (1 and 5-7), or all (default). A device
+# session runs correctness first, then figures, so that a failure leaves device time for a fix.
+PART=${GPU_CHECK_PART:-all}
+case $PART in all | correctness | figures) ;; *) echo "run.sh: GPU_CHECK_PART='$PART': expected all, correctness or figures" >&2; exit 2 ;; esac
+want() { [ "$PART" = all ] || [ "$PART" = "$1" ]; }
 DEV=${GPU_CHECK_DEVICE:-cuda}
 W=${GPU_CHECK_DIR:-$ROOT/build-gpu/gpu-check}
 L=$W/logs
@@ -66,6 +75,7 @@ PEER_PY=${PEER_PY:-python3}        # a Python with torch and transformers (the G
 PEER_COMPILE=${PEER_COMPILE:-1}    # torch.compile the peer (time-boxed: PEER_COMPILE_S, then eager)
 PEER_COMPILE_S=${PEER_COMPILE_S:-150}
 BENCH_SEQ=${BENCH_SEQ:-1024}
+PROFILE_MODEL=${PROFILE_MODEL:-llama-125m}  # stage 7
 BENCH_BATCH=${BENCH_BATCH:-16}
 BENCH_STEPS=${BENCH_STEPS:-12}
 SANITIZER_S=${SANITIZER_S:-120}  # stage 6: memcheck and racecheck, half each; 0 skips stage 6
@@ -154,7 +164,7 @@ check() {
 
 main() {
 T0=$SECONDS
-echo "shardtrain GPU check: $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(uname -n), budget ${BUDGET} s"
+echo "shardtrain GPU check: $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(uname -n), budget ${BUDGET} s, part $PART"
 
 # ---- 1. environment ---------------------------------------------------------------------------
 stage "1. environment" 40
@@ -252,6 +262,11 @@ DATA=$W/corpus.tok
 
 # ---- 2. gpu_tests -----------------------------------------------------------------------------
 SNAP_TESTS='Gpu.CheckpointSnapshot*'  # stage 2b
+TINY=(--data "$DATA" --seq-len 32 --global-batch 8 --steps 20 --lr 3e-3 --warmup 2 --eval-batches 1 --log-every 1 --threads 1)
+CPU=(--device cpu --precision fp32)
+# shellcheck disable=SC2206  # GPU_CHECK_ARGS: words
+G=(--device "$DEV" ${GPU_CHECK_ARGS:-})
+if want correctness; then
 stage "2. gpu_tests (GoogleTest, CUDA backend vs CPU backend, 1 rank)" 120
 t=$(cap 120)
 rc=0
@@ -299,12 +314,50 @@ else
   tail_log "$L/gpu_snapshot.log" 25
 fi
 
+# ---- 2c. the CUDA plugin: loaded only for a GPU run ---------------------------------------------
+# On a machine with CUDA, a --device cpu run maps no CUDA library and not the plugin (it is dlopen()ed
+# on first need); a --device cuda run maps the plugin and cuBLAS (the control). /proc/<pid>/maps of
+# the rank after 3 logged steps; then SIGUSR1 (finish the step, exit 75).
+stage "2c. the CUDA plugin: none of CUDA mapped in a CPU run, the plugin and cuBLAS in a GPU run" 40
+maps_of_run() {  # maps_of_run NAME ARGS...: prints the rank's /proc/<pid>/maps while it trains; status 1 if none
+  local name=$1 m=$L/$1.jsonl job pid= p t
+  shift
+  t=$(cap 30)
+  [ "$t" = 0 ] && return 1
+  timeout -k 5 "$t" "$MPIRUN" "${MPIRUN_OPTS[@]}" -np 1 "$BIN" --model tiny --data "$DATA" --seq-len 32 --global-batch 8 \
+    --steps 100000 --log-every 1 --eval-every 0 --eval-batches 1 --threads 1 --metrics "$m" "$@" >"$L/$name.log" 2>&1 &
+  job=$!
+  for _ in $(seq 1 250); do
+    [ -f "$m" ] && [ "$(grep -c '"loss"' "$m")" -ge 3 ] && break
+    kill -0 "$job" 2>/dev/null || break
+    sleep 0.1
+  done
+  for p in $(pgrep -f -- "--metrics $m" || true); do  # the rank (mpirun's own command line names it too)
+    grep -q libopenblas "/proc/$p/maps" 2>/dev/null && pid=$p
+  done
+  [ -n "$pid" ] && cat "/proc/$pid/maps"
+  [ -n "$pid" ] && kill -USR1 "$pid" 2>/dev/null
+  wait "$job" 2>/dev/null
+  [ -n "$pid" ]
+}
+CUDA_RE='lib(cuda|cublas|cublasLt|nccl|cudart|cudnn)\.so|libshardtrain_cuda\.so'
+if maps=$(maps_of_run plugin-cpu --device cpu); then
+  libs=$(grep -oE "[^ /]*($CUDA_RE)[^ ]*" <<<"$maps" | sort -u | paste -sd' ')
+  if [ -z "$libs" ]; then ok "plugin-cpu: --device cpu, 3 steps trained: no CUDA library and not the plugin in the rank's maps"
+  else bad "plugin-cpu: --device cpu mapped $libs"; fi
+else bad "plugin-cpu: no rank found training"; tail_log "$L/plugin-cpu.log"; fi
+if [ "$GPU" = 1 ] && [ "$DEV" = cuda ]; then
+  if maps=$(maps_of_run plugin-gpu --device cuda --gpu-comm "$COMM1"); then
+    libs=$(grep -oE "[^ /]*($CUDA_RE)[^ ]*" <<<"$maps" | sort -u | paste -sd' ')
+    if grep -q libshardtrain_cuda <<<"$libs" && grep -q libcublas <<<"$libs"; then ok "plugin-gpu: --device cuda maps $libs"
+    else bad "plugin-gpu: --device cuda: the plugin or cuBLAS not mapped (${libs:-none})"; tail_log "$L/plugin-gpu.log"; fi
+  else bad "plugin-gpu: no rank found training"; tail_log "$L/plugin-gpu.log"; fi
+else
+  skipped plugin-gpu "no CUDA device"
+fi
+
 # ---- 3. training equivalence ------------------------------------------------------------------
 stage "3. training equivalence: 20 steps, GPU vs CPU fp32 (losses at every step)" 100
-TINY=(--data "$DATA" --seq-len 32 --global-batch 8 --steps 20 --lr 3e-3 --warmup 2 --eval-batches 1 --log-every 1 --threads 1)
-CPU=(--device cpu --precision fp32)
-# shellcheck disable=SC2206  # GPU_CHECK_ARGS: words
-G=(--device "$DEV" ${GPU_CHECK_ARGS:-})
 if run_np cpu-fp32 60 1 --model tiny "${TINY[@]}" "${CPU[@]}"; then ok "cpu-fp32 (reference, 1 rank): $(grep -m1 '^done:' "$L/cpu-fp32.log")"
 else bad "cpu-fp32: reference run"; tail_log "$L/cpu-fp32.log"; fi
 check cpu-fp32-np2 cpu-fp32 1e-5 1 2 --model tiny "${TINY[@]}" "${CPU[@]}"  # control: world-size invariance
@@ -488,6 +541,8 @@ for prec in fp32 bf16; do
   fi
 done
 
+fi  # want correctness (stages 2-4b)
+
 # ---- 5. benchmark -----------------------------------------------------------------------------
 # llama-1b (Llama-3.2-1B's shape) with its special ids left unset, so that they come from the fortunes
 # token file: stages 5, 5b and 5c.
@@ -505,7 +560,8 @@ model_spec() { if [ "$1" = llama-1b ]; then echo "$W/llama-1b.json"; else echo "
 # Stage 6 runs when there is a GPU, compute-sanitizer and SANITIZER_S > 0: its time is kept from stage 5.
 CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
 SAN=0
-[ "$GPU" = 1 ] && [ "$DEV" = cuda ] && [ -n "$CS" ] && [ "$SANITIZER_S" -gt 0 ] && SAN=1
+[ "$GPU" = 1 ] && [ "$DEV" = cuda ] && [ -n "$CS" ] && [ "$SANITIZER_S" -gt 0 ] && want correctness && SAN=1
+if want figures; then
 # Stage 5c's time is kept from stage 5 too.
 PEER_KEEP=0
 # The peer compiles only on CUDA (stage 5c); elsewhere it runs eager, within 60 s. Keeping the
@@ -701,7 +757,10 @@ else
   fi
 fi
 
+fi  # want figures (stages 5-5d)
+
 # ---- 6. compute-sanitizer ---------------------------------------------------------------------
+if want correctness; then
 stage "6. compute-sanitizer: gpu_tests under memcheck (memory errors) and racecheck (shared memory races)" $((T_END - SECONDS))
 for tool in memcheck racecheck; do
   if [ "$GPU" = 0 ] || [ "$DEV" != cuda ]; then skipped "sanitizer-$tool" "no CUDA device"; continue; fi
@@ -711,11 +770,11 @@ for tool in memcheck racecheck; do
   if [ "$t" = 0 ]; then bad "sanitizer-$tool: out of time"; continue; fi
   # memcheck: every case; API errors are not reported (NCCL's init probes kernel images for other
   # architectures: 8 cudaErrorNoKernelImageForDevice inside libnccl, seen 2026-11-29). racecheck is
-  # slow: the kernels with __shared__ memory (block_reduce, embedding_backward's list); CrossEntropy
+  # slow: the kernels with __shared__ memory (block_reduce, embedding_backward's list, the tiled attention); CrossEntropy
   # uses the same block_reduce and takes over a minute under racecheck.
   case $tool in
     memcheck) opts=(--report-api-errors no) filt='*' ;;
-    racecheck) opts=() filt='Gpu.SumSquares*:Gpu.Embedding*:Gpu.RmsNorm*:Gpu.SoftmaxCausal*' ;;
+    racecheck) opts=() filt='Gpu.SumSquares*:Gpu.Embedding*:Gpu.RmsNorm*:Gpu.SoftmaxCausal*:Gpu.FlashAttention*:Gpu.BlockAttention*' ;;
   esac
   rc=0
   timeout -k 5 "$t" "$MPIRUN" "${MPIRUN_OPTS[@]}" -np 1 "$CS" --tool "$tool" "${opts[@]}" --target-processes all \
@@ -730,9 +789,11 @@ for tool in memcheck racecheck; do
   fi
 done
 
+fi  # want correctness (stage 6)
+
 # ---- 7. profile (GPU_CHECK_PROFILE=1) ---------------------------------------------------------
-if [ "${GPU_CHECK_PROFILE:-0}" = 1 ]; then
-  stage "7. profile: GPU time per kernel, llama-125m bf16, seq $BENCH_SEQ, batch $BENCH_BATCH, 1 step (Nsight Compute)" \
+if [ "${GPU_CHECK_PROFILE:-0}" = 1 ] && want figures; then
+  stage "7. profile: GPU time per kernel, $PROFILE_MODEL bf16, seq $BENCH_SEQ, batch $BENCH_BATCH, 1 step (Nsight Compute)" \
     $((T_END - SECONDS))
   NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   t=$(cap 200)
@@ -745,7 +806,7 @@ if [ "${GPU_CHECK_PROFILE:-0}" = 1 ]; then
     rc=0
     timeout -k 5 "$t" "$MPIRUN" "${MPIRUN_OPTS[@]}" -np 1 "$NCU" --metrics gpu__time_duration.sum --cache-control none \
       --clock-control none --target-processes all --csv --print-units base --log-file "$L/profile.csv" \
-      "$BIN" --model llama-125m --data "$DATA" --seq-len "$BENCH_SEQ" --global-batch "$BENCH_BATCH" \
+      "$BIN" --model "$PROFILE_MODEL" --data "$DATA" --seq-len "$BENCH_SEQ" --global-batch "$BENCH_BATCH" \
       --micro-batch "$BENCH_BATCH" --steps 1 --eval-batches 1 --device cuda --gpu-comm "$COMM1" --precision bf16 \
       >"$L/profile.log" 2>&1 || rc=$?
     out=
