@@ -52,7 +52,8 @@
 # all): a device session makes two calls, correctness first, so that a failure leaves time to rerun.
 # Knobs for testing the script itself: GPU_CHECK_DEVICE=cpu runs the "GPU" runs on the CPU;
 # BENCH_MODELS, BENCH_SEQ, BENCH_BATCH, BENCH_STEPS size the benchmark; PEER_MODELS, PEER_PY,
-# PEER_COMPILE(_S) stage 5c; SHARDTRAIN_CUDNN_ATTENTION=off the tiled kernels; SANITIZER_S stage 6;
+# PEER_COMPILE(_S) stage 5c; SHARDTRAIN_CUDNN_ATTENTION=off the tiled kernels; SANITIZER_S, MEMCHECK_FILTER,
+# RACECHECK_FILTER (gtest filters; RACECHECK_FILTER=none skips racecheck) stage 6;
 # GPU_BUNDLE=none with GPU_CHECK_BUILD=DIR: the binaries of DIR, no build (tests/e2e/test_gpu_check_script.sh);
 # GPU_CHECK_ARGS: more shardtrain options for the GPU runs of stages 3-4 (--seed 7 must fail them).
 set -uo pipefail
@@ -64,6 +65,13 @@ BUDGET=${GPU_CHECK_BUDGET_S:-540}
 PART=${GPU_CHECK_PART:-all}
 case $PART in all | correctness | figures) ;; *) echo "run.sh: GPU_CHECK_PART='$PART': expected all, correctness or figures" >&2; exit 2 ;; esac
 want() { [ "$PART" = all ] || [ "$PART" = "$1" ]; }
+# GPU_CHECK_STAGES="2 5b 7": only these stages (and stage 1), whatever GPU_CHECK_PART says: a rerun of
+# what failed. Stage 5c's ratio needs the same shape's row of stage 5 in the same run.
+STAGES=${GPU_CHECK_STAGES:-}
+on() {  # on STAGE: is this stage to run?
+  if [ -n "$STAGES" ]; then [[ " $STAGES " == *" $1 "* ]]; return; fi
+  case $1 in 5 | 5b | 5c | 5d | 7) want figures ;; *) want correctness ;; esac
+}
 DEV=${GPU_CHECK_DEVICE:-cuda}
 W=${GPU_CHECK_DIR:-$ROOT/build-gpu/gpu-check}
 L=$W/logs
@@ -266,7 +274,7 @@ TINY=(--data "$DATA" --seq-len 32 --global-batch 8 --steps 20 --lr 3e-3 --warmup
 CPU=(--device cpu --precision fp32)
 # shellcheck disable=SC2206  # GPU_CHECK_ARGS: words
 G=(--device "$DEV" ${GPU_CHECK_ARGS:-})
-if want correctness; then
+if on 2; then
 stage "2. gpu_tests (GoogleTest, CUDA backend vs CPU backend, 1 rank)" 120
 t=$(cap 120)
 rc=0
@@ -291,10 +299,12 @@ elif [ "${s:-0}" -gt 0 ] && [ "${p:-0}" = 0 ]; then
 fi
 if [ "$rc" != 0 ] && [ -z "$f" ]; then bad "gpu_tests: exit status $rc$([ "$rc" = 124 ] && echo " (timeout ${t}s)")"; tail_log "$L/gpu_tests.log"; fi
 if [ "$rc" != 0 ] && [ -n "$f" ]; then tail_log "$L/gpu_tests.log" 15; fi
+fi  # stage 2
 
 # ---- 2b. checkpoint snapshots -------------------------------------------------------------------
 # take_checkpoint_snapshot into a SnapshotBuffer on the CUDA backend (tests/gpu/test_gpu.cpp,
 # check_checkpoint_snapshot): pinned memory, the copy stream after the compute stream, isolation.
+if on 2b; then
 stage "2b. checkpoint snapshots: pinned host memory, copy stream, isolation (gtest $SNAP_TESTS)" 40
 t=$(cap 40)
 rc=0
@@ -313,11 +323,13 @@ else
   bad "snapshot-pinned: exit status $rc$([ "$rc" = 124 ] && echo " (timeout ${t}s)")"
   tail_log "$L/gpu_snapshot.log" 25
 fi
+fi  # stage 2b
 
 # ---- 2c. the CUDA plugin: loaded only for a GPU run ---------------------------------------------
 # On a machine with CUDA, a --device cpu run maps no CUDA library and not the plugin (it is dlopen()ed
 # on first need); a --device cuda run maps the plugin and cuBLAS (the control). /proc/<pid>/maps of
 # the rank after 3 logged steps; then SIGUSR1 (finish the step, exit 75).
+if on 2c; then
 stage "2c. the CUDA plugin: none of CUDA mapped in a CPU run, the plugin and cuBLAS in a GPU run" 40
 maps_of_run() {  # maps_of_run NAME ARGS...: prints the rank's /proc/<pid>/maps while it trains; status 1 if none
   local name=$1 m=$L/$1.jsonl job pid= p t
@@ -355,8 +367,10 @@ if [ "$GPU" = 1 ] && [ "$DEV" = cuda ]; then
 else
   skipped plugin-gpu "no CUDA device"
 fi
+fi  # stage 2c
 
 # ---- 3. training equivalence ------------------------------------------------------------------
+if on 3; then
 stage "3. training equivalence: 20 steps, GPU vs CPU fp32 (losses at every step)" 100
 if run_np cpu-fp32 60 1 --model tiny "${TINY[@]}" "${CPU[@]}"; then ok "cpu-fp32 (reference, 1 rank): $(grep -m1 '^done:' "$L/cpu-fp32.log")"
 else bad "cpu-fp32: reference run"; tail_log "$L/cpu-fp32.log"; fi
@@ -395,8 +409,10 @@ else
     skipped "$n" "no CUDA device"
   done
 fi
+fi  # stage 3
 
 # ---- 3b. tensor parallelism --------------------------------------------------------------------
+if on 3b; then
 stage "3b. tensor parallelism: --tp 2 on one GPU (2 ranks, --gpu-comm mpi) vs the CPU, 20 steps of test-tp" 60
 # The TP collectives of two ranks sharing the GPU go through the host-staged device Comm (NCCL
 # refuses two ranks on one GPU); the vocabulary-parallel loss runs the CUDA vocab_ce_* kernels.
@@ -410,8 +426,10 @@ if [ "$GPU" = 1 ]; then
 else
   for n in gpu-tp2-fp32 gpu-tp2-bf16; do skipped "$n" "no CUDA device"; done
 fi
+fi  # stage 3b
 
 # ---- 3c. context parallelism -------------------------------------------------------------------
+if on 3c; then
 stage "3c. context parallelism: --cp 2 on one GPU (2 ranks, --gpu-comm mpi) vs the CPU, 20 steps, causal and document" 90
 # Each rank holds 2 of the 4 head-tail chunks of every sequence of 32 tokens; K/V move through the
 # host-staged device Comm of the CP group (NCCL refuses two ranks on one GPU) and the CUDA block
@@ -448,8 +466,10 @@ if [ "$DEV" = cuda ] && "$PEER_PY" -c 'import torch, transformers' >/dev/null 2>
 else
   skipped peer-torch-cp2 "needs a CUDA device and $PEER_PY with torch and transformers"
 fi
+fi  # stage 3c
 
 # ---- 4. checkpoints across devices ------------------------------------------------------------
+if on 4; then
 stage "4. checkpoints across devices: save at step 10, resume to 20, vs the uninterrupted CPU run" 50
 # resume NAME SAVE_DEVICE_ARGS -- RESUME_DEVICE_ARGS: both halves at 1 rank, fp32.
 resume() {
@@ -474,12 +494,14 @@ else
   skipped ckpt-gpu-to-cpu "no CUDA device"
   skipped ckpt-cpu-to-gpu "no CUDA device"
 fi
+fi  # stage 4
 
 # ---- 4b. asynchronous checkpoint saves on the GPU -------------------------------------------------
 # As tests/e2e/test_checkpoint_async.sh on the CPU: the background save of step 4 is delayed (half of
 # SHARDTRAIN_TEST_CHECKPOINT_WRITE_DELAY_MS before its write) so that steps 5.. change the device
 # shards while it is written; its file must equal, bitwise, the step-4 file of a synchronous run
 # stopped at step 4. The snapshot went to pinned host memory on the copy stream (the log says so).
+if on 4b; then
 stage "4b. asynchronous checkpoint saves on the GPU: step-4 file, --checkpoint-async on vs off" 80
 ASYNC=(--model tiny --data "$DATA" --seq-len 16 --global-batch 12 --steps 8 --log-every 1 --eval-every 0 --eval-batches 1
   --threads 1 --checkpoint-every 4)
@@ -540,8 +562,8 @@ for prec in fp32 bf16; do
     bad "$name: the step-4 files differ: $res"
   fi
 done
+fi  # stage 4b
 
-fi  # want correctness (stages 2-4b)
 
 # ---- 5. benchmark -----------------------------------------------------------------------------
 # llama-1b (Llama-3.2-1B's shape) with its special ids left unset, so that they come from the fortunes
@@ -560,21 +582,21 @@ model_spec() { if [ "$1" = llama-1b ]; then echo "$W/llama-1b.json"; else echo "
 # Stage 6 runs when there is a GPU, compute-sanitizer and SANITIZER_S > 0: its time is kept from stage 5.
 CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
 SAN=0
-[ "$GPU" = 1 ] && [ "$DEV" = cuda ] && [ -n "$CS" ] && [ "$SANITIZER_S" -gt 0 ] && want correctness && SAN=1
-if want figures; then
+[ "$GPU" = 1 ] && [ "$DEV" = cuda ] && [ -n "$CS" ] && [ "$SANITIZER_S" -gt 0 ] && on 6 && SAN=1
 # Stage 5c's time is kept from stage 5 too.
-PEER_KEEP=0
-# The peer compiles only on CUDA (stage 5c); elsewhere it runs eager, within 60 s. Keeping the
-# compile's time on the CPU left stage 5 nothing when stages 1-4 took over 30 s.
-if [ "$GPU" = 1 ] && [ -n "$PEER_MODELS" ]; then
-  PEER_KEEP=60
-  [ "$PEER_COMPILE" = 1 ] && [ "$DEV" = cuda ] && PEER_KEEP=$((PEER_COMPILE_S + 60))
-fi
-stage "5. benchmark: 1 rank (--gpu-comm $COMM1), seq $BENCH_SEQ, batch $BENCH_BATCH unless given (no accumulation), $BENCH_STEPS steps" \
-  $((T_END - SECONDS - SAN * SANITIZER_S - PEER_KEEP))
 ROWS=()
 declare -A OURS_TPS OURS_MEM  # MODEL:SEQ:BATCH of the bf16 rows: tokens/s, peak memory (for 5c)
 GPU_NAME=$( [ "$DEV" = cuda ] && nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+PEER_KEEP=0
+# The peer compiles only on CUDA (stage 5c); elsewhere it runs eager, within 60 s. Keeping the
+# compile's time on the CPU left stage 5 nothing when stages 1-4 took over 30 s.
+if [ "$GPU" = 1 ] && [ -n "$PEER_MODELS" ] && on 5c; then
+  PEER_KEEP=60
+  [ "$PEER_COMPILE" = 1 ] && [ "$DEV" = cuda ] && PEER_KEEP=$((PEER_COMPILE_S + 60))
+fi
+if on 5; then
+stage "5. benchmark: 1 rank (--gpu-comm $COMM1), seq $BENCH_SEQ, batch $BENCH_BATCH unless given (no accumulation), $BENCH_STEPS steps" \
+  $((T_END - SECONDS - SAN * SANITIZER_S - PEER_KEEP))
 for mp in $BENCH_MODELS; do
   IFS=: read -r model prec seq batch <<<"$mp"
   seq=${seq:-$BENCH_SEQ} batch=${batch:-$BENCH_BATCH} name=bench-${mp//:/-}
@@ -648,11 +670,13 @@ if [ ${#ROWS[@]} -gt 0 ]; then
   echo "|---|---|---|---|---|---|---|---|"
   printf '%s\n' "${ROWS[@]}"
 fi
+fi  # stage 5
 
 # ---- 5b. memory: Llama-3.2-1B, bf16, T = 2048, full activation checkpointing, one GPU ----------------
 # The memory plan printed at start (memory_plan.h) against nvidia-smi's peak memory.used (which also
 # counts the CUDA context, cuBLAS and NCCL: the plan's 1 GiB estimate).
 MEM1B=${MEM1B:-1}
+if on 5b; then
 stage "5b. memory: llama-1b bf16, seq 2048, micro-batch 1, --activation-checkpointing full, 3 steps" \
   $((T_END - SECONDS - SAN * SANITIZER_S - PEER_KEEP))
 if [ "$GPU" = 0 ] || [ "$DEV" != cuda ] || [ "$MEM1B" = 0 ]; then
@@ -675,12 +699,14 @@ else
     tail_log "$L/mem-llama-1b.log"
   fi
 fi
+fi  # stage 5b
 
 # ---- 5c. the PyTorch peer ----------------------------------------------------------------------
 # tests/gpu/peer.py: transformers' LlamaForCausalLM from the config.json shardtrain resolves for the
 # same model (--mode plan --out), bf16 autocast, SDPA attention, torch.compile (time-boxed at
 # PEER_COMPILE_S; on a timeout or error it runs eager), fused AdamW; same seq and batch, run right
 # after shardtrain's row on the same GPU. Ratio = shardtrain tokens/s / peer tokens/s.
+if on 5c; then
 stage "5c. PyTorch peer: LlamaForCausalLM, bf16 autocast, sdpa, torch.compile, fused AdamW" $((T_END - SECONDS - SAN * SANITIZER_S))
 PEER_ROWS=()
 for pm in $PEER_MODELS; do
@@ -733,12 +759,14 @@ if [ ${#PEER_ROWS[@]} -gt 0 ]; then
   echo "|---|---|---|---|---|---|---|---|"
   printf '%s\n' "${PEER_ROWS[@]}"
 fi
+fi  # stage 5c
 
 # ---- 5d. attention TFLOP/s -----------------------------------------------------------------------
 # tests/bench/attention_bench.cpp: causal bf16 attention, forward and forward+backward, cuDNN's fused
 # SDPA and the tiled kernels, on the FlashAttention-2 paper's shapes (its FLOP count). For scale: the
 # FlashAttention-3 paper (Shah et al. 2024) puts FlashAttention-2 at about 35% of an H100's 989
 # TFLOP/s, and FlashAttention-3 (FP16) at up to 740.
+if on 5d; then
 stage "5d. attention: forward and forward+backward TFLOP/s (cuDNN SDPA, tiled kernels)" $((T_END - SECONDS - SAN * SANITIZER_S))
 if [ "$GPU" = 0 ] || [ "$DEV" != cuda ]; then skipped attention-bench "no CUDA device"
 else
@@ -756,25 +784,27 @@ else
     tail_log "$L/attention-bench.log"
   fi
 fi
+fi  # stage 5d
 
-fi  # want figures (stages 5-5d)
 
 # ---- 6. compute-sanitizer ---------------------------------------------------------------------
-if want correctness; then
+if on 6; then
 stage "6. compute-sanitizer: gpu_tests under memcheck (memory errors) and racecheck (shared memory races)" $((T_END - SECONDS))
 for tool in memcheck racecheck; do
   if [ "$GPU" = 0 ] || [ "$DEV" != cuda ]; then skipped "sanitizer-$tool" "no CUDA device"; continue; fi
   if [ -z "$CS" ]; then skipped "sanitizer-$tool" "compute-sanitizer not found"; continue; fi
   if [ "$SANITIZER_S" -le 0 ]; then skipped "sanitizer-$tool" "SANITIZER_S=0"; continue; fi
+  if [ "$tool" = racecheck ] && [ "${RACECHECK_FILTER:-}" = none ]; then skipped "sanitizer-$tool" "RACECHECK_FILTER=none"; continue; fi
   t=$(cap $((SANITIZER_S / 2)))
   if [ "$t" = 0 ]; then bad "sanitizer-$tool: out of time"; continue; fi
   # memcheck: every case; API errors are not reported (NCCL's init probes kernel images for other
   # architectures: 8 cudaErrorNoKernelImageForDevice inside libnccl, seen 2026-11-29). racecheck is
-  # slow: the kernels with __shared__ memory (block_reduce, embedding_backward's list, the tiled attention); CrossEntropy
-  # uses the same block_reduce and takes over a minute under racecheck.
+  # slow: the kernels with __shared__ memory (block_reduce, embedding_backward's list); CrossEntropy
+  # uses the same block_reduce and takes over a minute under racecheck, FlashAttentionF32 over 40 s
+  # (2026-12-04): the tiled and block attention kernels only by RACECHECK_FILTER, given the time.
   case $tool in
-    memcheck) opts=(--report-api-errors no) filt='*' ;;
-    racecheck) opts=() filt='Gpu.SumSquares*:Gpu.Embedding*:Gpu.RmsNorm*:Gpu.SoftmaxCausal*:Gpu.FlashAttention*:Gpu.BlockAttention*' ;;
+    memcheck) opts=(--report-api-errors no) filt=${MEMCHECK_FILTER:-*} ;;
+    racecheck) opts=() filt=${RACECHECK_FILTER:-Gpu.SumSquares*:Gpu.Embedding*:Gpu.RmsNorm*:Gpu.SoftmaxCausal*} ;;
   esac
   rc=0
   timeout -k 5 "$t" "$MPIRUN" "${MPIRUN_OPTS[@]}" -np 1 "$CS" --tool "$tool" "${opts[@]}" --target-processes all \
@@ -788,11 +818,11 @@ for tool in memcheck racecheck; do
     grep -E '^=========' "$L/sanitizer-$tool.log" | head -30 | sed 's/^/        | /'
   fi
 done
+fi  # stage 6
 
-fi  # want correctness (stage 6)
 
 # ---- 7. profile (GPU_CHECK_PROFILE=1) ---------------------------------------------------------
-if [ "${GPU_CHECK_PROFILE:-0}" = 1 ] && want figures; then
+if [ "${GPU_CHECK_PROFILE:-0}" = 1 ] && on 7; then
   stage "7. profile: GPU time per kernel, $PROFILE_MODEL bf16, seq $BENCH_SEQ, batch $BENCH_BATCH, 1 step (Nsight Compute)" \
     $((T_END - SECONDS))
   NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)

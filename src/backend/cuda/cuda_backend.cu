@@ -1577,14 +1577,23 @@ template <typename T> class CudaBackend final : public Backend<T> {
   }
   // Lets `kernel` use `bytes` of dynamic shared memory: above the default 48 KiB it is opted in to
   // the device's limit; beyond that limit (head dimension too large) a runtime_error.
+  // A block may use 48 KiB of shared memory, static and dynamic together, unless the kernel opts in
+  // to more (CUDA C++ Programming Guide, "Shared Memory"; the opt-in sets the dynamic part). The
+  // block_* kernels add 1 KiB of static arrays to the flash kernels' dynamic tiles: 48 KiB of tiles at
+  // head dim 64 made 49 KiB, and their launch failed (cudaErrorInvalidValue, first run on an H200,
+  // 2026-12-04) until the static part was counted here.
   template <typename K> void allow_smem(K* kernel, size_t bytes, int HD) {
-    if (bytes <= 48 * 1024) return;
+    cudaFuncAttributes fa{};
+    ST_CUDA(cudaFuncGetAttributes(&fa, kernel));
+    const size_t total = bytes + fa.sharedSizeBytes;
+    if (total <= 48 * 1024) return;
     int dev = 0, limit = 0;
     ST_CUDA(cudaGetDevice(&dev));
     ST_CUDA(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-    if (bytes > static_cast<size_t>(limit))
-      throw std::runtime_error("flash attention: head dim " + std::to_string(HD) + " needs " + std::to_string(bytes) +
-                               " bytes of shared memory per block, the device allows " + std::to_string(limit));
+    if (total > static_cast<size_t>(limit))
+      throw std::runtime_error("flash attention: head dim " + std::to_string(HD) + " needs " + std::to_string(total) +
+                               " bytes of shared memory per block (" + std::to_string(fa.sharedSizeBytes) +
+                               " static), the device allows " + std::to_string(limit));
     ST_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
   }
   void scale_c(T* C, int M, int N, int ldc, float beta) {
