@@ -4,6 +4,12 @@
 #
 #   bash tests/gpu/run.sh
 #
+# In a 15-minute device session (machine start about 30 s), as on 2026-12-04 (docs/gpu-runs/):
+#   GPU_CHECK_PART=correctness GPU_CHECK_BUDGET_S=300 SANITIZER_S=160 bash tests/gpu/run.sh   (250 s)
+#   GPU_CHECK_PART=figures GPU_CHECK_BUDGET_S=420 GPU_CHECK_PROFILE=1 PROFILE_MODEL=llama-350m bash tests/gpu/run.sh
+# (the figures took 290 s without 5d and 7, and with llama-1b's parameter initialisation still
+# serial: about 40 s of each llama-1b run's start then). GPU_CHECK_STAGES="2 5b" reruns what failed.
+#
 # Binaries: .gpu-bundle/ when present (made by tests/gpu/bundle.sh on the build machine: shardtrain,
 # gpu_tests, their CUDA plugin libshardtrain_cuda.so, Open MPI and their libraries; cuBLAS and NCCL,
 # which the plugin loads, come from this machine's CUDA toolkit, ldconfig or pip nvidia-* wheels),
@@ -81,7 +87,7 @@ BENCH_MODELS=${BENCH_MODELS:-llama-125m:bf16 llama-350m:bf16 llama-350m:bf16:204
 PEER_MODELS=${PEER_MODELS:-llama-350m:1024:16 llama-1b:2048:8}
 PEER_PY=${PEER_PY:-python3}        # a Python with torch and transformers (the GPU machine's own)
 PEER_COMPILE=${PEER_COMPILE:-1}    # torch.compile the peer (time-boxed: PEER_COMPILE_S, then eager)
-PEER_COMPILE_S=${PEER_COMPILE_S:-150}
+PEER_COMPILE_S=${PEER_COMPILE_S:-100}  # llama-350m: 49.6 s (H200, 2026-12-04)
 BENCH_SEQ=${BENCH_SEQ:-1024}
 PROFILE_MODEL=${PROFILE_MODEL:-llama-125m}  # stage 7
 BENCH_BATCH=${BENCH_BATCH:-16}
@@ -591,8 +597,11 @@ PEER_KEEP=0
 # The peer compiles only on CUDA (stage 5c); elsewhere it runs eager, within 60 s. Keeping the
 # compile's time on the CPU left stage 5 nothing when stages 1-4 took over 30 s.
 if [ "$GPU" = 1 ] && [ -n "$PEER_MODELS" ] && on 5c; then
-  PEER_KEEP=60
-  [ "$PEER_COMPILE" = 1 ] && [ "$DEV" = cuda ] && PEER_KEEP=$((PEER_COMPILE_S + 60))
+  # Each model's compile (or its eager run), and one eager fallback: on 2026-12-04 one compile was
+  # kept, and the second model (llama-1b) found 73 s left, too few for torch.compile.
+  n=$(wc -w <<<"$PEER_MODELS")
+  PEER_KEEP=$((n * 60))
+  [ "$PEER_COMPILE" = 1 ] && [ "$DEV" = cuda ] && PEER_KEEP=$((n * PEER_COMPILE_S + 60))
 fi
 if on 5; then
 stage "5. benchmark: 1 rank (--gpu-comm $COMM1), seq $BENCH_SEQ, batch $BENCH_BATCH unless given (no accumulation), $BENCH_STEPS steps" \
