@@ -28,8 +28,10 @@ const char* action_letter(ActionKind k);
 struct Action {
   ActionKind kind = ActionKind::Forward;
   int microbatch = 0;        // index within the optimizer step (or evaluation batch), from 0
-  int stage = 0;             // the pipeline stage that runs it, from 0
+  int stage = 0;             // the pipeline stage (pipeline rank) that runs it, from 0
   int begin = 0, end = 0;    // blocks [begin, end) of the model
+  int chunk = 0;             // the model chunk [begin, end) is, in model order (pipeline_schedule.h);
+                             // = stage unless a rank holds several chunks (interleaved)
   bool operator==(const Action&) const = default;
 };
 
@@ -44,7 +46,9 @@ class Schedule {
   virtual std::vector<Action> actions() const = 0;
   // The schedule as text: a title line (name, micro-batches, stages), then one row per stage,
   // "stage s [begin, end) |" and its actions in order as cells F<m> / B<m> / I<m> / W<m>, each
-  // 4 characters wide, for instance for gradient accumulation over 4 micro-batches of 12 blocks:
+  // 4 characters wide (where a stage holds several chunks: "[b0, e0) [b1, e1) ... |" and cells
+  // F<m>.<j>, 6 wide, j the chunk's place on its stage), for instance for gradient accumulation
+  // over 4 micro-batches of 12 blocks:
   //   gradient accumulation: 4 micro-batches, 1 stage
   //   stage 0 [0, 12) | F0  B0  F1  B1  F2  B2  F3  B3
   std::string to_table() const;

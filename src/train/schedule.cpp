@@ -1,6 +1,7 @@
 // Schedules (schedule.h): the actions of gradient accumulation and the table of any schedule.
 #include "shardtrain/schedule.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <stdexcept>
 
@@ -29,18 +30,42 @@ std::string Schedule::to_table() const {
   std::string out = name() + ": " + std::to_string(M) + (M == 1 ? " micro-batch, " : " micro-batches, ") +
                     std::to_string(S) + (S == 1 ? " stage\n" : " stages\n");
   const std::vector<Action> all = actions();
+  // Each stage's chunks in model order, with their ranges; several on one stage: wide cells.
+  std::vector<std::vector<const Action*>> chunks(static_cast<size_t>(std::max(S, 0)));
+  bool several = false;
+  for (const Action& a : all) {
+    if (a.stage < 0 || a.stage >= S) continue;
+    auto& c = chunks[static_cast<size_t>(a.stage)];
+    if (std::none_of(c.begin(), c.end(), [&](const Action* x) { return x->chunk == a.chunk; })) c.push_back(&a);
+    several = several || c.size() > 1;
+  }
+  for (auto& c : chunks) std::sort(c.begin(), c.end(), [](const Action* x, const Action* y) { return x->chunk < y->chunk; });
   for (int s = 0; s < S; ++s) {
-    std::string row;
-    int begin = -1, end = -1;
+    const auto& c = chunks[static_cast<size_t>(s)];
+    std::string row, ranges;
+    for (const Action* x : c) {  // (appended piece by piece: GCC 12's -Wrestrict misfires on "[" + ...)
+      ranges += '[';
+      ranges += std::to_string(x->begin);
+      ranges += ", ";
+      ranges += std::to_string(x->end);
+      ranges += ") ";
+    }
+    if (c.empty()) ranges = "[-1, -1) ";
     for (const Action& a : all) {
       if (a.stage != s) continue;
-      if (begin < 0) begin = a.begin, end = a.end;
-      char cell[16];
-      std::snprintf(cell, sizeof cell, "%-4s", label(a).c_str());
+      std::string l = label(a);
+      if (several)
+        for (size_t j = 0; j < c.size(); ++j)
+          if (c[j]->chunk == a.chunk) {
+            l += '.';
+            l += std::to_string(j);
+          }
+      char cell[24];
+      std::snprintf(cell, sizeof cell, several ? "%-6s" : "%-4s", l.c_str());
       row += cell;
     }
     while (!row.empty() && row.back() == ' ') row.pop_back();
-    out += "stage " + std::to_string(s) + " [" + std::to_string(begin) + ", " + std::to_string(end) + ") | " + row + "\n";
+    out += "stage " + std::to_string(s) + " " + ranges + "| " + row + "\n";
   }
   return out;
 }
