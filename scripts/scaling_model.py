@@ -49,6 +49,7 @@ PRESETS = {
     "tinyllama-1.1b": (32000, 2048, 5632, 22, 32, 4, False),
     "llama-8b": (128256, 4096, 14336, 32, 32, 8, False),  # meta-llama/Llama-3.1-8B
     "llama-70b": (128256, 8192, 28672, 80, 64, 8, False),  # meta-llama/Llama-3.1-70B
+    "llama-405b": (128256, 16384, 53248, 126, 128, 8, False),  # meta-llama/Llama-3.1-405B
 }
 
 
@@ -1195,6 +1196,7 @@ def selftest():
     # Parameter counts of the published models (src/model/config.cpp comments).
     assert load_config("llama-1b").num_params() == 1235814400
     assert load_config("llama-8b").num_params() == 8030261248
+    assert load_config("llama-405b").num_params() == 405853388800  # meta-llama/Llama-3.1-405B
     c = load_config("llama-1b")
     assert sum(n for _, n in units(c)) == c.num_params()
     assert shard_size(2, 4) == 1 and shard_size(0, 4) == 1 and shard_size(9, 4) == 3

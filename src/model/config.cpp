@@ -126,6 +126,9 @@ const std::map<std::string, ModelConfig>& presets() {
       // plans; weights from --mode import).
       {"llama-70b", published("llama-70b", 128256, 8192, 28672, 80, 64, 8, 131072, false, 500000.0, 1e-5, 128000, 128001,
                               llama3_rope(8.0))},
+      // meta-llama/Llama-3.1-405B config.json: 405,853,388,800 parameters (issue 42's pipeline plans).
+      {"llama-405b", published("llama-405b", 128256, 16384, 53248, 126, 128, 8, 131072, false, 500000.0, 1e-5, 128000,
+                               128001, llama3_rope(8.0))},
   };
   return p;
 }

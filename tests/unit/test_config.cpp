@@ -334,7 +334,10 @@ TEST(Config, PublishedPresets) {
                              500000.0, 8.0},
                         // transformers 4.x, LlamaForCausalLM on the meta device: 70,553,706,496
                         Want{"llama-70b", 70'553'706'496, 128256, 8192, 28672, 80, 64, 8, 131072, 128000, 128001, false,
-                             500000.0, 8.0}}) {
+                             500000.0, 8.0},
+                        // transformers 5.24 on the meta device: 405,853,388,800
+                        Want{"llama-405b", 405'853'388'800, 128256, 16384, 53248, 126, 128, 8, 131072, 128000, 128001,
+                             false, 500000.0, 8.0}}) {
     const ModelConfig c = preset(w.name);
     EXPECT_NO_THROW(validate(c, w.name));
     EXPECT_EQ(c.num_params(), w.params) << w.name;
