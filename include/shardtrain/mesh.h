@@ -7,14 +7,16 @@
 // shard layer takes its communicators from it (ShardedState's Mesh constructor), the trainer asks it the
 // questions above.
 //
-// Dimensions, outermost first: dp_replicate (R, replica groups of hybrid sharding) x dp_shard (D)
-// x cp (C, context parallelism, --cp: the ranks of a CP group hold different parts of the same
-// sequences) x tp (N, tensor parallelism, --tp: the TP group of consecutive ranks, model.h).
-// The global rank of coordinate (rep, shard, cp, tp) is
-// ((rep * D + shard) * C + cp) * N + tp: tp varies fastest (its ranks sit together on a node), then
-// cp, dp_replicate slowest (the dimension that may cross nodes). With tp = cp = 1 this is
-// rank = rep * D + shard: a shard group is D consecutive ranks, a replica group the ranks of equal
-// shard rank.
+// Dimensions, outermost first: pp (P, pipeline stages, issue 42: each stage holds a contiguous
+// range of the model's blocks, pipeline_schedule.h) x dp_replicate (R, replica groups of hybrid
+// sharding) x dp_shard (D) x cp (C, context parallelism, --cp: the ranks of a CP group hold
+// different parts of the same sequences) x tp (N, tensor parallelism, --tp: the TP group of
+// consecutive ranks, model.h). The global rank of coordinate (pp, rep, shard, cp, tp) is
+// (((pp * R + rep) * D + shard) * C + cp) * N + tp: tp varies fastest (its ranks sit together on a
+// node), then cp, pp slowest (stages across nodes: only activations cross between them). With
+// pp = tp = cp = 1 this is rank = rep * D + shard: a shard group is D consecutive ranks, a replica
+// group the ranks of equal shard rank. Every group below lies inside one stage (equal pp); the PP
+// group (pp_group) is the ranks of equal (rep, shard, cp, tp), one per stage.
 //
 // What each dimension does to the questions below (each stated again at its function):
 //   FSDP's shard group spans dp_shard x cp (D * C ranks, MeshDims::fsdp()): the CP ranks of a group
@@ -25,7 +27,8 @@
 //   Gradient norm: every rank of replica group 0 counts its shards (CP ranks hold different ones);
 //     a TP group's replicated parameters count once (TP rank 0).
 //   Loss: each CP rank holds different tokens, so the loss sums over CP ranks; a TP group's ranks
-//     compute the loss of the same tokens, so it counts once (TP rank 0).
+//     compute the loss of the same tokens, so it counts once (TP rank 0); only the last pipeline
+//     stage computes it.
 #pragma once
 
 #include <functional>
@@ -43,14 +46,16 @@ struct MeshDims {
   int dp_shard = 1;      // G: ranks a unit is sharded over
   int cp = 1;            // C: context parallelism, ranks of a CP group (--cp)
   int tp = 1;            // N: tensor parallelism, ranks of a TP group (--tp)
-  int world() const { return dp_replicate * dp_shard * cp * tp; }
+  int pp = 1;            // P: pipeline stages, the outermost dimension (last here so that the
+                         //    four-number initialisers {R, D, C, N} keep their meaning)
+  int world() const { return pp * dp_replicate * dp_shard * cp * tp; }
   int dp() const { return dp_replicate * dp_shard; }  // data-parallel degree: ranks reading different batches
   int fsdp() const { return dp_shard * cp; }          // ranks of an FSDP shard group: dp_shard x cp
 };
 
 // A rank's coordinate in the mesh: each index in [0, size of its dimension).
 struct MeshCoord {
-  int dp_replicate = 0, dp_shard = 0, cp = 0, tp = 0;
+  int dp_replicate = 0, dp_shard = 0, cp = 0, tp = 0, pp = 0;
   bool operator==(const MeshCoord&) const = default;
 };
 
@@ -79,6 +84,9 @@ class MeshLayout {
   // The global ranks of `rank`'s CP group (its cp dimension: the ranks differing from it only in
   // the cp coordinate, tp apart), in order; index i holds chunks i and 2·cp−1−i of every sequence.
   std::vector<int> cp_group(int rank) const;
+  // The global ranks of `rank`'s PP group (its pp dimension: one rank per stage, equal in every
+  // other coordinate), in stage order: activations go from index s to s + 1, their gradients back.
+  std::vector<int> pp_group(int rank) const;
   // Checkpoints hold one logical copy: the ranks of replica group 0 write it, the rank of shard
   // index r (shard_index: over dp_shard x cp) writing row r of every unit's flat buffers; the
   // others join every collective HDF5 call with empty selections. checkpoint_row: the row `rank`
@@ -94,8 +102,12 @@ class MeshLayout {
   bool counts_replicated_in_norm(int rank) const { return coord(rank).tp == 0; }
   // Every rank of a TP group computes the loss of the group's tokens: it counts once, from the
   // group's first rank, in the step's loss sum. The ranks of a CP group hold different tokens of
-  // the same sequences: each counts its own (the loss sums over CP ranks).
-  bool counts_loss(int rank) const { return coord(rank).tp == 0; }
+  // the same sequences: each counts its own (the loss sums over CP ranks). Only the last pipeline
+  // stage computes the loss.
+  bool counts_loss(int rank) const {
+    const MeshCoord c = coord(rank);
+    return c.tp == 0 && c.pp == d_.pp - 1;
+  }
 
  private:
   MeshDims d_;
@@ -131,8 +143,9 @@ class Mesh {
   // shard_host(): the shard group in host memory (the world when it is the whole world).
   // replica_host(): the replica group in host memory, nullptr when R = 1. tp_host(): the TP group
   // in host memory, nullptr when tp = 1. cp_host(): the CP group (cp_group) in host memory, nullptr
-  // when cp = 1. shard_data() / replica_data() / tp_data() / cp_data(): the same groups for the
-  // backend's buffers: the device communicators when attached, else the host ones.
+  // when cp = 1. pp_host(): the PP group (pp_group), nullptr when pp = 1. shard_data() /
+  // replica_data() / tp_data() / cp_data() / pp_data(): the same groups for the backend's buffers:
+  // the device communicators when attached, else the host ones.
   // References stay valid for the mesh's lifetime.
   Comm& world() const { return world_; }
   Comm& shard_host() const { return shard_host_ ? *shard_host_ : world_; }
@@ -143,10 +156,12 @@ class Mesh {
   Comm* tp_data() const { return tp_dev_ ? tp_dev_.get() : tp_host(); }
   Comm* cp_host() const { return cp_host_.get(); }
   Comm* cp_data() const { return cp_dev_ ? cp_dev_.get() : cp_host(); }
+  Comm* pp_host() const { return pp_host_.get(); }
+  Comm* pp_data() const { return pp_dev_ ? pp_dev_.get() : pp_host(); }
 
   // Builds the device communicators of the shard group, (R > 1) the replica group, (tp > 1) the
-  // TP group and (cp > 1) the CP group with `make`, given each group's host communicator, in that
-  // order, and owns them.
+  // TP group, (cp > 1) the CP group and (pp > 1) the PP group with `make`, given each group's host
+  // communicator, in that order, and owns them.
   // Collective as `make` is (NCCL: collective over the group; it agrees on failure itself). Call
   // once.
   void attach_device_comms(const std::function<std::unique_ptr<Comm>(Comm& host)>& make);
@@ -174,8 +189,8 @@ class Mesh {
   Topology topo_;
   MeshLayout layout_;
   MeshCoord coord_;
-  std::unique_ptr<MpiComm> shard_host_, replica_host_, tp_host_, cp_host_;
-  std::unique_ptr<Comm> shard_dev_, replica_dev_, tp_dev_, cp_dev_;
+  std::unique_ptr<MpiComm> shard_host_, replica_host_, tp_host_, cp_host_, pp_host_;
+  std::unique_ptr<Comm> shard_dev_, replica_dev_, tp_dev_, cp_dev_, pp_dev_;
   std::string note_;
   double collective_timeout_ = 0;
 };

@@ -6,10 +6,10 @@
 namespace shardtrain {
 
 MeshLayout::MeshLayout(MeshDims d) : d_(d) {
-  if (d.dp_replicate < 1 || d.dp_shard < 1 || d.cp < 1 || d.tp < 1)
-    throw std::invalid_argument("mesh: every dimension must be >= 1 (dp_replicate " + std::to_string(d.dp_replicate) +
-                                ", dp_shard " + std::to_string(d.dp_shard) + ", cp " + std::to_string(d.cp) + ", tp " +
-                                std::to_string(d.tp) + ")");
+  if (d.dp_replicate < 1 || d.dp_shard < 1 || d.cp < 1 || d.tp < 1 || d.pp < 1)
+    throw std::invalid_argument("mesh: every dimension must be >= 1 (pp " + std::to_string(d.pp) + ", dp_replicate " +
+                                std::to_string(d.dp_replicate) + ", dp_shard " + std::to_string(d.dp_shard) + ", cp " +
+                                std::to_string(d.cp) + ", tp " + std::to_string(d.tp) + ")");
 }
 
 MeshCoord MeshLayout::coord(int rank) const {
@@ -19,12 +19,14 @@ MeshCoord MeshLayout::coord(int rank) const {
   c.cp = rank % d_.cp;
   rank /= d_.cp;
   c.dp_shard = rank % d_.dp_shard;
-  c.dp_replicate = rank / d_.dp_shard;
+  rank /= d_.dp_shard;
+  c.dp_replicate = rank % d_.dp_replicate;
+  c.pp = rank / d_.dp_replicate;
   return c;
 }
 
 int MeshLayout::rank_of(const MeshCoord& c) const {
-  return ((c.dp_replicate * d_.dp_shard + c.dp_shard) * d_.cp + c.cp) * d_.tp + c.tp;
+  return (((c.pp * d_.dp_replicate + c.dp_replicate) * d_.dp_shard + c.dp_shard) * d_.cp + c.cp) * d_.tp + c.tp;
 }
 
 int MeshLayout::dp_index(int rank) const {
@@ -52,6 +54,13 @@ std::vector<int> MeshLayout::cp_group(int rank) const {
   return v;
 }
 
+std::vector<int> MeshLayout::pp_group(int rank) const {
+  MeshCoord c = coord(rank);
+  std::vector<int> v;
+  for (c.pp = 0; c.pp < d_.pp; ++c.pp) v.push_back(rank_of(c));
+  return v;
+}
+
 std::vector<int> MeshLayout::replica_group(int rank) const {
   MeshCoord c = coord(rank);
   std::vector<int> v;
@@ -68,7 +77,7 @@ std::vector<int> MeshLayout::tp_group(int rank) const {
 
 namespace {
 MeshLayout checked_layout(const Comm& world, MeshDims d) {
-  if (d.dp_shard < 1 || d.cp < 1 || d.tp < 1 || d.world() != world.world_size())
+  if (d.dp_shard < 1 || d.cp < 1 || d.tp < 1 || d.pp < 1 || d.world() != world.world_size())
     throw CollectiveError(0, "option '--shard-group-size' (" + std::to_string(d.fsdp() * d.tp) +
                                  ") does not divide the world size (" + std::to_string(world.world_size()) + ")");
   try {
@@ -92,6 +101,10 @@ Mesh::Mesh(Comm& world, const Topology& topo, MeshDims dims, double collective_t
   if (dims.cp > 1) {
     cp_host_ = std::make_unique<MpiComm>(MpiComm::split(world, layout_.cp_group(r).front(), r));
     cp_host_->set_collective_timeout(collective_timeout);
+  }
+  if (dims.pp > 1) {
+    pp_host_ = std::make_unique<MpiComm>(MpiComm::split(world, layout_.pp_group(r).front(), r));
+    pp_host_->set_collective_timeout(collective_timeout);
   }
   if (dims.fsdp() != world.world_size()) {  // else the shard group is the world
     shard_host_ = std::make_unique<MpiComm>(MpiComm::split(world, layout_.shard_group(r).front(), r));
@@ -120,6 +133,7 @@ void Mesh::attach_device_comms(const std::function<std::unique_ptr<Comm>(Comm& h
   if (replica_host_) replica_dev_ = make(*replica_host_);
   if (tp_host_) tp_dev_ = make(*tp_host_);
   if (cp_host_) cp_dev_ = make(*cp_host_);
+  if (pp_host_) pp_dev_ = make(*pp_host_);
 }
 
 std::string Mesh::topology_line() const {
@@ -140,8 +154,14 @@ std::string Mesh::topology_line() const {
     s += "; context parallel: " + std::to_string(W / C) + (W / C == 1 ? " CP group of " : " CP groups of ") +
          std::to_string(C) + " ranks (--cp " + std::to_string(C) + ", head-tail split of every sequence), FSDP over " +
          std::to_string(dims().dp_shard) + " x " + std::to_string(C) + " ranks (dp_shard x cp)";
-  if (R == 1 && N == 1)
+  const int P = dims().pp;
+  if (P > 1)
+    s += "; pipeline parallel: " + std::to_string(P) + " stages of " + std::to_string(W / P) + " consecutive ranks (--pp " +
+         std::to_string(P) + ")";
+  if (R == 1 && N == 1 && P == 1)
     s += "; fully sharded over all " + std::to_string(W) + " ranks (shard group size " + std::to_string(G) + ")";
+  else if (R == 1 && N == 1)
+    s += "; fully sharded over the " + std::to_string(G) + " ranks of each stage (shard group size " + std::to_string(G) + ")";
   else if (R == 1)
     s += "; one replica (shard group size " + std::to_string(G * N) + " ranks: TP groups included)";
   else

@@ -1,7 +1,7 @@
 // The device mesh (mesh.h) under mpirun at 1..4 ranks (the context-parallel case also at 6 by
 // hand): coordinates, group membership, the batch index, the checkpoint writers and the norm and
 // loss counting, for plain FSDP (G = W), every hybrid sharding layout (G dividing W), every TP
-// degree and every mesh with cp >= 2, each checked against an independent computation: the
+// degree, every mesh with cp >= 2 and every mesh with pp >= 2 (cp 1 and 2), each checked against an independent computation: the
 // communicators' own view (their ranks and an all-gather of the members' global ranks), a brute
 // force over all ranks, and the rules the program followed before the mesh (shard group = rank / G,
 // replica group = rank mod G, replica group 0 writes and counts).
@@ -53,6 +53,19 @@ TEST_F(Mesh, LayoutByHand) {
             (std::vector<int>{0, 1, -1, -1}));
   EXPECT_EQ((std::vector<bool>{h.counts_in_norm(0), h.counts_in_norm(1), h.counts_in_norm(2), h.counts_in_norm(3)}),
             (std::vector<bool>{true, true, false, false}));
+  // pp 2 x dp_shard 2 x tp 2 (W = 8): stage 0 is ranks 0-3, stage 1 ranks 4-7; rank 6 = (pp 1,
+  // shard 1, tp 0); its PP group pairs it with rank 2 of stage 0.
+  const st::MeshLayout p(st::MeshDims{1, 2, 1, 2, 2});
+  EXPECT_EQ(p.dims().world(), 8);
+  EXPECT_EQ(p.coord(6), (st::MeshCoord{0, 1, 0, 0, 1}));
+  EXPECT_EQ(p.rank_of(st::MeshCoord{0, 1, 0, 0, 1}), 6);
+  EXPECT_EQ(p.pp_group(6), (std::vector<int>{2, 6}));
+  EXPECT_EQ(p.shard_group(6), (std::vector<int>{4, 6}));
+  EXPECT_EQ(p.tp_group(6), (std::vector<int>{6, 7}));
+  EXPECT_EQ(p.dp_index(6), p.dp_index(2));
+  EXPECT_TRUE(p.counts_loss(6));
+  EXPECT_FALSE(p.counts_loss(2));
+  EXPECT_THROW(st::MeshLayout(st::MeshDims{1, 2, 1, 1, 0}), std::invalid_argument);
   const st::MeshLayout e(st::MeshDims{2, 4, 1, 1});
   EXPECT_EQ(e.shard_group(5), (std::vector<int>{4, 5, 6, 7}));
   EXPECT_EQ(e.replica_group(5), (std::vector<int>{1, 5}));
@@ -308,6 +321,77 @@ TEST_F(Mesh, ContextParallelGroupsAgreeWithIndependentComputation) {
             << line;
       }
   if (meshes == 0) GTEST_SKIP() << "no mesh with cp >= 2 at world size " << W;
+}
+
+// Pipeline stages (issue 42): pp outermost. Every mesh with pp >= 2 at this world size: the PP group
+// is one rank per stage with all other coordinates equal; every other group lies inside a stage;
+// stages read the same batch rows; only the last stage counts the loss; each stage's replica 0
+// writes its rows; the norm counts each (stage, tp, shard row) once.
+TEST_F(Mesh, PipelineGroupsAgreeWithIndependentComputation) {
+  st::Comm& c = world();
+  const int W = c.world_size(), r = c.rank();
+  const st::Topology& topo = st::testing::g_runtime->topo();
+  int meshes = 0;
+  for (int P = 2; P <= W; ++P)
+    for (int C = 1; C <= 2; ++C)
+      for (int N = 1; N <= W; ++N)
+        for (int D = 1; D <= W; ++D) {
+          if (W % (P * C * N * D) != 0) continue;
+          const int R = W / (P * C * N * D);
+          SCOPED_TRACE("W " + std::to_string(W) + ": P " + std::to_string(P) + ", R " + std::to_string(R) + ", D " +
+                       std::to_string(D) + ", C " + std::to_string(C) + ", N " + std::to_string(N));
+          ++meshes;
+          st::Mesh mesh(c, topo, st::MeshDims{R, D, C, N, P}, 0);
+          auto tp_of = [&](int q) { return q % N; };
+          auto cp_of = [&](int q) { return q / N % C; };
+          auto shard_of = [&](int q) { return q / (N * C) % D; };
+          auto rep_of = [&](int q) { return q / (N * C * D) % R; };
+          auto pp_of = [&](int q) { return q / (N * C * D * R); };
+          const st::MeshCoord want{rep_of(r), shard_of(r), cp_of(r), tp_of(r), pp_of(r)};
+          EXPECT_EQ(mesh.coord(), want);
+          std::vector<int> pp_bf, shard_bf, tp_bf, replica_bf;
+          for (int q = 0; q < W; ++q) {
+            const bool pp = pp_of(q) == pp_of(r), rep = rep_of(q) == rep_of(r), sh = shard_of(q) == shard_of(r),
+                       cpq = cp_of(q) == cp_of(r), tp = tp_of(q) == tp_of(r);
+            if (rep && sh && cpq && tp) pp_bf.push_back(q);
+            if (pp && rep && tp) shard_bf.push_back(q);
+            if (pp && rep && sh && cpq) tp_bf.push_back(q);
+            if (pp && sh && cpq && tp) replica_bf.push_back(q);
+          }
+          ASSERT_NE(mesh.pp_host(), nullptr);
+          EXPECT_EQ(mesh.pp_data(), mesh.pp_host());
+          EXPECT_EQ(members(*mesh.pp_host()), pp_bf);
+          EXPECT_EQ(mesh.pp_host()->rank(), pp_of(r));
+          EXPECT_EQ(mesh.layout().pp_group(r), pp_bf);
+          EXPECT_EQ(members(mesh.shard_host()), shard_bf);
+          EXPECT_EQ(mesh.layout().shard_group(r), shard_bf);
+          if (N > 1) {
+            ASSERT_NE(mesh.tp_host(), nullptr);
+            EXPECT_EQ(members(*mesh.tp_host()), tp_bf);
+          }
+          if (R > 1) {
+            ASSERT_NE(mesh.replica_host(), nullptr);
+            EXPECT_EQ(members(*mesh.replica_host()), replica_bf);
+          }
+          EXPECT_EQ(mesh.dp_index(), rep_of(r) * D + shard_of(r));  // every stage reads the same rows
+          // Loss: the last stage's counting ranks give each (batch index, CP part) once.
+          double loss = mesh.counts_loss() ? std::ldexp(1.0, mesh.dp_index() * C + cp_of(r)) : 0.0;
+          EXPECT_TRUE(!mesh.counts_loss() || pp_of(r) == P - 1);
+          c.all_reduce(&loss, 1, st::ReduceOp::Sum);
+          EXPECT_EQ(loss, std::ldexp(1.0, R * D * C) - 1);
+          // Norm: stages hold different units, so each (stage, tp, shard row) counts once.
+          const int row = shard_of(r) * C + cp_of(r);
+          double norm = mesh.counts_in_norm() ? std::ldexp(1.0, (pp_of(r) * N + tp_of(r)) * D * C + row) : 0.0;
+          c.all_reduce(&norm, 1, st::ReduceOp::Sum);
+          EXPECT_EQ(norm, std::ldexp(1.0, P * N * D * C) - 1);
+          EXPECT_EQ(mesh.layout().checkpoint_row(r), rep_of(r) == 0 ? row : -1);
+          const std::string line = mesh.topology_line();
+          EXPECT_NE(line.find("pipeline parallel: " + std::to_string(P) + " stages of " + std::to_string(W / P) +
+                              " consecutive ranks (--pp " + std::to_string(P) + ")"),
+                    std::string::npos)
+              << line;
+        }
+  if (meshes == 0) GTEST_SKIP() << "no mesh with pp >= 2 at world size " << W;
 }
 
 // A layout that does not cover the world is refused on every rank, naming the option.
