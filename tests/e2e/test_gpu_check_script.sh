@@ -54,3 +54,12 @@ check figures GPU_CHECK_PART=figures PEER_MODELS=""
 grep -qF 'PASS  bench-tiny-fp32' "$WORK/figures.txt" || { cat "$WORK/figures.txt"; fail "GPU_CHECK_PART=figures: no benchmark row"; }
 ! grep -E '^== (2|3|4|6)' "$WORK/figures.txt" || fail "GPU_CHECK_PART=figures ran a correctness stage"
 echo "ok: GPU_CHECK_PART=figures: $(grep -c '^== ' "$WORK/figures.txt") stages (1, 5-5d), $(tail -1 "$WORK/figures.txt")"
+
+# GPU_CHECK_STAGES (a rerun of what failed): stage 4 alone makes the CPU reference it compares with;
+# a stage id that does not exist is refused (a typo must not pass as a clean run).
+check stage4 GPU_CHECK_STAGES=4 PEER_MODELS=""
+[ "$rc" = 0 ] || { cat "$WORK/stage4.txt"; fail "GPU_CHECK_STAGES=4: exit status $rc"; }
+grep -qF 'PASS  ckpt-cpu-to-gpu vs cpu-fp32' "$WORK/stage4.txt" || { cat "$WORK/stage4.txt"; fail "GPU_CHECK_STAGES=4: no resume check"; }
+check typo GPU_CHECK_STAGES="4 3x"
+[ "$rc" = 2 ] && grep -qF "'3x' is no stage" "$WORK/typo.txt" || { cat "$WORK/typo.txt"; fail "GPU_CHECK_STAGES='4 3x': exit status $rc"; }
+echo "ok: GPU_CHECK_STAGES=4 alone: $(tail -1 "$WORK/stage4.txt"); '3x' refused"

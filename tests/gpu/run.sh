@@ -6,7 +6,7 @@
 #
 # In a 15-minute device session (machine start about 30 s), as on 2026-12-04 (docs/gpu-runs/):
 #   GPU_CHECK_PART=correctness GPU_CHECK_BUDGET_S=300 SANITIZER_S=160 bash tests/gpu/run.sh   (250 s)
-#   GPU_CHECK_PART=figures GPU_CHECK_BUDGET_S=420 GPU_CHECK_PROFILE=1 PROFILE_MODEL=llama-350m bash tests/gpu/run.sh
+#   GPU_CHECK_PART=figures GPU_CHECK_BUDGET_S=480 GPU_CHECK_PROFILE=1 PROFILE_MODEL=llama-350m bash tests/gpu/run.sh
 # (the figures took 290 s without 5d and 7, and with llama-1b's parameter initialisation still
 # serial: about 40 s of each llama-1b run's start then). GPU_CHECK_STAGES="2 5b" reruns what failed.
 #
@@ -52,7 +52,7 @@
 #      bf16 step, summed per kernel (where the step's GPU time goes)
 # Without a CUDA device the GPU parts say "skipped: no CUDA device" (not a failure); the CPU
 # controls still run. Ends with "gpu: N passed, M failed" (GoogleTest cases and checks); the exit
-# status is non-zero iff something failed. Logs and metrics: build-gpu/gpu-check/logs (GPU_CHECK_DIR);
+# status is non-zero iff something failed. Logs and metrics: build-gpu/gpu-check[-PART]/logs (GPU_CHECK_DIR);
 # with $OUT set, also $OUT/summary.txt (this output) and $OUT/gpu-logs.tar.gz.
 # GPU_CHECK_PART=correctness runs stages 1-4b and 6, GPU_CHECK_PART=figures stages 1 and 5-7 (default
 # all): a device session makes two calls, correctness first, so that a failure leaves time to rerun.
@@ -74,17 +74,22 @@ want() { [ "$PART" = all ] || [ "$PART" = "$1" ]; }
 # GPU_CHECK_STAGES="2 5b 7": only these stages (and stage 1), whatever GPU_CHECK_PART says: a rerun of
 # what failed. Stage 5c's ratio needs the same shape's row of stage 5 in the same run.
 STAGES=${GPU_CHECK_STAGES:-}
+for id in $STAGES; do
+  case $id in 2 | 2b | 2c | 3 | 3b | 3c | 4 | 4b | 5 | 5b | 5c | 5d | 6 | 7) ;;
+    *) echo "run.sh: GPU_CHECK_STAGES='$STAGES': '$id' is no stage (2 2b 2c 3 3b 3c 4 4b 5 5b 5c 5d 6 7, space-separated)" >&2; exit 2 ;;
+  esac
+done
 on() {  # on STAGE: is this stage to run?
   if [ -n "$STAGES" ]; then [[ " $STAGES " == *" $1 "* ]]; return; fi
   case $1 in 5 | 5b | 5c | 5d | 7) want figures ;; *) want correctness ;; esac
 }
 DEV=${GPU_CHECK_DEVICE:-cuda}
-W=${GPU_CHECK_DIR:-$ROOT/build-gpu/gpu-check}
+W=${GPU_CHECK_DIR:-$ROOT/build-gpu/gpu-check$([ "$PART" = all ] || echo "-$PART")}  # parts: their own logs
 L=$W/logs
 # MODEL:PRECISION[:SEQ[:BATCH]] (SEQ, BATCH default BENCH_SEQ, BENCH_BATCH); llama-1b is the 5b shape.
 BENCH_MODELS=${BENCH_MODELS:-llama-125m:bf16 llama-350m:bf16 llama-350m:bf16:2048:8 llama-1b:bf16:2048:8 llama-125m:fp32}
 # Stage 5c, the PyTorch peer: MODEL:SEQ:BATCH, each compared with the bf16 row of the same shape.
-PEER_MODELS=${PEER_MODELS:-llama-350m:1024:16 llama-1b:2048:8}
+PEER_MODELS=${PEER_MODELS-llama-350m:1024:16 llama-1b:2048:8}  # "" : no peer
 PEER_PY=${PEER_PY:-python3}        # a Python with torch and transformers (the GPU machine's own)
 PEER_COMPILE=${PEER_COMPILE:-1}    # torch.compile the peer (time-boxed: PEER_COMPILE_S, then eager)
 PEER_COMPILE_S=${PEER_COMPILE_S:-100}  # llama-350m: 49.6 s (H200, 2026-12-04)
@@ -178,7 +183,7 @@ check() {
 
 main() {
 T0=$SECONDS
-echo "shardtrain GPU check: $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(uname -n), budget ${BUDGET} s, part $PART"
+echo "shardtrain GPU check: $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(uname -n), budget ${BUDGET} s, $([ -n "$STAGES" ] && echo "stages $STAGES" || echo "part $PART")"
 
 # ---- 1. environment ---------------------------------------------------------------------------
 stage "1. environment" 40
@@ -337,6 +342,13 @@ fi  # stage 2b
 # the rank after 3 logged steps; then SIGUSR1 (finish the step, exit 75).
 if on 2c; then
 stage "2c. the CUDA plugin: none of CUDA mapped in a CPU run, the plugin and cuBLAS in a GPU run" 40
+descendants() {  # descendants PID: its child processes, theirs, ...
+  local c
+  for c in $(pgrep -P "$1" || true); do
+    echo "$c"
+    descendants "$c"
+  done
+}
 maps_of_run() {  # maps_of_run NAME ARGS...: prints the rank's /proc/<pid>/maps while it trains; status 1 if none
   local name=$1 m=$L/$1.jsonl job pid= p t
   shift
@@ -350,7 +362,7 @@ maps_of_run() {  # maps_of_run NAME ARGS...: prints the rank's /proc/<pid>/maps 
     kill -0 "$job" 2>/dev/null || break
     sleep 0.1
   done
-  for p in $(pgrep -f -- "--metrics $m" || true); do  # the rank (mpirun's own command line names it too)
+  for p in $(descendants "$job"); do  # the rank: the job's process that maps OpenBLAS (mpirun does not)
     grep -q libopenblas "/proc/$p/maps" 2>/dev/null && pid=$p
   done
   [ -n "$pid" ] && cat "/proc/$pid/maps"
@@ -375,11 +387,18 @@ else
 fi
 fi  # stage 2c
 
+# The CPU reference of stages 3, 3c and 4 (20 steps of tiny, 1 rank, fp32): made by the first of them
+# that runs (GPU_CHECK_STAGES may leave out stage 3).
+cpu_reference() {
+  [ -s "$L/cpu-fp32.jsonl" ] && return
+  if run_np cpu-fp32 60 1 --model tiny "${TINY[@]}" "${CPU[@]}"; then ok "cpu-fp32 (reference, 1 rank): $(grep -m1 '^done:' "$L/cpu-fp32.log")"
+  else bad "cpu-fp32: reference run"; tail_log "$L/cpu-fp32.log"; fi
+}
+
 # ---- 3. training equivalence ------------------------------------------------------------------
 if on 3; then
 stage "3. training equivalence: 20 steps, GPU vs CPU fp32 (losses at every step)" 100
-if run_np cpu-fp32 60 1 --model tiny "${TINY[@]}" "${CPU[@]}"; then ok "cpu-fp32 (reference, 1 rank): $(grep -m1 '^done:' "$L/cpu-fp32.log")"
-else bad "cpu-fp32: reference run"; tail_log "$L/cpu-fp32.log"; fi
+cpu_reference
 check cpu-fp32-np2 cpu-fp32 1e-5 1 2 --model tiny "${TINY[@]}" "${CPU[@]}"  # control: world-size invariance
 run_np cpu-uneven 60 1 --model test-uneven "${TINY[@]}" "${CPU[@]}" || { bad "cpu-uneven: reference run"; tail_log "$L/cpu-uneven.log"; }
 if [ "$GPU" = 1 ]; then
@@ -440,6 +459,7 @@ stage "3c. context parallelism: --cp 2 on one GPU (2 ranks, --gpu-comm mpi) vs t
 # Each rank holds 2 of the 4 head-tail chunks of every sequence of 32 tokens; K/V move through the
 # host-staged device Comm of the CP group (NCCL refuses two ranks on one GPU) and the CUDA block
 # attention kernels run with positions (and document ids); references: 1 rank on the CPU, same mask.
+cpu_reference
 if run_np cpu-doc-ref 40 1 --model tiny "${TINY[@]}" "${CPU[@]}" --attention-mask document; then
   ok "cpu-doc-ref (tiny, document mask, 1 rank): $(grep -m1 '^done:' "$L/cpu-doc-ref.log")"
 else bad "cpu-doc-ref: reference run"; tail_log "$L/cpu-doc-ref.log"; fi
@@ -492,6 +512,7 @@ resume() {
   EXPECT="resumed from '.*step_00000010.h5' at step 10" \
     check "$name" cpu-fp32 1e-4 11 1 --model tiny "${TINY[@]}" --precision fp32 "$@" --checkpoint-dir "$W/ck-$name" --resume auto
 }
+cpu_reference
 resume ckpt-cpu-to-cpu --device cpu -- --device cpu  # control
 if [ "$GPU" = 1 ]; then
   resume ckpt-gpu-to-cpu "${G[@]}" --gpu-comm "$COMM1" -- --device cpu
