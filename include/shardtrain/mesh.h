@@ -115,9 +115,9 @@ class MeshLayout {
 
 // The mesh of a run: the layout, this rank's coordinate, and the communicators of each dimension.
 // Host communicators (MPI, host memory) always; device communicators (NCCL, or MPI on host copies)
-// once attach_device_comms gave them. With one replica group (R = 1) the shard group is the world
-// and there is no replica communicator; with R > 1 the shard and replica groups are split from the
-// world (MPI_Comm_split). Not copyable; destroy it before the device context its device
+// once attach_device_comms gave them. With one replica group (R = 1) and one stage (pp = 1) the
+// shard group is the world and there is no replica communicator; otherwise the groups are split
+// from the world (MPI_Comm_split). Not copyable; destroy it before the device context its device
 // communicators use.
 class Mesh {
  public:

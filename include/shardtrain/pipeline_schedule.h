@@ -52,7 +52,8 @@ bool parse_pipeline_kind(const std::string& name, PipelineKind* k);
 // c has blocks [b[c], b[c+1]). Even split (issue 42, item 1): the embedding and the head each count
 // as one layer, L + 2 layers are cut evenly with earlier chunks taking the remainder, and chunk 0
 // then holds one layer fewer of blocks (the embedding), chunk S - 1 likewise (the head). Where that
-// would leave a chunk without a block (L + 2 small against S), the L blocks alone are cut evenly.
+// would leave a chunk without a block (L + 2 < 2S), every chunk gets one block and each further
+// block goes to the chunk with the fewest layers (embedding and head counted), earliest first.
 // `counts` non-empty (--pp-layers): the blocks of each chunk by hand. "" in *why and the bounds, or
 // an empty vector and *why naming the numbers: S < 1, S > L (more chunks than blocks), counts not
 // S long, a count < 1, counts not summing to L.
@@ -66,8 +67,10 @@ std::string pipeline_schedule_problem(PipelineKind kind, int ranks, int chunks_p
 class PipelineSchedule final : public Schedule {
  public:
   // bounds: pipeline_split's S + 1 boundaries with S = ranks · chunks_per_rank. backward = false:
-  // evaluation, every rank's forwards only, micro-batches in order (each chunk in model order).
-  // std::invalid_argument with pipeline_schedule_problem's reason, or when bounds is not S + 1 long.
+  // evaluation, every rank's forwards only, in the order training runs them (for interleaved,
+  // micro-batches in groups of p per chunk, as Megatron-LM's forward-only pass).
+  // std::invalid_argument with pipeline_schedule_problem's reason, or when bounds is not S + 1
+  // long, does not start at 0 or decreases.
   PipelineSchedule(PipelineKind kind, int ranks, int chunks_per_rank, int microbatches, std::vector<int> bounds,
                    bool backward = true);
   std::string name() const override;
@@ -81,6 +84,7 @@ class PipelineSchedule final : public Schedule {
   //   gpipe, 1f1b:  (p-1)(tf+tb) / (m(tf+tb) + (p-1)(tf+tb)) = (p-1)/(m+p-1)   (GPipe, section 2.2)
   //   interleaved:  (p-1)(tf+tb)/v / (m(tf+tb) + (p-1)(tf+tb)/v)                (Narayanan 2021, 2.2.2)
   //   zero-bubble:  (p-1)(tf+ti-tw) / (m(tf+tb) + (p-1)(tf+ti-tw))            (Qi et al. 2024, 3.1)
+  //                 for tw <= min(tf, ti); a longer W adds (p-1)(tw - min(tf, ti)) to the idle time
   // per rank time with v chunks counted as v times a chunk's. 0 in evaluation (no formula).
   double ideal_bubble(double tf, double ti, double tw) const;
 
@@ -101,7 +105,7 @@ struct ActionTimes {
 // Forward (m, c) after Forward (m, c - 1); Backward or BackwardInput (m, c) after Forward (m, c)
 // and after the Backward or BackwardInput of (m, c + 1); BackwardWeight (m, c) after
 // BackwardInput (m, c). Point-to-point transfers take no time. `times` per chunk (S entries), or
-// one entry for every chunk.
+// one entry for every chunk; another count, or a negative time, is reported in `error`.
 struct PipelineTimeline {
   std::string error;               // "" or why the schedule cannot finish (a rank waits forever)
   double makespan = 0;             // end of the last action

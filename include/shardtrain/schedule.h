@@ -47,7 +47,8 @@ class Schedule {
   // The schedule as text: a title line (name, micro-batches, stages), then one row per stage,
   // "stage s [begin, end) |" and its actions in order as cells F<m> / B<m> / I<m> / W<m>, each
   // 4 characters wide (where a stage holds several chunks: "[b0, e0) [b1, e1) ... |" and cells
-  // F<m>.<j>, 6 wide, j the chunk's place on its stage), for instance for gradient accumulation
+  // F<m>.<j>, 6 wide, j the chunk's place on its stage; wider when a label needs it, so that cells
+  // never run together), for instance for gradient accumulation
   // over 4 micro-batches of 12 blocks:
   //   gradient accumulation: 4 micro-batches, 1 stage
   //   stage 0 [0, 12) | F0  B0  F1  B1  F2  B2  F3  B3

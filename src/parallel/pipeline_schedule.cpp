@@ -3,6 +3,7 @@
 #include "shardtrain/pipeline_schedule.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <deque>
 #include <limits>
 #include <map>
@@ -46,15 +47,27 @@ std::vector<int> pipeline_split(int layers, int chunks, const std::vector<int>& 
     return *why = "", b;
   }
   // L + 2 layers (embedding, blocks, head) evenly; earlier chunks take the remainder.
-  const int n = layers + 2;
+  const int64_t n = int64_t{layers} + 2;
   std::vector<int> blocks(static_cast<size_t>(chunks));
   bool empty = false;
   for (int c = 0; c < chunks; ++c) {
-    blocks[static_cast<size_t>(c)] = n / chunks + (c < n % chunks ? 1 : 0) - (c == 0) - (c == chunks - 1);
+    blocks[static_cast<size_t>(c)] =
+        static_cast<int>(n / chunks + (c < n % chunks ? 1 : 0)) - (c == 0) - (c == chunks - 1);
     empty = empty || blocks[static_cast<size_t>(c)] < 1;
   }
-  if (empty)  // too few layers for the embedding and head to count: the blocks alone
-    for (int c = 0; c < chunks; ++c) blocks[static_cast<size_t>(c)] = layers / chunks + (c < layers % chunks ? 1 : 0);
+  if (empty) {  // a chunk would hold only the embedding or the head: one block each, then each further
+                // block to the chunk with the fewest layers (the embedding and head counted), earliest first
+    std::vector<int> load(static_cast<size_t>(chunks));
+    for (int c = 0; c < chunks; ++c) {
+      blocks[static_cast<size_t>(c)] = 1;
+      load[static_cast<size_t>(c)] = 1 + (c == 0) + (c == chunks - 1);
+    }
+    for (int k = chunks; k < layers; ++k) {
+      const size_t c = static_cast<size_t>(std::min_element(load.begin(), load.end()) - load.begin());
+      ++blocks[c];
+      ++load[c];
+    }
+  }
   for (int c : blocks) b.push_back(b.back() + c);
   return *why = "", b;
 }
@@ -83,6 +96,8 @@ PipelineSchedule::PipelineSchedule(PipelineKind kind, int ranks, int chunks_per_
   if (static_cast<long>(bounds_.size()) != static_cast<long>(ranks) * chunks_per_rank + 1)
     throw std::invalid_argument("PipelineSchedule: " + std::to_string(bounds_.size()) + " chunk bounds for " +
                                 std::to_string(ranks * chunks_per_rank) + " chunks");
+  if (bounds_.front() != 0 || !std::is_sorted(bounds_.begin(), bounds_.end()))
+    throw std::invalid_argument("PipelineSchedule: chunk bounds must start at 0 and not decrease (pipeline_split)");
 }
 
 std::string PipelineSchedule::name() const {
@@ -98,9 +113,8 @@ std::vector<Action> PipelineSchedule::actions() const {
     out.push_back({k, mb, rank, bounds_[static_cast<size_t>(c)], bounds_[static_cast<size_t>(c) + 1], c});
   };
   for (int r = 0; r < p_; ++r) {
-    if (!backward_) {  // evaluation: each micro-batch through the rank's chunks in model order
-      for (int mb = 0; mb < m_; ++mb)
-        for (int j = 0; j < v_; ++j) act(ActionKind::Forward, mb, r, j);
+    if (!backward_) {  // evaluation: the forwards in training's order, all of them "warm-up"
+      for (int k = 0; k < m_ * v_; ++k) act(ActionKind::Forward, (k / (p_ * v_)) * p_ + k % p_, r, (k % (p_ * v_)) / p_);
       continue;
     }
     switch (kind_) {
@@ -159,8 +173,10 @@ double PipelineSchedule::ideal_bubble(double tf, double ti, double tw) const {
   switch (kind_) {
     case PipelineKind::GPipe:
     case PipelineKind::OneFOneB: idle = (p - 1) * (tf + tb); break;
-    case PipelineKind::Interleaved: idle = (p - 1) * (tf + tb); break;  // rank time below is v chunks: /v in effect
-    case PipelineKind::ZeroBubble: idle = (p - 1) * (tf + ti - tw); break;
+    case PipelineKind::Interleaved: idle = (p - 1) * (tf + tb); break;  // against v chunks of work: 1/v of 1F1B's
+    // The paper's (p-1)(tf + ti - tw) assumes a W fits the slot it fills (tw <= min(tf, ti)); a
+    // longer W adds its excess on every rank boundary (this table's simulation, checked in tests).
+    case PipelineKind::ZeroBubble: idle = (p - 1) * (tf + ti - tw + std::max(0.0, tw - std::min(tf, ti))); break;
   }
   const double work = m * v * (tf + tb);
   return idle / (work + idle);
@@ -177,8 +193,14 @@ PipelineTimeline simulate(const Schedule& s, const std::vector<ActionTimes>& tim
     per[static_cast<size_t>(a.stage)].push_back(&a);
     chunks = std::max(chunks, a.chunk + 1);
   }
+  if (P < 1) return t.error = "a schedule of " + std::to_string(P) + " stages", t;
+  if (times.size() != 1 && times.size() != static_cast<size_t>(chunks))
+    return t.error = std::to_string(times.size()) + " action times for " + std::to_string(chunks) + " chunks (1 or one per chunk)", t;
+  for (const ActionTimes& x : times)
+    if (!(x.forward >= 0 && x.backward >= 0 && x.backward_input >= 0 && x.backward_weight >= 0))
+      return t.error = "a negative or NaN action time", t;
   auto dur = [&](const Action& a) {
-    const ActionTimes& x = times.size() == 1 ? times[0] : times.at(static_cast<size_t>(a.chunk));
+    const ActionTimes& x = times.size() == 1 ? times[0] : times[static_cast<size_t>(a.chunk)];
     switch (a.kind) {
       case ActionKind::Forward: return x.forward;
       case ActionKind::Backward: return x.backward;

@@ -77,6 +77,11 @@ std::vector<int> MeshLayout::tp_group(int rank) const {
 
 namespace {
 MeshLayout checked_layout(const Comm& world, MeshDims d) {
+  if (d.pp > 1 && d.dp_shard >= 1 && d.cp >= 1 && d.tp >= 1 && d.dp_replicate >= 1 && d.world() != world.world_size())  // pp is the outermost factor: name them all
+    throw CollectiveError(0, "the mesh (pp " + std::to_string(d.pp) + " x dp_replicate " + std::to_string(d.dp_replicate) +
+                                 " x dp_shard " + std::to_string(d.dp_shard) + " x cp " + std::to_string(d.cp) + " x tp " +
+                                 std::to_string(d.tp) + " = " + std::to_string(d.world()) + " ranks) does not match the world size (" +
+                                 std::to_string(world.world_size()) + ")");
   if (d.dp_shard < 1 || d.cp < 1 || d.tp < 1 || d.pp < 1 || d.world() != world.world_size())
     throw CollectiveError(0, "option '--shard-group-size' (" + std::to_string(d.fsdp() * d.tp) +
                                  ") does not divide the world size (" + std::to_string(world.world_size()) + ")");

@@ -2,7 +2,6 @@
 #include "shardtrain/schedule.h"
 
 #include <algorithm>
-#include <cstdio>
 #include <stdexcept>
 
 namespace shardtrain {
@@ -40,6 +39,9 @@ std::string Schedule::to_table() const {
     several = several || c.size() > 1;
   }
   for (auto& c : chunks) std::sort(c.begin(), c.end(), [](const Action* x, const Action* y) { return x->chunk < y->chunk; });
+  // Cells 4 wide (6 with chunk suffixes), wider where a label needs it (100 micro-batches and more).
+  size_t width = several ? 6 : 4;
+  for (const Action& a : all) width = std::max(width, label(a).size() + (several ? 3 + std::to_string(a.chunk).size() : 1));
   for (int s = 0; s < S; ++s) {
     const auto& c = chunks[static_cast<size_t>(s)];
     std::string row, ranges;
@@ -60,9 +62,8 @@ std::string Schedule::to_table() const {
             l += '.';
             l += std::to_string(j);
           }
-      char cell[24];
-      std::snprintf(cell, sizeof cell, several ? "%-6s" : "%-4s", l.c_str());
-      row += cell;
+      l.resize(std::max(l.size() + 1, width), ' ');
+      row += l;
     }
     while (!row.empty() && row.back() == ' ') row.pop_back();
     out += "stage " + std::to_string(s) + " " + ranges + "| " + row + "\n";

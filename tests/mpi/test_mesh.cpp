@@ -404,6 +404,16 @@ TEST_F(Mesh, RefusesDimsThatDoNotMatchTheWorld) {
   } catch (const st::CollectiveError& e) {
     EXPECT_NE(std::string(e.what()).find("'--shard-group-size'"), std::string::npos) << e.what();
   }
+  try {  // with stages, every factor is named
+    st::Mesh m(c, topo, st::MeshDims{1, c.world_size(), 1, 1, 2}, 0);
+    ADD_FAILURE() << "no error";
+  } catch (const st::CollectiveError& e) {
+    EXPECT_NE(std::string(e.what()).find("the mesh (pp 2 x dp_replicate 1 x dp_shard " + std::to_string(c.world_size()) +
+                                         " x cp 1 x tp 1 = " + std::to_string(2 * c.world_size()) +
+                                         " ranks) does not match the world size"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 }  // namespace

@@ -50,7 +50,10 @@ TEST(PipelineSchedule, EvenSplitCountsEmbeddingAndHeadAsLayers) {
   EXPECT_EQ(split(126, 16)[1], 7);                          // llama-405b at pp 16: 7, 8 x 14, 7
   EXPECT_EQ(split(126, 16)[15], 7 + 14 * 8);
   EXPECT_EQ(split(8, 4), (std::vector<int>{0, 2, 5, 7, 8}));  // 10 layers: 3 3 2 2 -> blocks 2 3 2 1
-  EXPECT_EQ(split(3, 3), (std::vector<int>{0, 1, 2, 3}));   // 5 layers would leave the head alone: blocks only
+  EXPECT_EQ(split(3, 3), (std::vector<int>{0, 1, 2, 3}));   // 5 layers would leave the head alone
+  EXPECT_EQ(split(5, 4), (std::vector<int>{0, 1, 3, 4, 5}));  // then: a block each, the 5th to the lightest
+  EXPECT_EQ(split(60, 32)[1], 1);                            // chunk 0 carries the embedding and one block
+  EXPECT_EQ(split(2147483647, 2).back(), 2147483647);        // no overflow in L + 2
   EXPECT_EQ(split(7, 1), (std::vector<int>{0, 7}));
   EXPECT_EQ(split(6, 3, {1, 2, 3}), (std::vector<int>{0, 1, 3, 6}));  // --pp-layers
   EXPECT_NE(refusal(4, 5).find("5 model chunks for 4 transformer blocks"), std::string::npos);
@@ -142,9 +145,8 @@ TEST(PipelineSchedule, SimulatedBubbleIsThePublishedFormula) {
     for (const auto& [key, n] : seen) EXPECT_EQ(n, 1) << what;
     const st::PipelineTimeline tl = st::simulate(s, {st::ActionTimes{}});  // F 1, B 2 (I 1 + W 1)
     ASSERT_EQ(tl.error, "") << what;
-    // The formulas hold where the pipeline reaches its steady state: m >= p (m >= 2p - 1 for
-    // ZB-H1, whose deferred W need that many later I to run behind).
-    const bool steady = c.m >= c.p && (!zb || c.m >= 2 * c.p - 1);
+    // The formulas hold where the pipeline reaches its steady state: m >= p.
+    const bool steady = c.m >= c.p;
     const double want = s.ideal_bubble(1, 1, 1);
     const double rank0 = tl.idle[0];
     if (steady) {
@@ -172,6 +174,19 @@ TEST(PipelineSchedule, SimulatedBubbleIsThePublishedFormula) {
   EXPECT_NEAR(idle(K::OneFOneB, 1), 3.0 / 11, 1e-12);      // (p-1)/(m+p-1)
   EXPECT_NEAR(idle(K::Interleaved, 2), 3.0 / 19, 1e-12);   // (p-1)/(vm+p-1)
   EXPECT_NEAR(idle(K::ZeroBubble, 1), 3.0 / 27, 1e-12);    // (p-1)/(3m+p-1): a third of 1F1B's idle time
+  // Unequal times, per chunk too: the formulas against the simulation (ZB-H1 with a W longer than
+  // the slot it fills: the paper's formula plus the excess, ideal_bubble's extension).
+  for (const auto& [tf, ti, tw] : std::vector<std::tuple<double, double, double>>{
+           {1, 1, 1}, {1, 2, 1}, {2, 1, 1}, {1, 1, 0.5}, {1, 0.5, 1}, {1, 1, 2}, {1, 1, 3}, {3, 2, 1}}) {
+    const st::ActionTimes at{tf, ti + tw, ti, tw};
+    for (K k : {K::OneFOneB, K::GPipe, K::ZeroBubble}) {
+      const st::PipelineSchedule s(k, 4, 1, 16, split(16, 4));
+      EXPECT_NEAR(st::simulate(s, {at}).idle[0], s.ideal_bubble(tf, ti, tw), 1e-12)
+          << st::pipeline_kind_name(k) << " tf " << tf << " ti " << ti << " tw " << tw;
+    }
+    const st::PipelineSchedule il(K::Interleaved, 4, 2, 16, split(16, 8));
+    EXPECT_NEAR(st::simulate(il, {at}).idle[0], il.ideal_bubble(tf, ti, tw), 1e-12) << "interleaved tf " << tf;
+  }
 }
 
 TEST(PipelineSchedule, SimulationReportsAScheduleThatCannotFinish) {
@@ -188,8 +203,19 @@ TEST(PipelineSchedule, SimulationReportsAScheduleThatCannotFinish) {
   };
   const st::PipelineTimeline tl = st::simulate(Bad{}, {st::ActionTimes{}});
   EXPECT_NE(tl.error.find("waits forever"), std::string::npos) << tl.error;
-  // Evaluation: forwards only, each rank's chunks in model order.
+  // Evaluation: forwards only, in training's order (micro-batches in groups of p per chunk), so that
+  // the pipeline fills: at p 4, v 2, m 8, F = 1, 8 x 2 forwards per rank and 3 x 1 of fill.
   const st::PipelineSchedule ev(K::Interleaved, 2, 2, 2, split(8, 4), false);
-  EXPECT_EQ(row(ev.to_table(), 0), "F0.0  F0.1  F1.0  F1.1");
+  EXPECT_EQ(row(ev.to_table(), 0), "F0.0  F1.0  F0.1  F1.1");
   EXPECT_EQ(st::simulate(ev, {st::ActionTimes{}}).error, "");
+  const st::PipelineSchedule ev8(K::Interleaved, 4, 2, 8, split(16, 8), false);
+  EXPECT_DOUBLE_EQ(st::simulate(ev8, {st::ActionTimes{}}).makespan, 8 * 2 + 3);
+  // Times: one for all chunks or one per chunk; negative ones refused.
+  EXPECT_NE(st::simulate(ev8, {st::ActionTimes{}, st::ActionTimes{}}).error.find("2 action times for 8 chunks"), std::string::npos);
+  EXPECT_NE(st::simulate(ev8, {st::ActionTimes{-1, 2, 1, 1}}).error.find("negative"), std::string::npos);
+  EXPECT_EQ(st::simulate(ev8, std::vector<st::ActionTimes>(8)).error, "");
+  // Tables stay readable past 99 micro-batches: cells widen.
+  const st::PipelineSchedule big(K::OneFOneB, 2, 1, 102, split(4, 2));
+  EXPECT_NE(row(big.to_table(), 0).find("F100 B99  F101 B100 B101"), std::string::npos) << row(big.to_table(), 0);
+  EXPECT_THROW(st::PipelineSchedule(K::GPipe, 2, 1, 2, {0, 3, 2}), std::invalid_argument);  // decreasing bounds
 }
