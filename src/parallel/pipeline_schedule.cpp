@@ -221,6 +221,9 @@ PipelineTimeline simulate(const Schedule& s, const std::vector<ActionTimes>& tim
   std::vector<size_t> pos(per.size(), 0);
   std::vector<double> clock(per.size(), 0.0);
   std::vector<int> in_flight(per.size(), 0);
+  std::vector<bool> split(per.size(), false);  // a rank whose backward ends at its W
+  for (size_t r = 0; r < per.size(); ++r)
+    for (const Action* x : per[r]) split[r] = split[r] || x->kind == ActionKind::BackwardWeight;
   t.busy.assign(per.size(), 0.0);
   t.peak_in_flight.assign(per.size(), 0);
   for (bool moved = true; moved;) {
@@ -241,9 +244,8 @@ PipelineTimeline simulate(const Schedule& s, const std::vector<ActionTimes>& tim
         clock[r] = at + dur(a);
         t.busy[r] += dur(a);
         end[{cls(a.kind), a.microbatch, a.chunk}] = clock[r];
-        const bool split = std::any_of(per[r].begin(), per[r].end(), [](const Action* x) { return x->kind == ActionKind::BackwardWeight; });
         if (a.kind == ActionKind::Forward) in_flight[r]++;
-        if (a.kind == ActionKind::BackwardWeight || (a.kind != ActionKind::Forward && !split)) in_flight[r]--;
+        if (a.kind == ActionKind::BackwardWeight || (a.kind != ActionKind::Forward && !split[r])) in_flight[r]--;
         t.peak_in_flight[r] = std::max(t.peak_in_flight[r], in_flight[r]);
         moved = true;
       }
