@@ -26,6 +26,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <unordered_map>
 
 #include "shardtrain/backend.h"
 #include "shardtrain/bf16.h"
@@ -1497,6 +1498,7 @@ template <typename T> class CudaBackend final : public Backend<T> {
   double* loss_sum_ = nullptr;  // cross_entropy_sum's device double
   unsigned long long* skip_ = nullptr;  // block attention: skipped tile pairs (device counter)
   int64_t block_pairs_ = 0;             // block attention: tile pairs launched (host count)
+  std::unordered_map<const void*, size_t> static_smem_;  // allow_smem: each kernel's static shared memory
   cudaStream_t copy_stream_ = nullptr;  // to_host_async's, made at its first call
   cudaEvent_t compute_done_ = nullptr;  // recorded on stream_, waited for by copy_stream_
   bool warned_free_ = false;
@@ -1575,24 +1577,28 @@ template <typename T> class CudaBackend final : public Backend<T> {
     ST_CUDA(cudaStreamSynchronize(stream_));
     return h;
   }
-  // Lets `kernel` use `bytes` of dynamic shared memory: above the default 48 KiB it is opted in to
-  // the device's limit; beyond that limit (head dimension too large) a runtime_error.
-  // A block may use 48 KiB of shared memory, static and dynamic together, unless the kernel opts in
-  // to more (CUDA C++ Programming Guide, "Shared Memory"; the opt-in sets the dynamic part). The
-  // block_* kernels add 1 KiB of static arrays to the flash kernels' dynamic tiles: 48 KiB of tiles at
-  // head dim 64 made 49 KiB, and their launch failed (cudaErrorInvalidValue, first run on an H200,
-  // 2026-12-04) until the static part was counted here.
+  // Lets `kernel` use `bytes` of dynamic shared memory; beyond the device's limit (head dimension too
+  // large) a runtime_error. A block may use 48 KiB of shared memory, static and dynamic together,
+  // unless the kernel opts in to more (CUDA C++ Programming Guide, "Shared Memory"; the opt-in sets
+  // the dynamic part). The block_* kernels add 1 KiB of static arrays to the flash kernels' dynamic
+  // tiles: 48 KiB of tiles at head dim 64 made 49 KiB, and their launch failed (cudaErrorInvalidValue,
+  // first run on an H200, 2026-12-04) until the static part was counted here. A kernel's static size
+  // is asked once (static_smem_), not at every launch.
   template <typename K> void allow_smem(K* kernel, size_t bytes, int HD) {
-    cudaFuncAttributes fa{};
-    ST_CUDA(cudaFuncGetAttributes(&fa, kernel));
-    const size_t total = bytes + fa.sharedSizeBytes;
+    auto it = static_smem_.find(reinterpret_cast<const void*>(kernel));
+    if (it == static_smem_.end()) {
+      cudaFuncAttributes fa{};
+      ST_CUDA(cudaFuncGetAttributes(&fa, kernel));
+      it = static_smem_.emplace(reinterpret_cast<const void*>(kernel), fa.sharedSizeBytes).first;
+    }
+    const size_t static_bytes = it->second, total = bytes + static_bytes;
     if (total <= 48 * 1024) return;
     int dev = 0, limit = 0;
     ST_CUDA(cudaGetDevice(&dev));
     ST_CUDA(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
     if (total > static_cast<size_t>(limit))
       throw std::runtime_error("flash attention: head dim " + std::to_string(HD) + " needs " + std::to_string(total) +
-                               " bytes of shared memory per block (" + std::to_string(fa.sharedSizeBytes) +
+                               " bytes of shared memory per block (" + std::to_string(static_bytes) +
                                " static), the device allows " + std::to_string(limit));
     ST_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
   }
