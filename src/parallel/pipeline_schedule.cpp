@@ -172,8 +172,8 @@ double PipelineSchedule::ideal_bubble(double tf, double ti, double tw) const {
   double idle = 0;  // per rank, in units of one chunk's times
   switch (kind_) {
     case PipelineKind::GPipe:
-    case PipelineKind::OneFOneB: idle = (p - 1) * (tf + tb); break;
-    case PipelineKind::Interleaved: idle = (p - 1) * (tf + tb); break;  // against v chunks of work: 1/v of 1F1B's
+    case PipelineKind::OneFOneB:
+    case PipelineKind::Interleaved: idle = (p - 1) * (tf + tb); break;  // interleaved: against v chunks of work
     // The paper's (p-1)(tf + ti - tw) assumes a W fits the slot it fills (tw <= min(tf, ti)); a
     // longer W adds its excess on every rank boundary (this table's simulation, checked in tests).
     case PipelineKind::ZeroBubble: idle = (p - 1) * (tf + ti - tw + std::max(0.0, tw - std::min(tf, ti))); break;
