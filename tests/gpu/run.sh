@@ -14,7 +14,7 @@
 # gpu_tests, their CUDA plugin libshardtrain_cuda.so, Open MPI and their libraries; cuBLAS and NCCL,
 # which the plugin loads, come from this machine's CUDA toolkit, ldconfig or pip nvidia-* wheels),
 # else `make build`. Stages, each with a time limit inside the
-# budget (GPU_CHECK_BUDGET_S, default 450 s); a failure prints the log's tail and the next stage runs:
+# budget (GPU_CHECK_BUDGET_S, default 540 s); a failure prints the log's tail and the next stage runs:
 #   1. environment: GPU, driver, nvcc, glibc, where the CUDA libraries were found; a token file
 #      made by --mode prepare from the bundled fortunes
 #   2. gpu_tests (GoogleTest: the CUDA backend against the CPU backend), 1 rank
@@ -63,6 +63,7 @@
 # GPU_BUNDLE=none with GPU_CHECK_BUILD=DIR: the binaries of DIR, no build (tests/e2e/test_gpu_check_script.sh);
 # GPU_CHECK_ARGS: more shardtrain options for the GPU runs of stages 3-4 (--seed 7 must fail them).
 set -uo pipefail
+CALLER_DIR=$PWD  # a relative GPU_CHECK_DIR is the caller's, not the repository root's
 cd "$(dirname "$0")/../.." || exit 1
 ROOT=$PWD
 BUDGET=${GPU_CHECK_BUDGET_S:-540}
@@ -73,9 +74,13 @@ case $PART in all | correctness | figures) ;; *) echo "run.sh: GPU_CHECK_PART='$
 want() { [ "$PART" = all ] || [ "$PART" = "$1" ]; }
 # GPU_CHECK_STAGES="2 5b 7": only these stages (and stage 1), whatever GPU_CHECK_PART says: a rerun of
 # what failed. Stage 5c's ratio needs the same shape's row of stage 5 in the same run.
-STAGES=${GPU_CHECK_STAGES:-}
+STAGES=$(echo ${GPU_CHECK_STAGES:-})  # words, blanks squeezed
+if [ -n "${GPU_CHECK_STAGES+set}" ] && [ -n "${GPU_CHECK_STAGES}" ] && [ -z "$STAGES" ]; then
+  echo "run.sh: GPU_CHECK_STAGES holds no stage" >&2; exit 2
+fi
 for id in $STAGES; do
-  case $id in 2 | 2b | 2c | 3 | 3b | 3c | 4 | 4b | 5 | 5b | 5c | 5d | 6 | 7) ;;
+  case $id in 1 | 2 | 2b | 2c | 3 | 3b | 3c | 4 | 4b | 5 | 5b | 5c | 5d | 6) ;;
+    7) GPU_CHECK_PROFILE=1 ;;  # asked for by name: the profile runs
     *) echo "run.sh: GPU_CHECK_STAGES='$STAGES': '$id' is no stage (2 2b 2c 3 3b 3c 4 4b 5 5b 5c 5d 6 7, space-separated)" >&2; exit 2 ;;
   esac
 done
@@ -85,6 +90,11 @@ on() {  # on STAGE: is this stage to run?
 }
 DEV=${GPU_CHECK_DEVICE:-cuda}
 W=${GPU_CHECK_DIR:-$ROOT/build-gpu/gpu-check$([ "$PART" = all ] || echo "-$PART")}  # parts: their own logs
+case $W in /*) ;; *) W=$CALLER_DIR/$W ;; esac
+# The folder is emptied below: only one this script made (or an empty or new one).
+if [ -d "$W" ] && [ -n "$(ls -A "$W" 2>/dev/null)" ] && [ ! -d "$W/logs" ]; then
+  echo "run.sh: GPU_CHECK_DIR '$W' holds files that are not a GPU check's logs: not emptying it" >&2; exit 2
+fi
 L=$W/logs
 # MODEL:PRECISION[:SEQ[:BATCH]] (SEQ, BATCH default BENCH_SEQ, BENCH_BATCH); llama-1b is the 5b shape.
 BENCH_MODELS=${BENCH_MODELS:-llama-125m:bf16 llama-350m:bf16 llama-350m:bf16:2048:8 llama-1b:bf16:2048:8 llama-125m:fp32}
@@ -739,6 +749,7 @@ fi  # stage 5b
 if on 5c; then
 stage "5c. PyTorch peer: LlamaForCausalLM, bf16 autocast, sdpa, torch.compile, fused AdamW" $((T_END - SECONDS - SAN * SANITIZER_S))
 PEER_ROWS=()
+[ -z "$PEER_MODELS" ] && skipped peer "PEER_MODELS is empty"
 for pm in $PEER_MODELS; do
   IFS=: read -r model seq batch <<<"$pm"
   name=peer-$model-${seq}x$batch
