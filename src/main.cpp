@@ -86,11 +86,13 @@ void run_tokenizer(Comm& comm, const Options& o) {
                      ", trained on " + std::to_string(r.sentences) + " lines (" + b + ")");
 }
 
-// The run's mesh from options '--tp', '--cp' and '--shard-group-size' (hybrid sharding: G ranks per
-// shard group, W / G replica groups), checked on every rank before anything else; logs the topology line.
+// The run's mesh from options '--pp', '--tp', '--cp' and '--shard-group-size' (hybrid sharding: G
+// ranks per shard group, W / P / G replica groups per stage), checked on every rank before anything else; logs the topology line.
 std::unique_ptr<Mesh> build_mesh(Comm& comm, const Topology& topo, const Options& o) {
   MeshDims dims;
-  agree(comm, [&] { dims = resolve_mesh_dims(o.shard_group_size, o.tp, o.cp, topo.world_size, ranks_per_node(topo)); });
+  agree(comm, [&] {
+    dims = resolve_mesh_dims(o.shard_group_size, o.tp, o.cp, topo.world_size, ranks_per_node(topo), o.pp);
+  });
   auto mesh = std::make_unique<Mesh>(comm, topo, dims, o.collective_timeout);
   log_info(comm, mesh->topology_line());
   if (!mesh->shard_group_note().empty()) log_info(comm, mesh->shard_group_note());

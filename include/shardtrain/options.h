@@ -72,6 +72,10 @@ struct Options {
   int tp = 1;                     // train, plan: tensor-parallel degree (--tp; model.h)
   int cp = 1;                     // train, plan: context-parallel degree (--cp; mesh.h, geometry.h)
   std::string cp_comm = "ring";   // train, plan: ring | allgather (parse_cp_comm, geometry.h; TrainConfig::cp_comm)
+  int pp = 1;                     // train, plan: pipeline stages (--pp; mesh.h, pipeline_schedule.h)
+  std::string pp_schedule = "1f1b";  // train, plan: gpipe | 1f1b | interleaved | zero-bubble (parse_pipeline_kind)
+  int pp_virtual = 1;             // train, plan: chunks per pipeline rank (--pp-virtual; interleaved only)
+  std::string pp_layers;          // train, plan: blocks per chunk by hand, "a,b,..." (pipeline_split); "" = even
   std::string checkpoint;         // inspect: the checkpoint file (also positional)
   std::string dump_param;         // inspect: write this gathered parameter ("all": every one) ...
   std::string dump_out;           // ... to this file (raw float32, little-endian; "all": a directory of <name>.bin)
@@ -101,12 +105,18 @@ Options parse_options(Comm& comm, int argc, char** argv);
 // ranks_per_node, else the number. Throws std::invalid_argument naming the option when G is not a
 // positive integer, "node" has no single value, or G does not divide the world size.
 int resolve_shard_group_size(const std::string& value, int world, int ranks_per_node);
-// The mesh of options '--tp' N, '--cp' C and '--shard-group-size' G (ranks of a replica: its TP and
-// CP groups included) for `world` ranks: {dp_replicate W / G, dp_shard G / (C x N), cp C, tp N}.
-// Throws std::invalid_argument naming the option and the numbers when N or C x N does not divide
-// the world size or G is not a multiple of C x N (and as resolve_shard_group_size). world 0: the
-// forms only.
-MeshDims resolve_mesh_dims(const std::string& shard_group_size, int tp, int cp, int world, int ranks_per_node);
+// The mesh of options '--pp' P, '--tp' N, '--cp' C and '--shard-group-size' G (ranks of a replica
+// inside one stage: its TP and CP groups included) for `world` ranks, of which W / P are one
+// pipeline stage: {dp_replicate (W / P) / G, dp_shard G / (C x N), cp C, tp N, pp P}. G defaults to
+// the ranks of a stage, W / P. Throws std::invalid_argument naming the option and the numbers when P
+// does not divide the world size, N or C x N does not divide the ranks of a stage, or G is not a
+// multiple of C x N (and as resolve_shard_group_size). world 0: the forms only.
+MeshDims resolve_mesh_dims(const std::string& shard_group_size, int tp, int cp, int world, int ranks_per_node,
+                           int pp = 1);
+// Option '--pp-layers' "a,b,...": the blocks of each chunk (pipeline_split checks them against the
+// model); "" -> empty (an even split). Throws std::invalid_argument naming the option for anything
+// but comma-separated positive decimal integers.
+std::vector<int> parse_pp_layers(const std::string& s);
 
 // The job-file text as Boost's INI parser is given it: a leading UTF-8 byte order mark (EF BB BF)
 // removed and every full-line `;` comment (first non-blank character `;`, after spaces or tabs)

@@ -26,6 +26,7 @@
 #include <memory>
 #include <vector>
 
+#include "shardtrain/pipeline.h"
 #include "shardtrain/checkpoint.h"
 #include "shardtrain/config.h"
 #include "shardtrain/context_parallel.h"
@@ -102,6 +103,7 @@ struct ParallelOptions {
   bool reduce_bf16 = false;  // --reduce-dtype bf16 (mixed precision only)
   bool checkpoints = false;  // the run saves, resumes or initializes from a checkpoint
   CpComm cp_comm = CpComm::Ring;  // --cp-comm: how a CP group (cp > 1) moves K/V
+  PipelineLayout pipeline{};      // the stages (resolve_pipeline); default: one stage (bounds set by parallelize)
 };
 
 // Everything a run holds for its layout, in compute type C (float; bf16 over fp32 master shards).
@@ -111,6 +113,9 @@ template <typename C> struct ParallelRun {
   std::unique_ptr<ShardedState<float>> state;  // fp32 master shards and gradient shards
   std::unique_ptr<TpGroup<C>> tp;              // tp > 1: the TP group's collectives; else nullptr
   std::unique_ptr<CpAttention<C>> cp;          // cp > 1: the CP group's attention; else nullptr
+  PipelineLayout pipeline;                     // the stages; one stage: one chunk [0, L)
+  RankUnits stage;                             // this rank's chunks and their units (pipeline_rank_units)
+  std::unique_ptr<StageLink<C>> pp;            // pp > 1: activations between the stages; else nullptr
   std::unique_ptr<UnitPipeline<C>> units;      // the model's UnitSource over `state`
   std::unique_ptr<CheckpointLayout> checkpoint;  // nullptr without checkpoints (options.checkpoints)
   // The model's TensorParallelOps (nullptr: no TP) and ContextParallelOps (nullptr: no CP); valid
@@ -118,8 +123,16 @@ template <typename C> struct ParallelRun {
   TensorParallelOps<C>* tp_ops() const { return tp.get(); }
   ContextParallelOps<C>* cp_ops() const { return cp.get(); }
   // After the backward of a step: gradients of parameters every rank of a group holds whole (TP's
-  // RMSNorm weights) summed over the group. No-op where no dimension replicates a parameter.
+  // RMSNorm weights) summed over the group; the tied embedding's gradient summed between the first
+  // and the last pipeline stage (sum_tied_grads). No-op where no dimension replicates a parameter.
   void finish_grads();
+  // The unit whose gradient elements this rank leaves out of the gradient norm, -1 for none: the
+  // last stage's copy of the tied embedding (the first stage counts it).
+  int unit_not_in_norm() const { return stage.tied_copy ? stage.embedding : -1; }
+  // (pp > 1) The PP group's Comm, whether the embedding is tied, and the bytes its sums sent.
+  Comm* pp_comm_ = nullptr;
+  bool pipeline_tied_ = false;
+  double pp_tied_bytes_ = 0;
   // Every dimension's communication since the run started. (With CP: CpAttention::stats, which also
   // takes the backend's block-attention tile counters: take the step's counts before this.)
   CommStats comm_stats() const;
@@ -158,7 +171,9 @@ class SequenceSplit {
 // The plan of the units one rank of the mesh `d` holds: TP rank `tp_rank`'s slices of every unit
 // (llama_units(mc, d.tp, tp_rank)), sharded over its FSDP shard group (d.fsdp() = dp_shard x cp
 // ranks). parallelize() builds the state from it; the memory plan sizes it.
-ShardPlan rank_unit_plan(const ModelConfig& mc, const MeshDims& d, int tp_rank = 0);
+// With a pipeline (pl.ranks > 1): pipeline rank pp_rank's units only (pipeline_rank_units).
+ShardPlan rank_unit_plan(const ModelConfig& mc, const MeshDims& d, int tp_rank = 0, const PipelineLayout* pl = nullptr,
+                         int pp_rank = 0);
 
 // How the mesh divides a parameter, in the memory plan's words: "G" (FSDP), "G ranks of a shard
 // group" (hybrid sharding), "(TP N x G), norms replicated over TP" (tensor parallelism); G =

@@ -1,9 +1,10 @@
 // shardtrain schedules: which micro-batch runs forward or backward of which range of blocks, in
 // which order (GPipe, Huang et al. 2019; 1F1B, Narayanan et al. 2019, "PipeDream"; zero-bubble
 // schedules split the backward into its input and weight parts, Qi et al. 2023). A schedule is a
-// list of Actions, per stage in the order that stage runs them; the trainer runs what it yields
-// (src/train/trainer.cpp train_step, src/train/train.cpp evaluate). Today's gradient accumulation
-// is the one schedule: one stage over all blocks, each micro-batch's forward then its backward.
+// list of Actions, per stage in the order that stage runs them; StageRunner runs what it yields
+// (stage_runner.h; src/train/trainer.cpp train_step, src/train/train.cpp evaluate). Gradient
+// accumulation is the schedule of one stage over all blocks; the pipeline schedules are in
+// pipeline_schedule.h.
 // A schedule knows no model: it can be built and printed (to_table) without one.
 #pragma once
 
@@ -71,8 +72,8 @@ class GradAccumulation final : public Schedule {
   bool backward_;
 };
 
-// What keeps the trainer (one token buffer, the model's one context) from running `s` on a model
-// of `blocks` blocks: "" when every action is on stage 0 over [0, blocks), is a Forward or a
+// What keeps the whole-model path of StageRunner (stage_runner.h: the model's one context, used
+// when one stage holds every block) from running `s` on a model of `blocks` blocks: "" when every action is on stage 0 over [0, blocks), is a Forward or a
 // Backward, and each Backward directly follows the Forward of its micro-batch (one micro-batch
 // in flight); else a sentence naming the first action that is not.
 std::string one_in_flight_problem(const Schedule& s, int blocks);

@@ -80,8 +80,9 @@ template <typename T> class ShardedState {
   // Sum of squares of this rank's valid gradient elements (padding excluded), in double. With
   // include_replicated false, the elements of TP-replicated parameters (ParamSpec::tp_replicated)
   // are left out: every TP rank but the group's first holds a copy of them, and the norm counts
-  // each element once (Mesh::counts_replicated_in_norm).
-  double local_grad_sumsq(bool include_replicated = true);
+  // each element once (Mesh::counts_replicated_in_norm). skip_unit >= 0: that unit is left out
+  // (a pipeline's second copy of the tied embedding, ParallelRun::unit_not_in_norm).
+  double local_grad_sumsq(bool include_replicated = true, int skip_unit = -1);
   // Collective over the TP group (every rank of it holds the same plan): sums this rank's gradient
   // shard elements of TP-replicated parameters over the group, in place, each range by
   // `sum(pointer, count)` (TpGroup::all_reduce_sum_acc, which counts the traffic).

@@ -15,6 +15,7 @@
 #include "shardtrain/data.h"
 #include "shardtrain/geometry.h"  // CpComm
 #include "shardtrain/model.h"
+#include "shardtrain/pipeline.h"
 #include "shardtrain/shard.h"
 #include "shardtrain/tensor_parallel.h"
 #include "shardtrain/train_state.h"
@@ -80,6 +81,10 @@ struct TrainConfig {
   bool reduce_bf16 = false;               // --reduce-dtype bf16 (BF16 only): reduce-scatter gradients in bf16
   OverlapConfig overlap{};                // --overlap, --prefetch, --comm-progress
   CpComm cp_comm = CpComm::Ring;          // --cp-comm (with --cp > 1): how a CP group moves K/V
+  // --pp-schedule, --pp-virtual, --pp-layers (with --pp > 1, the mesh's): the pipeline's schedule
+  // and split (pipeline.h). They change the order of the work, not its result beyond the summation
+  // order of gradients over micro-batches, so a resume may change them.
+  PipelineOptions pp{};
 };
 
 // The model options of a run; throws std::invalid_argument naming the option for a bad value.
@@ -250,12 +255,15 @@ std::string check_attention_mask(const TrainConfig& tc, const TokenDataset& data
 TokenLayout batch_layout(const TrainConfig& tc, const TokenDataset& data, const int32_t* tokens, int B, int T,
                          std::vector<int32_t>& pos, std::vector<int32_t>& doc);
 
-// Collective over mesh.world(). Mean validation loss (nats/token) of `model` over `batches` global
-// batches of the validation split; this rank reads the rows of its data-parallel index
-// (Mesh::dp_index), global_batch / dp_size sequences of each batch, in micro-batches of
-// tc.micro_batch (0: all at once), each with tc's attention mask (batch_layout).
+// Collective over mesh.world(). Mean validation loss (nats/token) of the model `runner` runs
+// (stage_runner.h) over `batches` global batches of the validation split; this rank reads the rows of
+// its data-parallel index (Mesh::dp_index), global_batch / dp_size sequences of each batch, in
+// micro-batches of tc.micro_batch (0: all at once), each with tc's attention mask (batch_layout),
+// through the forwards of pl's schedule (pl.schedule(m, false)): with a pipeline the last stage
+// computes the loss.
+template <typename T> class StageRunner;
 template <typename T>
-double evaluate(const Mesh& mesh, LlamaModel<T>& model, UnitSource<T>& f, const TokenDataset& data,
+double evaluate(const Mesh& mesh, StageRunner<T>& runner, UnitSource<T>& f, const PipelineLayout& pl,
                 const TrainConfig& tc, int batches);
 
 }  // namespace shardtrain

@@ -3,6 +3,7 @@
 #include "shardtrain/files.h"
 #include "shardtrain/data.h"
 #include "shardtrain/geometry.h"  // parse_cp_comm
+#include "shardtrain/pipeline_schedule.h"  // parse_pipeline_kind
 
 #include <boost/program_options.hpp>
 #include <algorithm>
@@ -46,7 +47,11 @@ po::options_description describe(Options& o) {
       ("shard-group-size", po::value<std::string>(&o.shard_group_size), "hybrid sharding (HSDP): shard parameters within groups of G consecutive ranks and replicate them across the W / G groups; a number dividing the world size, or 'node' (the ranks of one node); default: the world size (plain FSDP). With --tp N and --cp C, G counts ranks and must be a multiple of C x N")
       ("tp", po::value<int>(&o.tp)->default_value(o.tp), "tensor parallelism (Megatron-style, with sequence parallelism): groups of N consecutive ranks (inside a node) split every layer's heads and MLP and the vocabulary; FSDP shards each rank's slice over the data-parallel ranks. N must divide the world size, the attention and key/value heads, the intermediate size and the tokens of a micro-batch")
       ("cp", po::value<int>(&o.cp)->default_value(o.cp), "context parallelism: every sequence is split over a CP group of N ranks (head-tail: 2 x N chunks, rank r holding chunks r and 2N-1-r), which read the same batch rows; FSDP shards over dp_shard x cp. N (x --tp) must divide the world size, 2 x N the sequence length; --attention tiled only. --cp-comm chooses how K/V move; --mode plan --cp N plans it")
-      ("cp-comm", po::value<std::string>(&o.cp_comm)->default_value(o.cp_comm), "with --cp N > 1: how K/V move between the ranks of a CP group: ring (blocks pass around the group, overlapped with the block attention) | allgather (K/V gathered before attention, dK/dV reduce-scattered after it)");
+      ("cp-comm", po::value<std::string>(&o.cp_comm)->default_value(o.cp_comm), "with --cp N > 1: how K/V move between the ranks of a CP group: ring (blocks pass around the group, overlapped with the block attention) | allgather (K/V gathered before attention, dK/dV reduce-scattered after it)")
+      ("pp", po::value<int>(&o.pp)->default_value(o.pp), "pipeline parallelism: P stages, the mesh's outermost dimension (stages across nodes, everything else inside a stage); each stage holds a contiguous range of blocks (the embedding on the first, the final norm and head on the last) and passes activations to the next. P must divide the world size and be at most the blocks")
+      ("pp-schedule", po::value<std::string>(&o.pp_schedule)->default_value(o.pp_schedule), "with --pp P > 1: gpipe | 1f1b | interleaved (--pp-virtual V chunks per rank; micro-batches a multiple of P) | zero-bubble (ZB-H1: weight gradients deferred into the bubble)")
+      ("pp-virtual", po::value<int>(&o.pp_virtual)->default_value(o.pp_virtual), "with --pp-schedule interleaved: model chunks per pipeline rank (V >= 2; rank r holds chunks r, r + P, ...)")
+      ("pp-layers", po::value<std::string>(&o.pp_layers), "with --pp: blocks of each chunk by hand, 'a,b,...' (P x V numbers summing to the blocks); default: an even split counting the embedding and the head as one block each");
   po::options_description data("Data (--mode prepare, --mode tokenizer; docs/data-format.md)");
   data.add_options()
       ("input", po::value<std::vector<std::string>>(&o.inputs)->multitoken(), "text inputs (repeatable): files, directories (their files, recursively, sorted; hidden ones left out) or glob patterns; a plain-text file is one document, a .jsonl file one document per line")
@@ -156,27 +161,52 @@ int resolve_shard_group_size(const std::string& v, int world, int ranks_per_node
   return g;
 }
 
-MeshDims resolve_mesh_dims(const std::string& sgs, int tp, int cp, int world, int ranks_per_node) {
+MeshDims resolve_mesh_dims(const std::string& sgs, int tp, int cp, int world, int ranks_per_node, int pp) {
+  check(pp >= 1 && pp <= (1 << 16), "pp", "must be an integer in [1, 65536], got " + std::to_string(pp));
   check(tp >= 1 && tp <= (1 << 16), "tp", "must be an integer in [1, 65536], got " + std::to_string(tp));
   check(cp >= 1 && cp <= (1 << 16), "cp", "must be an integer in [1, 65536], got " + std::to_string(cp));
   if (world > 0)
-    check(world % tp == 0, "tp",
-          "(" + std::to_string(tp) + ") does not divide the world size (" + std::to_string(world) + ")");
+    check(world % pp == 0, "pp",
+          "(" + std::to_string(pp) + ") does not divide the world size (" + std::to_string(world) + ")");
+  // Everything below is inside one pipeline stage: its W / P ranks.
+  const int stage = world > 0 ? world / pp : 0;
+  const std::string ranks = pp > 1 ? "the ranks of a pipeline stage (" + std::to_string(stage) + " = world size " +
+                                         std::to_string(world) + " / '--pp' " + std::to_string(pp) + ")"
+                                   : "the world size (" + std::to_string(world) + ")";
+  if (stage > 0) check(stage % tp == 0, "tp", "(" + std::to_string(tp) + ") does not divide " + ranks);
   const int64_t ct = int64_t{cp} * tp;  // up to 2^32
-  if (world > 0)
-    check(world % ct == 0, "cp",
+  if (stage > 0)
+    check(stage % ct == 0, "cp",
           "(" + std::to_string(cp) + ")" + (tp > 1 ? " x '--tp' (" + std::to_string(tp) + ")" : std::string()) +
-              " does not divide the world size (" + std::to_string(world) + "): the ranks are dp_replicate x dp_shard x "
-              "cp x tp");
-  const int g = resolve_shard_group_size(sgs, world, ranks_per_node);
-  if (world > 0 && g % ct != 0) {
+              " does not divide " + ranks + ": the ranks are " + (pp > 1 ? "pp x " : "") +
+              "dp_replicate x dp_shard x cp x tp");
+  const int g = resolve_shard_group_size(sgs, stage, ranks_per_node);
+  if (stage > 0 && g % ct != 0) {
     const std::string what = cp > 1 ? "'--cp' x '--tp' (" + std::to_string(cp) + " x " + std::to_string(tp) + ")"
                                     : "'--tp' (" + std::to_string(tp) + ")";
     check(false, "shard-group-size",
           "(" + std::to_string(g) + ") is not a multiple of " + what + ": a shard group is made of whole " +
               (cp > 1 ? "CP and TP groups" : "TP groups"));
   }
-  return MeshDims{world > 0 ? world / g : 1, world > 0 ? static_cast<int>(g / ct) : 1, cp, tp};
+  MeshDims d{stage > 0 ? stage / g : 1, stage > 0 ? static_cast<int>(g / ct) : 1, cp, tp};
+  d.pp = pp;
+  return d;
+}
+
+std::vector<int> parse_pp_layers(const std::string& s) {
+  std::vector<int> out;
+  if (s.empty()) return out;
+  size_t i = 0;
+  while (true) {
+    const size_t j = s.find(',', i);
+    const std::string t = s.substr(i, j == std::string::npos ? std::string::npos : j - i);
+    check(!t.empty() && t.size() <= 6 && t.find_first_not_of("0123456789") == std::string::npos && std::stoi(t) > 0,
+          "pp-layers", "must be comma-separated positive block counts such as '3,4,4,3', got '" + s + "'");
+    out.push_back(std::stoi(t));
+    if (j == std::string::npos) break;
+    i = j + 1;
+  }
+  return out;
 }
 
 namespace {
@@ -248,6 +278,14 @@ void validate(const Options& o) {
   check(o.tp >= 1 && o.tp <= (1 << 16), "tp", "must be an integer in [1, 65536], got " + std::to_string(o.tp));
   check(o.cp >= 1 && o.cp <= (1 << 16), "cp", "must be an integer in [1, 65536], got " + std::to_string(o.cp));
   parse_cp_comm(o.cp_comm);  // throws naming option '--cp-comm'
+  check(o.pp >= 1 && o.pp <= (1 << 16), "pp", "must be an integer in [1, 65536], got " + std::to_string(o.pp));
+  {
+    PipelineKind k;
+    check(parse_pipeline_kind(o.pp_schedule, &k), "pp-schedule",
+          "must be gpipe, 1f1b, interleaved or zero-bubble, got '" + o.pp_schedule + "'");
+  }
+  check(o.pp_virtual >= 1 && o.pp_virtual <= 1024, "pp-virtual", "must be an integer in [1, 1024], got " + std::to_string(o.pp_virtual));
+  parse_pp_layers(o.pp_layers);  // the form; pipeline_split checks the numbers against the model
   parse_precision(o.precision);  // throws naming option '--precision'
   check(o.reduce_dtype == "fp32" || o.reduce_dtype == "bf16", "reduce-dtype", "must be fp32 or bf16, got '" + o.reduce_dtype + "'");
   check(o.checkpoint_async == "on" || o.checkpoint_async == "off", "checkpoint-async",
@@ -311,6 +349,9 @@ void fill_typed(Options& o) {
   o.train.recompute = parse_recompute(o.activation_checkpointing);
   o.train.attention = parse_attention(o.attention);
   o.train.cp_comm = parse_cp_comm(o.cp_comm);
+  parse_pipeline_kind(o.pp_schedule, &o.train.pp.kind);
+  o.train.pp.chunks_per_rank = o.pp_virtual;
+  o.train.pp.layers = parse_pp_layers(o.pp_layers);
 
   o.train.attention_mask = parse_attention_mask(o.attention_mask);
   o.train.reduce_bf16 = o.reduce_dtype == "bf16";

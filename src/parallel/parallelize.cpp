@@ -113,6 +113,7 @@ template <typename C> CommStats ParallelRun<C>::comm_stats() const {
     const CpCommStats& c = cp->stats();
     s[CommDim::Cp] = {c.transfers, c.bytes, c.issued_s, c.exposed_s};
   }
+  if (pp) s[CommDim::Pp] = {pp->calls(), pp->bytes() + pp_tied_bytes_, pp->issued_s(), pp->exposed_s()};
   return s;
 }
 
@@ -148,7 +149,8 @@ TokenLayout SequenceSplit::take(const int32_t* tokens, const int32_t* targets, c
   return {pos_l_.data(), whole.doc ? doc_l_.data() : nullptr};
 }
 
-ShardPlan rank_unit_plan(const ModelConfig& mc, const MeshDims& d, int tp_rank) {
+ShardPlan rank_unit_plan(const ModelConfig& mc, const MeshDims& d, int tp_rank, const PipelineLayout* pl, int pp_rank) {
+  if (pl && pl->ranks > 1) return ShardPlan::build(pipeline_rank_units(mc, *pl, pp_rank, d.tp, tp_rank).units, d.fsdp());
   return ShardPlan::build(llama_units(mc, d.tp, tp_rank), d.fsdp());
 }
 
@@ -218,6 +220,11 @@ CpMemory cp_memory(const ModelConfig& mc, const MeshDims& d, CpComm method, int 
 
 template <typename C> void ParallelRun<C>::finish_grads() {
   if (tp) state->sum_replicated_grads([&](float* g, size_t n) { tp->all_reduce_sum_acc(g, n); });
+  if (pp && stage.embedding >= 0 && pipeline_tied_) {
+    const int u = stage.embedding;
+    pp_tied_bytes_ += sum_tied_grads(*pp_comm_, state->backend(), state->grad_shard(u),
+                                     static_cast<size_t>(state->plan().units[static_cast<size_t>(u)].shard_size));
+  }
 }
 
 template <typename C>
@@ -227,7 +234,16 @@ ParallelRun<C> parallelize(const Mesh& mesh, const ModelConfig& mc, Backend<floa
   const MeshDims& d = mesh.dims();
   // Each rank holds its TP slices (llama_units), sharded over its shard group (dp_shard x cp ranks
   // of equal TP rank).
-  r.state = std::make_unique<ShardedState<float>>(be, mesh, rank_unit_plan(mc, d, mesh.coord().tp));
+  // With a pipeline, only this rank's chunks (pipeline_rank_units), sharded over its stage's group.
+  r.pipeline = o.pipeline;
+  if (r.pipeline.bounds.empty()) r.pipeline.bounds = {0, mc.num_hidden_layers};
+  r.stage = pipeline_rank_units(mc, r.pipeline, mesh.coord().pp, d.tp, mesh.coord().tp);
+  r.state = std::make_unique<ShardedState<float>>(be, mesh, ShardPlan::build(r.stage.units, d.fsdp()));
+  if (d.pp > 1) {
+    r.pp = std::make_unique<StageLink<C>>(*mesh.pp_data(), r.pipeline);
+    r.pp_comm_ = mesh.pp_data();
+    r.pipeline_tied_ = mc.tie_word_embeddings;
+  }
   if (d.tp > 1) r.tp = std::make_unique<TpGroup<C>>(*mesh.tp_data());
   if constexpr (std::is_same_v<C, bf16>) {
     if (!be16) throw std::invalid_argument("parallelize: mixed precision needs the bf16 backend");

@@ -117,11 +117,12 @@ std::vector<std::pair<int64_t, int64_t>> replicated_ranges(const UnitPlan& up, i
 }
 }  // namespace
 
-template <typename T> double ShardedState<T>::local_grad_sumsq(bool include_replicated) {
+template <typename T> double ShardedState<T>::local_grad_sumsq(bool include_replicated, int skip_unit) {
   int r = plan_rank();
   std::vector<const T*> x;
   std::vector<size_t> n;
   for (size_t u = 0; u < plan_.units.size(); ++u) {
+    if (static_cast<int>(u) == skip_unit) continue;
     const int64_t valid = plan_.units[u].ranks[r].valid;
     if (include_replicated) {  // the shard's valid elements in one piece (without TP: always)
       x.push_back(grads_[u].data());

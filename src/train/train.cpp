@@ -1,6 +1,7 @@
 // AdamW on shards, the LR schedule, evaluation, and the checkpoint's record of the settings. The
 // training loop is in trainer.cpp; what a resume checks is in resume.cpp.
 #include "shardtrain/train.h"
+#include "shardtrain/stage_runner.h"
 
 #include "shardtrain/checkpoint.h"
 #include "shardtrain/files.h"
@@ -97,27 +98,25 @@ TokenLayout batch_layout(const TrainConfig& tc, const TokenDataset& data, const 
 }
 
 template <typename T>
-double evaluate(const Mesh& mesh, LlamaModel<T>& model, UnitSource<T>& f, const TokenDataset& data,
+double evaluate(const Mesh& mesh, StageRunner<T>& runner, UnitSource<T>& f, const PipelineLayout& pl,
                 const TrainConfig& tc, int batches) {
   const int per_rank = tc.global_batch / mesh.dp_size();
   const int mb = tc.micro_batch > 0 ? tc.micro_batch : per_rank;
-  std::vector<int32_t> tok(static_cast<size_t>(mb) * tc.seq_len), tgt(tok.size()), pos, doc;
-  SequenceSplit split(mesh, tc.seq_len);  // CP: this rank's rows of each sequence (as in training)
   double sum = 0;
   f.begin_pass("eval");  // the sharding layer prefetches along the order the last evaluation gathered in
-  const GradAccumulation schedule(per_rank / mb, model.config().num_hidden_layers, false);  // forwards only
-  for (int e = 0; e < batches; ++e)
-    for (const Action& a : schedule.actions()) {  // Forward of micro-batch a.microbatch, with the loss
-      fill_batch(data, Split::Val, tc.seed, e, mesh.dp_index() * per_rank + a.microbatch * mb, mb, tc.seq_len,
-                 tok.data(), tgt.data());
-      const TokenLayout lay =
-          split.take(tok.data(), tgt.data(), batch_layout(tc, data, tok.data(), mb, tc.seq_len, pos, doc), mb);
-      model.forward(f, split.tokens(), mb, split.rows(), lay);
-      const double l = model.loss(f, split.targets());
-      // A TP group's ranks computed the same loss: counted once; a CP group's hold different tokens:
-      // each counts (Mesh::counts_loss).
+  const std::unique_ptr<Schedule> schedule = pl.schedule(per_rank / mb, false);  // forwards only
+  const int pp_rank = mesh.coord().pp;
+  for (int e = 0; e < batches; ++e) {
+    runner.begin(Split::Val, e);
+    for (const Action& a : schedule->actions()) {
+      if (a.stage != pp_rank) continue;
+      // The last chunk's forward with its loss. A TP group's ranks computed the same loss: counted
+      // once; a CP group's hold different tokens: each counts (Mesh::counts_loss, last stage only).
+      const double l = runner.run(a, 0.0f);
       if (mesh.counts_loss()) sum += l;
     }
+    runner.end();
+  }
   f.end_pass();
   mesh.world().all_reduce(&sum, 1, ReduceOp::Sum);
   return sum / (static_cast<double>(batches) * tc.global_batch * tc.seq_len);
@@ -185,9 +184,9 @@ ShardedTensors checkpoint_tensors(ShardedState<float>& f, AdamW<float>* opt) {
 
 template class AdamW<float>;
 template class AdamW<double>;
-template double evaluate<float>(const Mesh&, LlamaModel<float>&, UnitSource<float>&, const TokenDataset&,
+template double evaluate<float>(const Mesh&, StageRunner<float>&, UnitSource<float>&, const PipelineLayout&,
                                 const TrainConfig&, int);
-template double evaluate<bf16>(const Mesh&, LlamaModel<bf16>&, UnitSource<bf16>&, const TokenDataset&,
+template double evaluate<bf16>(const Mesh&, StageRunner<bf16>&, UnitSource<bf16>&, const PipelineLayout&,
                                const TrainConfig&, int);
 
 }  // namespace shardtrain

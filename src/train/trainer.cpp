@@ -24,6 +24,7 @@
 #include "shardtrain/tensorboard.h"
 #include "shardtrain/mfu.h"
 #include "shardtrain/schedule.h"
+#include "shardtrain/stage_runner.h"
 #include "shardtrain/train.h"
 
 namespace shardtrain {
@@ -94,7 +95,6 @@ template <typename C> class Trainer {
   void gather_hosts();
   void log_setup();
   StepOutcome train_step(int64_t s);
-  void run_action(const Action& a, int64_t s, float grad_scale, double& loss_sum);
   void log_step(int64_t s, const StepOutcome& o);
   void evaluate_at(int64_t step);
   typename Backend<C>::BlockAttentionStats take_attention_stats();
@@ -123,9 +123,9 @@ template <typename C> class Trainer {
   UnitPipeline<C>* units_ = nullptr;  // run_.units: the model's UnitSource over f_
   std::unique_ptr<LlamaModel<C>> model_;
   std::unique_ptr<AdamW<float>> opt_;
-  std::vector<int32_t> tok_, tgt_, pos_, doc_;  // a micro-batch's tokens, targets and layout (batch_layout)
-  std::unique_ptr<SequenceSplit> split_;          // the rows of them this rank gives the model (CP: its head-tail rows)
-  std::unique_ptr<Schedule> schedule_;  // a step's micro-batches (gradient accumulation)
+  PipelineLayout pipeline_;             // the stages (one: the whole model on every rank)
+  std::unique_ptr<Schedule> schedule_;  // a step's actions (gradient accumulation; a pipeline schedule)
+  std::unique_ptr<StageRunner<C>> runner_;  // runs this rank's actions: data, contexts, activations between stages
   CheckpointOptions co_;
   TrainState state_;         // the facts of the run: step, batch history, data and tokenizer record, layout
   std::string resume_path_;  // the checkpoint resumed from; "" for a fresh start
@@ -198,9 +198,25 @@ template <typename C> void Trainer<C>::check_geometry() {
   const GeometryResult g = resolve_geometry({tc_.global_batch, tc_.micro_batch, tc_.seq_len}, mesh_.dims(), mc_);
   if (!g.ok()) throw CollectiveError(0, g.refusal);
   geo_ = g.geometry;
-  schedule_ = std::make_unique<GradAccumulation>(geo_.accum, mc_.num_hidden_layers);
-  if (const std::string why = one_in_flight_problem(*schedule_, mc_.num_hidden_layers); !why.empty())
-    throw CollectiveError(0, "the trainer cannot run this schedule: " + why);
+  {  // The pipeline's stages and schedule (one stage: gradient accumulation).
+    std::string why;
+    pipeline_ = resolve_pipeline(mc_, mesh_.dims().pp, tc_.pp, geo_.accum, &why);
+    if (!why.empty()) throw CollectiveError(0, why);
+    if (pipeline_.ranks > 1) {
+      const std::string pp = "'--pp " + std::to_string(pipeline_.ranks) + "'";
+      if (!tc_.checkpoint_dir.empty() || !tc_.resume.empty() || !tc_.init_from.empty())
+        throw CollectiveError(0, "checkpoints under " + pp + " are not written yet (their format, version 6 of "
+                                 "docs/checkpoint-format.md, is designed but not built): run without "
+                                 "'--checkpoint-dir', '--resume' and '--init-from'");
+      if (pipeline_.kind == PipelineKind::ZeroBubble)
+        throw CollectiveError(0, "'--pp-schedule zero-bubble' does not run yet (the model's backward is not split "
+                                 "into its input and weight halves): use gpipe, 1f1b or interleaved");
+      if (mesh_.pp_data()->stream_ordered())
+        throw CollectiveError(0, pp + " on NCCL is not built yet (its sends and receives need grouping): pass "
+                                 "'--gpu-comm mpi'");
+    }
+    schedule_ = pipeline_.schedule(geo_.accum);
+  }
   if (data_.header().vocab_size > static_cast<uint32_t>(mc_.vocab_size))
     throw CollectiveError(0, "the token file's vocab_size (" + std::to_string(data_.header().vocab_size) +
                                  ") exceeds the model's vocab_size (" + std::to_string(mc_.vocab_size) + ")");
@@ -241,7 +257,8 @@ template <typename C> void Trainer<C>::allocate() {
   agree(comm_, [&] {
     try {
       const bool checkpoints = !tc_.checkpoint_dir.empty() || !tc_.resume.empty() || !tc_.init_from.empty();
-      run_ = parallelize<C>(mesh_, mc_, eng_.be, eng_.be16, {tc_.overlap, tc_.reduce_bf16, checkpoints, tc_.cp_comm});
+      run_ = parallelize<C>(mesh_, mc_, eng_.be, eng_.be16,
+                            {tc_.overlap, tc_.reduce_bf16, checkpoints, tc_.cp_comm, pipeline_});
       f_ = run_.state.get();
       units_ = run_.units.get();
       if constexpr (std::is_same_v<C, bf16>)
@@ -249,10 +266,13 @@ template <typename C> void Trainer<C>::allocate() {
       else
         model_ = std::make_unique<LlamaModel<float>>(mc_, eng_.be, mopt_, run_.tp_ops(), run_.cp_ops());
       opt_ = std::make_unique<AdamW<float>>(*f_, tc_);
-      split_ = std::make_unique<SequenceSplit>(mesh_, tc_.seq_len);
-      model_->reserve(geo_.micro_batch, split_->rows());
-      tok_.resize(static_cast<size_t>(geo_.micro_batch) * tc_.seq_len);
-      tgt_.resize(tok_.size());
+      Backend<C>* be = nullptr;
+      if constexpr (std::is_same_v<C, bf16>) be = eng_.be16;
+      else be = &eng_.be;
+      runner_ = std::make_unique<StageRunner<C>>(mesh_, *be, *model_, *units_, run_.stage, run_.pipeline, run_.pp.get(),
+                                                 tc_, data_, geo_.per_rank, geo_.micro_batch);
+      // The whole model's activations now (a pipeline's contexts are made by their first forward).
+      if (pipeline_.ranks == 1) model_->reserve(geo_.micro_batch, SequenceSplit(mesh_, tc_.seq_len).rows());
     } catch (const std::bad_alloc&) {
       throw std::runtime_error("out of memory allocating model '" + mc_.name + "' (" + std::to_string(mc_.num_params()) +
                                " parameters, sharded over " + std::to_string(G_) + " ranks) with activations for " +
@@ -461,33 +481,6 @@ template <typename C> void Trainer<C>::log_setup() {
 // One action of step s's schedule (one micro-batch in flight: check_geometry checked it). Forward:
 // get micro-batch a.microbatch, forward; Backward: the LM head and loss, forward and backward, then
 // the blocks' backward, which reduce-scatters each unit's gradient (mean over ranks) into its shard.
-template <typename C> void Trainer<C>::run_action(const Action& a, int64_t s, float grad_scale, double& loss_sum) {
-  switch (a.kind) {
-    case ActionKind::Forward:
-    {
-      // Every rank of a CP group reads the same rows (dp_index excludes cp); the layout is the
-      // whole sequences' (documents are found on them), then the split keeps this rank's rows.
-      fill_batch(data_, Split::Train, tc_.seed, s, mesh_.dp_index() * geo_.per_rank + a.microbatch * geo_.micro_batch, geo_.micro_batch,
-                 tc_.seq_len, tok_.data(), tgt_.data());
-      const TokenLayout lay = split_->take(
-          tok_.data(), tgt_.data(), batch_layout(tc_, data_, tok_.data(), geo_.micro_batch, tc_.seq_len, pos_, doc_),
-          geo_.micro_batch);
-      model_->forward(*units_, split_->tokens(), geo_.micro_batch, split_->rows(), lay);
-      return;
-    }
-    case ActionKind::Backward:  // one micro-batch in flight: split_ holds its rows
-      loss_sum += model_->head_backward(*units_, split_->targets(), grad_scale);
-      model_->backward(*units_);
-      return;
-    case ActionKind::BackwardInput:
-    case ActionKind::BackwardWeight:
-      break;
-  }
-  throw std::logic_error("Trainer: a split backward action (one_in_flight_problem rejects them)");
-}
-
-// One optimizer step (0-based s): get batch, forward, backward (each unit's gradient
-// reduce-scattered into its shard), one all-reduce of loss, squared norm and stop flag, clip, step.
 template <typename C> StepOutcome Trainer<C>::train_step(int64_t s) {
   const auto t0 = Clock::now();
   if (slow_rank_ms_ > 0) std::this_thread::sleep_for(std::chrono::milliseconds(slow_rank_ms_));  // test hook
@@ -502,21 +495,28 @@ template <typename C> StepOutcome Trainer<C>::train_step(int64_t s) {
   f_->zero_grads();
   double loss_sum = 0;
   units_->begin_pass("train");  // the sharding layer prefetches along the order the last step gathered in
-  for (const Action& a : schedule_->actions()) run_action(a, s, grad_scale, loss_sum);
+  runner_->begin(Split::Train, s);
+  const int pp_rank = mesh_.coord().pp;
+  for (const Action& a : schedule_->actions())
+    if (a.stage == pp_rank) loss_sum += runner_->run(a, grad_scale);
+  runner_->end();      // every activation sent has arrived
   units_->end_pass();  // every reduce-scatter has landed in the gradient shards
   const auto attn = take_attention_stats();
   // TP: each rank's gradient of the replicated RMSNorm weights came from its own rows: sum them.
   // Through the TP group, which counts it with the step's TP communication (its S is float for
-  // both compute types).
+  // both compute types). A pipeline: the tied embedding's gradient, summed over first and last stage.
   run_.finish_grads();
   // One all-reduce: loss, squared gradient norm, "some rank was asked to stop" (a signal) and "the
   // background checkpoint save of some rank failed" (AsyncCheckpointWriter), so every rank sees the
   // same values and takes the same decisions, a failed save included, at the same step boundary.
   // The mesh says whose gradient elements count (each parameter once: replica group 0 under hybrid
   // sharding; a TP group's replicated norms on its first rank) and whose loss (a TP group's first
-  // rank: every rank of the group computed the same loss of the same tokens).
+  // rank on the last stage: every rank of the group computed the same loss of the same tokens); the
+  // layout, which copy of a parameter held twice (the tied embedding on the last stage) stays out.
   double red[4] = {mesh_.counts_loss() ? loss_sum : 0.0,
-                   mesh_.counts_in_norm() ? f_->local_grad_sumsq(mesh_.counts_replicated_in_norm()) : 0.0,
+                   mesh_.counts_in_norm()
+                       ? f_->local_grad_sumsq(mesh_.counts_replicated_in_norm(), run_.unit_not_in_norm())
+                       : 0.0,
                    stop_signal() != 0 ? 1.0 : 0.0, writer_ && writer_->failed() ? 1.0 : 0.0};
   comm_.all_reduce(red, 4, ReduceOp::Sum);
   StepOutcome o;
@@ -670,7 +670,7 @@ template <typename C> void Trainer<C>::log_step(int64_t s, const StepOutcome& o)
 
 // Collective: the validation loss after `step` steps, logged and recorded.
 template <typename C> void Trainer<C>::evaluate_at(int64_t step) {
-  const double vl = evaluate(mesh_, *model_, *units_, data_, tc_, tc_.eval_batches);
+  const double vl = evaluate(mesh_, *runner_, *units_, pipeline_, tc_, tc_.eval_batches);
   (void)take_attention_stats();  // not the training steps' tile pairs
   res_.evals.push_back({step, vl});
   log_info(comm_, "eval step " + std::to_string(step) + " | val_loss " + fmt("%.4f", vl));

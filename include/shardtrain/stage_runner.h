@@ -1,0 +1,80 @@
+// StageRunner (training layer): runs a schedule's actions (schedule.h, pipeline_schedule.h) on this
+// rank's model chunks: the micro-batches' data, one model Context per micro-batch and chunk in
+// flight, and the activations to and from the neighbouring stages (StageLink, pipeline.h). The
+// trainer's step and evaluate() hand it every action of this rank and never ask how many stages
+// there are: with one stage the schedule is gradient accumulation over one chunk [0, L), whose
+// calls are the model's whole-model ones on its own context (bitwise today's loop).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "shardtrain/data.h"
+#include "shardtrain/mesh.h"
+#include "shardtrain/model.h"
+#include "shardtrain/parallelize.h"
+#include "shardtrain/pipeline.h"
+#include "shardtrain/schedule.h"
+#include "shardtrain/train.h"
+
+namespace shardtrain {
+
+template <typename C> class StageRunner {
+ public:
+  // Borrows everything (all must outlive the runner). per_rank: sequences per rank per step
+  // (global batch / dp); micro_batch: sequences per micro-batch (B); the micro-batch count is
+  // per_rank / micro_batch. stage: ParallelRun::stage (its ranges are this rank's chunks, in
+  // PipelineLayout::rank_chunks order); link: nullptr with one stage; be: the model's backend.
+  StageRunner(const Mesh& mesh, Backend<C>& be, LlamaModel<C>& model, UnitSource<C>& f, const RankUnits& stage,
+              const PipelineLayout& pl, StageLink<C>* link, const TrainConfig& tc, const TokenDataset& data,
+              int per_rank, int micro_batch);
+  // Where the micro-batches come from: `split`'s batch `index` (the training step, or the
+  // evaluation's batch number). Call before the actions of a step or of an evaluation batch.
+  void begin(Split split, int64_t index);
+  // Runs one action of this rank (a.stage must be this rank's pipeline coordinate). Training:
+  // grad_scale > 0 (the loss gradient's scale, head_backward); evaluation: Forward actions only,
+  // grad_scale 0. Returns the loss sum (nats) the action computed: the last chunk's Backward in
+  // training, its Forward in evaluation; else 0. Collective as the model calls are (the unit
+  // source's group) and, with a pipeline, point-to-point with the neighbouring stages.
+  double run(const Action& a, float grad_scale);
+  // After the last action of a step or evaluation batch: waits for the sends in flight; every
+  // context is free again.
+  void end();
+
+ private:
+  struct MicroBatch {
+    bool loaded = false;
+    std::vector<int32_t> tok, tgt, pos, doc;
+    TokenLayout layout;
+  };
+  MicroBatch& load(int m);
+  int local_chunk(int chunk) const;           // index into stage_.ranges
+  typename LlamaModel<C>::Context& context(int m, int chunk);  // the one of (m, chunk), made on first use
+  void release(int m, int chunk);
+
+  const Mesh& mesh_;
+  Backend<C>& be_;
+  LlamaModel<C>& model_;
+  UnitSource<C>& f_;
+  const RankUnits& stage_;
+  const PipelineLayout& pl_;
+  StageLink<C>* link_;
+  const TrainConfig& tc_;
+  const TokenDataset& data_;
+  int per_rank_, mb_;
+  SequenceSplit split_;
+  Split which_ = Split::Train;
+  int64_t index_ = 0;
+  std::vector<MicroBatch> batches_;
+  std::vector<int32_t> tok_, tgt_, pos_, doc_;  // fill_batch's whole sequences
+  // Contexts of (micro-batch, chunk) in flight, and free ones per local chunk for reuse.
+  std::map<std::pair<int, int>, typename LlamaModel<C>::Context> live_;
+  std::vector<std::vector<typename LlamaModel<C>::Context>> free_;
+  Buffer<C> in_, grad_in_;  // received activations / output gradients [R, C]
+  size_t rows_elems_ = 0;   // R x C: a micro-batch's activation rows of this rank
+  bool whole_ = false;      // one chunk over the whole model: the model's own context
+};
+
+}  // namespace shardtrain

@@ -1,0 +1,197 @@
+// Pipeline parallelism's room (pipeline.h): the layout of a run's stages, the units each rank holds,
+// and the point-to-point link between the stages of a PP group.
+#include "shardtrain/pipeline.h"
+
+#include <chrono>
+#include <stdexcept>
+
+#include "shardtrain/bf16.h"
+
+namespace shardtrain {
+
+namespace {
+using Clock = std::chrono::steady_clock;
+double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+// Tags on the PP group's Comm: one per (chunk, direction); every schedule moves a chunk's
+// micro-batches in increasing order, so MPI's non-overtaking rule matches them (pipeline.h).
+constexpr int kTagBase = 16;
+int tag(int chunk, bool grad) { return kTagBase + 2 * chunk + (grad ? 1 : 0); }
+// Chunks the tags can name (Comm::kP2pTagLimit, the ring shift's tag kept free).
+constexpr int kMaxChunks = (Comm::kP2pTagLimit - kTagBase) / 2 - 1;
+}  // namespace
+
+std::vector<int> PipelineLayout::rank_chunks(int r) const {
+  std::vector<int> c;
+  for (int j = 0; j < chunks_per_rank; ++j) c.push_back(r + j * ranks);
+  return c;
+}
+
+std::unique_ptr<Schedule> PipelineLayout::schedule(int microbatches, bool backward) const {
+  if (ranks == 1) return std::make_unique<GradAccumulation>(microbatches, bounds.back(), backward);
+  return std::make_unique<PipelineSchedule>(kind, ranks, chunks_per_rank, microbatches, bounds, backward);
+}
+
+PipelineLayout resolve_pipeline(const ModelConfig& mc, int pp, const PipelineOptions& o, int microbatches,
+                                std::string* why) {
+  why->clear();
+  const int L = mc.num_hidden_layers;
+  PipelineLayout pl;
+  if (pp <= 1) {
+    pl.bounds = {0, L};
+    return pl;
+  }
+  pl.kind = o.kind;
+  pl.ranks = pp;
+  pl.chunks_per_rank = o.chunks_per_rank;
+  if (o.kind == PipelineKind::Interleaved && o.chunks_per_rank < 2) {
+    *why = "option '--pp-schedule interleaved' needs '--pp-virtual' V >= 2 model chunks per pipeline rank (got " +
+           std::to_string(o.chunks_per_rank) + ")";
+    return pl;
+  }
+  if (o.kind != PipelineKind::Interleaved && o.chunks_per_rank != 1) {
+    *why = "option '--pp-virtual' (" + std::to_string(o.chunks_per_rank) + ") needs '--pp-schedule interleaved' (got '" +
+           pipeline_kind_name(o.kind) + "')";
+    return pl;
+  }
+  const int64_t S = int64_t{pp} * o.chunks_per_rank;
+  if (S > kMaxChunks) {
+    *why = "'--pp' x '--pp-virtual' (" + std::to_string(S) + " chunks) is more than the " + std::to_string(kMaxChunks) +
+           " chunks a pipeline can name";
+    return pl;
+  }
+  std::string split_why;
+  pl.bounds = pipeline_split(L, static_cast<int>(S), o.layers, &split_why);
+  if (!split_why.empty()) {
+    *why = (o.layers.empty() ? "'--pp' " + std::to_string(pp) +
+                                   (o.chunks_per_rank > 1 ? " x '--pp-virtual' " + std::to_string(o.chunks_per_rank) : "")
+                             : std::string("option '--pp-layers'")) +
+           ": " + split_why + " (the model has " + std::to_string(L) + " blocks)";
+    return pl;
+  }
+  if (microbatches > 0) {
+    const std::string p = pipeline_schedule_problem(o.kind, pp, o.chunks_per_rank, microbatches);
+    if (!p.empty()) *why = "'--pp-schedule " + std::string(pipeline_kind_name(o.kind)) + "': " + p +
+                           " (micro-batches per step = global batch / (data-parallel ranks x micro-batch))";
+  }
+  return pl;
+}
+
+RankUnits pipeline_rank_units(const ModelConfig& mc, const PipelineLayout& pl, int r, int tp, int tp_rank) {
+  RankUnits ru;
+  const int L = mc.num_hidden_layers;
+  if (pl.ranks == 1) {
+    ru.units = llama_units(mc, tp, tp_rank);
+    ru.ranges.push_back(BlockRange{0, L, {}});
+    ru.embedding = 0;
+    return ru;
+  }
+  for (int c : pl.rank_chunks(r)) {
+    const int b = pl.bounds[static_cast<size_t>(c)], e = pl.bounds[static_cast<size_t>(c) + 1];
+    BlockRange range = llama_stage_range(mc, b, e);
+    const int offset = static_cast<int>(ru.units.size());
+    for (int& u : range.units)
+      if (u >= 0) u += offset;
+    if (range.units[0] >= 0) {
+      ru.embedding = range.units[0];
+      ru.tied_copy = b > 0;  // held for the tied LM head only
+    }
+    for (UnitSpec& s : llama_stage_units(mc, b, e, tp, tp_rank)) ru.units.push_back(std::move(s));
+    ru.ranges.push_back(std::move(range));
+  }
+  return ru;
+}
+
+template <typename C> struct StageLink<C>::Send {
+  std::unique_ptr<Comm::Request> req;
+  const C* buf;
+  Clock::time_point t0;
+};
+
+template <typename C> StageLink<C>::StageLink(Comm& comm, const PipelineLayout& pl) : comm_(comm), pl_(pl) {
+  if (comm.world_size() != pl.ranks)
+    throw std::invalid_argument("StageLink: the PP group has " + std::to_string(comm.world_size()) +
+                                " ranks, the layout " + std::to_string(pl.ranks) + " stages");
+}
+
+template <typename C> StageLink<C>::~StageLink() {
+  try {
+    reap(true);
+  } catch (...) {  // a failed transfer was reported where it was waited for; nothing to add here
+  }
+}
+
+template <typename C> void StageLink<C>::recv(int peer, int t, C* buf, size_t n) {
+  const auto t0 = Clock::now();
+  auto req = comm_.start_recv(buf, n, peer, t);
+  req->wait();
+  const double s = since(t0);
+  ++calls_;
+  issued_s_ += s;
+  exposed_s_ += s;
+}
+
+template <typename C> void StageLink<C>::send(int peer, int t, const C* buf, size_t n) {
+  reap(false);
+  sends_.push_back(std::make_unique<Send>(Send{comm_.start_send(buf, n, peer, t), buf, Clock::now()}));
+  ++calls_;
+  bytes_ += static_cast<double>(n) * sizeof(C);
+}
+
+template <typename C> void StageLink<C>::reap(bool wait) {
+  const auto t0 = Clock::now();
+  for (size_t i = 0; i < sends_.size();) {
+    Send& s = *sends_[i];
+    if (wait) s.req->wait();
+    if (wait || s.req->test()) {
+      issued_s_ += since(s.t0);
+      sends_.erase(sends_.begin() + static_cast<std::ptrdiff_t>(i));
+    } else {
+      ++i;
+    }
+  }
+  if (wait) exposed_s_ += since(t0);
+}
+
+template <typename C> void StageLink<C>::recv_input(int chunk, C* buf, size_t n) {
+  recv(pl_.rank_of(chunk - 1), tag(chunk - 1, false), buf, n);
+}
+template <typename C> void StageLink<C>::recv_output_grad(int chunk, C* buf, size_t n) {
+  recv(pl_.rank_of(chunk + 1), tag(chunk + 1, true), buf, n);
+}
+template <typename C> void StageLink<C>::send_output(int chunk, const C* buf, size_t n) {
+  send(pl_.rank_of(chunk + 1), tag(chunk, false), buf, n);
+}
+template <typename C> void StageLink<C>::send_input_grad(int chunk, const C* buf, size_t n) {
+  send(pl_.rank_of(chunk - 1), tag(chunk, true), buf, n);
+}
+
+template <typename C> bool StageLink<C>::done_sending(const C* p) {
+  reap(false);
+  for (const auto& s : sends_)
+    if (s->buf == p) return false;
+  return true;
+}
+
+template <typename C> void StageLink<C>::flush() { reap(true); }
+
+template <typename T> double sum_tied_grads(Comm& comm, Backend<T>& be, T* grad, size_t n) {
+  const int p = comm.world_size(), r = comm.rank();
+  if (p == 1 || (r != 0 && r != p - 1) || n == 0) return 0;
+  const int peer = r == 0 ? p - 1 : 0;
+  Buffer<T> other(be, n);
+  auto rq = comm.start_recv(other.data(), n, peer, kTagBase - 1);
+  auto sq = comm.start_send(static_cast<const T*>(grad), n, peer, kTagBase - 1);
+  rq->wait();
+  sq->wait();
+  be.axpy(n, 1, other.data(), grad);
+  return static_cast<double>(n) * sizeof(T);
+}
+template double sum_tied_grads<float>(Comm&, Backend<float>&, float*, size_t);
+template double sum_tied_grads<double>(Comm&, Backend<double>&, double*, size_t);
+
+template class StageLink<float>;
+template class StageLink<double>;
+template class StageLink<bf16>;
+
+}  // namespace shardtrain

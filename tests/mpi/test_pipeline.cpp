@@ -1,0 +1,164 @@
+// Pipeline parallelism (issue 42) in float64 at the world size mpirun gives: the stages of a PP group
+// (StageRunner over StageLink, the trainer's own path) run one optimizer step of every schedule, and
+// every parameter's gradient (tied embedding summed over the first and last stage) equals the whole
+// model's, run as gradient accumulation on all W ranks, within 1e-12 relative; the gradient norm
+// (each element counted once: the last stage's tied copy left out) within 1e-12 too. P = 2 at W = 2
+// (and W = 4 with dp 2), P = 4 at W = 4; tied and untied; 1 and 3 ranks: skipped.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "shardtrain/backend.h"
+#include "shardtrain/data.h"
+#include "shardtrain/mesh.h"
+#include "shardtrain/model.h"
+#include "shardtrain/pipeline.h"
+#include "shardtrain/shard.h"
+#include "shardtrain/stage_runner.h"
+#include "shardtrain/train.h"
+#include "../test_env.h"
+
+namespace st = shardtrain;
+
+namespace {
+
+st::ModelConfig cfg(bool tied) {
+  st::ModelConfig c;
+  c.name = "pipeline-test";
+  c.vocab_size = 258;
+  c.hidden_size = 32;
+  c.intermediate_size = 56;
+  c.num_hidden_layers = 8;  // pp 4 x v 2 interleaved: 8 chunks of one block
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;  // GQA
+  c.max_position_embeddings = 64;
+  c.tie_word_embeddings = tied;
+  c.bos_token_id = 256;
+  c.eos_token_ids = {257};
+  return c;
+}
+
+// A token file every rank writes for itself (the same bytes), byte-level, with a validation split.
+std::string token_file() {
+  const int r = st::testing::comm().rank();
+  const std::string dir = "/tmp/shardtrain-pipeline-test-" + std::to_string(getppid()) + "-" + std::to_string(r);
+  std::filesystem::create_directories(dir);
+  {
+    std::ofstream t(dir + "/a.txt");
+    for (int i = 0; i < 400; ++i) t << "line " << i * 7919 % 1000 << " of the pipeline test, " << (i % 13) << "\n";
+  }
+  st::prepare_token_file({dir + "/a.txt"}, dir + "/a.tok", 0.2);
+  return dir + "/a.tok";
+}
+
+// One optimizer step's gradients, whole per parameter name (gathered over each unit's shard group),
+// the loss sum of this rank and the squared norm this rank counts.
+struct Step {
+  std::map<std::string, std::vector<double>> grads;
+  double loss = 0, sumsq = 0;
+};
+
+Step run_step(const st::ModelConfig& mc, int P, st::PipelineKind kind, int v, const std::string& data_path) {
+  st::Comm& c = st::testing::comm();
+  const int W = c.world_size();
+  const st::Mesh mesh(c, st::testing::g_runtime->topo(), st::MeshDims{1, W / P, 1, 1, P}, 0);
+  st::TrainConfig tc;
+  tc.seq_len = 16;
+  tc.global_batch = 8;
+  tc.micro_batch = 1;
+  tc.seed = 5;
+  const int per_rank = tc.global_batch / mesh.dp_size(), m = per_rank / tc.micro_batch;
+  std::string why;
+  st::PipelineOptions po;
+  po.kind = kind;
+  po.chunks_per_rank = v;
+  const st::PipelineLayout pl = st::resolve_pipeline(mc, P, po, m, &why);
+  EXPECT_EQ(why, "");
+  auto be = st::make_cpu_backend<double>();
+  const st::RankUnits ru = st::pipeline_rank_units(mc, pl, mesh.coord().pp);
+  st::ShardedState<double> f(*be, mesh, st::ShardPlan::build(ru.units, mesh.dims().fsdp()));
+  f.init_params(11);
+  f.zero_grads();
+  st::UnitPipeline<double> units(*be, std::make_unique<st::IdentityCodec<double>>(f));
+  std::unique_ptr<st::StageLink<double>> link;
+  if (P > 1) link = std::make_unique<st::StageLink<double>>(*mesh.pp_data(), pl);
+  st::LlamaModel<double> model(mc, *be);
+  st::TokenDataset data(data_path);
+  st::StageRunner<double> runner(mesh, *be, model, units, ru, pl, link.get(), tc, data, per_rank, tc.micro_batch);
+  Step s;
+  const double scale = 1.0 / (per_rank * tc.seq_len);
+  units.begin_pass("train");
+  runner.begin(st::Split::Train, 0);
+  const auto sched = pl.schedule(m);
+  for (const st::Action& a : sched->actions())
+    if (a.stage == mesh.coord().pp) s.loss += runner.run(a, static_cast<float>(scale));
+  runner.end();
+  units.end_pass();
+  if (P > 1 && ru.embedding >= 0 && mc.tie_word_embeddings)
+    st::sum_tied_grads(*mesh.pp_data(), *be, f.grad_shard(ru.embedding),
+                       static_cast<size_t>(f.plan().units[static_cast<size_t>(ru.embedding)].shard_size));
+  s.sumsq = f.local_grad_sumsq(true, ru.tied_copy ? ru.embedding : -1);
+  // The whole gradients: copied over the parameter shards, then gathered as parameters.
+  for (int u = 0; u < f.num_units(); ++u)
+    std::copy(f.grad_shard(u), f.grad_shard(u) + f.plan().units[static_cast<size_t>(u)].shard_size, f.param_shard(u));
+  for (const auto& up : f.plan().units)
+    for (const auto& p : up.params) s.grads[p.spec.name] = f.gather_param(p.spec.name);
+  return s;
+}
+
+}  // namespace
+
+TEST(Pipeline, Float64GradientsAndNormEqualTheWholeModel) {
+  st::Comm& c = st::testing::comm();
+  const int W = c.world_size();
+  if (W != 2 && W != 4) GTEST_SKIP() << "needs 2 or 4 ranks (P = 2, or P = 2 x dp 2 and P = 4)";
+  const std::string data = token_file();
+  int checked = 0;
+  for (bool tied : {true, false}) {
+    const st::ModelConfig mc = cfg(tied);
+    const Step whole = run_step(mc, 1, st::PipelineKind::OneFOneB, 1, data);
+    double whole_sumsq = whole.sumsq, whole_loss = whole.loss;
+    c.all_reduce(&whole_sumsq, 1, st::ReduceOp::Sum);
+    c.all_reduce(&whole_loss, 1, st::ReduceOp::Sum);
+    ASSERT_GT(whole_sumsq, 0.0);
+    for (int P : {2, 4}) {
+      if (W % P) continue;
+      struct Case { st::PipelineKind k; int v; };
+      for (Case k : {Case{st::PipelineKind::GPipe, 1}, Case{st::PipelineKind::OneFOneB, 1},
+                     Case{st::PipelineKind::Interleaved, 2}}) {
+        const std::string what = std::string(tied ? "tied" : "untied") + ", pp " + std::to_string(P) + " " +
+                                 st::pipeline_kind_name(k.k) + (k.v > 1 ? " v " + std::to_string(k.v) : "");
+        SCOPED_TRACE(what);
+        const Step s = run_step(mc, P, k.k, k.v, data);
+        // Loss: the last stage's ranks hold it (each its data-parallel rows).
+        const st::Mesh mesh(c, st::testing::g_runtime->topo(), st::MeshDims{1, W / P, 1, 1, P}, 0);
+        double loss = mesh.coord().pp == P - 1 ? s.loss : 0.0, sumsq = s.sumsq;
+        c.all_reduce(&loss, 1, st::ReduceOp::Sum);
+        c.all_reduce(&sumsq, 1, st::ReduceOp::Sum);
+        EXPECT_NEAR(loss, whole_loss, 1e-12 * std::abs(whole_loss));
+        EXPECT_NEAR(sumsq, whole_sumsq, 1e-12 * whole_sumsq);
+        for (const auto& [name, g] : s.grads) {
+          const auto it = whole.grads.find(name);
+          ASSERT_NE(it, whole.grads.end()) << name;
+          ASSERT_EQ(g.size(), it->second.size()) << name;
+          double worst = 0, scale = 0;
+          for (size_t i = 0; i < g.size(); ++i) {
+            worst = std::max(worst, std::abs(g[i] - it->second[i]));
+            scale = std::max(scale, std::abs(it->second[i]));
+          }
+          EXPECT_LE(worst, 1e-12 * scale) << name << ": worst difference " << worst << " of " << scale;
+          ++checked;
+        }
+      }
+    }
+  }
+  EXPECT_GT(checked, 0);
+}
