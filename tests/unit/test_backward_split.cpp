@@ -5,7 +5,7 @@
 //     tiled and exact attention, tied and untied heads, the whole model as one range and as three
 //     ranges [0, 1), [1, 2), [2, 3) (a first, a middle and a last stage), two micro-batches in flight
 //     with their weight halves in the other order (m1's before m0's), compared with backward calls
-//     made in that same order; two training steps reuse the contexts;
+//     made in that same order; two training steps reuse the contexts; and with the document mask;
 //   - the UnitSource calls: backward_input gathers the blocks' units as backward does and touches no
 //     gradient; backward_weight gathers nothing and makes backward's full_grad / reduce_scatter_grad
 //     pairs in backward's order;
@@ -98,8 +98,17 @@ template <typename T> struct Result {
 // weight halves run after all input halves of the step, micro-batch m1's before m0's. Not split:
 // backward, with the same order of gradient accumulation: the head steps in micro-batch order, then
 // the ranges' backwards of m1, then those of m0.
+// docs: every row holds two documents, of 15 and 25 tokens (the document mask's block kernels).
 template <typename T>
-Result<T> run(const ModelConfig& cfg, const ModelOptions& o, const std::vector<int>& cuts, bool split) {
+Result<T> run(const ModelConfig& cfg, const ModelOptions& o, const std::vector<int>& cuts, bool split,
+              bool docs = false) {
+  std::vector<int32_t> pos, doc;
+  for (int b = 0; b < kB; ++b)
+    for (int t = 0; t < kT; ++t) {
+      pos.push_back(t < 15 ? t : t - 15);
+      doc.push_back(t < 15 ? 0 : 1);
+    }
+  const TokenLayout lay = docs ? TokenLayout{pos.data(), doc.data()} : TokenLayout{};
   auto be = make_cpu_backend<T>();
   Fsdp<T> f(*be, testing::comm(), ShardPlan::build(llama_units(cfg), 1));
   f.init_params(777);
@@ -118,7 +127,7 @@ Result<T> run(const ModelConfig& cfg, const ModelOptions& o, const std::vector<i
     for (int k = 0; k < 2; ++k)
       for (int s = 0; s < S; ++s)
         m.forward(f, ctx[k][static_cast<size_t>(s)], mb[k].tokens.data(),
-                  s > 0 ? ctx[k][static_cast<size_t>(s) - 1].output() : nullptr, kB, kT);
+                  s > 0 ? ctx[k][static_cast<size_t>(s) - 1].output() : nullptr, kB, kT, lay);
     for (int k = 0; k < 2; ++k) r.loss += m.head_backward(f, ctx[k].back(), mb[k].targets.data(), T(1) / T(kB * kT));
     auto keep_input_grads = [&](int k) {
       for (int s = S - 1; s >= 1; --s) {
@@ -196,6 +205,28 @@ TEST(BackwardSplit, BitwiseAsBackwardFloat) {
 TEST(BackwardSplit, BitwiseAsBackwardDouble) {
   if (testing::comm().world_size() != 1) GTEST_SKIP() << "single-rank check";
   expect_split_bitwise<double>();
+}
+
+// With the document mask (its block attention kernels, RoPE at the layout's positions).
+TEST(BackwardSplit, BitwiseAsBackwardWithDocuments) {
+  if (testing::comm().world_size() != 1) GTEST_SKIP() << "single-rank check";
+  for (Recompute rc : {Recompute::None, Recompute::Full})
+    for (AttentionKind at : {AttentionKind::Tiled, AttentionKind::Exact}) {
+      const ModelConfig cfg = split_config(false);
+      const ModelOptions o{rc, at, 0, AttentionMask::Document};
+      const std::string what = std::string(recompute_name(rc)) + ", " + attention_name(at);
+      const std::vector<int> cuts = {0, 1, 2, 3};
+      const Result<double> want = run<double>(cfg, o, cuts, false, true), got = run<double>(cfg, o, cuts, true, true);
+      const Result<double> causal = run<double>(cfg, o, cuts, false, false);
+      EXPECT_NE(want.loss, causal.loss) << what << ": the documents change the loss (the mask is in effect)";
+      EXPECT_EQ(got.loss, want.loss) << what;
+      ASSERT_EQ(got.grads.size(), want.grads.size()) << what;
+      for (size_t u = 0; u < want.grads.size(); ++u)
+        EXPECT_TRUE(same_bits(got.grads[u], want.grads[u])) << what << ": unit " << u;
+      ASSERT_EQ(got.input_grads.size(), want.input_grads.size()) << what;
+      for (size_t i = 0; i < want.input_grads.size(); ++i)
+        EXPECT_TRUE(same_bits(got.input_grads[i], want.input_grads[i])) << what << ": input gradient " << i;
+    }
 }
 
 // The calls each half makes on the UnitSource, for the last range [1, 3) of L = 3 and the first
