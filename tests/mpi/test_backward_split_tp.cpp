@@ -5,6 +5,10 @@
 // shards and input gradients bitwise (memcmp) those of backward made in that order, float and
 // double, Recompute None and Full, tied and untied heads.
 //
+// And under context parallelism (CP N = the world size, ring attention): backward_input runs the
+// CP attention backward (collective over the CP group) into the kept d(q), d(k), d(v); the same
+// bitwise comparison, double, Recompute None and Full, causal.
+//
 // Every rank makes the same collective calls in the same order; checks are EXPECT_* only.
 #include <gtest/gtest.h>
 
@@ -13,6 +17,7 @@
 #include <vector>
 
 #include "rank_test.h"
+#include "shardtrain/context_parallel.h"
 #include "shardtrain/mesh.h"
 #include "shardtrain/model.h"
 #include "shardtrain/runtime.h"
@@ -103,8 +108,77 @@ template <typename T> Result<T> run(bool tied, st::Recompute rc, bool split) {
   return r;
 }
 
+// CP N = the world size over one sequence-split micro-batch pair; FSDP over this rank alone (the
+// CP ranks' gradients are partial sums: compared per rank).
+Result<double> run_cp(st::Recompute rc, bool split) {
+  st::Comm& c = world();
+  const int N = c.world_size();
+  const st::ModelConfig cfg = config(false, 2);
+  auto be = st::make_cpu_backend<double>();
+  st::MpiComm self = st::MpiComm::split(c, c.rank(), 0);
+  st::CpAttention<double> cp(c, *be, st::CpComm::Ring);
+  st::Fsdp<double> f(*be, self, st::ShardPlan::build(st::llama_units(cfg), 1), &self, nullptr);
+  f.init_params(31);
+  st::LlamaModel<double> m(cfg, *be, st::ModelOptions{rc, st::AttentionKind::Tiled, 0}, nullptr, &cp);
+  using Ctx = st::LlamaModel<double>::Context;
+  const int B = 2, T = 16, Tl = T / N;
+  const std::vector<int32_t> rows = st::cp_rows(T, N, c.rank());
+  std::vector<int32_t> tok[2], tgt[2], pos;
+  for (int b = 0; b < B; ++b)
+    for (int32_t t : rows) pos.push_back(t);
+  for (int k = 0; k < 2; ++k)
+    for (int b = 0; b < B; ++b)
+      for (int32_t t : rows) {
+        const int i = b * T + t;
+        tok[k].push_back((7 * i + 3 + 11 * k) % cfg.vocab_size);
+        tgt[k].push_back((5 * i + 36 + 3 * k) % cfg.vocab_size);
+      }
+  const st::TokenLayout lay{pos.data(), nullptr};
+  Ctx c0[2] = {Ctx(st::BlockRange{0, 1, {}}), Ctx(st::BlockRange{0, 1, {}})};
+  Ctx c1[2] = {Ctx(st::BlockRange{1, 2, {}}), Ctx(st::BlockRange{1, 2, {}})};
+  f.zero_grads();
+  for (int k = 0; k < 2; ++k) {
+    m.forward(f, c0[k], tok[k].data(), nullptr, B, Tl, lay);
+    m.forward(f, c1[k], nullptr, c0[k].output(), B, Tl, lay);
+  }
+  for (int k = 0; k < 2; ++k) m.head_backward(f, c1[k], tgt[k].data(), 1.0 / (B * T));
+  if (split) {
+    for (int k = 0; k < 2; ++k) {
+      m.backward_input(f, c1[k], nullptr);
+      m.backward_input(f, c0[k], c1[k].input_grad());
+    }
+    for (int k = 1; k >= 0; --k) {
+      m.backward_weight(f, c1[k]);
+      m.backward_weight(f, c0[k]);
+    }
+  } else {
+    for (int k = 1; k >= 0; --k) {
+      m.backward(f, c1[k], nullptr);
+      m.backward(f, c0[k], c1[k].input_grad());
+    }
+  }
+  f.end_pass();
+  Result<double> r;
+  const size_t n = static_cast<size_t>(B) * Tl * static_cast<size_t>(cfg.hidden_size);
+  for (int k = 0; k < 2; ++k) {
+    std::vector<double> g(n);
+    be->to_host(g.data(), c1[k].input_grad(), n);
+    r.input_grads.push_back(std::move(g));
+  }
+  for (int u = 0; u < f.num_units(); ++u)
+    r.grads.emplace_back(f.grad_shard(u), f.grad_shard(u) + f.plan().units[static_cast<size_t>(u)].shard_size);
+  return r;
+}
+
 template <typename T> bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+// How many elements of the vectors are nonzero (so that an equal comparison is not of nothing).
+template <typename T> int64_t nonzero(const std::vector<std::vector<T>>& v) {
+  int64_t n = 0;
+  for (const auto& x : v)
+    for (T e : x) n += e != T(0);
+  return n;
 }
 
 template <typename T> void check_all(const char* type) {
@@ -112,6 +186,8 @@ template <typename T> void check_all(const char* type) {
     for (st::Recompute rc : {st::Recompute::None, st::Recompute::Full}) {
       const std::string what = std::string(type) + ", " + (tied ? "tied" : "untied") + ", " + st::recompute_name(rc);
       const Result<T> want = run<T>(tied, rc, false), got = run<T>(tied, rc, true);
+      EXPECT_GT(nonzero(want.grads), 1000) << what;
+      EXPECT_GT(nonzero(want.input_grads), 100) << what;
       EXPECT_EQ(got.grads.size(), want.grads.size()) << what;
       for (size_t u = 0; u < want.grads.size() && u < got.grads.size(); ++u)
         EXPECT_TRUE(same_bits(got.grads[u], want.grads[u]))
@@ -126,6 +202,27 @@ TEST_F(BackwardSplitTp, BitwiseAsBackward) {
   if (W != 2 && W != 4) GTEST_SKIP() << "TP N = the world size, N = 2 or 4";
   check_all<double>("double");
   check_all<float>("float");
+}
+
+}  // namespace
+
+namespace {
+
+TEST_F(BackwardSplitTp, ContextParallelBitwiseAsBackward) {
+  const int W = world().world_size();
+  if (W != 2 && W != 4) GTEST_SKIP() << "CP N = the world size, N = 2 or 4";
+  for (st::Recompute rc : {st::Recompute::None, st::Recompute::Full}) {
+    const std::string what = std::string("cp, ") + st::recompute_name(rc);
+    const Result<double> want = run_cp(rc, false), got = run_cp(rc, true);
+    EXPECT_GT(nonzero(want.grads), 1000) << what;
+    EXPECT_GT(nonzero(want.input_grads), 100) << what;
+    EXPECT_EQ(got.grads.size(), want.grads.size()) << what;
+    for (size_t u = 0; u < want.grads.size() && u < got.grads.size(); ++u)
+      EXPECT_TRUE(same_bits(got.grads[u], want.grads[u]))
+          << what << ": unit " << u << ", " << st::testing::count_diff(got.grads[u], want.grads[u]) << " elements differ";
+    for (size_t i = 0; i < want.input_grads.size(); ++i)
+      EXPECT_TRUE(same_bits(got.input_grads[i], want.input_grads[i])) << what << ": input gradient " << i;
+  }
 }
 
 }  // namespace
