@@ -6,6 +6,7 @@
 //     ranges [0, 1), [1, 2), [2, 3) (a first, a middle and a last stage), two micro-batches in flight
 //     with their weight halves in the other order (m1's before m0's), compared with backward calls
 //     made in that same order; two training steps reuse the contexts; and with the document mask;
+//     bf16 (with a UnitSource that logs every full-unit gradient it is handed, compared bitwise);
 //   - the UnitSource calls: backward_input gathers the blocks' units as backward does and touches no
 //     gradient; backward_weight gathers nothing and makes backward's full_grad / reduce_scatter_grad
 //     pairs in backward's order;
@@ -25,6 +26,7 @@
 #include "../mpi/counting_backend.h"
 #include "../test_env.h"
 #include "shardtrain/backend.h"
+#include "shardtrain/bf16.h"
 #include "shardtrain/config.h"
 #include "shardtrain/model.h"
 #include "shardtrain/shard.h"
@@ -227,6 +229,97 @@ TEST(BackwardSplit, BitwiseAsBackwardWithDocuments) {
       for (size_t i = 0; i < want.input_grads.size(); ++i)
         EXPECT_TRUE(same_bits(got.input_grads[i], want.input_grads[i])) << what << ": input gradient " << i;
     }
+}
+
+// bf16 storage (fp32 math) with a UnitSource of its own: parameters N(0, 0.1^2) (norms 1 + that),
+// and a log of every full-unit gradient reduce_scatter_grad is given (what FSDP would sum). The two
+// halves hand over bitwise backward's buffers, in backward's order.
+struct LoggingUnits final : UnitSource<bf16> {
+  Backend<bf16>& be;
+  ShardPlan plan;
+  std::vector<Buffer<bf16>> params, grads;
+  std::vector<std::pair<int, std::vector<bf16>>> sent;
+  LoggingUnits(Backend<bf16>& b, const ModelConfig& c) : be(b), plan(ShardPlan::build(llama_units(c), 1)) {
+    std::mt19937 g(17);
+    std::normal_distribution<float> nd(0.0f, 0.1f);
+    for (const UnitPlan& u : plan.units) {
+      std::vector<bf16> h(static_cast<size_t>(u.padded_numel), math::f32_to_bf16(0.0f));
+      for (const auto& slot : u.params)
+        for (int64_t i = 0; i < slot.numel; ++i)
+          h[static_cast<size_t>(slot.offset + i)] = math::f32_to_bf16((slot.spec.init == Init::Ones ? 1.0f : 0.0f) + nd(g));
+      params.emplace_back(be, h.size());
+      be.from_host(params.back().data(), h.data(), h.size());
+      grads.emplace_back(be, h.size());
+    }
+  }
+  const bf16* gather(int u) override { return params[static_cast<size_t>(u)].data(); }
+  bf16* full_grad(int u) override {
+    Buffer<bf16>& g = grads[static_cast<size_t>(u)];
+    be.zero(g.data(), g.size());
+    return g.data();
+  }
+  void reduce_scatter_grad(int u) override {
+    const Buffer<bf16>& g = grads[static_cast<size_t>(u)];
+    std::vector<bf16> h(g.size());
+    be.to_host(h.data(), g.data(), h.size());
+    sent.emplace_back(u, std::move(h));
+  }
+};
+
+TEST(BackwardSplit, BitwiseAsBackwardBf16) {
+  for (bool tied : {false, true})
+    for (Recompute rc : {Recompute::None, Recompute::Selective, Recompute::Full})
+      for (AttentionKind at : {AttentionKind::Tiled, AttentionKind::Exact}) {
+        const ModelConfig cfg = split_config(tied);
+        const std::string what = std::string(tied ? "tied" : "untied") + ", " + recompute_name(rc) + ", " +
+                                 attention_name(at);
+        std::vector<std::pair<int, std::vector<bf16>>> logs[2];
+        std::vector<std::vector<bf16>> input_grads[2];
+        for (int split = 0; split < 2; ++split) {
+          auto be = make_cpu_backend<bf16>();
+          LoggingUnits f(*be, cfg);
+          LlamaModel<bf16> m(cfg, *be, ModelOptions{rc, at, 0});
+          using Ctx = LlamaModel<bf16>::Context;
+          std::vector<Ctx> ctx[2];
+          for (auto& c : ctx)
+            for (int s = 0; s < 3; ++s) c.emplace_back(BlockRange{s, s + 1, {}});
+          const MicroBatch mb[2] = {micro_batch(200, cfg.vocab_size), micro_batch(201, cfg.vocab_size)};
+          for (int k = 0; k < 2; ++k)
+            for (size_t s = 0; s < 3; ++s)
+              m.forward(f, ctx[k][s], mb[k].tokens.data(), s > 0 ? ctx[k][s - 1].output() : nullptr, kB, kT);
+          for (int k = 0; k < 2; ++k) m.head_backward(f, ctx[k][2], mb[k].targets.data(), 1.0f / (kB * kT));
+          for (int k = 1; k >= 0; --k)  // m1 first, then m0 (input halves of both first when split)
+            for (int s = 2; s >= 0; --s) {
+              const bf16* og = s < 2 ? ctx[k][static_cast<size_t>(s) + 1].input_grad() : nullptr;
+              if (split) m.backward_input(f, ctx[k][static_cast<size_t>(s)], og);
+              else m.backward(f, ctx[k][static_cast<size_t>(s)], og);
+            }
+          if (split)
+            for (int k = 1; k >= 0; --k)
+              for (int s = 2; s >= 0; --s) m.backward_weight(f, ctx[k][static_cast<size_t>(s)]);
+          const size_t n = static_cast<size_t>(kB) * kT * static_cast<size_t>(cfg.hidden_size);
+          for (int k = 0; k < 2; ++k)
+            for (size_t s = 1; s < 3; ++s) {
+              std::vector<bf16> g(n);
+              be->to_host(g.data(), ctx[k][s].input_grad(), n);
+              input_grads[split].push_back(std::move(g));
+            }
+          logs[split] = std::move(f.sent);
+        }
+        ASSERT_EQ(logs[1].size(), logs[0].size()) << what;
+        EXPECT_EQ(logs[0].size(), 2u * (cfg.tie_word_embeddings ? 6 : 5)) << what;  // per micro-batch: head(s), 3 blocks, embedding
+        int64_t nonzero = 0;
+        for (const auto& [u, g] : logs[0])
+          for (bf16 v : g) nonzero += (v.bits & 0x7fff) != 0;
+        EXPECT_GT(nonzero, 10000) << what << ": the gradients compared are not (mostly) zeros";
+        for (size_t i = 0; i < logs[0].size(); ++i) {
+          EXPECT_EQ(logs[1][i].first, logs[0][i].first) << what << ": reduce-scatter " << i;
+          EXPECT_TRUE(same_bits(logs[1][i].second, logs[0][i].second)) << what << ": reduce-scatter " << i << " (unit "
+                                                                        << logs[0][i].first << ")";
+        }
+        for (size_t i = 0; i < input_grads[0].size(); ++i)
+          EXPECT_TRUE(same_bits(input_grads[1][i], input_grads[0][i])) << what << ": input gradient " << i;
+      }
 }
 
 // The calls each half makes on the UnitSource, for the last range [1, 3) of L = 3 and the first
