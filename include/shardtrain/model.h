@@ -193,6 +193,23 @@ struct ActivationBytes {
 ActivationBytes activation_bytes(const ModelConfig& c, const ModelOptions& o, int B, int T_, size_t elem_bytes,
                                  size_t acc_bytes, int tp = 1, int cp = 1);
 
+// The memory of one deferred weight gradient (LlamaModel::backward_input, below): the bytes a
+// Context keeps from its backward_input to its backward_weight for a range of `blocks` blocks, for
+// micro-batches of B x T_ tokens (T_: rows per sequence held, T / cp), elem_bytes = sizeof(T), TP
+// degree tp. Per block, with BT = B*T_ (every row of the micro-batch: under TP the kept rows are the
+// all-gathered ones), C, I / tp, Q = NH*HD / tp, KV = NKV*HD / tp:
+//   elem_bytes * (4*BT*C            d(x_next) before the MLP (down's dy), d(x1) (o's dy), and the
+//                                   RMSNorm outputs n2 (gate/up's x), n1 (q/k/v's x) as recomputed
+//                 + 2*BT*I          d(gate), d(up) (gate/up's dy)
+//                 + BT*Q + 2*BT*KV  d(q), d(k) after the RoPE backward, d(v) (q/k/v's dy)
+//                 + 2*C             both RMSNorm weight gradients, computed by backward_input
+//                 + BT*I            h (down's x), unless Recompute::None keeps it anyway
+//                 + BT*Q)           y (o's x), only under Recompute::Full (the other modes keep it)
+// The context allocates exactly this at its first backward_input (and again after a forward of
+// another micro-batch size) and keeps it for reuse: LlamaModel::Context::deferred_bytes().
+int64_t deferred_weight_bytes(const ModelConfig& c, const ModelOptions& o, int B, int T_, size_t elem_bytes,
+                              int blocks, int tp = 1, int cp = 1);
+
 // The three products of a projection y = x W^T, where W is [N, K] row-major (torch.nn.Linear's
 // weight: N outputs, K inputs), over M rows; row-major [M, ...] operands, leading dimension = row
 // width. Every projection of the model (q, k, v, o, gate, up, down, the LM head) goes through
@@ -247,6 +264,10 @@ BlockRange llama_stage_range(const ModelConfig& c, int begin, int end);
 //   model.backward(f, ctx, output_grad);           // end < L: d(loss)/d(output) [R, C] (the next
 //                                                  // range's ctx.input_grad()); end == L: nullptr
 //   begin > 0: ctx.input_grad() is d(loss)/d(input) [R, C]
+// Zero-bubble schedules (ZB-H1; Qi et al. 2024, "Zero Bubble Pipeline Parallelism") split the
+// backward in two: model.backward_input(f, ctx, output_grad) in place of backward, then, any time
+// later (before ctx's next forward), model.backward_weight(f, ctx). Together they leave bitwise
+// what backward leaves (below).
 // R = B*T / tp rows of this rank (sequence parallelism; B*T without TP). The whole-model calls are
 // these over one context of [0, L) held by the model; ranges [0, a), [a, b), [b, L) chained compute
 // bitwise what the whole model does (the same kernels on the same values, the same UnitSource
@@ -261,8 +282,19 @@ template <typename T> class LlamaModel {
     Buffer<T> x, rstd1, q, k, v, att, y, x1, rstd2, g, u, h;
     AccBuffer<T> lse;
   };
-  // Where a micro-batch is: which call may come next.
-  enum class Stage { None, Forward, HeadBackward };
+  // What backward_weight needs of one block, kept from backward_input (deferred_weight_bytes). The
+  // operands of the weight-gradient GEMMs (LinearRole::WeightGrad: out += dy^T x) that the context
+  // does not keep anyway, and the RMSNorm weight gradients. dr2, dr1, n2, n1: [BT, C] (all rows:
+  // under TP as all-gathered); dg, du, h: [BT, I]; dq, y: [BT, Q]; dk, dv: [BT, KV]; dnorm: [2, C].
+  struct Deferred {
+    Buffer<T> dr2, dr1, n2, n1;  // down's and o's dy (d(x_next), d(x1)); gate/up's and q/k/v's x
+    Buffer<T> dg, du, h;         // gate's and up's dy; down's x (h; empty under Recompute::None: kept)
+    Buffer<T> dq, dk, dv, y;     // q/k/v's dy after the RoPE backward; o's x (y; only Recompute::Full)
+    Buffer<T> dnorm;             // d(input_layernorm.weight) [C], d(post_attention_layernorm.weight) [C]
+  };
+  // Where a micro-batch is: which call may come next. WeightPending: after backward_input, until
+  // backward_weight.
+  enum class Stage { None, Forward, HeadBackward, WeightPending };
 
  public:
   // One micro-batch's state over a BlockRange between its forward and its backward. Allocated by
@@ -276,8 +308,21 @@ template <typename T> class LlamaModel {
     const BlockRange& range() const { return r_; }
     // After forward() with end < L: the range's output activation [R, C] (backend memory).
     const T* output() const { return xf_.data(); }
-    // After backward() with begin > 0: d(loss)/d(the range's input) [R, C] (backend memory).
+    // After backward() or backward_input() with begin > 0: d(loss)/d(the range's input) [R, C]
+    // (backend memory; backward_weight leaves it as it is).
     const T* input_grad() const { return dres_.data(); }
+    // Bytes of backend memory this context holds for deferred weight gradients: 0 before its first
+    // backward_input, then deferred_weight_bytes(..., range's blocks, ...) (kept for reuse).
+    int64_t deferred_bytes() const {
+      int64_t n = 0;
+      for (const Deferred& k : w_)
+        for (const Buffer<T>* b : {&k.dr2, &k.dr1, &k.n2, &k.n1, &k.dg, &k.du, &k.h, &k.dq, &k.dk, &k.dv, &k.y,
+                                   &k.dnorm})
+          n += static_cast<int64_t>(b->size() * sizeof(T));
+      return n;
+    }
+    // True between backward_input() and backward_weight().
+    bool weight_pending() const { return stage_ == Stage::WeightPending; }
 
    private:
     friend class LlamaModel;
@@ -287,6 +332,7 @@ template <typename T> class LlamaModel {
     const T* head_w_ = nullptr;      // unit L+1 as forward() gathered it (valid until the next gather)
     int64_t head_gathers_ = -1;      // the model's gather count right after that gather
     std::vector<Layer> layers_;      // blocks begin..end-1
+    std::vector<Deferred> w_;        // blocks begin..end-1: backward_input's kept W inputs (empty before)
     Buffer<T> xf_, lnf_, rstdf_;     // the range's output (the final norm's input); end == L: its output, rstd
     Buffer<T> dres_;                 // d(loss)/d(residual stream), backward's running gradient
     IdBuffer<T> tokens_, targets_;   // begin == 0 / end == L: the micro-batch's ids in backend memory
@@ -347,6 +393,32 @@ template <typename T> class LlamaModel {
   double head_backward(UnitSource<T>& f, Context& ctx, const int32_t* targets, S grad_scale);
   void backward(UnitSource<T>& f, Context& ctx, const T* output_grad);
 
+  // backward() in two halves, for zero-bubble pipeline schedules (ZB-H1, above).
+  // backward_input: the same preconditions and arguments as backward (after head_backward() when
+  // end == L, output_grad ignored; after forward() otherwise, output_grad [R, C] required). Computes
+  // d(loss)/d(input) through blocks end-1..begin: leaves ctx.input_grad() (begin > 0) bitwise as
+  // backward does, and keeps in ctx what the weight gradients need (Deferred above, sized by
+  // deferred_weight_bytes; allocated at the first call on ctx, reused after). Collective like
+  // backward's blocks: gathers units 1+l, l = end-1 .. begin, and under TP / CP the same group
+  // collectives; it touches no gradient buffer of f (no full_grad, no reduce_scatter_grad). The head
+  // is not split: head_backward already added (and reduce-scattered) the LM head's and the final
+  // norm's gradients.
+  // backward_weight: after backward_input on ctx (any calls on other contexts in between). For each
+  // block l = end-1 .. begin: f.full_grad(1+l), the weight-gradient GEMMs and the RMSNorm weight
+  // gradients from what ctx kept, f.reduce_scatter_grad(1+l); then, begin == 0, the embedding's
+  // gradient into unit 0 (full_grad(0), reduce_scatter_grad(0)); under TP that reads all rows of the
+  // residual gradient: an all-gather over the TP group first, as in backward. Gathers no unit.
+  // Afterwards ctx may take a forward again (its kept buffers stay allocated for the next one).
+  // Together: f's gradient shards receive bitwise the reduce-scatters backward would send, one per
+  // unit, in the order the backward_weight calls are made (so micro-batches whose W run in another
+  // order than their backward_input accumulate in that other order). Every rank of a stage's FSDP
+  // group (and TP group) must make the same calls in the same order, as for backward.
+  // std::logic_error: backward_weight without a pending backward_input on ctx; backward_input,
+  // backward, head_backward, loss or forward on a context whose backward_weight is pending; a
+  // forward() of another micro-batch size in between (as for backward).
+  void backward_input(UnitSource<T>& f, Context& ctx, const T* output_grad);
+  void backward_weight(UnitSource<T>& f, Context& ctx);
+
   // Collective (gathers unit 0 again when tied). After forward(): the logits [B*T, V] into a model
   // buffer (allocated here, B*T*V elements), for generation and export checks. Not under tensor
   // parallelism (std::logic_error).
@@ -392,14 +464,30 @@ template <typename T> class LlamaModel {
   void set_layout(Context& ctx, const TokenLayout& lay);
   // RoPE (forward or backward) of x [BT, H, HD] at ctx's positions.
   void rope(const Context& ctx, T* x, int H, bool backward);
-  // Attention of block activations `a` (tiled: y, lse; exact: att, y), and its backward into dq_,
-  // dk_, dv_ from dy_: causal (flash_attention_* / the exact path) or, with ctx's documents, the
+  // Attention of block activations `a` (tiled: y, lse; exact: att, y), and its backward into dq,
+  // dk, dv ([BT, Q], [BT, KV] x 2; dq_, dk_, dv_ or a Deferred's) from dy_: causal (flash_attention_* / the exact path) or, with ctx's documents, the
   // block attention kernels over the whole sequence as one block (masked tile pairs skipped).
   void attend(const Context& ctx, Layer& a, T* att);
-  void attend_backward(const Context& ctx, const Layer& a, const T* att);
-  // Backward of block l (ctx's) with weights w into its full-unit gradient (f.full_grad, taken after
-  // any recomputation): ctx.dres_ from d(block output) to d(block input).
-  void block_backward(UnitSource<T>& f, Context& ctx, int l, const T* w);
+  void attend_backward(const Context& ctx, const Layer& a, const T* att, T* dq, T* dk, T* dv);
+  // Backward of block l (ctx's) with weights w: ctx.dres_ from d(block output) to d(block input).
+  // keep == nullptr (backward): the weight gradients into the full-unit gradient (f.full_grad,
+  // taken after any recomputation) as soon as their operands exist. keep given (backward_input): no
+  // weight gradient GEMM and no f call; their operands into *keep, the RMSNorm weight gradients
+  // into keep->dnorm.
+  void block_backward(UnitSource<T>& f, Context& ctx, int l, const T* w, Deferred* keep);
+  // backward_weight's part of block l: the weight gradients into gw (zeroed: f.full_grad) from
+  // what block_backward kept.
+  void block_weight(const Context& ctx, int l, T* gw);
+  // backward / backward_input's checks and the start of dres_; the embedding's gradient (begin == 0).
+  void start_backward(Context& ctx, const T* output_grad, const char* call);
+  void embedding_backward(UnitSource<T>& f, Context& ctx);
+  // ctx.w_ allocated for d_'s micro-batch (deferred_weight_bytes), when it is not yet.
+  void ensure_deferred(Context& ctx);
+  // backward_input: the rows [BT, C] the weight gradients read of the local [R, C] `local` into
+  // `into` (TP: all-gathered, as gather_rows; else copied); and a block's RMSNorm output, recomputed
+  // as block_backward does, into ln_ / full_ (into == nullptr, as gather_rows) or into `into`.
+  const T* keep_rows(const T* local, Buffer<T>& into);
+  const T* norm_rows(T* rstd, const T* x, const T* wn, Buffer<T>* into);
   // The LM head and the loss over chunks; with `grad` their backward and the final norm's. See
   // loss() and head_backward().
   double head(UnitSource<T>& f, Context& ctx, const int32_t* targets, bool grad, S grad_scale);

@@ -210,9 +210,24 @@ struct Sizes {
     keep_all = o.recompute != Recompute::Full;
     keep_h = o.recompute == Recompute::None;
     keep_att = o.recompute == Recompute::None;
+    rows = BT * d.C;
+    keep_w_h = o.recompute != Recompute::None;
+    keep_w_y = o.recompute == Recompute::Full;
+    norms = 2 * int64_t{d.C};
   }
+  // A Deferred's buffers (model.h, deferred_weight_bytes): [BT, C] rows (all rows, gathered under
+  // TP), whether h and y are kept there (not kept in the context), the RMSNorm weight gradients.
+  int64_t rows, norms;
+  bool keep_w_h, keep_w_y;
+  int64_t deferred() const { return 4 * rows + 2 * gi + q + 2 * kv + norms + (keep_w_h ? gi : 0) + (keep_w_y ? y : 0); }
 };
 }  // namespace
+
+int64_t deferred_weight_bytes(const ModelConfig& c, const ModelOptions& o, int B, int T_, size_t E, int blocks, int tp,
+                              int cp) {
+  const Sizes z(LlamaDims(c, tp, 0, cp).with_batch(B, T_, o.loss_chunk), o);
+  return int64_t{blocks} * static_cast<int64_t>(E) * z.deferred();
+}
 
 ActivationBytes activation_bytes(const ModelConfig& c, const ModelOptions& o, int B, int T_, size_t E, size_t A,
                                  int tp, int cp) {
@@ -379,6 +394,7 @@ template <typename T> void LlamaModel<T>::ensure_context(Context& ctx) {
   ctx.stage_ = Stage::None;
   ctx.layers_.clear();
   ctx.layers_.resize(static_cast<size_t>(r.end - r.begin));
+  ctx.w_.clear();  // sized for the old micro-batch: the next backward_input allocates them again
   for (auto& L : ctx.layers_) {
     L.x = buf(z.x);
     if (z.keep_all) {  // everything of a block but x, h and the exact probabilities
@@ -401,6 +417,37 @@ template <typename T> void LlamaModel<T>::ensure_context(Context& ctx) {
   ctx.use_pos_ = ctx.use_doc_ = false;
   ctx.B_ = d_.B;
   ctx.T_ = d_.T_;
+}
+
+template <typename T> void LlamaModel<T>::ensure_deferred(Context& ctx) {
+  const size_t n = static_cast<size_t>(ctx.r_.end - ctx.r_.begin);
+  if (ctx.w_.size() == n) return;  // ensure_context cleared them when the micro-batch size changed
+  const Sizes z(d_, o_);
+  auto buf = [&](int64_t k) { return Buffer<T>(be_, static_cast<size_t>(k)); };
+  std::vector<Deferred> w(n);
+  for (Deferred& k : w) {
+    k.dr2 = buf(z.rows); k.dr1 = buf(z.rows); k.n2 = buf(z.rows); k.n1 = buf(z.rows);
+    k.dg = buf(z.gi); k.du = buf(z.gi); k.h = buf(z.keep_w_h ? z.gi : 0);
+    k.dq = buf(z.q); k.dk = buf(z.kv); k.dv = buf(z.kv); k.y = buf(z.keep_w_y ? z.y : 0);
+    k.dnorm = buf(z.norms);
+  }
+  ctx.w_ = std::move(w);
+}
+
+template <typename T> const T* LlamaModel<T>::keep_rows(const T* local, Buffer<T>& into) {
+  if (tp_n_ > 1) return gather_rows(local, into);
+  be_.copy(into.data(), local, static_cast<size_t>(d_.R) * d_.C);
+  return into.data();
+}
+
+template <typename T> const T* LlamaModel<T>::norm_rows(T* rstd, const T* x, const T* wn, Buffer<T>* into) {
+  const LlamaDims& d = d_;
+  if (into && tp_n_ == 1) {  // the rows are all rows: normalize straight into the kept buffer
+    be_.rmsnorm_forward(into->data(), rstd, x, wn, d.R, d.C, eps_);
+    return into->data();
+  }
+  be_.rmsnorm_forward(ln_.data(), rstd, x, wn, d.R, d.C, eps_);
+  return gather_rows(ln_.data(), into ? *into : full_);
 }
 
 template <typename T> const T* LlamaModel<T>::gather_rows(const T* local, Buffer<T>& into) {
@@ -461,27 +508,28 @@ template <typename T> void LlamaModel<T>::attend(const Context& ctx, Layer& a, T
 
 // The exact path's backward needs no documents (masked probabilities are 0). The block backward
 // accumulates into dq_, dk_, dv_ (zeroed first), given D = rowsum(dy o y) of the (final) y.
-template <typename T> void LlamaModel<T>::attend_backward(const Context& ctx, const Layer& a, const T* att) {
+template <typename T>
+void LlamaModel<T>::attend_backward(const Context& ctx, const Layer& a, const T* att, T* dq, T* dk, T* dv) {
   const LlamaDims& d = d_;
   if (cp_) {  // writes (=) dq and this rank's dk, dv (the other ranks' queries' parts come home)
-    cp_->backward(dq_.data(), dk_.data(), dv_.data(), dy_.data(), a.q.data(), a.k.data(), a.v.data(), a.y.data(),
-                  a.lse.data(), ctx.pos_.data(), ctx.use_doc_ ? ctx.doc_.data() : nullptr, d.B, d.T_, d.NH, d.NKV,
-                  d.HD, attn_scale_);
+    cp_->backward(dq, dk, dv, dy_.data(), a.q.data(), a.k.data(), a.v.data(), a.y.data(), a.lse.data(),
+                  ctx.pos_.data(), ctx.use_doc_ ? ctx.doc_.data() : nullptr, d.B, d.T_, d.NH, d.NKV, d.HD,
+                  attn_scale_);
   } else if (o_.attention == AttentionKind::Exact) {
-    shardtrain::attention_backward(be_, a.q.data(), a.k.data(), a.v.data(), att, dy_.data(), datt_.data(), dq_.data(),
-                                   dk_.data(), dv_.data(), d.B, d.T_, d.NH, d.NKV, d.HD);
+    shardtrain::attention_backward(be_, a.q.data(), a.k.data(), a.v.data(), att, dy_.data(), datt_.data(), dq, dk, dv,
+                                   d.B, d.T_, d.NH, d.NKV, d.HD);
   } else if (!ctx.use_doc_) {
-    be_.flash_attention_backward(dq_.data(), dk_.data(), dv_.data(), dsum_.data(), dy_.data(), a.q.data(), a.k.data(),
-                                 a.v.data(), a.y.data(), a.lse.data(), d.B, d.T_, d.NH, d.NKV, d.HD, attn_scale_);
+    be_.flash_attention_backward(dq, dk, dv, dsum_.data(), dy_.data(), a.q.data(), a.k.data(), a.v.data(), a.y.data(),
+                                 a.lse.data(), d.B, d.T_, d.NH, d.NKV, d.HD, attn_scale_);
   } else {
     const int32_t* doc = ctx.doc_.data();
     be_.attention_row_dot(dsum_.data(), dy_.data(), a.y.data(), d.B, d.T_, d.NH, d.HD);
-    be_.zero(dq_.data(), dq_.size());
-    be_.zero(dk_.data(), dk_.size());
-    be_.zero(dv_.data(), dv_.size());
-    be_.attention_block_backward(dq_.data(), dk_.data(), dv_.data(), dy_.data(), a.q.data(), a.k.data(), a.v.data(),
-                                 a.lse.data(), dsum_.data(), rows_.data(), rows_.data(), doc, doc, d.B, d.T_, d.T_,
-                                 d.NH, d.NKV, d.HD, attn_scale_);
+    be_.zero(dq, static_cast<size_t>(d.BT) * d.Q);
+    be_.zero(dk, static_cast<size_t>(d.BT) * d.KV);
+    be_.zero(dv, static_cast<size_t>(d.BT) * d.KV);
+    be_.attention_block_backward(dq, dk, dv, dy_.data(), a.q.data(), a.k.data(), a.v.data(), a.lse.data(),
+                                 dsum_.data(), rows_.data(), rows_.data(), doc, doc, d.B, d.T_, d.T_, d.NH, d.NKV,
+                                 d.HD, attn_scale_);
   }
 }
 
@@ -549,6 +597,8 @@ template <typename T>
 void LlamaModel<T>::forward(UnitSource<T>& f, Context& ctx, const int32_t* tokens, const T* input, int B, int T_,
                             const TokenLayout& layout) {
   check_range(ctx.r_);
+  if (ctx.stage_ == Stage::WeightPending)  // its forward would overwrite what backward_weight reads
+    throw std::logic_error("LlamaModel::forward: the context's backward_weight() is pending (backward_input() ran)");
   const int a = ctx.r_.begin, b = ctx.r_.end;
   if (int64_t{T_} * d_.cp > c_.max_position_embeddings)
     throw std::invalid_argument("sequence length " + std::to_string(int64_t{T_} * d_.cp) +
@@ -614,9 +664,15 @@ template <typename T> void LlamaModel<T>::check_ids(const int32_t* ids, int64_t 
 }
 
 template <typename T> void LlamaModel<T>::expect_stage(const Context& ctx, Stage s, const char* call) const {
+  if (ctx.stage_ == Stage::WeightPending && s != Stage::WeightPending)
+    throw std::logic_error(std::string("LlamaModel::") + call +
+                           ": this micro-batch's backward_weight() is pending (backward_input() ran)");
   if (ctx.stage_ != s)
     throw std::logic_error(std::string("LlamaModel::") + call +
-                           (s == Stage::Forward ? " must follow forward()" : " must follow head_backward()"));
+                           (s == Stage::Forward          ? " must follow forward()"
+                            : s == Stage::HeadBackward   ? " must follow head_backward()"
+                            : s == Stage::WeightPending  ? " must follow backward_input()"
+                                                         : " is out of order"));
   if (ctx.B_ != d_.B || ctx.T_ != d_.T_)
     throw std::logic_error(std::string("LlamaModel::") + call +
                            ": a forward() of another micro-batch size came in between (the scratch is sized for it)");
@@ -740,24 +796,56 @@ typename LlamaModel<T>::Layer& LlamaModel<T>::backward_activations(Context& ctx,
   return a;
 }
 
-template <typename T> void LlamaModel<T>::backward(UnitSource<T>& f, Context& ctx, const T* output_grad) {
+template <typename T> void LlamaModel<T>::start_backward(Context& ctx, const T* output_grad, const char* call) {
   const LlamaDims& d = d_;
-  const BlockRange& r = ctx.r_;
-  if (r.end == c_.num_hidden_layers) {
-    expect_stage(ctx, Stage::HeadBackward, "backward");  // head_backward() left d(final block output) in dres_
+  if (ctx.r_.end == c_.num_hidden_layers) {
+    expect_stage(ctx, Stage::HeadBackward, call);  // head_backward() left d(final block output) in dres_
   } else {
-    expect_stage(ctx, Stage::Forward, "backward");
-    if (!output_grad) throw std::invalid_argument("LlamaModel::backward: a range before the head needs output_grad");
+    expect_stage(ctx, Stage::Forward, call);
+    if (!output_grad)
+      throw std::invalid_argument(std::string("LlamaModel::") + call + ": a range before the head needs output_grad");
     be_.copy(ctx.dres_.data(), output_grad, static_cast<size_t>(d.R) * d.C);
   }
   ctx.stage_ = Stage::None;
+}
+
+template <typename T> void LlamaModel<T>::backward(UnitSource<T>& f, Context& ctx, const T* output_grad) {
+  start_backward(ctx, output_grad, "backward");
+  const BlockRange& r = ctx.r_;
   for (int l = r.end - 1; l >= r.begin; --l) {
     const T* w = gather(f, r.unit(1 + l));
-    block_backward(f, ctx, l, w);
+    block_backward(f, ctx, l, w, nullptr);
     f.reduce_scatter_grad(r.unit(1 + l));
   }
-  if (r.begin > 0) return;  // ctx.dres_ is d(loss)/d(the range's input)
-  // Embedding: dwte[tokens] += dres (TP: all rows, this rank's vocabulary rows).
+  if (r.begin == 0) embedding_backward(f, ctx);  // else ctx.dres_ is d(loss)/d(the range's input)
+}
+
+template <typename T> void LlamaModel<T>::backward_input(UnitSource<T>& f, Context& ctx, const T* output_grad) {
+  start_backward(ctx, output_grad, "backward_input");
+  ensure_deferred(ctx);
+  const BlockRange& r = ctx.r_;
+  for (int l = r.end - 1; l >= r.begin; --l) {
+    const T* w = gather(f, r.unit(1 + l));
+    block_backward(f, ctx, l, w, &ctx.w_[static_cast<size_t>(l - r.begin)]);
+  }
+  ctx.stage_ = Stage::WeightPending;  // ctx.dres_ is d(loss)/d(the range's input); the embedding's input
+}
+
+template <typename T> void LlamaModel<T>::backward_weight(UnitSource<T>& f, Context& ctx) {
+  expect_stage(ctx, Stage::WeightPending, "backward_weight");
+  ctx.stage_ = Stage::None;
+  const BlockRange& r = ctx.r_;
+  for (int l = r.end - 1; l >= r.begin; --l) {
+    block_weight(ctx, l, f.full_grad(r.unit(1 + l)));
+    f.reduce_scatter_grad(r.unit(1 + l));
+  }
+  if (r.begin == 0) embedding_backward(f, ctx);
+}
+
+// Embedding: dwte[tokens] += dres (TP: all rows, this rank's vocabulary rows).
+template <typename T> void LlamaModel<T>::embedding_backward(UnitSource<T>& f, Context& ctx) {
+  const LlamaDims& d = d_;
+  const BlockRange& r = ctx.r_;
   T* ge = f.full_grad(r.unit(0));
   if (tp_n_ == 1)
     be_.embedding_backward(ge, ctx.tokens_.data(), ctx.dres_.data(), d.BT, d.C);
@@ -766,45 +854,84 @@ template <typename T> void LlamaModel<T>::backward(UnitSource<T>& f, Context& ct
   f.reduce_scatter_grad(r.unit(0));
 }
 
-template <typename T> void LlamaModel<T>::block_backward(UnitSource<T>& f, Context& ctx, int l, const T* w) {
+// With keep (backward_input) every operand a weight-gradient GEMM reads goes to *keep instead of
+// the model's scratch (the same kernels on the same values, so the same bits), and block_weight
+// makes those GEMMs later with the arguments this function would have passed.
+template <typename T>
+void LlamaModel<T>::block_backward(UnitSource<T>& f, Context& ctx, int l, const T* w, Deferred* keep) {
   const LlamaDims& d = d_;
   Layer& a = backward_activations(ctx, l, w);
-  T* gw = f.full_grad(ctx.r_.unit(1 + l));
+  T* gw = keep ? nullptr : f.full_grad(ctx.r_.unit(1 + l));
   T* dres = ctx.dres_.data();
   const T* x = ctx.layers_[static_cast<size_t>(l - ctx.r_.begin)].x.data();
   const T* h = o_.recompute == Recompute::None ? a.h.data() : work_.h.data();
   const T* att = o_.recompute == Recompute::None ? a.att.data() : work_.att.data();
+  if (keep) {  // what the context does not keep and the next block's recomputation overwrites
+    if (keep->h.size()) be_.copy(keep->h.data(), h, keep->h.size());
+    if (keep->y.size()) be_.copy(keep->y.data(), a.y.data(), keep->y.size());
+    be_.zero(keep->dnorm.data(), keep->dnorm.size());  // the RMSNorm kernels add into it, as into gw
+  }
+  T* dg = keep ? keep->dg.data() : dg_.data();
+  T* du = keep ? keep->du.data() : du_.data();
+  T* dq = keep ? keep->dq.data() : dq_.data();
+  T* dk = keep ? keep->dk.data() : dk_.data();
+  T* dv = keep ? keep->dv.data() : dv_.data();
+  T* gln1 = keep ? keep->dnorm.data() : gw + off_.ln1;
+  T* gln2 = keep ? keep->dnorm.data() + d.C : gw + off_.ln2;
   // MLP: x_next = x1 + h Wd^T.  dres flows to x1 unchanged (+ the norm path below).
-  const T* dr = gather_rows(dres, dfull_);  // TP: all rows of d(x_next)
+  const T* dr = keep ? keep_rows(dres, keep->dr2) : gather_rows(dres, dfull_);  // TP: all rows of d(x_next)
   linear(be_, kDIn, d.BT, d.C, d.I, dr, w + off_.down, dh_.data(), false);
-  linear(be_, kDW, d.BT, d.C, d.I, dr, h, gw + off_.down, true);
-  be_.swiglu_backward(dg_.data(), du_.data(), dh_.data(), a.g.data(), a.u.data(), static_cast<size_t>(d.BT) * d.I);
-  linear(be_, kDIn, d.BT, d.I, d.C, dg_.data(), w + off_.gate, input_grad(), false);
-  linear(be_, kDIn, d.BT, d.I, d.C, du_.data(), w + off_.up, input_grad(), true);
+  if (!keep) linear(be_, kDW, d.BT, d.C, d.I, dr, h, gw + off_.down, true);
+  be_.swiglu_backward(dg, du, dh_.data(), a.g.data(), a.u.data(), static_cast<size_t>(d.BT) * d.I);
+  linear(be_, kDIn, d.BT, d.I, d.C, dg, w + off_.gate, input_grad(), false);
+  linear(be_, kDIn, d.BT, d.I, d.C, du, w + off_.up, input_grad(), true);
   // The normalized input is not kept per layer: recomputed (bitwise the same values, rstd too).
-  be_.rmsnorm_forward(ln_.data(), a.rstd2.data(), a.x1.data(), w + off_.ln2, d.R, d.C, eps_);
-  const T* n2 = gather_rows(ln_.data(), full_);
-  linear(be_, kDW, d.BT, d.I, d.C, dg_.data(), n2, gw + off_.gate, true);
-  linear(be_, kDW, d.BT, d.I, d.C, du_.data(), n2, gw + off_.up, true);
+  const T* n2 = norm_rows(a.rstd2.data(), a.x1.data(), w + off_.ln2, keep ? &keep->n2 : nullptr);
+  if (!keep) {
+    linear(be_, kDW, d.BT, d.I, d.C, dg, n2, gw + off_.gate, true);
+    linear(be_, kDW, d.BT, d.I, d.C, du, n2, gw + off_.up, true);
+  }
   reduce_input_grad();
-  be_.rmsnorm_backward(dres, gw + off_.ln2, dln_.data(), a.x1.data(), w + off_.ln2, a.rstd2.data(), d.R, d.C);
+  be_.rmsnorm_backward(dres, gln2, dln_.data(), a.x1.data(), w + off_.ln2, a.rstd2.data(), d.R, d.C);
   // Attention: x1 = x + y Wo^T.
-  dr = gather_rows(dres, dfull_);
+  dr = keep ? keep_rows(dres, keep->dr1) : gather_rows(dres, dfull_);
   linear(be_, kDIn, d.BT, d.C, d.Q, dr, w + off_.o, dy_.data(), false);
-  linear(be_, kDW, d.BT, d.C, d.Q, dr, a.y.data(), gw + off_.o, true);
-  attend_backward(ctx, a, att);
-  rope(ctx, dq_.data(), d.NH, true);
-  rope(ctx, dk_.data(), d.NKV, true);
-  linear(be_, kDIn, d.BT, d.Q, d.C, dq_.data(), w + off_.q, input_grad(), false);
-  linear(be_, kDIn, d.BT, d.KV, d.C, dk_.data(), w + off_.k, input_grad(), true);
-  linear(be_, kDIn, d.BT, d.KV, d.C, dv_.data(), w + off_.v, input_grad(), true);
-  be_.rmsnorm_forward(ln_.data(), a.rstd1.data(), x, w + off_.ln1, d.R, d.C, eps_);
-  const T* n1 = gather_rows(ln_.data(), full_);
-  linear(be_, kDW, d.BT, d.Q, d.C, dq_.data(), n1, gw + off_.q, true);
-  linear(be_, kDW, d.BT, d.KV, d.C, dk_.data(), n1, gw + off_.k, true);
-  linear(be_, kDW, d.BT, d.KV, d.C, dv_.data(), n1, gw + off_.v, true);
+  if (!keep) linear(be_, kDW, d.BT, d.C, d.Q, dr, a.y.data(), gw + off_.o, true);
+  attend_backward(ctx, a, att, dq, dk, dv);
+  rope(ctx, dq, d.NH, true);
+  rope(ctx, dk, d.NKV, true);
+  linear(be_, kDIn, d.BT, d.Q, d.C, dq, w + off_.q, input_grad(), false);
+  linear(be_, kDIn, d.BT, d.KV, d.C, dk, w + off_.k, input_grad(), true);
+  linear(be_, kDIn, d.BT, d.KV, d.C, dv, w + off_.v, input_grad(), true);
+  const T* n1 = norm_rows(a.rstd1.data(), x, w + off_.ln1, keep ? &keep->n1 : nullptr);
+  if (!keep) {
+    linear(be_, kDW, d.BT, d.Q, d.C, dq, n1, gw + off_.q, true);
+    linear(be_, kDW, d.BT, d.KV, d.C, dk, n1, gw + off_.k, true);
+    linear(be_, kDW, d.BT, d.KV, d.C, dv, n1, gw + off_.v, true);
+  }
   reduce_input_grad();
-  be_.rmsnorm_backward(dres, gw + off_.ln1, dln_.data(), x, w + off_.ln1, a.rstd1.data(), d.R, d.C);
+  be_.rmsnorm_backward(dres, gln1, dln_.data(), x, w + off_.ln1, a.rstd1.data(), d.R, d.C);
+}
+
+// block_backward's weight gradients, in its order, from what it kept. gw is zeroed (full_grad), and
+// the RMSNorm kernels started keep.dnorm from zero as they would have started gw: copying them in
+// gives backward's bits.
+template <typename T> void LlamaModel<T>::block_weight(const Context& ctx, int l, T* gw) {
+  const LlamaDims& d = d_;
+  const size_t i = static_cast<size_t>(l - ctx.r_.begin);
+  const Deferred& k = ctx.w_[i];
+  const Layer& a = ctx.layers_[i];  // h (Recompute::None) and y (None, Selective) are the context's
+  const T* h = k.h.size() ? k.h.data() : a.h.data();
+  const T* y = k.y.size() ? k.y.data() : a.y.data();
+  linear(be_, kDW, d.BT, d.C, d.I, k.dr2.data(), h, gw + off_.down, true);
+  linear(be_, kDW, d.BT, d.I, d.C, k.dg.data(), k.n2.data(), gw + off_.gate, true);
+  linear(be_, kDW, d.BT, d.I, d.C, k.du.data(), k.n2.data(), gw + off_.up, true);
+  be_.copy(gw + off_.ln2, k.dnorm.data() + d.C, static_cast<size_t>(d.C));
+  linear(be_, kDW, d.BT, d.C, d.Q, k.dr1.data(), y, gw + off_.o, true);
+  linear(be_, kDW, d.BT, d.Q, d.C, k.dq.data(), k.n1.data(), gw + off_.q, true);
+  linear(be_, kDW, d.BT, d.KV, d.C, k.dk.data(), k.n1.data(), gw + off_.k, true);
+  linear(be_, kDW, d.BT, d.KV, d.C, k.dv.data(), k.n1.data(), gw + off_.v, true);
+  be_.copy(gw + off_.ln1, k.dnorm.data(), static_cast<size_t>(d.C));
 }
 
 template <typename T> std::vector<T> LlamaModel<T>::logits() {
