@@ -189,11 +189,14 @@ class _Renamed:
 
 def build_chunk(cfg, c, S, bounds, seed):
     chunk = LlamaChunk(cfg, bounds[c], bounds[c + 1], c == 0, c == S - 1)
-    chunk.to_empty(device="cpu")
-    chunk.model.rotary_emb = type(chunk.model.rotary_emb)(cfg)  # buffers: rebuilt, not left to to_empty
     tied = cfg.tie_word_embeddings and chunk.lm_head is not None
-    if tied and chunk.model.embed_tokens is not None and chunk.lm_head.weight is not chunk.model.embed_tokens.weight:
-        sys.exit("peer_torch_pp: tied embeddings came untied in to_empty")
+    both = tied and chunk.model.embed_tokens is not None  # S = 1: one chunk holds the tied weight twice
+    if both and chunk.lm_head.weight is not chunk.model.embed_tokens.weight:
+        sys.exit("peer_torch_pp: the config ties the embeddings but transformers' model does not")
+    chunk.to_empty(device="cpu")  # gives each module its own tensor: tie them again
+    if both:
+        chunk.lm_head.weight = chunk.model.embed_tokens.weight
+    chunk.model.rotary_emb = type(chunk.model.rotary_emb)(cfg)  # buffers: rebuilt, not left to to_empty
     base.init_like_shardtrain(_Renamed(chunk, {"lm_head.weight": "model.embed_tokens.weight"} if tied else {}),
                               cfg, seed)
     chunk.train()
