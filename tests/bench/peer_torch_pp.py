@@ -50,9 +50,15 @@ What it runs, and why it is the same run as shardtrain's (and peer_torch.py's):
   grad_norm, tokens_per_s, elapsed_s) and its "done:" line (peak RSS and CPU seconds per rank).
   No evaluation, no checkpoints, no --compile (their options are accepted and ignored).
 
-Validated (demo-config, 4 layers, tied; fortunes corpus; seq-len 64, global batch 12, micro-batch
-3, 20 steps, warm-up 5): losses against shardtrain's own run at 1 rank without pipelining (same
---micro-batch), see the git log of this file and docs for numbers.
+Validated by tests/bench/pp_losses.py (fortunes corpus, seq-len 64, global batch 12, micro-batch 3,
+20 steps, warm-up 5; every step's loss against shardtrain's own run of the job at 1 rank without
+pipelining, worst relative difference over the 20 steps): demo-config (4 layers, tied) 1f1b, gpipe
+and interleaved (2 x 2 chunks of 1 block) 1.1e-7, peer_torch.py's FSDP2 at 1 rank (the control)
+1.5e-7; an untied 6-layer demo 1.0e-7 (interleaved split [1, 2, 2, 1]); gemm-config (8 layers,
+tied) 1.0e-6 for all three schedules and the control (interleaved split [2, 3, 2, 1]). Also
+--pp-layers 3,1 and W = 1 (one chunk; interleaved with 2) at 1.1e-7. Without the tied gradients'
+sum, step 2 already differs by 1e-3 and step 20 by 0.7%: the check sees it. pipeline_split gives
+shardtrain's bounds for every L <= 40, S <= 16 (compared with the C++ function's output).
 
 torch 2.15.0 (the venv's), transformers 5.24.0. Refused by this script, as by shardtrain:
 interleaved with V < 2 or m not a multiple of W (torch's ScheduleInterleaved1F1B would run any m
