@@ -19,6 +19,8 @@
 #    cp2-gather), --attention-mask document against causal on short documents the script writes
 #    (doc-vs-causal); the peer of these is the same binary with other arguments. Writes
 #    build/bench/peer.md for docs/benchmarks.md.
+#    Pipeline (issue 42): cases pp2-1f1b and pp2-interleaved, shardtrain --pp 2 against
+#    torch.distributed.pipelining (tests/bench/peer_torch_pp.py), skipped while shardtrain has no --pp.
 #    BENCH_BASELINE=BIN adds another shardtrain binary (e.g. an earlier commit's) to every round.
 # 3. Checkpoint save/load timing; then asynchronous against synchronous saves of a ~99M-parameter model at
 #    2 ranks, interleaved, with dd on the same disk (tests/bench/checkpoint.py, about 10 minutes with

@@ -25,6 +25,12 @@ ref_args in place of its args), the only peer they run:
   doc-vs-causal  --attention-mask document against causal (both without CP, W = 2) on a corpus of
               short documents (64 to 512 tokens, BOS ... EOS, random bytes) that this script
               writes to OUT/short-docs.tok (never ../shared data)
+Pipeline cases (issue 42): `demo` as demo-2x1, micro-batch 3 (4 micro-batches per step), the case's
+pp_args given to both programs: shardtrain `--pp 2` against "torch-pp" (tests/bench/peer_torch_pp.py:
+torch.distributed.pipelining, gloo, the same split, weights and batches), the only programs of these
+cases; skipped, with the message "shardtrain has no --pp", while `shardtrain --help` lists no --pp:
+  pp2-1f1b         --pp 2 --pp-schedule 1f1b (Schedule1F1B)
+  pp2-interleaved  --pp 2 --pp-schedule interleaved --pp-virtual 2 (ScheduleInterleaved1F1B, 4 chunks)
 Their runs also report, as means over the window's steps of the metrics: the exposed CP
 communication (cp_comm_ms: the time CpAttention waited for its transfers, cp_bytes sent per
 rank), FSDP's exposed communication (exposed_comm_ms), and the fraction of attention tile pairs
@@ -105,6 +111,14 @@ SAME_BIN = ["shardtrain", "baseline", "shardtrain-ref"]  # the peer is shardtrai
 CASE_PROGRAMS = {"demo-2x1": FSDP_PEERS, "demo-1x2": FSDP_PEERS, "gemm-2x1": FSDP_PEERS,
                  "tp2-2x1": ["shardtrain", "baseline", "torch-tp"],
                  "cp2-ring": SAME_BIN, "cp2-gather": SAME_BIN, "doc-vs-causal": SAME_BIN}
+# Pipeline parallelism (issue 42, see the docstring): pp_args go to both programs.
+PP_ARGS = ["--pp", "2", "--micro-batch", "3"]
+for _c, _s in (("pp2-1f1b", ["1f1b"]), ("pp2-interleaved", ["interleaved", "--pp-virtual", "2"])):
+    CASES[_c] = dict(config="demo-config.json", np=2, threads=1, seq_len=64, steps=300, window=20, warmup=100,
+                     log_every=20, pp_args=PP_ARGS + ["--pp-schedule"] + _s)
+    QUICK[_c] = dict(steps=30, window=10, log_every=10)
+    CASE_PROGRAMS[_c] = ["shardtrain", "baseline", "torch-pp"]
+PROGRAMS.append("torch-pp")
 # (case, peer, minimum of shardtrain tokens/s / peer tokens/s): issue 12; doc-vs-causal: issue 41 (> 1)
 TARGETS = [("demo-2x1", "torch-eager", 2.5), ("demo-2x1", "torch-compile", 2.0),
            ("demo-1x2", "torch-compile", 1.5), ("gemm-2x1", "torch-compile", 1.3),
@@ -161,6 +175,15 @@ def global_batch(case):
     return case.get("global_batch", GLOBAL_BATCH)
 
 
+def has_pp(binary):
+    """Whether `binary --help` lists --pp (pipeline parallelism, issue 42)."""
+    try:
+        out = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return re.search(r"(?m)^\s*--pp\b", out) is not None
+
+
 def write_short_docs(path, n_train=1 << 20, n_val=1 << 16, seed=41):
     """A byte-level shardtrain token file (format version 1, as tests/e2e/test_cp_matrix.sh writes
     one) of short documents: each BOS, random bytes, EOS, its length uniform in SHORT_DOCS."""
@@ -200,6 +223,7 @@ def run_one(a, case_name, case, program, rnd):
             "--threads", str(case["threads"]), "--metrics", metrics, "--global-batch", str(global_batch(case))] + COMMON
     if case.get("tp", 1) > 1:  # both programs: TP over the case's ranks
         tail += ["--tp", str(case["tp"])]
+    tail += case.get("pp_args", [])  # both programs: pipeline parallelism (issue 42)
     if program in SAME_BIN:
         extra = case.get("ref_args" if program == "shardtrain-ref" else "args", [])
         cmd = [a.run_bin[program], "--eval-every", "0", "--eval-batches", "1"] + tail + extra
@@ -207,6 +231,8 @@ def run_one(a, case_name, case, program, rnd):
         cmd = [a.python, os.path.join(HERE, "peer_torch.py"), "--port", str(free_port())] + tail
         if program == "torch-compile":
             cmd.append("--compile")
+        if program == "torch-pp":
+            cmd[1] = os.path.join(HERE, "peer_torch_pp.py")
     launcher = ["mpirun", "--oversubscribe", "-np", str(case["np"])] + (["--bind-to", "none"] if case["np"] == 1 else [])
     full = launcher + [sys.executable, os.path.join(HERE, "rank_usage.py"), usage, "--"] + cmd
     w0, last = case["window"], case["steps"]
@@ -511,6 +537,10 @@ def main():
             sys.exit(f"throughput.py: unknown case '{c}' (known: {', '.join(CASES)})")
         if a.quick:
             CASES[c].update(QUICK[c])
+    pp_cases = [c for c in a.cases if "pp_args" in CASES[c]]
+    if pp_cases and not has_pp(a.bin):
+        print(f"throughput.py: skipping {', '.join(pp_cases)}: shardtrain has no --pp (not in `{a.bin} --help`)")
+        a.cases = [c for c in a.cases if c not in pp_cases]
     os.makedirs(os.path.join(a.out, "peer"), exist_ok=True)
     a.short_docs = os.path.join(a.out, "short-docs.tok")
     if any(CASES[c].get("data") == "short-docs" for c in a.cases):
