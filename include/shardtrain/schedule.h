@@ -19,9 +19,11 @@ namespace shardtrain {
 //                   evaluation, also the loss.
 //   Backward:       the whole backward of the range: on a range ending at the last block the LM
 //                   head and loss with their backward (head_backward) first, then backward().
-//   BackwardInput:  the input-gradient half of Backward (zero-bubble schedules; no model call
-//                   splits it yet, so no schedule here yields it).
-//   BackwardWeight: the weight-gradient half of Backward (the same).
+//   BackwardInput:  the input-gradient half of Backward (zero-bubble schedules): head_backward on
+//                   the last range, then backward_input() (model.h), which keeps what the weight
+//                   gradients need in the micro-batch's context.
+//   BackwardWeight: the weight-gradient half: backward_weight(), the deferred GEMMs and the
+//                   reduce-scatter of each unit's gradient.
 enum class ActionKind { Forward, Backward, BackwardInput, BackwardWeight };
 // "F", "B", "I", "W": a table cell's prefix.
 const char* action_letter(ActionKind k);

@@ -103,7 +103,7 @@ template <typename C> double StageRunner<C>::run(const Action& a, float grad_sca
       default:
         break;
     }
-    throw std::logic_error("StageRunner: a split backward action (the model has no split backward yet)");
+    throw std::logic_error("StageRunner: a split backward action on the whole-model path (one_in_flight_problem)");
   }
   auto& ctx = context(a.microbatch, a.chunk);
   double loss = 0;
@@ -118,20 +118,29 @@ template <typename C> double StageRunner<C>::run(const Action& a, float grad_sca
       }
       return loss;
     case ActionKind::Backward:
+    case ActionKind::BackwardInput: {
+      // Backward: the whole backward; BackwardInput (zero-bubble): the input gradients only, the
+      // context keeping what the weight gradients need until this micro-batch's BackwardWeight.
+      const bool split = a.kind == ActionKind::BackwardInput;
+      const C* grad = nullptr;
       if (last) {
         loss = model_.head_backward(f_, ctx, b.tgt.data(), grad_scale);
-        model_.backward(f_, ctx, nullptr);
       } else {
         link_->recv_output_grad(a.chunk, grad_in_.data(), rows_elems_);
-        model_.backward(f_, ctx, grad_in_.data());
+        grad = grad_in_.data();
       }
+      if (split) model_.backward_input(f_, ctx, grad);
+      else model_.backward(f_, ctx, grad);
       if (!first) link_->send_input_grad(a.chunk, ctx.input_grad(), rows_elems_);
-      release(a.microbatch, a.chunk);
+      if (!split) release(a.microbatch, a.chunk);
       return loss;
-    default:
-      break;
+    }
+    case ActionKind::BackwardWeight:
+      model_.backward_weight(f_, ctx);
+      release(a.microbatch, a.chunk);
+      return 0.0;
   }
-  throw std::logic_error("StageRunner: a split backward action (the model has no split backward yet)");
+  throw std::logic_error("StageRunner: an unknown action kind");
 }
 
 template <typename C> void StageRunner<C>::end() {

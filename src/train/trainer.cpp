@@ -208,9 +208,6 @@ template <typename C> void Trainer<C>::check_geometry() {
         throw CollectiveError(0, "checkpoints under " + pp + " are not written yet (their format, version 6 of "
                                  "docs/checkpoint-format.md, is designed but not built): run without "
                                  "'--checkpoint-dir', '--resume' and '--init-from'");
-      if (pipeline_.kind == PipelineKind::ZeroBubble)
-        throw CollectiveError(0, "'--pp-schedule zero-bubble' does not run yet (the model's backward is not split "
-                                 "into its input and weight halves): use gpipe, 1f1b or interleaved");
       if (mesh_.pp_data()->stream_ordered())
         throw CollectiveError(0, pp + " on NCCL is not built yet (its sends and receives need grouping): pass "
                                  "'--gpu-comm mpi'");

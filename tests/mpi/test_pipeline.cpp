@@ -133,7 +133,7 @@ TEST(Pipeline, Float64GradientsAndNormEqualTheWholeModel) {
       if (W % P) continue;
       struct Case { st::PipelineKind k; int v; };
       for (Case k : {Case{st::PipelineKind::GPipe, 1}, Case{st::PipelineKind::OneFOneB, 1},
-                     Case{st::PipelineKind::Interleaved, 2}}) {
+                     Case{st::PipelineKind::Interleaved, 2}, Case{st::PipelineKind::ZeroBubble, 1}}) {
         const std::string what = std::string(tied ? "tied" : "untied") + ", pp " + std::to_string(P) + " " +
                                  st::pipeline_kind_name(k.k) + (k.v > 1 ? " v " + std::to_string(k.v) : "");
         SCOPED_TRACE(what);
