@@ -7,12 +7,15 @@
 #pragma once
 
 #include <cstdint>
+#include <array>
 #include <map>
+#include <string>
 #include <memory>
 #include <vector>
 
 #include "shardtrain/data.h"
 #include "shardtrain/mesh.h"
+#include <nlohmann/json.hpp>
 #include "shardtrain/model.h"
 #include "shardtrain/parallelize.h"
 #include "shardtrain/pipeline.h"
@@ -43,6 +46,20 @@ template <typename C> class StageRunner {
   // context is free again.
   void end();
 
+  // The pipeline bubble since the last report (training steps only; issue 42, item 7). Collective
+  // over mesh.world() when there is a pipeline; with one stage returns "" and does nothing (no
+  // collective: the same on every rank). For the stages of the PP group of world rank 0:
+  //   measured   each stage's idle fraction: time waiting for activations or their gradients
+  //              (StageLink's exposed time: receives, and the sends waited for at the end) over the
+  //              time of the step's actions;
+  //   simulated  simulate() (pipeline_schedule.h) of `schedule` with each chunk's measured mean
+  //              Forward, Backward, BackwardInput and BackwardWeight times (waits excluded);
+  //   ideal      the schedule's formula (PipelineSchedule::ideal_bubble) with the chunks' mean times.
+  // Writes pp_bubble (per stage, measured), pp_bubble_simulated (per stage), pp_bubble_ideal and
+  // pp_action_ms ({"forward", "backward", "backward_input", "backward_weight"}: per chunk, ms) into
+  // *rec, and returns the step line's part " | pp bubble a, b (simulated c, d; ideal e)".
+  std::string bubble_report(const Schedule& schedule, nlohmann::json* rec);
+
  private:
   struct MicroBatch {
     bool loaded = false;
@@ -50,6 +67,7 @@ template <typename C> class StageRunner {
     TokenLayout layout;
   };
   MicroBatch& load(int m);
+  double run_action(const Action& a, float grad_scale);
   int local_chunk(int chunk) const;           // index into stage_.ranges
   typename LlamaModel<C>::Context& context(int m, int chunk);  // the one of (m, chunk), made on first use
   void release(int m, int chunk);
@@ -75,6 +93,12 @@ template <typename C> class StageRunner {
   Buffer<C> in_, grad_in_;  // received activations / output gradients [R, C]
   size_t rows_elems_ = 0;   // R x C: a micro-batch's activation rows of this rank
   bool whole_ = false;      // one chunk over the whole model: the model's own context
+  // Training actions since the last bubble_report: per local chunk, the seconds and counts of
+  // Forward, Backward, BackwardInput, BackwardWeight (waits for the link excluded); the wall time
+  // between begin() and end() and the link's exposed time in it.
+  bool timing_ = false;
+  std::vector<std::array<double, 8>> chunk_times_;
+  double loop_s_ = 0, wait_s_ = 0, t_begin_ = 0, wait_begin_ = 0;
 };
 
 }  // namespace shardtrain

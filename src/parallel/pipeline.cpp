@@ -19,6 +19,13 @@ constexpr int kTagBase = 16;
 int tag(int chunk, bool grad) { return kTagBase + 2 * chunk + (grad ? 1 : 0); }
 // Chunks the tags can name (Comm::kP2pTagLimit, the ring shift's tag kept free).
 constexpr int kMaxChunks = (Comm::kP2pTagLimit - kTagBase) / 2 - 1;
+
+// "--pp-layers: the counts ..." (pipeline_schedule.cpp's words) -> "option '--pp-layers': the counts ...".
+std::string as_option(const std::string& why) {
+  const size_t c = why.find(": ");
+  if (!why.starts_with("--") || c == std::string::npos) return why;
+  return "option '" + why.substr(0, c) + "'" + why.substr(c);
+}
 }  // namespace
 
 std::vector<int> PipelineLayout::rank_chunks(int r) const {
@@ -63,16 +70,16 @@ PipelineLayout resolve_pipeline(const ModelConfig& mc, int pp, const PipelineOpt
   std::string split_why;
   pl.bounds = pipeline_split(L, static_cast<int>(S), o.layers, &split_why);
   if (!split_why.empty()) {
-    *why = (o.layers.empty() ? "'--pp' " + std::to_string(pp) +
-                                   (o.chunks_per_rank > 1 ? " x '--pp-virtual' " + std::to_string(o.chunks_per_rank) : "")
-                             : std::string("option '--pp-layers'")) +
-           ": " + split_why + " (the model has " + std::to_string(L) + " blocks)";
+    // pipeline_split names --pp-layers itself when the counts are the problem.
+    *why = o.layers.empty() ? "'--pp' " + std::to_string(pp) +
+                                  (o.chunks_per_rank > 1 ? " x '--pp-virtual' " + std::to_string(o.chunks_per_rank) : "") +
+                                  ": " + split_why
+                            : as_option(split_why);
     return pl;
   }
   if (microbatches > 0) {
     const std::string p = pipeline_schedule_problem(o.kind, pp, o.chunks_per_rank, microbatches);
-    if (!p.empty()) *why = "'--pp-schedule " + std::string(pipeline_kind_name(o.kind)) + "': " + p +
-                           " (micro-batches per step = global batch / (data-parallel ranks x micro-batch))";
+    if (!p.empty()) *why = as_option(p) + " (micro-batches per step = global batch / (data-parallel ranks x micro-batch))";
   }
   return pl;
 }

@@ -1,10 +1,23 @@
 // StageRunner (stage_runner.h): a schedule's actions on this rank's chunks.
 #include "shardtrain/stage_runner.h"
 
+#include <chrono>
+#include <cstdio>
 #include <stdexcept>
 #include <string>
 
 namespace shardtrain {
+
+namespace {
+double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+std::string fixed(double v, const char* f = "%.2f") {
+  char b[32];
+  std::snprintf(b, sizeof b, f, v);
+  return b;
+}
+}  // namespace
 
 template <typename C>
 StageRunner<C>::StageRunner(const Mesh& mesh, Backend<C>& be, LlamaModel<C>& model, UnitSource<C>& f,
@@ -14,6 +27,7 @@ StageRunner<C>::StageRunner(const Mesh& mesh, Backend<C>& be, LlamaModel<C>& mod
       per_rank_(per_rank), mb_(micro_batch), split_(mesh, tc.seq_len) {
   whole_ = stage_.ranges.size() == 1 && stage_.ranges[0].units.empty();
   free_.resize(stage_.ranges.size());
+  chunk_times_.assign(stage_.ranges.size(), {});
   tok_.resize(static_cast<size_t>(mb_) * tc.seq_len);
   tgt_.resize(tok_.size());
   // R x C rows of a micro-batch on this rank: B x T / cp tokens, 1 / tp of them under sequence parallelism.
@@ -29,6 +43,11 @@ template <typename C> void StageRunner<C>::begin(Split split, int64_t index) {
   which_ = split;
   index_ = index;
   batches_.assign(static_cast<size_t>(per_rank_ / mb_), MicroBatch{});
+  timing_ = link_ && split == Split::Train;
+  if (timing_) {
+    t_begin_ = now_s();
+    wait_begin_ = link_->exposed_s();
+  }
 }
 
 template <typename C> typename StageRunner<C>::MicroBatch& StageRunner<C>::load(int m) {
@@ -87,6 +106,18 @@ template <typename C> void StageRunner<C>::release(int m, int chunk) {
 }
 
 template <typename C> double StageRunner<C>::run(const Action& a, float grad_scale) {
+  if (!timing_) return run_action(a, grad_scale);
+  const double t0 = now_s(), w0 = link_->exposed_s();
+  const double loss = run_action(a, grad_scale);
+  const double dt = now_s() - t0 - (link_->exposed_s() - w0);
+  const size_t k = static_cast<size_t>(a.kind);  // Forward, Backward, BackwardInput, BackwardWeight
+  std::array<double, 8>& c = chunk_times_[static_cast<size_t>(local_chunk(a.chunk))];
+  c[k] += dt;
+  c[4 + k] += 1;
+  return loss;
+}
+
+template <typename C> double StageRunner<C>::run_action(const Action& a, float grad_scale) {
   const bool train = grad_scale > 0;
   const bool last = a.end == model_.config().num_hidden_layers, first = a.begin == 0;
   MicroBatch& b = load(a.microbatch);
@@ -145,8 +176,70 @@ template <typename C> double StageRunner<C>::run(const Action& a, float grad_sca
 
 template <typename C> void StageRunner<C>::end() {
   if (link_) link_->flush();
+  if (timing_) {
+    loop_s_ += now_s() - t_begin_;
+    wait_s_ += link_->exposed_s() - wait_begin_;
+    timing_ = false;
+  }
   for (auto& [key, ctx] : live_) free_[static_cast<size_t>(local_chunk(key.second))].push_back(std::move(ctx));
   live_.clear();
+}
+
+template <typename C> std::string StageRunner<C>::bubble_report(const Schedule& schedule, nlohmann::json* rec) {
+  if (!link_) return "";
+  // Every rank: [loop, wait, then per local chunk the mean F, B, I, W seconds], gathered over the world.
+  const size_t v = chunk_times_.size(), per = 2 + 4 * v;
+  std::vector<double> mine(per, 0.0), all(per * static_cast<size_t>(mesh_.world_size()));
+  mine[0] = loop_s_;
+  mine[1] = wait_s_;
+  for (size_t j = 0; j < v; ++j)
+    for (size_t k = 0; k < 4; ++k)
+      mine[2 + 4 * j + k] = chunk_times_[j][4 + k] > 0 ? chunk_times_[j][k] / chunk_times_[j][4 + k] : 0.0;
+  mesh_.world().all_gather(mine.data(), all.data(), per);
+  loop_s_ = wait_s_ = 0;
+  chunk_times_.assign(v, {});
+  const std::vector<int> group = mesh_.layout().pp_group(0);  // world ranks of stages 0..p-1
+  const int p = pl_.ranks, S = pl_.chunks();
+  std::vector<double> measured(static_cast<size_t>(p));
+  std::vector<ActionTimes> times(static_cast<size_t>(S));
+  nlohmann::json ms = {{"forward", nlohmann::json::array()}, {"backward", nlohmann::json::array()},
+                       {"backward_input", nlohmann::json::array()}, {"backward_weight", nlohmann::json::array()}};
+  double tf = 0, ti = 0, tw = 0;
+  for (int r = 0; r < p; ++r) {
+    const double* x = all.data() + per * static_cast<size_t>(group[static_cast<size_t>(r)]);
+    measured[static_cast<size_t>(r)] = x[0] > 0 ? x[1] / x[0] : 0.0;
+  }
+  const bool split = pl_.kind == PipelineKind::ZeroBubble;
+  for (int c = 0; c < S; ++c) {
+    const double* x = all.data() + per * static_cast<size_t>(group[static_cast<size_t>(pl_.rank_of(c))]) + 2 +
+                      4 * static_cast<size_t>(c / p);
+    ActionTimes& t = times[static_cast<size_t>(c)];
+    t.forward = x[0];
+    t.backward = split ? x[2] + x[3] : x[1];
+    t.backward_input = split ? x[2] : x[1];
+    t.backward_weight = split ? x[3] : 0.0;
+    tf += t.forward / S;
+    ti += t.backward_input / S;
+    tw += t.backward_weight / S;
+    ms["forward"].push_back(1e3 * x[0]);
+    ms["backward"].push_back(1e3 * x[1]);
+    ms["backward_input"].push_back(1e3 * x[2]);
+    ms["backward_weight"].push_back(1e3 * x[3]);
+  }
+  const PipelineTimeline sim = simulate(schedule, times);
+  const auto* ps = dynamic_cast<const PipelineSchedule*>(&schedule);
+  const double ideal = ps ? ps->ideal_bubble(tf, ti, tw) : 0.0;
+  (*rec)["pp_bubble"] = measured;
+  if (sim.error.empty()) (*rec)["pp_bubble_simulated"] = sim.idle;
+  (*rec)["pp_bubble_ideal"] = ideal;
+  (*rec)["pp_action_ms"] = ms;
+  auto list = [](const std::vector<double>& x) {
+    std::string s;
+    for (double y : x) s += (s.empty() ? "" : ", ") + fixed(y);
+    return s;
+  };
+  return " | pp bubble " + list(measured) + (sim.error.empty() ? " (simulated " + list(sim.idle) + "; " : " (") +
+         "ideal " + fixed(ideal) + ")";
 }
 
 template class StageRunner<float>;

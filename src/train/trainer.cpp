@@ -603,6 +603,8 @@ template <typename C> void Trainer<C>::log_step(int64_t s, const StepOutcome& o)
       dims_rec[name + "_bytes"] = bytes;
       dims_rec[name + "_collectives"] = static_cast<double>(c[d].calls) / n;
     }
+    // The pipeline's bubble per stage, measured beside its two predictions (collective; nothing with one stage).
+    dims_line += runner_->bubble_report(*schedule_, &dims_rec);
     // The document mask: the fraction of attention tile pairs skipped as fully masked (rank 0's).
     const int64_t pairs = interval_.attn_pairs, skipped = interval_.attn_skipped;
     const double skip_frac = pairs > 0 ? static_cast<double>(skipped) / static_cast<double>(pairs) : 0.0;

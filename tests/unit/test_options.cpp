@@ -115,3 +115,34 @@ TEST(CpComm, ParsesTheOptionsSpellingsAndRefusesOthers) {
     EXPECT_STREQ(e.what(), "option '--cp-comm' must be ring or allgather, got 'all-gather'");
   }
 }
+
+// --pp P: the outermost dimension; everything else resolves inside one stage's W / P ranks.
+TEST(MeshDims, PipelineStagesResolve) {
+  for (int W : {1, 2, 4, 6, 8, 12})
+    for (int P : {1, 2, 3, 4})
+      for (int N : {1, 2})
+        for (int G : {0, 2, 3}) {  // shard group size: 0 = the ranks of a stage
+          const bool ok = W % P == 0 && (W / P) % N == 0 && (G == 0 || ((W / P) % G == 0 && G % N == 0));
+          try {
+            const MeshDims d = resolve_mesh_dims(G ? std::to_string(G) : "", N, 1, W, 1, P);
+            EXPECT_TRUE(ok) << "accepted W " << W << " pp " << P << " tp " << N << " G " << G;
+            EXPECT_EQ(d.pp, P);
+            EXPECT_EQ(d.world(), W);
+            EXPECT_EQ(d.dp_replicate * d.dp_shard * N, W / P);
+            EXPECT_EQ(d.dp_replicate, G ? W / P / G : 1);
+          } catch (const std::invalid_argument& e) {
+            EXPECT_FALSE(ok) << "refused W " << W << " pp " << P << " tp " << N << " G " << G << ": " << e.what();
+          }
+        }
+  try {
+    resolve_mesh_dims("", 3, 1, 12, 1, 3);  // 4 ranks per stage: tp 3 does not divide them
+    ADD_FAILURE() << "accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_EQ(std::string(e.what()), "option '--tp' (3) does not divide the ranks of a pipeline stage (4 = world size "
+                                     "12 / '--pp' 3)");
+  }
+  EXPECT_EQ(parse_pp_layers("3,1,12"), (std::vector<int>{3, 1, 12}));
+  EXPECT_TRUE(parse_pp_layers("").empty());
+  for (const char* bad : {"3,,1", "0,2", "-1,3", "a", "3,", "1234567"})
+    EXPECT_THROW(parse_pp_layers(bad), std::invalid_argument) << bad;
+}
