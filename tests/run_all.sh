@@ -78,6 +78,7 @@ grep -m1 -o 'skipped: no CUDA device.*' "$LOGS/gpu.log" | sed 's/^/        /' ||
 SHARDTRAIN_GPU_TESTS_EMULATE=1 run gpu-emulated 300 mpirun -np 1 -x SHARDTRAIN_GPU_TESTS_EMULATE "$BUILD/gpu_tests" --gtest_color=no
 for t in tests/e2e/test_*.sh; do
   [ "$t" = tests/e2e/test_cp_matrix.sh ] && continue  # the longer CP matrix: make test-cp-matrix
+  [ "$t" = tests/e2e/test_pp_matrix.sh ] && continue  # the whole PP matrix: make test-pp-matrix
   run "$(basename "$t" .sh)"  600 bash "$t" "$BUILD"
 done
 # The job scripts under a private Slurm cluster (~2 min; skipped where Slurm cannot start). Its

@@ -5,7 +5,7 @@
 # beside the tiny bf16 row with its ratio, the asynchronous-save comparison (stage 4b) passes on the
 # CPU, and the script exits 0 with "0 failed". Then the GPU runs with
 # another seed (GPU_CHECK_ARGS="--seed 7") must fail the 6 training comparisons, the 2 of TP (stage
-# 3b), the 4 of CP (stage 3c), both resumes across
+# 3b), the 4 of CP (stage 3c), the 4 of PP (stage 3d), both resumes across
 # devices (refused: the seed of the resuming run differs from the checkpoint's, and a resume does not
 # change settings silently), and the script's exit status.
 source "$(dirname "$0")/common.sh"
@@ -30,7 +30,9 @@ for want in 'PASS  env: shardtrain runs under mpirun' "SKIP  gpu_tests ($NCASES 
   'SKIP  attention-bench: skipped: no CUDA device' 'SKIP  snapshot-pinned: skipped: no CUDA device' \
   'PASS  ckpt-async-gpu-fp32: ' 'PASS  ckpt-async-gpu-bf16: ' 'PASS  gpu-tp2-fp32 vs cpu-tp-ref' \
   'PASS  gpu-tp2-bf16 vs cpu-tp-ref' 'PASS  gpu-cp2-ring vs cpu-fp32' 'PASS  gpu-cp2-allgather vs cpu-fp32' \
-  'PASS  gpu-cp2-doc vs cpu-doc-ref' 'PASS  gpu-cp2-bf16 vs cpu-fp32' 'PASS  plugin-cpu: --device cpu, 3 steps trained' \
+  'PASS  gpu-cp2-doc vs cpu-doc-ref' 'PASS  gpu-cp2-bf16 vs cpu-fp32' 'PASS  cpu-pp2 vs cpu-fp32' \
+  'PASS  gpu-pp2-gpipe vs cpu-fp32' 'PASS  gpu-pp2-1f1b vs cpu-fp32' 'PASS  gpu-pp2-zero-bubble vs cpu-fp32' \
+  'PASS  gpu-pp2-bf16 vs cpu-fp32' 'PASS  plugin-cpu: --device cpu, 3 steps trained' \
   'SKIP  plugin-gpu: skipped: no CUDA device'; do
   grep -qF -- "$want" "$WORK/ok.txt" || { cat "$WORK/ok.txt"; fail "run.sh output lacks '$want'"; }
 done
@@ -40,7 +42,7 @@ echo "ok: run.sh (GPU_CHECK_DEVICE=cpu): $(tail -1 "$WORK/ok.txt"), $(grep -m1 -
 check seed GPU_CHECK_ARGS="--seed 7" PEER_MODELS=""
 [ "$rc" != 0 ] || { cat "$WORK/seed.txt"; fail "run.sh passed with the GPU runs on another seed"; }
 nfail=$(grep -c '^  FAIL  \(gpu\|ckpt\)-' "$WORK/seed.txt" || true)
-[ "$nfail" = 14 ] || { cat "$WORK/seed.txt"; fail "--seed 7: $nfail of the GPU comparisons failed, expected 14 (stages 3, 3b, 3c and 4)"; }
+[ "$nfail" = 18 ] || { cat "$WORK/seed.txt"; fail "--seed 7: $nfail of the GPU comparisons failed, expected 18 (stages 3, 3b, 3c, 3d and 4)"; }
 for want in 'FAIL  ckpt-gpu-to-cpu: exit status 1' 'FAIL  ckpt-cpu-to-gpu: exit status 1' 'PASS  ckpt-cpu-to-cpu vs cpu-fp32'; do
   grep -qF -- "$want" "$WORK/seed.txt" || { cat "$WORK/seed.txt"; fail "--seed 7: no '$want'"; }
 done

@@ -31,6 +31,9 @@
 #   3c. context parallelism (issue 41): --cp 2 with 2 ranks sharing the GPU (--gpu-comm mpi), ring and
 #      allgather, causal and document mask, fp32 within 1e-4 and bf16 within 2e-2 of the CPU's
 #      single-rank losses with the same mask; CPU --cp 2 as control
+#   3d. pipeline parallelism (issue 42): --pp 2 with 2 ranks sharing the GPU (--gpu-comm mpi), gpipe,
+#      1f1b and zero-bubble fp32 within 1e-4, bf16 within 2e-2 of the CPU's single-rank losses; CPU --pp 2
+#      as control
 #   4. checkpoints across devices: GPU to step 10 then CPU to 20, and CPU then GPU, against an
 #      uninterrupted CPU run (1e-4)
 #   4b. asynchronous saves on the GPU, fp32 and bf16: the step-4 file of a --checkpoint-async on run
@@ -79,9 +82,9 @@ if [ -n "${GPU_CHECK_STAGES+set}" ] && [ -n "${GPU_CHECK_STAGES}" ] && [ -z "$ST
   echo "run.sh: GPU_CHECK_STAGES holds no stage" >&2; exit 2
 fi
 for id in $STAGES; do
-  case $id in 1 | 2 | 2b | 2c | 3 | 3b | 3c | 4 | 4b | 5 | 5b | 5c | 5d | 6) ;;
+  case $id in 1 | 2 | 2b | 2c | 3 | 3b | 3c | 3d | 4 | 4b | 5 | 5b | 5c | 5d | 6) ;;
     7) GPU_CHECK_PROFILE=1 ;;  # asked for by name: the profile runs
-    *) echo "run.sh: GPU_CHECK_STAGES='$STAGES': '$id' is no stage (2 2b 2c 3 3b 3c 4 4b 5 5b 5c 5d 6 7, space-separated)" >&2; exit 2 ;;
+    *) echo "run.sh: GPU_CHECK_STAGES='$STAGES': '$id' is no stage (2 2b 2c 3 3b 3c 3d 4 4b 5 5b 5c 5d 6 7, space-separated)" >&2; exit 2 ;;
   esac
 done
 on() {  # on STAGE: is this stage to run?
@@ -397,7 +400,7 @@ else
 fi
 fi  # stage 2c
 
-# The CPU reference of stages 3, 3c and 4 (20 steps of tiny, 1 rank, fp32): made by the first of them
+# The CPU reference of stages 3, 3c, 3d and 4 (20 steps of tiny, 1 rank, fp32): made by the first of them
 # that runs (GPU_CHECK_STAGES may leave out stage 3).
 cpu_reference() {
   [ -s "$L/cpu-fp32.jsonl" ] && return
@@ -503,6 +506,28 @@ else
   skipped peer-torch-cp2 "needs a CUDA device and $PEER_PY with torch and transformers"
 fi
 fi  # stage 3c
+
+# ---- 3d. pipeline parallelism ------------------------------------------------------------------
+if on 3d; then
+stage "3d. pipeline parallelism: --pp 2 on one GPU (2 ranks, --gpu-comm mpi) vs the CPU, 20 steps, each schedule" 90
+# Stage 0 holds the embedding and block 0, stage 1 block 1, the final norm and the (tied) head; the
+# activations and their gradients move through the host-staged device Comm of the PP group (NCCL
+# refuses two ranks on one GPU, and shardtrain refuses --pp on NCCL until its sends are grouped);
+# the tied embedding's gradient is summed between the stages. Reference: 1 rank on the CPU.
+cpu_reference
+check cpu-pp2 cpu-fp32 1e-5 1 2 --model tiny "${TINY[@]}" "${CPU[@]}" --pp 2  # control: PP on the CPU
+if [ "$GPU" = 1 ]; then
+  for s in gpipe 1f1b zero-bubble; do
+    check "gpu-pp2-$s" cpu-fp32 1e-4 1 2 --model tiny "${TINY[@]}" "${G[@]}" --gpu-comm mpi --precision fp32 --pp 2 \
+      --pp-schedule "$s"
+  done
+  check gpu-pp2-bf16 cpu-fp32 2e-2 1 2 --model tiny "${TINY[@]}" "${G[@]}" --gpu-comm mpi --precision bf16 --pp 2 \
+    --pp-schedule zero-bubble
+  grep -h -m1 -o 'pp comm [^|]*| pp bubble [^|]*' "$L/gpu-pp2-1f1b.log" 2>/dev/null | sed 's/^/  gpu-pp2-1f1b: /'
+else
+  for n in gpu-pp2-gpipe gpu-pp2-1f1b gpu-pp2-zero-bubble gpu-pp2-bf16; do skipped "$n" "no CUDA device"; done
+fi
+fi  # stage 3d
 
 # ---- 4. checkpoints across devices ------------------------------------------------------------
 if on 4; then
