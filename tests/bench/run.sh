@@ -20,7 +20,8 @@
 #    (doc-vs-causal); the peer of these is the same binary with other arguments. Writes
 #    build/bench/peer.md for docs/benchmarks.md.
 #    Pipeline (issue 42): cases pp2-1f1b and pp2-interleaved, shardtrain --pp 2 against
-#    torch.distributed.pipelining (tests/bench/peer_torch_pp.py), skipped while shardtrain has no --pp.
+#    torch.distributed.pipelining (tests/bench/peer_torch_pp.py); gemm-pp2-vs-fsdp2, shardtrain --pp 2
+#    against its own FSDP 2 on the GEMM-bound config (tokens/s, fsdp_bytes, pp_bytes).
 #    BENCH_BASELINE=BIN adds another shardtrain binary (e.g. an earlier commit's) to every round.
 # 3. Checkpoint save/load timing; then asynchronous against synchronous saves of a ~99M-parameter model at
 #    2 ranks, interleaved, with dd on the same disk (tests/bench/checkpoint.py, about 10 minutes with
@@ -125,10 +126,16 @@ PREP_FAILED=0
 # 6. Overlap of communication with compute (issue 15): --overlap off against on with each
 #    --comm-progress mode, W = 2 and 4, on tests/bench/scaling-config.json, interleaved
 #    (tests/bench/overlap.py; build/bench/overlap.md for docs/benchmarks.md).
+# 7. The pipeline bubble at p = 2 (issue 42): measured per stage against the simulated action table
+#    and the formula, 1f1b / interleaved / zero-bubble / gpipe on the GEMM-bound config
+#    (tests/bench/pp_bubble.py; build/bench/pp-bubble.md for docs/benchmarks.md).
+PPB_FAILED=0
+.venv/bin/python tests/bench/pp_bubble.py --bin $BIN --data build/data/fortunes.tok --out "$OUT/pp-bubble.md" || PPB_FAILED=1
 OVL_FAILED=0
 python3 tests/bench/overlap.py --bin $BIN --data build/data/fortunes.tok --out "$OUT" "${QUICK_OPT[@]}" || OVL_FAILED=1
 if [ "$CKPT_FAILED" = 1 ]; then echo "bench: the checkpoint benchmark failed (see above)"; exit 1; fi
 if [ "$PEER_FAILED" = 1 ]; then echo "bench: some runs against the peer failed (see above)"; exit 1; fi
 if [ "$OVL_FAILED" = 1 ]; then echo "bench: the overlap benchmark failed (see above)"; exit 1; fi
+if [ "$PPB_FAILED" = 1 ]; then echo "bench: the pipeline bubble is not within 20% of its simulation (see above)"; exit 1; fi
 if [ "$PREP_FAILED" = 1 ]; then echo "bench: the tokenizing benchmark failed (see above)"; exit 1; fi
 if [ "$MEM_FAILED" = 1 ]; then echo "bench: a memory check failed (see above)"; exit 1; fi

@@ -99,18 +99,24 @@ CASES = {
     "doc-vs-causal": dict(config="cp-config.json", np=2, threads=1, seq_len=LONG_T, steps=5, window=2, warmup=0,
                           log_every=1, global_batch=2, data="short-docs", args=["--attention-mask", "document"],
                           ref_args=["--attention-mask", "causal"]),
+    # Issue 42: PP 2 (1F1B, 8 micro-batches through 2 stages) against FSDP 2 (4 micro-batches per
+    # rank), the same global batch, on the GEMM-bound config: tokens/s and the bytes each moves.
+    "gemm-pp2-vs-fsdp2": dict(config="gemm-config.json", np=2, threads=1, seq_len=256, steps=7, window=2, warmup=2,
+                              log_every=1, global_batch=8, args=["--pp", "2", "--micro-batch", "1"],
+                              ref_args=["--micro-batch", "1"]),
 }
 QUICK = {"demo-2x1": dict(steps=30, window=10, log_every=10), "demo-1x2": dict(steps=30, window=10, log_every=10),
          "gemm-2x1": dict(steps=3, window=1, log_every=1), "tp2-2x1": dict(steps=30, window=10, log_every=10),
          "cp2-ring": dict(steps=2, window=1, log_every=1), "cp2-gather": dict(steps=2, window=1, log_every=1),
-         "doc-vs-causal": dict(steps=2, window=1, log_every=1)}
+         "doc-vs-causal": dict(steps=2, window=1, log_every=1), "gemm-pp2-vs-fsdp2": dict(steps=3, window=1, log_every=1)}
 PROGRAMS = ["shardtrain", "torch-eager", "torch-compile", "torch-tp", "shardtrain-ref"]
 FSDP_PEERS = ["shardtrain", "baseline", "torch-eager", "torch-compile"]
 SAME_BIN = ["shardtrain", "baseline", "shardtrain-ref"]  # the peer is shardtrain itself, other arguments
 # The programs each case runs (those of --programs not listed here are skipped in that case).
 CASE_PROGRAMS = {"demo-2x1": FSDP_PEERS, "demo-1x2": FSDP_PEERS, "gemm-2x1": FSDP_PEERS,
                  "tp2-2x1": ["shardtrain", "baseline", "torch-tp"],
-                 "cp2-ring": SAME_BIN, "cp2-gather": SAME_BIN, "doc-vs-causal": SAME_BIN}
+                 "cp2-ring": SAME_BIN, "cp2-gather": SAME_BIN, "doc-vs-causal": SAME_BIN,
+                 "gemm-pp2-vs-fsdp2": SAME_BIN}
 # Pipeline parallelism (issue 42, see the docstring): pp_args go to both programs.
 PP_ARGS = ["--pp", "2", "--micro-batch", "3"]
 for _c, _s in (("pp2-1f1b", ["1f1b"]), ("pp2-interleaved", ["interleaved", "--pp-virtual", "2"])):
@@ -124,7 +130,8 @@ TARGETS = [("demo-2x1", "torch-eager", 2.5), ("demo-2x1", "torch-compile", 2.0),
            ("demo-1x2", "torch-compile", 1.5), ("gemm-2x1", "torch-compile", 1.3),
            ("doc-vs-causal", "shardtrain-ref", 1.0)]
 # Means over the window's metrics rows, when a run's metrics have them (issue 41's long-context cases).
-EXTRA_METRICS = ["cp_comm_ms", "cp_bytes", "cp_collectives", "exposed_comm_ms", "attn_tile_pairs", "attn_tiles_skipped"]
+EXTRA_METRICS = ["cp_comm_ms", "cp_bytes", "cp_collectives", "exposed_comm_ms", "attn_tile_pairs", "attn_tiles_skipped",
+                 "fsdp_bytes", "pp_bytes", "pp_comm_ms"]
 SHORT_DOCS = (64, 512)  # document lengths of the short-document corpus, tokens (uniform), BOS ... EOS
 # The per-run files of the shardtrain programs, tags of one length (shardtrain-ref is the first binary
 # with the case's reference arguments).
