@@ -15,6 +15,7 @@
 #include "shardtrain/config.h"
 #include "shardtrain/model.h"
 #include "shardtrain/pipeline_schedule.h"
+#include "shardtrain/progress.h"
 #include "shardtrain/runtime.h"
 
 namespace shardtrain {
@@ -68,29 +69,41 @@ RankUnits pipeline_rank_units(const ModelConfig& mc, const PipelineLayout& pl, i
 // Activations between the stages of one PP group, on its Comm (Mesh::pp_data: the backend's
 // buffers). Chunk c's forward output goes to chunk c + 1's rank, its input gradient to chunk c - 1's.
 // Tags name (chunk, direction); messages of one tag arrive in the order sent (MPI's non-overtaking
-// rule), and every schedule sends and receives each chunk's micro-batches in increasing order.
-// A send returns at once: the buffer belongs to the link until flush() or until the link is done
-// with it (done_sending(ptr) false while a send of that buffer is in flight).
-// Counts its transfers for CommDim::Pp: calls (sends and receives), bytes sent, issued time (from
-// start to observed completion), exposed time (the compute thread waiting in recv / flush).
+// rule), and every schedule sends and receives each chunk's micro-batches in increasing order, so
+// receives posted ahead in that order match. A send copies its rows into a send buffer of the link
+// (a pool, one [R, C] buffer per send in flight, reused once its send completed) and returns at
+// once: the caller's buffer is free again, so a model context is released when the schedule says,
+// whatever the network does. Receives may be posted ahead (post_recv) and waited for later
+// (wait_recv). While anything is in flight the link is a member of the backend's progress
+// registry (progress.h): the host backend's GEMM tiles and attention tiles test its transfers, so a
+// send or receive advances during the next action's compute (Open MPI moves data only inside MPI
+// calls). Counts its transfers for CommDim::Pp: calls (sends and receives), bytes sent, issued time
+// (from start to observed completion), exposed time (the compute thread waiting in wait_recv or flush).
+// Stream-ordered Comms (NCCL) are not supported yet: the trainer refuses them.
 template <typename C> class StageLink {
  public:
-  // comm: the PP group (comm.world_size() == pl.ranks, comm.rank() = this rank's stage).
-  StageLink(Comm& comm, const PipelineLayout& pl);
+  // comm: the PP group (comm.world_size() == pl.ranks, comm.rank() = this rank's stage); be: the
+  // backend of the activations (the send buffers' memory and copies); its progress registry is
+  // joined while transfers are in flight (device backends have none).
+  StageLink(Comm& comm, const PipelineLayout& pl, Backend<C>& be);
   ~StageLink();
-  // Chunk c's input (c > 0): n elements from chunk c - 1's rank into `recv` (backend memory); blocks
-  // until they arrived.
-  void recv_input(int chunk, C* recv, size_t n);
-  // d(loss)/d(chunk c's output) (c < S - 1), from chunk c + 1's rank; blocks.
-  void recv_output_grad(int chunk, C* recv, size_t n);
-  // Chunk c's output to chunk c + 1's rank; nonblocking.
-  void send_output(int chunk, const C* send, size_t n);
-  // d(loss)/d(chunk c's input) to chunk c - 1's rank; nonblocking.
-  void send_input_grad(int chunk, const C* send, size_t n);
-  // True when no send of a buffer starting at `p` is in flight (tests the sends: drives MPI).
-  bool done_sending(const C* p);
-  // Waits for every send in flight (the end of a step: every buffer is free again).
+  StageLink(const StageLink&) = delete;
+  StageLink& operator=(const StageLink&) = delete;
+  // Posts the receive of chunk c's input (grad false: n elements from chunk c - 1's rank) or of
+  // d(loss)/d(chunk c's output) (grad true: from chunk c + 1's rank) into `recv` (backend memory),
+  // which belongs to the link until wait_recv of it returned.
+  void post_recv(int chunk, bool grad, C* recv, size_t n);
+  // Waits for the oldest posted receive of (chunk, grad), which must be into `recv` (std::logic_error
+  // otherwise); posts it first when none is posted.
+  void wait_recv(int chunk, bool grad, C* recv, size_t n);
+  // Chunk c's output to chunk c + 1's rank (grad false), or d(loss)/d(chunk c's input) to chunk
+  // c - 1's rank (grad true): copied into a send buffer, then sent; nonblocking. Throws
+  // std::bad_alloc when a new send buffer does not fit.
+  void send(int chunk, bool grad, const C* send, size_t n);
+  // Waits for every send in flight (the end of a step). Receives must have been waited for.
   void flush();
+  // Send buffers allocated (the most sends that were in flight at once), each of the largest n sent.
+  size_t send_buffers() const { return pool_.size(); }
   // Accumulated since construction: calls, bytes, issued and exposed seconds.
   int64_t calls() const { return calls_; }
   double bytes() const { return bytes_; }
@@ -98,13 +111,17 @@ template <typename C> class StageLink {
   double exposed_s() const { return exposed_s_; }
 
  private:
-  struct Send;
-  void recv(int peer, int tag, C* buf, size_t n);
-  void send(int peer, int tag, const C* buf, size_t n);
-  void reap(bool wait);
+  struct Xfer;
+  static void poll(void* self);
+  void test_all();
+  void update_membership();
   Comm& comm_;
   PipelineLayout pl_;
-  std::vector<std::unique_ptr<Send>> sends_;
+  Backend<C>& be_;
+  ProgressRegistry* reg_;
+  ProgressRegistry::Member member_;
+  std::vector<std::unique_ptr<Xfer>> sends_, recvs_;
+  std::vector<Buffer<C>> pool_;  // send buffers; a buffer is free when no send in sends_ uses it
   int64_t calls_ = 0;
   double bytes_ = 0, issued_s_ = 0, exposed_s_ = 0;
 };

@@ -36,12 +36,14 @@ template <typename C> class StageRunner {
   // Where the micro-batches come from: `split`'s batch `index` (the training step, or the
   // evaluation's batch number). Call before the actions of a step or of an evaluation batch.
   void begin(Split split, int64_t index);
-  // Runs one action of this rank (a.stage must be this rank's pipeline coordinate). Training:
+  // Runs this rank's actions of `schedule` (those of its pipeline coordinate), in order. Training:
   // grad_scale > 0 (the loss gradient's scale, head_backward); evaluation: Forward actions only,
-  // grad_scale 0. Returns the loss sum (nats) the action computed: the last chunk's Backward in
+  // grad_scale 0. Returns the loss sum (nats) this rank computed: the last chunk's Backward in
   // training, its Forward in evaluation; else 0. Collective as the model calls are (the unit
-  // source's group) and, with a pipeline, point-to-point with the neighbouring stages.
-  double run(const Action& a, float grad_scale);
+  // source's group) and, with a pipeline, point-to-point with the neighbouring stages: the receive
+  // of the next action that needs one in each direction is posted before the current action runs
+  // (two buffers per direction), so it arrives during the current action's compute.
+  double run(const Schedule& schedule, float grad_scale);
   // After the last action of a step or evaluation batch: waits for the sends in flight; every
   // context is free again.
   void end();
@@ -67,6 +69,7 @@ template <typename C> class StageRunner {
     TokenLayout layout;
   };
   MicroBatch& load(int m);
+  double run_timed(const Action& a, float grad_scale);
   double run_action(const Action& a, float grad_scale);
   int local_chunk(int chunk) const;           // index into stage_.ranges
   typename LlamaModel<C>::Context& context(int m, int chunk);  // the one of (m, chunk), made on first use
@@ -90,7 +93,8 @@ template <typename C> class StageRunner {
   // Contexts of (micro-batch, chunk) in flight, and free ones per local chunk for reuse.
   std::map<std::pair<int, int>, typename LlamaModel<C>::Context> live_;
   std::vector<std::vector<typename LlamaModel<C>::Context>> free_;
-  Buffer<C> in_, grad_in_;  // received activations / output gradients [R, C]
+  Buffer<C> in_[2], grad_in_[2];  // received activations / output gradients [R, C], two each (one posted ahead)
+  C* recv_buf_ = nullptr;         // where the running action's receive lands
   size_t rows_elems_ = 0;   // R x C: a micro-batch's activation rows of this rank
   bool whole_ = false;      // one chunk over the whole model: the model's own context
   // Training actions since the last bubble_report: per local chunk, the seconds and counts of

@@ -240,7 +240,9 @@ ParallelRun<C> parallelize(const Mesh& mesh, const ModelConfig& mc, Backend<floa
   r.stage = pipeline_rank_units(mc, r.pipeline, mesh.coord().pp, d.tp, mesh.coord().tp);
   r.state = std::make_unique<ShardedState<float>>(be, mesh, ShardPlan::build(r.stage.units, d.fsdp()));
   if (d.pp > 1) {
-    r.pp = std::make_unique<StageLink<C>>(*mesh.pp_data(), r.pipeline);
+    // The compute backend: its memory holds the activations, its kernels advance the transfers.
+    if constexpr (std::is_same_v<C, bf16>) r.pp = std::make_unique<StageLink<C>>(*mesh.pp_data(), r.pipeline, *be16);
+    else r.pp = std::make_unique<StageLink<C>>(*mesh.pp_data(), r.pipeline, be);
     r.pp_comm_ = mesh.pp_data();
     r.pipeline_tied_ = mc.tie_word_embeddings;
   }

@@ -2,6 +2,7 @@
 // and the point-to-point link between the stages of a PP group.
 #include "shardtrain/pipeline.h"
 
+#include <algorithm>
 #include <chrono>
 #include <stdexcept>
 
@@ -109,78 +110,119 @@ RankUnits pipeline_rank_units(const ModelConfig& mc, const PipelineLayout& pl, i
   return ru;
 }
 
-template <typename C> struct StageLink<C>::Send {
+template <typename C> struct StageLink<C>::Xfer {
   std::unique_ptr<Comm::Request> req;
   const C* buf;
+  int chunk;
+  bool grad;
   Clock::time_point t0;
+  bool done = false;  // test() returned true: the buffer is free, no wait needed
 };
 
-template <typename C> StageLink<C>::StageLink(Comm& comm, const PipelineLayout& pl) : comm_(comm), pl_(pl) {
+template <typename C>
+StageLink<C>::StageLink(Comm& comm, const PipelineLayout& pl, Backend<C>& be)
+    : comm_(comm), pl_(pl), be_(be), reg_(be.progress()) {
   if (comm.world_size() != pl.ranks)
     throw std::invalid_argument("StageLink: the PP group has " + std::to_string(comm.world_size()) +
                                 " ranks, the layout " + std::to_string(pl.ranks) + " stages");
 }
 
 template <typename C> StageLink<C>::~StageLink() {
+  member_.reset();
   try {
-    reap(true);
+    for (auto& x : recvs_)
+      if (!x->done) x->req->wait();
+    for (auto& x : sends_)
+      if (!x->done) x->req->wait();
   } catch (...) {  // a failed transfer was reported where it was waited for; nothing to add here
   }
 }
 
-template <typename C> void StageLink<C>::recv(int peer, int t, C* buf, size_t n) {
-  const auto t0 = Clock::now();
-  auto req = comm_.start_recv(buf, n, peer, t);
-  req->wait();
-  const double s = since(t0);
-  ++calls_;
-  issued_s_ += s;
-  exposed_s_ += s;
+template <typename C> void StageLink<C>::poll(void* self) { static_cast<StageLink*>(self)->test_all(); }
+
+template <typename C> void StageLink<C>::test_all() {
+  for (auto* v : {&sends_, &recvs_})
+    for (auto& x : *v)
+      if (!x->done && x->req->test()) {
+        x->done = true;
+        issued_s_ += since(x->t0);
+      }
 }
 
-template <typename C> void StageLink<C>::send(int peer, int t, const C* buf, size_t n) {
-  reap(false);
-  sends_.push_back(std::make_unique<Send>(Send{comm_.start_send(buf, n, peer, t), buf, Clock::now()}));
-  ++calls_;
-  bytes_ += static_cast<double>(n) * sizeof(C);
+// A member of the progress registry while anything is in flight (joined and left on the compute thread).
+template <typename C> void StageLink<C>::update_membership() {
+  if (!reg_) return;
+  const bool busy = !sends_.empty() || !recvs_.empty();
+  if (busy && !member_.joined()) member_ = reg_->join(&StageLink::poll, this);
+  if (!busy && member_.joined()) member_.reset();
 }
 
-template <typename C> void StageLink<C>::reap(bool wait) {
-  const auto t0 = Clock::now();
-  for (size_t i = 0; i < sends_.size();) {
-    Send& s = *sends_[i];
-    if (wait) s.req->wait();
-    if (wait || s.req->test()) {
-      issued_s_ += since(s.t0);
-      sends_.erase(sends_.begin() + static_cast<std::ptrdiff_t>(i));
-    } else {
-      ++i;
+template <typename C> void StageLink<C>::post_recv(int chunk, bool grad, C* buf, size_t n) {
+  const int from = grad ? chunk + 1 : chunk - 1;
+  recvs_.push_back(std::make_unique<Xfer>(
+      Xfer{comm_.start_recv(buf, n, pl_.rank_of(from), tag(from, grad)), buf, chunk, grad, Clock::now()}));
+  ++calls_;
+  update_membership();
+}
+
+template <typename C> void StageLink<C>::wait_recv(int chunk, bool grad, C* buf, size_t n) {
+  auto it = recvs_.begin();
+  while (it != recvs_.end() && ((*it)->chunk != chunk || (*it)->grad != grad)) ++it;
+  if (it == recvs_.end()) {
+    post_recv(chunk, grad, buf, n);
+    it = recvs_.end() - 1;
+  }
+  if ((*it)->buf != buf) throw std::logic_error("StageLink::wait_recv: the oldest posted receive is into another buffer");
+  if (!(*it)->done) {
+    const auto t0 = Clock::now();
+    (*it)->req->wait();
+    exposed_s_ += since(t0);
+    issued_s_ += since((*it)->t0);
+  }
+  recvs_.erase(it);
+  update_membership();
+}
+
+template <typename C> void StageLink<C>::send(int chunk, bool grad, const C* src, size_t n) {
+  const int to = grad ? chunk - 1 : chunk + 1;
+  test_all();
+  sends_.erase(std::remove_if(sends_.begin(), sends_.end(), [](const auto& x) { return x->done; }), sends_.end());
+  // A pool buffer no send in flight uses (sends_ now holds only those in flight), else a new one.
+  C* buf = nullptr;
+  for (Buffer<C>& b : pool_) {
+    if (b.size() < n) continue;
+    bool used = false;
+    for (const auto& x : sends_) used = used || x->buf == b.data();
+    if (!used) {
+      buf = b.data();
+      break;
     }
   }
-  if (wait) exposed_s_ += since(t0);
+  if (!buf) {
+    pool_.emplace_back(be_, n);
+    buf = pool_.back().data();
+  }
+  be_.copy(buf, src, n);
+  sends_.push_back(std::make_unique<Xfer>(
+      Xfer{comm_.start_send(static_cast<const C*>(buf), n, pl_.rank_of(to), tag(chunk, grad)), buf, chunk, grad,
+           Clock::now()}));
+  ++calls_;
+  bytes_ += static_cast<double>(n) * sizeof(C);
+  update_membership();
 }
 
-template <typename C> void StageLink<C>::recv_input(int chunk, C* buf, size_t n) {
-  recv(pl_.rank_of(chunk - 1), tag(chunk - 1, false), buf, n);
+template <typename C> void StageLink<C>::flush() {
+  const auto t0 = Clock::now();
+  for (auto& x : sends_)
+    if (!x->done) {
+      x->req->wait();
+      x->done = true;
+      issued_s_ += since(x->t0);
+    }
+  sends_.clear();
+  exposed_s_ += since(t0);
+  update_membership();
 }
-template <typename C> void StageLink<C>::recv_output_grad(int chunk, C* buf, size_t n) {
-  recv(pl_.rank_of(chunk + 1), tag(chunk + 1, true), buf, n);
-}
-template <typename C> void StageLink<C>::send_output(int chunk, const C* buf, size_t n) {
-  send(pl_.rank_of(chunk + 1), tag(chunk, false), buf, n);
-}
-template <typename C> void StageLink<C>::send_input_grad(int chunk, const C* buf, size_t n) {
-  send(pl_.rank_of(chunk - 1), tag(chunk, true), buf, n);
-}
-
-template <typename C> bool StageLink<C>::done_sending(const C* p) {
-  reap(false);
-  for (const auto& s : sends_)
-    if (s->buf == p) return false;
-  return true;
-}
-
-template <typename C> void StageLink<C>::flush() { reap(true); }
 
 template <typename T> double sum_tied_grads(Comm& comm, Backend<T>& be, T* grad, size_t n) {
   const int p = comm.world_size(), r = comm.rank();

@@ -33,10 +33,11 @@ StageRunner<C>::StageRunner(const Mesh& mesh, Backend<C>& be, LlamaModel<C>& mod
   // R x C rows of a micro-batch on this rank: B x T / cp tokens, 1 / tp of them under sequence parallelism.
   rows_elems_ = static_cast<size_t>(mb_) * static_cast<size_t>(split_.rows()) / static_cast<size_t>(mesh.dims().tp) *
                 static_cast<size_t>(model.config().hidden_size);
-  if (link_) {
-    in_ = Buffer<C>(be_, rows_elems_);
-    grad_in_ = Buffer<C>(be_, rows_elems_);
-  }
+  if (link_)
+    for (int i = 0; i < 2; ++i) {
+      in_[i] = Buffer<C>(be_, rows_elems_);
+      grad_in_[i] = Buffer<C>(be_, rows_elems_);
+    }
 }
 
 template <typename C> void StageRunner<C>::begin(Split split, int64_t index) {
@@ -82,19 +83,15 @@ template <typename C> typename LlamaModel<C>::Context& StageRunner<C>::context(i
   auto it = live_.find(key);
   if (it != live_.end()) return it->second;
   const int j = local_chunk(chunk);
-  // A free context whose output and input gradient have left (a send in flight still reads them);
-  // else a new one. Never waits for a send here: the receiver may be waiting for this rank's next
-  // action, and the sends are waited for only at end().
+  // A free context of the chunk (sends copy what they send: a released context is free), else a new one.
   auto& pool = free_[static_cast<size_t>(j)];
   typename LlamaModel<C>::Context ctx;
-  bool found = false;
-  for (size_t i = 0; i < pool.size() && !found; ++i)
-    if (!link_ || (link_->done_sending(pool[i].output()) && link_->done_sending(pool[i].input_grad()))) {
-      ctx = std::move(pool[i]);
-      pool.erase(pool.begin() + static_cast<std::ptrdiff_t>(i));
-      found = true;
-    }
-  if (!found) ctx = typename LlamaModel<C>::Context(stage_.ranges[static_cast<size_t>(j)]);
+  if (!pool.empty()) {
+    ctx = std::move(pool.back());
+    pool.pop_back();
+  } else {
+    ctx = typename LlamaModel<C>::Context(stage_.ranges[static_cast<size_t>(j)]);
+  }
   return live_.emplace(key, std::move(ctx)).first->second;
 }
 
@@ -105,7 +102,40 @@ template <typename C> void StageRunner<C>::release(int m, int chunk) {
   live_.erase(it);
 }
 
-template <typename C> double StageRunner<C>::run(const Action& a, float grad_scale) {
+template <typename C> double StageRunner<C>::run(const Schedule& schedule, float grad_scale) {
+  const int me = mesh_.coord().pp, L = model_.config().num_hidden_layers;
+  std::vector<Action> acts;
+  for (const Action& a : schedule.actions())
+    if (a.stage == me) acts.push_back(a);
+  // The receives, per direction (0: inputs, 1: output gradients), in the order the actions need them.
+  auto needs = [&](const Action& a, int d) {
+    if (!link_) return false;
+    if (d == 0) return a.kind == ActionKind::Forward && a.begin > 0;
+    return (a.kind == ActionKind::Backward || a.kind == ActionKind::BackwardInput) && a.end < L;
+  };
+  std::vector<size_t> need[2];
+  for (size_t i = 0; i < acts.size(); ++i)
+    for (int d = 0; d < 2; ++d)
+      if (needs(acts[i], d)) need[d].push_back(i);
+  size_t posted[2] = {0, 0}, used[2] = {0, 0};
+  double loss = 0;
+  for (size_t i = 0; i < acts.size(); ++i) {
+    const Action& a = acts[i];
+    for (int d = 0; d < 2; ++d)  // this action's receive and the next one's, each into its buffer
+      while (posted[d] < need[d].size() && posted[d] < used[d] + 2) {
+        const Action& n = acts[need[d][posted[d]]];
+        link_->post_recv(n.chunk, d == 1, (d == 0 ? in_ : grad_in_)[posted[d] % 2].data(), rows_elems_);
+        ++posted[d];
+      }
+    recv_buf_ = nullptr;
+    for (int d = 0; d < 2; ++d)
+      if (needs(a, d)) recv_buf_ = (d == 0 ? in_ : grad_in_)[used[d]++ % 2].data();
+    loss += run_timed(a, grad_scale);
+  }
+  return loss;
+}
+
+template <typename C> double StageRunner<C>::run_timed(const Action& a, float grad_scale) {
   if (!timing_) return run_action(a, grad_scale);
   const double t0 = now_s(), w0 = link_->exposed_s();
   const double loss = run_action(a, grad_scale);
@@ -140,9 +170,9 @@ template <typename C> double StageRunner<C>::run_action(const Action& a, float g
   double loss = 0;
   switch (a.kind) {
     case ActionKind::Forward:
-      if (!first) link_->recv_input(a.chunk, in_.data(), rows_elems_);
-      model_.forward(f_, ctx, b.tok.data(), first ? nullptr : in_.data(), mb_, split_.rows(), b.layout);
-      if (!last) link_->send_output(a.chunk, ctx.output(), rows_elems_);
+      if (!first) link_->wait_recv(a.chunk, false, recv_buf_, rows_elems_);
+      model_.forward(f_, ctx, b.tok.data(), first ? nullptr : recv_buf_, mb_, split_.rows(), b.layout);
+      if (!last) link_->send(a.chunk, false, ctx.output(), rows_elems_);
       if (!train) {
         if (last) loss = model_.loss(f_, ctx, b.tgt.data());
         release(a.microbatch, a.chunk);
@@ -157,12 +187,12 @@ template <typename C> double StageRunner<C>::run_action(const Action& a, float g
       if (last) {
         loss = model_.head_backward(f_, ctx, b.tgt.data(), grad_scale);
       } else {
-        link_->recv_output_grad(a.chunk, grad_in_.data(), rows_elems_);
-        grad = grad_in_.data();
+        link_->wait_recv(a.chunk, true, recv_buf_, rows_elems_);
+        grad = recv_buf_;
       }
       if (split) model_.backward_input(f_, ctx, grad);
       else model_.backward(f_, ctx, grad);
-      if (!first) link_->send_input_grad(a.chunk, ctx.input_grad(), rows_elems_);
+      if (!first) link_->send(a.chunk, true, ctx.input_grad(), rows_elems_);
       if (!split) release(a.microbatch, a.chunk);
       return loss;
     }

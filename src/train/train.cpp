@@ -105,16 +105,12 @@ double evaluate(const Mesh& mesh, StageRunner<T>& runner, UnitSource<T>& f, cons
   double sum = 0;
   f.begin_pass("eval");  // the sharding layer prefetches along the order the last evaluation gathered in
   const std::unique_ptr<Schedule> schedule = pl.schedule(per_rank / mb, false);  // forwards only
-  const int pp_rank = mesh.coord().pp;
   for (int e = 0; e < batches; ++e) {
     runner.begin(Split::Val, e);
-    for (const Action& a : schedule->actions()) {
-      if (a.stage != pp_rank) continue;
-      // The last chunk's forward with its loss. A TP group's ranks computed the same loss: counted
-      // once; a CP group's hold different tokens: each counts (Mesh::counts_loss, last stage only).
-      const double l = runner.run(a, 0.0f);
-      if (mesh.counts_loss()) sum += l;
-    }
+    // The last chunk's forwards with their loss. A TP group's ranks computed the same loss: counted
+    // once; a CP group's hold different tokens: each counts (Mesh::counts_loss, last stage only).
+    const double l = runner.run(*schedule, 0.0f);
+    if (mesh.counts_loss()) sum += l;
     runner.end();
   }
   f.end_pass();

@@ -493,9 +493,7 @@ template <typename C> StepOutcome Trainer<C>::train_step(int64_t s) {
   double loss_sum = 0;
   units_->begin_pass("train");  // the sharding layer prefetches along the order the last step gathered in
   runner_->begin(Split::Train, s);
-  const int pp_rank = mesh_.coord().pp;
-  for (const Action& a : schedule_->actions())
-    if (a.stage == pp_rank) loss_sum += runner_->run(a, grad_scale);
+  loss_sum += runner_->run(*schedule_, grad_scale);  // this rank's actions of the step's schedule
   runner_->end();      // every activation sent has arrived
   units_->end_pass();  // every reduce-scatter has landed in the gradient shards
   const auto attn = take_attention_stats();

@@ -5,7 +5,8 @@
 # one rank, every step's loss within 1e-5 relative, grad norm within 1e-4 and the final val_loss
 # (evaluation runs through the schedule's forwards) within 1e-5:
 #   pp 2 with each schedule: gpipe, 1f1b, interleaved (--pp-virtual 2), zero-bubble; pp 2 x dp 2
-#   (1f1b, 4 ranks); untied, pp 2 1f1b: bitwise the single-stage losses.
+#   (1f1b, 4 ranks); untied, pp 2 1f1b: bitwise the single-stage losses; --clip 0.05 (clipping
+#   active at every step: the global norm scales every stage's update alike).
 # Each PP run's step line shows 'pp comm' and 'pp bubble', and its metrics pp_bytes > 0, the
 # measured, simulated and ideal bubble per stage. Refusals, on every rank, no hang: more chunks than
 # blocks, --pp-layers not summing to the blocks, --pp not dividing the world size, interleaved with
@@ -73,6 +74,13 @@ for s in gpipe 1f1b interleaved zero-bubble; do
 done
 run pp2-dp2 4 --model "$WORK/tied.json" --pp 2
 compare ref pp2-dp2
+# Clipping active at every step (grad norm > 0.05): the norm is global over the stages, so the clipped
+# update and every later loss are the single-stage run's.
+run ref-clip 1 --model "$WORK/tied.json" --clip 0.05
+run pp2-clip 2 --model "$WORK/tied.json" --pp 2 --clip 0.05
+compare ref-clip pp2-clip
+"$PY" -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1]) if '\"loss\"' in l]; sys.exit(0 if all(x['grad_norm'] > 0.05 for x in r) else 1)" \
+  "$WORK/pp2-clip.jsonl" || fail "pp2-clip: clipping was not active at every step"
 run ref-untied 1 --model "$WORK/untied.json"
 run pp2-untied 2 --model "$WORK/untied.json" --pp 2
 compare ref-untied pp2-untied bitwise
