@@ -335,7 +335,7 @@ void run_plan(Comm& comm, const Topology& topo, const Options& o) {
              ") does not divide this launch's world size (" + std::to_string(W) +
              "): give the planned job's ranks with '--world-size'");
   MeshDims dims;
-  agree(comm, [&] { dims = resolve_mesh_dims(o.shard_group_size, o.tp, o.cp, W, ranks_per_node(topo)); });
+  agree(comm, [&] { dims = resolve_mesh_dims(o.shard_group_size, o.tp, o.cp, W, ranks_per_node(topo), o.pp); });
   const int G = dims.fsdp() * dims.tp;
   MemoryPlanInput in{mc, o.train, W, o.train.precision, o.train.reduce_bf16, cuda, 0, 4, 0, o.train.overlap};
   in.mesh = dims;
@@ -351,6 +351,11 @@ void run_plan(Comm& comm, const Topology& topo, const Options& o) {
   const std::string refused = training_refusal(dims, t.attention);  // what the mesh refuses at training
   all_ok(comm, refused.empty(), refused);
   t.micro_batch = geo.geometry.micro_batch;
+  // The pipeline (--pp): its stages and schedule over the step's micro-batches, as training resolves them.
+  std::string pp_why;
+  in.pipeline = resolve_pipeline(mc, dims.pp, t.pp, geo.geometry.accum, &pp_why);
+  all_ok(comm, pp_why.empty(), pp_why);
+  in.microbatches = geo.geometry.accum;
   // Token data is memory-mapped (page cache, not resident per rank): not part of the plan.
   if (cuda) {
     in.runtime_bytes = kGpuRuntimeEstimate;
@@ -360,9 +365,12 @@ void run_plan(Comm& comm, const Topology& topo, const Options& o) {
     comm.all_reduce(&in.runtime_bytes, 1, ReduceOp::Max);
   }
   std::ostringstream os;
-  os << plan_memory(in).format("memory plan per rank: '" + o.model + "' (" + std::to_string(mc.num_params()) +
-                               " parameters), " + std::to_string(W) + " ranks" +
-                               (G != W ? " (shard group size " + std::to_string(G) + ")" : std::string()) +
+  const std::string head =
+      "memory plan per rank: '" + o.model + "' (" + std::to_string(mc.num_params()) + " parameters), " +
+      std::to_string(W) + " ranks" +
+      (dims.pp > 1 ? " (PP " + std::to_string(dims.pp) + " x " + std::to_string(W / dims.pp) + " ranks per stage)"
+                   : std::string()) +
+      (G * dims.pp != W ? " (shard group size " + std::to_string(G) + ")" : std::string()) +
                                (dims.tp > 1 ? ", TP " + std::to_string(dims.tp) : std::string()) +
                                (dims.cp > 1 ? ", CP " + std::to_string(dims.cp) + " (" + cp_comm_name(o.train.cp_comm) +
                                                   "; FSDP over dp_shard " + std::to_string(dims.dp_shard) + " x cp " +
@@ -371,7 +379,52 @@ void run_plan(Comm& comm, const Topology& topo, const Options& o) {
                                ", " +
                                precision_name(o.train.precision) + ", micro-batch " +
                                std::to_string(t.micro_batch) + " x " + std::to_string(t.seq_len) + " tokens, " +
-                               (cuda ? "GPU device memory" : "CPU memory"));
+                               (cuda ? "GPU device memory" : "CPU memory");
+  if (dims.pp == 1) {
+    os << plan_memory(in).format(head);
+  } else {
+    // Every stage's plan with the schedule asked for; then the total per stage for each schedule
+    // that can run these micro-batches (interleaved with --pp-virtual's V, 2 when not given).
+    const int m = geo.geometry.accum;
+    for (int s = 0; s < dims.pp; ++s) {
+      in.pp_rank = s;
+      os << (s ? "\n" : "")
+         << plan_memory(in).format(head + ", pipeline stage " + std::to_string(s) + " of " + std::to_string(dims.pp) +
+                                   " (" + pipeline_kind_name(in.pipeline.kind) +
+                                   (in.pipeline.chunks_per_rank > 1 ? " v " + std::to_string(in.pipeline.chunks_per_rank)
+                                                                    : std::string()) +
+                                   ", " + std::to_string(m) + " micro-batches per step)");
+    }
+    char b[64];
+    os << "\ntotal per rank by pipeline stage and schedule (GiB; " << m << " micro-batches per step):";
+    for (PipelineKind k : {PipelineKind::GPipe, PipelineKind::OneFOneB, PipelineKind::Interleaved,
+                           PipelineKind::ZeroBubble}) {
+      PipelineOptions po = t.pp;
+      po.kind = k;
+      po.chunks_per_rank = k == PipelineKind::Interleaved ? std::max(2, t.pp.chunks_per_rank) : 1;
+      if (k != PipelineKind::Interleaved) po.layers.clear();
+      std::string why;
+      MemoryPlanInput ki = in;
+      ki.pipeline = resolve_pipeline(mc, dims.pp, po, m, &why);
+      os << "\n  " << pipeline_kind_name(k)
+         << (k == PipelineKind::Interleaved ? " v " + std::to_string(po.chunks_per_rank) : std::string()) << ":";
+      if (!why.empty()) {
+        os << " not planned: " << why;
+        continue;
+      }
+      int64_t most = 0;
+      for (int s = 0; s < dims.pp; ++s) {
+        ki.pp_rank = s;
+        const int64_t tot = plan_memory(ki).total();
+        most = std::max(most, tot);
+        std::snprintf(b, sizeof b, " %.2f", static_cast<double>(tot) / (1 << 30));
+        os << (s ? "," : "") << b;
+      }
+      std::snprintf(b, sizeof b, "%.2f", static_cast<double>(most) / (1 << 30));
+      os << " (largest " << b << ")";
+    }
+    in.pp_rank = 0;
+  }
   if (!o.device_memory.empty()) {
     uint64_t dev = 0;
     try {

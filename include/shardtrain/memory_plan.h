@@ -15,6 +15,22 @@
 //   activations                                activation_bytes() of the model (model.h) for the rows a
 //                                              rank holds: B x T / cp (context parallelism: each
 //                                              sequence's T / cp rows; cp_memory, parallelize.h)
+//   pipeline parallelism (--pp P > 1)          a pipeline rank's plan is its stage's (pipeline.h):
+//                                              parameter, gradient and AdamW shards and the FSDP
+//                                              buffers of its chunks' units only (rank_unit_plan with
+//                                              the layout; the tied embedding on the first and last
+//                                              stage); activations = the contexts StageRunner holds
+//                                              (stage_runner.h: one per micro-batch and chunk in flight,
+//                                              pooled per chunk and reused), each context_bytes (model.h:
+//                                              its chunk's blocks, the embedding's ids on chunk 0, the
+//                                              final norm's buffers and targets on chunk S - 1), under
+//                                              zero-bubble + deferred_weight_bytes each (a context keeps
+//                                              them once used); + the model's shared scratch
+//                                              (activation_bytes - context_bytes of [0, L)); + the two
+//                                              [R, C] receive buffers (input, output gradient); + on the
+//                                              first and last stage with tied embeddings the 4 B x
+//                                              shard receive buffer of the tied gradient's sum
+//                                              (sum_tied_grads). Contexts per chunk: pipeline_contexts.
 //   CP K/V buffers (cp > 1)                    the CP attention's scratch: ring about 12 x (B x T / cp)
 //                                              x NKV/tp x HD x elem bytes, allgather about 4 x T x
 //                                              NKV/tp x HD x elem bytes (one sequence at a time); the
@@ -32,6 +48,7 @@
 #include "shardtrain/config.h"
 #include "shardtrain/mesh.h"
 #include "shardtrain/model.h"
+#include "shardtrain/pipeline.h"
 #include "shardtrain/process_stats.h"  // current_rss_bytes, peak_rss_bytes (the plan's callers use them)
 #include "shardtrain/train.h"
 
@@ -58,7 +75,22 @@ struct MemoryPlanInput {
   // reduce-scatter per unit (CommQueue's stream lane), whose result buffer is a whole shard and
   // whose fp32 widening (mixed precision, fp32 reduce) a whole unit, instead of slabs.
   bool stream_lane = false;
+  // Pipeline parallelism: the run's stages (resolve_pipeline; ranks must equal mesh->pp, 1: none),
+  // this rank's pipeline coordinate (the stage planned) and the micro-batches per optimizer step of
+  // a data-parallel rank (BatchGeometry::accum: the schedule's m).
+  PipelineLayout pipeline{};
+  int pp_rank = 0;
+  int microbatches = 1;
 };
+
+// The contexts a pipeline rank's StageRunner holds, per chunk of the rank (PipelineLayout::rank_chunks
+// order), over one training step of `microbatches` micro-batches: for each chunk the most of its
+// micro-batches between their Forward and the end of their backward (Backward, or BackwardWeight
+// when the schedule splits it), walking the rank's actions in order. The runner pools contexts per
+// chunk and reuses a free one, so this is what it allocates. `peak` (optional): simulate()'s
+// PipelineTimeline::peak_in_flight of the rank, the most micro-batch chunks in flight at once (with
+// one chunk per rank the same number; interleaved: at most the sum). One stage: {1}.
+std::vector<int> pipeline_contexts(const PipelineLayout& pl, int pp_rank, int microbatches, int* peak = nullptr);
 
 struct MemoryLine {
   std::string name;    // e.g. "AdamW m and v shards"
@@ -76,8 +108,9 @@ struct MemoryPlan {
   std::string format(const std::string& title) const;
 };
 
-// The plan for one rank; every rank's is the same (shards differ by at most one element per unit;
-// the largest is counted). Throws std::invalid_argument naming the option for a bad
+// The plan for one rank; every rank's of a pipeline stage is the same (shards differ by at most one
+// element per unit; the largest is counted). std::invalid_argument when in.pipeline.ranks is not
+// the mesh's pp or pp_rank is outside it. Throws std::invalid_argument naming the option for a bad
 // --activation-checkpointing / --attention / --loss-chunk.
 MemoryPlan plan_memory(const MemoryPlanInput& in);
 

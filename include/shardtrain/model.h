@@ -193,6 +193,25 @@ struct ActivationBytes {
 ActivationBytes activation_bytes(const ModelConfig& c, const ModelOptions& o, int B, int T_, size_t elem_bytes,
                                  size_t acc_bytes, int tp = 1, int cp = 1);
 
+// The backend memory of one LlamaModel<T>::Context over blocks [begin, end) of a model of L blocks
+// (a pipeline chunk; [0, L): the whole model's context), for micro-batches of B x T_ tokens, in
+// bytes: exactly what the model allocates for it at its first forward (ensure_context), with R =
+// B*T_ / tp rows, x = R*C and the per-block part of activation_bytes (per_layer / L; its
+// accumulator arrays in Backend<T>::S: 8 bytes when elem_bytes is 8, else 4):
+//   (end - begin) x per-block kept activations
+//   + elem_bytes x 2x                       the range's output and its residual gradient
+//   + elem_bytes x (x + R)    end == L      the final norm's output and rstd
+//   + 4 x B*T_                begin == 0    the token ids (+ 4 x B*T_ with tp > 1: the embedding
+//                                           slice's rows)
+//   + 4 x B*T_                end == L      the target ids
+//   + 2 x 4 x B*T_            positions and documents, with mask Document or cp > 1
+// Deferred weight gradients (zero-bubble) come on top: deferred_weight_bytes. The model's shared
+// scratch (one per model, however many contexts) is the rest of activation_bytes:
+//   activation_bytes(c, o, B, T_, ...).total() - context_bytes(c, o, B, T_, ..., 0, L, ...).
+// std::invalid_argument when not 0 <= begin <= end <= L.
+int64_t context_bytes(const ModelConfig& c, const ModelOptions& o, int B, int T_, size_t elem_bytes, int begin, int end,
+                      int tp = 1, int cp = 1);
+
 // The memory of one deferred weight gradient (LlamaModel::backward_input, below): the bytes a
 // Context keeps from its backward_input to its backward_weight for a range of `blocks` blocks, for
 // micro-batches of B x T_ tokens (T_: rows per sequence held, T / cp), elem_bytes = sizeof(T), TP

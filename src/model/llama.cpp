@@ -229,6 +229,21 @@ int64_t deferred_weight_bytes(const ModelConfig& c, const ModelOptions& o, int B
   return int64_t{blocks} * static_cast<int64_t>(E) * z.deferred();
 }
 
+int64_t context_bytes(const ModelConfig& c, const ModelOptions& o, int B, int T_, size_t E, int begin, int end, int tp,
+                      int cp) {
+  if (begin < 0 || begin > end || end > c.num_hidden_layers)
+    throw std::invalid_argument("context_bytes: blocks [" + std::to_string(begin) + ", " + std::to_string(end) +
+                                ") are not a range of a model of " + std::to_string(c.num_hidden_layers) + " blocks");
+  const Sizes z(LlamaDims(c, tp, 0, cp).with_batch(B, T_, o.loss_chunk), o);
+  const int64_t e = static_cast<int64_t>(E), a = E == 8 ? 8 : 4;  // Backend<T>::S: double for double, else float
+  const int64_t rest = e * (2 * z.rstd + z.q + 2 * z.kv + z.y + z.x + 2 * z.gi) + a * z.lse;  // as ensure_context
+  const int64_t block =
+      e * z.x + (z.keep_all ? rest : 0) + (z.keep_h ? e * z.gi : 0) + (z.keep_att ? e * z.att : 0);
+  const bool head = end == c.num_hidden_layers, first = begin == 0;
+  return int64_t{end - begin} * block + e * 2 * z.x + (head ? e * (z.x + z.rstd) : 0) +
+         4 * z.BT * ((first ? 1 : 0) + (first && tp > 1 ? 1 : 0) + (head ? 1 : 0)) + 2 * 4 * z.layout;
+}
+
 ActivationBytes activation_bytes(const ModelConfig& c, const ModelOptions& o, int B, int T_, size_t E, size_t A,
                                  int tp, int cp) {
   const Sizes z(LlamaDims(c, tp, 0, cp).with_batch(B, T_, o.loss_chunk), o);

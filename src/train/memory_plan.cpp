@@ -3,7 +3,9 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <memory>
 #include <sstream>
+#include <stdexcept>
 
 #include "shardtrain/parallelize.h"  // rank_unit_plan, sharding_words, checkpoint_layout_rows
 #include "shardtrain/shard.h"
@@ -65,16 +67,35 @@ MemoryPlan plan_memory(const MemoryPlanInput& in) {
   // the TP ranks' are the same size).
   const MeshDims d = in.mesh ? *in.mesh : MeshDims{1, in.world_size, 1, 1};
   const int N = d.tp, G = d.fsdp();  // G: the FSDP shard group, dp_shard x cp
-  const ShardPlan sp = rank_unit_plan(in.model, d);
+  const PipelineLayout& pl = in.pipeline;
+  if (pl.ranks != d.pp || in.pp_rank < 0 || in.pp_rank >= d.pp)
+    throw std::invalid_argument("plan_memory: a pipeline of " + std::to_string(pl.ranks) + " stages (stage " +
+                                std::to_string(in.pp_rank) + ") on a mesh of pp " + std::to_string(d.pp));
+  const bool pp = pl.ranks > 1;
+  const ShardPlan sp = pp ? rank_unit_plan(in.model, d, 0, &pl, in.pp_rank) : rank_unit_plan(in.model, d);
   int64_t shard = 0;
   for (auto& u : sp.units) shard += u.shard_size;
+  // The stage's words: "stage 1 of 4 (blocks [8, 16))", its chunks' blocks, embedding and head.
+  std::string stage_words;
+  int64_t stage_params = 0;  // the stage's parameters, whole (its units before TP and sharding)
+  if (pp) {
+    stage_params = ShardPlan::build(pipeline_rank_units(in.model, pl, in.pp_rank).units, 1).total_numel();
+    stage_words = "stage " + std::to_string(in.pp_rank) + " of " + std::to_string(pl.ranks) + ": blocks";
+    for (int c : pl.rank_chunks(in.pp_rank)) {
+      const int b = pl.bounds[static_cast<size_t>(c)], e = pl.bounds[static_cast<size_t>(c) + 1];
+      stage_words += " [" + std::to_string(b) + ", " + std::to_string(e) + ")" + (b == 0 ? " + embedding" : "") +
+                     (e == in.model.num_hidden_layers ? " + head" : "");
+    }
+  }
   const int64_t maxp = sp.max_padded_numel(), maxs = sp.max_shard_size();
   const bool bf = in.precision == Precision::BF16;
   MemoryPlan p;
   auto add = [&](std::string name, int64_t bytes, std::string detail) {
     p.lines.push_back({std::move(name), bytes, std::move(detail), false});
   };
-  const std::string sh = with_commas(shard) + " shard elements (" + with_commas(in.model.num_params()) + " / " +
+  const std::string sh = with_commas(shard) + " shard elements (" +
+                         (pp ? with_commas(stage_params) + " of " + stage_words + "; / "
+                             : with_commas(in.model.num_params()) + " / ") +
                          sharding_words(d) + ", padded)";
   add("fp32 parameter shards", 4 * shard, "4 B x " + sh);
   add("fp32 gradient shards", 4 * shard, "4 B x " + sh);
@@ -153,19 +174,74 @@ MemoryPlan plan_memory(const MemoryPlanInput& in) {
   const std::string geo = cpm.rows_words + ", " + recompute_name(mo.recompute) + " recompute, " +
                           attention_name(mo.attention) + " attention" +
                           (mo.mask == AttentionMask::Document ? ", document mask" : "");
-  add("activations kept for backward", a.per_layer,
-      std::to_string(in.model.num_hidden_layers) + " blocks, " + geo +
-          (N > 1 ? ", TP " + std::to_string(N) + ": the residual stream's rows and the heads / MLP split" : ""));
+  const std::string logits_words =
+      "chunk of " + std::to_string(std::min<int64_t>(mo.loss_chunk > 0 ? mo.loss_chunk : default_loss_chunk(vl), rows)) +
+      " tokens x " + with_commas(vl) + (N > 1 ? " vocabulary rows of this TP rank" : " vocabulary");
+  if (!pp) {
+    add("activations kept for backward", a.per_layer,
+        std::to_string(in.model.num_hidden_layers) + " blocks, " + geo +
+            (N > 1 ? ", TP " + std::to_string(N) + ": the residual stream's rows and the heads / MLP split" : ""));
+  } else {
+    // The contexts in flight (pipeline_contexts: pooled per chunk), each its chunk's context_bytes,
+    // + its deferred weight-gradient inputs under zero-bubble.
+    int peak = 0;
+    const std::vector<int> held = pipeline_contexts(pl, in.pp_rank, in.microbatches, &peak);
+    const std::vector<int> chunks = pl.rank_chunks(in.pp_rank);
+    const bool zb = pl.kind == PipelineKind::ZeroBubble;
+    const size_t es = bf ? 2 : 4;
+    int64_t ctx_total = 0, def_total = 0;
+    int nctx = 0;
+    std::string per;
+    for (size_t j = 0; j < chunks.size(); ++j) {
+      const int b = pl.bounds[static_cast<size_t>(chunks[j])], e = pl.bounds[static_cast<size_t>(chunks[j]) + 1];
+      const int64_t cb = context_bytes(in.model, mo, B, cpm.rows, es, b, e, N, d.cp);
+      const int64_t db = zb ? deferred_weight_bytes(in.model, mo, B, cpm.rows, es, e - b, N, d.cp) : 0;
+      ctx_total += held[j] * cb;
+      def_total += held[j] * db;
+      nctx += held[j];
+      char mib[32];
+      std::snprintf(mib, sizeof mib, "%.1f MiB", static_cast<double>(cb) / (1 << 20));
+      per += std::string(j ? "; " : "") + (chunks.size() > 1 ? "chunk " + std::to_string(chunks[j]) + ": " : "") +
+             std::to_string(held[j]) + " x " + mib + " (" + std::to_string(e - b) + " blocks" +
+             (b == 0 ? " + embedding ids" : "") + (e == in.model.num_hidden_layers ? " + final norm, targets" : "") +
+             ")";
+    }
+    add("activations: " + std::to_string(nctx) + " micro-batch chunks in flight (" + pipeline_kind_name(pl.kind) +
+            (pl.chunks_per_rank > 1 ? " v " + std::to_string(pl.chunks_per_rank) : "") + ", stage " +
+            std::to_string(in.pp_rank) + " of " + std::to_string(pl.ranks) + ", " + std::to_string(in.microbatches) +
+            " micro-batches)",
+        ctx_total,
+        per + "; " + geo + (chunks.size() > 1 ? "; pooled per chunk, simulate's peak at once " + std::to_string(peak) : ""));
+    if (zb)
+      add("deferred weight-gradient inputs (zero-bubble)", def_total,
+          std::to_string(nctx) + " contexts x deferred_weight_bytes of their blocks: kept by each context once used");
+  }
   if (cpm.kv_bytes) add(cpm.kv_name, cpm.kv_bytes, cpm.kv_detail);
   if (!in.cuda && cpm.mpi_reduce_scatter_bytes)  // the host Comm's MPI_Ireduce_scatter_block (parallelize.h CpMemory)
     add("MPI buffers of the CP reduce-scatter", cpm.mpi_reduce_scatter_bytes,
         "Open MPI's non-blocking reduce-scatter of dK and dV reduces to the CP group's first rank, "
         "which holds " + std::string(d.cp > 2 ? "2 temporaries" : "1 temporary") + " of each");
   if (a.recompute) add("recomputed block activations", a.recompute, "one block at a time");
-  add("block scratch and activation gradients", a.block_scratch, "shared by the blocks");
-  add("head: final norm, logits chunk, ids, RoPE", a.head,
-      "chunk of " + std::to_string(std::min<int64_t>(mo.loss_chunk > 0 ? mo.loss_chunk : default_loss_chunk(vl), rows)) +
-          " tokens x " + with_commas(vl) + (N > 1 ? " vocabulary rows of this TP rank" : " vocabulary"));
+  if (!pp) {
+    add("block scratch and activation gradients", a.block_scratch, "shared by the blocks");
+    add("head: final norm, logits chunk, ids, RoPE", a.head, logits_words);
+  } else {
+    const size_t es = bf ? 2 : 4;
+    const int64_t scratch = a.total() - a.recompute -
+                            context_bytes(in.model, mo, B, cpm.rows, es, 0, in.model.num_hidden_layers, N, d.cp);
+    add("model scratch: activation gradients, logits chunk, RoPE", scratch,
+        "shared by every context: activation_bytes less a whole-model context; " + logits_words);
+    const int64_t rc = rows / N * in.model.hidden_size;  // [R, C]: the micro-batch's rows of this rank
+    add("pipeline receive buffers", 2 * static_cast<int64_t>(es) * rc,
+        "input and output gradient, 2 x " + std::to_string(es) + " B x " + with_commas(rc) + " ([R, C])");
+    // The first stage's embedding and the last's copy for the tied head (RankUnits::embedding).
+    const RankUnits ru = pipeline_rank_units(in.model, pl, in.pp_rank, N, 0);
+    if (in.model.tie_word_embeddings && ru.embedding >= 0) {
+      const int64_t ne = sp.units[static_cast<size_t>(ru.embedding)].shard_size;
+      add("tied embedding gradient receive buffer", 4 * ne,
+          "4 B x " + with_commas(ne) + ": the other end's shard, summed after backward (sum_tied_grads)");
+    }
+  }
   if (!in.cuda && in.data_tokens)
     add("token data", static_cast<int64_t>(in.data_tokens) * in.token_bytes,
         with_commas(static_cast<int64_t>(in.data_tokens)) + " tokens x " + std::to_string(in.token_bytes) +
@@ -174,6 +250,33 @@ MemoryPlan plan_memory(const MemoryPlanInput& in) {
     add(in.cuda ? "CUDA runtime (context, cuBLAS, NCCL)" : "process before allocation (libraries, MPI, threads)",
         in.runtime_bytes, in.cuda ? "estimate" : "VmRSS measured");
   return p;
+}
+
+std::vector<int> pipeline_contexts(const PipelineLayout& pl, int pp_rank, int microbatches, int* peak) {
+  if (pl.ranks <= 1) {
+    if (peak) *peak = 1;
+    return {1};
+  }
+  const std::unique_ptr<Schedule> s = pl.schedule(microbatches);
+  const std::vector<int> chunks = pl.rank_chunks(pp_rank);
+  std::vector<int> now(chunks.size(), 0), most(chunks.size(), 0);
+  bool split = false;
+  const std::vector<Action> all = s->actions();
+  for (const Action& a : all) split = split || (a.stage == pp_rank && a.kind == ActionKind::BackwardWeight);
+  for (const Action& a : all) {
+    if (a.stage != pp_rank) continue;
+    const size_t j = static_cast<size_t>(a.chunk / pl.ranks);
+    if (a.kind == ActionKind::Forward) most[j] = std::max(most[j], ++now[j]);
+    if (a.kind == ActionKind::BackwardWeight || (a.kind == ActionKind::Backward && !split) ||
+        (a.kind == ActionKind::BackwardInput && !split))
+      --now[j];
+  }
+  if (peak) {
+    const PipelineTimeline t = simulate(*s, {ActionTimes{}});
+    if (!t.error.empty()) throw std::logic_error("pipeline_contexts: " + t.error);
+    *peak = t.peak_in_flight[static_cast<size_t>(pp_rank)];
+  }
+  return most;
 }
 
 int largest_fitting_micro_batch(MemoryPlanInput in, int64_t device_bytes, int max_micro_batch) {

@@ -243,10 +243,24 @@ template <typename C> void Trainer<C>::log_memory_plan() {
   mi.stream_lane = eng_.mesh.shard_data().stream_ordered();
   mi.runtime_bytes = mi.cuda ? kGpuRuntimeEstimate : current_rss_bytes();
   comm_.all_reduce(&mi.runtime_bytes, 1, ReduceOp::Max);
+  // With a pipeline each rank plans its own stage (its units, its contexts in flight); rank 0 logs
+  // every stage's plan (pure arithmetic: the same on every rank).
+  mi.pipeline = pipeline_;
+  mi.pp_rank = mesh_.coord().pp;
+  mi.microbatches = geo_.accum;
   const MemoryPlan plan = plan_memory(mi);
   plan_total_ = plan.total();
-  log_info(comm_, plan.format("memory plan per rank (" + std::string(mi.cuda ? "device" : "host") +
-                              " memory; --mode plan prints it without a launch):"));
+  const std::string mem = std::string(mi.cuda ? "device" : "host") + " memory; --mode plan prints it without a launch";
+  if (pipeline_.ranks == 1) {
+    log_info(comm_, plan.format("memory plan per rank (" + mem + "):"));
+    return;
+  }
+  for (int s = 0; s < pipeline_.ranks; ++s) {
+    MemoryPlanInput ms = mi;
+    ms.pp_rank = s;
+    log_info(comm_, plan_memory(ms).format("memory plan per rank of pipeline stage " + std::to_string(s) + " of " +
+                                           std::to_string(pipeline_.ranks) + " (" + mem + "):"));
+  }
 }
 
 // Allocation depends on local success: agree on it, and say what did not fit.
@@ -806,10 +820,32 @@ template <typename C> void Trainer<C>::report_memory() {
   comm_.all_gather(&mine, hwm.data(), 1);
   std::string per;
   for (int r = 0; r < W_; ++r) per += (r ? ", " : "") + fmt("%.0f", static_cast<double>(hwm[r]) / (1 << 20));
-  const int64_t mx = *std::max_element(hwm.begin(), hwm.end());
-  const double plan = static_cast<double>(plan_total_);
-  log_info(comm_, "memory: peak resident (VmHWM) per rank " + per + " MiB; plan " + fmt("%.0f", plan / (1 << 20)) +
-                      " MiB (largest rank " + fmt("%+.1f", 100.0 * (static_cast<double>(mx) / plan - 1.0)) + "%)");
+  if (pipeline_.ranks == 1) {
+    const int64_t mx = *std::max_element(hwm.begin(), hwm.end());
+    const double plan = static_cast<double>(plan_total_);
+    log_info(comm_, "memory: peak resident (VmHWM) per rank " + per + " MiB; plan " + fmt("%.0f", plan / (1 << 20)) +
+                        " MiB (largest rank " + fmt("%+.1f", 100.0 * (static_cast<double>(mx) / plan - 1.0)) + "%)");
+    return;
+  }
+  // A pipeline: each rank against its own stage's plan (every rank's plan total gathered), per stage
+  // the largest of its ranks.
+  std::vector<int64_t> plans(static_cast<size_t>(W_));
+  comm_.all_gather(&plan_total_, plans.data(), 1);
+  std::string stages;
+  for (int s = 0; s < pipeline_.ranks; ++s) {
+    int64_t mx = 0, plan = 0;
+    for (int r = 0; r < W_; ++r)
+      if (mesh_.layout().coord(r).pp == s) {
+        mx = std::max(mx, hwm[static_cast<size_t>(r)]);
+        plan = plans[static_cast<size_t>(r)];
+      }
+    stages += (s ? "; " : "") + std::string("stage ") + std::to_string(s) + " peak " +
+              fmt("%.0f", static_cast<double>(mx) / (1 << 20)) + " MiB, plan " +
+              fmt("%.0f", static_cast<double>(plan) / (1 << 20)) + " MiB (" +
+              fmt("%+.1f", 100.0 * (static_cast<double>(mx) / static_cast<double>(plan) - 1.0)) + "%)";
+  }
+  log_info(comm_, "memory: peak resident (VmHWM) per rank " + per + " MiB; per pipeline stage (largest rank vs its "
+                  "stage's plan): " + stages);
 }
 
 // The loop: step, log, evaluate (every --eval-every steps and at the end), save (every
