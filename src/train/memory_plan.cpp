@@ -232,8 +232,11 @@ MemoryPlan plan_memory(const MemoryPlanInput& in) {
     add("model scratch: activation gradients, logits chunk, RoPE", scratch,
         "shared by every context: activation_bytes less a whole-model context; " + logits_words);
     const int64_t rc = rows / N * in.model.hidden_size;  // [R, C]: the micro-batch's rows of this rank
-    add("pipeline receive buffers", 2 * static_cast<int64_t>(es) * rc,
-        "input and output gradient, 2 x " + std::to_string(es) + " B x " + with_commas(rc) + " ([R, C])");
+    // StageLink: two receive buffers per direction (one posted ahead), and its send buffers, one per
+    // send in flight (counted as two: one each way; more only while the network lags behind).
+    add("pipeline receive and send buffers", 6 * static_cast<int64_t>(es) * rc,
+        "inputs and output gradients received, 2 each, and 2 send buffers: 6 x " + std::to_string(es) + " B x " +
+            with_commas(rc) + " ([R, C])");
     // The first stage's embedding and the last's copy for the tied head (RankUnits::embedding).
     const RankUnits ru = pipeline_rank_units(in.model, pl, in.pp_rank, N, 0);
     if (in.model.tie_word_embeddings && ru.embedding >= 0) {

@@ -127,8 +127,8 @@ TEST(PpPlan, ActivationsAreContextsTimesContextBytesAndZeroBubbleAddsDeferred) {
     EXPECT_EQ(line_starting(one, "activations: " + std::to_string(p - s) + " micro-batch chunks in flight (1f1b"),
               (p - s) * ctx);
     EXPECT_EQ(line_starting(one, "deferred weight-gradient inputs"), -1);
-    // Two [R, C] bf16 receive buffers: R = 1 x 1024 rows, C = 4096.
-    EXPECT_EQ(line_starting(one, "pipeline receive buffers"), 2 * 2 * 1024 * 4096);
+    // Four [R, C] bf16 receive buffers and two send buffers: R = 1 x 1024 rows, C = 4096.
+    EXPECT_EQ(line_starting(one, "pipeline receive and send buffers"), 6 * 2 * 1024 * 4096);
     MemoryPlanInput zin = input(mc, p, PipelineKind::ZeroBubble, 1, m, s);
     const MemoryPlan zb = plan_memory(zin);
     const int held = pipeline_contexts(zin.pipeline, s, m)[0];
