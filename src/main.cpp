@@ -499,7 +499,12 @@ void run_inspect(Comm& comm, const Options& o) {
      << (info.metadata_verified ? "every attribute and table matches its CRC32 (metadata_crc32)"
                                 : "format version 1: attributes not checksummed")
      << "; tensor data is verified when loaded (--dump-param)\n";
-  if (info.cp > 1)
+  if (info.pp > 1) {
+    os << "  saved by a pipeline-parallel run: " << saved_layout_words(info) << " (attributes 'mesh' and 'pipeline', "
+       << "chunk bounds [";
+    for (size_t i = 0; i < info.pp_bounds.size(); ++i) os << (i ? ", " : "") << info.pp_bounds[i];
+    os << "]; each unit written by the ranks of its stage; docs/checkpoint-format.md, version 6)\n";
+  } else if (info.cp > 1)
     os << "  saved by a context-parallel run: " << saved_layout_words(info) << " (attribute 'mesh'; "
        << (info.tp > 1 ? "the tensors are canonical, in rows of its world" : "the rows of its shard group, dp_shard x cp")
        << "; docs/checkpoint-format.md, version 5)\n";
@@ -509,7 +514,7 @@ void run_inspect(Comm& comm, const Options& o) {
        << " ranks (docs/checkpoint-format.md, version 4)\n";
   for (auto& u : info.units) {
     os << "  unit " << u.name << ": numel " << u.numel << ", shard_size " << u.shard_size << ", padded_numel "
-       << u.padded_numel << "\n";
+       << u.padded_numel << (u.stage >= 0 ? ", stage " + std::to_string(u.stage) : std::string()) << "\n";
     if (info.tp > 1) {
       os << "    TP-local buffer " << u.tp.local_numel << " elements, shard_size " << u.tp.local_shard_size
          << " over " << (info.cp > 1 ? "dp_shard x cp " : "dp_shard ") << u.tp.shards.size() << "; tp_table (split, degree, padded_rows, local_offset):";

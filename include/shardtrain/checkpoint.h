@@ -45,7 +45,9 @@ namespace shardtrain {
 // a note), version 1 and 2 files with empty spike statistics; saves always write version 3.
 // Version 4 (--tp N > 1) adds the TP record, version 5 (--cp C > 1) the saving run's mesh with cp
 // (attribute `mesh`; docs/checkpoint-format.md, "Version 5"). Files of versions 1 to 4 read with cp = 1.
-inline constexpr int kCheckpointFormatVersion = 5;  // the newest read; a run writes 3, 4 (--tp) or 5 (--cp)
+// Version 6 (--pp P > 1) adds the pipeline record (attribute `pipeline`, `mesh` with pp, unit
+// attribute `stage`; docs/checkpoint-format.md, "Version 6"). Files of versions 1 to 5 read with pp = 1.
+inline constexpr int kCheckpointFormatVersion = 6;  // the newest read; a run writes 3, 4 (--tp), 5 (--cp) or 6 (--pp)
 
 // Per-unit tables as stored.
 // Version 4 (docs/checkpoint-format.md): how a tensor-parallel run held one unit. `params`: per
@@ -67,10 +69,42 @@ struct TpRecord {
 // The record of a run with these TP plans (TpCheckpointLayout::tp_plans) and mesh.
 TpRecord tp_record(const std::vector<ShardPlan>& tp_plans, const MeshDims& dims);
 
+// ---- Pipeline parallelism (format version 6) ---------------------------------------------------
+//
+// Under --pp P a rank holds only the units of its pipeline rank's chunks (pipeline.h
+// pipeline_rank_units, in that rank's order), and the last stage of a tied model also a copy of the
+// embedding. The file holds the whole model's units once: unit u is written by the ranks of stage
+// pipeline_unit_stage(bounds, P, u) (the tied embedding by the first stage), rows of that stage's
+// plan (a stage's ranks as a file of one stage would hold them: its shard group, or under TP its
+// canonical rows); every other rank joins each collective HDF5 call with empty selections. A load
+// reads only the units this rank holds, the tied copy too, from the one stored tensor.
+
+// The stage (pipeline rank) that holds model unit `u` (0: the embedding, 1..L: block u-1, L+1: the
+// final norm and untied head) in a pipeline of `pp` ranks over the chunk boundaries `bounds` (S + 1
+// numbers over L blocks, chunk c on pipeline rank c mod pp): the embedding is chunk 0's, a block
+// its chunk's, the final norm chunk S-1's. -1 when `u` is not a unit of L + 2.
+int pipeline_unit_stage(const std::vector<int>& bounds, int pp, int u);
+
+// What a rank of a pipeline stage saves and loads, beside its own tensors (ShardedTensors::stage).
+struct StageUnits {
+  // The record (attribute `pipeline`): stages, chunks per stage, the schedule's name, the chunk
+  // boundaries (S + 1 numbers, S = pp x chunks_per_rank).
+  int pp = 1, chunks_per_rank = 1;
+  std::string schedule;
+  std::vector<int> bounds;
+  ShardPlan file_plan;            // the whole model's units at the file's rows (world size: the rank's plan's)
+  std::vector<int> unit_stage;    // [unit of file_plan] the stage that writes it (unit attribute `stage`)
+  std::vector<int> file_unit;     // [unit of the rank's plan] its index in file_plan
+  std::vector<char> tied_copy;    // [unit of the rank's plan] 1: the last stage's copy of the tied
+                                  // embedding: loaded, not written; at save its checksums must equal
+                                  // the written copy's, row for row, or the save is refused
+};
+
 struct CheckpointUnitInfo {
   std::string name;
   int64_t numel = 0, shard_size = 0, padded_numel = 0;
   TpUnitRecord tp;                    // version 4: the saving run's TP record of this unit
+  int stage = -1;                     // version 6: attribute `stage`, the pipeline rank that wrote it; -1 before
   std::vector<RankShard> ranks;       // the shard table, one row per saving rank
   std::vector<ParamSlot> params;      // the parameter table (name, shape, offset, numel)
   // [world][C], C = checkpoint_tensor_names().size(): CRC32 of each saving rank's slice of each
@@ -98,6 +132,11 @@ struct CheckpointInfo {
   // Version 4: the saving run's mesh (attribute `tensor_parallel`); tp = 1 for older versions.
   // Version 5: the same from attribute `mesh`, with cp (tp may be 1); cp = 1 for older versions.
   int tp = 1, tp_dp_shard = 0, tp_dp_replicate = 0, cp = 1;
+  // Version 6: `mesh`'s pp and attribute `pipeline` (chunks per stage, schedule, chunk boundaries);
+  // pp = 1 and no bounds for older versions.
+  int pp = 1, pp_virtual = 1;
+  std::string pp_schedule;
+  std::vector<int> pp_bounds;
 };
 
 struct CheckpointOptions {
@@ -212,6 +251,9 @@ struct ShardedTensors {
   int plan_rank = 0;                  // this rank's row of every unit
   Backend<float>* backend = nullptr;  // where the shards live (to_host / from_host)
   std::vector<ShardedTensor> tensors;
+  // Pipeline parallelism: the plan holds this rank's stage's units only (its own order), and this
+  // says where each goes in the file (format version 6); nullptr: the plan is the whole model's.
+  std::shared_ptr<const StageUnits> stage;
 };
 
 // The parameter shards of `f` as the tensor "params" (its plan, plan rank and backend).
@@ -323,6 +365,9 @@ struct CheckpointSnapshot {
   // A tensor-parallel run's record (tp > 1): the file is format version 4 with its tables; the
   // tensors are the canonical rows (TpCheckpointLayout). tp = 1: version 3.
   TpRecord tp;
+  // A pipeline stage's snapshot (format version 6): `plan` holds the stage's units; the file the
+  // whole model's (StageUnits). nullptr: version 3 to 5, the plan is the file's.
+  std::shared_ptr<const StageUnits> stage;
   struct Tensor {
     std::string name;
     std::vector<std::vector<float>> shards;  // [unit] plan.units[u].shard_size floats (a copy)
@@ -364,6 +409,12 @@ CheckpointSnapshot take_checkpoint_snapshot(const ShardedTensors& t, const Model
 // (throws std::invalid_argument, on every rank alike, before any collective, if not). Row r of
 // every unit comes from the rank with plan_rank r and write_shards true. Refuses up front when the
 // directory has too little space. Throws CollectiveError naming the file (disk full, HDF5 failure).
+// Snapshots of pipeline stages (snap.stage, every rank's or none's): format version 6, the whole
+// model's units (stage->file_plan), unit u's row r from the rank of stage unit_stage[u] that holds
+// u (not as a tied copy) with plan_rank r and write_shards true; the ranks that do not hold u write
+// empty selections. The tied copies' slice checksums must equal the written ones: otherwise every
+// rank throws the same CollectiveError naming the unit, tensor and row, and the file is removed
+// (the copies are identical by construction: a difference is a bug, never published).
 void write_checkpoint_file(Comm& comm, const std::string& path, const CheckpointSnapshot& snap);
 
 // Collective. Writes `snap` (of step N = snap.state.step) to "<dir>/.step_N.h5.<tag>.tmp" (tag:
@@ -529,6 +580,10 @@ void check_checkpoint_layout(const CheckpointInfo& info, const ShardPlan& plan);
 // shape and offset as expected; the CRC32 of every saved slice that this rank loads, plus a share
 // of the others so that every slice is verified. `info`, when given, is the already read metadata
 // of `path` (it is read otherwise). Returns the state the file records (saved_world_size set).
+// A pipeline stage's tensors (into.stage set): the file must hold every unit of the whole model
+// (stage->file_plan, checked as above), and this rank reads only the units of its plan, found by
+// name (a tied copy reads the one stored embedding), from a file of any version and any saving
+// mesh; a stage-less `into` reads a version 6 file like any other (every unit).
 TrainState load_checkpoint(Comm& comm, const std::string& path, const ShardedTensors& into, const ModelConfig& mc,
                            const CheckpointInfo* info = nullptr);
 

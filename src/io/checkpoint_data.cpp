@@ -125,6 +125,7 @@ CheckpointSnapshot take_checkpoint_snapshot(const ShardedTensors& t, const Model
   s.state = state;
   s.model_config = canonical_json(mc);
   s.train_config = train_config;
+  s.stage = t.stage;
   for (size_t k = 0; k < t.tensors.size(); ++k) {
     const ShardedTensor& x = t.tensors[k];
     CheckpointSnapshot::Tensor c{x.name, {}, {}};
@@ -168,7 +169,7 @@ uint64_t checkpoint_file_bound(const CheckpointSnapshot& snap) {
     b += 8u << 10;
     for (auto& [name, bytes] : st.tokenizer.files) b += (2u << 10) + name.size() + bytes.size();
   }
-  for (auto& up : snap.plan.units)
+  for (auto& up : (snap.stage ? snap.stage->file_plan : snap.plan).units)
     b += (8u << 10) + 256 * up.params.size() + W * (24 + 4 * C) + C * 4 * static_cast<uint64_t>(up.padded_numel);
   return b;
 }
@@ -345,12 +346,11 @@ std::string hdf5_write_error(const WriteContext& c, const char* when) {
          std::to_string(hw.offset) + when + ") failed: " + std::strerror(hw.err) + (free.empty() ? "" : " (" + free + ")");
 }
 
-// Unit u's tensors: one flat dataset each (created by every rank, so that the ranks' HDF5 metadata
+// A unit's tensors: one flat dataset each (created by every rank, so that the ranks' HDF5 metadata
 // stays identical), into which this rank writes its plan row r of S elements (valid, then zero
-// padding) at r*S when it is the row's writer. Records its first failure in `fail`.
-void write_unit_rows(WriteContext& c, hid_t g, const UnitPlan& up, size_t u,
-                     const std::vector<const CheckpointSnapshot::Tensor*>& cols, int r, bool writer, hid_t dxpl,
-                     std::optional<DirectFileWriter>& rows_out, std::string& fail) {
+// padding; src[k]: tensor k's) at r*S when it is the row's writer. Records its first failure in `fail`.
+void write_unit_rows(WriteContext& c, hid_t g, const UnitPlan& up, const std::vector<const float*>& src, int r,
+                     bool writer, hid_t dxpl, std::optional<DirectFileWriter>& rows_out, std::string& fail) {
   const std::vector<std::string>& names = checkpoint_tensor_names();
   const size_t C = names.size();
   const hsize_t S = static_cast<hsize_t>(up.shard_size);
@@ -364,13 +364,13 @@ void write_unit_rows(WriteContext& c, hid_t g, const UnitPlan& up, size_t u,
     hsize_t start[1] = {static_cast<hsize_t>(r) * S}, count[1] = {S};
     H5Sselect_hyperslab(fsp, H5S_SELECT_SET, start, nullptr, count, nullptr);
     H5Id msp(H5Screate_simple(1, count, nullptr), H5Sclose);
-    if (!writer) {  // another replica group: same shard, written by replica group 0
+    if (!writer) {  // another replica group (same shard, written by replica group 0), or another stage's unit
       H5Sselect_none(fsp);
       H5Sselect_none(msp);
     }
     // A failed write (disk full, EIO) may fail on this rank only. The other tensors' datasets
     // are still created (the ranks' HDF5 metadata stays identical, for the close).
-    const float* rows = cols[k]->rows(u);
+    const float* rows = src[k];
     // The rows themselves: at the dataset's file offset (contiguous layout, allocated at
     // creation: parallel HDF5 allocates early), by DirectFileWriter, past the page cache
     // (direct_io.h says why); through H5Dwrite only if HDF5 gives no offset. Either way the
@@ -399,20 +399,30 @@ void write_unit_rows(WriteContext& c, hid_t g, const UnitPlan& up, size_t u,
   }
 }
 
+// What a rank is to one unit's rows at a save.
+enum UnitRole : uint64_t {
+  kAbsent = 0,   // another pipeline stage's unit: no rows here
+  kWriter = 1,   // writes its plan row
+  kReplica = 2,  // holds a copy of a written row (another replica group): compared, a difference warned of
+  kTiedCopy = 3, // the last stage's copy of the tied embedding: compared, a difference refuses the save
+};
+
 // Collective. The [W, C] checksum table of unit `up` from every rank's `my_crc`: every rank's
-// checksums, with its plan row and whether it wrote: row r of the [W, C] table comes from the rank
-// that wrote plan row r (CheckpointSnapshot::write_shards; the mesh says which). Hybrid sharding:
+// checksums, with its plan row and its role: row r of the [W, C] table comes from the rank that
+// wrote plan row r (CheckpointSnapshot::write_shards; the mesh says which). Hybrid sharding:
 // every other rank of row r (another replica group) must repeat them (identical replicas); the
-// first that does not is described in `diverged` (if still empty). Throws std::logic_error if a
+// first that does not is described in `diverged` (if still empty). A tied copy (pipeline) that
+// does not repeat them is described in `tied` (if still empty). Throws std::logic_error if a
 // plan row has no writer or more than one.
-std::vector<uint32_t> gather_unit_checksums(Comm& comm, const UnitPlan& up, int W, int r, bool writer,
-                                            const std::vector<uint64_t>& my_crc, std::string& diverged) {
+std::vector<uint32_t> gather_unit_checksums(Comm& comm, const UnitPlan& up, int W, int r, UnitRole role,
+                                            const std::vector<uint64_t>& my_crc, std::string& diverged,
+                                            std::string& tied) {
   const std::vector<std::string>& names = checkpoint_tensor_names();
   const size_t C = names.size();
   const size_t E = C + 2;  // per rank: plan row, writer, C checksums
   std::vector<uint64_t> mine(E), all(static_cast<size_t>(comm.world_size()) * E);
   mine[0] = static_cast<uint64_t>(r);
-  mine[1] = writer ? 1 : 0;
+  mine[1] = role;
   std::copy(my_crc.begin(), my_crc.end(), mine.begin() + 2);
   comm.all_gather(mine.data(), all.data(), E);
   const size_t WC = static_cast<size_t>(W) * C;
@@ -420,7 +430,7 @@ std::vector<uint32_t> gather_unit_checksums(Comm& comm, const UnitPlan& up, int 
   std::vector<int> wrote(static_cast<size_t>(W), -1);  // plan row -> the global rank that wrote it
   for (int q = 0; q < comm.world_size(); ++q) {
     const uint64_t* e = all.data() + static_cast<size_t>(q) * E;
-    if (e[1] == 0) continue;
+    if (e[1] != kWriter) continue;
     if (e[0] >= static_cast<uint64_t>(W) || wrote[e[0]] >= 0)
       throw std::logic_error("write_checkpoint_file: plan row " + std::to_string(e[0]) + " written by more than one rank");
     wrote[e[0]] = q;
@@ -429,12 +439,17 @@ std::vector<uint32_t> gather_unit_checksums(Comm& comm, const UnitPlan& up, int 
   for (int row = 0; row < W; ++row)
     if (wrote[static_cast<size_t>(row)] < 0)
       throw std::logic_error("write_checkpoint_file: no rank writes plan row " + std::to_string(row));
-  for (int q = 0; q < comm.world_size() && diverged.empty(); ++q) {
+  for (int q = 0; q < comm.world_size(); ++q) {
     const uint64_t* e = all.data() + static_cast<size_t>(q) * E;
-    for (size_t k = 0; k < C && diverged.empty(); ++k)
-      if (e[1] == 0 && static_cast<uint32_t>(e[2 + k]) != crc32s[e[0] * C + k])
-        diverged = "unit '" + up.name + "', " + names[k] + " of shard rank " + std::to_string(e[0]) + ": global rank " +
-                   std::to_string(q) + " differs from rank " + std::to_string(wrote[e[0]]);
+    if (e[1] != kReplica && e[1] != kTiedCopy) continue;
+    std::string& out = e[1] == kTiedCopy ? tied : diverged;
+    for (size_t k = 0; k < C && out.empty(); ++k)
+      if (static_cast<uint32_t>(e[2 + k]) != crc32s[e[0] * C + k]) {
+        char b[64];
+        std::snprintf(b, sizeof b, " (CRC32 %08x, written %08x)", static_cast<unsigned>(e[2 + k]), crc32s[e[0] * C + k]);
+        out = "unit '" + up.name + "', " + names[k] + " of shard rank " + std::to_string(e[0]) + ": global rank " +
+              std::to_string(q) + " differs from rank " + std::to_string(wrote[e[0]]) + (e[1] == kTiedCopy ? b : "");
+      }
   }
   return crc32s;
 }
@@ -487,9 +502,28 @@ void write_checkpoint_file(Comm& comm, const std::string& tmp_path, const Checkp
   // sharding), each plan row written by the one rank whose snapshot says write_shards (who writes
   // is the mesh's decision, Mesh::writes_checkpoint). The ranks of the other replica groups hold
   // identical shards: they take part in every HDF5 call with empty selections.
-  const ShardPlan& plan = snap.plan;
+  // A pipeline stage (snap.stage) holds some units of the file's: `local` maps each file unit to
+  // the snapshot's (-1: another stage's).
+  const StageUnits* su = snap.stage.get();
+  const ShardPlan& plan = su ? su->file_plan : snap.plan;
   const int W = plan.world_size, r = snap.plan_rank;
   const bool writer = snap.write_shards;
+  std::vector<int> local(plan.units.size(), -1);
+  if (su) {
+    if (su->file_unit.size() != snap.plan.units.size() || su->tied_copy.size() != snap.plan.units.size() ||
+        su->unit_stage.size() != plan.units.size() || plan.world_size != snap.plan.world_size)
+      throw std::invalid_argument("write_checkpoint_file: the stage's units do not fit the snapshot");
+    for (size_t i = 0; i < snap.plan.units.size(); ++i) {
+      const int u = su->file_unit[i];
+      if (u < 0 || static_cast<size_t>(u) >= plan.units.size() || plan.units[static_cast<size_t>(u)].shard_size !=
+                                                                       snap.plan.units[i].shard_size)
+        throw std::invalid_argument("write_checkpoint_file: stage unit '" + snap.plan.units[i].name +
+                                    "' does not fit the file's plan");
+      local[static_cast<size_t>(u)] = static_cast<int>(i);
+    }
+  } else {
+    for (size_t u = 0; u < plan.units.size(); ++u) local[u] = static_cast<int>(u);
+  }
   const std::vector<std::string>& names = checkpoint_tensor_names();
   const size_t C = names.size();
   const std::vector<const CheckpointSnapshot::Tensor*> cols = snapshot_columns(snap);
@@ -548,22 +582,37 @@ void write_checkpoint_file(Comm& comm, const std::string& tmp_path, const Checkp
       if (!snap.state.tokenizer.kind.empty()) write_tokenizer_group(comm, file, ms, snap.state.tokenizer, dxpl);
     });
     all_ok(comm, fail.empty(), fail);
-    std::string diverged;
+    std::string diverged, tied;
+    static const float kNoRows = 0;  // a unit this rank does not hold: an empty selection's buffer
     for (size_t u = 0; u < plan.units.size(); ++u) {
       const UnitPlan& up = plan.units[u];
       const hsize_t S = static_cast<hsize_t>(up.shard_size);
-      std::vector<uint64_t> my_crc(C);
-      for (size_t k = 0; k < C; ++k) my_crc[k] = crc32_of(cols[k]->rows(u), S);
+      const int i = local[u];
+      const bool copy = su && i >= 0 && su->tied_copy[static_cast<size_t>(i)];
+      const UnitRole role = i < 0 ? kAbsent : copy ? (writer ? kTiedCopy : kReplica) : writer ? kWriter : kReplica;
+      std::vector<uint64_t> my_crc(C, 0);
+      std::vector<const float*> src(C, &kNoRows);
+      if (i >= 0)
+        for (size_t k = 0; k < C; ++k) {
+          src[k] = cols[k]->rows(static_cast<size_t>(i));
+          my_crc[k] = crc32_of(src[k], S);
+        }
       H5Id g;
       attempt([&] {
         g = H5Id(chk(H5Gcreate2(units, up.name.c_str(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), "create group " + up.name),
                  H5Gclose);
         write_unit_attributes(g, ms, static_cast<int>(u), up);
+        if (su) put_i64(g, ms, "units/" + up.name, "stage", su->unit_stage[u]);
         if (snap.tp.tp > 1) write_unit_tp_tables(comm, g, ms, up, snap.tp.units.at(u), dxpl);
-        write_unit_rows(wc, g, up, u, cols, r, writer, dxpl, rows_out, fail);
+        write_unit_rows(wc, g, up, src, r, role == kWriter, dxpl, rows_out, fail);
       });
       all_ok(comm, fail.empty(), fail);
-      const std::vector<uint32_t> crc32s = gather_unit_checksums(comm, up, W, r, writer, my_crc, diverged);
+      const std::vector<uint32_t> crc32s = gather_unit_checksums(comm, up, W, r, role, my_crc, diverged, tied);
+      if (!tied.empty())  // every rank saw the same table: all refuse alike, and nothing is published
+        throw CollectiveError(0, where + "the last pipeline stage's copy of the tied embedding differs from the first "
+                                 "stage's (" + tied + "): the copies must be identical (their gradients are summed "
+                                 "before every update); the checkpoint is not published. This is a bug in shardtrain, "
+                                 "not an error of the run's settings: please report it");
       attempt([&] { write_unit_tables(comm, g, ms, up, W, crc32s, dxpl); });  // agreed after the next unit
     }
     attempt([&] { write_metadata_checksums(file, ms); });
@@ -604,7 +653,16 @@ TrainState load_checkpoint(Comm& comm, const std::string& path, const ShardedTen
       for (auto& x : diff) d += (d.empty() ? "" : ", ") + x;
       throw std::runtime_error("model config does not match the requested one (" + d + ")");
     }
-    check_checkpoint_layout(info, plan);
+    // A pipeline stage loads its own units, but the file must be a whole model's.
+    check_checkpoint_layout(info, into.stage ? into.stage->file_plan : plan);
+    if (into.stage)
+      for (const UnitPlan& up : plan.units) {
+        auto it = std::find_if(info.units.begin(), info.units.end(), [&](auto& x) { return x.name == up.name; });
+        if (it == info.units.end()) throw std::runtime_error("missing unit '" + up.name + "'");
+        if (it->numel != up.numel)
+          throw std::runtime_error("unit '" + up.name + "' holds " + std::to_string(it->numel) +
+                                   " elements (attribute 'numel'), expected " + std::to_string(up.numel));
+      }
   } catch (const std::exception& e) {
     err = "checkpoint '" + path + "': " + e.what();
   }

@@ -320,15 +320,17 @@ void read_tp_mesh(hid_t file, CheckpointInfo& info, MetaSums& ms) {
 
 // Version 5: attribute 'mesh', the saving run's mesh with context parallelism (cp >= 2). The file
 // holds the rows of the FSDP shard group (cp x dp_shard = world_size) without TP, the canonical rows
-// of the world (tp x cp x dp_shard x dp_replicate = world_size) with TP.
+// of the world (tp x cp x dp_shard x dp_replicate = world_size) with TP. Version 6: the same with
+// "pp" (>= 2) and any cp >= 1; the rows are one stage's.
 void read_mesh(hid_t file, CheckpointInfo& info, MetaSums& ms) {
   const std::string where = "root group";
   const std::string m = get_str(file, ms, "", "mesh", where);
-  int dims[4] = {0, 0, 0, 0};
-  const char* keys[4] = {"tp", "cp", "dp_shard", "dp_replicate"};
+  int dims[5] = {0, 0, 0, 0, 1};
+  const char* keys[5] = {"tp", "cp", "dp_shard", "dp_replicate", "pp"};
+  const int nkeys = info.format_version >= 6 ? 5 : 4;
   try {
     const json j = json::parse(m);
-    for (int k = 0; k < 4; ++k) {
+    for (int k = 0; k < nkeys; ++k) {
       const json& v = j.at(keys[k]);
       if (!v.is_number_integer() || v.get<int64_t>() < 1 || v.get<int64_t>() > (int64_t{1} << 24))
         throw H5Error("attribute 'mesh' (" + m + "): '" + keys[k] + "' is not an integer in [1, 2^24]");
@@ -341,11 +343,79 @@ void read_mesh(hid_t file, CheckpointInfo& info, MetaSums& ms) {
   info.cp = dims[1];
   info.tp_dp_shard = dims[2];
   info.tp_dp_replicate = dims[3];
+  info.pp = dims[4];
   const int64_t rows = int64_t{info.cp} * info.tp_dp_shard * (info.tp > 1 ? int64_t{info.tp} * info.tp_dp_replicate : 1);
+  if (info.format_version >= 6) {
+    if (info.pp < 2 || rows != info.world_size)
+      throw H5Error("attribute 'mesh' (" + m + ") is not a mesh of pp >= 2 whose stage's " +
+                    (info.tp > 1 ? "sizes (tp x cp x dp_shard x dp_replicate)" : "shard group (cp x dp_shard)") +
+                    " multiply to attribute 'world_size' (" + std::to_string(info.world_size) + ")");
+    return;
+  }
   if (info.cp < 2 || rows != info.world_size)
     throw H5Error("attribute 'mesh' (" + m + ") is not a mesh of cp >= 2 whose " +
                   (info.tp > 1 ? "sizes (tp x cp x dp_shard x dp_replicate)" : "shard group (cp x dp_shard)") +
                   " multiply to attribute 'world_size' (" + std::to_string(info.world_size) + ")");
+}
+
+// Version 6: attribute 'pipeline', {"pp", "virtual", "schedule", "bounds"}: pp equal to mesh's,
+// virtual >= 1, a schedule name, and S + 1 = pp x virtual + 1 chunk boundaries from 0, strictly
+// increasing (no chunk is empty), to the model's number of blocks.
+void read_pipeline(hid_t file, CheckpointInfo& info, MetaSums& ms) {
+  const std::string text = get_str(file, ms, "", "pipeline", "root group");
+  const std::string w = "attribute 'pipeline' (" + text + ")";
+  int64_t L = -1;
+  try {
+    L = json::parse(info.model_config).at("num_hidden_layers").get<int64_t>();
+  } catch (const json::exception& e) {
+    throw H5Error("attribute 'model_config' has no integer 'num_hidden_layers' (" + std::string(e.what()) + ")");
+  }
+  try {
+    const json j = json::parse(text);
+    if (!j.is_object()) throw H5Error(w + " is not a JSON object");
+    for (const char* k : {"pp", "virtual"})
+      if (!j.contains(k) || !j[k].is_number_integer() || j[k].get<int64_t>() < 1 || j[k].get<int64_t>() > (1 << 24))
+        throw H5Error(w + ": '" + k + "' is not an integer in [1, 2^24]");
+    if (j["pp"].get<int64_t>() != info.pp)
+      throw H5Error(w + ": 'pp' is " + j["pp"].dump() + ", but attribute 'mesh' says pp " + std::to_string(info.pp));
+    if (!j.contains("schedule") || !j["schedule"].is_string() || j["schedule"].get<std::string>().empty())
+      throw H5Error(w + ": 'schedule' is not a schedule's name");
+    info.pp_virtual = static_cast<int>(j["virtual"].get<int64_t>());
+    info.pp_schedule = j["schedule"].get<std::string>();
+    const int64_t S = int64_t{info.pp} * info.pp_virtual;
+    if (!j.contains("bounds") || !j["bounds"].is_array() || static_cast<int64_t>(j["bounds"].size()) != S + 1)
+      throw H5Error(w + ": 'bounds' is not an array of pp x virtual + 1 = " + std::to_string(S + 1) +
+                    " chunk boundaries");
+    int64_t prev = -1;
+    for (const json& b : j["bounds"]) {
+      if (!b.is_number_integer()) throw H5Error(w + ": 'bounds' holds " + b.dump() + ", not an integer");
+      const int64_t v = b.get<int64_t>();
+      if (prev < 0 ? v != 0 : v <= prev)
+        throw H5Error(w + ": 'bounds' must rise strictly from 0 (every chunk holds a block), but holds " +
+                      std::to_string(v) + (prev < 0 ? " first" : " after " + std::to_string(prev)));
+      prev = v;
+    }
+    if (prev != L)
+      throw H5Error(w + ": 'bounds' ends at " + std::to_string(prev) + ", but the model (attribute 'model_config') has " +
+                    std::to_string(L) + " blocks");
+    info.pp_bounds = j["bounds"].get<std::vector<int>>();
+  } catch (const json::exception& e) {
+    throw H5Error(w + " is malformed: " + e.what());
+  }
+}
+
+// Version 6: every unit's attribute 'stage' follows from attribute 'pipeline' (pipeline_unit_stage).
+void check_unit_stages(const CheckpointInfo& info, const std::vector<std::pair<int64_t, CheckpointUnitInfo>>& units) {
+  for (auto& [index, ui] : units) {
+    const int want = pipeline_unit_stage(info.pp_bounds, info.pp, static_cast<int>(index));
+    if (want < 0)
+      throw H5Error("unit '" + ui.name + "' (index " + std::to_string(index) + ") is not a unit of the " +
+                    std::to_string(info.pp_bounds.back()) + " blocks of attribute 'pipeline'");
+    if (ui.stage != want)
+      throw H5Error("unit '" + ui.name + "': attribute 'stage' is " + std::to_string(ui.stage) +
+                    ", but attribute 'pipeline' (bounds " + json(info.pp_bounds).dump() + ", pp " +
+                    std::to_string(info.pp) + ") puts it on stage " + std::to_string(want));
+  }
 }
 
 // Reads a [rows][cols] table into `out`, sized only once the dataset's shape is known to match
@@ -473,6 +543,12 @@ std::pair<int64_t, CheckpointUnitInfo> read_unit(hid_t units, hsize_t i, const C
   read_unit_shards(g, w, key, W, ui, ms);
   read_param_table(g, w, key, rowt, ui, ms);
   if (info.tp > 1) read_unit_tp_record(g, w, key, info, ui, ms);
+  if (info.format_version >= 6) {
+    const int64_t stage = get_i64(g, ms, key, "stage", w);
+    if (stage < 0 || stage >= info.pp)
+      throw H5Error(w + ": attribute 'stage' is " + std::to_string(stage) + ", not a stage of pp " + std::to_string(info.pp));
+    ui.stage = static_cast<int>(stage);
+  }
   return {index, std::move(ui)};
 }
 
@@ -486,6 +562,7 @@ void read_metadata(const std::string& path, CheckpointInfo& info, MetaSums& ms) 
   read_root_attributes(file, info, ms, fmt);
   if (info.format_version == 4) read_tp_mesh(file, info, ms);
   if (info.format_version >= 5) read_mesh(file, info, ms);
+  if (info.format_version >= 6) read_pipeline(file, info, ms);
   H5Id units(H5Gopen2(file, "units", H5P_DEFAULT), H5Gclose);
   if (!units.ok()) throw H5Error("group '/units' is missing");
   H5G_info_t gi;
@@ -500,6 +577,7 @@ void read_metadata(const std::string& path, CheckpointInfo& info, MetaSums& ms) 
     if (found[i].first != static_cast<int64_t>(i))
       throw H5Error("the units' 'index' attributes are not 0.." + std::to_string(found.size() - 1) + " (unit '" +
                     found[i].second.name + "' has " + std::to_string(found[i].first) + ")");
+  if (info.format_version >= 6) check_unit_stages(info, found);
   for (auto& [i, u] : found) info.units.push_back(std::move(u));
   info.metadata_verified = ms.verify;
 }
@@ -589,6 +667,17 @@ void cross_check(CheckpointInfo& info) {
 }  // namespace ckpt
 
 using namespace ckpt;
+
+int pipeline_unit_stage(const std::vector<int>& bounds, int pp, int u) {
+  if (bounds.size() < 2 || pp < 1) return -1;
+  const int S = static_cast<int>(bounds.size()) - 1, L = bounds.back();
+  if (u < 0 || u > L + 1) return -1;
+  if (u == 0) return 0;              // the embedding: chunk 0's (the tied copy of chunk S-1 is not stored)
+  if (u == L + 1) return (S - 1) % pp;  // the final norm (and untied head): the last chunk's
+  for (int c = 0; c < S; ++c)
+    if (u - 1 >= bounds[static_cast<size_t>(c)] && u - 1 < bounds[static_cast<size_t>(c) + 1]) return c % pp;
+  return -1;
+}
 
 std::vector<std::string> architecture_differences(const std::string& ckpt, const std::string& requested) {
   json a, b;
@@ -691,6 +780,18 @@ void check_checkpoint_layout(const CheckpointInfo& info, const ShardPlan& plan) 
 }
 
 std::string saved_layout_words(const CheckpointInfo& info) {
+  if (info.pp > 1) {  // version 6: a stage's rows
+    std::string w = "pp " + std::to_string(info.pp) + " (" + info.pp_schedule +
+                    (info.pp_virtual > 1 ? ", " + std::to_string(info.pp_virtual) + " chunks per stage" : "") +
+                    ") x world size " + std::to_string(info.world_size) + " per stage";
+    if (info.tp > 1)
+      w += ": tp " + std::to_string(info.tp) + " x cp " + std::to_string(info.cp) + " x dp_shard " +
+           std::to_string(info.tp_dp_shard) + " x dp_replicate " + std::to_string(info.tp_dp_replicate);
+    else
+      w += ": cp " + std::to_string(info.cp) + " x dp_shard " + std::to_string(info.tp_dp_shard) +
+           (info.tp_dp_replicate > 1 ? " (one of " + std::to_string(info.tp_dp_replicate) + " replica groups)" : "");
+    return w;
+  }
   if (info.cp > 1 && info.tp > 1)  // the canonical rows of the world
     return "world size " + std::to_string(info.world_size) + ": tp " + std::to_string(info.tp) + " x cp " +
            std::to_string(info.cp) + " x dp_shard " + std::to_string(info.tp_dp_shard) + " x dp_replicate " +

@@ -47,12 +47,13 @@ json segments_json(const std::vector<BatchSegment>& segs) {
 void write_root_attributes(hid_t file, MetaSums& ms, const CheckpointSnapshot& snap) {
   const TrainState& st = snap.state;
   put_str(file, ms, "", "format", kFormatName);
-  // Version 4 or 5 only where they say more (a tensor-parallel run's tables; a context-parallel
-  // run's mesh); else version 3, which older programs read.
-  put_i64(file, ms, "", "format_version", snap.tp.cp > 1 ? 5 : snap.tp.tp > 1 ? 4 : 3);
+  // Version 4, 5 or 6 only where they say more (a tensor-parallel run's tables; a context-parallel
+  // run's mesh; a pipeline's record); else version 3, which older programs read.
+  const StageUnits* su = snap.stage.get();
+  put_i64(file, ms, "", "format_version", su ? 6 : snap.tp.cp > 1 ? 5 : snap.tp.tp > 1 ? 4 : 3);
   put_i64(file, ms, "", "step", st.step);
   put_i64(file, ms, "", "tokens_seen", st.tokens_seen);
-  put_i64(file, ms, "", "world_size", snap.plan.world_size);
+  put_i64(file, ms, "", "world_size", su ? su->file_plan.world_size : snap.plan.world_size);
   put_str(file, ms, "", "model_config", snap.model_config);
   put_str(file, ms, "", "train_config", snap.train_config);
   put_str(file, ms, "", "data_position",
@@ -61,7 +62,14 @@ void write_root_attributes(hid_t file, MetaSums& ms, const CheckpointSnapshot& s
   put_str(file, ms, "", "program_version", kProgramVersion);
   put_str(file, ms, "", "data", st.data_info.empty() ? "null" : st.data_info);
   put_str(file, ms, "", "spike_stats", spike_stats_json(st.spikes).dump());
-  if (snap.tp.cp > 1)  // version 5: the mesh with cp (in place of version 4's 'tensor_parallel')
+  if (su) {  // version 6: the mesh with pp, and the pipeline's record
+    put_str(file, ms, "", "mesh",
+            json({{"pp", su->pp}, {"tp", snap.tp.tp}, {"cp", snap.tp.cp}, {"dp_shard", snap.tp.dp_shard},
+                  {"dp_replicate", snap.tp.dp_replicate}}).dump());
+    put_str(file, ms, "", "pipeline",
+            json({{"pp", su->pp}, {"virtual", su->chunks_per_rank}, {"schedule", su->schedule}, {"bounds", su->bounds}})
+                .dump());
+  } else if (snap.tp.cp > 1)  // version 5: the mesh with cp (in place of version 4's 'tensor_parallel')
     put_str(file, ms, "", "mesh",
             json({{"tp", snap.tp.tp}, {"cp", snap.tp.cp}, {"dp_shard", snap.tp.dp_shard},
                   {"dp_replicate", snap.tp.dp_replicate}}).dump());

@@ -11,59 +11,124 @@ namespace shardtrain {
 
 namespace {
 
+// Pipeline parallelism (format version 6): where this rank's units (`held`, its plan's, in its
+// order; `ru` says which is the tied copy) go in the file, whose units are the whole model's
+// (`file_units`) in held.world_size rows; nullptr with one stage.
+std::shared_ptr<const StageUnits> stage_units(const PipelineLayout& pl, const RankUnits& ru,
+                                              const std::vector<UnitSpec>& file_units, const ShardPlan& held) {
+  if (pl.ranks <= 1) return nullptr;
+  auto su = std::make_shared<StageUnits>();
+  su->pp = pl.ranks;
+  su->chunks_per_rank = pl.chunks_per_rank;
+  su->schedule = pipeline_kind_name(pl.kind);
+  su->bounds = pl.bounds;
+  su->file_plan = ShardPlan::build(file_units, held.world_size);
+  for (size_t u = 0; u < su->file_plan.units.size(); ++u)
+    su->unit_stage.push_back(pipeline_unit_stage(pl.bounds, pl.ranks, static_cast<int>(u)));
+  for (size_t i = 0; i < held.units.size(); ++i) {
+    const int u = su->file_plan.unit_index(held.units[i].name);
+    if (u < 0 || su->file_plan.units[static_cast<size_t>(u)].numel != held.units[i].numel)
+      throw std::logic_error("stage_units: unit '" + held.units[i].name + "' is not the model's");
+    su->file_unit.push_back(u);
+    su->tied_copy.push_back(ru.tied_copy && static_cast<int>(i) == ru.embedding ? 1 : 0);
+  }
+  return su;
+}
+
+// The ShardedTensors `t` with the stage's record attached (format version 6 when set).
+ShardedTensors with_stage(ShardedTensors t, const std::shared_ptr<const StageUnits>& su) {
+  t.stage = su;
+  return t;
+}
+
 // FSDP and HSDP (and CP, whose ranks are part of the shard group): a checkpoint holds the shard
 // group's rows (dp_shard x cp of them) as the run holds them; replica group 0 writes them
-// (Mesh::writes_checkpoint, row Mesh::shard_index).
+// (Mesh::writes_checkpoint, row Mesh::shard_index). Under PP, each stage's shard group the rows of
+// its own units (`stage`: nullptr with one stage).
 class ShardRowsLayout final : public CheckpointLayout {
  public:
-  explicit ShardRowsLayout(const Mesh& mesh) : writes_(mesh.writes_checkpoint()) {
+  ShardRowsLayout(const Mesh& mesh, std::shared_ptr<const StageUnits> stage)
+      : writes_(mesh.writes_checkpoint()), stage_(std::move(stage)) {
     const MeshDims& d = mesh.dims();
     saved_.world_size = mesh.world_size();  // train_config's; the file's plan is the shard group's
     saved_.shard_group_size = d.fsdp();
-    saved_.tp_record.dp_shard = d.dp_shard;  // the mesh record (version 5 with cp > 1)
+    saved_.tp_record.dp_shard = d.dp_shard;  // the mesh record (version 5 with cp > 1, 6 with pp > 1)
     saved_.tp_record.dp_replicate = d.dp_replicate;
     saved_.tp_record.cp = d.cp;
   }
   bool writes_shards() const override { return writes_; }
-  ShardedTensors for_save(Comm&, const ShardedTensors& live) override { return live; }
+  ShardedTensors for_save(Comm&, const ShardedTensors& live) override { return with_stage(live, stage_); }
   bool owns_saved_rows() const override { return false; }
-  ShardedTensors load_target(const ShardedTensors& live) override { return live; }
+  ShardedTensors load_target(const ShardedTensors& live) override { return with_stage(live, stage_); }
   void finish_load(Comm&, const ShardedTensors&) override {}
   const SavedLayout& saved_layout() const override { return saved_; }
 
  private:
   bool writes_;
+  std::shared_ptr<const StageUnits> stage_;
   SavedLayout saved_;
 };
 
-// Tensor parallelism: a checkpoint holds the canonical rows (one per world rank), which every rank
-// writes; TpCheckpointLayout moves the state between the two layouts.
+// The mesh of one pipeline stage (pp = 1: the stage's ranks, numbered from 0 as a run of one stage
+// numbers them; a world rank r of stage s is the stage's rank r - s x stage size).
+MeshDims stage_dims(MeshDims d) {
+  d.pp = 1;
+  return d;
+}
+
+// Tensor parallelism: a checkpoint holds the canonical rows (one per rank of the world; under PP,
+// of the stage: row = rank in the stage), which every rank writes; TpCheckpointLayout moves the
+// state between the two layouts, among the ranks of one stage (no byte crosses stages: under PP
+// on a communicator of the stage's ranks, split from the world at the first save or load).
 class TpCanonicalLayout final : public CheckpointLayout {
  public:
-  TpCanonicalLayout(const Mesh& mesh, const ModelConfig& mc)
-      : layout_(mesh.layout(), mesh.rank(), tp_plans(mesh, mc), ShardPlan::build(llama_units(mc), mesh.world_size()),
-                checkpoint_tensor_names()) {
-    saved_.world_size = saved_.shard_group_size = mesh.world_size();
-    saved_.tp = mesh.dims().tp;
-    saved_.tp_record = tp_record(layout_.tp_plans(), mesh.dims());
+  TpCanonicalLayout(const Mesh& mesh, const ModelConfig& mc, const PipelineLayout& pl, const RankUnits& ru)
+      : mesh_(mesh),
+        layout_(MeshLayout(stage_dims(mesh.dims())), stage_rank(mesh), tp_plans(mesh, mc, pl),
+                ShardPlan::build(pipeline_rank_units(mc, pl, mesh.coord().pp).units, stage_dims(mesh.dims()).world()),
+                checkpoint_tensor_names()),
+        stage_(stage_units(pl, ru, llama_units(mc), layout_.canonical_plan())) {
+    const MeshDims sd = stage_dims(mesh.dims());
+    saved_.world_size = saved_.shard_group_size = sd.world();
+    saved_.tp = sd.tp;
+    // The record of the whole model's units (a stage's are a part of it; the file holds them all).
+    std::vector<ShardPlan> whole;
+    for (int t = 0; t < sd.tp; ++t) whole.push_back(ShardPlan::build(llama_units(mc, sd.tp, t), sd.fsdp()));
+    saved_.tp_record = tp_record(whole, sd);
   }
   bool writes_shards() const override { return true; }
   ShardedTensors for_save(Comm& world, const ShardedTensors& live) override {
-    layout_.to_canonical(world, live);
-    return layout_.canonical();
+    layout_.to_canonical(comm(world), live);
+    return with_stage(layout_.canonical(), stage_);
   }
   bool owns_saved_rows() const override { return true; }
-  ShardedTensors load_target(const ShardedTensors& live) override { return layout_.canonical(live.tensors.size()); }
-  void finish_load(Comm& world, const ShardedTensors& live) override { layout_.from_canonical(world, live); }
+  ShardedTensors load_target(const ShardedTensors& live) override {
+    return with_stage(layout_.canonical(live.tensors.size()), stage_);
+  }
+  void finish_load(Comm& world, const ShardedTensors& live) override { layout_.from_canonical(comm(world), live); }
   const SavedLayout& saved_layout() const override { return saved_; }
 
  private:
-  static std::vector<ShardPlan> tp_plans(const Mesh& mesh, const ModelConfig& mc) {
+  static int stage_rank(const Mesh& mesh) { return mesh.rank() % stage_dims(mesh.dims()).world(); }
+  static std::vector<ShardPlan> tp_plans(const Mesh& mesh, const ModelConfig& mc, const PipelineLayout& pl) {
     std::vector<ShardPlan> plans;
-    for (int t = 0; t < mesh.dims().tp; ++t) plans.push_back(rank_unit_plan(mc, mesh.dims(), t));
+    for (int t = 0; t < mesh.dims().tp; ++t) plans.push_back(rank_unit_plan(mc, mesh.dims(), t, &pl, mesh.coord().pp));
     return plans;
   }
+  // The world with one stage; else this rank's stage's communicator (collective over `world` the
+  // first time: every rank calls for_save / finish_load together).
+  Comm& comm(Comm& world) {
+    if (mesh_.dims().pp == 1) return world;
+    if (!stage_comm_) {
+      stage_comm_ = std::make_unique<MpiComm>(MpiComm::split(world, mesh_.coord().pp, world.rank()));
+      stage_comm_->set_collective_timeout(mesh_.collective_timeout());
+    }
+    return *stage_comm_;
+  }
+  const Mesh& mesh_;
   TpCheckpointLayout layout_;
+  std::shared_ptr<const StageUnits> stage_;
+  std::unique_ptr<MpiComm> stage_comm_;
   SavedLayout saved_;
 };
 
@@ -256,8 +321,8 @@ ParallelRun<C> parallelize(const Mesh& mesh, const ModelConfig& mc, Backend<floa
     r.units = std::make_unique<UnitPipeline<float>>(be, std::make_unique<IdentityCodec<float>>(*r.state), o.overlap);
   }
   if (o.checkpoints) {
-    if (d.tp > 1) r.checkpoint = std::make_unique<TpCanonicalLayout>(mesh, mc);
-    else r.checkpoint = std::make_unique<ShardRowsLayout>(mesh);
+    if (d.tp > 1) r.checkpoint = std::make_unique<TpCanonicalLayout>(mesh, mc, r.pipeline, r.stage);
+    else r.checkpoint = std::make_unique<ShardRowsLayout>(mesh, stage_units(r.pipeline, r.stage, llama_units(mc), r.state->plan()));
   }
   return r;
 }

@@ -204,10 +204,6 @@ template <typename C> void Trainer<C>::check_geometry() {
     if (!why.empty()) throw CollectiveError(0, why);
     if (pipeline_.ranks > 1) {
       const std::string pp = "'--pp " + std::to_string(pipeline_.ranks) + "'";
-      if (!tc_.checkpoint_dir.empty() || !tc_.resume.empty() || !tc_.init_from.empty())
-        throw CollectiveError(0, "checkpoints under " + pp + " are not written yet (their format, version 6 of "
-                                 "docs/checkpoint-format.md, is designed but not built): run without "
-                                 "'--checkpoint-dir', '--resume' and '--init-from'");
       if (mesh_.pp_data()->stream_ordered())
         throw CollectiveError(0, pp + " on NCCL is not built yet (its sends and receives need grouping): pass "
                                  "'--gpu-comm mpi'");

@@ -15,11 +15,12 @@ import numpy as np
 PACKED_ROW = np.dtype([("name", "S128"), ("offset", "<i8"), ("numel", "<i8"), ("ndim", "<i4"), ("shape", "<i8", (4,))])
 TABLE, CHECK = "metadata_crc32", "metadata_crc32_check"
 # The checksummed attributes (format version 3; version 2 files lack spike_stats; version 4 adds
-# tensor_parallel and the units' TP record, version 5 mesh). Others a file may carry are neither
-# used nor covered.
+# tensor_parallel and the units' TP record, version 5 mesh, version 6 pipeline and the units' stage).
+# Others a file may carry are neither used nor covered.
 ROOT_ATTRS = ["format", "format_version", "step", "tokens_seen", "world_size", "model_config", "train_config",
-              "data_position", "rng_state", "program_version", "data", "spike_stats", "tensor_parallel", "mesh"]
-UNIT_ATTRS = ["index", "numel", "shard_size", "padded_numel", "local_numel", "local_shard_size"]
+              "data_position", "rng_state", "program_version", "data", "spike_stats", "tensor_parallel", "mesh",
+              "pipeline"]
+UNIT_ATTRS = ["index", "numel", "shard_size", "padded_numel", "local_numel", "local_shard_size", "stage"]
 UNIT_TP_TABLES = ["tp_table", "tp_shard_table"]  # versions 4 and 5 with TP: int64 tables
 
 
