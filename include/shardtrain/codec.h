@@ -10,6 +10,12 @@
 
 namespace shardtrain {
 
+// The element type a pass's gradient accumulator has for compute type C (UnitPipeline under
+// Reshard::PerPass): C itself, but fp32 for bf16 (see Bf16Codec).
+template <typename C> struct GradAccum { using type = C; };
+template <> struct GradAccum<bf16> { using type = float; };
+template <typename C> using grad_accum_t = typename GradAccum<C>::type;
+
 // ---- Codecs: how one unit travels in the compute type C -------------------------------------------
 //
 // A codec turns a state's parameter shard of unit u into the compute type C for the all-gather,
@@ -32,6 +38,16 @@ template <typename C> class UnitCodec {
   virtual void reserve(int slots) = 0;
   virtual CommQueue::Ticket issue_gather(CommQueue& q, int u, C* dst, int slot) = 0;
   virtual CommQueue::Ticket issue_reduce(CommQueue& q, int u, const C* full, Comm* replica) = 0;
+  // A pass's gradient accumulator (UnitPipeline under Reshard::PerPass): full-unit buffers of
+  // Acc = grad_accum_t<C> on acc_backend(); accumulate() adds a micro-batch's full-unit gradient
+  // into one (acc[i] += g[i], on the compute backend's stream, before it returns to the caller's
+  // program order); issue_reduce_acc() is issue_reduce() of an accumulator: the same mean over the
+  // W ranks added into the gradient shard. `scratch` is a full-unit C buffer the codec may stage
+  // into (the pipeline does not reuse it before the ticket completes).
+  using Acc = grad_accum_t<C>;
+  virtual Backend<Acc>& acc_backend() = 0;
+  virtual void accumulate(Acc* acc, const C* g, size_t n) = 0;
+  virtual CommQueue::Ticket issue_reduce_acc(CommQueue& q, int u, const Acc* acc, C* scratch, Comm* replica) = 0;
   // Bytes per element of the reduce-scatter and of the replica all-reduce (hybrid sharding).
   virtual size_t reduce_elem_bytes() const = 0;
   virtual size_t replica_elem_bytes() const = 0;
@@ -54,6 +70,12 @@ template <typename T> class IdentityCodec final : public UnitCodec<T> {
   void reserve(int) override {}
   CommQueue::Ticket issue_gather(CommQueue& q, int u, T* dst, int slot) override;
   CommQueue::Ticket issue_reduce(CommQueue& q, int u, const T* full, Comm* replica) override;
+  // The accumulator is a T buffer (Acc = T): added with axpy(1), reduced as issue_reduce reduces.
+  Backend<T>& acc_backend() override { return s_.backend(); }
+  void accumulate(T* acc, const T* g, size_t n) override { s_.backend().axpy(n, 1, g, acc); }
+  CommQueue::Ticket issue_reduce_acc(CommQueue& q, int u, const T* acc, T*, Comm* replica) override {
+    return issue_reduce(q, u, acc, replica);
+  }
   size_t reduce_elem_bytes() const override { return sizeof(T); }
   size_t replica_elem_bytes() const override { return sizeof(T); }
 
@@ -75,6 +97,14 @@ template <typename T> class IdentityCodec final : public UnitCodec<T> {
 //            collective per unit: that fp32 copy exists, see reduce_slab). Else reduce-scattered
 //            in bf16 (half the bytes), one collective per unit. The mean is added into the fp32
 //            gradient shard; under hybrid sharding the replica sum runs in fp32.
+//   accumulate (Reshard::PerPass): a pass's accumulator is fp32 (4 bytes per element of every
+//            unit, twice a bf16 one): each micro-batch's bf16 gradient is widened and added in
+//            fp32, so m micro-batches are summed with fp32 rounding, as the per-micro-batch path
+//            sums their reduced means into the fp32 gradient shard; a bf16 accumulator would round
+//            every partial sum to 8 bits (its error grows with m). Its reduce: in fp32, straight
+//            from the accumulator (slabs on the host lane as above, a copy instead of a widening);
+//            with reduce_bf16 the sum is rounded to bf16 once (into the pipeline's scratch) and
+//            reduce-scattered in bf16 as above.
 // `be` must run on the same device as state.backend().
 class Bf16Codec final : public UnitCodec<bf16> {
  public:
@@ -89,6 +119,9 @@ class Bf16Codec final : public UnitCodec<bf16> {
   void reserve(int slots) override;
   CommQueue::Ticket issue_gather(CommQueue& q, int u, bf16* dst, int slot) override;
   CommQueue::Ticket issue_reduce(CommQueue& q, int u, const bf16* full, Comm* replica) override;
+  Backend<float>& acc_backend() override { return m_.backend(); }
+  void accumulate(float* acc, const bf16* g, size_t n) override { be_.add_to_f32(acc, 1.0f, g, n); }
+  CommQueue::Ticket issue_reduce_acc(CommQueue& q, int u, const float* acc, bf16* scratch, Comm* replica) override;
   size_t reduce_elem_bytes() const override { return reduce_bf16_ ? 2 : 4; }
   size_t replica_elem_bytes() const override { return 4; }  // summed in fp32 either way
 

@@ -57,6 +57,10 @@ struct CommTimes {
   // replica all-reduce 2 (R - 1) / R * S * e; e the element size the unit travels in. Counted by
   // UnitPipeline when a job is submitted.
   double gather_bytes = 0, reduce_bytes = 0;
+  // Unit all-gathers and unit reduce-scatters issued (prefetches included), counted at submission
+  // by UnitPipeline: per pass about units x micro-batches under Reshard::PerUse, at most one each
+  // per unit under Reshard::PerPass.
+  int64_t unit_gathers = 0, unit_reduces = 0;
 };
 
 // A queue of FSDP collectives on one communicator (one queue for all-gathers, one for

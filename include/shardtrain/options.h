@@ -76,6 +76,7 @@ struct Options {
   std::string pp_schedule = "1f1b";  // train, plan: gpipe | 1f1b | interleaved | zero-bubble (parse_pipeline_kind)
   int pp_virtual = 1;             // train, plan: chunks per pipeline rank (--pp-virtual; interleaved only)
   std::string pp_layers;          // train, plan: blocks per chunk by hand, "a,b,..." (pipeline_split); "" = even
+  std::string pp_reshard = "per-step";  // train, plan: per-step | per-microbatch (--pp > 1; Reshard, unit_source.h)
   std::string checkpoint;         // inspect: the checkpoint file (also positional)
   std::string dump_param;         // inspect: write this gathered parameter ("all": every one) ...
   std::string dump_out;           // ... to this file (raw float32, little-endian; "all": a directory of <name>.bin)

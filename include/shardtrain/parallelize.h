@@ -104,6 +104,9 @@ struct ParallelOptions {
   bool checkpoints = false;  // the run saves, resumes or initializes from a checkpoint
   CpComm cp_comm = CpComm::Ring;  // --cp-comm: how a CP group (cp > 1) moves K/V
   PipelineLayout pipeline{};      // the stages (resolve_pipeline); default: one stage (bounds set by parallelize)
+  // --pp-reshard (TrainConfig::pp.reshard): the unit pipeline's Reshard when pipeline.ranks > 1;
+  // one stage is always Reshard::PerUse (gradient accumulation as before pipelines).
+  Reshard pp_reshard = Reshard::PerUse;
 };
 
 // Everything a run holds for its layout, in compute type C (float; bf16 over fp32 master shards).

@@ -17,15 +17,19 @@
 #include "shardtrain/pipeline_schedule.h"
 #include "shardtrain/progress.h"
 #include "shardtrain/runtime.h"
+#include "shardtrain/unit_source.h"  // Reshard
 
 namespace shardtrain {
 
-// Options '--pp-schedule', '--pp-virtual', '--pp-layers' (TrainConfig::pp). The number of stages is
+// Options '--pp-schedule', '--pp-virtual', '--pp-layers', '--pp-reshard' (TrainConfig::pp). The number of stages is
 // the mesh's (MeshDims::pp, option '--pp').
 struct PipelineOptions {
   PipelineKind kind = PipelineKind::OneFOneB;
   int chunks_per_rank = 1;   // v (interleaved only)
   std::vector<int> layers;   // blocks per chunk by hand (S = p v numbers); empty: pipeline_split's even split
+  // '--pp-reshard': per-step (PerPass: a stage gathers each unit once per step and reduce-scatters
+  // its gradient once) or per-microbatch (PerUse). Used with p > 1 only (parallelize).
+  Reshard reshard = Reshard::PerPass;
 };
 
 // A run's pipeline: p ranks (stages), v chunks per rank, the S + 1 chunk boundaries over the L

@@ -81,9 +81,10 @@ struct TrainConfig {
   bool reduce_bf16 = false;               // --reduce-dtype bf16 (BF16 only): reduce-scatter gradients in bf16
   OverlapConfig overlap{};                // --overlap, --prefetch, --comm-progress
   CpComm cp_comm = CpComm::Ring;          // --cp-comm (with --cp > 1): how a CP group moves K/V
-  // --pp-schedule, --pp-virtual, --pp-layers (with --pp > 1, the mesh's): the pipeline's schedule
-  // and split (pipeline.h). They change the order of the work, not its result beyond the summation
-  // order of gradients over micro-batches, so a resume may change them.
+  // --pp-schedule, --pp-virtual, --pp-layers, --pp-reshard (with --pp > 1, the mesh's): the
+  // pipeline's schedule, split and resharding (pipeline.h). They change the order of the work, not
+  // its result beyond the summation order of gradients over micro-batches, so a resume may change
+  // them.
   PipelineOptions pp{};
 };
 

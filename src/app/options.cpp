@@ -51,7 +51,8 @@ po::options_description describe(Options& o) {
       ("pp", po::value<int>(&o.pp)->default_value(o.pp), "pipeline parallelism: P stages, the mesh's outermost dimension (stages across nodes, everything else inside a stage); each stage holds a contiguous range of blocks (the embedding on the first, the final norm and head on the last) and passes activations to the next. P must divide the world size and be at most the blocks")
       ("pp-schedule", po::value<std::string>(&o.pp_schedule)->default_value(o.pp_schedule), "with --pp P > 1: gpipe | 1f1b | interleaved (--pp-virtual V chunks per rank; micro-batches a multiple of P) | zero-bubble (ZB-H1: weight gradients deferred into the bubble)")
       ("pp-virtual", po::value<int>(&o.pp_virtual)->default_value(o.pp_virtual), "with --pp-schedule interleaved: model chunks per pipeline rank (V >= 2; rank r holds chunks r, r + P, ...)")
-      ("pp-layers", po::value<std::string>(&o.pp_layers), "with --pp: blocks of each chunk by hand, 'a,b,...' (P x V numbers summing to the blocks); default: an even split counting the embedding and the head as one block each");
+      ("pp-layers", po::value<std::string>(&o.pp_layers), "with --pp: blocks of each chunk by hand, 'a,b,...' (P x V numbers summing to the blocks); default: an even split counting the embedding and the head as one block each")
+      ("pp-reshard", po::value<std::string>(&o.pp_reshard)->default_value(o.pp_reshard), "with --pp P > 1: when a stage's FSDP units are resharded: per-step (each unit all-gathered once per step and kept unsharded until the step's end, its gradient accumulated over the micro-batches and reduce-scattered once: the stage's units and their full gradients stay in memory) | per-microbatch (gathered and reduce-scattered again for every micro-batch, as without a pipeline)");
   po::options_description data("Data (--mode prepare, --mode tokenizer; docs/data-format.md)");
   data.add_options()
       ("input", po::value<std::vector<std::string>>(&o.inputs)->multitoken(), "text inputs (repeatable): files, directories (their files, recursively, sorted; hidden ones left out) or glob patterns; a plain-text file is one document, a .jsonl file one document per line")
@@ -286,6 +287,8 @@ void validate(const Options& o) {
   }
   check(o.pp_virtual >= 1 && o.pp_virtual <= 1024, "pp-virtual", "must be an integer in [1, 1024], got " + std::to_string(o.pp_virtual));
   parse_pp_layers(o.pp_layers);  // the form; pipeline_split checks the numbers against the model
+  check(o.pp_reshard == "per-step" || o.pp_reshard == "per-microbatch", "pp-reshard",
+        "must be per-step or per-microbatch, got '" + o.pp_reshard + "'");
   parse_precision(o.precision);  // throws naming option '--precision'
   check(o.reduce_dtype == "fp32" || o.reduce_dtype == "bf16", "reduce-dtype", "must be fp32 or bf16, got '" + o.reduce_dtype + "'");
   check(o.checkpoint_async == "on" || o.checkpoint_async == "off", "checkpoint-async",
@@ -352,6 +355,7 @@ void fill_typed(Options& o) {
   parse_pipeline_kind(o.pp_schedule, &o.train.pp.kind);
   o.train.pp.chunks_per_rank = o.pp_virtual;
   o.train.pp.layers = parse_pp_layers(o.pp_layers);
+  o.train.pp.reshard = o.pp_reshard == "per-microbatch" ? Reshard::PerUse : Reshard::PerPass;
 
   o.train.attention_mask = parse_attention_mask(o.attention_mask);
   o.train.reduce_bf16 = o.reduce_dtype == "bf16";

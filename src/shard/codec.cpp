@@ -146,6 +146,28 @@ CommQueue::Ticket Bf16Codec::issue_reduce(CommQueue& q, int u, const bf16* full,
       add32, rc, scatter32_.data(), [](size_t, size_t, const float*) {}, add32);
 }
 
+// A pass's fp32 accumulator (Reshard::PerPass). reduce_bf16: rounded to bf16 once, into `scratch`
+// (full-unit, the pipeline's), then issue_reduce's bf16 path. fp32: reduce-scattered from the
+// accumulator as it is when a shard fits a slab (the stream lane always), else a slab at a time
+// packed into grad32_ (a copy: no widening), the mean added into the fp32 gradient shard as
+// issue_reduce adds it.
+CommQueue::Ticket Bf16Codec::issue_reduce_acc(CommQueue& q, int u, const float* acc, bf16* scratch, Comm* replica) {
+  const UnitPlan& up = m_.plan().units[static_cast<size_t>(u)];
+  if (reduce_bf16_) {
+    be_.from_f32(scratch, acc, static_cast<size_t>(up.padded_numel));
+    return issue_reduce(q, u, scratch, replica);
+  }
+  const size_t S = static_cast<size_t>(up.shard_size), G = static_cast<size_t>(m_.plan().world_size);
+  const float inv_w = 1.0f / static_cast<float>(G * static_cast<size_t>(m_.replicas()));
+  float* shard = m_.grad_shard(u);
+  Backend<float>* b32 = &m_.backend();
+  auto add32 = [=](size_t a, size_t n, const float* sum) { b32->axpy(n, inv_w, sum, shard + a); };
+  return submit_reduce_slabs(
+      q, acc, S, G, slab_, S <= slab_, grad32_.data(), scatter32_.data(),
+      [=](float* d, const float* src, size_t n) { b32->copy(d, src, n); }, add32, replica, scatter32_.data(),
+      [](size_t, size_t, const float*) {}, add32);
+}
+
 template class IdentityCodec<float>;
 template class IdentityCodec<double>;
 

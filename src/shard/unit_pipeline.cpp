@@ -10,8 +10,9 @@ namespace shardtrain {
 // ---- UnitPipeline ---------------------------------------------------------------------------------
 
 template <typename C>
-UnitPipeline<C>::UnitPipeline(Backend<C>& be, std::unique_ptr<UnitCodec<C>> codec, const OverlapConfig& o)
-    : be_(be), codec_(std::move(codec)), plan_(codec_->plan()), ov_(o) {
+UnitPipeline<C>::UnitPipeline(Backend<C>& be, std::unique_ptr<UnitCodec<C>> codec, const OverlapConfig& o,
+                              Reshard reshard)
+    : be_(be), codec_(std::move(codec)), plan_(codec_->plan()), ov_(o), reshard_(reshard) {
   Comm& data = codec_->data_comm();
   Comm& watch = codec_->world();
   Comm* replica = codec_->replica_comm();
@@ -36,10 +37,17 @@ UnitPipeline<C>::UnitPipeline(Backend<C>& be, std::unique_ptr<UnitCodec<C>> code
   agq_->set_sibling(rsq_.get());
   rsq_->set_sibling(agq_.get());
   const size_t max_padded = static_cast<size_t>(plan.max_padded_numel());
-  const int nslots = ov_.on ? 1 + ov_.prefetch : 1, ngrads = ov_.on ? 2 : 1;
+  // PerPass: one gather buffer (gathers outside a pass; a pass gathers into the units' own), and
+  // the codec's staging for the kept gathers in flight at once (1 + prefetch).
+  const int in_flight = ov_.on ? 1 + ov_.prefetch : 1, ngrads = ov_.on ? 2 : 1;
+  const int nslots = reshard_ == Reshard::PerPass ? 1 : in_flight;
   for (int i = 0; i < nslots; ++i) slots_.push_back(Slot{Buffer<C>(be, max_padded)});
   for (int i = 0; i < ngrads; ++i) grads_.push_back(GradBuf{Buffer<C>(be, max_padded)});
-  codec_->reserve(nslots);
+  codec_->reserve(in_flight);
+  if (reshard_ == Reshard::PerPass) {
+    kept_.resize(plan.units.size());
+    staging_.assign(static_cast<size_t>(in_flight), 0);
+  }
   if (ov_.on && ov_.progress == CommProgress::Poll && cpu && be.progress() && agq_->background() && !agq_->stream_lane())
     progress_member_ = be.progress()->join(&UnitPipeline<C>::poll_hook, this);
 }
@@ -67,8 +75,61 @@ template <typename C> int UnitPipeline<C>::free_slot(int64_t pos) const {
   return current_ >= 0 && slots_[current_].pos < pos ? current_ : -1;
 }
 
+template <typename C> void UnitPipeline<C>::count_gather(int u) {
+  gather_bytes_ += static_cast<double>(plan_.world_size - 1) *
+                   static_cast<double>(plan_.units[static_cast<size_t>(u)].shard_size) * sizeof(C);
+  ++unit_gathers_;
+}
+
+template <typename C> void UnitPipeline<C>::count_reduce(int u) {
+  const double S = static_cast<double>(plan_.units[static_cast<size_t>(u)].shard_size);
+  reduce_bytes_ += static_cast<double>(plan_.world_size - 1) * S * static_cast<double>(codec_->reduce_elem_bytes());
+  if (rep_) {
+    const double R = rep_->world_size();
+    reduce_bytes_ += 2.0 * (R - 1) / R * S * static_cast<double>(codec_->replica_elem_bytes());
+  }
+  ++unit_reduces_;
+}
+
+// PerPass: unit u's gather into its kept buffer, through the codec's staging buffers in turn (a
+// buffer is reused once the gather before through it is done).
+template <typename C> void UnitPipeline<C>::issue_kept(int u) {
+  Kept& k = kept_[static_cast<size_t>(u)];
+  if (!k.param.data()) k.param = Buffer<C>(be_, static_cast<size_t>(plan_.units[static_cast<size_t>(u)].padded_numel));
+  const int s = staging_next_;
+  staging_next_ = (staging_next_ + 1) % static_cast<int>(staging_.size());
+  agq_->wait(staging_[static_cast<size_t>(s)]);
+  k.ticket = codec_->issue_gather(*agq_, u, k.param.data(), s);
+  staging_[static_cast<size_t>(s)] = k.ticket;
+  k.gathered = true;
+  first_.push_back(u);
+  count_gather(u);
+}
+
+template <typename C> const C* UnitPipeline<C>::gather_kept(int u) {
+  if (u < 0 || static_cast<size_t>(u) >= kept_.size())
+    throw std::out_of_range("UnitPipeline::gather: unit " + std::to_string(u) + " is not in the plan");
+  Kept& k = kept_[static_cast<size_t>(u)];
+  if (!k.gathered) issue_kept(u);
+  else if (!k.asked) --ahead_;  // a prefetched unit, asked for now
+  k.asked = true;
+  // Prefetch along the order the last pass of this label first gathered its units in: keep up to
+  // `prefetch` units gathered ahead of those asked for. (A pass that leaves that order only
+  // gathers early units it would gather anyway, or ones it does not use: never wrong.)
+  if (follow_ && trace_)
+    while (ahead_ < ov_.prefetch && trace_next_ < trace_->size()) {
+      const int v = (*trace_)[trace_next_++];
+      if (kept_[static_cast<size_t>(v)].gathered) continue;
+      issue_kept(v);
+      ++ahead_;
+    }
+  agq_->wait(k.ticket);
+  return k.param.data();
+}
+
 template <typename C> const C* UnitPipeline<C>::gather(int u) {
   poll_all();
+  if (keeping()) return gather_kept(u);
   const int64_t p = pos_++;
   if (in_pass_) rec_.push_back(u);
   int s = -1;
@@ -87,7 +148,7 @@ template <typename C> const C* UnitPipeline<C>::gather(int u) {
     sl.unit = u;
     sl.pos = p;
     sl.ticket = codec_->issue_gather(*agq_, u, sl.buf.data(), s);
-    gather_bytes_ += static_cast<double>(plan_.world_size - 1) * static_cast<double>(plan_.units[u].shard_size) * sizeof(C);
+    count_gather(u);
   }
   agq_->wait(slots_[s].ticket);
   current_ = s;
@@ -105,8 +166,7 @@ template <typename C> const C* UnitPipeline<C>::gather(int u) {
       sl.unit = (*trace_)[static_cast<size_t>(q)];
       sl.pos = q;
       sl.ticket = codec_->issue_gather(*agq_, sl.unit, sl.buf.data(), f);
-      gather_bytes_ += static_cast<double>(plan_.world_size - 1) *
-                       static_cast<double>(plan_.units[static_cast<size_t>(sl.unit)].shard_size) * sizeof(C);
+      count_gather(sl.unit);
     }
   return slots_[s].buf.data();
 }
@@ -128,15 +188,42 @@ template <typename C> void UnitPipeline<C>::reduce_scatter_grad(int u) {
     throw std::logic_error("UnitPipeline::reduce_scatter_grad(" + std::to_string(u) +
                            "): not the unit of the last full_grad");
   GradBuf& g = grads_[gcur_];
-  g.ticket = codec_->issue_reduce(*rsq_, u, g.buf.data(), rep_);
-  const double S = static_cast<double>(plan_.units[u].shard_size);
-  reduce_bytes_ += static_cast<double>(plan_.world_size - 1) * S * static_cast<double>(codec_->reduce_elem_bytes());
-  if (rep_) {
-    const double R = rep_->world_size();
-    reduce_bytes_ += 2.0 * (R - 1) / R * S * static_cast<double>(codec_->replica_elem_bytes());
+  if (keeping()) {  // into u's accumulator: no communication until end_pass
+    Kept& k = kept_[static_cast<size_t>(u)];
+    const size_t n = static_cast<size_t>(plan_.units[static_cast<size_t>(u)].padded_numel);
+    if (!k.grad.data()) k.grad = Buffer<Acc>(codec_->acc_backend(), n);
+    if (!k.accumulated) {
+      codec_->acc_backend().zero(k.grad.data(), n);
+      k.accumulated = true;
+      accumulated_.push_back(u);
+    }
+    codec_->accumulate(k.grad.data(), g.buf.data(), n);
+    gcur_ = -1;
+    poll_all();
+    return;
   }
+  g.ticket = codec_->issue_reduce(*rsq_, u, g.buf.data(), rep_);
+  count_reduce(u);
   gcur_ = -1;
   poll_all();
+}
+
+// PerPass, at end_pass: each accumulator reduce-scattered once, in the order of its first gradient;
+// the scratch buffers in turn as the codec's staging (bf16 reduce), each reused once its last
+// reduce is done.
+template <typename C> void UnitPipeline<C>::reduce_kept() {
+  for (const int u : accumulated_) {
+    Kept& k = kept_[static_cast<size_t>(u)];
+    const int g = gnext_;
+    gnext_ = (gnext_ + 1) % static_cast<int>(grads_.size());
+    rsq_->wait(grads_[g].ticket);
+    grads_[g].unit = -1;
+    grads_[g].ticket = codec_->issue_reduce_acc(*rsq_, u, k.grad.data(), grads_[g].buf.data(), rep_);
+    count_reduce(u);
+    k.accumulated = false;
+    poll_all();
+  }
+  accumulated_.clear();
 }
 
 template <typename C> void UnitPipeline<C>::begin_pass(const std::string& label) {
@@ -147,6 +234,9 @@ template <typename C> void UnitPipeline<C>::begin_pass(const std::string& label)
   pos_ = 0;
   label_ = label;
   rec_.clear();
+  first_.clear();
+  trace_next_ = 0;
+  ahead_ = 0;
   in_pass_ = true;
   auto it = traces_.find(label);
   trace_ = it == traces_.end() ? nullptr : &it->second;
@@ -154,6 +244,7 @@ template <typename C> void UnitPipeline<C>::begin_pass(const std::string& label)
 }
 
 template <typename C> void UnitPipeline<C>::end_pass() {
+  if (keeping()) reduce_kept();  // (a full_grad never handed back is dropped, as PerUse drops it)
   agq_->wait_all();
   rsq_->wait_all();
   if (ordered_lane_) ordered_lane_->synchronize();
@@ -161,8 +252,11 @@ template <typename C> void UnitPipeline<C>::end_pass() {
   current_ = -1;
   if (in_pass_) {
     trace_ = nullptr;  // (it may point into traces_[label_])
-    traces_[label_] = std::move(rec_);
+    // PerPass follows the order of first gathers; PerUse the order of every gather.
+    traces_[label_] = std::move(reshard_ == Reshard::PerPass ? first_ : rec_);
     rec_.clear();
+    first_.clear();
+    for (Kept& k : kept_) k.gathered = k.asked = false;
   }
   in_pass_ = false;
   follow_ = false;
@@ -173,6 +267,8 @@ template <typename C> CommTimes UnitPipeline<C>::comm_times() const {
   CommTimes t;
   t.gather_bytes = gather_bytes_;
   t.reduce_bytes = reduce_bytes_;
+  t.unit_gathers = unit_gathers_;
+  t.unit_reduces = unit_reduces_;
   for (const CommQueue* q : {agq_.get(), rsq_.get()})
     if (q) {
       const CommTimes a = q->times();

@@ -265,7 +265,7 @@ template <typename C> void Trainer<C>::allocate() {
     try {
       const bool checkpoints = !tc_.checkpoint_dir.empty() || !tc_.resume.empty() || !tc_.init_from.empty();
       run_ = parallelize<C>(mesh_, mc_, eng_.be, eng_.be16,
-                            {tc_.overlap, tc_.reduce_bf16, checkpoints, tc_.cp_comm, pipeline_});
+                            {tc_.overlap, tc_.reduce_bf16, checkpoints, tc_.cp_comm, pipeline_, tc_.pp.reshard});
       f_ = run_.state.get();
       units_ = run_.units.get();
       if constexpr (std::is_same_v<C, bf16>)

@@ -1,0 +1,261 @@
+// Reshard::PerPass (unit_source.h, '--pp-reshard per-step'; issue 42 item 5) against Reshard::PerUse
+// (today's per-micro-batch gathers and reduce-scatters), at the world size mpirun gives (1-4): one
+// optimizer step of m micro-batches through StageRunner (the trainer's path), with one stage
+// (P = 1, gradient accumulation) and, where W allows, P = 2 (1F1B, GPipe; dp W / 2) and P = 4
+// (interleaved v 2), tied and untied:
+//  - every gradient shard of PerPass equals PerUse's within 1e-12 of the unit's largest element
+//    in float64 (the sums differ in order only: accumulate over micro-batches, then reduce over
+//    ranks, instead of reduce, then accumulate), and the loss bitwise (the forward reads the same
+//    gathered parameters);
+//  - PerPass issues one all-gather and one reduce-scatter per unit of the rank per step (CommTimes'
+//    unit_gathers, unit_reduces), PerUse at least m per unit;
+//  - with overlap on (prefetch 2, host progress by poll) the second step follows the first's
+//    recorded order and gives the overlap-off PerPass gradients bitwise, with the same counts;
+//  - fp32 (IdentityCodec<float>): within 1e-6; mixed precision (MixedPrecisionUnits, fp32 reduce):
+//    within 1e-6, the bf16 model's gradients summed in the fp32 accumulator.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "shardtrain/backend.h"
+#include "shardtrain/data.h"
+#include "shardtrain/mesh.h"
+#include "shardtrain/model.h"
+#include "shardtrain/pipeline.h"
+#include "shardtrain/shard.h"
+#include "shardtrain/stage_runner.h"
+#include "shardtrain/train.h"
+#include "../test_env.h"
+
+namespace st = shardtrain;
+using st::bf16;
+
+namespace {
+
+st::ModelConfig cfg(bool tied) {
+  st::ModelConfig c;
+  c.name = "pp-reshard-test";
+  c.vocab_size = 258;
+  c.hidden_size = 32;
+  c.intermediate_size = 56;
+  c.num_hidden_layers = 8;  // pp 4 x v 2 interleaved: 8 chunks of one block
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;  // GQA
+  c.max_position_embeddings = 64;
+  c.tie_word_embeddings = tied;
+  c.bos_token_id = 256;
+  c.eos_token_ids = {257};
+  return c;
+}
+
+// A token file every rank writes for itself (the same bytes), byte-level, with a validation split.
+std::string token_file() {
+  const int r = st::testing::comm().rank();
+  const std::string dir = "/tmp/shardtrain-pp-reshard-test-" + std::to_string(getppid()) + "-" + std::to_string(r);
+  std::filesystem::create_directories(dir);
+  {
+    std::ofstream t(dir + "/a.txt");
+    for (int i = 0; i < 400; ++i) t << "line " << i * 7919 % 1000 << " of the reshard test, " << (i % 13) << "\n";
+  }
+  st::prepare_token_file({dir + "/a.txt"}, dir + "/a.tok", 0.2);
+  return dir + "/a.tok";
+}
+
+struct Case {
+  int P;
+  st::PipelineKind kind;
+  int v;
+};
+
+// One optimizer step's result on this rank: the loss it computed, each unit's gradient shard (as
+// double) and the step's unit collectives.
+struct Step {
+  double loss = 0;
+  std::vector<std::vector<double>> grads;
+  int64_t gathers = 0, reduces = 0;
+};
+
+// A pipeline stage's rank, built as parallelize builds it (the compute type C: double, float, or
+// bf16 over an fp32 state), with its UnitPipeline in `reshard` mode.
+template <typename C> struct Rig {
+  using M = std::conditional_t<std::is_same_v<C, bf16>, float, C>;  // the state's type
+  st::Comm& c = st::testing::comm();
+  st::Mesh mesh;
+  st::TrainConfig tc;
+  int per_rank = 0, m = 0;
+  st::PipelineLayout pl;
+  st::RankUnits ru;
+  std::unique_ptr<st::Backend<M>> be = st::make_cpu_backend<M>();
+  std::unique_ptr<st::Backend<bf16>> be16;
+  std::unique_ptr<st::ShardedState<M>> f;
+  std::unique_ptr<st::UnitPipeline<C>> units;
+  std::unique_ptr<st::StageLink<C>> link;
+  std::unique_ptr<st::LlamaModel<C>> model;
+  std::unique_ptr<st::TokenDataset> data;
+  std::unique_ptr<st::StageRunner<C>> runner;
+
+  Rig(const st::ModelConfig& mc, const Case& k, const std::string& path, st::Reshard reshard, st::OverlapConfig ov)
+      : mesh(c, st::testing::g_runtime->topo(), st::MeshDims{1, c.world_size() / k.P, 1, 1, k.P}, 0) {
+    tc.seq_len = 16;
+    tc.global_batch = 8;
+    tc.micro_batch = 1;
+    tc.seed = 5;
+    per_rank = tc.global_batch / mesh.dp_size();
+    m = per_rank / tc.micro_batch;
+    std::string why;
+    st::PipelineOptions po;
+    po.kind = k.kind;
+    po.chunks_per_rank = k.v;
+    pl = st::resolve_pipeline(mc, k.P, po, m, &why);
+    EXPECT_EQ(why, "");
+    ru = st::pipeline_rank_units(mc, pl, mesh.coord().pp);
+    f = std::make_unique<st::ShardedState<M>>(*be, mesh, st::ShardPlan::build(ru.units, mesh.dims().fsdp()));
+    f->init_params(11);
+    if constexpr (std::is_same_v<C, bf16>) {
+      be16 = st::make_cpu_backend<bf16>();
+      units = std::make_unique<st::MixedPrecisionUnits>(*f, *be16, false, st::MixedPrecisionUnits::kWidenSlab, ov,
+                                                        reshard);
+      model = std::make_unique<st::LlamaModel<bf16>>(mc, *be16);
+    } else {
+      units = std::make_unique<st::UnitPipeline<C>>(*be, std::make_unique<st::IdentityCodec<C>>(*f), ov, reshard);
+      model = std::make_unique<st::LlamaModel<C>>(mc, *be);
+    }
+    if (k.P > 1) link = std::make_unique<st::StageLink<C>>(*mesh.pp_data(), pl);
+    data = std::make_unique<st::TokenDataset>(path);
+    st::Backend<C>& mbe = *[&]() -> st::Backend<C>* {
+      if constexpr (std::is_same_v<C, bf16>) return be16.get();
+      else return be.get();
+    }();
+    runner = std::make_unique<st::StageRunner<C>>(mesh, mbe, *model, *units, ru, pl, link.get(), tc, *data, per_rank,
+                                                  tc.micro_batch);
+  }
+
+  Step step() {
+    f->zero_grads();
+    Step s;
+    const st::CommTimes t0 = units->comm_times();
+    const double scale = 1.0 / (per_rank * tc.seq_len);
+    units->begin_pass("train");
+    runner->begin(st::Split::Train, 0);
+    const auto sched = pl.schedule(m);
+    for (const st::Action& a : sched->actions())
+      if (a.stage == mesh.coord().pp) s.loss += runner->run(a, static_cast<float>(scale));
+    runner->end();
+    units->end_pass();
+    const st::CommTimes t1 = units->comm_times();
+    s.gathers = t1.unit_gathers - t0.unit_gathers;
+    s.reduces = t1.unit_reduces - t0.unit_reduces;
+    for (int u = 0; u < f->num_units(); ++u) {
+      const M* g = f->grad_shard(u);
+      s.grads.emplace_back(g, g + f->plan().units[static_cast<size_t>(u)].shard_size);
+    }
+    return s;
+  }
+};
+
+// Largest difference of two runs' gradient shards of each unit, relative to the unit's largest
+// element (over all ranks: the max is all-reduced), and the number of differing bits.
+struct Diff {
+  double worst_rel = 0;
+  int64_t differing = 0;
+};
+Diff diff(st::Comm& group, const Step& a, const Step& b) {
+  Diff d;
+  EXPECT_EQ(a.grads.size(), b.grads.size());
+  for (size_t u = 0; u < std::min(a.grads.size(), b.grads.size()); ++u) {
+    double worst = 0, scale = 0;
+    EXPECT_EQ(a.grads[u].size(), b.grads[u].size());
+    for (size_t i = 0; i < std::min(a.grads[u].size(), b.grads[u].size()); ++i) {
+      worst = std::max(worst, std::abs(a.grads[u][i] - b.grads[u][i]));
+      scale = std::max(scale, std::abs(b.grads[u][i]));
+      d.differing += std::memcmp(&a.grads[u][i], &b.grads[u][i], sizeof(double)) != 0;
+    }
+    double ws[2] = {worst, scale};  // every rank of the shard group holds part of the unit
+    group.all_reduce(ws, 2, st::ReduceOp::Max);
+    EXPECT_GT(ws[1], 0.0) << "unit " << u << " has no gradient";
+    d.worst_rel = std::max(d.worst_rel, ws[0] / ws[1]);
+  }
+  return d;
+}
+
+std::vector<Case> cases(int W) {
+  std::vector<Case> out{{1, st::PipelineKind::OneFOneB, 1}};
+  if (W % 2 == 0) {
+    out.push_back({2, st::PipelineKind::OneFOneB, 1});
+    out.push_back({2, st::PipelineKind::GPipe, 1});
+  }
+  if (W % 4 == 0) out.push_back({4, st::PipelineKind::Interleaved, 2});
+  return out;
+}
+
+std::string name(const Case& k, bool tied) {
+  return std::string(tied ? "tied" : "untied") + ", pp " + std::to_string(k.P) + " " + st::pipeline_kind_name(k.kind) +
+         (k.v > 1 ? " v " + std::to_string(k.v) : "");
+}
+
+const st::OverlapConfig kOff{false, 0, st::CommProgress::Wait};
+
+template <typename C> void compare(double tol) {
+  st::Comm& c = st::testing::comm();
+  const std::string data = token_file();
+  for (bool tied : {true, false})
+    for (const Case& k : cases(c.world_size())) {
+      SCOPED_TRACE(name(k, tied));
+      const st::ModelConfig mc = cfg(tied);
+      Rig<C> use(mc, k, data, st::Reshard::PerUse, kOff), pass(mc, k, data, st::Reshard::PerPass, kOff);
+      const Step a = use.step(), b = pass.step();
+      const int64_t U = pass.f->num_units();
+      EXPECT_EQ(b.gathers, U);
+      EXPECT_EQ(b.reduces, U);
+      EXPECT_GE(a.gathers, U * pass.m);
+      EXPECT_GE(a.reduces, U * pass.m);
+      EXPECT_EQ(std::memcmp(&a.loss, &b.loss, sizeof(double)), 0) << a.loss << " vs " << b.loss;
+      const Diff d = diff(pass.mesh.shard_data(), b, a);
+      EXPECT_LE(d.worst_rel, tol);
+      if (c.rank() == 0)
+        std::printf("[ reshard  ] %s %s: m %d, units %lld: per-use %lld gathers %lld reduces, per-pass %lld %lld; "
+                    "worst relative difference %.3g (%lld elements differ on rank 0)\n",
+                    std::is_same_v<C, double> ? "f64" : std::is_same_v<C, float> ? "f32" : "bf16",
+                    name(k, tied).c_str(), pass.m, static_cast<long long>(U), static_cast<long long>(a.gathers),
+                    static_cast<long long>(a.reduces), static_cast<long long>(b.gathers),
+                    static_cast<long long>(b.reduces), d.worst_rel, static_cast<long long>(d.differing));
+    }
+}
+
+}  // namespace
+
+TEST(PpReshard, Float64PerPassEqualsPerUseWithOneCollectivePerUnit) { compare<double>(1e-12); }
+
+TEST(PpReshard, Float32PerPassEqualsPerUse) { compare<float>(1e-6); }
+
+TEST(PpReshard, MixedPrecisionAccumulatesInFp32) { compare<bf16>(1e-6); }
+
+TEST(PpReshard, OverlapAndPrefetchKeepTheBits) {
+  st::Comm& c = st::testing::comm();
+  const std::string data = token_file();
+  const st::OverlapConfig on{true, 2, st::CommProgress::Poll};
+  for (bool tied : {true, false})
+    for (const Case& k : cases(c.world_size())) {
+      SCOPED_TRACE(name(k, tied));
+      const st::ModelConfig mc = cfg(tied);
+      Rig<double> off(mc, k, data, st::Reshard::PerPass, kOff), ov(mc, k, data, st::Reshard::PerPass, on);
+      const Step a = off.step();
+      const int64_t U = ov.f->num_units();
+      for (int rep = 0; rep < 2; ++rep) {  // the second step prefetches along the first's order
+        const Step b = ov.step();
+        EXPECT_EQ(b.gathers, U) << "step " << rep;
+        EXPECT_EQ(b.reduces, U) << "step " << rep;
+        EXPECT_EQ(std::memcmp(&a.loss, &b.loss, sizeof(double)), 0);
+        EXPECT_EQ(diff(ov.mesh.shard_data(), b, a).differing, 0) << "step " << rep;
+      }
+    }
+}
