@@ -16,6 +16,9 @@ Subcommands
   cp-tables context parallelism (issue 41): bytes per layer of --cp-comm ring and allgather and their
            exposed time on NVLink for llama-8b at 32K and 128K tokens, cp 2, 4, 8 (docs/scaling.md)
   cp-bytes cp_bytes / cp_collectives per step of a CPU run, as its metrics count them
+  pp-tables pipeline parallelism (issue 42): best mesh with and without PP for llama-70b and
+           llama-405b at W = 256 .. 4096 (and 8192, 16384), 16M-token batch, seq 8192, and the model
+           beside Llama 3's table 4 and torchtitan's table 5 (docs/scaling.md)
   selftest the arithmetic checks (also run by tests/bench/test_scaling_model.py)
 
 Examples
