@@ -16,6 +16,9 @@ Subcommands
   cp-tables context parallelism (issue 41): bytes per layer of --cp-comm ring and allgather and their
            exposed time on NVLink for llama-8b at 32K and 128K tokens, cp 2, 4, 8 (docs/scaling.md)
   cp-bytes cp_bytes / cp_collectives per step of a CPU run, as its metrics count them
+  pp-tables pipeline parallelism (issue 42): best mesh with and without PP for llama-70b and
+           llama-405b at W = 256 .. 4096 (and 8192, 16384), 16M-token batch, seq 8192, and the model
+           beside Llama 3's table 4 and torchtitan's table 5 (docs/scaling.md)
   selftest the arithmetic checks (also run by tests/bench/test_scaling_model.py)
 
 Examples
@@ -951,6 +954,353 @@ def cmd_cp_bytes(a, out=sys.stdout):
             m, a.cp, a.seq_len, a.micro_batch, a.act_dtype, a.mask, s["bytes"], s["calls"]))
 
 
+# ---- pipeline parallelism (issue 42, item 8) ------------------------------------------------
+#
+# A mesh point: W = pp x dp x tp (x cp) GPUs, pp outermost (each stage W / pp consecutive ranks,
+# whole nodes when W / pp >= 8), TP inside a node, FSDP inside each stage over its dp = W / (pp tp
+# cp) ranks of one TP index. m micro-batches of b sequences per pipeline per step: m = global
+# sequences / (dp b). docs/scaling.md, "Pipeline parallelism (issue 42)", states every assumption.
+
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+GLOBAL_TOKENS = 16 * 2 ** 20   # Llama 3's 405B batch: 16M tokens (Dubey et al. 2024, table 4)
+PP_SEQ = 8192
+PP_WORLDS = [256, 512, 1024, 2048, 4096]
+PP_WORLDS_405B = [8192, 16384]  # Llama 3's meshes (table 4), for llama-405b only
+HBM_BYTES = 80e9               # H100 SXM 80 GB (the Llama 3 and torchtitan runs: H100)
+HBM_RESERVE = 4e9              # CUDA context, allocator slack: assumed
+
+
+def pp_bubble_time(schedule, P, tf, ti, tw, v=1):
+    """Idle time of the slowest stage per step, tf / ti / tw its forward, input-gradient and
+    weight-gradient time per micro-batch (tb = ti + tw), all its chunks together:
+      gpipe, 1f1b   (P-1)(tf + tb)       (Huang et al. 2019, GPipe, section 2.2; Narayanan et al.
+                                          2021, section 2.2.1: PipeDream-Flush has GPipe's bubble)
+      interleaved   (P-1)(tf + tb) / v   (Narayanan et al. 2021, section 2.2.2)
+      zb-h1         (P-1)(tf + ti - tw)  (Qi et al., Zero Bubble Pipeline Parallelism, ICLR 2024,
+                                          section 3.1)"""
+    if schedule not in PP_SCHEDULES:
+        raise ValueError("schedule must be one of %s, got %r" % (", ".join(PP_SCHEDULES), schedule))
+    if schedule == "interleaved":
+        return (P - 1) * (tf + ti + tw) / v
+    if schedule == "zb-h1":
+        return (P - 1) * max(0.0, tf + ti - tw)
+    return (P - 1) * (tf + ti + tw)
+
+
+def pp_bubble_fraction(schedule, P, m, v=1, tf=1.0, ti=1.0, tw=1.0):
+    """Bubble / step of a pipeline of m micro-batches, step = m (tf + tb) + bubble: (P-1)/(m+P-1)
+    for gpipe and 1f1b, ((P-1)/v) / (m + (P-1)/v) interleaved, (P-1)(tf+ti-tw) / (m (tf+tb) +
+    (P-1)(tf+ti-tw)) zb-h1 (with ti = tw = tf: (P-1) / (3m + P-1))."""
+    bub = pp_bubble_time(schedule, P, tf, ti, tw, v)
+    return bub / (m * (tf + ti + tw) + bub)
+
+
+def pp_chunks(cfg, P, v=1):
+    """Blocks 0..L+1 (0 the embedding, l+1 decoder layer l, L+1 the final norm and head) cut into
+    S = P v contiguous chunks, the embedding and the head counted as one block each (README,
+    "Pipeline parallelism"; include/shardtrain/pipeline_schedule.h); the first n mod S chunks take
+    one block more (assumed: an uneven split's order is not modelled). Chunk c runs on pipeline
+    rank c mod P. Returns [[block, ...] per chunk]."""
+    n, S = cfg.L + 2, P * v
+    if S > n:
+        raise ValueError("%d chunks for %d blocks" % (S, n))
+    out, a = [], 0
+    for c in range(S):
+        k = n // S + (1 if c < n % S else 0)
+        out.append(list(range(a, a + k)))
+        a += k
+    return out
+
+
+def _item_block(cfg, label):
+    if label.startswith("embed"):
+        return 0
+    if label.startswith("block"):
+        return 1 + int(label.split()[1])
+    return cfg.L + 1  # final norm, head
+
+
+def pp_stage_times(cfg, T, b, tp, topo, prec, mfu, recompute="none", act_bytes=2, peak=PEAK_BF16, P=1, v=1):
+    """Per pipeline rank, per micro-batch of b sequences (the TP group's): forward, input-gradient
+    and weight-gradient seconds of all its chunks, and per block its forward / backward seconds.
+    The items and their seconds are model_items' (compute spread by real FLOPs from
+    flops_per_token at `mfu`, TP collectives blocking on NVLink, full recompute in the backward);
+    the head item (forward + backward) split 1/3 : 2/3 by its FLOPs (2VC : 4VC per token). tw is
+    the weight-gradient GEMMs' share of the compute, 2 P_layer per token of a layer's 4 P_layer +
+    8 Q T backward (2VC of the head's 4VC); ti = tb - tw (with them the recompute and the TP
+    collectives)."""
+    tokens = b * T // tp
+    t_compute = flops_per_token(cfg, T) * tokens / (mfu * peak)
+    items = model_items(cfg, T, tokens, topo, prec, t_compute, recompute, act_bytes)
+    raw = step_items(cfg, T)
+    real = sum(fl for _, _, fl, _ in raw)
+    fwd = [0.0] * (cfg.L + 2)
+    bwd = [0.0] * (cfg.L + 2)
+    wgt = [0.0] * (cfg.L + 2)
+    for label, _, tc, _ in items:
+        k = _item_block(cfg, label)
+        if "fwd+bwd" in label:
+            fwd[k] += tc / 3
+            bwd[k] += 2 * tc / 3
+            wgt[k] += t_compute * 2.0 * cfg.V * cfg.C / real
+        elif label.endswith("fwd"):
+            fwd[k] += tc
+        else:
+            bwd[k] += tc
+            if label.startswith("block"):
+                wgt[k] += t_compute * 2.0 * cfg.block_numel() / real
+    chunks = pp_chunks(cfg, P, v)
+    ranks = []
+    for r in range(P):
+        blocks = [k for c in range(r, P * v, P) for k in chunks[c]]
+        tf = sum(fwd[k] for k in blocks)
+        tw = sum(wgt[k] for k in blocks)
+        ranks.append({"blocks": blocks, "tf": tf, "tw": tw, "ti": sum(bwd[k] for k in blocks) - tw})
+    return ranks, fwd, bwd
+
+
+def pp_p2p_bytes(b, T, C, tp, cp=1, e=2):
+    """Bytes one GPU sends per micro-batch per stage boundary, each direction: its sequence shard
+    of the [b T, C] activations (forward) or their gradients (backward), b T / (tp cp) x C x e
+    (with TP's sequence parallelism and CP each rank holds 1 / (tp cp) of the rows)."""
+    return b * T * C * e / (tp * cp)
+
+
+def pp_memory(cfg, W, P, tp, b, T, schedule, v, m, recompute):
+    """Coarse bytes per GPU of the most loaded pipeline rank (rank 0): the sharded state, 16 B per
+    element of the stage's TP slices over dp (fp32 parameter, gradient, AdamW m and v); gather and
+    gradient buffers of the largest unit (2 + 4 B per element, twice: prefetch); activations kept,
+    per layer and micro-batch with sequence parallelism (Korthikanti et al. 2022, "Reducing
+    Activation Recomputation in Large Transformer Models", section 4): none b T C (34 / tp) bytes
+    (their selective figure: a fused attention keeps no T x T scores), full 2 b T C / tp (the layer
+    input); times the micro-batch-layers rank 0 holds: no PP, L (one micro-batch; accumulation
+    frees each); gpipe min(m,..) m x L/P; 1f1b and zb-h1 min(P, m) x L/P (Qi et al. 2024: ZB-H1
+    keeps 1F1B's peak); interleaved ((P-1) 2 + (v-1) P + 1) chunks of L/(P v) (Megatron-LM's
+    warm-up count, include/shardtrain/pipeline_schedule.h, + the one in its backward)."""
+    dp = W // (P * tp)
+    chunks = pp_chunks(cfg, P, v)
+    us = units(cfg, tp)
+    blocks0 = [k for c in range(0, P * v, P) for k in chunks[c]]
+    state = 16 * sum(shard_size(us[k][1], dp) for k in blocks0)
+    bufs = 2 * 6 * max(n for _, n in us)
+    per_layer = b * T * cfg.C * ((34.0 / tp) if recompute == "none" else (2.0 / tp))
+    Ls = cfg.L / P
+    if P == 1:
+        held = cfg.L
+    elif schedule == "gpipe":
+        held = m * Ls
+    elif schedule == "interleaved":
+        held = min(m * v, (P - 1) * 2 + (v - 1) * P + 1) * cfg.L / (P * v)
+    else:
+        held = min(P, m) * Ls
+    return state + bufs + held * per_layer
+
+
+def pp_point(cfg, fabric, world, pp, tp, schedule="1f1b", v=1, micro_batch=1, global_tokens=GLOBAL_TOKENS,
+             T=PP_SEQ, mfu=MFU_TARGET, prec=None, recompute="none", act_bytes=2, prefetch=1, peak=PEAK_BF16, cp=1):
+    """Tokens/s per GPU of one mesh point (W = pp x dp x tp, cp = 1 in the time model).
+    pp 1: FSDP x TP with m = global sequences / (dp b) accumulated micro-batches, each run_point's
+    step of b T / tp tokens per GPU (every unit gathered and reduced per micro-batch), the TP norms'
+    all-reduce once: step = m (run_point step - t_norm) + t_norm; m = 1 is run_point exactly.
+    pp > 1: step = m (tf + ti + tw) + pp_bubble_time (the slowest rank) + the stage-boundary
+    transfers on the fill and drain paths, 2 (pp v' - 1) t_p2p (v' = v interleaved, else 1), + any
+    part of a transfer longer than the action it overlaps (StageLink posts receives one action
+    ahead: m v x [max(0, t_p2p - tf/v) + max(0, t_p2p - tb/v)]) + FSDP's exposed part, each unit
+    of a stage gathered once per step and reduced once (shardtrain's default under PP): rank 0's
+    gathers with its first forward and its reduce-scatters after its last backward (the step's
+    first and last actions; the other ranks' hide in the fill and drain), simulate()'d with
+    `prefetch` + the TP norms' all-reduce over 1/pp of the layers."""
+    prec = prec or Precision("bf16-noslab")
+    if cp != 1:
+        raise ValueError("cp > 1 is not in the PP time model (pp_p2p_bytes takes cp)")
+    if world % (pp * tp):
+        raise ValueError("W = %d is not a multiple of pp x tp = %d" % (world, pp * tp))
+    dp = world // (pp * tp)
+    seqs = global_tokens // T
+    if seqs % (dp * micro_batch):
+        raise ValueError("%d sequences do not split into dp %d x micro-batch %d" % (seqs, dp, micro_batch))
+    m = seqs // (dp * micro_batch)
+    tok_gpu = global_tokens / world
+    if pp == 1:
+        r = run_point(cfg, fabric, world, "fsdp", prefetch, prec, mfu, tokens=micro_batch * T // tp, T=T,
+                      peak=peak, tp=tp, act_bytes=act_bytes, recompute=recompute)
+        t_norm = tp_norm_time(cfg, Topology(fabric, world, "fsdp", tp))
+        step = m * (r["step"] - t_norm) + t_norm
+        return {"step": step, "tok_s": tok_gpu / step, "m": m, "dp": dp, "bubble": 0.0,
+                "pipeline": m * r["compute"], "fsdp": m * r["exposed"], "p2p": 0.0, "run_point": r}
+    if schedule == "interleaved" and m % pp:
+        raise ValueError("interleaved needs m = %d a multiple of pp = %d" % (m, pp))
+    vv = v if schedule == "interleaved" else 1
+    topo = Topology(fabric, world // pp, "fsdp", tp)
+    ranks, fwd, bwd = pp_stage_times(cfg, T, micro_batch, tp, topo, prec, mfu, recompute, act_bytes, peak, pp, vv)
+    slow = max(ranks, key=lambda x: x["tf"] + x["ti"] + x["tw"])
+    tf, ti, tw = slow["tf"], slow["ti"], slow["tw"]
+    bubble = pp_bubble_time(schedule, pp, tf, ti, tw, vv)
+    pipeline = m * (tf + ti + tw) + bubble
+    # Stage-boundary transfers: NICs (one per GPU, all in use at once) unless the whole pipeline
+    # sits in one node.
+    B, a = (fabric.B_nic, fabric.a_inter) if world > fabric.g else (fabric.B_intra, fabric.a_intra)
+    t_p2p = a + pp_p2p_bytes(micro_batch, T, cfg.C, tp, cp, act_bytes) / B
+    p2p = 2 * (pp * vv - 1) * t_p2p
+    p2p += m * vv * (max(0.0, t_p2p - tf / vv) + max(0.0, t_p2p - (ti + tw) / vv))
+    # FSDP on rank 0: each unit gathered once, with the first forward; reduced once after the last backward.
+    us = units(cfg, tp)
+    n = topo.shard_world()
+    max_S = max(shard_size(k, n) for _, k in us)
+    blocks0 = ranks[0]["blocks"]
+    fitems = [(str(k), topo.gather_time(us[k][1], prec), fwd[k], []) for k in blocks0]
+    bitems = [(str(k), 0.0, bwd[k], [topo.reduce_time(us[k][1], max_S, prec)]) for k in reversed(blocks0)]
+    fsdp = simulate(fitems, prefetch)[3] + simulate(bitems, prefetch)[3]
+    t_norm = tp_norm_time(cfg, topo) / pp
+    step = pipeline + p2p + fsdp + t_norm
+    return {"step": step, "tok_s": tok_gpu / step, "m": m, "dp": dp, "bubble": bubble / pipeline,
+            "pipeline": pipeline, "fsdp": fsdp, "p2p": p2p, "t_p2p": t_p2p, "tf": tf, "ti": ti, "tw": tw}
+
+
+PP_SIZES = (2, 4, 8, 16, 32)
+PP_MICRO = (1, 2, 4, 8, 16)
+PP_MODELS = ("llama-70b", "llama-405b")
+
+
+def pp_fit_recompute(cfg, W, pp, tp, b, T, schedule, v, m, hbm=HBM_BYTES):
+    """The cheapest --activation-checkpointing (none, else full) whose pp_memory fits hbm - reserve."""
+    for rc in ("none", "full"):
+        if pp_memory(cfg, W, pp, tp, b, T, schedule, v, m, rc) <= hbm - HBM_RESERVE:
+            return rc
+    return None
+
+
+def pp_candidates(cfg, W, with_pp, schedules=("1f1b", "interleaved"), T=PP_SEQ, global_tokens=GLOBAL_TOKENS):
+    """Mesh points (pp, tp, schedule, v, b, m): tp 1-8 dividing the heads, pp 1 or 2-32, b 1-16
+    sequences, m whole, interleaved with v 2 and 4 and m a multiple of pp."""
+    seqs = global_tokens // T
+    for tp in (1, 2, 4, 8):
+        try:
+            check_tp(cfg, tp)
+        except ValueError:
+            continue
+        for pp in (PP_SIZES if with_pp else (1,)):
+            if W % (pp * tp):
+                continue
+            dp = W // (pp * tp)
+            for b in PP_MICRO:
+                if seqs % (dp * b):
+                    continue
+                m = seqs // (dp * b)
+                for s in (schedules if pp > 1 else ("none",)):
+                    for v in ((2, 4) if s == "interleaved" else (1,)):
+                        if pp * v > cfg.L + 2 or (s == "interleaved" and m % pp):
+                            continue
+                        yield pp, tp, s, v, b, m
+
+
+def pp_best(cfg, fabric, W, with_pp, mfu, schedules=("1f1b", "interleaved"), hbm=HBM_BYTES):
+    """The mesh point of pp_candidates with the most tokens/s per GPU among those whose coarse
+    memory (pp_memory) fits: (tokens/s, point dict) or (0, None)."""
+    best = (0.0, None)
+    for pp, tp, s, v, b, m in pp_candidates(cfg, W, with_pp, schedules):
+        rc = pp_fit_recompute(cfg, W, pp, tp, b, PP_SEQ, s, v, m, hbm)
+        if rc is None:
+            continue
+        r = pp_point(cfg, FABRICS["nvlink+ndr"], W, pp, tp, s if pp > 1 else "1f1b", v, b, mfu=mfu, recompute=rc)
+        if r["tok_s"] > best[0]:
+            r.update(pp=pp, tp=tp, schedule=s, v=v, b=b, recompute=rc)
+            best = (r["tok_s"], r)
+    return best
+
+
+def _mesh(r):
+    s = "tp %d" % r["tp"] + (" × pp %d" % r["pp"] if r["pp"] > 1 else "") + " × dp %d" % r["dp"]
+    if r["pp"] > 1:
+        s += ", %s%s" % (r["schedule"], " v %d" % r["v"] if r["schedule"] == "interleaved" else "")
+    return s + ", b %d, m %d, %s" % (r["b"], r["m"], r["recompute"])
+
+
+def pp_tables(out=sys.stdout, mfus=(MFU_TARGET, MFU_MEASURED)):
+    """docs/scaling.md, "Pipeline parallelism (issue 42)": best mesh with and without PP."""
+    p = lambda s="": print(s, file=out)
+    fab = FABRICS["nvlink+ndr"]
+    for mname in PP_MODELS:
+        cfg = load_config(mname)
+        for mfu in mfus:
+            p("**%s, MFU %.1f%%**, seq %d, global batch %s tokens (%d sequences), %s, bf16 gather, fp32 "
+              "reduce in one call per unit, prefetch 1, %d GB per GPU. Cells: tokens/s per GPU (mesh, micro-batch "
+              "b sequences, m micro-batches per step, recompute); bubble = the pipeline's idle share; ZB-H1: "
+              "the PP column's mesh under zb-h1." % (mname, 100 * mfu, PP_SEQ, format(GLOBAL_TOKENS, ","),
+                                                    GLOBAL_TOKENS // PP_SEQ, fab.name, HBM_BYTES / 1e9))
+            p()
+            p("| W | best without PP (FSDP × TP) | best with PP (1f1b / interleaved) | bubble | PP / no PP | ZB-H1, same mesh |")
+            p("|---|---|---|---|---|---|")
+            for W in PP_WORLDS + (PP_WORLDS_405B if mname == "llama-405b" else []):
+                t0, r0 = pp_best(cfg, fab, W, False, mfu)
+                t1, r1 = pp_best(cfg, fab, W, True, mfu)
+                c0 = "%s (%s)" % (format(round(t0), ","), _mesh(r0)) if r0 else "does not fit"
+                c1 = "%s (%s)" % (format(round(t1), ","), _mesh(r1)) if r1 else "does not fit"
+                zb = "-"
+                if r1:
+                    z = pp_point(cfg, fab, W, r1["pp"], r1["tp"], "zb-h1", 1, r1["b"], mfu=mfu, recompute=r1["recompute"])
+                    zb = format(round(z["tok_s"]), ",")
+                ratio = "%+.0f%%" % (100 * (t1 / t0 - 1)) if (r0 and r1) else "-"
+                p("| %d | %s | %s | %s | %s | %s |" % (W, c0, c1, "%.1f%%" % (100 * r1["bubble"]) if r1 else "-", ratio, zb))
+            p()
+
+
+def mfu_to_match(fn, target, lo=0.05, hi=1.0):
+    """The MFU at which fn(mfu) (tokens/s, increasing in mfu) equals target, by bisection; None above hi."""
+    if fn(hi) < target:
+        return None
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if fn(mid) < target else (lo, mid)
+    return (lo + hi) / 2
+
+
+# Published points: (label, model, W, pp, tp, global sequences, micro-batch, recompute, published tokens/s per GPU)
+LLAMA3_POINTS = (  # Dubey et al. 2024, "The Llama 3 Herd of Models", table 4: TFLOPs/GPU 430 and 400
+    ("Llama 3, 8,192 GPUs", "llama-405b", 8192, 16, 8, 2048, 1, 430e12),
+    ("Llama 3, 16,384 GPUs", "llama-405b", 16384, 16, 8, 2048, 1, 400e12),
+)
+TORCHTITAN_POINTS = (  # pytorch/torchtitan docs/performance.md, table 5 (Liang et al. 2024, arXiv 2410.06511)
+    ("1f1b", 1, 100.0),
+    ("interleaved", 2, 128.0),
+)
+
+
+def pp_published(out=sys.stdout, mfus=(MFU_MEASURED, MFU_TARGET)):
+    p = lambda s="": print(s, file=out)
+    fab = FABRICS["nvlink+ndr"]
+    cfg = load_config("llama-405b")
+    fpt = flops_per_token(cfg, PP_SEQ)
+    p("llama-405b flops per token at T = %d: %.4g (6N + 12 L Q T)." % (PP_SEQ, fpt))
+    p()
+    p("| point | mesh | schedule | m | bubble | published | predicted, MFU %.1f%% / %.0f%% | MFU the model needs to match |"
+      % (100 * mfus[0], 100 * mfus[1]))
+    p("|---|---|---|---|---|---|---|---|")
+    for label, mname, W, pp, tp, seqs, b, tflops in LLAMA3_POINTS:
+        for s, v in (("1f1b", 1), ("interleaved", 2), ("interleaved", 4), ("interleaved", 8), ("zb-h1", 1)):
+            f = lambda mfu, s=s, v=v: pp_point(cfg, fab, W, pp, tp, s, v, b, seqs * PP_SEQ, mfu=mfu, recompute="none")
+            rs = [f(mu) for mu in mfus]
+            need = mfu_to_match(lambda mu: f(mu)["tok_s"], tflops / fpt)
+            p("| %s | tp %d × pp %d × dp %d, b %d | %s | %d | %.1f%% | %.0f TFLOP/s (%s tokens/s) | %s | %s |" % (
+                label, tp, pp, rs[0]["dp"], b, s + (" v %d" % v if s == "interleaved" else ""), rs[0]["m"],
+                100 * rs[1]["bubble"], tflops / 1e12, format(round(tflops / fpt), ","),
+                " / ".join("%s tokens/s = %.0f TFLOP/s" % (format(round(r["tok_s"]), ","), r["tok_s"] * fpt / 1e12) for r in rs),
+                "%.1f%%" % (100 * need) if need else "> 100%"))
+    for s, v, tok in TORCHTITAN_POINTS:
+        f = lambda mfu, s=s, v=v: pp_point(cfg, fab, 512, 8, 8, s, v, 1, 256 * PP_SEQ, mfu=mfu, recompute="full")
+        rs = [f(mu) for mu in mfus]
+        need = mfu_to_match(lambda mu: f(mu)["tok_s"], tok)
+        p("| torchtitan, 512 GPUs | tp 8 × pp 8 × dp 8, b 1 (assumed), full recompute | %s | %d | %.1f%% | %.0f tokens/s | %s | %s |" % (
+            s + (" v %d (assumed)" % v if s == "interleaved" else ""), rs[0]["m"], 100 * rs[1]["bubble"], tok,
+            " / ".join("%s tokens/s" % format(round(r["tok_s"]), ",") for r in rs),
+            "%.1f%%" % (100 * need) if need else "> 100%"))
+
+
+def cmd_pp_tables(a):
+    pp_tables()
+    pp_published()
+
+
 # ---- check --------------------------------------------------------------------------------
 
 def load_bench(path, stat="median"):
@@ -1368,6 +1718,9 @@ def main(argv=None):
     scb.add_argument("--act-dtype", default="fp32", choices=["fp32", "bf16"])
     scb.add_argument("--mask", default="causal", choices=["causal", "document"])
     scb.set_defaults(fn=cmd_cp_bytes)
+    spp = sub.add_parser("pp-tables", help="pipeline parallelism: best mesh with and without PP (docs/scaling.md)")
+    spp.add_argument("--markdown", action="store_true")
+    spp.set_defaults(fn=cmd_pp_tables)
     ss = sub.add_parser("selftest")
     ss.set_defaults(fn=lambda a: selftest())
     a = ap.parse_args(argv)

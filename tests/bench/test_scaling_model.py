@@ -316,5 +316,120 @@ class ScalingModelTest(unittest.TestCase):
             self.assertIn(out.getvalue(), f.read())
 
 
+    # ---- pipeline parallelism (issue 42, item 8) ----
+
+    def test_pp_bubble_formulas_by_hand(self):
+        # GPipe / 1F1B: (P-1)/(m+P-1); P 4, m 8: 3/11 (GPipe section 2.2; Narayanan et al. 2021).
+        self.assertAlmostEqual(sm.pp_bubble_fraction("gpipe", 4, 8), 3 / 11, places=15)
+        self.assertAlmostEqual(sm.pp_bubble_fraction("1f1b", 4, 8), 3 / 11, places=15)
+        # Interleaved, v 2: (3/2) / (8 + 3/2) = 3/19 (Narayanan et al. 2021, section 2.2.2).
+        self.assertAlmostEqual(sm.pp_bubble_fraction("interleaved", 4, 8, v=2), 3 / 19, places=15)
+        # ZB-H1 with tf = ti = tw: (P-1) tf / (3 m tf + (P-1) tf) = 3/27 (Qi et al. 2024, section 3.1).
+        self.assertAlmostEqual(sm.pp_bubble_fraction("zb-h1", 4, 8), 1 / 9, places=15)
+        # ZB-H1, tf 1, ti 1.2, tw 0.8: bubble 3 x (1 + 1.2 - 0.8) = 4.2 of 8 x 3 + 4.2 = 28.2.
+        self.assertAlmostEqual(sm.pp_bubble_fraction("zb-h1", 4, 8, tf=1.0, ti=1.2, tw=0.8), 4.2 / 28.2, places=15)
+        self.assertAlmostEqual(sm.pp_bubble_time("zb-h1", 4, 1.0, 1.2, 0.8), 4.2, places=15)
+        self.assertEqual(sm.pp_bubble_fraction("1f1b", 1, 8), 0.0)
+        with self.assertRaises(ValueError):
+            sm.pp_bubble_time("dualpipe", 4, 1.0, 1.0, 1.0)
+
+    def test_pp_bubble_shrinks_with_micro_batches(self):
+        for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 4), ("zb-h1", 1)):
+            fr = [sm.pp_bubble_fraction(s, 8, m, v=v) for m in range(1, 129)]
+            self.assertTrue(all(a > b for a, b in zip(fr, fr[1:])), s)
+        # and interleaving / ZB-H1 shrink it at a given m: 1f1b > interleaved v 2 > v 4; 1f1b > zb-h1.
+        self.assertGreater(sm.pp_bubble_fraction("1f1b", 8, 16), sm.pp_bubble_fraction("interleaved", 8, 16, v=2))
+        self.assertGreater(sm.pp_bubble_fraction("interleaved", 8, 16, v=2), sm.pp_bubble_fraction("interleaved", 8, 16, v=4))
+        self.assertGreater(sm.pp_bubble_fraction("1f1b", 8, 16), sm.pp_bubble_fraction("zb-h1", 8, 16))
+
+    def test_pp_chunks_and_p2p_bytes(self):
+        # llama-405b: 126 layers + embedding + head = 128 blocks; pp 16: 8 each (Llama 3's split:
+        # 7 layers + the embedding on the first stage, 7 + the head on the last).
+        c = sm.load_config("llama-405b")
+        self.assertEqual((c.L, c.C, c.NH, c.NKV, c.I, c.V), (126, 16384, 128, 8, 53248, 128256))
+        ch = sm.pp_chunks(c, 16)
+        self.assertEqual([len(x) for x in ch], [8] * 16)
+        self.assertEqual((ch[0][0], ch[-1][-1]), (0, 127))
+        # llama-70b: 82 blocks over 4 stages: 21, 21, 20, 20.
+        self.assertEqual([len(x) for x in sm.pp_chunks(sm.load_config("llama-70b"), 4)], [21, 21, 20, 20])
+        # b T / (tp cp) x C x e: 1 x 8192 / 8 x 16384 x 2 = 32 MiB per micro-batch and boundary.
+        self.assertEqual(sm.pp_p2p_bytes(1, 8192, 16384, 8), 33554432)
+        self.assertEqual(sm.pp_p2p_bytes(2, 8192, 16384, 8, cp=2), 33554432)
+
+    def test_pp_step_by_hand(self):
+        # An untied toy: V 64, C 32, I 64, L 2, 4 heads / 2 KV heads (head 8: Q 32, KV 16), T 16.
+        # layer = 2C + C Q + 2 C KV + Q C + 3 C I = 64 + 1024 + 1024 + 1024 + 6144 = 9280;
+        # N = 2 V C + L layer + C = 4096 + 18560 + 32 = 22688; flops_per_token = 6 N + 12 L Q T = 148416.
+        # Real FLOPs per token: layer forward 2 x 9280 + 4 Q T = 20608, backward 41216, head 6 V C = 12288;
+        # sum 2 x 20608 + 2 x 41216 + 12288 = 135936. One sequence per micro-batch (16 tokens, tp 1) at
+        # 1 GFLOP/s: 148416 x 16 / 1e9 s, spread in those proportions (scale = that / 135936).
+        cfg = sm.Config("toy", 64, 32, 64, 2, 4, 2, False)
+        self.assertEqual(cfg.block_numel(), 9280)
+        self.assertEqual(sm.flops_per_token(cfg, 16), 148416)
+        scale = 148416 * 16 / 1e9 / 135936
+        # pp 2 over W = 2 (dp 1: FSDP moves nothing): chunks [embed, layer 0], [layer 1, head]. The
+        # slowest stage is the second: tf = layer fwd + head / 3, tb = layer bwd + 2 head / 3.
+        tf, tb = scale * (20608 + 4096), scale * (41216 + 8192)
+        tw = scale * (2 * 9280 + 2 * 64 * 32)       # weight-gradient GEMMs: 2 P_layer + the head's 2 V C
+        # The hand machine: 1 GB/s, 10 us a hop, one node: a transfer of 16 x 32 x 2 bytes = 11.024 us.
+        fab = sm.Fabric("hand", 1, 8, 1, 10.0, 10.0)
+        t_p2p = 10e-6 + 16 * 32 * 2 / 1e9
+        # 1F1B, m 4 (global batch 4 sequences): 4 (tf + tb) + (2 - 1)(tf + tb), + the fill and drain
+        # transfers 2 (P - 1) t_p2p (each smaller than the action it overlaps in the steady state).
+        r = sm.pp_point(cfg, fab, 2, 2, 1, "1f1b", 1, 1, 4 * 16, T=16, mfu=1.0, peak=1e9, prec=sm.Precision("fp32"))
+        self.assertEqual(r["m"], 4)
+        self.assertAlmostEqual(r["tf"], tf, places=15)
+        self.assertAlmostEqual(r["ti"] + r["tw"], tb, places=15)
+        self.assertAlmostEqual(r["tw"], tw, places=15)
+        self.assertAlmostEqual(r["t_p2p"], t_p2p, places=15)
+        self.assertEqual(r["fsdp"], 0.0)
+        want = 5 * (tf + tb) + 2 * t_p2p
+        self.assertAlmostEqual(r["step"], want, places=15)
+        self.assertAlmostEqual(r["tok_s"], 64 / 2 / want, places=6)
+        self.assertAlmostEqual(r["bubble"], 1 / 5, places=15)
+        # Interleaved v 2, m 4: chunks [embed], [layer 0], [layer 1], [head]; rank 1 holds layer 0 and
+        # the head: the same tf, tb. Bubble (tf + tb) / 2; 2 (P v - 1) = 6 transfers on the path.
+        ri = sm.pp_point(cfg, fab, 2, 2, 1, "interleaved", 2, 1, 4 * 16, T=16, mfu=1.0, peak=1e9, prec=sm.Precision("fp32"))
+        self.assertAlmostEqual(ri["step"], 4 * (tf + tb) + (tf + tb) / 2 + 6 * t_p2p, places=15)
+        # ZB-H1: bubble (tf + ti - tw) = tf + tb - 2 tw.
+        rz = sm.pp_point(cfg, fab, 2, 2, 1, "zb-h1", 1, 1, 4 * 16, T=16, mfu=1.0, peak=1e9, prec=sm.Precision("fp32"))
+        self.assertAlmostEqual(rz["step"], 4 * (tf + tb) + (tf + tb - 2 * tw) + 2 * t_p2p, places=15)
+        with self.assertRaises(ValueError):  # interleaved needs m a multiple of pp
+            sm.pp_point(cfg, fab, 2, 2, 1, "interleaved", 2, 1, 3 * 16, T=16, mfu=1.0, peak=1e9)
+
+    def test_pp1_is_run_point(self):
+        # pp 1 with one micro-batch per step is the existing FSDP x TP prediction, exactly.
+        fab = sm.FABRICS["nvlink+ndr"]
+        prec = sm.Precision("bf16-noslab")
+        for mname, W, tp, b in (("llama-8b", 64, 1, 8), ("llama-8b", 64, 2, 16), ("llama-70b", 256, 8, 8)):
+            cfg = sm.load_config(mname)
+            dp = W // tp
+            r = sm.pp_point(cfg, fab, W, 1, tp, micro_batch=b, global_tokens=dp * b * 2048, T=2048,
+                            mfu=sm.MFU_MEASURED, prec=prec)
+            ref = sm.run_point(cfg, fab, W, "fsdp", 1, prec, sm.MFU_MEASURED, tokens=b * 2048 // tp, tp=tp)
+            self.assertEqual(r["m"], 1)
+            self.assertEqual(r["step"], ref["step"])
+            self.assertEqual(r["tok_s"], ref["tok_s"])
+            # m micro-batches: m x (step - the norms' once-per-step all-reduce) + it once.
+            r3 = sm.pp_point(cfg, fab, W, 1, tp, micro_batch=b, global_tokens=3 * dp * b * 2048, T=2048,
+                             mfu=sm.MFU_MEASURED, prec=prec)
+            tn = sm.tp_norm_time(cfg, sm.Topology(fab, W, "fsdp", tp))
+            self.assertAlmostEqual(r3["step"], 3 * (ref["step"] - tn) + tn, places=9)
+
+    def test_pp_memory_by_hand(self):
+        # llama-405b, W 512, pp 8, tp 8, b 1, T 8192, 1f1b, m 32, full: rank 0 holds min(8, 32) x 126/8
+        # layer-micro-batches of 2 b T C / tp bytes; state 16 B x its blocks' slices over dp 8;
+        # buffers 2 x 6 B x the largest slice: a layer's at tp 8, 2C + (C Q + 2 C KV + Q C + 3 C I) / 8 =
+        # 32768 + (268435456 + 33554432 + 268435456 + 2617245696) / 8 = 398491648 (the embedding's
+        # 16032 x 16384 = 262668288 is smaller).
+        c = sm.load_config("llama-405b")
+        us = sm.units(c, 8)
+        blocks0 = sm.pp_chunks(c, 8)[0]
+        state = 16 * sum(sm.shard_size(us[k][1], 8) for k in blocks0)
+        act = 8 * 126 / 8 * 2 * 8192 * 16384 / 8
+        want = state + 12 * 398491648 + act
+        self.assertEqual((us[0][1], us[1][1]), (16032 * 16384, 398491648))
+        self.assertAlmostEqual(sm.pp_memory(c, 512, 8, 8, 1, 8192, "1f1b", 1, 32, "full"), want, delta=1)
+
 if __name__ == "__main__":
     unittest.main(verbosity=2)
