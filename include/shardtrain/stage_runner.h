@@ -51,9 +51,10 @@ template <typename C> class StageRunner {
   // The pipeline bubble since the last report (training steps only; issue 42, item 7). Collective
   // over mesh.world() when there is a pipeline; with one stage returns "" and does nothing (no
   // collective: the same on every rank). For the stages of the PP group of world rank 0:
-  //   measured   each stage's idle fraction: time waiting for activations or their gradients
-  //              (StageLink's exposed time: receives, and the sends waited for at the end) over the
-  //              time of the step's actions;
+  //   measured   each stage's idle fraction of the step's span (the longest stage's time from its
+  //              first action to its end(), summed over the steps; every stage starts a step
+  //              together, after the previous step's all-reduce): its waits for activations or their
+  //              gradients (StageLink's exposed time) plus the time it finished before the longest;
   //   simulated  simulate() (pipeline_schedule.h) of `schedule` with each chunk's measured mean
   //              Forward, Backward, BackwardInput and BackwardWeight times (waits excluded);
   //   ideal      the schedule's formula (PipelineSchedule::ideal_bubble) with the chunks' mean times.

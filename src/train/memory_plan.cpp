@@ -156,6 +156,17 @@ MemoryPlan plan_memory(const MemoryPlanInput& in) {
             "4 B x " + with_commas(slab) + " x (" + std::to_string(W) + " + 1): the bf16 gradient widened a slab at a time");
     }
   }
+  if (pl.ranks > 1 && in.train.pp.reshard == Reshard::PerPass) {
+    // --pp-reshard per-step (unit_pipeline.h): every unit of the stage stays gathered through the
+    // step and its gradient accumulates unsharded (fp32 under mixed precision) until end_pass.
+    int64_t all = 0;
+    for (auto& u : sp.units) all += u.shard_size * G;
+    const int64_t e = bf ? 2 : 4;
+    add("FSDP per-step: the stage's units gathered + gradient accumulators", (e + 4) * all,
+        "(" + std::to_string(e) + " + 4) B x " + with_commas(all) +
+            " elements (every unit of the stage, padded): gathered once per step, reduced once (--pp-reshard "
+            "per-step; per-microbatch: none)");
+  }
   if (!in.cuda && G > 1)  // MpiComm's packed slab and the MPI library's temporaries (runtime.h)
     add("MPI collective buffers", mpi_collective_bytes(sp, G, bf, in.reduce_bf16, maxs),
         "a packed slab and Open MPI's temporary, each <= 16 MiB");

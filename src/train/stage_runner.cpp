@@ -1,6 +1,7 @@
 // StageRunner (stage_runner.h): a schedule's actions on this rank's chunks.
 #include "shardtrain/stage_runner.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <stdexcept>
@@ -235,9 +236,13 @@ template <typename C> std::string StageRunner<C>::bubble_report(const Schedule& 
   nlohmann::json ms = {{"forward", nlohmann::json::array()}, {"backward", nlohmann::json::array()},
                        {"backward_input", nlohmann::json::array()}, {"backward_weight", nlohmann::json::array()}};
   double tf = 0, ti = 0, tw = 0;
+  // The step's span is the longest stage's (every stage starts the step together, after the last
+  // step's all-reduce): a stage that finished earlier idles until then, besides its waits inside.
+  double span = 0;
+  for (int r = 0; r < p; ++r) span = std::max(span, all[per * static_cast<size_t>(group[static_cast<size_t>(r)])]);
   for (int r = 0; r < p; ++r) {
     const double* x = all.data() + per * static_cast<size_t>(group[static_cast<size_t>(r)]);
-    measured[static_cast<size_t>(r)] = x[0] > 0 ? x[1] / x[0] : 0.0;
+    measured[static_cast<size_t>(r)] = span > 0 ? (x[1] + span - x[0]) / span : 0.0;
   }
   const bool split = pl_.kind == PipelineKind::ZeroBubble;
   for (int c = 0; c < S; ++c) {
