@@ -129,12 +129,12 @@ template <typename C> struct Rig {
       units = std::make_unique<st::UnitPipeline<C>>(*be, std::make_unique<st::IdentityCodec<C>>(*f), ov, reshard);
       model = std::make_unique<st::LlamaModel<C>>(mc, *be);
     }
-    if (k.P > 1) link = std::make_unique<st::StageLink<C>>(*mesh.pp_data(), pl);
     data = std::make_unique<st::TokenDataset>(path);
     st::Backend<C>& mbe = *[&]() -> st::Backend<C>* {
       if constexpr (std::is_same_v<C, bf16>) return be16.get();
       else return be.get();
     }();
+    if (k.P > 1) link = std::make_unique<st::StageLink<C>>(*mesh.pp_data(), pl, mbe);
     runner = std::make_unique<st::StageRunner<C>>(mesh, mbe, *model, *units, ru, pl, link.get(), tc, *data, per_rank,
                                                   tc.micro_batch);
   }
@@ -146,9 +146,7 @@ template <typename C> struct Rig {
     const double scale = 1.0 / (per_rank * tc.seq_len);
     units->begin_pass("train");
     runner->begin(st::Split::Train, 0);
-    const auto sched = pl.schedule(m);
-    for (const st::Action& a : sched->actions())
-      if (a.stage == mesh.coord().pp) s.loss += runner->run(a, static_cast<float>(scale));
+    s.loss = runner->run(*pl.schedule(m), static_cast<float>(scale));
     runner->end();
     units->end_pass();
     const st::CommTimes t1 = units->comm_times();
@@ -187,13 +185,15 @@ Diff diff(st::Comm& group, const Step& a, const Step& b) {
   return d;
 }
 
+// Kept small for make test (every case runs at np 1-4, oversubscribed on 2 cores): pp 1 at 1-3
+// ranks, pp 2 (1F1B, GPipe) at 2, pp 2 x dp 2 and pp 4 interleaved at 4.
 std::vector<Case> cases(int W) {
+  if (W == 4) return {{2, st::PipelineKind::OneFOneB, 1}, {4, st::PipelineKind::Interleaved, 2}};
   std::vector<Case> out{{1, st::PipelineKind::OneFOneB, 1}};
-  if (W % 2 == 0) {
+  if (W == 2) {
     out.push_back({2, st::PipelineKind::OneFOneB, 1});
     out.push_back({2, st::PipelineKind::GPipe, 1});
   }
-  if (W % 4 == 0) out.push_back({4, st::PipelineKind::Interleaved, 2});
   return out;
 }
 
@@ -204,11 +204,13 @@ std::string name(const Case& k, bool tied) {
 
 const st::OverlapConfig kOff{false, 0, st::CommProgress::Wait};
 
-template <typename C> void compare(double tol) {
+// untied: also the untied model (the float64 test); the others run the tied one only.
+template <typename C> void compare(double tol, bool untied = false) {
   st::Comm& c = st::testing::comm();
   const std::string data = token_file();
   for (bool tied : {true, false})
     for (const Case& k : cases(c.world_size())) {
+      if (!tied && !untied) continue;
       SCOPED_TRACE(name(k, tied));
       const st::ModelConfig mc = cfg(tied);
       Rig<C> use(mc, k, data, st::Reshard::PerUse, kOff), pass(mc, k, data, st::Reshard::PerPass, kOff);
@@ -233,7 +235,7 @@ template <typename C> void compare(double tol) {
 
 }  // namespace
 
-TEST(PpReshard, Float64PerPassEqualsPerUseWithOneCollectivePerUnit) { compare<double>(1e-12); }
+TEST(PpReshard, Float64PerPassEqualsPerUseWithOneCollectivePerUnit) { compare<double>(1e-12, true); }
 
 TEST(PpReshard, Float32PerPassEqualsPerUse) { compare<float>(1e-6); }
 
@@ -243,7 +245,7 @@ TEST(PpReshard, OverlapAndPrefetchKeepTheBits) {
   st::Comm& c = st::testing::comm();
   const std::string data = token_file();
   const st::OverlapConfig on{true, 2, st::CommProgress::Poll};
-  for (bool tied : {true, false})
+  for (bool tied : {true})
     for (const Case& k : cases(c.world_size())) {
       SCOPED_TRACE(name(k, tied));
       const st::ModelConfig mc = cfg(tied);
