@@ -393,21 +393,25 @@ void run_plan(Comm& comm, const Topology& topo, const Options& o) {
                                    " (" + pipeline_kind_name(in.pipeline.kind) +
                                    (in.pipeline.chunks_per_rank > 1 ? " v " + std::to_string(in.pipeline.chunks_per_rank)
                                                                     : std::string()) +
-                                   ", " + std::to_string(m) + " micro-batches per step)");
+                                   ", " + std::to_string(m) + (m == 1 ? " micro-batch" : " micro-batches") + " per step)");
     }
     char b[64];
-    os << "\ntotal per rank by pipeline stage and schedule (GiB; " << m << " micro-batches per step):";
+    os << "\ntotal per rank by pipeline stage and schedule (GiB; " << m << (m == 1 ? " micro-batch" : " micro-batches")
+       << " per step):";
     for (PipelineKind k : {PipelineKind::GPipe, PipelineKind::OneFOneB, PipelineKind::Interleaved,
                            PipelineKind::ZeroBubble}) {
       PipelineOptions po = t.pp;
       po.kind = k;
       po.chunks_per_rank = k == PipelineKind::Interleaved ? std::max(2, t.pp.chunks_per_rank) : 1;
-      if (k != PipelineKind::Interleaved) po.layers.clear();
+      // --pp-layers applies to the schedules with its number of chunks; the others split evenly.
+      const bool even = !po.layers.empty() && po.layers.size() != static_cast<size_t>(dims.pp * po.chunks_per_rank);
+      if (even) po.layers.clear();
       std::string why;
       MemoryPlanInput ki = in;
       ki.pipeline = resolve_pipeline(mc, dims.pp, po, m, &why);
       os << "\n  " << pipeline_kind_name(k)
-         << (k == PipelineKind::Interleaved ? " v " + std::to_string(po.chunks_per_rank) : std::string()) << ":";
+         << (k == PipelineKind::Interleaved ? " v " + std::to_string(po.chunks_per_rank) : std::string())
+         << (even ? " (even split)" : "") << ":";
       if (!why.empty()) {
         os << " not planned: " << why;
         continue;

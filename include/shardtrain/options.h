@@ -105,7 +105,9 @@ Options parse_options(Comm& comm, int argc, char** argv);
 // `ranks_per_node` ranks on every node (0: not the same on every node): "" -> world, "node" ->
 // ranks_per_node, else the number. Throws std::invalid_argument naming the option when G is not a
 // positive integer, "node" has no single value, or G does not divide the world size.
-int resolve_shard_group_size(const std::string& value, int world, int ranks_per_node);
+// `ranks`: how the message names the `world` ranks ("" = "the world size (W)"; under --pp, the ranks
+// of a pipeline stage).
+int resolve_shard_group_size(const std::string& value, int world, int ranks_per_node, const std::string& ranks = "");
 // The mesh of options '--pp' P, '--tp' N, '--cp' C and '--shard-group-size' G (ranks of a replica
 // inside one stage: its TP and CP groups included) for `world` ranks, of which W / P are one
 // pipeline stage: {dp_replicate (W / P) / G, dp_shard G / (C x N), cp C, tp N, pp P}. G defaults to

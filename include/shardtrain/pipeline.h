@@ -51,7 +51,8 @@ struct PipelineLayout {
 // is refused, naming the options and numbers: more chunks than blocks, '--pp-layers' not P x V
 // numbers or not summing to L (pipeline_split), '--pp-virtual' or '--pp-schedule interleaved'
 // without the other, and the schedule's rule on the micro-batches per step (`microbatches`; 0: not
-// checked) (pipeline_schedule_problem). pp == 1 ignores the schedule options: one chunk [0, L).
+// checked) (pipeline_schedule_problem). pp == 1: one chunk [0, L); '--pp-schedule' is ignored,
+// '--pp-layers' and '--pp-virtual' > 1 are refused.
 PipelineLayout resolve_pipeline(const ModelConfig& mc, int pp, const PipelineOptions& o, int microbatches,
                                 std::string* why);
 

@@ -58,7 +58,8 @@ template <typename C> class StageRunner {
   //   simulated  simulate() (pipeline_schedule.h) of `schedule` with each chunk's measured mean
   //              Forward, Backward, BackwardInput and BackwardWeight times (waits excluded);
   //   ideal      the schedule's formula (PipelineSchedule::ideal_bubble) with the chunks' mean times.
-  // Writes pp_bubble (per stage, measured), pp_bubble_simulated (per stage), pp_bubble_ideal and
+  // Writes pp_bubble (per stage, measured), pp_bubble_max (the largest stage's: the number TensorBoard
+  // shows, arrays being metrics-file only), pp_bubble_simulated (per stage), pp_bubble_ideal and
   // pp_action_ms ({"forward", "backward", "backward_input", "backward_weight"}: per chunk, ms) into
   // *rec, and returns the step line's part " | pp bubble a, b (simulated c, d; ideal e)".
   std::string bubble_report(const Schedule& schedule, nlohmann::json* rec);

@@ -137,7 +137,7 @@ void check(bool ok, const std::string& opt, const std::string& what) {
 }
 }  // namespace
 
-int resolve_shard_group_size(const std::string& v, int world, int ranks_per_node) {
+int resolve_shard_group_size(const std::string& v, int world, int ranks_per_node, const std::string& ranks) {
   int g = world;
   if (v == "node") {
     check(world == 0 || ranks_per_node > 0, "shard-group-size",
@@ -158,7 +158,7 @@ int resolve_shard_group_size(const std::string& v, int world, int ranks_per_node
   if (world > 0)
     check(world % g == 0, "shard-group-size",
           "(" + std::to_string(g) + (v == "node" ? ", the ranks per node" : "") +
-              ") does not divide the world size (" + std::to_string(world) + ")");
+              ") does not divide " + (ranks.empty() ? "the world size (" + std::to_string(world) + ")" : ranks));
   return g;
 }
 
@@ -181,7 +181,7 @@ MeshDims resolve_mesh_dims(const std::string& sgs, int tp, int cp, int world, in
           "(" + std::to_string(cp) + ")" + (tp > 1 ? " x '--tp' (" + std::to_string(tp) + ")" : std::string()) +
               " does not divide " + ranks + ": the ranks are " + (pp > 1 ? "pp x " : "") +
               "dp_replicate x dp_shard x cp x tp");
-  const int g = resolve_shard_group_size(sgs, stage, ranks_per_node);
+  const int g = resolve_shard_group_size(sgs, stage, ranks_per_node, ranks);
   if (stage > 0 && g % ct != 0) {
     const std::string what = cp > 1 ? "'--cp' x '--tp' (" + std::to_string(cp) + " x " + std::to_string(tp) + ")"
                                     : "'--tp' (" + std::to_string(tp) + ")";

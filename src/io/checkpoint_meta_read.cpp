@@ -18,6 +18,7 @@
 #include <tuple>
 
 #include "checkpoint_internal.h"
+#include "shardtrain/pipeline_schedule.h"
 #include "shardtrain/files.h"
 #include "shardtrain/model.h"
 
@@ -378,8 +379,9 @@ void read_pipeline(hid_t file, CheckpointInfo& info, MetaSums& ms) {
         throw H5Error(w + ": '" + k + "' is not an integer in [1, 2^24]");
     if (j["pp"].get<int64_t>() != info.pp)
       throw H5Error(w + ": 'pp' is " + j["pp"].dump() + ", but attribute 'mesh' says pp " + std::to_string(info.pp));
-    if (!j.contains("schedule") || !j["schedule"].is_string() || j["schedule"].get<std::string>().empty())
-      throw H5Error(w + ": 'schedule' is not a schedule's name");
+    PipelineKind kind;
+    if (!j.contains("schedule") || !j["schedule"].is_string() || !parse_pipeline_kind(j["schedule"].get<std::string>(), &kind))
+      throw H5Error(w + ": 'schedule' is not a schedule's name (gpipe, 1f1b, interleaved, zero-bubble)");
     info.pp_virtual = static_cast<int>(j["virtual"].get<int64_t>());
     info.pp_schedule = j["schedule"].get<std::string>();
     const int64_t S = int64_t{info.pp} * info.pp_virtual;

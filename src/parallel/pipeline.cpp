@@ -45,7 +45,9 @@ PipelineLayout resolve_pipeline(const ModelConfig& mc, int pp, const PipelineOpt
   why->clear();
   const int L = mc.num_hidden_layers;
   PipelineLayout pl;
-  if (pp <= 1) {
+  if (pp <= 1) {  // the layout options mean nothing without stages: refused rather than ignored
+    if (!o.layers.empty()) *why = "option '--pp-layers' needs '--pp' P > 1 (pipeline stages)";
+    else if (o.chunks_per_rank != 1) *why = "option '--pp-virtual' needs '--pp' P > 1 (pipeline stages)";
     pl.bounds = {0, L};
     return pl;
   }

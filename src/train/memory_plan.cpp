@@ -220,7 +220,7 @@ MemoryPlan plan_memory(const MemoryPlanInput& in) {
     add("activations: " + std::to_string(nctx) + " micro-batch chunks in flight (" + pipeline_kind_name(pl.kind) +
             (pl.chunks_per_rank > 1 ? " v " + std::to_string(pl.chunks_per_rank) : "") + ", stage " +
             std::to_string(in.pp_rank) + " of " + std::to_string(pl.ranks) + ", " + std::to_string(in.microbatches) +
-            " micro-batches)",
+            (in.microbatches == 1 ? " micro-batch)" : " micro-batches)"),
         ctx_total,
         per + "; " + geo + (chunks.size() > 1 ? "; pooled per chunk, simulate's peak at once " + std::to_string(peak) : ""));
     if (zb)

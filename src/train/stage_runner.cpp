@@ -265,6 +265,8 @@ template <typename C> std::string StageRunner<C>::bubble_report(const Schedule& 
   const auto* ps = dynamic_cast<const PipelineSchedule*>(&schedule);
   const double ideal = ps ? ps->ideal_bubble(tf, ti, tw) : 0.0;
   (*rec)["pp_bubble"] = measured;
+  // The largest stage's, a number TensorBoard shows (it leaves the per-stage arrays out).
+  (*rec)["pp_bubble_max"] = *std::max_element(measured.begin(), measured.end());
   if (sim.error.empty()) (*rec)["pp_bubble_simulated"] = sim.idle;
   (*rec)["pp_bubble_ideal"] = ideal;
   (*rec)["pp_action_ms"] = ms;

@@ -10,7 +10,8 @@
 # Each PP run's step line shows 'pp comm' and 'pp bubble', and its metrics pp_bytes > 0, the
 # measured, simulated and ideal bubble per stage. Refusals, on every rank, no hang: more chunks than
 # blocks, --pp-layers not summing to the blocks, --pp not dividing the world size, interleaved with
-# micro-batches not a multiple of the stages, --pp-virtual without interleaved. A resume: pp 2 x dp 2
+# micro-batches not a multiple of the stages, --pp-virtual without interleaved, --pp-layers without
+# --pp, a --shard-group-size not dividing a stage's ranks. A resume: pp 2 x dp 2
 # saved at step 3 and continued at pp 1 x dp 4 gives the straight run's losses of steps 4-6 within
 # 1e-5 (the whole checkpoint matrix: test_pp_checkpoint.sh).
 source "$(dirname "$0")/common.sh"
@@ -105,5 +106,8 @@ expect_fail pp-not-dividing "'--pp' (3) does not divide the world size (2)" 2 "$
 expect_fail pp-interleaved-m "3 micro-batches per step is not a multiple of --pp 2" 2 --model "$WORK/tied.json" \
   --data "$DATA" --seq-len 32 --global-batch 3 --micro-batch 1 --steps 2 --device cpu --threads 1 --pp 2 \
   --pp-schedule interleaved --pp-virtual 2
+expect_fail pp-layers-alone "option '--pp-layers' needs '--pp' P > 1" 2 "${M[@]}" --pp-layers 2,2
+expect_fail pp-sgs-stage "option '--shard-group-size' (4) does not divide the ranks of a pipeline stage (2 = world size 4 / '--pp' 2)" \
+  4 "${M[@]}" --pp 2 --shard-group-size 4
 expect_fail pp-virtual-alone "'--pp-virtual' (2) needs '--pp-schedule interleaved'" 2 "${M[@]}" --pp 2 --pp-virtual 2
 echo "PASS"

@@ -132,4 +132,7 @@ expect_fail bad_stage "checkpoint '$WORK/bad_stage.h5': unit 'model.layers.1': a
   4 "${ARGS[@]}" --resume "$WORK/bad_stage.h5"
 craft stage_range 'f["units/model.norm"].attrs.create("stage", 7, dtype="<i8")'
 expect_fail stage_range "unit 'model.norm': attribute 'stage' is 7, not a stage of pp 2" 4 --mode export --checkpoint "$WORK/stage_range.h5" --out "$WORK/hf-bad"
+craft bad_schedule 'f.attrs.create("pipeline", "{\"bounds\":[0,2,4],\"pp\":2,\"schedule\":\"foo\",\"virtual\":1}", dtype=h5py.string_dtype("utf-8"))'
+expect_fail bad_schedule "'schedule' is not a schedule's name (gpipe, 1f1b, interleaved, zero-bubble)" 4 --mode export \
+  --checkpoint "$WORK/bad_schedule.h5" --out "$WORK/hf-bad2"
 echo "PASS: test_pp_checkpoint"

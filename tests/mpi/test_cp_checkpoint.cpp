@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "layout_rank.h"
 #include "rank_test.h"
 #include "shardtrain/checkpoint.h"
 #include "shardtrain/mesh.h"
@@ -48,74 +49,13 @@ st::ModelConfig config() {
   return c;
 }
 
-// Tensor k's value at canonical element i of unit u (exact in float32; tests/e2e/test_cp_layout.sh
-// writes the same formula in Python).
-float value(size_t k, size_t u, int64_t i) { return static_cast<float>(1000000 * k + 10000 * u + i % 9973) + 0.25f; }
-
 const char* kTrainConfig =
     "{\"seq_len\":6,\"global_batch\":2,\"micro_batch\":2,\"steps\":1,\"warmup\":0,\"seed\":7,\"lr\":1,\"min_lr\":1,"
     "\"beta1\":0.9,\"beta2\":0.99,\"eps\":1e-8,\"weight_decay\":0,\"clip\":0,\"precision\":\"fp32\"}";
 
-// One rank of a run laid out by the parallel layer at mesh `d` over `comm`: its sharded state (the
-// parameter shards) and AdamW moments of the same shape, with the run's checkpoint layout.
-struct Rank {
-  std::unique_ptr<st::Mesh> mesh;  // outlives `run` (declared first)
-  st::ParallelRun<float> run;
-  std::vector<std::vector<float>> m, v;  // [unit] shard
-  Rank(st::Comm& c, const st::MeshDims& d, const st::ModelConfig& cfg, st::Backend<float>& be)
-      : mesh(std::make_unique<st::Mesh>(c, st::testing::g_runtime->topo(), d, 0)) {
-    st::ParallelOptions o;
-    o.overlap.on = false;
-    o.checkpoints = true;
-    run = st::parallelize<float>(*mesh, cfg, be, nullptr, o);
-    for (const st::UnitPlan& up : run.state->plan().units) {
-      m.emplace_back(static_cast<size_t>(up.shard_size), -3.0f);
-      v.emplace_back(static_cast<size_t>(up.shard_size), -3.0f);
-    }
-  }
-  st::ShardedTensors tensors(st::Backend<float>& be) {
-    st::ShardedTensors t;
-    t.plan = &run.state->plan();
-    t.plan_rank = run.state->plan_rank();
-    t.backend = &be;
-    const auto& names = st::checkpoint_tensor_names();
-    st::ShardedTensor p{names[0], {}}, mm{names[1], {}}, vv{names[2], {}};
-    for (int u = 0; u < run.state->num_units(); ++u) {
-      p.shards.push_back(run.state->param_shard(u));
-      mm.shards.push_back(m[static_cast<size_t>(u)].data());
-      vv.shards.push_back(v[static_cast<size_t>(u)].data());
-    }
-    t.tensors = {p, mm, vv};
-    return t;
-  }
-};
-
-// Sets (fill) or counts the elements that differ from (check) value() at their canonical place:
-// element e of this rank's shard is flat element start + e of its (TP-local) unit; padding (a
-// shard's tail, vocabulary rows past the vocabulary) must be 0. `canon`: the model's units unsplit.
-int64_t visit(const st::ShardedTensors& t, const st::ShardPlan& canon, bool fill) {
-  int64_t bad = 0;
-  for (size_t u = 0; u < t.plan->units.size(); ++u) {
-    const st::UnitPlan& up = t.plan->units[u];
-    const st::RankShard& rs = up.ranks[static_cast<size_t>(t.plan_rank)];
-    for (size_t k = 0; k < t.tensors.size(); ++k) {
-      float* r = t.tensors[k].shards[u];
-      for (int64_t e = 0; e < up.shard_size; ++e) {
-        float want = 0.0f;
-        const int64_t flat = rs.start + e;
-        if (e < rs.valid)
-          for (const auto& slot : up.params)
-            if (flat >= slot.offset && flat < slot.offset + slot.numel) {
-              const int64_t ci = slot.spec.canonical_index(flat - slot.offset);
-              if (ci >= 0) want = value(k, u, canon.units[u].param(slot.spec.name).offset + ci);
-            }
-        if (fill) r[e] = want;
-        else if (r[e] != want) ++bad;
-      }
-    }
-  }
-  return bad;
-}
+using layout_test::Rank;
+using layout_test::value;
+using layout_test::visit;
 
 // Saves a run at `saved` (4 ranks) to `file` through its checkpoint layout.
 void save_at(st::Comm& c, const st::MeshDims& saved, const st::ModelConfig& cfg, st::Backend<float>& be,

@@ -35,40 +35,15 @@
 #include "shardtrain/stage_runner.h"
 #include "shardtrain/train.h"
 #include "../test_env.h"
+#include "pipeline_test_model.h"
 
 namespace st = shardtrain;
 using st::bf16;
 
 namespace {
 
-st::ModelConfig cfg(bool tied) {
-  st::ModelConfig c;
-  c.name = "pp-reshard-test";
-  c.vocab_size = 258;
-  c.hidden_size = 32;
-  c.intermediate_size = 56;
-  c.num_hidden_layers = 8;  // pp 4 x v 2 interleaved: 8 chunks of one block
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;  // GQA
-  c.max_position_embeddings = 64;
-  c.tie_word_embeddings = tied;
-  c.bos_token_id = 256;
-  c.eos_token_ids = {257};
-  return c;
-}
-
-// A token file every rank writes for itself (the same bytes), byte-level, with a validation split.
-std::string token_file() {
-  const int r = st::testing::comm().rank();
-  const std::string dir = "/tmp/shardtrain-pp-reshard-test-" + std::to_string(getppid()) + "-" + std::to_string(r);
-  std::filesystem::create_directories(dir);
-  {
-    std::ofstream t(dir + "/a.txt");
-    for (int i = 0; i < 400; ++i) t << "line " << i * 7919 % 1000 << " of the reshard test, " << (i % 13) << "\n";
-  }
-  st::prepare_token_file({dir + "/a.txt"}, dir + "/a.tok", 0.2);
-  return dir + "/a.tok";
-}
+st::ModelConfig cfg(bool tied) { return st::testing::pipeline_test_config(tied, "pp-reshard-test"); }
+std::string token_file() { return st::testing::pipeline_test_tokens("pp-reshard-test"); }
 
 struct Case {
   int P;

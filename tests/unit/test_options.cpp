@@ -141,6 +141,13 @@ TEST(MeshDims, PipelineStagesResolve) {
     EXPECT_EQ(std::string(e.what()), "option '--tp' (3) does not divide the ranks of a pipeline stage (4 = world size "
                                      "12 / '--pp' 3)");
   }
+  try {
+    resolve_mesh_dims("4", 1, 1, 4, 1, 2);  // a stage has 2 ranks
+    ADD_FAILURE() << "accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_EQ(std::string(e.what()), "option '--shard-group-size' (4) does not divide the ranks of a pipeline stage (2 = "
+                                     "world size 4 / '--pp' 2)");
+  }
   EXPECT_EQ(parse_pp_layers("3,1,12"), (std::vector<int>{3, 1, 12}));
   EXPECT_TRUE(parse_pp_layers("").empty());
   for (const char* bad : {"3,,1", "0,2", "-1,3", "a", "3,", "1234567"})
