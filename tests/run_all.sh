@@ -68,7 +68,7 @@ cpu=$(grep -m1 '^model name' /proc/cpuinfo 2>/dev/null | cut -d: -f2- | sed 's/^
 echo "shardtrain tests ($(date -u +%Y-%m-%dT%H:%M:%SZ), $(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc) cores, ${cpu:-unknown CPU}; BLAS environment:${blas_env:- none set})"
 run unit                      300 mpirun -np 1 "$BUILD/unit_tests" --gtest_color=no
 for n in 1 2 3 4; do
-  run "mpi-np$n"              300 mpirun -np "$n" "$BUILD/mpi_tests" --gtest_color=no
+  run "mpi-np$n"              420 mpirun -np "$n" "$BUILD/mpi_tests" --gtest_color=no
 done
 # GPU tests: the CUDA backend against the CPU backend; each skips without a CUDA device.
 run gpu                       300 mpirun -np 1 "$BUILD/gpu_tests" --gtest_color=no
