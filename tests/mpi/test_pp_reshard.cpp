@@ -212,12 +212,21 @@ template <typename C> void compare(double tol, bool untied = false) {
 
 TEST(PpReshard, Float64PerPassEqualsPerUseWithOneCollectivePerUnit) { compare<double>(1e-12, true); }
 
-TEST(PpReshard, Float32PerPassEqualsPerUse) { compare<float>(1e-6); }
+TEST(PpReshard, Float32PerPassEqualsPerUse) {
+  // At 4 ranks only the float64 test runs (make test's time): these run at 1-3 ranks.
+  if (st::testing::comm().world_size() == 4) GTEST_SKIP() << "runs at 1-3 ranks";
+  compare<float>(1e-6);
+}
 
-TEST(PpReshard, MixedPrecisionAccumulatesInFp32) { compare<bf16>(1e-6); }
+TEST(PpReshard, MixedPrecisionAccumulatesInFp32) {
+  // At 4 ranks only the float64 test runs (make test's time): these run at 1-3 ranks.
+  if (st::testing::comm().world_size() == 4) GTEST_SKIP() << "runs at 1-3 ranks";
+  compare<bf16>(1e-6);
+}
 
 TEST(PpReshard, OverlapAndPrefetchKeepTheBits) {
   st::Comm& c = st::testing::comm();
+  if (c.world_size() == 4) GTEST_SKIP() << "runs at 1-3 ranks";
   const std::string data = token_file();
   const st::OverlapConfig on{true, 2, st::CommProgress::Poll};
   for (bool tied : {true})
