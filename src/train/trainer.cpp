@@ -485,9 +485,9 @@ template <typename C> void Trainer<C>::log_setup() {
   }
 }
 
-// One action of step s's schedule (one micro-batch in flight: check_geometry checked it). Forward:
-// get micro-batch a.microbatch, forward; Backward: the LM head and loss, forward and backward, then
-// the blocks' backward, which reduce-scatters each unit's gradient (mean over ranks) into its shard.
+// One optimizer step: this rank's actions of the step's schedule (StageRunner: each micro-batch's
+// forward, the LM head and loss, the backward, which reduce-scatters each unit's gradient into its
+// shard), then the all-reduce of loss and norm, clipping and AdamW.
 template <typename C> StepOutcome Trainer<C>::train_step(int64_t s) {
   const auto t0 = Clock::now();
   if (slow_rank_ms_ > 0) std::this_thread::sleep_for(std::chrono::milliseconds(slow_rank_ms_));  // test hook
