@@ -132,10 +132,6 @@ template <typename C> struct ParallelRun {
   // The unit whose gradient elements this rank leaves out of the gradient norm, -1 for none: the
   // last stage's copy of the tied embedding (the first stage counts it).
   int unit_not_in_norm() const { return stage.tied_copy ? stage.embedding : -1; }
-  // (pp > 1) The PP group's Comm, whether the embedding is tied, and the bytes its sums sent.
-  Comm* pp_comm_ = nullptr;
-  bool pipeline_tied_ = false;
-  double pp_tied_bytes_ = 0;
   // Every dimension's communication since the run started. (With CP: CpAttention::stats, which also
   // takes the backend's block-attention tile counters: take the step's counts before this.)
   CommStats comm_stats() const;

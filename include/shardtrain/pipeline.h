@@ -68,6 +68,9 @@ struct RankUnits {
   // chunk's embedding (p > 1): its gradient is summed with the first stage's, and its elements are
   // counted in the gradient norm and saved by the first stage only.
   bool tied_copy = false;
+  // True on the first and the last stage of a pipeline (p > 1) when the embedding is tied: this
+  // rank's unit `embedding` takes part in the tied sum (StageLink::sum_tied).
+  bool tied = false;
 };
 RankUnits pipeline_rank_units(const ModelConfig& mc, const PipelineLayout& pl, int r, int tp = 1, int tp_rank = 0);
 
@@ -107,6 +110,10 @@ template <typename C> class StageLink {
   void send(int chunk, bool grad, const C* send, size_t n);
   // Waits for every send in flight (the end of a step). Receives must have been waited for.
   void flush();
+  // The tied embedding's gradient shard (n elements of `grad`, backend memory of `be`) summed
+  // between the first and the last stage (sum_tied_grads), counted with this link's transfers.
+  // Collective over those two stages; a no-op on the others.
+  void sum_tied(Backend<float>& be, float* grad, size_t n);
   // Send buffers allocated (the most sends that were in flight at once), each of the largest n sent.
   size_t send_buffers() const { return pool_.size(); }
   // Accumulated since construction: calls, bytes, issued and exposed seconds.

@@ -178,7 +178,7 @@ template <typename C> CommStats ParallelRun<C>::comm_stats() const {
     const CpCommStats& c = cp->stats();
     s[CommDim::Cp] = {c.transfers, c.bytes, c.issued_s, c.exposed_s};
   }
-  if (pp) s[CommDim::Pp] = {pp->calls(), pp->bytes() + pp_tied_bytes_, pp->issued_s(), pp->exposed_s()};
+  if (pp) s[CommDim::Pp] = {pp->calls(), pp->bytes(), pp->issued_s(), pp->exposed_s()};
   return s;
 }
 
@@ -285,10 +285,10 @@ CpMemory cp_memory(const ModelConfig& mc, const MeshDims& d, CpComm method, int 
 
 template <typename C> void ParallelRun<C>::finish_grads() {
   if (tp) state->sum_replicated_grads([&](float* g, size_t n) { tp->all_reduce_sum_acc(g, n); });
-  if (pp && stage.embedding >= 0 && pipeline_tied_) {
+  if (pp && stage.tied) {
     const int u = stage.embedding;
-    pp_tied_bytes_ += sum_tied_grads(*pp_comm_, state->backend(), state->grad_shard(u),
-                                     static_cast<size_t>(state->plan().units[static_cast<size_t>(u)].shard_size));
+    pp->sum_tied(state->backend(), state->grad_shard(u),
+                 static_cast<size_t>(state->plan().units[static_cast<size_t>(u)].shard_size));
   }
 }
 
@@ -308,8 +308,6 @@ ParallelRun<C> parallelize(const Mesh& mesh, const ModelConfig& mc, Backend<floa
     // The compute backend: its memory holds the activations, its kernels advance the transfers.
     if constexpr (std::is_same_v<C, bf16>) r.pp = std::make_unique<StageLink<C>>(*mesh.pp_data(), r.pipeline, *be16);
     else r.pp = std::make_unique<StageLink<C>>(*mesh.pp_data(), r.pipeline, be);
-    r.pp_comm_ = mesh.pp_data();
-    r.pipeline_tied_ = mc.tie_word_embeddings;
   }
   if (d.tp > 1) r.tp = std::make_unique<TpGroup<C>>(*mesh.tp_data());
   const Reshard reshard = r.pipeline.ranks > 1 ? o.pp_reshard : Reshard::PerUse;

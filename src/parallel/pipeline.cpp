@@ -105,6 +105,7 @@ RankUnits pipeline_rank_units(const ModelConfig& mc, const PipelineLayout& pl, i
     if (range.units[0] >= 0) {
       ru.embedding = range.units[0];
       ru.tied_copy = b > 0;  // held for the tied LM head only
+      ru.tied = mc.tie_word_embeddings;
     }
     for (UnitSpec& s : llama_stage_units(mc, b, e, tp, tp_rank)) ru.units.push_back(std::move(s));
     ru.ranges.push_back(std::move(range));
@@ -211,6 +212,14 @@ template <typename C> void StageLink<C>::send(int chunk, bool grad, const C* src
   ++calls_;
   bytes_ += static_cast<double>(n) * sizeof(C);
   update_membership();
+}
+
+template <typename C> void StageLink<C>::sum_tied(Backend<float>& be, float* grad, size_t n) {
+  const double b = sum_tied_grads(comm_, be, grad, n);
+  if (b > 0) {
+    calls_ += 2;
+    bytes_ += b;
+  }
 }
 
 template <typename C> void StageLink<C>::flush() {
