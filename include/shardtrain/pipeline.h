@@ -74,6 +74,60 @@ struct RankUnits {
 };
 RankUnits pipeline_rank_units(const ModelConfig& mc, const PipelineLayout& pl, int r, int tp = 1, int tp_rank = 0);
 
+// ---- Stream-ordered Comms (NCCL) ------------------------------------------------------------
+// On MPI the link posts each receive ahead and starts each send at once: Open MPI matches by tag
+// and progresses them in any order. A stream-ordered Comm (Comm::stream_ordered: NCCL) runs a
+// rank's transfers one after another on its communication stream and matches them in start order
+// per pair of ranks, without tags; a receive posted ahead then waits at the head of that stream for
+// a send its peer queued behind its own receive ahead, and both stages wait forever. There the link
+// runs grouped (StageLink's `grouped`): nothing is received ahead; at each action boundary the
+// finished action's send and the next action's receive start as one group (Comm::start_group: one
+// NCCL group, whose transfers progress independently), as Megatron-LM pairs send_forward with
+// recv_backward in its 1F1B loop, here for any schedule; a send whose next action receives nothing
+// is a group alone; the first action's receive is a group alone. One tag for every transfer, so that
+// MPI matches as NCCL does (in start order), and the grouped order runs on MPI too (the tests).
+//
+// One transfer of a group, as pipeline rank r sees it.
+struct P2pTransfer {
+  bool recv = false;   // r receives it (else r sends it)
+  int peer = 0;        // the other side's pipeline rank
+  int chunk = 0;       // the sending chunk: whose output (grad false) or input gradient (grad true)
+  bool grad = false;   // d(loss)/d(activations), travelling down the pipeline (else activations, up)
+  int microbatch = 0;  // the micro-batch it belongs to (pipeline_p2p_groups only: StageLink's log has 0)
+  bool operator==(const P2pTransfer&) const = default;
+};
+using P2pGroups = std::vector<std::vector<P2pTransfer>>;  // a rank's groups, in start order
+
+// Where the groups start. A rank's actions fall into slots; before a slot's first action the sends
+// of the slot before and the receives of the slot's actions start as one group; after the last
+// slot its sends start alone. PerAction: a slot per action (Megatron-LM's 1F1B pairing:
+// send_forward_recv_backward, send_backward_recv_forward). PerPair: a Forward followed by a
+// Backward (or BackwardInput) is one slot (Megatron-LM's interleaved loop,
+// send_forward_backward_recv_forward_backward); every other action a slot of its own.
+enum class P2pOrder { PerAction, PerPair };
+const char* p2p_order_name(P2pOrder o);
+// The first action of each slot of `acts` (one rank's actions, in order), increasing.
+std::vector<size_t> p2p_slot_starts(const std::vector<Action>& acts, P2pOrder order);
+// The groups pipeline rank r starts, in order, running its actions of `schedule` grouped in `order`
+// (StageRunner with a grouped StageLink starts exactly these, tests/mpi/test_pipeline.cpp).
+P2pGroups pipeline_p2p_groups(const Schedule& schedule, const PipelineLayout& pl, int r,
+                              P2pOrder order = P2pOrder::PerAction);
+// The order a grouped link runs `schedule` in: PerAction when every rank's groups run
+// (p2p_groups_problem, over all ranks: the same answer on every rank), else PerPair when they do
+// (interleaved schedules, whose chunks wrap from the last rank to the first), else *why says that
+// neither runs (the caller refuses the run).
+P2pOrder pipeline_p2p_order(const Schedule& schedule, const PipelineLayout& pl, std::string* why);
+
+// Runs every pipeline rank's groups (per_rank[r], as pipeline_p2p_groups gives them) on a model of a
+// stream-ordered Comm: a rank's groups one after another (the head group runs; the next starts when
+// every transfer of the head completed); the k-th send from r to q matches q's k-th receive from r;
+// a transfer completes when its match is in the head group of the peer and the transfers of the same
+// direction with the same peer before it in its group completed (NCCL's rule; the others progress
+// independently). Returns "" when every group completes; otherwise what is wrong: a send and its
+// matching receive that disagree on what travels (chunk, direction or micro-batch: NCCL would
+// deliver the wrong rows), transfers left unmatched, or a deadlock (naming each stuck rank's group).
+std::string p2p_groups_problem(const std::vector<P2pGroups>& per_rank);
+
 // Activations between the stages of one PP group, on its Comm (Mesh::pp_data: the backend's
 // buffers). Chunk c's forward output goes to chunk c + 1's rank, its input gradient to chunk c - 1's.
 // Tags name (chunk, direction); messages of one tag arrive in the order sent (MPI's non-overtaking
@@ -87,13 +141,18 @@ RankUnits pipeline_rank_units(const ModelConfig& mc, const PipelineLayout& pl, i
 // send or receive advances during the next action's compute (Open MPI moves data only inside MPI
 // calls). Counts its transfers for CommDim::Pp: calls (sends and receives), bytes sent, issued time
 // (from start to observed completion), exposed time (the compute thread waiting in wait_recv or flush).
-// Stream-ordered Comms (NCCL) are not supported yet: the trainer refuses them.
+// Grouped (stream-ordered Comms, above): send() and post_recv() only hold their transfer (send()
+// copies first); issue() starts every held transfer as one group; wait_recv() of a held receive
+// issues first. The caller (StageRunner) posts and issues at the slots' starts (P2pOrder).
 template <typename C> class StageLink {
  public:
   // comm: the PP group (comm.world_size() == pl.ranks, comm.rank() = this rank's stage); be: the
   // backend of the activations (the send buffers' memory and copies); its progress registry is
-  // joined while transfers are in flight (device backends have none).
-  StageLink(Comm& comm, const PipelineLayout& pl, Backend<C>& be);
+  // joined while transfers are in flight (device backends have none). grouped: the order of a
+  // stream-ordered Comm (above); comm.stream_ordered() by default; true on a host Comm runs that
+  // order over MPI (tests), and the link then keeps the log of its groups (groups()).
+  StageLink(Comm& comm, const PipelineLayout& pl, Backend<C>& be) : StageLink(comm, pl, be, comm.stream_ordered()) {}
+  StageLink(Comm& comm, const PipelineLayout& pl, Backend<C>& be, bool grouped);
   ~StageLink();
   StageLink(const StageLink&) = delete;
   StageLink& operator=(const StageLink&) = delete;
@@ -108,8 +167,16 @@ template <typename C> class StageLink {
   // c - 1's rank (grad true): copied into a send buffer, then sent; nonblocking. Throws
   // std::bad_alloc when a new send buffer does not fit.
   void send(int chunk, bool grad, const C* send, size_t n);
-  // Waits for every send in flight (the end of a step). Receives must have been waited for.
+  // Grouped: starts the transfers held since the last group as one group (no-op when none, and
+  // when not grouped).
+  void issue();
+  // Waits for every send in flight (the end of a step; grouped: issue() first). Receives must have
+  // been waited for.
   void flush();
+  bool grouped() const { return grouped_; }
+  // Grouped on a host Comm: the groups started since construction, in order (P2pTransfer's
+  // microbatch 0); else empty.
+  const P2pGroups& groups() const { return log_; }
   // The tied embedding's gradient shard (n elements of `grad`, backend memory of `be`) summed
   // between the first and the last stage (sum_tied_grads), counted with this link's transfers.
   // Collective over those two stages; a no-op on the others.
@@ -132,6 +199,10 @@ template <typename C> class StageLink {
   Backend<C>& be_;
   ProgressRegistry* reg_;
   ProgressRegistry::Member member_;
+  std::unique_ptr<Xfer> hold(int chunk, bool grad, const C* buf, size_t n);
+  bool grouped_ = false, log_groups_ = false;
+  P2pGroups log_;
+  std::vector<std::unique_ptr<Xfer>> held_, held_recvs_;  // grouped: not started yet (sends copied)
   std::vector<std::unique_ptr<Xfer>> sends_, recvs_;
   std::vector<Buffer<C>> pool_;  // send buffers; a buffer is free when no send in sends_ uses it
   int64_t calls_ = 0;

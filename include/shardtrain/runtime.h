@@ -141,6 +141,24 @@ class Comm {
   // start_ring_shift followed by wait().
   template <typename T> std::unique_ptr<Request> start_ring_shift(const T* send, T* recv, size_t count);
   template <typename T> void ring_shift(const T* send, T* recv, size_t count);
+  // Grouped point-to-point (pipeline stages on stream-ordered Comms): the transfers of `ops`, all
+  // of element type T, started together under one Request, which completes when every one did and
+  // owns every buffer until then (as start_send / start_recv's). Matching, tags and errors as
+  // start_send / start_recv's (check_p2p on each op before anything started). NCCL: one group
+  // (ncclGroupStart ... ncclGroupEnd) on the communication stream; its transfers progress
+  // independently (the NCCL user guide, "Point-to-point communication"), so a group holding a send
+  // to q and a receive from q matches q's group holding the receive and the send, and neither
+  // rank's send waits behind its own receive; transfers of one direction with one peer run in the
+  // order given. Elsewhere: every receive started, then every send, as the ring shift's default.
+  // An empty group is a Request that is already complete.
+  struct P2pOp {
+    bool recv = false;    // true: receive into buf; false: send from buf
+    void* buf = nullptr;  // count elements of the group's type (sends only read it)
+    size_t count = 0;
+    int peer = 0;
+    int tag = 0;
+  };
+  template <typename T> std::unique_ptr<Request> start_group(const std::vector<P2pOp>& ops);
   static constexpr int kP2pTagLimit = 32767;          // MPI guarantees tags up to 32767 (MPI_TAG_UB)
   static constexpr int kRingShiftTag = kP2pTagLimit;  // reserved for the ring shift
   // Throws std::invalid_argument unless 0 <= peer < world_size() and 0 <= tag < kP2pTagLimit.
@@ -203,6 +221,8 @@ class Comm {
   virtual std::unique_ptr<Request> start_send_impl(const void* send, size_t count, DType t, int peer, int tag);
   virtual std::unique_ptr<Request> start_recv_impl(void* recv, size_t count, DType t, int peer, int tag);
   virtual std::unique_ptr<Request> start_ring_shift_impl(const void* send, void* recv, size_t count, DType t);
+  // Default: start_recv_impl for each receive, then start_send_impl for each send, one Request.
+  virtual std::unique_ptr<Request> start_group_impl(const std::vector<P2pOp>& ops, DType t);
 };
 
 // Comm over an MPI communicator with host buffers. The communicator is duplicated, so shardtrain's

@@ -46,6 +46,10 @@ template <typename T> std::unique_ptr<Comm::Request> Comm::start_recv(T* r, size
 template <typename T> std::unique_ptr<Comm::Request> Comm::start_ring_shift(const T* s, T* r, size_t n) {
   return start_ring_shift_impl(s, r, n, dtype_of<T>());
 }
+template <typename T> std::unique_ptr<Comm::Request> Comm::start_group(const std::vector<P2pOp>& ops) {
+  for (const P2pOp& o : ops) check_p2p(o.peer, o.tag, o.recv ? "Comm::start_group (receive)" : "Comm::start_group (send)");
+  return start_group_impl(ops, dtype_of<T>());
+}
 template <typename T> void Comm::ring_shift(const T* s, T* r, size_t n) { start_ring_shift(s, r, n)->wait(); }
 template <typename T> void Comm::broadcast(T* b, size_t n, int root) { broadcast_impl(b, n, dtype_of<T>(), root); }
 

@@ -42,7 +42,9 @@ template <typename C> class StageRunner {
   // training, its Forward in evaluation; else 0. Collective as the model calls are (the unit
   // source's group) and, with a pipeline, point-to-point with the neighbouring stages: the receive
   // of the next action that needs one in each direction is posted before the current action runs
-  // (two buffers per direction), so it arrives during the current action's compute.
+  // (two buffers per direction), so it arrives during the current action's compute; with a grouped
+  // link (stream-ordered Comms, pipeline.h) at the boundary before its action, grouped with the
+  // finished action's send (pipeline_p2p_groups says which groups, in which order).
   double run(const Schedule& schedule, float grad_scale);
   // After the last action of a step or evaluation batch: waits for the sends in flight; every
   // context is free again.
@@ -97,6 +99,9 @@ template <typename C> class StageRunner {
   std::vector<std::vector<typename LlamaModel<C>::Context>> free_;
   Buffer<C> in_[2], grad_in_[2];  // received activations / output gradients [R, C], two each (one posted ahead)
   C* recv_buf_ = nullptr;         // where the running action's receive lands
+  // Grouped link: this rank's actions of the last schedule run and its slots' starts (P2pOrder).
+  std::vector<Action> slot_acts_;
+  std::vector<size_t> slot_starts_;
   size_t rows_elems_ = 0;   // R x C: a micro-batch's activation rows of this rank
   bool whole_ = false;      // one chunk over the whole model: the model's own context
   // Training actions since the last bubble_report: per local chunk, the seconds and counts of

@@ -113,18 +113,196 @@ RankUnits pipeline_rank_units(const ModelConfig& mc, const PipelineLayout& pl, i
   return ru;
 }
 
+const char* p2p_order_name(P2pOrder o) { return o == P2pOrder::PerAction ? "per action" : "per pair"; }
+
+std::vector<size_t> p2p_slot_starts(const std::vector<Action>& acts, P2pOrder order) {
+  std::vector<size_t> starts;
+  for (size_t i = 0; i < acts.size(); ++i) {
+    starts.push_back(i);
+    const bool pair = order == P2pOrder::PerPair && i + 1 < acts.size() && acts[i].kind == ActionKind::Forward &&
+                      (acts[i + 1].kind == ActionKind::Backward || acts[i + 1].kind == ActionKind::BackwardInput);
+    if (pair) ++i;
+  }
+  return starts;
+}
+
+P2pGroups pipeline_p2p_groups(const Schedule& schedule, const PipelineLayout& pl, int r, P2pOrder order) {
+  const int S = pl.chunks();
+  std::vector<Action> acts;
+  for (const Action& a : schedule.actions())
+    if (a.stage == r) acts.push_back(a);
+  // What an action receives (at most one transfer) and sends (at most one), as StageRunner runs it.
+  auto receives = [&](const Action& a, P2pTransfer* t) {
+    if (a.kind == ActionKind::Forward && a.chunk > 0) {
+      *t = {true, pl.rank_of(a.chunk - 1), a.chunk - 1, false, a.microbatch};
+      return true;
+    }
+    if ((a.kind == ActionKind::Backward || a.kind == ActionKind::BackwardInput) && a.chunk < S - 1) {
+      *t = {true, pl.rank_of(a.chunk + 1), a.chunk + 1, true, a.microbatch};
+      return true;
+    }
+    return false;
+  };
+  auto sends = [&](const Action& a, P2pTransfer* t) {
+    if (a.kind == ActionKind::Forward && a.chunk < S - 1) {
+      *t = {false, pl.rank_of(a.chunk + 1), a.chunk, false, a.microbatch};
+      return true;
+    }
+    if ((a.kind == ActionKind::Backward || a.kind == ActionKind::BackwardInput) && a.chunk > 0) {
+      *t = {false, pl.rank_of(a.chunk - 1), a.chunk, true, a.microbatch};
+      return true;
+    }
+    return false;
+  };
+  std::vector<size_t> starts = p2p_slot_starts(acts, order);
+  starts.push_back(acts.size());
+  P2pGroups groups;
+  std::vector<P2pTransfer> held;  // the sends of the slot before
+  P2pTransfer t;
+  for (size_t k = 0; k + 1 < starts.size(); ++k) {
+    std::vector<P2pTransfer> g = std::move(held);
+    held.clear();
+    for (size_t i = starts[k]; i < starts[k + 1]; ++i) {
+      if (receives(acts[i], &t)) g.push_back(t);
+      if (sends(acts[i], &t)) held.push_back(t);
+    }
+    if (!g.empty()) groups.push_back(std::move(g));
+  }
+  if (!held.empty()) groups.push_back(std::move(held));
+  return groups;
+}
+
+P2pOrder pipeline_p2p_order(const Schedule& schedule, const PipelineLayout& pl, std::string* why) {
+  why->clear();
+  std::string first;
+  for (P2pOrder o : {P2pOrder::PerAction, P2pOrder::PerPair}) {
+    std::vector<P2pGroups> all;
+    for (int r = 0; r < pl.ranks; ++r) all.push_back(pipeline_p2p_groups(schedule, pl, r, o));
+    const std::string p = p2p_groups_problem(all);
+    if (p.empty()) return o;
+    if (first.empty()) first = p;
+  }
+  *why = "no order of grouped transfers runs " + schedule.name() + " on a stream-ordered Comm (NCCL): " + first;
+  return P2pOrder::PerAction;
+}
+
+std::string p2p_groups_problem(const std::vector<P2pGroups>& per_rank) {
+  const int p = static_cast<int>(per_rank.size());
+  auto name = [](const P2pTransfer& t) {
+    return std::string(t.grad ? "the input gradient of chunk " : "the output of chunk ") + std::to_string(t.chunk) +
+           " for micro-batch " + std::to_string(t.microbatch);
+  };
+  // Where each transfer is (rank, group, index), and its match, by FIFO order per (sender, receiver).
+  struct Ref {
+    int rank, group, index;
+  };
+  std::vector<std::vector<Ref>> sq(static_cast<size_t>(p) * p), rq(static_cast<size_t>(p) * p);  // [from * p + to]
+  for (int r = 0; r < p; ++r)
+    for (size_t g = 0; g < per_rank[static_cast<size_t>(r)].size(); ++g)
+      for (size_t i = 0; i < per_rank[static_cast<size_t>(r)][g].size(); ++i) {
+        const P2pTransfer& t = per_rank[static_cast<size_t>(r)][g][i];
+        if (t.peer < 0 || t.peer >= p) return "rank " + std::to_string(r) + " names pipeline rank " + std::to_string(t.peer);
+        const Ref ref{r, static_cast<int>(g), static_cast<int>(i)};
+        (t.recv ? rq[static_cast<size_t>(t.peer * p + r)] : sq[static_cast<size_t>(r * p + t.peer)]).push_back(ref);
+      }
+  // match[r][g][i]: the matching transfer's Ref.
+  std::vector<std::vector<std::vector<Ref>>> match(static_cast<size_t>(p));
+  std::vector<std::vector<std::vector<char>>> done(static_cast<size_t>(p));
+  for (int r = 0; r < p; ++r) {
+    const P2pGroups& gs = per_rank[static_cast<size_t>(r)];
+    match[static_cast<size_t>(r)].resize(gs.size());
+    done[static_cast<size_t>(r)].resize(gs.size());
+    for (size_t g = 0; g < gs.size(); ++g) {
+      match[static_cast<size_t>(r)][g].resize(gs[g].size());
+      done[static_cast<size_t>(r)][g].assign(gs[g].size(), 0);
+    }
+  }
+  auto at = [&](const Ref& x) -> const P2pTransfer& {
+    return per_rank[static_cast<size_t>(x.rank)][static_cast<size_t>(x.group)][static_cast<size_t>(x.index)];
+  };
+  for (int from = 0; from < p; ++from)
+    for (int to = 0; to < p; ++to) {
+      const auto& s = sq[static_cast<size_t>(from * p + to)];
+      const auto& v = rq[static_cast<size_t>(from * p + to)];
+      if (s.size() != v.size())
+        return "rank " + std::to_string(from) + " sends " + std::to_string(s.size()) + " transfers to rank " +
+               std::to_string(to) + ", which receives " + std::to_string(v.size()) + " from it";
+      for (size_t k = 0; k < s.size(); ++k) {
+        const P2pTransfer &a = at(s[k]), &b = at(v[k]);
+        if (a.chunk != b.chunk || a.grad != b.grad || a.microbatch != b.microbatch)
+          return "transfer " + std::to_string(k) + " from rank " + std::to_string(from) + " to rank " +
+                 std::to_string(to) + " carries " + name(a) + " but is received as " + name(b);
+        match[static_cast<size_t>(s[k].rank)][static_cast<size_t>(s[k].group)][static_cast<size_t>(s[k].index)] = v[k];
+        match[static_cast<size_t>(v[k].rank)][static_cast<size_t>(v[k].group)][static_cast<size_t>(v[k].index)] = s[k];
+      }
+    }
+  // Run: every rank's head group; a transfer completes with its match in the peer's head group.
+  std::vector<size_t> head(static_cast<size_t>(p), 0);
+  for (bool progress = true; progress;) {
+    progress = false;
+    for (int r = 0; r < p; ++r) {
+      const size_t g = head[static_cast<size_t>(r)];
+      if (g >= per_rank[static_cast<size_t>(r)].size()) continue;
+      const auto& grp = per_rank[static_cast<size_t>(r)][g];
+      for (size_t i = 0; i < grp.size(); ++i) {
+        if (done[static_cast<size_t>(r)][g][i]) continue;
+        bool blocked = false;  // an earlier transfer of the same direction and peer in the group not done
+        for (size_t j = 0; j < i; ++j)
+          blocked = blocked || (!done[static_cast<size_t>(r)][g][j] && grp[j].recv == grp[i].recv && grp[j].peer == grp[i].peer);
+        const Ref m = match[static_cast<size_t>(r)][g][i];
+        if (blocked || head[static_cast<size_t>(m.rank)] != static_cast<size_t>(m.group)) continue;
+        const auto& pg = per_rank[static_cast<size_t>(m.rank)][static_cast<size_t>(m.group)];
+        bool pblocked = false;
+        for (int j = 0; j < m.index; ++j)
+          pblocked = pblocked || (!done[static_cast<size_t>(m.rank)][static_cast<size_t>(m.group)][static_cast<size_t>(j)] &&
+                                  pg[static_cast<size_t>(j)].recv == pg[static_cast<size_t>(m.index)].recv &&
+                                  pg[static_cast<size_t>(j)].peer == pg[static_cast<size_t>(m.index)].peer);
+        if (pblocked) continue;
+        done[static_cast<size_t>(r)][g][i] = 1;
+        done[static_cast<size_t>(m.rank)][static_cast<size_t>(m.group)][static_cast<size_t>(m.index)] = 1;
+        progress = true;
+      }
+    }
+    for (int r = 0; r < p; ++r) {
+      size_t& g = head[static_cast<size_t>(r)];
+      while (g < per_rank[static_cast<size_t>(r)].size() &&
+             std::all_of(done[static_cast<size_t>(r)][g].begin(), done[static_cast<size_t>(r)][g].end(),
+                         [](char c) { return c != 0; })) {
+        ++g;
+        progress = true;
+      }
+    }
+  }
+  std::string stuck;
+  for (int r = 0; r < p; ++r) {
+    const size_t g = head[static_cast<size_t>(r)];
+    if (g >= per_rank[static_cast<size_t>(r)].size()) continue;
+    std::string what;
+    for (size_t i = 0; i < per_rank[static_cast<size_t>(r)][g].size(); ++i) {
+      if (done[static_cast<size_t>(r)][g][i]) continue;
+      const P2pTransfer& t = per_rank[static_cast<size_t>(r)][g][i];
+      what += (what.empty() ? "" : ", ") + std::string(t.recv ? "receiving " : "sending ") + name(t) +
+              (t.recv ? " from rank " : " to rank ") + std::to_string(t.peer);
+    }
+    stuck += (stuck.empty() ? "" : "; ") + ("rank " + std::to_string(r) + " in its group " + std::to_string(g) + " (" + what + ")");
+  }
+  return stuck.empty() ? "" : "deadlock: " + stuck;
+}
+
 template <typename C> struct StageLink<C>::Xfer {
-  std::unique_ptr<Comm::Request> req;
+  std::shared_ptr<Comm::Request> req;  // grouped: shared by the transfers of one group
   const C* buf;
-  int chunk;
+  size_t n;
+  int chunk;  // the sending chunk (a receive: the chunk it comes from)
   bool grad;
   Clock::time_point t0;
   bool done = false;  // test() returned true: the buffer is free, no wait needed
 };
 
 template <typename C>
-StageLink<C>::StageLink(Comm& comm, const PipelineLayout& pl, Backend<C>& be)
-    : comm_(comm), pl_(pl), be_(be), reg_(be.progress()) {
+StageLink<C>::StageLink(Comm& comm, const PipelineLayout& pl, Backend<C>& be, bool grouped)
+    : comm_(comm), pl_(pl), be_(be), reg_(be.progress()), grouped_(grouped),
+      log_groups_(grouped && !comm.stream_ordered()) {
   if (comm.world_size() != pl.ranks)
     throw std::invalid_argument("StageLink: the PP group has " + std::to_string(comm.world_size()) +
                                 " ranks, the layout " + std::to_string(pl.ranks) + " stages");
@@ -160,20 +338,61 @@ template <typename C> void StageLink<C>::update_membership() {
   if (!busy && member_.joined()) member_.reset();
 }
 
+// Grouped: the held sends and receives as one group, with one tag for every transfer, so that MPI
+// matches in start order as NCCL does.
+template <typename C> void StageLink<C>::issue() {
+  if (!grouped_ || (held_.empty() && held_recvs_.empty())) return;
+  std::vector<Comm::P2pOp> ops;
+  std::vector<P2pTransfer> entry;
+  for (const auto* v : {&held_, &held_recvs_})
+    for (const auto& x : *v) {
+      const bool recv = v == &held_recvs_;
+      // A send goes to the neighbour of its chunk; a receive comes from its chunk's rank.
+      const int peer = recv ? pl_.rank_of(x->chunk) : pl_.rank_of(x->grad ? x->chunk - 1 : x->chunk + 1);
+      ops.push_back({recv, const_cast<C*>(x->buf), x->n, peer, kTagBase});
+      entry.push_back({recv, peer, x->chunk, x->grad, 0});
+    }
+  std::shared_ptr<Comm::Request> req = comm_.start_group<C>(ops);
+  const auto t0 = Clock::now();
+  for (auto* v : {&held_, &held_recvs_})
+    for (auto& x : *v) {
+      x->req = req;
+      x->t0 = t0;
+      (v == &held_ ? sends_ : recvs_).push_back(std::move(x));
+    }
+  held_.clear();
+  held_recvs_.clear();
+  if (log_groups_) log_.push_back(std::move(entry));
+  update_membership();
+}
+
 template <typename C> void StageLink<C>::post_recv(int chunk, bool grad, C* buf, size_t n) {
   const int from = grad ? chunk + 1 : chunk - 1;
-  recvs_.push_back(std::make_unique<Xfer>(
-      Xfer{comm_.start_recv(buf, n, pl_.rank_of(from), tag(from, grad)), buf, chunk, grad, Clock::now()}));
+  auto x = std::make_unique<Xfer>(Xfer{nullptr, buf, n, from, grad, Clock::now()});
   ++calls_;
+  if (grouped_) {
+    held_recvs_.push_back(std::move(x));
+    return;
+  }
+  x->req = comm_.start_recv(buf, n, pl_.rank_of(from), tag(from, grad));
+  recvs_.push_back(std::move(x));
   update_membership();
 }
 
 template <typename C> void StageLink<C>::wait_recv(int chunk, bool grad, C* buf, size_t n) {
-  auto it = recvs_.begin();
-  while (it != recvs_.end() && ((*it)->chunk != chunk || (*it)->grad != grad)) ++it;
+  const int from = grad ? chunk + 1 : chunk - 1;
+  auto find = [&] {
+    auto i = recvs_.begin();
+    while (i != recvs_.end() && ((*i)->chunk != from || (*i)->grad != grad)) ++i;
+    return i;
+  };
+  auto it = find();
   if (it == recvs_.end()) {
-    post_recv(chunk, grad, buf, n);
-    it = recvs_.end() - 1;
+    bool held = false;
+    for (const auto& x : held_recvs_) held = held || (x->chunk == from && x->grad == grad);
+    if (!held) post_recv(chunk, grad, buf, n);
+    issue();  // grouped: start what is held, this receive included
+    it = find();
   }
   if ((*it)->buf != buf) throw std::logic_error("StageLink::wait_recv: the oldest posted receive is into another buffer");
   if (!(*it)->done) {
@@ -190,12 +409,13 @@ template <typename C> void StageLink<C>::send(int chunk, bool grad, const C* src
   const int to = grad ? chunk - 1 : chunk + 1;
   test_all();
   sends_.erase(std::remove_if(sends_.begin(), sends_.end(), [](const auto& x) { return x->done; }), sends_.end());
-  // A pool buffer no send in flight uses (sends_ now holds only those in flight), else a new one.
+  // A pool buffer no send in flight or held uses, else a new one.
   C* buf = nullptr;
   for (Buffer<C>& b : pool_) {
     if (b.size() < n) continue;
     bool used = false;
-    for (const auto& x : sends_) used = used || x->buf == b.data();
+    for (const auto* v : {&sends_, &held_})
+      for (const auto& x : *v) used = used || x->buf == b.data();
     if (!used) {
       buf = b.data();
       break;
@@ -206,11 +426,15 @@ template <typename C> void StageLink<C>::send(int chunk, bool grad, const C* src
     buf = pool_.back().data();
   }
   be_.copy(buf, src, n);
-  sends_.push_back(std::make_unique<Xfer>(
-      Xfer{comm_.start_send(static_cast<const C*>(buf), n, pl_.rank_of(to), tag(chunk, grad)), buf, chunk, grad,
-           Clock::now()}));
+  auto x = std::make_unique<Xfer>(Xfer{nullptr, buf, n, chunk, grad, Clock::now()});
   ++calls_;
   bytes_ += static_cast<double>(n) * sizeof(C);
+  if (grouped_) {
+    held_.push_back(std::move(x));
+    return;
+  }
+  x->req = comm_.start_send(static_cast<const C*>(buf), n, pl_.rank_of(to), tag(chunk, grad));
+  sends_.push_back(std::move(x));
   update_membership();
 }
 
@@ -223,6 +447,7 @@ template <typename C> void StageLink<C>::sum_tied(Backend<float>& be, float* gra
 }
 
 template <typename C> void StageLink<C>::flush() {
+  issue();
   const auto t0 = Clock::now();
   for (auto& x : sends_)
     if (!x->done) {
@@ -240,10 +465,9 @@ template <typename T> double sum_tied_grads(Comm& comm, Backend<T>& be, T* grad,
   if (p == 1 || (r != 0 && r != p - 1) || n == 0) return 0;
   const int peer = r == 0 ? p - 1 : 0;
   Buffer<T> other(be, n);
-  auto rq = comm.start_recv(other.data(), n, peer, kTagBase - 1);
-  auto sq = comm.start_send(static_cast<const T*>(grad), n, peer, kTagBase - 1);
-  rq->wait();
-  sq->wait();
+  // One group (an exchange): on a stream-ordered Comm a receive alone would wait for the peer's
+  // send queued behind the peer's own receive.
+  comm.start_group<T>({{true, other.data(), n, peer, kTagBase - 1}, {false, grad, n, peer, kTagBase - 1}})->wait();
   be.axpy(n, 1, other.data(), grad);
   return static_cast<double>(n) * sizeof(T);
 }

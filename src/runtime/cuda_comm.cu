@@ -187,6 +187,25 @@ class NcclComm final : public DeviceComm {
     });
   }
 
+  // One NCCL group of every transfer (start_group): they progress together on the communication
+  // stream, so that a send and a receive between two stages never wait for each other. Transfers of
+  // no elements are left out (both sides see the same counts).
+  std::unique_ptr<Request> start_group_impl(const std::vector<P2pOp>& ops, DType t) override {
+    size_t total = 0;
+    for (const P2pOp& o : ops) total += o.count;
+    return start("nccl group (send/receive)", total, [&](cudaStream_t s) {
+      return grouped([&] {
+        for (const P2pOp& o : ops) {
+          if (o.count == 0) continue;
+          const ncclResult_t r = o.recv ? ncclRecv(o.buf, o.count, nccl_type(t), o.peer, comm_, s)
+                                        : ncclSend(o.buf, o.count, nccl_type(t), o.peer, comm_, s);
+          if (r != ncclSuccess) return r;
+        }
+        return ncclSuccess;
+      });
+    });
+  }
+
   // Covers the Comms duplicate() made from this one: their streams are waited for too, and their
   // device times are added to this one's.
   void synchronize() override {

@@ -359,29 +359,40 @@ std::unique_ptr<Comm::Request> Comm::start_recv_impl(void*, size_t, DType, int, 
 }
 
 namespace {
-// Both halves of a ring shift: complete when both are.
-class BothRequest final : public Comm::Request {
+// The transfers of a group: complete when every one is.
+class GroupRequest final : public Comm::Request {
  public:
-  BothRequest(std::unique_ptr<Comm::Request> a, std::unique_ptr<Comm::Request> b) : a_(std::move(a)), b_(std::move(b)) {}
+  explicit GroupRequest(std::vector<std::unique_ptr<Comm::Request>> r) : r_(std::move(r)) {}
   bool test() override {
-    const bool x = a_->test(), y = b_->test();  // test both: each call drives progress
-    return x && y;
+    bool all = true;
+    for (auto& q : r_) all = q->test() && all;  // test every one: each call drives progress
+    return all;
   }
   void wait() override {
-    a_->wait();
-    b_->wait();
+    for (auto& q : r_) q->wait();
   }
 
  private:
-  std::unique_ptr<Comm::Request> a_, b_;
+  std::vector<std::unique_ptr<Comm::Request>> r_;
 };
 }  // namespace
 
 std::unique_ptr<Comm::Request> Comm::start_ring_shift_impl(const void* send, void* recv, size_t count, DType t) {
   const int W = world_size(), r = rank();
   auto in = start_recv_impl(recv, count, t, (r + W - 1) % W, kRingShiftTag);
-  auto out = start_send_impl(send, count, t, (r + 1) % W, kRingShiftTag);
-  return std::make_unique<BothRequest>(std::move(in), std::move(out));
+  std::vector<std::unique_ptr<Request>> both;
+  both.push_back(std::move(in));
+  both.push_back(start_send_impl(send, count, t, (r + 1) % W, kRingShiftTag));
+  return std::make_unique<GroupRequest>(std::move(both));
+}
+
+std::unique_ptr<Comm::Request> Comm::start_group_impl(const std::vector<P2pOp>& ops, DType t) {
+  std::vector<std::unique_ptr<Request>> r;
+  for (const P2pOp& o : ops)
+    if (o.recv) r.push_back(start_recv_impl(o.buf, o.count, t, o.peer, o.tag));
+  for (const P2pOp& o : ops)
+    if (!o.recv) r.push_back(start_send_impl(o.buf, o.count, t, o.peer, o.tag));
+  return std::make_unique<GroupRequest>(std::move(r));
 }
 
 // One MPI_Isend or MPI_Irecv. Its waits (wait(), and the destructor's when it never completed) are

@@ -119,15 +119,38 @@ template <typename C> double StageRunner<C>::run(const Schedule& schedule, float
     for (int d = 0; d < 2; ++d)
       if (needs(acts[i], d)) need[d].push_back(i);
   size_t posted[2] = {0, 0}, used[2] = {0, 0};
-  double loss = 0;
-  for (size_t i = 0; i < acts.size(); ++i) {
-    const Action& a = acts[i];
-    for (int d = 0; d < 2; ++d)  // this action's receive and the next one's, each into its buffer
-      while (posted[d] < need[d].size() && posted[d] < used[d] + 2) {
+  // Posts the receives of the actions up to index `last` not posted yet, each into its buffer, at most
+  // two per direction ahead of the action running.
+  auto post = [&](size_t last) {
+    for (int d = 0; d < 2; ++d)
+      while (posted[d] < need[d].size() && need[d][posted[d]] <= last && posted[d] < used[d] + 2) {
         const Action& n = acts[need[d][posted[d]]];
         link_->post_recv(n.chunk, d == 1, (d == 0 ? in_ : grad_in_)[posted[d] % 2].data(), rows_elems_);
         ++posted[d];
       }
+  };
+  // Grouped link (stream-ordered Comms, pipeline.h): at each slot's start the receives of its actions,
+  // in one group with the slot before's sends (pipeline_p2p_groups); else this action's receive and
+  // the next one's are in flight during this action's compute.
+  const bool grouped = link_ && link_->grouped();
+  if (grouped && acts != slot_acts_) {  // the order of a new schedule (every rank's groups simulated)
+    std::string why;
+    slot_starts_ = p2p_slot_starts(acts, pipeline_p2p_order(schedule, pl_, &why));
+    if (!why.empty()) throw std::invalid_argument(why);  // the trainer refused it on every rank before
+    slot_starts_.push_back(acts.size());
+    slot_acts_ = acts;
+  }
+  const std::vector<size_t>& starts = slot_starts_;
+  size_t slot = 0;
+  double loss = 0;
+  for (size_t i = 0; i < acts.size(); ++i) {
+    const Action& a = acts[i];
+    if (!grouped) {
+      post(acts.size());
+    } else if (i == starts[slot]) {
+      post(starts[++slot] - 1);
+      link_->issue();
+    }
     recv_buf_ = nullptr;
     for (int d = 0; d < 2; ++d)
       if (needs(a, d)) recv_buf_ = (d == 0 ? in_ : grad_in_)[used[d]++ % 2].data();

@@ -202,13 +202,14 @@ template <typename C> void Trainer<C>::check_geometry() {
     std::string why;
     pipeline_ = resolve_pipeline(mc_, mesh_.dims().pp, tc_.pp, geo_.accum, &why);
     if (!why.empty()) throw CollectiveError(0, why);
-    if (pipeline_.ranks > 1) {
-      const std::string pp = "'--pp " + std::to_string(pipeline_.ranks) + "'";
-      if (mesh_.pp_data()->stream_ordered())
-        throw CollectiveError(0, pp + " on NCCL is not built yet (its sends and receives need grouping): pass "
-                                 "'--gpu-comm mpi'");
-    }
     schedule_ = pipeline_.schedule(geo_.accum);
+    // NCCL: the stages' transfers run grouped (pipeline.h); an order whose groups would deadlock
+    // (p2p_groups_problem, the same answer on every rank) is refused here, training's and evaluation's.
+    if (pipeline_.ranks > 1 && mesh_.pp_data()->stream_ordered())
+      for (bool backward : {true, false}) {
+        (void)pipeline_p2p_order(*pipeline_.schedule(geo_.accum, backward), pipeline_, &why);
+        if (!why.empty()) throw CollectiveError(0, why + "; pass '--gpu-comm mpi'");
+      }
   }
   if (data_.header().vocab_size > static_cast<uint32_t>(mc_.vocab_size))
     throw CollectiveError(0, "the token file's vocab_size (" + std::to_string(data_.header().vocab_size) +

@@ -3,7 +3,10 @@
 // every parameter's gradient (tied embedding summed over the first and last stage) equals the whole
 // model's, run as gradient accumulation on all W ranks, within 1e-12 relative; the gradient norm
 // (each element counted once: the last stage's tied copy left out) within 1e-12 too. P = 2 at W = 2,
-// P = 4 at W = 4; tied and untied; 1 and 3 ranks: skipped.
+// P = 4 at W = 4; tied and untied; 1 and 3 ranks: skipped. And the grouped order of stream-ordered
+// Comms (NCCL; pipeline.h) run over MPI with NCCL's matching (one tag: start order): the same
+// gradients, and each rank's groups exactly pipeline_p2p_groups', which p2p_groups_problem runs
+// without deadlock (tests/unit/test_pp_groups.cpp).
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -39,9 +42,11 @@ std::string token_file() { return st::testing::pipeline_test_tokens("pipeline-te
 struct Step {
   std::map<std::string, std::vector<double>> grads;
   double loss = 0, sumsq = 0;
+  st::P2pGroups groups;  // grouped: the link's log
 };
 
-Step run_step(const st::ModelConfig& mc, int P, st::PipelineKind kind, int v, const std::string& data_path) {
+Step run_step(const st::ModelConfig& mc, int P, st::PipelineKind kind, int v, const std::string& data_path,
+              bool grouped = false) {
   st::Comm& c = st::testing::comm();
   const int W = c.world_size();
   const st::Mesh mesh(c, st::testing::g_runtime->topo(), st::MeshDims{1, W / P, 1, 1, P}, 0);
@@ -64,7 +69,7 @@ Step run_step(const st::ModelConfig& mc, int P, st::PipelineKind kind, int v, co
   f.zero_grads();
   st::UnitPipeline<double> units(*be, std::make_unique<st::IdentityCodec<double>>(f));
   std::unique_ptr<st::StageLink<double>> link;
-  if (P > 1) link = std::make_unique<st::StageLink<double>>(*mesh.pp_data(), pl, *be);
+  if (P > 1) link = std::make_unique<st::StageLink<double>>(*mesh.pp_data(), pl, *be, grouped);
   st::LlamaModel<double> model(mc, *be);
   st::TokenDataset data(data_path);
   st::StageRunner<double> runner(mesh, *be, model, units, ru, pl, link.get(), tc, data, per_rank, tc.micro_batch);
@@ -79,6 +84,7 @@ Step run_step(const st::ModelConfig& mc, int P, st::PipelineKind kind, int v, co
     st::sum_tied_grads(*mesh.pp_data(), *be, f.grad_shard(ru.embedding),
                        static_cast<size_t>(f.plan().units[static_cast<size_t>(ru.embedding)].shard_size));
   s.sumsq = f.local_grad_sumsq(true, ru.tied_copy ? ru.embedding : -1);
+  if (link) s.groups = link->groups();
   // The whole gradients: copied over the parameter shards, then gathered as parameters.
   for (int u = 0; u < f.num_units(); ++u)
     std::copy(f.grad_shard(u), f.grad_shard(u) + f.plan().units[static_cast<size_t>(u)].shard_size, f.param_shard(u));
@@ -131,6 +137,53 @@ TEST(Pipeline, Float64GradientsAndNormEqualTheWholeModel) {
           ++checked;
         }
       }
+    }
+  }
+  EXPECT_GT(checked, 0);
+}
+
+// The NCCL order (grouped) over MPI: gradients as the whole model's, groups as the plan's.
+TEST(Pipeline, GroupedOrderForStreamOrderedCommsMatchesThePlanAndTheWholeModel) {
+  st::Comm& c = st::testing::comm();
+  const int W = c.world_size();
+  if (W != 2 && W != 4) GTEST_SKIP() << "needs 2 or 4 ranks (P = W)";
+  const std::string data = token_file();
+  const st::ModelConfig mc = cfg(true);  // tied: the tied sum's exchange too
+  const Step whole = run_step(mc, 1, st::PipelineKind::OneFOneB, 1, data);
+  const int P = W;
+  struct Case { st::PipelineKind k; int v; };
+  int checked = 0;
+  for (Case k : {Case{st::PipelineKind::GPipe, 1}, Case{st::PipelineKind::OneFOneB, 1},
+                 Case{st::PipelineKind::Interleaved, 2}, Case{st::PipelineKind::ZeroBubble, 1}}) {
+    SCOPED_TRACE(std::string("grouped pp ") + std::to_string(P) + " " + st::pipeline_kind_name(k.k));
+    const Step s = run_step(mc, P, k.k, k.v, data, /*grouped=*/true);
+    // The plan of this rank, micro-batches left out (the link does not know them).
+    std::string why;
+    st::PipelineOptions po;
+    po.kind = k.k;
+    po.chunks_per_rank = k.v;
+    const int m = 8 / (W / P);  // global batch 8, micro-batch 1, dp W / P
+    const st::PipelineLayout pl = st::resolve_pipeline(mc, P, po, m, &why);
+    const auto sched = pl.schedule(m);
+    const st::P2pOrder order = st::pipeline_p2p_order(*sched, pl, &why);
+    EXPECT_EQ(why, "");
+    st::P2pGroups plan = st::pipeline_p2p_groups(*sched, pl, c.rank(), order);
+    for (auto& g : plan)
+      for (auto& t : g) t.microbatch = 0;
+    EXPECT_EQ(s.groups.size(), plan.size());
+    EXPECT_TRUE(s.groups == plan) << "rank " << c.rank() << ": the link's groups differ from pipeline_p2p_groups";
+    EXPECT_FALSE(s.groups.empty());
+    for (const auto& [name, g] : s.grads) {
+      const auto it = whole.grads.find(name);
+      ASSERT_NE(it, whole.grads.end()) << name;
+      ASSERT_EQ(g.size(), it->second.size()) << name;
+      double worst = 0, scale = 0;
+      for (size_t i = 0; i < g.size(); ++i) {
+        worst = std::max(worst, std::abs(g[i] - it->second[i]));
+        scale = std::max(scale, std::abs(it->second[i]));
+      }
+      EXPECT_LE(worst, 1e-12 * scale) << name << ": worst difference " << worst << " of " << scale;
+      ++checked;
     }
   }
   EXPECT_GT(checked, 0);
