@@ -35,7 +35,7 @@
 //   Comm on device buffers (NCCL and staged): all_gather (out of place, in place), reduce_scatter_sum,
 //     all_reduce Sum/Max/Min (float; bf16 must be refused, as MpiComm does), broadcast from every
 //     root, count 0; ring_shift and start_ring_shift, a send/receive exchange between ranks r and
-//     r^1; bitwise equal to the same collective or transfer on host buffers through the MPI Comm
+//     r^1, start_group with both neighbours (sends listed first: one NCCL group); bitwise equal to the same collective or transfer on host buffers through the MPI Comm
 //     (inputs are small dyadic numbers, so every summation order is exact);
 //   MixedPrecisionUnits over Fsdp<float> on CUDA vs on CPU: gathered bf16 bitwise equal (and equal
 //     to rounding the fp32 shards on the host), reduce_scatter_grad (reduce_bf16 false / true);
@@ -1292,6 +1292,24 @@ template <typename T> void check_comm_type(st::Comm& dc, const std::string& name
         b->wait();
         dc.synchronize();
         expect_bitwise(name + " send/recv with rank " + std::to_string(peer) + sz, download(be, dx.data(), n), hwant);
+      }
+      {  // start_group (pipeline stages): sends listed before receives, to and from both neighbours
+        const int up = (r + 1) % W, down = (r + W - 1) % W;
+        std::vector<T> from_down(n), from_up(n);
+        hc.start_group<T>({{true, from_down.data(), n, down, 4},
+                           {true, from_up.data(), n, up, 4},
+                           {false, const_cast<T*>(send.data()), n, up, 4},
+                           {false, const_cast<T*>(send.data()), n, down, 4}})
+            ->wait();
+        st::Buffer<T> gd = upload(be, std::vector<T>(n, sentinel)), gu = upload(be, std::vector<T>(n, sentinel));
+        auto gq = dc.start_group<T>({{false, ds.data(), n, up, 4},
+                                     {false, ds.data(), n, down, 4},
+                                     {true, gd.data(), n, down, 4},
+                                     {true, gu.data(), n, up, 4}});
+        gq->wait();
+        dc.synchronize();
+        expect_bitwise(name + " start_group from rank " + std::to_string(down) + sz, download(be, gd.data(), n), from_down);
+        expect_bitwise(name + " start_group from rank " + std::to_string(up) + sz, download(be, gu.data(), n), from_up);
       }
     }
   }
