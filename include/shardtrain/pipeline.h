@@ -1,9 +1,9 @@
 // shardtrain pipeline parallelism (issue 42): the room of the mesh's pp dimension. What a pipeline
 // rank holds (its chunks of blocks and their units) and how activations and their gradients travel
 // between the ranks of a PP group (Mesh::pp_data: one rank per stage, equal in every other
-// coordinate). The order of the work is the schedule's (pipeline_schedule.h); the trainer runs it
-// (src/train/trainer.cpp run_action) and never asks whether pp > 1: one stage is the layout with
-// one chunk over [0, L), whose units are the whole model's and which sends nothing.
+// coordinate). The order of the work is the schedule's (pipeline_schedule.h); StageRunner runs it
+// (stage_runner.h) and the trainer never asks whether pp > 1: one stage is the layout with one chunk
+// over [0, L), whose units are the whole model's and which sends nothing.
 #pragma once
 
 #include <cstdint>

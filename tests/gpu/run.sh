@@ -33,7 +33,7 @@
 #      single-rank losses with the same mask; CPU --cp 2 as control
 #   3d. pipeline parallelism (issue 42): --pp 2 with 2 ranks sharing the GPU (--gpu-comm mpi), gpipe,
 #      1f1b and zero-bubble fp32 within 1e-4, bf16 within 2e-2 of the CPU's single-rank losses; CPU --pp 2
-#      as control
+#      as control; with 2 GPUs or more also on NCCL (--gpu-comm nccl), each schedule
 #   4. checkpoints across devices: GPU to step 10 then CPU to 20, and CPU then GPU, against an
 #      uninterrupted CPU run (1e-4)
 #   4b. asynchronous saves on the GPU, fp32 and bf16: the step-4 file of a --checkpoint-async on run
@@ -512,8 +512,9 @@ if on 3d; then
 stage "3d. pipeline parallelism: --pp 2 on one GPU (2 ranks, --gpu-comm mpi) vs the CPU, 20 steps, each schedule" 90
 # Stage 0 holds the embedding and block 0, stage 1 block 1, the final norm and the (tied) head; the
 # activations and their gradients move through the host-staged device Comm of the PP group (NCCL
-# refuses two ranks on one GPU, and shardtrain refuses --pp on NCCL until its sends are grouped);
-# the tied embedding's gradient is summed between the stages. Reference: 1 rank on the CPU.
+# refuses two ranks on one GPU); the tied embedding's gradient is summed between the stages.
+# Reference: 1 rank on the CPU. With two GPUs or more, the same on NCCL (grouped transfers on the PP
+# communicator's own stream, pipeline.h); with one, those runs are skipped, saying so.
 cpu_reference
 check cpu-pp2 cpu-fp32 1e-5 1 2 --model tiny "${TINY[@]}" "${CPU[@]}" --pp 2  # control: PP on the CPU
 if [ "$GPU" = 1 ]; then
@@ -524,6 +525,15 @@ if [ "$GPU" = 1 ]; then
   check gpu-pp2-bf16 cpu-fp32 2e-2 1 2 --model tiny "${TINY[@]}" "${G[@]}" --gpu-comm mpi --precision bf16 --pp 2 \
     --pp-schedule zero-bubble
   grep -h -m1 -o 'pp comm [^|]*| pp bubble [^|]*' "$L/gpu-pp2-1f1b.log" 2>/dev/null | sed 's/^/  gpu-pp2-1f1b: /'
+  ngpu=$([ "$DEV" = cuda ] && nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || echo 0)
+  for s in gpipe 1f1b zero-bubble; do
+    if [ "$ngpu" -ge 2 ]; then
+      check "gpu-pp2-nccl-$s" cpu-fp32 1e-4 1 2 --model tiny "${TINY[@]}" "${G[@]}" --gpu-comm nccl --precision fp32 \
+        --pp 2 --pp-schedule "$s"
+    else
+      skipped "gpu-pp2-nccl-$s" "needs 2 GPUs (NCCL refuses two ranks on one GPU; this machine has $ngpu)"
+    fi
+  done
 else
   for n in gpu-pp2-gpipe gpu-pp2-1f1b gpu-pp2-zero-bubble gpu-pp2-bf16; do skipped "$n" "no CUDA device"; done
 fi
