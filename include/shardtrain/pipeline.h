@@ -128,6 +128,11 @@ P2pOrder pipeline_p2p_order(const Schedule& schedule, const PipelineLayout& pl, 
 // deliver the wrong rows), transfers left unmatched, or a deadlock (naming each stuck rank's group).
 std::string p2p_groups_problem(const std::vector<P2pGroups>& per_rank);
 
+// Whether the stages' transfers on `pp` (the PP group's data Comm) run grouped: pp.stream_ordered()
+// (NCCL), or the test hook SHARDTRAIN_TEST_PP_GROUPED=1 in the ranks' environment (the NCCL order
+// over MPI, docs/errors.md).
+bool pipeline_grouped(const Comm& pp);
+
 // Activations between the stages of one PP group, on its Comm (Mesh::pp_data: the backend's
 // buffers). Chunk c's forward output goes to chunk c + 1's rank, its input gradient to chunk c - 1's.
 // Tags name (chunk, direction); messages of one tag arrive in the order sent (MPI's non-overtaking
@@ -149,9 +154,9 @@ template <typename C> class StageLink {
   // comm: the PP group (comm.world_size() == pl.ranks, comm.rank() = this rank's stage); be: the
   // backend of the activations (the send buffers' memory and copies); its progress registry is
   // joined while transfers are in flight (device backends have none). grouped: the order of a
-  // stream-ordered Comm (above); comm.stream_ordered() by default; true on a host Comm runs that
-  // order over MPI (tests), and the link then keeps the log of its groups (groups()).
-  StageLink(Comm& comm, const PipelineLayout& pl, Backend<C>& be) : StageLink(comm, pl, be, comm.stream_ordered()) {}
+  // stream-ordered Comm (above); pipeline_grouped(comm) by default; true on a host Comm runs that
+  // order over MPI (tests).
+  StageLink(Comm& comm, const PipelineLayout& pl, Backend<C>& be) : StageLink(comm, pl, be, pipeline_grouped(comm)) {}
   StageLink(Comm& comm, const PipelineLayout& pl, Backend<C>& be, bool grouped);
   ~StageLink();
   StageLink(const StageLink&) = delete;
@@ -174,8 +179,8 @@ template <typename C> class StageLink {
   // been waited for.
   void flush();
   bool grouped() const { return grouped_; }
-  // Grouped on a host Comm: the groups started since construction, in order (P2pTransfer's
-  // microbatch 0); else empty.
+  // Tests: from now on the link keeps the groups it starts (grouped only; P2pTransfer's microbatch 0).
+  void keep_groups() { log_groups_ = grouped_; }
   const P2pGroups& groups() const { return log_; }
   // The tied embedding's gradient shard (n elements of `grad`, backend memory of `be`) summed
   // between the first and the last stage (sum_tied_grads), counted with this link's transfers.

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <stdexcept>
 
 #include "shardtrain/bf16.h"
@@ -289,6 +290,11 @@ std::string p2p_groups_problem(const std::vector<P2pGroups>& per_rank) {
   return stuck.empty() ? "" : "deadlock: " + stuck;
 }
 
+bool pipeline_grouped(const Comm& pp) {
+  const char* e = std::getenv("SHARDTRAIN_TEST_PP_GROUPED");
+  return pp.stream_ordered() || (e && std::string(e) == "1");
+}
+
 template <typename C> struct StageLink<C>::Xfer {
   std::shared_ptr<Comm::Request> req;  // grouped: shared by the transfers of one group
   const C* buf;
@@ -301,8 +307,7 @@ template <typename C> struct StageLink<C>::Xfer {
 
 template <typename C>
 StageLink<C>::StageLink(Comm& comm, const PipelineLayout& pl, Backend<C>& be, bool grouped)
-    : comm_(comm), pl_(pl), be_(be), reg_(be.progress()), grouped_(grouped),
-      log_groups_(grouped && !comm.stream_ordered()) {
+    : comm_(comm), pl_(pl), be_(be), reg_(be.progress()), grouped_(grouped) {
   if (comm.world_size() != pl.ranks)
     throw std::invalid_argument("StageLink: the PP group has " + std::to_string(comm.world_size()) +
                                 " ranks, the layout " + std::to_string(pl.ranks) + " stages");

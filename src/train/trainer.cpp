@@ -205,11 +205,16 @@ template <typename C> void Trainer<C>::check_geometry() {
     schedule_ = pipeline_.schedule(geo_.accum);
     // NCCL: the stages' transfers run grouped (pipeline.h); an order whose groups would deadlock
     // (p2p_groups_problem, the same answer on every rank) is refused here, training's and evaluation's.
-    if (pipeline_.ranks > 1 && mesh_.pp_data()->stream_ordered())
+    if (pipeline_.ranks > 1 && pipeline_grouped(*mesh_.pp_data())) {
+      std::string orders;
       for (bool backward : {true, false}) {
-        (void)pipeline_p2p_order(*pipeline_.schedule(geo_.accum, backward), pipeline_, &why);
-        if (!why.empty()) throw CollectiveError(0, why + "; pass '--gpu-comm mpi'");
+        const P2pOrder o = pipeline_p2p_order(*pipeline_.schedule(geo_.accum, backward), pipeline_, &why);
+        if (!why.empty())
+          throw CollectiveError(0, why + (mesh_.pp_data()->stream_ordered() ? "; pass '--gpu-comm mpi'" : ""));
+        orders += std::string(backward ? "training " : ", evaluation ") + p2p_order_name(o);
       }
+      log_info(mesh_.world(), "pipeline: transfers grouped (stream-ordered Comm order): " + orders);
+    }
   }
   if (data_.header().vocab_size > static_cast<uint32_t>(mc_.vocab_size))
     throw CollectiveError(0, "the token file's vocab_size (" + std::to_string(data_.header().vocab_size) +

@@ -6,7 +6,8 @@
 # (evaluation runs through the schedule's forwards) within 1e-5:
 #   pp 2 with each schedule: gpipe, 1f1b, interleaved (--pp-virtual 2), zero-bubble; pp 2 x dp 2
 #   (1f1b, 4 ranks); untied, pp 2 1f1b: bitwise the single-stage losses; --clip 0.05 (clipping
-#   active at every step: the global norm scales every stage's update alike).
+#   active at every step: the global norm scales every stage's update alike); 1f1b and interleaved in
+#   the NCCL order over MPI (SHARDTRAIN_TEST_PP_GROUPED=1): bitwise the losses of the same runs ungrouped.
 # Each PP run's step line shows 'pp comm' and 'pp bubble', and its metrics pp_bytes > 0, the
 # measured, simulated and ideal bubble per stage. Refusals, on every rank, no hang: more chunks than
 # blocks, --pp-layers not summing to the blocks, --pp not dividing the world size, interleaved with
@@ -73,6 +74,17 @@ for s in gpipe 1f1b interleaved zero-bubble; do
   run "pp2-$s" 2 --model "$WORK/tied.json" --pp 2 --pp-schedule $s "${v[@]}"
   compare ref "pp2-$s"
   pp_line "pp2-$s"
+done
+# The NCCL order (grouped transfers, one tag: pipeline.h) over MPI through the whole trainer
+# (SHARDTRAIN_TEST_PP_GROUPED=1): 1F1B one slot per action, interleaved (m 8 > p 2) a forward and the
+# next backward per slot; the same arithmetic, so bitwise the losses of the runs above.
+for s in 1f1b interleaved; do
+  v=(); [ $s = interleaved ] && v=(--pp-virtual 2)
+  SHARDTRAIN_TEST_PP_GROUPED=1 run "pp2-$s-grouped" 2 --model "$WORK/tied.json" --pp 2 --pp-schedule $s "${v[@]}"
+  compare "pp2-$s" "pp2-$s-grouped" bitwise
+  want="pipeline: transfers grouped (stream-ordered Comm order): training per action, evaluation per action"
+  [ $s = interleaved ] && want="pipeline: transfers grouped (stream-ordered Comm order): training per pair, evaluation per action"
+  grep -qF "$want" "$WORK/pp2-$s-grouped.log" || { cat "$WORK/pp2-$s-grouped.log"; fail "pp2-$s-grouped: no '$want'"; }
 done
 run pp2-dp2 4 --model "$WORK/tied.json" --pp 2
 compare ref pp2-dp2

@@ -70,6 +70,7 @@ Step run_step(const st::ModelConfig& mc, int P, st::PipelineKind kind, int v, co
   st::UnitPipeline<double> units(*be, std::make_unique<st::IdentityCodec<double>>(f));
   std::unique_ptr<st::StageLink<double>> link;
   if (P > 1) link = std::make_unique<st::StageLink<double>>(*mesh.pp_data(), pl, *be, grouped);
+  if (link) link->keep_groups();
   st::LlamaModel<double> model(mc, *be);
   st::TokenDataset data(data_path);
   st::StageRunner<double> runner(mesh, *be, model, units, ru, pl, link.get(), tc, data, per_rank, tc.micro_batch);
