@@ -4,15 +4,15 @@
 #     asynchronous saves, the default), saving at step 10; the file is version 6 as h5py reads it
 #     (mesh with pp, pipeline record, each unit's stage, the embedding stored once, metadata
 #     checksums by tests/e2e/ckpt_meta.py).
-#  2. It resumes at pp 1 x dp 4, pp 4 x dp 1 and pp 2 x tp 2 (4 ranks each): the losses of steps
-#     11-20 equal the straight run's within 1e-5 relative (the worst is printed).
+#  2. It resumes at pp 4 x dp 1 and pp 2 x tp 2 (4 ranks each; pp 1 x dp 4: test_pipeline.sh): the
+#     losses of steps 11-20 equal the straight run's within 1e-5 relative (the worst is printed).
 #  3. Its parameters and both AdamW moments, rebuilt with h5py alone, equal those of a pp 1 x dp 4
 #     run's step 10 within 1e-5 of each tensor's scale (tests/e2e/pp_ckpt_compare.py; not bitwise:
 #     the two runs sum their gradients in different orders, their losses agree within 1e-8).
 #  4. tests/mpi/test_pp_checkpoint.cpp (exact values, resharded bitwise at pp 1, 2, 4, tp, HSDP; a
-#     differing tied copy refused at save) keeps its files: the pp 2 x dp 2 and pp 2 x tp 2 files
-#     export (HF safetensors) to the same bytes as the pp 1 file of the same values, at 1 and 3
-#     ranks; --mode inspect names the pipeline.
+#     differing tied copy refused at save; make test runs it here only) keeps its files: the pp 2 x
+#     dp 2, pp 2 x tp 2 and interleaved files export (HF safetensors) to the same bytes as the pp 1
+#     file of the same values (pp 2 x tp 2 at 1 and 3 ranks); --mode inspect names the pipeline.
 #  5. Crafted version 6 files (bad 'pipeline' bounds; a unit's 'stage' contradicting them) are
 #     refused on every rank with the file and the key named, no hang.
 source "$(dirname "$0")/common.sh"
@@ -31,7 +31,7 @@ run() {  # NAME NP ARGS...: a training run that must succeed
 # 1. The straight run at pp 2 x dp 2, and a pp 1 x dp 4 run to step 10 for the comparison.
 run straight 4 --pp 2 --checkpoint-dir "$WORK/pp2" --checkpoint-every 10
 grep -q "writing in the background" "$WORK/straight.log" || fail "the step-10 save was not asynchronous"
-run pp1 4 --checkpoint-dir "$WORK/pp1" --checkpoint-every 10
+run pp1 4 --checkpoint-dir "$WORK/pp1" --checkpoint-every 10 --stop-at-step 10
 F=$WORK/pp2/step_00000010.h5
 "$PY" - "$F" "$ROOT/tests/e2e" <<'PY' || fail "h5py view of the version 6 file"
 import json, sys
@@ -58,7 +58,7 @@ print("ok: h5py: version 6, mesh with pp 2, pipeline bounds [0, 2, 4], stages 0 
 PY
 
 # 2. Resumes at other meshes.
-for cfg in "pp1_dp4:" "pp4_dp1:--pp 4" "pp2_tp2:--pp 2 --tp 2"; do
+for cfg in "pp4_dp1:--pp 4" "pp2_tp2:--pp 2 --tp 2"; do  # pp 1 x dp 4: tests/e2e/test_pipeline.sh
   name=${cfg%%:*}
   read -r -a extra <<<"${cfg#*:}"
   run "resume_$name" 4 "${extra[@]}" --resume "$F"
@@ -93,15 +93,15 @@ grep -qF "saved by a pipeline-parallel run: pp 2 (1f1b) x world size 2 per stage
   { cat "$WORK/inspect.txt"; fail "inspect: no pipeline line"; }
 grep -qF "unit model.layers.2: numel 1952, shard_size 976, padded_numel 1952, stage 1" "$WORK/inspect.txt" ||
   { grep unit "$WORK/inspect.txt"; fail "inspect: no stage of model.layers.2"; }
-for f in pp1_dp4 pp2_dp2 pp2_tp2 pp2v2_dp2; do
-  for np in 1 3; do
-    timeout -k 5 120 $MPIRUN -np "$np" "$BIN" --mode export --checkpoint "$WORK/mpi/$f.h5" --out "$WORK/hf-$f-$np" \
-      >"$WORK/export-$f-$np.log" 2>&1 || { cat "$WORK/export-$f-$np.log"; fail "export of $f.h5 at $np ranks"; }
-    cmp -s "$WORK/hf-pp1_dp4-1/model.safetensors" "$WORK/hf-$f-$np/model.safetensors" ||
-      fail "export of $f.h5 at $np ranks differs from the pp 1 file's"
-  done
+for f in pp1_dp4 pp2_dp2 pp2_tp2 pp2v2_dp2 pp2_tp2:3; do  # at 1 rank, and pp2_tp2 at 3 too
+  np=1
+  [[ $f == *:* ]] && { np=${f#*:}; f=${f%:*}; }
+  timeout -k 5 120 $MPIRUN -np "$np" "$BIN" --mode export --checkpoint "$WORK/mpi/$f.h5" --out "$WORK/hf-$f-$np" \
+    >"$WORK/export-$f-$np.log" 2>&1 || { cat "$WORK/export-$f-$np.log"; fail "export of $f.h5 at $np ranks"; }
+  cmp -s "$WORK/hf-pp1_dp4-1/model.safetensors" "$WORK/hf-$f-$np/model.safetensors" ||
+    fail "export of $f.h5 at $np ranks differs from the pp 1 file's"
 done
-echo "ok: exports (1 and 3 ranks) of the pp 2 x dp 2, pp 2 x tp 2 and interleaved files equal the pp 1 file's, byte for byte"
+echo "ok: exports of the pp 2 x dp 2, pp 2 x tp 2 (1 and 3 ranks) and interleaved files equal the pp 1 file's, byte for byte"
 # ... and the trained file exports at 1 and 3 ranks alike.
 for np in 1 3; do
   timeout -k 5 120 $MPIRUN -np "$np" "$BIN" --mode export --checkpoint "$F" --out "$WORK/hf-trained-$np" \

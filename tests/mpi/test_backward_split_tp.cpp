@@ -1,9 +1,9 @@
 // LlamaModel's split backward (model.h backward_input / backward_weight) under tensor parallelism
-// with sequence parallelism, TP N = the world size (2 or 4): the kept rows are the all-gathered ones
+// with sequence parallelism, TP N = the world size (2): the kept rows are the all-gathered ones
 // and the embedding's weight half all-gathers the residual gradient. Two ranges [0, 1), [1, 2), two
 // micro-batches in flight, the weight halves in the other micro-batch order: every rank's gradient
-// shards and input gradients bitwise (memcmp) those of backward made in that order, float and
-// double, Recompute None and Full, tied and untied heads.
+// shards and input gradients bitwise (memcmp) those of backward made in that order, float,
+// Recompute None and Full, tied and untied heads.
 //
 // And under context parallelism (CP N = the world size, ring attention): backward_input runs the
 // CP attention backward (collective over the CP group) into the kept d(q), d(k), d(v); the same
@@ -199,9 +199,8 @@ template <typename T> void check_all(const char* type) {
 
 TEST_F(BackwardSplitTp, BitwiseAsBackward) {
   const int W = world().world_size();
-  if (W != 2 && W != 4) GTEST_SKIP() << "TP N = the world size, N = 2 or 4";
-  check_all<double>("double");
-  check_all<float>("float");
+  if (W != 2) GTEST_SKIP() << "TP N = the world size = 2 (N = 4 runs the same code: make test's time)";
+  check_all<float>("float");  // double: the same code (test_backward_split.cpp runs both at one rank)
 }
 
 }  // namespace

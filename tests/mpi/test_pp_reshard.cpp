@@ -1,7 +1,7 @@
 // Reshard::PerPass (unit_source.h, '--pp-reshard per-step'; issue 42 item 5) against Reshard::PerUse
 // (today's per-micro-batch gathers and reduce-scatters), at the world size mpirun gives (1-4): one
 // optimizer step of m micro-batches through StageRunner (the trainer's path), with one stage
-// (P = 1, gradient accumulation) and, where W allows, P = 2 (1F1B, GPipe; dp W / 2) and P = 4
+// (P = 1, gradient accumulation) and, where W allows, P = 2 (1F1B; dp W / 2) and P = 4
 // (interleaved v 2), tied and untied:
 //  - every gradient shard of PerPass equals PerUse's within 1e-12 of the unit's largest element
 //    in float64 (the sums differ in order only: accumulate over micro-batches, then reduce over
@@ -161,14 +161,11 @@ Diff diff(st::Comm& group, const Step& a, const Step& b) {
 }
 
 // Kept small for make test (every case runs at np 1-4, oversubscribed on 2 cores): pp 1 at 1-3
-// ranks, pp 2 (1F1B, GPipe) at 2, pp 2 x dp 2 and pp 4 interleaved at 4.
+// ranks, pp 2 (1F1B) at 2, pp 2 x dp 2 and pp 4 interleaved at 4.
 std::vector<Case> cases(int W) {
   if (W == 4) return {{2, st::PipelineKind::OneFOneB, 1}, {4, st::PipelineKind::Interleaved, 2}};
   std::vector<Case> out{{1, st::PipelineKind::OneFOneB, 1}};
-  if (W == 2) {
-    out.push_back({2, st::PipelineKind::OneFOneB, 1});
-    out.push_back({2, st::PipelineKind::GPipe, 1});
-  }
+  if (W == 2) out.push_back({2, st::PipelineKind::OneFOneB, 1});
   return out;
 }
 
