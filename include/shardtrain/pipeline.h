@@ -145,7 +145,8 @@ bool pipeline_grouped(const Comm& pp);
 // registry (progress.h): the host backend's GEMM tiles and attention tiles test its transfers, so a
 // send or receive advances during the next action's compute (Open MPI moves data only inside MPI
 // calls). Counts its transfers for CommDim::Pp: calls (sends and receives), bytes sent, issued time
-// (from start to observed completion), exposed time (the compute thread waiting in wait_recv or flush).
+// (from start to observed completion), exposed time (the compute thread waiting in wait_recv or flush);
+// on stream-ordered Comms the Comm's device times, read at flush().
 // Grouped (stream-ordered Comms, above): send() and post_recv() only hold their transfer (send()
 // copies first); issue() starts every held transfer as one group; wait_recv() of a held receive
 // issues first. The caller (StageRunner) posts and issues at the slots' starts (P2pOrder).
@@ -176,7 +177,9 @@ template <typename C> class StageLink {
   // when not grouped).
   void issue();
   // Waits for every send in flight (the end of a step; grouped: issue() first). Receives must have
-  // been waited for.
+  // been waited for. Stream-ordered Comms: synchronize()s the Comm (the host waits for the step's
+  // transfers; the Comm's timing events are drained), whose device times become the link's issued
+  // and exposed seconds.
   void flush();
   bool grouped() const { return grouped_; }
   // Tests: from now on the link keeps the groups it starts (grouped only; P2pTransfer's microbatch 0).
@@ -206,6 +209,8 @@ template <typename C> class StageLink {
   ProgressRegistry::Member member_;
   std::unique_ptr<Xfer> hold(int chunk, bool grad, const C* buf, size_t n);
   bool grouped_ = false, log_groups_ = false;
+  bool device_timed_ = false;  // stream-ordered Comm: times from its device_times() at flush()
+  Comm::DeviceTimes device_;   // ... as last read
   P2pGroups log_;
   std::vector<std::unique_ptr<Xfer>> held_, held_recvs_;  // grouped: not started yet (sends copied)
   std::vector<std::unique_ptr<Xfer>> sends_, recvs_;

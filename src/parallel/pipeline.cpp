@@ -307,7 +307,7 @@ template <typename C> struct StageLink<C>::Xfer {
 
 template <typename C>
 StageLink<C>::StageLink(Comm& comm, const PipelineLayout& pl, Backend<C>& be, bool grouped)
-    : comm_(comm), pl_(pl), be_(be), reg_(be.progress()), grouped_(grouped) {
+    : comm_(comm), pl_(pl), be_(be), reg_(be.progress()), grouped_(grouped), device_timed_(comm.stream_ordered()) {
   if (comm.world_size() != pl.ranks)
     throw std::invalid_argument("StageLink: the PP group has " + std::to_string(comm.world_size()) +
                                 " ranks, the layout " + std::to_string(pl.ranks) + " stages");
@@ -331,7 +331,7 @@ template <typename C> void StageLink<C>::test_all() {
     for (auto& x : *v)
       if (!x->done && x->req->test()) {
         x->done = true;
-        issued_s_ += since(x->t0);
+        if (!device_timed_) issued_s_ += since(x->t0);
       }
 }
 
@@ -403,8 +403,10 @@ template <typename C> void StageLink<C>::wait_recv(int chunk, bool grad, C* buf,
   if (!(*it)->done) {
     const auto t0 = Clock::now();
     (*it)->req->wait();
-    exposed_s_ += since(t0);
-    issued_s_ += since((*it)->t0);
+    if (!device_timed_) {
+      exposed_s_ += since(t0);
+      issued_s_ += since((*it)->t0);
+    }
   }
   recvs_.erase(it);
   update_membership();
@@ -458,10 +460,20 @@ template <typename C> void StageLink<C>::flush() {
     if (!x->done) {
       x->req->wait();
       x->done = true;
-      issued_s_ += since(x->t0);
+      if (!device_timed_) issued_s_ += since(x->t0);
     }
   sends_.clear();
-  exposed_s_ += since(t0);
+  if (device_timed_) {
+    // Stream-ordered: every group done, and the Comm's timing events drained (they pile up
+    // otherwise); its device times are this link's (the host's waits above returned at once).
+    comm_.synchronize();
+    const Comm::DeviceTimes t = comm_.device_times();
+    issued_s_ += t.issued_s - device_.issued_s;
+    exposed_s_ += t.exposed_s - device_.exposed_s;
+    device_ = t;
+  } else {
+    exposed_s_ += since(t0);
+  }
   update_membership();
 }
 
