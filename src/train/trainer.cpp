@@ -205,7 +205,13 @@ template <typename C> void Trainer<C>::check_geometry() {
     schedule_ = pipeline_.schedule(geo_.accum);
     // NCCL: the stages' transfers run grouped (pipeline.h); an order whose groups would deadlock
     // (p2p_groups_problem, the same answer on every rank) is refused here, training's and evaluation's.
-    if (pipeline_.ranks > 1 && pipeline_grouped(*mesh_.pp_data())) {
+    const bool grouped = pipeline_.ranks > 1 && pipeline_grouped(*mesh_.pp_data());
+    // (Every rank's Comm is of one kind; the test hook is read per rank: ranks that disagree would
+    // match nothing and wait for the collective timeout.)
+    if (pipeline_.ranks > 1 && !same_on_all_ranks(mesh_.world(), grouped ? 1 : 0))
+      throw CollectiveError(0, "the ranks disagree on whether the pipeline's transfers run grouped: "
+                               "SHARDTRAIN_TEST_PP_GROUPED=1 is set on some ranks only");
+    if (grouped) {
       std::string orders;
       for (bool backward : {true, false}) {
         const P2pOrder o = pipeline_p2p_order(*pipeline_.schedule(geo_.accum, backward), pipeline_, &why);

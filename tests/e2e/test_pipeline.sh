@@ -12,7 +12,7 @@
 # measured, simulated and ideal bubble per stage. Refusals, on every rank, no hang: more chunks than
 # blocks, --pp-layers not summing to the blocks, --pp not dividing the world size, interleaved with
 # micro-batches not a multiple of the stages, --pp-virtual without interleaved, --pp-layers without
-# --pp, a --shard-group-size not dividing a stage's ranks. A resume: pp 2 x dp 2
+# --pp, a --shard-group-size not dividing a stage's ranks, SHARDTRAIN_TEST_PP_GROUPED=1 on one rank of two. A resume: pp 2 x dp 2
 # saved at step 3 and continued at pp 1 x dp 4 gives the straight run's losses of steps 4-6 within
 # 1e-5 (the whole checkpoint matrix: test_pp_checkpoint.sh).
 source "$(dirname "$0")/common.sh"
@@ -121,5 +121,12 @@ expect_fail pp-interleaved-m "3 micro-batches per step is not a multiple of --pp
 expect_fail pp-layers-alone "option '--pp-layers' needs '--pp' P > 1" 2 "${M[@]}" --pp-layers 2,2
 expect_fail pp-sgs-stage "option '--shard-group-size' (4) does not divide the ranks of a pipeline stage (2 = world size 4 / '--pp' 2)" \
   4 "${M[@]}" --pp 2 --shard-group-size 4
+# The test hook on some ranks only: refused on every rank (it would otherwise wait for the timeout).
+rc=0
+timeout -k 5 60 $MPIRUN -np 1 "$BIN" "${M[@]}" --pp 2 : -np 1 -x SHARDTRAIN_TEST_PP_GROUPED=1 "$BIN" "${M[@]}" --pp 2 \
+  >"$WORK/pp-grouped-some.log" 2>&1 || rc=$?
+[ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && [ "$(grep -c 'error \[rank [01]/2\]: the ranks disagree on whether the pipeline' \
+  "$WORK/pp-grouped-some.log")" = 2 ] || { cat "$WORK/pp-grouped-some.log"; fail "the hook on one rank of two: not refused on both (rc $rc)"; }
+echo "ok: pp-grouped-some -> $(grep -m1 'error \[rank 0' "$WORK/pp-grouped-some.log" | cut -c1-160)"
 expect_fail pp-virtual-alone "'--pp-virtual' (2) needs '--pp-schedule interleaved'" 2 "${M[@]}" --pp 2 --pp-virtual 2
 echo "PASS"
