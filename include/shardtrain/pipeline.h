@@ -98,6 +98,14 @@ struct P2pTransfer {
 };
 using P2pGroups = std::vector<std::vector<P2pTransfer>>;  // a rank's groups, in start order
 
+// What action `a` receives before it runs and sends after it (at most one transfer each; the peer
+// from `pl`): a Forward of chunk c > 0 receives chunk c - 1's output and, c < S - 1, sends its own;
+// a Backward or BackwardInput of c < S - 1 receives chunk c + 1's input gradient and, c > 0, sends its
+// own; BackwardWeight moves nothing. False when there is none. StageRunner and pipeline_p2p_groups
+// both ask these.
+bool action_receive(const Action& a, const PipelineLayout& pl, P2pTransfer* t);
+bool action_send(const Action& a, const PipelineLayout& pl, P2pTransfer* t);
+
 // Where the groups start. A rank's actions fall into slots; before a slot's first action the sends
 // of the slot before and the receives of the slot's actions start as one group; after the last
 // slot its sends start alone. PerAction: a slot per action (Megatron-LM's 1F1B pairing:
@@ -132,6 +140,14 @@ std::string p2p_groups_problem(const std::vector<P2pGroups>& per_rank);
 // (NCCL), or the test hook SHARDTRAIN_TEST_PP_GROUPED=1 in the ranks' environment (the NCCL order
 // over MPI, docs/errors.md).
 bool pipeline_grouped(const Comm& pp);
+
+// Collective over `world`. For a pipeline (pl.ranks > 1) whose transfers run grouped on `pp`
+// (pipeline_grouped): the orders of the training and evaluation schedules over `microbatches`
+// (pipeline_p2p_order), returned as the line the run logs ("pipeline: transfers grouped ..."); "" when
+// not grouped. Throws CollectiveError on every rank when the ranks disagree on grouping (the test
+// hook set on some ranks only: they would match nothing) or when no order runs a schedule (NCCL:
+// "...; pass '--gpu-comm mpi'").
+std::string check_pipeline_transfers(Comm& world, const Comm& pp, const PipelineLayout& pl, int microbatches);
 
 // Activations between the stages of one PP group, on its Comm (Mesh::pp_data: the backend's
 // buffers). Chunk c's forward output goes to chunk c + 1's rank, its input gradient to chunk c - 1's.

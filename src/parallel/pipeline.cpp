@@ -127,34 +127,36 @@ std::vector<size_t> p2p_slot_starts(const std::vector<Action>& acts, P2pOrder or
   return starts;
 }
 
-P2pGroups pipeline_p2p_groups(const Schedule& schedule, const PipelineLayout& pl, int r, P2pOrder order) {
+bool action_receive(const Action& a, const PipelineLayout& pl, P2pTransfer* t) {
   const int S = pl.chunks();
+  if (a.kind == ActionKind::Forward && a.chunk > 0) {
+    *t = {true, pl.rank_of(a.chunk - 1), a.chunk - 1, false, a.microbatch};
+    return true;
+  }
+  if ((a.kind == ActionKind::Backward || a.kind == ActionKind::BackwardInput) && a.chunk < S - 1) {
+    *t = {true, pl.rank_of(a.chunk + 1), a.chunk + 1, true, a.microbatch};
+    return true;
+  }
+  return false;
+}
+
+bool action_send(const Action& a, const PipelineLayout& pl, P2pTransfer* t) {
+  const int S = pl.chunks();
+  if (a.kind == ActionKind::Forward && a.chunk < S - 1) {
+    *t = {false, pl.rank_of(a.chunk + 1), a.chunk, false, a.microbatch};
+    return true;
+  }
+  if ((a.kind == ActionKind::Backward || a.kind == ActionKind::BackwardInput) && a.chunk > 0) {
+    *t = {false, pl.rank_of(a.chunk - 1), a.chunk, true, a.microbatch};
+    return true;
+  }
+  return false;
+}
+
+P2pGroups pipeline_p2p_groups(const Schedule& schedule, const PipelineLayout& pl, int r, P2pOrder order) {
   std::vector<Action> acts;
   for (const Action& a : schedule.actions())
     if (a.stage == r) acts.push_back(a);
-  // What an action receives (at most one transfer) and sends (at most one), as StageRunner runs it.
-  auto receives = [&](const Action& a, P2pTransfer* t) {
-    if (a.kind == ActionKind::Forward && a.chunk > 0) {
-      *t = {true, pl.rank_of(a.chunk - 1), a.chunk - 1, false, a.microbatch};
-      return true;
-    }
-    if ((a.kind == ActionKind::Backward || a.kind == ActionKind::BackwardInput) && a.chunk < S - 1) {
-      *t = {true, pl.rank_of(a.chunk + 1), a.chunk + 1, true, a.microbatch};
-      return true;
-    }
-    return false;
-  };
-  auto sends = [&](const Action& a, P2pTransfer* t) {
-    if (a.kind == ActionKind::Forward && a.chunk < S - 1) {
-      *t = {false, pl.rank_of(a.chunk + 1), a.chunk, false, a.microbatch};
-      return true;
-    }
-    if ((a.kind == ActionKind::Backward || a.kind == ActionKind::BackwardInput) && a.chunk > 0) {
-      *t = {false, pl.rank_of(a.chunk - 1), a.chunk, true, a.microbatch};
-      return true;
-    }
-    return false;
-  };
   std::vector<size_t> starts = p2p_slot_starts(acts, order);
   starts.push_back(acts.size());
   P2pGroups groups;
@@ -164,8 +166,8 @@ P2pGroups pipeline_p2p_groups(const Schedule& schedule, const PipelineLayout& pl
     std::vector<P2pTransfer> g = std::move(held);
     held.clear();
     for (size_t i = starts[k]; i < starts[k + 1]; ++i) {
-      if (receives(acts[i], &t)) g.push_back(t);
-      if (sends(acts[i], &t)) held.push_back(t);
+      if (action_receive(acts[i], pl, &t)) g.push_back(t);
+      if (action_send(acts[i], pl, &t)) held.push_back(t);
     }
     if (!g.empty()) groups.push_back(std::move(g));
   }
@@ -293,6 +295,23 @@ std::string p2p_groups_problem(const std::vector<P2pGroups>& per_rank) {
 bool pipeline_grouped(const Comm& pp) {
   const char* e = std::getenv("SHARDTRAIN_TEST_PP_GROUPED");
   return pp.stream_ordered() || (e && std::string(e) == "1");
+}
+
+std::string check_pipeline_transfers(Comm& world, const Comm& pp, const PipelineLayout& pl, int microbatches) {
+  if (pl.ranks == 1) return "";
+  // Every rank's Comm is of one kind; the test hook is read per rank.
+  const bool grouped = pipeline_grouped(pp);
+  if (!same_on_all_ranks(world, grouped ? 1 : 0))
+    throw CollectiveError(0, "the ranks disagree on whether the pipeline's transfers run grouped: "
+                             "SHARDTRAIN_TEST_PP_GROUPED=1 is set on some ranks only");
+  if (!grouped) return "";
+  std::string orders, why;
+  for (bool backward : {true, false}) {  // the same answer on every rank: a function of the layout
+    const P2pOrder o = pipeline_p2p_order(*pl.schedule(microbatches, backward), pl, &why);
+    if (!why.empty()) throw CollectiveError(0, why + (pp.stream_ordered() ? "; pass '--gpu-comm mpi'" : ""));
+    orders += std::string(backward ? "training " : ", evaluation ") + p2p_order_name(o);
+  }
+  return "pipeline: transfers grouped (stream-ordered Comm order): " + orders;
 }
 
 template <typename C> struct StageLink<C>::Xfer {

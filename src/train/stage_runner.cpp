@@ -104,15 +104,14 @@ template <typename C> void StageRunner<C>::release(int m, int chunk) {
 }
 
 template <typename C> double StageRunner<C>::run(const Schedule& schedule, float grad_scale) {
-  const int me = mesh_.coord().pp, L = model_.config().num_hidden_layers;
+  const int me = mesh_.coord().pp;
   std::vector<Action> acts;
   for (const Action& a : schedule.actions())
     if (a.stage == me) acts.push_back(a);
   // The receives, per direction (0: inputs, 1: output gradients), in the order the actions need them.
   auto needs = [&](const Action& a, int d) {
-    if (!link_) return false;
-    if (d == 0) return a.kind == ActionKind::Forward && a.begin > 0;
-    return (a.kind == ActionKind::Backward || a.kind == ActionKind::BackwardInput) && a.end < L;
+    P2pTransfer t;
+    return link_ && action_receive(a, pl_, &t) && t.grad == (d == 1);
   };
   std::vector<size_t> need[2];
   for (size_t i = 0; i < acts.size(); ++i)

@@ -203,24 +203,10 @@ template <typename C> void Trainer<C>::check_geometry() {
     pipeline_ = resolve_pipeline(mc_, mesh_.dims().pp, tc_.pp, geo_.accum, &why);
     if (!why.empty()) throw CollectiveError(0, why);
     schedule_ = pipeline_.schedule(geo_.accum);
-    // NCCL: the stages' transfers run grouped (pipeline.h); an order whose groups would deadlock
-    // (p2p_groups_problem, the same answer on every rank) is refused here, training's and evaluation's.
-    const bool grouped = pipeline_.ranks > 1 && pipeline_grouped(*mesh_.pp_data());
-    // (Every rank's Comm is of one kind; the test hook is read per rank: ranks that disagree would
-    // match nothing and wait for the collective timeout.)
-    if (pipeline_.ranks > 1 && !same_on_all_ranks(mesh_.world(), grouped ? 1 : 0))
-      throw CollectiveError(0, "the ranks disagree on whether the pipeline's transfers run grouped: "
-                               "SHARDTRAIN_TEST_PP_GROUPED=1 is set on some ranks only");
-    if (grouped) {
-      std::string orders;
-      for (bool backward : {true, false}) {
-        const P2pOrder o = pipeline_p2p_order(*pipeline_.schedule(geo_.accum, backward), pipeline_, &why);
-        if (!why.empty())
-          throw CollectiveError(0, why + (mesh_.pp_data()->stream_ordered() ? "; pass '--gpu-comm mpi'" : ""));
-        orders += std::string(backward ? "training " : ", evaluation ") + p2p_order_name(o);
-      }
-      log_info(mesh_.world(), "pipeline: transfers grouped (stream-ordered Comm order): " + orders);
-    }
+    // NCCL: the order of the stages' grouped transfers (pipeline.h), checked on every rank alike.
+    if (const std::string line = check_pipeline_transfers(mesh_.world(), *mesh_.pp_data(), pipeline_, geo_.accum);
+        !line.empty())
+      log_info(mesh_.world(), line);
   }
   if (data_.header().vocab_size > static_cast<uint32_t>(mc_.vocab_size))
     throw CollectiveError(0, "the token file's vocab_size (" + std::to_string(data_.header().vocab_size) +
