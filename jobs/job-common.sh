@@ -247,18 +247,101 @@ st_show() {
   printf '%s\n' "${s% }"
 }
 
+# SIGTERM and Open MPI's mpirun (4.1; the reason for st_sigblock and st_term_pending below). mpirun
+# treats SIGTERM (like SIGINT and SIGHUP) as "abort the job": it sends its ranks SIGCONT, SIGTERM and,
+# odls_base_sigkill_timeout (1 s) later, SIGKILL, and exits 1 after about 2 s, while the ranks are
+# still writing their preemption checkpoint. Open MPI offers no way to forward SIGTERM instead
+# (ess_base_forward_signals refuses SIGTERM, SIGINT and SIGHUP); it forwards SIGUSR1 and SIGUSR2,
+# and shardtrain treats SIGUSR1 as it treats SIGTERM (save the step, exit 75). And a SIGTERM does
+# reach mpirun at a preemption: Slurm 22.05's `scancel --full` (and the batch step's share of a
+# cancel, a preemption without GraceTime or `scontrol requeue`) signals the batch shell's process
+# group or all the batch step's processes, mpirun included; mpirun puts each local rank in a process
+# group of its own, so `scancel --signal=TERM --full` does not reach the ranks at all.
+# So the scripts start mpirun with SIGTERM blocked (st_sigblock: `env --block-signal=TERM`, coreutils
+# >= 8.31, else perl): mpirun's own handler never runs, the signal stays pending in it. Blocked
+# signals are inherited through exec, but Open MPI unblocks every signal in each rank it starts, so a
+# SIGTERM that reaches the ranks (a cancel signals every process of the step) still makes them save.
+# The batch shell turns a SIGTERM into the SIGUSR1 that mpirun forwards: its own (its trap), or one
+# sent to mpirun alone (`kill` of the launcher; st_run sees it pending in /proc/PID/status, checked
+# every second). Without either tool (a warning) mpirun keeps Open MPI's behaviour.
+# Not covered: on several nodes mpirun starts its daemons (orted) with srun, and an srun that gets
+# SIGTERM (every process of the batch step does at a cancel) kills its tasks, those daemons, with
+# SIGKILL, and their ranks with them. srun as the launcher does the same to the ranks themselves.
+# Preemption with the time to save: `--signal=B:USR1@...` (the time limit) and, at a site's
+# preemption, PreemptParameters=send_user_signal with GraceTime (SIGUSR1 to the batch shell first).
+
+# st_sigblock: sets ST_SIGBLOCK to a command prefix that runs its arguments with SIGTERM blocked
+# (empty, with a warning, when neither env --block-signal nor perl can).
+st_sigblock() {
+  ST_SIGBLOCK=()
+  if env --block-signal=TERM true 2>/dev/null; then
+    ST_SIGBLOCK=(env --block-signal=TERM)
+  elif command -v perl >/dev/null 2>&1 && perl -MPOSIX -e 'exit 0' 2>/dev/null; then
+    # shellcheck disable=SC2016 # perl's variables
+    ST_SIGBLOCK=(perl -MPOSIX -e 'sigprocmask(SIG_BLOCK, POSIX::SigSet->new(SIGTERM)) or die "sigprocmask: $!\n"; exec { $ARGV[0] } @ARGV or die "exec $ARGV[0]: $!\n"')
+  else
+    st_note "warning: neither 'env --block-signal' (coreutils >= 8.31) nor perl: mpirun keeps SIGTERM, which ends the ranks without a preemption save (send SIGUSR1, or SIGTERM to the ranks)"
+  fi
+}
+
+# st_term_pending PID: PID has a SIGTERM pending (blocked, not yet delivered; /proc/PID/status ShdPnd).
+st_term_pending() {
+  local key val
+  while read -r key val; do
+    if [ "$key" = ShdPnd: ]; then
+      [[ $val =~ ^[0-9a-fA-F]+$ ]] || return 1
+      (((0x$val >> 14) & 1)) # bit 14: signal 15, SIGTERM
+      return
+    fi
+  done 2>/dev/null <"/proc/$1/status"
+  return 1
+}
+
+# st_running PID: PID is a live process (not gone, not a zombie waiting for `wait`).
+st_running() {
+  local key val
+  while read -r key val; do
+    [ "$key" != State: ] || { [[ $val != Z* ]]; return; }
+  done 2>/dev/null <"/proc/$1/status"
+  return 1
+}
+
 # st_run: runs ST_CMD in the background and waits for it; returns its exit status in ST_RC.
 # The batch shell gets SIGTERM from Slurm at a preemption, at the time limit and on scancel, as all
 # the job's processes do; the trap keeps it alive to read shardtrain's exit status. SIGUSR1 reaches
 # the batch shell only with --signal=B:USR1@120 (see train-multinode.sbatch): it is forwarded to the
-# launcher, and srun and mpirun both pass SIGUSR1 on to every rank.
+# launcher, and srun and mpirun both pass SIGUSR1 on to every rank. With mpirun, SIGTERM is blocked
+# in mpirun and forwarded to it as SIGUSR1 (see "SIGTERM and Open MPI's mpirun" above).
 st_run() {
   ST_SIGNALED=0
   ST_LAUNCHER_PID=
-  trap 'ST_SIGNALED=1; st_note "batch shell got SIGTERM; waiting for shardtrain to save and exit"' TERM
-  trap 'ST_SIGNALED=1; st_note "batch shell got SIGUSR1; forwarding it to the launcher"; [ -z "$ST_LAUNCHER_PID" ] || kill -USR1 "$ST_LAUNCHER_PID" 2>/dev/null || true' USR1
-  "${ST_CMD[@]}" &
+  ST_FORWARDED=0
+  local mpirun=0 pre=()
+  if [ "${ST_CMD[0]}" = mpirun ]; then
+    mpirun=1
+    st_sigblock
+    pre=("${ST_SIGBLOCK[@]}")
+    [ ${#pre[@]} -eq 0 ] || st_note "mpirun runs with SIGTERM blocked (${pre[0]}${pre[1]:+ ${pre[1]}}); a SIGTERM to this shell or to mpirun is passed to the ranks as SIGUSR1"
+  fi
+  if [ "$mpirun" = 1 ] && [ ${#pre[@]} -gt 0 ]; then
+    trap 'ST_SIGNALED=1; st_note "batch shell got SIGTERM; forwarding it to mpirun as SIGUSR1"; st_usr1_launcher' TERM
+  else
+    trap 'ST_SIGNALED=1; st_note "batch shell got SIGTERM; waiting for shardtrain to save and exit"' TERM
+  fi
+  trap 'ST_SIGNALED=1; st_note "batch shell got SIGUSR1; forwarding it to the launcher"; st_usr1_launcher' USR1
+  "${pre[@]}" "${ST_CMD[@]}" &
   ST_LAUNCHER_PID=$!
+  if [ "$mpirun" = 1 ] && [ ${#pre[@]} -gt 0 ]; then
+    # A SIGTERM sent to mpirun alone stays pending there: pass it on (once) as SIGUSR1.
+    while st_running "$ST_LAUNCHER_PID"; do
+      if [ "$ST_FORWARDED" = 0 ] && st_term_pending "$ST_LAUNCHER_PID"; then
+        st_note "mpirun got SIGTERM; forwarding it to the ranks as SIGUSR1"
+        st_usr1_launcher
+      fi
+      sleep 1 &
+      wait $! 2>/dev/null || true
+    done
+  fi
   local rc=0 rc2
   wait "$ST_LAUNCHER_PID" || rc=$?
   # A trapped signal ends `wait` early (status > 128) while the launcher still runs: wait again.
@@ -271,6 +354,13 @@ st_run() {
   done
   trap - TERM USR1
   ST_RC=$rc
+}
+
+# st_usr1_launcher: SIGUSR1 to the launcher (srun and mpirun pass it on to every rank).
+st_usr1_launcher() {
+  [ -n "$ST_LAUNCHER_PID" ] || return 0
+  ST_FORWARDED=1
+  kill -USR1 "$ST_LAUNCHER_PID" 2>/dev/null || true
 }
 
 # st_train_main KIND ARGS...: KIND is cpu, multinode or gpu.

@@ -27,6 +27,12 @@
 #      gets --time=30 (scontrol update) so that it is not warned again.
 #      preempt-ranks: as preempt-timer with srun and --signal=USR1@30 (the scripts' own form, no B:):
 #      the warning goes to the ranks, not to the batch shell. Its reference is preempt-timer's.
+#      preempt-mpirun: as preempt-scancel with LAUNCHER=mpirun and `scancel --signal=TERM --full`: a
+#      SIGTERM to the batch shell's process group, the batch shell and mpirun (not the ranks: mpirun
+#      gives each its own group). mpirun runs with SIGTERM blocked, the batch shell forwards SIGUSR1
+#      to it (jobs/job-common.sh, "SIGTERM and Open MPI's mpirun"), and the ranks save the step in
+#      progress and exit 75 (mpirun's report: the first rank's exit code 75, no rank killed by a
+#      signal); its own uninterrupted reference (LAUNCHER=mpirun); the losses must be bitwise equal.
 #  (4) pipeline: train-cpu.sbatch, then export.sbatch with --dependency=afterok:JOB, submitted at
 #      once; the export runs after the training and exports step 40; transformers loads it (no missing
 #      or unexpected weights) and its logits match shardtrain's --dump-logits within 1e-4.
@@ -94,7 +100,7 @@ skip() {
 }
 
 # Scenarios in their start order; SLURM_TEST_ONLY picks some, SLURM_TEST_REPEAT repeats them.
-ALL_SCENARIOS=(multinode misuse preempt-timer preempt-ranks cpu-srun cpu-mpirun preempt-scancel pipeline array)
+ALL_SCENARIOS=(multinode misuse preempt-timer preempt-ranks cpu-srun cpu-mpirun preempt-scancel preempt-mpirun pipeline array)
 SELECTED=()
 if [ -n "${SLURM_TEST_ONLY:-}" ]; then
   read -r -a only <<<"${SLURM_TEST_ONLY//,/ }"
@@ -212,9 +218,10 @@ show() {
 expect() { grep -qE -- "$2" "$1" || { show "$1"; fail "$3 (no line matching '$2' in $1)"; }; }
 # job_field JOB FIELD: FIELD=value from scontrol show job (empty when the job is gone).
 job_field() { scontrol -o show job "$1" 2>/dev/null | grep -oE "(^| )$2=[^ ]*" | head -1 | sed 's/^ *[^=]*=//'; }
-# compare_losses REF GOT K: the losses of the metrics file GOT (a run preempted at step K and resumed)
-# against REF (uninterrupted) at every step REF logged, relative difference <= 1e-5. GOT may have
-# two more rows: step K (logged at the preemption) and K + 1 (the first step after the resume).
+# compare_losses REF GOT K [bitwise]: the losses of the metrics file GOT (a run preempted at step K and
+# resumed) against REF (uninterrupted) at every step REF logged, relative difference <= 1e-5 (with
+# 'bitwise': equal). GOT may have two more rows: step K (logged at the preemption) and K + 1 (the
+# first step after the resume).
 compare_losses() {
   "$PY" - "$@" <<'PY'
 import json, sys
@@ -226,6 +233,7 @@ got = {s: got[s] for s in ref}
 n = len(ref)
 worst = max(abs(ref[s] - got[s]) / abs(ref[s]) for s in ref)
 assert worst <= 1e-5, f"losses deviate from the uninterrupted run: worst relative difference {worst:.2e}"
+assert len(sys.argv) < 5 or ref == got, f"losses not bitwise equal to the uninterrupted run's: worst relative difference {worst:.2e}"
 print(f"{n} logged losses {'bitwise equal to' if ref == got else f'within {worst:.1e} of'} the uninterrupted run")
 PY
 }
@@ -330,7 +338,8 @@ PY
 s_cpu_srun() { cpu srun; }
 s_cpu_mpirun() { cpu mpirun; }
 
-# preempt NAME STEPS HOW REF: HOW is scancel (srun; USR1 to the batch shell after step 5), timer
+# preempt NAME STEPS HOW REF: HOW is scancel (srun; USR1 to the batch shell once the save of step
+# CKPT_EVERY is writing), term (as scancel with LAUNCHER=mpirun and `scancel --signal=TERM --full`), timer
 # (LAUNCHER=mpirun, --signal=B:USR1@30 from the controller, to the batch shell) or ranks (srun,
 # --signal=USR1@30 from the controller, to the ranks: the scripts' default). Compares the losses with
 # the uninterrupted run in submit directory REF (submitted here when REF is NAME-ref).
@@ -343,7 +352,12 @@ CKPT_EVERY=100 WRITE_DELAY_MS=3000
 preempt() {
   local name=$1 steps=$2 how=$3 refdir=$S/sub/$4 i k
   local args=(jobs/small-test.ini --steps "$steps" --eval-every 0)
-  if [ "$how" = scancel ]; then
+  # scancel and term: a signal sent by the test, with a background save in flight.
+  local sent=0
+  [ "$how" != scancel ] && [ "$how" != term ] || sent=1
+  local ref_env=()
+  [ "$how" != term ] || ref_env=(LAUNCHER=mpirun)
+  if [ "$sent" = 1 ]; then
     args+=(--log-every 1 --checkpoint-every "$CKPT_EVERY")
   else
     args+=(--log-every 10 --checkpoint-every 0)
@@ -353,15 +367,15 @@ preempt() {
     # --time=30: the script's own --signal=USR1@120 must not preempt it, and with COMMON's 5 minutes
     # it did, on a loaded machine where 3000 steps took longer than 3 minutes.
     subdir "$name-ref"
-    sb -o "$SUB/job.out" -w n2 --ntasks-per-node=2 "${COMMON[@]}" --time=30 jobs/train-cpu.sbatch "${args[@]}" >"$SUB/job.id.tmp" ||
+    env "${ref_env[@]}" sbatch --parsable -o "$SUB/job.out" -w n2 --ntasks-per-node=2 "${COMMON[@]}" --time=30 jobs/train-cpu.sbatch "${args[@]}" >"$SUB/job.id.tmp" ||
       fail "sbatch of the reference run failed"
     mv "$SUB/job.id.tmp" "$SUB/job.id"
   fi
   subdir "$name"
   local out=$SUB/job.out opts=(--ntasks-per-node=2 --cpus-per-task=1) envs=()
-  if [ "$how" = scancel ]; then
+  if [ "$sent" = 1 ]; then
     opts+=(-w n2 --time=30)  # only scancel preempts it
-    envs=(SHARDTRAIN_TEST_CHECKPOINT_WRITE_DELAY_MS="$WRITE_DELAY_MS")
+    envs=(SHARDTRAIN_TEST_CHECKPOINT_WRITE_DELAY_MS="$WRITE_DELAY_MS" "${ref_env[@]}")
   else
     # When does the controller check time limits? A probe job that only waits for the warning.
     local probe=$S/probe-$name.t
@@ -398,7 +412,7 @@ preempt() {
   done
   [ -n "$job" ] || fail "sbatch printed no job id"
   local m=checkpoints/small-test/metrics.jsonl
-  if [ "$how" = scancel ]; then
+  if [ "$sent" = 1 ]; then
     # The job may wait in the queue behind the other scenarios' jobs on n2 (long on a loaded
     # machine): the 60 s for its first steps count from its start, not from its submission.
     for ((i = 0; i < QUEUE_S * 10; i++)); do
@@ -414,8 +428,10 @@ preempt() {
       sleep 0.1
     done
     grep -qE "$snap" "$out" || { show "$out"; fail "job $job: no background save of step $CKPT_EVERY 60 s after it started"; }
-    scancel --signal=USR1 --batch "$job" || fail "scancel --signal=USR1 --batch $job failed"
-    echo "job $job: scancel --signal=USR1 --batch at step $(grep -c '"loss"' "$m"), the save of step $CKPT_EVERY writing in the background"
+    local sig=(--signal=USR1 --batch)
+    [ "$how" != term ] || sig=(--signal=TERM --full)
+    scancel "${sig[@]}" "$job" || fail "scancel ${sig[*]} $job failed"
+    echo "job $job: scancel ${sig[*]} at step $(grep -c '"loss"' "$m"), the save of step $CKPT_EVERY writing in the background"
   fi
   # The script requeues the job after the checkpoint exit; it then waits for its BeginTime.
   local state restarts
@@ -430,7 +446,15 @@ preempt() {
     show "$out"
     fail "job $job was not requeued (state '$state', restarts '$restarts')"
   fi
-  if [ "$how" = ranks ]; then
+  if [ "$how" = term ]; then
+    # The process group of the batch shell: the shell and mpirun, which has SIGTERM blocked; the
+    # shell passes it to mpirun as SIGUSR1; mpirun ends when its ranks do, with their status 75.
+    expect "$out" "^shardtrain-job: mpirun runs with SIGTERM blocked" "mpirun was not started with SIGTERM blocked"
+    expect "$out" "^shardtrain-job: batch shell got SIGTERM; forwarding it to mpirun as SIGUSR1" "the batch shell did not get SIGTERM"
+    expect "$out" "^mpirun: Forwarding signal 10 to job" "mpirun did not forward SIGUSR1 to the ranks"
+    expect "$out" "^  Exit code: +75$" "mpirun did not report the ranks' exit code 75"
+    ! grep -qiE "exited on signal|killed|Abort is in progress" "$out" || { show "$out"; fail "a rank was killed or mpirun aborted the job"; }
+  elif [ "$how" = ranks ]; then
     # Straight to the ranks (the job step), not to the batch shell.
     ! grep -q "batch shell got SIGUSR1" "$out" || fail "--signal=USR1@30 (no B:) reached the batch shell"
     expect "$out" "^shardtrain: stop requested by a signal" "the ranks did not get SIGUSR1"
@@ -440,7 +464,8 @@ preempt() {
   expect "$out" "preempted \(exit status 75\)" "no checkpoint exit 75"
   expect "$out" "requeueing job $job: scontrol requeue $job" "the script did not requeue the job"
   local what="USR1 -> checkpoint"
-  if [ "$how" = scancel ]; then
+  [ "$how" != term ] || what="TERM to the batch shell and mpirun -> USR1 to the ranks -> checkpoint"
+  if [ "$sent" = 1 ]; then
     # The ranks saw the delay; the preemption (at step kp) found a background write (of step kw) in
     # flight and waited for it: the line of that write, reported at step kp. Then kw and kp were both
     # published, latest names kp, no .tmp is left (the job is PENDING now: nothing writes there).
@@ -457,14 +482,14 @@ preempt() {
     [ "$(cat "$ck/latest")" = "$(printf 'step_%08d.h5' "$kp")" ] || fail "after the preemption latest is '$(cat "$ck/latest")', expected step $kp"
     [ -f "$(printf '%s/step_%08d.h5' "$ck" "$kw")" ] || fail "the background write of step $kw in flight at the preemption was not published"
     [ -z "$(find "$ck" -maxdepth 1 -name '*.tmp')" ] || fail "a temporary checkpoint file was left: $(ls -a "$ck")"
-    what="USR1 at step $kp with the background write of step $kw in flight (steps $((kw + 1))-$kp ran during it)"
+    what="${sig[*]#--signal=} at step $kp with the background write of step $kw in flight (steps $((kw + 1))-$kp ran during it)"
     what+=" -> the checkpoint waited $(echo "$line" | grep -oE 'waited [0-9.]+ s' | cut -d' ' -f2) s for it, then saved step $kp (both published)"
   fi
   # Not StartTime=now: slurmd revoked the first run's credential moments ago, in whole seconds, and
   # rejects a new one issued in the same second ("Job credential revoked": the job then ends with
   # exit code 1 and is not started again). Slurm's own delay (about 2 minutes) avoids that.
   local upd=(StartTime=now+2)
-  [ "$how" = scancel ] || upd+=(TimeLimit=30)  # not warned again, however slow the machine
+  [ "$sent" = 1 ] || upd+=(TimeLimit=30)  # not warned again, however slow the machine
   scontrol update JobId="$job" "${upd[@]}" || fail "scontrol update JobId=$job ${upd[*]} failed"
   local rc=0
   wait "$wpid" || rc=$?
@@ -473,7 +498,7 @@ preempt() {
   expect "$out" "^resumed from 'checkpoints/small-test/step_[0-9]+\.h5' at step [0-9]+" "the rerun did not resume"
   k=$(grep -oE "^resumed from 'checkpoints/small-test/step_[0-9]+\.h5' at step [0-9]+" "$out" | grep -oE '[0-9]+$')
   { [ "$k" -ge 1 ] && [ "$k" -lt "$steps" ]; } || fail "resumed at step $k, expected between 1 and $((steps - 1))"
-  [ "$how" != scancel ] || [ "$k" = "$kp" ] || fail "resumed at step $k, not at the preemption save's step $kp"
+  [ "$sent" = 0 ] || [ "$k" = "$kp" ] || fail "resumed at step $k, not at the preemption save's step $kp"
   [ "$(grep -c '^shardtrain-job: training finished' "$out")" = 1 ] || fail "training did not finish once"
   # The reference job, and the losses.
   for ((i = 0; i < 100; i++)); do
@@ -490,11 +515,14 @@ preempt() {
   done
   grep -q "^shardtrain-job: training finished" job.out || { show "$refdir/job.out"; fail "reference job $ref did not finish"; }
   local cmp
-  cmp=$(compare_losses "$refdir/$m" "$S/sub/$name/$m" "$k" 2>&1) || { echo "$cmp"; fail "losses"; }
+  local exact=()
+  [ "$how" != term ] || exact=(bitwise)
+  cmp=$(compare_losses "$refdir/$m" "$S/sub/$name/$m" "$k" "${exact[@]}" 2>&1) || { echo "$cmp"; fail "losses"; }
   echo "job $job ($(grep -oE 'launching: [a-z]+' "$out" | head -1 | cut -d' ' -f2)): $what, exit 75, scontrol requeue;" \
     "rerun with SLURM_RESTART_COUNT=1 resumed at step $k, exit 0; $cmp (job $ref)"
 }
 s_preempt_scancel() { preempt preempt-scancel 300 scancel preempt-scancel-ref; }
+s_preempt_mpirun() { preempt preempt-mpirun 300 term preempt-mpirun-ref; }
 s_preempt_timer() { preempt preempt-timer 3000 timer preempt-timer-ref; }
 s_preempt_ranks() { preempt preempt-ranks 3000 ranks preempt-timer-ref; }
 
@@ -642,11 +670,11 @@ for ((round = 1; round <= REPEAT; round++)); do
     run_bg misuse
     wait_file "$S/misuse.queued"
   fi
-  for c in preempt-timer preempt-ranks cpu-srun cpu-mpirun preempt-scancel pipeline array; do
+  for c in preempt-timer preempt-ranks cpu-srun cpu-mpirun preempt-scancel preempt-mpirun pipeline array; do
     ! selected "$c" || run_bg "$c"
   done
   round_failed=0
-  for c in multinode cpu-srun cpu-mpirun preempt-scancel preempt-timer preempt-ranks pipeline array misuse; do
+  for c in multinode cpu-srun cpu-mpirun preempt-scancel preempt-mpirun preempt-timer preempt-ranks pipeline array misuse; do
     selected "$c" || continue
     rc=0
     wait "${PID_OF[$c]}" || rc=$?
