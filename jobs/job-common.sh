@@ -247,40 +247,47 @@ st_show() {
   printf '%s\n' "${s% }"
 }
 
-# SIGTERM and Open MPI's mpirun (4.1; the reason for st_sigblock and st_term_pending below). mpirun
-# treats SIGTERM (like SIGINT and SIGHUP) as "abort the job": it sends its ranks SIGCONT, SIGTERM and,
-# odls_base_sigkill_timeout (1 s) later, SIGKILL, and exits 1 after about 2 s, while the ranks are
-# still writing their preemption checkpoint. Open MPI offers no way to forward SIGTERM instead
-# (ess_base_forward_signals refuses SIGTERM, SIGINT and SIGHUP); it forwards SIGUSR1 and SIGUSR2,
-# and shardtrain treats SIGUSR1 as it treats SIGTERM (save the step, exit 75). And a SIGTERM does
-# reach mpirun at a preemption: Slurm 22.05's `scancel --full` (and the batch step's share of a
-# cancel, a preemption without GraceTime or `scontrol requeue`) signals the batch shell's process
-# group or all the batch step's processes, mpirun included; mpirun puts each local rank in a process
-# group of its own, so `scancel --signal=TERM --full` does not reach the ranks at all.
-# So the scripts start mpirun with SIGTERM blocked (st_sigblock: `env --block-signal=TERM`, coreutils
-# >= 8.31, else perl): mpirun's own handler never runs, the signal stays pending in it. Blocked
-# signals are inherited through exec, but Open MPI unblocks every signal in each rank it starts, so a
-# SIGTERM that reaches the ranks (a cancel signals every process of the step) still makes them save.
-# The batch shell turns a SIGTERM into the SIGUSR1 that mpirun forwards: its own (its trap), or one
-# sent to mpirun alone (`kill` of the launcher; st_run sees it pending in /proc/PID/status, checked
-# every second). Without either tool (a warning) mpirun keeps Open MPI's behaviour.
-# Not covered: on several nodes mpirun starts its daemons (orted) with srun, and an srun that gets
-# SIGTERM (every process of the batch step does at a cancel) kills its tasks, those daemons, with
-# SIGKILL, and their ranks with them. srun as the launcher does the same to the ranks themselves.
-# Preemption with the time to save: `--signal=B:USR1@...` (the time limit) and, at a site's
-# preemption, PreemptParameters=send_user_signal with GraceTime (SIGUSR1 to the batch shell first).
+# SIGTERM and Open MPI's mpirun (LAUNCHER=mpirun; Open MPI 4.1, Slurm 22.05; README.md, "Preemption
+# and requeue"). mpirun treats SIGTERM (like SIGINT and SIGHUP) as "abort the job": it sends its ranks
+# SIGCONT, SIGTERM and SIGKILL, odls_base_sigkill_timeout (1 s) apart, and exits 1 about 2 s after the
+# signal, while the ranks are still writing their preemption checkpoint. It cannot be told to
+# forward SIGTERM instead (ess_base_forward_signals refuses SIGTERM, SIGINT and SIGHUP); it forwards
+# SIGUSR1 and SIGUSR2, and shardtrain treats SIGUSR1 as SIGTERM (save the step, exit 75). Its daemons
+# on other nodes (orted, started by srun as step 0) end their ranks the same way on SIGTERM.
+# Where a SIGTERM reaches mpirun: `scancel --signal=TERM --full` signals the batch shell's process
+# group, i.e. the shell and mpirun, but not the ranks (mpirun gives each rank a process group of its
+# own) nor orted; a cancel (scancel without --signal, a preemption without GraceTime, `scontrol
+# requeue`, the end of a GraceTime) sends SIGTERM to every process of every step (orted and all ranks
+# included) and SIGKILL KillWait seconds later; a user may `kill` mpirun.
+# So mpirun starts with SIGTERM blocked (jobs/sigterm-blocked: `env --block-signal=TERM`, else perl),
+# and it starts orted so too (orte_launch_agent): their handlers never run, the signal stays pending.
+# A blocked signal is inherited through exec, but Open MPI unblocks every signal in the ranks it
+# starts, so a SIGTERM sent to the ranks still makes them save. The batch shell turns a SIGTERM into
+# the SIGUSR1 that mpirun forwards to every rank: its own (the trap in st_run) or one pending in
+# mpirun (st_term_pending, checked every second: a `kill` of mpirun alone).
+# Left as it is: at a cancel, the srun that started orted gets SIGTERM too and asks Slurm to SIGKILL
+# its tasks (Slurm's srun does that on SIGTERM); slurmstepd delivers that SIGKILL after the KillWait
+# of the cancel in progress, so the ranks save in time, but mpirun may not return their 75 before it
+# is killed (a multi-node job then shows no "preempted" line; the checkpoint is published, and
+# Slurm requeues the job itself at a PreemptMode=REQUEUE preemption).
 
-# st_sigblock: sets ST_SIGBLOCK to a command prefix that runs its arguments with SIGTERM blocked
-# (empty, with a warning, when neither env --block-signal nor perl can).
+# st_sigblock: sets ST_SIGBLOCK to the command prefix that starts mpirun with SIGTERM blocked and has
+# it start its daemons on other nodes (orted, through srun) so too: jobs/sigterm-blocked, and that as
+# Open MPI's orte_launch_agent (unless the user set one). Empty, with a warning, when that cannot run.
 st_sigblock() {
   ST_SIGBLOCK=()
-  if env --block-signal=TERM true 2>/dev/null; then
-    ST_SIGBLOCK=(env --block-signal=TERM)
-  elif command -v perl >/dev/null 2>&1 && perl -MPOSIX -e 'exit 0' 2>/dev/null; then
-    # shellcheck disable=SC2016 # perl's variables
-    ST_SIGBLOCK=(perl -MPOSIX -e 'sigprocmask(SIG_BLOCK, POSIX::SigSet->new(SIGTERM)) or die "sigprocmask: $!\n"; exec { $ARGV[0] } @ARGV or die "exec $ARGV[0]: $!\n"')
+  local blk=$ST_ROOT/jobs/sigterm-blocked
+  if ! "$blk" true 2>/dev/null; then
+    st_note "warning: '$blk' cannot block SIGTERM here (no 'env --block-signal', coreutils >= 8.31, and no perl): a SIGTERM to mpirun ends the ranks without a preemption save (send SIGUSR1 instead)"
+    return 0
+  fi
+  ST_SIGBLOCK=("$blk")
+  if [ -n "${OMPI_MCA_orte_launch_agent:-}" ] || [[ " ${MPIRUN_ARGS:-} " == *orte_launch_agent* ]]; then
+    st_note "note: orte_launch_agent is set: mpirun's daemons on other nodes keep SIGTERM (a SIGTERM to them ends their ranks)"
+  elif [[ $blk == *" "* ]]; then
+    st_note "note: '$blk' has a space (Open MPI splits orte_launch_agent on spaces): mpirun's daemons on other nodes keep SIGTERM"
   else
-    st_note "warning: neither 'env --block-signal' (coreutils >= 8.31) nor perl: mpirun keeps SIGTERM, which ends the ranks without a preemption save (send SIGUSR1, or SIGTERM to the ranks)"
+    ST_SIGBLOCK=(env "OMPI_MCA_orte_launch_agent=$blk orted" "$blk")
   fi
 }
 
@@ -321,7 +328,7 @@ st_run() {
     mpirun=1
     st_sigblock
     pre=("${ST_SIGBLOCK[@]}")
-    [ ${#pre[@]} -eq 0 ] || st_note "mpirun runs with SIGTERM blocked (${pre[0]}${pre[1]:+ ${pre[1]}}); a SIGTERM to this shell or to mpirun is passed to the ranks as SIGUSR1"
+    [ ${#pre[@]} -eq 0 ] || st_note "mpirun runs with SIGTERM blocked (jobs/sigterm-blocked), and its daemons on other nodes too; a SIGTERM to this shell or to mpirun is passed to the ranks as SIGUSR1"
   fi
   if [ "$mpirun" = 1 ] && [ ${#pre[@]} -gt 0 ]; then
     trap 'ST_SIGNALED=1; st_note "batch shell got SIGTERM; forwarding it to mpirun as SIGUSR1"; st_usr1_launcher' TERM
