@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 source "$(dirname "$0")/common.sh"
 # The Slurm job scripts in jobs/, run under plain bash with the variables Slurm sets in a job.
-#  * shellcheck (every finding fails, style included) on jobs/*.sbatch, jobs/job-common.sh, this script,
+#  * shellcheck (every finding fails, style included) on jobs/*.sbatch, jobs/job-common.sh,
+#    jobs/sigterm-blocked (which must block SIGTERM, and only it, in its command), this script,
 #    tests/jobs/run.sh and tests/slurm/*.sh; every #SBATCH line has a comment line above it; the training scripts
 #    request --signal=USR1@120 and --requeue, export.sbatch --ntasks=1, train-gpu.sbatch one GPU a task.
 #  * tests/slurm/run.sh without Slurm on PATH: skipped (77); with SLURM_TEST_REQUIRE=1 a failure (1).
@@ -28,10 +29,22 @@ done < <(compgen -e)
 
 # ---- 1. Static checks ----
 command -v shellcheck >/dev/null || fail "shellcheck is not installed (make deps installs it)"
-LINT=("$JOBS"/*.sbatch "$JOBS"/job-common.sh "$ROOT/tests/e2e/test_jobs_scripts.sh" "$ROOT/tests/jobs/run.sh"
+LINT=("$JOBS"/*.sbatch "$JOBS"/job-common.sh "$JOBS"/sigterm-blocked "$ROOT/tests/e2e/test_jobs_scripts.sh" "$ROOT/tests/jobs/run.sh"
   "$ROOT/tests/slurm/run.sh" "$ROOT/tests/slurm/cluster.sh")
 shellcheck -x -P SCRIPTDIR "${LINT[@]}" >"$WORK/shellcheck.log" 2>&1 || { cat "$WORK/shellcheck.log"; fail "shellcheck reports findings"; }
 echo "ok: shellcheck finds nothing (any severity) in ${#LINT[@]} scripts: ${LINT[*]#"$ROOT"/}"
+
+# jobs/sigterm-blocked (mpirun's and orted's wrapper, job-common.sh "SIGTERM and Open MPI's mpirun"):
+# the command runs with SIGTERM (signal 15, bit 14) blocked, as the kernel reports it, and nothing
+# else; its arguments and exit status pass through.
+# (grep itself reads the mask: dash unblocks signals in the children it forks.)
+blk=$("$JOBS/sigterm-blocked" grep "^SigBlk:" /proc/self/status) || fail "sigterm-blocked grep failed"
+blk=${blk##*[[:space:]]}
+[ "$((0x$blk))" -eq $((1 << 14)) ] || fail "sigterm-blocked: SigBlk $blk, expected only SIGTERM (0000000000004000)"
+rc=0
+"$JOBS/sigterm-blocked" sh -c 'exit 7' || rc=$?
+[ "$rc" -eq 7 ] || fail "sigterm-blocked returned $rc for the command's status 7"
+echo "ok: jobs/sigterm-blocked runs its command with SIGTERM blocked (SigBlk $blk), status passed through"
 
 for s in "${SCRIPTS[@]}"; do
   f=$JOBS/$s
