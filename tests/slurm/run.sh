@@ -32,7 +32,8 @@
 #      gives each its own group). mpirun runs with SIGTERM blocked, the batch shell forwards SIGUSR1
 #      to it (jobs/job-common.sh, "SIGTERM and Open MPI's mpirun"), and the ranks save the step in
 #      progress and exit 75 (mpirun's report: the first rank's exit code 75, no rank killed by a
-#      signal); its own uninterrupted reference (LAUNCHER=mpirun); the losses must be bitwise equal.
+#      signal); the losses must be bitwise equal to preempt-scancel's uninterrupted (srun) job's, or,
+#      when preempt-scancel is not selected, to its own (LAUNCHER=mpirun).
 #  (4) pipeline: train-cpu.sbatch, then export.sbatch with --dependency=afterok:JOB, submitted at
 #      once; the export runs after the training and exports step 40; transformers loads it (no missing
 #      or unexpected weights) and its logits match shardtrain's --dump-logits within 1e-4.
@@ -522,7 +523,13 @@ preempt() {
     "rerun with SLURM_RESTART_COUNT=1 resumed at step $k, exit 0; $cmp (job $ref)"
 }
 s_preempt_scancel() { preempt preempt-scancel 300 scancel preempt-scancel-ref; }
-s_preempt_mpirun() { preempt preempt-mpirun 300 term preempt-mpirun-ref; }
+# Its reference: preempt-scancel's uninterrupted srun job (the same options) when that scenario runs
+# (one 300-step job less on n2; the losses do not depend on the launcher), else its own (mpirun).
+s_preempt_mpirun() {
+  local ref=preempt-mpirun-ref
+  ! selected preempt-scancel || ref=preempt-scancel-ref
+  preempt preempt-mpirun 300 term "$ref"
+}
 s_preempt_timer() { preempt preempt-timer 3000 timer preempt-timer-ref; }
 s_preempt_ranks() { preempt preempt-ranks 3000 ranks preempt-timer-ref; }
 
