@@ -278,7 +278,7 @@ st_sigblock() {
   ST_SIGBLOCK=()
   local blk=$ST_ROOT/jobs/sigterm-blocked
   if ! "$blk" true 2>/dev/null; then
-    st_note "warning: '$blk' cannot block SIGTERM here (no 'env --block-signal', coreutils >= 8.31, and no perl): a SIGTERM to mpirun ends the ranks without a preemption save (send SIGUSR1 instead)"
+    st_note "warning: '$blk' failed (missing, or neither 'env --block-signal' of coreutils >= 8.31 nor perl here): a SIGTERM to mpirun ends the ranks without a preemption save (send SIGUSR1 instead)"
     return 0
   fi
   ST_SIGBLOCK=("$blk")
@@ -328,7 +328,9 @@ st_run() {
     mpirun=1
     st_sigblock
     pre=("${ST_SIGBLOCK[@]}")
-    [ ${#pre[@]} -eq 0 ] || st_note "mpirun runs with SIGTERM blocked (jobs/sigterm-blocked), and its daemons on other nodes too; a SIGTERM to this shell or to mpirun is passed to the ranks as SIGUSR1"
+    local also=
+    [ "${pre[0]:-}" != env ] || also=", and its daemons on other nodes too"
+    [ ${#pre[@]} -eq 0 ] || st_note "mpirun runs with SIGTERM blocked (jobs/sigterm-blocked)$also; a SIGTERM to this shell or to mpirun is passed to the ranks as SIGUSR1"
   fi
   if [ "$mpirun" = 1 ] && [ ${#pre[@]} -gt 0 ]; then
     trap 'ST_SIGNALED=1; st_note "batch shell got SIGTERM; forwarding it to mpirun as SIGUSR1"; st_usr1_launcher' TERM
