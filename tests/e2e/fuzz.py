@@ -13,10 +13,22 @@ Outcome of a case: exit 0 ("accepted"), or exit 1 with a line starting "shardtra
 ("refused"); anything else (a signal, another status, a refusal without the error line, a
 timeout) is a failure, and its input, command and output are kept under OUT/failures/ for
 reproduction. Cases are numbered; case i of target t uses its own random.Random(f"{seed}-{t}-{i}"),
-so any single case can be rerun (--targets t --first i --cases 1). Standard library only.
-Exit status 0 iff no case failed; the last line reads "fuzz: N cases, A accepted, R refused, F failed".
+so any single case can be rerun (--targets t --first i --cases 1); no state is shared between cases
+(the values the mutators hand out are copies), so a case's input does not depend on those before it.
+Standard library only.
+
+An error of the harness itself (an exception in a mutator or in its file handling) is no failure of
+shardtrain: it is printed as "fuzz harness error (not a shardtrain failure): ..." with the seed,
+target, case and the command that reruns it, and the other cases still run. The summary gives, per
+target, the cases run, accepted, refused, failed (shardtrain) and harness errors; the last line
+reads "fuzz: N cases, A accepted, R refused, F failed, H harness errors in T s (...)". Exit status:
+0 when every case was accepted or refused; bit 0 (1) set when shardtrain failed a case, bit 1 (2)
+when the harness failed (2 also for an error outside the cases, and for bad arguments).
+
+fuzz.py --self-test [SEEDS] checks the harness alone (no case runs; see self_test()).
 """
 import argparse
+import copy
 import json
 import os
 import random
@@ -26,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 
 INTERESTING_INTS = [0, 1, -1, 2**7, 2**8 - 1, 2**15, 2**16, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**62, 2**63 - 1,
@@ -33,6 +46,13 @@ INTERESTING_INTS = [0, 1, -1, 2**7, 2**8 - 1, 2**15, 2**16, 2**31 - 1, 2**31, 2*
 INTERESTING_VALUES = [0, -1, 1, 2**31, 2**32 + 64, 2**62, 2**63 - 1, 2**64 - 1, -(2**63), 1e308, -1.5, None, True,
                       "", "x", "/etc/passwd", "../../../../etc/passwd", "a/../../b", "model.safetensors", "\u0000",
                       "F32", "BF16", "I64", [], {}, [2**62, 4], [-1, 4], [0, 2**64 - 1], [[[[[]]]]], "a" * 5000]
+
+
+def interesting_value(rng):
+    """A fresh copy of one of INTERESTING_VALUES. Never the list's own object: a later edit of the
+    case would change it for every case after (issue 53: a list appended into itself, json.dumps
+    then failed with 'Circular reference detected', and cases depended on those run before)."""
+    return copy.deepcopy(rng.choice(INTERESTING_VALUES))
 
 
 # ---- mutations -------------------------------------------------------------------------------------
@@ -94,7 +114,7 @@ def mutate_json_value(rng, v, depth=0):
         return v
     if isinstance(v, (int, float)) and not isinstance(v, bool) and rng.random() < 0.3:
         return v + rng.choice([-1, 1, 2**32])
-    return rng.choice(INTERESTING_VALUES)
+    return interesting_value(rng)
 
 
 def mutate_json(rng, b):
@@ -276,11 +296,96 @@ def run_case(args, name, spec, i):
         shutil.rmtree(case, ignore_errors=True)
 
 
+def run_case_guarded(args, name, spec, i):
+    """run_case, an exception of the harness itself (not of shardtrain) turned into outcome
+    "harness" with its traceback, so that the cases after it still run."""
+    try:
+        return run_case(args, name, spec, i)
+    except Exception:
+        return name, i, "harness", traceback.format_exc()
+
+
+# ---- self-test of the harness (issue 53) ----------------------------------------------------------
+SAMPLE_JSON = [  # small documents of the shapes the JSON targets read (config, index, tokenizer.json)
+    b'{"vocab_size": 512, "hidden_size": 16, "num_hidden_layers": 1, "rope_theta": 10000.0, "eos_token_id": [1, 2],'
+    b' "rope_scaling": {"factor": 8.0, "rope_type": "llama3"}, "tie_word_embeddings": false, "x": null}',
+    b'{"metadata": {"total_size": 4096}, "weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors",'
+    b' "lm_head.weight": "model-00002-of-00002.safetensors"}}',
+    b'{"version": "1.0", "added_tokens": [{"id": 0, "content": "<s>", "special": true}], "model": {"type": "BPE",'
+    b' "vocab": {"a": 0, "b": 1, "ab": 2}, "merges": [["a", "b"], [[], [[]]]]}, "pre_tokenizer": null}',
+    b'[[[1, 2], [3]], [], {"a": [[], {}]}, "s", 1.5]',
+]
+
+
+def containers(v):
+    """Every list and dict in `v` (parsed JSON), each once (a shared one is met once)."""
+    seen, stack, out = set(), [v], []
+    while stack:
+        x = stack.pop()
+        if isinstance(x, (list, dict)) and id(x) not in seen:
+            seen.add(id(x))
+            out.append(x)
+            stack.extend(x.values() if isinstance(x, dict) else x)
+    return out
+
+
+def self_test(seeds=None, cases=400):
+    """The harness's own check, run by test_fuzz.sh before any case: the JSON and safetensors
+    mutators, applied `cases` times to each sample (and seed, when SEEDS is given) with fixed seeds,
+    never raise, return bytes, hand out no object of INTERESTING_VALUES (each value in a mutated
+    tree is a copy) and leave INTERESTING_VALUES unchanged; a case's bytes do not depend on the cases
+    run before it (forward and reverse order agree). Raises AssertionError on the first violation."""
+    snapshot = repr(INTERESTING_VALUES)
+    shared = {id(x) for x in containers(INTERESTING_VALUES)}
+    docs = [(f"sample{k}", b, mutate_json) for k, b in enumerate(SAMPLE_JSON)]
+    for rel, mutate in (("hf_single/config.json", mutate_json), ("hf_single/tokenizer.json", mutate_json),
+                        ("hf_sharded/model.safetensors.index.json", mutate_json),
+                        ("hf_single/model.safetensors", mutate_safetensors)):
+        if seeds:
+            docs.append((rel, open(os.path.join(seeds, rel), "rb").read(), mutate))
+    for name, b, mutate in docs:
+        if mutate is mutate_json:  # the edits of the parsed value, as mutate_json makes them (twice)
+            for i in range(cases):
+                rng, v = random.Random(f"self-test-{name}-{i}-tree"), json.loads(b)
+                for _ in range(2):
+                    v = mutate_json_value(rng, v)
+                    hit = [x for x in containers(v) if id(x) in shared]
+                    assert not hit, f"{name} case {i}: mutate_json_value handed out INTERESTING_VALUES' own {hit[0]!r:.80}"
+                json.dumps(v)  # the issue's failure: 'Circular reference detected'
+        outs = {}
+        for i in list(range(cases)) + list(reversed(range(cases))):
+            try:
+                out = mutate(random.Random(f"self-test-{name}-{i}"), b)
+            except Exception as e:
+                raise AssertionError(f"{name} case {i}: {mutate.__name__} raised {type(e).__name__}: {e}") from e
+            assert isinstance(out, bytes), f"{name} case {i}: {mutate.__name__} returned {type(out).__name__}"
+            assert outs.setdefault(i, out) == out, f"{name} case {i}: its bytes depend on the cases run before it"
+        assert repr(INTERESTING_VALUES) == snapshot, f"INTERESTING_VALUES changed by the mutations of {name}"
+    # A mutator that raises makes a harness error of its case, not a failure, and no exception.
+    with tempfile.TemporaryDirectory() as tmp:
+        open(os.path.join(tmp, "seed.json"), "wb").write(SAMPLE_JSON[0])
+
+        def broken(rng, b):
+            raise ValueError("Circular reference detected")
+        args = argparse.Namespace(seed="self-test", seeds=tmp, tmp=tmp, out=tmp)
+        spec = ([("x", "seed.json")], broken, lambda rng, d, f: [["true"]], False)
+        _, _, outcome, log = run_case_guarded(args, "x", spec, 0)
+        assert outcome == "harness" and "Circular reference" in log, f"a mutator's exception gave {outcome!r}"
+    print(f"fuzz self-test: ok ({len(docs)} documents x {cases} cases, forward and reverse)")
+
+
+def rerun_command(args, name, i):
+    return (f"{sys.executable} {os.path.abspath(__file__)} {args.bin} {args.seeds} {args.out} --seed {args.seed} "
+            f"--targets {name} --first {i} --cases 1")
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("bin")
-    ap.add_argument("seeds")
-    ap.add_argument("out")
+    ap.add_argument("bin", nargs="?")
+    ap.add_argument("seeds", nargs="?")
+    ap.add_argument("out", nargs="?")
+    ap.add_argument("--self-test", nargs="?", const="", metavar="SEEDS",
+                    help="check the harness itself (on samples, and the seeds of SEEDS when given), run no case")
     ap.add_argument("--cases", type=int, default=int(os.environ.get("FUZZ_CASES", "0")) or None,
                     help="cases in all, spread over the targets (default: 40 per target)")
     ap.add_argument("--first", type=int, default=0, help="number of the first case of each target")
@@ -291,6 +396,12 @@ def main():
     ap.add_argument("--timeout", type=float, default=60)
     ap.add_argument("--as-kib", type=int, default=4_000_000, help="address space limit of each command (ulimit -v, KiB)")
     args = ap.parse_args()
+    if args.self_test is not None:
+        self_test(args.self_test or None)
+        return 0
+    if not args.out:
+        ap.error("BIN, SEEDS and OUT are required (or --self-test)")
+    args.bin = os.path.abspath(args.bin)
     args.seeds = os.path.abspath(args.seeds)
     args.out = os.path.abspath(args.out)
     os.makedirs(args.out, exist_ok=True)
@@ -298,15 +409,16 @@ def main():
     args.env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                     OMPI_MCA_rmaps_base_oversubscribe="1", OMPI_MCA_btl_vader_single_copy_mechanism="none",
                     OMPI_MCA_odls_base_sigkill_timeout="0", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-    ts = targets(os.path.abspath(args.bin), args.seeds, args.np2)
+    ts = targets(args.bin, args.seeds, args.np2)
     names = [t for t in ts if not args.targets or t in args.targets.split(",")]
     per = max(1, (args.cases + len(names) - 1) // len(names)) if args.cases else 40
     work = [(n, i) for i in range(args.first, args.first + per) for n in names]
     t0 = time.time()
-    counts = {n: {"accepted": 0, "refused": 0, "failed": 0} for n in names}
-    failed = []
+    kinds = ("accepted", "refused", "failed", "harness")
+    counts = {n: dict.fromkeys(kinds, 0) for n in names}
+    failed, harness = [], []
     with ThreadPoolExecutor(args.jobs) as ex:
-        for name, i, outcome, log in ex.map(lambda w: run_case(args, w[0], ts[w[0]], w[1]), work):
+        for name, i, outcome, log in ex.map(lambda w: run_case_guarded(args, w[0], ts[w[0]], w[1]), work):
             counts[name][outcome] += 1
             done = sum(sum(c.values()) for c in counts.values())
             if done % 250 == 0:
@@ -315,15 +427,30 @@ def main():
             if outcome == "failed":
                 failed.append(f"{name}-{i}")
                 print(f"FAILED {name} case {i}: input and log in {args.out}/failures/{name}-{i}\n{log[-2000:]}", flush=True)
+            elif outcome == "harness":
+                harness.append(f"{name}-{i}")
+                print(f"fuzz harness error (not a shardtrain failure): target {name} case {i} (seed {args.seed}): "
+                      f"{log.strip().splitlines()[-1]}\n{log}rerun: {rerun_command(args, name, i)}", flush=True)
     shutil.rmtree(args.tmp, ignore_errors=True)
     for n in names:
         c = counts[n]
-        print(f"  {n:14s} {sum(c.values()):5d} cases: {c['accepted']} accepted, {c['refused']} refused, {c['failed']} failed")
-    tot = {k: sum(c[k] for c in counts.values()) for k in ("accepted", "refused", "failed")}
-    print(f"fuzz: {len(work)} cases, {tot['accepted']} accepted, {tot['refused']} refused, {tot['failed']} failed "
-          f"in {time.time() - t0:.0f} s (seed {args.seed}, {args.jobs} jobs)")
-    return 1 if failed else 0
+        print(f"  {n:14s} {sum(c.values()):5d} cases: {c['accepted']} accepted, {c['refused']} refused, "
+              f"{c['failed']} failed, {c['harness']} harness errors")
+    tot = {k: sum(c[k] for c in counts.values()) for k in kinds}
+    ran = sum(tot.values())
+    assert ran == len(work), f"{ran} of {len(work)} cases reported"
+    if failed:
+        print(f"shardtrain failed {len(failed)} cases: {' '.join(failed)}")
+    if harness:
+        print(f"fuzz harness error (not a shardtrain failure) in {len(harness)} cases: {' '.join(harness)}")
+    print(f"fuzz: {len(work)} cases, {tot['accepted']} accepted, {tot['refused']} refused, {tot['failed']} failed, "
+          f"{tot['harness']} harness errors in {time.time() - t0:.0f} s (seed {args.seed}, {args.jobs} jobs)")
+    return (1 if failed else 0) | (2 if harness else 0)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except Exception:  # the harness's own bug: never reported as shardtrain's
+        print(f"fuzz harness error (not a shardtrain failure):\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        sys.exit(2)
