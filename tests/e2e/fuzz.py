@@ -269,12 +269,17 @@ def run_case(args, name, spec, i):
         data = open(f, "rb").read()
         open(f, "wb").write(mutate(rng, data))
         outcome, log = "accepted", ""
+        # Open MPI's session directory in the case's own directory: in the shared /tmp/ompi.HOST.UID,
+        # one job's clean-up removes the directory while another job starts in it ('A call to mkdir
+        # was unable to create the desired directory ... orte_init failed', exit 1, seen in 1 of
+        # 320 cases with other MPI jobs on the machine), a false failure of shardtrain.
+        env = dict(args.env, OMPI_MCA_orte_tmpdir_base=case)
         for cmd in commands(rng, case, f):
             # ulimit -v, not prlimit --as: under prlimit the program crashed at start-up even with 1 TiB.
             full = ["bash", "-c", 'ulimit -v "$0" && exec "$@"', str(args.as_kib), *cmd]
             try:
                 p = subprocess.run(full, cwd=case, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                   timeout=args.timeout, env=args.env)
+                                   timeout=args.timeout, env=env)
                 out, rc = p.stdout.decode(errors="replace"), p.returncode
             except subprocess.TimeoutExpired as e:
                 out, rc = (e.stdout or b"").decode(errors="replace"), "timeout"
@@ -289,7 +294,7 @@ def run_case(args, name, spec, i):
         if outcome == "failed":
             keep = os.path.join(args.out, "failures", f"{name}-{i}")
             shutil.rmtree(keep, ignore_errors=True)
-            shutil.copytree(case, keep, ignore=shutil.ignore_patterns("*.h5.tmp", "exp", "ck"))
+            shutil.copytree(case, keep, ignore=shutil.ignore_patterns("*.h5.tmp", "exp", "ck", "ompi.*"))
             open(os.path.join(keep, "log.txt"), "w").write(log)
         return name, i, outcome, log
     finally:
