@@ -9,6 +9,8 @@
 
 namespace shardtrain {
 
+class InputDir;  // files.h
+
 class Comm;
 
 // A special token id that config.json leaves out (or sets to null).
@@ -178,9 +180,10 @@ void take_special_ids_from_data(Comm& comm, ModelConfig& c, const std::string& c
 // JSON, every rank parses it, and all ranks check (via an FNV-1a hash all-reduce) that they hold
 // byte-identical configs. If rank 0 fails, every rank throws CollectiveError with rank 0's message.
 // A config file must be a regular file (no FIFO or device; files.h InputFile) of at most
-// kMaxConfigBytes. With `dir` given, `spec` is a file name inside directory `dir` (a Hugging Face
-// directory from strangers), opened by InputFile::open_inside.
+// kMaxConfigBytes. With `dir` given (rank 0's is used), `spec` is a file name inside that open
+// directory (a Hugging Face directory from strangers), opened by InputDir::open_inside (files.h):
+// the directory's other files, read through the same InputDir, come from the same directory.
 inline constexpr uint64_t kMaxConfigBytes = 64ull << 20;
-ModelConfig resolve_model_config(Comm& comm, const std::string& spec, const std::string& dir = "");
+ModelConfig resolve_model_config(Comm& comm, const std::string& spec, const InputDir* dir = nullptr);
 
 }  // namespace shardtrain

@@ -83,6 +83,7 @@ uint64_t open_token_file(const std::string& path, Fd& f) {
   if (S_ISDIR(st.st_mode)) throw std::runtime_error("token file '" + path + "' is a directory");
   if (!S_ISREG(st.st_mode))
     throw std::runtime_error("token file '" + path + "' is not a regular file (" + file_kind(st.st_mode) + ")");
+  refuse_pseudo_fs(f.fd, "token file '" + path + "'");  // (/proc, /sys: files.h pseudo_fs_name)
   ::fcntl(f.fd, F_SETFL, ::fcntl(f.fd, F_GETFL) & ~O_NONBLOCK);
   return static_cast<uint64_t>(st.st_size);
 }

@@ -466,16 +466,17 @@ std::unique_ptr<Tokenizer> load_tokenizer(const std::string& spec) {
                              "directory holding tokenizer.model)");
   if (fs::is_directory(spec, ec)) {
     // A directory's files (often a downloaded model's) are read as import reads them: each a
-    // regular file, opened inside the directory (files.h InputFile::open_inside).
+    // regular file, opened inside the directory, opened once (files.h InputDir).
     const fs::path model = fs::path(spec) / "tokenizer.model";
     const std::string what = "tokenizer directory '" + spec + "'";
-    if (!path_exists(model.string()))
+    const InputDir dir = InputDir::open(spec, what);
+    if (!dir.has("tokenizer.model", what))
       throw std::runtime_error("cannot load tokenizer '" + spec + "': the directory holds no tokenizer.model "
                                "(a SentencePiece model; tokenizer.json alone is not supported)");
     auto t = std::make_unique<SentencePieceTokenizer>(spec, model.string(),
-                                                      InputFile::open_inside(spec, "tokenizer.model", what).read_all());
+                                                      dir.open_inside("tokenizer.model", what).read_all());
     for (const char* extra : {"tokenizer_config.json", "special_tokens_map.json"})
-      if (path_exists((fs::path(spec) / extra).string())) t->add_file(extra, InputFile::open_inside(spec, extra, what).read_all());
+      if (dir.has(extra, what)) t->add_file(extra, dir.open_inside(extra, what).read_all());
     return t;
   }
   return std::make_unique<SentencePieceTokenizer>(spec, spec, read_file(spec, "tokenizer"));

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <random>
 #include <set>
 #include <sstream>
@@ -275,16 +276,17 @@ void write_own_tokenizer(const fs::path& d, const TokenizerInfo& t, const ModelC
   if (!t.files.count("special_tokens_map.json")) write_text(d / "special_tokens_map.json", special.dump(2) + "\n");
 }
 
-// The tokenizer files of Hugging Face directory `dir` (tokenizer.model: kind sentencepiece, else
+// The tokenizer files of Hugging Face directory `hd` (tokenizer.model: kind sentencepiece, else
 // tokenizer.json: hf-tokenizers; kind "" when it has neither), the special ids from `mc`. Throws
 // std::runtime_error naming a file that exists but cannot be read, or a tokenizer.model that
 // libsentencepiece cannot load.
-TokenizerInfo read_hf_tokenizer(const std::string& dir, const ModelConfig& mc) {
+TokenizerInfo read_hf_tokenizer(const InputDir& hd, const ModelConfig& mc) {
+  const std::string& dir = hd.path();
   TokenizerInfo t = no_tokenizer();
   for (const std::string& name : tokenizer_file_names()) {
-    // Absent: skipped. Present: a regular file inside `dir`, read through the descriptor checked.
-    if (!path_exists(path_inside(dir, name, "Hugging Face directory '" + dir + "'"))) continue;
-    t.files[name] = InputFile::open_inside(dir, name, "Hugging Face directory '" + dir + "' (tokenizer file)").read_all();
+    // Absent: skipped. Present: a regular file inside the directory opened, read through the descriptor checked.
+    if (!hd.has(name, "Hugging Face directory '" + dir + "'")) continue;
+    t.files[name] = hd.open_inside(name, "Hugging Face directory '" + dir + "' (tokenizer file)").read_all();
   }
   if (t.files.count("tokenizer.model")) {
     sentencepiece::SentencePieceProcessor sp;
@@ -423,16 +425,16 @@ std::string write_export_side_files(const Loaded& l, const ExportOptions& o, siz
 }
 
 // The safetensors headers of a Hugging Face directory (model.safetensors, or the files its index
-// names, each inside hf_dir), and where each canonical tensor name lies in them (file, entry).
-// Throws std::runtime_error naming the file for a missing, duplicate or unsafe name.
-void read_hf_weight_headers(const std::string& hf_dir, std::vector<StFile>& files,
+// names, each inside the directory opened, `hd`), and where each canonical tensor name lies in them
+// (file, entry). Throws std::runtime_error naming the file for a missing, duplicate or unsafe name.
+void read_hf_weight_headers(const InputDir& hd, std::vector<StFile>& files,
                             std::map<std::string, std::pair<size_t, size_t>>& where) {
+  const std::string& hf_dir = hd.path();
   const std::string what = "Hugging Face directory '" + hf_dir + "'";
-  fs::path d(hf_dir), single = path_inside(hf_dir, "model.safetensors", what),
-                      index = path_inside(hf_dir, "model.safetensors.index.json", what);
-  std::vector<std::string> names;  // inside hf_dir, each opened once by open_inside
-  if (path_exists(index)) {
-    const std::string text = InputFile::open_inside(hf_dir, "model.safetensors.index.json", what).read_all();
+  const fs::path d(hf_dir), index = d / "model.safetensors.index.json";
+  std::vector<std::string> names;  // inside the directory, each opened once by hd.open_inside
+  if (hd.has("model.safetensors.index.json", what)) {
+    const std::string text = hd.open_inside("model.safetensors.index.json", what).read_all();
     json j;
     if (const std::string nul = json_nul_problem(text); !nul.empty())
       throw std::runtime_error("index '" + index.string() + "' is not valid JSON (" + nul + ")");
@@ -452,22 +454,21 @@ void read_hf_weight_headers(const std::string& hf_dir, std::vector<StFile>& file
     for (auto& u : uniq) {
       // A name from the file: it must stay inside the directory (no absolute path, no '..', no
       // link out), or a crafted index would have us read, and echo in messages, any file.
-      const std::string p = path_inside(hf_dir, u, "index '" + index.string() + "' (key 'weight_map')");
-      if (!path_exists(p))
+      if (!hd.has(u, "index '" + index.string() + "' (key 'weight_map')"))
         throw std::runtime_error("index '" + index.string() + "' names shard file '" + u + "', which is missing");
       names.push_back(u);
     }
-  } else if (path_exists(single)) {
+  } else if (hd.has("model.safetensors", what)) {
     names.push_back("model.safetensors");
-  } else if (fs::exists(d / "pytorch_model.bin")) {
+  } else if (hd.has("pytorch_model.bin", what)) {
     throw std::runtime_error("'" + hf_dir + "' holds pytorch_model.bin only; re-save it with safe_serialization=True");
   } else {
     throw std::runtime_error("'" + hf_dir + "' has no model.safetensors or model.safetensors.index.json");
   }
   // One descriptor per file from its header to its last tensor (StFile::file).
   for (auto& nm : names)
-    files.push_back(read_safetensors_header(InputFile::open_inside(
-        hf_dir, nm, nm == "model.safetensors" ? what : "index '" + index.string() + "' (key 'weight_map')")));
+    files.push_back(read_safetensors_header(
+        hd.open_inside(nm, nm == "model.safetensors" ? what : "index '" + index.string() + "' (key 'weight_map')")));
   for (size_t fi = 0; fi < files.size(); ++fi)
     for (size_t ei = 0; ei < files[fi].entries.size(); ++ei) {
       const std::string& raw = files[fi].entries[ei].name;
@@ -611,9 +612,13 @@ void import_hf(Comm& comm, const std::string& hf_dir, const std::string& out_pat
       err = "option '--out': '" + out_path + "' exists; import never overwrites a checkpoint";
     all_ok(comm, err.empty(), err);
   }
-  // Config: rank 0 alone resolves it, as for training. Every file read lies inside hf_dir.
+  // The directory, opened once on every rank: every file below is opened relative to it, so a
+  // --hf-dir that is a link pointed elsewhere meanwhile cannot mix two directories' files.
+  std::optional<InputDir> hd;
+  agree(comm, [&] { hd.emplace(InputDir::open(hf_dir, "option '--hf-dir'")); });
+  // Config: rank 0 alone resolves it, as for training. Every file read lies inside the directory.
   const std::string config_path = (fs::path(hf_dir) / "config.json").string();
-  ModelConfig mc = resolve_model_config(comm, "config.json", hf_dir);
+  ModelConfig mc = resolve_model_config(comm, "config.json", &*hd);
   std::string data_info = "null";  // the checkpoint's record of the token file, as training writes it
   if (!data_path.empty()) {  // as training does: every rank reads the token file's header itself
     TokenFileHeader h;
@@ -626,7 +631,7 @@ void import_hf(Comm& comm, const std::string& hf_dir, const std::string& out_pat
   // The model's own tokenizer files travel into the checkpoint (group /tokenizer), so that data
   // prepared with them can be checked against it and export gives them back.
   TokenizerInfo tokenizer = no_tokenizer();
-  agree(comm, [&] { tokenizer = read_hf_tokenizer(hf_dir, mc); });
+  agree(comm, [&] { tokenizer = read_hf_tokenizer(*hd, mc); });
   {
     uint32_t c = 0;
     for (auto& [name, bytes] : tokenizer.files) c = crc32_update(crc32_update(c, name.data(), name.size()), bytes.data(), bytes.size());
@@ -638,7 +643,7 @@ void import_hf(Comm& comm, const std::string& hf_dir, const std::string& out_pat
   // Weight files and headers: every rank reads them (local I/O, agreed).
   std::vector<StFile> files;
   std::map<std::string, std::pair<size_t, size_t>> where;  // canonical name -> (file, entry)
-  agree(comm, [&] { read_hf_weight_headers(hf_dir, files, where); });
+  agree(comm, [&] { read_hf_weight_headers(*hd, files, where); });
   auto be = make_cpu_backend<float>();
   ShardedState<float> f(*be, comm, ShardPlan::build(llama_units(mc), comm.world_size()));
   uint32_t digest = 0;  // CRC32 of every weight this rank read, in model order

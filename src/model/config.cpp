@@ -640,7 +640,7 @@ void take_special_ids_from_data(Comm& comm, ModelConfig& c, const std::string& c
                                  " (does every rank read the same file?)");
 }
 
-ModelConfig resolve_model_config(Comm& comm, const std::string& spec, const std::string& dir) {
+ModelConfig resolve_model_config(Comm& comm, const std::string& spec, const InputDir* dir) {
   std::string canon;
   std::string err;
   if (comm.rank() == 0) {
@@ -648,13 +648,14 @@ ModelConfig resolve_model_config(Comm& comm, const std::string& spec, const std:
       ModelConfig c;
       bool is_file = spec.size() > 5 && spec.substr(spec.size() - 5) == ".json";
       if (is_file) {
-        const std::string path = dir.empty() ? spec : (std::filesystem::path(dir) / spec).string();
-        if (!path_exists(path)) throw std::invalid_argument("cannot open model config file '" + path + "': no such file");
+        const std::string path = !dir ? spec : (std::filesystem::path(dir->path()) / spec).string();
+        if (!dir ? !path_exists(path) : !dir->has(spec, "Hugging Face directory '" + dir->path() + "'"))
+          throw std::invalid_argument("cannot open model config file '" + path + "': no such file");
         // Read through one checked descriptor: a regular file (never a FIFO's endless wait), and
-        // for a file of `dir`, the file actually opened lies inside it.
-        const std::string text = dir.empty() ? InputFile::open(path, "model config file").read_all(kMaxConfigBytes)
-                                             : InputFile::open_inside(dir, spec, "Hugging Face directory '" + dir + "'")
-                                                   .read_all(kMaxConfigBytes);
+        // for a file of `dir`, the file actually opened lies inside that open directory.
+        const std::string text = !dir ? InputFile::open(path, "model config file").read_all(kMaxConfigBytes)
+                                      : dir->open_inside(spec, "Hugging Face directory '" + dir->path() + "'")
+                                            .read_all(kMaxConfigBytes);
         c = parse_hf_config(text, "'" + path + "'");
         validate(c, "'" + path + "'");
       } else {

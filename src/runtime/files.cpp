@@ -2,7 +2,9 @@
 #include "shardtrain/files.h"
 
 #include <fcntl.h>
+#include <linux/magic.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 #include <libdeflate.h>
 
@@ -46,25 +48,36 @@ fs::path checked_name(const std::string& dir, const std::string& name, const std
   return fs::path(dir) / rel;
 }
 
-// Refuses `real` (a canonical path: no links, no "..") unless it lies under canonical(dir) or, when
-// dir is a hub-cache snapshot, under that repository's blobs/.
-void check_real_inside(const std::string& dir, const std::string& name, const std::string& what, const fs::path& real) {
-  std::error_code ec;
-  const fs::path top = fs::canonical(dir, ec);
-  if (ec) refuse_inside(dir, name, what, "a file that cannot be resolved inside");
+// Is `name` a hub-cache blob's name: the git (40) or SHA-256 (64) hash, in lower-case hex?
+bool hub_blob_name(const std::string& name) {
+  if (name.size() != 40 && name.size() != 64) return false;
+  return std::all_of(name.begin(), name.end(), [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); });
+}
+
+// Refuses `real` (a canonical path: no links, no "..") unless it lies under `top` (the directory's
+// real path) or, when `top` is a hub-cache snapshot, is a blob of that repository (files.h path_inside).
+// `dir` is the directory as named, for the message.
+void check_real_inside(const std::string& dir, const std::string& name, const std::string& what, const fs::path& top,
+                       const fs::path& real) {
   auto under = [&](const fs::path& root) {
     return std::mismatch(root.begin(), root.end(), real.begin(), real.end()).first == root.end();
   };
   if (under(top)) return;
-  // A Hugging Face hub cache snapshot (huggingface_hub's layout: models--ORG--NAME/snapshots/REV/FILE
-  // is a symbolic link to ../../blobs/SHA256): links into that repository's own blobs/ are inside.
-  if (top.parent_path().filename() == "snapshots") {
-    const fs::path blobs = top.parent_path().parent_path() / "blobs";
-    if (fs::is_directory(blobs, ec) && under(blobs)) return;
-  }
+  // huggingface_hub's cache: models--ORG--NAME/snapshots/REV/FILE is a symbolic link to
+  // ../../blobs/HASH. Only that layout counts: a folder named snapshots elsewhere does not.
+  const fs::path snapshots = top.parent_path(), repo = snapshots.parent_path();
+  if (snapshots.filename() == "snapshots" && repo.filename().string().starts_with("models--") &&
+      real.parent_path() == repo / "blobs" && hub_blob_name(real.filename().string()))
+    return;
   refuse_inside(dir, name, what, "a symbolic link to '" + real.string() + "', outside");
 }
 
+// The kernel's name of open descriptor `fd` ("" where /proc is not mounted).
+std::string fd_real_path(int fd) {
+  std::error_code ec;
+  const fs::path p = fs::read_symlink("/proc/self/fd/" + std::to_string(fd), ec);
+  return ec ? std::string() : p.string();
+}
 
 }  // namespace
 
@@ -85,52 +98,141 @@ std::string path_inside(const std::string& dir, const std::string& name, const s
   if (!fs::exists(fs::symlink_status(p, ec))) return p.string();
   const fs::path real = fs::canonical(p, ec);
   if (ec) refuse_inside(dir, name, what, "a file that cannot be resolved (a dangling symbolic link?) inside");
-  check_real_inside(dir, name, what, real);
+  const fs::path top = fs::canonical(dir, ec);
+  if (ec) refuse_inside(dir, name, what, "a file that cannot be resolved inside");
+  check_real_inside(dir, name, what, top, real);
   return p.string();
 }
 
-InputFile InputFile::open(const std::string& path, const std::string& what) {
-  const std::string named = (what.empty() ? std::string("file") : what) + " '" + path + "'";
-  auto not_regular = [&](mode_t m) {
-    return std::runtime_error(named + " is not a regular file (" + file_kind(m) + "); give a file to read");
-  };
-  // O_NONBLOCK: opening a FIFO with no writer returns at once (without it, open(2) waits for one,
-  // and SA_RESTART handlers restart the wait); the descriptor is checked before any read.
-  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
-  if (fd < 0) {
-    const int e = errno;
-    struct stat st {};
-    if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) throw not_regular(st.st_mode);  // a socket: ENXIO
-    if (e == ENOENT) throw std::runtime_error(named + ": no such file");
-    throw std::runtime_error("cannot open " + named + ": " + std::strerror(e));
+const char* pseudo_fs_name(int fd) {
+  struct statfs s {};
+  if (::fstatfs(fd, &s) != 0) return nullptr;
+  switch (static_cast<unsigned long>(s.f_type)) {  // (f_type is signed on some ABIs)
+    case PROC_SUPER_MAGIC: return "proc";
+    case SYSFS_MAGIC: return "sysfs";
+    case DEBUGFS_MAGIC: return "debugfs";
+    case TRACEFS_MAGIC: return "tracefs";
+    case SECURITYFS_MAGIC: return "securityfs";
+    case CGROUP_SUPER_MAGIC: return "cgroup";
+    case CGROUP2_SUPER_MAGIC: return "cgroup2";
+    case BPF_FS_MAGIC: return "bpf";
+    case PSTOREFS_MAGIC: return "pstore";
+    case EFIVARFS_MAGIC: return "efivarfs";
+    case SELINUX_MAGIC: return "selinuxfs";
+    case SMACK_MAGIC: return "smackfs";
+    case BINFMTFS_MAGIC: return "binfmt_misc";
+    case NSFS_MAGIC: return "nsfs";
+    case USBDEVICE_SUPER_MAGIC: return "usbdevfs";
+    case DEVPTS_SUPER_MAGIC: return "devpts";
+    default: return nullptr;
   }
+}
+
+void refuse_pseudo_fs(int fd, const std::string& named) {
+  if (const char* fsname = pseudo_fs_name(fd))
+    throw std::runtime_error(named + " lies on the " + fsname + " pseudo file system (as /proc and /sys), whose "
+                             "files the kernel makes up when read (their size says nothing): give a file on disk");
+}
+
+InputFile InputFile::checked(int fd, const std::string& path, const std::string& named) {
   std::shared_ptr<const int> held(new int(fd), [](const int* p) {
     ::close(*p);
     delete p;
   });
   struct stat st {};
   if (::fstat(fd, &st) != 0) throw std::runtime_error("cannot stat " + named + ": " + std::strerror(errno));
-  if (!S_ISREG(st.st_mode)) throw not_regular(st.st_mode);
+  if (!S_ISREG(st.st_mode))
+    throw std::runtime_error(named + " is not a regular file (" + file_kind(st.st_mode) + "); give a file to read");
+  refuse_pseudo_fs(fd, named);
   const int fl = ::fcntl(fd, F_GETFL);
   if (fl >= 0) ::fcntl(fd, F_SETFL, fl & ~O_NONBLOCK);  // (no effect on a regular file's reads; for clarity)
   return InputFile(path, std::move(held), static_cast<uint64_t>(st.st_size));
 }
 
+InputFile InputFile::open(const std::string& path, const std::string& what) {
+  const std::string named = (what.empty() ? std::string("file") : what) + " '" + path + "'";
+  // O_NONBLOCK: opening a FIFO with no writer returns at once (without it, open(2) waits for one,
+  // and SA_RESTART handlers restart the wait); the descriptor is checked before any read.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
+  if (fd < 0) {
+    const int e = errno;
+    struct stat st {};
+    if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode))  // a socket: ENXIO
+      throw std::runtime_error(named + " is not a regular file (" + file_kind(st.st_mode) + "); give a file to read");
+    if (e == ENOENT) throw std::runtime_error(named + ": no such file");
+    throw std::runtime_error("cannot open " + named + ": " + std::strerror(e));
+  }
+  return checked(fd, path, named);
+}
+
 InputFile InputFile::open_inside(const std::string& dir, const std::string& name, const std::string& what) {
-  const fs::path p = checked_name(dir, name, what);
-  test_file_pause("open", p.string());
-  InputFile f = open(p.string(), what + ": file");
-  // The file actually opened, by the kernel's name for the descriptor: a link swapped after any
-  // check of the name cannot bring in another file's bytes.
+  return InputDir::open(dir, what).open_inside(name, what);
+}
+
+InputDir InputDir::open(const std::string& path, const std::string& what) {
+  const std::string named = (what.empty() ? std::string("directory") : what) + " '" + path + "'";
+  // O_PATH: nothing is read through this descriptor itself; it anchors openat and fstatat.
+  const int fd = ::open(path.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) {
+    const int e = errno;
+    struct stat st {};
+    if (e == ENOTDIR && ::stat(path.c_str(), &st) == 0)
+      throw std::runtime_error(named + " is not a directory (" + file_kind(st.st_mode) + ")");
+    if (e == ENOENT) throw std::runtime_error(named + ": no such directory");
+    throw std::runtime_error("cannot open " + named + ": " + std::strerror(e));
+  }
+  std::shared_ptr<const int> held(new int(fd), [](const int* p) {
+    ::close(*p);
+    delete p;
+  });
+  refuse_pseudo_fs(fd, named);
+  return InputDir(path, std::move(held));
+}
+
+std::string InputDir::real_path() const {
+  std::string real = fd_real_path(*fd_);
+  if (!real.empty()) return real;
+  // No /proc: the name resolved now must be this very directory.
   std::error_code ec;
-  fs::path real = fs::read_symlink("/proc/self/fd/" + std::to_string(f.fd()), ec);
-  if (ec) {  // no /proc: the name resolved now must be the very file opened (device and inode)
-    real = fs::canonical(p, ec);
+  real = fs::canonical(path_, ec).string();
+  struct stat a {}, b {};
+  if (ec || ::stat(real.c_str(), &a) != 0 || ::fstat(*fd_, &b) != 0 || a.st_dev != b.st_dev || a.st_ino != b.st_ino)
+    throw std::runtime_error("directory '" + path_ + "' changed while it was read (its name now leads elsewhere)");
+  return real;
+}
+
+bool InputDir::has(const std::string& name, const std::string& what) const {
+  (void)checked_name(path_, name, what);
+  struct stat st {};
+  return ::fstatat(*fd_, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0;
+}
+
+InputFile InputDir::open_inside(const std::string& name, const std::string& what) const {
+  const fs::path p = checked_name(path_, name, what);
+  test_file_pause("open", p.string());
+  const std::string named = what + ": file '" + p.string() + "'";
+  const int fd = ::openat(*fd_, name.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
+  if (fd < 0) {
+    const int e = errno;
+    struct stat st {};
+    if (::fstatat(*fd_, name.c_str(), &st, 0) == 0 && !S_ISREG(st.st_mode))  // a socket: ENXIO
+      throw std::runtime_error(named + " is not a regular file (" + file_kind(st.st_mode) + "); give a file to read");
+    if (e == ENOENT) throw std::runtime_error(named + ": no such file");
+    throw std::runtime_error("cannot open " + named + ": " + std::strerror(e));
+  }
+  InputFile f = InputFile::checked(fd, p.string(), named);
+  // The file actually opened, by the kernel's name for its descriptor, against the directory's
+  // own: a link swapped after any check of a name cannot bring in another file's bytes.
+  const fs::path top = real_path();
+  fs::path real = fd_real_path(f.fd());
+  if (real.empty()) {  // no /proc: the name resolved now must be the very file opened (device and inode)
+    std::error_code ec;
+    real = fs::canonical(top / name, ec);
     struct stat a {}, b {};
     if (ec || ::stat(real.c_str(), &a) != 0 || ::fstat(f.fd(), &b) != 0 || a.st_dev != b.st_dev || a.st_ino != b.st_ino)
-      refuse_inside(dir, name, what, "a file that changed while it was opened, inside");
+      refuse_inside(path_, name, what, "a file that changed while it was opened, inside");
   }
-  check_real_inside(dir, name, what, real);
+  check_real_inside(path_, name, what, top, real);
   return f;
 }
 

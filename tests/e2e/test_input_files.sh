@@ -11,6 +11,10 @@
 #     (config.json, each tokenizer file, the index, a shard, model.safetensors, --model, --config,
 #     --data, --input, --tokenizer, a checkpoint) is refused at once with "not a regular file"
 #     (or "is a directory") on every rank, never waited on;
+#  1b. --hf-dir itself a link, pointed at another model between opening the directory and opening
+#     each file (the hook, "open"): every file still comes from the directory first opened;
+#  2b. a file on /proc or /sys (--model, --config, --data, --input, --tokenizer, --hf-dir, a file of
+#     a Hugging Face directory) refused by its file system's type, naming it;
 #  3. SIGTERM and SIGINT end each mode that does not train within 2 s (the test hook
 #     SHARDTRAIN_TEST_MODE_PAUSE holds the mode after its signal dispositions are set);
 #  4. smaller refusals: safetensors shapes [64.9, 64.2], 2^63 and 1e300; rope_parameters named.
@@ -78,6 +82,42 @@ for name in $SHARDS; do
   echo "ok: $name swapped after its header was read: every tensor came from the file whose header was read (bitwise as the reference)"
 done
 
+# ---- 1b. --hf-dir itself a link, pointed at another model while import reads (issue 53) ----------
+# $WORK/outside is another model with the same file names (every weight 7.0, another
+# tokenizer_config.json): first, imported whole, it differs from the reference (else the test below
+# could not fail). --hf-dir is $WORK/cur -> hf; import pauses before it opens NAME, cur is pointed
+# at outside, import goes on: the directory was opened once, before, so every file, NAME and those
+# after it included, must come from hf: the checkpoint bitwise equal to the reference (h5py).
+"$BIN" --mode import --hf-dir "$WORK/outside" --out "$WORK/outside.h5" >/dev/null
+names=(config.json tokenizer_config.json model.safetensors.index.json $SHARDS)
+for name in "${names[@]}"; do
+  ln -sfn hf "$WORK/cur"
+  flag=$WORK/flag_dir_$name
+  SHARDTRAIN_TEST_FILE_PAUSE="open:$name:$flag" timeout -k 5 60 \
+    "$BIN" --mode import --hf-dir "$WORK/cur" --out "$WORK/dir_$name.h5" >"$WORK/dir_$name.log" 2>&1 &
+  pid=$!
+  for ((i = 0; i < 300; i++)); do [ -e "$flag" ] && break; sleep 0.1; done
+  [ -e "$flag" ] || { kill "$pid"; cat "$WORK/dir_$name.log"; fail "--hf-dir swap at $name: the reader never reached the pause"; }
+  ln -sfn outside "$WORK/cur"
+  rm -f "$flag"
+  wait "$pid" || { cat "$WORK/dir_$name.log"; fail "--hf-dir swap at $name: import failed"; }
+done
+# (One h5py process for the comparisons, tests/e2e/h5_equal.py's.)
+"$PY" - "$ROOT/tests/e2e" "$WORK" "${names[@]}" >"$WORK/eq.log" <<'PY' || { cat "$WORK/eq.log"; fail "--hf-dir swap: see above"; }
+import sys
+sys.path.insert(0, sys.argv[1])
+from h5_equal import main as h5_equal
+work, bad = sys.argv[2], 0
+if h5_equal(work + "/ref.h5", work + "/outside.h5") == 0:
+    print("FAIL: the outside model imports as the reference: the test could not fail"); bad = 1
+for name in sys.argv[3:]:
+    if h5_equal(work + "/ref.h5", f"{work}/dir_{name}.h5") != 0:
+        print(f"FAIL: --hf-dir swap at {name}: the checkpoint holds files of the other model"); bad = 1
+sys.exit(bad)
+PY
+echo "ok: --hf-dir (a link) pointed at another model before each of ${names[*]} was opened: every file from the directory first opened (bitwise the reference); the other model alone differs"
+rm -f "$WORK/cur"
+
 # ---- 2. not regular files -----------------------------------------------------------------------
 # make_special KIND PATH: a FIFO, directory, character device (1,3: /dev/null's) or socket at PATH.
 make_special() {
@@ -144,6 +184,30 @@ refused_at_once metrics_fifo "'$WORK/metrics.fifo' is a FIFO" 2 \
   --model "$WORK/m.json" --data "$DATA" --seq-len 16 --global-batch 2 --eval-batches 1 --threads 1 --steps 2 \
   --checkpoint-dir "$WORK/ck" --resume auto --accept-change steps --metrics "$WORK/metrics.fifo"
 echo "ok: FIFO, directory, device and socket refused at once in every place an input is read"
+
+# ---- 2b. files of pseudo file systems (issue 53) ----------------------------------------------------
+# /proc and /sys files say size 0 (or 4096) whatever they hold: refused by the file system's type
+# (fstatfs on the descriptor), naming the input and the file system, on every rank.
+PROCFS="lies on the proc pseudo file system"
+ln -sfn /proc/self/status "$WORK/status.json"
+expect_fail pseudo_model "model config file '$WORK/status.json' $PROCFS" 2 --mode plan --model "$WORK/status.json" --world-size 2
+expect_fail pseudo_config "job file '/proc/self/status' $PROCFS" 2 --config /proc/self/status
+expect_fail pseudo_data "token file '/proc/self/environ' $PROCFS" 2 --model "$WORK/m.json" --data /proc/self/environ --seq-len 16 --global-batch 2
+expect_fail pseudo_input "input text '/proc/self/status' $PROCFS" 1 --mode prepare --input /proc/self/status --out "$WORK/x.tok"
+expect_fail pseudo_tokenizer "tokenizer '/proc/self/cmdline' $PROCFS" 1 --mode prepare --tokenizer /proc/self/cmdline --input "$WORK/small.txt" --out "$WORK/x.tok"
+expect_fail pseudo_hfdir "option '--hf-dir' '/proc/self' $PROCFS" 2 --mode import --hf-dir /proc/self --out "$WORK/x.h5"
+# In a Hugging Face directory, a link into /proc or /sys: refused by where the file lies.
+for name in config.json tokenizer.json; do
+  rm -rf "$WORK/pseudo_hf" && cp -r "$WORK/hf" "$WORK/pseudo_hf"
+  ln -sfn /proc/self/status "$WORK/pseudo_hf/$name"
+  expect_fail "pseudo_hf_$name" "file '$WORK/pseudo_hf/$name' $PROCFS" 2 --mode import --hf-dir "$WORK/pseudo_hf" --out "$WORK/x.h5"
+done
+if [ "$(stat -f -c %T /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null)" = sysfs ]; then
+  ln -sfn /sys/kernel/mm/transparent_hugepage/enabled "$WORK/sys.json"
+  expect_fail pseudo_sysfs "model config file '$WORK/sys.json' lies on the sysfs pseudo file system" 2 --mode plan \
+    --model "$WORK/sys.json" --world-size 2
+fi
+echo "ok: files of /proc and /sys refused by their file system's type"
 
 # ---- 3. SIGTERM / SIGINT in the modes that do not train -------------------------------------------
 "$BIN" --mode tokenizer --input "$WORK/small.txt" --vocab-size 400 --out "$WORK/sp.model" >/dev/null

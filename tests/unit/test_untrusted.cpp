@@ -190,3 +190,112 @@ TEST(Untrusted, InputFileReadsTheFileItChecked) {
   fs::remove_all(d);
   fs::remove_all(outside);
 }
+
+// The hub-cache exception (issue 53): only huggingface_hub's own layout counts,
+// models--ORG--NAME/snapshots/REV/FILE -> ../../blobs/HASH. A folder merely named "snapshots" is
+// not a cache, nor a repository folder not named models--*, nor a blob not named by its hash.
+TEST(Untrusted, HubCacheExceptionNeedsTheCacheLayout) {
+  const fs::path root = fs::path(::testing::TempDir()) / "shardtrain_hub";
+  fs::remove_all(root);
+  const std::string sha(64, 'a'), sha1(40, '0');
+  // make(REPO, BLOB): REPO/blobs/BLOB holding "blob!!!!", REPO/snapshots/rev/f -> ../../blobs/BLOB.
+  auto make = [&](const std::string& repo, const std::string& blob) {
+    const fs::path r = root / repo;
+    fs::create_directories((r / "blobs" / blob).parent_path());
+    fs::create_directories(r / "snapshots" / "rev");
+    std::ofstream(r / "blobs" / blob) << "blob!!!!";
+    fs::create_symlink("../../blobs/" + blob, r / "snapshots" / "rev" / "f");
+    return (r / "snapshots" / "rev").string();
+  };
+  for (const std::string& blob : {sha, sha1}) {  // the hub's layout: read (SHA-256 and git blob names)
+    const std::string snap = make("models--org--m" + std::to_string(blob.size()), blob);
+    EXPECT_EQ(InputFile::open_inside(snap, "f", "dir 's'").read_all(), "blob!!!!");
+    EXPECT_EQ(path_inside(snap, "f", "dir 's'"), snap + "/f");
+  }
+  auto refusal = [&](const std::string& snap) {
+    const std::string a = error_of([&] { InputFile::open_inside(snap, "f", "dir 's'"); });
+    const std::string b = error_of([&] { path_inside(snap, "f", "dir 's'"); });
+    EXPECT_EQ(a, b);  // by name and by descriptor, the same rule
+    return a;
+  };
+  const std::string outside = "', outside of directory '";
+  // Any directory named snapshots, outside a models--* repository folder: refused.
+  const std::string plain = make("somewhere", sha);
+  EXPECT_NE(refusal(plain).find("names 'f', a symbolic link to '" + fs::canonical(root / "somewhere/blobs" / sha).string() + outside),
+            std::string::npos);
+  EXPECT_NE(refusal(make("datasets--org--m", sha)).find(outside), std::string::npos);
+  // In the layout, but not a blob: a name that is not a hash, a file in a subfolder of blobs/.
+  EXPECT_NE(refusal(make("models--org--name", "secret.txt")).find(outside), std::string::npos);
+  EXPECT_NE(refusal(make("models--org--sub", "x/" + sha)).find(outside), std::string::npos);
+  EXPECT_NE(refusal(make("models--org--upper", std::string(64, 'A'))).find(outside), std::string::npos);
+  // Another repository's blob, from a real snapshot: refused.
+  const std::string snap = make("models--org--two", sha);
+  fs::remove(fs::path(snap) / "f");
+  fs::create_symlink("../../../models--org--m64/blobs/" + sha, fs::path(snap) / "f");
+  EXPECT_NE(refusal(snap).find(outside), std::string::npos);
+  fs::remove_all(root);
+}
+
+// InputDir (issue 53): a directory named through a link that is pointed elsewhere after the open
+// still gives every file from the directory first opened.
+TEST(Untrusted, InputDirKeepsTheDirectoryOpened) {
+  const fs::path root = fs::path(::testing::TempDir()) / "shardtrain_inputdir";
+  fs::remove_all(root);
+  fs::create_directories(root / "a");
+  fs::create_directories(root / "b");
+  std::ofstream(root / "a" / "x") << "from a";
+  std::ofstream(root / "b" / "x") << "from b";
+  std::ofstream(root / "b" / "only_b") << "b";
+  fs::create_symlink("a", root / "cur");
+  const InputDir d = InputDir::open((root / "cur").string(), "option '--hf-dir'");
+  EXPECT_EQ(d.real_path(), fs::canonical(root / "a").string());
+  fs::remove(root / "cur");
+  fs::create_symlink("b", root / "cur");
+  EXPECT_EQ(d.open_inside("x", "dir").read_all(), "from a");
+  EXPECT_EQ(d.open_inside("x", "dir").path(), (root / "cur" / "x").string());  // messages: the name given
+  EXPECT_FALSE(d.has("only_b", "dir"));
+  EXPECT_TRUE(d.has("x", "dir"));
+  EXPECT_NE(error_of([&] { d.has("../b/x", "dir"); }).find("a path with '..'"), std::string::npos);
+  EXPECT_NE(error_of([&] { d.open_inside("/etc/passwd", "dir"); }).find("an absolute path outside"), std::string::npos);
+  // A link inside resolves from where the directory really is: ../b/x leads out of a.
+  fs::create_symlink("../b/x", root / "a" / "up");
+  EXPECT_NE(error_of([&] { d.open_inside("up", "dir"); })
+                .find("names 'up', a symbolic link to '" + fs::canonical(root / "b" / "x").string() + "', outside of directory '" +
+                      (root / "cur").string() + "'"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { d.open_inside("none", "dir"); }).find("dir: file '" + (root / "cur" / "none").string() + "': no such file"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { InputDir::open((root / "none").string(), "option '--hf-dir'"); })
+                .find("option '--hf-dir' '" + (root / "none").string() + "': no such directory"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { InputDir::open((root / "a" / "x").string(), "option '--hf-dir'"); })
+                .find("is not a directory (a regular file)"),
+            std::string::npos);
+  fs::remove_all(root);
+}
+
+// Pseudo file systems (issue 53): refused by the file system's type (fstatfs), not by size.
+TEST(Untrusted, PseudoFileSystemsRefused) {
+  const fs::path d = fs::path(::testing::TempDir()) / "shardtrain_pseudo";
+  fs::remove_all(d);
+  fs::create_directories(d);
+  std::ofstream(d / "plain") << "x";
+  EXPECT_EQ(pseudo_fs_name(InputFile::open((d / "plain").string(), "f").fd()), nullptr);
+  EXPECT_NE(error_of([&] { InputFile::open("/proc/self/status", "job file"); })
+                .find("job file '/proc/self/status' lies on the proc pseudo file system"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { InputDir::open("/proc/self", "option '--hf-dir'"); })
+                .find("option '--hf-dir' '/proc/self' lies on the proc pseudo file system"),
+            std::string::npos);
+  // Through a link from a directory on disk: refused by where the file is, not by its name.
+  fs::create_symlink("/proc/self/environ", d / "config.json");
+  EXPECT_NE(error_of([&] { InputFile::open_inside(d.string(), "config.json", "dir 'd'"); })
+                .find("dir 'd': file '" + (d / "config.json").string() + "' lies on the proc pseudo file system"),
+            std::string::npos);
+  if (fs::exists("/sys/kernel/mm/transparent_hugepage/enabled")) {  // (sysfs: mounted in most containers)
+    EXPECT_NE(error_of([&] { InputFile::open("/sys/kernel/mm/transparent_hugepage/enabled", "tokenizer"); })
+                  .find("lies on the sysfs pseudo file system"),
+              std::string::npos);
+  }
+  fs::remove_all(d);
+}
