@@ -18,6 +18,7 @@
 #include "shardtrain/config.h"
 #include "shardtrain/data.h"
 #include "shardtrain/files.h"
+#include "shardtrain/json_input.h"
 #include "shardtrain/model.h"
 #include "shardtrain/tokenizer.h"
 
@@ -139,7 +140,7 @@ struct Loaded {  // a checkpoint's model, sharded over the current ranks
 // Returns false for null; throws std::runtime_error naming the checkpoint attribute if malformed.
 bool parse_data_info(const std::string& ckpt, const std::string& text, DataSpecialIds& ids, std::string& tokenizer) {
   try {
-    json j = json::parse(text);
+    json j = read_json(text, json_limits::kCheckpointAttr);
     if (j.is_null()) return false;
     const std::string path = j.at("path").get<std::string>();
     tokenizer = j.at("tokenizer").get<std::string>();
@@ -229,8 +230,7 @@ std::string token_string(const TokenizerInfo& t, int64_t id) {
     if (!sp.LoadFromSerializedProto(t.files.at("tokenizer.model")).ok() || id >= sp.GetPieceSize()) return "";
     return sp.IdToPiece(static_cast<int>(id));
   }
-  if (!json_nul_problem(t.files.at("tokenizer.json")).empty()) return "";
-  const json j = json::parse(t.files.at("tokenizer.json"), nullptr, false);
+  const json j = read_json_or_discarded(t.files.at("tokenizer.json"), json_limits::kTokenizer);
   if (j.is_discarded()) return "";
   if (j.contains("added_tokens") && j["added_tokens"].is_array())
     for (auto& a : j["added_tokens"])
@@ -284,7 +284,8 @@ TokenizerInfo read_hf_tokenizer(const std::string& dir, const ModelConfig& mc) {
   for (const std::string& name : tokenizer_file_names()) {
     // Absent: skipped. Present: a regular file inside `dir`, read through the descriptor checked.
     if (!path_exists(path_inside(dir, name, "Hugging Face directory '" + dir + "'"))) continue;
-    t.files[name] = InputFile::open_inside(dir, name, "Hugging Face directory '" + dir + "' (tokenizer file)").read_all();
+    t.files[name] = InputFile::open_inside(dir, name, "Hugging Face directory '" + dir + "' (tokenizer file)")
+                        .read_all(json_limits::kTokenizer.max_bytes);
   }
   if (t.files.count("tokenizer.model")) {
     sentencepiece::SentencePieceProcessor sp;
@@ -298,11 +299,14 @@ TokenizerInfo read_hf_tokenizer(const std::string& dir, const ModelConfig& mc) {
     t.unk_id = sp.unk_id();
   } else if (t.files.count("tokenizer.json")) {
     t.kind = "hf-tokenizers";
-    if (const std::string nul = json_nul_problem(t.files["tokenizer.json"]); !nul.empty())
-      throw std::runtime_error("'" + (fs::path(dir) / "tokenizer.json").string() + "' is not valid JSON: " + nul);
-    const json j = json::parse(t.files["tokenizer.json"], nullptr, false);
-    if (j.is_discarded() || !j.is_object())
-      throw std::runtime_error("'" + (fs::path(dir) / "tokenizer.json").string() + "' is not valid JSON");
+    json j;
+    try {
+      j = read_json(t.files["tokenizer.json"], json_limits::kTokenizer);
+    } catch (const JsonError& e) {
+      throw std::runtime_error("'" + (fs::path(dir) / "tokenizer.json").string() + "': " + e.what());
+    }
+    if (!j.is_object())
+      throw std::runtime_error("'" + (fs::path(dir) / "tokenizer.json").string() + "' is not a JSON object");
     int64_t top = -1;  // largest id of the vocabulary and the added tokens
     if (j.contains("model") && j["model"].is_object() && j["model"].contains("vocab")) {
       const json& v = j["model"]["vocab"];
@@ -388,7 +392,7 @@ std::string write_export_side_files(const Loaded& l, const ExportOptions& o, siz
     } else {
       fs::remove(d / "model.safetensors.index.json");  // a stale index would shadow model.safetensors
     }
-    json cfg = json::parse(to_hf_json(l.mc, torch_dtype(o.dtype)));
+    json cfg = read_json(to_hf_json(l.mc, torch_dtype(o.dtype)), json_limits::kConfig);
     write_text(d / "config.json", cfg.dump(2) + "\n");
     // Unset ids stay null (transformers then substitutes nothing); a list of eos ids stays a list.
     write_text(d / "generation_config.json",
@@ -424,22 +428,22 @@ std::string write_export_side_files(const Loaded& l, const ExportOptions& o, siz
 
 // The safetensors headers of a Hugging Face directory (model.safetensors, or the files its index
 // names, each inside hf_dir), and where each canonical tensor name lies in them (file, entry).
-// Throws std::runtime_error naming the file for a missing, duplicate or unsafe name.
-void read_hf_weight_headers(const std::string& hf_dir, std::vector<StFile>& files,
+// Throws std::runtime_error naming the file for a missing, duplicate or unsafe name, or a header of
+// more than `max_tensors` tensors.
+void read_hf_weight_headers(const std::string& hf_dir, uint64_t max_tensors, std::vector<StFile>& files,
                             std::map<std::string, std::pair<size_t, size_t>>& where) {
   const std::string what = "Hugging Face directory '" + hf_dir + "'";
   fs::path d(hf_dir), single = path_inside(hf_dir, "model.safetensors", what),
                       index = path_inside(hf_dir, "model.safetensors.index.json", what);
   std::vector<std::string> names;  // inside hf_dir, each opened once by open_inside
   if (path_exists(index)) {
-    const std::string text = InputFile::open_inside(hf_dir, "model.safetensors.index.json", what).read_all();
+    const std::string text =
+        InputFile::open_inside(hf_dir, "model.safetensors.index.json", what).read_all(json_limits::kIndex.max_bytes);
     json j;
-    if (const std::string nul = json_nul_problem(text); !nul.empty())
-      throw std::runtime_error("index '" + index.string() + "' is not valid JSON (" + nul + ")");
     try {
-      j = json::parse(text);
-    } catch (const std::exception& e) {
-      throw std::runtime_error("index '" + index.string() + "' is not valid JSON (" + e.what() + ")");
+      j = read_json(text, json_limits::kIndex);
+    } catch (const JsonError& e) {
+      throw std::runtime_error("index '" + index.string() + "': " + e.what());
     }
     if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
       throw std::runtime_error("index '" + index.string() + "' has no 'weight_map' object");
@@ -466,8 +470,9 @@ void read_hf_weight_headers(const std::string& hf_dir, std::vector<StFile>& file
   }
   // One descriptor per file from its header to its last tensor (StFile::file).
   for (auto& nm : names)
-    files.push_back(read_safetensors_header(InputFile::open_inside(
-        hf_dir, nm, nm == "model.safetensors" ? what : "index '" + index.string() + "' (key 'weight_map')")));
+    files.push_back(read_safetensors_header(
+        InputFile::open_inside(hf_dir, nm, nm == "model.safetensors" ? what : "index '" + index.string() + "' (key 'weight_map')"),
+        max_tensors));
   for (size_t fi = 0; fi < files.size(); ++fi)
     for (size_t ei = 0; ei < files[fi].entries.size(); ++ei) {
       const std::string& raw = files[fi].entries[ei].name;
@@ -638,7 +643,11 @@ void import_hf(Comm& comm, const std::string& hf_dir, const std::string& out_pat
   // Weight files and headers: every rank reads them (local I/O, agreed).
   std::vector<StFile> files;
   std::map<std::string, std::pair<size_t, size_t>> where;  // canonical name -> (file, entry)
-  agree(comm, [&] { read_hf_weight_headers(hf_dir, files, where); });
+  // No file of a model holds more tensors than the model has, with a tied lm_head and a
+  // rotary_emb.inv_freq buffer per layer: a header's table is refused past that, before it is stored.
+  uint64_t max_tensors = 1 + static_cast<uint64_t>(mc.num_hidden_layers);
+  for (const UnitSpec& u : llama_units(mc)) max_tensors += u.params.size();
+  agree(comm, [&] { read_hf_weight_headers(hf_dir, max_tensors, files, where); });
   auto be = make_cpu_backend<float>();
   ShardedState<float> f(*be, comm, ShardPlan::build(llama_units(mc), comm.world_size()));
   uint32_t digest = 0;  // CRC32 of every weight this rank read, in model order
@@ -654,7 +663,7 @@ void import_hf(Comm& comm, const std::string& hf_dir, const std::string& out_pat
   }
   const std::string tmp = out_path + ".tmp";
   TrainState st;  // step 0: no batch history
-  st.seed = json::parse(train_config).at("seed").get<uint64_t>();  // rng_state's seed must be train_config's
+  st.seed = read_json(train_config, json_limits::kCheckpointAttr).at("seed").get<uint64_t>();  // rng_state's seed must be train_config's
   st.data_info = data_info;
   st.tokenizer = tokenizer;
   st.saved_world_size = comm.world_size();
