@@ -73,7 +73,11 @@ class JsonError : public std::runtime_error {
 };
 
 // Parses `text` (whole: trailing non-space is an error) into a DOM within `lim`. Throws JsonError.
-nlohmann::json read_json(std::string_view text, const JsonLimits& lim);
+// J: nlohmann::json (objects as std::map: keys sorted, N log N for N keys), or, for text shardtrain
+// wrote itself and whose key order it keeps, nlohmann::ordered_json (each key looked up linearly:
+// quadratic in one object's keys, so never for a file from outside).
+template <class J = nlohmann::json>
+J read_json(std::string_view text, const JsonLimits& lim);
 
 // Like read_json, but never throws: a discarded value (is_discarded()) for text that read_json
 // refuses. For readers that treat bad JSON as "no information" (a tokenizer.json asked for a token's
@@ -81,6 +85,45 @@ nlohmann::json read_json(std::string_view text, const JsonLimits& lim);
 nlohmann::json read_json_or_discarded(std::string_view text, const JsonLimits& lim);
 
 namespace json_detail {
+// Builds the DOM from the events. Each container's parent is on `open_`; a value goes into the
+// innermost open container (at the slot its key made, for an object). Pointers into a parent stay
+// valid while a child is open: nothing is added to the parent until the child closes.
+template <class J>
+class DomBuilder {
+ public:
+  explicit DomBuilder(J& root) : root_(root) {}
+  void null() { put(nullptr); }
+  void boolean(bool v) { put(v); }
+  void number_integer(int64_t v) { put(v); }
+  void number_unsigned(uint64_t v) { put(v); }
+  void number_float(double v, const std::string&) { put(v); }
+  void string(std::string& s) { put(std::move(s)); }
+  // A repeated key keeps its last value, as Python's json and nlohmann::json::parse do.
+  void key(std::string& s) { slot_ = &(*open_.back())[std::move(s)]; }
+  void start_object() { open_.push_back(put(J::object())); }
+  void start_array() { open_.push_back(put(J::array())); }
+  void end_object() { open_.pop_back(); }
+  void end_array() { open_.pop_back(); }
+
+ private:
+  J* put(J v) {
+    if (open_.empty()) {
+      root_ = std::move(v);
+      return &root_;
+    }
+    J& parent = *open_.back();
+    if (parent.is_array()) {
+      parent.push_back(std::move(v));
+      return &parent.back();
+    }
+    *slot_ = std::move(v);
+    return slot_;
+  }
+  J& root_;
+  std::vector<J*> open_;
+  J* slot_ = nullptr;
+};
+
 // The checks common to read_json and scan_json: the byte limit and NUL, before any parse.
 void check_text(std::string_view text, const JsonLimits& lim);
 [[noreturn]] void too_deep(const JsonLimits& lim);
@@ -144,6 +187,14 @@ void scan_json(std::string_view text, const JsonLimits& lim, Handler& h) {
   json_detail::check_text(text, lim);
   json_detail::LimitedSax<Handler> sax(h, lim);
   nlohmann::json::sax_parse(text.begin(), text.end(), &sax, nlohmann::json::input_format_t::json, /*strict=*/true);
+}
+
+template <class J>
+J read_json(std::string_view text, const JsonLimits& lim) {
+  J root;
+  json_detail::DomBuilder<J> b(root);
+  scan_json(text, lim, b);
+  return root;
 }
 
 }  // namespace shardtrain

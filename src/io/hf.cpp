@@ -140,7 +140,7 @@ struct Loaded {  // a checkpoint's model, sharded over the current ranks
 // Returns false for null; throws std::runtime_error naming the checkpoint attribute if malformed.
 bool parse_data_info(const std::string& ckpt, const std::string& text, DataSpecialIds& ids, std::string& tokenizer) {
   try {
-    json j = read_json(text, json_limits::kCheckpointAttr);
+    nlohmann::json j = read_json(text, json_limits::kCheckpointAttr);
     if (j.is_null()) return false;
     const std::string path = j.at("path").get<std::string>();
     tokenizer = j.at("tokenizer").get<std::string>();
@@ -230,7 +230,7 @@ std::string token_string(const TokenizerInfo& t, int64_t id) {
     if (!sp.LoadFromSerializedProto(t.files.at("tokenizer.model")).ok() || id >= sp.GetPieceSize()) return "";
     return sp.IdToPiece(static_cast<int>(id));
   }
-  const json j = read_json_or_discarded(t.files.at("tokenizer.json"), json_limits::kTokenizer);
+  const nlohmann::json j = read_json_or_discarded(t.files.at("tokenizer.json"), json_limits::kTokenizer);
   if (j.is_discarded()) return "";
   if (j.contains("added_tokens") && j["added_tokens"].is_array())
     for (auto& a : j["added_tokens"])
@@ -299,7 +299,7 @@ TokenizerInfo read_hf_tokenizer(const std::string& dir, const ModelConfig& mc) {
     t.unk_id = sp.unk_id();
   } else if (t.files.count("tokenizer.json")) {
     t.kind = "hf-tokenizers";
-    json j;
+    nlohmann::json j;  // std::map objects: N log N for a vocabulary of N tokens
     try {
       j = read_json(t.files["tokenizer.json"], json_limits::kTokenizer);
     } catch (const JsonError& e) {
@@ -392,7 +392,7 @@ std::string write_export_side_files(const Loaded& l, const ExportOptions& o, siz
     } else {
       fs::remove(d / "model.safetensors.index.json");  // a stale index would shadow model.safetensors
     }
-    json cfg = read_json(to_hf_json(l.mc, torch_dtype(o.dtype)), json_limits::kConfig);
+    json cfg = read_json<json>(to_hf_json(l.mc, torch_dtype(o.dtype)), json_limits::kConfig);
     write_text(d / "config.json", cfg.dump(2) + "\n");
     // Unset ids stay null (transformers then substitutes nothing); a list of eos ids stays a list.
     write_text(d / "generation_config.json",
@@ -439,7 +439,7 @@ void read_hf_weight_headers(const std::string& hf_dir, uint64_t max_tensors, std
   if (path_exists(index)) {
     const std::string text =
         InputFile::open_inside(hf_dir, "model.safetensors.index.json", what).read_all(json_limits::kIndex.max_bytes);
-    json j;
+    nlohmann::json j;  // std::map objects: N log N for N weight_map entries
     try {
       j = read_json(text, json_limits::kIndex);
     } catch (const JsonError& e) {

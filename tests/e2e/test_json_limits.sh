@@ -47,7 +47,7 @@ elif kind == "string":
 else:  # entries: 1.4 million empty tensors at the end of the buffer, beside the model's own
     end = len(data)
     text = json.dumps(h)[:-1] + "".join(
-        f', "e{i}": {{"dtype": "F32", "shape": [0], "data_offsets": [{end}, {end}]}}' for i in range(1_400_000)) + "}"
+        f',"e{i}":{{"dtype":"F32","shape":[0],"data_offsets":[{end},{end}]}}' for i in range(1_400_000)) + "}"
 text = text.encode()
 text += b" " * (-len(text) % 8)
 assert 80_000_000 < len(text) < 100_000_000, len(text)
@@ -93,6 +93,7 @@ for k in a:
 PY
 big entries "$WORK/entries"
 imp entries 1 "tensors, the most expected here"
+grep -m1 -o "holds more than.*" "$WORK/entries.log" | head -1
 rm -rf "$WORK/deep" "$WORK/string" "$WORK/entries"
 
 # A config.json nested 10^5 deep (the model's own, with one more key).
