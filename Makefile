@@ -11,6 +11,7 @@
 #   make slurm-test the job scripts under a real Slurm: a private two-node cluster on this machine (tests/slurm/run.sh, ~2 min)
 #   make bench   benchmarks (tinyshakespeare if ../shared/data has it) and the PyTorch peer; results for docs/benchmarks.md
 #   make bench-checkpoint  checkpoint saves, --checkpoint-async on vs off, ~99M parameters at W = 2 (make bench part 3's second half)
+#   make bench-json  the bounded JSON reader: safetensors header time and peak RSS at 10^4 .. 1.4 x 10^6 tensors (tests/bench/json_bench.cpp)
 #   make bench-overlap  --overlap off vs on (each --comm-progress) at W = 2 and 4 (make bench part 6 alone)
 #   make comm-bench  MPI all-gather / reduce-scatter bandwidth at W = 2 and 4 ($(BUILD)/comm.jsonl; docs/scaling.md)
 #   make scaling-check  docs/scaling.md's model against shardtrain's measured comm_ms at W = 2 and 4
@@ -93,7 +94,7 @@ MPI_OBJS := $(MPI_SRCS:%.cpp=$(BUILD)/%.o)
 GPU_SRCS := $(wildcard tests/gpu/*.cpp) tests/test_main.cpp
 GPU_OBJS := $(GPU_SRCS:%.cpp=$(BUILD)/%.o)
 
-.PHONY: all deps build binaries test test-cp-matrix test-pp-matrix test-link-races jobs-test slurm-test demo bench clean data venv comm-bench bench-overlap bench-checkpoint
+.PHONY: bench-json all deps build binaries test test-cp-matrix test-pp-matrix test-link-races jobs-test slurm-test demo bench clean data venv comm-bench bench-overlap bench-checkpoint
 all: build
 
 deps:
@@ -158,6 +159,13 @@ $(BUILD)/gpu_tests: $(GPU_OBJS) $(BUILD)/libshardtrain.a | $(CUDA_PLUGIN)
 # tests/gpu/run.sh stage 5d). Without a GPU it says so and exits 0.
 $(BUILD)/attention_bench: $(BUILD)/tests/bench/attention_bench.o $(BUILD)/libshardtrain.a | $(CUDA_PLUGIN)
 	$(CXX) $^ -o $@ $(LDLIBS)
+
+# The bounded JSON reader's cost against input size (tests/bench/json_bench.cpp; issue 53): the
+# safetensors header table at N = 10^4 .. 1.4 * 10^6 tensors, the DOM reader at N values.
+$(BUILD)/json_bench: $(BUILD)/tests/bench/json_bench.o $(BUILD)/libshardtrain.a
+	$(CXX) $^ -o $@ $(LDLIBS)
+bench-json: $(BUILD)/json_bench
+	$(BUILD)/json_bench
 
 # Default corpus: English text files of Debian's `fortunes` package (installed by make deps).
 FORTUNES_DIR := /usr/share/games/fortunes

@@ -135,11 +135,6 @@ class InputFile {
   uint64_t size_ = 0;
 };
 
-// "" if `text` holds no NUL byte, else why it cannot be JSON ("a NUL byte at byte offset N ..."):
-// nlohmann::json (3.11) ends its input at a NUL and ignores what follows, where Python's json and
-// the safetensors library refuse the file; readers of JSON from strangers check this first.
-std::string json_nul_problem(const std::string& text);
-
 // What a stat(2) mode names, for messages: "a regular file", "a directory", "a device", "a FIFO",
 // "a socket" (else "not a regular file").
 const char* file_kind(unsigned mode);

@@ -59,15 +59,21 @@ inline constexpr uint64_t kSafetensorsMaxHeader = 100'000'000;
 
 // Parses and validates the header: JSON, dtypes (F32/BF16/F16), shapes (JSON integers in
 // [0, 2^63); a fraction, a negative or larger number is refused naming the dimension), offsets
-// inside the file, sizes matching dtype x shape, no overlaps and no gaps. Throws std::runtime_error
-// naming the file and the tensor; a header length longer than the rest of the file: "... exceeds the file (M bytes
-// after the 8-byte length)"; one within the file but above kSafetensorsMaxHeader: "... exceeds the
-// safetensors format's limit of 100000000 bytes".
+// inside the file, sizes matching dtype x shape, no overlaps, no gaps, no name twice;
+// "__metadata__", when present, an object of strings (or null), as the safetensors crate requires.
+// The header is streamed (json_input.h scan_json, limits json_limits::kSafetensorsHeader) into the
+// table alone: memory proportional to the number of tensors (about 100 bytes each beside the
+// header's own bytes), never a DOM, and the checks take N log N time for N tensors. A header of
+// more than `max_tensors` tensors is refused at the first one past it (a reader that knows the
+// model passes how many it can hold). Throws std::runtime_error naming the file and the tensor; a
+// header length longer than the rest of the file: "... exceeds the file (M bytes after the 8-byte
+// length)"; one within the file but above kSafetensorsMaxHeader: "... exceeds the safetensors
+// format's limit of 100000000 bytes"; a JSON limit: "... header: JSON nested deeper than ...".
 // The StFile keeps `file` open: every tensor is read through the descriptor the header came
 // from, so a name swapped meanwhile changes nothing that is read.
-StFile read_safetensors_header(const InputFile& file);
+StFile read_safetensors_header(const InputFile& file, uint64_t max_tensors = UINT64_MAX);
 // The same for a file named by the user (InputFile::open: a regular file).
-StFile read_safetensors_header(const std::string& path);
+StFile read_safetensors_header(const std::string& path, uint64_t max_tensors = UINT64_MAX);
 // Reads one tensor as fp32, from f.file.
 std::vector<float> read_safetensors_tensor(const StFile& f, const StEntry& e);
 

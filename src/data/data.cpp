@@ -19,6 +19,7 @@
 
 #include "shardtrain/data.h"
 #include "shardtrain/files.h"
+#include "shardtrain/json_input.h"
 #include "shardtrain/ops_math.h"  // math::splitmix64
 
 namespace shardtrain {
@@ -141,14 +142,17 @@ int64_t special(uint32_t id) { return id == kNoTokenId ? -1 : static_cast<int64_
 TokenizerInfo read_metadata(const Fd& f, const std::string& path, const TokenFileHeader& h, uint64_t off, uint64_t J,
                             uint64_t size) {
   using nlohmann::json;
+  auto fail = [&](const std::string& w) { fail_file(path, "metadata (JSON at byte offset " + std::to_string(off) + "): " + w); };
+  if (J > json_limits::kTokenFileMeta.max_bytes)  // before the bytes are allocated
+    fail(std::to_string(J) + " bytes, more than the " + std::to_string(json_limits::kTokenFileMeta.max_bytes) + " read from " +
+         json_limits::kTokenFileMeta.kind);
   std::string text(J, '\0');
   pread_all(f, path, text.data(), J, off);
-  auto fail = [&](const std::string& w) { fail_file(path, "metadata (JSON at byte offset " + std::to_string(off) + "): " + w); };
   json j;
   try {
-    j = json::parse(text);
-  } catch (const json::exception& e) {
-    fail(std::string("not valid JSON: ") + e.what());
+    j = read_json(text, json_limits::kTokenFileMeta);
+  } catch (const JsonError& e) {
+    fail(e.what());
   }
   TokenizerInfo t;
   const uint64_t area = off + J, area_bytes = size - area;

@@ -254,7 +254,7 @@ uint64_t encode_inputs(const PrepareOptions& o, const std::vector<std::string>& 
     ++r.files;
     if (detail::is_jsonl(path)) {
       std::string line;
-      for (uint64_t lineno = 1; std::getline(f, line); ++lineno) {
+      for (uint64_t lineno = 1; detail::read_jsonl_line(f, line, path, lineno); ++lineno) {
         done += line.size() + 1;
         if (detail::is_blank_line(line)) continue;
         split.append(detail::jsonl_text(line, o.text_field, path, lineno));

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <istream>
 #include <string>
 
 #include "shardtrain/files.h"
@@ -17,6 +18,12 @@ bool is_jsonl(const std::string& path);
 // "<path>:<lineno>: ..." for invalid JSON, a value that is not an object, a missing field or a
 // field that is not a string.
 std::string jsonl_text(const std::string& line, const std::string& field, const std::string& path, uint64_t lineno);
+
+// The next line of JSON Lines file `path` from `in` into `line` (without its '\n'); false at the
+// end of the input. A line is read up to json_limits::kJsonlLine.max_bytes and no further: a longer
+// one is refused (std::runtime_error "<path>:<lineno>: a line longer than N bytes ..."), so a file
+// without line ends cannot make us hold all of it. `lineno` is the number the line will have.
+bool read_jsonl_line(std::istream& in, std::string& line, const std::string& path, uint64_t lineno);
 
 // True for a line of a JSON Lines file that holds no document (empty or only spaces, tabs, CR):
 // skipped, as most JSONL readers do with a trailing blank line.

@@ -16,6 +16,7 @@
 #include <unordered_map>
 
 #include "shardtrain/files.h"
+#include "shardtrain/json_input.h"
 #include "text_inputs.h"
 
 // libsentencepiece's log threshold (0 INFO, 1 WARNING, 2 ERROR); exported by the library but
@@ -46,12 +47,30 @@ bool is_jsonl(const std::string& path) {  // by extension, in any case (".jsonl"
 
 bool is_blank_line(const std::string& line) { return line.find_first_not_of(" \t\r") == std::string::npos; }
 
+bool read_jsonl_line(std::istream& in, std::string& line, const std::string& path, uint64_t lineno) {
+  line.clear();
+  std::streambuf* sb = in.rdbuf();
+  const uint64_t max = json_limits::kJsonlLine.max_bytes;
+  for (;;) {
+    const int c = sb->sbumpc();
+    if (c == std::char_traits<char>::eof()) {
+      in.setstate(std::ios::eofbit);
+      return !line.empty();
+    }
+    if (c == '\n') return true;
+    if (line.size() == max)
+      throw std::runtime_error(path + ":" + std::to_string(lineno) + ": a line longer than " + std::to_string(max) +
+                               " bytes (the limit for " + json_limits::kJsonlLine.kind + "; option '--input')");
+    line.push_back(static_cast<char>(c));
+  }
+}
+
 std::string jsonl_text(const std::string& line, const std::string& field, const std::string& path, uint64_t lineno) {
   const std::string where = path + ":" + std::to_string(lineno) + ": ";
   nlohmann::json j;
   try {
-    j = nlohmann::json::parse(line);
-  } catch (const nlohmann::json::exception& e) {
+    j = read_json(line, json_limits::kJsonlLine);
+  } catch (const JsonError& e) {
     throw std::runtime_error(where + "invalid JSON (option '--input', a .jsonl file holds one JSON object a line): " +
                              e.what());
   }
@@ -350,7 +369,8 @@ class LineIterator final : public sentencepiece::SentenceIterator {
         if (!value_.empty()) return ++sentences, void();
         continue;
       }
-      if (in_.is_open() && std::getline(in_, line_)) {
+      if (in_.is_open() && (jsonl_ ? detail::read_jsonl_line(in_, line_, files_[file_ - 1], lineno_ + 1)
+                                   : static_cast<bool>(std::getline(in_, line_)))) {
         ++lineno_;
         if (jsonl_) {
           if (detail::is_blank_line(line_)) continue;

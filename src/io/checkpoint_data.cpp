@@ -24,6 +24,7 @@
 
 #include "checkpoint_internal.h"
 #include "shardtrain/direct_io.h"
+#include "shardtrain/json_input.h"
 
 namespace shardtrain {
 namespace fs = std::filesystem;
@@ -730,7 +731,7 @@ TrainState load_checkpoint(Comm& comm, const std::string& path, const ShardedTen
   st.data_info = info.data_info;
   st.tokenizer = info.tokenizer;
   st.spikes = info.spikes;
-  st.seed = nlohmann::json::parse(info.rng_state).at("seed").get<uint64_t>();  // checked by read_checkpoint_info
+  st.seed = read_json(info.rng_state, json_limits::kCheckpointAttr).at("seed").get<uint64_t>();  // checked by read_checkpoint_info
   return st;
 }
 

@@ -18,6 +18,7 @@
 #include <tuple>
 
 #include "checkpoint_internal.h"
+#include "shardtrain/json_input.h"
 #include "shardtrain/pipeline_schedule.h"
 #include "shardtrain/files.h"
 #include "shardtrain/model.h"
@@ -44,7 +45,7 @@ TokenizerInfo read_tokenizer_group(hid_t file, MetaSums& ms) {
   const std::string text = get_str(g, ms, "tokenizer", "info", "group '/tokenizer'");
   json j;
   try {
-    j = json::parse(text);
+    j = read_json(text, json_limits::kCheckpointAttr);
     t.kind = j.at("kind").get<std::string>();
     t.vocab_size = j.at("vocab_size").get<uint32_t>();
     auto id = [&](const char* k) { return j.at(k).is_null() ? int64_t{-1} : j.at(k).get<int64_t>(); };
@@ -85,7 +86,7 @@ TokenizerInfo read_tokenizer_group(hid_t file, MetaSums& ms) {
 SpikeStats parse_spike_stats(const std::string& text) {
   SpikeStats st;
   try {
-    const json j = json::parse(text);
+    const json j = read_json(text, json_limits::kCheckpointAttr);
     if (!j.is_object()) throw std::runtime_error("not a JSON object");
     for (const char* k : {"window", "skipped_in_a_row", "skipped_updates"})
       if (!j.contains(k) || !j[k].is_number_integer() || j[k].get<int64_t>() < 0)
@@ -262,7 +263,7 @@ std::string read_format_and_checksums(hid_t file, CheckpointInfo& info, MetaSums
       throw H5Error("attribute '" + std::string(kMetaTable) + "' (the metadata checksums) fails its own CRC32 check ('" +
                     kMetaTableCheck + "'); the file is damaged or was edited");
     try {
-      const json t = json::parse(table);
+      const json t = read_json(table, json_limits::kCheckpointAttr);
       if (!t.is_object()) throw json::type_error::create(302, "not an object", &t);
       for (auto& [k, v] : t.items()) {
         if (!v.is_number_unsigned() || v.get<uint64_t>() > 0xffffffffull)
@@ -270,6 +271,8 @@ std::string read_format_and_checksums(hid_t file, CheckpointInfo& info, MetaSums
         ms.stored[k] = static_cast<uint32_t>(v.get<uint64_t>());
       }
     } catch (const json::exception& e) {
+      throw H5Error("attribute '" + std::string(kMetaTable) + "' is not a JSON object of CRC32s: " + e.what());
+    } catch (const JsonError& e) {
       throw H5Error("attribute '" + std::string(kMetaTable) + "' is not a JSON object of CRC32s: " + e.what());
     }
     ms.verify = true;
@@ -301,7 +304,7 @@ void read_tp_mesh(hid_t file, CheckpointInfo& info, MetaSums& ms) {
   const std::string where = "root group";
   const std::string tp = get_str(file, ms, "", "tensor_parallel", where);
   try {
-    const json j = json::parse(tp);
+    const json j = read_json(tp, json_limits::kCheckpointAttr);
     int* out[3] = {&info.tp, &info.tp_dp_shard, &info.tp_dp_replicate};
     const char* keys[3] = {"tp", "dp_shard", "dp_replicate"};
     for (int k = 0; k < 3; ++k) {
@@ -312,6 +315,8 @@ void read_tp_mesh(hid_t file, CheckpointInfo& info, MetaSums& ms) {
       *out[k] = static_cast<int>(v.get<int64_t>());
     }
   } catch (const json::exception& e) {
+    throw H5Error(std::string("attribute 'tensor_parallel' is malformed: ") + e.what());
+  } catch (const JsonError& e) {
     throw H5Error(std::string("attribute 'tensor_parallel' is malformed: ") + e.what());
   }
   if (info.tp < 2 || int64_t{info.tp} * info.tp_dp_shard * info.tp_dp_replicate != info.world_size)
@@ -330,7 +335,7 @@ void read_mesh(hid_t file, CheckpointInfo& info, MetaSums& ms) {
   const char* keys[5] = {"tp", "cp", "dp_shard", "dp_replicate", "pp"};
   const int nkeys = info.format_version >= 6 ? 5 : 4;
   try {
-    const json j = json::parse(m);
+    const json j = read_json(m, json_limits::kCheckpointAttr);
     for (int k = 0; k < nkeys; ++k) {
       const json& v = j.at(keys[k]);
       if (!v.is_number_integer() || v.get<int64_t>() < 1 || v.get<int64_t>() > (int64_t{1} << 24))
@@ -338,6 +343,8 @@ void read_mesh(hid_t file, CheckpointInfo& info, MetaSums& ms) {
       dims[k] = static_cast<int>(v.get<int64_t>());
     }
   } catch (const json::exception& e) {
+    throw H5Error(std::string("attribute 'mesh' is malformed: ") + e.what());
+  } catch (const JsonError& e) {
     throw H5Error(std::string("attribute 'mesh' is malformed: ") + e.what());
   }
   info.tp = dims[0];
@@ -367,12 +374,14 @@ void read_pipeline(hid_t file, CheckpointInfo& info, MetaSums& ms) {
   const std::string w = "attribute 'pipeline' (" + text + ")";
   int64_t L = -1;
   try {
-    L = json::parse(info.model_config).at("num_hidden_layers").get<int64_t>();
+    L = read_json(info.model_config, json_limits::kCheckpointAttr).at("num_hidden_layers").get<int64_t>();
   } catch (const json::exception& e) {
+    throw H5Error("attribute 'model_config' has no integer 'num_hidden_layers' (" + std::string(e.what()) + ")");
+  } catch (const JsonError& e) {
     throw H5Error("attribute 'model_config' has no integer 'num_hidden_layers' (" + std::string(e.what()) + ")");
   }
   try {
-    const json j = json::parse(text);
+    const json j = read_json(text, json_limits::kCheckpointAttr);
     if (!j.is_object()) throw H5Error(w + " is not a JSON object");
     for (const char* k : {"pp", "virtual"})
       if (!j.contains(k) || !j[k].is_number_integer() || j[k].get<int64_t>() < 1 || j[k].get<int64_t>() > (1 << 24))
@@ -402,6 +411,8 @@ void read_pipeline(hid_t file, CheckpointInfo& info, MetaSums& ms) {
                     std::to_string(L) + " blocks");
     info.pp_bounds = j["bounds"].get<std::vector<int>>();
   } catch (const json::exception& e) {
+    throw H5Error(w + " is malformed: " + e.what());
+  } catch (const JsonError& e) {
     throw H5Error(w + " is malformed: " + e.what());
   }
 }
@@ -591,7 +602,7 @@ void cross_check(CheckpointInfo& info) {
   json tc, dp, rng;
   auto parse = [](const std::string& s, const char* attr) {
     try {
-      json j = json::parse(s);
+      json j = read_json(s, json_limits::kCheckpointAttr);
       if (!j.is_object()) throw std::runtime_error("not a JSON object");
       return j;
     } catch (const std::exception& e) {
@@ -602,7 +613,7 @@ void cross_check(CheckpointInfo& info) {
   dp = parse(info.data_position, "data_position");
   rng = parse(info.rng_state, "rng_state");
   try {
-    json d = json::parse(info.data_info);
+    json d = read_json(info.data_info, json_limits::kCheckpointAttr);
     if (!d.is_null() && !d.is_object()) throw std::runtime_error("neither null nor an object");
   } catch (const std::exception& e) {
     throw H5Error(std::string("attribute 'data' is malformed: ") + e.what());
@@ -660,6 +671,8 @@ void cross_check(CheckpointInfo& info) {
     }
   } catch (const json::exception& e) {
     throw H5Error(std::string("attributes 'train_config', 'data_position' or 'rng_state' are malformed: ") + e.what());
+  } catch (const JsonError& e) {
+    throw H5Error(std::string("attributes 'train_config', 'data_position' or 'rng_state' are malformed: ") + e.what());
   }
 }
 
@@ -684,9 +697,11 @@ int pipeline_unit_stage(const std::vector<int>& bounds, int pp, int u) {
 std::vector<std::string> architecture_differences(const std::string& ckpt, const std::string& requested) {
   json a, b;
   try {
-    a = json::parse(ckpt);
-    b = json::parse(requested);
+    a = read_json(ckpt, json_limits::kCheckpointAttr);
+    b = read_json(requested, json_limits::kCheckpointAttr);
   } catch (const json::exception& e) {
+    throw std::invalid_argument(std::string("model config is not valid JSON: ") + e.what());
+  } catch (const JsonError& e) {
     throw std::invalid_argument(std::string("model config is not valid JSON: ") + e.what());
   }
   if (!a.is_object() || !b.is_object()) throw std::invalid_argument("model config is not a JSON object");
@@ -694,7 +709,7 @@ std::vector<std::string> architecture_differences(const std::string& ckpt, const
   // (hidden_size / num_attention_heads, no scaling): an old checkpoint of the same model matches.
   for (json* x : {&a, &b}) {
     try {
-      *x = json::parse(canonical_json(from_canonical_json(x->dump())));
+      *x = read_json(canonical_json(from_canonical_json(x->dump())), json_limits::kCheckpointAttr);
     } catch (const std::exception&) {
       // Malformed for from_canonical_json: compared as written, key by key.
     }
@@ -805,7 +820,7 @@ std::string saved_layout_words(const CheckpointInfo& info) {
   if (info.tp > 1)
     return "world size " + std::to_string(info.world_size) + ": tp " + std::to_string(info.tp) + " x dp_shard " +
            std::to_string(info.tp_dp_shard) + " x dp_replicate " + std::to_string(info.tp_dp_replicate);
-  const nlohmann::json j = nlohmann::json::parse(info.train_config, nullptr, /*allow_exceptions=*/false);
+  const nlohmann::json j = read_json_or_discarded(info.train_config, json_limits::kCheckpointAttr);
   if (j.is_object() && j.contains("world_size") && j.contains("shard_group_size") && j["world_size"] != j["shard_group_size"])
     return "world size " + j["world_size"].dump() + ", shard group size " + j["shard_group_size"].dump();
   return "world size " + std::to_string(info.world_size);

@@ -19,6 +19,7 @@
 #include "shardtrain/config.h"
 #include "shardtrain/data.h"
 #include "shardtrain/files.h"
+#include "shardtrain/json_input.h"
 #include "shardtrain/model.h"
 #include "shardtrain/tokenizer.h"
 
@@ -140,7 +141,7 @@ struct Loaded {  // a checkpoint's model, sharded over the current ranks
 // Returns false for null; throws std::runtime_error naming the checkpoint attribute if malformed.
 bool parse_data_info(const std::string& ckpt, const std::string& text, DataSpecialIds& ids, std::string& tokenizer) {
   try {
-    json j = json::parse(text);
+    nlohmann::json j = read_json(text, json_limits::kCheckpointAttr);
     if (j.is_null()) return false;
     const std::string path = j.at("path").get<std::string>();
     tokenizer = j.at("tokenizer").get<std::string>();
@@ -230,8 +231,7 @@ std::string token_string(const TokenizerInfo& t, int64_t id) {
     if (!sp.LoadFromSerializedProto(t.files.at("tokenizer.model")).ok() || id >= sp.GetPieceSize()) return "";
     return sp.IdToPiece(static_cast<int>(id));
   }
-  if (!json_nul_problem(t.files.at("tokenizer.json")).empty()) return "";
-  const json j = json::parse(t.files.at("tokenizer.json"), nullptr, false);
+  const nlohmann::json j = read_json_or_discarded(t.files.at("tokenizer.json"), json_limits::kTokenizer);
   if (j.is_discarded()) return "";
   if (j.contains("added_tokens") && j["added_tokens"].is_array())
     for (auto& a : j["added_tokens"])
@@ -286,7 +286,8 @@ TokenizerInfo read_hf_tokenizer(const InputDir& hd, const ModelConfig& mc) {
   for (const std::string& name : tokenizer_file_names()) {
     // Absent: skipped. Present: a regular file inside the directory opened, read through the descriptor checked.
     if (!hd.has(name, "Hugging Face directory '" + dir + "'")) continue;
-    t.files[name] = hd.open_inside(name, "Hugging Face directory '" + dir + "' (tokenizer file)").read_all();
+    t.files[name] = hd.open_inside(name, "Hugging Face directory '" + dir + "' (tokenizer file)")
+                        .read_all(json_limits::kTokenizer.max_bytes);
   }
   if (t.files.count("tokenizer.model")) {
     sentencepiece::SentencePieceProcessor sp;
@@ -300,11 +301,14 @@ TokenizerInfo read_hf_tokenizer(const InputDir& hd, const ModelConfig& mc) {
     t.unk_id = sp.unk_id();
   } else if (t.files.count("tokenizer.json")) {
     t.kind = "hf-tokenizers";
-    if (const std::string nul = json_nul_problem(t.files["tokenizer.json"]); !nul.empty())
-      throw std::runtime_error("'" + (fs::path(dir) / "tokenizer.json").string() + "' is not valid JSON: " + nul);
-    const json j = json::parse(t.files["tokenizer.json"], nullptr, false);
-    if (j.is_discarded() || !j.is_object())
-      throw std::runtime_error("'" + (fs::path(dir) / "tokenizer.json").string() + "' is not valid JSON");
+    nlohmann::json j;  // std::map objects: N log N for a vocabulary of N tokens
+    try {
+      j = read_json(t.files["tokenizer.json"], json_limits::kTokenizer);
+    } catch (const JsonError& e) {
+      throw std::runtime_error("'" + (fs::path(dir) / "tokenizer.json").string() + "': " + e.what());
+    }
+    if (!j.is_object())
+      throw std::runtime_error("'" + (fs::path(dir) / "tokenizer.json").string() + "' is not a JSON object");
     int64_t top = -1;  // largest id of the vocabulary and the added tokens
     if (j.contains("model") && j["model"].is_object() && j["model"].contains("vocab")) {
       const json& v = j["model"]["vocab"];
@@ -390,7 +394,7 @@ std::string write_export_side_files(const Loaded& l, const ExportOptions& o, siz
     } else {
       fs::remove(d / "model.safetensors.index.json");  // a stale index would shadow model.safetensors
     }
-    json cfg = json::parse(to_hf_json(l.mc, torch_dtype(o.dtype)));
+    json cfg = read_json<json>(to_hf_json(l.mc, torch_dtype(o.dtype)), json_limits::kConfig);
     write_text(d / "config.json", cfg.dump(2) + "\n");
     // Unset ids stay null (transformers then substitutes nothing); a list of eos ids stays a list.
     write_text(d / "generation_config.json",
@@ -426,22 +430,21 @@ std::string write_export_side_files(const Loaded& l, const ExportOptions& o, siz
 
 // The safetensors headers of a Hugging Face directory (model.safetensors, or the files its index
 // names, each inside the directory opened, `hd`), and where each canonical tensor name lies in them
-// (file, entry). Throws std::runtime_error naming the file for a missing, duplicate or unsafe name.
-void read_hf_weight_headers(const InputDir& hd, std::vector<StFile>& files,
+// (file, entry). Throws std::runtime_error naming the file for a missing, duplicate or unsafe name,
+// or a header of more than `max_tensors` tensors.
+void read_hf_weight_headers(const InputDir& hd, uint64_t max_tensors, std::vector<StFile>& files,
                             std::map<std::string, std::pair<size_t, size_t>>& where) {
   const std::string& hf_dir = hd.path();
   const std::string what = "Hugging Face directory '" + hf_dir + "'";
   const fs::path d(hf_dir), index = d / "model.safetensors.index.json";
   std::vector<std::string> names;  // inside the directory, each opened once by hd.open_inside
   if (hd.has("model.safetensors.index.json", what)) {
-    const std::string text = hd.open_inside("model.safetensors.index.json", what).read_all();
-    json j;
-    if (const std::string nul = json_nul_problem(text); !nul.empty())
-      throw std::runtime_error("index '" + index.string() + "' is not valid JSON (" + nul + ")");
+    const std::string text = hd.open_inside("model.safetensors.index.json", what).read_all(json_limits::kIndex.max_bytes);
+    nlohmann::json j;  // std::map objects: N log N for N weight_map entries
     try {
-      j = json::parse(text);
-    } catch (const std::exception& e) {
-      throw std::runtime_error("index '" + index.string() + "' is not valid JSON (" + e.what() + ")");
+      j = read_json(text, json_limits::kIndex);
+    } catch (const JsonError& e) {
+      throw std::runtime_error("index '" + index.string() + "': " + e.what());
     }
     if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
       throw std::runtime_error("index '" + index.string() + "' has no 'weight_map' object");
@@ -468,7 +471,8 @@ void read_hf_weight_headers(const InputDir& hd, std::vector<StFile>& files,
   // One descriptor per file from its header to its last tensor (StFile::file).
   for (auto& nm : names)
     files.push_back(read_safetensors_header(
-        hd.open_inside(nm, nm == "model.safetensors" ? what : "index '" + index.string() + "' (key 'weight_map')")));
+        hd.open_inside(nm, nm == "model.safetensors" ? what : "index '" + index.string() + "' (key 'weight_map')"),
+        max_tensors));
   for (size_t fi = 0; fi < files.size(); ++fi)
     for (size_t ei = 0; ei < files[fi].entries.size(); ++ei) {
       const std::string& raw = files[fi].entries[ei].name;
@@ -643,7 +647,11 @@ void import_hf(Comm& comm, const std::string& hf_dir, const std::string& out_pat
   // Weight files and headers: every rank reads them (local I/O, agreed).
   std::vector<StFile> files;
   std::map<std::string, std::pair<size_t, size_t>> where;  // canonical name -> (file, entry)
-  agree(comm, [&] { read_hf_weight_headers(*hd, files, where); });
+  // No file of a model holds more tensors than the model has, with a tied lm_head and a
+  // rotary_emb.inv_freq buffer per layer: a header's table is refused past that, before it is stored.
+  uint64_t max_tensors = 1 + static_cast<uint64_t>(mc.num_hidden_layers);
+  for (const UnitSpec& u : llama_units(mc)) max_tensors += u.params.size();
+  agree(comm, [&] { read_hf_weight_headers(*hd, max_tensors, files, where); });
   auto be = make_cpu_backend<float>();
   ShardedState<float> f(*be, comm, ShardPlan::build(llama_units(mc), comm.world_size()));
   uint32_t digest = 0;  // CRC32 of every weight this rank read, in model order
@@ -659,7 +667,7 @@ void import_hf(Comm& comm, const std::string& hf_dir, const std::string& out_pat
   }
   const std::string tmp = out_path + ".tmp";
   TrainState st;  // step 0: no batch history
-  st.seed = json::parse(train_config).at("seed").get<uint64_t>();  // rng_state's seed must be train_config's
+  st.seed = read_json(train_config, json_limits::kCheckpointAttr).at("seed").get<uint64_t>();  // rng_state's seed must be train_config's
   st.data_info = data_info;
   st.tokenizer = tokenizer;
   st.saved_world_size = comm.world_size();

@@ -9,11 +9,13 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <nlohmann/json.hpp>
 #include <stdexcept>
+#include <tuple>
+
+#include "shardtrain/json_input.h"
 
 namespace shardtrain {
-using json = nlohmann::ordered_json;
+using json = nlohmann::ordered_json;  // the header written: keys in file order
 
 const char* dtype_name(DType t) { return t == DType::F32 ? "F32" : t == DType::BF16 ? "BF16" : "F16"; }
 size_t dtype_size(DType t) { return t == DType::F32 ? 4 : 2; }
@@ -113,29 +115,199 @@ void write_safetensors(const std::string& path, const std::vector<StTensor>& ts,
 }
 
 namespace {
-// A count from the header (a dimension, an offset): a JSON integer in [0, max], checked before any
-// conversion (nlohmann's get<int64_t>() truncates 64.9, and converting 1e300 is undefined).
-template <typename Fail>
-uint64_t json_count(const json& d, const std::string& which, uint64_t max, Fail&& fail) {
-  const std::string w = which + " (" + d.dump() + ")";
-  if (d.is_number_float()) {
-    const double x = d.get<double>();
-    if (std::isfinite(x) && x == std::floor(x) && std::fabs(x) > static_cast<double>(max))
-      fail(w + " is out of range (" + (max == UINT64_MAX ? "2^64" : "2^63") + " or more)");
-    fail(w + " is not an integer (a JSON integer, without fraction or exponent)");
+const char* range_text(uint64_t max) { return max == UINT64_MAX ? "2^64" : "2^63"; }
+
+// Builds the tensor table from the header's JSON events (scan_json), keeping only the table:
+// memory proportional to the number of tensors, none for __metadata__ or keys that are skipped.
+// The structure is the safetensors crate's (safetensors/src/tensor.rs, Metadata / TensorInfo):
+// {"__metadata__": {string: string} (optional), NAME: {"dtype": string, "shape": [int...],
+// "data_offsets": [int, int]}, ...}; other keys of an entry are ignored, as serde does there.
+class HeaderTable {
+ public:
+  // Refusals are std::runtime_error(prefix + why); more than max_tensors entries are refused at
+  // the first one past the limit, before it is stored.
+  HeaderTable(std::string prefix, uint64_t max_tensors) : prefix_(std::move(prefix)), max_tensors_(max_tensors) {}
+  std::vector<StEntry> entries;
+
+  void null() { scalar("null"); }
+  void boolean(bool v) { scalar(v ? "true" : "false"); }
+  // Numbers as nlohmann::json dumps them in messages (1e300 as 1e+300), made only on a refusal.
+  void number_integer(int64_t v) { number([v] { return nlohmann::json(v).dump(); }, v < 0, false, 0, 0); }
+  void number_unsigned(uint64_t v) { number([v] { return nlohmann::json(v).dump(); }, false, false, v, 0); }
+  void number_float(double v, const std::string&) { number([v] { return nlohmann::json(v).dump(); }, false, true, 0, v); }
+  void string(std::string& s) {
+    if (skipped_scalar()) return;
+    if (depth_ == 0) top_not_object();
+    if (depth_ == 2 && in_meta_) return;  // a metadata value: a string, as it must be
+    if (depth_ == 2 && field_ == Field::Dtype) {
+      have_dtype_ = true;
+      if (s == "F32") cur_.dtype = DType::F32;
+      else if (s == "BF16") cur_.dtype = DType::BF16;
+      else if (s == "F16") cur_.dtype = DType::F16;
+      else fail("tensor '" + cur_.name + "' has unsupported dtype " + s + " (F32, BF16, F16 are read)");
+      return;
+    }
+    not_expected(nlohmann::json(s).dump());
   }
-  if (!d.is_number_integer()) fail(w + " is not an integer");
-  if (!d.is_number_unsigned() && d.get<int64_t>() < 0) fail(w + " is negative");
-  if (d.get<uint64_t>() > max) fail(w + " is out of range (" + (max == UINT64_MAX ? "2^64" : "2^63") + " or more)");
-  return d.get<uint64_t>();
-}
+  void key(std::string& k) {
+    if (skip_ > 0) return;
+    if (depth_ == 1) {
+      name_ = std::move(k);
+      return;
+    }
+    if (in_meta_) {  // depth 2 of __metadata__
+      meta_key_ = std::move(k);
+      return;
+    }
+    field_ = k == "dtype" ? Field::Dtype : k == "shape" ? Field::Shape : k == "data_offsets" ? Field::Offsets : Field::Other;
+  }
+  void start_object() {
+    if (skip_ > 0) return ++skip_, void();
+    if (opens_skipped()) return;
+    if (depth_ == 0) {
+      depth_ = 1;
+      return;
+    }
+    if (depth_ == 1) {
+      depth_ = 2;
+      in_meta_ = name_ == "__metadata__";
+      if (!in_meta_) begin_entry();
+      return;
+    }
+    not_expected("an object");
+  }
+  void end_object() {
+    if (skip_ > 0) {
+      --skip_;
+      return;
+    }
+    if (depth_ == 2 && !in_meta_) end_entry();
+    in_meta_ = false;
+    --depth_;
+  }
+  void start_array() {
+    if (skip_ > 0) return ++skip_, void();
+    if (opens_skipped()) return;
+    if (depth_ == 0) top_not_object();
+    if (depth_ == 2 && !in_meta_ && (field_ == Field::Shape || field_ == Field::Offsets)) {
+      depth_ = 3;
+      if (field_ == Field::Shape) {
+        have_shape_ = true;
+        cur_.shape.clear();
+      } else {
+        n_offsets_ = 0;
+      }
+      return;
+    }
+    not_expected("an array");
+  }
+  void end_array() {
+    if (skip_ > 0) {
+      --skip_;
+      return;
+    }
+    if (field_ == Field::Offsets && n_offsets_ != 2) bad_offsets();
+    if (field_ == Field::Offsets) have_offsets_ = true;
+    depth_ = 2;
+  }
+
+ private:
+  enum class Field { Dtype, Shape, Offsets, Other };
+  // A value of a key that is ignored (Field::Other inside an entry) opens a skipped subtree.
+  bool opens_skipped() {
+    if (depth_ == 2 && !in_meta_ && field_ == Field::Other) {
+      skip_ = 1;
+      return true;
+    }
+    return false;
+  }
+  bool skipped_scalar() const { return skip_ > 0 || (depth_ == 2 && !in_meta_ && field_ == Field::Other); }
+  void scalar(const char* text) {
+    if (skipped_scalar()) return;
+    if (depth_ == 0) top_not_object();
+    if (depth_ == 1 && name_ == "__metadata__" && std::string_view(text) == "null") return;  // Option<..>: none
+    not_expected(text);
+  }
+  template <class Text>
+  void number(Text text, bool negative, bool is_float, uint64_t u, double x) {
+    if (skipped_scalar()) return;
+    if (depth_ == 0) top_not_object();
+    if (depth_ != 3) not_expected(text());
+    const bool shape = field_ == Field::Shape;
+    const uint64_t max = shape ? INT64_MAX : UINT64_MAX;
+    auto where = [&] {
+      return "tensor '" + cur_.name + "': " +
+             (shape ? "dimension " + std::to_string(cur_.shape.size()) + " of its shape"
+                    : "data_offsets[" + std::to_string(n_offsets_) + "]") +
+             " (" + text() + ")";
+    };
+    if (is_float) {
+      if (std::isfinite(x) && x == std::floor(x) && std::fabs(x) > static_cast<double>(max))
+        fail(where() + " is out of range (" + range_text(max) + " or more)");
+      fail(where() + " is not an integer (a JSON integer, without fraction or exponent)");
+    }
+    if (negative) fail(where() + " is negative");
+    if (u > max) fail(where() + " is out of range (" + range_text(max) + " or more)");
+    if (shape) {
+      cur_.shape.push_back(static_cast<int64_t>(u));
+    } else {
+      if (n_offsets_ == 0) cur_.begin = u;
+      else if (n_offsets_ == 1) cur_.end = u;
+      if (++n_offsets_ > 2) bad_offsets();
+    }
+  }
+  [[noreturn]] void not_expected(const std::string& what) {
+    if (depth_ == 1) fail("tensor '" + name_ + "': malformed entry (" + what + ", not an object)");
+    if (depth_ == 2 && in_meta_)
+      fail("'__metadata__' entry '" + meta_key_ + "' is " + what + "; its values must be strings");
+    if (depth_ == 2 && field_ == Field::Dtype) fail("tensor '" + cur_.name + "': dtype " + what + " is not a string");
+    if (depth_ == 2 && field_ == Field::Shape)
+      fail("tensor '" + cur_.name + "': shape must be a list of integers, got " + what);
+    if (depth_ == 2 && field_ == Field::Offsets) bad_offsets();
+    if (depth_ == 3 && field_ == Field::Shape)
+      fail("tensor '" + cur_.name + "': dimension " + std::to_string(cur_.shape.size()) + " of its shape (" + what +
+           ") is not an integer");
+    if (depth_ == 3) fail("tensor '" + cur_.name + "': data_offsets[" + std::to_string(n_offsets_) + "] (" + what + ") is not an integer");
+    fail("malformed header (" + what + ")");
+  }
+  [[noreturn]] void top_not_object() { fail("header is not a JSON object"); }
+  [[noreturn]] void bad_offsets() { fail("tensor '" + cur_.name + "': data_offsets must have 2 entries"); }
+  void begin_entry() {
+    cur_ = StEntry{};
+    cur_.name = name_;
+    have_dtype_ = have_shape_ = have_offsets_ = false;
+    field_ = Field::Other;
+  }
+  void end_entry() {
+    for (auto [have, key] : {std::pair{have_dtype_, "dtype"}, std::pair{have_shape_, "shape"},
+                             std::pair{have_offsets_, "data_offsets"}})
+      if (!have) fail("tensor '" + cur_.name + "': malformed entry (key '" + key + "' not found)");
+    if (entries.size() == max_tensors_)
+      fail("holds more than " + std::to_string(max_tensors_) + " tensors, the most expected here (tensor '" +
+           cur_.name + "' is one too many)");
+    entries.push_back(std::move(cur_));
+  }
+  [[noreturn]] void fail(const std::string& w) const { throw std::runtime_error(prefix_ + w); }
+
+  const std::string prefix_;
+  const uint64_t max_tensors_;
+  std::string meta_key_;  // the key at depth 2 of __metadata__
+  uint32_t depth_ = 0;   // 1: the top object; 2: an entry or __metadata__; 3: a shape or data_offsets
+  uint32_t skip_ = 0;    // open containers of an ignored key's value
+  bool in_meta_ = false;
+  std::string name_;     // the key at depth 1
+  Field field_ = Field::Other;
+  StEntry cur_;
+  bool have_dtype_ = false, have_shape_ = false, have_offsets_ = false;
+  int n_offsets_ = 0;
+};
 }  // namespace
 
-StFile read_safetensors_header(const std::string& path) {
-  return read_safetensors_header(InputFile::open(path, "safetensors file"));
+StFile read_safetensors_header(const std::string& path, uint64_t max_tensors) {
+  return read_safetensors_header(InputFile::open(path, "safetensors file"), max_tensors);
 }
 
-StFile read_safetensors_header(const InputFile& file) {
+StFile read_safetensors_header(const InputFile& file, uint64_t max_tensors) {
   StFile f;
   f.path = file.path();
   f.file = std::make_shared<const InputFile>(file);
@@ -153,40 +325,21 @@ StFile read_safetensors_header(const InputFile& file) {
   if (n > kSafetensorsMaxHeader)
     fail("header length " + std::to_string(n) + " bytes exceeds the safetensors format's limit of " +
          std::to_string(kSafetensorsMaxHeader) + " bytes (MAX_HEADER_SIZE of the safetensors library)");
-  std::string hs(n, '\0');
-  file.read_at(hs.data(), n, 8);
   f.data_start = 8 + n;
   const uint64_t data_len = fsize - f.data_start;
-  json h;
-  if (const std::string nul = json_nul_problem(hs); !nul.empty()) fail("header is not valid JSON (" + nul + ")");
-  try {
-    h = json::parse(hs);
-  } catch (const std::exception& e) {
-    fail(std::string("header is not valid JSON (") + e.what() + ")");
-  }
-  if (!h.is_object()) fail("header is not a JSON object");
-  for (auto& [k, v] : h.items()) {
-    if (k == "__metadata__") continue;
-    StEntry e;
-    e.name = k;
+  {
+    std::string hs(n, '\0');
+    file.read_at(hs.data(), n, 8);
+    HeaderTable table("safetensors file '" + path + "': ", max_tensors);
     try {
-      std::string dt = v.at("dtype");
-      if (dt == "F32") e.dtype = DType::F32;
-      else if (dt == "BF16") e.dtype = DType::BF16;
-      else if (dt == "F16") e.dtype = DType::F16;
-      else fail("tensor '" + k + "' has unsupported dtype " + dt + " (F32, BF16, F16 are read)");
-      const json& shape = v.at("shape");
-      if (!shape.is_array()) fail("tensor '" + k + "': shape must be a list of integers, got " + shape.dump());
-      for (size_t i = 0; i < shape.size(); ++i)
-        e.shape.push_back(static_cast<int64_t>(
-            json_count(shape[i], "tensor '" + k + "': dimension " + std::to_string(i) + " of its shape", INT64_MAX, fail)));
-      const json& off = v.at("data_offsets");
-      if (!off.is_array() || off.size() != 2) fail("tensor '" + k + "': data_offsets must have 2 entries");
-      e.begin = json_count(off[0], "tensor '" + k + "': data_offsets[0]", UINT64_MAX, fail);
-      e.end = json_count(off[1], "tensor '" + k + "': data_offsets[1]", UINT64_MAX, fail);
-    } catch (const nlohmann::json::exception& ex) {
-      fail("tensor '" + k + "': malformed entry (" + ex.what() + ")");
+      scan_json(hs, json_limits::kSafetensorsHeader, table);
+    } catch (const JsonError& e) {
+      fail(std::string("header: ") + e.what());
     }
+    f.entries = std::move(table.entries);
+  }
+  for (const StEntry& e : f.entries) {
+    const std::string& k = e.name;
     // Elements and bytes with overflow checks: [2^62, 4] must not wrap to 0 bytes.
     uint64_t numel = 1, bytes = 0;
     for (auto d : e.shape) {
@@ -202,12 +355,22 @@ StFile read_safetensors_header(const InputFile& file) {
     if (e.end - e.begin != bytes)
       fail("tensor '" + k + "': " + std::to_string(e.end - e.begin) + " bytes for shape of " + std::to_string(numel) +
            " elements of " + dtype_name(e.dtype));
-    f.entries.push_back(e);
   }
-  std::vector<StEntry> sorted = f.entries;
-  std::sort(sorted.begin(), sorted.end(), [](auto& a, auto& b) { return a.begin < b.begin; });
+  // Names and offsets through sorted indices (N log N; the entries themselves are not copied).
+  std::vector<uint32_t> order(f.entries.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<uint32_t>(i);
+  std::sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) { return f.entries[a].name < f.entries[b].name; });
+  for (size_t i = 1; i < order.size(); ++i)
+    if (f.entries[order[i]].name == f.entries[order[i - 1]].name)
+      fail("tensor '" + f.entries[order[i]].name + "' appears twice in the header");
+  // By offset, an empty tensor before a non-empty one at the same offset (then by position).
+  std::sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
+    const StEntry &x = f.entries[a], &y = f.entries[b];
+    return std::tuple(x.begin, x.end, a) < std::tuple(y.begin, y.end, b);
+  });
   uint64_t pos = 0;
-  for (auto& e : sorted) {
+  for (uint32_t i : order) {
+    const StEntry& e = f.entries[i];
     if (e.begin < pos) fail("tensor '" + e.name + "' overlaps the tensor before it (data_offsets " + std::to_string(e.begin) + ")");
     if (e.begin > pos) fail("gap in the data buffer before tensor '" + e.name + "'");
     pos = e.end;

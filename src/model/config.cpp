@@ -1,6 +1,7 @@
 // Model config: presets, Hugging Face config.json parsing, validation, canonical JSON, broadcast.
 #include "shardtrain/config.h"
 #include "shardtrain/files.h"
+#include "shardtrain/json_input.h"
 
 #include <algorithm>
 #include <climits>
@@ -486,11 +487,10 @@ ModelConfig preset(const std::string& name) {
 
 ModelConfig parse_hf_config(const std::string& text, const std::string& source) {
   json j;
-  if (const std::string nul = json_nul_problem(text); !nul.empty()) bad(source, "not valid JSON: " + nul);
   try {
-    j = json::parse(text);
-  } catch (const json::exception& e) {
-    bad(source, std::string("not valid JSON: ") + e.what());
+    j = read_json(text, json_limits::kConfig);
+  } catch (const JsonError& e) {
+    bad(source, e.what());
   }
   if (!j.is_object()) bad(source, "top level is not a JSON object");
   // Llama, and Mistral while its sliding window does not cut the context (then it is a Llama).
@@ -560,8 +560,8 @@ std::string canonical_json(const ModelConfig& c) {
 ModelConfig from_canonical_json(const std::string& s) {
   json j;
   try {
-    j = json::parse(s);
-  } catch (const json::exception& e) {
+    j = read_json(s, json_limits::kConfig);
+  } catch (const JsonError& e) {
     bad("", e.what());
   }
   if (!j.is_object()) bad("", "not a JSON object");

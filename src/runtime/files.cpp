@@ -265,13 +265,6 @@ std::string InputFile::read_all(uint64_t max_bytes) const {
   return s;
 }
 
-std::string json_nul_problem(const std::string& text) {
-  const size_t z = text.find('\0');
-  if (z == std::string::npos) return "";
-  return "a NUL byte at byte offset " + std::to_string(z) + " of " + std::to_string(text.size()) +
-         " (JSON text holds none; a parser that stopped there would ignore the rest)";
-}
-
 bool path_exists(const std::string& path) {
   struct stat st {};
   return ::lstat(path.c_str(), &st) == 0;

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "shardtrain/files.h"
+#include "shardtrain/json_input.h"
 
 namespace shardtrain {
 
@@ -50,9 +51,9 @@ std::string join(const std::vector<std::string>& v, const char* sep) {
 
 // The inputs are identical on every rank, so every rank takes the same decisions.
 void check_resume_settings(Comm& comm, const CheckpointInfo& info, const TrainConfig& tc) {
-  nlohmann::json old, now = nlohmann::json::parse(train_config_json(tc));
+  nlohmann::json old, now = read_json(train_config_json(tc), json_limits::kCheckpointAttr);
   try {
-    old = nlohmann::json::parse(info.train_config);
+    old = read_json(info.train_config, json_limits::kCheckpointAttr);
   } catch (const std::exception& e) {  // read_checkpoint_info checked it already
     throw CollectiveError(0, "checkpoint '" + info.path + "': attribute 'train_config' is malformed: " + e.what());
   }
@@ -116,9 +117,9 @@ std::string continue_metrics(const std::string& given, int64_t step) {
   while (std::getline(in, line)) {
     bool keep = false;
     try {
-      nlohmann::json j = nlohmann::json::parse(line);
+      nlohmann::json j = read_json(line, json_limits::kMetricsLine);
       keep = j.is_object() && j.contains("step") && j["step"].is_number_integer() && j["step"].get<int64_t>() <= step;
-    } catch (const nlohmann::json::exception&) {
+    } catch (const std::exception&) {  // a torn or foreign line: moved aside
     }
     if (keep) {
       kept += line + "\n";

@@ -17,6 +17,7 @@
 
 #include "resume.h"
 #include "shardtrain/files.h"
+#include "shardtrain/json_input.h"
 #include "shardtrain/geometry.h"
 #include "shardtrain/checkpoint.h"
 #include "shardtrain/memory_plan.h"
@@ -362,8 +363,8 @@ template <typename C> void Trainer<C>::record_data() {
                               {"crc32", data_.crc32()}};
   nlohmann::json before;
   try {
-    before = nlohmann::json::parse(state_.data_info);
-  } catch (const nlohmann::json::exception&) {  // verified when read; "null" for a fresh run
+    before = read_json(state_.data_info, json_limits::kCheckpointAttr);
+  } catch (const std::exception&) {  // verified when read; "null" for a fresh run
   }
   if (!resume_path_.empty() && before.is_object() && before.contains("crc32") && before["crc32"] != now["crc32"])
     log_info(comm_, "note: resume: token file '" + data_.path() + "' is not the one the checkpoint trained on ('" +

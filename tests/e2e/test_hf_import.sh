@@ -105,7 +105,7 @@ expect_fail missing_shard "names shard file '$(cat "$WORK/missing_shard.name")',
 expect_fail overlap "tensor 'model.layers.0.self_attn.k_proj.weight' overlaps the tensor before it" 2 --mode import --hf-dir "$WORK/overlap" --out "$WORK/x.h5"
 expect_fail out_of_range "tensor 'model.norm.weight': data_offsets" 2 --mode import --hf-dir "$WORK/out_of_range" --out "$WORK/x.h5"
 grep -q "are out of range" "$WORK/out_of_range.log" || fail "out_of_range: message"
-expect_fail bad_json "header is not valid JSON" 2 --mode import --hf-dir "$WORK/bad_json" --out "$WORK/x.h5"
+expect_fail bad_json "header: not valid JSON" 2 --mode import --hf-dir "$WORK/bad_json" --out "$WORK/x.h5"
 # Header length above the format's limit (inside the file) vs longer than the file: two true
 # messages. 13936b5 said "exceeds the file" for the first (a 210 MiB file) and read 100 MB for the second.
 expect_fail header_200mib "header length 209715200 bytes exceeds the safetensors format's limit of 100000000 bytes" 2 \

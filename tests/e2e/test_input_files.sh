@@ -276,7 +276,7 @@ printf '\0garbage {{{' >>"$WORK/nul/config.json"
 expect_fail nul_config "not valid JSON: a NUL byte at byte offset" 2 --mode import --hf-dir "$WORK/nul" --out "$WORK/x.h5"
 rm -rf "$WORK/nul" && cp -r "$WORK/hf" "$WORK/nul"
 printf '\0{{{' >>"$WORK/nul/model.safetensors.index.json"
-expect_fail nul_index "is not valid JSON (a NUL byte at byte offset" 2 --mode import --hf-dir "$WORK/nul" --out "$WORK/x.h5"
+expect_fail nul_index "model.safetensors.index.json': not valid JSON: a NUL byte at byte offset" 2 --mode import --hf-dir "$WORK/nul" --out "$WORK/x.h5"
 rm -rf "$WORK/nul" && cp -r "$WORK/hf1" "$WORK/nul"
 "$PY" - "$WORK/nul/model.safetensors" <<'PY'
 import struct, sys
@@ -287,7 +287,7 @@ h = b[8:8 + n].rstrip(b" ") + b"\0"
 h += b" " * (-len(h) % 8)
 open(p, "wb").write(struct.pack("<Q", len(h)) + h + b[8 + n:])
 PY
-expect_fail nul_header "header is not valid JSON (a NUL byte at byte offset" 2 --mode import --hf-dir "$WORK/nul" --out "$WORK/x.h5"
+expect_fail nul_header "header: not valid JSON: a NUL byte at byte offset" 2 --mode import --hf-dir "$WORK/nul" --out "$WORK/x.h5"
 rm -rf "$WORK/rp" && cp -r "$WORK/hf1" "$WORK/rp"
 "$PY" - "$WORK/rp/config.json" <<'PY'
 import json, sys
