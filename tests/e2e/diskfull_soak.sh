@@ -8,7 +8,8 @@
 # STACK_GAP seconds apart: the same frames twice is a hang, different ones a slow save).
 #
 # Usage: bash tests/e2e/diskfull_soak.sh BUILD [RUNS=30]
-# Environment (defaults): WATCHDOG=120 (--collective-timeout; the wrapper is timeout -k 5
+# Environment (defaults): CASE=shim (shim_midwrite; tmpfs: tmpfs_midwrite, a real small tmpfs filled
+#   to leave half a checkpoint free, needs root), WATCHDOG=120 (--collective-timeout; the wrapper is timeout -k 5
 #   WATCHDOG+30), LOAD=1 (0: no load), BUSY=2 (busy loops), COMPILES=1 (loops compiling
 #   src/io/checkpoint_data.cpp into $WORK), LOAD_MIN=8 (wait, at most 120 s, for the 1-minute load
 #   average to reach it before the first run), STACK_AT=25, STACK_GAP=15, OUT=/tmp/diskfull-soak.N
@@ -17,10 +18,11 @@
 # and, for a run past STACK_AT, each rank's main-thread stack; at the end the outcome counts and the
 # times' minimum, median and maximum. Exit status 1 if any run did not pass.
 #
-# The case is test_checkpoint_diskfull.sh's shim_midwrite (keep ARGS and the shim's settings equal
-# to its): every rank sees a disk of half the checkpoint's size (tests/e2e/enospc_shim.c), the
-# space reservation skipped, so the tensor writes fail half-way; the job must exit 1 on every rank
-# with the message naming the .tmp, `latest` and step 2 unchanged, nothing left behind.
+# The cases are test_checkpoint_diskfull.sh's shim_midwrite and tmpfs_midwrite (keep ARGS and the
+# disk's settings equal to its): every rank sees a disk with half a checkpoint free (the shim,
+# tests/e2e/enospc_shim.c, or a tmpfs), the space reservation skipped, so the writes fail half-way;
+# the job must exit 1 on every rank with the message naming the .tmp, `latest` and step 2
+# unchanged, nothing left behind.
 source "$(dirname "$0")/common.sh"
 RUNS=${2:-30}
 WATCHDOG=${WATCHDOG:-120}
@@ -42,7 +44,7 @@ stop_load() {
   for p in "${LOADERS[@]}"; do while kill -0 "$p" 2>/dev/null; do sleep 0.1; done; done
   LOADERS=()
 }
-trap 'stop_load; rm -rf "$WORK"' EXIT
+trap 'stop_load; umount -l "$WORK/small" 2>/dev/null; rm -rf "$WORK"' EXIT
 trap 'exit 130' INT TERM
 
 # The published step 2, made once without load; every run starts from a copy of it.
@@ -51,6 +53,14 @@ timeout -k 5 60 $MPIRUN -np 2 "$BIN" "${ARGS[@]}" --checkpoint-dir "$SEED" --sto
   || { cat "$OUT/first.log"; fail "first checkpoint"; }
 size=$(stat -c %s "$SEED/step_00000002.h5")
 sum=$(sha256sum <"$SEED/step_00000002.h5")
+CASE=${CASE:-shim}
+case $CASE in
+  shim) ;;
+  tmpfs)
+    mkdir -p "$WORK/small"
+    mount -t tmpfs -o size=$((size * 5 / 1024 + 64))k tmpfs "$WORK/small" || fail "cannot mount a tmpfs (CASE=tmpfs needs root)" ;;
+  *) fail "CASE must be shim or tmpfs, not '$CASE'" ;;
+esac
 
 if [ "$LOAD" = 1 ]; then
   for ((i = 0; i < BUSY; i++)); do
@@ -69,7 +79,7 @@ if [ "$LOAD" = 1 ]; then
 else
   echo "load: none started; load average $(cut -d' ' -f1-3 /proc/loadavg)"
 fi
-echo "case shim_midwrite ($size-byte checkpoint, disk of $((size / 2)) bytes), --collective-timeout $WATCHDOG, wrapper timeout -k 5 $WRAP, $RUNS runs; logs in $OUT"
+echo "case ${CASE}_midwrite ($size-byte checkpoint, $((size / 2)) bytes free), --collective-timeout $WATCHDOG, wrapper timeout -k 5 $WRAP, $RUNS runs; logs in $OUT"
 
 # rank_pids MPIRUN_PARENT: "RANK:PID" for each rank of the job under this timeout process.
 rank_pids() {
@@ -115,12 +125,23 @@ judge() {
 declare -A COUNT
 TIMES=()
 for ((n = 1; n <= RUNS; n++)); do
-  dir=$WORK/run$n log=$OUT/run$n.log rc=0
-  rm -rf "$WORK/run$((n - 1))"
-  cp -a "$SEED" "$dir"
+  log=$OUT/run$n.log rc=0
+  if [ "$CASE" = shim ]; then
+    dir=$WORK/run$n
+    rm -rf "$WORK/run$((n - 1))"
+    cp -a "$SEED" "$dir"
+    disk=(LD_PRELOAD="$SHIM" ENOSPC_SHIM_DIR="$(realpath "$dir")" ENOSPC_SHIM_LIMIT=$((size / 2)))
+  else  # the tmpfs with step 2 and latest, filled to leave half a checkpoint free
+    dir=$WORK/small/ck
+    rm -rf "$dir" "$WORK/small/filler"
+    cp -a "$SEED" "$dir"
+    free=$(df -B1 --output=avail "$WORK/small" | tail -1 | tr -d ' ')
+    head -c $((free - size / 2)) /dev/zero >"$WORK/small/filler" 2>/dev/null || true
+    disk=(LD_PRELOAD= ENOSPC_SHIM_DIR= ENOSPC_SHIM_LIMIT=)
+  fi
   la=$(cut -d' ' -f1 /proc/loadavg)
   t0=$EPOCHREALTIME
-  env LD_PRELOAD="$SHIM" ENOSPC_SHIM_DIR="$(realpath "$dir")" ENOSPC_SHIM_LIMIT=$((size / 2)) SHARDTRAIN_TEST_SKIP_SPACE_CHECK=1 \
+  env "${disk[@]}" SHARDTRAIN_TEST_SKIP_SPACE_CHECK=1 \
     timeout -k 5 "$WRAP" $MPIRUN -np 2 -x LD_PRELOAD -x ENOSPC_SHIM_DIR -x ENOSPC_SHIM_LIMIT -x SHARDTRAIN_TEST_SKIP_SPACE_CHECK \
     "$BIN" "${ARGS[@]}" --collective-timeout "$WATCHDOG" "${MORE[@]}" --checkpoint-dir "$dir" --resume auto >"$log" 2>&1 &
   tpid=$!
@@ -141,7 +162,8 @@ for ((n = 1; n <= RUNS; n++)); do
   outcome=$(judge "$log" "$rc" "$dir")
   COUNT[$outcome]=$((${COUNT[$outcome]:-0} + 1))
   TIMES+=("$took")
-  printf 'run %2d: %-10s exit %3d  %6s s  load %s\n' "$n" "$outcome" "$rc" "$took" "$la"
+  what=$(grep -m1 -o 'error \[rank 0/2\]: .*' "$log" | grep -o 'rank [0-9]*: \|writing [^:]*\|reserving\|has not completed after [0-9]* s' | paste -sd' ')
+  printf 'run %2d: %-10s exit %3d  %6s s  load %-5s  %s\n' "$n" "$outcome" "$rc" "$took" "$la" "$what"
   [ -z "$st" ] || printf '%s' "$st"
 done
 stop_load
