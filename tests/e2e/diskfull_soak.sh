@@ -162,7 +162,7 @@ for ((n = 1; n <= RUNS; n++)); do
   outcome=$(judge "$log" "$rc" "$dir")
   COUNT[$outcome]=$((${COUNT[$outcome]:-0} + 1))
   TIMES+=("$took")
-  what=$(grep -m1 -o 'error \[rank 0/2\]: .*' "$log" | grep -o 'rank [0-9]*: \|writing [^:]*\|reserving\|has not completed after [0-9]* s' | paste -sd' ')
+  what=$(grep -m1 -o 'error \[rank 0/2\]: .*' "$log" | grep -o 'rank [0-9]*: \|writing [^:]*\|reserving\|has not completed after [0-9]* s' | paste -sd' ' || true)
   printf 'run %2d: %-10s exit %3d  %6s s  load %-5s  %s\n' "$n" "$outcome" "$rc" "$took" "$la" "$what"
   [ -z "$st" ] || printf '%s' "$st"
 done
