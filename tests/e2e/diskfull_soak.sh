@@ -44,7 +44,7 @@ stop_load() {
   for p in "${LOADERS[@]}"; do while kill -0 "$p" 2>/dev/null; do sleep 0.1; done; done
   LOADERS=()
 }
-trap 'stop_load; umount -l "$WORK/small" 2>/dev/null; rm -rf "$WORK"' EXIT
+trap 'rc=$?; stop_load; umount -l "$WORK/small" 2>/dev/null; rm -rf "$WORK"; exit $rc' EXIT  # (the campaign's status, not umount's)
 trap 'exit 130' INT TERM
 
 # The published step 2, made once without load; every run starts from a copy of it.
