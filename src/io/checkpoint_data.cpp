@@ -558,18 +558,25 @@ void write_checkpoint_file(Comm& comm, const std::string& tmp_path, const Checkp
 
   // Tensor data and tables are written with independent MPI-IO: a rank whose write fails returns
   // from it alone and no rank waits for it inside HDF5 (with collective MPI-IO, a failing
-  // aggregator strands the others in the two-phase exchange). Each rank records its first failure
-  // and the ranks agree on it (all_ok) after the root attributes and after each unit's data, so
-  // they all leave the write at the same point with the same message.
+  // aggregator strands the others in the two-phase exchange). The write is a series of steps (the
+  // root attributes; each unit's group, attributes, datasets and rows; each unit's tables; the
+  // metadata checksums); in a step each rank records its first failure, and every step ends in
+  // the ranks' agreement on it (all_ok), so they all leave the write at the same point with the
+  // same message, and no rank ever skips an HDF5 call that another makes. Parallel HDF5 needs
+  // every rank to make the same metadata calls (create a group, a dataset, an attribute) in the
+  // same order: a rank that skipped some holds other metadata and another end of allocation, and
+  // the close's collectives then differ (issue 53: a table write of rank 0 that failed was agreed
+  // only after the next unit, whose calls rank 0 skipped; in the close rank 0 waited in
+  // MPI_File_set_size's barrier, rank 1 in the metadata cache's broadcast, until the watchdog).
   std::string fail;
-  auto attempt = [&](auto&& fn) {
-    if (!fail.empty()) return;
+  auto step = [&](auto&& fn) {
     try {
       fn();
     } catch (const std::exception& e) {
-      fail = where + e.what();
+      if (fail.empty()) fail = where + e.what();
     }
     if (fail.empty()) fail = hdf5_write_error(wc, "");
+    all_ok(comm, fail.empty(), fail);
   };
   std::exception_ptr failed;  // the agreed failure (the same CollectiveError on every rank)
   try {
@@ -577,12 +584,11 @@ void write_checkpoint_file(Comm& comm, const std::string& tmp_path, const Checkp
     H5Id units, dxpl(H5Pcreate(H5P_DATASET_XFER), H5Pclose);
     H5Pset_dxpl_mpio(dxpl, H5FD_MPIO_INDEPENDENT);
     std::optional<DirectFileWriter> rows_out;  // opened at this rank's first row (direct_io.h)
-    attempt([&] {
+    step([&] {
       write_root_attributes(file, ms, snap);
       units = H5Id(chk(H5Gcreate2(file, "units", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), "create group /units"), H5Gclose);
       if (!snap.state.tokenizer.kind.empty()) write_tokenizer_group(comm, file, ms, snap.state.tokenizer, dxpl);
     });
-    all_ok(comm, fail.empty(), fail);
     std::string diverged, tied;
     static const float kNoRows = 0;  // a unit this rank does not hold: an empty selection's buffer
     for (size_t u = 0; u < plan.units.size(); ++u) {
@@ -599,7 +605,7 @@ void write_checkpoint_file(Comm& comm, const std::string& tmp_path, const Checkp
           my_crc[k] = crc32_of(src[k], S);
         }
       H5Id g;
-      attempt([&] {
+      step([&] {
         g = H5Id(chk(H5Gcreate2(units, up.name.c_str(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), "create group " + up.name),
                  H5Gclose);
         write_unit_attributes(g, ms, static_cast<int>(u), up);
@@ -607,17 +613,15 @@ void write_checkpoint_file(Comm& comm, const std::string& tmp_path, const Checkp
         if (snap.tp.tp > 1) write_unit_tp_tables(comm, g, ms, up, snap.tp.units.at(u), dxpl);
         write_unit_rows(wc, g, up, src, r, role == kWriter, dxpl, rows_out, fail);
       });
-      all_ok(comm, fail.empty(), fail);
       const std::vector<uint32_t> crc32s = gather_unit_checksums(comm, up, W, r, role, my_crc, diverged, tied);
       if (!tied.empty())  // every rank saw the same table: all refuse alike, and nothing is published
         throw CollectiveError(0, where + "the last pipeline stage's copy of the tied embedding differs from the first "
                                  "stage's (" + tied + "): the copies must be identical (their gradients are summed "
                                  "before every update); the checkpoint is not published. This is a bug in shardtrain, "
                                  "not an error of the run's settings: please report it");
-      attempt([&] { write_unit_tables(comm, g, ms, up, W, crc32s, dxpl); });  // agreed after the next unit
+      step([&] { write_unit_tables(comm, g, ms, up, W, crc32s, dxpl); });  // rank 0 writes them: agreed now
     }
-    attempt([&] { write_metadata_checksums(file, ms); });
-    all_ok(comm, fail.empty(), fail);
+    step([&] { write_metadata_checksums(file, ms); });
     if (!diverged.empty())  // every rank saw the same table; the writing replica's copy is what was saved
       log_info(comm, "warning: checkpoint '" + tmp_path + "': the hybrid-sharding replica groups hold different "
                      "parameters or AdamW state (" + diverged + "); the writing replica group's copy is saved");

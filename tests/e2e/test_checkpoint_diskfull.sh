@@ -10,7 +10,8 @@
 #                  does not honour it); shim_rank1_sync the same with --checkpoint-async off
 #   eio_meta_rank0 an I/O error (EIO, not a full disk) in HDF5's metadata write, which rank 0 alone
 #                  does, in the close (also _sync: --checkpoint-async off); eio_data_rank1 an EIO in
-#                  a tensor-data write of rank 1 only
+#                  a tensor-data write of rank 1 only; eio_table_rank0 an EIO in rank 0's write of a
+#                  unit's tables, before the next unit (a hang until issue 53)
 #   tmpfs_*        the same on a real small tmpfs, where mounting one is permitted (root)
 #   race_*         a small tmpfs that another writer fills WHILE the save runs (issue 29's scenario),
 #                  the writer started at three moments; see race_case for what each gives
@@ -99,6 +100,15 @@ expect_diskfull eio_meta_rank0_sync "$CK" "writing HDF5's metadata or tables (.*
   ENOSPC_SHIM_RANK=0 ENOSPC_SHIM_OFFSET=0-2048
 EXTRA=()
 expect_diskfull eio_data_rank1 "$CK" "rank 1: .*writing [^ ]*/[a-z_]* failed: $EIO" "${eio[@]}" ENOSPC_SHIM_RANK=1 ENOSPC_SHIM_MIN_BYTES=4096
+# An I/O error in a unit's tables (shard_table, shard_crc32, param_table), which rank 0 alone writes,
+# after the unit's rows: the shim fails rank 0's writes of at most 200 bytes into the checkpoint, the
+# first of which is unit 0's shard_table (48 bytes; the rows' writes are larger, and HDF5's metadata
+# is written in the close). The ranks agreed on a table's failure only after the next unit, whose
+# HDF5 calls rank 0 skipped: the ranks' metadata differed, and the close hung until the watchdog
+# (issue 53; on a full disk, when another rank's next rows took the last blocks before rank 0's
+# table: tests/e2e/diskfull_soak.sh CASE=tmpfs, under load). Now every step of the write is agreed.
+expect_diskfull eio_table_rank0 "$CK" "writing HDF5's metadata or tables ([0-9]* bytes at byte offset [0-9]*) failed: $EIO" \
+  "${eio[@]}" ENOSPC_SHIM_RANK=0 ENOSPC_SHIM_MAX_BYTES=200
 loadable "$CK"
 # Hybrid sharding (2 ranks, shard group 1): rank 1 is a replica that writes no rows, and only rank 0
 # writes HDF5's metadata, so a disk failing for rank 1 alone cannot fail, or hang, the save (it hung
