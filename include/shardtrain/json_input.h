@@ -11,7 +11,9 @@
 //   - scan_json: the events alone, for a reader that keeps only what it needs (the safetensors
 //     header's tensor table: read_safetensors_header).
 // A NUL byte anywhere is refused (nlohmann's char* input ends at one and would ignore the rest;
-// Python's json and the safetensors library refuse it), as is invalid UTF-8 (nlohmann's lexer).
+// Python's json and the safetensors library refuse it), as are invalid UTF-8 (nlohmann's lexer) and
+// a leading UTF-8 byte order mark (which nlohmann would skip; serde_json and Python's json.load of
+// the text refuse it). nlohmann's syntax messages quote the token they stopped at: cut at 300 bytes.
 //
 // Errors: JsonError (a std::runtime_error) whose what() is the reason alone, e.g.
 //   "not valid JSON: [json.exception.parse_error.101] parse error at line 1, column 2: ..."

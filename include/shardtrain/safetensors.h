@@ -59,7 +59,8 @@ inline constexpr uint64_t kSafetensorsMaxHeader = 100'000'000;
 
 // Parses and validates the header: JSON, dtypes (F32/BF16/F16), shapes (JSON integers in
 // [0, 2^63); a fraction, a negative or larger number is refused naming the dimension), offsets
-// inside the file, sizes matching dtype x shape, no overlaps, no gaps, no name twice;
+// inside the file, sizes matching dtype x shape, no overlaps, no gaps, no name twice, no field of an
+// entry twice, at most 64 dimensions, no "-0";
 // "__metadata__", when present, an object of strings (or null), as the safetensors crate requires.
 // The header is streamed (json_input.h scan_json, limits json_limits::kSafetensorsHeader) into the
 // table alone: memory proportional to the number of tensors (about 100 bytes each beside the

@@ -132,7 +132,8 @@ class HeaderTable {
   void null() { scalar("null"); }
   void boolean(bool v) { scalar(v ? "true" : "false"); }
   // Numbers as nlohmann::json dumps them in messages (1e300 as 1e+300), made only on a refusal.
-  void number_integer(int64_t v) { number([v] { return nlohmann::json(v).dump(); }, v < 0, false, 0, 0); }
+  // A negative integer, or "-0" (non-negative ones come as number_unsigned), which serde refuses.
+  void number_integer(int64_t v) { number([v] { return v == 0 ? std::string("-0") : nlohmann::json(v).dump(); }, true, false, 0, 0); }
   void number_unsigned(uint64_t v) { number([v] { return nlohmann::json(v).dump(); }, false, false, v, 0); }
   void number_float(double v, const std::string&) { number([v] { return nlohmann::json(v).dump(); }, false, true, 0, v); }
   void string(std::string& s) {
@@ -160,6 +161,10 @@ class HeaderTable {
       return;
     }
     field_ = k == "dtype" ? Field::Dtype : k == "shape" ? Field::Shape : k == "data_offsets" ? Field::Offsets : Field::Other;
+    // A field given twice is refused, as serde refuses it in the safetensors crate ("duplicate field").
+    if ((field_ == Field::Dtype && have_dtype_) || (field_ == Field::Shape && have_shape_) ||
+        (field_ == Field::Offsets && have_offsets_))
+      fail("tensor '" + cur_.name + "': key '" + k + "' appears twice in its entry");
   }
   void start_object() {
     if (skip_ > 0) return ++skip_, void();
@@ -171,7 +176,8 @@ class HeaderTable {
     if (depth_ == 1) {
       depth_ = 2;
       in_meta_ = name_ == "__metadata__";
-      if (!in_meta_) begin_entry();
+      if (in_meta_) seen_meta();
+      else begin_entry();
       return;
     }
     not_expected("an object");
@@ -225,7 +231,7 @@ class HeaderTable {
   void scalar(const char* text) {
     if (skipped_scalar()) return;
     if (depth_ == 0) top_not_object();
-    if (depth_ == 1 && name_ == "__metadata__" && std::string_view(text) == "null") return;  // Option<..>: none
+    if (depth_ == 1 && name_ == "__metadata__" && std::string_view(text) == "null") return seen_meta();  // Option<..>: none
     not_expected(text);
   }
   template <class Text>
@@ -249,6 +255,8 @@ class HeaderTable {
     if (negative) fail(where() + " is negative");
     if (u > max) fail(where() + " is out of range (" + range_text(max) + " or more)");
     if (shape) {
+      if (cur_.shape.size() == kMaxDims)
+        fail("tensor '" + cur_.name + "': its shape has more than " + std::to_string(kMaxDims) + " dimensions");
       cur_.shape.push_back(static_cast<int64_t>(u));
     } else {
       if (n_offsets_ == 0) cur_.begin = u;
@@ -269,6 +277,10 @@ class HeaderTable {
            ") is not an integer");
     if (depth_ == 3) fail("tensor '" + cur_.name + "': data_offsets[" + std::to_string(n_offsets_) + "] (" + what + ") is not an integer");
     fail("malformed header (" + what + ")");
+  }
+  void seen_meta() {
+    if (have_meta_) fail("'__metadata__' appears twice in the header");
+    have_meta_ = true;
   }
   [[noreturn]] void top_not_object() { fail("header is not a JSON object"); }
   [[noreturn]] void bad_offsets() { fail("tensor '" + cur_.name + "': data_offsets must have 2 entries"); }
@@ -298,7 +310,10 @@ class HeaderTable {
   std::string name_;     // the key at depth 1
   Field field_ = Field::Other;
   StEntry cur_;
-  bool have_dtype_ = false, have_shape_ = false, have_offsets_ = false;
+  bool have_dtype_ = false, have_shape_ = false, have_offsets_ = false, have_meta_ = false;
+  // Dimensions of one shape: PyTorch's own limit is 64; a longer list only costs memory (8 bytes a
+  // dimension, beyond the header's bytes).
+  static constexpr size_t kMaxDims = 64;
   int n_offsets_ = 0;
 };
 }  // namespace

@@ -211,7 +211,23 @@ InputFile InputDir::open_inside(const std::string& name, const std::string& what
   const fs::path p = checked_name(path_, name, what);
   test_file_pause("open", p.string());
   const std::string named = what + ": file '" + p.string() + "'";
-  const int fd = ::openat(*fd_, name.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
+  // First an O_PATH descriptor (links followed, but nothing opened for reading: a link to a device
+  // opens no device), whose real path must lie inside and which must be a regular file; only then
+  // the file itself, reopened through that descriptor (/proc/self/fd/N), so the same inode.
+  int fd = -1;
+  if (const int pfd = ::openat(*fd_, name.c_str(), O_PATH | O_CLOEXEC); pfd >= 0) {
+    const std::shared_ptr<const int> hold(new int(pfd), [](const int* q) { ::close(*q); delete q; });
+    const fs::path preal = fd_real_path(pfd);
+    if (!preal.empty()) {
+      refuse_pseudo_fs(pfd, named);  // fstatfs is allowed on an O_PATH descriptor
+      check_real_inside(path_, name, what, real_path(), preal);
+      struct stat st {};
+      if (::fstat(pfd, &st) == 0 && !S_ISREG(st.st_mode))
+        throw std::runtime_error(named + " is not a regular file (" + file_kind(st.st_mode) + "); give a file to read");
+      fd = ::open(("/proc/self/fd/" + std::to_string(pfd)).c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
+    }
+  }
+  if (fd < 0) fd = ::openat(*fd_, name.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
   if (fd < 0) {
     const int e = errno;
     struct stat st {};

@@ -85,6 +85,13 @@ TEST(JsonInput, NulBadUtf8AndTrailingTextAreRefused) {
   EXPECT_NE(refusal("[\"\xff\"]", kSmall).find("not valid JSON: [json.exception.parse_error.101]"), std::string::npos);
   EXPECT_NE(refusal("[1] [2]", kSmall).find("not valid JSON: [json.exception.parse_error.101]"), std::string::npos);
   EXPECT_NE(refusal("", kSmall).find("not valid JSON"), std::string::npos);
+  EXPECT_EQ(refusal("\xEF\xBB\xBF[1]", kSmall).rfind("not valid JSON: it starts with a UTF-8 byte order mark", 0), 0u);
+  // nlohmann quotes the token it stopped at: the message is cut, whatever the token's length.
+  const std::string bad = "{\"x\": 1" + std::string(1'000'000, '0') + "x}";
+  const std::string cut = refusal(bad, json_limits::kConfig);
+  EXPECT_EQ(cut.rfind("not valid JSON: [json.exception.", 0), 0u) << cut.substr(0, 200);
+  EXPECT_LT(cut.size(), 400u);
+  EXPECT_NE(cut.find("-byte message cut)"), std::string::npos);
   EXPECT_TRUE(read_json_or_discarded("[1", kSmall).is_discarded());
   EXPECT_EQ(read_json_or_discarded("[1]", kSmall), json::array({1}));
 }
@@ -187,6 +194,17 @@ TEST(SafetensorsHeader, MalformedTablesAreRefusedNamingTheTensor) {
             "tensor 'a' appears twice in the header");
   EXPECT_EQ(st_refusal("overlap", R"({"a": {)" + ok + R"(}, "b": {"dtype": "F32", "shape": [1], "data_offsets": [2, 6]}})", 6),
             "tensor 'b' overlaps the tensor before it (data_offsets 2)");
+  // As serde in the safetensors crate: a field twice, __metadata__ twice, and -0 are refused.
+  EXPECT_EQ(st_refusal("dup_shape", R"({"a": {"dtype": "F32", "shape": [3], "shape": [1], "data_offsets": [0, 4]}})", 4),
+            "tensor 'a': key 'shape' appears twice in its entry");
+  EXPECT_EQ(st_refusal("dup_meta", R"({"__metadata__": {}, "a": {)" + ok + R"(}, "__metadata__": null})", 4),
+            "'__metadata__' appears twice in the header");
+  EXPECT_EQ(st_refusal("neg0", R"({"a": {"dtype": "F32", "shape": [-0], "data_offsets": [0, 0]}})", 0),
+            "tensor 'a': dimension 0 of its shape (-0) is negative");
+  std::string dims = "[1";
+  for (int i = 0; i < 64; ++i) dims += ", 1";
+  EXPECT_EQ(st_refusal("dims65", R"({"a": {"dtype": "F32", "shape": )" + dims + R"(], "data_offsets": [0, 4]}})", 4),
+            "tensor 'a': its shape has more than 64 dimensions");
   EXPECT_EQ(st_refusal("gap", R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}})", 8),
             "gap in the data buffer before tensor 'a'");
   // Deep nesting is refused at the first level past the entry's structure, or by the depth limit

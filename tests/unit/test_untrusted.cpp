@@ -263,6 +263,10 @@ TEST(Untrusted, InputDirKeepsTheDirectoryOpened) {
                 .find("names 'up', a symbolic link to '" + fs::canonical(root / "b" / "x").string() + "', outside of directory '" +
                       (root / "cur").string() + "'"),
             std::string::npos);
+  // A link to a device outside is refused before anything is opened for reading (an O_PATH
+  // descriptor checked first: opening a device can have effects of its own).
+  fs::create_symlink("/dev/null", root / "a" / "dev");
+  EXPECT_NE(error_of([&] { d.open_inside("dev", "dir"); }).find("a symbolic link to '/dev/null', outside"), std::string::npos);
   EXPECT_NE(error_of([&] { d.open_inside("none", "dir"); }).find("dir: file '" + (root / "cur" / "none").string() + "': no such file"),
             std::string::npos);
   EXPECT_NE(error_of([&] { InputDir::open((root / "none").string(), "option '--hf-dir'"); })
