@@ -68,3 +68,20 @@ P
 
 # losses FILE: the training losses of a metrics file, one per line, full precision.
 losses() { "$PY" -c 'import json,sys; [print(repr(json.loads(l)["loss"])) for l in open(sys.argv[1]) if "\"loss\"" in l]' "$1"; }
+
+# start_link_flipper LINK A B: a background process that renames a fresh symbolic link over LINK,
+# alternating its target between A and B every 0.2 ms (atomic: LINK always exists); its pid in FLIP.
+# The swap races of link_swap_race.sh and hf_dir_swap_race.sh.
+start_link_flipper() {
+  "$PY" - "$1" "$2" "$3" <<'PY' &
+import os, sys, time
+p, a, b = sys.argv[1:4]
+tmp, i = p + ".flip", 0
+while True:
+    os.symlink(b if i % 2 else a, tmp)
+    os.replace(tmp, p)
+    i += 1
+    time.sleep(0.0002)
+PY
+  FLIP=$!
+}

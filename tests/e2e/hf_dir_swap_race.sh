@@ -45,17 +45,7 @@ run_import() {  # DIR OUT LOG
 run_import "$WORK/A" "$WORK/refA.h5" "$WORK/refA.log" || { cat "$WORK/refA.log"; fail "import of A failed"; }
 run_import "$WORK/B" "$WORK/refB.h5" "$WORK/refB.log" || { cat "$WORK/refB.log"; fail "import of B failed"; }
 ln -s A "$WORK/cur"
-# The flipper: an atomic rename of a fresh link over cur, alternating A and B, every 0.2 ms.
-"$PY" - "$WORK/cur" <<'PY' &
-import os, sys, time
-p, tmp, i = sys.argv[1], sys.argv[1] + ".flip", 0
-while True:
-    os.symlink("B" if i % 2 else "A", tmp)
-    os.replace(tmp, p)
-    i += 1
-    time.sleep(0.0002)
-PY
-FLIP=$!
+start_link_flipper "$WORK/cur" A B  # cur flips between A and B every 0.2 ms
 trap 'kill $FLIP 2>/dev/null || true; rm -rf "$WORK"' EXIT
 refused=0
 : >"$WORK/refusals.txt"

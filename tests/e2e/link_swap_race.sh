@@ -26,17 +26,7 @@ b[8 + n:] = struct.pack("<f", 7.0) * ((len(b) - 8 - n) // 4)
 open(sys.argv[2], "wb").write(bytes(b))
 PY
 ln -s inside.safetensors "$WORK/hf/$SHARD"
-# The flipper: an atomic rename of a fresh link over the shard's name, alternating, every 0.2 ms.
-"$PY" - "$WORK/hf/$SHARD" <<'PY' &
-import os, sys, time
-p, tmp, i = sys.argv[1], sys.argv[1] + ".flip", 0
-while True:
-    os.symlink("../outside.safetensors" if i % 2 else "inside.safetensors", tmp)
-    os.replace(tmp, p)
-    i += 1
-    time.sleep(0.0002)
-PY
-FLIP=$!
+start_link_flipper "$WORK/hf/$SHARD" inside.safetensors ../outside.safetensors  # every 0.2 ms
 trap 'kill $FLIP 2>/dev/null; rm -rf "$WORK"' EXIT
 ok=0 refused=0 leaked=0
 for ((i = 1; i <= RUNS; i++)); do
