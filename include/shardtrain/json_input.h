@@ -15,7 +15,7 @@
 // a leading UTF-8 byte order mark (which nlohmann would skip; serde_json and Python's json.load of
 // the text refuse it). nlohmann's syntax messages quote the token they stopped at: cut at 300 bytes.
 //
-// Errors: JsonError (a std::runtime_error) whose what() is the reason alone, e.g.
+// Errors: JsonError (a nlohmann::json::exception) whose what() is the reason alone, e.g.
 //   "not valid JSON: [json.exception.parse_error.101] parse error at line 1, column 2: ..."
 //   "not valid JSON: a NUL byte at byte offset 7 of 12 (JSON text holds none; ...)"
 //   "JSON nested deeper than 64 levels (the limit for a config.json)"
@@ -69,9 +69,11 @@ inline constexpr JsonLimits kCheckpointAttr{"a checkpoint attribute", 64 * kMiB,
 inline constexpr JsonLimits kMetricsLine{"a metrics line", 1 * kMiB, 16, 64 * 1024, 10'000};
 }  // namespace json_limits
 
-class JsonError : public std::runtime_error {
+// A nlohmann::json::exception, so that a reader's `catch (const json::exception&)` around both the
+// parse and its .at() / .get() handles a refusal of the reader the same way; what() is the reason.
+class JsonError : public nlohmann::json::exception {
  public:
-  using std::runtime_error::runtime_error;
+  explicit JsonError(const std::string& what) : nlohmann::json::exception(0, what.c_str()) {}
 };
 
 // Parses `text` (whole: trailing non-space is an error) into a DOM within `lim`. Throws JsonError.

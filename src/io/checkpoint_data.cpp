@@ -562,7 +562,9 @@ void write_checkpoint_file(Comm& comm, const std::string& tmp_path, const Checkp
   // root attributes; each unit's group, attributes, datasets and rows; each unit's tables; the
   // metadata checksums); in a step each rank records its first failure, and every step ends in
   // the ranks' agreement on it (all_ok), so they all leave the write at the same point with the
-  // same message, and no rank ever skips an HDF5 call that another makes. Parallel HDF5 needs
+  // same message, and no rank skips an HDF5 call that another makes after a failure it recorded
+  // (a failed write, which never throws; a call that throws on one rank alone still leaves the
+  // ranks apart until the collective watchdog: issue 53's note). Parallel HDF5 needs
   // every rank to make the same metadata calls (create a group, a dataset, an attribute) in the
   // same order: a rank that skipped some holds other metadata and another end of allocation, and
   // the close's collectives then differ (issue 53: a table write of rank 0 that failed was agreed

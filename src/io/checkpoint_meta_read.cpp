@@ -272,8 +272,6 @@ std::string read_format_and_checksums(hid_t file, CheckpointInfo& info, MetaSums
       }
     } catch (const json::exception& e) {
       throw H5Error("attribute '" + std::string(kMetaTable) + "' is not a JSON object of CRC32s: " + e.what());
-    } catch (const JsonError& e) {
-      throw H5Error("attribute '" + std::string(kMetaTable) + "' is not a JSON object of CRC32s: " + e.what());
     }
     ms.verify = true;
   }
@@ -316,8 +314,6 @@ void read_tp_mesh(hid_t file, CheckpointInfo& info, MetaSums& ms) {
     }
   } catch (const json::exception& e) {
     throw H5Error(std::string("attribute 'tensor_parallel' is malformed: ") + e.what());
-  } catch (const JsonError& e) {
-    throw H5Error(std::string("attribute 'tensor_parallel' is malformed: ") + e.what());
   }
   if (info.tp < 2 || int64_t{info.tp} * info.tp_dp_shard * info.tp_dp_replicate != info.world_size)
     throw H5Error("attribute 'tensor_parallel' (" + tp + ") is not a mesh of tp >= 2 whose sizes multiply to "
@@ -343,8 +339,6 @@ void read_mesh(hid_t file, CheckpointInfo& info, MetaSums& ms) {
       dims[k] = static_cast<int>(v.get<int64_t>());
     }
   } catch (const json::exception& e) {
-    throw H5Error(std::string("attribute 'mesh' is malformed: ") + e.what());
-  } catch (const JsonError& e) {
     throw H5Error(std::string("attribute 'mesh' is malformed: ") + e.what());
   }
   info.tp = dims[0];
@@ -376,8 +370,6 @@ void read_pipeline(hid_t file, CheckpointInfo& info, MetaSums& ms) {
   try {
     L = read_json(info.model_config, json_limits::kCheckpointAttr).at("num_hidden_layers").get<int64_t>();
   } catch (const json::exception& e) {
-    throw H5Error("attribute 'model_config' has no integer 'num_hidden_layers' (" + std::string(e.what()) + ")");
-  } catch (const JsonError& e) {
     throw H5Error("attribute 'model_config' has no integer 'num_hidden_layers' (" + std::string(e.what()) + ")");
   }
   try {
@@ -411,8 +403,6 @@ void read_pipeline(hid_t file, CheckpointInfo& info, MetaSums& ms) {
                     std::to_string(L) + " blocks");
     info.pp_bounds = j["bounds"].get<std::vector<int>>();
   } catch (const json::exception& e) {
-    throw H5Error(w + " is malformed: " + e.what());
-  } catch (const JsonError& e) {
     throw H5Error(w + " is malformed: " + e.what());
   }
 }
@@ -671,8 +661,6 @@ void cross_check(CheckpointInfo& info) {
     }
   } catch (const json::exception& e) {
     throw H5Error(std::string("attributes 'train_config', 'data_position' or 'rng_state' are malformed: ") + e.what());
-  } catch (const JsonError& e) {
-    throw H5Error(std::string("attributes 'train_config', 'data_position' or 'rng_state' are malformed: ") + e.what());
   }
 }
 
@@ -700,8 +688,6 @@ std::vector<std::string> architecture_differences(const std::string& ckpt, const
     a = read_json(ckpt, json_limits::kCheckpointAttr);
     b = read_json(requested, json_limits::kCheckpointAttr);
   } catch (const json::exception& e) {
-    throw std::invalid_argument(std::string("model config is not valid JSON: ") + e.what());
-  } catch (const JsonError& e) {
     throw std::invalid_argument(std::string("model config is not valid JSON: ") + e.what());
   }
   if (!a.is_object() || !b.is_object()) throw std::invalid_argument("model config is not a JSON object");
