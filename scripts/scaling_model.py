@@ -998,7 +998,7 @@ def pp_bubble_fraction(schedule, P, m, v=1, tf=1.0, ti=1.0, tw=1.0):
 def pp_chunks(cfg, P, v=1):
     """Blocks 0..L+1 (0 the embedding, l+1 decoder layer l, L+1 the final norm and head) cut into
     S = P v contiguous chunks, the embedding and the head counted as one block each (README,
-    "Pipeline parallelism"; include/shardtrain/pipeline_schedule.h); the first n mod S chunks take
+    "Pipeline parallelism"; include/shardtrain/parallel/pipeline_schedule.h); the first n mod S chunks take
     one block more (assumed: an uneven split's order is not modelled). Chunk c runs on pipeline
     rank c mod P. Returns [[block, ...] per chunk]."""
     n, S = cfg.L + 2, P * v
@@ -1076,7 +1076,7 @@ def pp_memory(cfg, W, P, tp, b, T, schedule, v, m, recompute):
     input); times the micro-batch-layers rank 0 holds: no PP, L (one micro-batch; accumulation
     frees each); gpipe min(m,..) m x L/P; 1f1b and zb-h1 min(P, m) x L/P (Qi et al. 2024: ZB-H1
     keeps 1F1B's peak); interleaved ((P-1) 2 + (v-1) P + 1) chunks of L/(P v) (Megatron-LM's
-    warm-up count, include/shardtrain/pipeline_schedule.h, + the one in its backward)."""
+    warm-up count, include/shardtrain/parallel/pipeline_schedule.h, + the one in its backward)."""
     dp = W // (P * tp)
     chunks = pp_chunks(cfg, P, v)
     us = units(cfg, tp)

@@ -10,25 +10,25 @@
 #include <fstream>
 #include <sstream>
 
-#include "shardtrain/backend.h"
-#include "shardtrain/blas_select.h"
-#include "shardtrain/checkpoint.h"
-#include "shardtrain/cuda.h"
-#include "shardtrain/geometry.h"
-#include "shardtrain/hf.h"
-#include "shardtrain/config.h"
-#include "shardtrain/cpu_affinity.h"
-#include "shardtrain/data.h"
-#include "shardtrain/files.h"
-#include "shardtrain/memory_plan.h"
-#include "shardtrain/mfu.h"
-#include "shardtrain/mesh.h"
-#include "shardtrain/options.h"
-#include "shardtrain/parallelize.h"  // training_refusal
-#include "shardtrain/prepare.h"
-#include "shardtrain/runtime.h"
-#include "shardtrain/tokenizer.h"
-#include "shardtrain/train.h"
+#include "shardtrain/backend/backend.h"
+#include "shardtrain/backend/blas_select.h"
+#include "shardtrain/io/checkpoint.h"
+#include "shardtrain/backend/cuda.h"
+#include "shardtrain/parallel/geometry.h"
+#include "shardtrain/io/hf.h"
+#include "shardtrain/model/config.h"
+#include "shardtrain/runtime/cpu_affinity.h"
+#include "shardtrain/data/data.h"
+#include "shardtrain/runtime/files.h"
+#include "shardtrain/train/memory_plan.h"
+#include "shardtrain/train/mfu.h"
+#include "shardtrain/runtime/mesh.h"
+#include "shardtrain/app/options.h"
+#include "shardtrain/parallel/parallelize.h"  // training_refusal
+#include "shardtrain/data/prepare.h"
+#include "shardtrain/runtime/runtime.h"
+#include "shardtrain/data/tokenizer.h"
+#include "shardtrain/train/train.h"
 
 using namespace shardtrain;
 

@@ -1,7 +1,7 @@
 // Shared helpers for shardtrain tests.
 #pragma once
 #include <cstdio>
-#include "shardtrain/runtime.h"
+#include "shardtrain/runtime/runtime.h"
 
 namespace shardtrain::testing {
 extern Runtime* g_runtime;

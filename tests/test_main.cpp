@@ -2,7 +2,7 @@
 // on rank 0 only, and makes the process exit code reflect failures on this rank.
 #include <gtest/gtest.h>
 
-#include "shardtrain/blas_select.h"
+#include "shardtrain/backend/blas_select.h"
 
 #include "test_env.h"
 

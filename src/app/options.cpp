@@ -1,9 +1,9 @@
 // Option parsing with Boost.ProgramOptions; range checks that name the offending option.
-#include "shardtrain/options.h"
-#include "shardtrain/files.h"
-#include "shardtrain/data.h"
-#include "shardtrain/geometry.h"  // parse_cp_comm
-#include "shardtrain/pipeline_schedule.h"  // parse_pipeline_kind
+#include "shardtrain/app/options.h"
+#include "shardtrain/runtime/files.h"
+#include "shardtrain/data/data.h"
+#include "shardtrain/parallel/geometry.h"  // parse_cp_comm
+#include "shardtrain/runtime/pipeline_kind.h"  // parse_pipeline_kind
 
 #include <boost/program_options.hpp>
 #include <algorithm>

@@ -1,4 +1,4 @@
-// The CUDA layer of include/shardtrain/cuda.h in the executable: a loader for the CUDA backend
+// The CUDA layer of include/shardtrain/backend/cuda.h in the executable: a loader for the CUDA backend
 // plugin, libshardtrain_cuda.so (src/**/*.cu, linked against cuBLAS, NCCL and the CUDA runtime).
 // The executable links none of the CUDA libraries, so a CPU run maps none of them; the plugin is
 // dlopen()ed the first time a CUDA function needs it:
@@ -25,7 +25,7 @@
 #include <string_view>
 #include <type_traits>
 
-#include "shardtrain/cuda.h"
+#include "shardtrain/backend/cuda.h"
 
 #if SHARDTRAIN_CUDA
 #include "cuda/plugin_abi.h"

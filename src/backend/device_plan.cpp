@@ -5,7 +5,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "shardtrain/cuda.h"
+#include "shardtrain/backend/cuda.h"
 
 namespace shardtrain {
 

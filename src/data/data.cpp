@@ -17,10 +17,10 @@
 
 #include <nlohmann/json.hpp>
 
-#include "shardtrain/data.h"
-#include "shardtrain/files.h"
-#include "shardtrain/json_input.h"
-#include "shardtrain/ops_math.h"  // math::splitmix64
+#include "shardtrain/data/data.h"
+#include "shardtrain/runtime/files.h"
+#include "shardtrain/runtime/json_input.h"
+#include "shardtrain/backend/ops_math.h"  // math::splitmix64
 
 namespace shardtrain {
 namespace {

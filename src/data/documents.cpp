@@ -2,7 +2,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "shardtrain/data.h"
+#include "shardtrain/data/data.h"
 
 namespace shardtrain {
 

@@ -1,5 +1,5 @@
 // --mode prepare: streaming tokenization of a corpus into a version-2 token file.
-#include "shardtrain/prepare.h"
+#include "shardtrain/data/prepare.h"
 
 #include <unistd.h>
 
@@ -13,10 +13,10 @@
 #include <sstream>
 #include <stdexcept>
 
-#include "shardtrain/files.h"
-#include "shardtrain/process_stats.h"  // peak_rss_bytes
-#include "shardtrain/tokenizer.h"
-#include "shardtrain/version.h"  // kProgramVersion
+#include "shardtrain/runtime/files.h"
+#include "shardtrain/runtime/process_stats.h"  // peak_rss_bytes
+#include "shardtrain/data/tokenizer.h"
+#include "shardtrain/runtime/version.h"  // kProgramVersion
 #include "text_inputs.h"
 
 namespace shardtrain {

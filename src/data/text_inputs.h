@@ -6,7 +6,7 @@
 #include <istream>
 #include <string>
 
-#include "shardtrain/files.h"
+#include "shardtrain/runtime/files.h"
 
 namespace shardtrain::detail {
 

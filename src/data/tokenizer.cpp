@@ -1,5 +1,5 @@
 // Tokenizers (byte-level, SentencePiece), input expansion, SentencePiece training.
-#include "shardtrain/tokenizer.h"
+#include "shardtrain/data/tokenizer.h"
 
 #include <glob.h>
 #include <sentencepiece_processor.h>
@@ -15,8 +15,8 @@
 #include <stdexcept>
 #include <unordered_map>
 
-#include "shardtrain/files.h"
-#include "shardtrain/json_input.h"
+#include "shardtrain/runtime/files.h"
+#include "shardtrain/runtime/json_input.h"
 #include "text_inputs.h"
 
 // libsentencepiece's log threshold (0 INFO, 1 WARNING, 2 ERROR); exported by the library but

@@ -12,7 +12,7 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
-#include "shardtrain/checkpoint.h"
+#include "shardtrain/io/checkpoint.h"
 
 namespace shardtrain {
 

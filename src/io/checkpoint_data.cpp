@@ -23,8 +23,8 @@
 #include <stdexcept>
 
 #include "checkpoint_internal.h"
-#include "shardtrain/direct_io.h"
-#include "shardtrain/json_input.h"
+#include "shardtrain/io/direct_io.h"
+#include "shardtrain/runtime/json_input.h"
 
 namespace shardtrain {
 namespace fs = std::filesystem;

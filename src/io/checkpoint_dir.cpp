@@ -24,8 +24,8 @@
 #include <thread>
 
 #include "checkpoint_internal.h"
-#include "shardtrain/checkpoint.h"
-#include "shardtrain/files.h"
+#include "shardtrain/io/checkpoint.h"
+#include "shardtrain/runtime/files.h"
 
 namespace shardtrain {
 namespace fs = std::filesystem;

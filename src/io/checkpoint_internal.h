@@ -11,8 +11,8 @@
 #include <string>
 #include <vector>
 
-#include "shardtrain/checkpoint.h"
-#include "shardtrain/files.h"
+#include "shardtrain/io/checkpoint.h"
+#include "shardtrain/runtime/files.h"
 
 namespace shardtrain::ckpt {
 

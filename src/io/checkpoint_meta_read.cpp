@@ -18,10 +18,10 @@
 #include <tuple>
 
 #include "checkpoint_internal.h"
-#include "shardtrain/json_input.h"
-#include "shardtrain/pipeline_schedule.h"
-#include "shardtrain/files.h"
-#include "shardtrain/model.h"
+#include "shardtrain/runtime/json_input.h"
+#include "shardtrain/runtime/pipeline_kind.h"  // parse_pipeline_kind
+#include "shardtrain/runtime/files.h"
+#include "shardtrain/model/model.h"
 
 namespace shardtrain {
 namespace fs = std::filesystem;

@@ -7,7 +7,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "shardtrain/checkpoint.h"
+#include "shardtrain/io/checkpoint.h"
 
 namespace shardtrain {
 

@@ -1,6 +1,6 @@
 // DirectFileWriter (direct_io.h): O_DIRECT writes through an aligned bounce buffer, buffered heads
 // and tails, and a buffered fallback where the file system refuses O_DIRECT.
-#include "shardtrain/direct_io.h"
+#include "shardtrain/io/direct_io.h"
 
 #include <fcntl.h>
 #include <unistd.h>

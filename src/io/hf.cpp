@@ -1,5 +1,5 @@
 // Hugging Face export / import and text generation.
-#include "shardtrain/hf.h"
+#include "shardtrain/io/hf.h"
 
 #include <algorithm>
 #include <cmath>
@@ -15,13 +15,13 @@
 
 #include <sentencepiece_processor.h>
 
-#include "shardtrain/checkpoint.h"
-#include "shardtrain/config.h"
-#include "shardtrain/data.h"
-#include "shardtrain/files.h"
-#include "shardtrain/json_input.h"
-#include "shardtrain/model.h"
-#include "shardtrain/tokenizer.h"
+#include "shardtrain/io/checkpoint.h"
+#include "shardtrain/model/config.h"
+#include "shardtrain/data/data.h"
+#include "shardtrain/runtime/files.h"
+#include "shardtrain/runtime/json_input.h"
+#include "shardtrain/model/model.h"
+#include "shardtrain/data/tokenizer.h"
 
 namespace shardtrain {
 namespace fs = std::filesystem;

@@ -1,7 +1,7 @@
 // safetensors I/O and the float conversions used by export.
-#include "shardtrain/safetensors.h"
+#include "shardtrain/io/safetensors.h"
 
-#include "shardtrain/bf16.h"
+#include "shardtrain/backend/bf16.h"
 
 #include <algorithm>
 #include <climits>
@@ -12,7 +12,7 @@
 #include <stdexcept>
 #include <tuple>
 
-#include "shardtrain/json_input.h"
+#include "shardtrain/runtime/json_input.h"
 
 namespace shardtrain {
 using json = nlohmann::ordered_json;  // the header written: keys in file order

@@ -1,7 +1,7 @@
 // TensorBoard event files (tensorboard.h): TFRecord framing with masked CRC32C, and the Event /
 // Summary / SessionLog messages encoded by hand (protobuf wire format: varint, fixed64, fixed32,
 // length-delimited).
-#include "shardtrain/tensorboard.h"
+#include "shardtrain/io/tensorboard.h"
 
 #include <unistd.h>
 

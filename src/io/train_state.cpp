@@ -1,5 +1,5 @@
 // The batch history's arithmetic (train_state.h).
-#include "shardtrain/train_state.h"
+#include "shardtrain/io/train_state.h"
 
 #include <stdexcept>
 #include <string>

@@ -1,7 +1,7 @@
 // Model config: presets, Hugging Face config.json parsing, validation, canonical JSON, broadcast.
-#include "shardtrain/config.h"
-#include "shardtrain/files.h"
-#include "shardtrain/json_input.h"
+#include "shardtrain/model/config.h"
+#include "shardtrain/runtime/files.h"
+#include "shardtrain/runtime/json_input.h"
 
 #include <algorithm>
 #include <climits>
@@ -17,7 +17,7 @@
 #include <climits>
 #include <cstdint>
 
-#include "shardtrain/runtime.h"
+#include "shardtrain/runtime/runtime.h"
 
 namespace shardtrain {
 using json = nlohmann::json;

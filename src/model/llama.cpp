@@ -5,8 +5,8 @@
 #include <stdexcept>
 #include <string>
 
-#include "shardtrain/model.h"
-#include "shardtrain/ops_math.h"
+#include "shardtrain/model/model.h"
+#include "shardtrain/backend/ops_math.h"
 
 namespace shardtrain {
 

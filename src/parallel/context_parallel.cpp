@@ -1,7 +1,7 @@
 // Context parallelism (context_parallel.h): the head-tail split, its tile-pair count, and
 // CpAttention's ring and all-gather methods over the backend's block attention
 // (flash_attention.h, "Block attention at global positions").
-#include "shardtrain/context_parallel.h"
+#include "shardtrain/parallel/context_parallel.h"
 
 #include <algorithm>
 #include <chrono>
@@ -11,7 +11,7 @@
 #include <type_traits>
 #include <utility>
 
-#include "shardtrain/flash_attention.h"
+#include "shardtrain/backend/flash_attention.h"
 
 namespace shardtrain {
 

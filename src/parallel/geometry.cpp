@@ -1,9 +1,9 @@
 // Batch geometry (geometry.h): every dimension's divisibility rule, once.
-#include "shardtrain/geometry.h"
+#include "shardtrain/parallel/geometry.h"
 
 #include <stdexcept>
 
-#include "shardtrain/model.h"  // check_tensor_parallel
+#include "shardtrain/model/model.h"  // check_tensor_parallel
 
 namespace shardtrain {
 

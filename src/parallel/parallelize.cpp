@@ -1,11 +1,11 @@
 // The parallel layer's entry point (parallelize.h): the run's layout from its mesh.
-#include "shardtrain/parallelize.h"
+#include "shardtrain/parallel/parallelize.h"
 
 #include <algorithm>
 #include <string>
 #include <type_traits>
 
-#include "shardtrain/model.h"  // llama_units
+#include "shardtrain/model/model.h"  // llama_units
 
 namespace shardtrain {
 

@@ -1,13 +1,13 @@
 // Pipeline parallelism's room (pipeline.h): the layout of a run's stages, the units each rank holds,
 // and the point-to-point link between the stages of a PP group.
-#include "shardtrain/pipeline.h"
+#include "shardtrain/parallel/pipeline.h"
 
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <stdexcept>
 
-#include "shardtrain/bf16.h"
+#include "shardtrain/backend/bf16.h"
 
 namespace shardtrain {
 

@@ -1,6 +1,6 @@
 // Pipeline schedules (pipeline_schedule.h): the block split, each schedule's actions, the published
 // bubble formulas, and the simulation that checks both.
-#include "shardtrain/pipeline_schedule.h"
+#include "shardtrain/parallel/pipeline_schedule.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -11,22 +11,6 @@
 #include <tuple>
 
 namespace shardtrain {
-
-const char* pipeline_kind_name(PipelineKind k) {
-  switch (k) {
-    case PipelineKind::GPipe: return "gpipe";
-    case PipelineKind::OneFOneB: return "1f1b";
-    case PipelineKind::Interleaved: return "interleaved";
-    case PipelineKind::ZeroBubble: return "zero-bubble";
-  }
-  return "?";
-}
-
-bool parse_pipeline_kind(const std::string& name, PipelineKind* k) {
-  for (PipelineKind c : {PipelineKind::GPipe, PipelineKind::OneFOneB, PipelineKind::Interleaved, PipelineKind::ZeroBubble})
-    if (name == pipeline_kind_name(c)) return *k = c, true;
-  return false;
-}
 
 std::vector<int> pipeline_split(int layers, int chunks, const std::vector<int>& counts, std::string* why) {
   const std::string L = std::to_string(layers), S = std::to_string(chunks);

@@ -1,5 +1,5 @@
 // TpGroup (tensor_parallel.h): the model's TP collectives on the mesh's TP communicator.
-#include "shardtrain/tensor_parallel.h"
+#include "shardtrain/parallel/tensor_parallel.h"
 #include <chrono>
 
 namespace shardtrain {

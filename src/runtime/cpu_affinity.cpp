@@ -1,5 +1,5 @@
 // Affinity masks and threads per rank (see cpu_affinity.h).
-#include "shardtrain/cpu_affinity.h"
+#include "shardtrain/runtime/cpu_affinity.h"
 
 #include <sched.h>
 #include <sys/sysinfo.h>

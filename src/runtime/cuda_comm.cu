@@ -1,4 +1,4 @@
-// Device-buffer collectives (include/shardtrain/cuda.h): NcclComm, one rank per GPU through NCCL,
+// Device-buffer collectives (include/shardtrain/backend/cuda.h): NcclComm, one rank per GPU through NCCL,
 // and StagedComm, which copies device buffers to host memory and runs the host (MPI) Comm on them,
 // for several ranks sharing one GPU (NCCL refuses two ranks on one device).
 //
@@ -22,7 +22,7 @@
 
 #include "../backend/cuda/cuda_check.h"
 #include "../backend/cuda/plugin_abi.h"
-#include "shardtrain/cuda.h"
+#include "shardtrain/backend/cuda.h"
 
 namespace shardtrain {
 namespace {

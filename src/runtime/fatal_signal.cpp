@@ -12,7 +12,7 @@
 // handlers are already installed by the time MPI_INIT is invoked", ompi_info --param opal base
 // --level 3). main() installs this one before MPI_Init, so it stays; fatal_signal_mpi_ready() checks
 // after MPI_Init and re-installs it where a library replaced it, saying so.
-#include "shardtrain/runtime.h"
+#include "shardtrain/runtime/runtime.h"
 
 #include <execinfo.h>
 #include <fcntl.h>

@@ -1,5 +1,5 @@
 // write_file_atomic: temp file, flush, optional fsync, rename; crc32_update: libdeflate's CRC-32.
-#include "shardtrain/files.h"
+#include "shardtrain/runtime/files.h"
 
 #include <fcntl.h>
 #include <linux/magic.h>

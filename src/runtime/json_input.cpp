@@ -1,7 +1,7 @@
 // The bounded JSON reader (json_input.h): its messages, and read_json_or_discarded.
-#include "shardtrain/json_input.h"
+#include "shardtrain/runtime/json_input.h"
 
-#include "shardtrain/files.h"
+#include "shardtrain/runtime/files.h"
 
 namespace shardtrain {
 namespace json_detail {

@@ -1,5 +1,5 @@
 // The device mesh (mesh.h): layout arithmetic, the split of the world into groups, the topology line.
-#include "shardtrain/mesh.h"
+#include "shardtrain/runtime/mesh.h"
 
 #include <stdexcept>
 

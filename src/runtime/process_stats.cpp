@@ -1,5 +1,5 @@
-// This process's memory from /proc/self/status (include/shardtrain/process_stats.h).
-#include "shardtrain/process_stats.h"
+// This process's memory from /proc/self/status (include/shardtrain/runtime/process_stats.h).
+#include "shardtrain/runtime/process_stats.h"
 
 #include <fstream>
 #include <string>

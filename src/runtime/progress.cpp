@@ -1,5 +1,5 @@
-// The progress registry (include/shardtrain/progress.h).
-#include "shardtrain/progress.h"
+// The progress registry (include/shardtrain/runtime/progress.h).
+#include "shardtrain/runtime/progress.h"
 
 #include <algorithm>
 #include <stdexcept>

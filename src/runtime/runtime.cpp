@@ -1,5 +1,5 @@
 // MPI implementation of the runtime layer: bootstrap, MpiComm collectives, error agreement.
-#include "shardtrain/runtime.h"
+#include "shardtrain/runtime/runtime.h"
 
 #include <algorithm>
 #include <cstdlib>

@@ -1,6 +1,6 @@
 // The unit codecs (codec.h): the identity codec and the bf16 codec, over one slab job
 // (submit_reduce_slabs) for both gradient paths.
-#include "shardtrain/codec.h"
+#include "shardtrain/shard/codec.h"
 #include <algorithm>
 #include <stdexcept>
 #include <type_traits>

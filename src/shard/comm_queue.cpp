@@ -1,5 +1,5 @@
 // The FSDP collectives' queues (comm_queue.h): the host lane and the stream lane.
-#include "shardtrain/comm_queue.h"
+#include "shardtrain/shard/comm_queue.h"
 #include <chrono>
 #include <stdexcept>
 

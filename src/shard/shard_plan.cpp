@@ -1,5 +1,5 @@
 // The shard plan (shard_plan.h): units, flat layout, per-rank shards; the reduce-scatter slab.
-#include "shardtrain/shard_plan.h"
+#include "shardtrain/shard/shard_plan.h"
 #include <algorithm>
 #include <set>
 #include <stdexcept>

@@ -1,11 +1,11 @@
 // This rank's parameter and gradient shards (sharded_state.h): init, gather / set of one parameter,
 // the gradient norm's local sum, the replicated gradients' sum.
-#include "shardtrain/sharded_state.h"
+#include "shardtrain/shard/sharded_state.h"
 
 #include <cmath>
 #include <stdexcept>
 
-#include "shardtrain/ops_math.h"  // math::splitmix64
+#include "shardtrain/backend/ops_math.h"  // math::splitmix64
 
 namespace shardtrain {
 

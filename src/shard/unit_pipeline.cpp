@@ -1,6 +1,6 @@
 // The unit pipeline (unit_pipeline.h): gather buffers, prefetch along the recorded order of a pass,
 // gradient buffers, the two CommQueues.
-#include "shardtrain/unit_pipeline.h"
+#include "shardtrain/shard/unit_pipeline.h"
 #include <algorithm>
 #include <set>
 #include <stdexcept>

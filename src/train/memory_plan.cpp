@@ -1,5 +1,5 @@
-// The memory plan (include/shardtrain/memory_plan.h): the same sizes the code allocates, added up.
-#include "shardtrain/memory_plan.h"
+// The memory plan (include/shardtrain/train/memory_plan.h): the same sizes the code allocates, added up.
+#include "shardtrain/train/memory_plan.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -7,8 +7,8 @@
 #include <sstream>
 #include <stdexcept>
 
-#include "shardtrain/parallelize.h"  // rank_unit_plan, sharding_words, checkpoint_layout_rows
-#include "shardtrain/shard.h"
+#include "shardtrain/parallel/parallelize.h"  // rank_unit_plan, sharding_words, checkpoint_layout_rows
+#include "shardtrain/shard/shard.h"
 
 namespace shardtrain {
 namespace {

@@ -1,5 +1,5 @@
 // The GPU peak table, the MFU / ETA / tokens part of the step line (see mfu.h).
-#include "shardtrain/mfu.h"
+#include "shardtrain/train/mfu.h"
 
 #include <cctype>
 #include <cmath>

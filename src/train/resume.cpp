@@ -8,8 +8,8 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "shardtrain/files.h"
-#include "shardtrain/json_input.h"
+#include "shardtrain/runtime/files.h"
+#include "shardtrain/runtime/json_input.h"
 
 namespace shardtrain {
 

@@ -5,9 +5,9 @@
 
 #include <string>
 
-#include "shardtrain/checkpoint.h"
-#include "shardtrain/runtime.h"
-#include "shardtrain/train.h"
+#include "shardtrain/io/checkpoint.h"
+#include "shardtrain/runtime/runtime.h"
+#include "shardtrain/train/train.h"
 
 namespace shardtrain {
 

@@ -9,7 +9,7 @@
 #include <cstdlib>
 #include <sstream>
 
-#include "shardtrain/train.h"
+#include "shardtrain/train/train.h"
 
 namespace shardtrain {
 

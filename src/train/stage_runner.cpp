@@ -1,5 +1,5 @@
 // StageRunner (stage_runner.h): a schedule's actions on this rank's chunks.
-#include "shardtrain/stage_runner.h"
+#include "shardtrain/train/stage_runner.h"
 
 #include <algorithm>
 #include <chrono>

@@ -1,13 +1,13 @@
 // AdamW on shards, the LR schedule, evaluation, and the checkpoint's record of the settings. The
 // training loop is in trainer.cpp; what a resume checks is in resume.cpp.
-#include "shardtrain/train.h"
-#include "shardtrain/stage_runner.h"
+#include "shardtrain/train/train.h"
+#include "shardtrain/train/stage_runner.h"
 
-#include "shardtrain/checkpoint.h"
-#include "shardtrain/files.h"
-#include "shardtrain/memory_plan.h"
-#include "shardtrain/parallelize.h"  // SequenceSplit
-#include "shardtrain/schedule.h"
+#include "shardtrain/io/checkpoint.h"
+#include "shardtrain/runtime/files.h"
+#include "shardtrain/train/memory_plan.h"
+#include "shardtrain/parallel/parallelize.h"  // SequenceSplit
+#include "shardtrain/parallel/schedule.h"
 
 #include <algorithm>
 #include <chrono>

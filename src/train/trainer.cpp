@@ -16,17 +16,17 @@
 #include <thread>
 
 #include "resume.h"
-#include "shardtrain/files.h"
-#include "shardtrain/json_input.h"
-#include "shardtrain/geometry.h"
-#include "shardtrain/checkpoint.h"
-#include "shardtrain/memory_plan.h"
-#include "shardtrain/parallelize.h"
-#include "shardtrain/tensorboard.h"
-#include "shardtrain/mfu.h"
-#include "shardtrain/schedule.h"
-#include "shardtrain/stage_runner.h"
-#include "shardtrain/train.h"
+#include "shardtrain/runtime/files.h"
+#include "shardtrain/runtime/json_input.h"
+#include "shardtrain/parallel/geometry.h"
+#include "shardtrain/io/checkpoint.h"
+#include "shardtrain/train/memory_plan.h"
+#include "shardtrain/parallel/parallelize.h"
+#include "shardtrain/io/tensorboard.h"
+#include "shardtrain/train/mfu.h"
+#include "shardtrain/parallel/schedule.h"
+#include "shardtrain/train/stage_runner.h"
+#include "shardtrain/train/train.h"
 
 namespace shardtrain {
 

@@ -19,9 +19,9 @@
 #include <string>
 #include <vector>
 
-#include "shardtrain/backend.h"
-#include "shardtrain/bf16.h"
-#include "shardtrain/cuda.h"
+#include "shardtrain/backend/backend.h"
+#include "shardtrain/backend/bf16.h"
+#include "shardtrain/backend/cuda.h"
 
 namespace st = shardtrain;
 

@@ -12,8 +12,8 @@
 #include <string>
 #include <vector>
 
-#include "shardtrain/json_input.h"
-#include "shardtrain/safetensors.h"
+#include "shardtrain/runtime/json_input.h"
+#include "shardtrain/io/safetensors.h"
 
 using namespace shardtrain;
 

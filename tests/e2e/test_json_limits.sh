@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 53: JSON from strangers is read within limits (include/shardtrain/json_input.h). Safetensors
+# Issue 53: JSON from strangers is read within limits (include/shardtrain/runtime/json_input.h). Safetensors
 # files whose headers are ~90 MB (under the format's 100 MB limit), imported at 2 ranks, each
 # accepted or refused within 30 s with a peak RSS (VmHWM, getrusage's ru_maxrss) under 400 MB per
 # rank, where nlohmann::json's whole-DOM parse took ~3.4 GB per rank (deep nesting) and hours of

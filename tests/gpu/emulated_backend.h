@@ -14,8 +14,8 @@
 #include <memory>
 #include <vector>
 
-#include "shardtrain/backend.h"
-#include "shardtrain/bf16.h"
+#include "shardtrain/backend/backend.h"
+#include "shardtrain/backend/bf16.h"
 
 namespace shardtrain::gputest {
 

@@ -7,7 +7,7 @@
 #include <map>
 #include <memory>
 
-#include "shardtrain/backend.h"
+#include "shardtrain/backend/backend.h"
 
 namespace shardtrain::testing {
 

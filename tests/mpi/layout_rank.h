@@ -9,12 +9,12 @@
 #include <string>
 #include <vector>
 
-#include "shardtrain/checkpoint.h"
-#include "shardtrain/mesh.h"
-#include "shardtrain/model.h"
-#include "shardtrain/parallelize.h"
-#include "shardtrain/pipeline.h"
-#include "shardtrain/runtime.h"
+#include "shardtrain/io/checkpoint.h"
+#include "shardtrain/runtime/mesh.h"
+#include "shardtrain/model/model.h"
+#include "shardtrain/parallel/parallelize.h"
+#include "shardtrain/parallel/pipeline.h"
+#include "shardtrain/runtime/runtime.h"
 #include "../test_env.h"
 
 namespace layout_test {

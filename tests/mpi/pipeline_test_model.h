@@ -9,8 +9,8 @@
 #include <fstream>
 #include <string>
 
-#include "shardtrain/config.h"
-#include "shardtrain/data.h"
+#include "shardtrain/model/config.h"
+#include "shardtrain/data/data.h"
 #include "../test_env.h"
 
 namespace shardtrain::testing {

@@ -17,11 +17,11 @@
 #include <vector>
 
 #include "rank_test.h"
-#include "shardtrain/context_parallel.h"
-#include "shardtrain/mesh.h"
-#include "shardtrain/model.h"
-#include "shardtrain/runtime.h"
-#include "shardtrain/tensor_parallel.h"
+#include "shardtrain/parallel/context_parallel.h"
+#include "shardtrain/runtime/mesh.h"
+#include "shardtrain/model/model.h"
+#include "shardtrain/runtime/runtime.h"
+#include "shardtrain/parallel/tensor_parallel.h"
 
 namespace st = shardtrain;
 

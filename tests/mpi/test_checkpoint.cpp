@@ -25,13 +25,13 @@
 #include <string>
 #include <vector>
 
-#include "shardtrain/backend.h"
-#include "shardtrain/bf16.h"
-#include "shardtrain/checkpoint.h"
-#include "shardtrain/config.h"
-#include "shardtrain/runtime.h"
-#include "shardtrain/shard.h"
-#include "shardtrain/train.h"
+#include "shardtrain/backend/backend.h"
+#include "shardtrain/backend/bf16.h"
+#include "shardtrain/io/checkpoint.h"
+#include "shardtrain/model/config.h"
+#include "shardtrain/runtime/runtime.h"
+#include "shardtrain/shard/shard.h"
+#include "shardtrain/train/train.h"
 #include "rank_test.h"
 
 namespace st = shardtrain;

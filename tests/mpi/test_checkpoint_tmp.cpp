@@ -17,8 +17,8 @@
 #include <string>
 #include <vector>
 
-#include "shardtrain/checkpoint.h"
-#include "shardtrain/runtime.h"
+#include "shardtrain/io/checkpoint.h"
+#include "shardtrain/runtime/runtime.h"
 #include "rank_test.h"
 
 namespace st = shardtrain;

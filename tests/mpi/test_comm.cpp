@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "shardtrain/runtime.h"
+#include "shardtrain/runtime/runtime.h"
 #include "rank_test.h"
 
 using shardtrain::testing::count_diff;

@@ -25,10 +25,10 @@
 
 #include "counting_backend.h"
 #include "rank_test.h"
-#include "shardtrain/backend.h"
-#include "shardtrain/bf16.h"
-#include "shardtrain/context_parallel.h"
-#include "shardtrain/runtime.h"
+#include "shardtrain/backend/backend.h"
+#include "shardtrain/backend/bf16.h"
+#include "shardtrain/parallel/context_parallel.h"
+#include "shardtrain/runtime/runtime.h"
 
 namespace st = shardtrain;
 

@@ -31,12 +31,12 @@
 
 #include "counting_backend.h"
 #include "rank_test.h"
-#include "shardtrain/context_parallel.h"
-#include "shardtrain/data.h"
-#include "shardtrain/model.h"
-#include "shardtrain/runtime.h"
-#include "shardtrain/shard.h"
-#include "shardtrain/unit_pipeline.h"
+#include "shardtrain/parallel/context_parallel.h"
+#include "shardtrain/data/data.h"
+#include "shardtrain/model/model.h"
+#include "shardtrain/runtime/runtime.h"
+#include "shardtrain/shard/shard.h"
+#include "shardtrain/shard/unit_pipeline.h"
 
 namespace st = shardtrain;
 

@@ -17,9 +17,9 @@
 #include <type_traits>
 #include <vector>
 
-#include "shardtrain/backend.h"
-#include "shardtrain/runtime.h"
-#include "shardtrain/shard.h"
+#include "shardtrain/backend/backend.h"
+#include "shardtrain/runtime/runtime.h"
+#include "shardtrain/shard/shard.h"
 #include "../test_env.h"
 #include "counting_backend.h"
 #include "rank_test.h"

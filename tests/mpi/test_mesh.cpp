@@ -15,8 +15,8 @@
 #include <string>
 #include <vector>
 
-#include "shardtrain/mesh.h"
-#include "shardtrain/runtime.h"
+#include "shardtrain/runtime/mesh.h"
+#include "shardtrain/runtime/runtime.h"
 #include "../test_env.h"
 #include "rank_test.h"
 

@@ -19,10 +19,10 @@
 #include <string>
 #include <vector>
 
-#include "shardtrain/backend.h"
-#include "shardtrain/bf16.h"
-#include "shardtrain/progress.h"
-#include "shardtrain/runtime.h"
+#include "shardtrain/backend/backend.h"
+#include "shardtrain/backend/bf16.h"
+#include "shardtrain/runtime/progress.h"
+#include "shardtrain/runtime/runtime.h"
 #include "rank_test.h"
 
 namespace st = shardtrain;

@@ -18,12 +18,12 @@
 
 #include "layout_rank.h"
 #include "rank_test.h"
-#include "shardtrain/checkpoint.h"
-#include "shardtrain/mesh.h"
-#include "shardtrain/model.h"
-#include "shardtrain/parallelize.h"
-#include "shardtrain/pipeline.h"
-#include "shardtrain/runtime.h"
+#include "shardtrain/io/checkpoint.h"
+#include "shardtrain/runtime/mesh.h"
+#include "shardtrain/model/model.h"
+#include "shardtrain/parallel/parallelize.h"
+#include "shardtrain/parallel/pipeline.h"
+#include "shardtrain/runtime/runtime.h"
 
 namespace st = shardtrain;
 

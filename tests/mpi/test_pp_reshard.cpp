@@ -26,14 +26,14 @@
 #include <type_traits>
 #include <vector>
 
-#include "shardtrain/backend.h"
-#include "shardtrain/data.h"
-#include "shardtrain/mesh.h"
-#include "shardtrain/model.h"
-#include "shardtrain/pipeline.h"
-#include "shardtrain/shard.h"
-#include "shardtrain/stage_runner.h"
-#include "shardtrain/train.h"
+#include "shardtrain/backend/backend.h"
+#include "shardtrain/data/data.h"
+#include "shardtrain/runtime/mesh.h"
+#include "shardtrain/model/model.h"
+#include "shardtrain/parallel/pipeline.h"
+#include "shardtrain/shard/shard.h"
+#include "shardtrain/train/stage_runner.h"
+#include "shardtrain/train/train.h"
 #include "../test_env.h"
 #include "pipeline_test_model.h"
 

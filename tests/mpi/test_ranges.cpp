@@ -16,9 +16,9 @@
 #include <string>
 #include <vector>
 
-#include "shardtrain/backend.h"
-#include "shardtrain/model.h"
-#include "shardtrain/shard.h"
+#include "shardtrain/backend/backend.h"
+#include "shardtrain/model/model.h"
+#include "shardtrain/shard/shard.h"
 #include "../test_env.h"
 
 namespace st = shardtrain;

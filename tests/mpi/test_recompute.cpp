@@ -12,10 +12,10 @@
 #include <string>
 #include <vector>
 
-#include "shardtrain/backend.h"
-#include "shardtrain/memory_plan.h"
-#include "shardtrain/model.h"
-#include "shardtrain/shard.h"
+#include "shardtrain/backend/backend.h"
+#include "shardtrain/train/memory_plan.h"
+#include "shardtrain/model/model.h"
+#include "shardtrain/shard/shard.h"
 #include "counting_backend.h"
 #include "../test_env.h"
 

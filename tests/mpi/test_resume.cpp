@@ -14,9 +14,9 @@
 #include <vector>
 
 #include "../../src/train/resume.h"
-#include "shardtrain/checkpoint.h"
-#include "shardtrain/runtime.h"
-#include "shardtrain/train.h"
+#include "shardtrain/io/checkpoint.h"
+#include "shardtrain/runtime/runtime.h"
+#include "shardtrain/train/train.h"
 #include "rank_test.h"
 
 namespace st = shardtrain;

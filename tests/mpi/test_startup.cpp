@@ -7,9 +7,9 @@
 #include <string>
 #include <vector>
 
-#include "shardtrain/blas_select.h"
-#include "shardtrain/cpu_affinity.h"
-#include "shardtrain/runtime.h"
+#include "shardtrain/backend/blas_select.h"
+#include "shardtrain/runtime/cpu_affinity.h"
+#include "shardtrain/runtime/runtime.h"
 #include "../test_env.h"
 
 namespace st = shardtrain;

@@ -17,11 +17,11 @@
 #include <vector>
 
 #include "rank_test.h"
-#include "shardtrain/checkpoint.h"
-#include "shardtrain/mesh.h"
-#include "shardtrain/tensor_parallel.h"
-#include "shardtrain/model.h"
-#include "shardtrain/runtime.h"
+#include "shardtrain/io/checkpoint.h"
+#include "shardtrain/runtime/mesh.h"
+#include "shardtrain/parallel/tensor_parallel.h"
+#include "shardtrain/model/model.h"
+#include "shardtrain/runtime/runtime.h"
 
 namespace st = shardtrain;
 

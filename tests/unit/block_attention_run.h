@@ -11,8 +11,8 @@
 #include <type_traits>
 #include <vector>
 
-#include "shardtrain/backend.h"
-#include "shardtrain/bf16.h"
+#include "shardtrain/backend/backend.h"
+#include "shardtrain/backend/bf16.h"
 
 namespace shardtrain::blocktest {
 

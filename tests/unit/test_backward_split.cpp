@@ -25,11 +25,11 @@
 
 #include "../mpi/counting_backend.h"
 #include "../test_env.h"
-#include "shardtrain/backend.h"
-#include "shardtrain/bf16.h"
-#include "shardtrain/config.h"
-#include "shardtrain/model.h"
-#include "shardtrain/shard.h"
+#include "shardtrain/backend/backend.h"
+#include "shardtrain/backend/bf16.h"
+#include "shardtrain/model/config.h"
+#include "shardtrain/model/model.h"
+#include "shardtrain/shard/shard.h"
 
 namespace shardtrain {
 namespace {

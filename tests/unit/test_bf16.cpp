@@ -13,9 +13,9 @@
 #include <xmmintrin.h>
 #endif
 
-#include "shardtrain/backend.h"
-#include "shardtrain/bf16.h"
-#include "shardtrain/model.h"
+#include "shardtrain/backend/backend.h"
+#include "shardtrain/backend/bf16.h"
+#include "shardtrain/model/model.h"
 
 namespace st = shardtrain;
 using st::bf16;

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "shardtrain/blas_select.h"
+#include "shardtrain/backend/blas_select.h"
 
 namespace st = shardtrain;
 using st::KernelLevel;

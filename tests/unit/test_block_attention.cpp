@@ -33,10 +33,10 @@
 #include <vector>
 
 #include "block_attention_run.h"
-#include "shardtrain/backend.h"
-#include "shardtrain/bf16.h"
-#include "shardtrain/flash_attention.h"
-#include "shardtrain/model.h"
+#include "shardtrain/backend/backend.h"
+#include "shardtrain/backend/bf16.h"
+#include "shardtrain/backend/flash_attention.h"
+#include "shardtrain/model/model.h"
 
 namespace shardtrain {
 namespace {

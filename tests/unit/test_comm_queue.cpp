@@ -18,8 +18,8 @@
 #include <string>
 #include <vector>
 
-#include "shardtrain/runtime.h"
-#include "shardtrain/shard.h"
+#include "shardtrain/runtime/runtime.h"
+#include "shardtrain/shard/shard.h"
 
 namespace st = shardtrain;
 

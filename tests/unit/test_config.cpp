@@ -7,8 +7,8 @@
 #include <stdexcept>
 #include <string>
 
-#include "shardtrain/checkpoint.h"
-#include "shardtrain/config.h"
+#include "shardtrain/io/checkpoint.h"
+#include "shardtrain/model/config.h"
 
 using namespace shardtrain;
 using json = nlohmann::json;

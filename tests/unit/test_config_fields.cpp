@@ -10,8 +10,8 @@
 #include <set>
 #include <string>
 
-#include "shardtrain/checkpoint.h"
-#include "shardtrain/config.h"
+#include "shardtrain/io/checkpoint.h"
+#include "shardtrain/model/config.h"
 
 using namespace shardtrain;
 using json = nlohmann::json;

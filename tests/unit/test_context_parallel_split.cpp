@@ -22,8 +22,8 @@
 #include <string>
 #include <vector>
 
-#include "shardtrain/context_parallel.h"
-#include "shardtrain/flash_attention.h"
+#include "shardtrain/parallel/context_parallel.h"
+#include "shardtrain/backend/flash_attention.h"
 
 namespace st = shardtrain;
 

@@ -8,9 +8,9 @@
 
 #include <string>
 
-#include "shardtrain/geometry.h"
-#include "shardtrain/memory_plan.h"
-#include "shardtrain/parallelize.h"
+#include "shardtrain/parallel/geometry.h"
+#include "shardtrain/train/memory_plan.h"
+#include "shardtrain/parallel/parallelize.h"
 
 namespace shardtrain {
 namespace {

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "shardtrain/cpu_affinity.h"
+#include "shardtrain/runtime/cpu_affinity.h"
 
 namespace st = shardtrain;
 

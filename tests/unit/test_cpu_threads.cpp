@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "shardtrain/backend.h"
+#include "shardtrain/backend/backend.h"
 
 namespace shardtrain {
 namespace {

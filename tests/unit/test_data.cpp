@@ -9,8 +9,8 @@
 #include <set>
 #include <string>
 
-#include "shardtrain/data.h"
-#include "shardtrain/files.h"
+#include "shardtrain/data/data.h"
+#include "shardtrain/runtime/files.h"
 
 using namespace shardtrain;
 

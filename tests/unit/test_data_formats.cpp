@@ -10,8 +10,8 @@
 #include <string>
 #include <vector>
 
-#include "shardtrain/data.h"
-#include "shardtrain/files.h"
+#include "shardtrain/data/data.h"
+#include "shardtrain/runtime/files.h"
 
 using namespace shardtrain;
 

@@ -5,9 +5,9 @@
 #include <stdexcept>
 #include <string>
 
-#include "shardtrain/config.h"
-#include "shardtrain/cuda.h"
-#include "shardtrain/train.h"
+#include "shardtrain/model/config.h"
+#include "shardtrain/backend/cuda.h"
+#include "shardtrain/train/train.h"
 
 namespace st = shardtrain;
 

@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "shardtrain/direct_io.h"
+#include "shardtrain/io/direct_io.h"
 
 namespace {
 

@@ -29,12 +29,12 @@
 
 #include "../mpi/counting_backend.h"
 #include "../test_env.h"
-#include "shardtrain/backend.h"
-#include "shardtrain/config.h"
-#include "shardtrain/data.h"
-#include "shardtrain/flash_attention.h"
-#include "shardtrain/model.h"
-#include "shardtrain/shard.h"
+#include "shardtrain/backend/backend.h"
+#include "shardtrain/model/config.h"
+#include "shardtrain/data/data.h"
+#include "shardtrain/backend/flash_attention.h"
+#include "shardtrain/model/model.h"
+#include "shardtrain/shard/shard.h"
 
 namespace shardtrain {
 namespace {

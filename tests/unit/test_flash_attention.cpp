@@ -27,10 +27,10 @@
 #include <string>
 #include <vector>
 
-#include "shardtrain/backend.h"
-#include "shardtrain/bf16.h"
-#include "shardtrain/flash_attention.h"
-#include "shardtrain/model.h"
+#include "shardtrain/backend/backend.h"
+#include "shardtrain/backend/bf16.h"
+#include "shardtrain/backend/flash_attention.h"
+#include "shardtrain/model/model.h"
 
 namespace shardtrain {
 namespace {

@@ -2,8 +2,8 @@
 // independently over a grid of meshes and options.
 #include <gtest/gtest.h>
 
-#include "shardtrain/geometry.h"
-#include "shardtrain/model.h"
+#include "shardtrain/parallel/geometry.h"
+#include "shardtrain/model/model.h"
 
 namespace shardtrain {
 namespace {

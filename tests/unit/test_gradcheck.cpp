@@ -17,10 +17,10 @@
 #include <vector>
 
 #include "../test_env.h"
-#include "shardtrain/backend.h"
-#include "shardtrain/config.h"
-#include "shardtrain/model.h"
-#include "shardtrain/shard.h"
+#include "shardtrain/backend/backend.h"
+#include "shardtrain/model/config.h"
+#include "shardtrain/model/model.h"
+#include "shardtrain/shard/shard.h"
 
 namespace shardtrain {
 namespace {

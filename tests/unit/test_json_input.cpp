@@ -9,8 +9,8 @@
 #include <stdexcept>
 #include <string>
 
-#include "shardtrain/json_input.h"
-#include "shardtrain/safetensors.h"
+#include "shardtrain/runtime/json_input.h"
+#include "shardtrain/io/safetensors.h"
 
 using namespace shardtrain;
 using nlohmann::json;

@@ -6,7 +6,7 @@
 #include <stdexcept>
 #include <vector>
 
-#include "shardtrain/model.h"
+#include "shardtrain/model/model.h"
 
 using namespace shardtrain;
 

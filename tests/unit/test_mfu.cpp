@@ -6,9 +6,9 @@
 #include <limits>
 #include <string>
 
-#include "shardtrain/config.h"
-#include "shardtrain/mfu.h"
-#include "shardtrain/train.h"
+#include "shardtrain/model/config.h"
+#include "shardtrain/train/mfu.h"
+#include "shardtrain/train/train.h"
 
 namespace st = shardtrain;
 

@@ -6,8 +6,8 @@
 #include <cmath>
 #include <limits>
 
-#include "shardtrain/ops_math.h"
-#include "shardtrain/train.h"
+#include "shardtrain/backend/ops_math.h"
+#include "shardtrain/train/train.h"
 
 using namespace shardtrain;
 

@@ -5,8 +5,8 @@
 #include <string>
 #include <tuple>
 
-#include "shardtrain/geometry.h"
-#include "shardtrain/options.h"
+#include "shardtrain/parallel/geometry.h"
+#include "shardtrain/app/options.h"
 
 using namespace shardtrain;
 

@@ -14,7 +14,7 @@
 #include <tuple>
 #include <vector>
 
-#include "shardtrain/pipeline_schedule.h"
+#include "shardtrain/parallel/pipeline_schedule.h"
 
 namespace st = shardtrain;
 using K = st::PipelineKind;

@@ -12,8 +12,8 @@
 #include <string>
 #include <vector>
 
-#include "shardtrain/pipeline.h"
-#include "shardtrain/pipeline_schedule.h"
+#include "shardtrain/parallel/pipeline.h"
+#include "shardtrain/parallel/pipeline_schedule.h"
 
 namespace shardtrain {
 namespace {

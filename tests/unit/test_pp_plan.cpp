@@ -16,12 +16,12 @@
 
 #include "../mpi/counting_backend.h"
 #include "../test_env.h"
-#include "shardtrain/config.h"
-#include "shardtrain/memory_plan.h"
-#include "shardtrain/model.h"
-#include "shardtrain/pipeline.h"
-#include "shardtrain/pipeline_schedule.h"
-#include "shardtrain/shard.h"
+#include "shardtrain/model/config.h"
+#include "shardtrain/train/memory_plan.h"
+#include "shardtrain/model/model.h"
+#include "shardtrain/parallel/pipeline.h"
+#include "shardtrain/parallel/pipeline_schedule.h"
+#include "shardtrain/shard/shard.h"
 
 namespace shardtrain {
 namespace {

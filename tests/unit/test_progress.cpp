@@ -15,8 +15,8 @@
 #include <thread>
 #include <vector>
 
-#include "shardtrain/backend.h"
-#include "shardtrain/progress.h"
+#include "shardtrain/backend/backend.h"
+#include "shardtrain/runtime/progress.h"
 
 namespace st = shardtrain;
 

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "shardtrain/schedule.h"
+#include "shardtrain/parallel/schedule.h"
 
 namespace st = shardtrain;
 

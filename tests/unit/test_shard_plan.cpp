@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "shardtrain/shard.h"
+#include "shardtrain/shard/shard.h"
 
 namespace {
 

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "shardtrain/train.h"
+#include "shardtrain/train/train.h"
 
 using namespace shardtrain;
 

@@ -5,7 +5,7 @@
 #include <stdexcept>
 #include <vector>
 
-#include "shardtrain/train.h"
+#include "shardtrain/train/train.h"
 
 namespace st = shardtrain;
 

@@ -12,7 +12,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
-#include "shardtrain/tensorboard.h"
+#include "shardtrain/io/tensorboard.h"
 
 using namespace shardtrain;
 namespace fs = std::filesystem;

@@ -12,8 +12,8 @@
 #include <stdexcept>
 #include <string>
 
-#include "shardtrain/files.h"
-#include "shardtrain/tokenizer.h"
+#include "shardtrain/runtime/files.h"
+#include "shardtrain/data/tokenizer.h"
 
 // libsentencepiece_train's builtin tables (builder.h is not installed; see src/data/tokenizer.cpp).
 namespace sentencepiece::normalizer {

@@ -1,5 +1,5 @@
 // OpenBLAS kernel-set selection and the start-up GEMM check (see blas_select.h).
-#include "shardtrain/blas_select.h"
+#include "shardtrain/backend/blas_select.h"
 
 #include <cblas.h>
 #include <omp.h>

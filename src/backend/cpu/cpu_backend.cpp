@@ -33,9 +33,9 @@
 #include <type_traits>
 #include <vector>
 
-#include "shardtrain/backend.h"
-#include "shardtrain/flash_attention.h"
-#include "shardtrain/ops_math.h"
+#include "shardtrain/backend/backend.h"
+#include "shardtrain/backend/flash_attention.h"
+#include "shardtrain/backend/ops_math.h"
 
 namespace shardtrain {
 namespace {

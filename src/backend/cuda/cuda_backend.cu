@@ -28,11 +28,11 @@
 #include <type_traits>
 #include <unordered_map>
 
-#include "shardtrain/backend.h"
-#include "shardtrain/bf16.h"
-#include "shardtrain/cuda.h"
-#include "shardtrain/flash_attention.h"
-#include "shardtrain/ops_math.h"
+#include "shardtrain/backend/backend.h"
+#include "shardtrain/backend/bf16.h"
+#include "shardtrain/backend/cuda.h"
+#include "shardtrain/backend/flash_attention.h"
+#include "shardtrain/backend/ops_math.h"
 #include "cuda_check.h"
 #include "cudnn_attention.h"
 #include "plugin_abi.h"
@@ -471,7 +471,7 @@ template <typename T> __global__ void add_to_f32_kernel(float* dst, float alpha,
   for (size_t i = gtid(); i < n; i += gstride()) dst[i] += alpha * math::ld(src[i]);
 }
 
-// ---- flash attention (include/shardtrain/flash_attention.h) -----------------------------------
+// ---- flash attention (include/shardtrain/backend/flash_attention.h) -----------------------------------
 // The loops of flash_attention.h with its tile sizes and per-row math. One thread per owned row:
 //  - forward and dQ pass: one block of kBr threads per (query tile, head, sequence); thread r owns
 //    query row r0 + r, holds its kBc scores (and dP) in registers (unrolled loops) and its [HD]

@@ -3,7 +3,7 @@
 // algorithm on tensor cores, bf16 in and out, fp32 softmax statistics, no [B, NH, T, T] buffer.
 // Private to src/backend/cuda (the CUDA backend's bf16 flash_attention_* call it).
 //
-// Layout: exactly Backend::flash_attention_forward's (include/shardtrain/backend.h):
+// Layout: exactly Backend::flash_attention_forward's (include/shardtrain/backend/backend.h):
 //   q, y, dq, dy  [B*T, NH*HD] bf16 row-major   (cuDNN dims [B, NH, T, HD], strides [T*NH*HD, HD, NH*HD, 1])
 //   k, v, dk, dv  [B*T, NKV*HD]                 (GQA: query head h reads key/value head h / (NH/NKV))
 //   lse           [B, NH, T] float: cuDNN's "Stats" output, the natural-log log-sum-exp of the scaled
@@ -30,7 +30,7 @@
 #include <memory>
 #include <string>
 
-#include "shardtrain/bf16.h"
+#include "shardtrain/backend/bf16.h"
 
 namespace shardtrain::cuda_detail {
 

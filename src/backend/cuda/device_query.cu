@@ -9,7 +9,7 @@
 
 #include "cuda_check.h"
 #include "plugin_abi.h"
-#include "shardtrain/cuda.h"
+#include "shardtrain/backend/cuda.h"
 
 namespace shardtrain {
 

@@ -13,7 +13,7 @@
 #include <memory>
 #include <string>
 
-#include "shardtrain/cuda.h"
+#include "shardtrain/backend/cuda.h"
 
 namespace shardtrain::cuda_plugin {
 

@@ -1,0 +1,573 @@
+// shardtrain model layer: the Llama architecture (Touvron et al. 2023), forward and hand-written
+// backward, in the storage type T of its backend: float (fp32 training), bf16 (mixed precision:
+// bf16 weights and activations, fp32 arithmetic) or double (gradient checks). Written against a
+// UnitSource (unit_source.h; UnitPipeline is the FSDP one): each unit is gathered just before it is used
+// and its gradient reduce-scattered right after it is computed. The model never sees a
+// communicator or the mesh.
+//
+// Shapes: B = micro-batch sequences, T = sequence length, C = hidden size, V = vocab size,
+// NH / NKV = query / key-value heads, HD = head dim, I = intermediate size. Activations are
+// row-major [B, T, ...]; the exact attention path's probabilities are [B, NH, T, T] (the tiled
+// path, the default, keeps a log-sum-exp [B, NH, T] instead).
+//
+// Units and canonical (Hugging Face LlamaForCausalLM) parameter names, in flat-buffer order:
+//   unit 0      "model.embed_tokens": model.embed_tokens.weight [V, C]
+//   unit 1+l    "model.layers.l":     input_layernorm.weight [C], self_attn.{q_proj [NH*HD, C],
+//               k_proj [NKV*HD, C], v_proj [NKV*HD, C], o_proj [C, NH*HD]}.weight,
+//               post_attention_layernorm.weight [C], mlp.{gate_proj [I, C], up_proj [I, C],
+//               down_proj [C, I]}.weight   (each prefixed "model.layers.l.")
+//   unit L+1    "model.norm":         model.norm.weight [C], and lm_head.weight [V, C] when untied.
+// Tied head: the LM head multiplies by model.embed_tokens.weight, gathering unit 0 a second time;
+// its gradient is reduce-scattered into unit 0 right away, so no unit stays gathered.
+//
+// Tensor parallelism (--tp N; Megatron-LM, Shoeybi et al. 2019, "Megatron-LM: Training
+// Multi-Billion Parameter Language Models Using Model Parallelism"; sequence parallelism,
+// Korthikanti et al. 2022). Rank t of a TP group of N ranks holds (llama_units(c, N, t)):
+//   q/k/v_proj, gate/up_proj: column-parallel, rows [t*n, (t+1)*n) of the canonical weight (its
+//     heads NH/N and KV heads NKV/N, a slice I/N of the intermediate size);
+//   o_proj, down_proj: row-parallel, columns [t*n, (t+1)*n) (the matching input slice);
+//   embed_tokens, lm_head: vocabulary-parallel, rows [t*Vl, (t+1)*Vl), Vl = ceil(V / N); rows at or
+//     past V are padding (zero, never trained, masked to -inf in the loss);
+//   the RMSNorm weights: replicated (their gradient summed over the group by the trainer).
+// Sequence parallelism: the residual stream (x, x1, the RMSNorms, the embedding output, the final
+// norm) holds this rank's B*T/N rows, block t of the micro-batch's B*T rows. Per block: all-gather
+// the RMSNorm output before q/k/v and before gate/up (the GEMMs see all B*T rows), reduce-scatter
+// the partial sums after o and after down into the residual; backward the mirror image (all-gather
+// of the residual gradient, reduce-scatter of the input gradients, the RMSNorm outputs all-gathered
+// again for the weight gradients). The embedding's partial lookups are reduce-scattered; the head
+// all-gathers the final norm's output, computes logits [chunk, Vl] and the vocabulary-parallel
+// cross-entropy (backend.h vocab_ce_*), reduce-scattering its input gradient. Every rank of the
+// group computes the loss of all B*T tokens. The model calls the group only through
+// TensorParallelOps (tensor_parallel_ops.h); with N = 1 it calls nothing and computes bitwise as without TP.
+//
+// Context parallelism (--cp N; Ring Attention, Liu et al. 2023; Llama 3, section 3.3.2): every
+// sequence of T tokens is split over a CP group of N ranks, each holding Tl = T / N rows of it (the
+// parallel layer's head-tail split, context_parallel.h cp_rows). The model is given those rows
+// ([B, Tl] tokens and targets) and each row's GLOBAL position (TokenLayout::pos, required under
+// CP) and, with the document mask, its document id; it runs everything as for B x Tl tokens except
+// self-attention, which goes through ContextParallelOps (context_parallel_ops.h: this rank's query
+// rows against the keys of the whole sequence; forward and backward are collective over the CP
+// group). The sequence's global length is N x Tl (the split gives every rank Tl = T / N rows): the
+// RoPE tables cover it, the positions are checked against it and max_position_embeddings applies to
+// it. The loss is the sum over this rank's rows (the caller sums over the group). The CP ranks hold
+// the same parameters and see different tokens: their gradients are partial sums, to be summed (the
+// FSDP reduce-scatter over dp_shard x cp does it). With N = 1 (or no ops) nothing changes, bitwise.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "shardtrain/backend/backend.h"
+#include "shardtrain/model/config.h"
+#include "shardtrain/shard/context_parallel_ops.h"
+#include "shardtrain/shard/shard.h"
+
+namespace shardtrain {
+
+// The units of a Llama model for config `c`, with init: matrices Normal(0, initializer_range),
+// norms Ones (as transformers' LlamaPreTrainedModel._init_weights). Norm weights get no decay.
+// With tp > 1: the slices of TP rank tp_rank (above; ParamSpec::tp says which part of the canonical
+// tensor each is). Throws std::invalid_argument when tp does not divide the heads, the KV heads
+// or the intermediate size (check_tensor_parallel's message).
+std::vector<UnitSpec> llama_units(const ModelConfig& c, int tp = 1, int tp_rank = 0);
+// "" when `tp` fits the model (divides num_attention_heads, num_key_value_heads and
+// intermediate_size), else why not, naming option '--tp' and the numbers.
+std::string check_tensor_parallel(const ModelConfig& c, int tp);
+
+// Activation checkpointing (recompute in backward what forward did not keep; Chen et al. 2016,
+// "Training Deep Nets with Sublinear Memory Cost"). Per block (one FSDP unit), what is kept from
+// forward to backward, with BT = B*T rows:
+//   None:      the block input x [BT, C]; rstd of both RMSNorms [BT]; q, k after RoPE [BT, NH*HD],
+//              [BT, NKV*HD]; v [BT, NKV*HD]; the attention state (tiled: lse [B, NH, T]; exact: the
+//              probabilities [B, NH, T, T]); the attention output y [BT, NH*HD]; x1 = x + attention
+//              [BT, C]; gate and up [BT, I]; h = silu(gate) * up [BT, I]. (The RMSNorm outputs are
+//              never kept: backward recomputes them from x / x1, as in every mode.)
+//   Selective: as None without h, and without the exact path's probabilities: every GEMM output
+//              is kept, the cheap elementwise parts are recomputed in backward (h from gate and up;
+//              the exact path's scores and softmax from q and k). Megatron-LM's "selective"
+//              recompute (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+//              Transformer Models") and torchtitan's op-level policy that saves matmul outputs.
+//   Full:      only the block input x; backward reruns the block's forward (all but its last GEMM)
+//              into one shared set of buffers, then its backward (torchtitan / Megatron "full").
+// The recomputation runs the same kernels on the same inputs, so gradients are bitwise identical in
+// every mode. The final norm and the LM head are not a block: their backward runs in the head step,
+// chunk by chunk (LlamaModel::head_backward), so nothing vocabulary-sized is kept.
+enum class Recompute { None, Selective, Full };
+// Attention implementation. Tiled: FlashAttention-2 (include/shardtrain/backend/flash_attention.h), O(B*NH*T)
+// memory; Exact: scores and probabilities materialized, [B, NH, T, T] (reference for tests).
+enum class AttentionKind { Tiled, Exact };
+
+// What attention masks (--attention-mask). Causal: query t sees keys s <= t of its sequence.
+// Document (packed training data; Llama 3, Dubey et al. 2024, section 3.2: "an attention mask that
+// prevents self-attention between different documents within the same sequence"): query t sees keys
+// s <= t of its own document, and RoPE positions restart at 0 at each document's first token (as
+// transformers does for packed sequences given position_ids). The documents of a micro-batch come
+// with it (TokenLayout, below; the data layer's document_layout, data.h).
+enum class AttentionMask { Causal, Document };
+
+// How a model computes; none of it but `mask` changes what is computed (beyond summation order of
+// the loss chunks). Not part of the checkpoint.
+struct ModelOptions {
+  Recompute recompute = Recompute::None;
+  AttentionKind attention = AttentionKind::Tiled;
+  int loss_chunk = 0;  // tokens per LM-head / cross-entropy chunk; 0 = default_loss_chunk(V)
+  // Document: the model reserves (and activation_bytes counts) the buffers of a TokenLayout per
+  // micro-batch; the mask itself is what each forward's layout says (none given: causal).
+  AttentionMask mask = AttentionMask::Causal;
+};
+// Parse "none" | "selective" | "full", "tiled" | "exact" and "causal" | "document"; throw
+// std::invalid_argument naming the options '--activation-checkpointing' / '--attention' /
+// '--attention-mask'.
+Recompute parse_recompute(const std::string& s);
+AttentionKind parse_attention(const std::string& s);
+AttentionMask parse_attention_mask(const std::string& s);
+const char* recompute_name(Recompute r);
+const char* attention_name(AttentionKind a);
+const char* attention_mask_name(AttentionMask m);
+
+// Where the tokens of one micro-batch are, for RoPE and the attention mask: host arrays [B, T]
+// (row-major, int32) that a forward() copies into the micro-batch's Context (kept for its backward,
+// as the token ids are), or nullptr.
+//   pos: each token's RoPE position, in [0, T) (T: the global sequence length, cp x the rows given
+//        under context parallelism; document masking: its position in its document,
+//        0 at each document's first token and at a row's first token); nullptr: t, the token's
+//        index in its row (today's RoPE).
+//   doc: each token's document id, compared only within a row (document_layout numbers them 0, 1,
+//        ... along the row); query t sees key s iff s <= t (row order) and doc[s] == doc[t];
+//        nullptr: one document per row (causal).
+// Both nullptr (the default), or arrays that change nothing (every pos[b, t] == t, every row one
+// document), run today's causal code path, bitwise. The rows are whole sequences in order: the
+// mask compares row indices, the positions only rotate. Any document ids are correct; with ids
+// non-decreasing along a row (contiguous documents, as document_layout's) the tiled path skips
+// exactly the tile pairs in which no query sees a key (flash_attention.h).
+// Under context parallelism (LlamaModel given ContextParallelOps of size > 1) the rows are this
+// rank's chunks of each sequence, not in order: pos is REQUIRED and must be each row's global
+// position, which is also what the mask compares (query t sees key s iff pos[s] <= pos[t] and, doc
+// given, doc[s] == doc[t]; so positions restart per document only together with doc ids);
+// doc, when given, is always used (every rank of the CP group must give it or none: the CP
+// attention moves the ids with K/V).
+struct TokenLayout {
+  const int32_t* pos = nullptr;
+  const int32_t* doc = nullptr;
+};
+// Default chunk of the LM head and loss: as many tokens as make a [chunk, V] logits block of
+// 2^24 elements (64 MiB in fp32), at least 256 tokens: about 131 (-> 256) for a 128,256
+// vocabulary, 65,027 for 258.
+int default_loss_chunk(int vocab_size);
+
+// The sizes a LlamaModel computes with, computed once from the config (the micro-batch's by
+// with_batch). Local: with tensor parallelism the heads, I and the vocabulary rows are this rank's
+// slice, and every buffer size and projection shape follows from here.
+struct LlamaDims {
+  int C = 0, I = 0, V = 0, L = 0;  // hidden, local intermediate (SwiGLU), canonical vocabulary, blocks
+  int NH = 0, NKV = 0, HD = 0;     // local query heads, local key/value heads, head dim
+  int Q = 0, KV = 0;               // NH*HD, NKV*HD: widths of q and of k, v (local)
+  int tp = 1;                      // TP degree N
+  int cp = 1;                      // CP degree: the model holds T_ of the sequence's Tg = cp * T_ rows
+  int Vl = 0, v0 = 0, valid = 0;   // vocabulary rows held (ceil(V/N)), the first one, how many are real
+  int B = 0, T_ = 0, BT = 0;       // micro-batch (T_: rows of each sequence held); rows B*T_; 0 until with_batch
+  int Tg = 0;                      // the sequence's global length cp * T_ (T_ without CP)
+  int R = 0;                       // residual-stream rows held: BT / tp (sequence parallelism)
+  int chunk = 0;                   // LM head / loss chunk in tokens, min(loss chunk, BT)
+  // tp must divide the heads, KV heads and I (check_tensor_parallel; not checked here).
+  explicit LlamaDims(const ModelConfig& c, int tp = 1, int tp_rank = 0, int cp = 1);
+  // This with the micro-batch B x T_ and the loss chunk min(loss_chunk, B*T_); loss_chunk 0 =
+  // default_loss_chunk(Vl). Throws std::invalid_argument naming '--tp' when tp does not divide B*T_.
+  LlamaDims with_batch(int B, int T_, int loss_chunk) const;
+};
+
+// Activation memory of a LlamaModel<T> for micro-batches of B x T tokens, in bytes, by buffer
+// group; the same numbers LlamaModel::reserve allocates (a test counts the allocations).
+struct ActivationBytes {
+  int64_t per_layer = 0;       // kept per block from forward to backward, times num_hidden_layers
+  int64_t recompute = 0;       // one block's recomputed activations (Selective, Full)
+  int64_t block_scratch = 0;   // shared by blocks: RMSNorm output, the backward's activation gradients
+  int64_t head = 0;            // final norm input/output, the logits chunk, ids, RoPE tables; with
+                               // mask Document the layout's positions, documents and row indices
+  int64_t total() const { return per_layer + recompute + block_scratch + head; }
+};
+// tp: the TP degree (sequence-parallel rows B*T/tp, local heads and intermediate slice). cp: the CP
+// degree, T_ the rows of each sequence a rank holds (T / cp): the RoPE tables cover cp * T_
+// positions, and the layout's ids are kept as with mask Document (positions are required).
+ActivationBytes activation_bytes(const ModelConfig& c, const ModelOptions& o, int B, int T_, size_t elem_bytes,
+                                 size_t acc_bytes, int tp = 1, int cp = 1);
+
+// The backend memory of one LlamaModel<T>::Context over blocks [begin, end) of a model of L blocks
+// (a pipeline chunk; [0, L): the whole model's context), for micro-batches of B x T_ tokens, in
+// bytes: exactly what the model allocates for it at its first forward (ensure_context), with R =
+// B*T_ / tp rows, x = R*C and the per-block part of activation_bytes (per_layer / L; its
+// accumulator arrays in Backend<T>::S: 8 bytes when elem_bytes is 8, else 4):
+//   (end - begin) x per-block kept activations
+//   + elem_bytes x 2x                       the range's output and its residual gradient
+//   + elem_bytes x (x + R)    end == L      the final norm's output and rstd
+//   + 4 x B*T_                begin == 0    the token ids (+ 4 x B*T_ with tp > 1: the embedding
+//                                           slice's rows)
+//   + 4 x B*T_                end == L      the target ids
+//   + 2 x 4 x B*T_            positions and documents, with mask Document or cp > 1
+// Deferred weight gradients (zero-bubble) come on top: deferred_weight_bytes. The model's shared
+// scratch (one per model, however many contexts) is the rest of activation_bytes:
+//   activation_bytes(c, o, B, T_, ...).total() - context_bytes(c, o, B, T_, ..., 0, L, ...).
+// std::invalid_argument when not 0 <= begin <= end <= L.
+int64_t context_bytes(const ModelConfig& c, const ModelOptions& o, int B, int T_, size_t elem_bytes, int begin, int end,
+                      int tp = 1, int cp = 1);
+
+// The memory of one deferred weight gradient (LlamaModel::backward_input, below): the bytes a
+// Context keeps from its backward_input to its backward_weight for a range of `blocks` blocks, for
+// micro-batches of B x T_ tokens (T_: rows per sequence held, T / cp), elem_bytes = sizeof(T), TP
+// degree tp. Per block, with BT = B*T_ (every row of the micro-batch: under TP the kept rows are the
+// all-gathered ones), C, I / tp, Q = NH*HD / tp, KV = NKV*HD / tp:
+//   elem_bytes * (4*BT*C            d(x_next) before the MLP (down's dy), d(x1) (o's dy), and the
+//                                   RMSNorm outputs n2 (gate/up's x), n1 (q/k/v's x) as recomputed
+//                 + 2*BT*I          d(gate), d(up) (gate/up's dy)
+//                 + BT*Q + 2*BT*KV  d(q), d(k) after the RoPE backward, d(v) (q/k/v's dy)
+//                 + 2*C             both RMSNorm weight gradients, computed by backward_input
+//                 + BT*I            h (down's x), unless Recompute::None keeps it anyway
+//                 + BT*Q)           y (o's x), only under Recompute::Full (the other modes keep it)
+// The context allocates exactly this at its first backward_input (and again after a forward of
+// another micro-batch size) and keeps it for reuse: LlamaModel::Context::deferred_bytes().
+int64_t deferred_weight_bytes(const ModelConfig& c, const ModelOptions& o, int B, int T_, size_t elem_bytes,
+                              int blocks, int tp = 1, int cp = 1);
+
+// The three products of a projection y = x W^T, where W is [N, K] row-major (torch.nn.Linear's
+// weight: N outputs, K inputs), over M rows; row-major [M, ...] operands, leading dimension = row
+// width. Every projection of the model (q, k, v, o, gate, up, down, the LM head) goes through
+// this one function, so that a change of how projections compute (tensor parallelism's split of
+// W, float8) is made here. The backend's gemm computes in S (fp32 for bf16 storage).
+//   Forward:    out[M, N]  (+)=  a[M, K] · b[N, K]^T     a = x,  b = W,  out = y
+//   InputGrad:  out[M, K]  (+)=  a[M, N] · b[N, K]       a = dy, b = W,  out = dx
+//   WeightGrad: out[N, K]  (+)=  a[M, N]^T · b[M, K]     a = dy, b = x,  out = dW (the model accumulates)
+// accumulate: out += product (beta 1), else out = product (beta 0; out is not read). Pointers are
+// backend memory and must not alias out. Errors: those of Backend::gemm.
+enum class LinearRole { Forward, InputGrad, WeightGrad };
+template <typename T>
+void linear(Backend<T>& be, LinearRole role, int M, int N, int K, const T* a, const T* b, T* out, bool accumulate);
+
+// The blocks [begin, end) of a model of L blocks (0 <= begin <= end <= L), as one pipeline stage runs
+// them, and where the UnitSource it is given holds the units they use. A range uses the embedding
+// (unit 0) when begin == 0, blocks begin..end-1 (units 1+l), and the final norm and head (unit L+1,
+// and unit 0 again for a tied head) when end == L. units[u] is the index in the UnitSource of
+// model unit u in [0, L+2), -1 for a unit it does not hold; empty: the identity (the whole model's
+// plan). A stage's plan holds only its units (llama_stage_units), so its map is not the identity.
+struct BlockRange {
+  int begin = 0, end = 0;
+  std::vector<int> units;
+  // The UnitSource index of model unit u; std::logic_error when the map says it is not held.
+  int unit(int u) const;
+};
+// The units of a stage over blocks [begin, end) of config c (llama_units' slices, in model order):
+// the embedding when begin == 0 or (end == L and the head is tied: the LM head reads it; the
+// pipeline then owns summing that gradient with the first stage's), the blocks, the final norm
+// (and lm_head when untied) when end == L. llama_stage_range: the same range with the map into
+// these units. std::invalid_argument when not 0 <= begin <= end <= L.
+std::vector<UnitSpec> llama_stage_units(const ModelConfig& c, int begin, int end, int tp = 1, int tp_rank = 0);
+BlockRange llama_stage_range(const ModelConfig& c, int begin, int end);
+
+// One training micro-batch, as the caller runs it (src/train/train.cpp):
+//   model.forward(f, tokens, B, T);                         // embedding, blocks, final norm
+//   loss_sum += model.head_backward(f, targets, scale);     // LM head + loss with their backward, chunked
+//   model.backward(f);                                      // blocks, then the embedding
+// Evaluation: forward, then loss(f, targets). Generation: forward, then head_logits(f), logits().
+// The head step must follow forward() on the same UnitSource with no gather in between by other
+// code (it uses the final norm's unit as forward left it gathered, and gathers it again when this
+// model gathered since); out of order calls throw std::logic_error.
+//
+// The same over a range of blocks, several micro-batches in flight (a pipeline stage): each
+// micro-batch has a Context, owned by the caller, that holds what its backward needs from its
+// forward (the blocks' kept activations, the range's output or the final norm's, the residual
+// gradient, the ids); scratch that is dead between calls (recomputed blocks, activation gradients,
+// logits chunks, RoPE tables) is the model's and shared. Per micro-batch and range:
+//   model.forward(f, ctx, tokens, input, B, T);    // begin == 0: tokens; else input [R, C] (the
+//                                                  // previous range's ctx.output())
+//   end == L: loss += model.head_backward(f, ctx, targets, scale);
+//   model.backward(f, ctx, output_grad);           // end < L: d(loss)/d(output) [R, C] (the next
+//                                                  // range's ctx.input_grad()); end == L: nullptr
+//   begin > 0: ctx.input_grad() is d(loss)/d(input) [R, C]
+// Zero-bubble schedules (ZB-H1; Qi et al. 2024, "Zero Bubble Pipeline Parallelism") split the
+// backward in two: model.backward_input(f, ctx, output_grad) in place of backward, then, any time
+// later (before ctx's next forward), model.backward_weight(f, ctx). Together they leave bitwise
+// what backward leaves (below).
+// R = B*T / tp rows of this rank (sequence parallelism; B*T without TP). The whole-model calls are
+// these over one context of [0, L) held by the model; ranges [0, a), [a, b), [b, L) chained compute
+// bitwise what the whole model does (the same kernels on the same values, the same UnitSource
+// requests in the same order).
+template <typename T> class LlamaModel {
+ public:
+  using S = typename Backend<T>::S;  // scalar type: float for float and bf16, double for double
+
+ private:
+  // One block's activations (which of them exist depends on the Recompute mode, see above).
+  struct Layer {
+    Buffer<T> x, rstd1, q, k, v, att, y, x1, rstd2, g, u, h;
+    AccBuffer<T> lse;
+  };
+  // What backward_weight needs of one block, kept from backward_input (deferred_weight_bytes). The
+  // operands of the weight-gradient GEMMs (LinearRole::WeightGrad: out += dy^T x) that the context
+  // does not keep anyway, and the RMSNorm weight gradients. dr2, dr1, n2, n1: [BT, C] (all rows:
+  // under TP as all-gathered); dg, du, h: [BT, I]; dq, y: [BT, Q]; dk, dv: [BT, KV]; dnorm: [2, C].
+  struct Deferred {
+    Buffer<T> dr2, dr1, n2, n1;  // down's and o's dy (d(x_next), d(x1)); gate/up's and q/k/v's x
+    Buffer<T> dg, du, h;         // gate's and up's dy; down's x (h; empty under Recompute::None: kept)
+    Buffer<T> dq, dk, dv, y;     // q/k/v's dy after the RoPE backward; o's x (y; only Recompute::Full)
+    Buffer<T> dnorm;             // d(input_layernorm.weight) [C], d(post_attention_layernorm.weight) [C]
+  };
+  // Where a micro-batch is: which call may come next. WeightPending: after backward_input, until
+  // backward_weight.
+  enum class Stage { None, Forward, HeadBackward, WeightPending };
+
+ public:
+  // One micro-batch's state over a BlockRange between its forward and its backward. Allocated by
+  // the model at forward() for the micro-batch's B x T (activation_bytes' per-layer part for its
+  // blocks, plus [R, C] output and gradient, plus the ids, the final norm's input, output and rstd
+  // when end == L); movable, not copyable; must not outlive the model's backend.
+  class Context {
+   public:
+    Context() = default;
+    explicit Context(BlockRange r) : r_(std::move(r)) {}
+    const BlockRange& range() const { return r_; }
+    // After forward() with end < L: the range's output activation [R, C] (backend memory).
+    const T* output() const { return xf_.data(); }
+    // After backward() or backward_input() with begin > 0: d(loss)/d(the range's input) [R, C]
+    // (backend memory; backward_weight leaves it as it is).
+    const T* input_grad() const { return dres_.data(); }
+    // Bytes of backend memory this context holds for deferred weight gradients: 0 before its first
+    // backward_input, then deferred_weight_bytes(..., range's blocks, ...) (kept for reuse).
+    int64_t deferred_bytes() const {
+      int64_t n = 0;
+      for (const Deferred& k : w_)
+        for (const Buffer<T>* b : {&k.dr2, &k.dr1, &k.n2, &k.n1, &k.dg, &k.du, &k.h, &k.dq, &k.dk, &k.dv, &k.y,
+                                   &k.dnorm})
+          n += static_cast<int64_t>(b->size() * sizeof(T));
+      return n;
+    }
+    // True between backward_input() and backward_weight().
+    bool weight_pending() const { return stage_ == Stage::WeightPending; }
+
+   private:
+    friend class LlamaModel;
+    BlockRange r_;
+    int B_ = 0, T_ = 0;
+    Stage stage_ = Stage::None;
+    const T* head_w_ = nullptr;      // unit L+1 as forward() gathered it (valid until the next gather)
+    int64_t head_gathers_ = -1;      // the model's gather count right after that gather
+    std::vector<Layer> layers_;      // blocks begin..end-1
+    std::vector<Deferred> w_;        // blocks begin..end-1: backward_input's kept W inputs (empty before)
+    Buffer<T> xf_, lnf_, rstdf_;     // the range's output (the final norm's input); end == L: its output, rstd
+    Buffer<T> dres_;                 // d(loss)/d(residual stream), backward's running gradient
+    IdBuffer<T> tokens_, targets_;   // begin == 0 / end == L: the micro-batch's ids in backend memory
+    IdBuffer<T> ids_tp_;             // TP > 1, begin == 0: tokens as rows of this rank's embedding slice
+    IdBuffer<T> pos_, doc_;          // the layout's positions and documents [B, T] (mask Document, or
+                                     // allocated at the first forward given a layout)
+    bool use_pos_ = false, use_doc_ = false;  // this micro-batch's layout changes RoPE / the mask
+  };
+
+  // tp: the TP group's collectives (tensor_parallel_ops.h), nullptr or size 1 = no tensor parallelism; must
+  // outlive the model. Under TP the UnitSource serves this rank's slices (llama_units(c, N, t)).
+  // cp: context-parallel attention (context_parallel_ops.h, above), nullptr or size 1 = none; must
+  // outlive the model; its backend memory is this model's backend's. Under CP every forward's T_ is
+  // the rows held per sequence (T / cp) and its layout must give positions.
+  // Throws std::invalid_argument when tp does not fit the model (check_tensor_parallel), or when cp
+  // is given with --attention exact (CP runs the tiled block kernels only).
+  LlamaModel(const ModelConfig& c, Backend<T>& be, const ModelOptions& o = {}, TensorParallelOps<T>* tp = nullptr,
+             ContextParallelOps<T>* cp = nullptr);
+
+  // Collective (gathers units 0, 1..L, L+1). tokens: host array [B, T] of ids in [0, V). Runs the
+  // embedding, the blocks and the final norm, keeping what backward() needs (options().recompute).
+  // layout: the micro-batch's positions and documents (TokenLayout; default: causal).
+  // Throws std::invalid_argument if T (under CP: cp x T_) exceeds max_position_embeddings, a token is
+  // out of range, a layout position is outside [0, T), or under CP the layout has no positions
+  // (before any collective).
+  void forward(UnitSource<T>& f, const int32_t* tokens, int B, int T_, const TokenLayout& layout = {}) {
+    forward(f, ctx_, tokens, nullptr, B, T_, layout);
+  }
+  // Collective (gathers unit 0 again when tied). After forward(): the LM head and cross-entropy
+  // over chunks of options().loss_chunk tokens (no [B*T, V] buffer). targets: host [B, T], ids in
+  // [0, V) (std::invalid_argument otherwise, before any collective). Returns the sum over the B*T
+  // positions of the cross-entropy (nats).
+  double loss(UnitSource<T>& f, const int32_t* targets) { return loss(f, ctx_, targets); }
+  // Collective. After forward(): the same loss (bitwise), and per chunk, while its logits exist,
+  // the head's backward: dlogits = d(loss)/d(logits) * grad_scale in place, dlnf = dlogits W,
+  // dW += dlogits^T lnf; then the final norm's backward. The head's weight gradient is
+  // reduce-scattered into its shard (unit 0 when tied, and unit L+1). grad_scale is usually
+  // 1 / (tokens per rank per optimizer step). Returns the loss sum, as loss() does.
+  double head_backward(UnitSource<T>& f, const int32_t* targets, S grad_scale) {
+    return head_backward(f, ctx_, targets, grad_scale);
+  }
+  // Collective. After head_backward(): the backward of the blocks and the embedding; adds the
+  // gradients, averaged over ranks, into f's gradient shards (one reduce-scatter per unit).
+  void backward(UnitSource<T>& f) { backward(f, ctx_, nullptr); }
+
+  // The range calls (see above). forward: collective over the range's units in order (0 when
+  // begin == 0, 1+begin..end, L+1 when end == L); tokens (host [B, T], begin == 0) or input
+  // (backend [R, C], begin > 0) must be given, the other is ignored; std::invalid_argument for a bad
+  // range or unit map, a missing input, T past max_position_embeddings, a token out of range or a
+  // layout position outside [0, T) (before any collective). Every range of a micro-batch takes its
+  // layout (every block attends). loss / head_backward: as the whole-model ones, on a context whose
+  // range ends at L (std::logic_error otherwise or out of order). backward: after head_backward()
+  // (end == L, output_grad ignored) or forward() (end < L, output_grad required: backend [R, C]);
+  // blocks end-1..begin, then the embedding when begin == 0; else leaves ctx.input_grad().
+  void forward(UnitSource<T>& f, Context& ctx, const int32_t* tokens, const T* input, int B, int T_,
+               const TokenLayout& layout = {});
+  double loss(UnitSource<T>& f, Context& ctx, const int32_t* targets);
+  double head_backward(UnitSource<T>& f, Context& ctx, const int32_t* targets, S grad_scale);
+  void backward(UnitSource<T>& f, Context& ctx, const T* output_grad);
+
+  // backward() in two halves, for zero-bubble pipeline schedules (ZB-H1, above).
+  // backward_input: the same preconditions and arguments as backward (after head_backward() when
+  // end == L, output_grad ignored; after forward() otherwise, output_grad [R, C] required). Computes
+  // d(loss)/d(input) through blocks end-1..begin: leaves ctx.input_grad() (begin > 0) bitwise as
+  // backward does, and keeps in ctx what the weight gradients need (Deferred above, sized by
+  // deferred_weight_bytes; allocated at the first call on ctx, reused after). Collective like
+  // backward's blocks: gathers units 1+l, l = end-1 .. begin, and under TP / CP the same group
+  // collectives; it touches no gradient buffer of f (no full_grad, no reduce_scatter_grad). The head
+  // is not split: head_backward already added (and reduce-scattered) the LM head's and the final
+  // norm's gradients.
+  // backward_weight: after backward_input on ctx (any calls on other contexts in between). For each
+  // block l = end-1 .. begin: f.full_grad(1+l), the weight-gradient GEMMs and the RMSNorm weight
+  // gradients from what ctx kept, f.reduce_scatter_grad(1+l); then, begin == 0, the embedding's
+  // gradient into unit 0 (full_grad(0), reduce_scatter_grad(0)); under TP that reads all rows of the
+  // residual gradient: an all-gather over the TP group first, as in backward. Gathers no unit.
+  // Afterwards ctx may take a forward again (its kept buffers stay allocated for the next one).
+  // Together: f's gradient shards receive bitwise the reduce-scatters backward would send, one per
+  // unit, in the order the backward_weight calls are made (so micro-batches whose W run in another
+  // order than their backward_input accumulate in that other order). Every rank of a stage's FSDP
+  // group (and TP group) must make the same calls in the same order, as for backward.
+  // std::logic_error: backward_weight without a pending backward_input on ctx; backward_input,
+  // backward, head_backward, loss or forward on a context whose backward_weight is pending; a
+  // forward() of another micro-batch size in between (as for backward).
+  void backward_input(UnitSource<T>& f, Context& ctx, const T* output_grad);
+  void backward_weight(UnitSource<T>& f, Context& ctx);
+
+  // Collective (gathers unit 0 again when tied). After forward(): the logits [B*T, V] into a model
+  // buffer (allocated here, B*T*V elements), for generation and export checks. Not under tensor
+  // parallelism (std::logic_error).
+  void head_logits(UnitSource<T>& f);
+  // The logits of the last head_logits(), copied to host, [B*T, V] row-major. Not collective.
+  std::vector<T> logits();
+
+  const ModelConfig& config() const { return c_; }
+  const ModelOptions& options() const { return o_; }
+  // Allocates the activation buffers for micro-batches of B x T_ tokens (forward does it lazily):
+  // the shared scratch and the whole-model context, activation_bytes(c, options, B, T_, ..., tp)
+  // in total. Throws std::bad_alloc, and std::invalid_argument when the TP degree does not divide
+  // B*T_.
+  void reserve(int B, int T_) {
+    ensure(B, T_);
+    ensure_context(ctx_);
+  }
+
+ private:
+  struct Offsets {  // flat offsets inside a block unit
+    int64_t ln1, q, k, v, o, ln2, gate, up, down;
+  };
+  // f.gather(u), counted (gathers_): the head knows whether unit L+1 is still where forward() left it.
+  const T* gather(UnitSource<T>& f, int u) {
+    ++gathers_;
+    return f.gather(u);
+  }
+  void ensure(int B, int T_);
+  void ensure_context(Context& ctx);  // sized for d_ (B, T), when it is not yet
+  void ensure_rows();                 // rows_ sized for d_ and filled, when it is not yet
+  void check_range(const BlockRange& r) const;           // std::invalid_argument if not a range of this model
+  void check_ids(const int32_t* ids, int64_t n) const;  // std::invalid_argument if one is outside [0, V)
+  void expect_stage(const Context& ctx, Stage s, const char* call) const;  // std::logic_error if not at s
+  // The embedding of ctx's tokens into x0 [R, C] (collective: gathers unit 0).
+  void embed(UnitSource<T>& f, Context& ctx, const int32_t* tokens, T* x0);
+  // Forward of block l (ctx's micro-batch) with weights w from input x: fills the activations of
+  // `a` and, when xn is not nullptr, writes the block output to xn (else stops before the down
+  // projection: recompute).
+  void block_forward(const Context& ctx, const T* w, const T* x, Layer& a, T* h, T* att, T* xn);
+  // The layout's checks (std::invalid_argument) and, in set_layout, its copy into ctx (use_pos_ /
+  // use_doc_ only where it changes something).
+  void check_layout(const TokenLayout& lay, int B, int T_) const;
+  void set_layout(Context& ctx, const TokenLayout& lay);
+  // RoPE (forward or backward) of x [BT, H, HD] at ctx's positions.
+  void rope(const Context& ctx, T* x, int H, bool backward);
+  // Attention of block activations `a` (tiled: y, lse; exact: att, y), and its backward into dq,
+  // dk, dv ([BT, Q], [BT, KV] x 2; dq_, dk_, dv_ or a Deferred's) from dy_: causal (flash_attention_* / the exact path) or, with ctx's documents, the
+  // block attention kernels over the whole sequence as one block (masked tile pairs skipped).
+  void attend(const Context& ctx, Layer& a, T* att);
+  void attend_backward(const Context& ctx, const Layer& a, const T* att, T* dq, T* dk, T* dv);
+  // Backward of block l (ctx's) with weights w: ctx.dres_ from d(block output) to d(block input).
+  // keep == nullptr (backward): the weight gradients into the full-unit gradient (f.full_grad,
+  // taken after any recomputation) as soon as their operands exist. keep given (backward_input): no
+  // weight gradient GEMM and no f call; their operands into *keep, the RMSNorm weight gradients
+  // into keep->dnorm.
+  void block_backward(UnitSource<T>& f, Context& ctx, int l, const T* w, Deferred* keep);
+  // backward_weight's part of block l: the weight gradients into gw (zeroed: f.full_grad) from
+  // what block_backward kept.
+  void block_weight(const Context& ctx, int l, T* gw);
+  // backward / backward_input's checks and the start of dres_; the embedding's gradient (begin == 0).
+  void start_backward(Context& ctx, const T* output_grad, const char* call);
+  void embedding_backward(UnitSource<T>& f, Context& ctx);
+  // ctx.w_ allocated for d_'s micro-batch (deferred_weight_bytes), when it is not yet.
+  void ensure_deferred(Context& ctx);
+  // backward_input: the rows [BT, C] the weight gradients read of the local [R, C] `local` into
+  // `into` (TP: all-gathered, as gather_rows; else copied); and a block's RMSNorm output, recomputed
+  // as block_backward does, into ln_ / full_ (into == nullptr, as gather_rows) or into `into`.
+  const T* keep_rows(const T* local, Buffer<T>& into);
+  const T* norm_rows(T* rstd, const T* x, const T* wn, Buffer<T>* into);
+  // The LM head and the loss over chunks; with `grad` their backward and the final norm's. See
+  // loss() and head_backward().
+  double head(UnitSource<T>& f, Context& ctx, const int32_t* targets, bool grad, S grad_scale);
+  // Where block l's activations are in backward (recomputed first when not kept).
+  Layer& backward_activations(Context& ctx, int l, const T* w);
+  // Sequence parallelism (TP > 1; identity without): the full [BT, C] rows of the local [R, C]
+  // `local`, all-gathered into `into` (full_ or dfull_); without TP `local` itself.
+  const T* gather_rows(const T* local, Buffer<T>& into);
+  // out[R, C] = x + (in[BT, K] W[C, K]^T), the product summed over the TP group and
+  // reduce-scattered (row-parallel o / down); without TP: out = x, then the GEMM accumulates.
+  void row_parallel_residual(const T* in, int K, const T* W, const T* x, T* out);
+  // After the input-gradient GEMMs wrote the full partial gradient of a column-parallel input into
+  // dfull_ (TP > 1): reduce-scatters it into dln_. No-op without TP (they wrote dln_ directly).
+  void reduce_input_grad();
+  T* input_grad() { return tp_n_ > 1 ? dfull_.data() : dln_.data(); }  // where those GEMMs write
+
+  ModelConfig c_;
+  ModelOptions o_;
+  Backend<T>& be_;
+  TensorParallelOps<T>* tp_ = nullptr;  // the TP group; nullptr without TP
+  ContextParallelOps<T>* cp_ = nullptr;  // the CP group's attention; nullptr without CP
+  int tp_n_ = 1, tp_rank_ = 0;
+  LlamaDims d_;
+  S eps_ = S(0), attn_scale_ = S(0);  // rms_norm_eps; 1 / sqrt(HD)
+  Offsets off_{};
+  int64_t head_off_norm_ = 0, head_off_w_ = 0;
+  Context ctx_;                   // the whole-model calls' micro-batch, blocks [0, L)
+  int64_t gathers_ = 0;           // gathers made through this model (gather())
+  Layer work_;                    // recomputed block (Selective: h, exact att; Full: all)
+  Buffer<T> chunk_logits_, logits_, cos_, sin_;
+  Buffer<T> ln_;  // a block's RMSNorm output [B*T, C], forward and (recomputed) backward
+  Buffer<T> dln_, dq_, dk_, dv_, datt_, dy_, dh_, dg_, du_;
+  AccBuffer<T> dsum_;  // tiled attention backward: rowsum(dy * y) [B, NH, T]
+  IdBuffer<T> rows_;   // block attention with documents: each token's index t in its row [B, T]
+  // TP > 1 only (empty without TP). full_: an all-gathered [BT, C] (an RMSNorm output; in the head
+  // step the final norm's, which the head reads); dfull_: a [BT, C] gradient (the all-gathered
+  // residual gradient, or the partial input gradient before its reduce-scatter); the
+  // cross-entropy's row maxima [chunk], the group's [N, chunk] and the sums [2 * chunk].
+  Buffer<T> full_, dfull_;
+  std::vector<int32_t> ids_host_;  // ids_tp_'s host staging (kept: no allocation per micro-batch)
+  AccBuffer<T> ce_mx_, ce_maxes_, ce_st_;
+};
+
+// RoPE tables for positions [0, T) and pairs [0, HD/2) with HD/2 = inv_freq.size(): cos/sin of
+// t * inv_freq[j], row-major [T, HD/2], computed in double. inv_freq: rope_inv_freqs(config).
+template <typename T>
+void rope_tables(std::vector<T>& cos, std::vector<T>& sin, int T_, const std::vector<double>& inv_freq);
+
+// Causal self-attention with GQA on already-projected, RoPE-rotated q [B*T, NH*HD],
+// k and v [B*T, NKV*HD]; writes att [B, NH, T, T] (softmax probabilities) and y [B*T, NH*HD]
+// (y == nullptr: the probabilities only). Query head h reads key/value head h / (NH/NKV). The
+// exact path (--attention exact), and the reference the tiled path is tested against.
+// doc: document ids [B, T] (int32, backend memory) or nullptr; given, query t also sees only keys
+// of its own document (softmax_causal_doc_forward; the backward is unchanged, masked
+// probabilities are 0). nullptr is bitwise the causal-only path.
+template <typename T>
+void attention_forward(Backend<T>& be, const T* q, const T* k, const T* v, T* att, T* y, int B, int T_, int NH,
+                       int NKV, int HD, const int32_t* doc = nullptr);
+// Given dy, writes dq (=), and dk, dv (=). datt is scratch of the size of att.
+template <typename T>
+void attention_backward(Backend<T>& be, const T* q, const T* k, const T* v, const T* att, const T* dy, T* datt,
+                        T* dq, T* dk, T* dv, int B, int T_, int NH, int NKV, int HD);
+
+}  // namespace shardtrain

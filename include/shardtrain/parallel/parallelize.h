@@ -1,0 +1,239 @@
+// shardtrain's parallel layer: what each dimension of the mesh does to a run, applied from outside
+// the model (the model sees parameters through UnitSource and collectives through the ops it is
+// given; it never touches a communicator or the mesh).
+//
+// parallelize() builds, from the mesh, the model config and the backends, everything a run needs
+// for its layout — the sharded state, the unit source, each dimension's operations for the model,
+// the checkpoint layout — so that the trainer asks once and never asks which dimensions are on:
+//   dp_shard (FSDP) and dp_replicate (HSDP): the ShardedState over the shard group (its replica
+//        communicator under hybrid sharding) and the UnitPipeline that gathers units and
+//        reduce-scatters their gradients (shard layer);
+//   tp: every unit holds this rank's TP slices (llama_units(c, tp, tp_rank)), the model's
+//        TensorParallelOps is the TP group's (TpGroup), replicated parameters' gradients are summed
+//        over the group, and checkpoints store the canonical rows (TpCheckpointLayout, io);
+//   cp: FSDP shards over dp_shard x cp; the model's ContextParallelOps is a CpAttention on the
+//        mesh's CP communicator (--cp-comm ring | allgather); every rank of a CP group reads the
+//        same batch rows and gives the model its head-tail rows of each sequence (SequenceSplit,
+//        below); the memory plan (cp_memory) and checkpoints know it. pp: not implemented yet; its
+//        room is here (docs/architecture.md, "Where the next features go").
+//
+// Layer: between io and train. It uses runtime, backend, shard, model and io; train uses it;
+// runtime, backend, shard, model, data and io never include it.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "shardtrain/parallel/pipeline.h"
+#include "shardtrain/io/checkpoint.h"
+#include "shardtrain/model/config.h"
+#include "shardtrain/parallel/context_parallel.h"
+#include "shardtrain/parallel/geometry.h"  // CpComm
+#include "shardtrain/runtime/mesh.h"
+#include "shardtrain/model/model.h"  // AttentionKind, TokenLayout
+#include "shardtrain/shard/shard.h"
+#include "shardtrain/parallel/tensor_parallel.h"
+
+namespace shardtrain {
+
+// The run's layout as a checkpoint records it (train.h train_config_json's world_size,
+// shard_group_size and tp; the format's TP tables).
+struct SavedLayout {
+  int world_size = 1;        // the ranks whose rows the file holds (its plan's world size)
+  int shard_group_size = 1;  // the saving run's shard group, dp_shard x cp (== world_size but under hybrid sharding)
+  int tp = 1;
+  // The saving run's mesh (tp, cp, dp_shard, dp_replicate) and, tp > 1, format version 4's tables;
+  // cp > 1 makes the file version 5 (io, checkpoint.h).
+  TpRecord tp_record;
+};
+
+// How a run's state maps to what its checkpoints store. The trainer saves and restores through
+// this alone, at every layout. Collective calls are made by every rank of the world, in the same
+// order.
+class CheckpointLayout {
+ public:
+  virtual ~CheckpointLayout() = default;
+  // Whether this rank's rows go into the file (CheckpointOptions::write_shards).
+  virtual bool writes_shards() const = 0;
+  // Collective over the world. The tensors a save writes for `live` (this rank's sharded tensors,
+  // train.h checkpoint_tensors): `live` itself, or rows this layout owns (owns_saved_rows).
+  virtual ShardedTensors for_save(Comm& world, const ShardedTensors& live) = 0;
+  // True when for_save returns host rows that this layout owns and that stay unchanged until the
+  // next for_save (which the trainer calls only after the previous save's write): a snapshot may
+  // borrow them, even for a background write.
+  virtual bool owns_saved_rows() const = 0;
+  // Restore: load_checkpoint fills load_target(live) (live itself, or this layout's rows for the
+  // same tensor names), then finish_load (collective over the world) moves them into `live`.
+  virtual ShardedTensors load_target(const ShardedTensors& live) = 0;
+  virtual void finish_load(Comm& world, const ShardedTensors& live) = 0;
+  virtual const SavedLayout& saved_layout() const = 0;
+};
+
+// The mesh's dimensions that communicate in a step, in the order the step log lists them.
+enum class CommDim { Fsdp, Tp, Cp, Pp };
+
+// One dimension's communication, accumulated since the run started (or, as a difference, over an
+// interval).
+struct DimComm {
+  int64_t calls = 0;     // collectives (or transfers) started
+  double bytes = 0;      // bytes this rank sent (ring algorithms: docs/scaling.md, bytes_per_step)
+  double issued_s = 0;   // time in flight, summed over calls
+  double exposed_s = 0;  // time the compute thread waited for them (blocking calls: all of issued_s)
+};
+
+// Every dimension's communication in one structure: what the step log, the metrics and TensorBoard
+// read. FSDP's comes from the unit pipeline's queues (CommTimes), TP's from its group (TpCommStats),
+// CP's from its attention (CpCommStats: ring shifts or collectives, their bytes, time in flight and
+// the part the compute thread waited); PP stays zero until it exists.
+struct CommStats {
+  static constexpr int kDims = 4;
+  std::array<DimComm, kDims> dim;
+  DimComm& operator[](CommDim d) { return dim[static_cast<size_t>(d)]; }
+  const DimComm& operator[](CommDim d) const { return dim[static_cast<size_t>(d)]; }
+  static const char* name(CommDim d);  // "fsdp", "tp", "cp", "pp" (the metrics' prefixes)
+  double exposed_s() const;            // summed over the dimensions
+  CommStats& operator+=(const CommStats& b);
+  CommStats operator-(const CommStats& b) const;
+};
+
+struct ParallelOptions {
+  OverlapConfig overlap;     // --overlap, --prefetch, --comm-progress (shard.h)
+  bool reduce_bf16 = false;  // --reduce-dtype bf16 (mixed precision only)
+  bool checkpoints = false;  // the run saves, resumes or initializes from a checkpoint
+  CpComm cp_comm = CpComm::Ring;  // --cp-comm: how a CP group (cp > 1) moves K/V
+  PipelineLayout pipeline{};      // the stages (resolve_pipeline); default: one stage (bounds set by parallelize)
+  // --pp-reshard (TrainConfig::pp.reshard): the unit pipeline's Reshard when pipeline.ranks > 1;
+  // one stage is always Reshard::PerUse (gradient accumulation as before pipelines).
+  Reshard pp_reshard = Reshard::PerUse;
+};
+
+// Everything a run holds for its layout, in compute type C (float; bf16 over fp32 master shards).
+// Members are destroyed in reverse order: the checkpoint layout and the unit pipeline before the
+// state they read.
+template <typename C> struct ParallelRun {
+  std::unique_ptr<ShardedState<float>> state;  // fp32 master shards and gradient shards
+  std::unique_ptr<TpGroup<C>> tp;              // tp > 1: the TP group's collectives; else nullptr
+  std::unique_ptr<CpAttention<C>> cp;          // cp > 1: the CP group's attention; else nullptr
+  PipelineLayout pipeline;                     // the stages; one stage: one chunk [0, L)
+  RankUnits stage;                             // this rank's chunks and their units (pipeline_rank_units)
+  std::unique_ptr<StageLink<C>> pp;            // pp > 1: activations between the stages; else nullptr
+  std::unique_ptr<UnitPipeline<C>> units;      // the model's UnitSource over `state`
+  std::unique_ptr<CheckpointLayout> checkpoint;  // nullptr without checkpoints (options.checkpoints)
+  // The model's TensorParallelOps (nullptr: no TP) and ContextParallelOps (nullptr: no CP); valid
+  // while this lives.
+  TensorParallelOps<C>* tp_ops() const { return tp.get(); }
+  ContextParallelOps<C>* cp_ops() const { return cp.get(); }
+  // After the backward of a step: gradients of parameters every rank of a group holds whole (TP's
+  // RMSNorm weights) summed over the group; the tied embedding's gradient summed between the first
+  // and the last pipeline stage (sum_tied_grads). No-op where no dimension replicates a parameter.
+  void finish_grads();
+  // The unit whose gradient elements this rank leaves out of the gradient norm, -1 for none: the
+  // last stage's copy of the tied embedding (the first stage counts it).
+  int unit_not_in_norm() const { return stage.tied_copy ? stage.embedding : -1; }
+  // Every dimension's communication since the run started. (With CP: CpAttention::stats, which also
+  // takes the backend's block-attention tile counters: take the step's counts before this.)
+  CommStats comm_stats() const;
+};
+
+// The rows of a micro-batch one rank gives the model (LlamaModel::forward): every rank of a CP group
+// reads the same B whole sequences of T tokens (Mesh::dp_index excludes cp) and keeps its head-tail
+// rows of each (context_parallel.h cp_rows for its CP coordinate): tokens, targets, and the layout
+// the model needs under CP — each row's global position (the whole sequence's layout position when
+// given, e.g. restarting per document, else the row's index in its sequence) and, when given, its
+// document id. The layout is computed on the whole sequence first (document_layout needs the
+// tokens before the row), then picked. Without CP (cp = 1) take() returns its inputs unchanged:
+// rows() = T, the pointers as given (bitwise the run without CP).
+class SequenceSplit {
+ public:
+  // T: the sequence length; std::invalid_argument when T does not split over the mesh's cp
+  // (cp_split_problem; resolve_geometry refuses it first).
+  SequenceSplit(const Mesh& mesh, int T);
+  int rows() const { return Tl_; }  // T / cp: each sequence's rows a rank holds
+  // tokens, targets: host [B, T] (targets may be nullptr: then targets() is nullptr); whole: the
+  // whole sequences' layout (host [B, T] arrays or nullptr). Returns the layout of the rows kept
+  // (under CP always with positions), valid until the next take(); tokens() and targets() are the
+  // rows kept [B, rows()], valid as long.
+  TokenLayout take(const int32_t* tokens, const int32_t* targets, const TokenLayout& whole, int B);
+  const int32_t* tokens() const { return tok_; }
+  const int32_t* targets() const { return tgt_; }
+
+ private:
+  int T_ = 0, Tl_ = 0;
+  std::vector<int32_t> rows_;                 // cp_rows of this rank (empty without CP)
+  std::vector<int32_t> tok_l_, tgt_l_, pos_l_, doc_l_;
+  const int32_t* tok_ = nullptr;
+  const int32_t* tgt_ = nullptr;
+};
+
+// The plan of the units one rank of the mesh `d` holds: TP rank `tp_rank`'s slices of every unit
+// (llama_units(mc, d.tp, tp_rank)), sharded over its FSDP shard group (d.fsdp() = dp_shard x cp
+// ranks). parallelize() builds the state from it; the memory plan sizes it.
+// With a pipeline (pl.ranks > 1): pipeline rank pp_rank's units only (pipeline_rank_units).
+ShardPlan rank_unit_plan(const ModelConfig& mc, const MeshDims& d, int tp_rank = 0, const PipelineLayout* pl = nullptr,
+                         int pp_rank = 0);
+
+// How the mesh divides a parameter, in the memory plan's words: "G" (FSDP), "G ranks of a shard
+// group" (hybrid sharding), "(TP N x G), norms replicated over TP" (tensor parallelism); G =
+// dp_shard x cp, written "D x C" with cp > 1.
+std::string sharding_words(const MeshDims& d);
+
+// Host memory the checkpoint layout of a run on mesh `d` keeps for its saves (with checkpoints):
+// TP's canonical rows, every saved tensor's rows of a world-size plan, made once and borrowed by
+// every save; none (elements 0) where saves snapshot the live shards. `ntensors`: tensors saved.
+struct LayoutRows {
+  int64_t elements = 0;  // per tensor
+  std::string name;      // the memory plan's line
+};
+LayoutRows checkpoint_layout_rows(const ModelConfig& mc, const MeshDims& d);
+
+// What a training run cannot do yet on mesh `d`: "" or the refusal, the same on every rank (today
+// "": every mesh resolve_mesh_dims accepts trains; a dimension that exists in the mesh before the
+// model runs it refuses here, so that a run never computes wrong numbers). The trainer refuses
+// with it before anything is allocated.
+// With cp > 1 and '--attention exact' the refusal (CP runs the tiled block kernels only).
+std::string training_refusal(const MeshDims& d, AttentionKind attention);
+
+// Context parallelism in the memory plan (memory_plan.h), per rank, for micro-batches of B
+// sequences of T tokens on mesh `d` (elem_bytes: the compute type's). With cp = C, r = B x T / C
+// rows held, KV' = (NKV / tp) x HD and Q' = (NH / tp) x HD the widths of a TP rank's K/V and Q:
+//   rows      T / C: each sequence's rows a rank holds; every activation buffer is the model's
+//             for T / C tokens (activation_bytes(mc, options, B, T / C, ...)), so activations
+//             fall as 1 / C (CP attention is blockwise: no [T, T] probabilities);
+// and the scratch of the CP attention (CpAttention, context_parallel.h: kept between calls, so the
+// forward's and the backward's add up), with 4-byte lse / dsum (S) and int32 positions and
+// document ids:
+//   ring      elem_bytes x (12 x r x KV' + r x Q') + 4 x 2 x r x NH/tp + 4 x 4 x r: K and V
+//             arriving, double-buffered (4 blocks of r x KV'); the backward's dK and dV of the
+//             visiting block and the partial sums arriving, double-buffered (8); the merge's y;
+//             lse and dsum; positions and document ids, 2 buffers each;
+//   allgather elem_bytes x 4 x T x KV' + 4 x r x NH/tp + 4 x 2 x T: one sequence at a time, the
+//             gathered K and V of all T rows and, in the backward, their gathered gradients before
+//             the reduce-scatter; dsum; the sequence's positions and document ids.
+// cp = 1: rows = T, no CP scratch (kv_bytes 0), and the words of the plan as before CP. When
+// CpAttention's buffers change, this changes with them (a test compares the two once the model
+// runs CP).
+struct CpMemory {
+  int rows = 0;             // T / C
+  std::string rows_words;   // "B x T tokens", or "B x T / C = B x rows tokens of each sequence (CP C)"
+  int64_t kv_bytes = 0;     // the CP attention's scratch (0: none)
+  std::string kv_name, kv_detail;  // the memory plan's line
+  // allgather over MPI (host Comm): Open MPI's MPI_Ireduce_scatter_block (libnbc,
+  // ompi/mca/coll/libnbc/nbc_ireduce_scatter_block.c) reduces the whole input to the group's first
+  // rank along a binomial tree; each receiving rank touches one temporary of the whole input per
+  // round it receives in, up to two (alternating): the first rank min(2, ceil(log2 cp)) of them.
+  // For dK and dV of one chunk, started together: n x 2 x T x hk x HD x elem_bytes (0 for ring).
+  int64_t mpi_reduce_scatter_bytes = 0;
+};
+CpMemory cp_memory(const ModelConfig& mc, const MeshDims& d, CpComm method, int B, int T, size_t elem_bytes);
+
+// Builds the run's layout. Collective only through what it constructs (none of it communicates
+// at construction). Throws std::bad_alloc (allocation; the trainer agrees on it),
+// std::invalid_argument when the mesh does not fit the model (resolve_geometry refuses this first).
+// `be16`: the bf16 backend, required when C is bf16.
+template <typename C>
+ParallelRun<C> parallelize(const Mesh& mesh, const ModelConfig& mc, Backend<float>& be, Backend<bf16>* be16,
+                           const ParallelOptions& o);
+
+}  // namespace shardtrain

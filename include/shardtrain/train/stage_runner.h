@@ -1,0 +1,115 @@
+// StageRunner (training layer): runs a schedule's actions (schedule.h, pipeline_schedule.h) on this
+// rank's model chunks: the micro-batches' data, one model Context per micro-batch and chunk in
+// flight, and the activations to and from the neighbouring stages (StageLink, pipeline.h). The
+// trainer's step and evaluate() hand it every action of this rank and never ask how many stages
+// there are: with one stage the schedule is gradient accumulation over one chunk [0, L), whose
+// calls are the model's whole-model ones on its own context (bitwise today's loop).
+#pragma once
+
+#include <cstdint>
+#include <array>
+#include <map>
+#include <string>
+#include <memory>
+#include <vector>
+
+#include "shardtrain/data/data.h"
+#include "shardtrain/runtime/mesh.h"
+#include <nlohmann/json.hpp>
+#include "shardtrain/model/model.h"
+#include "shardtrain/parallel/parallelize.h"
+#include "shardtrain/parallel/pipeline.h"
+#include "shardtrain/parallel/schedule.h"
+#include "shardtrain/train/train.h"
+
+namespace shardtrain {
+
+template <typename C> class StageRunner {
+ public:
+  // Borrows everything (all must outlive the runner). per_rank: sequences per rank per step
+  // (global batch / dp); micro_batch: sequences per micro-batch (B); the micro-batch count is
+  // per_rank / micro_batch. stage: ParallelRun::stage (its ranges are this rank's chunks, in
+  // PipelineLayout::rank_chunks order); link: nullptr with one stage; be: the model's backend.
+  StageRunner(const Mesh& mesh, Backend<C>& be, LlamaModel<C>& model, UnitSource<C>& f, const RankUnits& stage,
+              const PipelineLayout& pl, StageLink<C>* link, const TrainConfig& tc, const TokenDataset& data,
+              int per_rank, int micro_batch);
+  // Where the micro-batches come from: `split`'s batch `index` (the training step, or the
+  // evaluation's batch number). Call before the actions of a step or of an evaluation batch.
+  void begin(Split split, int64_t index);
+  // Runs this rank's actions of `schedule` (those of its pipeline coordinate), in order. Training:
+  // grad_scale > 0 (the loss gradient's scale, head_backward); evaluation: Forward actions only,
+  // grad_scale 0. Returns the loss sum (nats) this rank computed: the last chunk's Backward in
+  // training, its Forward in evaluation; else 0. Collective as the model calls are (the unit
+  // source's group) and, with a pipeline, point-to-point with the neighbouring stages: the receive
+  // of the next action that needs one in each direction is posted before the current action runs
+  // (two buffers per direction), so it arrives during the current action's compute; with a grouped
+  // link (stream-ordered Comms, pipeline.h) at the boundary before its action, grouped with the
+  // finished action's send (pipeline_p2p_groups says which groups, in which order).
+  double run(const Schedule& schedule, float grad_scale);
+  // After the last action of a step or evaluation batch: waits for the sends in flight; every
+  // context is free again.
+  void end();
+
+  // The pipeline bubble since the last report (training steps only; issue 42, item 7). Collective
+  // over mesh.world() when there is a pipeline; with one stage returns "" and does nothing (no
+  // collective: the same on every rank). For the stages of the PP group of world rank 0:
+  //   measured   each stage's idle fraction of the step's span (the longest stage's time from its
+  //              first action to its end(), summed over the steps; every stage starts a step
+  //              together, after the previous step's all-reduce): its waits for activations or their
+  //              gradients (StageLink's exposed time) plus the time it finished before the longest;
+  //   simulated  simulate() (pipeline_schedule.h) of `schedule` with each chunk's measured mean
+  //              Forward, Backward, BackwardInput and BackwardWeight times (waits excluded);
+  //   ideal      the schedule's formula (PipelineSchedule::ideal_bubble) with the chunks' mean times.
+  // Writes pp_bubble (per stage, measured), pp_bubble_max (the largest stage's: the number TensorBoard
+  // shows, arrays being metrics-file only), pp_bubble_simulated (per stage), pp_bubble_ideal and
+  // pp_action_ms ({"forward", "backward", "backward_input", "backward_weight"}: per chunk, ms) into
+  // *rec, and returns the step line's part " | pp bubble a, b (simulated c, d; ideal e)".
+  std::string bubble_report(const Schedule& schedule, nlohmann::json* rec);
+
+ private:
+  struct MicroBatch {
+    bool loaded = false;
+    std::vector<int32_t> tok, tgt, pos, doc;
+    TokenLayout layout;
+  };
+  MicroBatch& load(int m);
+  double run_timed(const Action& a, float grad_scale);
+  double run_action(const Action& a, float grad_scale);
+  int local_chunk(int chunk) const;           // index into stage_.ranges
+  typename LlamaModel<C>::Context& context(int m, int chunk);  // the one of (m, chunk), made on first use
+  void release(int m, int chunk);
+
+  const Mesh& mesh_;
+  Backend<C>& be_;
+  LlamaModel<C>& model_;
+  UnitSource<C>& f_;
+  const RankUnits& stage_;
+  const PipelineLayout& pl_;
+  StageLink<C>* link_;
+  const TrainConfig& tc_;
+  const TokenDataset& data_;
+  int per_rank_, mb_;
+  SequenceSplit split_;
+  Split which_ = Split::Train;
+  int64_t index_ = 0;
+  std::vector<MicroBatch> batches_;
+  std::vector<int32_t> tok_, tgt_, pos_, doc_;  // fill_batch's whole sequences
+  // Contexts of (micro-batch, chunk) in flight, and free ones per local chunk for reuse.
+  std::map<std::pair<int, int>, typename LlamaModel<C>::Context> live_;
+  std::vector<std::vector<typename LlamaModel<C>::Context>> free_;
+  Buffer<C> in_[2], grad_in_[2];  // received activations / output gradients [R, C], two each (one posted ahead)
+  C* recv_buf_ = nullptr;         // where the running action's receive lands
+  // Grouped link: this rank's actions of the last schedule run and its slots' starts (P2pOrder).
+  std::vector<Action> slot_acts_;
+  std::vector<size_t> slot_starts_;
+  size_t rows_elems_ = 0;   // R x C: a micro-batch's activation rows of this rank
+  bool whole_ = false;      // one chunk over the whole model: the model's own context
+  // Training actions since the last bubble_report: per local chunk, the seconds and counts of
+  // Forward, Backward, BackwardInput, BackwardWeight (waits for the link excluded); the wall time
+  // between begin() and end() and the link's exposed time in it.
+  bool timing_ = false;
+  std::vector<std::array<double, 8>> chunk_times_;
+  double loop_s_ = 0, wait_s_ = 0, t_begin_ = 0, wait_begin_ = 0;
+};
+
+}  // namespace shardtrain
