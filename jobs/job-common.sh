@@ -247,7 +247,7 @@ st_show() {
   printf '%s\n' "${s% }"
 }
 
-# SIGTERM and Open MPI's mpirun (LAUNCHER=mpirun; Open MPI 4.1, Slurm 22.05; README.md, "Preemption
+# SIGTERM and Open MPI's mpirun (LAUNCHER=mpirun; Open MPI 4.1, Slurm 22.05; docs/slurm.md, "Preemption
 # and requeue"). mpirun treats SIGTERM (like SIGINT and SIGHUP) as "abort the job": it sends its ranks
 # SIGCONT, SIGTERM and SIGKILL, odls_base_sigkill_timeout (1 s) apart, and exits 1 about 2 s after the
 # signal, while the ranks are still writing their preemption checkpoint. It cannot be told to

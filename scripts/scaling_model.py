@@ -997,7 +997,7 @@ def pp_bubble_fraction(schedule, P, m, v=1, tf=1.0, ti=1.0, tw=1.0):
 
 def pp_chunks(cfg, P, v=1):
     """Blocks 0..L+1 (0 the embedding, l+1 decoder layer l, L+1 the final norm and head) cut into
-    S = P v contiguous chunks, the embedding and the head counted as one block each (README,
+    S = P v contiguous chunks, the embedding and the head counted as one block each (docs/parallelism.md,
     "Pipeline parallelism"; include/shardtrain/parallel/pipeline_schedule.h); the first n mod S chunks take
     one block more (assumed: an uneven split's order is not modelled). Chunk c runs on pipeline
     rank c mod P. Returns [[block, ...] per chunk]."""

@@ -475,7 +475,7 @@ Runtime::Runtime(int* argc, char*** argv) {
   topo_.node_id = topo_.rank;
   MPI_Allreduce(MPI_IN_PLACE, &topo_.node_id, 1, MPI_INT, MPI_MIN, local);
   MPI_Comm_free(&local);
-  // Test hook (README, "Running it"): emulate nodes of k consecutive ranks on one host.
+  // Test hook (docs/parallelism.md, "Hybrid sharding"): emulate nodes of k consecutive ranks on one host.
   if (const char* e = std::getenv("SHARDTRAIN_TEST_RANKS_PER_NODE")) {
     const int k = std::atoi(e);
     if (k > 0) {

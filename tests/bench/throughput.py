@@ -479,7 +479,7 @@ def markdown(a, results, env):
         f"{CASES[cn]['window']}, warm-up {CASES[cn]['warmup']}"
         + (f", shardtrain `{' '.join(CASES[cn]['args'])}` against shardtrain-ref `{' '.join(CASES[cn]['ref_args']) or '(none)'}`"
            if "ref_args" in CASES[cn] else "") for cn in a.cases) + ". Ranges are min – max over rounds. MFU: tokens/s x "
-        "FLOPs per token (PaLM's 6N + 12LHQT, README) / the CPU peak shardtrain measured at start-up in the same "
+        "FLOPs per token (PaLM's 6N + 12LHQT, docs/monitoring.md) / the CPU peak shardtrain measured at start-up in the same "
         "round, the peers' tokens/s against that same peak. shardtrain's peaks:", ""] + [f"* {x}" for x in peaks] + ["",
         "| shardtrain against | tokens/s ratio | target | met | CPU-s per token, peer / shardtrain | peak RSS, shardtrain / peer | ≤ 0.5 |",
         "|---|---:|---|---|---:|---:|---|"]

@@ -1,6 +1,6 @@
 """Reads a --tensorboard directory with TensorBoard's own EventAccumulator (purge_orphaned_data on,
 as `tensorboard --logdir` loads a run) and compares it with a --metrics file: every (tag, step,
-value) of the metrics file is there once, and nothing else. Tags follow README's map (the same
+value) of the metrics file is there once, and nothing else. Tags follow docs/monitoring.md's map (the same
 rules as src/io/tensorboard.cpp's tensorboard_tag); values are float32 (simple_value).
 
 usage: tb_check.py LOGDIR METRICS [--files N] [--raw-steps-over S]

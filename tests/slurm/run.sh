@@ -3,8 +3,8 @@
 # machine (tests/slurm/cluster.sh: munged, slurmctld and two slurmd emulating nodes n1 and n2 of 4
 # CPUs each, with host names n1 and n2 where unshare allows, private ports, everything in a temporary
 # folder, SLURM_CONF exported to this script's processes only), submits the real scripts with sbatch
-# from a submit directory laid out like the repository (jobs/ and build/ linked), as README's
-# "Running on Slurm" shows, and checks:
+# from a submit directory laid out like the repository (jobs/ and build/ linked), as docs/slurm.md
+# shows, and checks:
 #  (1) cpu-srun, cpu-mpirun: jobs/train-cpu.sbatch, 2 tasks on one node (srun --mpi=pmix; and
 #      LAUNCHER=mpirun), sbatch --wait: exit code 0, the log's launch line, topology "1 node x 2
 #      ranks per node", "training finished", a step-40 checkpoint, the loss falls.
