@@ -162,7 +162,7 @@ class Checker:
         self.root = os.path.realpath(root)
         self.pages = {}
         self.errors = []
-        self.counts = {"links": 0, "anchors": 0, "paths": 0, "pending": 0}
+        self.counts = {"links": 0, "anchors": 0, "paths": 0}
 
     def page(self, abspath):
         if abspath not in self.pages:
@@ -208,7 +208,7 @@ class Checker:
         self.counts["anchors"] += 1
         anchor = urllib.parse.unquote(anchor)
         if not os.path.isfile(dest):
-            self.error(where, lineno, f"link '{target}': '#{anchor}' after a directory (or a header whose move is pending)")
+            self.error(where, lineno, f"link '{target}': '#{anchor}' after a directory")
             return
         if dest.endswith(".md"):
             if anchor not in self.page(dest).anchors():
