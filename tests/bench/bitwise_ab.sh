@@ -27,14 +27,15 @@
 # that name (NEW_ARGS="--seed 8" makes every configuration differ). DATA (default
 # $ROOT/build/data/fortunes.tok, make data) and PY (default $ROOT/.venv/bin/python with h5py, make
 # venv) can be overridden. Each run's command line, log, metrics and checkpoints: OUT/NAME-{ref,new}.
-# Prints one line per configuration: "NAME: equal (...)", "NAME: DIFFERS: <the first difference>
-# (and N more)" or "NAME: FAILED: ..." (a run exited non-zero; its log's tail follows); then, with
-# cp2-doc-ring, a coverage line (REF once more with the causal mask: the document mask must change the
-# losses, else the check fails); then "E of N configurations equal". Exit 0 iff every selected
-# configuration is equal (and the coverage holds); 2 on bad arguments.
-# Time: about 8 minutes for all 27 on 2 cores shared with other jobs (7.5 min measured; one
-# configuration's two runs 5-30 s). Not part of make test: REF_BIN is whatever build the change is
-# measured against (e.g. the build before the refactor).
+# Prints one line per configuration: "NAME: equal (...)", "NAME: DIFFERS: metrics: <the first row
+# that differs> (R rows differ); checkpoints: <the first entry that differs> (N entries differ)" (or
+# "checkpoints equal" / "metrics equal"), or "NAME: FAILED: ..." (a run exited non-zero; the logs'
+# tails follow); then, with cp2-doc-ring, a coverage line (REF once more with the causal mask: the
+# document mask must change the losses, else the check fails); then "E of N configurations equal".
+# Exit 0 iff every selected configuration is equal (and the coverage holds); 2 on bad arguments.
+# Time: about 7 minutes for all 27 on 2 cores shared with other jobs (420-445 s measured; one
+# configuration's two runs 5-30 s, CP and PP the slowest). Not part of make test: REF_BIN is
+# whatever build the change is measured against (e.g. the build before the refactor).
 set -u
 CONFIGS() {  # every configuration: $CB name np options...
   $CB fp32-w2 2
@@ -156,18 +157,21 @@ run() {  # name np options...: both runs, then the comparison's one line
   secs+=("$(since "$t0" %.1f)"); [ $rc = 0 ] || failed+="new exit $rc ($OUT/$name-new/log); "
   if [ -n "$failed" ]; then
     echo "$name: FAILED: $failed"
-    for which in ref new; do tail -3 "$OUT/$name-$which/log" | sed "s/^/    $which| /"; done
+    for which in ref new; do  # a failed run's error lines (else its last lines)
+      [[ $failed == *"$which exit"* ]] || continue
+      { grep -m 3 -i 'error' "$OUT/$name-$which/log" || tail -3 "$OUT/$name-$which/log"; } | sed "s/^/    $which| /"
+    done
     return
   fi
   "$PY" - "$OUT/$name-ref" "$OUT/$name-new" "$name" "${secs[0]}" "${secs[1]}" <<'PY' && n_equal=$((n_equal + 1))
 import json, os, sys
 import h5py, numpy as np
 a, b, name, ta, tb = sys.argv[1:]
-def rows(d):  # the metrics' results: (kind, step, values as repr: NaN equals NaN, -0.0 differs from 0.0)
+def rows(d):  # the metrics' results, values as repr (shortest round-trip: equal strings = equal doubles)
     out = []
     for r in map(json.loads, open(d + "/m.jsonl")):
-        if "loss" in r: out.append(("loss", r.get("step"), repr(r["loss"]), repr(r.get("grad_norm"))))
-        if "val_loss" in r: out.append(("val_loss", r.get("step"), repr(r["val_loss"])))
+        if "loss" in r: out.append(f"step {r.get('step')} loss {r['loss']!r} grad_norm {r.get('grad_norm')!r}")
+        if "val_loss" in r: out.append(f"step {r.get('step')} val_loss {r['val_loss']!r}")
     return out
 def same(x, y):
     x, y = np.asarray(x), np.asarray(y)
@@ -182,7 +186,7 @@ def where(x, y):  # the first differing element of two same-shaped numeric array
     bx, by = fx.view(np.uint8).reshape(fx.size, -1), fy.view(np.uint8).reshape(fy.size, -1)
     bad = np.flatnonzero((bx != by).any(axis=1))
     i = np.unravel_index(bad[0], x.shape)
-    return f"{bad.size} of {fx.size} elements, first at {list(map(int, i))}: {fx[bad[0]]!r} vs {fy[bad[0]]!r}"
+    return f"{bad.size} of {fx.size} elements, first at {list(map(int, i))}: {fx[bad[0]]} vs {fy[bad[0]]}"
 diffs, n = [], [0]
 def walk(g, h, path):
     for k in sorted(set(g) | set(h)):
@@ -199,18 +203,24 @@ def walk(g, h, path):
         if k not in h.attrs or k not in g.attrs: diffs.append(f"{path}@{k}: only in {'ref' if k in g.attrs else 'new'}")
         elif not same(g.attrs[k], h.attrs[k]): diffs.append(f"{path}@{k}: {where(g.attrs[k], h.attrs[k])}")
 la, lb = rows(a), rows(b)
+mdiff = None
 if la != lb:
-    i = next((i for i, (x, y) in enumerate(zip(la, lb)) if x != y), None)
-    diffs.append(f"metrics {la[i]} vs {lb[i]}" if i is not None else f"metrics rows: {len(la)} vs {len(lb)}")
+    bad = [i for i, (x, y) in enumerate(zip(la, lb)) if x != y]
+    nbad = len(bad) + abs(len(la) - len(lb))
+    first = f"{la[bad[0]]} vs {lb[bad[0]]}" if bad else f"{len(la)} vs {len(lb)} rows"
+    mdiff = f"metrics: {first} ({nbad} of {max(len(la), len(lb))} rows differ)"
 fa, fb = (sorted(f for f in os.listdir(d + "/ck") if f.endswith(".h5")) for d in (a, b))
 if fa != fb: diffs.append(f"checkpoint files {fa} vs {fb}")
 for f in sorted(set(fa) & set(fb)):
     with h5py.File(a + "/ck/" + f, "r") as g, h5py.File(b + "/ck/" + f, "r") as h: walk(g, h, f + ":/")
-if not la or not fa: diffs.append(f"nothing to compare: {len(la)} metrics rows, {len(fa)} checkpoints")
 tail = f"ref {ta} s, new {tb} s"
-if diffs:
-    more = f" (and {len(diffs) - 1} more)" if len(diffs) > 1 else ""
-    print(f"{name}: DIFFERS: {diffs[0]}{more}; {tail}")
+if not la or not fa:
+    print(f"{name}: DIFFERS: nothing to compare: {len(la)} metrics rows, {len(fa)} checkpoints; {tail}")
+    sys.exit(1)
+if mdiff or diffs:
+    ck = f"checkpoints: {diffs[0]} ({len(diffs)} entr{'y differs' if len(diffs) == 1 else 'ies differ'})" if diffs \
+        else "checkpoints equal"
+    print(f"{name}: DIFFERS: " + (f"{mdiff}; {ck}" if mdiff else f"{ck}; metrics equal") + f"; {tail}")
     sys.exit(1)
 print(f"{name}: equal ({len(la)} metrics rows, {len(fa)} checkpoints, {n[0]} datasets; {tail})")
 PY
