@@ -20,6 +20,7 @@
 #include "cuda_backend.h"
 #include "cuda_common.cuh"
 #include "cudnn_attention.h"
+#include "flash_tiles.cuh"
 
 namespace shardtrain {
 namespace {
@@ -108,80 +109,14 @@ template <typename F> bool with_warp_row(int T_, F&& f) {
 }
 
 // ---- flash attention (include/shardtrain/backend/flash_attention.h) -----------------------------------
-// The loops of flash_attention.h with its tile sizes and per-row math. One thread per owned row:
-//  - forward and dQ pass: one block of kBr threads per (query tile, head, sequence); thread r owns
-//    query row r0 + r, holds its kBc scores (and dP) in registers (unrolled loops) and its [HD]
-//    accumulator in shared memory, transposed ([HD][kBr]: thread r reads column r, conflict-free).
-//    The key and value tiles are staged in shared memory as float, [kBc][HD], zero past the last
-//    key; every thread of the block reads the same element at a time (broadcast).
-//  - dK/dV pass: one block of kBc threads per (key tile, kv head, sequence); thread c owns key row
-//    c0 + c (its k and v rows read from global memory), the query and dY tiles are staged.
-// Sums run in a fixed order per thread (no atomics): deterministic. Shared memory per block:
-// forward and dQ (2 kBc + kBr) HD floats (48 KiB at HD = 64), dK/dV (2 kBr + 2 kBc) HD + 2 kBr
-// floats; above 48 KiB the kernel is opted in to the device's larger limit.
-using flash::kBc;
-using flash::kBr;
+// The causal tiled kernels: each is one call of a loop of flash_tiles.cuh (which describes their
+// decomposition and shared memory) with the causal mask.
 
+// Forward: y and lse, one block per (query tile, head, sequence).
 template <typename T>
 __global__ void __launch_bounds__(kBr) flash_forward_kernel(T* y, float* lse, const T* q, const T* k, const T* v,
                                                             int T_, int NH, int NKV, int HD, float scale) {
-  extern __shared__ float smem[];
-  float* sK = smem;              // [kBc][HD]
-  float* sV = sK + kBc * HD;     // [kBc][HD]
-  float* sAcc = sV + kBc * HD;   // [HD][kBr]
-  const int i = blockIdx.x, h = blockIdx.y, b = blockIdx.z, r = threadIdx.x;
-  const int G = NH / NKV, ldq = NH * HD, ldk = NKV * HD;
-  const int r0 = i * kBr, t = r0 + r, last_row = min(T_, r0 + kBr) - 1;
-  const bool row_ok = t < T_;
-  const T* qr = q + (static_cast<size_t>(b) * T_ + (row_ok ? t : r0)) * ldq + static_cast<size_t>(h) * HD;
-  for (int d = 0; d < HD; ++d) sAcc[d * kBr + r] = 0.0f;
-  float m = -INFINITY, l = 0.0f;
-  for (int j = 0; j <= last_row / kBc; ++j) {
-    const int c0 = j * kBc, nc = min(kBc, last_row + 1 - c0);
-    const size_t ko = (static_cast<size_t>(b) * T_ + c0) * ldk + static_cast<size_t>(h / G) * HD;
-    __syncthreads();  // every thread is done with the previous tile
-    for (int e = r; e < kBc * HD; e += kBr) {
-      const int c = e / HD, d = e % HD;
-      sK[e] = c < nc ? math::ld(k[ko + static_cast<size_t>(c) * ldk + d]) : 0.0f;
-      sV[e] = c < nc ? math::ld(v[ko + static_cast<size_t>(c) * ldk + d]) : 0.0f;
-    }
-    __syncthreads();
-    float x[kBc];
-#pragma unroll
-    for (int c = 0; c < kBc; ++c) x[c] = 0.0f;
-    for (int d = 0; d < HD; ++d) {
-      const float qd = math::ld(qr[d]);
-#pragma unroll
-      for (int c = 0; c < kBc; ++c) x[c] += qd * sK[c * HD + d];
-    }
-    const int last = t - c0;  // keys c <= last are visible
-    float mx = -INFINITY;
-#pragma unroll
-    for (int c = 0; c < kBc; ++c) {
-      x[c] = c <= last ? flash::score(x[c], scale) : -INFINITY;
-      mx = x[c] > mx ? x[c] : mx;
-    }
-    const float m_new = flash::online_max(m, mx), alpha = flash::online_rescale(m, m_new);
-    float sum = 0.0f;
-#pragma unroll
-    for (int c = 0; c < kBc; ++c) {
-      x[c] = c <= last ? flash::prob(x[c], m_new) : 0.0f;
-      sum += x[c];
-    }
-    l = alpha * l + sum;
-    m = m_new;
-    for (int d = 0; d < HD; ++d) {
-      float a = sAcc[d * kBr + r] * alpha;
-#pragma unroll
-      for (int c = 0; c < kBc; ++c) a += x[c] * sV[c * HD + d];
-      sAcc[d * kBr + r] = a;
-    }
-  }
-  if (!row_ok) return;
-  const float inv = flash::finish_inv(l);
-  T* yr = y + (static_cast<size_t>(b) * T_ + t) * ldq + static_cast<size_t>(h) * HD;
-  for (int d = 0; d < HD; ++d) yr[d] = math::st<T>(sAcc[d * kBr + r] * inv);
-  lse[(static_cast<size_t>(b) * NH + h) * T_ + t] = flash::finish_lse(m, l);
+  attention_forward_tile<CausalQueryMask>({}, y, lse, q, k, v, T_, T_, NH, NKV, HD, scale, nullptr);
 }
 
 // dsum[(b*NH + h)*T + t] = dy_t . y_t (head h), one thread per row.
@@ -194,224 +129,36 @@ __global__ void flash_dsum_kernel(float* dsum, const T* dy, const T* y, int T_, 
   }
 }
 
-// Pass 1: dq of one query tile (block) and row (thread).
+// Backward pass 1: dq of one query tile (block) and row (thread).
 template <typename T>
 __global__ void __launch_bounds__(kBr) flash_backward_dq_kernel(T* dq, const T* dy, const T* q, const T* k, const T* v,
                                                                 const float* lse, const float* dsum, int T_, int NH,
                                                                 int NKV, int HD, float scale) {
-  extern __shared__ float smem[];
-  float* sK = smem;              // [kBc][HD]
-  float* sV = sK + kBc * HD;     // [kBc][HD]
-  float* sAcc = sV + kBc * HD;   // [HD][kBr]
-  const int i = blockIdx.x, h = blockIdx.y, b = blockIdx.z, r = threadIdx.x;
-  const int G = NH / NKV, ldq = NH * HD, ldk = NKV * HD;
-  const int r0 = i * kBr, t = r0 + r, last_row = min(T_, r0 + kBr) - 1;
-  const bool row_ok = t < T_;
-  const size_t qo = (static_cast<size_t>(b) * T_ + (row_ok ? t : r0)) * ldq + static_cast<size_t>(h) * HD;
-  const size_t so = (static_cast<size_t>(b) * NH + h) * T_ + (row_ok ? t : r0);
-  const float L = lse[so], D = dsum[so];
-  for (int d = 0; d < HD; ++d) sAcc[d * kBr + r] = 0.0f;
-  for (int j = 0; j <= last_row / kBc; ++j) {
-    const int c0 = j * kBc, nc = min(kBc, last_row + 1 - c0);
-    const size_t ko = (static_cast<size_t>(b) * T_ + c0) * ldk + static_cast<size_t>(h / G) * HD;
-    __syncthreads();
-    for (int e = r; e < kBc * HD; e += kBr) {
-      const int c = e / HD, d = e % HD;
-      sK[e] = c < nc ? math::ld(k[ko + static_cast<size_t>(c) * ldk + d]) : 0.0f;
-      sV[e] = c < nc ? math::ld(v[ko + static_cast<size_t>(c) * ldk + d]) : 0.0f;
-    }
-    __syncthreads();
-    float x[kBc], dp[kBc];
-#pragma unroll
-    for (int c = 0; c < kBc; ++c) x[c] = dp[c] = 0.0f;
-    for (int d = 0; d < HD; ++d) {
-      const float qd = math::ld(q[qo + d]), gd = math::ld(dy[qo + d]);
-#pragma unroll
-      for (int c = 0; c < kBc; ++c) {
-        x[c] += qd * sK[c * HD + d];
-        dp[c] += gd * sV[c * HD + d];
-      }
-    }
-    const int last = t - c0;
-#pragma unroll
-    for (int c = 0; c < kBc; ++c) {
-      const float p = c <= last ? flash::prob_from_lse(flash::score(x[c], scale), L) : 0.0f;
-      x[c] = c <= last ? flash::dscore(p, dp[c], D, scale) : 0.0f;  // dS
-    }
-    for (int d = 0; d < HD; ++d) {
-      float a = sAcc[d * kBr + r];
-#pragma unroll
-      for (int c = 0; c < kBc; ++c) a += x[c] * sK[c * HD + d];
-      sAcc[d * kBr + r] = a;
-    }
-  }
-  if (!row_ok) return;
-  for (int d = 0; d < HD; ++d) dq[qo + d] = math::st<T>(sAcc[d * kBr + r]);
+  attention_dq_tile<CausalQueryMask>({}, dq, dy, q, k, v, lse, dsum, T_, T_, NH, NKV, HD, scale, nullptr);
 }
 
-// Pass 2: dk, dv of one key tile (block) and key row (thread), over the G query heads of the group
-// and the query tiles from the diagonal on.
+// Backward pass 2: dk, dv of one key tile (block) and key row (thread), over the G query heads of
+// the group and the query tiles from the diagonal on.
 template <typename T>
 __global__ void __launch_bounds__(kBc) flash_backward_dkv_kernel(T* dk, T* dv, const T* dy, const T* q, const T* k,
                                                                  const T* v, const float* lse, const float* dsum,
                                                                  int T_, int NH, int NKV, int HD, float scale) {
-  extern __shared__ float smem[];
-  float* sQ = smem;                // [kBr][HD]
-  float* sG = sQ + kBr * HD;       // [kBr][HD]  (dY)
-  float* sdK = sG + kBr * HD;      // [HD][kBc]
-  float* sdV = sdK + HD * kBc;     // [HD][kBc]
-  float* sL = sdV + HD * kBc;      // [kBr]
-  float* sD = sL + kBr;            // [kBr]
-  const int j = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, c = threadIdx.x;
-  const int G = NH / NKV, ldq = NH * HD, ldk = NKV * HD, nq = flash::num_tiles(T_, kBr);
-  const int c0 = j * kBc, key = c0 + c;
-  const bool key_ok = key < T_;
-  const size_t ko = (static_cast<size_t>(b) * T_ + (key_ok ? key : c0)) * ldk + static_cast<size_t>(kvh) * HD;
-  for (int d = 0; d < HD; ++d) sdK[d * kBc + c] = sdV[d * kBc + c] = 0.0f;
-  for (int g = 0; g < G; ++g) {
-    const int h = kvh * G + g;
-    for (int i = c0 / kBr; i < nq; ++i) {
-      const int r0 = i * kBr, nr = min(kBr, T_ - r0);
-      const size_t qo = (static_cast<size_t>(b) * T_ + r0) * ldq + static_cast<size_t>(h) * HD;
-      const size_t so = (static_cast<size_t>(b) * NH + h) * T_ + r0;
-      __syncthreads();
-      for (int e = c; e < kBr * HD; e += kBc) {
-        const int rr = e / HD, d = e % HD;
-        sQ[e] = rr < nr ? math::ld(q[qo + static_cast<size_t>(rr) * ldq + d]) : 0.0f;
-        sG[e] = rr < nr ? math::ld(dy[qo + static_cast<size_t>(rr) * ldq + d]) : 0.0f;
-      }
-      for (int rr = c; rr < kBr; rr += kBc) {
-        sL[rr] = rr < nr ? lse[so + rr] : 0.0f;
-        sD[rr] = rr < nr ? dsum[so + rr] : 0.0f;
-      }
-      __syncthreads();
-      float x[kBr], dp[kBr];
-#pragma unroll
-      for (int rr = 0; rr < kBr; ++rr) x[rr] = dp[rr] = 0.0f;
-      for (int d = 0; d < HD; ++d) {
-        const float kd = math::ld(k[ko + d]), vd = math::ld(v[ko + d]);
-#pragma unroll
-        for (int rr = 0; rr < kBr; ++rr) {
-          x[rr] += sQ[rr * HD + d] * kd;
-          dp[rr] += sG[rr * HD + d] * vd;
-        }
-      }
-#pragma unroll
-      for (int rr = 0; rr < kBr; ++rr) {
-        const bool ok = rr < nr && key <= r0 + rr;
-        const float p = ok ? flash::prob_from_lse(flash::score(x[rr], scale), sL[rr]) : 0.0f;
-        dp[rr] = ok ? flash::dscore(p, dp[rr], sD[rr], scale) : 0.0f;  // dS
-        x[rr] = p;
-      }
-      for (int d = 0; d < HD; ++d) {
-        float av = sdV[d * kBc + c], ak = sdK[d * kBc + c];
-#pragma unroll
-        for (int rr = 0; rr < kBr; ++rr) {
-          av += x[rr] * sG[rr * HD + d];
-          ak += dp[rr] * sQ[rr * HD + d];
-        }
-        sdV[d * kBc + c] = av;
-        sdK[d * kBc + c] = ak;
-      }
-    }
-  }
-  if (!key_ok) return;
-  for (int d = 0; d < HD; ++d) {
-    dk[ko + d] = math::st<T>(sdK[d * kBc + c]);
-    dv[ko + d] = math::st<T>(sdV[d * kBc + c]);
-  }
+  attention_dkv_tile<CausalKeyMask>({}, dk, dv, dy, q, k, v, lse, dsum, T_, T_, NH, NKV, HD, scale);
 }
 
 // ---- block attention at global positions (flash_attention.h, "Block attention") ----------------
-// The three kernels above with the block's masks: positions (and documents) of the query tile and
-// of each key tile staged in shared memory, the tile pair classified by flash::tile_pair_masked
-// from them (the same decision in every thread of the block, so a masked pair is skipped by the
-// whole block), visible() per pair; rows with no key get y = 0, lse = -inf; the backward adds
-// (+=) into dq, dk, dv. Skipped pairs: thread 0 of each forward / dQ block adds its count to
-// *skipped (one atomicAdd per block).
+// The loops of flash_tiles.cuh with the block's masks (BlockQueryMask, BlockKeyMask): positions (and
+// documents) of the query tile and of each key tile staged in shared memory, the tile pair
+// classified by flash::tile_pair_masked from them (the same decision in every thread of the block,
+// so a masked pair is skipped by the whole block), visible() per pair; rows with no key get y = 0,
+// lse = -inf; the backward adds (+=) into dq, dk, dv. Skipped pairs: thread 0 of each forward / dQ
+// block adds its count to *skipped (one atomicAdd per block).
 template <typename T>
 __global__ void __launch_bounds__(kBr) block_forward_kernel(T* y, float* lse, const T* q, const T* k, const T* v,
                                                             const int32_t* qp, const int32_t* kp, const int32_t* qdoc,
                                                             const int32_t* kdoc, int Tq, int Tk, int NH, int NKV,
                                                             int HD, float scale, unsigned long long* skipped) {
-  extern __shared__ float smem[];
-  float* sK = smem;              // [kBc][HD]
-  float* sV = sK + kBc * HD;     // [kBc][HD]
-  float* sAcc = sV + kBc * HD;   // [HD][kBr]
-  __shared__ int sQP[kBr], sQD[kBr], sKP[kBc], sKD[kBc];
-  const int i = blockIdx.x, h = blockIdx.y, b = blockIdx.z, r = threadIdx.x;
-  const int G = NH / NKV, ldq = NH * HD, ldk = NKV * HD;
-  const int r0 = i * kBr, t = r0 + r, nr = min(kBr, Tq - r0);
-  const bool row_ok = t < Tq;
-  const T* qr = q + (static_cast<size_t>(b) * Tq + (row_ok ? t : r0)) * ldq + static_cast<size_t>(h) * HD;
-  for (int e = r; e < nr; e += blockDim.x) {
-    sQP[e] = qp[static_cast<size_t>(b) * Tq + r0 + e];
-    sQD[e] = qdoc ? qdoc[static_cast<size_t>(b) * Tq + r0 + e] : 0;
-  }
-  __syncthreads();
-  const flash::TileRange qrange = flash::tile_range(sQP, qdoc ? sQD : nullptr, nr);
-  const int my_p = row_ok ? sQP[r] : 0, my_d = row_ok ? sQD[r] : 0;
-  for (int d = 0; d < HD; ++d) sAcc[d * kBr + r] = 0.0f;
-  float m = -INFINITY, l = 0.0f;
-  unsigned long long skip = 0;
-  const int nk = flash::num_tiles(Tk, kBc);
-  for (int j = 0; j < nk; ++j) {
-    const int c0 = j * kBc, nc = min(kBc, Tk - c0);
-    const size_t ko = (static_cast<size_t>(b) * Tk + c0) * ldk + static_cast<size_t>(h / G) * HD;
-    __syncthreads();  // every thread is done with the previous tile
-    for (int e = r; e < nc; e += blockDim.x) {
-      sKP[e] = kp[static_cast<size_t>(b) * Tk + c0 + e];
-      sKD[e] = kdoc ? kdoc[static_cast<size_t>(b) * Tk + c0 + e] : 0;
-    }
-    __syncthreads();
-    if (flash::tile_pair_masked(qrange, flash::tile_range(sKP, kdoc ? sKD : nullptr, nc))) {
-      ++skip;
-      continue;
-    }
-    for (int e = r; e < kBc * HD; e += kBr) {
-      const int c = e / HD, d = e % HD;
-      sK[e] = c < nc ? math::ld(k[ko + static_cast<size_t>(c) * ldk + d]) : 0.0f;
-      sV[e] = c < nc ? math::ld(v[ko + static_cast<size_t>(c) * ldk + d]) : 0.0f;
-    }
-    __syncthreads();
-    float x[kBc];
-#pragma unroll
-    for (int c = 0; c < kBc; ++c) x[c] = 0.0f;
-    for (int d = 0; d < HD; ++d) {
-      const float qd = math::ld(qr[d]);
-#pragma unroll
-      for (int c = 0; c < kBc; ++c) x[c] += qd * sK[c * HD + d];
-    }
-    float mx = -INFINITY;
-    bool ok[kBc];
-#pragma unroll
-    for (int c = 0; c < kBc; ++c) {
-      ok[c] = row_ok && c < nc && flash::visible(my_p, sKP[c], my_d, sKD[c]);
-      x[c] = ok[c] ? flash::score(x[c], scale) : -INFINITY;
-      mx = x[c] > mx ? x[c] : mx;
-    }
-    const float m_new = flash::online_max(m, mx), alpha = flash::online_rescale(m, m_new);
-    float sum = 0.0f;
-#pragma unroll
-    for (int c = 0; c < kBc; ++c) {
-      x[c] = ok[c] ? flash::prob(x[c], m_new) : 0.0f;
-      sum += x[c];
-    }
-    l = alpha * l + sum;
-    m = m_new;
-    for (int d = 0; d < HD; ++d) {
-      float a = sAcc[d * kBr + r] * alpha;
-#pragma unroll
-      for (int c = 0; c < kBc; ++c) a += x[c] * sV[c * HD + d];
-      sAcc[d * kBr + r] = a;
-    }
-  }
-  if (r == 0 && skip) atomicAdd(skipped, skip);
-  if (!row_ok) return;
-  const float inv = flash::block_finish_inv(l);
-  T* yr = y + (static_cast<size_t>(b) * Tq + t) * ldq + static_cast<size_t>(h) * HD;
-  for (int d = 0; d < HD; ++d) yr[d] = math::st<T>(sAcc[d * kBr + r] * inv);
-  lse[(static_cast<size_t>(b) * NH + h) * Tq + t] = flash::block_finish_lse(m, l);
+  attention_forward_tile<BlockQueryMask>({qp, kp, qdoc, kdoc}, y, lse, q, k, v, Tq, Tk, NH, NKV, HD, scale, skipped);
 }
 
 // Online-softmax merge (flash::merge_weights, flash::merge_row), one thread per row (b, h, t); y in
@@ -435,74 +182,8 @@ __global__ void __launch_bounds__(kBr) block_backward_dq_kernel(T* dq, const T* 
                                                                 const int32_t* kp, const int32_t* qdoc,
                                                                 const int32_t* kdoc, int Tq, int Tk, int NH, int NKV,
                                                                 int HD, float scale, unsigned long long* skipped) {
-  extern __shared__ float smem[];
-  float* sK = smem;              // [kBc][HD]
-  float* sV = sK + kBc * HD;     // [kBc][HD]
-  float* sAcc = sV + kBc * HD;   // [HD][kBr]
-  __shared__ int sQP[kBr], sQD[kBr], sKP[kBc], sKD[kBc];
-  const int i = blockIdx.x, h = blockIdx.y, b = blockIdx.z, r = threadIdx.x;
-  const int G = NH / NKV, ldq = NH * HD, ldk = NKV * HD;
-  const int r0 = i * kBr, t = r0 + r, nr = min(kBr, Tq - r0);
-  const bool row_ok = t < Tq;
-  const size_t qo = (static_cast<size_t>(b) * Tq + (row_ok ? t : r0)) * ldq + static_cast<size_t>(h) * HD;
-  const size_t so = (static_cast<size_t>(b) * NH + h) * Tq + (row_ok ? t : r0);
-  const float L = lse[so], D = dsum[so];
-  for (int e = r; e < nr; e += blockDim.x) {
-    sQP[e] = qp[static_cast<size_t>(b) * Tq + r0 + e];
-    sQD[e] = qdoc ? qdoc[static_cast<size_t>(b) * Tq + r0 + e] : 0;
-  }
-  __syncthreads();
-  const flash::TileRange qrange = flash::tile_range(sQP, qdoc ? sQD : nullptr, nr);
-  const int my_p = row_ok ? sQP[r] : 0, my_d = row_ok ? sQD[r] : 0;
-  for (int d = 0; d < HD; ++d) sAcc[d * kBr + r] = 0.0f;
-  unsigned long long skip = 0;
-  const int nk = flash::num_tiles(Tk, kBc);
-  for (int j = 0; j < nk; ++j) {
-    const int c0 = j * kBc, nc = min(kBc, Tk - c0);
-    const size_t ko = (static_cast<size_t>(b) * Tk + c0) * ldk + static_cast<size_t>(h / G) * HD;
-    __syncthreads();
-    for (int e = r; e < nc; e += blockDim.x) {
-      sKP[e] = kp[static_cast<size_t>(b) * Tk + c0 + e];
-      sKD[e] = kdoc ? kdoc[static_cast<size_t>(b) * Tk + c0 + e] : 0;
-    }
-    __syncthreads();
-    if (flash::tile_pair_masked(qrange, flash::tile_range(sKP, kdoc ? sKD : nullptr, nc))) {
-      ++skip;
-      continue;
-    }
-    for (int e = r; e < kBc * HD; e += kBr) {
-      const int c = e / HD, d = e % HD;
-      sK[e] = c < nc ? math::ld(k[ko + static_cast<size_t>(c) * ldk + d]) : 0.0f;
-      sV[e] = c < nc ? math::ld(v[ko + static_cast<size_t>(c) * ldk + d]) : 0.0f;
-    }
-    __syncthreads();
-    float x[kBc], dp[kBc];
-#pragma unroll
-    for (int c = 0; c < kBc; ++c) x[c] = dp[c] = 0.0f;
-    for (int d = 0; d < HD; ++d) {
-      const float qd = math::ld(q[qo + d]), gd = math::ld(dy[qo + d]);
-#pragma unroll
-      for (int c = 0; c < kBc; ++c) {
-        x[c] += qd * sK[c * HD + d];
-        dp[c] += gd * sV[c * HD + d];
-      }
-    }
-#pragma unroll
-    for (int c = 0; c < kBc; ++c) {
-      const bool ok = row_ok && c < nc && flash::visible(my_p, sKP[c], my_d, sKD[c]);
-      const float p = ok ? flash::prob_from_lse(flash::score(x[c], scale), L) : 0.0f;
-      x[c] = ok ? flash::dscore(p, dp[c], D, scale) : 0.0f;  // dS
-    }
-    for (int d = 0; d < HD; ++d) {
-      float a = sAcc[d * kBr + r];
-#pragma unroll
-      for (int c = 0; c < kBc; ++c) a += x[c] * sK[c * HD + d];
-      sAcc[d * kBr + r] = a;
-    }
-  }
-  if (r == 0 && skip) atomicAdd(skipped, skip);
-  if (!row_ok) return;
-  for (int d = 0; d < HD; ++d) dq[qo + d] = math::st<T>(math::ld(dq[qo + d]) + sAcc[d * kBr + r]);
+  attention_dq_tile<BlockQueryMask>({qp, kp, qdoc, kdoc}, dq, dy, q, k, v, lse, dsum, Tq, Tk, NH, NKV, HD, scale,
+                                    skipped);
 }
 
 template <typename T>
@@ -511,85 +192,7 @@ __global__ void __launch_bounds__(kBc) block_backward_dkv_kernel(T* dk, T* dv, c
                                                                  const int32_t* qp, const int32_t* kp,
                                                                  const int32_t* qdoc, const int32_t* kdoc, int Tq,
                                                                  int Tk, int NH, int NKV, int HD, float scale) {
-  extern __shared__ float smem[];
-  float* sQ = smem;                // [kBr][HD]
-  float* sG = sQ + kBr * HD;       // [kBr][HD]  (dY)
-  float* sdK = sG + kBr * HD;      // [HD][kBc]
-  float* sdV = sdK + HD * kBc;     // [HD][kBc]
-  float* sL = sdV + HD * kBc;      // [kBr]
-  float* sD = sL + kBr;            // [kBr]
-  __shared__ int sQP[kBr], sQD[kBr], sKP[kBc], sKD[kBc];
-  const int j = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, c = threadIdx.x;
-  const int G = NH / NKV, ldq = NH * HD, ldk = NKV * HD, nq = flash::num_tiles(Tq, kBr);
-  const int c0 = j * kBc, key = c0 + c, nc = min(kBc, Tk - c0);
-  const bool key_ok = key < Tk;
-  const size_t ko = (static_cast<size_t>(b) * Tk + (key_ok ? key : c0)) * ldk + static_cast<size_t>(kvh) * HD;
-  for (int e = c; e < nc; e += blockDim.x) {
-    sKP[e] = kp[static_cast<size_t>(b) * Tk + c0 + e];
-    sKD[e] = kdoc ? kdoc[static_cast<size_t>(b) * Tk + c0 + e] : 0;
-  }
-  __syncthreads();
-  const flash::TileRange krange = flash::tile_range(sKP, kdoc ? sKD : nullptr, nc);
-  const int my_p = key_ok ? sKP[c] : 0, my_d = key_ok ? sKD[c] : 0;
-  for (int d = 0; d < HD; ++d) sdK[d * kBc + c] = sdV[d * kBc + c] = 0.0f;
-  for (int g = 0; g < G; ++g) {
-    const int h = kvh * G + g;
-    for (int i = 0; i < nq; ++i) {
-      const int r0 = i * kBr, nr = min(kBr, Tq - r0);
-      const size_t qo = (static_cast<size_t>(b) * Tq + r0) * ldq + static_cast<size_t>(h) * HD;
-      const size_t so = (static_cast<size_t>(b) * NH + h) * Tq + r0;
-      __syncthreads();
-      for (int e = c; e < nr; e += blockDim.x) {
-        sQP[e] = qp[static_cast<size_t>(b) * Tq + r0 + e];
-        sQD[e] = qdoc ? qdoc[static_cast<size_t>(b) * Tq + r0 + e] : 0;
-      }
-      __syncthreads();
-      if (flash::tile_pair_masked(flash::tile_range(sQP, qdoc ? sQD : nullptr, nr), krange)) continue;
-      for (int e = c; e < kBr * HD; e += kBc) {
-        const int rr = e / HD, d = e % HD;
-        sQ[e] = rr < nr ? math::ld(q[qo + static_cast<size_t>(rr) * ldq + d]) : 0.0f;
-        sG[e] = rr < nr ? math::ld(dy[qo + static_cast<size_t>(rr) * ldq + d]) : 0.0f;
-      }
-      for (int rr = c; rr < kBr; rr += kBc) {
-        sL[rr] = rr < nr ? lse[so + rr] : 0.0f;
-        sD[rr] = rr < nr ? dsum[so + rr] : 0.0f;
-      }
-      __syncthreads();
-      float x[kBr], dp[kBr];
-#pragma unroll
-      for (int rr = 0; rr < kBr; ++rr) x[rr] = dp[rr] = 0.0f;
-      for (int d = 0; d < HD; ++d) {
-        const float kd = math::ld(k[ko + d]), vd = math::ld(v[ko + d]);
-#pragma unroll
-        for (int rr = 0; rr < kBr; ++rr) {
-          x[rr] += sQ[rr * HD + d] * kd;
-          dp[rr] += sG[rr * HD + d] * vd;
-        }
-      }
-#pragma unroll
-      for (int rr = 0; rr < kBr; ++rr) {
-        const bool ok = key_ok && rr < nr && flash::visible(sQP[rr], my_p, sQD[rr], my_d);
-        const float p = ok ? flash::prob_from_lse(flash::score(x[rr], scale), sL[rr]) : 0.0f;
-        dp[rr] = ok ? flash::dscore(p, dp[rr], sD[rr], scale) : 0.0f;  // dS
-        x[rr] = p;
-      }
-      for (int d = 0; d < HD; ++d) {
-        float av = sdV[d * kBc + c], ak = sdK[d * kBc + c];
-#pragma unroll
-        for (int rr = 0; rr < kBr; ++rr) {
-          av += x[rr] * sG[rr * HD + d];
-          ak += dp[rr] * sQ[rr * HD + d];
-        }
-        sdV[d * kBc + c] = av;
-        sdK[d * kBc + c] = ak;
-      }
-    }
-  }
-  if (!key_ok) return;
-  for (int d = 0; d < HD; ++d) {
-    dk[ko + d] = math::st<T>(math::ld(dk[ko + d]) + sdK[d * kBc + c]);
-    dv[ko + d] = math::st<T>(math::ld(dv[ko + d]) + sdV[d * kBc + c]);
-  }
+  attention_dkv_tile<BlockKeyMask>({qp, kp, qdoc, kdoc}, dk, dv, dy, q, k, v, lse, dsum, Tq, Tk, NH, NKV, HD, scale);
 }
 
 // softmax_causal_forward_kernel with keys of other documents masked (doc [B, T], matrix r / T_ of

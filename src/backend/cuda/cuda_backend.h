@@ -8,13 +8,15 @@
 // instantiations for T = float and bf16:
 //   cuda_backend.cu  construction, memory and transfers, the copy stream, scratch, the device sum
 //   gemm.cu          GEMMs (cuBLAS), precision conversion (from_f32, add_to_f32)
-//   attention.cu     causal softmax, flash attention (tiled kernels; cuDNN for bf16), block attention
+//   attention.cu     causal softmax, flash attention (tiled kernels; cuDNN for bf16), block attention;
+//                    the tiled kernels' loops are flash_tiles.cuh's
 //   norm.cu          RMSNorm
 //   rope.cu          rotary embeddings
 //   swiglu.cu        SwiGLU
 //   loss.cu          cross-entropy, vocabulary-parallel cross-entropy
 //   embedding.cu     token embedding
 //   optimizer.cu     AdamW, axpy, scale, sums of squares (gradient norm)
+// and share cuda_common.cuh (error checks, launch shapes, device reductions).
 #pragma once
 
 #include <cublas_v2.h>
