@@ -128,7 +128,7 @@ struct Counter {
 }  // namespace
 
 // The CPU backend polls its registry after GEMM tiles (each tile at one thread: 16 tiles for a
-// 1024^3 GEMM, gemm_tiles in cpu_backend.cpp; once after the parallel tiles at several) and between
+// 1024^3 GEMM, gemm_tiles in cpu/gemm.cpp; once after the parallel tiles at several) and between
 // flash attention work items (forward and backward), and the results are bitwise equal to the
 // same calls without members.
 TEST(ProgressRegistry, CpuBackendPollsInGemmAndAttentionBitwise) {

@@ -305,10 +305,10 @@ template <typename T> class Backend {
 
 // OpenBLAS + loops, run on the rank's OpenMP threads (set_cpu_threads). Results are bitwise the
 // same for every thread count: work is cut by shape, never by thread count, and sums are taken in
-// a fixed order (see cpu_backend.cpp). Not thread-safe per instance: call from one thread; one
-// backend per rank. T = float, double or bf16 (bf16 GEMMs convert their operands to float, call
-// sgemm and round the result once, on the calling thread: slow, for tests and as the reference of
-// the CUDA bf16 path).
+// a fixed order (see src/backend/cpu/cpu_backend.h). Not thread-safe per instance: call from one
+// thread; one backend per rank. T = float, double or bf16 (bf16 GEMMs convert their operands to
+// float, call sgemm and round the result once, on the calling thread: slow, for tests and as the
+// reference of the CUDA bf16 path).
 template <typename T> std::unique_ptr<Backend<T>> make_cpu_backend();
 
 // Sets the number of threads the CPU backend uses inside this process (OpenMP), n >= 1; 0 leaves it
