@@ -1,8 +1,8 @@
 // Tiled causal attention: the FlashAttention-2 algorithm (Tri Dao 2023, "FlashAttention-2: Faster
 // Attention with Better Parallelism and Work Partitioning", Algorithms 1 and 2), the one
-// description that the CPU backend (src/backend/cpu/attention.cpp) and the CUDA backend (src/backend/cuda/attention.cu,
-// flash_tiles.cuh) both
-// implement. The [T, T] probability matrix is never stored: the forward keeps only the per-row
+// description that the CPU backend (src/backend/cpu/attention.cpp) and the CUDA backend
+// (src/backend/cuda/attention.cu, flash_tiles.cuh) both implement. The [T, T] probability matrix is
+// never stored: the forward keeps only the per-row
 // log-sum-exp, and the backward recomputes the probabilities tile by tile from it.
 //
 // Shapes and layout (as the exact path attention_forward / attention_backward in llama.cpp):
