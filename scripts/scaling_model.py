@@ -129,7 +129,8 @@ def flops_per_token(cfg, T):
 
 
 # --------------------------------------------------------------------------------------------
-# What one micro-batch's forward + backward does, in program order (src/model/llama.cpp):
+# What one micro-batch's forward + backward does, in program order (src/model/llama.cpp,
+# llama_block.cpp, llama_head.cpp):
 # each item = (label, unit gathered before its compute or None, real FLOPs per token of its
 # compute, [units reduce-scattered after its compute]).
 

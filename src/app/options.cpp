@@ -213,8 +213,9 @@ std::vector<int> parse_pp_layers(const std::string& s) {
 namespace {
 void finite(double v, const std::string& opt) { check(std::isfinite(v), opt, "must be a finite number"); }
 
-
-void validate(const Options& o) {
+// The mode, the model's options (parsed only for their errors), --mode plan's and generation's
+// settings, and what export, generate and import require.
+void validate_mode(const Options& o) {
   const TrainConfig& t = o.train;
   check(o.mode == "train" || o.mode == "prepare" || o.mode == "tokenizer" || o.mode == "inspect" || o.mode == "export" || o.mode == "import" ||
             o.mode == "generate" || o.mode == "plan",
@@ -247,6 +248,11 @@ void validate(const Options& o) {
     check(!o.hf_dir.empty(), "hf-dir", "is required with --mode import");
     check(!o.out.empty(), "out", "is required with --mode import (the checkpoint file to write)");
   }
+}
+
+// Checkpoints and resuming, --mode inspect's, the threads, the peak TFLOP/s, the device.
+void validate_checkpoints_and_devices(const Options& o) {
+  const TrainConfig& t = o.train;
   check(t.checkpoint_every >= 0, "checkpoint-every", "must be >= 0");
   check(t.keep_last >= 0, "keep-last", "must be >= 0");
   check(t.stop_at_step >= 0, "stop-at-step", "must be >= 0");
@@ -275,6 +281,10 @@ void validate(const Options& o) {
   }
   check(o.device == "auto" || o.device == "cpu" || o.device == "cuda", "device", "must be auto, cpu or cuda, got '" + o.device + "'");
   check(o.gpu_comm == "nccl" || o.gpu_comm == "mpi", "gpu-comm", "must be nccl or mpi, got '" + o.gpu_comm + "'");
+}
+
+// The mesh (shard groups, TP, CP, PP), precision and the communication settings.
+void validate_parallelism(const Options& o) {
   if (!o.shard_group_size.empty()) resolve_shard_group_size(o.shard_group_size, 0, 0);  // the form only
   check(o.tp >= 1 && o.tp <= (1 << 16), "tp", "must be an integer in [1, 65536], got " + std::to_string(o.tp));
   check(o.cp >= 1 && o.cp <= (1 << 16), "cp", "must be an integer in [1, 65536], got " + std::to_string(o.cp));
@@ -299,6 +309,11 @@ void validate(const Options& o) {
         "must be poll, thread or wait, got '" + o.comm_progress + "'");
   finite(o.collective_timeout, "collective-timeout");
   check(o.collective_timeout >= 0, "collective-timeout", "must be >= 0");
+}
+
+// The training hyperparameters and the data (train, import, prepare, tokenizer).
+void validate_training_and_data(const Options& o) {
+  const TrainConfig& t = o.train;
   for (auto [v, n] : {std::pair{o.val_fraction, "val-fraction"}, {t.lr, "lr"}, {t.min_lr, "min-lr"}, {t.beta1, "beta1"},
                       {t.beta2, "beta2"}, {t.eps, "adam-eps"}, {t.weight_decay, "weight-decay"}, {t.clip, "clip"},
                       {t.skip_spikes, "skip-spikes"}})
@@ -335,6 +350,15 @@ void validate(const Options& o) {
     check(o.vocab_size > 0, "vocab-size", "is required with --mode tokenizer (e.g. 32000, Llama's)");
   }
   check(!o.text_field.empty(), "text-field", "must not be empty");
+}
+
+// The options' values and what the mode requires, checked in this order: the first problem found
+// throws std::invalid_argument naming its option (check).
+void validate(const Options& o) {
+  validate_mode(o);
+  validate_checkpoints_and_devices(o);
+  validate_parallelism(o);
+  validate_training_and_data(o);
 }
 }  // namespace
 

@@ -495,20 +495,12 @@ void finish_checkpoint_file(Comm& comm, WriteContext& c, H5Id& file, std::except
   }
 }
 
-}  // namespace
-
-void write_checkpoint_file(Comm& comm, const std::string& tmp_path, const CheckpointSnapshot& snap) {
-  quiet_hdf5();
-  // One logical copy for the plan's W = G ranks (G: shard group size; the world size without hybrid
-  // sharding), each plan row written by the one rank whose snapshot says write_shards (who writes
-  // is the mesh's decision, Mesh::writes_checkpoint). The ranks of the other replica groups hold
-  // identical shards: they take part in every HDF5 call with empty selections.
-  // A pipeline stage (snap.stage) holds some units of the file's: `local` maps each file unit to
-  // the snapshot's (-1: another stage's).
+// File unit u's unit in the snapshot, -1 for another pipeline stage's unit: a stage (snap.stage)
+// holds some units of the file's; without a stage, the identity. Throws std::invalid_argument when
+// the stage's units do not fit the snapshot or the file's plan.
+std::vector<int> snapshot_units(const CheckpointSnapshot& snap) {
   const StageUnits* su = snap.stage.get();
   const ShardPlan& plan = su ? su->file_plan : snap.plan;
-  const int W = plan.world_size, r = snap.plan_rank;
-  const bool writer = snap.write_shards;
   std::vector<int> local(plan.units.size(), -1);
   if (su) {
     if (su->file_unit.size() != snap.plan.units.size() || su->tied_copy.size() != snap.plan.units.size() ||
@@ -525,24 +517,71 @@ void write_checkpoint_file(Comm& comm, const std::string& tmp_path, const Checkp
   } else {
     for (size_t u = 0; u < plan.units.size(); ++u) local[u] = static_cast<int>(u);
   }
-  const std::vector<std::string>& names = checkpoint_tensor_names();
-  const size_t C = names.size();
-  const std::vector<const CheckpointSnapshot::Tensor*> cols = snapshot_columns(snap);
-  const std::string where = "checkpoint '" + tmp_path + "': ";
+  return local;
+}
+
+// Collective. Reserves the whole file's space before anything is written (docs/checkpoint-format.md,
+// "A failure during the write"): a full disk is refused here, by rank 0, before any rank enters
+// HDF5; the ranks agree on the outcome (every rank throws the same CollectiveError). (The test
+// suite sets SHARDTRAIN_TEST_SKIP_SPACE_CHECK to exercise the mid-write failure path instead.)
+// Returns whether the space was reserved (rank 0; see reserve_checkpoint_file).
+bool reserve_file_space(Comm& comm, const std::string& tmp_path, const CheckpointSnapshot& snap,
+                        const std::string& where) {
   std::string err;
-  // Reserve the whole file's space before anything is written (docs/checkpoint-format.md, "A
-  // failure during the write"): a full disk is refused here, by rank 0, before any rank enters
-  // HDF5. (The test suite sets SHARDTRAIN_TEST_SKIP_SPACE_CHECK to exercise the mid-write failure
-  // path instead.)
   bool reserved = false;
   if (comm.rank() == 0 && !std::getenv("SHARDTRAIN_TEST_SKIP_SPACE_CHECK")) {
     std::string e = reserve_checkpoint_file(tmp_path, checkpoint_file_bound(snap), &reserved);
     if (!e.empty()) err = where + e;
   }
   all_ok(comm, err.empty(), err);
+  return reserved;
+}
+
+// This rank's part in one file unit of S elements per shard: its role, and per tensor (the file's
+// column order, `cols`) its rows and their CRC32. i: the unit in the snapshot, -1 when this rank
+// does not hold it (rows: an empty selection's buffer, CRC32s 0).
+struct UnitShare {
+  UnitRole role;
+  std::vector<const float*> src;
+  std::vector<uint64_t> crc;
+};
+UnitShare unit_share(const CheckpointSnapshot& snap, const std::vector<const CheckpointSnapshot::Tensor*>& cols, int i,
+                     hsize_t S) {
+  static const float kNoRows = 0;  // a unit this rank does not hold: an empty selection's buffer
+  const StageUnits* su = snap.stage.get();
+  const bool writer = snap.write_shards;
+  const bool copy = su && i >= 0 && su->tied_copy[static_cast<size_t>(i)];
+  const size_t C = cols.size();
+  UnitShare s{i < 0 ? kAbsent : copy ? (writer ? kTiedCopy : kReplica) : writer ? kWriter : kReplica,
+              std::vector<const float*>(C, &kNoRows), std::vector<uint64_t>(C, 0)};
+  if (i >= 0)
+    for (size_t k = 0; k < C; ++k) {
+      s.src[k] = cols[k]->rows(static_cast<size_t>(i));
+      s.crc[k] = crc32_of(s.src[k], S);
+    }
+  return s;
+}
+
+}  // namespace
+
+void write_checkpoint_file(Comm& comm, const std::string& tmp_path, const CheckpointSnapshot& snap) {
+  quiet_hdf5();
+  // One logical copy for the plan's W = G ranks (G: shard group size; the world size without hybrid
+  // sharding), each plan row written by the one rank whose snapshot says write_shards (who writes
+  // is the mesh's decision, Mesh::writes_checkpoint). The ranks of the other replica groups hold
+  // identical shards: they take part in every HDF5 call with empty selections.
+  // A pipeline stage (snap.stage) holds some units of the file's: `local` maps each file unit to
+  // the snapshot's (-1: another stage's).
+  const StageUnits* su = snap.stage.get();
+  const ShardPlan& plan = su ? su->file_plan : snap.plan;
+  const int W = plan.world_size, r = snap.plan_rank;
+  const std::vector<int> local = snapshot_units(snap);
+  const std::vector<const CheckpointSnapshot::Tensor*> cols = snapshot_columns(snap);
+  const std::string where = "checkpoint '" + tmp_path + "': ";
+  const bool reserved = reserve_file_space(comm, tmp_path, snap, where);
   // HDF5's internal collectives (create, the metadata flushes, close) are invisible to Comm: if a
   // failure inside HDF5 still left ranks in different MPI calls (an I/O error in a metadata write
-  // on one rank; a full disk cannot get there, see above), the watchdog ends the job, and its
+  // on one rank; a full disk cannot get there: reserve_file_space), the watchdog ends the job, and its
   // message says that this, not only a dead rank, can be why.
   CommWatch watch(comm, "checkpoint write (parallel HDF5; also after a write error inside HDF5 on some rank)");
   // HDF5's own writes on this rank (metadata, tables) that fail are recorded, not failed inside
@@ -551,7 +590,7 @@ void write_checkpoint_file(Comm& comm, const std::string& tmp_path, const Checkp
   hw.path = tmp_path;
   std::optional<CaptureHdf5Writes> capture(std::in_place, &hw);
   WriteContext wc{tmp_path, where, hw, capture};
-  std::string why;
+  std::string why, err;
   H5Id file = create_file(comm, tmp_path, &why);
   if (!file.ok()) err = where + "cannot create it (" + why + ")";
   all_ok(comm, err.empty(), err);
@@ -592,20 +631,9 @@ void write_checkpoint_file(Comm& comm, const std::string& tmp_path, const Checkp
       if (!snap.state.tokenizer.kind.empty()) write_tokenizer_group(comm, file, ms, snap.state.tokenizer, dxpl);
     });
     std::string diverged, tied;
-    static const float kNoRows = 0;  // a unit this rank does not hold: an empty selection's buffer
     for (size_t u = 0; u < plan.units.size(); ++u) {
       const UnitPlan& up = plan.units[u];
-      const hsize_t S = static_cast<hsize_t>(up.shard_size);
-      const int i = local[u];
-      const bool copy = su && i >= 0 && su->tied_copy[static_cast<size_t>(i)];
-      const UnitRole role = i < 0 ? kAbsent : copy ? (writer ? kTiedCopy : kReplica) : writer ? kWriter : kReplica;
-      std::vector<uint64_t> my_crc(C, 0);
-      std::vector<const float*> src(C, &kNoRows);
-      if (i >= 0)
-        for (size_t k = 0; k < C; ++k) {
-          src[k] = cols[k]->rows(static_cast<size_t>(i));
-          my_crc[k] = crc32_of(src[k], S);
-        }
+      const UnitShare mine = unit_share(snap, cols, local[u], static_cast<hsize_t>(up.shard_size));
       H5Id g;
       step([&] {
         g = H5Id(chk(H5Gcreate2(units, up.name.c_str(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), "create group " + up.name),
@@ -613,9 +641,9 @@ void write_checkpoint_file(Comm& comm, const std::string& tmp_path, const Checkp
         write_unit_attributes(g, ms, static_cast<int>(u), up);
         if (su) put_i64(g, ms, "units/" + up.name, "stage", su->unit_stage[u]);
         if (snap.tp.tp > 1) write_unit_tp_tables(comm, g, ms, up, snap.tp.units.at(u), dxpl);
-        write_unit_rows(wc, g, up, src, r, role == kWriter, dxpl, rows_out, fail);
+        write_unit_rows(wc, g, up, mine.src, r, mine.role == kWriter, dxpl, rows_out, fail);
       });
-      const std::vector<uint32_t> crc32s = gather_unit_checksums(comm, up, W, r, role, my_crc, diverged, tied);
+      const std::vector<uint32_t> crc32s = gather_unit_checksums(comm, up, W, r, mine.role, mine.crc, diverged, tied);
       if (!tied.empty())  // every rank saw the same table: all refuse alike, and nothing is published
         throw CollectiveError(0, where + "the last pipeline stage's copy of the tied embedding differs from the first "
                                  "stage's (" + tied + "): the copies must be identical (their gradients are summed "

@@ -1,4 +1,4 @@
-// Hugging Face export / import and text generation.
+// Hugging Face export and import (hf.h); text generation is hf_generate.cpp's.
 #include "shardtrain/io/hf.h"
 
 #include <algorithm>
@@ -8,13 +8,13 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <optional>
-#include <random>
 #include <set>
 #include <sstream>
 #include <stdexcept>
 
 #include <sentencepiece_processor.h>
 
+#include "hf_internal.h"
 #include "shardtrain/io/checkpoint.h"
 #include "shardtrain/model/config.h"
 #include "shardtrain/data/data.h"
@@ -26,6 +26,8 @@
 namespace shardtrain {
 namespace fs = std::filesystem;
 using json = nlohmann::ordered_json;
+using hf::Loaded;
+using hf::load_model;
 
 uint64_t parse_size(const std::string& s) {
   size_t i = 0;
@@ -128,15 +130,6 @@ void write_text(const fs::path& p, const std::string& s) { write_file_atomic(p.s
 
 const char* torch_dtype(DType d) { return d == DType::F32 ? "float32" : d == DType::BF16 ? "bfloat16" : "float16"; }
 
-struct Loaded {  // a checkpoint's model, sharded over the current ranks
-  ModelConfig mc;                 // special ids filled from the checkpoint's token file record
-  bool has_data = false;          // the checkpoint records the token file it was trained on
-  std::string data_tokenizer;     // that token file's tokenizer name, e.g. "byte-level"
-  TokenizerInfo tokenizer = no_tokenizer();  // group /tokenizer of the checkpoint (kind "": none)
-  std::unique_ptr<Backend<float>> be;
-  std::unique_ptr<Fsdp<float>> f;
-};
-
 // CheckpointInfo::data_info: null, or {"path", "tokenizer", "vocab_size", "bos_id", "eos_id"}.
 // Returns false for null; throws std::runtime_error naming the checkpoint attribute if malformed.
 bool parse_data_info(const std::string& ckpt, const std::string& text, DataSpecialIds& ids, std::string& tokenizer) {
@@ -160,8 +153,10 @@ bool parse_data_info(const std::string& ckpt, const std::string& text, DataSpeci
   }
 }
 
-// Loads the checkpoint's model; then makes its special ids agree with the token file the
-// checkpoint records (fills unset ones with a note, refuses a conflict on every rank).
+}  // namespace
+
+namespace hf {
+
 Loaded load_model(Comm& comm, const std::string& ckpt) {
   Loaded l;
   CheckpointInfo info = read_checkpoint_info(comm, ckpt);
@@ -185,6 +180,10 @@ Loaded load_model(Comm& comm, const std::string& ckpt) {
   }
   return l;
 }
+
+}  // namespace hf
+
+namespace {
 
 // Why shardtrain's byte-level tokenizer cannot stand for this model; "" when it can: the
 // checkpoint's token file is byte-level (or, unrecorded, the ids are the byte-level tokenizer's
@@ -690,115 +689,6 @@ void import_hf(Comm& comm, const std::string& hf_dir, const std::string& out_pat
                      hf_dir + "'; tokenizer: " +
                      (tokenizer.kind.empty() ? std::string("none found (no tokenizer.model or tokenizer.json)")
                                              : tokenizer.kind + " (" + std::to_string(tokenizer.files.size()) + " file(s))"));
-}
-
-std::string generate(Comm& comm, const GenerateOptions& o) {
-  Loaded l = load_model(comm, o.checkpoint);
-  if (!l.mc.has_bos())  // same metadata on every rank: the same decision
-    throw CollectiveError(0, "checkpoint '" + o.checkpoint + "': the model config has no bos_token_id (and the "
-                             "checkpoint records no token file to take it from); --mode generate starts from BOS. "
-                             "Import with '--data TOKENFILE' to take the ids from a token file");
-  LlamaModel<float> model(l.mc, *l.be);
-  const int V = l.mc.vocab_size, maxT = l.mc.max_position_embeddings;
-  // The checkpoint's own tokenizer when it records a SentencePiece one (same bytes on every rank).
-  std::unique_ptr<Tokenizer> sp;
-  if (l.tokenizer.kind == "sentencepiece") {
-    try {
-      sp = tokenizer_from_info(l.tokenizer, "checkpoint '" + o.checkpoint + "'");
-    } catch (const std::exception& e) {
-      throw CollectiveError(0, e.what());
-    }
-  }
-  std::vector<int32_t> ids = {l.mc.bos_token_id};
-  if (!o.prompt_ids.empty()) {  // same text on every rank: the same decision
-    std::stringstream ss(o.prompt_ids);
-    std::string item;
-    while (std::getline(ss, item, ',')) {
-      size_t used = 0;
-      long long v = -1;
-      try {
-        v = std::stoll(item, &used);
-      } catch (const std::exception&) {
-        used = 0;
-      }
-      if (used == 0 || used != item.size() || v < 0 || v >= V)
-        throw CollectiveError(0, "option '--prompt-ids': '" + item + "' is not a token id in [0, " + std::to_string(V) +
-                                     ") (give comma-separated integers)");
-      ids.push_back(static_cast<int32_t>(v));
-    }
-  } else if (sp) {
-    const std::vector<int32_t> p = sp->encode(o.prompt);
-    ids.insert(ids.end(), p.begin(), p.end());
-  } else if (l.tokenizer.kind == "hf-tokenizers") {
-    if (!o.prompt.empty())
-      throw CollectiveError(0, "option '--prompt': checkpoint '" + o.checkpoint + "' has a Hugging Face tokenizer.json "
-                               "tokenizer, which shardtrain cannot run; give the prompt as '--prompt-ids' (ids from "
-                               "scripts/tokenize_hf.py or AutoTokenizer) or generate with transformers on the export");
-  } else {
-    for (int32_t b : ByteTokenizer::encode(o.prompt)) ids.push_back(b);
-  }
-  if (static_cast<int>(ids.size()) > maxT)  // same decision on every rank
-    throw CollectiveError(0, "option '--prompt': BOS + " + std::to_string(ids.size() - 1) + " bytes exceed the model's " +
-                                 "max_position_embeddings (" + std::to_string(maxT) + ")");
-  if (!o.dump_logits.empty()) {
-    model.forward(*l.f, ids.data(), 1, static_cast<int>(ids.size()));
-    model.head_logits(*l.f);
-    std::vector<float> lg = model.logits();
-    std::string err;
-    if (comm.rank() == 0) {
-      try {
-        write_file_atomic(o.dump_logits, std::string(reinterpret_cast<const char*>(lg.data()), lg.size() * sizeof(float)),
-                          false, "option '--dump-logits'");
-      } catch (const std::exception& e) {
-        err = e.what();
-      }
-    }
-    all_ok(comm, err.empty(), err);
-  }
-  std::mt19937_64 rng(o.seed);
-  std::vector<int32_t> out;
-  for (int i = 0; i < o.max_new_tokens; ++i) {
-    size_t T = std::min(ids.size(), static_cast<size_t>(maxT));
-    const int32_t* ctx = ids.data() + (ids.size() - T);
-    model.forward(*l.f, ctx, 1, static_cast<int>(T));
-    model.head_logits(*l.f);
-    int64_t next = 0;
-    if (comm.rank() == 0) {
-      std::vector<float> lg = model.logits();
-      const float* last = lg.data() + (T - 1) * static_cast<size_t>(V);
-      if (o.temperature <= 0) {
-        next = std::max_element(last, last + V) - last;
-      } else {
-        std::vector<std::pair<float, int>> c;
-        for (int v = 0; v < V; ++v) c.push_back({last[v], v});
-        std::sort(c.begin(), c.end(), std::greater<>());
-        if (o.top_k > 0 && o.top_k < V) c.resize(static_cast<size_t>(o.top_k));
-        std::vector<double> w;
-        for (auto& [lv, v] : c) w.push_back(std::exp((lv - c[0].first) / o.temperature));
-        std::discrete_distribution<size_t> dist(w.begin(), w.end());
-        next = c[dist(rng)].second;
-      }
-    }
-    comm.broadcast(&next, 1, 0);
-    if (l.mc.is_eos(next)) break;  // any of the eos ids stops
-    ids.push_back(static_cast<int32_t>(next));
-    out.push_back(static_cast<int32_t>(next));
-  }
-  if (o.print_ids) {
-    auto list = [](const int32_t* p, size_t n) {
-      std::string r;
-      for (size_t i = 0; i < n; ++i) {
-        if (i) r += ',';
-        r += std::to_string(p[i]);
-      }
-      return r;
-    };
-    log_info(comm, "generate: prompt ids: " + list(ids.data(), ids.size() - out.size()));
-    log_info(comm, "generate: new ids: " + list(out.data(), out.size()));
-  }
-  if (sp) return sp->decode(out);
-  if (l.tokenizer.kind == "hf-tokenizers") return "";  // ids only (--print-ids); decode with AutoTokenizer
-  return ByteTokenizer::decode(out);
 }
 
 }  // namespace shardtrain

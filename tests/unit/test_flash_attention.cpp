@@ -1,7 +1,8 @@
 // Tiled causal attention (flash_attention_forward / _backward, FlashAttention-2) of the CPU backend
-// against the exact path of the model (attention_forward / attention_backward in llama.cpp, which
-// stores the [B, NH, T, T] probabilities), in double within 1e-12, bf16 storage against fp32 within
-// bf16 rounding, lse against a float64 loop, bitwise the same results with 1, 2 and 3 threads.
+// against the exact path of the model (attention_forward / attention_backward in
+// llama_attention.cpp, which stores the [B, NH, T, T] probabilities), in double within 1e-12, bf16
+// storage against fp32 within bf16 rounding, lse against a float64 loop, bitwise the same results
+// with 1, 2 and 3 threads.
 // Shapes: T = 1, 17 (one partial tile), 64 (one full tile), 300 (partial last tile), 2048 (32 tiles)
 // with MHA, GQA (NH 4, NKV 2; NH 6, NKV 2) and MQA (NKV 1), q, k ~ N(0, 1) and N(0, 4) (peaked).
 //

@@ -180,8 +180,8 @@ template <typename T> class Backend {
   // h / (NH/NKV) (NH a multiple of NKV; NKV = 1 is MQA). Causal: query t sees keys s <= t.
   // scale multiplies the scores q.k (1/sqrt(HD) in the model). Arithmetic in S.
   // Writes y (=) and lse [B, NH, T] = log sum_s exp(scale * q_t.k_s), the per-row log-sum-exp of
-  // the scaled scores (kept for the backward). Same result as attention_forward (llama.cpp) to
-  // rounding.
+  // the scaled scores (kept for the backward). Same result as attention_forward
+  // (llama_attention.cpp) to rounding.
   virtual void flash_attention_forward(T* y, S* lse, const T* q, const T* k, const T* v, int B, int T_, int NH,
                                        int NKV, int HD, S scale) = 0;
   // Given dy [B*T, NH*HD] and the forward's y and lse, writes dq, dk, dv (=, not accumulated;

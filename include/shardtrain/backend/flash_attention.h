@@ -5,7 +5,8 @@
 // never stored: the forward keeps only the per-row
 // log-sum-exp, and the backward recomputes the probabilities tile by tile from it.
 //
-// Shapes and layout (as the exact path attention_forward / attention_backward in llama.cpp):
+// Shapes and layout (as the exact path attention_forward / attention_backward in
+// src/model/llama_attention.cpp):
 //   q, y, dq, dy  [B*T, NH*HD]   (row b*T + t, query head h at columns [h*HD, (h+1)*HD))
 //   k, v, dk, dv  [B*T, NKV*HD]  query head h reads key/value head h / G, G = NH / NKV
 //   lse, dsum     [B, NH, T]     (arithmetic type S: float for float and bf16 storage)

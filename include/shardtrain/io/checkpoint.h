@@ -7,7 +7,8 @@
 //                        --resume resolution;
 //   metadata             checkpoint_h5.cpp (HDF5 plumbing, attributes, their checksums),
 //                        checkpoint_meta_write.cpp, checkpoint_meta_read.cpp (reading, cross-checks,
-//                        what a file holds, read_checkpoint_info, and whether it fits a model);
+//                        what a file holds, read_checkpoint_info), checkpoint_meta_compare.cpp
+//                        (whether it fits a model);
 //   checkpoint_data.cpp  tensor data: the named sharded tensors (ShardedTensors), snapshots of
 //                        them, their hyperslabs and CRC32s, loading with resharding.
 // Saving is snapshot (a host copy, take_checkpoint_snapshot; on a GPU into pinned host memory, a

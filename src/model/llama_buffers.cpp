@@ -1,0 +1,204 @@
+// Llama's activation buffers (model.h): what each recompute mode keeps per block and what the
+// shared scratch holds (Sizes), the byte counts the memory plan reads (activation_bytes,
+// context_bytes, deferred_weight_bytes) and the allocations themselves (LlamaModel::ensure*), one
+// table for both so that the plan cannot drift from the code.
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "shardtrain/model/model.h"
+#include "shardtrain/backend/ops_math.h"
+
+namespace shardtrain {
+
+namespace {
+// Elements of every activation buffer, by the buffer's role; LlamaModel::ensure allocates exactly
+// these and activation_bytes() adds them up, so the memory plan cannot drift from the code.
+struct Sizes {
+  int64_t BT, x, rstd, q, kv, att, lse, y, gi;  // gi: gate / up / h / their gradients, [BT, I]
+  int64_t chunk_logits, rope, dsum;
+  bool keep_all, keep_h, keep_att;  // per-layer buffers besides x; h; exact probabilities
+  int64_t full, ce;  // TP > 1: full_ and dfull_ [BT, C] each; the cross-entropy's scalars
+  int64_t layout;    // mask Document: a context's positions and documents, the model's row indices (ids each)
+  Sizes(const LlamaDims& d, const ModelOptions& o) {
+    BT = d.BT;
+    layout = o.mask == AttentionMask::Document || d.cp > 1 ? BT : 0;
+    x = int64_t{d.R} * d.C;  // the residual stream: this rank's rows (all of them without TP)
+    rstd = d.R;
+    full = d.tp > 1 ? BT * d.C : 0;
+    ce = d.tp > 1 ? int64_t{d.chunk} * (d.tp + 3) : 0;
+    q = BT * d.Q;
+    kv = BT * d.KV;
+    const bool tiled = o.attention == AttentionKind::Tiled;
+    att = tiled ? 0 : int64_t{d.B} * d.NH * d.T_ * d.T_;
+    lse = tiled ? int64_t{d.B} * d.NH * d.T_ : 0;
+    dsum = lse;
+    y = q;
+    gi = BT * d.I;
+    chunk_logits = int64_t{d.chunk} * d.Vl;
+    rope = int64_t{d.Tg} * (d.HD / 2);
+    keep_all = o.recompute != Recompute::Full;
+    keep_h = o.recompute == Recompute::None;
+    keep_att = o.recompute == Recompute::None;
+    rows = BT * d.C;
+    keep_w_h = o.recompute != Recompute::None;
+    keep_w_y = o.recompute == Recompute::Full;
+    norms = 2 * int64_t{d.C};
+  }
+  // A Deferred's buffers (model.h, deferred_weight_bytes): [BT, C] rows (all rows, gathered under
+  // TP), whether h and y are kept there (not kept in the context), the RMSNorm weight gradients.
+  int64_t rows, norms;
+  bool keep_w_h, keep_w_y;
+  int64_t deferred() const { return 4 * rows + 2 * gi + q + 2 * kv + norms + (keep_w_h ? gi : 0) + (keep_w_y ? y : 0); }
+};
+}  // namespace
+
+int64_t deferred_weight_bytes(const ModelConfig& c, const ModelOptions& o, int B, int T_, size_t E, int blocks, int tp,
+                              int cp) {
+  const Sizes z(LlamaDims(c, tp, 0, cp).with_batch(B, T_, o.loss_chunk), o);
+  return int64_t{blocks} * static_cast<int64_t>(E) * z.deferred();
+}
+
+int64_t context_bytes(const ModelConfig& c, const ModelOptions& o, int B, int T_, size_t E, int begin, int end, int tp,
+                      int cp) {
+  if (begin < 0 || begin > end || end > c.num_hidden_layers)
+    throw std::invalid_argument("context_bytes: blocks [" + std::to_string(begin) + ", " + std::to_string(end) +
+                                ") are not a range of a model of " + std::to_string(c.num_hidden_layers) + " blocks");
+  const Sizes z(LlamaDims(c, tp, 0, cp).with_batch(B, T_, o.loss_chunk), o);
+  const int64_t e = static_cast<int64_t>(E), a = E == 8 ? 8 : 4;  // Backend<T>::S: double for double, else float
+  const int64_t rest = e * (2 * z.rstd + z.q + 2 * z.kv + z.y + z.x + 2 * z.gi) + a * z.lse;  // as ensure_context
+  const int64_t block =
+      e * z.x + (z.keep_all ? rest : 0) + (z.keep_h ? e * z.gi : 0) + (z.keep_att ? e * z.att : 0);
+  const bool head = end == c.num_hidden_layers, first = begin == 0;
+  return int64_t{end - begin} * block + e * 2 * z.x + (head ? e * (z.x + z.rstd) : 0) +
+         4 * z.BT * ((first ? 1 : 0) + (first && tp > 1 ? 1 : 0) + (head ? 1 : 0)) + 2 * 4 * z.layout;
+}
+
+ActivationBytes activation_bytes(const ModelConfig& c, const ModelOptions& o, int B, int T_, size_t E, size_t A,
+                                 int tp, int cp) {
+  const Sizes z(LlamaDims(c, tp, 0, cp).with_batch(B, T_, o.loss_chunk), o);
+  const int64_t e = static_cast<int64_t>(E), a = static_cast<int64_t>(A);
+  // One block's activations besides its input x, h and the exact probabilities.
+  const int64_t rest = e * (2 * z.rstd + z.q + 2 * z.kv + z.y + z.x + 2 * z.gi) + a * z.lse;
+  ActivationBytes r;
+  r.per_layer = c.num_hidden_layers *
+                (e * z.x + (z.keep_all ? rest : 0) + (z.keep_h ? e * z.gi : 0) + (z.keep_att ? e * z.att : 0));
+  if (o.recompute == Recompute::Selective) r.recompute = e * (z.gi + z.att);
+  if (o.recompute == Recompute::Full) r.recompute = rest + e * (z.gi + z.att);
+  r.block_scratch = e * (3 * z.x + 2 * z.q + 2 * z.kv + 3 * z.gi + z.att) + a * z.dsum;
+  r.head = e * (2 * z.x + z.rstd + z.chunk_logits + 2 * z.rope) + 2 * 4 * z.BT + 3 * 4 * z.layout;
+  if (tp > 1) {  // full_, dfull_, ids_tp_, the cross-entropy's scalars
+    r.block_scratch += e * 2 * z.full;
+    r.head += 4 * z.BT + a * z.ce;
+  }
+  return r;
+}
+
+template <typename T> void LlamaModel<T>::ensure(int B, int T_) {
+  if (B == d_.B && T_ == d_.T_) return;
+  d_ = d_.with_batch(B, T_, o_.loss_chunk);  // throws when TP does not divide B*T_
+  const Sizes z(d_, o_);
+  auto buf = [&](int64_t n) { return Buffer<T>(be_, static_cast<size_t>(n)); };
+  auto acc = [&](int64_t n) { return AccBuffer<T>(be_, static_cast<size_t>(n)); };
+  work_ = Layer{};
+  if (o_.recompute == Recompute::Full) {
+    work_.rstd1 = buf(z.rstd); work_.q = buf(z.q); work_.k = buf(z.kv); work_.v = buf(z.kv); work_.lse = acc(z.lse);
+    work_.y = buf(z.y); work_.x1 = buf(z.x); work_.rstd2 = buf(z.rstd); work_.g = buf(z.gi); work_.u = buf(z.gi);
+  }
+  if (o_.recompute != Recompute::None) { work_.h = buf(z.gi); work_.att = buf(z.att); }
+  chunk_logits_ = buf(z.chunk_logits);
+  logits_ = Buffer<T>();
+  ln_ = buf(z.x);
+  dln_ = buf(z.x);
+  dq_ = buf(z.q); dk_ = buf(z.kv); dv_ = buf(z.kv);
+  datt_ = buf(z.att); dsum_ = acc(z.dsum); dy_ = buf(z.y);
+  dh_ = buf(z.gi); dg_ = buf(z.gi); du_ = buf(z.gi);
+  full_ = buf(z.full); dfull_ = buf(z.full);
+  const int64_t ch = tp_n_ > 1 ? d_.chunk : 0;
+  ce_mx_ = acc(ch); ce_maxes_ = acc(ch * tp_n_); ce_st_ = acc(2 * ch);
+  std::vector<S> cs, sn;  // tables computed in double, rounded once to the storage type
+  rope_tables(cs, sn, d_.Tg, rope_inv_freqs(c_));
+  std::vector<T> cst(cs.size()), snt(sn.size());
+  for (size_t i = 0; i < cs.size(); ++i) { cst[i] = math::st<T>(cs[i]); snt[i] = math::st<T>(sn[i]); }
+  cos_ = buf(z.rope); sin_ = buf(z.rope);
+  be_.from_host(cos_.data(), cst.data(), cst.size());
+  be_.from_host(sin_.data(), snt.data(), snt.size());
+  rows_ = IdBuffer<T>();
+  if (z.layout > 0) ensure_rows();
+}
+
+template <typename T> void LlamaModel<T>::ensure_rows() {
+  if (rows_.size() == static_cast<size_t>(d_.BT)) return;
+  std::vector<int32_t> t(static_cast<size_t>(d_.BT));
+  for (size_t i = 0; i < t.size(); ++i) t[i] = static_cast<int32_t>(i % static_cast<size_t>(d_.T_));
+  rows_ = IdBuffer<T>(be_, t.size());
+  be_.ids_from_host(rows_.data(), t.data(), t.size());
+}
+
+// A context's buffers for d_'s micro-batch: per block of its range what the mode keeps (Sizes), the
+// range's output and residual gradient; the ids and the final norm's buffers where the range has
+// the embedding / the head. For [0, L) exactly what activation_bytes counts besides the scratch.
+template <typename T> void LlamaModel<T>::ensure_context(Context& ctx) {
+  if (ctx.B_ == d_.B && ctx.T_ == d_.T_) return;
+  const Sizes z(d_, o_);
+  const BlockRange& r = ctx.r_;
+  auto buf = [&](int64_t n) { return Buffer<T>(be_, static_cast<size_t>(n)); };
+  auto acc = [&](int64_t n) { return AccBuffer<T>(be_, static_cast<size_t>(n)); };
+  auto ids = [&](bool need) { return IdBuffer<T>(be_, need ? static_cast<size_t>(z.BT) : 0); };
+  ctx.B_ = ctx.T_ = 0;
+  ctx.stage_ = Stage::None;
+  ctx.layers_.clear();
+  ctx.layers_.resize(static_cast<size_t>(r.end - r.begin));
+  ctx.w_.clear();  // sized for the old micro-batch: the next backward_input allocates them again
+  for (auto& L : ctx.layers_) {
+    L.x = buf(z.x);
+    if (z.keep_all) {  // everything of a block but x, h and the exact probabilities
+      L.rstd1 = buf(z.rstd); L.q = buf(z.q); L.k = buf(z.kv); L.v = buf(z.kv); L.lse = acc(z.lse); L.y = buf(z.y);
+      L.x1 = buf(z.x); L.rstd2 = buf(z.rstd); L.g = buf(z.gi); L.u = buf(z.gi);
+    }
+    if (z.keep_h) L.h = buf(z.gi);
+    if (z.keep_att) L.att = buf(z.att);
+  }
+  const bool head = r.end == d_.L;
+  ctx.xf_ = buf(z.x);
+  ctx.lnf_ = buf(head ? z.x : 0);
+  ctx.rstdf_ = buf(head ? z.rstd : 0);
+  ctx.dres_ = buf(z.x);
+  ctx.tokens_ = ids(r.begin == 0);
+  ctx.targets_ = ids(head);
+  ctx.ids_tp_ = ids(r.begin == 0 && tp_n_ > 1);
+  ctx.pos_ = ids(z.layout > 0);
+  ctx.doc_ = ids(z.layout > 0);
+  ctx.use_pos_ = ctx.use_doc_ = false;
+  ctx.B_ = d_.B;
+  ctx.T_ = d_.T_;
+}
+
+template <typename T> void LlamaModel<T>::ensure_deferred(Context& ctx) {
+  const size_t n = static_cast<size_t>(ctx.r_.end - ctx.r_.begin);
+  if (ctx.w_.size() == n) return;  // ensure_context cleared them when the micro-batch size changed
+  const Sizes z(d_, o_);
+  auto buf = [&](int64_t k) { return Buffer<T>(be_, static_cast<size_t>(k)); };
+  std::vector<Deferred> w(n);
+  for (Deferred& k : w) {
+    k.dr2 = buf(z.rows); k.dr1 = buf(z.rows); k.n2 = buf(z.rows); k.n1 = buf(z.rows);
+    k.dg = buf(z.gi); k.du = buf(z.gi); k.h = buf(z.keep_w_h ? z.gi : 0);
+    k.dq = buf(z.q); k.dk = buf(z.kv); k.dv = buf(z.kv); k.y = buf(z.keep_w_y ? z.y : 0);
+    k.dnorm = buf(z.norms);
+  }
+  ctx.w_ = std::move(w);
+}
+
+// This file's members of LlamaModel, for each storage type (llama.cpp instantiates the class, and
+// with it the members defined there).
+#define ST_LLAMA_BUFFERS(T) \
+  template void LlamaModel<T>::ensure(int, int); \
+  template void LlamaModel<T>::ensure_rows(); \
+  template void LlamaModel<T>::ensure_context(Context&); \
+  template void LlamaModel<T>::ensure_deferred(Context&);
+ST_LLAMA_BUFFERS(float)
+ST_LLAMA_BUFFERS(double)
+ST_LLAMA_BUFFERS(bf16)
+#undef ST_LLAMA_BUFFERS
+
+}  // namespace shardtrain
