@@ -67,11 +67,13 @@ blas_env=$(for v in OPENBLAS_CORETYPE OPENBLAS_L2_SIZE OPENBLAS_NUM_THREADS OPEN
 cpu=$(grep -m1 '^model name' /proc/cpuinfo 2>/dev/null | cut -d: -f2- | sed 's/^ *//')
 echo "shardtrain tests ($(date -u +%Y-%m-%dT%H:%M:%SZ), $(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc) cores, ${cpu:-unknown CPU}; BLAS environment:${blas_env:- none set})"
 # Static checks of the source tree (no build needed; issue 54): the layer order of the includes
-# (tests/check_layers.py, docs/architecture.md); every relative link and #anchor of README.md,
+# (tests/check_layers.py); docs/architecture.md names every file of src/ and include/shardtrain/
+# (tests/check_architecture_doc.py); every relative link and #anchor of README.md,
 # CHANGELOG.md and docs/, and every repository path README.md and the topic pages name
 # (tests/docs/check_links.py).
 run layers                     60 python3 tests/check_layers.py
 run docs-links                 60 python3 tests/docs/check_links.py
+run architecture-doc           60 python3 tests/check_architecture_doc.py
 run unit                      300 mpirun -np 1 "$BUILD/unit_tests" --gtest_color=no
 for n in 1 2 3 4; do
   run "mpi-np$n"              420 mpirun -np "$n" "$BUILD/mpi_tests" --gtest_color=no
