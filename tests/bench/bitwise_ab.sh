@@ -117,23 +117,7 @@ merge_args() {
 # tests/e2e/common.sh's short_docs, BOS, 1-38 printable bytes, EOS, random with seed 41; the train
 # split 24,000 tokens, the validation split 2,400.
 DOCS=$OUT/docs.tok
-"$PY" - "$DOCS" 24000 2400 <<'P' || exit 2
-import random, struct, sys
-path, n_train, n_val = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-BOS, EOS, V = 256, 257, 258
-rnd = random.Random(41)
-def split(n):
-    out = []
-    while len(out) < n:
-        k = rnd.randrange(3, 41)
-        out += [BOS] + [rnd.randrange(32, 127) for _ in range(k - 2)] + [EOS]
-    return out[:n]
-train, val = split(n_train), split(n_val)
-head = b"STTOKv1\0" + struct.pack("<6I", 1, V, BOS, EOS, 2, 0) + struct.pack("<2Q", len(train), len(val))
-head += b"byte-level".ljust(16, b"\0")
-with open(path, "wb") as f:
-    f.write(head + struct.pack(f"<{len(train) + len(val)}H", *(train + val)))
-P
+"$PY" "$ROOT/tests/e2e/short_docs.py" "$DOCS" 24000 2400 || exit 2
 train() {  # BIN NP DIR options...: one training into DIR (m.jsonl, ck/, log, cmd); its exit status
   local bin=$1 np=$2 dir=$3; shift 3
   rm -rf "$dir"; mkdir -p "$dir"
