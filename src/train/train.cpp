@@ -1,7 +1,6 @@
 // AdamW on shards, the LR schedule, evaluation, and the checkpoint's record of the settings. The
 // training loop is in trainer.cpp; what a resume checks is in resume.cpp.
 #include "shardtrain/train/train.h"
-#include "shardtrain/train/stage_runner.h"
 
 #include "shardtrain/io/checkpoint.h"
 #include "shardtrain/runtime/files.h"
@@ -15,6 +14,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <iomanip>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -95,6 +95,14 @@ TokenLayout batch_layout(const TrainConfig& tc, const TokenDataset& data, const 
   doc.resize(pos.size());
   document_layout(tokens, B, T, T, static_cast<int32_t>(data.header().eos_id), doc.data(), pos.data());
   return {pos.data(), doc.data()};
+}
+
+MicroBatchReader batch_reader(const TrainConfig& tc, const TokenDataset& data) {
+  auto pos = std::make_shared<std::vector<int32_t>>(), doc = std::make_shared<std::vector<int32_t>>();
+  return [tc, &data, pos, doc](Split split, int64_t index, int first, int count, int32_t* tokens, int32_t* targets) {
+    fill_batch(data, split, tc.seed, index, first, count, tc.seq_len, tokens, targets);
+    return batch_layout(tc, data, tokens, count, tc.seq_len, *pos, *doc);
+  };
 }
 
 template <typename T>

@@ -25,7 +25,7 @@
 #include "shardtrain/io/tensorboard.h"
 #include "shardtrain/train/mfu.h"
 #include "shardtrain/parallel/schedule.h"
-#include "shardtrain/train/stage_runner.h"
+#include "shardtrain/parallel/stage_runner.h"
 #include "shardtrain/train/train.h"
 
 namespace shardtrain {
@@ -276,9 +276,8 @@ template <typename C> void Trainer<C>::allocate() {
       if constexpr (std::is_same_v<C, bf16>) be = eng_.be16;
       else be = &eng_.be;
       runner_ = std::make_unique<StageRunner<C>>(mesh_, *be, *model_, *units_, run_.stage, run_.pipeline, run_.pp.get(),
-                                                 tc_, data_, geo_.per_rank, geo_.micro_batch);
-      // The whole model's activations now (a pipeline's contexts are made by their first forward).
-      if (pipeline_.ranks == 1) model_->reserve(geo_.micro_batch, SequenceSplit(mesh_, tc_.seq_len).rows());
+                                                 batch_reader(tc_, data_), tc_.seq_len, geo_.per_rank, geo_.micro_batch);
+      runner_->reserve();  // the activations the first step needs, now
     } catch (const std::bad_alloc&) {
       throw std::runtime_error("out of memory allocating model '" + mc_.name + "' (" + std::to_string(mc_.num_params()) +
                                " parameters, sharded over " + std::to_string(G_) + " ranks) with activations for " +
