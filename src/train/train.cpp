@@ -106,18 +106,15 @@ MicroBatchReader batch_reader(const TrainConfig& tc, const TokenDataset& data) {
 }
 
 template <typename T>
-double evaluate(const Mesh& mesh, StageRunner<T>& runner, UnitSource<T>& f, const PipelineLayout& pl,
+double evaluate(const Mesh& mesh, StageRunner<T>& runner, UnitSource<T>& f, const Schedule& schedule,
                 const TrainConfig& tc, int batches) {
-  const int per_rank = tc.global_batch / mesh.dp_size();
-  const int mb = tc.micro_batch > 0 ? tc.micro_batch : per_rank;
   double sum = 0;
   f.begin_pass("eval");  // the sharding layer prefetches along the order the last evaluation gathered in
-  const std::unique_ptr<Schedule> schedule = pl.schedule(per_rank / mb, false);  // forwards only
   for (int e = 0; e < batches; ++e) {
     runner.begin(Split::Val, e);
     // The last chunk's forwards with their loss. A TP group's ranks computed the same loss: counted
     // once; a CP group's hold different tokens: each counts (Mesh::counts_loss, last stage only).
-    const double l = runner.run(*schedule, 0.0f);
+    const double l = runner.run(schedule, 0.0f);
     if (mesh.counts_loss()) sum += l;
     runner.end();
   }
@@ -188,9 +185,9 @@ ShardedTensors checkpoint_tensors(ShardedState<float>& f, AdamW<float>* opt) {
 
 template class AdamW<float>;
 template class AdamW<double>;
-template double evaluate<float>(const Mesh&, StageRunner<float>&, UnitSource<float>&, const PipelineLayout&,
+template double evaluate<float>(const Mesh&, StageRunner<float>&, UnitSource<float>&, const Schedule&,
                                 const TrainConfig&, int);
-template double evaluate<bf16>(const Mesh&, StageRunner<bf16>&, UnitSource<bf16>&, const PipelineLayout&,
+template double evaluate<bf16>(const Mesh&, StageRunner<bf16>&, UnitSource<bf16>&, const Schedule&,
                                const TrainConfig&, int);
 
 }  // namespace shardtrain

@@ -87,9 +87,9 @@ template <typename C> class Trainer {
   TrainResult run();
 
  private:
-  void check_geometry();
-  void log_memory_plan();
-  void allocate();
+  ParallelPlan resolve_plan();
+  void log_memory_plan(const ParallelPlan& plan);
+  void allocate(const ParallelPlan& plan);
   void restore();
   void record_data();
   void prepare_outputs();
@@ -106,6 +106,7 @@ template <typename C> class Trainer {
   void log_background_save(const AsyncCheckpointWriter::Result& r, double waited_s, int64_t now);
   [[noreturn]] void rethrow_save_failure(const std::exception& e, int64_t step);
   void report_memory();
+  const BatchGeometry& geo() const { return run_.plan.geometry; }  // the batch layout (geometry.h)
 
   Engine& eng_;
   const Mesh& mesh_;
@@ -114,18 +115,16 @@ template <typename C> class Trainer {
   const TrainConfig tc_;
   const TokenDataset& data_;
   const int W_, G_;  // world size, shard group size
-  BatchGeometry geo_;  // resolve_geometry's: identical on every rank
-  int64_t plan_total_ = 0;  // bytes of the memory plan per rank
+  int64_t plan_total_ = 0;  // bytes of this rank's memory plan (a pipeline rank's: its stage's)
   ModelOptions mopt_;
-  // The run's layout (parallelize.h): sharded state, unit source, each dimension's ops for the
-  // model, the checkpoint layout (with checkpoints). Outlives model_ and opt_.
+  // The run's layout (parallelize.h): its plan (batch geometry, pipeline stages, schedules), sharded
+  // state, unit source, each dimension's ops for the model, the checkpoint layout (with
+  // checkpoints). Outlives model_ and opt_.
   ParallelRun<C> run_;
   ShardedState<float>* f_ = nullptr;  // run_.state: fp32 master shards and gradient shards
   UnitPipeline<C>* units_ = nullptr;  // run_.units: the model's UnitSource over f_
   std::unique_ptr<LlamaModel<C>> model_;
   std::unique_ptr<AdamW<float>> opt_;
-  PipelineLayout pipeline_;             // the stages (one: the whole model on every rank)
-  std::unique_ptr<Schedule> schedule_;  // a step's actions (gradient accumulation; a pipeline schedule)
   std::unique_ptr<StageRunner<C>> runner_;  // runs this rank's actions: data, contexts, activations between stages
   CheckpointOptions co_;
   TrainState state_;         // the facts of the run: step, batch history, data and tokenizer record, layout
@@ -156,10 +155,10 @@ Trainer<C>::Trainer(Engine& eng, const ModelConfig& mc, const TrainConfig& tc, c
       W_(eng.mesh.world_size()), G_(eng.mesh.dims().fsdp()) {
   if (const int64_t late = rank_sleep_hook("SHARDTRAIN_TEST_LATE_RANK", comm_.rank()); late > 0)
     std::this_thread::sleep_for(std::chrono::milliseconds(late));
-  check_geometry();
+  const ParallelPlan plan = resolve_plan();
   agree(comm_, [&] { mopt_ = model_options(tc_); });
-  log_memory_plan();
-  allocate();
+  log_memory_plan(plan);
+  allocate(plan);
   f_->init_params(tc_.seed);
   co_ = CheckpointOptions{tc_.checkpoint_dir, tc_.checkpoint_every, tc_.keep_last, tc_.debug_crash_before_publish,
                           run_.checkpoint && run_.checkpoint->writes_shards()};
@@ -190,25 +189,14 @@ Trainer<C>::Trainer(Engine& eng, const ModelConfig& mc, const TrainConfig& tc, c
   log_setup();
 }
 
-// The batch geometry (geometry.h) and the data's fit to the model: identical on every rank, so every
-// rank throws the same message.
-template <typename C> void Trainer<C>::check_geometry() {
-  // What the parallel layer cannot train (on this mesh, with this attention).
-  if (const std::string why = training_refusal(mesh_.dims(), tc_.attention); !why.empty())
-    throw CollectiveError(0, why);
-  const GeometryResult g = resolve_geometry({tc_.global_batch, tc_.micro_batch, tc_.seq_len}, mesh_.dims(), mc_);
-  if (!g.ok()) throw CollectiveError(0, g.refusal);
-  geo_ = g.geometry;
-  {  // The pipeline's stages and schedule (one stage: gradient accumulation).
-    std::string why;
-    pipeline_ = resolve_pipeline(mc_, mesh_.dims().pp, tc_.pp, geo_.accum, &why);
-    if (!why.empty()) throw CollectiveError(0, why);
-    schedule_ = pipeline_.schedule(geo_.accum);
-    // NCCL: the order of the stages' grouped transfers (pipeline.h), checked on every rank alike.
-    if (const std::string line = check_pipeline_transfers(mesh_.world(), *mesh_.pp_data(), pipeline_, geo_.accum);
-        !line.empty())
-      log_info(mesh_.world(), line);
-  }
+// The run's plan from the parallel layer (resolve_parallel: what the mesh cannot train, the batch
+// geometry, the pipeline's stages and schedules), then the data's fit to the model: identical on
+// every rank, so every rank throws the same message.
+template <typename C> ParallelPlan Trainer<C>::resolve_plan() {
+  std::vector<std::string> notes;
+  ParallelPlan plan = resolve_parallel(mesh_, mc_, {tc_.global_batch, tc_.micro_batch, tc_.seq_len}, tc_.pp,
+                                       tc_.attention, &notes);
+  for (const std::string& line : notes) log_info(comm_, line);
   if (data_.header().vocab_size > static_cast<uint32_t>(mc_.vocab_size))
     throw CollectiveError(0, "the token file's vocab_size (" + std::to_string(data_.header().vocab_size) +
                                  ") exceeds the model's vocab_size (" + std::to_string(mc_.vocab_size) + ")");
@@ -226,13 +214,14 @@ template <typename C> void Trainer<C>::check_geometry() {
       throw CollectiveError(0, std::string("the ") + name + " split of the token file holds " + std::to_string(n) +
                                    " tokens, fewer than one sequence of --seq-len + 1 = " +
                                    std::to_string(tc_.seq_len + 1));
+  return plan;
 }
 
 // The memory plan, before anything is allocated (the process's own memory so far measured).
-template <typename C> void Trainer<C>::log_memory_plan() {
+template <typename C> void Trainer<C>::log_memory_plan(const ParallelPlan& plan) {
   MemoryPlanInput mi{mc_, tc_, W_, tc_.precision, tc_.reduce_bf16, !eng_.be.host_kernels(),
                      0, 4, 0};  // token data: memory-mapped (page cache), not held by the rank
-  mi.train.micro_batch = geo_.micro_batch;
+  mi.train.micro_batch = plan.geometry.micro_batch;
   mi.overlap = tc_.overlap;
   mi.mesh = mesh_.dims();
   mi.stream_lane = eng_.mesh.shard_data().stream_ordered();
@@ -240,31 +229,31 @@ template <typename C> void Trainer<C>::log_memory_plan() {
   comm_.all_reduce(&mi.runtime_bytes, 1, ReduceOp::Max);
   // With a pipeline each rank plans its own stage (its units, its contexts in flight); rank 0 logs
   // every stage's plan (pure arithmetic: the same on every rank).
-  mi.pipeline = pipeline_;
+  mi.pipeline = plan.pipeline;
   mi.pp_rank = mesh_.coord().pp;
-  mi.microbatches = geo_.accum;
-  const MemoryPlan plan = plan_memory(mi);
-  plan_total_ = plan.total();
+  mi.microbatches = plan.geometry.accum;
+  const MemoryPlan mp = plan_memory(mi);
+  plan_total_ = mp.total();
   const std::string mem = std::string(mi.cuda ? "device" : "host") + " memory; --mode plan prints it without a launch";
-  if (pipeline_.ranks == 1) {
-    log_info(comm_, plan.format("memory plan per rank (" + mem + "):"));
+  if (plan.pipeline.ranks == 1) {
+    log_info(comm_, mp.format("memory plan per rank (" + mem + "):"));
     return;
   }
-  for (int s = 0; s < pipeline_.ranks; ++s) {
+  for (int s = 0; s < plan.pipeline.ranks; ++s) {
     MemoryPlanInput ms = mi;
     ms.pp_rank = s;
     log_info(comm_, plan_memory(ms).format("memory plan per rank of pipeline stage " + std::to_string(s) + " of " +
-                                           std::to_string(pipeline_.ranks) + " (" + mem + "):"));
+                                           std::to_string(plan.pipeline.ranks) + " (" + mem + "):"));
   }
 }
 
 // Allocation depends on local success: agree on it, and say what did not fit.
-template <typename C> void Trainer<C>::allocate() {
+template <typename C> void Trainer<C>::allocate(const ParallelPlan& plan) {
   agree(comm_, [&] {
     try {
       const bool checkpoints = !tc_.checkpoint_dir.empty() || !tc_.resume.empty() || !tc_.init_from.empty();
       run_ = parallelize<C>(mesh_, mc_, eng_.be, eng_.be16,
-                            {tc_.overlap, tc_.reduce_bf16, checkpoints, tc_.cp_comm, pipeline_, tc_.pp.reshard});
+                            {tc_.overlap, tc_.reduce_bf16, checkpoints, tc_.cp_comm, plan, tc_.pp.reshard});
       f_ = run_.state.get();
       units_ = run_.units.get();
       if constexpr (std::is_same_v<C, bf16>)
@@ -275,13 +264,14 @@ template <typename C> void Trainer<C>::allocate() {
       Backend<C>* be = nullptr;
       if constexpr (std::is_same_v<C, bf16>) be = eng_.be16;
       else be = &eng_.be;
-      runner_ = std::make_unique<StageRunner<C>>(mesh_, *be, *model_, *units_, run_.stage, run_.pipeline, run_.pp.get(),
-                                                 batch_reader(tc_, data_), tc_.seq_len, geo_.per_rank, geo_.micro_batch);
+      runner_ = std::make_unique<StageRunner<C>>(mesh_, *be, *model_, *units_, run_.stage, run_.plan.pipeline,
+                                                 run_.pp.get(), batch_reader(tc_, data_), tc_.seq_len,
+                                                 plan.geometry.per_rank, plan.geometry.micro_batch);
       runner_->reserve();  // the activations the first step needs, now
     } catch (const std::bad_alloc&) {
       throw std::runtime_error("out of memory allocating model '" + mc_.name + "' (" + std::to_string(mc_.num_params()) +
                                " parameters, sharded over " + std::to_string(G_) + " ranks) with activations for " +
-                               std::to_string(geo_.micro_batch) + " x " + std::to_string(tc_.seq_len) +
+                               std::to_string(plan.geometry.micro_batch) + " x " + std::to_string(tc_.seq_len) +
                                " tokens per micro-batch; use more ranks, a smaller '--micro-batch' or '--seq-len', or a smaller '--model'");
     }
   });
@@ -438,7 +428,7 @@ template <typename C> void Trainer<C>::prepare_outputs() {
 template <typename C> void Trainer<C>::log_setup() {
   log_info(comm_, "shardtrain: model " + mc_.name + ", " + std::to_string(mc_.num_params()) + " parameters, " +
                       std::to_string(f_->num_units()) + " units, world size " + std::to_string(W_) + ", micro-batch " +
-                      std::to_string(geo_.micro_batch) + " x " + std::to_string(geo_.accum) + " accumulation steps, global batch " +
+                      std::to_string(geo().micro_batch) + " x " + std::to_string(geo().accum) + " accumulation steps, global batch " +
                       std::to_string(tc_.global_batch) + " x " + std::to_string(tc_.seq_len) + " tokens");
   const OverlapConfig& ov = units_->overlap();
   const Comm& data = mesh_.shard_data();
@@ -495,13 +485,13 @@ template <typename C> StepOutcome Trainer<C>::train_step(int64_t s) {
   // dp_replicate divides by it too), so each token's gradient enters with weight
   // (1 / (per_rank T / cp)) / (dp_shard cp dp_replicate) = 1 / (per_rank dp T) = 1 / (global_batch T):
   // the gradient of the mean over every target token of the global batch, with CP as without.
-  const float grad_scale = 1.0f / static_cast<float>(geo_.rank_tokens());
+  const float grad_scale = 1.0f / static_cast<float>(geo().rank_tokens());
   const double tokens_per_step = static_cast<double>(tc_.global_batch) * tc_.seq_len;
   f_->zero_grads();
   double loss_sum = 0;
   units_->begin_pass("train");  // the sharding layer prefetches along the order the last step gathered in
   runner_->begin(Split::Train, s);
-  loss_sum += runner_->run(*schedule_, grad_scale);  // this rank's actions of the step's schedule
+  loss_sum += runner_->run(*run_.plan.schedule, grad_scale);  // this rank's actions of the step's schedule
   runner_->end();      // every activation sent has arrived
   units_->end_pass();  // every reduce-scatter has landed in the gradient shards
   const auto attn = take_attention_stats();
@@ -610,7 +600,7 @@ template <typename C> void Trainer<C>::log_step(int64_t s, const StepOutcome& o)
       dims_rec[name + "_collectives"] = static_cast<double>(c[d].calls) / n;
     }
     // The pipeline's bubble per stage, measured beside its two predictions (collective; nothing with one stage).
-    dims_line += runner_->bubble_report(*schedule_, &dims_rec);
+    dims_line += runner_->bubble_report(*run_.plan.schedule, &dims_rec);
     // The document mask: the fraction of attention tile pairs skipped as fully masked (rank 0's).
     const int64_t pairs = interval_.attn_pairs, skipped = interval_.attn_skipped;
     const double skip_frac = pairs > 0 ? static_cast<double>(skipped) / static_cast<double>(pairs) : 0.0;
@@ -675,7 +665,7 @@ template <typename C> void Trainer<C>::log_step(int64_t s, const StepOutcome& o)
 
 // Collective: the validation loss after `step` steps, logged and recorded.
 template <typename C> void Trainer<C>::evaluate_at(int64_t step) {
-  const double vl = evaluate(mesh_, *runner_, *units_, pipeline_, tc_, tc_.eval_batches);
+  const double vl = evaluate(mesh_, *runner_, *units_, *run_.plan.eval_schedule, tc_, tc_.eval_batches);
   (void)take_attention_stats();  // not the training steps' tile pairs
   res_.evals.push_back({step, vl});
   log_info(comm_, "eval step " + std::to_string(step) + " | val_loss " + fmt("%.4f", vl));
@@ -814,7 +804,7 @@ template <typename C> void Trainer<C>::report_memory() {
   comm_.all_gather(&mine, hwm.data(), 1);
   std::string per;
   for (int r = 0; r < W_; ++r) per += (r ? ", " : "") + fmt("%.0f", static_cast<double>(hwm[r]) / (1 << 20));
-  if (pipeline_.ranks == 1) {
+  if (run_.plan.pipeline.ranks == 1) {
     const int64_t mx = *std::max_element(hwm.begin(), hwm.end());
     const double plan = static_cast<double>(plan_total_);
     log_info(comm_, "memory: peak resident (VmHWM) per rank " + per + " MiB; plan " + fmt("%.0f", plan / (1 << 20)) +
@@ -826,7 +816,7 @@ template <typename C> void Trainer<C>::report_memory() {
   std::vector<int64_t> plans(static_cast<size_t>(W_));
   comm_.all_gather(&plan_total_, plans.data(), 1);
   std::string stages;
-  for (int s = 0; s < pipeline_.ranks; ++s) {
+  for (int s = 0; s < run_.plan.pipeline.ranks; ++s) {
     int64_t mx = 0, plan = 0;
     for (int r = 0; r < W_; ++r)
       if (mesh_.layout().coord(r).pp == s) {

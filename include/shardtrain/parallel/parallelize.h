@@ -14,8 +14,11 @@
 //   cp: FSDP shards over dp_shard x cp; the model's ContextParallelOps is a CpAttention on the
 //        mesh's CP communicator (--cp-comm ring | allgather); every rank of a CP group reads the
 //        same batch rows and gives the model its head-tail rows of each sequence (SequenceSplit,
-//        below); the memory plan (cp_memory) and checkpoints know it. pp: not implemented yet; its
-//        room is here (docs/architecture.md, "Where the next features go").
+//        below); the memory plan (cp_memory) and checkpoints know it;
+//   pp:  resolve_parallel resolves the stages and the schedules with the batch geometry (one
+//        ParallelPlan); every rank holds its stage's units (pipeline_rank_units), a StageLink
+//        moves activations between the stages, StageRunner runs the schedule's actions
+//        (pipeline.h, stage_runner.h).
 //
 // Layer: between io and train. It uses runtime, backend, shard, model and io; train uses it;
 // runtime, backend, shard, model, data and io never include it.
@@ -24,9 +27,11 @@
 #include <array>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "shardtrain/parallel/pipeline.h"
+#include "shardtrain/parallel/schedule.h"
 #include "shardtrain/io/checkpoint.h"
 #include "shardtrain/model/config.h"
 #include "shardtrain/parallel/context_parallel.h"
@@ -86,7 +91,7 @@ struct DimComm {
 // Every dimension's communication in one structure: what the step log, the metrics and TensorBoard
 // read. FSDP's comes from the unit pipeline's queues (CommTimes), TP's from its group (TpCommStats),
 // CP's from its attention (CpCommStats: ring shifts or collectives, their bytes, time in flight and
-// the part the compute thread waited); PP stays zero until it exists.
+// the part the compute thread waited); PP's from its StageLink (pipeline.h), zero with one stage.
 struct CommStats {
   static constexpr int kDims = 4;
   std::array<DimComm, kDims> dim;
@@ -98,13 +103,37 @@ struct CommStats {
   CommStats operator-(const CommStats& b) const;
 };
 
+// A training run's plan, resolved once before anything is allocated (resolve_parallel): the batch
+// geometry, the pipeline's stages and the schedules that StageRunner (stage_runner.h) runs. With one
+// stage the pipeline is one chunk [0, L) and the schedules are gradient accumulation: the trainer
+// never asks which. Copyable (the schedules are immutable and shared); parallelize() keeps it in
+// ParallelRun::plan, the run's only copy.
+struct ParallelPlan {
+  BatchGeometry geometry;   // resolve_geometry's: identical on every rank
+  PipelineLayout pipeline;  // the stages (resolve_pipeline); empty bounds: one stage, set by parallelize
+  // An optimizer step's actions over geometry.accum micro-batches (PipelineLayout::schedule), and an
+  // evaluation batch's (the same micro-batches' forwards). nullptr where the plan was not resolved
+  // (tests that lay a run out without training it).
+  std::shared_ptr<const Schedule> schedule, eval_schedule;
+};
+
+// Collective over mesh.world(). The plan of a training run on `mesh` with these options, checked in
+// this order, each refusal thrown as CollectiveError (origin 0, the same message on every rank):
+// training_refusal (what the mesh cannot train with this attention), resolve_geometry's refusal,
+// resolve_pipeline's (pp = mesh.dims().pp, over geometry.accum micro-batches), then
+// check_pipeline_transfers (pipeline.h: grouped transfers on a stream-ordered Comm). The lines the
+// run logs about it (check_pipeline_transfers' "pipeline: transfers grouped ...") are appended to
+// *notes.
+ParallelPlan resolve_parallel(const Mesh& mesh, const ModelConfig& mc, const BatchOptions& batch,
+                              const PipelineOptions& pp, AttentionKind attention, std::vector<std::string>* notes);
+
 struct ParallelOptions {
   OverlapConfig overlap;     // --overlap, --prefetch, --comm-progress (shard.h)
   bool reduce_bf16 = false;  // --reduce-dtype bf16 (mixed precision only)
   bool checkpoints = false;  // the run saves, resumes or initializes from a checkpoint
   CpComm cp_comm = CpComm::Ring;  // --cp-comm: how a CP group (cp > 1) moves K/V
-  PipelineLayout pipeline{};      // the stages (resolve_pipeline); default: one stage (bounds set by parallelize)
-  // --pp-reshard (TrainConfig::pp.reshard): the unit pipeline's Reshard when pipeline.ranks > 1;
+  ParallelPlan plan{};            // resolve_parallel's; default: one stage (bounds set by parallelize), no schedules
+  // --pp-reshard (TrainConfig::pp.reshard): the unit pipeline's Reshard when plan.pipeline.ranks > 1;
   // one stage is always Reshard::PerUse (gradient accumulation as before pipelines).
   Reshard pp_reshard = Reshard::PerUse;
 };
@@ -116,7 +145,7 @@ template <typename C> struct ParallelRun {
   std::unique_ptr<ShardedState<float>> state;  // fp32 master shards and gradient shards
   std::unique_ptr<TpGroup<C>> tp;              // tp > 1: the TP group's collectives; else nullptr
   std::unique_ptr<CpAttention<C>> cp;          // cp > 1: the CP group's attention; else nullptr
-  PipelineLayout pipeline;                     // the stages; one stage: one chunk [0, L)
+  ParallelPlan plan;  // options.plan: the geometry, the stages (one stage: one chunk [0, L)), the schedules
   RankUnits stage;                             // this rank's chunks and their units (pipeline_rank_units)
   std::unique_ptr<StageLink<C>> pp;            // pp > 1: activations between the stages; else nullptr
   std::unique_ptr<UnitPipeline<C>> units;      // the model's UnitSource over `state`

@@ -266,10 +266,10 @@ MicroBatchReader batch_reader(const TrainConfig& tc, const TokenDataset& data);
 // (stage_runner.h, reading through batch_reader) over `batches` global batches of the validation
 // split; this rank reads the rows of its data-parallel index (Mesh::dp_index), global_batch / dp_size
 // sequences of each batch, in micro-batches of tc.micro_batch (0: all at once), through the
-// forwards of pl's schedule (pl.schedule(m, false)): with a pipeline the last stage computes the
-// loss.
+// forwards of `schedule` (ParallelPlan::eval_schedule, parallelize.h): with a pipeline the last
+// stage computes the loss.
 template <typename T>
-double evaluate(const Mesh& mesh, StageRunner<T>& runner, UnitSource<T>& f, const PipelineLayout& pl,
+double evaluate(const Mesh& mesh, StageRunner<T>& runner, UnitSource<T>& f, const Schedule& schedule,
                 const TrainConfig& tc, int batches);
 
 }  // namespace shardtrain
