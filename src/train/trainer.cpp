@@ -217,7 +217,8 @@ template <typename C> ParallelPlan Trainer<C>::resolve_plan() {
   return plan;
 }
 
-// The memory plan, before anything is allocated (the process's own memory so far measured).
+// The memory plan, before anything is allocated (the process's own memory so far measured): every
+// pipeline stage's (one without a pipeline), logged by rank 0; each rank keeps its own's total.
 template <typename C> void Trainer<C>::log_memory_plan(const ParallelPlan& plan) {
   MemoryPlanInput mi{mc_, tc_, W_, tc_.precision, tc_.reduce_bf16, !eng_.be.host_kernels(),
                      0, 4, 0};  // token data: memory-mapped (page cache), not held by the rank
@@ -227,24 +228,14 @@ template <typename C> void Trainer<C>::log_memory_plan(const ParallelPlan& plan)
   mi.stream_lane = eng_.mesh.shard_data().stream_ordered();
   mi.runtime_bytes = mi.cuda ? kGpuRuntimeEstimate : current_rss_bytes();
   comm_.all_reduce(&mi.runtime_bytes, 1, ReduceOp::Max);
-  // With a pipeline each rank plans its own stage (its units, its contexts in flight); rank 0 logs
-  // every stage's plan (pure arithmetic: the same on every rank).
   mi.pipeline = plan.pipeline;
   mi.pp_rank = mesh_.coord().pp;
   mi.microbatches = plan.geometry.accum;
-  const MemoryPlan mp = plan_memory(mi);
-  plan_total_ = mp.total();
+  plan_total_ = plan_memory(mi).total();
   const std::string mem = std::string(mi.cuda ? "device" : "host") + " memory; --mode plan prints it without a launch";
-  if (plan.pipeline.ranks == 1) {
-    log_info(comm_, mp.format("memory plan per rank (" + mem + "):"));
-    return;
-  }
-  for (int s = 0; s < plan.pipeline.ranks; ++s) {
-    MemoryPlanInput ms = mi;
-    ms.pp_rank = s;
-    log_info(comm_, plan_memory(ms).format("memory plan per rank of pipeline stage " + std::to_string(s) + " of " +
-                                           std::to_string(plan.pipeline.ranks) + " (" + mem + "):"));
-  }
+  log_info(comm_, format_plans(plan_stages(mi), [&](const MemoryPlan& p) {
+             return "memory plan per rank" + p.stage_of + " (" + mem + "):";
+           }));
 }
 
 // Allocation depends on local success: agree on it, and say what did not fit.
@@ -799,37 +790,11 @@ template <typename C> void Trainer<C>::rethrow_save_failure(const std::exception
 // CPU runs: the memory plan against what each rank's kernel counted (VmHWM). Collective.
 template <typename C> void Trainer<C>::report_memory() {
   if (!eng_.be.host_kernels()) return;  // the same on every rank: a run is all-CPU or all-GPU
-  std::vector<int64_t> hwm(static_cast<size_t>(W_));
-  int64_t mine = peak_rss_bytes();
-  comm_.all_gather(&mine, hwm.data(), 1);
-  std::string per;
-  for (int r = 0; r < W_; ++r) per += (r ? ", " : "") + fmt("%.0f", static_cast<double>(hwm[r]) / (1 << 20));
-  if (run_.plan.pipeline.ranks == 1) {
-    const int64_t mx = *std::max_element(hwm.begin(), hwm.end());
-    const double plan = static_cast<double>(plan_total_);
-    log_info(comm_, "memory: peak resident (VmHWM) per rank " + per + " MiB; plan " + fmt("%.0f", plan / (1 << 20)) +
-                        " MiB (largest rank " + fmt("%+.1f", 100.0 * (static_cast<double>(mx) / plan - 1.0)) + "%)");
-    return;
-  }
-  // A pipeline: each rank against its own stage's plan (every rank's plan total gathered), per stage
-  // the largest of its ranks.
-  std::vector<int64_t> plans(static_cast<size_t>(W_));
-  comm_.all_gather(&plan_total_, plans.data(), 1);
-  std::string stages;
-  for (int s = 0; s < run_.plan.pipeline.ranks; ++s) {
-    int64_t mx = 0, plan = 0;
-    for (int r = 0; r < W_; ++r)
-      if (mesh_.layout().coord(r).pp == s) {
-        mx = std::max(mx, hwm[static_cast<size_t>(r)]);
-        plan = plans[static_cast<size_t>(r)];
-      }
-    stages += (s ? "; " : "") + std::string("stage ") + std::to_string(s) + " peak " +
-              fmt("%.0f", static_cast<double>(mx) / (1 << 20)) + " MiB, plan " +
-              fmt("%.0f", static_cast<double>(plan) / (1 << 20)) + " MiB (" +
-              fmt("%+.1f", 100.0 * (static_cast<double>(mx) / static_cast<double>(plan) - 1.0)) + "%)";
-  }
-  log_info(comm_, "memory: peak resident (VmHWM) per rank " + per + " MiB; per pipeline stage (largest rank vs its "
-                  "stage's plan): " + stages);
+  // Every rank's peak, its plan's total (its stage's) and its pipeline stage (memory_plan.h).
+  const int64_t mine[3] = {peak_rss_bytes(), plan_total_, mesh_.coord().pp};
+  std::vector<int64_t> ranks(3 * static_cast<size_t>(W_));
+  comm_.all_gather(mine, ranks.data(), 3);
+  log_info(comm_, peak_memory_report(ranks));
 }
 
 // The loop: step, log, evaluate (every --eval-every steps and at the end), save (every
