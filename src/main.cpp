@@ -316,6 +316,73 @@ void run_train(Comm& comm, const Topology& topo, const Options& o) {
   train(eng, mc, o.train, *data);
 }
 
+// --mode plan with a pipeline (pp > 1 stages, m micro-batches per step): the total per rank of
+// every stage for each schedule that can run these micro-batches (interleaved with --pp-virtual's
+// V, 2 when not given), as lines that follow the stages' plans.
+std::string schedule_totals(const MemoryPlanInput& in, int pp, int m) {
+  std::ostringstream os;
+  char b[64];
+  os << "\ntotal per rank by pipeline stage and schedule (GiB; " << m << (m == 1 ? " micro-batch" : " micro-batches")
+     << " per step):";
+  for (PipelineKind k : {PipelineKind::GPipe, PipelineKind::OneFOneB, PipelineKind::Interleaved,
+                         PipelineKind::ZeroBubble}) {
+    PipelineOptions po = in.train.pp;
+    po.kind = k;
+    po.chunks_per_rank = k == PipelineKind::Interleaved ? std::max(2, in.train.pp.chunks_per_rank) : 1;
+    // --pp-layers applies to the schedules with its number of chunks; the others split evenly.
+    const bool even = !po.layers.empty() && po.layers.size() != static_cast<size_t>(pp * po.chunks_per_rank);
+    if (even) po.layers.clear();
+    std::string why;
+    MemoryPlanInput ki = in;
+    ki.pipeline = resolve_pipeline(in.model, pp, po, m, &why);
+    os << "\n  " << pipeline_kind_name(k)
+       << (k == PipelineKind::Interleaved ? " v " + std::to_string(po.chunks_per_rank) : std::string())
+       << (even ? " (even split)" : "") << ":";
+    if (!why.empty()) {
+      os << " not planned: " << why;
+      continue;
+    }
+    int64_t most = 0;
+    const std::vector<MemoryPlan> plans = plan_stages(ki);
+    for (size_t s = 0; s < plans.size(); ++s) {
+      const int64_t tot = plans[s].total();
+      most = std::max(most, tot);
+      std::snprintf(b, sizeof b, " %.2f", static_cast<double>(tot) / (1 << 30));
+      os << (s ? "," : "") << b;
+    }
+    std::snprintf(b, sizeof b, "%.2f", static_cast<double>(most) / (1 << 30));
+    os << " (largest " << b << ")";
+  }
+  return os.str();
+}
+
+// --mode plan --device-memory SIZE: the largest micro-batch that fits in SIZE per rank for each
+// recompute mode, as lines that follow the plan (the plan of in.pp_rank's stage).
+std::string device_memory_fits(const MemoryPlanInput& in, const std::string& size) {
+  uint64_t dev = 0;
+  try {
+    dev = parse_size(size);
+  } catch (const std::invalid_argument&) {
+    throw CollectiveError(0, "option '--device-memory' must be a size like 80GB or 141GiB, got '" + size + "'");
+  }
+  std::ostringstream os;
+  os << "\nfits in " << size << " per rank at seq-len " << in.train.seq_len << ":";
+  for (Recompute r : {Recompute::None, Recompute::Selective, Recompute::Full}) {
+    MemoryPlanInput m = in;
+    m.train.recompute = r;
+    m.train.micro_batch = 1;
+    const int mb = largest_fitting_micro_batch(m, static_cast<int64_t>(dev));
+    char b[64];
+    const double need = static_cast<double>(plan_memory(m).total());
+    if (need >= (1 << 30)) std::snprintf(b, sizeof b, "%.1f GiB", need / (1 << 30));
+    else std::snprintf(b, sizeof b, "%.1f MiB", need / (1 << 20));
+    os << "\n  --activation-checkpointing " << recompute_name(r) << ": "
+       << (mb > 0 ? "micro-batch up to " + std::to_string(mb) + (mb == 1024 ? " (or more)" : "")
+                  : std::string("does not fit (micro-batch 1 needs ") + b + ")");
+  }
+  return os.str();
+}
+
 // --mode plan: the memory plan of a training run with these options, for --world-size ranks, without
 // launching them; with --device-memory, the largest micro-batch that fits for each recompute mode.
 void run_plan(Comm& comm, const Topology& topo, const Options& o) {
@@ -380,77 +447,11 @@ void run_plan(Comm& comm, const Topology& topo, const Options& o) {
                                precision_name(o.train.precision) + ", micro-batch " +
                                std::to_string(t.micro_batch) + " x " + std::to_string(t.seq_len) + " tokens, " +
                                (cuda ? "GPU device memory" : "CPU memory");
-  if (dims.pp == 1) {
-    os << plan_memory(in).format(head);
-  } else {
-    // Every stage's plan with the schedule asked for; then the total per stage for each schedule
-    // that can run these micro-batches (interleaved with --pp-virtual's V, 2 when not given).
-    const int m = geo.geometry.accum;
-    for (int s = 0; s < dims.pp; ++s) {
-      in.pp_rank = s;
-      os << (s ? "\n" : "")
-         << plan_memory(in).format(head + ", pipeline stage " + std::to_string(s) + " of " + std::to_string(dims.pp) +
-                                   " (" + pipeline_kind_name(in.pipeline.kind) +
-                                   (in.pipeline.chunks_per_rank > 1 ? " v " + std::to_string(in.pipeline.chunks_per_rank)
-                                                                    : std::string()) +
-                                   ", " + std::to_string(m) + (m == 1 ? " micro-batch" : " micro-batches") + " per step)");
-    }
-    char b[64];
-    os << "\ntotal per rank by pipeline stage and schedule (GiB; " << m << (m == 1 ? " micro-batch" : " micro-batches")
-       << " per step):";
-    for (PipelineKind k : {PipelineKind::GPipe, PipelineKind::OneFOneB, PipelineKind::Interleaved,
-                           PipelineKind::ZeroBubble}) {
-      PipelineOptions po = t.pp;
-      po.kind = k;
-      po.chunks_per_rank = k == PipelineKind::Interleaved ? std::max(2, t.pp.chunks_per_rank) : 1;
-      // --pp-layers applies to the schedules with its number of chunks; the others split evenly.
-      const bool even = !po.layers.empty() && po.layers.size() != static_cast<size_t>(dims.pp * po.chunks_per_rank);
-      if (even) po.layers.clear();
-      std::string why;
-      MemoryPlanInput ki = in;
-      ki.pipeline = resolve_pipeline(mc, dims.pp, po, m, &why);
-      os << "\n  " << pipeline_kind_name(k)
-         << (k == PipelineKind::Interleaved ? " v " + std::to_string(po.chunks_per_rank) : std::string())
-         << (even ? " (even split)" : "") << ":";
-      if (!why.empty()) {
-        os << " not planned: " << why;
-        continue;
-      }
-      int64_t most = 0;
-      for (int s = 0; s < dims.pp; ++s) {
-        ki.pp_rank = s;
-        const int64_t tot = plan_memory(ki).total();
-        most = std::max(most, tot);
-        std::snprintf(b, sizeof b, " %.2f", static_cast<double>(tot) / (1 << 30));
-        os << (s ? "," : "") << b;
-      }
-      std::snprintf(b, sizeof b, "%.2f", static_cast<double>(most) / (1 << 30));
-      os << " (largest " << b << ")";
-    }
-    in.pp_rank = 0;
-  }
-  if (!o.device_memory.empty()) {
-    uint64_t dev = 0;
-    try {
-      dev = parse_size(o.device_memory);
-    } catch (const std::invalid_argument&) {
-      throw CollectiveError(0, "option '--device-memory' must be a size like 80GB or 141GiB, got '" + o.device_memory + "'");
-    }
-    os << "\nfits in " << o.device_memory << " per rank at seq-len " << t.seq_len << ":";
-    for (Recompute r : {Recompute::None, Recompute::Selective, Recompute::Full}) {
-      MemoryPlanInput m = in;
-      m.train.recompute = r;
-      m.train.micro_batch = 1;
-      const int mb = largest_fitting_micro_batch(m, static_cast<int64_t>(dev));
-      char b[64];
-      const double need = static_cast<double>(plan_memory(m).total());
-      if (need >= (1 << 30)) std::snprintf(b, sizeof b, "%.1f GiB", need / (1 << 30));
-      else std::snprintf(b, sizeof b, "%.1f MiB", need / (1 << 20));
-      os << "\n  --activation-checkpointing " << recompute_name(r) << ": "
-         << (mb > 0 ? "micro-batch up to " + std::to_string(mb) + (mb == 1024 ? " (or more)" : "")
-                    : std::string("does not fit (micro-batch 1 needs ") + b + ")");
-    }
-  }
+  // Every stage's plan with the schedule asked for (one plan without a pipeline); with a pipeline
+  // then the total per stage for each schedule.
+  os << format_plans(plan_stages(in), [&](const MemoryPlan& p) { return head + p.stage_schedule; });
+  if (dims.pp > 1) os << schedule_totals(in, dims.pp, geo.geometry.accum);
+  if (!o.device_memory.empty()) os << device_memory_fits(in, o.device_memory);
   log_info(comm, os.str());
   // --out FILE: the resolved model as a Hugging Face config.json (what a peer program, e.g.
   // tests/gpu/peer.py, builds the same model from). Rank 0 writes; all ranks agree on the outcome.

@@ -283,6 +283,25 @@ CpMemory cp_memory(const ModelConfig& mc, const MeshDims& d, CpComm method, int 
   return m;
 }
 
+ParallelPlan resolve_parallel(const Mesh& mesh, const ModelConfig& mc, const BatchOptions& batch,
+                              const PipelineOptions& pp, AttentionKind attention, std::vector<std::string>* notes) {
+  if (const std::string why = training_refusal(mesh.dims(), attention); !why.empty()) throw CollectiveError(0, why);
+  const GeometryResult g = resolve_geometry(batch, mesh.dims(), mc);
+  if (!g.ok()) throw CollectiveError(0, g.refusal);
+  ParallelPlan p;
+  p.geometry = g.geometry;
+  std::string why;
+  p.pipeline = resolve_pipeline(mc, mesh.dims().pp, pp, p.geometry.accum, &why);
+  if (!why.empty()) throw CollectiveError(0, why);
+  p.schedule = p.pipeline.schedule(p.geometry.accum);
+  p.eval_schedule = p.pipeline.schedule(p.geometry.accum, false);
+  // NCCL: the order of the stages' grouped transfers (pipeline.h), checked on every rank alike.
+  if (const std::string line = check_pipeline_transfers(mesh.world(), *mesh.pp_data(), p.pipeline, p.geometry.accum);
+      !line.empty())
+    notes->push_back(line);
+  return p;
+}
+
 template <typename C> void ParallelRun<C>::finish_grads() {
   if (tp) state->sum_replicated_grads([&](float* g, size_t n) { tp->all_reduce_sum_acc(g, n); });
   if (pp && stage.tied) {
@@ -300,17 +319,18 @@ ParallelRun<C> parallelize(const Mesh& mesh, const ModelConfig& mc, Backend<floa
   // Each rank holds its TP slices (llama_units), sharded over its shard group (dp_shard x cp ranks
   // of equal TP rank).
   // With a pipeline, only this rank's chunks (pipeline_rank_units), sharded over its stage's group.
-  r.pipeline = o.pipeline;
-  if (r.pipeline.bounds.empty()) r.pipeline.bounds = {0, mc.num_hidden_layers};
-  r.stage = pipeline_rank_units(mc, r.pipeline, mesh.coord().pp, d.tp, mesh.coord().tp);
+  r.plan = o.plan;
+  PipelineLayout& pl = r.plan.pipeline;
+  if (pl.bounds.empty()) pl.bounds = {0, mc.num_hidden_layers};
+  r.stage = pipeline_rank_units(mc, pl, mesh.coord().pp, d.tp, mesh.coord().tp);
   r.state = std::make_unique<ShardedState<float>>(be, mesh, ShardPlan::build(r.stage.units, d.fsdp()));
   if (d.pp > 1) {
     // The compute backend: its memory holds the activations, its kernels advance the transfers.
-    if constexpr (std::is_same_v<C, bf16>) r.pp = std::make_unique<StageLink<C>>(*mesh.pp_data(), r.pipeline, *be16);
-    else r.pp = std::make_unique<StageLink<C>>(*mesh.pp_data(), r.pipeline, be);
+    if constexpr (std::is_same_v<C, bf16>) r.pp = std::make_unique<StageLink<C>>(*mesh.pp_data(), pl, *be16);
+    else r.pp = std::make_unique<StageLink<C>>(*mesh.pp_data(), pl, be);
   }
   if (d.tp > 1) r.tp = std::make_unique<TpGroup<C>>(*mesh.tp_data());
-  const Reshard reshard = r.pipeline.ranks > 1 ? o.pp_reshard : Reshard::PerUse;
+  const Reshard reshard = pl.ranks > 1 ? o.pp_reshard : Reshard::PerUse;
   if constexpr (std::is_same_v<C, bf16>) {
     if (!be16) throw std::invalid_argument("parallelize: mixed precision needs the bf16 backend");
     if (d.cp > 1) r.cp = std::make_unique<CpAttention<bf16>>(*mesh.cp_data(), *be16, o.cp_comm);
@@ -322,8 +342,8 @@ ParallelRun<C> parallelize(const Mesh& mesh, const ModelConfig& mc, Backend<floa
                                                      reshard);
   }
   if (o.checkpoints) {
-    if (d.tp > 1) r.checkpoint = std::make_unique<TpCanonicalLayout>(mesh, mc, r.pipeline, r.stage);
-    else r.checkpoint = std::make_unique<ShardRowsLayout>(mesh, stage_units(r.pipeline, r.stage, llama_units(mc), r.state->plan()));
+    if (d.tp > 1) r.checkpoint = std::make_unique<TpCanonicalLayout>(mesh, mc, pl, r.stage);
+    else r.checkpoint = std::make_unique<ShardRowsLayout>(mesh, stage_units(pl, r.stage, llama_units(mc), r.state->plan()));
   }
   return r;
 }

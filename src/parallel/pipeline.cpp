@@ -41,6 +41,33 @@ std::unique_ptr<Schedule> PipelineLayout::schedule(int microbatches, bool backwa
   return std::make_unique<PipelineSchedule>(kind, ranks, chunks_per_rank, microbatches, bounds, backward);
 }
 
+std::vector<int> pipeline_contexts(const PipelineLayout& pl, int pp_rank, int microbatches, int* peak) {
+  if (pl.ranks <= 1) {
+    if (peak) *peak = 1;
+    return {1};
+  }
+  const std::unique_ptr<Schedule> s = pl.schedule(microbatches);
+  const std::vector<int> chunks = pl.rank_chunks(pp_rank);
+  std::vector<int> now(chunks.size(), 0), most(chunks.size(), 0);
+  bool split = false;
+  const std::vector<Action> all = s->actions();
+  for (const Action& a : all) split = split || (a.stage == pp_rank && a.kind == ActionKind::BackwardWeight);
+  for (const Action& a : all) {
+    if (a.stage != pp_rank) continue;
+    const size_t j = static_cast<size_t>(a.chunk / pl.ranks);
+    if (a.kind == ActionKind::Forward) most[j] = std::max(most[j], ++now[j]);
+    if (a.kind == ActionKind::BackwardWeight || (a.kind == ActionKind::Backward && !split) ||
+        (a.kind == ActionKind::BackwardInput && !split))
+      --now[j];
+  }
+  if (peak) {
+    const PipelineTimeline t = simulate(*s, {ActionTimes{}});
+    if (!t.error.empty()) throw std::logic_error("pipeline_contexts: " + t.error);
+    *peak = t.peak_in_flight[static_cast<size_t>(pp_rank)];
+  }
+  return most;
+}
+
 PipelineLayout resolve_pipeline(const ModelConfig& mc, int pp, const PipelineOptions& o, int microbatches,
                                 std::string* why) {
   why->clear();

@@ -1,7 +1,6 @@
 // AdamW on shards, the LR schedule, evaluation, and the checkpoint's record of the settings. The
 // training loop is in trainer.cpp; what a resume checks is in resume.cpp.
 #include "shardtrain/train/train.h"
-#include "shardtrain/train/stage_runner.h"
 
 #include "shardtrain/io/checkpoint.h"
 #include "shardtrain/runtime/files.h"
@@ -15,6 +14,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <iomanip>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -97,19 +97,24 @@ TokenLayout batch_layout(const TrainConfig& tc, const TokenDataset& data, const 
   return {pos.data(), doc.data()};
 }
 
+MicroBatchReader batch_reader(const TrainConfig& tc, const TokenDataset& data) {
+  auto pos = std::make_shared<std::vector<int32_t>>(), doc = std::make_shared<std::vector<int32_t>>();
+  return [tc, &data, pos, doc](Split split, int64_t index, int first, int count, int32_t* tokens, int32_t* targets) {
+    fill_batch(data, split, tc.seed, index, first, count, tc.seq_len, tokens, targets);
+    return batch_layout(tc, data, tokens, count, tc.seq_len, *pos, *doc);
+  };
+}
+
 template <typename T>
-double evaluate(const Mesh& mesh, StageRunner<T>& runner, UnitSource<T>& f, const PipelineLayout& pl,
+double evaluate(const Mesh& mesh, StageRunner<T>& runner, UnitSource<T>& f, const Schedule& schedule,
                 const TrainConfig& tc, int batches) {
-  const int per_rank = tc.global_batch / mesh.dp_size();
-  const int mb = tc.micro_batch > 0 ? tc.micro_batch : per_rank;
   double sum = 0;
   f.begin_pass("eval");  // the sharding layer prefetches along the order the last evaluation gathered in
-  const std::unique_ptr<Schedule> schedule = pl.schedule(per_rank / mb, false);  // forwards only
   for (int e = 0; e < batches; ++e) {
     runner.begin(Split::Val, e);
     // The last chunk's forwards with their loss. A TP group's ranks computed the same loss: counted
     // once; a CP group's hold different tokens: each counts (Mesh::counts_loss, last stage only).
-    const double l = runner.run(*schedule, 0.0f);
+    const double l = runner.run(schedule, 0.0f);
     if (mesh.counts_loss()) sum += l;
     runner.end();
   }
@@ -180,9 +185,9 @@ ShardedTensors checkpoint_tensors(ShardedState<float>& f, AdamW<float>* opt) {
 
 template class AdamW<float>;
 template class AdamW<double>;
-template double evaluate<float>(const Mesh&, StageRunner<float>&, UnitSource<float>&, const PipelineLayout&,
+template double evaluate<float>(const Mesh&, StageRunner<float>&, UnitSource<float>&, const Schedule&,
                                 const TrainConfig&, int);
-template double evaluate<bf16>(const Mesh&, StageRunner<bf16>&, UnitSource<bf16>&, const PipelineLayout&,
+template double evaluate<bf16>(const Mesh&, StageRunner<bf16>&, UnitSource<bf16>&, const Schedule&,
                                const TrainConfig&, int);
 
 }  // namespace shardtrain

@@ -44,7 +44,7 @@ struct Rank {
       po.chunks_per_rank = virt;
     }
     std::string why;
-    o.pipeline = st::resolve_pipeline(cfg, d.pp, po, 0, &why);
+    o.plan.pipeline = st::resolve_pipeline(cfg, d.pp, po, 0, &why);
     if (!why.empty()) throw std::invalid_argument(why);
     run = st::parallelize<float>(*mesh, cfg, be, nullptr, o);
     for (const st::UnitPlan& up : run.state->plan().units) {

@@ -25,7 +25,7 @@
 #include "shardtrain/model/model.h"
 #include "shardtrain/parallel/pipeline.h"
 #include "shardtrain/shard/shard.h"
-#include "shardtrain/train/stage_runner.h"
+#include "shardtrain/parallel/stage_runner.h"
 #include "shardtrain/train/train.h"
 #include "../test_env.h"
 #include "pipeline_test_model.h"
@@ -73,7 +73,8 @@ Step run_step(const st::ModelConfig& mc, int P, st::PipelineKind kind, int v, co
   if (link) link->keep_groups();
   st::LlamaModel<double> model(mc, *be);
   st::TokenDataset data(data_path);
-  st::StageRunner<double> runner(mesh, *be, model, units, ru, pl, link.get(), tc, data, per_rank, tc.micro_batch);
+  st::StageRunner<double> runner(mesh, *be, model, units, ru, pl, link.get(), st::batch_reader(tc, data), tc.seq_len,
+                                 per_rank, tc.micro_batch);
   Step s;
   const double scale = 1.0 / (per_rank * tc.seq_len);
   units.begin_pass("train");

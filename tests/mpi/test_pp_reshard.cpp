@@ -32,7 +32,7 @@
 #include "shardtrain/model/model.h"
 #include "shardtrain/parallel/pipeline.h"
 #include "shardtrain/shard/shard.h"
-#include "shardtrain/train/stage_runner.h"
+#include "shardtrain/parallel/stage_runner.h"
 #include "shardtrain/train/train.h"
 #include "../test_env.h"
 #include "pipeline_test_model.h"
@@ -110,8 +110,8 @@ template <typename C> struct Rig {
       else return be.get();
     }();
     if (k.P > 1) link = std::make_unique<st::StageLink<C>>(*mesh.pp_data(), pl, mbe);
-    runner = std::make_unique<st::StageRunner<C>>(mesh, mbe, *model, *units, ru, pl, link.get(), tc, *data, per_rank,
-                                                  tc.micro_batch);
+    runner = std::make_unique<st::StageRunner<C>>(mesh, mbe, *model, *units, ru, pl, link.get(),
+                                                  st::batch_reader(tc, *data), tc.seq_len, per_rank, tc.micro_batch);
   }
 
   Step step() {

@@ -14,8 +14,11 @@
 //   cp: FSDP shards over dp_shard x cp; the model's ContextParallelOps is a CpAttention on the
 //        mesh's CP communicator (--cp-comm ring | allgather); every rank of a CP group reads the
 //        same batch rows and gives the model its head-tail rows of each sequence (SequenceSplit,
-//        below); the memory plan (cp_memory) and checkpoints know it. pp: not implemented yet; its
-//        room is here (docs/architecture.md, "Where the next features go").
+//        below); the memory plan (cp_memory) and checkpoints know it;
+//   pp:  resolve_parallel resolves the stages and the schedules with the batch geometry (one
+//        ParallelPlan); every rank holds its stage's units (pipeline_rank_units), a StageLink
+//        moves activations between the stages, StageRunner runs the schedule's actions
+//        (pipeline.h, stage_runner.h), and the memory plan asks layout_memory (below).
 //
 // Layer: between io and train. It uses runtime, backend, shard, model and io; train uses it;
 // runtime, backend, shard, model, data and io never include it.
@@ -24,9 +27,11 @@
 #include <array>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "shardtrain/parallel/pipeline.h"
+#include "shardtrain/parallel/schedule.h"
 #include "shardtrain/io/checkpoint.h"
 #include "shardtrain/model/config.h"
 #include "shardtrain/parallel/context_parallel.h"
@@ -86,7 +91,7 @@ struct DimComm {
 // Every dimension's communication in one structure: what the step log, the metrics and TensorBoard
 // read. FSDP's comes from the unit pipeline's queues (CommTimes), TP's from its group (TpCommStats),
 // CP's from its attention (CpCommStats: ring shifts or collectives, their bytes, time in flight and
-// the part the compute thread waited); PP stays zero until it exists.
+// the part the compute thread waited); PP's from its StageLink (pipeline.h), zero with one stage.
 struct CommStats {
   static constexpr int kDims = 4;
   std::array<DimComm, kDims> dim;
@@ -98,13 +103,37 @@ struct CommStats {
   CommStats operator-(const CommStats& b) const;
 };
 
+// A training run's plan, resolved once before anything is allocated (resolve_parallel): the batch
+// geometry, the pipeline's stages and the schedules that StageRunner (stage_runner.h) runs. With one
+// stage the pipeline is one chunk [0, L) and the schedules are gradient accumulation: the trainer
+// never asks which. Copyable (the schedules are immutable and shared); parallelize() keeps it in
+// ParallelRun::plan, the run's only copy.
+struct ParallelPlan {
+  BatchGeometry geometry;   // resolve_geometry's: identical on every rank
+  PipelineLayout pipeline;  // the stages (resolve_pipeline); empty bounds: one stage, set by parallelize
+  // An optimizer step's actions over geometry.accum micro-batches (PipelineLayout::schedule), and an
+  // evaluation batch's (the same micro-batches' forwards). nullptr where the plan was not resolved
+  // (tests that lay a run out without training it).
+  std::shared_ptr<const Schedule> schedule, eval_schedule;
+};
+
+// Collective over mesh.world(). The plan of a training run on `mesh` with these options, checked in
+// this order, each refusal thrown as CollectiveError (origin 0, the same message on every rank):
+// training_refusal (what the mesh cannot train with this attention), resolve_geometry's refusal,
+// resolve_pipeline's (pp = mesh.dims().pp, over geometry.accum micro-batches), then
+// check_pipeline_transfers (pipeline.h: grouped transfers on a stream-ordered Comm). The lines the
+// run logs about it (check_pipeline_transfers' "pipeline: transfers grouped ...") are appended to
+// *notes.
+ParallelPlan resolve_parallel(const Mesh& mesh, const ModelConfig& mc, const BatchOptions& batch,
+                              const PipelineOptions& pp, AttentionKind attention, std::vector<std::string>* notes);
+
 struct ParallelOptions {
   OverlapConfig overlap;     // --overlap, --prefetch, --comm-progress (shard.h)
   bool reduce_bf16 = false;  // --reduce-dtype bf16 (mixed precision only)
   bool checkpoints = false;  // the run saves, resumes or initializes from a checkpoint
   CpComm cp_comm = CpComm::Ring;  // --cp-comm: how a CP group (cp > 1) moves K/V
-  PipelineLayout pipeline{};      // the stages (resolve_pipeline); default: one stage (bounds set by parallelize)
-  // --pp-reshard (TrainConfig::pp.reshard): the unit pipeline's Reshard when pipeline.ranks > 1;
+  ParallelPlan plan{};            // resolve_parallel's; default: one stage (bounds set by parallelize), no schedules
+  // --pp-reshard (TrainConfig::pp.reshard): the unit pipeline's Reshard when plan.pipeline.ranks > 1;
   // one stage is always Reshard::PerUse (gradient accumulation as before pipelines).
   Reshard pp_reshard = Reshard::PerUse;
 };
@@ -116,7 +145,7 @@ template <typename C> struct ParallelRun {
   std::unique_ptr<ShardedState<float>> state;  // fp32 master shards and gradient shards
   std::unique_ptr<TpGroup<C>> tp;              // tp > 1: the TP group's collectives; else nullptr
   std::unique_ptr<CpAttention<C>> cp;          // cp > 1: the CP group's attention; else nullptr
-  PipelineLayout pipeline;                     // the stages; one stage: one chunk [0, L)
+  ParallelPlan plan;  // options.plan: the geometry, the stages (one stage: one chunk [0, L)), the schedules
   RankUnits stage;                             // this rank's chunks and their units (pipeline_rank_units)
   std::unique_ptr<StageLink<C>> pp;            // pp > 1: activations between the stages; else nullptr
   std::unique_ptr<UnitPipeline<C>> units;      // the model's UnitSource over `state`
@@ -227,6 +256,68 @@ struct CpMemory {
   int64_t mpi_reduce_scatter_bytes = 0;
 };
 CpMemory cp_memory(const ModelConfig& mc, const MeshDims& d, CpComm method, int B, int T, size_t elem_bytes);
+
+// "1,234,567": the memory plan's counts.
+std::string with_commas(int64_t v);
+
+// One line of a rank's memory plan (memory_plan.h MemoryPlan).
+struct MemoryLine {
+  std::string name;    // e.g. "AdamW m and v shards"
+  int64_t bytes = 0;   // per rank
+  std::string detail;  // how it is computed, e.g. "2 x 4 B x 31,457,280 elements"
+  // Host memory in a GPU rank's (device) plan: listed, not counted in total() (the checkpoint
+  // snapshot's pinned host memory).
+  bool host = false;
+};
+
+// What the mesh's tp, cp and pp make of one rank's memory plan (memory_plan.h, which adds the
+// shards, the FSDP buffers, the checkpoint's rows and the process around it): the units the rank
+// holds, its activations and the buffers of the dimensions' communication. Every rank of a pipeline
+// stage has the same (shards differ by at most one element per unit).
+struct LayoutMemoryInput {
+  ModelConfig model;
+  ModelOptions options;   // recompute, attention, mask, loss chunk (train.h model_options)
+  MeshDims dims;          // the run's mesh
+  // The stages (ranks == dims.pp; one stage: the whole model), the pipeline rank planned and the
+  // micro-batches of an optimizer step (BatchGeometry::accum: the schedule's m).
+  PipelineLayout pipeline;
+  int pp_rank = 0;
+  int microbatches = 1;
+  Reshard pp_reshard = Reshard::PerPass;  // --pp-reshard (pipeline.ranks > 1 only)
+  CpComm cp_comm = CpComm::Ring;          // --cp-comm (cp > 1 only)
+  int micro_batch = 1, seq_len = 1;       // B sequences of T tokens per micro-batch
+  size_t elem_bytes = 4;                  // the compute type's: 2 (bf16) or 4
+  bool cuda = false;                      // a GPU rank's plan (the host Comm's MPI buffers are not in it)
+};
+// The plan's parts, in the order the plan lists them (each list may be empty):
+struct LayoutMemory {
+  ShardPlan plan;  // the units this rank shards: rank_unit_plan(model, dims, 0, &pipeline, pp_rank)
+  // The parameters they hold, whole, as the shard lines say it: "N" (the model's), or with a
+  // pipeline "N of stage s of P: blocks [b, e) + embedding ...;".
+  std::string params_words;
+  // The stage in a plan's title, "" with one stage: " of pipeline stage s of P" (training's start-up
+  // report), ", pipeline stage s of P (SCHEDULE[ v V], m micro-batches per step)" (--mode plan's).
+  std::string stage_of, stage_schedule;
+  // activation_bytes (model.h) for the rows this rank holds: B x T / cp (cp_memory's rows), 1 / tp
+  // of them under sequence parallelism; its `recompute` is the plan's recomputed-activations line.
+  ActivationBytes activations;
+  // After the FSDP buffers: with a pipeline under --pp-reshard per-step, the stage's units gathered
+  // and their gradient accumulators through the step.
+  std::vector<MemoryLine> held;
+  // After the FSDP collectives' MPI buffers: the TP collectives' (CPU, tp > 1).
+  std::vector<MemoryLine> comm;
+  // The activations kept for backward: the whole model's, or with a pipeline the contexts in flight
+  // (pipeline_contexts, each its chunk's context_bytes) and under zero-bubble their deferred
+  // weight-gradient inputs; then CP's K/V scratch and the CPU's MPI reduce-scatter buffers (cp_memory).
+  std::vector<MemoryLine> kept;
+  // After the recomputed activations: the block scratch and the head (one stage), or the model's
+  // shared scratch, StageLink's receive and send buffers and the tied embedding's gradient receive
+  // buffer (a pipeline).
+  std::vector<MemoryLine> scratch;
+};
+// std::invalid_argument when pipeline.ranks is not dims.pp or pp_rank is outside it; model.h's for a
+// bad recompute, attention or loss chunk.
+LayoutMemory layout_memory(const LayoutMemoryInput& in);
 
 // Builds the run's layout. Collective only through what it constructs (none of it communicates
 // at construction). Throws std::bad_alloc (allocation; the trainer agrees on it),

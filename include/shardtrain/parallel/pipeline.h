@@ -56,6 +56,16 @@ struct PipelineLayout {
 PipelineLayout resolve_pipeline(const ModelConfig& mc, int pp, const PipelineOptions& o, int microbatches,
                                 std::string* why);
 
+// The contexts a pipeline rank's StageRunner (stage_runner.h) holds, per chunk of the rank
+// (PipelineLayout::rank_chunks order), over one training step of `microbatches` micro-batches: for
+// each chunk the most of its micro-batches between their Forward and the end of their backward
+// (Backward, or BackwardWeight when the schedule splits it), walking the rank's actions in order.
+// The memory plan counts them (parallelize.h layout_memory). The runner pools contexts per
+// chunk and reuses a free one, so this is what it allocates. `peak` (optional): simulate()'s
+// PipelineTimeline::peak_in_flight of the rank, the most micro-batch chunks in flight at once (with
+// one chunk per rank the same number; interleaved: at most the sum). One stage: {1}.
+std::vector<int> pipeline_contexts(const PipelineLayout& pl, int pp_rank, int microbatches, int* peak = nullptr);
+
 // The units pipeline rank `r` holds, and, per chunk of it (rank_chunks order), the chunk's
 // BlockRange mapped into them: the chunks' llama_stage_units (TP rank tp_rank's slices of tp)
 // concatenated in model order. The tied embedding (unit 0) lives on both the first and the last

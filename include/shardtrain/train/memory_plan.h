@@ -30,7 +30,8 @@
 //                                              [R, C] receive buffers (input, output gradient); + on the
 //                                              first and last stage with tied embeddings the 4 B x
 //                                              shard receive buffer of the tied gradient's sum
-//                                              (sum_tied_grads). Contexts per chunk: pipeline_contexts.
+//                                              (sum_tied_grads). Contexts per chunk: pipeline_contexts
+//                                              (pipeline.h); the lines: layout_memory (parallelize.h).
 //   CP K/V buffers (cp > 1)                    the CP attention's scratch: ring about 12 x (B x T / cp)
 //                                              x NKV/tp x HD x elem bytes, allgather about 4 x T x
 //                                              NKV/tp x HD x elem bytes (one sequence at a time); the
@@ -41,6 +42,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -48,6 +50,7 @@
 #include "shardtrain/model/config.h"
 #include "shardtrain/runtime/mesh.h"
 #include "shardtrain/model/model.h"
+#include "shardtrain/parallel/parallelize.h"  // MemoryLine, layout_memory
 #include "shardtrain/parallel/pipeline.h"
 #include "shardtrain/runtime/process_stats.h"  // current_rss_bytes, peak_rss_bytes (the plan's callers use them)
 #include "shardtrain/train/train.h"
@@ -83,36 +86,37 @@ struct MemoryPlanInput {
   int microbatches = 1;
 };
 
-// The contexts a pipeline rank's StageRunner holds, per chunk of the rank (PipelineLayout::rank_chunks
-// order), over one training step of `microbatches` micro-batches: for each chunk the most of its
-// micro-batches between their Forward and the end of their backward (Backward, or BackwardWeight
-// when the schedule splits it), walking the rank's actions in order. The runner pools contexts per
-// chunk and reuses a free one, so this is what it allocates. `peak` (optional): simulate()'s
-// PipelineTimeline::peak_in_flight of the rank, the most micro-batch chunks in flight at once (with
-// one chunk per rank the same number; interleaved: at most the sum). One stage: {1}.
-std::vector<int> pipeline_contexts(const PipelineLayout& pl, int pp_rank, int microbatches, int* peak = nullptr);
-
-struct MemoryLine {
-  std::string name;    // e.g. "AdamW m and v shards"
-  int64_t bytes = 0;   // per rank
-  std::string detail;  // how it is computed, e.g. "2 x 4 B x 31,457,280 elements"
-  // Host memory in a GPU rank's (device) plan: listed, not counted in total() (the checkpoint
-  // snapshot's pinned host memory).
-  bool host = false;
-};
-
 struct MemoryPlan {
-  std::vector<MemoryLine> lines;
+  std::vector<MemoryLine> lines;  // MemoryLine: parallelize.h
+  // The stage planned, for the plan's title ("" with one stage; parallelize.h LayoutMemory):
+  // " of pipeline stage s of P" (training's start-up report), ", pipeline stage s of P (SCHEDULE,
+  // m micro-batches per step)" (--mode plan).
+  std::string stage_of, stage_schedule;
   int64_t total() const;  // the lines' bytes, host lines excepted
   // A table for the log: one line per item, MiB and detail, then the total.
   std::string format(const std::string& title) const;
 };
 
 // The plan for one rank; every rank's of a pipeline stage is the same (shards differ by at most one
-// element per unit; the largest is counted). std::invalid_argument when in.pipeline.ranks is not
-// the mesh's pp or pp_rank is outside it. Throws std::invalid_argument naming the option for a bad
+// element per unit; the largest is counted). The mesh's dimensions' part is the parallel layer's
+// (parallelize.h layout_memory). std::invalid_argument when in.pipeline.ranks is not the mesh's pp
+// or pp_rank is outside it. Throws std::invalid_argument naming the option for a bad
 // --activation-checkpointing / --attention / --loss-chunk.
 MemoryPlan plan_memory(const MemoryPlanInput& in);
+
+// Every pipeline stage's plan (in.pp_rank = 0 .. in.pipeline.ranks - 1): one plan without a pipeline.
+std::vector<MemoryPlan> plan_stages(MemoryPlanInput in);
+// The plans' tables (MemoryPlan::format), one after another, each under title(plan), joined by
+// newlines: what training logs at start-up and --mode plan prints.
+std::string format_plans(const std::vector<MemoryPlan>& plans,
+                         const std::function<std::string(const MemoryPlan&)>& title);
+
+// The line that ends a CPU run: every rank's peak resident memory (VmHWM) against the plan. `ranks`:
+// per world rank, three numbers: its peak (bytes), its plan's total (bytes; a pipeline rank's is its
+// stage's) and its pipeline stage. Without a pipeline (every rank at stage 0): each rank's peak in
+// MiB, the plan and the largest rank's difference from it; with one: besides each rank's peak, per
+// stage the largest of its ranks against its stage's plan.
+std::string peak_memory_report(const std::vector<int64_t>& ranks);
 
 // The runtime floor of a GPU rank when it cannot be measured (planning without a GPU): CUDA context,
 // cuBLAS workspace, NCCL buffers. 1 GiB, an estimate (CUDA 12 context ~500 MiB on H100-class

@@ -16,6 +16,7 @@
 #include "shardtrain/parallel/geometry.h"  // CpComm
 #include "shardtrain/model/model.h"
 #include "shardtrain/parallel/pipeline.h"
+#include "shardtrain/parallel/stage_runner.h"  // StageRunner, MicroBatchReader
 #include "shardtrain/shard/shard.h"
 #include "shardtrain/parallel/tensor_parallel.h"
 #include "shardtrain/io/train_state.h"
@@ -256,15 +257,19 @@ std::string check_attention_mask(const TrainConfig& tc, const TokenDataset& data
 TokenLayout batch_layout(const TrainConfig& tc, const TokenDataset& data, const int32_t* tokens, int B, int T,
                          std::vector<int32_t>& pos, std::vector<int32_t>& doc);
 
+// The micro-batches of `data` as a StageRunner reads them (stage_runner.h MicroBatchReader):
+// fill_batch (data.h) with tc.seed and tc.seq_len, then batch_layout under tc's mask (positions and
+// document ids kept by the reader until its next call). Borrows `data`; copies tc.
+MicroBatchReader batch_reader(const TrainConfig& tc, const TokenDataset& data);
+
 // Collective over mesh.world(). Mean validation loss (nats/token) of the model `runner` runs
-// (stage_runner.h) over `batches` global batches of the validation split; this rank reads the rows of
-// its data-parallel index (Mesh::dp_index), global_batch / dp_size sequences of each batch, in
-// micro-batches of tc.micro_batch (0: all at once), each with tc's attention mask (batch_layout),
-// through the forwards of pl's schedule (pl.schedule(m, false)): with a pipeline the last stage
-// computes the loss.
-template <typename T> class StageRunner;
+// (stage_runner.h, reading through batch_reader) over `batches` global batches of the validation
+// split; this rank reads the rows of its data-parallel index (Mesh::dp_index), global_batch / dp_size
+// sequences of each batch, in micro-batches of tc.micro_batch (0: all at once), through the
+// forwards of `schedule` (ParallelPlan::eval_schedule, parallelize.h): with a pipeline the last
+// stage computes the loss.
 template <typename T>
-double evaluate(const Mesh& mesh, StageRunner<T>& runner, UnitSource<T>& f, const PipelineLayout& pl,
+double evaluate(const Mesh& mesh, StageRunner<T>& runner, UnitSource<T>& f, const Schedule& schedule,
                 const TrainConfig& tc, int batches);
 
 }  // namespace shardtrain

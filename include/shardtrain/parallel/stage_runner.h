@@ -1,13 +1,16 @@
-// StageRunner (training layer): runs a schedule's actions (schedule.h, pipeline_schedule.h) on this
-// rank's model chunks: the micro-batches' data, one model Context per micro-batch and chunk in
-// flight, and the activations to and from the neighbouring stages (StageLink, pipeline.h). The
-// trainer's step and evaluate() hand it every action of this rank and never ask how many stages
-// there are: with one stage the schedule is gradient accumulation over one chunk [0, L), whose
-// calls are the model's whole-model ones on its own context (bitwise today's loop).
+// StageRunner (parallel layer, the room of the mesh's pp dimension with pipeline.h): runs a
+// schedule's actions (schedule.h, pipeline_schedule.h) on this rank's model chunks: the
+// micro-batches' rows (read through the caller's MicroBatchReader, split over CP), one model Context
+// per micro-batch and chunk in flight, and the activations to and from the neighbouring stages
+// (StageLink, pipeline.h). The trainer's step and evaluate() (train.h) hand it every action of this
+// rank and never ask how many stages there are: with one stage the schedule is gradient
+// accumulation over one chunk [0, L), whose calls are the model's whole-model ones on its own
+// context (bitwise the loop before pipelines).
 #pragma once
 
 #include <cstdint>
 #include <array>
+#include <functional>
 #include <map>
 #include <string>
 #include <memory>
@@ -20,19 +23,32 @@
 #include "shardtrain/parallel/parallelize.h"
 #include "shardtrain/parallel/pipeline.h"
 #include "shardtrain/parallel/schedule.h"
-#include "shardtrain/train/train.h"
 
 namespace shardtrain {
 
+// Where a runner's micro-batches come from (the training layer's data and attention mask: train.h
+// batch_reader). Fills `tokens` and `targets` (host [count, T] row-major, T the runner's seq_len)
+// with sequences [first, first + count) of global batch `index` of `split` (data.h fill_batch) and
+// returns their layout for the model (TokenLayout: positions and document ids of the whole
+// sequences, or none), which stays valid until the next call.
+using MicroBatchReader =
+    std::function<TokenLayout(Split split, int64_t index, int first, int count, int32_t* tokens, int32_t* targets)>;
+
 template <typename C> class StageRunner {
  public:
-  // Borrows everything (all must outlive the runner). per_rank: sequences per rank per step
-  // (global batch / dp); micro_batch: sequences per micro-batch (B); the micro-batch count is
-  // per_rank / micro_batch. stage: ParallelRun::stage (its ranges are this rank's chunks, in
-  // PipelineLayout::rank_chunks order); link: nullptr with one stage; be: the model's backend.
+  // Borrows everything but `read` (all must outlive the runner). seq_len: T, the tokens of a
+  // sequence; per_rank: sequences per rank per step (global batch / dp); micro_batch: sequences per
+  // micro-batch (B); the micro-batch count is per_rank / micro_batch. stage: ParallelRun::stage (its
+  // ranges are this rank's chunks, in PipelineLayout::rank_chunks order); link: nullptr with one
+  // stage; be: the model's backend. Throws std::invalid_argument when T does not split over the
+  // mesh's cp (SequenceSplit).
   StageRunner(const Mesh& mesh, Backend<C>& be, LlamaModel<C>& model, UnitSource<C>& f, const RankUnits& stage,
-              const PipelineLayout& pl, StageLink<C>* link, const TrainConfig& tc, const TokenDataset& data,
-              int per_rank, int micro_batch);
+              const PipelineLayout& pl, StageLink<C>* link, MicroBatchReader read, int seq_len, int per_rank,
+              int micro_batch);
+  // Allocates now what the first step would allocate, so that memory runs out at set-up: with one
+  // stage the model's activations for a micro-batch (LlamaModel::reserve); a pipeline's contexts are
+  // made by their first forward (nothing here). Throws std::bad_alloc.
+  void reserve();
   // Where the micro-batches come from: `split`'s batch `index` (the training step, or the
   // evaluation's batch number). Call before the actions of a step or of an evaluation batch.
   void begin(Split split, int64_t index);
@@ -86,14 +102,13 @@ template <typename C> class StageRunner {
   const RankUnits& stage_;
   const PipelineLayout& pl_;
   StageLink<C>* link_;
-  const TrainConfig& tc_;
-  const TokenDataset& data_;
+  MicroBatchReader read_;
   int per_rank_, mb_;
   SequenceSplit split_;
   Split which_ = Split::Train;
   int64_t index_ = 0;
   std::vector<MicroBatch> batches_;
-  std::vector<int32_t> tok_, tgt_, pos_, doc_;  // fill_batch's whole sequences
+  std::vector<int32_t> tok_, tgt_;  // read_'s whole sequences
   // Contexts of (micro-batch, chunk) in flight, and free ones per local chunk for reuse.
   std::map<std::pair<int, int>, typename LlamaModel<C>::Context> live_;
   std::vector<std::vector<typename LlamaModel<C>::Context>> free_;

@@ -1,11 +1,12 @@
 // StageRunner (stage_runner.h): a schedule's actions on this rank's chunks.
-#include "shardtrain/train/stage_runner.h"
+#include "shardtrain/parallel/stage_runner.h"
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 namespace shardtrain {
 
@@ -23,13 +24,13 @@ std::string fixed(double v, const char* f = "%.2f") {
 template <typename C>
 StageRunner<C>::StageRunner(const Mesh& mesh, Backend<C>& be, LlamaModel<C>& model, UnitSource<C>& f,
                             const RankUnits& stage, const PipelineLayout& pl, StageLink<C>* link,
-                            const TrainConfig& tc, const TokenDataset& data, int per_rank, int micro_batch)
-    : mesh_(mesh), be_(be), model_(model), f_(f), stage_(stage), pl_(pl), link_(link), tc_(tc), data_(data),
-      per_rank_(per_rank), mb_(micro_batch), split_(mesh, tc.seq_len) {
+                            MicroBatchReader read, int seq_len, int per_rank, int micro_batch)
+    : mesh_(mesh), be_(be), model_(model), f_(f), stage_(stage), pl_(pl), link_(link), read_(std::move(read)),
+      per_rank_(per_rank), mb_(micro_batch), split_(mesh, seq_len) {
   whole_ = stage_.ranges.size() == 1 && stage_.ranges[0].units.empty();
   free_.resize(stage_.ranges.size());
   chunk_times_.assign(stage_.ranges.size(), {});
-  tok_.resize(static_cast<size_t>(mb_) * tc.seq_len);
+  tok_.resize(static_cast<size_t>(mb_) * seq_len);
   tgt_.resize(tok_.size());
   // R x C rows of a micro-batch on this rank: B x T / cp tokens, 1 / tp of them under sequence parallelism.
   rows_elems_ = static_cast<size_t>(mb_) * static_cast<size_t>(split_.rows()) / static_cast<size_t>(mesh.dims().tp) *
@@ -39,6 +40,10 @@ StageRunner<C>::StageRunner(const Mesh& mesh, Backend<C>& be, LlamaModel<C>& mod
       in_[i] = Buffer<C>(be_, rows_elems_);
       grad_in_[i] = Buffer<C>(be_, rows_elems_);
     }
+}
+
+template <typename C> void StageRunner<C>::reserve() {
+  if (whole_) model_.reserve(mb_, split_.rows());
 }
 
 template <typename C> void StageRunner<C>::begin(Split split, int64_t index) {
@@ -58,10 +63,9 @@ template <typename C> typename StageRunner<C>::MicroBatch& StageRunner<C>::load(
   // Every rank of a CP group reads the same rows (dp_index excludes cp and pp: every stage reads the
   // micro-batch too, the first for its tokens, the last for its targets, all for its layout); the
   // layout is the whole sequences' (documents are found on them), then the split keeps this rank's rows.
-  fill_batch(data_, which_, tc_.seed, index_, mesh_.dp_index() * per_rank_ + m * mb_, mb_, tc_.seq_len, tok_.data(),
-             tgt_.data());
-  const TokenLayout lay =
-      split_.take(tok_.data(), tgt_.data(), batch_layout(tc_, data_, tok_.data(), mb_, tc_.seq_len, pos_, doc_), mb_);
+  const TokenLayout whole =
+      read_(which_, index_, mesh_.dp_index() * per_rank_ + m * mb_, mb_, tok_.data(), tgt_.data());
+  const TokenLayout lay = split_.take(tok_.data(), tgt_.data(), whole, mb_);
   const size_t n = static_cast<size_t>(mb_) * static_cast<size_t>(split_.rows());
   b.tok.assign(split_.tokens(), split_.tokens() + n);
   b.tgt.assign(split_.targets(), split_.targets() + n);
