@@ -14,6 +14,19 @@
 namespace shardtrain {
 namespace {
 
+// Pair j of one head's row v (v[j], v[j + half]) rotated by a table row (cs, sn: cos and sin of
+// that position, half entries); the per-element math is ops_math.h's, as on the CPU.
+template <typename T>
+__device__ __forceinline__ void rotate_pair(T* v, const T* cs, const T* sn, size_t j, int half, bool backward) {
+  const float c = math::ld(cs[j]), s = math::ld(sn[j]);
+  const float x1 = math::ld(v[j]), x2 = math::ld(v[j + half]);
+  float o1, o2;
+  if (backward) math::rope_rotate_backward(x1, x2, c, s, &o1, &o2);
+  else math::rope_rotate(x1, x2, c, s, &o1, &o2);
+  v[j] = math::st<T>(o1);
+  v[j + half] = math::st<T>(o2);
+}
+
 // Thread per rotated pair (row b*T+t, head h, j < HD/2): x[j], x[j+HD/2] rotated by position t.
 template <typename T>
 __global__ void rope_kernel(T* x, const T* cs, const T* sn, int B, int T_, int H, int HD, bool backward) {
@@ -23,14 +36,7 @@ __global__ void rope_kernel(T* x, const T* cs, const T* sn, int B, int T_, int H
     const size_t j = idx % half;
     const size_t rest = idx / half;  // (b*T + t)*H + h
     const size_t t = (rest / H) % T_;
-    T* v = x + rest * HD;
-    const float c = math::ld(cs[t * half + j]), s = math::ld(sn[t * half + j]);
-    const float x1 = math::ld(v[j]), x2 = math::ld(v[j + half]);
-    float o1, o2;
-    if (backward) math::rope_rotate_backward(x1, x2, c, s, &o1, &o2);
-    else math::rope_rotate(x1, x2, c, s, &o1, &o2);
-    v[j] = math::st<T>(o1);
-    v[j + half] = math::st<T>(o2);
+    rotate_pair(x + rest * HD, cs + t * half, sn + t * half, j, half, backward);
   }
 }
 
@@ -43,14 +49,7 @@ __global__ void rope_at_kernel(T* x, const T* cs, const T* sn, const int32_t* po
     const size_t j = idx % half;
     const size_t rest = idx / half;  // i*H + h
     const size_t t = static_cast<size_t>(pos[rest / H]);
-    T* v = x + rest * HD;
-    const float c = math::ld(cs[t * half + j]), s = math::ld(sn[t * half + j]);
-    const float x1 = math::ld(v[j]), x2 = math::ld(v[j + half]);
-    float o1, o2;
-    if (backward) math::rope_rotate_backward(x1, x2, c, s, &o1, &o2);
-    else math::rope_rotate(x1, x2, c, s, &o1, &o2);
-    v[j] = math::st<T>(o1);
-    v[j + half] = math::st<T>(o2);
+    rotate_pair(x + rest * HD, cs + t * half, sn + t * half, j, half, backward);
   }
 }
 
