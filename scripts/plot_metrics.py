@@ -5,9 +5,9 @@ validation loss, learning rate, gradient norm and tokens/s against the step, one
     .venv/bin/python scripts/plot_metrics.py build/demo-metrics.jsonl --out build/demo-loss.png
     .venv/bin/python scripts/plot_metrics.py runA.jsonl runB.jsonl --out compare.png
 
-Rows used (src/train/train.cpp): {"step", "loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s"}
-every --log-every steps, and {"step", "val_loss"} at each evaluation. A resumed run appends to the
-same file; a step written twice keeps its last row.
+Rows used: {"step", "loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s"} every --log-every steps
+(src/train/trainer_report.cpp), and {"step", "val_loss"} at each evaluation (src/train/trainer.cpp).
+A resumed run appends to the same file; a step written twice keeps its last row.
 """
 
 import argparse

@@ -5,7 +5,7 @@ deterministic (no clocks, no randomness). docs/scaling.md explains the model and
 
 Subcommands
   plan     per-unit element counts of the shard plan (as src/model/llama.cpp's llama_units and
-           src/shard/shard.cpp's ShardPlan::build make them) and bytes per step per rank
+           src/shard/shard_plan.cpp's ShardPlan::build make them) and bytes per step per rank
   tables   the scaling tables of docs/scaling.md (llama-1b, llama-8b; FSDP / HSDP; prefetch 1 / 2;
            W = 8 .. 1024; NVLink, InfiniBand NDR, 100 GbE); --markdown for the document
   check    the communication part applied to a CPU run: predicted comm_ms (and exposed_comm_ms)

@@ -1,5 +1,5 @@
 // What a resumed (or --init-from) run checks against its checkpoint and how it continues the files
-// of the run it resumes. Private to the training layer (trainer.cpp); every function is called on
+// of the run it resumes. Private to the training layer (trainer_setup.cpp); every function is called on
 // every rank with the same arguments unless it says otherwise.
 #pragma once
 

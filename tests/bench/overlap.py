@@ -21,7 +21,7 @@ all with --prefetch 1. Runs are interleaved, A B C D A B C D, world size by worl
 a change in the machine's load hits every mode alike.
 
 Measured per run, from the metrics file (rank 0; per-step means over each --log-every interval,
-train.cpp), over the steps after the first WARMUP:
+src/train/trainer_report.cpp), over the steps after the first WARMUP:
 * tokens/s; exposed_comm_ms (time rank 0 waited in a collective); comm_ms (from the start of
   each collective to its completion); compute_ms (the rest of the step);
 * CPU seconds of the whole run, all ranks (getrusage(RUSAGE_CHILDREN) around mpirun), per step;

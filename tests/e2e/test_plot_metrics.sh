@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# scripts/plot_metrics.py: two metrics files in the format training writes (src/train/train.cpp: train
-# rows {step, loss, lr, grad_norm, tokens_per_s, elapsed_s}, eval rows {step, val_loss}) give a PNG of
-# sane size; a missing, an empty and an unusable file each fail with exit 1 and the file named.
+# scripts/plot_metrics.py: two metrics files in the format training writes (train rows {step, loss,
+# lr, grad_norm, tokens_per_s, elapsed_s}: src/train/trainer_report.cpp; eval rows {step, val_loss}:
+# src/train/trainer.cpp) give a PNG of sane size; a missing, an empty and an unusable file each fail
+# with exit 1 and the file named.
 # Needs only the venv (make venv); $1 (the build dir) is unused.
 source "$(dirname "$0")/common.sh"
 [ -x "$PY" ] || fail "no venv at $ROOT/.venv (make venv)"

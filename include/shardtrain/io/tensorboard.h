@@ -50,7 +50,7 @@ std::string tb_event_start(double wall_time, int64_t step);
 // `values`: (tag, value) pairs of one Summary, each value stored as float32 (simple_value).
 std::string tb_event_scalars(double wall_time, int64_t step, const std::vector<std::pair<std::string, float>>& values);
 
-// The TensorBoard tag of a metrics key (README, "Watching a run"): loss -> train/loss, val_loss ->
+// The TensorBoard tag of a metrics key (docs/monitoring.md, "TensorBoard"): loss -> train/loss, val_loss ->
 // val/loss, any other val_X -> val/X; timings, rates, memory and MFU (keys ending in _s, _ms,
 // _per_s, _bytes, _mib, _gib, or holding "_ms_", "mem", "mfu" or "rank": the straggler fields) -> perf/<key>; everything else
 // -> train/<key> (lr, grad_norm, skipped updates, ...). "" for "step", which is the event's step.

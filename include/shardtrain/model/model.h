@@ -28,7 +28,8 @@
 //   o_proj, down_proj: row-parallel, columns [t*n, (t+1)*n) (the matching input slice);
 //   embed_tokens, lm_head: vocabulary-parallel, rows [t*Vl, (t+1)*Vl), Vl = ceil(V / N); rows at or
 //     past V are padding (zero, never trained, masked to -inf in the loss);
-//   the RMSNorm weights: replicated (their gradient summed over the group by the trainer).
+//   the RMSNorm weights: replicated (their gradient summed over the group after the backward,
+//     ParallelRun::finish_grads, parallelize.h).
 // Sequence parallelism: the residual stream (x, x1, the RMSNorms, the embedding output, the final
 // norm) holds this rank's B*T/N rows, block t of the micro-batch's B*T rows. Per block: all-gather
 // the RMSNorm output before q/k/v and before gate/up (the GEMMs see all B*T rows), reduce-scatter
@@ -263,7 +264,7 @@ struct BlockRange {
 std::vector<UnitSpec> llama_stage_units(const ModelConfig& c, int begin, int end, int tp = 1, int tp_rank = 0);
 BlockRange llama_stage_range(const ModelConfig& c, int begin, int end);
 
-// One training micro-batch, as the caller runs it (src/train/train.cpp):
+// One training micro-batch, as the caller runs it (src/parallel/stage_runner.cpp, one stage):
 //   model.forward(f, tokens, B, T);                         // embedding, blocks, final norm
 //   loss_sum += model.head_backward(f, targets, scale);     // LM head + loss with their backward, chunked
 //   model.backward(f);                                      // blocks, then the embedding

@@ -1,8 +1,9 @@
 // shardtrain batch geometry: how one optimizer step's global batch is laid out over the mesh,
-// resolved once from the options and the mesh's dimensions. Training (Trainer) and `--mode plan`
-// both call resolve_geometry, so a plan is never made for a run that training would refuse, and
-// each dimension's divisibility rule is written here alone. (`--mode plan` with `--micro-batch` and
-// no `--global-batch` plans for global batch = micro-batch x dp: memory depends on the micro-batch.)
+// resolved once from the options and the mesh's dimensions. Training (resolve_parallel,
+// parallelize.h) and `--mode plan` both call resolve_geometry, so a plan is never made for a run
+// that training would refuse, and each dimension's divisibility rule is written here alone.
+// (`--mode plan` with `--micro-batch` and no `--global-batch` plans for global batch = micro-batch
+// x dp: memory depends on the micro-batch.)
 //
 // Units: sequences (rows of T = seq_len tokens) and tokens. Terms as Megatron and torchtitan use them:
 //   global batch  sequences per optimizer step over the whole mesh (--global-batch)

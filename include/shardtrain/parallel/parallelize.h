@@ -2,9 +2,12 @@
 // the model (the model sees parameters through UnitSource and collectives through the ops it is
 // given; it never touches a communicator or the mesh).
 //
-// parallelize() builds, from the mesh, the model config and the backends, everything a run needs
-// for its layout — the sharded state, the unit source, each dimension's operations for the model,
-// the checkpoint layout — so that the trainer asks once and never asks which dimensions are on:
+// resolve_parallel resolves a run's plan before anything is allocated (the batch geometry, the
+// pipeline's stages, the schedules: ParallelPlan); parallelize() then builds, from the mesh, that
+// plan, the model config and the backends, everything a run needs for its layout — the sharded
+// state, the unit source, each dimension's operations for the model, the checkpoint layout — and
+// keeps the plan (ParallelRun::plan). The trainer makes these two calls and never asks which
+// dimensions are on:
 //   dp_shard (FSDP) and dp_replicate (HSDP): the ShardedState over the shard group (its replica
 //        communicator under hybrid sharding) and the UnitPipeline that gathers units and
 //        reduce-scatters their gradients (shard layer);
@@ -20,8 +23,8 @@
 //        moves activations between the stages, StageRunner runs the schedule's actions
 //        (pipeline.h, stage_runner.h), and the memory plan asks layout_memory (below).
 //
-// Layer: between io and train. It uses runtime, backend, shard, model and io; train uses it;
-// runtime, backend, shard, model, data and io never include it.
+// Layer: between io and train. It uses runtime, backend, shard, model, data (StageRunner's
+// micro-batches) and io; train uses it; runtime, backend, shard, model, data and io never include it.
 #pragma once
 
 #include <array>
@@ -210,7 +213,8 @@ std::string sharding_words(const MeshDims& d);
 
 // Host memory the checkpoint layout of a run on mesh `d` keeps for its saves (with checkpoints):
 // TP's canonical rows, every saved tensor's rows of a world-size plan, made once and borrowed by
-// every save; none (elements 0) where saves snapshot the live shards. `ntensors`: tensors saved.
+// every save; none (elements 0) where saves snapshot the live shards. The memory plan multiplies
+// `elements` by the tensors a save writes.
 struct LayoutRows {
   int64_t elements = 0;  // per tensor
   std::string name;      // the memory plan's line
@@ -219,8 +223,8 @@ LayoutRows checkpoint_layout_rows(const ModelConfig& mc, const MeshDims& d);
 
 // What a training run cannot do yet on mesh `d`: "" or the refusal, the same on every rank (today
 // "": every mesh resolve_mesh_dims accepts trains; a dimension that exists in the mesh before the
-// model runs it refuses here, so that a run never computes wrong numbers). The trainer refuses
-// with it before anything is allocated.
+// model runs it refuses here, so that a run never computes wrong numbers). resolve_parallel refuses
+// with it first, before anything is allocated; --mode plan refuses with it too.
 // With cp > 1 and '--attention exact' the refusal (CP runs the tiled block kernels only).
 std::string training_refusal(const MeshDims& d, AttentionKind attention);
 

@@ -1,7 +1,8 @@
 // shardtrain memory plan: the bytes one rank holds while training, by what they are for, from the
 // model config, the batch geometry, the world size, the precision and the recompute mode. Printed
 // by `--mode plan` (no launch needed) and at the start of every training run; checked against the
-// measured peak (CPU: VmHWM of each rank; GPU: peak device memory) by tests/bench/memory_plan.py.
+// measured peak (CPU: VmHWM of each rank, tests/bench/memory.py; GPU: peak device memory,
+// tests/gpu/run.sh stage 5b).
 //
 // Accounting (ZeRO-3; Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training
 // Trillion Parameter Models", section 3: 16 bytes per parameter for mixed-precision Adam, here
@@ -70,9 +71,10 @@ struct MemoryPlanInput {
   // --overlap / --prefetch: 1 + prefetch gather buffers and 2 gradient buffers when on (UnitPipeline).
   OverlapConfig overlap{};
   // The run's mesh (mesh.h): what a rank holds of the model (parallelize.h rank_unit_plan: its TP
-  // slices sharded over dp_shard ranks), what its checkpoint layout keeps, its activations (with
-  // sequence parallelism under TP: activation_bytes(..., tp); under CP the T / cp rows of each
-  // sequence and the K/V buffers of train.cp_comm). Unset: plain FSDP over world_size.
+  // slices sharded over its shard group, dp_shard x cp ranks), what its checkpoint layout keeps,
+  // its activations (with sequence parallelism under TP: activation_bytes(..., tp); under CP the
+  // T / cp rows of each sequence and the K/V buffers of train.cp_comm). Unset: plain FSDP over
+  // world_size.
   std::optional<MeshDims> mesh{};
   // The data collectives are stream-ordered (NCCL: --device cuda --gpu-comm nccl): one
   // reduce-scatter per unit (CommQueue's stream lane), whose result buffer is a whole shard and

@@ -1,6 +1,8 @@
 // shardtrain training layer: AdamW on shards, the LR schedule, global gradient-norm clipping, and
 // the training loop (get batch, forward, backward + reduce-scatter, clip, step, log, evaluate,
-// save). train() runs the Trainer of src/train/trainer.cpp; resume rules are src/train/resume.h.
+// save). train() (src/train/trainer.cpp) runs the Trainer (src/train/trainer.h; its set-up in
+// trainer_setup.cpp, its step line and reports in trainer_report.cpp); resume rules are
+// src/train/resume.h.
 #pragma once
 
 #include <cstdint>
@@ -195,8 +197,9 @@ struct StepLog {
   // This step's time (ms): on compute (step time - exposed), FSDP collectives in flight (summed
   // over collectives), and waiting for them (exposed communication). See CommTimes (comm_queue.h).
   double compute_ms = 0, comm_ms = 0, exposed_comm_ms = 0;
-  // Time waiting for communication, every dimension's (FSDP's exposed_comm_ms and the blocking TP
-  // collectives): step time = compute_ms + wait_ms.
+  // Time waiting for communication, every dimension's (CommStats::exposed_s, parallelize.h: FSDP's
+  // exposed_comm_ms, the blocking TP collectives, CP's and PP's waits): step time = compute_ms +
+  // wait_ms.
   double wait_ms = 0;
   StragglerStats ranks;  // over all ranks (logged steps only; zero elsewhere)
   bool update_skipped = false;  // the update was not applied (--skip-nonfinite, --skip-spikes)

@@ -1,5 +1,5 @@
 // CPU backend: attention. The exact causal softmax (softmax_causal_*, the reference path of
-// llama.cpp's attention_forward / attention_backward), FlashAttention-2 forward and backward
+// llama_attention.cpp's attention_forward / attention_backward), FlashAttention-2 forward and backward
 // (flash_attention_*) and block attention at global positions (attention_block_*, attention_merge*,
 // attention_row_dot: context parallelism's pieces), with the tile helpers they share. The algorithm,
 // the tiling and the per-row math are in include/shardtrain/backend/flash_attention.h (the softmax's
