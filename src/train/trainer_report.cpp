@@ -1,6 +1,7 @@
 // The trainer's reporting (trainer.h): the step line, the metrics and TensorBoard records, and the
 // memory report at the end of a CPU run.
 #include "trainer.h"
+#include "shardtrain/parallel/memory_report.h"  // peak_memory_report
 
 namespace shardtrain::trainer_detail {
 

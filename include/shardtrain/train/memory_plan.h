@@ -113,13 +113,6 @@ std::vector<MemoryPlan> plan_stages(MemoryPlanInput in);
 std::string format_plans(const std::vector<MemoryPlan>& plans,
                          const std::function<std::string(const MemoryPlan&)>& title);
 
-// The line that ends a CPU run: every rank's peak resident memory (VmHWM) against the plan. `ranks`:
-// per world rank, three numbers: its peak (bytes), its plan's total (bytes; a pipeline rank's is its
-// stage's) and its pipeline stage. Without a pipeline (every rank at stage 0): each rank's peak in
-// MiB, the plan and the largest rank's difference from it; with one: besides each rank's peak, per
-// stage the largest of its ranks against its stage's plan.
-std::string peak_memory_report(const std::vector<int64_t>& ranks);
-
 // The runtime floor of a GPU rank when it cannot be measured (planning without a GPU): CUDA context,
 // cuBLAS workspace, NCCL buffers. 1 GiB, an estimate (CUDA 12 context ~500 MiB on H100-class
 // GPUs, NCCL ~200-400 MiB per communicator depending on channels).
