@@ -8,10 +8,6 @@
 
 namespace shardtrain {
 
-namespace {
-constexpr LinearRole kFwd = LinearRole::Forward, kDIn = LinearRole::InputGrad, kDW = LinearRole::WeightGrad;
-}  // namespace
-
 template <typename T> void LlamaModel<T>::head_logits(UnitSource<T>& f) {
   expect_stage(ctx_, Stage::Forward, "head_logits");
   if (tp_n_ > 1) throw std::logic_error("LlamaModel::head_logits is not available under tensor parallelism");
@@ -20,7 +16,7 @@ template <typename T> void LlamaModel<T>::head_logits(UnitSource<T>& f) {
   const T* hw = ctx_.head_gathers_ == gathers_ ? ctx_.head_w_ : gather(f, d.L + 1);
   const T* wout = c_.tie_word_embeddings ? gather(f, 0) : hw + head_off_w_;
   if (logits_.size() != static_cast<size_t>(d.BT) * d.V) logits_ = Buffer<T>(be_, static_cast<size_t>(d.BT) * d.V);
-  linear(be_, kFwd, d.BT, d.V, d.C, ctx_.lnf_.data(), wout, logits_.data(), false);
+  linear(be_, LinearRole::Forward, d.BT, d.V, d.C, ctx_.lnf_.data(), wout, logits_.data(), false);
 }
 
 template <typename T> double LlamaModel<T>::loss(UnitSource<T>& f, Context& ctx, const int32_t* targets) {
@@ -73,7 +69,7 @@ double LlamaModel<T>::head(UnitSource<T>& f, Context& ctx, const int32_t* target
       T* lg = chunk_logits_.data();
       const T* x = lnf + static_cast<int64_t>(r0) * d.C;
       const int32_t* tg = ctx.targets_.data() + r0;
-      linear(be_, kFwd, n, d.Vl, d.C, x, wout, lg, false);
+      linear(be_, LinearRole::Forward, n, d.Vl, d.C, x, wout, lg, false);
       if (tp_n_ == 1) {
         be_.cross_entropy_sum(grad ? lg : nullptr, lg, tg, n, d.V, grad ? grad_scale : S(0));
       } else {
@@ -85,8 +81,8 @@ double LlamaModel<T>::head(UnitSource<T>& f, Context& ctx, const int32_t* target
                             ce_st_.data(), grad ? grad_scale : S(0));
       }
       if (!grad) continue;
-      linear(be_, kDIn, n, d.Vl, d.C, lg, wout, dlnf + static_cast<int64_t>(r0) * d.C, false);
-      linear(be_, kDW, n, d.Vl, d.C, lg, x, gw, true);
+      linear(be_, LinearRole::InputGrad, n, d.Vl, d.C, lg, wout, dlnf + static_cast<int64_t>(r0) * d.C, false);
+      linear(be_, LinearRole::WeightGrad, n, d.Vl, d.C, lg, x, gw, true);
     }
   } catch (...) {
     try {
