@@ -241,9 +241,40 @@ double CudaBackend<T>::sum_to_host(const double* in, size_t n, double* out) {
   return h;
 }
 
-// The members defined here, for both storage types (the operation files instantiate theirs).
-template class CudaBackend<float>;
-template class CudaBackend<bf16>;
+// The members defined here, for both storage types; each operation file instantiates its own. Not
+// `template class CudaBackend<T>`: nvcc's front end takes that for a second instantiation of every
+// member where the files are compiled as one translation unit (the Makefile's unity groups).
+#define ST_INSTANTIATE(T) \
+  template CudaBackend<T>::CudaBackend(CudaContext&); \
+  template CudaBackend<T>::~CudaBackend(); \
+  template T* CudaBackend<T>::alloc(size_t); \
+  template void CudaBackend<T>::free(T*); \
+  template void CudaBackend<T>::zero(T*, size_t); \
+  template void CudaBackend<T>::copy(T*, const T*, size_t); \
+  template void CudaBackend<T>::to_host(T*, const T*, size_t); \
+  template void CudaBackend<T>::from_host(T*, const T*, size_t); \
+  template int32_t* CudaBackend<T>::alloc_ids(size_t); \
+  template void CudaBackend<T>::free_ids(int32_t*); \
+  template void CudaBackend<T>::ids_from_host(int32_t*, const int32_t*, size_t); \
+  template typename CudaBackend<T>::S* CudaBackend<T>::alloc_acc(size_t); \
+  template void CudaBackend<T>::free_acc(typename CudaBackend<T>::S*); \
+  template void CudaBackend<T>::copy_2d(T*, size_t, const T*, size_t, size_t, size_t); \
+  template void CudaBackend<T>::zero_acc(typename CudaBackend<T>::S*, size_t); \
+  template void CudaBackend<T>::synchronize(); \
+  template void* CudaBackend<T>::alloc_pinned_host(size_t); \
+  template void CudaBackend<T>::free_pinned_host(void*) noexcept; \
+  template void CudaBackend<T>::to_host_async(T*, const T*, size_t); \
+  template void CudaBackend<T>::wait_host_copies(); \
+  template void CudaBackend<T>::note_once(const std::string&); \
+  template void* CudaBackend<T>::alloc_bytes(size_t); \
+  template void CudaBackend<T>::release(void*) noexcept; \
+  template void CudaBackend<T>::warn_free(cudaError_t) noexcept; \
+  template void* CudaBackend<T>::scratch(size_t); \
+  template void CudaBackend<T>::sum_doubles(const double*, size_t, double*, bool); \
+  template double CudaBackend<T>::sum_to_host(const double*, size_t, double*);
+ST_INSTANTIATE(float)
+ST_INSTANTIATE(bf16)
+#undef ST_INSTANTIATE
 
 }  // namespace cuda_detail
 
