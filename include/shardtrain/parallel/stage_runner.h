@@ -18,7 +18,7 @@
 
 #include "shardtrain/data/data.h"
 #include "shardtrain/runtime/mesh.h"
-#include <nlohmann/json.hpp>
+#include <nlohmann/json_fwd.hpp>
 #include "shardtrain/model/model.h"
 #include "shardtrain/parallel/parallelize.h"
 #include "shardtrain/parallel/pipeline.h"
