@@ -93,7 +93,7 @@ LDLIBS += -rdynamic -ldl
 # every file alone (an edit of one operation then recompiles one file).
 UNITY ?= 1
 ifeq ($(UNITY),1)
-UNITY_GROUPS := cpu_backend llama trainer checkpoint_meta hf
+UNITY_GROUPS := trainer hf checkpoint_meta cpu_backend llama
 UNITY_CU_GROUPS := $(if $(CUDA_SRCS),cuda_backend)
 endif
 # The class-instantiating file first: an explicit instantiation of a class instantiates only the
@@ -108,9 +108,10 @@ UNITY_cuda_backend := src/backend/cuda/cuda_backend.cu $(filter-out $(addprefix 
 	cudnn_attention.cu device_query.cu plugin.cu),$(sort $(wildcard src/backend/cuda/*.cu)))
 UNITY_SRCS := $(foreach g,$(UNITY_GROUPS) $(UNITY_CU_GROUPS),$(UNITY_$(g)))
 LIB_SRCS := $(filter-out src/main.cpp $(UNITY_SRCS),$(shell find src -name '*.cpp'))
-LIB_OBJS := $(LIB_SRCS:%.cpp=$(BUILD)/%.o) $(UNITY_GROUPS:%=$(BUILD)/unity/%.o)
-CUDA_OBJS := $(patsubst %.cu,$(BUILD)/%.cu.o,$(filter-out $(UNITY_SRCS),$(CUDA_SRCS))) \
-	$(UNITY_CU_GROUPS:%=$(BUILD)/unity/%.cu.o)
+# The groups first: they are the longest compiles, and make -j starts prerequisites in the order listed
+# (a long one started last leaves the other cores idle at the end of the build).
+LIB_OBJS := $(UNITY_GROUPS:%=$(BUILD)/unity/%.o) $(LIB_SRCS:%.cpp=$(BUILD)/%.o)
+CUDA_OBJS := $(UNITY_CU_GROUPS:%=$(BUILD)/unity/%.cu.o) $(patsubst %.cu,$(BUILD)/%.cu.o,$(filter-out $(UNITY_SRCS),$(CUDA_SRCS)))
 UNIT_SRCS := $(wildcard tests/unit/*.cpp) tests/test_main.cpp
 UNIT_OBJS := $(UNIT_SRCS:%.cpp=$(BUILD)/%.o)
 MPI_SRCS := $(wildcard tests/mpi/*.cpp) tests/test_main.cpp
