@@ -119,7 +119,7 @@ MPI_OBJS := $(MPI_SRCS:%.cpp=$(BUILD)/%.o)
 GPU_SRCS := $(wildcard tests/gpu/*.cpp) tests/test_main.cpp
 GPU_OBJS := $(GPU_SRCS:%.cpp=$(BUILD)/%.o)
 
-.PHONY: FORCE bench-json all deps build binaries test test-cp-matrix test-pp-matrix test-link-races jobs-test slurm-test demo bench clean data venv comm-bench bench-overlap bench-checkpoint
+.PHONY: bench-json all deps build binaries test test-cp-matrix test-pp-matrix test-link-races jobs-test slurm-test demo bench clean data venv comm-bench bench-overlap bench-checkpoint
 all: build
 
 deps:
@@ -136,20 +136,26 @@ $(BUILD)/%.o: %.cpp
 	@mkdir -p $(dir $@)
 	$(CXX) $(CPPFLAGS) $(ALL_CXXFLAGS) -c $< -o $@
 
-# A group's unity file; FORCE runs the recipe on every build, but the file is replaced (and its object
-# remade) only when the list of files changed. -iquote . (nvcc: -I.): its #include "src/..." names;
-# the files are included, so GCC's -Wsubobject-linkage (meant for headers shared by several
-# translation units) would take their anonymous namespaces for a header's.
-UNITY_FILES := $(UNITY_GROUPS:%=$(BUILD)/unity/%.cpp) $(UNITY_CU_GROUPS:%=$(BUILD)/unity/%.cu)
-$(UNITY_FILES): $(BUILD)/unity/%: FORCE
-	@mkdir -p $(dir $@)
-	@printf '#include "%s"\n' $(UNITY_$(basename $*)) > $@.tmp
-	@if cmp -s $@.tmp $@; then rm -f $@.tmp; else mv -f $@.tmp $@; fi
+# A group's unity file is written when make reads this Makefile, and only when its list of files
+# changed (its object is then remade): no recipe makes it, so it takes no job slot and make -j starts
+# the groups' compiles first (a generated prerequisite made them wait for a second pass over the
+# list, last). -iquote . (nvcc: -I.): its #include "src/..." names; the files are included, so
+# GCC's -Wsubobject-linkage (meant for headers shared by several translation units) would take their
+# anonymous namespaces for a header's.
+hash := \#
+define newline
+
+
+endef
+unity_text = $(subst $(newline) ,$(newline),$(foreach f,$(UNITY_$(1)),$(hash)include "$(f)"$(newline)))
+unity_differ = $(or $(subst $(strip $(1)),,$(strip $(2))),$(subst $(strip $(2)),,$(strip $(1))),$(if $(strip $(1)),,missing))
+unity_write = $(if $(call unity_differ,$(file <$(1)),$(2)),$(shell mkdir -p $(dir $(1)))$(file >$(1),$(2)))
+$(foreach g,$(UNITY_GROUPS),$(call unity_write,$(BUILD)/unity/$(g).cpp,$(call unity_text,$(g))))
+$(foreach g,$(UNITY_CU_GROUPS),$(call unity_write,$(BUILD)/unity/$(g).cu,$(call unity_text,$(g))))
 $(UNITY_GROUPS:%=$(BUILD)/unity/%.o): $(BUILD)/unity/%.o: $(BUILD)/unity/%.cpp
 	$(CXX) $(CPPFLAGS) -iquote . $(ALL_CXXFLAGS) -Wno-subobject-linkage -c $< -o $@
 $(UNITY_CU_GROUPS:%=$(BUILD)/unity/%.cu.o): $(BUILD)/unity/%.cu.o: $(BUILD)/unity/%.cu
 	$(NVCC) $(CPPFLAGS) -I. $(NVCCFLAGS) -Xcompiler -Wno-subobject-linkage -MMD -MP -c $< -o $@
-FORCE:
 
 $(BUILD)/%.cu.o: %.cu
 	@mkdir -p $(dir $@)
