@@ -152,6 +152,8 @@ unity_differ = $(or $(subst $(strip $(1)),,$(strip $(2))),$(subst $(strip $(2)),
 unity_write = $(if $(call unity_differ,$(file <$(1)),$(2)),$(shell mkdir -p $(dir $(1)))$(file >$(1),$(2)))
 $(foreach g,$(UNITY_GROUPS),$(call unity_write,$(BUILD)/unity/$(g).cpp,$(call unity_text,$(g))))
 $(foreach g,$(UNITY_CU_GROUPS),$(call unity_write,$(BUILD)/unity/$(g).cu,$(call unity_text,$(g))))
+# Nothing remakes them (without this, make's built-in `%: %.o` would offer x.cu.o as a way to make x.cu).
+$(UNITY_GROUPS:%=$(BUILD)/unity/%.cpp) $(UNITY_CU_GROUPS:%=$(BUILD)/unity/%.cu): ;
 $(UNITY_GROUPS:%=$(BUILD)/unity/%.o): $(BUILD)/unity/%.o: $(BUILD)/unity/%.cpp
 	$(CXX) $(CPPFLAGS) -iquote . $(ALL_CXXFLAGS) -Wno-subobject-linkage -c $< -o $@
 $(UNITY_CU_GROUPS:%=$(BUILD)/unity/%.cu.o): $(BUILD)/unity/%.cu.o: $(BUILD)/unity/%.cu
