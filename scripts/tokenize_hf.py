@@ -19,6 +19,15 @@ stored in the token file, so `--mode export` can hand the same tokenizer to Auto
 
 Memory stays constant however large the corpus (up to the largest document): --workers processes
 encode batches in order while the tokens stream to a temporary file, renamed into place at the end.
+
+Chat data (issue 55): a JSONL file whose lines are {"messages": [...]} (optionally "tools") or
+{"prompt": ..., "completion": ...} is recognized by its keys and written as format version 3: each
+line one example, rendered by the model's own chat template (transformers' apply_chat_template;
+--tokenizer must then be a model directory with a chat template), its ids stored as rendered, and
+each token given a role class (context / assistant / end of turn): by the template's
+{% generation %} markers where it has them, else by rendering prefixes of the conversation. The
+validation split is the last floor(examples * --val-fraction) examples. Templates that read the
+date need --date-string. See docs/data-format.md, "Chat and prompt/completion data".
 """
 
 import argparse
@@ -36,7 +45,11 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import shardtrain_tokens as st  # noqa: E402
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json")
+# Chat data: the roles a message may have, and the longest JSONL line read (bytes).
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_LINE_BYTES = int(os.environ.get("SHARDTRAIN_TOKENIZE_MAX_LINE_BYTES", 64 << 20))  # the variable: tests only
 # For a bare tokenizer.json (no tokenizer_config.json to say which tokens are BOS and EOS), the
 # usual names, first found wins.
 BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>")
@@ -209,6 +222,218 @@ def batches(docs, max_docs, max_bytes):
 
 
 # ---------------------------------------------------------------------------------------------
+# Chat and prompt/completion data (format version 3)
+
+
+def jsonl_kind(files, text_field):
+    """"chat", "prompt-completion" or "text": what the first record of the first JSONL input holds
+    ({"messages": ...}; {"prompt": ..., "completion": ...}; anything else is text at --text-field)."""
+    for path in files:
+        if not is_jsonl(path):
+            continue
+        with _open(path) as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                    raise Fail(f"{path}:{lineno}: not a JSON line: {e}")
+                return record_kind(rec, text_field)
+    return "text"
+
+
+def record_kind(rec, text_field):
+    if isinstance(rec, dict) and "messages" in rec and text_field not in rec:
+        return "chat"
+    if isinstance(rec, dict) and "prompt" in rec and "completion" in rec and text_field not in rec:
+        return "prompt-completion"
+    return "text"
+
+
+def chat_records(files, kind, text_field):
+    """Yields ((record, "file:line"), input_bytes) for every non-blank line; every line must be of
+    `kind` and every input a JSONL file."""
+    for path in files:
+        if not is_jsonl(path):
+            raise Fail(f"input '{path}' is not JSONL, but the inputs are {kind} data (one kind per token file)")
+        gz = path.endswith(".gz")
+        try:
+            with _open(path) as f:
+                lineno = 0
+                while True:
+                    line = f.readline(MAX_LINE_BYTES + 1)
+                    if not line:
+                        break
+                    lineno += 1
+                    if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
+                        raise Fail(f"{path}:{lineno}: a line longer than {MAX_LINE_BYTES} bytes (one conversation per line)")
+                    nb = 0 if gz else len(line)
+                    if not line.strip():
+                        yield None, nb
+                        continue
+                    try:
+                        rec = json.loads(line)
+                    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                        raise Fail(f"{path}:{lineno}: not a JSON line: {e}")
+                    got = record_kind(rec, text_field)
+                    if got != kind:
+                        raise Fail(f"{path}:{lineno}: a {got} record among {kind} data (one kind per token file)")
+                    yield (rec, f"{path}:{lineno}"), nb
+        except (OSError, EOFError) as e:
+            raise Fail(f"{path}: cannot read it: {getattr(e, 'strerror', None) or e}")
+        if gz:
+            yield None, os.path.getsize(path)
+
+
+def check_messages(msgs, where, what="messages"):
+    if not isinstance(msgs, list) or not msgs:
+        raise Fail(f"{where}: '{what}' is not a non-empty list of messages")
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise Fail(f"{where}: {what}[{i}] is not an object")
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise Fail(f"{where}: {what}[{i}] has role {role!r} (known: {', '.join(CHAT_ROLES)})")
+        c = m.get("content")
+        if not isinstance(c, str) and not (c is None and m.get("tool_calls")):
+            raise Fail(f"{where}: {what}[{i}] ({role}) has no string 'content'")
+
+
+class ChatRenderer:
+    """Renders one record into (ids, roles) with the model's chat template (module docstring)."""
+
+    def __init__(self, tok, template, date_string):
+        import re
+        self.tok, self.template = tok, template
+        self.markers = bool(re.search(r"\{%-?\s*generation\s*-?%\}", template))
+        self.kwargs = {}
+        if date_string is not None:
+            import datetime
+            day = None
+            for fmt in ("%d %b %Y", "%Y-%m-%d", "%d %B %Y"):
+                try:
+                    day = datetime.datetime.strptime(date_string, fmt)
+                    break
+                except ValueError:
+                    pass
+            # A template variable shadows the Jinja global transformers defines: strftime_now then
+            # formats the fixed day, so no rendering reads the clock.
+            self.kwargs = {"date_string": date_string,
+                           "strftime_now": (lambda f: day.strftime(f)) if day else _no_clock(date_string)}
+        added = getattr(tok, "added_tokens_decoder", {}) or {}
+        self.special = {int(i) for i, t in added.items() if getattr(t, "special", False)} | set(tok.all_special_ids)
+
+    def render(self, msgs, where, tools=None, **kw):
+        try:
+            return self.tok.apply_chat_template(msgs, tools=tools, tokenize=False, **self.kwargs, **kw)
+        except Fail:
+            raise
+        except Exception as e:  # jinja2 errors, raise_exception() of the template
+            line = getattr(e, "lineno", None)
+            raise Fail(f"{where}: the chat template failed to render{f' (template line {line})' if line else ''}: "
+                       f"{type(e).__name__}: {e}")
+
+    def example(self, rec, where, kind):
+        tools = rec.get("tools") if kind == "chat" else None
+        if kind == "chat":
+            msgs = rec["messages"]
+            check_messages(msgs, where)
+            first_target = 0
+        else:
+            p, c = rec["prompt"], rec["completion"]
+            if isinstance(p, str) and isinstance(c, str):
+                return self.plain_pair(p, c)
+            check_messages(p, where, "prompt")
+            check_messages(c, where, "completion")
+            msgs, first_target = p + c, len(p)
+        if tools is not None and not isinstance(tools, list):
+            raise Fail(f"{where}: 'tools' is not a list")
+        full = self.render(msgs, where, tools)
+        spans = []  # character spans of the assistant messages that are targets
+        for i, m in enumerate(msgs):
+            if m["role"] != "assistant" or i < first_target:
+                continue
+            if self.markers and kind == "chat":
+                continue
+            before = self.render(msgs[:i], where, tools, add_generation_prompt=True)
+            upto = self.render(msgs[: i + 1], where, tools)
+            if not (upto.startswith(before) and full.startswith(upto) and len(upto) > len(before)):
+                raise Fail(f"{where}: message {i} (assistant): the chat template does not render the conversation as "
+                           f"a growing prefix (it changes earlier turns, e.g. drops their reasoning), so the "
+                           f"assistant tokens cannot be found; give it {{% generation %}} markers or another template")
+            spans.append((len(before), len(upto)))
+        if self.markers and kind == "chat":
+            try:
+                out = self.tok.apply_chat_template(msgs, tools=tools, tokenize=True, return_dict=True,
+                                                   return_assistant_tokens_mask=True, **self.kwargs)
+            except Exception as e:
+                raise Fail(f"{where}: the chat template failed to render: {type(e).__name__}: {e}")
+            ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
+            n_asst = sum(1 for m in msgs if m["role"] == "assistant")
+            runs = sum(1 for t in range(len(mask)) if mask[t] and (t == 0 or not mask[t - 1]))
+            if runs != n_asst:
+                raise Fail(f"{where}: {n_asst} assistant message(s) but {runs} {{% generation %}} span(s) rendered: "
+                           f"the template drops or merges assistant turns")
+        else:
+            enc = self.tok(full, add_special_tokens=False, return_offsets_mapping=True)
+            ids, offs = list(enc["input_ids"]), enc["offset_mapping"]
+            mask, k = [0] * len(ids), 0
+            for t, (a, b) in enumerate(offs):  # transformers' rule: a token overlapping a span is in it
+                while k < len(spans) and a >= spans[k][1]:
+                    k += 1
+                if k == len(spans):
+                    break
+                if b > spans[k][0]:
+                    mask[t] = 1
+        return ids, self.roles_of(ids, mask)
+
+    def roles_of(self, ids, mask):
+        """Role classes from an assistant mask: in each run of assistant tokens, the last special
+        token followed only by whitespace is the end of turn (2); what follows it is markup (0)."""
+        import numpy as np
+        roles = np.zeros(len(ids), dtype=np.uint8)
+        t = 0
+        while t < len(ids):
+            if not mask[t]:
+                t += 1
+                continue
+            e = t
+            while e < len(ids) and mask[e]:
+                e += 1
+            roles[t:e] = st.ROLE_ASSISTANT
+            j = e - 1
+            while j >= t and ids[j] not in self.special and not self.tok.decode([ids[j]]).strip():
+                j -= 1
+            if j >= t and ids[j] in self.special:
+                roles[j] = st.ROLE_END_OF_TURN
+                roles[j + 1:e] = st.ROLE_CONTEXT
+            t = e
+        return roles
+
+    def plain_pair(self, prompt, completion):
+        """String prompt/completion, as TRL tokenizes them: the prompt as the tokenizer encodes a text
+        (its own special tokens, e.g. BOS, included; context), the completion without special tokens
+        (assistant), then EOS (end of turn)."""
+        import numpy as np
+        tok = self.tok
+        if tok.eos_token_id is None:
+            raise Fail("prompt/completion strings need an EOS token to end the completion; the tokenizer has none")
+        p = list(tok(prompt)["input_ids"])
+        c = list(tok(completion, add_special_tokens=False)["input_ids"])
+        ids = p + c + [tok.eos_token_id]
+        roles = np.array([0] * len(p) + [1] * len(c) + [2], dtype=np.uint8)
+        return ids, roles
+
+
+def _no_clock(date_string):
+    def f(fmt):
+        raise Fail(f"the chat template formats today's date (strftime_now) and --date-string '{date_string}' "
+                   f"is not a date this script reads (26 Jul 2024, 2024-07-26)")
+    return f
+
+
+# ---------------------------------------------------------------------------------------------
 # Workers
 
 _W = {}
@@ -240,6 +465,121 @@ def _encode(item):
     return out, len(encs), nb
 
 
+_C = {}
+
+
+def _init_chat_worker(tok_dir, date_string, kind):
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
+    _C.update(r=ChatRenderer(tok, chat_template_of(tok) or "", date_string), kind=kind)
+
+
+def _encode_chat(item):
+    """([(record, "file:line")], input_bytes) -> ([(ids, roles)], input_bytes)."""
+    recs, nb = item
+    return [_C["r"].example(rec, where, _C["kind"]) for rec, where in recs], nb
+
+
+def chat_template_of(tok):
+    t = getattr(tok, "chat_template", None)
+    if isinstance(t, dict):  # named templates: the default one
+        t = t.get("default")
+    return t if isinstance(t, str) and t.strip() else None
+
+
+def run_chat(a, files, kind, t_start):
+    """Chat or prompt/completion JSONL -> format version 3 (module docstring)."""
+    import hashlib
+    if not os.path.isdir(a.tokenizer):
+        raise Fail(f"the inputs are {kind} data: --tokenizer must be the model's directory (AutoTokenizer, with its "
+                   f"chat template), not the file '{a.tokenizer}'")
+    backend, info, tok_files = load_tokenizer(a.tokenizer)
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(a.tokenizer, local_files_only=True)
+    template = chat_template_of(tok)
+    looked = ", ".join(os.path.join(a.tokenizer, f) for f in ("chat_template.jinja", "tokenizer_config.json"))
+    if template is None and kind == "chat":
+        raise Fail(f"the inputs are chat data, and the tokenizer has no chat template (looked at {looked})")
+    if template and "strftime_now" in template and a.date_string is None:
+        raise Fail("the chat template reads today's date (strftime_now, variable date_string): pass --date-string "
+                   "(e.g. --date-string '26 Jul 2024') so that the token file does not depend on the day it was made")
+    renderer = ChatRenderer(tok, template or "", a.date_string)
+    vocab = info["vocab_size"]
+    dtype = st.token_dtype(vocab)
+    total_bytes = sum(os.path.getsize(f) for f in files)
+    how = "{% generation %} markers" if renderer.markers else "prefix rendering"
+    print(f"tokenize_hf: {len(files)} input file(s), {total_bytes / 1e6:.1f} MB of {kind} data; tokenizer {a.tokenizer} "
+          f"(vocab {vocab}); chat template {'none' if template is None else how}; u{8 * dtype.itemsize} tokens; "
+          f"{a.workers} worker(s)", file=sys.stderr)
+
+    def grouped(it):
+        recs, nb = [], 0
+        for r, b in it:
+            nb += b
+            if r is not None:
+                recs.append(r)
+            if len(recs) >= a.batch_docs:
+                yield recs, nb
+                recs, nb = [], 0
+        if recs or nb:
+            yield recs, nb
+
+    items = grouped(chat_records(files, kind, a.text_field))
+    writer = st.TokenFileWriter(a.out, vocab, info["bos"], info["eos"], "hf-tokenizers", examples=True)
+    n_ex = n_asst = 0
+    pool = None
+    try:
+        if a.workers == 1:
+            _C.update(r=renderer, kind=kind)
+            results = map(_encode_chat, items)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = "false"
+            ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+            pool = ctx.Pool(a.workers, initializer=_init_chat_worker, initargs=(a.tokenizer, a.date_string, kind))
+            results = pool.imap(_encode_chat, items, chunksize=1)
+        for exs, _ in results:
+            for ids, roles in exs:
+                if len(ids) == 0:
+                    continue
+                writer.append(ids, roles)
+                n_ex += 1
+                n_asst += int((roles != st.ROLE_CONTEXT).sum())
+        if pool is not None:
+            pool.close()
+            pool.join()
+            pool = None
+        if n_ex == 0:
+            raise Fail("no examples in the inputs: nothing to write")
+        import tokenizers
+        import transformers
+        meta = {
+            "tokenizer": {"kind": "hf-tokenizers", "pad_id": info["pad"], "unk_id": info["unk"],
+                          "add_bos": False, "add_eos": False, "source": info["source"]},
+            "documents": n_ex,
+            "inputs": len(files),
+            "written_by": f"scripts/tokenize_hf.py (transformers {transformers.__version__}, tokenizers {tokenizers.__version__})",
+        }
+        ex = {"source": kind}
+        if template is not None:
+            ex["template"] = {"sha256": hashlib.sha256(template.encode("utf-8")).hexdigest(),
+                              "generation_markers": renderer.markers, "date_string": a.date_string}
+            if "chat_template.jinja" not in tok_files:  # the template travels with the data, as transformers 5 saves it
+                tok_files["chat_template.jinja"] = template.encode("utf-8")
+        h = writer.finish(a.val_fraction, meta, tok_files, examples=ex)
+    except BaseException:
+        if pool is not None:
+            pool.terminate()
+        writer.abort()
+        raise
+    dt = time.time() - t_start
+    n = h["n_train"] + h["n_val"]
+    print(f"wrote {a.out} (format version 3): {n_ex} examples, {n} tokens (train {h['n_train']}, val {h['n_val']}), "
+          f"{n_asst} assistant tokens ({100.0 * n_asst / max(n, 1):.1f}%), {len(files)} file(s), vocab {vocab} "
+          f"(u{8 * dtype.itemsize}); {dt:.1f} s")
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------
 
 
@@ -262,6 +602,8 @@ def parse_args(argv):
     p.add_argument("--no-bos", action="store_true", help="no BOS before each document")
     p.add_argument("--eos-id", type=int, help="EOS id to use instead of the tokenizer's (required if it has none)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--date-string", help="chat data: the date a template that reads today's date renders "
+                   "(its date_string variable, e.g. '26 Jul 2024'), so the file never depends on the day it is made")
     a = p.parse_args(argv)
     a.inputs = a.inputs + a.more_inputs
     if not a.inputs:
@@ -284,6 +626,9 @@ def run(a):
     if not os.path.isdir(od):
         raise Fail(f"output '{out}': directory '{od}' does not exist")
     files = expand_inputs(a.inputs, out)
+    kind = jsonl_kind(files, a.text_field)
+    if kind != "text":
+        return run_chat(a, files, kind, t_start)
     backend, info, tok_files = load_tokenizer(a.tokenizer)
     vocab = info["vocab_size"]
     bos = None if a.no_bos else (a.bos_id if a.bos_id is not None else info["bos"])

@@ -112,6 +112,9 @@ TokenFileHeader parse_header(const std::string& path, const char* b, uint64_t si
   auto p = reinterpret_cast<const unsigned char*>(b);
   TokenFileHeader h;
   h.version = get<uint32_t>(p + 8);
+  if (h.version == 3)  // docs/data-format.md, "Version 3"; training on it is issue 55's next step
+    fail("format version 3 (chat data with example boundaries and role classes, written by scripts/tokenize_hf.py): "
+         "this build of shardtrain reads versions 1 and 2 only");
   if (h.version != 1 && h.version != 2)
     fail("unknown format version " + std::to_string(h.version) + " (field at byte offset 8; supported: 1, 2)");
   h.vocab_size = get<uint32_t>(p + 12);

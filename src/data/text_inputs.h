@@ -16,7 +16,8 @@ bool is_jsonl(const std::string& path);
 // The document of JSON Lines line `line` (1-based number `lineno` of file `path`): the string
 // value of field `field` of the JSON object on the line. Throws std::runtime_error
 // "<path>:<lineno>: ..." for invalid JSON, a value that is not an object, a missing field or a
-// field that is not a string.
+// field that is not a string; a chat or prompt/completion record ("messages"; "prompt" and
+// "completion") without the field is refused naming scripts/tokenize_hf.py.
 std::string jsonl_text(const std::string& line, const std::string& field, const std::string& path, uint64_t lineno);
 
 // The next line of JSON Lines file `path` from `in` into `line` (without its '\n'); false at the

@@ -76,6 +76,11 @@ std::string jsonl_text(const std::string& line, const std::string& field, const 
   }
   if (!j.is_object()) throw std::runtime_error(where + "not a JSON object (option '--input')");
   auto it = j.find(field);
+  // Chat data needs the model's chat template, which --mode prepare does not render (issue 55).
+  if (it == j.end() && (j.contains("messages") || (j.contains("prompt") && j.contains("completion"))))
+    throw std::runtime_error(where + "a " + std::string(j.contains("messages") ? "chat" : "prompt/completion") +
+                             " record: --mode prepare writes plain text only; chat data is rendered by the model's chat "
+                             "template with scripts/tokenize_hf.py (docs/data-format.md, \"Chat and prompt/completion data\")");
   if (it == j.end())
     throw std::runtime_error(where + "no field '" + field + "' (option '--text-field' names the field holding the text)");
   if (!it->is_string())
