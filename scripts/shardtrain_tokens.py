@@ -103,6 +103,23 @@ def read_token_file(path, check_tokens=True):
     h["metadata"], h["files"], h["starts"], h["roles"] = None, {}, None, None
     if h["version"] == 1:
         return h
+    try:
+        return _read_metadata(path, h, size, end_tokens)
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
+        if isinstance(e, TokenFileError):
+            raise
+        raise TokenFileError(f"token file '{path}': metadata field missing or of the wrong type "
+                             f"({type(e).__name__}: {e})") from None
+
+
+def _uint(x, what):
+    """A JSON non-negative integer (not a bool, not a float), else TypeError naming it."""
+    if isinstance(x, bool) or not isinstance(x, int) or x < 0:
+        raise TypeError(f"{what} is {x!r}, not a non-negative integer")
+    return x
+
+
+def _read_metadata(path, h, size, end_tokens):
     with open(path, "rb") as f:
         f.seek(end_tokens)
         raw = f.read(h["json_bytes"])
@@ -118,7 +135,9 @@ def read_token_file(path, check_tokens=True):
         area = end_tokens + h["json_bytes"]
         entries = []  # (name, offset, bytes, crc32 or None)
         for name, fm in tk.get("files", {}).items():
-            entries.append((f"tokenizer file '{name}'", int(fm["offset"]), int(fm["bytes"]), fm.get("crc32")))
+            crc = fm.get("crc32")
+            entries.append((f"tokenizer file '{name}'", _uint(fm["offset"], f"{name}.offset"),
+                            _uint(fm["bytes"], f"{name}.bytes"), None if crc is None else _uint(crc, f"{name}.crc32")))
         ex = meta.get("examples") if h["version"] == 3 else None
         if h["version"] == 3:
             if not isinstance(ex, dict):
@@ -127,7 +146,8 @@ def read_token_file(path, check_tokens=True):
                 e = ex.get(key)
                 if not isinstance(e, dict):
                     raise TokenFileError(f"token file '{path}': metadata examples.{key} is missing")
-                entries.append((f"examples.{key}", int(e["offset"]), int(e["bytes"]), e.get("crc32")))
+                entries.append((f"examples.{key}", _uint(e["offset"], f"examples.{key}.offset"),
+                                _uint(e["bytes"], f"examples.{key}.bytes"), _uint(e["crc32"], f"examples.{key}.crc32")))
         total = 0
         for what, off, nb, crc in sorted(entries, key=lambda x: x[1]):
             if off != total or nb < 0 or area + off + nb > size:
@@ -151,8 +171,8 @@ def read_token_file(path, check_tokens=True):
 def _check_examples(path, h, ex, area):
     """Version 3's arrays as memmaps, after the rules of docs/data-format.md."""
     n = h["n_train"] + h["n_val"]
-    count, n_tr, n_va = (int(ex.get(k, -1)) for k in ("count", "train", "val"))
-    if count < 0 or n_tr < 0 or n_va < 0 or n_tr + n_va != count:
+    count, n_tr, n_va = (_uint(ex.get(k), f"examples.{k}") for k in ("count", "train", "val"))
+    if n_tr + n_va != count or count > n:
         raise TokenFileError(f"token file '{path}': examples.count/train/val {count}/{n_tr}/{n_va} do not add up")
     if int(ex["starts"]["bytes"]) != 8 * count or int(ex["roles"]["bytes"]) != n:
         raise TokenFileError(f"token file '{path}': examples.starts holds {ex['starts']['bytes']} bytes, roles "
@@ -164,6 +184,8 @@ def _check_examples(path, h, ex, area):
     if (count == 0) != (n == 0) or (count and (int(starts[0]) != 0 or int(starts[-1]) >= n
                                                or (count > 1 and not bool(np.all(np.diff(starts.astype(np.int64)) > 0))))):
         raise TokenFileError(f"token file '{path}': examples.starts is not 0, then strictly increasing below {n}")
+    if n_va == 0 and h["n_val"]:
+        raise TokenFileError(f"token file '{path}': {h['n_val']} validation tokens without validation examples")
     if n_va and int(starts[n_tr]) != h["n_train"]:
         raise TokenFileError(f"token file '{path}': the validation split does not start at an example "
                              f"(starts[{n_tr}] = {int(starts[n_tr])}, n_train {h['n_train']})")

@@ -231,15 +231,18 @@ def jsonl_kind(files, text_field):
     for path in files:
         if not is_jsonl(path):
             continue
-        with _open(path) as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                    raise Fail(f"{path}:{lineno}: not a JSON line: {e}")
-                return record_kind(rec, text_field)
+        try:
+            with _open(path) as f:
+                for lineno, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        rec = json.loads(line)
+                    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                        raise Fail(f"{path}:{lineno}: not a JSON line: {e}")
+                    return record_kind(rec, text_field)
+        except (OSError, EOFError) as e:
+            raise Fail(f"{path}: cannot read it: {getattr(e, 'strerror', None) or e}")
     return "text"
 
 
@@ -317,10 +320,19 @@ class ChatRenderer:
                     break
                 except ValueError:
                     pass
-            # A template variable shadows the Jinja global transformers defines: strftime_now then
-            # formats the fixed day, so no rendering reads the clock.
-            self.kwargs = {"date_string": date_string,
-                           "strftime_now": (lambda f: day.strftime(f)) if day else _no_clock(date_string)}
+            self.kwargs = {"date_string": date_string}
+            if "strftime_now" in template:
+                # transformers compiles a template once (cached) with strftime_now among the Jinja
+                # environment's globals; a template variable cannot replace it (arguments are made
+                # plain data). Replaced in that environment, it formats the fixed day, so no
+                # rendering reads the clock.
+                try:
+                    from transformers.utils import chat_template_utils as ctu
+                    env = ctu._compile_jinja_template(template).environment
+                    env.globals["strftime_now"] = (lambda f: day.strftime(f)) if day else _no_clock(date_string)
+                except Exception as e:
+                    raise Fail(f"the chat template reads today's date (strftime_now) and this transformers version "
+                               f"does not let --date-string fix it ({type(e).__name__}: {_first_line(e)})")
         added = getattr(tok, "added_tokens_decoder", {}) or {}
         self.special = {int(i) for i, t in added.items() if getattr(t, "special", False)} | set(tok.all_special_ids)
 
@@ -332,10 +344,10 @@ class ChatRenderer:
         except Exception as e:  # jinja2 errors, raise_exception() of the template
             line = getattr(e, "lineno", None)
             raise Fail(f"{where}: the chat template failed to render{f' (template line {line})' if line else ''}: "
-                       f"{type(e).__name__}: {e}")
+                       f"{type(e).__name__}: {_first_line(e)}")
 
     def example(self, rec, where, kind):
-        tools = rec.get("tools") if kind == "chat" else None
+        tools = rec.get("tools")
         if kind == "chat":
             msgs = rec["messages"]
             check_messages(msgs, where)
@@ -343,6 +355,9 @@ class ChatRenderer:
         else:
             p, c = rec["prompt"], rec["completion"]
             if isinstance(p, str) and isinstance(c, str):
+                if tools is not None:
+                    raise Fail(f"{where}: 'tools' with a string prompt and completion: no chat template renders "
+                               f"them (give the prompt and completion as message lists)")
                 return self.plain_pair(p, c)
             check_messages(p, where, "prompt")
             check_messages(c, where, "completion")
@@ -356,6 +371,10 @@ class ChatRenderer:
                 continue
             if self.markers and kind == "chat":
                 continue
+            if i == 0:
+                raise Fail(f"{where}: message 0 is an assistant message: without {{% generation %}} markers its "
+                           f"answer is found by rendering the turns before it, and there are none (begin with a "
+                           f"system or user turn, or give the template markers)")
             before = self.render(msgs[:i], where, tools, add_generation_prompt=True)
             upto = self.render(msgs[: i + 1], where, tools)
             if not (upto.startswith(before) and full.startswith(upto) and len(upto) > len(before)):
@@ -368,7 +387,7 @@ class ChatRenderer:
                 out = self.tok.apply_chat_template(msgs, tools=tools, tokenize=True, return_dict=True,
                                                    return_assistant_tokens_mask=True, **self.kwargs)
             except Exception as e:
-                raise Fail(f"{where}: the chat template failed to render: {type(e).__name__}: {e}")
+                raise Fail(f"{where}: the chat template failed to render: {type(e).__name__}: {_first_line(e)}")
             ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
             n_asst = sum(1 for m in msgs if m["role"] == "assistant")
             runs = sum(1 for t in range(len(mask)) if mask[t] and (t == 0 or not mask[t - 1]))
@@ -424,6 +443,11 @@ class ChatRenderer:
         ids = p + c + [tok.eos_token_id]
         roles = np.array([0] * len(p) + [1] * len(c) + [2], dtype=np.uint8)
         return ids, roles
+
+
+def _first_line(e):
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
 
 
 def _no_clock(date_string):
@@ -595,7 +619,8 @@ def parse_args(argv):
     p.add_argument("--text-docs", choices=("file", "line"), default="file",
                    help="a text file is one document (file, default) or one per line (line)")
     p.add_argument("--val-fraction", type=float, default=0.1,
-                   help="last floor(n * f) tokens are the validation split (default 0.1)")
+                   help="last floor(n * f) tokens are the validation split (chat data: the last "
+                   "floor(examples * f) examples; default 0.1)")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="encoding processes (default: all cores)")
     p.add_argument("--batch-docs", type=int, default=1000, help="documents per batch sent to a worker")
     p.add_argument("--bos-id", type=int, help="BOS id to use instead of the tokenizer's")

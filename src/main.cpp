@@ -111,6 +111,10 @@ std::unique_ptr<TokenDataset> open_data(Comm& comm, const Options& o, ModelConfi
     const size_t n = data->files().size();
     what = n == 1 ? "token file '" + data->path() + "'"
                   : "token files '" + data->path() + "' and " + std::to_string(n - 1) + " more";
+    // Read and checked above; training on examples with role classes is issue 55's next step.
+    if (data->has_examples())
+      throw std::runtime_error(what + ": format version 3 (chat data with example boundaries and role classes, written "
+                                      "by scripts/tokenize_hf.py): this build of shardtrain does not train on it yet");
   });
   log_info(comm, "data: " + what + ": " + std::to_string(data->size(Split::Train)) + " train + " +
                      std::to_string(data->size(Split::Val)) + " validation tokens (" + data->files().front().format +

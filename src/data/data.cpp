@@ -112,18 +112,15 @@ TokenFileHeader parse_header(const std::string& path, const char* b, uint64_t si
   auto p = reinterpret_cast<const unsigned char*>(b);
   TokenFileHeader h;
   h.version = get<uint32_t>(p + 8);
-  if (h.version == 3)  // docs/data-format.md, "Version 3"; training on it is issue 55's next step
-    fail("format version 3 (chat data with example boundaries and role classes, written by scripts/tokenize_hf.py): "
-         "this build of shardtrain reads versions 1 and 2 only");
-  if (h.version != 1 && h.version != 2)
-    fail("unknown format version " + std::to_string(h.version) + " (field at byte offset 8; supported: 1, 2)");
+  if (h.version < 1 || h.version > 3)
+    fail("unknown format version " + std::to_string(h.version) + " (field at byte offset 8; supported: 1, 2, 3)");
   h.vocab_size = get<uint32_t>(p + 12);
   h.bos_id = get<uint32_t>(p + 16);
   h.eos_id = get<uint32_t>(p + 20);
   h.token_bytes = get<uint32_t>(p + 24);
   if (h.token_bytes != 2 && h.token_bytes != 4)
     fail("field 'bytes per token' (offset 24) is " + std::to_string(h.token_bytes) + "; supported: 2 (u16) or 4 (u32)");
-  const uint64_t J = h.version == 2 ? get<uint32_t>(p + 28) : 0;
+  const uint64_t J = h.version >= 2 ? get<uint32_t>(p + 28) : 0;
   if (meta_bytes) *meta_bytes = static_cast<uint32_t>(J);
   h.n_train = get<uint64_t>(p + 32);
   h.n_val = get<uint64_t>(p + 40);
@@ -132,18 +129,90 @@ TokenFileHeader parse_header(const std::string& path, const char* b, uint64_t si
   const uint64_t payload = (size - 64) / tb;  // tokens the file can hold; compared without overflow
   const bool fits = h.n_train <= payload && h.n_val <= payload - h.n_train;
   const uint64_t need = fits ? 64 + tb * (h.n_train + h.n_val) : 0;
-  if (!fits || (h.version == 1 && size != need) || (h.version == 2 && size - need < J))
+  if (!fits || (h.version == 1 && size != need) || (h.version >= 2 && size - need < J))
     fail("size " + std::to_string(size) + " bytes does not match header (" + std::to_string(h.n_train) + " train + " +
-         std::to_string(h.n_val) + " val tokens" + (h.version == 2 ? " + " + std::to_string(J) + " metadata bytes" : "") +
+         std::to_string(h.n_val) + " val tokens" + (h.version >= 2 ? " + " + std::to_string(J) + " metadata bytes" : "") +
          ")");
   return h;
 }
 
 int64_t special(uint32_t id) { return id == kNoTokenId ? -1 : static_cast<int64_t>(id); }
 
-// Version 2 metadata at `off` (J bytes) and the tokenizer files after it, up to the end of the file.
+// Version 3's examples, as read from the file (starts: into the file's tokens).
+struct FileExamples {
+  uint64_t train = 0, val = 0, roles_offset = 0;
+  std::vector<uint64_t> starts;
+};
+
+// Version 3's arrays (docs/data-format.md, "Version 3"): `ex` is the JSON's "examples" object, the
+// area (tokenizer files and arrays) starts at byte `area` and holds `area_bytes`. Checks the CRC32s
+// and the rules; returns the bytes the arrays take. Throws naming the file and field.
+uint64_t read_examples(const Fd& f, const std::string& path, const TokenFileHeader& h, const nlohmann::json& ex,
+                       uint64_t area, uint64_t area_bytes, FileExamples& out) {
+  auto fail = [&](const std::string& w) { fail_file(path, "metadata examples: " + w); };
+  auto u64 = [&](const nlohmann::json& o, const char* key) {  // a JSON integer >= 0, not 5.9 or -1
+    const nlohmann::json& v = o.at(key);
+    if (!v.is_number_unsigned()) fail(std::string(key) + " is " + v.dump().substr(0, 40) + ", not a non-negative integer");
+    return v.get<uint64_t>();
+  };
+  const uint64_t n = h.n_train + h.n_val;
+  const uint64_t count = u64(ex, "count");
+  out.train = u64(ex, "train");
+  out.val = u64(ex, "val");
+  if (out.train > count || out.val != count - out.train)
+    fail("count " + std::to_string(count) + " is not train " + std::to_string(out.train) + " + val " + std::to_string(out.val));
+  if ((count == 0) != (n == 0) || count > n)
+    fail(std::to_string(count) + " examples for " + std::to_string(n) + " tokens");
+  auto place = [&](const char* key, uint64_t want) {
+    const nlohmann::json& e = ex.at(key);
+    const uint64_t o = u64(e, "offset"), b = u64(e, "bytes");
+    if (b != want) fail(std::string(key) + " holds " + std::to_string(b) + " bytes, expected " + std::to_string(want));
+    if (o > area_bytes || b > area_bytes - o)
+      fail(std::string(key) + " (offset " + std::to_string(o) + ", " + std::to_string(b) +
+           " bytes) lies beyond the end of the file (" + std::to_string(area_bytes) + " bytes after the JSON)");
+    const uint64_t crc = u64(e, "crc32");
+    if (crc > 0xFFFFFFFFu) fail(std::string(key) + ".crc32 " + std::to_string(crc) + " is not a CRC32");
+    return std::tuple{area + o, static_cast<uint32_t>(crc)};
+  };
+  const auto [starts_at, starts_crc] = place("starts", 8 * count);
+  const auto [roles_at, roles_crc] = place("roles", n);
+  // The starts: 8 bytes an example, within the file's size (checked just above).
+  std::string raw(static_cast<size_t>(8 * count), '\0');
+  pread_all(f, path, raw.data(), raw.size(), starts_at);
+  if (crc32_update(0, raw.data(), raw.size()) != starts_crc) fail("starts at byte offset " + std::to_string(starts_at) + " fail their CRC32 (corrupt file)");
+  out.starts.resize(static_cast<size_t>(count));
+  for (uint64_t e = 0; e < count; ++e) {
+    const uint64_t v = get<uint64_t>(reinterpret_cast<const unsigned char*>(raw.data()) + 8 * e);
+    if ((e == 0 && v != 0) || (e > 0 && v <= out.starts[e - 1]) || v >= n)
+      fail("starts[" + std::to_string(e) + "] = " + std::to_string(v) + ": expected 0 first, then strictly increasing below " +
+           std::to_string(n) + " tokens");
+    out.starts[e] = v;
+  }
+  if (out.val > 0 && out.starts[out.train] != h.n_train)
+    fail("the validation split does not begin at an example (starts[" + std::to_string(out.train) + "] = " +
+         std::to_string(out.starts[out.train]) + ", n_train " + std::to_string(h.n_train) + ")");
+  if (out.val == 0 && h.n_val > 0) fail("validation tokens without validation examples");
+  // The roles: one u8 a token, in chunks (resident memory does not grow with the corpus).
+  std::vector<unsigned char> buf(static_cast<size_t>(std::min<uint64_t>(n, kScanChunk)));
+  uint32_t crc = 0;
+  for (uint64_t at = 0; at < n; at += buf.size()) {
+    const size_t k = static_cast<size_t>(std::min<uint64_t>(buf.size(), n - at));
+    pread_all(f, path, buf.data(), k, roles_at + at);
+    crc = crc32_update(crc, buf.data(), k);
+    for (size_t i = 0; i < k; ++i)
+      if (buf[i] >= kRoleClasses)
+        fail("role class " + std::to_string(buf[i]) + " of token " + std::to_string(at + i) + " at byte offset " +
+             std::to_string(roles_at + at + i) + " (known: 0-" + std::to_string(kRoleClasses - 1) + ")");
+  }
+  if (crc != roles_crc) fail("roles at byte offset " + std::to_string(roles_at) + " fail their CRC32 (corrupt file)");
+  out.roles_offset = roles_at;
+  return 8 * count + n;
+}
+
+// Version 2 and 3 metadata at `off` (J bytes) and the tokenizer files (version 3: and the example
+// arrays) after it, up to the end of the file.
 TokenizerInfo read_metadata(const Fd& f, const std::string& path, const TokenFileHeader& h, uint64_t off, uint64_t J,
-                            uint64_t size) {
+                            uint64_t size, FileExamples& examples) {
   using nlohmann::json;
   auto fail = [&](const std::string& w) { fail_file(path, "metadata (JSON at byte offset " + std::to_string(off) + "): " + w); };
   if (J > json_limits::kTokenFileMeta.max_bytes)  // before the bytes are allocated
@@ -198,9 +267,14 @@ TokenizerInfo read_metadata(const Fd& f, const std::string& path, const TokenFil
         t.files[name] = std::move(bytes);
         total += fb;
       }
+    if (h.version == 3) {
+      if (!j.contains("examples") || !j["examples"].is_object()) fail("version 3 without an 'examples' object");
+      total += read_examples(f, path, h, j["examples"], area, area_bytes, examples);
+    }
     if (total != area_bytes)
       fail_file(path, "size " + std::to_string(size) + " bytes does not match header and metadata: " +
-                          std::to_string(area_bytes) + " bytes after the JSON, its tokenizer files hold " +
+                          std::to_string(area_bytes) + " bytes after the JSON, its tokenizer files" +
+                          (h.version == 3 ? std::string(" and example arrays") : std::string()) + " hold " +
                           std::to_string(total));
   } catch (const json::exception& e) {
     fail(std::string("field missing or of the wrong type: ") + e.what());
@@ -212,6 +286,7 @@ struct OpenedFile {
   TokenFileEntry e;
   TokenFileHeader h;  // shardtrain files
   TokenizerInfo tok;  // shardtrain files
+  FileExamples examples;  // version 3
 };
 
 // Opens, identifies and scans one file (see TokenDataset).
@@ -319,8 +394,11 @@ OpenedFile open_and_scan(const std::string& path, DataFormat format, std::vector
   e.max_id = mx;
   e.max_id_offset = mx_off;
   if (format == DataFormat::Shardtrain) {
-    if (o.h.version == 2) {
-      o.tok = read_metadata(f, path, o.h, meta_off, meta_bytes, e.size);
+    if (o.h.version >= 2) {
+      o.tok = read_metadata(f, path, o.h, meta_off, meta_bytes, e.size, o.examples);
+      e.examples_train = o.examples.train;
+      e.examples_val = o.examples.val;
+      e.roles_offset = o.examples.roles_offset;
     } else {
       o.tok.kind = o.h.tokenizer;
       o.tok.vocab_size = o.h.vocab_size;
@@ -428,6 +506,13 @@ TokenDataset::TokenDataset(const std::vector<std::string>& train_files, const st
     tok_ = TokenizerInfo{};
     tok_.kind = "";
   }
+  // Chat data (version 3) is a sequence of examples, which other files do not have: one kind per dataset.
+  for (const OpenedFile& o : opened)
+    if ((o.h.version == 3) != (opened.front().h.version == 3))
+      throw std::runtime_error("token files '" + opened.front().e.path + "' (" + opened.front().e.format + ") and '" +
+                               o.e.path + "' (" + o.e.format + ") cannot be read as one dataset: format version 3 "
+                               "(chat data) has example boundaries and role classes, which the other has not");
+  has_examples_ = !opened.empty() && opened.front().h.version == 3;
   h_.token_bytes = 0;
   h_.n_train = h_.n_val = 0;
   std::string crcs;  // several files: CRC32 of their CRC32s (u32 little-endian, in order)
@@ -440,9 +525,12 @@ TokenDataset::TokenDataset(const std::vector<std::string>& train_files, const st
     auto add = [&](Split s, uint64_t first, uint64_t count) {
       if (count == 0) return;
       const int k = s == Split::Train ? 0 : 1;
-      start_[k].push_back(k == 0 ? h_.n_train : h_.n_val);
+      const uint64_t at = k == 0 ? h_.n_train : h_.n_val;  // the segment's stream offset
+      start_[k].push_back(at);
       seg_[k].push_back({i, first, count});
       (k == 0 ? h_.n_train : h_.n_val) += count;
+      for (uint64_t st : opened[i].examples.starts)  // version 3: the examples of tokens [first, first + count)
+        if (st >= first && st - first < count) starts_[k].push_back(at + st - first);
     };
     if (i < train_files.size()) {
       add(Split::Train, 0, e.n_train);
@@ -498,6 +586,26 @@ void TokenDataset::copy(Split s, uint64_t first, uint64_t count, uint32_t* out) 
       for (uint64_t i = 0; i < n; ++i) out[i] = get<uint16_t>(p + 2 * i);
     else
       for (uint64_t i = 0; i < n; ++i) out[i] = get<uint32_t>(p + 4 * i);
+    out += n;
+    first += n;
+    count -= n;
+    ++j;
+  }
+}
+
+void TokenDataset::copy_roles(Split s, uint64_t first, uint64_t count, uint8_t* out) const {
+  if (!has_examples_) throw std::logic_error("TokenDataset::copy_roles: the data has no role classes (format version 3)");
+  const int k = s == Split::Train ? 0 : 1;
+  if (first > size(s) || count > size(s) - first)
+    throw std::out_of_range("TokenDataset::copy_roles: tokens [" + std::to_string(first) + ", " +
+                            std::to_string(first + count) + ") beyond the stream's " + std::to_string(size(s)));
+  if (count == 0) return;
+  const auto& st = start_[k];
+  size_t j = static_cast<size_t>(std::upper_bound(st.begin(), st.end(), first) - st.begin()) - 1;
+  while (count > 0) {
+    const Segment& g = seg_[k][j];
+    const uint64_t in = first - st[j], n = std::min(count, g.count - in);
+    std::memcpy(out, maps_[g.file] + files_[g.file].roles_offset + g.first + in, static_cast<size_t>(n));
     out += n;
     first += n;
     count -= n;

@@ -388,7 +388,8 @@ def targets(bin_path, seeds, np2_every):
         "hf_tokenizer": ([("hf", "hf_sp/tokenizer.model"), ("hf", "hf_single/tokenizer.json")],
                          lambda rng, b, lim: mutate_sentencepiece(rng, b) if b[:1] != b"{" else mutate_json(rng, b, lim), hf, True),
         "checkpoint": ([("ck", "ckpt.h5")], raw_only(mutate_bytes), ckpt, False),
-        "token_file": ([("tok", "c.tok"), ("tok", "llmc.bin"), ("tok", "nanogpt.bin")], raw_only(mutate_bytes), tok, False),
+        "token_file": ([("tok", "c.tok"), ("tok", "llmc.bin"), ("tok", "nanogpt.bin"), ("tok", "chat.tok")],
+                       raw_only(mutate_bytes), tok, False),
         "ini": ([("ini", "job.ini")], raw_only(mutate_bytes), ini, False),
     }
 

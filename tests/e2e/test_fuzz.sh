@@ -22,6 +22,19 @@ hdr = [20240520, 1, len(ids)] + [0] * 253
 open(f"{d}/llmc.bin", "wb").write(struct.pack("<256i", *hdr) + struct.pack(f"<{len(ids)}H", *ids))
 open(f"{d}/nanogpt.bin", "wb").write(struct.pack(f"<{len(ids)}H", *ids))
 PY
+# A format version 3 token file (chat data: example starts, role classes) of the same bytes, by the
+# script's writer: examples of 100 tokens, roles cycling by example.
+"$PY" - "$S" "$ROOT/scripts" <<'PY'
+import sys
+sys.path.insert(0, sys.argv[2])
+import shardtrain_tokens as st
+d = sys.argv[1]
+ids = list(open(f"{d}/text.txt", "rb").read()[:3000])
+w = st.TokenFileWriter(f"{d}/chat.tok", 258, 256, 257, "byte-level", examples=True)
+for k in range(0, len(ids), 100):
+    w.append(ids[k:k + 100], [(k // 100 + i) % 3 for i in range(len(ids[k:k + 100]))])
+w.finish(0.1, {"documents": len(ids) // 100}, examples={"source": "chat"})
+PY
 "$BIN" --mode tokenizer --input "$S/big.txt" --vocab-size 400 --out "$S/sp_identity.model" >/dev/null
 "$PY" - "$S" <<'PY'
 import sys, sentencepiece as spm

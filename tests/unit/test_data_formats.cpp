@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -283,6 +284,135 @@ TEST(DataFormats, BadFilesNameTheFileAndTheOffset) {
   EXPECT_HAS(error_of([] { TokenDataset d({tmp("b1.tok"), tmp("w.bin")}, {}); }),
              "token file '" + tmp("w.bin") + "': token 5000 >= vocab_size 258 (of token file '" + tmp("b1.tok") +
                  "') at byte offset " + std::to_string(1024 + 2 * 42));
+}
+
+// Version 3 (chat data): examples with explicit starts and a role class per token, written here
+// byte by byte from docs/data-format.md ("Version 3"), independently of the reader.
+namespace {
+struct V3 {
+  std::vector<uint32_t> toks;
+  std::vector<uint64_t> starts;  // into toks
+  std::vector<uint8_t> roles;
+  uint64_t e_val = 0;            // the last e_val examples are the validation split
+};
+// Overrides for crafted files: a JSON field replaced, the arrays' CRC32 flipped.
+std::string v3_file(const V3& v, const std::string& override_key = "", const std::string& override_val = "",
+                    bool bad_crc = false) {
+  const uint64_t count = v.starts.size(), n = v.toks.size();
+  const uint64_t n_val = v.e_val ? n - v.starts[count - v.e_val] : 0;
+  std::string starts, roles(v.roles.begin(), v.roles.end());
+  for (uint64_t x : v.starts) put(starts, x, 8);
+  const uint32_t sc = crc32_update(0, starts.data(), starts.size()) ^ (bad_crc ? 1u : 0u);
+  const uint32_t rc = crc32_update(0, roles.data(), roles.size());
+  std::map<std::string, std::string> f = {
+      {"count", std::to_string(count)}, {"train", std::to_string(count - v.e_val)}, {"val", std::to_string(v.e_val)},
+      {"starts", "{\"offset\": 0, \"bytes\": " + std::to_string(starts.size()) + ", \"crc32\": " + std::to_string(sc) + "}"},
+      {"roles", "{\"offset\": " + std::to_string(starts.size()) + ", \"bytes\": " + std::to_string(roles.size()) +
+                    ", \"crc32\": " + std::to_string(rc) + "}"}};
+  if (!override_key.empty()) f[override_key] = override_val;
+  std::string ex;
+  for (auto& [k, x] : f) ex += (ex.empty() ? "" : ", ") + ("\"" + k + "\": " + x);
+  const std::string json = "{\"format\": \"shardtrain-tokens\", \"tokenizer\": {\"kind\": \"hf-tokenizers\", \"vocab_size\": 600, "
+                           "\"bos_id\": null, \"eos_id\": 2, \"files\": {}}, \"examples\": {" + ex + "}}";
+  std::string b = st_file(v.toks, n_val, 600, kNoTokenId, 2, "hf-tokenizers", json, starts + roles);
+  b[8] = 3;  // version 3 (st_file writes 2 when there is JSON)
+  return b;
+}
+// Examples of lengths `lens`; roles cycle 0, 1, 2 with the example index.
+V3 examples(const std::vector<uint64_t>& lens, uint64_t e_val, uint32_t salt) {
+  V3 v;
+  v.e_val = e_val;
+  for (size_t e = 0; e < lens.size(); ++e) {
+    v.starts.push_back(v.toks.size());
+    for (uint64_t i = 0; i < lens[e]; ++i) {
+      v.toks.push_back(static_cast<uint32_t>((salt + 31 * e + 7 * i) % 600));
+      v.roles.push_back(static_cast<uint8_t>((e + i) % 3));
+    }
+  }
+  return v;
+}
+std::vector<uint8_t> role_stream(const TokenDataset& ds, Split s) {
+  std::vector<uint8_t> r(ds.size(s));
+  ds.copy_roles(s, 0, r.size(), r.data());
+  return r;
+}
+}  // namespace
+
+TEST(DataFormats, Version3ExamplesAndRoleClasses) {
+  const V3 a = examples({5, 9, 1, 4, 7}, 2, 1), b = examples({3, 6}, 0, 2), c = examples({8, 2, 2}, 1, 3);
+  write(tmp("a3.tok"), v3_file(a));
+  write(tmp("b3.tok"), v3_file(b));
+  write(tmp("c3.tok"), v3_file(c));
+  TokenDataset one(tmp("a3.tok"));
+  EXPECT_TRUE(one.has_examples());
+  EXPECT_EQ(one.files()[0].format, "shardtrain v3");
+  EXPECT_EQ(one.size(Split::Train), 15u);  // 5 + 9 + 1; the last two examples (4 + 7) are validation
+  EXPECT_EQ(one.size(Split::Val), 11u);
+  EXPECT_EQ(one.example_starts(Split::Train), (std::vector<uint64_t>{0, 5, 14}));
+  EXPECT_EQ(one.example_starts(Split::Val), (std::vector<uint64_t>{0, 4}));
+  EXPECT_EQ(role_stream(one, Split::Train), std::vector<uint8_t>(a.roles.begin(), a.roles.begin() + 15));
+  EXPECT_EQ(role_stream(one, Split::Val), std::vector<uint8_t>(a.roles.begin() + 15, a.roles.end()));
+  uint8_t mid[4];
+  one.copy_roles(Split::Train, 12, 3, mid);  // across examples 1 and 2
+  EXPECT_EQ(std::vector<uint8_t>(mid, mid + 3), std::vector<uint8_t>(a.roles.begin() + 12, a.roles.begin() + 15));
+  EXPECT_THROW(one.copy_roles(Split::Val, 9, 3, mid), std::out_of_range);
+  // Several files: the train stream is a's 3 training examples, b's 2 and c's 2; validation from
+  // a's and c's validation splits; with --val-data, every example of the val files.
+  TokenDataset many({tmp("a3.tok"), tmp("b3.tok"), tmp("c3.tok")}, {});
+  EXPECT_EQ(many.example_starts(Split::Train), (std::vector<uint64_t>{0, 5, 14, 15, 18, 24, 32}));
+  EXPECT_EQ(many.example_starts(Split::Val), (std::vector<uint64_t>{0, 4, 11}));
+  std::vector<uint8_t> want(a.roles.begin(), a.roles.begin() + 15);
+  want.insert(want.end(), b.roles.begin(), b.roles.end());
+  want.insert(want.end(), c.roles.begin(), c.roles.begin() + 10);
+  EXPECT_EQ(role_stream(many, Split::Train), want);
+  TokenDataset val({tmp("b3.tok")}, {tmp("a3.tok"), tmp("c3.tok")});
+  EXPECT_EQ(val.example_starts(Split::Val), (std::vector<uint64_t>{0, 5, 14, 15, 19, 26, 34, 36}));
+  // Versions 1 and 2 have no examples.
+  write(tmp("v1e.tok"), st_file(seq(100, 258), 10));
+  TokenDataset plain(tmp("v1e.tok"));
+  EXPECT_FALSE(plain.has_examples());
+  EXPECT_TRUE(plain.example_starts(Split::Train).empty());
+  EXPECT_THROW(plain.copy_roles(Split::Train, 0, 1, mid), std::logic_error);
+
+  // Crafted files: each refused naming the file and what is wrong.
+  V3 bad_start = a;
+  bad_start.starts[2] = bad_start.starts[1];  // not strictly increasing
+  V3 bad_role = a;
+  bad_role.roles[11] = 3;
+  V3 split = a;  // the validation split begins inside an example
+  struct Bad {
+    const char* name;
+    std::string file, want;
+  } bad[] = {
+      {"crc", v3_file(a, "", "", true), "starts at byte offset"},
+      {"increasing", v3_file(bad_start), "starts[2] = 5: expected 0 first, then strictly increasing"},
+      {"role", v3_file(bad_role), "role class 3 of token 11"},
+      {"count", v3_file(a, "count", "6"), "count 6 is not train 3 + val 2"},
+      {"many", v3_file(a, "count", "100", false), "count 100 is not train"},
+      {"size", v3_file(a, "roles", "{\"offset\": 40, \"bytes\": 25, \"crc32\": 0}"), "roles holds 25 bytes, expected 26"},
+      {"beyond", v3_file(a, "roles", "{\"offset\": 41, \"bytes\": 26, \"crc32\": 0}"), "roles (offset 41, 26 bytes) lies beyond"},
+      {"missing", v3_file(a, "starts", "null"), "field missing or of the wrong type"},
+      {"split", v3_file(split, "train", "2"), "is not train 2 + val 2"},
+  };
+  for (const Bad& x : bad) {
+    const std::string p = tmp(std::string("v3bad_") + x.name + ".tok");
+    write(p, x.file);
+    const std::string m = error_of([&] { TokenDataset d(p); });
+    EXPECT_HAS(m, "token file '" + p + "'");
+    EXPECT_HAS(m, x.want);
+  }
+  // The split must begin at an example: a's header says n_train 15; move it to 20.
+  std::string shifted = v3_file(a);
+  shifted[32] = 20;
+  shifted[40] = 6;
+  write(tmp("v3bad_shift.tok"), shifted);
+  EXPECT_HAS(error_of([] { TokenDataset d(tmp("v3bad_shift.tok")); }), "the validation split does not begin at an example");
+  // One kind per dataset: a version 2 file of the same tokenizer beside it is refused.
+  write(tmp("v2same.tok"), st_file(seq(50, 600), 5, 600, kNoTokenId, 2, "hf-tokenizers",
+                                   "{\"tokenizer\": {\"kind\": \"hf-tokenizers\", \"vocab_size\": 600, "
+                                   "\"bos_id\": null, \"eos_id\": 2, \"files\": {}}}"));
+  EXPECT_HAS(error_of([] { TokenDataset d({tmp("a3.tok"), tmp("v2same.tok")}, {}); }),
+             "cannot be read as one dataset: format version 3 (chat data)");
 }
 
 TEST(DataFormats, GlobPatternsExpandSorted) {

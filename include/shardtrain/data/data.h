@@ -6,17 +6,18 @@
 // shardtrain token file layout (little-endian; documented in docs/data-format.md):
 //   offset  size  field
 //   0       8     magic "STTOKv1\0"
-//   8       4     u32 format version (1 or 2)
+//   8       4     u32 format version (1, 2 or 3)
 //   12      4     u32 vocab_size (258 for the byte tokenizer)
 //   16      4     u32 bos_id (256)
 //   20      4     u32 eos_id (257)
 //   24      4     u32 bytes per token: 2 (tokens are u16) or 4 (u32, for ids above 65535)
-//   28      4     u32 version 1: reserved (0); version 2: J, bytes of the metadata JSON
+//   28      4     u32 version 1: reserved (0); versions 2, 3: J, bytes of the metadata JSON
 //   32      8     u64 n_train tokens
 //   40      8     u64 n_val tokens
 //   48      16    tokenizer name, NUL-padded ("byte-level")
 //   64      b*n_train  train tokens, then b*n_val validation tokens (b = bytes per token)
-//   then (version 2) J bytes of metadata JSON, then the tokenizer's files
+//   then (versions 2, 3) J bytes of metadata JSON, then the tokenizer's files (version 3: and the
+//   example starts, u64 each, and the role classes, one u8 per token, as the JSON places them)
 #pragma once
 
 #include <cstdint>
@@ -28,6 +29,15 @@ namespace shardtrain {
 
 // "No such id" in a token file header's bos_id / eos_id (a tokenizer without BOS, as GPT-2's).
 inline constexpr uint32_t kNoTokenId = 0xFFFFFFFFu;
+
+// Format version 3 (chat data, docs/data-format.md "Version 3"): the role class of each token, as
+// scripts/tokenize_hf.py derives it from the model's chat template.
+enum class RoleClass : uint8_t {
+  Context = 0,    // system / user / tool turns, the template's markup, an assistant header
+  Assistant = 1,  // assistant content
+  EndOfTurn = 2,  // the end-of-turn token the template emits after an assistant message
+};
+inline constexpr uint8_t kRoleClasses = 3;
 
 // The tokenizer a token file was made with (format version 2 metadata, docs/data-format.md): what
 // export writes next to the model so that AutoTokenizer gives the ids training used.
@@ -106,6 +116,9 @@ struct TokenFileEntry {
   uint32_t max_id = 0;       // the largest token id in the file ...
   uint64_t max_id_offset = 0;  // ... and the byte offset (in the file) of its first occurrence
   bool known_vocab = false;  // shardtrain files: the header gives vocab_size / bos / eos
+  // Version 3: examples (the first `examples_train` are the training split) and where the arrays lie.
+  uint64_t examples_train = 0, examples_val = 0;
+  uint64_t roles_offset = 0;  // byte offset of the role classes (one u8 per token, train then val)
 };
 
 // A tokenized corpus over one or more files, memory-mapped read-only (MAP_SHARED): no token is
@@ -125,8 +138,10 @@ struct TokenFileEntry {
 // format is recognized), an unknown version, a token size other than 2 or 4, a header token count
 // beyond or not matching the file size, an odd size for raw u16, an id >= vocab_size ("token N >=
 // vocab_size V at byte offset O"), bad v2 metadata (JSON, kind / vocab / bos / eos disagreeing with
-// the header, a tokenizer file outside the file area or with another CRC32), and shardtrain files
-// that disagree on tokenizer / vocab_size / bos_id / eos_id. Ids of files without a vocabulary
+// the header, a tokenizer file outside the file area or with another CRC32), bad version 3 examples
+// (counts, array sizes and CRC32s, starts not 0 then strictly increasing, a validation split that
+// does not begin at an example, a role class >= kRoleClasses), version 3 files beside others, and
+// shardtrain files that disagree on tokenizer / vocab_size / bos_id / eos_id. Ids of files without a vocabulary
 // (llm.c, nanoGPT) are checked against the model's vocabulary at train start (max_id()).
 class TokenDataset {
  public:
@@ -157,6 +172,16 @@ class TokenDataset {
   uint32_t max_id() const { return max_id_; }
   std::string max_id_where() const;
 
+  // Format version 3 (every file; a dataset mixing it with other formats is refused at open): the
+  // stream is a sequence of examples. example_starts(s): the stream offset of each example's first
+  // token, strictly increasing, [0] = 0 (empty for an empty stream); example e is tokens
+  // [starts[e], starts[e+1]) (the last ends at size(s)). Empty for versions 1, 2 and other formats.
+  bool has_examples() const { return has_examples_; }
+  const std::vector<uint64_t>& example_starts(Split s) const { return starts_[s == Split::Train ? 0 : 1]; }
+  // Version 3: copies the role classes (RoleClass values) of tokens [first, first + count) of
+  // stream `s`. Throws std::logic_error without examples, std::out_of_range as copy().
+  void copy_roles(Split s, uint64_t first, uint64_t count, uint8_t* out) const;
+
  private:
   struct Segment {  // a run of tokens of one file in a stream
     size_t file;
@@ -168,6 +193,8 @@ class TokenDataset {
   std::vector<uint64_t> start_[2];  // stream offset of each segment
   uint32_t crc32_ = 0, max_id_ = 0;
   size_t max_id_file_ = 0;
+  bool has_examples_ = false;
+  std::vector<uint64_t> starts_[2];  // version 3: example starts of each stream
   TokenFileHeader h_;
   TokenizerInfo tok_;
 };
