@@ -321,21 +321,13 @@ class TokenFileWriter:
 
     def _drop_roles(self):
         if self.roles_tmp is not None:
-            self.rf.close()
-            try:
-                os.unlink(self.roles_tmp)
-            except FileNotFoundError:
-                pass
+            _close_and_remove(self.rf, self.roles_tmp)
             self.roles_tmp = None
 
     def abort(self):
         self._drop_roles()
         if self.tmp is not None:
-            self.f.close()
-            try:
-                os.unlink(self.tmp)
-            except FileNotFoundError:
-                pass
+            _close_and_remove(self.f, self.tmp)
             self.tmp = None
 
     def __enter__(self):
@@ -344,6 +336,14 @@ class TokenFileWriter:
     def __exit__(self, exc_type, exc, tb):
         self.abort()
         return False
+
+
+def _close_and_remove(f, path):
+    f.close()
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _umask():
