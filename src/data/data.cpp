@@ -569,35 +569,11 @@ std::string TokenDataset::max_id_where() const {
   return "token file '" + files_[max_id_file_].path + "' byte offset " + std::to_string(files_[max_id_file_].max_id_offset);
 }
 
-void TokenDataset::copy(Split s, uint64_t first, uint64_t count, uint32_t* out) const {
+template <typename F>
+void TokenDataset::for_each_run(Split s, uint64_t first, uint64_t count, const char* who, F&& f) const {
   const int k = s == Split::Train ? 0 : 1;
   if (first > size(s) || count > size(s) - first)
-    throw std::out_of_range("TokenDataset::copy: tokens [" + std::to_string(first) + ", " + std::to_string(first + count) +
-                            ") beyond the stream's " + std::to_string(size(s)));
-  if (count == 0) return;
-  const auto& st = start_[k];
-  size_t j = static_cast<size_t>(std::upper_bound(st.begin(), st.end(), first) - st.begin()) - 1;
-  while (count > 0) {
-    const Segment& g = seg_[k][j];
-    const TokenFileEntry& e = files_[g.file];
-    const uint64_t in = first - st[j], n = std::min(count, g.count - in);
-    const unsigned char* p = maps_[g.file] + e.data_offset + uint64_t{e.token_bytes} * (g.first + in);
-    if (e.token_bytes == 2)
-      for (uint64_t i = 0; i < n; ++i) out[i] = get<uint16_t>(p + 2 * i);
-    else
-      for (uint64_t i = 0; i < n; ++i) out[i] = get<uint32_t>(p + 4 * i);
-    out += n;
-    first += n;
-    count -= n;
-    ++j;
-  }
-}
-
-void TokenDataset::copy_roles(Split s, uint64_t first, uint64_t count, uint8_t* out) const {
-  if (!has_examples_) throw std::logic_error("TokenDataset::copy_roles: the data has no role classes (format version 3)");
-  const int k = s == Split::Train ? 0 : 1;
-  if (first > size(s) || count > size(s) - first)
-    throw std::out_of_range("TokenDataset::copy_roles: tokens [" + std::to_string(first) + ", " +
+    throw std::out_of_range(std::string("TokenDataset::") + who + ": tokens [" + std::to_string(first) + ", " +
                             std::to_string(first + count) + ") beyond the stream's " + std::to_string(size(s)));
   if (count == 0) return;
   const auto& st = start_[k];
@@ -605,12 +581,31 @@ void TokenDataset::copy_roles(Split s, uint64_t first, uint64_t count, uint8_t* 
   while (count > 0) {
     const Segment& g = seg_[k][j];
     const uint64_t in = first - st[j], n = std::min(count, g.count - in);
-    std::memcpy(out, maps_[g.file] + files_[g.file].roles_offset + g.first + in, static_cast<size_t>(n));
-    out += n;
+    f(g, g.first + in, n);
     first += n;
     count -= n;
     ++j;
   }
+}
+
+void TokenDataset::copy(Split s, uint64_t first, uint64_t count, uint32_t* out) const {
+  for_each_run(s, first, count, "copy", [&](const Segment& g, uint64_t at, uint64_t n) {
+    const TokenFileEntry& e = files_[g.file];
+    const unsigned char* p = maps_[g.file] + e.data_offset + uint64_t{e.token_bytes} * at;
+    if (e.token_bytes == 2)
+      for (uint64_t i = 0; i < n; ++i) out[i] = get<uint16_t>(p + 2 * i);
+    else
+      for (uint64_t i = 0; i < n; ++i) out[i] = get<uint32_t>(p + 4 * i);
+    out += n;
+  });
+}
+
+void TokenDataset::copy_roles(Split s, uint64_t first, uint64_t count, uint8_t* out) const {
+  if (!has_examples_) throw std::logic_error("TokenDataset::copy_roles: the data has no role classes (format version 3)");
+  for_each_run(s, first, count, "copy_roles", [&](const Segment& g, uint64_t at, uint64_t n) {
+    std::memcpy(out, maps_[g.file] + files_[g.file].roles_offset + at, static_cast<size_t>(n));
+    out += n;
+  });
 }
 
 void fill_batch(const TokenDataset& ds, Split split, uint64_t seed, int64_t index, int first, int count, int T,

@@ -187,6 +187,9 @@ class TokenDataset {
     size_t file;
     uint64_t first, count;  // in tokens of the file
   };
+  // Calls f(segment, token index in the file, n) for each run of tokens [first, first + count) of
+  // stream `s`, in order, across files; throws std::out_of_range naming `who` beyond the stream.
+  template <typename F> void for_each_run(Split s, uint64_t first, uint64_t count, const char* who, F&& f) const;
   std::vector<TokenFileEntry> files_;
   std::vector<const unsigned char*> maps_;  // mmap of each file (nullptr for an empty file)
   std::vector<Segment> seg_[2];
