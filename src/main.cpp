@@ -111,10 +111,6 @@ std::unique_ptr<TokenDataset> open_data(Comm& comm, const Options& o, ModelConfi
     const size_t n = data->files().size();
     what = n == 1 ? "token file '" + data->path() + "'"
                   : "token files '" + data->path() + "' and " + std::to_string(n - 1) + " more";
-    // Read and checked above; training on examples with role classes is issue 55's next step.
-    if (data->has_examples())
-      throw std::runtime_error(what + ": format version 3 (chat data with example boundaries and role classes, written "
-                                      "by scripts/tokenize_hf.py): this build of shardtrain does not train on it yet");
   });
   log_info(comm, "data: " + what + ": " + std::to_string(data->size(Split::Train)) + " train + " +
                      std::to_string(data->size(Split::Val)) + " validation tokens (" + data->files().front().format +
@@ -313,11 +309,16 @@ void run_train(Comm& comm, const Topology& topo, const Options& o) {
   const std::unique_ptr<Mesh> mesh = build_mesh(comm, topo, o);
   ModelConfig mc = resolve_model_config(comm, o.model);
   const std::unique_ptr<TokenDataset> data = open_data(comm, o, mc);
+  TrainConfig tc = o.train;  // settled against the data: example data's settings (identical on every rank)
+  std::string note;
+  if (const std::string why = apply_data_settings(tc, *data, o.data_given, &note); !why.empty())
+    throw CollectiveError(0, why);
+  if (!note.empty()) log_info(comm, note);
   std::string device_why;
   const DevicePlan dp = place_devices(comm, topo, o, device_why);
   const Backends b = make_backends(comm, topo, o, dp, device_why, *mesh, ctx);
   Engine eng{*mesh, *b.be, b.be16.get(), b.job_peak};
-  train(eng, mc, o.train, *data);
+  train(eng, mc, tc, *data);
 }
 
 // --mode plan with a pipeline (pp > 1 stages, m micro-batches per step): the total per rank of

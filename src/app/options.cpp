@@ -87,6 +87,9 @@ po::options_description describe(Options& o) {
       ("eval-batches", po::value<int>(&t.eval_batches)->default_value(t.eval_batches), "global batches of the validation split per evaluation")
       ("metrics", po::value<std::string>(&t.metrics_path), "JSON-lines metrics file written by rank 0")
       ("tensorboard", po::value<std::string>(&t.tensorboard_dir), "directory for TensorBoard event files of the same records (rank 0 writes; created if missing): tensorboard --logdir DIR, or wandb sync --sync-tensorboard DIR")
+      ("train-on", po::value<std::string>(&o.data_given.train_on), "example data (chat or prompt/completion examples written by scripts/tokenize_hf.py): which tokens are targets of the loss: assistant (default; alias completion: the answers and their end-of-turn tokens) | all (every token after an example's first)")
+      ("pack", po::value<std::string>(&o.data_given.pack), "example data: best-fit (default: examples packed into rows of --seq-len, best-fit decreasing, each under the document mask) | none (one example per row, padded)")
+      ("max-length-policy", po::value<std::string>(&o.data_given.max_length_policy), "example data: an example longer than --seq-len is truncate'd (default: its first --seq-len tokens) or drop'ped; either is counted at start")
       ("peak-tflops", po::value<double>(&o.peak_tflops), "MFU: the peak of each rank's device, TFLOP/s (GPU: dense bf16, or plain FP32 for fp32 runs; CPU: what its cores can do); replaces the GPU peak table and the CPU's measured peak. Default: the table by the GPU's name, or measured at start-up on the CPU");
   po::options_description mem("Memory (train, plan)");
   mem.add_options()
@@ -382,6 +385,11 @@ void fill_typed(Options& o) {
   o.train.pp.reshard = o.pp_reshard == "per-microbatch" ? Reshard::PerUse : Reshard::PerPass;
 
   o.train.attention_mask = parse_attention_mask(o.attention_mask);
+  // Example data's options are settled against the data (apply_data_settings); spellings checked now.
+  if (!o.data_given.train_on.empty()) o.train.train_on = parse_train_on(o.data_given.train_on);
+  if (!o.data_given.pack.empty()) o.train.pack = parse_pack_mode(o.data_given.pack);
+  if (!o.data_given.max_length_policy.empty())
+    o.train.max_length = parse_max_length_policy(o.data_given.max_length_policy);
   o.train.reduce_bf16 = o.reduce_dtype == "bf16";
   o.train.checkpoint_async = o.checkpoint_async == "on";
   o.train.overlap = OverlapConfig{o.overlap == "on", o.prefetch, parse_comm_progress(o.comm_progress)};
@@ -472,6 +480,7 @@ Options parse_options(Comm& comm, int argc, char** argv) {
     o.train.accept_changes = keys;
     o.peak_tflops_given = vm.count("peak-tflops") > 0;
     o.global_batch_given = vm.count("global-batch") > 0 && !vm["global-batch"].defaulted();
+    if (vm.count("attention-mask") && !vm["attention-mask"].defaulted()) o.data_given.attention_mask = o.attention_mask;
     o.help = vm.count("help") > 0;
     if (o.help) {
       std::ostringstream os;

@@ -238,9 +238,10 @@ template <typename T> void LlamaModel<T>::embed(UnitSource<T>& f, Context& ctx, 
   }
 }
 
-template <typename T> void LlamaModel<T>::check_ids(const int32_t* ids, int64_t n) const {
+template <typename T> void LlamaModel<T>::check_ids(const int32_t* ids, int64_t n, bool targets) const {
+  const int32_t lo = targets ? kNoTarget : 0;
   for (int64_t i = 0; i < n; ++i)
-    if (ids[i] < 0 || ids[i] >= c_.vocab_size)
+    if (ids[i] < lo || ids[i] >= c_.vocab_size)
       throw std::invalid_argument("token id out of range [0, " + std::to_string(c_.vocab_size) + ") at position " +
                                   std::to_string(i));
 }

@@ -46,7 +46,7 @@ template <typename T>
 double LlamaModel<T>::head(UnitSource<T>& f, Context& ctx, const int32_t* targets, bool grad, S grad_scale) {
   const LlamaDims& d = d_;
   const BlockRange& r = ctx.r_;
-  check_ids(targets, d.BT);
+  check_ids(targets, d.BT, /*targets=*/true);
   // Under TP the logits are this rank's vocabulary columns [chunk, Vl] of all BT rows (the final
   // norm's output all-gathered into full_), the loss the vocabulary-parallel one.
   const T* lnf = gather_rows(ctx.lnf_.data(), full_);

@@ -20,7 +20,8 @@ const std::vector<std::pair<std::string, std::string>>& checked_keys() {
       {"seq-len", "seq_len"}, {"global-batch", "global_batch"}, {"steps", "steps"},     {"lr", "lr"},
       {"min-lr", "min_lr"},   {"warmup", "warmup"},             {"beta1", "beta1"},     {"beta2", "beta2"},
       {"adam-eps", "eps"},    {"weight-decay", "weight_decay"}, {"clip", "clip"},       {"seed", "seed"},
-      {"attention-mask", "attention_mask"}};
+      {"attention-mask", "attention_mask"}, {"train-on", "train_on"}, {"pack", "pack"},
+      {"max-length-policy", "max_length_policy"}};
   return k;
 }
 // Setting `key` of a train_config; null when absent, except attention_mask: written only for

@@ -45,6 +45,11 @@ std::string train_config_json(const TrainConfig& tc, int world_size, int shard_g
   }
   if (tp > 1) j["tp"] = tp;
   if (tc.attention_mask == AttentionMask::Document) j["attention_mask"] = attention_mask_name(tc.attention_mask);
+  if (tc.examples) {  // what is trained on (absent: plain data, every token a target)
+    j["train_on"] = train_on_name(tc.train_on);
+    j["pack"] = pack_mode_name(tc.pack);
+    j["max_length_policy"] = max_length_policy_name(tc.max_length);
+  }
   return j.dump();
 }
 
@@ -75,7 +80,7 @@ template <typename T> void AdamW<T>::step(int64_t t, double lr, double grad_scal
 }
 
 std::string check_attention_mask(const TrainConfig& tc, const TokenDataset& data) {
-  if (tc.attention_mask != AttentionMask::Document) return "";
+  if (tc.attention_mask != AttentionMask::Document || tc.examples) return "";  // examples: documents are examples
   // Every file must name the EOS (llm.c and nanoGPT files name none even beside a file that does:
   // their documents would not end at the merged header's id).
   const bool merged_eos = data.header().eos_id != kNoTokenId;
@@ -97,6 +102,48 @@ TokenLayout batch_layout(const TrainConfig& tc, const TokenDataset& data, const 
   return {pos.data(), doc.data()};
 }
 
+MicroBatchReader batch_reader(std::shared_ptr<const PackedBatches> batches) {
+  auto pos = std::make_shared<std::vector<int32_t>>(), doc = std::make_shared<std::vector<int32_t>>();
+  return [batches, pos, doc](Split split, int64_t index, int first, int count, int32_t* tokens, int32_t* targets) {
+    const size_t n = static_cast<size_t>(count) * static_cast<size_t>(batches->stream(split).seq_len());
+    pos->resize(n);
+    doc->resize(n);
+    batches->fill(split, index, first, count, tokens, targets, doc->data(), pos->data());
+    return TokenLayout{pos->data(), doc->data()};
+  };
+}
+
+std::string apply_data_settings(TrainConfig& tc, const TokenDataset& data, const DataOptionsGiven& given,
+                                std::string* note) {
+  if (!given.train_on.empty()) tc.train_on = parse_train_on(given.train_on);
+  if (!given.pack.empty()) tc.pack = parse_pack_mode(given.pack);
+  if (!given.max_length_policy.empty()) tc.max_length = parse_max_length_policy(given.max_length_policy);
+  const std::string file = "token file '" + data.path() + "' (" + data.files().front().format + ")";
+  if (!data.has_examples()) {
+    tc.examples = false;
+    std::string opt;
+    if (!given.train_on.empty() && tc.train_on == TrainOn::Assistant) opt = "--train-on " + given.train_on;
+    else if (!given.pack.empty()) opt = "--pack";
+    else if (!given.max_length_policy.empty()) opt = "--max-length-policy";
+    if (opt.empty()) return "";
+    return "option '" + opt + "' applies to example data (chat or prompt/completion examples with role classes, token "
+           "format version 3, written by scripts/tokenize_hf.py), but " + file + " has none: every token is a "
+           "target there (use '--train-on all', or tokenize the examples with scripts/tokenize_hf.py)";
+  }
+  tc.examples = true;
+  if (given.attention_mask.empty() && tc.attention_mask != AttentionMask::Document) {
+    tc.attention_mask = AttentionMask::Document;
+    if (note)
+      *note = "data: example data: '--attention-mask document' (each example its own document: positions restart "
+              "and attention stays inside it)";
+  }
+  if (tc.pack == PackMode::BestFit && tc.attention_mask != AttentionMask::Document)
+    return "option '--attention-mask causal' with packed example data (" + file + ") would let each example attend "
+           "to the examples packed before it: leave '--attention-mask' out (document is the default for example "
+           "data) or give '--pack none' (one example per row)";
+  return "";
+}
+
 MicroBatchReader batch_reader(const TrainConfig& tc, const TokenDataset& data) {
   auto pos = std::make_shared<std::vector<int32_t>>(), doc = std::make_shared<std::vector<int32_t>>();
   return [tc, &data, pos, doc](Split split, int64_t index, int first, int count, int32_t* tokens, int32_t* targets) {
@@ -107,8 +154,8 @@ MicroBatchReader batch_reader(const TrainConfig& tc, const TokenDataset& data) {
 
 template <typename T>
 double evaluate(const Mesh& mesh, StageRunner<T>& runner, UnitSource<T>& f, const Schedule& schedule,
-                const TrainConfig& tc, int batches) {
-  double sum = 0;
+                const TrainConfig& tc, int batches, const PackedBatches* packed) {
+  double sum = 0, targets = 0;
   f.begin_pass("eval");  // the sharding layer prefetches along the order the last evaluation gathered in
   for (int e = 0; e < batches; ++e) {
     runner.begin(Split::Val, e);
@@ -117,10 +164,13 @@ double evaluate(const Mesh& mesh, StageRunner<T>& runner, UnitSource<T>& f, cons
     const double l = runner.run(schedule, 0.0f);
     if (mesh.counts_loss()) sum += l;
     runner.end();
+    targets += packed ? static_cast<double>(packed->batch_targets(Split::Val, e))
+                      : static_cast<double>(tc.global_batch) * tc.seq_len;
   }
   f.end_pass();
   mesh.world().all_reduce(&sum, 1, ReduceOp::Sum);
-  return sum / (static_cast<double>(batches) * tc.global_batch * tc.seq_len);
+  if (packed) return targets > 0 ? sum / targets : 0.0;
+  return sum / (static_cast<double>(batches) * tc.global_batch * tc.seq_len);  // as before: bitwise
 }
 
 StragglerStats straggler_stats(const std::vector<double>& compute_ms, const std::vector<double>& wait_ms,
@@ -186,8 +236,8 @@ ShardedTensors checkpoint_tensors(ShardedState<float>& f, AdamW<float>* opt) {
 template class AdamW<float>;
 template class AdamW<double>;
 template double evaluate<float>(const Mesh&, StageRunner<float>&, UnitSource<float>&, const Schedule&,
-                                const TrainConfig&, int);
+                                const TrainConfig&, int, const PackedBatches*);
 template double evaluate<bf16>(const Mesh&, StageRunner<bf16>&, UnitSource<bf16>&, const Schedule&,
-                               const TrainConfig&, int);
+                               const TrainConfig&, int, const PackedBatches*);
 
 }  // namespace shardtrain

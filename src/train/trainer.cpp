@@ -21,8 +21,14 @@ template <typename C> StepOutcome Trainer<C>::train_step(int64_t s) {
   // dp_replicate divides by it too), so each token's gradient enters with weight
   // (1 / (per_rank T / cp)) / (dp_shard cp dp_replicate) = 1 / (per_rank dp T) = 1 / (global_batch T):
   // the gradient of the mean over every target token of the global batch, with CP as without.
-  const float grad_scale = 1.0f / static_cast<float>(geo().rank_tokens());
+  // Example data: the mean over the global batch's target tokens instead (counted from the packed
+  // rows, which every rank knows: no collective), so each target's gradient enters with weight
+  // 1 / targets whatever micro-batch, rank, CP chunk or pipeline stage holds it. Every packed row
+  // holds a target (PackedExamples leaves out examples without one), so targets >= global_batch.
   const double tokens_per_step = static_cast<double>(tc_.global_batch) * tc_.seq_len;
+  const double targets = packed_ ? static_cast<double>(packed_->batch_targets(Split::Train, s)) : tokens_per_step;
+  const float grad_scale = packed_ ? static_cast<float>(tokens_per_step / targets / geo().rank_tokens())
+                                   : 1.0f / static_cast<float>(geo().rank_tokens());
   f_->zero_grads();
   double loss_sum = 0;
   units_->begin_pass("train");  // the sharding layer prefetches along the order the last step gathered in
@@ -49,7 +55,7 @@ template <typename C> StepOutcome Trainer<C>::train_step(int64_t s) {
                    stop_signal() != 0 ? 1.0 : 0.0, writer_ && writer_->failed() ? 1.0 : 0.0};
   comm_.all_reduce(red, 4, ReduceOp::Sum);
   StepOutcome o;
-  o.loss = red[0] / tokens_per_step;
+  o.loss = red[0] / targets;
   o.grad_norm = std::sqrt(red[1]);
   o.stop_requested = red[2] > 0;
   o.save_failed = red[3] > 0;
@@ -97,7 +103,7 @@ template <typename C> typename Backend<C>::BlockAttentionStats Trainer<C>::take_
 
 // Collective: the validation loss after `step` steps, logged and recorded.
 template <typename C> void Trainer<C>::evaluate_at(int64_t step) {
-  const double vl = evaluate(mesh_, *runner_, *units_, *run_.plan.eval_schedule, tc_, tc_.eval_batches);
+  const double vl = evaluate(mesh_, *runner_, *units_, *run_.plan.eval_schedule, tc_, tc_.eval_batches, packed_.get());
   (void)take_attention_stats();  // not the training steps' tile pairs
   res_.evals.push_back({step, vl});
   log_info(comm_, "eval step " + std::to_string(step) + " | val_loss " + fmt("%.4f", vl));

@@ -71,6 +71,7 @@ template <typename C> class Trainer {
  private:
   // Set-up (trainer_setup.cpp): the constructor's steps.
   ParallelPlan resolve_plan();
+  void pack_examples();
   void log_memory_plan(const ParallelPlan& plan);
   void allocate(const ParallelPlan& plan);
   void restore();
@@ -110,6 +111,7 @@ template <typename C> class Trainer {
   UnitPipeline<C>* units_ = nullptr;  // run_.units: the model's UnitSource over f_
   std::unique_ptr<LlamaModel<C>> model_;
   std::unique_ptr<AdamW<float>> opt_;
+  std::shared_ptr<const PackedBatches> packed_;  // example data (tc_.examples): the packed rows, else null
   std::unique_ptr<StageRunner<C>> runner_;  // runs this rank's actions: data, contexts, activations between stages
   CheckpointOptions co_;
   TrainState state_;         // the facts of the run: step, batch history, data and tokenizer record, layout

@@ -87,12 +87,48 @@ template <typename C> ParallelPlan Trainer<C>::resolve_plan() {
   if (data_.size(Split::Val) == 0)
     throw CollectiveError(0, "no validation tokens: the '--data' files have no validation split (llm.c and nanoGPT "
                              "files are all training tokens); name validation files with option '--val-data'");
+  if (tc_.examples) {
+    pack_examples();
+    return plan;
+  }
   for (auto [n, name] : {std::pair{data_.size(Split::Train), "train"}, std::pair{data_.size(Split::Val), "validation"}})
     if (n < static_cast<uint64_t>(tc_.seq_len) + 1)
       throw CollectiveError(0, std::string("the ") + name + " split of the token file holds " + std::to_string(n) +
                                    " tokens, fewer than one sequence of --seq-len + 1 = " +
                                    std::to_string(tc_.seq_len + 1));
   return plan;
+}
+
+// Example data: the examples packed into rows (every rank the same, from the same files), and a
+// line per split of what packing did; a split with no row to train on is refused.
+template <typename C> void Trainer<C>::pack_examples() {
+  agree(comm_, [&] {
+    packed_ = std::make_shared<PackedBatches>(
+        data_, PackOptions{tc_.seq_len, tc_.pack, tc_.max_length, tc_.train_on}, tc_.seed, tc_.global_batch);
+  });
+  for (Split s : {Split::Train, Split::Val}) {
+    const PackStats& p = packed_->stream(s).stats();
+    const std::string name = s == Split::Train ? "train" : "validation";
+    const std::string what =
+        std::to_string(p.examples) + " examples" +
+        (p.truncated ? ", " + std::to_string(p.truncated) + " truncated to --seq-len" : std::string()) +
+        (p.dropped_long ? ", " + std::to_string(p.dropped_long) + " longer than --seq-len left out" : std::string()) +
+        (p.dropped_no_target ? ", " + std::to_string(p.dropped_no_target) + " without a target token left out"
+                             : std::string());
+    if (p.rows == 0)
+      throw CollectiveError(0, "the " + name + " split of " + data_.path() + " has no example to train on (" + what +
+                                   "; --train-on " + train_on_name(tc_.train_on) + ", --max-length-policy " +
+                                   max_length_policy_name(tc_.max_length) + ")");
+    const double fill = static_cast<double>(p.tokens) / (static_cast<double>(p.rows) * tc_.seq_len);
+    log_info(comm_, "data: " + name + ": " + what + "; " + std::to_string(p.packed) + " in " + std::to_string(p.rows) +
+                        " rows of " + std::to_string(tc_.seq_len) + " (--pack " + pack_mode_name(tc_.pack) + ", " +
+                        fmt("%.1f", 100.0 * fill) + "% tokens, " +
+                        fmt("%.1f", 100.0 * static_cast<double>(p.targets) / (static_cast<double>(p.rows) * tc_.seq_len)) +
+                        "% targets, --train-on " + train_on_name(tc_.train_on) + ")" +
+                        (s == Split::Train ? "; an epoch is " + fmt("%.2f", static_cast<double>(p.rows) / tc_.global_batch) +
+                                                 " steps"
+                                           : std::string()));
+  }
 }
 
 // The memory plan, before anything is allocated (the process's own memory so far measured): every
@@ -134,7 +170,8 @@ template <typename C> void Trainer<C>::allocate(const ParallelPlan& plan) {
       if constexpr (std::is_same_v<C, bf16>) be = eng_.be16;
       else be = &eng_.be;
       runner_ = std::make_unique<StageRunner<C>>(mesh_, *be, *model_, *units_, run_.stage, run_.plan.pipeline,
-                                                 run_.pp.get(), batch_reader(tc_, data_), tc_.seq_len,
+                                                 run_.pp.get(),
+                                                 packed_ ? batch_reader(packed_) : batch_reader(tc_, data_), tc_.seq_len,
                                                  plan.geometry.per_rank, plan.geometry.micro_batch);
       runner_->reserve();  // the activations the first step needs, now
     } catch (const std::bad_alloc&) {

@@ -63,6 +63,9 @@ struct Options {
   std::string activation_checkpointing = "none";  // train, plan: none | selective | full (parse_recompute, model.h)
   std::string attention = "tiled";                // train, plan: tiled | exact (parse_attention, model.h)
   std::string attention_mask = "causal";          // train, plan: causal | document (parse_attention_mask, model.h)
+  // train, plan: --train-on, --pack, --max-length-policy and --attention-mask as given ("" = not
+  // given), settled against the data by apply_data_settings (train.h).
+  DataOptionsGiven data_given;
   std::string reduce_dtype = "fp32";  // train, bf16: dtype of the gradient reduce-scatter, fp32 | bf16
   std::string checkpoint_async = "on";  // train: on | off (TrainConfig::checkpoint_async)
   std::string overlap = "on";      // train: on | off (prefetched all-gathers, asynchronous reduce-scatters)

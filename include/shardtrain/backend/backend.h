@@ -31,6 +31,7 @@
 #include <utility>
 
 #include "shardtrain/backend/bf16.h"
+#include "shardtrain/backend/ops_math.h"  // kNoTarget
 #include "shardtrain/runtime/progress.h"
 
 namespace shardtrain {
@@ -247,9 +248,11 @@ template <typename T> class Backend {
   // dgate = ..., dup = ... (written, not accumulated).
   virtual void swiglu_backward(T* dgate, T* dup, const T* dh, const T* gate, const T* up, size_t n) = 0;
 
-  // Fused softmax cross-entropy. logits [N, V]; targets [N] ids in [0, V), backend memory (alloc_ids).
-  // Returns sum over rows of -log softmax(logits)[target] (double). If dlogits != nullptr writes
-  // dlogits = (softmax(logits) - onehot(target)) * grad_scale (may alias logits).
+  // Fused softmax cross-entropy. logits [N, V]; targets [N] ids in [0, V), or negative for a row
+  // that is no target (kNoTarget, packing.h: it adds 0 to the loss and its dlogits row is 0),
+  // backend memory (alloc_ids). Returns sum over rows of -log softmax(logits)[target] (double). If
+  // dlogits != nullptr writes dlogits = (softmax(logits) - onehot(target)) * grad_scale (may alias
+  // logits).
   virtual double cross_entropy(T* dlogits, const T* logits, const int32_t* targets, int N, int V,
                                S grad_scale) = 0;
   // The same, with the loss summed where it is computed: adds what cross_entropy would return to the
@@ -272,8 +275,9 @@ template <typename T> class Backend {
   // columns, logits [N, Vl] row-major = columns [v0, v0 + Vl) of the full [N, V] logits, of which
   // the first `valid` (0 <= valid <= Vl) are real and the rest padding of the vocabulary to a
   // multiple of G (masked: as -inf, never in a sum, gradient 0). targets [N]: global ids in
-  // [0, V), backend memory. Three local passes, the group's reductions between them (the model
-  // runs them through TensorParallelOps):
+  // [0, V), or negative (no target: 0 loss, a zero gradient row, as cross_entropy), backend
+  // memory. Three local passes, the group's reductions between them (the model runs them through
+  // TensorParallelOps):
   //   1. vocab_ce_max:    mx[i] = max over row i's real columns (-inf when valid == 0).
   //      (group: mx of every rank all-gathered into maxes [G, N], rank g's at g * N)
   //   2. vocab_ce_sum:    with m_i = max_g maxes[g * N + i]: st[2i] = sum over real columns of

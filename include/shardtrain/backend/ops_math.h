@@ -13,6 +13,13 @@
 #define ST_HD inline
 #endif
 
+namespace shardtrain {
+// A target that does not count: the cross-entropy (Backend::cross_entropy, the vocabulary-parallel
+// passes) gives its row no loss and a zero gradient. The -100 of Hugging Face's labels; packed
+// example data (data/packing.h) puts it on every token that is not a training target.
+inline constexpr int32_t kNoTarget = -1;
+}  // namespace shardtrain
+
 namespace shardtrain::math {
 
 ST_HD int32_t float_bits(float x) {

@@ -470,7 +470,8 @@ template <typename T> class LlamaModel {
   void ensure_context(Context& ctx);  // sized for d_ (B, T), when it is not yet
   void ensure_rows();                 // rows_ sized for d_ and filled, when it is not yet
   void check_range(const BlockRange& r) const;           // std::invalid_argument if not a range of this model
-  void check_ids(const int32_t* ids, int64_t n) const;  // std::invalid_argument if one is outside [0, V)
+  // std::invalid_argument if one is outside [0, V); targets: kNoTarget (-1, no loss) allowed too.
+  void check_ids(const int32_t* ids, int64_t n, bool targets = false) const;
   void expect_stage(const Context& ctx, Stage s, const char* call) const;  // std::logic_error if not at s
   // The embedding of ctx's tokens into x0 [R, C] (collective: gathers unit 0).
   void embed(UnitSource<T>& f, Context& ctx, const int32_t* tokens, T* x0);

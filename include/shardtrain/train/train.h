@@ -18,6 +18,7 @@
 #include "shardtrain/parallel/geometry.h"  // CpComm
 #include "shardtrain/model/model.h"
 #include "shardtrain/parallel/pipeline.h"
+#include "shardtrain/data/packing.h"  // TrainOn, PackMode, MaxLengthPolicy, PackedBatches
 #include "shardtrain/parallel/stage_runner.h"  // StageRunner, MicroBatchReader
 #include "shardtrain/shard/shard.h"
 #include "shardtrain/parallel/tensor_parallel.h"
@@ -78,6 +79,14 @@ struct TrainConfig {
   // data's EOS id) and restarts RoPE positions per document, in training and evaluation.
   AttentionMask attention_mask = AttentionMask::Causal;
   int loss_chunk = 0;               // tokens per LM-head / loss chunk; 0 = default_loss_chunk(V)
+  // Example data (token format version 3: chat or prompt/completion examples with role classes;
+  // data/packing.h): set by apply_data_settings when the data has examples. Then every batch is
+  // packed rows (PackedBatches), only target tokens count in the loss, and the mean is over the
+  // global batch's targets. train_on, pack and max_length change what is trained on (train_config).
+  bool examples = false;
+  TrainOn train_on = TrainOn::Assistant;                   // --train-on assistant (alias completion) | all
+  PackMode pack = PackMode::BestFit;                       // --pack best-fit | none
+  MaxLengthPolicy max_length = MaxLengthPolicy::Truncate;  // --max-length-policy truncate | drop
   // How the run computes and communicates: the result is the same for any overlap setting
   // (bitwise); precision changes the arithmetic (recorded in checkpoints, see train_config_json).
   Precision precision = Precision::FP32;  // --precision
@@ -103,7 +112,7 @@ struct Preempted : std::runtime_error {
 
 // The settings a resume compares with the checkpoint's train_config, by option name (without
 // dashes): seq-len, global-batch, steps, lr, min-lr, warmup, beta1, beta2, adam-eps, weight-decay,
-// clip, seed, attention-mask. A resume with any of them changed is refused unless '--accept-change'
+// clip, seed, attention-mask, and for example data train-on, pack, max-length-policy. A resume with any of them changed is refused unless '--accept-change'
 // names it.
 const std::vector<std::string>& resume_checked_settings();
 
@@ -114,7 +123,8 @@ const std::vector<std::string>& resume_checked_settings();
 // FSDP; 0 means W) (docs/checkpoint-format.md).
 // tp > 1 (a tensor-parallel run) adds "tp"; its checkpoints hold the canonical rows of all W
 // ranks (shard_group_size = world_size). --attention-mask document adds "attention_mask":
-// "document" (absent: causal).
+// "document" (absent: causal). Example data (tc.examples) adds "train_on", "pack" and
+// "max_length_policy" (their option spellings).
 std::string train_config_json(const TrainConfig& tc, int world_size = 0, int shard_group_size = 0, int tp = 1);
 
 // Learning rate at 0-based step s: linear warm-up lr*(s+1)/warmup for s < warmup, then cosine
@@ -250,6 +260,21 @@ double flops_per_token(const ModelConfig& c, int T);
 // cannot be read or written.
 TrainResult train(Engine& eng, const ModelConfig& model_cfg, const TrainConfig& tc, const TokenDataset& data);
 
+// The options of example data as given on the command line or in a job file ("" = not given).
+struct DataOptionsGiven {
+  std::string train_on, pack, max_length_policy, attention_mask;
+};
+// Settles tc's example-data settings against `data` (identical on every rank, so is the result):
+// example data (TokenDataset::has_examples) sets tc.examples, the given --train-on / --pack /
+// --max-length-policy (defaults: assistant, best-fit, truncate) and, when --attention-mask was not
+// given, the document mask (each example its own document); `note` gets a line saying so. Returns
+// "" or why the options do not fit the data, naming the option and the file: '--train-on assistant'
+// (or completion), '--pack', '--max-length-policy' on data without examples (every token a target);
+// '--attention-mask causal' with packed rows (examples would attend to each other). Throws
+// std::invalid_argument for a misspelled value (naming the option).
+std::string apply_data_settings(TrainConfig& tc, const TokenDataset& data, const DataOptionsGiven& given,
+                                std::string* note);
+
 // "" when tc's attention mask fits `data`, else why not: '--attention-mask document' with data that
 // names no EOS id (eos_id kNoTokenId: llm.c / nanoGPT files, a tokenizer without EOS), naming the
 // option and the files. The same on every rank (the data's header is).
@@ -264,15 +289,19 @@ TokenLayout batch_layout(const TrainConfig& tc, const TokenDataset& data, const 
 // fill_batch (data.h) with tc.seed and tc.seq_len, then batch_layout under tc's mask (positions and
 // document ids kept by the reader until its next call). Borrows `data`; copies tc.
 MicroBatchReader batch_reader(const TrainConfig& tc, const TokenDataset& data);
+// Example data (tc.examples): the packed rows of `batches` (PackedBatches::fill: targets kNoTarget
+// where the loss does not count; positions and documents per example), shared with the caller.
+MicroBatchReader batch_reader(std::shared_ptr<const PackedBatches> batches);
 
 // Collective over mesh.world(). Mean validation loss (nats/token) of the model `runner` runs
 // (stage_runner.h, reading through batch_reader) over `batches` global batches of the validation
 // split; this rank reads the rows of its data-parallel index (Mesh::dp_index), global_batch / dp_size
 // sequences of each batch, in micro-batches of tc.micro_batch (0: all at once), through the
 // forwards of `schedule` (ParallelPlan::eval_schedule, parallelize.h): with a pipeline the last
-// stage computes the loss.
+// stage computes the loss. The mean is over the batches' target tokens: those of `packed` (example
+// data), else every token (batches x global_batch x seq_len).
 template <typename T>
 double evaluate(const Mesh& mesh, StageRunner<T>& runner, UnitSource<T>& f, const Schedule& schedule,
-                const TrainConfig& tc, int batches);
+                const TrainConfig& tc, int batches, const PackedBatches* packed = nullptr);
 
 }  // namespace shardtrain

@@ -1,6 +1,7 @@
 // CPU backend: the loss of the LM head: cross-entropy over the logits (softmax, loss and its
 // gradient in one pass per row) and its vocabulary-parallel form (vocab_ce_max / _sum / _finish,
-// backend.h); rows side by side, the per-row losses added in row order. The per-element math
+// backend.h); rows side by side, the per-row losses added in row order. A row whose target is
+// negative (kNoTarget, packing.h) adds 0 and gets a zero gradient. The per-element math
 // (st_exp, group_max, vocab_ce_grad) is in include/shardtrain/backend/ops_math.h; the class and
 // its threading rules are in cpu_backend.h.
 #include <cmath>
@@ -20,6 +21,12 @@ double CpuBackend<T>::cross_entropy(T* dlogits, const T* logits, const int32_t* 
   par_ranges(static_cast<size_t>(N), row_grain(V), [&](size_t rb, size_t re) {
     std::vector<A> tmp(inplace ? 0 : static_cast<size_t>(V));
     for (size_t i = rb; i < re; ++i) {
+      if (tgt[i] < 0) {  // no target (kNoTarget): no loss, a zero gradient row
+        part_[i] = 0.0;
+        if (dlogits)
+          for (int v = 0; v < V; ++v) dlogits[i * V + v] = math::st<T>(A(0));
+        continue;
+      }
       const T* l = logits + i * V;
       A* e = inplace ? reinterpret_cast<A*>(dlogits + i * V) : tmp.data();  // may alias l
       A mx = math::ld(l[0]);
@@ -74,11 +81,17 @@ void CpuBackend<T>::vocab_ce_finish(T* dlogits, const T* logits, const int32_t* 
   part_.assign(static_cast<size_t>(N), 0.0);
   par_ranges(static_cast<size_t>(N), row_grain(static_cast<size_t>(Vl)), [&](size_t rb, size_t re) {
     for (size_t i = rb; i < re; ++i) {
+      T* d = dlogits ? dlogits + i * Vl : nullptr;  // may be the logits: each element read before it is written
+      if (tgt[i] < 0) {  // no target (kNoTarget): no loss, a zero gradient row
+        part_[i] = 0.0;
+        if (d)
+          for (int v = 0; v < Vl; ++v) d[v] = math::st<T>(A(0));
+        continue;
+      }
       const A m = math::group_max<A>(maxes, G, N, i), sum = st[2 * i];
       part_[i] = static_cast<double>(m + std::log(sum) - st[2 * i + 1]);
-      if (!dlogits) continue;
+      if (!d) continue;
       const T* l = logits + i * Vl;
-      T* d = dlogits + i * Vl;  // may be l: each element read before it is written
       const A k = grad_scale / sum;
       const int t = tgt[i] - v0;
       for (int v = 0; v < valid; ++v) d[v] = math::st<T>(math::vocab_ce_grad<A>(math::ld(l[v]), m, k, v == t, grad_scale));

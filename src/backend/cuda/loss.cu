@@ -17,7 +17,8 @@ namespace shardtrain {
 namespace {
 
 // One block per row: loss[i] = max + log(sum exp(l - max)) - l[target] (in float, as the CPU),
-// and, when dlogits != nullptr, dlogits = (softmax - onehot) * grad_scale. dlogits may alias
+// and, when dlogits != nullptr, dlogits = (softmax - onehot) * grad_scale; a negative target
+// (kNoTarget) gives loss 0 and a zero row. dlogits may alias
 // logits: every read of the row (the target logit included) happens before the barrier of the
 // second block_reduce, and the last pass reads and writes the same element in the same thread.
 template <typename T>
@@ -26,6 +27,12 @@ __global__ void cross_entropy_kernel(T* dlogits, const T* logits, const int32_t*
   for (int i = blockIdx.x; i < N; i += gridDim.x) {
     const T* l = logits + static_cast<size_t>(i) * V;
     const int target = tgt[i];
+    if (target < 0) {  // no target (kNoTarget): no loss, a zero gradient row (the branch is the block's)
+      if (threadIdx.x == 0) loss[i] = 0.0;
+      if (dlogits)
+        for (int v = threadIdx.x; v < V; v += blockDim.x) dlogits[static_cast<size_t>(i) * V + v] = math::st<T>(0.0f);
+      continue;
+    }
     const float lt = math::ld(l[target]);  // read before any thread overwrites the row
     float mx = -INFINITY;
     for (int v = threadIdx.x; v < V; v += blockDim.x) mx = MaxOp{}(mx, math::ld(l[v]));
@@ -82,6 +89,12 @@ __global__ void vocab_ce_finish_kernel(T* dlogits, const T* logits, const int32_
                                        int v0, const float* maxes, int G, const float* st, float grad_scale,
                                        double* loss) {
   for (int i = blockIdx.x; i < N; i += gridDim.x) {
+    if (tgt[i] < 0) {  // no target (kNoTarget): no loss, a zero gradient row
+      if (threadIdx.x == 0) loss[i] = 0.0;
+      if (dlogits)
+        for (int v = threadIdx.x; v < Vl; v += blockDim.x) dlogits[static_cast<size_t>(i) * Vl + v] = math::st<T>(0.0f);
+      continue;
+    }
     const float m = math::group_max<float>(maxes, G, N, static_cast<size_t>(i)), sum = st[2 * static_cast<size_t>(i)];
     if (threadIdx.x == 0) loss[i] = static_cast<double>(m + logf(sum) - st[2 * static_cast<size_t>(i) + 1]);
     if (!dlogits) continue;
