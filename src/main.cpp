@@ -2,6 +2,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <climits>
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
@@ -390,6 +391,47 @@ std::string device_memory_fits(const MemoryPlanInput& in, const std::string& siz
 
 // --mode plan: the memory plan of a training run with these options, for --world-size ranks, without
 // launching them; with --device-memory, the largest micro-batch that fits for each recompute mode.
+// --mode plan --data F: for example data (token format version 3), what packing does and the
+// target tokens per optimizer step (the loss's denominator), over the steps of the first epoch.
+void plan_targets(Comm& comm, const Options& o, ModelConfig mc, int dp) {
+  const std::unique_ptr<TokenDataset> data = open_data(comm, o, mc);
+  TrainConfig tc = o.train;
+  std::string note;
+  if (const std::string why = apply_data_settings(tc, *data, o.data_given, &note); !why.empty())
+    throw CollectiveError(0, why);
+  if (!tc.examples) {
+    log_info(comm, "data: every token a target: " + std::to_string(int64_t{tc.global_batch} * tc.seq_len) +
+                       " per step (" + std::to_string(tc.global_batch) + " x " + std::to_string(tc.seq_len) + ")");
+    return;
+  }
+  std::unique_ptr<PackedBatches> pb;
+  agree(comm, [&] {
+    pb = std::make_unique<PackedBatches>(*data, PackOptions{tc.seq_len, tc.pack, tc.max_length, tc.train_on}, tc.seed,
+                                         tc.global_batch, tc.shuffle);
+  });
+  const PackStats& p = pb->stream(Split::Train).stats();
+  const int64_t steps = std::max<int64_t>(1, p.rows / tc.global_batch);
+  int64_t lo = INT64_MAX, hi = 0, sum = 0;
+  for (int64_t k = 0; k < steps && p.rows > 0; ++k) {
+    const int64_t n = pb->batch_targets(Split::Train, k);
+    lo = std::min(lo, n);
+    hi = std::max(hi, n);
+    sum += n;
+  }
+  char b[160];
+  std::snprintf(b, sizeof b, "%.1f (min %lld, max %lld over the first epoch's %lld steps; %.1f%% of %lld positions)",
+                static_cast<double>(sum) / static_cast<double>(steps), static_cast<long long>(p.rows ? lo : 0),
+                static_cast<long long>(hi), static_cast<long long>(steps),
+                100.0 * static_cast<double>(sum) / static_cast<double>(steps) / (double(tc.global_batch) * tc.seq_len),
+                static_cast<long long>(int64_t{tc.global_batch} * tc.seq_len));
+  log_info(comm, "data: " + std::to_string(p.examples) + " training examples, " + std::to_string(p.packed) + " in " +
+                     std::to_string(p.rows) + " rows of " + std::to_string(tc.seq_len) + " (--pack " +
+                     pack_mode_name(tc.pack) + ", --train-on " + train_on_name(tc.train_on) + "; " +
+                     std::to_string(p.truncated) + " truncated, " + std::to_string(p.dropped_long) + " dropped as too long, " +
+                     std::to_string(p.dropped_no_target) + " without a target); target tokens per step: " + b +
+                     "; per data-parallel rank " + std::to_string(tc.global_batch / std::max(1, dp)) + " rows a step");
+}
+
 void run_plan(Comm& comm, const Topology& topo, const Options& o) {
   const ModelConfig mc = resolve_model_config(comm, o.model);
   const int W = o.plan_world_size > 0 ? o.plan_world_size : comm.world_size();
@@ -458,6 +500,7 @@ void run_plan(Comm& comm, const Topology& topo, const Options& o) {
   if (dims.pp > 1) os << schedule_totals(in, dims.pp, geo.geometry.accum);
   if (!o.device_memory.empty()) os << device_memory_fits(in, o.device_memory);
   log_info(comm, os.str());
+  if (!o.data.empty()) plan_targets(comm, o, mc, dims.dp());
   // --out FILE: the resolved model as a Hugging Face config.json (what a peer program, e.g.
   // tests/gpu/peer.py, builds the same model from). Rank 0 writes; all ranks agree on the outcome.
   if (!o.out.empty()) {

@@ -89,6 +89,7 @@ po::options_description describe(Options& o) {
       ("tensorboard", po::value<std::string>(&t.tensorboard_dir), "directory for TensorBoard event files of the same records (rank 0 writes; created if missing): tensorboard --logdir DIR, or wandb sync --sync-tensorboard DIR")
       ("train-on", po::value<std::string>(&o.data_given.train_on), "example data (chat or prompt/completion examples written by scripts/tokenize_hf.py): which tokens are targets of the loss: assistant (default; alias completion: the answers and their end-of-turn tokens) | all (every token after an example's first)")
       ("pack", po::value<std::string>(&o.data_given.pack), "example data: best-fit (default: examples packed into rows of --seq-len, best-fit decreasing, each under the document mask) | none (one example per row, padded)")
+      ("shuffle", po::value<std::string>(&o.data_given.shuffle), "example data: on (default: each epoch's rows in a seeded random order) | off (the rows in packing order; with --pack none the examples in file order)")
       ("max-length-policy", po::value<std::string>(&o.data_given.max_length_policy), "example data: an example longer than --seq-len is truncate'd (default: its first --seq-len tokens) or drop'ped; either is counted at start")
       ("peak-tflops", po::value<double>(&o.peak_tflops), "MFU: the peak of each rank's device, TFLOP/s (GPU: dense bf16, or plain FP32 for fp32 runs; CPU: what its cores can do); replaces the GPU peak table and the CPU's measured peak. Default: the table by the GPU's name, or measured at start-up on the CPU");
   po::options_description mem("Memory (train, plan)");
@@ -390,6 +391,8 @@ void fill_typed(Options& o) {
   if (!o.data_given.pack.empty()) o.train.pack = parse_pack_mode(o.data_given.pack);
   if (!o.data_given.max_length_policy.empty())
     o.train.max_length = parse_max_length_policy(o.data_given.max_length_policy);
+  if (!o.data_given.shuffle.empty() && o.data_given.shuffle != "on" && o.data_given.shuffle != "off")
+    throw std::invalid_argument("option '--shuffle' must be on or off, got '" + o.data_given.shuffle + "'");
   o.train.reduce_bf16 = o.reduce_dtype == "bf16";
   o.train.checkpoint_async = o.checkpoint_async == "on";
   o.train.overlap = OverlapConfig{o.overlap == "on", o.prefetch, parse_comm_progress(o.comm_progress)};

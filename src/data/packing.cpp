@@ -151,8 +151,10 @@ void PackedExamples::fill_row(int64_t r, int32_t* tokens, int32_t* targets, int3
   }
 }
 
-PackedBatches::PackedBatches(const TokenDataset& ds, const PackOptions& o, uint64_t seed, int global_batch)
-    : train_(ds, Split::Train, o), val_(ds, Split::Val, o), seed_(seed), G_(global_batch), T_(o.seq_len) {
+PackedBatches::PackedBatches(const TokenDataset& ds, const PackOptions& o, uint64_t seed, int global_batch,
+                             bool shuffle)
+    : train_(ds, Split::Train, o), val_(ds, Split::Val, o), seed_(seed), G_(global_batch), T_(o.seq_len),
+      shuffle_(shuffle) {
   if (global_batch < 1) throw std::invalid_argument("PackedBatches: global_batch must be >= 1");
 }
 
@@ -165,7 +167,7 @@ int64_t PackedBatches::row_of(Split s, int64_t j) const {
   const int64_t R = stream(s).rows();
   if (R <= 0) throw std::out_of_range("PackedBatches: the " + std::string(s == Split::Train ? "train" : "validation") +
                                       " split has no example to train on");
-  if (s == Split::Val) return j % R;
+  if (s == Split::Val || !shuffle_) return j % R;
   const int64_t e = j / R;
   std::shared_ptr<const std::vector<int64_t>> perm;
   {

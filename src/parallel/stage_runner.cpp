@@ -108,7 +108,7 @@ template <typename C> void StageRunner<C>::release(int m, int chunk) {
   live_.erase(it);
 }
 
-template <typename C> double StageRunner<C>::run(const Schedule& schedule, float grad_scale) {
+template <typename C> double StageRunner<C>::run(const Schedule& schedule, double grad_scale) {
   const int me = mesh_.coord().pp;
   std::vector<Action> acts;
   for (const Action& a : schedule.actions())
@@ -163,7 +163,7 @@ template <typename C> double StageRunner<C>::run(const Schedule& schedule, float
   return loss;
 }
 
-template <typename C> double StageRunner<C>::run_timed(const Action& a, float grad_scale) {
+template <typename C> double StageRunner<C>::run_timed(const Action& a, double grad_scale) {
   if (!timing_) return run_action(a, grad_scale);
   const double t0 = now_s(), w0 = link_->exposed_s();
   const double loss = run_action(a, grad_scale);
@@ -175,7 +175,7 @@ template <typename C> double StageRunner<C>::run_timed(const Action& a, float gr
   return loss;
 }
 
-template <typename C> double StageRunner<C>::run_action(const Action& a, float grad_scale) {
+template <typename C> double StageRunner<C>::run_action(const Action& a, double grad_scale) {
   const bool train = grad_scale > 0;
   const bool last = a.end == model_.config().num_hidden_layers, first = a.begin == 0;
   MicroBatch& b = load(a.microbatch);
@@ -185,7 +185,7 @@ template <typename C> double StageRunner<C>::run_action(const Action& a, float g
         model_.forward(f_, b.tok.data(), mb_, split_.rows(), b.layout);
         return train ? 0.0 : model_.loss(f_, b.tgt.data());
       case ActionKind::Backward: {
-        const double l = model_.head_backward(f_, b.tgt.data(), grad_scale);
+        const double l = model_.head_backward(f_, b.tgt.data(), static_cast<typename LlamaModel<C>::S>(grad_scale));
         model_.backward(f_);
         return l;
       }
@@ -213,7 +213,7 @@ template <typename C> double StageRunner<C>::run_action(const Action& a, float g
       const bool split = a.kind == ActionKind::BackwardInput;
       const C* grad = nullptr;
       if (last) {
-        loss = model_.head_backward(f_, ctx, b.tgt.data(), grad_scale);
+        loss = model_.head_backward(f_, ctx, b.tgt.data(), static_cast<typename LlamaModel<C>::S>(grad_scale));
       } else {
         link_->wait_recv(a.chunk, true, recv_buf_, rows_elems_);
         grad = recv_buf_;

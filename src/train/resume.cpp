@@ -21,7 +21,7 @@ const std::vector<std::pair<std::string, std::string>>& checked_keys() {
       {"min-lr", "min_lr"},   {"warmup", "warmup"},             {"beta1", "beta1"},     {"beta2", "beta2"},
       {"adam-eps", "eps"},    {"weight-decay", "weight_decay"}, {"clip", "clip"},       {"seed", "seed"},
       {"attention-mask", "attention_mask"}, {"train-on", "train_on"}, {"pack", "pack"},
-      {"max-length-policy", "max_length_policy"}};
+      {"max-length-policy", "max_length_policy"}, {"shuffle", "shuffle"}};
   return k;
 }
 // Setting `key` of a train_config; null when absent, except attention_mask: written only for

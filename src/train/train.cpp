@@ -23,6 +23,10 @@
 
 namespace shardtrain {
 
+double mean_loss_grad_scale(double tokens_per_step, double targets, double rank_tokens) {
+  return tokens_per_step / targets / rank_tokens;
+}
+
 double lr_at(const TrainConfig& tc, int64_t s) {
   if (s < tc.warmup) return tc.lr * static_cast<double>(s + 1) / static_cast<double>(tc.warmup);
   int64_t decay_steps = std::max<int64_t>(1, tc.steps - tc.warmup);
@@ -49,6 +53,7 @@ std::string train_config_json(const TrainConfig& tc, int world_size, int shard_g
     j["train_on"] = train_on_name(tc.train_on);
     j["pack"] = pack_mode_name(tc.pack);
     j["max_length_policy"] = max_length_policy_name(tc.max_length);
+    j["shuffle"] = tc.shuffle ? "on" : "off";
   }
   return j.dump();
 }
@@ -118,6 +123,11 @@ std::string apply_data_settings(TrainConfig& tc, const TokenDataset& data, const
   if (!given.train_on.empty()) tc.train_on = parse_train_on(given.train_on);
   if (!given.pack.empty()) tc.pack = parse_pack_mode(given.pack);
   if (!given.max_length_policy.empty()) tc.max_length = parse_max_length_policy(given.max_length_policy);
+  if (!given.shuffle.empty()) {
+    if (given.shuffle != "on" && given.shuffle != "off")
+      throw std::invalid_argument("option '--shuffle' must be on or off, got '" + given.shuffle + "'");
+    tc.shuffle = given.shuffle == "on";
+  }
   const std::string file = "token file '" + data.path() + "' (" + data.files().front().format + ")";
   if (!data.has_examples()) {
     tc.examples = false;
@@ -125,6 +135,7 @@ std::string apply_data_settings(TrainConfig& tc, const TokenDataset& data, const
     if (!given.train_on.empty() && tc.train_on == TrainOn::Assistant) opt = "--train-on " + given.train_on;
     else if (!given.pack.empty()) opt = "--pack";
     else if (!given.max_length_policy.empty()) opt = "--max-length-policy";
+    else if (!given.shuffle.empty()) opt = "--shuffle";
     if (opt.empty()) return "";
     return "option '" + opt + "' applies to example data (chat or prompt/completion examples with role classes, token "
            "format version 3, written by scripts/tokenize_hf.py), but " + file + " has none: every token is a "

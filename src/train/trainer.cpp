@@ -27,7 +27,8 @@ template <typename C> StepOutcome Trainer<C>::train_step(int64_t s) {
   // holds a target (PackedExamples leaves out examples without one), so targets >= global_batch.
   const double tokens_per_step = static_cast<double>(tc_.global_batch) * tc_.seq_len;
   const double targets = packed_ ? static_cast<double>(packed_->batch_targets(Split::Train, s)) : tokens_per_step;
-  const float grad_scale = packed_ ? static_cast<float>(tokens_per_step / targets / geo().rank_tokens())
+  const float grad_scale = packed_ ? static_cast<float>(mean_loss_grad_scale(tokens_per_step, targets,
+                                                                            static_cast<double>(geo().rank_tokens())))
                                    : 1.0f / static_cast<float>(geo().rank_tokens());
   f_->zero_grads();
   double loss_sum = 0;
@@ -41,6 +42,7 @@ template <typename C> StepOutcome Trainer<C>::train_step(int64_t s) {
   // Through the TP group, which counts it with the step's TP communication (its S is float for
   // both compute types). A pipeline: the tied embedding's gradient, summed over first and last stage.
   run_.finish_grads();
+  dump_grads_for_test();  // test hook (SHARDTRAIN_TEST_DUMP_GRADS): the first step's gradients
   // One all-reduce: loss, squared gradient norm, "some rank was asked to stop" (a signal) and "the
   // background checkpoint save of some rank failed" (AsyncCheckpointWriter), so every rank sees the
   // same values and takes the same decisions, a failed save included, at the same step boundary.

@@ -92,6 +92,7 @@ template <typename C> class Trainer {
   void write_record(const nlohmann::json& j);
   void check_outputs();
   void report_memory();
+  void dump_grads_for_test();
   const BatchGeometry& geo() const { return run_.plan.geometry; }  // the batch layout (geometry.h)
 
   Engine& eng_;
@@ -128,6 +129,7 @@ template <typename C> class Trainer {
   Interval interval_;
   std::vector<std::string> hosts_;  // every rank's host (its processor name), to name a straggler's node
   int64_t slow_rank_ms_ = 0;        // test hook SHARDTRAIN_TEST_SLOW_RANK (rank_sleep_hook): ms slept per step
+  bool grads_dumped_ = false;       // test hook SHARDTRAIN_TEST_DUMP_GRADS: done (first step only)
   Clock::time_point t_start_;  // the loop's start: elapsed_s of the step lines
   Clock::time_point t_first_;  // the end of this process's first step: the ETA's mean step time from there
   // The checkpoint saves (with --checkpoint-dir): a background writer thread on a communicator of

@@ -137,13 +137,44 @@ template <typename C> void Trainer<C>::report_memory() {
   log_info(comm_, peak_memory_report(ranks));
 }
 
+// Test hook SHARDTRAIN_TEST_DUMP_GRADS=DIR (a plain FSDP run on the CPU: no TP, no pipeline, one
+// replica group): after this process's first backward, every parameter's whole gradient (of the
+// mean loss, before clipping) written by rank 0 as DIR/<name>.bin, raw little-endian float32, so a
+// test can compare it with a reference's (tests/e2e/test_sft.sh: transformers). Collective over
+// the shard group (each unit's gradient shards gathered through the parameters' all-gather: the
+// shards are swapped in and back).
+template <typename C> void Trainer<C>::dump_grads_for_test() {
+  const char* dir = std::getenv("SHARDTRAIN_TEST_DUMP_GRADS");
+  if (!dir || grads_dumped_) return;
+  grads_dumped_ = true;
+  const MeshDims& d = mesh_.dims();
+  if (d.tp > 1 || d.pp > 1 || d.dp_replicate > 1 || !eng_.be.host_kernels())
+    throw CollectiveError(0, "SHARDTRAIN_TEST_DUMP_GRADS: plain FSDP runs on the CPU only");
+  auto swap_all = [&] {
+    for (int u = 0; u < f_->num_units(); ++u)
+      std::swap_ranges(f_->param_shard(u), f_->param_shard(u) + f_->plan().units[static_cast<size_t>(u)].shard_size,
+                       f_->grad_shard(u));
+  };
+  swap_all();
+  for (const UnitPlan& up : f_->plan().units)
+    for (const auto& p : up.params) {
+      const std::vector<float> g = f_->gather_param(p.spec.name);
+      if (comm_.rank() == 0)
+        std::ofstream(std::string(dir) + "/" + p.spec.name + ".bin", std::ios::binary)
+            .write(reinterpret_cast<const char*>(g.data()), static_cast<std::streamsize>(g.size() * sizeof(float)));
+    }
+  swap_all();
+}
+
 template void Trainer<float>::log_step(int64_t, const StepOutcome&);
 template void Trainer<float>::write_record(const nlohmann::json&);
 template void Trainer<float>::check_outputs();
 template void Trainer<float>::report_memory();
+template void Trainer<float>::dump_grads_for_test();
 template void Trainer<bf16>::log_step(int64_t, const StepOutcome&);
 template void Trainer<bf16>::write_record(const nlohmann::json&);
 template void Trainer<bf16>::check_outputs();
 template void Trainer<bf16>::report_memory();
+template void Trainer<bf16>::dump_grads_for_test();
 
 }  // namespace shardtrain::trainer_detail

@@ -104,7 +104,8 @@ template <typename C> ParallelPlan Trainer<C>::resolve_plan() {
 template <typename C> void Trainer<C>::pack_examples() {
   agree(comm_, [&] {
     packed_ = std::make_shared<PackedBatches>(
-        data_, PackOptions{tc_.seq_len, tc_.pack, tc_.max_length, tc_.train_on}, tc_.seed, tc_.global_batch);
+        data_, PackOptions{tc_.seq_len, tc_.pack, tc_.max_length, tc_.train_on}, tc_.seed, tc_.global_batch,
+        tc_.shuffle);
   });
   for (Split s : {Split::Train, Split::Val}) {
     const PackStats& p = packed_->stream(s).stats();
@@ -126,7 +127,7 @@ template <typename C> void Trainer<C>::pack_examples() {
                         fmt("%.1f", 100.0 * static_cast<double>(p.targets) / (static_cast<double>(p.rows) * tc_.seq_len)) +
                         "% targets, --train-on " + train_on_name(tc_.train_on) + ")" +
                         (s == Split::Train ? "; an epoch is " + fmt("%.2f", static_cast<double>(p.rows) / tc_.global_batch) +
-                                                 " steps"
+                                                 " steps" + (tc_.shuffle ? "" : ", rows in packing order (--shuffle off)")
                                            : std::string()));
   }
 }

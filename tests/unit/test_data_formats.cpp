@@ -13,8 +13,13 @@
 
 #include "shardtrain/data/data.h"
 #include "shardtrain/runtime/files.h"
+#include "../token_files.h"
 
 using namespace shardtrain;
+using shardtrain::testing::put;
+using shardtrain::testing::st_file;
+using shardtrain::testing::V3;
+using shardtrain::testing::v3_file;
 
 namespace {
 std::string tmp(const std::string& name) { return ::testing::TempDir() + "shardtrain_fmt_" + name; }
@@ -22,9 +27,6 @@ void write(const std::string& p, const std::string& s) { std::ofstream(p, std::i
 std::string read(const std::string& p) {
   std::ifstream f(p, std::ios::binary);
   return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-}
-void put(std::string& b, uint64_t v, int n) {
-  for (int i = 0; i < n; ++i) b.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
 }
 // llm.c: 256 int32 header (magic, version, token count, zeros), then the tokens.
 std::string llmc(const std::vector<uint32_t>& toks, bool llama3 = false, int64_t count = -1) {
@@ -40,21 +42,6 @@ std::string raw16(const std::vector<uint32_t>& toks) {
   std::string b;
   for (uint32_t t : toks) put(b, t, 2);
   return b;
-}
-// shardtrain: the 64-byte header, tokens (u16), then for version 2 the JSON and the file area.
-std::string st_file(const std::vector<uint32_t>& toks, uint64_t n_val, uint32_t vocab = 258, uint32_t bos = 256,
-                       uint32_t eos = 257, const std::string& kind = "byte-level", const std::string& json = "",
-                       const std::string& area = "") {
-  std::string b("STTOKv1\0", 8);
-  const bool v2 = !json.empty();
-  for (uint64_t v : {v2 ? 2u : 1u, vocab, bos, eos, 2u, v2 ? static_cast<uint32_t>(json.size()) : 0u}) put(b, v, 4);
-  put(b, toks.size() - n_val, 8);
-  put(b, n_val, 8);
-  std::string name = kind;
-  name.resize(16, '\0');
-  b += name;
-  for (uint32_t t : toks) put(b, t, 2);
-  return b + json + area;
 }
 std::vector<uint32_t> seq(size_t n, uint32_t mod, uint32_t mul = 2654435761u) {
   std::vector<uint32_t> v(n);
@@ -286,38 +273,9 @@ TEST(DataFormats, BadFilesNameTheFileAndTheOffset) {
                  "') at byte offset " + std::to_string(1024 + 2 * 42));
 }
 
-// Version 3 (chat data): examples with explicit starts and a role class per token, written here
-// byte by byte from docs/data-format.md ("Version 3"), independently of the reader.
+// Version 3 (chat data): examples with explicit starts and a role class per token, written byte by
+// byte from docs/data-format.md ("Version 3") by tests/token_files.h, independently of the reader.
 namespace {
-struct V3 {
-  std::vector<uint32_t> toks;
-  std::vector<uint64_t> starts;  // into toks
-  std::vector<uint8_t> roles;
-  uint64_t e_val = 0;            // the last e_val examples are the validation split
-};
-// Overrides for crafted files: a JSON field replaced, the arrays' CRC32 flipped.
-std::string v3_file(const V3& v, const std::string& override_key = "", const std::string& override_val = "",
-                    bool bad_crc = false) {
-  const uint64_t count = v.starts.size(), n = v.toks.size();
-  const uint64_t n_val = v.e_val ? n - v.starts[count - v.e_val] : 0;
-  std::string starts, roles(v.roles.begin(), v.roles.end());
-  for (uint64_t x : v.starts) put(starts, x, 8);
-  const uint32_t sc = crc32_update(0, starts.data(), starts.size()) ^ (bad_crc ? 1u : 0u);
-  const uint32_t rc = crc32_update(0, roles.data(), roles.size());
-  std::map<std::string, std::string> f = {
-      {"count", std::to_string(count)}, {"train", std::to_string(count - v.e_val)}, {"val", std::to_string(v.e_val)},
-      {"starts", "{\"offset\": 0, \"bytes\": " + std::to_string(starts.size()) + ", \"crc32\": " + std::to_string(sc) + "}"},
-      {"roles", "{\"offset\": " + std::to_string(starts.size()) + ", \"bytes\": " + std::to_string(roles.size()) +
-                    ", \"crc32\": " + std::to_string(rc) + "}"}};
-  if (!override_key.empty()) f[override_key] = override_val;
-  std::string ex;
-  for (auto& [k, x] : f) ex += (ex.empty() ? "" : ", ") + ("\"" + k + "\": " + x);
-  const std::string json = "{\"format\": \"shardtrain-tokens\", \"tokenizer\": {\"kind\": \"hf-tokenizers\", \"vocab_size\": 600, "
-                           "\"bos_id\": null, \"eos_id\": 2, \"files\": {}}, \"examples\": {" + ex + "}}";
-  std::string b = st_file(v.toks, n_val, 600, kNoTokenId, 2, "hf-tokenizers", json, starts + roles);
-  b[8] = 3;  // version 3 (st_file writes 2 when there is JSON)
-  return b;
-}
 // Examples of lengths `lens`; roles cycle 0, 1, 2 with the example index.
 V3 examples(const std::vector<uint64_t>& lens, uint64_t e_val, uint32_t salt) {
   V3 v;

@@ -101,11 +101,13 @@ class PackedExamples {
 // [index G, (index + 1) G) of the stream's rows in epoch order, wrapping into the next epoch:
 // sequence i of it is row j = index G + i of the concatenation of epochs, epoch e = j / R, and the
 // row taken is perm_e[j mod R] (R = rows). Training: perm_e is a Fisher-Yates shuffle of [0, R)
-// drawn from splitmix64(seed, e) (data.h's fill_batch uses the same mixer); validation: the
-// identity (every evaluation reads the same rows). Thread-safe (a small cache of permutations).
+// drawn from splitmix64(seed, e) (data.h's fill_batch uses the same mixer), or with shuffle false
+// the identity (the rows in packing order: with PackMode::None, the examples in file order, as a
+// sequential sampler reads them); validation: the identity (every evaluation reads the same rows).
+// Thread-safe (a small cache of permutations).
 class PackedBatches {
  public:
-  PackedBatches(const TokenDataset& ds, const PackOptions& o, uint64_t seed, int global_batch);
+  PackedBatches(const TokenDataset& ds, const PackOptions& o, uint64_t seed, int global_batch, bool shuffle = true);
   const PackedExamples& stream(Split s) const { return s == Split::Train ? train_ : val_; }
   // Sequences [first, first + count) of global batch `index`, as fill_row writes them ([count, T]
   // row-major each).
@@ -121,6 +123,7 @@ class PackedBatches {
   PackedExamples train_, val_;
   uint64_t seed_;
   int G_, T_;
+  bool shuffle_;
   mutable std::mutex mu_;
   mutable std::map<int64_t, std::shared_ptr<const std::vector<int64_t>>> perms_;  // epoch -> permutation (last two)
 };

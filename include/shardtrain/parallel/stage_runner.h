@@ -53,7 +53,8 @@ template <typename C> class StageRunner {
   // evaluation's batch number). Call before the actions of a step or of an evaluation batch.
   void begin(Split split, int64_t index);
   // Runs this rank's actions of `schedule` (those of its pipeline coordinate), in order. Training:
-  // grad_scale > 0 (the loss gradient's scale, head_backward); evaluation: Forward actions only,
+  // grad_scale > 0 (the loss gradient's scale, head_backward, in the model's scalar type S: a
+  // float model rounds it to float, a float64 one keeps it exact); evaluation: Forward actions only,
   // grad_scale 0. Returns the loss sum (nats) this rank computed: the last chunk's Backward in
   // training, its Forward in evaluation; else 0. Collective as the model calls are (the unit
   // source's group) and, with a pipeline, point-to-point with the neighbouring stages: the receive
@@ -61,7 +62,7 @@ template <typename C> class StageRunner {
   // (two buffers per direction), so it arrives during the current action's compute; with a grouped
   // link (stream-ordered Comms, pipeline.h) at the boundary before its action, grouped with the
   // finished action's send (pipeline_p2p_groups says which groups, in which order).
-  double run(const Schedule& schedule, float grad_scale);
+  double run(const Schedule& schedule, double grad_scale);
   // After the last action of a step or evaluation batch: waits for the sends in flight; every
   // context is free again.
   void end();
@@ -89,8 +90,8 @@ template <typename C> class StageRunner {
     TokenLayout layout;
   };
   MicroBatch& load(int m);
-  double run_timed(const Action& a, float grad_scale);
-  double run_action(const Action& a, float grad_scale);
+  double run_timed(const Action& a, double grad_scale);
+  double run_action(const Action& a, double grad_scale);
   int local_chunk(int chunk) const;           // index into stage_.ranges
   typename LlamaModel<C>::Context& context(int m, int chunk);  // the one of (m, chunk), made on first use
   void release(int m, int chunk);

@@ -87,6 +87,7 @@ struct TrainConfig {
   TrainOn train_on = TrainOn::Assistant;                   // --train-on assistant (alias completion) | all
   PackMode pack = PackMode::BestFit;                       // --pack best-fit | none
   MaxLengthPolicy max_length = MaxLengthPolicy::Truncate;  // --max-length-policy truncate | drop
+  bool shuffle = true;                                     // --shuffle on | off: the rows' order per epoch
   // How the run computes and communicates: the result is the same for any overlap setting
   // (bitwise); precision changes the arithmetic (recorded in checkpoints, see train_config_json).
   Precision precision = Precision::FP32;  // --precision
@@ -112,7 +113,7 @@ struct Preempted : std::runtime_error {
 
 // The settings a resume compares with the checkpoint's train_config, by option name (without
 // dashes): seq-len, global-batch, steps, lr, min-lr, warmup, beta1, beta2, adam-eps, weight-decay,
-// clip, seed, attention-mask, and for example data train-on, pack, max-length-policy. A resume with any of them changed is refused unless '--accept-change'
+// clip, seed, attention-mask, and for example data train-on, pack, max-length-policy, shuffle. A resume with any of them changed is refused unless '--accept-change'
 // names it.
 const std::vector<std::string>& resume_checked_settings();
 
@@ -126,6 +127,14 @@ const std::vector<std::string>& resume_checked_settings();
 // "document" (absent: causal). Example data (tc.examples) adds "train_on", "pack" and
 // "max_length_policy" (their option spellings).
 std::string train_config_json(const TrainConfig& tc, int world_size = 0, int shard_group_size = 0, int tp = 1);
+
+// Example data: the scale of the loss gradient on one rank (Trainer::train_step), so that the
+// gradient is that of the mean over the global batch's `targets` target tokens: tokens_per_step
+// (global_batch x seq_len) / targets / rank_tokens, where rank_tokens (BatchGeometry) is what the
+// reduce-scatter's mean over the shard group and replicas divides by in the rank's share (per_rank
+// x seq_len / cp): each target's gradient enters with weight 1 / targets. (Plain data: targets =
+// tokens_per_step, and the trainer keeps 1 / rank_tokens in float.)
+double mean_loss_grad_scale(double tokens_per_step, double targets, double rank_tokens);
 
 // Learning rate at 0-based step s: linear warm-up lr*(s+1)/warmup for s < warmup, then cosine
 // decay from lr to min_lr over the remaining steps (nanoGPT's get_lr).
@@ -262,14 +271,14 @@ TrainResult train(Engine& eng, const ModelConfig& model_cfg, const TrainConfig& 
 
 // The options of example data as given on the command line or in a job file ("" = not given).
 struct DataOptionsGiven {
-  std::string train_on, pack, max_length_policy, attention_mask;
+  std::string train_on, pack, max_length_policy, shuffle, attention_mask;
 };
 // Settles tc's example-data settings against `data` (identical on every rank, so is the result):
 // example data (TokenDataset::has_examples) sets tc.examples, the given --train-on / --pack /
-// --max-length-policy (defaults: assistant, best-fit, truncate) and, when --attention-mask was not
+// --max-length-policy / --shuffle (defaults: assistant, best-fit, truncate, on) and, when --attention-mask was not
 // given, the document mask (each example its own document); `note` gets a line saying so. Returns
 // "" or why the options do not fit the data, naming the option and the file: '--train-on assistant'
-// (or completion), '--pack', '--max-length-policy' on data without examples (every token a target);
+// (or completion), '--pack', '--max-length-policy', '--shuffle' on data without examples (every token a target);
 // '--attention-mask causal' with packed rows (examples would attend to each other). Throws
 // std::invalid_argument for a misspelled value (naming the option).
 std::string apply_data_settings(TrainConfig& tc, const TokenDataset& data, const DataOptionsGiven& given,
