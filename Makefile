@@ -7,6 +7,7 @@
 #   make jobs-test  installation checks of the Slurm job files on one node (tests/jobs/run.sh, < 3 min)
 #   make test-cp-matrix  the longer context-parallel matrix of issue 41 (tests/e2e/test_cp_matrix.sh, ~1 min)
 #   make test-pp-matrix  the whole pipeline-parallel matrix of issue 42 (tests/e2e/test_pp_matrix.sh, ~5 min)
+#   make test-sft-matrix the whole fine-tuning layout matrix of issue 55 (tests/e2e/test_sft.sh, ~3 min)
 #   make test-link-races  the link-swap races of issues 39 and 53 (tests/e2e/link_swap_race.sh, hf_dir_swap_race.sh: 200 + 100 imports, ~5 min)
 #   make slurm-test the job scripts under a real Slurm: a private two-node cluster on this machine (tests/slurm/run.sh, ~2 min)
 #   make bench   benchmarks (tinyshakespeare if ../shared/data has it) and the PyTorch peer; results for docs/benchmarks.md
@@ -120,7 +121,7 @@ MPI_OBJS := $(MPI_SRCS:%.cpp=$(BUILD)/%.o)
 GPU_SRCS := $(wildcard tests/gpu/*.cpp) tests/test_main.cpp
 GPU_OBJS := $(GPU_SRCS:%.cpp=$(BUILD)/%.o)
 
-.PHONY: bench-json all deps build binaries test test-cp-matrix test-pp-matrix test-link-races jobs-test slurm-test demo bench clean data venv comm-bench bench-overlap bench-checkpoint
+.PHONY: bench-json all deps build binaries test test-cp-matrix test-pp-matrix test-sft-matrix test-link-races jobs-test slurm-test demo bench clean data venv comm-bench bench-overlap bench-checkpoint
 all: build
 
 deps:
@@ -245,6 +246,12 @@ test-cp-matrix: build venv
 
 test-pp-matrix: build venv
 	bash tests/e2e/test_pp_matrix.sh $(BUILD)
+
+# Supervised fine-tuning's whole layout matrix (issue 55; make test runs tests/e2e/test_sft.sh with
+# its subset): dp 4, pp 2 x dp 2 zero-bubble, tp 2 x cp 2, pp 2 x tp 2, activation checkpointing,
+# bf16 cp 2, beside the subset, each against (1, 1).
+test-sft-matrix: build venv
+	SFT_MATRIX=full bash tests/e2e/test_sft.sh $(BUILD)
 
 # The link-swap races (not in make test: their outcome depends on timing; test_input_files.sh holds
 # the deterministic tests): a link of the model directory flipped to a file outside (issue 39), and
