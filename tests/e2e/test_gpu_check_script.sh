@@ -33,6 +33,7 @@ for want in 'PASS  env: shardtrain runs under mpirun' "SKIP  gpu_tests ($NCASES 
   'PASS  gpu-cp2-doc vs cpu-doc-ref' 'PASS  gpu-cp2-bf16 vs cpu-fp32' 'PASS  cpu-pp2 vs cpu-fp32' \
   'PASS  gpu-pp2-gpipe vs cpu-fp32' 'PASS  gpu-pp2-1f1b vs cpu-fp32' 'PASS  gpu-pp2-zero-bubble vs cpu-fp32' \
   'PASS  gpu-pp2-bf16 vs cpu-fp32' 'PASS  plugin-cpu: --device cpu, 3 steps trained' \
+  'PASS  gpu-sft-fp32 vs cpu-sft-ref' 'PASS  gpu-sft-tp2 vs cpu-sft-ref' 'PASS  gpu-sft-bf16 vs cpu-sft-ref' \
   'SKIP  plugin-gpu: skipped: no CUDA device'; do
   grep -qF -- "$want" "$WORK/ok.txt" || { cat "$WORK/ok.txt"; fail "run.sh output lacks '$want'"; }
 done

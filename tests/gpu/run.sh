@@ -34,6 +34,9 @@
 #   3d. pipeline parallelism (issue 42): --pp 2 with 2 ranks sharing the GPU (--gpu-comm mpi), gpipe,
 #      1f1b and zero-bubble fp32 within 1e-4, bf16 within 2e-2 of the CPU's single-rank losses; CPU --pp 2
 #      as control; with 2 GPUs or more also on NCCL (--gpu-comm nccl), each schedule
+#   3e. fine-tuning (issue 55): a chat token file made on the machine (chat_make.py, tokenize_hf.py with
+#       $PEER_PY), assistant tokens the only targets: 1 rank fp32 and bf16, --tp 2 fp32 (vocab_ce_*)
+#       against 1 CPU rank, 20 steps; skipped without transformers
 #   4. checkpoints across devices: GPU to step 10 then CPU to 20, and CPU then GPU, against an
 #      uninterrupted CPU run (1e-4)
 #   4b. asynchronous saves on the GPU, fp32 and bf16: the step-4 file of a --checkpoint-async on run
@@ -82,9 +85,9 @@ if [ -n "${GPU_CHECK_STAGES+set}" ] && [ -n "${GPU_CHECK_STAGES}" ] && [ -z "$ST
   echo "run.sh: GPU_CHECK_STAGES holds no stage" >&2; exit 2
 fi
 for id in $STAGES; do
-  case $id in 1 | 2 | 2b | 2c | 3 | 3b | 3c | 3d | 4 | 4b | 5 | 5b | 5c | 5d | 6) ;;
+  case $id in 1 | 2 | 2b | 2c | 3 | 3b | 3c | 3d | 3e | 4 | 4b | 5 | 5b | 5c | 5d | 6) ;;
     7) GPU_CHECK_PROFILE=1 ;;  # asked for by name: the profile runs
-    *) echo "run.sh: GPU_CHECK_STAGES='$STAGES': '$id' is no stage (2 2b 2c 3 3b 3c 3d 4 4b 5 5b 5c 5d 6 7, space-separated)" >&2; exit 2 ;;
+    *) echo "run.sh: GPU_CHECK_STAGES='$STAGES': '$id' is no stage (2 2b 2c 3 3b 3c 3d 3e 4 4b 5 5b 5c 5d 6 7, space-separated)" >&2; exit 2 ;;
   esac
 done
 on() {  # on STAGE: is this stage to run?
@@ -538,6 +541,42 @@ else
   for n in gpu-pp2-gpipe gpu-pp2-1f1b gpu-pp2-zero-bubble gpu-pp2-bf16; do skipped "$n" "no CUDA device"; done
 fi
 fi  # stage 3d
+
+# ---- 3e. fine-tuning on chat data ---------------------------------------------------------------
+if on 3e; then
+stage "3e. fine-tuning on chat data: the masked loss on the GPU (cross_entropy, and vocab_ce_* under --tp 2) vs the CPU, 20 steps" 70
+# A chat token file (format 3: role classes, example boundaries) made here by tests/e2e/chat_make.py
+# and scripts/tokenize_hf.py ($PEER_PY: transformers, tokenizers), a tiny model of its vocabulary:
+# only the assistant tokens are targets (kNoTarget elsewhere, which the CUDA kernels skip), rows
+# packed best-fit under the document mask. Reference: 1 rank on the CPU.
+SFT=$W/sft
+mkdir -p "$SFT"
+if ! "$PEER_PY" -c 'import transformers, tokenizers' >/dev/null 2>&1; then
+  for n in cpu-sft-ref cpu-sft-tp2 gpu-sft-fp32 gpu-sft-tp2 gpu-sft-bf16; do skipped "$n" "needs $PEER_PY with transformers"; done
+elif ! { timeout -k 5 "$(cap 40)" "$PEER_PY" "$ROOT/tests/e2e/chat_make.py" "$SFT" &&
+         timeout -k 5 "$(cap 40)" "$PEER_PY" "$ROOT/scripts/tokenize_hf.py" --tokenizer "$SFT/chatml-gen" \
+           --out "$SFT/c.tok" --quiet --workers 1 "$SFT/chat.jsonl"; } >"$L/sft-data.log" 2>&1; then
+  bad "sft-data: chat_make.py / tokenize_hf.py"; tail_log "$L/sft-data.log"
+else
+  cat >"$SFT/cfg.json" <<'J'
+{"architectures": ["LlamaForCausalLM"], "vocab_size": 600, "hidden_size": 64, "intermediate_size": 128,
+ "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+ "tie_word_embeddings": false, "bos_token_id": null, "eos_token_id": 2, "rope_theta": 10000.0}
+J
+  SFTA=(--model "$SFT/cfg.json" --data "$SFT/c.tok" --seq-len 128 --global-batch 8 --steps 20 --lr 1e-3 --warmup 2
+        --eval-batches 1 --log-every 1 --threads 1)
+  if run_np cpu-sft-ref 40 1 "${SFTA[@]}" "${CPU[@]}"; then ok "cpu-sft-ref (1 rank): $(grep -m1 'data: train:' "$L/cpu-sft-ref.log")"
+  else bad "cpu-sft-ref: reference run"; tail_log "$L/cpu-sft-ref.log"; fi
+  check cpu-sft-tp2 cpu-sft-ref 1e-5 1 2 "${SFTA[@]}" "${CPU[@]}" --tp 2  # control: TP on the CPU
+  if [ "$GPU" = 1 ]; then
+    check gpu-sft-fp32 cpu-sft-ref 1e-4 1 1 "${SFTA[@]}" "${G[@]}" --gpu-comm "$COMM1" --precision fp32
+    check gpu-sft-tp2 cpu-sft-ref 1e-4 1 2 "${SFTA[@]}" "${G[@]}" --gpu-comm mpi --precision fp32 --tp 2
+    check gpu-sft-bf16 cpu-sft-ref 2e-2 1 1 "${SFTA[@]}" "${G[@]}" --gpu-comm "$COMM1" --precision bf16
+  else
+    for n in gpu-sft-fp32 gpu-sft-tp2 gpu-sft-bf16; do skipped "$n" "no CUDA device"; done
+  fi
+fi
+fi  # stage 3e
 
 # ---- 4. checkpoints across devices ------------------------------------------------------------
 if on 4; then

@@ -27,7 +27,8 @@
 //     without documents; y, lse, dq, dk, dv within the flash tolerances, skipped tile pairs equal),
 //     the exact path's document mask, RoPE at positions (bitwise the device's whole-sequence rows);
 //     swiglu forward/backward;
-//   cross_entropy for V = 50257, 260 and 7 (66000 rows), with dlogits == nullptr, a separate
+//   cross_entropy for V = 50257, 260 and 7 (66000 rows; every fifth row without a target, kNoTarget:
+//     no loss, a zero gradient row), with dlogits == nullptr, a separate
 //     buffer and dlogits aliasing logits (loss and gradient; logits untouched when not aliased);
 //     cross_entropy_sum over two calls read by take_loss_sum (the sum of the two losses, bitwise);
 //   adamw (steps 1 and 1000); from_f32 (bitwise, incl. ties, NaN, Inf, overflow, subnormals);
@@ -1049,19 +1050,24 @@ template <typename T> void check_cross_entropy() {
     const size_t n = static_cast<size_t>(N) * V;
     const std::string sz = " N=" + std::to_string(N) + " V=" + std::to_string(V);
     std::vector<T> logits = randn<T>(n, g, 2.0);
-    const std::vector<int32_t> tgt = rand_ids(static_cast<size_t>(N), V, g);
+    std::vector<int32_t> tgt = rand_ids(static_cast<size_t>(N), V, g);
     for (int i = 0; i < N; ++i) {  // confident rows: right (p_target ~ 1, p - 1 cancels) and wrong
       const size_t t = static_cast<size_t>(tgt[static_cast<size_t>(i)]);
       const size_t o = static_cast<size_t>(i) * V;
       if (i % 8 == 0) logits[o + t] = cast<T>(val(logits[o + t]) + 12.0);
       if (i % 8 == 1) logits[o + (t + 1) % static_cast<size_t>(V)] = cast<T>(val(logits[o + (t + 1) % V]) + 12.0);
     }
+    for (int i = 3; i < N; i += 5) tgt[static_cast<size_t>(i)] = st::kNoTarget;  // rows without a target: 0, zero rows
     const double gsc = 0.37;
     // Host double: probabilities for the gradient magnitudes, term sizes of the loss.
     std::vector<double> mag(n);
     double loss_mag = 0;
     for (int i = 0; i < N; ++i) {
       const size_t o = static_cast<size_t>(i) * V, t = static_cast<size_t>(tgt[static_cast<size_t>(i)]);
+      if (tgt[static_cast<size_t>(i)] < 0) {  // a zero row: any error is an absolute one
+        for (int v = 0; v < V; ++v) mag[o + v] = gsc;
+        continue;
+      }
       double mx = -std::numeric_limits<double>::infinity(), sum = 0;
       for (int v = 0; v < V; ++v) mx = std::max(mx, val(logits[o + v]));
       for (int v = 0; v < V; ++v) sum += std::exp(val(logits[o + v]) - mx);
