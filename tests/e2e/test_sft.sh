@@ -154,3 +154,5 @@ expect_fail causal-packed "option '--attention-mask causal' with packed example 
   --global-batch 8 --steps 1 --attention-mask causal
 expect_fail pack-spelling "option '--pack' must be best-fit or none" 2 "${MODEL[@]}" --seq-len 128 --global-batch 8 \
   --steps 1 --pack first-fit
+expect_fail all-dropped "split of $WORK/c.tok has no example to train on" 2 "${MODEL[@]}" --seq-len 8 --global-batch 2 \
+  --steps 1 --max-length-policy drop
