@@ -1,16 +1,24 @@
-// The model and data of the pipeline MPI tests (test_pipeline.cpp, test_pp_reshard.cpp): a small
+// The model and data of the pipeline MPI tests (test_pipeline.cpp, test_pp_reshard.cpp, test_sft.cpp): a small
 // Llama of 8 blocks (pp 4 x v 2 interleaved: 8 chunks of one block), GQA, byte-level vocabulary, and
-// a token file each rank writes for itself (the same bytes) with a validation split.
+// a token file each rank writes for itself (the same bytes) with a validation split; their float64
+// gradients gathered whole and compared.
 #pragma once
 
 #include <unistd.h>
 
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <string>
+#include <vector>
 
 #include "shardtrain/model/config.h"
 #include "shardtrain/data/data.h"
+#include "shardtrain/shard/shard.h"
 #include "../test_env.h"
 
 namespace shardtrain::testing {
@@ -42,6 +50,40 @@ inline std::string pipeline_test_tokens(const std::string& tag) {
   }
   prepare_token_file({dir + "/a.txt"}, dir + "/a.tok", 0.2);
   return dir + "/a.tok";
+}
+
+// Every parameter's whole gradient of `f` by name: the gradient shards copied over the parameter
+// shards (which they replace), then gathered as parameters. Collective over f's data communicator.
+inline std::map<std::string, std::vector<double>> whole_grads(ShardedState<double>& f) {
+  std::map<std::string, std::vector<double>> g;
+  for (int u = 0; u < f.num_units(); ++u)
+    std::copy(f.grad_shard(u), f.grad_shard(u) + f.plan().units[static_cast<size_t>(u)].shard_size, f.param_shard(u));
+  for (const auto& up : f.plan().units)
+    for (const auto& p : up.params) g[p.spec.name] = f.gather_param(p.spec.name);
+  return g;
+}
+
+// Every parameter's gradient of `got` within 1e-12 of the largest element of the same parameter's
+// in `ref` (which is not all zero); returns how many parameters were compared.
+inline int expect_same_grads(const std::map<std::string, std::vector<double>>& got,
+                             const std::map<std::string, std::vector<double>>& ref) {
+  int n = 0;
+  for (const auto& [name, g] : got) {
+    const auto it = ref.find(name);
+    if (it == ref.end() || g.size() != it->second.size()) {
+      ADD_FAILURE() << name << ": not in the reference's gradients, or of another size";
+      continue;
+    }
+    double worst = 0, scale = 0;
+    for (size_t i = 0; i < g.size(); ++i) {
+      worst = std::max(worst, std::abs(g[i] - it->second[i]));
+      scale = std::max(scale, std::abs(it->second[i]));
+    }
+    EXPECT_GT(scale, 0.0) << name;
+    EXPECT_LE(worst, 1e-12 * scale) << name << ": worst difference " << worst << " of " << scale;
+    ++n;
+  }
+  return n;
 }
 
 }  // namespace shardtrain::testing

@@ -87,34 +87,10 @@ Step run_step(const st::ModelConfig& mc, int P, st::PipelineKind kind, int v, co
                        static_cast<size_t>(f.plan().units[static_cast<size_t>(ru.embedding)].shard_size));
   s.sumsq = f.local_grad_sumsq(true, ru.tied_copy ? ru.embedding : -1);
   if (link) s.groups = link->groups();
-  // The whole gradients: copied over the parameter shards, then gathered as parameters.
-  for (int u = 0; u < f.num_units(); ++u)
-    std::copy(f.grad_shard(u), f.grad_shard(u) + f.plan().units[static_cast<size_t>(u)].shard_size, f.param_shard(u));
-  for (const auto& up : f.plan().units)
-    for (const auto& p : up.params) s.grads[p.spec.name] = f.gather_param(p.spec.name);
+  s.grads = st::testing::whole_grads(f);
   return s;
 }
 
-// Every parameter's gradient of `s` within 1e-12 of its largest element of the whole model's;
-// returns how many parameters were compared.
-int expect_same_grads(const Step& s, const Step& whole) {
-  int n = 0;
-  for (const auto& [name, g] : s.grads) {
-    const auto it = whole.grads.find(name);
-    if (it == whole.grads.end() || g.size() != it->second.size()) {
-      ADD_FAILURE() << name << ": not in the whole model's gradients, or of another size";
-      continue;
-    }
-    double worst = 0, scale = 0;
-    for (size_t i = 0; i < g.size(); ++i) {
-      worst = std::max(worst, std::abs(g[i] - it->second[i]));
-      scale = std::max(scale, std::abs(it->second[i]));
-    }
-    EXPECT_LE(worst, 1e-12 * scale) << name << ": worst difference " << worst << " of " << scale;
-    ++n;
-  }
-  return n;
-}
 
 }  // namespace
 
@@ -149,7 +125,7 @@ TEST(Pipeline, Float64GradientsAndNormEqualTheWholeModel) {
         c.all_reduce(&sumsq, 1, st::ReduceOp::Sum);
         EXPECT_NEAR(loss, whole_loss, 1e-12 * std::abs(whole_loss));
         EXPECT_NEAR(sumsq, whole_sumsq, 1e-12 * whole_sumsq);
-        checked += expect_same_grads(s, whole);
+        checked += st::testing::expect_same_grads(s.grads, whole.grads);
       }
     }
   }
@@ -188,7 +164,7 @@ TEST(Pipeline, GroupedOrderForStreamOrderedCommsMatchesThePlanAndTheWholeModel) 
     EXPECT_EQ(s.groups.size(), plan.size());
     EXPECT_TRUE(s.groups == plan) << "rank " << c.rank() << ": the link's groups differ from pipeline_p2p_groups";
     EXPECT_FALSE(s.groups.empty());
-    checked += expect_same_grads(s, whole);
+    checked += st::testing::expect_same_grads(s.grads, whole.grads);
   }
   EXPECT_GT(checked, 0);
 }

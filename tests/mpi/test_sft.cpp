@@ -119,34 +119,10 @@ Step run_step(st::Comm& comm, const st::MeshDims& d, st::PipelineKind kind, cons
   if (!mesh.counts_loss()) loss = 0;
   comm.all_reduce(&loss, 1, st::ReduceOp::Sum);
   s.loss = loss / static_cast<double>(s.targets);
-  for (int u = 0; u < f.num_units(); ++u)
-    std::copy(f.grad_shard(u), f.grad_shard(u) + f.plan().units[static_cast<size_t>(u)].shard_size, f.param_shard(u));
-  for (const auto& up : f.plan().units)
-    for (const auto& p : up.params) s.grads[p.spec.name] = f.gather_param(p.spec.name);
+  s.grads = st::testing::whole_grads(f);
   return s;
 }
 
-// Every parameter's gradient of `s` (a pipeline stage's: the parameters it holds) within 1e-12 of
-// the largest element of the reference's; the number compared, summed over the world.
-int expect_same_grads(const Step& s, const Step& ref) {
-  int n = 0;
-  for (const auto& [name, g] : s.grads) {
-    const auto it = ref.grads.find(name);
-    if (it == ref.grads.end() || g.size() != it->second.size()) {
-      ADD_FAILURE() << name << ": not in the reference's gradients, or of another size";
-      continue;
-    }
-    double worst = 0, scale = 0;
-    for (size_t i = 0; i < g.size(); ++i) {
-      worst = std::max(worst, std::abs(g[i] - it->second[i]));
-      scale = std::max(scale, std::abs(it->second[i]));
-    }
-    EXPECT_GT(scale, 0.0) << name;
-    EXPECT_LE(worst, 1e-12 * scale) << name << ": worst difference " << worst << " of " << scale;
-    ++n;
-  }
-  return n;
-}
 
 }  // namespace
 
@@ -176,7 +152,7 @@ TEST(Sft, Float64LossAndGradientsOfPackedExamplesEqualW1AtEveryLayout) {
     const Step s = run_step(c, k.d, k.k, mc, data);
     EXPECT_EQ(s.targets, ref.targets);
     EXPECT_NEAR(s.loss, ref.loss, 1e-12 * ref.loss);
-    checked += expect_same_grads(s, ref);
+    checked += st::testing::expect_same_grads(s.grads, ref.grads);
   }
   c.all_reduce(&checked, 1, st::ReduceOp::Sum);
   EXPECT_GT(checked, 0);
