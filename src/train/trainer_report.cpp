@@ -99,6 +99,10 @@ template <typename C> void Trainer<C>::log_step(int64_t s, const StepOutcome& o)
                           {"slowest_rank", sl.ranks.slowest}, {"tokens_seen", seen}, {"update_skipped", o.skipped},
                           {"skipped_updates", state_.spikes.skipped_updates}};
       if (sl.ranks.flagged) j["straggler_rank"] = sl.ranks.slowest;
+      if (packed_) {  // example data: the epoch the step's rows end in (0-based) and its target tokens
+        j["epoch"] = packed_->epoch_of(s);
+        j["targets"] = packed_->batch_targets(Split::Train, s);
+      }
       j.update(dims_rec);
       if (mfu >= 0) j["mfu"] = mfu / 100;  // fraction of the peak; left out when the peak is unknown
       if (eta >= 0) j["eta_s"] = eta;
