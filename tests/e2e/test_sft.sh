@@ -10,10 +10,11 @@
 #   2. Exact at every layout: 20 fp32 steps, T = 128 (long conversations truncated), global batch 8
 #      in micro-batches of 2 (accumulation 4): dp 2, tp 2 x dp 2, cp 2 x dp 2, pp 2 x dp 2 (1F1B)
 #      within 1e-5 of (1, 1) (SFT_MATRIX=full, make test-sft-matrix: also dp 4 with accumulation 2,
-#      pp 2 x dp 2 zero-bubble, tp 2 x cp 2, pp 2 x tp 2, full activation checkpointing at dp 2;
+#      pp 2 x dp 2 zero-bubble, tp 2 x cp 2, pp 2 x tp 2, full activation checkpointing at dp 2,
+#      hybrid sharding (2 replicas of 2);
 #      and bf16 cp 2 x dp 2 within 2e-3 of bf16 (1, 1)).
-#   3. Resume: a tp 2 x dp 2 run stopped at step 10 and resumed at pp 2 x dp 2 continues within
-#      1e-5 of the straight run.
+#   3. Resume: a tp 2 x dp 2 run (a background save at step 5) stopped at step 10 and resumed at
+#      pp 2 x dp 2 continues within 1e-5 of the straight run.
 #   4. TRL: SFTTrainer(assistant_only_loss=True, packing=False), one process, sequential order:
 #      its assistant masks equal the file's role classes for every conversation of both template
 #      styles (ChatML, Llama 3 with generation markers), and shardtrain with --pack none --shuffle
@@ -82,7 +83,8 @@ if [ "${SFT_MATRIX:-}" = full ]; then
   layout tp2cp2 4 --micro-batch 2 --tp 2 --cp 2
   layout pp2tp2 4 --micro-batch 2 --pp 2 --tp 2
   layout recompute 2 --micro-batch 1 --activation-checkpointing full
-  for r in dp4 pp2dp2zb tp2cp2 pp2tp2 recompute; do compare w1 $r 1e-5; done
+  layout hsdp 4 --micro-batch 1 --shard-group-size 2
+  for r in dp4 pp2dp2zb tp2cp2 pp2tp2 recompute hsdp; do compare w1 $r 1e-5; done
   # bf16 at lr 1e-3: at 3e-3 step 10 is a loss spike, where bf16 roundings of two layouts part by 0.7%
   # (fp32: 1e-7); the project's bf16 tolerance (test_cp_matrix.sh, test_mixed_precision.sh) otherwise.
   BF16=("${MODEL[@]}" --seq-len 128 --global-batch 8 --steps $STEPS --lr 1e-3 --warmup 2 --precision bf16)
@@ -92,7 +94,8 @@ if [ "${SFT_MATRIX:-}" = full ]; then
 fi
 
 # 3. Resume mid-epoch at another layout (an epoch is the packed rows / 8 steps).
-layout stop 4 --micro-batch 1 --tp 2 --checkpoint-dir "$WORK/ck" --stop-at-step 10
+layout stop 4 --micro-batch 1 --tp 2 --checkpoint-dir "$WORK/ck" --checkpoint-every 5 --stop-at-step 10
+grep -q "step 5.*in the background" "$WORK/stop.log" || { cat "$WORK/stop.log"; fail "no background save"; }
 run resumed 4 "${TRAIN[@]}" --micro-batch 1 --pp 2 --checkpoint-dir "$WORK/ck" --resume auto --metrics "$WORK/resumed.jsonl"
 grep -q "resum" "$WORK/resumed.log" || { cat "$WORK/resumed.log"; fail "did not resume"; }
 compare w1 resumed 1e-5 11
