@@ -7,6 +7,7 @@ scripts/tokenize_hf.py, the tests and other scripts share.
     t["metadata"]["tokenizer"]    # version 2: the tokenizer's description
     t["files"]["tokenizer.json"]  # version 2: the tokenizer's files, as bytes
     t["starts"], t["roles"]       # version 3: example starts (u64) and role classes (u8), memmaps
+    t["metadata"]["examples"]["end_of_turn_ids"]  # version 3: the ids of the end-of-turn tokens
 
     w = st.TokenFileWriter("out.tok", vocab_size=50257, bos_id=None, eos_id=50256, kind="hf-tokenizers")
     w.append(ids)                 # any number of times; streamed to a temporary file
@@ -162,6 +163,9 @@ def _read_metadata(path, h, size, end_tokens):
             total += nb
         if size != area + total:
             raise TokenFileError(f"token file '{path}': {size} bytes, the header and metadata say {area + total}")
+    if "generation_config.json" in h["files"]:
+        check_generation_config(h["files"]["generation_config.json"], h["vocab_size"],
+                                f"token file '{path}': tokenizer file 'generation_config.json'")
     h["metadata"] = meta
     if ex is not None:
         h["starts"], h["roles"] = _check_examples(path, h, ex, area)
@@ -191,7 +195,48 @@ def _check_examples(path, h, ex, area):
                              f"(starts[{n_tr}] = {int(starts[n_tr])}, n_train {h['n_train']})")
     if n and int(roles.max()) >= len(ROLE_CLASSES):
         raise TokenFileError(f"token file '{path}': role class {int(roles.max())} (known: 0-{len(ROLE_CLASSES) - 1})")
+    eot = ex.get("end_of_turn_ids")
+    if not isinstance(eot, list):
+        raise TokenFileError(f"token file '{path}': examples.end_of_turn_ids is {eot!r}, not a list of token ids")
+    for x in eot:
+        if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < h["vocab_size"]:
+            raise TokenFileError(f"token file '{path}': examples.end_of_turn_ids holds {x!r}, not a token id below "
+                                 f"vocab_size {h['vocab_size']}")
+    used, step = set(), 1 << 24  # in slices: memory does not grow with the corpus
+    for part, off in ((h["train"], 0), (h["val"], h["n_train"])):
+        for a in range(0, len(part), step):
+            b = min(a + step, len(part))
+            used.update(np.unique(part[a:b][np.asarray(roles[off + a: off + b]) == ROLE_END_OF_TURN]).tolist())
+    used = sorted(used)
+    if eot != used:
+        raise TokenFileError(f"token file '{path}': examples.end_of_turn_ids {eot} are not the distinct ids of the "
+                             f"end-of-turn tokens (role class {ROLE_END_OF_TURN}), ascending: {used}")
     return starts, roles
+
+
+def check_generation_config(data, vocab_size, what):
+    """A generation_config.json carried beside a tokenizer (as shardtrain's check_carried_file, data.h):
+    a JSON object whose bos_token_id / pad_token_id are absent, None or an id, and eos_token_id also a
+    non-empty list of ids (integers in [0, vocab_size)). Raises TokenFileError naming `what`."""
+    try:
+        g = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TokenFileError(f"{what}: not UTF-8 JSON: {e}") from None
+    if not isinstance(g, dict):
+        raise TokenFileError(f"{what}: not a JSON object")
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        v = g.get(key)
+        if v is None:
+            continue
+        if key == "eos_token_id" and isinstance(v, list) and not v:
+            raise TokenFileError(f"{what}: key 'eos_token_id' is an empty list")
+        for x in v if key == "eos_token_id" and isinstance(v, list) else [v]:
+            if isinstance(x, bool) or not isinstance(x, int) or x < 0:
+                raise TokenFileError(f"{what}: key '{key}' must be a token id (an integer >= 0)"
+                                     f"{' or a list of them' if key == 'eos_token_id' else ''}, got {json.dumps(v)}")
+            if x >= vocab_size:
+                raise TokenFileError(f"{what}: key '{key}' = {json.dumps(v)}: id {x} is outside the vocabulary "
+                                     f"(vocab_size {vocab_size})")
 
 
 class TokenFileWriter:
@@ -202,7 +247,8 @@ class TokenFileWriter:
 
     examples=True writes version 3 (docs/data-format.md): each append() is one whole example with
     its role classes (a second temporary file holds the roles; the starts, 8 bytes an example, are
-    held in memory), and the validation split is the last floor(count * val_fraction) examples."""
+    held in memory), and the validation split is the last floor(count * val_fraction) examples;
+    examples.end_of_turn_ids are the distinct ids appended with role class 2."""
 
     def __init__(self, path, vocab_size, bos_id, eos_id, kind, examples=False):
         if kind not in KINDS:
@@ -219,6 +265,7 @@ class TokenFileWriter:
         self.n = 0
         self.examples = examples
         self.starts = []
+        self.end_of_turn_ids = set()
         self.tmp = self.roles_tmp = None
         d = os.path.dirname(os.path.abspath(path))
         fd, self.tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=d)
@@ -247,6 +294,7 @@ class TokenFileWriter:
         if self.examples:
             self.starts.append(self.n)
             self.rf.write(r.astype(np.uint8).tobytes())
+            self.end_of_turn_ids.update(int(x) for x in np.unique(a[r == ROLE_END_OF_TURN]))
         self.f.write(a.astype(self.dtype, copy=False).tobytes())
         self.n += a.size
 
@@ -289,6 +337,7 @@ class TokenFileWriter:
             ex = {"count": count, "train": count - e_val, "val": e_val}
             ex.update(examples or {})
             ex["role_classes"] = list(ROLE_CLASSES)
+            ex["end_of_turn_ids"] = sorted(self.end_of_turn_ids)
             ex["starts"] = {"offset": off, "bytes": len(starts), "crc32": zlib.crc32(starts)}
             ex["roles"] = {"offset": off + len(starts), "bytes": nb, "crc32": crc}
             meta["examples"] = ex

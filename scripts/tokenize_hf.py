@@ -15,7 +15,8 @@ Each document becomes BOS (when the tokenizer has one) + its ids (without the to
 special tokens) + EOS; documents are concatenated in input order, and the last
 floor(n * --val-fraction) tokens are the validation split. Ids are u16 when len(tokenizer) <= 65536,
 else u32. The tokenizer's files (tokenizer.json, tokenizer_config.json, special_tokens_map.json) are
-stored in the token file, so `--mode export` can hand the same tokenizer to AutoTokenizer.
+stored in the token file, with the directory's chat_template.jinja and generation_config.json, so
+`--mode export` can hand the same tokenizer, template and generation settings to transformers.
 
 Memory stays constant however large the corpus (up to the largest document): --workers processes
 encode batches in order while the tokens stream to a temporary file, renamed into place at the end.
@@ -26,8 +27,10 @@ line one example, rendered by the model's own chat template (transformers' apply
 --tokenizer must then be a model directory with a chat template), its ids stored as rendered, and
 each token given a role class (context / assistant / end of turn): by the template's
 {% generation %} markers where it has them, else by rendering prefixes of the conversation. The
-validation split is the last floor(examples * --val-fraction) examples. Templates that read the
-date need --date-string. See docs/data-format.md, "Chat and prompt/completion data".
+validation split is the last floor(examples * --val-fraction) examples. The ids of the end-of-turn
+tokens (<|im_end|>, <|eot_id|>) are listed in the metadata (examples.end_of_turn_ids): export adds
+them to generation_config.json's eos_token_id. Templates that read the date need --date-string. See
+docs/data-format.md, "Chat and prompt/completion data".
 """
 
 import argparse
@@ -93,6 +96,12 @@ def load_tokenizer(path):
                     files[name] = f.read()
         if "tokenizer.json" not in files:  # converted from a slow tokenizer: store what we encode with
             files = {"tokenizer.json": backend.to_str().encode("utf-8"), **files}
+        if "generation_config.json" in files:  # refused here rather than by shardtrain's reader later
+            try:
+                st.check_generation_config(files["generation_config.json"], info["vocab_size"],
+                                           f"'{os.path.join(path, 'generation_config.json')}'")
+            except st.TokenFileError as e:
+                raise Fail(str(e)) from None
         return backend, info, files
     try:
         from tokenizers import Tokenizer

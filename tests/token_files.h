@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -43,9 +44,21 @@ struct V3 {
   uint64_t e_val = 0;            // the last e_val examples are the validation split
   uint32_t vocab = 600, eos = 2;
 };
-// Overrides for crafted files: a JSON field replaced, the arrays' CRC32 flipped.
+// The distinct ids of v's end-of-turn tokens (role class 2), ascending, as a JSON list: the
+// metadata's examples.end_of_turn_ids.
+inline std::string eot_list(const V3& v) {
+  std::set<uint32_t> ids;
+  for (size_t i = 0; i < v.toks.size(); ++i)
+    if (v.roles[i] == 2) ids.insert(v.toks[i]);
+  std::string out;
+  for (uint32_t id : ids) out += (out.empty() ? "" : ", ") + std::to_string(id);
+  return "[" + out + "]";
+}
+// Overrides for crafted files: a JSON field of "examples" replaced (override_val "<absent>": left
+// out), the arrays' CRC32 flipped; `files`: the tokenizer's files as the metadata's JSON object,
+// their bytes `area`, placed before the arrays.
 inline std::string v3_file(const V3& v, const std::string& override_key = "", const std::string& override_val = "",
-                           bool bad_crc = false) {
+                           bool bad_crc = false, const std::string& files = "{}", const std::string& area = "") {
   const uint64_t count = v.starts.size(), n = v.toks.size();
   const uint64_t n_val = v.e_val ? n - v.starts[count - v.e_val] : 0;
   std::string starts, roles(v.roles.begin(), v.roles.end());
@@ -54,16 +67,19 @@ inline std::string v3_file(const V3& v, const std::string& override_key = "", co
   const uint32_t rc = crc32_update(0, roles.data(), roles.size());
   std::map<std::string, std::string> f = {
       {"count", std::to_string(count)}, {"train", std::to_string(count - v.e_val)}, {"val", std::to_string(v.e_val)},
-      {"starts", "{\"offset\": 0, \"bytes\": " + std::to_string(starts.size()) + ", \"crc32\": " + std::to_string(sc) + "}"},
-      {"roles", "{\"offset\": " + std::to_string(starts.size()) + ", \"bytes\": " + std::to_string(roles.size()) +
-                    ", \"crc32\": " + std::to_string(rc) + "}"}};
-  if (!override_key.empty()) f[override_key] = override_val;
+      {"starts", "{\"offset\": " + std::to_string(area.size()) + ", \"bytes\": " + std::to_string(starts.size()) +
+                     ", \"crc32\": " + std::to_string(sc) + "}"},
+      {"roles", "{\"offset\": " + std::to_string(area.size() + starts.size()) + ", \"bytes\": " +
+                    std::to_string(roles.size()) + ", \"crc32\": " + std::to_string(rc) + "}"},
+      {"end_of_turn_ids", eot_list(v)}};
+  if (override_val == "<absent>") f.erase(override_key);
+  else if (!override_key.empty()) f[override_key] = override_val;
   std::string ex;
   for (auto& [k, x] : f) ex += (ex.empty() ? "" : ", ") + ("\"" + k + "\": " + x);
   const std::string json = "{\"format\": \"shardtrain-tokens\", \"tokenizer\": {\"kind\": \"hf-tokenizers\", "
                            "\"vocab_size\": " + std::to_string(v.vocab) + ", \"bos_id\": null, \"eos_id\": " +
-                           std::to_string(v.eos) + ", \"files\": {}}, \"examples\": {" + ex + "}}";
-  std::string b = st_file(v.toks, n_val, v.vocab, kNoTokenId, v.eos, "hf-tokenizers", json, starts + roles);
+                           std::to_string(v.eos) + ", \"files\": " + files + "}, \"examples\": {" + ex + "}}";
+  std::string b = st_file(v.toks, n_val, v.vocab, kNoTokenId, v.eos, "hf-tokenizers", json, area + starts + roles);
   b[8] = 3;  // version 3 (st_file writes 2 when there is JSON)
   return b;
 }

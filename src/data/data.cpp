@@ -11,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <sstream>
 #include <stdexcept>
 #include <tuple>
@@ -47,6 +48,45 @@ std::string ByteTokenizer::decode(const std::vector<int32_t>& ids) {
   for (int32_t id : ids)
     if (id >= 0 && id < 256) s.push_back(static_cast<char>(id));
   return s;
+}
+
+void check_carried_file(const std::string& name, const std::string& bytes, uint32_t vocab_size,
+                        const std::string& what) {
+  auto fail = [&](const std::string& why) { throw std::runtime_error(what + ": " + why); };
+  if (name == "chat_template.jinja") {
+    if (bytes.size() > kMaxChatTemplateBytes)
+      fail(std::to_string(bytes.size()) + " bytes, more than the " + std::to_string(kMaxChatTemplateBytes) +
+           " read from a chat template");
+    try {  // nlohmann's serializer checks UTF-8 strictly (overlong forms and surrogates included)
+      (void)nlohmann::json(bytes).dump();
+    } catch (const nlohmann::json::exception& e) {
+      fail(std::string("not UTF-8 text, which transformers reads a chat template as (") + e.what() + ")");
+    }
+  } else if (name == "generation_config.json") {
+    nlohmann::json j;
+    try {
+      j = read_json(bytes, json_limits::kGenerationConfig);
+    } catch (const JsonError& e) {
+      fail(e.what());
+    }
+    if (!j.is_object()) fail("not a JSON object");
+    for (const char* key : {"bos_token_id", "eos_token_id", "pad_token_id"}) {
+      if (!j.contains(key) || j[key].is_null()) continue;
+      const nlohmann::json& v = j[key];
+      const bool eos = std::string(key) == "eos_token_id", list = eos && v.is_array();
+      if (list && v.empty()) fail("key 'eos_token_id' is an empty list");
+      std::string shown = v.dump();
+      if (shown.size() > 80) shown = shown.substr(0, 80) + "...";
+      for (const nlohmann::json& x : list ? v : nlohmann::json::array({v})) {
+        if (!x.is_number_unsigned())
+          fail(std::string("key '") + key + "' must be a token id (an integer >= 0)" + (eos ? " or a list of them" : "") +
+               ", got " + shown);
+        if (vocab_size > 0 && x.get<uint64_t>() >= vocab_size)
+          fail(std::string("key '") + key + "' = " + shown + ": id " + std::to_string(x.get<uint64_t>()) +
+               " is outside the vocabulary (vocab_size " + std::to_string(vocab_size) + ")");
+      }
+    }
+  }
 }
 
 // prepare_token_file: src/data/prepare.cpp (the streaming writer).
@@ -142,6 +182,7 @@ int64_t special(uint32_t id) { return id == kNoTokenId ? -1 : static_cast<int64_
 struct FileExamples {
   uint64_t train = 0, val = 0, roles_offset = 0;
   std::vector<uint64_t> starts;
+  std::vector<int64_t> end_of_turn_ids;  // ascending
 };
 
 // Version 3's arrays (docs/data-format.md, "Version 3"): `ex` is the JSON's "examples" object, the
@@ -192,19 +233,57 @@ uint64_t read_examples(const Fd& f, const std::string& path, const TokenFileHead
     fail("the validation split does not begin at an example (starts[" + std::to_string(out.train) + "] = " +
          std::to_string(out.starts[out.train]) + ", n_train " + std::to_string(h.n_train) + ")");
   if (out.val == 0 && h.n_val > 0) fail("validation tokens without validation examples");
-  // The roles: one u8 a token, in chunks (resident memory does not grow with the corpus).
-  std::vector<unsigned char> buf(static_cast<size_t>(std::min<uint64_t>(n, kScanChunk)));
+  // end_of_turn_ids: the distinct ids of the end-of-turn tokens, ascending (checked against the
+  // tokens below: exactly those ids, every one of them used).
+  if (!ex.contains("end_of_turn_ids")) fail("end_of_turn_ids is missing (the ids of the end-of-turn tokens, role class 2)");
+  const nlohmann::json& eot = ex["end_of_turn_ids"];
+  if (!eot.is_array()) fail("end_of_turn_ids is " + eot.dump().substr(0, 40) + ", not a list of token ids");
+  for (const nlohmann::json& v : eot) {
+    if (!v.is_number_unsigned() || v.get<uint64_t>() >= h.vocab_size)
+      fail("end_of_turn_ids holds " + v.dump().substr(0, 40) + ", not a token id below vocab_size " +
+           std::to_string(h.vocab_size));
+    const int64_t id = static_cast<int64_t>(v.get<uint64_t>());
+    if (!out.end_of_turn_ids.empty() && id <= out.end_of_turn_ids.back())
+      fail("end_of_turn_ids is not ascending without repeats (" + std::to_string(id) + " after " +
+           std::to_string(out.end_of_turn_ids.back()) + ")");
+    out.end_of_turn_ids.push_back(id);
+  }
+  const std::vector<int64_t>& eot_ids = out.end_of_turn_ids;
+  std::vector<char> used(eot_ids.size(), 0);
+  std::string unlisted;  // the first end-of-turn token whose id the list lacks
+  // The roles: one u8 a token, in chunks (resident memory does not grow with the corpus); the
+  // tokens of a chunk that holds an end of turn are read beside them.
+  const uint64_t tb = h.token_bytes;
+  std::vector<unsigned char> buf(static_cast<size_t>(std::min<uint64_t>(n, kScanChunk / 4))), toks(buf.size() * tb);
   uint32_t crc = 0;
   for (uint64_t at = 0; at < n; at += buf.size()) {
     const size_t k = static_cast<size_t>(std::min<uint64_t>(buf.size(), n - at));
     pread_all(f, path, buf.data(), k, roles_at + at);
     crc = crc32_update(crc, buf.data(), k);
-    for (size_t i = 0; i < k; ++i)
+    bool any_eot = false;
+    for (size_t i = 0; i < k; ++i) {
       if (buf[i] >= kRoleClasses)
         fail("role class " + std::to_string(buf[i]) + " of token " + std::to_string(at + i) + " at byte offset " +
              std::to_string(roles_at + at + i) + " (known: 0-" + std::to_string(kRoleClasses - 1) + ")");
+      any_eot |= buf[i] == static_cast<uint8_t>(RoleClass::EndOfTurn);
+    }
+    if (!any_eot) continue;
+    pread_all(f, path, toks.data(), k * tb, 64 + tb * at);
+    for (size_t i = 0; i < k; ++i) {
+      if (buf[i] != static_cast<uint8_t>(RoleClass::EndOfTurn)) continue;
+      const int64_t id = tb == 2 ? get<uint16_t>(toks.data() + 2 * i) : get<uint32_t>(toks.data() + 4 * i);
+      const auto it = std::lower_bound(eot_ids.begin(), eot_ids.end(), id);
+      if (it != eot_ids.end() && *it == id) used[static_cast<size_t>(it - eot_ids.begin())] = 1;
+      else if (unlisted.empty())  // reported after the CRC32: a damaged file is called so
+        unlisted = "token " + std::to_string(at + i) + " (id " + std::to_string(id) + ") is an end of turn (role class 2), "
+                   "but end_of_turn_ids does not list its id";
+    }
   }
   if (crc != roles_crc) fail("roles at byte offset " + std::to_string(roles_at) + " fail their CRC32 (corrupt file)");
+  if (!unlisted.empty()) fail(unlisted);
+  for (size_t i = 0; i < eot_ids.size(); ++i)
+    if (!used[i])
+      fail("end_of_turn_ids lists " + std::to_string(eot_ids[i]) + ", which no end-of-turn token (role class 2) has");
   out.roles_offset = roles_at;
   return 8 * count + n;
 }
@@ -264,6 +343,11 @@ TokenizerInfo read_metadata(const Fd& f, const std::string& path, const TokenFil
         if (got != crc)
           fail("tokenizer file '" + name + "' at byte offset " + std::to_string(area + fo) + " has CRC32 " +
                std::to_string(got) + ", the JSON says " + std::to_string(crc) + " (corrupt file)");
+        try {
+          check_carried_file(name, bytes, h.vocab_size, "tokenizer file '" + name + "'");
+        } catch (const std::runtime_error& bad) {
+          fail(bad.what());
+        }
         t.files[name] = std::move(bytes);
         total += fb;
       }
@@ -399,6 +483,7 @@ OpenedFile open_and_scan(const std::string& path, DataFormat format, std::vector
       e.examples_train = o.examples.train;
       e.examples_val = o.examples.val;
       e.roles_offset = o.examples.roles_offset;
+      o.tok.end_of_turn_ids = o.examples.end_of_turn_ids;
     } else {
       o.tok.kind = o.h.tokenizer;
       o.tok.vocab_size = o.h.vocab_size;
@@ -493,6 +578,9 @@ TokenDataset::TokenDataset(const std::vector<std::string>& train_files, const st
   if (known) {
     h_ = known->h;
     tok_ = known->tok;
+    std::set<int64_t> eot;  // every file's end-of-turn ids (version 3)
+    for (const OpenedFile& o : opened) eot.insert(o.tok.end_of_turn_ids.begin(), o.tok.end_of_turn_ids.end());
+    tok_.end_of_turn_ids.assign(eot.begin(), eot.end());
     for (const OpenedFile& o : opened)  // files without a vocabulary next to ones with it
       if (!o.e.known_vocab && o.e.max_id >= h_.vocab_size)
         fail_file(o.e.path, "token " + std::to_string(o.e.max_id) + " >= vocab_size " + std::to_string(h_.vocab_size) +

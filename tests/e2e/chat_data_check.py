@@ -13,6 +13,7 @@ scripts/shardtrain_tokens.py. Asserted, example by example (one per non-blank JS
     render(messages[:i+1]) are prefixes of the conversation's ids, and the tokens between them, up
     to and including the first special token, are the answer and its end of turn;
   * class 2 is exactly the special token that ends each assistant span;
+  * examples.end_of_turn_ids is the distinct ids of the reference's end-of-turn tokens, ascending;
   * starts, the split (the last floor(count * F) examples are the validation split), the CRC32s,
     the file size, and the template recorded (SHA-256, markers, date).
 Prints one line per file: examples, tokens, assistant tokens.
@@ -109,8 +110,10 @@ def main():
     n = len(toks)
     bounds = list(starts) + [n]
     n_asst = 0
+    eot_ids = set()  # the ids of the reference's end-of-turn tokens
     for e, rec in enumerate(recs):
         ids, mask, eot = reference(tok, rec, markers, special, kw)
+        eot_ids.update(ids[t] for t in eot)
         got = toks[bounds[e]: bounds[e + 1]].tolist()
         assert got == ids, f"example {e}: ids differ from transformers' (first at {next(i for i in range(min(len(got), len(ids))) if got[i] != ids[i]) if got[:len(ids)] != ids[:len(got)] else min(len(got), len(ids))})"
         r = roles[bounds[e]: bounds[e + 1]].tolist()
@@ -122,6 +125,7 @@ def main():
         got_eot = {t for t, x in enumerate(r) if x == 2}
         assert got_eot == eot, f"example {e}: end-of-turn tokens at {sorted(got_eot)}, reference {sorted(eot)}"
         n_asst += sum(gm)
+    assert ex["end_of_turn_ids"] == sorted(eot_ids), (ex["end_of_turn_ids"], sorted(eot_ids))
     e_val = int(np.floor(len(recs) * a.val_fraction))
     assert ex["val"] == e_val and ex["train"] == len(recs) - e_val, ex
     assert f["n_train"] == (bounds[len(recs) - e_val] if e_val else n), (f["n_train"], bounds[len(recs) - e_val])
@@ -131,7 +135,8 @@ def main():
         assert ex["template"]["date_string"] == a.date_string
         assert f["files"]["chat_template.jinja"].decode() == template
     print(f"ok: {os.path.basename(a.tokfile)}: {len(recs)} examples, {n} tokens, {n_asst} assistant tokens equal "
-          f"transformers' ({'generation markers' if markers else 'token-prefix reference'}), split {ex['train']}/{ex['val']}")
+          f"transformers' ({'generation markers' if markers else 'token-prefix reference'}), split {ex['train']}/{ex['val']}, "
+          f"end_of_turn_ids {ex['end_of_turn_ids']}")
 
 
 if __name__ == "__main__":

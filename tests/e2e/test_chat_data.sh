@@ -152,7 +152,11 @@ craft("files_list", lambda m: m["tokenizer"].__setitem__("files", []))
 nt, nv = struct.unpack_from("<QQ", raw, 32)
 craft("val_mid_example", lambda m: (m["examples"].__setitem__("train", m["examples"]["count"]),
                                     m["examples"].__setitem__("val", 0)), header=(nt - 7, nv + 7))
-print("ok: 9 crafted version 3 metadata refused as TokenFileError, naming the file")
+assert meta["examples"]["end_of_turn_ids"] == [2], meta["examples"]  # <|im_end|>
+craft("eot_missing", lambda m: m["examples"].pop("end_of_turn_ids"))
+craft("eot_extra", lambda m: m["examples"]["end_of_turn_ids"].append(599))
+craft("eot_none", ex("end_of_turn_ids", []))
+print("ok: 12 crafted version 3 metadata refused as TokenFileError, naming the file")
 PY
 # --mode prepare renders no chat template: it refuses chat records, naming the script that does.
 rc=0

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -18,6 +19,7 @@
 using namespace shardtrain;
 using shardtrain::testing::put;
 using shardtrain::testing::st_file;
+using shardtrain::testing::eot_list;
 using shardtrain::testing::V3;
 using shardtrain::testing::v3_file;
 
@@ -289,6 +291,18 @@ V3 examples(const std::vector<uint64_t>& lens, uint64_t e_val, uint32_t salt) {
   }
   return v;
 }
+std::vector<int64_t> eot_ids(const std::vector<const V3*>& vs) {
+  std::set<int64_t> ids;
+  for (const V3* v : vs)
+    for (size_t i = 0; i < v->toks.size(); ++i)
+      if (v->roles[i] == 2) ids.insert(v->toks[i]);
+  return {ids.begin(), ids.end()};
+}
+// A tokenizer file entry of the metadata's "files" object at `offset` in the area.
+std::string file_entry(const std::string& name, const std::string& bytes, size_t offset) {
+  return "\"" + name + "\": {\"offset\": " + std::to_string(offset) + ", \"bytes\": " + std::to_string(bytes.size()) +
+         ", \"crc32\": " + std::to_string(crc32_update(0, bytes.data(), bytes.size())) + "}";
+}
 std::vector<uint8_t> role_stream(const TokenDataset& ds, Split s) {
   std::vector<uint8_t> r(ds.size(s));
   ds.copy_roles(s, 0, r.size(), r.data());
@@ -314,6 +328,11 @@ TEST(DataFormats, Version3ExamplesAndRoleClasses) {
   one.copy_roles(Split::Train, 12, 3, mid);  // across examples 1 and 2
   EXPECT_EQ(std::vector<uint8_t>(mid, mid + 3), std::vector<uint8_t>(a.roles.begin() + 12, a.roles.begin() + 15));
   EXPECT_THROW(one.copy_roles(Split::Val, 9, 3, mid), std::out_of_range);
+  // end_of_turn_ids: the distinct ids of the end-of-turn tokens (what export adds to
+  // generation_config.json's eos_token_id); a dataset's are every file's.
+  const std::vector<int64_t> a_eot = eot_ids({&a});
+  ASSERT_GE(a_eot.size(), 3u);
+  EXPECT_EQ(one.tokenizer().end_of_turn_ids, a_eot);
   // Several files: the train stream is a's 3 training examples, b's 2 and c's 2; validation from
   // a's and c's validation splits; with --val-data, every example of the val files.
   TokenDataset many({tmp("a3.tok"), tmp("b3.tok"), tmp("c3.tok")}, {});
@@ -325,6 +344,9 @@ TEST(DataFormats, Version3ExamplesAndRoleClasses) {
   EXPECT_EQ(role_stream(many, Split::Train), want);
   TokenDataset val({tmp("b3.tok")}, {tmp("a3.tok"), tmp("c3.tok")});
   EXPECT_EQ(val.example_starts(Split::Val), (std::vector<uint64_t>{0, 5, 14, 15, 19, 26, 34, 36}));
+  EXPECT_EQ(many.tokenizer().end_of_turn_ids, eot_ids({&a, &b, &c}));
+  EXPECT_EQ(val.tokenizer().end_of_turn_ids, eot_ids({&a, &b, &c}));
+  EXPECT_GT(eot_ids({&a, &b, &c}).size(), a_eot.size());
   // Versions 1 and 2 have no examples.
   write(tmp("v1e.tok"), st_file(seq(100, 258), 10));
   TokenDataset plain(tmp("v1e.tok"));
@@ -351,6 +373,18 @@ TEST(DataFormats, Version3ExamplesAndRoleClasses) {
       {"beyond", v3_file(a, "roles", "{\"offset\": 41, \"bytes\": 26, \"crc32\": 0}"), "roles (offset 41, 26 bytes) lies beyond"},
       {"missing", v3_file(a, "starts", "null"), "field missing or of the wrong type"},
       {"split", v3_file(split, "train", "2"), "is not train 2 + val 2"},
+      {"eot_absent", v3_file(a, "end_of_turn_ids", "<absent>"), "end_of_turn_ids is missing"},
+      {"eot_null", v3_file(a, "end_of_turn_ids", "null"), "end_of_turn_ids is null, not a list of token ids"},
+      {"eot_vocab", v3_file(a, "end_of_turn_ids", "[600]"), "end_of_turn_ids holds 600, not a token id below vocab_size 600"},
+      {"eot_negative", v3_file(a, "end_of_turn_ids", "[-1]"), "end_of_turn_ids holds -1, not a token id"},
+      {"eot_float", v3_file(a, "end_of_turn_ids", "[2.0]"), "end_of_turn_ids holds 2.0, not a token id"},
+      {"eot_order", v3_file(a, "end_of_turn_ids", "[" + std::to_string(a_eot[1]) + ", " + std::to_string(a_eot[0]) + "]"),
+       "end_of_turn_ids is not ascending without repeats (" + std::to_string(a_eot[0]) + " after " +
+           std::to_string(a_eot[1]) + ")"},
+      {"eot_unused", v3_file(a, "end_of_turn_ids", eot_list(a).substr(0, eot_list(a).size() - 1) + ", 599]"),
+       "end_of_turn_ids lists 599, which no end-of-turn token (role class 2) has"},
+      {"eot_unlisted", v3_file(a, "end_of_turn_ids", "[" + eot_list(a).substr(eot_list(a).find(',') + 2)),
+       "(id " + std::to_string(a_eot[0]) + ") is an end of turn (role class 2), but end_of_turn_ids does not list its id"},
   };
   for (const Bad& x : bad) {
     const std::string p = tmp(std::string("v3bad_") + x.name + ".tok");
@@ -371,6 +405,73 @@ TEST(DataFormats, Version3ExamplesAndRoleClasses) {
                                    "\"bos_id\": null, \"eos_id\": 2, \"files\": {}}}"));
   EXPECT_HAS(error_of([] { TokenDataset d({tmp("a3.tok"), tmp("v2same.tok")}, {}); }),
              "cannot be read as one dataset: format version 3 (chat data)");
+
+  // The chat template and generation_config.json among the tokenizer files: kept byte for byte
+  // when check_carried_file passes them, else the file is refused naming the entry.
+  auto with_files = [&](const std::string& gen, const std::string& tpl) {
+    std::string files = "{";  // appended piece by piece: GCC 12's -Wrestrict misfires on "{" + std::string
+    files += file_entry("generation_config.json", gen, 0);
+    files += ", ";
+    files += file_entry("chat_template.jinja", tpl, gen.size());
+    files += "}";
+    return v3_file(a, "", "", false, files, gen + tpl);
+  };
+  const std::string gen = "{\"eos_token_id\": [2, 5], \"temperature\": 0.6}", tpl = "{{ messages }}\xc3\xa9\n";
+  write(tmp("v3chat.tok"), with_files(gen, tpl));
+  TokenDataset chat(tmp("v3chat.tok"));
+  EXPECT_EQ(chat.tokenizer().files.at("generation_config.json"), gen);
+  EXPECT_EQ(chat.tokenizer().files.at("chat_template.jinja"), tpl);
+  EXPECT_EQ(chat.example_starts(Split::Train), one.example_starts(Split::Train));
+  struct BadFile {
+    const char* name;
+    std::string gen, tpl, want;
+  } bad_files[] = {
+      {"gen_json", "{\"eos_token_id\": [2,", tpl, "tokenizer file 'generation_config.json': not valid JSON"},
+      {"gen_vocab", "{\"eos_token_id\": [2, 600]}", tpl,
+       "tokenizer file 'generation_config.json': key 'eos_token_id' = [2,600]: id 600 is outside the vocabulary (vocab_size 600)"},
+      {"tpl_utf8", gen, "{{ x }}\xff", "tokenizer file 'chat_template.jinja': not UTF-8 text"},
+  };
+  for (const BadFile& x : bad_files) {
+    const std::string p = tmp(std::string("v3bad_") + x.name + ".tok");
+    write(p, with_files(x.gen, x.tpl));
+    const std::string m = error_of([&] { TokenDataset d(p); });
+    EXPECT_HAS(m, "token file '" + p + "': metadata (JSON at byte offset");
+    EXPECT_HAS(m, x.want);
+  }
+}
+
+// data.h check_carried_file: the chat template and generation_config.json, as they come from
+// strangers (an HF directory, a token file, a checkpoint).
+TEST(DataFormats, CarriedChatFilesChecked) {
+  auto refusal = [](const std::string& name, const std::string& bytes, uint32_t vocab = 600) {
+    return error_of([&] { check_carried_file(name, bytes, vocab, "'d/" + name + "'"); });
+  };
+  const char* ok[] = {
+      "{}", "{\"eos_token_id\": 2}", "{\"eos_token_id\": [2, 7], \"bos_token_id\": null, \"pad_token_id\": 0}",
+      "{\"do_sample\": true, \"temperature\": 0.6, \"top_p\": 0.9, \"transformers_version\": \"4.45.0\"}"};
+  for (const char* g : ok) EXPECT_EQ(refusal("generation_config.json", g), "") << g;
+  EXPECT_EQ(refusal("generation_config.json", "{\"eos_token_id\": 70000}", 0), "");  // vocab unknown: no bound
+  EXPECT_EQ(refusal("tokenizer_config.json", "not checked here"), "");
+  EXPECT_EQ(refusal("chat_template.jinja", "{{ bos_token }}\xe6\x97\xa5"), "");
+  const std::pair<std::string, std::string> bad[] = {
+      {"[1, 2]", "'d/generation_config.json': not a JSON object"},
+      {"{\"eos_token_id\": 2", "'d/generation_config.json': not valid JSON"},
+      {"{\"eos_token_id\": []}", "key 'eos_token_id' is an empty list"},
+      {"{\"eos_token_id\": [2, \"x\"]}", "key 'eos_token_id' must be a token id (an integer >= 0) or a list of them, got [2,\"x\"]"},
+      {"{\"eos_token_id\": 600}", "key 'eos_token_id' = 600: id 600 is outside the vocabulary (vocab_size 600)"},
+      {"{\"pad_token_id\": -1}", "key 'pad_token_id' must be a token id (an integer >= 0), got -1"},
+      {"{\"pad_token_id\": [0]}", "key 'pad_token_id' must be a token id (an integer >= 0), got [0]"},
+      {"{\"bos_token_id\": 1.5}", "key 'bos_token_id' must be a token id"},
+      {"{\"bos_token_id\": true}", "key 'bos_token_id' must be a token id"},
+      {std::string(20, '[') + std::string(20, ']'), "JSON nested deeper than 16 levels (the limit for a generation_config.json)"},
+      {std::string("{\"a\": \"") + std::string(2 << 20, 'x') + "\"}", "more than the 1048576 read from a generation_config.json"},
+  };
+  for (const auto& [g, want] : bad) EXPECT_HAS(refusal("generation_config.json", g), want);
+  EXPECT_HAS(refusal("chat_template.jinja", "{{ x }}\xc3"), "'d/chat_template.jinja': not UTF-8 text");
+  EXPECT_HAS(refusal("chat_template.jinja", "\xed\xa0\x80"), "not UTF-8 text");  // a UTF-16 surrogate
+  EXPECT_HAS(refusal("chat_template.jinja", std::string(kMaxChatTemplateBytes + 1, 'x')),
+             "'d/chat_template.jinja': 4194305 bytes, more than the 4194304 read from a chat template");
+  EXPECT_EQ(refusal("chat_template.jinja", std::string(kMaxChatTemplateBytes, 'x')), "");
 }
 
 TEST(DataFormats, GlobPatternsExpandSorted) {

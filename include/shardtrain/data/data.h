@@ -17,7 +17,8 @@
 //   48      16    tokenizer name, NUL-padded ("byte-level")
 //   64      b*n_train  train tokens, then b*n_val validation tokens (b = bytes per token)
 //   then (versions 2, 3) J bytes of metadata JSON, then the tokenizer's files (version 3: and the
-//   example starts, u64 each, and the role classes, one u8 per token, as the JSON places them)
+//   example starts, u64 each, and the role classes, one u8 per token, as the JSON places them; the
+//   JSON also lists the ids of the end-of-turn tokens, examples.end_of_turn_ids)
 #pragma once
 
 #include <cstdint>
@@ -48,9 +49,30 @@ struct TokenizerInfo {
   bool add_bos = true;              // each document starts with bos_id (when there is one)
   bool add_eos = true;              // each document ends with eos_id
   // The tokenizer's files by name ("tokenizer.model", "tokenizer.json", "tokenizer_config.json",
-  // "special_tokens_map.json"), their exact bytes. Empty for byte-level (export synthesizes it).
+  // "special_tokens_map.json"), and beside them the model's chat template ("chat_template.jinja") and
+  // "generation_config.json", their exact bytes (check_carried_file checked the last two). Empty for
+  // byte-level (export synthesizes it).
   std::map<std::string, std::string> files;
+  // The ids of the end-of-turn tokens of chat data (format version 3: the distinct ids of the tokens
+  // of role class EndOfTurn, ascending, e.g. <|im_end|>, <|eot_id|>; they may differ from eos_id).
+  // Export adds them to generation_config.json's eos_token_id, so that generation stops at the end
+  // of a turn. Empty for other data.
+  std::vector<int64_t> end_of_turn_ids;
 };
+
+// The two files carried beside a tokenizer for chat models (TokenizerInfo::files), as they come
+// from strangers (a Hugging Face directory, a token file, a checkpoint), are checked so:
+//   chat_template.jinja     at most kMaxChatTemplateBytes bytes of UTF-8 (transformers reads the
+//                           file as UTF-8 text);
+//   generation_config.json  a JSON object within json_limits::kGenerationConfig whose bos_token_id
+//                           and pad_token_id are absent, null or a token id, and eos_token_id also
+//                           a non-empty list of token ids; a token id is an integer >= 0 and, when
+//                           vocab_size > 0, below vocab_size.
+// Any other name: nothing checked. Throws std::runtime_error "WHAT: REASON", e.g. "'D/generation_
+// config.json': key 'eos_token_id' = [2,900]: id 900 is outside the vocabulary (vocab_size 600)".
+inline constexpr uint64_t kMaxChatTemplateBytes = uint64_t{4} << 20;  // published templates: a few KB to ~60 KB
+void check_carried_file(const std::string& name, const std::string& bytes, uint32_t vocab_size,
+                        const std::string& what);
 
 // Byte-level tokenizer: ids 0-255 are the bytes of UTF-8 text, BOS = 256, EOS = 257.
 struct ByteTokenizer {
@@ -138,9 +160,11 @@ struct TokenFileEntry {
 // format is recognized), an unknown version, a token size other than 2 or 4, a header token count
 // beyond or not matching the file size, an odd size for raw u16, an id >= vocab_size ("token N >=
 // vocab_size V at byte offset O"), bad v2 metadata (JSON, kind / vocab / bos / eos disagreeing with
-// the header, a tokenizer file outside the file area or with another CRC32), bad version 3 examples
-// (counts, array sizes and CRC32s, starts not 0 then strictly increasing, a validation split that
-// does not begin at an example, a role class >= kRoleClasses), version 3 files beside others, and
+// the header, a tokenizer file outside the file area or with another CRC32, a chat_template.jinja or
+// generation_config.json that check_carried_file refuses), bad version 3 examples (counts, array
+// sizes and CRC32s, starts not 0 then strictly increasing, a validation split that does not begin at
+// an example, a role class >= kRoleClasses, end_of_turn_ids that are not exactly the distinct ids
+// of the end-of-turn tokens, ascending), version 3 files beside others, and
 // shardtrain files that disagree on tokenizer / vocab_size / bos_id / eos_id. Ids of files without a vocabulary
 // (llm.c, nanoGPT) are checked against the model's vocabulary at train start (max_id()).
 class TokenDataset {
@@ -157,7 +181,8 @@ class TokenDataset {
   // vocabulary; n_train / n_val = tokens of the train / val streams; token_bytes = the widest file's.
   const TokenFileHeader& header() const { return h_; }
   // The tokenizer: version 2 metadata (with its files' bytes), byte-level info for version 1,
-  // kind "" and vocab_size 0 for llm.c / nanoGPT data.
+  // kind "" and vocab_size 0 for llm.c / nanoGPT data. Its files are the first shardtrain file's;
+  // end_of_turn_ids (version 3) the union of every file's, ascending.
   const TokenizerInfo& tokenizer() const { return tok_; }
   const std::string& path() const { return files_.front().path; }  // the first file
   const std::vector<TokenFileEntry>& files() const { return files_; }  // train files, then val files

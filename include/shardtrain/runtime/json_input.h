@@ -60,6 +60,9 @@ inline constexpr JsonLimits kTokenizer{"a tokenizer.json", 128 * kMiB, 128, 16 *
 // table, never a DOM, so its values are bounded by its bytes alone. Depth: {name: {shape: [..]}}
 // is 3; deeper only inside keys that are skipped.
 inline constexpr JsonLimits kSafetensorsHeader{"a safetensors header", 100'000'000, 16, 100'000'000, UINT64_MAX};
+// generation_config.json carried beside a model's tokenizer (data.h check_carried_file): a few
+// hundred bytes for Llama-family models; a few KB where it lists suppressed tokens.
+inline constexpr JsonLimits kGenerationConfig{"a generation_config.json", 1 * kMiB, 16, 64 * 1024, 100'000};
 // One line of a .jsonl input (--mode prepare): one document.
 inline constexpr JsonLimits kJsonlLine{"a line of a .jsonl file", 1024 * kMiB, 64, 1024 * kMiB, 1'000'000};
 // The metadata JSON of a token file (format version 2) and the JSON attributes of a checkpoint.
