@@ -220,7 +220,8 @@ uint64_t check_prepare_paths(const PrepareOptions& o, const std::vector<std::str
   std::error_code ec;
   check_output_path(o.out, "option '--out'");
   for (const std::string& name : {std::string(), std::string("tokenizer.model"), std::string("tokenizer_config.json"),
-                                  std::string("special_tokens_map.json")})
+                                  std::string("special_tokens_map.json"), std::string("chat_template.jinja"),
+                                  std::string("generation_config.json")})
     if (o.tokenizer != "byte-level" && fs::equivalent(name.empty() ? fs::path(o.tokenizer) : fs::path(o.tokenizer) / name, o.out, ec))
       throw std::runtime_error("option '--out': '" + o.out + "' is the tokenizer (option '--tokenizer'); refusing to overwrite it");
   for (const auto& in : files) {

@@ -500,8 +500,18 @@ std::unique_ptr<Tokenizer> load_tokenizer(const std::string& spec) {
                                "(a SentencePiece model; tokenizer.json alone is not supported)");
     auto t = std::make_unique<SentencePieceTokenizer>(spec, model.string(),
                                                       dir.open_inside("tokenizer.model", what).read_all());
-    for (const char* extra : {"tokenizer_config.json", "special_tokens_map.json"})
-      if (dir.has(extra, what)) t->add_file(extra, dir.open_inside(extra, what).read_all());
+    // Beside the model, as import carries them: its JSON files, the chat template and
+    // generation_config.json (the last two checked as data.h's check_carried_file says).
+    for (const std::string extra : {"tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                                    "generation_config.json"}) {
+      if (!dir.has(extra, what)) continue;
+      const uint64_t max = extra == "chat_template.jinja"      ? kMaxChatTemplateBytes
+                           : extra == "generation_config.json" ? json_limits::kGenerationConfig.max_bytes
+                                                               : json_limits::kTokenizer.max_bytes;
+      std::string bytes = dir.open_inside(extra, what).read_all(max);
+      check_carried_file(extra, bytes, t->info().vocab_size, "'" + (fs::path(spec) / extra).string() + "'");
+      t->add_file(extra, std::move(bytes));
+    }
     return t;
   }
   return std::make_unique<SentencePieceTokenizer>(spec, spec, read_file(spec, "tokenizer"));

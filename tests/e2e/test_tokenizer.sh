@@ -53,9 +53,12 @@ PY
 # Byte-level (the default), chunked too.
 SHARDTRAIN_TEST_PREPARE_CHUNK_BYTES=64 "$BIN" --mode prepare --input "$WORK/docs" --out "$WORK/bytes.tok" --val-fraction 0.25 | tail -1
 "$PY" "$ROOT/tests/e2e/token_file_check.py" "$WORK/bytes.tok" "$DOCS" byte-level 0.25
-# A Hugging Face-style directory: tokenizer.model plus the JSON files, all embedded.
+# A Hugging Face-style directory: tokenizer.model plus the JSON files, the chat template and
+# generation_config.json, all embedded.
 echo '{"add_bos_token": true, "add_eos_token": false}' >"$WORK/hf/tokenizer_config.json"
 echo '{"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}' >"$WORK/hf/special_tokens_map.json"
+printf '%s' "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}</s>{% endfor %} café" >"$WORK/hf/chat_template.jinja"
+echo '{"bos_token_id": 1, "eos_token_id": 2, "temperature": 0.6}' >"$WORK/hf/generation_config.json"
 "$BIN" --mode prepare --tokenizer "$WORK/hf" --input "$WORK/docs" --out "$WORK/dir.tok" | tail -1
 "$PY" - "$WORK/dir.tok" "$WORK/hf" <<'PY'
 import json, struct, sys
@@ -66,7 +69,8 @@ meta = json.loads(raw[64 + tb * n: 64 + tb * n + J])
 area = 64 + tb * n + J
 for name, f in meta["tokenizer"]["files"].items():
     assert raw[area + f["offset"]: area + f["offset"] + f["bytes"]] == open(f"{sys.argv[2]}/{name}", "rb").read(), name
-assert sorted(meta["tokenizer"]["files"]) == ["special_tokens_map.json", "tokenizer.model", "tokenizer_config.json"]
+assert sorted(meta["tokenizer"]["files"]) == ["chat_template.jinja", "generation_config.json", "special_tokens_map.json",
+                                              "tokenizer.model", "tokenizer_config.json"], sorted(meta["tokenizer"]["files"])
 print("ok: a tokenizer directory embeds", ", ".join(sorted(meta["tokenizer"]["files"])), "byte for byte")
 PY
 
@@ -107,5 +111,9 @@ cmp -s "$WORK/tok.model" "$WORK/tokcopy.model" || fail "the tokenizer was overwr
 mkdir -p "$WORK/withtok" && cp "$WORK/docs/p00.txt" "$WORK/whole.tok" "$WORK/withtok/"
 expect_fail input_is_token_file "input '$WORK/withtok/whole.tok' is a shardtrain token file, not text" 2 \
   --mode prepare --input "$WORK/withtok" --out "$WORK/x.tok"
+# A tokenizer directory whose generation_config.json names an id outside the model: refused, named.
+cp -r "$WORK/hf" "$WORK/hfbad" && echo '{"eos_token_id": [2, 99999]}' >"$WORK/hfbad/generation_config.json"
+expect_fail dir_generation_config "option '--tokenizer': '$WORK/hfbad/generation_config.json': key 'eos_token_id' = [2,99999]: id 99999 is outside the vocabulary" 2 \
+  --mode prepare --tokenizer "$WORK/hfbad" --input "$WORK/docs" --out "$WORK/x.tok"
 [ ! -e "$WORK/x.tok" ] && [ ! -e "$WORK/x.tok.tmp" ] && [ ! -e "$WORK/x.model" ] || fail "a failed run left an output file"
 echo "ok: no output or temporary file left by the failed runs"

@@ -68,9 +68,11 @@ class Tokenizer {
 //   * "byte-level": the byte-level tokenizer (vocab 258);
 //   * a file: a SentencePiece model (`*.model`), embedded as "tokenizer.model";
 //   * a directory holding `tokenizer.model` (a Hugging Face Llama directory): that model, and its
-//     tokenizer_config.json and special_tokens_map.json, when present, embedded too.
+//     tokenizer_config.json, special_tokens_map.json, chat_template.jinja and
+//     generation_config.json, when present, embedded too (as import carries them).
 // Throws std::runtime_error naming `spec` for a missing path, a directory without tokenizer.model,
-// a file that libsentencepiece cannot load, or a model without EOS.
+// a file that libsentencepiece cannot load, a model without EOS, or a chat_template.jinja /
+// generation_config.json that data.h's check_carried_file refuses (naming the file).
 std::unique_ptr<Tokenizer> load_tokenizer(const std::string& spec);
 
 // The tokenizer a TokenizerInfo records (a checkpoint's group /tokenizer, a token file's metadata):
