@@ -167,7 +167,7 @@ uint64_t checkpoint_file_bound(const CheckpointSnapshot& snap) {
   uint64_t b = 64u << 10;  // superblock, root group, the small root attributes, the checksum table's own
   b += 2 * (snap.model_config.size() + snap.train_config.size() + st.data_info.size()) + 256 * st.segments.size();
   if (!st.tokenizer.kind.empty()) {
-    b += 8u << 10;
+    b += (8u << 10) + 24 * st.tokenizer.end_of_turn_ids.size();
     for (auto& [name, bytes] : st.tokenizer.files) b += (2u << 10) + name.size() + bytes.size();
   }
   for (auto& up : (snap.stage ? snap.stage->file_plan : snap.plan).units)

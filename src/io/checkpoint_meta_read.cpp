@@ -49,6 +49,19 @@ TokenizerInfo read_tokenizer_group(hid_t file, MetaSums& ms) {
     t.add_bos = j.at("add_bos").get<bool>();
     t.add_eos = j.at("add_eos").get<bool>();
     if (!j.at("files").is_object()) throw std::runtime_error("'files' is not an object");
+    if (j.contains("end_of_turn_ids")) {  // optional: chat data's end-of-turn ids, ascending, in the vocabulary
+      const json& e = j["end_of_turn_ids"];
+      if (!e.is_array()) throw std::runtime_error("'end_of_turn_ids' is not a list");
+      for (const json& v : e) {
+        if (!v.is_number_unsigned() || (t.vocab_size > 0 && v.get<uint64_t>() >= t.vocab_size))
+          throw std::runtime_error("'end_of_turn_ids' holds " + v.dump().substr(0, 40) + ", not a token id below vocab_size " +
+                                   std::to_string(t.vocab_size));
+        const int64_t x = static_cast<int64_t>(v.get<uint64_t>());
+        if (!t.end_of_turn_ids.empty() && x <= t.end_of_turn_ids.back())
+          throw std::runtime_error("'end_of_turn_ids' is not ascending without repeats");
+        t.end_of_turn_ids.push_back(x);
+      }
+    }
   } catch (const std::exception& e) {
     throw H5Error("attribute 'info' of group '/tokenizer' is malformed (" + std::string(e.what()) + ")");
   }

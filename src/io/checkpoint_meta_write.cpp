@@ -16,14 +16,17 @@ namespace ckpt {
 namespace {
 
 // Group /tokenizer (docs/checkpoint-format.md, "Tokenizer"): attribute `info` is this JSON; the
-// files' bytes are u8 datasets named like the files.
+// files' bytes are u8 datasets named like the files. "end_of_turn_ids" only when there are some
+// (chat data), so that other checkpoints are written as before.
 json tokenizer_record(const TokenizerInfo& t) {
   auto id = [](int64_t v) { return v < 0 ? json(nullptr) : json(v); };
   json files = json::object();
   for (auto& [name, bytes] : t.files) files[name] = {{"bytes", bytes.size()}, {"crc32", crc32_bytes(bytes)}};
-  return {{"kind", t.kind}, {"vocab_size", t.vocab_size}, {"bos_id", id(t.bos_id)}, {"eos_id", id(t.eos_id)},
-          {"pad_id", id(t.pad_id)}, {"unk_id", id(t.unk_id)}, {"add_bos", t.add_bos}, {"add_eos", t.add_eos},
-          {"files", files}};
+  json r = {{"kind", t.kind}, {"vocab_size", t.vocab_size}, {"bos_id", id(t.bos_id)}, {"eos_id", id(t.eos_id)},
+            {"pad_id", id(t.pad_id)}, {"unk_id", id(t.unk_id)}, {"add_bos", t.add_bos}, {"add_eos", t.add_eos},
+            {"files", files}};
+  if (!t.end_of_turn_ids.empty()) r["end_of_turn_ids"] = t.end_of_turn_ids;
+  return r;
 }
 
 // Attribute `spike_stats` (format version 3): the loss-spike statistics as JSON. Doubles are

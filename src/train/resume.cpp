@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "shardtrain/runtime/files.h"
 #include "shardtrain/runtime/json_input.h"
@@ -147,9 +148,12 @@ std::string continue_metrics(const std::string& given, int64_t step) {
 // its tokenizer.model (SentencePiece) or tokenizer.json (Hugging Face); when the data and the
 // checkpoint share such a file byte for byte, they name the same tokenizer and the checkpoint's
 // record is kept, with the data's other files added (an imported model keeps its tokenizer.json and
-// tokenizer_config.json for export). When both have a tokenizer of their own but share no such file,
-// the data is refused (CollectiveError naming both): every id would mean another token. A change
-// from or to byte-level is noted; the data's tokenizer is recorded.
+// tokenizer_config.json for export) and the end-of-turn ids of both; the data's chat template
+// (chat_template.jinja) replaces the checkpoint's: chat examples were rendered with it, so the model
+// learns it (and data made from a tokenizer directory carries that directory's). When both have a
+// tokenizer of their own but share no such file, the data is refused (CollectiveError naming both):
+// every id would mean another token. A change from or to byte-level is noted; the data's tokenizer
+// is recorded.
 TokenizerInfo pick_tokenizer(Comm& comm, const TokenizerInfo& ckpt, const std::string& ckpt_path,
                                     const TokenizerInfo& data, const std::string& data_path) {
   if (data.kind.empty()) return ckpt;
@@ -175,7 +179,11 @@ TokenizerInfo pick_tokenizer(Comm& comm, const TokenizerInfo& ckpt, const std::s
                                "<its directory> (tokenizer.model), or scripts/tokenize_hf.py --tokenizer <its "
                                "directory> (tokenizer.json)");
     TokenizerInfo t = ckpt;
-    for (auto& [name, bytes] : data.files) t.files.emplace(name, bytes);  // the checkpoint's own files win
+    for (auto& [name, bytes] : data.files) t.files.emplace(name, bytes);  // the checkpoint's own files win ...
+    if (auto it = data.files.find("chat_template.jinja"); it != data.files.end()) t.files[it->first] = it->second;  // ... but this
+    std::set<int64_t> eot(ckpt.end_of_turn_ids.begin(), ckpt.end_of_turn_ids.end());
+    eot.insert(data.end_of_turn_ids.begin(), data.end_of_turn_ids.end());
+    t.end_of_turn_ids.assign(eot.begin(), eot.end());
     return t;
   }
   if (ckpt.kind != data.kind)

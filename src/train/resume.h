@@ -24,8 +24,10 @@ void check_resume_settings(Comm& comm, const CheckpointInfo& info, const TrainCo
 std::string continue_metrics(const std::string& path, int64_t step);
 
 // The tokenizer the run's checkpoints record: `data`'s, or `ckpt`'s (from the checkpoint at
-// `ckpt_path`) where the data names none. Throws CollectiveError naming both files when both have a
-// tokenizer of their own that is not the same; logs a note when the kind changes.
+// `ckpt_path`) where the data names none; when both name the same tokenizer of their own, `ckpt`'s
+// with the data's other files, the data's chat_template.jinja, and the end-of-turn ids of both.
+// Throws CollectiveError naming both files when both have a tokenizer of their own that is not the
+// same; logs a note when the kind changes.
 TokenizerInfo pick_tokenizer(Comm& comm, const TokenizerInfo& ckpt, const std::string& ckpt_path,
                              const TokenizerInfo& data, const std::string& data_path);
 

@@ -231,6 +231,46 @@ TEST_F(Checkpoint, SpikeStatisticsRoundTripBitwise) {
   EXPECT_EQ(got.spikes.skipped_in_a_row, 2);
 }
 
+// Group /tokenizer (docs/checkpoint-format.md, "Tokenizer") of a chat model's run (issue 55): the
+// files carried beside the tokenizer come back byte for byte (a chat template's UTF-8 and a
+// generation_config.json) and the end-of-turn ids as a list; a record without them says none.
+TEST_F(Checkpoint, TokenizerRecordRoundTripWithChatFiles) {
+  st::Comm& c = world();
+  const st::ShardPlan plan = st::ShardPlan::build(test_units(), c.world_size());
+  Rows saved(plan, c.rank());
+  saved.fill();
+  st::TrainState state = test_state();
+  st::TokenizerInfo& t = state.tokenizer;
+  t.kind = "hf-tokenizers";
+  t.vocab_size = 600;
+  t.bos_id = -1;
+  t.eos_id = 0;
+  t.add_bos = t.add_eos = false;
+  t.files["tokenizer.json"] = R"({"model": {"vocab": {}}})";
+  t.files["chat_template.jinja"] = "{{- '<|im_start|>' + m['content'] + '<|im_end|>' }}\n\u00e9\u65e5";
+  t.files["generation_config.json"] = R"({"eos_token_id": [0, 2], "max_new_tokens": 24})";
+  t.end_of_turn_ids = {2, 7, 599};
+  const std::string file = path("tok.h5");
+  st::write_checkpoint_file(c, file, st::take_checkpoint_snapshot(saved.view(*be_), test_model(), test_train_config(), state));
+  const st::CheckpointInfo info = st::read_checkpoint_info(c, file);
+  EXPECT_EQ(info.tokenizer.kind, "hf-tokenizers");
+  EXPECT_EQ(info.tokenizer.files, t.files);
+  EXPECT_EQ(info.tokenizer.end_of_turn_ids, (std::vector<int64_t>{2, 7, 599}));
+  EXPECT_EQ(info.tokenizer.eos_id, 0);
+  Rows loaded(plan, c.rank());
+  const st::TrainState got = st::load_checkpoint(c, file, loaded.view(*be_), test_model(), &info);
+  EXPECT_EQ(got.tokenizer.end_of_turn_ids, t.end_of_turn_ids);
+  EXPECT_EQ(got.tokenizer.files, t.files);
+  if (c.rank() == 0) {  // the template's bytes as HDF5 alone reads them
+    const std::vector<uint8_t> raw = h5_read<uint8_t>(file, "tokenizer/chat_template.jinja", H5T_NATIVE_UINT8);
+    EXPECT_EQ(std::string(raw.begin(), raw.end()), t.files["chat_template.jinja"]);
+  }
+  t.end_of_turn_ids.clear();  // other data: no end-of-turn ids recorded, none read back
+  const std::string plain = path("tok_plain.h5");
+  st::write_checkpoint_file(c, plain, st::take_checkpoint_snapshot(saved.view(*be_), test_model(), test_train_config(), state));
+  EXPECT_TRUE(st::read_checkpoint_info(c, plain).tokenizer.end_of_turn_ids.empty());
+}
+
 TEST_F(Checkpoint, ReshardsBetweenEverySubCommunicatorSize) {
   st::Comm& c = world();
   const int W = c.world_size();

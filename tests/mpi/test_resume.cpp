@@ -213,4 +213,19 @@ TEST_F(Resume, TokenizerOfTheNewCheckpoints) {
   // Byte-level to a tokenizer of its own: the data's (noted in the log).
   EXPECT_EQ(st::pick_tokenizer(c, bytes, "ck.h5", sp2, "d.tok").kind, "sentencepiece");
   EXPECT_EQ(st::pick_tokenizer(c, sp2, "ck.h5", bytes, "d.tok").kind, "byte-level");
+  // Chat data (issue 55) on an imported model with the same tokenizer.json: the data's chat template
+  // (the model learns the rendering it was trained on) and the end-of-turn ids of both; the
+  // checkpoint's generation_config.json kept.
+  st::TokenizerInfo imported, chat;
+  imported.kind = chat.kind = "hf-tokenizers";
+  imported.files = {{"tokenizer.json", "T"}, {"chat_template.jinja", "stock"}, {"generation_config.json", "{\"a\": 1}"}};
+  imported.end_of_turn_ids = {7};
+  chat.files = {{"tokenizer.json", "T"}, {"chat_template.jinja", "tuned"}, {"generation_config.json", "{}"}};
+  chat.end_of_turn_ids = {2, 7};
+  const st::TokenizerInfo tuned = st::pick_tokenizer(c, imported, "ck.h5", chat, "d.tok");
+  EXPECT_EQ(tuned.files.at("chat_template.jinja"), "tuned");
+  EXPECT_EQ(tuned.files.at("generation_config.json"), "{\"a\": 1}");
+  EXPECT_EQ(tuned.end_of_turn_ids, (std::vector<int64_t>{2, 7}));
+  chat.files.erase("chat_template.jinja");  // data without a template: the checkpoint's stays
+  EXPECT_EQ(st::pick_tokenizer(c, imported, "ck.h5", chat, "d.tok").files.at("chat_template.jinja"), "stock");
 }
