@@ -128,6 +128,9 @@ json tokenizer_json(const ModelConfig& mc) {
 
 void write_text(const fs::path& p, const std::string& s) { write_file_atomic(p.string(), s); }
 
+// Carried beside the tokenizer (tokenizer_file_names), written by export merged, not as recorded.
+constexpr const char* kGenerationConfig = "generation_config.json";
+
 const char* torch_dtype(DType d) { return d == DType::F32 ? "float32" : d == DType::BF16 ? "bfloat16" : "float16"; }
 
 // CheckpointInfo::data_info: null, or {"path", "tokenizer", "vocab_size", "bos_id", "eos_id"}.
@@ -156,6 +159,39 @@ bool parse_data_info(const std::string& ckpt, const std::string& text, DataSpeci
 }  // namespace
 
 namespace hf {
+namespace {
+
+// Loaded::generation_config and generation_eos of `l`, whose model config and tokenizer are read.
+// Throws std::runtime_error naming the checkpoint for an end-of-turn id outside the model's
+// vocabulary or a recorded generation_config.json that check_carried_file refuses.
+void set_generation_eos(Loaded& l, const std::string& ckpt) {
+  const auto vocab = static_cast<uint32_t>(l.mc.vocab_size);
+  std::vector<int> ids = l.mc.eos_token_ids;  // the primary one first
+  auto add = [&](int64_t id) {
+    if (std::find(ids.begin(), ids.end(), id) == ids.end()) ids.push_back(static_cast<int>(id));
+  };
+  for (int64_t id : l.tokenizer.end_of_turn_ids) {
+    if (id < 0 || id >= l.mc.vocab_size)
+      throw std::runtime_error("checkpoint '" + ckpt + "': end-of-turn id " + std::to_string(id) + " (group /tokenizer) "
+                               "is outside the model's vocabulary (vocab_size " + std::to_string(vocab) + ")");
+    add(id);
+  }
+  const auto it = l.tokenizer.files.find(kGenerationConfig);
+  if (it == l.tokenizer.files.end()) {
+    l.generation_eos = ids;
+    return;
+  }
+  check_carried_file(it->first, it->second, vocab, "dataset 'tokenizer/" + it->first + "' of checkpoint '" + ckpt + "'");
+  l.generation_config = read_json(it->second, json_limits::kGenerationConfig);
+  const nlohmann::json& e = l.generation_config.value("eos_token_id", nlohmann::json(nullptr));
+  if (e.is_array())
+    for (const nlohmann::json& v : e) add(v.get<int64_t>());
+  else if (!e.is_null())
+    add(e.get<int64_t>());
+  l.generation_eos = ids;
+}
+
+}  // namespace
 
 Loaded load_model(Comm& comm, const std::string& ckpt) {
   Loaded l;
@@ -178,6 +214,7 @@ Loaded load_model(Comm& comm, const std::string& ckpt) {
     auto it = std::find(e.begin(), e.end(), static_cast<int>(data.eos_id));
     if (it != e.end()) std::rotate(e.begin(), it, it + 1);
   }
+  agree(comm, [&] { set_generation_eos(l, ckpt); });
   return l;
 }
 
@@ -206,12 +243,22 @@ std::string byte_tokenizer_unfit(const Loaded& l) {
   return "";
 }
 
-// The files a model's own tokenizer may consist of, as Hugging Face names them. Nothing else is
-// imported, stored or exported (a name from a file never becomes a path of its own).
+// The files a model's own tokenizer may consist of, as Hugging Face names them, with its chat
+// template: export writes them as recorded. Nothing else is imported, stored or exported (a name
+// from a file never becomes a path of its own) but generation_config.json (kGenerationConfig),
+// which import carries beside them and export writes merged (generation_config_text).
 const std::vector<std::string>& tokenizer_file_names() {
   static const std::vector<std::string> names = {"tokenizer.model", "tokenizer.json", "tokenizer_config.json",
-                                                 "special_tokens_map.json"};
+                                                 "special_tokens_map.json", "chat_template.jinja"};
   return names;
+}
+
+// The most bytes import reads of carried file `name`: data.h's limits for the chat template and
+// generation_config.json, the tokenizer.json limit for the tokenizer's own files.
+uint64_t carried_max_bytes(const std::string& name) {
+  if (name == "chat_template.jinja") return kMaxChatTemplateBytes;
+  if (name == kGenerationConfig) return json_limits::kGenerationConfig.max_bytes;
+  return json_limits::kTokenizer.max_bytes;
 }
 
 // True when the recorded tokenizer is a model's own (SentencePiece or Hugging Face tokenizers)
@@ -282,11 +329,13 @@ void write_own_tokenizer(const fs::path& d, const TokenizerInfo& t, const ModelC
 TokenizerInfo read_hf_tokenizer(const InputDir& hd, const ModelConfig& mc) {
   const std::string& dir = hd.path();
   TokenizerInfo t = no_tokenizer();
-  for (const std::string& name : tokenizer_file_names()) {
+  std::vector<std::string> names = tokenizer_file_names();
+  names.push_back(kGenerationConfig);
+  for (const std::string& name : names) {
     // Absent: skipped. Present: a regular file inside the directory opened, read through the descriptor checked.
     if (!hd.has(name, "Hugging Face directory '" + dir + "'")) continue;
     t.files[name] = hd.open_inside(name, "Hugging Face directory '" + dir + "' (tokenizer file)")
-                        .read_all(json_limits::kTokenizer.max_bytes);
+                        .read_all(carried_max_bytes(name));
   }
   if (t.files.count("tokenizer.model")) {
     sentencepiece::SentencePieceProcessor sp;
@@ -330,6 +379,9 @@ TokenizerInfo read_hf_tokenizer(const InputDir& hd, const ModelConfig& mc) {
     throw std::runtime_error("'" + dir + "': its tokenizer (tokenizer.model) has ids up to " +
                              std::to_string(t.vocab_size - 1) + ", beyond the vocab_size " +
                              std::to_string(mc.vocab_size) + " of config.json");
+  // The chat template and generation_config.json travel with the tokenizer (checked only then).
+  for (const auto& [name, bytes] : t.files)
+    check_carried_file(name, bytes, static_cast<uint32_t>(mc.vocab_size), "'" + (fs::path(dir) / name).string() + "'");
   t.bos_id = mc.has_bos() ? mc.bos_token_id : -1;
   t.eos_id = mc.eos_token_ids.empty() ? -1 : mc.primary_eos();
   t.pad_id = -1;  // generation pads with the eos id (generation_config.json)
@@ -379,6 +431,31 @@ std::string prepare_export_dir(const ExportOptions& o) {
   return err;
 }
 
+// The export's generation_config.json. Its eos_token_id is Loaded::generation_eos (the model's eos
+// ids, then the end-of-turn ids of its chat data, then those of a carried generation_config.json):
+// transformers' generate stops at any of them, and reads them from this file alone when it exists
+// (GenerationMixin.adjust_generation_fn; config.json's eos_token_id is its fallback without one).
+// One id is written as an integer, several as a list; none as null. Without a carried file: bos and
+// eos as config.json has them and pad = the primary eos, as before chat data. With one (import of a
+// model directory that has it, or a token file that recorded it): rewritten, not copied, since its
+// eos_token_id must grow by the end-of-turn ids and its bos_token_id follow config.json; every other
+// key is kept (keys sorted, as transformers' own save_pretrained writes them), its pad_token_id too
+// when it names one. Unset ids stay null (transformers then substitutes nothing).
+template <class J> J eos_json(const std::vector<int>& e) { return e.empty() ? J(nullptr) : e.size() == 1 ? J(e.front()) : J(e); }
+std::string generation_config_text(const Loaded& l, const json& cfg) {
+  const int pad = l.mc.eos_token_ids.empty() ? -1 : l.mc.primary_eos();
+  if (l.generation_config.is_null())
+    return json{{"_from_model_config", true}, {"bos_token_id", cfg["bos_token_id"]},
+                {"eos_token_id", eos_json<json>(l.generation_eos)}, {"pad_token_id", pad < 0 ? json(nullptr) : json(pad)}}
+               .dump(2) + "\n";
+  nlohmann::json g = l.generation_config;  // std::map objects: the carried file comes from outside (json_input.h)
+  g["bos_token_id"] = l.mc.has_bos() ? nlohmann::json(l.mc.bos_token_id) : nlohmann::json(nullptr);
+  g["eos_token_id"] = eos_json<nlohmann::json>(l.generation_eos);
+  if (!g.contains("pad_token_id") || g["pad_token_id"].is_null())
+    g["pad_token_id"] = pad < 0 ? nlohmann::json(nullptr) : nlohmann::json(pad);
+  return g.dump(2) + "\n";
+}
+
 // Rank 0's files of an export besides the weights: the index (several weight files), config.json,
 // generation_config.json and the tokenizer (the model's own, or the byte-level one when it fits:
 // no_tokenizer empty). Returns the error ("" if none).
@@ -395,12 +472,7 @@ std::string write_export_side_files(const Loaded& l, const ExportOptions& o, siz
     }
     json cfg = read_json<json>(to_hf_json(l.mc, torch_dtype(o.dtype)), json_limits::kConfig);
     write_text(d / "config.json", cfg.dump(2) + "\n");
-    // Unset ids stay null (transformers then substitutes nothing); a list of eos ids stays a list.
-    write_text(d / "generation_config.json",
-               json{{"_from_model_config", true}, {"bos_token_id", cfg["bos_token_id"]},
-                    {"eos_token_id", cfg["eos_token_id"]},
-                    {"pad_token_id", l.mc.eos_token_ids.empty() ? json(nullptr) : json(l.mc.primary_eos())}}
-                       .dump(2) + "\n");
+    write_text(d / kGenerationConfig, generation_config_text(l, cfg));
     // Files of an earlier export would be loaded with this model's: the tokenizer is rewritten whole.
     for (const std::string& fname : tokenizer_file_names()) fs::remove(d / fname);
     if (own_tokenizer) {
@@ -597,6 +669,15 @@ void export_hf(Comm& comm, const ExportOptions& o) {
   if (own_tokenizer)
     log_info(comm, "export: tokenizer: " + l.tokenizer.kind + " (" + std::to_string(l.tokenizer.files.size()) +
                        " file(s) as recorded in the checkpoint)");
+  if (l.generation_eos.size() > l.mc.eos_token_ids.size() || !l.generation_config.is_null()) {
+    std::string ids;
+    for (int id : l.generation_eos) ids += (ids.empty() ? "" : ", ") + std::to_string(id);
+    log_info(comm, "export: generation_config.json: eos_token_id [" + ids + "]: the model's eos_token_id" +
+                       (l.tokenizer.end_of_turn_ids.empty() ? "" : ", the end-of-turn ids of its chat data") +
+                       (l.generation_config.is_null() ? ""
+                                                      : ", those of the generation_config.json it carries (its other "
+                                                        "keys kept)"));
+  }
   if (!no_tokenizer.empty())
     log_info(comm, "note: no tokenizer written to '" + o.out_dir + "': " + no_tokenizer +
                        "; this model needs its own tokenizer (tokenizer.json and tokenizer_config.json of its origin)");

@@ -111,7 +111,9 @@ std::string generate(Comm& comm, const GenerateOptions& o) {
       }
     }
     comm.broadcast(&next, 1, 0);
-    if (l.mc.is_eos(next)) break;  // any of the eos ids stops
+    // Any id of the export's generation_config.json eos_token_id stops: the model's eos ids, the
+    // end-of-turn ids of its chat data, a carried generation_config.json's.
+    if (std::find(l.generation_eos.begin(), l.generation_eos.end(), next) != l.generation_eos.end()) break;
     ids.push_back(static_cast<int32_t>(next));
     out.push_back(static_cast<int32_t>(next));
   }

@@ -384,7 +384,7 @@ def targets(bin_path, seeds, np2_every):
         "sentencepiece": ([("sp", "sp_identity.model"), ("sp", "sp_nfkc.model")], raw_only(mutate_sentencepiece), sp, False),
         "safetensors": ([("hf", "hf_single/model.safetensors")], mutate_safetensors, hf, True),
         "index": ([("hf", "hf_sharded/model.safetensors.index.json")], mutate_json, hf, True),
-        "config": ([("hf", "hf_single/config.json")], mutate_json, hf, True),
+        "config": ([("hf", "hf_single/config.json"), ("hf", "hf_sp/generation_config.json")], mutate_json, hf, True),
         "hf_tokenizer": ([("hf", "hf_sp/tokenizer.model"), ("hf", "hf_single/tokenizer.json")],
                          lambda rng, b, lim: mutate_sentencepiece(rng, b) if b[:1] != b"{" else mutate_json(rng, b, lim), hf, True),
         "checkpoint": ([("ck", "ckpt.h5")], raw_only(mutate_bytes), ckpt, False),

@@ -8,7 +8,10 @@
 # example starts and the whole-example validation split against transformers (module docstring).
 # Then: 1 and 2 worker processes write the same bytes; a template that reads the date is refused
 # without --date-string and gives the same file on every day with it; and bad inputs are refused
-# naming the file and line, nothing written.
+# naming the file and line, nothing written. Last (item 7), a chat model through import, checkpoint
+# and export: its chat_template.jinja and generation_config.json come back, and the export's
+# eos_token_id holds the end of turn, so transformers' apply_chat_template + generate stop at it
+# (tests/e2e/chat_export_check.py).
 source "$(dirname "$0")/common.sh"
 SCRIPT=$ROOT/scripts/tokenize_hf.py
 "$PY" "$ROOT/tests/e2e/chat_make.py" "$WORK" >"$WORK/make.log" 2>&1 || { cat "$WORK/make.log"; fail "chat_make.py"; }
@@ -173,4 +176,49 @@ timeout -k 5 60 $MPIRUN -np 2 "$BIN" --model tiny --data "$WORK/chatml.tok" --va
 [ "$rc" -ne 0 ] && [ "$(grep -c "error \[rank [01]/2\]: token files '$WORK/chatml.tok' and 1 more: format version 3 (chat data.*does not train on it yet" "$WORK/train.log")" -eq 2 ] \
   || { cat "$WORK/train.log"; fail "training on version 3: exit $rc, expected the refusal on both ranks"; }
 echo "ok: shardtrain reads the script's version 3 files; training on them: $(grep -m1 -o 'this build.*' "$WORK/train.log")"
+
+# Item 7: a chat model (the ChatML tokenizer and template, eos <|endoftext|>, end of turn <|im_end|>,
+# weights that answer X Y <|im_end|> and would go on) imported and exported; then its checkpoint as
+# training on chat data records it (end_of_turn_ids, no generation_config.json: crafted with h5py
+# until training on version 3 lands) exported. chat_export_check.py checks both with transformers.
+CX=$ROOT/tests/e2e/chat_export_check.py
+one() {  # NAME ARGS...: one shardtrain run that must succeed
+  local name=$1
+  shift
+  timeout -k 5 60 "$BIN" "$@" >"$WORK/$name.log" 2>&1 || { cat "$WORK/$name.log"; fail "$name"; }
+}
+"$PY" "$CX" make "$WORK/chatml" "$WORK/cm" || fail "chat_export_check.py make"
+one cm_import --mode import --hf-dir "$WORK/cm" --out "$WORK/cm.h5"
+one cm_export --mode export "$WORK/cm.h5" --out "$WORK/cm-hf"
+grep -q "eos_token_id \[0, 2\]: the model's eos_token_id, those of the generation_config.json it carries" "$WORK/cm_export.log" \
+  || { cat "$WORK/cm_export.log"; fail "cm_export: no note of the merged eos_token_id"; }
+"$PY" "$CX" craft "$WORK/cm.h5" "$WORK/cm" eot eot_bad eot_vocab gen_bad || fail "chat_export_check.py craft"
+one cm_eot_export --mode export "$WORK/cm-eot.h5" --out "$WORK/cm-eot-hf"
+grep -q "eos_token_id \[0, 2\]: the model's eos_token_id, the end-of-turn ids of its chat data" "$WORK/cm_eot_export.log" \
+  || { cat "$WORK/cm_eot_export.log"; fail "cm_eot_export: no note of the end of turn"; }
+timeout -k 5 200 "$PY" "$CX" check "$WORK/cm" "$WORK/cm-hf" "$WORK/cm-eot-hf" "$BIN" "$WORK/cm.h5" "$WORK/cm-eot.h5" \
+  || fail "chat_export_check.py check"
+# Refused: a carried file that transformers could not read or that names ids outside the model, at
+# import (the file named) and in a checkpoint at export (the attribute or dataset named).
+bad_model() {  # NAME FILE CONTENT: a copy of the chat model with FILE replaced
+  cp -r "$WORK/cm" "$WORK/$1"
+  printf '%b' "$3" >"$WORK/$1/$2"
+}
+bad_model m_gen_json generation_config.json '{"eos_token_id": [0, 2'
+bad_model m_gen_vocab generation_config.json '{"eos_token_id": [0, 900]}'
+bad_model m_tpl_utf8 chat_template.jinja '{{ messages }}\xff'
+cp -r "$WORK/cm" "$WORK/m_tpl_big" && head -c 4194305 /dev/zero | tr '\0' x >"$WORK/m_tpl_big/chat_template.jinja"
+expect_fail import_gen_json "'$WORK/m_gen_json/generation_config.json': not valid JSON" 1 --mode import --hf-dir "$WORK/m_gen_json" --out "$WORK/x.h5"
+expect_fail import_gen_vocab "'$WORK/m_gen_vocab/generation_config.json': key 'eos_token_id' = [0,900]: id 900 is outside the vocabulary (vocab_size 600)" 1 \
+  --mode import --hf-dir "$WORK/m_gen_vocab" --out "$WORK/x.h5"
+expect_fail import_tpl_utf8 "'$WORK/m_tpl_utf8/chat_template.jinja': not UTF-8 text" 1 --mode import --hf-dir "$WORK/m_tpl_utf8" --out "$WORK/x.h5"
+expect_fail import_tpl_big "chat_template.jinja' has 4194305 bytes, more than the 4194304 read from such a file" 1 \
+  --mode import --hf-dir "$WORK/m_tpl_big" --out "$WORK/x.h5"
+[ ! -e "$WORK/x.h5" ] || fail "a refused import wrote a checkpoint"
+expect_fail export_eot_bad "attribute 'info' of group '/tokenizer' is malformed ('end_of_turn_ids' holds 700, not a token id below vocab_size 600)" 1 \
+  --mode export "$WORK/cm-eot_bad.h5" --out "$WORK/x-hf"
+expect_fail export_eot_vocab "checkpoint '$WORK/cm-eot_vocab.h5': end-of-turn id 700 (group /tokenizer) is outside the model's vocabulary (vocab_size 600)" 1 \
+  --mode export "$WORK/cm-eot_vocab.h5" --out "$WORK/x-hf"
+expect_fail export_gen_bad "dataset 'tokenizer/generation_config.json' of checkpoint '$WORK/cm-gen_bad.h5': key 'pad_token_id' must be a token id (an integer >= 0), got -1" 1 \
+  --mode export "$WORK/cm-gen_bad.h5" --out "$WORK/x-hf"
 echo "ok: test_chat_data"
