@@ -187,7 +187,8 @@ one cm_import "$BIN" --mode import --hf-dir "$WORK/cm" --out "$WORK/cm.h5"
 one cm_export "$BIN" --mode export "$WORK/cm.h5" --out "$WORK/cm-hf"
 grep -q "eos_token_id \[0, 6\]: the model's eos_token_id, those of the generation_config.json it carries" "$WORK/cm_export.log" \
   || { cat "$WORK/cm_export.log"; fail "cm_export: no note of the carried eos_token_id"; }
-tok cm-chat cm-gen "$WORK/chat.jsonl" --workers 1
+head -n 12 "$WORK/chat.jsonl" >"$WORK/cm-chat.jsonl"  # 12 conversations are enough here
+tok cm-chat cm-gen "$WORK/cm-chat.jsonl" --workers 1
 one cm_sft $MPIRUN -np 2 "$BIN" --model "$WORK/cm/config.json" --init-from "$WORK/cm.h5" --data "$WORK/cm-chat.tok" \
   --seq-len 256 --global-batch 2 --steps 2 --lr 1e-7 --min-lr 1e-7 --weight-decay 0 --eval-batches 1 --threads 1 \
   --checkpoint-dir "$WORK/cm-ck"
