@@ -149,9 +149,15 @@ TEST_F(Resume, ChangedSettingsAreRefusedUnlessAccepted) {
   free.precision = st::Precision::BF16;
   free.eval_every = 7;
   EXPECT_EQ(error_of([&] { st::check_resume_settings(c, info, free); }), "(no throw)");
-  // Each checked setting is refused alone.
+  // Each checked setting is refused alone (those of chat data against a chat-data checkpoint: a
+  // plain one has none of them, and a resume onto other data is the data record's business).
+  st::TrainConfig chat = old;
+  chat.examples = true;
+  st::CheckpointInfo chat_info = info;
+  chat_info.train_config = st::train_config_json(chat);
   for (const std::string& opt : st::resume_checked_settings()) {
-    st::TrainConfig t = old;
+    const bool examples = opt == "train-on" || opt == "pack" || opt == "max-length-policy" || opt == "shuffle";
+    st::TrainConfig t = examples ? chat : old;
     if (opt == "seq-len") t.seq_len += 1;
     else if (opt == "global-batch") t.global_batch += 1;
     else if (opt == "steps") t.steps += 1;
@@ -165,8 +171,12 @@ TEST_F(Resume, ChangedSettingsAreRefusedUnlessAccepted) {
     else if (opt == "clip") t.clip = 0.5;
     else if (opt == "seed") t.seed += 1;
     else if (opt == "attention-mask") t.attention_mask = st::AttentionMask::Document;
+    else if (opt == "train-on") t.train_on = st::TrainOn::All;
+    else if (opt == "pack") t.pack = st::PackMode::None;
+    else if (opt == "max-length-policy") t.max_length = st::MaxLengthPolicy::Drop;
+    else if (opt == "shuffle") t.shuffle = false;
     else ADD_FAILURE() << "no change written for --" << opt;
-    e = error_of([&] { st::check_resume_settings(c, info, t); });
+    e = error_of([&] { st::check_resume_settings(c, examples ? chat_info : info, t); });
     EXPECT_TRUE(contains(e, "'--accept-change " + opt + "'")) << opt << ": " << e;
   }
 }

@@ -37,7 +37,7 @@ namespace st = shardtrain;
 
 namespace {
 
-constexpr int kT = 32, kG = 8;  // seq_len, global batch (rows)
+constexpr int kT = 32, kG = 12;  // seq_len, global batch (rows: divisible by 1, 2, 3, 4 and 6 ranks)
 
 // 70 examples of 2 to 80 tokens (some longer than kT: truncated), each a conversation of context
 // runs and assistant runs ending in an end-of-turn token, written by this rank (the same bytes on
