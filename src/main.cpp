@@ -409,6 +409,12 @@ void plan_targets(Comm& comm, const Options& o, ModelConfig mc, int dp) {
     pb = std::make_unique<PackedBatches>(*data, PackOptions{tc.seq_len, tc.pack, tc.max_length, tc.train_on}, tc.seed,
                                          tc.global_batch, tc.shuffle);
   });
+  for (Split sp : {Split::Train, Split::Val})
+    if (pb->stream(sp).rows() == 0)
+      throw CollectiveError(0, std::string("the ") + (sp == Split::Train ? "train" : "validation") + " split of " +
+                                   data->path() + " has no example to " + (sp == Split::Train ? "train" : "evaluate") +
+                                   " on (" + std::to_string(pb->stream(sp).stats().examples) +
+                                   " examples; training refuses it too)");
   const PackStats& p = pb->stream(Split::Train).stats();
   const int64_t steps = std::max<int64_t>(1, p.rows / tc.global_batch);
   int64_t lo = INT64_MAX, hi = 0, sum = 0;

@@ -658,10 +658,14 @@ void export_hf(Comm& comm, const ExportOptions& o) {
   }
   if (comm.rank() == 0) err = write_export_side_files(l, o, n, total, weight_map, own_tokenizer, no_tokenizer);
   all_ok(comm, err.empty(), err);
-  if (!l.mc.has_bos() || l.mc.eos_token_ids.empty()) {
-    const bool both = !l.mc.has_bos() && l.mc.eos_token_ids.empty();
+  // An id the recorded tokenizer has none of (ChatML's BOS) is no gap to note.
+  const bool told = !l.tokenizer.kind.empty();
+  const bool no_bos = !l.mc.has_bos() && !(told && l.tokenizer.bos_id < 0);
+  const bool no_eos = l.mc.eos_token_ids.empty() && !(told && l.tokenizer.eos_id < 0);
+  if (no_bos || no_eos) {
+    const bool both = no_bos && no_eos;
     log_info(comm, "note: checkpoint '" + o.checkpoint + "' has no " +
-                       (both ? "bos_token_id or eos_token_id" : !l.mc.has_bos() ? "bos_token_id" : "eos_token_id") +
+                       (both ? "bos_token_id or eos_token_id" : no_bos ? "bos_token_id" : "eos_token_id") +
                        " and records no token file to take " + (both ? "them" : "it") +
                        " from: config.json and generation_config.json say null (import with '--data TOKENFILE' to "
                        "take the ids from a token file)");

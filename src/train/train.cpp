@@ -139,7 +139,8 @@ std::string apply_data_settings(TrainConfig& tc, const TokenDataset& data, const
     if (opt.empty()) return "";
     return "option '" + opt + "' applies to example data (chat or prompt/completion examples with role classes, token "
            "format version 3, written by scripts/tokenize_hf.py), but " + file + " has none: every token is a "
-           "target there (use '--train-on all', or tokenize the examples with scripts/tokenize_hf.py)";
+           "target there (" + (opt.starts_with("--train-on") ? "use '--train-on all', or" : "leave the option out, or") +
+           " tokenize the examples with scripts/tokenize_hf.py)";
   }
   tc.examples = true;
   if (given.attention_mask.empty() && tc.attention_mask != AttentionMask::Document) {

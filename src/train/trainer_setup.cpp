@@ -107,6 +107,11 @@ template <typename C> void Trainer<C>::pack_examples() {
         data_, PackOptions{tc_.seq_len, tc_.pack, tc_.max_length, tc_.train_on}, tc_.seed, tc_.global_batch,
         tc_.shuffle);
   });
+  const int64_t rows = packed_->stream(Split::Train).rows();
+  if (rows > 0 && rows < tc_.global_batch)
+    log_info(comm_, "note: --global-batch " + std::to_string(tc_.global_batch) + " is more than the " +
+                        std::to_string(rows) + " packed rows of an epoch: each step holds rows of several epochs, "
+                        "so the same conversations more than once (a smaller --global-batch, or more data)");
   for (Split s : {Split::Train, Split::Val}) {
     const PackStats& p = packed_->stream(s).stats();
     const std::string name = s == Split::Train ? "train" : "validation";
@@ -117,7 +122,8 @@ template <typename C> void Trainer<C>::pack_examples() {
         (p.dropped_no_target ? ", " + std::to_string(p.dropped_no_target) + " without a target token left out"
                              : std::string());
     if (p.rows == 0)
-      throw CollectiveError(0, "the " + name + " split of " + data_.path() + " has no example to train on (" + what +
+      throw CollectiveError(0, "the " + name + " split of " + data_.path() + " has no example to " +
+                                   (s == Split::Train ? "train" : "evaluate") + " on (" + what +
                                    "; --train-on " + train_on_name(tc_.train_on) + ", --max-length-policy " +
                                    max_length_policy_name(tc_.max_length) + ")");
     const double fill = static_cast<double>(p.tokens) / (static_cast<double>(p.rows) * tc_.seq_len);
