@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # make bench: training throughput and quality benchmarks. Results go to build/bench/ and are
 # summarised on stdout for docs/benchmarks.md. Not part of make test (timings are not asserted).
-# An estimated 75-80 minutes on an idle 2-core machine (part 2's long-context cases about 20: 12 runs of ~100 s, part 3 about 10, part 4 about 15, part 6 about 8); BENCH_QUICK=1 cuts every run to a few steps (a smoke
+# An estimated 85-90 minutes on an idle 2-core machine (part 2's long-context cases about 20: 12 runs of ~100 s, part 3 about 10, part 4 about 15, part 6 about 8, part 8 about 10); BENCH_QUICK=1 cuts every run to a few steps (a smoke
 # test of the harness: its figures are not benchmarks).
 #
 # 1. tinyshakespeare quality (if ../shared/data/tinyshakespeare.txt exists; it is never
@@ -34,6 +34,10 @@
 #    (tests/bench/prepare.py), and prepare's peak RSS on 64 MiB and 2 GiB of text.
 # 6. Overlap: --overlap off / on (thread, poll, wait progress) at W = 2 and 4 (tests/bench/overlap.py),
 #    about 8 minutes; `make bench-overlap` runs this part alone.
+# 8. Fine-tuning on chat data (issue 55): SFT on packed v3 examples against plain training on the same
+#    tokens, and shardtrain (packed; --pack none) against TRL's SFTTrainer (assistant_only_loss, one
+#    process, 2 threads) on the same conversations, weights and steps, interleaved, 3 rounds unless
+#    BENCH_ROUNDS says otherwise (tests/bench/sft.py; build/bench/sft.md for docs/benchmarks.md).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
@@ -133,9 +137,15 @@ PPB_FAILED=0
 .venv/bin/python tests/bench/pp_bubble.py --bin $BIN --data build/data/fortunes.tok --out "$OUT/pp-bubble.md" || PPB_FAILED=1
 OVL_FAILED=0
 python3 tests/bench/overlap.py --bin $BIN --data build/data/fortunes.tok --out "$OUT" "${QUICK_OPT[@]}" || OVL_FAILED=1
+# 8. SFT (issue 55): tokens/s of packed chat data against plain tokens; conversation tokens/s against
+#    TRL's SFTTrainer (tests/bench/sft.py; build/bench/sft.md for docs/benchmarks.md).
+SFT_FAILED=0
+.venv/bin/python tests/bench/sft.py --bin $BIN --out "$OUT" ${BENCH_ROUNDS:+--rounds "$BENCH_ROUNDS"} "${QUICK_OPT[@]}" \
+  || SFT_FAILED=1
 if [ "$CKPT_FAILED" = 1 ]; then echo "bench: the checkpoint benchmark failed (see above)"; exit 1; fi
 if [ "$PEER_FAILED" = 1 ]; then echo "bench: some runs against the peer failed (see above)"; exit 1; fi
 if [ "$OVL_FAILED" = 1 ]; then echo "bench: the overlap benchmark failed (see above)"; exit 1; fi
 if [ "$PPB_FAILED" = 1 ]; then echo "bench: the pipeline bubble is not within 20% of its simulation (see above)"; exit 1; fi
 if [ "$PREP_FAILED" = 1 ]; then echo "bench: the tokenizing benchmark failed (see above)"; exit 1; fi
 if [ "$MEM_FAILED" = 1 ]; then echo "bench: a memory check failed (see above)"; exit 1; fi
+if [ "$SFT_FAILED" = 1 ]; then echo "bench: the SFT benchmark failed (see above)"; exit 1; fi
