@@ -6,7 +6,9 @@
 #      mask, one global batch: shardtrain's step-1 loss within 1e-6 relative, and its fp32 gradient
 #      (SHARDTRAIN_TEST_DUMP_GRADS) within 2e-5 of the largest element, of LlamaForCausalLM in
 #      float64 on each conversation unpadded (labels -100 off the assistant tokens, summed, divided
-#      by the global target count) (sft_check.py).
+#      by the global target count) (sft_check.py); and the trainer's step in float64 (mpi_tests'
+#      Sft.DISABLED_Float64StepEqualsTransformers, 2 ranks: W = 1, dp 2, cp 2, pp 2) within 1e-12
+#      (loss) and 1e-13 of each parameter's largest element (gradient) of the same reference.
 #   2. Exact at every layout: 20 fp32 steps, T = 128 (long conversations truncated), global batch 8
 #      in micro-batches of 2 (accumulation 4): dp 2, tp 2 x dp 2, cp 2 x dp 2, pp 2 x dp 2 (1F1B)
 #      within 1e-5 of (1, 1) (SFT_MATRIX=full, make test-sft-matrix: also dp 4 with accumulation 2,
@@ -46,7 +48,15 @@ R=$(sed -n 's/.*data: train: .* in \([0-9]*\) rows of 1024.*/\1/p' "$WORK/rows.l
 mkdir -p "$WORK/grads"
 SHARDTRAIN_TEST_DUMP_GRADS=$WORK/grads run ref 1 "${MODEL[@]}" --seq-len 1024 --global-batch "$R" --steps 1 \
   --lr 1e-3 --metrics "$WORK/ref.jsonl"
-"$PY" "$ROOT/tests/e2e/sft_check.py" "$WORK/hf" "$WORK/c.tok" "$WORK/ref.jsonl" "$WORK/grads" || fail "against transformers"
+"$PY" "$ROOT/tests/e2e/sft_check.py" "$WORK/hf" "$WORK/c.tok" "$WORK/ref.jsonl" "$WORK/grads" "$WORK/torch64" \
+  || fail "against transformers"
+# ... and in float64: the trainer's step (StageRunner, packing, the global-count scale) in mpi_tests
+# at W = 1, dp 2, cp 2, pp 2 against transformers' float64 loss and gradient.
+SHARDTRAIN_TEST_SFT_TORCH=$WORK/torch64 timeout -k 5 300 $MPIRUN -np 2 -x SHARDTRAIN_TEST_SFT_TORCH \
+  "$(dirname "$BIN")/mpi_tests" --gtest_also_run_disabled_tests --gtest_filter='Sft.DISABLED_Float64StepEqualsTransformers' \
+  --gtest_color=no >"$WORK/f64.log" 2>&1 || { cat "$WORK/f64.log"; fail "float64 step against transformers"; }
+grep -q "^\[  PASSED  \] 1 test" "$WORK/f64.log" || { cat "$WORK/f64.log"; fail "float64 step: the test did not run"; }
+grep "float64 vs transformers" "$WORK/f64.log"
 
 # 2. The layouts: every step's loss within 1e-5 relative of (1, 1).
 STEPS=20

@@ -13,10 +13,15 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <iterator>
 #include <map>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -69,16 +74,22 @@ struct Step {
   int64_t targets = 0;
 };
 
-// One step at mesh `d` over `comm` (P = d.pp stages of schedule `kind`), micro-batch 1.
+// Where a step's parameters come from: init_params(11), or every parameter of this rank's units
+// set whole from a host tensor by name (ShardedState::set_param).
+using ParamLoader = std::function<std::vector<double>(const std::string& name)>;
+
+// One step at mesh `d` over `comm` (P = d.pp stages of schedule `kind`), micro-batch 1: global
+// batch `index` of `G` packed rows of `T` tokens.
 Step run_step(st::Comm& comm, const st::MeshDims& d, st::PipelineKind kind, const st::ModelConfig& mc,
-              const st::TokenDataset& data) {
+              const st::TokenDataset& data, int T = kT, int G = kG, int64_t index = 1,
+              const ParamLoader& load = nullptr) {
   const st::Mesh mesh(comm, st::testing::g_runtime->topo(), d, 0);
   st::TrainConfig tc;
-  tc.seq_len = kT;
-  tc.global_batch = kG;
+  tc.seq_len = T;
+  tc.global_batch = G;
   tc.micro_batch = 1;
   tc.seed = 3;
-  const int per_rank = kG / mesh.dp_size(), m = per_rank;
+  const int per_rank = G / mesh.dp_size(), m = per_rank;
   std::string why;
   st::PipelineOptions po;
   po.kind = kind;
@@ -88,6 +99,9 @@ Step run_step(st::Comm& comm, const st::MeshDims& d, st::PipelineKind kind, cons
   const st::RankUnits ru = st::pipeline_rank_units(mc, pl, mesh.coord().pp);
   st::ShardedState<double> f(*be, mesh, st::ShardPlan::build(ru.units, d.fsdp()));
   f.init_params(11);
+  if (load)
+    for (const auto& up : f.plan().units)
+      for (const auto& p : up.params) f.set_param(p.spec.name, load(p.spec.name));
   f.zero_grads();
   st::UnitPipeline<double> units(*be, std::make_unique<st::IdentityCodec<double>>(f));
   std::unique_ptr<st::StageLink<double>> link;
@@ -98,16 +112,15 @@ Step run_step(st::Comm& comm, const st::MeshDims& d, st::PipelineKind kind, cons
   mo.mask = st::AttentionMask::Document;
   st::LlamaModel<double> model(mc, *be, mo, nullptr, cp.get());
   auto packed = std::make_shared<const st::PackedBatches>(
-      data, st::PackOptions{kT, st::PackMode::BestFit, st::MaxLengthPolicy::Truncate, st::TrainOn::Assistant}, tc.seed,
-      kG);
-  st::StageRunner<double> runner(mesh, *be, model, units, ru, pl, link.get(), st::batch_reader(packed), kT, per_rank,
+      data, st::PackOptions{T, st::PackMode::BestFit, st::MaxLengthPolicy::Truncate, st::TrainOn::Assistant}, tc.seed,
+      G);
+  st::StageRunner<double> runner(mesh, *be, model, units, ru, pl, link.get(), st::batch_reader(packed), T, per_rank,
                                  1);
   Step s;
-  const int64_t index = 1;  // the second global batch
   s.targets = packed->batch_targets(st::Split::Train, index);
   // Trainer::train_step's scale (the reduce-scatter means over dp x cp), unrounded in float64.
-  const double scale = st::mean_loss_grad_scale(static_cast<double>(kG) * kT, static_cast<double>(s.targets),
-                                                static_cast<double>(per_rank) * kT / d.cp);
+  const double scale = st::mean_loss_grad_scale(static_cast<double>(G) * T, static_cast<double>(s.targets),
+                                                static_cast<double>(per_rank) * T / d.cp);
   units.begin_pass("train");
   runner.begin(st::Split::Train, index);
   double loss = runner.run(*pl.schedule(m), scale);
@@ -123,6 +136,18 @@ Step run_step(st::Comm& comm, const st::MeshDims& d, st::PipelineKind kind, cons
   return s;
 }
 
+// The little-endian float64 file `path` whole (its size a multiple of 8, at most 1 GiB).
+std::vector<double> read_f64(const std::string& path) {
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
+  if (!in) throw std::runtime_error("cannot open " + path);
+  const auto n = static_cast<std::streamoff>(in.tellg());
+  if (n % 8 != 0 || n > (std::streamoff{1} << 30)) throw std::runtime_error(path + ": not a float64 array");
+  std::vector<double> v(static_cast<size_t>(n / 8));
+  in.seekg(0);
+  in.read(reinterpret_cast<char*>(v.data()), n);
+  if (!in) throw std::runtime_error("cannot read " + path);
+  return v;
+}
 
 }  // namespace
 
@@ -196,4 +221,78 @@ TEST(Sft, GlobalMeanDiffersFromTheMeanOfMicroBatchMeans) {
   const double global = sum / static_cast<double>(n);
   EXPECT_GT(std::abs(mean_of_means - global), 1e-3 * global)
       << "global mean " << global << ", mean of micro-batch means " << mean_of_means;
+}
+
+// Run by tests/e2e/test_sft.sh only (part 1, at 2 ranks): shardtrain's float64 step on every
+// training conversation of a chat file, packed into rows of 1024 under the document mask, against
+// transformers' LlamaForCausalLM in float64 on each conversation unpadded (sft_check.py, which
+// writes SHARDTRAIN_TEST_SFT_TORCH=DIR: config.json, tokens.tok, params/<name>.f64 (the weights),
+// grads/<name>.f64 (autograd's gradient of the loss), loss.txt (the loss, the target count)).
+// At W = 1 and at dp W, cp 2 x dp W/2, pp 2 x dp W/2 (where the rows divide): the loss within
+// 1e-12 relative, the target count equal, every parameter's gradient within 1e-13 of its largest
+// reference element (two float64 computations summing in different orders), every parameter of
+// transformers' model compared.
+TEST(Sft, DISABLED_Float64StepEqualsTransformers) {
+  const char* env = std::getenv("SHARDTRAIN_TEST_SFT_TORCH");
+  ASSERT_NE(env, nullptr) << "run by tests/e2e/test_sft.sh, which sets SHARDTRAIN_TEST_SFT_TORCH";
+  const std::string dir = env;
+  st::Comm& c = st::testing::comm();
+  const int W = c.world_size();
+  std::ifstream cf(dir + "/config.json");
+  const std::string cfg((std::istreambuf_iterator<char>(cf)), std::istreambuf_iterator<char>());
+  const st::ModelConfig mc = st::parse_hf_config(cfg, dir + "/config.json");
+  const st::TokenDataset data(dir + "/tokens.tok");
+  constexpr int T = 1024;
+  const st::PackOptions po{T, st::PackMode::BestFit, st::MaxLengthPolicy::Truncate, st::TrainOn::Assistant};
+  const int G = static_cast<int>(st::PackedExamples(data, st::Split::Train, po).rows());
+  double want_loss = 0;
+  int64_t want_targets = 0;
+  std::ifstream(dir + "/loss.txt") >> want_loss >> want_targets;
+  ASSERT_GT(want_targets, 0) << dir << "/loss.txt";
+  const ParamLoader load = [&](const std::string& name) { return read_f64(dir + "/params/" + name + ".f64"); };
+  int files = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir + "/grads")) files += e.path().extension() == ".f64";
+
+  struct Case {
+    std::string what;
+    st::MeshDims d;
+  };
+  std::vector<Case> cases = {{"W = 1", st::MeshDims{1, 1, 1, 1, 1}}};
+  if (G % W == 0) cases.push_back({"dp " + std::to_string(W), st::MeshDims{1, W, 1, 1, 1}});
+  if (W % 2 == 0 && G % (W / 2) == 0) {
+    cases.push_back({"cp 2 x dp " + std::to_string(W / 2), st::MeshDims{1, W / 2, 2, 1, 1}});
+    cases.push_back({"pp 2 x dp " + std::to_string(W / 2), st::MeshDims{1, W / 2, 1, 1, 2}});
+  }
+  st::MpiComm self = st::MpiComm::split(c, c.rank(), 0);
+  for (const Case& k : cases) {
+    SCOPED_TRACE(k.what);
+    const bool alone = k.d.pp * k.d.dp_shard * k.d.cp == 1;
+    const Step s = run_step(alone ? self : c, k.d, st::PipelineKind::OneFOneB, mc, data, T, G, 0, load);
+    EXPECT_EQ(s.targets, want_targets);
+    EXPECT_NEAR(s.loss, want_loss, 1e-12 * want_loss) << "shardtrain " << s.loss << ", transformers " << want_loss;
+    double worst = 0;
+    std::string worst_name;
+    int n = 0;
+    for (const auto& [name, g] : s.grads) {
+      const std::vector<double> ref = read_f64(dir + "/grads/" + name + ".f64");
+      ASSERT_EQ(g.size(), ref.size()) << name;
+      double diff = 0, scale = 0;
+      for (size_t i = 0; i < g.size(); ++i) {
+        diff = std::max(diff, std::abs(g[i] - ref[i]));
+        scale = std::max(scale, std::abs(ref[i]));
+      }
+      ASSERT_GT(scale, 0.0) << name;
+      EXPECT_LE(diff, 1e-13 * scale) << name << ": worst difference " << diff << " of " << scale;
+      if (diff / scale > worst) worst = diff / scale, worst_name = name;
+      ++n;
+    }
+    if (k.d.pp == 1) {
+      EXPECT_EQ(n, files) << "parameters compared, of transformers' " << files;
+    }
+    if (c.rank() == 0)
+      std::printf("[ info ] float64 vs transformers, %s: %d packed rows of %d, %lld targets, loss %.12f (rel diff %.1e), "
+                  "gradients of %d parameters within %.1e of each one's largest element (worst %s)\n",
+                  k.what.c_str(), G, T, static_cast<long long>(s.targets), s.loss,
+                  std::abs(s.loss - want_loss) / want_loss, n, worst, worst_name.c_str());
+  }
 }
