@@ -22,16 +22,43 @@
 namespace shardtrain {
 using json = nlohmann::json;
 
-int64_t ModelConfig::num_params() const {
-  int64_t C = hidden_size, I = intermediate_size, V = vocab_size;
-  int64_t q = static_cast<int64_t>(num_attention_heads) * head_dim();
-  int64_t kv = kv_dim();
-  // In 128 bits, saturated: a config from a file may hold any int sizes (validate refuses them).
+namespace {
+// How many l in [0, num_hidden_layers) is_moe_layer(l) holds for, without a loop over the layers (a
+// crafted num_hidden_layers may be 2^31): every decoder_sparse_step-th, less the mlp_only_layers
+// among them.
+int64_t count_moe_layers(const ModelConfig& c) {
+  if (c.num_experts <= 0 || c.decoder_sparse_step <= 0 || c.num_hidden_layers <= 0) return 0;
+  int64_t n = c.num_hidden_layers / c.decoder_sparse_step;
+  std::vector<int> dense = c.mlp_only_layers;
+  std::sort(dense.begin(), dense.end());
+  dense.erase(std::unique(dense.begin(), dense.end()), dense.end());
+  for (int l : dense) n -= l >= 0 && l < c.num_hidden_layers && (static_cast<int64_t>(l) + 1) % c.decoder_sparse_step == 0;
+  return n;
+}
+
+// Parameters of the model with `experts` experts of each MoE layer counted (num_experts: all of
+// them; num_experts_per_tok: what one token uses), in 128 bits, saturated: a config from a file may
+// hold any int sizes (validate refuses them).
+int64_t count_params(const ModelConfig& c, int64_t experts) {
   __extension__ using i128 = __int128;
-  const i128 block = 2 * C + static_cast<i128>(C) * q + 2 * static_cast<i128>(C) * kv +
-                         static_cast<i128>(q) * C + 3 * static_cast<i128>(C) * I;
-  const i128 n = static_cast<i128>(V) * C + num_hidden_layers * block + C + (tie_word_embeddings ? 0 : static_cast<i128>(V) * C);
+  const i128 C = c.hidden_size, I = c.intermediate_size, V = c.vocab_size, E = c.num_experts;
+  const i128 q = static_cast<i128>(c.num_attention_heads) * c.head_dim(), kv = c.kv_dim();
+  const i128 attention = 2 * C + C * q + 2 * C * kv + q * C + (c.qk_norm ? 2 * static_cast<i128>(c.head_dim()) : 0);
+  // MoE layers: every decoder_sparse_step-th, less the mlp_only_layers among them (counted without
+  // a loop over the layers: a crafted num_hidden_layers may be 2^31).
+  const i128 L = std::max(c.num_hidden_layers, 0), moe = count_moe_layers(c);
+  const i128 n = V * C + C + (c.tie_word_embeddings ? 0 : V * C) + L * attention + (L - moe) * 3 * C * I +
+                 moe * (C * E + experts * 3 * C * c.moe_intermediate_size);
   return n > INT64_MAX ? INT64_MAX : static_cast<int64_t>(n);
+}
+}  // namespace
+
+int64_t ModelConfig::num_params() const { return count_params(*this, num_experts); }
+int64_t ModelConfig::num_active_params() const { return count_params(*this, num_experts_per_tok); }
+
+bool ModelConfig::is_moe_layer(int l) const {
+  return num_experts > 0 && decoder_sparse_step > 0 && (static_cast<int64_t>(l) + 1) % decoder_sparse_step == 0 &&
+         std::find(mlp_only_layers.begin(), mlp_only_layers.end(), l) == mlp_only_layers.end();
 }
 
 std::vector<double> rope_inv_freqs(const ModelConfig& c) {
@@ -98,6 +125,31 @@ RopeScaling llama3_rope(double factor) {
   return r;
 }
 
+ModelConfig mixtral(const std::string& name, int V, int C, int I, int L, int NH, int NKV, int maxpos, double theta,
+                    double eps, int bos, int eos, int E, int k) {
+  ModelConfig c = published(name, V, C, I, L, NH, NKV, maxpos, false, theta, eps, bos, eos);
+  c.architecture = "MixtralForCausalLM";
+  c.num_experts = E;
+  c.num_experts_per_tok = k;
+  c.moe_intermediate_size = I;
+  c.norm_topk_prob = true;
+  c.router_aux_loss_coef = 0.02;  // the hub's config.json (MixtralConfig's default is 0.001)
+  return c;
+}
+ModelConfig qwen3_moe(const std::string& name, int V, int C, int I, int L, int NH, int NKV, int HD, int maxpos,
+                      double theta, double eps, int bos, int eos, int E, int k, int moe_I) {
+  ModelConfig c = published(name, V, C, I, L, NH, NKV, maxpos, false, theta, eps, bos, eos);
+  c.architecture = "Qwen3MoeForCausalLM";
+  c.head_dim_override = HD;
+  c.qk_norm = true;
+  c.num_experts = E;
+  c.num_experts_per_tok = k;
+  c.moe_intermediate_size = moe_I;
+  c.norm_topk_prob = true;
+  c.router_aux_loss_coef = 0.001;
+  return c;
+}
+
 const std::map<std::string, ModelConfig>& presets() {
   static const std::map<std::string, ModelConfig> p = {
       // Tests: small, GQA 4:2.
@@ -130,6 +182,12 @@ const std::map<std::string, ModelConfig>& presets() {
       // meta-llama/Llama-3.1-405B config.json: 405,853,388,800 parameters (issue 42's pipeline plans).
       {"llama-405b", published("llama-405b", 128256, 16384, 53248, 126, 128, 8, 131072, false, 500000.0, 1e-5, 128000,
                                128001, llama3_rope(8.0))},
+      // Mixture-of-experts (issue 56): parameter counts from transformers 5.24 on the meta device.
+      // mistralai/Mixtral-8x7B-v0.1 config.json.
+      {"mixtral-8x7b", mixtral("mixtral-8x7b", 32000, 4096, 14336, 32, 32, 8, 32768, 1e6, 1e-5, 1, 2, 8, 2)},
+      // Qwen/Qwen3-30B-A3B config.json.
+      {"qwen3-30b-a3b", qwen3_moe("qwen3-30b-a3b", 151936, 2048, 6144, 48, 32, 4, 128, 40960, 1e6, 1e-6, 151643,
+                                  151645, 128, 8, 768)},
   };
   return p;
 }
@@ -264,6 +322,11 @@ struct Field {
   std::function<void(ModelConfig&, const json& j, const std::string& source)> hf_read;
   // Canonical JSON: true for keys that older versions did not write (absent: the member's default).
   bool canonical_optional = false;
+  // Canonical JSON and config.json: the key is written only when the value differs from a default
+  // ModelConfig's (the rows of issue 56, so that a dense Llama's JSON is what it was before them).
+  bool omit_default = false;
+  // config.json: writes the row (keys that depend on the architecture) instead of key = get(c).
+  std::function<void(const ModelConfig&, json& j)> hf_write;
   std::function<void(const ModelConfig&, const std::string& source)> check;  // validate(); may be empty
 };
 
@@ -376,12 +439,239 @@ void check_head_dim(const ModelConfig& c, const std::string& source) {
                     std::to_string(c.head_dim()) + " is odd; RoPE needs pairs");
 }
 
+// ---- architectures beside Llama (issue 56) -------------------------------------------------------
+// config.json's "model_type" of each architecture (transformers' config classes).
+const char* model_type_of(const std::string& arch) {
+  if (arch == "Qwen3ForCausalLM") return "qwen3";
+  if (arch == "MixtralForCausalLM") return "mixtral";
+  if (arch == "Qwen3MoeForCausalLM") return "qwen3_moe";
+  return "llama";
+}
+bool is_qwen3(const std::string& arch) { return arch == "Qwen3ForCausalLM" || arch == "Qwen3MoeForCausalLM"; }
+bool is_moe_arch(const std::string& arch) { return arch == "MixtralForCausalLM" || arch == "Qwen3MoeForCausalLM"; }
+std::string known_architectures() {
+  std::string k;
+  for (const char* a : kArchitectures) k += std::string(k.empty() ? "" : ", ") + a;
+  return k + " (and MistralForCausalLM, read as a Llama)";
+}
+
+void check_architecture(const ModelConfig& c, const std::string& source) {
+  for (const char* a : kArchitectures)
+    if (c.architecture == a) return;
+  bad(source, "architecture \"" + c.architecture + "\" is not supported; expected one of " + known_architectures());
+}
+
+// "architectures" (the first supported entry; Mistral is a Llama while its sliding window does not
+// cut the context, checked in parse_hf_config) and "model_type", which must agree; neither: Llama.
+// Qwen2 has q/k/v biases, which this model does not have: refused by name.
+void hf_read_architecture(ModelConfig& c, const json& j, const std::string& source) {
+  const bool has_mt = j.contains("model_type") && j["model_type"].is_string();
+  const std::string mt = has_mt ? j["model_type"].get<std::string>() : "";
+  std::string arch;
+  if (j.contains("architectures") && !j["architectures"].is_null()) {
+    const json& as = j["architectures"];
+    if (as.is_array())
+      for (const json& a : as) {
+        if (!a.is_string() || !arch.empty()) continue;
+        const std::string n = a.get<std::string>();
+        if (n == "MistralForCausalLM") arch = "LlamaForCausalLM";
+        for (const char* k : kArchitectures)
+          if (n == k) arch = n;
+      }
+    if (arch.empty()) {
+      const std::string extra = as.dump().find("Qwen2") != std::string::npos
+                                    ? " (Qwen2 has q/k/v projection biases, e.g. tensor "
+                                      "'model.layers.0.self_attn.q_proj.bias', which shardtrain's Llama does not have)"
+                                    : "";
+      bad(source, "architecture " + as.dump() + " is not supported; expected one of " + known_architectures() + extra);
+    }
+  } else if (has_mt) {
+    for (const char* k : kArchitectures)
+      if (mt == model_type_of(k)) arch = k;
+    if (mt == "mistral") arch = "LlamaForCausalLM";
+  }
+  if (arch.empty()) arch = "LlamaForCausalLM";
+  const std::string want = model_type_of(arch);
+  if (has_mt && mt != want && !(arch == "LlamaForCausalLM" && mt == "mistral"))
+    bad(source, "key 'model_type' is \"" + mt + "\", expected \"" + want + "\"" +
+                    (arch == "LlamaForCausalLM" ? " or \"mistral\"" : "") + " for " + arch);
+  c.architecture = arch;
+}
+
+// Reads key `k` of config.json as V (strictly), or `dflt` when absent or null.
+template <typename V>
+V hf_value(const json& j, const char* k, V dflt, const std::string& source) {
+  return get_or<V>(j, k, dflt, source);
+}
+
+// mlp_only_layers: a JSON array of integers (null or absent: none).
+std::vector<int> parse_int_list(const json& v, const char* key, const std::string& source) {
+  std::vector<int> out;
+  if (v.is_null()) return out;
+  if (!v.is_array()) bad(source, std::string("key '") + key + "' must be a list of integers, got " + v.dump());
+  for (const json& e : v) out.push_back(get_or<int>(json{{key, e}}, key, 0, source));
+  return out;
+}
+
+// A row of the MoE fields. config.json key per MoE architecture (nullptr: the architecture implies
+// the value, `mixtral` / `qwen` below), with transformers' default where the key is absent
+// (MixtralConfig, Qwen3MoeConfig); a dense architecture leaves the member at its default and must
+// hold it (checked), whatever keys its config.json has.
+template <typename V>
+Field moe_row(const char* key, V ModelConfig::*m, const char* mixtral_key, V mixtral, const char* qwen_key, V qwen,
+              Check check) {
+  Field f;
+  f.info = {key, false, true, false};
+  f.info.by_architecture = true;
+  f.get = [m](const ModelConfig& c) { return json(c.*m); };
+  f.set = [m, key](ModelConfig& c, const json& v, const std::string& source) {
+    if constexpr (std::is_same_v<V, std::vector<int>>) {
+      c.*m = parse_int_list(v, key, source);
+    } else {
+      if (v.is_null()) bad(source, std::string("key '") + key + "' must not be null");
+      c.*m = get_or<V>(json{{key, v}}, key, V{}, source);
+    }
+  };
+  f.hf_read = [m, mixtral_key, mixtral, qwen_key, qwen](ModelConfig& c, const json& j, const std::string& source) {
+    const bool mx = c.architecture == "MixtralForCausalLM", qw = c.architecture == "Qwen3MoeForCausalLM";
+    if (!mx && !qw) return;
+    const char* k = mx ? mixtral_key : qwen_key;
+    const V d = mx ? mixtral : qwen;
+    if (!k) {
+      c.*m = d;
+    } else if constexpr (std::is_same_v<V, std::vector<int>>) {
+      c.*m = j.contains(k) ? parse_int_list(j[k], k, source) : d;
+    } else {
+      c.*m = hf_value<V>(j, k, d, source);
+    }
+  };
+  f.hf_write = [m, mixtral_key, qwen_key](const ModelConfig& c, json& j) {
+    const char* k = c.architecture == "MixtralForCausalLM" ? mixtral_key
+                    : c.architecture == "Qwen3MoeForCausalLM" ? qwen_key : nullptr;
+    if (k) j[k] = c.*m;
+  };
+  f.canonical_optional = f.omit_default = true;
+  f.check = [m, key, check](const ModelConfig& c, const std::string& source) {
+    if (!is_moe_arch(c.architecture)) {
+      static const ModelConfig dflt;
+      if (c.*m != dflt.*m)
+        bad(source, std::string("key '") + key + "' = " + json(c.*m).dump() +
+                        " applies to the mixture-of-experts architectures (MixtralForCausalLM, Qwen3MoeForCausalLM), "
+                        "not " + c.architecture);
+      return;
+    }
+    if (check) check(c, source);
+  };
+  return f;
+}
+
+void add_architecture_rows(std::vector<Field>& t) {
+  {  // Qwen3's q/k norm: implied by the architecture
+    Field f = scalar<bool>("qk_norm", &ModelConfig::qk_norm, false);
+    f.info.in_hf_config = false;
+    f.info.by_architecture = true;
+    f.hf_read = [](ModelConfig& c, const json&, const std::string&) { c.qk_norm = is_qwen3(c.architecture); };
+    f.hf_write = [](const ModelConfig&, json&) {};
+    f.canonical_optional = f.omit_default = true;
+    f.check = [](const ModelConfig& c, const std::string& source) {
+      if (c.qk_norm != is_qwen3(c.architecture))
+        bad(source, std::string("key 'qk_norm' = ") + (c.qk_norm ? "true" : "false") + " does not match architecture " +
+                        c.architecture + " (Qwen3's have it, the others not)");
+    };
+    t.push_back(f);
+  }
+  const auto str = [](auto v) { return json(v).dump(); };
+  {  // Qwen3-MoE: the hub's config.json says num_experts, transformers 5 writes num_local_experts
+    Field f = moe_row<int>("num_experts", &ModelConfig::num_experts, "num_local_experts", 8, "num_experts", 128,
+                           [str](const ModelConfig& c, const std::string& source) {
+                             if (c.num_experts <= 0)
+                               bad(source, "the number of experts (num_local_experts / num_experts) must be positive, "
+                                           "got " + str(c.num_experts));
+                           });
+    f.hf_read = [read = f.hf_read, str](ModelConfig& c, const json& j, const std::string& source) {
+      read(c, j, source);
+      if (c.architecture != "Qwen3MoeForCausalLM" || !j.contains("num_local_experts")) return;
+      const int local = get_or<int>(j, "num_local_experts", c.num_experts, source);
+      if (j.contains("num_experts") && !j["num_experts"].is_null() && local != c.num_experts)
+        bad(source, "keys 'num_experts' (" + str(c.num_experts) + ") and 'num_local_experts' (" + str(local) +
+                        ") disagree");
+      c.num_experts = local;
+    };
+    t.push_back(f);
+  }
+  t.push_back(moe_row<int>("num_experts_per_tok", &ModelConfig::num_experts_per_tok, "num_experts_per_tok", 2,
+                           "num_experts_per_tok", 8, [str](const ModelConfig& c, const std::string& source) {
+                             if (c.num_experts_per_tok <= 0 || c.num_experts_per_tok > c.num_experts)
+                               bad(source, "key 'num_experts_per_tok' = " + str(c.num_experts_per_tok) +
+                                               " must be between 1 and the number of experts (" + str(c.num_experts) + ")");
+                           }));
+  {  // Mixtral's experts are intermediate_size wide (no key of their own)
+    Field f = moe_row<int>("moe_intermediate_size", &ModelConfig::moe_intermediate_size, nullptr, 0,
+                           "moe_intermediate_size", 768, [str](const ModelConfig& c, const std::string& source) {
+                             if (c.moe_intermediate_size <= 0)
+                               bad(source, "key 'moe_intermediate_size' must be positive, got " +
+                                               str(c.moe_intermediate_size));
+                             if (c.architecture == "MixtralForCausalLM" && c.moe_intermediate_size != c.intermediate_size)
+                               bad(source, "MixtralForCausalLM's experts are intermediate_size (" +
+                                               str(c.intermediate_size) + ") wide, not moe_intermediate_size " +
+                                               str(c.moe_intermediate_size));
+                           });
+    f.hf_read = [read = f.hf_read](ModelConfig& c, const json& j, const std::string& source) {
+      read(c, j, source);
+      if (c.architecture == "MixtralForCausalLM") c.moe_intermediate_size = c.intermediate_size;
+    };
+    t.push_back(f);
+  }
+  t.push_back(moe_row<bool>("norm_topk_prob", &ModelConfig::norm_topk_prob, nullptr, true, "norm_topk_prob", false,
+                            [](const ModelConfig& c, const std::string& source) {
+                              if (c.architecture == "MixtralForCausalLM" && !c.norm_topk_prob)
+                                bad(source, "MixtralForCausalLM always renormalizes its top-k weights "
+                                            "(norm_topk_prob must be true)");
+                            }));
+  t.push_back(moe_row<double>("router_aux_loss_coef", &ModelConfig::router_aux_loss_coef, "router_aux_loss_coef",
+                              0.001, "router_aux_loss_coef", 0.001, [](const ModelConfig& c, const std::string& source) {
+                                if (!(c.router_aux_loss_coef >= 0 && std::isfinite(c.router_aux_loss_coef)))
+                                  bad(source, "key 'router_aux_loss_coef' must be a finite number >= 0");
+                              }));
+  t.push_back(moe_row<int>("decoder_sparse_step", &ModelConfig::decoder_sparse_step, nullptr, 1, "decoder_sparse_step",
+                           1, [str](const ModelConfig& c, const std::string& source) {
+                             if (c.decoder_sparse_step <= 0)
+                               bad(source, "key 'decoder_sparse_step' must be positive, got " + str(c.decoder_sparse_step));
+                             if (c.architecture == "MixtralForCausalLM" && c.decoder_sparse_step != 1)
+                               bad(source, "MixtralForCausalLM has experts on every layer (decoder_sparse_step 1)");
+                           }));
+  t.push_back(moe_row<std::vector<int>>(
+      "mlp_only_layers", &ModelConfig::mlp_only_layers, nullptr, {}, "mlp_only_layers", {},
+      [str](const ModelConfig& c, const std::string& source) {
+        std::vector<int> v = c.mlp_only_layers;
+        std::sort(v.begin(), v.end());
+        for (size_t i = 0; i < v.size(); ++i)
+          if (v[i] < 0 || v[i] >= c.num_hidden_layers || (i > 0 && v[i] == v[i - 1]))
+            bad(source, "key 'mlp_only_layers' = " + str(c.mlp_only_layers) + ": layer " + str(v[i]) +
+                            (i > 0 && v[i] == v[i - 1] ? " is listed twice" : " is not in [0, num_hidden_layers)"));
+        if (c.architecture == "MixtralForCausalLM" && !v.empty())
+          bad(source, "MixtralForCausalLM has experts on every layer (no mlp_only_layers)");
+        if (count_moe_layers(c) == 0)
+          bad(source, "no layer has experts (decoder_sparse_step " + str(c.decoder_sparse_step) + ", mlp_only_layers " +
+                        str(c.mlp_only_layers) + ")");
+      }));
+}
+
 const std::vector<Field>& fields() {
   static const std::vector<Field> table = [] {
     std::vector<Field> t;
     // name: shardtrain's label (a preset's name, "custom" for a config.json); not in config.json.
     t.push_back(scalar<std::string>("name", &ModelConfig::name, "custom", {}, false));
     t.back().info.in_hf_config = false;
+    {  // first: the rows below read their config.json defaults by architecture
+      Field f = scalar<std::string>("architecture", &ModelConfig::architecture, "LlamaForCausalLM", check_architecture);
+      f.info.in_hf_config = false;  // config.json: "architectures" and "model_type"
+      f.info.by_architecture = true;
+      f.hf_read = hf_read_architecture;
+      f.hf_write = [](const ModelConfig&, json&) {};  // to_hf_json writes both keys itself
+      f.canonical_optional = f.omit_default = true;
+      t.push_back(f);
+    }
     t.push_back(size("vocab_size", &ModelConfig::vocab_size, true));
     t.push_back(size("hidden_size", &ModelConfig::hidden_size, true));
     t.push_back(size("intermediate_size", &ModelConfig::intermediate_size, true));
@@ -462,6 +752,7 @@ const std::vector<Field>& fields() {
       };
       t.push_back(f);
     }
+    add_architecture_rows(t);
     return t;
   }();
   return table;
@@ -493,37 +784,25 @@ ModelConfig parse_hf_config(const std::string& text, const std::string& source) 
     bad(source, e.what());
   }
   if (!j.is_object()) bad(source, "top level is not a JSON object");
-  // Llama, and Mistral while its sliding window does not cut the context (then it is a Llama).
-  // Qwen2 has q/k/v biases, which this model does not have: refused by name.
-  if (j.contains("architectures") && !j["architectures"].is_null()) {
-    bool ok = false;
-    for (auto& a : j["architectures"])
-      ok = ok || (a.is_string() && (a == "LlamaForCausalLM" || a == "MistralForCausalLM"));
-    if (!ok) {
-      std::string extra = j["architectures"].dump().find("Qwen2") != std::string::npos
-                              ? " (Qwen2 has q/k/v projection biases, e.g. tensor 'model.layers.0.self_attn.q_proj.bias', "
-                                "which shardtrain's Llama does not have)"
-                              : "";
-      bad(source, "architecture " + j["architectures"].dump() +
-                      " is not supported; expected [\"LlamaForCausalLM\"] or [\"MistralForCausalLM\"]" + extra);
-    }
-  }
-  if (j.contains("model_type") && j["model_type"].is_string() && j["model_type"] != "llama" && j["model_type"] != "mistral")
-    bad(source, "key 'model_type' is \"" + j["model_type"].get<std::string>() + "\", expected \"llama\" or \"mistral\"");
-  if (j.contains("sliding_window") && !j["sliding_window"].is_null() && j.contains("max_position_embeddings") &&
+  if (!get_or<bool>(j, "use_sliding_window", true, source)) {
+    // Qwen3: a sliding_window given but switched off.
+  } else if (j.contains("sliding_window") && !j["sliding_window"].is_null() && j.contains("max_position_embeddings") &&
       j["sliding_window"].is_number_integer() && j["max_position_embeddings"].is_number_integer() &&
       j["sliding_window"].get<int64_t>() < j["max_position_embeddings"].get<int64_t>())
     bad(source, "key 'sliding_window' = " + j["sliding_window"].dump() +
                     " is smaller than max_position_embeddings: sliding-window attention is not supported");
   if (get_or<bool>(j, "attention_bias", false, source)) bad(source, "key 'attention_bias' = true is not supported");
+  if (get_or<double>(j, "router_jitter_noise", 0.0, source) != 0.0)
+    bad(source, "key 'router_jitter_noise' = " + j["router_jitter_noise"].dump() +
+                    " is not supported (the router's scores are used as computed)");
   if (get_or<bool>(j, "mlp_bias", false, source)) bad(source, "key 'mlp_bias' = true is not supported");
   ModelConfig c;
   for (const Field& f : fields())
     if (f.hf_required && !j.contains(f.info.key)) bad(source, std::string("required key '") + f.info.key + "' is missing");
   for (const Field& f : fields()) {
-    if (!f.info.in_hf_config) continue;  // "name" keeps its default, "custom"
     const char* k = f.info.key;
     if (f.hf_read) f.hf_read(c, j, source);
+    else if (!f.info.in_hf_config) continue;  // "name" keeps its default, "custom"
     else if (!j.contains(k) || j[k].is_null()) f.hf_absent(c);
     else f.set(c, j[k], source);
   }
@@ -537,9 +816,22 @@ void validate(const ModelConfig& c, const std::string& source) {
   if (c.num_params() > (int64_t{1} << 40)) bad(source, "the model has more than 2^40 parameters");
   if (static_cast<int64_t>(c.vocab_size) * c.hidden_size > INT32_MAX ||
       static_cast<int64_t>(c.intermediate_size) * c.hidden_size > INT32_MAX ||
-      static_cast<int64_t>(c.num_attention_heads) * c.head_dim() * c.hidden_size > INT32_MAX)
-    bad(source, "a weight matrix has more than 2^31 elements (vocab_size, intermediate_size or num_attention_heads x "
-                "head_dim, x hidden_size)");
+      static_cast<int64_t>(c.num_attention_heads) * c.head_dim() * c.hidden_size > INT32_MAX ||
+      static_cast<int64_t>(c.moe_intermediate_size) * c.hidden_size > INT32_MAX ||
+      static_cast<int64_t>(c.num_experts) * c.hidden_size > INT32_MAX)
+    bad(source, "a weight matrix has more than 2^31 elements (vocab_size, intermediate_size, moe_intermediate_size, "
+                "the number of experts or num_attention_heads x head_dim, x hidden_size)");
+}
+
+void check_model_is_built(const ModelConfig& c, const std::string& source) {
+  if (c.is_moe())
+    throw std::invalid_argument("model config " + source + " is a mixture-of-experts model (" + c.architecture + ", " +
+                                std::to_string(c.num_experts) + " experts, top " + std::to_string(c.num_experts_per_tok) +
+                                "), and this build of shardtrain has no MoE layers yet: it trains dense Llama models");
+  if (c.qk_norm)
+    throw std::invalid_argument("model config " + source + " is " + c.architecture +
+                                ", whose attention normalizes each head's query and key (q_norm, k_norm); this build "
+                                "of shardtrain does not have that yet: it trains dense Llama models");
 }
 
 const std::vector<ModelConfigField>& model_config_fields() {
@@ -553,7 +845,9 @@ const std::vector<ModelConfigField>& model_config_fields() {
 
 std::string canonical_json(const ModelConfig& c) {
   json j = json::object();
-  for (const Field& f : fields()) j[f.info.key] = f.get(c);
+  static const ModelConfig dflt;
+  for (const Field& f : fields())
+    if (!f.omit_default || f.get(c) != f.get(dflt)) j[f.info.key] = f.get(c);
   return j.dump();  // nlohmann::json objects are std::map-backed: keys come out sorted
 }
 
@@ -581,8 +875,8 @@ ModelConfig from_canonical_json(const std::string& s) {
 std::string to_hf_json(const ModelConfig& c, const std::string& torch_dtype) {
   json rope_parameters = {{"rope_type", c.rope_scaling.rope_type}, {"rope_theta", c.rope_theta}};
   if (c.rope_scaling.is_llama3()) rope_parameters.update(rope_scaling_json(c.rope_scaling));
-  json j = {{"architectures", {"LlamaForCausalLM"}},
-            {"model_type", "llama"},
+  json j = {{"architectures", {c.architecture}},
+            {"model_type", model_type_of(c.architecture)},
             {"rope_parameters", rope_parameters},  // transformers 5.x; rope_theta and rope_scaling for 4.x
             {"attention_bias", false},
             {"attention_dropout", 0.0},
@@ -593,8 +887,13 @@ std::string to_hf_json(const ModelConfig& c, const std::string& torch_dtype) {
             {"dtype", torch_dtype}};       // transformers >= 4.56 reads this one
   // The fields, as in the canonical JSON (special ids: a list as a list, unset as null, so that
   // transformers does not substitute LlamaConfig's defaults 1 and 2).
-  for (const Field& f : fields())
-    if (f.info.in_hf_config) j[f.info.key] = f.get(c);
+  static const ModelConfig dflt;
+  for (const Field& f : fields()) {
+    if (f.hf_write) f.hf_write(c, j);
+    else if (f.info.in_hf_config && (!f.omit_default || f.get(c) != f.get(dflt))) j[f.info.key] = f.get(c);
+  }
+  if (c.architecture != "LlamaForCausalLM")  // Llama's own keys (transformers' other configs do not have them)
+    for (const char* k : {"mlp_bias", "pretraining_tp"}) j.erase(k);
   return j.dump(2);
 }
 
@@ -658,9 +957,11 @@ ModelConfig resolve_model_config(Comm& comm, const std::string& spec, const Inpu
                                             .read_all(kMaxConfigBytes);
         c = parse_hf_config(text, "'" + path + "'");
         validate(c, "'" + path + "'");
+        check_model_is_built(c, "'" + path + "'");
       } else {
         c = preset(spec);
         validate(c, "preset '" + spec + "'");
+        check_model_is_built(c, "preset '" + spec + "'");
       }
       canon = canonical_json(c);
     } catch (const std::exception& e) {

@@ -66,12 +66,46 @@ struct ModelConfig {
   int bos_token_id = 256;
   std::vector<int> eos_token_ids = {257};
 
+  // The architecture beside Llama (issue 56): config.json's "architectures" entry, one of
+  // kArchitectures. "LlamaForCausalLM" (also what MistralForCausalLM reads as) is the dense Llama;
+  // "Qwen3ForCausalLM" is Llama with qk_norm; "MixtralForCausalLM" and "Qwen3MoeForCausalLM" have
+  // mixture-of-experts (MoE) MLPs. The rows below are written to the canonical JSON only when they
+  // differ from these defaults, so a dense Llama's canonical JSON (and its hash, checkpoints and
+  // export) is what it was before they existed.
+  std::string architecture = "LlamaForCausalLM";
+  // Qwen3: RMSNorm over each head's query and key (weights q_norm, k_norm [HD], eps rms_norm_eps)
+  // after the projection, before RoPE (transformers' Qwen3Attention). Implied by the architecture.
+  bool qk_norm = false;
+  // MoE (MixtralForCausalLM: every layer; Qwen3MoeForCausalLM: the layers is_moe_layer names). E
+  // experts, each a SwiGLU of inner size moe_intermediate_size; a router (linear C -> E, no bias)
+  // scores them with a softmax, each token goes to its top num_experts_per_tok (k) and the k
+  // weights are renormalized to sum 1 when norm_topk_prob (Mixtral: always). config.json keys:
+  // Mixtral num_local_experts (the experts' inner size is its intermediate_size), Qwen3-MoE
+  // num_experts, moe_intermediate_size, norm_topk_prob, decoder_sparse_step, mlp_only_layers
+  // (Qwen3-MoE's dense layers use intermediate_size); both num_experts_per_tok and
+  // router_aux_loss_coef (the weight of the load-balancing loss; transformers adds it only with
+  // output_router_logits). num_experts 0: dense, and the other MoE fields keep their defaults.
+  int num_experts = 0;
+  int num_experts_per_tok = 0;
+  int moe_intermediate_size = 0;
+  bool norm_topk_prob = false;
+  double router_aux_loss_coef = 0.0;
+  int decoder_sparse_step = 1;
+  std::vector<int> mlp_only_layers;
+
   // Per-head size HD: head_dim_override when set, else hidden_size / num_attention_heads. The query
   // projection is [NH*HD, C], which need not equal C (Llama-3-style configs may say so).
   int head_dim() const { return head_dim_override > 0 ? head_dim_override : hidden_size / num_attention_heads; }
   int kv_dim() const { return head_dim() * num_key_value_heads; }
-  // Total parameter count (elements), tied head counted once.
+  // Total parameter count (elements), tied head counted once; every expert counted.
   int64_t num_params() const;
+  // Parameters one token uses: num_params() with num_experts_per_tok experts of each MoE layer in
+  // place of all num_experts (the router counted whole). Equal to num_params() for a dense model.
+  int64_t num_active_params() const;
+  bool is_moe() const { return num_experts > 0; }
+  // Whether block l's MLP is the MoE block (transformers' Qwen3MoeDecoderLayer): num_experts > 0,
+  // l not in mlp_only_layers, and (l + 1) % decoder_sparse_step == 0.
+  bool is_moe_layer(int l) const;
   bool has_bos() const { return bos_token_id != kUnsetTokenId; }
   // The primary EOS (first of eos_token_ids), or kUnsetTokenId.
   int primary_eos() const { return eos_token_ids.empty() ? kUnsetTokenId : eos_token_ids.front(); }
@@ -89,6 +123,10 @@ struct ModelConfigField {
   bool in_hf_config;   // read from and written to config.json (false: "name", shardtrain's label)
   bool architecture;   // false: a label that does not change what the weights mean (name, initializer_range)
   bool unset_matches;  // a null (unset) value on either side matches anything (the special token ids)
+  // config.json's key and presence depend on the architecture (issue 56's rows: the MoE sizes under
+  // Mixtral's or Qwen3-MoE's names, or implied by the architecture); the canonical JSON writes the
+  // key only when the value differs from a default ModelConfig's.
+  bool by_architecture = false;
 };
 // The rows, in the order parsing and validation visit them (sizes before what depends on them).
 const std::vector<ModelConfigField>& model_config_fields();
@@ -106,13 +144,26 @@ const std::vector<ModelConfigField>& model_config_fields();
 // the cos/sin tables.
 std::vector<double> rope_inv_freqs(const ModelConfig& c);
 
+// The architectures ModelConfig::architecture may name.
+inline constexpr const char* kArchitectures[] = {"LlamaForCausalLM", "Qwen3ForCausalLM", "MixtralForCausalLM",
+                                                 "Qwen3MoeForCausalLM"};
+
+// Throws std::invalid_argument naming `source` when `c` needs a part this build of the model does
+// not have yet: the MoE block (num_experts > 0) and Qwen3's q/k norm. The config parses, validates
+// and counts its parameters; training, import and planning refuse it here (resolve_model_config).
+void check_model_is_built(const ModelConfig& c, const std::string& source);
+
 // Names of the built-in presets, e.g. "tiny", "demo", "llama-125m", "llama-1b".
 std::vector<std::string> preset_names();
 // Returns the preset; throws std::invalid_argument naming the preset and listing the known ones.
 ModelConfig preset(const std::string& name);
 
-// Parses a Hugging Face config.json (text). Accepts "architectures" absent or containing
-// "LlamaForCausalLM"; refuses others and attention/mlp biases. head_dim: absent or null =
+// Parses a Hugging Face config.json (text). Accepts "architectures" absent (then "model_type", or
+// Llama) or containing one of kArchitectures or "MistralForCausalLM" (read as a Llama; the first
+// supported entry counts), with a matching "model_type"; refuses others (naming Qwen2's biases),
+// attention/mlp biases, a sliding window shorter than max_position_embeddings (unless
+// use_sliding_window is false) and a non-zero router_jitter_noise. The MoE keys are read under
+// each architecture's names with transformers' defaults (MixtralConfig, Qwen3MoeConfig). head_dim: absent or null =
 // hidden_size / num_attention_heads. RoPE: top-level rope_theta with transformers 4.x's
 // rope_scaling (null, or {"rope_type" or "type": "llama3", factor, low_freq_factor,
 // high_freq_factor, original_max_position_embeddings}), or transformers 5.x's rope_parameters
