@@ -67,6 +67,8 @@ ST_HD float st_exp(float x) { return fast_expf(x); }
 ST_HD double st_exp(double x) { return exp(x); }
 ST_HD float st_sqrt(float x) { return sqrtf(x); }
 ST_HD double st_sqrt(double x) { return sqrt(x); }
+ST_HD float st_log(float x) { return logf(x); }
+ST_HD double st_log(double x) { return log(x); }
 ST_HD float st_pow(float x, float y) { return powf(x, y); }
 ST_HD double st_pow(double x, double y) { return pow(x, y); }
 
