@@ -342,6 +342,20 @@ std::unique_ptr<Comm::Request> MpiComm::start_all_reduce_sum_impl(void* buf, siz
 }
 // ---- Point-to-point --------------------------------------------------------------------------
 
+std::vector<size_t> Comm::exchange_counts(const std::vector<size_t>& send_counts) {
+  const size_t W = static_cast<size_t>(world_size());
+  if (send_counts.size() != W)
+    throw std::invalid_argument("Comm::exchange_counts: " + std::to_string(send_counts.size()) + " counts for " +
+                                std::to_string(W) + " ranks");
+  if (stream_ordered())
+    throw std::logic_error("Comm::exchange_counts on a stream-ordered Comm (device memory): use its host Comm");
+  std::vector<uint64_t> mine(send_counts.begin(), send_counts.end()), all(W * W);
+  all_gather(mine.data(), all.data(), W);
+  std::vector<size_t> recv(W);
+  for (size_t p = 0; p < W; ++p) recv[p] = static_cast<size_t>(all[p * W + static_cast<size_t>(rank())]);
+  return recv;
+}
+
 void Comm::check_p2p(int peer, int tag, const char* what) const {
   if (peer < 0 || peer >= world_size())
     throw std::invalid_argument(std::string(what) + ": peer " + std::to_string(peer) + " is not a rank of this group (0.." +

@@ -1,5 +1,5 @@
 // Multi-rank tests of Comm's point-to-point transfers (runtime.h: start_send, start_recv,
-// start_ring_shift, ring_shift) on the MPI Comm, and of the progress registry (progress.h) driving
+// start_ring_shift, ring_shift, start_group, start_all_to_all_v) on the MPI Comm, and of the progress registry (progress.h) driving
 // them from inside the CPU backend's GEMMs and attention. Values are checked against each rank's
 // known inputs: block i of rank q is value(q, i), so rank r's ring-shift result must be
 // value(left(r), i), computed here from the group layout. Run under mpirun at 1..4 ranks (make
@@ -169,6 +169,57 @@ TEST_F(P2p, GroupOfSendsAndReceivesMatchesInStartOrder) {
   // A bad peer in a group is refused before anything starts (on every rank alike).
   float x = 0;
   EXPECT_THROW(c.start_group<float>({{true, &x, 1, 0, 7}, {false, &x, 1, W, 7}}), std::invalid_argument);
+}
+
+// All-to-all with per-rank counts (start_all_to_all_v, exchange_counts) in every group of g
+// consecutive ranks, g = 1..W: rank p sends count(p, q) elements to rank q, some counts zero (the
+// self-block too), element i of block (p -> q) being msg(p, q, i); every rank checks each block it
+// received against the sender's values, and the counts exchange_counts gave it. Three rounds on one
+// Comm back to back (they match in start order), in float and bf16 (the activations EP moves).
+template <typename T> void check_all_to_all(st::Comm& c, const Group& gr) {
+  const int W = c.world_size(), r = c.rank();
+  for (int round = 0; round < 3; ++round) {
+    auto count = [&](int p, int q) { return static_cast<size_t>((p * 7 + q * 3 + round * 5) % 6 * 211); };
+    auto msg = [&](int p, int q, size_t i) {
+      return value<T>(gr.base + p, static_cast<size_t>(q * 5 + round) + i % 200);
+    };
+    std::vector<size_t> send_counts(W), want_recv(W);
+    std::vector<T> send;
+    for (int q = 0; q < W; ++q) {
+      send_counts[q] = count(r, q);
+      want_recv[q] = count(q, r);
+      for (size_t i = 0; i < send_counts[q]; ++i) send.push_back(msg(r, q, i));
+    }
+    const std::vector<size_t> recv_counts = c.exchange_counts(send_counts);
+    EXPECT_EQ(recv_counts, want_recv) << "group size " << gr.size;
+    size_t total = 0;
+    for (size_t n : recv_counts) total += n;
+    std::vector<T> recv(total, value<T>(99, 3));
+    c.start_all_to_all_v(send.data(), send_counts, recv.data(), recv_counts)->wait();
+    int64_t bad = 0;
+    size_t at = 0;
+    for (int p = 0; p < W; ++p)
+      for (size_t i = 0; i < recv_counts[p]; ++i, ++at) bad += !same(recv[at], msg(p, r, i));
+    EXPECT_EQ(bad, 0) << "group size " << gr.size << ", round " << round;
+  }
+}
+
+TEST_F(P2p, AllToAllVMovesEveryBlockToItsRank) {
+  const int W = world().world_size(), r = world().rank();
+  for (int g = 1; g <= W; ++g) {
+    const Group gr = group_of(r, W, g);
+    st::MpiComm sub = st::MpiComm::split(world(), gr.base, gr.rank);
+    check_all_to_all<float>(sub, gr);
+    check_all_to_all<st::bf16>(sub, gr);
+  }
+  // Counts of the wrong length are refused before anything starts (every rank alike).
+  st::Comm& c = world();
+  std::vector<size_t> short_counts(static_cast<size_t>(W) + 1, 0);
+  float x = 0;
+  EXPECT_THROW(c.exchange_counts(short_counts), std::invalid_argument);
+  EXPECT_THROW(c.start_all_to_all_v(&x, short_counts, &x, std::vector<size_t>(W, 0)), std::invalid_argument);
+  // All counts zero: nothing moves, the Request is complete.
+  EXPECT_TRUE(c.start_all_to_all_v(&x, std::vector<size_t>(W, 0), &x, std::vector<size_t>(W, 0))->test());
 }
 
 // Bad peers and tags are refused before anything starts (every rank alike, so nothing is left

@@ -161,6 +161,28 @@ class Comm {
   template <typename T> std::unique_ptr<Request> start_group(const std::vector<P2pOp>& ops);
   static constexpr int kP2pTagLimit = 32767;          // MPI guarantees tags up to 32767 (MPI_TAG_UB)
   static constexpr int kRingShiftTag = kP2pTagLimit;  // reserved for the ring shift
+  static constexpr int kAllToAllTag = kP2pTagLimit - 1;  // reserved for start_all_to_all_v
+
+  // ---- All-to-all with per-rank counts (expert parallelism's dispatch and combine) -------------
+  // Collective over this Comm, MPI_Alltoallv's shape with the blocks packed in rank order: rank r
+  // sends send_counts[q] elements to rank q (block q of `send`, starting at the sum of
+  // send_counts[0..q)) and receives recv_counts[p] elements from rank p into block p of `recv`
+  // (likewise packed). Rank r's recv_counts[p] must equal rank p's send_counts[r]
+  // (exchange_counts gives them). Built on start_group with the reserved tag kAllToAllTag, so it
+  // runs wherever grouped point-to-point does: MPI's nonblocking sends and receives, one NCCL
+  // group (how NCCL's all-to-all is written), the host-staged device Comm; peers are visited from
+  // this rank onwards (r, r+1, ...), the block for this rank is a transfer to itself, empty
+  // blocks are not sent. The Request owns both buffers until it completed; successive
+  // all-to-alls on one Comm match in start order. std::invalid_argument (before anything started)
+  // when a counts vector does not have world_size() entries.
+  template <typename T>
+  std::unique_ptr<Request> start_all_to_all_v(const T* send, const std::vector<size_t>& send_counts, T* recv,
+                                              const std::vector<size_t>& recv_counts);
+  // Collective, blocking, host memory: returns recv_counts with recv_counts[p] = rank p's
+  // send_counts[rank()] (one all-gather of the W x W counts). std::invalid_argument when
+  // send_counts does not have world_size() entries; std::logic_error on a stream-ordered Comm
+  // (NCCL), whose collectives take device memory: exchange the counts on its host Comm.
+  std::vector<size_t> exchange_counts(const std::vector<size_t>& send_counts);
   // Throws std::invalid_argument unless 0 <= peer < world_size() and 0 <= tag < kP2pTagLimit.
   void check_p2p(int peer, int tag, const char* what) const;
   // True when the start_* calls return before completion (MpiComm: MPI_Iallgather,
