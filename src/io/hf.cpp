@@ -200,6 +200,7 @@ Loaded load_model(Comm& comm, const std::string& ckpt) {
   agree(comm, [&] {
     l.mc = from_canonical_json(info.model_config);
     validate(l.mc, "in checkpoint '" + ckpt + "'");
+    check_model_is_built(l.mc, "in checkpoint '" + ckpt + "'");
     l.has_data = parse_data_info(ckpt, info.data_info, data, l.data_tokenizer);
   });
   l.tokenizer = info.tokenizer;

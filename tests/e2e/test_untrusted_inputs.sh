@@ -180,6 +180,10 @@ variant("truncated_config", config(lambda c: c[: len(c) // 2]))
 variant("vocab0", setkey("vocab_size", 0))
 variant("hidden_huge", setkey("hidden_size", 2**64 - 1))
 variant("numel_huge", row("model.layers.0", 0, "numel", 2**63 - 1))
+# A dense checkpoint whose config claims experts (issue 56's keys): refused, never read as dense.
+variant("claims_moe", config(lambda c: json.dumps({**json.loads(c), "architecture": "MixtralForCausalLM",
+    "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": json.loads(c)["intermediate_size"],
+    "norm_topk_prob": True, "router_aux_loss_coef": 0.02, "tie_word_embeddings": False})))
 def neg(r): r["shape"][0] = -r["shape"][0]
 variant("negative_shape", row("model.layers.0", 0, None, neg))
 variant("dotdot_name", row("model.layers.0", 0, "name", b"../../x"))
@@ -193,6 +197,8 @@ read -r N1 O1 E1 <<<"$(unit_row 1)"
 expect_fail inspect_truncated_config "checkpoint '$WORK/i_truncated_config.h5': attribute 'model_config': canonical model config is malformed" 1 --mode inspect "$WORK/i_truncated_config.h5"
 expect_fail inspect_vocab0 "Invalid model config in checkpoint '$WORK/i_vocab0.h5' (attribute 'model_config'): key 'vocab_size' must be positive, got 0" 1 --mode inspect "$WORK/i_vocab0.h5"
 expect_fail inspect_hidden_huge "canonical model config is malformed: key 'hidden_size' = 18446744073709551615 is out of range" 1 --mode inspect "$WORK/i_hidden_huge.h5"
+expect_fail inspect_claims_moe "in checkpoint '$WORK/i_claims_moe.h5' (attribute 'model_config') is a mixture-of-experts model" 1 --mode inspect "$WORK/i_claims_moe.h5"
+expect_fail export_claims_moe "in checkpoint '$WORK/i_claims_moe.h5' is a mixture-of-experts model" 1 --mode export "$WORK/i_claims_moe.h5" --out "$WORK/x_moe"
 expect_fail inspect_numel_huge "unit 'model.layers.0': tensor '$N0' (offset $O0, numel 9223372036854775807 in 'param_table') lies outside the unit" 1 --mode inspect "$WORK/i_numel_huge.h5"
 expect_fail inspect_negative_shape "tensor '$N0' has shape [-" 1 --mode inspect "$WORK/i_negative_shape.h5"
 expect_fail inspect_dotdot_name "unit 'model.layers.0' holds tensor '../../x', which this model does not have" 1 --mode inspect "$WORK/i_dotdot_name.h5"
