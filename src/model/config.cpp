@@ -125,28 +125,20 @@ RopeScaling llama3_rope(double factor) {
   return r;
 }
 
-ModelConfig mixtral(const std::string& name, int V, int C, int I, int L, int NH, int NKV, int maxpos, double theta,
-                    double eps, int bos, int eos, int E, int k) {
-  ModelConfig c = published(name, V, C, I, L, NH, NKV, maxpos, false, theta, eps, bos, eos);
-  c.architecture = "MixtralForCausalLM";
-  c.num_experts = E;
-  c.num_experts_per_tok = k;
-  c.moe_intermediate_size = I;
-  c.norm_topk_prob = true;
-  c.router_aux_loss_coef = 0.02;  // the hub's config.json (MixtralConfig's default is 0.001)
-  return c;
-}
-ModelConfig qwen3_moe(const std::string& name, int V, int C, int I, int L, int NH, int NKV, int HD, int maxpos,
-                      double theta, double eps, int bos, int eos, int E, int k, int moe_I) {
-  ModelConfig c = published(name, V, C, I, L, NH, NKV, maxpos, false, theta, eps, bos, eos);
-  c.architecture = "Qwen3MoeForCausalLM";
-  c.head_dim_override = HD;
-  c.qk_norm = true;
+// A published MoE model: `c` with E experts of width moe_I, top k, renormalized, aux coefficient
+// `coef` (the hub's config.json).
+ModelConfig with_experts(ModelConfig c, const char* arch, int E, int k, int moe_I, double coef) {
+  c.architecture = arch;
+  c.qk_norm = std::string(arch) == "Qwen3MoeForCausalLM";
   c.num_experts = E;
   c.num_experts_per_tok = k;
   c.moe_intermediate_size = moe_I;
   c.norm_topk_prob = true;
-  c.router_aux_loss_coef = 0.001;
+  c.router_aux_loss_coef = coef;
+  return c;
+}
+ModelConfig with_head_dim(ModelConfig c, int HD) {
+  c.head_dim_override = HD;
   return c;
 }
 
@@ -184,10 +176,15 @@ const std::map<std::string, ModelConfig>& presets() {
                                128001, llama3_rope(8.0))},
       // Mixture-of-experts (issue 56): parameter counts from transformers 5.24 on the meta device.
       // mistralai/Mixtral-8x7B-v0.1 config.json.
-      {"mixtral-8x7b", mixtral("mixtral-8x7b", 32000, 4096, 14336, 32, 32, 8, 32768, 1e6, 1e-5, 1, 2, 8, 2)},
-      // Qwen/Qwen3-30B-A3B config.json.
-      {"qwen3-30b-a3b", qwen3_moe("qwen3-30b-a3b", 151936, 2048, 6144, 48, 32, 4, 128, 40960, 1e6, 1e-6, 151643,
-                                  151645, 128, 8, 768)},
+      // (MixtralConfig's router_aux_loss_coef default is 0.001; the hub's config.json says 0.02.)
+      {"mixtral-8x7b", with_experts(published("mixtral-8x7b", 32000, 4096, 14336, 32, 32, 8, 32768, false, 1e6, 1e-5,
+                                              1, 2),
+                                    "MixtralForCausalLM", 8, 2, 14336, 0.02)},
+      // Qwen/Qwen3-30B-A3B config.json (head_dim 128: q_proj is [4096, 2048]).
+      {"qwen3-30b-a3b", with_experts(with_head_dim(published("qwen3-30b-a3b", 151936, 2048, 6144, 48, 32, 4, 40960,
+                                                             false, 1e6, 1e-6, 151643, 151645),
+                                                   128),
+                                     "Qwen3MoeForCausalLM", 128, 8, 768, 0.001)},
   };
   return p;
 }
