@@ -467,8 +467,8 @@ void hf_read_architecture(ModelConfig& c, const json& j, const std::string& sour
   std::string arch;
   if (j.contains("architectures") && !j["architectures"].is_null()) {
     const json& as = j["architectures"];
-    if (as.is_array())
-      for (const json& a : as) {
+    if (as.is_array() || as.is_string())  // a bare string, as one entry (read so before issue 56)
+      for (const json& a : as.is_string() ? json::array({as}) : as) {
         if (!a.is_string() || !arch.empty()) continue;
         const std::string n = a.get<std::string>();
         if (n == "MistralForCausalLM") arch = "LlamaForCausalLM";
@@ -578,7 +578,8 @@ void add_architecture_rows(std::vector<Field>& t) {
     t.push_back(f);
   }
   const auto str = [](auto v) { return json(v).dump(); };
-  {  // Qwen3-MoE: the hub's config.json says num_experts, transformers 5 writes num_local_experts
+  {  // Both configs map num_experts onto num_local_experts (transformers' attribute_map): the hub's
+     // Qwen3-MoE says num_experts, transformers 5 writes num_local_experts; either key, or both agreeing
     Field f = moe_row<int>("num_experts", &ModelConfig::num_experts, "num_local_experts", 8, "num_experts", 128,
                            [str](const ModelConfig& c, const std::string& source) {
                              if (c.num_experts <= 0)
@@ -586,13 +587,18 @@ void add_architecture_rows(std::vector<Field>& t) {
                                            "got " + str(c.num_experts));
                            });
     f.hf_read = [read = f.hf_read, str](ModelConfig& c, const json& j, const std::string& source) {
-      read(c, j, source);
-      if (c.architecture != "Qwen3MoeForCausalLM" || !j.contains("num_local_experts")) return;
-      const int local = get_or<int>(j, "num_local_experts", c.num_experts, source);
-      if (j.contains("num_experts") && !j["num_experts"].is_null() && local != c.num_experts)
-        bad(source, "keys 'num_experts' (" + str(c.num_experts) + ") and 'num_local_experts' (" + str(local) +
-                        ") disagree");
-      c.num_experts = local;
+      read(c, j, source);  // the architecture's own key, or its default
+      if (!is_moe_arch(c.architecture)) return;
+      const bool local = j.contains("num_local_experts") && !j["num_local_experts"].is_null();
+      const bool plain = j.contains("num_experts") && !j["num_experts"].is_null();
+      if (!local || !plain) {
+        if (local || plain) c.num_experts = get_or<int>(j, local ? "num_local_experts" : "num_experts", 0, source);
+        return;
+      }
+      const int a = get_or<int>(j, "num_local_experts", 0, source), b = get_or<int>(j, "num_experts", 0, source);
+      if (a != b)
+        bad(source, "keys 'num_experts' (" + str(b) + ") and 'num_local_experts' (" + str(a) + ") disagree");
+      c.num_experts = a;
     };
     t.push_back(f);
   }
@@ -640,17 +646,21 @@ void add_architecture_rows(std::vector<Field>& t) {
   t.push_back(moe_row<std::vector<int>>(
       "mlp_only_layers", &ModelConfig::mlp_only_layers, nullptr, {}, "mlp_only_layers", {},
       [str](const ModelConfig& c, const std::string& source) {
+        // (Messages name one layer and the list's length: a crafted list may hold a million.)
         std::vector<int> v = c.mlp_only_layers;
         std::sort(v.begin(), v.end());
+        const std::string list = "key 'mlp_only_layers' (" + str(v.size()) + " layers)";
         for (size_t i = 0; i < v.size(); ++i)
           if (v[i] < 0 || v[i] >= c.num_hidden_layers || (i > 0 && v[i] == v[i - 1]))
-            bad(source, "key 'mlp_only_layers' = " + str(c.mlp_only_layers) + ": layer " + str(v[i]) +
-                            (i > 0 && v[i] == v[i - 1] ? " is listed twice" : " is not in [0, num_hidden_layers)"));
+            bad(source, list + ": layer " + str(v[i]) +
+                            (i > 0 && v[i] == v[i - 1] ? " is listed twice"
+                                                       : " is not in [0, num_hidden_layers) = [0, " +
+                                                             str(c.num_hidden_layers) + ")"));
         if (c.architecture == "MixtralForCausalLM" && !v.empty())
           bad(source, "MixtralForCausalLM has experts on every layer (no mlp_only_layers)");
         if (count_moe_layers(c) == 0)
-          bad(source, "no layer has experts (decoder_sparse_step " + str(c.decoder_sparse_step) + ", mlp_only_layers " +
-                        str(c.mlp_only_layers) + ")");
+          bad(source, "no layer has experts (decoder_sparse_step " + str(c.decoder_sparse_step) + ", " + list + ", " +
+                          str(c.num_hidden_layers) + " layers)");
       }));
 }
 

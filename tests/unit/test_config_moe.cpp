@@ -100,6 +100,11 @@ TEST(ConfigMoe, Qwen3MoeAsTransformersWritesItAndAsTheHubHasIt) {
   EXPECT_TRUE(parsed(hub.dump()) == c);
   EXPECT_NE(refusal(kQwen3Moe, {{"num_experts", 6}}).find("keys 'num_experts' (6) and 'num_local_experts' (4) disagree"),
             std::string::npos);
+  // Mixtral likewise (transformers maps num_experts onto num_local_experts for both).
+  json mx = json::parse(kMixtral);
+  mx.erase("num_local_experts");
+  mx["num_experts"] = 4;
+  EXPECT_EQ(parsed(mx.dump()).num_experts, 4);
   // A dense layer (mlp_only_layers) and a sparse step: layer l has experts iff (l + 1) % step == 0
   // and l is not listed (transformers' Qwen3MoeDecoderLayer).
   json j = json::parse(kQwen3Moe);
@@ -147,7 +152,7 @@ TEST(ConfigMoe, BadMoeConfigsRefusedNamingTheKey) {
   EXPECT_NE(refusal(kMixtral, {{"model_type", "qwen3_moe"}}).find("key 'model_type' is \"qwen3_moe\", expected \"mixtral\""),
             std::string::npos);
   EXPECT_NE(refusal(kMixtral, {{"router_aux_loss_coef", -1}}).find("key 'router_aux_loss_coef'"), std::string::npos);
-  EXPECT_NE(refusal(kQwen3Moe, {{"mlp_only_layers", {0, 0}}}).find("layer 0 is listed twice"), std::string::npos);
+  EXPECT_NE(refusal(kQwen3Moe, {{"mlp_only_layers", {0, 0}}}).find("key 'mlp_only_layers' (2 layers): layer 0 is listed twice"), std::string::npos);
   EXPECT_NE(refusal(kQwen3Moe, {{"mlp_only_layers", {2}}}).find("layer 2 is not in [0, num_hidden_layers)"),
             std::string::npos);
   EXPECT_NE(refusal(kQwen3Moe, {{"mlp_only_layers", {0, 1}}}).find("no layer has experts"), std::string::npos);
@@ -161,6 +166,10 @@ TEST(ConfigMoe, BadMoeConfigsRefusedNamingTheKey) {
                 .find("architecture [\"DeepseekV3ForCausalLM\"] is not supported; expected one of LlamaForCausalLM, "
                       "Qwen3ForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM"),
             std::string::npos);
+  // "architectures" as a bare string is one entry.
+  json bare = json::parse(kMixtral);
+  bare["architectures"] = "MixtralForCausalLM";
+  EXPECT_TRUE(parsed(bare.dump()) == parsed(kMixtral));
   // A Llama's config.json with MoE keys reads as the dense Llama transformers makes of it.
   json llama = json::parse(kMixtral);
   llama["architectures"] = {"LlamaForCausalLM"};
