@@ -38,17 +38,26 @@ std::vector<std::string> architecture_differences(const std::string& ckpt, const
   if (!a.is_object() || !b.is_object()) throw std::invalid_argument("model config is not a JSON object");
   // Keys that older versions did not write ("head_dim", "rope_scaling") take the values they meant
   // (hidden_size / num_attention_heads, no scaling): an old checkpoint of the same model matches.
+  std::vector<std::string> diff;
   for (json* x : {&a, &b}) {
     try {
       *x = read_json(canonical_json(from_canonical_json(x->dump())), json_limits::kCheckpointAttr);
-    } catch (const std::exception&) {
-      // Malformed for from_canonical_json: compared as written, key by key.
+    } catch (const std::exception& e) {
+      // Malformed for from_canonical_json (a null, an unknown key): a difference in itself (the
+      // file's config is not one this version reads), and compared as written, key by key.
+      const std::string why = e.what();
+      diff.push_back(std::string(x == &a ? "checkpoint" : "requested") + ": " +
+                     (why.size() <= 300 ? why : why.substr(0, 300) + "..."));
     }
   }
   std::set<std::string> keys;
   for (auto& [k, v] : a.items()) keys.insert(k);
   for (auto& [k, v] : b.items()) keys.insert(k);
-  std::vector<std::string> diff;
+  // A value is quoted whole up to 120 characters (a crafted list may hold a million entries).
+  const auto shown = [](const json& v) {
+    const std::string d = v.dump();
+    return d.size() <= 120 ? d : d.substr(0, 100) + "... (" + std::to_string(d.size()) + " characters)";
+  };
   for (const std::string& k : keys) {
     // How the field table (config.h) says the key compares; a key it does not know counts.
     const ModelConfigField* field = nullptr;
@@ -58,8 +67,8 @@ std::vector<std::string> architecture_differences(const std::string& ckpt, const
     const json va = a.contains(k) ? a[k] : json(), vb = b.contains(k) ? b[k] : json();
     if (field && field->unset_matches && (va.is_null() || vb.is_null())) continue;  // unset on one side: filled from the other
     if (va != vb)
-      diff.push_back(k + ": checkpoint has " + (a.contains(k) ? va.dump() : "nothing") + ", requested " +
-                     (b.contains(k) ? vb.dump() : "nothing"));
+      diff.push_back((k.size() <= 64 ? k : k.substr(0, 64) + "...") + ": checkpoint has " +
+                     (a.contains(k) ? shown(va) : "nothing") + ", requested " + (b.contains(k) ? shown(vb) : "nothing"));
   }
   return diff;
 }

@@ -202,6 +202,7 @@ void check_tp_record(const CheckpointInfo& info, const std::vector<std::pair<int
   TpRecord want;
   try {
     const ModelConfig mc = from_canonical_json(info.model_config);
+    validate(mc, "in attribute 'model_config'");  // before llama_units: a crafted size is refused, not allocated
     // Version 5: the TP-local buffer is sharded over the FSDP shard group, dp_shard x cp.
     want = tp_record({ShardPlan::build(llama_units(mc, info.tp, 0), info.tp_dp_shard * info.cp)},
                      MeshDims{info.tp_dp_replicate, info.tp_dp_shard, info.cp, info.tp});

@@ -467,14 +467,20 @@ void hf_read_architecture(ModelConfig& c, const json& j, const std::string& sour
   std::string arch;
   if (j.contains("architectures") && !j["architectures"].is_null()) {
     const json& as = j["architectures"];
+    // The first supported entry, or the first whose model_type is the file's (a list naming two).
+    std::string first;
     if (as.is_array() || as.is_string())  // a bare string, as one entry (read so before issue 56)
       for (const json& a : as.is_string() ? json::array({as}) : as) {
-        if (!a.is_string() || !arch.empty()) continue;
-        const std::string n = a.get<std::string>();
-        if (n == "MistralForCausalLM") arch = "LlamaForCausalLM";
-        for (const char* k : kArchitectures)
-          if (n == k) arch = n;
+        if (!a.is_string()) continue;
+        std::string n = a.get<std::string>();
+        if (n == "MistralForCausalLM") n = "LlamaForCausalLM";
+        if (std::find_if(std::begin(kArchitectures), std::end(kArchitectures), [&](const char* k) { return n == k; }) ==
+            std::end(kArchitectures))
+          continue;
+        if (first.empty()) first = n;
+        if (arch.empty() && has_mt && (mt == model_type_of(n) || (mt == "mistral" && n == "LlamaForCausalLM"))) arch = n;
       }
+    if (arch.empty()) arch = first;
     if (arch.empty()) {
       const std::string extra = as.dump().find("Qwen2") != std::string::npos
                                     ? " (Qwen2 has q/k/v projection biases, e.g. tensor "
@@ -506,7 +512,11 @@ std::vector<int> parse_int_list(const json& v, const char* key, const std::strin
   std::vector<int> out;
   if (v.is_null()) return out;
   if (!v.is_array()) bad(source, std::string("key '") + key + "' must be a list of integers, got " + v.dump());
-  for (const json& e : v) out.push_back(get_or<int>(json{{key, e}}, key, 0, source));
+  for (size_t i = 0; i < v.size(); ++i) {
+    const std::string at = std::string(key) + "[" + std::to_string(i) + "]";
+    if (v[i].is_null()) bad(source, "key '" + at + "' must be an integer, got null");
+    out.push_back(get_or<int>(json{{key, v[i]}}, key, 0, source, at));
+  }
   return out;
 }
 
@@ -536,8 +546,10 @@ Field moe_row(const char* key, V ModelConfig::*m, const char* mixtral_key, V mix
     const V d = mx ? mixtral : qwen;
     if (!k) {
       c.*m = d;
+    } else if (j.contains(k) && j[k].is_null() && !std::is_same_v<V, std::vector<int>>) {
+      bad(source, std::string("key '") + k + "' must not be null");  // transformers would not run with None either
     } else if constexpr (std::is_same_v<V, std::vector<int>>) {
-      c.*m = j.contains(k) ? parse_int_list(j[k], k, source) : d;
+      c.*m = j.contains(k) ? parse_int_list(j[k], k, source) : d;  // null: none (Qwen3MoeConfig)
     } else {
       c.*m = hf_value<V>(j, k, d, source);
     }
@@ -589,8 +601,9 @@ void add_architecture_rows(std::vector<Field>& t) {
     f.hf_read = [read = f.hf_read, str](ModelConfig& c, const json& j, const std::string& source) {
       read(c, j, source);  // the architecture's own key, or its default
       if (!is_moe_arch(c.architecture)) return;
-      const bool local = j.contains("num_local_experts") && !j["num_local_experts"].is_null();
-      const bool plain = j.contains("num_experts") && !j["num_experts"].is_null();
+      for (const char* k : {"num_local_experts", "num_experts"})
+        if (j.contains(k) && j[k].is_null()) bad(source, std::string("key '") + k + "' must not be null");
+      const bool local = j.contains("num_local_experts"), plain = j.contains("num_experts");
       if (!local || !plain) {
         if (local || plain) c.num_experts = get_or<int>(j, local ? "num_local_experts" : "num_experts", 0, source);
         return;
@@ -649,7 +662,7 @@ void add_architecture_rows(std::vector<Field>& t) {
         // (Messages name one layer and the list's length: a crafted list may hold a million.)
         std::vector<int> v = c.mlp_only_layers;
         std::sort(v.begin(), v.end());
-        const std::string list = "key 'mlp_only_layers' (" + str(v.size()) + " layers)";
+        const std::string list = "key 'mlp_only_layers' (" + str(v.size()) + (v.size() == 1 ? " layer)" : " layers)");
         for (size_t i = 0; i < v.size(); ++i)
           if (v[i] < 0 || v[i] >= c.num_hidden_layers || (i > 0 && v[i] == v[i - 1]))
             bad(source, list + ": layer " + str(v[i]) +
@@ -685,7 +698,12 @@ const std::vector<Field>& fields() {
     t.push_back(size("num_hidden_layers", &ModelConfig::num_hidden_layers, true));
     t.push_back(size("num_attention_heads", &ModelConfig::num_attention_heads, true));
     t.push_back(size("num_key_value_heads", &ModelConfig::num_key_value_heads, false));
-    t.back().hf_absent = [](ModelConfig& c) { c.num_key_value_heads = c.num_attention_heads; };  // plain MHA
+    t.back().hf_absent = [](ModelConfig& c) {  // LlamaConfig: plain MHA; the others' defaults
+      c.num_key_value_heads = c.architecture == "MixtralForCausalLM"    ? 8
+                              : c.architecture == "Qwen3MoeForCausalLM" ? 4
+                              : c.architecture == "Qwen3ForCausalLM"    ? 32
+                                                                        : c.num_attention_heads;
+    };
     t.back().check = [check = t.back().check](const ModelConfig& c, const std::string& source) {
       check(c, source);
       if (c.num_attention_heads % c.num_key_value_heads != 0)
@@ -693,11 +711,17 @@ const std::vector<Field>& fields() {
                         ") does not divide num_attention_heads (" + std::to_string(c.num_attention_heads) + ")");
     };
     t.push_back(size("max_position_embeddings", &ModelConfig::max_position_embeddings, false));
-    t.back().hf_absent = [](ModelConfig& c) { c.max_position_embeddings = 2048; };
+    t.back().hf_absent = [](ModelConfig& c) {  // LlamaConfig 2048, MixtralConfig 4096 * 32, Qwen3's 32768
+      c.max_position_embeddings = c.architecture == "MixtralForCausalLM" ? 131072 : is_qwen3(c.architecture) ? 32768 : 2048;
+    };
     t.push_back(scalar<double>("rms_norm_eps", &ModelConfig::rms_norm_eps, 1e-6,
                                positive_real("rms_norm_eps", &ModelConfig::rms_norm_eps)));
+    t.back().hf_absent = [](ModelConfig& c) { c.rms_norm_eps = c.architecture == "MixtralForCausalLM" ? 1e-5 : 1e-6; };
     t.push_back(scalar<double>("rope_theta", &ModelConfig::rope_theta, 10000.0,
                                positive_real("rope_theta", &ModelConfig::rope_theta)));
+    t.back().hf_absent = [](ModelConfig& c) {  // MixtralConfig's default_theta
+      c.rope_theta = c.architecture == "MixtralForCausalLM" ? 1e6 : 10000.0;
+    };
     {
       Field f;
       f.info = {"rope_scaling", true, true, false};
@@ -713,7 +737,10 @@ const std::vector<Field>& fields() {
       f.info = {"head_dim", true, true, false};
       f.get = [](const ModelConfig& c) { return json(c.head_dim()); };
       f.set = set_head_dim;
-      f.hf_absent = [](ModelConfig& c) { c.head_dim_override = 0; };
+      f.hf_absent = [](ModelConfig& c) {  // Qwen3Config's default 128; the others derive it
+        c.head_dim_override = 0;
+        if (c.architecture == "Qwen3ForCausalLM") set_head_dim(c, json(128), "");
+      };
       f.canonical_optional = true;  // older versions: hidden_size / num_attention_heads
       f.check = check_head_dim;
       t.push_back(f);
@@ -791,17 +818,7 @@ ModelConfig parse_hf_config(const std::string& text, const std::string& source) 
     bad(source, e.what());
   }
   if (!j.is_object()) bad(source, "top level is not a JSON object");
-  if (!get_or<bool>(j, "use_sliding_window", true, source)) {
-    // Qwen3: a sliding_window given but switched off.
-  } else if (j.contains("sliding_window") && !j["sliding_window"].is_null() && j.contains("max_position_embeddings") &&
-      j["sliding_window"].is_number_integer() && j["max_position_embeddings"].is_number_integer() &&
-      j["sliding_window"].get<int64_t>() < j["max_position_embeddings"].get<int64_t>())
-    bad(source, "key 'sliding_window' = " + j["sliding_window"].dump() +
-                    " is smaller than max_position_embeddings: sliding-window attention is not supported");
   if (get_or<bool>(j, "attention_bias", false, source)) bad(source, "key 'attention_bias' = true is not supported");
-  if (get_or<double>(j, "router_jitter_noise", 0.0, source) != 0.0)
-    bad(source, "key 'router_jitter_noise' = " + j["router_jitter_noise"].dump() +
-                    " is not supported (the router's scores are used as computed)");
   if (get_or<bool>(j, "mlp_bias", false, source)) bad(source, "key 'mlp_bias' = true is not supported");
   ModelConfig c;
   for (const Field& f : fields())
@@ -813,6 +830,18 @@ ModelConfig parse_hf_config(const std::string& text, const std::string& source) 
     else if (!j.contains(k) || j[k].is_null()) f.hf_absent(c);
     else f.set(c, j[k], source);
   }
+  // Sliding-window attention is not supported: refused where transformers would use it. Its Qwen3
+  // configs switch it with use_sliding_window (default false); Mistral's and Mixtral's use
+  // sliding_window whenever it is set (and a Llama's config.json with one is taken for a Mistral).
+  const bool window = is_qwen3(c.architecture) ? get_or<bool>(j, "use_sliding_window", false, source) : true;
+  if (window && j.contains("sliding_window") && !j["sliding_window"].is_null() &&
+      j["sliding_window"].is_number_integer() && j["sliding_window"].get<int64_t>() < c.max_position_embeddings)
+    bad(source, "key 'sliding_window' = " + j["sliding_window"].dump() +
+                    " is smaller than max_position_embeddings: sliding-window attention is not supported");
+  // Mixtral's router jitter (multiplicative noise on the expert input in training).
+  if (c.architecture == "MixtralForCausalLM" && get_or<double>(j, "router_jitter_noise", 0.0, source) != 0.0)
+    bad(source, "key 'router_jitter_noise' = " + j["router_jitter_noise"].dump() +
+                    " is not supported (the router's scores are used as computed)");
   return c;
 }
 
@@ -868,6 +897,11 @@ ModelConfig from_canonical_json(const std::string& s) {
   if (!j.is_object()) bad("", "not a JSON object");
   ModelConfig c;
   try {
+    // A key no row knows (a newer version's field, or an edit) is refused, never dropped: the model
+    // it describes may not be the one this version would build.
+    for (auto& [k, v] : j.items())
+      if (std::none_of(fields().begin(), fields().end(), [&](const Field& f) { return k == f.info.key; }))
+        bad("", "key '" + (k.size() > 64 ? k.substr(0, 64) + "..." : k) + "' is not a model config field of this version");
     for (const Field& f : fields()) {
       const char* k = f.info.key;
       if (j.contains(k)) f.set(c, j[k], "");

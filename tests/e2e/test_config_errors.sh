@@ -48,8 +48,8 @@ expect_fail too_large "more than 2^31 elements" 3 --model "$WORK/huge.json" "${C
 expect_fail config_is_dir "model config file '$WORK/adir.json' is not a regular file (a directory)" 3 --model "$WORK/adir.json" "${COMMON[@]}"
 # Issue 56: a Mixtral config.json parses and validates, and this build (no MoE layers yet) refuses it
 # on every rank, saying so; an MoE config with too many experts per token is refused naming the key.
-mk mixtral '{"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2}'
-mk topk '{"architectures": ["MixtralForCausalLM"], "num_local_experts": 4, "num_experts_per_tok": 5}'
+mk mixtral '{"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2}'
+mk topk '{"architectures": ["MixtralForCausalLM"], "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 5}'
 expect_fail moe_not_built "is a mixture-of-experts model (MixtralForCausalLM, 4 experts, top 2), and this build of shardtrain has no MoE layers yet" \
   3 --model "$WORK/mixtral.json" "${COMMON[@]}"
 expect_fail moe_topk "key 'num_experts_per_tok' = 5 must be between 1 and the number of experts (4)" 3 --model "$WORK/topk.json" "${COMMON[@]}"

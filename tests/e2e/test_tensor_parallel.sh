@@ -275,7 +275,7 @@ echo "ok: the version 4 file exports byte for byte alike at -np 1 and -np 4; h5p
 # 10. Crafted version 4 files, their metadata checksums recomputed (so that the semantic checks,
 #     not the CRC32s, must refuse them): a TP record that is not the model's, or a mesh that is not
 #     one, is refused naming the file and the item (--mode inspect reads the record).
-for mut in local_numel split_swap padded_rows mesh_float shard_row; do
+for mut in local_numel split_swap padded_rows mesh_float shard_row layers_huge; do
   "$PY" - "$F" "$WORK/bad_$mut.h5" "$mut" <<'PY' || fail "crafting $mut"
 import h5py, json, shutil, sys, zlib
 import numpy as np
@@ -299,14 +299,19 @@ elif mut == "mesh_float":
     del f.attrs["tensor_parallel"]; f.attrs["tensor_parallel"] = s; sums["@tensor_parallel"] = zlib.crc32(s.encode())
 elif mut == "shard_row":
     t = f[U + "/tp_shard_table"][:]; t[0] += 1; table(U + "/tp_shard_table", t)
+elif mut == "layers_huge":  # the TP record's check must validate the config before building its units
+    c = json.loads(f.attrs["model_config"]); c["num_hidden_layers"] = 2**31 - 1
+    m = json.dumps(c, separators=(",", ":"), sort_keys=True)
+    del f.attrs["model_config"]; f.attrs["model_config"] = m; sums["@model_config"] = zlib.crc32(m.encode())
 s = json.dumps(sums, separators=(",", ":"))
 del f.attrs["metadata_crc32"]; f.attrs["metadata_crc32"] = s
 del f.attrs["metadata_crc32_check"]; f.attrs["metadata_crc32_check"] = np.int64(zlib.crc32(s.encode()))
 PY
-  if timeout -k 5 60 $MPIRUN -np 1 "$BIN" --mode inspect "$WORK/bad_$mut.h5" >"$WORK/bad_$mut.log" 2>&1; then
+  # (4 GB of address space: a check that allocated the crafted model's units fails at once.)
+  if (ulimit -v 4000000; timeout -k 5 60 $MPIRUN -np 1 "$BIN" --mode inspect "$WORK/bad_$mut.h5") >"$WORK/bad_$mut.log" 2>&1; then
     cat "$WORK/bad_$mut.log"; fail "crafted $mut: accepted"
   fi
   grep -q "error .*bad_$mut.h5'.*\(tp_table\|tp_shard_table\|local_numel\|tensor_parallel\)" "$WORK/bad_$mut.log" \
     || { cat "$WORK/bad_$mut.log"; fail "crafted $mut: the message does not name the file and the item"; }
 done
-echo "ok: crafted version 4 files (local_numel, split, padded rows, a float in the mesh, a shard row) refused by name"
+echo "ok: crafted version 4 files (local_numel, split, padded rows, a float in the mesh, a shard row, 2^31 layers) refused by name"

@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "shardtrain/io/checkpoint.h"
 #include "shardtrain/model/config.h"
 
 using namespace shardtrain;
@@ -56,6 +57,8 @@ std::string refusal(const char* base, const json& edits) {
   }
   return "";
 }
+// A valid Qwen3-MoE config (canonical JSON writes its MoE rows).
+ModelConfig moe_like() { return parsed(kQwen3Moe); }
 }  // namespace
 
 TEST(ConfigMoe, MixtralAsTransformersWritesIt) {
@@ -207,4 +210,89 @@ TEST(ConfigMoe, ThisBuildRefusesWhatItHasNoLayersFor) {
   q.architecture = "Qwen3ForCausalLM";
   q.qk_norm = true;
   EXPECT_THROW(check_model_is_built(q, "'q.json'"), std::invalid_argument);
+}
+
+// From helper-22's attempts to break the reading (each a case that was wrong):
+TEST(ConfigMoe, WhatStrangersConfigsMeanToTransformers) {
+  // Mistral ignores use_sliding_window: its window still cuts the context, so it is refused; a
+  // Qwen3 window is off unless use_sliding_window says true (Qwen3Config's default false).
+  json mistral = json::parse(kMixtral);
+  mistral["architectures"] = {"MistralForCausalLM"};
+  mistral["model_type"] = "mistral";
+  mistral["sliding_window"] = 4;
+  mistral["use_sliding_window"] = false;
+  EXPECT_NE(refusal(mistral.dump().c_str(), json::object()).find("sliding-window attention is not supported"),
+            std::string::npos);
+  json qwen = json::parse(kQwen3Moe);
+  qwen.erase("use_sliding_window");
+  qwen["sliding_window"] = 4;
+  EXPECT_EQ(refusal(qwen.dump().c_str(), json::object()), "");
+  qwen["use_sliding_window"] = true;
+  EXPECT_NE(refusal(qwen.dump().c_str(), json::object()).find("sliding-window"), std::string::npos);
+  // A null inside mlp_only_layers is not layer 0; a null MoE value is not its default.
+  EXPECT_NE(refusal(kQwen3Moe, {{"mlp_only_layers", {nullptr, 1}}}).find("key 'mlp_only_layers[0]' must be an integer, got null"),
+            std::string::npos);
+  EXPECT_NE(refusal(kQwen3Moe, {{"mlp_only_layers", {json::array({4})}}}).find("key 'mlp_only_layers[0]' must be an integer"),
+            std::string::npos);
+  json nulls = json::parse(kQwen3Moe);
+  nulls["num_experts_per_tok"] = nullptr;
+  EXPECT_NE(refusal(nulls.dump().c_str(), json::object()).find("key 'num_experts_per_tok' must not be null"),
+            std::string::npos);
+  nulls = json::parse(kQwen3Moe);
+  nulls["num_local_experts"] = nullptr;
+  EXPECT_NE(refusal(nulls.dump().c_str(), json::object()).find("key 'num_local_experts' must not be null"),
+            std::string::npos);
+  // Keys transformers' Llama ignores do not refuse a Llama (as before issue 56).
+  json llama = json::parse(kMixtral);
+  llama["architectures"] = {"LlamaForCausalLM"};
+  llama["model_type"] = "llama";
+  llama["router_jitter_noise"] = 0.1;
+  llama["use_sliding_window"] = "yes";
+  EXPECT_EQ(refusal(llama.dump().c_str(), json::object()), "");
+  // Two architectures listed: the one of the file's model_type.
+  llama["architectures"] = {"Qwen3ForCausalLM", "LlamaForCausalLM"};
+  EXPECT_EQ(parsed(llama.dump()).architecture, "LlamaForCausalLM");
+  // Absent keys take the architecture's transformers defaults (MixtralConfig: rope_theta 1e6,
+  // rms_norm_eps 1e-5, max_position_embeddings 131072, 8 KV heads; Qwen3Config: head_dim 128).
+  json bare = json::parse(kMixtral);
+  for (const char* k : {"rope_parameters", "rms_norm_eps", "max_position_embeddings", "num_key_value_heads"}) bare.erase(k);
+  const ModelConfig m = parse_hf_config(bare.dump(), "'cfg.json'");
+  EXPECT_EQ(m.rope_theta, 1e6);
+  EXPECT_EQ(m.rms_norm_eps, 1e-5);
+  EXPECT_EQ(m.max_position_embeddings, 131072);
+  EXPECT_EQ(m.num_key_value_heads, 8);
+  const ModelConfig q3 = parse_hf_config(R"({"architectures": ["Qwen3ForCausalLM"], "vocab_size": 64, "hidden_size": 16,
+      "intermediate_size": 24, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2})",
+                                         "'q.json'");
+  EXPECT_EQ(q3.head_dim(), 128);
+  EXPECT_TRUE(q3.qk_norm);
+  EXPECT_EQ(q3.max_position_embeddings, 32768);
+}
+
+// A checkpoint's canonical config with a key this version does not know is refused, not read as
+// the model without it (a newer version's field, or an edit); resume compares it as a difference.
+TEST(ConfigMoe, UnknownCanonicalKeysAreRefused) {
+  json j = json::parse(canonical_json(preset("tiny")));
+  j["num_local_experts"] = 8;
+  try {
+    from_canonical_json(j.dump());
+    ADD_FAILURE() << "accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("key 'num_local_experts' is not a model config field of this version"),
+              std::string::npos)
+        << e.what();
+  }
+  const std::vector<std::string> d = architecture_differences(j.dump(), canonical_json(preset("tiny")));
+  ASSERT_FALSE(d.empty());
+  EXPECT_NE(d.front().find("checkpoint: canonical model config is malformed: key 'num_local_experts'"), std::string::npos)
+      << d.front();
+  // A null where a value is required differs too (resume used to read it as absent).
+  json n = json::parse(canonical_json(moe_like()));
+  n["qk_norm"] = nullptr;
+  EXPECT_FALSE(architecture_differences(n.dump(), canonical_json(moe_like())).empty());
+  // Long values are shortened in the message.
+  json big = json::parse(canonical_json(moe_like()));
+  big["mlp_only_layers"] = std::vector<int>(5000, 0);
+  for (const std::string& s : architecture_differences(big.dump(), canonical_json(moe_like())))
+    EXPECT_LT(s.size(), 700u) << s.substr(0, 200);
 }

@@ -592,9 +592,11 @@ TrainState load_checkpoint(Comm& comm, const std::string& path, const ShardedTen
 // matters for loading weights: every key except the labels (`name`, `initializer_range`: the field
 // table's architecture = false);
 // `bos_token_id`/`eos_token_id` count only when set (non-null) in both. Each entry reads
-// "key: checkpoint has A, requested B". Both are first read as from_canonical_json reads them, so
-// keys an older version did not write ("head_dim", "rope_scaling") take their old meaning.
-// Throws std::invalid_argument on malformed JSON.
+// "key: checkpoint has A, requested B" (values longer than 120 characters shortened). Both are
+// first read as from_canonical_json reads them, so keys an older version did not write
+// ("head_dim", "rope_scaling", issue 56's rows) take their old meaning; a side it refuses (a null,
+// a key this version does not know) is itself a difference, "checkpoint: <why>", and its keys are
+// then compared as written. Throws std::invalid_argument on malformed JSON.
 std::vector<std::string> architecture_differences(const std::string& checkpoint_config,
                                                   const std::string& requested_config);
 
