@@ -501,11 +501,6 @@ void hf_read_architecture(ModelConfig& c, const json& j, const std::string& sour
   c.architecture = arch;
 }
 
-// Reads key `k` of config.json as V (strictly), or `dflt` when absent or null.
-template <typename V>
-V hf_value(const json& j, const char* k, V dflt, const std::string& source) {
-  return get_or<V>(j, k, dflt, source);
-}
 
 // mlp_only_layers: a JSON array of integers (null or absent: none).
 std::vector<int> parse_int_list(const json& v, const char* key, const std::string& source) {
@@ -551,7 +546,7 @@ Field moe_row(const char* key, V ModelConfig::*m, const char* mixtral_key, V mix
     } else if constexpr (std::is_same_v<V, std::vector<int>>) {
       c.*m = j.contains(k) ? parse_int_list(j[k], k, source) : d;  // null: none (Qwen3MoeConfig)
     } else {
-      c.*m = hf_value<V>(j, k, d, source);
+      c.*m = get_or<V>(j, k, d, source);
     }
   };
   f.hf_write = [m, mixtral_key, qwen_key](const ModelConfig& c, json& j) {
