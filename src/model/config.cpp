@@ -859,10 +859,6 @@ void check_model_is_built(const ModelConfig& c, const std::string& source) {
     throw std::invalid_argument("model config " + source + " is a mixture-of-experts model (" + c.architecture + ", " +
                                 std::to_string(c.num_experts) + " experts, top " + std::to_string(c.num_experts_per_tok) +
                                 "), and this build of shardtrain has no MoE layers yet: it trains dense Llama models");
-  if (c.qk_norm)
-    throw std::invalid_argument("model config " + source + " is " + c.architecture +
-                                ", whose attention normalizes each head's query and key (q_norm, k_norm); this build "
-                                "of shardtrain does not have that yet: it trains dense Llama models");
 }
 
 const std::vector<ModelConfigField>& model_config_fields() {

@@ -46,23 +46,30 @@ std::vector<UnitSpec> llama_units(const ModelConfig& c, int tp, int tp_rank) {
     if (tp > 1) p.tp = TpSlice{TpSplit::Cols, tp, r, k, tp_rank * (k / tp)};
     return p;
   };
-  auto norm = [&](std::string n) {
-    ParamSpec p{std::move(n), {C}, false, Init::Ones, 0.0};
-    if (tp > 1) p.tp = TpSlice{TpSplit::Replicated, tp, C, 1, 0};
+  auto norm = [&](std::string n, int64_t width) {
+    ParamSpec p{std::move(n), {width}, false, Init::Ones, 0.0};
+    if (tp > 1) p.tp = TpSlice{TpSplit::Replicated, tp, width, 1, 0};
     return p;
   };
+  const int64_t HD = c.head_dim();
   std::vector<UnitSpec> units;
   units.push_back({"model.embed_tokens", {rows("model.embed_tokens.weight", V, C, Vl)}});
   for (int l = 0; l < c.num_hidden_layers; ++l) {
     std::string p = "model.layers." + std::to_string(l) + ".";
-    units.push_back({"model.layers." + std::to_string(l),
-                     {norm(p + "input_layernorm.weight"), rows(p + "self_attn.q_proj.weight", Q, C, Q / tp),
-                      rows(p + "self_attn.k_proj.weight", KV, C, KV / tp),
-                      rows(p + "self_attn.v_proj.weight", KV, C, KV / tp), cols(p + "self_attn.o_proj.weight", C, Q),
-                      norm(p + "post_attention_layernorm.weight"), rows(p + "mlp.gate_proj.weight", I, C, I / tp),
-                      rows(p + "mlp.up_proj.weight", I, C, I / tp), cols(p + "mlp.down_proj.weight", C, I)}});
+    UnitSpec u{"model.layers." + std::to_string(l),
+               {norm(p + "input_layernorm.weight", C), rows(p + "self_attn.q_proj.weight", Q, C, Q / tp),
+                rows(p + "self_attn.k_proj.weight", KV, C, KV / tp), rows(p + "self_attn.v_proj.weight", KV, C, KV / tp),
+                cols(p + "self_attn.o_proj.weight", C, Q)}};
+    if (c.qk_norm) {
+      u.params.push_back(norm(p + "self_attn.q_norm.weight", HD));
+      u.params.push_back(norm(p + "self_attn.k_norm.weight", HD));
+    }
+    u.params.insert(u.params.end(),
+                    {norm(p + "post_attention_layernorm.weight", C), rows(p + "mlp.gate_proj.weight", I, C, I / tp),
+                     rows(p + "mlp.up_proj.weight", I, C, I / tp), cols(p + "mlp.down_proj.weight", C, I)});
+    units.push_back(std::move(u));
   }
-  UnitSpec head{"model.norm", {norm("model.norm.weight")}};
+  UnitSpec head{"model.norm", {norm("model.norm.weight", C)}};
   if (!c.tie_word_embeddings) head.params.push_back(rows("lm_head.weight", V, C, Vl));
   units.push_back(head);
   return units;
@@ -129,6 +136,10 @@ LlamaModel<T>::LlamaModel(const ModelConfig& c, Backend<T>& be, const ModelOptio
   off_ = {of("input_layernorm.weight"), of("self_attn.q_proj.weight"), of("self_attn.k_proj.weight"),
           of("self_attn.v_proj.weight"), of("self_attn.o_proj.weight"), of("post_attention_layernorm.weight"),
           of("mlp.gate_proj.weight"), of("mlp.up_proj.weight"), of("mlp.down_proj.weight")};
+  if (c.qk_norm) {
+    off_.qn = of("self_attn.q_norm.weight");
+    off_.kn = of("self_attn.k_norm.weight");
+  }
   const UnitPlan& head = p.units.back();
   head_off_norm_ = head.param("model.norm.weight").offset;
   head_off_w_ = c.tie_word_embeddings ? 0 : head.param("lm_head.weight").offset;

@@ -138,6 +138,20 @@ template <typename T> void LlamaModel<T>::rope(const Context& ctx, T* x, int H, 
   }
 }
 
+// Qwen3's q/k norm: the same RMSNorm kernels over BT*H rows of HD values (each head of each token).
+// Its backward writes d(raw) into dqk_ (zeroed: the kernel adds), then over d: the caller's d(q) or
+// d(k) buffer holds d(raw) afterwards, as the projections' backward reads it.
+template <typename T> void LlamaModel<T>::head_norm(T* out, T* rstd, const T* raw, const T* wn, int H) {
+  be_.rmsnorm_forward(out, rstd, raw, wn, d_.BT * H, d_.HD, eps_);
+}
+template <typename T>
+void LlamaModel<T>::head_norm_backward(T* d, T* dwn, const T* raw, const T* wn, const T* rstd, int H) {
+  const size_t n = static_cast<size_t>(d_.BT) * H * d_.HD;
+  be_.zero(dqk_.data(), n);
+  be_.rmsnorm_backward(dqk_.data(), dwn, d, raw, wn, rstd, d_.BT * H, d_.HD);
+  be_.copy(d, dqk_.data(), n);
+}
+
 // With documents, the tiled path is block attention (flash_attention.h) of the whole sequence
 // against itself: positions = row indices, so the mask is s <= t within a document, and tile pairs
 // that it hides entirely (other documents, above the diagonal) are skipped and counted
@@ -192,6 +206,8 @@ void LlamaModel<T>::attend_backward(const Context& ctx, const Layer& a, const T*
   template void LlamaModel<T>::check_layout(const TokenLayout&, int, int) const; \
   template void LlamaModel<T>::set_layout(Context&, const TokenLayout&); \
   template void LlamaModel<T>::rope(const Context&, T*, int, bool); \
+  template void LlamaModel<T>::head_norm(T*, T*, const T*, const T*, int); \
+  template void LlamaModel<T>::head_norm_backward(T*, T*, const T*, const T*, const T*, int); \
   template void LlamaModel<T>::attend(const Context&, Layer&, T*); \
   template void LlamaModel<T>::attend_backward(const Context&, const Layer&, const T*, T*, T*, T*); \
   template void attention_forward<T>(Backend<T>&, const T*, const T*, const T*, T*, T*, int, int, int, int, int, \

@@ -74,9 +74,14 @@ void LlamaModel<T>::block_forward(const Context& ctx, const T* w, const T* x, La
   // Attention sub-block: x1 = x + o_proj(attn(rope(q), rope(k), v)) on rmsnorm(x).
   be_.rmsnorm_forward(ln_.data(), a.rstd1.data(), x, w + off_.ln1, d.R, d.C, eps_);
   const T* n1 = gather_rows(ln_.data(), full_);
-  linear(be_, kFwd, d.BT, d.Q, d.C, n1, w + off_.q, a.q.data(), false);
-  linear(be_, kFwd, d.BT, d.KV, d.C, n1, w + off_.k, a.k.data(), false);
+  const bool qkn = off_.qn >= 0;  // Qwen3: q and k are normalized per head before RoPE
+  linear(be_, kFwd, d.BT, d.Q, d.C, n1, w + off_.q, qkn ? a.qp.data() : a.q.data(), false);
+  linear(be_, kFwd, d.BT, d.KV, d.C, n1, w + off_.k, qkn ? a.kp.data() : a.k.data(), false);
   linear(be_, kFwd, d.BT, d.KV, d.C, n1, w + off_.v, a.v.data(), false);
+  if (qkn) {
+    head_norm(a.q.data(), a.rq.data(), a.qp.data(), w + off_.qn, d.NH);
+    head_norm(a.k.data(), a.rk.data(), a.kp.data(), w + off_.kn, d.NKV);
+  }
   rope(ctx, a.q.data(), d.NH, false);
   rope(ctx, a.k.data(), d.NKV, false);
   attend(ctx, a, att);
@@ -158,6 +163,12 @@ void LlamaModel<T>::block_backward(UnitSource<T>& f, Context& ctx, int l, const 
   attend_backward(ctx, a, att, dq, dk, dv);
   rope(ctx, dq, d.NH, true);
   rope(ctx, dk, d.NKV, true);
+  if (off_.qn >= 0) {  // d(q), d(k) before the per-head norm; its weight gradients after the others'
+    head_norm_backward(dq, keep ? keep->dnorm.data() + 2 * d.C : gw + off_.qn, a.qp.data(), w + off_.qn, a.rq.data(),
+                       d.NH);
+    head_norm_backward(dk, keep ? keep->dnorm.data() + 2 * d.C + d.HD : gw + off_.kn, a.kp.data(), w + off_.kn,
+                       a.rk.data(), d.NKV);
+  }
   linear(be_, kDIn, d.BT, d.Q, d.C, dq, w + off_.q, input_grad(), false);
   linear(be_, kDIn, d.BT, d.KV, d.C, dk, w + off_.k, input_grad(), true);
   linear(be_, kDIn, d.BT, d.KV, d.C, dv, w + off_.v, input_grad(), true);
@@ -190,6 +201,10 @@ template <typename T> void LlamaModel<T>::block_weight(const Context& ctx, int l
   linear(be_, kDW, d.BT, d.KV, d.C, k.dk.data(), k.n1.data(), gw + off_.k, true);
   linear(be_, kDW, d.BT, d.KV, d.C, k.dv.data(), k.n1.data(), gw + off_.v, true);
   be_.copy(gw + off_.ln1, k.dnorm.data(), static_cast<size_t>(d.C));
+  if (off_.qn >= 0) {
+    be_.copy(gw + off_.qn, k.dnorm.data() + 2 * d.C, static_cast<size_t>(d.HD));
+    be_.copy(gw + off_.kn, k.dnorm.data() + 2 * d.C + d.HD, static_cast<size_t>(d.HD));
+  }
 }
 
 // This file's members of LlamaModel and linear, for each storage type (llama.cpp instantiates

@@ -20,7 +20,13 @@ struct Sizes {
   bool keep_all, keep_h, keep_att;  // per-layer buffers besides x; h; exact probabilities
   int64_t full, ce;  // TP > 1: full_ and dfull_ [BT, C] each; the cross-entropy's scalars
   int64_t layout;    // mask Document: a context's positions and documents, the model's row indices (ids each)
-  Sizes(const LlamaDims& d, const ModelOptions& o) {
+  // q/k norm (Qwen3): q and k before it ([BT, Q], [BT, KV], kept with q and k) and its rstd
+  // ([BT*NH], [BT*NKV]); 0 without. Its weight gradients: 2*HD more in a Deferred's norms.
+  int64_t qn, kn, rqn, rkn;
+  // Elements a block keeps besides x, h and the exact probabilities (accumulator arrays apart:
+  // lse), when it keeps them (keep_all).
+  int64_t rest() const { return 2 * rstd + q + 2 * kv + y + x + 2 * gi + qn + kn + rqn + rkn; }
+  Sizes(const LlamaDims& d, const ModelOptions& o, bool qk_norm) {
     BT = d.BT;
     layout = o.mask == AttentionMask::Document || d.cp > 1 ? BT : 0;
     x = int64_t{d.R} * d.C;  // the residual stream: this rank's rows (all of them without TP)
@@ -43,7 +49,11 @@ struct Sizes {
     rows = BT * d.C;
     keep_w_h = o.recompute != Recompute::None;
     keep_w_y = o.recompute == Recompute::Full;
-    norms = 2 * int64_t{d.C};
+    norms = 2 * int64_t{d.C} + (qk_norm ? 2 * int64_t{d.HD} : 0);
+    qn = qk_norm ? q : 0;
+    kn = qk_norm ? kv : 0;
+    rqn = qk_norm ? BT * d.NH : 0;
+    rkn = qk_norm ? BT * d.NKV : 0;
   }
   // A Deferred's buffers (model.h, deferred_weight_bytes): [BT, C] rows (all rows, gathered under
   // TP), whether h and y are kept there (not kept in the context), the RMSNorm weight gradients.
@@ -55,7 +65,7 @@ struct Sizes {
 
 int64_t deferred_weight_bytes(const ModelConfig& c, const ModelOptions& o, int B, int T_, size_t E, int blocks, int tp,
                               int cp) {
-  const Sizes z(LlamaDims(c, tp, 0, cp).with_batch(B, T_, o.loss_chunk), o);
+  const Sizes z(LlamaDims(c, tp, 0, cp).with_batch(B, T_, o.loss_chunk), o, c.qk_norm);
   return int64_t{blocks} * static_cast<int64_t>(E) * z.deferred();
 }
 
@@ -64,9 +74,9 @@ int64_t context_bytes(const ModelConfig& c, const ModelOptions& o, int B, int T_
   if (begin < 0 || begin > end || end > c.num_hidden_layers)
     throw std::invalid_argument("context_bytes: blocks [" + std::to_string(begin) + ", " + std::to_string(end) +
                                 ") are not a range of a model of " + std::to_string(c.num_hidden_layers) + " blocks");
-  const Sizes z(LlamaDims(c, tp, 0, cp).with_batch(B, T_, o.loss_chunk), o);
+  const Sizes z(LlamaDims(c, tp, 0, cp).with_batch(B, T_, o.loss_chunk), o, c.qk_norm);
   const int64_t e = static_cast<int64_t>(E), a = E == 8 ? 8 : 4;  // Backend<T>::S: double for double, else float
-  const int64_t rest = e * (2 * z.rstd + z.q + 2 * z.kv + z.y + z.x + 2 * z.gi) + a * z.lse;  // as ensure_context
+  const int64_t rest = e * z.rest() + a * z.lse;  // as ensure_context
   const int64_t block =
       e * z.x + (z.keep_all ? rest : 0) + (z.keep_h ? e * z.gi : 0) + (z.keep_att ? e * z.att : 0);
   const bool head = end == c.num_hidden_layers, first = begin == 0;
@@ -76,16 +86,16 @@ int64_t context_bytes(const ModelConfig& c, const ModelOptions& o, int B, int T_
 
 ActivationBytes activation_bytes(const ModelConfig& c, const ModelOptions& o, int B, int T_, size_t E, size_t A,
                                  int tp, int cp) {
-  const Sizes z(LlamaDims(c, tp, 0, cp).with_batch(B, T_, o.loss_chunk), o);
+  const Sizes z(LlamaDims(c, tp, 0, cp).with_batch(B, T_, o.loss_chunk), o, c.qk_norm);
   const int64_t e = static_cast<int64_t>(E), a = static_cast<int64_t>(A);
   // One block's activations besides its input x, h and the exact probabilities.
-  const int64_t rest = e * (2 * z.rstd + z.q + 2 * z.kv + z.y + z.x + 2 * z.gi) + a * z.lse;
+  const int64_t rest = e * z.rest() + a * z.lse;
   ActivationBytes r;
   r.per_layer = c.num_hidden_layers *
                 (e * z.x + (z.keep_all ? rest : 0) + (z.keep_h ? e * z.gi : 0) + (z.keep_att ? e * z.att : 0));
   if (o.recompute == Recompute::Selective) r.recompute = e * (z.gi + z.att);
   if (o.recompute == Recompute::Full) r.recompute = rest + e * (z.gi + z.att);
-  r.block_scratch = e * (3 * z.x + 2 * z.q + 2 * z.kv + 3 * z.gi + z.att) + a * z.dsum;
+  r.block_scratch = e * (3 * z.x + 2 * z.q + 2 * z.kv + 3 * z.gi + z.att + z.qn) + a * z.dsum;  // qn: dqk_
   r.head = e * (2 * z.x + z.rstd + z.chunk_logits + 2 * z.rope) + 2 * 4 * z.BT + 3 * 4 * z.layout;
   if (tp > 1) {  // full_, dfull_, ids_tp_, the cross-entropy's scalars
     r.block_scratch += e * 2 * z.full;
@@ -97,13 +107,14 @@ ActivationBytes activation_bytes(const ModelConfig& c, const ModelOptions& o, in
 template <typename T> void LlamaModel<T>::ensure(int B, int T_) {
   if (B == d_.B && T_ == d_.T_) return;
   d_ = d_.with_batch(B, T_, o_.loss_chunk);  // throws when TP does not divide B*T_
-  const Sizes z(d_, o_);
+  const Sizes z(d_, o_, c_.qk_norm);
   auto buf = [&](int64_t n) { return Buffer<T>(be_, static_cast<size_t>(n)); };
   auto acc = [&](int64_t n) { return AccBuffer<T>(be_, static_cast<size_t>(n)); };
   work_ = Layer{};
   if (o_.recompute == Recompute::Full) {
     work_.rstd1 = buf(z.rstd); work_.q = buf(z.q); work_.k = buf(z.kv); work_.v = buf(z.kv); work_.lse = acc(z.lse);
     work_.y = buf(z.y); work_.x1 = buf(z.x); work_.rstd2 = buf(z.rstd); work_.g = buf(z.gi); work_.u = buf(z.gi);
+    work_.qp = buf(z.qn); work_.kp = buf(z.kn); work_.rq = buf(z.rqn); work_.rk = buf(z.rkn);
   }
   if (o_.recompute != Recompute::None) { work_.h = buf(z.gi); work_.att = buf(z.att); }
   chunk_logits_ = buf(z.chunk_logits);
@@ -112,6 +123,7 @@ template <typename T> void LlamaModel<T>::ensure(int B, int T_) {
   dln_ = buf(z.x);
   dq_ = buf(z.q); dk_ = buf(z.kv); dv_ = buf(z.kv);
   datt_ = buf(z.att); dsum_ = acc(z.dsum); dy_ = buf(z.y);
+  dqk_ = buf(z.qn);
   dh_ = buf(z.gi); dg_ = buf(z.gi); du_ = buf(z.gi);
   full_ = buf(z.full); dfull_ = buf(z.full);
   const int64_t ch = tp_n_ > 1 ? d_.chunk : 0;
@@ -140,7 +152,7 @@ template <typename T> void LlamaModel<T>::ensure_rows() {
 // the embedding / the head. For [0, L) exactly what activation_bytes counts besides the scratch.
 template <typename T> void LlamaModel<T>::ensure_context(Context& ctx) {
   if (ctx.B_ == d_.B && ctx.T_ == d_.T_) return;
-  const Sizes z(d_, o_);
+  const Sizes z(d_, o_, c_.qk_norm);
   const BlockRange& r = ctx.r_;
   auto buf = [&](int64_t n) { return Buffer<T>(be_, static_cast<size_t>(n)); };
   auto acc = [&](int64_t n) { return AccBuffer<T>(be_, static_cast<size_t>(n)); };
@@ -155,6 +167,7 @@ template <typename T> void LlamaModel<T>::ensure_context(Context& ctx) {
     if (z.keep_all) {  // everything of a block but x, h and the exact probabilities
       L.rstd1 = buf(z.rstd); L.q = buf(z.q); L.k = buf(z.kv); L.v = buf(z.kv); L.lse = acc(z.lse); L.y = buf(z.y);
       L.x1 = buf(z.x); L.rstd2 = buf(z.rstd); L.g = buf(z.gi); L.u = buf(z.gi);
+      L.qp = buf(z.qn); L.kp = buf(z.kn); L.rq = buf(z.rqn); L.rk = buf(z.rkn);
     }
     if (z.keep_h) L.h = buf(z.gi);
     if (z.keep_att) L.att = buf(z.att);
@@ -177,7 +190,7 @@ template <typename T> void LlamaModel<T>::ensure_context(Context& ctx) {
 template <typename T> void LlamaModel<T>::ensure_deferred(Context& ctx) {
   const size_t n = static_cast<size_t>(ctx.r_.end - ctx.r_.begin);
   if (ctx.w_.size() == n) return;  // ensure_context cleared them when the micro-batch size changed
-  const Sizes z(d_, o_);
+  const Sizes z(d_, o_, c_.qk_norm);
   auto buf = [&](int64_t k) { return Buffer<T>(be_, static_cast<size_t>(k)); };
   std::vector<Deferred> w(n);
   for (Deferred& k : w) {

@@ -47,7 +47,8 @@ st::Comm& world() { return st::testing::comm(); }
 class CpModel : public st::testing::RankTest {};
 
 // 4 heads over 2 KV heads (GQA), two blocks, V = 37; T = 16 splits into 2 x 4 chunks of 2.
-st::ModelConfig config() {
+// qk_norm: Qwen3's per-head q/k norm (before RoPE at the global positions).
+st::ModelConfig config(bool qk_norm = false) {
   st::ModelConfig c;
   c.name = "cp-model";
   c.vocab_size = 37;
@@ -59,6 +60,10 @@ st::ModelConfig config() {
   c.max_position_embeddings = 32;
   c.tie_word_embeddings = false;
   c.rope_theta = 10000.0;
+  if (qk_norm) {
+    c.architecture = "Qwen3ForCausalLM";
+    c.qk_norm = true;
+  }
   return c;
 }
 constexpr int kB = 2, kT = 16;
@@ -98,9 +103,10 @@ Result run(st::LlamaModel<T>& m, st::Fsdp<T>& f, const std::vector<int32_t>& tok
   return r;
 }
 
-template <typename T> void check(st::CpComm method, bool document, st::Recompute rc, double tol, bool fd = false) {
+template <typename T>
+void check(st::CpComm method, bool document, st::Recompute rc, double tol, bool fd = false, bool qk_norm = false) {
   const int W = world().world_size();
-  const st::ModelConfig cfg = config();
+  const st::ModelConfig cfg = config(qk_norm);
   auto be = st::make_cpu_backend<T>();
   st::MpiComm self = st::MpiComm::split(world(), world().rank(), 0);
   // The batch, the same on every rank: random tokens with EOS (document ends) at random places.
@@ -145,7 +151,8 @@ template <typename T> void check(st::CpComm method, bool document, st::Recompute
     grp.all_reduce(&got.loss, 1, st::ReduceOp::Sum);
     for (auto& u : got.grads) grp.all_reduce(u.data(), u.size(), st::ReduceOp::Sum);
     const std::string what = std::string(st::cp_comm_name(method)) + (document ? " document" : " causal") +
-                             " recompute " + st::recompute_name(rc) + " cp " + std::to_string(g);
+                             " recompute " + st::recompute_name(rc) + " cp " + std::to_string(g) +
+                             (qk_norm ? " q/k norm" : "");
     EXPECT_NEAR(got.loss, ref.loss, tol * std::fabs(ref.loss)) << what;
     double worst = 0;
     for (size_t u = 0; u < ref.grads.size(); ++u) {
@@ -207,6 +214,7 @@ TEST_F(CpModel, Float64RingAndAllGatherCausalAndDocumentEqualWholeSequence) {
     for (bool doc : {false, true}) check<double>(m, doc, st::Recompute::None, 1e-12);
   check<double>(st::CpComm::Ring, true, st::Recompute::Full, 1e-12);
   check<double>(st::CpComm::AllGather, false, st::Recompute::Selective, 1e-12);
+  check<double>(st::CpComm::Ring, true, st::Recompute::None, 1e-12, false, true);  // Qwen3's q/k norm
 }
 
 TEST_F(CpModel, Float64GradientsMatchCentralDifferences) {

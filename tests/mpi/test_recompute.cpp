@@ -24,7 +24,8 @@ using st::bf16;
 
 namespace {
 
-st::ModelConfig cfg(bool tied) {
+// qk_norm: Qwen3's per-head q/k norm (its kept q, k and rstd; recomputed under Full).
+st::ModelConfig cfg(bool tied, bool qk_norm = false) {
   st::ModelConfig c;
   c.name = "recompute-test";
   c.vocab_size = 67;  // not a multiple of anything: uneven shards, odd loss chunks
@@ -37,6 +38,10 @@ st::ModelConfig cfg(bool tied) {
   c.tie_word_embeddings = tied;
   c.bos_token_id = 0;
   c.eos_token_ids = {1};
+  if (qk_norm) {
+    c.architecture = "Qwen3ForCausalLM";
+    c.qk_norm = true;
+  }
   return c;
 }
 
@@ -102,8 +107,8 @@ void expect_bitwise(const Result& a, const Result& b, const std::string& what) {
   EXPECT_EQ(differ, 0u) << what << ": " << differ << " of " << n << " gradient elements differ";
 }
 
-template <typename C> void recompute_is_bitwise(bool tied, st::AttentionKind att) {
-  const st::ModelConfig mc = cfg(tied);
+template <typename C> void recompute_is_bitwise(bool tied, st::AttentionKind att, bool qk_norm = false) {
+  const st::ModelConfig mc = cfg(tied, qk_norm);
   const Result none = run<C>(mc, {st::Recompute::None, att, 0});
   double norm = 0;
   for (auto& g : none.grads)
@@ -120,6 +125,8 @@ template <typename C> void recompute_is_bitwise(bool tied, st::AttentionKind att
 TEST(Recompute, Fp32BitwiseIdenticalTiledTied) { recompute_is_bitwise<float>(true, st::AttentionKind::Tiled); }
 TEST(Recompute, Fp32BitwiseIdenticalTiledUntied) { recompute_is_bitwise<float>(false, st::AttentionKind::Tiled); }
 TEST(Recompute, Fp32BitwiseIdenticalExact) { recompute_is_bitwise<float>(false, st::AttentionKind::Exact); }
+TEST(Recompute, Fp32BitwiseIdenticalQkNorm) { recompute_is_bitwise<float>(false, st::AttentionKind::Tiled, true); }
+TEST(Recompute, Bf16BitwiseIdenticalQkNormExact) { recompute_is_bitwise<bf16>(true, st::AttentionKind::Exact, true); }
 TEST(Recompute, Bf16BitwiseIdenticalTiled) { recompute_is_bitwise<bf16>(true, st::AttentionKind::Tiled); }
 TEST(Recompute, Bf16BitwiseIdenticalExactUntied) { recompute_is_bitwise<bf16>(false, st::AttentionKind::Exact); }
 
@@ -151,7 +158,7 @@ TEST(Recompute, ActivationBytesMatchAllocations) {
     for (st::Recompute r : {st::Recompute::None, st::Recompute::Selective, st::Recompute::Full})
       for (st::AttentionKind a : {st::AttentionKind::Tiled, st::AttentionKind::Exact})
         for (int chunk : {0, 10}) {
-          const st::ModelConfig mc = cfg(tied);
+          const st::ModelConfig mc = cfg(tied, !tied && chunk == 0);  // q/k norm: the untied, whole-loss cases
           const st::ModelOptions mo{r, a, chunk};
           st::testing::CountingBackend<float> be;
           {

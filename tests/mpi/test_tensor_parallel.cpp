@@ -34,7 +34,8 @@ class TensorParallel : public st::testing::RankTest {};
 // V = 37 is not a multiple of 2 or 4 (padding rows on the last TP rank); 4 heads, 2 KV heads (GQA),
 // I = 24: every degree up to 2 divides them, and 4 divides all but the KV heads (so N = 4 uses
 // 4 KV heads).
-st::ModelConfig config(bool tied, int N) {
+// qk_norm: Qwen3's per-head q/k norm (replicated weights [HD] over each rank's heads).
+st::ModelConfig config(bool tied, int N, bool qk_norm = false) {
   st::ModelConfig c;
   c.name = "tp-gradcheck";
   c.vocab_size = 37;
@@ -46,6 +47,10 @@ st::ModelConfig config(bool tied, int N) {
   c.max_position_embeddings = 16;
   c.tie_word_embeddings = tied;
   c.rope_theta = 10000.0;
+  if (qk_norm) {
+    c.architecture = "Qwen3ForCausalLM";
+    c.qk_norm = true;
+  }
   return c;
 }
 
@@ -74,10 +79,10 @@ struct Run {
   std::vector<std::vector<double>> grads;  // per unit, the shard (= the TP-local unit; one shard rank)
 };
 
-void run_tp_gradcheck(bool tied, int loss_chunk) {
+void run_tp_gradcheck(bool tied, int loss_chunk, bool qk_norm = false) {
   st::Comm& c = world();
   const int N = c.world_size();
-  const st::ModelConfig cfg = config(tied, N);
+  const st::ModelConfig cfg = config(tied, N, qk_norm);
   const st::Mesh mesh(c, st::testing::g_runtime->topo(), st::MeshDims{1, 1, 1, N}, 0);
   const int t = mesh.coord().tp;
   auto be = st::make_cpu_backend<double>();
@@ -171,9 +176,9 @@ void run_tp_gradcheck(bool tied, int loss_chunk) {
           }
         }
       }
-  std::printf("[ TP GradCheck ] N = %d, %s head, rank %d: %d elements vs finite differences (max rel err %.2e), "
+  std::printf("[ TP GradCheck ] N = %d, %s head%s, rank %d: %d elements vs finite differences (max rel err %.2e), "
               "every gradient element vs no TP (max abs diff %.2e)\n",
-              N, tied ? "tied" : "untied", t, checked, max_rel, worst);
+              N, tied ? "tied" : "untied", qk_norm ? ", q/k norm" : "", t, checked, max_rel, worst);
   EXPECT_GT(checked, 0);
   EXPECT_EQ(fails, 0);
 }
@@ -188,6 +193,12 @@ TEST_F(TensorParallel, GradientsMatchFiniteDifferencesAndNoTpUntied) {
   const int W = world().world_size();
   if (W != 2 && W != 4) GTEST_SKIP() << "TP N = the world size, N = 2 or 4";
   run_tp_gradcheck(false, 0);
+}
+
+TEST_F(TensorParallel, GradientsMatchFiniteDifferencesAndNoTpQkNorm) {
+  const int W = world().world_size();
+  if (W != 2 && W != 4) GTEST_SKIP() << "TP N = the world size, N = 2 or 4";
+  run_tp_gradcheck(false, 0, true);
 }
 
 // ---- Checkpoints: the canonical layout (checkpoint.h TpCheckpointLayout) -----------------------

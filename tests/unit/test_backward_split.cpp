@@ -36,7 +36,8 @@ namespace {
 
 // Small, but with GQA (4 query heads over 2 KV heads), T = 40 over more than one attention tile,
 // and a vocabulary that is not a multiple of anything.
-ModelConfig split_config(bool tied) {
+// qk_norm: Qwen3's per-head q/k norm (its weight gradients are deferred too).
+ModelConfig split_config(bool tied, bool qk_norm = false) {
   ModelConfig c;
   c.name = "backward-split";
   c.vocab_size = 37;
@@ -47,6 +48,10 @@ ModelConfig split_config(bool tied) {
   c.num_key_value_heads = 2;
   c.max_position_embeddings = 64;
   c.tie_word_embeddings = tied;
+  if (qk_norm) {
+    c.architecture = "Qwen3ForCausalLM";
+    c.qk_norm = true;
+  }
   return c;
 }
 
@@ -172,16 +177,17 @@ template <typename T> bool same_bits(const std::vector<T>& a, const std::vector<
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
 }
 
-template <typename T> void expect_split_bitwise() {
+template <typename T> void expect_split_bitwise(bool qk_norm = false) {
   const std::vector<std::vector<int>> partitions = {{0, 3}, {0, 1, 2, 3}};
   int cases = 0;
   for (bool tied : {false, true})
     for (Recompute rc : {Recompute::None, Recompute::Selective, Recompute::Full})
       for (AttentionKind at : {AttentionKind::Tiled, AttentionKind::Exact})
         for (const auto& cuts : partitions) {
-          const ModelConfig cfg = split_config(tied);
+          const ModelConfig cfg = split_config(tied, qk_norm);
           const ModelOptions o{rc, at, 0};
-          const std::string what = std::string(tied ? "tied" : "untied") + ", " + recompute_name(rc) + ", " +
+          const std::string what = std::string(qk_norm ? "q/k norm, " : "") + (tied ? "tied" : "untied") + ", " +
+                                   recompute_name(rc) + ", " +
                                    attention_name(at) + ", " + std::to_string(cuts.size() - 1) + " range(s)";
           const Result<T> want = run<T>(cfg, o, cuts, false), got = run<T>(cfg, o, cuts, true);
           EXPECT_EQ(got.loss, want.loss) << what;
@@ -207,6 +213,11 @@ TEST(BackwardSplit, BitwiseAsBackwardFloat) {
 TEST(BackwardSplit, BitwiseAsBackwardDouble) {
   if (testing::comm().world_size() != 1) GTEST_SKIP() << "single-rank check";
   expect_split_bitwise<double>();
+}
+// Qwen3's q/k norm: its weight gradients (the Deferred's dnorm [2C + 2HD]) and d(q), d(k) before it.
+TEST(BackwardSplit, BitwiseAsBackwardQkNorm) {
+  if (testing::comm().world_size() != 1) GTEST_SKIP() << "single-rank check";
+  expect_split_bitwise<float>(true);
 }
 
 // With the document mask (its block attention kernels, RoPE at the layout's positions).
@@ -406,11 +417,12 @@ TEST(BackwardSplit, OutOfOrderCallsAreRefused) {
 // that number is the per-block sum model.h gives, written out here.
 TEST(BackwardSplit, DeferredBytesMatchAllocations) {
   if (testing::comm().world_size() != 1) GTEST_SKIP() << "single-rank check";
-  const ModelConfig cfg = split_config(false);
+  for (bool qk : {false, true})
   for (Recompute rc : {Recompute::None, Recompute::Selective, Recompute::Full})
     for (AttentionKind at : {AttentionKind::Tiled, AttentionKind::Exact}) {
+      const ModelConfig cfg = split_config(false, qk);
       const ModelOptions o{rc, at, 0};
-      const std::string what = std::string(recompute_name(rc)) + ", " + attention_name(at);
+      const std::string what = std::string(recompute_name(rc)) + ", " + attention_name(at) + (qk ? ", q/k norm" : "");
       testing::CountingBackend<float> be;
       Fsdp<float> f(be, testing::comm(), ShardPlan::build(llama_units(cfg), 1));
       f.init_params(3);
@@ -433,7 +445,7 @@ TEST(BackwardSplit, DeferredBytesMatchAllocations) {
         };
         const int64_t want2 = deferred_weight_bytes(cfg, o, kB, kT, sizeof(float), 2);
         const int64_t BT = kB * kT, C = 16, I = 24, Q = 16, KV = 8;  // split_config: HD 4, 4 heads, 2 KV heads
-        const int64_t per_block = 4 * BT * C + 2 * BT * I + BT * Q + 2 * BT * KV + 2 * C +
+        const int64_t per_block = 4 * BT * C + 2 * BT * I + BT * Q + 2 * BT * KV + 2 * C + (qk ? 2 * 4 : 0) +
                                   (rc != Recompute::None ? BT * I : 0) + (rc == Recompute::Full ? BT * Q : 0);
         EXPECT_EQ(want2, 2 * 4 * per_block) << what;
         EXPECT_EQ(deferred_weight_bytes(cfg, o, kB, kT, sizeof(double), 1), 8 * per_block) << what;

@@ -637,5 +637,33 @@ TEST(GradCheck, ModelRecomputeModesAttentionPathsAndLossChunks) {
   }
 }
 
+// Qwen3's q/k norm (ModelConfig::qk_norm): the per-head RMSNorm of q and k before RoPE, its
+// weights q_norm / k_norm [HD] and everything upstream of it, against finite differences, in the
+// mode that keeps everything and in the one that recomputes the block (the norm's q, k and rstd
+// from the recomputed forward).
+TEST(GradCheck, ModelQkNorm) {
+  Comm& comm = testing::comm();
+  if (comm.world_size() != 1) GTEST_SKIP() << "single-rank FD check";
+  auto be = make_cpu_backend<double>();
+  for (Recompute r : {Recompute::None, Recompute::Full}) {
+    ModelConfig cfg = tiny_config(false);
+    cfg.architecture = "Qwen3ForCausalLM";
+    cfg.qk_norm = true;
+    cfg.num_attention_heads = 4;  // HD 2 from C 8 would leave one rotary pair: take head_dim 4
+    cfg.num_key_value_heads = 2;
+    cfg.head_dim_override = 4;
+    validate(cfg, "gradcheck qk_norm");
+    Fsdp<double> f(*be, comm, ShardPlan::build(llama_units(cfg), 1));
+    ASSERT_EQ(f.plan().units[1].param("model.layers.0.self_attn.q_norm.weight").numel, 4);
+    ASSERT_EQ(f.plan().units[1].param("model.layers.0.self_attn.k_norm.weight").numel, 4);
+    f.init_params(2027);
+    spread_params(f, 10);
+    LlamaModel<double> m(cfg, *be, ModelOptions{r, AttentionKind::Tiled, 0});
+    GradReport rep(std::string("model, q/k norm, recompute ") + recompute_name(r));
+    check_model(f, m, make_batch(), rep);
+    rep.finish();
+  }
+}
+
 }  // namespace
 }  // namespace shardtrain

@@ -149,8 +149,8 @@ inline constexpr const char* kArchitectures[] = {"LlamaForCausalLM", "Qwen3ForCa
                                                  "Qwen3MoeForCausalLM"};
 
 // Throws std::invalid_argument naming `source` when `c` needs a part this build of the model does
-// not have yet: the MoE block (num_experts > 0) and Qwen3's q/k norm. The config parses, validates
-// and counts its parameters; training, import and planning refuse it here (resolve_model_config).
+// not have yet: the MoE block (num_experts > 0). The config parses, validates and counts its
+// parameters; training, import and planning refuse it here (resolve_model_config).
 void check_model_is_built(const ModelConfig& c, const std::string& source);
 
 // Names of the built-in presets, e.g. "tiny", "demo", "llama-125m", "llama-1b".

@@ -16,6 +16,10 @@
 //               k_proj [NKV*HD, C], v_proj [NKV*HD, C], o_proj [C, NH*HD]}.weight,
 //               post_attention_layernorm.weight [C], mlp.{gate_proj [I, C], up_proj [I, C],
 //               down_proj [C, I]}.weight   (each prefixed "model.layers.l.")
+//               With ModelConfig::qk_norm (Qwen3ForCausalLM) self_attn.q_norm.weight [HD] and
+//               self_attn.k_norm.weight [HD] follow o_proj: an RMSNorm (eps rms_norm_eps) over
+//               each head's HD values of q and of k, after the projection and before RoPE
+//               (transformers' Qwen3Attention); replicated under TP, like the other norms.
 //   unit L+1    "model.norm":         model.norm.weight [C], and lm_head.weight [V, C] when untied.
 // Tied head: the LM head multiplies by model.embed_tokens.weight, gathering unit 0 a second time;
 // its gradient is reduce-scattered into unit 0 right away, so no unit stays gathered.
@@ -83,7 +87,9 @@ std::string check_tensor_parallel(const ModelConfig& c, int tp);
 //              [BT, NKV*HD]; v [BT, NKV*HD]; the attention state (tiled: lse [B, NH, T]; exact: the
 //              probabilities [B, NH, T, T]); the attention output y [BT, NH*HD]; x1 = x + attention
 //              [BT, C]; gate and up [BT, I]; h = silu(gate) * up [BT, I]. (The RMSNorm outputs are
-//              never kept: backward recomputes them from x / x1, as in every mode.)
+//              never kept: backward recomputes them from x / x1, as in every mode.) With q/k norm
+//              also q and k before the norm [BT, NH*HD], [BT, NKV*HD] and their rstd [BT*NH],
+//              [BT*NKV] (the norm's backward reads them).
 //   Selective: as None without h, and without the exact path's probabilities: every GEMM output
 //              is kept, the cheap elementwise parts are recomputed in backward (h from gate and up;
 //              the exact path's scores and softmax from q and k). Megatron-LM's "selective"
@@ -223,6 +229,7 @@ int64_t context_bytes(const ModelConfig& c, const ModelOptions& o, int B, int T_
 //                 + 2*BT*I          d(gate), d(up) (gate/up's dy)
 //                 + BT*Q + 2*BT*KV  d(q), d(k) after the RoPE backward, d(v) (q/k/v's dy)
 //                 + 2*C             both RMSNorm weight gradients, computed by backward_input
+//                                   (+ 2*HD with q/k norm: q_norm's and k_norm's)
 //                 + BT*I            h (down's x), unless Recompute::None keeps it anyway
 //                 + BT*Q)           y (o's x), only under Recompute::Full (the other modes keep it)
 // The context allocates exactly this at its first backward_input (and again after a forward of
@@ -300,6 +307,7 @@ template <typename T> class LlamaModel {
   // One block's activations (which of them exist depends on the Recompute mode, see above).
   struct Layer {
     Buffer<T> x, rstd1, q, k, v, att, y, x1, rstd2, g, u, h;
+    Buffer<T> qp, kp, rq, rk;  // q/k norm only: q and k before it, its rstd [BT*NH], [BT*NKV]
     AccBuffer<T> lse;
   };
   // What backward_weight needs of one block, kept from backward_input (deferred_weight_bytes). The
@@ -311,6 +319,7 @@ template <typename T> class LlamaModel {
     Buffer<T> dg, du, h;         // gate's and up's dy; down's x (h; empty under Recompute::None: kept)
     Buffer<T> dq, dk, dv, y;     // q/k/v's dy after the RoPE backward; o's x (y; only Recompute::Full)
     Buffer<T> dnorm;             // d(input_layernorm.weight) [C], d(post_attention_layernorm.weight) [C]
+                                 // (q/k norm: then d(q_norm.weight) [HD], d(k_norm.weight) [HD])
   };
   // Where a micro-batch is: which call may come next. WeightPending: after backward_input, until
   // backward_weight.
@@ -460,6 +469,7 @@ template <typename T> class LlamaModel {
  private:
   struct Offsets {  // flat offsets inside a block unit
     int64_t ln1, q, k, v, o, ln2, gate, up, down;
+    int64_t qn = -1, kn = -1;  // q_norm, k_norm (ModelConfig::qk_norm), else -1
   };
   // f.gather(u), counted (gathers_): the head knows whether unit L+1 is still where forward() left it.
   const T* gather(UnitSource<T>& f, int u) {
@@ -485,6 +495,10 @@ template <typename T> class LlamaModel {
   void set_layout(Context& ctx, const TokenLayout& lay);
   // RoPE (forward or backward) of x [BT, H, HD] at ctx's positions.
   void rope(const Context& ctx, T* x, int H, bool backward);
+  // q/k norm (qk_norm): raw [BT, H*HD] -> out, RMSNorm of each head's HD values with weight wn, its
+  // rstd [BT*H] into rstd; backward: d(out) in d (in place) becomes d(raw), d(wn) added into dwn.
+  void head_norm(T* out, T* rstd, const T* raw, const T* wn, int H);
+  void head_norm_backward(T* d, T* dwn, const T* raw, const T* wn, const T* rstd, int H);
   // Attention of block activations `a` (tiled: y, lse; exact: att, y), and its backward into dq,
   // dk, dv ([BT, Q], [BT, KV] x 2; dq_, dk_, dv_ or a Deferred's) from dy_: causal (flash_attention_* / the exact path) or, with ctx's documents, the
   // block attention kernels over the whole sequence as one block (masked tile pairs skipped).
@@ -541,6 +555,7 @@ template <typename T> class LlamaModel {
   Buffer<T> chunk_logits_, logits_, cos_, sin_;
   Buffer<T> ln_;  // a block's RMSNorm output [B*T, C], forward and (recomputed) backward
   Buffer<T> dln_, dq_, dk_, dv_, datt_, dy_, dh_, dg_, du_;
+  Buffer<T> dqk_;  // q/k norm only: the norm backward's d(raw) [BT, Q] before it replaces d(q) / d(k)
   AccBuffer<T> dsum_;  // tiled attention backward: rowsum(dy * y) [B, NH, T]
   IdBuffer<T> rows_;   // block attention with documents: each token's index t in its row [B, T]
   // TP > 1 only (empty without TP). full_: an all-gathered [BT, C] (an RMSNorm output; in the head
