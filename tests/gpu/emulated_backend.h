@@ -33,6 +33,9 @@ template <typename T> class EmulatedBackend final : public Backend<T> {
   int32_t* alloc_ids(size_t n) override { return mem_->alloc_ids(n); }
   void free_ids(int32_t* p) override { mem_->free_ids(p); }
   void ids_from_host(int32_t* d, const int32_t* h, size_t n) override { mem_->ids_from_host(d, h, n); }
+  void ids_to_host(int32_t* h, const int32_t* s, size_t n) override { mem_->ids_to_host(h, s, n); }
+  void acc_to_host(S* h, const S* s, size_t n) override { mem_->acc_to_host(h, s, n); }
+  void acc_from_host(S* d, const S* h, size_t n) override { mem_->acc_from_host(d, h, n); }
   S* alloc_acc(size_t n) override { return mem_->alloc_acc(n); }
   void free_acc(S* p) override { mem_->free_acc(p); }
   void zero_acc(S* p, size_t n) override { mem_->zero_acc(p, n); }
@@ -216,6 +219,24 @@ template <typename T> class EmulatedBackend final : public Backend<T> {
     d_->swiglu_backward(a.data(), b.data(), dhd.data(), gd.data(), ud.data(), n);
     narrow(dg, a);
     narrow(du, b);
+  }
+
+  // Mixture of experts: the CPU backend of T (routing and permutations; no GPU test reads them yet).
+  void moe_route(S* p, int32_t* x, S* w, const T* z, int N, int E, int k, bool r) override {
+    mem_->moe_route(p, x, w, z, N, E, k, r);
+  }
+  void moe_route_backward(T* dz, const S* p, const int32_t* x, const S* w, const S* dw, const S* a, int g, int N, int E,
+                          int k, bool r) override {
+    mem_->moe_route_backward(dz, p, x, w, dw, a, g, N, E, k, r);
+  }
+  void moe_prob_sums(S* ps, const S* p, int g, int N, int E) override { mem_->moe_prob_sums(ps, p, g, N, E); }
+  void gather_rows(T* o, const T* i, const int32_t* x, int n, int C) override { mem_->gather_rows(o, i, x, n, C); }
+  void moe_combine(T* o, const T* b, const T* y, const int32_t* p, const S* w, int N, int k, int C) override {
+    mem_->moe_combine(o, b, y, p, w, N, k, C);
+  }
+  void moe_combine_backward(T* dy, S* dw, const T* d, const T* y, const int32_t* p, const S* w, int N, int k,
+                            int C) override {
+    mem_->moe_combine_backward(dy, dw, d, y, p, w, N, k, C);
   }
 
   double cross_entropy(T* dlogits, const T* logits, const int32_t* targets, int N, int V, S grad_scale) override {

@@ -26,7 +26,8 @@
 //     (block_attention_run.h: random-size blocks, all pairs merged, backward accumulated; with and
 //     without documents; y, lse, dq, dk, dv within the flash tolerances, skipped tile pairs equal),
 //     the exact path's document mask, RoPE at positions (bitwise the device's whole-sequence rows);
-//     swiglu forward/backward;
+//     swiglu forward/backward; the mixture-of-experts kernels (routing and its backward, the
+//     probability sums, gather, combine and its backward);
 //   cross_entropy for V = 50257, 260 and 7 (66000 rows; every fifth row without a target, kNoTarget:
 //     no loss, a zero gradient row), with dlogits == nullptr, a separate
 //     buffer and dlogits aliasing logits (loss and gradient; logits untouched when not aliased);
@@ -1041,6 +1042,73 @@ template <typename T> void check_swiglu() {
   expect_close("swiglu_backward dup", std::get<2>(got), std::get<2>(want), {}, 1);
 }
 
+// Mixture-of-experts kernels (moe_math.h): routing (E 16, top 4, with and without
+// renormalization) and its backward with the load-balancing loss's per-group gradient, the
+// per-group probability sums, the dispatch gather (bitwise) and the combine and its backward over
+// a slot order sorted by expert, against the CPU backend. The expert choice must be the same (the
+// logits are far from ties); the S outputs within the float tolerance, the T outputs within T's.
+template <typename T> void check_moe() {
+  using S = st::math::Acc<T>;
+  std::mt19937 g(7101);
+  const int N = 300, E = 16, k = 4, C = 40, grp = 100;
+  const std::vector<T> logits = randn<T>(static_cast<size_t>(N) * E, g, 2.0), x = randn<T>(static_cast<size_t>(N) * C, g);
+  const std::vector<float> dwf = [&] {
+    std::vector<float> v(static_cast<size_t>(N) * k);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    for (float& e : v) e = nd(g);
+    return v;
+  }();
+  std::vector<float> aux(static_cast<size_t>(N / grp) * E);
+  for (size_t i = 0; i < aux.size(); ++i) aux[i] = 0.01f * static_cast<float>(i % 7);
+  for (bool renorm : {false, true}) {
+    auto run = [&](st::Backend<T>& be) {
+      st::Buffer<T> dl = upload(be, logits), dx = upload(be, x), dlog(be, logits.size()), xe(be, static_cast<size_t>(N) * k * C),
+          out(be, x.size()), dye(be, xe.size());
+      st::AccBuffer<T> probs(be, logits.size()), w(be, static_cast<size_t>(N) * k), dw(be, dwf.size()), daux(be, aux.size()),
+          psum(be, aux.size()), dwc(be, static_cast<size_t>(N) * k);
+      st::IdBuffer<T> ex(be, static_cast<size_t>(N) * k);
+      be.moe_route(probs.data(), ex.data(), w.data(), dl.data(), N, E, k, renorm);
+      be.acc_from_host(dw.data(), dwf.data(), dwf.size());
+      be.acc_from_host(daux.data(), aux.data(), aux.size());
+      be.moe_route_backward(dlog.data(), probs.data(), ex.data(), w.data(), dw.data(), daux.data(), grp, N, E, k, renorm);
+      be.moe_prob_sums(psum.data(), probs.data(), grp, N, E);
+      std::vector<int32_t> experts(static_cast<size_t>(N) * k);
+      be.ids_to_host(experts.data(), ex.data(), experts.size());
+      // The slots sorted by expert (stable), as the model's moe_sort.
+      std::vector<int32_t> order(experts.size()), rowtok(experts.size()), pos(experts.size());
+      for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int32_t>(i);
+      std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return experts[a] < experts[b]; });
+      for (size_t r = 0; r < order.size(); ++r) {
+        rowtok[r] = order[r] / k;
+        pos[static_cast<size_t>(order[r])] = static_cast<int32_t>(r);
+      }
+      st::IdBuffer<T> rt = upload_ids(be, rowtok), ps = upload_ids(be, pos);
+      be.gather_rows(xe.data(), dx.data(), rt.data(), N * k, C);
+      be.moe_combine(out.data(), dx.data(), xe.data(), ps.data(), w.data(), N, k, C);
+      be.moe_combine_backward(dye.data(), dwc.data(), dx.data(), xe.data(), ps.data(), w.data(), N, k, C);
+      auto acc = [&](const st::AccBuffer<T>& b) {
+        std::vector<S> h(b.size());
+        be.acc_to_host(h.data(), b.data(), h.size());
+        return std::vector<float>(h.begin(), h.end());
+      };
+      return std::make_tuple(experts, acc(probs), acc(w), download(be, dlog.data(), logits.size()), acc(psum),
+                             download(be, xe.data(), xe.size()), download(be, out.data(), out.size()),
+                             download(be, dye.data(), dye.size()), acc(dwc));
+    };
+    const auto got = run(dev<T>()), want = run(cpu<T>());
+    const std::string r = renorm ? " (renormalized)" : "";
+    EXPECT_EQ(std::get<0>(got), std::get<0>(want)) << label<T>("moe_route experts" + r);
+    expect_close("moe_route probs" + r, std::get<1>(got), std::get<1>(want), {}, E);
+    expect_close("moe_route weights" + r, std::get<2>(got), std::get<2>(want), {}, E);
+    expect_close("moe_route_backward dlogits" + r, std::get<3>(got), std::get<3>(want), {}, 2 * E);
+    expect_close("moe_prob_sums" + r, std::get<4>(got), std::get<4>(want), {}, grp);
+    expect_bitwise("gather_rows" + r, std::get<5>(got), std::get<5>(want));
+    expect_close("moe_combine" + r, std::get<6>(got), std::get<6>(want), {}, k + 1);
+    expect_close("moe_combine_backward dye" + r, std::get<7>(got), std::get<7>(want), {}, 1);
+    expect_close("moe_combine_backward dw" + r, std::get<8>(got), std::get<8>(want), {}, C);
+  }
+}
+
 template <typename T> void check_cross_entropy() {
   using S = st::math::Acc<T>;
   std::mt19937 g(8001);
@@ -1895,6 +1963,7 @@ GPU_TEST_BOTH(FlashAttention, check_flash_attention)
 GPU_TEST_BOTH(BlockAttention, check_block_attention)
 TEST_F(Gpu, CudnnAttentionBf16) { check_cudnn_attention(); }
 GPU_TEST_BOTH(SwiGLU, check_swiglu)
+GPU_TEST_BOTH(MixtureOfExperts, check_moe)
 GPU_TEST_BOTH(CrossEntropy, check_cross_entropy)
 GPU_TEST_BOTH(AdamW, check_adamw)
 GPU_TEST_BOTH(FromF32, check_from_f32)

@@ -57,6 +57,9 @@ template <typename T> class CountingBackend final : public shardtrain::Backend<T
     inner_->free_ids(p);
   }
   void ids_from_host(int32_t* d, const int32_t* h, size_t n) override { inner_->ids_from_host(d, h, n); }
+  void ids_to_host(int32_t* h, const int32_t* s, size_t n) override { inner_->ids_to_host(h, s, n); }
+  void acc_to_host(S* h, const S* s, size_t n) override { inner_->acc_to_host(h, s, n); }
+  void acc_from_host(S* d, const S* h, size_t n) override { inner_->acc_from_host(d, h, n); }
   // Flash attention statistics (S = T here): forwarded, not counted (the FSDP engine holds none).
   S* alloc_acc(size_t n) override {
     S* p = inner_->alloc_acc(n);
@@ -144,6 +147,22 @@ template <typename T> class CountingBackend final : public shardtrain::Backend<T
     inner_->flash_attention_backward(dq, dk, dv, dsum, dy, q, k, v, y, lse, B, T_, NH, NKV, HD, sc);
   }
   void swiglu_forward(T* h, const T* g, const T* u, size_t n) override { inner_->swiglu_forward(h, g, u, n); }
+  void moe_route(S* p, int32_t* x, S* w, const T* z, int N, int E, int k, bool r) override {
+    inner_->moe_route(p, x, w, z, N, E, k, r);
+  }
+  void moe_route_backward(T* dz, const S* p, const int32_t* x, const S* w, const S* dw, const S* a, int g, int N, int E,
+                          int k, bool r) override {
+    inner_->moe_route_backward(dz, p, x, w, dw, a, g, N, E, k, r);
+  }
+  void moe_prob_sums(S* ps, const S* p, int g, int N, int E) override { inner_->moe_prob_sums(ps, p, g, N, E); }
+  void gather_rows(T* o, const T* i, const int32_t* x, int n, int C) override { inner_->gather_rows(o, i, x, n, C); }
+  void moe_combine(T* o, const T* b, const T* y, const int32_t* p, const S* w, int N, int k, int C) override {
+    inner_->moe_combine(o, b, y, p, w, N, k, C);
+  }
+  void moe_combine_backward(T* dy, S* dw, const T* d, const T* y, const int32_t* p, const S* w, int N, int k,
+                            int C) override {
+    inner_->moe_combine_backward(dy, dw, d, y, p, w, N, k, C);
+  }
   void swiglu_backward(T* dg, T* du, const T* dh, const T* g, const T* u, size_t n) override {
     inner_->swiglu_backward(dg, du, dh, g, u, n);
   }

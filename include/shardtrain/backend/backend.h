@@ -71,11 +71,16 @@ template <typename T> class Backend {
   virtual int32_t* alloc_ids(size_t n) = 0;  // zero-initialized; throws std::bad_alloc
   virtual void free_ids(int32_t* p) = 0;
   virtual void ids_from_host(int32_t* dst, const int32_t* host, size_t n) = 0;
+  // Backend ids to the host (waits for the queued calls first; the MoE routing's expert choice).
+  virtual void ids_to_host(int32_t* host, const int32_t* src, size_t n) = 0;
   // n scalars of type S (float for float and bf16, double for double) in the backend's memory,
   // zero-initialized, for the flash attention statistics (lse, dsum); throws std::bad_alloc.
   virtual S* alloc_acc(size_t n) = 0;
   virtual void free_acc(S* p) = 0;
   virtual void zero_acc(S* p, size_t n) = 0;  // n scalars of S set to 0
+  // n scalars of S to / from the host (waiting as to_host / from_host do).
+  virtual void acc_to_host(S* host, const S* src, size_t n) = 0;
+  virtual void acc_from_host(S* dst, const S* host, size_t n) = 0;
   // Waits until every queued call has finished (no-op on the CPU).
   virtual void synchronize() = 0;
 
@@ -247,6 +252,33 @@ template <typename T> class Backend {
   virtual void swiglu_forward(T* h, const T* gate, const T* up, size_t n) = 0;
   // dgate = ..., dup = ... (written, not accumulated).
   virtual void swiglu_backward(T* dgate, T* dup, const T* dh, const T* gate, const T* up, size_t n) = 0;
+
+  // ---- mixture of experts (issue 56; the per-token math is include/shardtrain/backend/moe_math.h) --
+  // N tokens, E experts, k experts per token; a token's slot j in [0, k) is its j-th choice, slot
+  // id t*k + j. Routing tensors are in S: probs [N, E], weights [N, k]; experts [N, k] int32.
+  // Router: moe_route of each row of logits [N, E] (the router GEMM's output), widened to S.
+  virtual void moe_route(S* probs, int32_t* experts, S* weights, const T* logits, int N, int E, int k,
+                         bool renorm) = 0;
+  // Its backward: dlogits [N, E] (=) from dweights [N, k] (d loss / d weights) and, when aux_dprob
+  // is not nullptr, the gradient aux_dprob[t / group_rows, :] ([N / group_rows, E]) that reaches row
+  // t's probabilities directly (the load-balancing loss: moe_aux_dprob).
+  virtual void moe_route_backward(T* dlogits, const S* probs, const int32_t* experts, const S* weights,
+                                  const S* dweights, const S* aux_dprob, int group_rows, int N, int E, int k,
+                                  bool renorm) = 0;
+  // psum[t / group_rows, e] += probs[t, e] for every row t, rows added in order (the load-balancing
+  // loss's P, per sequence or micro-batch).
+  virtual void moe_prob_sums(S* psum, const S* probs, int group_rows, int N, int E) = 0;
+  // out[i, :] = in[idx[i], :] for i < n (rows of C; dispatch: each slot's token row).
+  virtual void gather_rows(T* out, const T* in, const int32_t* idx, int n, int C) = 0;
+  // Combine: out[t, :] = (base ? base[t, :] : 0) + sum_j (w ? w[t*k+j] : 1) * ye[pos[t*k+j], :],
+  // j = 0..k-1 in order, summed in S, then rounded once. pos: the row of slot t*k+j in ye [N*k, C].
+  // out must not alias ye (it may alias base).
+  virtual void moe_combine(T* out, const T* base, const T* ye, const int32_t* pos, const S* w, int N, int k,
+                           int C) = 0;
+  // Combine's backward in w and ye: dye[pos[t*k+j], :] = w[t*k+j] * dout[t, :] and
+  // dw[t*k+j] = sum_c dout[t, c] * ye[pos[t*k+j], c] (both written).
+  virtual void moe_combine_backward(T* dye, S* dw, const T* dout, const T* ye, const int32_t* pos, const S* w, int N,
+                                    int k, int C) = 0;
 
   // Fused softmax cross-entropy. logits [N, V]; targets [N] ids in [0, V), or negative for a row
   // that is no target (kNoTarget, packing.h: it adds 0 to the loss and its dlogits row is 0),

@@ -6,6 +6,7 @@
 //   norm.cpp         RMSNorm
 //   rope.cpp         rotary embeddings
 //   swiglu.cpp       SwiGLU
+//   moe.cpp          mixture-of-experts routing, dispatch (gather) and combine
 //   loss.cpp         cross-entropy, vocabulary-parallel cross-entropy
 //   embedding.cpp    token embedding
 //   optimizer.cpp    AdamW, axpy, scale, sum of squares (gradient norm)
@@ -128,6 +129,9 @@ template <typename T> class CpuBackend final : public Backend<T> {
   int32_t* alloc_ids(size_t n) override;
   void free_ids(int32_t* p) override;
   void ids_from_host(int32_t* d, const int32_t* h, size_t n) override;
+  void ids_to_host(int32_t* h, const int32_t* s, size_t n) override;  // moe.cpp
+  void acc_to_host(S* h, const S* s, size_t n) override;              // moe.cpp
+  void acc_from_host(S* d, const S* h, size_t n) override;            // moe.cpp
   S* alloc_acc(size_t n) override;
   void free_acc(S* p) override;
   void copy_2d(T* d, size_t ldd, const T* s, size_t lds, size_t rows, size_t cols) override;
@@ -184,6 +188,16 @@ template <typename T> class CpuBackend final : public Backend<T> {
   // ---- swiglu.cpp ----
   void swiglu_forward(T* h, const T* g, const T* u, size_t n) override;
   void swiglu_backward(T* dg, T* du, const T* dh, const T* g, const T* u, size_t n) override;
+
+  // ---- moe.cpp ----
+  void moe_route(S* probs, int32_t* experts, S* weights, const T* logits, int N, int E, int k, bool renorm) override;
+  void moe_route_backward(T* dlogits, const S* probs, const int32_t* experts, const S* weights, const S* dweights,
+                          const S* aux_dprob, int group_rows, int N, int E, int k, bool renorm) override;
+  void moe_prob_sums(S* psum, const S* probs, int group_rows, int N, int E) override;
+  void gather_rows(T* out, const T* in, const int32_t* idx, int n, int C) override;
+  void moe_combine(T* out, const T* base, const T* ye, const int32_t* pos, const S* w, int N, int k, int C) override;
+  void moe_combine_backward(T* dye, S* dw, const T* dout, const T* ye, const int32_t* pos, const S* w, int N, int k,
+                            int C) override;
 
   // ---- loss.cpp ----
   double cross_entropy(T* dlogits, const T* logits, const int32_t* tgt, int N, int V, S grad_scale) override;

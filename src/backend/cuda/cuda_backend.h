@@ -13,6 +13,7 @@
 //   norm.cu          RMSNorm
 //   rope.cu          rotary embeddings
 //   swiglu.cu        SwiGLU
+//   moe.cu           mixture-of-experts routing, dispatch (gather) and combine
 //   loss.cu          cross-entropy, vocabulary-parallel cross-entropy
 //   embedding.cu     token embedding
 //   optimizer.cu     AdamW, axpy, scale, sums of squares (gradient norm)
@@ -60,6 +61,9 @@ template <typename T> class CudaBackend final : public Backend<T> {
   int32_t* alloc_ids(size_t n) override;
   void free_ids(int32_t* p) override;
   void ids_from_host(int32_t* dst, const int32_t* host, size_t n) override;
+  void ids_to_host(int32_t* host, const int32_t* src, size_t n) override;  // moe.cu
+  void acc_to_host(S* host, const S* src, size_t n) override;              // moe.cu
+  void acc_from_host(S* dst, const S* host, size_t n) override;            // moe.cu
   S* alloc_acc(size_t n) override;
   void free_acc(S* p) override;
   void copy_2d(T* dst, size_t ldd, const T* src, size_t lds, size_t rows, size_t cols) override;
@@ -99,6 +103,16 @@ template <typename T> class CudaBackend final : public Backend<T> {
   void rope_backward_at(T* dx, const T* cos, const T* sin, const int32_t* pos, int N, int H, int HD) override;
   void swiglu_forward(T* h, const T* gate, const T* up, size_t n) override;
   void swiglu_backward(T* dgate, T* dup, const T* dh, const T* gate, const T* up, size_t n) override;
+
+  // ---- moe.cu ----
+  void moe_route(S* probs, int32_t* experts, S* weights, const T* logits, int N, int E, int k, bool renorm) override;
+  void moe_route_backward(T* dlogits, const S* probs, const int32_t* experts, const S* weights, const S* dweights,
+                          const S* aux_dprob, int group_rows, int N, int E, int k, bool renorm) override;
+  void moe_prob_sums(S* psum, const S* probs, int group_rows, int N, int E) override;
+  void gather_rows(T* out, const T* in, const int32_t* idx, int n, int C) override;
+  void moe_combine(T* out, const T* base, const T* ye, const int32_t* pos, const S* w, int N, int k, int C) override;
+  void moe_combine_backward(T* dye, S* dw, const T* dout, const T* ye, const int32_t* pos, const S* w, int N, int k,
+                            int C) override;
 
   // ---- attention (attention.cu) ----
   void softmax_causal_forward(T* att, int R, int T_, S scale) override;
