@@ -56,6 +56,8 @@ int64_t count_params(const ModelConfig& c, int64_t experts) {
 int64_t ModelConfig::num_params() const { return count_params(*this, num_experts); }
 int64_t ModelConfig::num_active_params() const { return count_params(*this, num_experts_per_tok); }
 
+int64_t ModelConfig::num_moe_layers() const { return count_moe_layers(*this); }
+
 bool ModelConfig::is_moe_layer(int l) const {
   return num_experts > 0 && decoder_sparse_step > 0 && (static_cast<int64_t>(l) + 1) % decoder_sparse_step == 0 &&
          std::find(mlp_only_layers.begin(), mlp_only_layers.end(), l) == mlp_only_layers.end();

@@ -10,13 +10,18 @@
 #include <cmath>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
+#include "shardtrain/backend/moe_math.h"
 #include "shardtrain/model/model.h"
 
 namespace shardtrain {
 
 std::string check_tensor_parallel(const ModelConfig& c, int tp) {
   if (tp < 1) return "option '--tp' must be >= 1, got " + std::to_string(tp);
+  if (tp > 1 && c.is_moe())
+    return "option '--tp' (" + std::to_string(tp) + ") with a mixture-of-experts model (" + c.architecture +
+           ") is not built yet: its experts are not split over a TP group (issue 56)";
   for (auto [n, what] : {std::pair{c.num_attention_heads, "attention heads"},
                          std::pair{c.num_key_value_heads, "key/value heads"},
                          std::pair{c.intermediate_size, "intermediate size"}})
@@ -64,9 +69,16 @@ std::vector<UnitSpec> llama_units(const ModelConfig& c, int tp, int tp_rank) {
       u.params.push_back(norm(p + "self_attn.q_norm.weight", HD));
       u.params.push_back(norm(p + "self_attn.k_norm.weight", HD));
     }
-    u.params.insert(u.params.end(),
-                    {norm(p + "post_attention_layernorm.weight", C), rows(p + "mlp.gate_proj.weight", I, C, I / tp),
-                     rows(p + "mlp.up_proj.weight", I, C, I / tp), cols(p + "mlp.down_proj.weight", C, I)});
+    u.params.push_back(norm(p + "post_attention_layernorm.weight", C));
+    if (c.is_moe_layer(l)) {  // tp == 1 (check_tensor_parallel)
+      const int64_t E = c.num_experts, IE = c.moe_intermediate_size;
+      u.params.insert(u.params.end(), {mat(p + "mlp.gate.weight", E, C),
+                                       ParamSpec{p + "mlp.experts.gate_up_proj", {E, 2 * IE, C}, true, Init::Normal, sd},
+                                       ParamSpec{p + "mlp.experts.down_proj", {E, C, IE}, true, Init::Normal, sd}});
+    } else {
+      u.params.insert(u.params.end(), {rows(p + "mlp.gate_proj.weight", I, C, I / tp),
+                                       rows(p + "mlp.up_proj.weight", I, C, I / tp), cols(p + "mlp.down_proj.weight", C, I)});
+    }
     units.push_back(std::move(u));
   }
   UnitSpec head{"model.norm", {norm("model.norm.weight", C)}};
@@ -103,7 +115,14 @@ LlamaDims::LlamaDims(const ModelConfig& c, int tp_, int tp_rank, int cp_)
     : C(c.hidden_size), I(c.intermediate_size / tp_), V(c.vocab_size), L(c.num_hidden_layers),
       NH(c.num_attention_heads / tp_), NKV(c.num_key_value_heads / tp_), HD(c.head_dim()), Q(NH * HD), KV(NKV * HD),
       tp(tp_), cp(cp_), Vl((c.vocab_size + tp_ - 1) / tp_), v0(tp_rank * Vl),
-      valid(std::clamp(c.vocab_size - tp_rank * Vl, 0, Vl)) {}
+      valid(std::clamp(c.vocab_size - tp_rank * Vl, 0, Vl)) {
+  if (c.is_moe()) {
+    E = c.num_experts;
+    K = c.num_experts_per_tok;
+    IE = c.moe_intermediate_size;
+    renorm = c.norm_topk_prob;
+  }
+}
 
 LlamaDims LlamaDims::with_batch(int B_, int T, int loss_chunk) const {
   LlamaDims d = *this;
@@ -116,6 +135,7 @@ LlamaDims LlamaDims::with_batch(int B_, int T, int loss_chunk) const {
                                 std::to_string(B_) + " x " + std::to_string(T) + " = " + std::to_string(d.BT) +
                                 "): sequence parallelism splits them evenly over the TP group");
   d.R = d.BT / tp;
+  d.slots = d.BT * d.K;
   d.chunk = static_cast<int>(std::min<int64_t>(loss_chunk > 0 ? loss_chunk : default_loss_chunk(Vl), int64_t{B_} * T));
   return d;
 }
@@ -131,14 +151,39 @@ LlamaModel<T>::LlamaModel(const ModelConfig& c, Backend<T>& be, const ModelOptio
                                 ") runs tiled attention only, not '--attention exact'");
   // Offsets do not depend on the world size; with TP, the slices' (llama_units checks tp).
   ShardPlan p = ShardPlan::build(llama_units(c, tp_n_, tp_rank_), 1);
-  const UnitPlan& blk = p.units[1];
-  auto of = [&](const char* n) { return blk.param("model.layers.0." + std::string(n)).offset; };
-  off_ = {of("input_layernorm.weight"), of("self_attn.q_proj.weight"), of("self_attn.k_proj.weight"),
-          of("self_attn.v_proj.weight"), of("self_attn.o_proj.weight"), of("post_attention_layernorm.weight"),
-          of("mlp.gate_proj.weight"), of("mlp.up_proj.weight"), of("mlp.down_proj.weight")};
-  if (c.qk_norm) {
-    off_.qn = of("self_attn.q_norm.weight");
-    off_.kn = of("self_attn.k_norm.weight");
+  // A dense block's offsets, and an MoE block's (the same attention part): from the first of each.
+  auto offsets_of = [&](int l, bool moe) {
+    const UnitPlan& blk = p.units[static_cast<size_t>(1 + l)];
+    const std::string pre = "model.layers." + std::to_string(l) + ".";
+    auto of = [&](const char* n) { return blk.param(pre + n).offset; };
+    Offsets r{of("input_layernorm.weight"), of("self_attn.q_proj.weight"), of("self_attn.k_proj.weight"),
+              of("self_attn.v_proj.weight"), of("self_attn.o_proj.weight"), of("post_attention_layernorm.weight"),
+              moe ? -1 : of("mlp.gate_proj.weight"), moe ? -1 : of("mlp.up_proj.weight"),
+              moe ? -1 : of("mlp.down_proj.weight")};
+    if (c.qk_norm) {
+      r.qn = of("self_attn.q_norm.weight");
+      r.kn = of("self_attn.k_norm.weight");
+    }
+    if (moe) {
+      r.router = of("mlp.gate.weight");
+      r.egu = of("mlp.experts.gate_up_proj");
+      r.edown = of("mlp.experts.down_proj");
+    }
+    return r;
+  };
+  if (c.is_moe()) {
+    moe_layer_.resize(static_cast<size_t>(c.num_hidden_layers));
+    for (int l = 0; l < c.num_hidden_layers; ++l) moe_layer_[static_cast<size_t>(l)] = c.is_moe_layer(l) ? 1 : 0;
+    for (int l = c.num_hidden_layers - 1; l >= 0; --l) {
+      if (is_moe(l)) { moe_off_ = offsets_of(l, true); ++moe_blocks_; }
+      else dense_off_ = offsets_of(l, false);
+    }
+    if (cp_)
+      throw std::invalid_argument("context parallelism (--cp " + std::to_string(cp_->size()) +
+                                  ") with a mixture-of-experts model is not built yet (issue 56: the load-balancing "
+                                  "loss's counts are not summed over the CP group)");
+  } else {
+    dense_off_ = offsets_of(0, false);
   }
   const UnitPlan& head = p.units.back();
   head_off_norm_ = head.param("model.norm.weight").offset;
@@ -206,6 +251,11 @@ void LlamaModel<T>::forward(UnitSource<T>& f, Context& ctx, const int32_t* token
   ensure_context(ctx);
   set_layout(ctx, layout);
   const LlamaDims& d = d_;
+  if (moe_blocks_ > 0) {  // this micro-batch's load-balancing statistics start from zero
+    std::fill(ctx.counts_.begin(), ctx.counts_.end(), 0.0);
+    be_.zero_acc(ctx.psum_.data(), ctx.psum_.size());
+    ctx.aux_scale_ = S(0);
+  }
   T* x0 = b > a ? ctx.layers_[0].x.data() : ctx.xf_.data();
   if (a == 0)
     embed(f, ctx, tokens, x0);
@@ -218,8 +268,15 @@ void LlamaModel<T>::forward(UnitSource<T>& f, Context& ctx, const int32_t* token
     Layer& act = o_.recompute == Recompute::Full ? work_ : kept;
     T* h = o_.recompute == Recompute::None ? act.h.data() : work_.h.data();
     T* att = o_.recompute == Recompute::None ? act.att.data() : work_.att.data();
-    block_forward(ctx, w, kept.x.data(), act, h, att,
+    block_forward(ctx, l, w, kept.x.data(), act, h, att,
                   l + 1 < b ? ctx.layers_[static_cast<size_t>(l + 1 - a)].x.data() : ctx.xf_.data());
+    if (is_moe(l)) {  // the load-balancing loss's counts and probability sums of this block's tokens
+      const int grp = o_.aux_scope == MoeAuxScope::Sequence ? d.T_ : d.BT;
+      be_.moe_prob_sums(ctx.psum_.data(), act.probs.data(), grp, d.BT, d.E);
+      for (size_t i = 0; i < ex_host_.size(); ++i)
+        ctx.counts_[(i / static_cast<size_t>(d.K)) / static_cast<size_t>(grp) * d.E + ex_host_[i]] += 1;
+      if (o_.recompute == Recompute::Full) kept.eoff = act.eoff;  // expert_counts reads the context's
+    }
   }
 
   if (b == d.L) {
@@ -297,6 +354,9 @@ template <typename T> void LlamaModel<T>::backward(UnitSource<T>& f, Context& ct
 }
 
 template <typename T> void LlamaModel<T>::backward_input(UnitSource<T>& f, Context& ctx, const T* output_grad) {
+  if (moe_blocks_ > 0)
+    throw std::logic_error("LlamaModel::backward_input: the split backward (zero-bubble schedules) of a "
+                           "mixture-of-experts model is not built yet (issue 56)");
   start_backward(ctx, output_grad, "backward_input");
   ensure_deferred(ctx);
   const BlockRange& r = ctx.r_;
@@ -328,6 +388,50 @@ template <typename T> void LlamaModel<T>::embedding_backward(UnitSource<T>& f, C
   else
     be_.embedding_backward(ge, ctx.ids_tp_.data(), gather_rows(ctx.dres_.data(), dfull_), d.BT, d.C);
   f.reduce_scatter_grad(r.unit(0));
+}
+
+// ---- mixture of experts: the load-balancing loss (moe_math.h moe_aux_loss) -----------------------
+namespace {
+template <typename T> void expect_whole_range(const BlockRange& r, int L, const char* call) {
+  if (r.begin != 0 || r.end != L)
+    throw std::logic_error(std::string("LlamaModel::") + call + ": the load-balancing loss pools every MoE block; " +
+                           "a context over blocks [" + std::to_string(r.begin) + ", " + std::to_string(r.end) +
+                           ") of " + std::to_string(L) + " holds only some (pipeline parallelism: not built yet)");
+}
+}  // namespace
+
+template <typename T> double LlamaModel<T>::moe_aux_loss(const Context& ctx) const {
+  if (moe_blocks_ == 0) return 0.0;
+  expect_whole_range<T>(ctx.r_, c_.num_hidden_layers, "moe_aux_loss");
+  const int E = d_.E, G = static_cast<int>(ctx.counts_.size()) / std::max(1, E);
+  std::vector<S> ps(ctx.psum_.size());
+  be_.acc_to_host(ps.data(), ctx.psum_.data(), ps.size());
+  const double n = static_cast<double>(moe_blocks_) * (o_.aux_scope == MoeAuxScope::Sequence ? d_.T_ : d_.BT);
+  double sum = 0;
+  for (int g = 0; g < G; ++g) {
+    std::vector<double> p(ps.begin() + static_cast<ptrdiff_t>(g) * E, ps.begin() + static_cast<ptrdiff_t>(g + 1) * E);
+    sum += math::moe_aux_loss(ctx.counts_.data() + static_cast<size_t>(g) * E, p.data(), E, n);
+  }
+  return sum;
+}
+
+template <typename T> void LlamaModel<T>::set_aux_grad_scale(Context& ctx, S scale) {
+  if (moe_blocks_ == 0) return;
+  expect_whole_range<T>(ctx.r_, c_.num_hidden_layers, "set_aux_grad_scale");
+  ctx.aux_scale_ = scale;
+  const double n = static_cast<double>(moe_blocks_) * (o_.aux_scope == MoeAuxScope::Sequence ? d_.T_ : d_.BT);
+  std::vector<S> g(ctx.counts_.size());
+  for (size_t i = 0; i < g.size(); ++i)
+    g[i] = static_cast<S>(static_cast<double>(scale) * math::moe_aux_dprob(ctx.counts_[i], d_.E, n));
+  be_.acc_from_host(ctx.aux_dprob_.data(), g.data(), g.size());
+}
+
+template <typename T> std::vector<int64_t> LlamaModel<T>::expert_counts(const Context& ctx, int l) const {
+  if (!is_moe(l) || l < ctx.r_.begin || l >= ctx.r_.end) return {};
+  const std::vector<int32_t>& o = ctx.layers_[static_cast<size_t>(l - ctx.r_.begin)].eoff;
+  std::vector<int64_t> n;
+  for (size_t e = 0; e + 1 < o.size(); ++e) n.push_back(o[e + 1] - o[e]);
+  return n;
 }
 
 template <typename T> std::vector<T> LlamaModel<T>::logits() {

@@ -69,8 +69,9 @@ template <typename T> void LlamaModel<T>::reduce_input_grad() {
 }
 
 template <typename T>
-void LlamaModel<T>::block_forward(const Context& ctx, const T* w, const T* x, Layer& a, T* h, T* att, T* xn) {
+void LlamaModel<T>::block_forward(const Context& ctx, int l, const T* w, const T* x, Layer& a, T* h, T* att, T* xn) {
   const LlamaDims& d = d_;
+  const Offsets& off_ = offsets(l);  // a dense or an MoE block's
   // Attention sub-block: x1 = x + o_proj(attn(rope(q), rope(k), v)) on rmsnorm(x).
   be_.rmsnorm_forward(ln_.data(), a.rstd1.data(), x, w + off_.ln1, d.R, d.C, eps_);
   const T* n1 = gather_rows(ln_.data(), full_);
@@ -88,6 +89,7 @@ void LlamaModel<T>::block_forward(const Context& ctx, const T* w, const T* x, La
   row_parallel_residual(a.y.data(), d.Q, w + off_.o, x, a.x1.data());
   // MLP sub-block: x_next = x1 + down(silu(gate(n)) * up(n)), n = rmsnorm(x1).
   be_.rmsnorm_forward(ln_.data(), a.rstd2.data(), a.x1.data(), w + off_.ln2, d.R, d.C, eps_);
+  if (is_moe(l)) return moe_forward(w, a, h, xn);  // ... or its experts'
   const T* n2 = gather_rows(ln_.data(), full_);
   linear(be_, kFwd, d.BT, d.I, d.C, n2, w + off_.gate, a.g.data(), false);
   linear(be_, kFwd, d.BT, d.I, d.C, n2, w + off_.up, a.u.data(), false);
@@ -105,13 +107,13 @@ typename LlamaModel<T>::Layer& LlamaModel<T>::backward_activations(Context& ctx,
     case Recompute::None:
       return a;
     case Recompute::Selective:
-      be_.swiglu_forward(work_.h.data(), a.g.data(), a.u.data(), n);
+      be_.swiglu_forward(work_.h.data(), a.g.data(), a.u.data(), is_moe(l) ? static_cast<size_t>(d.slots) * d.IE : n);
       if (o_.attention == AttentionKind::Exact)  // the probabilities only (y is kept)
         shardtrain::attention_forward<T>(be_, a.q.data(), a.k.data(), a.v.data(), work_.att.data(), nullptr, d.B, d.T_,
                                          d.NH, d.NKV, d.HD, ctx.use_doc_ ? ctx.doc_.data() : nullptr);
       return a;
     case Recompute::Full:
-      block_forward(ctx, w, a.x.data(), work_, work_.h.data(), work_.att.data(), nullptr);
+      block_forward(ctx, l, w, a.x.data(), work_, work_.h.data(), work_.att.data(), nullptr);
       return work_;
   }
   return a;
@@ -123,6 +125,7 @@ typename LlamaModel<T>::Layer& LlamaModel<T>::backward_activations(Context& ctx,
 template <typename T>
 void LlamaModel<T>::block_backward(UnitSource<T>& f, Context& ctx, int l, const T* w, Deferred* keep) {
   const LlamaDims& d = d_;
+  const Offsets& off_ = offsets(l);
   Layer& a = backward_activations(ctx, l, w);
   T* gw = keep ? nullptr : f.full_grad(ctx.r_.unit(1 + l));
   T* dres = ctx.dres_.data();
@@ -141,20 +144,25 @@ void LlamaModel<T>::block_backward(UnitSource<T>& f, Context& ctx, int l, const 
   T* dv = keep ? keep->dv.data() : dv_.data();
   T* gln1 = keep ? keep->dnorm.data() : gw + off_.ln1;
   T* gln2 = keep ? keep->dnorm.data() + d.C : gw + off_.ln2;
-  // MLP: x_next = x1 + h Wd^T.  dres flows to x1 unchanged (+ the norm path below).
-  const T* dr = keep ? keep_rows(dres, keep->dr2) : gather_rows(dres, dfull_);  // TP: all rows of d(x_next)
-  linear(be_, kDIn, d.BT, d.C, d.I, dr, w + off_.down, dh_.data(), false);
-  if (!keep) linear(be_, kDW, d.BT, d.C, d.I, dr, h, gw + off_.down, true);
-  be_.swiglu_backward(dg, du, dh_.data(), a.g.data(), a.u.data(), static_cast<size_t>(d.BT) * d.I);
-  linear(be_, kDIn, d.BT, d.I, d.C, dg, w + off_.gate, input_grad(), false);
-  linear(be_, kDIn, d.BT, d.I, d.C, du, w + off_.up, input_grad(), true);
-  // The normalized input is not kept per layer: recomputed (bitwise the same values, rstd too).
-  const T* n2 = norm_rows(a.rstd2.data(), a.x1.data(), w + off_.ln2, keep ? &keep->n2 : nullptr);
-  if (!keep) {
-    linear(be_, kDW, d.BT, d.I, d.C, dg, n2, gw + off_.gate, true);
-    linear(be_, kDW, d.BT, d.I, d.C, du, n2, gw + off_.up, true);
+  const T* dr = nullptr;
+  if (is_moe(l)) {  // the experts' and the router's, into dln_ (no TP, no keep: llama_units, backward_input)
+    moe_backward(ctx, w, a, h, gw);
+  } else {
+    // MLP: x_next = x1 + h Wd^T.  dres flows to x1 unchanged (+ the norm path below).
+    dr = keep ? keep_rows(dres, keep->dr2) : gather_rows(dres, dfull_);  // TP: all rows of d(x_next)
+    linear(be_, kDIn, d.BT, d.C, d.I, dr, w + off_.down, dh_.data(), false);
+    if (!keep) linear(be_, kDW, d.BT, d.C, d.I, dr, h, gw + off_.down, true);
+    be_.swiglu_backward(dg, du, dh_.data(), a.g.data(), a.u.data(), static_cast<size_t>(d.BT) * d.I);
+    linear(be_, kDIn, d.BT, d.I, d.C, dg, w + off_.gate, input_grad(), false);
+    linear(be_, kDIn, d.BT, d.I, d.C, du, w + off_.up, input_grad(), true);
+    // The normalized input is not kept per layer: recomputed (bitwise the same values, rstd too).
+    const T* n2 = norm_rows(a.rstd2.data(), a.x1.data(), w + off_.ln2, keep ? &keep->n2 : nullptr);
+    if (!keep) {
+      linear(be_, kDW, d.BT, d.I, d.C, dg, n2, gw + off_.gate, true);
+      linear(be_, kDW, d.BT, d.I, d.C, du, n2, gw + off_.up, true);
+    }
+    reduce_input_grad();
   }
-  reduce_input_grad();
   be_.rmsnorm_backward(dres, gln2, dln_.data(), a.x1.data(), w + off_.ln2, a.rstd2.data(), d.R, d.C);
   // Attention: x1 = x + y Wo^T.
   dr = keep ? keep_rows(dres, keep->dr1) : gather_rows(dres, dfull_);
@@ -186,7 +194,8 @@ void LlamaModel<T>::block_backward(UnitSource<T>& f, Context& ctx, int l, const 
 // the RMSNorm kernels started keep.dnorm from zero as they would have started gw: copying them in
 // gives backward's bits.
 template <typename T> void LlamaModel<T>::block_weight(const Context& ctx, int l, T* gw) {
-  const LlamaDims& d = d_;
+  const LlamaDims& d = d_;  // dense blocks only (backward_input refuses a model with MoE blocks)
+  const Offsets& off_ = dense_off_;
   const size_t i = static_cast<size_t>(l - ctx.r_.begin);
   const Deferred& k = ctx.w_[i];
   const Layer& a = ctx.layers_[i];  // h (Recompute::None) and y (None, Selective) are the context's
@@ -216,7 +225,7 @@ template <typename T> void LlamaModel<T>::block_weight(const Context& ctx, int l
   template const T* LlamaModel<T>::gather_rows(const T*, Buffer<T>&); \
   template void LlamaModel<T>::row_parallel_residual(const T*, int, const T*, const T*, T*); \
   template void LlamaModel<T>::reduce_input_grad(); \
-  template void LlamaModel<T>::block_forward(const Context&, const T*, const T*, Layer&, T*, T*, T*); \
+  template void LlamaModel<T>::block_forward(const Context&, int, const T*, const T*, Layer&, T*, T*, T*); \
   template LlamaModel<T>::Layer& LlamaModel<T>::backward_activations(Context&, int, const T*); \
   template void LlamaModel<T>::block_backward(UnitSource<T>&, Context&, int, const T*, Deferred*); \
   template void LlamaModel<T>::block_weight(const Context&, int, T*);

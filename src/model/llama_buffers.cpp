@@ -23,10 +23,30 @@ struct Sizes {
   // q/k norm (Qwen3): q and k before it ([BT, Q], [BT, KV], kept with q and k) and its rstd
   // ([BT*NH], [BT*NKV]); 0 without. Its weight gradients: 2*HD more in a Deferred's norms.
   int64_t qn, kn, rqn, rkn;
-  // Elements a block keeps besides x, h and the exact probabilities (accumulator arrays apart:
-  // lse), when it keeps them (keep_all).
-  int64_t rest() const { return 2 * rstd + q + 2 * kv + y + x + 2 * gi + qn + kn + rqn + rkn; }
-  Sizes(const LlamaDims& d, const ModelOptions& o, bool qk_norm) {
+  // Mixture of experts (0 for a dense model): ge [slots, IE] (an MoE block's g, u, h and their
+  // gradients), ye [slots, C] (its experts' outputs; the scratch's gathered inputs and their
+  // gradient), probs and the router logits [BT, E], slots = BT*K; stats [G, E] (the load-balancing
+  // statistics of a context, G = B or 1 by the aux scope). gmax: the larger of gi and ge among the
+  // block kinds the model has (the shared scratch and the recomputed block hold either).
+  bool moe, dense;
+  int64_t ge, ye, probs, slots, stats, gmax;
+  // Elements a block keeps besides x, h and the exact probabilities, when it keeps them
+  // (keep_all): in T, in S (accumulator arrays: lse; MoE probs and weights) and int32 ids (MoE
+  // experts, rowtok, pos).
+  int64_t rest(bool m) const { return 2 * rstd + q + 2 * kv + y + x + (m ? 2 * ge + ye : 2 * gi) + qn + kn + rqn + rkn; }
+  int64_t rest_acc(bool m) const { return lse + (m ? probs + slots : 0); }
+  int64_t rest_ids(bool m) const { return m ? 3 * slots : 0; }
+  // Bytes a block of kind m keeps from forward to backward (elements of E bytes, accumulators of A).
+  int64_t block(bool m, int64_t E, int64_t A) const {
+    return E * x + (keep_all ? E * rest(m) + A * rest_acc(m) + 4 * rest_ids(m) : 0) + (keep_h ? E * (m ? ge : gi) : 0) +
+           (keep_att ? E * att : 0);
+  }
+  // The recomputed block (Recompute::Full): either kind.
+  int64_t work_rest() const { return 2 * rstd + q + 2 * kv + y + x + 2 * gmax + (moe ? ye : 0) + qn + kn + rqn + rkn; }
+  int64_t work_acc() const { return lse + (moe ? probs + slots : 0); }
+  int64_t work_ids() const { return moe ? 3 * slots : 0; }
+  Sizes(const LlamaDims& d, const ModelOptions& o, const ModelConfig& c) {
+    const bool qk_norm = c.qk_norm;
     BT = d.BT;
     layout = o.mask == AttentionMask::Document || d.cp > 1 ? BT : 0;
     x = int64_t{d.R} * d.C;  // the residual stream: this rank's rows (all of them without TP)
@@ -54,6 +74,14 @@ struct Sizes {
     kn = qk_norm ? kv : 0;
     rqn = qk_norm ? BT * d.NH : 0;
     rkn = qk_norm ? BT * d.NKV : 0;
+    moe = c.is_moe();
+    dense = c.num_moe_layers() < c.num_hidden_layers;
+    slots = moe ? int64_t{d.slots} : 0;
+    ge = slots * d.IE;
+    ye = slots * d.C;
+    probs = moe ? BT * d.E : 0;
+    stats = moe ? int64_t{o.aux_scope == MoeAuxScope::Sequence ? d.B : 1} * d.E : 0;
+    gmax = std::max(dense ? gi : 0, moe ? ge : 0);
   }
   // A Deferred's buffers (model.h, deferred_weight_bytes): [BT, C] rows (all rows, gathered under
   // TP), whether h and y are kept there (not kept in the context), the RMSNorm weight gradients.
@@ -65,7 +93,7 @@ struct Sizes {
 
 int64_t deferred_weight_bytes(const ModelConfig& c, const ModelOptions& o, int B, int T_, size_t E, int blocks, int tp,
                               int cp) {
-  const Sizes z(LlamaDims(c, tp, 0, cp).with_batch(B, T_, o.loss_chunk), o, c.qk_norm);
+  const Sizes z(LlamaDims(c, tp, 0, cp).with_batch(B, T_, o.loss_chunk), o, c);
   return int64_t{blocks} * static_cast<int64_t>(E) * z.deferred();
 }
 
@@ -74,29 +102,29 @@ int64_t context_bytes(const ModelConfig& c, const ModelOptions& o, int B, int T_
   if (begin < 0 || begin > end || end > c.num_hidden_layers)
     throw std::invalid_argument("context_bytes: blocks [" + std::to_string(begin) + ", " + std::to_string(end) +
                                 ") are not a range of a model of " + std::to_string(c.num_hidden_layers) + " blocks");
-  const Sizes z(LlamaDims(c, tp, 0, cp).with_batch(B, T_, o.loss_chunk), o, c.qk_norm);
+  const Sizes z(LlamaDims(c, tp, 0, cp).with_batch(B, T_, o.loss_chunk), o, c);
   const int64_t e = static_cast<int64_t>(E), a = E == 8 ? 8 : 4;  // Backend<T>::S: double for double, else float
-  const int64_t rest = e * z.rest() + a * z.lse;  // as ensure_context
-  const int64_t block =
-      e * z.x + (z.keep_all ? rest : 0) + (z.keep_h ? e * z.gi : 0) + (z.keep_att ? e * z.att : 0);
+  int64_t blocks = 0;  // as ensure_context
+  for (int l = begin; l < end; ++l) blocks += z.block(c.is_moe_layer(l), e, a);
   const bool head = end == c.num_hidden_layers, first = begin == 0;
-  return int64_t{end - begin} * block + e * 2 * z.x + (head ? e * (z.x + z.rstd) : 0) +
-         4 * z.BT * ((first ? 1 : 0) + (first && tp > 1 ? 1 : 0) + (head ? 1 : 0)) + 2 * 4 * z.layout;
+  return blocks + e * 2 * z.x + (head ? e * (z.x + z.rstd) : 0) +
+         4 * z.BT * ((first ? 1 : 0) + (first && tp > 1 ? 1 : 0) + (head ? 1 : 0)) + 2 * 4 * z.layout +
+         a * 2 * z.stats;
 }
 
 ActivationBytes activation_bytes(const ModelConfig& c, const ModelOptions& o, int B, int T_, size_t E, size_t A,
                                  int tp, int cp) {
-  const Sizes z(LlamaDims(c, tp, 0, cp).with_batch(B, T_, o.loss_chunk), o, c.qk_norm);
+  const Sizes z(LlamaDims(c, tp, 0, cp).with_batch(B, T_, o.loss_chunk), o, c);
   const int64_t e = static_cast<int64_t>(E), a = static_cast<int64_t>(A);
-  // One block's activations besides its input x, h and the exact probabilities.
-  const int64_t rest = e * z.rest() + a * z.lse;
+  const int64_t moe = c.num_moe_layers();
   ActivationBytes r;
-  r.per_layer = c.num_hidden_layers *
-                (e * z.x + (z.keep_all ? rest : 0) + (z.keep_h ? e * z.gi : 0) + (z.keep_att ? e * z.att : 0));
-  if (o.recompute == Recompute::Selective) r.recompute = e * (z.gi + z.att);
-  if (o.recompute == Recompute::Full) r.recompute = rest + e * (z.gi + z.att);
-  r.block_scratch = e * (3 * z.x + 2 * z.q + 2 * z.kv + 3 * z.gi + z.att + z.qn) + a * z.dsum;  // qn: dqk_
-  r.head = e * (2 * z.x + z.rstd + z.chunk_logits + 2 * z.rope) + 2 * 4 * z.BT + 3 * 4 * z.layout;
+  r.per_layer = (c.num_hidden_layers - moe) * z.block(false, e, a) + moe * z.block(true, e, a);
+  if (o.recompute == Recompute::Selective) r.recompute = e * (z.gmax + z.att);
+  if (o.recompute == Recompute::Full)
+    r.recompute = e * z.work_rest() + a * z.work_acc() + 4 * z.work_ids() + e * (z.gmax + z.att);
+  r.block_scratch = e * (3 * z.x + 2 * z.q + 2 * z.kv + 3 * z.gmax + z.att + z.qn) + a * z.dsum;  // qn: dqk_
+  r.block_scratch += e * (2 * z.ye + z.probs) + a * z.slots;  // MoE: xe_, dye_, rl_, dwts_
+  r.head = e * (2 * z.x + z.rstd + z.chunk_logits + 2 * z.rope) + 2 * 4 * z.BT + 3 * 4 * z.layout + a * 2 * z.stats;
   if (tp > 1) {  // full_, dfull_, ids_tp_, the cross-entropy's scalars
     r.block_scratch += e * 2 * z.full;
     r.head += 4 * z.BT + a * z.ce;
@@ -107,16 +135,21 @@ ActivationBytes activation_bytes(const ModelConfig& c, const ModelOptions& o, in
 template <typename T> void LlamaModel<T>::ensure(int B, int T_) {
   if (B == d_.B && T_ == d_.T_) return;
   d_ = d_.with_batch(B, T_, o_.loss_chunk);  // throws when TP does not divide B*T_
-  const Sizes z(d_, o_, c_.qk_norm);
+  const Sizes z(d_, o_, c_);
   auto buf = [&](int64_t n) { return Buffer<T>(be_, static_cast<size_t>(n)); };
   auto acc = [&](int64_t n) { return AccBuffer<T>(be_, static_cast<size_t>(n)); };
   work_ = Layer{};
+  auto ids = [&](int64_t n) { return IdBuffer<T>(be_, static_cast<size_t>(n)); };
   if (o_.recompute == Recompute::Full) {
     work_.rstd1 = buf(z.rstd); work_.q = buf(z.q); work_.k = buf(z.kv); work_.v = buf(z.kv); work_.lse = acc(z.lse);
-    work_.y = buf(z.y); work_.x1 = buf(z.x); work_.rstd2 = buf(z.rstd); work_.g = buf(z.gi); work_.u = buf(z.gi);
+    work_.y = buf(z.y); work_.x1 = buf(z.x); work_.rstd2 = buf(z.rstd); work_.g = buf(z.gmax); work_.u = buf(z.gmax);
     work_.qp = buf(z.qn); work_.kp = buf(z.kn); work_.rq = buf(z.rqn); work_.rk = buf(z.rkn);
+    if (z.moe) {
+      work_.ye = buf(z.ye); work_.probs = acc(z.probs); work_.wts = acc(z.slots);
+      work_.experts = ids(z.slots); work_.rowtok = ids(z.slots); work_.pos = ids(z.slots);
+    }
   }
-  if (o_.recompute != Recompute::None) { work_.h = buf(z.gi); work_.att = buf(z.att); }
+  if (o_.recompute != Recompute::None) { work_.h = buf(z.gmax); work_.att = buf(z.att); }
   chunk_logits_ = buf(z.chunk_logits);
   logits_ = Buffer<T>();
   ln_ = buf(z.x);
@@ -124,7 +157,8 @@ template <typename T> void LlamaModel<T>::ensure(int B, int T_) {
   dq_ = buf(z.q); dk_ = buf(z.kv); dv_ = buf(z.kv);
   datt_ = buf(z.att); dsum_ = acc(z.dsum); dy_ = buf(z.y);
   dqk_ = buf(z.qn);
-  dh_ = buf(z.gi); dg_ = buf(z.gi); du_ = buf(z.gi);
+  dh_ = buf(z.gmax); dg_ = buf(z.gmax); du_ = buf(z.gmax);
+  xe_ = buf(z.ye); dye_ = buf(z.ye); rl_ = buf(z.probs); dwts_ = acc(z.slots);
   full_ = buf(z.full); dfull_ = buf(z.full);
   const int64_t ch = tp_n_ > 1 ? d_.chunk : 0;
   ce_mx_ = acc(ch); ce_maxes_ = acc(ch * tp_n_); ce_st_ = acc(2 * ch);
@@ -152,7 +186,7 @@ template <typename T> void LlamaModel<T>::ensure_rows() {
 // the embedding / the head. For [0, L) exactly what activation_bytes counts besides the scratch.
 template <typename T> void LlamaModel<T>::ensure_context(Context& ctx) {
   if (ctx.B_ == d_.B && ctx.T_ == d_.T_) return;
-  const Sizes z(d_, o_, c_.qk_norm);
+  const Sizes z(d_, o_, c_);
   const BlockRange& r = ctx.r_;
   auto buf = [&](int64_t n) { return Buffer<T>(be_, static_cast<size_t>(n)); };
   auto acc = [&](int64_t n) { return AccBuffer<T>(be_, static_cast<size_t>(n)); };
@@ -162,16 +196,27 @@ template <typename T> void LlamaModel<T>::ensure_context(Context& ctx) {
   ctx.layers_.clear();
   ctx.layers_.resize(static_cast<size_t>(r.end - r.begin));
   ctx.w_.clear();  // sized for the old micro-batch: the next backward_input allocates them again
-  for (auto& L : ctx.layers_) {
+  auto idn = [&](int64_t n) { return IdBuffer<T>(be_, static_cast<size_t>(n)); };
+  for (size_t i = 0; i < ctx.layers_.size(); ++i) {
+    Layer& L = ctx.layers_[i];
+    const bool m = is_moe(r.begin + static_cast<int>(i));
+    const int64_t gl = m ? z.ge : z.gi;
     L.x = buf(z.x);
     if (z.keep_all) {  // everything of a block but x, h and the exact probabilities
       L.rstd1 = buf(z.rstd); L.q = buf(z.q); L.k = buf(z.kv); L.v = buf(z.kv); L.lse = acc(z.lse); L.y = buf(z.y);
-      L.x1 = buf(z.x); L.rstd2 = buf(z.rstd); L.g = buf(z.gi); L.u = buf(z.gi);
+      L.x1 = buf(z.x); L.rstd2 = buf(z.rstd); L.g = buf(gl); L.u = buf(gl);
       L.qp = buf(z.qn); L.kp = buf(z.kn); L.rq = buf(z.rqn); L.rk = buf(z.rkn);
+      if (m) {
+        L.ye = buf(z.ye); L.probs = acc(z.probs); L.wts = acc(z.slots);
+        L.experts = idn(z.slots); L.rowtok = idn(z.slots); L.pos = idn(z.slots);
+      }
     }
-    if (z.keep_h) L.h = buf(z.gi);
+    if (z.keep_h) L.h = buf(gl);
     if (z.keep_att) L.att = buf(z.att);
   }
+  ctx.counts_.assign(static_cast<size_t>(z.stats), 0.0);
+  ctx.psum_ = acc(z.stats);
+  ctx.aux_dprob_ = acc(z.stats);
   const bool head = r.end == d_.L;
   ctx.xf_ = buf(z.x);
   ctx.lnf_ = buf(head ? z.x : 0);
@@ -190,7 +235,7 @@ template <typename T> void LlamaModel<T>::ensure_context(Context& ctx) {
 template <typename T> void LlamaModel<T>::ensure_deferred(Context& ctx) {
   const size_t n = static_cast<size_t>(ctx.r_.end - ctx.r_.begin);
   if (ctx.w_.size() == n) return;  // ensure_context cleared them when the micro-batch size changed
-  const Sizes z(d_, o_, c_.qk_norm);
+  const Sizes z(d_, o_, c_);
   auto buf = [&](int64_t k) { return Buffer<T>(be_, static_cast<size_t>(k)); };
   std::vector<Deferred> w(n);
   for (Deferred& k : w) {

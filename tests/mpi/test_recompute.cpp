@@ -24,8 +24,9 @@ using st::bf16;
 
 namespace {
 
-// qk_norm: Qwen3's per-head q/k norm (its kept q, k and rstd; recomputed under Full).
-st::ModelConfig cfg(bool tied, bool qk_norm = false) {
+// qk_norm: Qwen3's per-head q/k norm (its kept q, k and rstd; recomputed under Full). moe: Qwen3-MoE
+// blocks (8 experts, top 2) but block 1, which is dense (mlp_only_layers).
+st::ModelConfig cfg(bool tied, bool qk_norm = false, bool moe = false) {
   st::ModelConfig c;
   c.name = "recompute-test";
   c.vocab_size = 67;  // not a multiple of anything: uneven shards, odd loss chunks
@@ -41,6 +42,15 @@ st::ModelConfig cfg(bool tied, bool qk_norm = false) {
   if (qk_norm) {
     c.architecture = "Qwen3ForCausalLM";
     c.qk_norm = true;
+  }
+  if (moe) {
+    c.architecture = "Qwen3MoeForCausalLM";
+    c.qk_norm = true;
+    c.num_experts = 8;
+    c.num_experts_per_tok = 2;
+    c.moe_intermediate_size = 24;
+    c.router_aux_loss_coef = 0.01;
+    c.mlp_only_layers = {1};
   }
   return c;
 }
@@ -79,12 +89,14 @@ Result run(const st::ModelConfig& mc, const st::ModelOptions& mo, bool bf16_redu
     st::LlamaModel<bf16> m(mc, *b16, mo);
     m.forward(mp, tok.data(), kB, kT);
     r.loss = m.head_backward(mp, tgt.data(), 1.0f / (kB * kT));
+    m.set_aux_grad_scale(static_cast<float>(mc.router_aux_loss_coef));  // MoE: the load-balancing loss's gradient too
     m.backward(mp);
   } else {
     st::UnitPipeline<float> units(*be, std::make_unique<st::IdentityCodec<float>>(f));
     st::LlamaModel<float> m(mc, *be, mo);
     m.forward(units, tok.data(), kB, kT);
     r.loss = m.head_backward(units, tgt.data(), 1.0f / (kB * kT));
+    m.set_aux_grad_scale(static_cast<float>(mc.router_aux_loss_coef));
     m.backward(units);
   }
   for (int u = 0; u < f.num_units(); ++u) {
@@ -107,8 +119,8 @@ void expect_bitwise(const Result& a, const Result& b, const std::string& what) {
   EXPECT_EQ(differ, 0u) << what << ": " << differ << " of " << n << " gradient elements differ";
 }
 
-template <typename C> void recompute_is_bitwise(bool tied, st::AttentionKind att, bool qk_norm = false) {
-  const st::ModelConfig mc = cfg(tied, qk_norm);
+template <typename C> void recompute_is_bitwise(bool tied, st::AttentionKind att, bool qk_norm = false, bool moe = false) {
+  const st::ModelConfig mc = cfg(tied, qk_norm, moe);
   const Result none = run<C>(mc, {st::Recompute::None, att, 0});
   double norm = 0;
   for (auto& g : none.grads)
@@ -127,6 +139,8 @@ TEST(Recompute, Fp32BitwiseIdenticalTiledUntied) { recompute_is_bitwise<float>(f
 TEST(Recompute, Fp32BitwiseIdenticalExact) { recompute_is_bitwise<float>(false, st::AttentionKind::Exact); }
 TEST(Recompute, Fp32BitwiseIdenticalQkNorm) { recompute_is_bitwise<float>(false, st::AttentionKind::Tiled, true); }
 TEST(Recompute, Bf16BitwiseIdenticalQkNormExact) { recompute_is_bitwise<bf16>(true, st::AttentionKind::Exact, true); }
+TEST(Recompute, Fp32BitwiseIdenticalMoe) { recompute_is_bitwise<float>(false, st::AttentionKind::Tiled, false, true); }
+TEST(Recompute, Bf16BitwiseIdenticalMoeExact) { recompute_is_bitwise<bf16>(true, st::AttentionKind::Exact, false, true); }
 TEST(Recompute, Bf16BitwiseIdenticalTiled) { recompute_is_bitwise<bf16>(true, st::AttentionKind::Tiled); }
 TEST(Recompute, Bf16BitwiseIdenticalExactUntied) { recompute_is_bitwise<bf16>(false, st::AttentionKind::Exact); }
 
@@ -158,7 +172,8 @@ TEST(Recompute, ActivationBytesMatchAllocations) {
     for (st::Recompute r : {st::Recompute::None, st::Recompute::Selective, st::Recompute::Full})
       for (st::AttentionKind a : {st::AttentionKind::Tiled, st::AttentionKind::Exact})
         for (int chunk : {0, 10}) {
-          const st::ModelConfig mc = cfg(tied, !tied && chunk == 0);  // q/k norm: the untied, whole-loss cases
+          // q/k norm: the untied, whole-loss cases; MoE: the tied, chunked ones
+          const st::ModelConfig mc = cfg(tied, !tied && chunk == 0, tied && chunk == 10);
           const st::ModelOptions mo{r, a, chunk};
           st::testing::CountingBackend<float> be;
           {

@@ -64,6 +64,21 @@ template <class F> double central_diff(double* p, F&& loss) {
   return (lp - lm) / (2 * kH);
 }
 
+// The five-point stencil (Abramowitz & Stegun 25.3.6): truncation error O(h^4) where central_diff's
+// is O(h^2); for the models whose third derivatives are large enough (the MoE blocks' products of
+// routing weights and experts) that h^2 f''' / 6 reaches the tolerance at h = 1e-5.
+template <class F> double central_diff4(double* p, F&& loss) {
+  const double old = *p;
+  double l[4];
+  const double at[4] = {old + 2 * kH, old + kH, old - kH, old - 2 * kH};
+  for (int i = 0; i < 4; ++i) {
+    *p = at[i];
+    l[i] = loss();
+  }
+  *p = old;
+  return (-l[0] + 8 * l[1] - 8 * l[2] + l[3]) / (12 * kH);
+}
+
 // Collects per-element comparisons, reports the first failures and the largest errors.
 class GradReport {
  public:
@@ -662,6 +677,98 @@ TEST(GradCheck, ModelQkNorm) {
     GradReport rep(std::string("model, q/k norm, recompute ") + recompute_name(r));
     check_model(f, m, make_batch(), rep);
     rep.finish();
+  }
+}
+
+// Mixture of experts (issue 56): the router, the experts, the shared attention and everything
+// upstream against central differences (five-point) of CE + coef x the load-balancing loss, with the loss's
+// gradient given by set_aux_grad_scale. Qwen3-MoE style (q/k norm, block 0 dense by
+// mlp_only_layers, no renormalization) and Mixtral style (every block MoE, renormalized), in every
+// recompute mode and both aux scopes.
+ModelConfig moe_config(bool mixtral) {
+  ModelConfig c = tiny_config(false);
+  c.architecture = mixtral ? "MixtralForCausalLM" : "Qwen3MoeForCausalLM";
+  c.qk_norm = !mixtral;
+  c.num_experts = 4;
+  c.num_experts_per_tok = 2;
+  c.moe_intermediate_size = mixtral ? c.intermediate_size : 6;
+  c.norm_topk_prob = mixtral;
+  c.router_aux_loss_coef = 0.25;
+  if (!mixtral) c.mlp_only_layers = {0};
+  return c;
+}
+
+TEST(GradCheck, ModelMoe) {
+  Comm& comm = testing::comm();
+  if (comm.world_size() != 1) GTEST_SKIP() << "single-rank FD check";
+  auto be = make_cpu_backend<double>();
+  struct Case { bool mixtral; Recompute r; MoeAuxScope scope; };
+  for (const Case& k : {Case{false, Recompute::None, MoeAuxScope::Sequence}, Case{true, Recompute::None, MoeAuxScope::MicroBatch},
+                        Case{false, Recompute::Full, MoeAuxScope::MicroBatch}, Case{true, Recompute::Selective, MoeAuxScope::Sequence}}) {
+    const ModelConfig cfg = moe_config(k.mixtral);
+    validate(cfg, "gradcheck moe");
+    Fsdp<double> f(*be, comm, ShardPlan::build(llama_units(cfg), 1));
+    f.init_params(2028);
+    spread_params(f, 11);
+    ModelOptions o{k.r, AttentionKind::Tiled, 0};
+    o.aux_scope = k.scope;
+    LlamaModel<double> m(cfg, *be, o);
+    const Batch bt = make_batch();
+    const double coef = cfg.router_aux_loss_coef;
+    f.zero_grads();
+    m.forward(f, bt.tokens.data(), bt.B, bt.T);
+    const double ce = m.head_backward(f, bt.targets.data(), 1.0);
+    const double aux = m.moe_aux_loss();
+    m.set_aux_grad_scale(coef);
+    m.backward(f);
+    const double loss = ce + coef * aux;
+    EXPECT_GT(aux, 0.0);
+    // Every token's K slots are counted once per MoE block: the expert counts sum to K x tokens.
+    for (int l = 0; l < cfg.num_hidden_layers; ++l) {
+      const std::vector<int64_t> n = m.expert_counts(l);
+      if (!cfg.is_moe_layer(l)) { EXPECT_TRUE(n.empty()); continue; }
+      int64_t sum = 0;
+      for (int64_t v : n) sum += v;
+      EXPECT_EQ(sum, int64_t{cfg.num_experts_per_tok} * bt.B * bt.T) << "block " << l;
+    }
+    std::vector<Vec> grads;
+    for (int u = 0; u < f.num_units(); ++u)
+      grads.emplace_back(f.grad_shard(u), f.grad_shard(u) + f.plan().units[u].shard_size);
+    auto eval = [&] {
+      m.forward(f, bt.tokens.data(), bt.B, bt.T);
+      return m.loss(f, bt.targets.data()) + coef * m.moe_aux_loss();
+    };
+    EXPECT_NEAR(eval(), loss, 1e-13 * loss);
+    GradReport rep(std::string(k.mixtral ? "MoE (Mixtral)" : "MoE (Qwen3-MoE)") + ", recompute " + recompute_name(k.r) +
+                   (k.scope == MoeAuxScope::Sequence ? ", aux per sequence" : ", aux per micro-batch"));
+    for (int u = 0; u < f.num_units(); ++u)
+      for (const auto& slot : f.plan().units[u].params) {
+        double gnorm = 0;
+        for (int64_t i = 0; i < slot.numel; ++i) {
+          const double a = grads[u][static_cast<size_t>(slot.offset + i)];
+          rep.check(slot.spec.name, static_cast<size_t>(i), a, central_diff4(f.param_shard(u) + slot.offset + i, eval));
+          gnorm += a * a;
+        }
+        EXPECT_GT(gnorm, 1e-12) << slot.spec.name << ": gradient is (almost) zero";
+      }
+    rep.finish();
+    // The aux term's gradient is in there: without it the router's gradient differs.
+    f.zero_grads();
+    m.forward(f, bt.tokens.data(), bt.B, bt.T);
+    m.head_backward(f, bt.targets.data(), 1.0);
+    m.backward(f);
+    const std::string router = "model.layers.1.mlp.gate.weight";
+    const Vec with = [&] {
+      for (int u = 0; u < f.num_units(); ++u)
+        for (const auto& slot : f.plan().units[u].params)
+          if (slot.spec.name == router) return Vec(grads[u].begin() + slot.offset, grads[u].begin() + slot.offset + slot.numel);
+      return Vec{};
+    }();
+    const Vec without = grad_of(f, router);
+    ASSERT_EQ(with.size(), without.size());
+    double diff = 0;
+    for (size_t i = 0; i < with.size(); ++i) diff = std::max(diff, std::fabs(with[i] - without[i]));
+    EXPECT_GT(diff, 1e-6) << "the load-balancing loss does not reach the router";
   }
 }
 

@@ -106,6 +106,8 @@ struct ModelConfig {
   // Whether block l's MLP is the MoE block (transformers' Qwen3MoeDecoderLayer): num_experts > 0,
   // l not in mlp_only_layers, and (l + 1) % decoder_sparse_step == 0.
   bool is_moe_layer(int l) const;
+  // How many blocks is_moe_layer holds for (computed without a loop over the layers).
+  int64_t num_moe_layers() const;
   bool has_bos() const { return bos_token_id != kUnsetTokenId; }
   // The primary EOS (first of eos_token_ids), or kUnsetTokenId.
   int primary_eos() const { return eos_token_ids.empty() ? kUnsetTokenId : eos_token_ids.front(); }

@@ -20,6 +20,13 @@
 //               self_attn.k_norm.weight [HD] follow o_proj: an RMSNorm (eps rms_norm_eps) over
 //               each head's HD values of q and of k, after the projection and before RoPE
 //               (transformers' Qwen3Attention); replicated under TP, like the other norms.
+//               A mixture-of-experts block (ModelConfig::is_moe_layer(l); transformers'
+//               MixtralSparseMoeBlock / Qwen3MoeSparseMoeBlock) holds, in place of the three MLP
+//               weights, mlp.gate.weight [E, C] (the router) and the E experts' SwiGLU weights fused
+//               as transformers 5 keeps them in memory: mlp.experts.gate_up_proj [E, 2*IE, C] (each
+//               expert's gate rows, then its up rows) and mlp.experts.down_proj [E, C, IE]
+//               (IE = moe_intermediate_size). Dense blocks of an MoE model (Qwen3-MoE's
+//               mlp_only_layers) are Llama's.
 //   unit L+1    "model.norm":         model.norm.weight [C], and lm_head.weight [V, C] when untied.
 // Tied head: the LM head multiplies by model.embed_tokens.weight, gathering unit 0 a second time;
 // its gradient is reduce-scattered into unit 0 right away, so no unit stays gathered.
@@ -44,6 +51,17 @@
 // cross-entropy (backend.h vocab_ce_*), reduce-scattering its input gradient. Every rank of the
 // group computes the loss of all B*T tokens. The model calls the group only through
 // TensorParallelOps (tensor_parallel_ops.h); with N = 1 it calls nothing and computes bitwise as without TP.
+//
+// Mixture of experts (issue 56; docs/moe.md). The MLP sub-block of an MoE block: router logits
+// z = n2 Wr^T [BT, E] (a GEMM in T, widened to S), per token softmax over E and its top K experts
+// with their weights (Backend::moe_route; ties to the lower index, weights renormalized when
+// norm_topk_prob), the BT*K slots sorted by expert (stable: by token, then slot), each slot's input
+// row gathered, per expert e one gate, one up and one down GEMM over its rows (a loop of GEMMs:
+// dropless, no capacity), and the combine x_next = x1 + sum_j w_j y_{e_j} over each token's slots
+// in slot order. The load-balancing loss (moe_aux_loss) pools every MoE block's rows of its scope
+// (ModelOptions::aux_scope); its gradient reaches the routing probabilities only. Not with tensor
+// parallelism, context parallelism or the split backward yet (std::invalid_argument /
+// std::logic_error, naming what is missing).
 //
 // Context parallelism (--cp N; Ring Attention, Liu et al. 2023; Llama 3, section 3.3.2): every
 // sequence of T tokens is split over a CP group of N ranks, each holding Tl = T / N rows of it (the
@@ -113,6 +131,13 @@ enum class AttentionKind { Tiled, Exact };
 // with it (TokenLayout, below; the data layer's document_layout, data.h).
 enum class AttentionMask { Causal, Document };
 
+// The rows the load-balancing loss of a mixture-of-experts model pools (--aux-loss-scope; issue 56,
+// docs/moe.md): Sequence, each row of the micro-batch (a sequence) on its own, so that the loss of
+// a batch is a sum over its sequences and the same at every layout; MicroBatch, all rows of the
+// micro-batch together (transformers' load_balancing_loss_func over one forward call). Every MoE
+// block's rows of the scope count (R = MoE blocks x the scope's tokens).
+enum class MoeAuxScope { Sequence, MicroBatch };
+
 // How a model computes; none of it but `mask` changes what is computed (beyond summation order of
 // the loss chunks). Not part of the checkpoint.
 struct ModelOptions {
@@ -122,6 +147,7 @@ struct ModelOptions {
   // Document: the model reserves (and activation_bytes counts) the buffers of a TokenLayout per
   // micro-batch; the mask itself is what each forward's layout says (none given: causal).
   AttentionMask mask = AttentionMask::Causal;
+  MoeAuxScope aux_scope = MoeAuxScope::Sequence;  // mixture of experts only
 };
 // Parse "none" | "selective" | "full", "tiled" | "exact" and "causal" | "document"; throw
 // std::invalid_argument naming the options '--activation-checkpointing' / '--attention' /
@@ -177,6 +203,9 @@ struct LlamaDims {
   int Tg = 0;                      // the sequence's global length cp * T_ (T_ without CP)
   int R = 0;                       // residual-stream rows held: BT / tp (sequence parallelism)
   int chunk = 0;                   // LM head / loss chunk in tokens, min(loss chunk, BT)
+  int E = 0, K = 0, IE = 0;        // MoE: experts, experts per token, an expert's inner size (0: dense)
+  bool renorm = false;             // MoE: the K weights divided by their sum (norm_topk_prob)
+  int slots = 0;                   // MoE: BT * K routed rows
   // tp must divide the heads, KV heads and I (check_tensor_parallel; not checked here).
   explicit LlamaDims(const ModelConfig& c, int tp = 1, int tp_rank = 0, int cp = 1);
   // This with the micro-batch B x T_ and the loss chunk min(loss_chunk, B*T_); loss_chunk 0 =
@@ -309,6 +338,13 @@ template <typename T> class LlamaModel {
     Buffer<T> x, rstd1, q, k, v, att, y, x1, rstd2, g, u, h;
     Buffer<T> qp, kp, rq, rk;  // q/k norm only: q and k before it, its rstd [BT*NH], [BT*NKV]
     AccBuffer<T> lse;
+    // MoE blocks: g, u, h are [slots, IE] in slot-sorted order; ye the experts' outputs [slots, C];
+    // probs [BT, E], wts [BT*K] (S); experts [BT*K], rowtok (the token of each sorted row) and pos
+    // (the sorted row of each slot), int32; eoff: expert e's rows are [eoff[e], eoff[e+1]) (host).
+    Buffer<T> ye;
+    AccBuffer<T> probs, wts;
+    IdBuffer<T> experts, rowtok, pos;
+    std::vector<int32_t> eoff;
   };
   // What backward_weight needs of one block, kept from backward_input (deferred_weight_bytes). The
   // operands of the weight-gradient GEMMs (LinearRole::WeightGrad: out += dy^T x) that the context
@@ -369,6 +405,12 @@ template <typename T> class LlamaModel {
     IdBuffer<T> pos_, doc_;          // the layout's positions and documents [B, T] (mask Document, or
                                      // allocated at the first forward given a layout)
     bool use_pos_ = false, use_doc_ = false;  // this micro-batch's layout changes RoPE / the mask
+    // MoE: per scope group g (aux_scope: the B rows, or 1) the routed slots per expert, counts_
+    // [G, E] (host), and the probabilities' sums psum_ [G, E], over the range's MoE blocks; the
+    // aux loss's gradient per group aux_dprob_ [G, E] and its weight aux_scale_ (0: none).
+    std::vector<double> counts_;
+    AccBuffer<T> psum_, aux_dprob_;
+    S aux_scale_ = S(0);
   };
 
   // tp: the TP group's collectives (tensor_parallel_ops.h), nullptr or size 1 = no tensor parallelism; must
@@ -448,6 +490,24 @@ template <typename T> class LlamaModel {
   void backward_input(UnitSource<T>& f, Context& ctx, const T* output_grad);
   void backward_weight(UnitSource<T>& f, Context& ctx);
 
+  // Mixture of experts (docs/moe.md). After forward() of ctx over the whole model (blocks [0, L);
+  // std::logic_error otherwise): the load-balancing loss of its micro-batch, aux_g = E sum_e f_e P_e
+  // for each group g of options().aux_scope (f_e = slots of the group's tokens routed to e, P_e =
+  // their probabilities of e summed, both over every MoE block, divided by R_g = MoE blocks x the
+  // group's tokens: transformers' load_balancing_loss_func), summed over the groups (Sequence: the
+  // B rows; MicroBatch: one group). 0 for a dense model. Not collective.
+  double moe_aux_loss(const Context& ctx) const;
+  double moe_aux_loss() const { return moe_aux_loss(ctx_); }
+  // The weight of that sum in the gradient of ctx's next backward(): it adds
+  // scale x d(moe_aux_loss)/d(parameters) (through the routing probabilities; the default 0 adds
+  // nothing). After forward(), before backward(); std::logic_error as moe_aux_loss.
+  void set_aux_grad_scale(Context& ctx, S scale);
+  void set_aux_grad_scale(S scale) { set_aux_grad_scale(ctx_, scale); }
+  // The slots block l routed to each expert in ctx's last forward (host, [E]; they sum to K x B*T).
+  // Empty for a dense block or a block outside ctx's range.
+  std::vector<int64_t> expert_counts(const Context& ctx, int l) const;
+  std::vector<int64_t> expert_counts(int l) const { return expert_counts(ctx_, l); }
+
   // Collective (gathers unit 0 again when tied). After forward(): the logits [B*T, V] into a model
   // buffer (allocated here, B*T*V elements), for generation and export checks. Not under tensor
   // parallelism (std::logic_error).
@@ -470,6 +530,7 @@ template <typename T> class LlamaModel {
   struct Offsets {  // flat offsets inside a block unit
     int64_t ln1, q, k, v, o, ln2, gate, up, down;
     int64_t qn = -1, kn = -1;  // q_norm, k_norm (ModelConfig::qk_norm), else -1
+    int64_t router = -1, egu = -1, edown = -1;  // MoE blocks: mlp.gate, experts.gate_up_proj, experts.down_proj
   };
   // f.gather(u), counted (gathers_): the head knows whether unit L+1 is still where forward() left it.
   const T* gather(UnitSource<T>& f, int u) {
@@ -488,7 +549,17 @@ template <typename T> class LlamaModel {
   // Forward of block l (ctx's micro-batch) with weights w from input x: fills the activations of
   // `a` and, when xn is not nullptr, writes the block output to xn (else stops before the down
   // projection: recompute).
-  void block_forward(const Context& ctx, const T* w, const T* x, Layer& a, T* h, T* att, T* xn);
+  void block_forward(const Context& ctx, int l, const T* w, const T* x, Layer& a, T* h, T* att, T* xn);
+  // The MLP sub-block of MoE block l on n2 = rmsnorm(x1) (ln_): the routing into a, its experts'
+  // g, u, h and ye; with xn the combine x_next = x1 + sum_j w_j ye. Its backward: d(n2) into dln_
+  // from dres (d x_next), the weight gradients into gw (the block unit's full gradient).
+  void moe_forward(const T* w, Layer& a, T* h, T* xn);
+  void moe_backward(Context& ctx, const T* w, Layer& a, const T* h, T* gw);
+  // The routing's host half: a's experts to the host, sorted by expert (counting sort, stable), into
+  // a.rowtok, a.pos, a.eoff.
+  void moe_sort(Layer& a);
+  bool is_moe(int l) const { return !moe_layer_.empty() && moe_layer_[static_cast<size_t>(l)]; }
+  const Offsets& offsets(int l) const { return is_moe(l) ? moe_off_ : dense_off_; }
   // The layout's checks (std::invalid_argument) and, in set_layout, its copy into ctx (use_pos_ /
   // use_doc_ only where it changes something).
   void check_layout(const TokenLayout& lay, int B, int T_) const;
@@ -547,7 +618,10 @@ template <typename T> class LlamaModel {
   int tp_n_ = 1, tp_rank_ = 0;
   LlamaDims d_;
   S eps_ = S(0), attn_scale_ = S(0);  // rms_norm_eps; 1 / sqrt(HD)
-  Offsets off_{};
+  Offsets dense_off_{};           // a dense block's offsets
+  Offsets moe_off_{};               // the offsets of an MoE block (attention part as off_'s)
+  std::vector<char> moe_layer_;     // per block: MoE (empty for a dense model)
+  int moe_blocks_ = 0;              // how many
   int64_t head_off_norm_ = 0, head_off_w_ = 0;
   Context ctx_;                   // the whole-model calls' micro-batch, blocks [0, L)
   int64_t gathers_ = 0;           // gathers made through this model (gather())
@@ -556,6 +630,11 @@ template <typename T> class LlamaModel {
   Buffer<T> ln_;  // a block's RMSNorm output [B*T, C], forward and (recomputed) backward
   Buffer<T> dln_, dq_, dk_, dv_, datt_, dy_, dh_, dg_, du_;
   Buffer<T> dqk_;  // q/k norm only: the norm backward's d(raw) [BT, Q] before it replaces d(q) / d(k)
+  // MoE only: the gathered expert inputs [slots, C] (forward and backward), d(ye) and then d(xe)
+  // [slots, C], router logits and their gradient [BT, E], d(weights) [slots]; host staging.
+  Buffer<T> xe_, dye_, rl_;
+  AccBuffer<T> dwts_;
+  std::vector<int32_t> ex_host_, sort_host_;
   AccBuffer<T> dsum_;  // tiled attention backward: rowsum(dy * y) [B, NH, T]
   IdBuffer<T> rows_;   // block attention with documents: each token's index t in its row [B, T]
   // TP > 1 only (empty without TP). full_: an all-gathered [BT, C] (an RMSNorm output; in the head

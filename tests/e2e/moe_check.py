@@ -1,0 +1,87 @@
+"""The reference for tests/mpi/test_moe.cpp Moe.DISABLED_LogitsAndLossEqualTransformers (run by
+tests/e2e/test_moe.sh): tiny MixtralForCausalLM and Qwen3MoeForCausalLM models (8 experts, top 2)
+made by transformers with random weights, and what transformers computes with them in fp32.
+
+Usage: moe_check.py OUT
+Writes, for NAME in mixtral, qwen3_moe, OUT/NAME/:
+  config.json                     save_pretrained's (the architecture's own keys)
+  params/<name>.f32               every parameter under transformers' in-memory name (fused experts:
+                                  mlp.experts.gate_up_proj [E, 2I, C], mlp.experts.down_proj [E, C, I])
+  tokens.i32                      the batch [B, T] (int32)
+  logits.f32                      transformers' fp32 logits of the batch [B*T, V]
+  loss.txt                        "ce aux loss" of model(tokens, labels=tokens, output_router_logits=True):
+                                  the mean next-token cross-entropy, the load-balancing loss of the
+                                  whole forward call (load_balancing_loss_func pools every MoE layer's
+                                  rows of the micro-batch) and ce + router_aux_loss_coef * aux
+  tokens1.i32, loss1.txt          the same for the batch's first sequence alone (B = 1): where the aux
+                                  loss per sequence and per micro-batch coincide
+The router weights are drawn wider than the init (std 0.5) so that every token's top-2 is decided
+by a margin, and the q/k norm weights away from ones.
+"""
+import json
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import numpy as np
+import torch
+
+B, T, V = 3, 24, 97
+
+
+def models():
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    common = dict(vocab_size=V, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=64, rms_norm_eps=1e-6, num_experts_per_tok=2, router_aux_loss_coef=0.02,
+                  output_router_logits=True, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    yield "mixtral", MixtralForCausalLM(MixtralConfig(intermediate_size=40, num_local_experts=8, **common))
+    torch.manual_seed(1)
+    yield "qwen3_moe", Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        intermediate_size=48, moe_intermediate_size=20, num_experts=8, head_dim=16, norm_topk_prob=False,
+        decoder_sparse_step=1, mlp_only_layers=[1], **common))
+
+
+def run(model, tokens):
+    with torch.no_grad():
+        out = model(torch.tensor(tokens), labels=torch.tensor(tokens), output_router_logits=True)
+    ce = out.loss.item() - model.config.router_aux_loss_coef * out.aux_loss.item()
+    return out, ce
+
+
+def main(out_dir):
+    torch.set_num_threads(2)
+    rng = np.random.default_rng(5)
+    for name, model in models():
+        d = os.path.join(out_dir, name)
+        os.makedirs(os.path.join(d, "params"), exist_ok=True)
+        model = model.float().eval()
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n.endswith("mlp.gate.weight"):
+                    p.normal_(0.0, 0.5)
+                elif n.endswith(("q_norm.weight", "k_norm.weight")):
+                    p.copy_(1 + 0.3 * torch.randn_like(p))
+        model.save_pretrained(d, safe_serialization=True)
+        for n, p in model.named_parameters():
+            p.detach().numpy().astype("<f4").tofile(os.path.join(d, "params", n + ".f32"))
+        tokens = rng.integers(0, V, size=(B, T)).tolist()
+        np.asarray(tokens, dtype="<i4").tofile(os.path.join(d, "tokens.i32"))
+        out, ce = run(model, tokens)
+        out.logits.reshape(B * T, V).numpy().astype("<f4").tofile(os.path.join(d, "logits.f32"))
+        with open(os.path.join(d, "loss.txt"), "w") as f:
+            f.write(f"{ce:.17g} {out.aux_loss.item():.17g} {out.loss.item():.17g}\n")
+        np.asarray(tokens[:1], dtype="<i4").tofile(os.path.join(d, "tokens1.i32"))
+        out1, ce1 = run(model, tokens[:1])
+        with open(os.path.join(d, "loss1.txt"), "w") as f:
+            f.write(f"{ce1:.17g} {out1.aux_loss.item():.17g} {out1.loss.item():.17g}\n")
+        cfg = json.load(open(os.path.join(d, "config.json")))
+        print(f"ok: {name}: {cfg['architectures'][0]}, {sum(p.numel() for p in model.parameters())} parameters, "
+              f"loss {out.loss.item():.6f} (ce {ce:.6f} + {model.config.router_aux_loss_coef} x aux "
+              f"{out.aux_loss.item():.6f})")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
