@@ -11,11 +11,16 @@
 //     block's rows of it), and scope Sequence on a batch of one sequence, where the two coincide.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <map>
+#include <random>
+#include <utility>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -136,5 +141,129 @@ TEST(Moe, DISABLED_LogitsAndLossEqualTransformers) {
     // Per sequence on the 3-row batch: the sum of the rows' own losses, not the pooled one.
     const Losses pooled = our_losses(m, f, tokens, T, coef), rows = our_losses(ms, f, tokens, T, coef);
     EXPECT_GT(std::fabs(rows.aux / B - pooled.aux), 1e-6) << "the two scopes should differ on several rows";
+  }
+}
+
+// The load-balancing loss per sequence (docs/moe.md) is a sum over sequences, so a global batch's
+// loss and gradient do not depend on how its sequences are cut into micro-batches and ranks. A
+// batch of 8 sequences of a tiny Qwen3-MoE model (q/k norm, a dense block) in float64: every rank
+// alone in 4 micro-batches of 2 (gradient accumulation), against FSDP over the W ranks of mpirun,
+// each rank its 8/W sequences in micro-batches of 1 (per-rank scales: 1 / its tokens for the
+// cross-entropy, coef / its sequences for the aux loss; the reduce-scatter averages the W ranks).
+// Loss, every gradient element and the global gradient norm within 1e-12. With the per-micro-batch
+// scope the two cuts give other losses (what the sequence scope is for).
+namespace {
+
+st::ModelConfig layout_config() {
+  st::ModelConfig c;
+  c.name = "moe-layout";
+  c.architecture = "Qwen3MoeForCausalLM";
+  c.qk_norm = true;
+  c.vocab_size = 53;
+  c.hidden_size = 16;
+  c.intermediate_size = 24;
+  c.num_hidden_layers = 3;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.max_position_embeddings = 32;
+  c.num_experts = 8;
+  c.num_experts_per_tok = 2;
+  c.moe_intermediate_size = 12;
+  c.router_aux_loss_coef = 0.05;
+  c.mlp_only_layers = {1};
+  c.tie_word_embeddings = false;
+  return c;
+}
+
+struct LayoutRun {
+  double ce = 0, aux = 0;  // summed over this rank's micro-batches
+  std::map<std::string, std::vector<double>> grads;
+  double norm2 = 0;        // the global gradient's sum of squares
+};
+
+// Sequences [first, first + count) of the batch, micro-batches of `mb` rows, on f's ranks.
+LayoutRun run_layout(st::Comm& comm, const st::ModelConfig& mc, st::MoeAuxScope scope, const std::vector<int32_t>& tok,
+                     const std::vector<int32_t>& tgt, int T, int first, int count, int mb, double ce_scale,
+                     double aux_scale) {
+  auto be = st::make_cpu_backend<double>();
+  st::Fsdp<double> f(*be, comm, st::ShardPlan::build(st::llama_units(mc), comm.world_size()), &comm, nullptr);
+  f.init_params(56);
+  f.zero_grads();
+  st::ModelOptions o;
+  o.aux_scope = scope;
+  st::LlamaModel<double> m(mc, *be, o);
+  LayoutRun r;
+  f.begin_pass("train");
+  for (int s = first; s < first + count; s += mb) {
+    const size_t at = static_cast<size_t>(s) * T;
+    m.forward(f, tok.data() + at, mb, T);
+    r.ce += m.head_backward(f, tgt.data() + at, ce_scale);
+    r.aux += m.moe_aux_loss();
+    m.set_aux_grad_scale(aux_scale);
+    m.backward(f);
+  }
+  f.end_pass();
+  double local = f.local_grad_sumsq();
+  comm.all_reduce(&local, 1, st::ReduceOp::Sum);
+  r.norm2 = local;
+  for (const st::UnitPlan& u : f.plan().units)
+    for (const st::ParamSlot& p : u.params) r.grads[p.spec.name] = {};
+  // The gradients, gathered: gather_param gathers parameters, so swap them in and out.
+  for (int u = 0; u < f.num_units(); ++u) {
+    const size_t S = static_cast<size_t>(f.plan().units[static_cast<size_t>(u)].shard_size);
+    for (size_t i = 0; i < S; ++i) std::swap(f.param_shard(u)[i], f.grad_shard(u)[i]);
+  }
+  for (auto& [name, g] : r.grads) g = f.gather_param(name);
+  return r;
+}
+
+}  // namespace
+
+TEST(Moe, SequenceScopeIsTheSameAtEveryDataParallelLayout) {
+  st::Comm& c = st::testing::comm();
+  const int W = c.world_size(), N = 8, T = 12;
+  if (N % W != 0) GTEST_SKIP() << "8 sequences over " << W << " ranks";
+  const st::ModelConfig mc = layout_config();
+  std::mt19937 g(91);
+  std::vector<int32_t> tok(static_cast<size_t>(N) * T), tgt(tok.size());
+  for (auto& t : tok) t = static_cast<int32_t>(g() % 53);
+  for (auto& t : tgt) t = static_cast<int32_t>(g() % 53);
+  const double coef = mc.router_aux_loss_coef;
+  st::MpiComm self = st::MpiComm::split(c, c.rank(), 0);
+  for (st::MoeAuxScope scope : {st::MoeAuxScope::Sequence, st::MoeAuxScope::MicroBatch}) {
+    const bool seq = scope == st::MoeAuxScope::Sequence;
+    // Per micro-batch scope: aux of each micro-batch, averaged over the micro-batches.
+    const LayoutRun ref = run_layout(self, mc, scope, tok, tgt, T, 0, N, 2, 1.0 / (N * T), coef / (seq ? N : N / 2));
+    const int per = N / W;
+    LayoutRun got = run_layout(c, mc, scope, tok, tgt, T, c.rank() * per, per, 1, 1.0 / (per * T),
+                               coef / (seq ? per : per));
+    double sums[2] = {got.ce, got.aux};
+    c.all_reduce(sums, 2, st::ReduceOp::Sum);
+    const double want = ref.ce / (N * T) + coef * ref.aux / (seq ? N : N / 2);
+    const double loss = sums[0] / (N * T) + coef * sums[1] / N;
+    const std::string what = seq ? "aux per sequence" : "aux per micro-batch";
+    if (!seq) {  // micro-batches of 2 against micro-batches of 1: other pools, another loss
+      EXPECT_GT(std::fabs(loss - want), 1e-9) << what << ": the scope should see the cut";
+      continue;
+    }
+    EXPECT_NEAR(loss, want, 1e-12 * want) << what;
+    EXPECT_NEAR(got.norm2, ref.norm2, 1e-12 * ref.norm2) << what << ": the global gradient norm";
+    double worst = 0;
+    for (const auto& [name, gw] : ref.grads) {
+      const std::vector<double>& gg = got.grads.at(name);
+      ASSERT_EQ(gg.size(), gw.size()) << name;
+      double mx = 0, d = 0;
+      for (size_t i = 0; i < gw.size(); ++i) {
+        mx = std::max(mx, std::fabs(gw[i]));
+        d = std::max(d, std::fabs(gg[i] - gw[i]));
+      }
+      ASSERT_GT(mx, 0.0) << name << ": an all-zero gradient checks nothing";
+      EXPECT_LE(d, 1e-12 * mx) << what << ": " << name;
+      worst = std::max(worst, d / mx);
+    }
+    if (c.rank() == 0)
+      std::printf("[ MoE layout ] W %d, %d x 1-row micro-batches per rank vs W 1, 4 x 2 rows: loss %.15g vs %.15g, "
+                  "worst gradient rel diff %.1e, grad norm %.15g vs %.15g\n",
+                  W, per, loss, want, worst, std::sqrt(got.norm2), std::sqrt(ref.norm2));
   }
 }
