@@ -133,6 +133,15 @@ void write_small(Comm& comm, hid_t grp, const char* name, hid_t ftype, hid_t mty
 // ---- Writing (checkpoint_meta_write.cpp). Every rank calls each with the same values (parallel HDF5
 // requires collective attribute writes with identical data); tables are written by rank 0.
 
+// Whether a canonical model config (attribute 'model_config') is a mixture-of-experts model's:
+// "num_experts" present and > 0 (canonical_json writes it only then); such a model's checkpoint is
+// format version 7 (docs/checkpoint-format.md). Malformed text: false (read elsewhere, refused there).
+bool model_config_is_moe(const std::string& model_config);
+// Version 6, and version 7 with pp > 1: attribute 'pipeline' and the units' 'stage'.
+inline bool has_pipeline_record(const CheckpointInfo& info) {
+  return info.format_version == 6 || (info.format_version >= 7 && info.pp > 1);
+}
+
 // Root attributes: format, format_version, step, tokens_seen, world_size (the snapshot's plan),
 // model_config, train_config, data_position, rng_state, program_version, data, spike_stats.
 void write_root_attributes(hid_t file, MetaSums& ms, const CheckpointSnapshot& snap);

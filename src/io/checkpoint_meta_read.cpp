@@ -334,9 +334,9 @@ void read_tp_mesh(hid_t file, CheckpointInfo& info, MetaSums& ms) {
 void read_mesh(hid_t file, CheckpointInfo& info, MetaSums& ms) {
   const std::string where = "root group";
   const std::string m = get_str(file, ms, "", "mesh", where);
-  int dims[5] = {0, 0, 0, 0, 1};
-  const char* keys[5] = {"tp", "cp", "dp_shard", "dp_replicate", "pp"};
-  const int nkeys = info.format_version >= 6 ? 5 : 4;
+  int dims[6] = {0, 0, 0, 0, 1, 1};
+  const char* keys[6] = {"tp", "cp", "dp_shard", "dp_replicate", "pp", "ep"};
+  const int nkeys = info.format_version >= 7 ? 6 : info.format_version >= 6 ? 5 : 4;
   try {
     const json j = read_json(m, json_limits::kCheckpointAttr);
     for (int k = 0; k < nkeys; ++k) {
@@ -353,7 +353,30 @@ void read_mesh(hid_t file, CheckpointInfo& info, MetaSums& ms) {
   info.tp_dp_shard = dims[2];
   info.tp_dp_replicate = dims[3];
   info.pp = dims[4];
+  info.ep = dims[5];
   const int64_t rows = int64_t{info.cp} * info.tp_dp_shard * (info.tp > 1 ? int64_t{info.tp} * info.tp_dp_replicate : 1);
+  if (info.format_version >= 7) {  // any pp, cp and tp; ep divides the experts and dp_shard x cp
+    if (rows != info.world_size)
+      throw H5Error("attribute 'mesh' (" + m + ") is not a mesh whose " +
+                    (info.tp > 1 ? "sizes (tp x cp x dp_shard x dp_replicate)" : "shard group (cp x dp_shard)") +
+                    " multiply to attribute 'world_size' (" + std::to_string(info.world_size) + ")");
+    int64_t experts = 0;
+    try {
+      const json mc = read_json(info.model_config, json_limits::kCheckpointAttr);
+      experts = mc.at("num_experts").get<int64_t>();
+    } catch (const json::exception& e) {
+      throw H5Error("attribute 'model_config' has no integer 'num_experts' (" + std::string(e.what()) + ")");
+    }
+    if (experts < 1 || experts % info.ep != 0)
+      throw H5Error("attribute 'mesh' (" + m + "): 'ep' (" + std::to_string(info.ep) +
+                    ") does not divide the experts (num_experts " + std::to_string(experts) +
+                    " in attribute 'model_config')");
+    if ((int64_t{info.tp_dp_shard} * info.cp) % info.ep != 0)
+      throw H5Error("attribute 'mesh' (" + m + "): 'ep' (" + std::to_string(info.ep) +
+                    ") does not divide dp_shard x cp (" + std::to_string(int64_t{info.tp_dp_shard} * info.cp) +
+                    "), which the EP groups are formed inside");
+    return;
+  }
   if (info.format_version >= 6) {
     if (info.pp < 2 || rows != info.world_size)
       throw H5Error("attribute 'mesh' (" + m + ") is not a mesh of pp >= 2 whose stage's " +
@@ -553,7 +576,7 @@ std::pair<int64_t, CheckpointUnitInfo> read_unit(hid_t units, hsize_t i, const C
   read_unit_shards(g, w, key, W, ui, ms);
   read_param_table(g, w, key, rowt, ui, ms);
   if (info.tp > 1) read_unit_tp_record(g, w, key, info, ui, ms);
-  if (info.format_version >= 6) {
+  if (has_pipeline_record(info)) {
     const int64_t stage = get_i64(g, ms, key, "stage", w);
     if (stage < 0 || stage >= info.pp)
       throw H5Error(w + ": attribute 'stage' is " + std::to_string(stage) + ", not a stage of pp " + std::to_string(info.pp));
@@ -570,9 +593,17 @@ void read_metadata(const std::string& path, CheckpointInfo& info, MetaSums& ms) 
   if (!file.ok()) throw H5Error("cannot open (" + why + "); the file may be truncated or damaged");
   const std::string fmt = read_format_and_checksums(file, info, ms);
   read_root_attributes(file, info, ms, fmt);
+  // A mixture-of-experts model's checkpoint is version 7, and version 7 is one's.
+  const bool moe = model_config_is_moe(info.model_config);
+  if (info.format_version >= 7 && !moe)
+    throw H5Error("attribute 'format_version' is " + std::to_string(info.format_version) +
+                  " (a mixture-of-experts model's), but attribute 'model_config' is a dense model's");
+  if (info.format_version < 7 && moe)
+    throw H5Error("attribute 'model_config' is a mixture-of-experts model's, which format version 7 holds, but "
+                  "attribute 'format_version' is " + std::to_string(info.format_version));
   if (info.format_version == 4) read_tp_mesh(file, info, ms);
   if (info.format_version >= 5) read_mesh(file, info, ms);
-  if (info.format_version >= 6) read_pipeline(file, info, ms);
+  if (has_pipeline_record(info)) read_pipeline(file, info, ms);
   H5Id units(H5Gopen2(file, "units", H5P_DEFAULT), H5Gclose);
   if (!units.ok()) throw H5Error("group '/units' is missing");
   H5G_info_t gi;
@@ -587,7 +618,7 @@ void read_metadata(const std::string& path, CheckpointInfo& info, MetaSums& ms) 
     if (found[i].first != static_cast<int64_t>(i))
       throw H5Error("the units' 'index' attributes are not 0.." + std::to_string(found.size() - 1) + " (unit '" +
                     found[i].second.name + "' has " + std::to_string(found[i].first) + ")");
-  if (info.format_version >= 6) check_unit_stages(info, found);
+  if (has_pipeline_record(info)) check_unit_stages(info, found);
   for (auto& [i, u] : found) info.units.push_back(std::move(u));
   info.metadata_verified = ms.verify;
 }
@@ -673,6 +704,16 @@ void cross_check(CheckpointInfo& info) {
 
 
 }  // namespace
+
+bool model_config_is_moe(const std::string& model_config) {
+  try {
+    const json j = read_json(model_config, json_limits::kCheckpointAttr);
+    return j.is_object() && j.contains("num_experts") && j["num_experts"].is_number_integer() &&
+           j["num_experts"].get<int64_t>() > 0;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
 
 }  // namespace ckpt
 

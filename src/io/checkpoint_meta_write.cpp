@@ -3,6 +3,8 @@
 // (checkpoint_data.cpp) in the file's order.
 #include <hdf5.h>
 
+#include <algorithm>
+
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -51,9 +53,11 @@ void write_root_attributes(hid_t file, MetaSums& ms, const CheckpointSnapshot& s
   const TrainState& st = snap.state;
   put_str(file, ms, "", "format", kFormatName);
   // Version 4, 5 or 6 only where they say more (a tensor-parallel run's tables; a context-parallel
-  // run's mesh; a pipeline's record); else version 3, which older programs read.
+  // run's mesh; a pipeline's record); else version 3, which older programs read. A mixture-of-experts
+  // model: version 7, whatever the mesh.
   const StageUnits* su = snap.stage.get();
-  put_i64(file, ms, "", "format_version", su ? 6 : snap.tp.cp > 1 ? 5 : snap.tp.tp > 1 ? 4 : 3);
+  const bool moe = model_config_is_moe(snap.model_config);
+  put_i64(file, ms, "", "format_version", moe ? 7 : su ? 6 : snap.tp.cp > 1 ? 5 : snap.tp.tp > 1 ? 4 : 3);
   put_i64(file, ms, "", "step", st.step);
   put_i64(file, ms, "", "tokens_seen", st.tokens_seen);
   put_i64(file, ms, "", "world_size", su ? su->file_plan.world_size : snap.plan.world_size);
@@ -65,7 +69,20 @@ void write_root_attributes(hid_t file, MetaSums& ms, const CheckpointSnapshot& s
   put_str(file, ms, "", "program_version", kProgramVersion);
   put_str(file, ms, "", "data", st.data_info.empty() ? "null" : st.data_info);
   put_str(file, ms, "", "spike_stats", spike_stats_json(st.spikes).dump());
-  if (su) {  // version 6: the mesh with pp, and the pipeline's record
+  if (moe) {  // version 7: the mesh with pp and ep, always; the pipeline's record under PP
+    // Without TP the rows are the shard group's, cp x dp_shard (a tool's snapshot, such as
+    // import's, carries no mesh record: its plan's rows are its dp_shard).
+    const int rows = su ? su->file_plan.world_size : snap.plan.world_size;
+    const int cp = std::max(1, snap.tp.cp), dp_shard = snap.tp.tp > 1 ? snap.tp.dp_shard : rows / cp;
+    put_str(file, ms, "", "mesh",
+            json({{"pp", su ? su->pp : 1}, {"tp", snap.tp.tp}, {"cp", cp}, {"ep", 1}, {"dp_shard", dp_shard},
+                  {"dp_replicate", snap.tp.dp_replicate}})
+                .dump());
+    if (su)
+      put_str(file, ms, "", "pipeline",
+              json({{"pp", su->pp}, {"virtual", su->chunks_per_rank}, {"schedule", su->schedule}, {"bounds", su->bounds}})
+                  .dump());
+  } else if (su) {  // version 6: the mesh with pp, and the pipeline's record
     put_str(file, ms, "", "mesh",
             json({{"pp", su->pp}, {"tp", snap.tp.tp}, {"cp", snap.tp.cp}, {"dp_shard", snap.tp.dp_shard},
                   {"dp_replicate", snap.tp.dp_replicate}}).dump());

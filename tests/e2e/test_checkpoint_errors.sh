@@ -27,7 +27,7 @@ expect_fail flipped_bytes "dataset 'units/model.layers.1/adam_v'" 3 "${ARGS[@]}"
 grep -q "fails its CRC32 check" "$WORK/flipped_bytes.log" || fail "flipped bytes: no CRC32 message"
 
 V=$(variant version); "$PY" -c 'import h5py,sys; f=h5py.File(sys.argv[1],"r+"); f.attrs["format_version"]=99' "$V"
-expect_fail wrong_version "checkpoint '$V': unknown format version 99 in attribute 'format_version' (this program reads versions 1 to 6)" 3 "${ARGS[@]}" --resume "$V"
+expect_fail wrong_version "checkpoint '$V': unknown format version 99 in attribute 'format_version' (this program reads versions 1 to 7)" 3 "${ARGS[@]}" --resume "$V"
 
 U=$(variant unit); "$PY" -c 'import h5py,sys; f=h5py.File(sys.argv[1],"r+"); del f["units/model.layers.1"]' "$U"
 expect_fail deleted_unit "checkpoint '$U': the metadata checksum table names dataset 'units/model.layers.1/param_table', which the file lacks" 3 "${ARGS[@]}" --resume "$U"

@@ -48,7 +48,7 @@ namespace shardtrain {
 // (attribute `mesh`; docs/checkpoint-format.md, "Version 5"). Files of versions 1 to 4 read with cp = 1.
 // Version 6 (--pp P > 1) adds the pipeline record (attribute `pipeline`, `mesh` with pp, unit
 // attribute `stage`; docs/checkpoint-format.md, "Version 6"). Files of versions 1 to 5 read with pp = 1.
-inline constexpr int kCheckpointFormatVersion = 6;  // the newest read; a run writes 3, 4 (--tp), 5 (--cp) or 6 (--pp)
+inline constexpr int kCheckpointFormatVersion = 7;  // the newest read; a run writes 3, 4 (--tp), 5 (--cp), 6 (--pp), 7 (MoE)
 
 // Per-unit tables as stored.
 // Version 4 (docs/checkpoint-format.md): how a tensor-parallel run held one unit. `params`: per
@@ -138,6 +138,8 @@ struct CheckpointInfo {
   int pp = 1, pp_virtual = 1;
   std::string pp_schedule;
   std::vector<int> pp_bounds;
+  // Version 7 (a mixture-of-experts model): `mesh`'s ep (expert parallelism); 1 otherwise.
+  int ep = 1;
 };
 
 struct CheckpointOptions {
