@@ -536,7 +536,6 @@ void run_inspect(Comm& comm, const Options& o) {
       throw std::runtime_error("checkpoint '" + o.checkpoint + "': attribute 'model_config': " + e.what());
     }
     validate(mc, "in checkpoint '" + o.checkpoint + "' (attribute 'model_config')");
-    check_model_is_built(mc, "in checkpoint '" + o.checkpoint + "' (attribute 'model_config')");
     try {
       check_checkpoint_layout(info, ShardPlan::build(llama_units(mc), 1));
     } catch (const std::exception& e) {

@@ -97,6 +97,7 @@ po::options_description describe(Options& o) {
       ("activation-checkpointing", po::value<std::string>(&o.activation_checkpointing)->default_value(o.activation_checkpointing), "none | selective (keep GEMM outputs, recompute elementwise parts) | full (keep each block's input, recompute the block in backward); gradients are identical")
       ("attention", po::value<std::string>(&o.attention)->default_value(o.attention), "tiled (FlashAttention-2: no [T, T] matrices) | exact (keeps the [B, heads, T, T] probabilities; reference)")
       ("attention-mask", po::value<std::string>(&o.attention_mask)->default_value(o.attention_mask), "causal | document: a token attends only to earlier tokens of its own document (documents end at the data's EOS id; in chat data each example is one) and RoPE positions restart at 0 per document (packed sequences, as Llama 3); training and evaluation. Chat data: document unless given (causal is refused with --pack best-fit)")
+      ("aux-loss-scope", po::value<std::string>(&o.aux_loss_scope)->default_value(o.aux_loss_scope), "mixture-of-experts models: the rows the load-balancing loss pools, sequence (each sequence alone, the loss the mean over the global batch's sequences: the same at every layout) | micro-batch (every row of a micro-batch, as transformers' load_balancing_loss_func; the loss the mean over the micro-batches)")
       ("loss-chunk", po::value<int>(&t.loss_chunk)->default_value(t.loss_chunk), "tokens per LM-head and cross-entropy chunk (no [tokens, vocab] logits are held); 0 = max(256, 2^24 / vocab)")
       ("world-size", po::value<int>(&o.plan_world_size)->default_value(o.plan_world_size), "plan: ranks to plan for; 0 = the ranks of this launch")
       ("device-memory", po::value<std::string>(&o.device_memory), "plan: memory of one device, e.g. 80GB, 141GB: also print the largest micro-batch that fits for each --activation-checkpointing mode");
@@ -227,6 +228,7 @@ void validate_mode(const Options& o) {
   parse_recompute(o.activation_checkpointing);  // throws naming option '--activation-checkpointing'
   parse_attention(o.attention);                 // throws naming option '--attention'
   parse_attention_mask(o.attention_mask);       // throws naming option '--attention-mask'
+  parse_aux_scope(o.aux_loss_scope);            // throws naming option '--aux-loss-scope'
   model_options(t);                             // throws naming option '--loss-chunk'
   check(o.plan_world_size >= 0, "world-size", "must be >= 0 (0: the ranks of this launch)");
   if (!o.device_memory.empty()) {
@@ -386,6 +388,7 @@ void fill_typed(Options& o) {
   o.train.pp.reshard = o.pp_reshard == "per-microbatch" ? Reshard::PerUse : Reshard::PerPass;
 
   o.train.attention_mask = parse_attention_mask(o.attention_mask);
+  o.train.aux_scope = parse_aux_scope(o.aux_loss_scope);
   // Example data's options are settled against the data (apply_data_settings); spellings checked now.
   if (!o.data_given.train_on.empty()) o.train.train_on = parse_train_on(o.data_given.train_on);
   if (!o.data_given.pack.empty()) o.train.pack = parse_pack_mode(o.data_given.pack);

@@ -200,7 +200,6 @@ Loaded load_model(Comm& comm, const std::string& ckpt) {
   agree(comm, [&] {
     l.mc = from_canonical_json(info.model_config);
     validate(l.mc, "in checkpoint '" + ckpt + "'");
-    check_model_is_built(l.mc, "in checkpoint '" + ckpt + "'");
     l.has_data = parse_data_info(ckpt, info.data_info, data, l.data_tokenizer);
   });
   l.tokenizer = info.tokenizer;
@@ -558,26 +557,97 @@ void read_hf_weight_headers(const InputDir& hd, uint64_t max_tensors, std::vecto
 // Checks the directory's tensors against the model's (each present with its shape; nothing extra
 // but a tied lm_head equal to the embedding) and sets f's parameters from them, adding each one's
 // bytes to `digest` (CRC32, model order). Throws std::runtime_error naming the file.
+// Mixture-of-experts tensors as the hub stores them (docs/moe.md): shardtrain's canonical names are
+// transformers 5's in-memory ones, the experts fused per block; the hub (and transformers'
+// save_pretrained) stores one tensor per expert and matrix. The parts of canonical parameter `p`,
+// in order, tile its flat data contiguously:
+//   mlp.experts.gate_up_proj [E, 2I, C]: per expert e its gate [I, C], then its up [I, C]
+//     (Mixtral block_sparse_moe.experts.e.w1 / w3; Qwen3-MoE mlp.experts.e.gate_proj / up_proj);
+//   mlp.experts.down_proj [E, C, I]: per expert [C, I] (Mixtral w2; Qwen3-MoE down_proj);
+//   mlp.gate.weight [E, C]: Mixtral's block_sparse_moe.gate.weight (Qwen3-MoE: the same name).
+// Any other parameter: itself.
+struct HubPart {
+  std::string name;
+  std::vector<int64_t> shape;
+};
+std::vector<HubPart> hub_parts(const ModelConfig& mc, const ParamSpec& p) {
+  const std::string& n = p.name;
+  const bool mixtral = mc.architecture == "MixtralForCausalLM";
+  auto block = [&](const std::string& suffix) -> std::string {  // "model.layers.l." of ...suffix, or ""
+    if (n.size() <= suffix.size() || n.compare(n.size() - suffix.size(), suffix.size(), suffix) != 0) return "";
+    return n.substr(0, n.size() - suffix.size());
+  };
+  const int64_t E = mc.num_experts, I = mc.moe_intermediate_size, C = mc.hidden_size;
+  const std::string moe = mixtral ? "block_sparse_moe." : "mlp.";
+  std::vector<HubPart> parts;
+  if (const std::string b = block("mlp.experts.gate_up_proj"); mc.is_moe() && !b.empty()) {
+    for (int64_t e = 0; e < E; ++e) {
+      const std::string x = b + moe + "experts." + std::to_string(e) + ".";
+      parts.push_back({x + (mixtral ? "w1" : "gate_proj") + ".weight", {I, C}});
+      parts.push_back({x + (mixtral ? "w3" : "up_proj") + ".weight", {I, C}});
+    }
+  } else if (const std::string d = block("mlp.experts.down_proj"); mc.is_moe() && !d.empty()) {
+    for (int64_t e = 0; e < E; ++e)
+      parts.push_back({d + moe + "experts." + std::to_string(e) + "." + (mixtral ? "w2" : "down_proj") + ".weight", {C, I}});
+  } else if (const std::string g = block("mlp.gate.weight"); mc.is_moe() && mixtral && !g.empty()) {
+    parts.push_back({g + "block_sparse_moe.gate.weight", p.shape});
+  } else {
+    parts.push_back({n, p.shape});
+  }
+  return parts;
+}
+
+std::string shape_str(const std::vector<int64_t>& s) {
+  std::string o = "[";
+  for (size_t i = 0; i < s.size(); ++i) o += (i ? ", " : "") + std::to_string(s[i]);
+  return o + "]";
+}
+
 void set_hf_weights(ShardedState<float>& f, const ModelConfig& mc, const std::string& hf_dir,
                     const std::vector<StFile>& files, const std::map<std::string, std::pair<size_t, size_t>>& where,
                     uint32_t& digest) {
   std::set<std::string> expected;
+  // Per parameter: read whole (its own name: transformers 5's fused experts too) or from its hub
+  // parts (hub_parts), never from both.
+  std::map<std::string, std::vector<HubPart>> from_parts;
+  auto check_shape = [&](const std::pair<size_t, size_t>& at, const std::string& name, const std::vector<int64_t>& want) {
+    const StEntry& e = files[at.first].entries[at.second];
+    if (e.shape != want)
+      throw std::runtime_error("'" + files[at.first].path + "': tensor '" + name + "' has shape " + shape_str(e.shape) +
+                               ", expected " + shape_str(want) + " from config.json");
+  };
   for (auto& u : f.plan().units)
     for (auto& p : u.params) {
       expected.insert(p.spec.name);
+      std::vector<HubPart> parts = hub_parts(mc, p.spec);
+      const bool split = parts.size() > 1 || parts.front().name != p.spec.name;
       auto it = where.find(p.spec.name);
+      if (split) {
+        std::string given;
+        for (const HubPart& h : parts) {
+          expected.insert(h.name);
+          if (given.empty() && where.count(h.name)) given = h.name;
+        }
+        if (it != where.end() && !given.empty())
+          throw std::runtime_error("'" + hf_dir + "': tensor '" + p.spec.name + "' is given twice: whole, and in parts ('" +
+                                   given + "', ...)");
+        if (it == where.end()) {
+          for (const HubPart& h : parts) {
+            auto at = where.find(h.name);
+            if (at == where.end())
+              throw std::runtime_error("'" + hf_dir + "': tensor '" + h.name + "' is missing" +
+                                       (parts.size() > 1 ? " (one of the " + std::to_string(parts.size()) + " parts of '" +
+                                                               p.spec.name + "' " + shape_str(p.spec.shape) + ")"
+                                                         : std::string()));
+            check_shape(at->second, h.name, h.shape);
+          }
+          from_parts[p.spec.name] = std::move(parts);
+          continue;
+        }
+      }
       if (it == where.end())
         throw std::runtime_error("'" + hf_dir + "': tensor '" + p.spec.name + "' is missing");
-      const StEntry& e = files[it->second.first].entries[it->second.second];
-      if (e.shape != p.spec.shape) {
-        auto str = [](const std::vector<int64_t>& s) {
-          std::string o = "[";
-          for (size_t i = 0; i < s.size(); ++i) o += (i ? ", " : "") + std::to_string(s[i]);
-          return o + "]";
-        };
-        throw std::runtime_error("'" + files[it->second.first].path + "': tensor '" + p.spec.name + "' has shape " +
-                                 str(e.shape) + ", expected " + str(p.spec.shape) + " from config.json");
-      }
+      check_shape(it->second, p.spec.name, p.spec.shape);
     }
   for (auto& [name, loc] : where) {
     if (expected.count(name)) continue;
@@ -591,13 +661,23 @@ void set_hf_weights(ShardedState<float>& f, const ModelConfig& mc, const std::st
       continue;
     }
     throw std::runtime_error("'" + files[loc.first].path + "': tensor '" + name +
-                             "' has no place in a LlamaForCausalLM of this config" +
+                             "' has no place in a " + mc.architecture + " of this config" +
                              (name.find(".bias") != std::string::npos ? " (shardtrain's Llama has no biases)" : ""));
   }
   for (auto& u : f.plan().units)
     for (auto& p : u.params) {
-      auto loc = where.at(p.spec.name);
-      const std::vector<float> v = read_safetensors_tensor(files[loc.first], files[loc.first].entries[loc.second]);
+      std::vector<float> v;
+      if (auto parts = from_parts.find(p.spec.name); parts != from_parts.end()) {
+        v.reserve(static_cast<size_t>(p.spec.numel()));
+        for (const HubPart& h : parts->second) {  // they tile the parameter in order
+          auto loc = where.at(h.name);
+          const std::vector<float> x = read_safetensors_tensor(files[loc.first], files[loc.first].entries[loc.second]);
+          v.insert(v.end(), x.begin(), x.end());
+        }
+      } else {
+        auto loc = where.at(p.spec.name);
+        v = read_safetensors_tensor(files[loc.first], files[loc.first].entries[loc.second]);
+      }
       digest = crc32_update(digest, v.data(), v.size() * sizeof(float));
       f.set_param(p.spec.name, v);
     }
@@ -633,17 +713,23 @@ void export_hf(Comm& comm, const ExportOptions& o) {
   for (size_t i = 0; i < n; ++i) {
     std::vector<StTensor> ts;
     for (auto* p : files[i]) {
-      StTensor t;
-      t.name = p->spec.name;
-      t.shape = p->spec.shape;
       if (unit_of[k] != gathered) full = l.f->gather(gathered = unit_of[k]);  // collective: every rank
       ++k;
-      if (comm.rank() == 0) {  // only rank 0 keeps data
-        t.values.resize(static_cast<size_t>(p->numel));
-        l.be->to_host(t.values.data(), full + p->offset, t.values.size());
+      int64_t at = 0;  // the hub's names: a fused expert tensor as its parts, which tile it in order
+      for (const HubPart& h : hub_parts(l.mc, p->spec)) {
+        StTensor t;
+        t.name = h.name;
+        t.shape = h.shape;
+        int64_t count = 1;
+        for (int64_t d : h.shape) count *= d;
+        if (comm.rank() == 0) {  // only rank 0 keeps data
+          t.values.resize(static_cast<size_t>(count));
+          l.be->to_host(t.values.data(), full + p->offset + at, t.values.size());
+        }
+        at += count;
+        weight_map[h.name] = file_name(i);
+        ts.push_back(std::move(t));
       }
-      ts.push_back(std::move(t));
-      weight_map[p->spec.name] = file_name(i);
     }
     if (comm.rank() == 0) {
       try {
@@ -686,7 +772,7 @@ void export_hf(Comm& comm, const ExportOptions& o) {
   if (!no_tokenizer.empty())
     log_info(comm, "note: no tokenizer written to '" + o.out_dir + "': " + no_tokenizer +
                        "; this model needs its own tokenizer (tokenizer.json and tokenizer_config.json of its origin)");
-  log_info(comm, "export: wrote '" + o.out_dir + "' (" + std::to_string(order.size()) + " tensors in " +
+  log_info(comm, "export: wrote '" + o.out_dir + "' (" + std::to_string(weight_map.size()) + " tensors in " +
                      std::to_string(n) + " safetensors file(s), " + dtype_name(o.dtype) + ", " +
                      std::to_string(total) + " bytes) from '" + o.checkpoint + "' at world size " +
                      std::to_string(comm.world_size()));
@@ -736,6 +822,7 @@ void import_hf(Comm& comm, const std::string& hf_dir, const std::string& out_pat
   // rotary_emb.inv_freq buffer per layer: a header's table is refused past that, before it is stored.
   uint64_t max_tensors = 1 + static_cast<uint64_t>(mc.num_hidden_layers);
   for (const UnitSpec& u : llama_units(mc)) max_tensors += u.params.size();
+  max_tensors += static_cast<uint64_t>(mc.num_moe_layers()) * 3 * static_cast<uint64_t>(mc.num_experts);  // hub parts
   agree(comm, [&] { read_hf_weight_headers(*hd, max_tensors, files, where); });
   auto be = make_cpu_backend<float>();
   ShardedState<float> f(*be, comm, ShardPlan::build(llama_units(mc), comm.world_size()));

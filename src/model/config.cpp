@@ -856,12 +856,6 @@ void validate(const ModelConfig& c, const std::string& source) {
                 "the number of experts or num_attention_heads x head_dim, x hidden_size)");
 }
 
-void check_model_is_built(const ModelConfig& c, const std::string& source) {
-  if (c.is_moe())
-    throw std::invalid_argument("model config " + source + " is a mixture-of-experts model (" + c.architecture + ", " +
-                                std::to_string(c.num_experts) + " experts, top " + std::to_string(c.num_experts_per_tok) +
-                                "), and this build of shardtrain has no MoE layers yet: it trains dense Llama models");
-}
 
 const std::vector<ModelConfigField>& model_config_fields() {
   static const std::vector<ModelConfigField> v = [] {
@@ -991,11 +985,9 @@ ModelConfig resolve_model_config(Comm& comm, const std::string& spec, const Inpu
                                             .read_all(kMaxConfigBytes);
         c = parse_hf_config(text, "'" + path + "'");
         validate(c, "'" + path + "'");
-        check_model_is_built(c, "'" + path + "'");
       } else {
         c = preset(spec);
         validate(c, "preset '" + spec + "'");
-        check_model_is_built(c, "preset '" + spec + "'");
       }
       canon = canonical_json(c);
     } catch (const std::exception& e) {

@@ -107,6 +107,12 @@ AttentionMask parse_attention_mask(const std::string& s) {
   if (s == "document") return AttentionMask::Document;
   throw std::invalid_argument("option '--attention-mask' must be causal or document, got '" + s + "'");
 }
+MoeAuxScope parse_aux_scope(const std::string& s) {
+  if (s == "sequence") return MoeAuxScope::Sequence;
+  if (s == "micro-batch") return MoeAuxScope::MicroBatch;
+  throw std::invalid_argument("option '--aux-loss-scope' must be sequence or micro-batch, got '" + s + "'");
+}
+const char* aux_scope_name(MoeAuxScope s) { return s == MoeAuxScope::Sequence ? "sequence" : "micro-batch"; }
 const char* attention_name(AttentionKind a) { return a == AttentionKind::Tiled ? "tiled" : "exact"; }
 const char* attention_mask_name(AttentionMask m) { return m == AttentionMask::Document ? "document" : "causal"; }
 int default_loss_chunk(int V) { return std::max(256, static_cast<int>((int64_t{1} << 24) / std::max(1, V))); }

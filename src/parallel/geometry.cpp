@@ -58,6 +58,14 @@ GeometryResult resolve_geometry(const BatchOptions& o, const MeshDims& dims, con
                        str(g.dp) + " x " + str(g.micro_batch) + ")");
   g.accum = g.per_rank / g.micro_batch;
   if (std::string why = check_tensor_parallel(mc, dims.tp); !why.empty()) return refuse(std::move(why));
+  // Mixture of experts (issue 56, docs/moe.md): the load-balancing loss pools a sequence's rows over
+  // every MoE block; across CP ranks and pipeline stages those counts do not travel yet.
+  if (mc.is_moe() && dims.cp > 1)
+    return refuse("option '--cp' (" + str(dims.cp) + ") with a mixture-of-experts model (" + mc.architecture +
+                  ") is not built yet: the load-balancing loss's counts are not summed over the CP group (issue 56)");
+  if (mc.is_moe() && dims.pp > 1)
+    return refuse("option '--pp' (" + str(dims.pp) + ") with a mixture-of-experts model (" + mc.architecture +
+                  ") is not built yet: the load-balancing loss pools every MoE block, across the stages (issue 56)");
   if (g.cp_tokens() % dims.tp != 0)
     return refuse("option '--tp' (" + str(dims.tp) + ") does not divide the tokens of a micro-batch (" +
                        str(g.micro_batch) + " x " + str(o.seq_len) +

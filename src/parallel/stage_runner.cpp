@@ -186,6 +186,18 @@ template <typename C> double StageRunner<C>::run_action(const Action& a, double 
         return train ? 0.0 : model_.loss(f_, b.tgt.data());
       case ActionKind::Backward: {
         const double l = model_.head_backward(f_, b.tgt.data(), static_cast<typename LlamaModel<C>::S>(grad_scale));
+        if (model_.config().is_moe()) {  // the load-balancing loss: its value, its gradient, the routing's counts
+          aux_sum_ += model_.moe_aux_loss();
+          model_.set_aux_grad_scale(static_cast<typename LlamaModel<C>::S>(aux_scale_));
+          const int L = model_.config().num_hidden_layers;
+          if (expert_counts_.empty()) expert_counts_.resize(static_cast<size_t>(L));
+          for (int blk = 0; blk < L; ++blk) {
+            const std::vector<int64_t> n = model_.expert_counts(blk);
+            std::vector<int64_t>& into = expert_counts_[static_cast<size_t>(blk)];
+            if (into.size() < n.size()) into.resize(n.size(), 0);
+            for (size_t e = 0; e < n.size(); ++e) into[e] += n[e];
+          }
+        }
         model_.backward(f_);
         return l;
       }
@@ -230,6 +242,17 @@ template <typename C> double StageRunner<C>::run_action(const Action& a, double 
       return 0.0;
   }
   throw std::logic_error("StageRunner: an unknown action kind");
+}
+
+template <typename C> double StageRunner<C>::take_aux_sum() {
+  const double s = aux_sum_;
+  aux_sum_ = 0;
+  return s;
+}
+template <typename C> std::vector<std::vector<int64_t>> StageRunner<C>::take_expert_counts() {
+  std::vector<std::vector<int64_t>> n = std::move(expert_counts_);
+  expert_counts_.clear();
+  return n;
 }
 
 template <typename C> void StageRunner<C>::end() {

@@ -49,6 +49,7 @@ std::string train_config_json(const TrainConfig& tc, int world_size, int shard_g
   }
   if (tp > 1) j["tp"] = tp;
   if (tc.attention_mask == AttentionMask::Document) j["attention_mask"] = attention_mask_name(tc.attention_mask);
+  if (tc.aux_scope == MoeAuxScope::MicroBatch) j["aux_loss_scope"] = aux_scope_name(tc.aux_scope);
   if (tc.examples) {  // what is trained on (absent: plain data, every token a target)
     j["train_on"] = train_on_name(tc.train_on);
     j["pack"] = pack_mode_name(tc.pack);
@@ -207,7 +208,7 @@ StragglerStats straggler_stats(const std::vector<double>& compute_ms, const std:
 double flops_per_token(const ModelConfig& c, int T) {
   // train.h has the formula and why. N leaves out an untied input embedding (a lookup, no FLOPs).
   const double lookup = c.tie_word_embeddings ? 0.0 : static_cast<double>(c.vocab_size) * c.hidden_size;
-  const double N = static_cast<double>(c.num_params()) - lookup;
+  const double N = static_cast<double>(c.num_active_params()) - lookup;  // MoE: the experts a token uses
   // H Q: the query width num_attention_heads x head_dim, not hidden_size when head_dim is given.
   const double HQ = static_cast<double>(c.num_attention_heads) * c.head_dim();
   return 6.0 * N + 12.0 * c.num_hidden_layers * HQ * static_cast<double>(T);
@@ -218,6 +219,7 @@ ModelOptions model_options(const TrainConfig& tc) {
   o.recompute = tc.recompute;
   o.attention = tc.attention;
   o.mask = tc.attention_mask;
+  o.aux_scope = tc.aux_scope;
   if (tc.loss_chunk < 0) throw std::invalid_argument("option '--loss-chunk' must be >= 0 (0: the default)");
   o.loss_chunk = tc.loss_chunk;
   return o;

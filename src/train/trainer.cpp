@@ -30,6 +30,12 @@ template <typename C> StepOutcome Trainer<C>::train_step(int64_t s) {
   const float grad_scale = packed_ ? static_cast<float>(mean_loss_grad_scale(tokens_per_step, targets,
                                                                             static_cast<double>(geo().rank_tokens())))
                                    : 1.0f / static_cast<float>(geo().rank_tokens());
+  // Mixture of experts: the load-balancing loss enters with weight coef per sequence of the global
+  // batch (--aux-loss-scope sequence) or per micro-batch (micro-batch): this rank's share coef /
+  // its sequences (micro-batches), which the reduce-scatter's mean over the dp ranks makes coef /
+  // the global batch's.
+  const bool moe = mc_.is_moe(), per_seq = tc_.aux_scope == MoeAuxScope::Sequence;
+  if (moe) runner_->set_aux_scale(mc_.router_aux_loss_coef / (per_seq ? geo().per_rank : geo().accum));
   f_->zero_grads();
   double loss_sum = 0;
   units_->begin_pass("train");  // the sharding layer prefetches along the order the last step gathered in
@@ -50,13 +56,26 @@ template <typename C> StepOutcome Trainer<C>::train_step(int64_t s) {
   // sharding; a TP group's replicated norms on its first rank) and whose loss (a TP group's first
   // rank on the last stage: every rank of the group computed the same loss of the same tokens); the
   // layout, which copy of a parameter held twice (the tied embedding on the last stage) stays out.
-  double red[4] = {mesh_.counts_loss() ? loss_sum : 0.0,
+  const double aux_sum = moe ? runner_->take_aux_sum() : 0.0;
+  double red[5] = {mesh_.counts_loss() ? loss_sum : 0.0,
                    mesh_.counts_in_norm()
                        ? f_->local_grad_sumsq(mesh_.counts_replicated_in_norm(), run_.unit_not_in_norm())
                        : 0.0,
-                   stop_signal() != 0 ? 1.0 : 0.0, writer_ && writer_->failed() ? 1.0 : 0.0};
-  comm_.all_reduce(red, 4, ReduceOp::Sum);
+                   stop_signal() != 0 ? 1.0 : 0.0, writer_ && writer_->failed() ? 1.0 : 0.0,
+                   mesh_.counts_loss() ? aux_sum : 0.0};
+  comm_.all_reduce(red, moe ? 5 : 4, ReduceOp::Sum);
   StepOutcome o;
+  if (moe) {  // the mean over the global batch's sequences (micro-batches), and the routing's balance
+    o.aux = red[4] / (per_seq ? static_cast<double>(tc_.global_batch) : static_cast<double>(geo().accum) * geo().dp);
+    o.expert_counts = runner_->take_expert_counts();
+    std::vector<double> flat;
+    for (const auto& v : o.expert_counts)
+      for (int64_t n : v) flat.push_back(mesh_.counts_loss() ? static_cast<double>(n) : 0.0);
+    comm_.all_reduce(flat.data(), flat.size(), ReduceOp::Sum);
+    size_t i = 0;
+    for (auto& v : o.expert_counts)
+      for (int64_t& n : v) n = static_cast<int64_t>(flat[i++]);
+  }
   o.loss = red[0] / targets;
   o.grad_norm = std::sqrt(red[1]);
   o.stop_requested = red[2] > 0;

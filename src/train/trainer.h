@@ -49,6 +49,11 @@ struct StepOutcome {
   double seconds = 0;           // wall time of the step
   CommStats comm;               // the step's communication, every dimension's (parallelize.h)
   Backend<float>::BlockAttentionStats attn;  // --attention-mask document: this rank's tile pairs (backend.h)
+  // Mixture-of-experts models: the load-balancing loss (the mean over the global batch's sequences
+  // or micro-batches, --aux-loss-scope), and per block the slots routed to each expert over the
+  // global batch (empty for dense blocks; they sum to num_experts_per_tok x the batch's tokens).
+  double aux = 0;
+  std::vector<std::vector<int64_t>> expert_counts;
 };
 
 // Per-step means over the steps since the last log line.

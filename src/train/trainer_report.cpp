@@ -45,6 +45,26 @@ template <typename C> void Trainer<C>::log_step(int64_t s, const StepOutcome& o)
       dims_rec[name + "_bytes"] = bytes;
       dims_rec[name + "_collectives"] = static_cast<double>(c[d].calls) / n;
     }
+    // Mixture of experts: the load-balancing loss and how evenly the routing spread the tokens, per
+    // MoE block the largest expert's slots over the mean (1: balanced; E / k: every token on the
+    // same k experts), the step line the worst block's; the metrics also the slots per expert.
+    if (!o.expert_counts.empty()) {
+      std::vector<double> load;
+      nlohmann::json counts = nlohmann::json::array();
+      for (const std::vector<int64_t>& v : o.expert_counts) {
+        if (v.empty()) continue;
+        int64_t sum = 0, mx = 0;
+        for (int64_t x : v) sum += x, mx = std::max(mx, x);
+        load.push_back(sum > 0 ? static_cast<double>(mx) * static_cast<double>(v.size()) / static_cast<double>(sum) : 0.0);
+        counts.push_back(v);
+      }
+      const double worst = load.empty() ? 0.0 : *std::max_element(load.begin(), load.end());
+      dims_line += " | aux " + fmt("%.4f", o.aux) + " | experts max/mean " + fmt("%.2f", worst);
+      dims_rec["aux_loss"] = o.aux;
+      dims_rec["moe_load_max_over_mean_max"] = worst;
+      dims_rec["moe_load_max_over_mean"] = load;
+      dims_rec["moe_tokens_per_expert"] = counts;
+    }
     // The pipeline's bubble per stage, measured beside its two predictions (collective; nothing with one stage).
     dims_line += runner_->bubble_report(*run_.plan.schedule, &dims_rec);
     // The document mask: the fraction of attention tile pairs skipped as fully masked (rank 0's).

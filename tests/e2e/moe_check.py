@@ -2,8 +2,16 @@
 tests/e2e/test_moe.sh): tiny MixtralForCausalLM and Qwen3MoeForCausalLM models (8 experts, top 2)
 made by transformers with random weights, and what transformers computes with them in fp32.
 
-Usage: moe_check.py OUT
-Writes, for NAME in mixtral, qwen3_moe, OUT/NAME/:
+Usage:
+  moe_check.py make OUT
+  moe_check.py logits DIR LOGITS IDS   transformers' fp32 logits of [BOS] + IDS (comma-separated) for
+                                       the model in DIR against shardtrain's --dump-logits file
+                                       LOGITS: within 1e-5
+  moe_check.py export SRC OUT          OUT (shardtrain's export of SRC's import, or of a model
+                                       trained from it: TRAINED=1) holds the hub's per-expert names,
+                                       every tensor of SRC and nothing else (bitwise unless trained),
+                                       and transformers loads it without warnings
+make writes, for NAME in mixtral, qwen3_moe, OUT/NAME/:
   config.json                     save_pretrained's (the architecture's own keys)
   params/<name>.f32               every parameter under transformers' in-memory name (fused experts:
                                   mlp.experts.gate_up_proj [E, 2I, C], mlp.experts.down_proj [E, C, I])
@@ -28,14 +36,14 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import numpy as np
 import torch
 
-B, T, V = 3, 24, 97
+B, T, V = 3, 24, 300
 
 
 def models():
     from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
     common = dict(vocab_size=V, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=64, rms_norm_eps=1e-6, num_experts_per_tok=2, router_aux_loss_coef=0.02,
-                  output_router_logits=True, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+                  output_router_logits=True, tie_word_embeddings=False, bos_token_id=256, eos_token_id=257)
     torch.manual_seed(0)
     yield "mixtral", MixtralForCausalLM(MixtralConfig(intermediate_size=40, num_local_experts=8, **common))
     torch.manual_seed(1)
@@ -52,7 +60,6 @@ def run(model, tokens):
 
 
 def main(out_dir):
-    torch.set_num_threads(2)
     rng = np.random.default_rng(5)
     for name, model in models():
         d = os.path.join(out_dir, name)
@@ -83,5 +90,61 @@ def main(out_dir):
               f"{out.aux_loss.item():.6f})")
 
 
+def load(path):
+    from transformers import AutoModelForCausalLM
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from hf_capture import Captured
+    with Captured() as cap:
+        model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, dtype=torch.float32)
+    for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
+        assert not info.get(k), f"{path}: transformers reports {k} = {info[k]}"
+    assert not cap.text.strip(), f"{path}: transformers warned while loading:\n{cap.text}"
+    return model.eval()
+
+
+def check_logits(d, logits_file, ids_text):
+    model = load(d)
+    ids = [model.config.bos_token_id] + [int(x) for x in ids_text.split(",")]
+    ours = np.fromfile(logits_file, dtype="<f4").reshape(len(ids), -1).astype(np.float64)
+    with torch.no_grad():
+        theirs = model(torch.tensor([ids])).logits[0].double().numpy()
+    err = float(np.abs(ours - theirs).max())
+    assert err <= 1e-5, f"{d}: max |logit difference| {err:.3e} > 1e-5"
+    print(f"ok: {os.path.basename(d.rstrip('/'))}: transformers' fp32 logits of {len(ids)} ids ({type(model).__name__}) "
+          f"equal shardtrain's, max abs difference {err:.2e}")
+
+
+def check_export(src, out, trained):
+    from safetensors.torch import load_file
+    import glob
+    def tensors(d):
+        t = {}
+        for f in sorted(glob.glob(f"{d}/*.safetensors")):
+            t.update(load_file(f))
+        return t
+    a, b = tensors(src), tensors(out)
+    assert set(a) == set(b), sorted(set(a) ^ set(b))[:6]
+    experts = [k for k in b if ".experts." in k]
+    assert experts and all(k.endswith(".weight") for k in experts), experts[:3]  # the hub's per-expert names
+    if not trained:
+        for k in a:
+            assert torch.equal(a[k].float(), b[k]), f"{k}: not bitwise equal"
+    else:
+        moved = sum(not torch.equal(a[k].float(), b[k]) for k in a)
+        assert moved == len(a), f"only {moved} of {len(a)} tensors changed in training"
+    load(out)
+    print(f"ok: {os.path.basename(out.rstrip('/'))}: {len(b)} tensors under the hub's names ({len(experts)} per-expert), "
+          f"{'every one trained' if trained else 'bitwise those of ' + os.path.basename(src.rstrip('/'))}; "
+          f"transformers loads it without warnings")
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    torch.set_num_threads(2)
+    if sys.argv[1] == "make":
+        main(sys.argv[2])
+    elif sys.argv[1] == "logits":
+        check_logits(sys.argv[2], sys.argv[3], sys.argv[4])
+    elif sys.argv[1] == "export":
+        check_export(sys.argv[2], sys.argv[3], os.environ.get("TRAINED") == "1")
+    else:
+        sys.exit(f"unknown command {sys.argv[1]}")

@@ -46,12 +46,13 @@ expect_fail bool_as_int "key 'num_hidden_layers' must be an integer, got true" 3
 expect_fail float_as_int "key 'vocab_size' must be an integer, got 258.7" 3 --model "$WORK/float_int.json" "${COMMON[@]}"
 expect_fail too_large "more than 2^31 elements" 3 --model "$WORK/huge.json" "${COMMON[@]}"
 expect_fail config_is_dir "model config file '$WORK/adir.json' is not a regular file (a directory)" 3 --model "$WORK/adir.json" "${COMMON[@]}"
-# Issue 56: a Mixtral config.json parses and validates, and this build (no MoE layers yet) refuses it
-# on every rank, saying so; an MoE config with too many experts per token is refused naming the key.
+# Issue 56: a Mixtral config.json parses and validates; the parallelism its blocks do not have yet
+# (TP, CP) is refused on every rank, saying so; an MoE config with too many experts per token is
+# refused naming the key.
 mk mixtral '{"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2}'
 mk topk '{"architectures": ["MixtralForCausalLM"], "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 5}'
-expect_fail moe_not_built "is a mixture-of-experts model (MixtralForCausalLM, 4 experts, top 2), and this build of shardtrain has no MoE layers yet" \
-  3 --model "$WORK/mixtral.json" "${COMMON[@]}"
+expect_fail moe_tp "option '--tp' (3) with a mixture-of-experts model (MixtralForCausalLM) is not built yet" \
+  3 --model "$WORK/mixtral.json" "${COMMON[@]}" --tp 3
 expect_fail moe_topk "key 'num_experts_per_tok' = 5 must be between 1 and the number of experts (4)" 3 --model "$WORK/topk.json" "${COMMON[@]}"
 # The message is rank 0's, shown as such on every rank (no "rank N:" prefix from another rank).
 grep -q "error \[rank 2/3\]: Invalid model config" "$WORK/heads_divide.log" || fail "rank 2 did not print rank 0's message"

@@ -10,6 +10,7 @@
 
 #include "shardtrain/io/checkpoint.h"
 #include "shardtrain/model/config.h"
+#include "shardtrain/model/model.h"
 
 using namespace shardtrain;
 using json = nlohmann::json;
@@ -191,25 +192,29 @@ TEST(ConfigMoe, BadMoeConfigsRefusedNamingTheKey) {
   }
 }
 
-// Until the MoE layers exist, resolve_model_config refuses the configs that need them
-// (check_model_is_built), naming the file; dense Llama and Qwen3 pass.
-TEST(ConfigMoe, ThisBuildRefusesWhatItHasNoLayersFor) {
-  EXPECT_NO_THROW(check_model_is_built(preset("llama-1b"), "preset 'llama-1b'"));
-  for (const char* n : {"mixtral-8x7b", "qwen3-30b-a3b"}) {
-    try {
-      check_model_is_built(preset(n), std::string("preset '") + n + "'");
-      ADD_FAILURE() << n << " accepted";
-    } catch (const std::invalid_argument& e) {
-      EXPECT_NE(std::string(e.what()).find(std::string("model config preset '") + n +
-                                           "' is a mixture-of-experts model"),
-                std::string::npos)
-          << e.what();
-    }
-  }
-  ModelConfig q = preset("tiny");
-  q.architecture = "Qwen3ForCausalLM";
-  q.qk_norm = true;
-  EXPECT_NO_THROW(check_model_is_built(q, "'q.json'")) << "Qwen3's q/k norm is built (llama_units, llama_block.cpp)";
+// The model's units (llama_units) hold exactly the parameters the config counts: the published
+// MoE shapes (the experts fused per block, the router, Qwen3-MoE's q/k norms; Qwen3-MoE with a dense
+// block by mlp_only_layers), and a dense Qwen3.
+TEST(ConfigMoe, UnitsHoldEveryParameterTheConfigCounts) {
+  auto total = [](const ModelConfig& c) {
+    int64_t n = 0;
+    for (const UnitSpec& u : llama_units(c))
+      for (const ParamSpec& p : u.params) n += p.numel();
+    return n;
+  };
+  for (const char* n : {"mixtral-8x7b", "qwen3-30b-a3b", "llama-1b"}) EXPECT_EQ(total(preset(n)), preset(n).num_params()) << n;
+  ModelConfig q = preset("qwen3-30b-a3b");
+  q.num_hidden_layers = 4;
+  q.mlp_only_layers = {2};
+  EXPECT_EQ(total(q), q.num_params());
+  const std::vector<UnitSpec> u = llama_units(q);
+  EXPECT_EQ(u[3].params.back().name, "model.layers.2.mlp.down_proj.weight") << "block 2 is dense";
+  EXPECT_EQ(u[2].params.back().name, "model.layers.1.mlp.experts.down_proj");
+  EXPECT_EQ(u[2].params.back().shape, (std::vector<int64_t>{128, 2048, 768}));
+  ModelConfig d = preset("tiny");
+  d.architecture = "Qwen3ForCausalLM";
+  d.qk_norm = true;
+  EXPECT_EQ(total(d), d.num_params());
 }
 
 // From helper-22's attempts to break the reading (each a case that was wrong):

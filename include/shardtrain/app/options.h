@@ -63,6 +63,7 @@ struct Options {
   std::string activation_checkpointing = "none";  // train, plan: none | selective | full (parse_recompute, model.h)
   std::string attention = "tiled";                // train, plan: tiled | exact (parse_attention, model.h)
   std::string attention_mask = "causal";          // train, plan: causal | document (parse_attention_mask, model.h)
+  std::string aux_loss_scope = "sequence";        // train: sequence | micro-batch (parse_aux_scope, model.h; MoE models)
   // train, plan: --train-on, --pack, --max-length-policy and --attention-mask as given ("" = not
   // given), settled against the data by apply_data_settings (train.h).
   DataOptionsGiven data_given;

@@ -150,10 +150,6 @@ std::vector<double> rope_inv_freqs(const ModelConfig& c);
 inline constexpr const char* kArchitectures[] = {"LlamaForCausalLM", "Qwen3ForCausalLM", "MixtralForCausalLM",
                                                  "Qwen3MoeForCausalLM"};
 
-// Throws std::invalid_argument naming `source` when `c` needs a part this build of the model does
-// not have yet: the MoE block (num_experts > 0). The config parses, validates and counts its
-// parameters; training, import and planning refuse it here (resolve_model_config).
-void check_model_is_built(const ModelConfig& c, const std::string& source);
 
 // Names of the built-in presets, e.g. "tiny", "demo", "llama-125m", "llama-1b".
 std::vector<std::string> preset_names();

@@ -155,6 +155,9 @@ struct ModelOptions {
 Recompute parse_recompute(const std::string& s);
 AttentionKind parse_attention(const std::string& s);
 AttentionMask parse_attention_mask(const std::string& s);
+// "sequence" | "micro-batch"; std::invalid_argument naming option '--aux-loss-scope'.
+MoeAuxScope parse_aux_scope(const std::string& s);
+const char* aux_scope_name(MoeAuxScope s);
 const char* recompute_name(Recompute r);
 const char* attention_name(AttentionKind a);
 const char* attention_mask_name(AttentionMask m);

@@ -63,6 +63,14 @@ template <typename C> class StageRunner {
   // link (stream-ordered Comms, pipeline.h) at the boundary before its action, grouped with the
   // finished action's send (pipeline_p2p_groups says which groups, in which order).
   double run(const Schedule& schedule, double grad_scale);
+  // Mixture-of-experts models (one stage: the geometry refuses --pp with them): the weight of the
+  // load-balancing loss in the gradient of each training micro-batch (LlamaModel::set_aux_grad_scale;
+  // the trainer's coef / this rank's sequences or micro-batches), and since the last take: the sum
+  // of the micro-batches' load-balancing losses (LlamaModel::moe_aux_loss) and, per block, the slots
+  // routed to each expert (empty for a dense block; all empty for a dense model).
+  void set_aux_scale(double s) { aux_scale_ = s; }
+  double take_aux_sum();
+  std::vector<std::vector<int64_t>> take_expert_counts();
   // After the last action of a step or evaluation batch: waits for the sends in flight; every
   // context is free again.
   void end();
@@ -120,6 +128,8 @@ template <typename C> class StageRunner {
   std::vector<size_t> slot_starts_;
   size_t rows_elems_ = 0;   // R x C: a micro-batch's activation rows of this rank
   bool whole_ = false;      // one chunk over the whole model: the model's own context
+  double aux_scale_ = 0, aux_sum_ = 0;                 // MoE: set_aux_scale, take_aux_sum
+  std::vector<std::vector<int64_t>> expert_counts_;  // MoE: per block, slots per expert since take
   // Training actions since the last bubble_report: per local chunk, the seconds and counts of
   // Forward, Backward, BackwardInput, BackwardWeight (waits for the link excluded); the wall time
   // between begin() and end() and the link's exposed time in it.

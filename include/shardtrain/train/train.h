@@ -78,6 +78,10 @@ struct TrainConfig {
   // computed: document masks attention between the documents of a packed sequence (they end at the
   // data's EOS id) and restarts RoPE positions per document, in training and evaluation.
   AttentionMask attention_mask = AttentionMask::Causal;
+  // --aux-loss-scope sequence | micro-batch (model.h MoeAuxScope): the rows a mixture-of-experts
+  // model's load-balancing loss pools; it changes the objective (train_config "aux_loss_scope" when
+  // micro-batch). Dense models: no effect.
+  MoeAuxScope aux_scope = MoeAuxScope::Sequence;
   int loss_chunk = 0;               // tokens per LM-head / loss chunk; 0 = default_loss_chunk(V)
   // Example data (token format version 3: chat or prompt/completion examples with role classes;
   // data/packing.h): set by apply_data_settings when the data has examples. Then every batch is
@@ -113,7 +117,7 @@ struct Preempted : std::runtime_error {
 
 // The settings a resume compares with the checkpoint's train_config, by option name (without
 // dashes): seq-len, global-batch, steps, lr, min-lr, warmup, beta1, beta2, adam-eps, weight-decay,
-// clip, seed, attention-mask, and for example data train-on, pack, max-length-policy, shuffle. A resume with any of them changed is refused unless '--accept-change'
+// clip, seed, attention-mask, aux-loss-scope, and for example data train-on, pack, max-length-policy, shuffle. A resume with any of them changed is refused unless '--accept-change'
 // names it.
 const std::vector<std::string>& resume_checked_settings();
 
@@ -124,7 +128,8 @@ const std::vector<std::string>& resume_checked_settings();
 // FSDP; 0 means W) (docs/checkpoint-format.md).
 // tp > 1 (a tensor-parallel run) adds "tp"; its checkpoints hold the canonical rows of all W
 // ranks (shard_group_size = world_size). --attention-mask document adds "attention_mask":
-// "document" (absent: causal). Example data (tc.examples) adds "train_on", "pack" and
+// "document" (absent: causal); --aux-loss-scope micro-batch adds "aux_loss_scope": "micro-batch"
+// (absent: sequence). Example data (tc.examples) adds "train_on", "pack" and
 // "max_length_policy" (their option spellings).
 std::string train_config_json(const TrainConfig& tc, int world_size = 0, int shard_group_size = 0, int tp = 1);
 
