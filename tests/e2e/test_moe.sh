@@ -12,8 +12,11 @@
 #    the routing's balance in the step line and the metrics: tokens per expert sum to k x tokens
 #    exactly), resumed at 2 ranks from step 2: step 4's loss within 1e-5 of the uninterrupted run's;
 #    the trained model exported and loaded by transformers, its logits equal shardtrain's;
+#  * balance seen: routers skewed on purpose to two experts show E / k = 4 as the largest expert load
+#    over the mean, in the step line, the metrics and TensorBoard;
 #  * refusals on every rank: --cp / --pp with an MoE model, a changed --aux-loss-scope at resume, a
-#    version 7 file whose model_config claims a dense model.
+#    version 7 file whose model_config claims a dense model, an MoE directory with an expert tensor
+#    missing, misshapen or given twice.
 source "$(dirname "$0")/common.sh"
 CHECK=$ROOT/tests/e2e/moe_check.py
 "$PY" "$CHECK" make "$WORK/ref" >"$WORK/make.log" 2>&1 || { cat "$WORK/make.log"; fail "making the MoE references"; }
@@ -93,6 +96,44 @@ TRAINED=1 timeout -k 5 300 "$PY" "$CHECK" export "$WORK/ref/qwen3_moe" "$WORK/tr
 timeout -k 5 120 $MPIRUN -np 2 "$BIN" --mode generate "$CK" --prompt-ids "$IDS" --max-new-tokens 0 \
   --dump-logits "$WORK/trained.logits" >"$WORK/trained.gen.log" 2>&1 || { cat "$WORK/trained.gen.log"; fail "trained: generate"; }
 timeout -k 5 300 "$PY" "$CHECK" logits "$WORK/trained" "$WORK/trained.logits" "$IDS" || fail "trained: logits"
+
+# Balance seen: a Mixtral whose routers send every token to experts 0 and 1 (channel 0 of every
+# embedding row 10, every router's rows 0 and 1 50 x e_0, the others 0) shows the imbalance: every
+# block's largest expert load over the mean is E / k = 4 in the step line, the metrics and
+# TensorBoard, against under 2 for the random router above.
+"$PY" - "$WORK/ref/mixtral" "$WORK/skewed" <<'PY' || fail "making the skewed router"
+import shutil, sys, torch
+from safetensors.torch import load_file, save_file
+shutil.copytree(sys.argv[1], sys.argv[2])
+sd = load_file(f"{sys.argv[2]}/model.safetensors")
+sd["model.embed_tokens.weight"][:, 0] = 10.0
+for k in [k for k in sd if k.endswith("block_sparse_moe.gate.weight")]:
+    g = torch.zeros_like(sd[k])
+    g[0, 0] = g[1, 0] = 50.0
+    sd[k] = g
+save_file(sd, f"{sys.argv[2]}/model.safetensors", metadata={"format": "pt"})
+PY
+timeout -k 5 120 $MPIRUN -np 2 "$BIN" --mode import --hf-dir "$WORK/skewed" --out "$WORK/skewed.h5" >"$WORK/skewed.imp.log" 2>&1 \
+  || { cat "$WORK/skewed.imp.log"; fail "skewed: import"; }
+timeout -k 5 300 $MPIRUN -np 2 "$BIN" --model "$WORK/skewed/config.json" --init-from "$WORK/skewed.h5" --data "$DATA" --seq-len 24 \
+  --global-batch 4 --steps 2 --lr 1e-4 --threads 1 --metrics "$WORK/skewed.jsonl" --tensorboard "$WORK/skewed_tb" \
+  >"$WORK/skewed.log" 2>&1 || { cat "$WORK/skewed.log"; fail "skewed: training"; }
+grep -q '^step 2/2 | .* | experts max/mean 4.00 ' "$WORK/skewed.log" || { cat "$WORK/skewed.log"; fail "the step line does not show the skew"; }
+"$PY" - "$WORK/skewed.jsonl" "$WORK/skewed_tb" "$WORK/a.jsonl" <<'PY' || fail "the skew in the records"
+import json, sys
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+rows = [j for j in map(json.loads, open(sys.argv[1])) if "loss" in j]
+for j in rows:
+    assert j["moe_load_max_over_mean"] == [4.0, 4.0, 4.0], j["moe_load_max_over_mean"]
+    for per_expert in j["moe_tokens_per_expert"]:
+        assert per_expert[:2] == [4 * 24, 4 * 24] and not any(per_expert[2:]), per_expert
+ea = EventAccumulator(sys.argv[2]); ea.Reload()
+assert [e.value for e in ea.Scalars("train/moe_load_max_over_mean_max")] == [4.0] * len(rows)
+balanced = max(j["moe_load_max_over_mean_max"] for j in map(json.loads, open(sys.argv[3])) if "loss" in j)
+assert balanced < 3.5, balanced  # E / k = 4 only when every token takes the same k experts
+print(f"ok: a router skewed to experts 0 and 1 shows experts max/mean 4.00 (= E / k) in the step line, the metrics "
+      f"(all {4 * 24} slots of each block on experts 0 and 1) and TensorBoard; the random router's worst is {balanced:.2f}")
+PY
 
 # Refusals, on every rank.
 expect_fail moe_cp "option '--cp' (2) with a mixture-of-experts model (Qwen3MoeForCausalLM) is not built yet" 2 "${TRAIN[@]}" --cp 2
