@@ -37,6 +37,10 @@
 #   3e. fine-tuning (issue 55): a chat token file made on the machine (chat_make.py, tokenize_hf.py with
 #       $PEER_PY), assistant tokens the only targets: 1 rank fp32 and bf16, --tp 2 fp32 (vocab_ce_*)
 #       against 1 CPU rank, 20 steps; skipped without transformers
+#   3f. mixture of experts (issue 56): a tiny Mixtral (8 experts, top 2) trained 20 steps: GPU fp32 within
+#       1e-4 and bf16 within 2e-2 of the CPU's single-rank losses, 1 rank and 2 ranks sharing the GPU
+#       (--gpu-comm mpi); CPU 2 ranks as control (routing, the sort's host copies, the experts' GEMMs,
+#       combine and the load-balancing loss's gradient on the device)
 #   4. checkpoints across devices: GPU to step 10 then CPU to 20, and CPU then GPU, against an
 #      uninterrupted CPU run (1e-4)
 #   4b. asynchronous saves on the GPU, fp32 and bf16: the step-4 file of a --checkpoint-async on run
@@ -85,9 +89,9 @@ if [ -n "${GPU_CHECK_STAGES+set}" ] && [ -n "${GPU_CHECK_STAGES}" ] && [ -z "$ST
   echo "run.sh: GPU_CHECK_STAGES holds no stage" >&2; exit 2
 fi
 for id in $STAGES; do
-  case $id in 1 | 2 | 2b | 2c | 3 | 3b | 3c | 3d | 3e | 4 | 4b | 5 | 5b | 5c | 5d | 6) ;;
+  case $id in 1 | 2 | 2b | 2c | 3 | 3b | 3c | 3d | 3e | 3f | 4 | 4b | 5 | 5b | 5c | 5d | 6) ;;
     7) GPU_CHECK_PROFILE=1 ;;  # asked for by name: the profile runs
-    *) echo "run.sh: GPU_CHECK_STAGES='$STAGES': '$id' is no stage (2 2b 2c 3 3b 3c 3d 3e 4 4b 5 5b 5c 5d 6 7, space-separated)" >&2; exit 2 ;;
+    *) echo "run.sh: GPU_CHECK_STAGES='$STAGES': '$id' is no stage (2 2b 2c 3 3b 3c 3d 3e 3f 4 4b 5 5b 5c 5d 6 7, space-separated)" >&2; exit 2 ;;
   esac
 done
 on() {  # on STAGE: is this stage to run?
@@ -577,6 +581,28 @@ J
   fi
 fi
 fi  # stage 3e
+
+# ---- 3f. mixture of experts -----------------------------------------------------------------------
+if on 3f; then
+stage "3f. mixture of experts: a tiny Mixtral on the GPU vs the CPU, 20 steps (routing, experts, combine, aux loss)" 60
+cat >"$W/moe.json" <<'J'
+{"architectures": ["MixtralForCausalLM"], "vocab_size": 258, "hidden_size": 64, "intermediate_size": 96,
+ "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+ "num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.02, "tie_word_embeddings": false,
+ "bos_token_id": 256, "eos_token_id": 257}
+J
+MOE=(--model "$W/moe.json" "${TINY[@]}")
+if run_np cpu-moe-ref 20 1 "${MOE[@]}" "${CPU[@]}"; then ok "cpu-moe-ref (1 rank): $(grep -m1 '^step 20/' "$L/cpu-moe-ref.log" | cut -c1-90)"
+else bad "cpu-moe-ref: reference run"; tail_log "$L/cpu-moe-ref.log"; fi
+check cpu-moe-2 cpu-moe-ref 1e-5 1 2 "${MOE[@]}" "${CPU[@]}"  # control: FSDP on the CPU
+if [ "$GPU" = 1 ]; then
+  check gpu-moe-fp32 cpu-moe-ref 1e-4 1 1 "${MOE[@]}" "${G[@]}" --gpu-comm "$COMM1" --precision fp32
+  check gpu-moe-fp32-2 cpu-moe-ref 1e-4 1 2 "${MOE[@]}" "${G[@]}" --gpu-comm mpi --precision fp32
+  check gpu-moe-bf16 cpu-moe-ref 2e-2 1 1 "${MOE[@]}" "${G[@]}" --gpu-comm "$COMM1" --precision bf16
+else
+  for n in gpu-moe-fp32 gpu-moe-fp32-2 gpu-moe-bf16; do skipped "$n" "no CUDA device"; done
+fi
+fi  # stage 3f
 
 # ---- 4. checkpoints across devices ------------------------------------------------------------
 if on 4; then
