@@ -486,7 +486,8 @@ void run_plan(Comm& comm, const Topology& topo, const Options& o) {
   }
   std::ostringstream os;
   const std::string head =
-      "memory plan per rank: '" + o.model + "' (" + std::to_string(mc.num_params()) + " parameters), " +
+      "memory plan per rank: '" + o.model + "' (" + std::to_string(mc.num_params()) + " parameters" +
+          (mc.is_moe() ? ", " + std::to_string(mc.num_active_params()) + " active per token" : std::string()) + "), " +
       std::to_string(W) + " ranks" +
       (dims.pp > 1 ? " (PP " + std::to_string(dims.pp) + " x " + std::to_string(W / dims.pp) + " ranks per stage)"
                    : std::string()) +

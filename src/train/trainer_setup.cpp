@@ -339,7 +339,12 @@ template <typename C> void Trainer<C>::prepare_outputs() {
 }
 
 template <typename C> void Trainer<C>::log_setup() {
-  log_info(comm_, "shardtrain: model " + mc_.name + ", " + std::to_string(mc_.num_params()) + " parameters, " +
+  log_info(comm_, "shardtrain: model " + mc_.name + ", " + std::to_string(mc_.num_params()) + " parameters" +
+                      (mc_.is_moe() ? " (" + std::to_string(mc_.num_active_params()) + " active per token: " +
+                                          std::to_string(mc_.num_experts_per_tok) + " of " +
+                                          std::to_string(mc_.num_experts) + " experts)"
+                                    : std::string()) +
+                      ", " +
                       std::to_string(f_->num_units()) + " units, world size " + std::to_string(W_) + ", micro-batch " +
                       std::to_string(geo().micro_batch) + " x " + std::to_string(geo().accum) +
                       " accumulation steps, global batch " + std::to_string(tc_.global_batch) + " x " +
