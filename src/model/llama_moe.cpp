@@ -3,6 +3,8 @@
 // rows: a loop of BLAS calls) and the combine; their backward. Dropless: every token reaches all K
 // of its experts. The per-token routing math is include/shardtrain/backend/moe_math.h.
 #include <algorithm>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "shardtrain/model/model.h"
@@ -23,7 +25,11 @@ template <typename T> void LlamaModel<T>::moe_sort(Layer& a) {
   ex_host_.resize(n);
   be_.ids_to_host(ex_host_.data(), a.experts.data(), n);
   a.eoff.assign(static_cast<size_t>(d.E) + 1, 0);
-  for (int32_t e : ex_host_) ++a.eoff[static_cast<size_t>(e) + 1];
+  for (int32_t e : ex_host_) {
+    if (e < 0 || e >= d.E)  // moe_route picks k distinct experts in [0, E): a kernel fault, never indexed
+      throw std::logic_error("LlamaModel: the router chose expert " + std::to_string(e) + " of " + std::to_string(d.E));
+    ++a.eoff[static_cast<size_t>(e) + 1];
+  }
   for (size_t e = 0; e < static_cast<size_t>(d.E); ++e) a.eoff[e + 1] += a.eoff[e];
   std::vector<int32_t> next(a.eoff.begin(), a.eoff.end() - 1);
   sort_host_.resize(2 * n);
