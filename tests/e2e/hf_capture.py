@@ -1,4 +1,5 @@
-"""Shared by the transformers-based e2e checks (hf_export_check.py, llama3_shapes_check.py)."""
+"""Shared by the transformers-based e2e checks (hf_export_check.py, llama3_shapes_check.py, qwen3_check.py,
+moe_check.py)."""
 import io
 import logging
 import warnings
@@ -33,3 +34,17 @@ class Captured:
     @property
     def text(self):
         return self.buf.getvalue() + "\n".join(str(w.message) for w in self.records)
+
+
+def load_checked(path):
+    """transformers' AutoModelForCausalLM of directory `path` in float32, eval mode, asserting that
+    transformers reported no missing, unexpected or mismatched tensor, no loading error, and printed
+    no warning while loading."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    with Captured() as cap:
+        model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, dtype=torch.float32)
+    for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
+        assert not info.get(k), f"{path}: transformers reports {k} = {info[k]}"
+    assert not cap.text.strip(), f"{path}: transformers warned while loading:\n{cap.text}"
+    return model.eval()

@@ -93,18 +93,7 @@ def make():
     print("ok: made HF directories hf_v5 (rope_parameters) and hf_v4 (rope_theta + rope_scaling), head_dim 24")
 
 
-from hf_capture import Captured  # noqa: E402 (this directory is on sys.path: the script's own)
-
-
-def load(path):
-    import torch
-    from transformers import AutoModelForCausalLM
-    with Captured() as cap:
-        model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, dtype=torch.float32)
-    for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
-        assert not info.get(k), f"{path}: transformers reports {k} = {info[k]}"
-    assert not cap.text.strip(), f"{path}: transformers warned while loading:\n{cap.text}"
-    return model.eval()
+from hf_capture import load_checked as load  # noqa: E402 (this directory is on sys.path: the script's own)
 
 
 def hf_logits(model, ids):

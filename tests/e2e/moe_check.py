@@ -91,15 +91,9 @@ def main(out_dir):
 
 
 def load(path):
-    from transformers import AutoModelForCausalLM
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from hf_capture import Captured
-    with Captured() as cap:
-        model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, dtype=torch.float32)
-    for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
-        assert not info.get(k), f"{path}: transformers reports {k} = {info[k]}"
-    assert not cap.text.strip(), f"{path}: transformers warned while loading:\n{cap.text}"
-    return model.eval()
+    from hf_capture import load_checked
+    return load_checked(path)
 
 
 def check_logits(d, logits_file, ids_text):

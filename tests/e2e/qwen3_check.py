@@ -52,19 +52,13 @@ def make():
     print("ok: made Qwen3ForCausalLM directories qwen3 (untied) and qwen3_tied with transformers")
 
 
-from hf_capture import Captured  # noqa: E402 (this directory is on sys.path: the script's own)
+from hf_capture import load_checked  # noqa: E402 (this directory is on sys.path: the script's own)
 
 
 def load(path):
-    import torch
-    from transformers import AutoModelForCausalLM
-    with Captured() as cap:
-        model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, dtype=torch.float32)
-    for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
-        assert not info.get(k), f"{path}: transformers reports {k} = {info[k]}"
-    assert not cap.text.strip(), f"{path}: transformers warned while loading:\n{cap.text}"
+    model = load_checked(path)
     assert type(model).__name__ == "Qwen3ForCausalLM", type(model).__name__
-    return model.eval()
+    return model
 
 
 def prompt():
