@@ -339,7 +339,14 @@ void read_mesh(hid_t file, CheckpointInfo& info, MetaSums& ms) {
   const int nkeys = info.format_version >= 7 ? 6 : info.format_version >= 6 ? 5 : 4;
   try {
     const json j = read_json(m, json_limits::kCheckpointAttr);
+    if (!j.is_object()) throw H5Error("attribute 'mesh' (" + m + ") is not a JSON object");
+    if (info.format_version >= 7)  // version 7 names every key it has (older readers took any more)
+      for (const auto& item : j.items())
+        if (std::find(keys, keys + nkeys, item.key()) == keys + nkeys)
+          throw H5Error("attribute 'mesh' (" + m + "): key '" + item.key() + "' is not one of version " +
+                        std::to_string(info.format_version) + "'s (tp, cp, dp_shard, dp_replicate, pp, ep)");
     for (int k = 0; k < nkeys; ++k) {
+      if (!j.contains(keys[k])) throw H5Error("attribute 'mesh' (" + m + "): key '" + keys[k] + "' is missing");
       const json& v = j.at(keys[k]);
       if (!v.is_number_integer() || v.get<int64_t>() < 1 || v.get<int64_t>() > (int64_t{1} << 24))
         throw H5Error("attribute 'mesh' (" + m + "): '" + keys[k] + "' is not an integer in [1, 2^24]");

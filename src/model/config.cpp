@@ -646,6 +646,9 @@ void add_architecture_rows(std::vector<Field>& t) {
                                 if (!(c.router_aux_loss_coef >= 0 && std::isfinite(c.router_aux_loss_coef)))
                                   bad(source, "key 'router_aux_loss_coef' must be a finite number >= 0");
                               }));
+  // The load-balancing loss's weight is a training setting: it does not change what the weights mean,
+  // so a fine-tune or resume may change it (architecture_differences leaves it out).
+  t.back().info.architecture = false;
   t.push_back(moe_row<int>("decoder_sparse_step", &ModelConfig::decoder_sparse_step, nullptr, 1, "decoder_sparse_step",
                            1, [str](const ModelConfig& c, const std::string& source) {
                              if (c.decoder_sparse_step <= 0)

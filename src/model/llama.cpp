@@ -141,6 +141,10 @@ LlamaDims LlamaDims::with_batch(int B_, int T, int loss_chunk) const {
                                 std::to_string(B_) + " x " + std::to_string(T) + " = " + std::to_string(d.BT) +
                                 "): sequence parallelism splits them evenly over the TP group");
   d.R = d.BT / tp;
+  if (int64_t{d.BT} * d.K > INT32_MAX)
+    throw std::invalid_argument("a micro-batch of " + std::to_string(B_) + " x " + std::to_string(T) + " tokens routes " +
+                                std::to_string(int64_t{d.BT} * d.K) + " slots (x num_experts_per_tok " +
+                                std::to_string(d.K) + "), more than 2^31: lower '--micro-batch' or '--seq-len'");
   d.slots = d.BT * d.K;
   d.chunk = static_cast<int>(std::min<int64_t>(loss_chunk > 0 ? loss_chunk : default_loss_chunk(Vl), int64_t{B_} * T));
   return d;

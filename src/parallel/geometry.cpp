@@ -1,6 +1,7 @@
 // Batch geometry (geometry.h): every dimension's divisibility rule, once.
 #include "shardtrain/parallel/geometry.h"
 
+#include <cstdint>
 #include <stdexcept>
 
 #include "shardtrain/model/model.h"  // check_tensor_parallel
@@ -63,6 +64,10 @@ GeometryResult resolve_geometry(const BatchOptions& o, const MeshDims& dims, con
   if (mc.is_moe() && dims.cp > 1)
     return refuse("option '--cp' (" + str(dims.cp) + ") with a mixture-of-experts model (" + mc.architecture +
                   ") is not built yet: the load-balancing loss's counts are not summed over the CP group (issue 56)");
+  if (mc.is_moe() && g.cp_tokens() * mc.num_experts_per_tok > INT32_MAX)
+    return refuse("a micro-batch of " + str(g.micro_batch) + " x " + str(o.seq_len) + " tokens routes " +
+                  std::to_string(g.cp_tokens() * mc.num_experts_per_tok) + " slots (x num_experts_per_tok " +
+                  str(mc.num_experts_per_tok) + "), more than 2^31: lower '--micro-batch' or '--seq-len'");
   if (mc.is_moe() && dims.pp > 1)
     return refuse("option '--pp' (" + str(dims.pp) + ") with a mixture-of-experts model (" + mc.architecture +
                   ") is not built yet: the load-balancing loss pools every MoE block, across the stages (issue 56)");

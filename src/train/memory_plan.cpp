@@ -199,7 +199,12 @@ int largest_fitting_micro_batch(MemoryPlanInput in, int64_t device_bytes, int ma
   while (lo < hi) {
     const int mid = lo + (hi - lo + 1) / 2;
     in.train.micro_batch = mid;
-    if (plan_memory(in).total() <= device_bytes) lo = mid; else hi = mid - 1;
+    bool fits = false;
+    try {
+      fits = plan_memory(in).total() <= device_bytes;
+    } catch (const std::invalid_argument&) {  // a micro-batch the model cannot run (an MoE's 2^31 routed slots)
+    }
+    if (fits) lo = mid; else hi = mid - 1;
   }
   return lo;
 }

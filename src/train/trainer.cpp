@@ -280,7 +280,15 @@ template class Trainer<bf16>;
 
 }  // namespace trainer_detail
 
-TrainResult train(Engine& eng, const ModelConfig& mc, const TrainConfig& tc, const TokenDataset& data) {
+TrainResult train(Engine& eng, const ModelConfig& mc, const TrainConfig& tc_given, const TokenDataset& data) {
+  // --aux-loss-scope changes nothing for a dense model: not recorded, so that no resume of it is
+  // refused for a setting that had no effect.
+  TrainConfig tc = tc_given;
+  if (!mc.is_moe() && tc.aux_scope != MoeAuxScope::Sequence) {
+    log_info(eng.mesh.world(), "note: option '--aux-loss-scope' has no effect on a dense model (" + mc.architecture +
+                                   "): ignored");
+    tc.aux_scope = MoeAuxScope::Sequence;
+  }
   if (tc.precision == Precision::BF16) {
     if (!eng.be16) throw std::logic_error("train: Precision::BF16 without a bf16 backend");
     return trainer_detail::Trainer<bf16>(eng, mc, tc, data).run();

@@ -185,3 +185,52 @@ expect_fail moe_import_shape "tensor 'model.layers.1.block_sparse_moe.experts.5.
 expect_fail moe_import_twice "tensor 'model.layers.2.mlp.experts.gate_up_proj' is given twice: whole, and in parts ('model.layers.2.block_sparse_moe.experts.0.w1.weight', ...)" \
   2 --mode import --hf-dir "$WORK/twice" --out "$WORK/x3.h5"
 for x in x1 x2 x3; do [ ! -e "$WORK/$x.h5" ] || fail "a refused import left '$x.h5'"; done
+
+# From helper-23's findings: a mesh record without ep or with a key version 7 does not have; the
+# load-balancing loss's weight changed for a fine-tune (a training setting, not the architecture);
+# --aux-loss-scope on a dense model (no effect: not recorded, so a resume without it is not refused);
+# a micro-batch routing 2^31 slots or more refused by --mode plan and training alike, and --device-memory's
+# search stopping below it.
+for v in noep:'del m["ep"]' extra:'m["moe"] = 1'; do
+  name=${v%%:*} code=${v#*:}
+  cp "$CK" "$WORK/mesh_$name.h5"
+  "$PY" - "$WORK/mesh_$name.h5" "$ROOT/tests/e2e" "$code" <<'PY' || fail "editing mesh"
+import json, sys, h5py
+sys.path.insert(0, sys.argv[2])
+import ckpt_meta
+with h5py.File(sys.argv[1], "r+") as f:
+    m = json.loads(f.attrs["mesh"])
+    exec(sys.argv[3])
+    f.attrs["mesh"] = json.dumps(m, sort_keys=True, separators=(",", ":"))
+ckpt_meta.reseal(sys.argv[1])
+PY
+done
+expect_fail v7_mesh_noep "attribute 'mesh' ({\"cp\":1,\"dp_replicate\":1,\"dp_shard\":3,\"pp\":1,\"tp\":1}): key 'ep' is missing" 1 --mode inspect "$WORK/mesh_noep.h5"
+expect_fail v7_mesh_extra "key 'moe' is not one of version 7's (tp, cp, dp_shard, dp_replicate, pp, ep)" 1 --mode inspect "$WORK/mesh_extra.h5"
+"$PY" - "$CFG" "$WORK/coef.json" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1])); c["router_aux_loss_coef"] = 0.1; json.dump(c, open(sys.argv[2], "w"))
+PY
+timeout -k 5 120 $MPIRUN -np 2 "$BIN" --model "$WORK/coef.json" --data "$DATA" --seq-len 24 --global-batch 6 --steps 1 --threads 1 \
+  --init-from "$WORK/qwen3_moe.h5" \
+  --checkpoint-dir "$WORK/ck_coef" >"$WORK/coef.log" 2>&1 || { cat "$WORK/coef.log"; fail "--init-from with another router_aux_loss_coef"; }
+echo "ok: a fine-tune may change router_aux_loss_coef (--init-from an import of 0.02 with 0.1)"
+timeout -k 5 120 $MPIRUN -np 2 "$BIN" --model tiny --data "$DATA" --seq-len 16 --global-batch 4 --steps 2 --stop-at-step 1 --threads 1 \
+  --aux-loss-scope micro-batch --checkpoint-dir "$WORK/ck_dense" >"$WORK/dense.log" 2>&1 || { cat "$WORK/dense.log"; fail "dense with --aux-loss-scope"; }
+grep -q "note: option '--aux-loss-scope' has no effect on a dense model (LlamaForCausalLM): ignored" "$WORK/dense.log" || { cat "$WORK/dense.log"; fail "no note"; }
+timeout -k 5 120 $MPIRUN -np 2 "$BIN" --model tiny --data "$DATA" --seq-len 16 --global-batch 4 --steps 2 --threads 1 \
+  --checkpoint-dir "$WORK/ck_dense" --resume auto >"$WORK/dense2.log" 2>&1 || { cat "$WORK/dense2.log"; fail "dense resume without --aux-loss-scope"; }
+echo "ok: --aux-loss-scope on a dense model: a note, not recorded; the resume without it continues"
+"$PY" - "$CFG" "$WORK/wide.json" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1]))
+c.update(num_experts=8192, num_local_experts=8192, num_experts_per_tok=8192, moe_intermediate_size=2,
+         max_position_embeddings=65536, mlp_only_layers=[])
+json.dump(c, open(sys.argv[2], "w"))
+PY
+expect_fail moe_slots_2g "a micro-batch of 8 x 32768 tokens routes 2147483648 slots (x num_experts_per_tok 8192), more than 2^31" \
+  1 --mode plan --model "$WORK/wide.json" --seq-len 32768 --global-batch 8 --micro-batch 8 --world-size 1
+timeout -k 5 120 $MPIRUN -np 1 "$BIN" --mode plan --model "$WORK/wide.json" --seq-len 32768 --global-batch 8 --micro-batch 1 --world-size 1 \
+  --device-memory 10000GB >"$WORK/wide.log" 2>&1 || { cat "$WORK/wide.log"; fail "--device-memory search near 2^31 slots"; }
+grep -q -- "--activation-checkpointing none: micro-batch up to 7$" "$WORK/wide.log" || { cat "$WORK/wide.log"; fail "the search did not stop below 2^31 slots"; }
+echo "ok: 2^31 routed slots refused by name; --device-memory's search stops at micro-batch 7"
