@@ -171,6 +171,7 @@ TEST_F(Resume, ChangedSettingsAreRefusedUnlessAccepted) {
     else if (opt == "clip") t.clip = 0.5;
     else if (opt == "seed") t.seed += 1;
     else if (opt == "attention-mask") t.attention_mask = st::AttentionMask::Document;
+    else if (opt == "aux-loss-scope") t.aux_scope = st::MoeAuxScope::MicroBatch;
     else if (opt == "train-on") t.train_on = st::TrainOn::All;
     else if (opt == "pack") t.pack = st::PackMode::None;
     else if (opt == "max-length-policy") t.max_length = st::MaxLengthPolicy::Drop;
