@@ -92,7 +92,7 @@ void run_tokenizer(Comm& comm, const Options& o) {
 std::unique_ptr<Mesh> build_mesh(Comm& comm, const Topology& topo, const Options& o) {
   MeshDims dims;
   agree(comm, [&] {
-    dims = resolve_mesh_dims(o.shard_group_size, o.tp, o.cp, topo.world_size, ranks_per_node(topo), o.pp);
+    dims = resolve_mesh_dims(o.shard_group_size, o.tp, o.cp, topo.world_size, ranks_per_node(topo), o.pp, o.ep);
   });
   auto mesh = std::make_unique<Mesh>(comm, topo, dims, o.collective_timeout);
   log_info(comm, mesh->topology_line());
@@ -455,7 +455,7 @@ void run_plan(Comm& comm, const Topology& topo, const Options& o) {
              ") does not divide this launch's world size (" + std::to_string(W) +
              "): give the planned job's ranks with '--world-size'");
   MeshDims dims;
-  agree(comm, [&] { dims = resolve_mesh_dims(o.shard_group_size, o.tp, o.cp, W, ranks_per_node(topo), o.pp); });
+  agree(comm, [&] { dims = resolve_mesh_dims(o.shard_group_size, o.tp, o.cp, W, ranks_per_node(topo), o.pp, o.ep); });
   const int G = dims.fsdp() * dims.tp;
   MemoryPlanInput in{mc, o.train, W, o.train.precision, o.train.reduce_bf16, cuda, 0, 4, 0, o.train.overlap};
   in.mesh = dims;

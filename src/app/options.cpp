@@ -47,6 +47,7 @@ po::options_description describe(Options& o) {
       ("shard-group-size", po::value<std::string>(&o.shard_group_size), "hybrid sharding (HSDP): shard parameters within groups of G consecutive ranks and replicate them across the W / G groups; a number dividing the world size, or 'node' (the ranks of one node); default: the world size (plain FSDP). With --tp N and --cp C, G counts ranks and must be a multiple of C x N")
       ("tp", po::value<int>(&o.tp)->default_value(o.tp), "tensor parallelism (Megatron-style, with sequence parallelism): groups of N consecutive ranks (inside a node) split every layer's heads and MLP and the vocabulary; FSDP shards each rank's slice over the data-parallel ranks. N must divide the world size, the attention and key/value heads, the intermediate size and the tokens of a micro-batch")
       ("cp", po::value<int>(&o.cp)->default_value(o.cp), "context parallelism: every sequence is split over a CP group of N ranks (head-tail: 2 x N chunks, rank r holding chunks r and 2N-1-r), which read the same batch rows; FSDP shards over dp_shard x cp. N (x --tp) must divide the world size, 2 x N the sequence length; --attention tiled only. --cp-comm chooses how K/V move; --mode plan --cp N plans it")
+      ("ep", po::value<int>(&o.ep)->default_value(o.ep), "expert parallelism (mixture-of-experts models): the E experts of every MoE block split over an EP group of N ranks that hold different tokens (N consecutive ranks of the FSDP shard group, no ranks of its own); tokens travel to their experts and back by all-to-all. N must divide num_experts and dp_shard x cp; --mode plan --ep N plans it")
       ("cp-comm", po::value<std::string>(&o.cp_comm)->default_value(o.cp_comm), "with --cp N > 1: how K/V move between the ranks of a CP group: ring (blocks pass around the group, overlapped with the block attention) | allgather (K/V gathered before attention, dK/dV reduce-scattered after it)")
       ("pp", po::value<int>(&o.pp)->default_value(o.pp), "pipeline parallelism: P stages, the mesh's outermost dimension (stages across nodes, everything else inside a stage); each stage holds a contiguous range of blocks (the embedding on the first, the final norm and head on the last) and passes activations to the next. P must divide the world size and be at most the blocks")
       ("pp-schedule", po::value<std::string>(&o.pp_schedule)->default_value(o.pp_schedule), "with --pp P > 1: gpipe | 1f1b | interleaved (--pp-virtual V chunks per rank; micro-batches a multiple of P) | zero-bubble (ZB-H1: weight gradients deferred into the bubble)")
@@ -167,7 +168,8 @@ int resolve_shard_group_size(const std::string& v, int world, int ranks_per_node
   return g;
 }
 
-MeshDims resolve_mesh_dims(const std::string& sgs, int tp, int cp, int world, int ranks_per_node, int pp) {
+MeshDims resolve_mesh_dims(const std::string& sgs, int tp, int cp, int world, int ranks_per_node, int pp, int ep) {
+  check(ep >= 1 && ep <= (1 << 16), "ep", "must be an integer in [1, 65536], got " + std::to_string(ep));
   check(pp >= 1 && pp <= (1 << 16), "pp", "must be an integer in [1, 65536], got " + std::to_string(pp));
   check(tp >= 1 && tp <= (1 << 16), "tp", "must be an integer in [1, 65536], got " + std::to_string(tp));
   check(cp >= 1 && cp <= (1 << 16), "cp", "must be an integer in [1, 65536], got " + std::to_string(cp));
@@ -196,6 +198,12 @@ MeshDims resolve_mesh_dims(const std::string& sgs, int tp, int cp, int world, in
   }
   MeshDims d{stage > 0 ? stage / g : 1, stage > 0 ? static_cast<int>(g / ct) : 1, cp, tp};
   d.pp = pp;
+  if (stage > 0)
+    check(d.fsdp() % ep == 0, "ep",
+          "(" + std::to_string(ep) + ") does not divide the FSDP shard group (dp_shard " + std::to_string(d.dp_shard) +
+              " x cp " + std::to_string(cp) + " = " + std::to_string(d.fsdp()) +
+              " ranks): an EP group is ranks of one shard group that hold different tokens");
+  d.ep = ep;
   return d;
 }
 
@@ -294,6 +302,7 @@ void validate_parallelism(const Options& o) {
   if (!o.shard_group_size.empty()) resolve_shard_group_size(o.shard_group_size, 0, 0);  // the form only
   check(o.tp >= 1 && o.tp <= (1 << 16), "tp", "must be an integer in [1, 65536], got " + std::to_string(o.tp));
   check(o.cp >= 1 && o.cp <= (1 << 16), "cp", "must be an integer in [1, 65536], got " + std::to_string(o.cp));
+  check(o.ep >= 1 && o.ep <= (1 << 16), "ep", "must be an integer in [1, 65536], got " + std::to_string(o.ep));
   parse_cp_comm(o.cp_comm);  // throws naming option '--cp-comm'
   check(o.pp >= 1 && o.pp <= (1 << 16), "pp", "must be an integer in [1, 65536], got " + std::to_string(o.pp));
   {

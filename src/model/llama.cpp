@@ -117,7 +117,7 @@ const char* attention_name(AttentionKind a) { return a == AttentionKind::Tiled ?
 const char* attention_mask_name(AttentionMask m) { return m == AttentionMask::Document ? "document" : "causal"; }
 int default_loss_chunk(int V) { return std::max(256, static_cast<int>((int64_t{1} << 24) / std::max(1, V))); }
 
-LlamaDims::LlamaDims(const ModelConfig& c, int tp_, int tp_rank, int cp_)
+LlamaDims::LlamaDims(const ModelConfig& c, int tp_, int tp_rank, int cp_, int ep_)
     : C(c.hidden_size), I(c.intermediate_size / tp_), V(c.vocab_size), L(c.num_hidden_layers),
       NH(c.num_attention_heads / tp_), NKV(c.num_key_value_heads / tp_), HD(c.head_dim()), Q(NH * HD), KV(NKV * HD),
       tp(tp_), cp(cp_), Vl((c.vocab_size + tp_ - 1) / tp_), v0(tp_rank * Vl),
@@ -127,6 +127,14 @@ LlamaDims::LlamaDims(const ModelConfig& c, int tp_, int tp_rank, int cp_)
     K = c.num_experts_per_tok;
     IE = c.moe_intermediate_size;
     renorm = c.norm_topk_prob;
+    if (ep_ < 1 || E % ep_ != 0)
+      throw std::invalid_argument("option '--ep' (" + std::to_string(ep_) + ") does not divide num_experts (" +
+                                  std::to_string(E) + ")");
+    ep = ep_;
+    El = E / ep_;
+  } else if (ep_ != 1) {
+    throw std::invalid_argument("option '--ep' (" + std::to_string(ep_) +
+                                ") needs a mixture-of-experts model; this config is dense");
   }
 }
 
@@ -146,6 +154,12 @@ LlamaDims LlamaDims::with_batch(int B_, int T, int loss_chunk) const {
                                 std::to_string(int64_t{d.BT} * d.K) + " slots (x num_experts_per_tok " +
                                 std::to_string(d.K) + "), more than 2^31: lower '--micro-batch' or '--seq-len'");
   d.slots = d.BT * d.K;
+  if (int64_t{d.slots} * d.ep > INT32_MAX)
+    throw std::invalid_argument("a micro-batch of " + std::to_string(B_) + " x " + std::to_string(T) + " tokens routes " +
+                                std::to_string(d.slots) + " slots, and with '--ep " + std::to_string(d.ep) +
+                                "' a rank's experts may get " + std::to_string(int64_t{d.slots} * d.ep) +
+                                " rows, more than 2^31: lower '--micro-batch' or '--seq-len'");
+  d.er = d.slots * d.ep;
   d.chunk = static_cast<int>(std::min<int64_t>(loss_chunk > 0 ? loss_chunk : default_loss_chunk(Vl), int64_t{B_} * T));
   return d;
 }
@@ -153,9 +167,10 @@ LlamaDims LlamaDims::with_batch(int B_, int T, int loss_chunk) const {
 // ---- model ------------------------------------------------------------------------------------
 template <typename T>
 LlamaModel<T>::LlamaModel(const ModelConfig& c, Backend<T>& be, const ModelOptions& o, TensorParallelOps<T>* tp,
-                          ContextParallelOps<T>* cp)
+                          ContextParallelOps<T>* cp, ExpertParallelOps<T>* ep)
     : c_(c), o_(o), be_(be), tp_(tp && tp->size() > 1 ? tp : nullptr), cp_(cp && cp->size() > 1 ? cp : nullptr),
-      tp_n_(tp_ ? tp_->size() : 1), tp_rank_(tp_ ? tp_->rank() : 0), d_(c, tp_n_, tp_rank_, cp_ ? cp_->size() : 1) {
+      ep_(ep && ep->size() > 1 ? ep : nullptr), tp_n_(tp_ ? tp_->size() : 1), tp_rank_(tp_ ? tp_->rank() : 0),
+      d_(c, tp_n_, tp_rank_, cp_ ? cp_->size() : 1, ep_ ? ep_->size() : 1) {
   if (cp_ && o_.attention == AttentionKind::Exact)
     throw std::invalid_argument("context parallelism (--cp " + std::to_string(cp_->size()) +
                                 ") runs tiled attention only, not '--attention exact'");

@@ -107,7 +107,7 @@ typename LlamaModel<T>::Layer& LlamaModel<T>::backward_activations(Context& ctx,
     case Recompute::None:
       return a;
     case Recompute::Selective:
-      be_.swiglu_forward(work_.h.data(), a.g.data(), a.u.data(), is_moe(l) ? static_cast<size_t>(d.slots) * d.IE : n);
+      be_.swiglu_forward(work_.h.data(), a.g.data(), a.u.data(), is_moe(l) ? expert_rows(a) * d.IE : n);
       if (o_.attention == AttentionKind::Exact)  // the probabilities only (y is kept)
         shardtrain::attention_forward<T>(be_, a.q.data(), a.k.data(), a.v.data(), work_.att.data(), nullptr, d.B, d.T_,
                                          d.NH, d.NKV, d.HD, ctx.use_doc_ ? ctx.doc_.data() : nullptr);

@@ -28,8 +28,11 @@ struct Sizes {
   // gradient), probs and the router logits [BT, E], slots = BT*K; stats [G, E] (the load-balancing
   // statistics of a context, G = B or 1 by the aux scope). gmax: the larger of gi and ge among the
   // block kinds the model has (the shared scratch and the recomputed block hold either).
+  // Under EP (ep > 1) ge is [er, IE] (er = N x slots, LlamaDims::er), and the exchange's scratch
+  // xr [er, C] (three of them: received, expert-major, the experts' outputs) and its two
+  // permutations pids [er] (ids); 0 without EP.
   bool moe, dense;
-  int64_t ge, ye, probs, slots, stats, gmax;
+  int64_t ge, ye, probs, slots, stats, gmax, xr, pids;
   // Elements a block keeps besides x, h and the exact probabilities, when it keeps them
   // (keep_all): in T, in S (accumulator arrays: lse; MoE probs and weights) and int32 ids (MoE
   // experts, rowtok, pos).
@@ -77,7 +80,9 @@ struct Sizes {
     moe = c.is_moe();
     dense = c.num_moe_layers() < c.num_hidden_layers;
     slots = moe ? int64_t{d.slots} : 0;
-    ge = slots * d.IE;
+    ge = (moe ? int64_t{d.er} : 0) * d.IE;
+    xr = moe && d.ep > 1 ? int64_t{d.er} * d.C : 0;
+    pids = moe && d.ep > 1 ? int64_t{d.er} : 0;
     ye = slots * d.C;
     probs = moe ? BT * d.E : 0;
     stats = moe ? int64_t{o.aux_scope == MoeAuxScope::Sequence ? d.B : 1} * d.E : 0;
@@ -98,11 +103,11 @@ int64_t deferred_weight_bytes(const ModelConfig& c, const ModelOptions& o, int B
 }
 
 int64_t context_bytes(const ModelConfig& c, const ModelOptions& o, int B, int T_, size_t E, int begin, int end, int tp,
-                      int cp) {
+                      int cp, int ep) {
   if (begin < 0 || begin > end || end > c.num_hidden_layers)
     throw std::invalid_argument("context_bytes: blocks [" + std::to_string(begin) + ", " + std::to_string(end) +
                                 ") are not a range of a model of " + std::to_string(c.num_hidden_layers) + " blocks");
-  const Sizes z(LlamaDims(c, tp, 0, cp).with_batch(B, T_, o.loss_chunk), o, c);
+  const Sizes z(LlamaDims(c, tp, 0, cp, ep).with_batch(B, T_, o.loss_chunk), o, c);
   const int64_t e = static_cast<int64_t>(E), a = E == 8 ? 8 : 4;  // Backend<T>::S: double for double, else float
   int64_t blocks = 0;  // as ensure_context
   for (int l = begin; l < end; ++l) blocks += z.block(c.is_moe_layer(l), e, a);
@@ -113,8 +118,8 @@ int64_t context_bytes(const ModelConfig& c, const ModelOptions& o, int B, int T_
 }
 
 ActivationBytes activation_bytes(const ModelConfig& c, const ModelOptions& o, int B, int T_, size_t E, size_t A,
-                                 int tp, int cp) {
-  const Sizes z(LlamaDims(c, tp, 0, cp).with_batch(B, T_, o.loss_chunk), o, c);
+                                 int tp, int cp, int ep) {
+  const Sizes z(LlamaDims(c, tp, 0, cp, ep).with_batch(B, T_, o.loss_chunk), o, c);
   const int64_t e = static_cast<int64_t>(E), a = static_cast<int64_t>(A);
   const int64_t moe = c.num_moe_layers();
   ActivationBytes r;
@@ -124,6 +129,7 @@ ActivationBytes activation_bytes(const ModelConfig& c, const ModelOptions& o, in
     r.recompute = e * z.work_rest() + a * z.work_acc() + 4 * z.work_ids() + e * (z.gmax + z.att);
   r.block_scratch = e * (3 * z.x + 2 * z.q + 2 * z.kv + 3 * z.gmax + z.att + z.qn) + a * z.dsum;  // qn: dqk_
   r.block_scratch += e * (2 * z.ye + z.probs) + a * z.slots;  // MoE: xe_, dye_, rl_, dwts_
+  r.block_scratch += e * 3 * z.xr + 4 * 2 * z.pids;            // EP: xr_, xs_, ys_, perm_, inv_
   r.head = e * (2 * z.x + z.rstd + z.chunk_logits + 2 * z.rope) + 2 * 4 * z.BT + 3 * 4 * z.layout + a * 2 * z.stats;
   if (tp > 1) {  // full_, dfull_, ids_tp_, the cross-entropy's scalars
     r.block_scratch += e * 2 * z.full;
@@ -159,6 +165,7 @@ template <typename T> void LlamaModel<T>::ensure(int B, int T_) {
   dqk_ = buf(z.qn);
   dh_ = buf(z.gmax); dg_ = buf(z.gmax); du_ = buf(z.gmax);
   xe_ = buf(z.ye); dye_ = buf(z.ye); rl_ = buf(z.probs); dwts_ = acc(z.slots);
+  xr_ = buf(z.xr); xs_ = buf(z.xr); ys_ = buf(z.xr); perm_ = ids(z.pids); inv_ = ids(z.pids);
   full_ = buf(z.full); dfull_ = buf(z.full);
   const int64_t ch = tp_n_ > 1 ? d_.chunk : 0;
   ce_mx_ = acc(ch); ce_maxes_ = acc(ch * tp_n_); ce_st_ = acc(2 * ch);

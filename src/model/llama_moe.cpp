@@ -44,10 +44,114 @@ template <typename T> void LlamaModel<T>::moe_sort(Layer& a) {
   be_.ids_from_host(a.pos.data(), pos, n);
 }
 
+// The experts' GEMMs (a loop of BLAS calls, one per expert with rows). eo: offsets of the rows of
+// experts e0, e0 + 1, ... in x (eo.size() - 1 experts). gate_up_proj[e]: We_gate = rows [0, IE),
+// We_up = rows [IE, 2 IE); down_proj[e] [C, IE].
+template <typename T>
+void LlamaModel<T>::experts_gate_up(const T* w, const T* x, const std::vector<int32_t>& eo, int e0, T* g, T* u) {
+  const LlamaDims& d = d_;
+  const int64_t C = d.C, IE = d.IE, gu = 2 * IE * C;
+  for (size_t j = 0; j + 1 < eo.size(); ++j) {
+    const int64_t r0 = eo[j], n = eo[j + 1] - r0;
+    if (n == 0) continue;
+    const T* We = w + moe_off_.egu + (e0 + static_cast<int64_t>(j)) * gu;
+    linear(be_, kMoeFwd, static_cast<int>(n), d.IE, d.C, x + r0 * C, We, g + r0 * IE, false);
+    linear(be_, kMoeFwd, static_cast<int>(n), d.IE, d.C, x + r0 * C, We + IE * C, u + r0 * IE, false);
+  }
+}
+
+template <typename T>
+void LlamaModel<T>::experts_down(const T* w, const T* h, const std::vector<int32_t>& eo, int e0, T* y) {
+  const LlamaDims& d = d_;
+  const int64_t C = d.C, IE = d.IE, dn = C * IE;
+  for (size_t j = 0; j + 1 < eo.size(); ++j) {
+    const int64_t r0 = eo[j], n = eo[j + 1] - r0;
+    if (n == 0) continue;
+    linear(be_, kMoeFwd, static_cast<int>(n), d.C, d.IE, h + r0 * IE, w + moe_off_.edown + (e0 + static_cast<int64_t>(j)) * dn,
+           y + r0 * C, false);
+  }
+}
+
+template <typename T>
+void LlamaModel<T>::experts_down_backward(const T* w, const T* dy, const T* h, const std::vector<int32_t>& eo, int e0,
+                                          T* dh, T* gw) {
+  const LlamaDims& d = d_;
+  const int64_t C = d.C, IE = d.IE, dn = C * IE;
+  for (size_t j = 0; j + 1 < eo.size(); ++j) {
+    const int64_t r0 = eo[j], n = eo[j + 1] - r0;
+    if (n == 0) continue;
+    const int m = static_cast<int>(n);
+    const int64_t e = e0 + static_cast<int64_t>(j);
+    linear(be_, kMoeDIn, m, d.C, d.IE, dy + r0 * C, w + moe_off_.edown + e * dn, dh + r0 * IE, false);
+    linear(be_, kMoeDW, m, d.C, d.IE, dy + r0 * C, h + r0 * IE, gw + moe_off_.edown + e * dn, true);
+  }
+}
+
+template <typename T>
+void LlamaModel<T>::experts_gate_up_backward(const T* w, const T* dg, const T* du, const T* x,
+                                             const std::vector<int32_t>& eo, int e0, T* dx, T* gw) {
+  const LlamaDims& d = d_;
+  const int64_t C = d.C, IE = d.IE, gu = 2 * IE * C;
+  for (size_t j = 0; j + 1 < eo.size(); ++j) {
+    const int64_t r0 = eo[j], n = eo[j + 1] - r0;
+    if (n == 0) continue;
+    const int m = static_cast<int>(n);
+    const int64_t e = e0 + static_cast<int64_t>(j);
+    const T* We = w + moe_off_.egu + e * gu;
+    T* gWe = gw + moe_off_.egu + e * gu;
+    linear(be_, kMoeDIn, m, d.IE, d.C, dg + r0 * IE, We, dx + r0 * C, false);
+    linear(be_, kMoeDIn, m, d.IE, d.C, du + r0 * IE, We + IE * C, dx + r0 * C, true);
+    linear(be_, kMoeDW, m, d.IE, d.C, dg + r0 * IE, x + r0 * C, gWe, true);
+    linear(be_, kMoeDW, m, d.IE, d.C, du + r0 * IE, x + r0 * C, gWe + IE * C, true);
+  }
+}
+
+// EP: rank q of the group computes experts [q El, (q+1) El); this rank's sorted slots are cut there
+// (send_[q]). From rank p it receives, per expert j of its own, ecnt[p][me El + j] rows, in expert
+// order (p's sorted order): block p of the received rows, at recv_at[p]. Expert-major row r (expert
+// j's rows from rank 0, then rank 1, ...) is received row perm[r].
+template <typename T> void LlamaModel<T>::ep_routes(Layer& a) {
+  const LlamaDims& d = d_;
+  const size_t n = static_cast<size_t>(ep_->size()), me = static_cast<size_t>(ep_->rank());
+  const size_t E = static_cast<size_t>(d.E), El = static_cast<size_t>(d.El);
+  ep_send_.assign(n, 0);
+  ep_recv_.assign(n, 0);
+  std::vector<int64_t> recv_at(n + 1, 0);
+  for (size_t q = 0; q < n; ++q) {
+    ep_send_[q] = static_cast<size_t>(a.eoff[(q + 1) * El] - a.eoff[q * El]);
+    for (size_t j = 0; j < El; ++j) ep_recv_[q] += static_cast<size_t>(a.ecnt[q * E + me * El + j]);
+    recv_at[q + 1] = recv_at[q] + static_cast<int64_t>(ep_recv_[q]);
+  }
+  const int64_t rows = recv_at[n];
+  if (rows > d.er)  // each rank sends at most its slots: a broken count exchange, never indexed
+    throw std::logic_error("LlamaModel: " + std::to_string(rows) + " expert rows received, more than " +
+                           std::to_string(d.er));
+  a.nrecv = rows;
+  ep_eoff_.assign(El + 1, 0);
+  perm_host_.resize(2 * static_cast<size_t>(rows));
+  int32_t* perm = perm_host_.data();
+  int32_t* inv = perm + rows;
+  std::vector<int64_t> within(n, 0);  // rows of rank p's block before expert j
+  int64_t r = 0;
+  for (size_t j = 0; j < El; ++j) {
+    for (size_t p = 0; p < n; ++p) {
+      const int64_t c = a.ecnt[p * E + me * El + j], base = recv_at[p] + within[p];
+      for (int64_t i = 0; i < c; ++i, ++r) {
+        perm[r] = static_cast<int32_t>(base + i);
+        inv[base + i] = static_cast<int32_t>(r);
+      }
+      within[p] += c;
+    }
+    ep_eoff_[j + 1] = static_cast<int32_t>(r);
+  }
+  be_.ids_from_host(perm_.data(), perm, static_cast<size_t>(rows));
+  be_.ids_from_host(inv_.data(), inv, static_cast<size_t>(rows));
+}
+
 // n2 = rmsnorm(x1) is in ln_ (no TP). Router logits z = n2 Wr^T [BT, E] in T, routing in S; the
 // gathered rows xe [slots, C]; expert e's rows [r0, r1): g = xe We_gate^T, u = xe We_up^T
-// ([rows, IE]; We_gate, We_up: rows [0, IE) and [IE, 2 IE) of gate_up_proj[e]), h = silu(g) u,
-// ye = h We_down^T [rows, C]; x_next = x1 + sum_j w_j ye[pos(t, j)].
+// ([rows, IE]), h = silu(g) u, ye = h We_down^T [rows, C]; x_next = x1 + sum_j w_j ye[pos(t, j)].
+// Under EP the experts' rows are the EP group's (model.h), between two all-to-alls.
 template <typename T> void LlamaModel<T>::moe_forward(const T* w, Layer& a, T* h, T* xn) {
   const LlamaDims& d = d_;
   const Offsets& o = moe_off_;
@@ -56,19 +160,24 @@ template <typename T> void LlamaModel<T>::moe_forward(const T* w, Layer& a, T* h
   be_.moe_route(a.probs.data(), a.experts.data(), a.wts.data(), rl_.data(), d.BT, d.E, d.K, d.renorm);
   moe_sort(a);
   be_.gather_rows(xe_.data(), n2, a.rowtok.data(), d.slots, d.C);
-  const int64_t C = d.C, IE = d.IE, gu = 2 * IE * C, dn = C * IE;
-  for (int e = 0; e < d.E; ++e) {
-    const int64_t r0 = a.eoff[static_cast<size_t>(e)], n = a.eoff[static_cast<size_t>(e) + 1] - r0;
-    if (n == 0) continue;
-    const T* We = w + o.egu + e * gu;
-    linear(be_, kMoeFwd, static_cast<int>(n), d.IE, d.C, xe_.data() + r0 * C, We, a.g.data() + r0 * IE, false);
-    linear(be_, kMoeFwd, static_cast<int>(n), d.IE, d.C, xe_.data() + r0 * C, We + IE * C, a.u.data() + r0 * IE, false);
-  }
-  be_.swiglu_forward(h, a.g.data(), a.u.data(), static_cast<size_t>(d.slots) * d.IE);
-  for (int e = 0; e < d.E; ++e) {
-    const int64_t r0 = a.eoff[static_cast<size_t>(e)], n = a.eoff[static_cast<size_t>(e) + 1] - r0;
-    if (n == 0) continue;
-    linear(be_, kMoeFwd, static_cast<int>(n), d.C, d.IE, h + r0 * IE, w + o.edown + e * dn, a.ye.data() + r0 * C, false);
+  if (ep_) {
+    std::vector<int64_t> mine(static_cast<size_t>(d.E));
+    for (size_t e = 0; e < mine.size(); ++e) mine[e] = a.eoff[e + 1] - a.eoff[e];
+    a.ecnt = ep_->all_gather_counts(mine);
+    ep_routes(a);
+    const int e0 = ep_->rank() * d.El;
+    const size_t rows = static_cast<size_t>(a.nrecv);
+    ep_->all_to_all(xe_.data(), ep_send_, xr_.data(), ep_recv_, static_cast<size_t>(d.C));
+    be_.gather_rows(xs_.data(), xr_.data(), perm_.data(), static_cast<int>(rows), d.C);
+    experts_gate_up(w, xs_.data(), ep_eoff_, e0, a.g.data(), a.u.data());
+    be_.swiglu_forward(h, a.g.data(), a.u.data(), rows * d.IE);
+    experts_down(w, h, ep_eoff_, e0, ys_.data());
+    be_.gather_rows(xr_.data(), ys_.data(), inv_.data(), static_cast<int>(rows), d.C);
+    ep_->all_to_all(xr_.data(), ep_recv_, a.ye.data(), ep_send_, static_cast<size_t>(d.C));
+  } else {
+    experts_gate_up(w, xe_.data(), a.eoff, 0, a.g.data(), a.u.data());
+    be_.swiglu_forward(h, a.g.data(), a.u.data(), static_cast<size_t>(d.slots) * d.IE);
+    experts_down(w, h, a.eoff, 0, a.ye.data());
   }
   if (xn) be_.moe_combine(xn, a.x1.data(), a.ye.data(), a.pos.data(), a.wts.data(), d.BT, d.K, d.C);
 }
@@ -76,34 +185,37 @@ template <typename T> void LlamaModel<T>::moe_forward(const T* w, Layer& a, T* h
 // From d(x_next) (ctx.dres_): d(w), d(ye) (combine backward), the experts' backward (d(h), their
 // weight gradients, d(xe)), d(n2) = the slots' d(xe) summed per token (into dln_), and the
 // router's: d(z) from d(w) and the load-balancing loss's d(probs), dln_ += d(z) Wr, dWr += d(z)^T n2.
+// Under EP: d(ye) to the experts' ranks, the inputs sent again, d(xe) back (model.h).
 template <typename T> void LlamaModel<T>::moe_backward(Context& ctx, const T* w, Layer& a, const T* h, T* gw) {
   const LlamaDims& d = d_;
   const Offsets& o = moe_off_;
-  const int64_t C = d.C, IE = d.IE, gu = 2 * IE * C, dn = C * IE;
   be_.moe_combine_backward(dye_.data(), dwts_.data(), ctx.dres_.data(), a.ye.data(), a.pos.data(), a.wts.data(), d.BT,
                            d.K, d.C);
-  for (int e = 0; e < d.E; ++e) {
-    const int64_t r0 = a.eoff[static_cast<size_t>(e)], n = a.eoff[static_cast<size_t>(e) + 1] - r0;
-    if (n == 0) continue;
-    const int m = static_cast<int>(n);
-    linear(be_, kMoeDIn, m, d.C, d.IE, dye_.data() + r0 * C, w + o.edown + e * dn, dh_.data() + r0 * IE, false);
-    linear(be_, kMoeDW, m, d.C, d.IE, dye_.data() + r0 * C, h + r0 * IE, gw + o.edown + e * dn, true);
-  }
-  be_.swiglu_backward(dg_.data(), du_.data(), dh_.data(), a.g.data(), a.u.data(), static_cast<size_t>(d.slots) * d.IE);
-  // The normalized input is not kept: recomputed (bitwise the same values), and gathered again.
-  const T* n2 = norm_rows(a.rstd2.data(), a.x1.data(), w + o.ln2, nullptr);
-  be_.gather_rows(xe_.data(), n2, a.rowtok.data(), d.slots, d.C);
-  T* dxe = dye_.data();  // d(ye) is spent: d(xe) takes its place
-  for (int e = 0; e < d.E; ++e) {
-    const int64_t r0 = a.eoff[static_cast<size_t>(e)], n = a.eoff[static_cast<size_t>(e) + 1] - r0;
-    if (n == 0) continue;
-    const int m = static_cast<int>(n);
-    const T* We = w + o.egu + e * gu;
-    T* gWe = gw + o.egu + e * gu;
-    linear(be_, kMoeDIn, m, d.IE, d.C, dg_.data() + r0 * IE, We, dxe + r0 * C, false);
-    linear(be_, kMoeDIn, m, d.IE, d.C, du_.data() + r0 * IE, We + IE * C, dxe + r0 * C, true);
-    linear(be_, kMoeDW, m, d.IE, d.C, dg_.data() + r0 * IE, xe_.data() + r0 * C, gWe, true);
-    linear(be_, kMoeDW, m, d.IE, d.C, du_.data() + r0 * IE, xe_.data() + r0 * C, gWe + IE * C, true);
+  const T* n2 = nullptr;
+  T* dxe = dye_.data();  // d(ye) is spent once the experts' first loop ran: d(xe) takes its place
+  if (ep_) {
+    ep_routes(a);
+    const int e0 = ep_->rank() * d.El;
+    const size_t rows = static_cast<size_t>(a.nrecv), C = static_cast<size_t>(d.C);
+    // The normalized input is not kept: recomputed (bitwise the same values), gathered and sent again.
+    n2 = norm_rows(a.rstd2.data(), a.x1.data(), w + o.ln2, nullptr);
+    be_.gather_rows(xe_.data(), n2, a.rowtok.data(), d.slots, d.C);
+    ep_->all_to_all(xe_.data(), ep_send_, xr_.data(), ep_recv_, C);
+    be_.gather_rows(xs_.data(), xr_.data(), perm_.data(), static_cast<int>(rows), d.C);
+    ep_->all_to_all(dye_.data(), ep_send_, xr_.data(), ep_recv_, C);
+    be_.gather_rows(ys_.data(), xr_.data(), perm_.data(), static_cast<int>(rows), d.C);
+    experts_down_backward(w, ys_.data(), h, ep_eoff_, e0, dh_.data(), gw);
+    be_.swiglu_backward(dg_.data(), du_.data(), dh_.data(), a.g.data(), a.u.data(), rows * d.IE);
+    experts_gate_up_backward(w, dg_.data(), du_.data(), xs_.data(), ep_eoff_, e0, ys_.data(), gw);
+    be_.gather_rows(xr_.data(), ys_.data(), inv_.data(), static_cast<int>(rows), d.C);
+    ep_->all_to_all(xr_.data(), ep_recv_, dxe, ep_send_, C);
+  } else {
+    experts_down_backward(w, dye_.data(), h, a.eoff, 0, dh_.data(), gw);
+    be_.swiglu_backward(dg_.data(), du_.data(), dh_.data(), a.g.data(), a.u.data(), static_cast<size_t>(d.slots) * d.IE);
+    // The normalized input is not kept: recomputed (bitwise the same values), and gathered again.
+    n2 = norm_rows(a.rstd2.data(), a.x1.data(), w + o.ln2, nullptr);
+    be_.gather_rows(xe_.data(), n2, a.rowtok.data(), d.slots, d.C);
+    experts_gate_up_backward(w, dg_.data(), du_.data(), xe_.data(), a.eoff, 0, dxe, gw);
   }
   be_.moe_combine(dln_.data(), nullptr, dxe, a.pos.data(), nullptr, d.BT, d.K, d.C);
   const int grp = o_.aux_scope == MoeAuxScope::Sequence ? d.T_ : d.BT;
@@ -117,7 +229,14 @@ template <typename T> void LlamaModel<T>::moe_backward(Context& ctx, const T* w,
 #define ST_LLAMA_MOE(T)                                                                         \
   template void LlamaModel<T>::moe_sort(Layer&);                                                \
   template void LlamaModel<T>::moe_forward(const T*, Layer&, T*, T*);                           \
-  template void LlamaModel<T>::moe_backward(Context&, const T*, Layer&, const T*, T*);
+  template void LlamaModel<T>::moe_backward(Context&, const T*, Layer&, const T*, T*);                \
+  template void LlamaModel<T>::experts_gate_up(const T*, const T*, const std::vector<int32_t>&, int, T*, T*); \
+  template void LlamaModel<T>::experts_down(const T*, const T*, const std::vector<int32_t>&, int, T*);       \
+  template void LlamaModel<T>::experts_down_backward(const T*, const T*, const T*, const std::vector<int32_t>&, int, \
+                                                     T*, T*);                                                \
+  template void LlamaModel<T>::experts_gate_up_backward(const T*, const T*, const T*, const T*,                \
+                                                        const std::vector<int32_t>&, int, T*, T*);           \
+  template void LlamaModel<T>::ep_routes(Layer&);
 ST_LLAMA_MOE(float)
 ST_LLAMA_MOE(double)
 ST_LLAMA_MOE(bf16)

@@ -64,10 +64,18 @@ GeometryResult resolve_geometry(const BatchOptions& o, const MeshDims& dims, con
   if (mc.is_moe() && dims.cp > 1)
     return refuse("option '--cp' (" + str(dims.cp) + ") with a mixture-of-experts model (" + mc.architecture +
                   ") is not built yet: the load-balancing loss's counts are not summed over the CP group (issue 56)");
-  if (mc.is_moe() && g.cp_tokens() * mc.num_experts_per_tok > INT32_MAX)
+  if (dims.ep > 1 && !mc.is_moe())
+    return refuse("option '--ep' (" + str(dims.ep) + ") needs a mixture-of-experts model; " + mc.architecture +
+                  " is dense");
+  if (dims.ep > 1 && mc.num_experts % dims.ep != 0)
+    return refuse("option '--ep' (" + str(dims.ep) + ") does not divide num_experts (" + str(mc.num_experts) +
+                  "): every rank of an EP group computes num_experts / ep experts");
+  if (mc.is_moe() && g.cp_tokens() * mc.num_experts_per_tok * dims.ep > INT32_MAX)
     return refuse("a micro-batch of " + str(g.micro_batch) + " x " + str(o.seq_len) + " tokens routes " +
                   std::to_string(g.cp_tokens() * mc.num_experts_per_tok) + " slots (x num_experts_per_tok " +
-                  str(mc.num_experts_per_tok) + "), more than 2^31: lower '--micro-batch' or '--seq-len'");
+                  str(mc.num_experts_per_tok) + ")" +
+                  (dims.ep > 1 ? ", x '--ep' " + str(dims.ep) + " rows that a rank's experts may get" : std::string()) +
+                  ", more than 2^31: lower '--micro-batch' or '--seq-len'");
   if (mc.is_moe() && dims.pp > 1)
     return refuse("option '--pp' (" + str(dims.pp) + ") with a mixture-of-experts model (" + mc.architecture +
                   ") is not built yet: the load-balancing loss pools every MoE block, across the stages (issue 56)");

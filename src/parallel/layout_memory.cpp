@@ -47,7 +47,7 @@ void stage_activations(const LayoutMemoryInput& in, int rows, const std::string&
   std::string per;
   for (size_t j = 0; j < chunks.size(); ++j) {
     const int b = pl.bounds[static_cast<size_t>(chunks[j])], e = pl.bounds[static_cast<size_t>(chunks[j]) + 1];
-    const int64_t cb = context_bytes(mc, in.options, B, rows, es, b, e, N, in.dims.cp);
+    const int64_t cb = context_bytes(mc, in.options, B, rows, es, b, e, N, in.dims.cp, in.dims.ep);
     const int64_t db = zb ? deferred_weight_bytes(mc, in.options, B, rows, es, e - b, N, in.dims.cp) : 0;
     ctx_total += held[j] * cb;
     def_total += held[j] * db;
@@ -78,7 +78,7 @@ void stage_buffers(const LayoutMemoryInput& in, int rows, const std::string& log
   const size_t es = in.elem_bytes;
   const ActivationBytes& a = m.activations;
   const int64_t scratch = a.total() - a.recompute -
-                          context_bytes(mc, in.options, in.micro_batch, rows, es, 0, mc.num_hidden_layers, N, in.dims.cp);
+                          context_bytes(mc, in.options, in.micro_batch, rows, es, 0, mc.num_hidden_layers, N, in.dims.cp, in.dims.ep);
   m.scratch.push_back({"model scratch: activation gradients, logits chunk, RoPE", scratch,
                        "shared by every context: activation_bytes less a whole-model context; " + logits_words});
   const int64_t rc = int64_t{in.micro_batch} * rows / N * mc.hidden_size;  // [R, C]: the micro-batch's rows of this rank
@@ -142,7 +142,7 @@ LayoutMemory layout_memory(const LayoutMemoryInput& in) {
                        "a packed slab and Open MPI's temporary, each <= 16 MiB"});
   }
   const int vl = (mc.vocab_size + N - 1) / N;  // vocabulary rows per TP rank
-  lm.activations = activation_bytes(mc, mo, B, cpm.rows, in.elem_bytes, 4, N, d.cp);
+  lm.activations = activation_bytes(mc, mo, B, cpm.rows, in.elem_bytes, 4, N, d.cp, d.ep);
   const std::string geo = cpm.rows_words + ", " + recompute_name(mo.recompute) + " recompute, " +
                           attention_name(mo.attention) + " attention" +
                           (mo.mask == AttentionMask::Document ? ", document mask" : "");

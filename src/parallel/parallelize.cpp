@@ -135,7 +135,7 @@ class TpCanonicalLayout final : public CheckpointLayout {
 }  // namespace
 
 const char* CommStats::name(CommDim d) {
-  static const char* const names[kDims] = {"fsdp", "tp", "cp", "pp"};
+  static const char* const names[kDims] = {"fsdp", "tp", "cp", "pp", "ep"};
   return names[static_cast<size_t>(d)];
 }
 
@@ -179,6 +179,10 @@ template <typename C> CommStats ParallelRun<C>::comm_stats() const {
     s[CommDim::Cp] = {c.transfers, c.bytes, c.issued_s, c.exposed_s};
   }
   if (pp) s[CommDim::Pp] = {pp->calls(), pp->bytes(), pp->issued_s(), pp->exposed_s()};
+  if (ep) {
+    const EpCommStats& e = ep->stats();
+    s[CommDim::Ep] = {e.calls, e.bytes, e.seconds, e.seconds};
+  }
   return s;
 }
 
@@ -330,6 +334,7 @@ ParallelRun<C> parallelize(const Mesh& mesh, const ModelConfig& mc, Backend<floa
     else r.pp = std::make_unique<StageLink<C>>(*mesh.pp_data(), pl, be);
   }
   if (d.tp > 1) r.tp = std::make_unique<TpGroup<C>>(*mesh.tp_data());
+  if (d.ep > 1) r.ep = std::make_unique<EpGroup<C>>(*mesh.ep_host(), *mesh.ep_data());
   const Reshard reshard = pl.ranks > 1 ? o.pp_reshard : Reshard::PerUse;
   if constexpr (std::is_same_v<C, bf16>) {
     if (!be16) throw std::invalid_argument("parallelize: mixed precision needs the bf16 backend");

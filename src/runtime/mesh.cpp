@@ -6,10 +6,13 @@
 namespace shardtrain {
 
 MeshLayout::MeshLayout(MeshDims d) : d_(d) {
-  if (d.dp_replicate < 1 || d.dp_shard < 1 || d.cp < 1 || d.tp < 1 || d.pp < 1)
+  if (d.dp_replicate < 1 || d.dp_shard < 1 || d.cp < 1 || d.tp < 1 || d.pp < 1 || d.ep < 1)
     throw std::invalid_argument("mesh: every dimension must be >= 1 (pp " + std::to_string(d.pp) + ", dp_replicate " +
                                 std::to_string(d.dp_replicate) + ", dp_shard " + std::to_string(d.dp_shard) + ", cp " +
-                                std::to_string(d.cp) + ", tp " + std::to_string(d.tp) + ")");
+                                std::to_string(d.cp) + ", tp " + std::to_string(d.tp) + ", ep " + std::to_string(d.ep) + ")");
+  if (d.fsdp() % d.ep != 0)
+    throw std::invalid_argument("mesh: ep " + std::to_string(d.ep) + " does not divide the FSDP shard group (dp_shard " +
+                                std::to_string(d.dp_shard) + " x cp " + std::to_string(d.cp) + ")");
 }
 
 MeshCoord MeshLayout::coord(int rank) const {
@@ -52,6 +55,13 @@ std::vector<int> MeshLayout::cp_group(int rank) const {
   std::vector<int> v;
   for (c.cp = 0; c.cp < d_.cp; ++c.cp) v.push_back(rank_of(c));
   return v;
+}
+
+std::vector<int> MeshLayout::ep_group(int rank) const {
+  const std::vector<int> g = shard_group(rank);
+  const size_t first = static_cast<size_t>(shard_index(rank) / d_.ep * d_.ep);
+  return std::vector<int>(g.begin() + static_cast<std::ptrdiff_t>(first),
+                          g.begin() + static_cast<std::ptrdiff_t>(first) + d_.ep);
 }
 
 std::vector<int> MeshLayout::pp_group(int rank) const {
@@ -111,6 +121,10 @@ Mesh::Mesh(Comm& world, const Topology& topo, MeshDims dims, double collective_t
     pp_host_ = std::make_unique<MpiComm>(MpiComm::split(world, layout_.pp_group(r).front(), r));
     pp_host_->set_collective_timeout(collective_timeout);
   }
+  if (dims.ep > 1) {
+    ep_host_ = std::make_unique<MpiComm>(MpiComm::split(world, layout_.ep_group(r).front(), r));
+    ep_host_->set_collective_timeout(collective_timeout);
+  }
   if (dims.fsdp() != world.world_size()) {  // else the shard group is the world
     shard_host_ = std::make_unique<MpiComm>(MpiComm::split(world, layout_.shard_group(r).front(), r));
     shard_host_->set_collective_timeout(collective_timeout);
@@ -139,6 +153,7 @@ void Mesh::attach_device_comms(const std::function<std::unique_ptr<Comm>(Comm& h
   if (tp_host_) tp_dev_ = make(*tp_host_);
   if (cp_host_) cp_dev_ = make(*cp_host_);
   if (pp_host_) pp_dev_ = make(*pp_host_);
+  if (ep_host_) ep_dev_ = make(*ep_host_);
 }
 
 std::string Mesh::topology_line() const {
@@ -163,6 +178,10 @@ std::string Mesh::topology_line() const {
   if (P > 1)
     s += "; pipeline parallel: " + std::to_string(P) + " stages of " + std::to_string(W / P) + " consecutive ranks (--pp " +
          std::to_string(P) + ")";
+  const int E = dims().ep;
+  if (E > 1)
+    s += "; expert parallel: " + std::to_string(W / E) + " EP groups of " + std::to_string(E) +
+         " ranks (--ep " + std::to_string(E) + ", inside the FSDP shard group)";
   if (R == 1 && N == 1 && P == 1)
     s += "; fully sharded over all " + std::to_string(W) + " ranks (shard group size " + std::to_string(G) + ")";
   else if (R == 1 && N == 1)

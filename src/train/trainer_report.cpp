@@ -36,7 +36,7 @@ template <typename C> void Trainer<C>::log_step(int64_t s, const StepOutcome& o)
     // <dim>_bytes and <dim>_collectives per step in the metrics (blocking collectives: all exposed).
     std::string dims_line;
     nlohmann::json dims_rec = nlohmann::json::object();
-    for (CommDim d : {CommDim::Tp, CommDim::Cp, CommDim::Pp}) {
+    for (CommDim d : {CommDim::Tp, CommDim::Cp, CommDim::Pp, CommDim::Ep}) {
       if (c[d].calls == 0) continue;
       const std::string name = CommStats::name(d);
       const double ms = 1e3 * c[d].exposed_s / n, bytes = c[d].bytes / n;

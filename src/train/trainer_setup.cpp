@@ -169,9 +169,9 @@ template <typename C> void Trainer<C>::allocate(const ParallelPlan& plan) {
       f_ = run_.state.get();
       units_ = run_.units.get();
       if constexpr (std::is_same_v<C, bf16>)
-        model_ = std::make_unique<LlamaModel<bf16>>(mc_, *eng_.be16, mopt_, run_.tp_ops(), run_.cp_ops());
+        model_ = std::make_unique<LlamaModel<bf16>>(mc_, *eng_.be16, mopt_, run_.tp_ops(), run_.cp_ops(), run_.ep_ops());
       else
-        model_ = std::make_unique<LlamaModel<float>>(mc_, eng_.be, mopt_, run_.tp_ops(), run_.cp_ops());
+        model_ = std::make_unique<LlamaModel<float>>(mc_, eng_.be, mopt_, run_.tp_ops(), run_.cp_ops(), run_.ep_ops());
       opt_ = std::make_unique<AdamW<float>>(*f_, tc_);
       Backend<C>* be = nullptr;
       if constexpr (std::is_same_v<C, bf16>) be = eng_.be16;

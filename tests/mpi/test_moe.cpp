@@ -28,6 +28,7 @@
 #include "shardtrain/backend/backend.h"
 #include "shardtrain/model/config.h"
 #include "shardtrain/model/model.h"
+#include "shardtrain/parallel/expert_parallel.h"
 #include "shardtrain/shard/shard.h"
 #include "../test_env.h"
 
@@ -182,17 +183,27 @@ struct LayoutRun {
   double norm2 = 0;        // the global gradient's sum of squares
 };
 
-// Sequences [first, first + count) of the batch, micro-batches of `mb` rows, on f's ranks.
+// Sequences [first, first + count) of the batch, micro-batches of `mb` rows, on f's ranks; `ep`:
+// expert parallelism's transfers (nullptr: none). skew: every router weight zero, so that every
+// token ties and goes to experts 0 and 1 (the lower index wins): the EP ranks of the other experts
+// get no rows at all.
 LayoutRun run_layout(st::Comm& comm, const st::ModelConfig& mc, st::MoeAuxScope scope, const std::vector<int32_t>& tok,
                      const std::vector<int32_t>& tgt, int T, int first, int count, int mb, double ce_scale,
-                     double aux_scale) {
+                     double aux_scale, st::ExpertParallelOps<double>* ep = nullptr,
+                     st::Recompute recompute = st::Recompute::None, bool skew = false) {
   auto be = st::make_cpu_backend<double>();
   st::Fsdp<double> f(*be, comm, st::ShardPlan::build(st::llama_units(mc), comm.world_size()), &comm, nullptr);
   f.init_params(56);
+  if (skew)
+    for (int l = 0; l < mc.num_hidden_layers; ++l)
+      if (mc.is_moe_layer(l))
+        f.set_param("model.layers." + std::to_string(l) + ".mlp.gate.weight",
+                    std::vector<double>(static_cast<size_t>(mc.num_experts) * mc.hidden_size, 0.0));
   f.zero_grads();
   st::ModelOptions o;
   o.aux_scope = scope;
-  st::LlamaModel<double> m(mc, *be, o);
+  o.recompute = recompute;
+  st::LlamaModel<double> m(mc, *be, o, nullptr, nullptr, ep);
   LayoutRun r;
   f.begin_pass("train");
   for (int s = first; s < first + count; s += mb) {
@@ -266,5 +277,72 @@ TEST(Moe, SequenceScopeIsTheSameAtEveryDataParallelLayout) {
       std::printf("[ MoE layout ] W %d, %d x 1-row micro-batches per rank vs W 1, 4 x 2 rows: loss %.15g vs %.15g, "
                   "worst gradient rel diff %.1e, grad norm %.15g vs %.15g\n",
                   W, per, loss, want, worst, std::sqrt(got.norm2), std::sqrt(ref.norm2));
+  }
+}
+
+// Expert parallelism (--ep): the same batch and model in float64, FSDP over the W ranks of mpirun
+// in 1-row micro-batches, with the experts of every MoE block split over EP groups of 2 and (W 4)
+// 4 consecutive ranks, each rank computing its E / ep experts for the tokens of its whole group
+// (all-to-all), in every recompute mode (full recompute sends the rows again) and with a router
+// forced onto experts 0 and 1 (the other EP ranks get no rows). Against W = 1 without EP: the loss,
+// every gradient element (experts, router, attention, norms) and the global gradient norm within
+// 1e-12 (the EP gradient-norm bug, pytorch#160285, would show there: a divisor of the EP group's
+// size instead of W scales every expert gradient).
+TEST(Moe, ExpertParallelIsExactAgainstOneRank) {
+  st::Comm& c = st::testing::comm();
+  const int W = c.world_size(), N = 8, T = 12;
+  if (W < 2 || N % W != 0) GTEST_SKIP() << "expert parallelism over 2 or 4 of the ranks: needs W 2 or 4, got " << W;
+  const st::ModelConfig mc = layout_config();
+  std::mt19937 g(93);
+  std::vector<int32_t> tok(static_cast<size_t>(N) * T), tgt(tok.size());
+  for (auto& t : tok) t = static_cast<int32_t>(g() % 53);
+  for (auto& t : tgt) t = static_cast<int32_t>(g() % 53);
+  const double coef = mc.router_aux_loss_coef;
+  st::MpiComm self = st::MpiComm::split(c, c.rank(), 0);
+  const int per = N / W;
+  struct Case {
+    int ep;
+    st::Recompute rc;
+    bool skew;
+  };
+  std::vector<Case> cases = {{2, st::Recompute::None, false}, {2, st::Recompute::Full, false},
+                             {2, st::Recompute::Selective, true}};
+  if (W == 4) cases.push_back({4, st::Recompute::None, false}), cases.push_back({4, st::Recompute::Full, true});
+  for (bool skew : {false, true}) {
+    const LayoutRun ref = run_layout(self, mc, st::MoeAuxScope::Sequence, tok, tgt, T, 0, N, 2, 1.0 / (N * T), coef / N,
+                                     nullptr, st::Recompute::None, skew);
+    const double want = ref.ce / (N * T) + coef * ref.aux / N;
+    for (const Case& k : cases) {
+      if (k.skew != skew) continue;
+      st::MpiComm epc = st::MpiComm::split(c, c.rank() / k.ep, c.rank());
+      st::EpGroup<double> ep(epc, epc);
+      LayoutRun got = run_layout(c, mc, st::MoeAuxScope::Sequence, tok, tgt, T, c.rank() * per, per, 1,
+                                 1.0 / (per * T), coef / per, &ep, k.rc, skew);
+      double sums[2] = {got.ce, got.aux};
+      c.all_reduce(sums, 2, st::ReduceOp::Sum);
+      const double loss = sums[0] / (N * T) + coef * sums[1] / N;
+      const std::string what = "ep " + std::to_string(k.ep) + ", recompute " + st::recompute_name(k.rc) +
+                               (skew ? ", router forced onto experts 0 and 1" : "");
+      EXPECT_NEAR(loss, want, 1e-12 * want) << what;
+      EXPECT_NEAR(got.norm2, ref.norm2, 1e-12 * ref.norm2) << what << ": the global gradient norm";
+      EXPECT_GT(ep.stats().calls, 0) << what;
+      double worst = 0;
+      for (const auto& [name, gw] : ref.grads) {
+        const std::vector<double>& gg = got.grads.at(name);
+        ASSERT_EQ(gg.size(), gw.size()) << name;
+        double mx = 0, d = 0;
+        for (size_t i = 0; i < gw.size(); ++i) {
+          mx = std::max(mx, std::fabs(gw[i]));
+          d = std::max(d, std::fabs(gg[i] - gw[i]));
+        }
+        ASSERT_GT(mx, 0.0) << name << ": an all-zero gradient checks nothing";
+        EXPECT_LE(d, 1e-12 * mx) << what << ": " << name;
+        worst = std::max(worst, d / mx);
+      }
+      if (c.rank() == 0)
+        std::printf("[ MoE EP ] W %d, %s: loss %.15g vs %.15g, worst gradient rel diff %.1e, grad norm %.15g vs "
+                    "%.15g\n",
+                    W, what.c_str(), loss, want, worst, std::sqrt(got.norm2), std::sqrt(ref.norm2));
+    }
   }
 }

@@ -75,6 +75,7 @@ struct Options {
   std::string shard_group_size;   // train, plan: ranks a unit is sharded over (HSDP): "" = all, N, or "node"
   int tp = 1;                     // train, plan: tensor-parallel degree (--tp; model.h)
   int cp = 1;                     // train, plan: context-parallel degree (--cp; mesh.h, geometry.h)
+  int ep = 1;                     // train, plan: expert-parallel degree (--ep; mesh.h, docs/moe.md)
   std::string cp_comm = "ring";   // train, plan: ring | allgather (parse_cp_comm, geometry.h; TrainConfig::cp_comm)
   int pp = 1;                     // train, plan: pipeline stages (--pp; mesh.h, pipeline_schedule.h)
   std::string pp_schedule = "1f1b";  // train, plan: gpipe | 1f1b | interleaved | zero-bubble (parse_pipeline_kind)
@@ -117,9 +118,10 @@ int resolve_shard_group_size(const std::string& value, int world, int ranks_per_
 // pipeline stage: {dp_replicate (W / P) / G, dp_shard G / (C x N), cp C, tp N, pp P}. G defaults to
 // the ranks of a stage, W / P. Throws std::invalid_argument naming the option and the numbers when P
 // does not divide the world size, N or C x N does not divide the ranks of a stage, or G is not a
-// multiple of C x N (and as resolve_shard_group_size). world 0: the forms only.
+// multiple of C x N (and as resolve_shard_group_size). world 0: the forms only. '--ep' E (no ranks of
+// its own: EP groups are formed inside the FSDP shard group) must divide dp_shard x cp.
 MeshDims resolve_mesh_dims(const std::string& shard_group_size, int tp, int cp, int world, int ranks_per_node,
-                           int pp = 1);
+                           int pp = 1, int ep = 1);
 // Option '--pp-layers' "a,b,...": the blocks of each chunk (pipeline_split checks them against the
 // model); "" -> empty (an even split). Throws std::invalid_argument naming the option for anything
 // but comma-separated positive decimal integers.

@@ -62,6 +62,19 @@
 // (ModelOptions::aux_scope); its gradient reaches the routing probabilities only. Not with tensor
 // parallelism, context parallelism or the split backward yet (std::invalid_argument /
 // std::logic_error, naming what is missing).
+// Expert parallelism (--ep N; the model given ExpertParallelOps of size N > 1): rank i of the EP
+// group computes experts [i E/N, (i+1) E/N) for the tokens of the whole group. Per MoE block the
+// routing and the sort stay local; the group exchanges each rank's slots per expert
+// (all_gather_counts), every rank sends each peer the rows routed to its experts (all_to_all, the
+// sorted order cut at the peers' expert ranges), orders what it received expert-major (expert j's
+// rows from rank 0, then rank 1, ...), runs its experts' GEMMs, puts the outputs back in the order
+// received and returns them (all_to_all); the combine is local. Backward sends d(ye) the same way,
+// sends the inputs again for the weight gradients (nothing of [rows, C] is kept) and returns d(xe).
+// Every weight gradient of an expert this rank does not compute stays zero: the FSDP reduce-scatter
+// over the shard group, which holds the whole EP group, sums each expert's from the ranks that
+// computed it, divided by the same W as every gradient (docs/moe.md, "The gradient's divisor").
+// The buffers of an expert's rows (g, u, h and the exchange's) are sized for the worst case
+// dropless allows, N x B*T*K rows (every rank's slots to one rank's experts).
 //
 // Context parallelism (--cp N; Ring Attention, Liu et al. 2023; Llama 3, section 3.3.2): every
 // sequence of T tokens is split over a CP group of N ranks, each holding Tl = T / N rows of it (the
@@ -84,6 +97,7 @@
 #include "shardtrain/backend/backend.h"
 #include "shardtrain/model/config.h"
 #include "shardtrain/shard/context_parallel_ops.h"
+#include "shardtrain/shard/expert_parallel_ops.h"
 #include "shardtrain/shard/shard.h"
 
 namespace shardtrain {
@@ -209,8 +223,11 @@ struct LlamaDims {
   int E = 0, K = 0, IE = 0;        // MoE: experts, experts per token, an expert's inner size (0: dense)
   bool renorm = false;             // MoE: the K weights divided by their sum (norm_topk_prob)
   int slots = 0;                   // MoE: BT * K routed rows
-  // tp must divide the heads, KV heads and I (check_tensor_parallel; not checked here).
-  explicit LlamaDims(const ModelConfig& c, int tp = 1, int tp_rank = 0, int cp = 1);
+  int ep = 1, El = 0;              // MoE: EP degree N, this rank's experts E / N
+  int er = 0;                      // MoE: rows this rank's experts may get, N x slots (slots without EP)
+  // tp must divide the heads, KV heads and I (check_tensor_parallel; not checked here); ep must
+  // divide E (the parallel layer refuses it first; here std::invalid_argument).
+  explicit LlamaDims(const ModelConfig& c, int tp = 1, int tp_rank = 0, int cp = 1, int ep = 1);
   // This with the micro-batch B x T_ and the loss chunk min(loss_chunk, B*T_); loss_chunk 0 =
   // default_loss_chunk(Vl). Throws std::invalid_argument naming '--tp' when tp does not divide B*T_.
   LlamaDims with_batch(int B, int T_, int loss_chunk) const;
@@ -229,8 +246,9 @@ struct ActivationBytes {
 // tp: the TP degree (sequence-parallel rows B*T/tp, local heads and intermediate slice). cp: the CP
 // degree, T_ the rows of each sequence a rank holds (T / cp): the RoPE tables cover cp * T_
 // positions, and the layout's ids are kept as with mask Document (positions are required).
+// ep: the EP degree (an MoE block's expert rows sized N x B*T*K, and the exchange's buffers).
 ActivationBytes activation_bytes(const ModelConfig& c, const ModelOptions& o, int B, int T_, size_t elem_bytes,
-                                 size_t acc_bytes, int tp = 1, int cp = 1);
+                                 size_t acc_bytes, int tp = 1, int cp = 1, int ep = 1);
 
 // The backend memory of one LlamaModel<T>::Context over blocks [begin, end) of a model of L blocks
 // (a pipeline chunk; [0, L): the whole model's context), for micro-batches of B x T_ tokens, in
@@ -249,7 +267,7 @@ ActivationBytes activation_bytes(const ModelConfig& c, const ModelOptions& o, in
 //   activation_bytes(c, o, B, T_, ...).total() - context_bytes(c, o, B, T_, ..., 0, L, ...).
 // std::invalid_argument when not 0 <= begin <= end <= L.
 int64_t context_bytes(const ModelConfig& c, const ModelOptions& o, int B, int T_, size_t elem_bytes, int begin, int end,
-                      int tp = 1, int cp = 1);
+                      int tp = 1, int cp = 1, int ep = 1);
 
 // The memory of one deferred weight gradient (LlamaModel::backward_input, below): the bytes a
 // Context keeps from its backward_input to its backward_weight for a range of `blocks` blocks, for
@@ -348,6 +366,10 @@ template <typename T> class LlamaModel {
     AccBuffer<T> probs, wts;
     IdBuffer<T> experts, rowtok, pos;
     std::vector<int32_t> eoff;
+    // EP (ep_ set): every EP rank's slots per expert [N, E] (host; all_gather_counts) and the rows
+    // this rank's experts got (g, u, h hold that many).
+    std::vector<int64_t> ecnt;
+    int64_t nrecv = 0;
   };
   // What backward_weight needs of one block, kept from backward_input (deferred_weight_bytes). The
   // operands of the weight-gradient GEMMs (LinearRole::WeightGrad: out += dy^T x) that the context
@@ -423,8 +445,11 @@ template <typename T> class LlamaModel {
   // the rows held per sequence (T / cp) and its layout must give positions.
   // Throws std::invalid_argument when tp does not fit the model (check_tensor_parallel), or when cp
   // is given with --attention exact (CP runs the tiled block kernels only).
+  // ep: expert parallelism's transfers (expert_parallel_ops.h, above), nullptr or size 1 = none;
+  // must outlive the model; std::invalid_argument when its size does not divide num_experts, or
+  // when given for a dense model.
   LlamaModel(const ModelConfig& c, Backend<T>& be, const ModelOptions& o = {}, TensorParallelOps<T>* tp = nullptr,
-             ContextParallelOps<T>* cp = nullptr);
+             ContextParallelOps<T>* cp = nullptr, ExpertParallelOps<T>* ep = nullptr);
 
   // Collective (gathers units 0, 1..L, L+1). tokens: host array [B, T] of ids in [0, V). Runs the
   // embedding, the blocks and the final norm, keeping what backward() needs (options().recompute).
@@ -561,6 +586,22 @@ template <typename T> class LlamaModel {
   // The routing's host half: a's experts to the host, sorted by expert (counting sort, stable), into
   // a.rowtok, a.pos, a.eoff.
   void moe_sort(Layer& a);
+  // The experts [e0, e0 + eo.size() - 1) of an MoE block (weights w), expert e0 + j on rows
+  // [eo[j], eo[j+1]) of x [rows, C]: g, u = x W_gate^T, x W_up^T [rows, IE]; y = h W_down^T. Their
+  // backward: dh = dy W_down, gw += dy^T h (down_proj); then, from dg, du (swiglu_backward),
+  // dx = dg W_gate + du W_up and gw += dg^T x, du^T x (gate_up_proj).
+  void experts_gate_up(const T* w, const T* x, const std::vector<int32_t>& eo, int e0, T* g, T* u);
+  void experts_down(const T* w, const T* h, const std::vector<int32_t>& eo, int e0, T* y);
+  void experts_down_backward(const T* w, const T* dy, const T* h, const std::vector<int32_t>& eo, int e0, T* dh, T* gw);
+  void experts_gate_up_backward(const T* w, const T* dg, const T* du, const T* x, const std::vector<int32_t>& eo, int e0,
+                                T* dx, T* gw);
+  // EP: from a.ecnt and a.eoff, the rows sent to and received from each rank (ep_send_, ep_recv_),
+  // the received rows' expert-major offsets (ep_eoff_) and the permutations between the order
+  // received and expert-major (perm_: expert-major row r is received row perm_[r]; inv_ its
+  // inverse), in backend memory; a.nrecv. No communication.
+  void ep_routes(Layer& a);
+  // Rows of an MoE block's expert buffers (g, u, h) filled for `a`: a.nrecv under EP, else slots.
+  size_t expert_rows(const Layer& a) const { return static_cast<size_t>(ep_ ? a.nrecv : d_.slots); }
   bool is_moe(int l) const { return !moe_layer_.empty() && moe_layer_[static_cast<size_t>(l)]; }
   const Offsets& offsets(int l) const { return is_moe(l) ? moe_off_ : dense_off_; }
   // The layout's checks (std::invalid_argument) and, in set_layout, its copy into ctx (use_pos_ /
@@ -618,6 +659,7 @@ template <typename T> class LlamaModel {
   Backend<T>& be_;
   TensorParallelOps<T>* tp_ = nullptr;  // the TP group; nullptr without TP
   ContextParallelOps<T>* cp_ = nullptr;  // the CP group's attention; nullptr without CP
+  ExpertParallelOps<T>* ep_ = nullptr;   // the EP group's transfers; nullptr without EP
   int tp_n_ = 1, tp_rank_ = 0;
   LlamaDims d_;
   S eps_ = S(0), attn_scale_ = S(0);  // rms_norm_eps; 1 / sqrt(HD)
@@ -638,6 +680,13 @@ template <typename T> class LlamaModel {
   Buffer<T> xe_, dye_, rl_;
   AccBuffer<T> dwts_;
   std::vector<int32_t> ex_host_, sort_host_;
+  // EP only (empty without): the rows received [er, C], the same expert-major (the experts' inputs
+  // in backward), the experts' outputs / gradients expert-major; the permutations [er] (ep_routes)
+  // and their host side.
+  Buffer<T> xr_, xs_, ys_;
+  IdBuffer<T> perm_, inv_;
+  std::vector<size_t> ep_send_, ep_recv_;
+  std::vector<int32_t> ep_eoff_, perm_host_;
   AccBuffer<T> dsum_;  // tiled attention backward: rowsum(dy * y) [B, NH, T]
   IdBuffer<T> rows_;   // block attention with documents: each token's index t in its row [B, T]
   // TP > 1 only (empty without TP). full_: an all-gathered [BT, C] (an RMSNorm output; in the head

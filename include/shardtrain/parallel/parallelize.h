@@ -38,6 +38,7 @@
 #include "shardtrain/io/checkpoint.h"
 #include "shardtrain/model/config.h"
 #include "shardtrain/parallel/context_parallel.h"
+#include "shardtrain/parallel/expert_parallel.h"
 #include "shardtrain/parallel/geometry.h"  // CpComm
 #include "shardtrain/runtime/mesh.h"
 #include "shardtrain/model/model.h"  // AttentionKind, TokenLayout
@@ -80,7 +81,7 @@ class CheckpointLayout {
 };
 
 // The mesh's dimensions that communicate in a step, in the order the step log lists them.
-enum class CommDim { Fsdp, Tp, Cp, Pp };
+enum class CommDim { Fsdp, Tp, Cp, Pp, Ep };
 
 // One dimension's communication, accumulated since the run started (or, as a difference, over an
 // interval).
@@ -94,13 +95,14 @@ struct DimComm {
 // Every dimension's communication in one structure: what the step log, the metrics and TensorBoard
 // read. FSDP's comes from the unit pipeline's queues (CommTimes), TP's from its group (TpCommStats),
 // CP's from its attention (CpCommStats: ring shifts or collectives, their bytes, time in flight and
-// the part the compute thread waited); PP's from its StageLink (pipeline.h), zero with one stage.
+// the part the compute thread waited); PP's from its StageLink (pipeline.h), zero with one stage;
+// EP's from its group (EpCommStats: the MoE blocks' all-to-alls and counts exchanges).
 struct CommStats {
-  static constexpr int kDims = 4;
+  static constexpr int kDims = 5;
   std::array<DimComm, kDims> dim;
   DimComm& operator[](CommDim d) { return dim[static_cast<size_t>(d)]; }
   const DimComm& operator[](CommDim d) const { return dim[static_cast<size_t>(d)]; }
-  static const char* name(CommDim d);  // "fsdp", "tp", "cp", "pp" (the metrics' prefixes)
+  static const char* name(CommDim d);  // "fsdp", "tp", "cp", "pp", "ep" (the metrics' prefixes)
   double exposed_s() const;            // summed over the dimensions
   CommStats& operator+=(const CommStats& b);
   CommStats operator-(const CommStats& b) const;
@@ -148,6 +150,7 @@ template <typename C> struct ParallelRun {
   std::unique_ptr<ShardedState<float>> state;  // fp32 master shards and gradient shards
   std::unique_ptr<TpGroup<C>> tp;              // tp > 1: the TP group's collectives; else nullptr
   std::unique_ptr<CpAttention<C>> cp;          // cp > 1: the CP group's attention; else nullptr
+  std::unique_ptr<EpGroup<C>> ep;              // ep > 1: the EP group's all-to-alls; else nullptr
   ParallelPlan plan;  // options.plan: the geometry, the stages (one stage: one chunk [0, L)), the schedules
   RankUnits stage;                             // this rank's chunks and their units (pipeline_rank_units)
   std::unique_ptr<StageLink<C>> pp;            // pp > 1: activations between the stages; else nullptr
@@ -157,6 +160,7 @@ template <typename C> struct ParallelRun {
   // while this lives.
   TensorParallelOps<C>* tp_ops() const { return tp.get(); }
   ContextParallelOps<C>* cp_ops() const { return cp.get(); }
+  ExpertParallelOps<C>* ep_ops() const { return ep.get(); }  // nullptr: no EP
   // After the backward of a step: gradients of parameters every rank of a group holds whole (TP's
   // RMSNorm weights) summed over the group; the tied embedding's gradient summed between the first
   // and the last pipeline stage (sum_tied_grads). No-op where no dimension replicates a parameter.

@@ -26,6 +26,11 @@
 //   Checkpoint rows: replica group 0 writes them, one row per rank of the (larger) shard group.
 //   Gradient norm: every rank of replica group 0 counts its shards (CP ranks hold different ones);
 //     a TP group's replicated parameters count once (TP rank 0).
+//   Expert parallelism (ep, issue 56; docs/moe.md) adds no ranks: an EP group is ep ranks of one
+//     FSDP shard group that hold different tokens, those of consecutive shard index
+//     (shard_index / ep equal: cp varies fastest, then dp_shard, as torchtitan carves ep out of
+//     dp_shard x cp). Rank i of the group computes experts [i E/ep, (i+1) E/ep) of every MoE block
+//     for the tokens of the whole group (all-to-all).
 //   Loss: each CP rank holds different tokens, so the loss sums over CP ranks; a TP group's ranks
 //     compute the loss of the same tokens, so it counts once (TP rank 0); only the last pipeline
 //     stage computes it.
@@ -48,6 +53,8 @@ struct MeshDims {
   int tp = 1;            // N: tensor parallelism, ranks of a TP group (--tp)
   int pp = 1;            // P: pipeline stages, the outermost dimension (last here so that the
                          //    four-number initialisers {R, D, C, N} keep their meaning)
+  int ep = 1;            // expert parallelism (--ep): ranks of an EP group, a part of the FSDP shard
+                         //    group (adds no ranks: not a factor of world()); divides fsdp()
   int world() const { return pp * dp_replicate * dp_shard * cp * tp; }
   int dp() const { return dp_replicate * dp_shard; }  // data-parallel degree: ranks reading different batches
   int fsdp() const { return dp_shard * cp; }          // ranks of an FSDP shard group: dp_shard x cp
@@ -84,6 +91,11 @@ class MeshLayout {
   // The global ranks of `rank`'s CP group (its cp dimension: the ranks differing from it only in
   // the cp coordinate, tp apart), in order; index i holds chunks i and 2·cp−1−i of every sequence.
   std::vector<int> cp_group(int rank) const;
+  // The global ranks of `rank`'s EP group (dims().ep ranks of its shard group: the shard indices
+  // [e * ep, (e + 1) * ep) with e = shard_index / ep), in order; `rank`'s index in it is
+  // ep_index = shard_index % ep, which says whose experts it computes.
+  std::vector<int> ep_group(int rank) const;
+  int ep_index(int rank) const { return shard_index(rank) % d_.ep; }
   // The global ranks of `rank`'s PP group (its pp dimension: one rank per stage, equal in every
   // other coordinate), in stage order: activations go from index s to s + 1, their gradients back.
   std::vector<int> pp_group(int rank) const;
@@ -144,7 +156,8 @@ class Mesh {
   // replica_host(): the replica group in host memory, nullptr when R = 1. tp_host(): the TP group
   // in host memory, nullptr when tp = 1. cp_host(): the CP group (cp_group) in host memory, nullptr
   // when cp = 1. pp_host(): the PP group (pp_group), nullptr when pp = 1. shard_data() /
-  // replica_data() / tp_data() / cp_data() / pp_data(): the same groups for the backend's buffers:
+  // ep_host(): the EP group (ep_group) in host memory, nullptr when ep = 1.
+  // replica_data() / tp_data() / cp_data() / pp_data() / ep_data(): the same groups for the backend's buffers:
   // the device communicators when attached, else the host ones.
   // References stay valid for the mesh's lifetime.
   Comm& world() const { return world_; }
@@ -158,9 +171,11 @@ class Mesh {
   Comm* cp_data() const { return cp_dev_ ? cp_dev_.get() : cp_host(); }
   Comm* pp_host() const { return pp_host_.get(); }
   Comm* pp_data() const { return pp_dev_ ? pp_dev_.get() : pp_host(); }
+  Comm* ep_host() const { return ep_host_.get(); }
+  Comm* ep_data() const { return ep_dev_ ? ep_dev_.get() : ep_host(); }
 
   // Builds the device communicators of the shard group, (R > 1) the replica group, (tp > 1) the
-  // TP group, (cp > 1) the CP group and (pp > 1) the PP group with `make`, given each group's host
+  // TP group, (cp > 1) the CP group, (pp > 1) the PP group and (ep > 1) the EP group with `make`, given each group's host
   // communicator, in that order, and owns them.
   // Collective as `make` is (NCCL: collective over the group; it agrees on failure itself). Call
   // once.
@@ -189,8 +204,8 @@ class Mesh {
   Topology topo_;
   MeshLayout layout_;
   MeshCoord coord_;
-  std::unique_ptr<MpiComm> shard_host_, replica_host_, tp_host_, cp_host_, pp_host_;
-  std::unique_ptr<Comm> shard_dev_, replica_dev_, tp_dev_, cp_dev_, pp_dev_;
+  std::unique_ptr<MpiComm> shard_host_, replica_host_, tp_host_, cp_host_, pp_host_, ep_host_;
+  std::unique_ptr<Comm> shard_dev_, replica_dev_, tp_dev_, cp_dev_, pp_dev_, ep_dev_;
   std::string note_;
   double collective_timeout_ = 0;
 };
