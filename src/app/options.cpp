@@ -64,7 +64,7 @@ po::options_description describe(Options& o) {
       ("vocab-size", po::value<int>(&o.vocab_size)->default_value(o.vocab_size), "tokenizer: vocabulary size of the SentencePiece BPE model to train (Llama-style: byte fallback, so >= 256 + 3 + the corpus' characters)");
   po::options_description model("Model");
   model.add_options()
-      ("model", po::value<std::string>(&o.model)->default_value(o.model), "preset name (tiny, test-uneven, demo, llama-125m, llama-350m, llama-1b, tinyllama-1.1b, llama-8b, llama-70b) or path to a Hugging Face config.json of a LlamaForCausalLM");
+      ("model", po::value<std::string>(&o.model)->default_value(o.model), "preset name (tiny, tiny-moe, test-uneven, demo, llama-125m, llama-350m, llama-1b, tinyllama-1.1b, llama-8b, llama-70b, llama-405b, mixtral-8x7b, qwen3-30b-a3b) or path to a Hugging Face config.json of a LlamaForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM or Qwen3MoeForCausalLM");
   po::options_description tr("Training (--mode train)");
   tr.add_options()
       ("data", po::value<std::vector<std::string>>(&o.data), "training token file(s), repeatable, each a path or a glob pattern (sorted): shardtrain files (--mode prepare; their train splits), llm.c .bin shards, nanoGPT train.bin; files are memory-mapped and concatenated in order")

@@ -75,7 +75,7 @@ void write_root_attributes(hid_t file, MetaSums& ms, const CheckpointSnapshot& s
     const int rows = su ? su->file_plan.world_size : snap.plan.world_size;
     const int cp = std::max(1, snap.tp.cp), dp_shard = snap.tp.tp > 1 ? snap.tp.dp_shard : rows / cp;
     put_str(file, ms, "", "mesh",
-            json({{"pp", su ? su->pp : 1}, {"tp", snap.tp.tp}, {"cp", cp}, {"ep", 1}, {"dp_shard", dp_shard},
+            json({{"pp", su ? su->pp : 1}, {"tp", snap.tp.tp}, {"cp", cp}, {"ep", std::max(1, snap.tp.ep)}, {"dp_shard", dp_shard},
                   {"dp_replicate", snap.tp.dp_replicate}})
                 .dump());
     if (su)

@@ -36,6 +36,7 @@ TpRecord tp_record(const std::vector<ShardPlan>& tp_plans, const MeshDims& dims)
   r.dp_shard = dims.dp_shard;
   r.dp_replicate = dims.dp_replicate;
   r.cp = dims.cp;
+  r.ep = dims.ep;
   if (tp_plans.empty()) return r;
   for (const UnitPlan& up : tp_plans[0].units) {
     TpUnitRecord t;

@@ -176,6 +176,9 @@ const std::map<std::string, ModelConfig>& presets() {
       // meta-llama/Llama-3.1-405B config.json: 405,853,388,800 parameters (issue 42's pipeline plans).
       {"llama-405b", published("llama-405b", 128256, 16384, 53248, 126, 128, 8, 131072, false, 500000.0, 1e-5, 128000,
                                128001, llama3_rope(8.0))},
+      // Tests: tiny's shape with a Mixtral mixture of 8 experts (top 2; Mixtral's experts are
+      // intermediate_size wide) in both blocks; --ep 2, 4 and 8 divide its experts.
+      {"tiny-moe", with_experts(make("tiny-moe", 258, 32, 64, 2, 4, 2, 64, true), "MixtralForCausalLM", 8, 2, 64, 0.02)},
       // Mixture-of-experts (issue 56): parameter counts from transformers 5.24 on the meta device.
       // mistralai/Mixtral-8x7B-v0.1 config.json.
       // (MixtralConfig's router_aux_loss_coef default is 0.001; the hub's config.json says 0.02.)

@@ -55,6 +55,7 @@ class ShardRowsLayout final : public CheckpointLayout {
     saved_.tp_record.dp_shard = d.dp_shard;  // the mesh record (version 5 with cp > 1, 6 with pp > 1)
     saved_.tp_record.dp_replicate = d.dp_replicate;
     saved_.tp_record.cp = d.cp;
+    saved_.tp_record.ep = d.ep;
   }
   bool writes_shards() const override { return writes_; }
   ShardedTensors for_save(Comm&, const ShardedTensors& live) override { return with_stage(live, stage_); }

@@ -65,6 +65,7 @@ struct TpUnitRecord {
 // the file is version 5, which records the mesh with cp (attribute `mesh`).
 struct TpRecord {
   int tp = 1, dp_shard = 1, dp_replicate = 1, cp = 1;
+  int ep = 1;  // the saving run's --ep (version 7's mesh record; the rows do not depend on it)
   std::vector<TpUnitRecord> units;
 };
 // The record of a run with these TP plans (TpCheckpointLayout::tp_plans) and mesh.
