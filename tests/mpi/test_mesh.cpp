@@ -417,3 +417,59 @@ TEST_F(Mesh, RefusesDimsThatDoNotMatchTheWorld) {
 }
 
 }  // namespace
+
+// Expert parallelism (--ep E): the meshes of this world with cp, tp <= 2 and E = 2 or E = dp_shard x
+// cp (dividing it). The EP
+// group is E ranks of one shard group (equal rep and tp) of consecutive shard index
+// (shard * C + cp), computed here from the rank alone; the EP communicator's members and rank
+// agree, every EP group lies inside the shard group, and EP adds no ranks (world unchanged, the
+// other groups as without it). A MeshLayout with E not dividing dp_shard x cp is refused by name.
+TEST_F(Mesh, ExpertParallelGroupsAgreeWithIndependentComputation) {
+  st::Comm& c = world();
+  const int W = c.world_size(), r = c.rank();
+  const st::Topology& topo = st::testing::g_runtime->topo();
+  int meshes = 0;
+  for (int C = 1; C <= 2; ++C)  // (each mesh costs ~0.5 s: cp and tp up to 2, ep 2 and the whole shard group)
+    for (int N = 1; N <= 2; ++N)
+      for (int D = 1; D <= W; ++D)
+        for (int E = 2; E <= D * C; ++E) {
+          if (W % (C * N * D) != 0 || (D * C) % E != 0 || (E != 2 && E != D * C)) continue;
+          const int R = W / (C * N * D);
+          SCOPED_TRACE("W " + std::to_string(W) + ": R " + std::to_string(R) + ", D " + std::to_string(D) + ", C " +
+                       std::to_string(C) + ", N " + std::to_string(N) + ", E " + std::to_string(E));
+          ++meshes;
+          st::MeshDims dims{R, D, C, N};
+          dims.ep = E;
+          st::Mesh mesh(c, topo, dims, 0);
+          EXPECT_EQ(mesh.dims().world(), W);
+          auto tp_of = [&](int q) { return q % N; };
+          auto sidx = [&](int q) { return q / N % (C * D); };  // shard * C + cp
+          auto rep_of = [&](int q) { return q / (N * C * D); };
+          std::vector<int> ep_bf, shard_bf;
+          for (int q = 0; q < W; ++q) {
+            if (rep_of(q) != rep_of(r) || tp_of(q) != tp_of(r)) continue;
+            shard_bf.push_back(q);
+            if (sidx(q) / E == sidx(r) / E) ep_bf.push_back(q);
+          }
+          ASSERT_NE(mesh.ep_host(), nullptr);
+          EXPECT_EQ(members(*mesh.ep_host()), ep_bf);
+          EXPECT_EQ(mesh.layout().ep_group(r), ep_bf);
+          EXPECT_EQ(mesh.ep_host()->rank(), sidx(r) % E);
+          EXPECT_EQ(mesh.layout().ep_index(r), sidx(r) % E);
+          EXPECT_EQ(members(mesh.shard_host()), shard_bf);
+          for (int q : ep_bf) {
+            EXPECT_NE(std::find(shard_bf.begin(), shard_bf.end(), q), shard_bf.end());
+          }
+        }
+  if (W >= 2) {
+    EXPECT_GT(meshes, 0);
+  }
+  st::MeshDims bad{1, 3, 1, 1};
+  bad.ep = 2;
+  try {
+    st::MeshLayout l(bad);
+    ADD_FAILURE() << "ep 2 over a shard group of 3 was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("ep 2 does not divide the FSDP shard group"), std::string::npos) << e.what();
+  }
+}
