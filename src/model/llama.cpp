@@ -203,10 +203,6 @@ LlamaModel<T>::LlamaModel(const ModelConfig& c, Backend<T>& be, const ModelOptio
       if (is_moe(l)) { moe_off_ = offsets_of(l, true); ++moe_blocks_; }
       else dense_off_ = offsets_of(l, false);
     }
-    if (cp_)
-      throw std::invalid_argument("context parallelism (--cp " + std::to_string(cp_->size()) +
-                                  ") with a mixture-of-experts model is not built yet (issue 56: the load-balancing "
-                                  "loss's counts are not summed over the CP group)");
   } else {
     dense_off_ = offsets_of(0, false);
   }
@@ -304,6 +300,17 @@ void LlamaModel<T>::forward(UnitSource<T>& f, Context& ctx, const int32_t* token
     }
   }
 
+  if (moe_blocks_ > 0 && cp_ && a == 0 && b == d.L) {  // a sequence's statistics: the CP group's rows
+    const size_t n = ctx.counts_.size();
+    std::vector<S> ps(n);
+    be_.acc_to_host(ps.data(), ctx.psum_.data(), n);
+    std::vector<double> both(ctx.counts_);
+    both.insert(both.end(), ps.begin(), ps.end());
+    cp_->sum_host(both.data(), both.size());
+    std::copy(both.begin(), both.begin() + static_cast<ptrdiff_t>(n), ctx.counts_.begin());
+    for (size_t i = 0; i < n; ++i) ps[i] = static_cast<S>(both[n + i]);
+    be_.acc_from_host(ctx.psum_.data(), ps.data(), n);
+  }
   if (b == d.L) {
     ctx.head_w_ = gather(f, ctx.r_.unit(d.L + 1));
     ctx.head_gathers_ = gathers_;
@@ -431,7 +438,7 @@ template <typename T> double LlamaModel<T>::moe_aux_loss(const Context& ctx) con
   const int E = d_.E, G = static_cast<int>(ctx.counts_.size()) / std::max(1, E);
   std::vector<S> ps(ctx.psum_.size());
   be_.acc_to_host(ps.data(), ctx.psum_.data(), ps.size());
-  const double n = static_cast<double>(moe_blocks_) * (o_.aux_scope == MoeAuxScope::Sequence ? d_.T_ : d_.BT);
+  const double n = aux_rows();
   double sum = 0;
   for (int g = 0; g < G; ++g) {
     std::vector<double> p(ps.begin() + static_cast<ptrdiff_t>(g) * E, ps.begin() + static_cast<ptrdiff_t>(g + 1) * E);
@@ -444,7 +451,7 @@ template <typename T> void LlamaModel<T>::set_aux_grad_scale(Context& ctx, S sca
   if (moe_blocks_ == 0) return;
   expect_whole_range<T>(ctx.r_, c_.num_hidden_layers, "set_aux_grad_scale");
   ctx.aux_scale_ = scale;
-  const double n = static_cast<double>(moe_blocks_) * (o_.aux_scope == MoeAuxScope::Sequence ? d_.T_ : d_.BT);
+  const double n = aux_rows();
   std::vector<S> g(ctx.counts_.size());
   for (size_t i = 0; i < g.size(); ++i)
     g[i] = static_cast<S>(static_cast<double>(scale) * math::moe_aux_dprob(ctx.counts_[i], d_.E, n));

@@ -273,9 +273,16 @@ KvBuf<C> start_next_block(Comm& comm, Backend<C>& be, Transfers& tr, W& w, const
 }  // namespace
 
 template <typename C>
-CpAttention<C>::CpAttention(Comm& comm, Backend<C>& be, CpComm method, size_t gather_bytes)
-    : comm_(comm), be_(be), method_(method), gather_bytes_(gather_bytes), work_(std::make_unique<Work>()) {}
+CpAttention<C>::CpAttention(Comm& comm, Backend<C>& be, CpComm method, size_t gather_bytes, Comm* host)
+    : comm_(comm), host_(host), be_(be), method_(method), gather_bytes_(gather_bytes), work_(std::make_unique<Work>()) {}
 template <typename C> CpAttention<C>::~CpAttention() = default;
+
+template <typename C> void CpAttention<C>::sum_host(double* buf, size_t n) {
+  Comm& c = host_ ? *host_ : comm_;
+  if (c.stream_ordered())
+    throw std::logic_error("CpAttention::sum_host: a stream-ordered Comm takes device memory; give the host Comm");
+  c.all_reduce(buf, n, ReduceOp::Sum);
+}
 
 template <typename C> const CpCommStats& CpAttention<C>::stats() {
   const typename Backend<C>::BlockAttentionStats st = be_.take_block_attention_stats();

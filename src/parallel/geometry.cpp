@@ -60,10 +60,7 @@ GeometryResult resolve_geometry(const BatchOptions& o, const MeshDims& dims, con
   g.accum = g.per_rank / g.micro_batch;
   if (std::string why = check_tensor_parallel(mc, dims.tp); !why.empty()) return refuse(std::move(why));
   // Mixture of experts (issue 56, docs/moe.md): the load-balancing loss pools a sequence's rows over
-  // every MoE block; across CP ranks and pipeline stages those counts do not travel yet.
-  if (mc.is_moe() && dims.cp > 1)
-    return refuse("option '--cp' (" + str(dims.cp) + ") with a mixture-of-experts model (" + mc.architecture +
-                  ") is not built yet: the load-balancing loss's counts are not summed over the CP group (issue 56)");
+  // every MoE block; across pipeline stages those counts do not travel yet (across CP ranks they do).
   if (dims.ep > 1 && !mc.is_moe())
     return refuse("option '--ep' (" + str(dims.ep) + ") needs a mixture-of-experts model; " + mc.architecture +
                   " is dense");

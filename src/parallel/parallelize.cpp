@@ -339,11 +339,11 @@ ParallelRun<C> parallelize(const Mesh& mesh, const ModelConfig& mc, Backend<floa
   const Reshard reshard = pl.ranks > 1 ? o.pp_reshard : Reshard::PerUse;
   if constexpr (std::is_same_v<C, bf16>) {
     if (!be16) throw std::invalid_argument("parallelize: mixed precision needs the bf16 backend");
-    if (d.cp > 1) r.cp = std::make_unique<CpAttention<bf16>>(*mesh.cp_data(), *be16, o.cp_comm);
+    if (d.cp > 1) r.cp = std::make_unique<CpAttention<bf16>>(*mesh.cp_data(), *be16, o.cp_comm, kCpGatherBytes, mesh.cp_host());
     r.units = std::make_unique<MixedPrecisionUnits>(*r.state, *be16, o.reduce_bf16, MixedPrecisionUnits::kWidenSlab, o.overlap,
                                                     reshard);
   } else {
-    if (d.cp > 1) r.cp = std::make_unique<CpAttention<float>>(*mesh.cp_data(), be, o.cp_comm);
+    if (d.cp > 1) r.cp = std::make_unique<CpAttention<float>>(*mesh.cp_data(), be, o.cp_comm, kCpGatherBytes, mesh.cp_host());
     r.units = std::make_unique<UnitPipeline<float>>(be, std::make_unique<IdentityCodec<float>>(*r.state), o.overlap,
                                                      reshard);
   }

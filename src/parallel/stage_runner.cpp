@@ -187,8 +187,12 @@ template <typename C> double StageRunner<C>::run_action(const Action& a, double 
       case ActionKind::Backward: {
         const double l = model_.head_backward(f_, b.tgt.data(), static_cast<typename LlamaModel<C>::S>(grad_scale));
         if (model_.config().is_moe()) {  // the load-balancing loss: its value, its gradient, the routing's counts
-          aux_sum_ += model_.moe_aux_loss();
-          model_.set_aux_grad_scale(static_cast<typename LlamaModel<C>::S>(aux_scale_));
+          // Under CP every rank of the group holds its sequences' loss (the group's pooled counts) and
+          // the gradient of its own rows: each adds 1 / cp of the value, and the gradient enters with
+          // cp x the weight, since the reduce-scatter's mean divides by the CP ranks too.
+          const int cp = mesh_.dims().cp;
+          aux_sum_ += model_.moe_aux_loss() / cp;
+          model_.set_aux_grad_scale(static_cast<typename LlamaModel<C>::S>(aux_scale_ * cp));
           const int L = model_.config().num_hidden_layers;
           if (expert_counts_.empty()) expert_counts_.resize(static_cast<size_t>(L));
           for (int blk = 0; blk < L; ++blk) {

@@ -136,7 +136,6 @@ print(f"ok: a router skewed to experts 0 and 1 shows experts max/mean 4.00 (= E 
 PY
 
 # Refusals, on every rank.
-expect_fail moe_cp "option '--cp' (2) with a mixture-of-experts model (Qwen3MoeForCausalLM) is not built yet" 2 "${TRAIN[@]}" --cp 2
 expect_fail moe_pp "option '--pp' (2) with a mixture-of-experts model (Qwen3MoeForCausalLM) is not built yet" 2 "${TRAIN[@]}" --pp 2
 expect_fail moe_scope_changed "aux-loss-scope" 2 "${TRAIN[@]}" --checkpoint-dir "$WORK/ck3" --resume "$WORK/ck/step_00000002.h5" \
   --aux-loss-scope micro-batch

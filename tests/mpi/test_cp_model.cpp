@@ -47,8 +47,9 @@ st::Comm& world() { return st::testing::comm(); }
 class CpModel : public st::testing::RankTest {};
 
 // 4 heads over 2 KV heads (GQA), two blocks, V = 37; T = 16 splits into 2 x 4 chunks of 2.
-// qk_norm: Qwen3's per-head q/k norm (before RoPE at the global positions).
-st::ModelConfig config(bool qk_norm = false) {
+// qk_norm: Qwen3's per-head q/k norm (before RoPE at the global positions). moe: Qwen3-MoE (with
+// q/k norm): block 0 a mixture of 8 experts (top 2), block 1 dense.
+st::ModelConfig config(bool qk_norm = false, bool moe = false) {
   st::ModelConfig c;
   c.name = "cp-model";
   c.vocab_size = 37;
@@ -63,6 +64,15 @@ st::ModelConfig config(bool qk_norm = false) {
   if (qk_norm) {
     c.architecture = "Qwen3ForCausalLM";
     c.qk_norm = true;
+  }
+  if (moe) {
+    c.architecture = "Qwen3MoeForCausalLM";
+    c.qk_norm = true;
+    c.num_experts = 8;
+    c.num_experts_per_tok = 2;
+    c.moe_intermediate_size = 12;
+    c.router_aux_loss_coef = 0.05;
+    c.mlp_only_layers = {1};
   }
   return c;
 }
@@ -83,10 +93,13 @@ template <typename T> void spread(st::ShardedState<T>& f, uint64_t seed) {
 
 struct Result {
   double loss = 0;
+  double aux = 0;  // MoE: the load-balancing loss (per sequence, pooled over the CP group)
   std::vector<std::vector<double>> grads;  // per unit, the whole unit (one shard rank)
 };
 
-// One micro-batch forward + head_backward (scale 1: gradients of the loss SUM) + backward.
+// One micro-batch forward + head_backward (scale 1: gradients of the loss SUM) + backward; an MoE
+// model's load-balancing loss with weight coef in the gradient (each CP rank's part of it: the group
+// sums them).
 template <typename T>
 Result run(st::LlamaModel<T>& m, st::Fsdp<T>& f, const std::vector<int32_t>& tok, const std::vector<int32_t>& tgt,
            int B, int T_, const st::TokenLayout& lay) {
@@ -94,6 +107,10 @@ Result run(st::LlamaModel<T>& m, st::Fsdp<T>& f, const std::vector<int32_t>& tok
   f.zero_grads();
   m.forward(f, tok.data(), B, T_, lay);
   r.loss = m.head_backward(f, tgt.data(), 1);
+  if (m.config().is_moe()) {
+    r.aux = m.moe_aux_loss();
+    m.set_aux_grad_scale(static_cast<typename st::LlamaModel<T>::S>(m.config().router_aux_loss_coef));
+  }
   m.backward(f);
   f.end_pass();
   for (int u = 0; u < f.num_units(); ++u) {
@@ -104,9 +121,10 @@ Result run(st::LlamaModel<T>& m, st::Fsdp<T>& f, const std::vector<int32_t>& tok
 }
 
 template <typename T>
-void check(st::CpComm method, bool document, st::Recompute rc, double tol, bool fd = false, bool qk_norm = false) {
+void check(st::CpComm method, bool document, st::Recompute rc, double tol, bool fd = false, bool qk_norm = false,
+           bool moe = false) {
   const int W = world().world_size();
-  const st::ModelConfig cfg = config(qk_norm);
+  const st::ModelConfig cfg = config(qk_norm, moe);
   auto be = st::make_cpu_backend<T>();
   st::MpiComm self = st::MpiComm::split(world(), world().rank(), 0);
   // The batch, the same on every rank: random tokens with EOS (document ends) at random places.
@@ -152,8 +170,12 @@ void check(st::CpComm method, bool document, st::Recompute rc, double tol, bool 
     for (auto& u : got.grads) grp.all_reduce(u.data(), u.size(), st::ReduceOp::Sum);
     const std::string what = std::string(st::cp_comm_name(method)) + (document ? " document" : " causal") +
                              " recompute " + st::recompute_name(rc) + " cp " + std::to_string(g) +
-                             (qk_norm ? " q/k norm" : "");
+                             (qk_norm ? " q/k norm" : "") + (moe ? " MoE" : "");
     EXPECT_NEAR(got.loss, ref.loss, tol * std::fabs(ref.loss)) << what;
+    if (moe) {  // every CP rank holds the sequences' load-balancing loss, from the group's summed counts
+      EXPECT_GT(ref.aux, 0.0);
+      EXPECT_NEAR(got.aux, ref.aux, tol * ref.aux) << what << ": the load-balancing loss";
+    }
     double worst = 0;
     for (size_t u = 0; u < ref.grads.size(); ++u) {
       double mx = 0, d = 0;
@@ -215,6 +237,9 @@ TEST_F(CpModel, Float64RingAndAllGatherCausalAndDocumentEqualWholeSequence) {
   check<double>(st::CpComm::Ring, true, st::Recompute::Full, 1e-12);
   check<double>(st::CpComm::AllGather, false, st::Recompute::Selective, 1e-12);
   check<double>(st::CpComm::Ring, true, st::Recompute::None, 1e-12, false, true);  // Qwen3's q/k norm
+  // Qwen3-MoE: the aux loss's counts and probability sums pooled over the CP group
+  check<double>(st::CpComm::Ring, false, st::Recompute::None, 1e-12, false, true, true);
+  check<double>(st::CpComm::AllGather, true, st::Recompute::Full, 1e-12, false, true, true);
 }
 
 TEST_F(CpModel, Float64GradientsMatchCentralDifferences) {
@@ -270,6 +295,7 @@ class SizeOnly final : public st::ContextParallelOps<float> {
                 const float*, const int32_t*, const int32_t*, int, int, int, int, int, float) override {
     throw std::logic_error("not called by reserve()");
   }
+  void sum_host(double*, size_t) override { throw std::logic_error("not called by reserve()"); }
 
  private:
   int n_;

@@ -59,8 +59,11 @@
 // row gathered, per expert e one gate, one up and one down GEMM over its rows (a loop of GEMMs:
 // dropless, no capacity), and the combine x_next = x1 + sum_j w_j y_{e_j} over each token's slots
 // in slot order. The load-balancing loss (moe_aux_loss) pools every MoE block's rows of its scope
-// (ModelOptions::aux_scope); its gradient reaches the routing probabilities only. Not with tensor
-// parallelism, context parallelism or the split backward yet (std::invalid_argument /
+// (ModelOptions::aux_scope); its gradient reaches the routing probabilities only. Under CP a
+// sequence's rows are the CP group's: at the end of a forward over [0, L) the counts and
+// probability sums of each scope group are summed over it (ContextParallelOps::sum_host), so every
+// CP rank holds the sequences' loss and gives the gradient of its own rows (the group's sum is the
+// gradient). Not with tensor parallelism or the split backward yet (std::invalid_argument /
 // std::logic_error, naming what is missing).
 // Expert parallelism (--ep N; the model given ExpertParallelOps of size N > 1): rank i of the EP
 // group computes experts [i E/N, (i+1) E/N) for the tokens of the whole group. Per MoE block the
@@ -603,6 +606,12 @@ template <typename T> class LlamaModel {
   // Rows of an MoE block's expert buffers (g, u, h) filled for `a`: a.nrecv under EP, else slots.
   size_t expert_rows(const Layer& a) const { return static_cast<size_t>(ep_ ? a.nrecv : d_.slots); }
   bool is_moe(int l) const { return !moe_layer_.empty() && moe_layer_[static_cast<size_t>(l)]; }
+  // R of the load-balancing loss: the rows one scope group pools over the MoE blocks, its tokens
+  // whole (under CP the group's rows: Tg = cp x T_ per sequence) times the MoE blocks.
+  double aux_rows() const {
+    return static_cast<double>(moe_blocks_) *
+           (o_.aux_scope == MoeAuxScope::Sequence ? double{1} * d_.Tg : double{1} * d_.B * d_.Tg);
+  }
   const Offsets& offsets(int l) const { return is_moe(l) ? moe_off_ : dense_off_; }
   // The layout's checks (std::invalid_argument) and, in set_layout, its copy into ctx (use_pos_ /
   // use_doc_ only where it changes something).

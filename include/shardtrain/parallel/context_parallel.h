@@ -142,7 +142,9 @@ int64_t cp_gather_scratch_bytes(int cp, int Tl, int NH, int NKV, int HD, size_t 
 template <typename C> class CpAttention final : public ContextParallelOps<C> {
  public:
   using S = math::Acc<C>;
-  CpAttention(Comm& comm, Backend<C>& be, CpComm method, size_t gather_bytes = kCpGatherBytes);
+  // host: the same group in host memory for sum_host (Mesh::cp_host); nullptr: `comm` itself, which
+  // must then not be stream-ordered (std::logic_error at sum_host otherwise).
+  CpAttention(Comm& comm, Backend<C>& be, CpComm method, size_t gather_bytes = kCpGatherBytes, Comm* host = nullptr);
   ~CpAttention() override;
   int size() const override { return comm_.world_size(); }
   int rank() const override { return comm_.rank(); }
@@ -154,6 +156,7 @@ template <typename C> class CpAttention final : public ContextParallelOps<C> {
                int Tl, int NH, int NKV, int HD, S scale) override;
   void backward(C* dq, C* dk, C* dv, const C* dy, const C* q, const C* k, const C* v, const C* y, const S* lse,
                 const int32_t* pos, const int32_t* doc, int B, int Tl, int NH, int NKV, int HD, S scale) override;
+  void sum_host(double* buf, size_t n) override;
   // The totals so far; takes the backend's block-attention counters into tile_pairs / skipped
   // (take_block_attention_stats: on a device, a wait for the queued work; call it once per step).
   const CpCommStats& stats();
@@ -167,6 +170,7 @@ template <typename C> class CpAttention final : public ContextParallelOps<C> {
   void gather_forward(const Args& a);
   void gather_backward(const Args& a);
   Comm& comm_;
+  Comm* host_ = nullptr;
   Backend<C>& be_;
   CpComm method_;
   size_t gather_bytes_;

@@ -65,8 +65,9 @@ template <typename C> class StageRunner {
   double run(const Schedule& schedule, double grad_scale);
   // Mixture-of-experts models (one stage: the geometry refuses --pp with them): the weight of the
   // load-balancing loss in the gradient of each training micro-batch (LlamaModel::set_aux_grad_scale;
-  // the trainer's coef / this rank's sequences or micro-batches), and since the last take: the sum
-  // of the micro-batches' load-balancing losses (LlamaModel::moe_aux_loss) and, per block, the slots
+  // the trainer's coef / this rank's sequences or micro-batches; times cp, below), and since the last
+  // take: the sum of the micro-batches' load-balancing losses (LlamaModel::moe_aux_loss; under CP
+  // every rank of the group holds the group's value and adds 1 / cp of it) and, per block, the slots
   // routed to each expert (empty for a dense block; all empty for a dense model).
   void set_aux_scale(double s) { aux_scale_ = s; }
   double take_aux_sum();

@@ -4,6 +4,7 @@
 // parallel layer's (context_parallel.h), which the model never includes.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "shardtrain/backend/bf16.h"  // math::Acc
@@ -58,6 +59,10 @@ template <typename C> class ContextParallelOps {
   virtual void backward(C* dq, C* dk, C* dv, const C* dy, const C* q, const C* k, const C* v, const C* y,
                         const S* lse, const int32_t* pos, const int32_t* doc, int B, int Tl, int NH, int NKV,
                         int HD, S scale) = 0;
+  // Sums n doubles of host memory in place over the group: statistics of whole sequences that each
+  // rank holds a part of (a mixture-of-experts model's load-balancing counts and probability sums
+  // per sequence, model.h). Collective; n the same on every rank.
+  virtual void sum_host(double* buf, size_t n) = 0;
 };
 
 }  // namespace shardtrain
