@@ -150,11 +150,29 @@ LayoutMemory layout_memory(const LayoutMemoryInput& in) {
       "chunk of " + std::to_string(std::min<int64_t>(mo.loss_chunk > 0 ? mo.loss_chunk : default_loss_chunk(vl), rows)) +
       " tokens x " + with_commas(vl) + (N > 1 ? " vocabulary rows of this TP rank" : " vocabulary");
   const ActivationBytes& a = lm.activations;
+  // Expert parallelism: an MoE block's expert rows (g, u, h, their gradients, the exchange's
+  // buffers) are sized for the worst case dropless allows, ep x B·T·k rows (model.h); with balanced
+  // routing a rank's experts get B·T·k of them. Both figures, for the two lines below.
+  std::string ep_kept, ep_scratch;
+  if (mc.is_moe() && d.ep > 1) {
+    const ActivationBytes one = activation_bytes(mc, mo, B, cpm.rows, in.elem_bytes, 4, N, d.cp, 1);
+    const int64_t e_bytes = static_cast<int64_t>(in.elem_bytes);
+    const int64_t slots = rows * mc.num_experts_per_tok, xr = 3 * slots * mc.hidden_size * e_bytes + 4 * 2 * slots;
+    auto mib = [](int64_t b) {
+      char t[32];
+      std::snprintf(t, sizeof t, "%.1f MiB", static_cast<double>(b) / (1 << 20));
+      return std::string(t);
+    };
+    const std::string rows_words = "expert rows sized for ep " + std::to_string(d.ep) + " x " + with_commas(slots) +
+                                   " slots (the worst case: every slot of the EP group to this rank's experts)";
+    ep_kept = "; MoE: " + rows_words + ", " + mib(one.per_layer) + " when routing is balanced";
+    ep_scratch = "; MoE: " + rows_words + ", " + mib(one.block_scratch + xr) + " when routing is balanced";
+  }
   if (!pp)
     lm.kept.push_back({"activations kept for backward", a.per_layer,
                        std::to_string(mc.num_hidden_layers) + " blocks, " + geo +
                            (N > 1 ? ", TP " + std::to_string(N) + ": the residual stream's rows and the heads / MLP split"
-                                  : "")});
+                                  : "") + ep_kept});
   else
     stage_activations(in, cpm.rows, geo, lm);
   if (cpm.kv_bytes) lm.kept.push_back({cpm.kv_name, cpm.kv_bytes, cpm.kv_detail});
@@ -163,7 +181,7 @@ LayoutMemory layout_memory(const LayoutMemoryInput& in) {
                        "Open MPI's non-blocking reduce-scatter of dK and dV reduces to the CP group's first rank, "
                        "which holds " + std::string(d.cp > 2 ? "2 temporaries" : "1 temporary") + " of each"});
   if (!pp) {
-    lm.scratch.push_back({"block scratch and activation gradients", a.block_scratch, "shared by the blocks"});
+    lm.scratch.push_back({"block scratch and activation gradients", a.block_scratch, "shared by the blocks" + ep_scratch});
     lm.scratch.push_back({"head: final norm, logits chunk, ids, RoPE", a.head, logits_words});
   } else {
     stage_buffers(in, cpm.rows, logits_words, lm);

@@ -8,7 +8,10 @@ The options are shardtrain's, with its defaults and meanings (src/app/options.cp
 tests/bench/throughput.py can give both programs the same command-line tail.
 
 What it trains, and why it is the same run as shardtrain's:
-* Model: transformers' LlamaForCausalLM built from the same config.json (sdpa attention, no KV
+* Model: transformers' LlamaForCausalLM (or MixtralForCausalLM, its fused experts on grouped_mm,
+  the load-balancing loss of each forward added with router_aux_loss_coef: shardtrain's
+  --aux-loss-scope micro-batch; the logged loss is the cross-entropy, as shardtrain's step line)
+  built from the same config.json (sdpa attention, no KV
   cache), fp32. Parameters are created on the meta device, sharded with FSDP2 (fully_shard on
   each decoder layer, then on the whole model, gloo process group over 127.0.0.1), and only
   then materialised: a rank never holds more than its shards plus the layers it is gathering,
@@ -111,7 +114,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: E402
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,  # noqa: E402
                                                SequenceParallel, parallelize_module)
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict  # noqa: E402
 
@@ -204,10 +207,13 @@ def init_like_shardtrain(model, cfg, seed):
             continue
         shape, offset = (compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
                          if isinstance(p, DTensor) else (tuple(p.shape), (0,) * p.dim()))
-        assert tuple(shape) == tuple(local.shape) and p.dim() == 2, (name, shape, offset)
-        cols = p.shape[1]
+        assert tuple(shape) == tuple(local.shape), (name, shape, offset)
+        # A Mixtral block's fused experts [E, 2I, C] / [E, C, I] (FSDP2 shards dim 0): shardtrain's
+        # flat index runs over the whole tensor, row-major, as for a matrix of E rows.
+        assert p.dim() == 2 or (all(o == 0 for o in offset[1:]) and tuple(shape[1:]) == tuple(p.shape[1:])), name
+        cols = int(np.prod(p.shape[1:]))
         key = fnv1a64(name)
-        if offset[1] != 0 or shape[1] != cols:  # a block of columns (--tp: RowwiseParallel's Shard(1))
+        if p.dim() == 2 and (offset[1] != 0 or shape[1] != cols):  # a block of columns (--tp: RowwiseParallel's Shard(1))
             r = np.arange(offset[0], offset[0] + shape[0], dtype=np.uint64)[:, None]
             c = np.arange(offset[1], offset[1] + shape[1], dtype=np.uint64)[None, :]
             v = cfg.initializer_range * counter_normal_at(seed, key, (r * np.uint64(cols) + c).reshape(-1))
@@ -347,11 +353,18 @@ def main():
     per_rank = a.global_batch // dp
 
     with open(a.model) as f:
-        cfg = LlamaConfig(**json.load(f))
+        raw = json.load(f)
+    # A MixtralForCausalLM config (issue 56): transformers' model, its fused experts (grouped_mm,
+    # its default), and the load-balancing loss of each forward call added with
+    # router_aux_loss_coef (output_router_logits): shardtrain's --aux-loss-scope micro-batch.
+    moe = (raw.get("architectures") or ["LlamaForCausalLM"])[0] == "MixtralForCausalLM"
+    cfg = MixtralConfig(**raw) if moe else LlamaConfig(**raw)
     cfg.use_cache = False
     cfg._attn_implementation = "sdpa"
+    if moe and a.tp > 1:
+        sys.exit("peer_torch: --tp with a Mixtral config is not a peer of anything")
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = (MixtralForCausalLM if moe else LlamaForCausalLM)(cfg)
     assert model.lm_head.weight is model.model.embed_tokens.weight or not cfg.tie_word_embeddings
     if a.tp > 1:
         parallelize_tp(model, mesh)
@@ -396,8 +409,13 @@ def main():
     for s in range(a.steps):
         t0 = time.perf_counter()
         tokens, targets = train_batch(train, a.seed, s, dp_rank * per_rank, per_rank, a.seq_len)
-        logits = tp_logits(model, tokens) if a.tp > 1 else model(input_ids=tokens).logits
-        loss = loss_fn(logits, targets)
+        if moe:
+            out = model(input_ids=tokens, output_router_logits=True)
+            ce = loss_fn(out.logits, targets)  # logged, as shardtrain's step line (aux apart)
+            loss = ce + cfg.router_aux_loss_coef * out.aux_loss
+        else:
+            logits = tp_logits(model, tokens) if a.tp > 1 else model(input_ids=tokens).logits
+            loss = ce = loss_fn(logits, targets)
         loss.backward()
         grads = [p.grad for p in params if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads, 2.0, foreach=True)
@@ -413,7 +431,7 @@ def main():
         opt.zero_grad(set_to_none=True)
         logged = (s + 1) % a.log_every == 0 or s + 1 == a.steps or s == 0
         if logged:  # global mean loss: a collective, so every rank takes part
-            lsum = loss.detach().clone()
+            lsum = ce.detach().clone()
             dist.all_reduce(lsum)
             loss_g = float(lsum) / world
         dt = time.perf_counter() - t0

@@ -104,11 +104,21 @@ CASES = {
     "gemm-pp2-vs-fsdp2": dict(config="gemm-config.json", np=2, threads=1, seq_len=256, steps=7, window=2, warmup=2,
                               log_every=1, global_batch=8, args=["--pp", "2", "--micro-batch", "1"],
                               ref_args=["--micro-batch", "1"]),
+    # Issue 56: a Mixtral MoE (tests/bench/moe-config.json: hidden 256, 4 layers, 8 experts of 512,
+    # top 2; 13.8M parameters, 4.3M active) with the load-balancing loss per forward call
+    # (--aux-loss-scope micro-batch, transformers' definition): against transformers'
+    # MixtralForCausalLM under FSDP2 (grouped_mm experts), and --ep 2 against FSDP 2 alone.
+    "moe-2x1": dict(config="moe-config.json", np=2, threads=1, seq_len=256, steps=30, window=10, warmup=2,
+                    log_every=5, global_batch=8, args=["--aux-loss-scope", "micro-batch"]),
+    "moe-ep2-vs-fsdp2": dict(config="moe-config.json", np=2, threads=1, seq_len=256, steps=30, window=10, warmup=2,
+                             log_every=5, global_batch=8, args=["--aux-loss-scope", "micro-batch", "--ep", "2"],
+                             ref_args=["--aux-loss-scope", "micro-batch"]),
 }
 QUICK = {"demo-2x1": dict(steps=30, window=10, log_every=10), "demo-1x2": dict(steps=30, window=10, log_every=10),
          "gemm-2x1": dict(steps=3, window=1, log_every=1), "tp2-2x1": dict(steps=30, window=10, log_every=10),
          "cp2-ring": dict(steps=2, window=1, log_every=1), "cp2-gather": dict(steps=2, window=1, log_every=1),
-         "doc-vs-causal": dict(steps=2, window=1, log_every=1), "gemm-pp2-vs-fsdp2": dict(steps=3, window=1, log_every=1)}
+         "doc-vs-causal": dict(steps=2, window=1, log_every=1), "gemm-pp2-vs-fsdp2": dict(steps=3, window=1, log_every=1),
+         "moe-2x1": dict(steps=3, window=1, log_every=1), "moe-ep2-vs-fsdp2": dict(steps=3, window=1, log_every=1)}
 PROGRAMS = ["shardtrain", "torch-eager", "torch-compile", "torch-tp", "shardtrain-ref"]
 FSDP_PEERS = ["shardtrain", "baseline", "torch-eager", "torch-compile"]
 SAME_BIN = ["shardtrain", "baseline", "shardtrain-ref"]  # the peer is shardtrain itself, other arguments
@@ -116,7 +126,8 @@ SAME_BIN = ["shardtrain", "baseline", "shardtrain-ref"]  # the peer is shardtrai
 CASE_PROGRAMS = {"demo-2x1": FSDP_PEERS, "demo-1x2": FSDP_PEERS, "gemm-2x1": FSDP_PEERS,
                  "tp2-2x1": ["shardtrain", "baseline", "torch-tp"],
                  "cp2-ring": SAME_BIN, "cp2-gather": SAME_BIN, "doc-vs-causal": SAME_BIN,
-                 "gemm-pp2-vs-fsdp2": SAME_BIN}
+                 "gemm-pp2-vs-fsdp2": SAME_BIN, "moe-2x1": ["shardtrain", "baseline", "torch-eager"],
+                 "moe-ep2-vs-fsdp2": SAME_BIN}
 # Pipeline parallelism (issue 42, see the docstring): pp_args go to both programs.
 PP_ARGS = ["--pp", "2", "--micro-batch", "3"]
 for _c, _s in (("pp2-1f1b", ["1f1b"]), ("pp2-interleaved", ["interleaved", "--pp-virtual", "2"])):
@@ -128,10 +139,10 @@ PROGRAMS.append("torch-pp")
 # (case, peer, minimum of shardtrain tokens/s / peer tokens/s): issue 12; doc-vs-causal: issue 41 (> 1)
 TARGETS = [("demo-2x1", "torch-eager", 2.5), ("demo-2x1", "torch-compile", 2.0),
            ("demo-1x2", "torch-compile", 1.5), ("gemm-2x1", "torch-compile", 1.3),
-           ("doc-vs-causal", "shardtrain-ref", 1.0)]
+           ("doc-vs-causal", "shardtrain-ref", 1.0), ("moe-2x1", "torch-eager", 1.5)]
 # Means over the window's metrics rows, when a run's metrics have them (issue 41's long-context cases).
 EXTRA_METRICS = ["cp_comm_ms", "cp_bytes", "cp_collectives", "exposed_comm_ms", "attn_tile_pairs", "attn_tiles_skipped",
-                 "fsdp_bytes", "pp_bytes", "pp_comm_ms"]
+                 "fsdp_bytes", "pp_bytes", "pp_comm_ms", "ep_bytes", "ep_comm_ms"]
 SHORT_DOCS = (64, 512)  # document lengths of the short-document corpus, tokens (uniform), BOS ... EOS
 # The per-run files of the shardtrain programs, tags of one length (shardtrain-ref is the first binary
 # with the case's reference arguments).
