@@ -10,6 +10,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <stdexcept>
 #include <vector>
 
 #include "shardtrain/backend/backend.h"
@@ -166,7 +167,25 @@ TEST(Recompute, ChunkedLossMatchesUnchunked) {
   }
 }
 
-// The memory plan's activation bytes are what the model allocates, in every mode.
+// An EP group's size for the allocations (reserve() sends nothing).
+class EpSizeOnly final : public st::ExpertParallelOps<float> {
+ public:
+  explicit EpSizeOnly(int n) : n_(n) {}
+  int size() const override { return n_; }
+  int rank() const override { return 0; }
+  std::vector<int64_t> all_gather_counts(const std::vector<int64_t>&) override {
+    throw std::logic_error("not called by reserve()");
+  }
+  void all_to_all(const float*, const std::vector<size_t>&, float*, const std::vector<size_t>&, size_t) override {
+    throw std::logic_error("not called by reserve()");
+  }
+
+ private:
+  int n_;
+};
+
+// The memory plan's activation bytes are what the model allocates, in every mode (MoE also under
+// expert parallelism, whose expert rows are sized for the worst case).
 TEST(Recompute, ActivationBytesMatchAllocations) {
   for (bool tied : {true, false})
     for (st::Recompute r : {st::Recompute::None, st::Recompute::Selective, st::Recompute::Full})
@@ -184,6 +203,19 @@ TEST(Recompute, ActivationBytesMatchAllocations) {
                 << st::recompute_name(r) << ", " << st::attention_name(a) << ", chunk " << chunk;
           }
           EXPECT_EQ(be.live_bytes(), 0u);
+          if (!mc.is_moe()) continue;
+          for (int ep : {2, 4}) {
+            EpSizeOnly ops(ep);
+            {
+              st::LlamaModel<float> m(mc, be, mo, nullptr, nullptr, &ops);
+              m.reserve(kB, kT);
+              const int64_t want = st::activation_bytes(mc, mo, kB, kT, sizeof(float), sizeof(float), 1, 1, ep).total();
+              EXPECT_EQ(static_cast<int64_t>(be.live_bytes()), want)
+                  << st::recompute_name(r) << ", " << st::attention_name(a) << ", chunk " << chunk << ", ep " << ep;
+              EXPECT_GT(want, st::activation_bytes(mc, mo, kB, kT, sizeof(float), sizeof(float)).total());
+            }
+            EXPECT_EQ(be.live_bytes(), 0u);
+          }
         }
   // And the modes order as documented: full < selective < none.
   const st::ModelConfig mc = cfg(true);
