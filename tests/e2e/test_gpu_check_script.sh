@@ -5,7 +5,7 @@
 # beside the tiny bf16 row with its ratio, the asynchronous-save comparison (stage 4b) passes on the
 # CPU, and the script exits 0 with "0 failed". Then the GPU runs with
 # another seed (GPU_CHECK_ARGS="--seed 7") must fail the 6 training comparisons, the 2 of TP (stage
-# 3b), the 4 of CP (stage 3c), the 4 of PP (stage 3d), the 3 of MoE (stage 3f), both resumes across
+# 3b), the 4 of CP (stage 3c), the 4 of PP (stage 3d), the 4 of MoE (stage 3f, --ep 2 included), both resumes across
 # devices (refused: the seed of the resuming run differs from the checkpoint's, and a resume does not
 # change settings silently), and the script's exit status.
 source "$(dirname "$0")/common.sh"
@@ -25,6 +25,7 @@ check ok PEER_MODELS=tiny:32:4 PEER_PY="$ROOT/.venv/bin/python"
 for want in 'PASS  env: shardtrain runs under mpirun' "SKIP  gpu_tests ($NCASES cases): skipped: no CUDA device" \
   'PASS  gpu-fp32-np1 vs cpu-fp32' 'PASS  gpu-uneven-np2 vs cpu-uneven' 'PASS  gpu-bf16r-np2 vs cpu-fp32' \
   'PASS  ckpt-gpu-to-cpu vs cpu-fp32' 'PASS  ckpt-cpu-to-gpu vs cpu-fp32' 'PASS  bench-tiny-fp32' '| tiny | ' \
+  'PASS  cpu-moe-ep2 vs cpu-moe-ref' 'PASS  gpu-moe-ep2 vs cpu-moe-ref' \
   'PASS  peer-tiny-32x4: tokens_per_s=' '| tiny | 32 | 4 | ' \
   'SKIP  sanitizer-memcheck: skipped: no CUDA device' 'SKIP  mem-llama-1b: skipped: no CUDA device' \
   'SKIP  attention-bench: skipped: no CUDA device' 'SKIP  snapshot-pinned: skipped: no CUDA device' \
@@ -44,7 +45,7 @@ echo "ok: run.sh (GPU_CHECK_DEVICE=cpu): $(tail -1 "$WORK/ok.txt"), $(grep -m1 -
 check seed GPU_CHECK_ARGS="--seed 7" GPU_CHECK_PART=correctness PEER_MODELS=""
 [ "$rc" != 0 ] || { cat "$WORK/seed.txt"; fail "run.sh passed with the GPU runs on another seed"; }
 nfail=$(grep -c '^  FAIL  \(gpu\|ckpt\)-' "$WORK/seed.txt" || true)
-[ "$nfail" = 21 ] || { cat "$WORK/seed.txt"; fail "--seed 7: $nfail of the GPU comparisons failed, expected 21 (stages 3, 3b, 3c, 3d, 3f and 4)"; }
+[ "$nfail" = 22 ] || { cat "$WORK/seed.txt"; fail "--seed 7: $nfail of the GPU comparisons failed, expected 22 (stages 3, 3b, 3c, 3d, 3f and 4)"; }
 for want in 'FAIL  ckpt-gpu-to-cpu: exit status 1' 'FAIL  ckpt-cpu-to-gpu: exit status 1' 'PASS  ckpt-cpu-to-cpu vs cpu-fp32'; do
   grep -qF -- "$want" "$WORK/seed.txt" || { cat "$WORK/seed.txt"; fail "--seed 7: no '$want'"; }
 done

@@ -40,7 +40,9 @@
 #   3f. mixture of experts (issue 56): a tiny Mixtral (8 experts, top 2) trained 20 steps: GPU fp32 within
 #       1e-4 and bf16 within 2e-2 of the CPU's single-rank losses, 1 rank and 2 ranks sharing the GPU
 #       (--gpu-comm mpi); CPU 2 ranks as control (routing, the sort's host copies, the experts' GEMMs,
-#       combine and the load-balancing loss's gradient on the device)
+#       combine and the load-balancing loss's gradient on the device); expert parallelism (--ep 2):
+#       2 ranks sharing the GPU (the host-staged device Comm's grouped all-to-all) within 1e-4, with
+#       2 GPUs or more also on NCCL (its grouped send/receive all-to-all); CPU --ep 2 as control
 #   4. checkpoints across devices: GPU to step 10 then CPU to 20, and CPU then GPU, against an
 #      uninterrupted CPU run (1e-4)
 #   4b. asynchronous saves on the GPU, fp32 and bf16: the step-4 file of a --checkpoint-async on run
@@ -595,12 +597,21 @@ MOE=(--model "$W/moe.json" "${TINY[@]}")
 if run_np cpu-moe-ref 20 1 "${MOE[@]}" "${CPU[@]}"; then ok "cpu-moe-ref (1 rank): $(grep -m1 '^step 20/' "$L/cpu-moe-ref.log" | cut -c1-90)"
 else bad "cpu-moe-ref: reference run"; tail_log "$L/cpu-moe-ref.log"; fi
 check cpu-moe-2 cpu-moe-ref 1e-5 1 2 "${MOE[@]}" "${CPU[@]}"  # control: FSDP on the CPU
+check cpu-moe-ep2 cpu-moe-ref 1e-5 1 2 "${MOE[@]}" "${CPU[@]}" --ep 2  # control: EP on the CPU (MPI all-to-all)
 if [ "$GPU" = 1 ]; then
   check gpu-moe-fp32 cpu-moe-ref 1e-4 1 1 "${MOE[@]}" "${G[@]}" --gpu-comm "$COMM1" --precision fp32
   check gpu-moe-fp32-2 cpu-moe-ref 1e-4 1 2 "${MOE[@]}" "${G[@]}" --gpu-comm mpi --precision fp32
   check gpu-moe-bf16 cpu-moe-ref 2e-2 1 1 "${MOE[@]}" "${G[@]}" --gpu-comm "$COMM1" --precision bf16
+  check gpu-moe-ep2 cpu-moe-ref 1e-4 1 2 "${MOE[@]}" "${G[@]}" --gpu-comm mpi --precision fp32 --ep 2
+  grep -h -m1 -o 'ep comm [^|]*' "$L/gpu-moe-ep2.log" 2>/dev/null | sed 's/^/  gpu-moe-ep2: /'
+  ngpu=$([ "$DEV" = cuda ] && nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || echo 0)
+  if [ "$ngpu" -ge 2 ]; then
+    check gpu-moe-ep2-nccl cpu-moe-ref 1e-4 1 2 "${MOE[@]}" "${G[@]}" --gpu-comm nccl --precision fp32 --ep 2
+  else
+    skipped gpu-moe-ep2-nccl "needs 2 GPUs (NCCL refuses two ranks on one GPU; this machine has $ngpu)"
+  fi
 else
-  for n in gpu-moe-fp32 gpu-moe-fp32-2 gpu-moe-bf16; do skipped "$n" "no CUDA device"; done
+  for n in gpu-moe-fp32 gpu-moe-fp32-2 gpu-moe-bf16 gpu-moe-ep2 gpu-moe-ep2-nccl; do skipped "$n" "no CUDA device"; done
 fi
 fi  # stage 3f
 
