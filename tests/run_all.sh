@@ -183,10 +183,10 @@ run gpu                       300 mpirun -np 1 "$BUILD/gpu_tests" --gtest_color=
 SHARDTRAIN_GPU_TESTS_EMULATE=1 run gpu-emulated 300 mpirun -np 1 -x SHARDTRAIN_GPU_TESTS_EMULATE "$BUILD/gpu_tests" --gtest_color=no
 # The longest groups (3-5 min each beside another) before the many short ones, so that none is
 # left running alone at the end.
-run mpi-np4                   420 mpirun -np 4 "$BUILD/mpi_tests" --gtest_color=no
+run mpi-np4                   600 mpirun -np 4 "$BUILD/mpi_tests" --gtest_color=no
 run test_fuzz                 600 bash tests/e2e/test_fuzz.sh "$BUILD"
 run test_gpu_check_script     600 bash tests/e2e/test_gpu_check_script.sh "$BUILD"
-run mpi-np3                   420 mpirun -np 3 "$BUILD/mpi_tests" --gtest_color=no
+run mpi-np3                   600 mpirun -np 3 "$BUILD/mpi_tests" --gtest_color=no
 for t in tests/e2e/test_*.sh; do
   n=$(basename "$t" .sh)
   case " test_cp_matrix test_pp_matrix " in *" $n "*) continue ;; esac  # make test-cp-matrix, make test-pp-matrix

@@ -42,7 +42,7 @@
 #       (--gpu-comm mpi); CPU 2 ranks as control (routing, the sort's host copies, the experts' GEMMs,
 #       combine and the load-balancing loss's gradient on the device); expert parallelism (--ep 2):
 #       2 ranks sharing the GPU (the host-staged device Comm's grouped all-to-all) within 1e-4, with
-#       2 GPUs or more also on NCCL (its grouped send/receive all-to-all); CPU --ep 2 as control
+#       2 GPUs or more also on NCCL (its grouped send/receive all-to-all)
 #   4. checkpoints across devices: GPU to step 10 then CPU to 20, and CPU then GPU, against an
 #      uninterrupted CPU run (1e-4)
 #   4b. asynchronous saves on the GPU, fp32 and bf16: the step-4 file of a --checkpoint-async on run
@@ -597,7 +597,6 @@ MOE=(--model "$W/moe.json" "${TINY[@]}")
 if run_np cpu-moe-ref 20 1 "${MOE[@]}" "${CPU[@]}"; then ok "cpu-moe-ref (1 rank): $(grep -m1 '^step 20/' "$L/cpu-moe-ref.log" | cut -c1-90)"
 else bad "cpu-moe-ref: reference run"; tail_log "$L/cpu-moe-ref.log"; fi
 check cpu-moe-2 cpu-moe-ref 1e-5 1 2 "${MOE[@]}" "${CPU[@]}"  # control: FSDP on the CPU
-check cpu-moe-ep2 cpu-moe-ref 1e-5 1 2 "${MOE[@]}" "${CPU[@]}" --ep 2  # control: EP on the CPU (MPI all-to-all)
 if [ "$GPU" = 1 ]; then
   check gpu-moe-fp32 cpu-moe-ref 1e-4 1 1 "${MOE[@]}" "${G[@]}" --gpu-comm "$COMM1" --precision fp32
   check gpu-moe-fp32-2 cpu-moe-ref 1e-4 1 2 "${MOE[@]}" "${G[@]}" --gpu-comm mpi --precision fp32
