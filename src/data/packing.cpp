@@ -116,7 +116,8 @@ PackedExamples::PackedExamples(const TokenDataset& ds, Split s, const PackOption
   st_.rows = static_cast<int64_t>(row_targets_.size());
 }
 
-void PackedExamples::fill_row(int64_t r, int32_t* tokens, int32_t* targets, int32_t* doc, int32_t* pos) const {
+void PackedExamples::fill_row(int64_t r, int32_t* tokens, int32_t* targets, int32_t* doc, int32_t* pos,
+                              int32_t* real) const {
   if (r < 0 || r >= st_.rows)
     throw std::out_of_range("PackedExamples::fill_row: row " + std::to_string(r) + " of " + std::to_string(st_.rows));
   const int T = o_.seq_len;
@@ -141,6 +142,7 @@ void PackedExamples::fill_row(int64_t r, int32_t* tokens, int32_t* targets, int3
       targets[p] = counts ? static_cast<int32_t>(ids[static_cast<size_t>(t) + 1]) : kNoTarget;
       doc[p] = d;
       pos[p] = t;
+      if (real) real[p] = 1;
     }
   }
   for (int32_t t = 0; p < T; ++p, ++t) {
@@ -148,6 +150,7 @@ void PackedExamples::fill_row(int64_t r, int32_t* tokens, int32_t* targets, int3
     targets[p] = kNoTarget;
     doc[p] = d;
     pos[p] = t;
+    if (real) real[p] = 0;
   }
 }
 
@@ -193,12 +196,12 @@ int64_t PackedBatches::row_of(Split s, int64_t j) const {
 }
 
 void PackedBatches::fill(Split s, int64_t index, int first, int count, int32_t* tokens, int32_t* targets,
-                         int32_t* doc, int32_t* pos) const {
+                         int32_t* doc, int32_t* pos, int32_t* real) const {
   const PackedExamples& px = stream(s);
   for (int i = 0; i < count; ++i) {
     const int64_t j = index * G_ + first + i;
     const size_t o = static_cast<size_t>(i) * static_cast<size_t>(T_);
-    px.fill_row(row_of(s, j), tokens + o, targets + o, doc + o, pos + o);
+    px.fill_row(row_of(s, j), tokens + o, targets + o, doc + o, pos + o, real ? real + o : nullptr);
   }
 }
 

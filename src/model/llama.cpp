@@ -276,6 +276,18 @@ void LlamaModel<T>::forward(UnitSource<T>& f, Context& ctx, const int32_t* token
     std::fill(ctx.counts_.begin(), ctx.counts_.end(), 0.0);
     be_.zero_acc(ctx.psum_.data(), ctx.psum_.size());
     ctx.aux_scale_ = S(0);
+    // Padding (layout.real) stays out of them: its rows and, per scope group, the real rows.
+    const size_t n = static_cast<size_t>(d_.BT), grp = o_.aux_scope == MoeAuxScope::Sequence ? d_.T_ : n;
+    bool padded = false;
+    for (size_t i = 0; layout.real && i < n && !padded; ++i) padded = layout.real[i] == 0;
+    if (padded) {
+      ctx.real_.assign(layout.real, layout.real + n);
+      ctx.real_n_.assign(n / grp, 0.0);
+      for (size_t i = 0; i < n; ++i) ctx.real_n_[i / grp] += ctx.real_[i] != 0 ? 1.0 : 0.0;
+    } else {
+      ctx.real_.clear();
+      ctx.real_n_.clear();
+    }
   }
   T* x0 = b > a ? ctx.layers_[0].x.data() : ctx.xf_.data();
   if (a == 0)
@@ -293,9 +305,18 @@ void LlamaModel<T>::forward(UnitSource<T>& f, Context& ctx, const int32_t* token
                   l + 1 < b ? ctx.layers_[static_cast<size_t>(l + 1 - a)].x.data() : ctx.xf_.data());
     if (is_moe(l)) {  // the load-balancing loss's counts and probability sums of this block's tokens
       const int grp = o_.aux_scope == MoeAuxScope::Sequence ? d.T_ : d.BT;
-      be_.moe_prob_sums(ctx.psum_.data(), act.probs.data(), grp, d.BT, d.E);
+      if (ctx.real_.empty()) {
+        be_.moe_prob_sums(ctx.psum_.data(), act.probs.data(), grp, d.BT, d.E);
+      } else {  // the real rows' runs only, each into its group's sums (in row order, as above)
+        real_runs(ctx, [&](int t0, int t1, int g, bool real) {
+          if (real)
+            be_.moe_prob_sums(ctx.psum_.data() + static_cast<size_t>(g) * d.E, act.probs.data() + static_cast<size_t>(t0) * d.E,
+                              t1 - t0, t1 - t0, d.E);
+        });
+      }
       for (size_t i = 0; i < ex_host_.size(); ++i)
-        ctx.counts_[(i / static_cast<size_t>(d.K)) / static_cast<size_t>(grp) * d.E + ex_host_[i]] += 1;
+        if (ctx.real_.empty() || ctx.real_[i / static_cast<size_t>(d.K)] != 0)
+          ctx.counts_[(i / static_cast<size_t>(d.K)) / static_cast<size_t>(grp) * d.E + ex_host_[i]] += 1;
       if (o_.recompute == Recompute::Full) kept.eoff = act.eoff;  // expert_counts reads the context's
     }
   }
@@ -306,10 +327,25 @@ void LlamaModel<T>::forward(UnitSource<T>& f, Context& ctx, const int32_t* token
     be_.acc_to_host(ps.data(), ctx.psum_.data(), n);
     std::vector<double> both(ctx.counts_);
     both.insert(both.end(), ps.begin(), ps.end());
+    // The real rows per group: every rank of the group sends them (zeros standing for "all
+    // real", which a rank without padding leaves empty), so that the sum is the same call everywhere.
+    const size_t groups = n / static_cast<size_t>(d.E);
+    std::vector<double> real_n(ctx.real_n_);
+    if (real_n.empty()) real_n.assign(groups, 0.0);
+    std::vector<double> pads(groups, 0.0);  // padding rows per group (0 without padding)
+    const double rows = o_.aux_scope == MoeAuxScope::Sequence ? double{1} * d.T_ : double{1} * d.BT;
+    for (size_t g = 0; g < groups; ++g) pads[g] = ctx.real_n_.empty() ? 0.0 : rows - real_n[g];
+    both.insert(both.end(), pads.begin(), pads.end());
     cp_->sum_host(both.data(), both.size());
     std::copy(both.begin(), both.begin() + static_cast<ptrdiff_t>(n), ctx.counts_.begin());
     for (size_t i = 0; i < n; ++i) ps[i] = static_cast<S>(both[n + i]);
     be_.acc_from_host(ctx.psum_.data(), ps.data(), n);
+    bool any_pad = false;
+    for (size_t g = 0; g < groups; ++g) any_pad = any_pad || both[2 * n + g] != 0.0;
+    if (any_pad) {  // R per group: the group's rows over the CP ranks less their padding
+      ctx.real_n_.assign(groups, 0.0);
+      for (size_t g = 0; g < groups; ++g) ctx.real_n_[g] = rows * d.cp - both[2 * n + g];
+    }
   }
   if (b == d.L) {
     ctx.head_w_ = gather(f, ctx.r_.unit(d.L + 1));
@@ -438,9 +474,10 @@ template <typename T> double LlamaModel<T>::moe_aux_loss(const Context& ctx) con
   const int E = d_.E, G = static_cast<int>(ctx.counts_.size()) / std::max(1, E);
   std::vector<S> ps(ctx.psum_.size());
   be_.acc_to_host(ps.data(), ctx.psum_.data(), ps.size());
-  const double n = aux_rows();
   double sum = 0;
   for (int g = 0; g < G; ++g) {
+    const double n = aux_rows(ctx, static_cast<size_t>(g));
+    if (n == 0) continue;  // a group of padding only: no loss
     std::vector<double> p(ps.begin() + static_cast<ptrdiff_t>(g) * E, ps.begin() + static_cast<ptrdiff_t>(g + 1) * E);
     sum += math::moe_aux_loss(ctx.counts_.data() + static_cast<size_t>(g) * E, p.data(), E, n);
   }
@@ -451,10 +488,11 @@ template <typename T> void LlamaModel<T>::set_aux_grad_scale(Context& ctx, S sca
   if (moe_blocks_ == 0) return;
   expect_whole_range<T>(ctx.r_, c_.num_hidden_layers, "set_aux_grad_scale");
   ctx.aux_scale_ = scale;
-  const double n = aux_rows();
   std::vector<S> g(ctx.counts_.size());
-  for (size_t i = 0; i < g.size(); ++i)
-    g[i] = static_cast<S>(static_cast<double>(scale) * math::moe_aux_dprob(ctx.counts_[i], d_.E, n));
+  for (size_t i = 0; i < g.size(); ++i) {
+    const double n = aux_rows(ctx, i / static_cast<size_t>(d_.E));
+    g[i] = n == 0 ? S(0) : static_cast<S>(static_cast<double>(scale) * math::moe_aux_dprob(ctx.counts_[i], d_.E, n));
+  }
   be_.acc_from_host(ctx.aux_dprob_.data(), g.data(), g.size());
 }
 

@@ -219,8 +219,18 @@ template <typename T> void LlamaModel<T>::moe_backward(Context& ctx, const T* w,
   }
   be_.moe_combine(dln_.data(), nullptr, dxe, a.pos.data(), nullptr, d.BT, d.K, d.C);
   const int grp = o_.aux_scope == MoeAuxScope::Sequence ? d.T_ : d.BT;
-  be_.moe_route_backward(rl_.data(), a.probs.data(), a.experts.data(), a.wts.data(), dwts_.data(),
-                         ctx.aux_scale_ != S(0) ? ctx.aux_dprob_.data() : nullptr, grp, d.BT, d.E, d.K, d.renorm);
+  const S* aux = ctx.aux_scale_ != S(0) ? ctx.aux_dprob_.data() : nullptr;
+  if (!aux || ctx.real_.empty()) {
+    be_.moe_route_backward(rl_.data(), a.probs.data(), a.experts.data(), a.wts.data(), dwts_.data(), aux, grp, d.BT,
+                           d.E, d.K, d.renorm);
+  } else {  // padding gets no load-balancing gradient: the runs of real and padding rows apart
+    real_runs(ctx, [&](int t0, int t1, int g, bool real) {
+      const size_t r = static_cast<size_t>(t0), E = static_cast<size_t>(d.E), K = static_cast<size_t>(d.K);
+      be_.moe_route_backward(rl_.data() + r * E, a.probs.data() + r * E, a.experts.data() + r * K, a.wts.data() + r * K,
+                             dwts_.data() + r * K, real ? aux + static_cast<size_t>(g) * E : nullptr, t1 - t0, t1 - t0,
+                             d.E, d.K, d.renorm);
+    });
+  }
   linear(be_, kMoeDIn, d.BT, d.E, d.C, rl_.data(), w + o.router, dln_.data(), true);
   linear(be_, kMoeDW, d.BT, d.E, d.C, rl_.data(), n2, gw + o.router, true);
 }

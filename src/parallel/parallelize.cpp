@@ -205,6 +205,7 @@ TokenLayout SequenceSplit::take(const int32_t* tokens, const int32_t* targets, c
   tgt_l_.resize(targets ? n : 0);
   pos_l_.resize(n);
   doc_l_.resize(whole.doc ? n : 0);
+  real_l_.resize(whole.real ? n : 0);
   for (int b = 0; b < B; ++b)
     for (int i = 0; i < Tl_; ++i) {
       const size_t src = static_cast<size_t>(b) * T_ + static_cast<size_t>(rows_[static_cast<size_t>(i)]);
@@ -213,10 +214,11 @@ TokenLayout SequenceSplit::take(const int32_t* tokens, const int32_t* targets, c
       if (targets) tgt_l_[dst] = targets[src];
       pos_l_[dst] = whole.pos ? whole.pos[src] : rows_[static_cast<size_t>(i)];
       if (whole.doc) doc_l_[dst] = whole.doc[src];
+      if (whole.real) real_l_[dst] = whole.real[src];
     }
   tok_ = tok_l_.data();
   tgt_ = targets ? tgt_l_.data() : nullptr;
-  return {pos_l_.data(), whole.doc ? doc_l_.data() : nullptr};
+  return {pos_l_.data(), whole.doc ? doc_l_.data() : nullptr, whole.real ? real_l_.data() : nullptr};
 }
 
 ShardPlan rank_unit_plan(const ModelConfig& mc, const MeshDims& d, int tp_rank, const PipelineLayout* pl, int pp_rank) {

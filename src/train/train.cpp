@@ -110,12 +110,15 @@ TokenLayout batch_layout(const TrainConfig& tc, const TokenDataset& data, const 
 
 MicroBatchReader batch_reader(std::shared_ptr<const PackedBatches> batches) {
   auto pos = std::make_shared<std::vector<int32_t>>(), doc = std::make_shared<std::vector<int32_t>>();
-  return [batches, pos, doc](Split split, int64_t index, int first, int count, int32_t* tokens, int32_t* targets) {
+  auto real = std::make_shared<std::vector<int32_t>>();  // padding flags (MoE's load-balancing loss)
+  return [batches, pos, doc, real](Split split, int64_t index, int first, int count, int32_t* tokens,
+                                   int32_t* targets) {
     const size_t n = static_cast<size_t>(count) * static_cast<size_t>(batches->stream(split).seq_len());
     pos->resize(n);
     doc->resize(n);
-    batches->fill(split, index, first, count, tokens, targets, doc->data(), pos->data());
-    return TokenLayout{pos->data(), doc->data()};
+    real->resize(n);
+    batches->fill(split, index, first, count, tokens, targets, doc->data(), pos->data(), real->data());
+    return TokenLayout{pos->data(), doc->data(), real->data()};
   };
 }
 

@@ -20,6 +20,7 @@
 #include <iterator>
 #include <map>
 #include <random>
+#include <tuple>
 #include <utility>
 #include <stdexcept>
 #include <string>
@@ -28,6 +29,7 @@
 #include "shardtrain/backend/backend.h"
 #include "shardtrain/model/config.h"
 #include "shardtrain/model/model.h"
+#include "shardtrain/parallel/context_parallel.h"
 #include "shardtrain/parallel/expert_parallel.h"
 #include "shardtrain/shard/shard.h"
 #include "../test_env.h"
@@ -345,4 +347,140 @@ TEST(Moe, ExpertParallelIsExactAgainstOneRank) {
                     W, what.c_str(), loss, want, worst, std::sqrt(got.norm2), std::sqrt(ref.norm2));
     }
   }
+}
+
+// Padding (TokenLayout::real, the rest of a `--pack none` fine-tuning row) stays out of the
+// load-balancing loss, as transformers' load_balancing_loss_func leaves out what its attention mask
+// masks: a micro-batch of a 7-token sequence padded to 12 and a 12-token one, in float64, against
+// the two sequences alone (one micro-batch each, no padding) on the same parameters: the
+// cross-entropy, the load-balancing loss (sequence scope) and every gradient within 1e-12 (without
+// the flags R would count 12 rows for the first sequence, and its padding's routing would count).
+// Flags that mark nothing padded compute bitwise as no flags.
+TEST(Moe, PaddingStaysOutOfTheLoadBalancingLoss) {
+  st::Comm& c = st::testing::comm();
+  st::MpiComm self = st::MpiComm::split(c, c.rank(), 0);
+  const st::ModelConfig mc = layout_config();
+  const double coef = mc.router_aux_loss_coef;
+  const int T = 12, L0 = 7;
+  std::mt19937 g(57);
+  std::vector<int32_t> tok(2 * T), tgt(2 * T), real(2 * T, 1);
+  for (auto& t : tok) t = static_cast<int32_t>(g() % 53);
+  for (auto& t : tgt) t = static_cast<int32_t>(g() % 53);
+  for (int t = L0; t < T; ++t) {  // row 0's padding: token 0, no target, flagged
+    tok[static_cast<size_t>(t)] = 0;
+    tgt[static_cast<size_t>(t)] = -1;
+    real[static_cast<size_t>(t)] = 0;
+  }
+  struct Out {
+    double ce = 0, aux = 0;
+    std::map<std::string, std::vector<double>> grads;
+  };
+  // Micro-batches (first row, rows, T, flags) on one rank, gradients accumulated.
+  auto run = [&](const std::vector<std::tuple<int, int, int, const int32_t*>>& mbs) {
+    auto be = st::make_cpu_backend<double>();
+    st::Fsdp<double> f(*be, self, st::ShardPlan::build(st::llama_units(mc), 1), &self, nullptr);
+    f.init_params(58);
+    f.zero_grads();
+    st::LlamaModel<double> m(mc, *be, st::ModelOptions{});
+    Out o;
+    for (const auto& [row, B, Tm, flags] : mbs) {
+      std::vector<int32_t> bt, bg;
+      for (int b = 0; b < B; ++b)
+        for (int t = 0; t < Tm; ++t) {
+          bt.push_back(tok[static_cast<size_t>((row + b) * T + t)]);
+          bg.push_back(tgt[static_cast<size_t>((row + b) * T + t)]);
+        }
+      m.forward(f, bt.data(), B, Tm, st::TokenLayout{nullptr, nullptr, flags});
+      o.ce += m.head_backward(f, bg.data(), 1.0);
+      o.aux += m.moe_aux_loss();
+      m.set_aux_grad_scale(coef);
+      m.backward(f);
+    }
+    f.end_pass();
+    for (const st::UnitPlan& u : f.plan().units)
+      for (const st::ParamSlot& p : u.params) {
+        const int ui = f.plan().unit_index(u.name);
+        const double* gr = f.grad_shard(ui) + p.offset;
+        o.grads[p.spec.name].assign(gr, gr + p.numel);
+      }
+    return o;
+  };
+  const Out padded = run({{0, 2, T, real.data()}});
+  const Out alone = run({{0, 1, L0, nullptr}, {1, 1, T, nullptr}});
+  EXPECT_NEAR(padded.ce, alone.ce, 1e-12 * alone.ce);
+  EXPECT_NEAR(padded.aux, alone.aux, 1e-12 * alone.aux) << "the load-balancing loss";
+  double worst = 0;
+  for (const auto& [name, gw] : alone.grads) {
+    const std::vector<double>& gp = padded.grads.at(name);
+    double mx = 0, d = 0;
+    for (size_t i = 0; i < gw.size(); ++i) {
+      mx = std::max(mx, std::fabs(gw[i]));
+      d = std::max(d, std::fabs(gp[i] - gw[i]));
+    }
+    ASSERT_GT(mx, 0.0) << name;
+    EXPECT_LE(d, 1e-12 * mx) << name;
+    worst = std::max(worst, d / mx);
+  }
+  // Without the flags the padding counts: another loss.
+  const Out unflagged = run({{0, 2, T, nullptr}});
+  EXPECT_GT(std::fabs(unflagged.aux - alone.aux), 1e-6 * alone.aux) << "the padding should have counted without flags";
+  // Flags that mark nothing padded: bitwise the run without flags.
+  const std::vector<int32_t> ones(2 * T, 1);
+  const Out all_real = run({{1, 1, T, ones.data()}});
+  const Out no_flags = run({{1, 1, T, nullptr}});
+  EXPECT_EQ(all_real.aux, no_flags.aux);
+  EXPECT_EQ(all_real.ce, no_flags.ce);
+  for (const auto& [name, gw] : no_flags.grads) EXPECT_EQ(all_real.grads.at(name), gw) << name;
+  if (c.rank() == 0)
+    std::printf("[ MoE padding ] 7 + 5 padding and 12 tokens vs the two alone: ce %.15g vs %.15g, aux %.15g vs %.15g "
+                "(without the flags %.15g), worst gradient rel diff %.1e\n",
+                padded.ce, alone.ce, padded.aux, alone.aux, unflagged.aux, worst);
+  // Under context parallelism (CP 2 over ranks 2i, 2i+1): each rank holds the head-tail half of both
+  // rows, row 0's padding only on some of them; the group's summed flags give the same R, loss and
+  // (summed over the group) gradients.
+  if (c.world_size() % 2 != 0) return;
+  st::MpiComm grp = st::MpiComm::split(c, c.rank() / 2, c.rank());
+  const std::vector<int32_t> rows = st::cp_rows(T, 2, grp.rank());
+  const int Tl = static_cast<int>(rows.size());
+  std::vector<int32_t> lt, lg, lp, lr;
+  for (int b = 0; b < 2; ++b)
+    for (int32_t t : rows) {
+      const size_t i = static_cast<size_t>(b * T + t);
+      lt.push_back(tok[i]);
+      lg.push_back(tgt[i]);
+      lp.push_back(t);
+      lr.push_back(real[i]);
+    }
+  auto be = st::make_cpu_backend<double>();
+  st::CpAttention<double> cp(grp, *be, st::CpComm::Ring);
+  st::Fsdp<double> f(*be, self, st::ShardPlan::build(st::llama_units(mc), 1), &self, nullptr);
+  f.init_params(58);
+  f.zero_grads();
+  st::LlamaModel<double> m(mc, *be, st::ModelOptions{}, nullptr, &cp);
+  m.forward(f, lt.data(), 2, Tl, st::TokenLayout{lp.data(), nullptr, lr.data()});
+  double ce = m.head_backward(f, lg.data(), 1.0);
+  const double aux = m.moe_aux_loss();
+  m.set_aux_grad_scale(coef);
+  m.backward(f);
+  f.end_pass();
+  grp.all_reduce(&ce, 1, st::ReduceOp::Sum);
+  EXPECT_NEAR(ce, alone.ce, 1e-12 * alone.ce) << "CP 2";
+  EXPECT_NEAR(aux, alone.aux, 1e-12 * alone.aux) << "CP 2: the load-balancing loss from the group's flags";
+  double worst_cp = 0;
+  for (const st::UnitPlan& u : f.plan().units)
+    for (const st::ParamSlot& p : u.params) {
+      const int ui = f.plan().unit_index(u.name);
+      std::vector<double> gr(f.grad_shard(ui) + p.offset, f.grad_shard(ui) + p.offset + p.numel);
+      grp.all_reduce(gr.data(), gr.size(), st::ReduceOp::Sum);
+      const std::vector<double>& gw = alone.grads.at(p.spec.name);
+      double mx = 0, d = 0;
+      for (size_t i = 0; i < gw.size(); ++i) {
+        mx = std::max(mx, std::fabs(gw[i]));
+        d = std::max(d, std::fabs(gr[i] - gw[i]));
+      }
+      EXPECT_LE(d, 1e-12 * mx) << "CP 2: " << p.spec.name;
+      worst_cp = std::max(worst_cp, d / mx);
+    }
+  if (c.rank() == 0)
+    std::printf("[ MoE padding ] CP 2: aux %.15g vs %.15g, worst gradient rel diff %.1e\n", aux, alone.aux, worst_cp);
 }

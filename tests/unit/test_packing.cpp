@@ -122,7 +122,9 @@ TEST(Packing, BestFitRowsTargetsDocumentsAndPositionsFollowTheExamples) {
       ASSERT_EQ(px.rows(), static_cast<int64_t>(rows.size()));
       for (size_t r = 0; r < rows.size(); ++r) {
         Row got(T);
-        px.fill_row(static_cast<int64_t>(r), got.tok.data(), got.tgt.data(), got.doc.data(), got.pos.data());
+        std::vector<int32_t> real(static_cast<size_t>(T), -1);
+        px.fill_row(static_cast<int64_t>(r), got.tok.data(), got.tgt.data(), got.doc.data(), got.pos.data(),
+                    real.data());
         int p = 0, n_targets = 0;
         for (size_t k = 0; k < rows[r].size(); ++k) {
           const size_t e = rows[r][k];
@@ -133,6 +135,7 @@ TEST(Packing, BestFitRowsTargetsDocumentsAndPositionsFollowTheExamples) {
             ASSERT_EQ(got.tgt[p], counts ? static_cast<int32_t>(v.toks[at + 1]) : kNoTarget) << "row " << r << " position " << p;
             ASSERT_EQ(got.doc[p], static_cast<int32_t>(k));
             ASSERT_EQ(got.pos[p], t);
+            ASSERT_EQ(real[static_cast<size_t>(p)], 1) << "row " << r << " position " << p;  // an example's token
             n_targets += counts;
           }
         }
@@ -141,6 +144,7 @@ TEST(Packing, BestFitRowsTargetsDocumentsAndPositionsFollowTheExamples) {
           EXPECT_EQ(got.tgt[p], kNoTarget);
           EXPECT_EQ(got.doc[p], static_cast<int32_t>(rows[r].size()));
           EXPECT_EQ(got.pos[p], t);
+          EXPECT_EQ(real[static_cast<size_t>(p)], 0) << "row " << r << " position " << p;  // flagged as padding
         }
         EXPECT_EQ(px.row_targets(static_cast<int64_t>(r)), n_targets);
       }

@@ -80,9 +80,11 @@ class PackedExamples {
   int seq_len() const { return o_.seq_len; }
   int32_t row_targets(int64_t r) const { return row_targets_.at(static_cast<size_t>(r)); }
   // Row r into [seq_len] arrays: tokens, targets (kNoTarget where none), doc (0, 1, ... per example,
-  // the padding's after them), pos (0 at each example's first token). Throws std::out_of_range for
-  // r outside [0, rows()).
-  void fill_row(int64_t r, int32_t* tokens, int32_t* targets, int32_t* doc, int32_t* pos) const;
+  // the padding's after them), pos (0 at each example's first token) and, when given, real (1 for
+  // an example's token, 0 for padding: model.h TokenLayout::real). Throws std::out_of_range for r
+  // outside [0, rows()).
+  void fill_row(int64_t r, int32_t* tokens, int32_t* targets, int32_t* doc, int32_t* pos,
+                int32_t* real = nullptr) const;
 
  private:
   const TokenDataset& ds_;
@@ -110,9 +112,9 @@ class PackedBatches {
   PackedBatches(const TokenDataset& ds, const PackOptions& o, uint64_t seed, int global_batch, bool shuffle = true);
   const PackedExamples& stream(Split s) const { return s == Split::Train ? train_ : val_; }
   // Sequences [first, first + count) of global batch `index`, as fill_row writes them ([count, T]
-  // row-major each).
+  // row-major each; real: when given).
   void fill(Split s, int64_t index, int first, int count, int32_t* tokens, int32_t* targets, int32_t* doc,
-            int32_t* pos) const;
+            int32_t* pos, int32_t* real = nullptr) const;
   // The target tokens of global batch `index` (all G sequences): what its mean loss divides by.
   int64_t batch_targets(Split s, int64_t index) const;
   // The epoch global batch `index` of the training split ends in (0-based), and the rows per epoch.

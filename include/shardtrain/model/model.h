@@ -200,9 +200,15 @@ const char* attention_mask_name(AttentionMask m);
 // given, doc[s] == doc[t]; so positions restart per document only together with doc ids);
 // doc, when given, is always used (every rank of the CP group must give it or none: the CP
 // attention moves the ids with K/V).
+// real: [B, T] host int32, nonzero for a token and 0 for padding (the rest of a fine-tuning row,
+// data/packing.h), or nullptr (every position a token). Only a mixture-of-experts model's
+// load-balancing loss reads it: padding is left out of its counts, probability sums and row count
+// R, and gets none of its gradient (transformers' load_balancing_loss_func given an attention mask).
+// Padding is otherwise computed as any row (it has no targets, and no real token attends to it).
 struct TokenLayout {
   const int32_t* pos = nullptr;
   const int32_t* doc = nullptr;
+  const int32_t* real = nullptr;
 };
 // Default chunk of the LM head and loss: as many tokens as make a [chunk, V] logits block of
 // 2^24 elements (64 MiB in fp32), at least 256 tokens: about 131 (-> 256) for a 128,256
@@ -439,6 +445,11 @@ template <typename T> class LlamaModel {
     std::vector<double> counts_;
     AccBuffer<T> psum_, aux_dprob_;
     S aux_scale_ = S(0);
+    // MoE with a layout's `real` flags (TokenLayout): the rows' flags (host [BT]; empty: every row
+    // real) and per scope group the real rows, summed over the CP group (R of the group = that x
+    // the MoE blocks).
+    std::vector<int32_t> real_;
+    std::vector<double> real_n_;
   };
 
   // tp: the TP group's collectives (tensor_parallel_ops.h), nullptr or size 1 = no tensor parallelism; must
@@ -608,9 +619,22 @@ template <typename T> class LlamaModel {
   bool is_moe(int l) const { return !moe_layer_.empty() && moe_layer_[static_cast<size_t>(l)]; }
   // R of the load-balancing loss: the rows one scope group pools over the MoE blocks, its tokens
   // whole (under CP the group's rows: Tg = cp x T_ per sequence) times the MoE blocks.
-  double aux_rows() const {
+  double aux_rows(const Context& ctx, size_t g) const {
+    if (!ctx.real_n_.empty()) return static_cast<double>(moe_blocks_) * ctx.real_n_[g];
     return static_cast<double>(moe_blocks_) *
            (o_.aux_scope == MoeAuxScope::Sequence ? double{1} * d_.Tg : double{1} * d_.B * d_.Tg);
+  }
+  // The runs of rows [t0, t1) of one scope group that are all real or all padding (ctx.real_,
+  // non-empty), in order: f(t0, t1, group, real).
+  template <typename F> void real_runs(const Context& ctx, F&& f) const {
+    const int n = d_.BT, grp = o_.aux_scope == MoeAuxScope::Sequence ? d_.T_ : d_.BT;
+    for (int t0 = 0; t0 < n;) {
+      const bool real = ctx.real_[static_cast<size_t>(t0)] != 0;
+      int t1 = t0 + 1;
+      while (t1 < n && t1 % grp != 0 && (ctx.real_[static_cast<size_t>(t1)] != 0) == real) ++t1;
+      f(t0, t1, t0 / grp, real);
+      t0 = t1;
+    }
   }
   const Offsets& offsets(int l) const { return is_moe(l) ? moe_off_ : dense_off_; }
   // The layout's checks (std::invalid_argument) and, in set_layout, its copy into ctx (use_pos_ /

@@ -178,7 +178,7 @@ template <typename C> struct ParallelRun {
 // rows of each (context_parallel.h cp_rows for its CP coordinate): tokens, targets, and the layout
 // the model needs under CP — each row's global position (the whole sequence's layout position when
 // given, e.g. restarting per document, else the row's index in its sequence) and, when given, its
-// document id. The layout is computed on the whole sequence first (document_layout needs the
+// document id and its padding flag (TokenLayout::real). The layout is computed on the whole sequence first (document_layout needs the
 // tokens before the row), then picked. Without CP (cp = 1) take() returns its inputs unchanged:
 // rows() = T, the pointers as given (bitwise the run without CP).
 class SequenceSplit {
@@ -198,7 +198,7 @@ class SequenceSplit {
  private:
   int T_ = 0, Tl_ = 0;
   std::vector<int32_t> rows_;                 // cp_rows of this rank (empty without CP)
-  std::vector<int32_t> tok_l_, tgt_l_, pos_l_, doc_l_;
+  std::vector<int32_t> tok_l_, tgt_l_, pos_l_, doc_l_, real_l_;
   const int32_t* tok_ = nullptr;
   const int32_t* tgt_ = nullptr;
 };
