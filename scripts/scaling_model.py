@@ -19,6 +19,9 @@ Subcommands
   pp-tables pipeline parallelism (issue 42): best mesh with and without PP for llama-70b and
            llama-405b at W = 256 .. 4096 (and 8192, 16384), 16M-token batch, seq 8192, and the model
            beside Llama 3's table 4 and torchtitan's table 5 (docs/scaling.md)
+  ep-tables expert parallelism (issue 56): one MoE layer's all-to-alls and expert gathers, and the
+           best mesh with and without EP for mixtral-8x7b and a DeepSeek-V3-sized model (MHA in place
+           of MLA) at W = 256 .. 4096, 16M-token batch, seq 4096 (docs/scaling.md)
   selftest the arithmetic checks (also run by tests/bench/test_scaling_model.py)
 
 Examples
@@ -1302,6 +1305,785 @@ def cmd_pp_tables(a):
     pp_published()
 
 
+# ---- expert parallelism (issue 56) --------------------------------------------------------
+#
+# docs/scaling.md, "Expert parallelism (issue 56)", states the design and every assumption.
+# shardtrain's mesh is pp x dp_replicate x dp_shard x cp x tp; here dp_replicate = cp = 1, so
+# W = pp x dp x tp, FSDP shards over the dp ranks of one TP index inside a stage, and --ep N adds
+# no ranks: an EP group is N ranks of consecutive shard index of one shard group (N divides E and
+# dp). Built: the dispatch (blocking all-to-alls), the experts' parameters still in their block's
+# unit. Next: expert units of their own (the E / N experts of an EP rank, sharded over the dp / N
+# ranks that hold the same experts). docs/moe.md says which is which.
+
+MOE_PRESETS = {
+    # name: (V, C, I, L, NH, NKV, tied, E, k, IE, shared expert width IS, leading dense layers,
+    #        head_dim, qk_norm). The first three as src/model/config.cpp; the last is DeepSeek-V3's
+    #        shape (deepseek-ai/DeepSeek-V3 inference/configs/config_671B.json) with standard
+    #        multi-head attention in place of MLA (head_dim C / NH = 56), which shardtrain lacks.
+    "tiny-moe": (258, 32, 64, 2, 4, 2, True, 8, 2, 64, 0, 0, None, False),
+    "mixtral-8x7b": (32000, 4096, 14336, 32, 32, 8, False, 8, 2, 14336, 0, 0, None, False),
+    "qwen3-30b-a3b": (151936, 2048, 6144, 48, 32, 4, False, 128, 8, 768, 0, 0, 128, True),
+    "deepseek-v3-mha": (129280, 7168, 18432, 61, 128, 128, False, 256, 8, 2048, 2048, 3, None, False),
+}
+# DeepSeek-V3's MLA (config_671B.json): q_lora_rank, kv_lora_rank, qk_nope_head_dim,
+# qk_rope_head_dim, v_head_dim; for the counts beside the approximation.
+DSV3_MLA = (1536, 512, 128, 64, 128)
+
+
+_MOE_COUNTS = {}  # parameter counts by (MoeConfig.key(), experts): the search asks for them often
+
+
+class MoeConfig(Config):
+    """A mixture-of-experts model as shardtrain counts it (src/model/config.cpp count_params): the
+    first `dense_layers` layers have a SwiGLU MLP of width I, the others a router [E, C] (no bias),
+    E routed experts of width IE (gate, up, down: 3 C IE each), k of them active per token, and,
+    when IS > 0, a shared expert of width IS (DeepSeek's: always active and local, no all-to-all;
+    shardtrain has none). Attention as the dense model's, + 2 HD with Qwen3's q/k norm."""
+
+    def __init__(self, name, V, C, I, L, NH, NKV, tied, E, k, IE, IS=0, dense_layers=0, head_dim=None,
+                 qk_norm=False):
+        Config.__init__(self, name, V, C, I, L, NH, NKV, tied, head_dim)
+        if not 1 <= k <= E:
+            raise ValueError("top-k %d must be between 1 and the %d experts" % (k, E))
+        self.E, self.k, self.IE, self.IS = E, k, IE, IS
+        self.dense_layers, self.qk_norm = dense_layers, qk_norm
+
+    def is_moe_layer(self, l):
+        return l >= self.dense_layers
+
+    def key(self):
+        """Every field: what the model's numbers depend on."""
+        return (self.name, self.V, self.C, self.I, self.L, self.NH, self.NKV, self.tied, self.HD, self.E, self.k,
+                self.IE, self.IS, self.dense_layers, self.qk_norm)
+
+    def attn_numel(self, tp=1):
+        """Two RMSNorms [C], q, k, v, o (one TP rank's slices), q/k norms [HD] (replicated)."""
+        C = self.C
+        return 2 * C + C * self.Q // tp + 2 * C * self.KV // tp + self.Q // tp * C + (2 * self.HD if self.qk_norm else 0)
+
+    def expert_numel(self, tp=1):
+        """One routed expert's gate, up and down, 3 C IE; per TP rank 1/tp of it (each expert
+        sliced as a dense MLP is: 'expert TP = TP')."""
+        return 3 * self.C * self.IE // tp
+
+    def nonexpert_numel(self, l, tp=1):
+        """Layer l without its routed experts: attention + dense MLP, or router (replicated) +
+        shared expert."""
+        if not self.is_moe_layer(l):
+            return self.attn_numel(tp) + 3 * self.C * self.I // tp
+        return self.attn_numel(tp) + self.C * self.E + 3 * self.C * self.IS // tp
+
+    def layer_numel(self, l, tp=1, experts=None):
+        """Layer l with `experts` of its routed experts (default all E; k: what one token uses)."""
+        n = self.nonexpert_numel(l, tp)
+        if self.is_moe_layer(l):
+            n += (self.E if experts is None else experts) * self.expert_numel(tp)
+        return n
+
+    def block_numel(self, tp=1):
+        raise TypeError("%s: MoE layers differ; use layer_numel / nonexpert_numel / expert_numel" % self.name)
+
+    def _count(self, experts):
+        key = (self.key(), experts)
+        if key not in _MOE_COUNTS:
+            _MOE_COUNTS[key] = (self.V * self.C * (1 if self.tied else 2) + self.C +
+                                sum(self.layer_numel(l, 1, experts) for l in range(self.L)))
+        return _MOE_COUNTS[key]
+
+    def num_params(self):
+        return self._count(self.E)
+
+    def num_active_params(self):
+        return self._count(self.k)
+
+    def dense_standin(self):
+        """A dense Config with the same V, C, I, L, heads and tie: the TP collectives
+        (tp_item_calls, tp_norm_time) depend on nothing else."""
+        return Config(self.name, self.V, self.C, self.I, self.L, self.NH, self.NKV, self.tied, self.HD)
+
+
+def load_moe_config(name):
+    V, C, I, L, NH, NKV, tied, E, k, IE, IS, dense, hd, qkn = MOE_PRESETS[name]
+    return MoeConfig(name, V, C, I, L, NH, NKV, tied, E, k, IE, IS, dense, hd, qkn)
+
+
+def mla_attn_numel(C, NH, q_rank, kv_rank, nope, rope, v):
+    """DeepSeek-V3's MLA per layer (deepseek-ai/DeepSeek-V3 inference/model.py, class MLA) + the
+    block's two RMSNorms: wq_a [q_rank, C], q_norm [q_rank], wq_b [NH (nope + rope), q_rank],
+    wkv_a [kv_rank + rope, C], kv_norm [kv_rank], wkv_b [NH (nope + v), kv_rank], wo [C, NH v]."""
+    return (2 * C + C * q_rank + q_rank + q_rank * NH * (nope + rope) + C * (kv_rank + rope) + kv_rank +
+            kv_rank * NH * (nope + v) + NH * v * C)
+
+
+def dsv3_mla_counts(cfg):
+    """(total, active) parameters of the same shape with DeepSeek's MLA in place of the MHA
+    approximation and the gate's bias [E] per MoE layer (inference/model.py, Gate at dim 7168):
+    DeepSeek-V3's main model (no MTP module) as its code builds it."""
+    d = cfg.L * (mla_attn_numel(cfg.C, cfg.NH, *DSV3_MLA) - cfg.attn_numel()) + (cfg.L - cfg.dense_layers) * cfg.E
+    return cfg.num_params() + d, cfg.num_active_params() + d
+
+
+def dsv3_mla_attn_flops(cfg, T):
+    """MLA's score and value FLOPs per token, forward + backward, all layers, counted as PaLM counts
+    attention (12 L Q T, Q = the query width): 6 L NH (nope + rope + v) T."""
+    _, _, nope, rope, v = DSV3_MLA
+    return 6.0 * cfg.L * cfg.NH * (nope + rope + v) * T
+
+
+def check_moe(cfg, tp=1, ep=1):
+    """tp divides the heads, KV heads, I (check_tp), IE and IS; ep >= 1 divides E."""
+    check_tp(cfg, tp)
+    if cfg.IE % tp or cfg.IS % tp:
+        raise ValueError("tp %d must divide the experts' width %d and the shared expert's %d of %s" %
+                         (tp, cfg.IE, cfg.IS, cfg.name))
+    if ep < 1 or cfg.E % ep:
+        raise ValueError("ep %d must divide the %d experts of %s" % (ep, cfg.E, cfg.name))
+
+
+def moe_flops_per_token(cfg, T):
+    """6 N_active + 12 L Q T (shardtrain's MFU counts the active parameters, docs/moe.md; PaLM's
+    attention term). As flops_per_token, the input embedding is counted."""
+    return 6.0 * cfg.num_active_params() + 12.0 * cfg.L * cfg.Q * T
+
+
+_MOE_UNITS = {}  # moe_units' results by (config, tp, ep, expert_units): the search asks for the same often
+
+
+def moe_units(cfg, tp=1, ep=1, expert_units=True):
+    """[(name, numel, kind)] per TP rank in shardtrain's unit order: embedding, layers, final norm
+    (+ untied head), kind 'dense' (sharded over the dp ranks). expert_units (the next step): each
+    MoE layer's routed experts leave the layer's unit for one of their own, listed after these,
+    kind 'expert': an EP rank's E / ep experts (one TP rank's slices), sharded over the dp / ep
+    ranks that hold the same experts. Without (what is built; and ep = 1, no EP): the layer's unit
+    holds all E experts."""
+    key = (cfg.key(), tp, ep, expert_units)
+    if key in _MOE_UNITS:
+        return _MOE_UNITS[key]
+    check_moe(cfg, tp, ep)
+    Vt = cfg.vocab_rows(tp)
+    u = [("model.embed_tokens", Vt * cfg.C, "dense")]
+    for l in range(cfg.L):
+        u.append(("model.layers.%d" % l, cfg.nonexpert_numel(l, tp) if expert_units else cfg.layer_numel(l, tp), "dense"))
+    u.append(("model.norm", cfg.C + (0 if cfg.tied else Vt * cfg.C), "dense"))
+    if expert_units:
+        for l in range(cfg.L):
+            if cfg.is_moe_layer(l):
+                u.append(("model.layers.%d.mlp.experts" % l, cfg.E // ep * cfg.expert_numel(tp), "expert"))
+    _MOE_UNITS[key] = tuple(u)
+    return _MOE_UNITS[key]
+
+
+def expert_unit_index(cfg, l):
+    """Index of MoE layer l's expert unit in moe_units(..., expert_units=True) (the MoE layers are
+    the last L - dense_layers)."""
+    if not cfg.is_moe_layer(l):
+        raise ValueError("layer %d of %s is dense" % (l, cfg.name))
+    return cfg.L + 2 + l - cfg.dense_layers
+
+
+def ep_a2a_bytes(cfg, tokens, ep, e=2):
+    """Bytes one rank sends in one all-to-all (dispatch, combine, or one of their backward
+    transfers) with balanced routing: the k slots of its tokens (b T / tp rows under TP + SP), C
+    elements of e bytes each, but the 1/ep that stay on the rank: tokens x k x C x e x (ep-1)/ep."""
+    return tokens * cfg.k * cfg.C * e * (ep - 1) / ep
+
+
+def ep_fsdp_bytes(cfg, dp, prec, tp=1, ep=1, expert_units=True):
+    """FSDP bytes each rank sends per micro-batch (pp 1), ring (as bytes_per_step): per unit
+    gathers x (n-1)/n x S n x e_g and reduce-scatters x (n-1)/n x S n x e_r, S = shard_size(numel,
+    n); dense units over n = dp ranks, counted as collective_counts counts the dense model's
+    (a layer gathered twice, reduced once); expert units over n = dp / ep, gathered twice, reduced
+    once. Returns {"dense": (ag, rs), "expert": (ag, rs)}."""
+    us = moe_units(cfg, tp, ep, expert_units)
+    ag, rs = collective_counts(cfg.dense_standin())
+    out = {"dense": [0.0, 0.0], "expert": [0.0, 0.0]}
+    for u, (_, numel, kind) in enumerate(us):
+        n = dp if kind == "dense" else dp // ep
+        g, r = (ag[u], rs[u]) if kind == "dense" else (2, 1)
+        S = shard_size(numel, n)
+        out[kind][0] += g * (n - 1) / n * S * n * prec.ag
+        out[kind][1] += r * (n - 1) / n * S * n * prec.rs
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def ep_a2a_counts(recompute="none"):
+    """Per MoE layer and micro-batch (src/model/llama_moe.cpp under --ep): (forward all-to-alls,
+    backward input-gradient ones, backward weight-gradient ones, counts all-gathers). Forward 2
+    (dispatch, combine); backward d(ye) dispatched and d(xe) combined, and the inputs sent again
+    for the weight gradients (nothing of [rows, C] is kept); the counts (E int64) gathered once
+    per forward. Full recompute reruns the forward: 2 all-to-alls and 1 all-gather more."""
+    if recompute not in RECOMPUTE:
+        raise ValueError("recompute must be one of %s, got %r" % (", ".join(RECOMPUTE), recompute))
+    full = recompute == "full"
+    return 2, 2 + (2 if full else 0), 1, 2 if full else 1
+
+
+def ep_link(fabric, n, stride):
+    """(bus bandwidth, alpha) of a ring over n ranks `stride` apart (dense units: stride tp;
+    expert units: ep x tp): NVLink when the n x stride ranks lie in one node, else across nodes,
+    where the min(stride, g) rings of a node that run at once share its NICs (Fabric.B_flat:
+    each gets NICs x NIC / min(stride, g), at most NVLink's; one ring per collective: one NIC).
+    With stride = tp this is Topology._link."""
+    f = fabric
+    if n * stride <= f.g:
+        return f.B_intra, f.a_intra
+    return f.B_flat(min(stride, f.g)), f.a_inter
+
+
+def ep_a2a_time(fabric, ep, tp, send_bytes):
+    """One all-to-all over an EP group of ep ranks `tp` apart, each holding send_bytes of rows of
+    which (ep-1)/ep go to the others: pairwise exchange, (ep-1) alpha + bytes / B (Thakur et al.
+    2005). Inside a node (ep x tp <= g): NVLink. Across nodes: the share for ranks of other nodes,
+    (ep - g/tp)/ep, leaves through the GPU's part of its node's NICs (all GPUs exchange at once:
+    NICs x NIC / g, Fabric.B_rail), the in-node share, (g/tp - 1)/ep, over NVLink meanwhile."""
+    f = fabric
+    if ep <= 1:
+        return 0.0
+    if ep * tp <= f.g:
+        return (ep - 1) * f.a_intra + send_bytes * (ep - 1) / ep / f.B_intra
+    local = f.g // tp
+    return (ep - 1) * f.a_inter + max(send_bytes * (ep - local) / ep / f.B_rail(),
+                                      send_bytes * (local - 1) / ep / f.B_intra)
+
+
+def ep_counts_time(fabric, ep, tp, E):
+    """The counts' all-gather, E int64 from each of the ep ranks (ring)."""
+    if ep <= 1:
+        return 0.0
+    B, a = (fabric.B_intra, fabric.a_intra) if ep * tp <= fabric.g else (fabric.B_rail(), fabric.a_inter)
+    return t_ring(ep, ep * E * 8, B, a)
+
+
+_EP_RAW = {}  # _ep_raw's results by (config, T, expert_units, recompute)
+
+
+def _ep_raw(cfg, T, expert_units, recompute):
+    """ep_items' micro-batch without times: [(label, block, dir, unit gathered, model FLOPs per
+    token, rerun FLOPs, weight-gradient FLOPs, [units reduced], layer, part, template key)], the
+    model FLOPs of all items, and an MoE layer's FLOPs per direction {f, b} (what an overlapped
+    all-to-all hides behind)."""
+    key = (cfg.key(), T, expert_units, recompute)
+    if key in _EP_RAW:
+        return _EP_RAW[key]
+    C, V = cfg.C, cfg.V
+    attn = 4.0 * cfg.Q * T  # per token, forward (PaLM)
+    full = recompute == "full"
+    kinds = {}  # per layer kind (MoE or dense): parameters, the down projections
+    for moe in (False, True):
+        l = cfg.dense_layers if moe else 0
+        if (moe and l >= cfg.L) or (not moe and cfg.dense_layers == 0):
+            continue
+        ne = cfg.nonexpert_numel(l)
+        ex = cfg.layer_numel(l, 1, cfg.k) - ne
+        kinds[moe] = (ne, ex, C * (cfg.IS if moe else cfg.I), cfg.k * C * cfg.IE if moe else 0)
+    # (label, block, dir, unit gathered, model FLOPs, rerun FLOPs, weight-grad FLOPs, [units reduced], layer, part)
+    raw = [("embed fwd", 0, "f", 0, 0.0, 0.0, 0.0, [], None, None)]
+    for l in range(cfg.L):
+        moe = cfg.is_moe_layer(l)
+        ne, ex, _, _ = kinds[moe]
+        if expert_units and moe:
+            raw.append(("block %d fwd" % l, 1 + l, "f", 1 + l, 2.0 * ne + attn, 0.0, 0.0, [], l, "ne"))
+            raw.append(("experts %d fwd" % l, 1 + l, "f", expert_unit_index(cfg, l), 2.0 * ex, 0.0, 0.0, [], l, "ex"))
+        else:
+            raw.append(("block %d fwd" % l, 1 + l, "f", 1 + l, 2.0 * (ne + ex) + attn, 0.0, 0.0, [], l, "all"))
+    H = cfg.L + 1
+    if cfg.tied:
+        raw.append(("final norm fwd", H, "f", H, 0.0, 0.0, 0.0, [], None, None))
+        raw.append(("tied head fwd+bwd", H, "fb", 0, 6.0 * V * C, 0.0, 2.0 * V * C, [0], None, None))
+        raw.append(("final norm bwd", H, "b", H, 0.0, 0.0, 0.0, [H], None, None))
+    else:
+        raw.append(("head fwd+bwd", H, "fb", H, 6.0 * V * C, 0.0, 2.0 * V * C, [H], None, None))
+    for l in reversed(range(cfg.L)):
+        moe = cfg.is_moe_layer(l)
+        ne, ex, down_ne, down_ex = kinds[moe]  # the rerun forward stops before the down projections
+        if expert_units and moe:
+            xu = expert_unit_index(cfg, l)
+            raw.append(("experts %d bwd" % l, 1 + l, "b", xu, 4.0 * ex, 2.0 * (ex - down_ex) if full else 0.0,
+                        2.0 * ex, [xu], l, "ex"))
+            raw.append(("block %d bwd" % l, 1 + l, "b", 1 + l, 4.0 * ne + 2 * attn,
+                        2.0 * (ne - down_ne) + attn if full else 0.0, 2.0 * ne, [1 + l], l, "ne"))
+        else:
+            raw.append(("block %d bwd" % l, 1 + l, "b", 1 + l, 4.0 * (ne + ex) + 2 * attn,
+                        2.0 * (ne + ex - down_ne - down_ex) + attn if full else 0.0, 2.0 * (ne + ex), [1 + l], l, "all"))
+    raw.append(("embed bwd", 0, "b", None, 0.0, 0.0, 0.0, [0], None, None))
+    raw = [r + ((r[0], r[3], tuple(r[7])) if r[8] is None else (cfg.is_moe_layer(r[8]), r[2], r[9]),) for r in raw]
+    cover = {"f": 0.0, "b": 0.0}
+    for r in raw:
+        if r[8] == cfg.dense_layers and cfg.is_moe_layer(r[8]):
+            cover[r[2]] += r[4] + r[5]
+    _EP_RAW[key] = (raw, sum(r[4] for r in raw), cover)
+    return _EP_RAW[key]
+
+
+def ep_items(cfg, T, b, tp, ep, dp, fabric, prec, mfu, recompute="none", act_bytes=2, expert_units=True,
+             a2a_overlap=False, peak=PEAK_BF16):
+    """One micro-batch of b sequences of T tokens (the TP group's: b T / tp tokens per GPU) on one
+    GPU, in program order (step_items'; with expert units an MoE layer is two items: forward
+    'block l' then 'experts l', backward 'experts l' then 'block l'). Each item a dict: label,
+    block (0 embedding, 1 + l, L + 1 the head), dir ('f', 'b', 'fb' for the head's forward +
+    backward), layer, g (its unit's all-gather, s), r ([reduce-scatters, s]), c (compute: the step's
+    moe_flops_per_token at mfu spread over the items by their FLOPs; full recompute's rerun, less
+    the down projections, added at the same rate), tw (the weight-gradient GEMMs' part of c), tp
+    (TP collectives, blocking, NVLink; under EP an MoE layer's carry its slots, k F each), a2a
+    (all-to-alls + counts, s), a2a_w (the re-sent inputs, the weight gradients' part), x (what of
+    a2a is on the critical path: all of it blocking; with a2a_overlap what the same layer's
+    compute of the same direction does not cover).
+    FSDP: dense units over the dp ranks at stride tp, expert units over dp / ep at stride ep tp."""
+    check_moe(cfg, tp, ep)
+    if dp % ep:
+        raise ValueError("ep %d must divide dp %d" % (ep, dp))
+    us = moe_units(cfg, tp, ep, expert_units)
+    n_of = {"dense": dp, "expert": dp // ep}
+    link = {"dense": ep_link(fabric, dp, tp), "expert": ep_link(fabric, dp // ep, ep * tp)}
+    max_S = max(shard_size(n, n_of[k]) for _, n, k in us) if prec.rs_slabbed else None
+    memo = {}
+
+    def gather(u):  # units of the same size and kind cost the same: computed once
+        _, numel, kind = us[u]
+        key = ("g", numel, kind)
+        if key not in memo:
+            n = n_of[kind]
+            memo[key] = t_ring(n, shard_size(numel, n) * n * prec.ag, *link[kind])
+        return memo[key]
+
+    def reduce(u):
+        _, numel, kind = us[u]
+        key = ("r", numel, kind)
+        if key not in memo:
+            n = n_of[kind]
+            memo[key] = sum(t_ring(n, c * n * prec.rs, *link[kind])
+                            for c in rs_calls(shard_size(numel, n), max_S, n, prec))
+        return memo[key]
+
+    C, V = cfg.C, cfg.V
+    full = recompute == "full"
+    raw, model_fl, cover_fl = _ep_raw(cfg, T, expert_units, recompute)
+    t_compute = moe_flops_per_token(cfg, T) * (b * T // tp) / (mfu * peak)
+    scale = t_compute / model_fl
+    nf, nb, nw, ncnt = ep_a2a_counts(recompute)
+    tpc, tpx = {}, {"f": 0.0, "b": 0.0}
+    if tp > 1:  # TP + SP collectives of the dense stand-in: the embedding's, a layer's (all alike), the head's
+        sd = Config(cfg.name, V, C, cfg.I, 1, cfg.NH, cfg.NKV, cfg.tied, cfg.HD)
+        for (label, _, _, _), calls in zip(step_items(sd, T), tp_item_calls(sd, b, T, tp, act_bytes, recompute)):
+            tpc[label.replace("block 0 ", "block ")] = sum(
+                t_ring(tp, S, fabric.B_intra, fabric.a_intra, allreduce=(op == "allreduce")) for op, S, _ in calls)
+        if ep > 1:
+            # Under EP an MoE layer's MLP collectives move slots, not tokens: each TP rank dispatches
+            # its own b T / tp rows' slots, and the TP group all-gathers what its EP rank receives
+            # (the experts are sliced by TP) and reduce-scatters the outputs: one collective of
+            # k F (F = b T C e) with each all-to-all. The dense MLP's (2 forward, 3 backward, + 1
+            # with full recompute, of F) go, unless a shared expert needs them.
+            F = b * T * C * act_bytes
+            tF = t_ring(tp, F, fabric.B_intra, fabric.a_intra)
+            tkF = t_ring(tp, cfg.k * F, fabric.B_intra, fabric.a_intra)
+            tpx = {"f": nf * tkF - (0 if cfg.IS else 2 * tF),
+                   "b": (nb + nw) * tkF - (0 if cfg.IS else (4 if full else 3) * tF)}
+    # An MoE layer's all-to-alls: each GPU sends the k slots of its b T / tp rows.
+    t1 = ep_a2a_time(fabric, ep, tp, b * T // tp * cfg.k * C * act_bytes)
+    tc = ep_counts_time(fabric, ep, tp, cfg.E)
+    a2a = {"f": nf * t1 + tc, "b": (nb + nw) * t1 + (ncnt - 1) * tc, "w": nw * t1}
+    items, made = [], {}  # the items of layers of one kind differ only in label, block, layer (and units)
+    for label, blk, d, g, fl, rfl, wfl, rs, l, part, tkey in raw:
+        moe = l is not None and cfg.is_moe_layer(l)
+        if tkey not in made:
+            key = label if l is None else "block " + label.split()[-1]
+            it = {"g": gather(g) if g is not None else 0.0, "r": [reduce(u) for u in rs], "c": scale * (fl + rfl),
+                  "tw": scale * wfl, "tp": tpc.get(key, 0.0) if part != "ex" else 0.0, "a2a": 0.0, "a2a_w": 0.0,
+                  "x": 0.0}
+            if ep > 1 and part in ("ex", "all") and moe:
+                it["a2a"] = a2a[d]
+                it["a2a_w"] = a2a["w"] if d == "b" else 0.0
+                it["tp"] += tpx[d]
+                it["x"] = max(0.0, a2a[d] - scale * cover_fl[d]) if a2a_overlap else a2a[d]
+            made[tkey] = it
+        items.append({**made[tkey], "label": label, "block": blk, "dir": d, "layer": l})
+    return items
+
+
+EP_SEQ = 4096  # DeepSeek-V3's pre-training sequence length (arXiv 2412.19437, section 4.2)
+
+
+def ep_block_sums(cfg, items):
+    """Per block (0 .. L+1) of ep_items' micro-batch: forward, backward and weight-gradient seconds
+    on the critical path (compute + TP + all-to-all; the head's forward + backward split 1/3 : 2/3
+    by its FLOPs, as pp_stage_times; the weight-gradient part: the GEMMs' share and the re-sent
+    inputs' all-to-all), and the parts {c, tp, x, a2a} summed per block."""
+    nb = cfg.L + 2
+    fwd, bwd, wgt = [0.0] * nb, [0.0] * nb, [0.0] * nb
+    part = {k: [0.0] * nb for k in ("c", "tp", "x", "a2a")}
+    for it in items:
+        k, t = it["block"], it["c"] + it["tp"] + it["x"]
+        if it["dir"] == "fb":
+            fwd[k] += t / 3
+            bwd[k] += 2 * t / 3
+        elif it["dir"] == "f":
+            fwd[k] += t
+        else:
+            bwd[k] += t
+        wgt[k] += it["tw"] + (it["x"] * it["a2a_w"] / it["a2a"] if it["a2a"] else 0.0)
+        for key in part:
+            part[key][k] += it[key]
+    return fwd, bwd, wgt, part
+
+
+def ep_point(cfg, fabric, world, ep=1, tp=1, pp=1, schedule="1f1b", v=1, micro_batch=1, global_tokens=GLOBAL_TOKENS,
+             T=EP_SEQ, mfu=MFU_TARGET, prec=None, recompute="none", act_bytes=2, prefetch=1, peak=PEAK_BF16,
+             expert_units=True, a2a_overlap=False, items=None, blocks=None):
+    """Tokens/s per GPU of an MoE mesh point, W = pp x dp x tp, EP groups of ep ranks inside the
+    dp ranks (docs/scaling.md, "Expert parallelism (issue 56)"). m = global sequences / (dp b)
+    micro-batches per step. pp 1: each micro-batch gathers and reduces every unit (simulate,
+    `prefetch`), step = m x micro-batch + the TP norms' all-reduce once. pp > 1: as pp_point (the
+    slowest rank's m (tf + ti + tw) + bubble + the stage-boundary transfers + rank 0's per-step
+    FSDP gathers and reduce-scatters + the TP norms / pp), the all-to-alls in the compute of
+    their items (the re-sent inputs' in tw). items, blocks: ep_items' and ep_block_sums' (the
+    search reuses them).
+    Returns step, tok_s, mfu (achieved: model FLOPs / peak), m, dp, bubble_frac, a2a_busy (all the
+    all-to-all time of a step, the slowest stage's under PP) and the step's parts, which add up to
+    it: t_compute, t_tp, t_fsdp (exposed), t_a2a (on the critical path), t_bubble (pipeline
+    bubble + stage transfers)."""
+    prec = prec or Precision("bf16-noslab")
+    if world % (pp * tp):
+        raise ValueError("W = %d is not a multiple of pp x tp = %d" % (world, pp * tp))
+    dp = world // (pp * tp)
+    if dp % ep:
+        raise ValueError("ep %d must divide dp %d" % (ep, dp))
+    seqs = global_tokens // T
+    if seqs % (dp * micro_batch):
+        raise ValueError("%d sequences do not split into dp %d x micro-batch %d" % (seqs, dp, micro_batch))
+    m = seqs // (dp * micro_batch)
+    if items is None:
+        items = ep_items(cfg, T, micro_batch, tp, ep, dp, fabric, prec, mfu, recompute, act_bytes, expert_units,
+                         a2a_overlap, peak)
+    t_norm = tp_norm_time(cfg.dense_standin(), Topology(fabric, world // pp, "fsdp", tp))
+    tok_gpu = global_tokens / world
+    busy = lambda it: it["c"] + it["tp"] + it["x"]
+    if pp == 1:
+        step_mb, _, _, exposed = simulate([(it["label"], it["g"], busy(it), it["r"]) for it in items], prefetch)
+        parts = {"t_compute": m * sum(it["c"] for it in items), "t_tp": m * sum(it["tp"] for it in items) + t_norm,
+                 "t_fsdp": m * exposed, "t_a2a": m * sum(it["x"] for it in items), "t_bubble": 0.0}
+        step = m * step_mb + t_norm
+        bubble_frac = 0.0
+        a2a_busy = m * sum(it["a2a"] for it in items)
+    else:
+        if schedule == "interleaved" and m % pp:
+            raise ValueError("interleaved needs m = %d a multiple of pp = %d" % (m, pp))
+        vv = v if schedule == "interleaved" else 1
+        fwd, bwd, wgt, part = blocks or ep_block_sums(cfg, items)
+        chunks = pp_chunks(cfg, pp, vv)
+        ranks = []
+        for r in range(pp):
+            blocks = [k for c in range(r, pp * vv, pp) for k in chunks[c]]
+            tf, tw = sum(fwd[k] for k in blocks), sum(wgt[k] for k in blocks)
+            ranks.append({"blocks": blocks, "tf": tf, "tw": tw, "ti": sum(bwd[k] for k in blocks) - tw})
+        slow = max(ranks, key=lambda x: x["tf"] + x["ti"] + x["tw"])
+        tf, ti, tw = slow["tf"], slow["ti"], slow["tw"]
+        bubble = pp_bubble_time(schedule, pp, tf, ti, tw, vv)
+        pipeline = m * (tf + ti + tw) + bubble
+        B, a = (fabric.B_nic, fabric.a_inter) if world > fabric.g else (fabric.B_intra, fabric.a_intra)
+        t_p2p = a + pp_p2p_bytes(micro_batch, T, cfg.C, tp, 1, act_bytes) / B
+        p2p = 2 * (pp * vv - 1) * t_p2p
+        p2p += m * vv * (max(0.0, t_p2p - tf / vv) + max(0.0, t_p2p - (ti + tw) / vv))
+        b0 = set(ranks[0]["blocks"])
+        fitems = [(it["label"], it["g"], busy(it) / 3 if it["dir"] == "fb" else busy(it), [])
+                  for it in items if it["block"] in b0 and it["dir"] in ("f", "fb")]
+        bitems = [(it["label"], 0.0, 2 * busy(it) / 3 if it["dir"] == "fb" else busy(it), it["r"])
+                  for it in items if it["block"] in b0 and it["dir"] in ("b", "fb")]
+        fsdp = simulate(fitems, prefetch)[3] + simulate(bitems, prefetch)[3]
+        sb = slow["blocks"]
+        parts = {"t_compute": m * sum(part["c"][k] for k in sb), "t_tp": m * sum(part["tp"][k] for k in sb) + t_norm / pp,
+                 "t_fsdp": fsdp, "t_a2a": m * sum(part["x"][k] for k in sb), "t_bubble": bubble + p2p}
+        step = pipeline + p2p + fsdp + t_norm / pp
+        bubble_frac = bubble / pipeline
+        a2a_busy = m * sum(part["a2a"][k] for k in sb)
+    tok_s = tok_gpu / step
+    r = {"step": step, "tok_s": tok_s, "mfu": tok_s * moe_flops_per_token(cfg, T) / peak, "m": m, "dp": dp,
+         "bubble_frac": bubble_frac, "a2a_busy": a2a_busy}
+    r.update(parts)
+    return r
+
+
+_EP_STAGES = {}  # ep_memory's per-rank parameter bytes by (config, W, P, tp, ep, v, expert_units)
+
+
+def ep_memory(cfg, W, P, tp, ep, b, T, schedule, v, m, recompute, expert_units=True, rows="balanced"):
+    """Coarse bytes per GPU of the most loaded pipeline rank (MoE stages differ: the largest of the
+    P ranks' sums; pp_memory takes rank 0), as pp_memory with the MoE parts:
+      state    16 B x the shard of each of the rank's units (fp32 parameter, gradient, AdamW m
+               and v): dense units over dp, expert units (E / ep experts) over dp / ep, so the
+               experts cost 16 B x E experts / (dp tp) per GPU with or without expert units;
+      FSDP     P = 1: 2 x (2 + 4) B x the largest unit (bf16 gather, fp32 gradient; prefetch);
+               P > 1: (2 + 4) B x all the rank's units (--pp-reshard per-step keeps a stage's
+               units gathered and their gradients unsharded through the step, as --mode plan
+               counts them, src/parallel/layout_memory.cpp; pp_memory counts the largest only);
+      kept     per layer and micro-batch: recompute none: a dense layer 34 b T C / tp (Korthikanti
+               et al. 2022, section 4: their selective figure); an MoE layer the attention and
+               norms' share of it, (11 + 4) b T C / tp, the router's fp32 probabilities and weights
+               4 b T (E + k), the experts' rows as shardtrain keeps them (src/model/llama_buffers.cpp:
+               g, u, h [rows, IE / tp] and the outputs [slots, C], bf16) and the shared expert as a
+               dense SwiGLU (g, u, h: 3 b T IS / tp, bf16); full: 2 b T C / tp (the layer input).
+               Held: P = 1 one micro-batch of every layer; gpipe m; 1f1b min(P - r, m) micro-batches
+               of rank r's layers; interleaved min(m v, 2 (P - r - 1) + (v - 1) P + 1) chunks of
+               1/v of them (Megatron-LM's warm-up count);
+      scratch  once, on a rank with an MoE layer: the experts' gradient buffers 3 rows IE / tp, the
+               gathered inputs and their gradient 2 slots C, under EP the exchange's 3 rows C (bf16);
+               full recompute: one MoE layer's kept buffers more (the rerun block).
+    slots = b T k (the TP group's tokens: every TP rank routes them all); rows = the rows an EP
+    rank's experts get: balanced = slots; worst = ep x slots (dropless: every slot of the group may
+    choose this rank's experts; what shardtrain allocates under --ep, LlamaDims::er). Returns the
+    most loaded rank's {total, state, fsdp, act, scratch, rank}."""
+    if rows not in ("balanced", "worst"):
+        raise ValueError("rows must be balanced or worst, got %r" % rows)
+    dp = W // (P * tp)
+    us = moe_units(cfg, tp, ep, expert_units)
+    n_of = {"dense": dp, "expert": dp // ep}
+    chunks = pp_chunks(cfg, P, v)
+    BT, C = b * T, cfg.C
+    slots = BT * cfg.k
+    er = slots * (ep if rows == "worst" else 1)
+
+    def kept(l, rc):
+        if rc == "full":
+            return 2.0 * BT * C / tp
+        if not cfg.is_moe_layer(l):
+            return 34.0 * BT * C / tp
+        return (15.0 * BT * C / tp + 4.0 * BT * (cfg.E + cfg.k) + 2.0 * (3 * er * cfg.IE / tp + slots * C) +
+                2.0 * 3 * BT * cfg.IS / tp)
+
+    skey = (cfg.key(), W, P, tp, ep, v, expert_units)
+    if skey not in _EP_STAGES:  # per rank: state, FSDP buffers, its dense and MoE layers (not on b, m, recompute)
+        st = []
+        for r in range(P):
+            blocks = [k for c in range(r, P * v, P) for k in chunks[c]]
+            layers = [k - 1 for k in blocks if 1 <= k <= cfg.L]
+            u_r = list(blocks) + [expert_unit_index(cfg, l) for l in layers if expert_units and cfg.is_moe_layer(l)]
+            state = 16 * sum(shard_size(us[u][1], n_of[us[u][2]]) for u in u_r)
+            fsdp = 2 * 6 * max(us[u][1] for u in u_r) if P == 1 else 6 * sum(us[u][1] for u in u_r)
+            n_moe = sum(1 for l in layers if cfg.is_moe_layer(l))
+            st.append((state, fsdp, len(layers) - n_moe, n_moe))
+        _EP_STAGES[skey] = st
+    worst = None
+    for r, (state, fsdp, n_dense, n_moe) in enumerate(_EP_STAGES[skey]):
+        if P == 1:
+            held = 1.0
+        elif schedule == "gpipe":
+            held = float(m)
+        elif schedule == "interleaved":
+            held = min(m * v, (P - r - 1) * 2 + (v - 1) * P + 1) / v
+        else:
+            held = float(min(P - r, m))
+        act = held * (n_dense * (kept(0, recompute) if n_dense else 0.0) +
+                      n_moe * (kept(cfg.dense_layers, recompute) if n_moe else 0.0))
+        scratch = 0.0
+        if n_moe:
+            scratch = 2.0 * (3 * er * cfg.IE / tp + 2 * slots * C + (3 * er * C if ep > 1 else 0))
+            if recompute == "full":
+                scratch += kept(cfg.dense_layers, "none")
+        d = {"total": state + fsdp + act + scratch, "state": state, "fsdp": fsdp, "act": act, "scratch": scratch,
+             "rank": r}
+        if worst is None or d["total"] > worst["total"]:
+            worst = d
+    return worst
+
+
+EP_MODELS = ("mixtral-8x7b", "deepseek-v3-mha")
+EP_WORLDS = PP_WORLDS
+EP_TP = (1, 2, 4, 8)
+EP_PP = (2, 4, 8, 16)
+EP_MICRO = (1, 2, 4, 8)
+EP_MAX = 64
+# (key, label, EP, expert units, all-to-alls overlapped, rows the fit assumes, TP and PP searched)
+EP_VARIANTS = (
+    ("fsdp", "FSDP, no EP (runs today)", False, False, False, "worst", False),
+    ("ep-built", "FSDP + EP as built", True, False, False, "worst", False),
+    ("best", "best without EP", False, False, False, "worst", True),
+    ("ep-units", "best with EP: expert units", True, True, False, "balanced", True),
+    ("ep-overlap", "best with EP: expert units, all-to-all overlapped", True, True, True, "balanced", True),
+)
+
+
+def ep_candidates(cfg, W, with_ep, tp_pp, T=EP_SEQ, global_tokens=GLOBAL_TOKENS):
+    """Mesh points (pp, tp, ep, schedule, v, b, m): tp 1, 2, 4, 8 (dividing the heads, I, IE) and
+    pp 1, 2, 4, 8, 16 when tp_pp, else 1 and 1; ep 1 without EP, else the divisors 2..64 of E that
+    divide dp; b 1, 2, 4, 8 sequences with m whole; pp > 1: 1f1b and interleaved v 2 (m a
+    multiple of pp)."""
+    seqs = global_tokens // T
+    for tp in (EP_TP if tp_pp else (1,)):
+        try:
+            check_moe(cfg, tp)
+        except ValueError:
+            continue
+        for pp in ((1,) + EP_PP if tp_pp else (1,)):
+            if W % (pp * tp):
+                continue
+            dp = W // (pp * tp)
+            eps = [n for n in range(2, min(EP_MAX, cfg.E) + 1) if cfg.E % n == 0 and dp % n == 0] if with_ep else [1]
+            for b in EP_MICRO:
+                if seqs % (dp * b):
+                    continue
+                m = seqs // (dp * b)
+                for s, v in ((("1f1b", 1), ("interleaved", 2)) if pp > 1 else (("1f1b", 1),)):
+                    if pp * v > cfg.L + 2 or (s == "interleaved" and m % pp):
+                        continue
+                    for ep in eps:
+                        yield pp, tp, ep, s, v, b, m
+
+
+def ep_best(cfg, fabric, W, variant, mfus=(MFU_TARGET,), hbm=HBM_BYTES, T=EP_SEQ, global_tokens=GLOBAL_TOKENS):
+    """Per MFU, the point of ep_candidates with the most tokens/s per GPU among those whose
+    ep_memory (rows as the variant says) fits hbm - HBM_RESERVE, recompute none if it fits, else
+    full: {mfu: (point, None)}, or {mfu: (None, the candidate needing the least memory)} when
+    none fits. A point carries mem (the fit's ep_memory) and mem_other (the other row sizing)."""
+    _, _, with_ep, units, overlap, rows, tp_pp = variant
+    prec = Precision("bf16-noslab")
+    best, least, cache = dict.fromkeys(mfus), None, {}
+    for pp, tp, ep, s, v, b, m in ep_candidates(cfg, W, with_ep, tp_pp, T, global_tokens):
+        rc = None
+        for r in ("none", "full"):
+            mem = ep_memory(cfg, W, pp, tp, ep, b, T, s, v, m, r, units, rows)
+            if mem["total"] <= hbm - HBM_RESERVE:
+                rc = r
+                break
+        if rc is None:
+            if least is None or mem["total"] < least["mem"]["total"]:
+                least = {"pp": pp, "tp": tp, "ep": ep, "schedule": s, "v": v, "b": b, "m": m, "dp": W // (pp * tp),
+                         "recompute": "full", "mem": mem}
+            continue
+        dp = W // (pp * tp)
+        for mfu in mfus:
+            key = (tp, ep, b, rc, dp, mfu)
+            if key not in cache:
+                cache[key] = [ep_items(cfg, T, b, tp, ep, dp, fabric, prec, mfu, rc, 2, units, overlap), None]
+            if pp > 1 and cache[key][1] is None:
+                cache[key][1] = ep_block_sums(cfg, cache[key][0])
+            r = ep_point(cfg, fabric, W, ep, tp, pp, s, v, b, global_tokens, T, mfu, prec, rc, expert_units=units,
+                         a2a_overlap=overlap, items=cache[key][0], blocks=cache[key][1])
+            if best[mfu] is None or r["tok_s"] > best[mfu]["tok_s"]:
+                r.update(pp=pp, tp=tp, ep=ep, schedule=s, v=v, b=b, recompute=rc, mem=mem)
+                best[mfu] = r
+    other = "balanced" if rows == "worst" else "worst"
+    for r in best.values():
+        if r is not None:
+            r["mem_other"] = ep_memory(cfg, W, r["pp"], r["tp"], r["ep"], r["b"], T, r["schedule"], r["v"], r["m"],
+                                       r["recompute"], units, other)
+    return {mfu: (best[mfu], None if best[mfu] else least) for mfu in mfus}
+
+
+def _ep_mesh(r):
+    s = "tp %d" % r["tp"] + (" × pp %d" % r["pp"] if r["pp"] > 1 else "") + " × dp %d" % r["dp"]
+    if r["ep"] > 1:
+        s += " (ep %d)" % r["ep"]
+    if r["pp"] > 1:
+        s += ", %s%s" % (r["schedule"], " v %d" % r["v"] if r["schedule"] == "interleaved" else "")
+    return s + ", b %d, m %d, %s" % (r["b"], r["m"], r["recompute"])
+
+
+def ep_tables(out=sys.stdout, mfus=(MFU_TARGET, MFU_MEASURED), worlds=EP_WORLDS, models=EP_MODELS):
+    """docs/scaling.md, "Expert parallelism (issue 56)": the best mesh with and without EP."""
+    p = lambda s="": print(s, file=out)
+    fab = FABRICS["nvlink+ndr"]
+    for mname in models:
+        cfg = load_moe_config(mname)
+        fpt = moe_flops_per_token(cfg, EP_SEQ)
+        line = ("**%s**: %s parameters, %s active (6 N_active + 12 L Q T = %.4g FLOP per token at T = %d); "
+                "E %d, top %d, experts %d wide" % (mname, format(cfg.num_params(), ","), format(cfg.num_active_params(), ","),
+                                                   fpt, EP_SEQ, cfg.E, cfg.k, cfg.IE))
+        if cfg.IS:
+            line += ", a shared expert %d wide" % cfg.IS
+        if cfg.dense_layers:
+            line += ", the first %d layers dense (MLP %d wide)" % (cfg.dense_layers, cfg.I)
+        p(line + ".")
+        if mname == "deepseek-v3-mha":
+            tot, act = dsv3_mla_counts(cfg)
+            mla = dsv3_mla_attn_flops(cfg, EP_SEQ)
+            p("Attention as multi-head attention of head_dim %d: %s parameters a layer, against MLA's %s "
+              "(with MLA and the gate's bias: %s total, %s active; DeepSeek states 671B and 37B). MLA's attention "
+              "FLOPs, %.4g per token at T = %d, are %.2f times this model's %.4g: its compute per token is %.1f%% "
+              "below DeepSeek-V3's." % (
+                  cfg.HD, format(cfg.attn_numel(), ","), format(mla_attn_numel(cfg.C, cfg.NH, *DSV3_MLA), ","),
+                  format(tot, ","), format(act, ","), mla, EP_SEQ, mla / (12.0 * cfg.L * cfg.Q * EP_SEQ),
+                  12.0 * cfg.L * cfg.Q * EP_SEQ, 100 * (1 - fpt / (6.0 * act + mla))))
+        p()
+        p("HSDP (units sharded over one node's %d GPUs): %.0f GB of parameters and AdamW state per GPU > %.0f GB, "
+          "not searched." % (fab.g, 16.0 * cfg.num_params() / fab.g / 1e9, HBM_BYTES / 1e9))
+        p()
+        res = {(W, var[0]): ep_best(cfg, fab, W, var, mfus) for W in worlds for var in EP_VARIANTS}
+        for mfu in mfus:
+            p("**%s, MFU %.1f%%**, seq %d, global batch %s tokens (%d sequences), %s, bf16 gather, fp32 reduce in one "
+              "call per unit, prefetch 1, %d GB per GPU. Mesh: tp × pp × dp (ep: the EP group's size, inside dp), "
+              "micro-batch b sequences, m micro-batches per step, recompute. Step parts: compute / TP / FSDP exposed / "
+              "all-to-all on the critical path / bubble + stage transfers, s. GB per GPU: expert buffers sized for "
+              "the worst case / for balanced routing; the fit is judged on the first in the first three rows of a W, "
+              "on the second in the last two." % (mname, 100 * mfu, EP_SEQ, format(GLOBAL_TOKENS, ","),
+                                                 GLOBAL_TOKENS // EP_SEQ, fab.name, HBM_BYTES / 1e9))
+            p()
+            p("| W | variant | mesh | tokens/s per GPU | MFU | step s: compute / TP / FSDP / all-to-all / bubble | GB per GPU | vs no EP |")
+            p("|---|---|---|---|---|---|---|---|")
+            for W in worlds:
+                for var in EP_VARIANTS:
+                    r, least = res[(W, var[0])][mfu]
+                    if r is None:
+                        p("| %d | %s | does not fit (least: %s, %.0f GB) | - | - | - | - | - |" % (
+                            W, var[1], _ep_mesh(least), least["mem"]["total"] / 1e9))
+                        continue
+                    worst, bal = (r["mem"], r["mem_other"]) if var[5] == "worst" else (r["mem_other"], r["mem"])
+                    base = None
+                    if var[2]:
+                        base = res[(W, "fsdp" if var[0] == "ep-built" else "best")][mfu][0]
+                    ratio = "%+.0f%%" % (100 * (r["tok_s"] / base["tok_s"] - 1)) if base else "-"
+                    p("| %d | %s | %s | %s | %.1f%% | %.1f / %.1f / %.1f / %.1f / %.1f | %.0f / %.0f | %s |" % (
+                        W, var[1], _ep_mesh(r), format(round(r["tok_s"]), ","), 100 * r["mfu"], r["t_compute"],
+                        r["t_tp"], r["t_fsdp"], r["t_a2a"], r["t_bubble"], worst["total"] / 1e9, bal["total"] / 1e9,
+                        ratio))
+            p()
+
+
+EP_LAYER_POINTS = (("mixtral-8x7b", (2, 4, 8)), ("deepseek-v3-mha", (8, 16, 32, 64)))
+
+
+def ep_layer_table(out=sys.stdout, W=256, T=EP_SEQ, mfu=MFU_TARGET):
+    """One MoE layer of one micro-batch of one sequence per GPU, tp 1, pp 1, dp = W: what EP moves
+    and what it saves, beside the layer's compute (docs/scaling.md)."""
+    p = lambda s="": print(s, file=out)
+    fab = FABRICS["nvlink+ndr"]
+    prec = Precision("bf16-noslab")
+    p("**One MoE layer, one sequence of %d tokens per GPU, tp 1, dp %d, bf16, %s.** All-to-all: bytes one GPU "
+      "sends (ep_a2a_bytes), one all-to-all's time (ep_a2a_time), the layer's 5 and the counts' all-gather. "
+      "Compute: the layer's forward + backward at MFU %.0f%%. Experts' FSDP gather per GPU: all E experts over "
+      "dp (as built) against the E / ep of an expert unit over dp / ep (next step), bytes and ring time." % (
+          T, W, fab.name, 100 * mfu))
+    p()
+    p("| model | ep | MB per all-to-all | one all-to-all, ms | 5 + counts, ms | compute, ms | all-to-all / compute | "
+      "experts' gather as built, GB / ms | expert unit's gather, GB / ms |")
+    p("|---|---|---|---|---|---|---|---|---|")
+    for mname, eps in EP_LAYER_POINTS:
+        cfg = load_moe_config(mname)
+        l = cfg.dense_layers
+        ne, ex = cfg.nonexpert_numel(l), cfg.layer_numel(l, 1, cfg.k) - cfg.nonexpert_numel(l)
+        compute = 3 * (2.0 * (ne + ex) + 4.0 * cfg.Q * T) * T / (mfu * PEAK_BF16)
+        e_all = cfg.E * cfg.expert_numel()
+        for ep in eps:
+            send = T * cfg.k * cfg.C * 2
+            t1 = ep_a2a_time(fab, ep, 1, send)
+            tl = 5 * t1 + ep_counts_time(fab, ep, 1, cfg.E)
+            g_all = (W - 1) / W * shard_size(e_all, W) * W * prec.ag
+            B, a = ep_link(fab, W, 1)
+            t_all = t_ring(W, shard_size(e_all, W) * W * prec.ag, B, a)
+            n = W // ep
+            e_u = e_all // ep
+            g_u = (n - 1) / n * shard_size(e_u, n) * n * prec.ag
+            B, a = ep_link(fab, n, ep)
+            t_u = t_ring(n, shard_size(e_u, n) * n * prec.ag, B, a)
+            p("| %s | %d | %.1f | %.2f | %.1f | %.1f | %.2f | %.2f / %.1f | %.2f / %.1f |" % (
+                mname, ep, ep_a2a_bytes(cfg, T, ep) / 1e6, 1e3 * t1, 1e3 * tl, 1e3 * compute, tl / compute,
+                g_all / 1e9, 1e3 * t_all, g_u / 1e9, 1e3 * t_u))
+    p()
+
+
+def cmd_ep_tables(a):
+    ep_layer_table()
+    ep_tables()
+
+
 # ---- check --------------------------------------------------------------------------------
 
 def load_bench(path, stat="median"):
@@ -1656,6 +2438,33 @@ def selftest():
     assert cp_gather_kv_heads(8, 4096, 32, 8, 128, 2) == 8
     # The head-tail ring hides its transfers above KV e MFU peak / (2 Q B): llama-8b 139 rows at 25.3%.
     assert 138 < cp_ring_min_rows(c8, 0.253, 450e9) < 140
+    # Expert parallelism (issue 56). Parameter counts as src/model/config.cpp states them.
+    mx = load_moe_config("mixtral-8x7b")
+    assert (mx.num_params(), mx.num_active_params()) == (46702792704, 12879925248)
+    q3 = load_moe_config("qwen3-30b-a3b")
+    assert (q3.num_params(), q3.num_active_params()) == (30532122624, 3353032704)
+    ds = load_moe_config("deepseek-v3-mha")
+    assert round(dsv3_mla_counts(ds)[0] / 1e9) == 671  # DeepSeek-V3's 671B with MLA in place of MHA
+    # Units: every parameter once; with expert units an EP rank holds E / ep experts of each MoE layer.
+    for cf in (mx, ds):
+        assert sum(n for _, n, _ in moe_units(cf, expert_units=False)) == cf.num_params()
+        assert sum(n for _, n, _ in moe_units(cf)) == cf.num_params()
+        ex = (cf.L - cf.dense_layers) * cf.E * cf.expert_numel()
+        assert sum(n for _, n, _ in moe_units(cf, ep=8)) == cf.num_params() - ex + ex // 8
+    assert moe_units(mx, ep=8)[expert_unit_index(mx, 0)] == ("model.layers.0.mlp.experts", 3 * 4096 * 14336, "expert")
+    for bad in ((mx, 1, 3), (mx, 1, 16), (ds, 1, 3)):
+        try:
+            check_moe(*bad)
+            raise AssertionError("ep %d of %s accepted" % (bad[2], bad[0].name))
+        except ValueError:
+            pass
+    # An all-to-all: tokens x k x C x e x (ep-1)/ep; mixtral, 4,096 tokens, ep 8, bf16: 58,720,256 bytes.
+    assert ep_a2a_bytes(mx, 4096, 8) == 4096 * 2 * 4096 * 2 * 7 / 8 == 58720256
+    assert ep_a2a_bytes(mx, 4096, 1) == 0 and ep_a2a_counts() == (2, 2, 1, 1) and ep_a2a_counts("full") == (2, 4, 1, 2)
+    # Dense units' rings are Topology's; an expert unit's ring at ep x tp >= 8 has one NIC per GPU.
+    for W, tp in ((64, 1), (64, 8), (8, 2), (1024, 4)):
+        assert ep_link(nd, W // tp, tp) == Topology(nd, W, "fsdp", tp)._link(W // tp)
+    assert ep_link(nd, 8, 8) == (50e9, nd.a_inter) and ep_link(nd, 2, 4) == (450e9, nd.a_intra)
     print("selftest: ok")
 
 
@@ -1722,6 +2531,9 @@ def main(argv=None):
     spp = sub.add_parser("pp-tables", help="pipeline parallelism: best mesh with and without PP (docs/scaling.md)")
     spp.add_argument("--markdown", action="store_true")
     spp.set_defaults(fn=cmd_pp_tables)
+    sep = sub.add_parser("ep-tables", help="expert parallelism: best mesh with and without EP (docs/scaling.md)")
+    sep.add_argument("--markdown", action="store_true")
+    sep.set_defaults(fn=cmd_ep_tables)
     ss = sub.add_parser("selftest")
     ss.set_defaults(fn=lambda a: selftest())
     a = ap.parse_args(argv)

@@ -431,5 +431,194 @@ class ScalingModelTest(unittest.TestCase):
         self.assertEqual((us[0][1], us[1][1]), (16032 * 16384, 398491648))
         self.assertAlmostEqual(sm.pp_memory(c, 512, 8, 8, 1, 8192, "1f1b", 1, 32, "full"), want, delta=1)
 
+    # ---- expert parallelism (issue 56) ----
+
+    def test_moe_param_counts_by_hand(self):
+        # mixtral-8x7b (src/model/config.cpp, transformers' count): V 32000, C 4096, L 32, 32 heads / 8 KV
+        # heads of 128, untied, 8 experts of 3 C 14336, top 2, router [8, C], no bias.
+        C, V, L = 4096, 32000, 32
+        attn = 2 * C + C * C + 2 * C * 1024 + C * C
+        expert = 3 * C * 14336
+        total = 2 * V * C + C + L * (attn + C * 8 + 8 * expert)
+        active = 2 * V * C + C + L * (attn + C * 8 + 2 * expert)
+        self.assertEqual((total, active), (46702792704, 12879925248))
+        mx = sm.load_moe_config("mixtral-8x7b")
+        self.assertEqual((mx.num_params(), mx.num_active_params()), (total, active))
+        # qwen3-30b-a3b: head_dim 128 (Q 4096, KV 512), q/k norms [128], 128 experts of 768, top 8.
+        C, V, L = 2048, 151936, 48
+        attn = 2 * C + C * 4096 + 2 * C * 512 + 4096 * C + 2 * 128
+        e = 3 * C * 768
+        q3 = sm.load_moe_config("qwen3-30b-a3b")
+        self.assertEqual((q3.num_params(), q3.num_active_params()),
+                         (2 * V * C + C + L * (attn + C * 128 + 128 * e), 2 * V * C + C + L * (attn + C * 128 + 8 * e)))
+        self.assertEqual((q3.num_params(), q3.num_active_params()), (30532122624, 3353032704))
+        # DeepSeek-V3's shape with multi-head attention of head_dim 7168 / 128 = 56: 3 dense layers (MLP
+        # 18432), 58 MoE layers (router [256, C], 256 experts of 2048, top 8, a shared expert of 2048).
+        C, V = 7168, 129280
+        attn = 2 * C + 4 * C * C
+        e = 3 * C * 2048
+        head = 2 * V * C + C
+        ds = sm.load_moe_config("deepseek-v3-mha")
+        self.assertEqual(ds.num_params(), head + 61 * attn + 3 * 3 * C * 18432 + 58 * (C * 256 + 257 * e))
+        self.assertEqual(ds.num_active_params(), head + 61 * attn + 3 * 3 * C * 18432 + 58 * (C * 256 + 9 * e))
+        self.assertEqual((ds.num_params(), ds.num_active_params()), (672149632000, 38675510272))
+        # With MLA (config_671B.json: q_lora 1536, kv_lora 512, nope 128, rope 64, v 128) and the gate's
+        # bias [256]: 671,026,419,200, DeepSeek's 671B.
+        mla = 2 * C + C * 1536 + 1536 + 1536 * 128 * 192 + C * 576 + 512 + 512 * 128 * 256 + 128 * 128 * C
+        self.assertEqual(sm.mla_attn_numel(C, 128, 1536, 512, 128, 64, 128), mla)
+        self.assertEqual(sm.dsv3_mla_counts(ds)[0], ds.num_params() + 61 * (mla - attn) + 58 * 256)
+        self.assertEqual(sm.dsv3_mla_counts(ds)[0], 671026419200)
+        # The compute counts the active parameters: 6 N_active + 12 L Q T.
+        self.assertEqual(sm.moe_flops_per_token(mx, 4096), 6.0 * 12879925248 + 12.0 * 32 * 4096 * 4096)
+
+    def test_a2a_bytes_and_time_by_hand(self):
+        # A made-up model: C 16, top 2. 10 tokens, ep 4, bf16: 10 x 2 x 16 x 2 = 640 bytes of slots, 3/4
+        # of them leave: 480 bytes.
+        toy = sm.MoeConfig("toy", 64, 16, 32, 1, 2, 2, True, 8, 2, 8)
+        self.assertEqual(sm.ep_a2a_bytes(toy, 10, 4), 480)
+        self.assertEqual(sm.ep_a2a_bytes(toy, 10, 1), 0)
+        # One node (ep x tp <= 8), NVLink 1 GB/s, 10 us: (ep-1) alpha + 480 / B.
+        fab = sm.Fabric("hand", 1, 8, 8, 10.0, 20.0)  # NICs: 8 x 1 GB/s per node, B_rail 1 GB/s
+        self.assertAlmostEqual(sm.ep_a2a_time(fab, 4, 1, 640), 3 * 10e-6 + 480 / 1e9, places=15)
+        self.assertAlmostEqual(sm.ep_a2a_time(fab, 4, 2, 640), 3 * 10e-6 + 480 / 1e9, places=15)
+        # Across nodes: ep 16 (tp 1) = 2 nodes; 8/16 of the bytes go to the other node at B_rail (1 GB/s),
+        # 7/16 to the GPU's own node over NVLink (1 GB/s) meanwhile: 15 x 20 us + 320 / 1e9.
+        self.assertAlmostEqual(sm.ep_a2a_time(fab, 16, 1, 640), 15 * 20e-6 + 320 / 1e9, places=15)
+        # tp 4, ep 4: 16 ranks, 2 of the group per node: 2/4 leave the node.
+        self.assertAlmostEqual(sm.ep_a2a_time(fab, 4, 4, 640), 3 * 20e-6 + 320 / 1e9, places=15)
+        self.assertEqual(sm.ep_a2a_time(fab, 1, 1, 640), 0.0)
+
+    def test_expert_unit_gather_bytes_divided_by_ep(self):
+        # mixtral-8x7b over dp 64, bf16 gather / fp32 reduce. Without EP a layer's unit holds all 8
+        # experts: its experts' part of a gather is 63/64 x 8 x 3 C I x 2 bytes. With expert units and
+        # ep 8 an EP rank gathers its one expert over the 64 / 8 = 8 ranks holding it: 7/8 x 3 C I x 2.
+        mx = sm.load_moe_config("mixtral-8x7b")
+        pr = sm.Precision("bf16")
+        e = 3 * 4096 * 14336  # one expert; divides 8 and 64
+        b8 = sm.ep_fsdp_bytes(mx, 64, pr, ep=8)
+        self.assertEqual(b8["expert"], (32 * 2 * 7 / 8 * e * 2, 32 * 1 * 7 / 8 * e * 4))
+        b1 = sm.ep_fsdp_bytes(mx, 64, pr, ep=1)  # expert units, no EP: all 8 experts over 64
+        self.assertEqual(b1["expert"], (32 * 2 * 63 / 64 * 8 * e * 2, 32 * 63 / 64 * 8 * e * 4))
+        # Divided by ep (and the ring factor (n-1)/n of the smaller ring): 1/8 x (7/8) / (63/64).
+        self.assertAlmostEqual(b8["expert"][0] / b1["expert"][0], (7 / 8) / (63 / 64) / 8, places=15)
+        # The dense units do not change; as built (experts in the layer's unit) = expert units at ep 1.
+        self.assertEqual(b8["dense"], b1["dense"])
+        built = sm.ep_fsdp_bytes(mx, 64, pr, ep=8, expert_units=False)
+        self.assertEqual(built["expert"], (0.0, 0.0))
+        self.assertAlmostEqual(built["dense"][0], b1["dense"][0] + b1["expert"][0], delta=1e-3)
+        # Per GPU, the experts' sharded state is the same with or without expert units: E / (dp tp).
+        st = lambda units, ep: sum(sm.shard_size(n, 64 if k == "dense" else 64 // ep)
+                                   for _, n, k in sm.moe_units(mx, 1, ep, units) if k == "expert")
+        self.assertEqual(st(True, 8) * 8, st(True, 1) * 8)
+        self.assertEqual(st(True, 8), 32 * 8 * e // 64)
+
+    def test_ep_refusals(self):
+        mx = sm.load_moe_config("mixtral-8x7b")
+        for ep in (3, 5, 16):  # 8 experts
+            with self.assertRaises(ValueError):
+                sm.moe_units(mx, 1, ep)
+        with self.assertRaises(ValueError):
+            sm.check_moe(sm.load_moe_config("deepseek-v3-mha"), 1, 48)  # 256 experts
+        with self.assertRaises(ValueError):  # ep must divide dp (EP groups inside the shard group)
+            sm.ep_point(mx, sm.FABRICS["nvlink+ndr"], 256, ep=8, tp=8, pp=8)
+        with self.assertRaises(ValueError):
+            sm.MoeConfig("bad", 64, 16, 32, 1, 2, 2, True, 4, 5, 8)  # top 5 of 4 experts
+        with self.assertRaises(TypeError):
+            mx.block_numel()  # MoE layers have no single size
+
+    def _toy(self):
+        # V 64, C 32, I 64, L 2, 4 heads / 2 KV heads of 8 (Q 32, KV 16), untied; 4 experts of 16, top 2.
+        # attention 2C + C Q + 2 C KV + Q C = 3136; router C E = 128; an expert 3 C 16 = 1536.
+        # Layer 3136 + 128 + 4 x 1536 = 9408; N = 2 V C + C + 2 x 9408 = 22944; active 16800.
+        # flops_per_token at T 16: 6 x 16800 + 12 x 2 x 32 x 16 = 113088.
+        t = sm.MoeConfig("toy-moe", 64, 32, 64, 2, 4, 2, False, 4, 2, 16)
+        self.assertEqual((t.num_params(), t.num_active_params(), sm.moe_flops_per_token(t, 16)), (22944, 16800, 113088))
+        return t
+
+    def test_ep_step_by_hand(self):
+        # The toy at W 2, dp 2, ep 2, tp 1, one sequence of 16 tokens per GPU, one micro-batch, 1 GFLOP/s
+        # at MFU 1, everything blocking (prefetch 0) on a 1 GB/s, 10 us machine (one node).
+        t = self._toy()
+        fab = sm.Fabric("hand", 1, 8, 1, 10.0, 10.0)
+        a, B = 10e-6, 1e9
+        compute = 113088 * 16 / 1e9
+        # FSDP, expert units: embedding 2048, two layers 3264 (attention + router), final norm + head 2080,
+        # over 2 ranks (S 1024, 1632, 1632, 1040); the expert units (2 experts, 3072) over dp / ep = 1
+        # rank: no traffic. Gathers (bf16): embedding once, layers twice, head once: 6 calls of
+        # alpha + S x 2 / B; reduce-scatters (fp32) once each: 4 of alpha + S x 4 / B.
+        fsdp = 10 * a + (2 * (1024 + 4 * 1632 + 1040) + 4 * (1024 + 2 * 1632 + 1040)) / B
+        # All-to-alls: 16 tokens x 2 slots x 32 x 2 bytes = 2048 per GPU, half leaves: alpha + 1024 / B,
+        # 5 per layer; the counts' all-gather, 2 ranks x 4 x 8 bytes: alpha + 32 / B, once per layer.
+        a2a = 2 * (5 * (a + 1024 / B) + a + 32 / B)
+        kw = dict(ep=2, tp=1, pp=1, micro_batch=1, global_tokens=32, T=16, mfu=1.0, peak=1e9,
+                  prec=sm.Precision("bf16-noslab"), prefetch=0)
+        r = sm.ep_point(t, fab, 2, **kw)
+        self.assertEqual(r["m"], 1)
+        self.assertAlmostEqual(r["t_compute"], compute, places=15)
+        self.assertAlmostEqual(r["t_fsdp"], fsdp, places=15)
+        self.assertAlmostEqual(r["t_a2a"], a2a, places=15)
+        self.assertAlmostEqual(r["step"], compute + fsdp + a2a, places=15)
+        self.assertAlmostEqual(r["tok_s"], 16 / (compute + fsdp + a2a), places=6)
+        self.assertAlmostEqual(r["mfu"], r["tok_s"] * 113088 / 1e9, places=12)
+        # As built: the experts stay in the layer's unit, 3264 + 6144 = 9408 (S 4704 over 2 ranks).
+        built = 10 * a + (2 * (1024 + 4 * 4704 + 1040) + 4 * (1024 + 2 * 4704 + 1040)) / B
+        rb = sm.ep_point(t, fab, 2, expert_units=False, **kw)
+        self.assertAlmostEqual(rb["t_fsdp"], built, places=15)
+        self.assertAlmostEqual(rb["step"], compute + built + a2a, places=15)
+        # Overlapped: the all-to-alls (about 0.1 ms) hide behind the layer's compute (about 0.4 ms).
+        ro = sm.ep_point(t, fab, 2, a2a_overlap=True, **kw)
+        self.assertEqual(ro["t_a2a"], 0.0)
+        self.assertAlmostEqual(ro["step"], compute + fsdp, places=15)
+        # No EP: no all-to-all.
+        self.assertEqual(sm.ep_point(t, fab, 2, **dict(kw, ep=1))["t_a2a"], 0.0)
+        # Full recompute: 7 all-to-alls and 2 counts a layer (the forward's again).
+        rf = sm.ep_point(t, fab, 2, recompute="full", **kw)
+        self.assertAlmostEqual(rf["t_a2a"], 2 * (7 * (a + 1024 / B) + 2 * (a + 32 / B)), places=15)
+
+    def test_ep_pipeline_by_hand(self):
+        # The toy on 2 GPUs as pp 2 (dp 1: no FSDP traffic), 1F1B, 4 micro-batches of one sequence:
+        # stages [embedding, layer 0], [layer 1, head]; the second is slower. Per token FLOPs: a layer's
+        # forward 2 x 6336 + 4 Q T = 14720, backward 29440; the head 6 V C = 12288 (1/3 forward).
+        # The compute, 113088 x 16 / 1e9 s per micro-batch, spread in those proportions (sum 100608).
+        t = self._toy()
+        fab = sm.Fabric("hand", 1, 8, 1, 10.0, 10.0)
+        scale = 113088 * 16 / 1e9 / 100608
+        tf, tb = scale * (14720 + 4096), scale * (29440 + 8192)
+        t_p2p = 10e-6 + 16 * 32 * 2 / 1e9
+        r = sm.ep_point(t, fab, 2, ep=1, tp=1, pp=2, micro_batch=1, global_tokens=4 * 16, T=16, mfu=1.0, peak=1e9,
+                        prec=sm.Precision("fp32"))
+        self.assertEqual((r["m"], r["t_fsdp"]), (4, 0.0))
+        self.assertAlmostEqual(r["step"], 5 * (tf + tb) + 2 * t_p2p, places=15)
+        self.assertAlmostEqual(r["bubble_frac"], 1 / 5, places=15)
+        self.assertAlmostEqual(r["t_compute"] + r["t_tp"] + r["t_fsdp"] + r["t_a2a"] + r["t_bubble"], r["step"], places=15)
+
+    def test_ep_memory_by_hand(self):
+        # The toy at W 2, P 1, dp 2, ep 2, one sequence of 16, recompute none, expert units.
+        # state 16 B x (shards over 2: 1024 + 1632 + 1632 + 1040; expert units over 1: 2 x 3072) = 183,552;
+        # FSDP buffers 2 x 6 B x the largest unit (a layer, 3264) = 39,168. An MoE layer keeps
+        # 15 b T C = 7,680 (attention, norms), 4 b T (E + k) = 384 (router), 2 (3 rows IE + slots C): slots
+        # b T k = 32, rows 32 balanced (5,120), 2 x 32 = 64 at the worst (8,192); two layers. Scratch:
+        # 2 (3 rows IE + 2 slots C + 3 rows C): 13,312 balanced, 22,528 worst.
+        t = self._toy()
+        bal = sm.ep_memory(t, 2, 1, 1, 2, 1, 16, "1f1b", 1, 1, "none", True, "balanced")
+        worst = sm.ep_memory(t, 2, 1, 1, 2, 1, 16, "1f1b", 1, 1, "none", True, "worst")
+        self.assertEqual((bal["state"], bal["fsdp"]), (183552, 39168))
+        self.assertEqual((bal["act"], worst["act"]), (2 * (7680 + 384 + 5120), 2 * (7680 + 384 + 8192)))
+        self.assertEqual((bal["scratch"], worst["scratch"]), (13312, 22528))
+        self.assertEqual((bal["total"], worst["total"]), (262400, 277760))
+        # Full recompute keeps 2 b T C per layer and adds one MoE layer's kept buffers to the scratch.
+        full = sm.ep_memory(t, 2, 1, 1, 2, 1, 16, "1f1b", 1, 1, "full", True, "balanced")
+        self.assertEqual((full["act"], full["scratch"]), (2 * 2 * 16 * 32, 13312 + 7680 + 384 + 5120))
+
+    def test_ep_table_in_docs(self):
+        # docs/scaling.md's EP tables are the script's output (ep-tables), verbatim (about 15 s).
+        with open(os.path.join(ROOT, "docs", "scaling.md")) as f:
+            doc = f.read()
+        for fn in (sm.ep_layer_table, sm.ep_tables):
+            out = io.StringIO()
+            fn(out)
+            self.assertIn(out.getvalue(), doc)
+
+
 if __name__ == "__main__":
     unittest.main(verbosity=2)
