@@ -201,8 +201,8 @@ MeshDims resolve_mesh_dims(const std::string& sgs, int tp, int cp, int world, in
   if (stage > 0)
     check(d.fsdp() % ep == 0, "ep",
           "(" + std::to_string(ep) + ") does not divide the FSDP shard group (dp_shard " + std::to_string(d.dp_shard) +
-              " x cp " + std::to_string(cp) + " = " + std::to_string(d.fsdp()) +
-              " ranks): an EP group is ranks of one shard group that hold different tokens");
+              " x cp " + std::to_string(cp) + " = " + std::to_string(d.fsdp()) + (d.fsdp() == 1 ? " rank" : " ranks") +
+              "): an EP group is ranks of one shard group that hold different tokens");
   d.ep = ep;
   return d;
 }

@@ -180,7 +180,7 @@ std::string Mesh::topology_line() const {
          std::to_string(P) + ")";
   const int E = dims().ep;
   if (E > 1)
-    s += "; expert parallel: " + std::to_string(W / E) + " EP groups of " + std::to_string(E) +
+    s += "; expert parallel: " + std::to_string(W / E) + (W / E == 1 ? " EP group of " : " EP groups of ") + std::to_string(E) +
          " ranks (--ep " + std::to_string(E) + ", inside the FSDP shard group)";
   if (R == 1 && N == 1 && P == 1)
     s += "; fully sharded over all " + std::to_string(W) + " ranks (shard group size " + std::to_string(G) + ")";
