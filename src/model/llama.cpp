@@ -327,15 +327,11 @@ void LlamaModel<T>::forward(UnitSource<T>& f, Context& ctx, const int32_t* token
     be_.acc_to_host(ps.data(), ctx.psum_.data(), n);
     std::vector<double> both(ctx.counts_);
     both.insert(both.end(), ps.begin(), ps.end());
-    // The real rows per group: every rank of the group sends them (zeros standing for "all
-    // real", which a rank without padding leaves empty), so that the sum is the same call everywhere.
+    // And each group's padding rows (0 on a rank without padding), so that every rank of the group
+    // makes the same call whatever its rows hold.
     const size_t groups = n / static_cast<size_t>(d.E);
-    std::vector<double> real_n(ctx.real_n_);
-    if (real_n.empty()) real_n.assign(groups, 0.0);
-    std::vector<double> pads(groups, 0.0);  // padding rows per group (0 without padding)
     const double rows = o_.aux_scope == MoeAuxScope::Sequence ? double{1} * d.T_ : double{1} * d.BT;
-    for (size_t g = 0; g < groups; ++g) pads[g] = ctx.real_n_.empty() ? 0.0 : rows - real_n[g];
-    both.insert(both.end(), pads.begin(), pads.end());
+    for (size_t g = 0; g < groups; ++g) both.push_back(ctx.real_n_.empty() ? 0.0 : rows - ctx.real_n_[g]);
     cp_->sum_host(both.data(), both.size());
     std::copy(both.begin(), both.begin() + static_cast<ptrdiff_t>(n), ctx.counts_.begin());
     for (size_t i = 0; i < n; ++i) ps[i] = static_cast<S>(both[n + i]);

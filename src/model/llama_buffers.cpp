@@ -48,7 +48,9 @@ struct Sizes {
   int64_t work_rest() const { return 2 * rstd + q + 2 * kv + y + x + 2 * gmax + (moe ? ye : 0) + qn + kn + rqn + rkn; }
   int64_t work_acc() const { return lse + (moe ? probs + slots : 0); }
   int64_t work_ids() const { return moe ? 3 * slots : 0; }
-  Sizes(const LlamaDims& d, const ModelOptions& o, const ModelConfig& c) {
+  // balanced: the expert rows sized for balanced routing (B·T·k, what the plan reports beside the
+  // worst case that is allocated) instead of d.er.
+  Sizes(const LlamaDims& d, const ModelOptions& o, const ModelConfig& c, bool balanced = false) {
     const bool qk_norm = c.qk_norm;
     BT = d.BT;
     layout = o.mask == AttentionMask::Document || d.cp > 1 ? BT : 0;
@@ -80,9 +82,10 @@ struct Sizes {
     moe = c.is_moe();
     dense = c.num_moe_layers() < c.num_hidden_layers;
     slots = moe ? int64_t{d.slots} : 0;
-    ge = (moe ? int64_t{d.er} : 0) * d.IE;
-    xr = moe && d.ep > 1 ? int64_t{d.er} * d.C : 0;
-    pids = moe && d.ep > 1 ? int64_t{d.er} : 0;
+    const int64_t er = balanced ? d.slots : d.er;
+    ge = (moe ? er : 0) * d.IE;
+    xr = moe && d.ep > 1 ? er * d.C : 0;
+    pids = moe && d.ep > 1 ? er : 0;
     ye = slots * d.C;
     probs = moe ? BT * d.E : 0;
     stats = moe ? int64_t{o.aux_scope == MoeAuxScope::Sequence ? d.B : 1} * d.E : 0;
@@ -118,8 +121,8 @@ int64_t context_bytes(const ModelConfig& c, const ModelOptions& o, int B, int T_
 }
 
 ActivationBytes activation_bytes(const ModelConfig& c, const ModelOptions& o, int B, int T_, size_t E, size_t A,
-                                 int tp, int cp, int ep) {
-  const Sizes z(LlamaDims(c, tp, 0, cp, ep).with_batch(B, T_, o.loss_chunk), o, c);
+                                 int tp, int cp, int ep, bool balanced) {
+  const Sizes z(LlamaDims(c, tp, 0, cp, ep).with_batch(B, T_, o.loss_chunk), o, c, balanced);
   const int64_t e = static_cast<int64_t>(E), a = static_cast<int64_t>(A);
   const int64_t moe = c.num_moe_layers();
   ActivationBytes r;

@@ -155,9 +155,8 @@ LayoutMemory layout_memory(const LayoutMemoryInput& in) {
   // routing a rank's experts get B·T·k of them. Both figures, for the two lines below.
   std::string ep_kept, ep_scratch;
   if (mc.is_moe() && d.ep > 1) {
-    const ActivationBytes one = activation_bytes(mc, mo, B, cpm.rows, in.elem_bytes, 4, N, d.cp, 1);
-    const int64_t e_bytes = static_cast<int64_t>(in.elem_bytes);
-    const int64_t slots = rows * mc.num_experts_per_tok, xr = 3 * slots * mc.hidden_size * e_bytes + 4 * 2 * slots;
+    const ActivationBytes one = activation_bytes(mc, mo, B, cpm.rows, in.elem_bytes, 4, N, d.cp, d.ep, true);
+    const int64_t slots = rows * mc.num_experts_per_tok;
     auto mib = [](int64_t b) {
       char t[32];
       std::snprintf(t, sizeof t, "%.1f MiB", static_cast<double>(b) / (1 << 20));
@@ -166,7 +165,7 @@ LayoutMemory layout_memory(const LayoutMemoryInput& in) {
     const std::string rows_words = "expert rows sized for ep " + std::to_string(d.ep) + " x " + with_commas(slots) +
                                    " slots (the worst case: every slot of the EP group to this rank's experts)";
     ep_kept = "; MoE: " + rows_words + ", " + mib(one.per_layer) + " when routing is balanced";
-    ep_scratch = "; MoE: " + rows_words + ", " + mib(one.block_scratch + xr) + " when routing is balanced";
+    ep_scratch = "; MoE: " + rows_words + ", " + mib(one.block_scratch) + " when routing is balanced";
   }
   if (!pp)
     lm.kept.push_back({"activations kept for backward", a.per_layer,

@@ -213,6 +213,9 @@ TEST(Recompute, ActivationBytesMatchAllocations) {
               EXPECT_EQ(static_cast<int64_t>(be.live_bytes()), want)
                   << st::recompute_name(r) << ", " << st::attention_name(a) << ", chunk " << chunk << ", ep " << ep;
               EXPECT_GT(want, st::activation_bytes(mc, mo, kB, kT, sizeof(float), sizeof(float)).total());
+              // Balanced routing (the plan's second figure): the kept expert rows as without EP.
+              EXPECT_EQ(st::activation_bytes(mc, mo, kB, kT, sizeof(float), sizeof(float), 1, 1, ep, true).per_layer,
+                        st::activation_bytes(mc, mo, kB, kT, sizeof(float), sizeof(float)).per_layer);
             }
             EXPECT_EQ(be.live_bytes(), 0u);
           }

@@ -255,9 +255,11 @@ struct ActivationBytes {
 // tp: the TP degree (sequence-parallel rows B*T/tp, local heads and intermediate slice). cp: the CP
 // degree, T_ the rows of each sequence a rank holds (T / cp): the RoPE tables cover cp * T_
 // positions, and the layout's ids are kept as with mask Document (positions are required).
-// ep: the EP degree (an MoE block's expert rows sized N x B*T*K, and the exchange's buffers).
+// ep: the EP degree (an MoE block's expert rows sized N x B*T*K, and the exchange's buffers);
+// balanced: those rows sized B*T*K instead, what balanced routing fills (the memory plan's second
+// figure; the model allocates the worst case).
 ActivationBytes activation_bytes(const ModelConfig& c, const ModelOptions& o, int B, int T_, size_t elem_bytes,
-                                 size_t acc_bytes, int tp = 1, int cp = 1, int ep = 1);
+                                 size_t acc_bytes, int tp = 1, int cp = 1, int ep = 1, bool balanced = false);
 
 // The backend memory of one LlamaModel<T>::Context over blocks [begin, end) of a model of L blocks
 // (a pipeline chunk; [0, L): the whole model's context), for micro-batches of B x T_ tokens, in
