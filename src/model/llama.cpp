@@ -276,6 +276,17 @@ void LlamaModel<T>::forward(UnitSource<T>& f, Context& ctx, const int32_t* token
     std::fill(ctx.counts_.begin(), ctx.counts_.end(), 0.0);
     be_.zero_acc(ctx.psum_.data(), ctx.psum_.size());
     ctx.aux_scale_ = S(0);
+    if (!ctx.aux_seed_.empty()) {  // a later pipeline stage: blocks [0, a)'s sums (seed_aux_stats)
+      const size_t n = ctx.counts_.size();
+      if (ctx.aux_seed_.size() != 2 * n)
+        throw std::invalid_argument("LlamaModel::forward: seed_aux_stats gave " + std::to_string(ctx.aux_seed_.size()) +
+                                    " values for a micro-batch of " + std::to_string(2 * n));
+      std::copy(ctx.aux_seed_.begin(), ctx.aux_seed_.begin() + static_cast<ptrdiff_t>(n), ctx.counts_.begin());
+      std::vector<S> ps(n);
+      for (size_t i = 0; i < n; ++i) ps[i] = static_cast<S>(ctx.aux_seed_[n + i]);
+      be_.acc_from_host(ctx.psum_.data(), ps.data(), n);
+      ctx.aux_seed_.clear();
+    }
     // Padding (layout.real) stays out of them: its rows and, per scope group, the real rows.
     const size_t n = static_cast<size_t>(d_.BT), grp = o_.aux_scope == MoeAuxScope::Sequence ? d_.T_ : n;
     bool padded = false;
@@ -321,7 +332,7 @@ void LlamaModel<T>::forward(UnitSource<T>& f, Context& ctx, const int32_t* token
     }
   }
 
-  if (moe_blocks_ > 0 && cp_ && a == 0 && b == d.L) {  // a sequence's statistics: the CP group's rows
+  if (moe_blocks_ > 0 && cp_ && b == d.L) {  // a sequence's statistics (every block's): the CP group's rows
     const size_t n = ctx.counts_.size();
     std::vector<S> ps(n);
     be_.acc_to_host(ps.data(), ctx.psum_.data(), n);
@@ -457,12 +468,54 @@ template <typename T> void LlamaModel<T>::embedding_backward(UnitSource<T>& f, C
 // ---- mixture of experts: the load-balancing loss (moe_math.h moe_aux_loss) -----------------------
 namespace {
 template <typename T> void expect_whole_range(const BlockRange& r, int L, const char* call) {
-  if (r.begin != 0 || r.end != L)
+  if (r.end != L)
     throw std::logic_error(std::string("LlamaModel::") + call + ": the load-balancing loss pools every MoE block; " +
                            "a context over blocks [" + std::to_string(r.begin) + ", " + std::to_string(r.end) +
-                           ") of " + std::to_string(L) + " holds only some (pipeline parallelism: not built yet)");
+                           ") of " + std::to_string(L) + " is not the last range (aux_stats, seed_aux_stats)");
 }
 }  // namespace
+
+template <typename T> size_t LlamaModel<T>::aux_stats_size(int B) const {
+  if (moe_blocks_ == 0) return 0;
+  return static_cast<size_t>(o_.aux_scope == MoeAuxScope::Sequence ? B : 1) * static_cast<size_t>(d_.E);
+}
+
+template <typename T> std::vector<double> LlamaModel<T>::aux_stats(const Context& ctx) const {
+  if (moe_blocks_ == 0) return {};
+  const size_t n = ctx.counts_.size();
+  std::vector<double> out(ctx.counts_);
+  std::vector<S> ps(n);
+  be_.acc_to_host(ps.data(), ctx.psum_.data(), n);
+  for (size_t i = 0; i < n; ++i) out.push_back(static_cast<double>(ps[i]));
+  return out;
+}
+
+template <typename T> void LlamaModel<T>::seed_aux_stats(Context& ctx, std::vector<double> in) const {
+  if (moe_blocks_ == 0) return;
+  ctx.aux_seed_ = std::move(in);  // checked against the micro-batch's size by forward()
+}
+
+template <typename T> std::vector<double> LlamaModel<T>::aux_grad(const Context& ctx) const {
+  if (moe_blocks_ == 0) return {};  // set by set_aux_grad_scale (the last range) or set_aux_grad (passed on)
+  const size_t n = ctx.counts_.size();
+  std::vector<S> g(n);
+  be_.acc_to_host(g.data(), ctx.aux_dprob_.data(), n);
+  std::vector<double> out(g.begin(), g.end());
+  out.push_back(static_cast<double>(ctx.aux_scale_));
+  return out;
+}
+
+template <typename T> void LlamaModel<T>::set_aux_grad(Context& ctx, const std::vector<double>& in) {
+  if (moe_blocks_ == 0) return;
+  const size_t n = ctx.counts_.size();
+  if (in.size() != n + 1)
+    throw std::invalid_argument("LlamaModel::set_aux_grad: " + std::to_string(in.size()) + " values for a micro-batch of " +
+                                std::to_string(n + 1));
+  std::vector<S> g(n);
+  for (size_t i = 0; i < n; ++i) g[i] = static_cast<S>(in[i]);
+  be_.acc_from_host(ctx.aux_dprob_.data(), g.data(), n);
+  ctx.aux_scale_ = static_cast<S>(in[n]);
+}
 
 template <typename T> double LlamaModel<T>::moe_aux_loss(const Context& ctx) const {
   if (moe_blocks_ == 0) return 0.0;

@@ -60,7 +60,7 @@ GeometryResult resolve_geometry(const BatchOptions& o, const MeshDims& dims, con
   g.accum = g.per_rank / g.micro_batch;
   if (std::string why = check_tensor_parallel(mc, dims.tp); !why.empty()) return refuse(std::move(why));
   // Mixture of experts (issue 56, docs/moe.md): the load-balancing loss pools a sequence's rows over
-  // every MoE block; across pipeline stages those counts do not travel yet (across CP ranks they do).
+  // every MoE block, across CP ranks and pipeline stages (its statistics travel with the activations).
   if (dims.ep > 1 && !mc.is_moe())
     return refuse("option '--ep' (" + str(dims.ep) + ") needs a mixture-of-experts model; " + mc.architecture +
                   " is dense");
@@ -73,9 +73,6 @@ GeometryResult resolve_geometry(const BatchOptions& o, const MeshDims& dims, con
                   str(mc.num_experts_per_tok) + ")" +
                   (dims.ep > 1 ? ", x '--ep' " + str(dims.ep) + " rows that a rank's experts may get" : std::string()) +
                   ", more than 2^31: lower '--micro-batch' or '--seq-len'");
-  if (mc.is_moe() && dims.pp > 1)
-    return refuse("option '--pp' (" + str(dims.pp) + ") with a mixture-of-experts model (" + mc.architecture +
-                  ") is not built yet: the load-balancing loss pools every MoE block, across the stages (issue 56)");
   if (g.cp_tokens() % dims.tp != 0)
     return refuse("option '--tp' (" + str(dims.tp) + ") does not divide the tokens of a micro-batch (" +
                        str(g.micro_batch) + " x " + str(o.seq_len) +

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <stdexcept>
 
 #include "shardtrain/backend/bf16.h"
@@ -90,6 +91,11 @@ PipelineLayout resolve_pipeline(const ModelConfig& mc, int pp, const PipelineOpt
   if (o.kind != PipelineKind::Interleaved && o.chunks_per_rank != 1) {
     *why = "option '--pp-virtual' (" + std::to_string(o.chunks_per_rank) + ") needs '--pp-schedule interleaved' (got '" +
            pipeline_kind_name(o.kind) + "')";
+    return pl;
+  }
+  if (o.kind == PipelineKind::ZeroBubble && mc.is_moe()) {  // LlamaModel::backward_input: dense blocks only
+    *why = "option '--pp-schedule zero-bubble' with a mixture-of-experts model (" + mc.architecture +
+           ") is not built yet: the split backward covers dense blocks only; use gpipe, 1f1b or interleaved";
     return pl;
   }
   const int64_t S = int64_t{pp} * o.chunks_per_rank;
@@ -458,8 +464,11 @@ template <typename C> void StageLink<C>::wait_recv(int chunk, bool grad, C* buf,
   update_membership();
 }
 
-template <typename C> void StageLink<C>::send(int chunk, bool grad, const C* src, size_t n) {
+template <typename C>
+void StageLink<C>::send(int chunk, bool grad, const C* src, size_t rows, const std::vector<double>& tail) {
+  static_assert(sizeof(double) % sizeof(C) == 0, "StageLink: a tail's doubles must fill whole elements");
   const int to = grad ? chunk - 1 : chunk + 1;
+  const size_t n = rows + tail_elems<C>(tail.size());
   test_all();
   sends_.erase(std::remove_if(sends_.begin(), sends_.end(), [](const auto& x) { return x->done; }), sends_.end());
   // A pool buffer no send in flight or held uses, else a new one.
@@ -478,7 +487,12 @@ template <typename C> void StageLink<C>::send(int chunk, bool grad, const C* src
     pool_.emplace_back(be_, n);
     buf = pool_.back().data();
   }
-  be_.copy(buf, src, n);
+  be_.copy(buf, src, rows);
+  if (!tail.empty()) {  // the doubles' bytes, as elements of C
+    std::vector<C> t(tail_elems<C>(tail.size()));
+    std::memcpy(t.data(), tail.data(), tail.size() * sizeof(double));
+    be_.from_host(buf + rows, t.data(), t.size());
+  }
   auto x = std::make_unique<Xfer>(Xfer{nullptr, buf, n, chunk, grad, Clock::now()});
   ++calls_;
   bytes_ += static_cast<double>(n) * sizeof(C);

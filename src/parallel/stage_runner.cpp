@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 #include <string>
@@ -36,11 +37,39 @@ StageRunner<C>::StageRunner(const Mesh& mesh, Backend<C>& be, LlamaModel<C>& mod
   // R x C rows of a micro-batch on this rank: B x T / cp tokens, 1 / tp of them under sequence parallelism.
   rows_elems_ = static_cast<size_t>(mb_) * static_cast<size_t>(split_.rows()) / static_cast<size_t>(mesh.dims().tp) *
                 static_cast<size_t>(model.config().hidden_size);
+  // A mixture of experts' load-balancing statistics travel after the rows (LlamaModel::aux_stats):
+  // forward 2 G E doubles, backward G E + 1 (aux_grad).
+  const size_t ge = model.aux_stats_size(mb_);
+  fwd_elems_ = rows_elems_ + (ge ? tail_elems<C>(2 * ge) : 0);
+  bwd_elems_ = rows_elems_ + (ge ? tail_elems<C>(ge + 1) : 0);
   if (link_)
     for (int i = 0; i < 2; ++i) {
-      in_[i] = Buffer<C>(be_, rows_elems_);
-      grad_in_[i] = Buffer<C>(be_, rows_elems_);
+      in_[i] = Buffer<C>(be_, fwd_elems_);
+      grad_in_[i] = Buffer<C>(be_, bwd_elems_);
     }
+}
+
+template <typename C> std::vector<double> StageRunner<C>::read_tail(const C* buf, size_t doubles) {
+  std::vector<C> t(tail_elems<C>(doubles));
+  be_.to_host(t.data(), buf + rows_elems_, t.size());
+  std::vector<double> out(doubles);
+  std::memcpy(out.data(), t.data(), doubles * sizeof(double));
+  return out;
+}
+
+template <typename C> void StageRunner<C>::add_expert_counts(const typename LlamaModel<C>::Context* ctx) {
+  const ModelConfig& mc = model_.config();
+  const int L = mc.num_hidden_layers;
+  if (expert_counts_.empty()) {  // [L][E], empty for a dense block, on every rank (the trainer sums them)
+    expert_counts_.resize(static_cast<size_t>(L));
+    for (int blk = 0; blk < L; ++blk)
+      if (mc.is_moe_layer(blk)) expert_counts_[static_cast<size_t>(blk)].assign(static_cast<size_t>(mc.num_experts), 0);
+  }
+  for (int blk = 0; blk < L; ++blk) {  // the blocks outside the context's range give none
+    const std::vector<int64_t> n = ctx ? model_.expert_counts(*ctx, blk) : model_.expert_counts(blk);
+    std::vector<int64_t>& into = expert_counts_[static_cast<size_t>(blk)];
+    for (size_t e = 0; e < n.size() && e < into.size(); ++e) into[e] += n[e];
+  }
 }
 
 template <typename C> void StageRunner<C>::reserve() {
@@ -72,7 +101,8 @@ template <typename C> typename StageRunner<C>::MicroBatch& StageRunner<C>::load(
   b.tgt.assign(split_.targets(), split_.targets() + n);
   if (lay.pos) b.pos.assign(lay.pos, lay.pos + n);
   if (lay.doc) b.doc.assign(lay.doc, lay.doc + n);
-  b.layout = {lay.pos ? b.pos.data() : nullptr, lay.doc ? b.doc.data() : nullptr};
+  if (lay.real) b.real.assign(lay.real, lay.real + n);
+  b.layout = {lay.pos ? b.pos.data() : nullptr, lay.doc ? b.doc.data() : nullptr, lay.real ? b.real.data() : nullptr};
   b.loaded = true;
   return b;
 }
@@ -129,7 +159,7 @@ template <typename C> double StageRunner<C>::run(const Schedule& schedule, doubl
     for (int d = 0; d < 2; ++d)
       while (posted[d] < need[d].size() && need[d][posted[d]] <= last && posted[d] < used[d] + 2) {
         const Action& n = acts[need[d][posted[d]]];
-        link_->post_recv(n.chunk, d == 1, (d == 0 ? in_ : grad_in_)[posted[d] % 2].data(), rows_elems_);
+        link_->post_recv(n.chunk, d == 1, (d == 0 ? in_ : grad_in_)[posted[d] % 2].data(), d == 0 ? fwd_elems_ : bwd_elems_);
         ++posted[d];
       }
   };
@@ -193,14 +223,7 @@ template <typename C> double StageRunner<C>::run_action(const Action& a, double 
           const int cp = mesh_.dims().cp;
           aux_sum_ += model_.moe_aux_loss() / cp;
           model_.set_aux_grad_scale(static_cast<typename LlamaModel<C>::S>(aux_scale_ * cp));
-          const int L = model_.config().num_hidden_layers;
-          if (expert_counts_.empty()) expert_counts_.resize(static_cast<size_t>(L));
-          for (int blk = 0; blk < L; ++blk) {
-            const std::vector<int64_t> n = model_.expert_counts(blk);
-            std::vector<int64_t>& into = expert_counts_[static_cast<size_t>(blk)];
-            if (into.size() < n.size()) into.resize(n.size(), 0);
-            for (size_t e = 0; e < n.size(); ++e) into[e] += n[e];
-          }
+          add_expert_counts(nullptr);
         }
         model_.backward(f_);
         return l;
@@ -211,12 +234,16 @@ template <typename C> double StageRunner<C>::run_action(const Action& a, double 
     throw std::logic_error("StageRunner: a split backward action on the whole-model path (one_in_flight_problem)");
   }
   auto& ctx = context(a.microbatch, a.chunk);
+  const bool moe = model_.config().is_moe();
   double loss = 0;
   switch (a.kind) {
     case ActionKind::Forward:
-      if (!first) link_->wait_recv(a.chunk, false, recv_buf_, rows_elems_);
+      if (!first) {
+        link_->wait_recv(a.chunk, false, recv_buf_, fwd_elems_);
+        if (moe) model_.seed_aux_stats(ctx, read_tail(recv_buf_, 2 * model_.aux_stats_size(mb_)));
+      }
       model_.forward(f_, ctx, b.tok.data(), first ? nullptr : recv_buf_, mb_, split_.rows(), b.layout);
-      if (!last) link_->send(a.chunk, false, ctx.output(), rows_elems_);
+      if (!last) link_->send(a.chunk, false, ctx.output(), rows_elems_, model_.aux_stats(ctx));
       if (!train) {
         if (last) loss = model_.loss(f_, ctx, b.tgt.data());
         release(a.microbatch, a.chunk);
@@ -230,13 +257,20 @@ template <typename C> double StageRunner<C>::run_action(const Action& a, double 
       const C* grad = nullptr;
       if (last) {
         loss = model_.head_backward(f_, ctx, b.tgt.data(), static_cast<typename LlamaModel<C>::S>(grad_scale));
+        if (moe) {  // the load-balancing loss from the totals this range holds (as on the whole-model path)
+          const int cp = mesh_.dims().cp;
+          aux_sum_ += model_.moe_aux_loss(ctx) / cp;
+          model_.set_aux_grad_scale(ctx, static_cast<typename LlamaModel<C>::S>(aux_scale_ * cp));
+        }
       } else {
-        link_->wait_recv(a.chunk, true, recv_buf_, rows_elems_);
+        link_->wait_recv(a.chunk, true, recv_buf_, bwd_elems_);
         grad = recv_buf_;
+        if (moe) model_.set_aux_grad(ctx, read_tail(recv_buf_, model_.aux_stats_size(mb_) + 1));
       }
+      if (moe) add_expert_counts(&ctx);
       if (split) model_.backward_input(f_, ctx, grad);
       else model_.backward(f_, ctx, grad);
-      if (!first) link_->send(a.chunk, true, ctx.input_grad(), rows_elems_);
+      if (!first) link_->send(a.chunk, true, ctx.input_grad(), rows_elems_, model_.aux_grad(ctx));
       if (!split) release(a.microbatch, a.chunk);
       return loss;
     }

@@ -70,7 +70,7 @@ template <typename C> StepOutcome Trainer<C>::train_step(int64_t s) {
     o.expert_counts = runner_->take_expert_counts();
     std::vector<double> flat;
     for (const auto& v : o.expert_counts)
-      for (int64_t n : v) flat.push_back(mesh_.counts_loss() ? static_cast<double>(n) : 0.0);
+      for (int64_t n : v) flat.push_back(mesh_.counts_block_stats() ? static_cast<double>(n) : 0.0);
     comm_.all_reduce(flat.data(), flat.size(), ReduceOp::Sum);
     size_t i = 0;
     for (auto& v : o.expert_counts)

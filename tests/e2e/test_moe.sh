@@ -14,7 +14,7 @@
 #    the trained model exported and loaded by transformers, its logits equal shardtrain's;
 #  * balance seen: routers skewed on purpose to two experts show E / k = 4 as the largest expert load
 #    over the mean, in the step line, the metrics and TensorBoard;
-#  * refusals on every rank: --cp / --pp with an MoE model, a changed --aux-loss-scope at resume, a
+#  * refusals on every rank: --pp-schedule zero-bubble with an MoE model, a changed --aux-loss-scope at resume, a
 #    version 7 file whose model_config claims a dense model, an MoE directory with an expert tensor
 #    missing, misshapen or given twice.
 source "$(dirname "$0")/common.sh"
@@ -136,7 +136,8 @@ print(f"ok: a router skewed to experts 0 and 1 shows experts max/mean 4.00 (= E 
 PY
 
 # Refusals, on every rank.
-expect_fail moe_pp "option '--pp' (2) with a mixture-of-experts model (Qwen3MoeForCausalLM) is not built yet" 2 "${TRAIN[@]}" --pp 2
+expect_fail moe_zb "option '--pp-schedule zero-bubble' with a mixture-of-experts model (Qwen3MoeForCausalLM) is not built yet" \
+  2 "${TRAIN[@]}" --pp 2 --pp-schedule zero-bubble
 expect_fail moe_scope_changed "aux-loss-scope" 2 "${TRAIN[@]}" --checkpoint-dir "$WORK/ck3" --resume "$WORK/ck/step_00000002.h5" \
   --aux-loss-scope micro-batch
 cp "$CK" "$WORK/dense_claim.h5"

@@ -29,6 +29,7 @@
 #include "shardtrain/data/packing.h"
 #include "shardtrain/model/model.h"
 #include "shardtrain/parallel/context_parallel.h"
+#include "shardtrain/parallel/expert_parallel.h"
 #include "shardtrain/parallel/pipeline.h"
 #include "shardtrain/parallel/stage_runner.h"
 #include "shardtrain/runtime/mesh.h"
@@ -72,6 +73,11 @@ struct Step {
   std::map<std::string, std::vector<double>> grads;
   double loss = 0;  // summed where the mesh counts it, over the world, / targets
   int64_t targets = 0;
+  // A mixture of experts: the load-balancing loss (sequence scope) summed where the mesh counts it,
+  // / the global batch's sequences, and every block's routed slots per expert summed over the ranks
+  // (StageRunner::take_expert_counts, the trainer's reduction).
+  double aux = 0;
+  std::vector<double> counts;
 };
 
 // Where a step's parameters come from: init_params(11), or every parameter of this rank's units
@@ -107,10 +113,14 @@ Step run_step(st::Comm& comm, const st::MeshDims& d, st::PipelineKind kind, cons
   std::unique_ptr<st::StageLink<double>> link;
   if (d.pp > 1) link = std::make_unique<st::StageLink<double>>(*mesh.pp_data(), pl, *be, false);
   std::unique_ptr<st::CpAttention<double>> cp;
-  if (d.cp > 1) cp = std::make_unique<st::CpAttention<double>>(*mesh.cp_data(), *be, st::CpComm::Ring);
+  if (d.cp > 1)
+    cp = std::make_unique<st::CpAttention<double>>(*mesh.cp_data(), *be, st::CpComm::Ring, st::kCpGatherBytes,
+                                                   mesh.cp_host());
+  std::unique_ptr<st::EpGroup<double>> ep;
+  if (d.ep > 1) ep = std::make_unique<st::EpGroup<double>>(*mesh.ep_host(), *mesh.ep_data());
   st::ModelOptions mo;
   mo.mask = st::AttentionMask::Document;
-  st::LlamaModel<double> model(mc, *be, mo, nullptr, cp.get());
+  st::LlamaModel<double> model(mc, *be, mo, nullptr, cp.get(), ep.get());
   auto packed = std::make_shared<const st::PackedBatches>(
       data, st::PackOptions{T, st::PackMode::BestFit, st::MaxLengthPolicy::Truncate, st::TrainOn::Assistant}, tc.seed,
       G);
@@ -121,6 +131,9 @@ Step run_step(st::Comm& comm, const st::MeshDims& d, st::PipelineKind kind, cons
   // Trainer::train_step's scale (the reduce-scatter means over dp x cp), unrounded in float64.
   const double scale = st::mean_loss_grad_scale(static_cast<double>(G) * T, static_cast<double>(s.targets),
                                                 static_cast<double>(per_rank) * T / d.cp);
+  // The trainer's weight of the load-balancing loss: coef / this rank's sequences (the reduce-scatter
+  // divides by the dp x cp ranks; the runner multiplies by cp).
+  if (mc.is_moe()) runner.set_aux_scale(mc.router_aux_loss_coef / per_rank);
   units.begin_pass("train");
   runner.begin(st::Split::Train, index);
   double loss = runner.run(*pl.schedule(m), scale);
@@ -132,6 +145,14 @@ Step run_step(st::Comm& comm, const st::MeshDims& d, st::PipelineKind kind, cons
   if (!mesh.counts_loss()) loss = 0;
   comm.all_reduce(&loss, 1, st::ReduceOp::Sum);
   s.loss = loss / static_cast<double>(s.targets);
+  if (mc.is_moe()) {
+    double aux = mesh.counts_loss() ? runner.take_aux_sum() : 0.0;
+    comm.all_reduce(&aux, 1, st::ReduceOp::Sum);
+    s.aux = aux / G;
+    for (const auto& v : runner.take_expert_counts())
+      for (int64_t n : v) s.counts.push_back(mesh.counts_block_stats() ? static_cast<double>(n) : 0.0);
+    comm.all_reduce(s.counts.data(), s.counts.size(), st::ReduceOp::Sum);
+  }
   s.grads = st::testing::whole_grads(f);
   return s;
 }
@@ -221,6 +242,89 @@ TEST(Sft, GlobalMeanDiffersFromTheMeanOfMicroBatchMeans) {
   const double global = sum / static_cast<double>(n);
   EXPECT_GT(std::abs(mean_of_means - global), 1e-3 * global)
       << "global mean " << global << ", mean of micro-batch means " << mean_of_means;
+}
+
+// A mixture of experts through the trainer's path (StageRunner on packed example data, whose rows
+// end in padding): the load-balancing loss (sequence scope) of W = 1 equals, within 1e-12, the mean
+// over the rows of the model's own loss on each row's real tokens alone (no padding: the padding's
+// routing stays out, TokenLayout::real, and under the causal mask the real tokens route as
+// unpadded). And the same step at dp W, cp 2 x dp W/2, pp 2 x dp W/2 (1F1B: the statistics travel
+// with the activations, the aux gradient's weights back with theirs), pp 2 x cp 2 and pp 2 x dp 2
+// with ep 2 (W 4): loss, aux, every gradient within 1e-12 relative of W = 1, tokens per expert equal.
+TEST(Sft, MoeLoadBalancingLossOfPaddedRowsIsExactAtEveryLayout) {
+  st::Comm& c = st::testing::comm();
+  const int W = c.world_size();
+  st::ModelConfig mc = st::testing::pipeline_test_config(false, "sft-moe-test");
+  mc.architecture = "Qwen3MoeForCausalLM";
+  mc.qk_norm = true;
+  mc.num_hidden_layers = 4;
+  mc.num_experts = 4;
+  mc.num_experts_per_tok = 2;
+  mc.moe_intermediate_size = 16;
+  mc.router_aux_loss_coef = 0.05;
+  mc.mlp_only_layers = {1};
+  const st::TokenDataset data(sft_file());
+  st::MpiComm self = st::MpiComm::split(c, c.rank(), 0);
+  const Step ref = run_step(self, st::MeshDims{1, 1, 1, 1, 1}, st::PipelineKind::OneFOneB, mc, data);
+  ASSERT_GT(ref.aux, 0.0);
+  // The reference: every row's real tokens alone through the model, as the runner reads them.
+  {
+    auto be = st::make_cpu_backend<double>();
+    const st::Mesh one(self, st::testing::g_runtime->topo(), st::MeshDims{1, 1, 1, 1, 1}, 0);
+    st::ShardedState<double> f(*be, one, st::ShardPlan::build(st::llama_units(mc), 1));
+    f.init_params(11);
+    st::UnitPipeline<double> units(*be, std::make_unique<st::IdentityCodec<double>>(f));
+    st::ModelOptions mo;
+    mo.mask = st::AttentionMask::Document;
+    st::LlamaModel<double> model(mc, *be, mo);
+    const st::PackedBatches pb(
+        data, st::PackOptions{kT, st::PackMode::BestFit, st::MaxLengthPolicy::Truncate, st::TrainOn::Assistant}, 3, kG);
+    std::vector<int32_t> tok(kT), tgt(kT), doc(kT), pos(kT), real(kT);
+    double aux = 0;
+    int padded = 0;
+    for (int i = 0; i < kG; ++i) {
+      pb.fill(st::Split::Train, 1, i, 1, tok.data(), tgt.data(), doc.data(), pos.data(), real.data());
+      int n = 0;
+      while (n < kT && real[static_cast<size_t>(n)] != 0) ++n;
+      for (int t = n; t < kT; ++t) ASSERT_EQ(real[static_cast<size_t>(t)], 0) << "row " << i << ": padding at the end";
+      padded += n < kT;
+      model.forward(units, tok.data(), 1, n, st::TokenLayout{pos.data(), doc.data()});
+      aux += model.moe_aux_loss();
+    }
+    ASSERT_GE(padded, 2) << "rows with padding: the test needs some";
+    EXPECT_NEAR(ref.aux, aux / kG, 1e-12 * ref.aux) << "the runner's aux against each row's real tokens alone";
+    if (c.rank() == 0)
+      std::printf("[ SFT MoE ] W 1 aux %.15g, rows' real tokens alone %.15g (%d of %d rows padded)\n", ref.aux,
+                  aux / kG, padded, kG);
+  }
+  struct Case {
+    const char* what;
+    st::MeshDims d;
+  };
+  std::vector<Case> cases = {{"dp W", st::MeshDims{1, W, 1, 1, 1}}};
+  if (W % 2 == 0) {
+    cases.push_back({"cp 2 x dp W/2", st::MeshDims{1, W / 2, 2, 1, 1}});
+    cases.push_back({"pp 2 x dp W/2", st::MeshDims{1, W / 2, 1, 1, 2}});
+  }
+  if (W == 4) {
+    cases.push_back({"pp 2 x cp 2", st::MeshDims{1, 1, 2, 1, 2}});
+    st::MeshDims e{1, 2, 1, 1, 2};
+    e.ep = 2;
+    cases.push_back({"pp 2 x dp 2, ep 2", e});
+  }
+  int64_t checked = 0;
+  for (const Case& k : cases) {
+    SCOPED_TRACE(k.what);
+    const Step s = run_step(c, k.d, st::PipelineKind::OneFOneB, mc, data);
+    EXPECT_NEAR(s.loss, ref.loss, 1e-12 * ref.loss);
+    EXPECT_NEAR(s.aux, ref.aux, 1e-12 * ref.aux);
+    EXPECT_EQ(s.counts, ref.counts) << "tokens per expert";
+    checked += st::testing::expect_same_grads(s.grads, ref.grads);
+    if (c.rank() == 0)
+      std::printf("[ SFT MoE ] %s: loss %.15g vs %.15g, aux %.15g vs %.15g\n", k.what, s.loss, ref.loss, s.aux, ref.aux);
+  }
+  c.all_reduce(&checked, 1, st::ReduceOp::Sum);
+  EXPECT_GT(checked, 0);
 }
 
 // Run by tests/e2e/test_sft.sh only (part 1, at 2 ranks): shardtrain's float64 step on every

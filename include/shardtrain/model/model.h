@@ -447,6 +447,8 @@ template <typename T> class LlamaModel {
     std::vector<double> counts_;
     AccBuffer<T> psum_, aux_dprob_;
     S aux_scale_ = S(0);
+    // seed_aux_stats' [2 G E] for the next forward (empty: that forward starts from zeros).
+    std::vector<double> aux_seed_;
     // MoE with a layout's `real` flags (TokenLayout): the rows' flags (host [BT]; empty: every row
     // real) and per scope group the real rows, summed over the CP group (R of the group = that x
     // the MoE blocks).
@@ -534,8 +536,9 @@ template <typename T> class LlamaModel {
   void backward_input(UnitSource<T>& f, Context& ctx, const T* output_grad);
   void backward_weight(UnitSource<T>& f, Context& ctx);
 
-  // Mixture of experts (docs/moe.md). After forward() of ctx over the whole model (blocks [0, L);
-  // std::logic_error otherwise): the load-balancing loss of its micro-batch, aux_g = E sum_e f_e P_e
+  // Mixture of experts (docs/moe.md). After forward() of ctx over a range that ends at block L
+  // (the whole model, or the last pipeline stage's after seed_aux_stats; std::logic_error
+  // otherwise): the load-balancing loss of its micro-batch, aux_g = E sum_e f_e P_e
   // for each group g of options().aux_scope (f_e = slots of the group's tokens routed to e, P_e =
   // their probabilities of e summed, both over every MoE block, divided by R_g = MoE blocks x the
   // group's tokens: transformers' load_balancing_loss_func), summed over the groups (Sequence: the
@@ -547,6 +550,30 @@ template <typename T> class LlamaModel {
   // nothing). After forward(), before backward(); std::logic_error as moe_aux_loss.
   void set_aux_grad_scale(Context& ctx, S scale);
   void set_aux_grad_scale(S scale) { set_aux_grad_scale(ctx_, scale); }
+  // Pipeline stages (StageRunner): the load-balancing loss pools every MoE block of a micro-batch,
+  // so its statistics travel with the activations and its gradient with theirs. All host doubles,
+  // not collective; a dense model has none (aux_stats_size 0, the rest no-ops).
+  //   aux_stats_size(B)  G x E for a micro-batch of B rows (G: B under scope Sequence, 1 under
+  //                      MicroBatch).
+  //   aux_stats          after forward() of ctx: 2 aux_stats_size doubles, the slots per group and
+  //                      expert routed by blocks [0, ctx's end) of this rank's rows, then their
+  //                      probability sums (S widened to double: exact).
+  //   seed_aux_stats     before forward() of a range that starts after block 0: what the previous
+  //                      range's aux_stats wrote for the same micro-batch. That forward adds its
+  //                      blocks to them instead of to zeros: the sums of one range over [0, L), in
+  //                      the same order, so the last range's moe_aux_loss and set_aux_grad_scale
+  //                      are the whole model's (under CP its end sums them over the CP group, as then).
+  //   aux_grad           after set_aux_grad_scale of ctx (the last range): aux_stats_size + 1
+  //                      doubles, d(aux)/d(p) per group and expert times the scale (as S), then the
+  //                      scale.
+  //   set_aux_grad       before backward() of an earlier range of that micro-batch: what aux_grad
+  //                      wrote, in place of set_aux_grad_scale (which needs the totals).
+  // std::invalid_argument: a vector of another size than the micro-batch's.
+  size_t aux_stats_size(int B) const;
+  std::vector<double> aux_stats(const Context& ctx) const;
+  void seed_aux_stats(Context& ctx, std::vector<double> in) const;
+  std::vector<double> aux_grad(const Context& ctx) const;
+  void set_aux_grad(Context& ctx, const std::vector<double>& in);
   // The slots block l routed to each expert in ctx's last forward (host, [E]; they sum to K x B*T).
   // Empty for a dense block or a block outside ctx's range.
   std::vector<int64_t> expert_counts(const Context& ctx, int l) const;

@@ -176,6 +176,9 @@ std::string check_pipeline_transfers(Comm& world, const Comm& pp, const Pipeline
 // Grouped (stream-ordered Comms, above): send() and post_recv() only hold their transfer (send()
 // copies first); issue() starts every held transfer as one group; wait_recv() of a held receive
 // issues first. The caller (StageRunner) posts and issues at the slots' starts (P2pOrder).
+// Elements of C that hold the bytes of n doubles (sizeof(C) divides 8 for float, bf16 and double).
+template <typename C> constexpr size_t tail_elems(size_t n) { return n * sizeof(double) / sizeof(C); }
+
 template <typename C> class StageLink {
  public:
   // comm: the PP group (comm.world_size() == pl.ranks, comm.rank() = this rank's stage); be: the
@@ -197,8 +200,10 @@ template <typename C> class StageLink {
   void wait_recv(int chunk, bool grad, C* recv, size_t n);
   // Chunk c's output to chunk c + 1's rank (grad false), or d(loss)/d(chunk c's input) to chunk
   // c - 1's rank (grad true): copied into a send buffer, then sent; nonblocking. Throws
-  // std::bad_alloc when a new send buffer does not fit.
-  void send(int chunk, bool grad, const C* send, size_t n);
+  // std::bad_alloc when a new send buffer does not fit. tail: host doubles sent after the n
+  // elements in the same message, their bytes as tail_elems<C>(tail.size()) elements (a mixture of
+  // experts' load-balancing statistics, StageRunner); the receive's n counts them too.
+  void send(int chunk, bool grad, const C* send, size_t n, const std::vector<double>& tail = {});
   // Grouped: starts the transfers held since the last group as one group (no-op when none, and
   // when not grouped).
   void issue();

@@ -63,12 +63,14 @@ template <typename C> class StageRunner {
   // link (stream-ordered Comms, pipeline.h) at the boundary before its action, grouped with the
   // finished action's send (pipeline_p2p_groups says which groups, in which order).
   double run(const Schedule& schedule, double grad_scale);
-  // Mixture-of-experts models (one stage: the geometry refuses --pp with them): the weight of the
-  // load-balancing loss in the gradient of each training micro-batch (LlamaModel::set_aux_grad_scale;
-  // the trainer's coef / this rank's sequences or micro-batches; times cp, below), and since the last
-  // take: the sum of the micro-batches' load-balancing losses (LlamaModel::moe_aux_loss; under CP
-  // every rank of the group holds the group's value and adds 1 / cp of it) and, per block, the slots
-  // routed to each expert (empty for a dense block; all empty for a dense model).
+  // Mixture-of-experts models: the weight of the load-balancing loss in the gradient of each
+  // training micro-batch (LlamaModel::set_aux_grad_scale; the trainer's coef / this rank's sequences
+  // or micro-batches; times cp, below), and since the last take: the sum of the micro-batches'
+  // load-balancing losses (LlamaModel::moe_aux_loss; under CP every rank of the group holds the
+  // group's value and adds 1 / cp of it; under PP the last stage, its statistics having come with
+  // the activations and the gradient's weights going back with theirs: LlamaModel::aux_stats) and,
+  // per block, the slots this rank's rows routed to each expert (every MoE block has E entries on
+  // every rank, 0 for a block on another stage; empty for a dense block; all empty for a dense model).
   void set_aux_scale(double s) { aux_scale_ = s; }
   double take_aux_sum();
   std::vector<std::vector<int64_t>> take_expert_counts();
@@ -95,7 +97,7 @@ template <typename C> class StageRunner {
  private:
   struct MicroBatch {
     bool loaded = false;
-    std::vector<int32_t> tok, tgt, pos, doc;
+    std::vector<int32_t> tok, tgt, pos, doc, real;
     TokenLayout layout;
   };
   MicroBatch& load(int m);
@@ -128,6 +130,9 @@ template <typename C> class StageRunner {
   std::vector<Action> slot_acts_;
   std::vector<size_t> slot_starts_;
   size_t rows_elems_ = 0;   // R x C: a micro-batch's activation rows of this rank
+  size_t fwd_elems_ = 0, bwd_elems_ = 0;  // a message: the rows, then (MoE) the statistics' tail
+  std::vector<double> read_tail(const C* buf, size_t doubles);  // the doubles after a message's rows
+  void add_expert_counts(const typename LlamaModel<C>::Context* ctx);  // nullptr: the model's own
   bool whole_ = false;      // one chunk over the whole model: the model's own context
   double aux_scale_ = 0, aux_sum_ = 0;                 // MoE: set_aux_scale, take_aux_sum
   std::vector<std::vector<int64_t>> expert_counts_;  // MoE: per block, slots per expert since take

@@ -120,6 +120,10 @@ class MeshLayout {
     const MeshCoord c = coord(rank);
     return c.tp == 0 && c.pp == d_.pp - 1;
   }
+  // Statistics of a stage's own blocks over its rows (a mixture of experts' tokens per expert):
+  // every stage holds other blocks and every CP or data-parallel rank other rows, so each counts
+  // its own; a TP group's ranks the same, once from the group's first rank.
+  bool counts_block_stats(int rank) const { return coord(rank).tp == 0; }
 
  private:
   MeshDims d_;
@@ -188,6 +192,7 @@ class Mesh {
   bool counts_in_norm() const { return layout_.counts_in_norm(rank()); }
   bool counts_replicated_in_norm() const { return layout_.counts_replicated_in_norm(rank()); }
   bool counts_loss() const { return layout_.counts_loss(rank()); }
+  bool counts_block_stats() const { return layout_.counts_block_stats(rank()); }
 
   // The first line of a training run, e.g. "topology: 2 nodes x 2 ranks per node (world 4); hybrid
   // sharding: 2 replica groups of 2 ranks (shard group size 2)".
