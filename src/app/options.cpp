@@ -98,6 +98,7 @@ po::options_description describe(Options& o) {
       ("activation-checkpointing", po::value<std::string>(&o.activation_checkpointing)->default_value(o.activation_checkpointing), "none | selective (keep GEMM outputs, recompute elementwise parts) | full (keep each block's input, recompute the block in backward); gradients are identical")
       ("attention", po::value<std::string>(&o.attention)->default_value(o.attention), "tiled (FlashAttention-2: no [T, T] matrices) | exact (keeps the [B, heads, T, T] probabilities; reference)")
       ("attention-mask", po::value<std::string>(&o.attention_mask)->default_value(o.attention_mask), "causal | document: a token attends only to earlier tokens of its own document (documents end at the data's EOS id; in chat data each example is one) and RoPE positions restart at 0 per document (packed sequences, as Llama 3); training and evaluation. Chat data: document unless given (causal is refused with --pack best-fit)")
+      ("router-z-loss-coef", dbl(&o.train.router_z_loss_coef), "mixture-of-experts models: the weight of the router z-loss (ST-MoE: the mean of logsumexp(router logits)^2 over the tokens and MoE blocks of each --aux-loss-scope group, as the load-balancing loss) in the loss, e.g. 1e-3; 0 = off (the value is still reported as z_loss)")
       ("aux-loss-scope", po::value<std::string>(&o.aux_loss_scope)->default_value(o.aux_loss_scope), "mixture-of-experts models: the rows the load-balancing loss pools, sequence (each sequence alone, the loss the mean over the global batch's sequences: the same at every layout) | micro-batch (every row of a micro-batch, as transformers' load_balancing_loss_func; the loss the mean over the micro-batches)")
       ("loss-chunk", po::value<int>(&t.loss_chunk)->default_value(t.loss_chunk), "tokens per LM-head and cross-entropy chunk (no [tokens, vocab] logits are held); 0 = max(256, 2^24 / vocab)")
       ("world-size", po::value<int>(&o.plan_world_size)->default_value(o.plan_world_size), "plan: ranks to plan for; 0 = the ranks of this launch")
@@ -331,7 +332,7 @@ void validate_training_and_data(const Options& o) {
   const TrainConfig& t = o.train;
   for (auto [v, n] : {std::pair{o.val_fraction, "val-fraction"}, {t.lr, "lr"}, {t.min_lr, "min-lr"}, {t.beta1, "beta1"},
                       {t.beta2, "beta2"}, {t.eps, "adam-eps"}, {t.weight_decay, "weight-decay"}, {t.clip, "clip"},
-                      {t.skip_spikes, "skip-spikes"}})
+                      {t.skip_spikes, "skip-spikes"}, {t.router_z_loss_coef, "router-z-loss-coef"}})
     finite(v, n);
   check(o.val_fraction > 0 && o.val_fraction < 1, "val-fraction", "must be in (0, 1)");
   check(t.seq_len >= 1, "seq-len", "must be >= 1");
@@ -346,6 +347,7 @@ void validate_training_and_data(const Options& o) {
   check(t.eps > 0, "adam-eps", "must be > 0");
   check(t.weight_decay >= 0, "weight-decay", "must be >= 0");
   check(t.clip >= 0, "clip", "must be >= 0");
+  check(t.router_z_loss_coef >= 0, "router-z-loss-coef", "must be >= 0 (0: off)");
   check(t.skip_spikes >= 0, "skip-spikes", "must be >= 0 (0: off)");
   check(t.log_every >= 1, "log-every", "must be >= 1");
   check(t.eval_every >= 0, "eval-every", "must be >= 0");

@@ -275,16 +275,18 @@ void LlamaModel<T>::forward(UnitSource<T>& f, Context& ctx, const int32_t* token
   if (moe_blocks_ > 0) {  // this micro-batch's load-balancing statistics start from zero
     std::fill(ctx.counts_.begin(), ctx.counts_.end(), 0.0);
     be_.zero_acc(ctx.psum_.data(), ctx.psum_.size());
-    ctx.aux_scale_ = S(0);
+    be_.zero_acc(ctx.zsum_.data(), ctx.zsum_.size());
+    ctx.aux_scale_ = ctx.z_scale_ = S(0);
     if (!ctx.aux_seed_.empty()) {  // a later pipeline stage: blocks [0, a)'s sums (seed_aux_stats)
-      const size_t n = ctx.counts_.size();
-      if (ctx.aux_seed_.size() != 2 * n)
+      const size_t n = ctx.counts_.size(), nz = ctx.zsum_.size();
+      if (ctx.aux_seed_.size() != 2 * n + nz)
         throw std::invalid_argument("LlamaModel::forward: seed_aux_stats gave " + std::to_string(ctx.aux_seed_.size()) +
-                                    " values for a micro-batch of " + std::to_string(2 * n));
+                                    " values for a micro-batch of " + std::to_string(2 * n + nz));
       std::copy(ctx.aux_seed_.begin(), ctx.aux_seed_.begin() + static_cast<ptrdiff_t>(n), ctx.counts_.begin());
-      std::vector<S> ps(n);
-      for (size_t i = 0; i < n; ++i) ps[i] = static_cast<S>(ctx.aux_seed_[n + i]);
+      std::vector<S> ps(n + nz);
+      for (size_t i = 0; i < n + nz; ++i) ps[i] = static_cast<S>(ctx.aux_seed_[n + i]);
       be_.acc_from_host(ctx.psum_.data(), ps.data(), n);
+      be_.acc_from_host(ctx.zsum_.data(), ps.data() + n, nz);
       ctx.aux_seed_.clear();
     }
     // Padding (layout.real) stays out of them: its rows and, per scope group, the real rows.
@@ -318,11 +320,13 @@ void LlamaModel<T>::forward(UnitSource<T>& f, Context& ctx, const int32_t* token
       const int grp = o_.aux_scope == MoeAuxScope::Sequence ? d.T_ : d.BT;
       if (ctx.real_.empty()) {
         be_.moe_prob_sums(ctx.psum_.data(), act.probs.data(), grp, d.BT, d.E);
+        be_.moe_z_sums(ctx.zsum_.data(), act.zlse.data(), grp, d.BT);
       } else {  // the real rows' runs only, each into its group's sums (in row order, as above)
         real_runs(ctx, [&](int t0, int t1, int g, bool real) {
-          if (real)
-            be_.moe_prob_sums(ctx.psum_.data() + static_cast<size_t>(g) * d.E, act.probs.data() + static_cast<size_t>(t0) * d.E,
-                              t1 - t0, t1 - t0, d.E);
+          if (!real) return;
+          be_.moe_prob_sums(ctx.psum_.data() + static_cast<size_t>(g) * d.E, act.probs.data() + static_cast<size_t>(t0) * d.E,
+                            t1 - t0, t1 - t0, d.E);
+          be_.moe_z_sums(ctx.zsum_.data() + g, act.zlse.data() + t0, t1 - t0, t1 - t0);
         });
       }
       for (size_t i = 0; i < ex_host_.size(); ++i)
@@ -333,9 +337,10 @@ void LlamaModel<T>::forward(UnitSource<T>& f, Context& ctx, const int32_t* token
   }
 
   if (moe_blocks_ > 0 && cp_ && b == d.L) {  // a sequence's statistics (every block's): the CP group's rows
-    const size_t n = ctx.counts_.size();
-    std::vector<S> ps(n);
+    const size_t n = ctx.counts_.size(), nz = ctx.zsum_.size();
+    std::vector<S> ps(n), zs(nz);
     be_.acc_to_host(ps.data(), ctx.psum_.data(), n);
+    be_.acc_to_host(zs.data(), ctx.zsum_.data(), nz);
     std::vector<double> both(ctx.counts_);
     both.insert(both.end(), ps.begin(), ps.end());
     // And each group's padding rows (0 on a rank without padding), so that every rank of the group
@@ -343,10 +348,13 @@ void LlamaModel<T>::forward(UnitSource<T>& f, Context& ctx, const int32_t* token
     const size_t groups = n / static_cast<size_t>(d.E);
     const double rows = o_.aux_scope == MoeAuxScope::Sequence ? double{1} * d.T_ : double{1} * d.BT;
     for (size_t g = 0; g < groups; ++g) both.push_back(ctx.real_n_.empty() ? 0.0 : rows - ctx.real_n_[g]);
+    both.insert(both.end(), zs.begin(), zs.end());  // the z-loss's sums, after the padding rows
     cp_->sum_host(both.data(), both.size());
     std::copy(both.begin(), both.begin() + static_cast<ptrdiff_t>(n), ctx.counts_.begin());
     for (size_t i = 0; i < n; ++i) ps[i] = static_cast<S>(both[n + i]);
+    for (size_t i = 0; i < nz; ++i) zs[i] = static_cast<S>(both[2 * n + groups + i]);
     be_.acc_from_host(ctx.psum_.data(), ps.data(), n);
+    be_.acc_from_host(ctx.zsum_.data(), zs.data(), nz);
     bool any_pad = false;
     for (size_t g = 0; g < groups; ++g) any_pad = any_pad || both[2 * n + g] != 0.0;
     if (any_pad) {  // R per group: the group's rows over the CP ranks less their padding
@@ -477,16 +485,24 @@ template <typename T> void expect_whole_range(const BlockRange& r, int L, const 
 
 template <typename T> size_t LlamaModel<T>::aux_stats_size(int B) const {
   if (moe_blocks_ == 0) return 0;
-  return static_cast<size_t>(o_.aux_scope == MoeAuxScope::Sequence ? B : 1) * static_cast<size_t>(d_.E);
+  const size_t G = static_cast<size_t>(o_.aux_scope == MoeAuxScope::Sequence ? B : 1);
+  return G * (2 * static_cast<size_t>(d_.E) + 1);
+}
+
+template <typename T> size_t LlamaModel<T>::aux_grad_size(int B) const {
+  if (moe_blocks_ == 0) return 0;
+  const size_t G = static_cast<size_t>(o_.aux_scope == MoeAuxScope::Sequence ? B : 1);
+  return G * (static_cast<size_t>(d_.E) + 1) + 2;
 }
 
 template <typename T> std::vector<double> LlamaModel<T>::aux_stats(const Context& ctx) const {
   if (moe_blocks_ == 0) return {};
-  const size_t n = ctx.counts_.size();
+  const size_t n = ctx.counts_.size(), nz = ctx.zsum_.size();
   std::vector<double> out(ctx.counts_);
-  std::vector<S> ps(n);
+  std::vector<S> ps(n + nz);
   be_.acc_to_host(ps.data(), ctx.psum_.data(), n);
-  for (size_t i = 0; i < n; ++i) out.push_back(static_cast<double>(ps[i]));
+  be_.acc_to_host(ps.data() + n, ctx.zsum_.data(), nz);
+  for (size_t i = 0; i < n + nz; ++i) out.push_back(static_cast<double>(ps[i]));
   return out;
 }
 
@@ -497,24 +513,28 @@ template <typename T> void LlamaModel<T>::seed_aux_stats(Context& ctx, std::vect
 
 template <typename T> std::vector<double> LlamaModel<T>::aux_grad(const Context& ctx) const {
   if (moe_blocks_ == 0) return {};  // set by set_aux_grad_scale (the last range) or set_aux_grad (passed on)
-  const size_t n = ctx.counts_.size();
-  std::vector<S> g(n);
+  const size_t n = ctx.counts_.size(), nz = ctx.zsum_.size();
+  std::vector<S> g(n + nz);
   be_.acc_to_host(g.data(), ctx.aux_dprob_.data(), n);
+  be_.acc_to_host(g.data() + n, ctx.z_dlse_.data(), nz);
   std::vector<double> out(g.begin(), g.end());
   out.push_back(static_cast<double>(ctx.aux_scale_));
+  out.push_back(static_cast<double>(ctx.z_scale_));
   return out;
 }
 
 template <typename T> void LlamaModel<T>::set_aux_grad(Context& ctx, const std::vector<double>& in) {
   if (moe_blocks_ == 0) return;
-  const size_t n = ctx.counts_.size();
-  if (in.size() != n + 1)
+  const size_t n = ctx.counts_.size(), nz = ctx.zsum_.size();
+  if (in.size() != n + nz + 2)
     throw std::invalid_argument("LlamaModel::set_aux_grad: " + std::to_string(in.size()) + " values for a micro-batch of " +
-                                std::to_string(n + 1));
-  std::vector<S> g(n);
-  for (size_t i = 0; i < n; ++i) g[i] = static_cast<S>(in[i]);
+                                std::to_string(n + nz + 2));
+  std::vector<S> g(n + nz);
+  for (size_t i = 0; i < n + nz; ++i) g[i] = static_cast<S>(in[i]);
   be_.acc_from_host(ctx.aux_dprob_.data(), g.data(), n);
-  ctx.aux_scale_ = static_cast<S>(in[n]);
+  be_.acc_from_host(ctx.z_dlse_.data(), g.data() + n, nz);
+  ctx.aux_scale_ = static_cast<S>(in[n + nz]);
+  ctx.z_scale_ = static_cast<S>(in[n + nz + 1]);
 }
 
 template <typename T> double LlamaModel<T>::moe_aux_loss(const Context& ctx) const {
@@ -533,16 +553,37 @@ template <typename T> double LlamaModel<T>::moe_aux_loss(const Context& ctx) con
   return sum;
 }
 
-template <typename T> void LlamaModel<T>::set_aux_grad_scale(Context& ctx, S scale) {
+template <typename T> void LlamaModel<T>::set_aux_grad_scale(Context& ctx, S scale, S z_scale) {
   if (moe_blocks_ == 0) return;
   expect_whole_range<T>(ctx.r_, c_.num_hidden_layers, "set_aux_grad_scale");
   ctx.aux_scale_ = scale;
+  ctx.z_scale_ = z_scale;
   std::vector<S> g(ctx.counts_.size());
   for (size_t i = 0; i < g.size(); ++i) {
     const double n = aux_rows(ctx, i / static_cast<size_t>(d_.E));
     g[i] = n == 0 ? S(0) : static_cast<S>(static_cast<double>(scale) * math::moe_aux_dprob(ctx.counts_[i], d_.E, n));
   }
   be_.acc_from_host(ctx.aux_dprob_.data(), g.data(), g.size());
+  // z-loss: each real token of group g enters with weight z_scale / R_g (its lse^2 is summed once).
+  std::vector<S> zd(ctx.zsum_.size());
+  for (size_t i = 0; i < zd.size(); ++i) {
+    const double n = aux_rows(ctx, i);
+    zd[i] = n == 0 ? S(0) : static_cast<S>(static_cast<double>(z_scale) / n);
+  }
+  be_.acc_from_host(ctx.z_dlse_.data(), zd.data(), zd.size());
+}
+
+template <typename T> double LlamaModel<T>::moe_z_loss(const Context& ctx) const {
+  if (moe_blocks_ == 0) return 0.0;
+  expect_whole_range<T>(ctx.r_, c_.num_hidden_layers, "moe_z_loss");
+  std::vector<S> zs(ctx.zsum_.size());
+  be_.acc_to_host(zs.data(), ctx.zsum_.data(), zs.size());
+  double sum = 0;
+  for (size_t g = 0; g < zs.size(); ++g) {
+    const double n = aux_rows(ctx, g);
+    if (n > 0) sum += static_cast<double>(zs[g]) / n;
+  }
+  return sum;
 }
 
 template <typename T> std::vector<int64_t> LlamaModel<T>::expert_counts(const Context& ctx, int l) const {

@@ -26,18 +26,18 @@ struct Sizes {
   // Mixture of experts (0 for a dense model): ge [slots, IE] (an MoE block's g, u, h and their
   // gradients), ye [slots, C] (its experts' outputs; the scratch's gathered inputs and their
   // gradient), probs and the router logits [BT, E], slots = BT*K; stats [G, E] (the load-balancing
-  // statistics of a context, G = B or 1 by the aux scope). gmax: the larger of gi and ge among the
+  // statistics of a context, G = B or 1 by the aux scope; zstats [G] the z-loss's). gmax: the larger of gi and ge among the
   // block kinds the model has (the shared scratch and the recomputed block hold either).
   // Under EP (ep > 1) ge is [er, IE] (er = N x slots, LlamaDims::er), and the exchange's scratch
   // xr [er, C] (three of them: received, expert-major, the experts' outputs) and its two
   // permutations pids [er] (ids); 0 without EP.
   bool moe, dense;
-  int64_t ge, ye, probs, slots, stats, gmax, xr, pids;
+  int64_t ge, ye, probs, slots, stats, zstats, gmax, xr, pids;
   // Elements a block keeps besides x, h and the exact probabilities, when it keeps them
   // (keep_all): in T, in S (accumulator arrays: lse; MoE probs and weights) and int32 ids (MoE
   // experts, rowtok, pos).
   int64_t rest(bool m) const { return 2 * rstd + q + 2 * kv + y + x + (m ? 2 * ge + ye : 2 * gi) + qn + kn + rqn + rkn; }
-  int64_t rest_acc(bool m) const { return lse + (m ? probs + slots : 0); }
+  int64_t rest_acc(bool m) const { return lse + (m ? probs + slots + BT : 0); }  // BT: zlse
   int64_t rest_ids(bool m) const { return m ? 3 * slots : 0; }
   // Bytes a block of kind m keeps from forward to backward (elements of E bytes, accumulators of A).
   int64_t block(bool m, int64_t E, int64_t A) const {
@@ -46,7 +46,7 @@ struct Sizes {
   }
   // The recomputed block (Recompute::Full): either kind.
   int64_t work_rest() const { return 2 * rstd + q + 2 * kv + y + x + 2 * gmax + (moe ? ye : 0) + qn + kn + rqn + rkn; }
-  int64_t work_acc() const { return lse + (moe ? probs + slots : 0); }
+  int64_t work_acc() const { return lse + (moe ? probs + slots + BT : 0); }
   int64_t work_ids() const { return moe ? 3 * slots : 0; }
   // balanced: the expert rows sized for balanced routing (B·T·k, what the plan reports beside the
   // worst case that is allocated) instead of d.er.
@@ -88,7 +88,8 @@ struct Sizes {
     pids = moe && d.ep > 1 ? er : 0;
     ye = slots * d.C;
     probs = moe ? BT * d.E : 0;
-    stats = moe ? int64_t{o.aux_scope == MoeAuxScope::Sequence ? d.B : 1} * d.E : 0;
+    zstats = moe ? int64_t{o.aux_scope == MoeAuxScope::Sequence ? d.B : 1} : 0;
+    stats = zstats * d.E;
     gmax = std::max(dense ? gi : 0, moe ? ge : 0);
   }
   // A Deferred's buffers (model.h, deferred_weight_bytes): [BT, C] rows (all rows, gathered under
@@ -117,7 +118,7 @@ int64_t context_bytes(const ModelConfig& c, const ModelOptions& o, int B, int T_
   const bool head = end == c.num_hidden_layers, first = begin == 0;
   return blocks + e * 2 * z.x + (head ? e * (z.x + z.rstd) : 0) +
          4 * z.BT * ((first ? 1 : 0) + (first && tp > 1 ? 1 : 0) + (head ? 1 : 0)) + 2 * 4 * z.layout +
-         a * 2 * z.stats;
+         a * 2 * (z.stats + z.zstats);
 }
 
 ActivationBytes activation_bytes(const ModelConfig& c, const ModelOptions& o, int B, int T_, size_t E, size_t A,
@@ -133,7 +134,8 @@ ActivationBytes activation_bytes(const ModelConfig& c, const ModelOptions& o, in
   r.block_scratch = e * (3 * z.x + 2 * z.q + 2 * z.kv + 3 * z.gmax + z.att + z.qn) + a * z.dsum;  // qn: dqk_
   r.block_scratch += e * (2 * z.ye + z.probs) + a * z.slots;  // MoE: xe_, dye_, rl_, dwts_
   r.block_scratch += e * 3 * z.xr + 4 * 2 * z.pids;            // EP: xr_, xs_, ys_, perm_, inv_
-  r.head = e * (2 * z.x + z.rstd + z.chunk_logits + 2 * z.rope) + 2 * 4 * z.BT + 3 * 4 * z.layout + a * 2 * z.stats;
+  r.head = e * (2 * z.x + z.rstd + z.chunk_logits + 2 * z.rope) + 2 * 4 * z.BT + 3 * 4 * z.layout +
+           a * 2 * (z.stats + z.zstats);
   if (tp > 1) {  // full_, dfull_, ids_tp_, the cross-entropy's scalars
     r.block_scratch += e * 2 * z.full;
     r.head += 4 * z.BT + a * z.ce;
@@ -154,7 +156,7 @@ template <typename T> void LlamaModel<T>::ensure(int B, int T_) {
     work_.y = buf(z.y); work_.x1 = buf(z.x); work_.rstd2 = buf(z.rstd); work_.g = buf(z.gmax); work_.u = buf(z.gmax);
     work_.qp = buf(z.qn); work_.kp = buf(z.kn); work_.rq = buf(z.rqn); work_.rk = buf(z.rkn);
     if (z.moe) {
-      work_.ye = buf(z.ye); work_.probs = acc(z.probs); work_.wts = acc(z.slots);
+      work_.ye = buf(z.ye); work_.probs = acc(z.probs); work_.wts = acc(z.slots); work_.zlse = acc(z.BT);
       work_.experts = ids(z.slots); work_.rowtok = ids(z.slots); work_.pos = ids(z.slots);
     }
   }
@@ -217,7 +219,7 @@ template <typename T> void LlamaModel<T>::ensure_context(Context& ctx) {
       L.x1 = buf(z.x); L.rstd2 = buf(z.rstd); L.g = buf(gl); L.u = buf(gl);
       L.qp = buf(z.qn); L.kp = buf(z.kn); L.rq = buf(z.rqn); L.rk = buf(z.rkn);
       if (m) {
-        L.ye = buf(z.ye); L.probs = acc(z.probs); L.wts = acc(z.slots);
+        L.ye = buf(z.ye); L.probs = acc(z.probs); L.wts = acc(z.slots); L.zlse = acc(z.BT);
         L.experts = idn(z.slots); L.rowtok = idn(z.slots); L.pos = idn(z.slots);
       }
     }
@@ -227,6 +229,8 @@ template <typename T> void LlamaModel<T>::ensure_context(Context& ctx) {
   ctx.counts_.assign(static_cast<size_t>(z.stats), 0.0);
   ctx.psum_ = acc(z.stats);
   ctx.aux_dprob_ = acc(z.stats);
+  ctx.zsum_ = acc(z.zstats);
+  ctx.z_dlse_ = acc(z.zstats);
   const bool head = r.end == d_.L;
   ctx.xf_ = buf(z.x);
   ctx.lnf_ = buf(head ? z.x : 0);

@@ -157,7 +157,7 @@ template <typename T> void LlamaModel<T>::moe_forward(const T* w, Layer& a, T* h
   const Offsets& o = moe_off_;
   const T* n2 = ln_.data();
   linear(be_, kMoeFwd, d.BT, d.E, d.C, n2, w + o.router, rl_.data(), false);
-  be_.moe_route(a.probs.data(), a.experts.data(), a.wts.data(), rl_.data(), d.BT, d.E, d.K, d.renorm);
+  be_.moe_route(a.probs.data(), a.experts.data(), a.wts.data(), rl_.data(), d.BT, d.E, d.K, d.renorm, a.zlse.data());
   moe_sort(a);
   be_.gather_rows(xe_.data(), n2, a.rowtok.data(), d.slots, d.C);
   if (ep_) {
@@ -220,15 +220,16 @@ template <typename T> void LlamaModel<T>::moe_backward(Context& ctx, const T* w,
   be_.moe_combine(dln_.data(), nullptr, dxe, a.pos.data(), nullptr, d.BT, d.K, d.C);
   const int grp = o_.aux_scope == MoeAuxScope::Sequence ? d.T_ : d.BT;
   const S* aux = ctx.aux_scale_ != S(0) ? ctx.aux_dprob_.data() : nullptr;
-  if (!aux || ctx.real_.empty()) {
+  const S* zd = ctx.z_scale_ != S(0) ? ctx.z_dlse_.data() : nullptr;  // the router z-loss's weights per group
+  if ((!aux && !zd) || ctx.real_.empty()) {
     be_.moe_route_backward(rl_.data(), a.probs.data(), a.experts.data(), a.wts.data(), dwts_.data(), aux, grp, d.BT,
-                           d.E, d.K, d.renorm);
-  } else {  // padding gets no load-balancing gradient: the runs of real and padding rows apart
+                           d.E, d.K, d.renorm, a.zlse.data(), zd);
+  } else {  // padding gets no load-balancing or z-loss gradient: the runs of real and padding rows apart
     real_runs(ctx, [&](int t0, int t1, int g, bool real) {
       const size_t r = static_cast<size_t>(t0), E = static_cast<size_t>(d.E), K = static_cast<size_t>(d.K);
       be_.moe_route_backward(rl_.data() + r * E, a.probs.data() + r * E, a.experts.data() + r * K, a.wts.data() + r * K,
-                             dwts_.data() + r * K, real ? aux + static_cast<size_t>(g) * E : nullptr, t1 - t0, t1 - t0,
-                             d.E, d.K, d.renorm);
+                             dwts_.data() + r * K, real && aux ? aux + static_cast<size_t>(g) * E : nullptr, t1 - t0,
+                             t1 - t0, d.E, d.K, d.renorm, a.zlse.data() + r, real && zd ? zd + g : nullptr);
     });
   }
   linear(be_, kMoeDIn, d.BT, d.E, d.C, rl_.data(), w + o.router, dln_.data(), true);

@@ -37,11 +37,10 @@ StageRunner<C>::StageRunner(const Mesh& mesh, Backend<C>& be, LlamaModel<C>& mod
   // R x C rows of a micro-batch on this rank: B x T / cp tokens, 1 / tp of them under sequence parallelism.
   rows_elems_ = static_cast<size_t>(mb_) * static_cast<size_t>(split_.rows()) / static_cast<size_t>(mesh.dims().tp) *
                 static_cast<size_t>(model.config().hidden_size);
-  // A mixture of experts' load-balancing statistics travel after the rows (LlamaModel::aux_stats):
-  // forward 2 G E doubles, backward G E + 1 (aux_grad).
-  const size_t ge = model.aux_stats_size(mb_);
-  fwd_elems_ = rows_elems_ + (ge ? tail_elems<C>(2 * ge) : 0);
-  bwd_elems_ = rows_elems_ + (ge ? tail_elems<C>(ge + 1) : 0);
+  // A mixture of experts' load-balancing and z-loss statistics travel after the rows
+  // (LlamaModel::aux_stats, forward), their gradient weights after the gradient's (aux_grad).
+  fwd_elems_ = rows_elems_ + tail_elems<C>(model.aux_stats_size(mb_));
+  bwd_elems_ = rows_elems_ + tail_elems<C>(model.aux_grad_size(mb_));
   if (link_)
     for (int i = 0; i < 2; ++i) {
       in_[i] = Buffer<C>(be_, fwd_elems_);
@@ -222,7 +221,9 @@ template <typename C> double StageRunner<C>::run_action(const Action& a, double 
           // cp x the weight, since the reduce-scatter's mean divides by the CP ranks too.
           const int cp = mesh_.dims().cp;
           aux_sum_ += model_.moe_aux_loss() / cp;
-          model_.set_aux_grad_scale(static_cast<typename LlamaModel<C>::S>(aux_scale_ * cp));
+          z_sum_ += model_.moe_z_loss() / cp;
+          model_.set_aux_grad_scale(static_cast<typename LlamaModel<C>::S>(aux_scale_ * cp),
+                                    static_cast<typename LlamaModel<C>::S>(z_scale_ * cp));
           add_expert_counts(nullptr);
         }
         model_.backward(f_);
@@ -240,7 +241,7 @@ template <typename C> double StageRunner<C>::run_action(const Action& a, double 
     case ActionKind::Forward:
       if (!first) {
         link_->wait_recv(a.chunk, false, recv_buf_, fwd_elems_);
-        if (moe) model_.seed_aux_stats(ctx, read_tail(recv_buf_, 2 * model_.aux_stats_size(mb_)));
+        if (moe) model_.seed_aux_stats(ctx, read_tail(recv_buf_, model_.aux_stats_size(mb_)));
       }
       model_.forward(f_, ctx, b.tok.data(), first ? nullptr : recv_buf_, mb_, split_.rows(), b.layout);
       if (!last) link_->send(a.chunk, false, ctx.output(), rows_elems_, model_.aux_stats(ctx));
@@ -260,12 +261,14 @@ template <typename C> double StageRunner<C>::run_action(const Action& a, double 
         if (moe) {  // the load-balancing loss from the totals this range holds (as on the whole-model path)
           const int cp = mesh_.dims().cp;
           aux_sum_ += model_.moe_aux_loss(ctx) / cp;
-          model_.set_aux_grad_scale(ctx, static_cast<typename LlamaModel<C>::S>(aux_scale_ * cp));
+          z_sum_ += model_.moe_z_loss(ctx) / cp;
+          model_.set_aux_grad_scale(ctx, static_cast<typename LlamaModel<C>::S>(aux_scale_ * cp),
+                                    static_cast<typename LlamaModel<C>::S>(z_scale_ * cp));
         }
       } else {
         link_->wait_recv(a.chunk, true, recv_buf_, bwd_elems_);
         grad = recv_buf_;
-        if (moe) model_.set_aux_grad(ctx, read_tail(recv_buf_, model_.aux_stats_size(mb_) + 1));
+        if (moe) model_.set_aux_grad(ctx, read_tail(recv_buf_, model_.aux_grad_size(mb_)));
       }
       if (moe) add_expert_counts(&ctx);
       if (split) model_.backward_input(f_, ctx, grad);
@@ -285,6 +288,11 @@ template <typename C> double StageRunner<C>::run_action(const Action& a, double 
 template <typename C> double StageRunner<C>::take_aux_sum() {
   const double s = aux_sum_;
   aux_sum_ = 0;
+  return s;
+}
+template <typename C> double StageRunner<C>::take_z_sum() {
+  const double s = z_sum_;
+  z_sum_ = 0;
   return s;
 }
 template <typename C> std::vector<std::vector<int64_t>> StageRunner<C>::take_expert_counts() {

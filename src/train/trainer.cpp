@@ -35,7 +35,8 @@ template <typename C> StepOutcome Trainer<C>::train_step(int64_t s) {
   // its sequences (micro-batches), which the reduce-scatter's mean over the dp ranks makes coef /
   // the global batch's.
   const bool moe = mc_.is_moe(), per_seq = tc_.aux_scope == MoeAuxScope::Sequence;
-  if (moe) runner_->set_aux_scale(mc_.router_aux_loss_coef / (per_seq ? geo().per_rank : geo().accum));
+  const double pools = per_seq ? geo().per_rank : geo().accum;  // this rank's scope groups
+  if (moe) runner_->set_aux_scale(mc_.router_aux_loss_coef / pools, tc_.router_z_loss_coef / pools);
   f_->zero_grads();
   double loss_sum = 0;
   units_->begin_pass("train");  // the sharding layer prefetches along the order the last step gathered in
@@ -56,17 +57,19 @@ template <typename C> StepOutcome Trainer<C>::train_step(int64_t s) {
   // sharding; a TP group's replicated norms on its first rank) and whose loss (a TP group's first
   // rank on the last stage: every rank of the group computed the same loss of the same tokens); the
   // layout, which copy of a parameter held twice (the tied embedding on the last stage) stays out.
-  const double aux_sum = moe ? runner_->take_aux_sum() : 0.0;
-  double red[5] = {mesh_.counts_loss() ? loss_sum : 0.0,
+  const double aux_sum = moe ? runner_->take_aux_sum() : 0.0, z_sum = moe ? runner_->take_z_sum() : 0.0;
+  double red[6] = {mesh_.counts_loss() ? loss_sum : 0.0,
                    mesh_.counts_in_norm()
                        ? f_->local_grad_sumsq(mesh_.counts_replicated_in_norm(), run_.unit_not_in_norm())
                        : 0.0,
                    stop_signal() != 0 ? 1.0 : 0.0, writer_ && writer_->failed() ? 1.0 : 0.0,
-                   mesh_.counts_loss() ? aux_sum : 0.0};
-  comm_.all_reduce(red, moe ? 5 : 4, ReduceOp::Sum);
+                   mesh_.counts_loss() ? aux_sum : 0.0, mesh_.counts_loss() ? z_sum : 0.0};
+  comm_.all_reduce(red, moe ? 6 : 4, ReduceOp::Sum);
   StepOutcome o;
   if (moe) {  // the mean over the global batch's sequences (micro-batches), and the routing's balance
-    o.aux = red[4] / (per_seq ? static_cast<double>(tc_.global_batch) : static_cast<double>(geo().accum) * geo().dp);
+    const double groups = per_seq ? static_cast<double>(tc_.global_batch) : static_cast<double>(geo().accum) * geo().dp;
+    o.aux = red[4] / groups;
+    o.z_loss = red[5] / groups;
     o.expert_counts = runner_->take_expert_counts();
     std::vector<double> flat;
     for (const auto& v : o.expert_counts)
@@ -288,6 +291,11 @@ TrainResult train(Engine& eng, const ModelConfig& mc, const TrainConfig& tc_give
     log_info(eng.mesh.world(), "note: option '--aux-loss-scope' has no effect on a dense model (" + mc.architecture +
                                    "): ignored");
     tc.aux_scope = MoeAuxScope::Sequence;
+  }
+  if (!mc.is_moe() && tc.router_z_loss_coef != 0) {
+    log_info(eng.mesh.world(), "note: option '--router-z-loss-coef' has no effect on a dense model (" +
+                                   mc.architecture + "): ignored");
+    tc.router_z_loss_coef = 0;
   }
   if (tc.precision == Precision::BF16) {
     if (!eng.be16) throw std::logic_error("train: Precision::BF16 without a bf16 backend");

@@ -53,6 +53,7 @@ struct StepOutcome {
   // or micro-batches, --aux-loss-scope), and per block the slots routed to each expert over the
   // global batch (empty for dense blocks; they sum to num_experts_per_tok x the batch's tokens).
   double aux = 0;
+  double z_loss = 0;  // the router z-loss, the same mean (measured whatever --router-z-loss-coef)
   std::vector<std::vector<int64_t>> expert_counts;
 };
 

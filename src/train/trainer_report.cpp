@@ -59,8 +59,11 @@ template <typename C> void Trainer<C>::log_step(int64_t s, const StepOutcome& o)
         counts.push_back(v);
       }
       const double worst = load.empty() ? 0.0 : *std::max_element(load.begin(), load.end());
-      dims_line += " | aux " + fmt("%.4f", o.aux) + " | experts max/mean " + fmt("%.2f", worst);
+      dims_line += " | aux " + fmt("%.4f", o.aux) +
+                   (tc_.router_z_loss_coef > 0 ? " | z " + fmt("%.4f", o.z_loss) : std::string()) +
+                   " | experts max/mean " + fmt("%.2f", worst);
       dims_rec["aux_loss"] = o.aux;
+      dims_rec["z_loss"] = o.z_loss;
       dims_rec["moe_load_max_over_mean_max"] = worst;
       dims_rec["moe_load_max_over_mean"] = load;
       dims_rec["moe_tokens_per_expert"] = counts;

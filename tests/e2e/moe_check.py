@@ -23,6 +23,10 @@ make writes, for NAME in mixtral, qwen3_moe, OUT/NAME/:
                                   rows of the micro-batch) and ce + router_aux_loss_coef * aux
   tokens1.i32, loss1.txt          the same for the batch's first sequence alone (B = 1): where the aux
                                   loss per sequence and per micro-batch coincide
+  z.txt                           "z z1": the router z-loss (ST-MoE) of the batch and of its first
+                                  sequence, from the forward's router_logits in float64: the mean of
+                                  logsumexp(logits)^2 over every MoE layer's rows (pooled as
+                                  load_balancing_loss_func pools them; transformers has no z-loss)
 The router weights are drawn wider than the init (std 0.5) so that every token's top-2 is decided
 by a margin, and the q/k norm weights away from ones.
 """
@@ -59,6 +63,11 @@ def run(model, tokens):
     return out, ce
 
 
+def z_loss(out):
+    z = torch.cat([g.double() for g in out.router_logits if g is not None], dim=0)
+    return (torch.logsumexp(z, dim=-1) ** 2).mean().item()
+
+
 def main(out_dir):
     rng = np.random.default_rng(5)
     for name, model in models():
@@ -84,6 +93,8 @@ def main(out_dir):
         out1, ce1 = run(model, tokens[:1])
         with open(os.path.join(d, "loss1.txt"), "w") as f:
             f.write(f"{ce1:.17g} {out1.aux_loss.item():.17g} {out1.loss.item():.17g}\n")
+        with open(os.path.join(d, "z.txt"), "w") as f:
+            f.write(f"{z_loss(out):.17g} {z_loss(out1):.17g}\n")
         cfg = json.load(open(os.path.join(d, "config.json")))
         print(f"ok: {name}: {cfg['architectures'][0]}, {sum(p.numel() for p in model.parameters())} parameters, "
               f"loss {out.loss.item():.6f} (ce {ce:.6f} + {model.config.router_aux_loss_coef} x aux "

@@ -64,9 +64,9 @@ import sys
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 ea = EventAccumulator(sys.argv[1]); ea.Reload()
 tags = ea.Tags()["scalars"]
-for t in ("train/aux_loss", "train/moe_load_max_over_mean_max"):
+for t in ("train/aux_loss", "train/z_loss", "train/moe_load_max_over_mean_max"):
     assert t in tags and len(ea.Scalars(t)) >= 2, (t, tags)  # tb_check.py: every metrics row's value
-print("ok: TensorBoard (its EventAccumulator) shows train/aux_loss and train/moe_load_max_over_mean_max at every logged step")
+print("ok: TensorBoard (its EventAccumulator) shows train/aux_loss, train/z_loss and train/moe_load_max_over_mean_max at every logged step")
 PY
 grep -q '^step 4/4 | loss .* | aux [0-9.]* | experts max/mean [0-9.]*' "$WORK/a.log" || { cat "$WORK/a.log"; fail "no aux / expert balance in the step line"; }
 timeout -k 5 300 $MPIRUN -np 2 "$BIN" "${TRAIN[@]}" --checkpoint-dir "$WORK/ck2" --resume "$WORK/ck/step_00000002.h5" \

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Expert parallelism (--ep; issue 56, docs/moe.md) end to end: the tiny-moe preset (Mixtral style,
 # 8 experts, top 2, both blocks MoE), fp32, 20 steps of 12 sequences x 32 tokens, aux scope
-# `sequence` (exact at every layout), metrics every step. Against the run at one rank, every step's
-# loss within 1e-5 relative at (world size; dp_replicate, dp_shard, cp, tp, pp, ep):
+# `sequence` (exact at every layout), the router z-loss at weight 1e-3, metrics every step. Against
+# the run at one rank, every step's loss, load-balancing loss and z-loss within 1e-5 relative at
+# (world size; dp_replicate, dp_shard, cp, tp, pp, ep):
 #   W 2 (1,2,1,1,1,2), W 4 (1,4,1,1,1,2), W 4 (2,2,1,1,1,2) (hybrid sharding: EP inside a replica),
 #   W 4 (1,4,1,1,1,4), W 4 (1,2,2,1,1,2) (CP: an EP group holds the two CP halves of sequences),
 #   W 2 (1,1,2,1,1,1) (CP alone), W 4 (1,2,1,1,2,2) (PP 1F1B: the load-balancing statistics travel
@@ -18,15 +19,15 @@ source "$(dirname "$0")/common.sh"
 DATA=$(test_corpus)
 STEPS=20
 TRAIN=(--model tiny-moe --data "$DATA" --seq-len 32 --global-batch 12 --steps $STEPS --lr 3e-3 --warmup 0
-       --eval-every 0 --log-every 1 --threads 1)
+       --eval-every 0 --log-every 1 --threads 1 --router-z-loss-coef 1e-3)
 run() {  # name np args...: a training run with metrics in $WORK/name.jsonl
   local name=$1 np=$2
   shift 2
   timeout -k 5 300 $MPIRUN -np "$np" "$BIN" "${TRAIN[@]}" --metrics "$WORK/$name.jsonl" "$@" >"$WORK/$name.log" 2>&1 \
     || { cat "$WORK/$name.log"; fail "$name: training failed"; }
 }
-# compare REF NAME FIRST [TOL]: every step's loss and load-balancing loss from FIRST to STEPS within
-# TOL (1e-5) relative.
+# compare REF NAME FIRST [TOL]: every step's loss, load-balancing loss and router z-loss from FIRST to
+# STEPS within TOL (1e-5) relative.
 compare() {
   "$PY" - "$WORK/$1.jsonl" "$WORK/$2.jsonl" "$2" "$3" "$STEPS" "${4:-1e-5}" "$1" <<'P' || fail "$2 differs from $1"
 import json, sys
@@ -35,13 +36,14 @@ def read(p, key):
     return {r["step"]: r[key] for r in map(json.loads, open(p)) if "loss" in r}
 want = list(range(int(first), int(steps) + 1))
 worst = {}
-for key in ("loss", "aux_loss"):
+for key in ("loss", "aux_loss", "z_loss"):
     a, b = read(pa, key), read(pb, key)
     assert all(s in a and s in b for s in want), (sorted(a), sorted(b))
     worst[key] = max(abs(b[s] - a[s]) / abs(a[s]) for s in want)
 ok = max(worst.values()) <= float(tol)
 print(f"{'ok' if ok else 'FAIL'}: {name}: steps {want[0]}-{want[-1]}, loss rel diff <= {worst['loss']:.1e}, aux "
-      f"{worst['aux_loss']:.1e} vs {ref} (tol {tol}; step {want[-1]} loss {read(pb, 'loss')[want[-1]]:.6f})")
+      f"{worst['aux_loss']:.1e}, z {worst['z_loss']:.1e} vs {ref} (tol {tol}; step {want[-1]} loss "
+      f"{read(pb, 'loss')[want[-1]]:.6f})")
 sys.exit(0 if ok else 1)
 P
 }
@@ -61,6 +63,7 @@ run w2_ep2_bf16 2 --precision bf16 --ep 2
 compare w2_bf16 w2_ep2_bf16 1 2e-2
 grep -q "expert parallel: 2 EP groups of 2 ranks" "$WORK/w4_ep2.log" || fail "the topology line lacks the EP groups"
 grep -q "^step 20/20 .*| ep comm [0-9.]* ms/step, [0-9.]* MB/step" "$WORK/w4_ep2.log" || fail "the step line lacks ep comm"
+grep -q "^step 20/20 .*| aux [0-9.]* | z [0-9.]* | experts" "$WORK/w4_ep2.log" || fail "the step line lacks the z-loss"
 "$PY" - "$WORK/w4_ep2.jsonl" "$WORK/ref.jsonl" "$WORK/w4_pp2_ep2.jsonl" <<'P' || fail "the metrics' ep figures"
 import json, sys
 ep = [r for r in map(json.loads, open(sys.argv[1])) if "loss" in r]

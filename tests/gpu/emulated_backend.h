@@ -222,14 +222,15 @@ template <typename T> class EmulatedBackend final : public Backend<T> {
   }
 
   // Mixture of experts: the CPU backend of T (routing and permutations; no GPU test reads them yet).
-  void moe_route(S* p, int32_t* x, S* w, const T* z, int N, int E, int k, bool r) override {
-    mem_->moe_route(p, x, w, z, N, E, k, r);
+  void moe_route(S* p, int32_t* x, S* w, const T* z, int N, int E, int k, bool r, S* l) override {
+    mem_->moe_route(p, x, w, z, N, E, k, r, l);
   }
   void moe_route_backward(T* dz, const S* p, const int32_t* x, const S* w, const S* dw, const S* a, int g, int N, int E,
-                          int k, bool r) override {
-    mem_->moe_route_backward(dz, p, x, w, dw, a, g, N, E, k, r);
+                          int k, bool r, const S* l, const S* zd) override {
+    mem_->moe_route_backward(dz, p, x, w, dw, a, g, N, E, k, r, l, zd);
   }
   void moe_prob_sums(S* ps, const S* p, int g, int N, int E) override { mem_->moe_prob_sums(ps, p, g, N, E); }
+  void moe_z_sums(S* zs, const S* l, int g, int N) override { mem_->moe_z_sums(zs, l, g, N); }
   void gather_rows(T* o, const T* i, const int32_t* x, int n, int C) override { mem_->gather_rows(o, i, x, n, C); }
   void moe_combine(T* o, const T* b, const T* y, const int32_t* p, const S* w, int N, int k, int C) override {
     mem_->moe_combine(o, b, y, p, w, N, k, C);

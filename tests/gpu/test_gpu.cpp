@@ -1043,8 +1043,8 @@ template <typename T> void check_swiglu() {
 }
 
 // Mixture-of-experts kernels (moe_math.h): routing (E 16, top 4, with and without
-// renormalization) and its backward with the load-balancing loss's per-group gradient, the
-// per-group probability sums, the dispatch gather (bitwise) and the combine and its backward over
+// renormalization) with the router's logsumexp, and its backward with the load-balancing loss's
+// per-group gradient and the router z-loss's, the per-group probability and z sums, the dispatch gather (bitwise) and the combine and its backward over
 // a slot order sorted by expert, against the CPU backend. The expert choice must be the same (the
 // logits are far from ties); the S outputs within the float tolerance, the T outputs within T's.
 template <typename T> void check_moe() {
@@ -1060,18 +1060,24 @@ template <typename T> void check_moe() {
   }();
   std::vector<float> aux(static_cast<size_t>(N / grp) * E);
   for (size_t i = 0; i < aux.size(); ++i) aux[i] = 0.01f * static_cast<float>(i % 7);
+  const std::vector<float> zd = {0.003f, 0.0f, 0.011f};  // per group (N / grp = 3)
   for (bool renorm : {false, true}) {
     auto run = [&](st::Backend<T>& be) {
       st::Buffer<T> dl = upload(be, logits), dx = upload(be, x), dlog(be, logits.size()), xe(be, static_cast<size_t>(N) * k * C),
           out(be, x.size()), dye(be, xe.size());
       st::AccBuffer<T> probs(be, logits.size()), w(be, static_cast<size_t>(N) * k), dw(be, dwf.size()), daux(be, aux.size()),
-          psum(be, aux.size()), dwc(be, static_cast<size_t>(N) * k);
+          psum(be, aux.size()), dwc(be, static_cast<size_t>(N) * k), lse(be, static_cast<size_t>(N)),
+          zdl(be, zd.size()), zsum(be, zd.size());
       st::IdBuffer<T> ex(be, static_cast<size_t>(N) * k);
-      be.moe_route(probs.data(), ex.data(), w.data(), dl.data(), N, E, k, renorm);
+      be.moe_route(probs.data(), ex.data(), w.data(), dl.data(), N, E, k, renorm, lse.data());
       be.acc_from_host(dw.data(), dwf.data(), dwf.size());
       be.acc_from_host(daux.data(), aux.data(), aux.size());
-      be.moe_route_backward(dlog.data(), probs.data(), ex.data(), w.data(), dw.data(), daux.data(), grp, N, E, k, renorm);
+      be.acc_from_host(zdl.data(), zd.data(), zd.size());
+      be.moe_route_backward(dlog.data(), probs.data(), ex.data(), w.data(), dw.data(), daux.data(), grp, N, E, k, renorm,
+                            lse.data(), zdl.data());
       be.moe_prob_sums(psum.data(), probs.data(), grp, N, E);
+      be.zero_acc(zsum.data(), zsum.size());
+      be.moe_z_sums(zsum.data(), lse.data(), grp, N);
       std::vector<int32_t> experts(static_cast<size_t>(N) * k);
       be.ids_to_host(experts.data(), ex.data(), experts.size());
       // The slots sorted by expert (stable), as the model's moe_sort.
@@ -1093,7 +1099,7 @@ template <typename T> void check_moe() {
       };
       return std::make_tuple(experts, acc(probs), acc(w), download(be, dlog.data(), logits.size()), acc(psum),
                              download(be, xe.data(), xe.size()), download(be, out.data(), out.size()),
-                             download(be, dye.data(), dye.size()), acc(dwc));
+                             download(be, dye.data(), dye.size()), acc(dwc), acc(lse), acc(zsum));
     };
     const auto got = run(dev<T>()), want = run(cpu<T>());
     const std::string r = renorm ? " (renormalized)" : "";
@@ -1106,6 +1112,8 @@ template <typename T> void check_moe() {
     expect_close("moe_combine" + r, std::get<6>(got), std::get<6>(want), {}, k + 1);
     expect_close("moe_combine_backward dye" + r, std::get<7>(got), std::get<7>(want), {}, 1);
     expect_close("moe_combine_backward dw" + r, std::get<8>(got), std::get<8>(want), {}, C);
+    expect_close("moe_route lse" + r, std::get<9>(got), std::get<9>(want), {}, E);
+    expect_close("moe_z_sums" + r, std::get<10>(got), std::get<10>(want), {}, grp);
   }
 }
 

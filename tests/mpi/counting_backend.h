@@ -147,14 +147,15 @@ template <typename T> class CountingBackend final : public shardtrain::Backend<T
     inner_->flash_attention_backward(dq, dk, dv, dsum, dy, q, k, v, y, lse, B, T_, NH, NKV, HD, sc);
   }
   void swiglu_forward(T* h, const T* g, const T* u, size_t n) override { inner_->swiglu_forward(h, g, u, n); }
-  void moe_route(S* p, int32_t* x, S* w, const T* z, int N, int E, int k, bool r) override {
-    inner_->moe_route(p, x, w, z, N, E, k, r);
+  void moe_route(S* p, int32_t* x, S* w, const T* z, int N, int E, int k, bool r, S* l) override {
+    inner_->moe_route(p, x, w, z, N, E, k, r, l);
   }
   void moe_route_backward(T* dz, const S* p, const int32_t* x, const S* w, const S* dw, const S* a, int g, int N, int E,
-                          int k, bool r) override {
-    inner_->moe_route_backward(dz, p, x, w, dw, a, g, N, E, k, r);
+                          int k, bool r, const S* l, const S* zd) override {
+    inner_->moe_route_backward(dz, p, x, w, dw, a, g, N, E, k, r, l, zd);
   }
   void moe_prob_sums(S* ps, const S* p, int g, int N, int E) override { inner_->moe_prob_sums(ps, p, g, N, E); }
+  void moe_z_sums(S* zs, const S* l, int g, int N) override { inner_->moe_z_sums(zs, l, g, N); }
   void gather_rows(T* o, const T* i, const int32_t* x, int n, int C) override { inner_->gather_rows(o, i, x, n, C); }
   void moe_combine(T* o, const T* b, const T* y, const int32_t* p, const S* w, int N, int k, int C) override {
     inner_->moe_combine(o, b, y, p, w, N, k, C);

@@ -8,7 +8,9 @@
 //   - the mean next-token cross-entropy, the load-balancing loss and their sum ce + coef x aux with
 //     model(tokens, labels=tokens, output_router_logits=True)'s, within 1e-6 relative: aux scope MicroBatch
 //     on the same rows as transformers' forward call (load_balancing_loss_func pools every MoE
-//     block's rows of it), and scope Sequence on a batch of one sequence, where the two coincide.
+//     block's rows of it), and scope Sequence on a batch of one sequence, where the two coincide;
+//   - the router z-loss (transformers has none) with the mean of logsumexp(router_logits)^2 over
+//     those forwards' router logits, computed by torch in float64, within 1e-6 relative.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -145,6 +147,18 @@ TEST(Moe, DISABLED_LogitsAndLossEqualTransformers) {
     // Per sequence on the 3-row batch: the sum of the rows' own losses, not the pooled one.
     const Losses pooled = our_losses(m, f, tokens, T, coef), rows = our_losses(ms, f, tokens, T, coef);
     EXPECT_GT(std::fabs(rows.aux / B - pooled.aux), 1e-6) << "the two scopes should differ on several rows";
+    // The router z-loss against torch's logsumexp of transformers' router logits.
+    double zw = 0, zw1 = 0;
+    std::ifstream(dir + "/z.txt") >> zw >> zw1;
+    ASSERT_GT(zw, 0.0);
+    our_losses(m, f, tokens, T, coef);
+    const double z = m.moe_z_loss();
+    our_losses(ms, f, one, T, coef);
+    const double z1 = ms.moe_z_loss();
+    EXPECT_NEAR(z, zw, 1e-6 * zw) << "z-loss, micro-batch scope, " << B << " rows";
+    EXPECT_NEAR(z1, zw1, 1e-6 * zw1) << "z-loss, sequence scope, 1 row";
+    std::printf("[ MoE vs transformers ] %s: router z-loss %.9f (%.1e), one row %.9f (%.1e)\n", name, z,
+                std::fabs(z - zw), z1, std::fabs(z1 - zw1));
   }
 }
 

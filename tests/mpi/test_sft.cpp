@@ -76,9 +76,11 @@ struct Step {
   // A mixture of experts: the load-balancing loss (sequence scope) summed where the mesh counts it,
   // / the global batch's sequences, and every block's routed slots per expert summed over the ranks
   // (StageRunner::take_expert_counts, the trainer's reduction).
-  double aux = 0;
+  double aux = 0, z = 0;  // ... and the router z-loss the same way (weight kZ)
   std::vector<double> counts;
 };
+
+constexpr double kZ = 0.01;  // the router z-loss's weight in the MoE steps (--router-z-loss-coef)
 
 // Where a step's parameters come from: init_params(11), or every parameter of this rank's units
 // set whole from a host tensor by name (ShardedState::set_param).
@@ -99,6 +101,7 @@ Step run_step(st::Comm& comm, const st::MeshDims& d, st::PipelineKind kind, cons
   std::string why;
   st::PipelineOptions po;
   po.kind = kind;
+  po.chunks_per_rank = kind == st::PipelineKind::Interleaved ? 2 : 1;
   const st::PipelineLayout pl = st::resolve_pipeline(mc, d.pp, po, m, &why);
   EXPECT_EQ(why, "");
   auto be = st::make_cpu_backend<double>();
@@ -133,7 +136,7 @@ Step run_step(st::Comm& comm, const st::MeshDims& d, st::PipelineKind kind, cons
                                                 static_cast<double>(per_rank) * T / d.cp);
   // The trainer's weight of the load-balancing loss: coef / this rank's sequences (the reduce-scatter
   // divides by the dp x cp ranks; the runner multiplies by cp).
-  if (mc.is_moe()) runner.set_aux_scale(mc.router_aux_loss_coef / per_rank);
+  if (mc.is_moe()) runner.set_aux_scale(mc.router_aux_loss_coef / per_rank, kZ / per_rank);
   units.begin_pass("train");
   runner.begin(st::Split::Train, index);
   double loss = runner.run(*pl.schedule(m), scale);
@@ -146,9 +149,10 @@ Step run_step(st::Comm& comm, const st::MeshDims& d, st::PipelineKind kind, cons
   comm.all_reduce(&loss, 1, st::ReduceOp::Sum);
   s.loss = loss / static_cast<double>(s.targets);
   if (mc.is_moe()) {
-    double aux = mesh.counts_loss() ? runner.take_aux_sum() : 0.0;
-    comm.all_reduce(&aux, 1, st::ReduceOp::Sum);
-    s.aux = aux / G;
+    double aux[2] = {mesh.counts_loss() ? runner.take_aux_sum() : 0.0, mesh.counts_loss() ? runner.take_z_sum() : 0.0};
+    comm.all_reduce(aux, 2, st::ReduceOp::Sum);
+    s.aux = aux[0] / G;
+    s.z = aux[1] / G;
     for (const auto& v : runner.take_expert_counts())
       for (int64_t n : v) s.counts.push_back(mesh.counts_block_stats() ? static_cast<double>(n) : 0.0);
     comm.all_reduce(s.counts.data(), s.counts.size(), st::ReduceOp::Sum);
@@ -245,12 +249,13 @@ TEST(Sft, GlobalMeanDiffersFromTheMeanOfMicroBatchMeans) {
 }
 
 // A mixture of experts through the trainer's path (StageRunner on packed example data, whose rows
-// end in padding): the load-balancing loss (sequence scope) of W = 1 equals, within 1e-12, the mean
-// over the rows of the model's own loss on each row's real tokens alone (no padding: the padding's
-// routing stays out, TokenLayout::real, and under the causal mask the real tokens route as
-// unpadded). And the same step at dp W, cp 2 x dp W/2, pp 2 x dp W/2 (1F1B: the statistics travel
-// with the activations, the aux gradient's weights back with theirs), pp 2 x cp 2 and pp 2 x dp 2
-// with ep 2 (W 4): loss, aux, every gradient within 1e-12 relative of W = 1, tokens per expert equal.
+// end in padding), with the load-balancing loss and the router z-loss (weight kZ) in the gradient:
+// both losses (sequence scope) of W = 1 equal, within 1e-12, the means over the rows of the model's
+// own losses on each row's real tokens alone (no padding: the padding's routing stays out,
+// TokenLayout::real, and under the causal mask the real tokens route as unpadded). And the same step at dp W, cp 2 x dp W/2, pp 2 x dp W/2 (1F1B and interleaved: the
+// statistics travel with the activations, the aux gradient's weights back with theirs), pp 2 x cp 2
+// (GPipe) and pp 2 x dp 2 with ep 2 (W 4): loss, aux, every gradient within 1e-12 relative of
+// W = 1, tokens per expert equal.
 TEST(Sft, MoeLoadBalancingLossOfPaddedRowsIsExactAtEveryLayout) {
   st::Comm& c = st::testing::comm();
   const int W = c.world_size();
@@ -267,6 +272,7 @@ TEST(Sft, MoeLoadBalancingLossOfPaddedRowsIsExactAtEveryLayout) {
   st::MpiComm self = st::MpiComm::split(c, c.rank(), 0);
   const Step ref = run_step(self, st::MeshDims{1, 1, 1, 1, 1}, st::PipelineKind::OneFOneB, mc, data);
   ASSERT_GT(ref.aux, 0.0);
+  ASSERT_GT(ref.z, 0.0);
   // The reference: every row's real tokens alone through the model, as the runner reads them.
   {
     auto be = st::make_cpu_backend<double>();
@@ -280,7 +286,7 @@ TEST(Sft, MoeLoadBalancingLossOfPaddedRowsIsExactAtEveryLayout) {
     const st::PackedBatches pb(
         data, st::PackOptions{kT, st::PackMode::BestFit, st::MaxLengthPolicy::Truncate, st::TrainOn::Assistant}, 3, kG);
     std::vector<int32_t> tok(kT), tgt(kT), doc(kT), pos(kT), real(kT);
-    double aux = 0;
+    double aux = 0, z = 0;
     int padded = 0;
     for (int i = 0; i < kG; ++i) {
       pb.fill(st::Split::Train, 1, i, 1, tok.data(), tgt.data(), doc.data(), pos.data(), real.data());
@@ -290,24 +296,29 @@ TEST(Sft, MoeLoadBalancingLossOfPaddedRowsIsExactAtEveryLayout) {
       padded += n < kT;
       model.forward(units, tok.data(), 1, n, st::TokenLayout{pos.data(), doc.data()});
       aux += model.moe_aux_loss();
+      z += model.moe_z_loss();
     }
     ASSERT_GE(padded, 2) << "rows with padding: the test needs some";
     EXPECT_NEAR(ref.aux, aux / kG, 1e-12 * ref.aux) << "the runner's aux against each row's real tokens alone";
+    EXPECT_NEAR(ref.z, z / kG, 1e-12 * ref.z) << "the runner's z-loss against each row's real tokens alone";
     if (c.rank() == 0)
-      std::printf("[ SFT MoE ] W 1 aux %.15g, rows' real tokens alone %.15g (%d of %d rows padded)\n", ref.aux,
-                  aux / kG, padded, kG);
+      std::printf("[ SFT MoE ] W 1 aux %.15g, z %.15g; rows' real tokens alone %.15g, %.15g (%d of %d rows padded)\n",
+                  ref.aux, ref.z, aux / kG, z / kG, padded, kG);
   }
   struct Case {
     const char* what;
     st::MeshDims d;
+    st::PipelineKind k = st::PipelineKind::OneFOneB;
   };
   std::vector<Case> cases = {{"dp W", st::MeshDims{1, W, 1, 1, 1}}};
   if (W % 2 == 0) {
     cases.push_back({"cp 2 x dp W/2", st::MeshDims{1, W / 2, 2, 1, 1}});
     cases.push_back({"pp 2 x dp W/2", st::MeshDims{1, W / 2, 1, 1, 2}});
+    cases.push_back({"pp 2 x dp W/2 interleaved (2 chunks per rank)", st::MeshDims{1, W / 2, 1, 1, 2},
+                     st::PipelineKind::Interleaved});
   }
   if (W == 4) {
-    cases.push_back({"pp 2 x cp 2", st::MeshDims{1, 1, 2, 1, 2}});
+    cases.push_back({"pp 2 x cp 2 gpipe", st::MeshDims{1, 1, 2, 1, 2}, st::PipelineKind::GPipe});
     st::MeshDims e{1, 2, 1, 1, 2};
     e.ep = 2;
     cases.push_back({"pp 2 x dp 2, ep 2", e});
@@ -315,13 +326,15 @@ TEST(Sft, MoeLoadBalancingLossOfPaddedRowsIsExactAtEveryLayout) {
   int64_t checked = 0;
   for (const Case& k : cases) {
     SCOPED_TRACE(k.what);
-    const Step s = run_step(c, k.d, st::PipelineKind::OneFOneB, mc, data);
+    const Step s = run_step(c, k.d, k.k, mc, data);
     EXPECT_NEAR(s.loss, ref.loss, 1e-12 * ref.loss);
     EXPECT_NEAR(s.aux, ref.aux, 1e-12 * ref.aux);
+    EXPECT_NEAR(s.z, ref.z, 1e-12 * ref.z);
     EXPECT_EQ(s.counts, ref.counts) << "tokens per expert";
     checked += st::testing::expect_same_grads(s.grads, ref.grads);
     if (c.rank() == 0)
-      std::printf("[ SFT MoE ] %s: loss %.15g vs %.15g, aux %.15g vs %.15g\n", k.what, s.loss, ref.loss, s.aux, ref.aux);
+      std::printf("[ SFT MoE ] %s: loss %.15g vs %.15g, aux %.15g vs %.15g, z %.15g vs %.15g\n", k.what, s.loss, ref.loss,
+                  s.aux, ref.aux, s.z, ref.z);
   }
   c.all_reduce(&checked, 1, st::ReduceOp::Sum);
   EXPECT_GT(checked, 0);

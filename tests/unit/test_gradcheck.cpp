@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "../test_env.h"
@@ -681,8 +682,8 @@ TEST(GradCheck, ModelQkNorm) {
 }
 
 // Mixture of experts (issue 56): the router, the experts, the shared attention and everything
-// upstream against central differences (five-point) of CE + coef x the load-balancing loss, with the loss's
-// gradient given by set_aux_grad_scale. Qwen3-MoE style (q/k norm, block 0 dense by
+// upstream against central differences (five-point) of CE + coef x the load-balancing loss + zc x
+// the router z-loss, with their gradients given by set_aux_grad_scale. Qwen3-MoE style (q/k norm, block 0 dense by
 // mlp_only_layers, no renormalization) and Mixtral style (every block MoE, renormalized), in every
 // recompute mode and both aux scopes.
 ModelConfig moe_config(bool mixtral) {
@@ -714,15 +715,16 @@ TEST(GradCheck, ModelMoe) {
     o.aux_scope = k.scope;
     LlamaModel<double> m(cfg, *be, o);
     const Batch bt = make_batch();
-    const double coef = cfg.router_aux_loss_coef;
+    const double coef = cfg.router_aux_loss_coef, zc = 0.05;
     f.zero_grads();
     m.forward(f, bt.tokens.data(), bt.B, bt.T);
     const double ce = m.head_backward(f, bt.targets.data(), 1.0);
-    const double aux = m.moe_aux_loss();
-    m.set_aux_grad_scale(coef);
+    const double aux = m.moe_aux_loss(), z = m.moe_z_loss();
+    m.set_aux_grad_scale(coef, zc);
     m.backward(f);
-    const double loss = ce + coef * aux;
+    const double loss = ce + coef * aux + zc * z;
     EXPECT_GT(aux, 0.0);
+    EXPECT_GT(z, 0.0);
     // Every token's K slots are counted once per MoE block: the expert counts sum to K x tokens.
     for (int l = 0; l < cfg.num_hidden_layers; ++l) {
       const std::vector<int64_t> n = m.expert_counts(l);
@@ -736,7 +738,7 @@ TEST(GradCheck, ModelMoe) {
       grads.emplace_back(f.grad_shard(u), f.grad_shard(u) + f.plan().units[u].shard_size);
     auto eval = [&] {
       m.forward(f, bt.tokens.data(), bt.B, bt.T);
-      return m.loss(f, bt.targets.data()) + coef * m.moe_aux_loss();
+      return m.loss(f, bt.targets.data()) + coef * m.moe_aux_loss() + zc * m.moe_z_loss();
     };
     EXPECT_NEAR(eval(), loss, 1e-13 * loss);
     GradReport rep(std::string(k.mixtral ? "MoE (Mixtral)" : "MoE (Qwen3-MoE)") + ", recompute " + recompute_name(k.r) +
@@ -752,11 +754,7 @@ TEST(GradCheck, ModelMoe) {
         EXPECT_GT(gnorm, 1e-12) << slot.spec.name << ": gradient is (almost) zero";
       }
     rep.finish();
-    // The aux term's gradient is in there: without it the router's gradient differs.
-    f.zero_grads();
-    m.forward(f, bt.tokens.data(), bt.B, bt.T);
-    m.head_backward(f, bt.targets.data(), 1.0);
-    m.backward(f);
+    // The aux and z terms' gradients are in there: without each the router's gradient differs.
     const std::string router = "model.layers.1.mlp.gate.weight";
     const Vec with = [&] {
       for (int u = 0; u < f.num_units(); ++u)
@@ -764,11 +762,18 @@ TEST(GradCheck, ModelMoe) {
           if (slot.spec.name == router) return Vec(grads[u].begin() + slot.offset, grads[u].begin() + slot.offset + slot.numel);
       return Vec{};
     }();
-    const Vec without = grad_of(f, router);
-    ASSERT_EQ(with.size(), without.size());
-    double diff = 0;
-    for (size_t i = 0; i < with.size(); ++i) diff = std::max(diff, std::fabs(with[i] - without[i]));
-    EXPECT_GT(diff, 1e-6) << "the load-balancing loss does not reach the router";
+    for (const auto& [a, zz, what] : {std::tuple{0.0, zc, "the load-balancing loss"}, std::tuple{coef, 0.0, "the router z-loss"}}) {
+      f.zero_grads();
+      m.forward(f, bt.tokens.data(), bt.B, bt.T);
+      m.head_backward(f, bt.targets.data(), 1.0);
+      m.set_aux_grad_scale(a, zz);
+      m.backward(f);
+      const Vec without = grad_of(f, router);
+      ASSERT_EQ(with.size(), without.size());
+      double diff = 0;
+      for (size_t i = 0; i < with.size(); ++i) diff = std::max(diff, std::fabs(with[i] - without[i]));
+      EXPECT_GT(diff, 1e-6) << what << " does not reach the router";
+    }
   }
 }
 

@@ -256,18 +256,23 @@ template <typename T> class Backend {
   // ---- mixture of experts (issue 56; the per-token math is include/shardtrain/backend/moe_math.h) --
   // N tokens, E experts, k experts per token; a token's slot j in [0, k) is its j-th choice, slot
   // id t*k + j. Routing tensors are in S: probs [N, E], weights [N, k]; experts [N, k] int32.
-  // Router: moe_route of each row of logits [N, E] (the router GEMM's output), widened to S.
-  virtual void moe_route(S* probs, int32_t* experts, S* weights, const T* logits, int N, int E, int k,
-                         bool renorm) = 0;
+  // Router: moe_route of each row of logits [N, E] (the router GEMM's output), widened to S; and,
+  // when lse is not nullptr, lse[t] = moe_logsumexp of row t (the router z-loss's, [N]).
+  virtual void moe_route(S* probs, int32_t* experts, S* weights, const T* logits, int N, int E, int k, bool renorm,
+                         S* lse = nullptr) = 0;
   // Its backward: dlogits [N, E] (=) from dweights [N, k] (d loss / d weights) and, when aux_dprob
   // is not nullptr, the gradient aux_dprob[t / group_rows, :] ([N / group_rows, E]) that reaches row
-  // t's probabilities directly (the load-balancing loss: moe_aux_dprob).
+  // t's probabilities directly (the load-balancing loss: moe_aux_dprob); when z_dlse is not nullptr,
+  // plus the router z-loss's z_dlse[t / group_rows] x d(lse[t]^2)/d(logits) (moe_z_dlogits), added
+  // in S before the one rounding to T.
   virtual void moe_route_backward(T* dlogits, const S* probs, const int32_t* experts, const S* weights,
                                   const S* dweights, const S* aux_dprob, int group_rows, int N, int E, int k,
-                                  bool renorm) = 0;
+                                  bool renorm, const S* lse = nullptr, const S* z_dlse = nullptr) = 0;
   // psum[t / group_rows, e] += probs[t, e] for every row t, rows added in order (the load-balancing
   // loss's P, per sequence or micro-batch).
   virtual void moe_prob_sums(S* psum, const S* probs, int group_rows, int N, int E) = 0;
+  // zsum[t / group_rows] += lse[t]^2 for every row t, rows added in order (the router z-loss's sums).
+  virtual void moe_z_sums(S* zsum, const S* lse, int group_rows, int N) = 0;
   // out[i, :] = in[idx[i], :] for i < n (rows of C; dispatch: each slot's token row).
   virtual void gather_rows(T* out, const T* in, const int32_t* idx, int n, int C) = 0;
   // Combine: out[t, :] = (base ? base[t, :] : 0) + sum_j (w ? w[t*k+j] : 1) * ye[pos[t*k+j], :],

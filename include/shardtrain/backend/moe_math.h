@@ -111,10 +111,14 @@ ST_HD T moe_z_loss(const T* logits, int E) {
   const T l = moe_logsumexp(logits, E);
   return l * l;
 }
+// dlogits += dz x d(lse^2)/d(logits) = dz 2 lse p, from the token's lse and probabilities.
+template <typename T>
+ST_HD void moe_z_dlogits(const T* probs, T lse, int E, T dz, T* dlogits) {
+  for (int e = 0; e < E; ++e) dlogits[e] += dz * T(2) * lse * probs[e];
+}
 template <typename T>
 ST_HD void moe_z_loss_backward(const T* logits, const T* probs, int E, T dz, T* dlogits) {
-  const T l = moe_logsumexp(logits, E);
-  for (int e = 0; e < E; ++e) dlogits[e] += dz * T(2) * l * probs[e];
+  moe_z_dlogits(probs, moe_logsumexp(logits, E), E, dz, dlogits);
 }
 
 }  // namespace shardtrain::math

@@ -371,10 +371,11 @@ template <typename T> class LlamaModel {
     Buffer<T> qp, kp, rq, rk;  // q/k norm only: q and k before it, its rstd [BT*NH], [BT*NKV]
     AccBuffer<T> lse;
     // MoE blocks: g, u, h are [slots, IE] in slot-sorted order; ye the experts' outputs [slots, C];
-    // probs [BT, E], wts [BT*K] (S); experts [BT*K], rowtok (the token of each sorted row) and pos
-    // (the sorted row of each slot), int32; eoff: expert e's rows are [eoff[e], eoff[e+1]) (host).
+    // probs [BT, E], wts [BT*K], zlse (the router logits' logsumexp, the z-loss's) [BT] (S); experts
+    // [BT*K], rowtok (the token of each sorted row) and pos (the sorted row of each slot), int32;
+    // eoff: expert e's rows are [eoff[e], eoff[e+1]) (host).
     Buffer<T> ye;
-    AccBuffer<T> probs, wts;
+    AccBuffer<T> probs, wts, zlse;
     IdBuffer<T> experts, rowtok, pos;
     std::vector<int32_t> eoff;
     // EP (ep_ set): every EP rank's slots per expert [N, E] (host; all_gather_counts) and the rows
@@ -443,11 +444,13 @@ template <typename T> class LlamaModel {
     bool use_pos_ = false, use_doc_ = false;  // this micro-batch's layout changes RoPE / the mask
     // MoE: per scope group g (aux_scope: the B rows, or 1) the routed slots per expert, counts_
     // [G, E] (host), and the probabilities' sums psum_ [G, E], over the range's MoE blocks; the
-    // aux loss's gradient per group aux_dprob_ [G, E] and its weight aux_scale_ (0: none).
+    // aux loss's gradient per group aux_dprob_ [G, E] and its weight aux_scale_ (0: none). The
+    // router z-loss's sums of lse^2 zsum_ [G], its gradient's weight per token of group g z_dlse_
+    // [G] and its weight z_scale_ (0: none).
     std::vector<double> counts_;
-    AccBuffer<T> psum_, aux_dprob_;
-    S aux_scale_ = S(0);
-    // seed_aux_stats' [2 G E] for the next forward (empty: that forward starts from zeros).
+    AccBuffer<T> psum_, aux_dprob_, zsum_, z_dlse_;
+    S aux_scale_ = S(0), z_scale_ = S(0);
+    // seed_aux_stats' [2 G E + G] for the next forward (empty: that forward starts from zeros).
     std::vector<double> aux_seed_;
     // MoE with a layout's `real` flags (TokenLayout): the rows' flags (host [BT]; empty: every row
     // real) and per scope group the real rows, summed over the CP group (R of the group = that x
@@ -545,31 +548,38 @@ template <typename T> class LlamaModel {
   // B rows; MicroBatch: one group). 0 for a dense model. Not collective.
   double moe_aux_loss(const Context& ctx) const;
   double moe_aux_loss() const { return moe_aux_loss(ctx_); }
-  // The weight of that sum in the gradient of ctx's next backward(): it adds
-  // scale x d(moe_aux_loss)/d(parameters) (through the routing probabilities; the default 0 adds
-  // nothing). After forward(), before backward(); std::logic_error as moe_aux_loss.
-  void set_aux_grad_scale(Context& ctx, S scale);
-  void set_aux_grad_scale(S scale) { set_aux_grad_scale(ctx_, scale); }
+  // The router z-loss (ST-MoE, Zoph et al. 2022, eq. 5), the same way: z_g = the mean of
+  // logsumexp(router logits)^2 over the group's real tokens and every MoE block (divided by the
+  // same R_g), summed over the groups. 0 for a dense model; std::logic_error as moe_aux_loss.
+  double moe_z_loss(const Context& ctx) const;
+  double moe_z_loss() const { return moe_z_loss(ctx_); }
+  // The weights of those sums in the gradient of ctx's next backward(): it adds
+  // scale x d(moe_aux_loss)/d(parameters) (through the routing probabilities) + z_scale x
+  // d(moe_z_loss)/d(parameters) (through the router logits); 0 adds nothing. After forward(),
+  // before backward(); std::logic_error as moe_aux_loss.
+  void set_aux_grad_scale(Context& ctx, S scale, S z_scale = S(0));
+  void set_aux_grad_scale(S scale, S z_scale = S(0)) { set_aux_grad_scale(ctx_, scale, z_scale); }
   // Pipeline stages (StageRunner): the load-balancing loss pools every MoE block of a micro-batch,
   // so its statistics travel with the activations and its gradient with theirs. All host doubles,
   // not collective; a dense model has none (aux_stats_size 0, the rest no-ops).
-  //   aux_stats_size(B)  G x E for a micro-batch of B rows (G: B under scope Sequence, 1 under
-  //                      MicroBatch).
-  //   aux_stats          after forward() of ctx: 2 aux_stats_size doubles, the slots per group and
-  //                      expert routed by blocks [0, ctx's end) of this rank's rows, then their
-  //                      probability sums (S widened to double: exact).
+  //   aux_stats_size(B)  2 G E + G for a micro-batch of B rows (G: B under scope Sequence, 1 under
+  //                      MicroBatch); aux_grad_size(B): G E + G + 2.
+  //   aux_stats          after forward() of ctx: aux_stats_size doubles, the slots per group and
+  //                      expert routed by blocks [0, ctx's end) of this rank's rows, their
+  //                      probability sums, then the z-loss's sums per group (S widened: exact).
   //   seed_aux_stats     before forward() of a range that starts after block 0: what the previous
   //                      range's aux_stats wrote for the same micro-batch. That forward adds its
   //                      blocks to them instead of to zeros: the sums of one range over [0, L), in
   //                      the same order, so the last range's moe_aux_loss and set_aux_grad_scale
   //                      are the whole model's (under CP its end sums them over the CP group, as then).
-  //   aux_grad           after set_aux_grad_scale of ctx (the last range): aux_stats_size + 1
-  //                      doubles, d(aux)/d(p) per group and expert times the scale (as S), then the
-  //                      scale.
+  //   aux_grad           after set_aux_grad_scale of ctx (the last range): aux_grad_size doubles,
+  //                      d(aux)/d(p) per group and expert times the scale, the z-loss's weight per
+  //                      token of each group (both as S), then the two scales.
   //   set_aux_grad       before backward() of an earlier range of that micro-batch: what aux_grad
   //                      wrote, in place of set_aux_grad_scale (which needs the totals).
   // std::invalid_argument: a vector of another size than the micro-batch's.
   size_t aux_stats_size(int B) const;
+  size_t aux_grad_size(int B) const;
   std::vector<double> aux_stats(const Context& ctx) const;
   void seed_aux_stats(Context& ctx, std::vector<double> in) const;
   std::vector<double> aux_grad(const Context& ctx) const;

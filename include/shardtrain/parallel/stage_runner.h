@@ -63,16 +63,21 @@ template <typename C> class StageRunner {
   // link (stream-ordered Comms, pipeline.h) at the boundary before its action, grouped with the
   // finished action's send (pipeline_p2p_groups says which groups, in which order).
   double run(const Schedule& schedule, double grad_scale);
-  // Mixture-of-experts models: the weight of the load-balancing loss in the gradient of each
-  // training micro-batch (LlamaModel::set_aux_grad_scale; the trainer's coef / this rank's sequences
-  // or micro-batches; times cp, below), and since the last take: the sum of the micro-batches'
-  // load-balancing losses (LlamaModel::moe_aux_loss; under CP every rank of the group holds the
+  // Mixture-of-experts models: the weights of the load-balancing loss and of the router z-loss in
+  // the gradient of each training micro-batch (LlamaModel::set_aux_grad_scale; the trainer's coef /
+  // this rank's sequences or micro-batches; times cp, below), and since the last take: the sum of
+  // the micro-batches' load-balancing losses (LlamaModel::moe_aux_loss; the z-losses the same way,
+  // take_z_sum; under CP every rank of the group holds the
   // group's value and adds 1 / cp of it; under PP the last stage, its statistics having come with
   // the activations and the gradient's weights going back with theirs: LlamaModel::aux_stats) and,
   // per block, the slots this rank's rows routed to each expert (every MoE block has E entries on
   // every rank, 0 for a block on another stage; empty for a dense block; all empty for a dense model).
-  void set_aux_scale(double s) { aux_scale_ = s; }
+  void set_aux_scale(double s, double z = 0) {
+    aux_scale_ = s;
+    z_scale_ = z;
+  }
   double take_aux_sum();
+  double take_z_sum();
   std::vector<std::vector<int64_t>> take_expert_counts();
   // After the last action of a step or evaluation batch: waits for the sends in flight; every
   // context is free again.
@@ -134,7 +139,8 @@ template <typename C> class StageRunner {
   std::vector<double> read_tail(const C* buf, size_t doubles);  // the doubles after a message's rows
   void add_expert_counts(const typename LlamaModel<C>::Context* ctx);  // nullptr: the model's own
   bool whole_ = false;      // one chunk over the whole model: the model's own context
-  double aux_scale_ = 0, aux_sum_ = 0;                 // MoE: set_aux_scale, take_aux_sum
+  double aux_scale_ = 0, aux_sum_ = 0;  // MoE: set_aux_scale, take_aux_sum
+  double z_scale_ = 0, z_sum_ = 0;      // ... the router z-loss's, take_z_sum
   std::vector<std::vector<int64_t>> expert_counts_;  // MoE: per block, slots per expert since take
   // Training actions since the last bubble_report: per local chunk, the seconds and counts of
   // Forward, Backward, BackwardInput, BackwardWeight (waits for the link excluded); the wall time

@@ -82,6 +82,10 @@ struct TrainConfig {
   // model's load-balancing loss pools; it changes the objective (train_config "aux_loss_scope" when
   // micro-batch). Dense models: no effect.
   MoeAuxScope aux_scope = MoeAuxScope::Sequence;
+  // --router-z-loss-coef: the router z-loss's weight in the loss (ST-MoE; LlamaModel::moe_z_loss,
+  // pooled as the load-balancing loss: per aux scope group, then the mean over them); 0 = off (its
+  // value is still measured and reported). Dense models: no effect.
+  double router_z_loss_coef = 0;
   int loss_chunk = 0;               // tokens per LM-head / loss chunk; 0 = default_loss_chunk(V)
   // Example data (token format version 3: chat or prompt/completion examples with role classes;
   // data/packing.h): set by apply_data_settings when the data has examples. Then every batch is

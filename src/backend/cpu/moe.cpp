@@ -3,6 +3,7 @@
 // math is include/shardtrain/backend/moe_math.h (shared with the CUDA kernels); the class and its
 // threading rules are in cpu_backend.h. Rows are split over threads; every sum runs in one fixed
 // order (a token's k slots in slot order, a group's rows in row order).
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -13,11 +14,12 @@ namespace shardtrain::cpu {
 
 template <typename T>
 void CpuBackend<T>::moe_route(S* probs, int32_t* experts, S* weights, const T* logits, int N, int E, int k,
-                              bool renorm) {
+                              bool renorm, S* lse) {
   par_ranges(static_cast<size_t>(N), row_grain(static_cast<size_t>(E) * k), [&](size_t b, size_t e) {
     std::vector<S> z(static_cast<size_t>(E));
     for (size_t t = b; t < e; ++t) {
       for (int i = 0; i < E; ++i) z[static_cast<size_t>(i)] = math::ld(logits[t * E + i]);
+      if (lse) lse[t] = math::moe_logsumexp(z.data(), E);
       math::moe_route(z.data(), E, k, renorm, probs + t * E, experts + t * k, weights + t * k);
     }
   });
@@ -26,13 +28,15 @@ void CpuBackend<T>::moe_route(S* probs, int32_t* experts, S* weights, const T* l
 template <typename T>
 void CpuBackend<T>::moe_route_backward(T* dlogits, const S* probs, const int32_t* experts, const S* weights,
                                        const S* dweights, const S* aux_dprob, int group_rows, int N, int E, int k,
-                                       bool renorm) {
+                                       bool renorm, const S* lse, const S* z_dlse) {
   par_ranges(static_cast<size_t>(N), row_grain(static_cast<size_t>(E) * 4), [&](size_t b, size_t e) {
     std::vector<S> dz(static_cast<size_t>(E));
     for (size_t t = b; t < e; ++t) {
       const S* g = aux_dprob ? aux_dprob + (t / static_cast<size_t>(group_rows)) * E : nullptr;
       math::moe_route_backward(probs + t * E, experts + t * k, weights + t * k, dweights + t * k, g, E, k, renorm,
                                dz.data());
+      if (z_dlse)
+        math::moe_z_dlogits(probs + t * E, lse[t], E, z_dlse[t / static_cast<size_t>(group_rows)], dz.data());
       for (int i = 0; i < E; ++i) dlogits[t * E + i] = math::st<T>(dz[static_cast<size_t>(i)]);
     }
   });
@@ -49,6 +53,14 @@ void CpuBackend<T>::moe_prob_sums(S* psum, const S* probs, int group_rows, int N
         for (int i = 0; i < E; ++i) out[i] += probs[t * E + i];
     }
   });
+}
+
+template <typename T> void CpuBackend<T>::moe_z_sums(S* zsum, const S* lse, int group_rows, int N) {
+  const size_t G = (static_cast<size_t>(N) + group_rows - 1) / static_cast<size_t>(group_rows);
+  for (size_t g = 0; g < G; ++g) {
+    const size_t t1 = std::min(static_cast<size_t>(N), (g + 1) * group_rows);
+    for (size_t t = g * group_rows; t < t1; ++t) zsum[g] += lse[t] * lse[t];
+  }
 }
 
 template <typename T> void CpuBackend<T>::gather_rows(T* out, const T* in, const int32_t* idx, int n, int C) {
@@ -109,11 +121,13 @@ template <typename T> void CpuBackend<T>::acc_from_host(S* d, const S* h, size_t
 }
 
 #define ST_CPU_MOE(T)                                                                                                  \
-  template void CpuBackend<T>::moe_route(CpuBackend<T>::S*, int32_t*, CpuBackend<T>::S*, const T*, int, int, int, bool); \
+  template void CpuBackend<T>::moe_route(CpuBackend<T>::S*, int32_t*, CpuBackend<T>::S*, const T*, int, int, int, bool, \
+                                         CpuBackend<T>::S*);                                                           \
   template void CpuBackend<T>::moe_route_backward(T*, const CpuBackend<T>::S*, const int32_t*, const CpuBackend<T>::S*, \
                                                   const CpuBackend<T>::S*, const CpuBackend<T>::S*, int, int, int, int,  \
-                                                  bool);                                                                 \
+                                                  bool, const CpuBackend<T>::S*, const CpuBackend<T>::S*);               \
   template void CpuBackend<T>::moe_prob_sums(CpuBackend<T>::S*, const CpuBackend<T>::S*, int, int, int);               \
+  template void CpuBackend<T>::moe_z_sums(CpuBackend<T>::S*, const CpuBackend<T>::S*, int, int);                       \
   template void CpuBackend<T>::gather_rows(T*, const T*, const int32_t*, int, int);                                     \
   template void CpuBackend<T>::moe_combine(T*, const T*, const T*, const int32_t*, const CpuBackend<T>::S*, int, int,  \
                                            int);                                                                        \

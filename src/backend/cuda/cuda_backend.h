@@ -105,10 +105,13 @@ template <typename T> class CudaBackend final : public Backend<T> {
   void swiglu_backward(T* dgate, T* dup, const T* dh, const T* gate, const T* up, size_t n) override;
 
   // ---- moe.cu ----
-  void moe_route(S* probs, int32_t* experts, S* weights, const T* logits, int N, int E, int k, bool renorm) override;
+  void moe_route(S* probs, int32_t* experts, S* weights, const T* logits, int N, int E, int k, bool renorm,
+                 S* lse) override;
   void moe_route_backward(T* dlogits, const S* probs, const int32_t* experts, const S* weights, const S* dweights,
-                          const S* aux_dprob, int group_rows, int N, int E, int k, bool renorm) override;
+                          const S* aux_dprob, int group_rows, int N, int E, int k, bool renorm, const S* lse,
+                          const S* z_dlse) override;
   void moe_prob_sums(S* psum, const S* probs, int group_rows, int N, int E) override;
+  void moe_z_sums(S* zsum, const S* lse, int group_rows, int N) override;
   void gather_rows(T* out, const T* in, const int32_t* idx, int n, int C) override;
   void moe_combine(T* out, const T* base, const T* ye, const int32_t* pos, const S* w, int N, int k, int C) override;
   void moe_combine_backward(T* dye, S* dw, const T* dout, const T* ye, const int32_t* pos, const S* w, int N, int k,

@@ -21,10 +21,11 @@ namespace {
 // One thread per token: widen its logits into z [N, E] (scratch), then moe_route.
 template <typename T>
 __global__ void moe_route_kernel(float* probs, int32_t* experts, float* weights, float* z, const T* logits, int N,
-                                 int E, int k, bool renorm) {
+                                 int E, int k, bool renorm, float* lse) {
   for (size_t t = gtid(); t < static_cast<size_t>(N); t += gstride()) {
     float* zt = z + t * E;
     for (int i = 0; i < E; ++i) zt[i] = math::ld(logits[t * E + i]);
+    if (lse) lse[t] = math::moe_logsumexp(zt, E);
     math::moe_route(zt, E, k, renorm, probs + t * E, experts + t * k, weights + t * k);
   }
 }
@@ -33,11 +34,13 @@ __global__ void moe_route_kernel(float* probs, int32_t* experts, float* weights,
 template <typename T>
 __global__ void moe_route_backward_kernel(T* dlogits, float* dz, const float* probs, const int32_t* experts,
                                           const float* weights, const float* dweights, const float* aux_dprob,
-                                          int group_rows, int N, int E, int k, bool renorm) {
+                                          int group_rows, int N, int E, int k, bool renorm, const float* lse,
+                                          const float* z_dlse) {
   for (size_t t = gtid(); t < static_cast<size_t>(N); t += gstride()) {
     const float* g = aux_dprob ? aux_dprob + (t / static_cast<size_t>(group_rows)) * E : nullptr;
     float* d = dz + t * E;
     math::moe_route_backward(probs + t * E, experts + t * k, weights + t * k, dweights + t * k, g, E, k, renorm, d);
+    if (z_dlse) math::moe_z_dlogits(probs + t * E, lse[t], E, z_dlse[t / static_cast<size_t>(group_rows)], d);
     for (int i = 0; i < E; ++i) dlogits[t * E + i] = math::st<T>(d[i]);
   }
 }
@@ -50,6 +53,16 @@ __global__ void moe_prob_sums_kernel(float* psum, const float* probs, int group_
     float s = psum[i];
     for (size_t t = g * group_rows; t < t1; ++t) s += probs[t * E + e];
     psum[i] = s;
+  }
+}
+
+// One thread per group: its rows' lse^2 added in order.
+__global__ void moe_z_sums_kernel(float* zsum, const float* lse, int group_rows, int N, int G) {
+  for (size_t g = gtid(); g < static_cast<size_t>(G); g += gstride()) {
+    const size_t t1 = min(static_cast<size_t>(N), (g + 1) * group_rows);
+    float s = zsum[g];
+    for (size_t t = g * group_rows; t < t1; ++t) s += lse[t] * lse[t];
+    zsum[g] = s;
   }
 }
 
@@ -97,21 +110,21 @@ namespace cuda_detail {
 
 template <typename T>
 void CudaBackend<T>::moe_route(S* probs, int32_t* experts, S* weights, const T* logits, int N, int E, int k,
-                               bool renorm) {
+                               bool renorm, S* lse) {
   if (N <= 0) return;
   float* z = static_cast<float*>(scratch(sizeof(float) * static_cast<size_t>(N) * E));
   moe_route_kernel<T><<<grid_for(static_cast<size_t>(N), kBlock), kBlock, 0, stream_>>>(probs, experts, weights, z,
-                                                                                        logits, N, E, k, renorm);
+                                                                                        logits, N, E, k, renorm, lse);
   ST_LAUNCHED("moe_route_kernel");
 }
 template <typename T>
 void CudaBackend<T>::moe_route_backward(T* dlogits, const S* probs, const int32_t* experts, const S* weights,
                                         const S* dweights, const S* aux_dprob, int group_rows, int N, int E, int k,
-                                        bool renorm) {
+                                        bool renorm, const S* lse, const S* z_dlse) {
   if (N <= 0) return;
   float* dz = static_cast<float*>(scratch(sizeof(float) * static_cast<size_t>(N) * E));
   moe_route_backward_kernel<T><<<grid_for(static_cast<size_t>(N), kBlock), kBlock, 0, stream_>>>(
-      dlogits, dz, probs, experts, weights, dweights, aux_dprob, group_rows, N, E, k, renorm);
+      dlogits, dz, probs, experts, weights, dweights, aux_dprob, group_rows, N, E, k, renorm, lse, z_dlse);
   ST_LAUNCHED("moe_route_backward_kernel");
 }
 template <typename T> void CudaBackend<T>::moe_prob_sums(S* psum, const S* probs, int group_rows, int N, int E) {
@@ -120,6 +133,12 @@ template <typename T> void CudaBackend<T>::moe_prob_sums(S* psum, const S* probs
   moe_prob_sums_kernel<<<grid_for(static_cast<size_t>(G) * E, kBlock), kBlock, 0, stream_>>>(psum, probs, group_rows,
                                                                                              N, E, G);
   ST_LAUNCHED("moe_prob_sums_kernel");
+}
+template <typename T> void CudaBackend<T>::moe_z_sums(S* zsum, const S* lse, int group_rows, int N) {
+  if (N <= 0) return;
+  const int G = (N + group_rows - 1) / group_rows;
+  moe_z_sums_kernel<<<grid_for(static_cast<size_t>(G), kBlock), kBlock, 0, stream_>>>(zsum, lse, group_rows, N, G);
+  ST_LAUNCHED("moe_z_sums_kernel");
 }
 template <typename T> void CudaBackend<T>::gather_rows(T* out, const T* in, const int32_t* idx, int n, int C) {
   if (n <= 0 || C <= 0) return;
@@ -160,10 +179,12 @@ template <typename T> void CudaBackend<T>::acc_from_host(S* dst, const S* host, 
 
 // This file's members of CudaBackend<T>, for both storage types.
 #define ST_INSTANTIATE(T)                                                                                          \
-  template void CudaBackend<T>::moe_route(float*, int32_t*, float*, const T*, int, int, int, bool);                \
+  template void CudaBackend<T>::moe_route(float*, int32_t*, float*, const T*, int, int, int, bool, float*);        \
   template void CudaBackend<T>::moe_route_backward(T*, const float*, const int32_t*, const float*, const float*,  \
-                                                   const float*, int, int, int, int, bool);                       \
+                                                   const float*, int, int, int, int, bool, const float*,          \
+                                                   const float*);                                                 \
   template void CudaBackend<T>::moe_prob_sums(float*, const float*, int, int, int);                                \
+  template void CudaBackend<T>::moe_z_sums(float*, const float*, int, int);                                        \
   template void CudaBackend<T>::gather_rows(T*, const T*, const int32_t*, int, int);                               \
   template void CudaBackend<T>::moe_combine(T*, const T*, const T*, const int32_t*, const float*, int, int, int);  \
   template void CudaBackend<T>::moe_combine_backward(T*, float*, const T*, const T*, const int32_t*, const float*, \
