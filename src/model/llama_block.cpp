@@ -107,6 +107,7 @@ typename LlamaModel<T>::Layer& LlamaModel<T>::backward_activations(Context& ctx,
     case Recompute::None:
       return a;
     case Recompute::Selective:
+      if (is_moe(l) && ep_) grow_expert_rows(a, work_.h.data());  // work_.h holds this block's expert rows
       be_.swiglu_forward(work_.h.data(), a.g.data(), a.u.data(), is_moe(l) ? expert_rows(a) * d.IE : n);
       if (o_.attention == AttentionKind::Exact)  // the probabilities only (y is kept)
         shardtrain::attention_forward<T>(be_, a.q.data(), a.k.data(), a.v.data(), work_.att.data(), nullptr, d.B, d.T_,

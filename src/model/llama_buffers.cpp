@@ -111,7 +111,7 @@ int64_t context_bytes(const ModelConfig& c, const ModelOptions& o, int B, int T_
   if (begin < 0 || begin > end || end > c.num_hidden_layers)
     throw std::invalid_argument("context_bytes: blocks [" + std::to_string(begin) + ", " + std::to_string(end) +
                                 ") are not a range of a model of " + std::to_string(c.num_hidden_layers) + " blocks");
-  const Sizes z(LlamaDims(c, tp, 0, cp, ep).with_batch(B, T_, o.loss_chunk), o, c);
+  const Sizes z(LlamaDims(c, tp, 0, cp, ep).with_batch(B, T_, o.loss_chunk), o, c, true);  // EP: as allocated
   const int64_t e = static_cast<int64_t>(E), a = E == 8 ? 8 : 4;  // Backend<T>::S: double for double, else float
   int64_t blocks = 0;  // as ensure_context
   for (int l = begin; l < end; ++l) blocks += z.block(c.is_moe_layer(l), e, a);
@@ -146,7 +146,7 @@ ActivationBytes activation_bytes(const ModelConfig& c, const ModelOptions& o, in
 template <typename T> void LlamaModel<T>::ensure(int B, int T_) {
   if (B == d_.B && T_ == d_.T_) return;
   d_ = d_.with_batch(B, T_, o_.loss_chunk);  // throws when TP does not divide B*T_
-  const Sizes z(d_, o_, c_);
+  const Sizes z(d_, o_, c_, true);  // EP: expert rows for balanced routing; they grow (grow_expert_scratch)
   auto buf = [&](int64_t n) { return Buffer<T>(be_, static_cast<size_t>(n)); };
   auto acc = [&](int64_t n) { return AccBuffer<T>(be_, static_cast<size_t>(n)); };
   work_ = Layer{};
@@ -198,7 +198,7 @@ template <typename T> void LlamaModel<T>::ensure_rows() {
 // the embedding / the head. For [0, L) exactly what activation_bytes counts besides the scratch.
 template <typename T> void LlamaModel<T>::ensure_context(Context& ctx) {
   if (ctx.B_ == d_.B && ctx.T_ == d_.T_) return;
-  const Sizes z(d_, o_, c_);
+  const Sizes z(d_, o_, c_, true);  // EP: expert rows for balanced routing; grow_expert_rows
   const BlockRange& r = ctx.r_;
   auto buf = [&](int64_t n) { return Buffer<T>(be_, static_cast<size_t>(n)); };
   auto acc = [&](int64_t n) { return AccBuffer<T>(be_, static_cast<size_t>(n)); };

@@ -3,6 +3,8 @@
 // rows: a loop of BLAS calls) and the combine; their backward. Dropless: every token reaches all K
 // of its experts. The per-token routing math is include/shardtrain/backend/moe_math.h.
 #include <algorithm>
+#include <functional>
+#include <new>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -127,6 +129,7 @@ template <typename T> void LlamaModel<T>::ep_routes(Layer& a) {
     throw std::logic_error("LlamaModel: " + std::to_string(rows) + " expert rows received, more than " +
                            std::to_string(d.er));
   a.nrecv = rows;
+  grow_expert_scratch(static_cast<size_t>(rows));
   ep_eoff_.assign(El + 1, 0);
   perm_host_.resize(2 * static_cast<size_t>(rows));
   int32_t* perm = perm_host_.data();
@@ -148,6 +151,48 @@ template <typename T> void LlamaModel<T>::ep_routes(Layer& a) {
   be_.ids_from_host(inv_.data(), inv, static_cast<size_t>(rows));
 }
 
+// Expert parallelism sizes a rank's expert-row buffers for balanced routing (B·T·k rows: the
+// memory plan's figure) and grows them to the rows the experts get (ep_routes: up to ep x that,
+// dropless), never shrinking: the scratch here, a block's kept g, u (and h) in grow_expert_rows.
+// A failed growth names the rows; the job ends (main: a failure on one rank aborts all).
+namespace {
+template <typename B> void grow_to(B& b, size_t n, const std::function<B(size_t)>& make, size_t rows, size_t slots) {
+  if (b.size() >= n) return;
+  try {
+    b = make(n);
+  } catch (const std::bad_alloc&) {
+    throw std::runtime_error("mixture of experts: this rank's experts got " + std::to_string(rows) +
+                             " routed rows in one block (" + std::to_string(slots) +
+                             " when routing is balanced), and growing their buffers to them ran out of memory; "
+                             "lower '--micro-batch' or '--seq-len', or balance the router ('router_aux_loss_coef')");
+  }
+}
+}  // namespace
+
+template <typename T> void LlamaModel<T>::grow_expert_scratch(size_t rows) {
+  const LlamaDims& d = d_;
+  const size_t C = static_cast<size_t>(d.C), IE = static_cast<size_t>(d.IE), slots = static_cast<size_t>(d.slots);
+  const std::function<Buffer<T>(size_t)> buf = [&](size_t n) { return Buffer<T>(be_, n); };
+  const std::function<IdBuffer<T>(size_t)> ids = [&](size_t n) { return IdBuffer<T>(be_, n); };
+  for (Buffer<T>* b : {&xr_, &xs_, &ys_}) grow_to(*b, rows * C, buf, rows, slots);
+  for (IdBuffer<T>* b : {&perm_, &inv_}) grow_to(*b, rows, ids, rows, slots);
+  for (Buffer<T>* b : {&dh_, &dg_, &du_}) grow_to(*b, rows * IE, buf, rows, slots);
+}
+
+// A block's g and u (a: a context's kept layer or the recomputed work_) and the buffer h points
+// into (a's or work_'s) for this block's expert rows; returns h, moved when it grew.
+template <typename T> T* LlamaModel<T>::grow_expert_rows(Layer& a, T* h) {
+  const size_t n = expert_rows(a) * static_cast<size_t>(d_.IE), rows = expert_rows(a), slots = static_cast<size_t>(d_.slots);
+  const std::function<Buffer<T>(size_t)> buf = [&](size_t k) { return Buffer<T>(be_, k); };
+  grow_to(a.g, n, buf, rows, slots);
+  grow_to(a.u, n, buf, rows, slots);
+  if (!h) return h;
+  Buffer<T>& hb = h == work_.h.data() ? work_.h : a.h;
+  if (h != hb.data()) throw std::logic_error("LlamaModel::grow_expert_rows: h is neither the block's nor work_'s");
+  grow_to(hb, n, buf, rows, slots);
+  return hb.data();
+}
+
 // n2 = rmsnorm(x1) is in ln_ (no TP). Router logits z = n2 Wr^T [BT, E] in T, routing in S; the
 // gathered rows xe [slots, C]; expert e's rows [r0, r1): g = xe We_gate^T, u = xe We_up^T
 // ([rows, IE]), h = silu(g) u, ye = h We_down^T [rows, C]; x_next = x1 + sum_j w_j ye[pos(t, j)].
@@ -165,6 +210,7 @@ template <typename T> void LlamaModel<T>::moe_forward(const T* w, Layer& a, T* h
     for (size_t e = 0; e < mine.size(); ++e) mine[e] = a.eoff[e + 1] - a.eoff[e];
     a.ecnt = ep_->all_gather_counts(mine);
     ep_routes(a);
+    h = grow_expert_rows(a, h);
     const int e0 = ep_->rank() * d.El;
     const size_t rows = static_cast<size_t>(a.nrecv);
     ep_->all_to_all(xe_.data(), ep_send_, xr_.data(), ep_recv_, static_cast<size_t>(d.C));

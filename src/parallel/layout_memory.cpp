@@ -142,7 +142,9 @@ LayoutMemory layout_memory(const LayoutMemoryInput& in) {
                        "a packed slab and Open MPI's temporary, each <= 16 MiB"});
   }
   const int vl = (mc.vocab_size + N - 1) / N;  // vocabulary rows per TP rank
-  lm.activations = activation_bytes(mc, mo, B, cpm.rows, in.elem_bytes, 4, N, d.cp, d.ep);
+  // Under EP the expert rows are allocated for balanced routing and grow with the imbalance
+  // (LlamaModel::grow_expert_rows): the plan counts what is allocated, and says the worst case.
+  lm.activations = activation_bytes(mc, mo, B, cpm.rows, in.elem_bytes, 4, N, d.cp, d.ep, true);
   const std::string geo = cpm.rows_words + ", " + recompute_name(mo.recompute) + " recompute, " +
                           attention_name(mo.attention) + " attention" +
                           (mo.mask == AttentionMask::Document ? ", document mask" : "");
@@ -151,21 +153,25 @@ LayoutMemory layout_memory(const LayoutMemoryInput& in) {
       " tokens x " + with_commas(vl) + (N > 1 ? " vocabulary rows of this TP rank" : " vocabulary");
   const ActivationBytes& a = lm.activations;
   // Expert parallelism: an MoE block's expert rows (g, u, h, their gradients, the exchange's
-  // buffers) are sized for the worst case dropless allows, ep x B·T·k rows (model.h); with balanced
-  // routing a rank's experts get B·T·k of them. Both figures, for the two lines below.
+  // buffers) are allocated for balanced routing, B·T·k rows, and grow to the rows a rank's experts
+  // get, up to ep x B·T·k (dropless: every slot of the EP group on this rank's experts; model.h).
+  // The lines count the first; the worst case is said in them and as a second total.
   std::string ep_kept, ep_scratch;
   if (mc.is_moe() && d.ep > 1) {
-    const ActivationBytes one = activation_bytes(mc, mo, B, cpm.rows, in.elem_bytes, 4, N, d.cp, d.ep, true);
+    const ActivationBytes worst = activation_bytes(mc, mo, B, cpm.rows, in.elem_bytes, 4, N, d.cp, d.ep);
     const int64_t slots = rows * mc.num_experts_per_tok;
     auto mib = [](int64_t b) {
       char t[32];
       std::snprintf(t, sizeof t, "%.1f MiB", static_cast<double>(b) / (1 << 20));
       return std::string(t);
     };
-    const std::string rows_words = "expert rows sized for ep " + std::to_string(d.ep) + " x " + with_commas(slots) +
-                                   " slots (the worst case: every slot of the EP group to this rank's experts)";
-    ep_kept = "; MoE: " + rows_words + ", " + mib(one.per_layer) + " when routing is balanced";
-    ep_scratch = "; MoE: " + rows_words + ", " + mib(one.block_scratch) + " when routing is balanced";
+    const std::string rows_words = "expert rows for balanced routing, " + with_commas(slots) +
+                                   " per block; growing with the imbalance up to ";
+    ep_kept = "; MoE: " + rows_words + mib(worst.per_layer) + " (ep " + std::to_string(d.ep) + " x those rows)";
+    ep_scratch = "; MoE: " + rows_words + mib(worst.block_scratch);
+    if (!pp) lm.ep_worst_extra = worst.total() - a.total();
+    lm.ep_worst_words = "every slot of the EP group routed to this rank's experts: --ep " + std::to_string(d.ep) +
+                        " x " + with_commas(slots) + " expert rows per block";
   }
   if (!pp)
     lm.kept.push_back({"activations kept for backward", a.per_layer,

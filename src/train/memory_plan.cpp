@@ -51,6 +51,11 @@ std::string MemoryPlan::format(const std::string& title) const {
   }
   std::snprintf(b, sizeof b, "%10.1f MiB", static_cast<double>(total()) / (1 << 20));
   os << "  " << b << "  total per rank";
+  if (worst_extra > 0) {
+    std::snprintf(b, sizeof b, "%10.1f MiB", static_cast<double>(total() + worst_extra) / (1 << 20));
+    os << " (mixture of experts: routing balanced)\n  " << b << "  total per rank at the worst routing imbalance ("
+       << worst_words << ")";
+  }
   return os.str();
 }
 
@@ -146,6 +151,8 @@ MemoryPlan plan_memory(const MemoryPlanInput& in) {
   MemoryPlan p;
   p.stage_of = lm.stage_of;
   p.stage_schedule = lm.stage_schedule;
+  p.worst_extra = lm.ep_worst_extra;
+  p.worst_words = lm.ep_worst_words;
   auto add = [&](std::string name, int64_t bytes, std::string detail) {
     p.lines.push_back({std::move(name), bytes, std::move(detail), false});
   };

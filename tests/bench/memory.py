@@ -24,9 +24,10 @@ import time
 BIN, TOK, OUT = sys.argv[1], sys.argv[2], sys.argv[3]
 QUICK = "--quick" in sys.argv
 # Parts to run (MEMORY_PARTS, comma-separated): checks (plan vs measured), cp (context parallelism:
-# plan vs measured at T = 16,384, cp 1, 2, 4), recompute (modes: memory and step time; wants a quiet
-# machine), gpu (plans only).
-PARTS = os.environ.get("MEMORY_PARTS", "checks,cp,recompute,gpu").split(",")
+# plan vs measured at T = 16,384, cp 1, 2, 4), moe (expert parallelism: the balanced plan vs a
+# balanced router at ep 1, 2, 4, the worst-case plan vs a router forced onto two experts; needs the
+# venv's transformers), recompute (modes: memory and step time; wants a quiet machine), gpu (plans only).
+PARTS = os.environ.get("MEMORY_PARTS", "checks,cp,moe,recompute,gpu").split(",")
 HERE = os.path.dirname(os.path.abspath(__file__))
 os.makedirs(OUT, exist_ok=True)
 ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
@@ -48,11 +49,11 @@ with open(cut, "w") as f:
     json.dump(LLAMA1B_CUT, f)
 
 
-def train(name, np_, model, seq, mb, ckpt, steps=2, extra=(), cp=1):
+def train(name, np_, model, seq, mb, ckpt, steps=2, extra=(), cp=1, data=TOK):
     metrics = os.path.join(OUT, f"mem-{name}.jsonl")
     log = os.path.join(OUT, f"mem-{name}.log")
     # The cp ranks of a CP group read the same rows: mb rows per data-parallel rank.
-    cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(np_), BIN, "--data", TOK,
+    cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(np_), BIN, "--data", data,
            "--model", model, "--seq-len", str(seq), "--micro-batch", str(mb), "--global-batch", str(mb * np_ // cp),
            "--steps", str(steps), "--warmup", "1", "--log-every", "1", "--eval-every", "0", "--eval-batches", "1",
            "--activation-checkpointing", ckpt, "--threads", str(max(1, 2 // np_)), "--metrics", metrics,
@@ -67,15 +68,17 @@ def train(name, np_, model, seq, mb, ckpt, steps=2, extra=(), cp=1):
         raise SystemExit(f"{name}: exit {p.returncode}; see {log}\n" + (p.stdout + p.stderr)[-3000:])
     text = p.stdout + p.stderr
     plan = float(re.search(r"([\d.]+) MiB  total per rank", text).group(1))
+    worst = re.search(r"([\d.]+) MiB  total per rank at the worst routing imbalance", text)
     hwm = [float(x) for x in re.search(r"VmHWM\) per rank ([\d, ]+) MiB", text).group(1).split(",")]
     rows = [json.loads(l) for l in open(metrics) if '"loss"' in l]
     el = [r["elapsed_s"] for r in rows]
     step_s = (el[-1] - el[0]) / (len(el) - 1) if len(el) > 1 else el[0]
-    return {"name": name, "np": np_, "plan": plan, "hwm": hwm, "step_s": step_s, "wall": time.time() - t0, "cpu_s": cpu_s}
+    return {"name": name, "np": np_, "plan": plan, "hwm": hwm, "step_s": step_s, "wall": time.time() - t0, "cpu_s": cpu_s,
+            "worst": float(worst.group(1)) if worst else plan}
 
 
 def pct(r):
-    return 100.0 * (max(r["hwm"]) / r["plan"] - 1.0)
+    return 100.0 * (max(r["hwm"]) / r.get("against", r["plan"]) - 1.0)
 
 
 lines = ["| configuration | ranks | plan MiB/rank | measured VmHWM MiB per rank | largest vs plan |",
@@ -116,6 +119,82 @@ if "cp" in PARTS:
         lines.append(f"| cp-config.json (C 128, 2 layers) | {cp} | {how if cp > 1 else '-'} | {r['plan']:.0f} | "
                      f"{', '.join(f'{h:.0f}' for h in r['hwm'])} | {pct(r):+.1f}% | {r['plan'] / base['plan']:.3f} | "
                      f"{max(r['hwm']) / max(base['hwm']):.3f} |")
+        print(lines[-1], flush=True)
+
+# Expert parallelism (issue 56): tests/bench/moe-config.json (Mixtral style, E 8, k 2, C 256, IE 512,
+# 4 layers) at 4 ranks, seq 256, micro-batch 8, no activation checkpointing. The expert rows are
+# allocated for balanced routing (B·T·k per block) and grow to what a rank's experts get, so the
+# plan's total (balanced) is checked on a run whose routing is balanced by construction, at ep 1,
+# 2 and 4, and its total at the worst imbalance on a run whose every slot lands on one rank's
+# experts, at ep 2 and 4; each within 10%. Both models are made by transformers (the venv's) and
+# imported: "balanced" embeds token t as 10 x the unit vector t mod C (attention and experts from
+# the init are small beside it, so every block's router sees about the token) and its routers
+# score expert c mod E at 2 and (c + 1) mod E at 1 for that unit vector, so token t takes experts
+# t mod 8 and t + 1 mod 8; the data is 400,000 characters drawn uniformly from the 94 printable
+# ASCII ones (written and prepared here), so every expert gets about 1 / 4 of the slots. "skewed"
+# has zero routers: every logit ties, ties go to the lower index, every slot to experts 0 and 1,
+# which are on EP rank 0 at ep 2 and 4. (A router from the init is far from balanced on the
+# fortunes: experts max/mean 3.6 to 3.9 of the worst 4.)
+VENV_PY = os.path.join(HERE, "..", "..", ".venv", "bin", "python")
+MAKE_MOE = """
+import json, sys, torch
+from transformers import MixtralConfig, MixtralForCausalLM
+cfg = json.load(open(sys.argv[1]))
+cfg = {k: v for k, v in cfg.items() if k not in ("architectures", "model_type")}
+E, C, V = cfg["num_local_experts"], cfg["hidden_size"], cfg["vocab_size"]
+for kind, out in (("balanced", sys.argv[2]), ("skewed", sys.argv[3])):
+    torch.manual_seed(0)
+    m = MixtralForCausalLM(MixtralConfig(**cfg)).float()
+    with torch.no_grad():
+        if kind == "balanced":
+            m.model.embed_tokens.weight.zero_()
+            for t in range(V):
+                m.model.embed_tokens.weight[t, t % C] = 10.0
+        for n, p in m.named_parameters():
+            if n.endswith("gate.weight") and "experts" not in n:  # the router (mlp.gate in transformers 5)
+                p.zero_()
+                if kind == "balanced":
+                    for c in range(C):
+                        p[c % E, c] = 2.0
+                        p[(c + 1) % E, c] = 1.0
+    m.save_pretrained(out, safe_serialization=True)
+"""
+if "moe" in PARTS:
+    dirs = {k: os.path.join(OUT, f"moe-{k}") for k in ("balanced", "skewed")}
+    mk = subprocess.run([VENV_PY, "-c", MAKE_MOE, os.path.join(HERE, "moe-config.json"), dirs["balanced"], dirs["skewed"]],
+                        env=ENV, capture_output=True, text=True)
+    if mk.returncode != 0:
+        raise SystemExit("making the MoE models: " + (mk.stdout + mk.stderr)[-2000:])
+    for k, d in dirs.items():
+        if os.path.exists(d + ".h5"):  # import never overwrites
+            os.remove(d + ".h5")
+        im = subprocess.run(["mpirun", "--oversubscribe", "-np", "1", BIN, "--mode", "import", "--hf-dir", d, "--out",
+                             d + ".h5"], env=ENV, capture_output=True, text=True)
+        if im.returncode != 0:
+            raise SystemExit(f"importing the {k} MoE model: " + (im.stdout + im.stderr)[-2000:])
+    import random
+    rng = random.Random(1)
+    text = os.path.join(OUT, "uniform.txt")
+    with open(text, "w") as f:
+        f.write("".join(chr(rng.randrange(33, 127)) for _ in range(400000)))
+    uniform = os.path.join(OUT, "uniform.tok")
+    pr = subprocess.run([BIN, "--mode", "prepare", "--input", text, "--out", uniform], env=ENV, capture_output=True,
+                        text=True)
+    if pr.returncode != 0:
+        raise SystemExit("preparing the uniform text: " + (pr.stdout + pr.stderr)[-2000:])
+    lines += ["", "| moe-config.json (E 8, k 2), 4 ranks, seq 256, micro-batch 8, none | router | experts max/mean "
+              "(worst block, step 1) | plan MiB/rank (the total compared) | measured VmHWM MiB per rank | largest vs "
+              "plan |", "|---|---|---|---|---|---|"]
+    for ep, kind in [(1, "balanced"), (2, "balanced"), (4, "balanced"), (2, "skewed"), (4, "skewed")]:
+        d = dirs[kind]
+        r = train(f"moe-ep{ep}-{kind}", 4, os.path.join(d, "config.json"), 256, 8, "none", steps=2,
+                  extra=("--ep", str(ep), "--init-from", d + ".h5"), data=uniform)
+        r["against"] = r["worst"] if kind == "skewed" else r["plan"]
+        results.append(r)
+        load = re.search(r"experts max/mean ([\d.]+)", open(os.path.join(OUT, f"mem-moe-ep{ep}-{kind}.log")).read())
+        lines.append(f"| ep {ep} | {kind} | {load.group(1) if load else '?'} | {r['against']:.0f} "
+                     f"({'the worst imbalance' if kind == 'skewed' else 'balanced'}) | "
+                     f"{', '.join(f'{h:.0f}' for h in r['hwm'])} | {pct(r):+.1f}% |")
         print(lines[-1], flush=True)
 
 lines += ["", "| model | recompute | plan MiB/rank | measured VmHWM MiB (max over ranks) | step time s (best of rounds) "

@@ -35,6 +35,7 @@
 #include "shardtrain/parallel/expert_parallel.h"
 #include "shardtrain/shard/shard.h"
 #include "../test_env.h"
+#include "counting_backend.h"
 
 namespace st = shardtrain;
 
@@ -356,6 +357,64 @@ TEST(Moe, ExpertParallelIsExactAgainstOneRank) {
         std::printf("[ MoE EP ] W %d, %s: loss %.15g vs %.15g, worst gradient rel diff %.1e, grad norm %.15g vs "
                     "%.15g\n",
                     W, what.c_str(), loss, want, worst, std::sqrt(got.norm2), std::sqrt(ref.norm2));
+    }
+  }
+}
+
+// Expert parallelism allocates an MoE block's expert rows for balanced routing (B·T·k per rank,
+// activation_bytes(..., balanced): the memory plan's figure) and grows them to the rows a rank's
+// experts get. A router forced onto experts 0 and 1 (every router weight zero: ties go to the lower
+// index) sends every slot of the EP group to EP rank 0: after a training step, in every recompute
+// mode, rank 0 holds exactly the worst case activation_bytes(..., ep) counts, every other rank
+// still the balanced figure (their experts got no rows); a second step allocates nothing more.
+TEST(Moe, ExpertRowsGrowToTheWorstCase) {
+  st::Comm& c = st::testing::comm();
+  const int W = c.world_size(), T = 12, B = 2;
+  if (W != 2 && W != 4) GTEST_SKIP() << "EP groups of 2 and 4 ranks: needs W 2 or 4, got " << W;
+  const st::ModelConfig mc = layout_config();
+  std::mt19937 g(95);
+  std::vector<int32_t> tok(static_cast<size_t>(B) * T), tgt(tok.size());
+  for (auto& t : tok) t = static_cast<int32_t>(g() % 53);
+  for (auto& t : tgt) t = static_cast<int32_t>(g() % 53);
+  for (int n : {2, 4}) {
+    if (n > W) continue;
+    for (st::Recompute rc : {st::Recompute::None, st::Recompute::Selective, st::Recompute::Full}) {
+      const std::string what = "ep " + std::to_string(n) + ", recompute " + st::recompute_name(rc);
+      st::MpiComm epc = st::MpiComm::split(c, c.rank() / n, c.rank());
+      st::EpGroup<double> ep(epc, epc);
+      auto cpu = st::make_cpu_backend<double>();
+      st::Fsdp<double> f(*cpu, c, st::ShardPlan::build(st::llama_units(mc), W), &c, nullptr);
+      f.init_params(56);
+      for (int l = 0; l < mc.num_hidden_layers; ++l)
+        if (mc.is_moe_layer(l))
+          f.set_param("model.layers." + std::to_string(l) + ".mlp.gate.weight",
+                      std::vector<double>(static_cast<size_t>(mc.num_experts) * mc.hidden_size, 0.0));
+      st::ModelOptions o;
+      o.recompute = rc;
+      st::testing::CountingBackend<double> be;
+      {
+        st::LlamaModel<double> m(mc, be, o, nullptr, nullptr, &ep);
+        m.reserve(B, T);
+        const int64_t balanced = st::activation_bytes(mc, o, B, T, 8, 8, 1, 1, n, true).total();
+        const int64_t worst = st::activation_bytes(mc, o, B, T, 8, 8, 1, 1, n).total();
+        EXPECT_EQ(static_cast<int64_t>(be.live_bytes()), balanced) << what << ": at reserve";
+        for (int step = 0; step < 2; ++step) {
+          f.zero_grads();
+          f.begin_pass("train");
+          m.forward(f, tok.data(), B, T);
+          m.head_backward(f, tgt.data(), 1.0);
+          m.set_aux_grad_scale(0.01, 0.001);
+          m.backward(f);
+          f.end_pass();
+          EXPECT_EQ(static_cast<int64_t>(be.live_bytes()), epc.rank() == 0 ? worst : balanced)
+              << what << ", step " << step + 1 << ", EP rank " << epc.rank();
+        }
+        if (c.rank() == 0)
+          std::printf("[ MoE EP memory ] %s: balanced %lld B, worst %lld B (EP rank 0 after a step with every slot "
+                      "on its experts)\n",
+                      what.c_str(), static_cast<long long>(balanced), static_cast<long long>(worst));
+      }
+      EXPECT_EQ(be.live_bytes(), 0u) << what;
     }
   }
 }

@@ -255,9 +255,11 @@ struct ActivationBytes {
 // tp: the TP degree (sequence-parallel rows B*T/tp, local heads and intermediate slice). cp: the CP
 // degree, T_ the rows of each sequence a rank holds (T / cp): the RoPE tables cover cp * T_
 // positions, and the layout's ids are kept as with mask Document (positions are required).
-// ep: the EP degree (an MoE block's expert rows sized N x B*T*K, and the exchange's buffers);
-// balanced: those rows sized B*T*K instead, what balanced routing fills (the memory plan's second
-// figure; the model allocates the worst case).
+// ep: the EP degree (an MoE block's expert rows sized N x B*T*K, and the exchange's buffers: the
+// worst case dropless allows, every slot of the EP group on this rank's experts); balanced: those
+// rows sized B*T*K instead, what balanced routing fills and what the model allocates at reserve()
+// (the memory plan's figure). Under EP the model grows them to the rows its experts get (grow-only),
+// so a run's peak lies between the two.
 ActivationBytes activation_bytes(const ModelConfig& c, const ModelOptions& o, int B, int T_, size_t elem_bytes,
                                  size_t acc_bytes, int tp = 1, int cp = 1, int ep = 1, bool balanced = false);
 
@@ -653,6 +655,8 @@ template <typename T> class LlamaModel {
   // received and expert-major (perm_: expert-major row r is received row perm_[r]; inv_ its
   // inverse), in backend memory; a.nrecv. No communication.
   void ep_routes(Layer& a);
+  void grow_expert_scratch(size_t rows);   // EP: the scratch for a block's expert rows (llama_moe.cpp)
+  T* grow_expert_rows(Layer& a, T* h);     // ... a's g, u and h's buffer; returns h
   // Rows of an MoE block's expert buffers (g, u, h) filled for `a`: a.nrecv under EP, else slots.
   size_t expert_rows(const Layer& a) const { return static_cast<size_t>(ep_ ? a.nrecv : d_.slots); }
   bool is_moe(int l) const { return !moe_layer_.empty() && moe_layer_[static_cast<size_t>(l)]; }
@@ -752,9 +756,10 @@ template <typename T> class LlamaModel {
   Buffer<T> xe_, dye_, rl_;
   AccBuffer<T> dwts_;
   std::vector<int32_t> ex_host_, sort_host_;
-  // EP only (empty without): the rows received [er, C], the same expert-major (the experts' inputs
-  // in backward), the experts' outputs / gradients expert-major; the permutations [er] (ep_routes)
-  // and their host side.
+  // EP only (empty without): the rows received [rows, C], the same expert-major (the experts'
+  // inputs in backward), the experts' outputs / gradients expert-major; the permutations [rows]
+  // (ep_routes) and their host side. Sized for balanced routing (rows = B·T·k) and grown to the
+  // most rows a block's experts got (grow_expert_scratch; up to er, the worst case).
   Buffer<T> xr_, xs_, ys_;
   IdBuffer<T> perm_, inv_;
   std::vector<size_t> ep_send_, ep_recv_;

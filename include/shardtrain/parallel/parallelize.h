@@ -309,6 +309,11 @@ struct LayoutMemory {
   // activation_bytes (model.h) for the rows this rank holds: B x T / cp (cp_memory's rows), 1 / tp
   // of them under sequence parallelism; its `recompute` is the plan's recomputed-activations line.
   ActivationBytes activations;
+  // Expert parallelism (one stage): the bytes more that the worst routing imbalance grows the
+  // expert rows to (activation_bytes' worst case less the balanced figure counted above), and its
+  // words; 0 and "" otherwise.
+  int64_t ep_worst_extra = 0;
+  std::string ep_worst_words;
   // After the FSDP buffers: with a pipeline under --pp-reshard per-step, the stage's units gathered
   // and their gradient accumulators through the step.
   std::vector<MemoryLine> held;

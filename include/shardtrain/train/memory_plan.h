@@ -95,7 +95,12 @@ struct MemoryPlan {
   // m micro-batches per step)" (--mode plan).
   std::string stage_of, stage_schedule;
   int64_t total() const;  // the lines' bytes, host lines excepted
-  // A table for the log: one line per item, MiB and detail, then the total.
+  // Expert parallelism: the bytes the worst routing imbalance adds to total() (the expert rows grow
+  // to it) and its words; 0 otherwise (LayoutMemory::ep_worst_extra).
+  int64_t worst_extra = 0;
+  std::string worst_words;
+  // A table for the log: one line per item, MiB and detail, then the total (and, worst_extra > 0,
+  // the total at the worst routing imbalance).
   std::string format(const std::string& title) const;
 };
 

@@ -16,6 +16,8 @@
 #include <cstring>
 #include <new>
 
+#include <sys/mman.h>
+
 namespace shardtrain {
 namespace cpu {
 namespace {
@@ -44,7 +46,7 @@ void prepare_threads() {
 template <typename T> CpuBackend<T>::CpuBackend() { prepare_threads(); }
 
 template <typename T> T* CpuBackend<T>::alloc(size_t n) { return static_cast<T*>(aligned_zeroed(n * sizeof(T))); }
-template <typename T> void CpuBackend<T>::free(T* p) { std::free(p); }
+template <typename T> void CpuBackend<T>::free(T* p) { aligned_free(p); }
 template <typename T> void CpuBackend<T>::zero(T* p, size_t n) {
   par_ranges(n, 16 * kGrain, [&](size_t b, size_t e) { std::memset(p + b, 0, (e - b) * sizeof(T)); });
 }
@@ -60,14 +62,14 @@ template <typename T> void CpuBackend<T>::from_host(T* d, const T* h, size_t n) 
 template <typename T> int32_t* CpuBackend<T>::alloc_ids(size_t n) {
   return static_cast<int32_t*>(aligned_zeroed(n * sizeof(int32_t)));
 }
-template <typename T> void CpuBackend<T>::free_ids(int32_t* p) { std::free(p); }
+template <typename T> void CpuBackend<T>::free_ids(int32_t* p) { aligned_free(p); }
 template <typename T> void CpuBackend<T>::ids_from_host(int32_t* d, const int32_t* h, size_t n) {
   if (n) std::memmove(d, h, n * sizeof(int32_t));
 }
 template <typename T> auto CpuBackend<T>::alloc_acc(size_t n) -> S* {
   return static_cast<S*>(aligned_zeroed(n * sizeof(S)));
 }
-template <typename T> void CpuBackend<T>::free_acc(S* p) { std::free(p); }
+template <typename T> void CpuBackend<T>::free_acc(S* p) { aligned_free(p); }
 template <typename T> void CpuBackend<T>::copy_2d(T* d, size_t ldd, const T* s, size_t lds, size_t rows, size_t cols) {
   if (rows == 0 || cols == 0) return;
   par_ranges(rows, std::max<size_t>(1, 16 * kGrain / cols), [&](size_t b, size_t e) {
@@ -78,12 +80,49 @@ template <typename T> void CpuBackend<T>::zero_acc(S* p, size_t n) {
   par_ranges(n, 16 * kGrain, [&](size_t b, size_t e) { std::memset(p + b, 0, (e - b) * sizeof(S)); });
 }
 
+// Buffers of 1 MiB or more are mapped pages of their own (mmap), returned to the system when
+// freed; smaller ones come from malloc. Freeing a large malloc'ed block would raise glibc's
+// dynamic mmap threshold to its size, after which blocks up to that size come from the heap, whose
+// holes stay resident: a buffer replaced by a larger one (expert parallelism's grow-only expert
+// rows) then kept the process's peak memory tens of MiB above the plan (docs/moe.md). A 64-byte
+// header before each buffer records how it was obtained.
+namespace {
+constexpr size_t kAllocHeader = 64, kMapFrom = size_t{1} << 20;
+constexpr uint64_t kAllocMagic = 0x7368617264616c63ULL;  // "shardalc"
+struct AllocHeader {
+  uint64_t magic, bytes, mapped;
+};
+}  // namespace
+
 template <typename T> void* CpuBackend<T>::aligned_zeroed(size_t bytes) {
   bytes = std::max<size_t>(64, ((bytes + 63) / 64) * 64);
-  void* p = std::aligned_alloc(64, bytes);
-  if (!p) throw std::bad_alloc();
-  std::memset(p, 0, bytes);
-  return p;
+  const size_t total = bytes + kAllocHeader;
+  const bool mapped = total >= kMapFrom;
+  char* base = nullptr;
+  if (mapped) {
+    void* m = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED) throw std::bad_alloc();
+    base = static_cast<char*>(m);
+  } else {
+    base = static_cast<char*>(std::aligned_alloc(64, total));
+    if (!base) throw std::bad_alloc();
+  }
+  const AllocHeader h{kAllocMagic, bytes, mapped ? 1u : 0u};
+  std::memcpy(base, &h, sizeof h);
+  std::memset(base + kAllocHeader, 0, bytes);  // touched: resident, as the memory plan counts it
+  return base + kAllocHeader;
+}
+
+template <typename T> void CpuBackend<T>::aligned_free(void* p) {
+  if (!p) return;
+  char* base = static_cast<char*>(p) - kAllocHeader;
+  AllocHeader h;
+  std::memcpy(&h, base, sizeof h);
+  if (h.magic != kAllocMagic) std::abort();  // not this backend's buffer: memory is corrupt
+  if (h.mapped)
+    munmap(base, h.bytes + kAllocHeader);
+  else
+    std::free(base);
 }
 
 // The class for the three element types: the members defined so far (this file's and the header's

@@ -235,7 +235,8 @@ template <typename T> class CpuBackend final : public Backend<T> {
   }
 
   // ---- cpu_backend.cpp ----
-  static void* aligned_zeroed(size_t bytes);
+  static void* aligned_zeroed(size_t bytes);  // 64-byte aligned, zeroed; freed by aligned_free
+  static void aligned_free(void* p);
 
   // ---- gemm.cpp ----
   static void gemm1(bool ta, bool tb, int M, int N, int K, S alpha, const T* Am, int lda, const T* B, int ldb, S beta,
