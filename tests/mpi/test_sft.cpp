@@ -161,6 +161,30 @@ Step run_step(st::Comm& comm, const st::MeshDims& d, st::PipelineKind kind, cons
   return s;
 }
 
+// The W = 1 model (init_params(11), the document mask) and the packed rows (seed 3, global batch
+// kG) run_step uses, for calling the model directly on rows as the trainer reads them.
+struct OneRank {
+  OneRank(st::Comm& self, const st::ModelConfig& mc, const st::TokenDataset& data)
+      : mesh(self, st::testing::g_runtime->topo(), st::MeshDims{1, 1, 1, 1, 1}, 0),
+        f(*be, mesh, st::ShardPlan::build(st::llama_units(mc), 1)),
+        units(*be, std::make_unique<st::IdentityCodec<double>>(f)),
+        model(mc, *be, [] {
+          st::ModelOptions mo;
+          mo.mask = st::AttentionMask::Document;
+          return mo;
+        }()),
+        pb(data, st::PackOptions{kT, st::PackMode::BestFit, st::MaxLengthPolicy::Truncate, st::TrainOn::Assistant}, 3,
+           kG) {
+    f.init_params(11);
+  }
+  std::unique_ptr<st::Backend<double>> be = st::make_cpu_backend<double>();
+  st::Mesh mesh;
+  st::ShardedState<double> f;
+  st::UnitPipeline<double> units;
+  st::LlamaModel<double> model;
+  st::PackedBatches pb;
+};
+
 // The little-endian float64 file `path` whole (its size a multiple of 8, at most 1 GiB).
 std::vector<double> read_f64(const std::string& path) {
   std::ifstream in(path, std::ios::binary | std::ios::ate);
@@ -216,16 +240,10 @@ TEST(Sft, GlobalMeanDiffersFromTheMeanOfMicroBatchMeans) {
   const st::ModelConfig mc = st::testing::pipeline_test_config(false, "sft-test");
   const st::TokenDataset data(sft_file());
   st::MpiComm self = st::MpiComm::split(c, c.rank(), 0);
-  const st::Mesh mesh(self, st::testing::g_runtime->topo(), st::MeshDims{1, 1, 1, 1, 1}, 0);
-  auto be = st::make_cpu_backend<double>();
-  st::ShardedState<double> f(*be, mesh, st::ShardPlan::build(st::llama_units(mc), 1));
-  f.init_params(11);
-  st::UnitPipeline<double> units(*be, std::make_unique<st::IdentityCodec<double>>(f));
-  st::ModelOptions mo;
-  mo.mask = st::AttentionMask::Document;
-  st::LlamaModel<double> model(mc, *be, mo);
-  const st::PackedBatches pb(
-      data, st::PackOptions{kT, st::PackMode::BestFit, st::MaxLengthPolicy::Truncate, st::TrainOn::Assistant}, 3, kG);
+  OneRank one(self, mc, data);
+  st::LlamaModel<double>& model = one.model;
+  st::UnitPipeline<double>& units = one.units;
+  const st::PackedBatches& pb = one.pb;
   std::vector<int32_t> tok(kT), tgt(kT), doc(kT), pos(kT);
   double sum = 0, mean_of_means = 0;
   int64_t n = 0, fewest = kT, most = 0;
@@ -275,16 +293,10 @@ TEST(Sft, MoeLoadBalancingLossOfPaddedRowsIsExactAtEveryLayout) {
   ASSERT_GT(ref.z, 0.0);
   // The reference: every row's real tokens alone through the model, as the runner reads them.
   {
-    auto be = st::make_cpu_backend<double>();
-    const st::Mesh one(self, st::testing::g_runtime->topo(), st::MeshDims{1, 1, 1, 1, 1}, 0);
-    st::ShardedState<double> f(*be, one, st::ShardPlan::build(st::llama_units(mc), 1));
-    f.init_params(11);
-    st::UnitPipeline<double> units(*be, std::make_unique<st::IdentityCodec<double>>(f));
-    st::ModelOptions mo;
-    mo.mask = st::AttentionMask::Document;
-    st::LlamaModel<double> model(mc, *be, mo);
-    const st::PackedBatches pb(
-        data, st::PackOptions{kT, st::PackMode::BestFit, st::MaxLengthPolicy::Truncate, st::TrainOn::Assistant}, 3, kG);
+    OneRank one(self, mc, data);
+    st::LlamaModel<double>& model = one.model;
+    st::UnitPipeline<double>& units = one.units;
+    const st::PackedBatches& pb = one.pb;
     std::vector<int32_t> tok(kT), tgt(kT), doc(kT), pos(kT), real(kT);
     double aux = 0, z = 0;
     int padded = 0;
