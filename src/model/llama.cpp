@@ -329,10 +329,12 @@ void LlamaModel<T>::forward(UnitSource<T>& f, Context& ctx, const int32_t* token
           be_.moe_z_sums(ctx.zsum_.data() + g, act.zlse.data() + t0, t1 - t0, t1 - t0);
         });
       }
+      kept.routed.assign(static_cast<size_t>(d.E), 0);  // expert_counts: the real tokens' slots
       for (size_t i = 0; i < ex_host_.size(); ++i)
-        if (ctx.real_.empty() || ctx.real_[i / static_cast<size_t>(d.K)] != 0)
+        if (ctx.real_.empty() || ctx.real_[i / static_cast<size_t>(d.K)] != 0) {
           ctx.counts_[(i / static_cast<size_t>(d.K)) / static_cast<size_t>(grp) * d.E + ex_host_[i]] += 1;
-      if (o_.recompute == Recompute::Full) kept.eoff = act.eoff;  // expert_counts reads the context's
+          ++kept.routed[static_cast<size_t>(ex_host_[i])];
+        }
     }
   }
 
@@ -588,10 +590,7 @@ template <typename T> double LlamaModel<T>::moe_z_loss(const Context& ctx) const
 
 template <typename T> std::vector<int64_t> LlamaModel<T>::expert_counts(const Context& ctx, int l) const {
   if (!is_moe(l) || l < ctx.r_.begin || l >= ctx.r_.end) return {};
-  const std::vector<int32_t>& o = ctx.layers_[static_cast<size_t>(l - ctx.r_.begin)].eoff;
-  std::vector<int64_t> n;
-  for (size_t e = 0; e + 1 < o.size(); ++e) n.push_back(o[e + 1] - o[e]);
-  return n;
+  return ctx.layers_[static_cast<size_t>(l - ctx.r_.begin)].routed;
 }
 
 template <typename T> std::vector<T> LlamaModel<T>::logits() {

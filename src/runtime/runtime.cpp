@@ -435,13 +435,21 @@ class MpiComm::P2pRequest final : public Comm::Request {
   bool done_ = false;
 };
 
+// The watchdog's name of a point-to-point transfer: the collective its tag reserves, else send / receive.
+static const char* p2p_name(int tag, bool recv) {
+  if (tag == Comm::kRingShiftTag) return recv ? "ring_shift (receive)" : "ring_shift (send)";
+  if (tag == Comm::kAllToAllTag) return recv ? "all_to_all_v (receive; expert parallelism's dispatch or combine)"
+                                             : "all_to_all_v (send; expert parallelism's dispatch or combine)";
+  return recv ? "receive" : "send";
+}
+
 std::unique_ptr<Comm::Request> MpiComm::start_send_impl(const void* send, size_t count, DType t, int peer, int tag) {
-  auto q = std::make_unique<P2pRequest>(wd_, tag == kRingShiftTag ? "ring_shift (send)" : "send");
+  auto q = std::make_unique<P2pRequest>(wd_, p2p_name(tag, false));
   check_mpi(MPI_Isend(send, to_count(count, "send"), mpi_type(t), peer, tag, as_mpi(comm_), &q->r), "MPI_Isend");
   return q;
 }
 std::unique_ptr<Comm::Request> MpiComm::start_recv_impl(void* recv, size_t count, DType t, int peer, int tag) {
-  auto q = std::make_unique<P2pRequest>(wd_, tag == kRingShiftTag ? "ring_shift (receive)" : "receive");
+  auto q = std::make_unique<P2pRequest>(wd_, p2p_name(tag, true));
   check_mpi(MPI_Irecv(recv, to_count(count, "receive"), mpi_type(t), peer, tag, as_mpi(comm_), &q->r), "MPI_Irecv");
   return q;
 }

@@ -300,12 +300,14 @@ TEST(Sft, MoeLoadBalancingLossOfPaddedRowsIsExactAtEveryLayout) {
     std::vector<int32_t> tok(kT), tgt(kT), doc(kT), pos(kT), real(kT);
     double aux = 0, z = 0;
     int padded = 0;
+    int64_t real_tokens = 0;
     for (int i = 0; i < kG; ++i) {
       pb.fill(st::Split::Train, 1, i, 1, tok.data(), tgt.data(), doc.data(), pos.data(), real.data());
       int n = 0;
       while (n < kT && real[static_cast<size_t>(n)] != 0) ++n;
       for (int t = n; t < kT; ++t) ASSERT_EQ(real[static_cast<size_t>(t)], 0) << "row " << i << ": padding at the end";
       padded += n < kT;
+      real_tokens += n;
       model.forward(units, tok.data(), 1, n, st::TokenLayout{pos.data(), doc.data()});
       aux += model.moe_aux_loss();
       z += model.moe_z_loss();
@@ -313,6 +315,14 @@ TEST(Sft, MoeLoadBalancingLossOfPaddedRowsIsExactAtEveryLayout) {
     ASSERT_GE(padded, 2) << "rows with padding: the test needs some";
     EXPECT_NEAR(ref.aux, aux / kG, 1e-12 * ref.aux) << "the runner's aux against each row's real tokens alone";
     EXPECT_NEAR(ref.z, z / kG, 1e-12 * ref.z) << "the runner's z-loss against each row's real tokens alone";
+    // Tokens per expert: every MoE block's sum is k x the real tokens (padding left out).
+    const size_t E = static_cast<size_t>(mc.num_experts);
+    ASSERT_EQ(ref.counts.size(), static_cast<size_t>(mc.num_moe_layers()) * E);
+    for (size_t b = 0; b < ref.counts.size(); b += E) {
+      double sum = 0;
+      for (size_t e = 0; e < E; ++e) sum += ref.counts[b + e];
+      EXPECT_EQ(sum, static_cast<double>(mc.num_experts_per_tok * real_tokens)) << "MoE block " << b / E;
+    }
     if (c.rank() == 0)
       std::printf("[ SFT MoE ] W 1 aux %.15g, z %.15g; rows' real tokens alone %.15g, %.15g (%d of %d rows padded)\n",
                   ref.aux, ref.z, aux / kG, z / kG, padded, kG);

@@ -380,6 +380,7 @@ template <typename T> class LlamaModel {
     AccBuffer<T> probs, wts, zlse;
     IdBuffer<T> experts, rowtok, pos;
     std::vector<int32_t> eoff;
+    std::vector<int64_t> routed;  // the slots of real tokens (not padding) per expert [E] (host; expert_counts)
     // EP (ep_ set): every EP rank's slots per expert [N, E] (host; all_gather_counts) and the rows
     // this rank's experts got (g, u, h hold that many).
     std::vector<int64_t> ecnt;
@@ -586,8 +587,9 @@ template <typename T> class LlamaModel {
   void seed_aux_stats(Context& ctx, std::vector<double> in) const;
   std::vector<double> aux_grad(const Context& ctx) const;
   void set_aux_grad(Context& ctx, const std::vector<double>& in);
-  // The slots block l routed to each expert in ctx's last forward (host, [E]; they sum to K x B*T).
-  // Empty for a dense block or a block outside ctx's range.
+  // The slots block l routed to each expert in ctx's last forward (host, [E]; they sum to K x the
+  // real tokens: B*T less the layout's padding rows). Empty for a dense block or a block outside
+  // ctx's range.
   std::vector<int64_t> expert_counts(const Context& ctx, int l) const;
   std::vector<int64_t> expert_counts(int l) const { return expert_counts(ctx_, l); }
 
