@@ -572,6 +572,9 @@ void run_inspect(Comm& comm, const Options& o) {
     os << "  saved by a tensor-parallel run: tp " << info.tp << " x dp_shard " << info.tp_dp_shard << " x dp_replicate "
        << info.tp_dp_replicate << "; the tensors are canonical, in rows of its " << info.world_size
        << " ranks (docs/checkpoint-format.md, version 4)\n";
+  if (info.format_version >= 7)  // a mixture-of-experts model's file: the saving run's whole mesh
+    os << "  mixture-of-experts model (version 7): saved at pp " << info.pp << ", tp " << info.tp << ", cp " << info.cp
+       << ", ep " << info.ep << " (attribute 'mesh'; the rows do not depend on ep; docs/checkpoint-format.md)\n";
   for (auto& u : info.units) {
     os << "  unit " << u.name << ": numel " << u.numel << ", shard_size " << u.shard_size << ", padded_numel "
        << u.padded_numel << (u.stage >= 0 ? ", stage " + std::to_string(u.stage) : std::string()) << "\n";

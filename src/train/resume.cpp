@@ -22,15 +22,16 @@ const std::vector<std::pair<std::string, std::string>>& checked_keys() {
       {"min-lr", "min_lr"},   {"warmup", "warmup"},             {"beta1", "beta1"},     {"beta2", "beta2"},
       {"adam-eps", "eps"},    {"weight-decay", "weight_decay"}, {"clip", "clip"},       {"seed", "seed"},
       {"attention-mask", "attention_mask"}, {"aux-loss-scope", "aux_loss_scope"}, {"train-on", "train_on"}, {"pack", "pack"},
-      {"max-length-policy", "max_length_policy"}, {"shuffle", "shuffle"}};
+      {"max-length-policy", "max_length_policy"}, {"shuffle", "shuffle"}, {"router-z-loss-coef", "router_z_loss_coef"}};
   return k;
 }
-// Setting `key` of a train_config; null when absent, except attention_mask and aux_loss_scope:
-// written only for "document" / "micro-batch" (train_config_json), so absent is "causal" /
-// "sequence", in older checkpoints too.
+// Setting `key` of a train_config; null when absent, except attention_mask, aux_loss_scope and
+// router_z_loss_coef: written only for "document" / "micro-batch" / a weight > 0
+// (train_config_json), so absent is "causal" / "sequence" / 0, in older checkpoints too.
 nlohmann::json setting(const nlohmann::json& j, const std::string& key) {
   if (j.contains(key)) return j[key];
   if (key == "aux_loss_scope") return nlohmann::json("sequence");
+  if (key == "router_z_loss_coef") return nlohmann::json(0.0);
   return key == "attention_mask" ? nlohmann::json("causal") : nlohmann::json();
 }
 }  // namespace

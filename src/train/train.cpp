@@ -50,6 +50,7 @@ std::string train_config_json(const TrainConfig& tc, int world_size, int shard_g
   if (tp > 1) j["tp"] = tp;
   if (tc.attention_mask == AttentionMask::Document) j["attention_mask"] = attention_mask_name(tc.attention_mask);
   if (tc.aux_scope == MoeAuxScope::MicroBatch) j["aux_loss_scope"] = aux_scope_name(tc.aux_scope);
+  if (tc.router_z_loss_coef != 0) j["router_z_loss_coef"] = tc.router_z_loss_coef;
   if (tc.examples) {  // what is trained on (absent: plain data, every token a target)
     j["train_on"] = train_on_name(tc.train_on);
     j["pack"] = pack_mode_name(tc.pack);

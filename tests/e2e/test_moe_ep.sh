@@ -14,7 +14,8 @@
 # at W 3 with ep 1 and at W 4 with ep 4, and the PP x EP run's (pp 2 in its record) at W 2 with
 # ep 2, steps 11-20 within 1e-5 of the reference; the ep comm figures in the step line and the
 # metrics, and under PP every block's tokens per expert; and the bad inputs: --ep not dividing the
-# experts or the shard group, --ep with a dense model, each refused on every rank.
+# experts or the shard group, --ep with a dense model, a resume with another --router-z-loss-coef,
+# each refused on every rank.
 source "$(dirname "$0")/common.sh"
 DATA=$(test_corpus)
 STEPS=20
@@ -94,6 +95,10 @@ run resume_pp_w2_ep2 2 --ep 2 --resume "$WORK/ckpp/step_00000010.h5" --checkpoin
 compare ref resume_w3_ep1 11
 compare ref resume_w4_ep4 11
 compare ref resume_pp_w2_ep2 11
+# The z-loss's weight is part of the objective: a resume with another one is refused by name.
+TRAIN_NOZ=("${TRAIN[@]:0:${#TRAIN[@]}-2}")
+expect_fail z_changed "--router-z-loss-coef 0.001 -> 0.002" 2 "${TRAIN_NOZ[@]}" --router-z-loss-coef 2e-3 \
+  --resume "$WORK/ck/step_00000010.h5" --checkpoint-dir "$WORK/ck6"
 expect_fail ep_tp "option '--tp' (2) with a mixture-of-experts model" 4 "${TRAIN[@]}" --ep 2 --tp 2
 expect_fail pp_zb "option '--pp-schedule zero-bubble' with a mixture-of-experts model (MixtralForCausalLM) is not built yet" \
   4 "${TRAIN[@]}" --ep 2 --pp 2 --pp-schedule zero-bubble --micro-batch 2

@@ -133,7 +133,7 @@ const std::vector<std::string>& resume_checked_settings();
 // tp > 1 (a tensor-parallel run) adds "tp"; its checkpoints hold the canonical rows of all W
 // ranks (shard_group_size = world_size). --attention-mask document adds "attention_mask":
 // "document" (absent: causal); --aux-loss-scope micro-batch adds "aux_loss_scope": "micro-batch"
-// (absent: sequence). Example data (tc.examples) adds "train_on", "pack" and
+// (absent: sequence); --router-z-loss-coef Z > 0 adds "router_z_loss_coef": Z (absent: 0). Example data (tc.examples) adds "train_on", "pack" and
 // "max_length_policy" (their option spellings).
 std::string train_config_json(const TrainConfig& tc, int world_size = 0, int shard_group_size = 0, int tp = 1);
 
