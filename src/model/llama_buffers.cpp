@@ -107,11 +107,11 @@ int64_t deferred_weight_bytes(const ModelConfig& c, const ModelOptions& o, int B
 }
 
 int64_t context_bytes(const ModelConfig& c, const ModelOptions& o, int B, int T_, size_t E, int begin, int end, int tp,
-                      int cp, int ep) {
+                      int cp, int ep, bool worst) {
   if (begin < 0 || begin > end || end > c.num_hidden_layers)
     throw std::invalid_argument("context_bytes: blocks [" + std::to_string(begin) + ", " + std::to_string(end) +
                                 ") are not a range of a model of " + std::to_string(c.num_hidden_layers) + " blocks");
-  const Sizes z(LlamaDims(c, tp, 0, cp, ep).with_batch(B, T_, o.loss_chunk), o, c, true);  // EP: as allocated
+  const Sizes z(LlamaDims(c, tp, 0, cp, ep).with_batch(B, T_, o.loss_chunk), o, c, !worst);  // EP: as allocated
   const int64_t e = static_cast<int64_t>(E), a = E == 8 ? 8 : 4;  // Backend<T>::S: double for double, else float
   int64_t blocks = 0;  // as ensure_context
   for (int l = begin; l < end; ++l) blocks += z.block(c.is_moe_layer(l), e, a);

@@ -58,8 +58,22 @@ void stage_activations(const LayoutMemoryInput& in, int rows, const std::string&
            std::to_string(held[j]) + " x " + mib + " (" + std::to_string(e - b) + " blocks" +
            (b == 0 ? " + embedding ids" : "") + (e == mc.num_hidden_layers ? " + final norm, targets" : "") + ")";
   }
+  // Expert parallelism: each context's expert rows grow on their own (LlamaModel::grow_expert_rows).
+  if (mc.is_moe() && in.dims.ep > 1) {
+    int64_t grown = 0;
+    for (size_t j = 0; j < chunks.size(); ++j) {
+      const int b = pl.bounds[static_cast<size_t>(chunks[j])], e = pl.bounds[static_cast<size_t>(chunks[j]) + 1];
+      grown += held[j] * (context_bytes(mc, in.options, B, rows, es, b, e, N, in.dims.cp, in.dims.ep, true) -
+                          context_bytes(mc, in.options, B, rows, es, b, e, N, in.dims.cp, in.dims.ep));
+    }
+    char mib[32];
+    std::snprintf(mib, sizeof mib, "%.1f MiB", static_cast<double>(grown) / (1 << 20));
+    per += std::string("; MoE: expert rows for balanced routing, growing with the imbalance by up to ") + mib;
+    m.ep_worst_extra += grown;
+  }
   m.kept.push_back(
-      {"activations: " + std::to_string(nctx) + " micro-batch chunks in flight (" + pipeline_kind_name(pl.kind) +
+      {"activations: " + std::to_string(nctx) + (nctx == 1 ? " micro-batch chunk" : " micro-batch chunks") +
+           " in flight (" + pipeline_kind_name(pl.kind) +
            (pl.chunks_per_rank > 1 ? " v " + std::to_string(pl.chunks_per_rank) : "") + ", stage " +
            std::to_string(in.pp_rank) + " of " + std::to_string(pl.ranks) + ", " + std::to_string(in.microbatches) +
            (in.microbatches == 1 ? " micro-batch)" : " micro-batches)"),
@@ -79,14 +93,30 @@ void stage_buffers(const LayoutMemoryInput& in, int rows, const std::string& log
   const ActivationBytes& a = m.activations;
   const int64_t scratch = a.total() - a.recompute -
                           context_bytes(mc, in.options, in.micro_batch, rows, es, 0, mc.num_hidden_layers, N, in.dims.cp, in.dims.ep);
+  if (mc.is_moe() && in.dims.ep > 1) {  // the shared scratch's and the recomputed block's expert rows grow too
+    const ActivationBytes w =
+        activation_bytes(mc, in.options, in.micro_batch, rows, es, 4, N, in.dims.cp, in.dims.ep);
+    const int64_t ws = w.total() - w.recompute -
+                       context_bytes(mc, in.options, in.micro_batch, rows, es, 0, mc.num_hidden_layers, N, in.dims.cp,
+                                     in.dims.ep, true);
+    m.ep_worst_extra += (ws - scratch) + (w.recompute - a.recompute);
+  }
   m.scratch.push_back({"model scratch: activation gradients, logits chunk, RoPE", scratch,
                        "shared by every context: activation_bytes less a whole-model context; " + logits_words});
   const int64_t rc = int64_t{in.micro_batch} * rows / N * mc.hidden_size;  // [R, C]: the micro-batch's rows of this rank
   // StageLink: two receive buffers per direction (one posted ahead), and its send buffers, one per
   // send in flight (counted as two: one each way; more only while the network lags behind).
-  m.scratch.push_back({"pipeline receive and send buffers", 6 * static_cast<int64_t>(es) * rc,
+  // A mixture of experts' messages carry the load-balancing statistics after the rows (StageRunner:
+  // both directions padded to the larger, G (2E + 1) or G (E + 1) + 2 doubles; G = B or 1 by the scope).
+  int64_t tail = 0;
+  if (mc.is_moe()) {
+    const int64_t G = in.options.aux_scope == MoeAuxScope::Sequence ? in.micro_batch : 1, E = mc.num_experts;
+    tail = 8 * std::max(G * (2 * E + 1), G * (E + 1) + 2);
+  }
+  m.scratch.push_back({"pipeline receive and send buffers", 6 * (static_cast<int64_t>(es) * rc + tail),
                        "inputs and output gradients received, 2 each, and 2 send buffers: 6 x " + std::to_string(es) +
-                           " B x " + with_commas(rc) + " ([R, C])"});
+                           " B x " + with_commas(rc) + " ([R, C])" +
+                           (tail ? " + 6 x " + with_commas(tail) + " B of MoE statistics" : std::string())});
   // The first stage's embedding and the last's copy for the tied head (RankUnits::embedding).
   const RankUnits ru = pipeline_rank_units(mc, in.pipeline, in.pp_rank, N, 0);
   if (mc.tie_word_embeddings && ru.embedding >= 0) {
@@ -169,7 +199,7 @@ LayoutMemory layout_memory(const LayoutMemoryInput& in) {
                                    " per block; growing with the imbalance up to ";
     ep_kept = "; MoE: " + rows_words + mib(worst.per_layer) + " (ep " + std::to_string(d.ep) + " x those rows)";
     ep_scratch = "; MoE: " + rows_words + mib(worst.block_scratch);
-    if (!pp) lm.ep_worst_extra = worst.total() - a.total();
+    if (!pp) lm.ep_worst_extra = worst.total() - a.total();  // under PP: stage_activations, stage_buffers
     lm.ep_worst_words = "every slot of the EP group routed to this rank's experts: --ep " + std::to_string(d.ep) +
                         " x " + with_commas(slots) + " expert rows per block";
   }

@@ -38,14 +38,20 @@ StageRunner<C>::StageRunner(const Mesh& mesh, Backend<C>& be, LlamaModel<C>& mod
   rows_elems_ = static_cast<size_t>(mb_) * static_cast<size_t>(split_.rows()) / static_cast<size_t>(mesh.dims().tp) *
                 static_cast<size_t>(model.config().hidden_size);
   // A mixture of experts' load-balancing and z-loss statistics travel after the rows
-  // (LlamaModel::aux_stats, forward), their gradient weights after the gradient's (aux_grad).
-  fwd_elems_ = rows_elems_ + tail_elems<C>(model.aux_stats_size(mb_));
-  bwd_elems_ = rows_elems_ + tail_elems<C>(model.aux_grad_size(mb_));
+  // (LlamaModel::aux_stats, forward), their gradient weights after the gradient's (aux_grad). Both
+  // directions' messages are padded to one size, so that StageLink's send buffers serve either.
+  tail_doubles_ = std::max(model.aux_stats_size(mb_), model.aux_grad_size(mb_));
+  fwd_elems_ = bwd_elems_ = rows_elems_ + tail_elems<C>(tail_doubles_);
   if (link_)
     for (int i = 0; i < 2; ++i) {
       in_[i] = Buffer<C>(be_, fwd_elems_);
       grad_in_[i] = Buffer<C>(be_, bwd_elems_);
     }
+}
+
+template <typename C> std::vector<double> StageRunner<C>::padded(std::vector<double> tail) const {
+  if (!tail.empty()) tail.resize(tail_doubles_, 0.0);
+  return tail;
 }
 
 template <typename C> std::vector<double> StageRunner<C>::read_tail(const C* buf, size_t doubles) {
@@ -244,7 +250,7 @@ template <typename C> double StageRunner<C>::run_action(const Action& a, double 
         if (moe) model_.seed_aux_stats(ctx, read_tail(recv_buf_, model_.aux_stats_size(mb_)));
       }
       model_.forward(f_, ctx, b.tok.data(), first ? nullptr : recv_buf_, mb_, split_.rows(), b.layout);
-      if (!last) link_->send(a.chunk, false, ctx.output(), rows_elems_, model_.aux_stats(ctx));
+      if (!last) link_->send(a.chunk, false, ctx.output(), rows_elems_, padded(model_.aux_stats(ctx)));
       if (!train) {
         if (last) loss = model_.loss(f_, ctx, b.tgt.data());
         release(a.microbatch, a.chunk);
@@ -273,7 +279,7 @@ template <typename C> double StageRunner<C>::run_action(const Action& a, double 
       if (moe) add_expert_counts(&ctx);
       if (split) model_.backward_input(f_, ctx, grad);
       else model_.backward(f_, ctx, grad);
-      if (!first) link_->send(a.chunk, true, ctx.input_grad(), rows_elems_, model_.aux_grad(ctx));
+      if (!first) link_->send(a.chunk, true, ctx.input_grad(), rows_elems_, padded(model_.aux_grad(ctx)));
       if (!split) release(a.microbatch, a.chunk);
       return loss;
     }

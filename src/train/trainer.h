@@ -109,6 +109,7 @@ template <typename C> class Trainer {
   const TokenDataset& data_;
   const int W_, G_;  // world size, shard group size
   int64_t plan_total_ = 0;  // bytes of this rank's memory plan (a pipeline rank's: its stage's)
+  int64_t plan_worst_extra_ = 0;  // ... and what the worst routing imbalance adds (MemoryPlan::worst_extra)
   ModelOptions mopt_;
   // The run's layout (parallelize.h): its plan (batch geometry, pipeline stages, schedules), sharded
   // state, unit source, each dimension's ops for the model, the checkpoint layout (with

@@ -157,10 +157,11 @@ template <typename C> void Trainer<C>::check_outputs() {
 // CPU runs: the memory plan against what each rank's kernel counted (VmHWM). Collective.
 template <typename C> void Trainer<C>::report_memory() {
   if (!eng_.be.host_kernels()) return;  // the same on every rank: a run is all-CPU or all-GPU
-  // Every rank's peak, its plan's total (its stage's) and its pipeline stage (memory_plan.h).
-  const int64_t mine[3] = {peak_rss_bytes(), plan_total_, mesh_.coord().pp};
-  std::vector<int64_t> ranks(3 * static_cast<size_t>(W_));
-  comm_.all_gather(mine, ranks.data(), 3);
+  // Every rank's peak, its plan's total (its stage's), its pipeline stage and what the worst routing
+  // imbalance adds to the plan (memory_plan.h).
+  const int64_t mine[4] = {peak_rss_bytes(), plan_total_, mesh_.coord().pp, plan_worst_extra_};
+  std::vector<int64_t> ranks(4 * static_cast<size_t>(W_));
+  comm_.all_gather(mine, ranks.data(), 4);
   log_info(comm_, peak_memory_report(ranks));
 }
 

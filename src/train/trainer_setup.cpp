@@ -152,7 +152,9 @@ template <typename C> void Trainer<C>::log_memory_plan(const ParallelPlan& plan)
   mi.pipeline = plan.pipeline;
   mi.pp_rank = mesh_.coord().pp;
   mi.microbatches = plan.geometry.accum;
-  plan_total_ = plan_memory(mi).total();
+  const MemoryPlan mp = plan_memory(mi);
+  plan_total_ = mp.total();
+  plan_worst_extra_ = mp.worst_extra;
   const std::string mem = std::string(mi.cuda ? "device" : "host") + " memory; --mode plan prints it without a launch";
   log_info(comm_, format_plans(plan_stages(mi), [&](const MemoryPlan& p) {
              return "memory plan per rank" + p.stage_of + " (" + mem + "):";

@@ -279,8 +279,10 @@ ActivationBytes activation_bytes(const ModelConfig& c, const ModelOptions& o, in
 // scratch (one per model, however many contexts) is the rest of activation_bytes:
 //   activation_bytes(c, o, B, T_, ...).total() - context_bytes(c, o, B, T_, ..., 0, L, ...).
 // std::invalid_argument when not 0 <= begin <= end <= L.
+// ep > 1: its expert rows as allocated, for balanced routing; worst: at the worst imbalance they
+// grow to (activation_bytes' two figures).
 int64_t context_bytes(const ModelConfig& c, const ModelOptions& o, int B, int T_, size_t elem_bytes, int begin, int end,
-                      int tp = 1, int cp = 1, int ep = 1);
+                      int tp = 1, int cp = 1, int ep = 1, bool worst = false);
 
 // The memory of one deferred weight gradient (LlamaModel::backward_input, below): the bytes a
 // Context keeps from its backward_input to its backward_weight for a range of `blocks` blocks, for

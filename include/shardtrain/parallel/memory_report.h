@@ -10,10 +10,12 @@
 namespace shardtrain {
 
 // The line that ends a CPU run: every rank's peak resident memory (VmHWM) against the plan. `ranks`:
-// per world rank, three numbers: its peak (bytes), its plan's total (bytes; a pipeline rank's is its
-// stage's) and its pipeline stage. Without a pipeline (every rank at stage 0): each rank's peak in
-// MiB, the plan and the largest rank's difference from it; with one: besides each rank's peak, per
-// stage the largest of its ranks against its stage's plan.
+// per world rank, four numbers: its peak (bytes), its plan's total (bytes; a pipeline rank's is its
+// stage's), its pipeline stage and the bytes its plan adds at the worst routing imbalance (expert
+// parallelism, MemoryPlan::worst_extra; 0 otherwise). Without a pipeline (every rank at stage 0):
+// each rank's peak in MiB, the plan and the largest rank's difference from it; with one: besides
+// each rank's peak, per stage the largest of its ranks against its stage's plan. Where the worst
+// case adds something, it is given beside the plan, with the largest rank's difference from it.
 std::string peak_memory_report(const std::vector<int64_t>& ranks);
 
 }  // namespace shardtrain

@@ -136,6 +136,8 @@ template <typename C> class StageRunner {
   std::vector<size_t> slot_starts_;
   size_t rows_elems_ = 0;   // R x C: a micro-batch's activation rows of this rank
   size_t fwd_elems_ = 0, bwd_elems_ = 0;  // a message: the rows, then (MoE) the statistics' tail
+  size_t tail_doubles_ = 0;                // that tail's doubles, both directions padded to one size
+  std::vector<double> padded(std::vector<double> tail) const;  // a tail resized to tail_doubles_
   std::vector<double> read_tail(const C* buf, size_t doubles);  // the doubles after a message's rows
   void add_expert_counts(const typename LlamaModel<C>::Context* ctx);  // nullptr: the model's own
   bool whole_ = false;      // one chunk over the whole model: the model's own context
