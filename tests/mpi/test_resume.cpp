@@ -176,6 +176,7 @@ TEST_F(Resume, ChangedSettingsAreRefusedUnlessAccepted) {
     else if (opt == "pack") t.pack = st::PackMode::None;
     else if (opt == "max-length-policy") t.max_length = st::MaxLengthPolicy::Drop;
     else if (opt == "shuffle") t.shuffle = false;
+    else if (opt == "router-z-loss-coef") t.router_z_loss_coef = 1e-3;
     else ADD_FAILURE() << "no change written for --" << opt;
     e = error_of([&] { st::check_resume_settings(c, examples ? chat_info : info, t); });
     EXPECT_TRUE(contains(e, "'--accept-change " + opt + "'")) << opt << ": " << e;

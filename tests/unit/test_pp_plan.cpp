@@ -124,7 +124,8 @@ TEST(PpPlan, ActivationsAreContextsTimesContextBytesAndZeroBubbleAddsDeferred) {
     const int b = in.pipeline.bounds[static_cast<size_t>(s)], e = in.pipeline.bounds[static_cast<size_t>(s) + 1];
     const int64_t ctx = context_bytes(mc, model_options(in.train), 1, 1024, 2, b, e);
     const MemoryPlan one = plan_memory(in);
-    EXPECT_EQ(line_starting(one, "activations: " + std::to_string(p - s) + " micro-batch chunks in flight (1f1b"),
+    EXPECT_EQ(line_starting(one, "activations: " + std::to_string(p - s) +
+                                     (p - s == 1 ? " micro-batch chunk" : " micro-batch chunks") + " in flight (1f1b"),
               (p - s) * ctx);
     EXPECT_EQ(line_starting(one, "deferred weight-gradient inputs"), -1);
     // Four [R, C] bf16 receive buffers and two send buffers: R = 1 x 1024 rows, C = 4096.
