@@ -3,7 +3,6 @@
 // rows: a loop of BLAS calls) and the combine; their backward. Dropless: every token reaches all K
 // of its experts. The per-token routing math is include/shardtrain/backend/moe_math.h.
 #include <algorithm>
-#include <functional>
 #include <new>
 #include <stdexcept>
 #include <string>
@@ -156,10 +155,10 @@ template <typename T> void LlamaModel<T>::ep_routes(Layer& a) {
 // dropless), never shrinking: the scratch here, a block's kept g, u (and h) in grow_expert_rows.
 // A failed growth names the rows; the job ends (main: a failure on one rank aborts all).
 namespace {
-template <typename B> void grow_to(B& b, size_t n, const std::function<B(size_t)>& make, size_t rows, size_t slots) {
+template <typename B, typename Be> void grow_to(B& b, Be& be, size_t n, size_t rows, size_t slots) {
   if (b.size() >= n) return;
   try {
-    b = make(n);
+    b = B(be, n);
   } catch (const std::bad_alloc&) {
     throw std::runtime_error("mixture of experts: this rank's experts got " + std::to_string(rows) +
                              " routed rows in one block (" + std::to_string(slots) +
@@ -172,24 +171,21 @@ template <typename B> void grow_to(B& b, size_t n, const std::function<B(size_t)
 template <typename T> void LlamaModel<T>::grow_expert_scratch(size_t rows) {
   const LlamaDims& d = d_;
   const size_t C = static_cast<size_t>(d.C), IE = static_cast<size_t>(d.IE), slots = static_cast<size_t>(d.slots);
-  const std::function<Buffer<T>(size_t)> buf = [&](size_t n) { return Buffer<T>(be_, n); };
-  const std::function<IdBuffer<T>(size_t)> ids = [&](size_t n) { return IdBuffer<T>(be_, n); };
-  for (Buffer<T>* b : {&xr_, &xs_, &ys_}) grow_to(*b, rows * C, buf, rows, slots);
-  for (IdBuffer<T>* b : {&perm_, &inv_}) grow_to(*b, rows, ids, rows, slots);
-  for (Buffer<T>* b : {&dh_, &dg_, &du_}) grow_to(*b, rows * IE, buf, rows, slots);
+  for (Buffer<T>* b : {&xr_, &xs_, &ys_}) grow_to(*b, be_, rows * C, rows, slots);
+  for (IdBuffer<T>* b : {&perm_, &inv_}) grow_to(*b, be_, rows, rows, slots);
+  for (Buffer<T>* b : {&dh_, &dg_, &du_}) grow_to(*b, be_, rows * IE, rows, slots);
 }
 
 // A block's g and u (a: a context's kept layer or the recomputed work_) and the buffer h points
 // into (a's or work_'s) for this block's expert rows; returns h, moved when it grew.
 template <typename T> T* LlamaModel<T>::grow_expert_rows(Layer& a, T* h) {
   const size_t n = expert_rows(a) * static_cast<size_t>(d_.IE), rows = expert_rows(a), slots = static_cast<size_t>(d_.slots);
-  const std::function<Buffer<T>(size_t)> buf = [&](size_t k) { return Buffer<T>(be_, k); };
-  grow_to(a.g, n, buf, rows, slots);
-  grow_to(a.u, n, buf, rows, slots);
+  grow_to(a.g, be_, n, rows, slots);
+  grow_to(a.u, be_, n, rows, slots);
   if (!h) return h;
   Buffer<T>& hb = h == work_.h.data() ? work_.h : a.h;
   if (h != hb.data()) throw std::logic_error("LlamaModel::grow_expert_rows: h is neither the block's nor work_'s");
-  grow_to(hb, n, buf, rows, slots);
+  grow_to(hb, be_, n, rows, slots);
   return hb.data();
 }
 

@@ -62,6 +62,26 @@ template <typename C> std::vector<double> StageRunner<C>::read_tail(const C* buf
   return out;
 }
 
+// The load-balancing and z-losses of a micro-batch whose forward ended at block L (ctx, or the
+// model's own context): their values into the sums, their weights into the gradient. Under CP every
+// rank of the group holds its sequences' losses (the group's pooled statistics) and the gradient of
+// its own rows: each adds 1 / cp of the value, and the gradient enters with cp x the weight, since
+// the reduce-scatter's mean divides by the CP ranks too.
+template <typename C> void StageRunner<C>::moe_losses(typename LlamaModel<C>::Context* ctx) {
+  using S = typename LlamaModel<C>::S;
+  const int cp = mesh_.dims().cp;
+  const S aux = static_cast<S>(aux_scale_ * cp), z = static_cast<S>(z_scale_ * cp);
+  if (ctx) {
+    aux_sum_ += model_.moe_aux_loss(*ctx) / cp;
+    z_sum_ += model_.moe_z_loss(*ctx) / cp;
+    model_.set_aux_grad_scale(*ctx, aux, z);
+  } else {
+    aux_sum_ += model_.moe_aux_loss() / cp;
+    z_sum_ += model_.moe_z_loss() / cp;
+    model_.set_aux_grad_scale(aux, z);
+  }
+}
+
 template <typename C> void StageRunner<C>::add_expert_counts(const typename LlamaModel<C>::Context* ctx) {
   const ModelConfig& mc = model_.config();
   const int L = mc.num_hidden_layers;
@@ -222,14 +242,7 @@ template <typename C> double StageRunner<C>::run_action(const Action& a, double 
       case ActionKind::Backward: {
         const double l = model_.head_backward(f_, b.tgt.data(), static_cast<typename LlamaModel<C>::S>(grad_scale));
         if (model_.config().is_moe()) {  // the load-balancing loss: its value, its gradient, the routing's counts
-          // Under CP every rank of the group holds its sequences' loss (the group's pooled counts) and
-          // the gradient of its own rows: each adds 1 / cp of the value, and the gradient enters with
-          // cp x the weight, since the reduce-scatter's mean divides by the CP ranks too.
-          const int cp = mesh_.dims().cp;
-          aux_sum_ += model_.moe_aux_loss() / cp;
-          z_sum_ += model_.moe_z_loss() / cp;
-          model_.set_aux_grad_scale(static_cast<typename LlamaModel<C>::S>(aux_scale_ * cp),
-                                    static_cast<typename LlamaModel<C>::S>(z_scale_ * cp));
+          moe_losses(nullptr);
           add_expert_counts(nullptr);
         }
         model_.backward(f_);
@@ -264,13 +277,7 @@ template <typename C> double StageRunner<C>::run_action(const Action& a, double 
       const C* grad = nullptr;
       if (last) {
         loss = model_.head_backward(f_, ctx, b.tgt.data(), static_cast<typename LlamaModel<C>::S>(grad_scale));
-        if (moe) {  // the load-balancing loss from the totals this range holds (as on the whole-model path)
-          const int cp = mesh_.dims().cp;
-          aux_sum_ += model_.moe_aux_loss(ctx) / cp;
-          z_sum_ += model_.moe_z_loss(ctx) / cp;
-          model_.set_aux_grad_scale(ctx, static_cast<typename LlamaModel<C>::S>(aux_scale_ * cp),
-                                    static_cast<typename LlamaModel<C>::S>(z_scale_ * cp));
-        }
+        if (moe) moe_losses(&ctx);  // from the totals this last range holds
       } else {
         link_->wait_recv(a.chunk, true, recv_buf_, bwd_elems_);
         grad = recv_buf_;

@@ -140,6 +140,7 @@ template <typename C> class StageRunner {
   std::vector<double> padded(std::vector<double> tail) const;  // a tail resized to tail_doubles_
   std::vector<double> read_tail(const C* buf, size_t doubles);  // the doubles after a message's rows
   void add_expert_counts(const typename LlamaModel<C>::Context* ctx);  // nullptr: the model's own
+  void moe_losses(typename LlamaModel<C>::Context* ctx);               // ... the MoE losses' value and weights
   bool whole_ = false;      // one chunk over the whole model: the model's own context
   double aux_scale_ = 0, aux_sum_ = 0;  // MoE: set_aux_scale, take_aux_sum
   double z_scale_ = 0, z_sum_ = 0;      // ... the router z-loss's, take_z_sum
