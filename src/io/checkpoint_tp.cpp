@@ -79,7 +79,7 @@ std::vector<TpCheckpointLayout::Run> TpCheckpointLayout::runs(int q, size_t u) c
     if (lo >= hi) continue;
     const int64_t e0 = lo - slot.offset, e1 = hi - slot.offset, base = canon_offset_[u][i];
     const TpSlice& tp = slot.spec.tp;
-    const int64_t lcols = slot.spec.shape.size() == 2 ? slot.spec.shape[1] : 1;
+    const int64_t lcols = slot.spec.shape.size() >= 2 ? slot.numel / slot.spec.shape[0] : 1;
     auto add = [&](int64_t e, int64_t canon, int64_t len) {
       if (len > 0) out.push_back({slot.offset + e - rs.start, base + canon, len, slot.spec.tp_replicated()});
     };

@@ -64,6 +64,13 @@ std::vector<int> MeshLayout::ep_group(int rank) const {
                           g.begin() + static_cast<std::ptrdiff_t>(first) + d_.ep);
 }
 
+std::vector<int> MeshLayout::expert_shard_group(int rank) const {
+  const std::vector<int> g = shard_group(rank);
+  std::vector<int> v;
+  for (size_t i = static_cast<size_t>(ep_index(rank)); i < g.size(); i += static_cast<size_t>(d_.ep)) v.push_back(g[i]);
+  return v;
+}
+
 std::vector<int> MeshLayout::pp_group(int rank) const {
   MeshCoord c = coord(rank);
   std::vector<int> v;
@@ -124,6 +131,8 @@ Mesh::Mesh(Comm& world, const Topology& topo, MeshDims dims, double collective_t
   if (dims.ep > 1) {
     ep_host_ = std::make_unique<MpiComm>(MpiComm::split(world, layout_.ep_group(r).front(), r));
     ep_host_->set_collective_timeout(collective_timeout);
+    eshard_host_ = std::make_unique<MpiComm>(MpiComm::split(world, layout_.expert_shard_group(r).front(), r));
+    eshard_host_->set_collective_timeout(collective_timeout);
   }
   if (dims.fsdp() != world.world_size()) {  // else the shard group is the world
     shard_host_ = std::make_unique<MpiComm>(MpiComm::split(world, layout_.shard_group(r).front(), r));
@@ -154,6 +163,7 @@ void Mesh::attach_device_comms(const std::function<std::unique_ptr<Comm>(Comm& h
   if (cp_host_) cp_dev_ = make(*cp_host_);
   if (pp_host_) pp_dev_ = make(*pp_host_);
   if (ep_host_) ep_dev_ = make(*ep_host_);
+  if (eshard_host_) eshard_dev_ = make(*eshard_host_);
 }
 
 std::string Mesh::topology_line() const {

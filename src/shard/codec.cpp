@@ -9,17 +9,18 @@ namespace shardtrain {
 
 // ---- IdentityCodec ---------------------------------------------------------------------------------
 
-template <typename T> IdentityCodec<T>::IdentityCodec(ShardedState<T>& state) : s_(state) {
-  const ShardPlan& plan = s_.plan();
+template <typename T> IdentityCodec<T>::IdentityCodec(ShardedState<T>& state, int group) : s_(state), g_(group) {
+  if (g_ < 0 || g_ >= s_.num_groups()) throw std::invalid_argument("IdentityCodec: no unit group " + std::to_string(g_));
+  const ShardPlan& plan = s_.group_plan(g_);
   const size_t max_shard = static_cast<size_t>(plan.max_shard_size()), W = static_cast<size_t>(plan.world_size);
-  slab_ = reduce_slab(plan, kReduceSlab, s_.data_comm().stream_ordered());
+  slab_ = reduce_slab(plan, kReduceSlab, s_.data_comm(g_).stream_ordered());
   scatter_tmp_ = Buffer<T>(s_.backend(), slab_);
   if (max_shard > slab_) pack_ = Buffer<T>(s_.backend(), slab_ * W);
 }
 
 template <typename T> CommQueue::Ticket IdentityCodec<T>::issue_gather(CommQueue& q, int u, T* dst, int) {
-  const size_t S = static_cast<size_t>(s_.plan().units[u].shard_size);
-  const T* src = s_.param_shard(u);
+  const size_t S = static_cast<size_t>(plan().units[static_cast<size_t>(u)].shard_size);
+  const T* src = s_.param_shard(unit(u));
   // dst is its own gather buffer (the pipeline waits for its ticket before reusing it): no shared buffers.
   return q.submit({1, [=](Comm& c, int) { return c.start_all_gather(src, dst, S); }, {}, false});
 }
@@ -72,10 +73,12 @@ CommQueue::Ticket submit_reduce_slabs(CommQueue& q, const F* full, size_t S, siz
 // Summed over the replica groups (HSDP), divided by W = G * R and added into the gradient shard.
 template <typename T>
 CommQueue::Ticket IdentityCodec<T>::issue_reduce(CommQueue& q, int u, const T* full, Comm* replica) {
-  // G: ranks of the shard group (blocks of the buffer); the mean is over all G * R ranks.
-  const size_t S = static_cast<size_t>(s_.plan().units[u].shard_size), G = static_cast<size_t>(s_.plan().world_size);
-  const T inv_w = T(1) / static_cast<T>(G * static_cast<size_t>(s_.replicas()));
-  T* shard = s_.grad_shard(u);
+  // G: ranks of the unit's group (blocks of the buffer); the mean is over all W = G * R ranks of the
+  // shard groups (an expert unit's group is a part of them: mean_divisor).
+  const size_t S = static_cast<size_t>(plan().units[static_cast<size_t>(u)].shard_size),
+               G = static_cast<size_t>(plan().world_size);
+  const T inv_w = T(1) / static_cast<T>(static_cast<size_t>(s_.mean_divisor()));
+  T* shard = s_.grad_shard(unit(u));
   Backend<T>* be = &s_.backend();
   auto add = [=](size_t a, size_t n, const T* sum) { be->axpy(n, inv_w, sum, shard + a); };
   return submit_reduce_slabs(
@@ -84,30 +87,31 @@ CommQueue::Ticket IdentityCodec<T>::issue_reduce(CommQueue& q, int u, const T* f
       [](size_t, size_t, const T*) {}, add);
 }
 
-Bf16Codec::Bf16Codec(ShardedState<float>& master, Backend<bf16>& be, bool reduce_bf16, size_t widen_slab)
-    : m_(master), be_(be), reduce_bf16_(reduce_bf16) {
-  const size_t max_shard = static_cast<size_t>(m_.plan().max_shard_size());
+Bf16Codec::Bf16Codec(ShardedState<float>& master, Backend<bf16>& be, bool reduce_bf16, size_t widen_slab, int group)
+    : m_(master), be_(be), reduce_bf16_(reduce_bf16), g_(group) {
+  if (g_ < 0 || g_ >= m_.num_groups()) throw std::invalid_argument("Bf16Codec: no unit group " + std::to_string(g_));
+  const size_t max_shard = static_cast<size_t>(plan().max_shard_size());
   if (reduce_bf16_) {
     scatter_ = Buffer<bf16>(be_, max_shard);
   } else {
-    slab_ = reduce_slab(m_.plan(), widen_slab, m_.data_comm().stream_ordered());
-    grad32_ = Buffer<float>(m_.backend(), slab_ * static_cast<size_t>(m_.plan().world_size));
+    slab_ = reduce_slab(plan(), widen_slab, data_comm().stream_ordered());
+    grad32_ = Buffer<float>(m_.backend(), slab_ * static_cast<size_t>(plan().world_size));
     scatter32_ = Buffer<float>(m_.backend(), slab_);
   }
   if (reduce_bf16_ && m_.replica_comm()) replica32_ = Buffer<float>(m_.backend(), max_shard);
 }
 
 void Bf16Codec::reserve(int slots) {
-  const size_t max_shard = static_cast<size_t>(m_.plan().max_shard_size());
+  const size_t max_shard = static_cast<size_t>(plan().max_shard_size());
   while (static_cast<int>(shard_.size()) < slots) shard_.emplace_back(be_, max_shard);
 }
 
 // This rank's fp32 shard is rounded to bf16 (in the slot's own staging buffer, at once: the master
 // shard does not change within a pass), then the bf16 shards are all-gathered.
 CommQueue::Ticket Bf16Codec::issue_gather(CommQueue& q, int u, bf16* dst, int slot) {
-  const size_t S = static_cast<size_t>(m_.plan().units[u].shard_size);
+  const size_t S = static_cast<size_t>(plan().units[static_cast<size_t>(u)].shard_size);
   bf16* stage = shard_[static_cast<size_t>(slot)].data();
-  be_.from_f32(stage, m_.param_shard(u), S);
+  be_.from_f32(stage, m_.param_shard(unit(u)), S);
   return q.submit(
       {1, [=](Comm& c, int) { return c.start_all_gather(static_cast<const bf16*>(stage), dst, S); }, {}, false});
 }
@@ -118,10 +122,11 @@ CommQueue::Ticket Bf16Codec::issue_gather(CommQueue& q, int u, bf16* dst, int sl
 // Hybrid sharding: the group's sum is summed over the replica groups in fp32 (a bf16 group sum is
 // widened into replica32_ first) before the mean over W = G * R is added.
 CommQueue::Ticket Bf16Codec::issue_reduce(CommQueue& q, int u, const bf16* full, Comm* replica) {
-  // G: ranks of the shard group (blocks of the buffer); the mean is over all G * R ranks.
-  const size_t S = static_cast<size_t>(m_.plan().units[u].shard_size), G = static_cast<size_t>(m_.plan().world_size);
-  const float inv_w = 1.0f / static_cast<float>(G * static_cast<size_t>(m_.replicas()));
-  float* shard = m_.grad_shard(u);
+  // G: ranks of the unit's group (blocks of the buffer); the mean is over all W = G * R ranks.
+  const size_t S = static_cast<size_t>(plan().units[static_cast<size_t>(u)].shard_size),
+               G = static_cast<size_t>(plan().world_size);
+  const float inv_w = 1.0f / static_cast<float>(static_cast<size_t>(m_.mean_divisor()));
+  float* shard = m_.grad_shard(unit(u));
   Backend<bf16>* be = &be_;
   Backend<float>* b32 = &m_.backend();
   Comm* rc = replica;
@@ -152,14 +157,14 @@ CommQueue::Ticket Bf16Codec::issue_reduce(CommQueue& q, int u, const bf16* full,
 // packed into grad32_ (a copy: no widening), the mean added into the fp32 gradient shard as
 // issue_reduce adds it.
 CommQueue::Ticket Bf16Codec::issue_reduce_acc(CommQueue& q, int u, const float* acc, bf16* scratch, Comm* replica) {
-  const UnitPlan& up = m_.plan().units[static_cast<size_t>(u)];
+  const UnitPlan& up = plan().units[static_cast<size_t>(u)];
   if (reduce_bf16_) {
     be_.from_f32(scratch, acc, static_cast<size_t>(up.padded_numel));
     return issue_reduce(q, u, scratch, replica);
   }
-  const size_t S = static_cast<size_t>(up.shard_size), G = static_cast<size_t>(m_.plan().world_size);
-  const float inv_w = 1.0f / static_cast<float>(G * static_cast<size_t>(m_.replicas()));
-  float* shard = m_.grad_shard(u);
+  const size_t S = static_cast<size_t>(up.shard_size), G = static_cast<size_t>(plan().world_size);
+  const float inv_w = 1.0f / static_cast<float>(static_cast<size_t>(m_.mean_divisor()));
+  float* shard = m_.grad_shard(unit(u));
   Backend<float>* b32 = &m_.backend();
   auto add32 = [=](size_t a, size_t n, const float* sum) { b32->axpy(n, inv_w, sum, shard + a); };
   return submit_reduce_slabs(

@@ -14,7 +14,7 @@ int64_t ParamSpec::numel() const {
 
 int64_t ParamSpec::canonical_index(int64_t e) const {
   if (tp.degree <= 1 || tp.split == TpSplit::None || tp.split == TpSplit::Replicated) return e;
-  const int64_t lcols = shape.size() == 2 ? shape[1] : 1;
+  const int64_t lcols = shape.size() >= 2 ? numel() / shape[0] : 1;
   const int64_t r = e / lcols, c = e % lcols;
   if (tp.split == TpSplit::Rows) return tp.offset + r < tp.rows ? (tp.offset + r) * tp.cols + c : -1;
   return r * tp.cols + tp.offset + c;  // Cols
@@ -26,15 +26,23 @@ const ParamSlot& UnitPlan::param(const std::string& n) const {
   throw std::out_of_range("unit '" + name + "' has no parameter '" + n + "'");
 }
 
-ShardPlan ShardPlan::build(const std::vector<UnitSpec>& units, int world) {
-  if (world < 1) throw std::invalid_argument("ShardPlan: world size must be >= 1, got " + std::to_string(world));
+ShardPlan ShardPlan::build(const std::vector<UnitSpec>& units, int world0, int expert_world) {
+  if (world0 < 1) throw std::invalid_argument("ShardPlan: world size must be >= 1, got " + std::to_string(world0));
   ShardPlan plan;
-  plan.world_size = world;
+  plan.world_size = world0;
   std::set<std::string> seen;
   for (const auto& us : units) {
     if (us.params.empty()) throw std::invalid_argument("ShardPlan: unit '" + us.name + "' has no parameters");
+    if (us.group != 0 && us.group != 1)
+      throw std::invalid_argument("ShardPlan: unit '" + us.name + "' is in group " + std::to_string(us.group));
+    if (us.group == 1 && expert_world < 1)
+      throw std::invalid_argument("ShardPlan: unit '" + us.name + "' is an expert shard group's, whose size is " +
+                                  std::to_string(expert_world));
+    if (us.group == 1) plan.expert_world_size = expert_world;
+    const int world = us.group == 0 ? world0 : expert_world;
     UnitPlan up;
     up.name = us.name;
+    up.group = us.group;
     int64_t off = 0;
     for (const auto& ps : us.params) {
       if (!seen.insert(ps.name).second) throw std::invalid_argument("ShardPlan: duplicate parameter '" + ps.name + "'");
@@ -57,6 +65,19 @@ ShardPlan ShardPlan::build(const std::vector<UnitSpec>& units, int world) {
     plan.units.push_back(std::move(up));
   }
   return plan;
+}
+
+ShardPlan ShardPlan::group_plan(int g, std::vector<int>* index) const {
+  ShardPlan p;
+  p.world_size = group_size(g);
+  if (index) index->clear();
+  for (size_t u = 0; u < units.size(); ++u)
+    if (units[u].group == g) {
+      p.units.push_back(units[u]);
+      p.units.back().group = 0;
+      if (index) index->push_back(static_cast<int>(u));
+    }
+  return p;
 }
 
 int64_t ShardPlan::max_padded_numel() const {

@@ -20,11 +20,18 @@ double counter_normal(uint64_t seed, uint64_t key, uint64_t i) {
 }
 
 template <typename T>
-ShardedState<T>::ShardedState(Backend<T>& be, Comm& comm, ShardPlan plan, Comm* data_comm, Comm* replica_comm)
-    : be_(be), comm_(comm), dcomm_(data_comm ? data_comm : &comm), rcomm_(replica_comm), plan_(std::move(plan)) {
+ShardedState<T>::ShardedState(Backend<T>& be, Comm& comm, ShardPlan plan, Comm* data_comm, Comm* replica_comm,
+                              Comm* expert_comm)
+    : be_(be), comm_(comm), dcomm_(data_comm ? data_comm : &comm), rcomm_(replica_comm), ecomm_(expert_comm),
+      plan_(std::move(plan)) {
   if (plan_.world_size != dcomm_->world_size())
     throw std::invalid_argument("ShardedState: plan built for " + std::to_string(plan_.world_size) +
                                 " ranks, comm has " + std::to_string(dcomm_->world_size()));
+  if (plan_.grouped() && (!ecomm_ || ecomm_->world_size() != plan_.expert_world_size))
+    throw std::invalid_argument("ShardedState: plan's expert units built for " +
+                                std::to_string(plan_.expert_world_size) + " ranks, expert comm has " +
+                                (ecomm_ ? std::to_string(ecomm_->world_size()) : std::string("none")));
+  for (int g = 0; g < num_groups(); ++g) gplan_[g] = plan_.group_plan(g, &gunits_[g]);
   for (auto& u : plan_.units) {
     params_.emplace_back(be_, static_cast<size_t>(u.shard_size));
     grads_.emplace_back(be_, static_cast<size_t>(u.shard_size));
@@ -32,12 +39,11 @@ ShardedState<T>::ShardedState(Backend<T>& be, Comm& comm, ShardPlan plan, Comm* 
 }
 
 template <typename T> void ShardedState<T>::init_params(uint64_t seed) {
-  int r = plan_rank();
   constexpr int64_t kPiece = int64_t{1} << 20;  // host staging of at most 1M elements, not a whole shard
   std::vector<T> host;
   for (size_t u = 0; u < plan_.units.size(); ++u) {
     const UnitPlan& up = plan_.units[u];
-    const RankShard& rs = up.ranks[r];
+    const RankShard& rs = up.ranks[static_cast<size_t>(unit_rank(static_cast<int>(u)))];
     for (int64_t p0 = 0; p0 < up.shard_size; p0 += kPiece) {  // shard elements [p0, p1)
       const int64_t p1 = std::min(up.shard_size, p0 + kPiece);
       host.assign(static_cast<size_t>(p1 - p0), T(0));
@@ -77,7 +83,7 @@ template <typename T> std::vector<T> ShardedState<T>::gather_param(const std::st
       if (slot.spec.name == name) {
         const UnitPlan& up = plan_.units[u];
         Buffer<T> full(be_, static_cast<size_t>(up.padded_numel));
-        dcomm_->all_gather(static_cast<const T*>(params_[u].data()), full.data(), static_cast<size_t>(up.shard_size));
+        data_comm(up.group).all_gather(static_cast<const T*>(params_[u].data()), full.data(), static_cast<size_t>(up.shard_size));
         std::vector<T> out(static_cast<size_t>(slot.numel));
         be_.to_host(out.data(), full.data() + slot.offset, out.size());
         return out;
@@ -86,14 +92,13 @@ template <typename T> std::vector<T> ShardedState<T>::gather_param(const std::st
 }
 
 template <typename T> void ShardedState<T>::set_param(const std::string& name, const std::vector<T>& full) {
-  int r = plan_rank();
   for (size_t u = 0; u < plan_.units.size(); ++u)
     for (auto& slot : plan_.units[u].params)
       if (slot.spec.name == name) {
         if (static_cast<int64_t>(full.size()) != slot.numel)
           throw std::invalid_argument("set_param '" + name + "': expected " + std::to_string(slot.numel) +
                                       " elements, got " + std::to_string(full.size()));
-        const RankShard& rs = plan_.units[u].ranks[r];
+        const RankShard& rs = plan_.units[u].ranks[static_cast<size_t>(unit_rank(static_cast<int>(u)))];
         int64_t lo = std::max(slot.offset, rs.start), hi = std::min(slot.offset + slot.numel, rs.start + rs.valid);
         if (hi > lo)
           be_.from_host(params_[u].data() + (lo - rs.start), full.data() + (lo - slot.offset),
@@ -118,11 +123,11 @@ std::vector<std::pair<int64_t, int64_t>> replicated_ranges(const UnitPlan& up, i
 }  // namespace
 
 template <typename T> double ShardedState<T>::local_grad_sumsq(bool include_replicated, int skip_unit) {
-  int r = plan_rank();
   std::vector<const T*> x;
   std::vector<size_t> n;
   for (size_t u = 0; u < plan_.units.size(); ++u) {
     if (static_cast<int>(u) == skip_unit) continue;
+    const int r = unit_rank(static_cast<int>(u));
     const int64_t valid = plan_.units[u].ranks[r].valid;
     if (include_replicated) {  // the shard's valid elements in one piece (without TP: always)
       x.push_back(grads_[u].data());
@@ -140,9 +145,8 @@ template <typename T> double ShardedState<T>::local_grad_sumsq(bool include_repl
 }
 
 template <typename T> void ShardedState<T>::sum_replicated_grads(const std::function<void(T*, size_t)>& sum) {
-  const int r = plan_rank();
   for (size_t u = 0; u < plan_.units.size(); ++u)
-    for (auto [b, e] : replicated_ranges(plan_.units[u], r)) sum(grads_[u].data() + b, static_cast<size_t>(e - b));
+    for (auto [b, e] : replicated_ranges(plan_.units[u], unit_rank(static_cast<int>(u)))) sum(grads_[u].data() + b, static_cast<size_t>(e - b));
 }
 
 template class ShardedState<float>;

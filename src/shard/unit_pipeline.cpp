@@ -285,6 +285,59 @@ template <typename C> CommTimes UnitPipeline<C>::comm_times() const {
   return t;
 }
 
+// ---- GroupedUnits ---------------------------------------------------------------------------------
+
+template <typename C>
+GroupedUnits<C>::GroupedUnits(std::vector<std::unique_ptr<UnitPipeline<C>>> lanes, const ShardPlan& plan)
+    : lanes_(std::move(lanes)) {
+  std::vector<int> count(lanes_.size(), 0);
+  for (const UnitPlan& up : plan.units) {
+    if (up.group < 0 || static_cast<size_t>(up.group) >= lanes_.size() || !lanes_[static_cast<size_t>(up.group)])
+      throw std::invalid_argument("GroupedUnits: unit '" + up.name + "' is in group " + std::to_string(up.group) +
+                                  ", which has no pipeline");
+    group_.push_back(up.group);
+    local_.push_back(count[static_cast<size_t>(up.group)]++);
+  }
+  for (size_t g = 0; g < lanes_.size(); ++g)
+    if (lanes_[g] && static_cast<int>(lanes_[g]->units()) != count[g])
+      throw std::invalid_argument("GroupedUnits: group " + std::to_string(g) + "'s pipeline has " +
+                                  std::to_string(lanes_[g]->units()) + " units, the plan " + std::to_string(count[g]));
+}
+
+template <typename C> UnitPipeline<C>& GroupedUnits<C>::lane(int u) {
+  if (u < 0 || static_cast<size_t>(u) >= group_.size())
+    throw std::out_of_range("GroupedUnits: unit " + std::to_string(u) + " is not in the plan");
+  return *lanes_[static_cast<size_t>(group_[static_cast<size_t>(u)])];
+}
+
+template <typename C> void GroupedUnits<C>::begin_pass(const std::string& label) {
+  for (auto& l : lanes_) l->begin_pass(label);
+}
+
+template <typename C> void GroupedUnits<C>::end_pass() {
+  for (auto& l : lanes_) l->end_pass();
+}
+
+template <typename C> CommTimes GroupedUnits<C>::comm_times() const {
+  CommTimes t;
+  for (const auto& l : lanes_) {
+    const CommTimes a = l->comm_times();
+    t.issued_s += a.issued_s;
+    t.exposed_s += a.exposed_s;
+    t.collectives += a.collectives;
+    t.jobs += a.jobs;
+    t.gather_bytes += a.gather_bytes;
+    t.reduce_bytes += a.reduce_bytes;
+    t.unit_gathers += a.unit_gathers;
+    t.unit_reduces += a.unit_reduces;
+  }
+  return t;
+}
+
+template class GroupedUnits<float>;
+template class GroupedUnits<double>;
+template class GroupedUnits<bf16>;
+
 template class UnitPipeline<float>;
 template class UnitPipeline<double>;
 template class UnitPipeline<bf16>;

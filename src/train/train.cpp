@@ -62,12 +62,11 @@ std::string train_config_json(const TrainConfig& tc, int world_size, int shard_g
 
 template <typename T> AdamW<T>::AdamW(ShardedState<T>& f, const TrainConfig& tc) : f_(f), tc_(tc) {
   const ShardPlan& plan = f.plan();
-  int r = f.plan_rank();
   for (int u = 0; u < f.num_units(); ++u) {
     const UnitPlan& up = plan.units[u];
     m_.emplace_back(f.backend(), static_cast<size_t>(up.shard_size));
     v_.emplace_back(f.backend(), static_cast<size_t>(up.shard_size));
-    const RankShard& rs = up.ranks[r];
+    const RankShard& rs = up.ranks[static_cast<size_t>(f.unit_rank(u))];
     for (const auto& slot : up.params) {
       int64_t lo = std::max(slot.offset, rs.start), hi = std::min(slot.offset + slot.numel, rs.start + rs.valid);
       if (hi > lo) segs_.push_back({u, lo - rs.start, hi - lo, slot.spec.weight_decay});

@@ -913,3 +913,104 @@ TEST_F(Fsdp, HybridShardingMeanOverAllRanks) {
     }
   }
 }
+
+// Unit groups (expert parallelism, docs/moe.md): with ep = N, the units of group 1 hold N-th slices
+// of [E, 3, 5] tensors (experts [e E/N, (e+1) E/N) for EP index e = r % N, described as a Rows
+// slice of degree N) and are sharded over the W / N ranks with that EP index (the mesh's expert
+// shard group at dp_shard = W: shard indices e + k N); the other units over all W ranks. Through
+// GroupedUnits (one pipeline per group), at every N dividing W and with overlap off and on:
+//  - init_params gives each expert slice the canonical tensor's values (layout-independent);
+//  - the block's gathered buffer stays valid while the expert unit is gathered (separate lanes);
+//  - an expert unit's gradient is summed over its group and divided by W, not by W / N (the mean
+//    over the same global tokens as every other gradient; the EP gradient-norm bug divides by the
+//    group's size);
+//  - the squared gradient norm summed over all ranks counts every element once.
+TEST_F(Fsdp, ExpertUnitsShardOverTheirGroupAndAverageOverAllRanks) {
+  st::Comm& c = world();
+  const int W = c.world_size(), r = c.rank();
+  auto be64 = st::make_cpu_backend<double>();
+  for (const st::OverlapConfig ov : {st::OverlapConfig{false, 0, st::CommProgress::Wait},
+                                     st::OverlapConfig{true, 1, st::CommProgress::Thread}})
+    for (int N = 1; N <= W; ++N) {
+      if (W % N != 0) continue;
+      SCOPED_TRACE("ep " + std::to_string(N) + ", overlap " + (ov.on ? "on" : "off"));
+      const int e = r % N, E = 2 * N, El = E / N;
+      std::vector<int> same;  // the mesh's expert shard group at dp_shard = W: the ranks of r's EP index
+      for (int q = e; q < W; q += N) same.push_back(q);
+      EXPECT_EQ(st::MeshLayout(st::MeshDims{1, W, 1, 1, 1, N}).expert_shard_group(r), same);
+      st::MpiComm experts = st::MpiComm::split(c, e, r);
+      EXPECT_EQ(experts.rank(), r / N);
+      std::vector<st::UnitSpec> units = test_units();
+      for (const char* name : {"model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"}) {
+        st::ParamSpec p = pspec(name, {El, 3, 5}, st::Init::Normal, 0.3);
+        if (N > 1) p.tp = st::TpSlice{st::TpSplit::Rows, N, E, 15, static_cast<int64_t>(e) * El};
+        units.push_back(st::UnitSpec{std::string(name) + ".unit", {p}, 1});
+      }
+      const st::ShardPlan plan = st::ShardPlan::build(units, W, W / N);
+      st::ShardedState<double> state(*be64, c, plan, nullptr, nullptr, &experts);
+      EXPECT_EQ(state.num_groups(), 2);
+      EXPECT_EQ(state.mean_divisor(), W);
+      std::vector<std::unique_ptr<st::UnitPipeline<double>>> lanes;
+      for (int g = 0; g < 2; ++g)
+        lanes.push_back(std::make_unique<st::UnitPipeline<double>>(
+            *be64, std::make_unique<st::IdentityCodec<double>>(state, g), ov));
+      st::GroupedUnits<double> src(std::move(lanes), state.plan());
+      state.init_params(11);
+      state.zero_grads();
+      const int u0 = 1, nu = state.num_units();
+      src.begin_pass("test");
+      const double* block = src.gather(u0);  // must survive the expert units' gathers
+      const std::vector<double> block_before = host_copy(*be64, block, plan.units[u0].padded_numel);
+      for (int u : state.group_units(1)) src.gather(u);
+      EXPECT_EQ(count_diff(host_copy(*be64, block, plan.units[u0].padded_numel), block_before), 0)
+          << "the block's gathered unit changed while the expert units were gathered";
+      double sumsq = 0;
+      for (int u = 0; u < nu; ++u) {
+        const st::UnitPlan& up = plan.units[static_cast<size_t>(u)];
+        const int G = plan.group_size(up.group), row = up.group == 0 ? r : r / N;
+        EXPECT_EQ(state.unit_rank(u), row) << up.name;
+        EXPECT_EQ(up.ranks.size(), static_cast<size_t>(G)) << up.name;
+        {
+          const std::vector<double> full = host_copy(*be64, src.gather(u), up.padded_numel);
+          for (const auto& slot : up.params)
+            for (int64_t i = 0; i < slot.numel; ++i) {  // the canonical element this slice holds
+              const int64_t ci = up.group == 1 ? static_cast<int64_t>(e) * El * 15 + i : i;
+              EXPECT_EQ(full[static_cast<size_t>(slot.offset + i)], expected_init<double>(11, slot.spec, ci))
+                  << slot.spec.name << " element " << i;
+            }
+        }
+        // Rank q's gradient of local element i; the ranks of this unit's group share its elements.
+        std::vector<double> g(static_cast<size_t>(up.padded_numel), 0.0);
+        for (int64_t i = 0; i < up.numel; ++i) g[static_cast<size_t>(i)] = grad_value(r, u, i, 0);
+        be64->from_host(src.full_grad(u), g.data(), g.size());
+        src.reduce_scatter_grad(u);
+      }
+      src.end_pass();
+      for (int u = 0; u < nu; ++u) {
+        const st::UnitPlan& up = plan.units[static_cast<size_t>(u)];
+        const int row = up.group == 0 ? r : r / N;
+        std::vector<int> peers;  // the ranks that hold this rank's elements of u
+        for (int q = 0; q < W; ++q)
+          if (up.group == 0 || q % N == e) peers.push_back(q);
+        const std::vector<double> got = host_copy(*be64, state.grad_shard(u), up.shard_size);
+        const st::RankShard& rs = up.ranks[static_cast<size_t>(row)];
+        for (int64_t k = 0; k < rs.valid; ++k) {
+          double want = 0;
+          for (int q : peers) want += grad_value(q, u, rs.start + k, 0) / W;
+          EXPECT_TRUE(near(got[static_cast<size_t>(k)], want, 1e-12))
+              << up.name << " element " << k << ": " << got[static_cast<size_t>(k)] << " vs " << want;
+        }
+        // The norm: group-0 elements once; each EP index's slice of a group-1 unit once.
+        for (int ei = 0; ei < (up.group == 1 ? N : 1); ++ei)
+          for (int64_t i = 0; i < up.numel; ++i) {
+            double m = 0;
+            for (int q = 0; q < W; ++q)
+              if (up.group == 0 || q % N == ei) m += grad_value(q, u, i, 0) / W;
+            sumsq += m * m;
+          }
+      }
+      double norm = state.local_grad_sumsq();
+      c.all_reduce(&norm, 1, st::ReduceOp::Sum);
+      EXPECT_TRUE(near(norm, sumsq, 1e-10)) << norm << " vs " << sumsq;
+    }
+}

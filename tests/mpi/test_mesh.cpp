@@ -422,7 +422,8 @@ TEST_F(Mesh, RefusesDimsThatDoNotMatchTheWorld) {
 // cp (dividing it). The EP
 // group is E ranks of one shard group (equal rep and tp) of consecutive shard index
 // (shard * C + cp), computed here from the rank alone; the EP communicator's members and rank
-// agree, every EP group lies inside the shard group, and EP adds no ranks (world unchanged, the
+// agree (and so do the expert shard groups: the shard group's ranks of one EP index), every EP
+// group lies inside the shard group, and EP adds no ranks (world unchanged, the
 // other groups as without it). A MeshLayout with E not dividing dp_shard x cp is refused by name.
 TEST_F(Mesh, ExpertParallelGroupsAgreeWithIndependentComputation) {
   st::Comm& c = world();
@@ -445,12 +446,17 @@ TEST_F(Mesh, ExpertParallelGroupsAgreeWithIndependentComputation) {
           auto tp_of = [&](int q) { return q % N; };
           auto sidx = [&](int q) { return q / N % (C * D); };  // shard * C + cp
           auto rep_of = [&](int q) { return q / (N * C * D); };
-          std::vector<int> ep_bf, shard_bf;
+          std::vector<int> ep_bf, shard_bf, eshard_bf;
           for (int q = 0; q < W; ++q) {
             if (rep_of(q) != rep_of(r) || tp_of(q) != tp_of(r)) continue;
             shard_bf.push_back(q);
             if (sidx(q) / E == sidx(r) / E) ep_bf.push_back(q);
+            if (sidx(q) % E == sidx(r) % E) eshard_bf.push_back(q);  // the same experts
           }
+          ASSERT_NE(mesh.expert_shard_host(), nullptr);
+          EXPECT_EQ(members(*mesh.expert_shard_host()), eshard_bf);
+          EXPECT_EQ(mesh.layout().expert_shard_group(r), eshard_bf);
+          EXPECT_EQ(mesh.expert_shard_host()->rank(), sidx(r) / E);
           ASSERT_NE(mesh.ep_host(), nullptr);
           EXPECT_EQ(members(*mesh.ep_host()), ep_bf);
           EXPECT_EQ(mesh.layout().ep_group(r), ep_bf);

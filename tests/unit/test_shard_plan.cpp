@@ -330,6 +330,45 @@ TEST(ShardPlanProperty, RejectsInvalidInput) {
   EXPECT_THROW(ShardPlan::build({{"d", {param("d.w", {2}), param("d.w", {3})}}}, 1), std::invalid_argument);
   EXPECT_THROW(ShardPlan::build({{"d0", {param("same", {2})}}, {"d1", {param("same", {2})}}}, 2),
                std::invalid_argument);
+
+  // A unit of the expert shard group (group 1) without its group's size, or a group that is not 0 or 1.
+  EXPECT_THROW(ShardPlan::build({{"x", {param("x.w", {2})}, 1}}, 2), std::invalid_argument);
+  EXPECT_THROW(ShardPlan::build({{"x", {param("x.w", {2})}, 2}}, 2, 1), std::invalid_argument);
+}
+
+// Unit groups: a group-1 unit is planned over the expert shard group's ranks, the others over the
+// shard group's; group_plan(g) is one group's units alone, in plan order, with their indices.
+TEST(ShardPlanProperty, ExpertGroupUnitsArePlannedOverTheirGroup) {
+  const std::vector<UnitSpec> units = {{"a", {param("a.w", {7})}},
+                                       {"x", {param("x.w", {2, 3, 5})}, 1},
+                                       {"b", {param("b.w", {5})}},
+                                       {"y", {param("y.w", {9})}, 1}};
+  const ShardPlan p = ShardPlan::build(units, 4, 2);
+  EXPECT_EQ(p.world_size, 4);
+  EXPECT_EQ(p.expert_world_size, 2);
+  EXPECT_TRUE(p.grouped());
+  EXPECT_EQ(p.units[0].ranks.size(), 4u);
+  EXPECT_EQ(p.units[1].ranks.size(), 2u);
+  EXPECT_EQ(p.units[1].shard_size, 15);  // 30 over 2 ranks
+  EXPECT_EQ(p.units[1].padded_numel, 30);
+  EXPECT_EQ(p.units[3].shard_size, 5);   // 9 over 2: 5 + 4, one padding element
+  EXPECT_EQ(p.units[3].ranks[1].valid, 4);
+  EXPECT_EQ(p.units[3].ranks[1].padding, 1);
+  std::vector<int> index;
+  const ShardPlan g1 = p.group_plan(1, &index);
+  EXPECT_EQ(g1.world_size, 2);
+  ASSERT_EQ(g1.units.size(), 2u);
+  EXPECT_EQ(index, (std::vector<int>{1, 3}));
+  EXPECT_EQ(g1.units[1].name, "y");
+  const ShardPlan g0 = p.group_plan(0, &index);
+  EXPECT_EQ(index, (std::vector<int>{0, 2}));
+  EXPECT_EQ(g0.world_size, 4);
+  EXPECT_FALSE(ShardPlan::build({units[0]}, 4).grouped());
+  // A [rows, ...] slice of an N-D tensor (the experts' [E, 2 I, C]): rows are its first dimension.
+  ParamSpec ex = param("e.w", {2, 3, 5});
+  ex.tp = shardtrain::TpSlice{shardtrain::TpSplit::Rows, 3, 6, 15, 4};  // experts 4 and 5 of 6
+  EXPECT_EQ(ex.canonical_index(0), 60);
+  EXPECT_EQ(ex.canonical_index(29), 89);
 }
 
 }  // namespace

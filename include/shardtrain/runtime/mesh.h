@@ -96,6 +96,10 @@ class MeshLayout {
   // ep_index = shard_index % ep, which says whose experts it computes.
   std::vector<int> ep_group(int rank) const;
   int ep_index(int rank) const { return shard_index(rank) % d_.ep; }
+  // The global ranks of `rank`'s expert shard group: the ranks of its shard group with its
+  // ep_index (shard indices ep_index + k * ep, k < fsdp / ep), in order, which hold the same
+  // experts and shard them (ShardedState's group 1); `rank`'s index in it is shard_index / ep.
+  std::vector<int> expert_shard_group(int rank) const;
   // The global ranks of `rank`'s PP group (its pp dimension: one rank per stage, equal in every
   // other coordinate), in stage order: activations go from index s to s + 1, their gradients back.
   std::vector<int> pp_group(int rank) const;
@@ -177,9 +181,12 @@ class Mesh {
   Comm* pp_data() const { return pp_dev_ ? pp_dev_.get() : pp_host(); }
   Comm* ep_host() const { return ep_host_.get(); }
   Comm* ep_data() const { return ep_dev_ ? ep_dev_.get() : ep_host(); }
+  // The expert shard group (expert_shard_group), nullptr when ep = 1.
+  Comm* expert_shard_host() const { return eshard_host_.get(); }
+  Comm* expert_shard_data() const { return eshard_dev_ ? eshard_dev_.get() : expert_shard_host(); }
 
   // Builds the device communicators of the shard group, (R > 1) the replica group, (tp > 1) the
-  // TP group, (cp > 1) the CP group, (pp > 1) the PP group and (ep > 1) the EP group with `make`, given each group's host
+  // TP group, (cp > 1) the CP group, (pp > 1) the PP group and (ep > 1) the EP group and the expert shard group with `make`, given each group's host
   // communicator, in that order, and owns them.
   // Collective as `make` is (NCCL: collective over the group; it agrees on failure itself). Call
   // once.
@@ -209,8 +216,8 @@ class Mesh {
   Topology topo_;
   MeshLayout layout_;
   MeshCoord coord_;
-  std::unique_ptr<MpiComm> shard_host_, replica_host_, tp_host_, cp_host_, pp_host_, ep_host_;
-  std::unique_ptr<Comm> shard_dev_, replica_dev_, tp_dev_, cp_dev_, pp_dev_, ep_dev_;
+  std::unique_ptr<MpiComm> shard_host_, replica_host_, tp_host_, cp_host_, pp_host_, ep_host_, eshard_host_;
+  std::unique_ptr<Comm> shard_dev_, replica_dev_, tp_dev_, cp_dev_, pp_dev_, ep_dev_, eshard_dev_;
   std::string note_;
   double collective_timeout_ = 0;
 };

@@ -27,6 +27,10 @@ template <typename C> using grad_accum_t = typename GradAccum<C>::type;
 // the codec's, one per gather buffer (reserve); reduce-scatter staging is shared between the
 // reduce jobs of one queue (Job::shared_buffers). Two codecs today: IdentityCodec (C = T) and
 // Bf16Codec (bf16 over an fp32 state); float8 would be a third.
+// Unit groups (sharded_state.h): a codec serves one group of the state's units, `group` (0 by
+// default: a state without groups has only it): plan() is the group's plan (unit u: the group's
+// u-th unit), data_comm() the group's, and the mean still divides by the state's W = G * R
+// (ShardedState::mean_divisor), not by the group's ranks.
 template <typename C> class UnitCodec {
  public:
   virtual ~UnitCodec() = default;
@@ -62,10 +66,10 @@ template <typename T> class IdentityCodec final : public UnitCodec<T> {
  public:
   static constexpr size_t kReduceSlab = size_t{1} << 22;
   // `state` must outlive the codec. Throws std::bad_alloc.
-  explicit IdentityCodec(ShardedState<T>& state);
-  const ShardPlan& plan() const override { return s_.plan(); }
+  explicit IdentityCodec(ShardedState<T>& state, int group = 0);
+  const ShardPlan& plan() const override { return s_.group_plan(g_); }
   Comm& world() override { return s_.comm(); }
-  Comm& data_comm() override { return s_.data_comm(); }
+  Comm& data_comm() override { return s_.data_comm(g_); }
   Comm* replica_comm() override { return s_.replica_comm(); }
   void reserve(int) override {}
   CommQueue::Ticket issue_gather(CommQueue& q, int u, T* dst, int slot) override;
@@ -81,6 +85,8 @@ template <typename T> class IdentityCodec final : public UnitCodec<T> {
 
  private:
   ShardedState<T>& s_;
+  int g_;                         // the state's unit group this codec serves
+  int unit(int u) const { return s_.group_units(g_)[static_cast<size_t>(u)]; }  // the state's index
   Buffer<T> scatter_tmp_, pack_;  // reduce-scatter of one slab: [slab_] result, [W, slab_] packed input
   size_t slab_ = 0;               // shard elements per reduce-scatter call
 };
@@ -111,10 +117,11 @@ class Bf16Codec final : public UnitCodec<bf16> {
   static constexpr size_t kWidenSlab = size_t{1} << 22;  // fp32 elements (16 MiB) per widened slab
   // `state` and `be` must outlive the codec. widen_slab: fp32 elements per widened slab (tests make
   // it small to cut units into many slabs); unused on the stream lane. Throws std::bad_alloc.
-  Bf16Codec(ShardedState<float>& state, Backend<bf16>& be, bool reduce_bf16, size_t widen_slab = kWidenSlab);
-  const ShardPlan& plan() const override { return m_.plan(); }
+  Bf16Codec(ShardedState<float>& state, Backend<bf16>& be, bool reduce_bf16, size_t widen_slab = kWidenSlab,
+            int group = 0);
+  const ShardPlan& plan() const override { return m_.group_plan(g_); }
   Comm& world() override { return m_.comm(); }
-  Comm& data_comm() override { return m_.data_comm(); }
+  Comm& data_comm() override { return m_.data_comm(g_); }
   Comm* replica_comm() override { return m_.replica_comm(); }
   void reserve(int slots) override;
   CommQueue::Ticket issue_gather(CommQueue& q, int u, bf16* dst, int slot) override;
@@ -129,6 +136,8 @@ class Bf16Codec final : public UnitCodec<bf16> {
   ShardedState<float>& m_;
   Backend<bf16>& be_;
   bool reduce_bf16_;
+  int g_;  // the state's unit group this codec serves
+  int unit(int u) const { return m_.group_units(g_)[static_cast<size_t>(u)]; }  // the state's index
   std::vector<Buffer<bf16>> shard_;  // per gather buffer: this rank's shard rounded to bf16
   Buffer<bf16> scatter_;
   Buffer<float> grad32_, scatter32_;  // [W, slab_] and [slab_]: the fp32 reduce-scatter of one slab

@@ -56,9 +56,14 @@ struct ParamSpec {
   bool tp_replicated() const { return tp.split == TpSplit::Replicated && tp.degree > 1; }
 };
 
+// Which ranks shard a unit (ShardPlan::build). 0: the shard group (dp_shard x cp ranks, the whole
+// world without hybrid sharding or a pipeline); 1: the expert shard group, the ranks of the shard
+// group that hold the same experts under expert parallelism (dp_shard x cp / ep of them;
+// docs/moe.md). Every unit's gradient is still the mean over the same W ranks (UnitCodec).
 struct UnitSpec {
   std::string name;             // e.g. "model.layers.0"
   std::vector<ParamSpec> params;
+  int group = 0;
 };
 
 // One parameter's place in its unit's flat buffer.
@@ -78,19 +83,27 @@ struct RankShard {
 struct UnitPlan {
   std::string name;
   std::vector<ParamSlot> params;
+  int group = 0;             // UnitSpec::group: whose ranks shard it
   int64_t numel = 0;         // real elements
   int64_t shard_size = 0;    // S, elements per rank (>= 1)
-  int64_t padded_numel = 0;  // S * world
-  std::vector<RankShard> ranks;  // size world
+  int64_t padded_numel = 0;  // S * its group's ranks
+  std::vector<RankShard> ranks;  // one per rank of its group
   const ParamSlot& param(const std::string& name) const;  // throws std::out_of_range naming it
 };
 
 struct ShardPlan {
-  int world_size = 1;
+  int world_size = 1;         // ranks of group 0 (the shard group)
+  int expert_world_size = 0;  // ranks of group 1 (the expert shard group); 0: no unit is in it
   std::vector<UnitPlan> units;
-  // Builds the plan for `world` ranks. Throws std::invalid_argument on world < 1, an empty unit,
-  // a non-positive dimension, or a duplicate parameter name.
-  static ShardPlan build(const std::vector<UnitSpec>& units, int world);
+  // Builds the plan: units of group 0 for `world` ranks, units of group 1 for `expert_world`.
+  // Throws std::invalid_argument on world < 1, a group-1 unit with expert_world < 1, a group
+  // other than 0 and 1, an empty unit, a non-positive dimension, or a duplicate parameter name.
+  static ShardPlan build(const std::vector<UnitSpec>& units, int world, int expert_world = 0);
+  int group_size(int g) const { return g == 0 ? world_size : expert_world_size; }
+  bool grouped() const { return expert_world_size > 0; }  // some unit is in group 1
+  // The plan of group g's units alone, in plan order (world size: the group's); *index (if given)
+  // receives each one's index in this plan.
+  ShardPlan group_plan(int g, std::vector<int>* index = nullptr) const;
   int64_t total_numel() const;  // sum of real elements over units
   int64_t max_padded_numel() const;  // largest UnitPlan::padded_numel: size of a full-unit buffer
   int64_t max_shard_size() const;    // largest UnitPlan::shard_size: size of a shard-sized buffer

@@ -30,11 +30,22 @@ namespace shardtrain {
 // (nullptr with one group) joins the ranks of equal shard rank in the R = W / G groups. Gradients
 // are reduce-scattered within the group, summed over replica_comm and divided by W = G * R (see
 // UnitCodec). Every replica then holds and updates identical shards. `comm` stays the whole world.
+//
+// Unit groups (expert parallelism, docs/moe.md): a plan whose units of group 1 (UnitSpec::group)
+// are sharded over the expert shard group, `expert_comm` (the G / N ranks of the shard group that
+// hold the same experts; plan.expert_world_size of them), and whose other units over data_comm.
+// Each unit's shard row is this rank's rank in its group's comm (unit_rank); its gradient is still
+// summed over replica_comm and divided by the same W = G * R (mean_divisor): the experts' ranks
+// computed on the tokens of all W ranks, so the mean is over the same global tokens as every other
+// gradient. group_plan(g) / group_units(g) give one group's units as a plan of their own (what a
+// codec over one group sees: UnitCodec's `group`).
 template <typename T> class ShardedState {
  public:
   // Throws std::invalid_argument if the plan's world size differs from data_comm's (comm's when
-  // data_comm is nullptr; the shard group's with hybrid sharding), std::bad_alloc.
-  ShardedState(Backend<T>& be, Comm& comm, ShardPlan plan, Comm* data_comm = nullptr, Comm* replica_comm = nullptr);
+  // data_comm is nullptr; the shard group's with hybrid sharding), or its expert_world_size from
+  // expert_comm's (a plan with group-1 units needs one), std::bad_alloc.
+  ShardedState(Backend<T>& be, Comm& comm, ShardPlan plan, Comm* data_comm = nullptr, Comm* replica_comm = nullptr,
+               Comm* expert_comm = nullptr);
   // The communicators from the run's mesh (mesh.h): comm = mesh.world(), data_comm =
   // mesh.shard_data(), replica_comm = mesh.replica_data(). `plan` must be built for the shard group
   // (mesh.dims().fsdp() = dp_shard x cp ranks). The mesh must outlive the state. Throws as the constructor above.
@@ -48,6 +59,15 @@ template <typename T> class ShardedState {
   Backend<T>& backend() { return be_; }
   Comm& comm() { return comm_; }
   Comm& data_comm() { return *dcomm_; }
+  // Group g's data comm (0: data_comm(); 1: expert_comm), plan and its units' indices in plan().
+  Comm& data_comm(int g) { return g == 0 ? *dcomm_ : *ecomm_; }
+  const ShardPlan& group_plan(int g) const { return gplan_[static_cast<size_t>(g)]; }
+  const std::vector<int>& group_units(int g) const { return gunits_[static_cast<size_t>(g)]; }
+  int num_groups() const { return plan_.grouped() ? 2 : 1; }
+  // This rank's row in unit u's shard table: its rank in the unit's group's comm.
+  int unit_rank(int u) const { return plan_.units[static_cast<size_t>(u)].group == 0 ? dcomm_->rank() : ecomm_->rank(); }
+  // W = G * R: what every unit's summed gradient is divided by (UnitCodec).
+  int mean_divisor() const { return plan_.world_size * replicas(); }
   int num_units() const { return static_cast<int>(plan_.units.size()); }
   // This rank's row in the plan (its rank in the shard group; = comm().rank() without HSDP), the
   // replica communicator (nullptr: one group) and the number of replica groups R (the gradient
@@ -96,7 +116,10 @@ template <typename T> class ShardedState {
   Comm& comm_;
   Comm* dcomm_;
   Comm* rcomm_;  // HSDP replica communicator, nullptr with one group
+  Comm* ecomm_;  // the expert shard group's data comm, nullptr when no unit is in group 1
   ShardPlan plan_;
+  ShardPlan gplan_[2];
+  std::vector<int> gunits_[2];
   std::vector<Buffer<T>> params_, grads_;
 };
 

@@ -82,6 +82,7 @@ template <typename C> class UnitPipeline : public UnitSource<C> {
   CommTimes comm_times() const override;
   Reshard reshard() const override { return reshard_; }
   const OverlapConfig& overlap() const { return ov_; }
+  size_t units() const { return plan_.units.size(); }  // its codec's plan's
 
  private:
   struct Slot {
@@ -141,6 +142,33 @@ template <typename C> class UnitPipeline : public UnitSource<C> {
   std::vector<int> rec_;
   std::map<std::string, std::vector<int>> traces_;
   const std::vector<int>* trace_ = nullptr;
+};
+
+// Units in groups (ShardedState: expert units under expert parallelism, docs/moe.md): one
+// UnitPipeline per group of the state's units, each over a codec of its group (UnitCodec's
+// `group`), so each group has its own gather and gradient buffers and its own queues on its own
+// group's comm. Unit indices are the state's. gather(u) is valid until the next gather of a unit of
+// the same group (a block's unit stays gathered while its experts' unit is); one full_grad of each
+// group may be outstanding at once. A pass begins and ends in every group, in group order; the
+// collectives of the groups are on different communicators, issued in the same program order on
+// every rank. comm_times() sums the groups'.
+template <typename C> class GroupedUnits final : public UnitSource<C> {
+ public:
+  // lanes[g]: group g's pipeline (its codec over group g of the state whose plan is `plan`), one per
+  // group. Throws std::invalid_argument when a lane's unit count is not its group's.
+  GroupedUnits(std::vector<std::unique_ptr<UnitPipeline<C>>> lanes, const ShardPlan& plan);
+  const C* gather(int u) override { return lane(u).gather(local_[static_cast<size_t>(u)]); }
+  C* full_grad(int u) override { return lane(u).full_grad(local_[static_cast<size_t>(u)]); }
+  void reduce_scatter_grad(int u) override { lane(u).reduce_scatter_grad(local_[static_cast<size_t>(u)]); }
+  void begin_pass(const std::string& label) override;
+  void end_pass() override;
+  CommTimes comm_times() const override;
+  Reshard reshard() const override { return lanes_.front()->reshard(); }
+
+ private:
+  UnitPipeline<C>& lane(int u);
+  std::vector<std::unique_ptr<UnitPipeline<C>>> lanes_;
+  std::vector<int> group_, local_;  // per state unit: its group and its index in the group's plan
 };
 
 // Plain-precision FSDP in one object (tools and tests): a ShardedState<T> and, over it, a
