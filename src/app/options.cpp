@@ -7,6 +7,7 @@
 
 #include <boost/program_options.hpp>
 #include <algorithm>
+#include <cctype>
 #include <cstdio>
 #include <charconv>
 #include <cmath>
@@ -246,6 +247,11 @@ void validate_mode(const Options& o) {
     } catch (const std::invalid_argument&) {
       check(false, "device-memory", "must be a size like 80GB or 139GiB, got '" + o.device_memory + "'");
     }
+    // A bare number would be bytes (what --max-shard-size reads): '80' meaning 80 GB would plan for
+    // a device of 80 bytes, on which nothing fits. A device's memory is given with its unit.
+    const char last = o.device_memory.back();
+    check(!(std::isdigit(static_cast<unsigned char>(last)) || last == '.'), "device-memory",
+          "needs a unit, e.g. 80GB or 139GiB, got '" + o.device_memory + "' (a bare number would be bytes)");
   }
   finite(o.temperature, "temperature");
   check(o.temperature >= 0, "temperature", "must be >= 0");

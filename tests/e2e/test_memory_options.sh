@@ -102,5 +102,6 @@ expect_fail bad_ckpt "option '--activation-checkpointing' must be none, selectiv
 expect_fail bad_attention "option '--attention' must be tiled or exact" 2 --model tiny --data "$DATA" --attention flash
 expect_fail bad_chunk "option '--loss-chunk' must be >= 0" 2 --model tiny --data "$DATA" --loss-chunk -1
 expect_fail bad_devmem "option '--device-memory'" 2 --mode plan --model tiny --device-memory 80XB
+expect_fail bare_devmem "option '--device-memory' needs a unit, e.g. 80GB or 139GiB, got '80'" 2 --mode plan --model tiny --device-memory 80
 expect_fail bad_world "option '--world-size'" 2 --mode plan --model tiny --world-size -3
 echo "ok: bad values fail on every rank naming the option"
