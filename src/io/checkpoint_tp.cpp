@@ -15,15 +15,45 @@ TpCheckpointLayout::TpCheckpointLayout(const MeshLayout& mesh, int rank, std::ve
                                        ShardPlan canonical, std::vector<std::string> names)
     : mesh_(mesh), rank_(rank), plans_(std::move(tp_plans)), canon_(std::move(canonical)), names_(std::move(names)),
       host_(make_cpu_backend<float>()) {
-  if (static_cast<int>(plans_.size()) != mesh_.dims().tp || canon_.world_size != mesh_.dims().world())
+  const MeshDims& d = mesh_.dims();
+  if (d.tp > 1 && d.ep > 1) throw std::invalid_argument("TpCheckpointLayout: tp and ep together");
+  if (static_cast<int>(plans_.size()) != (d.tp > 1 ? d.tp : d.ep) || canon_.world_size != d.world())
     throw std::invalid_argument("TpCheckpointLayout: plans do not match the mesh");
   for (const ShardPlan& p : plans_)
-    if (p.units.size() != canon_.units.size() || p.world_size != mesh_.dims().fsdp())
-      throw std::invalid_argument("TpCheckpointLayout: a TP plan does not match the canonical plan or dp_shard x cp");
-  for (size_t u = 0; u < canon_.units.size(); ++u) {
+    if (p.units.size() != plans_[0].units.size() || p.world_size != d.fsdp() ||
+        (p.grouped() && p.expert_world_size * d.ep != d.fsdp()))
+      throw std::invalid_argument("TpCheckpointLayout: a plan does not match dp_shard x cp (or its expert groups ep)");
+  // Each plan unit's parameters are in one canonical unit; every canonical parameter in one plan unit.
+  contrib_.resize(canon_.units.size());
+  std::vector<size_t> covered(canon_.units.size(), 0);
+  for (size_t lu = 0; lu < plans_[0].units.size(); ++lu) {
+    const UnitPlan& up = plans_[0].units[lu];
+    size_t cu = canon_.units.size();
+    for (size_t c = 0; c < canon_.units.size() && cu == canon_.units.size(); ++c)
+      for (const ParamSlot& slot : canon_.units[c].params)
+        if (slot.spec.name == up.params.front().spec.name) cu = c;
+    if (cu == canon_.units.size())
+      throw std::invalid_argument("TpCheckpointLayout: unit '" + up.name + "' is not in the canonical plan");
     std::vector<int64_t> off;
-    for (const ParamSlot& slot : plans_[0].units[u].params) off.push_back(canon_.units[u].param(slot.spec.name).offset);
+    for (const ParamSlot& slot : up.params) off.push_back(canon_.units[cu].param(slot.spec.name).offset);  // throws if not there
     canon_offset_.push_back(std::move(off));
+    contrib_[cu].push_back(static_cast<int>(lu));
+    covered[cu] += up.params.size();
+  }
+  for (size_t cu = 0; cu < canon_.units.size(); ++cu)
+    if (covered[cu] != canon_.units[cu].params.size())
+      throw std::invalid_argument("TpCheckpointLayout: the plans do not hold canonical unit '" + canon_.units[cu].name +
+                                  "' once");
+  for (const ShardPlan& p : plans_) {
+    std::vector<int64_t> base(p.units.size(), 0);
+    for (const std::vector<int>& c : contrib_) {
+      int64_t at = 0;
+      for (int lu : c) {
+        base[static_cast<size_t>(lu)] = at;
+        at += p.units[static_cast<size_t>(lu)].shard_size;
+      }
+    }
+    lbase_.push_back(std::move(base));
   }
   rows_.resize(names_.size());
   for (auto& t : rows_)
@@ -68,20 +98,31 @@ ShardedTensors TpCheckpointLayout::canonical(size_t n) {
   return t;
 }
 
-std::vector<TpCheckpointLayout::Run> TpCheckpointLayout::runs(int q, size_t u) const {
-  const MeshCoord c = mesh_.coord(q);
-  const UnitPlan& up = plans_[static_cast<size_t>(c.tp)].units[u];
-  const RankShard& rs = up.ranks[static_cast<size_t>(mesh_.shard_index(q))];  // its row over dp_shard x cp
+int TpCheckpointLayout::variant(int q) const {
+  return mesh_.dims().tp > 1 ? mesh_.coord(q).tp : mesh_.ep_index(q);
+}
+
+int TpCheckpointLayout::row(int q, int lu) const {
+  const UnitPlan& up = plans_[static_cast<size_t>(variant(q))].units[static_cast<size_t>(lu)];
+  return up.group == 0 ? mesh_.shard_index(q) : mesh_.shard_index(q) / mesh_.dims().ep;  // over dp_shard x cp
+}
+
+std::vector<TpCheckpointLayout::Run> TpCheckpointLayout::runs(int q, size_t cu) const {
+  const int v = variant(q);
   std::vector<Run> out;
+  for (const int lu : contrib_[cu]) {
+  const UnitPlan& up = plans_[static_cast<size_t>(v)].units[static_cast<size_t>(lu)];
+  const RankShard& rs = up.ranks[static_cast<size_t>(row(q, lu))];
+  const int64_t lbase = lbase_[static_cast<size_t>(v)][static_cast<size_t>(lu)];
   for (size_t i = 0; i < up.params.size(); ++i) {
     const ParamSlot& slot = up.params[i];
     const int64_t lo = std::max(slot.offset, rs.start), hi = std::min(slot.offset + slot.numel, rs.start + rs.valid);
     if (lo >= hi) continue;
-    const int64_t e0 = lo - slot.offset, e1 = hi - slot.offset, base = canon_offset_[u][i];
+    const int64_t e0 = lo - slot.offset, e1 = hi - slot.offset, base = canon_offset_[static_cast<size_t>(lu)][i];
     const TpSlice& tp = slot.spec.tp;
     const int64_t lcols = slot.spec.shape.size() >= 2 ? slot.numel / slot.spec.shape[0] : 1;
     auto add = [&](int64_t e, int64_t canon, int64_t len) {
-      if (len > 0) out.push_back({slot.offset + e - rs.start, base + canon, len, slot.spec.tp_replicated()});
+      if (len > 0) out.push_back({lbase + slot.offset + e - rs.start, base + canon, len, slot.spec.tp_replicated()});
     };
     if (tp.degree <= 1 || tp.split == TpSplit::None || tp.split == TpSplit::Replicated) {
       add(e0, e0, e1 - e0);
@@ -94,6 +135,7 @@ std::vector<TpCheckpointLayout::Run> TpCheckpointLayout::runs(int q, size_t u) c
         add(a, r * tp.cols + tp.offset + (a - r * lcols), b - a);
       }
     }
+  }
   }
   return out;
 }
@@ -115,19 +157,25 @@ void TpCheckpointLayout::move(Comm& world, const ShardedTensors& local, bool to_
   for (size_t k = 0; k < K; ++k)
     if (local.tensors[k].name != names_[k]) throw std::invalid_argument("TpCheckpointLayout: tensor order differs");
   MPI_Comm comm = static_cast<MPI_Comm>(world.mpi_handle());
-  const MeshCoord me = mesh_.coord(rank_);
   moved_ = 0;
   std::vector<float> shard, sendbuf, recvbuf;
   std::vector<int> scount(static_cast<size_t>(W)), sdispl(static_cast<size_t>(W)), rcount(static_cast<size_t>(W)),
       rdispl(static_cast<size_t>(W));
   for (size_t u = 0; u < canon_.units.size(); ++u) {
     const int64_t S = canon_.units[u].shard_size;
-    const int64_t local_size = plans_[static_cast<size_t>(me.tp)].units[u].shard_size;
-    // This rank's shards of unit u, all tensors, in host memory: [tensor][local_size].
+    // This rank's shards of the plan units holding unit u's parameters, concatenated, all tensors,
+    // in host memory: [tensor][local_size].
+    const ShardPlan& mine = plans_[static_cast<size_t>(variant(rank_))];
+    const std::vector<int64_t>& lbase = lbase_[static_cast<size_t>(variant(rank_))];
+    int64_t local_size = 0;
+    for (const int lu : contrib_[u]) local_size += mine.units[static_cast<size_t>(lu)].shard_size;
     shard.assign(static_cast<size_t>(local_size) * K, 0.0f);
     if (to_canon)
       for (size_t k = 0; k < K; ++k)
-        local.backend->to_host(shard.data() + k * local_size, local.tensors[k].shards[u], static_cast<size_t>(local_size));
+        for (const int lu : contrib_[u])
+          local.backend->to_host(shard.data() + k * local_size + lbase[static_cast<size_t>(lu)],
+                                 local.tensors[k].shards[static_cast<size_t>(lu)],
+                                 static_cast<size_t>(mine.units[static_cast<size_t>(lu)].shard_size));
     // Pieces of rank q's runs: (holder-side offset, canonical offset, len, canonical row).
     struct Piece {
       int64_t local, canon, len;
@@ -161,7 +209,7 @@ void TpCheckpointLayout::move(Comm& world, const ShardedTensors& local, bool to_
     for (int q = 0; q < W; ++q) fits = fits && (so += out[static_cast<size_t>(q)]) <= INT_MAX && (ro += in[static_cast<size_t>(q)]) <= INT_MAX;
     // Agreed before the collective (a rank alone refusing would leave the others in it).
     all_ok(world, fits,
-           "checkpoint of a tensor-parallel run: unit '" + canon_.units[u].name +
+           "checkpoint of a tensor- or expert-parallel run: unit '" + canon_.units[u].name +
                "' would move more than 2^31 floats to or from one rank in the canonical layout; use more ranks");
     so = ro = 0;
     for (int q = 0; q < W; ++q) {
@@ -212,7 +260,10 @@ void TpCheckpointLayout::move(Comm& world, const ShardedTensors& local, bool to_
         at[static_cast<size_t>(p.row)] += p.len * static_cast<int64_t>(K);
       });
       for (size_t k = 0; k < K; ++k)
-        local.backend->from_host(local.tensors[k].shards[u], shard.data() + k * local_size, static_cast<size_t>(local_size));
+        for (const int lu : contrib_[u])
+          local.backend->from_host(local.tensors[k].shards[static_cast<size_t>(lu)],
+                                   shard.data() + k * local_size + lbase[static_cast<size_t>(lu)],
+                                   static_cast<size_t>(mine.units[static_cast<size_t>(lu)].shard_size));
     }
   }
 }

@@ -31,9 +31,22 @@ std::string check_tensor_parallel(const ModelConfig& c, int tp) {
   return "";
 }
 
-std::vector<UnitSpec> llama_units(const ModelConfig& c, int tp, int tp_rank) {
+int llama_num_units(const ModelConfig& c, int ep) {
+  return c.num_hidden_layers + 2 + (ep > 1 && c.is_moe() ? static_cast<int>(c.num_moe_layers()) : 0);
+}
+
+int llama_expert_unit(const ModelConfig& c, int l) {
+  int m = 0;
+  for (int i = 0; i < l; ++i) m += c.is_moe_layer(i) ? 1 : 0;
+  return c.num_hidden_layers + 2 + m;
+}
+
+std::vector<UnitSpec> llama_units(const ModelConfig& c, int tp, int tp_rank, int ep, int ep_rank) {
   if (const std::string why = check_tensor_parallel(c, tp); !why.empty()) throw std::invalid_argument(why);
   if (tp_rank < 0 || tp_rank >= tp) throw std::invalid_argument("llama_units: TP rank out of range");
+  if (ep < 1 || ep_rank < 0 || ep_rank >= ep || (ep > 1 && (!c.is_moe() || c.num_experts % ep != 0)))
+    throw std::invalid_argument("llama_units: ep " + std::to_string(ep) + " (rank " + std::to_string(ep_rank) +
+                                ") does not split the model's experts (" + std::to_string(c.num_experts) + ")");
   const int64_t C = c.hidden_size, I = c.intermediate_size, V = c.vocab_size;
   const int64_t Q = static_cast<int64_t>(c.num_attention_heads) * c.head_dim(), KV = c.kv_dim();
   const int64_t Vl = (V + tp - 1) / tp;
@@ -72,9 +85,10 @@ std::vector<UnitSpec> llama_units(const ModelConfig& c, int tp, int tp_rank) {
     u.params.push_back(norm(p + "post_attention_layernorm.weight", C));
     if (c.is_moe_layer(l)) {  // tp == 1 (check_tensor_parallel)
       const int64_t E = c.num_experts, IE = c.moe_intermediate_size;
-      u.params.insert(u.params.end(), {mat(p + "mlp.gate.weight", E, C),
-                                       ParamSpec{p + "mlp.experts.gate_up_proj", {E, 2 * IE, C}, true, Init::Normal, sd},
-                                       ParamSpec{p + "mlp.experts.down_proj", {E, C, IE}, true, Init::Normal, sd}});
+      u.params.push_back(mat(p + "mlp.gate.weight", E, C));
+      if (ep == 1)
+        u.params.insert(u.params.end(), {ParamSpec{p + "mlp.experts.gate_up_proj", {E, 2 * IE, C}, true, Init::Normal, sd},
+                                         ParamSpec{p + "mlp.experts.down_proj", {E, C, IE}, true, Init::Normal, sd}});
     } else {
       u.params.insert(u.params.end(), {rows(p + "mlp.gate_proj.weight", I, C, I / tp),
                                        rows(p + "mlp.up_proj.weight", I, C, I / tp), cols(p + "mlp.down_proj.weight", C, I)});
@@ -84,6 +98,18 @@ std::vector<UnitSpec> llama_units(const ModelConfig& c, int tp, int tp_rank) {
   UnitSpec head{"model.norm", {norm("model.norm.weight", C)}};
   if (!c.tie_word_embeddings) head.params.push_back(rows("lm_head.weight", V, C, Vl));
   units.push_back(head);
+  if (ep > 1) {  // each MoE block's experts: EP rank ep_rank's E / ep of them, in the expert shard group
+    const int64_t E = c.num_experts, IE = c.moe_intermediate_size, El = E / ep;
+    for (int l = 0; l < c.num_hidden_layers; ++l) {
+      if (!c.is_moe_layer(l)) continue;
+      const std::string p = "model.layers." + std::to_string(l) + ".mlp.experts";
+      ParamSpec gu{p + ".gate_up_proj", {El, 2 * IE, C}, true, Init::Normal, sd};
+      gu.tp = TpSlice{TpSplit::Rows, ep, E, 2 * IE * C, ep_rank * El};
+      ParamSpec dn{p + ".down_proj", {El, C, IE}, true, Init::Normal, sd};
+      dn.tp = TpSlice{TpSplit::Rows, ep, E, C * IE, ep_rank * El};
+      units.push_back(UnitSpec{p, {gu, dn}, 1});
+    }
+  }
   return units;
 }
 
@@ -175,7 +201,9 @@ LlamaModel<T>::LlamaModel(const ModelConfig& c, Backend<T>& be, const ModelOptio
     throw std::invalid_argument("context parallelism (--cp " + std::to_string(cp_->size()) +
                                 ") runs tiled attention only, not '--attention exact'");
   // Offsets do not depend on the world size; with TP, the slices' (llama_units checks tp).
-  ShardPlan p = ShardPlan::build(llama_units(c, tp_n_, tp_rank_), 1);
+  const int ep_n = ep_ ? ep_->size() : 1;
+  own_experts_ = ep_n > 1;
+  ShardPlan p = ShardPlan::build(llama_units(c, tp_n_, tp_rank_, ep_n, ep_ ? ep_->rank() : 0), 1, 1);
   // A dense block's offsets, and an MoE block's (the same attention part): from the first of each.
   auto offsets_of = [&](int l, bool moe) {
     const UnitPlan& blk = p.units[static_cast<size_t>(1 + l)];
@@ -191,8 +219,9 @@ LlamaModel<T>::LlamaModel(const ModelConfig& c, Backend<T>& be, const ModelOptio
     }
     if (moe) {
       r.router = of("mlp.gate.weight");
-      r.egu = of("mlp.experts.gate_up_proj");
-      r.edown = of("mlp.experts.down_proj");
+      const UnitPlan& ex = own_experts_ ? p.units[static_cast<size_t>(llama_expert_unit(c, l))] : blk;
+      r.egu = ex.param(pre + "mlp.experts.gate_up_proj").offset;
+      r.edown = ex.param(pre + "mlp.experts.down_proj").offset;
     }
     return r;
   };
@@ -206,7 +235,7 @@ LlamaModel<T>::LlamaModel(const ModelConfig& c, Backend<T>& be, const ModelOptio
   } else {
     dense_off_ = offsets_of(0, false);
   }
-  const UnitPlan& head = p.units.back();
+  const UnitPlan& head = p.units[static_cast<size_t>(c.num_hidden_layers) + 1];  // (expert units follow it)
   head_off_norm_ = head.param("model.norm.weight").offset;
   head_off_w_ = c.tie_word_embeddings ? 0 : head.param("lm_head.weight").offset;
   if (o_.loss_chunk < 0) throw std::invalid_argument("option '--loss-chunk' must be >= 0");
@@ -222,24 +251,28 @@ int BlockRange::unit(int u) const {
   return i;
 }
 
-std::vector<UnitSpec> llama_stage_units(const ModelConfig& c, int begin, int end, int tp, int tp_rank) {
-  const BlockRange r = llama_stage_range(c, begin, end);
-  std::vector<UnitSpec> all = llama_units(c, tp, tp_rank), out;
+std::vector<UnitSpec> llama_stage_units(const ModelConfig& c, int begin, int end, int tp, int tp_rank, int ep,
+                                        int ep_rank) {
+  const BlockRange r = llama_stage_range(c, begin, end, ep);
+  std::vector<UnitSpec> all = llama_units(c, tp, tp_rank, ep, ep_rank), out;
   for (size_t u = 0; u < all.size(); ++u)
     if (r.units[u] >= 0) out.push_back(std::move(all[u]));
   return out;
 }
 
-BlockRange llama_stage_range(const ModelConfig& c, int begin, int end) {
+BlockRange llama_stage_range(const ModelConfig& c, int begin, int end, int ep) {
   const int L = c.num_hidden_layers;
   if (begin < 0 || begin > end || end > L)
     throw std::invalid_argument("block range [" + std::to_string(begin) + ", " + std::to_string(end) +
                                 ") is not inside [0, " + std::to_string(L) + ")");
-  BlockRange r{begin, end, std::vector<int>(static_cast<size_t>(L) + 2, -1)};
+  BlockRange r{begin, end, std::vector<int>(static_cast<size_t>(llama_num_units(c, ep)), -1)};
   int n = 0;
   if (begin == 0 || (end == L && c.tie_word_embeddings)) r.units[0] = n++;
   for (int l = begin; l < end; ++l) r.units[static_cast<size_t>(1 + l)] = n++;
   if (end == L) r.units[static_cast<size_t>(L) + 1] = n++;
+  if (r.units.size() > static_cast<size_t>(L) + 2)  // the range's blocks' expert units (ep > 1)
+    for (int l = begin; l < end; ++l)
+      if (c.is_moe_layer(l)) r.units[static_cast<size_t>(llama_expert_unit(c, l))] = n++;
   return r;
 }
 
@@ -247,9 +280,10 @@ template <typename T> void LlamaModel<T>::check_range(const BlockRange& r) const
   if (r.begin < 0 || r.begin > r.end || r.end > c_.num_hidden_layers)
     throw std::invalid_argument("LlamaModel: block range [" + std::to_string(r.begin) + ", " + std::to_string(r.end) +
                                 ") is not inside [0, " + std::to_string(c_.num_hidden_layers) + ")");
-  if (!r.units.empty() && r.units.size() != static_cast<size_t>(c_.num_hidden_layers) + 2)
-    throw std::invalid_argument("LlamaModel: a unit map has one entry per model unit (" +
-                                std::to_string(c_.num_hidden_layers + 2) + "), got " + std::to_string(r.units.size()));
+  const int n = llama_num_units(c_, ep_ ? ep_->size() : 1);
+  if (!r.units.empty() && r.units.size() != static_cast<size_t>(n))
+    throw std::invalid_argument("LlamaModel: a unit map has one entry per model unit (" + std::to_string(n) + "), got " +
+                                std::to_string(r.units.size()));
 }
 
 template <typename T>
@@ -314,7 +348,7 @@ void LlamaModel<T>::forward(UnitSource<T>& f, Context& ctx, const int32_t* token
     Layer& act = o_.recompute == Recompute::Full ? work_ : kept;
     T* h = o_.recompute == Recompute::None ? act.h.data() : work_.h.data();
     T* att = o_.recompute == Recompute::None ? act.att.data() : work_.att.data();
-    block_forward(ctx, l, w, kept.x.data(), act, h, att,
+    block_forward(f, ctx, l, w, kept.x.data(), act, h, att,
                   l + 1 < b ? ctx.layers_[static_cast<size_t>(l + 1 - a)].x.data() : ctx.xf_.data());
     if (is_moe(l)) {  // the load-balancing loss's counts and probability sums of this block's tokens
       const int grp = o_.aux_scope == MoeAuxScope::Sequence ? d.T_ : d.BT;

@@ -69,7 +69,8 @@ template <typename T> void LlamaModel<T>::reduce_input_grad() {
 }
 
 template <typename T>
-void LlamaModel<T>::block_forward(const Context& ctx, int l, const T* w, const T* x, Layer& a, T* h, T* att, T* xn) {
+void LlamaModel<T>::block_forward(UnitSource<T>& f, const Context& ctx, int l, const T* w, const T* x, Layer& a, T* h,
+                                  T* att, T* xn) {
   const LlamaDims& d = d_;
   const Offsets& off_ = offsets(l);  // a dense or an MoE block's
   // Attention sub-block: x1 = x + o_proj(attn(rope(q), rope(k), v)) on rmsnorm(x).
@@ -89,7 +90,7 @@ void LlamaModel<T>::block_forward(const Context& ctx, int l, const T* w, const T
   row_parallel_residual(a.y.data(), d.Q, w + off_.o, x, a.x1.data());
   // MLP sub-block: x_next = x1 + down(silu(gate(n)) * up(n)), n = rmsnorm(x1).
   be_.rmsnorm_forward(ln_.data(), a.rstd2.data(), a.x1.data(), w + off_.ln2, d.R, d.C, eps_);
-  if (is_moe(l)) return moe_forward(w, a, h, xn);  // ... or its experts'
+  if (is_moe(l)) return moe_forward(f, ctx, l, w, a, h, xn);  // ... or its experts'
   const T* n2 = gather_rows(ln_.data(), full_);
   linear(be_, kFwd, d.BT, d.I, d.C, n2, w + off_.gate, a.g.data(), false);
   linear(be_, kFwd, d.BT, d.I, d.C, n2, w + off_.up, a.u.data(), false);
@@ -99,7 +100,7 @@ void LlamaModel<T>::block_forward(const Context& ctx, int l, const T* w, const T
 }
 
 template <typename T>
-typename LlamaModel<T>::Layer& LlamaModel<T>::backward_activations(Context& ctx, int l, const T* w) {
+typename LlamaModel<T>::Layer& LlamaModel<T>::backward_activations(UnitSource<T>& f, Context& ctx, int l, const T* w) {
   const LlamaDims& d = d_;
   const size_t n = static_cast<size_t>(d.BT) * d.I;
   Layer& a = ctx.layers_[static_cast<size_t>(l - ctx.r_.begin)];
@@ -114,7 +115,7 @@ typename LlamaModel<T>::Layer& LlamaModel<T>::backward_activations(Context& ctx,
                                          d.NH, d.NKV, d.HD, ctx.use_doc_ ? ctx.doc_.data() : nullptr);
       return a;
     case Recompute::Full:
-      block_forward(ctx, l, w, a.x.data(), work_, work_.h.data(), work_.att.data(), nullptr);
+      block_forward(f, ctx, l, w, a.x.data(), work_, work_.h.data(), work_.att.data(), nullptr);
       return work_;
   }
   return a;
@@ -127,7 +128,7 @@ template <typename T>
 void LlamaModel<T>::block_backward(UnitSource<T>& f, Context& ctx, int l, const T* w, Deferred* keep) {
   const LlamaDims& d = d_;
   const Offsets& off_ = offsets(l);
-  Layer& a = backward_activations(ctx, l, w);
+  Layer& a = backward_activations(f, ctx, l, w);
   T* gw = keep ? nullptr : f.full_grad(ctx.r_.unit(1 + l));
   T* dres = ctx.dres_.data();
   const T* x = ctx.layers_[static_cast<size_t>(l - ctx.r_.begin)].x.data();
@@ -147,7 +148,7 @@ void LlamaModel<T>::block_backward(UnitSource<T>& f, Context& ctx, int l, const 
   T* gln2 = keep ? keep->dnorm.data() + d.C : gw + off_.ln2;
   const T* dr = nullptr;
   if (is_moe(l)) {  // the experts' and the router's, into dln_ (no TP, no keep: llama_units, backward_input)
-    moe_backward(ctx, w, a, h, gw);
+    moe_backward(f, ctx, l, w, a, h, gw);
   } else {
     // MLP: x_next = x1 + h Wd^T.  dres flows to x1 unchanged (+ the norm path below).
     dr = keep ? keep_rows(dres, keep->dr2) : gather_rows(dres, dfull_);  // TP: all rows of d(x_next)
@@ -226,8 +227,9 @@ template <typename T> void LlamaModel<T>::block_weight(const Context& ctx, int l
   template const T* LlamaModel<T>::gather_rows(const T*, Buffer<T>&); \
   template void LlamaModel<T>::row_parallel_residual(const T*, int, const T*, const T*, T*); \
   template void LlamaModel<T>::reduce_input_grad(); \
-  template void LlamaModel<T>::block_forward(const Context&, int, const T*, const T*, Layer&, T*, T*, T*); \
-  template LlamaModel<T>::Layer& LlamaModel<T>::backward_activations(Context&, int, const T*); \
+  template void LlamaModel<T>::block_forward(UnitSource<T>&, const Context&, int, const T*, const T*, Layer&, T*, T*, \
+                                             T*);                                                               \
+  template LlamaModel<T>::Layer& LlamaModel<T>::backward_activations(UnitSource<T>&, Context&, int, const T*); \
   template void LlamaModel<T>::block_backward(UnitSource<T>&, Context&, int, const T*, Deferred*); \
   template void LlamaModel<T>::block_weight(const Context&, int, T*);
 ST_LLAMA_BLOCK(float)

@@ -193,7 +193,13 @@ template <typename T> T* LlamaModel<T>::grow_expert_rows(Layer& a, T* h) {
 // gathered rows xe [slots, C]; expert e's rows [r0, r1): g = xe We_gate^T, u = xe We_up^T
 // ([rows, IE]), h = silu(g) u, ye = h We_down^T [rows, C]; x_next = x1 + sum_j w_j ye[pos(t, j)].
 // Under EP the experts' rows are the EP group's (model.h), between two all-to-alls.
-template <typename T> void LlamaModel<T>::moe_forward(const T* w, Layer& a, T* h, T* xn) {
+template <typename T>
+const T* LlamaModel<T>::expert_weights(UnitSource<T>& f, const Context& ctx, int l, const T* w) {
+  return own_experts_ ? gather(f, ctx.r_.unit(llama_expert_unit(c_, l))) : w;
+}
+
+template <typename T>
+void LlamaModel<T>::moe_forward(UnitSource<T>& f, const Context& ctx, int l, const T* w, Layer& a, T* h, T* xn) {
   const LlamaDims& d = d_;
   const Offsets& o = moe_off_;
   const T* n2 = ln_.data();
@@ -207,13 +213,14 @@ template <typename T> void LlamaModel<T>::moe_forward(const T* w, Layer& a, T* h
     a.ecnt = ep_->all_gather_counts(mine);
     ep_routes(a);
     h = grow_expert_rows(a, h);
-    const int e0 = ep_->rank() * d.El;
     const size_t rows = static_cast<size_t>(a.nrecv);
     ep_->all_to_all(xe_.data(), ep_send_, xr_.data(), ep_recv_, static_cast<size_t>(d.C));
+    // This rank's E / ep experts: their own unit (its experts 0 .. El-1), gathered while the tokens travel.
+    const T* we = expert_weights(f, ctx, l, w);
     be_.gather_rows(xs_.data(), xr_.data(), perm_.data(), static_cast<int>(rows), d.C);
-    experts_gate_up(w, xs_.data(), ep_eoff_, e0, a.g.data(), a.u.data());
+    experts_gate_up(we, xs_.data(), ep_eoff_, 0, a.g.data(), a.u.data());
     be_.swiglu_forward(h, a.g.data(), a.u.data(), rows * d.IE);
-    experts_down(w, h, ep_eoff_, e0, ys_.data());
+    experts_down(we, h, ep_eoff_, 0, ys_.data());
     be_.gather_rows(xr_.data(), ys_.data(), inv_.data(), static_cast<int>(rows), d.C);
     ep_->all_to_all(xr_.data(), ep_recv_, a.ye.data(), ep_send_, static_cast<size_t>(d.C));
   } else {
@@ -228,7 +235,8 @@ template <typename T> void LlamaModel<T>::moe_forward(const T* w, Layer& a, T* h
 // weight gradients, d(xe)), d(n2) = the slots' d(xe) summed per token (into dln_), and the
 // router's: d(z) from d(w) and the load-balancing loss's d(probs), dln_ += d(z) Wr, dWr += d(z)^T n2.
 // Under EP: d(ye) to the experts' ranks, the inputs sent again, d(xe) back (model.h).
-template <typename T> void LlamaModel<T>::moe_backward(Context& ctx, const T* w, Layer& a, const T* h, T* gw) {
+template <typename T>
+void LlamaModel<T>::moe_backward(UnitSource<T>& f, Context& ctx, int l, const T* w, Layer& a, const T* h, T* gw) {
   const LlamaDims& d = d_;
   const Offsets& o = moe_off_;
   be_.moe_combine_backward(dye_.data(), dwts_.data(), ctx.dres_.data(), a.ye.data(), a.pos.data(), a.wts.data(), d.BT,
@@ -237,18 +245,23 @@ template <typename T> void LlamaModel<T>::moe_backward(Context& ctx, const T* w,
   T* dxe = dye_.data();  // d(ye) is spent once the experts' first loop ran: d(xe) takes its place
   if (ep_) {
     ep_routes(a);
-    const int e0 = ep_->rank() * d.El;
     const size_t rows = static_cast<size_t>(a.nrecv), C = static_cast<size_t>(d.C);
     // The normalized input is not kept: recomputed (bitwise the same values), gathered and sent again.
     n2 = norm_rows(a.rstd2.data(), a.x1.data(), w + o.ln2, nullptr);
     be_.gather_rows(xe_.data(), n2, a.rowtok.data(), d.slots, d.C);
     ep_->all_to_all(xe_.data(), ep_send_, xr_.data(), ep_recv_, C);
+    // This rank's experts (their own unit, experts 0 .. El-1) and their full gradient, reduce-scattered
+    // over the expert shard group once their backward is done.
+    const int eu = ctx.r_.unit(llama_expert_unit(c_, l));
+    const T* we = expert_weights(f, ctx, l, w);
+    T* gwe = f.full_grad(eu);
     be_.gather_rows(xs_.data(), xr_.data(), perm_.data(), static_cast<int>(rows), d.C);
     ep_->all_to_all(dye_.data(), ep_send_, xr_.data(), ep_recv_, C);
     be_.gather_rows(ys_.data(), xr_.data(), perm_.data(), static_cast<int>(rows), d.C);
-    experts_down_backward(w, ys_.data(), h, ep_eoff_, e0, dh_.data(), gw);
+    experts_down_backward(we, ys_.data(), h, ep_eoff_, 0, dh_.data(), gwe);
     be_.swiglu_backward(dg_.data(), du_.data(), dh_.data(), a.g.data(), a.u.data(), rows * d.IE);
-    experts_gate_up_backward(w, dg_.data(), du_.data(), xs_.data(), ep_eoff_, e0, ys_.data(), gw);
+    experts_gate_up_backward(we, dg_.data(), du_.data(), xs_.data(), ep_eoff_, 0, ys_.data(), gwe);
+    f.reduce_scatter_grad(eu);
     be_.gather_rows(xr_.data(), ys_.data(), inv_.data(), static_cast<int>(rows), d.C);
     ep_->all_to_all(xr_.data(), ep_recv_, dxe, ep_send_, C);
   } else {
@@ -281,8 +294,9 @@ template <typename T> void LlamaModel<T>::moe_backward(Context& ctx, const T* w,
 // This file's members of LlamaModel, for each storage type (llama.cpp instantiates the class).
 #define ST_LLAMA_MOE(T)                                                                         \
   template void LlamaModel<T>::moe_sort(Layer&);                                                \
-  template void LlamaModel<T>::moe_forward(const T*, Layer&, T*, T*);                           \
-  template void LlamaModel<T>::moe_backward(Context&, const T*, Layer&, const T*, T*);                \
+  template const T* LlamaModel<T>::expert_weights(UnitSource<T>&, const Context&, int, const T*); \
+  template void LlamaModel<T>::moe_forward(UnitSource<T>&, const Context&, int, const T*, Layer&, T*, T*); \
+  template void LlamaModel<T>::moe_backward(UnitSource<T>&, Context&, int, const T*, Layer&, const T*, T*); \
   template void LlamaModel<T>::experts_gate_up(const T*, const T*, const std::vector<int32_t>&, int, T*, T*); \
   template void LlamaModel<T>::experts_down(const T*, const T*, const std::vector<int32_t>&, int, T*);       \
   template void LlamaModel<T>::experts_down_backward(const T*, const T*, const T*, const std::vector<int32_t>&, int, \

@@ -133,6 +133,60 @@ class TpCanonicalLayout final : public CheckpointLayout {
   SavedLayout saved_;
 };
 
+// Expert parallelism (format version 7): a checkpoint holds the canonical rows of the shard group,
+// as a run without EP holds them (the experts in their block's unit; rows: the shard index), which
+// replica group 0 writes; TpCheckpointLayout moves the state between the EP layout (block units
+// without their experts, and the EP index's expert units over the expert shard group) and them,
+// among the ranks of one shard group (mesh.shard_host(): under PP, of one stage; every replica
+// group moves its own copy).
+class EpCanonicalLayout final : public CheckpointLayout {
+ public:
+  EpCanonicalLayout(const Mesh& mesh, const ModelConfig& mc, const PipelineLayout& pl)
+      : mesh_(mesh),
+        writes_(mesh.writes_checkpoint()),
+        layout_(MeshLayout(group_dims(mesh.dims())), mesh.layout().shard_index(mesh.rank()), ep_plans(mesh, mc, pl),
+                ShardPlan::build(pipeline_rank_units(mc, pl, mesh.coord().pp).units, mesh.dims().fsdp()),
+                checkpoint_tensor_names()),
+        stage_(stage_units(pl, pipeline_rank_units(mc, pl, mesh.coord().pp), llama_units(mc), layout_.canonical_plan())) {
+    const MeshDims& d = mesh.dims();
+    saved_.world_size = mesh.world_size();  // train_config's; the file's plan is the shard group's
+    saved_.shard_group_size = d.fsdp();
+    saved_.tp_record.dp_shard = d.dp_shard;  // the mesh record
+    saved_.tp_record.dp_replicate = d.dp_replicate;
+    saved_.tp_record.cp = d.cp;
+    saved_.tp_record.ep = d.ep;
+  }
+  bool writes_shards() const override { return writes_; }
+  ShardedTensors for_save(Comm&, const ShardedTensors& live) override {
+    layout_.to_canonical(mesh_.shard_host(), live);
+    return with_stage(layout_.canonical(), stage_);
+  }
+  bool owns_saved_rows() const override { return true; }
+  ShardedTensors load_target(const ShardedTensors& live) override {
+    return with_stage(layout_.canonical(live.tensors.size()), stage_);
+  }
+  void finish_load(Comm&, const ShardedTensors& live) override { layout_.from_canonical(mesh_.shard_host(), live); }
+  const SavedLayout& saved_layout() const override { return saved_; }
+
+ private:
+  // One shard group (dp_shard x cp ranks, numbered by shard index) with the run's ep.
+  static MeshDims group_dims(const MeshDims& d) {
+    MeshDims g{1, d.dp_shard, d.cp, 1};
+    g.ep = d.ep;
+    return g;
+  }
+  static std::vector<ShardPlan> ep_plans(const Mesh& mesh, const ModelConfig& mc, const PipelineLayout& pl) {
+    std::vector<ShardPlan> plans;
+    for (int e = 0; e < mesh.dims().ep; ++e) plans.push_back(rank_unit_plan(mc, mesh.dims(), 0, &pl, mesh.coord().pp, e));
+    return plans;
+  }
+  const Mesh& mesh_;
+  bool writes_;
+  TpCheckpointLayout layout_;
+  std::shared_ptr<const StageUnits> stage_;
+  SavedLayout saved_;
+};
+
 }  // namespace
 
 const char* CommStats::name(CommDim d) {
@@ -221,9 +275,12 @@ TokenLayout SequenceSplit::take(const int32_t* tokens, const int32_t* targets, c
   return {pos_l_.data(), whole.doc ? doc_l_.data() : nullptr, whole.real ? real_l_.data() : nullptr};
 }
 
-ShardPlan rank_unit_plan(const ModelConfig& mc, const MeshDims& d, int tp_rank, const PipelineLayout* pl, int pp_rank) {
-  if (pl && pl->ranks > 1) return ShardPlan::build(pipeline_rank_units(mc, *pl, pp_rank, d.tp, tp_rank).units, d.fsdp());
-  return ShardPlan::build(llama_units(mc, d.tp, tp_rank), d.fsdp());
+ShardPlan rank_unit_plan(const ModelConfig& mc, const MeshDims& d, int tp_rank, const PipelineLayout* pl, int pp_rank,
+                         int ep_rank) {
+  const int experts = d.ep > 1 ? d.fsdp() / d.ep : 0;  // the expert shard group's ranks
+  if (pl && pl->ranks > 1)
+    return ShardPlan::build(pipeline_rank_units(mc, *pl, pp_rank, d.tp, tp_rank, d.ep, ep_rank).units, d.fsdp(), experts);
+  return ShardPlan::build(llama_units(mc, d.tp, tp_rank, d.ep, ep_rank), d.fsdp(), experts);
 }
 
 std::string sharding_words(const MeshDims& d) {
@@ -237,9 +294,12 @@ std::string sharding_words(const MeshDims& d) {
 
 LayoutRows checkpoint_layout_rows(const ModelConfig& mc, const MeshDims& d) {
   LayoutRows r;
-  if (d.tp == 1) return r;  // ShardRowsLayout: the live shards
-  for (const UnitPlan& up : ShardPlan::build(llama_units(mc), d.world()).units) r.elements += up.shard_size;
-  r.name = "checkpoint canonical rows (TP; the snapshot of every save)";
+  if (d.tp == 1 && d.ep == 1) return r;  // ShardRowsLayout: the live shards
+  // TP: one canonical row per rank of the world; EP: per rank of the shard group (EpCanonicalLayout).
+  for (const UnitPlan& up : ShardPlan::build(llama_units(mc), d.tp > 1 ? d.world() : d.fsdp()).units)
+    r.elements += up.shard_size;
+  r.name = d.tp > 1 ? "checkpoint canonical rows (TP; the snapshot of every save)"
+                    : "checkpoint canonical rows (EP; the snapshot of every save)";
   return r;
 }
 
@@ -329,8 +389,13 @@ ParallelRun<C> parallelize(const Mesh& mesh, const ModelConfig& mc, Backend<floa
   r.plan = o.plan;
   PipelineLayout& pl = r.plan.pipeline;
   if (pl.bounds.empty()) pl.bounds = {0, mc.num_hidden_layers};
-  r.stage = pipeline_rank_units(mc, pl, mesh.coord().pp, d.tp, mesh.coord().tp);
-  r.state = std::make_unique<ShardedState<float>>(be, mesh, ShardPlan::build(r.stage.units, d.fsdp()));
+  // Under EP, each MoE block's experts are a unit of this rank's EP index, sharded over its expert
+  // shard group (the shard group's ranks of that EP index), in their own pipeline (GroupedUnits).
+  const int ep_rank = mesh.layout().ep_index(mesh.rank());
+  r.stage = pipeline_rank_units(mc, pl, mesh.coord().pp, d.tp, mesh.coord().tp, d.ep, ep_rank);
+  r.state = std::make_unique<ShardedState<float>>(
+      be, mesh.world(), ShardPlan::build(r.stage.units, d.fsdp(), d.ep > 1 ? d.fsdp() / d.ep : 0), &mesh.shard_data(),
+      mesh.replica_data(), mesh.expert_shard_data());
   if (d.pp > 1) {
     // The compute backend: its memory holds the activations, its kernels advance the transfers.
     if constexpr (std::is_same_v<C, bf16>) r.pp = std::make_unique<StageLink<C>>(*mesh.pp_data(), pl, *be16);
@@ -339,18 +404,29 @@ ParallelRun<C> parallelize(const Mesh& mesh, const ModelConfig& mc, Backend<floa
   if (d.tp > 1) r.tp = std::make_unique<TpGroup<C>>(*mesh.tp_data());
   if (d.ep > 1) r.ep = std::make_unique<EpGroup<C>>(*mesh.ep_host(), *mesh.ep_data());
   const Reshard reshard = pl.ranks > 1 ? o.pp_reshard : Reshard::PerUse;
+  // One pipeline per unit group of the state (the expert units' under EP: GroupedUnits).
+  auto lane = [&](int g) -> std::unique_ptr<UnitPipeline<C>> {
+    if constexpr (std::is_same_v<C, bf16>)
+      return std::make_unique<UnitPipeline<bf16>>(
+          *be16, std::make_unique<Bf16Codec>(*r.state, *be16, o.reduce_bf16, Bf16Codec::kWidenSlab, g), o.overlap, reshard);
+    else
+      return std::make_unique<UnitPipeline<float>>(be, std::make_unique<IdentityCodec<float>>(*r.state, g), o.overlap,
+                                                   reshard);
+  };
   if constexpr (std::is_same_v<C, bf16>) {
     if (!be16) throw std::invalid_argument("parallelize: mixed precision needs the bf16 backend");
     if (d.cp > 1) r.cp = std::make_unique<CpAttention<bf16>>(*mesh.cp_data(), *be16, o.cp_comm, kCpGatherBytes, mesh.cp_host());
-    r.units = std::make_unique<MixedPrecisionUnits>(*r.state, *be16, o.reduce_bf16, MixedPrecisionUnits::kWidenSlab, o.overlap,
-                                                    reshard);
   } else {
     if (d.cp > 1) r.cp = std::make_unique<CpAttention<float>>(*mesh.cp_data(), be, o.cp_comm, kCpGatherBytes, mesh.cp_host());
-    r.units = std::make_unique<UnitPipeline<float>>(be, std::make_unique<IdentityCodec<float>>(*r.state), o.overlap,
-                                                     reshard);
   }
+  std::vector<std::unique_ptr<UnitPipeline<C>>> lanes;
+  for (int g = 0; g < r.state->num_groups(); ++g) lanes.push_back(lane(g));
+  r.overlap = lanes.front()->overlap();
+  if (lanes.size() == 1) r.units = std::move(lanes.front());
+  else r.units = std::make_unique<GroupedUnits<C>>(std::move(lanes), r.state->plan());
   if (o.checkpoints) {
     if (d.tp > 1) r.checkpoint = std::make_unique<TpCanonicalLayout>(mesh, mc, pl, r.stage);
+    else if (d.ep > 1) r.checkpoint = std::make_unique<EpCanonicalLayout>(mesh, mc, pl);
     else r.checkpoint = std::make_unique<ShardRowsLayout>(mesh, stage_units(pl, r.stage, llama_units(mc), r.state->plan()));
   }
   return r;

@@ -121,18 +121,19 @@ PipelineLayout resolve_pipeline(const ModelConfig& mc, int pp, const PipelineOpt
   return pl;
 }
 
-RankUnits pipeline_rank_units(const ModelConfig& mc, const PipelineLayout& pl, int r, int tp, int tp_rank) {
+RankUnits pipeline_rank_units(const ModelConfig& mc, const PipelineLayout& pl, int r, int tp, int tp_rank, int ep,
+                              int ep_rank) {
   RankUnits ru;
   const int L = mc.num_hidden_layers;
   if (pl.ranks == 1) {
-    ru.units = llama_units(mc, tp, tp_rank);
+    ru.units = llama_units(mc, tp, tp_rank, ep, ep_rank);
     ru.ranges.push_back(BlockRange{0, L, {}});
     ru.embedding = 0;
     return ru;
   }
   for (int c : pl.rank_chunks(r)) {
     const int b = pl.bounds[static_cast<size_t>(c)], e = pl.bounds[static_cast<size_t>(c) + 1];
-    BlockRange range = llama_stage_range(mc, b, e);
+    BlockRange range = llama_stage_range(mc, b, e, ep);
     const int offset = static_cast<int>(ru.units.size());
     for (int& u : range.units)
       if (u >= 0) u += offset;
@@ -141,7 +142,7 @@ RankUnits pipeline_rank_units(const ModelConfig& mc, const PipelineLayout& pl, i
       ru.tied_copy = b > 0;  // held for the tied LM head only
       ru.tied = mc.tie_word_embeddings;
     }
-    for (UnitSpec& s : llama_stage_units(mc, b, e, tp, tp_rank)) ru.units.push_back(std::move(s));
+    for (UnitSpec& s : llama_stage_units(mc, b, e, tp, tp_rank, ep, ep_rank)) ru.units.push_back(std::move(s));
     ru.ranges.push_back(std::move(range));
   }
   return ru;

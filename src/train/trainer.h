@@ -116,7 +116,7 @@ template <typename C> class Trainer {
   // checkpoints). Outlives model_ and opt_.
   ParallelRun<C> run_;
   ShardedState<float>* f_ = nullptr;  // run_.state: fp32 master shards and gradient shards
-  UnitPipeline<C>* units_ = nullptr;  // run_.units: the model's UnitSource over f_
+  UnitSource<C>* units_ = nullptr;  // run_.units: the model's UnitSource over f_
   std::unique_ptr<LlamaModel<C>> model_;
   std::unique_ptr<AdamW<float>> opt_;
   std::shared_ptr<const PackedBatches> packed_;  // example data (tc_.examples): the packed rows, else null

@@ -351,7 +351,7 @@ template <typename C> void Trainer<C>::log_setup() {
                       std::to_string(geo().micro_batch) + " x " + std::to_string(geo().accum) +
                       " accumulation steps, global batch " + std::to_string(tc_.global_batch) + " x " +
                       std::to_string(tc_.seq_len) + " tokens");
-  const OverlapConfig& ov = units_->overlap();
+  const OverlapConfig& ov = run_.overlap;
   const Comm& data = mesh_.shard_data();
   log_info(comm_, std::string("overlap: ") +
                       (ov.on ? "on (prefetch " + std::to_string(ov.prefetch) + " unit(s), asynchronous reduce-scatter, " +

@@ -70,13 +70,21 @@ struct Rank {
 };
 
 // Sets (fill) or counts the elements that differ from (check) value() at their canonical place;
-// a stage's unit is found in the whole model by name.
+// a stage's unit is found in the whole model by name, an expert unit's parameters (expert
+// parallelism) in their block's unit, and its row is the expert shard group's (plan rank / ep).
 inline int64_t visit(const st::ShardedTensors& t, const st::ShardPlan& canon, bool fill) {
   int64_t bad = 0;
+  auto canonical_unit = [&](const std::string& param) {
+    for (size_t c = 0; c < canon.units.size(); ++c)
+      for (const auto& slot : canon.units[c].params)
+        if (slot.spec.name == param) return c;
+    throw std::invalid_argument("visit: no canonical unit holds '" + param + "'");
+  };
   for (size_t u = 0; u < t.plan->units.size(); ++u) {
     const st::UnitPlan& up = t.plan->units[u];
-    const size_t mu = static_cast<size_t>(canon.unit_index(up.name));
-    const st::RankShard& rs = up.ranks[static_cast<size_t>(t.plan_rank)];
+    const size_t mu = canonical_unit(up.params.front().spec.name);
+    const int ep = up.group == 1 ? t.plan->world_size / t.plan->expert_world_size : 1;
+    const st::RankShard& rs = up.ranks[static_cast<size_t>(t.plan_rank / ep)];
     for (size_t k = 0; k < t.tensors.size(); ++k) {
       float* r = t.tensors[k].shards[u];
       for (int64_t e = 0; e < up.shard_size; ++e) {

@@ -36,6 +36,7 @@
 #include "shardtrain/shard/shard.h"
 #include "../test_env.h"
 #include "counting_backend.h"
+#include "ep_units.h"
 
 namespace st = shardtrain;
 
@@ -209,7 +210,10 @@ LayoutRun run_layout(st::Comm& comm, const st::ModelConfig& mc, st::MoeAuxScope 
                      double aux_scale, st::ExpertParallelOps<double>* ep = nullptr,
                      st::Recompute recompute = st::Recompute::None, bool skew = false) {
   auto be = st::make_cpu_backend<double>();
-  st::Fsdp<double> f(*be, comm, st::ShardPlan::build(st::llama_units(mc), comm.world_size()), &comm, nullptr);
+  // Under EP the experts are units of their own over the expert shard group (ep_units.h).
+  ep_test::EpUnits<double> eu(*be, comm, mc, ep ? ep->size() : 1);
+  st::ShardedState<double>& f = *eu.state;
+  st::UnitSource<double>& src = *eu.src;
   f.init_params(56);
   if (skew)
     for (int l = 0; l < mc.num_hidden_layers; ++l)
@@ -222,27 +226,27 @@ LayoutRun run_layout(st::Comm& comm, const st::ModelConfig& mc, st::MoeAuxScope 
   o.recompute = recompute;
   st::LlamaModel<double> m(mc, *be, o, nullptr, nullptr, ep);
   LayoutRun r;
-  f.begin_pass("train");
+  src.begin_pass("train");
   for (int s = first; s < first + count; s += mb) {
     const size_t at = static_cast<size_t>(s) * T;
-    m.forward(f, tok.data() + at, mb, T);
-    r.ce += m.head_backward(f, tgt.data() + at, ce_scale);
+    m.forward(src, tok.data() + at, mb, T);
+    r.ce += m.head_backward(src, tgt.data() + at, ce_scale);
     r.aux += m.moe_aux_loss();
     m.set_aux_grad_scale(aux_scale);
-    m.backward(f);
+    m.backward(src);
   }
-  f.end_pass();
+  src.end_pass();
   double local = f.local_grad_sumsq();
   comm.all_reduce(&local, 1, st::ReduceOp::Sum);
   r.norm2 = local;
-  for (const st::UnitPlan& u : f.plan().units)
-    for (const st::ParamSlot& p : u.params) r.grads[p.spec.name] = {};
+  for (const st::UnitSpec& u : st::llama_units(mc))  // the canonical parameters
+    for (const st::ParamSpec& p : u.params) r.grads[p.name] = {};
   // The gradients, gathered: gather_param gathers parameters, so swap them in and out.
   for (int u = 0; u < f.num_units(); ++u) {
     const size_t S = static_cast<size_t>(f.plan().units[static_cast<size_t>(u)].shard_size);
     for (size_t i = 0; i < S; ++i) std::swap(f.param_shard(u)[i], f.grad_shard(u)[i]);
   }
-  for (auto& [name, g] : r.grads) g = f.gather_param(name);
+  for (auto& [name, g] : r.grads) g = eu.canonical_param(name);
   return r;
 }
 
@@ -383,7 +387,9 @@ TEST(Moe, ExpertRowsGrowToTheWorstCase) {
       st::MpiComm epc = st::MpiComm::split(c, c.rank() / n, c.rank());
       st::EpGroup<double> ep(epc, epc);
       auto cpu = st::make_cpu_backend<double>();
-      st::Fsdp<double> f(*cpu, c, st::ShardPlan::build(st::llama_units(mc), W), &c, nullptr);
+      ep_test::EpUnits<double> eu(*cpu, c, mc, n);
+      st::ShardedState<double>& f = *eu.state;
+      st::UnitSource<double>& src = *eu.src;
       f.init_params(56);
       for (int l = 0; l < mc.num_hidden_layers; ++l)
         if (mc.is_moe_layer(l))
@@ -400,12 +406,12 @@ TEST(Moe, ExpertRowsGrowToTheWorstCase) {
         EXPECT_EQ(static_cast<int64_t>(be.live_bytes()), balanced) << what << ": at reserve";
         for (int step = 0; step < 2; ++step) {
           f.zero_grads();
-          f.begin_pass("train");
-          m.forward(f, tok.data(), B, T);
-          m.head_backward(f, tgt.data(), 1.0);
+          src.begin_pass("train");
+          m.forward(src, tok.data(), B, T);
+          m.head_backward(src, tgt.data(), 1.0);
           m.set_aux_grad_scale(0.01, 0.001);
-          m.backward(f);
-          f.end_pass();
+          m.backward(src);
+          src.end_pass();
           EXPECT_EQ(static_cast<int64_t>(be.live_bytes()), epc.rank() == 0 ? worst : balanced)
               << what << ", step " << step + 1 << ", EP rank " << epc.rank();
         }

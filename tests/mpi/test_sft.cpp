@@ -105,14 +105,31 @@ Step run_step(st::Comm& comm, const st::MeshDims& d, st::PipelineKind kind, cons
   const st::PipelineLayout pl = st::resolve_pipeline(mc, d.pp, po, m, &why);
   EXPECT_EQ(why, "");
   auto be = st::make_cpu_backend<double>();
-  const st::RankUnits ru = st::pipeline_rank_units(mc, pl, mesh.coord().pp);
-  st::ShardedState<double> f(*be, mesh, st::ShardPlan::build(ru.units, d.fsdp()));
+  // Under EP the experts are units of this rank's EP index over its expert shard group, in a
+  // pipeline of their own (as parallelize lays them out).
+  const int ep_rank = mesh.layout().ep_index(mesh.rank());
+  const st::RankUnits ru = st::pipeline_rank_units(mc, pl, mesh.coord().pp, 1, 0, d.ep, ep_rank);
+  st::ShardedState<double> f(*be, mesh.world(), st::ShardPlan::build(ru.units, d.fsdp(), d.ep > 1 ? d.fsdp() / d.ep : 0),
+                             &mesh.shard_data(), mesh.replica_data(), mesh.expert_shard_data());
   f.init_params(11);
   if (load)
     for (const auto& up : f.plan().units)
-      for (const auto& p : up.params) f.set_param(p.spec.name, load(p.spec.name));
+      for (const auto& p : up.params) {
+        std::vector<double> v = load(p.spec.name);
+        if (p.spec.tp.split == st::TpSplit::Rows && p.spec.tp.degree > 1) {  // an EP slice of the experts
+          const int64_t per = p.spec.numel() / p.spec.shape[0];
+          v = std::vector<double>(v.begin() + p.spec.tp.offset * per, v.begin() + (p.spec.tp.offset + p.spec.shape[0]) * per);
+        }
+        f.set_param(p.spec.name, v);
+      }
   f.zero_grads();
-  st::UnitPipeline<double> units(*be, std::make_unique<st::IdentityCodec<double>>(f));
+  std::vector<std::unique_ptr<st::UnitPipeline<double>>> lanes;
+  for (int g = 0; g < f.num_groups(); ++g)
+    lanes.push_back(std::make_unique<st::UnitPipeline<double>>(*be, std::make_unique<st::IdentityCodec<double>>(f, g)));
+  std::unique_ptr<st::UnitSource<double>> source;
+  if (lanes.size() == 1) source = std::move(lanes.front());
+  else source = std::make_unique<st::GroupedUnits<double>>(std::move(lanes), f.plan());
+  st::UnitSource<double>& units = *source;
   std::unique_ptr<st::StageLink<double>> link;
   if (d.pp > 1) link = std::make_unique<st::StageLink<double>>(*mesh.pp_data(), pl, *be, false);
   std::unique_ptr<st::CpAttention<double>> cp;
@@ -158,6 +175,13 @@ Step run_step(st::Comm& comm, const st::MeshDims& d, st::PipelineKind kind, cons
     comm.all_reduce(s.counts.data(), s.counts.size(), st::ReduceOp::Sum);
   }
   s.grads = st::testing::whole_grads(f);
+  if (d.ep > 1)  // the experts' slices, whole: the EP group's in EP index order (the canonical [E, ...])
+    for (auto& [name, g] : s.grads) {
+      if (name.find(".mlp.experts.") == std::string::npos) continue;
+      std::vector<double> all(g.size() * static_cast<size_t>(d.ep));
+      mesh.ep_host()->all_gather(g.data(), all.data(), g.size());
+      g = std::move(all);
+    }
   return s;
 }
 

@@ -279,12 +279,22 @@ ShardedTensors sharded_params(ShardedState<float>& f);
 //                   replicated parameter); padding rows become 0.
 // Cost: every rank enumerates every rank's runs of contiguous canonical elements (O(W x runs per
 // rank): fine up to thousands of ranks for these shapes; a row-parallel slice is one run per row).
+//
+// Expert parallelism (format version 7, docs/checkpoint-format.md): the same mover over one shard
+// group (`mesh`: a mesh of dp_shard x cp ranks with the run's ep, tp = 1; rank = shard index). A
+// rank's plan is its EP index's (plans[e]: ShardPlan::build(llama_units(c, 1, 0, ep, e), G, G / ep)):
+// its block units without the experts (rows: shard index) and its expert units (rows: shard index /
+// ep, the expert shard group), each mapped by parameter name into the canonical unit that holds
+// it (the block's); the canonical rows are the shard group's G. Each replica group moves its own
+// copy; replica group 0's rows are written (Mesh::writes_checkpoint).
 class TpCheckpointLayout {
  public:
   // tp_plans[t]: TP rank t's plan (ShardPlan::build(llama_units(c, N, t), dp_shard x cp)), N =
-  // mesh.dims().tp of them; canonical: ShardPlan::build(llama_units(c), W) for W = the world
-  // size. `names`: the tensors held (checkpoint_tensor_names(), or its first for weights only).
-  // Allocates the canonical rows (names x canonical shard sizes, host memory; std::bad_alloc).
+  // mesh.dims().tp of them (under EP: EP index e's plan, mesh.dims().ep of them); canonical:
+  // ShardPlan::build(llama_units(c), W) for W = mesh's world size. `names`: the tensors held
+  // (checkpoint_tensor_names(), or its first for weights only). Allocates the canonical rows (names
+  // x canonical shard sizes, host memory; std::bad_alloc). std::invalid_argument when the plans do
+  // not cover the canonical units' parameters exactly once.
   TpCheckpointLayout(const MeshLayout& mesh, int rank, std::vector<ShardPlan> tp_plans, ShardPlan canonical,
                      std::vector<std::string> names);
   // Collective over `world` (every rank, in the same order). `local`: this rank's shards (plan
@@ -306,8 +316,12 @@ class TpCheckpointLayout {
     int64_t local = 0, canon = 0, len = 0;  // offset in the holder's shard, in the canonical unit; elements
     bool replicated = false;
   };
-  std::vector<Run> runs(int q, size_t u) const;  // rank q's shard of unit u in canonical runs, in shard order
+  // Rank q's shards of the plan units that hold canonical unit u's parameters, in canonical runs
+  // (Run::local: offset in those shards concatenated in contrib_ order).
+  std::vector<Run> runs(int q, size_t u) const;
   void move(Comm& world, const ShardedTensors& local, bool to_canon);
+  int variant(int q) const;         // which plan rank q holds: its TP rank (tp > 1) or its EP index
+  int row(int q, int lu) const;     // rank q's row in plan unit lu: its shard index, / ep in group 1
   MeshLayout mesh_;
   int rank_;
   std::vector<ShardPlan> plans_;
@@ -315,7 +329,9 @@ class TpCheckpointLayout {
   std::vector<std::string> names_;
   std::unique_ptr<Backend<float>> host_;  // the canonical rows' memory (CPU backend: host memory)
   std::vector<std::vector<Buffer<float>>> rows_;  // [tensor][unit]
-  std::vector<std::vector<int64_t>> canon_offset_;  // [unit][param of the TP plans] canonical offset
+  std::vector<std::vector<int64_t>> canon_offset_;  // [plan unit][param] offset in its canonical unit
+  std::vector<std::vector<int>> contrib_;           // [canonical unit] the plan units holding its parameters
+  std::vector<std::vector<int64_t>> lbase_;         // [variant][plan unit] its shard's offset in the concatenation
   int64_t moved_ = 0;
 };
 

@@ -110,7 +110,18 @@ namespace shardtrain {
 // With tp > 1: the slices of TP rank tp_rank (above; ParamSpec::tp says which part of the canonical
 // tensor each is). Throws std::invalid_argument when tp does not divide the heads, the KV heads
 // or the intermediate size (check_tensor_parallel's message).
-std::vector<UnitSpec> llama_units(const ModelConfig& c, int tp = 1, int tp_rank = 0);
+// Expert parallelism (ep > 1, an MoE model; docs/moe.md): a block's unit holds its router but not
+// its experts; each MoE block's experts are a unit of their own, after the L + 2 units in block
+// order, "model.layers.l.mlp.experts" (unit llama_expert_unit(c, l)): EP rank ep_rank's E / ep
+// experts, mlp.experts.gate_up_proj [E/ep, 2 IE, C] and mlp.experts.down_proj [E/ep, C, IE], each
+// a Rows slice of degree ep of the canonical [E, ...] tensor (ParamSpec::tp: init and checkpoints
+// see canonical indices), sharded over the expert shard group (UnitSpec::group 1). Throws
+// std::invalid_argument when ep does not divide the experts (or ep > 1 on a dense model).
+std::vector<UnitSpec> llama_units(const ModelConfig& c, int tp = 1, int tp_rank = 0, int ep = 1, int ep_rank = 0);
+// The units llama_units makes: L + 2, plus one per MoE block with ep > 1.
+int llama_num_units(const ModelConfig& c, int ep = 1);
+// The expert unit of MoE block l under ep > 1: L + 2 + the MoE blocks before l.
+int llama_expert_unit(const ModelConfig& c, int l);
 // "" when `tp` fits the model (divides num_attention_heads, num_key_value_heads and
 // intermediate_size), else why not, naming option '--tp' and the numbers.
 std::string check_tensor_parallel(const ModelConfig& c, int tp);
@@ -319,9 +330,10 @@ void linear(Backend<T>& be, LinearRole role, int M, int N, int K, const T* a, co
 // The blocks [begin, end) of a model of L blocks (0 <= begin <= end <= L), as one pipeline stage runs
 // them, and where the UnitSource it is given holds the units they use. A range uses the embedding
 // (unit 0) when begin == 0, blocks begin..end-1 (units 1+l), and the final norm and head (unit L+1,
-// and unit 0 again for a tied head) when end == L. units[u] is the index in the UnitSource of
-// model unit u in [0, L+2), -1 for a unit it does not hold; empty: the identity (the whole model's
-// plan). A stage's plan holds only its units (llama_stage_units), so its map is not the identity.
+// and unit 0 again for a tied head) when end == L, and under ep > 1 its MoE blocks' expert units.
+// units[u] is the index in the UnitSource of model unit u in [0, llama_num_units(c, ep)), -1 for a
+// unit it does not hold; empty: the identity (the whole model's plan). A stage's plan holds only
+// its units (llama_stage_units), so its map is not the identity.
 struct BlockRange {
   int begin = 0, end = 0;
   std::vector<int> units;
@@ -333,8 +345,9 @@ struct BlockRange {
 // pipeline then owns summing that gradient with the first stage's), the blocks, the final norm
 // (and lm_head when untied) when end == L. llama_stage_range: the same range with the map into
 // these units. std::invalid_argument when not 0 <= begin <= end <= L.
-std::vector<UnitSpec> llama_stage_units(const ModelConfig& c, int begin, int end, int tp = 1, int tp_rank = 0);
-BlockRange llama_stage_range(const ModelConfig& c, int begin, int end);
+std::vector<UnitSpec> llama_stage_units(const ModelConfig& c, int begin, int end, int tp = 1, int tp_rank = 0,
+                                        int ep = 1, int ep_rank = 0);
+BlockRange llama_stage_range(const ModelConfig& c, int begin, int end, int ep = 1);
 
 // One training micro-batch, as the caller runs it (src/parallel/stage_runner.cpp, one stage):
 //   model.forward(f, tokens, B, T);                         // embedding, blocks, final norm
@@ -636,12 +649,19 @@ template <typename T> class LlamaModel {
   // Forward of block l (ctx's micro-batch) with weights w from input x: fills the activations of
   // `a` and, when xn is not nullptr, writes the block output to xn (else stops before the down
   // projection: recompute).
-  void block_forward(const Context& ctx, int l, const T* w, const T* x, Layer& a, T* h, T* att, T* xn);
+  // Under ep > 1 an MoE block gathers its expert unit from f after its router (expert_weights).
+  void block_forward(UnitSource<T>& f, const Context& ctx, int l, const T* w, const T* x, Layer& a, T* h, T* att,
+                     T* xn);
   // The MLP sub-block of MoE block l on n2 = rmsnorm(x1) (ln_): the routing into a, its experts'
   // g, u, h and ye; with xn the combine x_next = x1 + sum_j w_j ye. Its backward: d(n2) into dln_
   // from dres (d x_next), the weight gradients into gw (the block unit's full gradient).
-  void moe_forward(const T* w, Layer& a, T* h, T* xn);
-  void moe_backward(Context& ctx, const T* w, Layer& a, const T* h, T* gw);
+  // Under ep > 1 the experts' weights are block l's expert unit, gathered from f after the router
+  // (GroupedUnits keeps the block's unit gathered meanwhile), and their gradients go to that unit's
+  // full gradient, reduce-scattered before moe_backward returns; else both are the block's (w, gw).
+  void moe_forward(UnitSource<T>& f, const Context& ctx, int l, const T* w, Layer& a, T* h, T* xn);
+  void moe_backward(UnitSource<T>& f, Context& ctx, int l, const T* w, Layer& a, const T* h, T* gw);
+  // Block l's experts' weights: its expert unit, gathered (ep > 1), or the block's own `w`.
+  const T* expert_weights(UnitSource<T>& f, const Context& ctx, int l, const T* w);
   // The routing's host half: a's experts to the host, sorted by expert (counting sort, stable), into
   // a.rowtok, a.pos, a.eoff.
   void moe_sort(Layer& a);
@@ -722,7 +742,7 @@ template <typename T> class LlamaModel {
   // loss() and head_backward().
   double head(UnitSource<T>& f, Context& ctx, const int32_t* targets, bool grad, S grad_scale);
   // Where block l's activations are in backward (recomputed first when not kept).
-  Layer& backward_activations(Context& ctx, int l, const T* w);
+  Layer& backward_activations(UnitSource<T>& f, Context& ctx, int l, const T* w);
   // Sequence parallelism (TP > 1; identity without): the full [BT, C] rows of the local [R, C]
   // `local`, all-gathered into `into` (full_ or dfull_); without TP `local` itself.
   const T* gather_rows(const T* local, Buffer<T>& into);
@@ -746,6 +766,9 @@ template <typename T> class LlamaModel {
   Offsets dense_off_{};           // a dense block's offsets
   Offsets moe_off_{};               // the offsets of an MoE block (attention part as off_'s)
   std::vector<char> moe_layer_;     // per block: MoE (empty for a dense model)
+  // ep > 1: each MoE block's experts are a unit of their own (llama_units), moe_off_.egu / .edown
+  // are offsets in it; else they are in the block's unit.
+  bool own_experts_ = false;
   int moe_blocks_ = 0;              // how many
   int64_t head_off_norm_ = 0, head_off_w_ = 0;
   Context ctx_;                   // the whole-model calls' micro-batch, blocks [0, L)

@@ -154,7 +154,9 @@ template <typename C> struct ParallelRun {
   ParallelPlan plan;  // options.plan: the geometry, the stages (one stage: one chunk [0, L)), the schedules
   RankUnits stage;                             // this rank's chunks and their units (pipeline_rank_units)
   std::unique_ptr<StageLink<C>> pp;            // pp > 1: activations between the stages; else nullptr
-  std::unique_ptr<UnitPipeline<C>> units;      // the model's UnitSource over `state`
+  std::unique_ptr<UnitSource<C>> units;        // the model's UnitSource over `state` (a UnitPipeline; under
+                                               // EP a GroupedUnits: the expert units in a pipeline of their own)
+  OverlapConfig overlap;                       // the unit pipelines' (--comm-progress thread may fall back to poll)
   std::unique_ptr<CheckpointLayout> checkpoint;  // nullptr without checkpoints (options.checkpoints)
   // The model's TensorParallelOps (nullptr: no TP) and ContextParallelOps (nullptr: no CP); valid
   // while this lives.
@@ -207,8 +209,9 @@ class SequenceSplit {
 // (llama_units(mc, d.tp, tp_rank)), sharded over its FSDP shard group (d.fsdp() = dp_shard x cp
 // ranks). parallelize() builds the state from it; the memory plan sizes it.
 // With a pipeline (pl.ranks > 1): pipeline rank pp_rank's units only (pipeline_rank_units).
+// Under EP (d.ep > 1) EP rank ep_rank's expert units too, over the expert shard group (fsdp / ep ranks).
 ShardPlan rank_unit_plan(const ModelConfig& mc, const MeshDims& d, int tp_rank = 0, const PipelineLayout* pl = nullptr,
-                         int pp_rank = 0);
+                         int pp_rank = 0, int ep_rank = 0);
 
 // How the mesh divides a parameter, in the memory plan's words: "G" (FSDP), "G ranks of a shard
 // group" (hybrid sharding), "(TP N x G), norms replicated over TP" (tensor parallelism); G =

@@ -82,7 +82,9 @@ struct RankUnits {
   // rank's unit `embedding` takes part in the tied sum (StageLink::sum_tied).
   bool tied = false;
 };
-RankUnits pipeline_rank_units(const ModelConfig& mc, const PipelineLayout& pl, int r, int tp = 1, int tp_rank = 0);
+// ep > 1: EP rank ep_rank's expert units of the chunks' MoE blocks too (llama_units), after each chunk's other units.
+RankUnits pipeline_rank_units(const ModelConfig& mc, const PipelineLayout& pl, int r, int tp = 1, int tp_rank = 0,
+                              int ep = 1, int ep_rank = 0);
 
 // ---- Stream-ordered Comms (NCCL) ------------------------------------------------------------
 // On MPI the link posts each receive ahead and starts each send at once: Open MPI matches by tag
