@@ -3,6 +3,7 @@
 // abandoned continuation of a rolled-back run, and --resume resolution. Rank 0
 // alone touches the directory; the ranks agree on the outcome.
 #include <fcntl.h>
+#include <sys/file.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
@@ -12,6 +13,7 @@
 #include <cctype>
 #include <cerrno>
 #include <chrono>
+#include <ctime>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -293,6 +295,56 @@ std::string prepare_dir(Comm& comm, const std::string& dir) {
 }  // namespace
 
 void prepare_checkpoint_dir(Comm& comm, const std::string& dir) { (void)prepare_dir(comm, dir); }
+
+CheckpointDirLock::CheckpointDirLock(Comm& comm, const std::string& dir) {
+  std::string err;
+  if (comm.rank() == 0) {
+    const std::string path = (fs::path(dir) / ".shardtrain.lock").string();
+    std::error_code ec;
+    fs::create_directories(dir, ec);
+    if (ec) {
+      err = "cannot create checkpoint directory '" + dir + "' (option '--checkpoint-dir'): " + ec.message();
+    } else if ((fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644)) < 0) {
+      err = "checkpoint directory '" + dir + "' (option '--checkpoint-dir'): cannot open '" + path +
+            "': " + std::strerror(errno);
+    } else if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+      const int e = errno;
+      if (e == EWOULDBLOCK) {
+        char buf[512] = {};
+        const ssize_t n = ::pread(fd_, buf, sizeof buf - 1, 0);
+        std::string holder = n > 0 ? std::string(buf, static_cast<size_t>(n)) : std::string();
+        while (!holder.empty() && (holder.back() == '\n' || holder.back() == ' ')) holder.pop_back();
+        for (char& c : holder)
+          if (c == '\n') c = ',';
+        err = "checkpoint directory '" + dir + "' is in use by another training run" +
+              (holder.empty() ? std::string() : " (" + holder + ")") +
+              ": two runs in one directory overwrite each other's checkpoints; wait for that run to end, or use "
+              "another '--checkpoint-dir'";
+      } else {
+        note_ = "note: cannot lock checkpoint directory '" + dir + "' (" + std::strerror(e) +
+                "; the file system may not support flock): a second run started in it would not be detected";
+      }
+      ::close(fd_);
+      fd_ = -1;
+    } else {
+      char h[256] = {};
+      ::gethostname(h, sizeof h - 1);
+      char when[32] = {};
+      const std::time_t now = std::time(nullptr);
+      std::tm utc{};
+      if (gmtime_r(&now, &utc)) std::strftime(when, sizeof when, "%Y-%m-%dT%H:%M:%SZ", &utc);
+      const std::string who = "host " + std::string(h) + ", pid " + std::to_string(::getpid()) + ", since " + when + "\n";
+      if (::ftruncate(fd_, 0) != 0 || ::pwrite(fd_, who.data(), who.size(), 0) < 0) {
+        // The lock holds without the words: nothing to refuse over.
+      }
+    }
+  }
+  all_ok(comm, err.empty(), err);
+}
+
+CheckpointDirLock::~CheckpointDirLock() {
+  if (fd_ >= 0) ::close(fd_);  // drops the lock (the file stays: removing it would race a new holder)
+}
 
 std::string save_checkpoint(Comm& comm, const CheckpointSnapshot& snap, const CheckpointOptions& co) {
   const int64_t step = snap.state.step;

@@ -124,6 +124,7 @@ template <typename C> class Trainer {
   CheckpointOptions co_;
   TrainState state_;         // the facts of the run: step, batch history, data and tokenizer record, layout
   std::string resume_path_;  // the checkpoint resumed from; "" for a fresh start
+  std::unique_ptr<CheckpointDirLock> dir_lock_;  // --checkpoint-dir: this run's, for its lifetime
   int64_t last_step_ = 0;    // the loop stops after this step (--stop-at-step or --steps)
   // Host memory of the snapshots that copy (every save on a GPU, pinned; background saves on the
   // CPU), made once at setup and reused by every save. Declared before writer_: outlives its thread.

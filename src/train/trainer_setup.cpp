@@ -196,6 +196,12 @@ template <typename C> void Trainer<C>::allocate(const ParallelPlan& plan) {
 // history; or a fresh start, optionally from --init-from's weights.
 template <typename C> void Trainer<C>::restore() {
   state_.seed = tc_.seed;
+  // One run per checkpoint directory, held until this run ends (a second one started beside it is
+  // refused before it reads or writes anything there).
+  if (!tc_.checkpoint_dir.empty()) {
+    dir_lock_ = std::make_unique<CheckpointDirLock>(comm_, tc_.checkpoint_dir);
+    if (!dir_lock_->note().empty()) log_info(comm_, dir_lock_->note());
+  }
   {  // A fresh run must not overwrite another run's checkpoints (same step names, other weights),
      // nor silently replace the `latest` of a run whose checkpoints are gone.
     std::string err;

@@ -118,7 +118,7 @@ judge() {
   grep -q "error \[rank 0/2\]: .*KiB free" "$log" || { echo "message lacks the free space"; return; }
   [ "$(cat "$dir/latest")" = "step_00000002.h5" ] || { echo "latest moved"; return; }
   [ "$(sha256sum <"$dir/step_00000002.h5")" = "$sum" ] || { echo "step 2 changed"; return; }
-  [ -z "$(ls -A "$dir" | grep -v '^step_00000002.h5$\|^latest$')" ] || { echo "files left behind"; return; }
+  [ -z "$(ls -A "$dir" | grep -v '^step_00000002.h5$\|^latest$\|^\.shardtrain\.lock$')" ] || { echo "files left behind"; return; }
   echo pass
 }
 

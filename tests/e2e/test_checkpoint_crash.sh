@@ -31,5 +31,5 @@ for f in "$TMP" "latest.$TAG.tmp"; do
   grep -qF "note: removed '$f' in '$WORK/ck': a temporary file of an interrupted save; process ${TAG##*.} on ${TAG%.*} is gone" \
     "$WORK/resume.log" || { cat "$WORK/resume.log"; fail "no note of the removal of '$f'"; }
 done
-[ -z "$(ls -A "$WORK/ck" | grep -v '^step_0000001[02]\.h5$\|^latest$')" ] || { ls -la "$WORK/ck"; fail "temporary files left: $(ls -A "$WORK/ck")"; }
+[ -z "$(ls -A "$WORK/ck" | grep -v '^step_0000001[02]\.h5$\|^latest$\|^\.shardtrain\.lock$')" ] || { ls -la "$WORK/ck"; fail "temporary files left: $(ls -A "$WORK/ck")"; }
 echo "ok: resumed from step 5 at 2 ranks (removing '$TMP' and 'latest.$TAG.tmp'), published steps 10 and 12, pruned to the last 2"

@@ -57,7 +57,7 @@ expect_diskfull() {
   grep -q "error \[rank 0/2\]: .*KiB free" "$log" || { cat "$log"; fail "$name: message lacks the free space"; }
   [ "$(cat "$dir/latest")" = "step_00000002.h5" ] || fail "$name: latest moved to '$(cat "$dir/latest")'"
   [ "$(sha256sum <"$dir/step_00000002.h5")" = "$sum" ] || fail "$name: the published checkpoint changed"
-  [ -z "$(ls -A "$dir" | grep -v '^step_00000002.h5$\|^latest$')" ] || { ls -la "$dir"; fail "$name: files left behind"; }
+  [ -z "$(ls -A "$dir" | grep -v '^step_00000002.h5$\|^latest$\|^\.shardtrain\.lock$')" ] || { ls -la "$dir"; fail "$name: files left behind"; }
   echo "ok: $name: exit $rc after ${took}s, latest and step 2 unchanged, no .tmp: $(grep -m1 -o 'error \[rank 0/2\]: .*' "$log" | cut -c1-400)"
 }
 
@@ -200,7 +200,7 @@ race_case() {
   [ "$rc" -ne 139 ] && ! grep -q "signal 11\|Segmentation fault\|exited on signal" "$log" || { cat "$log"; fail "$name: crashed (rc $rc)"; }
   ! grep -q "has not completed after" "$log" || { cat "$log"; fail "$name: the collective watchdog fired"; }
   [ "$(sha256sum <"$dir/step_00000002.h5")" = "$sum2" ] || fail "$name: the published step 2 changed"
-  [ -z "$(ls -A "$dir" | grep -v '^step_00000002.h5$\|^step_00000004.h5$\|^latest$')" ] || { ls -la "$dir"; fail "$name: files left behind"; }
+  [ -z "$(ls -A "$dir" | grep -v '^step_00000002.h5$\|^step_00000004.h5$\|^latest$\|^\.shardtrain\.lock$')" ] || { ls -la "$dir"; fail "$name: files left behind"; }
   local outcome
   if [ "$rc" -eq 0 ]; then
     [ "$(cat "$dir/latest")" = "step_00000004.h5" ] || fail "$name: exit 0 but latest is '$(cat "$dir/latest")'"

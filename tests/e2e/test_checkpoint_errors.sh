@@ -64,6 +64,16 @@ chmod 700 "$WORK/ck"
 expect_fail dir_is_file "cannot create checkpoint directory '$WORK/afile/sub'" 2 "${ARGS[@]}" --checkpoint-dir "$WORK/afile/sub"
 expect_fail fresh_run_into_used_dir "already holds checkpoints (step_00000002.h5, ...): pass '--resume auto'" 2 \
   "${ARGS[@]}" --checkpoint-dir "$WORK/ck"
+# One training run per checkpoint directory: a run's rank 0 holds flock(2) on '.shardtrain.lock'
+# there for its lifetime; a second run (here the lock held by flock(1)) is refused on every rank.
+[ -f "$WORK/ck/.shardtrain.lock" ] || fail "no lock file in the checkpoint directory of an earlier run"
+flock "$WORK/ck/.shardtrain.lock" sleep 120 &
+holder=$!
+for _ in $(seq 100); do flock -n "$WORK/ck/.shardtrain.lock" true || break; sleep 0.1; done
+expect_fail dir_in_use "checkpoint directory '$WORK/ck' is in use by another training run (host " 2 \
+  "${ARGS[@]}" --checkpoint-dir "$WORK/ck" --resume auto
+kill "$holder"
+wait "$holder" 2>/dev/null || true
 # The good checkpoint is untouched by all of the above and still loads.
 timeout -k 5 60 $MPIRUN -np 3 "$BIN" "${ARGS[@]}" --resume "$GOOD" >"$WORK/ok.log" 2>&1 || { cat "$WORK/ok.log"; fail "good checkpoint no longer loads"; }
 echo "ok: the original checkpoint still loads at 3 ranks"

@@ -17,11 +17,12 @@ ARGS=(--model tiny --data "$DATA" --seq-len 16 --global-batch 12 --log-every 1 -
   --checkpoint-every 4)
 host=$(hostname | tr -c 'A-Za-z0-9.\n-' '-')
 SLEEP=
-# is_listing DIR NAME...: DIR holds exactly these names (hidden ones included).
+# is_listing DIR NAME...: DIR holds exactly these names (hidden ones included), besides the lock file
+# every training run leaves there (CheckpointDirLock: it stays, its flock goes with the process).
 is_listing() {
   local d=$1
   shift
-  [ "$(LC_ALL=C ls -A "$d" | xargs)" = "$(printf '%s\n' "$@" | LC_ALL=C sort | xargs)" ]
+  [ "$(LC_ALL=C ls -A "$d" | grep -vx '\.shardtrain\.lock' | xargs)" = "$(printf '%s\n' "$@" | LC_ALL=C sort | xargs)" ]
 }
 trap '[ -z "$SLEEP" ] || kill "$SLEEP" 2>/dev/null || true; rm -rf "$WORK"' EXIT
 

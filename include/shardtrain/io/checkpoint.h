@@ -181,6 +181,27 @@ void set_aside_later_checkpoints(Comm& comm, const std::string& dir, int64_t ste
 // "<probe>.tmp") and removed again.
 void prepare_checkpoint_dir(Comm& comm, const std::string& dir);
 
+// Collective. One training run per checkpoint directory: rank 0 creates `dir` if needed and holds
+// an exclusive flock(2) on "<dir>/.shardtrain.lock" for this object's lifetime (the kernel drops
+// it when the process ends, SIGKILL included: no stale lock after a killed or preempted job), and
+// writes its host, process id and start time into the file. Two runs in one directory (a job
+// submitted twice, a requeue while the first still runs) would write the same step names and move
+// each other's `latest`; the second is refused on every rank, naming the directory and the holder
+// (CollectiveError). A file system without flock (ENOLCK, EOPNOTSUPP, ...) gets no lock: `note()`
+// says so, once, and the run goes on.
+class CheckpointDirLock {
+ public:
+  CheckpointDirLock(Comm& comm, const std::string& dir);
+  ~CheckpointDirLock();
+  CheckpointDirLock(const CheckpointDirLock&) = delete;
+  CheckpointDirLock& operator=(const CheckpointDirLock&) = delete;
+  const std::string& note() const { return note_; }  // "" when locked (or not rank 0)
+
+ private:
+  int fd_ = -1;
+  std::string note_;
+};
+
 // ---- Temporary files of the checkpoint directory ----------------------------------------------
 //
 // Every name a save or the directory probe creates in '--checkpoint-dir' before it is final
