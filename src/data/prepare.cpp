@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -35,7 +36,9 @@ class TempFile {
  public:
   explicit TempFile(std::string out) : out_(std::move(out)), tmp_(out_ + ".tmp") {
     f_ = std::fopen(tmp_.c_str(), "wb");
-    if (!f_) throw std::runtime_error("cannot write '" + tmp_ + "' (option '--out')");
+    if (!f_)
+      throw std::runtime_error("cannot write '" + tmp_ + "' (option '--out'): " + std::strerror(errno) +
+                               (errno == ENOENT ? " (its directory does not exist: create it first)" : ""));
   }
   ~TempFile() {
     if (f_) std::fclose(f_);

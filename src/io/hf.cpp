@@ -420,7 +420,8 @@ std::string prepare_export_dir(const ExportOptions& o) {
   std::string err;
   std::error_code ec;
   fs::create_directories(o.out_dir, ec);
-  if (ec || !fs::is_directory(o.out_dir)) err = "cannot create export directory '" + o.out_dir + "' (option '--out')";
+  if (ec || !fs::is_directory(o.out_dir))
+    err = "cannot create export directory '" + o.out_dir + "' (option '--out')" + (ec ? ": " + ec.message() : "");
   // Weights of an earlier export in the same directory would be loaded in place of (or next
   // to) this one: remove every model*.safetensors and the index first.
   for (auto& e : fs::directory_iterator(o.out_dir, ec)) {

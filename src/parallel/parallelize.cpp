@@ -289,7 +289,10 @@ std::string sharding_words(const MeshDims& d) {
                                  : std::to_string(G);
   return (N > 1 ? "(TP " + std::to_string(N) + " x " : "") + g +
          (G * N != d.world() ? " ranks of a shard group" : "") + (N > 1 ? ")" : "") +
-         (N > 1 ? ", norms replicated over TP" : "");
+         (N > 1 ? ", norms replicated over TP" : "") +
+         (d.ep > 1 ? "; the experts 1/" + std::to_string(d.ep) + " per EP index over " + std::to_string(G / d.ep) +
+                         " ranks"
+                   : "");
 }
 
 LayoutRows checkpoint_layout_rows(const ModelConfig& mc, const MeshDims& d) {

@@ -63,9 +63,13 @@ namespace {
 
 // The FSDP buffers (unit_pipeline.h, shard.h): the gather and gradient buffers of the largest unit,
 // the reduce-scatter's slabs or result buffer, and under mixed precision the bf16 copies.
-void add_fsdp_buffers(const MemoryPlanInput& in, const ShardPlan& sp, int G, MemoryPlan& p) {
+// Under EP the expert units are a group of their own (ShardedState, GroupedUnits): its own pipeline
+// and codec, so its own buffers, sized by the largest expert unit over the expert shard group
+// (`what`: " of the expert units").
+void add_fsdp_buffers(const MemoryPlanInput& in, const ShardPlan& sp, int G, MemoryPlan& p, bool hybrid,
+                      const std::string& what = "") {
   auto add = [&](std::string name, int64_t bytes, std::string detail) {
-    p.lines.push_back({std::move(name), bytes, std::move(detail), false});
+    p.lines.push_back({std::move(name) + what, bytes, std::move(detail), false});
   };
   const int64_t maxp = sp.max_padded_numel(), maxs = sp.max_shard_size();
   const std::string mx = with_commas(maxp) + " elements, the largest unit";
@@ -89,7 +93,7 @@ void add_fsdp_buffers(const MemoryPlanInput& in, const ShardPlan& sp, int G, Mem
   add("bf16 shard copy", 2 * ngather * maxs, std::to_string(ngather) + " x 2 B x " + with_commas(maxs));
   if (in.reduce_bf16) {
     add("bf16 reduce-scatter buffer", 2 * maxs, "2 B x " + with_commas(maxs));
-    if (G != in.world_size)
+    if (hybrid)
       add("fp32 replica all-reduce buffer", 4 * maxs, "4 B x " + with_commas(maxs) + ": hybrid sharding");
     return;
   }
@@ -163,11 +167,17 @@ MemoryPlan plan_memory(const MemoryPlanInput& in) {
   add("fp32 gradient shards", 4 * shard, "4 B x " + sh);
   add("AdamW m and v shards", 8 * shard, "2 x 4 B x " + sh);
   add_checkpoint_rows(in, d, shard, sh, p);
-  add_fsdp_buffers(in, sp, G, p);
+  const ShardPlan sp0 = sp.grouped() ? sp.group_plan(0) : ShardPlan{}, sp1 = sp.grouped() ? sp.group_plan(1) : ShardPlan{};
+  add_fsdp_buffers(in, sp.grouped() ? sp0 : sp, G, p, G != in.world_size);
+  if (sp.grouped()) add_fsdp_buffers(in, sp1, sp.expert_world_size, p, G != in.world_size, " of the expert units");
   append(lm.held);
   if (!in.cuda && G > 1)  // MpiComm's packed slab and the MPI library's temporaries (runtime.h)
-    add("MPI collective buffers", mpi_collective_bytes(sp, G, bf, in.reduce_bf16, sp.max_shard_size()),
-        "a packed slab and Open MPI's temporary, each <= 16 MiB");
+    add("MPI collective buffers",
+        sp.grouped() ? mpi_collective_bytes(sp0, G, bf, in.reduce_bf16, sp0.max_shard_size()) +
+                           mpi_collective_bytes(sp1, sp.expert_world_size, bf, in.reduce_bf16, sp1.max_shard_size())
+                     : mpi_collective_bytes(sp, G, bf, in.reduce_bf16, sp.max_shard_size()),
+        "a packed slab and Open MPI's temporary, each <= 16 MiB" +
+            std::string(sp.grouped() ? ", for the shard group's and the expert shard group's collectives" : ""));
   append(lm.comm);
   append(lm.kept);
   if (lm.activations.recompute) add("recomputed block activations", lm.activations.recompute, "one block at a time");

@@ -214,7 +214,8 @@ ShardPlan rank_unit_plan(const ModelConfig& mc, const MeshDims& d, int tp_rank =
                          int pp_rank = 0, int ep_rank = 0);
 
 // How the mesh divides a parameter, in the memory plan's words: "G" (FSDP), "G ranks of a shard
-// group" (hybrid sharding), "(TP N x G), norms replicated over TP" (tensor parallelism); G =
+// group" (hybrid sharding), "(TP N x G), norms replicated over TP" (tensor parallelism), "G; the
+// experts 1/N per EP index over G/N ranks" (expert parallelism); G =
 // dp_shard x cp, written "D x C" with cp > 1.
 std::string sharding_words(const MeshDims& d);
 
