@@ -104,4 +104,29 @@ inline int64_t visit(const st::ShardedTensors& t, const st::ShardPlan& canon, bo
   return bad;
 }
 
+// Writes rank `a`'s tensors through its run's checkpoint layout to `file` (collective), as the
+// trainer saves: the layout's rows, its record, step 0 with `train_config` as the train config.
+inline void save_rank(st::Comm& c, Rank& a, const st::ModelConfig& cfg, st::Backend<float>& be,
+                      const std::string& file, const char* train_config) {
+  st::CheckpointLayout& layout = *a.run.checkpoint;
+  const st::ShardedTensors rows = layout.for_save(c, a.tensors(be));  // collective
+  st::TrainState state;
+  state.step = 0;
+  state.seed = 7;
+  st::CheckpointSnapshot snap = st::take_checkpoint_snapshot(rows, cfg, train_config, state, layout.writes_shards());
+  snap.tp = layout.saved_layout().tp_record;
+  st::write_checkpoint_file(c, file, snap);
+}
+
+// Loads `file` into rank `b` through its run's checkpoint layout (collective) and counts the elements
+// that differ from value() at their canonical place (`canon`: the whole model's units).
+inline int64_t load_rank(st::Comm& c, Rank& b, const st::ModelConfig& cfg, st::Backend<float>& be,
+                         const std::string& file, const st::ShardPlan& canon) {
+  st::CheckpointLayout& layout = *b.run.checkpoint;
+  const st::ShardedTensors live = b.tensors(be);
+  st::load_checkpoint(c, file, layout.load_target(live), cfg);
+  layout.finish_load(c, live);  // collective
+  return visit(live, canon, false);
+}
+
 }  // namespace layout_test

@@ -63,14 +63,7 @@ void save_at(st::Comm& c, const st::MeshDims& saved, const st::ModelConfig& cfg,
   const st::ShardPlan canon = st::ShardPlan::build(st::llama_units(cfg), 1);
   Rank a(c, saved, cfg, be);
   visit(a.tensors(be), canon, true);
-  st::CheckpointLayout& layout = *a.run.checkpoint;
-  const st::ShardedTensors rows = layout.for_save(c, a.tensors(be));  // collective
-  st::TrainState state;
-  state.step = 0;
-  state.seed = 7;
-  st::CheckpointSnapshot snap = st::take_checkpoint_snapshot(rows, cfg, kTrainConfig, state, layout.writes_shards());
-  snap.tp = layout.saved_layout().tp_record;
-  st::write_checkpoint_file(c, file, snap);
+  layout_test::save_rank(c, a, cfg, be, file, kTrainConfig);
   if (const char* out = std::getenv("SHARDTRAIN_TEST_CP_CHECKPOINT_OUT"); out && *out && c.rank() == 0)
     std::filesystem::copy_file(file, std::string(out) + "/" + std::filesystem::path(file).filename().string(),
                                std::filesystem::copy_options::overwrite_existing);
@@ -81,11 +74,7 @@ int64_t load_at(st::Comm& c, const st::MeshDims& d, const st::ModelConfig& cfg, 
                 const std::string& file) {
   const st::ShardPlan canon = st::ShardPlan::build(st::llama_units(cfg), 1);
   Rank b(c, d, cfg, be);  // parameters start at the init's values, the moments at -3: all overwritten
-  st::CheckpointLayout& layout = *b.run.checkpoint;
-  const st::ShardedTensors live = b.tensors(be);
-  st::load_checkpoint(c, file, layout.load_target(live), cfg);
-  layout.finish_load(c, live);  // collective
-  return visit(live, canon, false);
+  return layout_test::load_rank(c, b, cfg, be, file, canon);
 }
 
 std::string words(const st::MeshDims& d) {

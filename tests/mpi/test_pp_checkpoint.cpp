@@ -75,14 +75,7 @@ void save_at(st::Comm& c, const st::MeshDims& saved, const st::ModelConfig& cfg,
   visit(a.tensors(be), canon, true);
   if (spoil && a.run.stage.tied_copy && a.run.state->plan_rank() == 0)
     a.run.state->param_shard(a.run.stage.embedding)[0] += 1.0f;
-  st::CheckpointLayout& layout = *a.run.checkpoint;
-  const st::ShardedTensors rows = layout.for_save(c, a.tensors(be));
-  st::TrainState state;
-  state.step = 0;
-  state.seed = 7;
-  st::CheckpointSnapshot snap = st::take_checkpoint_snapshot(rows, cfg, kTrainConfig, state, layout.writes_shards());
-  snap.tp = layout.saved_layout().tp_record;
-  st::write_checkpoint_file(c, file, snap);
+  layout_test::save_rank(c, a, cfg, be, file, kTrainConfig);
   keep(c, file);
 }
 
@@ -90,11 +83,7 @@ int64_t load_at(st::Comm& c, const st::MeshDims& d, const st::ModelConfig& cfg, 
                 const std::string& file) {
   const st::ShardPlan canon = st::ShardPlan::build(st::llama_units(cfg), 1);
   Rank b(c, d, cfg, be);
-  st::CheckpointLayout& layout = *b.run.checkpoint;
-  const st::ShardedTensors live = b.tensors(be);
-  st::load_checkpoint(c, file, layout.load_target(live), cfg);
-  layout.finish_load(c, live);
-  return visit(live, canon, false);
+  return layout_test::load_rank(c, b, cfg, be, file, canon);
 }
 
 std::string words(const st::MeshDims& d) {

@@ -486,7 +486,10 @@ template <typename T> class LlamaModel {
   // is given with --attention exact (CP runs the tiled block kernels only).
   // ep: expert parallelism's transfers (expert_parallel_ops.h, above), nullptr or size 1 = none;
   // must outlive the model; std::invalid_argument when its size does not divide num_experts, or
-  // when given for a dense model.
+  // when given for a dense model. With ep of size N > 1 the UnitSource serves llama_units(c, 1, 0,
+  // N, ep->rank()) (each MoE block's experts a unit of their own) and must keep a block's unit
+  // gathered, and one gradient buffer of it out, while the block's expert unit is gathered and its
+  // gradient handed back: GroupedUnits does (the parallel layer's; a single UnitPipeline does not).
   LlamaModel(const ModelConfig& c, Backend<T>& be, const ModelOptions& o = {}, TensorParallelOps<T>* tp = nullptr,
              ContextParallelOps<T>* cp = nullptr, ExpertParallelOps<T>* ep = nullptr);
 
