@@ -304,9 +304,18 @@ CheckpointDirLock::CheckpointDirLock(Comm& comm, const std::string& dir) {
     fs::create_directories(dir, ec);
     if (ec) {
       err = "cannot create checkpoint directory '" + dir + "' (option '--checkpoint-dir'): " + ec.message();
-    } else if ((fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644)) < 0) {
-      err = "checkpoint directory '" + dir + "' (option '--checkpoint-dir'): cannot open '" + path +
-            "': " + std::strerror(errno);
+    } else if ((fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0644)) < 0) {
+      // O_NOFOLLOW: a symbolic link planted there must not make this run (often root) truncate and
+      // write the file it points to; O_NONBLOCK: nor a FIFO block the open.
+      err = "checkpoint directory '" + dir + "' (option '--checkpoint-dir'): cannot open '" + path + "': " +
+            (errno == ELOOP ? std::string("it is a symbolic link (the lock file must be a regular file: remove it)")
+                            : std::string(std::strerror(errno)));
+    } else if (struct stat st{}; ::fstat(fd_, &st) != 0 || !S_ISREG(st.st_mode) || st.st_nlink != 1) {
+      // A hard link would make the writes below land in another file too.
+      err = "checkpoint directory '" + dir + "' (option '--checkpoint-dir'): '" + path +
+            "' is not a regular file of its own (a device, a FIFO or a hard link): remove it";
+      ::close(fd_);
+      fd_ = -1;
     } else if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
       const int e = errno;
       if (e == EWOULDBLOCK) {

@@ -74,6 +74,16 @@ expect_fail dir_in_use "checkpoint directory '$WORK/ck' is in use by another tra
   "${ARGS[@]}" --checkpoint-dir "$WORK/ck" --resume auto
 kill "$holder"
 wait "$holder" 2>/dev/null || true
+# The lock file is opened without following a symbolic link, and must be a file of its own: a link
+# planted there must not make a (root) run truncate and write the file it names.
+mkdir -p "$WORK/lk_sym" "$WORK/lk_hard"
+echo "precious" >"$WORK/victim"
+ln -s "$WORK/victim" "$WORK/lk_sym/.shardtrain.lock"
+expect_fail lock_symlink "'$WORK/lk_sym/.shardtrain.lock': it is a symbolic link" 2 "${ARGS[@]}" --checkpoint-dir "$WORK/lk_sym"
+ln "$WORK/victim" "$WORK/lk_hard/.shardtrain.lock"
+expect_fail lock_hardlink "'$WORK/lk_hard/.shardtrain.lock' is not a regular file of its own" 2 "${ARGS[@]}" \
+  --checkpoint-dir "$WORK/lk_hard"
+[ "$(cat "$WORK/victim")" = "precious" ] || fail "the file a planted lock link names was written: '$(cat "$WORK/victim")'"
 # The good checkpoint is untouched by all of the above and still loads.
 timeout -k 5 60 $MPIRUN -np 3 "$BIN" "${ARGS[@]}" --resume "$GOOD" >"$WORK/ok.log" 2>&1 || { cat "$WORK/ok.log"; fail "good checkpoint no longer loads"; }
 echo "ok: the original checkpoint still loads at 3 ranks"
