@@ -3,6 +3,7 @@
 // rows: a loop of BLAS calls) and the combine; their backward. Dropless: every token reaches all K
 // of its experts. The per-token routing math is include/shardtrain/backend/moe_math.h.
 #include <algorithm>
+#include <memory>
 #include <new>
 #include <stdexcept>
 #include <string>
@@ -45,65 +46,77 @@ template <typename T> void LlamaModel<T>::moe_sort(Layer& a) {
   be_.ids_from_host(a.pos.data(), pos, n);
 }
 
-// The experts' GEMMs (a loop of BLAS calls, one per expert with rows). eo: offsets of the rows of
-// experts e0, e0 + 1, ... in x (eo.size() - 1 experts). gate_up_proj[e]: We_gate = rows [0, IE),
-// We_up = rows [IE, 2 IE); down_proj[e] [C, IE].
+// The experts' GEMMs (a loop of BLAS calls, one per run of rows). gate_up_proj[e]: We_gate = rows
+// [0, IE), We_up = rows [IE, 2 IE); down_proj[e] [C, IE].
 template <typename T>
-void LlamaModel<T>::experts_gate_up(const T* w, const T* x, const std::vector<int32_t>& eo, int e0, T* g, T* u) {
+void LlamaModel<T>::expert_runs(const std::vector<int32_t>& eo, std::vector<ExpertRows>& out) {
+  out.clear();
+  for (size_t j = 0; j + 1 < eo.size(); ++j)
+    if (eo[j + 1] > eo[j]) out.push_back({static_cast<int>(j), eo[j], eo[j + 1] - eo[j]});
+}
+
+template <typename T>
+void LlamaModel<T>::experts_gate_up(const T* w, const T* x, const std::vector<ExpertRows>& rs, T* g, T* u) {
   const LlamaDims& d = d_;
   const int64_t C = d.C, IE = d.IE, gu = 2 * IE * C;
-  for (size_t j = 0; j + 1 < eo.size(); ++j) {
-    const int64_t r0 = eo[j], n = eo[j + 1] - r0;
-    if (n == 0) continue;
-    const T* We = w + moe_off_.egu + (e0 + static_cast<int64_t>(j)) * gu;
-    linear(be_, kMoeFwd, static_cast<int>(n), d.IE, d.C, x + r0 * C, We, g + r0 * IE, false);
-    linear(be_, kMoeFwd, static_cast<int>(n), d.IE, d.C, x + r0 * C, We + IE * C, u + r0 * IE, false);
+  for (const ExpertRows& r : rs) {
+    const T* We = w + moe_off_.egu + r.e * gu;
+    const int m = static_cast<int>(r.n);
+    linear(be_, kMoeFwd, m, d.IE, d.C, x + r.r0 * C, We, g + r.r0 * IE, false);
+    linear(be_, kMoeFwd, m, d.IE, d.C, x + r.r0 * C, We + IE * C, u + r.r0 * IE, false);
   }
 }
 
 template <typename T>
-void LlamaModel<T>::experts_down(const T* w, const T* h, const std::vector<int32_t>& eo, int e0, T* y) {
+void LlamaModel<T>::experts_down(const T* w, const T* h, const std::vector<ExpertRows>& rs, T* y) {
   const LlamaDims& d = d_;
   const int64_t C = d.C, IE = d.IE, dn = C * IE;
-  for (size_t j = 0; j + 1 < eo.size(); ++j) {
-    const int64_t r0 = eo[j], n = eo[j + 1] - r0;
-    if (n == 0) continue;
-    linear(be_, kMoeFwd, static_cast<int>(n), d.C, d.IE, h + r0 * IE, w + moe_off_.edown + (e0 + static_cast<int64_t>(j)) * dn,
-           y + r0 * C, false);
-  }
+  for (const ExpertRows& r : rs)
+    linear(be_, kMoeFwd, static_cast<int>(r.n), d.C, d.IE, h + r.r0 * IE, w + moe_off_.edown + r.e * dn, y + r.r0 * C,
+           false);
 }
 
 template <typename T>
-void LlamaModel<T>::experts_down_backward(const T* w, const T* dy, const T* h, const std::vector<int32_t>& eo, int e0,
-                                          T* dh, T* gw) {
+void LlamaModel<T>::experts_down_dinput(const T* w, const T* dy, const std::vector<ExpertRows>& rs, T* dh) {
   const LlamaDims& d = d_;
   const int64_t C = d.C, IE = d.IE, dn = C * IE;
-  for (size_t j = 0; j + 1 < eo.size(); ++j) {
-    const int64_t r0 = eo[j], n = eo[j + 1] - r0;
-    if (n == 0) continue;
-    const int m = static_cast<int>(n);
-    const int64_t e = e0 + static_cast<int64_t>(j);
-    linear(be_, kMoeDIn, m, d.C, d.IE, dy + r0 * C, w + moe_off_.edown + e * dn, dh + r0 * IE, false);
-    linear(be_, kMoeDW, m, d.C, d.IE, dy + r0 * C, h + r0 * IE, gw + moe_off_.edown + e * dn, true);
-  }
+  for (const ExpertRows& r : rs)
+    linear(be_, kMoeDIn, static_cast<int>(r.n), d.C, d.IE, dy + r.r0 * C, w + moe_off_.edown + r.e * dn,
+           dh + r.r0 * IE, false);
 }
 
 template <typename T>
-void LlamaModel<T>::experts_gate_up_backward(const T* w, const T* dg, const T* du, const T* x,
-                                             const std::vector<int32_t>& eo, int e0, T* dx, T* gw) {
+void LlamaModel<T>::experts_down_dweight(const T* dy, const T* h, const std::vector<ExpertRows>& rs, T* gw) {
+  const LlamaDims& d = d_;
+  const int64_t C = d.C, IE = d.IE, dn = C * IE;
+  for (const ExpertRows& r : rs)
+    linear(be_, kMoeDW, static_cast<int>(r.n), d.C, d.IE, dy + r.r0 * C, h + r.r0 * IE, gw + moe_off_.edown + r.e * dn,
+           true);
+}
+
+template <typename T>
+void LlamaModel<T>::experts_gate_up_dinput(const T* w, const T* dg, const T* du, const std::vector<ExpertRows>& rs,
+                                           T* dx) {
   const LlamaDims& d = d_;
   const int64_t C = d.C, IE = d.IE, gu = 2 * IE * C;
-  for (size_t j = 0; j + 1 < eo.size(); ++j) {
-    const int64_t r0 = eo[j], n = eo[j + 1] - r0;
-    if (n == 0) continue;
-    const int m = static_cast<int>(n);
-    const int64_t e = e0 + static_cast<int64_t>(j);
-    const T* We = w + moe_off_.egu + e * gu;
-    T* gWe = gw + moe_off_.egu + e * gu;
-    linear(be_, kMoeDIn, m, d.IE, d.C, dg + r0 * IE, We, dx + r0 * C, false);
-    linear(be_, kMoeDIn, m, d.IE, d.C, du + r0 * IE, We + IE * C, dx + r0 * C, true);
-    linear(be_, kMoeDW, m, d.IE, d.C, dg + r0 * IE, x + r0 * C, gWe, true);
-    linear(be_, kMoeDW, m, d.IE, d.C, du + r0 * IE, x + r0 * C, gWe + IE * C, true);
+  for (const ExpertRows& r : rs) {
+    const int m = static_cast<int>(r.n);
+    const T* We = w + moe_off_.egu + r.e * gu;
+    linear(be_, kMoeDIn, m, d.IE, d.C, dg + r.r0 * IE, We, dx + r.r0 * C, false);
+    linear(be_, kMoeDIn, m, d.IE, d.C, du + r.r0 * IE, We + IE * C, dx + r.r0 * C, true);
+  }
+}
+
+template <typename T>
+void LlamaModel<T>::experts_gate_up_dweight(const T* dg, const T* du, const T* x, const std::vector<ExpertRows>& rs,
+                                            T* gw) {
+  const LlamaDims& d = d_;
+  const int64_t C = d.C, IE = d.IE, gu = 2 * IE * C;
+  for (const ExpertRows& r : rs) {
+    const int m = static_cast<int>(r.n);
+    T* gWe = gw + moe_off_.egu + r.e * gu;
+    linear(be_, kMoeDW, m, d.IE, d.C, dg + r.r0 * IE, x + r.r0 * C, gWe, true);
+    linear(be_, kMoeDW, m, d.IE, d.C, du + r.r0 * IE, x + r.r0 * C, gWe + IE * C, true);
   }
 }
 
@@ -117,11 +130,15 @@ template <typename T> void LlamaModel<T>::ep_routes(Layer& a) {
   const size_t E = static_cast<size_t>(d.E), El = static_cast<size_t>(d.El);
   ep_send_.assign(n, 0);
   ep_recv_.assign(n, 0);
+  ep_send_at_.assign(n + 1, 0);
+  ep_recv_at_.assign(n + 1, 0);
   std::vector<int64_t> recv_at(n + 1, 0);
   for (size_t q = 0; q < n; ++q) {
     ep_send_[q] = static_cast<size_t>(a.eoff[(q + 1) * El] - a.eoff[q * El]);
     for (size_t j = 0; j < El; ++j) ep_recv_[q] += static_cast<size_t>(a.ecnt[q * E + me * El + j]);
     recv_at[q + 1] = recv_at[q] + static_cast<int64_t>(ep_recv_[q]);
+    ep_send_at_[q + 1] = ep_send_at_[q] + ep_send_[q];
+    ep_recv_at_[q + 1] = ep_recv_at_[q] + ep_recv_[q];
   }
   const int64_t rows = recv_at[n];
   if (rows > d.er)  // each rank sends at most its slots: a broken count exchange, never indexed
@@ -135,9 +152,15 @@ template <typename T> void LlamaModel<T>::ep_routes(Layer& a) {
   int32_t* inv = perm + rows;
   std::vector<int64_t> within(n, 0);  // rows of rank p's block before expert j
   int64_t r = 0;
+  for (auto* v : {&ep_all_, &ep_own_[0], &ep_own_[1], &ep_other_}) v->clear();
+  auto run = [](std::vector<ExpertRows>& v, int e, int64_t r0, int64_t r1) {
+    if (r1 > r0) v.push_back({e, r0, r1 - r0});
+  };
   for (size_t j = 0; j < El; ++j) {
+    int64_t own0 = r, own1 = r;
     for (size_t p = 0; p < n; ++p) {
       const int64_t c = a.ecnt[p * E + me * El + j], base = recv_at[p] + within[p];
+      if (p == me) own0 = r, own1 = r + c;
       for (int64_t i = 0; i < c; ++i, ++r) {
         perm[r] = static_cast<int32_t>(base + i);
         inv[base + i] = static_cast<int32_t>(r);
@@ -145,6 +168,12 @@ template <typename T> void LlamaModel<T>::ep_routes(Layer& a) {
       within[p] += c;
     }
     ep_eoff_[j + 1] = static_cast<int32_t>(r);
+    const int e = static_cast<int>(j);
+    run(ep_all_, e, ep_eoff_[j], r);
+    run(ep_own_[0], e, own0, own0 + (own1 - own0) / 2);
+    run(ep_own_[1], e, own0 + (own1 - own0) / 2, own1);
+    run(ep_other_, e, ep_eoff_[j], own0);
+    run(ep_other_, e, own1, r);
   }
   be_.ids_from_host(perm_.data(), perm, static_cast<size_t>(rows));
   be_.ids_from_host(inv_.data(), inv, static_cast<size_t>(rows));
@@ -199,6 +228,18 @@ const T* LlamaModel<T>::expert_weights(UnitSource<T>& f, const Context& ctx, int
 }
 
 template <typename T>
+void LlamaModel<T>::ep_experts_forward(const T* we, Layer& a, T* h, const std::vector<ExpertRows>& rs) {
+  const LlamaDims& d = d_;
+  const int64_t C = d.C, IE = d.IE;
+  for (const ExpertRows& r : rs)
+    be_.gather_rows(xs_.data() + r.r0 * C, xr_.data(), perm_.data() + r.r0, static_cast<int>(r.n), d.C);
+  experts_gate_up(we, xs_.data(), rs, a.g.data(), a.u.data());
+  for (const ExpertRows& r : rs)
+    be_.swiglu_forward(h + r.r0 * IE, a.g.data() + r.r0 * IE, a.u.data() + r.r0 * IE, static_cast<size_t>(r.n * IE));
+  experts_down(we, h, rs, ys_.data());
+}
+
+template <typename T>
 void LlamaModel<T>::moe_forward(UnitSource<T>& f, const Context& ctx, int l, const T* w, Layer& a, T* h, T* xn) {
   const LlamaDims& d = d_;
   const Offsets& o = moe_off_;
@@ -213,20 +254,31 @@ void LlamaModel<T>::moe_forward(UnitSource<T>& f, const Context& ctx, int l, con
     a.ecnt = ep_->all_gather_counts(mine);
     ep_routes(a);
     h = grow_expert_rows(a, h);
-    const size_t rows = static_cast<size_t>(a.nrecv);
-    ep_->all_to_all(xe_.data(), ep_send_, xr_.data(), ep_recv_, static_cast<size_t>(d.C));
-    // This rank's E / ep experts: their own unit (its experts 0 .. El-1), gathered while the tokens travel.
+    const size_t rows = static_cast<size_t>(a.nrecv), C = static_cast<size_t>(d.C),
+                 me = static_cast<size_t>(ep_->rank());
+    const size_t at = ep_recv_at_[me], own = ep_recv_[me];
+    // The other ranks' rows travel while this rank's experts gather (their own unit, experts
+    // 0 .. El-1) and compute the first half of the rows this rank routed to itself, which never travel.
+    std::unique_ptr<ExpertTransfer> go = ep_->start_all_to_all(xe_.data(), ep_send_, xr_.data(), ep_recv_, C);
     const T* we = expert_weights(f, ctx, l, w);
-    be_.gather_rows(xs_.data(), xr_.data(), perm_.data(), static_cast<int>(rows), d.C);
-    experts_gate_up(we, xs_.data(), ep_eoff_, 0, a.g.data(), a.u.data());
-    be_.swiglu_forward(h, a.g.data(), a.u.data(), rows * d.IE);
-    experts_down(we, h, ep_eoff_, 0, ys_.data());
-    be_.gather_rows(xr_.data(), ys_.data(), inv_.data(), static_cast<int>(rows), d.C);
-    ep_->all_to_all(xr_.data(), ep_recv_, a.ye.data(), ep_send_, static_cast<size_t>(d.C));
+    be_.copy(xr_.data() + at * C, xe_.data() + ep_send_at_[me] * C, own * C);
+    ep_experts_forward(we, a, h, ep_own_[0]);
+    go->wait();
+    ep_experts_forward(we, a, h, ep_other_);
+    // The other ranks' results go back (received order: inv_) while the second half of this rank's
+    // own rows is computed; those are placed straight into a.ye.
+    be_.gather_rows(xr_.data(), ys_.data(), inv_.data(), static_cast<int>(at), d.C);
+    be_.gather_rows(xr_.data() + (at + own) * C, ys_.data(), inv_.data() + at + own, static_cast<int>(rows - at - own),
+                    d.C);
+    std::unique_ptr<ExpertTransfer> back = ep_->start_all_to_all(xr_.data(), ep_recv_, a.ye.data(), ep_send_, C);
+    ep_experts_forward(we, a, h, ep_own_[1]);
+    be_.gather_rows(a.ye.data() + ep_send_at_[me] * C, ys_.data(), inv_.data() + at, static_cast<int>(own), d.C);
+    back->wait();
   } else {
-    experts_gate_up(w, xe_.data(), a.eoff, 0, a.g.data(), a.u.data());
+    expert_runs(a.eoff, runs_);
+    experts_gate_up(w, xe_.data(), runs_, a.g.data(), a.u.data());
     be_.swiglu_forward(h, a.g.data(), a.u.data(), static_cast<size_t>(d.slots) * d.IE);
-    experts_down(w, h, a.eoff, 0, a.ye.data());
+    experts_down(w, h, runs_, a.ye.data());
   }
   if (xn) be_.moe_combine(xn, a.x1.data(), a.ye.data(), a.pos.data(), a.wts.data(), d.BT, d.K, d.C);
 }
@@ -245,32 +297,49 @@ void LlamaModel<T>::moe_backward(UnitSource<T>& f, Context& ctx, int l, const T*
   T* dxe = dye_.data();  // d(ye) is spent once the experts' first loop ran: d(xe) takes its place
   if (ep_) {
     ep_routes(a);
-    const size_t rows = static_cast<size_t>(a.nrecv), C = static_cast<size_t>(d.C);
-    // The normalized input is not kept: recomputed (bitwise the same values), gathered and sent again.
+    const size_t rows = static_cast<size_t>(a.nrecv), C = static_cast<size_t>(d.C),
+                 me = static_cast<size_t>(ep_->rank());
+    const size_t at = ep_recv_at_[me], own = ep_recv_[me], sat = ep_send_at_[me];
+    // d(ye) travels to the experts' ranks while the normalized input is recomputed (bitwise the
+    // same values, not kept) and gathered to be sent again, and the experts' unit is gathered
+    // (this rank's experts 0 .. El-1; their full gradient is reduce-scattered over the expert
+    // shard group once their backward is done).
+    std::unique_ptr<ExpertTransfer> go = ep_->start_all_to_all(dye_.data(), ep_send_, xr_.data(), ep_recv_, C);
+    be_.copy(xr_.data() + at * C, dye_.data() + sat * C, own * C);
     n2 = norm_rows(a.rstd2.data(), a.x1.data(), w + o.ln2, nullptr);
     be_.gather_rows(xe_.data(), n2, a.rowtok.data(), d.slots, d.C);
-    ep_->all_to_all(xe_.data(), ep_send_, xr_.data(), ep_recv_, C);
-    // This rank's experts (their own unit, experts 0 .. El-1) and their full gradient, reduce-scattered
-    // over the expert shard group once their backward is done.
     const int eu = ctx.r_.unit(llama_expert_unit(c_, l));
     const T* we = expert_weights(f, ctx, l, w);
     T* gwe = f.full_grad(eu);
-    be_.gather_rows(xs_.data(), xr_.data(), perm_.data(), static_cast<int>(rows), d.C);
-    ep_->all_to_all(dye_.data(), ep_send_, xr_.data(), ep_recv_, C);
+    go->wait();
     be_.gather_rows(ys_.data(), xr_.data(), perm_.data(), static_cast<int>(rows), d.C);
-    experts_down_backward(we, ys_.data(), h, ep_eoff_, 0, dh_.data(), gwe);
+    // The inputs travel while d(h), down_proj's gradient, d(g), d(u) and d(x) are computed.
+    go = ep_->start_all_to_all(xe_.data(), ep_send_, xr_.data(), ep_recv_, C);
+    be_.copy(xr_.data() + at * C, xe_.data() + sat * C, own * C);
+    experts_down_dinput(we, ys_.data(), ep_all_, dh_.data());
+    experts_down_dweight(ys_.data(), h, ep_all_, gwe);
     be_.swiglu_backward(dg_.data(), du_.data(), dh_.data(), a.g.data(), a.u.data(), rows * d.IE);
-    experts_gate_up_backward(we, dg_.data(), du_.data(), xs_.data(), ep_eoff_, 0, ys_.data(), gwe);
-    f.reduce_scatter_grad(eu);
+    experts_gate_up_dinput(we, dg_.data(), du_.data(), ep_all_, ys_.data());  // d(ye) is spent
+    go->wait();
+    be_.gather_rows(xs_.data(), xr_.data(), perm_.data(), static_cast<int>(rows), d.C);
+    // d(x) goes back (received order) while gate_up_proj's gradient is computed and its
+    // reduce-scatter starts; this rank's own rows go straight into dxe.
     be_.gather_rows(xr_.data(), ys_.data(), inv_.data(), static_cast<int>(rows), d.C);
-    ep_->all_to_all(xr_.data(), ep_recv_, dxe, ep_send_, C);
+    std::unique_ptr<ExpertTransfer> back = ep_->start_all_to_all(xr_.data(), ep_recv_, dxe, ep_send_, C);
+    be_.copy(dxe + sat * C, xr_.data() + at * C, own * C);
+    experts_gate_up_dweight(dg_.data(), du_.data(), xs_.data(), ep_all_, gwe);
+    f.reduce_scatter_grad(eu);
+    back->wait();
   } else {
-    experts_down_backward(w, dye_.data(), h, a.eoff, 0, dh_.data(), gw);
+    expert_runs(a.eoff, runs_);
+    experts_down_dinput(w, dye_.data(), runs_, dh_.data());
+    experts_down_dweight(dye_.data(), h, runs_, gw);
     be_.swiglu_backward(dg_.data(), du_.data(), dh_.data(), a.g.data(), a.u.data(), static_cast<size_t>(d.slots) * d.IE);
     // The normalized input is not kept: recomputed (bitwise the same values), and gathered again.
     n2 = norm_rows(a.rstd2.data(), a.x1.data(), w + o.ln2, nullptr);
     be_.gather_rows(xe_.data(), n2, a.rowtok.data(), d.slots, d.C);
-    experts_gate_up_backward(w, dg_.data(), du_.data(), xe_.data(), a.eoff, 0, dxe, gw);
+    experts_gate_up_dinput(w, dg_.data(), du_.data(), runs_, dxe);
+    experts_gate_up_dweight(dg_.data(), du_.data(), xe_.data(), runs_, gw);
   }
   be_.moe_combine(dln_.data(), nullptr, dxe, a.pos.data(), nullptr, d.BT, d.K, d.C);
   const int grp = o_.aux_scope == MoeAuxScope::Sequence ? d.T_ : d.BT;
@@ -297,12 +366,16 @@ void LlamaModel<T>::moe_backward(UnitSource<T>& f, Context& ctx, int l, const T*
   template const T* LlamaModel<T>::expert_weights(UnitSource<T>&, const Context&, int, const T*); \
   template void LlamaModel<T>::moe_forward(UnitSource<T>&, const Context&, int, const T*, Layer&, T*, T*); \
   template void LlamaModel<T>::moe_backward(UnitSource<T>&, Context&, int, const T*, Layer&, const T*, T*); \
-  template void LlamaModel<T>::experts_gate_up(const T*, const T*, const std::vector<int32_t>&, int, T*, T*); \
-  template void LlamaModel<T>::experts_down(const T*, const T*, const std::vector<int32_t>&, int, T*);       \
-  template void LlamaModel<T>::experts_down_backward(const T*, const T*, const T*, const std::vector<int32_t>&, int, \
-                                                     T*, T*);                                                \
-  template void LlamaModel<T>::experts_gate_up_backward(const T*, const T*, const T*, const T*,                \
-                                                        const std::vector<int32_t>&, int, T*, T*);           \
+  template void LlamaModel<T>::expert_runs(const std::vector<int32_t>&, std::vector<ExpertRows>&);              \
+  template void LlamaModel<T>::ep_experts_forward(const T*, Layer&, T*, const std::vector<ExpertRows>&);          \
+  template void LlamaModel<T>::experts_gate_up(const T*, const T*, const std::vector<ExpertRows>&, T*, T*);      \
+  template void LlamaModel<T>::experts_down(const T*, const T*, const std::vector<ExpertRows>&, T*);             \
+  template void LlamaModel<T>::experts_down_dinput(const T*, const T*, const std::vector<ExpertRows>&, T*);      \
+  template void LlamaModel<T>::experts_down_dweight(const T*, const T*, const std::vector<ExpertRows>&, T*);     \
+  template void LlamaModel<T>::experts_gate_up_dinput(const T*, const T*, const T*, const std::vector<ExpertRows>&, \
+                                                      T*);                                                     \
+  template void LlamaModel<T>::experts_gate_up_dweight(const T*, const T*, const T*, const std::vector<ExpertRows>&, \
+                                                       T*);                                                    \
   template void LlamaModel<T>::ep_routes(Layer&);
 ST_LLAMA_MOE(float)
 ST_LLAMA_MOE(double)

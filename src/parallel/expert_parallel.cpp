@@ -2,6 +2,8 @@
 #include "shardtrain/parallel/expert_parallel.h"
 
 #include <chrono>
+#include <memory>
+#include <utility>
 #include <stdexcept>
 #include <string>
 
@@ -13,21 +15,61 @@ double ep_wall_s() {
 }
 }  // namespace
 
+// A started all-to-all: polled by the compute backend's progress registry until wait() (MPI
+// advances it only inside MPI calls); a poll that saw it complete spares the wait.
+class EpTransfer final : public ExpertTransfer {
+ public:
+  EpTransfer(std::unique_ptr<Comm::Request> req, ProgressRegistry* reg, EpCommStats& st)
+      : req_(std::move(req)), st_(st), t0_(ep_wall_s()) {
+    if (reg) member_ = reg->join(&EpTransfer::poll, this);
+  }
+  ~EpTransfer() override { member_.reset(); }  // then req_'s destructor waits for a pending transfer
+  void wait() override {
+    member_.reset();
+    const double t = ep_wall_s();
+    if (done_) ++st_.done_in_compute;
+    else req_->wait();  // a failed test() is reported here
+    done_ = true;
+    const double t1 = ep_wall_s();
+    st_.exposed_s += t1 - t;
+    st_.issued_s += t1 - t0_;
+  }
+
+ private:
+  // Runs inside kernels: never throws (a failing test() leaves the failure to wait()).
+  static void poll(void* self) {
+    auto* t = static_cast<EpTransfer*>(self);
+    if (t->done_ || t->failed_) return;
+    try {
+      t->done_ = t->req_->test();
+    } catch (...) {
+      t->failed_ = true;
+    }
+  }
+  std::unique_ptr<Comm::Request> req_;
+  EpCommStats& st_;
+  double t0_;
+  bool done_ = false, failed_ = false;
+  ProgressRegistry::Member member_;  // declared last: leaves first
+};
+
 template <typename C> std::vector<int64_t> EpGroup<C>::all_gather_counts(const std::vector<int64_t>& counts) {
   const double t0 = ep_wall_s();
   std::vector<int64_t> all(counts.size() * static_cast<size_t>(size()));
   host_.all_gather(counts.data(), all.data(), counts.size());
   ++stats_.calls;
-  stats_.seconds += ep_wall_s() - t0;
+  const double dt = ep_wall_s() - t0;
+  stats_.issued_s += dt;
+  stats_.exposed_s += dt;
   return all;
 }
 
 template <typename C>
-void EpGroup<C>::all_to_all(const C* send, const std::vector<size_t>& send_rows, C* recv,
-                            const std::vector<size_t>& recv_rows, size_t width) {
+std::unique_ptr<ExpertTransfer> EpGroup<C>::start_all_to_all(const C* send, const std::vector<size_t>& send_rows, C* recv,
+                                                             const std::vector<size_t>& recv_rows, size_t width) {
   const size_t n = static_cast<size_t>(size());
   if (send_rows.size() != n || recv_rows.size() != n)
-    throw std::invalid_argument("EpGroup::all_to_all: " + std::to_string(send_rows.size()) + " send and " +
+    throw std::invalid_argument("EpGroup::start_all_to_all: " + std::to_string(send_rows.size()) + " send and " +
                                 std::to_string(recv_rows.size()) + " receive counts for an EP group of " +
                                 std::to_string(n) + " ranks");
   std::vector<size_t> sc(n), rc(n);
@@ -37,11 +79,11 @@ void EpGroup<C>::all_to_all(const C* send, const std::vector<size_t>& send_rows,
     rc[q] = recv_rows[q] * width;
     if (q != static_cast<size_t>(rank())) sent += static_cast<double>(sc[q]);
   }
-  const double t0 = ep_wall_s();
-  data_.start_all_to_all_v(send, sc, recv, rc)->wait();
+  auto t = std::make_unique<EpTransfer>(data_.start_all_to_all_v(send, sc, recv, rc, Comm::OwnBlock::Keep), progress_,
+                                        stats_);
   ++stats_.calls;
   stats_.bytes += sent * sizeof(C);
-  stats_.seconds += ep_wall_s() - t0;
+  return t;
 }
 
 template class EpGroup<float>;

@@ -236,7 +236,7 @@ template <typename C> CommStats ParallelRun<C>::comm_stats() const {
   if (pp) s[CommDim::Pp] = {pp->calls(), pp->bytes(), pp->issued_s(), pp->exposed_s()};
   if (ep) {
     const EpCommStats& e = ep->stats();
-    s[CommDim::Ep] = {e.calls, e.bytes, e.seconds, e.seconds};
+    s[CommDim::Ep] = {e.calls, e.bytes, e.issued_s, e.exposed_s};
   }
   return s;
 }
@@ -405,7 +405,10 @@ ParallelRun<C> parallelize(const Mesh& mesh, const ModelConfig& mc, Backend<floa
     else r.pp = std::make_unique<StageLink<C>>(*mesh.pp_data(), pl, be);
   }
   if (d.tp > 1) r.tp = std::make_unique<TpGroup<C>>(*mesh.tp_data());
-  if (d.ep > 1) r.ep = std::make_unique<EpGroup<C>>(*mesh.ep_host(), *mesh.ep_data());
+  if (d.ep > 1) {  // its all-to-alls advance during the compute backend's kernels
+    if constexpr (std::is_same_v<C, bf16>) r.ep = std::make_unique<EpGroup<C>>(*mesh.ep_host(), *mesh.ep_data(), be16->progress());
+    else r.ep = std::make_unique<EpGroup<C>>(*mesh.ep_host(), *mesh.ep_data(), be.progress());
+  }
   const Reshard reshard = pl.ranks > 1 ? o.pp_reshard : Reshard::PerUse;
   // One pipeline per unit group of the state (the expert units' under EP: GroupedUnits).
   auto lane = [&](int g) -> std::unique_ptr<UnitPipeline<C>> {

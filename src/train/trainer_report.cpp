@@ -32,8 +32,9 @@ template <typename C> void Trainer<C>::log_step(int64_t s, const StepOutcome& o)
     // straggler report's wait time).
     sl.wait_ms = 1e3 * c.exposed_s() / n;
     sl.compute_ms = 1e3 * interval_.seconds / n - sl.wait_ms;
-    // The other dimensions that communicated: "<dim> comm" in the step line, <dim>_comm_ms,
-    // <dim>_bytes and <dim>_collectives per step in the metrics (blocking collectives: all exposed).
+    // The other dimensions that communicated: "<dim> comm" (exposed) in the step line, <dim>_comm_ms
+    // (exposed), <dim>_issued_ms (in flight), <dim>_bytes and <dim>_collectives per step in the
+    // metrics (blocking collectives: all exposed, issued = exposed).
     std::string dims_line;
     nlohmann::json dims_rec = nlohmann::json::object();
     for (CommDim d : {CommDim::Tp, CommDim::Cp, CommDim::Pp, CommDim::Ep}) {
@@ -42,6 +43,7 @@ template <typename C> void Trainer<C>::log_step(int64_t s, const StepOutcome& o)
       const double ms = 1e3 * c[d].exposed_s / n, bytes = c[d].bytes / n;
       dims_line += " | " + name + " comm " + fmt("%.1f", ms) + " ms/step, " + fmt("%.1f", bytes / 1e6) + " MB/step";
       dims_rec[name + "_comm_ms"] = ms;
+      dims_rec[name + "_issued_ms"] = 1e3 * c[d].issued_s / n;
       dims_rec[name + "_bytes"] = bytes;
       dims_rec[name + "_collectives"] = static_cast<double>(c[d].calls) / n;
     }

@@ -142,7 +142,7 @@ TARGETS = [("demo-2x1", "torch-eager", 2.5), ("demo-2x1", "torch-compile", 2.0),
            ("doc-vs-causal", "shardtrain-ref", 1.0), ("moe-2x1", "torch-eager", 1.5)]
 # Means over the window's metrics rows, when a run's metrics have them (issue 41's long-context cases).
 EXTRA_METRICS = ["cp_comm_ms", "cp_bytes", "cp_collectives", "exposed_comm_ms", "attn_tile_pairs", "attn_tiles_skipped",
-                 "fsdp_bytes", "pp_bytes", "pp_comm_ms", "ep_bytes", "ep_comm_ms"]
+                 "fsdp_bytes", "pp_bytes", "pp_comm_ms", "ep_bytes", "ep_comm_ms", "ep_issued_ms"]
 SHORT_DOCS = (64, 512)  # document lengths of the short-document corpus, tokens (uniform), BOS ... EOS
 # The per-run files of the shardtrain programs, tags of one length (shardtrain-ref is the first binary
 # with the case's reference arguments).

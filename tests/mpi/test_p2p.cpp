@@ -175,10 +175,13 @@ TEST_F(P2p, GroupOfSendsAndReceivesMatchesInStartOrder) {
 // consecutive ranks, g = 1..W: rank p sends count(p, q) elements to rank q, some counts zero (the
 // self-block too), element i of block (p -> q) being msg(p, q, i); every rank checks each block it
 // received against the sender's values, and the counts exchange_counts gave it. Three rounds on one
-// Comm back to back (they match in start order), in float and bf16 (the activations EP moves).
+// Comm back to back (they match in start order), in float and bf16 (the activations EP moves);
+// then three with OwnBlock::Keep, where this rank's own block of recv must keep what it held
+// (nothing sent to itself) and every other block still arrives at its place.
 template <typename T> void check_all_to_all(st::Comm& c, const Group& gr) {
   const int W = c.world_size(), r = c.rank();
-  for (int round = 0; round < 3; ++round) {
+  for (int round = 0; round < 6; ++round) {
+    const st::Comm::OwnBlock own = round < 3 ? st::Comm::OwnBlock::Move : st::Comm::OwnBlock::Keep;
     auto count = [&](int p, int q) { return static_cast<size_t>((p * 7 + q * 3 + round * 5) % 6 * 211); };
     auto msg = [&](int p, int q, size_t i) {
       return value<T>(gr.base + p, static_cast<size_t>(q * 5 + round) + i % 200);
@@ -195,12 +198,18 @@ template <typename T> void check_all_to_all(st::Comm& c, const Group& gr) {
     size_t total = 0;
     for (size_t n : recv_counts) total += n;
     std::vector<T> recv(total, value<T>(99, 3));
-    c.start_all_to_all_v(send.data(), send_counts, recv.data(), recv_counts)->wait();
-    int64_t bad = 0;
+    c.start_all_to_all_v(send.data(), send_counts, recv.data(), recv_counts, own)->wait();
+    int64_t bad = 0, kept = 0;
     size_t at = 0;
     for (int p = 0; p < W; ++p)
-      for (size_t i = 0; i < recv_counts[p]; ++i, ++at) bad += !same(recv[at], msg(p, r, i));
+      for (size_t i = 0; i < recv_counts[p]; ++i, ++at) {
+        if (own == st::Comm::OwnBlock::Keep && p == r) kept += same(recv[at], value<T>(99, 3));
+        else bad += !same(recv[at], msg(p, r, i));
+      }
     EXPECT_EQ(bad, 0) << "group size " << gr.size << ", round " << round;
+    if (own == st::Comm::OwnBlock::Keep) {
+      EXPECT_EQ(kept, static_cast<int64_t>(recv_counts[r])) << "own block overwritten, group size " << gr.size;
+    }
   }
 }
 

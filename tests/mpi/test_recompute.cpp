@@ -176,7 +176,8 @@ class EpSizeOnly final : public st::ExpertParallelOps<float> {
   std::vector<int64_t> all_gather_counts(const std::vector<int64_t>&) override {
     throw std::logic_error("not called by reserve()");
   }
-  void all_to_all(const float*, const std::vector<size_t>&, float*, const std::vector<size_t>&, size_t) override {
+  std::unique_ptr<st::ExpertTransfer> start_all_to_all(const float*, const std::vector<size_t>&, float*,
+                                                       const std::vector<size_t>&, size_t) override {
     throw std::logic_error("not called by reserve()");
   }
 

@@ -668,18 +668,35 @@ template <typename T> class LlamaModel {
   // The routing's host half: a's experts to the host, sorted by expert (counting sort, stable), into
   // a.rowtok, a.pos, a.eoff.
   void moe_sort(Layer& a);
-  // The experts [e0, e0 + eo.size() - 1) of an MoE block (weights w), expert e0 + j on rows
-  // [eo[j], eo[j+1]) of x [rows, C]: g, u = x W_gate^T, x W_up^T [rows, IE]; y = h W_down^T. Their
-  // backward: dh = dy W_down, gw += dy^T h (down_proj); then, from dg, du (swiglu_backward),
-  // dx = dg W_gate + du W_up and gw += dg^T x, du^T x (gate_up_proj).
-  void experts_gate_up(const T* w, const T* x, const std::vector<int32_t>& eo, int e0, T* g, T* u);
-  void experts_down(const T* w, const T* h, const std::vector<int32_t>& eo, int e0, T* y);
-  void experts_down_backward(const T* w, const T* dy, const T* h, const std::vector<int32_t>& eo, int e0, T* dh, T* gw);
-  void experts_gate_up_backward(const T* w, const T* dg, const T* du, const T* x, const std::vector<int32_t>& eo, int e0,
-                                T* dx, T* gw);
-  // EP: from a.ecnt and a.eoff, the rows sent to and received from each rank (ep_send_, ep_recv_),
-  // the received rows' expert-major offsets (ep_eoff_) and the permutations between the order
-  // received and expert-major (perm_: expert-major row r is received row perm_[r]; inv_ its
+  // Rows [r0, r0 + n) of an expert-major buffer, all routed to expert e of the weights at hand
+  // (the block's E experts, or under EP its expert unit's E / ep).
+  struct ExpertRows {
+    int e;
+    int64_t r0, n;
+  };
+  // The experts of an MoE block (weights w) on the row runs `rs` of x [rows, C]: g, u = x W_gate^T,
+  // x W_up^T [rows, IE]; y = h W_down^T. Their backward, split into what each row needs alone and
+  // what sums over an expert's rows: dh = dy W_down and dx = dg W_gate + du W_up (row by row; dg, du
+  // from swiglu_backward), gw += dy^T h (down_proj) and gw += dg^T x, du^T x (gate_up_proj), one GEMM
+  // per run. A row's values can depend on the run it is in (OpenBLAS's kernels and the CPU
+  // backend's tiles follow the GEMM's shape: a row cut into another run may differ in the last
+  // bits); the weight gradients take an expert's rows whole, in one run each.
+  void experts_gate_up(const T* w, const T* x, const std::vector<ExpertRows>& rs, T* g, T* u);
+  void experts_down(const T* w, const T* h, const std::vector<ExpertRows>& rs, T* y);
+  void experts_down_dinput(const T* w, const T* dy, const std::vector<ExpertRows>& rs, T* dh);
+  void experts_down_dweight(const T* dy, const T* h, const std::vector<ExpertRows>& rs, T* gw);
+  void experts_gate_up_dinput(const T* w, const T* dg, const T* du, const std::vector<ExpertRows>& rs, T* dx);
+  void experts_gate_up_dweight(const T* dg, const T* du, const T* x, const std::vector<ExpertRows>& rs, T* gw);
+  // EP forward on the runs rs of the received rows: gathered expert-major from xr_ (perm_) into
+  // xs_, the experts' forward into a.g, a.u, h and ys_.
+  void ep_experts_forward(const T* we, Layer& a, T* h, const std::vector<ExpertRows>& rs);
+  // Each expert's rows whole, from expert-major offsets eo (expert j: rows [eo[j], eo[j+1])).
+  static void expert_runs(const std::vector<int32_t>& eo, std::vector<ExpertRows>& out);
+  // EP: from a.ecnt and a.eoff, the rows sent to and received from each rank (ep_send_, ep_recv_,
+  // their offsets ep_send_at_, ep_recv_at_), the received rows' expert-major offsets (ep_eoff_) and
+  // row runs (ep_all_: each expert's rows; ep_own_[0], ep_own_[1]: the first and second half of the
+  // rows this rank sent itself; ep_other_: the other ranks' rows) and the permutations between the
+  // order received and expert-major (perm_: expert-major row r is received row perm_[r]; inv_ its
   // inverse), in backend memory; a.nrecv. No communication.
   void ep_routes(Layer& a);
   void grow_expert_scratch(size_t rows);   // EP: the scratch for a block's expert rows (llama_moe.cpp)
@@ -792,8 +809,9 @@ template <typename T> class LlamaModel {
   // most rows a block's experts got (grow_expert_scratch; up to er, the worst case).
   Buffer<T> xr_, xs_, ys_;
   IdBuffer<T> perm_, inv_;
-  std::vector<size_t> ep_send_, ep_recv_;
+  std::vector<size_t> ep_send_, ep_recv_, ep_send_at_, ep_recv_at_;
   std::vector<int32_t> ep_eoff_, perm_host_;
+  std::vector<ExpertRows> ep_all_, ep_own_[2], ep_other_, runs_;
   AccBuffer<T> dsum_;  // tiled attention backward: rowsum(dy * y) [B, NH, T]
   IdBuffer<T> rows_;   // block attention with documents: each token's index t in its row [B, T]
   // TP > 1 only (empty without TP). full_: an all-gathered [BT, C] (an RMSNorm output; in the head

@@ -9,37 +9,45 @@
 #include <cstdint>
 #include <vector>
 
+#include "shardtrain/runtime/progress.h"
 #include "shardtrain/runtime/runtime.h"
 #include "shardtrain/shard/expert_parallel_ops.h"
 
 namespace shardtrain {
 
-// Accumulated since construction. The all-to-alls are blocking (the compute waits for each), so
-// issued and exposed time are the same wall time. bytes: the rows this rank sends to other ranks
-// (its own block stays local), dispatch and combine, forward and backward; the counts exchange
-// (E int64 per rank per MoE block) is counted in calls and seconds, not in bytes.
+// Accumulated since construction. issued_s: each all-to-all's time from its start to its wait's
+// return; exposed_s: the part the compute thread waited in wait() (the rest ran under the experts'
+// compute). The counts exchange is blocking: its time is in both. bytes: the rows this rank sends
+// to other ranks (its own block never travels), dispatch and combine, forward and backward; the
+// counts exchange (E int64 per rank per MoE block) is counted in calls and seconds, not in bytes.
 struct EpCommStats {
-  double seconds = 0;
+  double issued_s = 0;
+  double exposed_s = 0;
   int64_t calls = 0;  // all-to-alls and counts exchanges
   double bytes = 0;
+  int64_t done_in_compute = 0;  // all-to-alls a progress poll saw complete before their wait
 };
 
 // ExpertParallelOps on the EP group: `host` (MPI, host memory) exchanges the counts, `data` (MPI on
 // the CPU; NCCL or the host-staged device Comm on GPUs) moves the rows, Comm::start_all_to_all_v
-// (grouped point-to-point). Both are the same group in the same rank order; both must outlive this.
+// with OwnBlock::Keep (grouped point-to-point). Both are the same group in the same rank order; both
+// must outlive this. `progress`: the compute backend's registry (Backend::progress; nullptr on
+// device backends, whose Comm progresses on its own stream): a started all-to-all joins it until
+// its wait, so MPI advances it during the GEMMs. Its ExpertTransfers must not outlive this.
 template <typename C> class EpGroup final : public ExpertParallelOps<C> {
  public:
-  EpGroup(Comm& host, Comm& data) : host_(host), data_(data) {}
+  EpGroup(Comm& host, Comm& data, ProgressRegistry* progress = nullptr) : host_(host), data_(data), progress_(progress) {}
   int size() const override { return host_.world_size(); }
   int rank() const override { return host_.rank(); }
   std::vector<int64_t> all_gather_counts(const std::vector<int64_t>& counts) override;
-  void all_to_all(const C* send, const std::vector<size_t>& send_rows, C* recv, const std::vector<size_t>& recv_rows,
-                  size_t width) override;
+  std::unique_ptr<ExpertTransfer> start_all_to_all(const C* send, const std::vector<size_t>& send_rows, C* recv,
+                                                   const std::vector<size_t>& recv_rows, size_t width) override;
   const EpCommStats& stats() const { return stats_; }
 
  private:
   Comm& host_;
   Comm& data_;
+  ProgressRegistry* progress_;
   EpCommStats stats_;
 };
 

@@ -172,12 +172,16 @@ class Comm {
   // runs wherever grouped point-to-point does: MPI's nonblocking sends and receives, one NCCL
   // group (how NCCL's all-to-all is written), the host-staged device Comm; peers are visited from
   // this rank onwards (r, r+1, ...), the block for this rank is a transfer to itself, empty
-  // blocks are not sent. The Request owns both buffers until it completed; successive
-  // all-to-alls on one Comm match in start order. std::invalid_argument (before anything started)
-  // when a counts vector does not have world_size() entries.
+  // blocks are not sent. OwnBlock::Keep: the block for this rank is neither sent nor received
+  // (block rank() of `recv` is left as it was; the caller places its own rows, and may read
+  // block rank() of `send` and write block rank() of `recv` while the others travel), the other
+  // blocks keep their places. The Request owns the rest of both buffers until it completed;
+  // successive all-to-alls on one Comm match in start order. std::invalid_argument (before
+  // anything started) when a counts vector does not have world_size() entries.
+  enum class OwnBlock { Move, Keep };
   template <typename T>
   std::unique_ptr<Request> start_all_to_all_v(const T* send, const std::vector<size_t>& send_counts, T* recv,
-                                              const std::vector<size_t>& recv_counts);
+                                              const std::vector<size_t>& recv_counts, OwnBlock own = OwnBlock::Move);
   // Collective, blocking, host memory: returns recv_counts with recv_counts[p] = rank p's
   // send_counts[rank()] (one all-gather of the W x W counts). std::invalid_argument when
   // send_counts does not have world_size() entries; std::logic_error on a stream-ordered Comm

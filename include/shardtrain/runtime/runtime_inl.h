@@ -53,7 +53,7 @@ template <typename T> std::unique_ptr<Comm::Request> Comm::start_group(const std
 template <typename T> void Comm::ring_shift(const T* s, T* r, size_t n) { start_ring_shift(s, r, n)->wait(); }
 template <typename T>
 std::unique_ptr<Comm::Request> Comm::start_all_to_all_v(const T* send, const std::vector<size_t>& send_counts, T* recv,
-                                                        const std::vector<size_t>& recv_counts) {
+                                                        const std::vector<size_t>& recv_counts, OwnBlock own) {
   const int W = world_size(), r = rank();
   if (send_counts.size() != static_cast<size_t>(W) || recv_counts.size() != static_cast<size_t>(W))
     throw std::invalid_argument("Comm::start_all_to_all_v: " + std::to_string(send_counts.size()) + " send and " +
@@ -65,11 +65,12 @@ std::unique_ptr<Comm::Request> Comm::start_all_to_all_v(const T* send, const std
     recv_at[static_cast<size_t>(q) + 1] = recv_at[static_cast<size_t>(q)] + recv_counts[static_cast<size_t>(q)];
   }
   std::vector<P2pOp> ops;
-  for (int i = 0; i < W; ++i) {  // receives first, from r - i (the rank that sends to r at its step i)
+  const int first = own == OwnBlock::Keep ? 1 : 0;  // step 0 is this rank's own block
+  for (int i = first; i < W; ++i) {  // receives first, from r - i (the rank that sends to r at its step i)
     const size_t p = static_cast<size_t>((r - i + W) % W);
     if (recv_counts[p] > 0) ops.push_back({true, recv + recv_at[p], recv_counts[p], static_cast<int>(p), kAllToAllTag});
   }
-  for (int i = 0; i < W; ++i) {
+  for (int i = first; i < W; ++i) {
     const size_t q = static_cast<size_t>((r + i) % W);
     if (send_counts[q] > 0)
       ops.push_back({false, const_cast<T*>(send + send_at[q]), send_counts[q], static_cast<int>(q), kAllToAllTag});
