@@ -228,6 +228,8 @@ LlamaModel<T>::LlamaModel(const ModelConfig& c, Backend<T>& be, const ModelOptio
   if (c.is_moe()) {
     moe_layer_.resize(static_cast<size_t>(c.num_hidden_layers));
     for (int l = 0; l < c.num_hidden_layers; ++l) moe_layer_[static_cast<size_t>(l)] = c.is_moe_layer(l) ? 1 : 0;
+    if (own_experts_)
+      for (int l = 0; l < c.num_hidden_layers; ++l) expert_unit_.push_back(is_moe(l) ? llama_expert_unit(c, l) : -1);
     for (int l = c.num_hidden_layers - 1; l >= 0; --l) {
       if (is_moe(l)) { moe_off_ = offsets_of(l, true); ++moe_blocks_; }
       else dense_off_ = offsets_of(l, false);

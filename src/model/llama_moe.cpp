@@ -224,7 +224,12 @@ template <typename T> T* LlamaModel<T>::grow_expert_rows(Layer& a, T* h) {
 // Under EP the experts' rows are the EP group's (model.h), between two all-to-alls.
 template <typename T>
 const T* LlamaModel<T>::expert_weights(UnitSource<T>& f, const Context& ctx, int l, const T* w) {
-  return own_experts_ ? gather(f, ctx.r_.unit(llama_expert_unit(c_, l))) : w;
+  if (!own_experts_) return w;
+  if (f.gathered_groups() < 2)  // the block's unit (w) would be gone once its experts' are gathered
+    throw std::logic_error("LlamaModel: expert parallelism needs a UnitSource that keeps a block's unit and its "
+                           "experts' unit gathered at once (GroupedUnits over the state's unit groups); this one keeps " +
+                           std::to_string(f.gathered_groups()));
+  return gather(f, ctx.r_.unit(expert_unit_[static_cast<size_t>(l)]));
 }
 
 template <typename T>
@@ -308,7 +313,7 @@ void LlamaModel<T>::moe_backward(UnitSource<T>& f, Context& ctx, int l, const T*
     be_.copy(xr_.data() + at * C, dye_.data() + sat * C, own * C);
     n2 = norm_rows(a.rstd2.data(), a.x1.data(), w + o.ln2, nullptr);
     be_.gather_rows(xe_.data(), n2, a.rowtok.data(), d.slots, d.C);
-    const int eu = ctx.r_.unit(llama_expert_unit(c_, l));
+    const int eu = ctx.r_.unit(expert_unit_[static_cast<size_t>(l)]);
     const T* we = expert_weights(f, ctx, l, w);
     T* gwe = f.full_grad(eu);
     go->wait();

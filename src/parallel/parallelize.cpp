@@ -41,6 +41,21 @@ ShardedTensors with_stage(ShardedTensors t, const std::shared_ptr<const StageUni
   return t;
 }
 
+// What a layout whose file rows are the shard group's records (ShardRowsLayout, EpCanonicalLayout):
+// the world size (train_config's; the file's plan is the shard group's), the shard group's size and
+// the mesh record (version 5 with cp > 1, 6 with pp > 1, 7 with MoE).
+SavedLayout shard_rows_saved(const Mesh& mesh) {
+  const MeshDims& d = mesh.dims();
+  SavedLayout s;
+  s.world_size = mesh.world_size();
+  s.shard_group_size = d.fsdp();
+  s.tp_record.dp_shard = d.dp_shard;
+  s.tp_record.dp_replicate = d.dp_replicate;
+  s.tp_record.cp = d.cp;
+  s.tp_record.ep = d.ep;
+  return s;
+}
+
 // FSDP and HSDP (and CP, whose ranks are part of the shard group): a checkpoint holds the shard
 // group's rows (dp_shard x cp of them) as the run holds them; replica group 0 writes them
 // (Mesh::writes_checkpoint, row Mesh::shard_index). Under PP, each stage's shard group the rows of
@@ -49,13 +64,7 @@ class ShardRowsLayout final : public CheckpointLayout {
  public:
   ShardRowsLayout(const Mesh& mesh, std::shared_ptr<const StageUnits> stage)
       : writes_(mesh.writes_checkpoint()), stage_(std::move(stage)) {
-    const MeshDims& d = mesh.dims();
-    saved_.world_size = mesh.world_size();  // train_config's; the file's plan is the shard group's
-    saved_.shard_group_size = d.fsdp();
-    saved_.tp_record.dp_shard = d.dp_shard;  // the mesh record (version 5 with cp > 1, 6 with pp > 1)
-    saved_.tp_record.dp_replicate = d.dp_replicate;
-    saved_.tp_record.cp = d.cp;
-    saved_.tp_record.ep = d.ep;
+    saved_ = shard_rows_saved(mesh);
   }
   bool writes_shards() const override { return writes_; }
   ShardedTensors for_save(Comm&, const ShardedTensors& live) override { return with_stage(live, stage_); }
@@ -148,13 +157,7 @@ class EpCanonicalLayout final : public CheckpointLayout {
                 ShardPlan::build(pipeline_rank_units(mc, pl, mesh.coord().pp).units, mesh.dims().fsdp()),
                 checkpoint_tensor_names()),
         stage_(stage_units(pl, pipeline_rank_units(mc, pl, mesh.coord().pp), llama_units(mc), layout_.canonical_plan())) {
-    const MeshDims& d = mesh.dims();
-    saved_.world_size = mesh.world_size();  // train_config's; the file's plan is the shard group's
-    saved_.shard_group_size = d.fsdp();
-    saved_.tp_record.dp_shard = d.dp_shard;  // the mesh record
-    saved_.tp_record.dp_replicate = d.dp_replicate;
-    saved_.tp_record.cp = d.cp;
-    saved_.tp_record.ep = d.ep;
+    saved_ = shard_rows_saved(mesh);
   }
   bool writes_shards() const override { return writes_; }
   ShardedTensors for_save(Comm&, const ShardedTensors& live) override {
@@ -428,8 +431,7 @@ ParallelRun<C> parallelize(const Mesh& mesh, const ModelConfig& mc, Backend<floa
   std::vector<std::unique_ptr<UnitPipeline<C>>> lanes;
   for (int g = 0; g < r.state->num_groups(); ++g) lanes.push_back(lane(g));
   r.overlap = lanes.front()->overlap();
-  if (lanes.size() == 1) r.units = std::move(lanes.front());
-  else r.units = std::make_unique<GroupedUnits<C>>(std::move(lanes), r.state->plan());
+  r.units = group_sources(std::move(lanes), r.state->plan());
   if (o.checkpoints) {
     if (d.tp > 1) r.checkpoint = std::make_unique<TpCanonicalLayout>(mesh, mc, pl, r.stage);
     else if (d.ep > 1) r.checkpoint = std::make_unique<EpCanonicalLayout>(mesh, mc, pl);

@@ -36,8 +36,7 @@ template <typename T> struct EpUnits {
     std::vector<std::unique_ptr<st::UnitPipeline<T>>> lanes;
     for (int g = 0; g < state->num_groups(); ++g)
       lanes.push_back(std::make_unique<st::UnitPipeline<T>>(be, std::make_unique<st::IdentityCodec<T>>(*state, g)));
-    if (lanes.size() == 1) src = std::move(lanes.front());
-    else src = std::make_unique<st::GroupedUnits<T>>(std::move(lanes), state->plan());
+    src = st::group_sources(std::move(lanes), state->plan());
   }
 
   // Collective over the world: the whole canonical parameter `name` (an expert tensor under ep > 1:

@@ -419,6 +419,37 @@ TEST(Moe, ExpertAllToAllAdvancesDuringGemms) {
   }
 }
 
+// The model's contract under EP (unit_source.h, gathered_groups): a UnitSource that keeps one unit
+// gathered at a time would drop an MoE block's unit when its experts' unit is gathered; the model
+// refuses it at the first MoE block, on every rank of the EP group alike (naming GroupedUnits),
+// instead of computing with the wrong weights.
+TEST(Moe, ExpertParallelRefusesASourceOfOneGroup) {
+  st::Comm& c = st::testing::comm();
+  const int W = c.world_size();
+  if (W % 2 != 0) GTEST_SKIP() << "EP groups of 2 ranks: needs an even W, got " << W;
+  const st::ModelConfig mc = layout_config();
+  auto be = st::make_cpu_backend<double>();
+  st::MpiComm self = st::MpiComm::split(c, c.rank(), 0);
+  st::MpiComm epc = st::MpiComm::split(c, c.rank() / 2, c.rank());
+  st::EpGroup<double> ep(epc, epc);
+  std::vector<st::UnitSpec> units = st::llama_units(mc, 1, 0, 2, epc.rank());
+  for (st::UnitSpec& u : units) u.group = 0;  // the expert units too: one pipeline holds them all
+  st::ShardedState<double> f(*be, self, st::ShardPlan::build(units, 1), &self, nullptr, nullptr);
+  f.init_params(56);
+  st::UnitPipeline<double> one(*be, std::make_unique<st::IdentityCodec<double>>(f, 0));
+  EXPECT_EQ(one.gathered_groups(), 1);
+  st::LlamaModel<double> m(mc, *be, st::ModelOptions{}, nullptr, nullptr, &ep);
+  std::vector<int32_t> tok(12, 3);
+  one.begin_pass("train");
+  try {
+    m.forward(one, tok.data(), 1, 12);
+    ADD_FAILURE() << "the forward ran with a source of one group under ep 2";
+  } catch (const std::logic_error& e) {
+    EXPECT_NE(std::string(e.what()).find("GroupedUnits"), std::string::npos) << e.what();
+  }
+  one.end_pass();
+}
+
 TEST(Moe, ExpertRowsGrowToTheWorstCase) {
   st::Comm& c = st::testing::comm();
   const int W = c.world_size(), T = 12, B = 2;

@@ -126,9 +126,7 @@ Step run_step(st::Comm& comm, const st::MeshDims& d, st::PipelineKind kind, cons
   std::vector<std::unique_ptr<st::UnitPipeline<double>>> lanes;
   for (int g = 0; g < f.num_groups(); ++g)
     lanes.push_back(std::make_unique<st::UnitPipeline<double>>(*be, std::make_unique<st::IdentityCodec<double>>(f, g)));
-  std::unique_ptr<st::UnitSource<double>> source;
-  if (lanes.size() == 1) source = std::move(lanes.front());
-  else source = std::make_unique<st::GroupedUnits<double>>(std::move(lanes), f.plan());
+  std::unique_ptr<st::UnitSource<double>> source = st::group_sources(std::move(lanes), f.plan());
   st::UnitSource<double>& units = *source;
   std::unique_ptr<st::StageLink<double>> link;
   if (d.pp > 1) link = std::make_unique<st::StageLink<double>>(*mesh.pp_data(), pl, *be, false);

@@ -789,6 +789,7 @@ template <typename T> class LlamaModel {
   // ep > 1: each MoE block's experts are a unit of their own (llama_units), moe_off_.egu / .edown
   // are offsets in it; else they are in the block's unit.
   bool own_experts_ = false;
+  std::vector<int> expert_unit_;    // own_experts_: per block, its experts' unit (llama_expert_unit; -1 dense)
   int moe_blocks_ = 0;              // how many
   int64_t head_off_norm_ = 0, head_off_w_ = 0;
   Context ctx_;                   // the whole-model calls' micro-batch, blocks [0, L)

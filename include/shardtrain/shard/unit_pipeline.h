@@ -164,6 +164,7 @@ template <typename C> class GroupedUnits final : public UnitSource<C> {
   void end_pass() override;
   CommTimes comm_times() const override;
   Reshard reshard() const override { return lanes_.front()->reshard(); }
+  int gathered_groups() const override { return static_cast<int>(lanes_.size()); }
 
  private:
   UnitPipeline<C>& lane(int u);
@@ -196,5 +197,13 @@ class MixedPrecisionUnits final : public UnitPipeline<bf16> {
                       Reshard reshard = Reshard::PerUse)
       : UnitPipeline<bf16>(be, std::make_unique<Bf16Codec>(master, be, reduce_bf16, widen_slab), ov, reshard) {}
 };
+
+// The model's UnitSource over one pipeline per unit group of `plan` (lanes[g]: group g's): the
+// pipeline itself when there is one group, else GroupedUnits over them (its errors).
+template <typename C>
+std::unique_ptr<UnitSource<C>> group_sources(std::vector<std::unique_ptr<UnitPipeline<C>>> lanes, const ShardPlan& plan) {
+  if (lanes.size() == 1) return std::move(lanes.front());
+  return std::make_unique<GroupedUnits<C>>(std::move(lanes), plan);
+}
 
 }  // namespace shardtrain

@@ -61,6 +61,10 @@ template <typename C> class UnitSource {
   virtual void begin_pass(const std::string& label) { (void)label; }
   virtual void end_pass() {}
   virtual Reshard reshard() const { return Reshard::PerUse; }
+  // How many units this source keeps gathered (and gradient buffers out) at once, each of another
+  // unit group (UnitSpec::group): 1 for a UnitPipeline, one per group for GroupedUnits. The model
+  // under expert parallelism needs 2 (an MoE block's unit and its experts' unit) and refuses less.
+  virtual int gathered_groups() const { return 1; }
   // Accumulated time of this source's collectives (zero for sources without any).
   virtual CommTimes comm_times() const { return {}; }
 };
