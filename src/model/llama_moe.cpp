@@ -224,12 +224,16 @@ template <typename T> T* LlamaModel<T>::grow_expert_rows(Layer& a, T* h) {
 // Under EP the experts' rows are the EP group's (model.h), between two all-to-alls.
 template <typename T>
 const T* LlamaModel<T>::expert_weights(UnitSource<T>& f, const Context& ctx, int l, const T* w) {
-  if (!own_experts_) return w;
-  if (f.gathered_groups() < 2)  // the block's unit (w) would be gone once its experts' are gathered
+  return own_experts_ ? gather(f, ctx.r_.unit(expert_unit_[static_cast<size_t>(l)])) : w;
+}
+
+// Before any transfer of an EP block starts (every rank of the group alike): the block's unit (w)
+// would be gone once its experts' unit is gathered from a source that keeps one unit at a time.
+template <typename T> void LlamaModel<T>::check_expert_source(const UnitSource<T>& f) const {
+  if (own_experts_ && f.gathered_groups() < 2)
     throw std::logic_error("LlamaModel: expert parallelism needs a UnitSource that keeps a block's unit and its "
                            "experts' unit gathered at once (GroupedUnits over the state's unit groups); this one keeps " +
                            std::to_string(f.gathered_groups()));
-  return gather(f, ctx.r_.unit(expert_unit_[static_cast<size_t>(l)]));
 }
 
 template <typename T>
@@ -254,6 +258,7 @@ void LlamaModel<T>::moe_forward(UnitSource<T>& f, const Context& ctx, int l, con
   moe_sort(a);
   be_.gather_rows(xe_.data(), n2, a.rowtok.data(), d.slots, d.C);
   if (ep_) {
+    check_expert_source(f);
     std::vector<int64_t> mine(static_cast<size_t>(d.E));
     for (size_t e = 0; e < mine.size(); ++e) mine[e] = a.eoff[e + 1] - a.eoff[e];
     a.ecnt = ep_->all_gather_counts(mine);
@@ -301,6 +306,7 @@ void LlamaModel<T>::moe_backward(UnitSource<T>& f, Context& ctx, int l, const T*
   const T* n2 = nullptr;
   T* dxe = dye_.data();  // d(ye) is spent once the experts' first loop ran: d(xe) takes its place
   if (ep_) {
+    check_expert_source(f);
     ep_routes(a);
     const size_t rows = static_cast<size_t>(a.nrecv), C = static_cast<size_t>(d.C),
                  me = static_cast<size_t>(ep_->rank());
@@ -369,6 +375,7 @@ void LlamaModel<T>::moe_backward(UnitSource<T>& f, Context& ctx, int l, const T*
 #define ST_LLAMA_MOE(T)                                                                         \
   template void LlamaModel<T>::moe_sort(Layer&);                                                \
   template const T* LlamaModel<T>::expert_weights(UnitSource<T>&, const Context&, int, const T*); \
+  template void LlamaModel<T>::check_expert_source(const UnitSource<T>&) const;                   \
   template void LlamaModel<T>::moe_forward(UnitSource<T>&, const Context&, int, const T*, Layer&, T*, T*); \
   template void LlamaModel<T>::moe_backward(UnitSource<T>&, Context&, int, const T*, Layer&, const T*, T*); \
   template void LlamaModel<T>::expert_runs(const std::vector<int32_t>&, std::vector<ExpertRows>&);              \

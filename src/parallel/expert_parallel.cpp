@@ -29,10 +29,11 @@ class EpTransfer final : public ExpertTransfer {
     const double t = ep_wall_s();
     if (done_) ++st_.done_in_compute;
     else req_->wait();  // a failed test() is reported here
-    done_ = true;
     const double t1 = ep_wall_s();
+    if (!done_) t_done_ = t1;
+    done_ = true;
     st_.exposed_s += t1 - t;
-    st_.issued_s += t1 - t0_;
+    st_.issued_s += t_done_ - t0_;
   }
 
  private:
@@ -42,13 +43,14 @@ class EpTransfer final : public ExpertTransfer {
     if (t->done_ || t->failed_) return;
     try {
       t->done_ = t->req_->test();
+      if (t->done_) t->t_done_ = ep_wall_s();
     } catch (...) {
       t->failed_ = true;
     }
   }
   std::unique_ptr<Comm::Request> req_;
   EpCommStats& st_;
-  double t0_;
+  double t0_, t_done_ = 0;  // started; seen complete (by a poll, else at the wait's return)
   bool done_ = false, failed_ = false;
   ProgressRegistry::Member member_;  // declared last: leaves first
 };

@@ -366,12 +366,6 @@ TEST(Moe, ExpertParallelIsExactAgainstOneRank) {
   }
 }
 
-// Expert parallelism allocates an MoE block's expert rows for balanced routing (B·T·k per rank,
-// activation_bytes(..., balanced): the memory plan's figure) and grows them to the rows a rank's
-// experts get. A router forced onto experts 0 and 1 (every router weight zero: ties go to the lower
-// index) sends every slot of the EP group to EP rank 0: after a training step, in every recompute
-// mode, rank 0 holds exactly the worst case activation_bytes(..., ep) counts, every other rank
-// still the balanced figure (their experts got no rows); a second step allocates nothing more.
 // EP's all-to-all overlapped with compute: EpGroup::start_all_to_all returns at once and the
 // transfer advances only through the compute backend's progress polls (no MPI call until its
 // wait), so a GEMM loop started after it sees it complete (EpCommStats::done_in_compute), a bound
@@ -450,6 +444,12 @@ TEST(Moe, ExpertParallelRefusesASourceOfOneGroup) {
   one.end_pass();
 }
 
+// Expert parallelism allocates an MoE block's expert rows for balanced routing (B·T·k per rank,
+// activation_bytes(..., balanced): the memory plan's figure) and grows them to the rows a rank's
+// experts get. A router forced onto experts 0 and 1 (every router weight zero: ties go to the lower
+// index) sends every slot of the EP group to EP rank 0: after a training step, in every recompute
+// mode, rank 0 holds exactly the worst case activation_bytes(..., ep) counts, every other rank
+// still the balanced figure (their experts got no rows); a second step allocates nothing more.
 TEST(Moe, ExpertRowsGrowToTheWorstCase) {
   st::Comm& c = st::testing::comm();
   const int W = c.world_size(), T = 12, B = 2;

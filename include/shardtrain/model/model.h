@@ -665,6 +665,8 @@ template <typename T> class LlamaModel {
   void moe_backward(UnitSource<T>& f, Context& ctx, int l, const T* w, Layer& a, const T* h, T* gw);
   // Block l's experts' weights: its expert unit, gathered (ep > 1), or the block's own `w`.
   const T* expert_weights(UnitSource<T>& f, const Context& ctx, int l, const T* w);
+  // Under ep > 1: std::logic_error unless f keeps 2 units gathered at once (gathered_groups).
+  void check_expert_source(const UnitSource<T>& f) const;
   // The routing's host half: a's experts to the host, sorted by expert (counting sort, stable), into
   // a.rowtok, a.pos, a.eoff.
   void moe_sort(Layer& a);
