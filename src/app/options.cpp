@@ -204,7 +204,12 @@ MeshDims resolve_mesh_dims(const std::string& sgs, int tp, int cp, int world, in
     check(d.fsdp() % ep == 0, "ep",
           "(" + std::to_string(ep) + ") does not divide the FSDP shard group (dp_shard " + std::to_string(d.dp_shard) +
               " x cp " + std::to_string(cp) + " = " + std::to_string(d.fsdp()) + (d.fsdp() == 1 ? " rank" : " ranks") +
-              "): an EP group is ranks of one shard group that hold different tokens");
+              "): an EP group is ranks of one shard group that hold different tokens" +
+              (world / d.fsdp() > 1
+                   ? " (the " + std::to_string(world) + " ranks are " + (pp > 1 ? "pp " + std::to_string(pp) + " x " : "") +
+                         "dp_replicate " + std::to_string(d.dp_replicate) + " x shard group " + std::to_string(d.fsdp()) +
+                         (tp > 1 ? " x tp " + std::to_string(tp) : "") + ")"
+                   : std::string()));
   d.ep = ep;
   return d;
 }

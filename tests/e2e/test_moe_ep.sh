@@ -104,6 +104,8 @@ expect_fail pp_zb "option '--pp-schedule zero-bubble' with a mixture-of-experts 
   4 "${TRAIN[@]}" --ep 2 --pp 2 --pp-schedule zero-bubble --micro-batch 2
 expect_fail ep_experts "option '--ep' (3) does not divide num_experts (8)" 3 "${TRAIN[@]}" --ep 3
 expect_fail ep_group "option '--ep' (4) does not divide the FSDP shard group (dp_shard 2 x cp 1 = 2 ranks)" 2 "${TRAIN[@]}" --ep 4
+# With --pp the stages take the ranks: the refusal says where they went.
+expect_fail ep_pp "option '--ep' (2) does not divide the FSDP shard group (dp_shard 1 x cp 1 = 1 rank): an EP group is ranks of one shard group that hold different tokens (the 2 ranks are pp 2 x dp_replicate 1 x shard group 1)" 2 "${TRAIN[@]}" --ep 2 --pp 2
 expect_fail ep_dense "option '--ep' (2) needs a mixture-of-experts model; LlamaForCausalLM is dense" 2 \
   --model tiny --data "$DATA" --seq-len 32 --global-batch 4 --steps 1 --ep 2
 echo "PASS: expert parallelism (--ep)"
