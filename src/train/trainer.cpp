@@ -5,6 +5,8 @@
 // comes from the mesh (mesh.h), every layout question from the parallel layer (parallelize.h).
 #include "trainer.h"
 
+#include <cstdio>
+
 namespace shardtrain {
 
 namespace trainer_detail {
@@ -296,6 +298,14 @@ TrainResult train(Engine& eng, const ModelConfig& mc, const TrainConfig& tc_give
     log_info(eng.mesh.world(), "note: option '--router-z-loss-coef' has no effect on a dense model (" +
                                    mc.architecture + "): ignored");
     tc.router_z_loss_coef = 0;
+  }
+  // A warm-up longer than the run: the learning rate never reaches --lr (nanoGPT's get_lr, lr_at).
+  if (tc.warmup > tc.steps) {
+    char b[160];
+    std::snprintf(b, sizeof b, "%.3e at the last step, never --lr %.3e", lr_at(tc, tc.steps - 1), tc.lr);
+    log_info(eng.mesh.world(), "note: option '--warmup' (" + std::to_string(tc.warmup) + ") is more than '--steps' (" +
+                                   std::to_string(tc.steps) + "): the learning rate rises to " + b +
+                                   ", and the cosine decay to --min-lr never starts");
   }
   if (tc.precision == Precision::BF16) {
     if (!eng.be16) throw std::logic_error("train: Precision::BF16 without a bf16 backend");

@@ -120,6 +120,13 @@ grep -q "model tiny, .* global batch 4 x 16 tokens" "$WORK/bom.log" || { cat "$W
 echo "ok: job file with a UTF-8 BOM, ';' and '#' comments, CRLF: values applied, ';' in a value kept"
 
 # --help lists every option with its default and unit, on rank 0 only, exit 0.
+# A warm-up longer than the run trains, with a note that the learning rate never reaches --lr
+# (lr_at(4 of warm-up 10) = 1e-3 x 4 / 10 = 4.000e-04).
+timeout -k 5 120 $MPIRUN -np 1 "$BIN" "${COMMON[@]}" --steps 4 --warmup 10 --lr 1e-3 >"$WORK/warmup.log" 2>&1 \
+  || { cat "$WORK/warmup.log"; fail "--warmup 10 --steps 4 did not train"; }
+grep -qF "note: option '--warmup' (10) is more than '--steps' (4): the learning rate rises to 4.000e-04 at the last step, never --lr 1.000e-03" \
+  "$WORK/warmup.log" || { cat "$WORK/warmup.log"; fail "no note for --warmup > --steps"; }
+echo "ok: --warmup > --steps: a note naming the last step's learning rate"
 "$BIN" --help >"$WORK/help.txt"
 for o in --config --mode --threads --input --out --val-fraction --model --data --seq-len --global-batch --micro-batch \
   --steps --lr --min-lr --warmup --beta1 --beta2 --adam-eps --weight-decay --clip --seed --log-every --eval-every \
