@@ -221,10 +221,34 @@ template <typename C> void Trainer<C>::restore() {
   resume_path_ = resolve_resume(comm_, tc_.resume, tc_.checkpoint_dir, tc_.start_over);
   if (!resume_path_.empty()) {
     auto t0 = Clock::now();
-    const CheckpointInfo info = read_checkpoint_info(comm_, resume_path_);
+    // '--resume auto' took the newest checkpoint; one that cannot be read (every rank agreed) names
+    // the one before it, which the user may resume from by path. Not collective: the listing is
+    // each rank's, the same on the shared file system the checkpoints are on.
+    auto earlier = [&](const CollectiveError& e) {
+      std::string hint;
+      if (tc_.resume == "auto") {
+        const std::string mine = std::filesystem::path(resume_path_).filename().string();
+        for (const std::string& n : published_checkpoints(tc_.checkpoint_dir))
+          if (n < mine) hint = n;  // oldest first: the last one before it
+        if (!hint.empty())
+          hint = "; the checkpoint before it is '" + (std::filesystem::path(tc_.checkpoint_dir) / hint).string() +
+                 "': pass it to '--resume' to continue from there ('latest' still names the unreadable one)";
+      }
+      return CollectiveError(e.origin_rank, e.what() + hint);
+    };
+    CheckpointInfo info;
+    try {
+      info = read_checkpoint_info(comm_, resume_path_);
+    } catch (const CollectiveError& e) {
+      throw earlier(e);
+    }
     check_resume_settings(comm_, info, tc_);  // refuses changed settings unless --accept-change names them
     const ShardedTensors live = checkpoint_tensors(*f_, opt_.get());
-    state_ = load_checkpoint(comm_, resume_path_, run_.checkpoint->load_target(live), mc_, &info);
+    try {
+      state_ = load_checkpoint(comm_, resume_path_, run_.checkpoint->load_target(live), mc_, &info);
+    } catch (const CollectiveError& e) {
+      throw earlier(e);
+    }
     run_.checkpoint->finish_load(comm_, live);
     const double dt = seconds_since(t0);
     const double mbytes = 3.0 * 4.0 * static_cast<double>(mc_.num_params()) / 1e6;

@@ -26,6 +26,26 @@ PY
 expect_fail flipped_bytes "dataset 'units/model.layers.1/adam_v'" 3 "${ARGS[@]}" --resume "$F"
 grep -q "fails its CRC32 check" "$WORK/flipped_bytes.log" || fail "flipped bytes: no CRC32 message"
 
+# '--resume auto' whose newest checkpoint is damaged names the one before it (step 2 of a run that
+# saved steps 2 and 4, step 4's bytes flipped as above).
+timeout -k 5 120 $MPIRUN -np 2 "$BIN" "${ARGS[@]}" --checkpoint-dir "$WORK/ck2" --checkpoint-every 2 >"$WORK/ck2.log" 2>&1 \
+  || { cat "$WORK/ck2.log"; fail "making checkpoints 2 and 4"; }
+"$PY" - "$WORK/ck2/step_00000004.h5" <<'PY'
+import sys, h5py
+path = sys.argv[1]
+with h5py.File(path, "r") as f:
+    d = f["units/model.layers.1/adam_v"]
+    off = d.id.get_offset() + 4 * (d.shape[0] // 2)
+with open(path, "r+b") as fh:
+    fh.seek(off); b = bytearray(fh.read(4)); fh.seek(off); fh.write(bytes(x ^ 0x5A for x in b))
+PY
+expect_fail damaged_latest "the checkpoint before it is '$WORK/ck2/step_00000002.h5': pass it to '--resume' to continue from there ('latest' still names the unreadable one)" 2 "${ARGS[@]}" --checkpoint-dir "$WORK/ck2" --resume auto
+grep -q "fails its CRC32 check" "$WORK/damaged_latest.log" || fail "damaged latest: no CRC32 message"
+timeout -k 5 120 $MPIRUN -np 2 "$BIN" "${ARGS[@]}" --checkpoint-dir "$WORK/ck2" --resume "$WORK/ck2/step_00000002.h5" \
+  >"$WORK/ck2b.log" 2>&1 || { cat "$WORK/ck2b.log"; fail "resuming from the checkpoint the message named"; }
+grep -q "resumed from '$WORK/ck2/step_00000002.h5' at step 2" "$WORK/ck2b.log" || { cat "$WORK/ck2b.log"; fail "not resumed at step 2"; }
+echo "ok: a damaged newest checkpoint under '--resume auto' names the one before it, which resumes"
+
 V=$(variant version); "$PY" -c 'import h5py,sys; f=h5py.File(sys.argv[1],"r+"); f.attrs["format_version"]=99' "$V"
 expect_fail wrong_version "checkpoint '$V': unknown format version 99 in attribute 'format_version' (this program reads versions 1 to 7)" 3 "${ARGS[@]}" --resume "$V"
 
