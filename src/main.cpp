@@ -385,6 +385,23 @@ std::string device_memory_fits(const MemoryPlanInput& in, const std::string& siz
     os << "\n  --activation-checkpointing " << recompute_name(r) << ": "
        << (mb > 0 ? "micro-batch up to " + std::to_string(mb) + (mb == 1024 ? " (or more)" : "")
                   : std::string("does not fit (micro-batch 1 needs ") + b + ")");
+    // Expert parallelism: the expert rows grow with the routing's imbalance (dropless), up to the
+    // plan's worst case; what fits when every slot of the EP group lands on one rank's experts.
+    if (mb > 0 && plan_memory(m).worst_extra > 0) {
+      int worst = 0;
+      for (int k = 1; k <= mb; ++k) {
+        m.train.micro_batch = k;
+        const MemoryPlan p = plan_memory(m);
+        if (p.total() + p.worst_extra > static_cast<int64_t>(dev)) break;
+        worst = k;
+      }
+      m.train.micro_batch = 1;
+      const MemoryPlan p1 = plan_memory(m);
+      std::snprintf(b, sizeof b, "%.1f GiB", static_cast<double>(p1.total() + p1.worst_extra) / (1 << 30));
+      os << (worst > 0 ? " (up to " + std::to_string(worst) + " at the worst routing imbalance)"
+                       : std::string(" (at the worst routing imbalance none: micro-batch 1 needs ") + b +
+                             "; a router that collapses onto one EP rank's experts ends the run naming the rows)");
+    }
   }
   return os.str();
 }

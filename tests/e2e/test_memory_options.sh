@@ -78,6 +78,19 @@ for mode in none selective full; do
     { echo "$out"; fail "plan --device-memory lacks the $mode line"; }
 done
 echo "ok: --mode plan: parameter shards $s1 MiB at W=8, $s2 MiB at W=64; fits: $(grep -o 'full: .*' <<<"$out")"
+# Mixture of experts under --ep: each mode's line also gives what fits at the worst routing
+# imbalance, K such that the plan's own worst-case total at micro-batch K is within the budget and at
+# K + 1 is not (read from the plan printed at those micro-batches).
+moe_plan() { timeout -k 5 60 "$BIN" --mode plan --model "$ROOT/tests/bench/moe-config.json" --seq-len 256 --world-size 4 --ep 2 "$@" 2>&1; }
+out=$(moe_plan --device-memory 1GiB)
+k=$(sed -n 's/.*checkpointing none: micro-batch up to [0-9]* (up to \([0-9]*\) at the worst routing imbalance).*/\1/p' <<<"$out")
+[ -n "$k" ] || { echo "$out"; fail "plan --device-memory with --ep: no worst-imbalance figure"; }
+worst() { moe_plan --micro-batch "$1" | sed -n 's/^ *\([0-9.]*\) MiB  total per rank at the worst routing imbalance.*/\1/p'; }
+a=$(worst "$k"); b=$(worst $((k + 1)))
+"$PY" -c "assert float('$a') <= 1024 < float('$b'), ('$a', '$b')" ||
+  fail "worst-imbalance fit $k: plan totals $a MiB at $k, $b MiB at $((k + 1)) against 1024 MiB"
+if plan --world-size 8 --device-memory 80GB | grep -q "worst routing imbalance"; then fail "a dense model's plan speaks of routing"; fi
+echo "ok: --mode plan --ep 2 --device-memory 1GiB: micro-batch up to $k at the worst routing imbalance ($a MiB; $b MiB at $((k + 1)))"
 
 # --mode plan --out: the resolved model as config.json (what tests/gpu/peer.py builds PyTorch's model
 # from). transformers' LlamaForCausalLM from it must have exactly shardtrain's parameter count.
