@@ -555,6 +555,20 @@ void read_hf_weight_headers(const InputDir& hd, uint64_t max_tensors, std::vecto
     }
 }
 
+// "tensor T names expert k, but config.json declares E experts ..." when T is a hub expert tensor
+// ("....experts.<k>....") of an index the model does not have; "" otherwise.
+std::string expert_beyond_config(const std::string& tensor, const ModelConfig& mc) {
+  const size_t at = tensor.find(".experts.");
+  if (!mc.is_moe() || at == std::string::npos) return "";
+  size_t i = at + 9, k = 0, digits = 0;
+  for (; i < tensor.size() && tensor[i] >= '0' && tensor[i] <= '9' && digits < 9; ++i, ++digits)
+    k = k * 10 + static_cast<size_t>(tensor[i] - '0');
+  if (digits == 0 || k < static_cast<size_t>(mc.num_experts)) return "";
+  return "tensor '" + tensor + "' names expert " + std::to_string(k) + ", but config.json declares " +
+         std::to_string(mc.num_experts) + " experts per MoE block (num_local_experts or num_experts): the config "
+         "and the weight files disagree";
+}
+
 // Checks the directory's tensors against the model's (each present with its shape; nothing extra
 // but a tied lm_head equal to the embedding) and sets f's parameters from them, adding each one's
 // bytes to `digest` (CRC32, model order). Throws std::runtime_error naming the file.
@@ -823,8 +837,16 @@ void import_hf(Comm& comm, const std::string& hf_dir, const std::string& out_pat
   // rotary_emb.inv_freq buffer per layer: a header's table is refused past that, before it is stored.
   uint64_t max_tensors = 1 + static_cast<uint64_t>(mc.num_hidden_layers);
   for (const UnitSpec& u : llama_units(mc)) max_tensors += u.params.size();
-  max_tensors += static_cast<uint64_t>(mc.num_moe_layers()) * 3 * static_cast<uint64_t>(mc.num_experts);  // hub parts
-  agree(comm, [&] { read_hf_weight_headers(*hd, max_tensors, files, where); });
+  // The hub's parts, per expert (3 per MoE block), for up to 1024 experts however few config.json
+  // declares: files holding more experts than it says get through the header, to be named below.
+  max_tensors += static_cast<uint64_t>(mc.num_moe_layers()) * 3 * std::max<uint64_t>(mc.num_experts, 1024);
+  agree(comm, [&] {
+    read_hf_weight_headers(*hd, max_tensors, files, where);
+    for (const StFile& sf : files)  // more experts in the files than config.json declares
+      for (const StEntry& e : sf.entries)
+        if (const std::string why = expert_beyond_config(e.name, mc); !why.empty())
+          throw std::runtime_error("Hugging Face directory '" + hf_dir + "' (option '--hf-dir'): " + why);
+  });
   auto be = make_cpu_backend<float>();
   ShardedState<float> f(*be, comm, ShardPlan::build(llama_units(mc), comm.world_size()));
   uint32_t digest = 0;  // CRC32 of every weight this rank read, in model order

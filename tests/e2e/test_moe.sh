@@ -158,8 +158,8 @@ expect_fail v7_claims_dense "attribute 'format_version' is 7 (a mixture-of-exper
   1 --mode inspect "$WORK/dense_claim.h5"
 
 # Import refusals of an MoE directory (every rank, naming the file and the tensor): an expert's part
-# missing, one of the wrong shape, and experts given both fused (transformers 5's in-memory name)
-# and per expert.
+# missing, one of the wrong shape, experts given both fused (transformers 5's in-memory name)
+# and per expert, and a config.json declaring fewer experts than the files hold.
 "$PY" - "$WORK/ref/mixtral" "$WORK" <<'PY' || fail "making the broken MoE directories"
 import shutil, sys, torch
 from safetensors.torch import load_file, save_file
@@ -177,6 +177,9 @@ variant("misshapen", misshape)
 def twice(sd):
     sd["model.layers.2.mlp.experts.gate_up_proj"] = torch.zeros(8, 80, 32)
 variant("twice", twice)
+import json
+shutil.copytree(src, f"{work}/fewer")  # config.json declares 4 experts, the files hold 8
+c = json.load(open(f"{work}/fewer/config.json")); c["num_local_experts"] = 4; json.dump(c, open(f"{work}/fewer/config.json", "w"))
 PY
 expect_fail moe_import_missing "tensor 'model.layers.0.block_sparse_moe.experts.3.w2.weight' is missing (one of the 8 parts of 'model.layers.0.mlp.experts.down_proj' [8, 32, 40])" \
   2 --mode import --hf-dir "$WORK/missing" --out "$WORK/x1.h5"
@@ -184,7 +187,9 @@ expect_fail moe_import_shape "tensor 'model.layers.1.block_sparse_moe.experts.5.
   2 --mode import --hf-dir "$WORK/misshapen" --out "$WORK/x2.h5"
 expect_fail moe_import_twice "tensor 'model.layers.2.mlp.experts.gate_up_proj' is given twice: whole, and in parts ('model.layers.2.block_sparse_moe.experts.0.w1.weight', ...)" \
   2 --mode import --hf-dir "$WORK/twice" --out "$WORK/x3.h5"
-for x in x1 x2 x3; do [ ! -e "$WORK/$x.h5" ] || fail "a refused import left '$x.h5'"; done
+expect_fail moe_import_fewer "but config.json declares 4 experts per MoE block (num_local_experts or num_experts): the config and the weight files disagree" \
+  2 --mode import --hf-dir "$WORK/fewer" --out "$WORK/x4.h5"
+for x in x1 x2 x3 x4; do [ ! -e "$WORK/$x.h5" ] || fail "a refused import left '$x.h5'"; done
 
 # From helper-23's findings: a mesh record without ep or with a key version 7 does not have; the
 # load-balancing loss's weight changed for a fine-tune (a training setting, not the architecture);
