@@ -8,13 +8,9 @@ timeout -k 5 120 $MPIRUN -np 2 "$BIN" "${ARGS[@]}" --checkpoint-dir "$WORK/ck" -
   || { cat "$WORK/make.log"; fail "making the checkpoint"; }
 GOOD=$WORK/ck/step_00000002.h5
 variant() { cp "$GOOD" "$WORK/$1.h5"; echo "$WORK/$1.h5"; }
-
-T=$(variant truncated); truncate -s $(($(stat -c %s "$GOOD") / 2)) "$T"
-expect_fail truncated "checkpoint '$T'" 3 "${ARGS[@]}" --resume "$T"
-grep -q "truncated\|damaged\|cannot open" "$WORK/truncated.log" || fail "truncated: message does not say the file is damaged"
-
-F=$(variant flipped)
-"$PY" - "$F" <<'PY'
+# flip FILE: four bytes in the middle of dataset units/model.layers.1/adam_v flipped (its CRC32 fails).
+flip() {
+  "$PY" - "$1" <<'PY'
 import sys, h5py
 path = sys.argv[1]
 with h5py.File(path, "r") as f:
@@ -23,6 +19,14 @@ with h5py.File(path, "r") as f:
 with open(path, "r+b") as fh:
     fh.seek(off); b = bytearray(fh.read(4)); fh.seek(off); fh.write(bytes(x ^ 0x5A for x in b))
 PY
+}
+
+T=$(variant truncated); truncate -s $(($(stat -c %s "$GOOD") / 2)) "$T"
+expect_fail truncated "checkpoint '$T'" 3 "${ARGS[@]}" --resume "$T"
+grep -q "truncated\|damaged\|cannot open" "$WORK/truncated.log" || fail "truncated: message does not say the file is damaged"
+
+F=$(variant flipped)
+flip "$F"
 expect_fail flipped_bytes "dataset 'units/model.layers.1/adam_v'" 3 "${ARGS[@]}" --resume "$F"
 grep -q "fails its CRC32 check" "$WORK/flipped_bytes.log" || fail "flipped bytes: no CRC32 message"
 
@@ -30,15 +34,7 @@ grep -q "fails its CRC32 check" "$WORK/flipped_bytes.log" || fail "flipped bytes
 # saved steps 2 and 4, step 4's bytes flipped as above).
 timeout -k 5 120 $MPIRUN -np 2 "$BIN" "${ARGS[@]}" --checkpoint-dir "$WORK/ck2" --checkpoint-every 2 >"$WORK/ck2.log" 2>&1 \
   || { cat "$WORK/ck2.log"; fail "making checkpoints 2 and 4"; }
-"$PY" - "$WORK/ck2/step_00000004.h5" <<'PY'
-import sys, h5py
-path = sys.argv[1]
-with h5py.File(path, "r") as f:
-    d = f["units/model.layers.1/adam_v"]
-    off = d.id.get_offset() + 4 * (d.shape[0] // 2)
-with open(path, "r+b") as fh:
-    fh.seek(off); b = bytearray(fh.read(4)); fh.seek(off); fh.write(bytes(x ^ 0x5A for x in b))
-PY
+flip "$WORK/ck2/step_00000004.h5"
 expect_fail damaged_latest "the checkpoint before it is '$WORK/ck2/step_00000002.h5': pass it to '--resume' to continue from there ('latest' still names the unreadable one)" 2 "${ARGS[@]}" --checkpoint-dir "$WORK/ck2" --resume auto
 grep -q "fails its CRC32 check" "$WORK/damaged_latest.log" || fail "damaged latest: no CRC32 message"
 timeout -k 5 120 $MPIRUN -np 2 "$BIN" "${ARGS[@]}" --checkpoint-dir "$WORK/ck2" --resume "$WORK/ck2/step_00000002.h5" \
