@@ -379,7 +379,8 @@ std::string device_memory_fits(const MemoryPlanInput& in, const std::string& siz
     m.train.micro_batch = 1;
     const int mb = largest_fitting_micro_batch(m, static_cast<int64_t>(dev));
     char b[64];
-    const double need = static_cast<double>(plan_memory(m).total());
+    const MemoryPlan p1 = plan_memory(m);  // micro-batch 1
+    const double need = static_cast<double>(p1.total());
     if (need >= (1 << 30)) std::snprintf(b, sizeof b, "%.1f GiB", need / (1 << 30));
     else std::snprintf(b, sizeof b, "%.1f MiB", need / (1 << 20));
     os << "\n  --activation-checkpointing " << recompute_name(r) << ": "
@@ -387,16 +388,14 @@ std::string device_memory_fits(const MemoryPlanInput& in, const std::string& siz
                   : std::string("does not fit (micro-batch 1 needs ") + b + ")");
     // Expert parallelism: the expert rows grow with the routing's imbalance (dropless), up to the
     // plan's worst case; what fits when every slot of the EP group lands on one rank's experts.
-    if (mb > 0 && plan_memory(m).worst_extra > 0) {
+    if (mb > 0 && p1.worst_extra > 0) {
       int worst = 0;
       for (int k = 1; k <= mb; ++k) {
         m.train.micro_batch = k;
-        const MemoryPlan p = plan_memory(m);
+        const MemoryPlan p = k == 1 ? p1 : plan_memory(m);
         if (p.total() + p.worst_extra > static_cast<int64_t>(dev)) break;
         worst = k;
       }
-      m.train.micro_batch = 1;
-      const MemoryPlan p1 = plan_memory(m);
       std::snprintf(b, sizeof b, "%.1f GiB", static_cast<double>(p1.total() + p1.worst_extra) / (1 << 30));
       os << (worst > 0 ? " (up to " + std::to_string(worst) + " at the worst routing imbalance)"
                        : std::string(" (at the worst routing imbalance none: micro-batch 1 needs ") + b +

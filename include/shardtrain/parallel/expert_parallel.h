@@ -17,9 +17,10 @@ namespace shardtrain {
 
 // Accumulated since construction. issued_s: each all-to-all's time in flight, from its start to
 // its completion (as a progress poll saw it, else the wait's return; as CP's and PP's);
-// exposed_s: the time the compute thread waited in wait(). The counts exchange is blocking: its time is in both. bytes: the rows this rank sends
-// to other ranks (its own block never travels), dispatch and combine, forward and backward; the
-// counts exchange (E int64 per rank per MoE block) is counted in calls and seconds, not in bytes.
+// exposed_s: the time the compute thread waited in wait(). The counts exchange is blocking: its
+// time is in both. bytes: the rows this rank sends to other ranks (its own block never travels),
+// dispatch and combine, forward and backward; the counts exchange (E int64 per rank per MoE
+// block) is counted in calls and seconds, not in bytes.
 struct EpCommStats {
   double issued_s = 0;
   double exposed_s = 0;
