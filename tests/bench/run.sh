@@ -23,6 +23,8 @@
 #    torch.distributed.pipelining (tests/bench/peer_torch_pp.py); gemm-pp2-vs-fsdp2, shardtrain --pp 2
 #    against its own FSDP 2 on the GEMM-bound config (tokens/s, fsdp_bytes, pp_bytes).
 #    BENCH_BASELINE=BIN adds another shardtrain binary (e.g. an earlier commit's) to every round.
+#    BENCH_BLAS_ENV=cpu drops an inherited OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE from these runs (the
+#    peer's MKL ignores them; throughput.py's BLAS_ENV says why).
 # 3. Checkpoint save/load timing; then asynchronous against synchronous saves of a ~99M-parameter model at
 #    2 ranks, interleaved, with dd on the same disk (tests/bench/checkpoint.py, about 10 minutes with
 #    the default 2 rounds; build/bench/ckpt-async.md for docs/benchmarks.md; `make bench-checkpoint`
@@ -86,6 +88,7 @@ PEER_FAILED=0
 rm -f "$OUT/peer.md"
 python3 tests/bench/throughput.py --data "$DATA" --bin $BIN --python .venv/bin/python --out "$OUT" \
   --rounds "$ROUNDS" ${BENCH_CASES:+--cases "$BENCH_CASES"} ${BENCH_BASELINE:+--baseline "$BENCH_BASELINE"} \
+  ${BENCH_BLAS_ENV:+--blas-env "$BENCH_BLAS_ENV"} \
   "${QUICK_OPT[@]}" || PEER_FAILED=1
 if [ -f "$OUT/peer.md" ]; then echo "--- $OUT/peer.md:"; cat "$OUT/peer.md"; fi
 

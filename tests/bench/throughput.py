@@ -2,7 +2,7 @@
 
 Usage: python3 tests/bench/throughput.py --data TOKENS [--bin build/shardtrain]
            [--python .venv/bin/python] [--out build/bench] [--rounds 2] [--cases a,b] [--quick]
-           [--baseline OTHER_SHARDTRAIN]
+           [--baseline OTHER_SHARDTRAIN] [--blas-env inherit|cpu]
            [--programs shardtrain,baseline,torch-eager,torch-compile,torch-tp,shardtrain-ref]
 
 Cases (issue 12): the same model config.json, token file, global batch, schedule, AdamW settings
@@ -260,7 +260,8 @@ def run_one(a, case_name, case, program, rnd):
         lf.write("$ " + " ".join(full) + "\n")
         if program in a.run_bin:
             lf.write(f"# {a.run_bin[program]} -> {os.readlink(a.run_bin[program])}\n")
-        p = subprocess.Popen(full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        p = subprocess.Popen(full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                             env=run_env(a))
         for line in p.stdout:
             lf.write(line)
             for step in (w0, last):
@@ -416,6 +417,30 @@ print(f"PyTorch {torch.__version__} (BLAS {blas}, CPU capability {cap.group(1) i
 """
 
 
+# OpenBLAS's kernel choice read from the environment (architecture.md, "BLAS"): shardtrain honours
+# them; the PyTorch peer's MKL never reads them. A machine's environment that sets them below what
+# the CPU runs (a CI image's OPENBLAS_CORETYPE=Haswell on an AVX-512 CPU) measures shardtrain's
+# GEMMs at an older instruction set than the peer's: --blas-env cpu drops them from every run, so
+# that each program picks its kernels from the CPU, as on a machine where they are unset.
+BLAS_ENV = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+
+
+def run_env(a):
+    return {k: v for k, v in os.environ.items() if a.blas_env == "inherit" or k not in BLAS_ENV}
+
+
+def blas_env_note(a):
+    """One sentence: which of BLAS_ENV the runs had, and from where."""
+    have = [f"{k}={os.environ[k]}" for k in BLAS_ENV if k in os.environ]
+    if not have:
+        return "OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE unset (each program picks its kernels from the CPU)"
+    if a.blas_env == "cpu":
+        return (f"the environment's {', '.join(have)} dropped from every run (`--blas-env cpu`: each program "
+                "picks its kernels from the CPU)")
+    return (f"{', '.join(have)} inherited from the environment (`--blas-env inherit`): shardtrain's OpenBLAS "
+            "uses them, the peer's MKL ignores them")
+
+
 def environment(a, results):
     def sh(cmd):
         try:
@@ -441,6 +466,7 @@ def environment(a, results):
         except (OSError, AttributeError):
             blas = "unknown (libopenblas.so.0 not loadable)"
     env["shardtrain_blas"] = blas
+    env["blas_env"] = blas_env_note(a)
     try:
         env["torch"] = subprocess.run([a.python, "-c", TORCH_INFO], capture_output=True, text=True,
                                       timeout=300).stdout.strip()
@@ -455,7 +481,7 @@ def markdown(a, results, env):
          f"`make bench` part 2 (`tests/bench/throughput.py`){' — QUICK SMOKE RUN, NOT A BENCHMARK' if a.quick else ''}: "
          f"{a.rounds} round(s), programs interleaved in each round. Machine: {env['cpu']}, {env['cores']} cores "
          f"(`lscpu`, `nproc`); {env['mpirun']}.",
-         f"shardtrain's BLAS: {env['shardtrain_blas']}.",
+         f"shardtrain's BLAS: {env['shardtrain_blas']}; {env['blas_env']}.",
          f"Peer: `tests/bench/peer_torch.py`, {env['torch']}; FSDP2 (`fully_shard` per decoder layer and on the "
          "model), gloo, same config.json, data, batches, initial weights, schedule and AdamW settings; "
          "tp2-2x1: shardtrain `--tp 2` against the peer's `--tp 2` (torch-tp: `parallelize_module`, torchtitan's "
@@ -540,6 +566,9 @@ def main():
     p.add_argument("--baseline", default="", help="another shardtrain binary, run as program 'baseline'")
     p.add_argument("--programs", default="", help="comma-separated, in round order; default: shardtrain[,baseline],"
                    + ",".join(PROGRAMS[1:]))
+    p.add_argument("--blas-env", choices=["inherit", "cpu"], default="inherit",
+                   help="inherit: runs see the environment's OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE; cpu: both dropped, "
+                   "each program picks its BLAS kernels from the CPU (see BLAS_ENV)")
     a = p.parse_args()
     a.programs = [x for x in (a.programs or ",".join(PROGRAMS[:1] + (["baseline"] if a.baseline else []) + PROGRAMS[1:])).split(",") if x]
     for x in a.programs:
@@ -564,6 +593,7 @@ def main():
     if any(CASES[c].get("data") == "short-docs" for c in a.cases):
         write_short_docs(a.short_docs)
     a.run_bin = equal_length_paths(a)
+    print(f"BLAS environment: {blas_env_note(a)}", flush=True)
     results = []
     for cn in a.cases:
         for rnd in range(1, a.rounds + 1):
