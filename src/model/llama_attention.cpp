@@ -126,16 +126,12 @@ template <typename T> void LlamaModel<T>::set_layout(Context& ctx, const TokenLa
   }
 }
 
-template <typename T> void LlamaModel<T>::rope(const Context& ctx, T* x, int H, bool backward) {
+// RoPE on this block's queries and keys (or their gradients), at positions 0 .. T-1 of each
+// sequence or at the context's per-token positions: one backend call for both.
+template <typename T> void LlamaModel<T>::rope_qk(const Context& ctx, T* q, T* k, bool backward) {
   const LlamaDims& d = d_;
-  if (!ctx.use_pos_) {
-    if (backward) be_.rope_backward(x, cos_.data(), sin_.data(), d.B, d.T_, H, d.HD);
-    else be_.rope_forward(x, cos_.data(), sin_.data(), d.B, d.T_, H, d.HD);
-  } else if (backward) {
-    be_.rope_backward_at(x, cos_.data(), sin_.data(), ctx.pos_.data(), d.BT, H, d.HD);
-  } else {
-    be_.rope_forward_at(x, cos_.data(), sin_.data(), ctx.pos_.data(), d.BT, H, d.HD);
-  }
+  be_.rope_qk(q, d.NH, k, d.NKV, cos_.data(), sin_.data(), ctx.use_pos_ ? ctx.pos_.data() : nullptr, d.B, d.T_, d.HD,
+              backward);
 }
 
 // Qwen3's q/k norm: the same RMSNorm kernels over BT*H rows of HD values (each head of each token).
@@ -205,7 +201,7 @@ void LlamaModel<T>::attend_backward(const Context& ctx, const Layer& a, const T*
 #define ST_LLAMA_ATTENTION(T) \
   template void LlamaModel<T>::check_layout(const TokenLayout&, int, int) const; \
   template void LlamaModel<T>::set_layout(Context&, const TokenLayout&); \
-  template void LlamaModel<T>::rope(const Context&, T*, int, bool); \
+  template void LlamaModel<T>::rope_qk(const Context&, T*, T*, bool); \
   template void LlamaModel<T>::head_norm(T*, T*, const T*, const T*, int); \
   template void LlamaModel<T>::head_norm_backward(T*, T*, const T*, const T*, const T*, int); \
   template void LlamaModel<T>::attend(const Context&, Layer&, T*); \

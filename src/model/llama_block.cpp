@@ -84,8 +84,7 @@ void LlamaModel<T>::block_forward(UnitSource<T>& f, const Context& ctx, int l, c
     head_norm(a.q.data(), a.rq.data(), a.qp.data(), w + off_.qn, d.NH);
     head_norm(a.k.data(), a.rk.data(), a.kp.data(), w + off_.kn, d.NKV);
   }
-  rope(ctx, a.q.data(), d.NH, false);
-  rope(ctx, a.k.data(), d.NKV, false);
+  rope_qk(ctx, a.q.data(), a.k.data(), false);
   attend(ctx, a, att);
   row_parallel_residual(a.y.data(), d.Q, w + off_.o, x, a.x1.data());
   // MLP sub-block: x_next = x1 + down(silu(gate(n)) * up(n)), n = rmsnorm(x1).
@@ -171,8 +170,7 @@ void LlamaModel<T>::block_backward(UnitSource<T>& f, Context& ctx, int l, const 
   linear(be_, kDIn, d.BT, d.C, d.Q, dr, w + off_.o, dy_.data(), false);
   if (!keep) linear(be_, kDW, d.BT, d.C, d.Q, dr, a.y.data(), gw + off_.o, true);
   attend_backward(ctx, a, att, dq, dk, dv);
-  rope(ctx, dq, d.NH, true);
-  rope(ctx, dk, d.NKV, true);
+  rope_qk(ctx, dq, dk, true);
   if (off_.qn >= 0) {  // d(q), d(k) before the per-head norm; its weight gradients after the others'
     head_norm_backward(dq, keep ? keep->dnorm.data() + 2 * d.C : gw + off_.qn, a.qp.data(), w + off_.qn, a.rq.data(),
                        d.NH);

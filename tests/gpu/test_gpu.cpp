@@ -16,7 +16,8 @@
 //     stride 0 on B, stride 0 on A, padded strides, both transposed;
 //   axpy, scale, sum_squares (including > 1024 blocks); embedding forward (bitwise) and backward
 //     (repeated ids; a token repeated 2200 times: one long run of the sorted positions);
-//   rmsnorm forward (out, rstd) and backward (+= into non-zero dx, dw); rope forward/backward with
+//   rmsnorm forward (out, rstd) and backward (+= into non-zero dx, dw), row lengths that take the
+//     16-byte packs and lengths that do not; rope forward/backward with
 //     rope_tables; causal softmax forward/backward with rows of 1..300 (longer than a block) and
 //     more rows than a grid (exact zeros above the diagonal); flash attention forward (y, lse) and
 //     backward (dq, dk, dv) with GQA, MQA, T not a multiple of the tile, head dims 24, 64, 128
@@ -26,7 +27,9 @@
 //     (block_attention_run.h: random-size blocks, all pairs merged, backward accumulated; with and
 //     without documents; y, lse, dq, dk, dv within the flash tolerances, skipped tile pairs equal),
 //     the exact path's document mask, RoPE at positions (bitwise the device's whole-sequence rows);
-//     swiglu forward/backward; the mixture-of-experts kernels (routing and its backward, the
+//     rope_qk (queries and keys in one launch: bitwise the two calls, with and without positions);
+//     swiglu forward/backward (16-byte packs with a tail, and one element off alignment: the scalar
+//     kernel); the mixture-of-experts kernels (routing and its backward, the
 //     probability sums, gather, combine and its backward);
 //   cross_entropy for V = 50257, 260 and 7 (66000 rows; every fifth row without a target, kNoTarget:
 //     no loss, a zero gradient row), with dlogits == nullptr, a separate
@@ -744,7 +747,9 @@ template <typename T> void check_embedding_backward() {
 }
 
 struct NormCase { int N, C; };
-const NormCase kNormCases[] = {{64, 700}, {66000, 16}, {5, 1}};  // C > block; more rows than a grid; C = 1
+// C > block; more rows than a grid; C = 1; C a multiple of 8 (both types' 16-byte packs: 700 is of
+// 4 only, so bf16 takes the scalar kernel there), and one of more packs than a block's threads.
+const NormCase kNormCases[] = {{64, 700}, {66000, 16}, {5, 1}, {33, 1024}, {9, 4104}};
 
 template <typename T> void check_rmsnorm_forward() {
   using S = st::math::Acc<T>;
@@ -847,6 +852,64 @@ template <typename T> void check_rope() {
                        " T=" + std::to_string(c.T_) + " H=" + std::to_string(c.H) + " HD=" + std::to_string(c.HD),
                    got, want, mag, 2);
     }
+  }
+}
+
+// rope_qk (queries and keys in one launch) against the two calls it replaces on the same backend,
+// bitwise: without positions (rope_forward / rope_backward) and at positions (rope_*_at, a sequence
+// whose positions restart at 7), with 16-byte packs (HD 64, 128) and the scalar kernel (HD 10, and
+// q one element past a 16-byte boundary); and against the CPU's rope_qk (the two calls there).
+template <typename T> void check_rope_qk() {
+  std::mt19937 g(5002);
+  struct Case { int B, T_, Hq, Hk, HD, off; };
+  for (const Case& c : {Case{2, 50, 8, 2, 64, 0}, Case{1, 33, 4, 4, 128, 0}, Case{3, 17, 3, 1, 10, 0},
+                        Case{2, 20, 4, 2, 64, 1}}) {
+    std::vector<float> cs, sn;
+    st::rope_tables(cs, sn, c.T_, st::rope_inv_freqs(rope_test_config(c.HD, 10000.0)));
+    std::vector<T> ct(cs.size()), stt(sn.size());
+    for (size_t i = 0; i < cs.size(); ++i) ct[i] = cast<T>(cs[i]), stt[i] = cast<T>(sn[i]);
+    const int N = c.B * c.T_;
+    const size_t nq = static_cast<size_t>(N) * c.Hq * c.HD, nk = static_cast<size_t>(N) * c.Hk * c.HD;
+    std::vector<int32_t> pos(static_cast<size_t>(N));
+    for (int i = 0; i < N; ++i) pos[static_cast<size_t>(i)] = i < 7 ? i : (i - 7) % c.T_;
+    for (bool at : {false, true})
+      for (bool backward : {false, true}) {
+        const std::vector<T> q = randn<T>(nq + 1, g), k = randn<T>(nk, g);
+        auto run = [&](st::Backend<T>& be, bool fused) {
+          st::Buffer<T> bq = upload(be, q), bk = upload(be, k), bc = upload(be, ct), bs = upload(be, stt);
+          st::IdBuffer<T> bp(be, pos.size());
+          be.ids_from_host(bp.data(), pos.data(), pos.size());
+          T* qd = bq.data() + c.off;
+          const int32_t* p = at ? bp.data() : nullptr;
+          if (fused) be.rope_qk(qd, c.Hq, bk.data(), c.Hk, bc.data(), bs.data(), p, c.B, c.T_, c.HD, backward);
+          else
+            for (auto [x, H] : {std::pair<T*, int>{qd, c.Hq}, std::pair<T*, int>{bk.data(), c.Hk}}) {
+              if (at && backward) be.rope_backward_at(x, bc.data(), bs.data(), p, N, H, c.HD);
+              else if (at) be.rope_forward_at(x, bc.data(), bs.data(), p, N, H, c.HD);
+              else if (backward) be.rope_backward(x, bc.data(), bs.data(), c.B, c.T_, H, c.HD);
+              else be.rope_forward(x, bc.data(), bs.data(), c.B, c.T_, H, c.HD);
+            }
+          std::vector<T> out = download(be, qd, nq), kk = download(be, bk.data(), nk);
+          out.insert(out.end(), kk.begin(), kk.end());
+          return out;
+        };
+        const std::string what = std::string("rope_qk ") + (backward ? "backward" : "forward") +
+                                 (at ? " at positions" : "") + " B=" + std::to_string(c.B) + " T=" +
+                                 std::to_string(c.T_) + " Hq=" + std::to_string(c.Hq) + " Hk=" + std::to_string(c.Hk) +
+                                 " HD=" + std::to_string(c.HD) + " offset " + std::to_string(c.off);
+        const std::vector<T> got = run(dev<T>(), true);
+        expect_bitwise(what + ": one launch vs the two calls", got, run(dev<T>(), false));
+        // Each rotated value is x1 c - x2 s or x2 c + x1 s: |x1| + |x2| of its pair bounds its terms.
+        std::vector<T> in(q.begin() + c.off, q.begin() + c.off + static_cast<std::ptrdiff_t>(nq));
+        in.insert(in.end(), k.begin(), k.end());
+        std::vector<double> mag(in.size());
+        const size_t half = static_cast<size_t>(c.HD / 2);
+        for (size_t i = 0; i < in.size(); ++i) {
+          const size_t j = i % static_cast<size_t>(c.HD), partner = j < half ? i + half : i - half;
+          mag[i] = std::fabs(val(in[i])) + std::fabs(val(in[partner]));
+        }
+        expect_close(what + ": vs the CPU", got, run(cpu<T>(), true), mag, 2);
+      }
   }
 }
 
@@ -1025,21 +1088,29 @@ template <typename T> void check_swiglu() {
   std::mt19937 g(7001);
   const size_t n = 100003;
   const std::vector<T> gate = randn<T>(n, g, 3.0), up = randn<T>(n, g), dh = randn<T>(n, g);
-  auto run = [&](st::Backend<T>& be) {
-    st::Buffer<T> dg = upload(be, gate), du = upload(be, up), ddh = upload(be, dh), h(be, n), dgate(be, n), dup(be, n);
-    be.swiglu_forward(h.data(), dg.data(), du.data(), n);
-    be.swiglu_backward(dgate.data(), dup.data(), ddh.data(), dg.data(), du.data(), n);
-    return std::make_tuple(download(be, h.data(), n), download(be, dgate.data(), n), download(be, dup.data(), n));
-  };
-  const auto got = run(dev<T>()), want = run(cpu<T>());
-  std::vector<double> mag(n);  // dgate = dh up (s + g s (1 - s)): the sum can cancel
-  for (size_t i = 0; i < n; ++i) {
-    const double gv = val(gate[i]), s = 1.0 / (1.0 + std::exp(-gv));
-    mag[i] = std::fabs(val(dh[i]) * val(up[i])) * (s + std::fabs(gv) * s * (1 - s));
+  // off 0: 16-byte packs and a tail of 3 (float) or 3 (bf16); off 1: every pointer one element
+  // past a 16-byte boundary, the scalar kernel (cuda_common.cuh, "16-byte vector access").
+  for (size_t off : {size_t{0}, size_t{1}}) {
+    const size_t m = n - off;
+    auto run = [&](st::Backend<T>& be) {
+      st::Buffer<T> dg = upload(be, gate), du = upload(be, up), ddh = upload(be, dh), h(be, n), dgate(be, n),
+                    dup(be, n);
+      be.swiglu_forward(h.data() + off, dg.data() + off, du.data() + off, m);
+      be.swiglu_backward(dgate.data() + off, dup.data() + off, ddh.data() + off, dg.data() + off, du.data() + off, m);
+      auto tail = [&](const T* p) { return download(be, p + off, m); };
+      return std::make_tuple(tail(h.data()), tail(dgate.data()), tail(dup.data()));
+    };
+    const auto got = run(dev<T>()), want = run(cpu<T>());
+    std::vector<double> mag(m);  // dgate = dh up (s + g s (1 - s)): the sum can cancel
+    for (size_t i = 0; i < m; ++i) {
+      const double gv = val(gate[i + off]), s = 1.0 / (1.0 + std::exp(-gv));
+      mag[i] = std::fabs(val(dh[i + off]) * val(up[i + off])) * (s + std::fabs(gv) * s * (1 - s));
+    }
+    const std::string at = " (offset " + std::to_string(off) + ")";
+    expect_close("swiglu_forward" + at, std::get<0>(got), std::get<0>(want), {}, 1);
+    expect_close("swiglu_backward dgate" + at, std::get<1>(got), std::get<1>(want), mag, 2);
+    expect_close("swiglu_backward dup" + at, std::get<2>(got), std::get<2>(want), {}, 1);
   }
-  expect_close("swiglu_forward", std::get<0>(got), std::get<0>(want), {}, 1);
-  expect_close("swiglu_backward dgate", std::get<1>(got), std::get<1>(want), mag, 2);
-  expect_close("swiglu_backward dup", std::get<2>(got), std::get<2>(want), {}, 1);
 }
 
 // Mixture-of-experts kernels (moe_math.h): routing (E 16, top 4, with and without
@@ -1966,6 +2037,7 @@ GPU_TEST_BOTH(EmbeddingBackward, check_embedding_backward)
 GPU_TEST_BOTH(RmsNormForward, check_rmsnorm_forward)
 GPU_TEST_BOTH(RmsNormBackward, check_rmsnorm_backward)
 GPU_TEST_BOTH(Rope, check_rope)
+GPU_TEST_BOTH(RopeQk, check_rope_qk)
 GPU_TEST_BOTH(SoftmaxCausal, check_softmax)
 GPU_TEST_BOTH(FlashAttention, check_flash_attention)
 GPU_TEST_BOTH(BlockAttention, check_block_attention)

@@ -26,6 +26,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <initializer_list>
 #include <memory>
 #include <new>
 #include <utility>
@@ -172,6 +173,20 @@ template <typename T> class Backend {
   virtual void rope_forward_at(T* x, const T* cos, const T* sin, const int32_t* pos, int N, int H, int HD) = 0;
   // In place: turns d(rotated x) into d(x), rows as rope_forward_at.
   virtual void rope_backward_at(T* dx, const T* cos, const T* sin, const int32_t* pos, int N, int H, int HD) = 0;
+
+  // RoPE on the queries q [B*T, Hq, HD] and the keys k [B*T, Hk, HD] of the same rows in one call:
+  // each exactly (bitwise) as rope_forward / rope_backward (pos == nullptr) or rope_forward_at /
+  // rope_backward_at (pos [B*T], backend memory) on it. The default makes those two calls; the CUDA
+  // backend rotates both in one launch.
+  virtual void rope_qk(T* q, int Hq, T* k, int Hk, const T* cos, const T* sin, const int32_t* pos, int B, int T_,
+                       int HD, bool backward) {
+    for (auto [x, H] : {std::pair<T*, int>{q, Hq}, std::pair<T*, int>{k, Hk}}) {
+      if (pos && backward) rope_backward_at(x, cos, sin, pos, B * T_, H, HD);
+      else if (pos) rope_forward_at(x, cos, sin, pos, B * T_, H, HD);
+      else if (backward) rope_backward(x, cos, sin, B, T_, H, HD);
+      else rope_forward(x, cos, sin, B, T_, H, HD);
+    }
+  }
 
   // Causal softmax in place over `rows` = R*T_ rows of length T_ (R score matrices [T_, T_]):
   // att[t, s] = softmax_s(scale * att[t, s]) over s <= t; att[t, s] = 0 for s > t.

@@ -730,8 +730,9 @@ template <typename T> class LlamaModel {
   // use_doc_ only where it changes something).
   void check_layout(const TokenLayout& lay, int B, int T_) const;
   void set_layout(Context& ctx, const TokenLayout& lay);
-  // RoPE (forward or backward) of x [BT, H, HD] at ctx's positions.
-  void rope(const Context& ctx, T* x, int H, bool backward);
+  // RoPE (forward or backward) of the queries q [BT, NH, HD] and keys k [BT, NKV, HD] at ctx's
+  // positions: one Backend::rope_qk call.
+  void rope_qk(const Context& ctx, T* q, T* k, bool backward);
   // q/k norm (qk_norm): raw [BT, H*HD] -> out, RMSNorm of each head's HD values with weight wn, its
   // rstd [BT*H] into rstd; backward: d(out) in d (in place) becomes d(raw), d(wn) added into dwn.
   void head_norm(T* out, T* rstd, const T* raw, const T* wn, int H);

@@ -101,6 +101,8 @@ template <typename T> class CudaBackend final : public Backend<T> {
   void rope_backward(T* dx, const T* cos, const T* sin, int B, int T_, int H, int HD) override;
   void rope_forward_at(T* x, const T* cos, const T* sin, const int32_t* pos, int N, int H, int HD) override;
   void rope_backward_at(T* dx, const T* cos, const T* sin, const int32_t* pos, int N, int H, int HD) override;
+  void rope_qk(T* q, int Hq, T* k, int Hk, const T* cos, const T* sin, const int32_t* pos, int B, int T_, int HD,
+               bool backward) override;
   void swiglu_forward(T* h, const T* gate, const T* up, size_t n) override;
   void swiglu_backward(T* dgate, T* dup, const T* dh, const T* gate, const T* up, size_t n) override;
 

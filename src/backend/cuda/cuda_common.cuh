@@ -23,6 +23,8 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
+#include <initializer_list>
 #include <new>
 #include <stdexcept>
 #include <string>
@@ -66,7 +68,25 @@ inline unsigned grid_for(size_t n, int block) {
   size_t g = (n + static_cast<size_t>(block) - 1) / static_cast<size_t>(block);
   return static_cast<unsigned>(std::min<size_t>(std::max<size_t>(g, 1), kMaxGrid));
 }
+// Threads per row of a row kernel that takes V elements per load: one pack each, up to kBlock
+// (a multiple of 32, as block_reduce needs).
+inline int row_threads(int C, int V) { return std::min(kBlock, std::max(32, (C / V + 31) / 32 * 32)); }
 inline unsigned grid_rows(size_t rows) { return static_cast<unsigned>(std::min<size_t>(std::max<size_t>(rows, 1), kMaxGrid)); }
+
+// ---- 16-byte vector access ----------------------------------------------------------------------
+// The memory-bound kernels move V = 16 / sizeof(T) elements per load and store (4 floats or 8 bf16:
+// one 128-bit instruction; 2-byte loads per thread reach about a quarter of a device copy's
+// bandwidth, docs/benchmarks.md "GPU, 2026-12-04"). A kernel templated on V runs packs of V
+// elements, then the tail (< V elements) one by one; V = 1 is the scalar kernel. The host takes
+// V = kVec<T> only when every pointer the kernel vectorizes is 16-byte aligned (vec_ok), and row
+// kernels also need V to divide the row length; otherwise V = 1, so any offset into a buffer works.
+template <typename T> constexpr int kVec = static_cast<int>(16 / sizeof(T));
+
+inline bool vec_ok(std::initializer_list<const void*> ps) {
+  for (const void* p : ps)
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+  return true;
+}
 
 // cuBLAS's name of storage type T.
 template <typename T> constexpr cudaDataType_t cuda_type() {
@@ -86,6 +106,18 @@ namespace {  // device code: each translation unit its own copy (no -rdc)
 
 __device__ __forceinline__ size_t gtid() { return static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; }
 __device__ __forceinline__ size_t gstride() { return static_cast<size_t>(gridDim.x) * blockDim.x; }
+
+// V elements of T, aligned to min(16, V sizeof(T)) bytes: ld_pack / st_pack are one 128-bit access
+// when V sizeof(T) = 16 (two when a V-float pack of a bf16 kernel is 32 bytes).
+template <typename T, int V> struct alignas(sizeof(T) * V < 16 ? sizeof(T) * V : 16) Pack {
+  T v[V];
+};
+template <int V, typename T> __device__ __forceinline__ Pack<T, V> ld_pack(const T* p) {
+  return *reinterpret_cast<const Pack<T, V>*>(p);
+}
+template <int V, typename T> __device__ __forceinline__ void st_pack(T* p, const Pack<T, V>& x) {
+  *reinterpret_cast<Pack<T, V>*>(p) = x;
+}
 
 // ---- block reductions -------------------------------------------------------------------------
 // blockDim.x must be a multiple of 32 (all our launches are). Every thread gets the result; the

@@ -25,12 +25,30 @@ template <typename T> __global__ void scale_matrix_kernel(T* C, int M, int N, in
   }
 }
 
-template <typename T> __global__ void from_f32_kernel(T* dst, const float* src, size_t n) {
-  for (size_t i = gtid(); i < n; i += gstride()) dst[i] = math::st<T>(src[i]);
+// V elements per step where the pointers allow (cuda_common.cuh, "16-byte vector access"): V =
+// kVec<T>, so a bf16 step reads 32 bytes of floats (two 16-byte loads) and writes 16.
+template <typename T, int V> __global__ void from_f32_kernel(T* dst, const float* src, size_t n) {
+  const size_t np = n / V;
+  for (size_t p = gtid(); p < np; p += gstride()) {
+    const Pack<float, V> sv = ld_pack<V>(src + p * V);
+    Pack<T, V> dv;
+#pragma unroll
+    for (int k = 0; k < V; ++k) dv.v[k] = math::st<T>(sv.v[k]);
+    st_pack<V>(dst + p * V, dv);
+  }
+  for (size_t i = np * V + gtid(); i < n; i += gstride()) dst[i] = math::st<T>(src[i]);
 }
 
-template <typename T> __global__ void add_to_f32_kernel(float* dst, float alpha, const T* src, size_t n) {
-  for (size_t i = gtid(); i < n; i += gstride()) dst[i] += alpha * math::ld(src[i]);
+template <typename T, int V> __global__ void add_to_f32_kernel(float* dst, float alpha, const T* src, size_t n) {
+  const size_t np = n / V;
+  for (size_t p = gtid(); p < np; p += gstride()) {
+    const Pack<T, V> sv = ld_pack<V>(src + p * V);
+    Pack<float, V> dv = ld_pack<V>(dst + p * V);
+#pragma unroll
+    for (int k = 0; k < V; ++k) dv.v[k] += alpha * math::ld(sv.v[k]);
+    st_pack<V>(dst + p * V, dv);
+  }
+  for (size_t i = np * V + gtid(); i < n; i += gstride()) dst[i] += alpha * math::ld(src[i]);
 }
 
 }  // namespace
@@ -41,13 +59,17 @@ namespace cuda_detail {
 template <typename T>
 void CudaBackend<T>::from_f32(T* dst, const float* src, size_t n) {
   if (!n) return;
-  from_f32_kernel<T><<<grid_for(n, kBlock), kBlock, 0, stream_>>>(dst, src, n);
+  constexpr int V = kVec<T>;
+  if (vec_ok({dst, src})) from_f32_kernel<T, V><<<grid_for(n / V + 1, kBlock), kBlock, 0, stream_>>>(dst, src, n);
+  else from_f32_kernel<T, 1><<<grid_for(n, kBlock), kBlock, 0, stream_>>>(dst, src, n);
   ST_LAUNCHED("from_f32_kernel");
 }
 template <typename T>
 void CudaBackend<T>::add_to_f32(float* dst, float alpha, const T* src, size_t n) {
   if (!n) return;
-  add_to_f32_kernel<T><<<grid_for(n, kBlock), kBlock, 0, stream_>>>(dst, alpha, src, n);
+  constexpr int V = kVec<T>;
+  if (vec_ok({dst, src})) add_to_f32_kernel<T, V><<<grid_for(n / V + 1, kBlock), kBlock, 0, stream_>>>(dst, alpha, src, n);
+  else add_to_f32_kernel<T, 1><<<grid_for(n, kBlock), kBlock, 0, stream_>>>(dst, alpha, src, n);
   ST_LAUNCHED("add_to_f32_kernel");
 }
 

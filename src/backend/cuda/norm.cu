@@ -14,36 +14,59 @@ namespace shardtrain {
 namespace {
 
 // One block per row: out = x * rstd * w, rstd = 1/sqrt(mean(x^2) + eps), sum of squares in float.
-template <typename T>
+// V elements per load (cuda_common.cuh, "16-byte vector access"; V divides C); the second pass
+// reads the row again (from L1/L2).
+template <typename T, int V>
 __global__ void rmsnorm_forward_kernel(T* out, T* rstd, const T* x, const T* w, int N, int C, float eps) {
+  const int P = C / V;
   for (int i = blockIdx.x; i < N; i += gridDim.x) {
     const T* xi = x + static_cast<size_t>(i) * C;
     T* oi = out + static_cast<size_t>(i) * C;
     float ss = 0;
-    for (int c = threadIdx.x; c < C; c += blockDim.x) {
-      float v = math::ld(xi[c]);
-      ss += v * v;
+    for (int p = threadIdx.x; p < P; p += blockDim.x) {
+      const Pack<T, V> xv = ld_pack<V>(xi + p * V);
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        const float v = math::ld(xv.v[k]);
+        ss += v * v;
+      }
     }
     ss = block_reduce(ss, SumOp{});
     const float r = math::rmsnorm_rstd(ss, C, eps);
-    for (int c = threadIdx.x; c < C; c += blockDim.x) oi[c] = math::st<T>(math::ld(xi[c]) * r * math::ld(w[c]));
+    for (int p = threadIdx.x; p < P; p += blockDim.x) {
+      const Pack<T, V> xv = ld_pack<V>(xi + p * V), wv = ld_pack<V>(w + p * V);
+      Pack<T, V> ov;
+#pragma unroll
+      for (int k = 0; k < V; ++k) ov.v[k] = math::st<T>(math::ld(xv.v[k]) * r * math::ld(wv.v[k]));
+      st_pack<V>(oi + p * V, ov);
+    }
     if (threadIdx.x == 0) rstd[i] = math::st<T>(r);
   }
 }
 
-// One block per row: dx += r w dy - x r^3/C sum(w dy x).
-template <typename T>
+// One block per row: dx += r w dy - x r^3/C sum(w dy x). V as rmsnorm_forward_kernel's.
+template <typename T, int V>
 __global__ void rmsnorm_backward_dx_kernel(T* dx, const T* dout, const T* x, const T* w, const T* rstd, int N, int C) {
+  const int P = C / V;
   for (int i = blockIdx.x; i < N; i += gridDim.x) {
     const size_t o = static_cast<size_t>(i) * C;
     const float r = math::ld(rstd[i]);
     float dot = 0;
-    for (int c = threadIdx.x; c < C; c += blockDim.x) dot += math::ld(w[c]) * math::ld(dout[o + c]) * math::ld(x[o + c]);
+    for (int p = threadIdx.x; p < P; p += blockDim.x) {
+      const Pack<T, V> wv = ld_pack<V>(w + p * V), dv = ld_pack<V>(dout + o + p * V), xv = ld_pack<V>(x + o + p * V);
+#pragma unroll
+      for (int k = 0; k < V; ++k) dot += math::ld(wv.v[k]) * math::ld(dv.v[k]) * math::ld(xv.v[k]);
+    }
     dot = block_reduce(dot, SumOp{});
-    const float k = math::rmsnorm_k(dot, r, C);
-    for (int c = threadIdx.x; c < C; c += blockDim.x) {
-      const float wc = math::ld(w[c]), dc = math::ld(dout[o + c]), xc = math::ld(x[o + c]);
-      dx[o + c] = math::st<T>(math::ld(dx[o + c]) + math::rmsnorm_dx(r, wc, dc, k, xc));
+    const float kk = math::rmsnorm_k(dot, r, C);
+    for (int p = threadIdx.x; p < P; p += blockDim.x) {
+      const Pack<T, V> wv = ld_pack<V>(w + p * V), dv = ld_pack<V>(dout + o + p * V), xv = ld_pack<V>(x + o + p * V);
+      Pack<T, V> gv = ld_pack<V>(dx + o + p * V);
+#pragma unroll
+      for (int k = 0; k < V; ++k)
+        gv.v[k] = math::st<T>(math::ld(gv.v[k]) +
+                              math::rmsnorm_dx(r, math::ld(wv.v[k]), math::ld(dv.v[k]), kk, math::ld(xv.v[k])));
+      st_pack<V>(dx + o + p * V, gv);
     }
   }
 }
@@ -81,7 +104,10 @@ namespace cuda_detail {
 template <typename T>
 void CudaBackend<T>::rmsnorm_forward(T* out, T* rstd, const T* x, const T* w, int N, int C, S eps) {
   if (N <= 0 || C <= 0) return;
-  rmsnorm_forward_kernel<T><<<grid_rows(N), kBlock, 0, stream_>>>(out, rstd, x, w, N, C, eps);
+  constexpr int V = kVec<T>;
+  if (C % V == 0 && vec_ok({out, x, w}))
+    rmsnorm_forward_kernel<T, V><<<grid_rows(N), row_threads(C, V), 0, stream_>>>(out, rstd, x, w, N, C, eps);
+  else rmsnorm_forward_kernel<T, 1><<<grid_rows(N), kBlock, 0, stream_>>>(out, rstd, x, w, N, C, eps);
   ST_LAUNCHED("rmsnorm_forward_kernel");
 }
 template <typename T>
@@ -99,7 +125,10 @@ void CudaBackend<T>::rmsnorm_backward(T* dx, T* dw, const T* dout, const T* x, c
   ST_LAUNCHED("rmsnorm_backward_dw_partial_kernel");
   rmsnorm_backward_dw_finish_kernel<T><<<col_blocks, kBlock, 0, stream_>>>(dw, partial, nchunks, C);
   ST_LAUNCHED("rmsnorm_backward_dw_finish_kernel");
-  rmsnorm_backward_dx_kernel<T><<<grid_rows(N), kBlock, 0, stream_>>>(dx, dout, x, w, rstd, N, C);
+  constexpr int V = kVec<T>;
+  if (C % V == 0 && vec_ok({dx, dout, x, w}))
+    rmsnorm_backward_dx_kernel<T, V><<<grid_rows(N), row_threads(C, V), 0, stream_>>>(dx, dout, x, w, rstd, N, C);
+  else rmsnorm_backward_dx_kernel<T, 1><<<grid_rows(N), kBlock, 0, stream_>>>(dx, dout, x, w, rstd, N, C);
   ST_LAUNCHED("rmsnorm_backward_dx_kernel");
 }
 

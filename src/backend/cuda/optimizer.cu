@@ -17,12 +17,28 @@
 namespace shardtrain {
 namespace {
 
-template <typename T> __global__ void axpy_kernel(size_t n, float alpha, const T* x, T* y) {
-  for (size_t i = gtid(); i < n; i += gstride()) y[i] = math::st<T>(math::ld(y[i]) + alpha * math::ld(x[i]));
+// V elements per step where the pointers allow (cuda_common.cuh, "16-byte vector access").
+template <typename T, int V> __global__ void axpy_kernel(size_t n, float alpha, const T* x, T* y) {
+  const size_t np = n / V;
+  for (size_t p = gtid(); p < np; p += gstride()) {
+    const Pack<T, V> xv = ld_pack<V>(x + p * V);
+    Pack<T, V> yv = ld_pack<V>(y + p * V);
+#pragma unroll
+    for (int k = 0; k < V; ++k) yv.v[k] = math::st<T>(math::ld(yv.v[k]) + alpha * math::ld(xv.v[k]));
+    st_pack<V>(y + p * V, yv);
+  }
+  for (size_t i = np * V + gtid(); i < n; i += gstride()) y[i] = math::st<T>(math::ld(y[i]) + alpha * math::ld(x[i]));
 }
 
-template <typename T> __global__ void scale_kernel(size_t n, float alpha, T* x) {
-  for (size_t i = gtid(); i < n; i += gstride()) x[i] = math::st<T>(math::ld(x[i]) * alpha);
+template <typename T, int V> __global__ void scale_kernel(size_t n, float alpha, T* x) {
+  const size_t np = n / V;
+  for (size_t p = gtid(); p < np; p += gstride()) {
+    Pack<T, V> xv = ld_pack<V>(x + p * V);
+#pragma unroll
+    for (int k = 0; k < V; ++k) xv.v[k] = math::st<T>(math::ld(xv.v[k]) * alpha);
+    st_pack<V>(x + p * V, xv);
+  }
+  for (size_t i = np * V + gtid(); i < n; i += gstride()) x[i] = math::st<T>(math::ld(x[i]) * alpha);
 }
 
 // partial[blockIdx.x] = sum of squares (double) of this block's grid-stride share of x.
@@ -36,10 +52,27 @@ template <typename T> __global__ void sum_squares_kernel(const T* x, size_t n, d
   if (threadIdx.x == 0) partial[blockIdx.x] = s;
 }
 
-template <typename T>
+template <typename T, int V>
 __global__ void adamw_kernel(T* p, T* m, T* v, const T* g, size_t n, float lr, float b1, float b2, float eps, float wd,
                              float gs, float bc1, float bc2) {
-  for (size_t i = gtid(); i < n; i += gstride()) {
+  const size_t np = n / V;
+  for (size_t q = gtid(); q < np; q += gstride()) {
+    const size_t i = q * V;
+    Pack<T, V> pp = ld_pack<V>(p + i), mp = ld_pack<V>(m + i), vp = ld_pack<V>(v + i);
+    const Pack<T, V> gp = ld_pack<V>(g + i);
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      float pv = math::ld(pp.v[k]), mv = math::ld(mp.v[k]), vv = math::ld(vp.v[k]);
+      math::adamw(&pv, &mv, &vv, math::ld(gp.v[k]) * gs, lr, b1, b2, eps, wd, bc1, bc2);
+      pp.v[k] = math::st<T>(pv);
+      mp.v[k] = math::st<T>(mv);
+      vp.v[k] = math::st<T>(vv);
+    }
+    st_pack<V>(p + i, pp);
+    st_pack<V>(m + i, mp);
+    st_pack<V>(v + i, vp);
+  }
+  for (size_t i = np * V + gtid(); i < n; i += gstride()) {
     float pv = math::ld(p[i]), mv = math::ld(m[i]), vv = math::ld(v[i]);
     math::adamw(&pv, &mv, &vv, math::ld(g[i]) * gs, lr, b1, b2, eps, wd, bc1, bc2);
     p[i] = math::st<T>(pv);
@@ -55,13 +88,17 @@ namespace cuda_detail {
 template <typename T>
 void CudaBackend<T>::axpy(size_t n, S alpha, const T* x, T* y) {
   if (!n) return;
-  axpy_kernel<T><<<grid_for(n, kBlock), kBlock, 0, stream_>>>(n, alpha, x, y);
+  constexpr int V = kVec<T>;
+  if (vec_ok({x, y})) axpy_kernel<T, V><<<grid_for(n / V + 1, kBlock), kBlock, 0, stream_>>>(n, alpha, x, y);
+  else axpy_kernel<T, 1><<<grid_for(n, kBlock), kBlock, 0, stream_>>>(n, alpha, x, y);
   ST_LAUNCHED("axpy_kernel");
 }
 template <typename T>
 void CudaBackend<T>::scale(size_t n, S alpha, T* x) {
   if (!n) return;
-  scale_kernel<T><<<grid_for(n, kBlock), kBlock, 0, stream_>>>(n, alpha, x);
+  constexpr int V = kVec<T>;
+  if (vec_ok({x})) scale_kernel<T, V><<<grid_for(n / V + 1, kBlock), kBlock, 0, stream_>>>(n, alpha, x);
+  else scale_kernel<T, 1><<<grid_for(n, kBlock), kBlock, 0, stream_>>>(n, alpha, x);
   ST_LAUNCHED("scale_kernel");
 }
 template <typename T>
@@ -106,8 +143,13 @@ void CudaBackend<T>::adamw(T* p, T* m, T* v, const T* g, size_t n, S lr, S b1, S
   // Bias corrections as the CPU backend: pow in double, then rounded to S.
   const S bc1 = S(1) - static_cast<S>(std::pow(static_cast<double>(b1), static_cast<double>(step)));
   const S bc2 = S(1) - static_cast<S>(std::pow(static_cast<double>(b2), static_cast<double>(step)));
-  adamw_kernel<T><<<grid_for(n, kBlock), kBlock, 0, stream_>>>(p, m, v, g, n, lr, b1, b2, eps, wd, grad_scale, bc1,
-                                                               bc2);
+  constexpr int V = kVec<T>;
+  if (vec_ok({p, m, v, g}))
+    adamw_kernel<T, V><<<grid_for(n / V + 1, kBlock), kBlock, 0, stream_>>>(p, m, v, g, n, lr, b1, b2, eps, wd,
+                                                                          grad_scale, bc1, bc2);
+  else
+    adamw_kernel<T, 1><<<grid_for(n, kBlock), kBlock, 0, stream_>>>(p, m, v, g, n, lr, b1, b2, eps, wd, grad_scale,
+                                                                  bc1, bc2);
   ST_LAUNCHED("adamw_kernel");
 }
 
