@@ -136,7 +136,8 @@ deps:
 JOBS ?= $(shell env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo 2)
 build:
 	$(MAKE) --no-print-directory -j$(JOBS) binaries
-binaries: $(BUILD)/shardtrain $(BUILD)/unit_tests $(BUILD)/mpi_tests $(BUILD)/gpu_tests $(BUILD)/attention_bench $(CUDA_PLUGIN)
+binaries: $(BUILD)/shardtrain $(BUILD)/unit_tests $(BUILD)/mpi_tests $(BUILD)/gpu_tests $(BUILD)/attention_bench \
+	$(BUILD)/kernel_bench $(CUDA_PLUGIN)
 
 $(BUILD)/%.o: %.cpp
 	@mkdir -p $(dir $@)
@@ -193,7 +194,7 @@ $(BUILD)/libshardtrain_cuda.so: $(CUDA_OBJS)
 
 # build/shardtrain does not need the plugin to link or to run on the CPU (a CPU run never loads it;
 # `--device auto` without it runs on the CPU): `make build` builds both, `make demo` the plugin only
-# where it is used. gpu_tests and attention_bench, which exist to load it, are built with it beside
+# where it is used. gpu_tests, attention_bench and kernel_bench, which exist to load it, are built with it beside
 # them (order-only: a new plugin needs no relink).
 $(BUILD)/shardtrain: $(BUILD)/src/main.o $(BUILD)/libshardtrain.a
 	$(CXX) $^ -o $@ $(LDLIBS)
@@ -212,6 +213,11 @@ $(BUILD)/gpu_tests: $(GPU_OBJS) $(BUILD)/libshardtrain.a | $(CUDA_PLUGIN)
 # Attention TFLOP/s on a GPU, cuDNN's fused SDPA against the tiled kernels (tests/bench/attention_bench.cpp;
 # tests/gpu/run.sh stage 5d). Without a GPU it says so and exits 0.
 $(BUILD)/attention_bench: $(BUILD)/tests/bench/attention_bench.o $(BUILD)/libshardtrain.a | $(CUDA_PLUGIN)
+	$(CXX) $^ -o $@ $(LDLIBS)
+
+# The memory-bound kernels' bandwidth against a device copy of the same bytes (tests/bench/kernel_bench.cpp;
+# tests/gpu/run.sh stage 5e). Without a GPU it says so and exits 0.
+$(BUILD)/kernel_bench: $(BUILD)/tests/bench/kernel_bench.o $(BUILD)/libshardtrain.a | $(CUDA_PLUGIN)
 	$(CXX) $^ -o $@ $(LDLIBS)
 
 # The bounded JSON reader's cost against input size (tests/bench/json_bench.cpp; issue 53): the

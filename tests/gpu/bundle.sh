@@ -3,9 +3,9 @@
 # installed; CUDA toolkit and driver present) into .gpu-bundle/, which `bash tests/gpu/run.sh` uses.
 # Run it here, before carrying .gpu-bundle to the device machine (64 MiB carry limit).
 #
-#   1. Builds build-gpu/shardtrain, gpu_tests and attention_bench with MARCH=x86-64-v3 (AVX2/FMA: not
+#   1. Builds build-gpu/shardtrain, gpu_tests, attention_bench and kernel_bench with MARCH=x86-64-v3 (AVX2/FMA: not
 #      -march=native, whose instructions the device's CPU may lack; build/ is left alone).
-#   2. .gpu-bundle/libexec: shardtrain, gpu_tests, attention_bench and the CUDA plugin libshardtrain_cuda.so beside them
+#   2. .gpu-bundle/libexec: shardtrain, gpu_tests, attention_bench, kernel_bench and the CUDA plugin libshardtrain_cuda.so beside them
 #      (strip --strip-debug; the binaries dlopen it from their own directory), Open MPI's orterun / orted
 #      and, when installed, HDF5's h5diff (run.sh compares checkpoint files with it where h5py is missing);
 #      .gpu-bundle/bin: wrappers that set LD_LIBRARY_PATH and OPAL_PREFIX (Open MPI relocated, in
@@ -39,7 +39,7 @@ die() { echo "bundle: error: $*" >&2; exit 1; }
 # ---- 1. build ---------------------------------------------------------------------------------
 echo "bundle: building $BUILD/shardtrain, $BUILD/gpu_tests and the CUDA plugin (MARCH=$MARCH)"
 make -s -j"$(nproc)" BUILD="$BUILD" MARCH="$MARCH" "$BUILD/shardtrain" "$BUILD/gpu_tests" "$BUILD/attention_bench" \
-  "$BUILD/libshardtrain_cuda.so" ||
+  "$BUILD/kernel_bench" "$BUILD/libshardtrain_cuda.so" ||
   die "$BUILD: build failed (no CUDA plugin without nvcc)"
 NVCC=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
 
@@ -65,6 +65,7 @@ grep -qxF '/.gpu-bundle/' "$gitexclude" 2>/dev/null || echo '/.gpu-bundle/' >>"$
 strip --strip-debug -o "$B/libexec/shardtrain" "$BUILD/shardtrain"
 strip --strip-debug -o "$B/libexec/gpu_tests" "$BUILD/gpu_tests"
 strip --strip-debug -o "$B/libexec/attention_bench" "$BUILD/attention_bench"
+strip --strip-debug -o "$B/libexec/kernel_bench" "$BUILD/kernel_bench"
 strip --strip-debug -o "$B/libexec/libshardtrain_cuda.so" "$BUILD/libshardtrain_cuda.so"
 cp "$(readlink -f "$(command -v orterun)")" "$B/libexec/orterun"
 cp "$(readlink -f "$(command -v orted)")" "$B/libexec/orted"
@@ -95,6 +96,7 @@ EOF
 wrapper shardtrain shardtrain
 wrapper gpu_tests gpu_tests
 wrapper attention_bench attention_bench
+wrapper kernel_bench kernel_bench
 wrapper mpirun orterun
 wrapper orterun orterun
 wrapper orted orted

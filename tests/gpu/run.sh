@@ -58,6 +58,10 @@
 #      model, seq and batch as stage 5's bf16 rows (PEER_MODELS), tokens/s, peak memory and the ratio
 #   5d. attention TFLOP/s (tests/bench/attention_bench.cpp): cuDNN's fused SDPA and the tiled kernels
 #      on the FlashAttention-2 paper's shapes, forward and forward+backward
+#   5e. memory-bound kernels (tests/bench/kernel_bench.cpp, issue 57): RMSNorm, RoPE, SwiGLU, the bf16
+#      conversions, AdamW, axpy at llama-350m's shapes, each against a device copy of the same bytes
+#      (target >= 70%); the reductions (RMSNorm's backward with its dw partials, sum_squares, the
+#      cross-entropy chunk, embedding_backward) reported beside them (about 20 s)
 #   6. compute-sanitizer (when present): gpu_tests under memcheck (all cases) and racecheck (the kernels
 #      with shared memory), no error allowed
 #   7. only with GPU_CHECK_PROFILE=1: Nsight Compute's duration of every kernel over one PROFILE_MODEL (llama-125m)
@@ -91,14 +95,14 @@ if [ -n "${GPU_CHECK_STAGES+set}" ] && [ -n "${GPU_CHECK_STAGES}" ] && [ -z "$ST
   echo "run.sh: GPU_CHECK_STAGES holds no stage" >&2; exit 2
 fi
 for id in $STAGES; do
-  case $id in 1 | 2 | 2b | 2c | 3 | 3b | 3c | 3d | 3e | 3f | 4 | 4b | 5 | 5b | 5c | 5d | 6) ;;
+  case $id in 1 | 2 | 2b | 2c | 3 | 3b | 3c | 3d | 3e | 3f | 4 | 4b | 5 | 5b | 5c | 5d | 5e | 6) ;;
     7) GPU_CHECK_PROFILE=1 ;;  # asked for by name: the profile runs
-    *) echo "run.sh: GPU_CHECK_STAGES='$STAGES': '$id' is no stage (2 2b 2c 3 3b 3c 3d 3e 3f 4 4b 5 5b 5c 5d 6 7, space-separated)" >&2; exit 2 ;;
+    *) echo "run.sh: GPU_CHECK_STAGES='$STAGES': '$id' is no stage (2 2b 2c 3 3b 3c 3d 3e 3f 4 4b 5 5b 5c 5d 5e 6 7, space-separated)" >&2; exit 2 ;;
   esac
 done
 on() {  # on STAGE: is this stage to run?
   if [ -n "$STAGES" ]; then [[ " $STAGES " == *" $1 "* ]]; return; fi
-  case $1 in 5 | 5b | 5c | 5d | 7) want figures ;; *) want correctness ;; esac
+  case $1 in 5 | 5b | 5c | 5d | 5e | 7) want figures ;; *) want correctness ;; esac
 }
 DEV=${GPU_CHECK_DEVICE:-cuda}
 W=${GPU_CHECK_DIR:-$ROOT/build-gpu/gpu-check$([ "$PART" = all ] || echo "-$PART")}  # parts: their own logs
@@ -232,6 +236,7 @@ if [ -d "$B" ]; then
   cp -a "$B" "$W/bundle" && B=$W/bundle  # unpacked in a copy: .gpu-bundle stays small enough to carry
   "$B/unpack.sh" || bad "env: .gpu-bundle/unpack.sh"
   BIN=$B/bin/shardtrain GTEST=$B/bin/gpu_tests MPIRUN=$B/bin/mpirun FORT=$B/fortunes ABENCH=$B/bin/attention_bench
+  KBENCH=$B/bin/kernel_bench
   # CUDA libraries of this machine: toolkit, pip wheels (nvidia-*, torch), ldconfig.
   mapfile -t dirs < <({
     for d in ${CUDA_HOME:+"$CUDA_HOME/lib64"} /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
@@ -281,13 +286,13 @@ PY
 elif [ -n "${GPU_CHECK_BUILD:-}" ]; then
   echo "  binaries: $GPU_CHECK_BUILD (GPU_CHECK_BUILD)"
   BIN=$GPU_CHECK_BUILD/shardtrain GTEST=$GPU_CHECK_BUILD/gpu_tests MPIRUN=mpirun FORT=/usr/share/games/fortunes
-  ABENCH=$GPU_CHECK_BUILD/attention_bench
+  ABENCH=$GPU_CHECK_BUILD/attention_bench KBENCH=$GPU_CHECK_BUILD/kernel_bench
 else
   echo "  binaries: make build ($(git rev-parse --short HEAD 2>/dev/null || echo '?'))"
   if ! make -s -j"$(nproc)" build >"$L/build.log" 2>&1; then bad "env: make build"; tail_log "$L/build.log"; fi
   T_END=$((SECONDS + BUDGET))  # the budget is for the checks, not the build
   BIN=$ROOT/build/shardtrain GTEST=$ROOT/build/gpu_tests MPIRUN=mpirun FORT=/usr/share/games/fortunes
-  ABENCH=$ROOT/build/attention_bench
+  ABENCH=$ROOT/build/attention_bench KBENCH=$ROOT/build/kernel_bench
 fi
 inputs=()
 for f in "${FORTUNES[@]}"; do inputs+=(--input "$FORT/$f"); done
@@ -936,6 +941,31 @@ else
   fi
 fi
 fi  # stage 5d
+
+# ---- 5e. memory-bound kernels against a device copy ---------------------------------------------
+# tests/bench/kernel_bench.cpp: each elementwise kernel's bytes / time against cudaMemcpy's of the same
+# bytes (issue 57's target: >= 70%); the reductions beside them. Wrong results are stage 2's to find.
+if on 5e; then
+stage "5e. memory-bound kernels: TB/s against a device copy of the same bytes" $((T_END - SECONDS - SAN * SANITIZER_S))
+if [ "$GPU" = 0 ] || [ "$DEV" != cuda ]; then skipped kernel-bench "no CUDA device"
+else
+  t=$(cap 60)
+  rc=0
+  if [ "$t" = 0 ]; then rc=124; echo "out of time" >"$L/kernel-bench.log"
+  else timeout -k 5 "$t" "$KBENCH" >"$L/kernel-bench.log" 2>&1 || rc=$?
+  fi
+  if [ "$rc" = 0 ] && grep -q '^| elementwise' "$L/kernel-bench.log"; then
+    ok "kernel-bench: $(grep -c '^| elementwise' "$L/kernel-bench.log") elementwise rows, $(awk -F'|' \
+      '$2 ~ /elementwise/ && $2 !~ /reduction/ {gsub(/[ %]/, "", $9); if ($9 + 0 < 70) n++} END {print n + 0}' \
+      "$L/kernel-bench.log") below 70% of a copy"
+    echo
+    grep -E '^\||^kernel_bench' "$L/kernel-bench.log"
+  else
+    bad "kernel-bench: exit status $rc"
+    tail_log "$L/kernel-bench.log"
+  fi
+fi
+fi  # stage 5e
 
 
 # ---- 6. compute-sanitizer ---------------------------------------------------------------------
