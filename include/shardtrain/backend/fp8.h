@@ -6,8 +6,8 @@
 //
 // This is a reference, not a fast path: it runs on the calling thread (one single-threaded
 // cblas_sgemm call; the CPU backend keeps OpenBLAS at 1 thread) and allocates two float copies of
-// the operands and one of the result. The CPU backend refuses `--precision fp8` for training
-// (issue 57): this exists for the tests and as the CUDA path's reference.
+// the operands and one of the result. Training in fp8 is for GPUs with FP8 tensor cores (issue 57
+// refuses `--precision fp8` on the CPU): this exists for the tests and as the CUDA path's reference.
 #pragma once
 
 #include "shardtrain/backend/bf16.h"
