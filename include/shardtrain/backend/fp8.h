@@ -1,0 +1,49 @@
+// The CPU emulation of a float8 linear-layer GEMM (issue 57, item 4: `--precision fp8`'s scaling
+// logic, checked on the CPU before the cuBLASLt FP8 path exists). It computes what the GPU will:
+// each operand quantized to fp8 with its own dynamic per-tensor scale (amax over the whole
+// operand), the product of the quantized operands, and the result multiplied by the two inverse
+// scales. The recipe, the formats and the per-element math are in fp8_math.h.
+//
+// This is a reference, not a fast path: it runs on the calling thread (one single-threaded
+// cblas_sgemm call; the CPU backend keeps OpenBLAS at 1 thread) and allocates two float copies of
+// the operands and one of the result. Training in fp8 is for GPUs with FP8 tensor cores (issue 57
+// refuses `--precision fp8` on the CPU): this exists for the tests and as the CUDA path's reference.
+#pragma once
+
+#include "shardtrain/backend/bf16.h"
+#include "shardtrain/backend/fp8_math.h"
+
+namespace shardtrain {
+
+// The scales one fp8_linear_emulated call used (fp8_scale of each operand's amax) and the amaxes.
+struct Fp8Scales {
+  float amax_a = 0, amax_b = 0;
+  float scale_a = 0, scale_b = 0;
+};
+
+// The three products of a projection y = x W^T, W [N, K] row-major, over M rows: the shapes,
+// row-major layouts (leading dimension = row width) and operand names of model.h's linear():
+//   Forward:    out[M, N]  (+)=  a[M, K] · b[N, K]^T     a = x  (E4M3), b = W (E4M3)
+//   InputGrad:  out[M, K]  (+)=  a[M, N] · b[N, K]       a = dy (E5M2), b = W (E4M3)
+//   WeightGrad: out[N, K]  (+)=  a[M, N]^T · b[M, K]     a = dy (E5M2), b = x (E4M3)
+// Computed as: sa = fp8_scale(fa, amax(a)), sb likewise; qa = fp8_quantize(fa, a, sa) and qb
+// elementwise (saturating, round to nearest even); P = the fp32 GEMM (cblas_sgemm) of
+// fp8_decode(qa) and fp8_decode(qb); out = P * ((1/sa) * (1/sb)) (each inverse and their product
+// rounded to float, as the per-operand dequantization scales cuBLASLt is given), added to out
+// when accumulate (out = out + that, rounded once to T), else out is written and not read.
+// T = float or bf16 (operands widened to float before scaling; the result rounded to T once).
+// Pointers are host memory (the CPU backend's), must not alias out; M, N, K >= 0 (K = 0 gives a
+// zero product). Returns the amaxes and scales.
+// Error (the tests' bound, tests/unit/test_fp8.cpp): against the float64 product of the decoded
+// operands times the inverse scales, fp32 GEMM rounding only (<= ~K * 2^-24 * sum |a'||b'|);
+// against the unquantized product, per output element at most
+//   sum_k (ea_k |b_k| + |a_k| eb_k + ea_k eb_k)   (+ that fp32 rounding),
+// where an element x of an operand of amax A quantizes with error e = max(u |x|, d * A / fp8_max):
+// u = 2^-4, d = 2^-10 (E4M3) and u = 2^-3, d = 2^-17 (E5M2) (half an ulp relative in the normal
+// range, half the subnormal spacing below it, in scaled units). A non-finite element in an operand
+// makes every output element NaN (see fp8_math.h).
+template <typename T>
+Fp8Scales fp8_linear_emulated(math::Fp8Gemm role, int M, int N, int K, const T* a, const T* b, T* out,
+                              bool accumulate);
+
+}  // namespace shardtrain
