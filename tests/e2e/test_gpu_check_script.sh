@@ -58,7 +58,7 @@ check figures GPU_CHECK_PART=figures PEER_MODELS="" BENCH_MODELS="tiny:fp32"  # 
 [ "$rc" = 0 ] || { cat "$WORK/figures.txt"; fail "GPU_CHECK_PART=figures: exit status $rc"; }
 grep -qF 'PASS  bench-tiny-fp32' "$WORK/figures.txt" || { cat "$WORK/figures.txt"; fail "GPU_CHECK_PART=figures: no benchmark row"; }
 ! grep -E '^== (2|3|4|6)' "$WORK/figures.txt" || fail "GPU_CHECK_PART=figures ran a correctness stage"
-echo "ok: GPU_CHECK_PART=figures: $(grep -c '^== ' "$WORK/figures.txt") stages (1, 5-5e), $(tail -1 "$WORK/figures.txt")"
+echo "ok: GPU_CHECK_PART=figures: $(grep -c '^== ' "$WORK/figures.txt") stages (1, 5-5f), $(tail -1 "$WORK/figures.txt")"
 
 # GPU_CHECK_STAGES (a rerun of what failed): stage 4 alone makes the CPU reference it compares with;
 # a stage id that does not exist is refused (a typo must not pass as a clean run).

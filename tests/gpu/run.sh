@@ -62,6 +62,10 @@
 #      conversions, AdamW, axpy at llama-350m's shapes, each against a device copy of the same bytes
 #      (target >= 70%); the reductions (RMSNorm's backward with its dw partials, sum_squares, the
 #      cross-entropy chunk, embedding_backward) reported beside them (about 20 s)
+#   5f. context parallelism's block attention (attention_bench --cp, issue 57): one process runs every
+#      rank's ring (cp 2 and 4, T 16,384, llama-350m's and llama-1b's heads; causal and document
+#      masks): useful TFLOP/s against cuDNN's causal SDPA over the whole sequence (target >= 50%)
+#      (about 30 s on the scalar block kernels)
 #   6. compute-sanitizer (when present): gpu_tests under memcheck (all cases) and racecheck (the kernels
 #      with shared memory), no error allowed
 #   7. only with GPU_CHECK_PROFILE=1: Nsight Compute's duration of every kernel over one PROFILE_MODEL (llama-125m)
@@ -95,14 +99,14 @@ if [ -n "${GPU_CHECK_STAGES+set}" ] && [ -n "${GPU_CHECK_STAGES}" ] && [ -z "$ST
   echo "run.sh: GPU_CHECK_STAGES holds no stage" >&2; exit 2
 fi
 for id in $STAGES; do
-  case $id in 1 | 2 | 2b | 2c | 3 | 3b | 3c | 3d | 3e | 3f | 4 | 4b | 5 | 5b | 5c | 5d | 5e | 6) ;;
+  case $id in 1 | 2 | 2b | 2c | 3 | 3b | 3c | 3d | 3e | 3f | 4 | 4b | 5 | 5b | 5c | 5d | 5e | 5f | 6) ;;
     7) GPU_CHECK_PROFILE=1 ;;  # asked for by name: the profile runs
-    *) echo "run.sh: GPU_CHECK_STAGES='$STAGES': '$id' is no stage (2 2b 2c 3 3b 3c 3d 3e 3f 4 4b 5 5b 5c 5d 5e 6 7, space-separated)" >&2; exit 2 ;;
+    *) echo "run.sh: GPU_CHECK_STAGES='$STAGES': '$id' is no stage (2 2b 2c 3 3b 3c 3d 3e 3f 4 4b 5 5b 5c 5d 5e 5f 6 7, space-separated)" >&2; exit 2 ;;
   esac
 done
 on() {  # on STAGE: is this stage to run?
   if [ -n "$STAGES" ]; then [[ " $STAGES " == *" $1 "* ]]; return; fi
-  case $1 in 5 | 5b | 5c | 5d | 5e | 7) want figures ;; *) want correctness ;; esac
+  case $1 in 5 | 5b | 5c | 5d | 5e | 5f | 7) want figures ;; *) want correctness ;; esac
 }
 DEV=${GPU_CHECK_DEVICE:-cuda}
 W=${GPU_CHECK_DIR:-$ROOT/build-gpu/gpu-check$([ "$PART" = all ] || echo "-$PART")}  # parts: their own logs
@@ -966,6 +970,27 @@ else
   fi
 fi
 fi  # stage 5e
+
+# ---- 5f. context parallelism's block attention against cuDNN ----------------------------------------
+if on 5f; then
+stage "5f. CP block attention: useful TFLOP/s against cuDNN causal over the whole sequence" $((T_END - SECONDS - SAN * SANITIZER_S))
+if [ "$GPU" = 0 ] || [ "$DEV" != cuda ]; then skipped cp-attention-bench "no CUDA device"
+else
+  t=$(cap 120)
+  rc=0
+  if [ "$t" = 0 ]; then rc=124; echo "out of time" >"$L/cp-attention-bench.log"
+  else timeout -k 5 "$t" "$ABENCH" --cp --reps 3 --warmup 1 >"$L/cp-attention-bench.log" 2>&1 || rc=$?
+  fi
+  if [ "$rc" = 0 ] && grep -q '^| block kernels' "$L/cp-attention-bench.log"; then
+    ok "cp-attention-bench: $(grep -c '^| block kernels' "$L/cp-attention-bench.log") rows"
+    echo
+    grep -E '^\||^shardtrain: note' "$L/cp-attention-bench.log"
+  else
+    bad "cp-attention-bench: exit status $rc"
+    tail_log "$L/cp-attention-bench.log"
+  fi
+fi
+fi  # stage 5f
 
 
 # ---- 6. compute-sanitizer ---------------------------------------------------------------------
