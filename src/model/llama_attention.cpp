@@ -190,9 +190,9 @@ void LlamaModel<T>::attend_backward(const Context& ctx, const Layer& a, const T*
     be_.zero(dq, static_cast<size_t>(d.BT) * d.Q);
     be_.zero(dk, static_cast<size_t>(d.BT) * d.KV);
     be_.zero(dv, static_cast<size_t>(d.BT) * d.KV);
-    be_.attention_block_backward(dq, dk, dv, dy_.data(), a.q.data(), a.k.data(), a.v.data(), a.lse.data(),
-                                 dsum_.data(), rows_.data(), rows_.data(), doc, doc, d.B, d.T_, d.T_, d.NH, d.NKV,
-                                 d.HD, attn_scale_);
+    be_.attention_block_backward(dq, dk, dv, dy_.data(), a.q.data(), a.k.data(), a.v.data(), a.y.data(),
+                                 a.lse.data(), dsum_.data(), rows_.data(), rows_.data(), doc, doc, d.B, d.T_, d.T_,
+                                 d.NH, d.NKV, d.HD, attn_scale_);
   }
 }
 

@@ -393,8 +393,8 @@ template <typename C> void CpAttention<C>::ring_backward(const Args& a) {
     C* gv = fit(w.gv[nx], be_, nk);
     be_.zero(gk, nk);
     be_.zero(gv, nk);
-    be_.attention_block_backward(a.dq, gk, gv, a.dy, a.q, cur.k, cur.v, a.lse, dsum, a.pos, cur.p, a.doc, cur.d, a.B,
-                                 a.Tl, a.Tl, a.NH, a.NKV, a.HD, a.scale);
+    be_.attention_block_backward(a.dq, gk, gv, a.dy, a.q, cur.k, cur.v, a.yin, a.lse, dsum, a.pos, cur.p, a.doc,
+                                 cur.d, a.B, a.Tl, a.Tl, a.NH, a.NKV, a.HD, a.scale);
     if (s > 0) {
       tr.wait(kGrad);  // the partial dK/dV of this block from ranks r - s .. r - 1
       be_.axpy(nk, S(1), w.rk[1 - nx].data(), gk);
@@ -564,7 +564,9 @@ template <typename C> void CpAttention<C>::gather_backward(const Args& a) {
       gather_kv(comm_, tr, k, v, kg, vg, Tl * ck);
       be_.zero(dkg, static_cast<size_t>(Tk) * ck);
       be_.zero(dvg, static_cast<size_t>(Tk) * ck);
-      be_.attention_block_backward(dq, dkg, dvg, dy, q, kg, vg, a.lse + os, dsum + os, a.pos + tb, pg, doc_b, dg, 1,
+      // y: the rows dy's are, unless this head group's rows were copied out (chunked: none here)
+      const C* y = chunked ? nullptr : a.yin + oq;
+      be_.attention_block_backward(dq, dkg, dvg, dy, q, kg, vg, y, a.lse + os, dsum + os, a.pos + tb, pg, doc_b, dg, 1,
                                    a.Tl, Tk, G * n, n, a.HD, a.scale);
       const double rs_bytes = static_cast<double>(P - 1) * static_cast<double>(Tl * ck * sizeof(C));
       tr.add(comm_.start_reduce_scatter_sum(static_cast<const C*>(dkg), chunked ? dkp : a.dk + ok, Tl * ck), kGrad,

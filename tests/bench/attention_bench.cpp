@@ -161,7 +161,8 @@ void cp_table(st::Backend<st::bf16>& be, int reps, int warmup) {
           be.zero(gv.data(), nk);
           be.attention_block_backward(dq[static_cast<size_t>(r)].data(), gk.data(), gv.data(),
                                       dy[static_cast<size_t>(r)].data(), q[static_cast<size_t>(r)].data(),
-                                      k[static_cast<size_t>(j)].data(), v[static_cast<size_t>(j)].data(), lse.data(),
+                                      k[static_cast<size_t>(j)].data(), v[static_cast<size_t>(j)].data(),
+                                      y[static_cast<size_t>(r)].data(), lse.data(),
                                       dsum.data(), bpos[static_cast<size_t>(r)].data(),
                                       bpos[static_cast<size_t>(j)].data(), dptr(r), dptr(j), s.B, Tl, Tl, s.NH, s.NKV,
                                       s.HD, scale);

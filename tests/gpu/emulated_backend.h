@@ -165,16 +165,17 @@ template <typename T> class EmulatedBackend final : public Backend<T> {
     d_->attention_row_dot(s.data(), dyd.data(), yd.data(), B, Tq, NH, HD);
     for (size_t i = 0; i < ns; ++i) dsum[i] = static_cast<S>(s[i]);
   }
-  void attention_block_backward(T* dq, T* dk, T* dv, const T* dy, const T* q, const T* k, const T* v, const S* lse,
-                                const S* dsum, const int32_t* qp, const int32_t* kp, const int32_t* qd,
+  void attention_block_backward(T* dq, T* dk, T* dv, const T* dy, const T* q, const T* k, const T* v, const T* y,
+                                const S* lse, const S* dsum, const int32_t* qp, const int32_t* kp, const int32_t* qd,
                                 const int32_t* kd, int B, int Tq, int Tk, int NH, int NKV, int HD, S scale) override {
     const size_t nq = static_cast<size_t>(B) * Tq * NH * HD, nk = static_cast<size_t>(B) * Tk * NKV * HD;
     const size_t ns = static_cast<size_t>(B) * NH * Tq;
     std::vector<double> dqd = wide(dq, nq), dkd = wide(dk, nk), dvd = wide(dv, nk), dyd = wide(dy, nq),
                         qd2 = wide(q, nq), kd2 = wide(k, nk), vd = wide(v, nk), lsd(lse, lse + ns),
                         sd(dsum, dsum + ns);
+    const std::vector<double> yd = y ? wide(y, nq) : std::vector<double>();
     d_->attention_block_backward(dqd.data(), dkd.data(), dvd.data(), dyd.data(), qd2.data(), kd2.data(), vd.data(),
-                                 lsd.data(), sd.data(), qp, kp, qd, kd, B, Tq, Tk, NH, NKV, HD, scale);
+                                 y ? yd.data() : nullptr, lsd.data(), sd.data(), qp, kp, qd, kd, B, Tq, Tk, NH, NKV, HD, scale);
     narrow(dq, dqd);
     narrow(dk, dkd);
     narrow(dv, dvd);

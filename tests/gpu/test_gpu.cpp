@@ -25,7 +25,9 @@
 //     attention through cuDNN's fused SDPA (CudnnAttentionBf16) at T = 2 .. 4096, GQA and MQA, head
 //     dims 64 and 128, against the same CPU reference; block attention at global positions
 //     (block_attention_run.h: random-size blocks, all pairs merged, backward accumulated; with and
-//     without documents; y, lse, dq, dk, dv within the flash tolerances, skipped tile pairs equal),
+//     without documents; y, lse, dq, dk, dv within the flash tolerances, skipped tile pairs equal);
+//     bf16 block attention through cuDNN's SDPA on the pieces of each pair (CudnnBlockAttentionBf16:
+//     required; context parallelism's head-tail blocks at cp 2 and 4, uneven contiguous blocks),
 //     the exact path's document mask, RoPE at positions (bitwise the device's whole-sequence rows);
 //     rope_qk (queries and keys in one launch: bitwise the two calls, with and without positions);
 //     swiglu forward/backward (16-byte packs with a tail, and one element off alignment: the scalar
@@ -1909,6 +1911,71 @@ void check_checkpoint_snapshot() {
 // tolerances, the skipped tile pairs equal. The exact path's document mask (softmax_causal_doc_forward)
 // likewise. RoPE at positions: bitwise the device's own whole-sequence rope rows (a head-tail pair
 // and per-document restarts) and within rope's tolerance of the CPU's.
+// Block attention through cuDNN's fused SDPA (bf16, no documents: attention_pieces.h, the CUDA
+// backend's block_forward_cudnn / block_backward_cudnn), required (SHARDTRAIN_CUDNN_ATTENTION=
+// require: a piece cuDNN refuses fails the test), against the CPU's block kernels: context
+// parallelism's head-tail layout (cp 2 and 4: each block one rank's chunks r and 2cp-1-r, every
+// rank's queries against every rank's keys, merged, the backward accumulated) and blocks of a
+// contiguous sequence cut unevenly; y, lse, dq, dk, dv within the bf16 flash tolerance, the tile
+// pairs and the skipped ones counted as the tiled kernels count them.
+void check_block_attention_cudnn() {
+  ScopedEnv require("SHARDTRAIN_CUDNN_ATTENTION", "require");
+  std::mt19937 g(9302);
+  struct Case { int B, T_, NH, NKV, HD, cp; std::vector<int> cuts; };
+  const std::vector<Case> cases = {{2, 512, 4, 2, 64, 2, {}}, {1, 1024, 4, 4, 128, 4, {}},
+                                   {2, 384, 4, 1, 64, 0, {0, 100, 228, 384}}};
+  auto rel = [](const std::vector<double>& a, const std::vector<double>& b) {  // lse may be -inf on both
+    double num = 0, den = 0;
+    for (size_t i = 0; i < b.size(); ++i) {
+      if (std::isfinite(b[i])) den = std::max(den, std::fabs(b[i]));
+      if (a[i] == b[i]) continue;
+      if (!std::isfinite(a[i]) || !std::isfinite(b[i])) return std::numeric_limits<double>::infinity();
+      num = std::max(num, std::fabs(a[i] - b[i]));
+    }
+    return num / std::max(den, 1.0);
+  };
+  for (const Case& c : cases) {
+    const size_t nq = static_cast<size_t>(c.B) * c.T_ * c.NH * c.HD, nk = static_cast<size_t>(c.B) * c.T_ * c.NKV * c.HD;
+    const std::vector<bf16> q = randn<bf16>(nq, g, 1.5), k = randn<bf16>(nk, g, 1.5), v = randn<bf16>(nk, g),
+                            dy = randn<bf16>(nq, g);
+    // Storage order: rank 0's chunks, then rank 1's, ... (head-tail), or the sequence in order.
+    std::vector<int32_t> order, pos;
+    std::vector<int> cuts = c.cuts;
+    if (c.cp > 0) {
+      const int ch = c.T_ / (2 * c.cp);
+      cuts.push_back(0);
+      for (int r = 0; r < c.cp; ++r) {
+        for (int chunk : {r, 2 * c.cp - 1 - r})
+          for (int t = 0; t < ch; ++t) order.push_back(chunk * ch + t);
+        cuts.push_back(static_cast<int>(order.size()));
+      }
+    } else {
+      for (int t = 0; t < c.T_; ++t) order.push_back(t);
+    }
+    for (int b = 0; b < c.B; ++b) pos.insert(pos.end(), order.begin(), order.end());
+    const std::string sz = " B=" + std::to_string(c.B) + " T=" + std::to_string(c.T_) + " NH=" + std::to_string(c.NH) +
+                           " NKV=" + std::to_string(c.NKV) + " HD=" + std::to_string(c.HD) +
+                           (c.cp ? " head-tail cp " + std::to_string(c.cp) : std::string(" uneven blocks"));
+    const std::vector<int32_t> nodoc;
+    const auto got = st::blocktest::run_blocks<bf16>(dev<bf16>(), c.B, c.T_, c.NH, c.NKV, c.HD, q, k, v, dy, pos, nodoc,
+                                                     cuts);
+    const auto want = st::blocktest::run_blocks<bf16>(cpu<bf16>(), c.B, c.T_, c.NH, c.NKV, c.HD, q, k, v, dy, pos,
+                                                      nodoc, cuts);
+    auto expect = [&](const char* what, double e) {
+      note(std::string("[bf16] cuDNN block attention ") + what + sz + ": max|diff|/max(1,|ref|) " + fmt(e) +
+           " (allowed 2e-2)");
+      EXPECT_LE(e, 2e-2) << "cuDNN block attention " << what << sz;
+    };
+    expect("y", rel(got.y, want.y));
+    expect("lse", rel(got.lse, want.lse));
+    expect("dq", rel(got.dq, want.dq));
+    expect("dk", rel(got.dk, want.dk));
+    expect("dv", rel(got.dv, want.dv));
+    EXPECT_EQ(got.tile_pairs, want.tile_pairs) << sz;
+    EXPECT_EQ(got.skipped, want.skipped) << sz;
+  }
+}
+
 template <typename T> void check_block_attention() {
   std::mt19937 g(9301);
   struct Case { int B, T_, NH, NKV, HD; std::vector<int> cuts; bool docs; };
@@ -2041,6 +2108,7 @@ GPU_TEST_BOTH(RopeQk, check_rope_qk)
 GPU_TEST_BOTH(SoftmaxCausal, check_softmax)
 GPU_TEST_BOTH(FlashAttention, check_flash_attention)
 GPU_TEST_BOTH(BlockAttention, check_block_attention)
+TEST_F(Gpu, CudnnBlockAttentionBf16) { check_block_attention_cudnn(); }
 TEST_F(Gpu, CudnnAttentionBf16) { check_cudnn_attention(); }
 GPU_TEST_BOTH(SwiGLU, check_swiglu)
 GPU_TEST_BOTH(MixtureOfExperts, check_moe)

@@ -130,10 +130,10 @@ template <typename T> class CountingBackend final : public shardtrain::Backend<T
   void attention_row_dot(S* dsum, const T* dy, const T* y, int B, int Tq, int NH, int HD) override {
     inner_->attention_row_dot(dsum, dy, y, B, Tq, NH, HD);
   }
-  void attention_block_backward(T* dq, T* dk, T* dv, const T* dy, const T* q, const T* k, const T* v, const S* lse,
-                                const S* dsum, const int32_t* qp, const int32_t* kp, const int32_t* qd,
+  void attention_block_backward(T* dq, T* dk, T* dv, const T* dy, const T* q, const T* k, const T* v, const T* y,
+                                const S* lse, const S* dsum, const int32_t* qp, const int32_t* kp, const int32_t* qd,
                                 const int32_t* kd, int B, int Tq, int Tk, int NH, int NKV, int HD, S sc) override {
-    inner_->attention_block_backward(dq, dk, dv, dy, q, k, v, lse, dsum, qp, kp, qd, kd, B, Tq, Tk, NH, NKV, HD, sc);
+    inner_->attention_block_backward(dq, dk, dv, dy, q, k, v, y, lse, dsum, qp, kp, qd, kd, B, Tq, Tk, NH, NKV, HD, sc);
   }
   typename shardtrain::Backend<T>::BlockAttentionStats take_block_attention_stats() override {
     return inner_->take_block_attention_stats();

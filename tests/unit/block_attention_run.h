@@ -92,8 +92,8 @@ BlockResult<T> run_blocks(Backend<T>& be, int B, int T_, int NH, int NKV, int HD
   for (Blk& a : blk)
     for (Blk& c : blk)
       be.attention_block_backward(a.dq.data(), c.dk.data(), c.dv.data(), a.dy.data(), a.q.data(), c.k.data(),
-                                  c.v.data(), a.lse.data(), a.dsum.data(), a.pos.data(), c.pos.data(), dptr(a),
-                                  dptr(c), B, a.n, c.n, NH, NKV, HD, scale);
+                                  c.v.data(), a.y.data(), a.lse.data(), a.dsum.data(), a.pos.data(), c.pos.data(),
+                                  dptr(a), dptr(c), B, a.n, c.n, NH, NKV, HD, scale);
   const typename Backend<T>::BlockAttentionStats st = be.take_block_attention_stats();
   BlockResult<T> r;
   r.tile_pairs = st.tile_pairs;

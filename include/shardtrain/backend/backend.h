@@ -241,11 +241,13 @@ template <typename T> class Backend {
   // Backward of one block pair given the MERGED lse (over every key block of these queries) and
   // dsum = attention_row_dot of the merged y: ACCUMULATES (+=) this pair's terms into dq [query
   // block], dk, dv [key block]; summed over all block pairs they are the whole-sequence gradients.
+  // y: that merged y [B*Tq, NH*HD], or nullptr; a backend may read it in place of dsum (cuDNN's
+  // fused backward computes D from y and dy itself) and takes its other path without it.
   // Deterministic (two passes as flash_attention_backward, no atomics).
   virtual void attention_block_backward(T* dq, T* dk, T* dv, const T* dy, const T* q, const T* k, const T* v,
-                                        const S* lse, const S* dsum, const int32_t* q_pos, const int32_t* k_pos,
-                                        const int32_t* q_doc, const int32_t* k_doc, int B, int Tq, int Tk, int NH,
-                                        int NKV, int HD, S scale) = 0;
+                                        const T* y, const S* lse, const S* dsum, const int32_t* q_pos,
+                                        const int32_t* k_pos, const int32_t* q_doc, const int32_t* k_doc, int B, int Tq,
+                                        int Tk, int NH, int NKV, int HD, S scale) = 0;
   // Tile pairs of block attention since the last call, and how many of them were skipped as fully
   // masked; resets them. Each attention_block_forward and each attention_block_backward adds its
   // B * NH * ceil(Tq/kBr) * ceil(Tk/kBc) pairs (b, h, query tile, key tile). Waits for queued work.

@@ -297,9 +297,10 @@ void CpuBackend<T>::attention_row_dot(S* dsum, const T* dy, const T* y, int B, i
 
 template <typename T>
 void CpuBackend<T>::attention_block_backward(T* dq, T* dk, T* dv, const T* dy, const T* q, const T* k, const T* v,
-                                             const S* lse, const S* dsum, const int32_t* qp, const int32_t* kp,
-                                             const int32_t* qd, const int32_t* kd, int B, int Tq, int Tk, int NH,
-                                             int NKV, int HD, S scale) {
+                                             const T* /*y: dsum is read instead*/, const S* lse, const S* dsum,
+                                             const int32_t* qp, const int32_t* kp, const int32_t* qd,
+                                             const int32_t* kd, int B, int Tq, int Tk, int NH, int NKV, int HD,
+                                             S scale) {
   const ProcessCpuTimer timer(block_cpu_s_);
   if (B <= 0 || Tq <= 0 || Tk <= 0 || NH <= 0 || HD <= 0) return;
   const int G = NH / NKV, nk = flash::num_tiles(Tk, flash::kBc);
@@ -604,7 +605,7 @@ void CpuBackend<T>::gemm_s(bool ta, bool tb, int M, int N, int K, S alpha, const
                                                    const CpuBackend<T>::S*, int, int, int, int);                   \
   template void CpuBackend<T>::attention_row_dot(CpuBackend<T>::S*, const T*, const T*, int, int, int, int);       \
   template void CpuBackend<T>::attention_block_backward(T*, T*, T*, const T*, const T*, const T*, const T*,        \
-                                                        const CpuBackend<T>::S*, const CpuBackend<T>::S*,          \
+                                                        const T*, const CpuBackend<T>::S*, const CpuBackend<T>::S*,          \
                                                         const int32_t*, const int32_t*, const int32_t*,            \
                                                         const int32_t*, int, int, int, int, int, int,              \
                                                         CpuBackend<T>::S);                                         \

@@ -180,8 +180,8 @@ template <typename T> class CpuBackend final : public Backend<T> {
   void attention_merge(T* y, S* lse, const T* yp, const S* lsep, int B, int Tq, int NH, int HD) override;
   void attention_merge_acc(S* y, S* lse, const T* yp, const S* lsep, int B, int Tq, int NH, int HD) override;
   void attention_row_dot(S* dsum, const T* dy, const T* y, int B, int Tq, int NH, int HD) override;
-  void attention_block_backward(T* dq, T* dk, T* dv, const T* dy, const T* q, const T* k, const T* v, const S* lse,
-                                const S* dsum, const int32_t* qp, const int32_t* kp, const int32_t* qd,
+  void attention_block_backward(T* dq, T* dk, T* dv, const T* dy, const T* q, const T* k, const T* v, const T* y,
+                                const S* lse, const S* dsum, const int32_t* qp, const int32_t* kp, const int32_t* qd,
                                 const int32_t* kd, int B, int Tq, int Tk, int NH, int NKV, int HD, S scale) override;
   typename Backend<T>::BlockAttentionStats take_block_attention_stats() override;
 

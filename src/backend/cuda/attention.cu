@@ -1,10 +1,11 @@
 // Attention: the exact causal softmax (softmax_causal_*, with documents: softmax_causal_doc_forward),
 // flash attention (flash_attention.h: the tiled kernels; for bf16 cuDNN's fused SDPA when allowed,
 // cudnn_attention.h) and block attention at global positions (the block_* kernels, the merge, the
-// row dot): the members of CudaBackend<T> (cuda_backend.h) that attention.cu defines, with their
+// row dot; for bf16 without documents cuDNN's SDPA on the pair's pieces, attention_pieces.h): the members of CudaBackend<T> (cuda_backend.h) that attention.cu defines, with their
 // kernels.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -13,7 +14,9 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <vector>
 
+#include "shardtrain/backend/attention_pieces.h"
 #include "shardtrain/backend/bf16.h"
 #include "shardtrain/backend/flash_attention.h"
 #include "shardtrain/backend/ops_math.h"
@@ -218,6 +221,11 @@ __global__ void softmax_causal_doc_forward_kernel(T* att, const int32_t* doc, si
   }
 }
 
+// p[0 .. n) = value (block attention's rows that see no key: lse = -inf).
+template <typename S> __global__ void fill_kernel(S* p, S value, size_t n) {
+  for (size_t i = gtid(); i < n; i += gstride()) p[i] = value;
+}
+
 }  // namespace
 
 namespace cuda_detail {
@@ -305,6 +313,13 @@ void CudaBackend<T>::attention_block_forward(T* y, S* lse, const T* q, const T* 
                                              const int32_t* kp, const int32_t* qd, const int32_t* kd, int B, int Tq,
                                              int Tk, int NH, int NKV, int HD, S scale) {
   if (B <= 0 || Tq <= 0 || NH <= 0 || HD <= 0) return;
+  // bf16 without documents: cuDNN's fused SDPA on the pieces of the pair (block_plan), when allowed.
+  if (std::is_same_v<T, bf16> && !qd && !kd && Tk > 0 && use_cudnn([&](std::string* why) {
+        return block_forward_cudnn(y, lse, q, k, v, qp, kp, B, Tq, Tk, NH, NKV, HD, scale, why);
+      })) {
+    block_pairs_ += int64_t{B} * NH * flash::num_tiles(Tq, kBr) * flash::num_tiles(Tk, kBc);
+    return;
+  }
   const size_t smem = sizeof(float) * static_cast<size_t>(2 * kBc + kBr) * HD;
   allow_smem(block_forward_kernel<T>, smem, HD);
   const dim3 grid(static_cast<unsigned>(flash::num_tiles(Tq, kBr)), static_cast<unsigned>(NH), static_cast<unsigned>(B));
@@ -336,10 +351,16 @@ void CudaBackend<T>::attention_row_dot(S* dsum, const T* dy, const T* y, int B, 
 }
 template <typename T>
 void CudaBackend<T>::attention_block_backward(T* dq, T* dk, T* dv, const T* dy, const T* q, const T* k, const T* v,
-                                              const S* lse, const S* dsum, const int32_t* qp, const int32_t* kp,
+                                              const T* y, const S* lse, const S* dsum, const int32_t* qp, const int32_t* kp,
                                               const int32_t* qd, const int32_t* kd, int B, int Tq, int Tk, int NH,
                                               int NKV, int HD, S scale) {
   if (B <= 0 || Tq <= 0 || Tk <= 0 || NH <= 0 || HD <= 0) return;
+  if (std::is_same_v<T, bf16> && !qd && !kd && y && use_cudnn([&](std::string* why) {
+        return block_backward_cudnn(dq, dk, dv, dy, q, k, v, y, lse, qp, kp, B, Tq, Tk, NH, NKV, HD, scale, why);
+      })) {
+    block_pairs_ += int64_t{B} * NH * flash::num_tiles(Tq, kBr) * flash::num_tiles(Tk, kBc);
+    return;
+  }
   const size_t smem_q = sizeof(float) * static_cast<size_t>(2 * kBc + kBr) * HD;
   allow_smem(block_backward_dq_kernel<T>, smem_q, HD);
   const dim3 grid_q(static_cast<unsigned>(flash::num_tiles(Tq, kBr)), static_cast<unsigned>(NH), static_cast<unsigned>(B));
@@ -366,6 +387,8 @@ typename Backend<T>::BlockAttentionStats CudaBackend<T>::take_block_attention_st
     ST_CUDA(cudaStreamSynchronize(stream_));
     st.skipped = static_cast<int64_t>(h);
   }
+  st.skipped += block_skipped_;
+  block_skipped_ = 0;
   return st;
 }
 
@@ -418,6 +441,122 @@ void CudaBackend<T>::allow_smem(K* kernel, size_t bytes, int HD) {
   ST_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
 }
 
+// ---- block attention through cuDNN (bf16, no documents) ----
+// The positions are read back to the host (a wait for the queued work; context parallelism's block
+// pairs are long enough that this costs little beside them) and cut into pieces; every piece's
+// graph is prepared before any runs. *masked: the tile pairs the tiled kernels would have skipped
+// (flash::tile_pair_masked, per sequence and head), so that the statistics read the same.
+template <typename T>
+bool CudaBackend<T>::block_plan(const int32_t* qp, const int32_t* kp, int B, int Tq, int Tk, int NH, int NKV, int HD,
+                                S scale, bool backward, std::vector<attn::Piece>* pieces, int64_t* masked,
+                                std::string* why) {
+  std::vector<int32_t> hq(static_cast<size_t>(B) * Tq), hk(static_cast<size_t>(B) * Tk);
+  ST_CUDA(cudaMemcpyAsync(hq.data(), qp, hq.size() * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
+  ST_CUDA(cudaMemcpyAsync(hk.data(), kp, hk.size() * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
+  ST_CUDA(cudaStreamSynchronize(stream_));
+  if (!attn::same_rows(hq.data(), B, Tq) || !attn::same_rows(hk.data(), B, Tk)) {
+    *why = "block attention: the block's sequences have different positions (one plan of pieces serves all)";
+    return false;
+  }
+  *pieces = attn::plan(attn::runs_of(hq.data(), Tq), attn::runs_of(hk.data(), Tk));
+  for (const attn::Piece& p : *pieces)
+    if (!cudnn().prepare_piece(backward, B, Tq, Tk, p.nq, p.nk, p.causal, NH, NKV, HD, scale, why)) return false;
+  int64_t m = 0;
+  for (int t0 = 0; t0 < Tq; t0 += kBr) {
+    const flash::TileRange qr = flash::tile_range(hq.data() + t0, nullptr, std::min(kBr, Tq - t0));
+    for (int s0 = 0; s0 < Tk; s0 += kBc)
+      m += flash::tile_pair_masked(qr, flash::tile_range(hk.data() + s0, nullptr, std::min(kBc, Tk - s0))) ? 1 : 0;
+  }
+  *masked = m * B * NH;
+  return true;
+}
+
+// Forward: the pieces in layers of disjoint query rows (attn::layers); the first layer is written
+// into (y, lse), each later one into scratch and merged (attention_merge) as the ring merges blocks.
+// Rows a layer does not cover get y = 0, lse = -inf first (no key of the pair: the tiled kernel's
+// result too).
+template <typename T>
+bool CudaBackend<T>::block_forward_cudnn(T* y, S* lse, const T* q, const T* k, const T* v, const int32_t* qp,
+                                         const int32_t* kp, int B, int Tq, int Tk, int NH, int NKV, int HD, S scale,
+                                         std::string* why) {
+  if constexpr (!std::is_same_v<T, bf16>) {
+    return false;
+  } else {
+    std::vector<attn::Piece> pieces;
+    int64_t masked = 0;
+    if (!block_plan(qp, kp, B, Tq, Tk, NH, NKV, HD, scale, false, &pieces, &masked, why)) return false;
+    const size_t rq = static_cast<size_t>(NH) * HD, rk = static_cast<size_t>(NKV) * HD;
+    const size_t nq = static_cast<size_t>(B) * Tq * rq, ns = static_cast<size_t>(B) * NH * Tq;
+    const std::vector<std::vector<int>> L = attn::layers(pieces);
+    T* yt = nullptr;
+    S* lt = nullptr;
+    if (L.size() > 1) {
+      const size_t ybytes = (nq * sizeof(T) + 255) / 256 * 256;
+      char* sc = static_cast<char*>(scratch(ybytes + ns * sizeof(S)));
+      yt = reinterpret_cast<T*>(sc);
+      lt = reinterpret_cast<S*>(sc + ybytes);
+    }
+    for (size_t i = 0; i < std::max<size_t>(L.size(), 1); ++i) {
+      T* yo = i == 0 ? y : yt;
+      S* lo = i == 0 ? lse : lt;
+      if (L.empty() || attn::rows_covered(pieces, L[i]) < Tq) {
+        zero(yo, nq);
+        fill_kernel<S><<<grid_for(ns, kBlock), kBlock, 0, stream_>>>(lo, S(-INFINITY), ns);
+        ST_LAUNCHED("fill_kernel (block attention lse)");
+      }
+      if (L.empty()) break;
+      for (int j : L[i]) {
+        const attn::Piece& p = pieces[static_cast<size_t>(j)];
+        if (!cudnn().piece_forward(yo + p.q0 * rq, lo + p.q0, q + p.q0 * rq, k + p.k0 * rk, v + p.k0 * rk, B, Tq, Tk,
+                                   p.nq, p.nk, p.causal, NH, NKV, HD, scale, why))
+          throw std::logic_error("block attention: cuDNN refused a piece it had prepared: " + *why);
+      }
+      if (i > 0) attention_merge(y, lse, yt, lt, B, Tq, NH, HD);
+    }
+    block_skipped_ += masked;
+    return true;
+  }
+}
+
+// Backward: cuDNN writes (=) a piece's dq, dk, dv rows into scratch from dy, the MERGED y and lse
+// (it computes D = rowsum(dy o y) itself); they are added into dq, dk, dv sequence by sequence.
+template <typename T>
+bool CudaBackend<T>::block_backward_cudnn(T* dq, T* dk, T* dv, const T* dy, const T* q, const T* k, const T* v,
+                                          const T* y, const S* lse, const int32_t* qp, const int32_t* kp, int B,
+                                          int Tq, int Tk, int NH, int NKV, int HD, S scale, std::string* why) {
+  if constexpr (!std::is_same_v<T, bf16>) {
+    return false;
+  } else {
+    std::vector<attn::Piece> pieces;
+    int64_t masked = 0;
+    if (!block_plan(qp, kp, B, Tq, Tk, NH, NKV, HD, scale, true, &pieces, &masked, why)) return false;
+    const size_t rq = static_cast<size_t>(NH) * HD, rk = static_cast<size_t>(NKV) * HD;
+    const size_t nq = static_cast<size_t>(B) * Tq * rq, nk = static_cast<size_t>(B) * Tk * rk;
+    const size_t aq = (nq * sizeof(T) + 255) / 256 * 256, ak = (nk * sizeof(T) + 255) / 256 * 256;
+    char* sc = pieces.empty() ? nullptr : static_cast<char*>(scratch(aq + 2 * ak));
+    T* dqs = reinterpret_cast<T*>(sc);
+    T* dks = reinterpret_cast<T*>(sc + aq);
+    T* dvs = reinterpret_cast<T*>(sc + aq + ak);
+    for (const attn::Piece& p : pieces) {
+      const size_t oq = static_cast<size_t>(p.q0) * rq, ok = static_cast<size_t>(p.k0) * rk;
+      if (!cudnn().piece_backward(dqs + oq, dks + ok, dvs + ok, dy + oq, q + oq, k + ok, v + ok, y + oq, lse + p.q0, B,
+                                  Tq, Tk, p.nq, p.nk, p.causal, NH, NKV, HD, scale, why))
+        throw std::logic_error("block attention: cuDNN refused a piece it had prepared: " + *why);
+      for (int b = 0; b < B; ++b) {
+        const size_t bq = static_cast<size_t>(b) * Tq * rq + oq, bk = static_cast<size_t>(b) * Tk * rk + ok;
+        axpy(static_cast<size_t>(p.nq) * rq, S(1), dqs + bq, dq + bq);
+        axpy(static_cast<size_t>(p.nk) * rk, S(1), dks + bk, dk + bk);
+        axpy(static_cast<size_t>(p.nk) * rk, S(1), dvs + bk, dv + bk);
+      }
+    }
+    if (!pieces.empty() && !cudnn_->deterministic())
+      note_once("cuDNN attention: non-deterministic backward (not offered here, or SHARDTRAIN_CUDNN_DETERMINISTIC=0): "
+                "runs may differ in the last bits");
+    block_skipped_ += masked;
+    return true;
+  }
+}
+
 template <typename T>
 unsigned long long* CudaBackend<T>::skip_counter() {
   if (!skip_) skip_ = static_cast<unsigned long long*>(alloc_bytes(sizeof(unsigned long long)));
@@ -443,7 +582,7 @@ unsigned long long* CudaBackend<T>::skip_counter() {
                                                     int, int, int, int); \
   template void CudaBackend<T>::attention_row_dot(math::Acc<T>*, const T*, const T*, int, int, int, int); \
   template void CudaBackend<T>::attention_block_backward(T*, T*, T*, const T*, const T*, const T*, const T*, \
-                                                         const math::Acc<T>*, const math::Acc<T>*, const int32_t*, \
+                                                         const T*, const math::Acc<T>*, const math::Acc<T>*, const int32_t*, \
                                                          const int32_t*, const int32_t*, const int32_t*, int, int, \
                                                          int, int, int, int, math::Acc<T>); \
   template typename Backend<T>::BlockAttentionStats CudaBackend<T>::take_block_attention_stats();

@@ -30,7 +30,9 @@
 #include <string>
 #include <type_traits>
 #include <unordered_map>
+#include <vector>
 
+#include "shardtrain/backend/attention_pieces.h"
 #include "shardtrain/backend/backend.h"
 #include "shardtrain/backend/bf16.h"
 #include "shardtrain/backend/cuda.h"
@@ -133,8 +135,8 @@ template <typename T> class CudaBackend final : public Backend<T> {
   void attention_merge(T* y, S* lse, const T* yp, const S* lsep, int B, int Tq, int NH, int HD) override;
   void attention_merge_acc(S* y, S* lse, const T* yp, const S* lsep, int B, int Tq, int NH, int HD) override;
   void attention_row_dot(S* dsum, const T* dy, const T* y, int B, int Tq, int NH, int HD) override;
-  void attention_block_backward(T* dq, T* dk, T* dv, const T* dy, const T* q, const T* k, const T* v, const S* lse,
-                                const S* dsum, const int32_t* qp, const int32_t* kp, const int32_t* qd,
+  void attention_block_backward(T* dq, T* dk, T* dv, const T* dy, const T* q, const T* k, const T* v, const T* y,
+                                const S* lse, const S* dsum, const int32_t* qp, const int32_t* kp, const int32_t* qd,
                                 const int32_t* kd, int B, int Tq, int Tk, int NH, int NKV, int HD, S scale) override;
   typename Backend<T>::BlockAttentionStats take_block_attention_stats() override;
 
@@ -156,6 +158,7 @@ template <typename T> class CudaBackend final : public Backend<T> {
   double* loss_sum_ = nullptr;  // cross_entropy_sum's device double
   unsigned long long* skip_ = nullptr;  // block attention: skipped tile pairs (device counter)
   int64_t block_pairs_ = 0;             // block attention: tile pairs launched (host count)
+  int64_t block_skipped_ = 0;           // block attention through cuDNN: tile pairs a tiled kernel skips
   std::unordered_map<const void*, size_t> static_smem_;  // allow_smem: each kernel's static shared memory
   cudaStream_t copy_stream_ = nullptr;  // to_host_async's, made at its first call
   cudaEvent_t compute_done_ = nullptr;  // recorded on stream_, waited for by copy_stream_
@@ -196,6 +199,17 @@ template <typename T> class CudaBackend final : public Backend<T> {
   template <typename K> void allow_smem(K* kernel, size_t bytes, int HD);
   // The device counter of skipped block-attention tile pairs (allocated zeroed on first use).
   unsigned long long* skip_counter();
+  // Block attention through cuDNN's fused SDPA (bf16, no documents): the block pair cut into pieces
+  // (include/shardtrain/backend/attention_pieces.h) from its positions, read back to the host; every
+  // piece's graph prepared before any runs. false and why (nothing written) when the positions
+  // differ between the block's sequences or cuDNN cannot take a piece: the tiled kernels then run.
+  bool block_plan(const int32_t* qp, const int32_t* kp, int B, int Tq, int Tk, int NH, int NKV, int HD, S scale,
+                  bool backward, std::vector<attn::Piece>* pieces, int64_t* masked, std::string* why);
+  bool block_forward_cudnn(T* y, S* lse, const T* q, const T* k, const T* v, const int32_t* qp, const int32_t* kp,
+                           int B, int Tq, int Tk, int NH, int NKV, int HD, S scale, std::string* why);
+  bool block_backward_cudnn(T* dq, T* dk, T* dv, const T* dy, const T* q, const T* k, const T* v, const T* y,
+                            const S* lse, const int32_t* qp, const int32_t* kp, int B, int Tq, int Tk, int NH,
+                            int NKV, int HD, S scale, std::string* why);
 };
 
 }  // namespace shardtrain::cuda_detail

@@ -78,20 +78,29 @@ const std::string& load_cudnn() {
 // Tensor uids of the variant packs.
 enum : int64_t { kQ = 1, kK, kV, kO, kStats, kDO, kDQ, kDK, kDV };
 
-using Key = std::tuple<bool /*backward*/, bool /*deterministic*/, int, int, int, int, int, float>;
+// One graph's shape: B sequences, nq query rows of blocks of Tq rows per sequence, nk key rows of
+// blocks of Tk rows (the whole-sequence call: nq = nk = Tq = Tk = T), heads, scale, causal mask.
+struct Shape {
+  int B, nq, nk, Tq, Tk, NH, NKV, HD;
+  float scale;
+  bool causal;
+  auto tie() const { return std::tie(B, nq, nk, Tq, Tk, NH, NKV, HD, scale, causal); }
+  bool operator<(const Shape& o) const { return tie() < o.tie(); }
+};
+using Key = std::tuple<bool /*backward*/, bool /*deterministic*/, Shape>;
 
-std::vector<int64_t> q_dims(int B, int T, int H, int HD) { return {B, H, T, HD}; }
-// [B*T, H*HD] row-major seen as [B, H, T, HD].
+std::vector<int64_t> q_dims(int B, int n, int H, int HD) { return {B, H, n, HD}; }
+// n rows of a [B*T, H*HD] row-major block (T rows per sequence) seen as [B, H, n, HD].
 std::vector<int64_t> q_strides(int T, int H, int HD) {
   return {static_cast<int64_t>(T) * H * HD, HD, static_cast<int64_t>(H) * HD, 1};
 }
 
 std::shared_ptr<fe::graph::Tensor_attributes> io_tensor(fe::graph::Graph& g, const char* name, int64_t uid, int B,
-                                                        int T, int H, int HD) {
+                                                        int n, int T, int H, int HD) {
   return g.tensor(fe::graph::Tensor_attributes()
                       .set_name(name)
                       .set_uid(uid)
-                      .set_dim(q_dims(B, T, H, HD))
+                      .set_dim(q_dims(B, n, H, HD))
                       .set_stride(q_strides(T, H, HD)));
 }
 
@@ -165,32 +174,32 @@ struct CudnnAttention::Impl {
     return g;
   }
 
-  std::shared_ptr<fe::graph::Graph> make_graph(bool backward, bool det, int B, int T, int NH, int NKV, int HD,
-                                               float scale, std::string* why) {
+  std::shared_ptr<fe::graph::Graph> make_graph(bool backward, bool det, const Shape& sh, std::string* why) {
+    const auto [B, nq, nk, Tq, Tk, NH, NKV, HD, scale, causal] = sh.tie();
     auto g = std::make_shared<fe::graph::Graph>();
     g->set_io_data_type(fe::DataType_t::BFLOAT16)
         .set_intermediate_data_type(fe::DataType_t::FLOAT)
         .set_compute_data_type(fe::DataType_t::FLOAT);
-    auto Q = io_tensor(*g, "Q", kQ, B, T, NH, HD);
-    auto K = io_tensor(*g, "K", kK, B, T, NKV, HD);
-    auto V = io_tensor(*g, "V", kV, B, T, NKV, HD);
-    const std::vector<int64_t> stats_dims{B, NH, T, 1}, stats_strides{static_cast<int64_t>(NH) * T, T, 1, 1};
+    auto Q = io_tensor(*g, "Q", kQ, B, nq, Tq, NH, HD);
+    auto K = io_tensor(*g, "K", kK, B, nk, Tk, NKV, HD);
+    auto V = io_tensor(*g, "V", kV, B, nk, Tk, NKV, HD);
+    const std::vector<int64_t> stats_dims{B, NH, nq, 1}, stats_strides{static_cast<int64_t>(NH) * Tq, Tq, 1, 1};
     if (!backward) {
       auto opts = fe::graph::SDPA_attributes()
                       .set_name("shardtrain_sdpa")
                       .set_generate_stats(true)
-                      .set_causal_mask(true)
+                      .set_causal_mask(causal)
                       .set_attn_scale(scale);
       auto [O, Stats] = g->sdpa(Q, K, V, opts);
-      O->set_output(true).set_uid(kO).set_dim(q_dims(B, T, NH, HD)).set_stride(q_strides(T, NH, HD));
+      O->set_output(true).set_uid(kO).set_dim(q_dims(B, nq, NH, HD)).set_stride(q_strides(Tq, NH, HD));
       Stats->set_output(true)
           .set_uid(kStats)
           .set_data_type(fe::DataType_t::FLOAT)
           .set_dim(stats_dims)
           .set_stride(stats_strides);
     } else {
-      auto O = io_tensor(*g, "O", kO, B, T, NH, HD);
-      auto dO = io_tensor(*g, "dO", kDO, B, T, NH, HD);
+      auto O = io_tensor(*g, "O", kO, B, nq, Tq, NH, HD);
+      auto dO = io_tensor(*g, "dO", kDO, B, nq, Tq, NH, HD);
       auto Stats = g->tensor(fe::graph::Tensor_attributes()
                                  .set_name("Stats")
                                  .set_uid(kStats)
@@ -199,13 +208,13 @@ struct CudnnAttention::Impl {
                                  .set_data_type(fe::DataType_t::FLOAT));
       auto opts = fe::graph::SDPA_backward_attributes()
                       .set_name("shardtrain_sdpa_backward")
-                      .set_causal_mask(true)
+                      .set_causal_mask(causal)
                       .set_attn_scale(scale)
                       .set_deterministic_algorithm(det);
       auto [dQ, dK, dV] = g->sdpa_backward(Q, K, V, O, dO, Stats, opts);
-      dQ->set_output(true).set_uid(kDQ).set_dim(q_dims(B, T, NH, HD)).set_stride(q_strides(T, NH, HD));
-      dK->set_output(true).set_uid(kDK).set_dim(q_dims(B, T, NKV, HD)).set_stride(q_strides(T, NKV, HD));
-      dV->set_output(true).set_uid(kDV).set_dim(q_dims(B, T, NKV, HD)).set_stride(q_strides(T, NKV, HD));
+      dQ->set_output(true).set_uid(kDQ).set_dim(q_dims(B, nq, NH, HD)).set_stride(q_strides(Tq, NH, HD));
+      dK->set_output(true).set_uid(kDK).set_dim(q_dims(B, nk, NKV, HD)).set_stride(q_strides(Tk, NKV, HD));
+      dV->set_output(true).set_uid(kDV).set_dim(q_dims(B, nk, NKV, HD)).set_stride(q_strides(Tk, NKV, HD));
     }
     return finish(std::move(g), why);
   }
@@ -215,10 +224,10 @@ struct CudnnAttention::Impl {
     if (auto it = graphs.find(key); it != graphs.end()) return it->second.get();
     if (auto it = unsupported.find(key); it != unsupported.end()) return *why = it->second, nullptr;
     if (!get_handle(why)) return nullptr;
-    const auto [bwd, det, B, T, NH, NKV, HD, scale] = key;
+    const auto& [bwd, det, sh] = key;
     std::shared_ptr<fe::graph::Graph> g;
     try {
-      g = make_graph(bwd, det, B, T, NH, NKV, HD, scale, why);
+      g = make_graph(bwd, det, sh, why);
     } catch (const std::exception& e) {
       *why = std::string("cuDNN graph: ") + e.what();
     }
@@ -253,7 +262,30 @@ CudnnAttention::~CudnnAttention() = default;
 
 bool CudnnAttention::forward(bf16* y, float* lse, const bf16* q, const bf16* k, const bf16* v, int B, int T, int NH,
                              int NKV, int HD, float scale, std::string* why) {
-  fe::graph::Graph* g = impl_->graph(Key{false, false, B, T, NH, NKV, HD, scale}, why);
+  return piece_forward(y, lse, q, k, v, B, T, T, T, T, true, NH, NKV, HD, scale, why);
+}
+
+bool CudnnAttention::backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dy, const bf16* q, const bf16* k,
+                              const bf16* v, const bf16* y, const float* lse, int B, int T, int NH, int NKV, int HD,
+                              float scale, std::string* why) {
+  return piece_backward(dq, dk, dv, dy, q, k, v, y, lse, B, T, T, T, T, true, NH, NKV, HD, scale, why);
+}
+
+bool CudnnAttention::prepare_piece(bool backward, int B, int Tq, int Tk, int nq, int nk, bool causal, int NH, int NKV,
+                                   int HD, float scale, std::string* why) {
+  const Shape sh{B, nq, nk, Tq, Tk, NH, NKV, HD, scale, causal};
+  if (!backward) return impl_->graph(Key{false, false, sh}, why) != nullptr;
+  std::string why_det;
+  if (cudnn_deterministic_wanted() && impl_->graph(Key{true, true, sh}, &why_det)) return true;
+  if (impl_->graph(Key{true, false, sh}, why)) return true;
+  if (!why_det.empty()) *why = why_det + "; non-deterministic: " + *why;
+  return false;
+}
+
+bool CudnnAttention::piece_forward(bf16* y, float* lse, const bf16* q, const bf16* k, const bf16* v, int B, int Tq,
+                                   int Tk, int nq, int nk, bool causal, int NH, int NKV, int HD, float scale,
+                                   std::string* why) {
+  fe::graph::Graph* g = impl_->graph(Key{false, false, Shape{B, nq, nk, Tq, Tk, NH, NKV, HD, scale, causal}}, why);
   if (!g) return false;
   std::unordered_map<int64_t, void*> pack{{kQ, const_cast<bf16*>(q)}, {kK, const_cast<bf16*>(k)},
                                           {kV, const_cast<bf16*>(v)}, {kO, y},
@@ -262,16 +294,17 @@ bool CudnnAttention::forward(bf16* y, float* lse, const bf16* q, const bf16* k, 
   return true;
 }
 
-bool CudnnAttention::backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dy, const bf16* q, const bf16* k,
-                              const bf16* v, const bf16* y, const float* lse, int B, int T, int NH, int NKV, int HD,
-                              float scale, std::string* why) {
+bool CudnnAttention::piece_backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dy, const bf16* q, const bf16* k,
+                                    const bf16* v, const bf16* y, const float* lse, int B, int Tq, int Tk, int nq,
+                                    int nk, bool causal, int NH, int NKV, int HD, float scale, std::string* why) {
+  const Shape sh{B, nq, nk, Tq, Tk, NH, NKV, HD, scale, causal};
   const bool want_det = cudnn_deterministic_wanted();
-  fe::graph::Graph* g = want_det ? impl_->graph(Key{true, true, B, T, NH, NKV, HD, scale}, why) : nullptr;
+  fe::graph::Graph* g = want_det ? impl_->graph(Key{true, true, sh}, why) : nullptr;
   if (g) {
     deterministic_ = true;
   } else {
     std::string why_det = *why;
-    g = impl_->graph(Key{true, false, B, T, NH, NKV, HD, scale}, why);
+    g = impl_->graph(Key{true, false, sh}, why);
     if (!g) return *why = why_det + "; non-deterministic: " + *why, false;
     deterministic_ = false;
   }
@@ -295,6 +328,21 @@ bool CudnnAttention::forward(bf16*, float*, const bf16*, const bf16*, const bf16
 }
 bool CudnnAttention::backward(bf16*, bf16*, bf16*, const bf16*, const bf16*, const bf16*, const bf16*, const bf16*,
                               const float*, int, int, int, int, int, float, std::string* why) {
+  *why = "built without the cuDNN frontend (make CUDNN_FE=0)";
+  return false;
+}
+bool CudnnAttention::prepare_piece(bool, int, int, int, int, int, bool, int, int, int, float, std::string* why) {
+  *why = "built without the cuDNN frontend (make CUDNN_FE=0)";
+  return false;
+}
+bool CudnnAttention::piece_forward(bf16*, float*, const bf16*, const bf16*, const bf16*, int, int, int, int, int, bool,
+                                   int, int, int, float, std::string* why) {
+  *why = "built without the cuDNN frontend (make CUDNN_FE=0)";
+  return false;
+}
+bool CudnnAttention::piece_backward(bf16*, bf16*, bf16*, const bf16*, const bf16*, const bf16*, const bf16*,
+                                    const bf16*, const float*, int, int, int, int, int, bool, int, int, int, float,
+                                    std::string* why) {
   *why = "built without the cuDNN frontend (make CUDNN_FE=0)";
   return false;
 }

@@ -62,6 +62,24 @@ class CudnnAttention {
   bool backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dy, const bf16* q, const bf16* k, const bf16* v,
                 const bf16* y, const float* lse, int B, int T, int NH, int NKV, int HD, float scale,
                 std::string* why);
+  // One piece of block attention at global positions (include/shardtrain/backend/attention_pieces.h):
+  // nq query rows of blocks of Tq rows per sequence against nk key rows of blocks of Tk rows. q, y,
+  // dy, dq point at the piece's first query row of the first sequence ([B*Tq, NH*HD] row-major, so
+  // sequence b's rows follow Tq rows later); k, v, dk, dv at its first key row ([B*Tk, NKV*HD]);
+  // lse at the piece's first row of [B, NH, Tq] (row t of head h of sequence b at (b NH + h) Tq + t).
+  // causal: query row t of the piece sees key row u iff u <= t (top-left diagonal); else every key.
+  // forward / backward above are the whole sequence's piece (nq = nk = Tq = Tk = T, causal).
+  // Writes (=) the piece's rows only; returns and throws as forward / backward.
+  bool piece_forward(bf16* y, float* lse, const bf16* q, const bf16* k, const bf16* v, int B, int Tq, int Tk, int nq,
+                     int nk, bool causal, int NH, int NKV, int HD, float scale, std::string* why);
+  bool piece_backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dy, const bf16* q, const bf16* k, const bf16* v,
+                      const bf16* y, const float* lse, int B, int Tq, int Tk, int nq, int nk, bool causal, int NH,
+                      int NKV, int HD, float scale, std::string* why);
+  // Builds (or finds) the graph piece_forward / piece_backward would run for this shape, running
+  // nothing: false and why when cuDNN cannot take it, so that a caller can check every piece of a
+  // block pair before any of them writes (a backward accumulates).
+  bool prepare_piece(bool backward, int B, int Tq, int Tk, int nq, int nk, bool causal, int NH, int NKV, int HD,
+                     float scale, std::string* why);
   bool deterministic() const { return deterministic_; }
 
   struct Impl;
