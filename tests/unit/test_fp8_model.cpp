@@ -8,6 +8,8 @@
 //     the LM head's GEMMs (every one has the vocabulary as a dimension) are plain gemm calls.
 //     Without fp8: no linear_fp8 call, and exactly those 21 x L GEMMs more.
 //   - An MoE config with fp8 is refused by the constructor; a double backend refuses linear_fp8.
+//   - The memory plan's "fp8 GEMM scratch" line (memory_plan.cpp) against arithmetic written here:
+//     llama-125m at 4 x 1024 tokens, TP 1 and 2; fp8_cuda_scratch_bytes of a padded shape.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -24,9 +26,11 @@
 #include "../test_env.h"
 #include "shardtrain/backend/backend.h"
 #include "shardtrain/backend/bf16.h"
+#include "shardtrain/backend/fp8.h"
 #include "shardtrain/model/config.h"
 #include "shardtrain/model/model.h"
 #include "shardtrain/shard/shard.h"
+#include "shardtrain/train/memory_plan.h"
 
 namespace shardtrain {
 namespace {
@@ -181,6 +185,50 @@ TEST(Fp8Model, BackendsWithoutFp8Refuse) {
   std::vector<double> a(4, 1.0), b(4, 1.0), out(4, 0.0);
   EXPECT_THROW(be->linear_fp8(math::Fp8Gemm::Forward, 2, 2, 2, a.data(), b.data(), out.data(), false),
                std::logic_error);
+}
+
+int64_t plan_line(const MemoryPlan& p, const std::string& name) {
+  for (const MemoryLine& l : p.lines)
+    if (l.name == name) return l.bytes;
+  return -1;
+}
+
+TEST(Fp8Plan, ScratchIsTheLargestProjectionsCopiesAndWorkspace) {
+  const ModelConfig mc = preset("llama-125m");  // C 768, I 2048, 12 heads of 64: every width a multiple of 16
+  ASSERT_EQ(mc.hidden_size, 768);
+  ASSERT_EQ(mc.intermediate_size, 2048);
+  for (int tp : {1, 2}) {
+    SCOPED_TRACE("tp " + std::to_string(tp));
+    MemoryPlanInput in;
+    in.model = mc;
+    in.train.seq_len = 1024;
+    in.train.micro_batch = 4;
+    in.train.recompute = Recompute::None;
+    in.world_size = 2;
+    in.precision = Precision::BF16;
+    in.cuda = true;
+    in.mesh = MeshDims{1, 2 / tp, 1, tp};
+    const MemoryPlan off = plan_memory(in);
+    EXPECT_EQ(plan_line(off, "fp8 GEMM scratch"), -1);
+    in.train.fp8 = true;
+    const MemoryPlan on = plan_memory(in);
+    // The largest is a weight gradient of gate/up (or down): dy^T [I/tp, BT] and x^T [C, BT] in fp8,
+    // 1 byte each: (I/tp + C) x BT; + 256 B of scales, 2 KiB of amax partials, 32 MiB workspace.
+    // (Forward of down: BT x I/tp + C x I/tp, smaller at BT = 4096.)
+    const int64_t BT = 4 * 1024, C = 768, I = 2048 / tp;
+    const int64_t want = 256 + 2048 + (I + C) * BT + (int64_t{32} << 20);
+    EXPECT_EQ(plan_line(on, "fp8 GEMM scratch"), want);
+    EXPECT_EQ(on.total() - off.total(), want);
+    std::printf("[ Fp8Plan ] llama-125m, 4 x 1024 tokens, tp %d: fp8 GEMM scratch %lld bytes (%.1f MiB)\n", tp,
+                static_cast<long long>(want), static_cast<double>(want) / (1 << 20));
+  }
+  // A padded shape (Forward, M 37, N 50, K 23): kp 32, mp 64, np 48, and the fp32 output 64 x 48.
+  EXPECT_EQ(fp8_cuda_scratch_bytes(math::Fp8Gemm::Forward, 37, 50, 23, true),
+            256 + 2048 + 1536 + 2048 + 12288 + (int64_t{32} << 20));
+  // The same shape aligned but with an unaligned output pointer would also pad; an aligned one not.
+  EXPECT_EQ(fp8_cuda_scratch_bytes(math::Fp8Gemm::WeightGrad, 64, 32, 48, true), 256 + 2048 + 2048 + 3072 + (int64_t{32} << 20));
+  EXPECT_EQ(fp8_cuda_scratch_bytes(math::Fp8Gemm::WeightGrad, 64, 32, 48, false),
+            256 + 2048 + 2048 + 3072 + 6144 + (int64_t{32} << 20));
 }
 
 }  // namespace
