@@ -1,5 +1,7 @@
 // ModelOptions::fp8 (issue 57 item 3) on the CPU, through the backend's fp8 emulation
-// (fp8_linear_emulated): one forward + backward of a small dense model, float and bf16 storage.
+// (fp8_linear_emulated): one forward + backward of a small dense model, float storage (bf16 runs
+// through MixedPrecisionUnits over an fp32 Fsdp, not set up here; the emulation's bf16 path is
+// test_fp8.cpp's).
 //   - The switch is wired: the loss with fp8 differs from the run without (bitwise), by less than
 //     kLossRel relative; the gradients differ by less than kGradRel (relative L2 over all shards).
 //   - Which GEMMs went through linear_fp8, counted by a forwarding backend (tests/mpi/
@@ -52,7 +54,7 @@ ModelConfig fp8_config() {
 }
 
 constexpr int kB = 2, kT = 24;
-// Bounds, from the runs below (float: loss rel diff ~1e-3, gradients ~3e-2; bf16 alike): fp8's
+// Bounds (generous against what the run prints; see the report line): fp8's
 // per-element errors (2^-4 relative for E4M3, 2^-3 for E5M2) average out in the products and the
 // loss, which sits near ln(61) ~ 4.1 at initialization.
 constexpr double kLossRel = 0.05;
@@ -162,7 +164,6 @@ template <typename T> void check_fp8_model(const char* what) {
 }
 
 TEST(Fp8Model, BlockProjectionsRunInFp8Float) { check_fp8_model<float>("float"); }
-TEST(Fp8Model, BlockProjectionsRunInFp8Bf16) { check_fp8_model<bf16>("bf16"); }
 
 TEST(Fp8Model, MoeIsRefused) {
   auto be = make_cpu_backend<float>();
