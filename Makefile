@@ -57,7 +57,7 @@ NVCCFLAGS := -std=c++20 -O3 -g -lineinfo $(foreach a,$(CUDA_ARCHS),-gencode arch
 	-gencode arch=compute_$(lastword $(CUDA_ARCHS)),code=compute_$(lastword $(CUDA_ARCHS)) \
 	-Werror all-warnings -Xcompiler -fPIC,-Wall,-Wextra,-Wshadow,-Werror,-fno-math-errno,-fno-trapping-math \
 	-isystem $(CUDA_HOME)/include
-CUDA_LIBS := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lnccl -lcublas -lcudart
+CUDA_LIBS := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lnccl -lcublas -lcublasLt -lcudart
 CUDA_PLUGIN := $(BUILD)/libshardtrain_cuda.so
 # cuDNN's fused attention (src/backend/cuda/cudnn_attention.cu) is written against the cuDNN
 # frontend, a header-only C++ API that NVIDIA ships as the PyPI wheel nvidia-cudnn-frontend (its

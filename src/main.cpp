@@ -315,8 +315,14 @@ void run_train(Comm& comm, const Topology& topo, const Options& o) {
   if (const std::string why = apply_data_settings(tc, *data, o.data_given, &note); !why.empty())
     throw CollectiveError(0, why);
   if (!note.empty()) log_info(comm, note);
+  all_ok(comm, !(tc.fp8 && mc.is_moe()),
+         "option '--precision fp8' does not support mixture-of-experts models (" + mc.name +
+             "): the experts and the router would stay bf16; use '--precision bf16'");
   std::string device_why;
   const DevicePlan dp = place_devices(comm, topo, o, device_why);
+  all_ok(comm, !(tc.fp8 && !dp.cuda),
+         "option '--precision fp8' needs a GPU with FP8 tensor cores (compute capability 8.9 or newer: sm_89 Ada, "
+         "sm_90 Hopper and later); this run is on the CPU: use '--precision bf16' or 'fp32'");
   const Backends b = make_backends(comm, topo, o, dp, device_why, *mesh, ctx);
   Engine eng{*mesh, *b.be, b.be16.get(), b.job_peak};
   train(eng, mc, tc, *data);

@@ -40,7 +40,7 @@ po::options_description describe(Options& o) {
       ("collective-timeout", dbl(&o.collective_timeout), "seconds a collective may wait for the other ranks before this rank ends the job (a peer died or hangs); 0 = never")
       ("device", po::value<std::string>(&o.device)->default_value(o.device), "train on: auto (cuda when a GPU is visible, else cpu) | cpu | cuda (one GPU per rank: the local rank's)")
       ("gpu-comm", po::value<std::string>(&o.gpu_comm)->default_value(o.gpu_comm), "GPU collectives: nccl (one rank per GPU) | mpi (through MPI on host copies; lets several ranks share a GPU)")
-      ("precision", po::value<std::string>(&o.precision)->default_value(o.precision), "fp32 | bf16 (mixed precision: bf16 weights for compute and bf16 activations, fp32 master weights, AdamW state and GEMM accumulation)")
+      ("precision", po::value<std::string>(&o.precision)->default_value(o.precision), "fp32 | bf16 (mixed precision: bf16 weights for compute and bf16 activations, fp32 master weights, AdamW state and GEMM accumulation) | fp8 (bf16, and the transformer blocks' projections as float8 GEMMs with per-tensor dynamic scales; GPUs with FP8 tensor cores, sm_89 or newer, only; not with MoE models)")
       ("reduce-dtype", po::value<std::string>(&o.reduce_dtype)->default_value(o.reduce_dtype), "with --precision bf16: gradients are reduce-scattered in fp32 | bf16 (half the bytes)")
       ("overlap", po::value<std::string>(&o.overlap)->default_value(o.overlap), "on: all-gathers are prefetched and reduce-scatters run asynchronously, behind the compute | off: every collective is waited for when it is started (the reference: results are bitwise the same)")
       ("prefetch", po::value<int>(&o.prefetch)->default_value(o.prefetch), "with --overlap on: units whose all-gather runs ahead of the unit being computed (each needs a buffer of the largest unit)")
@@ -400,7 +400,7 @@ void fill_typed(Options& o) {
     if (o.mode == name) o.run.mode = m;
   o.run.device = o.device == "cpu" ? DeviceChoice::Cpu : o.device == "cuda" ? DeviceChoice::Cuda : DeviceChoice::Auto;
   o.run.shard_group_node = o.shard_group_size == "node";
-  o.train.precision = parse_precision(o.precision);
+  o.train.precision = parse_precision(o.precision, &o.train.fp8);
   o.train.recompute = parse_recompute(o.activation_checkpointing);
   o.train.attention = parse_attention(o.attention);
   o.train.cp_comm = parse_cp_comm(o.cp_comm);

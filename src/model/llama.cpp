@@ -197,6 +197,9 @@ LlamaModel<T>::LlamaModel(const ModelConfig& c, Backend<T>& be, const ModelOptio
     : c_(c), o_(o), be_(be), tp_(tp && tp->size() > 1 ? tp : nullptr), cp_(cp && cp->size() > 1 ? cp : nullptr),
       ep_(ep && ep->size() > 1 ? ep : nullptr), tp_n_(tp_ ? tp_->size() : 1), tp_rank_(tp_ ? tp_->rank() : 0),
       d_(c, tp_n_, tp_rank_, cp_ ? cp_->size() : 1, ep_ ? ep_->size() : 1) {
+  if (o_.fp8 && c.is_moe())
+    throw std::invalid_argument("'--precision fp8' does not support mixture-of-experts models (" + c.name +
+                                "): the experts and the router are not quantized; use '--precision bf16'");
   if (cp_ && o_.attention == AttentionKind::Exact)
     throw std::invalid_argument("context parallelism (--cp " + std::to_string(cp_->size()) +
                                 ") runs tiled attention only, not '--attention exact'");

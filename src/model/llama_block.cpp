@@ -29,6 +29,18 @@ void linear(Backend<T>& be, LinearRole role, int M, int N, int K, const T* a, co
   }
 }
 
+template <typename T>
+void LlamaModel<T>::proj(LinearRole role, int M, int N, int K, const T* a, const T* b, T* out, bool accumulate) {
+  if (!o_.fp8) return linear(be_, role, M, N, K, a, b, out, accumulate);
+  math::Fp8Gemm g = math::Fp8Gemm::Forward;
+  switch (role) {
+    case LinearRole::Forward: g = math::Fp8Gemm::Forward; break;
+    case LinearRole::InputGrad: g = math::Fp8Gemm::InputGrad; break;
+    case LinearRole::WeightGrad: g = math::Fp8Gemm::WeightGrad; break;
+  }
+  be_.linear_fp8(g, M, N, K, a, b, out, accumulate);
+}
+
 template <typename T> const T* LlamaModel<T>::keep_rows(const T* local, Buffer<T>& into) {
   if (tp_n_ > 1) return gather_rows(local, into);
   be_.copy(into.data(), local, static_cast<size_t>(d_.R) * d_.C);
@@ -56,10 +68,10 @@ template <typename T> void LlamaModel<T>::row_parallel_residual(const T* in, int
   const size_t n = static_cast<size_t>(d.R) * d.C;
   if (tp_n_ == 1) {
     be_.copy(out, x, n);
-    linear(be_, kFwd, d.BT, d.C, K, in, W, out, true);
+    proj(kFwd, d.BT, d.C, K, in, W, out, true);
     return;
   }
-  linear(be_, kFwd, d.BT, d.C, K, in, W, full_.data(), false);  // this rank's partial sums, all rows
+  proj(kFwd, d.BT, d.C, K, in, W, full_.data(), false);  // this rank's partial sums, all rows
   tp_->reduce_scatter_sum(full_.data(), out, n);                 // summed over the group, this rank's rows
   be_.axpy(n, S(1), x, out);
 }
@@ -77,9 +89,9 @@ void LlamaModel<T>::block_forward(UnitSource<T>& f, const Context& ctx, int l, c
   be_.rmsnorm_forward(ln_.data(), a.rstd1.data(), x, w + off_.ln1, d.R, d.C, eps_);
   const T* n1 = gather_rows(ln_.data(), full_);
   const bool qkn = off_.qn >= 0;  // Qwen3: q and k are normalized per head before RoPE
-  linear(be_, kFwd, d.BT, d.Q, d.C, n1, w + off_.q, qkn ? a.qp.data() : a.q.data(), false);
-  linear(be_, kFwd, d.BT, d.KV, d.C, n1, w + off_.k, qkn ? a.kp.data() : a.k.data(), false);
-  linear(be_, kFwd, d.BT, d.KV, d.C, n1, w + off_.v, a.v.data(), false);
+  proj(kFwd, d.BT, d.Q, d.C, n1, w + off_.q, qkn ? a.qp.data() : a.q.data(), false);
+  proj(kFwd, d.BT, d.KV, d.C, n1, w + off_.k, qkn ? a.kp.data() : a.k.data(), false);
+  proj(kFwd, d.BT, d.KV, d.C, n1, w + off_.v, a.v.data(), false);
   if (qkn) {
     head_norm(a.q.data(), a.rq.data(), a.qp.data(), w + off_.qn, d.NH);
     head_norm(a.k.data(), a.rk.data(), a.kp.data(), w + off_.kn, d.NKV);
@@ -91,8 +103,8 @@ void LlamaModel<T>::block_forward(UnitSource<T>& f, const Context& ctx, int l, c
   be_.rmsnorm_forward(ln_.data(), a.rstd2.data(), a.x1.data(), w + off_.ln2, d.R, d.C, eps_);
   if (is_moe(l)) return moe_forward(f, ctx, l, w, a, h, xn);  // ... or its experts'
   const T* n2 = gather_rows(ln_.data(), full_);
-  linear(be_, kFwd, d.BT, d.I, d.C, n2, w + off_.gate, a.g.data(), false);
-  linear(be_, kFwd, d.BT, d.I, d.C, n2, w + off_.up, a.u.data(), false);
+  proj(kFwd, d.BT, d.I, d.C, n2, w + off_.gate, a.g.data(), false);
+  proj(kFwd, d.BT, d.I, d.C, n2, w + off_.up, a.u.data(), false);
   be_.swiglu_forward(h, a.g.data(), a.u.data(), static_cast<size_t>(d.BT) * d.I);
   if (!xn) return;
   row_parallel_residual(h, d.I, w + off_.down, a.x1.data(), xn);
@@ -151,24 +163,24 @@ void LlamaModel<T>::block_backward(UnitSource<T>& f, Context& ctx, int l, const 
   } else {
     // MLP: x_next = x1 + h Wd^T.  dres flows to x1 unchanged (+ the norm path below).
     dr = keep ? keep_rows(dres, keep->dr2) : gather_rows(dres, dfull_);  // TP: all rows of d(x_next)
-    linear(be_, kDIn, d.BT, d.C, d.I, dr, w + off_.down, dh_.data(), false);
-    if (!keep) linear(be_, kDW, d.BT, d.C, d.I, dr, h, gw + off_.down, true);
+    proj(kDIn, d.BT, d.C, d.I, dr, w + off_.down, dh_.data(), false);
+    if (!keep) proj(kDW, d.BT, d.C, d.I, dr, h, gw + off_.down, true);
     be_.swiglu_backward(dg, du, dh_.data(), a.g.data(), a.u.data(), static_cast<size_t>(d.BT) * d.I);
-    linear(be_, kDIn, d.BT, d.I, d.C, dg, w + off_.gate, input_grad(), false);
-    linear(be_, kDIn, d.BT, d.I, d.C, du, w + off_.up, input_grad(), true);
+    proj(kDIn, d.BT, d.I, d.C, dg, w + off_.gate, input_grad(), false);
+    proj(kDIn, d.BT, d.I, d.C, du, w + off_.up, input_grad(), true);
     // The normalized input is not kept per layer: recomputed (bitwise the same values, rstd too).
     const T* n2 = norm_rows(a.rstd2.data(), a.x1.data(), w + off_.ln2, keep ? &keep->n2 : nullptr);
     if (!keep) {
-      linear(be_, kDW, d.BT, d.I, d.C, dg, n2, gw + off_.gate, true);
-      linear(be_, kDW, d.BT, d.I, d.C, du, n2, gw + off_.up, true);
+      proj(kDW, d.BT, d.I, d.C, dg, n2, gw + off_.gate, true);
+      proj(kDW, d.BT, d.I, d.C, du, n2, gw + off_.up, true);
     }
     reduce_input_grad();
   }
   be_.rmsnorm_backward(dres, gln2, dln_.data(), a.x1.data(), w + off_.ln2, a.rstd2.data(), d.R, d.C);
   // Attention: x1 = x + y Wo^T.
   dr = keep ? keep_rows(dres, keep->dr1) : gather_rows(dres, dfull_);
-  linear(be_, kDIn, d.BT, d.C, d.Q, dr, w + off_.o, dy_.data(), false);
-  if (!keep) linear(be_, kDW, d.BT, d.C, d.Q, dr, a.y.data(), gw + off_.o, true);
+  proj(kDIn, d.BT, d.C, d.Q, dr, w + off_.o, dy_.data(), false);
+  if (!keep) proj(kDW, d.BT, d.C, d.Q, dr, a.y.data(), gw + off_.o, true);
   attend_backward(ctx, a, att, dq, dk, dv);
   rope_qk(ctx, dq, dk, true);
   if (off_.qn >= 0) {  // d(q), d(k) before the per-head norm; its weight gradients after the others'
@@ -177,14 +189,14 @@ void LlamaModel<T>::block_backward(UnitSource<T>& f, Context& ctx, int l, const 
     head_norm_backward(dk, keep ? keep->dnorm.data() + 2 * d.C + d.HD : gw + off_.kn, a.kp.data(), w + off_.kn,
                        a.rk.data(), d.NKV);
   }
-  linear(be_, kDIn, d.BT, d.Q, d.C, dq, w + off_.q, input_grad(), false);
-  linear(be_, kDIn, d.BT, d.KV, d.C, dk, w + off_.k, input_grad(), true);
-  linear(be_, kDIn, d.BT, d.KV, d.C, dv, w + off_.v, input_grad(), true);
+  proj(kDIn, d.BT, d.Q, d.C, dq, w + off_.q, input_grad(), false);
+  proj(kDIn, d.BT, d.KV, d.C, dk, w + off_.k, input_grad(), true);
+  proj(kDIn, d.BT, d.KV, d.C, dv, w + off_.v, input_grad(), true);
   const T* n1 = norm_rows(a.rstd1.data(), x, w + off_.ln1, keep ? &keep->n1 : nullptr);
   if (!keep) {
-    linear(be_, kDW, d.BT, d.Q, d.C, dq, n1, gw + off_.q, true);
-    linear(be_, kDW, d.BT, d.KV, d.C, dk, n1, gw + off_.k, true);
-    linear(be_, kDW, d.BT, d.KV, d.C, dv, n1, gw + off_.v, true);
+    proj(kDW, d.BT, d.Q, d.C, dq, n1, gw + off_.q, true);
+    proj(kDW, d.BT, d.KV, d.C, dk, n1, gw + off_.k, true);
+    proj(kDW, d.BT, d.KV, d.C, dv, n1, gw + off_.v, true);
   }
   reduce_input_grad();
   be_.rmsnorm_backward(dres, gln1, dln_.data(), x, w + off_.ln1, a.rstd1.data(), d.R, d.C);
@@ -201,14 +213,14 @@ template <typename T> void LlamaModel<T>::block_weight(const Context& ctx, int l
   const Layer& a = ctx.layers_[i];  // h (Recompute::None) and y (None, Selective) are the context's
   const T* h = k.h.size() ? k.h.data() : a.h.data();
   const T* y = k.y.size() ? k.y.data() : a.y.data();
-  linear(be_, kDW, d.BT, d.C, d.I, k.dr2.data(), h, gw + off_.down, true);
-  linear(be_, kDW, d.BT, d.I, d.C, k.dg.data(), k.n2.data(), gw + off_.gate, true);
-  linear(be_, kDW, d.BT, d.I, d.C, k.du.data(), k.n2.data(), gw + off_.up, true);
+  proj(kDW, d.BT, d.C, d.I, k.dr2.data(), h, gw + off_.down, true);
+  proj(kDW, d.BT, d.I, d.C, k.dg.data(), k.n2.data(), gw + off_.gate, true);
+  proj(kDW, d.BT, d.I, d.C, k.du.data(), k.n2.data(), gw + off_.up, true);
   be_.copy(gw + off_.ln2, k.dnorm.data() + d.C, static_cast<size_t>(d.C));
-  linear(be_, kDW, d.BT, d.C, d.Q, k.dr1.data(), y, gw + off_.o, true);
-  linear(be_, kDW, d.BT, d.Q, d.C, k.dq.data(), k.n1.data(), gw + off_.q, true);
-  linear(be_, kDW, d.BT, d.KV, d.C, k.dk.data(), k.n1.data(), gw + off_.k, true);
-  linear(be_, kDW, d.BT, d.KV, d.C, k.dv.data(), k.n1.data(), gw + off_.v, true);
+  proj(kDW, d.BT, d.C, d.Q, k.dr1.data(), y, gw + off_.o, true);
+  proj(kDW, d.BT, d.Q, d.C, k.dq.data(), k.n1.data(), gw + off_.q, true);
+  proj(kDW, d.BT, d.KV, d.C, k.dk.data(), k.n1.data(), gw + off_.k, true);
+  proj(kDW, d.BT, d.KV, d.C, k.dv.data(), k.n1.data(), gw + off_.v, true);
   be_.copy(gw + off_.ln1, k.dnorm.data(), static_cast<size_t>(d.C));
   if (off_.qn >= 0) {
     be_.copy(gw + off_.qn, k.dnorm.data() + 2 * d.C, static_cast<size_t>(d.HD));
@@ -220,6 +232,7 @@ template <typename T> void LlamaModel<T>::block_weight(const Context& ctx, int l
 // the class, and with it the members defined there).
 #define ST_LLAMA_BLOCK(T) \
   template void linear<T>(Backend<T>&, LinearRole, int, int, int, const T*, const T*, T*, bool); \
+  template void LlamaModel<T>::proj(LinearRole, int, int, int, const T*, const T*, T*, bool); \
   template const T* LlamaModel<T>::keep_rows(const T*, Buffer<T>&); \
   template const T* LlamaModel<T>::norm_rows(T*, const T*, const T*, Buffer<T>*); \
   template const T* LlamaModel<T>::gather_rows(const T*, Buffer<T>&); \

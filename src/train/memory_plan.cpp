@@ -7,7 +7,10 @@
 #include <memory>
 #include <sstream>
 #include <stdexcept>
+#include <string>
+#include <utility>
 
+#include "shardtrain/backend/fp8.h"  // fp8_cuda_scratch_bytes
 #include "shardtrain/parallel/parallelize.h"  // rank_unit_plan, sharding_words, checkpoint_layout_rows
 #include "shardtrain/shard/shard.h"
 
@@ -182,6 +185,28 @@ MemoryPlan plan_memory(const MemoryPlanInput& in) {
   append(lm.kept);
   if (lm.activations.recompute) add("recomputed block activations", lm.activations.recompute, "one block at a time");
   append(lm.scratch);
+  if (in.train.fp8) {  // --precision fp8: the largest projection GEMM's fp8 copies and cuBLASLt workspace
+    const ModelConfig& c = in.model;
+    const int64_t BT = int64_t{in.train.micro_batch} * (in.train.seq_len / std::max(1, d.cp));
+    const int64_t C = c.hidden_size, I = c.intermediate_size / d.tp, HD = c.head_dim();
+    const int64_t Q = c.num_attention_heads * HD / d.tp, KV = c.num_key_value_heads * HD / d.tp;
+    int64_t most = 0;
+    std::string which;
+    const std::pair<int64_t, int64_t> nk[] = {{Q, C}, {KV, C}, {C, Q}, {I, C}, {C, I}};
+    const char* names[] = {"q", "k/v", "o", "gate/up", "down"};
+    const char* roles[] = {"forward", "input gradient", "weight gradient"};
+    for (int r = 0; r < 3; ++r)
+      for (int i = 0; i < 5; ++i) {
+        const int64_t b = fp8_cuda_scratch_bytes(static_cast<math::Fp8Gemm>(r), BT, nk[i].first, nk[i].second, true);
+        if (b > most) {
+          most = b;
+          which = std::string(names[i]) + " " + roles[r];
+        }
+      }
+    add("fp8 GEMM scratch", most,
+        "the largest block projection GEMM's (" + which + ", " + with_commas(BT) +
+            " rows) fp8 copies incl. transposed, and the 32 MiB cuBLASLt workspace");
+  }
   if (!in.cuda && in.data_tokens)
     add("token data", static_cast<int64_t>(in.data_tokens) * in.token_bytes,
         with_commas(static_cast<int64_t>(in.data_tokens)) + " tokens x " + std::to_string(in.token_bytes) +

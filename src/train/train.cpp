@@ -36,9 +36,10 @@ double lr_at(const TrainConfig& tc, int64_t s) {
 
 
 std::string train_config_json(const TrainConfig& tc, int world_size, int shard_group_size, int tp) {
-  const std::string precision = tc.precision == Precision::FP32 ? std::string("fp32")
-                                : tc.reduce_bf16                ? std::string("bf16 (bf16 gradient reduce)")
-                                                                : std::string("bf16 (fp32 gradient reduce)");
+  const std::string precision = (tc.precision == Precision::FP32 ? std::string("fp32")
+                                 : tc.reduce_bf16               ? std::string("bf16 (bf16 gradient reduce)")
+                                                                : std::string("bf16 (fp32 gradient reduce)")) +
+                                (tc.fp8 ? std::string(", fp8 block GEMMs") : std::string());
   nlohmann::json j({{"seq_len", tc.seq_len}, {"global_batch", tc.global_batch}, {"micro_batch", tc.micro_batch},
                          {"steps", tc.steps}, {"lr", tc.lr}, {"min_lr", tc.min_lr}, {"warmup", tc.warmup},
                          {"beta1", tc.beta1}, {"beta2", tc.beta2}, {"eps", tc.eps}, {"weight_decay", tc.weight_decay},
@@ -225,13 +226,15 @@ ModelOptions model_options(const TrainConfig& tc) {
   o.aux_scope = tc.aux_scope;
   if (tc.loss_chunk < 0) throw std::invalid_argument("option '--loss-chunk' must be >= 0 (0: the default)");
   o.loss_chunk = tc.loss_chunk;
+  o.fp8 = tc.fp8;
   return o;
 }
 
-Precision parse_precision(const std::string& s) {
+Precision parse_precision(const std::string& s, bool* fp8) {
+  if (fp8) *fp8 = s == "fp8";
   if (s == "fp32") return Precision::FP32;
-  if (s == "bf16") return Precision::BF16;
-  throw std::invalid_argument("option '--precision' must be fp32 or bf16, got '" + s + "'");
+  if (s == "bf16" || s == "fp8") return Precision::BF16;
+  throw std::invalid_argument("option '--precision' must be fp32, bf16 or fp8, got '" + s + "'");
 }
 
 const char* precision_name(Precision p) { return p == Precision::BF16 ? "bf16" : "fp32"; }

@@ -58,7 +58,7 @@ echo "ok: a bf16 checkpoint resumes in fp32, an fp32 checkpoint resumes in bf16 
 
 # Device refusals (docs/errors.md), before any device is touched.
 A2=(--model tiny --data "$DATA" --seq-len 16 --global-batch 4 --steps 2 --threads 1)
-expect_fail bad_precision "option '--precision' must be fp32 or bf16, got 'fp16'" 2 "${A2[@]}" --precision fp16
+expect_fail bad_precision "option '--precision' must be fp32, bf16 or fp8, got 'fp16'" 2 "${A2[@]}" --precision fp16
 expect_fail bad_device "option '--device' must be auto, cpu or cuda, got 'gpu'" 2 "${A2[@]}" --device gpu
 if [ -e "$(dirname "$BIN")/libshardtrain_cuda.so" ]; then  # a CUDA build: its plugin is beside it
   expect_fail no_gpu "option '--device cuda': no CUDA device visible on node" 2 "${A2[@]}" --device cuda

@@ -6,19 +6,30 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <vector>
 
 #include "shardtrain/backend/backend.h"
 
 namespace shardtrain::testing {
 
 // A backend that forwards to the CPU backend and records every allocation, so the tests can
-// check how much memory the FSDP engine holds per rank.
+// check how much memory the FSDP engine holds per rank; also every linear_fp8 call, and with
+// record_gemms every gemm call (their shapes), so tests can check which GEMMs ran in float8.
 template <typename T> class CountingBackend final : public shardtrain::Backend<T> {
  public:
   using S = typename shardtrain::Backend<T>::S;
   CountingBackend() : inner_(shardtrain::make_cpu_backend<T>()) {}
   std::map<const T*, size_t> live;  // pointer -> elements
   size_t allocs = 0, frees = 0;
+  // One GEMM call: for gemm, kind -1 and the BLAS arguments; for linear_fp8, kind = the role
+  // (0 Forward, 1 InputGrad, 2 WeightGrad) and linear()'s M, N, K (ta, tb false).
+  struct Gemm {
+    int kind;
+    bool ta, tb;
+    int M, N, K;
+  };
+  bool record_gemms = false;      // gemm calls are recorded only when set
+  std::vector<Gemm> gemms, fp8s;  // gemm calls (when record_gemms), linear_fp8 calls (always)
   size_t live_elements() const {  // T buffers only
     size_t n = 0;
     for (auto& [p, k] : live) n += k;
@@ -76,7 +87,13 @@ template <typename T> class CountingBackend final : public shardtrain::Backend<T
   void add_to_f32(float* d, float a, const T* s, size_t n) override { inner_->add_to_f32(d, a, s, n); }
   void gemm(bool ta, bool tb, int M, int N, int K, S alpha, const T* A, int lda, const T* B, int ldb, S beta, T* C,
             int ldc) override {
+    if (record_gemms) gemms.push_back({-1, ta, tb, M, N, K});
     inner_->gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  }
+  void linear_fp8(shardtrain::math::Fp8Gemm role, int M, int N, int K, const T* a, const T* b, T* out,
+                  bool accumulate) override {
+    fp8s.push_back({static_cast<int>(role), false, false, M, N, K});
+    inner_->linear_fp8(role, M, N, K, a, b, out, accumulate);
   }
   void gemm_strided_batched(bool ta, bool tb, int M, int N, int K, S alpha, const T* A, int lda, int64_t sa,
                             const T* B, int ldb, int64_t sb, S beta, T* C, int ldc, int64_t sc, int batch) override {

@@ -29,9 +29,12 @@
 #include <initializer_list>
 #include <memory>
 #include <new>
+#include <stdexcept>
+#include <string>
 #include <utility>
 
 #include "shardtrain/backend/bf16.h"
+#include "shardtrain/backend/fp8_math.h"  // math::Fp8Gemm
 #include "shardtrain/backend/ops_math.h"  // kNoTarget
 #include "shardtrain/runtime/progress.h"
 
@@ -127,6 +130,26 @@ template <typename T> class Backend {
   virtual void gemm_strided_batched(bool trans_a, bool trans_b, int M, int N, int K, S alpha, const T* A, int lda,
                                     int64_t stride_a, const T* B, int ldb, int64_t stride_b, S beta, T* C, int ldc,
                                     int64_t stride_c, int batch) = 0;
+
+  // A linear layer's GEMM in float8 (issue 57 item 3, `--precision fp8`): the product `role` of
+  // y = x W^T, W [N, K] row-major, over M rows, with the shapes and layouts of model.h's linear()
+  // (row-major, leading dimension = row width, pointers are this backend's memory, out aliases
+  // neither operand):
+  //   Forward:    out[M, N]  (+)=  a[M, K] · b[N, K]^T     a = x  (E4M3), b = W (E4M3)
+  //   InputGrad:  out[M, K]  (+)=  a[M, N] · b[N, K]       a = dy (E5M2), b = W (E4M3)
+  //   WeightGrad: out[N, K]  (+)=  a[M, N]^T · b[M, K]     a = dy (E5M2), b = x (E4M3)
+  // Each operand is quantized with its own dynamic per-tensor scale (fp8_math.h: amax over the
+  // whole operand, scale = fp8_max / max(amax, 1e-12), saturating round-to-nearest-even cast), the
+  // quantized operands multiplied with fp32 accumulation, the result times (1/scale_a)(1/scale_b),
+  // then written (accumulate false: out is not read) or added to out (accumulate true), rounded to
+  // T once. The CPU backend emulates it (fp8.h fp8_linear_emulated, float and bf16; the reference);
+  // the CUDA backend runs cuBLASLt's FP8 GEMMs (src/backend/cuda/fp8.cu; needs compute capability
+  // >= 8.9, else std::runtime_error). This default throws std::logic_error naming the backend, so
+  // that no backend silently runs an fp8 request unquantized.
+  virtual void linear_fp8(math::Fp8Gemm role, int M, int N, int K, const T* a, const T* b, T* out, bool accumulate) {
+    (void)role, (void)M, (void)N, (void)K, (void)a, (void)b, (void)out, (void)accumulate;
+    throw std::logic_error(std::string("the ") + name() + " backend has no float8 linear GEMM (linear_fp8)");
+  }
 
   // ---- elementwise / reductions -------------------------------------------------------------
   // y += alpha * x, n elements.

@@ -176,6 +176,14 @@ struct ModelOptions {
   // micro-batch; the mask itself is what each forward's layout says (none given: causal).
   AttentionMask mask = AttentionMask::Causal;
   MoeAuxScope aux_scope = MoeAuxScope::Sequence;  // mixture of experts only
+  // float8 GEMMs (issue 57 item 3, `--precision fp8`): the transformer blocks' projections (q, k,
+  // v, o, gate, up, down; all three GEMMs of each) run through Backend::linear_fp8 (per-tensor
+  // dynamic scales, E4M3 x / W, E5M2 dy); the LM head, attention, the norms and everything else
+  // keep the storage type's GEMMs. Refused (std::invalid_argument from LlamaModel's constructor)
+  // with a mixture-of-experts config: its experts and router are not quantized, and half an fp8
+  // model is not what the flag promises. A backend without linear_fp8 throws std::logic_error at
+  // the first projection (Backend::linear_fp8).
+  bool fp8 = false;
 };
 // Parse "none" | "selective" | "full", "tiled" | "exact" and "causal" | "document"; throw
 // std::invalid_argument naming the options '--activation-checkpointing' / '--attention' /
@@ -317,7 +325,8 @@ int64_t deferred_weight_bytes(const ModelConfig& c, const ModelOptions& o, int B
 // weight: N outputs, K inputs), over M rows; row-major [M, ...] operands, leading dimension = row
 // width. Every projection of the model (q, k, v, o, gate, up, down, the LM head) goes through
 // this one function, so that a change of how projections compute (tensor parallelism's split of
-// W, float8) is made here. The backend's gemm computes in S (fp32 for bf16 storage).
+// W) is made here; with ModelOptions::fp8 the blocks' projections (not the LM head, not the MoE
+// experts) call Backend::linear_fp8 with the same arguments instead (LlamaModel::proj). The backend's gemm computes in S (fp32 for bf16 storage).
 //   Forward:    out[M, N]  (+)=  a[M, K] · b[N, K]^T     a = x,  b = W,  out = y
 //   InputGrad:  out[M, K]  (+)=  a[M, N] · b[N, K]       a = dy, b = W,  out = dx
 //   WeightGrad: out[N, K]  (+)=  a[M, N]^T · b[M, K]     a = dy, b = x,  out = dW (the model accumulates)
@@ -772,6 +781,10 @@ template <typename T> class LlamaModel {
   // out[R, C] = x + (in[BT, K] W[C, K]^T), the product summed over the TP group and
   // reduce-scattered (row-parallel o / down); without TP: out = x, then the GEMM accumulates.
   void row_parallel_residual(const T* in, int K, const T* W, const T* x, T* out);
+  // A transformer block's projection: linear(be_, role, ...), or with o_.fp8 the backend's
+  // linear_fp8 of the same product (same shapes and accumulate semantics). Only the blocks call
+  // it; the LM head and the MoE experts / router call linear() itself.
+  void proj(LinearRole role, int M, int N, int K, const T* a, const T* b, T* out, bool accumulate);
   // After the input-gradient GEMMs wrote the full partial gradient of a column-parallel input into
   // dfull_ (TP > 1): reduce-scatters it into dln_. No-op without TP (they wrote dln_ directly).
   void reduce_input_grad();

@@ -37,6 +37,11 @@
 //                                              x NKV/tp x HD x elem bytes, allgather about 4 x T x
 //                                              NKV/tp x HD x elem bytes (one sequence at a time); the
 //                                              exact formula and why: cp_memory, parallelize.h
+//   fp8 GEMM scratch (--precision fp8)         the largest of the blocks' projection GEMMs'
+//                                              linear_fp8 scratch (fp8.h fp8_cuda_scratch_bytes: both
+//                                              operands' fp8 copies, transposed where cuBLASLt's TN
+//                                              layout needs them, and the 32 MiB cuBLASLt workspace),
+//                                              rows B x T / cp, widths / tp; reused by every GEMM
 //   token data                                 a token file held in memory (training maps its files: not counted)
 //   runtime                                    the process before any of the above: libraries,
 //                                              MPI, thread stacks (measured, see plan_memory)

@@ -30,8 +30,10 @@ namespace shardtrain {
 // BF16: mixed precision (see MixedPrecisionUnits): fp32 master shards and AdamW state, bf16
 // gathered parameters and activations, fp32 arithmetic and GEMM accumulation.
 enum class Precision { FP32, BF16 };
-// Parses "fp32" / "bf16"; throws std::invalid_argument naming option '--precision'.
-Precision parse_precision(const std::string& s);
+// Parses "fp32" / "bf16" / "fp8"; throws std::invalid_argument naming option '--precision'.
+// "fp8" is BF16 plus float8 GEMMs in the transformer blocks (TrainConfig::fp8, ModelOptions::fp8):
+// it returns Precision::BF16 and sets *fp8 (when given) to true; the others set it to false.
+Precision parse_precision(const std::string& s, bool* fp8 = nullptr);
 // "fp32", "bf16": the option's spelling.
 const char* precision_name(Precision p);
 
@@ -99,6 +101,9 @@ struct TrainConfig {
   // How the run computes and communicates: the result is the same for any overlap setting
   // (bitwise); precision changes the arithmetic (recorded in checkpoints, see train_config_json).
   Precision precision = Precision::FP32;  // --precision
+  // --precision fp8: precision is BF16 and the blocks' projections run in float8 (ModelOptions::fp8;
+  // GPUs with FP8 tensor cores only: the CLI refuses it on the CPU and with MoE models).
+  bool fp8 = false;
   bool reduce_bf16 = false;               // --reduce-dtype bf16 (BF16 only): reduce-scatter gradients in bf16
   OverlapConfig overlap{};                // --overlap, --prefetch, --comm-progress
   CpComm cp_comm = CpComm::Ring;          // --cp-comm (with --cp > 1): how a CP group moves K/V

@@ -145,6 +145,9 @@ template <typename T> class CpuBackend final : public Backend<T> {
             T* C, int ldc) override;
   void gemm_strided_batched(bool ta, bool tb, int M, int N, int K, S alpha, const T* Am, int lda, int64_t sa,
                             const T* B, int ldb, int64_t sb, S beta, T* C, int ldc, int64_t sc, int batch) override;
+  // fp8_linear_emulated (fp8.h) for float and bf16 storage; std::logic_error for double (the
+  // emulation widens to float: a double run has nothing to compare it with).
+  void linear_fp8(math::Fp8Gemm role, int M, int N, int K, const T* a, const T* b, T* out, bool accumulate) override;
 
   // ---- optimizer.cpp ----
   void axpy(size_t n, S alpha, const T* x, T* y) override;

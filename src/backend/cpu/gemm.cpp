@@ -6,10 +6,12 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <stdexcept>
 #include <type_traits>
 #include <vector>
 
 #include "cpu_backend.h"
+#include "shardtrain/backend/fp8.h"
 
 namespace shardtrain {
 namespace cpu {
@@ -159,6 +161,18 @@ template <typename T> void CpuBackend<T>::widen(std::vector<float>& dst, const T
       dst[static_cast<size_t>(i) * cols + j] = static_cast<float>(math::ld(src[static_cast<size_t>(i) * ld + j]));
 }
 
+template <typename T>
+void CpuBackend<T>::linear_fp8(math::Fp8Gemm role, int M, int N, int K, const T* a, const T* b, T* out,
+                               bool accumulate) {
+  if constexpr (std::is_same_v<T, double>) {
+    (void)role, (void)M, (void)N, (void)K, (void)a, (void)b, (void)out, (void)accumulate;
+    throw std::logic_error("the cpu backend's float8 linear GEMM (linear_fp8) emulates float and bf16 storage only, "
+                           "not double");
+  } else {
+    fp8_linear_emulated<T>(role, M, N, K, a, b, out, accumulate);
+  }
+}
+
 #define ST_CPU_GEMM(T)                                                                                               \
   template void CpuBackend<T>::from_f32(T*, const float*, size_t);                                                 \
   template void CpuBackend<T>::add_to_f32(float*, float, const T*, size_t);                                        \
@@ -166,7 +180,8 @@ template <typename T> void CpuBackend<T>::widen(std::vector<float>& dst, const T
                                     CpuBackend<T>::S, T*, int);                                                    \
   template void CpuBackend<T>::gemm_strided_batched(bool, bool, int, int, int, CpuBackend<T>::S, const T*, int,    \
                                                     int64_t, const T*, int, int64_t, CpuBackend<T>::S, T*, int,    \
-                                                    int64_t, int);
+                                                    int64_t, int);                                 \
+  template void CpuBackend<T>::linear_fp8(math::Fp8Gemm, int, int, int, const T*, const T*, T*, bool);
 ST_CPU_GEMM(float)
 ST_CPU_GEMM(double)
 ST_CPU_GEMM(bf16)

@@ -90,6 +90,7 @@ CudaBackend<T>::~CudaBackend() {
     (void)cudaStreamDestroy(copy_stream_);
   }
   if (compute_done_) (void)cudaEventDestroy(compute_done_);
+  if (lt_) (void)cublasLtDestroy(lt_);
 }
 
 // ---- memory ----

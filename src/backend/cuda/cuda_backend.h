@@ -17,9 +17,11 @@
 //   loss.cu          cross-entropy, vocabulary-parallel cross-entropy
 //   embedding.cu     token embedding
 //   optimizer.cu     AdamW, axpy, scale, sums of squares (gradient norm)
+//   fp8.cu           float8 linear GEMMs (cuBLASLt; device amax, scales and quantize kernels)
 // and share cuda_common.cuh (error checks, launch shapes, device reductions).
 #pragma once
 
+#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
@@ -85,6 +87,10 @@ template <typename T> class CudaBackend final : public Backend<T> {
             int ldc) override;
   void gemm_strided_batched(bool ta, bool tb, int M, int N, int K, S alpha, const T* A, int lda, int64_t sa,
                             const T* B, int ldb, int64_t sb, S beta, T* C, int ldc, int64_t sc, int batch) override;
+
+  // ---- float8 linear GEMMs (fp8.cu): backend.h's contract; cuBLASLt FP8 with device-side
+  // tensorwise scales. std::runtime_error on a device of compute capability < 8.9. ----
+  void linear_fp8(math::Fp8Gemm role, int M, int N, int K, const T* a, const T* b, T* out, bool accumulate) override;
 
   // ---- elementwise, reductions, optimizer (optimizer.cu) ----
   void axpy(size_t n, S alpha, const T* x, T* y) override;
@@ -165,6 +171,8 @@ template <typename T> class CudaBackend final : public Backend<T> {
   bool warned_free_ = false;
   std::unique_ptr<CudnnAttention> cudnn_;  // created at the first bf16 attention call
   std::set<std::string> noted_;            // notes already printed
+  cublasLtHandle_t lt_ = nullptr;          // fp8.cu: created with the first linear_fp8
+  bool fp8_ok_ = false;                    // fp8.cu: the device's compute capability was checked
 
   // ---- cuda_backend.cu ----
   void note_once(const std::string& msg);
@@ -185,6 +193,10 @@ template <typename T> class CudaBackend final : public Backend<T> {
 
   // ---- gemm.cu ----
   void scale_c(T* C, int M, int N, int ldc, float beta);  // C = beta C (the K == 0 GEMM)
+
+  // ---- fp8.cu ----
+  // Throws std::runtime_error unless the current device has compute capability >= 8.9; creates lt_.
+  void fp8_check_device();
 
   // ---- rope.cu ----
   void rope(T* x, const T* cs, const T* sn, int B, int T_, int H, int HD, bool backward);

@@ -19,7 +19,7 @@ namespace shardtrain::cuda_plugin {
 
 // Raise on any change to CudaPluginTable or to the classes whose objects cross the boundary (the
 // versions so far: docs/architecture.md, "The CUDA plugin").
-inline constexpr int kAbiVersion = 6;
+inline constexpr int kAbiVersion = 7;
 inline constexpr const char* kFileName = "libshardtrain_cuda.so";
 inline constexpr const char* kEntryPoint = "shardtrain_cuda_plugin";
 
