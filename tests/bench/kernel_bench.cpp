@@ -11,9 +11,14 @@
 // copy's at the kernel's own size (Backend::copy, cudaMemcpyAsync device to device).
 // Time: the median of --reps repetitions of --inner back-to-back calls after --warmup, each
 // repetition bracketed by Backend::synchronize() (host wall clock), divided by --inner.
+// --gemm: instead, the float8 GEMMs (issue 57 item 3, Backend::linear_fp8: amax, scale, quantize
+// and transposed copies included) against cuBLAS's bf16 GEMM of the same product (Backend::gemm, as
+// model.h's linear() calls it), each role (forward, input gradient, weight gradient) of the
+// projections of Llama-3-8B (C 4096, KV 1024, I 14336; 8,192 tokens) and llama-1b (C 2048, KV 512,
+// I 8192; 16,384 tokens): TFLOP/s = 2 M N K / time, and fp8 / bf16 (issue 57's target >= 1.3x).
 // Prints one markdown table and exits 0; without a CUDA device prints "kernel_bench: skipped: no CUDA
-// device (<reason>)" and exits 0. Usage: kernel_bench [--model llama-350m|llama-1b] [--reps N]
-// [--inner N] [--warmup N]   (tests/gpu/run.sh stage 5e runs it)
+// device (<reason>)" and exits 0. Usage: kernel_bench [--gemm] [--model llama-350m|llama-1b] [--reps N]
+// [--inner N] [--warmup N]   (tests/gpu/run.sh stage 5e runs it, both tables)
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -28,6 +33,7 @@
 #include "shardtrain/backend/backend.h"
 #include "shardtrain/backend/bf16.h"
 #include "shardtrain/backend/cuda.h"
+#include "shardtrain/backend/fp8_math.h"
 
 namespace st = shardtrain;
 
@@ -88,18 +94,64 @@ void row(st::Backend<T>& be, const Timer& tm, const char* kind, const std::strin
   std::fflush(stdout);
 }
 
+// The --gemm table (see the top of this file).
+void gemm_table(st::Backend<st::bf16>& be, const Timer& tm) {
+  using S = st::math::Acc<st::bf16>;
+  using G = st::math::Fp8Gemm;
+  struct Proj {
+    const char* model;
+    const char* name;
+    int M, N, K;  // y[M, N] = x[M, K] W[N, K]^T
+  };
+  const std::vector<Proj> projs{{"Llama-3-8B", "q, o", 8192, 4096, 4096},  {"Llama-3-8B", "k, v", 8192, 1024, 4096},
+                                {"Llama-3-8B", "gate, up", 8192, 14336, 4096}, {"Llama-3-8B", "down", 8192, 4096, 14336},
+                                {"llama-1b", "q, o", 16384, 2048, 2048},     {"llama-1b", "gate, up", 16384, 8192, 2048},
+                                {"llama-1b", "down", 16384, 2048, 8192}};
+  std::printf("| model | projection | role | tokens x outputs x inputs | bf16 TFLOP/s (cuBLAS) | fp8 TFLOP/s "
+              "(linear_fp8) | fp8 / bf16 |\n");
+  std::printf("|---|---|---|---|---|---|---|\n");
+  std::mt19937 g(2);
+  for (const Proj& p : projs)
+    for (G role : {G::Forward, G::InputGrad, G::WeightGrad}) {
+      // Operand and output shapes of the role (model.h, linear()).
+      const size_t M = static_cast<size_t>(p.M), N = static_cast<size_t>(p.N), K = static_cast<size_t>(p.K);
+      const size_t na = role == G::Forward ? M * K : M * N, nb = role == G::WeightGrad ? M * K : N * K,
+                   no = role == G::Forward ? M * N : role == G::InputGrad ? M * K : N * K;
+      auto a = upload(be, randn<st::bf16>(na, g)), b = upload(be, randn<st::bf16>(nb, g, 0.02f));
+      st::Buffer<st::bf16> out(be, no);
+      auto bf16_gemm = [&] {
+        if (role == G::Forward)
+          be.gemm(false, true, p.M, p.N, p.K, S(1), a.data(), p.K, b.data(), p.K, S(0), out.data(), p.N);
+        else if (role == G::InputGrad)
+          be.gemm(false, false, p.M, p.K, p.N, S(1), a.data(), p.N, b.data(), p.K, S(0), out.data(), p.K);
+        else
+          be.gemm(true, false, p.N, p.K, p.M, S(1), a.data(), p.N, b.data(), p.K, S(0), out.data(), p.K);
+      };
+      const double flops = 2.0 * p.M * static_cast<double>(p.N) * p.K;
+      const double tb = tm.seconds(be, bf16_gemm);
+      const double tf = tm.seconds(be, [&] { be.linear_fp8(role, p.M, p.N, p.K, a.data(), b.data(), out.data(), false); });
+      const char* rn = role == G::Forward ? "forward" : role == G::InputGrad ? "input gradient" : "weight gradient";
+      std::printf("| %s | %s | %s | %d x %d x %d | %.0f | %.0f | %.2f |\n", p.model, p.name, rn, p.M, p.N, p.K,
+                  flops / tb / 1e12, flops / tf / 1e12, tb / tf);
+      std::fflush(stdout);
+    }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   Timer tm{20, 10, 5};
   std::string model = "llama-350m";
+  bool gemm = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) tm.reps = std::max(1, std::atoi(argv[++i]));
     else if (!std::strcmp(argv[i], "--inner") && i + 1 < argc) tm.inner = std::max(1, std::atoi(argv[++i]));
     else if (!std::strcmp(argv[i], "--warmup") && i + 1 < argc) tm.warmup = std::max(0, std::atoi(argv[++i]));
     else if (!std::strcmp(argv[i], "--model") && i + 1 < argc) model = argv[++i];
+    else if (!std::strcmp(argv[i], "--gemm")) gemm = true;
     else {
-      std::fprintf(stderr, "usage: kernel_bench [--model llama-350m|llama-1b] [--reps N] [--inner N] [--warmup N]\n");
+      std::fprintf(stderr,
+                   "usage: kernel_bench [--gemm] [--model llama-350m|llama-1b] [--reps N] [--inner N] [--warmup N]\n");
       return 2;
     }
   }
@@ -120,6 +172,10 @@ int main(int argc, char** argv) {
     auto fp = st::make_cuda_backend<float>(*ctx);
     st::Backend<st::bf16>& be = *bp;
     st::Backend<float>& bf = *fp;
+    if (gemm) {
+      gemm_table(be, tm);
+      return 0;
+    }
     using S = st::math::Acc<st::bf16>;
     std::mt19937 g(1);
     const size_t NC = static_cast<size_t>(s.N) * s.C, NI = static_cast<size_t>(s.N) * s.I;

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# tests/gpu/fp8_stage.sh: the float8 stage of issue 57 (item 3), for tests/gpu/run.sh to call (it
-# does not yet: run.sh's section is another engineer's; see docs/fp8.md). On a machine with one
+# tests/gpu/fp8_stage.sh: the float8 stage of issue 57 (item 3); tests/gpu/run.sh runs it as stage
+# 3g, and it runs alone as below. On a machine with one
 # NVIDIA GPU with FP8 tensor cores (sm_89 / sm_90):
 #   1. gpu_tests --gtest_filter='Gpu*Fp8*': CudaBackend::linear_fp8 against the CPU emulation, every
 #      role, float and bf16, aligned and padded shapes (tests/gpu/test_gpu_fp8.cpp), ~10 s;

@@ -241,7 +241,9 @@ void check_linear_fp8(st::math::Fp8Gemm role, int M, int N, int K, bool accumula
         ADD_FAILURE() << "element " << r << "," << c << ": " << have << ", want " << want << " (|diff| " << err
                       << ", tolerance " << tol << ")";
     }
-  if (nan_at >= 0) EXPECT_EQ(nan_ref, static_cast<size_t>(R) * static_cast<size_t>(Cn)) << "a NaN operand: all NaN";
+  if (nan_at >= 0) {
+    EXPECT_EQ(nan_ref, static_cast<size_t>(R) * static_cast<size_t>(Cn)) << "a NaN operand: all NaN";
+  }
   EXPECT_EQ(bad, 0u) << bad << " of " << R * Cn << " elements outside the tolerance";
   std::printf("[ GpuFp8 ] %-44s amax a %.3g b %.3g, worst |diff| / tolerance %.3f\n", what.c_str(), s.amax_a,
               s.amax_b, worst);
