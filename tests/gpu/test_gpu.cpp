@@ -27,7 +27,8 @@
 //     (block_attention_run.h: random-size blocks, all pairs merged, backward accumulated; with and
 //     without documents; y, lse, dq, dk, dv within the flash tolerances, skipped tile pairs equal);
 //     bf16 block attention through cuDNN's SDPA on the pieces of each pair (CudnnBlockAttentionBf16:
-//     required; context parallelism's head-tail blocks at cp 2 and 4, uneven contiguous blocks),
+//     required; context parallelism's head-tail blocks at cp 2 and 4 with and without documents,
+//     uneven contiguous blocks),
 //     the exact path's document mask, RoPE at positions (bitwise the device's whole-sequence rows);
 //     rope_qk (queries and keys in one launch: bitwise the two calls, with and without positions);
 //     swiglu forward/backward (16-byte packs with a tail, and one element off alignment: the scalar
@@ -1911,19 +1912,24 @@ void check_checkpoint_snapshot() {
 // tolerances, the skipped tile pairs equal. The exact path's document mask (softmax_causal_doc_forward)
 // likewise. RoPE at positions: bitwise the device's own whole-sequence rope rows (a head-tail pair
 // and per-document restarts) and within rope's tolerance of the CPU's.
-// Block attention through cuDNN's fused SDPA (bf16, no documents: attention_pieces.h, the CUDA
-// backend's block_forward_cudnn / block_backward_cudnn), required (SHARDTRAIN_CUDNN_ATTENTION=
-// require: a piece cuDNN refuses fails the test), against the CPU's block kernels: context
-// parallelism's head-tail layout (cp 2 and 4: each block one rank's chunks r and 2cp-1-r, every
-// rank's queries against every rank's keys, merged, the backward accumulated) and blocks of a
-// contiguous sequence cut unevenly; y, lse, dq, dk, dv within the bf16 flash tolerance, the tile
-// pairs and the skipped ones counted as the tiled kernels count them.
+// Block attention through cuDNN's fused SDPA (bf16: attention_pieces.h, the CUDA backend's
+// block_forward_cudnn / block_backward_cudnn), required (SHARDTRAIN_CUDNN_ATTENTION=require: a
+// piece cuDNN refuses fails the test), against the CPU's block kernels: context parallelism's
+// head-tail layout (cp 2 and 4: each block one rank's chunks r and 2cp-1-r, every rank's queries
+// against every rank's keys, merged, the backward accumulated), with documents (1 - 100 tokens long,
+// the same in each sequence: one plan for all; or each sequence its own: a plan per sequence) and
+// without, and blocks of a contiguous sequence cut unevenly; y,
+// lse, dq, dk, dv within the bf16 flash tolerance, the tile pairs and the skipped ones counted as
+// the tiled kernels count them.
 void check_block_attention_cudnn() {
   ScopedEnv require("SHARDTRAIN_CUDNN_ATTENTION", "require");
   std::mt19937 g(9302);
-  struct Case { int B, T_, NH, NKV, HD, cp; std::vector<int> cuts; };
-  const std::vector<Case> cases = {{2, 512, 4, 2, 64, 2, {}}, {1, 1024, 4, 4, 128, 4, {}},
-                                   {2, 384, 4, 1, 64, 0, {0, 100, 228, 384}}};
+  struct Case { int B, T_, NH, NKV, HD, cp; std::vector<int> cuts; bool docs, same_docs; };
+  const std::vector<Case> cases = {{2, 512, 4, 2, 64, 2, {}, false, true},
+                                   {1, 1024, 4, 4, 128, 4, {}, false, true},
+                                   {2, 384, 4, 1, 64, 0, {0, 100, 228, 384}, false, true},
+                                   {2, 512, 4, 2, 64, 2, {}, true, true},
+                                   {3, 512, 4, 1, 64, 4, {}, true, false}};
   auto rel = [](const std::vector<double>& a, const std::vector<double>& b) {  // lse may be -inf on both
     double num = 0, den = 0;
     for (size_t i = 0; i < b.size(); ++i) {
@@ -1952,15 +1958,26 @@ void check_block_attention_cudnn() {
     } else {
       for (int t = 0; t < c.T_; ++t) order.push_back(t);
     }
-    for (int b = 0; b < c.B; ++b) pos.insert(pos.end(), order.begin(), order.end());
+    std::vector<int32_t> doc_of(static_cast<size_t>(c.T_)), doc;
+    std::uniform_int_distribution<int> len(1, 100);
+    for (int b = 0; b < c.B; ++b) {
+      if (b == 0 || !c.same_docs)
+        for (int t = 0, id = 0, left = len(g); t < c.T_; ++t) {
+          if (left-- == 0) id++, left = len(g) - 1;
+          doc_of[static_cast<size_t>(t)] = id;
+        }
+      pos.insert(pos.end(), order.begin(), order.end());
+      if (c.docs)
+        for (int32_t t : order) doc.push_back(doc_of[static_cast<size_t>(t)]);
+    }
     const std::string sz = " B=" + std::to_string(c.B) + " T=" + std::to_string(c.T_) + " NH=" + std::to_string(c.NH) +
                            " NKV=" + std::to_string(c.NKV) + " HD=" + std::to_string(c.HD) +
-                           (c.cp ? " head-tail cp " + std::to_string(c.cp) : std::string(" uneven blocks"));
-    const std::vector<int32_t> nodoc;
-    const auto got = st::blocktest::run_blocks<bf16>(dev<bf16>(), c.B, c.T_, c.NH, c.NKV, c.HD, q, k, v, dy, pos, nodoc,
+                           (c.cp ? " head-tail cp " + std::to_string(c.cp) : std::string(" uneven blocks")) +
+                           (c.docs ? (c.same_docs ? " documents" : " documents per sequence") : "");
+    const auto got = st::blocktest::run_blocks<bf16>(dev<bf16>(), c.B, c.T_, c.NH, c.NKV, c.HD, q, k, v, dy, pos, doc,
                                                      cuts);
     const auto want = st::blocktest::run_blocks<bf16>(cpu<bf16>(), c.B, c.T_, c.NH, c.NKV, c.HD, q, k, v, dy, pos,
-                                                      nodoc, cuts);
+                                                      doc, cuts);
     auto expect = [&](const char* what, double e) {
       note(std::string("[bf16] cuDNN block attention ") + what + sz + ": max|diff|/max(1,|ref|) " + fmt(e) +
            " (allowed 2e-2)");

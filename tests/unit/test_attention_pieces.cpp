@@ -35,14 +35,18 @@ std::vector<int32_t> random_positions(std::mt19937& g, int chunks) {
   return p;
 }
 
-void check_exact(const std::vector<int32_t>& qp, const std::vector<int32_t>& kp, const std::string& what) {
+// qd, kd: document ids of the rows, or empty (one document).
+void check_exact(const std::vector<int32_t>& qp, const std::vector<int32_t>& kp, const std::string& what,
+                 const std::vector<int32_t>& qd = {}, const std::vector<int32_t>& kd = {}) {
   const int Tq = static_cast<int>(qp.size()), Tk = static_cast<int>(kp.size());
-  const std::vector<at::Piece> pieces = at::plan(at::runs_of(qp.data(), Tq), at::runs_of(kp.data(), Tk));
+  const std::vector<at::Piece> pieces = at::plan(at::runs_of(qp.data(), Tq, qd.empty() ? nullptr : qd.data()),
+                                                 at::runs_of(kp.data(), Tk, kd.empty() ? nullptr : kd.data()));
   const std::vector<int> c = coverage(pieces, Tq, Tk);
   int wrong = 0;
   for (int t = 0; t < Tq; ++t)
     for (int s = 0; s < Tk; ++s) {
-      const int want = kp[static_cast<size_t>(s)] <= qp[static_cast<size_t>(t)] ? 1 : 0;
+      const bool same_doc = qd.empty() || qd[static_cast<size_t>(t)] == kd[static_cast<size_t>(s)];
+      const int want = same_doc && kp[static_cast<size_t>(s)] <= qp[static_cast<size_t>(t)] ? 1 : 0;
       if (c[static_cast<size_t>(t) * Tk + s] != want && wrong++ < 3)
         ADD_FAILURE() << what << ": query row " << t << " (position " << qp[static_cast<size_t>(t)] << "), key row "
                       << s << " (position " << kp[static_cast<size_t>(s)] << "): covered "
@@ -120,5 +124,42 @@ TEST(AttentionPieces, RandomRunLayoutsAreCoveredExactly) {
   for (int i = 0; i < 400; ++i) {
     std::uniform_int_distribution<int> chunks(1, 5);
     check_exact(random_positions(g, chunks(g)), random_positions(g, chunks(g)), "layout " + std::to_string(i));
+  }
+}
+
+// Documents: a query sees a key only in its own document. Packed documents over the whole sequence
+// (global positions, documents as contiguous spans of 1 .. 60 tokens), split head-tail over cp ranks,
+// every rank's queries against every rank's keys; and positions that restart per document.
+TEST(AttentionPieces, DocumentsAreCoveredExactly) {
+  std::mt19937 g(58);
+  for (int trial = 0; trial < 40; ++trial) {
+    const int P = 1 + trial % 4, c = 8 + trial % 13, T = 2 * P * c;
+    std::uniform_int_distribution<int> len(1, 60);
+    std::vector<int32_t> doc(static_cast<size_t>(T)), restart(static_cast<size_t>(T));
+    for (int t = 0, id = 0, left = len(g), start = 0; t < T; ++t) {
+      if (left-- == 0) id++, left = len(g) - 1, start = t;
+      doc[static_cast<size_t>(t)] = id;
+      restart[static_cast<size_t>(t)] = t - start;
+    }
+    for (bool restarts : {false, true}) {
+      auto block = [&](int r, std::vector<int32_t>* d) {
+        std::vector<int32_t> p;
+        for (int chunk : {r, 2 * P - 1 - r})
+          for (int t = chunk * c; t < (chunk + 1) * c; ++t) {
+            p.push_back(restarts ? restart[static_cast<size_t>(t)] : t);
+            d->push_back(doc[static_cast<size_t>(t)]);
+          }
+        return p;
+      };
+      for (int r = 0; r < P; ++r)
+        for (int j = 0; j < P; ++j) {
+          std::vector<int32_t> qd, kd;
+          const auto qp = block(r, &qd), kp = block(j, &kd);
+          check_exact(qp, kp,
+                      "trial " + std::to_string(trial) + (restarts ? " (positions restart per document)" : "") +
+                          " queries of rank " + std::to_string(r) + ", keys of rank " + std::to_string(j),
+                      qd, kd);
+        }
+    }
   }
 }

@@ -1,16 +1,19 @@
 // Block attention at global positions cut into pieces that fused attention kernels take (issue 57,
 // item 2): context parallelism's block pairs (Backend::attention_block_forward / _backward: query t
-// sees key s iff k_pos[s] <= q_pos[t], no documents) are, per pair of runs of consecutive positions,
-// either fully visible, fully masked, or a causal square at some offset. cuDNN's SDPA takes the
+// sees key s iff k_pos[s] <= q_pos[t] and, with documents, q_doc[t] == k_doc[s]) are, per pair of
+// runs of consecutive positions in one document, either fully visible, fully masked, or a causal
+// square at some offset. cuDNN's SDPA takes the
 // first (no mask) and a top-left causal mask (query row t sees key row u iff u <= t); this header
 // finds the rectangles of rows and keys that are one or the other and cover exactly the visible
 // pairs, so that the CUDA backend runs one fused call per piece (src/backend/cuda/attention.cu) and
 // merges the pieces of the same query rows as the ring merges blocks. Host code, header-only: the
 // CUDA plugin and the unit tests (tests/unit/test_attention_pieces.cpp) both compile it.
 //
-// Positions of a block: one sequence's, [T] int32 (host memory); the B sequences of a block must
-// share them (same_rows) for one plan to serve all (context parallelism's head-tail split gives
-// every sequence the same chunks).
+// Positions (and document ids) of a block: one sequence's, [T] int32 (host memory); the B sequences
+// of a block must share them (same_rows) for one plan to serve all (context parallelism's head-tail
+// split gives every sequence the same chunks; documents usually differ between sequences, and such
+// blocks keep the tiled kernels). With documents a run also ends where the document changes, so a
+// block of many short documents becomes many small pieces.
 #pragma once
 
 #include <algorithm>
@@ -20,17 +23,20 @@
 
 namespace shardtrain::attn {
 
-// Rows [row0, row0 + n) of a block hold positions pos0, pos0 + 1, ..., pos0 + n - 1.
+// Rows [row0, row0 + n) of a block hold positions pos0, pos0 + 1, ..., pos0 + n - 1, all of
+// document doc (0 without documents).
 struct Run {
-  int row0 = 0, n = 0, pos0 = 0;
+  int row0 = 0, n = 0, pos0 = 0, doc = 0;
 };
 
-// The maximal runs of consecutive positions of p [T], in row order (T = 0: none).
-inline std::vector<Run> runs_of(const int32_t* p, int T) {
+// The maximal runs of consecutive positions of p [T] within one document of doc [T] (nullptr: one
+// document), in row order (T = 0: none).
+inline std::vector<Run> runs_of(const int32_t* p, int T, const int32_t* doc = nullptr) {
   std::vector<Run> r;
   for (int t = 0; t < T; ++t) {
-    if (!r.empty() && p[t] == r.back().pos0 + r.back().n) ++r.back().n;
-    else r.push_back({t, 1, p[t]});
+    const int d = doc ? doc[t] : 0;
+    if (!r.empty() && p[t] == r.back().pos0 + r.back().n && d == r.back().doc) ++r.back().n;
+    else r.push_back({t, 1, p[t], d});
   }
   return r;
 }
@@ -51,12 +57,13 @@ struct Piece {
   bool causal = false;
 };
 
-// The pieces of query run q against key run k (visibility k.pos0 + u <= q.pos0 + t, d = q.pos0 -
-// k.pos0): all keys visible to all rows when d >= k.n - 1; none when d + q.n - 1 < 0; else for
+// The pieces of query run q against key run k (none when their documents differ; else visibility
+// k.pos0 + u <= q.pos0 + t, d = q.pos0 - k.pos0): all keys visible to all rows when d >= k.n - 1; none when d + q.n - 1 < 0; else for
 // d >= 0 the keys before d in full and the keys [d, min(k.n, d + q.n)) causal against every row,
 // and for d < 0 rows [-d, q.n) causal against keys [0, min(k.n, q.n + d)) (rows before -d see no
 // key of this run). Appends to out.
 inline void run_pieces(const Run& q, const Run& k, std::vector<Piece>& out) {
+  if (q.doc != k.doc) return;
   const int64_t d = int64_t{q.pos0} - k.pos0;
   if (d >= k.n - 1) {
     out.push_back({q.row0, q.n, k.row0, k.n, false});

@@ -1,7 +1,7 @@
 // Attention: the exact causal softmax (softmax_causal_*, with documents: softmax_causal_doc_forward),
 // flash attention (flash_attention.h: the tiled kernels; for bf16 cuDNN's fused SDPA when allowed,
 // cudnn_attention.h) and block attention at global positions (the block_* kernels, the merge, the
-// row dot; for bf16 without documents cuDNN's SDPA on the pair's pieces, attention_pieces.h): the members of CudaBackend<T> (cuda_backend.h) that attention.cu defines, with their
+// row dot; for bf16 cuDNN's SDPA on the pair's pieces, attention_pieces.h): the members of CudaBackend<T> (cuda_backend.h) that attention.cu defines, with their
 // kernels.
 #include <cuda_runtime.h>
 
@@ -313,9 +313,9 @@ void CudaBackend<T>::attention_block_forward(T* y, S* lse, const T* q, const T* 
                                              const int32_t* kp, const int32_t* qd, const int32_t* kd, int B, int Tq,
                                              int Tk, int NH, int NKV, int HD, S scale) {
   if (B <= 0 || Tq <= 0 || NH <= 0 || HD <= 0) return;
-  // bf16 without documents: cuDNN's fused SDPA on the pieces of the pair (block_plan), when allowed.
-  if (std::is_same_v<T, bf16> && !qd && !kd && Tk > 0 && use_cudnn([&](std::string* why) {
-        return block_forward_cudnn(y, lse, q, k, v, qp, kp, B, Tq, Tk, NH, NKV, HD, scale, why);
+  // bf16: cuDNN's fused SDPA on the pieces of the pair (block_plan), when allowed.
+  if (std::is_same_v<T, bf16> && !qd == !kd && Tk > 0 && use_cudnn([&](std::string* why) {
+        return block_forward_cudnn(y, lse, q, k, v, qp, kp, qd, kd, B, Tq, Tk, NH, NKV, HD, scale, why);
       })) {
     block_pairs_ += int64_t{B} * NH * flash::num_tiles(Tq, kBr) * flash::num_tiles(Tk, kBc);
     return;
@@ -355,8 +355,9 @@ void CudaBackend<T>::attention_block_backward(T* dq, T* dk, T* dv, const T* dy, 
                                               const int32_t* qd, const int32_t* kd, int B, int Tq, int Tk, int NH,
                                               int NKV, int HD, S scale) {
   if (B <= 0 || Tq <= 0 || Tk <= 0 || NH <= 0 || HD <= 0) return;
-  if (std::is_same_v<T, bf16> && !qd && !kd && y && use_cudnn([&](std::string* why) {
-        return block_backward_cudnn(dq, dk, dv, dy, q, k, v, y, lse, qp, kp, B, Tq, Tk, NH, NKV, HD, scale, why);
+  if (std::is_same_v<T, bf16> && !qd == !kd && y && use_cudnn([&](std::string* why) {
+        return block_backward_cudnn(dq, dk, dv, dy, q, k, v, y, lse, qp, kp, qd, kd, B, Tq, Tk, NH, NKV, HD, scale,
+                                    why);
       })) {
     block_pairs_ += int64_t{B} * NH * flash::num_tiles(Tq, kBr) * flash::num_tiles(Tk, kBc);
     return;
@@ -441,77 +442,100 @@ void CudaBackend<T>::allow_smem(K* kernel, size_t bytes, int HD) {
   ST_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
 }
 
-// ---- block attention through cuDNN (bf16, no documents) ----
-// The positions are read back to the host (a wait for the queued work; context parallelism's block
-// pairs are long enough that this costs little beside them) and cut into pieces; every piece's
-// graph is prepared before any runs. *masked: the tile pairs the tiled kernels would have skipped
-// (flash::tile_pair_masked, per sequence and head), so that the statistics read the same.
+// ---- block attention through cuDNN (bf16) ----
+// The positions (and documents) are read back to the host (a wait for the queued work; context
+// parallelism's block pairs are long enough that this costs little beside them) and cut into
+// pieces: one plan for all B sequences when they share positions and documents, else one per
+// sequence (packed documents differ between rows). Every piece's graph is prepared before any runs.
+// *masked: the tile pairs the tiled kernels would have skipped (flash::tile_pair_masked, per
+// sequence and head), so that the statistics read the same.
 template <typename T>
-bool CudaBackend<T>::block_plan(const int32_t* qp, const int32_t* kp, int B, int Tq, int Tk, int NH, int NKV, int HD,
-                                S scale, bool backward, std::vector<attn::Piece>* pieces, int64_t* masked,
-                                std::string* why) {
-  std::vector<int32_t> hq(static_cast<size_t>(B) * Tq), hk(static_cast<size_t>(B) * Tk);
-  ST_CUDA(cudaMemcpyAsync(hq.data(), qp, hq.size() * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
-  ST_CUDA(cudaMemcpyAsync(hk.data(), kp, hk.size() * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
+bool CudaBackend<T>::block_plan(const int32_t* qp, const int32_t* kp, const int32_t* qd, const int32_t* kd, int B,
+                                int Tq, int Tk, int NH, int NKV, int HD, S scale, bool backward,
+                                std::vector<BlockGroup>* groups, int64_t* masked, std::string* why) {
+  const size_t nq = static_cast<size_t>(B) * Tq, nk = static_cast<size_t>(B) * Tk;
+  std::vector<int32_t> hq(nq), hk(nk), hqd(qd ? nq : 0), hkd(kd ? nk : 0);
+  ST_CUDA(cudaMemcpyAsync(hq.data(), qp, nq * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
+  ST_CUDA(cudaMemcpyAsync(hk.data(), kp, nk * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
+  if (qd) ST_CUDA(cudaMemcpyAsync(hqd.data(), qd, nq * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
+  if (kd) ST_CUDA(cudaMemcpyAsync(hkd.data(), kd, nk * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
   ST_CUDA(cudaStreamSynchronize(stream_));
-  if (!attn::same_rows(hq.data(), B, Tq) || !attn::same_rows(hk.data(), B, Tk)) {
-    *why = "block attention: the block's sequences have different positions (one plan of pieces serves all)";
-    return false;
-  }
-  *pieces = attn::plan(attn::runs_of(hq.data(), Tq), attn::runs_of(hk.data(), Tk));
-  for (const attn::Piece& p : *pieces)
-    if (!cudnn().prepare_piece(backward, B, Tq, Tk, p.nq, p.nk, p.causal, NH, NKV, HD, scale, why)) return false;
+  const bool shared = attn::same_rows(hq.data(), B, Tq) && attn::same_rows(hk.data(), B, Tk) &&
+                      (!qd || (attn::same_rows(hqd.data(), B, Tq) && attn::same_rows(hkd.data(), B, Tk)));
+  groups->clear();
   int64_t m = 0;
-  for (int t0 = 0; t0 < Tq; t0 += kBr) {
-    const flash::TileRange qr = flash::tile_range(hq.data() + t0, nullptr, std::min(kBr, Tq - t0));
-    for (int s0 = 0; s0 < Tk; s0 += kBc)
-      m += flash::tile_pair_masked(qr, flash::tile_range(hk.data() + s0, nullptr, std::min(kBc, Tk - s0))) ? 1 : 0;
+  for (int b0 = 0; b0 < (shared ? 1 : B); ++b0) {
+    const int32_t* pq = hq.data() + static_cast<size_t>(b0) * Tq;
+    const int32_t* pk = hk.data() + static_cast<size_t>(b0) * Tk;
+    const int32_t* dq0 = qd ? hqd.data() + static_cast<size_t>(b0) * Tq : nullptr;
+    const int32_t* dk0 = kd ? hkd.data() + static_cast<size_t>(b0) * Tk : nullptr;
+    BlockGroup grp{b0, shared ? B : 1, attn::plan(attn::runs_of(pq, Tq, dq0), attn::runs_of(pk, Tk, dk0))};
+    for (const attn::Piece& p : grp.pieces)
+      if (!cudnn().prepare_piece(backward, grp.nb, Tq, Tk, p.nq, p.nk, p.causal, NH, NKV, HD, scale, why))
+        return false;
+    int64_t mb = 0;
+    for (int t0 = 0; t0 < Tq; t0 += kBr) {
+      const flash::TileRange qr = flash::tile_range(pq + t0, dq0 ? dq0 + t0 : nullptr, std::min(kBr, Tq - t0));
+      for (int s0 = 0; s0 < Tk; s0 += kBc)
+        mb += flash::tile_pair_masked(
+                  qr, flash::tile_range(pk + s0, dk0 ? dk0 + s0 : nullptr, std::min(kBc, Tk - s0)))
+                  ? 1
+                  : 0;
+    }
+    m += mb * grp.nb;
+    groups->push_back(std::move(grp));
   }
-  *masked = m * B * NH;
+  *masked = m * NH;
   return true;
 }
 
-// Forward: the pieces in layers of disjoint query rows (attn::layers); the first layer is written
-// into (y, lse), each later one into scratch and merged (attention_merge) as the ring merges blocks.
-// Rows a layer does not cover get y = 0, lse = -inf first (no key of the pair: the tiled kernel's
-// result too).
+// Forward, per group of sequences: the pieces in layers of disjoint query rows (attn::layers); the
+// first layer is written into (y, lse), each later one into scratch and merged (attention_merge) as
+// the ring merges blocks. Rows a layer does not cover get y = 0, lse = -inf first (no key of the
+// pair: the tiled kernel's result too).
 template <typename T>
 bool CudaBackend<T>::block_forward_cudnn(T* y, S* lse, const T* q, const T* k, const T* v, const int32_t* qp,
-                                         const int32_t* kp, int B, int Tq, int Tk, int NH, int NKV, int HD, S scale,
-                                         std::string* why) {
+                                         const int32_t* kp, const int32_t* qd, const int32_t* kd, int B, int Tq,
+                                         int Tk, int NH, int NKV, int HD, S scale, std::string* why) {
   if constexpr (!std::is_same_v<T, bf16>) {
     return false;
   } else {
-    std::vector<attn::Piece> pieces;
+    std::vector<BlockGroup> groups;
     int64_t masked = 0;
-    if (!block_plan(qp, kp, B, Tq, Tk, NH, NKV, HD, scale, false, &pieces, &masked, why)) return false;
+    if (!block_plan(qp, kp, qd, kd, B, Tq, Tk, NH, NKV, HD, scale, false, &groups, &masked, why)) return false;
     const size_t rq = static_cast<size_t>(NH) * HD, rk = static_cast<size_t>(NKV) * HD;
-    const size_t nq = static_cast<size_t>(B) * Tq * rq, ns = static_cast<size_t>(B) * NH * Tq;
-    const std::vector<std::vector<int>> L = attn::layers(pieces);
-    T* yt = nullptr;
-    S* lt = nullptr;
-    if (L.size() > 1) {
-      const size_t ybytes = (nq * sizeof(T) + 255) / 256 * 256;
-      char* sc = static_cast<char*>(scratch(ybytes + ns * sizeof(S)));
-      yt = reinterpret_cast<T*>(sc);
-      lt = reinterpret_cast<S*>(sc + ybytes);
-    }
-    for (size_t i = 0; i < std::max<size_t>(L.size(), 1); ++i) {
-      T* yo = i == 0 ? y : yt;
-      S* lo = i == 0 ? lse : lt;
-      if (L.empty() || attn::rows_covered(pieces, L[i]) < Tq) {
-        zero(yo, nq);
-        fill_kernel<S><<<grid_for(ns, kBlock), kBlock, 0, stream_>>>(lo, S(-INFINITY), ns);
-        ST_LAUNCHED("fill_kernel (block attention lse)");
+    for (const BlockGroup& grp : groups) {
+      const size_t b0 = static_cast<size_t>(grp.b0);
+      T* yg = y + b0 * Tq * rq;
+      S* lg = lse + b0 * NH * Tq;
+      const T *qg = q + b0 * Tq * rq, *kg = k + b0 * Tk * rk, *vg = v + b0 * Tk * rk;
+      const size_t nq = static_cast<size_t>(grp.nb) * Tq * rq, ns = static_cast<size_t>(grp.nb) * NH * Tq;
+      const std::vector<std::vector<int>> L = attn::layers(grp.pieces);
+      T* yt = nullptr;
+      S* lt = nullptr;
+      if (L.size() > 1) {
+        const size_t ybytes = (nq * sizeof(T) + 255) / 256 * 256;
+        char* sc = static_cast<char*>(scratch(ybytes + ns * sizeof(S)));
+        yt = reinterpret_cast<T*>(sc);
+        lt = reinterpret_cast<S*>(sc + ybytes);
       }
-      if (L.empty()) break;
-      for (int j : L[i]) {
-        const attn::Piece& p = pieces[static_cast<size_t>(j)];
-        if (!cudnn().piece_forward(yo + p.q0 * rq, lo + p.q0, q + p.q0 * rq, k + p.k0 * rk, v + p.k0 * rk, B, Tq, Tk,
-                                   p.nq, p.nk, p.causal, NH, NKV, HD, scale, why))
-          throw std::logic_error("block attention: cuDNN refused a piece it had prepared: " + *why);
+      for (size_t i = 0; i < std::max<size_t>(L.size(), 1); ++i) {
+        T* yo = i == 0 ? yg : yt;
+        S* lo = i == 0 ? lg : lt;
+        if (L.empty() || attn::rows_covered(grp.pieces, L[i]) < Tq) {
+          zero(yo, nq);
+          fill_kernel<S><<<grid_for(ns, kBlock), kBlock, 0, stream_>>>(lo, S(-INFINITY), ns);
+          ST_LAUNCHED("fill_kernel (block attention lse)");
+        }
+        if (L.empty()) break;
+        for (int j : L[i]) {
+          const attn::Piece& p = grp.pieces[static_cast<size_t>(j)];
+          if (!cudnn().piece_forward(yo + p.q0 * rq, lo + p.q0, qg + p.q0 * rq, kg + p.k0 * rk, vg + p.k0 * rk, grp.nb,
+                                     Tq, Tk, p.nq, p.nk, p.causal, NH, NKV, HD, scale, why))
+            throw std::logic_error("block attention: cuDNN refused a piece it had prepared: " + *why);
+        }
+        if (i > 0) attention_merge(yg, lg, yt, lt, grp.nb, Tq, NH, HD);
       }
-      if (i > 0) attention_merge(y, lse, yt, lt, B, Tq, NH, HD);
     }
     block_skipped_ += masked;
     return true;
@@ -522,34 +546,41 @@ bool CudaBackend<T>::block_forward_cudnn(T* y, S* lse, const T* q, const T* k, c
 // (it computes D = rowsum(dy o y) itself); they are added into dq, dk, dv sequence by sequence.
 template <typename T>
 bool CudaBackend<T>::block_backward_cudnn(T* dq, T* dk, T* dv, const T* dy, const T* q, const T* k, const T* v,
-                                          const T* y, const S* lse, const int32_t* qp, const int32_t* kp, int B,
-                                          int Tq, int Tk, int NH, int NKV, int HD, S scale, std::string* why) {
+                                          const T* y, const S* lse, const int32_t* qp, const int32_t* kp,
+                                          const int32_t* qd, const int32_t* kd, int B, int Tq, int Tk, int NH,
+                                          int NKV, int HD, S scale, std::string* why) {
   if constexpr (!std::is_same_v<T, bf16>) {
     return false;
   } else {
-    std::vector<attn::Piece> pieces;
+    std::vector<BlockGroup> groups;
     int64_t masked = 0;
-    if (!block_plan(qp, kp, B, Tq, Tk, NH, NKV, HD, scale, true, &pieces, &masked, why)) return false;
+    if (!block_plan(qp, kp, qd, kd, B, Tq, Tk, NH, NKV, HD, scale, true, &groups, &masked, why)) return false;
     const size_t rq = static_cast<size_t>(NH) * HD, rk = static_cast<size_t>(NKV) * HD;
     const size_t nq = static_cast<size_t>(B) * Tq * rq, nk = static_cast<size_t>(B) * Tk * rk;
     const size_t aq = (nq * sizeof(T) + 255) / 256 * 256, ak = (nk * sizeof(T) + 255) / 256 * 256;
-    char* sc = pieces.empty() ? nullptr : static_cast<char*>(scratch(aq + 2 * ak));
+    char* sc = static_cast<char*>(scratch(aq + 2 * ak));
     T* dqs = reinterpret_cast<T*>(sc);
     T* dks = reinterpret_cast<T*>(sc + aq);
     T* dvs = reinterpret_cast<T*>(sc + aq + ak);
-    for (const attn::Piece& p : pieces) {
-      const size_t oq = static_cast<size_t>(p.q0) * rq, ok = static_cast<size_t>(p.k0) * rk;
-      if (!cudnn().piece_backward(dqs + oq, dks + ok, dvs + ok, dy + oq, q + oq, k + ok, v + ok, y + oq, lse + p.q0, B,
-                                  Tq, Tk, p.nq, p.nk, p.causal, NH, NKV, HD, scale, why))
-        throw std::logic_error("block attention: cuDNN refused a piece it had prepared: " + *why);
-      for (int b = 0; b < B; ++b) {
-        const size_t bq = static_cast<size_t>(b) * Tq * rq + oq, bk = static_cast<size_t>(b) * Tk * rk + ok;
-        axpy(static_cast<size_t>(p.nq) * rq, S(1), dqs + bq, dq + bq);
-        axpy(static_cast<size_t>(p.nk) * rk, S(1), dks + bk, dk + bk);
-        axpy(static_cast<size_t>(p.nk) * rk, S(1), dvs + bk, dv + bk);
+    bool ran = false;
+    for (const BlockGroup& grp : groups)
+      for (const attn::Piece& p : grp.pieces) {
+        // Sequence grp.b0's row p.q0 (key row p.k0) in every [B*T, width] array.
+        const size_t oq = (static_cast<size_t>(grp.b0) * Tq + p.q0) * rq,
+                     ok = (static_cast<size_t>(grp.b0) * Tk + p.k0) * rk;
+        const S* lp = lse + static_cast<size_t>(grp.b0) * NH * Tq + p.q0;
+        if (!cudnn().piece_backward(dqs + oq, dks + ok, dvs + ok, dy + oq, q + oq, k + ok, v + ok, y + oq, lp, grp.nb,
+                                    Tq, Tk, p.nq, p.nk, p.causal, NH, NKV, HD, scale, why))
+          throw std::logic_error("block attention: cuDNN refused a piece it had prepared: " + *why);
+        ran = true;
+        for (int b = 0; b < grp.nb; ++b) {
+          const size_t bq = static_cast<size_t>(b) * Tq * rq + oq, bk = static_cast<size_t>(b) * Tk * rk + ok;
+          axpy(static_cast<size_t>(p.nq) * rq, S(1), dqs + bq, dq + bq);
+          axpy(static_cast<size_t>(p.nk) * rk, S(1), dks + bk, dk + bk);
+          axpy(static_cast<size_t>(p.nk) * rk, S(1), dvs + bk, dv + bk);
+        }
       }
-    }
-    if (!pieces.empty() && !cudnn_->deterministic())
+    if (ran && !cudnn_->deterministic())
       note_once("cuDNN attention: non-deterministic backward (not offered here, or SHARDTRAIN_CUDNN_DETERMINISTIC=0): "
                 "runs may differ in the last bits");
     block_skipped_ += masked;

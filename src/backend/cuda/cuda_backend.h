@@ -211,17 +211,25 @@ template <typename T> class CudaBackend final : public Backend<T> {
   template <typename K> void allow_smem(K* kernel, size_t bytes, int HD);
   // The device counter of skipped block-attention tile pairs (allocated zeroed on first use).
   unsigned long long* skip_counter();
-  // Block attention through cuDNN's fused SDPA (bf16, no documents): the block pair cut into pieces
-  // (include/shardtrain/backend/attention_pieces.h) from its positions, read back to the host; every
-  // piece's graph prepared before any runs. false and why (nothing written) when the positions
-  // differ between the block's sequences or cuDNN cannot take a piece: the tiled kernels then run.
-  bool block_plan(const int32_t* qp, const int32_t* kp, int B, int Tq, int Tk, int NH, int NKV, int HD, S scale,
-                  bool backward, std::vector<attn::Piece>* pieces, int64_t* masked, std::string* why);
+  // Block attention through cuDNN's fused SDPA (bf16): the block pair cut into pieces
+  // (include/shardtrain/backend/attention_pieces.h) from its positions and documents (qd, kd or
+  // nullptr), read back to the host; every piece's graph prepared before any runs. false and why
+  // (nothing written) when cuDNN cannot take a piece: the tiled kernels then run.
+  // Sequences [b0, b0 + nb) of a block pair and their pieces: all B sequences when they share
+  // positions and documents, else one group per sequence.
+  struct BlockGroup {
+    int b0 = 0, nb = 0;
+    std::vector<attn::Piece> pieces;
+  };
+  bool block_plan(const int32_t* qp, const int32_t* kp, const int32_t* qd, const int32_t* kd, int B, int Tq, int Tk,
+                  int NH, int NKV, int HD, S scale, bool backward, std::vector<BlockGroup>* groups, int64_t* masked,
+                  std::string* why);
   bool block_forward_cudnn(T* y, S* lse, const T* q, const T* k, const T* v, const int32_t* qp, const int32_t* kp,
-                           int B, int Tq, int Tk, int NH, int NKV, int HD, S scale, std::string* why);
+                           const int32_t* qd, const int32_t* kd, int B, int Tq, int Tk, int NH, int NKV, int HD,
+                           S scale, std::string* why);
   bool block_backward_cudnn(T* dq, T* dk, T* dv, const T* dy, const T* q, const T* k, const T* v, const T* y,
-                            const S* lse, const int32_t* qp, const int32_t* kp, int B, int Tq, int Tk, int NH,
-                            int NKV, int HD, S scale, std::string* why);
+                            const S* lse, const int32_t* qp, const int32_t* kp, const int32_t* qd, const int32_t* kd,
+                            int B, int Tq, int Tk, int NH, int NKV, int HD, S scale, std::string* why);
 };
 
 }  // namespace shardtrain::cuda_detail
