@@ -1,8 +1,8 @@
 // Attention: the exact causal softmax (softmax_causal_*, with documents: softmax_causal_doc_forward),
 // flash attention (flash_attention.h: the tiled kernels; for bf16 cuDNN's fused SDPA when allowed,
 // cudnn_attention.h) and block attention at global positions (the block_* kernels, the merge, the
-// row dot; for bf16 cuDNN's SDPA on the pair's pieces, attention_pieces.h): the members of CudaBackend<T> (cuda_backend.h) that attention.cu defines, with their
-// kernels.
+// row dot; for bf16 cuDNN's SDPA on the pair's pieces, attention_pieces.h): the members of
+// CudaBackend<T> (cuda_backend.h) that attention.cu defines, with their kernels.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -313,8 +313,9 @@ void CudaBackend<T>::attention_block_forward(T* y, S* lse, const T* q, const T* 
                                              const int32_t* kp, const int32_t* qd, const int32_t* kd, int B, int Tq,
                                              int Tk, int NH, int NKV, int HD, S scale) {
   if (B <= 0 || Tq <= 0 || NH <= 0 || HD <= 0) return;
-  // bf16: cuDNN's fused SDPA on the pieces of the pair (block_plan), when allowed.
-  if (std::is_same_v<T, bf16> && !qd == !kd && Tk > 0 && use_cudnn([&](std::string* why) {
+  // bf16: cuDNN's fused SDPA on the pieces of the pair (block_plan), when allowed; with documents only
+  // under SHARDTRAIN_CUDNN_ATTENTION=require (cudnn_for_blocks).
+  if (std::is_same_v<T, bf16> && cudnn_for_blocks(qd, kd) && Tk > 0 && use_cudnn([&](std::string* why) {
         return block_forward_cudnn(y, lse, q, k, v, qp, kp, qd, kd, B, Tq, Tk, NH, NKV, HD, scale, why);
       })) {
     block_pairs_ += int64_t{B} * NH * flash::num_tiles(Tq, kBr) * flash::num_tiles(Tk, kBc);
@@ -355,7 +356,7 @@ void CudaBackend<T>::attention_block_backward(T* dq, T* dk, T* dv, const T* dy, 
                                               const int32_t* qd, const int32_t* kd, int B, int Tq, int Tk, int NH,
                                               int NKV, int HD, S scale) {
   if (B <= 0 || Tq <= 0 || Tk <= 0 || NH <= 0 || HD <= 0) return;
-  if (std::is_same_v<T, bf16> && !qd == !kd && y && use_cudnn([&](std::string* why) {
+  if (std::is_same_v<T, bf16> && cudnn_for_blocks(qd, kd) && y && use_cudnn([&](std::string* why) {
         return block_backward_cudnn(dq, dk, dv, dy, q, k, v, y, lse, qp, kp, qd, kd, B, Tq, Tk, NH, NKV, HD, scale,
                                     why);
       })) {
@@ -443,6 +444,19 @@ void CudaBackend<T>::allow_smem(K* kernel, size_t bytes, int HD) {
 }
 
 // ---- block attention through cuDNN (bf16) ----
+// Which block pairs try cuDNN: without documents always (context parallelism's ring: a few pieces of
+// fixed shapes); with documents only when SHARDTRAIN_CUDNN_ATTENTION=require. Packed documents give
+// each step pieces of new lengths, each a cuDNN graph to build (milliseconds to seconds), and a host
+// wait per layer: the tiled kernels are the default until a GPU run has measured that.
+template <typename T> bool CudaBackend<T>::cudnn_for_blocks(const int32_t* qd, const int32_t* kd) const {
+  if (!qd != !kd) return false;
+  return !qd || cudnn_attention_use() == CudnnUse::Require;
+}
+
+// A block pair of more pieces than this keeps the tiled kernels: each piece is a call, and with
+// many short documents each shape a new cuDNN graph (CudnnAttention keeps at most 256).
+constexpr size_t kMaxBlockPieces = 16;
+
 // The positions (and documents) are read back to the host (a wait for the queued work; context
 // parallelism's block pairs are long enough that this costs little beside them) and cut into
 // pieces: one plan for all B sequences when they share positions and documents, else one per
@@ -450,8 +464,8 @@ void CudaBackend<T>::allow_smem(K* kernel, size_t bytes, int HD) {
 // *masked: the tile pairs the tiled kernels would have skipped (flash::tile_pair_masked, per
 // sequence and head), so that the statistics read the same.
 template <typename T>
-bool CudaBackend<T>::block_plan(const int32_t* qp, const int32_t* kp, const int32_t* qd, const int32_t* kd, int B,
-                                int Tq, int Tk, int NH, int NKV, int HD, S scale, bool backward,
+bool CudaBackend<T>::block_plan(const int32_t* qp, const int32_t* kp, const int32_t* qd, const int32_t* kd,
+                                const S* lse, int B, int Tq, int Tk, int NH, int NKV, int HD, S scale, bool backward,
                                 std::vector<BlockGroup>* groups, int64_t* masked, std::string* why) {
   const size_t nq = static_cast<size_t>(B) * Tq, nk = static_cast<size_t>(B) * Tk;
   std::vector<int32_t> hq(nq), hk(nk), hqd(qd ? nq : 0), hkd(kd ? nk : 0);
@@ -469,10 +483,21 @@ bool CudaBackend<T>::block_plan(const int32_t* qp, const int32_t* kp, const int3
     const int32_t* pk = hk.data() + static_cast<size_t>(b0) * Tk;
     const int32_t* dq0 = qd ? hqd.data() + static_cast<size_t>(b0) * Tq : nullptr;
     const int32_t* dk0 = kd ? hkd.data() + static_cast<size_t>(b0) * Tk : nullptr;
-    BlockGroup grp{b0, shared ? B : 1, attn::plan(attn::runs_of(pq, Tq, dq0), attn::runs_of(pk, Tk, dk0))};
-    for (const attn::Piece& p : grp.pieces)
-      if (!cudnn().prepare_piece(backward, grp.nb, Tq, Tk, p.nq, p.nk, p.causal, NH, NKV, HD, scale, why))
+    BlockGroup grp{b0, shared ? B : 1, attn::plan(attn::runs_of(pq, Tq, dq0), attn::runs_of(pk, Tk, dk0)), {}};
+    if (grp.pieces.size() > kMaxBlockPieces) {  // many short documents: small calls of new shapes each
+      *why = "block attention: more than " + std::to_string(kMaxBlockPieces) + " pieces in one block pair (many "
+             "short documents)";
+      return false;
+    }
+    for (const attn::Piece& p : grp.pieces) {
+      // The lse rows' alignment in (y, lse) and in a 16-byte aligned scratch at the same row: the smaller.
+      const uintptr_t at = reinterpret_cast<uintptr_t>(lse + static_cast<size_t>(b0) * NH * Tq + p.q0) |
+                           (static_cast<uintptr_t>(p.q0) * sizeof(S));
+      const int sa = at % 16 == 0 ? 16 : at % 8 == 0 ? 8 : 4;
+      grp.stats_align.push_back(sa);
+      if (!cudnn().prepare_piece(backward, grp.nb, Tq, Tk, p.nq, p.nk, p.causal, sa, NH, NKV, HD, scale, why))
         return false;
+    }
     int64_t mb = 0;
     for (int t0 = 0; t0 < Tq; t0 += kBr) {
       const flash::TileRange qr = flash::tile_range(pq + t0, dq0 ? dq0 + t0 : nullptr, std::min(kBr, Tq - t0));
@@ -502,7 +527,7 @@ bool CudaBackend<T>::block_forward_cudnn(T* y, S* lse, const T* q, const T* k, c
   } else {
     std::vector<BlockGroup> groups;
     int64_t masked = 0;
-    if (!block_plan(qp, kp, qd, kd, B, Tq, Tk, NH, NKV, HD, scale, false, &groups, &masked, why)) return false;
+    if (!block_plan(qp, kp, qd, kd, lse, B, Tq, Tk, NH, NKV, HD, scale, false, &groups, &masked, why)) return false;
     const size_t rq = static_cast<size_t>(NH) * HD, rk = static_cast<size_t>(NKV) * HD;
     for (const BlockGroup& grp : groups) {
       const size_t b0 = static_cast<size_t>(grp.b0);
@@ -531,7 +556,8 @@ bool CudaBackend<T>::block_forward_cudnn(T* y, S* lse, const T* q, const T* k, c
         for (int j : L[i]) {
           const attn::Piece& p = grp.pieces[static_cast<size_t>(j)];
           if (!cudnn().piece_forward(yo + p.q0 * rq, lo + p.q0, qg + p.q0 * rq, kg + p.k0 * rk, vg + p.k0 * rk, grp.nb,
-                                     Tq, Tk, p.nq, p.nk, p.causal, NH, NKV, HD, scale, why))
+                                     Tq, Tk, p.nq, p.nk, p.causal, grp.stats_align[static_cast<size_t>(j)], NH, NKV,
+                                     HD, scale, why))
             throw std::logic_error("block attention: cuDNN refused a piece it had prepared: " + *why);
         }
         if (i > 0) attention_merge(yg, lg, yt, lt, grp.nb, Tq, NH, HD);
@@ -554,7 +580,7 @@ bool CudaBackend<T>::block_backward_cudnn(T* dq, T* dk, T* dv, const T* dy, cons
   } else {
     std::vector<BlockGroup> groups;
     int64_t masked = 0;
-    if (!block_plan(qp, kp, qd, kd, B, Tq, Tk, NH, NKV, HD, scale, true, &groups, &masked, why)) return false;
+    if (!block_plan(qp, kp, qd, kd, lse, B, Tq, Tk, NH, NKV, HD, scale, true, &groups, &masked, why)) return false;
     const size_t rq = static_cast<size_t>(NH) * HD, rk = static_cast<size_t>(NKV) * HD;
     const size_t nq = static_cast<size_t>(B) * Tq * rq, nk = static_cast<size_t>(B) * Tk * rk;
     const size_t aq = (nq * sizeof(T) + 255) / 256 * 256, ak = (nk * sizeof(T) + 255) / 256 * 256;
@@ -564,13 +590,14 @@ bool CudaBackend<T>::block_backward_cudnn(T* dq, T* dk, T* dv, const T* dy, cons
     T* dvs = reinterpret_cast<T*>(sc + aq + ak);
     bool ran = false;
     for (const BlockGroup& grp : groups)
-      for (const attn::Piece& p : grp.pieces) {
+      for (size_t i = 0; i < grp.pieces.size(); ++i) {
+        const attn::Piece& p = grp.pieces[i];
         // Sequence grp.b0's row p.q0 (key row p.k0) in every [B*T, width] array.
         const size_t oq = (static_cast<size_t>(grp.b0) * Tq + p.q0) * rq,
                      ok = (static_cast<size_t>(grp.b0) * Tk + p.k0) * rk;
         const S* lp = lse + static_cast<size_t>(grp.b0) * NH * Tq + p.q0;
         if (!cudnn().piece_backward(dqs + oq, dks + ok, dvs + ok, dy + oq, q + oq, k + ok, v + ok, y + oq, lp, grp.nb,
-                                    Tq, Tk, p.nq, p.nk, p.causal, NH, NKV, HD, scale, why))
+                                    Tq, Tk, p.nq, p.nk, p.causal, grp.stats_align[i], NH, NKV, HD, scale, why))
           throw std::logic_error("block attention: cuDNN refused a piece it had prepared: " + *why);
         ran = true;
         for (int b = 0; b < grp.nb; ++b) {

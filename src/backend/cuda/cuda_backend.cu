@@ -181,7 +181,11 @@ void CudaBackend<T>::wait_host_copies() {
 
 template <typename T>
 void CudaBackend<T>::note_once(const std::string& msg) {
-  if (noted_.insert(msg).second) std::fprintf(stderr, "shardtrain: note: %s\n", msg.c_str());
+  // At most 8 distinct notes per backend (reasons may name shapes, and block attention meets many).
+  constexpr size_t kMaxNotes = 8;
+  if (noted_.size() > kMaxNotes || !noted_.insert(msg).second) return;
+  if (noted_.size() > kMaxNotes) std::fprintf(stderr, "shardtrain: note: further notes of this backend are not shown\n");
+  else std::fprintf(stderr, "shardtrain: note: %s\n", msg.c_str());
 }
 
 template <typename T>

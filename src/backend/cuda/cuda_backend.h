@@ -217,13 +217,17 @@ template <typename T> class CudaBackend final : public Backend<T> {
   // (nothing written) when cuDNN cannot take a piece: the tiled kernels then run.
   // Sequences [b0, b0 + nb) of a block pair and their pieces: all B sequences when they share
   // positions and documents, else one group per sequence.
+  // stats_align[i]: the byte alignment of piece i's lse rows (16, 8 or 4), in (y, lse) and in the
+  // merge scratch alike (cuDNN must be told: CudnnAttention::piece_forward).
+  bool cudnn_for_blocks(const int32_t* qd, const int32_t* kd) const;
   struct BlockGroup {
     int b0 = 0, nb = 0;
     std::vector<attn::Piece> pieces;
+    std::vector<int> stats_align;
   };
-  bool block_plan(const int32_t* qp, const int32_t* kp, const int32_t* qd, const int32_t* kd, int B, int Tq, int Tk,
-                  int NH, int NKV, int HD, S scale, bool backward, std::vector<BlockGroup>* groups, int64_t* masked,
-                  std::string* why);
+  bool block_plan(const int32_t* qp, const int32_t* kp, const int32_t* qd, const int32_t* kd, const S* lse, int B,
+                  int Tq, int Tk, int NH, int NKV, int HD, S scale, bool backward, std::vector<BlockGroup>* groups,
+                  int64_t* masked, std::string* why);
   bool block_forward_cudnn(T* y, S* lse, const T* q, const T* k, const T* v, const int32_t* qp, const int32_t* kp,
                            const int32_t* qd, const int32_t* kd, int B, int Tq, int Tk, int NH, int NKV, int HD,
                            S scale, std::string* why);

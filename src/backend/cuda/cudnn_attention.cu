@@ -75,6 +75,10 @@ const std::string& load_cudnn() {
   return why;
 }
 
+// Built graphs kept per backend at most (each new shape costs a graph build of milliseconds to
+// seconds; block attention with documents could ask for a new one at every step).
+constexpr size_t kMaxGraphs = 256;
+
 // Tensor uids of the variant packs.
 enum : int64_t { kQ = 1, kK, kV, kO, kStats, kDO, kDQ, kDK, kDV };
 
@@ -84,7 +88,8 @@ struct Shape {
   int B, nq, nk, Tq, Tk, NH, NKV, HD;
   float scale;
   bool causal;
-  auto tie() const { return std::tie(B, nq, nk, Tq, Tk, NH, NKV, HD, scale, causal); }
+  int stats_align;  // bytes: the Stats pointer's alignment (16 for the whole sequence)
+  auto tie() const { return std::tie(B, nq, nk, Tq, Tk, NH, NKV, HD, scale, causal, stats_align); }
   bool operator<(const Shape& o) const { return tie() < o.tie(); }
 };
 using Key = std::tuple<bool /*backward*/, bool /*deterministic*/, Shape>;
@@ -175,7 +180,7 @@ struct CudnnAttention::Impl {
   }
 
   std::shared_ptr<fe::graph::Graph> make_graph(bool backward, bool det, const Shape& sh, std::string* why) {
-    const auto [B, nq, nk, Tq, Tk, NH, NKV, HD, scale, causal] = sh.tie();
+    const auto [B, nq, nk, Tq, Tk, NH, NKV, HD, scale, causal, stats_align] = sh.tie();
     auto g = std::make_shared<fe::graph::Graph>();
     g->set_io_data_type(fe::DataType_t::BFLOAT16)
         .set_intermediate_data_type(fe::DataType_t::FLOAT)
@@ -194,6 +199,7 @@ struct CudnnAttention::Impl {
       O->set_output(true).set_uid(kO).set_dim(q_dims(B, nq, NH, HD)).set_stride(q_strides(Tq, NH, HD));
       Stats->set_output(true)
           .set_uid(kStats)
+          .set_alignment(stats_align)
           .set_data_type(fe::DataType_t::FLOAT)
           .set_dim(stats_dims)
           .set_stride(stats_strides);
@@ -203,6 +209,7 @@ struct CudnnAttention::Impl {
       auto Stats = g->tensor(fe::graph::Tensor_attributes()
                                  .set_name("Stats")
                                  .set_uid(kStats)
+                                 .set_alignment(stats_align)
                                  .set_dim(stats_dims)
                                  .set_stride(stats_strides)
                                  .set_data_type(fe::DataType_t::FLOAT));
@@ -223,6 +230,8 @@ struct CudnnAttention::Impl {
   fe::graph::Graph* graph(const Key& key, std::string* why) {
     if (auto it = graphs.find(key); it != graphs.end()) return it->second.get();
     if (auto it = unsupported.find(key); it != unsupported.end()) return *why = it->second, nullptr;
+    if (graphs.size() >= kMaxGraphs)  // building one costs milliseconds to seconds: a fixed set of shapes only
+      return *why = "more than " + std::to_string(kMaxGraphs) + " attention shapes in this run", nullptr;
     if (!get_handle(why)) return nullptr;
     const auto& [bwd, det, sh] = key;
     std::shared_ptr<fe::graph::Graph> g;
@@ -262,18 +271,18 @@ CudnnAttention::~CudnnAttention() = default;
 
 bool CudnnAttention::forward(bf16* y, float* lse, const bf16* q, const bf16* k, const bf16* v, int B, int T, int NH,
                              int NKV, int HD, float scale, std::string* why) {
-  return piece_forward(y, lse, q, k, v, B, T, T, T, T, true, NH, NKV, HD, scale, why);
+  return piece_forward(y, lse, q, k, v, B, T, T, T, T, true, 16, NH, NKV, HD, scale, why);
 }
 
 bool CudnnAttention::backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dy, const bf16* q, const bf16* k,
                               const bf16* v, const bf16* y, const float* lse, int B, int T, int NH, int NKV, int HD,
                               float scale, std::string* why) {
-  return piece_backward(dq, dk, dv, dy, q, k, v, y, lse, B, T, T, T, T, true, NH, NKV, HD, scale, why);
+  return piece_backward(dq, dk, dv, dy, q, k, v, y, lse, B, T, T, T, T, true, 16, NH, NKV, HD, scale, why);
 }
 
-bool CudnnAttention::prepare_piece(bool backward, int B, int Tq, int Tk, int nq, int nk, bool causal, int NH, int NKV,
-                                   int HD, float scale, std::string* why) {
-  const Shape sh{B, nq, nk, Tq, Tk, NH, NKV, HD, scale, causal};
+bool CudnnAttention::prepare_piece(bool backward, int B, int Tq, int Tk, int nq, int nk, bool causal, int stats_align,
+                                   int NH, int NKV, int HD, float scale, std::string* why) {
+  const Shape sh{B, nq, nk, Tq, Tk, NH, NKV, HD, scale, causal, stats_align};
   if (!backward) return impl_->graph(Key{false, false, sh}, why) != nullptr;
   std::string why_det;
   if (cudnn_deterministic_wanted() && impl_->graph(Key{true, true, sh}, &why_det)) return true;
@@ -283,9 +292,10 @@ bool CudnnAttention::prepare_piece(bool backward, int B, int Tq, int Tk, int nq,
 }
 
 bool CudnnAttention::piece_forward(bf16* y, float* lse, const bf16* q, const bf16* k, const bf16* v, int B, int Tq,
-                                   int Tk, int nq, int nk, bool causal, int NH, int NKV, int HD, float scale,
-                                   std::string* why) {
-  fe::graph::Graph* g = impl_->graph(Key{false, false, Shape{B, nq, nk, Tq, Tk, NH, NKV, HD, scale, causal}}, why);
+                                   int Tk, int nq, int nk, bool causal, int stats_align, int NH, int NKV, int HD,
+                                   float scale, std::string* why) {
+  fe::graph::Graph* g =
+      impl_->graph(Key{false, false, Shape{B, nq, nk, Tq, Tk, NH, NKV, HD, scale, causal, stats_align}}, why);
   if (!g) return false;
   std::unordered_map<int64_t, void*> pack{{kQ, const_cast<bf16*>(q)}, {kK, const_cast<bf16*>(k)},
                                           {kV, const_cast<bf16*>(v)}, {kO, y},
@@ -296,8 +306,9 @@ bool CudnnAttention::piece_forward(bf16* y, float* lse, const bf16* q, const bf1
 
 bool CudnnAttention::piece_backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dy, const bf16* q, const bf16* k,
                                     const bf16* v, const bf16* y, const float* lse, int B, int Tq, int Tk, int nq,
-                                    int nk, bool causal, int NH, int NKV, int HD, float scale, std::string* why) {
-  const Shape sh{B, nq, nk, Tq, Tk, NH, NKV, HD, scale, causal};
+                                    int nk, bool causal, int stats_align, int NH, int NKV, int HD, float scale,
+                                    std::string* why) {
+  const Shape sh{B, nq, nk, Tq, Tk, NH, NKV, HD, scale, causal, stats_align};
   const bool want_det = cudnn_deterministic_wanted();
   fe::graph::Graph* g = want_det ? impl_->graph(Key{true, true, sh}, why) : nullptr;
   if (g) {
@@ -331,18 +342,18 @@ bool CudnnAttention::backward(bf16*, bf16*, bf16*, const bf16*, const bf16*, con
   *why = "built without the cuDNN frontend (make CUDNN_FE=0)";
   return false;
 }
-bool CudnnAttention::prepare_piece(bool, int, int, int, int, int, bool, int, int, int, float, std::string* why) {
+bool CudnnAttention::prepare_piece(bool, int, int, int, int, int, bool, int, int, int, int, float, std::string* why) {
   *why = "built without the cuDNN frontend (make CUDNN_FE=0)";
   return false;
 }
 bool CudnnAttention::piece_forward(bf16*, float*, const bf16*, const bf16*, const bf16*, int, int, int, int, int, bool,
-                                   int, int, int, float, std::string* why) {
+                                   int, int, int, int, float, std::string* why) {
   *why = "built without the cuDNN frontend (make CUDNN_FE=0)";
   return false;
 }
 bool CudnnAttention::piece_backward(bf16*, bf16*, bf16*, const bf16*, const bf16*, const bf16*, const bf16*,
-                                    const bf16*, const float*, int, int, int, int, int, bool, int, int, int, float,
-                                    std::string* why) {
+                                    const bf16*, const float*, int, int, int, int, int, bool, int, int, int, int,
+                                    float, std::string* why) {
   *why = "built without the cuDNN frontend (make CUDNN_FE=0)";
   return false;
 }

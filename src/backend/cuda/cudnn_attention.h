@@ -68,18 +68,20 @@ class CudnnAttention {
   // sequence b's rows follow Tq rows later); k, v, dk, dv at its first key row ([B*Tk, NKV*HD]);
   // lse at the piece's first row of [B, NH, Tq] (row t of head h of sequence b at (b NH + h) Tq + t).
   // causal: query row t of the piece sees key row u iff u <= t (top-left diagonal); else every key.
+  // stats_align: the byte alignment of lse (16, 8 or 4: a piece's rows start anywhere in [B, NH, Tq]);
+  // the graph declares it, as the frontend assumes 16 and does not check the Stats pointer.
   // forward / backward above are the whole sequence's piece (nq = nk = Tq = Tk = T, causal).
   // Writes (=) the piece's rows only; returns and throws as forward / backward.
   bool piece_forward(bf16* y, float* lse, const bf16* q, const bf16* k, const bf16* v, int B, int Tq, int Tk, int nq,
-                     int nk, bool causal, int NH, int NKV, int HD, float scale, std::string* why);
+                     int nk, bool causal, int stats_align, int NH, int NKV, int HD, float scale, std::string* why);
   bool piece_backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dy, const bf16* q, const bf16* k, const bf16* v,
-                      const bf16* y, const float* lse, int B, int Tq, int Tk, int nq, int nk, bool causal, int NH,
-                      int NKV, int HD, float scale, std::string* why);
+                      const bf16* y, const float* lse, int B, int Tq, int Tk, int nq, int nk, bool causal,
+                      int stats_align, int NH, int NKV, int HD, float scale, std::string* why);
   // Builds (or finds) the graph piece_forward / piece_backward would run for this shape, running
   // nothing: false and why when cuDNN cannot take it, so that a caller can check every piece of a
   // block pair before any of them writes (a backward accumulates).
-  bool prepare_piece(bool backward, int B, int Tq, int Tk, int nq, int nk, bool causal, int NH, int NKV, int HD,
-                     float scale, std::string* why);
+  bool prepare_piece(bool backward, int B, int Tq, int Tk, int nq, int nk, bool causal, int stats_align, int NH,
+                     int NKV, int HD, float scale, std::string* why);
   bool deterministic() const { return deterministic_; }
 
   struct Impl;
