@@ -34,7 +34,7 @@ bad() { fail=1; echo "  FAIL  $*"; }
 echo "== fp8 stage: $MODEL, $STEPS steps, seq $SEQ, batch $BATCH, loss tolerance $TOL (logs: $L)"
 # 1. the GEMM tests; they also tell whether there is a device.
 rc=0
-timeout -k 5 120 "$MPIRUN" -np 1 "$GTEST" --gtest_filter='Gpu*Fp8*' >"$L/gpu_tests_fp8.log" 2>&1 || rc=$?
+timeout -k 5 120 "$MPIRUN" --bind-to none -np 1 "$GTEST" --gtest_filter='Gpu*Fp8*' >"$L/gpu_tests_fp8.log" 2>&1 || rc=$?
 if grep -q "skipped: no CUDA device" "$L/gpu_tests_fp8.log"; then
   echo "skipped: no CUDA device"
   exit 0
@@ -60,12 +60,12 @@ if [ -z "${DATA:-}" ]; then
     [ -f "$f" ] && inputs+=(--input "$f")
   done
   [ ${#inputs[@]} -gt 0 ] || inputs=(--input "$ROOT/README.md" --input "$ROOT/CHANGELOG.md")
-  timeout -k 5 60 "$MPIRUN" -np 1 "$BIN" --mode prepare "${inputs[@]}" --out "$DATA" >"$L/prepare.log" 2>&1 ||
+  timeout -k 5 60 "$MPIRUN" --bind-to none -np 1 "$BIN" --mode prepare "${inputs[@]}" --out "$DATA" >"$L/prepare.log" 2>&1 ||
     { bad "--mode prepare"; tail -n 10 "$L/prepare.log"; exit 1; }
 fi
 for prec in bf16 fp8; do
   rc=0
-  timeout -k 5 300 "$MPIRUN" -np 1 "$BIN" --model "$MODEL" --data "$DATA" --seq-len "$SEQ" --global-batch "$BATCH" \
+  timeout -k 5 300 "$MPIRUN" --bind-to none -np 1 "$BIN" --model "$MODEL" --data "$DATA" --seq-len "$SEQ" --global-batch "$BATCH" \
     --micro-batch "$BATCH" --steps "$STEPS" --log-every 1 --eval-batches 1 --device cuda --precision "$prec" \
     --seed 1234 --metrics "$L/train-$prec.jsonl" >"$L/train-$prec.log" 2>&1 || rc=$?
   if [ "$rc" != 0 ]; then bad "train --precision $prec: exit status $rc"; tail -n 15 "$L/train-$prec.log" | sed 's/^/        | /'; fi
