@@ -169,6 +169,28 @@ cap() {  # cap SECONDS: echoes the timeout for the next command (0: no time left
   if [ "$left" -lt 3 ]; then echo 0; elif [ "$1" -lt "$left" ]; then echo "$1"; else echo "$left"; fi
 }
 
+# bench_table NAME CAP PATTERN CMD...: a benchmark binary that prints a markdown table, run under
+# the stage's time (at most CAP s) into $L/NAME.log; passes when it exits 0 and prints a row matching
+# PATTERN (grep's basic regular expression: | is literal), then the table and its notes are printed.
+# Without a CUDA device: skipped.
+bench_table() {
+  local name=$1 cap_s=$2 pattern=$3 t rc=0
+  shift 3
+  if [ "$GPU" = 0 ] || [ "$DEV" != cuda ]; then skipped "$name" "no CUDA device"; return; fi
+  t=$(cap "$cap_s")
+  if [ "$t" = 0 ]; then rc=124; echo "out of time" >"$L/$name.log"
+  else timeout -k 5 "$t" "$@" >"$L/$name.log" 2>&1 || rc=$?
+  fi
+  if [ "$rc" = 0 ] && grep -q "$pattern" "$L/$name.log"; then
+    ok "$name: $(grep -c "$pattern" "$L/$name.log") rows"
+    echo
+    grep -E '^\||^shardtrain: note' "$L/$name.log"
+  else
+    bad "$name: exit status $rc"
+    tail_log "$L/$name.log"
+  fi
+}
+
 # run_np NAME CAP NP ARGS...: NP ranks of shardtrain; log $L/NAME.log, metrics $L/NAME.jsonl.
 run_np() {
   local name=$1 t np=$3 rc=0
@@ -951,22 +973,7 @@ fi  # stage 5c
 # TFLOP/s, and FlashAttention-3 (FP16) at up to 740.
 if on 5d; then
 stage "5d. attention: forward and forward+backward TFLOP/s (cuDNN SDPA, tiled kernels)" $((T_END - SECONDS - SAN * SANITIZER_S))
-if [ "$GPU" = 0 ] || [ "$DEV" != cuda ]; then skipped attention-bench "no CUDA device"
-else
-  t=$(cap 60)
-  rc=0
-  if [ "$t" = 0 ]; then rc=124; echo "out of time" >"$L/attention-bench.log"
-  else timeout -k 5 "$t" "$ABENCH" --reps 5 --warmup 2 >"$L/attention-bench.log" 2>&1 || rc=$?
-  fi
-  if [ "$rc" = 0 ] && grep -q '^| cuDNN SDPA' "$L/attention-bench.log"; then
-    ok "attention-bench: $(grep -c '^| ' "$L/attention-bench.log") rows"
-    echo
-    grep -E '^\||^shardtrain: note' "$L/attention-bench.log"
-  else
-    bad "attention-bench: exit status $rc"
-    tail_log "$L/attention-bench.log"
-  fi
-fi
+bench_table attention-bench 60 '^| cuDNN SDPA' "$ABENCH" --reps 5 --warmup 2
 fi  # stage 5d
 
 # ---- 5e. memory-bound kernels against a device copy ---------------------------------------------
@@ -1001,22 +1008,7 @@ fi  # stage 5e
 # ---- 5f. context parallelism's block attention against cuDNN ----------------------------------------
 if on 5f; then
 stage "5f. CP block attention: useful TFLOP/s against cuDNN causal over the whole sequence" $((T_END - SECONDS - SAN * SANITIZER_S))
-if [ "$GPU" = 0 ] || [ "$DEV" != cuda ]; then skipped cp-attention-bench "no CUDA device"
-else
-  t=$(cap 120)
-  rc=0
-  if [ "$t" = 0 ]; then rc=124; echo "out of time" >"$L/cp-attention-bench.log"
-  else timeout -k 5 "$t" "$ABENCH" --cp --reps 3 --warmup 1 >"$L/cp-attention-bench.log" 2>&1 || rc=$?
-  fi
-  if [ "$rc" = 0 ] && grep -q '^| block kernels' "$L/cp-attention-bench.log"; then
-    ok "cp-attention-bench: $(grep -c '^| block kernels' "$L/cp-attention-bench.log") rows"
-    echo
-    grep -E '^\||^shardtrain: note' "$L/cp-attention-bench.log"
-  else
-    bad "cp-attention-bench: exit status $rc"
-    tail_log "$L/cp-attention-bench.log"
-  fi
-fi
+bench_table cp-attention-bench 120 '^| block kernels' "$ABENCH" --cp --reps 3 --warmup 1
 fi  # stage 5f
 
 

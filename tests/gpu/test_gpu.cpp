@@ -1912,6 +1912,19 @@ void check_checkpoint_snapshot() {
 // tolerances, the skipped tile pairs equal. The exact path's document mask (softmax_causal_doc_forward)
 // likewise. RoPE at positions: bitwise the device's own whole-sequence rope rows (a head-tail pair
 // and per-document restarts) and within rope's tolerance of the CPU's.
+// max |a - b| / max(1, max |b|) of block attention's outputs; lse may be -inf on both (equal), -inf
+// on one side only is an infinite error.
+double block_rel(const std::vector<double>& a, const std::vector<double>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < b.size(); ++i) {
+    if (std::isfinite(b[i])) den = std::max(den, std::fabs(b[i]));
+    if (a[i] == b[i]) continue;
+    if (!std::isfinite(a[i]) || !std::isfinite(b[i])) return std::numeric_limits<double>::infinity();
+    num = std::max(num, std::fabs(a[i] - b[i]));
+  }
+  return num / std::max(den, 1.0);
+}
+
 // Block attention through cuDNN's fused SDPA (bf16: attention_pieces.h, the CUDA backend's
 // block_forward_cudnn / block_backward_cudnn), required (SHARDTRAIN_CUDNN_ATTENTION=require: a
 // piece cuDNN refuses fails the test), against the CPU's block kernels: context parallelism's
@@ -1931,16 +1944,6 @@ void check_block_attention_cudnn() {
                                    {1, 244, 4, 2, 64, 2, {}, false, true},  // chunks of 61: lse rows 4-byte aligned
                                    {2, 512, 4, 2, 64, 2, {}, true, true},
                                    {3, 512, 4, 1, 64, 4, {}, true, false}};
-  auto rel = [](const std::vector<double>& a, const std::vector<double>& b) {  // lse may be -inf on both
-    double num = 0, den = 0;
-    for (size_t i = 0; i < b.size(); ++i) {
-      if (std::isfinite(b[i])) den = std::max(den, std::fabs(b[i]));
-      if (a[i] == b[i]) continue;
-      if (!std::isfinite(a[i]) || !std::isfinite(b[i])) return std::numeric_limits<double>::infinity();
-      num = std::max(num, std::fabs(a[i] - b[i]));
-    }
-    return num / std::max(den, 1.0);
-  };
   for (const Case& c : cases) {
     const size_t nq = static_cast<size_t>(c.B) * c.T_ * c.NH * c.HD, nk = static_cast<size_t>(c.B) * c.T_ * c.NKV * c.HD;
     const std::vector<bf16> q = randn<bf16>(nq, g, 1.5), k = randn<bf16>(nk, g, 1.5), v = randn<bf16>(nk, g),
@@ -1980,11 +1983,11 @@ void check_block_attention_cudnn() {
            " (allowed 2e-2)");
       EXPECT_LE(e, 2e-2) << "cuDNN block attention " << what << sz;
     };
-    expect("y", rel(got.y, want.y));
-    expect("lse", rel(got.lse, want.lse));
-    expect("dq", rel(got.dq, want.dq));
-    expect("dk", rel(got.dk, want.dk));
-    expect("dv", rel(got.dv, want.dv));
+    expect("y", block_rel(got.y, want.y));
+    expect("lse", block_rel(got.lse, want.lse));
+    expect("dq", block_rel(got.dq, want.dq));
+    expect("dk", block_rel(got.dk, want.dk));
+    expect("dv", block_rel(got.dv, want.dv));
     EXPECT_EQ(got.tile_pairs, want.tile_pairs) << sz;
     EXPECT_EQ(got.skipped, want.skipped) << sz;
   }
@@ -1998,16 +2001,6 @@ template <typename T> void check_block_attention() {
                                    {1, 260, 4, 1, 24, {0, 64, 65, 200, 260}, true},
                                    {2, 150, 4, 4, 64, {0, 75, 150}, true}};
   const double tol = std::is_same_v<T, float> ? 1e-5 : 2e-2;
-  auto rel = [](const std::vector<double>& a, const std::vector<double>& b) {  // lse may be -inf on both
-    double num = 0, den = 0;
-    for (size_t i = 0; i < b.size(); ++i) {
-      if (std::isfinite(b[i])) den = std::max(den, std::fabs(b[i]));
-      if (a[i] == b[i]) continue;
-      if (!std::isfinite(a[i]) || !std::isfinite(b[i])) return std::numeric_limits<double>::infinity();
-      num = std::max(num, std::fabs(a[i] - b[i]));
-    }
-    return num / std::max(den, 1.0);
-  };
   for (const Case& c : cases) {
     const size_t nq = static_cast<size_t>(c.B) * c.T_ * c.NH * c.HD, nk = static_cast<size_t>(c.B) * c.T_ * c.NKV * c.HD;
     const std::vector<T> q = randn<T>(nq, g, 1.5), k = randn<T>(nk, g, 1.5), v = randn<T>(nk, g), dy = randn<T>(nq, g);
@@ -2026,11 +2019,11 @@ template <typename T> void check_block_attention() {
            fmt(tol) + ")");
       EXPECT_LE(e, tol) << label<T>(std::string("block attention ") + what + sz);
     };
-    expect("y", rel(got.y, want.y));
-    expect("lse", rel(got.lse, want.lse));
-    expect("dq", rel(got.dq, want.dq));
-    expect("dk", rel(got.dk, want.dk));
-    expect("dv", rel(got.dv, want.dv));
+    expect("y", block_rel(got.y, want.y));
+    expect("lse", block_rel(got.lse, want.lse));
+    expect("dq", block_rel(got.dq, want.dq));
+    expect("dk", block_rel(got.dk, want.dk));
+    expect("dv", block_rel(got.dv, want.dv));
     EXPECT_EQ(got.tile_pairs, want.tile_pairs) << sz;
     EXPECT_EQ(got.skipped, want.skipped) << sz;
     EXPECT_GT(got.skipped, 0) << sz;
@@ -2046,7 +2039,7 @@ template <typename T> void check_block_attention() {
         for (const T& e : download(be, att.data(), natt)) out.push_back(val(e));
         return out;
       };
-      expect("exact path, document mask: probabilities", rel(run(dev<T>()), run(cpu<T>())));
+      expect("exact path, document mask: probabilities", block_rel(run(dev<T>()), run(cpu<T>())));
     }
   }
   // RoPE at positions.
@@ -2098,7 +2091,7 @@ template <typename T> void check_block_attention() {
     const std::vector<T> cpu_doc = at(cpu<T>(), x, restart);
     std::vector<double> a, b;
     for (size_t i = 0; i < got_doc.size(); ++i) a.push_back(val(got_doc[i])), b.push_back(val(cpu_doc[i]));
-    const double e = rel(a, b);
+    const double e = block_rel(a, b);
     note(label<T>(what + " per-document restarts vs CPU") + ": max|diff|/max(1,|ref|) " + fmt(e) + " (allowed " +
          fmt(tol) + ")");
     EXPECT_LE(e, tol) << label<T>(what + " vs CPU");
