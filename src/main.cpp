@@ -294,7 +294,9 @@ Backends make_backends(Comm& comm, const Topology& topo, const Options& o, const
   const std::string reduce = o.train.reduce_bf16 ? "bf16" : "fp32";
   log_info(comm, "shardtrain: " + std::to_string(topo.world_size) + " ranks (" + std::to_string(topo.local_size) +
                      " on " + topo.host + "), device " + dp.summary + where + ", precision " +
-                     precision_name(o.train.precision) + (mixed ? " (gradients reduced in " + reduce + ")" : ""));
+                     (o.train.fp8 ? "fp8 (bf16, the blocks' projections in float8)"
+                                  : precision_name(o.train.precision)) +
+                     (mixed ? " (gradients reduced in " + reduce + ")" : ""));
   for (const std::string& l : startup_lines) log_info(comm, l);
   if (!mixed && o.train.reduce_bf16)
     log_info(comm, "note: '--reduce-dtype " + reduce + "' applies only with '--precision bf16'; gradients are "
@@ -303,6 +305,17 @@ Backends make_backends(Comm& comm, const Topology& topo, const Options& o, const
     log_info(comm, "note: bf16 on the CPU is emulated (float math, bf16 rounding): slow, meant for testing");
   b.job_peak = job_peak_flops(comm, o, dp, tp, ctx.get());
   return b;
+}
+
+// '--precision fp8''s refusals (training and --mode plan alike).
+std::string fp8_moe_refusal(const ModelConfig& mc) {
+  return "option '--precision fp8' does not support mixture-of-experts models (" +
+         (mc.name == "custom" ? mc.architecture : mc.name) + "): the experts and the router would stay bf16; use "
+         "'--precision bf16'";
+}
+std::string fp8_cpu_refusal(const std::string& why) {
+  return "option '--precision fp8' needs a GPU with FP8 tensor cores (compute capability 8.9 or newer: sm_89 Ada, "
+         "sm_90 Hopper and later); " + why + ": use '--precision bf16' or 'fp32'";
 }
 
 void run_train(Comm& comm, const Topology& topo, const Options& o) {
@@ -315,14 +328,10 @@ void run_train(Comm& comm, const Topology& topo, const Options& o) {
   if (const std::string why = apply_data_settings(tc, *data, o.data_given, &note); !why.empty())
     throw CollectiveError(0, why);
   if (!note.empty()) log_info(comm, note);
-  all_ok(comm, !(tc.fp8 && mc.is_moe()),
-         "option '--precision fp8' does not support mixture-of-experts models (" + mc.name +
-             "): the experts and the router would stay bf16; use '--precision bf16'");
+  all_ok(comm, !(tc.fp8 && mc.is_moe()), fp8_moe_refusal(mc));
   std::string device_why;
   const DevicePlan dp = place_devices(comm, topo, o, device_why);
-  all_ok(comm, !(tc.fp8 && !dp.cuda),
-         "option '--precision fp8' needs a GPU with FP8 tensor cores (compute capability 8.9 or newer: sm_89 Ada, "
-         "sm_90 Hopper and later); this run is on the CPU: use '--precision bf16' or 'fp32'");
+  all_ok(comm, !(tc.fp8 && !dp.cuda), fp8_cpu_refusal("this run is on the CPU"));
   const Backends b = make_backends(comm, topo, o, dp, device_why, *mesh, ctx);
   Engine eng{*mesh, *b.be, b.be16.get(), b.job_peak};
   train(eng, mc, tc, *data);
@@ -464,6 +473,11 @@ void run_plan(Comm& comm, const Topology& topo, const Options& o) {
   const ModelConfig mc = resolve_model_config(comm, o.model);
   const int W = o.plan_world_size > 0 ? o.plan_world_size : comm.world_size();
   const bool cuda = o.run.device == DeviceChoice::Cuda;
+  // No plan for a run that training refuses: fp8 with MoE, fp8 on the CPU (a plan is a GPU plan
+  // only with '--device cuda').
+  all_ok(comm, !(o.train.fp8 && mc.is_moe()), fp8_moe_refusal(mc));
+  all_ok(comm, !(o.train.fp8 && !cuda),
+         fp8_cpu_refusal("this plan is for the CPU; give '--device cuda' for a GPU plan"));
   all_ok(comm, !(o.run.shard_group_node && W != comm.world_size()),
          "option '--shard-group-size' 'node' with '--world-size " + std::to_string(W) +
              "': the ranks per node of the planned job are not known here (only this launch's); give the number "
@@ -520,7 +534,7 @@ void run_plan(Comm& comm, const Topology& topo, const Options& o) {
                                                   std::to_string(dims.cp) + ")"
                                             : std::string()) +
                                ", " +
-                               precision_name(o.train.precision) + ", micro-batch " +
+                               (o.train.fp8 ? "fp8" : precision_name(o.train.precision)) + ", micro-batch " +
                                std::to_string(t.micro_batch) + " x " + std::to_string(t.seq_len) + " tokens, " +
                                (cuda ? "GPU device memory" : "CPU memory");
   // Every stage's plan with the schedule asked for (one plan without a pipeline); with a pipeline

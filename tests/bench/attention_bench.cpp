@@ -183,9 +183,12 @@ void cp_table(st::Backend<st::bf16>& be, int reps, int warmup) {
       });
       const double pairs = (docs ? doc_pairs : causal_pairs) * s.B;
       const double fl = 4.0 * s.HD * s.NH * pairs;
-      // cuDNN causal over the whole sequence, the same shape (q, k of rank 0's size x cp).
+      // cuDNN causal over the whole sequence, the same shape (q, k of rank 0's size x cp); the
+      // user's SHARDTRAIN_CUDNN_ATTENTION (which chose the block pairs' kernels above) restored after.
       double cf = 0, cfb = 0;
       {
+        const char* user = std::getenv("SHARDTRAIN_CUDNN_ATTENTION");
+        const std::string saved = user ? user : "";
         setenv("SHARDTRAIN_CUDNN_ATTENTION", "require", 1);
         const size_t Nq = nq * static_cast<size_t>(P), Nk = nk * static_cast<size_t>(P),
                      Ns = ns * static_cast<size_t>(P);
@@ -207,13 +210,18 @@ void cp_table(st::Backend<st::bf16>& be, int reps, int warmup) {
         const double cfl = 4.0 * s.HD * s.NH * causal_pairs * s.B;
         cf = cfl / t1 / 1e12;
         cfb = 3.5 * cfl / t2 / 1e12;
-        unsetenv("SHARDTRAIN_CUDNN_ATTENTION");
+        if (user) setenv("SHARDTRAIN_CUDNN_ATTENTION", saved.c_str(), 1);
+        else unsetenv("SHARDTRAIN_CUDNN_ATTENTION");
       }
       const double uf = fl / tf / 1e12, ufb = 3.5 * fl / tfb / 1e12;
-      std::printf("| block kernels (CP ring) | %s | %d | %d | %d | %d | %d | %d | %s | %.1f | %.1f | %.1f | %.1f | "
-                  "%.0f%% |\n",
-                  s.name, s.B, s.T, s.NH, s.NKV, s.HD, P, docs ? "documents" : "causal", uf, ufb, cf, cfb,
-                  100.0 * ufb / cfb);
+      // Which kernels the pairs ran (attention.cu, cudnn_for_blocks): cuDNN's pieces unless the
+      // variable says off, documents only under require; else the tiled block kernels.
+      const char* env = std::getenv("SHARDTRAIN_CUDNN_ATTENTION");
+      const std::string use = env ? env : "auto";
+      const bool off = use == "off" || use == "0", req = use == "require" || use == "1";
+      const char* kname = off || (docs && !req) ? "CP ring, tiled block kernels" : "CP ring, cuDNN pieces (if taken)";
+      std::printf("| %s | %s | %d | %d | %d | %d | %d | %d | %s | %.1f | %.1f | %.1f | %.1f | %.0f%% |\n", kname, s.name,
+                  s.B, s.T, s.NH, s.NKV, s.HD, P, docs ? "documents" : "causal", uf, ufb, cf, cfb, 100.0 * ufb / cfb);
       std::fflush(stdout);
     }
   }
@@ -229,8 +237,13 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--warmup") && i + 1 < argc) warmup = std::max(0, std::atoi(argv[++i]));
     else if (!std::strcmp(argv[i], "--cp")) cp = true;
     else {
-      std::fprintf(stderr, "usage: attention_bench [--cp] [--reps N] [--warmup N]\n");
-      return 2;
+      const bool help = !std::strcmp(argv[i], "--help") || !std::strcmp(argv[i], "-h");
+      if (!help) std::fprintf(stderr, "attention_bench: unknown or incomplete option '%s'\n", argv[i]);
+      std::fprintf(help ? stdout : stderr,
+                   "usage: attention_bench [--cp] [--reps N] [--warmup N]\n"
+                   "  causal attention TFLOP/s of the CUDA backend (cuDNN, then the tiled kernels); --cp: context\n"
+                   "  parallelism's block pairs against cuDNN over the whole sequence (the file's header says how)\n");
+      return help ? 0 : 2;
     }
   }
   std::string why;

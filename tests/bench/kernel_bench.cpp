@@ -150,9 +150,13 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--model") && i + 1 < argc) model = argv[++i];
     else if (!std::strcmp(argv[i], "--gemm")) gemm = true;
     else {
-      std::fprintf(stderr,
-                   "usage: kernel_bench [--gemm] [--model llama-350m|llama-1b] [--reps N] [--inner N] [--warmup N]\n");
-      return 2;
+      const bool help = !std::strcmp(argv[i], "--help") || !std::strcmp(argv[i], "-h");
+      if (!help) std::fprintf(stderr, "kernel_bench: unknown or incomplete option '%s'\n", argv[i]);
+      std::fprintf(help ? stdout : stderr,
+                   "usage: kernel_bench [--gemm] [--model llama-350m|llama-1b] [--reps N] [--inner N] [--warmup N]\n"
+                   "  the CUDA backend's memory-bound kernels against a device copy of the same bytes; --gemm: the\n"
+                   "  float8 GEMMs against bf16 (tests/bench/kernel_bench.cpp's header says what is measured)\n");
+      return help ? 0 : 2;
     }
   }
   const Shape s = model == "llama-1b" ? Shape{"llama-1b", 16384, 2048, 8192, 32, 8, 64, 128256}
@@ -212,11 +216,15 @@ int main(int argc, char** argv) {
       for (size_t i = 0; i < cs.size(); ++i) cb[i] = st::math::f32_to_bf16(cs[i]), sb[i] = st::math::f32_to_bf16(sn[i]);
       auto c = upload(be, cb), sn_d = upload(be, sb), q = upload(be, randn<st::bf16>(NQ, g)),
            k = upload(be, randn<st::bf16>(NK, g));
-      row(be, tm, "elementwise", "rope_forward (q, then k)", rows + std::to_string(s.NH) + "+" + std::to_string(s.NKV) +
-          " heads x " + std::to_string(s.HD), 2.0 * (NQ + NK) * b2, [&] {
-            be.rope_forward(q.data(), c.data(), sn_d.data(), B, T_, s.NH, s.HD);
-            be.rope_forward(k.data(), c.data(), sn_d.data(), B, T_, s.NKV, s.HD);
-          });
+      const std::string heads = rows + std::to_string(s.NH) + "+" + std::to_string(s.NKV) + " heads x " +
+                                std::to_string(s.HD);
+      row(be, tm, "elementwise", "rope_qk (q and k, one launch: the model's)", heads, 2.0 * (NQ + NK) * b2, [&] {
+        be.rope_qk(q.data(), s.NH, k.data(), s.NKV, c.data(), sn_d.data(), nullptr, B, T_, s.HD, false);
+      });
+      row(be, tm, "elementwise", "rope_forward (q, then k: two launches)", heads, 2.0 * (NQ + NK) * b2, [&] {
+        be.rope_forward(q.data(), c.data(), sn_d.data(), B, T_, s.NH, s.HD);
+        be.rope_forward(k.data(), c.data(), sn_d.data(), B, T_, s.NKV, s.HD);
+      });
     }
     {  // SwiGLU
       auto ga = upload(be, randn<st::bf16>(NI, g)), up = upload(be, randn<st::bf16>(NI, g)),

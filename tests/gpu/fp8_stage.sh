@@ -6,8 +6,9 @@
 #      role, float and bf16, aligned and padded shapes (tests/gpu/test_gpu_fp8.cpp), ~10 s;
 #   2. FP8_MODEL (default llama-125m) trained FP8_STEPS steps (default 50) with --precision bf16 and
 #      with --precision fp8 from the same seed and data: the final losses within FP8_TOL relative
-#      (default 0.01), no NaN / inf loss at any step; prints both runs' tokens/s (mean of steps 3..)
-#      and their ratio.
+#      (default 0.01), no NaN / inf loss at any step, the fp8 run's start-up line saying 'precision
+#      fp8' and its losses not all equal to bf16's (else fp8 never reached the GEMMs); prints both
+#      runs' tokens/s (mean of steps 3..) and their ratio.
 # Without a CUDA device (the binary's own query: gpu_tests prints "skipped: no CUDA device") it
 # prints 'skipped: no CUDA device' and exits 0. Exit 1 when a check fails.
 #
@@ -70,6 +71,12 @@ for prec in bf16 fp8; do
     --seed 1234 --metrics "$L/train-$prec.jsonl" >"$L/train-$prec.log" 2>&1 || rc=$?
   if [ "$rc" != 0 ]; then bad "train --precision $prec: exit status $rc"; tail -n 15 "$L/train-$prec.log" | sed 's/^/        | /'; fi
 done
+# The fp8 run must say so (the start-up line names the precision) and must differ from bf16: a switch
+# that never reached the GEMMs would pass the loss tolerance with identical losses.
+if [ -s "$L/train-fp8.log" ] && ! grep -q "precision fp8" "$L/train-fp8.log"; then
+  bad "train --precision fp8: the start-up line does not say 'precision fp8'"
+  grep -m1 "precision" "$L/train-fp8.log" | sed 's/^/        | /'
+fi
 if [ -s "$L/train-bf16.jsonl" ] && [ -s "$L/train-fp8.jsonl" ]; then
   python3 - "$L/train-bf16.jsonl" "$L/train-fp8.jsonl" "$TOL" "$MODEL" <<'PY' || fail=1
 import json, math, sys
@@ -85,6 +92,9 @@ def tps(r):
 ta, tb = tps(ra), tps(rb)
 print(f"  INFO  {model}: bf16 {ta:,.0f} tok/s, fp8 {tb:,.0f} tok/s (x{tb / ta:.3f}), mean of steps 3..")
 ok = True
+common = sorted(set(ra) & set(rb))
+if common and all(ra[s]["loss"] == rb[s]["loss"] for s in common):
+    print(f"  FAIL  fp8: the losses equal bf16's at all {len(common)} steps (the float8 GEMMs did not run)"); ok = False
 if bad:
     print(f"  FAIL  fp8: non-finite loss at steps {bad[:8]}"); ok = False
 if last is None:

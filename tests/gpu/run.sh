@@ -4,7 +4,9 @@
 #
 #   bash tests/gpu/run.sh
 #
-# In a 15-minute device session (machine start about 30 s), as on 2026-12-04 (docs/gpu-runs/):
+# In a 15-minute device session (machine start about 30 s): the next session's two calls (what changed
+# since the last GPU run, issue 57) are in docs/gpu.md, "Checking a GPU machine". The whole check, as
+# on 2026-12-04 (docs/gpu-runs/; stage 3g has come since, about 90 s more):
 #   GPU_CHECK_PART=correctness GPU_CHECK_BUDGET_S=300 SANITIZER_S=160 bash tests/gpu/run.sh   (250 s)
 #   GPU_CHECK_PART=figures GPU_CHECK_BUDGET_S=480 GPU_CHECK_PROFILE=1 PROFILE_MODEL=llama-350m bash tests/gpu/run.sh
 # (the figures took 290 s without 5d and 7, and with llama-1b's parameter initialisation still
@@ -70,7 +72,7 @@
 #   5f. context parallelism's block attention (attention_bench --cp, issue 57): one process runs every
 #      rank's ring (cp 2 and 4, T 16,384, llama-350m's and llama-1b's heads; causal and document
 #      masks): useful TFLOP/s against cuDNN's causal SDPA over the whole sequence (target >= 50%)
-#      (about 30 s on the scalar block kernels)
+#      (about 30 s; SHARDTRAIN_CUDNN_ATTENTION=off times the tiled block kernels instead)
 #   6. compute-sanitizer (when present): gpu_tests under memcheck (all cases) and racecheck (the kernels
 #      with shared memory), no error allowed
 #   7. only with GPU_CHECK_PROFILE=1: Nsight Compute's duration of every kernel over one PROFILE_MODEL (llama-125m)
@@ -798,9 +800,16 @@ if [ "$GPU" = 1 ] && [ -n "$PEER_MODELS" ] && on 5c; then
   PEER_KEEP=$((n * 60))
   [ "$PEER_COMPILE" = 1 ] && [ "$DEV" = cuda ] && PEER_KEEP=$((n * PEER_COMPILE_S + 60))
 fi
+# Stages 5e and 5f (issue 57's kernel and CP attention figures, never measured yet) keep about 60 s
+# each from stages 5, 5b and 5c, which would otherwise take what they leave.
+LATE_KEEP=0
+if [ "$GPU" = 1 ]; then
+  on 5e && LATE_KEEP=$((LATE_KEEP + 60))
+  on 5f && LATE_KEEP=$((LATE_KEEP + 60))
+fi
 if on 5; then
 stage "5. benchmark: 1 rank (--gpu-comm $COMM1), seq $BENCH_SEQ, batch $BENCH_BATCH unless given (no accumulation), $BENCH_STEPS steps" \
-  $((T_END - SECONDS - SAN * SANITIZER_S - PEER_KEEP))
+  $((T_END - SECONDS - SAN * SANITIZER_S - PEER_KEEP - LATE_KEEP))
 for mp in $BENCH_MODELS; do
   IFS=: read -r model prec seq batch <<<"$mp"
   seq=${seq:-$BENCH_SEQ} batch=${batch:-$BENCH_BATCH} name=bench-${mp//:/-}
@@ -882,7 +891,7 @@ fi  # stage 5
 MEM1B=${MEM1B:-1}
 if on 5b; then
 stage "5b. memory: llama-1b bf16, seq 2048, micro-batch 1, --activation-checkpointing full, 3 steps" \
-  $((T_END - SECONDS - SAN * SANITIZER_S - PEER_KEEP))
+  $((T_END - SECONDS - SAN * SANITIZER_S - PEER_KEEP - LATE_KEEP))
 if [ "$GPU" = 0 ] || [ "$DEV" != cuda ] || [ "$MEM1B" = 0 ]; then
   skipped mem-llama-1b "no CUDA device (or MEM1B=0)"
 else
@@ -911,7 +920,7 @@ fi  # stage 5b
 # PEER_COMPILE_S; on a timeout or error it runs eager), fused AdamW; same seq and batch, run right
 # after shardtrain's row on the same GPU. Ratio = shardtrain tokens/s / peer tokens/s.
 if on 5c; then
-stage "5c. PyTorch peer: LlamaForCausalLM, bf16 autocast, sdpa, torch.compile, fused AdamW" $((T_END - SECONDS - SAN * SANITIZER_S))
+stage "5c. PyTorch peer: LlamaForCausalLM, bf16 autocast, sdpa, torch.compile, fused AdamW" $((T_END - SECONDS - SAN * SANITIZER_S - LATE_KEEP))
 PEER_ROWS=()
 [ -z "$PEER_MODELS" ] && skipped peer "PEER_MODELS is empty"
 for pm in $PEER_MODELS; do
@@ -1008,7 +1017,7 @@ fi  # stage 5e
 # ---- 5f. context parallelism's block attention against cuDNN ----------------------------------------
 if on 5f; then
 stage "5f. CP block attention: useful TFLOP/s against cuDNN causal over the whole sequence" $((T_END - SECONDS - SAN * SANITIZER_S))
-bench_table cp-attention-bench 120 '^| block kernels' "$ABENCH" --cp --reps 3 --warmup 1
+bench_table cp-attention-bench 120 '^| CP ring' "$ABENCH" --cp --reps 3 --warmup 1
 fi  # stage 5f
 
 

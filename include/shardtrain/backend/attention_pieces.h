@@ -9,11 +9,11 @@
 // merges the pieces of the same query rows as the ring merges blocks. Host code, header-only: the
 // CUDA plugin and the unit tests (tests/unit/test_attention_pieces.cpp) both compile it.
 //
-// Positions (and document ids) of a block: one sequence's, [T] int32 (host memory); the B sequences
-// of a block must share them (same_rows) for one plan to serve all (context parallelism's head-tail
-// split gives every sequence the same chunks; documents usually differ between sequences, and such
-// blocks keep the tiled kernels). With documents a run also ends where the document changes, so a
-// block of many short documents becomes many small pieces.
+// Positions (and document ids) of a block: one sequence's, [T] int32 (host memory). One plan serves
+// the B sequences of a block when they share them (same_rows: context parallelism's head-tail split
+// gives every sequence the same chunks); else the CUDA backend plans each sequence apart. With
+// documents a run also ends where the document changes, so a block of many short documents becomes
+// many small pieces.
 #pragma once
 
 #include <algorithm>

@@ -266,7 +266,8 @@ template <typename T> class Backend {
   // block], dk, dv [key block]; summed over all block pairs they are the whole-sequence gradients.
   // y: that merged y [B*Tq, NH*HD], or nullptr; a backend may read it in place of dsum (cuDNN's
   // fused backward computes D from y and dy itself) and takes its other path without it.
-  // Deterministic (two passes as flash_attention_backward, no atomics).
+  // Deterministic (two passes as flash_attention_backward, no atomics; the CUDA backend's cuDNN
+  // path unless SHARDTRAIN_CUDNN_DETERMINISTIC=off).
   virtual void attention_block_backward(T* dq, T* dk, T* dv, const T* dy, const T* q, const T* k, const T* v,
                                         const T* y, const S* lse, const S* dsum, const int32_t* q_pos,
                                         const int32_t* k_pos, const int32_t* q_doc, const int32_t* k_doc, int B, int Tq,

@@ -1,5 +1,6 @@
 // The CPU emulation of a float8 linear-layer GEMM (issue 57, item 4: `--precision fp8`'s scaling
-// logic, checked on the CPU before the cuBLASLt FP8 path exists). It computes what the GPU will:
+// logic, checked on the CPU; the reference of the cuBLASLt FP8 path, src/backend/cuda/fp8.cu). It
+// computes what the GPU does:
 // each operand quantized to fp8 with its own dynamic per-tensor scale (amax over the whole
 // operand), the product of the quantized operands, and the result multiplied by the two inverse
 // scales. The recipe, the formats and the per-element math are in fp8_math.h.

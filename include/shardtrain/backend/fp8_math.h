@@ -1,5 +1,5 @@
-// float8 per-element math shared by the CPU emulation (src/backend/cpu/fp8.cpp) and, later, the CUDA
-// FP8 path (issue 57, item 3): the two OCP 8-bit formats, their round-to-nearest-even encoding,
+// float8 per-element math shared by the CPU emulation (src/backend/cpu/fp8.cpp) and the CUDA FP8
+// path (src/backend/cuda/fp8.cu; issue 57, item 3): the two OCP 8-bit formats, their round-to-nearest-even encoding,
 // and the dynamic per-tensor ("tensorwise") scaling recipe. Every function is `ST_HD`, pure and
 // free of host-only calls (bits via math::float_bits / bits_float), so device code can run the
 // exact arithmetic the CPU tests (tests/unit/test_fp8.cpp, tests/e2e/test_fp8.sh) check.

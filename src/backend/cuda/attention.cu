@@ -490,9 +490,13 @@ bool CudaBackend<T>::block_plan(const int32_t* qp, const int32_t* kp, const int3
       return false;
     }
     for (const attn::Piece& p : grp.pieces) {
-      // The lse rows' alignment in (y, lse) and in a 16-byte aligned scratch at the same row: the smaller.
+      // The alignment every head's and sequence's lse rows share, in (y, lse) and in a 16-byte aligned
+      // scratch at the same row: the first row's address, the row offset, the head stride Tq and the
+      // sequence stride NH Tq (in S), whichever is least aligned.
       const uintptr_t at = reinterpret_cast<uintptr_t>(lse + static_cast<size_t>(b0) * NH * Tq + p.q0) |
-                           (static_cast<uintptr_t>(p.q0) * sizeof(S));
+                           (static_cast<uintptr_t>(p.q0) * sizeof(S)) |
+                           (NH > 1 ? static_cast<uintptr_t>(Tq) * sizeof(S) : 0) |
+                           (grp.nb > 1 ? static_cast<uintptr_t>(NH) * Tq * sizeof(S) : 0);
       const int sa = at % 16 == 0 ? 16 : at % 8 == 0 ? 8 : 4;
       grp.stats_align.push_back(sa);
       if (!cudnn().prepare_piece(backward, grp.nb, Tq, Tk, p.nq, p.nk, p.causal, sa, NH, NKV, HD, scale, why))
