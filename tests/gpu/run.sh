@@ -801,9 +801,10 @@ if [ "$GPU" = 1 ] && [ -n "$PEER_MODELS" ] && on 5c; then
   [ "$PEER_COMPILE" = 1 ] && [ "$DEV" = cuda ] && PEER_KEEP=$((n * PEER_COMPILE_S + 60))
 fi
 # Stages 5e and 5f (issue 57's kernel and CP attention figures, never measured yet) keep about 60 s
-# each from stages 5, 5b and 5c, which would otherwise take what they leave.
+# each from stages 5, 5b and 5c, which would otherwise take what they leave (on a CUDA device only:
+# elsewhere they skip).
 LATE_KEEP=0
-if [ "$GPU" = 1 ]; then
+if [ "$GPU" = 1 ] && [ "$DEV" = cuda ]; then
   on 5e && LATE_KEEP=$((LATE_KEEP + 60))
   on 5f && LATE_KEEP=$((LATE_KEEP + 60))
 fi
