@@ -54,29 +54,16 @@ struct Fp8Stats {
   float amax, scale, inv, pad;
 };
 
-__device__ __forceinline__ float fp8_warp_amax(float v) {
-  for (int o = 16; o > 0; o >>= 1) v = math::fp8_amax_step(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-// The block's amax (every thread gets it); blockDim.x a multiple of 32. Fixed order.
-__device__ float fp8_block_amax(float v) {
-  __shared__ float part[32];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-  v = fp8_warp_amax(v);
-  __syncthreads();
-  if (lane == 0) part[warp] = v;
-  __syncthreads();
-  float r = part[0];
-  for (int w = 1; w < nw; ++w) r = math::fp8_amax_step(r, part[w]);
-  return r;
-}
+// The amax step as a block_reduce operation (cuda_common.cuh: fixed order, every thread gets the
+// result; fp8_amax_step keeps a NaN).
+struct Fp8AmaxOp {
+  __device__ __forceinline__ float operator()(float a, float b) const { return math::fp8_amax_step(a, b); }
+};
 
 template <typename T> __global__ void fp8_amax_partial_kernel(const T* x, size_t n, float* partial) {
   float a = 0.0f;
-  for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += static_cast<size_t>(gridDim.x) * blockDim.x)
-    a = math::fp8_amax_step(a, math::ld(x[i]));
-  a = fp8_block_amax(a);
+  for (size_t i = gtid(); i < n; i += gstride()) a = math::fp8_amax_step(a, math::ld(x[i]));
+  a = block_reduce(a, Fp8AmaxOp{});
   if (threadIdx.x == 0) partial[blockIdx.x] = a;
 }
 
@@ -84,7 +71,7 @@ __global__ void fp8_amax_final_kernel(const float* partial, int np, math::Fp8For
   float a = 0.0f;
   for (int i = static_cast<int>(threadIdx.x); i < np; i += static_cast<int>(blockDim.x))
     a = math::fp8_amax_step(a, partial[i]);
-  a = fp8_block_amax(a);
+  a = block_reduce(a, Fp8AmaxOp{});
   if (threadIdx.x == 0) {
     const float s = math::fp8_scale(f, a);
     st->amax = a;
